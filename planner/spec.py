@@ -1,0 +1,166 @@
+"""Pass 1 (`spec`): a HF `config.json` -> the model spec, the ordered logical tensors.
+
+Logical tensors carry checkpoint names and shapes (`model.layers.3.mlp.experts.7.gate_proj
+.weight`), one per parameter or trained buffer, as a HF checkpoint stores them. The numbers
+a layout needs (heads, groups, experts...) are collected once in `ModelDims`. Each model
+family is one data-heavy module in `planner/models/`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from schemas.config import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class LogicalTensor:
+    name: str
+    """Checkpoint name, e.g. `model.layers.0.self_attn.q_proj.weight`."""
+    shape: tuple[int, ...]
+    """Checkpoint shape; weights are `[out, in]`."""
+    dtype: str
+    """Checkpoint dtype (`bfloat16`; `float32` for fp32 buffers)."""
+    layer: int = -1
+    """Decoder layer index (global), or -1 outside the layers."""
+    buffer: bool = False
+    """A trained buffer, not a parameter (kept in its own dtype on both sides)."""
+    mtp: bool = False
+    """Part of a multi-token-prediction layer (in checkpoints, not in the HF model)."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDims:
+    """The numbers of a model that layouts need. 0 means absent."""
+
+    model_type: str
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int = 0
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0
+    top_k: int = 0
+    moe_layers: tuple[int, ...] = ()
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    mtp_layers: int = 0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def is_moe(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    dims: ModelDims
+    tensors: tuple[LogicalTensor, ...]
+
+    @property
+    def by_name(self) -> dict[str, LogicalTensor]:
+        return {t.name: t for t in self.tensors}
+
+    @property
+    def total_params(self) -> int:
+        """Parameters of the HF model: MTP layers excluded, tied embeddings counted once."""
+        return sum(t.numel for t in self.tensors if not t.mtp)
+
+    @property
+    def mtp_params(self) -> int:
+        return sum(t.numel for t in self.tensors if t.mtp)
+
+
+def _families() -> dict[str, Any]:
+    from planner.models import deepseek_v3, dense, qwen3_moe
+
+    return {"llama": dense, "qwen2": dense, "qwen3": dense, "qwen3_moe": qwen3_moe,
+            "deepseek_v3": deepseek_v3, "kimi_k2": deepseek_v3}
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2")
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """Read a HF config.json, with clear errors for a missing or broken file."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"model.config: {path!r} does not exist; give the path to the "
+                          "model's HF config.json") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.config: {path!r} is not valid JSON (line {e.lineno}: "
+                          f"{e.msg}); use the model's HF config.json") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"model.config: {path!r} holds {type(data).__name__}, not a JSON "
+                          "object; use the model's HF config.json")
+    return data
+
+
+def spec_from_hf(hf: dict[str, Any], num_layers: int | None = None,
+                 overrides: tuple[tuple[str, Any], ...] = (), mtp: bool = True) -> ModelSpec:
+    """The model spec of a parsed HF config (with optional overrides)."""
+    hf = dict(hf)
+    hf.update(dict(overrides))
+    if num_layers is not None:
+        hf["num_hidden_layers"] = num_layers
+    model_type = hf.get("model_type")
+    family = _families().get(model_type)
+    if family is None:
+        raise ConfigError(f"model.config: model_type {model_type!r} is not supported; "
+                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    dims = family.dims(hf)
+    if not mtp:
+        dims = replace(dims, mtp_layers=0)
+    _check_dims(dims)
+    return ModelSpec(dims=dims, tensors=tuple(family.tensors(dims, _dtype(hf))))
+
+
+def load_spec(path: str, num_layers: int | None = None,
+              overrides: tuple[tuple[str, Any], ...] = (), mtp: bool = True) -> ModelSpec:
+    return spec_from_hf(read_hf_config(path), num_layers, overrides, mtp)
+
+
+def require(hf: dict[str, Any], key: str) -> Any:
+    if key not in hf:
+        raise ConfigError(f"model.config: key {key!r} is missing from config.json for "
+                          f"model_type {hf.get('model_type')!r}; add it")
+    return hf[key]
+
+
+def _dtype(hf: dict[str, Any]) -> str:
+    dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
+    return dtype if dtype in ("bfloat16", "float16", "float32") else "bfloat16"
+
+
+def _check_dims(d: ModelDims) -> None:
+    for name in ("num_layers", "hidden", "heads", "kv_heads", "vocab"):
+        if getattr(d, name) < 1:
+            raise ConfigError(f"model.config: {name} = {getattr(d, name)} must be positive; "
+                              "fix config.json or model.overrides")
+    if d.heads % d.kv_heads:
+        raise ConfigError(f"model.config: num_attention_heads={d.heads} is not a multiple of "
+                          f"num_key_value_heads={d.kv_heads}; fix config.json")

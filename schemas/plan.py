@@ -1,0 +1,317 @@
+"""The plan file (`.rplan`): what every rank does, decided once by the compiler.
+
+Layout of the file (all integers little-endian):
+
+    b"RDMAPLAN" | u32 format version | u64 header length | header (msgpack)
+    | 32-byte blake2b of the header | blobs...
+
+The header holds the fingerprint, options, stats, the topology summary and an index
+`blobs: {name: [offset, length, blake2b]}`; each blob is one msgpack object: `rank/<r>`
+for every rank (its `RankPlan`), and `explain` (per logical tensor: who feeds whom). A
+rank reads the header and its own blob only. Columnar arrays travel as raw little-endian
+bytes. msgpack only: loading a plan can never run code.
+
+A rank's work per step, stage by stage (the executor's whole protocol):
+  1. wait for the `ACK` signals `waits` lists for this stage (staging on the peer is free);
+  2. run this stage's `PACK` copies (strided gather and/or cast into staging);
+  3. post this stage's `writes`, batch by batch, and wait for their completion;
+  4. send the `DONE` signals `signals` lists for this stage;
+  5. wait for the `DONE` signals `waits` lists for this stage (all data has landed);
+  6. run this stage's `UNPACK` copies (staging -> physical tensors);
+  7. send the `ACK` signals `signals` lists for this stage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import msgpack
+import numpy as np
+
+MAGIC = b"RDMAPLAN"
+FORMAT_VERSION = 1
+STAGING = "__staging__"
+"""Name of the staging region; when present it is the last region of a rank."""
+
+WRITE, PACK, UNPACK = 0, 1, 2
+"""Op kinds: the closed set the executor interprets."""
+DONE, ACK = 0, 1
+"""Signal kinds: DONE (writes of a stage landed), ACK (staging of a stage is free again)."""
+
+DTYPE_CODES = ("uint8", "bfloat16", "float16", "float32", "float8_e4m3fn")
+"""dtype codes used in copy ops (index = code)."""
+ITEMSIZE = {"uint8": 1, "bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+WRITE_COLUMNS = (("dst_rank", "<i4"), ("src_region", "<i4"), ("src_offset", "<i8"),
+                 ("dst_region", "<i4"), ("dst_offset", "<i8"), ("nbytes", "<i8"))
+"""One write: `nbytes` contiguous bytes from this rank's region to a peer's region.
+Offsets are in bytes."""
+BATCH_COLUMNS = (("stage", "<i4"), ("nic", "<i4"), ("start", "<i8"), ("stop", "<i8"))
+"""Writes `[start, stop)` are one batch posted together on local NIC `nic` in `stage`."""
+COPY_COLUMNS = (("kind", "<u1"), ("stage", "<i4"),
+                ("src_region", "<i4"), ("src_dtype", "<u1"), ("src_offset", "<i8"),
+                ("src_stride0", "<i8"), ("src_stride1", "<i8"), ("src_stride2", "<i8"),
+                ("dst_region", "<i4"), ("dst_dtype", "<u1"), ("dst_offset", "<i8"),
+                ("dst_stride0", "<i8"), ("dst_stride1", "<i8"), ("dst_stride2", "<i8"),
+                ("size0", "<i8"), ("size1", "<i8"), ("size2", "<i8"))
+"""A local strided copy of a 3-d box (`size0..2`), with a cast where dtypes differ.
+Offsets and strides count elements of that side's dtype (`DTYPE_CODES`)."""
+SIGNAL_COLUMNS = (("stage", "<i4"), ("peer", "<i4"), ("kind", "<u1"))
+"""A notification sent (`signals`) or awaited (`waits`) in a stage."""
+EXPLAIN_COLUMNS = (("tensor", "<i4"), ("src_rank", "<i4"), ("src_region", "<i4"),
+                   ("dst_rank", "<i4"), ("dst_region", "<i4"), ("nbytes", "<i8"),
+                   ("boxes", "<i8"))
+"""Per logical tensor: bytes (in target dtype) that a source region feeds a target region."""
+
+
+class PlanFormatError(ValueError):
+    """A plan file that cannot be trusted: wrong magic or version, bad checksum, truncation."""
+
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    """A columnar table: named numpy arrays of equal length, read-only."""
+
+    schema: tuple[tuple[str, str], ...]
+    columns: tuple[np.ndarray, ...]
+
+    @staticmethod
+    def build(schema: tuple[tuple[str, str], ...], **cols: Any) -> Table:
+        n = None
+        arrays = []
+        for name, dt in schema:
+            if name not in cols:
+                raise PlanFormatError(f"table column {name!r} is missing")
+            a = np.ascontiguousarray(np.asarray(cols[name], dtype=dt))
+            if a.ndim != 1 or (n is not None and len(a) != n):
+                raise PlanFormatError(f"table column {name!r} has shape {a.shape}, expected "
+                                      f"({n},)")
+            n = len(a)
+            a.flags.writeable = False
+            arrays.append(a)
+        return Table(schema, tuple(arrays))
+
+    @staticmethod
+    def empty(schema: tuple[tuple[str, str], ...]) -> Table:
+        return Table.build(schema, **{name: [] for name, _ in schema})
+
+    def __len__(self) -> int:
+        return len(self.columns[0]) if self.columns else 0
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        for (n, _), a in zip(self.schema, self.columns):
+            if n == name:
+                return a
+        raise KeyError(name)
+
+    def to_msgpack(self) -> list[bytes]:
+        return [a.tobytes() for a in self.columns]
+
+    @staticmethod
+    def from_msgpack(schema: tuple[tuple[str, str], ...], raw: Any, what: str) -> Table:
+        if not isinstance(raw, list) or len(raw) != len(schema):
+            raise PlanFormatError(f"{what}: expected {len(schema)} columns")
+        cols = {}
+        for (name, dt), b in zip(schema, raw):
+            if not isinstance(b, bytes) or len(b) % np.dtype(dt).itemsize:
+                raise PlanFormatError(f"{what}.{name}: column bytes are malformed")
+            cols[name] = np.frombuffer(b, dtype=dt)
+        return Table.build(schema, **cols)
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    name: str
+    """Native tensor name, or `STAGING`."""
+    dtype: str
+    """Element dtype (`uint8` for staging)."""
+    shape: tuple[int, ...]
+    """Shape the bound tensor must have."""
+    nbytes: int
+    """Size in bytes; every op must stay inside it."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    rank: int
+    """Plan rank: sources are 0..S-1, targets S..S+T-1."""
+    role: str
+    """`source` or `target`."""
+    host: int
+    """Host index in the cluster."""
+    gpu: int
+    """GPU index within the host."""
+    nics: tuple[str, ...]
+    """Names of the local NICs `batches.nic` refers to."""
+    regions: tuple[Region, ...]
+    """Memory this rank registers once: its physical tensors, then staging if any."""
+    writes: Table
+    """Writes this rank issues, ordered by stage and batch (`WRITE_COLUMNS`)."""
+    batches: Table
+    """Batches over `writes` (`BATCH_COLUMNS`)."""
+    copies: Table
+    """Packs (sources) and unpacks (targets) (`COPY_COLUMNS`)."""
+    signals: Table
+    """Signals this rank sends (`SIGNAL_COLUMNS`)."""
+    waits: Table
+    """Signals this rank waits for (`SIGNAL_COLUMNS`)."""
+    peer_regions: tuple[tuple[int, tuple[int, ...]], ...]
+    """For each peer this rank writes to: the byte sizes of that peer's regions."""
+    stages: int
+    """Number of stages (every rank walks all of them)."""
+
+    def encode(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "role": self.role, "host": self.host, "gpu": self.gpu,
+            "nics": list(self.nics),
+            "regions": [[r.name, r.dtype, list(r.shape), r.nbytes] for r in self.regions],
+            "writes": self.writes.to_msgpack(), "batches": self.batches.to_msgpack(),
+            "copies": self.copies.to_msgpack(), "signals": self.signals.to_msgpack(),
+            "waits": self.waits.to_msgpack(),
+            "peer_regions": [[p, list(s)] for p, s in self.peer_regions],
+            "stages": self.stages,
+        }
+
+    @staticmethod
+    def decode(raw: Any) -> RankPlan:
+        try:
+            what = f"rank/{raw['rank']}"
+            regions = tuple(Region(str(n), str(d), tuple(int(x) for x in s), int(b))
+                            for n, d, s, b in raw["regions"])
+            return RankPlan(
+                rank=int(raw["rank"]), role=str(raw["role"]), host=int(raw["host"]),
+                gpu=int(raw["gpu"]), nics=tuple(str(n) for n in raw["nics"]),
+                regions=regions,
+                writes=Table.from_msgpack(WRITE_COLUMNS, raw["writes"], what + ".writes"),
+                batches=Table.from_msgpack(BATCH_COLUMNS, raw["batches"], what + ".batches"),
+                copies=Table.from_msgpack(COPY_COLUMNS, raw["copies"], what + ".copies"),
+                signals=Table.from_msgpack(SIGNAL_COLUMNS, raw["signals"], what + ".signals"),
+                waits=Table.from_msgpack(SIGNAL_COLUMNS, raw["waits"], what + ".waits"),
+                peer_regions=tuple((int(p), tuple(int(x) for x in s))
+                                   for p, s in raw["peer_regions"]),
+                stages=int(raw["stages"]),
+            )
+        except PlanFormatError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PlanFormatError(f"rank plan is malformed ({type(e).__name__}: {e})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    header: dict[str, Any]
+    """Format version, fingerprint, options, stats, topology, tensors; plain msgpack data."""
+    ranks: tuple[RankPlan, ...]
+    """Every rank's part, in rank order."""
+    explain: Table = field(default_factory=lambda: Table.empty(EXPLAIN_COLUMNS))
+    """Per logical tensor (`header['tensors']` index): who feeds whom (`EXPLAIN_COLUMNS`)."""
+
+
+# ------------------------------------------------------------------------------ codec
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(data: bytes, what: str) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several types for corrupt input
+        raise PlanFormatError(f"{what}: not valid msgpack ({type(e).__name__})") from None
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=32).digest()
+
+
+def encode_plan(plan: Plan) -> bytes:
+    """The bytes of a plan file; deterministic for equal plans."""
+    blobs = [(f"rank/{r.rank}", _pack(r.encode())) for r in plan.ranks]
+    blobs.append(("explain", _pack(plan.explain.to_msgpack())))
+    index, offset = {}, 0
+    for name, data in blobs:
+        index[name] = [offset, len(data), _digest(data)]
+        offset += len(data)
+    header = _pack({**plan.header, "format_version": FORMAT_VERSION, "blobs": index})
+    head = MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)) + header + _digest(header)
+    return head + b"".join(data for _, data in blobs)
+
+
+def write_plan(path: str, plan: Plan) -> int:
+    """Write `plan` to `path` atomically (temp file + rename); returns the size in bytes."""
+    import os
+
+    data = encode_plan(plan)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    return len(data)
+
+
+def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise PlanFormatError(f"{what}: file is truncated (wanted {n} bytes, got {len(data)})")
+    return data
+
+
+def read_header(f: BinaryIO, path: str = "plan") -> tuple[dict[str, Any], int]:
+    """The checked header of an open plan file, and where its blobs start."""
+    magic = f.read(len(MAGIC))
+    if magic != MAGIC:
+        raise PlanFormatError(f"{path}: not an rdma-plan file (bad magic); compile one with "
+                              "`rdma-plan compile`")
+    version, hlen = struct.unpack("<IQ", _read_exact(f, 12, path))
+    if version != FORMAT_VERSION:
+        raise PlanFormatError(f"{path}: plan format version {version} is not supported (this "
+                              f"build reads version {FORMAT_VERSION}); recompile the plan")
+    if hlen > (1 << 31):
+        raise PlanFormatError(f"{path}: header length {hlen} is implausible; file is corrupt")
+    header_bytes = _read_exact(f, hlen, path)
+    if _read_exact(f, 32, path) != _digest(header_bytes):
+        raise PlanFormatError(f"{path}: header checksum mismatch; the file is corrupt")
+    header = _unpack(header_bytes, f"{path} header")
+    if not isinstance(header, dict) or not isinstance(header.get("blobs"), dict):
+        raise PlanFormatError(f"{path}: header is malformed")
+    return header, len(MAGIC) + 12 + hlen + 32
+
+
+def read_blob(f: BinaryIO, header: dict[str, Any], start: int, name: str,
+              path: str = "plan") -> Any:
+    entry = header["blobs"].get(name)
+    if not isinstance(entry, list) or len(entry) != 3:
+        raise PlanFormatError(f"{path}: has no blob {name!r}")
+    offset, length, digest = entry
+    if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0:
+        raise PlanFormatError(f"{path}: blob {name!r} has a bad index entry")
+    f.seek(start + offset)
+    data = _read_exact(f, length, f"{path} blob {name!r}")
+    if _digest(data) != digest:
+        raise PlanFormatError(f"{path}: checksum mismatch in blob {name!r}; the file is corrupt")
+    return _unpack(data, f"{path} blob {name!r}")
+
+
+def load_rank(path: str, rank: int) -> tuple[dict[str, Any], RankPlan]:
+    """Header and one rank's part, without decoding the other ranks."""
+    with open(path, "rb") as f:
+        header, start = read_header(f, path)
+        if f"rank/{rank}" not in header["blobs"]:
+            raise PlanFormatError(f"{path}: plan has no rank {rank} (it has "
+                                  f"{header.get('world', '?')} ranks)")
+        return header, RankPlan.decode(read_blob(f, header, start, f"rank/{rank}", path))
+
+
+def load_plan(path: str) -> Plan:
+    """The whole plan (tools, tests, verify)."""
+    with open(path, "rb") as f:
+        header, start = read_header(f, path)
+        names = sorted((n for n in header["blobs"] if n.startswith("rank/")),
+                       key=lambda n: int(n.split("/")[1]))
+        ranks = tuple(RankPlan.decode(read_blob(f, header, start, n, path)) for n in names)
+        explain = Table.from_msgpack(EXPLAIN_COLUMNS,
+                                     read_blob(f, header, start, "explain", path), "explain")
+    return Plan(header=header, ranks=ranks, explain=explain)
