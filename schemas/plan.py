@@ -11,14 +11,21 @@ for every rank (its `RankPlan`), and `explain` (per logical tensor: who feeds wh
 rank reads the header and its own blob only. Columnar arrays travel as raw little-endian
 bytes. msgpack only: loading a plan can never run code.
 
-A rank's work per step, stage by stage (the executor's whole protocol):
-  1. wait for the `ACK` signals `waits` lists for this stage (staging on the peer is free);
+A rank's work per step (`run()`), stage by stage 0..stages-1 (the executor's whole protocol):
+  1. send the `READY` signals `signals` lists for this stage (targets, stage 0: "my tensors
+     may be overwritten now"), then wait for the `READY` and `ACK` signals `waits` lists for
+     this stage;
   2. run this stage's `PACK` copies (strided gather and/or cast into staging);
   3. post this stage's `writes`, batch by batch, and wait for their completion;
   4. send the `DONE` signals `signals` lists for this stage;
   5. wait for the `DONE` signals `waits` lists for this stage (all data has landed);
   6. run this stage's `UNPACK` copies (staging -> physical tensors);
   7. send the `ACK` signals `signals` lists for this stage.
+Matching: a signal carries (fingerprint, step, stage it was sent in, kind). A `READY` or
+`DONE` wait at stage s matches the peer's signal sent in stage s of the same step; an
+`ACK` wait at stage s matches the peer's `ACK` sent in stage s-1 of the same step (the
+peer's staging, written in stage s, is free again). Every rank walks every stage, so the
+order is a DAG: READY -> packs -> writes -> DONE -> unpacks -> ACK -> next stage's writes.
 """
 
 from __future__ import annotations
@@ -38,8 +45,9 @@ STAGING = "__staging__"
 
 WRITE, PACK, UNPACK = 0, 1, 2
 """Op kinds: the closed set the executor interprets."""
-DONE, ACK = 0, 1
-"""Signal kinds: DONE (writes of a stage landed), ACK (staging of a stage is free again)."""
+DONE, ACK, READY = 0, 1, 2
+"""Signal kinds: DONE (writes of a stage landed), ACK (staging of a stage is free again),
+READY (a target may be written: sent once per step, before any write into it)."""
 
 DTYPE_CODES = ("uint8", "bfloat16", "float16", "float32", "float8_e4m3fn")
 """dtype codes used in copy ops (index = code)."""
