@@ -1,0 +1,180 @@
+"""The `rdma-plan` command line: spec, compile, inspect, explain, verify.
+
+Only this module reads argv and prints; each subcommand calls one library function. The
+compiler, inspector and verifier are imported inside their subcommands, so `spec` and
+config validation work on their own. Errors a user can cause (a bad config, a bad plan
+file, a missing file) exit 2 with one line `rdma-plan: error: ...` and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from planner.spec import ModelSpec, load_spec
+from schemas.config import ConfigError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but usage errors go through the same one-line error and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _UsageError(message)
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [ConfigError, FileNotFoundError, ValueError,
+                                         IsADirectoryError, _UsageError]
+    try:
+        from schemas.plan import PlanFormatError
+        errors.append(PlanFormatError)
+    except ImportError:  # the plan codec is optional for `spec`
+        pass
+    return tuple(errors)
+
+
+# ---------------------------------------------------------------- spec
+
+def spec_table(spec: ModelSpec) -> str:
+    """The spec as a readable table: one row per logical tensor, then the totals."""
+    rows = [(t.name + (" (mtp)" if t.mtp else ""), "x".join(map(str, t.shape)), t.dtype,
+             f"{t.numel:,}") for t in spec.tensors]
+    head = ("tensor", "shape", "dtype", "numel")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
+
+    def line(r: Sequence[str]) -> str:
+        return "  ".join((c.rjust(w) if i == 3 else c.ljust(w))
+                         for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    d = spec.dims
+    out = [line(head), line(["-" * w for w in widths]), *map(line, rows), "",
+           f"model_type: {d.model_type}  layers: {d.num_layers}  hidden: {d.hidden}  "
+           f"heads: {d.heads}/{d.kv_heads}  experts: {d.num_experts}  vocab: {d.vocab}",
+           f"tensors: {len(spec.tensors)}",
+           f"total_params: {spec.total_params / 1e9:.2f}B ({spec.total_params:,})",
+           f"mtp_params: {spec.mtp_params / 1e9:.2f}B ({spec.mtp_params:,})"]
+    return "\n".join(out)
+
+
+def spec_json(spec: ModelSpec) -> str:
+    """The spec as JSON: totals, the dims and every tensor's name, shape and dtype."""
+    d = spec.dims
+    return json.dumps({
+        "model_type": d.model_type,
+        "num_layers": d.num_layers,
+        "total_params": spec.total_params,
+        "mtp_params": spec.mtp_params,
+        "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
+                     "mtp": t.mtp, "buffer": t.buffer} for t in spec.tensors],
+    }, indent=1)
+
+
+def _cmd_spec(args: argparse.Namespace) -> int:
+    spec = load_spec(args.path, num_layers=args.num_layers)
+    print(spec_json(spec) if args.json else spec_table(spec))
+    return 0
+
+
+# ---------------------------------------------------------------- plan commands
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    from planner.validate import load
+
+    load(args.config)  # bad configs fail here, before the compiler is imported
+    from planner.compiler import compile_file
+
+    stats = compile_file(args.config, args.output)
+    summary = "  ".join(f"{k}={_fmt(v)}" for k, v in stats.items())
+    print(f"wrote {args.output}: {summary}")
+    return 0
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from planner.inspect import inspect_text
+
+    print(inspect_text(args.plan, args.json))
+    return 0
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from planner.inspect import explain_text
+
+    print(explain_text(args.plan, args.tensor))
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from planner.verify import verify_file
+
+    violations = verify_file(args.plan)
+    if violations:
+        print(f"rdma-plan: verify: {len(violations)} violation(s); first: {violations[0]}",
+              file=sys.stderr)
+        return 1
+    print(f"{args.plan}: ok")
+    return 0
+
+
+# ---------------------------------------------------------------- parser and main
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="rdma-plan", description="Compile RL weight transfers into RDMA write "
+                "plans (Megatron/FSDP2 -> vLLM/SGLang), and look inside them.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    def add(name: str, func: Callable[[argparse.Namespace], int], help: str
+            ) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        sp.set_defaults(func=func)
+        return sp
+
+    sp = add("spec", _cmd_spec, "print a model's logical tensors (from its HF config.json)")
+    sp.add_argument("path", help="config.json, or the folder holding it")
+    sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    sp.add_argument("--num-layers", type=int, default=None, metavar="N",
+                    help="override num_hidden_layers")
+
+    sp = add("compile", _cmd_compile, "compile a YAML config into a plan file")
+    sp.add_argument("config", help="the YAML config (see docs/config.md)")
+    sp.add_argument("-o", "--output", required=True, metavar="PLAN", help="plan file to write")
+
+    sp = add("inspect", _cmd_inspect, "summarise a plan file")
+    sp.add_argument("plan")
+    sp.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    sp = add("explain", _cmd_explain, "show how one logical tensor moves in a plan")
+    sp.add_argument("plan")
+    sp.add_argument("tensor", help="logical (checkpoint) tensor name")
+
+    sp = add("verify", _cmd_verify, "check a plan's invariants (exit 1 on a violation)")
+    sp.add_argument("plan")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `rdma-plan`; returns the exit code (0 ok, 1 verify failed, 2 bad input)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command == "spec" and args.num_layers is not None and args.num_layers < 1:
+            raise ConfigError(f"--num-layers: {args.num_layers} must be a positive integer")
+        return int(args.func(args))
+    except _user_errors() as e:
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"rdma-plan: error: {message}", file=sys.stderr)
+        return 2
