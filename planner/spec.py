@@ -156,11 +156,26 @@ def _dtype(hf: dict[str, Any]) -> str:
     return dtype if dtype in ("bfloat16", "float16", "float32") else "bfloat16"
 
 
+_HF_KEYS = {"num_layers": "num_hidden_layers", "hidden": "hidden_size",
+            "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
+            "head_dim": "head_dim", "vocab": "vocab_size", "intermediate": "intermediate_size",
+            "num_experts": "num_experts", "moe_intermediate": "moe_intermediate_size",
+            "mtp_layers": "num_nextn_predict_layers"}
+
+
 def _check_dims(d: ModelDims) -> None:
-    for name in ("num_layers", "hidden", "heads", "kv_heads", "vocab"):
+    def bad(name: str, rule: str) -> ConfigError:
+        return ConfigError(f"model.config: {_HF_KEYS[name]} = {getattr(d, name)} {rule}; "
+                           "fix config.json or model.overrides")
+
+    for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "vocab"):
         if getattr(d, name) < 1:
-            raise ConfigError(f"model.config: {name} = {getattr(d, name)} must be positive; "
-                              "fix config.json or model.overrides")
+            raise bad(name, "must be positive")
+    for name in ("intermediate", "num_experts", "moe_intermediate", "mtp_layers"):
+        if getattr(d, name) < 0:
+            raise bad(name, "must not be negative")
+    if d.num_experts and d.moe_intermediate < 1:
+        raise bad("moe_intermediate", "must be positive for a model with experts")
     if d.heads % d.kv_heads:
         raise ConfigError(f"model.config: num_attention_heads={d.heads} is not a multiple of "
                           f"num_key_value_heads={d.kv_heads}; fix config.json")

@@ -252,6 +252,10 @@ _SECTIONS = {"model": ModelConfig, "source": SourceConfig, "target": TargetConfi
 
 
 def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    if typing.get_origin(tp) is tuple:
+        return "a list"
     return getattr(tp, "__name__", str(tp).replace("typing.", ""))
 
 
@@ -307,6 +311,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
 
 
 def _section(name: str, cls: type, data: Any) -> Any:
+    if data is None:  # `options:` with nothing under it
+        data = {}
     if not isinstance(data, dict):
         _fail(name, data, "must be a mapping of keys to values")
     hints = typing.get_type_hints(cls)
