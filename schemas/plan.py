@@ -73,6 +73,11 @@ EXPLAIN_COLUMNS = (("tensor", "<i4"), ("src_rank", "<i4"), ("src_region", "<i4")
                    ("dst_rank", "<i4"), ("dst_region", "<i4"), ("nbytes", "<i8"),
                    ("boxes", "<i8"))
 """Per logical tensor: bytes (in target dtype) that a source region feeds a target region."""
+DAG_NODE_COLUMNS = (("rank", "<i4"), ("stage", "<i4"), ("phase", "<u1"))
+"""A node of the stage DAG: one phase (ready, pack, write, done, unpack, ack) of one stage
+of one rank."""
+DAG_EDGE_COLUMNS = (("u", "<i8"), ("v", "<i8"))
+"""An edge of the stage DAG: node `u` happens before node `v`."""
 
 
 class PlanFormatError(ValueError):
@@ -215,7 +220,13 @@ class Plan:
     ranks: tuple[RankPlan, ...]
     """Every rank's part, in rank order."""
     explain: Table = field(default_factory=lambda: Table.empty(EXPLAIN_COLUMNS))
-    """Per logical tensor (`header['tensors']` index): who feeds whom (`EXPLAIN_COLUMNS`)."""
+    """Per logical tensor (index into `tensors`): who feeds whom (`EXPLAIN_COLUMNS`)."""
+    tensors: tuple[str, ...] = ()
+    """Logical tensor names, in model-spec order."""
+    dag_nodes: Table = field(default_factory=lambda: Table.empty(DAG_NODE_COLUMNS))
+    """Nodes of the stage DAG (`DAG_NODE_COLUMNS`)."""
+    dag_edges: Table = field(default_factory=lambda: Table.empty(DAG_EDGE_COLUMNS))
+    """Edges of the stage DAG (`DAG_EDGE_COLUMNS`)."""
 
 
 # ------------------------------------------------------------------------------ codec
@@ -238,7 +249,10 @@ def _digest(data: bytes) -> bytes:
 def encode_plan(plan: Plan) -> bytes:
     """The bytes of a plan file; deterministic for equal plans."""
     blobs = [(f"rank/{r.rank}", _pack(r.encode())) for r in plan.ranks]
-    blobs.append(("explain", _pack(plan.explain.to_msgpack())))
+    blobs.append(("explain", _pack({"tensors": list(plan.tensors),
+                                    "table": plan.explain.to_msgpack()})))
+    blobs.append(("dag", _pack({"nodes": plan.dag_nodes.to_msgpack(),
+                                "edges": plan.dag_edges.to_msgpack()})))
     index, offset = {}, 0
     for name, data in blobs:
         index[name] = [offset, len(data), _digest(data)]
@@ -320,6 +334,16 @@ def load_plan(path: str) -> Plan:
         names = sorted((n for n in header["blobs"] if n.startswith("rank/")),
                        key=lambda n: int(n.split("/")[1]))
         ranks = tuple(RankPlan.decode(read_blob(f, header, start, n, path)) for n in names)
-        explain = Table.from_msgpack(EXPLAIN_COLUMNS,
-                                     read_blob(f, header, start, "explain", path), "explain")
-    return Plan(header=header, ranks=ranks, explain=explain)
+        ex = read_blob(f, header, start, "explain", path)
+        dag = read_blob(f, header, start, "dag", path)
+        if not isinstance(ex, dict) or not isinstance(dag, dict):
+            raise PlanFormatError(f"{path}: explain or dag blob is malformed")
+        try:
+            tensors = tuple(str(t) for t in ex["tensors"])
+            explain = Table.from_msgpack(EXPLAIN_COLUMNS, ex["table"], "explain")
+            nodes = Table.from_msgpack(DAG_NODE_COLUMNS, dag["nodes"], "dag.nodes")
+            edges = Table.from_msgpack(DAG_EDGE_COLUMNS, dag["edges"], "dag.edges")
+        except (KeyError, TypeError) as e:
+            raise PlanFormatError(f"{path}: explain or dag blob is malformed ({e})") from None
+    return Plan(header=header, ranks=ranks, explain=explain, tensors=tensors,
+                dag_nodes=nodes, dag_edges=edges)
