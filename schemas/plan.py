@@ -76,6 +76,8 @@ EXPLAIN_COLUMNS = (("tensor", "<i4"), ("src_rank", "<i4"), ("src_region", "<i4")
 DAG_NODE_COLUMNS = (("rank", "<i4"), ("stage", "<i4"), ("phase", "<u1"))
 """A node of the stage DAG: one phase (ready, pack, write, done, unpack, ack) of one stage
 of one rank."""
+COVERAGE_COLUMNS = (("rank", "<i4"), ("region", "<i4"), ("nbytes", "<i8"))
+"""Bytes of a target region that hold logical data (the rest is padding)."""
 DAG_EDGE_COLUMNS = (("u", "<i8"), ("v", "<i8"))
 """An edge of the stage DAG: node `u` happens before node `v`."""
 
@@ -227,6 +229,8 @@ class Plan:
     """Nodes of the stage DAG (`DAG_NODE_COLUMNS`)."""
     dag_edges: Table = field(default_factory=lambda: Table.empty(DAG_EDGE_COLUMNS))
     """Edges of the stage DAG (`DAG_EDGE_COLUMNS`)."""
+    coverage: Table = field(default_factory=lambda: Table.empty(COVERAGE_COLUMNS))
+    """Logical bytes of every target region, for `verify` (`COVERAGE_COLUMNS`)."""
 
 
 # ------------------------------------------------------------------------------ codec
@@ -252,7 +256,8 @@ def encode_plan(plan: Plan) -> bytes:
     blobs.append(("explain", _pack({"tensors": list(plan.tensors),
                                     "table": plan.explain.to_msgpack()})))
     blobs.append(("dag", _pack({"nodes": plan.dag_nodes.to_msgpack(),
-                                "edges": plan.dag_edges.to_msgpack()})))
+                                "edges": plan.dag_edges.to_msgpack(),
+                                "coverage": plan.coverage.to_msgpack()})))
     index, offset = {}, 0
     for name, data in blobs:
         index[name] = [offset, len(data), _digest(data)]
@@ -343,7 +348,8 @@ def load_plan(path: str) -> Plan:
             explain = Table.from_msgpack(EXPLAIN_COLUMNS, ex["table"], "explain")
             nodes = Table.from_msgpack(DAG_NODE_COLUMNS, dag["nodes"], "dag.nodes")
             edges = Table.from_msgpack(DAG_EDGE_COLUMNS, dag["edges"], "dag.edges")
+            coverage = Table.from_msgpack(COVERAGE_COLUMNS, dag["coverage"], "coverage")
         except (KeyError, TypeError) as e:
             raise PlanFormatError(f"{path}: explain or dag blob is malformed ({e})") from None
     return Plan(header=header, ranks=ranks, explain=explain, tensors=tensors,
-                dag_nodes=nodes, dag_edges=edges)
+                dag_nodes=nodes, dag_edges=edges, coverage=coverage)
