@@ -1,0 +1,13 @@
+"""The executor: replays a compiled plan every RL step with one-sided writes.
+
+    plan = executor.load("plan.rplan", rank, dict(model.named_parameters()),
+                         transport="nixl", rendezvous="host:port")
+    stats = executor.run(plan)
+"""
+
+from .core import Executor, RunStats, load, run
+from .errors import BindError, PeerMismatchError, PeerTimeoutError, PlanBoundsError
+from .world import PlanDeadlockError, run_all_local
+
+__all__ = ["BindError", "Executor", "PeerMismatchError", "PeerTimeoutError", "PlanBoundsError",
+           "PlanDeadlockError", "RunStats", "load", "run", "run_all_local"]

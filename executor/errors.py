@@ -1,0 +1,25 @@
+"""The executor's errors: each names the rank, peer, op or tensor and says what to do."""
+
+from __future__ import annotations
+
+
+class BindError(ValueError):
+    """The tensors given to `load` do not match the plan's regions (every problem listed)."""
+
+
+class PlanBoundsError(ValueError):
+    """An op of the plan reaches outside its regions, or names an unknown region/kind/dtype."""
+
+
+class PeerMismatchError(RuntimeError):
+    """A peer runs another plan (fingerprint) or exported regions of other sizes."""
+
+
+class PeerTimeoutError(TimeoutError):
+    """A peer did not publish, complete or signal within `timeout_s`."""
+
+    def __init__(self, rank: int, peer: int, what: str, timeout_s: float) -> None:
+        super().__init__(f"rank {rank}: peer rank {peer} did not {what} within {timeout_s:g} s; "
+                         f"check that rank {peer} is running the same plan and is reachable")
+        self.rank = rank
+        self.peer = peer

@@ -1,0 +1,40 @@
+"""Rendezvous stores: where ranks publish their regions and descriptors once, at load."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from .transports.base import Store
+
+
+class TorchStore:
+    """A `torch.distributed.Store` (e.g. TCPStore) behind the non-blocking `Store` Protocol."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+
+    def get(self, key: str) -> bytes | None:
+        return self.store.get(key) if self.store.check([key]) else None
+
+
+def open_store(rendezvous: object, rank: int, timeout_s: float) -> Store:
+    """`"host:port"` (rank 0 hosts a TCPStore there), a torch Store, or a `Store` as is."""
+    if isinstance(rendezvous, str):
+        import torch.distributed as dist
+
+        host, _, port = rendezvous.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"rendezvous {rendezvous!r} is not 'host:port'")
+        store = dist.TCPStore(host, int(port), is_master=rank == 0, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout_s))
+        return TorchStore(store)
+    if type(rendezvous).__module__.startswith("torch"):
+        return TorchStore(rendezvous)
+    if not (hasattr(rendezvous, "set") and hasattr(rendezvous, "get")):
+        raise ValueError(f"rendezvous {rendezvous!r}: expected 'host:port', a torch Store or "
+                         "an object with set(key, bytes) and get(key)")
+    return rendezvous  # type: ignore[return-value]

@@ -1,0 +1,1 @@
+"""Transports: one module each, behind the `Transport` Protocol of `base.py`."""

@@ -1,0 +1,74 @@
+"""The one narrow interface every transport implements, and the rendezvous store it may use.
+
+A transport moves bytes between ranks' registered regions with one-sided writes. It never
+sees a plan: the executor hands it flat uint8 regions once, descriptors of peers once, and
+batches of writes (one peer each) once; per step it only posts prepared batches, polls
+them, and sends/receives short notification messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class WriteBatch:
+    """Writes of one batch to one peer: `nbytes[i]` bytes from local `src_region[i]` at
+    `src_offset[i]` to the peer's `dst_region[i]` at `dst_offset[i]` (numpy int64 arrays)."""
+
+    peer: int
+    src_region: np.ndarray
+    src_offset: np.ndarray
+    dst_region: np.ndarray
+    dst_offset: np.ndarray
+    nbytes: np.ndarray
+
+
+class Store(Protocol):
+    """Key/value rendezvous shared by all ranks (an in-process dict or a TCPStore)."""
+
+    def set(self, key: str, value: bytes) -> None: ...
+
+    def get(self, key: str) -> bytes | None:
+        """The value, or None if no rank has set `key` yet (never blocks)."""
+        ...
+
+
+class Transport(Protocol):
+    def register(self, regions: list[torch.Tensor]) -> None:
+        """Register this rank's flat uint8 regions (once, before `export`)."""
+        ...
+
+    def export(self) -> dict[str, Any]:
+        """msgpack-able descriptors a peer needs to write into this rank and notify it."""
+        ...
+
+    def import_peer(self, peer: int, desc: dict[str, Any]) -> None:
+        """Make `peer` (its `export()`) writable and notifiable."""
+        ...
+
+    def prepare(self, batch: WriteBatch) -> Any:
+        """A handle that `post` can replay every step (descriptor lists built here, once)."""
+        ...
+
+    def post(self, handle: Any) -> None:
+        """Start the writes of a prepared batch."""
+        ...
+
+    def done(self, handle: Any) -> bool:
+        """Whether a posted batch has landed at the peer; raises on a transport error."""
+        ...
+
+    def notify(self, peer: int, msg: bytes) -> None:
+        """Send a short message to `peer`, ordered after writes already completed."""
+        ...
+
+    def poll(self) -> list[bytes]:
+        """Messages that arrived since the last poll (never blocks)."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,67 @@
+"""Every rank of a plan in this process, over the `local` transport, in lockstep.
+
+For tests and the compiler's end-to-end checks. Ranks advance stage by stage together:
+all send READY, then all run steps 1-4, then all run steps 5-7. A wait that is not
+satisfied at that point can never be (signals only come from earlier steps of the
+protocol), so it is reported as a plan deadlock instead of hanging.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from schemas.plan import load_plan
+
+from .core import Executor, RunStats
+from .errors import PeerTimeoutError
+from .transports.local import Fabric
+
+
+class PlanDeadlockError(RuntimeError):
+    """A rank waits for a signal that no earlier step of the protocol sends."""
+
+
+def run_all_local(plan_path: str, tensors_by_rank: dict[int, dict[str, torch.Tensor]],
+                  steps: int = 1) -> RunStats:
+    """Run `steps` steps of every rank of the plan at `plan_path`; stats of the last step."""
+    plan = load_plan(plan_path)
+    fabric = Fabric()
+    exs = [Executor(plan.header, rp, tensors_by_rank.get(rp.rank, {}), "local", fabric)
+           for rp in plan.ranks]
+    for ex in exs:
+        ex.register()
+    for ex in exs:
+        ex.connect()
+    total = sum(ex.bytes_per_step for ex in exs)
+    stages = max((len(ex.stages) for ex in exs), default=0)
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            _step(exs, stages)
+            seconds = time.perf_counter() - t0
+    finally:
+        for ex in exs:
+            ex.close()
+    seconds = seconds if steps else 0.0
+    return RunStats(-1, steps, total, seconds, total / max(seconds, 1e-9) / 1e9, True)
+
+
+def _step(exs: list[Executor], stages: int) -> None:
+    for ex in exs:
+        ex.begin_step()
+    for s in range(stages):
+        try:
+            for ex in exs:
+                ex.ready(s)
+            for ex in exs:
+                ex.send_half(s, timeout_s=0.0)
+            for ex in exs:
+                ex.recv_half(s, timeout_s=0.0)
+        except PeerTimeoutError as e:
+            raise PlanDeadlockError(f"plan deadlock at stage {s}: {e}. Every wait must match a "
+                                    "signal sent earlier in the protocol (schemas/plan.py); "
+                                    "the plan's signals and waits do not") from None
+    for ex in exs:
+        ex.end_step(0.0)

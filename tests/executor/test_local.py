@@ -1,0 +1,77 @@
+"""The executor over the `local` transport: bit-exact results, speed, lockstep deadlocks."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from exec_plans import (
+    DONE,
+    READY,
+    rank_plan,
+    region,
+    save,
+    two_by_two,
+    two_by_two_expected,
+    two_by_two_tensors,
+)
+
+import executor
+from executor import PlanDeadlockError
+
+
+def test_two_by_two_is_bit_exact(tmp_path):
+    # direct writes (W row halves) and pack(fp32 -> bf16) -> write -> unpack(transpose)
+    path = save(str(tmp_path / "p.rplan"), two_by_two())
+    for seed in (1, 2):
+        tensors = two_by_two_tensors(seed)
+        stats = executor.run_all_local(path, tensors)
+        want = two_by_two_expected(seed)
+        for rank, named in want.items():
+            for name, t in named.items():
+                assert torch.equal(tensors[rank][name], t), (rank, name)
+        assert stats.bytes == 2 * 4 * 8 + 2 * 16 and stats.complete
+
+
+def test_cast_rounds_to_nearest_even(tmp_path):
+    ranks = two_by_two()
+    tensors = two_by_two_tensors(0)
+    # 1 + 2^-8 is a tie between bf16 1.0 and 1.0078125: nearest even is 1.0
+    tensors[0]["b"][:] = 1.0 + 2.0 ** -8
+    executor.run_all_local(save(str(tmp_path / "p.rplan"), ranks), tensors)
+    assert torch.equal(tensors[2]["bt"], torch.ones(4, 4, dtype=torch.bfloat16))
+
+
+def test_hundred_thousand_writes_run_in_seconds(tmp_path):
+    # source 0 "x" [n*16] u8 is cut into n chunks of 16 bytes; chunk i lands at position
+    # perm[i] of target 1 "x". Half of them go through a group of 48-byte writes instead.
+    n = 100_000
+    perm = np.random.default_rng(0).permutation(n)
+    writes = [(0, 1, 0, i * 16, 0, int(perm[i]) * 16, 16) for i in range(n)]
+    x = region("x", "uint8", (n * 16,))
+    src = rank_plan(0, "source", [x], writes, signals=[(0, 1, DONE)], waits=[(0, 1, READY)],
+                    peer_regions={1: (x.nbytes,)})
+    tgt = rank_plan(1, "target", [x], signals=[(0, 0, READY)], waits=[(0, 0, DONE)])
+    path = save(str(tmp_path / "p.rplan"), [src, tgt])
+    data = torch.randint(0, 256, (n * 16,), dtype=torch.uint8)
+    out = torch.zeros_like(data)
+    t0 = time.perf_counter()
+    stats = executor.run_all_local(path, {0: {"x": data}, 1: {"x": out}}, steps=2)
+    assert time.perf_counter() - t0 < 10
+    inv = torch.from_numpy(np.argsort(perm))
+    assert torch.equal(out.view(n, 16)[torch.from_numpy(perm)], data.view(n, 16))
+    assert torch.equal(out.view(n, 16), data.view(n, 16)[inv])
+    assert stats.bytes == n * 16
+
+
+def test_wait_without_signal_is_a_deadlock(tmp_path):
+    x = region("x", "uint8", (8,))
+    src = rank_plan(0, "source", [x], [(0, 1, 0, 0, 0, 0, 8)], peer_regions={1: (8,)},
+                    waits=[(0, 1, READY)])  # the target never sends READY
+    tgt = rank_plan(1, "target", [x])
+    path = save(str(tmp_path / "p.rplan"), [src, tgt])
+    with pytest.raises(PlanDeadlockError, match="peer rank 1"):
+        executor.run_all_local(path, {0: {"x": torch.zeros(8, dtype=torch.uint8)},
+                                      1: {"x": torch.zeros(8, dtype=torch.uint8)}})
