@@ -137,3 +137,14 @@ def test_needed_hosts(placement: str, src_per_host: int | None, expected: int) -
                             "target": {"engine": "vllm", "tp": 4, "replicas": 5},
                             "cluster": cluster})
     assert needed_hosts(cfg) == expected
+
+
+def test_docs_list_every_key() -> None:
+    from dataclasses import fields
+
+    from schemas.config import _SECTIONS
+
+    doc = (ROOT / "docs" / "config.md").read_text()
+    missing = [f"{sec}.{f.name}" for sec, cls in _SECTIONS.items() for f in fields(cls)
+               if f"`{sec}.{f.name}`" not in doc]
+    assert missing == []
