@@ -1,0 +1,146 @@
+"""The compiler: a config -> a plan, through the passes, each a pure function.
+
+    spec -> layouts -> intersect -> (split rows) -> assign -> lower -> coalesce
+         -> schedule -> emit
+
+Everything the plan depends on (spec, both layouts, topology, options) goes into its
+fingerprint; nothing that varies between runs (time, paths) goes into the file, so
+compiling the same config twice gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from planner.layouts import build_layout
+from planner.layouts.base import Layout
+from planner.passes.assign import assign, split_rows
+from planner.passes.coalesce import coalesce
+from planner.passes.emit import coverage_table, emit, explain_table, rank_regions
+from planner.passes.intersect import PieceTable, element_size, intersect, piece_table
+from planner.passes.lower import lower
+from planner.passes.schedule import schedule
+from planner.spec import ModelSpec
+from planner.topology import Topology, build_topology
+from schemas.config import Config
+from schemas.plan import FORMAT_VERSION, Plan, write_plan
+
+VERSION = "rdma-plan 0.1.0"
+
+
+def _fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable, regions: list,
+                 topo: Topology, cfg: Config) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(msgpack.packb([FORMAT_VERSION, [(t.name, list(t.shape), t.dtype)
+                                             for t in spec.tensors]]))
+    for table in (src, dst):
+        for col in dataclasses.astuple(table):
+            h.update(np.ascontiguousarray(col).tobytes())
+    h.update(msgpack.packb([[(r.name, r.dtype, list(r.shape)) for r in regs
+                             if r.name != "__staging__"] for regs in regions]))
+    h.update(msgpack.packb([list(topo.host), list(topo.gpu), list(topo.nic),
+                            topo.nic_gbps, topo.nvlink_gbps]))
+    h.update(msgpack.packb(dataclasses.asdict(cfg.options)))
+    return h.hexdigest()
+
+
+def _nic_stats(topo: Topology, src_rank: np.ndarray, dst_rank: np.ndarray,
+               nbytes: np.ndarray) -> dict[str, Any]:
+    host, nic = np.asarray(topo.host), np.asarray(topo.nic)
+    remote = host[src_rank] != host[dst_rank]
+    n_nics = int(nic.max()) + 1
+    out_b = np.bincount(nic[src_rank[remote]], weights=nbytes[remote], minlength=n_nics)
+    in_b = np.bincount(nic[dst_rank[remote]], weights=nbytes[remote], minlength=n_nics)
+    nv = np.bincount(src_rank[~remote], weights=nbytes[~remote], minlength=topo.world)
+    nv_in = np.bincount(dst_rank[~remote], weights=nbytes[~remote], minlength=topo.world)
+    used = sorted(set(topo.nic))
+    nics = [{"name": topo.nic_name(n), "host": n // topo.nics_per_host,
+             "gbps": topo.nic_gbps, "bytes_out": int(out_b[n]), "bytes_in": int(in_b[n])}
+            for n in used]
+    nic_floor = max(max(out_b.max(), in_b.max()) * 8 / (topo.nic_gbps * 1e9), 0.0)
+    nv_floor = max(nv.max(), nv_in.max()) * 8 / (topo.nvlink_gbps * 1e9)
+    return {"nics": nics, "nvlink_bytes": int(nv.sum()), "remote_bytes": int(nbytes[remote]
+            .sum()), "floor_s": float(max(nic_floor, nv_floor))}
+
+
+def compile_config(cfg: Config, spec: ModelSpec, progress=None) -> Plan:
+    """Compile a checked config and its model spec into a plan."""
+    if progress is not None:
+        progress("layouts")
+    src_layout = build_layout(spec, cfg.source)
+    dst_layout = build_layout(spec, cfg.target)
+    return compile_layouts(cfg, spec, src_layout, dst_layout, progress)
+
+
+def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout: Layout,
+                    progress=None) -> Plan:
+    """Compile two given layouts (the rest of `cfg`: cluster, options)."""
+    def step(name: str) -> None:
+        if progress is not None:
+            progress(name)
+
+    topo = build_topology(cfg.cluster, src_layout.world, dst_layout.world)
+    step("intersect")
+    src = piece_table(src_layout, spec, 0)
+    dst = piece_table(dst_layout, spec, src_layout.world)
+    n_regions = np.array([len(r.tensors) for r in (*src_layout.ranks, *dst_layout.ranks)],
+                         dtype=np.int64)
+    chunks = intersect(spec, src, dst)
+    chunks = split_rows(chunks, dst, cfg.options.max_write_bytes)
+    step("assign")
+    choice = assign(chunks, src, dst, topo)
+    names = [t.name for t in spec.tensors]
+    chunk_bytes = chunks.size0 * chunks.size1 * element_size(dst.dtype[chunks.dst])
+    explain = explain_table(chunks.tensor, src.rank[choice], src.region[choice],
+                            dst.rank[chunks.dst], dst.region[chunks.dst], chunk_bytes)
+    step("lower")
+    low = lower(chunks, choice, src, dst, n_regions, cfg.options, names)
+    low = coalesce(low, cfg.options.max_write_bytes)
+    step("schedule")
+    sched = schedule(low, topo, cfg.options.max_write_bytes, n_regions)
+    regions = rank_regions(src_layout, dst_layout, low.staging)
+    nic = _nic_stats(topo, low.w_src_rank, low.w_dst_rank, low.w_nbytes.astype(np.float64))
+    kinds = low.copies["kind"]
+    header = {
+        "created_by": VERSION,
+        "fingerprint": _fingerprint(spec, src, dst, regions, topo, cfg),
+        "world": topo.world, "sources": topo.sources, "targets": topo.targets,
+        "replicas": dst_layout.replicas, "stages": low.stages,
+        "model": {"model_type": spec.dims.model_type, "num_layers": spec.dims.num_layers,
+                  "total_params": spec.total_params, "tensors": len(spec.tensors),
+                  "dims": dataclasses.asdict(spec.dims)},
+        "source": dataclasses.asdict(cfg.source), "target": dataclasses.asdict(cfg.target),
+        "cluster": dataclasses.asdict(cfg.cluster), "options": dataclasses.asdict(cfg.options),
+        "ranks": [[("source" if r < topo.sources else "target"), topo.host[r], topo.gpu[r],
+                   topo.nic_name(topo.nic[r])] for r in range(topo.world)],
+        "nvlink_gbps": topo.nvlink_gbps,
+        "stats": {"writes": int(len(low.w_nbytes)), "bytes": int(low.w_nbytes.sum()),
+                  "packs": int((kinds == 1).sum()), "unpacks": int((kinds == 2).sum()),
+                  "chunks": int(len(chunks)),
+                  "staging_max": int(low.staging.max()) if len(low.staging) else 0,
+                  **{k: v for k, v in nic.items() if k != "nics"}},
+        "nics": nic["nics"],
+    }
+    step("emit")
+    return emit(header, low, sched, topo, regions, explain, tuple(names),
+                coverage_table(dst_layout, src_layout.world))
+
+
+def compile_file(config_path: str, out_path: str, progress=None) -> dict[str, Any]:
+    """Load, check and compile a YAML config; write the plan. Returns summary stats."""
+    from planner.validate import load
+
+    t0 = time.perf_counter()
+    cfg, spec = load(config_path)
+    plan = compile_config(cfg, spec, progress)
+    size = write_plan(out_path, plan)
+    stats = dict(plan.header["stats"])
+    stats.update(plan_bytes=size, seconds=round(time.perf_counter() - t0, 3),
+                 fingerprint=plan.header["fingerprint"])
+    return stats

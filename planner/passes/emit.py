@@ -1,0 +1,130 @@
+"""Pass 8 (`emit`): the plan (schemas) from the scheduled writes and copies.
+
+Per rank: its regions (physical tensors in layout order, then staging), the writes it
+issues in scheduled order, batches, copies, signals, waits and the sizes of the peer
+regions it writes into. The header records everything the compiler decided: options,
+source/target configs, topology, per-NIC bytes, stats and the fingerprint.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from planner.layouts.base import Layout
+from planner.passes.lower import Lowered
+from planner.passes.schedule import Schedule
+from planner.topology import Topology
+from schemas.plan import (
+    BATCH_COLUMNS,
+    COPY_COLUMNS,
+    COVERAGE_COLUMNS,
+    DAG_EDGE_COLUMNS,
+    DAG_NODE_COLUMNS,
+    EXPLAIN_COLUMNS,
+    ITEMSIZE,
+    SIGNAL_COLUMNS,
+    STAGING,
+    WRITE_COLUMNS,
+    Plan,
+    RankPlan,
+    Region,
+    Table,
+)
+
+
+def rank_regions(src: Layout, dst: Layout, staging: np.ndarray) -> list[tuple[Region, ...]]:
+    """Regions of every plan rank: its physical tensors, then staging when it has any."""
+    out = []
+    for plan_rank, rl in enumerate([*src.ranks, *dst.ranks]):
+        regs = [Region(t.name, t.dtype, t.shape, math.prod(t.shape) * ITEMSIZE[t.dtype])
+                for t in rl.tensors]
+        if staging[plan_rank]:
+            regs.append(Region(STAGING, "uint8", (int(staging[plan_rank]),),
+                               int(staging[plan_rank])))
+        out.append(tuple(regs))
+    return out
+
+
+def _slices(sorted_keys: np.ndarray, world: int) -> np.ndarray:
+    return np.searchsorted(sorted_keys, np.arange(world + 1))
+
+
+def _table(schema, rows: np.ndarray, names: tuple[str, ...]) -> Table:
+    return Table.build(schema, **{n: rows[:, i] for i, n in enumerate(names)})
+
+
+def emit(header: dict[str, Any], low: Lowered, sched: Schedule, topo: Topology,
+         regions: list[tuple[Region, ...]], explain: Table, tensors: tuple[str, ...],
+         coverage: Table) -> Plan:
+    world = topo.world
+    o = sched.order
+    w = {"dst_rank": low.w_dst_rank[o], "src_region": low.w_src_region[o],
+         "src_offset": low.w_src_offset[o], "dst_region": low.w_dst_region[o],
+         "dst_offset": low.w_dst_offset[o], "nbytes": low.w_nbytes[o]}
+    w_src = low.w_src_rank[o]
+    w_cut = _slices(w_src, world)
+    b_start = sched.batch_start
+    b_stop = np.append(b_start[1:], len(o))
+    b_rank = w_src[b_start] if len(b_start) else b_start
+    b_cut = _slices(b_rank, world)
+    c = low.copies
+    c_order = np.lexsort((np.arange(len(c["rank"])), c["kind"], c["stage"], c["rank"]))
+    c = {k: v[c_order] for k, v in c.items()}
+    c_cut = _slices(c["rank"], world)
+    s_cut = _slices(sched.signals[:, 0], world)
+    wt_cut = _slices(sched.waits[:, 0], world)
+    region_bytes = [tuple(r.nbytes for r in regs) for regs in regions]
+    ranks = []
+    for r in range(world):
+        ws = slice(w_cut[r], w_cut[r + 1])
+        bs = slice(b_cut[r], b_cut[r + 1])
+        peers = np.unique(w["dst_rank"][ws]).tolist()
+        ranks.append(RankPlan(
+            rank=r, role="source" if r < topo.sources else "target", host=topo.host[r],
+            gpu=topo.gpu[r], nics=(topo.nic_name(topo.nic[r]), "nvlink"), regions=regions[r],
+            writes=Table.build(WRITE_COLUMNS, **{k: v[ws] for k, v in w.items()}),
+            batches=Table.build(BATCH_COLUMNS, stage=low.w_stage[o][b_start[bs]],
+                                nic=sched.batch_nic[bs], start=b_start[bs] - w_cut[r],
+                                stop=b_stop[bs] - w_cut[r]),
+            copies=Table.build(COPY_COLUMNS, **{n: c[n][c_cut[r]:c_cut[r + 1]]
+                                                for n, _ in COPY_COLUMNS}),
+            signals=_table(SIGNAL_COLUMNS, sched.signals[s_cut[r]:s_cut[r + 1], 1:],
+                           ("stage", "peer", "kind")),
+            waits=_table(SIGNAL_COLUMNS, sched.waits[wt_cut[r]:wt_cut[r + 1], 1:],
+                         ("stage", "peer", "kind")),
+            peer_regions=tuple((p, region_bytes[p]) for p in peers),
+            stages=low.stages,
+        ))
+    nodes = _table(DAG_NODE_COLUMNS, sched.dag_nodes, ("rank", "stage", "phase"))
+    edges = _table(DAG_EDGE_COLUMNS, sched.dag_edges, ("u", "v"))
+    return Plan(header=header, ranks=tuple(ranks), explain=explain, tensors=tensors,
+                dag_nodes=nodes, dag_edges=edges, coverage=coverage)
+
+
+def coverage_table(dst: Layout, rank_base: int) -> Table:
+    """Logical bytes of every target region (elements covered by pieces x itemsize)."""
+    rank, region, nbytes = [], [], []
+    for rl in dst.ranks:
+        for i, t in enumerate(rl.tensors):
+            rank.append(rank_base + rl.rank)
+            region.append(i)
+            nbytes.append(sum(p.numel for p in t.pieces) * ITEMSIZE[t.dtype])
+    return Table.build(COVERAGE_COLUMNS, rank=rank, region=region, nbytes=nbytes)
+
+
+def explain_table(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarray,
+                  dst_rank: np.ndarray, dst_region: np.ndarray, nbytes: np.ndarray) -> Table:
+    """Bytes and boxes per (tensor, source region, target region)."""
+    keys = np.stack([tensor, src_rank, src_region, dst_rank, dst_region], axis=1)
+    if len(keys) == 0:
+        return Table.empty(EXPLAIN_COLUMNS)
+    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    total = np.bincount(inv, weights=nbytes.astype(np.float64)).astype(np.int64)
+    boxes = np.bincount(inv)
+    return Table.build(EXPLAIN_COLUMNS, tensor=uniq[:, 0], src_rank=uniq[:, 1],
+                       src_region=uniq[:, 2], dst_rank=uniq[:, 3], dst_region=uniq[:, 4],
+                       nbytes=total, boxes=boxes)

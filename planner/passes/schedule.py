@@ -1,0 +1,142 @@
+"""Pass 7 (`schedule`): per-NIC batches in an incast-avoiding order, signals, the DAG.
+
+Within a stage, a source's writes to one target are cut into batches of at most
+`max_write_bytes` (and 1024 writes). Batches go out in rounds: round k holds every
+target's k-th batch, and source i visits targets in an order rotated by i, so at any
+moment the sources spread over different targets instead of all hitting the first.
+
+Signals (see `schemas.plan`): every (source, target) pair with writes exchanges READY
+(stage 0) and, per stage with writes, DONE; a target whose staging is written in stage
+s >= 1 ACKs stage s-1 to the writer. The DAG has one node per (rank, stage, phase) and
+must be acyclic (checked with networkx).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+import numpy as np
+
+from planner.passes.lower import Lowered
+from planner.topology import Topology
+from schemas.plan import ACK, DONE, READY
+
+MAX_BATCH_WRITES = 1024
+PHASES = ("ready", "pack", "write", "done", "unpack", "ack")
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    order: np.ndarray
+    """Permutation of the lowered writes: per source rank, stage, round, target."""
+    batch_start: np.ndarray
+    """Index (in `order`) where each batch starts; batches never span ranks or stages."""
+    batch_nic: np.ndarray
+    """0: the rank's NIC; 1: NVLink (target on the same host)."""
+    signals: np.ndarray
+    """Columns rank, stage, peer, kind: signals sent."""
+    waits: np.ndarray
+    """Columns rank, stage, peer, kind: signals awaited."""
+    dag_nodes: np.ndarray
+    """Columns rank, stage, phase of each DAG node."""
+    dag_edges: np.ndarray
+    """Columns u, v (node indices)."""
+
+
+def schedule(low: Lowered, topo: Topology, max_write_bytes: int,
+             n_regions: np.ndarray) -> Schedule:
+    src, dst, stage = low.w_src_rank, low.w_dst_rank, low.w_stage
+    n = len(src)
+    group = np.lexsort((dst, stage, src))  # writes grouped by (src, stage, dst)
+    g_src, g_stage, g_dst = src[group], stage[group], dst[group]
+    new_group = np.ones(n, dtype=bool)
+    new_group[1:] = (g_src[1:] != g_src[:-1]) | (g_stage[1:] != g_stage[:-1]) | \
+        (g_dst[1:] != g_dst[:-1])
+    gid = np.cumsum(new_group) - 1
+    nb = low.w_nbytes[group]
+    csum = np.cumsum(nb)
+    gstart = np.nonzero(new_group)[0]
+    before = csum - nb - (csum - nb)[gstart][gid]  # bytes earlier in the same group
+    pos = np.arange(n) - gstart[gid]
+    rnd = np.maximum(before // max_write_bytes, pos // MAX_BATCH_WRITES)
+    rot = (g_dst - topo.sources + g_src) % max(topo.targets, 1)
+    order = group[np.lexsort((np.arange(n), rot, rnd, g_stage, g_src))]
+    o_src, o_stage, o_dst = src[order], stage[order], dst[order]
+    key_rnd = np.empty(n, dtype=np.int64)
+    key_rnd[group] = rnd
+    o_rnd = key_rnd[order]
+    new_batch = np.ones(n, dtype=bool)
+    new_batch[1:] = (o_src[1:] != o_src[:-1]) | (o_stage[1:] != o_stage[:-1]) | \
+        (o_dst[1:] != o_dst[:-1]) | (o_rnd[1:] != o_rnd[:-1])
+    batch_start = np.nonzero(new_batch)[0]
+    host = np.asarray(topo.host)
+    batch_nic = (host[o_src[batch_start]] == host[o_dst[batch_start]]).astype(np.int64)
+    signals, waits = _signals(low, n_regions)
+    nodes, edges = _dag(low.stages, topo.world, signals)
+    return Schedule(order, batch_start, batch_nic, signals, waits, nodes, edges)
+
+
+def _unique_rows(*cols: np.ndarray) -> np.ndarray:
+    if len(cols[0]) == 0:
+        return np.zeros((0, len(cols)), dtype=np.int64)
+    return np.unique(np.stack(cols, axis=1), axis=0)
+
+
+def _signals(low: Lowered, n_regions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rank, stage, peer, kind) rows of signals sent and awaited."""
+    s, d, st = low.w_src_rank, low.w_dst_rank, low.w_stage
+    pairs = _unique_rows(s, d)
+    done = _unique_rows(s, d, st)
+    into_staging = (low.w_dst_region == n_regions[d]) & (st >= 1)
+    ack = _unique_rows(s[into_staging], d[into_staging], st[into_staging])
+    zeros = np.zeros(len(pairs), dtype=np.int64)
+    sent = [
+        np.stack([pairs[:, 1], zeros, pairs[:, 0], zeros + READY], axis=1),
+        np.stack([done[:, 0], done[:, 2], done[:, 1], np.full(len(done), DONE)], axis=1),
+        np.stack([ack[:, 1], ack[:, 2] - 1, ack[:, 0], np.full(len(ack), ACK)], axis=1),
+    ]
+    awaited = [
+        np.stack([pairs[:, 0], zeros, pairs[:, 1], zeros + READY], axis=1),
+        np.stack([done[:, 1], done[:, 2], done[:, 0], np.full(len(done), DONE)], axis=1),
+        np.stack([ack[:, 0], ack[:, 2], ack[:, 1], np.full(len(ack), ACK)], axis=1),
+    ]
+    return _sorted(np.concatenate(sent)), _sorted(np.concatenate(awaited))
+
+
+def _sorted(rows: np.ndarray) -> np.ndarray:
+    rows = rows.reshape(-1, 4).astype(np.int64)
+    return rows[np.lexsort((rows[:, 3], rows[:, 2], rows[:, 1], rows[:, 0]))]
+
+
+def _dag(stages: int, world: int, signals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Nodes (rank, stage, phase) and edges; raises if the order has a cycle."""
+    nph = len(PHASES)
+
+    def node(rank, st, phase):
+        return (rank * stages + st) * nph + phase
+
+    ranks = np.repeat(np.arange(world), stages * nph)
+    st = np.tile(np.repeat(np.arange(stages), nph), world)
+    ph = np.tile(np.arange(nph), world * stages)
+    nodes = np.stack([ranks, st, ph], axis=1)
+    chain = np.arange(len(nodes) - 1)
+    chain = chain[ranks[chain] == ranks[chain + 1]]  # phase -> next phase -> next stage
+    edges = [np.stack([chain, chain + 1], axis=1)]
+    r, s, peer, kind = signals.T
+    phase_from = {READY: 0, DONE: 3, ACK: 5}
+    phase_to = {READY: 2, DONE: 4, ACK: 2}
+    for k in (READY, DONE, ACK):
+        m = kind == k
+        to_stage = s[m] + (1 if k == ACK else 0)
+        edges.append(np.stack([node(r[m], s[m], phase_from[k]),
+                               node(peer[m], to_stage, phase_to[k])], axis=1))
+    edges = np.concatenate(edges).astype(np.int64)
+    g = nx.DiGraph()
+    g.add_nodes_from(range(len(nodes)))
+    g.add_edges_from(map(tuple, edges.tolist()))
+    if not nx.is_directed_acyclic_graph(g):
+        cycle = nx.find_cycle(g)
+        raise RuntimeError(f"schedule: the stage DAG has a cycle through {cycle[:4]}; "
+                           "this is a compiler bug, please report it with the config")
+    return nodes, edges

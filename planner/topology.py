@@ -1,0 +1,72 @@
+"""Where every plan rank sits: host, GPU, NIC. Sources are plan ranks 0..S-1, targets S..S+T-1.
+
+disaggregated: source rank i on host i // g, GPU i % g; target j on the hosts after them.
+colocated: every host gives its first `source_gpus_per_host` GPUs (default g/2) to sources
+and the rest to targets. A GPU uses the NIC that serves it; writes between two GPUs of one
+host go over NVLink and load no NIC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.config import ClusterConfig, ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    sources: int
+    """Number of source ranks (plan ranks 0..sources-1)."""
+    targets: int
+    """Number of target ranks (plan ranks sources..sources+targets-1)."""
+    host: tuple[int, ...]
+    """Host of each plan rank."""
+    gpu: tuple[int, ...]
+    """GPU (within its host) of each plan rank."""
+    nic: tuple[int, ...]
+    """Global NIC id of each plan rank (host * nics_per_host + local NIC)."""
+    nics_per_host: int
+    """NICs in each host."""
+    nic_gbps: float
+    """Bandwidth of one NIC, one direction, Gb/s."""
+    nvlink_gbps: float
+    """Bandwidth of one GPU's NVLink, one direction, Gb/s."""
+    hosts: int
+    """Hosts used."""
+
+    @property
+    def world(self) -> int:
+        return self.sources + self.targets
+
+    def nic_name(self, nic: int) -> str:
+        return f"h{nic // self.nics_per_host}/nic{nic % self.nics_per_host}"
+
+
+def _nic_of_gpu(c: ClusterConfig, gpu: int) -> int:
+    if c.nic_gpus is not None:
+        return next(n for n, gpus in enumerate(c.nic_gpus) if gpu in gpus)
+    return gpu // (c.gpus_per_host // c.nics_per_host)
+
+
+def build_topology(c: ClusterConfig, sources: int, targets: int) -> Topology:
+    g = c.gpus_per_host
+    if c.placement == "colocated":
+        sg = c.source_gpus_per_host or g // 2
+        tg = g - sg
+        spots = [(i // sg, i % sg) for i in range(sources)]
+        spots += [(j // tg, sg + j % tg) for j in range(targets)]
+        hosts = max(-(-sources // sg), -(-targets // tg))
+    else:
+        src_hosts = -(-sources // g)
+        spots = [(i // g, i % g) for i in range(sources)]
+        spots += [(src_hosts + j // g, j % g) for j in range(targets)]
+        hosts = src_hosts + -(-targets // g)
+    if c.hosts is not None and c.hosts != hosts:
+        raise ConfigError(f"cluster.hosts: {c.hosts} does not match the {hosts} hosts that "
+                          f"{sources} source and {targets} target ranks need with "
+                          f"{g} GPUs per host ({c.placement}); set cluster.hosts: {hosts}")
+    host = tuple(h for h, _ in spots)
+    gpu = tuple(x for _, x in spots)
+    nic = tuple(h * c.nics_per_host + _nic_of_gpu(c, x) for h, x in spots)
+    return Topology(sources, targets, host, gpu, nic, c.nics_per_host, c.nic_gbps,
+                    c.nvlink_gbps, hosts)

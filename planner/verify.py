@@ -1,0 +1,232 @@
+"""The plan's invariants, checked on the plan alone (`rdma-plan verify`, property tests).
+
+One implementation serves the CLI and the property suite:
+- `bounds`: every write, batch and copy inside its regions; dtypes and kinds valid;
+- `coverage`: every logical byte of every target region is written exactly once per run
+  (by a write or an unpack), nothing outside it, and no two writes overlap in a
+  destination (staging: per stage);
+- `sizes`: no write above `max_write_bytes`, staging within `staging_bytes`;
+- `order`: the stage DAG is acyclic; every wait has its signal and vice versa; every
+  (source, target, stage) with writes has READY and DONE; staged writes into a target's
+  staging after stage 0 wait for its ACK.
+Each check returns violation messages; `verify_plan` gives them all, in that order.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+import numpy as np
+
+from schemas.plan import (
+    ACK,
+    DONE,
+    DTYPE_CODES,
+    ITEMSIZE,
+    PACK,
+    READY,
+    STAGING,
+    UNPACK,
+    Plan,
+    RankPlan,
+    load_plan,
+)
+
+
+def _elem(region_dtype: str, code: int) -> int:
+    return ITEMSIZE[DTYPE_CODES[code]] if region_dtype == "uint8" else ITEMSIZE[region_dtype]
+
+
+def _copy_extent(rp: RankPlan, side: str) -> tuple[np.ndarray, np.ndarray]:
+    """(lowest, highest+1) element index touched on one side of every copy."""
+    c = rp.copies
+    hi = c[f"{side}_offset"].astype(np.int64) + 1
+    for d in range(3):
+        hi = hi + (c[f"size{d}"] - 1) * c[f"{side}_stride{d}"]
+    return c[f"{side}_offset"].astype(np.int64), hi
+
+
+def bounds(plan: Plan) -> list[str]:
+    out: list[str] = []
+    world = len(plan.ranks)
+    for rp in plan.ranks:
+        sizes = np.array([r.nbytes for r in rp.regions] + [0], dtype=np.int64)
+        w = rp.writes
+        n_reg = len(rp.regions)
+        bad = (w["src_region"] < 0) | (w["src_region"] >= n_reg) | (w["src_offset"] < 0) | \
+            (w["nbytes"] <= 0) | (w["dst_rank"] < 0) | (w["dst_rank"] >= world) | \
+            (w["dst_rank"] == rp.rank)
+        bad |= w["src_offset"] + w["nbytes"] > sizes[np.clip(w["src_region"], 0, n_reg)]
+        for peer in np.unique(w["dst_rank"][~bad]).tolist():
+            psizes = np.array([r.nbytes for r in plan.ranks[peer].regions] + [0], np.int64)
+            m = (w["dst_rank"] == peer) & ~bad
+            reg = w["dst_region"][m]
+            pb = (reg < 0) | (reg >= len(psizes) - 1) | (w["dst_offset"][m] < 0)
+            pb |= w["dst_offset"][m] + w["nbytes"][m] > psizes[np.clip(reg, 0, len(psizes) - 1)]
+            bad[np.nonzero(m)[0][pb]] = True
+        if bad.any():
+            i = int(np.argmax(bad))
+            out.append(f"rank {rp.rank}: write {i} (src region {w['src_region'][i]} offset "
+                       f"{w['src_offset'][i]}, dst rank {w['dst_rank'][i]} region "
+                       f"{w['dst_region'][i]} offset {w['dst_offset'][i]}, "
+                       f"{w['nbytes'][i]} bytes) is out of bounds")
+        b = rp.batches
+        ok = len(b) == 0 and len(w) == 0 or (
+            len(b) > 0 and b["start"][0] == 0 and b["stop"][-1] == len(w)
+            and np.array_equal(b["start"][1:], b["stop"][:-1])
+            and bool((b["stop"] > b["start"]).all()))
+        if not ok or ((b["stage"] < 0) | (b["stage"] >= rp.stages)).any():
+            out.append(f"rank {rp.rank}: batches do not cover its writes exactly once")
+        out += _copy_bounds(rp)
+    return out
+
+
+def _copy_bounds(rp: RankPlan) -> list[str]:
+    c = rp.copies
+    out = []
+    kind_ok = PACK if rp.role == "source" else UNPACK
+    for i in range(len(c)):
+        if c["kind"][i] != kind_ok:
+            return [f"rank {rp.rank}: copy {i} has kind {c['kind'][i]}, not allowed on a "
+                    f"{rp.role}"]
+    for side in ("src", "dst"):
+        reg = c[f"{side}_region"]
+        code = c[f"{side}_dtype"]
+        if ((reg < 0) | (reg >= len(rp.regions)) | (code >= len(DTYPE_CODES))).any():
+            return [f"rank {rp.rank}: a copy names a region or dtype that does not exist"]
+        lo, hi = _copy_extent(rp, side)
+        neg = np.zeros(len(c), dtype=bool)
+        for d in range(3):
+            neg |= c[f"{side}_stride{d}"] < 0
+        for i in range(len(c)):
+            region = rp.regions[reg[i]]
+            es = _elem(region.dtype, code[i])
+            if region.dtype != "uint8" and DTYPE_CODES[code[i]] != region.dtype:
+                out.append(f"rank {rp.rank}: copy {i} reads {region.name} as "
+                           f"{DTYPE_CODES[code[i]]}, but it is {region.dtype}")
+            if lo[i] < 0 or hi[i] * es > region.nbytes or neg[i]:
+                out.append(f"rank {rp.rank}: copy {i} goes outside {region.name} "
+                           f"({region.nbytes} bytes)")
+    return out[:1]
+
+
+def _intervals(plan: Plan) -> dict[tuple[int, int, int], list[tuple[np.ndarray, np.ndarray]]]:
+    """(dst rank, region, stage or -1) -> list of (start, end) byte arrays written there."""
+    acc: dict[tuple[int, int, int], list] = {}
+    for rp in plan.ranks:
+        w = rp.writes
+        stage = np.zeros(len(w), dtype=np.int64)
+        for b in range(len(rp.batches)):
+            stage[rp.batches["start"][b]:rp.batches["stop"][b]] = rp.batches["stage"][b]
+        for peer in np.unique(w["dst_rank"]).tolist():
+            m = w["dst_rank"] == peer
+            staging = len(plan.ranks[peer].regions) - 1
+            is_staging = plan.ranks[peer].regions[staging].name == STAGING
+            for reg in np.unique(w["dst_region"][m]).tolist():
+                mm = m & (w["dst_region"] == reg)
+                st = stage[mm] if is_staging and reg == staging else np.full(mm.sum(), -1)
+                for s in np.unique(st).tolist():
+                    sel = np.nonzero(mm)[0][st == s]
+                    acc.setdefault((peer, reg, s), []).append(
+                        (w["dst_offset"][sel], w["dst_offset"][sel] + w["nbytes"][sel]))
+        c = rp.copies
+        for i in np.nonzero(c["kind"] == UNPACK)[0].tolist():
+            region = rp.regions[c["dst_region"][i]]
+            es = ITEMSIZE[region.dtype]
+            i0, i1 = np.meshgrid(np.arange(c["size0"][i]), np.arange(c["size1"][i]),
+                                 indexing="ij")
+            start = c["dst_offset"][i] + i0 * c["dst_stride0"][i] + i1 * c["dst_stride1"][i]
+            start = start.reshape(-1) * es
+            acc.setdefault((rp.rank, int(c["dst_region"][i]), -1), []).append(
+                (start, start + es * c["size2"][i]))
+    return acc
+
+
+def coverage(plan: Plan) -> list[str]:
+    out = []
+    written: dict[tuple[int, int], int] = {}
+    for (rank, reg, stage), parts in sorted(_intervals(plan).items()):
+        lo = np.concatenate([p[0] for p in parts])
+        hi = np.concatenate([p[1] for p in parts])
+        order = np.argsort(lo, kind="stable")
+        lo, hi = lo[order], hi[order]
+        if len(lo) > 1 and (lo[1:] < hi[:-1]).any():
+            i = int(np.argmax(lo[1:] < hi[:-1]))
+            name = plan.ranks[rank].regions[reg].name
+            out.append(f"rank {rank} {name}: writes overlap at byte {lo[i + 1]}"
+                       + (f" in stage {stage}" if stage >= 0 else ""))
+        if stage == -1:
+            written[(rank, reg)] = int((hi - lo).sum())
+    cov = plan.coverage
+    for rank, reg, nbytes in zip(cov["rank"].tolist(), cov["region"].tolist(),
+                                 cov["nbytes"].tolist()):
+        got = written.get((rank, reg), 0)
+        if got != nbytes:
+            name = plan.ranks[rank].regions[reg].name
+            out.append(f"rank {rank} {name}: {got} bytes written per run, but it holds "
+                       f"{nbytes} logical bytes")
+    return out
+
+
+def sizes(plan: Plan) -> list[str]:
+    opts = plan.header.get("options", {})
+    max_w, budget = opts.get("max_write_bytes"), opts.get("staging_bytes")
+    out = []
+    for rp in plan.ranks:
+        if max_w and len(rp.writes) and rp.writes["nbytes"].max() > max_w:
+            out.append(f"rank {rp.rank}: a write of {rp.writes['nbytes'].max()} bytes exceeds "
+                       f"max_write_bytes={max_w}")
+        for r in rp.regions:
+            if r.name == STAGING and budget is not None and r.nbytes > budget:
+                out.append(f"rank {rp.rank}: staging of {r.nbytes} bytes exceeds "
+                           f"staging_bytes={budget}")
+    return out
+
+
+def order(plan: Plan) -> list[str]:
+    out = []
+    g = nx.DiGraph()
+    g.add_nodes_from(range(len(plan.dag_nodes)))
+    g.add_edges_from(zip(plan.dag_edges["u"].tolist(), plan.dag_edges["v"].tolist()))
+    if not nx.is_directed_acyclic_graph(g):
+        out.append("the stage DAG has a cycle")
+    sent = {(rp.rank, int(s), int(p), int(k)) for rp in plan.ranks
+            for s, p, k in zip(rp.signals["stage"], rp.signals["peer"], rp.signals["kind"])}
+    waited = {(rp.rank, int(s), int(p), int(k)) for rp in plan.ranks
+              for s, p, k in zip(rp.waits["stage"], rp.waits["peer"], rp.waits["kind"])}
+    for r, s, p, k in sorted(waited):
+        if (p, s - 1 if k == ACK else s, r, k) not in sent:
+            out.append(f"rank {r} waits for signal kind {k} from rank {p} in stage {s}, "
+                       "which is never sent")
+    for r, s, p, k in sorted(sent):
+        if (p, s + 1 if k == ACK else s, r, k) not in waited:
+            out.append(f"rank {r} sends signal kind {k} to rank {p} in stage {s}, which "
+                       "nobody waits for")
+    for rp in plan.ranks:
+        stage = np.zeros(len(rp.writes), dtype=np.int64)
+        for b in range(len(rp.batches)):
+            stage[rp.batches["start"][b]:rp.batches["stop"][b]] = rp.batches["stage"][b]
+        pairs = set(zip(stage.tolist(), rp.writes["dst_rank"].tolist()))
+        for s, p in sorted(pairs):
+            if (rp.rank, s, p, DONE) not in sent or (p, 0, rp.rank, READY) not in sent:
+                out.append(f"rank {rp.rank} writes to rank {p} in stage {s} without READY "
+                           "and DONE signals")
+            staging = len(plan.ranks[p].regions) - 1
+            into = (rp.writes["dst_rank"] == p) & (rp.writes["dst_region"] == staging) & \
+                (stage == s)
+            if s > 0 and plan.ranks[p].regions[staging].name == STAGING and into.any() and \
+                    (rp.rank, s, p, ACK) not in waited:
+                out.append(f"rank {rp.rank} writes into rank {p}'s staging in stage {s} "
+                           "without waiting for its ACK")
+    return out[:5]
+
+
+def verify_plan(plan: Plan) -> list[str]:
+    """All violations, in check order (bounds first: later checks assume them)."""
+    problems = bounds(plan)
+    if problems:
+        return problems
+    return coverage(plan) + sizes(plan) + order(plan)
+
+
+def verify_file(path: str) -> list[str]:
+    return verify_plan(load_plan(path))

@@ -1,0 +1,65 @@
+"""Hand-built layouts for compiler tests, independent of the framework layout modules.
+
+- `row_split(spec, world, dtype)`: each logical tensor `torch.chunk`ed along dim 0 over
+  `world` ranks, one physical tensor per piece (FSDP2-like; trailing ranks may be empty).
+- `fused_col_split(spec, tp, replicas, dtype)`: q/k/v of each layer fused into one `qkv`
+  tensor `[q; k; v]`, every 2-d tensor split along dim 1 (columns) over `tp` ranks, 1-d
+  tensors replicated: so every target box is strided in its physical tensor, and every
+  source row is cut (exercises runs, packs and unpacks).
+"""
+
+from __future__ import annotations
+
+from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
+from planner.spec import ModelSpec
+
+
+def row_split(spec: ModelSpec, world: int, dtype: str = "bfloat16") -> Layout:
+    ranks = []
+    for r in range(world):
+        tensors = []
+        for t in spec.tensors:
+            d0 = t.shape[0]
+            c = -(-d0 // world)
+            lo, hi = min(r * c, d0), min((r + 1) * c, d0)
+            shape = (hi - lo, *t.shape[1:])
+            pieces = () if hi == lo else (
+                Piece(t.name, (lo, *[0] * (len(t.shape) - 1)), shape, (0,) * len(shape)),)
+            tdtype = t.dtype if t.buffer else dtype
+            tensors.append(PhysicalTensor(t.name, shape, tdtype, pieces))
+        ranks.append(RankLayout(r, 0, tuple(tensors)))
+    return Layout("source", "synthetic-rows", tuple(ranks), 1)
+
+
+def fused_col_split(spec: ModelSpec, tp: int, replicas: int = 1,
+                    dtype: str = "bfloat16") -> Layout:
+    by_name = spec.by_name
+    ranks = []
+    for rep in range(replicas):
+        for r in range(tp):
+            tensors = []
+            done = set()
+            for t in spec.tensors:
+                if t.name in done:
+                    continue
+                tdtype = t.dtype if t.buffer else dtype
+                if t.name.endswith("q_proj.weight") and "self_attn" in t.name:
+                    group = [by_name[t.name.replace("q_proj", x)] for x in ("q_proj", "k_proj",
+                                                                           "v_proj")]
+                    name = t.name.replace("q_proj", "qkv_proj")
+                else:
+                    group, name = [t], t.name
+                done.update(g.name for g in group)
+                if len(t.shape) == 1:
+                    tensors.append(PhysicalTensor(name, t.shape, tdtype, (
+                        Piece(t.name, (0,), t.shape, (0,)),)))
+                    continue
+                cols = t.shape[1] // tp
+                rows = sum(g.shape[0] for g in group)
+                pieces, row = [], 0
+                for g in group:
+                    pieces.append(Piece(g.name, (0, r * cols), (g.shape[0], cols), (row, 0)))
+                    row += g.shape[0]
+                tensors.append(PhysicalTensor(name, (rows, cols), tdtype, tuple(pieces)))
+            ranks.append(RankLayout(rep * tp + r, rep, tuple(tensors)))
+    return Layout("target", "synthetic-cols", tuple(ranks), replicas)
