@@ -1,0 +1,47 @@
+"""One rank of the 2 x 2 example over NIXL, as its own process (spawned by test_nixl.py).
+
+    python nixl_worker.py PLAN RANK HOST:PORT STEPS
+
+Sources refill their tensors with the data of step k before each run(); targets check
+their tensors bit-exactly after each run(). Exit status 0 means every step matched.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from exec_plans import two_by_two_expected, two_by_two_tensors
+
+import executor
+
+
+def main(path: str, rank: int, rendezvous: str, steps: int) -> int:
+    host, port = rendezvous.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    tensors = two_by_two_tensors(0)[rank]
+    plan = executor.load(path, rank, tensors, transport="nixl", rendezvous=store, timeout_s=20)
+    for step in range(1, steps + 1):
+        if rank in (0, 1):
+            for name, t in two_by_two_tensors(step)[rank].items():
+                tensors[name].copy_(t)
+        stats = executor.run(plan)
+        if rank in (2, 3):
+            for name, want in two_by_two_expected(step)[rank].items():
+                if not torch.equal(tensors[name], want):
+                    print(f"rank {rank} step {step}: {name} differs", flush=True)
+                    return 1
+        print(f"rank {rank} step {step}: ok {stats.bytes} B", flush=True)
+    store.set(f"exit/{rank}", b"1")
+    store.wait([f"exit/{r}" for r in range(4)], timedelta(seconds=30))
+    time.sleep(0.2)
+    plan.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])))
