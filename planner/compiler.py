@@ -69,6 +69,18 @@ def _nic_stats(topo: Topology, src_rank: np.ndarray, dst_rank: np.ndarray,
             .sum()), "floor_s": float(max(nic_floor, nv_floor))}
 
 
+def _rank_stats(low, world: int) -> list[list[int]]:
+    """Per plan rank: [writes issued, bytes sent, bytes received, packs, unpacks, staging]."""
+    count = np.bincount(low.w_src_rank, minlength=world)
+    sent = np.bincount(low.w_src_rank, weights=low.w_nbytes, minlength=world)
+    recv = np.bincount(low.w_dst_rank, weights=low.w_nbytes, minlength=world)
+    kind, rank = low.copies["kind"], low.copies["rank"]
+    packs = np.bincount(rank[kind == 1], minlength=world)
+    unpacks = np.bincount(rank[kind == 2], minlength=world)
+    cols = (count, sent, recv, packs, unpacks, low.staging)
+    return [[int(c[r]) for c in cols] for r in range(world)]
+
+
 def compile_config(cfg: Config, spec: ModelSpec, progress=None) -> Plan:
     """Compile a checked config and its model spec into a plan."""
     if progress is not None:
@@ -127,6 +139,7 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
                   **{k: v for k, v in nic.items() if k != "nics"}},
         "nics": nic["nics"],
     }
+    header["rank_stats"] = _rank_stats(low, topo.world)
     step("emit")
     return emit(header, low, sched, topo, regions, explain, tuple(names),
                 coverage_table(dst_layout, src_layout.world))

@@ -1,0 +1,114 @@
+"""`rdma-plan inspect` and `explain`: a plan, readable by a person.
+
+Both read the header (and, for `explain`, the explain blob and the rank blobs it names),
+never the whole plan, so they stay fast on plans of millions of ops.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from schemas.plan import EXPLAIN_COLUMNS, PlanFormatError, RankPlan, Table, read_blob, read_header
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3f} GB"
+
+
+def _balance(values: list[int]) -> float:
+    """max / mean over the NICs that carry traffic (1.0 = perfect)."""
+    used = [v for v in values if v > 0]
+    return max(used) / (sum(used) / len(used)) if used else 1.0
+
+
+def summary(header: dict[str, Any]) -> dict[str, Any]:
+    st = header["stats"]
+    nics = header["nics"]
+    out_bal = _balance([n["bytes_out"] for n in nics])
+    in_bal = _balance([n["bytes_in"] for n in nics])
+    return {
+        "fingerprint": header["fingerprint"], "created_by": header.get("created_by"),
+        "model": header["model"]["model_type"], "world": header["world"],
+        "sources": header["sources"], "targets": header["targets"],
+        "replicas": header.get("replicas"), "stages": header["stages"],
+        "ops": st["writes"] + st["packs"] + st["unpacks"], "writes": st["writes"],
+        "packs": st["packs"], "unpacks": st["unpacks"], "bytes": st["bytes"],
+        "remote_bytes": st["remote_bytes"], "nvlink_bytes": st["nvlink_bytes"],
+        "staging_max": st["staging_max"], "floor_s": st["floor_s"],
+        "balance": {"egress_max_over_mean": out_bal, "ingress_max_over_mean": in_bal},
+        "nics": [{"name": n["name"], "bytes_out": n["bytes_out"], "bytes_in": n["bytes_in"]}
+                 for n in nics],
+        "ranks": [{"rank": r, "role": header["ranks"][r][0], "writes": s[0], "bytes_out": s[1],
+                   "bytes_in": s[2], "packs": s[3], "unpacks": s[4], "staging": s[5]}
+                  for r, s in enumerate(header["rank_stats"])],
+    }
+
+
+def inspect_text(path: str, as_json: bool = False) -> str:
+    with open(path, "rb") as f:
+        header, _ = read_header(f, path)
+    s = summary(header)
+    if as_json:
+        return json.dumps(s, indent=1)
+    src, tgt = header["source"], header["target"]
+    lines = [
+        f"plan {path}  fingerprint {s['fingerprint']}  ({s['created_by']})",
+        f"model {s['model']} ({header['model']['total_params'] / 1e9:.2f}B params); "
+        f"source {src['framework']} tp{src['tp']} pp{src['pp']} dp{src['dp']} ep{src['ep']} "
+        f"{src['dtype']} -> target {tgt['engine']} tp{tgt['tp']} dp{tgt['dp']} "
+        f"ep={tgt['ep']} x{tgt['replicas']} {tgt['dtype']}",
+        f"ranks {s['sources']} source + {s['targets']} target; stages {s['stages']}; "
+        f"ops {s['ops']} ({s['writes']} writes, {s['packs']} packs, {s['unpacks']} unpacks)",
+        f"bytes {_gb(s['bytes'])} (over NICs {_gb(s['remote_bytes'])}, NVLink "
+        f"{_gb(s['nvlink_bytes'])}); staging max {s['staging_max'] / 2**20:.1f} MiB/rank",
+        f"balance (max/mean over busy NICs): egress {s['balance']['egress_max_over_mean']:.3f}"
+        f", ingress {s['balance']['ingress_max_over_mean']:.3f}",
+        f"estimated time (floor: busiest NIC or NVLink at full bandwidth): "
+        f"{s['floor_s'] * 1e3:.1f} ms",
+        "", f"{'nic':<14}{'bytes out':>16}{'bytes in':>16}",
+    ]
+    nics = s["nics"]
+    shown = nics if len(nics) <= 32 else nics[:16] + nics[-16:]
+    lines += [f"{n['name']:<14}{n['bytes_out']:>16,}{n['bytes_in']:>16,}" for n in shown]
+    if len(nics) > len(shown):
+        lines.append(f"... ({len(nics) - len(shown)} more NICs; --json lists all)")
+    lines += ["", f"{'rank':>5} {'role':<7}{'writes':>9}{'bytes out':>16}{'bytes in':>16}"
+              f"{'packs':>7}{'unpacks':>8}{'staging':>12}"]
+    ranks = s["ranks"] if len(s["ranks"]) <= 32 else s["ranks"][:16] + s["ranks"][-16:]
+    lines += [f"{r['rank']:>5} {r['role']:<7}{r['writes']:>9}{r['bytes_out']:>16,}"
+              f"{r['bytes_in']:>16,}{r['packs']:>7}{r['unpacks']:>8}{r['staging']:>12,}"
+              for r in ranks]
+    if len(s["ranks"]) > len(ranks):
+        lines.append(f"... ({len(s['ranks']) - len(ranks)} more ranks; --json lists all)")
+    return "\n".join(lines)
+
+
+def explain_text(path: str, tensor: str) -> str:
+    with open(path, "rb") as f:
+        header, start = read_header(f, path)
+        ex = read_blob(f, header, start, "explain", path)
+        names = ex["tensors"]
+        if tensor not in names:
+            import difflib
+
+            close = difflib.get_close_matches(tensor, names, 3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise PlanFormatError(f"explain: tensor {tensor!r} is not in this plan's model"
+                                  f"{hint}")
+        t = Table.from_msgpack(EXPLAIN_COLUMNS, ex["table"], "explain")
+        m = np.nonzero(t["tensor"] == names.index(tensor))[0]
+        ranks = sorted(set(t["src_rank"][m].tolist()) | set(t["dst_rank"][m].tolist()))
+        regions = {r: RankPlan.decode(read_blob(f, header, start, f"rank/{r}", path)).regions
+                   for r in ranks}
+    total = int(t["nbytes"][m].sum())
+    lines = [f"{tensor}: {total:,} bytes into {len(set(t['dst_rank'][m].tolist()))} target "
+             f"ranks from {len(set(t['src_rank'][m].tolist()))} source ranks"]
+    for i in m.tolist():
+        s, d = int(t["src_rank"][i]), int(t["dst_rank"][i])
+        lines.append(f"  source rank {s:>4} {regions[s][t['src_region'][i]].name:<50} -> "
+                     f"target rank {d:>4} {regions[d][t['dst_region'][i]].name:<50} "
+                     f"{int(t['nbytes'][i]):>14,} bytes in {int(t['boxes'][i])} boxes")
+    return "\n".join(lines)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Install rdma-plan and what it needs into the current Python (>= 3.10).
+#   bash scripts/setup.sh          runtime: torch (CPU 2.13.0 if none), numpy, msgpack,
+#                                  networkx, pyyaml, NIXL (UCX) and rdma-plan itself
+#   bash scripts/setup.sh --test   also pytest, hypothesis, ruff and the CPU oracles
+#                                  (transformers, Megatron-Core, vLLM) the tests compare with
+# torch is installed first and never upgraded afterwards: every other package that could
+# pull a CUDA torch is installed with --no-deps.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PIP="python3 -m pip install -q --disable-pip-version-check"
+
+if ! python3 -c "import torch" 2>/dev/null; then
+  echo "setup: no torch found; installing the CPU build torch==2.13.0"
+  $PIP torch==2.13.0
+fi
+$PIP numpy msgpack networkx pyyaml
+$PIP --no-deps "nixl==1.5.1" "nixl-cu13==1.5.1"
+$PIP --no-deps --no-build-isolation -e .
+
+if [ "${1:-}" = "--test" ]; then
+  $PIP pytest hypothesis ruff
+  if [ -f tests/oracles/requirements.txt ]; then
+    $PIP --no-deps -r tests/oracles/requirements.txt
+  fi
+fi
+python3 -c "import torch, nixl; print('setup: ok (torch', torch.__version__ + ')')"
