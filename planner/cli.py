@@ -29,8 +29,7 @@ class _UsageError(Exception):
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [ConfigError, FileNotFoundError, ValueError,
-                                         IsADirectoryError, _UsageError]
+    errors: list[type[BaseException]] = [ConfigError, OSError, ValueError, _UsageError]
     try:
         from schemas.plan import PlanFormatError
         errors.append(PlanFormatError)
@@ -134,6 +133,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="rdma-plan", description="Compile RL weight transfers into RDMA write "
                 "plans (Megatron/FSDP2 -> vLLM/SGLang), and look inside them.")
+    p.add_argument("--debug", action="store_true",
+                   help="show the full traceback of an error instead of one line")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -169,12 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `rdma-plan`; returns the exit code (0 ok, 1 verify failed, 2 bad input)."""
     parser = build_parser()
+    args = None
     try:
         args = parser.parse_args(argv)
         if args.command == "spec" and args.num_layers is not None and args.num_layers < 1:
             raise ConfigError(f"--num-layers: {args.num_layers} must be a positive integer")
         return int(args.func(args))
     except _user_errors() as e:
-        message = " ".join(str(e).split()) or type(e).__name__
-        print(f"rdma-plan: error: {message}", file=sys.stderr)
+        if args is not None and args.debug:
+            raise
+        print(f"rdma-plan: error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.filename is not None:
+        return f"{e.filename}: {e.strerror or e}"
+    return " ".join(str(e).split()) or type(e).__name__
