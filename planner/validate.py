@@ -130,10 +130,11 @@ def _check_target(t: TargetConfig, d: ModelDims) -> None:
             _fail("target.ep", True, "is set but the model is dense (no experts); remove it")
         return
     if t.engine == "vllm":
-        moe_tp = 1 if t.ep else t.tp * t.dp
-        if moe_tp > 1:
-            _divides("target.tp", moe_tp, d.moe_intermediate,
-                     "moe_intermediate_size (vLLM splits experts over dp*tp)")
+        moe_tp = 1 if t.ep else t.tp * t.dp  # vLLM splits each expert over dp*tp ranks
+        if d.moe_intermediate % moe_tp:
+            _fail("target.tp", t.tp, f"times target.dp={t.dp} (vLLM's expert TP without EP, "
+                  f"{moe_tp}) must divide moe_intermediate_size={d.moe_intermediate}; change "
+                  "target.tp / target.dp or set target.ep: true")
     else:
         if t.ep:
             _divides("target.tp", t.tp, d.num_experts, "the number of routed experts (SGLang "

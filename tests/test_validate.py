@@ -1,0 +1,74 @@
+"""Cross-section rules on real setups: configs people run must pass, near misses must not."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from planner.spec import load_spec
+from planner.validate import needed_hosts, validate
+from schemas.config import ConfigError, config_from_dict
+
+MODELS = Path(__file__).resolve().parent.parent / "plans" / "models"
+
+
+def _check(model: str, source: dict, target: dict, cluster: dict | None = None) -> int:
+    """Validate and return the hosts the setup needs."""
+    cfg = config_from_dict({"model": {"config": str(MODELS / model)}, "source": source,
+                            "target": target, "cluster": cluster or {}})
+    validate(cfg, load_spec(cfg.model_config_path))
+    return needed_hosts(cfg)
+
+
+def test_real_setups_pass() -> None:
+    # Qwen3-30B-A3B: Megatron tp 4 x dp 8 with ep 8 (etp = tp = 4; etp*ep = 32 = tp*dp),
+    # into 4 vLLM engines of tp 4 with EP: 32 + 16 GPUs = 4 + 2 hosts.
+    assert _check("qwen3-30b-a3b", {"framework": "megatron", "tp": 4, "dp": 8, "ep": 8},
+                  {"engine": "vllm", "tp": 4, "ep": True, "replicas": 4}) == 6
+    # DeepSeek-V3: tp 2, pp 16 (3 + 14 x 4 + 2 = 61 layers), dp 32, ep 64, etp 1
+    # (etp*ep = 64 = tp*dp): 1024 GPUs; vLLM tp 16 x 4 engines = 64 GPUs.
+    assert _check("deepseek-v3", {"framework": "megatron", "tp": 2, "pp": 16, "dp": 32,
+                                  "ep": 64, "etp": 1, "pp_first_stage_layers": 3,
+                                  "pp_last_stage_layers": 2},
+                  {"engine": "vllm", "tp": 16, "replicas": 4}) == 128 + 8
+    # Llama-3.1-70B: FSDP2 over 64 GPUs into 8 SGLang tp 8 engines, colocated 4 + 4 per host.
+    assert _check("llama-3.1-70b", {"framework": "fsdp2", "dp": 64},
+                  {"engine": "sglang", "tp": 8, "replicas": 8},
+                  {"placement": "colocated"}) == 16
+    # Kimi-K2: 64 heads; SGLang tp 16 with DP attention 4 (attention tp 4), EP over tp 16
+    # (384 experts / 16).
+    _check("kimi-k2", {"framework": "megatron", "tp": 8, "pp": 1, "dp": 16, "ep": 32,
+                       "etp": 1},
+           {"engine": "sglang", "tp": 16, "dp": 4, "dp_attention": True, "ep": True})
+
+
+@pytest.mark.parametrize("tp, ok", [
+    (1, True), (2, True), (4, True),  # 8 kv heads: split evenly
+    (16, True),                      # 16 ranks > 8 kv heads: each kv head on 2 ranks
+    (32, True),
+    (3, False),                      # 3 does not divide 32 query heads
+])
+def test_gqa_rule_qwen3_8b(tp: int, ok: bool) -> None:
+    # Qwen3-8B: 32 query heads, 8 kv heads, F = 12288, V = 151936 (pads to 151936).
+    src = {"framework": "megatron", "tp": tp}
+    if ok:
+        _check("qwen3-8b", src, {"engine": "vllm", "tp": tp})
+    else:
+        with pytest.raises(ConfigError, match=r"source\.tp: 3 must divide num_attention"):
+            _check("qwen3-8b", src, {"engine": "vllm", "tp": tp})
+
+
+def test_vllm_moe_tp_is_dp_times_tp() -> None:
+    # vLLM without EP splits each expert over dp*tp = 4*2 = 8 ranks: I = 100 does not split
+    # 8 ways (although tp = 2 alone divides it); with EP the experts stay whole.
+    cfg = config_from_dict({"model": {"config": str(MODELS / "tiny-qwen3-moe"),
+                                      "overrides": {"moe_intermediate_size": 100}},
+                            "source": {"framework": "fsdp2", "dp": 2},
+                            "target": {"engine": "vllm", "tp": 2, "dp": 4}})
+    spec = load_spec(cfg.model_config_path, overrides=cfg.model.overrides)
+    with pytest.raises(ConfigError, match=r"target\.tp: 2 times target\.dp=4 .* must divide "
+                                          r"moe_intermediate_size=100"):
+        validate(cfg, spec)
+    validate(replace(cfg, target=replace(cfg.target, ep=True)), spec)
