@@ -1,0 +1,301 @@
+"""Megatron-Core (0.16.1) source layout: TP, PP, EP/ETP and DP shards of a GPTModel.
+
+Rank grid (`parallel_state.initialize_model_parallel`, order `tp-cp-ep-dp-pp`, cp = 1):
+dense weights  `rank = tp_rank + tp * (dp_rank + dp * pp_rank)` (TP fastest);
+expert weights `rank = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank))` with
+`edp = tp * dp / (etp * ep)`. Both grids share the PP stage of a rank.
+
+Names are what `GPTModel.named_parameters()` gives on a rank, in that order (module
+registration order: `input_layernorm`, `self_attention.linear_proj` before `linear_qkv`,
+`pre_mlp_layernorm`, `mlp`; in a MoE layer `router`, `experts`, `shared_experts`), then
+the trained buffers (`mlp.router.expert_bias`). Layer indices are local to the PP stage.
+With `transformer_engine`, the norms fuse into the next linear as `layer_norm_weight`
+(placed before that linear's `weight`, as TE registers it); MoE layers keep
+`pre_mlp_layernorm`; MLA keeps `input_layernorm` and replicates its down projections.
+
+DeepSeek MTP layers are left out (Megatron builds them in a separate `mtp` block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from planner.layouts.base import Layout, PhysicalTensor, RankLayout
+from planner.layouts.shards import box, cut_rows, even, physical, whole
+from planner.spec import LogicalTensor, ModelDims, ModelSpec
+from schemas.config import ConfigError, SourceConfig
+
+
+@dataclass(frozen=True, slots=True)
+class _Coords:
+    tp: int
+    pp: int
+    etp: int
+    ep: int
+
+
+def stage_layers(num_layers: int, cfg: SourceConfig) -> list[range]:
+    """Global layer indices of each PP stage (Megatron's `get_num_layers_to_build`)."""
+    pp, first, last = cfg.pp, cfg.pp_first_stage_layers, cfg.pp_last_stage_layers
+    if pp > num_layers:
+        raise ConfigError(f"source.pp: {pp} is more than the model's {num_layers} layers; "
+                          f"use at most {num_layers} stages")
+    counts: list[int | None] = [None] * pp
+    if first is not None or last is not None:
+        if pp < 2:
+            key = "source.pp_first_stage_layers" if first is not None else \
+                "source.pp_last_stage_layers"
+            raise ConfigError(f"{key}: {first if first is not None else last} needs "
+                              f"source.pp >= 2 (got pp={pp}); remove it or raise pp")
+        counts[0], counts[-1] = first, last
+    rest = num_layers - sum(c for c in counts if c is not None)
+    left = sum(c is None for c in counts)
+    if rest < 0 or (left and rest % left) or (not left and rest):
+        raise ConfigError(
+            f"source.pp: {pp} stages cannot split {num_layers} layers (first stage "
+            f"{first}, last stage {last}): the remaining {rest} layers must divide evenly "
+            f"over the other {left} stages; change pp or the first/last stage layers")
+    per = rest // left if left else 0
+    out, start = [], 0
+    for c in counts:
+        n = per if c is None else c
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def padded_vocab(vocab: int, cfg: SourceConfig) -> int:
+    if cfg.vocab_padding == "none":
+        if vocab % cfg.tp:
+            raise ConfigError(f"source.vocab_padding: 'none' needs vocab_size={vocab} to divide "
+                              f"by source.tp={cfg.tp}; use 'megatron' or another tp")
+        return vocab
+    mult = 128 * cfg.tp
+    return -(-vocab // mult) * mult
+
+
+def check(d: ModelDims, cfg: SourceConfig) -> None:
+    """The combinations Megatron-Core cannot build, as ConfigErrors naming the key."""
+    tp, etp, ep = cfg.tp, cfg.expert_tp, cfg.ep
+    if d.heads % tp:
+        raise ConfigError(f"source.tp: {tp} does not divide num_attention_heads={d.heads}; "
+                          "use a divisor of it")
+    if not d.mla:
+        if d.kv_heads % tp and tp % d.kv_heads:
+            raise ConfigError(f"source.tp: {tp} and num_key_value_heads={d.kv_heads} must "
+                              "divide one another (Megatron's ng % tp or tp % ng rule)")
+        rows = (d.heads + 2 * d.kv_heads) * d.head_dim
+        if rows % tp:
+            raise ConfigError(f"source.tp: {tp} does not divide linear_qkv's {rows} rows; "
+                              "use a divisor of it")
+    if any(not d.is_moe(i) for i in range(d.num_layers)) and d.intermediate % tp:
+        raise ConfigError(f"source.tp: {tp} does not divide intermediate_size="
+                          f"{d.intermediate}; use a divisor of it")
+    if d.moe_layers:
+        if d.num_experts % ep:
+            raise ConfigError(f"source.ep: {ep} does not divide num_experts={d.num_experts}; "
+                              "use a divisor of it")
+        if d.moe_intermediate % etp:
+            raise ConfigError(f"source.etp: {etp} does not divide moe_intermediate_size="
+                              f"{d.moe_intermediate}; use a divisor of it")
+        if d.shared_intermediate % tp:
+            raise ConfigError(f"source.tp: {tp} does not divide the shared experts' "
+                              f"intermediate size {d.shared_intermediate}")
+    if (tp * cfg.dp) % (etp * ep):
+        raise ConfigError(f"source.ep: ep*etp = {ep}*{etp} must divide tp*dp = "
+                          f"{tp}*{cfg.dp} (one PP stage's ranks); change ep, etp or dp")
+
+
+def layout(spec: ModelSpec, cfg: SourceConfig) -> Layout:
+    """Every Megatron rank's parameters (and `router.expert_bias` buffers) as pieces."""
+    d = spec.dims
+    check(d, cfg)
+    stages = stage_layers(d.num_layers, cfg)
+    vocab = padded_vocab(d.vocab, cfg)
+    by_name = spec.by_name
+    tp, dp, etp, ep = cfg.tp, cfg.dp, cfg.expert_tp, cfg.ep
+    cache: dict[_Coords, tuple[PhysicalTensor, ...]] = {}
+    ranks = []
+    for rank in range(cfg.world):
+        c = _Coords(tp=rank % tp, pp=rank // (tp * dp), etp=rank % etp,
+                    ep=(rank // etp) % ep)
+        if c not in cache:
+            cache[c] = tuple(_rank(_Ctx(d, cfg, by_name, c, vocab), stages[c.pp]))
+        ranks.append(RankLayout(rank=rank, replica=(rank // tp) % dp, tensors=cache[c]))
+    return Layout(side="source", framework="megatron", ranks=tuple(ranks), replicas=dp)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ctx:
+    d: ModelDims
+    cfg: SourceConfig
+    by_name: dict[str, LogicalTensor]
+    c: _Coords
+    vocab: int
+
+    def full(self, name: str, hf: str) -> PhysicalTensor:
+        t = self.by_name[hf]
+        return physical(name, t.shape, self._dtype(t), [whole(hf, t.shape)])
+
+    def split(self, key: str) -> tuple[int, int]:
+        """(parts, this rank's index) of the TP (`source.tp`) or ETP (`source.etp`) cut."""
+        if key == "source.etp":
+            return self.cfg.expert_tp, self.c.etp
+        return self.cfg.tp, self.c.tp
+
+    def rows(self, name: str, hf: str, key: str = "source.tp") -> PhysicalTensor:
+        """Column-parallel: an even row cut."""
+        parts, index = self.split(key)
+        t = self.by_name[hf]
+        lo, hi = even(t.shape[0], parts, index, key, parts, f"rows of {hf}")
+        return physical(name, (hi - lo, *t.shape[1:]), self._dtype(t),
+                        [box(hf, t.shape, 0, lo, hi)])
+
+    def cols(self, name: str, hf: str, key: str = "source.tp") -> PhysicalTensor:
+        """Row-parallel: an even column cut."""
+        parts, index = self.split(key)
+        t = self.by_name[hf]
+        lo, hi = even(t.shape[1], parts, index, key, parts, f"columns of {hf}")
+        return physical(name, (t.shape[0], hi - lo), self._dtype(t),
+                        [box(hf, t.shape, 1, lo, hi)])
+
+    def gate_up(self, name: str, hf: str, key: str = "source.tp") -> PhysicalTensor:
+        """`linear_fc1` = `[gate rows of this rank; up rows of this rank]`."""
+        parts, index = self.split(key)
+        gate = self.by_name[hf + "gate_proj.weight"]
+        inter, h = gate.shape
+        lo, hi = even(inter, parts, index, key, parts, f"rows of {gate.name}")
+        pieces = [box(gate.name, gate.shape, 0, lo, hi),
+                  box(hf + "up_proj.weight", gate.shape, 0, lo, hi, at=hi - lo)]
+        return physical(name, (2 * (hi - lo), h), self._dtype(gate), pieces)
+
+    def vocab_rows(self, name: str, hf: str) -> PhysicalTensor:
+        t = self.by_name[hf]
+        per = self.vocab // self.cfg.tp
+        lo, hi = self.c.tp * per, min((self.c.tp + 1) * per, t.shape[0])
+        return physical(name, (per, t.shape[1]), self._dtype(t),
+                        [box(hf, t.shape, 0, lo, hi)] if lo < hi else [])
+
+    def _dtype(self, t: LogicalTensor) -> str:
+        return t.dtype if t.buffer else self.cfg.dtype
+
+
+def _rank(x: _Ctx, layers: range) -> Iterator[PhysicalTensor]:
+    d, cfg = x.d, x.cfg
+    buffers = []
+    if layers.start == 0:
+        yield x.vocab_rows("embedding.word_embeddings.weight", "model.embed_tokens.weight")
+    for j, i in enumerate(layers):
+        yield from _layer(x, f"decoder.layers.{j}.", f"model.layers.{i}.", i, buffers)
+    if layers.stop == d.num_layers:
+        yield x.full("decoder.final_layernorm.weight", "model.norm.weight")
+        if not d.tied:
+            yield x.vocab_rows("output_layer.weight", "lm_head.weight")
+        elif cfg.pp > 1:  # the last stage holds a copy of the tied embedding
+            yield x.vocab_rows("output_layer.weight", "model.embed_tokens.weight")
+    yield from buffers
+
+
+def _layer(x: _Ctx, m: str, h: str, i: int, buffers: list[PhysicalTensor]
+           ) -> Iterator[PhysicalTensor]:
+    d, te = x.d, x.cfg.transformer_engine
+    moe = d.is_moe(i)
+    a = h + "self_attn."
+    if not te or d.mla:
+        yield x.full(m + "input_layernorm.weight", h + "input_layernorm.weight")
+    if d.mla:
+        yield from _mla(x, m + "self_attention.", a)
+    else:
+        yield x.cols(m + "self_attention.linear_proj.weight", a + "o_proj.weight")
+        if te:
+            yield x.full(m + "self_attention.linear_qkv.layer_norm_weight",
+                         h + "input_layernorm.weight")
+        yield _qkv(x, m + "self_attention.linear_qkv.weight", a, "weight")
+        if d.qkv_bias:
+            yield _qkv(x, m + "self_attention.linear_qkv.bias", a, "bias")
+        if d.qk_norm:
+            yield x.full(m + "self_attention.q_layernorm.weight", a + "q_norm.weight")
+            yield x.full(m + "self_attention.k_layernorm.weight", a + "k_norm.weight")
+    norm = h + "post_attention_layernorm.weight"
+    if not te or moe:
+        yield x.full(m + "pre_mlp_layernorm.weight", norm)
+    if not moe:
+        if te:
+            yield x.full(m + "mlp.linear_fc1.layer_norm_weight", norm)
+        yield x.gate_up(m + "mlp.linear_fc1.weight", h + "mlp.")
+        yield x.cols(m + "mlp.linear_fc2.weight", h + "mlp.down_proj.weight")
+        return
+    yield x.full(m + "mlp.router.weight", h + "mlp.gate.weight")
+    yield from _experts(x, m + "mlp.experts.", h + "mlp.experts.")
+    if d.shared_intermediate:
+        s = h + "mlp.shared_experts."
+        yield x.gate_up(m + "mlp.shared_experts.linear_fc1.weight", s)
+        yield x.cols(m + "mlp.shared_experts.linear_fc2.weight", s + "down_proj.weight")
+    bias = h + "mlp.gate.e_score_correction_bias"
+    if bias in x.by_name:
+        buffers.append(x.full(m + "mlp.router.expert_bias", bias))
+
+
+def _qkv(x: _Ctx, name: str, a: str, kind: str) -> PhysicalTensor:
+    """`linear_qkv`: rows interleaved per group `[q heads of g; k_g; v_g]`, even TP cut."""
+    d = x.d
+    q, hd = d.heads // d.kv_heads, d.head_dim
+    segments = []
+    for g in range(d.kv_heads):
+        segments += [(a + f"q_proj.{kind}", g * q * hd, q * hd),
+                     (a + f"k_proj.{kind}", g * hd, hd), (a + f"v_proj.{kind}", g * hd, hd)]
+    qt = x.by_name[a + f"q_proj.{kind}"]
+    rest = qt.shape[1:]
+    per = (d.heads + 2 * d.kv_heads) * hd // x.cfg.tp
+    start = x.c.tp * per
+    return physical(name, (per, *rest), x.cfg.dtype, cut_rows(segments, rest, start, start + per))
+
+
+def _mla(x: _Ctx, m: str, a: str) -> Iterator[PhysicalTensor]:
+    d, te = x.d, x.cfg.transformer_engine
+    down = x.full if te else x.rows  # TE: replicated TELinear; local: column-parallel
+    yield x.cols(m + "linear_proj.weight", a + "o_proj.weight")
+    if d.q_lora_rank:
+        yield down(m + "linear_q_down_proj.weight", a + "q_a_proj.weight")
+        if te:
+            yield x.full(m + "linear_q_up_proj.layer_norm_weight", a + "q_a_layernorm.weight")
+        yield x.rows(m + "linear_q_up_proj.weight", a + "q_b_proj.weight")
+    else:
+        yield x.rows(m + "linear_q_proj.weight", a + "q_proj.weight")
+    yield down(m + "linear_kv_down_proj.weight", a + "kv_a_proj_with_mqa.weight")
+    if te:
+        yield x.full(m + "linear_kv_up_proj.layer_norm_weight", a + "kv_a_layernorm.weight")
+    yield x.rows(m + "linear_kv_up_proj.weight", a + "kv_b_proj.weight")
+    if not te:
+        if d.q_lora_rank:
+            yield x.full(m + "q_layernorm.weight", a + "q_a_layernorm.weight")
+        yield x.full(m + "kv_layernorm.weight", a + "kv_a_layernorm.weight")
+
+
+def _experts(x: _Ctx, m: str, e: str) -> Iterator[PhysicalTensor]:
+    """This rank's experts `[ep_rank*E/EP, ...)`, each split like dense TP over ETP."""
+    d, cfg = x.d, x.cfg
+    n = d.num_experts // cfg.ep
+    first = x.c.ep * n
+
+    def fc1(k: int) -> PhysicalTensor:
+        name = (f"{m}linear_fc1.weight{k}" if cfg.expert_layout == "grouped"
+                else f"{m}local_experts.{k}.linear_fc1.weight")
+        return x.gate_up(name, f"{e}{first + k}.", "source.etp")
+
+    def fc2(k: int) -> PhysicalTensor:
+        name = (f"{m}linear_fc2.weight{k}" if cfg.expert_layout == "grouped"
+                else f"{m}local_experts.{k}.linear_fc2.weight")
+        return x.cols(name, f"{e}{first + k}.down_proj.weight", "source.etp")
+
+    if cfg.expert_layout == "grouped":
+        yield from (fc1(k) for k in range(n))
+        yield from (fc2(k) for k in range(n))
+    else:
+        for k in range(n):
+            yield fc1(k)
+            yield fc2(k)
+
+
+__all__ = ["check", "layout", "padded_vocab", "stage_layers"]

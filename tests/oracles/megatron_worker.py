@@ -1,0 +1,170 @@
+"""One rank of the Megatron-Core oracle (run as a script by test_megatron_oracle.py).
+
+Builds a real GPTModel (local spec, CPU, fp32, gloo) for the parallel config in argv[1]
+(JSON: {"hf": {...}, "source": {...}, "port": N}), then checks against our layout:
+(1) names and shapes of `named_parameters()` (+ `router.expert_bias`) equal ours, in
+order; (2) after copying our `materialize`d tensors into the params, the gathered logits
+equal the HF model's (transformers on CPU, same logical tensors). Exits non-zero on a
+mismatch, printing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from planner.layouts import megatron  # noqa: E402
+from planner.materialize import materialize, random_full_tensors  # noqa: E402
+from planner.spec import spec_from_hf  # noqa: E402
+from schemas.config import SourceConfig  # noqa: E402
+
+
+def _patch_cuda() -> None:
+    """The four CUDA assumptions of a CPU forward (see LAYOUTS.md)."""
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils
+
+    torch.cuda.current_device = lambda: "cpu"  # RoPE, router buffers
+    tracker = mrandom.get_cuda_rng_tracker()
+    tracker.fork = lambda *a, **k: contextlib.nullcontext()  # dropout is off anyway
+    moe_utils.te_general_gemm = None  # undefined without Transformer Engine
+    torch.Tensor.cuda = lambda self, *a, **k: self  # tied embeddings under PP
+
+
+def _build(hf: dict, cfg: SourceConfig, vocab: int, pre: bool, post: bool):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
+    from megatron.core.transformer import TransformerConfig
+
+    moe = hf["model_type"] == "qwen3_moe"
+    kw = {}
+    if moe:
+        kw = dict(num_moe_experts=hf["num_experts"], moe_ffn_hidden_size=hf[
+            "moe_intermediate_size"], moe_router_topk=hf["num_experts_per_tok"],
+                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                  moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+                  expert_model_parallel_size=cfg.ep,
+                  expert_tensor_parallel_size=cfg.expert_tp,
+                  moe_layer_freq=[int(i not in hf.get("mlp_only_layers", []))
+                                  for i in range(hf["num_hidden_layers"])])
+    tc = TransformerConfig(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_query_groups=hf["num_key_value_heads"], kv_channels=hf["head_dim"],
+        ffn_hidden_size=hf.get("intermediate_size", 0) or 4 * hf["hidden_size"],
+        normalization="RMSNorm", layernorm_epsilon=hf["rms_norm_eps"], gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, qk_layernorm=True,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=cfg.tp,
+        pipeline_model_parallel_size=cfg.pp, use_cpu_initialization=True,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, sequence_parallel=False,
+        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, bias_dropout_fusion=False,
+        num_layers_in_first_pipeline_stage=cfg.pp_first_stage_layers,
+        num_layers_in_last_pipeline_stage=cfg.pp_last_stage_layers, **kw)
+    if moe:  # dense and MoE layers (moe_layer_freq): the block spec of local layer specs
+        spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False,
+                                          normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    return GPTModel(tc, spec, vocab_size=vocab, max_sequence_length=64, pre_process=pre,
+                    post_process=post, share_embeddings_and_output_weights=hf[
+                        "tie_word_embeddings"], position_embedding_type="rope",
+                    rotary_base=hf["rope_theta"])
+
+
+def _hf_logits(hf: dict, full: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = AutoConfig.for_model(**hf, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(conf).float().eval()
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            if name == "lm_head.weight" and name not in full:
+                name = "model.embed_tokens.weight"
+            if name.endswith("experts.gate_up_proj"):  # transformers 5.x fused experts
+                pre = name[: -len("gate_up_proj")]
+                n = p.shape[0]
+                p.copy_(torch.stack([torch.cat([full[f"{pre}{e}.gate_proj.weight"],
+                                                full[f"{pre}{e}.up_proj.weight"]])
+                                     for e in range(n)]))
+            elif name.endswith("experts.down_proj"):
+                pre = name[: -len("down_proj")]
+                p.copy_(torch.stack([full[f"{pre}{e}.down_proj.weight"]
+                                     for e in range(p.shape[0])]))
+            else:
+                p.copy_(full[name])
+        return model(ids).logits.float()
+
+
+def main() -> int:
+    arg = json.loads(sys.argv[1])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{arg['port']}",
+                            rank=rank, world_size=world)
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    _patch_cuda()
+    hf, cfg = arg["hf"], SourceConfig(framework="megatron", **arg["source"])
+    spec = spec_from_hf(hf)
+    ps.initialize_model_parallel(cfg.tp, cfg.pp, expert_model_parallel_size=cfg.ep,
+                                 expert_tensor_parallel_size=cfg.expert_tp)
+    with contextlib.suppress(Exception):
+        model_parallel_cuda_manual_seed(0)
+    pp_rank, pp = ps.get_pipeline_model_parallel_rank(), cfg.pp
+    ours = megatron.layout(spec, cfg).ranks[rank]
+    vocab = ours.tensors[0].shape[0] * cfg.tp if pp_rank == 0 else megatron.padded_vocab(
+        spec.dims.vocab, cfg)
+    model = _build(hf, cfg, vocab, pp_rank == 0, pp_rank == pp - 1).eval()
+    real = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    real += [(n, tuple(b.shape)) for n, b in model.named_buffers() if n.endswith("expert_bias")]
+    mine = [(t.name, t.shape) for t in ours.tensors]
+    if real != mine:
+        print(f"rank {rank}: names/shapes differ\nreal {real}\nours {mine}", flush=True)
+        return 1
+    full = {k: v.float() for k, v in random_full_tensors(spec, seed=1, scale=0.2).items()}
+    local = materialize(megatron.layout(spec, cfg), full, ranks=[rank])[rank]
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, t in local.items():
+            params[name].copy_(t)
+    ids = torch.arange(12).reshape(2, 6) * 7 % spec.dims.vocab
+    pos = torch.arange(6).expand(2, 6)
+    mask = torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)[None, None]
+    with torch.no_grad():
+        if pp_rank > 0:
+            hidden = torch.empty(6, 2, spec.dims.hidden)
+            dist.recv(hidden, src=rank - cfg.tp * cfg.dp)
+            model.set_input_tensor(hidden)
+        out = model(ids, pos, mask)
+        if pp_rank < pp - 1:
+            dist.send(out, dst=rank + cfg.tp * cfg.dp)
+    logits = None
+    if pp_rank == pp - 1:
+        parts = [torch.empty_like(out) for _ in range(cfg.tp)]
+        dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+        logits = torch.cat(parts, -1)[..., : spec.dims.vocab]
+    code = 0
+    if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
+        ref = _hf_logits(hf, full, ids)
+        err = (logits - ref).abs().max().item()
+        print(f"rank {rank}: max |logits - hf| = {err:.3g}", flush=True)
+        code = int(not err < 1e-4)
+    dist.barrier()
+    dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
