@@ -8,6 +8,7 @@ family is one data-heavy module in `planner/models/`.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -123,8 +124,10 @@ def read_hf_config(path: str) -> dict[str, Any]:
 def spec_from_hf(hf: dict[str, Any], num_layers: int | None = None,
                  overrides: tuple[tuple[str, Any], ...] = (), mtp: bool = True) -> ModelSpec:
     """The model spec of a parsed HF config (with optional overrides)."""
+    _check_overrides(hf, overrides)
     hf = dict(hf)
     hf.update(dict(overrides))
+    _check_int_keys(hf, dict(overrides))
     if num_layers is not None:
         hf["num_hidden_layers"] = num_layers
     model_type = hf.get("model_type")
@@ -137,6 +140,33 @@ def spec_from_hf(hf: dict[str, Any], num_layers: int | None = None,
         dims = replace(dims, mtp_layers=0)
     _check_dims(dims)
     return ModelSpec(dims=dims, tensors=tuple(family.tensors(dims, _dtype(hf))))
+
+
+# The integer numbers the families read; null is allowed (e.g. `q_lora_rank: null`).
+INT_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "intermediate_size", "vocab_size", "num_experts", "n_routed_experts",
+            "n_shared_experts", "moe_intermediate_size", "num_experts_per_tok",
+            "decoder_sparse_step", "first_k_dense_replace", "moe_layer_freq", "q_lora_rank",
+            "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            "num_nextn_predict_layers")
+
+
+def _check_overrides(hf: dict[str, Any], overrides: tuple[tuple[str, Any], ...]) -> None:
+    """An override must name a key of config.json or a number the families read."""
+    for key, _ in overrides:
+        if key not in hf and key not in INT_KEYS:
+            close = difflib.get_close_matches(key, [*hf, *INT_KEYS], 1)
+            hint = f"did you mean {close[0]}?" if close else "check the spelling"
+            raise ConfigError(f"model.overrides.{key}: not a key of this config.json; {hint}")
+
+
+def _check_int_keys(hf: dict[str, Any], overrides: dict[str, Any]) -> None:
+    for key in INT_KEYS:
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            where = f"model.overrides.{key}" if key in overrides else f"model.config: {key}"
+            raise ConfigError(f"{where}: {value!r} must be an integer; fix "
+                              f"{'model.overrides' if key in overrides else 'config.json'}")
 
 
 def load_spec(path: str, num_layers: int | None = None,
