@@ -98,6 +98,30 @@ def test_spec_matches_transformers(name: str) -> None:
     assert wrong == {}, "(ours, transformers) differ"
 
 
+# Variants of the tiny models that take other branches of the families.
+VARIANTS = {
+    "qwen2 (qkv bias, no qk norm)": ("tiny-qwen3", {"model_type": "qwen2"}),
+    "llama tied, no head_dim key": ("tiny-qwen3", {"model_type": "llama", "head_dim": None,
+                                                   "tie_word_embeddings": True}),
+    "qwen3_moe sparse step 2 + mlp_only": ("tiny-qwen3-moe", {"decoder_sparse_step": 2,
+                                                              "mlp_only_layers": [3]}),
+    "deepseek_v3 no q_lora, no dense layer": ("tiny-deepseek-v3", {"q_lora_rank": None,
+                                                                   "first_k_dense_replace": 0}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_spec_variants_match_transformers(variant: str) -> None:
+    base, changes = VARIANTS[variant]
+    hf = {**_hf_config(base), **changes}
+    theirs, cfg = _hf_state(hf)
+    spec = spec_from_hf(hf)
+    ours = _ours(spec)
+    if cfg.tie_word_embeddings:
+        theirs.pop("lm_head.weight")
+    assert ours == theirs
+
+
 def test_spec_order_is_checkpoint_order() -> None:
     """embed_tokens first, layers in increasing order, norm and lm_head last."""
     spec = load_spec(str(ROOT / "plans/models/qwen3-8b"))
