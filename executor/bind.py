@@ -43,7 +43,7 @@ def bind(rank: int, regions: tuple[Region, ...], tensors: dict[str, torch.Tensor
     """One flat uint8 view per region (staging allocated), or `BindError` listing all problems."""
     problems = [p for r in regions if r.name != STAGING
                 if (p := _problem(r, tensors.get(r.name))) is not None]
-    bound = [tensors[r.name] for r in regions if r.name != STAGING]
+    bound = [t for r in regions if isinstance(t := tensors.get(r.name), torch.Tensor)]
     devices = {t.device for t in bound}
     if len(devices) > 1:
         problems.append(f"  tensors are on several devices {sorted(map(str, devices))}; "

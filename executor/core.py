@@ -27,6 +27,9 @@ from .errors import PeerMismatchError, PeerTimeoutError
 from .rendezvous import open_store
 from .transports.base import Store, Transport, WriteBatch
 
+_KIND_NAMES = {READY: "READY", DONE: "DONE (its writes landed)",
+               ACK: "ACK (its staging is free)"}
+
 
 @dataclass(frozen=True, slots=True)
 class RunStats:
@@ -205,7 +208,7 @@ class Executor:
     def send_half(self, s: int, timeout_s: float | None = None) -> None:
         """Steps 1-4 of stage `s` after `ready`: wait READY/ACK, packs, writes, DONE."""
         st = self.stages[s]
-        self._wait(st.before, "send READY/ACK", timeout_s)
+        self._wait(st.before, timeout_s)
         for op in st.packs:
             op()
         self._write(st.batches, s, timeout_s)
@@ -214,7 +217,7 @@ class Executor:
     def recv_half(self, s: int, timeout_s: float | None = None) -> None:
         """Steps 5-7 of stage `s`: wait DONE, unpacks, ACK."""
         st = self.stages[s]
-        self._wait(st.after, "send DONE (its writes)", timeout_s)
+        self._wait(st.after, timeout_s)
         for op in st.unpacks:
             op()
         self._signal(st.ack_to, s, ACK)
@@ -224,8 +227,7 @@ class Executor:
             self.transport.notify(peer, signals.encode(self.tag, self.step, stage, kind,
                                                        self.rank))
 
-    def _wait(self, waits: list[tuple[int, int, int]], what: str,
-              timeout_s: float | None) -> None:
+    def _wait(self, waits: list[tuple[int, int, int]], timeout_s: float | None) -> None:
         if not waits:
             return
         keys = [signals.expected(self.step, s, kind, peer) for s, kind, peer in waits]
@@ -237,8 +239,9 @@ class Executor:
             if not missing:
                 return
             if time.monotonic() >= deadline:
-                raise PeerTimeoutError(self.rank, missing[0][3], f"{what} for stage "
-                                       f"{missing[0][1]} of step {self.step}", timeout_s)
+                _, stage, kind, peer = missing[0]
+                raise PeerTimeoutError(self.rank, peer, f"send {_KIND_NAMES[kind]} of stage "
+                                       f"{stage}, step {self.step}", timeout_s)
             time.sleep(0.001)
 
     def _write(self, batches: list[tuple[Any, int]], s: int, timeout_s: float | None) -> None:

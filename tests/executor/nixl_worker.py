@@ -22,9 +22,9 @@ import executor
 def main(path: str, rank: int, rendezvous: str, steps: int) -> int:
     host, port = rendezvous.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                          timeout=timedelta(seconds=30))
+                          timeout=timedelta(seconds=90))
     tensors = two_by_two_tensors(0)[rank]
-    plan = executor.load(path, rank, tensors, transport="nixl", rendezvous=store, timeout_s=20)
+    plan = executor.load(path, rank, tensors, transport="nixl", rendezvous=store, timeout_s=90)
     for step in range(1, steps + 1):
         if rank in (0, 1):
             for name, t in two_by_two_tensors(step)[rank].items():
@@ -37,7 +37,7 @@ def main(path: str, rank: int, rendezvous: str, steps: int) -> int:
                     return 1
         print(f"rank {rank} step {step}: ok {stats.bytes} B", flush=True)
     store.set(f"exit/{rank}", b"1")
-    store.wait([f"exit/{r}" for r in range(4)], timedelta(seconds=30))
+    store.wait([f"exit/{r}" for r in range(4)], timedelta(seconds=90))
     time.sleep(0.2)
     plan.close()
     return 0

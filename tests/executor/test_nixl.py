@@ -37,7 +37,7 @@ def test_four_processes_bit_exact_each_step(tmp_path, tls):
                                str(r), f"127.0.0.1:{port}", "3"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(4)]
-    outs = [p.communicate(timeout=60)[0] for p in procs]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {r} failed:\n{out[-3000:]}"
         assert f"rank {r} step 3: ok" in out
