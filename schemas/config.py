@@ -281,7 +281,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             _fail(key, value, f"is not one of {', '.join(map(repr, args))}{hint}")
         return value
     if origin is tuple:
-        if isinstance(value, dict) and args and typing.get_origin(args[0]) is tuple:
+        pairs = bool(args) and typing.get_origin(args[0]) is tuple and \
+            typing.get_args(args[0])[-1] is not Ellipsis  # tuple[tuple[str, X], ...]
+        if pairs:
+            if not isinstance(value, dict):
+                _fail(key, value, "has the wrong type: expected a mapping (key: value)")
             return tuple((str(k), v) for k, v in value.items())
         if not isinstance(value, (list, tuple)):
             _fail(key, value, "has the wrong type: expected a list")

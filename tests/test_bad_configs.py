@@ -61,6 +61,7 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     "config_json_not_json": ("model.config:", "not-json/config.json", "not valid JSON"),
     "config_json_missing_key": ("model.config:", "'hidden_size' is missing", "add it"),
     "num_layers_zero": ("model.num_layers: 0", "positive integer"),
+    "overrides_not_mapping": ("model.overrides: ['hidden_size', 256]", "expected a mapping"),
     "override_typo": ("model.overrides.hiden_size", "did you mean hidden_size?"),
     "override_wrong_type": ("model.overrides.hidden_size: 'big'", "must be an integer"),
     "config_json_wrong_type": ("model.config: num_attention_heads: '8'", "must be an integer",
