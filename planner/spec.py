@@ -12,7 +12,7 @@ import difflib
 import json
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from schemas.config import ConfigError
@@ -77,10 +77,16 @@ class ModelDims:
 class ModelSpec:
     dims: ModelDims
     tensors: tuple[LogicalTensor, ...]
+    _by_name: dict[str, LogicalTensor] = field(init=False, repr=False, compare=False)
+    """Index built once (Kimi-K2 has ~70k tensors); read it through `by_name`."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {t.name: t for t in self.tensors})
 
     @property
     def by_name(self) -> dict[str, LogicalTensor]:
-        return {t.name: t for t in self.tensors}
+        """name -> tensor (built once; do not modify it)."""
+        return self._by_name
 
     @property
     def total_params(self) -> int:
