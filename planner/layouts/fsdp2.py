@@ -1,0 +1,191 @@
+"""FSDP2 (torch 2.13 `fully_shard`) source layout, with optional TP (FSDP2+TP) and HSDP.
+
+Names and full shapes are the HF model's `named_parameters()` (MTP layers excluded: they
+are not in the HF model; a tied `lm_head` is not listed). Each parameter is a DTensor
+`Shard(0)` on its own dim 0 over the `dp` shard ranks, with the `torch.chunk` rule
+(chunk `c = ceil(d0/dp)`, rank d holds rows `[d*c, min((d+1)*c, d0))`; trailing ranks may
+hold an empty `(0, ...)` tensor). Buffers (`e_score_correction_bias`) are not sharded:
+every rank holds them whole, in their logical dtype.
+
+FSDP2+TP: the local tensor is `full.chunk(tp, tp_dim)[t].chunk(dp, 0)[d]` (FSDP2 shards
+the TP-local tensor on dim 0; `_StridedShard` when tp_dim is 0). The TP plan follows
+torchtitan's: colwise (dim 0) for q/k/v (and their biases), q_proj/q_b_proj/kv_b_proj
+(MLA), gate/up (dense, shared and per-expert), `lm_head`; rowwise (dim 1) for o_proj and
+down_proj; `embed_tokens` split on the vocab (dim 0, torchtitan's RowwiseParallel of an
+embedding); norms, the router `gate`, MLA `q_a_proj`/`kv_a_proj_with_mqa` replicated.
+Fused experts with tp > 1 are refused (a colwise cut of `gate_up_proj` mixes gate and up).
+
+Rank order: `rank = tp_rank + tp * (dp_rank + dp * replicate_rank)` (TP fastest; the
+DeviceMesh `("dp_replicate", "dp_shard", "tp")`, as torchtitan builds it).
+
+Order within a layer (transformers' module order): `self_attn.*`, `mlp.*`,
+`input_layernorm`, `post_attention_layernorm`. MoE blocks: fused (transformers 5.x)
+`experts.gate_up_proj`, `experts.down_proj`, `gate`, `shared_experts`; checkpoint-named
+experts (transformers 4.57): qwen3_moe `gate` then `experts.{e}`, deepseek_v3
+`experts.{e}`, `gate`, `shared_experts`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
+from planner.layouts.shards import chunk, whole
+from planner.spec import LogicalTensor, ModelDims, ModelSpec
+from schemas.config import ConfigError, SourceConfig
+
+_COLWISE = re.compile(r"\.(q_proj|k_proj|v_proj|q_b_proj|kv_b_proj|gate_proj|up_proj)\.")
+_ROWWISE = re.compile(r"\.(o_proj|down_proj)\.weight$")
+
+
+@dataclass(frozen=True, slots=True)
+class _Param:
+    """One unsharded parameter (or buffer) of the HF model."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: tuple[Piece, ...]
+    tp_dim: int | None
+    buffer: bool = False
+
+
+def tp_dim(name: str) -> int | None:
+    """The dim TP cuts (torchtitan's plan), or None for a replicated parameter."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight") or _COLWISE.search(name):
+        return 0
+    if _ROWWISE.search(name):
+        return 1
+    return None
+
+
+def check(d: ModelDims, cfg: SourceConfig) -> None:
+    tp = cfg.tp
+    if tp > 1:
+        if d.heads % tp or (not d.mla and d.kv_heads % tp):
+            raise ConfigError(f"source.tp: {tp} must divide num_attention_heads={d.heads} "
+                              f"and num_key_value_heads={d.kv_heads} for FSDP2+TP; use a "
+                              "common divisor")
+        if cfg.fused_experts and d.moe_layers:
+            raise ConfigError("source.fused_experts: true cannot be combined with "
+                              f"source.tp={tp} (a colwise cut of gate_up_proj mixes gate and "
+                              "up); use tp 1 or checkpoint-named experts")
+
+
+def layout(spec: ModelSpec, cfg: SourceConfig) -> Layout:
+    """Every FSDP2 rank's local shards as pieces."""
+    check(spec.dims, cfg)
+    params = hf_params(spec, cfg)
+    tp, dp = cfg.tp, cfg.dp
+    shards = {(t, d): tuple(_local(p, cfg, t, d) for p in params)
+              for t in range(tp) for d in range(dp)}
+    ranks = tuple(RankLayout(rank=rank, replica=rank // (tp * dp),
+                             tensors=shards[rank % tp, (rank // tp) % dp])
+                  for rank in range(cfg.world))
+    return Layout(side="source", framework="fsdp2", ranks=ranks, replicas=cfg.dp_replicate)
+
+
+def hf_params(spec: ModelSpec, cfg: SourceConfig) -> list[_Param]:
+    """The HF model's parameters in `named_parameters()` order, then its trained buffers."""
+    d = spec.dims
+    out: list[_Param] = []
+    layer: list[LogicalTensor] = []
+    for t in spec.tensors:
+        if t.mtp:
+            continue
+        if t.layer < 0:
+            out += _layer_params(d, layer, cfg)
+            layer = []
+            out.append(_plain(t, cfg))
+        else:
+            if layer and layer[0].layer != t.layer:
+                out += _layer_params(d, layer, cfg)
+                layer = []
+            layer.append(t)
+    out += _layer_params(d, layer, cfg)
+    return [p for p in out if not p.buffer] + [p for p in out if p.buffer]
+
+
+def _plain(t: LogicalTensor, cfg: SourceConfig) -> _Param:
+    return _Param(t.name, t.shape, t.dtype if t.buffer else cfg.dtype,
+                  (whole(t.name, t.shape),), None if t.buffer else tp_dim(t.name), t.buffer)
+
+
+def _layer_params(d: ModelDims, tensors: Sequence[LogicalTensor],
+                  cfg: SourceConfig) -> list[_Param]:
+    if not tensors:
+        return []
+    fused = cfg.fused_experts and d.is_moe(tensors[0].layer)
+
+    def rank(t: LogicalTensor) -> int:
+        n = t.name
+        if ".self_attn." in n:
+            return 0
+        if ".mlp.experts." in n:
+            return 1 if fused or d.model_type != "qwen3_moe" else 2
+        if ".mlp.gate." in n:
+            return 2 if fused or d.model_type != "qwen3_moe" else 1
+        if ".mlp.shared_experts." in n:
+            return 3
+        if ".mlp." in n:
+            return 1
+        return 4 if "input_layernorm" in n else 5
+
+    ordered = sorted(tensors, key=rank)  # stable: keeps the checkpoint order inside a group
+    out: list[_Param] = []
+    for t in ordered:
+        m = re.search(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", t.name)
+        if fused and m:
+            if m.group(1) == "0" and m.group(2) != "up_proj":
+                out.append(_fused(d, t.name[: m.start()] + ".mlp.experts.",
+                                  m.group(2), cfg.dtype))
+            continue
+        out.append(_plain(t, cfg))
+    return out
+
+
+def _fused(d: ModelDims, prefix: str, kind: str, dtype: str) -> _Param:
+    """transformers 5.x `gate_up_proj [E, 2I, H]` (`[gate; up]` per expert) or
+    `down_proj [E, H, I]`."""
+    e, i, h = d.num_experts, d.moe_intermediate, d.hidden
+    if kind == "gate_proj":
+        pieces = [Piece(f"{prefix}{x}.{w}_proj.weight", (0, 0), (i, h), (x, k * i, 0))
+                  for x in range(e) for k, w in enumerate(("gate", "up"))]
+        return _Param(prefix + "gate_up_proj", (e, 2 * i, h), dtype, tuple(pieces), None)
+    pieces = [Piece(f"{prefix}{x}.down_proj.weight", (0, 0), (h, i), (x, 0, 0))
+              for x in range(e)]
+    return _Param(prefix + "down_proj", (e, h, i), dtype, tuple(pieces), None)
+
+
+def _local(p: _Param, cfg: SourceConfig, t: int, d: int) -> PhysicalTensor:
+    """The shard of TP rank t, FSDP rank d: `full.chunk(tp, tp_dim)[t].chunk(dp, 0)[d]`."""
+    if p.buffer:
+        return PhysicalTensor(p.name, p.shape, p.dtype, p.pieces)
+    lo, hi = [0] * len(p.shape), list(p.shape)
+    if cfg.tp > 1 and p.tp_dim is not None:
+        lo[p.tp_dim], hi[p.tp_dim] = chunk(p.shape[p.tp_dim], cfg.tp, t)
+    a, b = chunk(hi[0] - lo[0], cfg.dp, d)
+    lo[0], hi[0] = lo[0] + a, lo[0] + b
+    return PhysicalTensor(p.name, tuple(y - x for x, y in zip(lo, hi)), p.dtype,
+                          restrict(p.pieces, lo, hi))
+
+
+def restrict(pieces: Sequence[Piece], lo: Sequence[int], hi: Sequence[int]
+             ) -> tuple[Piece, ...]:
+    """The parts of `pieces` inside the physical region `[lo, hi)`, re-based to `lo`."""
+    out = []
+    for piece in pieces:
+        start = piece.at
+        stop = [a + s for a, s in zip(piece.at, piece.phys_sizes())]
+        new_lo = [max(a, x) for a, x in zip(start, lo)]
+        new_hi = [min(b, y) for b, y in zip(stop, hi)]
+        if any(x >= y for x, y in zip(new_lo, new_hi)):
+            continue
+        dims = piece.phys_dims()
+        offsets = tuple(o + new_lo[pd] - start[pd] for o, pd in zip(piece.offsets, dims))
+        sizes = tuple(new_hi[pd] - new_lo[pd] for pd in dims)
+        at = tuple(x - y for x, y in zip(new_lo, lo))
+        out.append(Piece(piece.tensor, offsets, sizes, at, piece.dims))
+    return tuple(out)
