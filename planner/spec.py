@@ -58,6 +58,7 @@ class ModelDims:
     shared_intermediate: int = 0
     top_k: int = 0
     moe_layers: tuple[int, ...] = ()
+    """Global indices of the MoE layers, MTP layers (indices >= num_layers) included."""
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
@@ -143,7 +144,8 @@ def spec_from_hf(hf: dict[str, Any], num_layers: int | None = None,
                           f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     dims = family.dims(hf)
     if not mtp:
-        dims = replace(dims, mtp_layers=0)
+        dims = replace(dims, mtp_layers=0,
+                       moe_layers=tuple(i for i in dims.moe_layers if i < dims.num_layers))
     _check_dims(dims)
     return ModelSpec(dims=dims, tensors=tuple(family.tensors(dims, _dtype(hf))))
 

@@ -56,7 +56,7 @@ def _attention_tp(key: str, tp: int, d: ModelDims) -> None:
 
 
 def _has_dense_layers(d: ModelDims) -> bool:
-    return len(d.moe_layers) < d.num_layers
+    return any(not d.is_moe(i) for i in range(d.num_layers))
 
 
 def _mlp_tp(key: str, tp: int, d: ModelDims) -> None:

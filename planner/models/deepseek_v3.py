@@ -15,8 +15,11 @@ def dims(hf: dict[str, Any]) -> ModelDims:
     first_dense = hf.get("first_k_dense_replace", 0) or 0
     freq = hf.get("moe_layer_freq", 1) or 1
     num_experts = hf.get("n_routed_experts") or 0
+    mtp_layers = hf.get("num_nextn_predict_layers", 0) or 0
     moe = tuple(i for i in range(layers)
                 if num_experts and i >= first_dense and i % freq == 0)
+    if num_experts:  # the MTP layers after the decoder are MoE layers too
+        moe += tuple(range(layers, layers + mtp_layers))
     moe_inter = require(hf, "moe_intermediate_size")
     heads = require(hf, "num_attention_heads")
     return ModelDims(
@@ -39,7 +42,7 @@ def dims(hf: dict[str, Any]) -> ModelDims:
         qk_nope_head_dim=hf["qk_nope_head_dim"],
         qk_rope_head_dim=hf["qk_rope_head_dim"],
         v_head_dim=require(hf, "v_head_dim"),
-        mtp_layers=hf.get("num_nextn_predict_layers", 0) or 0,
+        mtp_layers=mtp_layers,
     )
 
 
