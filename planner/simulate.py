@@ -1,0 +1,387 @@
+"""`rdma-plan simulate`: how long a plan takes on its topology, by a flow-level simulation.
+
+The model (at batch granularity; a batch is one flow):
+- Every rank walks its stages in the plan's protocol (`schemas.plan`): send READY, wait
+  READY/ACK, packs, writes, DONE, wait DONE, unpacks, ACK. A signal arrives
+  `write_overhead_us` after it is sent.
+- A source posts its batches in plan order on two channels: its NIC (`batches.nic` 0) and
+  NVLink (`batches.nic` 1, same-host writes). Each channel has one batch in flight at a
+  time; the two channels run concurrently.
+- A flow uses two resources: the egress and the ingress of its path: the source's and
+  the target's NIC (`cluster.nic_gbps`, shared by all GPUs that NIC serves), or the
+  source's and target's NVLink (`nvlink_gbps`, per GPU). Active flows share resources
+  max-min fairly (progressive filling), recomputed whenever a flow starts or ends.
+- A batch's size is its bytes plus `write_overhead_us` of link time for every write in it.
+- Packs and unpacks of a stage run one after another on their rank: `pack_overhead_us`
+  plus bytes (target dtype) at `pack_gbps` each.
+- The transfer ends when the last rank finishes its last stage (the completion barrier).
+
+`floor_s` is independent of the schedule: the most bytes through one NIC direction (or one
+GPU's NVLink direction) over its bandwidth. The simulated time is never below it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from schemas.plan import ACK, DONE, DTYPE_CODES, ITEMSIZE, PACK, READY, UNPACK, Plan, RankPlan
+
+NIC, NVLINK = 0, 1
+"""Channels of a source rank (the values of `batches.nic`)."""
+_WAIT_IN, _PACK, _WRITE, _SEND_DONE, _WAIT_DONE, _UNPACK, _SEND_ACK = range(7)
+
+
+@dataclass(frozen=True, slots=True)
+class _Batches:
+    """Every batch of the plan, in (rank, plan order), as columns."""
+
+    rank: np.ndarray
+    stage: np.ndarray
+    chan: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+    writes: np.ndarray
+
+
+def _load(path_or_plan: str | Plan) -> tuple[dict[str, Any], tuple[RankPlan, ...]]:
+    if isinstance(path_or_plan, Plan):
+        return path_or_plan.header, path_or_plan.ranks
+    from schemas.plan import read_blob, read_header
+
+    path = str(path_or_plan)
+    with open(path, "rb") as f:
+        header, start = read_header(f, path)
+        names = sorted((n for n in header["blobs"] if n.startswith("rank/")),
+                       key=lambda n: int(n.split("/")[1]))
+        ranks = tuple(RankPlan.decode(read_blob(f, header, start, n, path)) for n in names)
+    return header, ranks
+
+
+def _batches(ranks: tuple[RankPlan, ...]) -> _Batches:
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in _Batches.__slots__}
+    for rp in ranks:
+        b, w = rp.batches, rp.writes
+        if len(b) == 0:
+            continue
+        start, stop = b["start"].astype(np.int64), b["stop"].astype(np.int64)
+        csum = np.concatenate([[0], np.cumsum(w["nbytes"], dtype=np.int64)])
+        cols["rank"].append(np.full(len(b), rp.rank, dtype=np.int64))
+        cols["stage"].append(b["stage"].astype(np.int64))
+        cols["chan"].append(b["nic"].astype(np.int64))
+        cols["dst"].append(w["dst_rank"][start].astype(np.int64))  # a batch has one target
+        cols["nbytes"].append((csum[stop] - csum[start]).astype(np.float64))
+        cols["writes"].append(stop - start)
+    return _Batches(**{k: (np.concatenate(v) if v else np.zeros(0, dtype=np.int64))
+                       for k, v in cols.items()})
+
+
+def _copy_seconds(rp: RankPlan, kind: int, pack_bps: float, overhead_s: float) -> np.ndarray:
+    """Seconds of `kind` copies in each stage of one rank."""
+    c = rp.copies
+    out = np.zeros(rp.stages)
+    m = c["kind"] == kind
+    if not m.any():
+        return out
+    item = np.array([ITEMSIZE[d] for d in DTYPE_CODES])[c["dst_dtype"][m]]
+    nbytes = (c["size0"][m] * c["size1"][m] * c["size2"][m] * item).astype(np.float64)
+    np.add.at(out, c["stage"][m], overhead_s + nbytes / pack_bps)
+    return out
+
+
+def _maxmin(eres: np.ndarray, ires: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """Max-min fair rates of flows that each use resources `eres[f]` and `ires[f]`."""
+    n_res = len(cap)
+    rate = np.zeros(len(eres))
+    free = np.ones(len(eres), dtype=bool)
+    left = cap.astype(np.float64)
+    while free.any():
+        cnt = np.bincount(eres[free], minlength=n_res) + np.bincount(ires[free], minlength=n_res)
+        used = cnt > 0
+        share = left[used] / cnt[used]
+        d = share.min()
+        rate[free] += d
+        left[used] -= d * cnt[used]
+        full = np.zeros(n_res, dtype=bool)
+        full[np.nonzero(used)[0][share <= d * (1 + 1e-9)]] = True
+        free &= ~(full[eres] | full[ires])
+    return rate
+
+
+def simulate(path_or_plan: str | Plan) -> dict[str, Any]:
+    """Simulate a plan (a path or a `Plan`) on the cluster its header records.
+
+    Returns `estimated_s`, `floor_s`, `ratio`, `bottleneck`, per-NIC bytes and busy time
+    (`nics`), NVLink totals, per-rank finish times, and `timeline`: numpy columns
+    start, end, rank, chan (0 NIC, 1 NVLink), dst, bytes of every batch.
+    """
+    t_wall = time.perf_counter()
+    header, ranks = _load(path_or_plan)
+    return _Sim(header, ranks).run(t_wall)
+
+
+class _Sim:
+    """The simulation state; `run` drives it from t=0 to the last rank's finish."""
+
+    def __init__(self, header: dict[str, Any], ranks: tuple[RankPlan, ...]) -> None:
+        opts, cluster = header["options"], header["cluster"]
+        self.header = header
+        self.world = len(ranks)
+        self.lat = opts["write_overhead_us"] * 1e-6
+        nic_names = sorted({r[3] for r in header["ranks"]},
+                           key=lambda n: (int(n.split("/")[0][1:]), n))
+        self.nic_names = nic_names
+        nic_id = {n: i for i, n in enumerate(nic_names)}
+        self.rank_nic = np.array([nic_id[r[3]] for r in header["ranks"]], dtype=np.int64)
+        n_nic, w = len(nic_names), self.world
+        self.nic_bps = cluster["nic_gbps"] * 1e9 / 8
+        self.nv_bps = header.get("nvlink_gbps", cluster["nvlink_gbps"]) * 1e9 / 8
+        # resources: NIC egress [0, n), NIC ingress [n, 2n), NVLink out [2n, 2n+w), in
+        self.cap = np.concatenate([np.full(2 * n_nic, self.nic_bps), np.full(2 * w, self.nv_bps)])
+        b = _batches(ranks)
+        self.b = b
+        nic = b.chan == NIC
+        self.eres = np.where(nic, self.rank_nic[b.rank], 2 * n_nic + b.rank)
+        self.ires = np.where(nic, n_nic + self.rank_nic[b.dst], 2 * n_nic + w + b.dst)
+        bps = np.where(nic, self.nic_bps, self.nv_bps)
+        self.size = b.nbytes + b.writes * self.lat * bps
+        # queue (rank, stage, chan) -> a slice of `qorder`
+        self.stages = [rp.stages for rp in ranks]
+        smax = max(self.stages, default=1)
+        key = (b.rank * smax + b.stage) * 2 + b.chan
+        self.qorder = np.argsort(key, kind="stable")
+        bounds = np.searchsorted(key[self.qorder], np.arange(w * smax * 2 + 1))
+        self.qbounds, self.smax = bounds, smax
+        pbps, pov = opts["pack_gbps"] * 1e9 / 8, opts["pack_overhead_us"] * 1e-6
+        self.pack_s = [_copy_seconds(rp, PACK, pbps, pov) for rp in ranks]
+        self.unpack_s = [_copy_seconds(rp, UNPACK, pbps, pov) for rp in ranks]
+        self.sends = [self._by_stage(rp.signals, rp.stages) for rp in ranks]
+        self.waits = [self._by_stage(rp.waits, rp.stages) for rp in ranks]
+
+    @staticmethod
+    def _by_stage(t: Any, stages: int) -> list[list[tuple[int, int]]]:
+        out: list[list[tuple[int, int]]] = [[] for _ in range(stages)]
+        for s, p, k in zip(t["stage"].tolist(), t["peer"].tolist(), t["kind"].tolist()):
+            out[s].append((p, k))
+        return out
+
+    # ------------------------------------------------------------ rank state machine
+
+    def _advance(self, r: int, t: float) -> None:
+        """Walk rank `r` from its current phase at time `t` until it must wait."""
+        while True:
+            s, ph = self.stage[r], self.phase[r]
+            if s >= self.stages[r]:
+                self.finish[r] = t
+                return
+            if ph in (_WAIT_IN, _WAIT_DONE):
+                if ph == _WAIT_IN:
+                    self._send(r, s, t, READY)
+                kinds = (READY, ACK) if ph == _WAIT_IN else (DONE,)
+                self.phase[r] += 1
+                if not self._wait(r, s, t, kinds):
+                    return
+            elif ph in (_PACK, _UNPACK):
+                dur = (self.pack_s if ph == _PACK else self.unpack_s)[r][s]
+                self.phase[r] += 1
+                if dur > 0:
+                    self._timer(t + dur, r)
+                    return
+            elif ph == _WRITE:
+                self.phase[r] += 1
+                if self._start_writes(r, s, t):
+                    return
+            elif ph in (_SEND_DONE, _SEND_ACK):
+                self._send(r, s, t, DONE if ph == _SEND_DONE else ACK)
+                if ph == _SEND_ACK:
+                    self.stage[r], self.phase[r] = s + 1, _WAIT_IN
+                else:
+                    self.phase[r] += 1
+
+    def _timer(self, at: float, r: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (at, self.seq, r))
+
+    def _send(self, r: int, s: int, t: float, kind: int) -> None:
+        for peer, k in self.sends[r][s]:
+            if k != kind:
+                continue
+            key = (r, peer, k, s)
+            at = t + self.lat
+            self.arrival[key] = at
+            for waiter in self.waiters.pop(key, ()):
+                self.wait_t[waiter] = max(self.wait_t[waiter], at)
+                self.missing[waiter] -= 1
+                if self.missing[waiter] == 0:
+                    self._timer(self.wait_t[waiter], waiter)
+
+    def _wait(self, r: int, s: int, t: float, kinds: tuple[int, ...]) -> bool:
+        """Register rank `r`'s waits of stage `s`; True if it may go on at `t` at once."""
+        latest, missing = t, 0
+        for peer, k in self.waits[r][s]:
+            if k not in kinds:
+                continue
+            key = (peer, r, k, s - 1 if k == ACK else s)
+            at = self.arrival.get(key)
+            if at is None:
+                self.waiters.setdefault(key, []).append(r)
+                missing += 1
+            else:
+                latest = max(latest, at)
+        self.wait_t[r], self.missing[r] = latest, missing
+        if missing == 0 and latest <= t:
+            return True
+        if missing == 0:
+            self._timer(latest, r)
+        return False
+
+    def _start_writes(self, r: int, s: int, t: float) -> bool:
+        """Start rank `r`'s stage-`s` queues; True if it must wait for them."""
+        busy = False
+        for ch in (NIC, NVLINK):
+            q = (r * self.smax + s) * 2 + ch
+            lo, hi = self.qbounds[q], self.qbounds[q + 1]
+            if hi > lo:
+                self.qpos[2 * r + ch] = [lo, hi]
+                self._start_flow(2 * r + ch, t)
+                busy = True
+        self.open_queues[r] = sum(self.qpos[2 * r + c] is not None for c in (NIC, NVLINK))
+        return busy
+
+    def _start_flow(self, slot: int, t: float) -> None:
+        lo, _ = self.qpos[slot]
+        g = int(self.qorder[lo])
+        self.flow_gid[slot], self.rem[slot], self.active[slot] = g, self.size[g], True
+        self.f_eres[slot], self.f_ires[slot] = self.eres[g], self.ires[g]
+        self.start[g] = t
+        self.dirty = True
+
+    def _end_flow(self, slot: int, t: float) -> None:
+        g = self.flow_gid[slot]
+        self.end[g] = t
+        self.active[slot] = False
+        self.dirty = True
+        pos = self.qpos[slot]
+        pos[0] += 1
+        if pos[0] < pos[1]:
+            self._start_flow(slot, t)
+            return
+        self.qpos[slot] = None
+        r = slot // 2
+        self.open_queues[r] -= 1
+        if self.open_queues[r] == 0:
+            self._advance(r, t)
+
+    # ------------------------------------------------------------ the event loop
+
+    def run(self, t_wall: float) -> dict[str, Any]:
+        w, nb = self.world, len(self.b.rank)
+        self.stage, self.phase = [0] * w, [_WAIT_IN] * w
+        self.finish = [0.0] * w
+        self.heap: list[tuple[float, int, int]] = []
+        self.seq = 0
+        self.arrival: dict[tuple[int, int, int, int], float] = {}
+        self.waiters: dict[tuple[int, int, int, int], list[int]] = {}
+        self.wait_t, self.missing = [0.0] * w, [0] * w
+        self.qpos: list[list[int] | None] = [None] * (2 * w)
+        self.open_queues = [0] * w
+        self.active = np.zeros(2 * w, dtype=bool)
+        self.rem = np.zeros(2 * w)
+        self.rate = np.zeros(2 * w)
+        self.flow_gid = np.zeros(2 * w, dtype=np.int64)
+        self.f_eres = np.zeros(2 * w, dtype=np.int64)
+        self.f_ires = np.zeros(2 * w, dtype=np.int64)
+        self.start, self.end = np.zeros(nb), np.zeros(nb)
+        busy = np.zeros(len(self.cap))
+        self.dirty, t, events = False, 0.0, 0
+        for r in range(w):
+            self._advance(r, 0.0)
+        while True:
+            act = np.nonzero(self.active)[0]
+            if self.dirty and len(act):
+                self.rate[act] = _maxmin(self.f_eres[act], self.f_ires[act], self.cap)
+                self.dirty = False
+            t_timer = self.heap[0][0] if self.heap else np.inf
+            if len(act):
+                ttf = self.rem[act] / self.rate[act]
+                dt_flow = ttf.min()
+            else:
+                dt_flow = np.inf
+            if t_timer == np.inf and dt_flow == np.inf:
+                break
+            events += 1
+            if t_timer - t <= dt_flow:
+                dt = max(t_timer - t, 0.0)
+                done = act[:0]
+            else:  # flows ending within a hair of the first end together (never earlier)
+                near = ttf <= dt_flow * (1 + 1e-9) + 1e-12
+                done = act[near]
+                dt = ttf[near].max()
+            if len(act) and dt > 0:
+                self.rem[act] -= self.rate[act] * dt
+                used = np.zeros(len(self.cap), dtype=bool)
+                used[self.f_eres[act]] = True
+                used[self.f_ires[act]] = True
+                busy[used] += dt
+            t += dt
+            for slot in done.tolist():
+                self._end_flow(slot, t)
+            while self.heap and self.heap[0][0] <= t:
+                _, _, r = heapq.heappop(self.heap)
+                self._advance(r, t)
+        stuck = [r for r in range(w) if self.stage[r] < self.stages[r]]
+        if stuck:
+            raise ValueError(f"simulate: ranks {stuck[:8]} never finish (a wait that no rank "
+                             "signals); the plan is inconsistent: run `rdma-plan verify`")
+        return self._result(busy, events, time.perf_counter() - t_wall)
+
+    def _result(self, busy: np.ndarray, events: int, wall: float) -> dict[str, Any]:
+        b, n_nic = self.b, len(self.nic_names)
+        load = np.bincount(self.eres, weights=b.nbytes, minlength=len(self.cap))
+        load += np.bincount(self.ires, weights=b.nbytes, minlength=len(self.cap))
+        floors = load / self.cap
+        worst = int(np.argmax(floors)) if len(floors) else 0
+        floor = float(floors[worst]) if len(floors) else 0.0
+        est = max(self.finish, default=0.0)
+        nics = [{"name": name, "bytes_out": int(load[i]), "bytes_in": int(load[n_nic + i]),
+                 "busy_out_s": float(busy[i]), "busy_in_s": float(busy[n_nic + i])}
+                for i, name in enumerate(self.nic_names)]
+        nv = 2 * n_nic
+        return {
+            "estimated_s": float(est), "floor_s": floor,
+            "ratio": float(est / floor) if floor > 0 else 1.0,
+            "bottleneck": self._resource_name(worst),
+            "bytes": int(b.nbytes.sum()), "batches": int(len(b.rank)),
+            "writes": int(b.writes.sum()), "stages": max(self.stages, default=0),
+            "nic_gbps": self.nic_bps * 8 / 1e9, "nvlink_gbps": self.nv_bps * 8 / 1e9,
+            "nics": nics,
+            "nvlink_bytes": int(load[nv:nv + self.world].sum()),
+            "nvlink_max_out_bytes": int(load[nv:nv + self.world].max(initial=0)),
+            "nvlink_max_in_bytes": int(load[nv + self.world:].max(initial=0)),
+            "rank_finish_s": [float(x) for x in self.finish],
+            "events": events, "sim_seconds": round(wall, 3),
+            "timeline": {"start": self.start, "end": self.end, "rank": b.rank,
+                         "chan": b.chan, "dst": b.dst, "bytes": b.nbytes},
+        }
+
+    def _resource_name(self, i: int) -> str:
+        n = len(self.nic_names)
+        if i < 2 * n:
+            return f"{self.nic_names[i % n]} {'egress' if i < n else 'ingress'}"
+        i -= 2 * n
+        return f"rank {i % self.world} NVLink {'out' if i < self.world else 'in'}"
+
+
+def summary_text(res: dict[str, Any]) -> str:
+    """Three lines a person reads: estimated time, floor, ratio and the bottleneck."""
+    return "\n".join([
+        f"estimated {res['estimated_s'] * 1e3:.1f} ms  floor {res['floor_s'] * 1e3:.1f} ms  "
+        f"ratio {res['ratio']:.3f}",
+        f"bottleneck {res['bottleneck']}; {res['bytes'] / 1e9:.3f} GB in {res['batches']:,} "
+        f"batches ({res['writes']:,} writes), {res['stages']} stages",
+        f"simulated {res['events']:,} events in {res['sim_seconds']:.2f} s",
+    ])
