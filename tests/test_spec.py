@@ -96,6 +96,9 @@ def test_spec_matches_transformers(name: str) -> None:
     assert sorted(set(ours) - set(theirs)) == [], "in our spec, not in transformers"
     wrong = {k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs[k]}
     assert wrong == {}, "(ours, transformers) differ"
+    # ModelDims.moe_layers agrees with the layers where transformers built experts.
+    hf_moe = {int(k.split(".")[2]) for k in theirs if ".mlp.experts." in k}
+    assert {i for i in range(spec.dims.num_layers) if spec.dims.is_moe(i)} == hf_moe
 
 
 # Variants of the tiny models that take other branches of the families.
@@ -141,6 +144,7 @@ def test_mtp_layer_is_a_moe_layer_plus_its_heads(name: str) -> None:
     spec = spec_from_hf(hf)
     n = spec.dims.num_layers
     assert spec.dims.mtp_layers == hf["num_nextn_predict_layers"] == 1
+    assert spec.dims.is_moe(n)  # the MTP layer has experts
     mtp = {t.name: (t.shape, t.dtype) for t in spec.tensors if t.mtp}
     last = f"model.layers.{n - 1}."  # the last HF layer is a MoE layer
     h = hf["hidden_size"]
