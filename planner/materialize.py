@@ -10,7 +10,8 @@ import torch
 
 from planner.layouts.base import Layout, Piece
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def piece_view(physical: torch.Tensor, piece: Piece) -> torch.Tensor:

@@ -125,8 +125,9 @@ class TargetConfig:
     """Expert parallel (`enable_expert_parallel`): experts split over dp*tp ranks, MoE TP 1."""
     replicas: int = 1
     """Independent engines, each receiving the whole model."""
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """dtype of the inference weights."""
+    dtype: Literal["bfloat16", "float16", "float32", "fp8_block128"] = "bfloat16"
+    """dtype of the inference weights; `fp8_block128`: linear weights as e4m3 in 128x128
+    blocks with float32 `weight_scale_inv` (quantized on the sources), the rest bf16."""
     expert_names: Literal["routed_experts", "experts"] = "routed_experts"
     """vllm: `experts.routed_experts.w13_weight` (0.33) or the older `experts.w13_weight`."""
     dp_attention: bool = False
@@ -137,8 +138,9 @@ class TargetConfig:
             _fail("target.engine", self.engine, "is not supported; use vllm or sglang")
         for name in ("tp", "dp", "pp", "replicas"):
             _positive("target", name, getattr(self, name))
-        if self.dtype not in DTYPES:
-            _fail("target.dtype", self.dtype, f"is not supported; use one of {', '.join(DTYPES)}")
+        if self.dtype not in (*DTYPES, "fp8_block128"):
+            _fail("target.dtype", self.dtype,
+                  f"is not supported; use one of {', '.join(DTYPES)}, fp8_block128")
         if self.dp_attention and self.engine != "sglang":
             _fail("target.dp_attention", True, "is sglang-only; remove it for vllm")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
 from planner.spec import ModelSpec
 from schemas.config import SourceConfig, TargetConfig
@@ -20,4 +22,8 @@ def build_layout(spec: ModelSpec, side: SourceConfig | TargetConfig) -> Layout:
         from planner.layouts import vllm as mod
     else:
         from planner.layouts import sglang as mod
+    if isinstance(side, TargetConfig) and side.dtype == "fp8_block128":
+        from planner.fp8 import quantize_layout
+
+        return quantize_layout(mod.layout(spec, replace(side, dtype="bfloat16")), spec)
     return mod.layout(spec, side)

@@ -1,0 +1,124 @@
+"""Block-FP8 targets (`target.dtype: fp8_block128`): e4m3 weights in 128x128 blocks, each
+block with a float32 `weight_scale_inv`, as DeepSeek-V3, Kimi-K2 and Qwen3-FP8 serve.
+
+Three pieces, all data:
+- `with_scales(spec)`: the spec plus one logical scale tensor per quantized weight
+  (`<weight>_scale_inv`, `[ceil(out/128), ceil(in/128)]`, float32), as FP8 checkpoints
+  name them. Quantized weights are the linear projections (names ending in `proj.weight`
+  or `proj_with_mqa.weight`); embeddings, lm_head, routers and norms stay bf16.
+- `quantize_layout(layout, spec)`: a bf16 target layout -> its FP8 form. A physical
+  tensor holding only quantized weights becomes `float8_e4m3fn` and gains a sibling
+  `<name>_scale_inv` whose pieces are the weight pieces divided by 128 (vLLM's
+  `weight_scale_inv`, `w13_weight_scale_inv`, ...). Every piece must be block-aligned in
+  both the logical and the physical tensor (vLLM's own partition rule); else a
+  ConfigError names the tensor and the key to change.
+- `quantize_block128(x)`: the reference quantizer, vLLM's `per_block_cast_to_fp8`
+  formula: `scale = max(amax(block), 1e-4) / 448`, `q = (x.float() * (1 / scale))`
+  cast to e4m3; a partial edge block takes the amax of its real elements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+
+from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
+from planner.spec import LogicalTensor, ModelSpec
+from schemas.config import ConfigError
+
+BLOCK = 128
+FP8_MAX = 448.0
+FP8 = "float8_e4m3fn"
+SCALE_SUFFIX = "_scale_inv"
+
+
+def is_quantized(t: LogicalTensor) -> bool:
+    return len(t.shape) == 2 and not t.buffer and (
+        t.name.endswith("proj.weight") or t.name.endswith("proj_with_mqa.weight"))
+
+
+def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(-(-s // BLOCK) for s in shape)
+
+
+def with_scales(spec: ModelSpec) -> ModelSpec:
+    """The spec with a float32 scale tensor after every quantized weight."""
+    out: list[LogicalTensor] = []
+    for t in spec.tensors:
+        out.append(t)
+        if is_quantized(t):
+            out.append(LogicalTensor(t.name + SCALE_SUFFIX, scale_shape(t.shape), "float32",
+                                     t.layer, buffer=True, mtp=t.mtp))
+    return replace(spec, tensors=tuple(out))
+
+
+def _aligned(p: Piece, logical: tuple[int, ...]) -> bool:
+    """Block-aligned: every cut of the box and of its place is on the 128-grid, except a
+    box that ends where its logical dim ends."""
+    for off, size, full in zip(p.offsets, p.sizes, logical):
+        if off % BLOCK or (size % BLOCK and off + size != full):
+            return False
+    dims = p.phys_dims()
+    return all(p.at[d] % BLOCK == 0 for d in dims)
+
+
+def _scale_tensor(pt: PhysicalTensor, spec_by_name: dict[str, LogicalTensor]
+                  ) -> PhysicalTensor:
+    dims = {d for p in pt.pieces for d in p.phys_dims()}
+    shape = tuple(-(-s // BLOCK) if d in dims else s for d, s in enumerate(pt.shape))
+    pieces = []
+    for p in pt.pieces:
+        logical = spec_by_name[p.tensor].shape
+        if not _aligned(p, logical):
+            raise ConfigError(
+                f"target.dtype: fp8_block128 needs 128x128-block-aligned shards, but "
+                f"{pt.name} holds {p.tensor} rows/cols {p.offsets} + {p.sizes} at {p.at}; "
+                "use a target.tp (or ep) that keeps every shard a multiple of 128, or "
+                "target.dtype: bfloat16")
+        at = tuple(a // BLOCK if d in dims else a for d, a in enumerate(p.at))
+        sizes = tuple(-(-(o + s) // BLOCK) - o // BLOCK for o, s in zip(p.offsets, p.sizes))
+        pieces.append(Piece(p.tensor + SCALE_SUFFIX, tuple(o // BLOCK for o in p.offsets),
+                            sizes, at, p.dims))
+    return PhysicalTensor(pt.name + SCALE_SUFFIX, shape, "float32", tuple(pieces))
+
+
+def quantize_layout(layout: Layout, spec: ModelSpec) -> Layout:
+    """The FP8 form of a target layout built with bf16 weights."""
+    by_name = spec.by_name
+    cache: dict[int, tuple[PhysicalTensor, ...]] = {}
+
+    def convert(pt: PhysicalTensor) -> tuple[PhysicalTensor, ...]:
+        if id(pt) not in cache:
+            quant = bool(pt.pieces) and all(is_quantized(by_name[p.tensor]) for p in pt.pieces)
+            cache[id(pt)] = (replace(pt, dtype=FP8), _scale_tensor(pt, by_name)) if quant \
+                else (pt,)
+        return cache[id(pt)]
+
+    ranks = tuple(RankLayout(r.rank, r.replica,
+                             tuple(x for pt in r.tensors for x in convert(pt)))
+                  for r in layout.ranks)
+    return replace(layout, ranks=ranks)
+
+
+def quantize_block128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 tensor like x, float32 scales [ceil(m/128), ceil(n/128)]) of a 2-d tensor."""
+    m, n = x.shape
+    pm, pn = math.ceil(m / BLOCK) * BLOCK, math.ceil(n / BLOCK) * BLOCK
+    padded = torch.zeros((pm, pn), dtype=x.dtype, device=x.device)
+    padded[:m, :n] = x
+    blocks = padded.view(pm // BLOCK, BLOCK, pn // BLOCK, BLOCK)
+    amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    scale = amax / FP8_MAX
+    q = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn)
+    return q.view(pm, pn)[:m, :n].contiguous(), scale.view(pm // BLOCK, pn // BLOCK)
+
+
+def quantize_full(spec: ModelSpec, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Reference FP8 logical tensors: quantized weights and their scales; others as is."""
+    out = dict(full)
+    for t in spec.tensors:
+        if is_quantized(t) and t.name in full:
+            out[t.name], out[t.name + SCALE_SUFFIX] = quantize_block128(full[t.name])
+    return out
