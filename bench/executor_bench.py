@@ -1,0 +1,170 @@
+"""Executor overhead: a plan of W writes vs one raw write of the same bytes.
+
+    python bench/executor_bench.py [--writes 64] [--mib 4] [--steps 5] [--record]
+
+1. NIXL, 2 processes (rank 0 source, rank 1 target): `executor.run` (READY, W writes in
+   batches of 8, DONE) vs one raw NIXL write of all the bytes between the same registered
+   buffers, in the same processes.
+2. `local` transport (`run_all_local`) vs one `torch` copy of the same bytes.
+Medians over `--steps` warm steps; `--record` appends the table to BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import executor  # noqa: E402
+from schemas.plan import (  # noqa: E402
+    BATCH_COLUMNS,
+    COPY_COLUMNS,
+    DONE,
+    READY,
+    SIGNAL_COLUMNS,
+    WRITE_COLUMNS,
+    Plan,
+    RankPlan,
+    Region,
+    Table,
+    load_rank,
+    write_plan,
+)
+
+
+def make_plan(path: str, writes: int, chunk: int, per_batch: int = 8) -> int:
+    """Rank 0 "x" -> rank 1 "x": `writes` writes of `chunk` bytes, chunk i to slot
+    (i * 7) % writes (a permutation when gcd(7, writes) == 1), `per_batch` per batch."""
+    n = writes * chunk
+    x = Region("x", "uint8", (n,), n)
+    order = [(i * 7) % writes for i in range(writes)]
+    w = Table.build(WRITE_COLUMNS, dst_rank=[1] * writes, src_region=[0] * writes,
+                    src_offset=[i * chunk for i in range(writes)], dst_region=[0] * writes,
+                    dst_offset=[o * chunk for o in order], nbytes=[chunk] * writes)
+    starts = list(range(0, writes, per_batch))
+    b = Table.build(BATCH_COLUMNS, stage=[0] * len(starts), nic=[0] * len(starts), start=starts,
+                    stop=[min(s + per_batch, writes) for s in starts])
+    sig = lambda peer, kind: Table.build(SIGNAL_COLUMNS, stage=[0], peer=[peer], kind=[kind])  # noqa: E731
+    empty = lambda schema: Table.empty(schema)  # noqa: E731
+    ranks = (RankPlan(0, "source", 0, 0, ("lo",), (x,), w, b, empty(COPY_COLUMNS), sig(1, DONE),
+                      sig(1, READY), ((1, (n,)),), 1),
+             RankPlan(1, "target", 0, 1, ("lo",), (x,), empty(WRITE_COLUMNS),
+                      empty(BATCH_COLUMNS), empty(COPY_COLUMNS), sig(0, READY), sig(0, DONE),
+                      (), 1))
+    write_plan(path, Plan({"fingerprint": f"bench-{writes}x{chunk}", "world": 2}, ranks))
+    return n
+
+
+def worker(path: str, rank: int, port: int, steps: int) -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                          timeout=timedelta(seconds=120))
+    n = load_rank(path, rank)[1].regions[0].nbytes
+    x = torch.full((n,), rank, dtype=torch.uint8) if rank else torch.randint(0, 255, (n,),
+                                                                              dtype=torch.uint8)
+    plan = executor.load(path, rank, {"x": x}, transport="nixl", rendezvous=store,
+                         timeout_s=120)
+    times = [executor.run(plan).seconds for _ in range(steps + 1)][1:]
+    if rank == 0:
+        t = plan.transport
+        peer = t.peers[1]
+        desc = lambda addr, dev: np.array([[addr, n, dev]], dtype=np.uint64)  # noqa: E731
+        lh = t.agent.prep_xfer_dlist("NIXL_INIT_AGENT", desc(x.data_ptr(), 0), "DRAM")
+        rh = t.agent.prep_xfer_dlist(peer[0], desc(peer[1][0], peer[2]), "DRAM")
+        xfer = t.agent.make_prepped_xfer("WRITE", lh, [0], rh, [0])
+        raw = []
+        for _ in range(steps + 1):
+            t0 = time.perf_counter()
+            t.agent.transfer(xfer)
+            while t.agent.check_xfer_state(xfer) == "PROC":
+                time.sleep(2e-5)
+            raw.append(time.perf_counter() - t0)
+        xfer.release()
+        store.set("result", f"{statistics.median(times)} {statistics.median(raw[1:])}".encode())
+    store.set(f"exit/{rank}", b"1")
+    store.wait(["exit/0", "exit/1"], timedelta(seconds=120))
+    plan.close()
+
+
+def bench_nixl(path: str, steps: int) -> tuple[float, float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=120))
+    env = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", path, str(r), str(port),
+                               str(steps)], env=env) for r in (0, 1)]
+    for p in procs:
+        if p.wait(timeout=300):
+            raise SystemExit(f"NIXL worker failed with status {p.returncode}")
+    ex, raw = map(float, store.get("result").decode().split())
+    return ex, raw
+
+
+def bench_local(path: str, n: int, steps: int) -> tuple[float, float]:
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8)
+    dst = torch.zeros(n, dtype=torch.uint8)
+    ex = [executor.run_all_local(path, {0: {"x": src}, 1: {"x": dst}}, steps=2).seconds
+          for _ in range(steps)]
+    raw = []
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        raw.append(time.perf_counter() - t0)
+    return statistics.median(ex), statistics.median(raw[1:])
+
+
+def machine() -> str:
+    model = next((ln.split(":", 1)[1].strip() for ln in subprocess.run(
+        ["lscpu"], capture_output=True, text=True).stdout.splitlines()
+        if ln.startswith("Model name")), platform.processor())
+    return f"{os.cpu_count()} cores (`nproc`), {model}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--writes", type=int, default=64)
+    ap.add_argument("--mib", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--record", action="store_true")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.rplan")
+        n = make_plan(path, a.writes, a.mib << 20)
+        rows = [("nixl (2 processes)", "raw NIXL write", *bench_nixl(path, a.steps)),
+                ("local (run_all_local)", "torch copy_", *bench_local(path, n, a.steps))]
+    gb = n / 1e9
+    lines = [f"{a.writes} writes x {a.mib} MiB = {n >> 20} MiB, median of {a.steps} warm steps",
+             "", "| executor | baseline | executor s | baseline s | executor GB/s | "
+             "baseline GB/s | ratio |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, base, ex, raw in rows:
+        lines.append(f"| {name} | {base} | {ex:.4f} | {raw:.4f} | {gb / ex:.2f} | "
+                     f"{gb / raw:.2f} | {raw / ex:.2f} |")
+    table = "\n".join(lines)
+    print(table)
+    if a.record:
+        cmd = "python bench/executor_bench.py " + " ".join(sys.argv[1:])
+        with open(os.path.join(ROOT, "BENCHMARKS.md"), "a") as f:
+            f.write(f"\n## Executor\n\n`{cmd}` on {machine()}, "
+                    f"{time.strftime('%Y-%m-%d', time.gmtime())}.\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    else:
+        main()
