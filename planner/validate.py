@@ -73,6 +73,17 @@ def _check_source(s: SourceConfig, d: ModelDims) -> None:
         if d.vocab % s.tp:
             _fail("source.tp", s.tp, f"must divide vocab_size={d.vocab} when "
                   "source.vocab_padding is none; set source.vocab_padding: megatron")
+    if s.framework == "megatron" and d.mla and not s.transformer_engine:
+        # The local spec splits the MLA down projections' rows over tp (TE replicates them).
+        if d.q_lora_rank and d.q_lora_rank % s.tp:
+            _fail("source.tp", s.tp, f"must divide q_lora_rank={d.q_lora_rank} (Megatron's local "
+                  "spec splits linear_q_down_proj); set source.transformer_engine: true or "
+                  f"use one of {_divisors(d.q_lora_rank)}")
+        kv_rows = d.kv_lora_rank + d.qk_rope_head_dim
+        if kv_rows % s.tp:
+            _fail("source.tp", s.tp, f"must divide kv_lora_rank + qk_rope_head_dim={kv_rows} "
+                  "(Megatron's local spec splits linear_kv_down_proj); set "
+                  f"source.transformer_engine: true or use one of {_divisors(kv_rows)}")
     if s.pp > d.num_layers:
         _fail("source.pp", s.pp, f"exceeds the model's {d.num_layers} layers; use at most "
                                  f"{d.num_layers} stages")

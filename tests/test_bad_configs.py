@@ -37,6 +37,8 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     "target_tp_kv_groups": ("target.tp: 6", "num_key_value_heads=4", "multiple of it"),
     "intermediate_not_divisible": ("source.tp: 4", "intermediate_size=510", "use one of"),
     "vocab_not_divisible": ("source.tp: 2", "vocab_size=1001", "vocab_padding: megatron"),
+    "mla_kv_down_tp": ("source.tp: 4", "kv_lora_rank + qk_rope_head_dim=82",
+                       "source.transformer_engine: true"),
     "pp_more_than_layers": ("source.pp: 8", "4 layers", "at most 4"),
     "pp_not_dividing_layers": ("source.pp: 3", "4 layers", "use one of 1, 2, 4"),
     "experts_not_divisible_by_ep": ("source.ep: 3", "routed experts=8", "use one of 1, 2, 4, 8"),
