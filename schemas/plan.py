@@ -43,8 +43,12 @@ FORMAT_VERSION = 1
 STAGING = "__staging__"
 """Name of the staging region; when present it is the last region of a rank."""
 
-WRITE, PACK, UNPACK = 0, 1, 2
-"""Op kinds: the closed set the executor interprets."""
+WRITE, PACK, UNPACK, QUANT = 0, 1, 2, 3
+"""Op kinds: the closed set the executor interprets. QUANT runs with the packs (step 2):
+it reads a 2-d box (`size0` x `size1`, any float dtype) and writes its e4m3 values
+contiguously at `dst_offset` and its float32 block scales (`[ceil(size0/128),
+ceil(size1/128)]`, amax/448 per 128x128 block) contiguously at `aux_offset` (float32
+elements) of the same destination region."""
 DONE, ACK, READY = 0, 1, 2
 """Signal kinds: DONE (writes of a stage landed), ACK (staging of a stage is free again),
 READY (a target may be written: sent once per step, before any write into it)."""
@@ -64,9 +68,10 @@ COPY_COLUMNS = (("kind", "<u1"), ("stage", "<i4"),
                 ("src_stride0", "<i8"), ("src_stride1", "<i8"), ("src_stride2", "<i8"),
                 ("dst_region", "<i4"), ("dst_dtype", "<u1"), ("dst_offset", "<i8"),
                 ("dst_stride0", "<i8"), ("dst_stride1", "<i8"), ("dst_stride2", "<i8"),
-                ("size0", "<i8"), ("size1", "<i8"), ("size2", "<i8"))
+                ("size0", "<i8"), ("size1", "<i8"), ("size2", "<i8"), ("aux_offset", "<i8"))
 """A local strided copy of a 3-d box (`size0..2`), with a cast where dtypes differ.
-Offsets and strides count elements of that side's dtype (`DTYPE_CODES`)."""
+Offsets and strides count elements of that side's dtype (`DTYPE_CODES`). `aux_offset`
+is used by QUANT only (0 otherwise)."""
 SIGNAL_COLUMNS = (("stage", "<i4"), ("peer", "<i4"), ("kind", "<u1"))
 """A notification sent (`signals`) or awaited (`waits`) in a stage."""
 EXPLAIN_COLUMNS = (("tensor", "<i4"), ("src_rank", "<i4"), ("src_region", "<i4"),

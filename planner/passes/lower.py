@@ -182,4 +182,5 @@ def _copies(si, pack, unpack, stage, s_soff, d_soff, src_rank, dst_rank, n_regio
         "size0": cat([s0[pi], s0[ui]]),
         "size1": cat([s1[pi], s1[ui]]),
         "size2": cat([one_p, one_u]),
+        "aux_offset": np.zeros(len(p) + len(u), dtype=np.int64),
     }
