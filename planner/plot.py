@@ -1,0 +1,117 @@
+"""Pictures of plans and simulations (PNG, matplotlib's Agg backend).
+
+matplotlib is optional: it is imported only when a picture is asked for, and a missing
+install is one clear error (`pip install matplotlib`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+TOO_MANY_LABELS = 48
+"""Above this many bars, axis ticks are thinned."""
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib, which is not installed; install it with "
+                         "`pip install matplotlib` (or `pip install rdma-plan[plot]`)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _bars(ax: Any, labels: list[str], series: dict[str, np.ndarray], ylabel: str,
+          title: str) -> None:
+    """Side-by-side bars, one group per label; ticks thinned when there are many."""
+    x = np.arange(len(labels))
+    width = 0.8 / max(len(series), 1)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=name)
+    step = max(1, -(-len(labels) // TOO_MANY_LABELS))
+    ax.set_xticks(x[::step])
+    ax.set_xticklabels(labels[::step], rotation=90, fontsize=7)
+    ax.set_xlim(-0.6, len(labels) - 0.4)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plot_plan(header: dict[str, Any], path: str) -> str:
+    """Bytes sent and received per rank, and bytes out and in per NIC; writes `path`."""
+    plt = _pyplot()
+    stats = np.array(header["rank_stats"], dtype=np.float64).reshape(-1, 6)
+    roles = [r[0][0] for r in header["ranks"]]  # "s" / "t"
+    nics = header["nics"]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(12, 8), constrained_layout=True)
+    _bars(ax1, [f"{i}{roles[i]}" for i in range(len(stats))],
+          {"sent": stats[:, 1] / 1e9, "received": stats[:, 2] / 1e9}, "GB",
+          f"bytes per rank ({header['sources']} sources 's', {header['targets']} targets 't')")
+    _bars(ax2, [n["name"] for n in nics],
+          {"out": np.array([n["bytes_out"] for n in nics]) / 1e9,
+           "in": np.array([n["bytes_in"] for n in nics]) / 1e9}, "GB",
+          f"bytes per NIC ({nics[0]['gbps'] if nics else '?'} Gb/s each); floor "
+          f"{header['stats']['floor_s'] * 1e3:.1f} ms")
+    fig.suptitle(f"{header['model']['model_type']}: {header['stats']['bytes'] / 1e9:.2f} GB, "
+                 f"{header['stats']['writes']:,} writes", fontsize=11)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_simulation(res: dict[str, Any], path: str, title: str = "") -> str:
+    """Per-NIC load (bytes and busy time) and the timeline of batches; writes `path`."""
+    plt = _pyplot()
+    from matplotlib.collections import LineCollection
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(12, 9), constrained_layout=True,
+                                   gridspec_kw={"height_ratios": [1, 1.4]})
+    nics = res["nics"]
+    est = max(res["estimated_s"], 1e-12)
+    gbps = res["nic_gbps"] * 1e9 / 8
+    _bars(ax1, [n["name"] for n in nics],
+          {"out: bytes / (bw x estimated)": np.array([n["bytes_out"] for n in nics]) / gbps / est,
+           "in: bytes / (bw x estimated)": np.array([n["bytes_in"] for n in nics]) / gbps / est,
+           "out: busy / estimated": np.array([n["busy_out_s"] for n in nics]) / est,
+           "in: busy / estimated": np.array([n["busy_in_s"] for n in nics]) / est},
+          "fraction of the transfer", "per-NIC load (1.0 = busy or at full bandwidth "
+          "the whole time)")
+    ax1.set_ylim(0, 1.25)
+    tl = res["timeline"]
+    scale = 1e3
+    cmap = plt.get_cmap("tab20")
+    for chan, lw, off, name in ((0, 2.5, -0.12, "NIC"), (1, 1.2, 0.22, "NVLink (thin)")):
+        m = tl["chan"] == chan
+        if not m.any():
+            continue
+        y = tl["rank"][m].astype(np.float64) + off
+        segs = np.stack([np.stack([tl["start"][m] * scale, y], 1),
+                         np.stack([tl["end"][m] * scale, y], 1)], 1)
+        ax2.add_collection(LineCollection(segs, colors=cmap(tl["dst"][m] % 20), linewidths=lw,
+                                          label=name))
+    ax2.axvline(res["floor_s"] * scale, color="green", ls="--", lw=1,
+                label=f"floor {res['floor_s'] * scale:.1f} ms")
+    ax2.axvline(res["estimated_s"] * scale, color="red", ls="--", lw=1,
+                label=f"estimated {res['estimated_s'] * scale:.1f} ms")
+    ranks = int(tl["rank"].max()) + 1 if len(tl["rank"]) else 1
+    ax2.set_xlim(0, res["estimated_s"] * scale * 1.03 or 1)
+    ax2.set_ylim(ranks - 0.5, -0.5)
+    ax2.set_xlabel("time (ms)")
+    ax2.set_ylabel("source rank")
+    ax2.set_title(f"batches in flight per source rank ({res['batches']:,} batches; "
+                  "colour = target rank; same colour at the same time = incast; "
+                  "a gap is a pack, a wait or a stage barrier)", fontsize=10)
+    ax2.legend(fontsize=8, loc="lower right")
+    ax2.grid(axis="x", alpha=0.3)
+    fig.suptitle(title or f"simulated {res['estimated_s'] * scale:.1f} ms, floor "
+                 f"{res['floor_s'] * scale:.1f} ms, ratio {res['ratio']:.3f}; bottleneck "
+                 f"{res['bottleneck']}", fontsize=11)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
