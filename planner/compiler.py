@@ -18,18 +18,20 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from planner.fp8 import FP8, SCALE_SUFFIX, with_scales
 from planner.layouts import build_layout
 from planner.layouts.base import Layout
 from planner.passes.assign import assign, split_rows
 from planner.passes.coalesce import coalesce
 from planner.passes.emit import coverage_table, emit, explain_table, rank_regions
 from planner.passes.intersect import PieceTable, element_size, intersect, piece_table
-from planner.passes.lower import lower
+from planner.passes.lower import Lowered, lower
+from planner.passes.quantize import quantize, take
 from planner.passes.schedule import schedule
 from planner.spec import ModelSpec
 from planner.topology import Topology, build_topology
 from schemas.config import Config
-from schemas.plan import FORMAT_VERSION, Plan, write_plan
+from schemas.plan import DTYPE_CODES, FORMAT_VERSION, Plan, write_plan
 
 VERSION = "rdma-plan 0.1.0"
 
@@ -69,13 +71,23 @@ def _nic_stats(topo: Topology, src_rank: np.ndarray, dst_rank: np.ndarray,
             .sum()), "floor_s": float(max(nic_floor, nv_floor))}
 
 
+def merge(a: Lowered, b: Lowered) -> Lowered:
+    """Writes and copies of both; staging per rank is the larger (their stages differ)."""
+    cat = np.concatenate
+    w = {k: cat([getattr(a, k), getattr(b, k)]) for k in Lowered.__slots__
+         if k.startswith("w_")}
+    copies = {k: cat([a.copies[k], b.copies[k]]) for k in a.copies}
+    return Lowered(**w, copies=copies, staging=np.maximum(a.staging, b.staging),
+                   stages=max(a.stages, b.stages))
+
+
 def _rank_stats(low, world: int) -> list[list[int]]:
     """Per plan rank: [writes issued, bytes sent, bytes received, packs, unpacks, staging]."""
     count = np.bincount(low.w_src_rank, minlength=world)
     sent = np.bincount(low.w_src_rank, weights=low.w_nbytes, minlength=world)
     recv = np.bincount(low.w_dst_rank, weights=low.w_nbytes, minlength=world)
     kind, rank = low.copies["kind"], low.copies["rank"]
-    packs = np.bincount(rank[kind == 1], minlength=world)
+    packs = np.bincount(rank[(kind == 1) | (kind == 3)], minlength=world)
     unpacks = np.bincount(rank[kind == 2], minlength=world)
     cols = (count, sent, recv, packs, unpacks, low.staging)
     return [[int(c[r]) for c in cols] for r in range(world)]
@@ -87,6 +99,8 @@ def compile_config(cfg: Config, spec: ModelSpec, progress=None) -> Plan:
         progress("layouts")
     src_layout = build_layout(spec, cfg.source)
     dst_layout = build_layout(spec, cfg.target)
+    if cfg.target.dtype == "fp8_block128":
+        spec = with_scales(spec)
     return compile_layouts(cfg, spec, src_layout, dst_layout, progress)
 
 
@@ -103,6 +117,13 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     dst = piece_table(dst_layout, spec, src_layout.world)
     n_regions = np.array([len(r.tensors) for r in (*src_layout.ranks, *dst_layout.ranks)],
                          dtype=np.int64)
+    # Block-FP8 weights (and their scales) take the quantize pass; the rest the plain one.
+    fp8 = np.isin(dst.tensor, [i for i, t in enumerate(spec.tensors) if
+                               spec.by_name.get(t.name + SCALE_SUFFIX)])
+    fp8 &= dst.dtype == DTYPE_CODES.index(FP8)
+    scales = np.isin(dst.tensor, [i for i, t in enumerate(spec.tensors)
+                                  if t.name.endswith(SCALE_SUFFIX)])
+    full_dst, dst = dst, take(dst, np.nonzero(~fp8 & ~scales)[0])
     chunks = intersect(spec, src, dst)
     chunks = split_rows(chunks, dst, cfg.options.max_write_bytes)
     step("assign")
@@ -113,6 +134,11 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
                             dst.rank[chunks.dst], dst.region[chunks.dst], chunk_bytes)
     step("lower")
     low = lower(chunks, choice, src, dst, n_regions, cfg.options, names)
+    if fp8.any():
+        step("quantize")
+        quant = quantize(spec, src, full_dst, np.nonzero(fp8)[0], np.nonzero(scales)[0],
+                         n_regions, cfg.options, low.stages)
+        low = merge(low, quant)
     low = coalesce(low, cfg.options.max_write_bytes)
     step("schedule")
     sched = schedule(low, topo, cfg.options.max_write_bytes, n_regions)
@@ -134,6 +160,7 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
         "nvlink_gbps": topo.nvlink_gbps,
         "stats": {"writes": int(len(low.w_nbytes)), "bytes": int(low.w_nbytes.sum()),
                   "packs": int((kinds == 1).sum()), "unpacks": int((kinds == 2).sum()),
+                  "quants": int((kinds == 3).sum()),
                   "chunks": int(len(chunks)),
                   "staging_max": int(low.staging.max()) if len(low.staging) else 0,
                   **{k: v for k, v in nic.items() if k != "nics"}},
