@@ -1,0 +1,62 @@
+"""QUANT ops: block-FP8 quantization of a 2-d box into staging, prepared once.
+
+The formula is vLLM's `per_block_cast_to_fp8` (and the planner's reference quantizer,
+which tests hold this to bit for bit): per 128x128 block, `scale = max(amax, 1e-4) /
+448`, `q = (x.float() * (1 / scale))` cast to e4m3; a partial edge block takes the amax of
+its real elements. e4m3 values land contiguously at `dst_offset` (bytes) and the float32
+scales `[ceil(m/128), ceil(n/128)]` at `aux_offset` (float32 elements) of the same region.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from schemas.plan import DTYPE_CODES, Table
+
+from .bind import torch_dtype, typed
+
+BLOCK = 128
+FP8_MAX = 448.0
+
+Op = Callable[[], None]
+
+
+def quantize_into(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor,
+                  pad: torch.Tensor) -> None:
+    """Quantize the 2-d `x` into `q_out` (e4m3, x's shape) and `s_out` (float32 scales);
+    `pad` is a zeroed scratch tensor of x's dtype padded to multiples of 128."""
+    m, n = x.shape
+    pad[:m, :n].copy_(x)
+    pm, pn = pad.shape
+    blocks = pad.view(pm // BLOCK, BLOCK, pn // BLOCK, BLOCK)
+    scale = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4) / FP8_MAX
+    q = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn)
+    q_out.copy_(q.view(pm, pn)[:m, :n])
+    s_out.copy_(scale.view(pm // BLOCK, pn // BLOCK))
+
+
+def prepare_quants(copies: Table, rows: np.ndarray, regions: list[torch.Tensor]) -> list[Op]:
+    """One op per QUANT row, with its views and scratch built now, not per step."""
+    ops = []
+    for i in rows.tolist():
+        m, n = int(copies["size0"][i]), int(copies["size1"][i])
+        src = typed(regions[int(copies["src_region"][i])],
+                    torch_dtype(DTYPE_CODES[int(copies["src_dtype"][i])]))
+        x = src.as_strided((m, n), (int(copies["src_stride0"][i]),
+                                    int(copies["src_stride1"][i])),
+                           src.storage_offset() + int(copies["src_offset"][i]))
+        dst = regions[int(copies["dst_region"][i])]
+        q = typed(dst, torch.float8_e4m3fn).as_strided(
+            (m, n), (n, 1), int(copies["dst_offset"][i]))
+        sf = typed(dst, torch.float32)
+        rb, cb = -(-m // BLOCK), -(-n // BLOCK)
+        s = sf.as_strided((rb, cb), (cb, 1), sf.storage_offset() + int(copies["aux_offset"][i]))
+        pad = torch.zeros((rb * BLOCK, cb * BLOCK), dtype=x.dtype, device=x.device)
+
+        def op(x=x, q=q, s=s, pad=pad) -> None:
+            quantize_into(x, q, s, pad)
+        ops.append(op)
+    return ops
