@@ -1,0 +1,234 @@
+"""The simulator on hand-built plans whose times are computed by hand, and on compiled
+synthetic plans (estimated >= floor, floor computed here independently).
+
+Units: a 400 Gb/s NIC moves 50 GB/s, so 1 GB takes 20 ms; NVLink at 3600 Gb/s moves
+450 GB/s; packs at 2000 Gb/s move 250 GB/s. Signals take `write_overhead_us` to arrive.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.simulate import simulate
+from schemas.plan import (
+    ACK,
+    BATCH_COLUMNS,
+    COPY_COLUMNS,
+    DONE,
+    PACK,
+    READY,
+    SIGNAL_COLUMNS,
+    UNPACK,
+    WRITE_COLUMNS,
+    Plan,
+    RankPlan,
+    Table,
+)
+
+GB = 10**9
+NIC_BPS = 50e9
+NV_BPS = 450e9
+
+
+def _plan(ranks: list[dict], nics_per_host: int = 8, overhead_us: float = 0.0,
+          pack_us: float = 0.0, acks: bool = False) -> Plan:
+    """A plan from rank dicts: role, host, gpu, batches [(stage, chan, dst, bytes, writes)],
+    copies [(kind, stage, bytes)]. READY per pair, DONE per pair and stage with writes,
+    and (with `acks`) ACK for every such stage >= 1, as the compiler signals them."""
+    g_per_nic = 8 // nics_per_host
+    names = [f"h{r['host']}/nic{r['gpu'] // g_per_nic}" for r in ranks]
+    stages = 1 + max([b[0] for r in ranks for b in r.get("batches", ())] +
+                     [c[1] for r in ranks for c in r.get("copies", ())], default=0)
+    sig: list[list[tuple[int, int, int]]] = [[] for _ in ranks]
+    wait: list[list[tuple[int, int, int]]] = [[] for _ in ranks]
+    for s, r in enumerate(ranks):
+        for d in sorted({b[2] for b in r.get("batches", ())}):
+            sig[d].append((0, s, READY))
+            wait[s].append((0, d, READY))
+        for st, d in sorted({(b[0], b[2]) for b in r.get("batches", ())}):
+            sig[s].append((st, d, DONE))
+            wait[d].append((st, s, DONE))
+            if acks and st >= 1:
+                sig[d].append((st - 1, s, ACK))
+                wait[s].append((st, d, ACK))
+    out = []
+    for i, r in enumerate(ranks):
+        w = {k: [] for k, _ in WRITE_COLUMNS}
+        b = {k: [] for k, _ in BATCH_COLUMNS}
+        for stage, chan, dst, nbytes, n in r.get("batches", ()):
+            b["stage"].append(stage)
+            b["nic"].append(chan)
+            b["start"].append(len(w["nbytes"]))
+            for _ in range(n):
+                for k, v in (("dst_rank", dst), ("src_region", 0), ("src_offset", 0),
+                             ("dst_region", 0), ("dst_offset", 0), ("nbytes", nbytes // n)):
+                    w[k].append(v)
+            b["stop"].append(len(w["nbytes"]))
+        c = {k: [] for k, _ in COPY_COLUMNS}
+        for kind, stage, nbytes in r.get("copies", ()):
+            row = dict.fromkeys(c, 0)
+            row.update(kind=kind, stage=stage, src_dtype=1, dst_dtype=1, size0=nbytes // 2,
+                       size1=1, size2=1)
+            for k in c:
+                c[k].append(row[k])
+        out.append(RankPlan(
+            rank=i, role=r["role"], host=r["host"], gpu=r["gpu"], nics=(names[i], "nvlink"),
+            regions=(), writes=Table.build(WRITE_COLUMNS, **w),
+            batches=Table.build(BATCH_COLUMNS, **b), copies=Table.build(COPY_COLUMNS, **c),
+            signals=Table.build(SIGNAL_COLUMNS, **dict(zip(("stage", "peer", "kind"),
+                                                           zip(*sig[i]) if sig[i] else ([],) * 3))),
+            waits=Table.build(SIGNAL_COLUMNS, **dict(zip(("stage", "peer", "kind"),
+                                                         zip(*wait[i]) if wait[i] else ([],) * 3))),
+            peer_regions=(), stages=stages))
+    header = {
+        "options": {"write_overhead_us": overhead_us, "pack_gbps": 2000.0,
+                    "pack_overhead_us": pack_us},
+        "cluster": {"nic_gbps": 400.0, "nvlink_gbps": 3600.0},
+        "nvlink_gbps": 3600.0,
+        "ranks": [[r["role"], r["host"], r["gpu"], names[i]] for i, r in enumerate(ranks)],
+    }
+    return Plan(header=header, ranks=tuple(out))
+
+
+def src(host: int, gpu: int, *batches: tuple, copies: tuple = ()) -> dict:
+    return {"role": "source", "host": host, "gpu": gpu, "batches": batches, "copies": copies}
+
+
+def tgt(host: int, gpu: int, copies: tuple = ()) -> dict:
+    return {"role": "target", "host": host, "gpu": gpu, "copies": copies}
+
+
+def test_one_gigabyte_over_one_nic():
+    # source h0/gpu0 -> target h1/gpu0: 1 GB at 50 GB/s = 20 ms; 16 writes x 2 us of
+    # overhead; READY and DONE each arrive 2 us after they are sent.
+    plan = _plan([src(0, 0, (0, 0, 1, GB, 16)), tgt(1, 0)], overhead_us=2.0)
+    res = simulate(plan)
+    assert res["floor_s"] == pytest.approx(0.02)
+    assert res["estimated_s"] == pytest.approx(2e-6 + 0.02 + 16 * 2e-6 + 2e-6)
+    assert res["bottleneck"] == "h0/nic0 egress"
+    assert res["nics"][0]["bytes_out"] == GB and res["nics"][1]["bytes_in"] == GB
+
+
+def test_two_sources_share_the_target_ingress():
+    # h0 and h1 each send to the one target on h2: its NIC takes 1 GB at 50 GB/s = 20 ms.
+    # Unequal halves (0.25 + 0.75 GB): 25 GB/s each until the small one ends at 10 ms, then
+    # the big one alone at 50 GB/s for its last 0.5 GB: also 20 ms in all (max-min fair).
+    for a, b in ((GB // 2, GB // 2), (GB // 4, 3 * GB // 4)):
+        plan = _plan([src(0, 0, (0, 0, 2, a, 1)), src(1, 0, (0, 0, 2, b, 1)), tgt(2, 0)])
+        res = simulate(plan)
+        assert res["floor_s"] == pytest.approx(0.02)
+        assert res["estimated_s"] == pytest.approx(0.02)
+        assert res["bottleneck"] == "h2/nic0 ingress"
+    ends = sorted(res["timeline"]["end"].tolist())
+    assert ends == pytest.approx([0.01, 0.02])
+
+
+def test_gpus_behind_one_nic_share_its_egress():
+    # 4 NICs per host: GPUs 0 and 1 share h0/nic0; they send 0.5 GB each to two targets on
+    # different NICs of h1: the shared egress carries 1 GB: 20 ms.
+    plan = _plan([src(0, 0, (0, 0, 2, GB // 2, 1)), src(0, 1, (0, 0, 3, GB // 2, 1)),
+                  tgt(1, 0), tgt(1, 2)], nics_per_host=4)
+    res = simulate(plan)
+    assert res["floor_s"] == pytest.approx(0.02)
+    assert res["estimated_s"] == pytest.approx(0.02)
+
+
+def test_same_host_writes_go_over_nvlink_alongside_the_nic():
+    # 1 GB to a target on the same host over NVLink (450 GB/s: 2.22 ms) while 1 GB goes to
+    # another host over the NIC (20 ms): the two channels run at once, the NIC dominates.
+    plan = _plan([src(0, 0, (0, 1, 1, GB, 1), (0, 0, 2, GB, 1)), tgt(0, 4), tgt(1, 0)])
+    res = simulate(plan)
+    assert res["estimated_s"] == pytest.approx(0.02)
+    tl = res["timeline"]
+    nv = tl["chan"] == 1
+    assert tl["end"][nv][0] == pytest.approx(GB / NV_BPS)
+    assert res["nvlink_bytes"] == GB
+    # NVLink alone: its own floor.
+    res = simulate(_plan([src(0, 0, (0, 1, 1, GB, 1)), tgt(0, 4)]))
+    assert res["floor_s"] == pytest.approx(GB / NV_BPS)
+    assert res["estimated_s"] == pytest.approx(GB / NV_BPS)
+    assert res["bottleneck"] == "rank 0 NVLink out"
+
+
+def test_staged_plan_packs_writes_unpacks_and_acks():
+    # Two stages of 1 GB each through staging, ACK-gated. Pack/unpack of 1 GB at 250 GB/s
+    # = 4 ms + 10 us; writes 20 ms; signals 2 us.
+    #   stage 0: READY 2 us | pack P | write W | DONE +2us | target unpacks U | ACK +2us
+    #   stage 1: pack P | write W | DONE +2us | unpack U  (the end)
+    lat, p, w = 2e-6, GB / 250e9 + 10e-6, GB / NIC_BPS
+    plan = _plan([src(0, 0, (0, 0, 1, GB, 1), (1, 0, 1, GB, 1),
+                      copies=((PACK, 0, GB), (PACK, 1, GB))),
+                  tgt(1, 0, copies=((UNPACK, 0, GB), (UNPACK, 1, GB)))],
+                 overhead_us=0.0, pack_us=10.0, acks=True)
+    plan.header["options"]["write_overhead_us"] = 2.0  # signals: 2 us; writes: 1 x 2 us
+    res = simulate(plan)
+    w += lat  # one write's overhead
+    t_ack = lat + p + w + lat + p + lat
+    assert res["estimated_s"] == pytest.approx(t_ack + p + w + lat + p)
+    assert res["stages"] == 2
+    assert res["ratio"] > 1.4  # packs and unpacks are not overlapped with writes
+
+
+def test_a_wait_nobody_signals_is_an_error():
+    plan = _plan([src(0, 0, (0, 0, 1, GB, 1)), tgt(1, 0)])
+    rp = plan.ranks[1]
+    bad = RankPlan(**{**{f: getattr(rp, f) for f in RankPlan.__slots__},
+                      "waits": Table.build(SIGNAL_COLUMNS, stage=[0, 0], peer=[0, 0],
+                                           kind=[DONE, ACK])})
+    with pytest.raises(ValueError, match="never finish"):
+        simulate(Plan(header=plan.header, ranks=(plan.ranks[0], bad)))
+
+
+def _independent_floor(plan: Plan) -> float:
+    """Most bytes through one NIC direction or one GPU's NVLink direction, over bandwidth."""
+    nic = {r: row[3] for r, row in enumerate(plan.header["ranks"])}
+    load: dict[tuple[str, object], float] = {}
+    for rp in plan.ranks:
+        for _st, ch, a, b in zip(rp.batches["stage"], rp.batches["nic"], rp.batches["start"],
+                                rp.batches["stop"]):
+            for d, n in zip(rp.writes["dst_rank"][a:b], rp.writes["nbytes"][a:b]):
+                keys = ((("out", nic[rp.rank]), ("in", nic[int(d)])) if ch == 0 else
+                        (("nv-out", rp.rank), ("nv-in", int(d))))
+                for k in keys:
+                    load[k] = load.get(k, 0) + int(n)
+    cluster = plan.header["cluster"]
+    return max(v * 8 / ((cluster["nic_gbps"] if k[0] in ("out", "in") else
+                         plan.header["nvlink_gbps"]) * 1e9) for k, v in load.items())
+
+
+@pytest.mark.parametrize("opts", [{}, {"staging_bytes": 8192, "max_write_bytes": 4096},
+                                  {"write_overhead_us": 0.0}])
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_compiled_plans_never_beat_the_floor(opts, placement):
+    from planner.compiler import compile_layouts
+    from planner.spec import spec_from_hf
+    from schemas.config import (
+        ClusterConfig,
+        Config,
+        ModelConfig,
+        Options,
+        SourceConfig,
+        TargetConfig,
+    )
+    from tests.planner.synthetic import fused_col_split, row_split
+
+    hf = dict(model_type="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, intermediate_size=96, vocab_size=101, num_hidden_layers=2,
+              tie_word_embeddings=False)
+    spec = spec_from_hf(hf)
+    extra = {"source_gpus_per_host": 2} if placement == "colocated" else {}
+    cfg = Config(model=ModelConfig("unused"), source=SourceConfig("fsdp2", dp=3),
+                 target=TargetConfig("vllm", tp=2, replicas=2),
+                 cluster=ClusterConfig(gpus_per_host=4, nics_per_host=2, placement=placement,
+                                       **extra),
+                 options=Options(**opts))
+    plan = compile_layouts(cfg, spec, row_split(spec, 3), fused_col_split(spec, 2, 2))
+    res = simulate(plan)
+    floor = _independent_floor(plan)
+    assert res["floor_s"] == pytest.approx(floor)
+    assert res["floor_s"] == pytest.approx(plan.header["stats"]["floor_s"])
+    assert res["estimated_s"] >= res["floor_s"]
+    tl = res["timeline"]
+    assert (tl["end"] >= tl["start"]).all() and (tl["end"] <= res["estimated_s"] + 1e-12).all()
+    assert res["bytes"] == plan.header["stats"]["bytes"]
+    assert max(res["rank_finish_s"]) == res["estimated_s"]
