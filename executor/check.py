@@ -10,7 +10,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from schemas.plan import ACK, DONE, DTYPE_CODES, ITEMSIZE, PACK, READY, UNPACK, RankPlan, Table
+from schemas.plan import (
+    ACK,
+    DONE,
+    DTYPE_CODES,
+    ITEMSIZE,
+    PACK,
+    QUANT,
+    READY,
+    UNPACK,
+    RankPlan,
+    Table,
+)
 
 from .errors import PlanBoundsError
 
@@ -96,8 +107,9 @@ def _check_batches(rp: RankPlan) -> None:
 def _check_copies(rp: RankPlan, sizes: np.ndarray, nreg: int) -> None:
     c, row = rp.copies, _row(rp.copies)
     itemsize = np.array([ITEMSIZE[d] for d in DTYPE_CODES], dtype=np.int64)
-    _fail(rp, "copy", ~np.isin(c["kind"], (PACK, UNPACK)), "has a kind other than PACK/UNPACK",
-          row)
+    _fail(rp, "copy", ~np.isin(c["kind"], (PACK, UNPACK, QUANT)),
+          "has a kind other than PACK/UNPACK/QUANT", row)
+    quant = c["kind"] == QUANT
     _fail(rp, "copy", (c["stage"] < 0) | (c["stage"] >= rp.stages),
           f"has a stage out of range [0, {rp.stages})", row)
     box = [c[f"size{k}"] for k in range(3)]
@@ -114,6 +126,19 @@ def _check_copies(rp: RankPlan, sizes: np.ndarray, nreg: int) -> None:
               f"has a negative or huge {side} offset, stride or size", row)
         empty = np.any([s == 0 for s in box], axis=0)
         last = off + sum((s - 1) * st for s, st in zip(box, strides))
+        if side == "dst":  # QUANT writes its values contiguously
+            last = np.where(quant, off + box[0] * box[1] - 1, last)
         numel = sizes[np.clip(reg, 0, nreg)] // itemsize[np.clip(code, 0, len(itemsize) - 1)]
         _fail(rp, "copy", ~empty & (last >= numel),
               f"reaches past the end of its {side} region (max element index >= numel)", row)
+    _check_quant_scales(rp, sizes, nreg, quant)
+
+
+def _check_quant_scales(rp: RankPlan, sizes: np.ndarray, nreg: int, quant: np.ndarray) -> None:
+    c = rp.copies
+    blocks = -(-c["size0"] // 128) * -(-c["size1"] // 128)
+    aux, reg = c["aux_offset"], np.clip(c["dst_region"], 0, nreg)
+    _fail(rp, "copy", quant & ((aux < 0) | (aux > _MAX) | ((aux + blocks) * 4 > sizes[reg])),
+          "(QUANT) puts its scales past the end of its dst region", _row(c))
+    _fail(rp, "copy", quant & (c["dst_dtype"] != DTYPE_CODES.index("float8_e4m3fn")),
+          "(QUANT) has a dst dtype other than float8_e4m3fn", _row(c))

@@ -1,9 +1,9 @@
 """The executor: bind, check, register once, connect once, then replay the plan every step.
 
 `run()` walks the stages and does, per stage, the 7 steps of `schemas/plan.py`:
-ready/wait -> packs -> writes -> DONE -> wait -> unpacks -> ACK. Everything a step needs
-(copy views, prepared write batches, signal lists) is built at `connect()`; a step only
-replays it.
+ready/wait -> packs (and QUANTs) -> writes -> DONE -> wait -> unpacks -> ACK. Everything
+a step needs (copy views, prepared write batches, signal lists) is built at `connect()`;
+a step only replays it.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import msgpack
 import numpy as np
 import torch
 
-from schemas.plan import ACK, DONE, PACK, READY, UNPACK, RankPlan, load_rank
+from schemas.plan import ACK, DONE, PACK, QUANT, READY, UNPACK, RankPlan, load_rank
 
 from . import signals
 from .bind import bind
 from .check import check_rank_plan
 from .copies import Op, prepare_copies
 from .errors import PeerMismatchError, PeerTimeoutError
+from .quant import prepare_quants
 from .rendezvous import open_store
 from .transports.base import Store, Transport, WriteBatch
 
@@ -166,6 +167,8 @@ class Executor:
         c = p.copies
         st.packs = prepare_copies(c, np.flatnonzero((c["stage"] == s) & (c["kind"] == PACK)),
                                   self.regions)
+        st.packs += prepare_quants(
+            c, np.flatnonzero((c["stage"] == s) & (c["kind"] == QUANT)), self.regions)
         st.unpacks = prepare_copies(
             c, np.flatnonzero((c["stage"] == s) & (c["kind"] == UNPACK)), self.regions)
         w, b = p.writes, p.batches

@@ -1,22 +1,18 @@
 """In-process transport: every rank lives in this process and shares one `Fabric`.
 
-Writes are torch copies between the ranks' regions, prepared once per batch: writes of
-one (src region, dst region, size) group become one `index_select` + `index_copy_` over
-byte-row views (`as_strided(region, (N, nbytes), (1, 1))`), large writes a slice copy each.
+Writes are torch copies between the ranks' regions, prepared once per batch
+(`torch_copy.py`).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from .base import WriteBatch
-
-_BIG = 1 << 16  # writes of at least this many bytes are copied one slice each
+from .torch_copy import Op, prepare_copies
 
 
 class Fabric:
@@ -38,30 +34,6 @@ FABRIC = Fabric()
 """The default fabric of this process."""
 
 
-def _slice_copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
-    if dst.is_cpu and src.is_cpu:  # a plain memcpy: torch's thread pool costs more than it
-        d, s = dst.numpy(), src.numpy()  # gains per slice on a busy CPU
-
-        def op() -> None:
-            np.copyto(d, s)
-        return op
-
-    def op() -> None:
-        dst.copy_(src)
-    return op
-
-
-def _row_copy(dst: torch.Tensor, src: torch.Tensor, do: np.ndarray, so: np.ndarray,
-              n: int) -> Callable[[], None]:
-    s2 = src.as_strided((int(so.max()) + 1, n), (1, 1))
-    d2 = dst.as_strided((int(do.max()) + 1, n), (1, 1))
-    si, di = torch.from_numpy(so.copy()).to(src.device), torch.from_numpy(do.copy()).to(dst.device)
-
-    def op() -> None:
-        d2.index_copy_(0, di, s2.index_select(0, si))
-    return op
-
-
 class LocalTransport:
     def __init__(self, rank: int, namespace: str, fabric: Fabric | None = None) -> None:
         self.rank, self.ns, self.fabric = rank, namespace, fabric or FABRIC
@@ -77,28 +49,14 @@ class LocalTransport:
     def import_peer(self, peer: int, desc: dict[str, Any]) -> None:
         self.peers[peer] = self.fabric.regions[(self.ns, int(desc["rank"]))]
 
-    def prepare(self, batch: WriteBatch) -> list[Callable[[], None]]:
-        dst_regions, ops = self.peers[batch.peer], []
-        cols = np.stack([batch.src_region, batch.dst_region, batch.nbytes], axis=1)
-        big = batch.nbytes >= _BIG
-        for i in np.flatnonzero(big):
-            so, do, n = int(batch.src_offset[i]), int(batch.dst_offset[i]), int(batch.nbytes[i])
-            ops.append(_slice_copy(dst_regions[cols[i, 1]][do:do + n],
-                                   self.regions[cols[i, 0]][so:so + n]))
-        small = np.flatnonzero(~big & (batch.nbytes > 0))
-        if len(small):
-            keys, inverse = np.unique(cols[small], axis=0, return_inverse=True)
-            for g, (sr, dr, n) in enumerate(keys.tolist()):
-                rows = small[inverse.reshape(-1) == g]
-                ops.append(_row_copy(dst_regions[dr], self.regions[sr],
-                                     batch.dst_offset[rows], batch.src_offset[rows], n))
-        return ops
+    def prepare(self, batch: WriteBatch) -> list[Op]:
+        return prepare_copies(self.regions, self.peers[batch.peer], batch)
 
-    def post(self, handle: list[Callable[[], None]]) -> None:
+    def post(self, handle: list[Op]) -> None:
         for op in handle:
             op()
 
-    def done(self, handle: list[Callable[[], None]]) -> bool:
+    def done(self, handle: list[Op]) -> bool:
         return True
 
     def notify(self, peer: int, msg: bytes) -> None:

@@ -41,9 +41,11 @@ def region(name: str, dtype: str, shape: tuple[int, ...]) -> Region:
     return Region(name, dtype, shape, int(np.prod(shape)) * _SIZE[dtype])
 
 
-def copy(kind: int, stage: int, src: tuple, dst: tuple, size: tuple[int, int, int]) -> dict:
+def copy(kind: int, stage: int, src: tuple, dst: tuple, size: tuple[int, int, int],
+         aux_offset: int = 0) -> dict:
     """`src`/`dst` = (region, dtype code, offset, (stride0, stride1, stride2)) in elements."""
-    row = {"kind": kind, "stage": stage, "size0": size[0], "size1": size[1], "size2": size[2]}
+    row = {"kind": kind, "stage": stage, "size0": size[0], "size1": size[1], "size2": size[2],
+           "aux_offset": aux_offset}
     for side, (reg, code, off, strides) in (("src", src), ("dst", dst)):
         row.update({f"{side}_region": reg, f"{side}_dtype": code, f"{side}_offset": off})
         row.update({f"{side}_stride{k}": strides[k] for k in range(3)})

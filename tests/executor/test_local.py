@@ -8,8 +8,13 @@ import numpy as np
 import pytest
 import torch
 from exec_plans import (
+    BF16,
     DONE,
+    DTYPE_CODES,
     READY,
+    STAGING,
+    Region,
+    copy,
     rank_plan,
     region,
     save,
@@ -20,6 +25,7 @@ from exec_plans import (
 
 import executor
 from executor import PlanDeadlockError
+from schemas.plan import QUANT
 
 
 def test_two_by_two_is_bit_exact(tmp_path):
@@ -75,3 +81,30 @@ def test_wait_without_signal_is_a_deadlock(tmp_path):
     with pytest.raises(PlanDeadlockError, match="peer rank 1"):
         executor.run_all_local(path, {0: {"x": torch.zeros(8, dtype=torch.uint8)},
                                       1: {"x": torch.zeros(8, dtype=torch.uint8)}})
+
+
+def test_quant_into_staging_then_write_matches_the_reference(tmp_path):
+    # source 0 holds "w" bf16 [200, 300] (2 x 3 blocks of 128, partial at the edges). QUANT
+    # puts its 60000 e4m3 values at staging byte 0 and its 2 x 3 fp32 scales at staging
+    # float 15000 (byte 60000); two writes send them to target 1's "w" (e4m3 [200, 300])
+    # and "w_scale_inv" (fp32 [2, 3]).
+    fp8 = DTYPE_CODES.index("float8_e4m3fn")
+    w = region("w", "bfloat16", (200, 300))
+    st = Region(STAGING, "uint8", (60024,), 60024)
+    q = copy(QUANT, 0, (0, BF16, 0, (300, 1, 0)), (1, fp8, 0, (300, 1, 0)), (200, 300, 1),
+             aux_offset=15000)
+    tw, ts = Region("w", "float8_e4m3fn", (200, 300), 60000), region("w_scale_inv",
+                                                                     "float32", (2, 3))
+    src = rank_plan(0, "source", [w, st], [(0, 1, 1, 0, 0, 0, 60000), (0, 1, 1, 60000, 1, 0, 24)],
+                    copies=[q], signals=[(0, 1, DONE)], waits=[(0, 1, READY)],
+                    peer_regions={1: (60000, 24)})
+    tgt = rank_plan(1, "target", [tw, ts], signals=[(0, 0, READY)], waits=[(0, 0, DONE)])
+    x = torch.randn(200, 300).to(torch.bfloat16)
+    x[:128, :128] = 0  # an all-zero block takes the 1e-4 floor
+    out = {"w": torch.zeros(200, 300, dtype=torch.float8_e4m3fn),
+           "w_scale_inv": torch.zeros(2, 3)}
+    executor.run_all_local(save(str(tmp_path / "p.rplan"), [src, tgt]), {0: {"w": x}, 1: out})
+    fp8mod = pytest.importorskip("planner.fp8")
+    want_q, want_s = fp8mod.quantize_block128(x)
+    assert torch.equal(out["w_scale_inv"], want_s)
+    assert torch.equal(out["w"].view(torch.uint8), want_q.view(torch.uint8))

@@ -1,0 +1,62 @@
+"""Byte copies between torch regions, prepared once: the data path of `local` and `cuda_ipc`.
+
+Writes of one (src region, dst region, size) group become one `index_select` +
+`index_copy_` over byte-row views (`as_strided(region, (N, nbytes), (1, 1))`); large
+writes are one slice copy each (a plain memcpy on CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from .base import WriteBatch
+
+Op = Callable[[], None]
+_BIG = 1 << 16  # writes of at least this many bytes are copied one slice each
+
+
+def _slice_copy(dst: torch.Tensor, src: torch.Tensor) -> Op:
+    if dst.is_cpu and src.is_cpu:  # a plain memcpy: torch's thread pool costs more than it
+        d, s = dst.numpy(), src.numpy()  # gains per slice on a busy CPU
+
+        def op() -> None:
+            np.copyto(d, s)
+        return op
+
+    def op() -> None:
+        dst.copy_(src)
+    return op
+
+
+def _row_copy(dst: torch.Tensor, src: torch.Tensor, do: np.ndarray, so: np.ndarray,
+              n: int) -> Op:
+    s2 = src.as_strided((int(so.max()) + 1, n), (1, 1))
+    d2 = dst.as_strided((int(do.max()) + 1, n), (1, 1))
+    si, di = torch.from_numpy(so.copy()).to(src.device), torch.from_numpy(do.copy()).to(dst.device)
+
+    def op() -> None:
+        d2.index_copy_(0, di, s2.index_select(0, si))
+    return op
+
+
+def prepare_copies(src_regions: list[torch.Tensor], dst_regions: list[torch.Tensor],
+                   batch: WriteBatch) -> list[Op]:
+    """The ops that perform `batch` from `src_regions` into `dst_regions` (flat uint8)."""
+    ops: list[Op] = []
+    cols = np.stack([batch.src_region, batch.dst_region, batch.nbytes], axis=1)
+    big = batch.nbytes >= _BIG
+    for i in np.flatnonzero(big):
+        so, do, n = int(batch.src_offset[i]), int(batch.dst_offset[i]), int(batch.nbytes[i])
+        ops.append(_slice_copy(dst_regions[cols[i, 1]][do:do + n],
+                               src_regions[cols[i, 0]][so:so + n]))
+    small = np.flatnonzero(~big & (batch.nbytes > 0))
+    if len(small):
+        keys, inverse = np.unique(cols[small], axis=0, return_inverse=True)
+        for g, (sr, dr, n) in enumerate(keys.tolist()):
+            rows = small[inverse.reshape(-1) == g]
+            ops.append(_row_copy(dst_regions[dr], src_regions[sr],
+                                 batch.dst_offset[rows], batch.src_offset[rows], n))
+    return ops
