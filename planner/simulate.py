@@ -12,8 +12,8 @@ The model (at batch granularity; a batch is one flow):
   source's and target's NVLink (`nvlink_gbps`, per GPU). Active flows share resources
   max-min fairly (progressive filling), recomputed whenever a flow starts or ends.
 - A batch's size is its bytes plus `write_overhead_us` of link time for every write in it.
-- Packs and unpacks of a stage run one after another on their rank: `pack_overhead_us`
-  plus bytes (target dtype) at `pack_gbps` each.
+- Packs (and QUANTs) and unpacks of a stage run one after another on their rank:
+  `pack_overhead_us` plus bytes (of the wider dtype side) at `pack_gbps` each.
 - The transfer ends when the last rank finishes its last stage (the completion barrier).
 
 `floor_s` is independent of the schedule: the most bytes through one NIC direction (or one
@@ -29,7 +29,18 @@ from typing import Any
 
 import numpy as np
 
-from schemas.plan import ACK, DONE, DTYPE_CODES, ITEMSIZE, PACK, READY, UNPACK, Plan, RankPlan
+from schemas.plan import (
+    ACK,
+    DONE,
+    DTYPE_CODES,
+    ITEMSIZE,
+    PACK,
+    QUANT,
+    READY,
+    UNPACK,
+    Plan,
+    RankPlan,
+)
 
 NIC, NVLINK = 0, 1
 """Channels of a source rank (the values of `batches.nic`)."""
@@ -80,14 +91,16 @@ def _batches(ranks: tuple[RankPlan, ...]) -> _Batches:
                        for k, v in cols.items()})
 
 
-def _copy_seconds(rp: RankPlan, kind: int, pack_bps: float, overhead_s: float) -> np.ndarray:
-    """Seconds of `kind` copies in each stage of one rank."""
+def _copy_seconds(rp: RankPlan, kinds: tuple[int, ...], pack_bps: float,
+                  overhead_s: float) -> np.ndarray:
+    """Seconds of the copies of `kinds` in each stage of one rank (bytes of the wider side)."""
     c = rp.copies
     out = np.zeros(rp.stages)
-    m = c["kind"] == kind
+    m = np.isin(c["kind"], kinds)
     if not m.any():
         return out
-    item = np.array([ITEMSIZE[d] for d in DTYPE_CODES])[c["dst_dtype"][m]]
+    size = np.array([ITEMSIZE[d] for d in DTYPE_CODES])
+    item = np.maximum(size[c["src_dtype"][m]], size[c["dst_dtype"][m]])
     nbytes = (c["size0"][m] * c["size1"][m] * c["size2"][m] * item).astype(np.float64)
     np.add.at(out, c["stage"][m], overhead_s + nbytes / pack_bps)
     return out
@@ -157,8 +170,8 @@ class _Sim:
         bounds = np.searchsorted(key[self.qorder], np.arange(w * smax * 2 + 1))
         self.qbounds, self.smax = bounds, smax
         pbps, pov = opts["pack_gbps"] * 1e9 / 8, opts["pack_overhead_us"] * 1e-6
-        self.pack_s = [_copy_seconds(rp, PACK, pbps, pov) for rp in ranks]
-        self.unpack_s = [_copy_seconds(rp, UNPACK, pbps, pov) for rp in ranks]
+        self.pack_s = [_copy_seconds(rp, (PACK, QUANT), pbps, pov) for rp in ranks]
+        self.unpack_s = [_copy_seconds(rp, (UNPACK,), pbps, pov) for rp in ranks]
         self.sends = [self._by_stage(rp.signals, rp.stages) for rp in ranks]
         self.waits = [self._by_stage(rp.waits, rp.stages) for rp in ranks]
 
