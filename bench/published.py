@@ -1,0 +1,162 @@
+"""Compile and simulate every published setup in `plans/published/`, next to its published time.
+
+    python bench/published.py                # print the table
+    python bench/published.py --record       # also write it to BENCHMARKS.md
+    python bench/published.py qwen3-4b       # only configs whose file name contains this
+
+Each config is compiled by the real CLI (`python -m planner compile`) in its own process,
+so the compile time and peak RSS are that process's; then the plan is simulated here
+(`planner.simulate`). A config's published time is read from its `# published_s:` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from planner.simulate import simulate  # noqa: E402
+
+HEADING = "## Published setups (simulated)"
+GOAL_RATIO = 1.15
+
+
+def published_seconds(path: str) -> float | None:
+    with open(path, encoding="utf-8") as f:
+        m = re.search(r"^# published_s:\s*([0-9.]+)", f.read(), re.M)
+    return float(m.group(1)) if m else None
+
+
+def compile_one(config: str, out: str) -> dict[str, Any]:
+    """Compile with the CLI in a child process: seconds, peak RSS (MiB), plan bytes."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "planner", "compile", config, "-o", out],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - t0
+    stdout, stderr = proc.stdout.read().decode(), proc.stderr.read().decode()  # type: ignore[union-attr]
+    proc.stdout.close()  # type: ignore[union-attr]
+    proc.stderr.close()  # type: ignore[union-attr]
+    if os.waitstatus_to_exitcode(status) != 0:
+        return {"error": (stderr.strip() or stdout.strip()).splitlines()[-1:] or ["failed"]}
+    return {"compile_s": seconds, "rss_mib": usage.ru_maxrss / 1024,
+            "plan_bytes": os.path.getsize(out)}
+
+
+def run(configs: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for config in configs:
+            name = os.path.splitext(os.path.basename(config))[0]
+            row: dict[str, Any] = {"config": name, "published_s": published_seconds(config)}
+            out = os.path.join(tmp, name + ".rplan")
+            row.update(compile_one(config, out))
+            if "error" not in row:
+                res = simulate(out)
+                row.update({k: res[k] for k in ("estimated_s", "floor_s", "ratio", "bytes",
+                                                "batches", "writes", "stages", "bottleneck",
+                                                "sim_seconds")})
+                os.remove(out)
+            rows.append(row)
+            print(_line(row), flush=True)
+    return rows
+
+
+COLUMNS = ("config", "published s", "simulated s", "floor s", "ratio", "GB moved",
+           "writes", "batches", "stages", "compile s", "plan MB", "peak RSS MiB", "sim s")
+
+
+def _line(row: dict[str, Any]) -> str:
+    if "error" in row:
+        return f"{row['config']}: compile failed: {row['error'][0]}"
+    return (f"{row['config']}: simulated {row['estimated_s']:.3f} s, floor {row['floor_s']:.3f} s"
+            f", ratio {row['ratio']:.3f} (published {row['published_s']} s)")
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def cells(r: dict[str, Any]) -> list[str]:
+        pub = f"{r['published_s']:g}" if r.get("published_s") else "-"
+        if "error" in r:
+            return [r["config"], pub, "compile failed: " + r["error"][0]] + [""] * 10
+        return [r["config"], pub, f"{r['estimated_s']:.3f}", f"{r['floor_s']:.3f}",
+                f"{r['ratio']:.3f}", f"{r['bytes'] / 1e9:.1f}", f"{r['writes']:,}",
+                f"{r['batches']:,}", str(r["stages"]), f"{r['compile_s']:.1f}",
+                f"{r['plan_bytes'] / 1e6:.1f}", f"{r['rss_mib']:.0f}", f"{r['sim_seconds']:.1f}"]
+
+    out = ["| " + " | ".join(COLUMNS) + " |",
+           "| --- | " + " | ".join("---:" for _ in COLUMNS[1:]) + " |"]
+    out += ["| " + " | ".join(cells(r)) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        m = re.search(r"Model name:\s*(.+)", lscpu)
+        model = m.group(1).strip() if m else model
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores (`nproc`), {model}, Python {platform.python_version()}"
+
+
+def section(rows: list[dict[str, Any]], command: str) -> str:
+    ok = [r for r in rows if "error" not in r]
+    worst = max((r["ratio"] for r in ok), default=float("nan"))
+    return "\n".join([
+        HEADING, "",
+        f"`{command}` on {machine()}, {time.strftime('%Y-%m-%d', time.gmtime())}.", "",
+        "Published: the refit or transfer time its source reports (see the comment at the top"
+        " of each `plans/published/*.yaml`). Simulated: `rdma-plan simulate` (flow-level, "
+        "batches share NIC/NVLink bandwidth max-min fairly, stage protocol with packs, "
+        "signals and the completion barrier). Floor: the busiest NIC direction (or NVLink) "
+        "at full bandwidth. Cluster: 8 GPUs and 8 x 400 Gb/s NICs per host, disaggregated.",
+        "", table(rows), "",
+        f"Goal: simulated within {GOAL_RATIO}x of the floor for every config; worst ratio "
+        f"here: {worst:.3f}.", "",
+    ])
+
+
+def record(text: str, path: str) -> None:
+    """Replace (or append) the section under `HEADING` in `path`."""
+    old = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+    start = old.find(HEADING)
+    if start < 0:
+        new = old.rstrip("\n") + ("\n\n" if old else "") + text
+    else:
+        nxt = old.find("\n## ", start + len(HEADING))
+        new = old[:start] + text + (old[nxt + 1:] if nxt >= 0 else "")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(new.rstrip("\n") + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("only", nargs="*", help="substrings of config file names to run")
+    p.add_argument("--record", action="store_true", help="write the table to BENCHMARKS.md")
+    args = p.parse_args(argv)
+    configs = sorted(glob.glob(os.path.join(ROOT, "plans", "published", "*.yaml")))
+    if args.only:
+        configs = [c for c in configs if any(s in os.path.basename(c) for s in args.only)]
+    rows = run(configs)
+    print()
+    print(table(rows))
+    if args.record:
+        command = "python bench/published.py --record" + "".join(f" {s}" for s in args.only)
+        record(section(rows, command), os.path.join(ROOT, "BENCHMARKS.md"))
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
