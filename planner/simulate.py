@@ -4,9 +4,9 @@ The model (at batch granularity; a batch is one flow):
 - Every rank walks its stages in the plan's protocol (`schemas.plan`): send READY, wait
   READY/ACK, packs, writes, DONE, wait DONE, unpacks, ACK. A signal arrives
   `write_overhead_us` after it is sent.
-- A source posts its batches in plan order on two channels: its NIC (`batches.nic` 0) and
-  NVLink (`batches.nic` 1, same-host writes). Each channel has one batch in flight at a
-  time; the two channels run concurrently.
+- A source posts its batches in plan order, as the executor does: up to `inflight` (8)
+  batches posted and not yet reaped, reaped in order; a batch goes over the source's NIC
+  (`batches.nic` 0) or NVLink (`batches.nic` 1, same-host writes).
 - A flow uses two resources: the egress and the ingress of its path: the source's and
   the target's NIC (`cluster.nic_gbps`, shared by all GPUs that NIC serves), or the
   source's and target's NVLink (`nvlink_gbps`, per GPU). Active flows share resources
@@ -44,6 +44,8 @@ from schemas.plan import (
 
 NIC, NVLINK = 0, 1
 """Channels of a source rank (the values of `batches.nic`)."""
+INFLIGHT = 8
+"""Batches a rank keeps in flight by default (`executor` `max_inflight`)."""
 _WAIT_IN, _PACK, _WRITE, _SEND_DONE, _WAIT_DONE, _UNPACK, _SEND_ACK = range(7)
 
 
@@ -125,8 +127,11 @@ def _maxmin(eres: np.ndarray, ires: np.ndarray, cap: np.ndarray) -> np.ndarray:
     return rate
 
 
-def simulate(path_or_plan: str | Plan) -> dict[str, Any]:
+def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT) -> dict[str, Any]:
     """Simulate a plan (a path or a `Plan`) on the cluster its header records.
+
+    `inflight`: batches a rank keeps posted and not yet reaped (the executor's
+    `max_inflight`); 1 sends one batch at a time.
 
     Returns `estimated_s`, `floor_s`, `ratio`, `bottleneck`, per-NIC bytes and busy time
     (`nics`), NVLink totals, per-rank finish times, and `timeline`: numpy columns
@@ -134,15 +139,17 @@ def simulate(path_or_plan: str | Plan) -> dict[str, Any]:
     """
     t_wall = time.perf_counter()
     header, ranks = _load(path_or_plan)
-    return _Sim(header, ranks).run(t_wall)
+    return _Sim(header, ranks, inflight).run(t_wall)
 
 
 class _Sim:
     """The simulation state; `run` drives it from t=0 to the last rank's finish."""
 
-    def __init__(self, header: dict[str, Any], ranks: tuple[RankPlan, ...]) -> None:
+    def __init__(self, header: dict[str, Any], ranks: tuple[RankPlan, ...],
+                 inflight: int) -> None:
         opts, cluster = header["options"], header["cluster"]
         self.header = header
+        self.inflight = max(1, inflight)
         self.world = len(ranks)
         self.lat = opts["write_overhead_us"] * 1e-6
         nic_names = sorted({r[3] for r in header["ranks"]},
@@ -162,13 +169,13 @@ class _Sim:
         self.ires = np.where(nic, n_nic + self.rank_nic[b.dst], 2 * n_nic + w + b.dst)
         bps = np.where(nic, self.nic_bps, self.nv_bps)
         self.size = b.nbytes + b.writes * self.lat * bps
-        # queue (rank, stage, chan) -> a slice of `qorder`
+        # queue (rank, stage) -> a slice of `qorder` (plan order within it)
         self.stages = [rp.stages for rp in ranks]
         smax = max(self.stages, default=1)
-        key = (b.rank * smax + b.stage) * 2 + b.chan
+        key = b.rank * smax + b.stage
         self.qorder = np.argsort(key, kind="stable")
-        bounds = np.searchsorted(key[self.qorder], np.arange(w * smax * 2 + 1))
-        self.qbounds, self.smax = bounds, smax
+        bounds = np.searchsorted(key[self.qorder], np.arange(w * smax + 1))
+        self.qbounds, self.smax = bounds.tolist(), smax
         pbps, pov = opts["pack_gbps"] * 1e9 / 8, opts["pack_overhead_us"] * 1e-6
         self.pack_s = [_copy_seconds(rp, (PACK, QUANT), pbps, pov) for rp in ranks]
         self.unpack_s = [_copy_seconds(rp, (UNPACK,), pbps, pov) for rp in ranks]
@@ -253,41 +260,41 @@ class _Sim:
         return False
 
     def _start_writes(self, r: int, s: int, t: float) -> bool:
-        """Start rank `r`'s stage-`s` queues; True if it must wait for them."""
-        busy = False
-        for ch in (NIC, NVLINK):
-            q = (r * self.smax + s) * 2 + ch
-            lo, hi = self.qbounds[q], self.qbounds[q + 1]
-            if hi > lo:
-                self.qpos[2 * r + ch] = [lo, hi]
-                self._start_flow(2 * r + ch, t)
-                busy = True
-        self.open_queues[r] = sum(self.qpos[2 * r + c] is not None for c in (NIC, NVLINK))
-        return busy
+        """Post rank `r`'s first stage-`s` batches; True if it must wait for them."""
+        q = r * self.smax + s
+        lo, hi = self.qbounds[q], self.qbounds[q + 1]
+        if hi == lo:
+            return False
+        self.window[r] = [lo, lo, hi]  # next to reap, next to post, end
+        self._post(r, t)
+        return True
 
-    def _start_flow(self, slot: int, t: float) -> None:
-        lo, _ = self.qpos[slot]
-        g = int(self.qorder[lo])
-        self.flow_gid[slot], self.rem[slot], self.active[slot] = g, self.size[g], True
-        self.f_eres[slot], self.f_ires[slot] = self.eres[g], self.ires[g]
-        self.start[g] = t
+    def _post(self, r: int, t: float) -> None:
+        """Post batches while fewer than `inflight` are posted and not yet reaped."""
+        win = self.window[r]
+        while win[1] < win[2] and win[1] - win[0] < self.inflight:
+            g = int(self.qorder[win[1]])
+            slot = self.free_slots[r].pop()
+            self.flow_gid[slot], self.rem[slot], self.active[slot] = g, self.size[g], True
+            self.f_eres[slot], self.f_ires[slot] = self.eres[g], self.ires[g]
+            self.start[g] = t
+            win[1] += 1
         self.dirty = True
 
     def _end_flow(self, slot: int, t: float) -> None:
-        g = self.flow_gid[slot]
-        self.end[g] = t
+        g = int(self.flow_gid[slot])
+        self.end[g], self.landed[g] = t, True
         self.active[slot] = False
         self.dirty = True
-        pos = self.qpos[slot]
-        pos[0] += 1
-        if pos[0] < pos[1]:
-            self._start_flow(slot, t)
-            return
-        self.qpos[slot] = None
-        r = slot // 2
-        self.open_queues[r] -= 1
-        if self.open_queues[r] == 0:
+        r = slot // self.inflight
+        self.free_slots[r].append(slot)
+        win = self.window[r]
+        while win[0] < win[1] and self.landed[self.qorder[win[0]]]:  # reaped in order
+            win[0] += 1
+        if win[0] == win[2]:
             self._advance(r, t)
+        else:
+            self._post(r, t)
 
     # ------------------------------------------------------------ the event loop
 
@@ -300,14 +307,16 @@ class _Sim:
         self.arrival: dict[tuple[int, int, int, int], float] = {}
         self.waiters: dict[tuple[int, int, int, int], list[int]] = {}
         self.wait_t, self.missing = [0.0] * w, [0] * w
-        self.qpos: list[list[int] | None] = [None] * (2 * w)
-        self.open_queues = [0] * w
-        self.active = np.zeros(2 * w, dtype=bool)
-        self.rem = np.zeros(2 * w)
-        self.rate = np.zeros(2 * w)
-        self.flow_gid = np.zeros(2 * w, dtype=np.int64)
-        self.f_eres = np.zeros(2 * w, dtype=np.int64)
-        self.f_ires = np.zeros(2 * w, dtype=np.int64)
+        k = self.inflight
+        self.window: list[list[int]] = [[0, 0, 0] for _ in range(w)]
+        self.free_slots = [list(range(r * k + k - 1, r * k - 1, -1)) for r in range(w)]
+        self.landed = np.zeros(nb, dtype=bool)
+        self.active = np.zeros(w * k, dtype=bool)
+        self.rem = np.zeros(w * k)
+        self.rate = np.zeros(w * k)
+        self.flow_gid = np.zeros(w * k, dtype=np.int64)
+        self.f_eres = np.zeros(w * k, dtype=np.int64)
+        self.f_ires = np.zeros(w * k, dtype=np.int64)
         self.start, self.end = np.zeros(nb), np.zeros(nb)
         busy = np.zeros(len(self.cap))
         self.dirty, t, events = False, 0.0, 0
@@ -376,7 +385,7 @@ class _Sim:
             "nvlink_max_out_bytes": int(load[nv:nv + self.world].max(initial=0)),
             "nvlink_max_in_bytes": int(load[nv + self.world:].max(initial=0)),
             "rank_finish_s": [float(x) for x in self.finish],
-            "events": events, "sim_seconds": round(wall, 3),
+            "inflight": self.inflight, "events": events, "sim_seconds": round(wall, 3),
             "timeline": {"start": self.start, "end": self.end, "rank": b.rank,
                          "chan": b.chan, "dst": b.dst, "bytes": b.nbytes},
         }

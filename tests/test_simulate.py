@@ -232,3 +232,16 @@ def test_compiled_plans_never_beat_the_floor(opts, placement):
     assert (tl["end"] >= tl["start"]).all() and (tl["end"] <= res["estimated_s"] + 1e-12).all()
     assert res["bytes"] == plan.header["stats"]["bytes"]
     assert max(res["rank_finish_s"]) == res["estimated_s"]
+
+
+def test_batches_in_flight_overlap_targets():
+    # Source A (h0) sends 1 GB to T1 (h2) then 1 GB to T2 (h3); source B (h1) sends 1 GB to
+    # T1. One batch at a time: A and B share T1's ingress (25 GB/s each, 40 ms), then A
+    # sends to T2 alone (20 ms): 60 ms. Two in flight: A's egress carries 2 GB at 50 GB/s
+    # and every flow gets 25 GB/s: all end at 40 ms, the floor (A's egress).
+    plan = _plan([src(0, 0, (0, 0, 2, GB, 1), (0, 0, 3, GB, 1)), src(1, 0, (0, 0, 2, GB, 1)),
+                  tgt(2, 0), tgt(3, 0)])
+    assert simulate(plan, inflight=1)["estimated_s"] == pytest.approx(0.06)
+    res = simulate(plan, inflight=2)
+    assert res["estimated_s"] == pytest.approx(0.04)
+    assert res["floor_s"] == pytest.approx(0.04)
