@@ -86,27 +86,29 @@ def plot_simulation(res: dict[str, Any], path: str, title: str = "") -> str:
     tl = res["timeline"]
     scale = 1e3
     cmap = plt.get_cmap("tab20")
-    for chan, lw, off, name in ((0, 2.5, -0.12, "NIC"), (1, 1.2, 0.22, "NVLink (thin)")):
+    lanes = max(int(res.get("inflight", 1)), 1)
+    ranks = int(tl["rank"].max()) + 1 if len(tl["rank"]) else 1
+    lw = max(0.3, min(2.5, 300 / (ranks * lanes)))
+    for chan, style, name in ((0, "-", "NIC"), (1, ":", "NVLink (dotted)")):
         m = tl["chan"] == chan
         if not m.any():
             continue
-        y = tl["rank"][m].astype(np.float64) + off
+        y = tl["rank"][m] + (tl["lane"][m] + 0.5) / lanes * 0.8 - 0.4
         segs = np.stack([np.stack([tl["start"][m] * scale, y], 1),
                          np.stack([tl["end"][m] * scale, y], 1)], 1)
         ax2.add_collection(LineCollection(segs, colors=cmap(tl["dst"][m] % 20), linewidths=lw,
-                                          label=name))
+                                          linestyles=style, label=name))
     ax2.axvline(res["floor_s"] * scale, color="green", ls="--", lw=1,
                 label=f"floor {res['floor_s'] * scale:.1f} ms")
     ax2.axvline(res["estimated_s"] * scale, color="red", ls="--", lw=1,
                 label=f"estimated {res['estimated_s'] * scale:.1f} ms")
-    ranks = int(tl["rank"].max()) + 1 if len(tl["rank"]) else 1
     ax2.set_xlim(0, res["estimated_s"] * scale * 1.03 or 1)
     ax2.set_ylim(ranks - 0.5, -0.5)
     ax2.set_xlabel("time (ms)")
     ax2.set_ylabel("source rank")
-    ax2.set_title(f"batches in flight per source rank ({res['batches']:,} batches; "
-                  "colour = target rank; same colour at the same time = incast; "
-                  "a gap is a pack, a wait or a stage barrier)", fontsize=10)
+    ax2.set_title(f"{res['batches']:,} batches: one row per source rank, one lane per slot of "
+                  "its in-flight window; colour = target rank (same colour at the same time: "
+                  "incast)\ngaps: packs, waits, stage barriers", fontsize=9)
     ax2.legend(fontsize=8, loc="lower right")
     ax2.grid(axis="x", alpha=0.3)
     fig.suptitle(title or f"simulated {res['estimated_s'] * scale:.1f} ms, floor "

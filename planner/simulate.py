@@ -135,7 +135,8 @@ def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT) -> dict[str, An
 
     Returns `estimated_s`, `floor_s`, `ratio`, `bottleneck`, per-NIC bytes and busy time
     (`nics`), NVLink totals, per-rank finish times, and `timeline`: numpy columns
-    start, end, rank, chan (0 NIC, 1 NVLink), dst, bytes of every batch.
+    start, end, rank, chan (0 NIC, 1 NVLink), dst, bytes and lane (its slot in the
+    rank's window) of every batch.
     """
     t_wall = time.perf_counter()
     header, ranks = _load(path_or_plan)
@@ -277,7 +278,7 @@ class _Sim:
             slot = self.free_slots[r].pop()
             self.flow_gid[slot], self.rem[slot], self.active[slot] = g, self.size[g], True
             self.f_eres[slot], self.f_ires[slot] = self.eres[g], self.ires[g]
-            self.start[g] = t
+            self.start[g], self.lane[g] = t, slot % self.inflight
             win[1] += 1
         self.dirty = True
 
@@ -318,6 +319,7 @@ class _Sim:
         self.f_eres = np.zeros(w * k, dtype=np.int64)
         self.f_ires = np.zeros(w * k, dtype=np.int64)
         self.start, self.end = np.zeros(nb), np.zeros(nb)
+        self.lane = np.zeros(nb, dtype=np.int64)
         busy = np.zeros(len(self.cap))
         self.dirty, t, events = False, 0.0, 0
         for r in range(w):
@@ -387,7 +389,8 @@ class _Sim:
             "rank_finish_s": [float(x) for x in self.finish],
             "inflight": self.inflight, "events": events, "sim_seconds": round(wall, 3),
             "timeline": {"start": self.start, "end": self.end, "rank": b.rank,
-                         "chan": b.chan, "dst": b.dst, "bytes": b.nbytes},
+                         "chan": b.chan, "dst": b.dst, "bytes": b.nbytes,
+                         "lane": self.lane},
         }
 
     def _resource_name(self, i: int) -> str:
