@@ -7,12 +7,15 @@ take keyword defaults. `two_by_two` is the shared 2 sources -> 2 targets example
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
 
 from schemas.plan import (  # noqa: E402
     ACK,
@@ -149,3 +152,9 @@ def two_by_two_expected(seed: int) -> dict[int, dict[str, torch.Tensor]]:
     W = torch.cat([src[0]["w"], src[1]["w"]])
     B = src[0]["b"]
     return {2: {"w": W[:, 0:4], "bt": B[:, 1:5].t().to(torch.bfloat16)}, 3: {"w": W[:, 4:8]}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -3,37 +3,27 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from datetime import timedelta
 
 import pytest
-from exec_plans import save, two_by_two
+from exec_plans import HERE, ROOT, free_port, save, two_by_two
 
 pytest.importorskip("nixl")
 import torch.distributed as dist  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("tls", [None, "tcp"])
 def test_four_processes_bit_exact_each_step(tmp_path, tls):
     path = save(str(tmp_path / "p.rplan"), two_by_two())
-    port = _free_port()
+    port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841
                           timeout=timedelta(seconds=30))
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + HERE, "NIXL_LOG_LEVEL": "WARN"}
     if tls:
         env["UCX_TLS"] = tls
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "nixl_worker.py"), path,
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"), path,
                                str(r), f"127.0.0.1:{port}", "3"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(4)]

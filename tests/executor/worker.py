@@ -1,6 +1,7 @@
-"""One rank of the 2 x 2 example over NIXL, as its own process (spawned by test_nixl.py).
+"""One rank of the 2 x 2 example as its own process (spawned by test_nixl.py and
+test_cuda_ipc.py).
 
-    python nixl_worker.py PLAN RANK HOST:PORT STEPS
+    python worker.py PLAN RANK HOST:PORT STEPS [TRANSPORT [DEVICE]]
 
 Sources refill their tensors with the data of step k before each run(); targets check
 their tensors bit-exactly after each run(). Exit status 0 means every step matched.
@@ -19,12 +20,14 @@ from exec_plans import two_by_two_expected, two_by_two_tensors
 import executor
 
 
-def main(path: str, rank: int, rendezvous: str, steps: int) -> int:
+def main(path: str, rank: int, rendezvous: str, steps: int, transport: str = "nixl",
+         device: str = "cpu") -> int:
     host, port = rendezvous.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                           timeout=timedelta(seconds=90))
-    tensors = two_by_two_tensors(0)[rank]
-    plan = executor.load(path, rank, tensors, transport="nixl", rendezvous=store, timeout_s=90)
+    tensors = {k: t.to(device) for k, t in two_by_two_tensors(0)[rank].items()}
+    plan = executor.load(path, rank, tensors, transport=transport, rendezvous=store,
+                         timeout_s=90)
     for step in range(1, steps + 1):
         if rank in (0, 1):
             for name, t in two_by_two_tensors(step)[rank].items():
@@ -32,7 +35,7 @@ def main(path: str, rank: int, rendezvous: str, steps: int) -> int:
         stats = executor.run(plan)
         if rank in (2, 3):
             for name, want in two_by_two_expected(step)[rank].items():
-                if not torch.equal(tensors[name], want):
+                if not torch.equal(tensors[name].cpu(), want):
                     print(f"rank {rank} step {step}: {name} differs", flush=True)
                     return 1
         print(f"rank {rank} step {step}: ok {stats.bytes} B", flush=True)
@@ -44,4 +47,4 @@ def main(path: str, rank: int, rendezvous: str, steps: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])))
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), *sys.argv[5:]))
