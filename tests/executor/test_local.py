@@ -108,3 +108,15 @@ def test_quant_into_staging_then_write_matches_the_reference(tmp_path):
     want_q, want_s = fp8mod.quantize_block128(x)
     assert torch.equal(out["w_scale_inv"], want_s)
     assert torch.equal(out["w"].view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_two_by_two_on_gpu(tmp_path):
+    path = save(str(tmp_path / "p.rplan"), two_by_two())
+    tensors = {r: {k: t.cuda() for k, t in named.items()}
+               for r, named in two_by_two_tensors(3).items()}
+    executor.run_all_local(path, tensors)
+    for rank, named in two_by_two_expected(3).items():
+        for name, t in named.items():
+            assert torch.equal(tensors[rank][name].cpu(), t), (rank, name)
