@@ -72,3 +72,30 @@ class Transport(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class StoreMailbox:
+    """Notifications through a `Store`: message `seq` from `src` to `dst` is the key
+    `<ns>/msg/<dst>/<src>/<seq>` (for transports without their own notifications)."""
+
+    def __init__(self, rank: int, namespace: str, store: Store) -> None:
+        self.rank, self.ns, self.store = rank, namespace, store
+        self.sent: dict[int, int] = {}
+        self.received: dict[int, int] = {}
+
+    def listen(self, peer: int) -> None:
+        self.received.setdefault(peer, 0)
+
+    def notify(self, peer: int, msg: bytes) -> None:
+        seq = self.sent.get(peer, 0)
+        self.store.set(f"{self.ns}/msg/{peer}/{self.rank}/{seq}", msg)
+        self.sent[peer] = seq + 1
+
+    def poll(self) -> list[bytes]:
+        msgs = []
+        for peer, seq in self.received.items():
+            while (m := self.store.get(f"{self.ns}/msg/{self.rank}/{peer}/{seq}")) is not None:
+                msgs.append(m)
+                seq += 1
+            self.received[peer] = seq
+        return msgs

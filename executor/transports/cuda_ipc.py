@@ -4,7 +4,7 @@ Each rank exports a CUDA IPC handle per region once (`UntypedStorage._share_cuda
 its fields travel as msgpack (bytes and ints), never pickle. A peer opens them with
 `UntypedStorage._new_shared_cuda(...)` and writes into them with copies prepared once
 (`torch_copy.py`), replayed on a dedicated stream; a batch has landed when its CUDA event
-has. Notifications go through the rendezvous store: key `<ns>/ipc/<dst>/<src>/<seq>`.
+has. Notifications go through the rendezvous store (`StoreMailbox`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .base import Store, WriteBatch
+from .base import Store, StoreMailbox, WriteBatch
 from .torch_copy import Op, prepare_copies
 
 
@@ -50,8 +50,7 @@ class CudaIpcTransport:
         self.rank, self.ns, self.store, self.device = rank, namespace, store, device
         self.stream = torch.cuda.Stream(device)
         self.peers: dict[int, list[torch.Tensor]] = {}
-        self.sent: dict[int, int] = {}
-        self.received: dict[int, int] = {}
+        self.mailbox = StoreMailbox(rank, namespace, store)
 
     def register(self, regions: list[torch.Tensor]) -> None:
         self.regions = regions
@@ -61,7 +60,7 @@ class CudaIpcTransport:
 
     def import_peer(self, peer: int, desc: dict[str, Any]) -> None:
         self.peers[peer] = [_import_region(f) for f in desc["regions"]]
-        self.received.setdefault(peer, 0)
+        self.mailbox.listen(peer)
 
     def prepare(self, batch: WriteBatch) -> _Posted:
         return _Posted(prepare_copies(self.regions, self.peers[batch.peer], batch))
@@ -78,18 +77,10 @@ class CudaIpcTransport:
         return handle.event is None or handle.event.query()
 
     def notify(self, peer: int, msg: bytes) -> None:
-        seq = self.sent.get(peer, 0)
-        self.store.set(f"{self.ns}/ipc/{peer}/{self.rank}/{seq}", msg)
-        self.sent[peer] = seq + 1
+        self.mailbox.notify(peer, msg)
 
     def poll(self) -> list[bytes]:
-        msgs = []
-        for peer, seq in self.received.items():
-            while (m := self.store.get(f"{self.ns}/ipc/{self.rank}/{peer}/{seq}")) is not None:
-                msgs.append(m)
-                seq += 1
-            self.received[peer] = seq
-        return msgs
+        return self.mailbox.poll()
 
     def close(self) -> None:
         self.stream.synchronize()

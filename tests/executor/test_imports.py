@@ -1,0 +1,43 @@
+"""Package boundaries of executor/ (ARCHITECTURE.md): no planner, networkx or yaml; no
+pickle; transports do not import each other (only `base` and the shared `torch_copy`)."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+from exec_plans import ROOT
+
+EXECUTOR = os.path.join(ROOT, "executor")
+
+
+def _imports(path: str) -> set[str]:
+    tree = ast.parse(open(path).read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add("." * node.level + (node.module or ""))
+    return names
+
+
+def _files():
+    for d, _, files in os.walk(EXECUTOR):
+        yield from (os.path.join(d, f) for f in files if f.endswith(".py"))
+
+
+def test_executor_imports_no_planner_networkx_yaml_or_pickle():
+    for path in _files():
+        for name in _imports(path):
+            root = name.lstrip(".").split(".")[0]
+            assert root not in {"planner", "networkx", "yaml", "pickle"}, (path, name)
+
+
+def test_transports_do_not_import_each_other():
+    allowed = {".base", ".torch_copy"}
+    for f in os.listdir(os.path.join(EXECUTOR, "transports")):
+        if f.endswith(".py"):
+            rel = {n for n in _imports(os.path.join(EXECUTOR, "transports", f))
+                   if n.startswith(".")}
+            assert rel <= allowed, (f, rel - allowed)
