@@ -3,7 +3,8 @@
 Each case runs `megatron_worker.py` in `world` processes (gloo): the real model's
 `named_parameters()` names and shapes per rank must equal ours, and after loading our
 `materialize`d shards into it, its gathered logits must equal the HF model's (same
-logical tensors, transformers on CPU, fp32) to 1e-4.
+logical tensors, transformers on CPU, fp32) to 1e-4. DeepSeek-V3 (MLA) is compared by
+names and shapes only.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
+from tests.layouts.models import deepseek_v3  # noqa: E402
 from tests.oracles.launch import launch  # noqa: E402
 
 pytestmark = pytest.mark.oracle
@@ -30,6 +32,11 @@ MOE = dict(DENSE, model_type="qwen3_moe", intermediate_size=48, moe_intermediate
     pytest.param(MOE, dict(ep=2, dp=2, expert_layout="sequential"), 2, id="moe-ep2"),
     pytest.param(MOE, dict(tp=2, dp=2, ep=2, etp=2, expert_layout="sequential"), 4,
                  id="moe-tp2-ep2-etp2"),
+    # names and shapes only: MLA (local spec: down projections column-parallel), dense
+    # first layer, shared experts, router.expert_bias; expert grid with etp 1 under tp 2
+    pytest.param(deepseek_v3(num_hidden_layers=2), dict(tp=2, ep=2, etp=1,
+                                                         expert_layout="sequential"), 2,
+                 id="deepseek-mla-tp2-ep2-names"),
 ])
 def test_megatron_matches_real_model(hf, source, world):
     launch("megatron_worker.py", world, {"hf": hf, "source": source})
