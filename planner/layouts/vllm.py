@@ -1,0 +1,303 @@
+"""vLLM 0.33 target layout: every engine rank's `named_parameters()` as pieces.
+
+Rank numbering: `rank = replica * engine_world + local`, `local = (dp * pp + p) * tp + t`
+(vLLM's `initialize_model_parallel`: ExternalDP x DP x PP x PCP x TP, TP fastest).
+
+Per rank (TP size `tp`, TP rank `t`):
+- `qkv_proj` = [q heads of t; its kv heads; the same v heads]; when `tp > ng` kv head
+  `t // (tp/ng)` is replicated on `tp/ng` ranks. `o_proj`/`down_proj`: column slices.
+- `gate_up_proj` = [gate rows of t; up rows of t].
+- `embed_tokens`/`lm_head`: vocab padded to a multiple of 64, `per = padded/tp` rows each,
+  rank t holds `[t*per, min((t+1)*per, V))`; the tail is padding. A tied `lm_head` is the
+  same parameter as `embed_tokens` and not listed.
+- MoE: `w13_weight [E_loc, 2*I/mtp, H]` ([gate; up] per expert), `w2_weight [E_loc, H,
+  I/mtp]`. Without EP the experts are TP-split over the dp*tp ranks of a PP stage; with
+  EP, `ep = dp*tp`, `ep_rank = d*tp + t`, MoE TP 1, "linear" placement (uneven counts).
+- MLA: `fused_qkv_a_proj` = [q_a_proj; kv_a_proj_with_mqa] replicated, `q_b_proj` and
+  `kv_b_proj` split by head, `o_proj` row-parallel. MTP layers are not loaded.
+- PP: global layer indices; a stage holds only its layers (`get_pp_indices`); embedding
+  on the first stage, norm and lm_head on the last (tied: embedding on the last too).
+  vLLM's Qwen3-MoE keeps embedding, norm and lm_head on every stage (no PPMissingLayer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
+from planner.spec import LogicalTensor, ModelSpec
+from schemas.config import ConfigError, TargetConfig
+
+VOCAB_PAD = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """One parallel split: `size` ranks, this rank is `rank`."""
+
+    size: int = 1
+    rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """How one engine rank cuts each family of tensors."""
+
+    attn: Split
+    """Attention heads (qkv, o_proj, MLA q_b/kv_b)."""
+    mlp: Split
+    """Dense MLP and shared experts."""
+    vocab: Split
+    """embed_tokens / lm_head rows (size 1: replicated)."""
+    moe_tp: Split
+    """Each routed expert's intermediate dim."""
+    ep: Split
+    """Expert parallel: which experts this rank holds."""
+    layers: range
+    """Global decoder layers of this PP stage."""
+    embed: bool
+    """Holds `embed_tokens`."""
+    head: bool
+    """Holds `model.norm` and `lm_head`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    """Engine-specific native names."""
+
+    experts: str = "mlp.experts.routed_experts."
+    """Prefix of w13_weight/w2_weight inside a layer."""
+    fused_qkv_a: str = "fused_qkv_a_proj"
+    """MLA's fused [q_a_proj; kv_a_proj_with_mqa]."""
+
+
+def fail(key: str, value: object, fix: str) -> None:
+    raise ConfigError(f"{key}: {value!r} {fix}")
+
+
+def padded_vocab(vocab: int) -> int:
+    return -(-vocab // VOCAB_PAD) * VOCAB_PAD
+
+
+def pp_layers(num_layers: int, pp: int, stage: int) -> range:
+    """vLLM/SGLang `get_pp_indices`: the remainder goes to the stages before the last."""
+    parts = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        parts[-i] += 1
+    start = sum(parts[:stage])
+    return range(start, start + parts[stage])
+
+
+def expert_range(num_experts: int, ep: Split) -> range:
+    """vLLM "linear" placement: `base + (r < rem)` experts from `r*base + min(r, rem)`."""
+    base, rem = divmod(num_experts, ep.size)
+    start = ep.rank * base + min(ep.rank, rem)
+    return range(start, start + base + (ep.rank < rem))
+
+
+def check_common(spec: ModelSpec, cfg: TargetConfig, attn_tp: int, moe_tp: int,
+                 ep_size: int) -> None:
+    """Checks shared by vLLM and SGLang; `attn_tp` is the key `target.tp` names."""
+    d = spec.dims
+    if d.heads % attn_tp:
+        fail("target.tp", cfg.tp, f"must divide num_attention_heads={d.heads} "
+             f"(attention TP {attn_tp}); pick a divisor")
+    if not d.mla and d.kv_heads % attn_tp and attn_tp % d.kv_heads:
+        fail("target.tp", cfg.tp, f"and num_key_value_heads={d.kv_heads} must divide one "
+             "another; pick a divisor or multiple of the KV heads")
+    dense = len(d.moe_layers) < d.num_layers
+    for name, size in (("intermediate_size", d.intermediate if dense else 0),
+                       ("the shared experts' intermediate size", d.shared_intermediate)):
+        if size % cfg.tp:
+            fail("target.tp", cfg.tp, f"must divide {name}={size}; pick a divisor")
+    if d.moe_layers and d.moe_intermediate % moe_tp:
+        fail("target.tp", cfg.tp, f"gives MoE TP {moe_tp}, which must divide "
+             f"moe_intermediate_size={d.moe_intermediate}; pick a divisor or set target.ep")
+    if padded_vocab(d.vocab) % cfg.tp:
+        fail("target.tp", cfg.tp, f"must divide the padded vocab {padded_vocab(d.vocab)} "
+             f"(vocab_size={d.vocab} padded to a multiple of {VOCAB_PAD}); pick a divisor")
+    if cfg.pp > d.num_layers:
+        fail("target.pp", cfg.pp, f"exceeds num_hidden_layers={d.num_layers}; use fewer stages")
+    if d.moe_layers and ep_size > d.num_experts:
+        fail("target.ep", cfg.ep, f"spreads {d.num_experts} experts over {ep_size} ranks, "
+             "leaving some empty; use fewer ranks or disable target.ep")
+
+
+def check(spec: ModelSpec, cfg: TargetConfig) -> None:
+    moe = cfg.dp * cfg.tp
+    check_common(spec, cfg, cfg.tp, 1 if cfg.ep else moe, moe if cfg.ep else 1)
+
+
+def shard(spec: ModelSpec, cfg: TargetConfig, d: int, p: int, t: int) -> Shard:
+    """vLLM's cut for DP rank d, PP stage p, TP rank t."""
+    flat = Split(cfg.dp * cfg.tp, d * cfg.tp + t)
+    tp = Split(cfg.tp, t)
+    every_stage = spec.dims.model_type == "qwen3_moe"
+    last = p == cfg.pp - 1
+    return Shard(attn=tp, mlp=tp, vocab=tp,
+                 moe_tp=Split() if cfg.ep else flat, ep=flat if cfg.ep else Split(),
+                 layers=pp_layers(spec.dims.num_layers, cfg.pp, p),
+                 embed=every_stage or p == 0 or (spec.dims.tied and last),
+                 head=every_stage or last)
+
+
+def layout(spec: ModelSpec, cfg: TargetConfig) -> Layout:
+    """The vLLM layout of `cfg.replicas` engines of `cfg.dp * cfg.pp * cfg.tp` ranks."""
+    check(spec, cfg)
+    engine = [rank_tensors(spec, cfg, shard(spec, cfg, d, p, t), Names(
+        experts="mlp.experts." if cfg.expert_names == "experts" else Names().experts))
+        for d in range(cfg.dp) for p in range(cfg.pp) for t in range(cfg.tp)]
+    return replicate("vllm", engine, cfg.replicas)
+
+
+def replicate(framework: str, engine: list[tuple[PhysicalTensor, ...]],
+              replicas: int) -> Layout:
+    ranks = tuple(RankLayout(rank=r * len(engine) + i, replica=r, tensors=tensors)
+                  for r in range(replicas) for i, tensors in enumerate(engine))
+    return Layout(side="target", framework=framework, ranks=ranks, replicas=replicas)
+
+
+# ---------------------------------------------------------------- tensors of one rank
+
+
+class _Builder:
+    """Builds one rank's physical tensors; `lt` looks logical tensors up by name."""
+
+    def __init__(self, spec: ModelSpec, cfg: TargetConfig, s: Shard, names: Names):
+        self.d, self.cfg, self.s, self.names = spec.dims, cfg, s, names
+        self.lt = spec.by_name
+
+    def dtype(self, t: LogicalTensor) -> str:
+        return "float32" if t.buffer else self.cfg.dtype
+
+    def whole(self, name: str, logical: str | None = None) -> PhysicalTensor:
+        t = self.lt[logical or name]
+        return PhysicalTensor(name, t.shape, self.dtype(t),
+                              (Piece(t.name, (0,) * len(t.shape), t.shape, (0,) * len(t.shape)),))
+
+    def rows(self, name: str, parts: list[tuple[str, int, int]], cols: int | None = None,
+             shape0: int | None = None) -> PhysicalTensor:
+        """Row-stacked pieces `(logical, first row, rows)`; 1-D tensors when cols is None."""
+        pieces, at = [], 0
+        for logical, start, n in parts:
+            if cols is None:
+                pieces.append(Piece(logical, (start,), (n,), (at,)))
+            else:
+                pieces.append(Piece(logical, (start, 0), (n, cols), (at, 0)))
+            at += n
+        shape = (shape0 if shape0 is not None else at,) + (() if cols is None else (cols,))
+        return PhysicalTensor(name, shape, self.dtype(self.lt[parts[0][0]]), tuple(pieces))
+
+    def column_split(self, name: str, logical: str, split: Split) -> PhysicalTensor:
+        """Row-parallel weight: columns `[r*n/size, (r+1)*n/size)`."""
+        out, n = self.lt[logical].shape
+        k = n // split.size
+        return PhysicalTensor(name, (out, k), self.dtype(self.lt[logical]),
+                              (Piece(logical, (0, split.rank * k), (out, k), (0, 0)),))
+
+    def row_split(self, name: str, logical: str, split: Split) -> PhysicalTensor:
+        """Column-parallel weight: rows `[r*n/size, (r+1)*n/size)`."""
+        n, cols = self.lt[logical].shape
+        k = n // split.size
+        return self.rows(name, [(logical, split.rank * k, k)], cols)
+
+    def vocab(self, name: str, logical: str) -> PhysicalTensor:
+        v, h = self.lt[logical].shape
+        per = padded_vocab(v) // self.s.vocab.size
+        start = self.s.vocab.rank * per
+        n = max(0, min(start + per, v) - start)
+        return self.rows(name, [(logical, start, n)], h, shape0=per)
+
+    def gated(self, p: str, lp: str, split: Split) -> Iterator[PhysicalTensor]:
+        """`gate_up_proj` [gate; up] and `down_proj` of a dense MLP or shared experts."""
+        inter, h = self.lt[lp + "gate_proj.weight"].shape
+        k = inter // split.size
+        yield self.rows(p + "gate_up_proj.weight", [(lp + "gate_proj.weight", split.rank * k, k),
+                                                    (lp + "up_proj.weight", split.rank * k, k)], h)
+        yield self.column_split(p + "down_proj.weight", lp + "down_proj.weight", split)
+
+    def gqa(self, p: str) -> Iterator[PhysicalTensor]:
+        d, a = self.d, self.s.attn
+        hd, q = d.head_dim, d.heads // a.size
+        if a.size >= d.kv_heads:
+            kv0, nkv = a.rank // (a.size // d.kv_heads), 1
+        else:
+            nkv = d.kv_heads // a.size
+            kv0 = a.rank * nkv
+        suffixes = ("weight", "bias") if d.qkv_bias else ("weight",)
+        for sfx in suffixes:
+            parts = [(f"{p}q_proj.{sfx}", a.rank * q * hd, q * hd),
+                     (f"{p}k_proj.{sfx}", kv0 * hd, nkv * hd),
+                     (f"{p}v_proj.{sfx}", kv0 * hd, nkv * hd)]
+            yield self.rows(f"{p}qkv_proj.{sfx}", parts, d.hidden if sfx == "weight" else None)
+        yield self.column_split(p + "o_proj.weight", p + "o_proj.weight", a)
+        if d.qk_norm:
+            yield self.whole(p + "q_norm.weight")
+            yield self.whole(p + "k_norm.weight")
+
+    def mla(self, p: str) -> Iterator[PhysicalTensor]:
+        d, a = self.d, self.s.attn
+        if d.q_lora_rank:
+            yield self.rows(f"{p}{self.names.fused_qkv_a}.weight",
+                            [(p + "q_a_proj.weight", 0, d.q_lora_rank),
+                             (p + "kv_a_proj_with_mqa.weight", 0,
+                              d.kv_lora_rank + d.qk_rope_head_dim)], d.hidden)
+            yield self.whole(p + "q_a_layernorm.weight")
+            yield self.row_split(p + "q_b_proj.weight", p + "q_b_proj.weight", a)
+        else:
+            yield self.whole(p + "kv_a_proj_with_mqa.weight")
+            yield self.row_split(p + "q_proj.weight", p + "q_proj.weight", a)
+        yield self.whole(p + "kv_a_layernorm.weight")
+        yield self.row_split(p + "kv_b_proj.weight", p + "kv_b_proj.weight", a)
+        yield self.column_split(p + "o_proj.weight", p + "o_proj.weight", a)
+
+    def experts(self, p: str) -> Iterator[PhysicalTensor]:
+        """Stacked routed experts of layer prefix `p`."""
+        d, m = self.d, self.s.moe_tp
+        k, h = d.moe_intermediate // m.size, d.hidden
+        local = expert_range(d.num_experts, self.s.ep)
+        w13, w2 = [], []
+        for j, e in enumerate(local):
+            lp = f"{p}mlp.experts.{e}."
+            w13.append(Piece(lp + "gate_proj.weight", (m.rank * k, 0), (k, h), (j, 0, 0)))
+            w13.append(Piece(lp + "up_proj.weight", (m.rank * k, 0), (k, h), (j, k, 0)))
+            w2.append(Piece(lp + "down_proj.weight", (0, m.rank * k), (h, k), (j, 0, 0)))
+        ep = p + self.names.experts
+        yield PhysicalTensor(ep + "w13_weight", (len(local), 2 * k, h), self.cfg.dtype, tuple(w13))
+        yield PhysicalTensor(ep + "w2_weight", (len(local), h, k), self.cfg.dtype, tuple(w2))
+
+    def layer(self, i: int) -> Iterator[PhysicalTensor]:
+        p = f"model.layers.{i}."
+        yield from self.mla(p + "self_attn.") if self.d.mla else self.gqa(p + "self_attn.")
+        if self.d.is_moe(i):
+            yield self.whole(p + "mlp.gate.weight")
+            bias = p + "mlp.gate.e_score_correction_bias"
+            if bias in self.lt:
+                yield self.whole(bias)
+            if self.d.shared_intermediate:
+                yield from self.gated(p + "mlp.shared_experts.", p + "mlp.shared_experts.",
+                                      self.s.mlp)
+            yield from self.experts(p)
+        else:
+            yield from self.gated(p + "mlp.", p + "mlp.", self.s.mlp)
+        yield self.whole(p + "input_layernorm.weight")
+        yield self.whole(p + "post_attention_layernorm.weight")
+
+    def tensors(self) -> Iterator[PhysicalTensor]:
+        if self.s.embed:
+            yield self.vocab("model.embed_tokens.weight", "model.embed_tokens.weight")
+        for i in self.s.layers:
+            yield from self.layer(i)
+        if self.s.head:
+            yield self.whole("model.norm.weight")
+            if not self.d.tied:
+                yield self.vocab("lm_head.weight", "lm_head.weight")
+            elif not self.s.embed:  # a tied head without the embedding (not in vLLM)
+                yield self.vocab("lm_head.weight", "model.embed_tokens.weight")
+
+
+def rank_tensors(spec: ModelSpec, cfg: TargetConfig, s: Shard,
+                 names: Names) -> tuple[PhysicalTensor, ...]:
+    """One engine rank's physical tensors, in `named_parameters()` order."""
+    return tuple(_Builder(spec, cfg, s, names).tensors())
