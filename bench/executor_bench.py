@@ -1,10 +1,12 @@
 """Executor overhead: a plan of W writes vs one raw write of the same bytes.
 
     python bench/executor_bench.py [--writes 64] [--mib 4] [--steps 5] [--record]
+                                   [--transport nixl|cuda_ipc] [--device cpu|cuda]
 
-1. NIXL, 2 processes (rank 0 source, rank 1 target): `executor.run` (READY, W writes in
-   batches of 8, DONE) vs one raw NIXL write of all the bytes between the same registered
-   buffers, in the same processes.
+1. NIXL (or CUDA IPC), 2 processes (rank 0 source, rank 1 target): `executor.run` (READY,
+   W writes in batches of 8, DONE) vs one raw write of all the bytes between the same
+   registered buffers (one NIXL descriptor; one copy into the IPC-mapped peer tensor), in
+   the same processes.
 2. `local` transport (`run_all_local`) vs one `torch` copy of the same bytes.
 Medians over `--steps` warm steps; `--record` appends the table to BENCHMARKS.md.
 """
@@ -69,61 +71,82 @@ def make_plan(path: str, writes: int, chunk: int, per_batch: int = 8) -> int:
     return n
 
 
-def worker(path: str, rank: int, port: int, steps: int) -> None:
+def raw_nixl(plan: executor.Executor, x: torch.Tensor, steps: int) -> list[float]:
+    t, n = plan.transport, x.numel()
+    name, addrs, dev = t.peers[1]
+    lh = t.agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([[x.data_ptr(), n, t.dev]],
+                                                             dtype=np.uint64), t.mem)
+    rh = t.agent.prep_xfer_dlist(name, np.array([[addrs[0], n, dev]], dtype=np.uint64), t.mem)
+    xfer = t.agent.make_prepped_xfer("WRITE", lh, [0], rh, [0])
+    raw = []
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        t.agent.transfer(xfer)
+        while t.agent.check_xfer_state(xfer) == "PROC":
+            time.sleep(2e-5)
+        raw.append(time.perf_counter() - t0)
+    xfer.release()
+    return raw[1:]
+
+
+def raw_cuda_ipc(plan: executor.Executor, x: torch.Tensor, steps: int) -> list[float]:
+    t, dst = plan.transport, plan.transport.peers[1][0]
+    raw = []
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        with torch.cuda.stream(t.stream):
+            dst.copy_(x)
+        t.stream.synchronize()
+        raw.append(time.perf_counter() - t0)
+    return raw[1:]
+
+
+def worker(path: str, rank: int, port: int, steps: int, transport: str, device: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
                           timeout=timedelta(seconds=120))
     n = load_rank(path, rank)[1].regions[0].nbytes
-    x = torch.full((n,), rank, dtype=torch.uint8) if rank else torch.randint(0, 255, (n,),
-                                                                              dtype=torch.uint8)
-    plan = executor.load(path, rank, {"x": x}, transport="nixl", rendezvous=store,
+    x = torch.randint(0, 255, (n,), dtype=torch.uint8).to(device)
+    plan = executor.load(path, rank, {"x": x}, transport=transport, rendezvous=store,
                          timeout_s=120)
     times = [executor.run(plan).seconds for _ in range(steps + 1)][1:]
     if rank == 0:
-        t = plan.transport
-        peer = t.peers[1]
-        desc = lambda addr, dev: np.array([[addr, n, dev]], dtype=np.uint64)  # noqa: E731
-        lh = t.agent.prep_xfer_dlist("NIXL_INIT_AGENT", desc(x.data_ptr(), 0), "DRAM")
-        rh = t.agent.prep_xfer_dlist(peer[0], desc(peer[1][0], peer[2]), "DRAM")
-        xfer = t.agent.make_prepped_xfer("WRITE", lh, [0], rh, [0])
-        raw = []
-        for _ in range(steps + 1):
-            t0 = time.perf_counter()
-            t.agent.transfer(xfer)
-            while t.agent.check_xfer_state(xfer) == "PROC":
-                time.sleep(2e-5)
-            raw.append(time.perf_counter() - t0)
-        xfer.release()
-        store.set("result", f"{statistics.median(times)} {statistics.median(raw[1:])}".encode())
+        raw = (raw_nixl if transport == "nixl" else raw_cuda_ipc)(plan, x, steps)
+        store.set("result", f"{statistics.median(times)} {statistics.median(raw)}".encode())
     store.set(f"exit/{rank}", b"1")
     store.wait(["exit/0", "exit/1"], timedelta(seconds=120))
     plan.close()
 
 
-def bench_nixl(path: str, steps: int) -> tuple[float, float]:
+def bench_two_processes(path: str, steps: int, transport: str,
+                        device: str) -> tuple[float, float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=120))
     env = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
+    gpus = torch.cuda.device_count() if device != "cpu" else 0
+    devices = [device, "cuda:1" if gpus > 1 else device]  # the target on another GPU if any
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", path, str(r), str(port),
-                               str(steps)], env=env) for r in (0, 1)]
+                               str(steps), transport, devices[r]], env=env) for r in (0, 1)]
     for p in procs:
         if p.wait(timeout=300):
-            raise SystemExit(f"NIXL worker failed with status {p.returncode}")
+            raise SystemExit(f"{transport} worker failed with status {p.returncode}")
     ex, raw = map(float, store.get("result").decode().split())
     return ex, raw
 
 
-def bench_local(path: str, n: int, steps: int) -> tuple[float, float]:
-    src = torch.randint(0, 255, (n,), dtype=torch.uint8)
-    dst = torch.zeros(n, dtype=torch.uint8)
+def bench_local(path: str, n: int, steps: int, device: str) -> tuple[float, float]:
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8).to(device)
+    dst = torch.zeros(n, dtype=torch.uint8, device=device)
+    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
     ex = [executor.run_all_local(path, {0: {"x": src}, 1: {"x": dst}}, steps=2).seconds
           for _ in range(steps)]
     raw = []
     for _ in range(steps + 1):
         t0 = time.perf_counter()
         dst.copy_(src)
+        sync()
         raw.append(time.perf_counter() - t0)
     return statistics.median(ex), statistics.median(raw[1:])
 
@@ -141,12 +164,17 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--transport", default="nixl", choices=["nixl", "cuda_ipc"])
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (rank 1 on cuda:1 if any)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.rplan")
         n = make_plan(path, a.writes, a.mib << 20)
-        rows = [("nixl (2 processes)", "raw NIXL write", *bench_nixl(path, a.steps)),
-                ("local (run_all_local)", "torch copy_", *bench_local(path, n, a.steps))]
+        dev = "cuda:0" if a.device == "cuda" else a.device
+        rows = [(f"{a.transport} (2 processes, {a.device})", f"raw {a.transport} write",
+                 *bench_two_processes(path, a.steps, a.transport, dev)),
+                (f"local (run_all_local, {a.device})", "torch copy_",
+                 *bench_local(path, n, a.steps, dev))]
     gb = n / 1e9
     lines = [f"{a.writes} writes x {a.mib} MiB = {n >> 20} MiB, median of {a.steps} warm steps",
              "", "| executor | baseline | executor s | baseline s | executor GB/s | "
@@ -165,6 +193,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6],
+               sys.argv[7])
     else:
         main()

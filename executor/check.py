@@ -18,6 +18,7 @@ from schemas.plan import (
     PACK,
     QUANT,
     READY,
+    STAGING,
     UNPACK,
     RankPlan,
     Table,
@@ -46,6 +47,9 @@ def check_rank_plan(rp: RankPlan) -> None:
     sizes = np.array([r.nbytes for r in rp.regions] + [0], dtype=np.int64)
     nreg = len(rp.regions)
     for i, r in enumerate(rp.regions):
+        if r.name == STAGING and (i != nreg - 1 or r.dtype != "uint8"):
+            raise PlanBoundsError(f"rank {rp.rank}: the staging region must be the last region "
+                                  f"and uint8; it is region {i} of {nreg}, {r.dtype}")
         if r.dtype not in ITEMSIZE or r.nbytes < 0:
             raise PlanBoundsError(f"rank {rp.rank}: region {i} ({r.name}) has dtype {r.dtype!r} "
                                   f"and {r.nbytes} bytes; expected one of {sorted(ITEMSIZE)}")

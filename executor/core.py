@@ -88,7 +88,7 @@ class Executor:
         self.tag = signals.fingerprint_tag(self.fingerprint)
         self.namespace = "rplan"  # not per plan: a peer on another plan must be told so
         self.regions = bind(plan.rank, plan.regions, tensors)
-        device = self.regions[0].device if self.regions else torch.device("cpu")
+        self.device = device = self.regions[0].device if self.regions else torch.device("cpu")
         if rendezvous is None and transport == "local":
             from .transports.local import FABRIC
             rendezvous = FABRIC
@@ -192,15 +192,18 @@ class Executor:
             self.ready(s)
             self.send_half(s)
             self.recv_half(s)
-        return self.end_step(time.perf_counter() - t0)
+        return self.end_step(t0)
 
     def begin_step(self) -> None:
         self.step += 1
         self.complete = False
         self.inbox.drop_before(self.step)
 
-    def end_step(self, seconds: float) -> RunStats:
+    def end_step(self, t0: float) -> RunStats:
+        if self.device.type == "cuda":  # unpacks are queued: the weights are whole after this
+            torch.cuda.current_stream(self.device).synchronize()
         self.complete = True
+        seconds = time.perf_counter() - t0
         return RunStats(self.rank, self.step, self.bytes_per_step, seconds,
                         self.bytes_per_step / max(seconds, 1e-9) / 1e9, True)
 
@@ -235,7 +238,7 @@ class Executor:
             return
         keys = [signals.expected(self.step, s, kind, peer) for s, kind, peer in waits]
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
+        deadline, nap = time.monotonic() + timeout_s, 5e-5
         while True:
             self.inbox.add(self.transport.poll(), self.step)
             missing = self.inbox.take(keys)
@@ -245,7 +248,8 @@ class Executor:
                 _, stage, kind, peer = missing[0]
                 raise PeerTimeoutError(self.rank, peer, f"send {_KIND_NAMES[kind]} of stage "
                                        f"{stage}, step {self.step}", timeout_s)
-            time.sleep(0.001)
+            time.sleep(nap)  # backs off to 1 ms: never a busy loop
+            nap = min(nap * 2, 1e-3)
 
     def _write(self, batches: list[tuple[Any, int]], s: int, timeout_s: float | None) -> None:
         inflight: deque[tuple[Any, int]] = deque()

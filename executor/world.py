@@ -64,4 +64,4 @@ def _step(exs: list[Executor], stages: int) -> None:
                                     "signal sent earlier in the protocol (schemas/plan.py); "
                                     "the plan's signals and waits do not") from None
     for ex in exs:
-        ex.end_step(0.0)
+        ex.end_step(time.perf_counter())

@@ -2,7 +2,8 @@
 
 Writes of one (src region, dst region, size) group become one `index_select` +
 `index_copy_` over byte-row views (`as_strided(region, (N, nbytes), (1, 1))`); large
-writes are one slice copy each (a plain memcpy on CPU).
+writes are one slice copy each (a plain memcpy on CPU; on GPU, those below 16 MiB
+together in one `_foreach_copy_` launch).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .base import WriteBatch
 
 Op = Callable[[], None]
 _BIG = 1 << 16  # writes of at least this many bytes are copied one slice each
+_HUGE = 1 << 24  # on GPU, slices below this go together into one `_foreach_copy_`
 
 
 def _slice_copy(dst: torch.Tensor, src: torch.Tensor) -> Op:
@@ -28,6 +30,12 @@ def _slice_copy(dst: torch.Tensor, src: torch.Tensor) -> Op:
 
     def op() -> None:
         dst.copy_(src)
+    return op
+
+
+def _foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> Op:
+    def op() -> None:
+        torch._foreach_copy_(dst, src)
     return op
 
 
@@ -48,10 +56,15 @@ def prepare_copies(src_regions: list[torch.Tensor], dst_regions: list[torch.Tens
     ops: list[Op] = []
     cols = np.stack([batch.src_region, batch.dst_region, batch.nbytes], axis=1)
     big = batch.nbytes >= _BIG
+    slices = []
     for i in np.flatnonzero(big):
         so, do, n = int(batch.src_offset[i]), int(batch.dst_offset[i]), int(batch.nbytes[i])
-        ops.append(_slice_copy(dst_regions[cols[i, 1]][do:do + n],
-                               src_regions[cols[i, 0]][so:so + n]))
+        slices.append((dst_regions[cols[i, 1]][do:do + n], src_regions[cols[i, 0]][so:so + n]))
+    # on GPU, writes below _HUGE are launch-bound: one `_foreach_copy_` launch for them all
+    few = [(d, s) for d, s in slices if d.is_cuda and d.numel() < _HUGE]
+    if few:
+        ops.append(_foreach_copy([d for d, _ in few], [s for _, s in few]))
+    ops += [_slice_copy(d, s) for d, s in slices if not (d.is_cuda and d.numel() < _HUGE)]
     small = np.flatnonzero(~big & (batch.nbytes > 0))
     if len(small):
         keys, inverse = np.unique(cols[small], axis=0, return_inverse=True)
