@@ -66,7 +66,9 @@ def run(configs: list[str]) -> list[dict[str, Any]]:
                 res = simulate(out)
                 row.update({k: res[k] for k in ("estimated_s", "floor_s", "ratio", "bytes",
                                                 "batches", "writes", "stages", "bottleneck",
-                                                "sim_seconds")})
+                                                "sim_seconds", "nic_gbps")})
+                row["max_in"] = max((n["bytes_in"] for n in res["nics"]), default=0)
+                row["max_out"] = max((n["bytes_out"] for n in res["nics"]), default=0)
                 os.remove(out)
             rows.append(row)
             print(_line(row), flush=True)
@@ -111,6 +113,29 @@ def machine() -> str:
     return f"{os.cpu_count()} cores (`nproc`), {model}, Python {platform.python_version()}"
 
 
+def notes(rows: list[dict[str, Any]]) -> list[str]:
+    """The arithmetic behind each floor, and where a goal cannot be met."""
+    out = []
+    for r in rows:
+        if "error" in r:
+            continue
+        bps = r["nic_gbps"] * 1e9 / 8
+        line = (f"- {r['config']}: busiest NIC takes in {r['max_in'] / 1e9:.2f} GB and sends "
+                f"{r['max_out'] / 1e9:.2f} GB; at {r['nic_gbps']:g} Gb/s ({bps / 1e9:g} GB/s) "
+                f"that is {max(r['max_in'], r['max_out']) / bps:.3f} s ({r['bottleneck']}).")
+        if r.get("published_s") and r["published_s"] < r["floor_s"]:
+            line += (" The published time is below this floor: the source moved fewer bytes "
+                     "or had more bandwidth per GPU than assumed here.")
+        if "kimi" in r["config"]:
+            need = r["max_in"] / 1.0
+            line += (f" Goal <= 1.0 s: one target GPU would have to take in {need / 1e9:.0f} "
+                     f"GB/s = {need * 8 / 1e9:.0f} Gb/s through its {r['nic_gbps']:g} Gb/s NIC; "
+                     "the host's 8 GPUs hold distinct shards (a TP16 engine spans 2 hosts), so "
+                     "NVLink cannot help: impossible on this cluster.")
+        out.append(line)
+    return out
+
+
 def section(rows: list[dict[str, Any]], command: str) -> str:
     ok = [r for r in rows if "error" not in r]
     worst = max((r["ratio"] for r in ok), default=float("nan"))
@@ -124,7 +149,7 @@ def section(rows: list[dict[str, Any]], command: str) -> str:
         "at full bandwidth. Cluster: 8 GPUs and 8 x 400 Gb/s NICs per host, disaggregated.",
         "", table(rows), "",
         f"Goal: simulated within {GOAL_RATIO}x of the floor for every config; worst ratio "
-        f"here: {worst:.3f}.", "",
+        f"here: {worst:.3f}.", "", "Floors:", "", *notes(rows), "",
     ])
 
 
