@@ -181,6 +181,8 @@ class _Builder:
         """Row-stacked pieces `(logical, first row, rows)`; 1-D tensors when cols is None."""
         pieces, at = [], 0
         for logical, start, n in parts:
+            if n == 0:  # a rank of vocab padding only
+                continue
             if cols is None:
                 pieces.append(Piece(logical, (start,), (n,), (at,)))
             else:
