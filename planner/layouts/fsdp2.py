@@ -28,8 +28,9 @@ experts (transformers 4.57): qwen3_moe `gate` then `experts.{e}`, deepseek_v3
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
 from planner.layouts.shards import chunk, whole
@@ -50,6 +51,16 @@ class _Param:
     pieces: tuple[Piece, ...]
     tp_dim: int | None
     buffer: bool = False
+    starts: tuple[int, ...] = field(init=False)
+    """`at[0]` of each piece (pieces are sorted by it), to find a shard's pieces quickly."""
+    reach: int = field(init=False)
+    """The largest extent of a piece along dim 0."""
+
+    def __post_init__(self) -> None:
+        pieces = tuple(sorted(self.pieces, key=lambda p: p.at[0]))
+        object.__setattr__(self, "pieces", pieces)
+        object.__setattr__(self, "starts", tuple(p.at[0] for p in pieces))
+        object.__setattr__(self, "reach", max((p.phys_sizes()[0] for p in pieces), default=0))
 
 
 def tp_dim(name: str) -> int | None:
@@ -168,8 +179,12 @@ def _local(p: _Param, cfg: SourceConfig, t: int, d: int) -> PhysicalTensor:
         lo[p.tp_dim], hi[p.tp_dim] = chunk(p.shape[p.tp_dim], cfg.tp, t)
     a, b = chunk(hi[0] - lo[0], cfg.dp, d)
     lo[0], hi[0] = lo[0] + a, lo[0] + b
-    return PhysicalTensor(p.name, tuple(y - x for x, y in zip(lo, hi)), p.dtype,
-                          restrict(p.pieces, lo, hi))
+    shape = tuple(y - x for x, y in zip(lo, hi))
+    if len(p.pieces) == 1 and p.pieces[0].sizes == p.shape:  # a plain parameter: one box
+        piece = Piece(p.name, tuple(lo), shape, (0,) * len(shape))
+        return PhysicalTensor(p.name, shape, p.dtype, (piece,) if all(shape) else ())
+    near = p.pieces[bisect_left(p.starts, lo[0] - p.reach + 1):bisect_left(p.starts, hi[0])]
+    return PhysicalTensor(p.name, shape, p.dtype, restrict(near, lo, hi))
 
 
 def restrict(pieces: Sequence[Piece], lo: Sequence[int], hi: Sequence[int]
