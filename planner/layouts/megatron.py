@@ -14,6 +14,12 @@ With `transformer_engine`, the norms fuse into the next linear as `layer_norm_we
 `pre_mlp_layernorm`; MLA keeps `input_layernorm` and replicates its down projections.
 
 DeepSeek MTP layers are left out (Megatron builds them in a separate `mtp` block).
+
+Checked against the real GPTModel (local spec) on CPU: names, shapes and forward logits
+for dense/MoE Qwen3 (TP 4 with ng 2, PP 2 tied, EP, ETP), names and shapes for MLA with
+shared experts (tests/oracles). The Transformer Engine names (`layer_norm_weight`
+registered before `weight` by TE's LayerNormLinear; grouped `weight{i}` of
+TEGroupedLinear) are read from the sources, not run.
 """
 
 from __future__ import annotations
