@@ -49,7 +49,7 @@ class Shard:
     mlp: Split
     """Dense MLP and shared experts."""
     vocab: Split
-    """embed_tokens / lm_head rows (size 1: replicated)."""
+    """lm_head rows (and embed_tokens rows unless `embed_vocab` is given)."""
     moe_tp: Split
     """Each routed expert's intermediate dim."""
     ep: Split
@@ -60,6 +60,8 @@ class Shard:
     """Holds `embed_tokens`."""
     head: bool
     """Holds `model.norm` and `lm_head`."""
+    embed_vocab: Split | None = None
+    """embed_tokens rows when they differ from lm_head's (size 1: replicated)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,17 +147,20 @@ def shard(spec: ModelSpec, cfg: TargetConfig, d: int, p: int, t: int) -> Shard:
 def layout(spec: ModelSpec, cfg: TargetConfig) -> Layout:
     """The vLLM layout of `cfg.replicas` engines of `cfg.dp * cfg.pp * cfg.tp` ranks."""
     check(spec, cfg)
-    engine = [rank_tensors(spec, cfg, shard(spec, cfg, d, p, t), Names(
-        experts="mlp.experts." if cfg.expert_names == "experts" else Names().experts))
-        for d in range(cfg.dp) for p in range(cfg.pp) for t in range(cfg.tp)]
-    return replicate("vllm", engine, cfg.replicas)
+    names = Names(experts="mlp.experts." if cfg.expert_names == "experts"
+                  else Names().experts)
+    shards = [shard(spec, cfg, d, p, t)
+              for d in range(cfg.dp) for p in range(cfg.pp) for t in range(cfg.tp)]
+    return build("vllm", spec, cfg, shards, names)
 
 
-def replicate(framework: str, engine: list[tuple[PhysicalTensor, ...]],
-              replicas: int) -> Layout:
+def build(framework: str, spec: ModelSpec, cfg: TargetConfig, shards: list[Shard],
+          names: Names) -> Layout:
+    """One engine's ranks (`shards`, in engine rank order), repeated for every replica."""
+    engine = [tuple(_Builder(spec, cfg, s, names).tensors()) for s in shards]
     ranks = tuple(RankLayout(rank=r * len(engine) + i, replica=r, tensors=tensors)
-                  for r in range(replicas) for i, tensors in enumerate(engine))
-    return Layout(side="target", framework=framework, ranks=ranks, replicas=replicas)
+                  for r in range(cfg.replicas) for i, tensors in enumerate(engine))
+    return Layout(side="target", framework=framework, ranks=ranks, replicas=cfg.replicas)
 
 
 # ---------------------------------------------------------------- tensors of one rank
@@ -204,10 +209,10 @@ class _Builder:
         k = n // split.size
         return self.rows(name, [(logical, split.rank * k, k)], cols)
 
-    def vocab(self, name: str, logical: str) -> PhysicalTensor:
+    def vocab(self, name: str, logical: str, split: Split) -> PhysicalTensor:
         v, h = self.lt[logical].shape
-        per = padded_vocab(v) // self.s.vocab.size
-        start = self.s.vocab.rank * per
+        per = padded_vocab(v) // split.size
+        start = split.rank * per
         n = max(0, min(start + per, v) - start)
         return self.rows(name, [(logical, start, n)], h, shape0=per)
 
@@ -288,18 +293,13 @@ class _Builder:
 
     def tensors(self) -> Iterator[PhysicalTensor]:
         if self.s.embed:
-            yield self.vocab("model.embed_tokens.weight", "model.embed_tokens.weight")
+            yield self.vocab("model.embed_tokens.weight", "model.embed_tokens.weight",
+                             self.s.embed_vocab or self.s.vocab)
         for i in self.s.layers:
             yield from self.layer(i)
         if self.s.head:
             yield self.whole("model.norm.weight")
             if not self.d.tied:
-                yield self.vocab("lm_head.weight", "lm_head.weight")
-            elif not self.s.embed:  # a tied head without the embedding (not in vLLM)
-                yield self.vocab("lm_head.weight", "model.embed_tokens.weight")
-
-
-def rank_tensors(spec: ModelSpec, cfg: TargetConfig, s: Shard,
-                 names: Names) -> tuple[PhysicalTensor, ...]:
-    """One engine rank's physical tensors, in `named_parameters()` order."""
-    return tuple(_Builder(spec, cfg, s, names).tensors())
+                yield self.vocab("lm_head.weight", "lm_head.weight", self.s.vocab)
+            elif not self.s.embed:  # tied, last PP stage without the embedding (SGLang)
+                yield self.vocab("lm_head.weight", "model.embed_tokens.weight", self.s.vocab)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -172,7 +174,7 @@ def test_bad_configs(model: dict, cfg: dict, key: str) -> None:
         vllm.layout(spec_from_hf(model), target(**cfg))
 
 
-def vllm_expected(spec: ModelSpec, cfg: TargetConfig) -> callable:
+def vllm_expected(spec: ModelSpec, cfg: TargetConfig) -> Callable[[str], int]:
     d = spec.dims
 
     def expected(name: str) -> int:
