@@ -8,7 +8,14 @@ One implementation serves the CLI and the property suite:
 - `sizes`: no write above `max_write_bytes`, staging within `staging_bytes`;
 - `order`: the stage DAG is acyclic; every wait has its signal and vice versa; every
   (source, target, stage) with writes has READY and DONE; staged writes into a target's
-  staging after stage 0 wait for its ACK.
+  staging after stage 0 wait for its ACK;
+- `dataflow`: staging is filled before it is read, in the same stage: every staging byte
+  a write reads was packed by that rank in the write's stage (packs run before writes),
+  every staging byte an unpack reads was written into it in the unpack's stage (writes
+  land before DONE, unpacks run after it); packs of one stage never overlap;
+- `balance`: where every source rank holds the whole model (pure data parallelism), the
+  busiest source NIC sends at most the mean over source NICs plus one chunk
+  (`planner/passes/assign.py`), in bytes of remote (non-NVLink) writes.
 Each check returns violation messages; `verify_plan` gives them all, in that order.
 """
 
@@ -103,10 +110,157 @@ def _copy_bounds(rp: RankPlan) -> list[str]:
             if region.dtype != "uint8" and DTYPE_CODES[code[i]] != region.dtype:
                 out.append(f"rank {rp.rank}: copy {i} reads {region.name} as "
                            f"{DTYPE_CODES[code[i]]}, but it is {region.dtype}")
-            if lo[i] < 0 or hi[i] * es > region.nbytes or neg[i]:
+            numel = int(c["size0"][i]) * int(c["size1"][i]) * int(c["size2"][i])
+            if lo[i] < 0 or hi[i] * es > region.nbytes or neg[i] or numel * es > region.nbytes:
                 out.append(f"rank {rp.rank}: copy {i} goes outside {region.name} "
                            f"({region.nbytes} bytes)")
     return out[:1]
+
+
+def copy_runs(c, i: int, side: str, es: int) -> tuple[np.ndarray, np.ndarray]:
+    """Byte intervals `[start, end)` that copy `i` of table `c` touches on one side
+    (`es`: element size there), one per contiguous run of its strided box."""
+    dims = [(int(c[f"size{d}"][i]), int(c[f"{side}_stride{d}"][i])) for d in range(3)]
+    dims = [(n, st) for n, st in dims if n > 1]
+    run = 1
+    while dims and dims[-1][1] == run:
+        run *= dims.pop()[0]
+    start = np.array([int(c[f"{side}_offset"][i])], dtype=np.int64)
+    for n, st in dims:
+        start = (start[:, None] + np.arange(n, dtype=np.int64) * st).reshape(-1)
+    return start * es, (start + run) * es
+
+
+def _union(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint sorted intervals covering the same bytes as `[lo, hi)`."""
+    if len(lo) == 0:
+        return lo, hi
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], np.maximum.accumulate(hi[order])
+    new = np.ones(len(lo), dtype=bool)
+    new[1:] = lo[1:] > hi[:-1]
+    starts = np.flatnonzero(new)
+    ends = np.append(starts[1:], len(lo)) - 1
+    return lo[starts], hi[ends]
+
+
+def _outside(lo: np.ndarray, hi: np.ndarray, w_lo: np.ndarray, w_hi: np.ndarray) -> np.ndarray:
+    """Which read intervals `[lo, hi)` are not inside the written bytes `[w_lo, w_hi)`."""
+    u_lo, u_hi = _union(w_lo, w_hi)
+    k = np.searchsorted(u_lo, lo, side="right") - 1
+    inside = (k >= 0) & (u_hi[np.maximum(k, 0)] >= hi) if len(u_lo) else np.zeros(len(lo), bool)
+    return ~inside & (hi > lo)
+
+
+def _write_stages(rp: RankPlan) -> np.ndarray:
+    stage = np.zeros(len(rp.writes), dtype=np.int64)
+    for b in range(len(rp.batches)):
+        stage[rp.batches["start"][b]:rp.batches["stop"][b]] = rp.batches["stage"][b]
+    return stage
+
+
+def _staging_index(rp: RankPlan) -> int:
+    """Index of the rank's staging region, or -1."""
+    return len(rp.regions) - 1 if rp.regions and rp.regions[-1].name == STAGING else -1
+
+
+def _copy_bytes(rp: RankPlan, kind: int, side: str, region: int
+                ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """stage -> byte intervals that copies of `kind` touch in `region` on `side`."""
+    c = rp.copies
+    acc: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for i in np.flatnonzero((c["kind"] == kind) & (c[f"{side}_region"] == region)).tolist():
+        es = ITEMSIZE[DTYPE_CODES[c[f"{side}_dtype"][i]]]
+        acc.setdefault(int(c["stage"][i]), []).append(copy_runs(c, i, side, es))
+    return {s: (np.concatenate([p[0] for p in v]), np.concatenate([p[1] for p in v]))
+            for s, v in acc.items()}
+
+
+def dataflow(plan: Plan) -> list[str]:
+    out: list[str] = []
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    landed: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = {}
+    for rp in plan.ranks:
+        w, stage = rp.writes, _write_stages(rp)
+        for peer in np.unique(w["dst_rank"]).tolist():
+            sg = _staging_index(plan.ranks[peer])
+            m = (w["dst_rank"] == peer) & (w["dst_region"] == sg)
+            for s in np.unique(stage[m]).tolist():
+                sel = m & (stage == s)
+                lo = w["dst_offset"][sel].astype(np.int64)
+                landed.setdefault((peer, s), []).append((lo, lo + w["nbytes"][sel]))
+        sg = _staging_index(rp)
+        if sg < 0:
+            continue
+        packed = _copy_bytes(rp, PACK, "dst", sg)
+        for s, (lo, hi) in packed.items():
+            order_ = np.argsort(lo, kind="stable")
+            if len(lo) > 1 and (lo[order_][1:] < hi[order_][:-1]).any():
+                out.append(f"rank {rp.rank}: packs of stage {s} overlap in staging")
+        m = w["src_region"] == sg
+        for s in np.unique(stage[m]).tolist():
+            sel = np.flatnonzero(m & (stage == s))
+            lo = w["src_offset"][sel].astype(np.int64)
+            bad = _outside(lo, lo + w["nbytes"][sel], *packed.get(s, empty))
+            if bad.any():
+                out.append(f"rank {rp.rank}: write {int(sel[np.argmax(bad)])} (stage {s}) "
+                           "reads staging bytes that no pack of its stage fills")
+    for rp in plan.ranks:
+        sg = _staging_index(rp)
+        if sg < 0:
+            continue
+        for s, (lo, hi) in sorted(_copy_bytes(rp, UNPACK, "src", sg).items()):
+            parts = landed.get((rp.rank, s), [])
+            w_lo = np.concatenate([p[0] for p in parts]) if parts else empty[0]
+            w_hi = np.concatenate([p[1] for p in parts]) if parts else empty[1]
+            if _outside(lo, hi, w_lo, w_hi).any():
+                out.append(f"rank {rp.rank}: an unpack of stage {s} reads staging bytes that "
+                           "no write of its stage fills")
+    return out[:5]
+
+
+def nic_egress(plan: Plan) -> dict[str, int]:
+    """Bytes each source NIC sends per run (remote writes; NVLink batches excluded)."""
+    out: dict[str, int] = {}
+    for rp in plan.ranks:
+        if rp.role != "source" or not rp.nics:
+            continue
+        b = rp.batches
+        sent = 0
+        for i in np.flatnonzero(b["nic"] == 0).tolist():
+            sent += int(rp.writes["nbytes"][b["start"][i]:b["stop"][i]].sum())
+        out[rp.nics[0]] = out.get(rp.nics[0], 0) + sent
+    return out
+
+
+def fully_replicated(header: dict) -> bool:
+    """Whether the header's source config gives every source rank the whole model."""
+    src = header.get("source") or {}
+    if src.get("framework") == "fsdp2":
+        return src.get("tp", 1) * src.get("dp", 1) == 1
+    if src.get("framework") == "megatron":
+        etp = src.get("etp") or src.get("tp", 1)
+        return src.get("tp", 1) * src.get("pp", 1) * src.get("ep", 1) * etp == 1
+    return False
+
+
+def balance(plan: Plan, replicated: bool | None = None) -> list[str]:
+    """The per-NIC balance bound of `assign` where it is promised (see module docstring).
+
+    A chunk is at most `max_write_bytes` (or one row of its target box, where a row is
+    longer: `split_rows` never cuts a row); the slack allowed is that chunk size."""
+    if not (fully_replicated(plan.header) if replicated is None else replicated):
+        return []
+    egress = nic_egress(plan)
+    if len(egress) < 2:
+        return []
+    slack = int(plan.header.get("options", {}).get("max_write_bytes", 0))
+    mean = sum(egress.values()) / len(egress)
+    name, most = max(egress.items(), key=lambda kv: kv[1])
+    if most > mean + slack:
+        return [f"NIC {name} sends {most} bytes, more than the mean {mean:.0f} over "
+                f"{len(egress)} source NICs plus one chunk ({slack} bytes)"]
+    return []
 
 
 def _intervals(plan: Plan) -> dict[tuple[int, int, int], list[tuple[np.ndarray, np.ndarray]]]:
@@ -131,13 +285,8 @@ def _intervals(plan: Plan) -> dict[tuple[int, int, int], list[tuple[np.ndarray, 
         c = rp.copies
         for i in np.nonzero(c["kind"] == UNPACK)[0].tolist():
             region = rp.regions[c["dst_region"][i]]
-            es = ITEMSIZE[region.dtype]
-            i0, i1 = np.meshgrid(np.arange(c["size0"][i]), np.arange(c["size1"][i]),
-                                 indexing="ij")
-            start = c["dst_offset"][i] + i0 * c["dst_stride0"][i] + i1 * c["dst_stride1"][i]
-            start = start.reshape(-1) * es
             acc.setdefault((rp.rank, int(c["dst_region"][i]), -1), []).append(
-                (start, start + es * c["size2"][i]))
+                copy_runs(c, i, "dst", ITEMSIZE[region.dtype]))
     return acc
 
 
@@ -225,7 +374,7 @@ def verify_plan(plan: Plan) -> list[str]:
     problems = bounds(plan)
     if problems:
         return problems
-    return coverage(plan) + sizes(plan) + order(plan)
+    return coverage(plan) + sizes(plan) + order(plan) + dataflow(plan) + balance(plan)
 
 
 def verify_file(path: str) -> list[str]:

@@ -1,0 +1,24 @@
+"""Hypothesis profiles of the property suite.
+
+- `fast` (default; CI): few examples per property, the whole suite in well under 3 minutes
+  on a 2-core machine.
+- `deep` (`pytest --hypothesis-profile=deep tests/property`): many more examples, no
+  deadline; run it for tens of minutes before a release.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+_COMMON = dict(deadline=None, derandomize=False, print_blob=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                      HealthCheck.data_too_large])
+settings.register_profile("fast", max_examples=12, **_COMMON)
+settings.register_profile("deep", max_examples=2000, **_COMMON)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Runs whether this conftest is loaded at start-up (`pytest tests/property`) or during
+    # collection (`pytest tests`): `--hypothesis-profile` wins, else `fast`.
+    settings.load_profile(config.getoption("hypothesis_profile", None) or "fast")
