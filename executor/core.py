@@ -72,7 +72,7 @@ def make_transport(kind: str, rank: int, namespace: str, store: Store,
         return CudaIpcTransport(rank, namespace, store, device)
     if kind == "uccl":
         from .transports.uccl import UcclTransport
-        return UcclTransport(rank, namespace, device)
+        return UcclTransport(rank, namespace, store, device)
     raise ValueError(f"transport {kind!r} is unknown; use 'nixl', 'uccl', 'cuda_ipc' or 'local'")
 
 
@@ -268,8 +268,8 @@ class Executor:
             if time.monotonic() >= deadline:
                 raise PeerTimeoutError(self.rank, peer, f"complete the writes of stage {s}",
                                        timeout_s)
-            time.sleep(nap)
-            nap = min(nap * 2, 1e-3)
+            time.sleep(nap)  # short naps: some transports progress only when polled
+            nap = min(nap * 2, 2e-4)
 
     def close(self) -> None:
         self.transport.close()

@@ -22,7 +22,9 @@ class NixlTransport:
 
         self.rank = rank
         self.name = f"{namespace}-r{rank}-{os.getpid()}-{id(self):x}"
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        # no progress thread (it spins ~30% of a core while idle): polls progress instead
+        self.agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False,
+                                                             backends=["UCX"]))
         self.peers: dict[int, tuple[str, list[int], int]] = {}  # name, addrs, device id
         self.handles: list[Any] = []
 
