@@ -1,10 +1,11 @@
 """One rank of the 2 x 2 example as its own process (spawned by test_nixl.py and
 test_cuda_ipc.py).
 
-    python worker.py PLAN RANK HOST:PORT STEPS [TRANSPORT [DEVICE]]
+    python worker.py PLAN RANK HOST:PORT STEPS [TRANSPORT [DEVICE [TIMEOUT_S]]]
 
 Sources refill their tensors with the data of step k before each run(); targets check
-their tensors bit-exactly after each run(). Exit status 0 means every step matched.
+their tensors bit-exactly after each run(). Exit status 0 means every step matched; a
+rank with STEPS 0 loads and never runs; a `PeerTimeoutError` prints the peer, exits 3.
 """
 
 from __future__ import annotations
@@ -21,13 +22,29 @@ import executor
 
 
 def main(path: str, rank: int, rendezvous: str, steps: int, transport: str = "nixl",
-         device: str = "cpu") -> int:
+         device: str = "cpu", timeout_s: str = "90") -> int:
     host, port = rendezvous.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                           timeout=timedelta(seconds=90))
     tensors = {k: t.to(device) for k, t in two_by_two_tensors(0)[rank].items()}
     plan = executor.load(path, rank, tensors, transport=transport, rendezvous=store,
                          timeout_s=90)
+    plan.timeout_s = float(timeout_s)  # loading may wait for slow peers; steps may not
+    try:
+        status = _steps(plan, rank, tensors, steps)
+    except executor.PeerTimeoutError as e:
+        print(f"rank {rank}: PeerTimeoutError peer={e.peer} complete={plan.complete}: {e}",
+              flush=True)
+        status = 3
+    store.set(f"exit/{rank}", b"1")
+    store.wait([f"exit/{r}" for r in range(4)], timedelta(seconds=90))
+    time.sleep(0.2)
+    plan.close()
+    return status
+
+
+def _steps(plan: executor.Executor, rank: int, tensors: dict[str, torch.Tensor],
+           steps: int) -> int:
     for step in range(1, steps + 1):
         if rank in (0, 1):
             for name, t in two_by_two_tensors(step)[rank].items():
@@ -39,10 +56,6 @@ def main(path: str, rank: int, rendezvous: str, steps: int, transport: str = "ni
                     print(f"rank {rank} step {step}: {name} differs", flush=True)
                     return 1
         print(f"rank {rank} step {step}: ok {stats.bytes} B", flush=True)
-    store.set(f"exit/{rank}", b"1")
-    store.wait([f"exit/{r}" for r in range(4)], timedelta(seconds=90))
-    time.sleep(0.2)
-    plan.close()
     return 0
 
 
