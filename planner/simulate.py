@@ -156,11 +156,14 @@ def _maxmin(eres: np.ndarray, ires: np.ndarray, cap: np.ndarray,
     return rate
 
 
-def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT) -> dict[str, Any]:
+def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
+             in_order: bool = True) -> dict[str, Any]:
     """Simulate a plan (a path or a `Plan`) on the cluster its header records.
 
     `inflight`: batches a rank keeps posted and not yet reaped (the executor's
-    `max_inflight`); 1 sends one batch at a time.
+    `max_inflight`); 1 sends one batch at a time. `in_order`: a rank reaps its oldest
+    batch first (the executor's deque), so a long batch at the head holds the window;
+    False: any landed batch frees its place.
 
     Returns `estimated_s`, `floor_s`, `ratio`, `bottleneck`, per-NIC bytes and busy time
     (`nics`), NVLink totals, per-rank finish times, and `timeline`: numpy columns
@@ -169,17 +172,18 @@ def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT) -> dict[str, An
     """
     t_wall = time.perf_counter()
     header, ranks = _load(path_or_plan)
-    return _Sim(header, ranks, inflight).run(t_wall)
+    return _Sim(header, ranks, inflight, in_order).run(t_wall)
 
 
 class _Sim:
     """The simulation state; `run` drives it from t=0 to the last rank's finish."""
 
     def __init__(self, header: dict[str, Any], ranks: tuple[RankPlan, ...],
-                 inflight: int) -> None:
+                 inflight: int, in_order: bool) -> None:
         opts, cluster = header["options"], header["cluster"]
         self.header = header
         self.inflight = max(1, inflight)
+        self.in_order = in_order
         self.world = len(ranks)
         self.lat = opts["write_overhead_us"] * 1e-6
         nic_names = sorted({r[3] for r in header["ranks"]},
@@ -295,20 +299,21 @@ class _Sim:
         lo, hi = self.qbounds[q], self.qbounds[q + 1]
         if hi == lo:
             return False
-        self.window[r] = [lo, lo, hi]  # next to reap, next to post, end
+        self.window[r] = [lo, lo, hi, 0]  # reaped up to, next to post, end, outstanding
         self._post(r, t)
         return True
 
     def _post(self, r: int, t: float) -> None:
         """Post batches while fewer than `inflight` are posted and not yet reaped."""
         win = self.window[r]
-        while win[1] < win[2] and win[1] - win[0] < self.inflight:
+        while win[1] < win[2] and win[3] < self.inflight:
             g = int(self.qorder[win[1]])
             slot = self.free_slots[r].pop()
             self.flow_gid[slot], self.rem[slot], self.active[slot] = g, self.size[g], True
             self.f_eres[slot], self.f_ires[slot] = self.eres[g], self.ires[g]
             self.start[g], self.lane[g] = t, slot % self.inflight
             win[1] += 1
+            win[3] += 1
         self.dirty = True
 
     def _end_flow(self, slot: int, t: float) -> None:
@@ -319,8 +324,13 @@ class _Sim:
         r = slot // self.inflight
         self.free_slots[r].append(slot)
         win = self.window[r]
-        while win[0] < win[1] and self.landed[self.qorder[win[0]]]:  # reaped in order
+        if self.in_order:  # the executor reaps the oldest batch first
+            while win[0] < win[1] and self.landed[self.qorder[win[0]]]:
+                win[0] += 1
+                win[3] -= 1
+        else:  # any landed batch frees its place in the window
             win[0] += 1
+            win[3] -= 1
         if win[0] == win[2]:
             self._advance(r, t)
         else:
@@ -350,7 +360,7 @@ class _Sim:
         self.waiters: dict[tuple[int, int, int, int], list[int]] = {}
         self.wait_t, self.missing = [0.0] * w, [0] * w
         k = self.inflight
-        self.window: list[list[int]] = [[0, 0, 0] for _ in range(w)]
+        self.window: list[list[int]] = [[0, 0, 0, 0] for _ in range(w)]
         self.free_slots = [list(range(r * k + k - 1, r * k - 1, -1)) for r in range(w)]
         self.landed = np.zeros(nb, dtype=bool)
         self.active = np.zeros(w * k, dtype=bool)
@@ -430,7 +440,8 @@ class _Sim:
             "nvlink_max_out_bytes": int(load[nv:nv + self.world].max(initial=0)),
             "nvlink_max_in_bytes": int(load[nv + self.world:].max(initial=0)),
             "rank_finish_s": [float(x) for x in self.finish],
-            "inflight": self.inflight, "events": events, "sim_seconds": round(wall, 3),
+            "inflight": self.inflight, "in_order": self.in_order, "events": events,
+            "sim_seconds": round(wall, 3),
             "timeline": {"start": self.start, "end": self.end, "rank": b.rank,
                          "chan": b.chan, "dst": b.dst, "bytes": b.nbytes,
                          "lane": self.lane},
