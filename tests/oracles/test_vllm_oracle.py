@@ -1,0 +1,75 @@
+"""Oracle: real vLLM 0.33.0 on CPU against `planner.layouts.vllm` (bit-exact per rank).
+
+Each launch runs `world` processes of `vllm_worker.py` over gloo; every process builds the
+engine's model for its rank once per case (`load_format="dummy"`, then `load_weights` of
+random HF tensors) and compares all `named_parameters()` with `materialize(layout, full)`.
+Install vLLM with `tests/oracles/install_vllm.sh` (no CUDA, torch untouched).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.oracles.launch import launch
+
+pytestmark = pytest.mark.oracle
+if importlib.util.find_spec("vllm") is None:  # importorskip without the 20 s import
+    pytest.skip("vllm is not installed (tests/oracles/install_vllm.sh)", allow_module_level=True)
+
+BASE = dict(hidden_act="silu", max_position_embeddings=256, rms_norm_eps=1e-6,
+            rope_theta=10000.0, torch_dtype="float32", num_hidden_layers=2, hidden_size=128,
+            vocab_size=1100)  # 1100 pads to 1152 = 2*576 = 3*384 = 4*288
+
+
+def qwen3(**kw: object) -> dict:
+    # nh=4, ng=2: TP 4 replicates each KV head on two ranks
+    return BASE | dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"],
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                       intermediate_size=256, tie_word_embeddings=False) | kw
+
+
+def qwen3_moe(**kw: object) -> dict:
+    # nh=6, ng=1 (TP 2 and 3 both valid); E=8 (EP 3: 3, 3, 2 experts)
+    return BASE | dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+                       num_attention_heads=6, num_key_value_heads=1, head_dim=64,
+                       intermediate_size=192, moe_intermediate_size=64, num_experts=8,
+                       num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                       mlp_only_layers=[], tie_word_embeddings=False) | kw
+
+
+def deepseek_v3(**kw: object) -> dict:
+    # MLA with q_lora; layer 0 dense, layer 1 MoE with E=8 + 1 shared expert
+    return BASE | dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
+                       num_attention_heads=6, num_key_value_heads=6, q_lora_rank=64,
+                       kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                       v_head_dim=32, intermediate_size=192, moe_intermediate_size=64,
+                       n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                       first_k_dense_replace=1, moe_layer_freq=1, n_group=1, topk_group=1,
+                       topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+                       routed_scaling_factor=1.0, num_nextn_predict_layers=0,
+                       tie_word_embeddings=False, rope_scaling=None) | kw
+
+
+def case(name: str, hf: dict, tp: int, ep: bool = False) -> dict:
+    return dict(name=name, hf=hf, tp=tp, ep=ep)
+
+
+# One launch per world size; the cases of a launch share its processes.
+LAUNCHES = {
+    1: [case("qwen3 tp1 tied", qwen3(tie_word_embeddings=True), 1)],
+    2: [case("qwen3 tp2", qwen3(), 2),
+        case("qwen3_moe tp2", qwen3_moe(), 2),
+        case("qwen3_moe ep2", qwen3_moe(), 2, ep=True),
+        case("deepseek_v3 tp2", deepseek_v3(), 2),
+        case("deepseek_v3 ep2", deepseek_v3(), 2, ep=True)],
+    3: [case("qwen3_moe ep3", qwen3_moe(), 3, ep=True),
+        case("deepseek_v3 ep3", deepseek_v3(), 3, ep=True)],
+    4: [case("qwen3 tp4 kv-replication", qwen3(), 4)],
+}
+
+
+@pytest.mark.parametrize("world", sorted(LAUNCHES))
+def test_vllm_matches_layout(world: int) -> None:
+    launch("vllm_worker.py", world, {"cases": LAUNCHES[world]}, timeout=240.0)

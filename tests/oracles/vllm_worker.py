@@ -1,0 +1,105 @@
+"""One rank of a real vLLM 0.33 engine on CPU, compared with our vLLM layout.
+
+argv[1] is JSON: {"port": ..., "cases": [{"hf": {...config.json...}, "tp": 2, "ep": false}]}.
+For each case (all with tp = WORLD_SIZE): build vLLM's model for this rank with
+`load_format="dummy"`, load random HF tensors through `model.load_weights`, and compare
+every `named_parameters()` entry bit-exactly with `materialize(layout, full)` for this
+rank (names, shapes, dtypes, values). Exits non-zero with the differences.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import torch  # noqa: E402
+
+
+def neutralise_cpu_gaps() -> None:
+    """The two spots that need CUDA or `vllm._C` on this path (see LAYOUTS.md)."""
+    from vllm.model_executor.model_loader import base_loader
+
+    torch.accelerator.empty_cache = lambda: None
+    base_loader.process_weights_after_loading = lambda *a, **k: None
+
+
+def engine_config(hf: dict, tp: int, ep: bool):  # noqa: ANN201 (vLLM's config type)
+    from vllm.engine.arg_utils import EngineArgs
+
+    folder = tempfile.mkdtemp(prefix="vllm-oracle-")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf, f)
+    return EngineArgs(model=folder, skip_tokenizer_init=True, dtype="float32",
+                      load_format="dummy", tensor_parallel_size=tp,
+                      enable_expert_parallel=ep, enforce_eager=True,
+                      max_model_len=128).create_engine_config()
+
+
+def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    errors = [f"missing in vLLM: {n}" for n in want if n not in got]
+    errors += [f"not in our layout: {n} {tuple(got[n].shape)}" for n in got if n not in want]
+    for name in want.keys() & got.keys():
+        g, w = got[name], want[name]
+        if g.shape != w.shape or g.dtype != w.dtype:
+            errors.append(f"{name}: vLLM {tuple(g.shape)} {g.dtype}, ours "
+                          f"{tuple(w.shape)} {w.dtype}")
+        elif not torch.equal(g, w):
+            bad = (g != w).nonzero()
+            errors.append(f"{name}: {len(bad)} elements differ, first at {bad[0].tolist()}")
+    return errors
+
+
+def run_case(case: dict, rank: int) -> list[str]:
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import destroy_model_parallel, initialize_model_parallel
+    from vllm.model_executor.model_loader import get_model
+
+    from planner.layouts import vllm as vllm_layout
+    from planner.materialize import materialize, random_full_tensors
+    from planner.spec import spec_from_hf
+    from schemas.config import TargetConfig
+
+    spec = spec_from_hf(case["hf"], mtp=False)
+    target = TargetConfig(engine="vllm", tp=case["tp"], ep=case["ep"], dtype="float32")
+    full = random_full_tensors(spec, seed=7)
+    want = materialize(vllm_layout.layout(spec, target), full, ranks=[rank])[rank]
+    cfg = engine_config(case["hf"], case["tp"], case["ep"])
+    with set_current_vllm_config(cfg):
+        initialize_model_parallel(tensor_model_parallel_size=case["tp"])
+        try:
+            model = get_model(vllm_config=cfg)
+            model.load_weights(iter(full.items()))
+            got = {n: p.detach() for n, p in model.named_parameters()}
+        finally:
+            destroy_model_parallel()
+    return [f"{case['name']} rank {rank}: {e}" for e in compare(got, want)]
+
+
+def main() -> None:
+    arg = json.loads(sys.argv[1])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment
+
+    neutralise_cpu_gaps()
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
+                                     distributed_init_method=f"tcp://127.0.0.1:{arg['port']}",
+                                     backend="gloo")
+    errors = []
+    for case in arg["cases"]:
+        errors += run_case(case, rank)
+        print(f"rank {rank}: {case['name']} done", flush=True)
+    if errors:
+        print("\n".join(errors[:50]), flush=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
