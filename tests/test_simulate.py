@@ -245,3 +245,17 @@ def test_batches_in_flight_overlap_targets():
     res = simulate(plan, inflight=2)
     assert res["estimated_s"] == pytest.approx(0.04)
     assert res["floor_s"] == pytest.approx(0.04)
+
+
+def test_in_order_reaping_holds_the_window_behind_a_slow_head():
+    # X sends A (1 GB -> T1), B (0.1 GB -> T2), C (1 GB -> T3) with 2 in flight; D also
+    # sends 1 GB -> T1, so A crawls at 25 GB/s. B lands at 4 ms. In order (the executor's
+    # deque), C waits for A: A ends at 40 ms, C at 40 + 20 = 60 ms. Any order: C starts at
+    # 4 ms beside A (25 GB/s each), has 0.1 GB left when A ends at 40 ms: 42 ms = the floor
+    # (X's egress carries 2.1 GB).
+    plan = _plan([src(0, 0, (0, 0, 2, GB, 1), (0, 0, 3, GB // 10, 1), (0, 0, 4, GB, 1)),
+                  src(1, 0, (0, 0, 2, GB, 1)), tgt(2, 0), tgt(3, 0), tgt(4, 0)])
+    assert simulate(plan, inflight=2)["estimated_s"] == pytest.approx(0.06)
+    res = simulate(plan, inflight=2, in_order=False)
+    assert res["estimated_s"] == pytest.approx(0.042)
+    assert res["floor_s"] == pytest.approx(0.042)
