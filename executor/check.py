@@ -80,18 +80,21 @@ def _check_writes(rp: RankPlan, sizes: np.ndarray, nreg: int) -> None:
     _fail(rp, "write", (sr < 0) | (sr >= nreg), f"names a src region outside [0, {nreg})", row)
     _fail(rp, "write", so + nbytes > sizes[np.clip(sr, 0, nreg)],
           "reads past the end of its local src region", row)
-    peers = dict(rp.peer_regions)
+    peers = {p: dict(rs) for p, rs in rp.peer_regions}
     known = np.isin(w["dst_rank"], np.array(sorted(peers), dtype=np.int64))
     _fail(rp, "write", ~known, "writes to a rank missing from peer_regions", row)
+    dr = w["dst_region"]
     for peer, psizes in peers.items():
         sel = w["dst_rank"] == peer
         if not sel.any():
             continue
-        ps = np.array(list(psizes) + [0], dtype=np.int64)
-        dr = w["dst_region"]
-        _fail(rp, "write", sel & ((dr < 0) | (dr >= len(psizes))),
-              f"names a dst region outside [0, {len(psizes)}) of rank {peer}", row)
-        _fail(rp, "write", sel & (do + nbytes > ps[np.clip(dr, 0, len(psizes))]),
+        regs = np.array(sorted(psizes), dtype=np.int64)
+        ps = np.array([psizes[r] for r in regs.tolist()] + [0], dtype=np.int64)
+        at = np.minimum(np.searchsorted(regs, dr), len(regs))
+        listed = (at < len(regs)) & (regs[np.minimum(at, len(regs) - 1)] == dr)
+        _fail(rp, "write", sel & ~listed,
+              f"names a dst region of rank {peer} that peer_regions does not list", row)
+        _fail(rp, "write", sel & (do + nbytes > ps[np.where(listed, at, len(regs))]),
               f"writes past the end of its dst region on rank {peer}", row)
 
 

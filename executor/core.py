@@ -4,10 +4,38 @@
 ready/wait -> packs (and QUANTs) -> writes -> DONE -> wait -> unpacks -> ACK. Everything
 a step needs (copy views, prepared write batches, signal lists) is built at `connect()`;
 a step only replays it.
+
+Failures and recovery (docs/reliability.md). A step that cannot finish raises within
+`timeout_s`: `PeerTimeoutError` (or its subclass `PeerLostError` when the transport reports
+the peer gone) naming the peer; `complete` stays False, so a target knows its weights are
+not whole. Nothing is re-planned; the next `run()` recovers:
+
+1. Incarnations. Every `Executor` draws a random 64-bit incarnation id. It is published
+   with the rank's descriptors (`<ns>/rank/<r>`) and carried by every signal; a signal
+   counts only if its incarnation is the one this rank imported for the sender. Signals of
+   a dead process, or of a restarted one not imported yet, never satisfy a wait (the latter
+   are held and admitted once it is imported).
+2. Re-import. A rank restarted after a crash loads the plan again: it registers, publishes
+   its new descriptors and incarnation, and connects (the survivors' entries are still in
+   the store, so it needs nothing from them but their presence). A surviving rank, at the
+   start of the `run()` after a failed one (or as soon as it sees a signal of an unknown
+   incarnation), reads every peer's entry; for a peer whose incarnation changed it checks
+   the fingerprint and sizes again, re-imports the descriptors and re-prepares the write
+   batches to that peer (the old ones are released).
+3. In-flight writes. Batches still in flight when a step failed are waited for (briefly)
+   and, if not finished, released and prepared again before anything is re-posted.
+4. Steps. Signals carry the step number; a rank publishes its step (`<ns>/step/<r>`) when a
+   step fails and when it registers. A restarted rank, and a survivor recovering, adopt the
+   largest step their peers published, so the next `run()` has the same number everywhere.
+   (A rank that dies between steps, unseen, costs its peers one timed-out step before the
+   numbers agree; a caller that knows its training step can pass `run(step=n)` instead.)
+The rendezvous store must outlive the ranks (host it in the launcher, not in rank 0) for a
+crashed rank 0 to come back.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,7 +51,7 @@ from . import signals
 from .bind import bind
 from .check import check_rank_plan
 from .copies import Op, prepare_copies
-from .errors import PeerMismatchError, PeerTimeoutError
+from .errors import PeerLostError, PeerMismatchError, PeerTimeoutError
 from .quant import prepare_quants
 from .rendezvous import open_store
 from .transports.base import Store, Transport, WriteBatch
@@ -52,7 +80,7 @@ class Stage:
     ready_to: list[int] = field(default_factory=list)
     before: list[tuple[int, int, int]] = field(default_factory=list)  # (stage, kind, peer)
     packs: list[Op] = field(default_factory=list)
-    batches: list[tuple[Any, int]] = field(default_factory=list)  # (handle, peer)
+    batches: list[list[Any]] = field(default_factory=list)  # [handle, peer, WriteBatch]
     done_to: list[int] = field(default_factory=list)
     after: list[tuple[int, int, int]] = field(default_factory=list)
     unpacks: list[Op] = field(default_factory=list)
@@ -97,9 +125,14 @@ class Executor:
                              "hosts a TCPStore there) or a torch Store")
         self.store = open_store(rendezvous, self.rank, timeout_s)
         self.transport = make_transport(transport, self.rank, self.namespace, self.store, device)
+        self.incarnation = int.from_bytes(os.urandom(8), "little")
         self.inbox = signals.Inbox(self.tag)
         self.stages: list[Stage] = []
         self.step, self.complete, self.registered = 0, False, False
+        self.failed = False  # the last step raised: the next one recovers first
+        self.pending: list[list[Any]] = []  # batches in flight when a step failed
+        self.register_calls = 0  # transport registrations (once per process, ever)
+        self.reimports = 0  # peers re-imported after they restarted
         self.bytes_per_step = int(plan.writes["nbytes"].sum())
 
     @staticmethod
@@ -120,10 +153,19 @@ class Executor:
         if self.registered:
             return
         self.transport.register(self.regions)
+        self.register_calls += 1
         info = {"fingerprint": self.fingerprint, "sizes": [r.nbytes for r in self.plan.regions],
-                "desc": self.transport.export()}
+                "desc": self.transport.export(), "inc": self.incarnation}
+        self._publish_step()
         self.store.set(f"{self.namespace}/rank/{self.rank}", msgpack.packb(info))
         self.registered = True
+
+    def _publish_step(self) -> None:
+        self.store.set(f"{self.namespace}/step/{self.rank}", str(self.step).encode())
+
+    def _peer_step(self, peer: int) -> int:
+        raw = self.store.get(f"{self.namespace}/step/{peer}")
+        return int(raw) if raw is not None and raw.isdigit() else 0
 
     def _peer_info(self, peer: int) -> dict[str, Any]:
         deadline = time.monotonic() + self.timeout_s
@@ -140,20 +182,33 @@ class Executor:
         p = self.plan
         peers = sorted(set(p.writes["dst_rank"].tolist()) | set(p.signals["peer"].tolist())
                        | set(p.waits["peer"].tolist()))
-        expected = dict(p.peer_regions)
         for peer in peers:
             info = self._peer_info(peer)
-            if info["fingerprint"] != self.fingerprint:
-                raise PeerMismatchError(
-                    f"rank {self.rank}: peer rank {peer} loaded plan {info['fingerprint'][:16]!r}"
-                    f", this rank {self.fingerprint[:16]!r}; load the same plan on every rank")
-            if peer in expected and tuple(info["sizes"]) != expected[peer]:
-                raise PeerMismatchError(
-                    f"rank {self.rank}: peer rank {peer} exported regions of {info['sizes']} "
-                    f"bytes, the plan expects {list(expected[peer])}; bind the tensors the "
-                    "plan was compiled for on that rank")
+            self._check_peer(peer, info)
             self.transport.import_peer(peer, info["desc"])
+            self.inbox.set_incarnation(peer, int(info.get("inc", 0)))
+        # a restarted rank joins at its peers' step (module doc, recovery step 4)
+        self.step = max([self.step, *(self._peer_step(q) for q in peers)])
+        self.peers = peers
         self.stages = [self._prepare_stage(s) for s in range(p.stages)]
+
+    def _check_peer(self, peer: int, info: dict[str, Any]) -> None:
+        expected = dict(self.plan.peer_regions)
+        if info["fingerprint"] != self.fingerprint:
+            raise PeerMismatchError(
+                f"rank {self.rank}: peer rank {peer} loaded plan {info['fingerprint'][:16]!r}"
+                f", this rank {self.fingerprint[:16]!r}; load the same plan on every rank",
+                peer=peer)
+        sizes = list(info["sizes"])
+        wrong = [(r, n) for r, n in expected.get(peer, ())
+                 if r >= len(sizes) or sizes[r] != n]
+        if wrong:
+            r, n = wrong[0]
+            got = sizes[r] if r < len(sizes) else "no such region"
+            raise PeerMismatchError(
+                f"rank {self.rank}: peer rank {peer} exported region {r} of {got} bytes, "
+                f"the plan expects {n} ({len(wrong)} region(s) differ); bind the tensors "
+                "the plan was compiled for on that rank", peer=peer)
 
     def _prepare_stage(self, s: int) -> Stage:
         p, st = self.plan, Stage()
@@ -179,25 +234,105 @@ class Executor:
                 r = rows[dst == peer]
                 batch = WriteBatch(peer, *(w[k][r].astype(np.int64) for k in (
                     "src_region", "src_offset", "dst_region", "dst_offset", "nbytes")))
-                st.batches.append((self.transport.prepare(batch), peer))
+                st.batches.append([self.transport.prepare(batch), peer, batch])
         return st
+
+    # ------------------------------------------------------------------ recovery
+
+    def _recover(self) -> None:
+        """Before a step that follows a failure (module doc, recovery steps 2-4)."""
+        self._settle_pending()
+        self._refresh_peers()
+        try:
+            steps = [self._peer_step(q) for q in self.peers]
+        except Exception:  # noqa: BLE001 - the store may be gone; keep our own count
+            steps = []
+        self.step = max([self.step, *steps])
+        self.failed = False
+
+    def _settle_pending(self) -> None:
+        """Batches in flight when a step failed: done, or released and prepared again."""
+        deadline = time.monotonic() + min(self.timeout_s, 1.0)
+        for entry in self.pending:
+            while True:
+                try:
+                    if self.transport.done(entry[0]):
+                        break
+                except Exception:  # noqa: BLE001 - a failed batch: prepare it again below
+                    pass
+                if time.monotonic() >= deadline:
+                    self._reprepare(entry)
+                    break
+                time.sleep(1e-3)
+        self.pending = []
+
+    def _reprepare(self, entry: list[Any]) -> None:
+        release = getattr(self.transport, "release", None)
+        if release is not None:
+            release(entry[0])
+        entry[0] = self.transport.prepare(entry[2])
+
+    def _refresh_peers(self) -> None:
+        """Re-import every peer whose published incarnation changed (it restarted)."""
+        for peer in self.peers:
+            try:
+                raw = self.store.get(f"{self.namespace}/rank/{peer}")
+            except Exception:  # noqa: BLE001 - the store may be gone: nothing to re-import
+                return
+            if raw is None:
+                continue
+            info = msgpack.unpackb(raw)
+            inc = int(info.get("inc", 0))
+            if inc == self.inbox.incarnations.get(peer):
+                continue
+            self._check_peer(peer, info)
+            entries = [e for st in self.stages for e in st.batches if e[1] == peer]
+            release = getattr(self.transport, "release", None)
+            for e in entries:
+                if release is not None:
+                    release(e[0])
+                e[0] = None
+            self.transport.import_peer(peer, info["desc"])
+            for e in entries:
+                e[0] = self.transport.prepare(e[2])
+            self.inbox.set_incarnation(peer, inc)
+            self.reimports += 1
+        self.inbox.foreign = False
 
     # ------------------------------------------------------------------ every step
 
-    def run(self) -> RunStats:
-        """One step: walk every stage; returns when this rank's part is done."""
+    def run(self, step: int | None = None) -> RunStats:
+        """One step: walk every stage; returns when this rank's part is done.
+
+        Raises `PeerTimeoutError` (naming the peer) within `timeout_s` when a peer is gone;
+        `complete` is then False and the next `run()` recovers (module doc). `step`: the
+        caller's step number (the same on every rank), or None to count steps here."""
         t0 = time.perf_counter()
-        self.begin_step()
-        for s in range(len(self.stages)):
-            self.ready(s)
-            self.send_half(s)
-            self.recv_half(s)
+        self.begin_step(step)
+        try:
+            for s in range(len(self.stages)):
+                self.ready(s)
+                self.send_half(s)
+                self.recv_half(s)
+        except BaseException:
+            self.fail()
+            raise
         return self.end_step(t0)
 
-    def begin_step(self) -> None:
-        self.step += 1
+    def begin_step(self, step: int | None = None) -> None:
         self.complete = False
+        if self.failed or self.inbox.foreign:
+            self._recover()
+        self.step = self.step + 1 if step is None else step
         self.inbox.drop_before(self.step)
+
+    def fail(self) -> None:
+        """Mark the step failed: publish its number so that a restarted peer can join."""
+        self.failed, self.complete = True, False
+        try:
+            self._publish_step()
+        except Exception:  # noqa: BLE001 - the store may be gone too; the timeout was raised
+            pass
 
     def end_step(self, t0: float) -> RunStats:
         if self.device.type == "cuda":  # unpacks are queued: the weights are whole after this
@@ -230,8 +365,12 @@ class Executor:
 
     def _signal(self, peers: list[int], stage: int, kind: int) -> None:
         for peer in peers:
-            self.transport.notify(peer, signals.encode(self.tag, self.step, stage, kind,
-                                                       self.rank))
+            msg = signals.encode(self.tag, self.incarnation, self.step, stage, kind, self.rank)
+            try:
+                self.transport.notify(peer, msg)
+            except Exception as e:  # noqa: BLE001 - transports raise their own types
+                raise PeerLostError(self.rank, peer, f"send {_KIND_NAMES[kind]} of stage "
+                                    f"{stage}", e) from e
 
     def _wait(self, waits: list[tuple[int, int, int]], timeout_s: float | None) -> None:
         if not waits:
@@ -241,6 +380,8 @@ class Executor:
         deadline, nap = time.monotonic() + timeout_s, 5e-5
         while True:
             self.inbox.add(self.transport.poll(), self.step)
+            if self.inbox.foreign:  # a restarted peer already signals: import it now
+                self._refresh_peers()
             missing = self.inbox.take(keys)
             if not missing:
                 return
@@ -251,20 +392,37 @@ class Executor:
             time.sleep(nap)  # backs off to 1 ms: never a busy loop
             nap = min(nap * 2, 1e-3)
 
-    def _write(self, batches: list[tuple[Any, int]], s: int, timeout_s: float | None) -> None:
-        inflight: deque[tuple[Any, int]] = deque()
-        for handle, peer in batches:
-            if len(inflight) >= self.max_inflight:
-                self._landed(*inflight.popleft(), s, timeout_s)
-            self.transport.post(handle)
-            inflight.append((handle, peer))
-        while inflight:
-            self._landed(*inflight.popleft(), s, timeout_s)
+    def _write(self, batches: list[list[Any]], s: int, timeout_s: float | None) -> None:
+        inflight: deque[list[Any]] = deque()
+        try:
+            for entry in batches:
+                if len(inflight) >= self.max_inflight:
+                    self._landed(inflight[0], s, timeout_s)
+                    inflight.popleft()
+                try:
+                    self.transport.post(entry[0])
+                except Exception as e:  # noqa: BLE001 - transports raise their own types
+                    raise PeerLostError(self.rank, entry[1], f"post the writes of stage {s}",
+                                        e) from e
+                inflight.append(entry)
+            while inflight:
+                self._landed(inflight[0], s, timeout_s)
+                inflight.popleft()
+        except BaseException:
+            self.pending = list(inflight)  # settled before the next step posts again
+            raise
 
-    def _landed(self, handle: Any, peer: int, s: int, timeout_s: float | None) -> None:
+    def _landed(self, entry: list[Any], s: int, timeout_s: float | None) -> None:
+        handle, peer = entry[0], entry[1]
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline, nap = time.monotonic() + timeout_s, 2e-5
-        while not self.transport.done(handle):
+        while True:
+            try:
+                if self.transport.done(handle):
+                    return
+            except Exception as e:  # noqa: BLE001 - transports raise their own types
+                raise PeerLostError(self.rank, peer, f"complete the writes of stage {s}",
+                                    e) from e
             if time.monotonic() >= deadline:
                 raise PeerTimeoutError(self.rank, peer, f"complete the writes of stage {s}",
                                        timeout_s)
@@ -281,6 +439,6 @@ def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str 
     return Executor.load(path, rank, tensors, transport, rendezvous, timeout_s, max_inflight)
 
 
-def run(plan: Executor) -> RunStats:
+def run(plan: Executor, step: int | None = None) -> RunStats:
     """One step of a loaded plan (`load`): source ranks push, target ranks receive."""
-    return plan.run()
+    return plan.run(step)

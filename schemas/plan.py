@@ -178,8 +178,9 @@ class RankPlan:
     """Signals this rank sends (`SIGNAL_COLUMNS`)."""
     waits: Table
     """Signals this rank waits for (`SIGNAL_COLUMNS`)."""
-    peer_regions: tuple[tuple[int, tuple[int, ...]], ...]
-    """For each peer this rank writes to: the byte sizes of that peer's regions."""
+    peer_regions: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
+    """For each peer this rank writes to: (region id, byte size) of every region of that
+    peer it writes into (only those: a rank need not know the rest of a peer)."""
     stages: int
     """Number of stages (every rank walks all of them)."""
 
@@ -191,7 +192,7 @@ class RankPlan:
             "writes": self.writes.to_msgpack(), "batches": self.batches.to_msgpack(),
             "copies": self.copies.to_msgpack(), "signals": self.signals.to_msgpack(),
             "waits": self.waits.to_msgpack(),
-            "peer_regions": [[p, list(s)] for p, s in self.peer_regions],
+            "peer_regions": [[p, [list(rs) for rs in s]] for p, s in self.peer_regions],
             "stages": self.stages,
         }
 
@@ -210,7 +211,7 @@ class RankPlan:
                 copies=Table.from_msgpack(COPY_COLUMNS, raw["copies"], what + ".copies"),
                 signals=Table.from_msgpack(SIGNAL_COLUMNS, raw["signals"], what + ".signals"),
                 waits=Table.from_msgpack(SIGNAL_COLUMNS, raw["waits"], what + ".waits"),
-                peer_regions=tuple((int(p), tuple(int(x) for x in s))
+                peer_regions=tuple((int(p), tuple((int(r), int(n)) for r, n in s))
                                    for p, s in raw["peer_regions"]),
                 stages=int(raw["stages"]),
             )

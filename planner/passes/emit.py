@@ -81,7 +81,8 @@ def emit(header: dict[str, Any], low: Lowered, sched: Schedule, topo: Topology,
     for r in range(world):
         ws = slice(w_cut[r], w_cut[r + 1])
         bs = slice(b_cut[r], b_cut[r + 1])
-        peers = np.unique(w["dst_rank"][ws]).tolist()
+        pairs = np.unique(np.stack([w["dst_rank"][ws], w["dst_region"][ws]], axis=1), axis=0) \
+            if ws.stop > ws.start else np.zeros((0, 2), dtype=np.int64)
         ranks.append(RankPlan(
             rank=r, role="source" if r < topo.sources else "target", host=topo.host[r],
             gpu=topo.gpu[r], nics=(topo.nic_name(topo.nic[r]), "nvlink"), regions=regions[r],
@@ -95,13 +96,22 @@ def emit(header: dict[str, Any], low: Lowered, sched: Schedule, topo: Topology,
                            ("stage", "peer", "kind")),
             waits=_table(SIGNAL_COLUMNS, sched.waits[wt_cut[r]:wt_cut[r + 1], 1:],
                          ("stage", "peer", "kind")),
-            peer_regions=tuple((p, region_bytes[p]) for p in peers),
+            peer_regions=_peer_regions(pairs, region_bytes),
             stages=low.stages,
         ))
     nodes = _table(DAG_NODE_COLUMNS, sched.dag_nodes, ("rank", "stage", "phase"))
     edges = _table(DAG_EDGE_COLUMNS, sched.dag_edges, ("u", "v"))
     return Plan(header=header, ranks=tuple(ranks), explain=explain, tensors=tensors,
                 dag_nodes=nodes, dag_edges=edges, coverage=coverage)
+
+
+def _peer_regions(pairs: np.ndarray, region_bytes: list[tuple[int, ...]]
+                  ) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
+    """(peer, ((region, nbytes), ...)) for the (peer, region) pairs a rank writes into."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for peer, region in pairs.tolist():
+        out.setdefault(peer, []).append((region, region_bytes[peer][region]))
+    return tuple((p, tuple(rs)) for p, rs in out.items())
 
 
 def coverage_table(dst: Layout, rank_base: int) -> Table:

@@ -58,7 +58,8 @@ def copy(kind: int, stage: int, src: tuple, dst: tuple, size: tuple[int, int, in
 def rank_plan(rank: int, role: str, regions: list[Region], writes=(), copies=(), signals=(),
               waits=(), peer_regions=None, stages: int = 1) -> RankPlan:
     """`writes`: (stage, dst_rank, src_region, src_offset, dst_region, dst_offset, nbytes),
-    sorted by stage; `signals`/`waits`: (stage, peer, kind); `peer_regions`: {peer: sizes}."""
+    sorted by stage; `signals`/`waits`: (stage, peer, kind); `peer_regions`: {peer: sizes of
+    its regions 0..n-1}."""
     writes = sorted(writes, key=lambda w: w[0])
     cols = {n: [w[i + 1] for w in writes] for i, (n, _) in enumerate(WRITE_COLUMNS)}
     w_stage = np.array([w[0] for w in writes], dtype=np.int64)
@@ -75,7 +76,8 @@ def rank_plan(rank: int, role: str, regions: list[Region], writes=(), copies=(),
         writes=Table.build(WRITE_COLUMNS, **cols), batches=Table.build(BATCH_COLUMNS, **batches),
         copies=Table.build(COPY_COLUMNS, **copies_cols), signals=Table.build(SIGNAL_COLUMNS, **sig),
         waits=Table.build(SIGNAL_COLUMNS, **wai),
-        peer_regions=tuple(sorted((p, tuple(s)) for p, s in (peer_regions or {}).items())),
+        peer_regions=tuple(sorted((p, tuple(enumerate(s)))
+                                  for p, s in (peer_regions or {}).items())),
         stages=stages)
 
 
