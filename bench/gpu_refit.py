@@ -44,6 +44,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -359,7 +360,7 @@ def memcpy_transport_class():
         __slots__ = ("items", "event")
 
     class MemcpyCudaIpc(CudaIpcTransport):
-        STREAMS = 4
+        STREAMS = 1
 
         def __init__(self, *a, **kw) -> None:
             super().__init__(*a, **kw)
@@ -367,7 +368,7 @@ def memcpy_transport_class():
             if self.memcpy is None:
                 raise RuntimeError("libcudart not found")
             self.streams = [torch.cuda.Stream(self.device) for _ in range(self.STREAMS)]
-            self.next = 0
+            self.next = self.ncopies = 0
 
         def import_peer(self, peer, desc) -> None:
             super().import_peer(peer, desc)
@@ -380,11 +381,17 @@ def memcpy_transport_class():
             keep = batch.nbytes > 0
             src = np.array([r.data_ptr() for r in self.regions], dtype=np.int64)
             dst = np.array([r.data_ptr() for r in self.peers[batch.peer]], dtype=np.int64)
+            d = dst[batch.dst_region[keep]] + batch.dst_offset[keep]
+            s = src[batch.src_region[keep]] + batch.src_offset[keep]
+            n = batch.nbytes[keep].astype(np.int64)
+            if len(n) > 1:  # writes adjacent in memory on both sides: one copy
+                cut = (s[1:] != s[:-1] + n[:-1]) | (d[1:] != d[:-1] + n[:-1])
+                first = np.flatnonzero(np.concatenate([[True], cut]))
+                d, s, n = d[first], s[first], np.add.reduceat(n, first)
             h = Handle()
-            h.items = list(zip((dst[batch.dst_region[keep]] + batch.dst_offset[keep]).tolist(),
-                               (src[batch.src_region[keep]] + batch.src_offset[keep]).tolist(),
-                               batch.nbytes[keep].tolist()))
+            h.items = list(zip(d.tolist(), s.tolist(), n.tolist()))
             h.event = None
+            self.ncopies += len(h.items)
             return h
 
         def post(self, h) -> None:
@@ -489,6 +496,10 @@ def _stats(times: list[float]) -> dict:
             "q1": q[0], "q3": q[2], "n": len(times), "all": times}
 
 
+class StepError(RuntimeError):
+    """A step failed on some rank; every rank raises it after the same barriers."""
+
+
 class Ctx:
     def __init__(self, args, rank: int) -> None:
         import torch
@@ -502,12 +513,14 @@ class Ctx:
         else:
             self.device = torch.device("cpu")
         self.store = dist.TCPStore("127.0.0.1", args.port, WORLD, is_master=rank == 0,
-                                   timeout=__import__("datetime").timedelta(seconds=300))
+                                   timeout=timedelta(seconds=120))
+        limit = timedelta(seconds=max(180.0, 3 * args.exec_timeout))
         dist.init_process_group("nccl" if self.gpu else "gloo", store=self.store, rank=rank,
-                                world_size=WORLD)
-        self.cpu_group = dist.new_group(backend="gloo") if self.gpu else dist.group.WORLD
-        self.trainers = dist.new_group(list(TRAINERS))
-        self.bcast = dist.new_group([0, *TARGETS])
+                                world_size=WORLD, timeout=limit)
+        self.cpu_group = (dist.new_group(backend="gloo", timeout=limit) if self.gpu
+                          else dist.group.WORLD)
+        self.trainers = dist.new_group(list(TRAINERS), timeout=limit)
+        self.bcast = dist.new_group([0, *TARGETS], timeout=limit)
         self.runs = 0
 
     def sync(self) -> None:
@@ -524,19 +537,36 @@ class Ctx:
         return out
 
     def timed(self, step, warmup: int, steps: int) -> dict:
+        """Warm-up, then timed steps. A rank whose step raises stops stepping but keeps
+        meeting the barriers (its peers time out and do the same), so every rank leaves
+        together; then the first error is raised on every rank."""
+        error = None
+
+        def one() -> None:
+            nonlocal error
+            if error is None:
+                try:
+                    step()
+                    self.sync()
+                except Exception as e:
+                    traceback.print_exc()
+                    error = f"rank {self.rank}: {type(e).__name__}: {e}"
+
         for _ in range(warmup):
             self.barrier()
-            step()
+            one()
         starts, ends = [], []
         for _ in range(steps):
             self.barrier()
             t0 = now()
-            step()
-            self.sync()
+            one()
             starts.append(t0)
             ends.append(now())
         self.barrier()
-        allr = self.gather((starts, ends))
+        allr = self.gather((starts, ends, error))
+        errors = sorted((e[2] for e in allr if e[2]), key=lambda e: "Timeout" in e)
+        if errors:
+            raise StepError(errors[0])
         times = [max(e[1][i] for e in allr) - min(e[0][i] for e in allr) for i in range(steps)]
         return _stats(times)
 
@@ -551,10 +581,16 @@ class Ctx:
         if on:
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             prof.__enter__()
+        failed = False
         for _ in range(steps):
             self.barrier()
-            step()
-            self.sync()
+            if not failed:
+                try:
+                    step()
+                    self.sync()
+                except Exception:
+                    traceback.print_exc()
+                    failed = True
         if on:
             prof.__exit__(None, None, None)
             table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14,
@@ -687,6 +723,8 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save) -> dict:
             last = {}
 
             def step(ex=ex, last=last):
+                if args.inject_failure and rank == 1 and ex.step == 1:  # test of StepError
+                    raise RuntimeError("injected failure")
                 last["stats"] = executor.run(ex)
 
             res = ctx.timed(step, args.warmup, args.steps)
@@ -701,11 +739,10 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save) -> dict:
                 print(f"[rank {rank}] a corrupted element is caught: {caught}", flush=True)
             res["run_seconds_last_step_per_rank"] = ctx.gather(last["stats"].seconds)
             res["bytes_written_per_rank"] = ctx.gather(ex.bytes_per_step)
+            res["device_copies_per_rank"] = ctx.gather(getattr(ex.transport, "ncopies", None))
             ctx.profile(step, f"{model} {label}")
-        except Exception as e:  # keep going: the other methods still run
-            traceback.print_exc()
-            res = {"error": f"rank {rank}: {type(e).__name__}: {e}"}
-            ctx.barrier()
+        except StepError as e:  # every rank got it: keep going with the other methods
+            res = {"error": str(e)}
         finally:
             ex.close()
         out["methods"][label] = res
@@ -890,6 +927,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=1500.0, help="whole run, seconds")
     p.add_argument("--render", help="results.json to render (no run)")
     p.add_argument("--write-md", help="replace the section in this markdown file")
+    p.add_argument("--inject-failure", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--plans", help=argparse.SUPPRESS)
