@@ -44,7 +44,7 @@ def deepseek_v3(**kw: object) -> dict:
     return BASE | dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
                        num_attention_heads=6, num_key_value_heads=6, q_lora_rank=64,
                        kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
-                       v_head_dim=32, intermediate_size=192, moe_intermediate_size=64,
+                       v_head_dim=32, intermediate_size=192, moe_intermediate_size=48,
                        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
                        first_k_dense_replace=1, moe_layer_freq=1, n_group=1, topk_group=1,
                        topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
@@ -56,10 +56,11 @@ def case(name: str, hf: dict, tp: int, ep: bool = False) -> dict:
     return dict(name=name, hf=hf, tp=tp, ep=ep)
 
 
-# One launch per world size; the cases of a launch share its processes.
+# One launch per world size; the cases of a launch share its processes. A case with
+# tp < world runs world/tp copies of the engine (vLLM's external DP), each checked.
 LAUNCHES = {
-    1: [case("qwen3 tp1 tied", qwen3(tie_word_embeddings=True), 1)],
-    2: [case("qwen3 tp2", qwen3(), 2),
+    2: [case("qwen3 tp1 tied", qwen3(tie_word_embeddings=True), 1),
+        case("qwen3 tp2", qwen3(), 2),
         case("qwen3_moe tp2", qwen3_moe(), 2),
         case("qwen3_moe ep2", qwen3_moe(), 2, ep=True),
         case("deepseek_v3 tp2", deepseek_v3(), 2),

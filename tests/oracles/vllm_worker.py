@@ -1,8 +1,9 @@
 """One rank of a real vLLM 0.33 engine on CPU, compared with our vLLM layout.
 
 argv[1] is JSON: {"port": ..., "cases": [{"hf": {...config.json...}, "tp": 2, "ep": false}]}.
-For each case (all with tp = WORLD_SIZE): build vLLM's model for this rank with
-`load_format="dummy"`, load random HF tensors through `model.load_weights`, and compare
+For each case (tp divides WORLD_SIZE; the other ranks are external-DP copies): build
+vLLM's model for this rank with `load_format="dummy"`, load random HF tensors through
+`model.load_weights`, and compare
 every `named_parameters()` entry bit-exactly with `materialize(layout, full)` for this
 rank (names, shapes, dtypes, values). Exits non-zero with the differences.
 """
@@ -68,7 +69,8 @@ def run_case(case: dict, rank: int) -> list[str]:
     spec = spec_from_hf(case["hf"], mtp=False)
     target = TargetConfig(engine="vllm", tp=case["tp"], ep=case["ep"], dtype="float32")
     full = random_full_tensors(spec, seed=7)
-    want = materialize(vllm_layout.layout(spec, target), full, ranks=[rank])[rank]
+    local = rank % case["tp"]  # vLLM's rank grid: external DP x DP x PP x TP
+    want = materialize(vllm_layout.layout(spec, target), full, ranks=[local])[local]
     cfg = engine_config(case["hf"], case["tp"], case["ep"])
     with set_current_vllm_config(cfg):
         initialize_model_parallel(tensor_model_parallel_size=case["tp"])
