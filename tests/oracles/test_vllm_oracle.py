@@ -52,19 +52,24 @@ def deepseek_v3(**kw: object) -> dict:
                        tie_word_embeddings=False, rope_scaling=None) | kw
 
 
-def case(name: str, hf: dict, tp: int, ep: bool = False) -> dict:
-    return dict(name=name, hf=hf, tp=tp, ep=ep)
+def case(name: str, hf: dict, tp: int, ep: bool = False, pp: int = 1) -> dict:
+    return dict(name=name, hf=hf, tp=tp, ep=ep, pp=pp)
 
 
 # One launch per world size; the cases of a launch share its processes. A case with
-# tp < world runs world/tp copies of the engine (vLLM's external DP), each checked.
+# tp*pp < world runs world/(tp*pp) copies of the engine (vLLM's external DP), each checked.
 LAUNCHES = {
     2: [case("qwen3 tp1 tied", qwen3(tie_word_embeddings=True), 1),
         case("qwen3 tp2", qwen3(), 2),
         case("qwen3_moe tp2", qwen3_moe(), 2),
         case("qwen3_moe ep2", qwen3_moe(), 2, ep=True),
         case("deepseek_v3 tp2", deepseek_v3(), 2),
-        case("deepseek_v3 ep2", deepseek_v3(), 2, ep=True)],
+        case("deepseek_v3 ep2", deepseek_v3(), 2, ep=True),
+        # PP 2: 3 layers split [2, 1]; tied embedding on both stages; vLLM's Qwen3-MoE
+        # keeps embed/norm/lm_head on every stage; DeepSeek first/last only.
+        case("qwen3 pp2 tied", qwen3(tie_word_embeddings=True, num_hidden_layers=3), 1, pp=2),
+        case("qwen3_moe pp2", qwen3_moe(), 1, pp=2),
+        case("deepseek_v3 pp2", deepseek_v3(), 1, pp=2)],
     3: [case("qwen3_moe ep3", qwen3_moe(), 3, ep=True),
         case("deepseek_v3 ep3", deepseek_v3(), 3, ep=True)],
     4: [case("qwen3 tp4 kv-replication", qwen3(), 4)],

@@ -1,7 +1,7 @@
 """One rank of a real vLLM 0.33 engine on CPU, compared with our vLLM layout.
 
 argv[1] is JSON: {"port": ..., "cases": [{"hf": {...config.json...}, "tp": 2, "ep": false}]}.
-For each case (tp divides WORLD_SIZE; the other ranks are external-DP copies): build
+For each case (tp*pp divides WORLD_SIZE; other ranks are external-DP copies): build
 vLLM's model for this rank with `load_format="dummy"`, load random HF tensors through
 `model.load_weights`, and compare
 every `named_parameters()` entry bit-exactly with `materialize(layout, full)` for this
@@ -30,7 +30,7 @@ def neutralise_cpu_gaps() -> None:
     base_loader.process_weights_after_loading = lambda *a, **k: None
 
 
-def engine_config(hf: dict, tp: int, ep: bool):  # noqa: ANN201 (vLLM's config type)
+def engine_config(hf: dict, tp: int, pp: int, ep: bool):  # noqa: ANN201 (vLLM's type)
     from vllm.engine.arg_utils import EngineArgs
 
     folder = tempfile.mkdtemp(prefix="vllm-oracle-")
@@ -38,6 +38,7 @@ def engine_config(hf: dict, tp: int, ep: bool):  # noqa: ANN201 (vLLM's config t
         json.dump(hf, f)
     return EngineArgs(model=folder, skip_tokenizer_init=True, dtype="float32",
                       load_format="dummy", tensor_parallel_size=tp,
+                      pipeline_parallel_size=pp,
                       enable_expert_parallel=ep, enforce_eager=True,
                       max_model_len=128).create_engine_config()
 
@@ -67,13 +68,15 @@ def run_case(case: dict, rank: int) -> list[str]:
     from schemas.config import TargetConfig
 
     spec = spec_from_hf(case["hf"], mtp=False)
-    target = TargetConfig(engine="vllm", tp=case["tp"], ep=case["ep"], dtype="float32")
+    tp, pp = case["tp"], case.get("pp", 1)
+    target = TargetConfig(engine="vllm", tp=tp, pp=pp, ep=case["ep"], dtype="float32")
     full = random_full_tensors(spec, seed=7)
-    local = rank % case["tp"]  # vLLM's rank grid: external DP x DP x PP x TP
+    local = rank % (tp * pp)  # vLLM's rank grid: external DP x DP x PP x TP
     want = materialize(vllm_layout.layout(spec, target), full, ranks=[local])[local]
-    cfg = engine_config(case["hf"], case["tp"], case["ep"])
+    cfg = engine_config(case["hf"], tp, pp, case["ep"])
     with set_current_vllm_config(cfg):
-        initialize_model_parallel(tensor_model_parallel_size=case["tp"])
+        initialize_model_parallel(tensor_model_parallel_size=tp,
+                                  pipeline_model_parallel_size=pp)
         try:
             model = get_model(vllm_config=cfg)
             model.load_weights(iter(full.items()))
