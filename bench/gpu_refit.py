@@ -323,7 +323,7 @@ class Baseline:
                     d.copy_(s)
 
 
-# ------------------------------------------- experiment: raw cudaMemcpyAsync data path
+# ------------------------------------------- micro-benchmark: host cost of peer copies
 
 def cudart():
     """ctypes handle on the libcudart that torch loaded (cudaMemcpyAsync), or None."""
@@ -346,86 +346,6 @@ def cudart():
         fn.restype = ctypes.c_int
         return fn
     return None
-
-
-def memcpy_transport_class():
-    """`cuda_ipc` with its data path replaced: one cudaMemcpyAsync per write (raw pointers,
-    prepared once), batches round-robin over 4 streams. An experiment for the executor."""
-    import numpy as np
-    import torch
-
-    from executor.transports.cuda_ipc import CudaIpcTransport
-
-    class Handle:
-        __slots__ = ("items", "event")
-
-    class MemcpyCudaIpc(CudaIpcTransport):
-        STREAMS = 1
-
-        def __init__(self, *a, **kw) -> None:
-            super().__init__(*a, **kw)
-            self.memcpy = cudart()
-            if self.memcpy is None:
-                raise RuntimeError("libcudart not found")
-            self.streams = [torch.cuda.Stream(self.device) for _ in range(self.STREAMS)]
-            self.next = self.ncopies = 0
-
-        def import_peer(self, peer, desc) -> None:
-            super().import_peer(peer, desc)
-            regs = self.peers[peer]
-            if regs and regs[0].device != self.device:  # let torch enable peer access
-                a = torch.zeros(1, dtype=torch.uint8, device=self.device)
-                a.copy_(torch.zeros(1, dtype=torch.uint8, device=regs[0].device))
-
-        def prepare(self, batch):
-            keep = batch.nbytes > 0
-            src = np.array([r.data_ptr() for r in self.regions], dtype=np.int64)
-            dst = np.array([r.data_ptr() for r in self.peers[batch.peer]], dtype=np.int64)
-            d = dst[batch.dst_region[keep]] + batch.dst_offset[keep]
-            s = src[batch.src_region[keep]] + batch.src_offset[keep]
-            n = batch.nbytes[keep].astype(np.int64)
-            if len(n) > 1:  # writes adjacent in memory on both sides: one copy
-                cut = (s[1:] != s[:-1] + n[:-1]) | (d[1:] != d[:-1] + n[:-1])
-                first = np.flatnonzero(np.concatenate([[True], cut]))
-                d, s, n = d[first], s[first], np.add.reduceat(n, first)
-            h = Handle()
-            h.items = list(zip(d.tolist(), s.tolist(), n.tolist()))
-            h.event = None
-            self.ncopies += len(h.items)
-            return h
-
-        def post(self, h) -> None:
-            st = self.streams[self.next % len(self.streams)]
-            self.next += 1
-            st.wait_stream(torch.cuda.current_stream(self.device))
-            raw, fn = st.cuda_stream, self.memcpy
-            for d, s, n in h.items:
-                rc = fn(d, s, n, 4, raw)  # cudaMemcpyDefault
-                if rc:
-                    raise RuntimeError(f"rank {self.rank}: cudaMemcpyAsync failed ({rc})")
-            h.event = torch.cuda.Event()
-            h.event.record(st)
-
-        def close(self) -> None:
-            for st in self.streams:
-                st.synchronize()
-            super().close()
-
-    return MemcpyCudaIpc
-
-
-def install_memcpy_variant() -> None:
-    """Transport kind `cuda_ipc_memcpy` for `executor.load` (this process only)."""
-    import executor.core as core
-
-    original = core.make_transport
-
-    def make(kind, rank, namespace, store, device):
-        if kind == "cuda_ipc_memcpy":
-            return memcpy_transport_class()(rank, namespace, store, device)
-        return original(kind, rank, namespace, store, device)
-
-    core.make_transport = make
 
 
 def copy_microbench(n_bytes: int, src, dst) -> dict:
@@ -647,7 +567,8 @@ def measure_floor(ctx: Ctx) -> dict:
     return ctx.gather(res)[0]
 
 
-def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save) -> dict:
+def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
+              transports: list[str], baseline: bool = True) -> dict:
     import executor
     from planner.layouts import build_layout
     from planner.materialize import DTYPES
@@ -723,7 +644,7 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save) -> dict:
             last = {}
 
             def step(ex=ex, last=last):
-                if args.inject_failure and rank == 1 and ex.step == 1:  # test of StepError
+                if args.inject_failure and rank == 1 and ex.step == 0:  # test of StepError
                     raise RuntimeError("injected failure")
                 last["stats"] = executor.run(ex)
 
@@ -740,6 +661,7 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save) -> dict:
             res["run_seconds_last_step_per_rank"] = ctx.gather(last["stats"].seconds)
             res["bytes_written_per_rank"] = ctx.gather(ex.bytes_per_step)
             res["device_copies_per_rank"] = ctx.gather(getattr(ex.transport, "ncopies", None))
+            res["raw_copies_per_rank"] = ctx.gather(getattr(ex.transport, "rt", None) is not None)
             ctx.profile(step, f"{model} {label}")
         except StepError as e:  # every rank got it: keep going with the other methods
             res = {"error": str(e)}
@@ -748,12 +670,28 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save) -> dict:
         out["methods"][label] = res
         save()
 
-    rdma_plan(args.transports[0])
-    seed += 1
-    fresh(seed)
+    for tr in transports:
+        rdma_plan(tr)
+    if baseline:
+        seed += 1
+        fresh(seed)
+        run_baseline(ctx, model, spec, src, dst, tensors, out, verify, seed)
+        save()
+    out["target_bytes"] = ctx.gather(0 if is_src else mine)[TARGETS[0]]
+    out["model_bytes"] = spec.total_params * 2
+    tensors.clear()
+    if ctx.gpu:
+        torch.cuda.empty_cache()
+    ctx.barrier()
+    return out
+
+
+def run_baseline(ctx: Ctx, model: str, spec, src, dst, tensors: dict, out: dict, verify,
+                 seed: int) -> None:
+    args, rank = ctx.args, ctx.rank
     t0 = now()
     base = Baseline(spec, src, dst, rank, tensors, args.bucket_mib << 20, ctx.device,
-                    ctx.trainers, ctx.bcast, dist)
+                    ctx.trainers, ctx.bcast, ctx.dist)
     if rank == 0:
         print(f"[{model}] baseline: {len(base.buckets)} buckets of <= {args.bucket_mib} MiB, "
               f"prepared in {now() - t0:.1f} s", flush=True)
@@ -770,22 +708,10 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save) -> dict:
         parts[name] = ctx.timed(lambda kw=kw: base.step(**kw), 1, args.part_steps)
     out["baseline_parts"] = parts
     base.__dict__.clear()  # free its buffers and views now
-    save()
-    for tr in args.transports[1:]:  # e.g. nixl: last, so that a hang costs nothing else
-        rdma_plan(tr)
-    out["target_bytes"] = ctx.gather(0 if is_src else mine)[TARGETS[0]]
-    out["model_bytes"] = spec.total_params * 2
-    tensors.clear()
-    if ctx.gpu:
-        torch.cuda.empty_cache()
-    ctx.barrier()
-    return out
 
 
 def worker(args) -> int:
     os.environ.update(NO_MULTICAST)
-    if "cuda_ipc_memcpy" in args.transports:
-        install_memcpy_variant()
     rank = args.worker
     ctx = Ctx(args, rank)
     results = {"floor": None, "models": []}
@@ -801,7 +727,11 @@ def worker(args) -> int:
         for model, plan in zip(args.models, args.plans):
             out = {"model": model, "methods": {}}
             results["models"].append(out)
-            run_model(ctx, model, plan, out, save)
+            run_model(ctx, model, plan, out, save, args.transports[:1])
+        # other transports (e.g. nixl) after every model's main results: a hang costs less
+        for out, plan in zip(results["models"], args.plans):
+            if args.transports[1:]:
+                run_model(ctx, out["model"], plan, out, save, args.transports[1:], False)
     finally:
         if rank == 0:
             with open(args.results, "w") as f:
@@ -927,6 +857,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=1500.0, help="whole run, seconds")
     p.add_argument("--render", help="results.json to render (no run)")
     p.add_argument("--write-md", help="replace the section in this markdown file")
+    p.add_argument("--note", action="append", default=[],
+                   help="with --render: a paragraph to add under the table (repeatable)")
     p.add_argument("--inject-failure", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -945,6 +877,7 @@ def main() -> int:
     if args.render:
         with open(args.render) as f:
             results = json.load(f)
+        results["notes"] = [*results.get("notes", []), *args.note]
         print(render_text(results))
         if args.write_md:
             write_md(args.write_md, render_md(results))
