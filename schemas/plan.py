@@ -245,11 +245,32 @@ def _pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+_PLAIN = (dict, list, str, bytes, int, float, bool, type(None))
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise PlanFormatError(f"msgpack extension type {code} is not allowed in a plan")
+
+
 def _unpack(data: bytes, what: str) -> Any:
+    """Plain msgpack data only: extension types (and timestamps) are refused."""
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext)
+    except PlanFormatError as e:
+        raise PlanFormatError(f"{what}: {e}") from None
     except Exception as e:  # msgpack raises several types for corrupt input
         raise PlanFormatError(f"{what}: not valid msgpack ({type(e).__name__})") from None
+    todo = [obj]
+    while todo:  # msgpack decodes ext type -1 (timestamp) without calling ext_hook
+        o = todo.pop()
+        if not isinstance(o, _PLAIN):
+            raise PlanFormatError(f"{what}: a {type(o).__name__} value is not allowed in a plan "
+                                  "(plain msgpack only)")
+        if isinstance(o, dict):
+            todo.extend(o.values())
+        elif isinstance(o, list):
+            todo.extend(o)
+    return obj
 
 
 def _digest(data: bytes) -> bytes:
@@ -286,6 +307,14 @@ def write_plan(path: str, plan: Plan) -> int:
 
 
 def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
+    try:  # never ask for more than the file holds (an absurd size must not allocate)
+        import os
+
+        left = os.fstat(f.fileno()).st_size - f.tell()
+    except (AttributeError, OSError, ValueError):
+        left = n
+    if n > left:
+        raise PlanFormatError(f"{what}: file is truncated (wanted {n} bytes, got {left})")
     data = f.read(n)
     if len(data) != n:
         raise PlanFormatError(f"{what}: file is truncated (wanted {n} bytes, got {len(data)})")
@@ -321,6 +350,9 @@ def read_blob(f: BinaryIO, header: dict[str, Any], start: int, name: str,
     offset, length, digest = entry
     if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0:
         raise PlanFormatError(f"{path}: blob {name!r} has a bad index entry")
+    if offset > (1 << 48):  # past any real file; seeking there is an OS error
+        raise PlanFormatError(f"{path}: blob {name!r} starts at {offset}, past the end of the "
+                              "file; the file is truncated or corrupt")
     f.seek(start + offset)
     data = _read_exact(f, length, f"{path} blob {name!r}")
     if _digest(data) != digest:
