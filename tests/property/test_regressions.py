@@ -50,3 +50,95 @@ def test_staging_budget_not_a_multiple_of_64() -> None:
     staging = [r.nbytes for rp in plan.ranks for r in rp.regions if r.name == STAGING]
     assert max(staging) <= 150
     assert verify_plan(plan) == []
+
+
+# ---------------------------------------------------------------- mutated plans (property 9)
+#
+# Geometry of all three: the TINY llama, 1 bf16 source rank (plan rank 0) -> 1 bf16 target
+# rank (plan rank 1), whole tensors, one host with 2 GPUs (colocated): one stage; rank 1
+# sends READY to rank 0 (stage 0), rank 0 sends DONE to rank 1 (stage 0). One value of the
+# decoded plan is changed and the plan re-encoded with valid checksums.
+
+def _mutated_plan(tmp_path, change) -> tuple[str, str]:
+    import dataclasses
+
+    from schemas.plan import encode_plan
+    from tests.property.case_io import case_json
+    from tests.property.strategies import Case
+
+    spec = spec_from_hf(TINY)
+    src, dst = whole_tensors(spec, "source", "bfloat16"), whole_tensors(spec, "target",
+                                                                         "bfloat16")
+    cfg = dataclasses.replace(config(), source=SourceConfig("fsdp2"),
+                              cluster=ClusterConfig(gpus_per_host=2, nics_per_host=1,
+                                                    placement="colocated"))
+    plan = compile_layouts(cfg, spec, src, dst)
+    assert plan.header["stages"] == 1 and len(plan.ranks) == 2
+    ranks = list(plan.ranks)
+    ranks = change(ranks)
+    path, case_path = str(tmp_path / "p.rplan"), str(tmp_path / "case.json")
+    with open(path, "wb") as f:
+        f.write(encode_plan(dataclasses.replace(plan, ranks=tuple(ranks))))
+    with open(case_path, "w", encoding="utf-8") as f:
+        f.write(case_json(Case(spec, src, dst, cfg, TINY)))
+    return path, case_path
+
+
+def _sandboxed(path: str, case_path: str) -> dict:
+    from tests.property.sandbox import Sandbox
+
+    box = Sandbox(timeout_s=15.0)
+    try:
+        return box.run(path, case_path)
+    finally:
+        box.stop()
+
+
+@pytest.mark.xfail(strict=True, reason="executor: ranks with different stage counts "
+                   "(rank 1 says 2, rank 0 and the header say 1) -> IndexError in "
+                   "executor/core.py instead of PlanBoundsError")
+def test_rank_stage_count_differs_from_header(tmp_path) -> None:
+    import dataclasses
+
+    import torch
+
+    import executor
+    from schemas.plan import load_plan
+    from tests.property.harness import SENTINEL
+
+    path, _ = _mutated_plan(tmp_path, lambda r: [r[0], dataclasses.replace(r[1], stages=2)])
+    spec = spec_from_hf(TINY)
+    tensors = {rank: {t.name: torch.full(t.shape, SENTINEL, dtype=torch.bfloat16)
+                      for t in spec.tensors} for rank in (0, 1)}
+    assert len(load_plan(path).ranks) == 2
+    with pytest.raises(executor.PlanBoundsError):
+        executor.run_all_local(path, tensors)
+
+
+@pytest.mark.xfail(strict=True, reason="executor: a rank plan with stages = 2**40 is "
+                   "accepted at load and prepares/walks 2**40 stages (a hang); the stage "
+                   "count must equal header['stages'] (PlanBoundsError otherwise)")
+def test_huge_stage_count_is_rejected(tmp_path) -> None:
+    import dataclasses
+
+    path, case_path = _mutated_plan(
+        tmp_path, lambda r: [dataclasses.replace(r[0], stages=2**40), r[1]])
+    answer = _sandboxed(path, case_path)
+    assert answer["outcome"] == "error" and "PlanBoundsError" in answer["types"], answer
+    assert answer["guards_ok"]
+
+
+@pytest.mark.xfail(strict=True, reason="executor: a signal to peer 5 in a world of 2 "
+                   "ranks passes check_rank_plan; connect() then waits timeout_s (60 s) "
+                   "for a peer that cannot exist instead of PlanBoundsError at load")
+def test_signal_to_a_rank_outside_the_world_is_rejected(tmp_path) -> None:
+    import dataclasses
+
+    from tests.property.mutate import _table
+
+    def change(r):
+        sig = r[1].signals
+        return [r[0], dataclasses.replace(r[1], signals=_table(sig, 0, "peer", 5))]
+    path, case_path = _mutated_plan(tmp_path, change)
+    answer = _sandboxed(path, case_path)
+    assert answer["outcome"] == "error" and "PlanBoundsError" in answer["types"], answer
