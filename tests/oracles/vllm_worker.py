@@ -1,11 +1,11 @@
 """One rank of a real vLLM 0.33 engine on CPU, compared with our vLLM layout.
 
-argv[1] is JSON: {"port": ..., "cases": [{"hf": {...config.json...}, "tp": 2, "ep": false}]}.
+argv[1] is JSON: {"port": ..., "cases": [{"hf": {...}, "tp": 2, "pp": 1, "ep": false}]}.
 For each case (tp*pp divides WORLD_SIZE; other ranks are external-DP copies): build
 vLLM's model for this rank with `load_format="dummy"`, load random HF tensors through
-`model.load_weights`, and compare
-every `named_parameters()` entry bit-exactly with `materialize(layout, full)` for this
-rank (names, shapes, dtypes, values). Exits non-zero with the differences.
+`model.load_weights`, and compare every `named_parameters()` entry bit-exactly with
+`materialize(layout, full)` for this rank (names and their order, shapes, dtypes,
+values). Exits non-zero with the differences.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def engine_config(hf: dict, tp: int, pp: int, ep: bool):  # noqa: ANN201 (vLLM's
 def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
     errors = [f"missing in vLLM: {n}" for n in want if n not in got]
     errors += [f"not in our layout: {n} {tuple(got[n].shape)}" for n in got if n not in want]
+    if not errors and list(got) != list(want):
+        errors.append("named_parameters() order differs from the layout's tensor order")
     for name in want.keys() & got.keys():
         g, w = got[name], want[name]
         if g.shape != w.shape or g.dtype != w.dtype:
