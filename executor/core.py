@@ -24,11 +24,12 @@ not whole. Nothing is re-planned; the next `run()` recovers:
    batches to that peer (the old ones are released).
 3. In-flight writes. Batches still in flight when a step failed are waited for (briefly)
    and, if not finished, released and prepared again before anything is re-posted.
-4. Steps. Signals carry the step number; a rank publishes its step (`<ns>/step/<r>`) when a
-   step fails and when it registers. A restarted rank, and a survivor recovering, adopt the
-   largest step their peers published, so the next `run()` has the same number everywhere.
-   (A rank that dies between steps, unseen, costs its peers one timed-out step before the
-   numbers agree; a caller that knows its training step can pass `run(step=n)` instead.)
+4. Steps. Signals carry the step number; a rank publishes the step it runs next
+   (`<ns>/step/<r>`, one store write per step) when it registers and when a step ends or
+   fails. A restarted rank (its rank's entry was already in the store) and a survivor
+   recovering run the largest of their own next step and their peers' published ones, so
+   the next `run()` has the same number everywhere. (A caller that knows its training step
+   can pass `run(step=n)` on every rank instead.)
 The rendezvous store must outlive the ranks (host it in the launcher, not in rank 0) for a
 crashed rank 0 to come back.
 """
@@ -133,6 +134,8 @@ class Executor:
         self.pending: list[list[Any]] = []  # batches in flight when a step failed
         self.register_calls = 0  # transport registrations (once per process, ever)
         self.reimports = 0  # peers re-imported after they restarted
+        self.peers: list[int] = []
+        self.rejoined = False
         self.bytes_per_step = int(plan.writes["nbytes"].sum())
 
     @staticmethod
@@ -156,16 +159,24 @@ class Executor:
         self.register_calls += 1
         info = {"fingerprint": self.fingerprint, "sizes": [r.nbytes for r in self.plan.regions],
                 "desc": self.transport.export(), "inc": self.incarnation}
+        key = f"{self.namespace}/rank/{self.rank}"
+        self.rejoined = self.store.get(key) is not None  # an earlier process had this rank
         self._publish_step()
-        self.store.set(f"{self.namespace}/rank/{self.rank}", msgpack.packb(info))
+        self.store.set(key, msgpack.packb(info))
         self.registered = True
 
     def _publish_step(self) -> None:
-        self.store.set(f"{self.namespace}/step/{self.rank}", str(self.step).encode())
+        """Publish the step this rank runs next (`<ns>/step/<rank>`)."""
+        self.store.set(f"{self.namespace}/step/{self.rank}", str(self.step + 1).encode())
 
-    def _peer_step(self, peer: int) -> int:
-        raw = self.store.get(f"{self.namespace}/step/{peer}")
-        return int(raw) if raw is not None and raw.isdigit() else 0
+    def _peers_next_step(self) -> int:
+        """The largest step the peers run next, per the store (0 if none published)."""
+        steps = [0]
+        for peer in self.peers:
+            raw = self.store.get(f"{self.namespace}/step/{peer}")
+            if raw is not None and raw.isdigit():
+                steps.append(int(raw))
+        return max(steps)
 
     def _peer_info(self, peer: int) -> dict[str, Any]:
         deadline = time.monotonic() + self.timeout_s
@@ -187,9 +198,10 @@ class Executor:
             self._check_peer(peer, info)
             self.transport.import_peer(peer, info["desc"])
             self.inbox.set_incarnation(peer, int(info.get("inc", 0)))
-        # a restarted rank joins at its peers' step (module doc, recovery step 4)
-        self.step = max([self.step, *(self._peer_step(q) for q in peers)])
         self.peers = peers
+        if self.rejoined:  # a restarted rank joins at its peers' step (module doc, step 4)
+            self.step = max(self.step, self._peers_next_step() - 1)
+            self._publish_step()
         self.stages = [self._prepare_stage(s) for s in range(p.stages)]
 
     def _check_peer(self, peer: int, info: dict[str, Any]) -> None:
@@ -244,10 +256,9 @@ class Executor:
         self._settle_pending()
         self._refresh_peers()
         try:
-            steps = [self._peer_step(q) for q in self.peers]
+            self.step = max(self.step, self._peers_next_step() - 1)
         except Exception:  # noqa: BLE001 - the store may be gone; keep our own count
-            steps = []
-        self.step = max([self.step, *steps])
+            pass
         self.failed = False
 
     def _settle_pending(self) -> None:
@@ -314,8 +325,8 @@ class Executor:
                 self.ready(s)
                 self.send_half(s)
                 self.recv_half(s)
-        except BaseException:
-            self.fail()
+        except BaseException as e:
+            self.fail(getattr(e, "peer", None))
             raise
         return self.end_step(t0)
 
@@ -326,9 +337,19 @@ class Executor:
         self.step = self.step + 1 if step is None else step
         self.inbox.drop_before(self.step)
 
-    def fail(self) -> None:
-        """Mark the step failed: publish its number so that a restarted peer can join."""
+    def fail(self, lost: int | None = None) -> None:
+        """Mark the step failed: tell the other peers which rank was lost (they stop waiting
+        for this one), publish the step so that a restarted peer can join."""
         self.failed, self.complete = True, False
+        if lost is not None:
+            msg = signals.encode(self.tag, self.incarnation, self.step, lost, signals.ABORT,
+                                 self.rank)
+            for peer in self.peers:
+                if peer != lost:
+                    try:
+                        self.transport.notify(peer, msg)
+                    except Exception:  # noqa: BLE001 - best effort; their timeouts still hold
+                        pass
         try:
             self._publish_step()
         except Exception:  # noqa: BLE001 - the store may be gone too; the timeout was raised
@@ -339,6 +360,10 @@ class Executor:
             torch.cuda.current_stream(self.device).synchronize()
         self.complete = True
         seconds = time.perf_counter() - t0
+        try:  # where a restarted peer joins (module doc, recovery step 4)
+            self._publish_step()
+        except Exception:  # noqa: BLE001 - the store may be gone; the weights are whole
+            pass
         return RunStats(self.rank, self.step, self.bytes_per_step, seconds,
                         self.bytes_per_step / max(seconds, 1e-9) / 1e9, True)
 
@@ -385,6 +410,10 @@ class Executor:
             missing = self.inbox.take(keys)
             if not missing:
                 return
+            if (aborted := self.inbox.abort_of(self.step, missing)) is not None:
+                sender, lost = aborted
+                raise PeerTimeoutError(self.rank, lost, f"take part in step {self.step} (rank "
+                                       f"{sender} lost it and gave up the step)", timeout_s)
             if time.monotonic() >= deadline:
                 _, stage, kind, peer = missing[0]
                 raise PeerTimeoutError(self.rank, peer, f"send {_KIND_NAMES[kind]} of stage "

@@ -14,6 +14,10 @@ class PlanBoundsError(ValueError):
 class PeerMismatchError(RuntimeError):
     """A peer runs another plan (fingerprint) or exported regions of other sizes."""
 
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+
 
 class PeerTimeoutError(TimeoutError):
     """A peer did not publish, complete or signal within `timeout_s`."""
@@ -21,5 +25,16 @@ class PeerTimeoutError(TimeoutError):
     def __init__(self, rank: int, peer: int, what: str, timeout_s: float) -> None:
         super().__init__(f"rank {rank}: peer rank {peer} did not {what} within {timeout_s:g} s; "
                          f"check that rank {peer} is running the same plan and is reachable")
+        self.rank = rank
+        self.peer = peer
+
+
+class PeerLostError(PeerTimeoutError):
+    """The transport reported a peer gone (connection reset, failed write) during a step."""
+
+    def __init__(self, rank: int, peer: int, what: str, cause: BaseException) -> None:
+        TimeoutError.__init__(self, f"rank {rank}: peer rank {peer} is lost: could not {what} "
+                              f"({type(cause).__name__}: {cause}); restart rank {peer} and "
+                              "run again (the next run() re-imports it)")
         self.rank = rank
         self.peer = peer

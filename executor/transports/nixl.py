@@ -3,6 +3,8 @@
 Memory is registered before the agent metadata is exported. Each batch becomes one
 prepared NIXL transfer (`prep_xfer_dlist` for both sides + `make_prepped_xfer`) at
 connect time; a step re-posts it with `transfer()`. Notifications are NIXL notifs.
+A restarted peer is imported again (`import_peer` replaces the old remote agent) after the
+executor released the handles that named it (`release`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ class NixlTransport:
         self.agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False,
                                                              backends=["UCX"]))
         self.peers: dict[int, tuple[str, list[int], int]] = {}  # name, addrs, device id
-        self.handles: list[Any] = []
+        self.handles: dict[int, tuple[Any, Any, Any]] = {}  # id(xfer) -> (lh, rh, xfer)
+        self.leaked = 0  # handles NIXL refused to release (still in flight to a dead peer)
 
     def register(self, regions: list[torch.Tensor]) -> None:
         self.regions = regions
@@ -41,6 +44,12 @@ class NixlTransport:
                 "addrs": [r.data_ptr() for r in self.regions], "dev": self.dev}
 
     def import_peer(self, peer: int, desc: dict[str, Any]) -> None:
+        old = self.peers.pop(peer, None)
+        if old is not None:  # a restarted peer: forget the dead process's agent
+            try:
+                self.agent.remove_remote_agent(old[0])
+            except Exception:  # noqa: BLE001 - NIXL may have dropped it already
+                pass
         name = self.agent.add_remote_agent(desc["agent"])
         self.peers[peer] = (name if isinstance(name, str) else name.decode(),
                             list(desc["addrs"]), int(desc["dev"]))
@@ -62,8 +71,19 @@ class NixlTransport:
         rh = self.agent.prep_xfer_dlist(name, remote, self.mem)
         idx = np.arange(len(local), dtype=np.int32)
         xfer = self.agent.make_prepped_xfer("WRITE", lh, idx, rh, idx)
-        self.handles.append((lh, rh, xfer))
+        self.handles[id(xfer)] = (lh, rh, xfer)
         return xfer
+
+    def release(self, handle: Any) -> None:
+        """Release a prepared batch (its peer restarted, or it failed mid-flight)."""
+        if handle is None:
+            return
+        lh, rh, xfer = self.handles.pop(id(handle))
+        for h in (xfer, lh, rh):
+            try:
+                h.release()
+            except Exception:  # noqa: BLE001 - in flight to a dead peer: leave it to UCX
+                self.leaked += 1
 
     def post(self, handle: Any) -> None:
         if handle is not None and self.agent.transfer(handle) == "ERR":
@@ -84,8 +104,5 @@ class NixlTransport:
         return [m for msgs in self.agent.get_new_notifs().values() for m in msgs]
 
     def close(self) -> None:
-        for lh, rh, xfer in self.handles:
-            xfer.release()
-            lh.release()
-            rh.release()
-        self.handles = []
+        for xfer in list(self.handles.values()):
+            self.release(xfer[2])

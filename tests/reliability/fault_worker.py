@@ -1,0 +1,153 @@
+"""One rank of plans/demo.yaml (or another config) as its own process, driven step by step
+by a parent through the rendezvous store (tests/reliability/test_faults.py, bench/long_run.py).
+
+    python fault_worker.py --config C --plan P --rank R --port PORT --steps N
+        [--start K] [--timeout S] [--die K:MODE] [--check-every M] [--life NAME]
+
+For each step k in K..N the rank waits for the key `go/<k>`, then: sources write the
+weights of step k into their tensors in place (deterministic in k), everyone calls
+`run()`, targets compare their tensors with step k's bit-exactly (every `--check-every`
+steps), and the rank reports `res/<k>/<rank>` (JSON: ok, complete, error, peer, seconds,
+rss, fds, register calls). `--die K:post1` (a source) SIGKILLs this process after it posted
+its first write batch of step K; `--die K:done1` (a target) after the first DONE of step K
+arrived. The rank sets `loaded/<rank>/<life>` once connected and exits after `exit`.
+Tests host the store; this process never waits more than its timeouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
+    p.add_argument("--plan", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--start", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument("--die", default="")
+    p.add_argument("--check-every", type=int, default=1)
+    p.add_argument("--life", default="a")
+    p.add_argument("--bump", action="store_true",
+                   help="step k's weights = fixed ones + k %% 97, in place (cheap; long runs)")
+    a = p.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    import executor
+    from planner.layouts import build_layout
+    from planner.materialize import materialize, random_full_tensors
+    from planner.validate import load
+
+    store = dist.TCPStore("127.0.0.1", a.port, is_master=False, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    cfg, spec = load(a.config)
+    src, dst = build_layout(spec, cfg.source), build_layout(spec, cfg.target)
+    is_source = a.rank < src.world
+    layout, local = (src, a.rank) if is_source else (dst, a.rank - src.world)
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    tensors = {t.name: torch.zeros(t.shape, dtype=dtypes[t.dtype])
+               for t in layout.ranks[local].tensors}
+
+    def weights(k: int) -> dict[str, torch.Tensor]:
+        if a.bump:
+            base = weights.base  # type: ignore[attr-defined]
+            return {n: t + k % 97 for n, t in base.items()}
+        return materialize(layout, random_full_tensors(spec, seed=1000 + k), ranks=[local])[local]
+
+    if a.bump:  # small integers: base + k % 97 stays exact in bf16
+        full = {n: torch.randint(-64, 64, t.shape).to(t.dtype)
+                for n, t in random_full_tensors(spec, seed=7).items()}
+        weights.base = materialize(layout, full, ranks=[local])[local]  # type: ignore[attr-defined]
+
+    try:
+        plan = executor.load(a.plan, a.rank, tensors, transport="nixl", rendezvous=store,
+                             timeout_s=30)
+    except (executor.PeerMismatchError, executor.PeerTimeoutError, executor.BindError) as e:
+        store.set(f"loaded/{a.rank}/{a.life}", json.dumps(
+            {"error": type(e).__name__, "peer": getattr(e, "peer", None), "msg": str(e)}))
+        return 4
+    plan.timeout_s = a.timeout  # loading may wait for slow peers; steps may not
+    die_step, _, mode = a.die.partition(":")
+    if die_step:
+        _arm(plan, int(die_step), mode)
+    store.set(f"loaded/{a.rank}/{a.life}", json.dumps({"step": plan.step}))
+    for k in range(a.start, a.steps + 1):
+        store.wait([f"go/{k}"], timedelta(seconds=120))
+        plan.test_step = k  # type: ignore[attr-defined]
+        if is_source:
+            if a.bump:  # the "training step": weights change in place
+                for n, t in tensors.items():
+                    t.copy_(weights.base[n]).add_(k % 97)  # type: ignore[attr-defined]
+            else:
+                for n, t in weights(k).items():
+                    tensors[n].copy_(t)
+        t0 = time.monotonic()
+        res: dict = {"step": k}
+        try:
+            stats = plan.run()
+            res.update(ok=True, run_s=stats.seconds)
+        except executor.PeerTimeoutError as e:
+            res.update(ok=False, error=type(e).__name__, peer=e.peer, msg=str(e))
+        res.update(complete=plan.complete, seconds=time.monotonic() - t0, rss=rss_bytes(),
+                   fds=open_fds(), registers=plan.register_calls, reimports=plan.reimports,
+                   exec_step=plan.step)
+        if res["ok"] and not is_source and (k % a.check_every == 0 or k == a.steps):
+            want = weights(k)
+            bad = [n for n, t in tensors.items() if not torch.equal(t, want[n])]
+            res.update(exact=not bad, mismatch=bad[:3])
+        store.set(f"res/{k}/{a.rank}", json.dumps(res))
+    store.wait(["exit"], timedelta(seconds=120))
+    plan.close()
+    return 0
+
+
+def _arm(plan, step: int, mode: str) -> None:
+    """Test-only: SIGKILL this process at a chosen point of test step `step`."""
+    tr = plan.transport
+    if mode == "post1":
+        post = tr.post
+
+        def dying_post(handle):
+            post(handle)
+            if getattr(plan, "test_step", 0) == step:
+                time.sleep(0.002)  # let the first batch get on the wire
+                os.kill(os.getpid(), signal.SIGKILL)
+        tr.post = dying_post
+    elif mode == "done1":
+        poll = tr.poll
+
+        def dying_poll():
+            msgs = poll()
+            if msgs and getattr(plan, "test_step", 0) == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return msgs
+        tr.poll = dying_poll
+    else:
+        raise SystemExit(f"--die mode {mode!r}: use post1 or done1")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

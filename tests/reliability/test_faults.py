@@ -1,0 +1,87 @@
+"""Peers dying mid-transfer (NIXL, 4 processes: 2 sources, 2 targets of plans/demo.yaml).
+
+A rank SIGKILLs itself in the middle of `run()` (a source after posting its first write
+batch, a target after its first DONE arrived). The survivors that depend on it raise
+`PeerTimeoutError` naming it within the timeout (3 s), targets report `complete=False`;
+nothing hangs. A new process for the dead rank loads the plan again, and the next step is
+bit-exact on every target, with no re-registration on the survivors. Each case runs over
+UCX's default transports (shared memory on one host) and over TCP (`UCX_TLS=tcp`); the
+`slow` ones are the second transport of each.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from harness import ROOT, World
+
+pytest.importorskip("nixl")
+
+CONFIG = os.path.join(ROOT, "plans", "demo.yaml")
+TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    from planner.compiler import compile_file
+
+    path = str(tmp_path_factory.mktemp("plans") / "demo.rplan")
+    compile_file(CONFIG, path)
+    return path
+
+
+def _recover(w: World, victim: int, survivors_raise: list[int], k_fail: int) -> None:
+    """Step k_fail kills `victim`; restart it; steps k_fail+1.. must be bit-exact."""
+    ranks = list(range(4))
+    res = w.step(1, ranks)
+    assert all(r["ok"] for r in res.values()), res
+    assert all(res[t]["exact"] for t in (2, 3)), res
+    alive = [r for r in ranks if r != victim]
+    res = w.step(k_fail, alive, timeout_s=TIMEOUT_S + 30)
+    assert w.wait_dead(victim) == -9  # SIGKILL, mid-run
+    for r in survivors_raise:
+        got = res[r]
+        assert not got["ok"] and got["error"] in ("PeerTimeoutError", "PeerLostError"), got
+        assert got["peer"] == victim, got
+        assert f"peer rank {victim}" in got["msg"], got
+        assert got["seconds"] < TIMEOUT_S + 2.0, got  # within the timeout, nothing hangs
+        assert not got["complete"], got
+    for r in alive:  # whoever raised names the dead rank
+        assert res[r]["ok"] or res[r]["peer"] == victim, res[r]
+    for t in (2, 3):
+        if t != victim:  # a target that waited on the dead rank must not claim whole weights
+            assert res[t]["complete"] == res[t]["ok"], res[t]
+    w.spawn(victim, life="b", start=k_fail + 1)
+    w.loaded(victim, "b")
+    for k in (k_fail + 1, k_fail + 2):
+        res = w.step(k, ranks)
+        assert all(r["ok"] and r["complete"] for r in res.values()), (k, res)
+        assert all(res[t]["exact"] for t in (2, 3)), res
+        assert len({r["exec_step"] for r in res.values()}) == 1, res  # steps agree
+    for r in alive:
+        assert res[r]["registers"] == 1, res[r]  # survivors never registered again
+    for r in (2, 3) if victim < 2 else (0, 1):
+        assert res[r]["reimports"] == 1, res[r]  # its peers imported the new process once
+
+
+@pytest.mark.parametrize("tls", [None, pytest.param("tcp", marks=pytest.mark.slow)])
+def test_source_killed_mid_run_then_restarted(plan, tls):
+    w = World(CONFIG, plan, 4, steps=4, timeout_s=TIMEOUT_S, tls=tls)
+    try:
+        for r in range(4):
+            w.spawn(r, die="2:post1" if r == 0 else "")
+        _recover(w, victim=0, survivors_raise=[2, 3], k_fail=2)
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("tls", [pytest.param(None, marks=pytest.mark.slow), "tcp"])
+def test_target_killed_mid_run_then_restarted(plan, tls):
+    w = World(CONFIG, plan, 4, steps=4, timeout_s=TIMEOUT_S, tls=tls)
+    try:
+        for r in range(4):
+            w.spawn(r, die="2:done1" if r == 2 else "")
+        _recover(w, victim=2, survivors_raise=[], k_fail=2)
+    finally:
+        w.close()
