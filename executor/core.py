@@ -196,7 +196,11 @@ class Executor:
         for peer in peers:
             info = self._peer_info(peer)
             self._check_peer(peer, info)
-            self.transport.import_peer(peer, info["desc"])
+            try:
+                self.transport.import_peer(peer, info["desc"])
+            except Exception as e:  # noqa: BLE001 - e.g. NIXL cannot reach a dead process
+                raise PeerLostError(self.rank, peer, "import its published descriptors", e) \
+                    from e
             self.inbox.set_incarnation(peer, int(info.get("inc", 0)))
         self.peers = peers
         if self.rejoined:  # a restarted rank joins at its peers' step (module doc, step 4)

@@ -88,6 +88,7 @@ def main() -> int:
     except (executor.PeerMismatchError, executor.PeerTimeoutError, executor.BindError) as e:
         store.set(f"loaded/{a.rank}/{a.life}", json.dumps(
             {"error": type(e).__name__, "peer": getattr(e, "peer", None), "msg": str(e)}))
+        store.wait(["exit"], timedelta(seconds=120))  # stay reachable for the others
         return 4
     plan.timeout_s = a.timeout  # loading may wait for slow peers; steps may not
     die_step, _, mode = a.die.partition(":")

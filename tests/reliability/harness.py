@@ -62,7 +62,7 @@ class World:
         while not self.store.check([key]):
             if time.monotonic() > deadline:
                 raise AssertionError(f"no {key} within {timeout_s} s\n{self.tails()}")
-            dead = [k for k, p in self.procs.items() if p.poll() not in (None, 0, -9)]
+            dead = [k for k, p in self.procs.items() if p.poll() not in (None, 0, 4, -9)]
             if dead:
                 raise AssertionError(f"worker(s) {dead} failed\n{self.tails()}")
             time.sleep(0.01)
