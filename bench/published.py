@@ -3,6 +3,8 @@
     python bench/published.py                # print the table
     python bench/published.py --record       # also write it to BENCHMARKS.md
     python bench/published.py qwen3-4b       # only configs whose file name contains this
+    python bench/published.py kimi --save rows.jsonl       # keep each row as a JSON line
+    python bench/published.py --load rows.jsonl --record   # table from saved rows only
 
 Each config is compiled by the real CLI (`python -m planner compile`) in its own process,
 so the compile time and peak RSS are that process's; then the plan is simulated here
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import platform
 import re
@@ -54,7 +57,7 @@ def compile_one(config: str, out: str) -> dict[str, Any]:
             "plan_bytes": os.path.getsize(out)}
 
 
-def run(configs: list[str]) -> list[dict[str, Any]]:
+def run(configs: list[str], save: str | None = None) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for config in configs:
@@ -72,6 +75,9 @@ def run(configs: list[str]) -> list[dict[str, Any]]:
                 os.remove(out)
             rows.append(row)
             print(_line(row), flush=True)
+            if save:
+                with open(save, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(row) + "\n")
     return rows
 
 
@@ -170,15 +176,28 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("only", nargs="*", help="substrings of config file names to run")
     p.add_argument("--record", action="store_true", help="write the table to BENCHMARKS.md")
+    p.add_argument("--save", metavar="FILE", help="append each row to FILE as a JSON line")
+    p.add_argument("--load", metavar="FILE", nargs="+", help="rows saved by --save (no "
+                   "compiling; a config's last row wins)")
     args = p.parse_args(argv)
-    configs = sorted(glob.glob(os.path.join(ROOT, "plans", "published", "*.yaml")))
-    if args.only:
-        configs = [c for c in configs if any(s in os.path.basename(c) for s in args.only)]
-    rows = run(configs)
+    if args.load:
+        by_name: dict[str, dict[str, Any]] = {}
+        for path in args.load:
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    row = json.loads(line)
+                    by_name[row["config"]] = row
+        rows = [by_name[k] for k in sorted(by_name)]
+    else:
+        configs = sorted(glob.glob(os.path.join(ROOT, "plans", "published", "*.yaml")))
+        if args.only:
+            configs = [c for c in configs if any(s in os.path.basename(c) for s in args.only)]
+        rows = run(configs, args.save)
     print()
     print(table(rows))
     if args.record:
-        command = "python bench/published.py --record" + "".join(f" {s}" for s in args.only)
+        command = "python bench/published.py --save rows.jsonl" + "".join(
+            f" {s}" for s in args.only) + "; python bench/published.py --load rows.jsonl --record"
         record(section(rows, command), os.path.join(ROOT, "BENCHMARKS.md"))
     return 0 if all("error" not in r for r in rows) else 1
 
