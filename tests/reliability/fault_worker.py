@@ -72,15 +72,18 @@ def main() -> int:
                for t in layout.ranks[local].tensors}
 
     def weights(k: int) -> dict[str, torch.Tensor]:
+        """This rank's tensors at step k (targets: padding stays zero, as nothing writes it)."""
         if a.bump:
-            base = weights.base  # type: ignore[attr-defined]
-            return {n: t + k % 97 for n, t in base.items()}
-        return materialize(layout, random_full_tensors(spec, seed=1000 + k), ranks=[local])[local]
+            full = {n: t + k % 97 for n, t in weights.full.items()}  # type: ignore[attr-defined]
+        else:
+            full = random_full_tensors(spec, seed=1000 + k)
+        return materialize(layout, full, ranks=[local])[local]
 
     if a.bump:  # small integers: base + k % 97 stays exact in bf16
-        full = {n: torch.randint(-64, 64, t.shape).to(t.dtype)
-                for n, t in random_full_tensors(spec, seed=7).items()}
-        weights.base = materialize(layout, full, ranks=[local])[local]  # type: ignore[attr-defined]
+        gen = torch.Generator().manual_seed(7)
+        weights.full = {n: torch.randint(-64, 64, t.shape, generator=gen).to(t.dtype)  # type: ignore[attr-defined]
+                        for n, t in random_full_tensors(spec, seed=7).items()}
+        weights.base = weights(0)  # type: ignore[attr-defined]
 
     try:
         plan = executor.load(a.plan, a.rank, tensors, transport="nixl", rendezvous=store,
@@ -94,7 +97,9 @@ def main() -> int:
     die_step, _, mode = a.die.partition(":")
     if die_step:
         _arm(plan, int(die_step), mode)
-    store.set(f"loaded/{a.rank}/{a.life}", json.dumps({"step": plan.step}))
+    store.set(f"loaded/{a.rank}/{a.life}", json.dumps(
+        {"step": plan.step, "rss": rss_bytes(), "fds": open_fds(),
+         "registers": plan.register_calls}))
     for k in range(a.start, a.steps + 1):
         store.wait([f"go/{k}"], timedelta(seconds=120))
         plan.test_step = k  # type: ignore[attr-defined]

@@ -65,7 +65,7 @@ class World:
             dead = [k for k, p in self.procs.items() if p.poll() not in (None, 0, 4, -9)]
             if dead:
                 raise AssertionError(f"worker(s) {dead} failed\n{self.tails()}")
-            time.sleep(0.01)
+            time.sleep(0.001)
         return json.loads(self.store.get(key))
 
     def loaded(self, rank: int, life: str = "a", timeout_s: float = 60) -> dict:
