@@ -68,6 +68,9 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     "override_wrong_type": ("model.overrides.hidden_size: 'big'", "must be an integer"),
     "config_json_wrong_type": ("model.config: num_attention_heads: '8'", "must be an integer",
                                "fix config.json"),
+    "zero_replicas": ("target.replicas: 0", "positive integer"),
+    "placement_typo": ("cluster.placement: 'colocate'", "did you mean 'colocated'?"),
+    "empty_file": ("config: NoneType at the top level", "must be a mapping"),
 }
 
 
