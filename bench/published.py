@@ -125,17 +125,22 @@ def notes(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         if "error" in r:
             continue
-        bps = r["nic_gbps"] * 1e9 / 8
-        line = (f"- {r['config']}: busiest NIC takes in {r['max_in'] / 1e9:.2f} GB and sends "
-                f"{r['max_out'] / 1e9:.2f} GB; at {r['nic_gbps']:g} Gb/s ({bps / 1e9:g} GB/s) "
-                f"that is {max(r['max_in'], r['max_out']) / bps:.3f} s ({r['bottleneck']}).")
+        gbps = r.get("nic_gbps", 400.0)
+        bps = gbps * 1e9 / 8
+        if "max_in" in r:
+            line = (f"- {r['config']}: busiest NIC takes in {r['max_in'] / 1e9:.2f} GB and "
+                    f"sends {r['max_out'] / 1e9:.2f} GB; at {gbps:g} Gb/s ({bps / 1e9:g} GB/s) "
+                    f"that is {max(r['max_in'], r['max_out']) / bps:.3f} s ({r['bottleneck']}).")
+        else:
+            line = (f"- {r['config']}: busiest NIC direction carries "
+                    f"{r['floor_s'] * bps / 1e9:.2f} GB at {bps / 1e9:g} GB/s.")
         if r.get("published_s") and r["published_s"] < r["floor_s"]:
             line += (" The published time is below this floor: the source moved fewer bytes "
                      "or had more bandwidth per GPU than assumed here.")
-        if "kimi" in r["config"]:
+        if "kimi" in r["config"] and "max_in" in r:
             need = r["max_in"] / 1.0
             line += (f" Goal <= 1.0 s: one target GPU would have to take in {need / 1e9:.0f} "
-                     f"GB/s = {need * 8 / 1e9:.0f} Gb/s through its {r['nic_gbps']:g} Gb/s NIC; "
+                     f"GB/s = {need * 8 / 1e9:.0f} Gb/s through its {gbps:g} Gb/s NIC; "
                      "the host's 8 GPUs hold distinct shards (a TP16 engine spans 2 hosts), so "
                      "NVLink cannot help: impossible on this cluster.")
         out.append(line)
