@@ -39,7 +39,9 @@ def _bars(ax: Any, labels: list[str], series: dict[str, np.ndarray], ylabel: str
     ax.set_xlim(-0.6, len(labels) - 0.4)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="upper right")
+    top = max((float(np.max(v)) for v in series.values() if len(v)), default=0.0)
+    ax.set_ylim(0, top * 1.25 or 1.0)  # room for the legend above the bars
+    ax.legend(fontsize=8, loc="upper right", ncol=len(series))
     ax.grid(axis="y", alpha=0.3)
 
 
