@@ -24,9 +24,9 @@ from planner.layouts.base import Layout
 from planner.passes.assign import assign, split_rows
 from planner.passes.coalesce import coalesce
 from planner.passes.emit import coverage_table, emit, explain_table, rank_regions
+from planner.passes.gather import gather, take
 from planner.passes.intersect import PieceTable, element_size, intersect, piece_table
 from planner.passes.lower import Lowered, lower
-from planner.passes.quantize import quantize, take
 from planner.passes.schedule import schedule
 from planner.spec import ModelSpec
 from planner.topology import Topology, build_topology
@@ -69,6 +69,34 @@ def _nic_stats(topo: Topology, src_rank: np.ndarray, dst_rank: np.ndarray,
     nv_floor = max(nv.max(), nv_in.max()) * 8 / (topo.nvlink_gbps * 1e9)
     return {"nics": nics, "nvlink_bytes": int(nv.sum()), "remote_bytes": int(nbytes[remote]
             .sum()), "floor_s": float(max(nic_floor, nv_floor))}
+
+
+def _fine_cut(spec: ModelSpec, src: PieceTable, dst: PieceTable, cfg: Config,
+              topo: Topology) -> np.ndarray:
+    """Rows of `dst` whose box is worth gathering on one source first: a box cut into `c`
+    source chunks and held by `h` target ranks takes `c * h` writes directly and `c + h`
+    gathered; gather when the writes saved cost more than one more hop of the box."""
+    if len(dst) == 0:
+        return np.zeros(0, dtype=np.int64)
+    keys = np.stack([dst.tensor, dst.off0, dst.off1, dst.size0, dst.size1], axis=1)
+    _, first, inv = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    holders = np.bincount(inv)
+    ch = intersect(spec, src, take(dst, first))
+    chunks = np.bincount(ch.dst, minlength=len(first))
+    numel = dst.size0[first] * dst.size1[first]
+    nbytes = numel * element_size(dst.dtype[first])
+    saved_us = (chunks * holders - chunks - holders) * cfg.options.write_overhead_us
+    hop_us = nbytes * 8e-3 / topo.nic_gbps
+    # Staging the owner needs: the gathered box (source dtype), and its cast (target dtype).
+    one = ch.holders[ch.holder_ptr[ch.sbox[np.searchsorted(ch.dst, np.arange(len(first)))]]] \
+        if len(ch) else np.zeros(len(first), dtype=np.int64)
+    es_src = element_size(src.dtype[one]) if len(src) else np.ones(len(first), np.int64)
+    cast = src.dtype[one] != dst.dtype[first] if len(src) else np.zeros(len(first), bool)
+    need = numel * es_src + np.where(cast, nbytes, 0)
+    fine = (chunks >= 2) & (holders >= 2) & (saved_us > hop_us)
+    fine &= need + 256 <= cfg.options.staging_bytes
+    return np.nonzero(fine[inv])[0]
 
 
 def merge(a: Lowered, b: Lowered) -> Lowered:
@@ -117,28 +145,34 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     dst = piece_table(dst_layout, spec, src_layout.world)
     n_regions = np.array([len(r.tensors) for r in (*src_layout.ranks, *dst_layout.ranks)],
                          dtype=np.int64)
-    # Block-FP8 weights (and their scales) take the quantize pass; the rest the plain one.
+    # Block-FP8 weights (their scales come along) and fine-cut boxes take the gather pass.
     fp8 = np.isin(dst.tensor, [i for i, t in enumerate(spec.tensors) if
                                spec.by_name.get(t.name + SCALE_SUFFIX)])
     fp8 &= dst.dtype == DTYPE_CODES.index(FP8)
     scales = np.isin(dst.tensor, [i for i, t in enumerate(spec.tensors)
                                   if t.name.endswith(SCALE_SUFFIX)])
-    full_dst, dst = dst, take(dst, np.nonzero(~fp8 & ~scales)[0])
+    plain = np.nonzero(~fp8 & ~scales)[0]
+    fine = plain[_fine_cut(spec, src, take(dst, plain), cfg, topo)]
+    plain = np.setdiff1d(plain, fine)
+    gathered = np.sort(np.concatenate([np.nonzero(fp8)[0], fine]))
+    full_dst, dst = dst, take(dst, plain)
     chunks = intersect(spec, src, dst)
     chunks = split_rows(chunks, dst, cfg.options.max_write_bytes)
     step("assign")
     choice = assign(chunks, src, dst, topo)
     names = [t.name for t in spec.tensors]
     chunk_bytes = chunks.size0 * chunks.size1 * element_size(dst.dtype[chunks.dst])
-    explain = explain_table(chunks.tensor, src.rank[choice], src.region[choice],
-                            dst.rank[chunks.dst], dst.region[chunks.dst], chunk_bytes)
+    ex = np.stack([chunks.tensor, src.rank[choice], src.region[choice], dst.rank[chunks.dst],
+                   dst.region[chunks.dst], chunk_bytes], axis=1)
     step("lower")
     low = lower(chunks, choice, src, dst, n_regions, cfg.options, names)
-    if fp8.any():
-        step("quantize")
-        quant = quantize(spec, src, full_dst, np.nonzero(fp8)[0], np.nonzero(scales)[0],
-                         n_regions, cfg.options, low.stages)
-        low = merge(low, quant)
+    if len(gathered):
+        step("gather")
+        more, ex_more = gather(spec, src, full_dst, gathered, np.nonzero(scales)[0],
+                               n_regions, cfg.options, low.stages)
+        low = merge(low, more)
+        ex = np.concatenate([ex, ex_more])
+    explain = explain_table(*ex.T)
     low = coalesce(low, cfg.options.max_write_bytes)
     step("schedule")
     sched = schedule(low, topo, cfg.options.max_write_bytes, n_regions)

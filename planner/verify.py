@@ -30,6 +30,7 @@ from schemas.plan import (
     DTYPE_CODES,
     ITEMSIZE,
     PACK,
+    QUANT,
     READY,
     STAGING,
     UNPACK,
@@ -176,7 +177,27 @@ def _copy_bytes(rp: RankPlan, kind: int, side: str, region: int
             for s, v in acc.items()}
 
 
+def _quant_bytes(rp: RankPlan, region: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """stage -> byte intervals QUANT copies write in `region` (e4m3 box and its scales)."""
+    c = rp.copies
+    acc: dict[int, list[tuple[int, int]]] = {}
+    for i in np.flatnonzero((c["kind"] == QUANT) & (c["dst_region"] == region)).tolist():
+        m, n = int(c["size0"][i]), int(c["size1"][i])
+        q, a = int(c["dst_offset"][i]), int(c["aux_offset"][i]) * 4
+        blocks = -(-m // 128) * -(-n // 128)
+        acc.setdefault(int(c["stage"][i]), []).extend([(q, q + m * n), (a, a + 4 * blocks)])
+    return {s: (np.array([x for x, _ in v]), np.array([y for _, y in v]))
+            for s, v in acc.items()}
+
+
+def _cat(*parts: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    return (np.concatenate([np.zeros(0, np.int64), *(p[0] for p in parts)]).astype(np.int64),
+            np.concatenate([np.zeros(0, np.int64), *(p[1] for p in parts)]).astype(np.int64))
+
+
 def dataflow(plan: Plan) -> list[str]:
+    """Staging a write reads holds data: filled by this stage's packs or QUANTs, or by the
+    previous stage's packs and landed writes (a gather: its DONE is awaited first)."""
     out: list[str] = []
     empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
     landed: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = {}
@@ -189,6 +210,8 @@ def dataflow(plan: Plan) -> list[str]:
                 sel = m & (stage == s)
                 lo = w["dst_offset"][sel].astype(np.int64)
                 landed.setdefault((peer, s), []).append((lo, lo + w["nbytes"][sel]))
+    for rp in plan.ranks:
+        w, stage = rp.writes, _write_stages(rp)
         sg = _staging_index(rp)
         if sg < 0:
             continue
@@ -197,11 +220,14 @@ def dataflow(plan: Plan) -> list[str]:
             order_ = np.argsort(lo, kind="stable")
             if len(lo) > 1 and (lo[order_][1:] < hi[order_][:-1]).any():
                 out.append(f"rank {rp.rank}: packs of stage {s} overlap in staging")
+        quant = _quant_bytes(rp, sg)
         m = w["src_region"] == sg
         for s in np.unique(stage[m]).tolist():
             sel = np.flatnonzero(m & (stage == s))
             lo = w["src_offset"][sel].astype(np.int64)
-            bad = _outside(lo, lo + w["nbytes"][sel], *packed.get(s, empty))
+            filled = _cat(packed.get(s, empty), quant.get(s, empty), packed.get(s - 1, empty),
+                          *landed.get((rp.rank, s - 1), []))
+            bad = _outside(lo, lo + w["nbytes"][sel], *filled)
             if bad.any():
                 out.append(f"rank {rp.rank}: write {int(sel[np.argmax(bad)])} (stage {s}) "
                            "reads staging bytes that no pack of its stage fills")

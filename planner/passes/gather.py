@@ -1,19 +1,26 @@
-"""Pass 5b (`quantize`): block-FP8 target weights, quantized on the sources.
+"""Pass 5b (`gather`): target boxes gathered onto one source, then fanned out.
 
-The unit of work is a *target box* of a quantized weight (block-aligned: `fp8.py` checks
-the target layout). All target ranks holding the same box (replicas, KV replication)
-receive the output of one quantization. For each target box:
+Two kinds of target box take this path instead of `lower`'s direct one:
+- block-FP8 weights (`target.dtype: fp8_block128`): a 128x128 block must be quantized by
+  one rank that holds all of it (`fp8.py` checks that target boxes are block-aligned);
+- fine-cut boxes: a box that arrives in `c` source chunks at `h` target ranks costs
+  `c * h` writes directly, but `c + h` when gathered first; `compiler.py` sends a box here
+  when the writes saved outweigh the extra hop of its bytes (FSDP2 row shards of a
+  tensor every target rank holds: 256 x 128 writes become 256 + 128).
+All target ranks holding the same box (replicas, replicated tensors) receive the output
+of one gather. For each target box:
 - an *owner* source rank is chosen: the one holding most of the box (ties: the owner
-  with the fewest bytes to quantize so far, then the lowest rank);
-- if the owner holds the whole box in one piece, QUANT reads it in place; otherwise the
+  with the fewest bytes to send so far, then the lowest rank);
+- if the owner holds an FP8 box whole in one piece, QUANT reads it in place; otherwise the
   box is first gathered into the owner's staging: the owner PACKs its own parts, the
   other holders write theirs (source -> source writes);
-- QUANT writes the e4m3 box and its scales into the owner's staging, and the owner
-  writes both to every target rank holding the box (weight and `weight_scale_inv`).
-Rounds: the owner's gather, e4m3 and scale buffers of one round fit `staging_bytes`;
-round k gathers in stage `base + 2k` and quantizes and sends in stage `base + 2k + 1`,
-so the gather has landed (DONE) before QUANT reads it, and the next round's gather into
-the same staging waits for the owner's ACK.
+- QUANT (FP8) writes the e4m3 box and its scales into the owner's staging, or a PACK casts
+  the gathered box to the target dtype (plain boxes, when dtypes differ); the owner then
+  writes the result (and the scales) to every target rank holding the box.
+Rounds: the owner's buffers of one round fit `staging_bytes`; round k gathers in stage
+`base + 2k` and converts and sends in stage `base + 2k + 1`, so the gather has landed
+(DONE) before it is read, and the next round's gather into the same staging waits for
+the owner's ACK.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from planner.passes.intersect import PieceTable, element_size, intersect
 from planner.passes.lower import ALIGN, Lowered
 from planner.spec import ModelSpec
 from schemas.config import ConfigError, Options
-from schemas.plan import DTYPE_CODES, PACK, QUANT
+from schemas.plan import COPY_COLUMNS, DTYPE_CODES, PACK, QUANT
 
 FP8_CODE = DTYPE_CODES.index("float8_e4m3fn")
 
@@ -38,42 +45,66 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+class _Staging:
+    """Bump allocation of each rank's staging per stage, within the budget."""
+
+    def __init__(self, world: int, budget: int) -> None:
+        self.used: dict[tuple[int, int], int] = {}
+        self.budget = budget
+        self.peak = np.zeros(world, dtype=np.int64)
+
+    def fits(self, rank: int, stages: tuple[int, ...], nbytes: int) -> bool:
+        start = max(self.used.get((rank, s), 0) for s in stages)
+        return start + _align(nbytes) <= self.budget
+
+    def take(self, rank: int, stages: tuple[int, ...], nbytes: int) -> int:
+        """Offset of `nbytes` live in every stage of `stages` on `rank`."""
+        start = max(self.used.get((rank, s), 0) for s in stages)
+        for s in stages:
+            self.used[(rank, s)] = start + _align(nbytes)
+        self.peak[rank] = max(self.peak[rank], start + _align(nbytes))
+        return start
+
+
 class _Out:
-    """Column lists for writes and copies, concatenated at the end."""
+    """Rows of writes and copies, turned into columns at the end."""
+
+    W = ("src_rank", "src_region", "src_offset", "dst_rank", "dst_region", "dst_offset",
+         "nbytes", "stage")
+    C = ("rank", *(n for n, _ in COPY_COLUMNS))
 
     def __init__(self) -> None:
-        self.w: dict[str, list] = {k: [] for k in ("src_rank", "src_region", "src_offset",
-                                                     "dst_rank", "dst_region", "dst_offset",
-                                                     "nbytes", "stage")}
-        self.c: dict[str, list] = {}
+        self.writes: list[tuple[int, ...]] = []
+        self.strided: list[np.ndarray] = []
+        self.copies: list[tuple[int, ...]] = []
+        self.explain: list[tuple[int, int, int, int, int, int]] = []
 
-    def write(self, **cols) -> None:
-        for k, v in cols.items():
-            self.w[k].append(np.atleast_1d(np.asarray(v, dtype=np.int64)))
-
-    def copy(self, **cols) -> None:
-        for k, v in cols.items():
-            self.c.setdefault(k, []).append(int(v))
+    def copy(self, **cols: int) -> None:
+        self.copies.append(tuple(int(cols[k]) for k in self.C))
 
     def runs(self, stage: int, src: tuple[int, int, int], dst: tuple[int, int, int],
              rows: int, row_bytes: int, src_stride: int, dst_stride: int) -> None:
         """`rows` writes of `row_bytes` (byte strides), or one when both sides are dense."""
         if rows == 1 or (src_stride == row_bytes and dst_stride == row_bytes):
-            rows, row_bytes = 1, rows * row_bytes
+            self.writes.append((*src, *dst, rows * row_bytes, stage))
+            return
         k = np.arange(rows, dtype=np.int64)
-        self.write(src_rank=np.full(rows, src[0]), src_region=np.full(rows, src[1]),
-                   src_offset=src[2] + k * src_stride, dst_rank=np.full(rows, dst[0]),
-                   dst_region=np.full(rows, dst[1]), dst_offset=dst[2] + k * dst_stride,
-                   nbytes=np.full(rows, row_bytes), stage=np.full(rows, stage))
+        one = np.ones(rows, dtype=np.int64)
+        self.strided.append(np.stack([one * src[0], one * src[1], src[2] + k * src_stride,
+                                      one * dst[0], one * dst[1], dst[2] + k * dst_stride,
+                                      one * row_bytes, one * stage], axis=1))
 
 
-def quantize(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.ndarray,
-             scale_rows: np.ndarray, n_regions: np.ndarray, opts: Options, base: int
-             ) -> Lowered:
-    """Gathers, QUANT copies and writes for the quantized weights' target rows."""
+def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.ndarray,
+           scale_rows: np.ndarray, n_regions: np.ndarray, opts: Options, base: int
+           ) -> tuple[Lowered, np.ndarray]:
+    """Gathers, conversions (QUANT or cast) and fan-out writes for target rows
+    `weight_rows` (FP8 weights and fine-cut boxes); `scale_rows`: the FP8 scale pieces.
+    Also returns `explain_rows` of the fan-out."""
     names = [t.name for t in spec.tensors]
-    scale_id = {i: names.index(n + "_scale_inv") for i, n in enumerate(names)
-                if n + "_scale_inv" in names} if len(weight_rows) else {}
+    index = {n: i for i, n in enumerate(names)}
+    scale_id = {i: index[n + "_scale_inv"] for i, n in enumerate(names)
+                if n + "_scale_inv" in index}
     w = take(dst, weight_rows)
     s = take(dst, scale_rows)
     keys = np.stack([w.tensor, w.off0, w.off1, w.size0, w.size1], axis=1)
@@ -84,9 +115,9 @@ def quantize(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.
     s_key = {(int(r), int(t), int(a), int(b)): i for i, (r, t, a, b) in
              enumerate(zip(s.rank, s.tensor, s.off0, s.off1))}
     out = _Out()
-    staging = np.zeros(len(n_regions), dtype=np.int64)
+    alloc = _Staging(len(n_regions), opts.staging_bytes)
     load = np.zeros(len(n_regions), dtype=np.int64)
-    rounds: dict[int, list[int]] = {}  # owner -> [round, bytes used in it]
+    rounds: dict[int, int] = {}  # owner -> first round that may still have room
     chunk_ptr = np.searchsorted(chunks.dst, np.arange(len(tboxes) + 1))
     targets_of = np.argsort(tb_of, kind="stable")
     target_ptr = np.searchsorted(tb_of[targets_of], np.arange(len(tboxes) + 1))
@@ -107,27 +138,32 @@ def quantize(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.
             rows.append(int(mine[0]) if len(mine) else
                         int(min(hs, key=lambda h: (load[src.rank[h]], src.rank[h]))))
         es = int(element_size(src.dtype[rows[0]]))
-        direct = len(rows) == 1 and int(src.rank[rows[0]]) == owner
+        quant = int(w.dtype[first[t]]) == FP8_CODE
+        out_code = int(w.dtype[first[t]])
+        es_d = int(element_size(np.array([out_code]))[0])
+        src_code = int(src.dtype[rows[0]])
+        cast = not quant and out_code != src_code
+        direct = quant and len(rows) == 1 and int(src.rank[rows[0]]) == owner
         numel, nscale = n0 * n1, -(-n0 // BLOCK) * -(-n1 // BLOCK)
         g_bytes = 0 if direct else _align(numel * es)
-        need = g_bytes + _align(numel) + _align(nscale * 4)
+        f_bytes = _align(numel) if quant else _align(numel * es_d) if cast else 0
+        need = g_bytes + f_bytes + (_align(nscale * 4) if quant else 0)
         if need > opts.staging_bytes:
             raise ConfigError(
-                f"options.staging_bytes: {opts.staging_bytes} is too small to quantize "
+                f"options.staging_bytes: {opts.staging_bytes} is too small to gather "
                 f"{names[tensor]} rows {t0}..{t0 + n0} cols {t1}..{t1 + n1} ({need} bytes of "
                 f"staging); raise options.staging_bytes to at least {need}")
-        rnd = rounds.setdefault(owner, [0, 0])
-        if rnd[1] + need > opts.staging_bytes:
-            rnd[0], rnd[1] = rnd[0] + 1, 0
-        g_off, f_off = rnd[1], rnd[1] + g_bytes
-        s_off = f_off + _align(numel)
-        rnd[1] += need
-        staging[owner] = max(staging[owner], rnd[1])
-        load[owner] += numel
-        gather, quant = base + 2 * rnd[0], base + 2 * rnd[0] + 1
-        max_stage = max(max_stage, quant)
+        k = rounds.get(owner, 0)
+        while not alloc.fits(owner, (base + 2 * k, base + 2 * k + 1), need):
+            k += 1
+        rounds[owner] = k
+        gather, quant_stage = base + 2 * k, base + 2 * k + 1
+        g_off = alloc.take(owner, (gather, quant_stage), need)
+        f_off = g_off + g_bytes
+        s_off = f_off + f_bytes
+        load[owner] += numel * es_d * (target_ptr[t + 1] - target_ptr[t])
+        max_stage = max(max_stage, quant_stage)
         stg = int(n_regions[owner])
-        src_code = int(src.dtype[rows[0]])
         if direct:
             h = rows[0]
             q_region, q_code = int(src.region[h]), src_code
@@ -140,54 +176,69 @@ def quantize(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.
                 m0, m1 = int(chunks.size0[c]), int(chunks.size1[c])
                 start = int(src.base[h] + c0 * src.a0[h] + c1 * src.a1[h])
                 into = g_off // es + (c0 - t0) * n1 + (c1 - t1)
-                if int(src.rank[h]) == owner or src.a1[h] != 1:
-                    if int(src.rank[h]) != owner:
-                        raise ConfigError(f"quantize: {names[tensor]} is stored transposed on "
-                                          f"source rank {src.rank[h]}; FP8 gather needs rows")
-                    out.copy(rank=owner, kind=PACK, stage=gather, src_region=src.region[h],
-                             src_dtype=src_code, src_offset=start, src_stride0=src.a0[h],
-                             src_stride1=src.a1[h], src_stride2=1, dst_region=stg,
-                             dst_dtype=src_code, dst_offset=into, dst_stride0=n1,
-                             dst_stride1=1, dst_stride2=1, size0=m0, size1=m1, size2=1,
-                             aux_offset=0)
-                else:
-                    out.runs(gather, (int(src.rank[h]), int(src.region[h]), start * es),
+                hr = int(src.rank[h])
+                pack = dict(kind=PACK, stage=gather, src_region=src.region[h],
+                            src_dtype=src_code, src_offset=start, src_stride0=src.a0[h],
+                            src_stride1=src.a1[h], src_stride2=1, dst_dtype=src_code,
+                            dst_stride0=m1, dst_stride1=1, dst_stride2=1, size0=m0, size1=m1,
+                            size2=1, aux_offset=0)
+                dense = src.a1[h] == 1 and (m0 == 1 or src.a0[h] == m1)
+                if hr == owner:  # own part: straight into the gather buffer
+                    out.copy(rank=owner, dst_region=stg, dst_offset=into,
+                             **{**pack, "dst_stride0": n1})
+                elif not dense and m1 == n1 and alloc.fits(hr, (gather,), m0 * m1 * es):
+                    # strided on its holder: pack there, then one write
+                    off = alloc.take(hr, (gather,), m0 * m1 * es)
+                    out.copy(rank=hr, dst_region=int(n_regions[hr]), dst_offset=off // es,
+                             **pack)
+                    out.runs(gather, (hr, int(n_regions[hr]), off), (owner, stg, into * es),
+                             1, m0 * m1 * es, 0, 0)
+                elif src.a1[h] == 1:
+                    out.runs(gather, (hr, int(src.region[h]), start * es),
                              (owner, stg, into * es), m0, m1 * es, int(src.a0[h]) * es,
                              n1 * es)
-        out.copy(rank=owner, kind=QUANT, stage=quant, src_region=q_region, src_dtype=q_code,
-                 src_offset=q_off, src_stride0=q_st[0], src_stride1=q_st[1], src_stride2=1,
-                 dst_region=stg, dst_dtype=FP8_CODE, dst_offset=f_off, dst_stride0=n1,
-                 dst_stride1=1, dst_stride2=1, size0=n0, size1=n1, size2=1,
-                 aux_offset=s_off // 4)
+                else:
+                    raise ConfigError(f"gather: {names[tensor]} is stored transposed on "
+                                      f"source rank {hr}; a gather needs rows")
+        if quant or cast:
+            out.copy(rank=owner, kind=QUANT if quant else PACK, stage=quant_stage,
+                     src_region=q_region, src_dtype=q_code, src_offset=q_off,
+                     src_stride0=q_st[0], src_stride1=q_st[1], src_stride2=1, dst_region=stg,
+                     dst_dtype=out_code, dst_offset=f_off // es_d, dst_stride0=n1,
+                     dst_stride1=1, dst_stride2=1, size0=n0, size1=n1, size2=1,
+                     aux_offset=s_off // 4 if quant else 0)
+        else:
+            f_off = g_off  # the gathered box is already the target's bytes
         rb, cb = -(-n0 // BLOCK), -(-n1 // BLOCK)
         for i in targets_of[target_ptr[t]:target_ptr[t + 1]].tolist():
             d_rank, d_reg = int(w.rank[i]), int(w.region[i])
             if w.a1[i] != 1:
-                raise ConfigError(f"quantize: {names[tensor]} is transposed on target rank "
-                                  f"{d_rank}; FP8 targets must store weights [out, in]")
+                raise ConfigError(f"gather: {names[tensor]} is transposed on target rank "
+                                  f"{d_rank}; gathered boxes must land as rows")
             d = int(w.base[i] + t0 * w.a0[i] + t1 * w.a1[i])
-            out.runs(quant, (owner, stg, f_off), (d_rank, d_reg, d), n0, n1, n1,
-                     int(w.a0[i]))
+            out.runs(quant_stage, (owner, stg, f_off), (d_rank, d_reg, d * es_d), n0,
+                     n1 * es_d, n1 * es_d, int(w.a0[i]) * es_d)
+            out.explain.append((tensor, owner, stg, d_rank, d_reg, numel * es_d))
+            if not quant:
+                continue
             j = s_key.get((d_rank, scale_id[tensor], t0 // BLOCK, t1 // BLOCK))
             if j is None:
-                raise ValueError(f"quantize: target rank {d_rank} has no scale piece for "
+                raise ValueError(f"gather: target rank {d_rank} has no scale piece for "
                                  f"{names[tensor]} block ({t0 // BLOCK}, {t1 // BLOCK})")
             sd = int(s.base[j] + (t0 // BLOCK) * s.a0[j] + (t1 // BLOCK) * s.a1[j])
-            out.runs(quant, (owner, stg, s_off), (d_rank, int(s.region[j]), sd * 4), rb,
+            out.runs(quant_stage, (owner, stg, s_off), (d_rank, int(s.region[j]), sd * 4), rb,
                      cb * 4, cb * 4, int(s.a0[j]) * 4)
-    return _lowered(out, staging, max_stage + 1)
+    return _lowered(out, alloc.peak, max_stage + 1), explain_rows(out)
+
+
+def explain_rows(out: _Out) -> np.ndarray:
+    """(tensor, owner, staging region, target rank, target region, bytes) per fan-out."""
+    return np.array(out.explain, dtype=np.int64).reshape(-1, 6)
 
 
 def _lowered(out: _Out, staging: np.ndarray, stages: int) -> Lowered:
-    def col(parts: list) -> np.ndarray:
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-    from schemas.plan import COPY_COLUMNS
-
-    copies = {name: np.asarray(out.c.get(name, []), dtype=np.int64)
-              for name in ("rank", *(n for n, _ in COPY_COLUMNS))}
-    return Lowered(w_src_rank=col(out.w["src_rank"]), w_src_region=col(out.w["src_region"]),
-                   w_src_offset=col(out.w["src_offset"]), w_dst_rank=col(out.w["dst_rank"]),
-                   w_dst_region=col(out.w["dst_region"]),
-                   w_dst_offset=col(out.w["dst_offset"]), w_nbytes=col(out.w["nbytes"]),
-                   w_stage=col(out.w["stage"]), copies=copies, staging=staging, stages=stages)
+    w = np.concatenate([np.array(out.writes, dtype=np.int64).reshape(-1, 8), *out.strided])
+    c = np.array(out.copies, dtype=np.int64).reshape(-1, len(_Out.C))
+    copies = {name: c[:, i] for i, name in enumerate(_Out.C)}
+    return Lowered(*(w[:, i] for i in range(8)), copies=copies, staging=staging,
+                   stages=stages)
