@@ -97,10 +97,16 @@ def table(rows: list[dict[str, Any]]) -> str:
         pub = f"{r['published_s']:g}" if r.get("published_s") else "-"
         if "error" in r:
             return [r["config"], pub, "compile failed: " + r["error"][0]] + [""] * 10
-        return [r["config"], pub, f"{r['estimated_s']:.3f}", f"{r['floor_s']:.3f}",
-                f"{r['ratio']:.3f}", f"{r['bytes'] / 1e9:.1f}", f"{r['writes']:,}",
-                f"{r['batches']:,}", str(r["stages"]), f"{r['compile_s']:.1f}",
-                f"{r['plan_bytes'] / 1e6:.1f}", f"{r['rss_mib']:.0f}", f"{r['sim_seconds']:.1f}"]
+        def f(key: str, fmt: str, scale: float = 1.0) -> str:
+            if key not in r:
+                return "-"
+            value = r[key] / scale if scale != 1.0 else r[key]
+            return format(int(value) if fmt in (",", "d") else value, fmt)
+
+        return [r["config"], pub, f("estimated_s", ".3f"), f("floor_s", ".3f"),
+                f("ratio", ".3f"), f("bytes", ".1f", 1e9), f("writes", ","), f("batches", ","),
+                f("stages", "d"), f("compile_s", ".1f"), f("plan_bytes", ".1f", 1e6),
+                f("rss_mib", ".0f"), f("sim_seconds", ".1f")]
 
     out = ["| " + " | ".join(COLUMNS) + " |",
            "| --- | " + " | ".join("---:" for _ in COLUMNS[1:]) + " |"]
