@@ -26,10 +26,12 @@ not whole. Nothing is re-planned; the next `run()` recovers:
    and, if not finished, released and prepared again before anything is re-posted.
 4. Steps. Signals carry the step number; a rank publishes the step it runs next
    (`<ns>/step/<r>`, one store write per step) when it registers and when a step ends or
-   fails. A restarted rank (its rank's entry was already in the store) and a survivor
-   recovering run the largest of their own next step and their peers' published ones, so
-   the next `run()` has the same number everywhere. (A caller that knows its training step
-   can pass `run(step=n)` on every rank instead.)
+   fails. A restarted rank (its rank's entry was already in the store) runs the largest
+   step its peers published; a survivor recovering runs the largest of that and its last
+   completed step + 1, so the next `run()` has the same number everywhere. (A rank that
+   failed a step no peer started, e.g. one it ran alone, runs the same number again: no
+   peer's signal of that number can be stale. A caller that knows its training step can
+   pass `run(step=n)` on every rank instead.)
 The rendezvous store must outlive the ranks (host it in the launcher, not in rank 0) for a
 crashed rank 0 to come back.
 """
@@ -127,10 +129,11 @@ class Executor:
         self.store = open_store(rendezvous, self.rank, timeout_s)
         self.transport = make_transport(transport, self.rank, self.namespace, self.store, device)
         self.incarnation = int.from_bytes(os.urandom(8), "little")
-        self.inbox = signals.Inbox(self.tag)
+        self.inbox = signals.Inbox(self.tag, self.incarnation)
         self.stages: list[Stage] = []
         self.step, self.complete, self.registered = 0, False, False
         self.failed = False  # the last step raised: the next one recovers first
+        self.last_complete_step = 0
         self.pending: list[list[Any]] = []  # batches in flight when a step failed
         self.register_calls = 0  # transport registrations (once per process, ever)
         self.reimports = 0  # peers re-imported after they restarted
@@ -259,8 +262,8 @@ class Executor:
         """Before a step that follows a failure (module doc, recovery steps 2-4)."""
         self._settle_pending()
         self._refresh_peers()
-        try:
-            self.step = max(self.step, self._peers_next_step() - 1)
+        try:  # a failed step is run again only if no peer has started it (module doc)
+            self.step = max(self.last_complete_step, self._peers_next_step() - 1)
         except Exception:  # noqa: BLE001 - the store may be gone; keep our own count
             pass
         self.failed = False
@@ -273,9 +276,10 @@ class Executor:
                 try:
                     if self.transport.done(entry[0]):
                         break
-                except Exception:  # noqa: BLE001 - a failed batch: prepare it again below
-                    pass
-                if time.monotonic() >= deadline:
+                    failed = False
+                except Exception:  # noqa: BLE001 - a failed batch: prepare it again
+                    failed = True
+                if failed or time.monotonic() >= deadline:
                     self._reprepare(entry)
                     break
                 time.sleep(1e-3)
@@ -346,10 +350,11 @@ class Executor:
         for this one), publish the step so that a restarted peer can join."""
         self.failed, self.complete = True, False
         if lost is not None:
-            msg = signals.encode(self.tag, self.incarnation, self.step, lost, signals.ABORT,
-                                 self.rank)
             for peer in self.peers:
                 if peer != lost:
+                    msg = signals.encode(self.tag, self.incarnation,
+                                         self.inbox.incarnations.get(peer, 0), self.step, lost,
+                                         signals.ABORT, self.rank)
                     try:
                         self.transport.notify(peer, msg)
                     except Exception:  # noqa: BLE001 - best effort; their timeouts still hold
@@ -363,6 +368,7 @@ class Executor:
         if self.device.type == "cuda":  # unpacks are queued: the weights are whole after this
             torch.cuda.current_stream(self.device).synchronize()
         self.complete = True
+        self.last_complete_step = self.step
         seconds = time.perf_counter() - t0
         try:  # where a restarted peer joins (module doc, recovery step 4)
             self._publish_step()
@@ -394,7 +400,8 @@ class Executor:
 
     def _signal(self, peers: list[int], stage: int, kind: int) -> None:
         for peer in peers:
-            msg = signals.encode(self.tag, self.incarnation, self.step, stage, kind, self.rank)
+            msg = signals.encode(self.tag, self.incarnation, self.inbox.incarnations[peer],
+                                 self.step, stage, kind, self.rank)
             try:
                 self.transport.notify(peer, msg)
             except Exception as e:  # noqa: BLE001 - transports raise their own types

@@ -1,17 +1,20 @@
 """Signal messages and the inbox that matches them to waits.
 
-A message is `b"RPS2"` + 8 bytes of the plan fingerprint's hash + (incarnation, step,
-stage, kind, sender). Waits match the rule of `schemas/plan.py`: a `READY` or `DONE` wait
-at stage s matches the peer's signal sent in stage s of the same step, an `ACK` wait at
-stage s the peer's `ACK` sent in stage s-1. Messages of another plan are ignored, messages
-of an earlier step are stale and dropped, messages of a later step are kept for it. An
-`ABORT` (executor-internal) says the sender gave up the step after losing a rank: waits on
-the sender then fail at once, naming that rank.
+A message is `b"RPS2"` + 8 bytes of the plan fingerprint's hash + (sender's incarnation,
+receiver's incarnation as the sender imported it, step, stage, kind, sender). Waits match
+the rule of `schemas/plan.py`: a `READY` or `DONE` wait at stage s matches the peer's
+signal sent in stage s of the same step, an `ACK` wait at stage s the peer's `ACK` sent in
+stage s-1. Messages of another plan are ignored, messages of an earlier step are stale and
+dropped, messages of a later step are kept for it. An `ABORT` (executor-internal) says the
+sender gave up the step after losing a rank: waits on the sender then fail at once, naming
+that rank.
 
-Incarnations (executor/core.py, recovery): a message counts only if its incarnation is the
-one imported for its sender. Messages of any other incarnation never satisfy a wait: they
-are held (a bounded number), `foreign` is set so that the executor reads the store for a
-restarted peer, and `set_incarnation` admits the held ones of the newly imported one.
+Incarnations (executor/core.py, recovery): a message counts only if it is addressed to this
+process (not to an earlier process of this rank: the sender's writes went there) and its
+sender's incarnation is the one imported for the sender. Messages of any other sender
+incarnation never satisfy a wait: they are held (a bounded number), `foreign` is set so
+that the executor reads the store for a restarted peer, and `set_incarnation` admits the
+held ones of the newly imported one.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections import deque
 from schemas.plan import ACK
 
 _MAGIC = b"RPS2"
-_BODY = struct.Struct("<QqiBi")
+_BODY = struct.Struct("<QQqiBi")
 _HELD = 4096  # messages of unknown incarnations kept for a peer being re-imported
 ABORT = 255
 """Executor-internal kind (not in plans): the sender gave up this step because it lost the
@@ -37,9 +40,10 @@ def fingerprint_tag(fingerprint: object) -> bytes:
     return hashlib.blake2b(str(fingerprint).encode(), digest_size=8).digest()
 
 
-def encode(tag: bytes, incarnation: int, step: int, stage: int, kind: int,
+def encode(tag: bytes, incarnation: int, to: int, step: int, stage: int, kind: int,
            sender: int) -> bytes:
-    return _MAGIC + tag + _BODY.pack(incarnation, step, stage, kind, sender)
+    """`incarnation`: the sender's; `to`: the receiver's, as the sender imported it."""
+    return _MAGIC + tag + _BODY.pack(incarnation, to, step, stage, kind, sender)
 
 
 def expected(step: int, wait_stage: int, kind: int, peer: int) -> Key:
@@ -48,8 +52,8 @@ def expected(step: int, wait_stage: int, kind: int, peer: int) -> Key:
 
 
 class Inbox:
-    def __init__(self, tag: bytes) -> None:
-        self.tag = tag
+    def __init__(self, tag: bytes, incarnation: int = 0) -> None:
+        self.tag, self.incarnation = tag, incarnation
         self.arrived: set[Key] = set()
         self.incarnations: dict[int, int] = {}
         """Sender rank -> the incarnation imported for it."""
@@ -74,10 +78,10 @@ class Inbox:
         for m in msgs:
             if len(m) != 12 + _BODY.size or m[:4] != _MAGIC or m[4:12] != self.tag:
                 continue
-            inc, *rest = _BODY.unpack(m[12:])
+            inc, to, *rest = _BODY.unpack(m[12:])
             key: Key = tuple(rest)  # type: ignore[assignment]
-            if key[0] < step:
-                continue
+            if key[0] < step or to != self.incarnation:
+                continue  # stale, or meant for an earlier process of this rank
             if self.incarnations.get(key[3]) != inc:
                 self.held.append((inc, key))
                 self.foreign = True

@@ -1,0 +1,146 @@
+"""The recovery rules in one process (local transport, fast): incarnations on signals,
+messages meant for a dead process, re-import of a restarted peer, step resync, ABORT."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "executor"))
+from exec_plans import DONE, READY, rank_plan, region  # noqa: E402
+
+from executor import Executor, PeerTimeoutError  # noqa: E402
+from executor import signals as sg  # noqa: E402
+from executor.transports.local import Fabric  # noqa: E402
+
+TAG = sg.fingerprint_tag("fp")
+HEADER = {"fingerprint": "fp", "world": 2}
+
+
+def _msg(inc, to, step, stage, kind, sender):
+    return sg.encode(TAG, inc, to, step, stage, kind, sender)
+
+
+def test_inbox_counts_only_the_imported_incarnation_addressed_to_this_process():
+    box = sg.Inbox(TAG, incarnation=7)
+    box.set_incarnation(1, 100)
+    key = sg.expected(3, 0, DONE, 1)
+    box.add([_msg(99, 7, 3, 0, DONE, 1)], step=3)  # a dead process of rank 1
+    assert box.take([key]) == [key] and box.foreign
+    box.add([_msg(100, 6, 3, 0, DONE, 1)], step=3)  # meant for an earlier process of ours
+    assert box.take([key]) == [key]
+    box.add([_msg(100, 7, 2, 0, DONE, 1)], step=3)  # an earlier step
+    assert box.take([key]) == [key]
+    box.add([_msg(100, 7, 3, 0, DONE, 1)], step=3)
+    assert box.take([key]) == []
+
+
+def test_held_messages_of_a_restarted_peer_are_admitted_once_imported():
+    box = sg.Inbox(TAG, incarnation=7)
+    box.set_incarnation(1, 100)
+    key = sg.expected(4, 0, READY, 1)
+    box.add([_msg(200, 7, 4, 0, READY, 1)], step=4)  # the new process, not imported yet
+    assert box.take([key]) == [key]
+    box.set_incarnation(1, 200)
+    assert box.take([key]) == []
+
+
+def test_abort_names_the_lost_rank_for_that_step_only():
+    box = sg.Inbox(TAG, incarnation=7)
+    box.set_incarnation(1, 100)
+    box.add([_msg(100, 7, 5, 3, sg.ABORT, 1)], step=5)  # rank 1 lost rank 3 in step 5
+    missing = [sg.expected(5, 0, DONE, 1)]
+    assert box.abort_of(5, missing) == (1, 3)
+    box.drop_before(6)
+    assert box.abort_of(6, [sg.expected(6, 0, DONE, 1)]) is None
+
+
+def _plans():
+    # source 0 "x" [8] u8 -> target 1 "x" [8] u8, one write; READY then DONE
+    x = region("x", "uint8", (8,))
+    src = rank_plan(0, "source", [x], [(0, 1, 0, 0, 0, 0, 8)], signals=[(0, 1, DONE)],
+                    waits=[(0, 1, READY)], peer_regions={1: (8,)})
+    tgt = rank_plan(1, "target", [x], signals=[(0, 0, READY)], waits=[(0, 0, DONE)])
+    return src, tgt
+
+
+def _both(a: Executor, b: Executor):
+    out, errs = {}, {}
+
+    def go(ex):
+        try:
+            out[ex.rank] = ex.run()
+        except PeerTimeoutError as e:
+            errs[ex.rank] = e
+    threads = [threading.Thread(target=go, args=(ex,)) for ex in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    return out, errs
+
+
+def test_restarted_target_is_reimported_and_stale_signals_never_count():
+    fabric = Fabric()
+    src_t = {"x": torch.arange(8, dtype=torch.uint8)}
+    src, tgt = _plans()
+    s = Executor(HEADER, src, src_t, "local", fabric, timeout_s=0.5)
+    t_old = Executor(HEADER, tgt, {"x": torch.zeros(8, dtype=torch.uint8)}, "local", fabric,
+                     timeout_s=0.5)
+    for ex in (s, t_old):
+        ex.register()
+    for ex in (s, t_old):
+        ex.connect()
+    out, errs = _both(s, t_old)
+    assert not errs and out[1].complete
+    # the target "dies" in step 2 after sending READY; the source writes into the dead
+    # process's memory and sends DONE there; a new process of rank 1 loads
+    t_old.begin_step()
+    t_old.ready(0)
+    s.run()  # lands in t_old: the source cannot know yet
+    src_t["x"].add_(1)
+    new_x = torch.zeros(8, dtype=torch.uint8)
+    t_new = Executor(HEADER, tgt, {"x": new_x}, "local", fabric, timeout_s=0.5)
+    t_new.register()
+    t_new.connect()
+    assert t_new.rejoined and t_new.step == 2  # joins at the source's next step (3)
+    old_x = t_old.regions[0].clone()
+    # a late duplicate of the dead process's READY of step 2 must not start step 3
+    t_old.ready(0)
+    out, errs = _both(s, t_new)
+    assert not errs, errs
+    assert s.reimports == 1 and s.register_calls == 1 and t_new.complete
+    assert out[0].step == out[1].step == 3
+    assert torch.equal(new_x, src_t["x"]) and torch.equal(t_old.regions[0], old_x)
+    src_t["x"].add_(1)
+    out, errs = _both(s, t_new)
+    assert not errs and torch.equal(new_x, src_t["x"]) and out[0].step == out[1].step == 4
+
+
+def test_a_rank_that_failed_a_step_alone_runs_it_again():
+    # the restarted target runs (and fails) a step before the source runs at all: their
+    # step numbers differ, and the published steps bring them together again
+    fabric = Fabric()
+    src_t = {"x": torch.arange(8, dtype=torch.uint8)}
+    src, tgt = _plans()
+    x = torch.zeros(8, dtype=torch.uint8)
+    s = Executor(HEADER, src, src_t, "local", fabric, timeout_s=0.3)
+    t = Executor(HEADER, tgt, {"x": x}, "local", fabric, timeout_s=0.3)
+    for ex in (s, t):
+        ex.register()
+    for ex in (s, t):
+        ex.connect()
+    with pytest.raises(PeerTimeoutError):
+        t.run()
+    src_t["x"].add_(1)
+    out, errs = _both(s, t)  # the target runs step 1 again: no peer had started it
+    assert not errs and out[0].step == out[1].step == 1
+    assert torch.equal(x, src_t["x"])
+    src_t["x"].add_(1)
+    out, errs = _both(s, t)
+    assert not errs and out[0].step == out[1].step == 2 and torch.equal(x, src_t["x"])
