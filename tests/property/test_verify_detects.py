@@ -1,0 +1,130 @@
+"""`planner.verify` can fail: each check reports a fault planted in a good plan.
+
+The plan: the small qwen3 of tests/planner/test_compile_synthetic.py, a 4-way fused
+column split in float32 (sources) -> a 2-way fused column split x 2 replicas in bf16
+(targets) on 2 hosts of 4 GPUs (colocated), staging 4096 bytes: casts (packs), strided
+target boxes (unpacks), several stages with ACKs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from planner import verify
+from planner.compiler import compile_layouts
+from planner.spec import spec_from_hf
+from schemas.config import ClusterConfig, Config, ModelConfig, Options, SourceConfig, TargetConfig
+from schemas.plan import ACK, DONE, PACK, STAGING, Plan, RankPlan, Table
+from tests.planner.synthetic import fused_col_split
+from tests.planner.test_compile_synthetic import HF
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    spec = spec_from_hf(HF)
+    cfg = Config(model=ModelConfig("unused"), source=SourceConfig("fsdp2", dp=4),
+                 target=TargetConfig("vllm", tp=2, replicas=2),
+                 cluster=ClusterConfig(gpus_per_host=4, nics_per_host=2,
+                                       placement="colocated", source_gpus_per_host=2),
+                 options=Options(staging_bytes=4096, max_write_bytes=4096))
+    p = compile_layouts(cfg, spec, fused_col_split(spec, 4, 1, "float32"),
+                        fused_col_split(spec, 2, 2))
+    assert verify.verify_plan(p) == []
+    assert p.header["stages"] > 1 and p.header["stats"]["unpacks"] > 0
+    return p
+
+
+def _edit(plan: Plan, rank: int, **tables: Table | tuple) -> Plan:
+    ranks = list(plan.ranks)
+    ranks[rank] = dataclasses.replace(ranks[rank], **tables)
+    return dataclasses.replace(plan, ranks=tuple(ranks))
+
+
+def _rows(t: Table, keep: np.ndarray, **set_cols: np.ndarray) -> Table:
+    cols = {n: np.array(t[n])[keep] for n, _ in t.schema}
+    cols.update(set_cols)
+    return Table.build(t.schema, **cols)
+
+
+def _writer(plan: Plan) -> RankPlan:
+    return next(rp for rp in plan.ranks if len(rp.writes) > 2)
+
+
+def test_dropped_write_is_a_coverage_gap(plan: Plan) -> None:
+    rp = _writer(plan)
+    w, b = rp.writes, rp.batches
+    keep = np.arange(len(w)) != len(w) - 1
+    bad = _edit(plan, rp.rank, writes=_rows(w, keep),
+                batches=_rows(b, np.ones(len(b), bool), stop=np.minimum(b["stop"],
+                                                                         len(w) - 1)))
+    bad = _edit(bad, rp.rank, batches=_rows(bad.ranks[rp.rank].batches,
+                                            bad.ranks[rp.rank].batches["stop"] >
+                                            bad.ranks[rp.rank].batches["start"]))
+    problems = verify.verify_plan(bad)
+    assert any("bytes written per run" in p or "no write of its stage fills" in p
+               for p in problems), problems
+
+
+def test_duplicated_write_is_an_overlap(plan: Plan) -> None:
+    rp = _writer(plan)
+    w, b = rp.writes, rp.batches
+    keep = np.append(np.arange(len(w)), len(w) - 1)  # the last write twice
+    stop = np.array(b["stop"])
+    stop[-1] += 1
+    bad = _edit(plan, rp.rank, writes=_rows(w, keep),
+                batches=_rows(b, np.ones(len(b), bool), stop=stop))
+    assert any("overlap" in p for p in verify.verify_plan(bad))
+
+
+def test_oversized_write_and_staging_are_reported(plan: Plan) -> None:
+    opts = {**plan.header["options"], "max_write_bytes": 8, "staging_bytes": 8}
+    problems = verify.sizes(dataclasses.replace(plan, header={**plan.header,
+                                                              "options": opts}))
+    assert any("exceeds max_write_bytes" in p for p in problems)
+    assert any("exceeds staging_bytes" in p for p in problems)
+
+
+def test_pack_in_the_wrong_stage_is_a_dataflow_error(plan: Plan) -> None:
+    rp = next(r for r in plan.ranks if (r.copies["kind"] == PACK).any()
+              and len(set(r.copies["stage"].tolist())) > 1)
+    c = rp.copies
+    stage = np.array(c["stage"])
+    i = int(np.flatnonzero(c["kind"] == PACK)[0])
+    stage[i] = (stage[i] + 1) % rp.stages
+    bad = _edit(plan, rp.rank, copies=_rows(c, np.ones(len(c), bool), stage=stage))
+    assert verify.dataflow(bad) != []
+
+
+@pytest.mark.parametrize("kind", [DONE, ACK])
+def test_missing_signal_is_an_order_error(plan: Plan, kind: int) -> None:
+    rp = next(r for r in plan.ranks if (r.signals["kind"] == kind).any())
+    s = rp.signals
+    keep = np.arange(len(s)) != int(np.flatnonzero(s["kind"] == kind)[0])
+    assert verify.order(_edit(plan, rp.rank, signals=_rows(s, keep))) != []
+
+
+def test_unbalanced_nics_are_reported(plan: Plan) -> None:
+    # Pretend rank 0's remote batches went over NVLink: the other source NICs carry all.
+    egress = verify.nic_egress(plan)
+    assert len(egress) >= 2 and verify.balance(plan, replicated=True) == []
+    skewed = plan
+    for rp in plan.ranks[1:]:
+        if rp.role == "source":
+            b = rp.batches
+            skewed = _edit(skewed, rp.rank, batches=_rows(
+                b, np.ones(len(b), bool), nic=np.ones(len(b), np.int64)))
+    assert sum(verify.nic_egress(skewed).values()) < sum(egress.values())
+    assert verify.balance(skewed, replicated=True) != []
+
+
+def test_copy_outside_its_region_is_a_bounds_error(plan: Plan) -> None:
+    rp = next(r for r in plan.ranks if len(r.copies))
+    c = rp.copies
+    size = np.array(c["size0"])
+    size[0] = 10**6
+    assert verify.bounds(_edit(plan, rp.rank, copies=_rows(c, np.ones(len(c), bool),
+                                                            size0=size))) != []
+    assert any(r.name == STAGING for r in rp.regions)
