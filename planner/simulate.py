@@ -10,7 +10,8 @@ The model (at batch granularity; a batch is one flow):
 - A flow uses two resources: the egress and the ingress of its path: the source's and
   the target's NIC (`cluster.nic_gbps`, shared by all GPUs that NIC serves), or the
   source's and target's NVLink (`nvlink_gbps`, per GPU). Active flows share resources
-  max-min fairly (progressive filling), recomputed whenever a flow starts or ends.
+  max-min fairly (progressive filling, exact up to `MAX_LEVELS` bottleneck levels),
+  recomputed whenever the set of flows changes.
 - A batch's size is its bytes plus `write_overhead_us` of link time for every write in it.
 - Packs (and QUANTs) and unpacks of a stage run one after another on their rank:
   `pack_overhead_us` plus bytes (of the wider dtype side) at `pack_gbps` each.
