@@ -95,7 +95,7 @@ def _fine_cut(spec: ModelSpec, src: PieceTable, dst: PieceTable, cfg: Config,
     cast = src.dtype[one] != dst.dtype[first] if len(src) else np.zeros(len(first), bool)
     need = numel * es_src + np.where(cast, nbytes, 0)
     fine = (chunks >= 2) & (holders >= 2) & (saved_us > hop_us)
-    fine &= need + 256 <= cfg.options.staging_bytes
+    fine &= need + 256 <= cfg.options.staging_bytes - cfg.options.staging_bytes // 4
     return np.nonzero(fine[inv])[0]
 
 

@@ -91,11 +91,16 @@ def bounds(plan: Plan) -> list[str]:
 def _copy_bounds(rp: RankPlan) -> list[str]:
     c = rp.copies
     out = []
-    kind_ok = PACK if rp.role == "source" else UNPACK
+    kinds_ok = (PACK, QUANT) if rp.role == "source" else (UNPACK,)
     for i in range(len(c)):
-        if c["kind"][i] != kind_ok:
+        if c["kind"][i] not in kinds_ok:
             return [f"rank {rp.rank}: copy {i} has kind {c['kind'][i]}, not allowed on a "
                     f"{rp.role}"]
+        if c["kind"][i] == QUANT:  # its float32 scales, after the e4m3 box
+            blocks = -(-int(c["size0"][i]) // 128) * -(-int(c["size1"][i]) // 128)
+            end = (int(c["aux_offset"][i]) + blocks) * 4
+            if c["aux_offset"][i] < 0 or end > rp.regions[int(c["dst_region"][i])].nbytes:
+                return [f"rank {rp.rank}: copy {i} writes its scales outside its region"]
     for side in ("src", "dst"):
         reg = c[f"{side}_region"]
         code = c[f"{side}_dtype"]

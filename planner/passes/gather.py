@@ -46,22 +46,26 @@ def _align(n: int) -> int:
 
 
 class _Staging:
-    """Bump allocation of each rank's staging per stage, within the budget."""
+    """Bump allocation of each rank's staging per stage, in two pools: the first
+    `budget - budget // 4` bytes for the boxes a rank owns, the rest for the parts it packs
+    for other owners (so those packs never fall back to row-by-row writes)."""
 
     def __init__(self, world: int, budget: int) -> None:
-        self.used: dict[tuple[int, int], int] = {}
-        self.budget = budget
+        self.used: dict[tuple[int, int, int], int] = {}
+        self.bounds = ((0, budget - budget // 4), (budget - budget // 4, budget))
         self.peak = np.zeros(world, dtype=np.int64)
 
-    def fits(self, rank: int, stages: tuple[int, ...], nbytes: int) -> bool:
-        start = max(self.used.get((rank, s), 0) for s in stages)
-        return start + _align(nbytes) <= self.budget
+    def _start(self, rank: int, stages: tuple[int, ...], pool: int) -> int:
+        return max(self.used.get((rank, s, pool), self.bounds[pool][0]) for s in stages)
 
-    def take(self, rank: int, stages: tuple[int, ...], nbytes: int) -> int:
+    def fits(self, rank: int, stages: tuple[int, ...], nbytes: int, pool: int = 0) -> bool:
+        return self._start(rank, stages, pool) + _align(nbytes) <= self.bounds[pool][1]
+
+    def take(self, rank: int, stages: tuple[int, ...], nbytes: int, pool: int = 0) -> int:
         """Offset of `nbytes` live in every stage of `stages` on `rank`."""
-        start = max(self.used.get((rank, s), 0) for s in stages)
+        start = self._start(rank, stages, pool)
         for s in stages:
-            self.used[(rank, s)] = start + _align(nbytes)
+            self.used[(rank, s, pool)] = start + _align(nbytes)
         self.peak[rank] = max(self.peak[rank], start + _align(nbytes))
         return start
 
@@ -148,11 +152,12 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
         g_bytes = 0 if direct else _align(numel * es)
         f_bytes = _align(numel) if quant else _align(numel * es_d) if cast else 0
         need = g_bytes + f_bytes + (_align(nscale * 4) if quant else 0)
-        if need > opts.staging_bytes:
+        if not alloc.fits(-1, (0,), need):
             raise ConfigError(
                 f"options.staging_bytes: {opts.staging_bytes} is too small to gather "
                 f"{names[tensor]} rows {t0}..{t0 + n0} cols {t1}..{t1 + n1} ({need} bytes of "
-                f"staging); raise options.staging_bytes to at least {need}")
+                f"staging, which must fit in 3/4 of the budget); raise "
+                f"options.staging_bytes to at least {-(-need * 4 // 3) + ALIGN}")
         k = rounds.get(owner, 0)
         while not alloc.fits(owner, (base + 2 * k, base + 2 * k + 1), need):
             k += 1
@@ -186,9 +191,9 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
                 if hr == owner:  # own part: straight into the gather buffer
                     out.copy(rank=owner, dst_region=stg, dst_offset=into,
                              **{**pack, "dst_stride0": n1})
-                elif not dense and m1 == n1 and alloc.fits(hr, (gather,), m0 * m1 * es):
+                elif not dense and m1 == n1 and alloc.fits(hr, (gather,), m0 * m1 * es, 1):
                     # strided on its holder: pack there, then one write
-                    off = alloc.take(hr, (gather,), m0 * m1 * es)
+                    off = alloc.take(hr, (gather,), m0 * m1 * es, 1)
                     out.copy(rank=hr, dst_region=int(n_regions[hr]), dst_offset=off // es,
                              **pack)
                     out.runs(gather, (hr, int(n_regions[hr]), off), (owner, stg, into * es),
