@@ -15,7 +15,7 @@ _COMMON = dict(deadline=None, derandomize=False, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                       HealthCheck.data_too_large])
 settings.register_profile("fast", max_examples=12, **_COMMON)
-settings.register_profile("deep", max_examples=2000, **_COMMON)
+settings.register_profile("deep", max_examples=300, **_COMMON)
 
 
 def pytest_configure(config: pytest.Config) -> None:
