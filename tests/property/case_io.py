@@ -15,7 +15,7 @@ from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
 from planner.spec import spec_from_hf
 from schemas.config import config_from_dict
 from schemas.plan import write_plan
-from tests.property.strategies import Case
+from tests.property.strategies import Case, full_spec
 
 _SECTIONS = ("model", "source", "target", "cluster", "options")
 
@@ -47,8 +47,9 @@ def case_json(case: Case) -> str:
 
 def case_from_json(text: str) -> Case:
     data = json.loads(text)
-    return Case(spec_from_hf(data["hf"]), _layout(data["src"]), _layout(data["dst"]),
-                config_from_dict(data["config"]), data["hf"])
+    cfg = config_from_dict(data["config"])
+    return Case(full_spec(spec_from_hf(data["hf"]), cfg), _layout(data["src"]),
+                _layout(data["dst"]), cfg, data["hf"])
 
 
 def main(argv: list[str]) -> None:

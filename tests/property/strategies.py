@@ -122,6 +122,23 @@ def deepseek_hf(draw: st.DrawFn) -> dict[str, Any]:
                 tie_word_embeddings=False)
 
 
+@st.composite
+def fp8_hf(draw: st.DrawFn) -> dict[str, Any]:
+    """Dense or MoE models whose linear weights split into whole 128x128 blocks under small
+    TP (block-FP8 targets need block-aligned shards)."""
+    kv = draw(st.integers(1, 2))
+    hf = dict(model_type=draw(st.sampled_from(["qwen3", "llama", "qwen3_moe"])),
+              hidden_size=128 * draw(st.integers(1, 2)), num_attention_heads=kv *
+              draw(st.integers(1, 2)), num_key_value_heads=kv, head_dim=128,
+              intermediate_size=128 * draw(st.integers(1, 2)),
+              vocab_size=draw(st.integers(3, 40)), num_hidden_layers=1,
+              tie_word_embeddings=draw(st.booleans()))
+    if hf["model_type"] == "qwen3_moe":
+        hf.update(num_experts=draw(st.integers(1, 2)), moe_intermediate_size=128,
+                  num_experts_per_tok=1)
+    return hf
+
+
 def model_hf() -> st.SearchStrategy[dict[str, Any]]:
     return st.one_of(dense_hf(), qwen3_moe_hf(), deepseek_hf())
 
@@ -230,12 +247,13 @@ def target_configs(draw: st.DrawFn, dtype: str) -> TargetConfig:
 
 @st.composite
 def framework_cases(draw: st.DrawFn, src_dtype: str | None = None,
-                    dst_dtype: str | None = None) -> Case:
-    """A random valid (megatron | fsdp2) -> (vllm | sglang) config of a random spec."""
-    hf = draw(model_hf())
+                    dst_dtype: str | None = None, fp8: bool = True) -> Case:
+    """A random valid (megatron | fsdp2) -> (vllm | sglang) config of a random spec; with
+    `fp8`, targets may be `fp8_block128` (the case's spec then has the scale tensors)."""
+    td = dst_dtype or draw(st.sampled_from(DTYPES + ("fp8_block128",) * fp8))
+    hf = draw(fp8_hf() if td == "fp8_block128" else model_hf())
     spec = spec_of(hf)
     sd = src_dtype or draw(st.sampled_from(DTYPES))
-    td = dst_dtype or draw(st.sampled_from(DTYPES))
     cfg = Config(model=ModelConfig("random"), source=draw(source_configs(sd)),
                  target=draw(target_configs(td)), cluster=draw(clusters()),
                  options=draw(options()))
@@ -245,13 +263,23 @@ def framework_cases(draw: st.DrawFn, src_dtype: str | None = None,
     except ConfigError:
         assume(False)
         raise
-    return Case(spec, src, dst, cfg, hf)
+    return Case(full_spec(spec, cfg), src, dst, cfg, hf)
 
 
-def cases(src_dtype: str | None = None, dst_dtype: str | None = None
+def full_spec(spec: ModelSpec, cfg: Config) -> ModelSpec:
+    """The spec the compiler sees: FP8 targets add one scale tensor per quantized weight."""
+    if cfg.target.dtype == "fp8_block128":
+        from planner.fp8 import with_scales
+
+        return with_scales(spec)
+    return spec
+
+
+def cases(src_dtype: str | None = None, dst_dtype: str | None = None, fp8: bool = True
           ) -> st.SearchStrategy[Case]:
-    """Synthetic cases, and framework cases once both sides have landed."""
+    """Synthetic cases, and framework cases once both sides have landed (with `fp8`, some
+    targets are block-FP8)."""
     out = synthetic_cases(src_dtype, dst_dtype)
     if FRAMEWORKS:
-        out = st.one_of(out, framework_cases(src_dtype, dst_dtype))
+        out = st.one_of(out, framework_cases(src_dtype, dst_dtype, fp8))
     return out

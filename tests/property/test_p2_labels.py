@@ -7,6 +7,8 @@ target element starts at `SENTINEL`, and `executor.run_all_local` replays the pl
 (staging is reused between steps). Afterwards every element a target piece covers holds
 its own label (after the cast to the target dtype) and every padding element is still
 `SENTINEL`. With float32 on both sides the labels are unique per logical element.
+Block-FP8 targets change values by design; property 8 checks them against the reference
+quantizer.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from tests.property import harness
 from tests.property.strategies import Case, cases
 
 
-@given(st.one_of(cases("float32", "float32"), cases()))
+@given(st.one_of(cases("float32", "float32"), cases(fp8=False)))
 def test_every_target_element_holds_its_own_label(case: Case) -> None:
     plan = harness.compile_case(case)
     full = harness.labels(case)

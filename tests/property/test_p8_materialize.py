@@ -5,7 +5,8 @@ bit for bit: bf16 -> bf16, fp32 -> bf16 (the cast rounds to nearest even, as tor
 The logical tensors are random float32 values with low bits set (`bf16` cannot hold them:
 a missed or doubled rounding shows). A source holds them rounded to its dtype; the
 expected target is `materialize` of those source values (so a bf16 source feeding an fp32
-target expects the bf16 values), with padding left at `SENTINEL`.
+target expects the bf16 values), with padding left at `SENTINEL`. Block-FP8 targets
+expect `planner.fp8.quantize_full` of the source values (e4m3 weights and their scales).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from planner.fp8 import quantize_full
 from planner.materialize import DTYPES
 from tests.property import harness
 from tests.property.strategies import Case, cases
@@ -34,4 +36,6 @@ def test_run_reproduces_materialized_targets(case: Case, seed: int) -> None:
             for t in case.spec.tensors}
     got = harness.run(plan, case, full)
     held = {name: full[name].to(DTYPES[dt]).float() for name, dt in source_dtypes(case).items()}
+    if case.cfg.target.dtype == "fp8_block128":
+        held = quantize_full(case.spec, held)
     assert harness.mismatches(got, harness.expected(case, held)) == []
