@@ -1,4 +1,4 @@
-"""The `rdma-plan` command line: spec, compile, inspect, explain, verify.
+"""The `rdma-plan` command line: spec, compile, inspect, explain, verify, simulate.
 
 Only this module reads argv and prints; each subcommand calls one library function. The
 compiler, inspector and verifier are imported inside their subcommands, so `spec` and
@@ -87,8 +87,10 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
     load(args.config)  # bad configs fail here, before the compiler is imported
     from planner.compiler import compile_file
+    from planner.progress import Progress
 
-    stats = compile_file(args.config, args.output)
+    with Progress("compile") as progress:
+        stats = compile_file(args.config, args.output, progress)
     summary = "  ".join(f"{k}={_fmt(v)}" for k, v in stats.items())
     print(f"wrote {args.output}: {summary}")
     return 0
@@ -106,6 +108,28 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from planner.inspect import inspect_text
 
     print(inspect_text(args.plan, args.json))
+    if args.plot:
+        from planner.plot import plot_plan
+        from schemas.plan import read_header
+
+        with open(args.plan, "rb") as f:
+            header, _ = read_header(f, args.plan)
+        print(f"wrote {plot_plan(header, args.plot)}", file=sys.stderr)
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from planner.simulate import simulate, summary_text
+
+    res = simulate(args.plan, inflight=args.inflight)
+    if args.plot:
+        from planner.plot import plot_simulation
+
+        print(f"wrote {plot_simulation(res, args.plot)}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({k: v for k, v in res.items() if k != "timeline"}, indent=1))
+    else:
+        print(summary_text(res))
     return 0
 
 
@@ -157,6 +181,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("inspect", _cmd_inspect, "summarise a plan file")
     sp.add_argument("plan")
     sp.add_argument("--json", action="store_true", help="print JSON instead of text")
+    sp.add_argument("--plot", metavar="FILE.png", help="also draw bytes per rank and per NIC "
+                    "(needs matplotlib)")
+
+    sp = add("simulate", _cmd_simulate, "estimate a plan's transfer time on its cluster "
+             "(flow-level simulation) against the bandwidth floor")
+    sp.add_argument("plan")
+    sp.add_argument("--json", action="store_true", help="print JSON (estimated_s, floor_s, "
+                    "ratio, per-NIC bytes and busy time) instead of text")
+    sp.add_argument("--plot", metavar="FILE.png", help="also draw per-NIC load and the "
+                    "timeline of batches (needs matplotlib)")
+    sp.add_argument("--inflight", type=int, default=8, metavar="N",
+                    help="batches a rank keeps in flight (the executor's max_inflight)")
 
     sp = add("explain", _cmd_explain, "show how one logical tensor moves in a plan")
     sp.add_argument("plan")
