@@ -29,9 +29,10 @@ not whole. Nothing is re-planned; the next `run()` recovers:
    fails. A restarted rank (its rank's entry was already in the store) runs the largest
    step its peers published; a survivor recovering runs the largest of that and its last
    completed step + 1, so the next `run()` has the same number everywhere. (A rank that
-   failed a step no peer started, e.g. one it ran alone, runs the same number again: no
-   peer's signal of that number can be stale. A caller that knows its training step can
-   pass `run(step=n)` on every rank instead.)
+   failed a step no peer started, e.g. one it ran alone, runs the same number again: its
+   `ABORT` voided the signals it sent in the failed attempt, so no peer can finish that
+   step without it. A caller that knows its training step can pass `run(step=n)` on every
+   rank instead.)
 The rendezvous store must outlive the ranks (host it in the launcher, not in rank 0) for a
 crashed rank 0 to come back.
 """
@@ -129,7 +130,7 @@ class Executor:
         self.store = open_store(rendezvous, self.rank, timeout_s)
         self.transport = make_transport(transport, self.rank, self.namespace, self.store, device)
         self.incarnation = int.from_bytes(os.urandom(8), "little")
-        self.inbox = signals.Inbox(self.tag, self.incarnation)
+        self.inbox = signals.Inbox(self.tag, self.incarnation, self.rank)
         self.stages: list[Stage] = []
         self.step, self.complete, self.registered = 0, False, False
         self.failed = False  # the last step raised: the next one recovers first
@@ -137,6 +138,7 @@ class Executor:
         self.pending: list[list[Any]] = []  # batches in flight when a step failed
         self.register_calls = 0  # transport registrations (once per process, ever)
         self.reimports = 0  # peers re-imported after they restarted
+        self.reprepared = 0  # batches released and prepared again after a failed step
         self.peers: list[int] = []
         self.rejoined = False
         self.bytes_per_step = int(plan.writes["nbytes"].sum())
@@ -286,6 +288,7 @@ class Executor:
         self.pending = []
 
     def _reprepare(self, entry: list[Any]) -> None:
+        self.reprepared += 1
         release = getattr(self.transport, "release", None)
         if release is not None:
             release(entry[0])
@@ -346,19 +349,19 @@ class Executor:
         self.inbox.drop_before(self.step)
 
     def fail(self, lost: int | None = None) -> None:
-        """Mark the step failed: tell the other peers which rank was lost (they stop waiting
-        for this one), publish the step so that a restarted peer can join."""
+        """Mark the step failed: tell every peer which rank was lost (its signals of this step
+        are void; the others stop waiting for this one), publish the step so that a
+        restarted peer can join."""
         self.failed, self.complete = True, False
         if lost is not None:
             for peer in self.peers:
-                if peer != lost:
-                    msg = signals.encode(self.tag, self.incarnation,
-                                         self.inbox.incarnations.get(peer, 0), self.step, lost,
-                                         signals.ABORT, self.rank)
-                    try:
-                        self.transport.notify(peer, msg)
-                    except Exception:  # noqa: BLE001 - best effort; their timeouts still hold
-                        pass
+                msg = signals.encode(self.tag, self.incarnation,
+                                     self.inbox.incarnations.get(peer, 0), self.step, lost,
+                                     signals.ABORT, self.rank)
+                try:
+                    self.transport.notify(peer, msg)
+                except Exception:  # noqa: BLE001 - best effort; their timeouts still hold
+                    pass
         try:
             self._publish_step()
         except Exception:  # noqa: BLE001 - the store may be gone too; the timeout was raised
@@ -442,6 +445,7 @@ class Executor:
                 try:
                     self.transport.post(entry[0])
                 except Exception as e:  # noqa: BLE001 - transports raise their own types
+                    inflight.append(entry)  # its handle may be half-posted: settle it too
                     raise PeerLostError(self.rank, entry[1], f"post the writes of stage {s}",
                                         e) from e
                 inflight.append(entry)

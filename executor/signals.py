@@ -6,8 +6,9 @@ the rule of `schemas/plan.py`: a `READY` or `DONE` wait at stage s matches the p
 signal sent in stage s of the same step, an `ACK` wait at stage s the peer's `ACK` sent in
 stage s-1. Messages of another plan are ignored, messages of an earlier step are stale and
 dropped, messages of a later step are kept for it. An `ABORT` (executor-internal) says the
-sender gave up the step after losing a rank: waits on the sender then fail at once, naming
-that rank.
+sender gave up the step after losing a rank: its signals of that step received so far are
+void (it may run the step again and send them again), and if the lost rank is another one,
+waits on the sender fail at once, naming it.
 
 Incarnations (executor/core.py, recovery): a message counts only if it is addressed to this
 process (not to an earlier process of this rank: the sender's writes went there) and its
@@ -52,8 +53,8 @@ def expected(step: int, wait_stage: int, kind: int, peer: int) -> Key:
 
 
 class Inbox:
-    def __init__(self, tag: bytes, incarnation: int = 0) -> None:
-        self.tag, self.incarnation = tag, incarnation
+    def __init__(self, tag: bytes, incarnation: int = 0, rank: int = -1) -> None:
+        self.tag, self.incarnation, self.rank = tag, incarnation, rank
         self.arrived: set[Key] = set()
         self.incarnations: dict[int, int] = {}
         """Sender rank -> the incarnation imported for it."""
@@ -86,8 +87,11 @@ class Inbox:
                 self.held.append((inc, key))
                 self.foreign = True
                 continue
-            if key[2] == ABORT:
-                self.aborted[key[3]] = (key[0], key[1])
+            if key[2] == ABORT:  # the sender's signals of that step are void (it runs again)
+                self.arrived = {k for k in self.arrived
+                                if not (k[3] == key[3] and k[0] == key[0])}
+                if key[1] != self.rank:  # it lost another rank: waits on it fail now
+                    self.aborted[key[3]] = (key[0], key[1])
             else:
                 self.arrived.add(key)
 

@@ -129,13 +129,17 @@ def test_source_that_never_runs_times_out_on_the_target():
         tgt_ex.run()
     assert e.value.peer == 0 and time.monotonic() - t0 < 2
     assert not tgt_ex.complete
-    # the source runs step 1 late (the target's READY of step 1 is there): its DONE of
-    # step 1 is stale for the target's step 2, which completes with the source's step 2
-    src_ex.run()
+    # the source runs step 1 late and alone: the target's ABORT voided its READY of step 1
+    # (docs/reliability.md), so the source does not write on it and times out too
+    with pytest.raises(PeerTimeoutError, match="peer rank 1 did not send READY"):
+        src_ex.run()
+    assert not torch.any(tgt_ex.regions[0])
+    # run together again: both recover to the same step and the data lands
     late = threading.Thread(target=src_ex.run)
     late.start()
-    assert tgt_ex.run().complete and tgt_ex.complete
-    late.join()
+    stats = tgt_ex.run()
+    late.join(timeout=10)
+    assert stats.complete and tgt_ex.complete and src_ex.step == tgt_ex.step
     assert torch.equal(tgt_ex.regions[0], torch.arange(8, dtype=torch.uint8))
 
 

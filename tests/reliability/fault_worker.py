@@ -10,8 +10,9 @@ weights of step k into their tensors in place (deterministic in k), everyone cal
 steps), and the rank reports `res/<k>/<rank>` (JSON: ok, complete, error, peer, seconds,
 rss, fds, register calls). `--die K:post1` (a source) SIGKILLs this process after it posted
 its first write batch of step K; `--die K:done1` (a target) after the first DONE of step K
-arrived. The rank sets `loaded/<rank>/<life>` once connected and exits after `exit`.
-Tests host the store; this process never waits more than its timeouts.
+arrived; `--die K:ready` (a target) right after it sent READY in step K. The rank sets
+`loaded/<rank>/<life>` once connected and exits after `exit`. Tests host the store; this
+process never waits more than its timeouts.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ def main() -> int:
             res.update(ok=False, error=type(e).__name__, peer=e.peer, msg=str(e))
         res.update(complete=plan.complete, seconds=time.monotonic() - t0, rss=rss_bytes(),
                    fds=open_fds(), registers=plan.register_calls, reimports=plan.reimports,
+                   reprepared=plan.reprepared, leaked=getattr(plan.transport, "leaked", 0),
                    exec_step=plan.step)
         if res["ok"] and not is_source and (k % a.check_every == 0 or k == a.steps):
             want = weights(k)
@@ -142,6 +144,14 @@ def _arm(plan, step: int, mode: str) -> None:
                 time.sleep(0.002)  # let the first batch get on the wire
                 os.kill(os.getpid(), signal.SIGKILL)
         tr.post = dying_post
+    elif mode == "ready":  # a target: right after it sent READY, before any write landed
+        poll = tr.poll
+
+        def dying_poll_ready():
+            if getattr(plan, "test_step", 0) == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return poll()
+        tr.poll = dying_poll_ready
     elif mode == "done1":
         poll = tr.poll
 
@@ -152,7 +162,7 @@ def _arm(plan, step: int, mode: str) -> None:
             return msgs
         tr.poll = dying_poll
     else:
-        raise SystemExit(f"--die mode {mode!r}: use post1 or done1")
+        raise SystemExit(f"--die mode {mode!r}: use post1, ready or done1")
 
 
 if __name__ == "__main__":
