@@ -87,7 +87,7 @@ def _mutated_plan(tmp_path, change) -> tuple[str, str]:
 def _sandboxed(path: str, case_path: str) -> dict:
     from tests.property.sandbox import Sandbox
 
-    box = Sandbox(timeout_s=15.0)
+    box = Sandbox(timeout_s=8.0)
     try:
         return box.run(path, case_path)
     finally:
