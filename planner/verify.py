@@ -275,6 +275,17 @@ def fully_replicated(header: dict) -> bool:
     return False
 
 
+def _longest_row_bytes(header: dict) -> int:
+    """An upper bound on one row of any logical tensor (its last dim), in bytes: a chunk
+    is never cut inside a row, so a row longer than `max_write_bytes` is one chunk."""
+    d = (header.get("model") or {}).get("dims") or {}
+    cols = [2 * d.get("hidden", 0), d.get("intermediate", 0), d.get("moe_intermediate", 0),
+            d.get("shared_intermediate", 0), d.get("heads", 0) * d.get("head_dim", 0),
+            d.get("heads", 0) * d.get("v_head_dim", 0), d.get("q_lora_rank", 0),
+            d.get("kv_lora_rank", 0)]
+    return 4 * max(cols)
+
+
 def balance(plan: Plan, replicated: bool | None = None) -> list[str]:
     """The per-NIC balance bound of `assign` where it is promised (see module docstring).
 
@@ -285,7 +296,8 @@ def balance(plan: Plan, replicated: bool | None = None) -> list[str]:
     egress = nic_egress(plan)
     if len(egress) < 2:
         return []
-    slack = int(plan.header.get("options", {}).get("max_write_bytes", 0))
+    slack = max(int(plan.header.get("options", {}).get("max_write_bytes", 0)),
+                _longest_row_bytes(plan.header))
     mean = sum(egress.values()) / len(egress)
     name, most = max(egress.items(), key=lambda kv: kv[1])
     if most > mean + slack:
