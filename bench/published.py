@@ -140,7 +140,10 @@ def notes(rows: list[dict[str, Any]]) -> list[str]:
         else:
             line = (f"- {r['config']}: busiest NIC direction carries "
                     f"{r['floor_s'] * bps / 1e9:.2f} GB at {bps / 1e9:g} GB/s.")
-        if r.get("published_s") and r["published_s"] < r["floor_s"]:
+        pub = r.get("published_s")
+        if pub and abs(pub / r["floor_s"] - 1) <= 0.05:
+            line += " The published time is within 5% of this floor: line rate."
+        elif pub and pub < r["floor_s"]:
             line += (" The published time is below this floor: the source moved fewer bytes "
                      "or had more bandwidth per GPU than assumed here.")
         if "kimi" in r["config"] and "max_in" in r:
