@@ -63,7 +63,7 @@ def make_plan(path: str, writes: int, chunk: int, per_batch: int = 8) -> int:
     sig = lambda peer, kind: Table.build(SIGNAL_COLUMNS, stage=[0], peer=[peer], kind=[kind])  # noqa: E731
     empty = lambda schema: Table.empty(schema)  # noqa: E731
     ranks = (RankPlan(0, "source", 0, 0, ("lo",), (x,), w, b, empty(COPY_COLUMNS), sig(1, DONE),
-                      sig(1, READY), ((1, (n,)),), 1),
+                      sig(1, READY), ((1, ((0, n),)),), 1),
              RankPlan(1, "target", 0, 1, ("lo",), (x,), empty(WRITE_COLUMNS),
                       empty(BATCH_COLUMNS), empty(COPY_COLUMNS), sig(0, READY), sig(0, DONE),
                       (), 1))
