@@ -34,7 +34,9 @@ not whole. Nothing is re-planned; the next `run()` recovers:
    step without it. A caller that knows its training step can pass `run(step=n)` on every
    rank instead.)
 The rendezvous store must outlive the ranks (host it in the launcher, not in rank 0) for a
-crashed rank 0 to come back.
+crashed rank 0 to come back. Re-import needs a transport whose `import_peer` can be called
+again for a new process: `nixl` and `local` (not yet `uccl`, `cuda_ipc`: their store
+mailboxes count messages per pair from 0).
 """
 
 from __future__ import annotations
