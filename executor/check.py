@@ -9,6 +9,7 @@ in range. Any violation raises `PlanBoundsError` naming the op and its values.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +30,7 @@ from schemas.plan import (
 from .errors import PlanBoundsError
 
 _MAX = 1 << 60  # any offset, size or stride beyond this is corrupt (and could overflow int64)
+_MAX_STAGES = 1 << 24  # every rank walks every stage: more is a corrupt plan, not a schedule
 
 
 def _fail(rp: RankPlan, table: str, bad: np.ndarray, why: str,
@@ -55,8 +57,8 @@ def check_rank_plan(rp: RankPlan) -> None:
                                   f"and uint8; it is region {i} of {nreg}, {r.dtype}")
         if r.nbytes < 0:
             raise PlanBoundsError(f"rank {rp.rank}: region {i} ({r.name}) has {r.nbytes} bytes")
-    if rp.stages < 0:
-        raise PlanBoundsError(f"rank {rp.rank}: stages is {rp.stages}")
+    if rp.stages < 0 or rp.stages > _MAX_STAGES:
+        raise PlanBoundsError(f"rank {rp.rank}: stages is {rp.stages} (at most {_MAX_STAGES})")
     _check_writes(rp, sizes, nreg)
     _check_batches(rp)
     _check_copies(rp, sizes, nreg)
@@ -151,3 +153,26 @@ def _check_quant_scales(rp: RankPlan, sizes: np.ndarray, nreg: int, quant: np.nd
           "(QUANT) puts its scales past the end of its dst region", _row(c))
     _fail(rp, "copy", quant & (c["dst_dtype"] != DTYPE_CODES.index("float8_e4m3fn")),
           "(QUANT) has a dst dtype other than float8_e4m3fn", _row(c))
+
+
+def check_against_header(rp: RankPlan, header: dict[str, Any]) -> None:
+    """Raise `PlanBoundsError` unless `rp` agrees with its plan's header: the same stage
+    count as every other rank (`header["stages"]`), and every rank it names inside the world
+    (`header["world"]`). Either key may be absent (hand-built plans)."""
+    stages, world = header.get("stages"), header.get("world")
+    if isinstance(stages, int) and rp.stages != stages:
+        raise PlanBoundsError(f"rank {rp.rank}: has {rp.stages} stage(s), the plan's header "
+                              f"says {stages}; every rank must walk the same stages: the plan "
+                              "is corrupt, recompile it")
+    if not isinstance(world, int):
+        return
+    if not 0 <= rp.rank < world:
+        raise PlanBoundsError(f"rank {rp.rank}: outside the plan's world of {world} ranks")
+    for name, col in (("write", rp.writes["dst_rank"]), ("signal", rp.signals["peer"]),
+                      ("wait", rp.waits["peer"]),
+                      ("peer_regions", np.array([p for p, _ in rp.peer_regions], dtype=np.int64))):
+        bad = np.flatnonzero((col < 0) | (col >= world))
+        if len(bad):
+            raise PlanBoundsError(f"rank {rp.rank}: {name} {int(bad[0])} names rank "
+                                  f"{int(col[bad[0]])}, outside the plan's world of {world} ranks "
+                                  f"({len(bad)} such); the plan is corrupt, recompile it")

@@ -55,7 +55,7 @@ from schemas.plan import ACK, DONE, PACK, QUANT, READY, UNPACK, RankPlan, load_r
 
 from . import signals
 from .bind import bind
-from .check import check_rank_plan
+from .check import check_against_header, check_rank_plan
 from .copies import Op, prepare_copies
 from .errors import PeerLostError, PeerMismatchError, PeerTimeoutError
 from .quant import prepare_quants
@@ -116,6 +116,7 @@ class Executor:
                  rendezvous: object = None, timeout_s: float = 60.0,
                  max_inflight: int = 8) -> None:
         check_rank_plan(plan)
+        check_against_header(plan, header)
         self.plan, self.rank, self.timeout_s = plan, plan.rank, timeout_s
         self.max_inflight = max(1, max_inflight)
         self.fingerprint = str(header.get("fingerprint", ""))

@@ -31,7 +31,7 @@ from executor import (
 )
 from executor.transports.local import Fabric
 
-HEADER = {"fingerprint": "fp-a", "world": 2}
+HEADER = {"fingerprint": "fp-a", "world": 4}
 
 
 def _pair(src, tgt, tensors, headers=(HEADER, HEADER), timeout_s=1.0):
@@ -155,3 +155,16 @@ def test_peer_that_never_loads_times_out_at_connect():
     ex.register()
     with pytest.raises(PeerTimeoutError, match="peer rank 1 did not publish its regions"):
         ex.connect()
+
+
+def test_rank_plans_that_disagree_with_the_header_are_refused():
+    import dataclasses
+
+    src, _ = _simple()
+    with pytest.raises(PlanBoundsError, match="has 2 stage.*header says 1"):
+        Executor({**HEADER, "stages": 1}, dataclasses.replace(src, stages=2), _u8()[0], "local",
+                 Fabric())
+    with pytest.raises(PlanBoundsError, match="stages is 1099511627776"):
+        Executor(HEADER, dataclasses.replace(src, stages=2**40), _u8()[0], "local", Fabric())
+    with pytest.raises(PlanBoundsError, match="names rank 1, outside the plan's world of 1"):
+        Executor({**HEADER, "world": 1}, src, _u8()[0], "local", Fabric())
