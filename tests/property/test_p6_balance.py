@@ -24,7 +24,7 @@ from tests.property import harness
 from tests.property.strategies import Case, cases, synthetic_cases
 
 
-@given(cases())
+@given(cases(fp8=False))  # FP8 scales and weights take the gather pass, not plain assign
 def test_assign_follows_its_rule(case: Case) -> None:
     spec, opts = case.spec, case.cfg.options
     topo = build_topology(case.cfg.cluster, case.src.world, case.dst.world)
