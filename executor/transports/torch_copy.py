@@ -56,6 +56,8 @@ def prepare_copies(src_regions: list[torch.Tensor], dst_regions: list[torch.Tens
     ops: list[Op] = []
     cols = np.stack([batch.src_region, batch.dst_region, batch.nbytes], axis=1)
     big = batch.nbytes >= _BIG
+    if src_regions and dst_regions and src_regions[0].device != dst_regions[0].device:
+        big = batch.nbytes > 0  # index_copy_ needs both sides on one device: slices only
     slices = []
     for i in np.flatnonzero(big):
         so, do, n = int(batch.src_offset[i]), int(batch.dst_offset[i]), int(batch.nbytes[i])
