@@ -186,7 +186,8 @@ class Bucket:
 
 
 def _groups(spec, layouts) -> list[list[str]]:
-    """Logical tensors that share a physical tensor on any rank of either side, together."""
+    """Logical tensors that share a physical tensor on any rank of either side, or a
+    source tensor name (the same-named shards the trainers all-gather), together."""
     parent = {t.name: t.name for t in spec.tensors}
 
     def find(a: str) -> str:
@@ -196,10 +197,17 @@ def _groups(spec, layouts) -> list[list[str]]:
         return a
 
     seen = set()
-    for layout in layouts:
-        for rl in layout.ranks:
-            for pt in rl.tensors:
-                names = tuple(dict.fromkeys(p.tensor for p in pt.pieces))
+    src = layouts[0]  # a tensor the trainers all-gather: every rank's pieces in one bucket
+    by_name: dict[str, list[str]] = {}
+    for rl in src.ranks:
+        for pt in rl.tensors:
+            by_name.setdefault(pt.name, []).extend(p.tensor for p in pt.pieces)
+    same_name = [(tuple(dict.fromkeys(v)),) for v in by_name.values()]
+    for layout in (*layouts, same_name):
+        for rl in (layout.ranks if hasattr(layout, "ranks") else [None]):
+            for pt in (rl.tensors if rl is not None else layout):
+                names = (tuple(dict.fromkeys(p.tensor for p in pt.pieces))
+                         if rl is not None else pt[0])
                 if len(names) < 2 or names in seen:
                     continue
                 seen.add(names)
@@ -873,6 +881,7 @@ def main() -> int:
         args.plans = args.plans.split(",")
         if dry:
             args.floor_mib = min(args.floor_mib, 64)
+            args.bucket_mib = min(args.bucket_mib, 1)  # several buckets, as on GPU
         return worker(args)
     if args.render:
         with open(args.render) as f:
