@@ -99,6 +99,38 @@ def _fine_cut(spec: ModelSpec, src: PieceTable, dst: PieceTable, cfg: Config,
     return np.nonzero(fine[inv])[0]
 
 
+def _egress_bound(chunks, src: PieceTable, dst: PieceTable, topo: Topology,
+                  nbytes: np.ndarray, owner_only: np.ndarray) -> float:
+    """A lower bound on the busiest source NIC that no assignment can beat: the bytes a
+    set S of source NICs alone can send must leave through S, so some NIC of S sends at
+    least bytes(S) / |S|, where bytes(S) counts what only S holds and what only one NIC of
+    S holds (taken over the candidate sets that occur). `owner_only`: bytes per source
+    rank of gathered boxes only it can own."""
+    host, nic = np.asarray(topo.host), np.asarray(topo.nic)
+    bound = float(np.bincount(nic[:topo.sources], weights=owner_only[:topo.sources]).max()) \
+        if topo.sources else 0.0
+    ptr, holders = chunks.holder_ptr, chunks.holders
+    sets: dict[int, tuple[int, ...]] = {}
+    per_set: dict[tuple[int, ...], float] = {}
+    dst_host = host[dst.rank[chunks.dst]]
+    for sb, dh, b in zip(chunks.sbox.tolist(), dst_host.tolist(), nbytes.tolist()):
+        key = sets.get(sb)
+        if key is None:
+            ranks = src.rank[holders[ptr[sb]:ptr[sb + 1]]]
+            key = sets[sb] = tuple(sorted(set(nic[ranks].tolist()))) \
+                if not (host[ranks] == dh).any() else ()
+        if key:
+            per_set[key] = per_set.get(key, 0.0) + b
+    single = {k[0]: b for k, b in per_set.items() if len(k) == 1}
+    for n, b in enumerate(np.bincount(nic[:topo.sources], weights=owner_only[:topo.sources])
+                          .tolist() if topo.sources else []):
+        single[n] = single.get(n, 0.0) + b
+    for key, b in per_set.items():  # what only S holds, and what only one NIC of S holds
+        inner = sum(single.get(n, 0.0) for n in key) if len(key) > 1 else 0.0
+        bound = max(bound, (b + inner) / len(key))
+    return bound
+
+
 def merge(a: Lowered, b: Lowered) -> Lowered:
     """Writes and copies of both; staging per rank is the larger (their stages differ)."""
     cat = np.concatenate
@@ -168,17 +200,25 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     low = lower(chunks, choice, src, dst, n_regions, cfg.options, names)
     if len(gathered):
         step("gather")
-        more, ex_more = gather(spec, src, full_dst, gathered, np.nonzero(scales)[0],
-                               n_regions, cfg.options, low.stages)
+        sent = np.bincount(low.w_src_rank, weights=low.w_nbytes, minlength=len(n_regions))
+        more, ex_more, owner_only = gather(spec, src, full_dst, gathered,
+                                           np.nonzero(scales)[0], n_regions, cfg.options,
+                                           low.stages, sent)
         low = merge(low, more)
         ex = np.concatenate([ex, ex_more])
+    else:
+        owner_only = np.zeros(len(n_regions), dtype=np.int64)
     explain = explain_table(*ex.T)
+    bound = _egress_bound(chunks, src, dst, topo, chunk_bytes, owner_only)
     low = coalesce(low, cfg.options.max_write_bytes)
     step("schedule")
     sched = schedule(low, topo, cfg.options.max_write_bytes, n_regions)
     regions = rank_regions(src_layout, dst_layout, low.staging)
     nic = _nic_stats(topo, low.w_src_rank, low.w_dst_rank, low.w_nbytes.astype(np.float64))
     kinds = low.copies["kind"]
+    egress = [n["bytes_out"] for n in nic["nics"] if n["bytes_out"]]
+    nic["egress_bound_max_over_mean"] = float(bound / (sum(egress) / len(egress))) \
+        if egress else 1.0
     header = {
         "created_by": VERSION,
         "fingerprint": _fingerprint(spec, src, dst, regions, topo, cfg),

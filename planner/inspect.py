@@ -27,8 +27,10 @@ def _balance(values: list[int]) -> float:
 def summary(header: dict[str, Any]) -> dict[str, Any]:
     st = header["stats"]
     nics = header["nics"]
-    out_bal = _balance([n["bytes_out"] for n in nics])
-    in_bal = _balance([n["bytes_in"] for n in nics])
+    src_nics = {r[3] for r in header["ranks"] if r[0] == "source"}
+    dst_nics = {r[3] for r in header["ranks"] if r[0] == "target"}
+    out_bal = _balance([n["bytes_out"] for n in nics if n["name"] in src_nics])
+    in_bal = _balance([n["bytes_in"] for n in nics if n["name"] in dst_nics])
     return {
         "fingerprint": header["fingerprint"], "created_by": header.get("created_by"),
         "model": header["model"]["model_type"], "world": header["world"],
@@ -38,7 +40,8 @@ def summary(header: dict[str, Any]) -> dict[str, Any]:
         "packs": st["packs"], "unpacks": st["unpacks"], "bytes": st["bytes"],
         "remote_bytes": st["remote_bytes"], "nvlink_bytes": st["nvlink_bytes"],
         "staging_max": st["staging_max"], "floor_s": st["floor_s"],
-        "balance": {"egress_max_over_mean": out_bal, "ingress_max_over_mean": in_bal},
+        "balance": {"egress_max_over_mean": out_bal, "ingress_max_over_mean": in_bal,
+                    "egress_bound_max_over_mean": st.get("egress_bound_max_over_mean")},
         "nics": [{"name": n["name"], "bytes_out": n["bytes_out"], "bytes_in": n["bytes_in"]}
                  for n in nics],
         "ranks": [{"rank": r, "role": header["ranks"][r][0], "writes": s[0], "bytes_out": s[1],
@@ -64,8 +67,10 @@ def inspect_text(path: str, as_json: bool = False) -> str:
         f"ops {s['ops']} ({s['writes']} writes, {s['packs']} packs, {s['unpacks']} unpacks)",
         f"bytes {_gb(s['bytes'])} (over NICs {_gb(s['remote_bytes'])}, NVLink "
         f"{_gb(s['nvlink_bytes'])}); staging max {s['staging_max'] / 2**20:.1f} MiB/rank",
-        f"balance (max/mean over busy NICs): egress {s['balance']['egress_max_over_mean']:.3f}"
-        f", ingress {s['balance']['ingress_max_over_mean']:.3f}",
+        f"balance (max/mean over busy NICs): egress (source NICs) "
+        f"{s['balance']['egress_max_over_mean']:.3f}, ingress (target NICs) "
+        f"{s['balance']['ingress_max_over_mean']:.3f}; the layouts allow egress no better "
+        f"than {s['balance']['egress_bound_max_over_mean'] or 0:.3f}",
         f"estimated time (floor: busiest NIC or NVLink at full bandwidth): "
         f"{s['floor_s'] * 1e3:.1f} ms",
         "", f"{'nic':<14}{'bytes out':>16}{'bytes in':>16}",

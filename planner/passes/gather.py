@@ -100,11 +100,13 @@ class _Out:
 
 
 def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.ndarray,
-           scale_rows: np.ndarray, n_regions: np.ndarray, opts: Options, base: int
-           ) -> tuple[Lowered, np.ndarray]:
+           scale_rows: np.ndarray, n_regions: np.ndarray, opts: Options, base: int,
+           sent: np.ndarray | None = None) -> tuple[Lowered, np.ndarray, np.ndarray]:
     """Gathers, conversions (QUANT or cast) and fan-out writes for target rows
     `weight_rows` (FP8 weights and fine-cut boxes); `scale_rows`: the FP8 scale pieces.
-    Also returns `explain_rows` of the fan-out."""
+    `sent`: bytes each rank already sends (owners are balanced on top of it). Also returns
+    `explain_rows` of the fan-out, and per rank the fan-out bytes of boxes only it could
+    own."""
     names = [t.name for t in spec.tensors]
     index = {n: i for i, n in enumerate(names)}
     scale_id = {i: index[n + "_scale_inv"] for i, n in enumerate(names)
@@ -120,14 +122,22 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
              enumerate(zip(s.rank, s.tensor, s.off0, s.off1))}
     out = _Out()
     alloc = _Staging(len(n_regions), opts.staging_bytes)
-    load = np.zeros(len(n_regions), dtype=np.int64)
+    load = np.zeros(len(n_regions), dtype=np.int64) if sent is None else sent.astype(np.int64)
+    owner_only = np.zeros(len(n_regions), dtype=np.int64)
     rounds: dict[int, int] = {}  # owner -> first round that may still have room
     chunk_ptr = np.searchsorted(chunks.dst, np.arange(len(tboxes) + 1))
     targets_of = np.argsort(tb_of, kind="stable")
     target_ptr = np.searchsorted(tb_of[targets_of], np.arange(len(tboxes) + 1))
     hp = chunks.holder_ptr
     max_stage = base - 1
-    for t in range(len(tboxes)):
+    # Boxes only one source can own first, then the rest largest first (list scheduling).
+    n_chunks = np.diff(chunk_ptr)
+    first_chunk = chunk_ptr[:-1].clip(max=max(len(chunks) - 1, 0))
+    n_holders = hp[chunks.sbox[first_chunk] + 1] - hp[chunks.sbox[first_chunk]] \
+        if len(chunks) else np.zeros(len(tboxes), dtype=np.int64)
+    forced = (n_chunks == 1) & (n_holders == 1)
+    order = np.lexsort((np.arange(len(tboxes)), -(tboxes[:, 3] * tboxes[:, 4]), ~forced))
+    for t in order.tolist():
         tensor, t0, t1, n0, n1 = (int(x) for x in tboxes[t])
         cs = range(chunk_ptr[t], chunk_ptr[t + 1])
         cands = [chunks.holders[hp[chunks.sbox[c]]:hp[chunks.sbox[c] + 1]] for c in cs]
@@ -167,6 +177,8 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
         f_off = g_off + g_bytes
         s_off = f_off + f_bytes
         load[owner] += numel * es_d * (target_ptr[t + 1] - target_ptr[t])
+        if len(held) == 1:
+            owner_only[owner] += numel * es_d * (target_ptr[t + 1] - target_ptr[t])
         max_stage = max(max_stage, quant_stage)
         stg = int(n_regions[owner])
         if direct:
@@ -233,7 +245,7 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
             sd = int(s.base[j] + (t0 // BLOCK) * s.a0[j] + (t1 // BLOCK) * s.a1[j])
             out.runs(quant_stage, (owner, stg, s_off), (d_rank, int(s.region[j]), sd * 4), rb,
                      cb * 4, cb * 4, int(s.a0[j]) * 4)
-    return _lowered(out, alloc.peak, max_stage + 1), explain_rows(out)
+    return _lowered(out, alloc.peak, max_stage + 1), explain_rows(out), owner_only
 
 
 def explain_rows(out: _Out) -> np.ndarray:
