@@ -19,9 +19,11 @@ $PIP --no-deps "nixl==1.5.1" "nixl-cu13==1.5.1"
 $PIP --no-deps --no-build-isolation -e .
 
 if [ "${1:-}" = "--test" ]; then
-  $PIP pytest hypothesis ruff
-  if [ -f tests/oracles/requirements.txt ]; then
-    $PIP --no-deps -r tests/oracles/requirements.txt
+  $PIP pytest hypothesis ruff matplotlib
+  # The oracles: real Megatron-Core and vLLM (with transformers 5.20.2) on CPU, no-deps.
+  $PIP --no-deps megatron-core==0.16.1
+  if ! VLLM_TARGET_DEVICE=cpu python3 -c "import vllm.distributed" 2>/dev/null; then
+    PYTHON=python3 bash tests/oracles/install_vllm.sh > /dev/null
   fi
 fi
 python3 -c "import torch, nixl; print('setup: ok (torch', torch.__version__ + ')')"
