@@ -77,7 +77,8 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     staged = ~direct_ok | (cost_staged < cost_direct)
     src_rank, dst_rank = src.rank[choice], dst.rank[d_row]
     world = len(n_regions)
-    st = _place_staging(np.nonzero(staged)[0], src_rank, dst_rank, pack, unpack, nbytes,
+    si = _staging_order(np.nonzero(staged)[0], src_rank, dst_rank, nbytes, world)
+    st = _place_staging(si, src_rank, dst_rank, pack, unpack, nbytes,
                         opts, chunks.tensor, tensor_names, world)
     stage, s_soff, d_soff, staging = st
     stages = int(stage.max()) + 1 if len(stage) else 1
@@ -89,8 +90,8 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     k = np.arange(len(idx)) - np.repeat(np.cumsum(r) - r, r)
     whole = (runs[idx] == 1)
     d_n = np.where(whole, s0[idx] * s1[idx], s1[idx]) * es_d[idx]
-    # Staged writes: one per chunk, from staging (if packed) into staging (if unpacked).
-    si = np.nonzero(staged)[0]
+    # Staged writes: one per chunk (in placement order `si`, which `stage`, `s_soff` and
+    # `d_soff` follow), from staging (if packed) into staging (if unpacked).
     s_reg = np.where(pack[si], n_regions[src_rank[si]], src.region[choice[si]])
     s_off = np.where(pack[si], s_soff, s_start[si] * es_s[si])
     d_reg = np.where(unpack[si], n_regions[dst_rank[si]], dst.region[d_row[si]])
@@ -109,6 +110,31 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
         w_nbytes=cat([d_n, nbytes[si]]),
         w_stage=cat([np.zeros(len(idx), dtype=np.int64), stage]),
         copies=copies, staging=staging, stages=stages)
+
+
+QUANTUM = 64 << 20
+"""Bytes of one (source, target) pair that go into staging before the next target's turn."""
+
+
+def _staging_order(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
+                   nbytes: np.ndarray, world: int) -> np.ndarray:
+    """Staged chunks in placement order: every source takes its targets in turn, in
+    `QUANTUM`-byte slices, starting from a target rotated by the source, so each stage
+    spreads over the targets instead of all sources filling it with the same tensors
+    (and hence the same few targets: incast)."""
+    if len(si) == 0:
+        return si
+    s, d = src_rank[si], dst_rank[si]
+    pair = np.lexsort((np.arange(len(si)), d, s))
+    nb = nbytes[si][pair]
+    new = np.ones(len(si), dtype=bool)
+    new[1:] = (s[pair][1:] != s[pair][:-1]) | (d[pair][1:] != d[pair][:-1])
+    start = np.maximum.accumulate(np.where(new, np.arange(len(si)), 0))
+    before = np.cumsum(nb) - nb
+    quantum = np.empty(len(si), dtype=np.int64)
+    quantum[pair] = (before - before[start]) // QUANTUM
+    rot = (d + s) % max(world, 1)
+    return si[np.lexsort((np.arange(len(si)), s, rot, quantum))]
 
 
 def _place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
