@@ -393,6 +393,8 @@ class Executor:
         self._wait(st.before, timeout_s)
         for op in st.packs:
             op()
+        if st.packs:
+            self._sync()  # writes read what the packs wrote: their kernels must be done
         self._write(st.batches, s, timeout_s)
         self._signal(st.done_to, s, DONE)
 
@@ -402,7 +404,15 @@ class Executor:
         self._wait(st.after, timeout_s)
         for op in st.unpacks:
             op()
+        if st.unpacks:
+            self._sync()  # ACK frees staging the unpacks read; and the weights are whole
         self._signal(st.ack_to, s, ACK)
+
+    def _sync(self) -> None:
+        """Wait for this rank's queued GPU work (packs/unpacks run as async kernels; a peer
+        must not read or overwrite their staging before they finish)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _signal(self, peers: list[int], stage: int, kind: int) -> None:
         for peer in peers:
