@@ -32,7 +32,10 @@ def quantize_into(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor,
     pad[:m, :n].copy_(x)
     pm, pn = pad.shape
     blocks = pad.view(pm // BLOCK, BLOCK, pn // BLOCK, BLOCK)
-    scale = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4) / FP8_MAX
+    amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    # amax / 448 as a tensor division: correctly rounded on GPUs too (a division by a Python
+    # scalar becomes a multiplication by its reciprocal on CUDA, off by one ulp).
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn)
     q_out.copy_(q.view(pm, pn)[:m, :n])
     s_out.copy_(scale.view(pm // BLOCK, pn // BLOCK))

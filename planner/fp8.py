@@ -14,7 +14,9 @@ Three pieces, all data:
   ConfigError names the tensor and the key to change.
 - `quantize_block128(x)`: the reference quantizer, vLLM's `per_block_cast_to_fp8`
   formula: `scale = max(amax(block), 1e-4) / 448`, `q = (x.float() * (1 / scale))`
-  cast to e4m3; a partial edge block takes the amax of its real elements.
+  cast to e4m3; a partial edge block takes the amax of its real elements. The division
+  is correctly rounded on every device (vLLM on a GPU divides by the Python scalar 448,
+  which CUDA turns into a multiplication by 1/448: its scales can differ by one ulp).
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def quantize_block128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded[:m, :n] = x
     blocks = padded.view(pm // BLOCK, BLOCK, pn // BLOCK, BLOCK)
     amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
-    scale = amax / FP8_MAX
+    scale = amax / torch.full_like(amax, FP8_MAX)  # tensor / tensor: IEEE on CPU and GPU
     q = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn)
     return q.view(pm, pn)[:m, :n].contiguous(), scale.view(pm // BLOCK, pn // BLOCK)
 
