@@ -95,6 +95,11 @@ def _fine_cut(spec: ModelSpec, src: PieceTable, dst: PieceTable, cfg: Config,
     cast = src.dtype[one] != dst.dtype[first] if len(src) else np.zeros(len(first), bool)
     need = numel * es_src + np.where(cast, nbytes, 0)
     fine = (chunks >= 2) & (holders >= 2) & (saved_us > hop_us)
+    # A gather moves rows: boxes stored transposed (on either side) stay on the direct path.
+    transposed = np.zeros(len(spec.tensors), dtype=bool)
+    transposed[src.tensor[(src.a1 != 1) & (src.size1 > 1)]] = True
+    transposed[dst.tensor[(dst.a1 != 1) & (dst.size1 > 1)]] = True
+    fine &= ~transposed[dst.tensor[first]]
     fine &= need + 256 <= cfg.options.staging_bytes - cfg.options.staging_bytes // 4
     return np.nonzero(fine[inv])[0]
 

@@ -174,9 +174,9 @@ def _place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
                 s_off[j] = off
             else:
                 d_off[j] = off
-            used[(r, s)] = off + size
+            used[(r, s)] = off + size  # the next chunk starts aligned
             cursor[r] = s
-            staging[r] = max(staging[r], off + size)
+            staging[r] = max(staging[r], off + nb[j])  # within the budget (checked above)
     return stage, s_off, d_off, staging
 
 
