@@ -367,7 +367,11 @@ def load_rank(path: str, rank: int) -> tuple[dict[str, Any], RankPlan]:
         if f"rank/{rank}" not in header["blobs"]:
             raise PlanFormatError(f"{path}: plan has no rank {rank} (it has "
                                   f"{header.get('world', '?')} ranks)")
-        return header, RankPlan.decode(read_blob(f, header, start, f"rank/{rank}", path))
+        rp = RankPlan.decode(read_blob(f, header, start, f"rank/{rank}", path))
+        if rp.rank != rank:
+            raise PlanFormatError(f"{path}: blob rank/{rank} holds the plan of rank {rp.rank};"
+                                  " the file is corrupt")
+        return header, rp
 
 
 def load_plan(path: str) -> Plan:
@@ -377,6 +381,10 @@ def load_plan(path: str) -> Plan:
         names = sorted((n for n in header["blobs"] if n.startswith("rank/")),
                        key=lambda n: int(n.split("/")[1]))
         ranks = tuple(RankPlan.decode(read_blob(f, header, start, n, path)) for n in names)
+        for n, rp in zip(names, ranks):
+            if f"rank/{rp.rank}" != n:
+                raise PlanFormatError(f"{path}: blob {n} holds the plan of rank {rp.rank}; "
+                                      "the file is corrupt")
         ex = read_blob(f, header, start, "explain", path)
         dag = read_blob(f, header, start, "dag", path)
         if not isinstance(ex, dict) or not isinstance(dag, dict):
