@@ -206,13 +206,13 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     if len(gathered):
         step("gather")
         sent = np.bincount(low.w_src_rank, weights=low.w_nbytes, minlength=len(n_regions))
-        more, ex_more, owner_only = gather(spec, src, full_dst, gathered,
-                                           np.nonzero(scales)[0], n_regions, cfg.options,
-                                           low.stages, sent)
+        more, ex_more, owner_only, unit_max = gather(spec, src, full_dst, gathered,
+                                                     np.nonzero(scales)[0], n_regions,
+                                                     cfg.options, low.stages, sent)
         low = merge(low, more)
         ex = np.concatenate([ex, ex_more])
     else:
-        owner_only = np.zeros(len(n_regions), dtype=np.int64)
+        owner_only, unit_max = np.zeros(len(n_regions), dtype=np.int64), 0
     explain = explain_table(*ex.T)
     bound = _egress_bound(chunks, src, dst, topo, chunk_bytes, owner_only)
     low = coalesce(low, cfg.options.max_write_bytes)
@@ -240,7 +240,7 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
         "stats": {"writes": int(len(low.w_nbytes)), "bytes": int(low.w_nbytes.sum()),
                   "packs": int((kinds == 1).sum()), "unpacks": int((kinds == 2).sum()),
                   "quants": int((kinds == 3).sum()),
-                  "chunks": int(len(chunks)),
+                  "chunks": int(len(chunks)), "gather_unit_max": int(unit_max),
                   "staging_max": int(low.staging.max()) if len(low.staging) else 0,
                   **{k: v for k, v in nic.items() if k != "nics"}},
         "nics": nic["nics"],

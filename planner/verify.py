@@ -290,19 +290,22 @@ def balance(plan: Plan, replicated: bool | None = None) -> list[str]:
     """The per-NIC balance bound of `assign` where it is promised (see module docstring).
 
     A chunk is at most `max_write_bytes` (or one row of its target box, where a row is
-    longer: `split_rows` never cuts a row); the slack allowed is that chunk size."""
+    longer: `split_rows` never cuts a row); a box that takes the gather pass goes to its
+    least-loaded owner as one unit of its whole fan-out (`stats.gather_unit_max`). The
+    slack allowed is the larger unit."""
     if not (fully_replicated(plan.header) if replicated is None else replicated):
         return []
     egress = nic_egress(plan)
     if len(egress) < 2:
         return []
     slack = max(int(plan.header.get("options", {}).get("max_write_bytes", 0)),
-                _longest_row_bytes(plan.header))
+                _longest_row_bytes(plan.header),
+                int(plan.header.get("stats", {}).get("gather_unit_max", 0)))
     mean = sum(egress.values()) / len(egress)
     name, most = max(egress.items(), key=lambda kv: kv[1])
     if most > mean + slack:
         return [f"NIC {name} sends {most} bytes, more than the mean {mean:.0f} over "
-                f"{len(egress)} source NICs plus one chunk ({slack} bytes)"]
+                f"{len(egress)} source NICs plus one unit ({slack} bytes)"]
     return []
 
 

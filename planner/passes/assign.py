@@ -9,8 +9,10 @@ lowest rank). Chunks with a single candidate are forced and counted first.
 Bound (greedy list scheduling): when a chunk is assigned, its NIC's load is the least
 among its candidates; so for any chunk c on NIC n with NIC m also a candidate,
 load_n(before c) <= load_m(before c). In particular, where every chunk may use every
-source NIC (full replication), max egress <= mean egress + max chunk <= mean +
-max_write_bytes.
+source NIC (full replication), max egress <= mean egress + max chunk, a chunk being at
+most max(max_write_bytes, one row of its box). Boxes that take the gather pass are given
+to their least-loaded possible owner the same way, each as one unit of its whole fan-out;
+the bound then holds with the largest unit (`stats.gather_unit_max`).
 """
 
 from __future__ import annotations

@@ -101,12 +101,13 @@ class _Out:
 
 def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.ndarray,
            scale_rows: np.ndarray, n_regions: np.ndarray, opts: Options, base: int,
-           sent: np.ndarray | None = None) -> tuple[Lowered, np.ndarray, np.ndarray]:
+           sent: np.ndarray | None = None
+           ) -> tuple[Lowered, np.ndarray, np.ndarray, int]:
     """Gathers, conversions (QUANT or cast) and fan-out writes for target rows
     `weight_rows` (FP8 weights and fine-cut boxes); `scale_rows`: the FP8 scale pieces.
     `sent`: bytes each rank already sends (owners are balanced on top of it). Also returns
-    `explain_rows` of the fan-out, and per rank the fan-out bytes of boxes only it could
-    own."""
+    `explain_rows` of the fan-out, per rank the fan-out bytes of boxes only it could
+    own, and the largest fan-out (bytes) one owner took as a whole."""
     names = [t.name for t in spec.tensors]
     index = {n: i for i, n in enumerate(names)}
     scale_id = {i: index[n + "_scale_inv"] for i, n in enumerate(names)
@@ -124,6 +125,7 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
     alloc = _Staging(len(n_regions), opts.staging_bytes)
     load = np.zeros(len(n_regions), dtype=np.int64) if sent is None else sent.astype(np.int64)
     owner_only = np.zeros(len(n_regions), dtype=np.int64)
+    unit_max = 0  # the largest fan-out one owner takes as a whole (balance granularity)
     rounds: dict[int, int] = {}  # owner -> first round that may still have room
     chunk_ptr = np.searchsorted(chunks.dst, np.arange(len(tboxes) + 1))
     targets_of = np.argsort(tb_of, kind="stable")
@@ -177,6 +179,7 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
         f_off = g_off + g_bytes
         s_off = f_off + f_bytes
         load[owner] += numel * es_d * (target_ptr[t + 1] - target_ptr[t])
+        unit_max = max(unit_max, numel * es_d * int(target_ptr[t + 1] - target_ptr[t]))
         if len(held) == 1:
             owner_only[owner] += numel * es_d * (target_ptr[t + 1] - target_ptr[t])
         max_stage = max(max_stage, quant_stage)
@@ -245,7 +248,7 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
             sd = int(s.base[j] + (t0 // BLOCK) * s.a0[j] + (t1 // BLOCK) * s.a1[j])
             out.runs(quant_stage, (owner, stg, s_off), (d_rank, int(s.region[j]), sd * 4), rb,
                      cb * 4, cb * 4, int(s.a0[j]) * 4)
-    return _lowered(out, alloc.peak, max_stage + 1), explain_rows(out), owner_only
+    return _lowered(out, alloc.peak, max_stage + 1), explain_rows(out), owner_only, unit_max
 
 
 def explain_rows(out: _Out) -> np.ndarray:
