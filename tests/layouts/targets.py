@@ -22,12 +22,22 @@ from collections.abc import Callable
 
 import numpy as np
 
-from planner.layouts.base import Layout
+from planner.layouts.base import Layout, PhysicalTensor
 from planner.spec import ModelSpec
 from tests.layouts.coverage import coverage
 
 TP_SPLIT = ("q_proj.", "o_proj.", "q_b_proj.", "kv_b_proj.", "gate_proj.", "up_proj.",
             "down_proj.", "embed_tokens.", "lm_head.")
+
+
+def tensor(layout: Layout, rank: int, name: str) -> PhysicalTensor:
+    found = [t for t in layout.ranks[rank].tensors if t.name == name]
+    assert found, f"rank {rank} has no {name}"
+    return found[0]
+
+
+def names(layout: Layout, rank: int) -> list[str]:
+    return [t.name for t in layout.ranks[rank].tensors]
 
 
 def check_replicas(layout: Layout, engine_world: int) -> None:

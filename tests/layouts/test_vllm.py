@@ -9,25 +9,15 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from planner.layouts import vllm
-from planner.layouts.base import Layout, PhysicalTensor, Piece
+from planner.layouts.base import Piece
 from planner.spec import ModelSpec, spec_from_hf
 from schemas.config import ConfigError, TargetConfig
 from tests.layouts.models import deepseek_v3, qwen3, qwen3_moe, tiny_specs
-from tests.layouts.targets import TP_SPLIT, check_coverage, check_replicas
+from tests.layouts.targets import TP_SPLIT, check_coverage, check_replicas, names, tensor
 
 
 def target(**kw: object) -> TargetConfig:
     return TargetConfig(engine="vllm", **kw)  # type: ignore[arg-type]
-
-
-def tensor(layout: Layout, rank: int, name: str) -> PhysicalTensor:
-    found = [t for t in layout.ranks[rank].tensors if t.name == name]
-    assert found, f"rank {rank} has no {name}"
-    return found[0]
-
-
-def names(layout: Layout, rank: int) -> list[str]:
-    return [t.name for t in layout.ranks[rank].tensors]
 
 
 def test_qkv_with_kv_replication() -> None:
