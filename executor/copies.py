@@ -15,14 +15,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from schemas.plan import DTYPE_CODES, Table
+from schemas.plan import COPY_GROUP_KEY, DTYPE_CODES, Table
 
 from .bind import torch_dtype, typed
 
 Op = Callable[[], None]
-_KEY = ("src_region", "src_dtype", "src_stride0", "src_stride1", "src_stride2",
-        "dst_region", "dst_dtype", "dst_stride0", "dst_stride1", "dst_stride2",
-        "size0", "size1", "size2")
+_KEY = COPY_GROUP_KEY
 
 
 def _one(src: torch.Tensor, dst: torch.Tensor, size: tuple[int, ...], sst: tuple[int, ...],

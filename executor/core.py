@@ -1,9 +1,11 @@
 """The executor: bind, check, register once, connect once, then replay the plan every step.
 
 `run()` walks the stages and does, per stage, the 7 steps of `schemas/plan.py`:
-ready/wait -> packs (and QUANTs) -> writes -> DONE -> wait -> unpacks -> ACK. Everything
-a step needs (copy views, prepared write batches, signal lists) is built at `connect()`;
-a step only replays it.
+ready/wait -> packs (and QUANTs) -> writes -> DONE -> wait -> unpacks -> ACK, with its two
+overlaps: packs run early where `schemas/prepack.py` allows, and writes stay in flight
+across a stage boundary where the rank receives nothing (`window.py`). Everything a step
+needs (copy views, prepared write batches, signal lists) is built at `connect()`; a step
+only replays it.
 
 Failures and recovery (docs/reliability.md). A step that cannot finish raises within
 `timeout_s`: `PeerTimeoutError` (or its subclass `PeerLostError` when the transport reports
@@ -43,7 +45,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,7 @@ import numpy as np
 import torch
 
 from schemas.plan import ACK, DONE, PACK, QUANT, READY, UNPACK, RankPlan, load_rank
+from schemas.prepack import Overlap
 
 from . import signals
 from .bind import bind
@@ -61,6 +63,7 @@ from .errors import PeerLostError, PeerMismatchError, PeerTimeoutError
 from .quant import prepare_quants
 from .rendezvous import open_store
 from .transports.base import Store, Transport, WriteBatch
+from .window import Window
 
 _KIND_NAMES = {READY: "READY", DONE: "DONE (its writes landed)",
                ACK: "ACK (its staging is free)"}
@@ -134,6 +137,8 @@ class Executor:
         self.transport = make_transport(transport, self.rank, self.namespace, self.store, device)
         self.incarnation = int.from_bytes(os.urandom(8), "little")
         self.inbox = signals.Inbox(self.tag, self.incarnation, self.rank)
+        self.window = Window(self.rank, self.transport, self.max_inflight,
+                             lambda s: self._signal(self.stages[s].done_to, s, DONE))
         self.stages: list[Stage] = []
         self.step, self.complete, self.registered = 0, False, False
         self.failed = False  # the last step raised: the next one recovers first
@@ -143,6 +148,7 @@ class Executor:
         self.reimports = 0  # peers re-imported after they restarted
         self.reprepared = 0  # batches released and prepared again after a failed step
         self.peers: list[int] = []
+        self.prepacked: list[bool] = []  # stage s packs during stage s-1's writes
         self.rejoined = False
         self.bytes_per_step = int(plan.writes["nbytes"].sum())
 
@@ -215,6 +221,8 @@ class Executor:
             self.step = max(self.step, self._peers_next_step() - 1)
             self._publish_step()
         self.stages = [self._prepare_stage(s) for s in range(p.stages)]
+        self.overlap = Overlap(p)
+        self.prepacked = self.overlap.prepacked.tolist()
 
     def _check_peer(self, peer: int, info: dict[str, Any]) -> None:
         expected = dict(self.plan.peer_regions)
@@ -356,6 +364,7 @@ class Executor:
         are void; the others stop waiting for this one), publish the step so that a
         restarted peer can join."""
         self.failed, self.complete = True, False
+        self.pending += self.window.abandon()  # settled before the next step posts again
         if lost is not None:
             for peer in self.peers:
                 msg = signals.encode(self.tag, self.incarnation,
@@ -388,15 +397,56 @@ class Executor:
         self._signal(self.stages[s].ready_to, s, READY)
 
     def send_half(self, s: int, timeout_s: float | None = None) -> None:
-        """Steps 1-4 of stage `s` after `ready`: wait READY/ACK, packs, writes, DONE."""
+        """Steps 1-4 of stage `s` after `ready`: wait READY/ACK, packs, writes, DONE.
+
+        The packs of the next stage run here too, once the first writes are posted, where
+        `schemas.prepack` allows it. When nothing arrives for this rank in stage `s`, its
+        last writes may still be in flight when the next stage starts (`window.py`): their
+        DONE goes out as they land."""
         st = self.stages[s]
-        self._wait(st.before, timeout_s)
-        for op in st.packs:
-            op()
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        early = len(self.window) > 0  # writes of stage s-1 still in flight
+        if early and not (self._take(st.before) and (self.prepacked[s] or not st.packs)):
+            self.window.drain(timeout)  # a wait, or packs that may touch their staging
+            early = False
+        if not early:
+            self._wait(st.before, timeout_s)
+        if not self.prepacked[s]:  # else they ran while stage s-1's writes were in flight
+            self._pack(s)
         if st.packs:
             self._sync()  # writes read what the packs wrote: their kernels must be done
-        self._write(st.batches, s, timeout_s)
-        self._signal(st.done_to, s, DONE)
+        nxt = s + 1 if s + 1 < len(self.stages) and self.prepacked[s + 1] else -1
+        for i, entry in enumerate(st.batches):
+            if i == self.max_inflight and nxt >= 0:
+                self._prepack(nxt, timeout)
+                nxt = -1
+            self.window.post(entry, s, timeout)
+        if nxt >= 0:
+            self._prepack(nxt, timeout)
+        self.window.close(s)
+        self.window.reap_landed()
+        if s + 1 == len(self.stages) or st.after or st.unpacks or st.ack_to:
+            self.window.drain(timeout)  # the next stage starts with nothing in flight
+
+    def _pack(self, s: int) -> None:
+        for op in self.stages[s].packs:
+            op()
+
+    def _prepack(self, s: int, timeout_s: float) -> None:
+        """Stage `s`'s packs, early: `schemas.prepack` made them safe against what stages
+        s-1 and s-2 read; writes of older stages still in flight that read what they
+        write land first."""
+        for k in self.overlap.blockers(s, self.window.stages()):
+            self.window.drain_stage(k, timeout_s)
+        self._pack(s)
+
+    def _take(self, waits: list[tuple[int, int, int]]) -> bool:
+        """Whether every signal of `waits` has arrived (they are consumed if so)."""
+        if not waits:
+            return True
+        self.inbox.add(self.transport.poll(), self.step)
+        return not self.inbox.take([signals.expected(self.step, s, kind, peer)
+                                    for s, kind, peer in waits])
 
     def recv_half(self, s: int, timeout_s: float | None = None) -> None:
         """Steps 5-7 of stage `s`: wait DONE, unpacks, ACK."""
@@ -409,10 +459,11 @@ class Executor:
         self._signal(st.ack_to, s, ACK)
 
     def _sync(self) -> None:
-        """Wait for this rank's queued GPU work (packs/unpacks run as async kernels; a peer
-        must not read or overwrite their staging before they finish)."""
+        """Wait for the packs/unpacks queued on this rank's current CUDA stream (async
+        kernels; a peer must not read or overwrite their staging before they finish).
+        Only that stream: a transport's copies of earlier writes may still be running."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _signal(self, peers: list[int], stage: int, kind: int) -> None:
         for peer in peers:
@@ -445,45 +496,7 @@ class Executor:
                 _, stage, kind, peer = missing[0]
                 raise PeerTimeoutError(self.rank, peer, f"send {_KIND_NAMES[kind]} of stage "
                                        f"{stage}, step {self.step}", timeout_s)
-            time.sleep(nap)  # backs off to 1 ms: never a busy loop
-            nap = min(nap * 2, 1e-3)
-
-    def _write(self, batches: list[list[Any]], s: int, timeout_s: float | None) -> None:
-        inflight: deque[list[Any]] = deque()
-        try:
-            for entry in batches:
-                if len(inflight) >= self.max_inflight:
-                    self._landed(inflight[0], s, timeout_s)
-                    inflight.popleft()
-                try:
-                    self.transport.post(entry[0])
-                except Exception as e:  # noqa: BLE001 - transports raise their own types
-                    inflight.append(entry)  # its handle may be half-posted: settle it too
-                    raise PeerLostError(self.rank, entry[1], f"post the writes of stage {s}",
-                                        e) from e
-                inflight.append(entry)
-            while inflight:
-                self._landed(inflight[0], s, timeout_s)
-                inflight.popleft()
-        except BaseException:
-            self.pending = list(inflight)  # settled before the next step posts again
-            raise
-
-    def _landed(self, entry: list[Any], s: int, timeout_s: float | None) -> None:
-        handle, peer = entry[0], entry[1]
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline, nap = time.monotonic() + timeout_s, 2e-5
-        while True:
-            try:
-                if self.transport.done(handle):
-                    return
-            except Exception as e:  # noqa: BLE001 - transports raise their own types
-                raise PeerLostError(self.rank, peer, f"complete the writes of stage {s}",
-                                    e) from e
-            if time.monotonic() >= deadline:
-                raise PeerTimeoutError(self.rank, peer, f"complete the writes of stage {s}",
-                                       timeout_s)
-            time.sleep(nap)  # short naps: some transports progress only when polled
+            time.sleep(nap)  # backs off to 0.2 ms: never a busy loop, and not late
             nap = min(nap * 2, 2e-4)
 
     def close(self) -> None:

@@ -12,7 +12,9 @@ One implementation serves the CLI and the property suite:
 - `dataflow`: staging is filled before it is read, in the same stage: every staging byte
   a write reads was packed by that rank in the write's stage (packs run before writes),
   every staging byte an unpack reads was written into it in the unpack's stage (writes
-  land before DONE, unpacks run after it); packs of one stage never overlap;
+  land before DONE, unpacks run after it); packs of one stage never overlap; a stage
+  that packs early (`schemas/prepack.py`) packs into no byte a peer writes in the
+  previous stage;
 - `balance`: where every source rank holds the whole model (pure data parallelism), the
   busiest source NIC sends at most the mean over source NICs plus one chunk
   (`planner/passes/assign.py`), in bytes of remote (non-NVLink) writes.
@@ -38,6 +40,7 @@ from schemas.plan import (
     RankPlan,
     load_plan,
 )
+from schemas.prepack import copy_extents, overlaps, prepacked, staging_index, write_stages
 
 
 def _elem(region_dtype: str, code: int) -> int:
@@ -158,18 +161,6 @@ def _outside(lo: np.ndarray, hi: np.ndarray, w_lo: np.ndarray, w_hi: np.ndarray)
     return ~inside & (hi > lo)
 
 
-def _write_stages(rp: RankPlan) -> np.ndarray:
-    stage = np.zeros(len(rp.writes), dtype=np.int64)
-    for b in range(len(rp.batches)):
-        stage[rp.batches["start"][b]:rp.batches["stop"][b]] = rp.batches["stage"][b]
-    return stage
-
-
-def _staging_index(rp: RankPlan) -> int:
-    """Index of the rank's staging region, or -1."""
-    return len(rp.regions) - 1 if rp.regions and rp.regions[-1].name == STAGING else -1
-
-
 def _copy_bytes(rp: RankPlan, kind: int, side: str, region: int
                 ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """stage -> byte intervals that copies of `kind` touch in `region` on `side`."""
@@ -207,17 +198,17 @@ def dataflow(plan: Plan) -> list[str]:
     empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
     landed: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = {}
     for rp in plan.ranks:
-        w, stage = rp.writes, _write_stages(rp)
+        w, stage = rp.writes, write_stages(rp)
         for peer in np.unique(w["dst_rank"]).tolist():
-            sg = _staging_index(plan.ranks[peer])
+            sg = staging_index(plan.ranks[peer])
             m = (w["dst_rank"] == peer) & (w["dst_region"] == sg)
             for s in np.unique(stage[m]).tolist():
                 sel = m & (stage == s)
                 lo = w["dst_offset"][sel].astype(np.int64)
                 landed.setdefault((peer, s), []).append((lo, lo + w["nbytes"][sel]))
     for rp in plan.ranks:
-        w, stage = rp.writes, _write_stages(rp)
-        sg = _staging_index(rp)
+        w, stage = rp.writes, write_stages(rp)
+        sg = staging_index(rp)
         if sg < 0:
             continue
         packed = _copy_bytes(rp, PACK, "dst", sg)
@@ -236,8 +227,16 @@ def dataflow(plan: Plan) -> list[str]:
             if bad.any():
                 out.append(f"rank {rp.rank}: write {int(sel[np.argmax(bad)])} (stage {s}) "
                            "reads staging bytes that no pack of its stage fills")
+    for rp in plan.ranks:  # a prepacked stage packs while peers' writes may still land
+        sg = staging_index(rp)
+        for s in np.flatnonzero(prepacked(rp)).tolist():
+            mine = np.flatnonzero(np.isin(rp.copies["kind"], (PACK, QUANT))
+                                  & (rp.copies["stage"] == s))
+            if overlaps(copy_extents(rp, "dst", mine), _cat(*landed.get((rp.rank, s - 1), []))):
+                out.append(f"rank {rp.rank}: stage {s} packs early (schemas/prepack.py) into "
+                           f"staging bytes that writes of stage {s - 1} land in")
     for rp in plan.ranks:
-        sg = _staging_index(rp)
+        sg = staging_index(rp)
         if sg < 0:
             continue
         for s, (lo, hi) in sorted(_copy_bytes(rp, UNPACK, "src", sg).items()):

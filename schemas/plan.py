@@ -26,6 +26,11 @@ Matching: a signal carries (fingerprint, step, stage it was sent in, kind). A `R
 `ACK` wait at stage s matches the peer's `ACK` sent in stage s-1 of the same step (the
 peer's staging, written in stage s, is free again). Every rank walks every stage, so the
 order is a DAG: READY -> packs -> writes -> DONE -> unpacks -> ACK -> next stage's writes.
+Two overlaps the executor applies, both decided by the plan alone: a stage's packs run
+during the previous stage's writes where `schemas/prepack.py` allows it; and a rank that
+waits for nothing and unpacks nothing in stage s goes on to stage s+1 (steps 1-3) once its
+stage-s writes are posted, if s+1's waits have arrived and its packs ran early; the DONE
+of stage s goes out when its writes have landed (step 4 late, never early).
 """
 
 from __future__ import annotations
@@ -72,6 +77,11 @@ COPY_COLUMNS = (("kind", "<u1"), ("stage", "<i4"),
 """A local strided copy of a 3-d box (`size0..2`), with a cast where dtypes differ.
 Offsets and strides count elements of that side's dtype (`DTYPE_CODES`). `aux_offset`
 is used by QUANT only (0 otherwise)."""
+COPY_GROUP_KEY = ("src_region", "src_dtype", "src_stride0", "src_stride1", "src_stride2",
+                  "dst_region", "dst_dtype", "dst_stride0", "dst_stride1", "dst_stride2",
+                  "size0", "size1", "size2")
+"""PACK (or UNPACK) copies of one stage that agree on these columns (all but their offsets)
+run as one vectorised op in the executor (`executor/copies.py`); a QUANT is one op."""
 SIGNAL_COLUMNS = (("stage", "<i4"), ("peer", "<i4"), ("kind", "<u1"))
 """A notification sent (`signals`) or awaited (`waits`) in a stage."""
 EXPLAIN_COLUMNS = (("tensor", "<i4"), ("src_rank", "<i4"), ("src_region", "<i4"),

@@ -1,7 +1,11 @@
 """The README's main job, end to end: `scripts/demo.py` compiles a config and runs it as
 one process per rank over NIXL (UCX), checking every target tensor bit-exactly after each
 step (weights change every step). Dense demo over the default UCX transports and over
-TCP (`UCX_TLS=tcp`); a MoE config with expert parallelism on both sides."""
+TCP (`UCX_TLS=tcp`); a MoE config with expert parallelism on both sides; fp32 sources
+through a small staging budget (dozens of stages, packed early, writes in flight across
+stage boundaries). UCX over TCP reads small messages at post time, so a race between
+early packs and writes in flight does not show here: tests/executor/test_late_reads.py
+holds that check, with writes that read their source late."""
 
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("plans/demo.yaml", None, 3),
     ("plans/demo.yaml", "tcp", 2),
     ("plans/demo-moe.yaml", None, 2),
+    # dozens of stages: early packs and writes in flight across stages, over TCP
+    ("tests/configs/staged-fp32.yaml", "tcp", 3),
 ])
 def test_demo_runs_bit_exact_over_nixl(config, tls, steps):
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}

@@ -21,6 +21,7 @@ import numpy as np
 from planner.passes.intersect import Chunks, PieceTable, element_size
 from schemas.config import ConfigError, Options
 from schemas.plan import PACK, UNPACK
+from schemas.prepack import SLOTS
 
 ALIGN = 64
 """Staging offsets are aligned to this many bytes."""
@@ -78,8 +79,11 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     src_rank, dst_rank = src.rank[choice], dst.rank[d_row]
     world = len(n_regions)
     si = _staging_order(np.nonzero(staged)[0], src_rank, dst_rank, nbytes, world)
+    # Staged chunks start in stage 1 when there are direct writes: those go first, in
+    # stage 0, and stage 1's packs run while they are in flight (`schemas.prepack`).
+    first = int(bool((~staged).any() and (staged & pack).any()))
     st = _place_staging(si, src_rank, dst_rank, pack, unpack, nbytes,
-                        opts, chunks.tensor, tensor_names, world)
+                        opts, chunks.tensor, tensor_names, world, first)
     stage, s_soff, d_soff, staging = st
     stages = int(stage.max()) + 1 if len(stage) else 1
 
@@ -139,9 +143,15 @@ def _staging_order(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
 
 def _place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
                    pack: np.ndarray, unpack: np.ndarray, nbytes: np.ndarray, opts: Options,
-                   tensor: np.ndarray, tensor_names: list[str], world: int
+                   tensor: np.ndarray, tensor_names: list[str], world: int, first: int = 0
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Stage and staging offsets of each staged chunk: first stage where both ends fit."""
+    """Stage (from `first` on) and staging offsets of each staged chunk: the first stage
+    where both ends fit.
+
+    Stage s uses slot `s % SLOTS` (a third) of the budget, so the packs of stage s+1 never
+    touch what stages s and s-1 read and may run while their writes are in flight
+    (`schemas.prepack`); when a chunk is larger than a slot, every stage uses all of the
+    budget (and packs in order)."""
     budget = opts.staging_bytes
     stage = np.zeros(len(si), dtype=np.int64)
     s_off = np.zeros(len(si), dtype=np.int64)
@@ -157,26 +167,30 @@ def _place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
             f"options.staging_bytes: {budget} is too small: {tensor_names[tensor[i]]} needs "
             f"{why} of {int(nbytes[i])} bytes; raise options.staging_bytes to at least "
             f"{int(nbytes[i])} or lower options.max_write_bytes")
+    slot = budget // SLOTS // ALIGN * ALIGN
+    slots = slot > 0 and int(nbytes[si].max()) <= slot
+    cap = slot if slots else budget
     used: dict[tuple[int, int], int] = {}
-    cursor = [0] * world
+    cursor = [first] * world
     sr, dr = src_rank[si].tolist(), dst_rank[si].tolist()
     pk, up, nb = pack[si].tolist(), unpack[si].tolist(), nbytes[si].tolist()
     for j in range(len(si)):
         ranks = ([sr[j]] if pk[j] else []) + ([dr[j]] if up[j] else [])
         s = max(cursor[r] for r in ranks)
-        while any(used.get((r, s), 0) + nb[j] > budget for r in ranks):
+        while any(used.get((r, s), 0) + nb[j] > cap for r in ranks):
             s += 1
         stage[j] = s
         size = -(-nb[j] // ALIGN) * ALIGN
+        base = (s % SLOTS) * slot if slots else 0
         for r in ranks:
             off = used.get((r, s), 0)
             if r == sr[j] and pk[j]:
-                s_off[j] = off
+                s_off[j] = base + off
             else:
-                d_off[j] = off
+                d_off[j] = base + off
             used[(r, s)] = off + size  # the next chunk starts aligned
             cursor[r] = s
-            staging[r] = max(staging[r], off + nb[j])  # within the budget (checked above)
+            staging[r] = max(staging[r], base + off + nb[j])  # within the budget
     return stage, s_off, d_off, staging
 
 
