@@ -5,16 +5,30 @@ The model (at batch granularity; a batch is one flow):
   READY/ACK, packs, writes, DONE, wait DONE, unpacks, ACK. A signal arrives
   `write_overhead_us` after it is sent.
 - A source posts its batches in plan order, as the executor does: up to `inflight` (8)
-  batches posted and not yet reaped, reaped in order; a batch goes over the source's NIC
-  (`batches.nic` 0) or NVLink (`batches.nic` 1, same-host writes).
+  batches posted and not yet landed (any landed batch frees its place); a batch goes over
+  the source's NIC (`batches.nic` 0) or NVLink (`batches.nic` 1, same-host writes). A
+  rank that receives nothing in a stage goes on to the next one when its last batches are
+  posted (if that stage's waits have arrived and its packs ran early) and sends the DONE
+  of the stage when they have landed, as the executor's window does (`executor/window.py`).
 - A flow uses two resources: the egress and the ingress of its path: the source's and
   the target's NIC (`cluster.nic_gbps`, shared by all GPUs that NIC serves), or the
   source's and target's NVLink (`nvlink_gbps`, per GPU). Active flows share resources
   max-min fairly (progressive filling, exact up to `MAX_LEVELS` bottleneck levels),
   recomputed whenever the set of flows changes.
-- A batch's size is its bytes plus `write_overhead_us` of link time for every write in it.
-- Packs (and QUANTs) and unpacks of a stage run one after another on their rank:
-  `pack_overhead_us` plus bytes (of the wider dtype side) at `pack_gbps` each.
+- A batch's size is its bytes plus link time for its latency and its writes: once
+  `write_overhead_us` (posting and completion: the writes of a batch are posted together
+  and pipelined by the NIC, so the latency is paid per batch, not per write), plus
+  `NIC_WRITE_S` per write on a NIC (each RDMA write costs the NIC a work request and
+  headers; CX-7 class NICs process over 200 M messages/s) or `NVLINK_WRITE_S` per write
+  over NVLink (each peer copy is one copy-engine job: ~3.4 us measured on H200,
+  BENCHMARKS.md "GPU refit"). Until 2026-11-22 every write paid `write_overhead_us` of
+  link time; that made 800 KB RDMA writes 12% slower than line rate.
+- Packs (and QUANTs) and unpacks of a stage run one after another on their rank: bytes
+  (of the wider dtype side) at `pack_gbps`, plus `pack_overhead_us` per executor op (a
+  QUANT, or a group of packs the executor runs as one vectorised op). A
+  prepacked stage's packs (`schemas.prepack`) start when the previous stage posts its
+  writes and overlap them (GPU copy kernels beside the NIC's DMA); the stage waits only
+  for what is left of them.
 - The transfer ends when the last rank finishes its last stage (the completion barrier).
 
 `floor_s` is independent of the schedule: the most bytes through one NIC direction (or one
@@ -32,6 +46,7 @@ import numpy as np
 
 from schemas.plan import (
     ACK,
+    COPY_GROUP_KEY,
     DONE,
     DTYPE_CODES,
     ITEMSIZE,
@@ -42,9 +57,14 @@ from schemas.plan import (
     Plan,
     RankPlan,
 )
+from schemas.prepack import Overlap
 
 NIC, NVLINK = 0, 1
 """Channels of a source rank (the values of `batches.nic`)."""
+NIC_WRITE_S = 10e-9
+"""Link time of one RDMA write beyond its bytes (work request fetch and headers)."""
+NVLINK_WRITE_S = 3.4e-6
+"""Copy-engine time of one peer copy beyond its bytes (measured on H200, cuda_ipc)."""
 INFLIGHT = 8
 """Batches a rank keeps in flight by default (`executor` `max_inflight`)."""
 MAX_LEVELS = 8
@@ -98,7 +118,9 @@ def _batches(ranks: tuple[RankPlan, ...]) -> _Batches:
 
 def _copy_seconds(rp: RankPlan, kinds: tuple[int, ...], pack_bps: float,
                   overhead_s: float) -> np.ndarray:
-    """Seconds of the copies of `kinds` in each stage of one rank (bytes of the wider side)."""
+    """Seconds of the copies of `kinds` in each stage of one rank: bytes (of the wider side)
+    at `pack_bps`, plus `overhead_s` per executor op (a QUANT, or a group of PACKs or
+    UNPACKs that run as one, `schemas.plan.COPY_GROUP_KEY`)."""
     c = rp.copies
     out = np.zeros(rp.stages)
     m = np.isin(c["kind"], kinds)
@@ -107,7 +129,16 @@ def _copy_seconds(rp: RankPlan, kinds: tuple[int, ...], pack_bps: float,
     size = np.array([ITEMSIZE[d] for d in DTYPE_CODES])
     item = np.maximum(size[c["src_dtype"][m]], size[c["dst_dtype"][m]])
     nbytes = (c["size0"][m] * c["size1"][m] * c["size2"][m] * item).astype(np.float64)
-    np.add.at(out, c["stage"][m], overhead_s + nbytes / pack_bps)
+    np.add.at(out, c["stage"][m], nbytes / pack_bps)
+    rows = np.flatnonzero(m)
+    quant = c["kind"][rows] == QUANT
+    np.add.at(out, c["stage"][rows[quant]], overhead_s)
+    rows = rows[~quant]
+    if len(rows):
+        key = np.stack([c[k][rows].astype(np.int64) for k in ("stage", "kind", *COPY_GROUP_KEY)],
+                       axis=1)
+        ops = np.unique(key, axis=0)
+        np.add.at(out, ops[:, 0], overhead_s)
     return out
 
 
@@ -158,13 +189,13 @@ def _maxmin(eres: np.ndarray, ires: np.ndarray, cap: np.ndarray,
 
 
 def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
-             in_order: bool = True) -> dict[str, Any]:
+             in_order: bool = False) -> dict[str, Any]:
     """Simulate a plan (a path or a `Plan`) on the cluster its header records.
 
     `inflight`: batches a rank keeps posted and not yet reaped (the executor's
     `max_inflight`); 1 sends one batch at a time. `in_order`: a rank reaps its oldest
-    batch first (the executor's deque), so a long batch at the head holds the window;
-    False: any landed batch frees its place.
+    batch first, so a long batch at the head holds the window (the executor until
+    2026-11-22); False (the executor now): any landed batch frees its place.
 
     Returns `estimated_s`, `floor_s`, `ratio`, `bottleneck`, per-NIC bytes and busy time
     (`nics`), NVLink totals, per-rank finish times, and `timeline`: numpy columns
@@ -203,7 +234,8 @@ class _Sim:
         self.eres = np.where(nic, self.rank_nic[b.rank], 2 * n_nic + b.rank)
         self.ires = np.where(nic, n_nic + self.rank_nic[b.dst], 2 * n_nic + w + b.dst)
         bps = np.where(nic, self.nic_bps, self.nv_bps)
-        self.size = b.nbytes + b.writes * self.lat * bps
+        per_write = np.where(nic, NIC_WRITE_S, NVLINK_WRITE_S)
+        self.size = b.nbytes + (self.lat + b.writes * per_write) * bps
         # queue (rank, stage) -> a slice of `qorder` (plan order within it)
         self.stages = [rp.stages for rp in ranks]
         smax = max(self.stages, default=1)
@@ -214,6 +246,9 @@ class _Sim:
         pbps, pov = opts["pack_gbps"] * 1e9 / 8, opts["pack_overhead_us"] * 1e-6
         self.pack_s = [_copy_seconds(rp, (PACK, QUANT), pbps, pov) for rp in ranks]
         self.unpack_s = [_copy_seconds(rp, (UNPACK,), pbps, pov) for rp in ranks]
+        self.overlap = [Overlap(rp) for rp in ranks]
+        self.prepacked = [ov.prepacked.tolist() for ov in self.overlap]
+        self.packs_end = [0.0] * self.world  # when a prepacked stage's packs finish
         self.sends = [self._by_stage(rp.signals, rp.stages) for rp in ranks]
         self.waits = [self._by_stage(rp.waits, rp.stages) for rp in ranks]
 
@@ -242,6 +277,8 @@ class _Sim:
                     return
             elif ph in (_PACK, _UNPACK):
                 dur = (self.pack_s if ph == _PACK else self.unpack_s)[r][s]
+                if ph == _PACK and self.prepacked[r][s]:
+                    dur = self.packs_end[r] - t  # started with stage s-1's writes
                 self.phase[r] += 1
                 if dur > 0:
                     self._timer(t + dur, r)
@@ -257,9 +294,10 @@ class _Sim:
                 else:
                     self.phase[r] += 1
 
-    def _timer(self, at: float, r: int) -> None:
+    def _timer(self, at: float, r: int, post: bool = False) -> None:
+        """Wake rank `r` at `at`: to walk on (`_advance`), or to post (`post`)."""
         self.seq += 1
-        heapq.heappush(self.heap, (at, self.seq, r))
+        heapq.heappush(self.heap, (at, self.seq, -1 - r if post else r))
 
     def _send(self, r: int, s: int, t: float, kind: int) -> None:
         for peer, k in self.sends[r][s]:
@@ -295,18 +333,64 @@ class _Sim:
         return False
 
     def _start_writes(self, r: int, s: int, t: float) -> bool:
-        """Post rank `r`'s first stage-`s` batches; True if it must wait for them."""
+        """Post rank `r`'s first stage-`s` batches; True if it must wait for them. The
+        next stage's packs start now if it is prepacked."""
+        if s + 1 < self.stages[r] and self.prepacked[r][s + 1]:
+            self.packs_end[r] = t + self.pack_s[r][s + 1]
         q = r * self.smax + s
         lo, hi = self.qbounds[q], self.qbounds[q + 1]
         if hi == lo:
             return False
         self.window[r] = [lo, lo, hi, 0]  # reaped up to, next to post, end, outstanding
+        self.unlanded[r][s] = hi - lo
         self._post(r, t)
         return True
+
+    def _carry(self, r: int, t: float) -> None:
+        """Every batch of rank `r`'s stage is posted: go on to the next stage with them still
+        in flight where the executor does (`executor/core.py` `send_half`): nothing arrives
+        for `r` in this stage and it ACKs nothing, the next stage has writes, its READY/ACK
+        waits have arrived, and its packs (if any) were prepacked. Its DONE goes out when
+        they have landed."""
+        s, win = self.stage[r], self.window[r]
+        q = r * self.smax + s + 1
+        if (s + 1 >= self.stages[r] or self.unpack_s[r][s] > 0
+                or any(k == DONE for _, k in self.waits[r][s])
+                or any(k == ACK for _, k in self.sends[r][s])
+                or self.qbounds[q + 1] == self.qbounds[q]
+                or (self.pack_s[r][s + 1] > 0 and not self.prepacked[r][s + 1])):
+            return
+        for peer, k in self.waits[r][s + 1]:
+            at = self.arrival.get((peer, r, k, s if k == ACK else s + 1))
+            if at is None or at > t:
+                return
+        if self.unlanded[r][s]:
+            self.deferred[r].add(s)
+        else:
+            self._send(r, s, t, DONE)
+        self.unlanded[r][s + 1] = self.qbounds[q + 1] - self.qbounds[q]
+        self.stage[r], self.phase[r] = s + 1, _SEND_DONE
+        start = max(t, self.packs_end[r]) if self.prepacked[r][s + 1] else t
+        if s + 2 < self.stages[r] and self.prepacked[r][s + 2]:
+            inflight = [k for k, n in self.unlanded[r].items() if n]
+            if self.overlap[r].blockers(s + 2, inflight):  # they must land first
+                self.packs_after[r] = s + 2
+                self.packs_end[r] = np.inf
+            else:
+                self.packs_end[r] = start + self.pack_s[r][s + 2]
+        win[2] = self.qbounds[q + 1]
+        self.hold[r] = start  # inf: until stage s-1's writes land (`_end_flow`)
+        if t < start < np.inf:
+            self._timer(start, r, post=True)
+        elif start <= t:
+            self._post(r, t)
 
     def _post(self, r: int, t: float) -> None:
         """Post batches while fewer than `inflight` are posted and not yet reaped."""
         win = self.window[r]
+        if t < self.hold[r]:
+            return  # the next stage's packs are still running
+        posted = win[1] == win[2]
         while win[1] < win[2] and win[3] < self.inflight:
             g = int(self.qorder[win[1]])
             slot = self.free_slots[r].pop()
@@ -316,6 +400,8 @@ class _Sim:
             win[1] += 1
             win[3] += 1
         self.dirty = True
+        if win[1] == win[2] and not posted:
+            self._carry(r, t)
 
     def _end_flow(self, slot: int, t: float) -> None:
         g = int(self.flow_gid[slot])
@@ -332,6 +418,19 @@ class _Sim:
         else:  # any landed batch frees its place in the window
             win[0] += 1
             win[3] -= 1
+        s = int(self.b.stage[g])
+        self.unlanded[r][s] -= 1
+        if not self.unlanded[r][s] and s in self.deferred[r]:  # a carried stage has landed
+            self.deferred[r].discard(s)
+            self._send(r, s, t, DONE)
+            k = self.packs_after[r]  # early packs of stage k wait for older writes
+            inflight = [j for j, n in self.unlanded[r].items() if n]
+            if k >= 0 and not self.overlap[r].blockers(k, inflight):
+                self.packs_after[r] = -1
+                self.packs_end[r] = t + self.pack_s[r][k]
+                if self.hold[r] == np.inf:
+                    self.hold[r] = self.packs_end[r]
+                    self._timer(self.hold[r], r, post=True)
         if win[0] == win[2]:
             self._advance(r, t)
         else:
@@ -362,6 +461,10 @@ class _Sim:
         self.wait_t, self.missing = [0.0] * w, [0] * w
         k = self.inflight
         self.window: list[list[int]] = [[0, 0, 0, 0] for _ in range(w)]
+        self.unlanded: list[dict[int, int]] = [{} for _ in range(w)]  # stage -> batches
+        self.deferred: list[set[int]] = [set() for _ in range(w)]  # DONE sent when landed
+        self.hold = [0.0] * w  # a rank posts its carried stage's batches from then on
+        self.packs_after = [-1] * w  # a stage whose early packs wait for older writes
         self.free_slots = [list(range(r * k + k - 1, r * k - 1, -1)) for r in range(w)]
         self.landed = np.zeros(nb, dtype=bool)
         self.active = np.zeros(w * k, dtype=bool)
@@ -410,7 +513,10 @@ class _Sim:
                 self._end_flow(slot, t)
             while self.heap and self.heap[0][0] <= t:
                 _, _, r = heapq.heappop(self.heap)
-                self._advance(r, t)
+                if r < 0:
+                    self._post(-1 - r, t)
+                else:
+                    self._advance(r, t)
         stuck = [r for r in range(w) if self.stage[r] < self.stages[r]]
         if stuck:
             raise ValueError(f"simulate: ranks {stuck[:8]} never finish (a wait that no rank "

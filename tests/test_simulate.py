@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.simulate import simulate
+from planner.simulate import NIC_WRITE_S, NVLINK_WRITE_S, simulate
 from schemas.plan import (
     ACK,
     BATCH_COLUMNS,
@@ -99,12 +99,13 @@ def tgt(host: int, gpu: int, copies: tuple = ()) -> dict:
 
 
 def test_one_gigabyte_over_one_nic():
-    # source h0/gpu0 -> target h1/gpu0: 1 GB at 50 GB/s = 20 ms; 16 writes x 2 us of
-    # overhead; READY and DONE each arrive 2 us after they are sent.
+    # source h0/gpu0 -> target h1/gpu0: 1 GB at 50 GB/s = 20 ms; one batch: 2 us of
+    # latency and 16 writes x 10 ns of NIC work; READY and DONE each arrive 2 us after
+    # they are sent.
     plan = _plan([src(0, 0, (0, 0, 1, GB, 16)), tgt(1, 0)], overhead_us=2.0)
     res = simulate(plan)
     assert res["floor_s"] == pytest.approx(0.02)
-    assert res["estimated_s"] == pytest.approx(2e-6 + 0.02 + 16 * 2e-6 + 2e-6)
+    assert res["estimated_s"] == pytest.approx(2e-6 + 0.02 + 2e-6 + 16 * NIC_WRITE_S + 2e-6)
     assert res["bottleneck"] == "h0/nic0 egress"
     assert res["nics"][0]["bytes_out"] == GB and res["nics"][1]["bytes_in"] == GB
 
@@ -120,7 +121,7 @@ def test_two_sources_share_the_target_ingress():
         assert res["estimated_s"] == pytest.approx(0.02)
         assert res["bottleneck"] == "h2/nic0 ingress"
     ends = sorted(res["timeline"]["end"].tolist())
-    assert ends == pytest.approx([0.01, 0.02])
+    assert ends == pytest.approx([0.01, 0.02], abs=1e-7)  # + 10 ns per write (NIC_WRITE_S)
 
 
 def test_gpus_behind_one_nic_share_its_egress():
@@ -134,19 +135,20 @@ def test_gpus_behind_one_nic_share_its_egress():
 
 
 def test_same_host_writes_go_over_nvlink_alongside_the_nic():
-    # 1 GB to a target on the same host over NVLink (450 GB/s: 2.22 ms) while 1 GB goes to
-    # another host over the NIC (20 ms): the two channels run at once, the NIC dominates.
+    # 1 GB to a target on the same host over NVLink (450 GB/s: 2.22 ms, plus 3.4 us for its
+    # one peer copy) while 1 GB goes to another host over the NIC (20 ms): the two channels
+    # run at once, the NIC dominates.
     plan = _plan([src(0, 0, (0, 1, 1, GB, 1), (0, 0, 2, GB, 1)), tgt(0, 4), tgt(1, 0)])
     res = simulate(plan)
-    assert res["estimated_s"] == pytest.approx(0.02)
+    assert res["estimated_s"] == pytest.approx(0.02, abs=1e-7)
     tl = res["timeline"]
     nv = tl["chan"] == 1
-    assert tl["end"][nv][0] == pytest.approx(GB / NV_BPS)
+    assert tl["end"][nv][0] == pytest.approx(GB / NV_BPS + NVLINK_WRITE_S)
     assert res["nvlink_bytes"] == GB
     # NVLink alone: its own floor.
     res = simulate(_plan([src(0, 0, (0, 1, 1, GB, 1)), tgt(0, 4)]))
     assert res["floor_s"] == pytest.approx(GB / NV_BPS)
-    assert res["estimated_s"] == pytest.approx(GB / NV_BPS)
+    assert res["estimated_s"] == pytest.approx(GB / NV_BPS + NVLINK_WRITE_S)
     assert res["bottleneck"] == "rank 0 NVLink out"
 
 
@@ -160,9 +162,9 @@ def test_staged_plan_packs_writes_unpacks_and_acks():
                       copies=((PACK, 0, GB), (PACK, 1, GB))),
                   tgt(1, 0, copies=((UNPACK, 0, GB), (UNPACK, 1, GB)))],
                  overhead_us=0.0, pack_us=10.0, acks=True)
-    plan.header["options"]["write_overhead_us"] = 2.0  # signals: 2 us; writes: 1 x 2 us
+    plan.header["options"]["write_overhead_us"] = 2.0  # signals and batches: 2 us
     res = simulate(plan)
-    w += lat  # one write's overhead
+    w += lat + NIC_WRITE_S  # one batch of one write
     t_ack = lat + p + w + lat + p + lat
     assert res["estimated_s"] == pytest.approx(t_ack + p + w + lat + p)
     assert res["stages"] == 2
@@ -250,12 +252,13 @@ def test_batches_in_flight_overlap_targets():
 def test_in_order_reaping_holds_the_window_behind_a_slow_head():
     # X sends A (1 GB -> T1), B (0.1 GB -> T2), C (1 GB -> T3) with 2 in flight; D also
     # sends 1 GB -> T1, so A crawls at 25 GB/s. B lands at 4 ms. In order (the executor's
-    # deque), C waits for A: A ends at 40 ms, C at 40 + 20 = 60 ms. Any order: C starts at
-    # 4 ms beside A (25 GB/s each), has 0.1 GB left when A ends at 40 ms: 42 ms = the floor
-    # (X's egress carries 2.1 GB).
+    # deque until 2026-11-22), C waits for A: A ends at 40 ms, C at 40 + 20 = 60 ms. Any
+    # order (the executor's window now, the default): C starts at 4 ms beside A (25 GB/s
+    # each), has 0.1 GB left when A ends at 40 ms: 42 ms = the floor (X's egress carries
+    # 2.1 GB).
     plan = _plan([src(0, 0, (0, 0, 2, GB, 1), (0, 0, 3, GB // 10, 1), (0, 0, 4, GB, 1)),
                   src(1, 0, (0, 0, 2, GB, 1)), tgt(2, 0), tgt(3, 0), tgt(4, 0)])
-    assert simulate(plan, inflight=2)["estimated_s"] == pytest.approx(0.06)
-    res = simulate(plan, inflight=2, in_order=False)
+    assert simulate(plan, inflight=2, in_order=True)["estimated_s"] == pytest.approx(0.06)
+    res = simulate(plan, inflight=2)
     assert res["estimated_s"] == pytest.approx(0.042)
     assert res["floor_s"] == pytest.approx(0.042)
