@@ -10,7 +10,8 @@ dedicated stream, called through ctypes on the
 libcudart that torch loaded (about 3 us each: torch's cross-device `copy_` costs ~12 us of
 host time per write, which made many-MiB-sized writes host-bound). Without that library, or
 if the raw call fails, the batch runs as torch copies (`torch_copy.py`). A batch has landed
-when its CUDA event has. Notifications go through the rendezvous store (`StoreMailbox`).
+when its CUDA event has. Notifications go through shared memory (`shm_mailbox.py`: the
+ranks share a host), not the rendezvous store (a TCP round trip per poll).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Store, StoreMailbox, WriteBatch
+from .base import Store, WriteBatch
+from .shm_mailbox import ShmMailbox
 from .torch_copy import Op, prepare_copies
 
 
@@ -108,7 +110,7 @@ class CudaIpcTransport:
         self.rank, self.ns, self.store, self.device = rank, namespace, store, device
         self.stream = torch.cuda.Stream(device)
         self.peers: dict[int, list[torch.Tensor]] = {}
-        self.mailbox = StoreMailbox(rank, namespace, store)
+        self.mailbox = ShmMailbox(rank, namespace)
         self.rt = _Runtime.load()
         self.segments: list[int] = []  # allocation base of each region (set by export)
         self.peer_segments: dict[int, list[int]] = {}
@@ -120,13 +122,13 @@ class CudaIpcTransport:
     def export(self) -> dict[str, Any]:
         fields = [_export_region(r) for r in self.regions]
         self.segments = [_segment(r, f[3]) for r, f in zip(self.regions, fields)]
-        return {"regions": fields}
+        return {"regions": fields, "mailbox": self.mailbox.export()}
 
     def import_peer(self, peer: int, desc: dict[str, Any]) -> None:
         self.peers[peer] = [_import_region(f) for f in desc["regions"]]
         self.peer_segments[peer] = [_segment(r, f[3]) for r, f in
                                     zip(self.peers[peer], desc["regions"])]
-        self.mailbox.listen(peer)
+        self.mailbox.import_peer(peer, desc["mailbox"])
         regs = self.peers[peer]
         if regs and regs[0].device != self.device:  # torch enables peer access both ways
             a = torch.zeros(1, dtype=torch.uint8, device=self.device)
@@ -190,3 +192,4 @@ class CudaIpcTransport:
     def close(self) -> None:
         self.stream.synchronize()
         self.peers.clear()
+        self.mailbox.close()
