@@ -59,6 +59,23 @@ CASES = {  # model dir -> (source, target); DENSE is plans/qwen3-8b_megatron-tp2
     "qwen3-8b": DENSE, "qwen3-30b-a3b": MOE, "tiny-qwen3": DENSE, "tiny-qwen3-moe": MOE,
 }
 WORLD, TRAINERS, TARGETS = 4, (0, 1), (2, 3)
+ONE_TO_ONE = (dict(framework="megatron", tp=1, dtype="bfloat16"), dict(engine="vllm", tp=1))
+
+
+def use_gpus(n: int) -> None:
+    """`--gpus 2`: one trainer (GPU 0) and one inference GPU (GPU 1), TP 1 on both sides
+    (a "MODEL:fp32" case keeps fp32 weights on the trainer: every chunk is cast, so packed
+    into staging, which exercises early packs and writes in flight across stages)."""
+    global CLUSTER, CASES, WORLD, TRAINERS, TARGETS
+    if n == 4:
+        return
+    if n != 2:
+        raise SystemExit(f"--gpus {n}: 4 (the issue's setup) or 2")
+    CLUSTER = dict(placement="colocated", hosts=1, gpus_per_host=2, nics_per_host=2,
+                   source_gpus_per_host=1)
+    fp32 = ({**ONE_TO_ONE[0], "dtype": "float32"}, ONE_TO_ONE[1])
+    CASES = {**{m: ONE_TO_ONE for m in CASES}, **{f"{m}:fp32": fp32 for m in CASES}}
+    WORLD, TRAINERS, TARGETS = 2, (0,), (1,)
 SECTION = "## GPU refit (4x H200)"
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
@@ -72,8 +89,8 @@ def config(model: str, max_write_mib: int | None = None):
     from schemas.config import config_from_dict
 
     source, target = CASES[model]
-    data = {"model": {"config": f"{model}/config.json"}, "source": source, "target": target,
-            "cluster": CLUSTER}
+    data = {"model": {"config": f"{model.split(':')[0]}/config.json"}, "source": source,
+            "target": target, "cluster": CLUSTER}
     if max_write_mib:
         data["options"] = {"max_write_bytes": max_write_mib << 20}
     return config_from_dict(data, base_dir=MODELS_DIR)
@@ -635,7 +652,11 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
         ex, err, t0 = None, None, now()
         try:  # a fresh key prefix per load: never meet a closed executor's descriptors
             store = dist.PrefixStore(f"rplan-{ctx.runs}-{model}-{tr}", ctx.store)
-            ex = executor.load(plan_path, rank=rank, tensors=tensors, transport=tr,
+            kind, _, streams = tr.partition(":")
+            if streams:  # copy streams of cuda_ipc, for comparisons in one run
+                from executor.transports import cuda_ipc
+                cuda_ipc.STREAMS = int(streams)
+            ex = executor.load(plan_path, rank=rank, tensors=tensors, transport=kind,
                                rendezvous=store, timeout_s=args.exec_timeout)
         except Exception as e:
             traceback.print_exc()
@@ -720,6 +741,7 @@ def run_baseline(ctx: Ctx, model: str, spec, src, dst, tensors: dict, out: dict,
 
 def worker(args) -> int:
     os.environ.update(NO_MULTICAST)
+    use_gpus(args.gpus)
     rank = args.worker
     ctx = Ctx(args, rank)
     results = {"floor": None, "models": []}
@@ -849,7 +871,10 @@ def main() -> int:
     p.add_argument("--cpu-dry-run", action="store_true",
                    help="tiny models on CPU: gloo instead of NCCL, nixl instead of cuda_ipc")
     p.add_argument("--models", help="comma-separated model dirs under plans/models")
-    p.add_argument("--transports", help="comma-separated executor transports")
+    p.add_argument("--transports", help="comma-separated executor transports; "
+                   "cuda_ipc:N uses N copy streams (default executor.transports.cuda_ipc."
+                   "STREAMS)")
+    p.add_argument("--gpus", type=int, default=4, help="4 (2 trainers, 2 inference) or 2")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--baseline-steps", type=int, default=0, help="default: --steps")
     p.add_argument("--part-steps", type=int, default=5)
@@ -874,6 +899,7 @@ def main() -> int:
     p.add_argument("--results", help=argparse.SUPPRESS)
     args = p.parse_args()
     dry = args.cpu_dry_run
+    use_gpus(args.gpus)
     args.models = (args.models or ("tiny-qwen3,tiny-qwen3-moe" if dry else
                                    "qwen3-8b,qwen3-30b-a3b")).split(",")
     args.transports = (args.transports or ("nixl" if dry else "cuda_ipc")).split(",")

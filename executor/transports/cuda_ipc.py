@@ -5,8 +5,8 @@ its fields travel as msgpack (bytes and ints), never pickle. A peer opens them w
 `UntypedStorage._new_shared_cuda(...)`. A batch is prepared once into raw (dst, src, nbytes)
 pointer triples, writes adjacent in memory on both sides (inside one allocation each) merged
 into one; a post is one
-`cudaMemcpyAsync` (device to device, peer access enabled as torch does) per triple on a
-dedicated stream, called through ctypes on the
+`cudaMemcpyAsync` (device to device, peer access enabled as torch does) per triple on one
+of `STREAMS` copy streams (batches take them in turn), called through ctypes on the
 libcudart that torch loaded (about 3 us each: torch's cross-device `copy_` costs ~12 us of
 host time per write, which made many-MiB-sized writes host-bound). Without that library, or
 if the raw call fails, the batch runs as torch copies (`torch_copy.py`). A batch has landed
@@ -94,12 +94,18 @@ def coalesce(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, dst_alloc: np
     return dst[first], src[first], np.add.reduceat(nbytes, first)
 
 
-class _Posted:
-    __slots__ = ("batch", "ops", "raw", "event")
+STREAMS = 4
+"""Copy streams per rank; batches take them in turn (prepared order), so up to this many
+copy engines work at once: one stream's peer copies run one after another."""
 
-    def __init__(self, batch: WriteBatch, ops: list[Op] | None,
+
+class _Posted:
+    __slots__ = ("batch", "ops", "raw", "stream", "event", "posted")
+
+    def __init__(self, batch: WriteBatch, ops: list[Op] | None, stream: torch.cuda.Stream,
                  raw: list[tuple[int, int, int]] | None = None) -> None:
-        self.batch, self.ops, self.raw, self.event = batch, ops, raw, None
+        self.batch, self.ops, self.raw, self.stream = batch, ops, raw, stream
+        self.event, self.posted = torch.cuda.Event(), False
 
 
 class CudaIpcTransport:
@@ -108,7 +114,8 @@ class CudaIpcTransport:
             raise ValueError(f"rank {rank}: transport 'cuda_ipc' needs CUDA tensors, got "
                              f"{device}; use 'nixl' or 'local' for CPU tensors")
         self.rank, self.ns, self.store, self.device = rank, namespace, store, device
-        self.stream = torch.cuda.Stream(device)
+        self.streams = [torch.cuda.Stream(device) for _ in range(max(1, STREAMS))]
+        self.prepared = 0
         self.peers: dict[int, list[torch.Tensor]] = {}
         self.mailbox = ShmMailbox(rank, namespace)
         self.rt = _Runtime.load()
@@ -138,8 +145,11 @@ class CudaIpcTransport:
             torch.cuda.synchronize(regs[0].device)
 
     def prepare(self, batch: WriteBatch) -> _Posted:
+        stream = self.streams[self.prepared % len(self.streams)]
+        self.prepared += 1
         if self.rt is None:
-            return _Posted(batch, prepare_copies(self.regions, self.peers[batch.peer], batch))
+            return _Posted(batch, prepare_copies(self.regions, self.peers[batch.peer], batch),
+                           stream)
         keep = batch.nbytes > 0
         peer = self.peers[batch.peer]
         src = np.array([r.data_ptr() for r in self.regions], dtype=np.int64)
@@ -152,14 +162,15 @@ class CudaIpcTransport:
         d, s, n = coalesce(dst[dr] + batch.dst_offset[keep], src[sr] + batch.src_offset[keep],
                            batch.nbytes[keep].astype(np.int64), dst_alloc[dr], src_alloc[sr])
         self.ncopies += len(n)
-        return _Posted(batch, None, list(zip(d.tolist(), s.tolist(), n.tolist())))
+        return _Posted(batch, None, stream, list(zip(d.tolist(), s.tolist(), n.tolist())))
 
     def post(self, handle: _Posted) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream = handle.stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         if handle.raw is not None and self.rt is None:  # the raw path failed before
             self._as_torch(handle)
         if handle.raw is not None:
-            raw, fn, kind = self.stream.cuda_stream, self.rt.memcpy_async, _Runtime.D2D
+            raw, fn, kind = stream.cuda_stream, self.rt.memcpy_async, _Runtime.D2D
             for d, s, n in handle.raw:
                 if fn(d, s, n, kind, raw):
                     code = self.rt.last_error()  # clear it: torch would report it later
@@ -169,11 +180,11 @@ class CudaIpcTransport:
                     self._as_torch(handle)  # the whole batch again: idempotent
                     break
         if handle.ops:
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(stream):
                 for op in handle.ops:
                     op()
-        handle.event = torch.cuda.Event()
-        handle.event.record(self.stream)
+        handle.event.record(stream)
+        handle.posted = True
 
     def _as_torch(self, handle: _Posted) -> None:
         """Turn a raw batch into torch copies (after a raw call failed)."""
@@ -181,7 +192,7 @@ class CudaIpcTransport:
         handle.raw = None
 
     def done(self, handle: _Posted) -> bool:
-        return handle.event is None or handle.event.query()
+        return not handle.posted or handle.event.query()
 
     def notify(self, peer: int, msg: bytes) -> None:
         self.mailbox.notify(peer, msg)
@@ -190,6 +201,7 @@ class CudaIpcTransport:
         return self.mailbox.poll()
 
     def close(self) -> None:
-        self.stream.synchronize()
+        for stream in self.streams:
+            stream.synchronize()
         self.peers.clear()
         self.mailbox.close()
