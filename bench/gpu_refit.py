@@ -654,9 +654,11 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
             store = dist.PrefixStore(f"rplan-{ctx.runs}-{model}-{tr}", ctx.store)
             tr_only, _, inflight = tr.partition("@")  # cuda_ipc:STREAMS@MAX_INFLIGHT
             kind, _, streams = tr_only.partition(":")
-            if streams:  # copy streams of cuda_ipc, for comparisons in one run
+            if kind.startswith("cuda_ipc"):  # variants, for comparisons in one run
                 from executor.transports import cuda_ipc
-                cuda_ipc.STREAMS = int(streams)
+                cuda_ipc.STREAMS = int(streams or 4)
+                cuda_ipc.GRAPHS = not kind.endswith("-raw")  # cuda_ipc-raw: no CUDA graphs
+                kind = "cuda_ipc"
             ex = executor.load(plan_path, rank=rank, tensors=tensors, transport=kind,
                                rendezvous=store, timeout_s=args.exec_timeout,
                                max_inflight=int(inflight or 8))
@@ -875,7 +877,8 @@ def main() -> int:
     p.add_argument("--models", help="comma-separated model dirs under plans/models")
     p.add_argument("--transports", help="comma-separated executor transports; "
                    "cuda_ipc:N uses N copy streams (default executor.transports.cuda_ipc."
-                   "STREAMS); a suffix @M keeps M batches in flight (default 8)")
+                   "STREAMS), cuda_ipc-raw posts copies one by one (no CUDA graphs); a "
+                   "suffix @M keeps M batches in flight (default 8)")
     p.add_argument("--gpus", type=int, default=4, help="4 (2 trainers, 2 inference) or 2")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--baseline-steps", type=int, default=0, help="default: --steps")
