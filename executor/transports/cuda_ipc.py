@@ -100,12 +100,13 @@ copy engines work at once: one stream's peer copies run one after another."""
 
 
 GRAPHS = True
-GRAPH_MIN_COPIES = 8
-"""A batch of at least this many copies is captured once into a CUDA graph and replayed
-per step: one launch instead of a `cudaMemcpyAsync` per copy (~7 us of host time each,
-which starved the copy engines on runs of small copies: Qwen3-8B on 2 H200s, 1.32x -> 1.15x
-the floor). A batch of a few large copies is posted copy by copy (a graph launch was
-slower there: 1.20x -> 1.27x)."""
+GRAPH_MAX_MEAN_BYTES = 16 << 20
+"""A batch of several copies averaging less than this is captured once into a CUDA graph
+and replayed per step: one launch instead of a `cudaMemcpyAsync` per copy (~7 us of host
+time each, as long as a 3 MB copy takes over NVLink: runs of small copies starved the copy
+engines; on 2 H200s Qwen3-8B went from 1.32x to 1.15x the floor, Qwen3-30B-A3B from 1.21x
+to 1.08x). Batches of a few large copies are posted copy by copy: graph launches were
+slower there (fp32 -> bf16 Qwen3-8B, 64 MB in 1-4 copies per batch: 1.20x -> 1.27x)."""
 
 
 class _Posted:
@@ -173,7 +174,7 @@ class CudaIpcTransport:
                            batch.nbytes[keep].astype(np.int64), dst_alloc[dr], src_alloc[sr])
         self.ncopies += len(n)
         handle = _Posted(batch, None, stream, list(zip(d.tolist(), s.tolist(), n.tolist())))
-        if GRAPHS and len(n) >= GRAPH_MIN_COPIES:
+        if GRAPHS and len(n) > 1 and int(n.sum()) < GRAPH_MAX_MEAN_BYTES * len(n):
             handle.graph = self._capture(handle.raw)
         return handle
 
