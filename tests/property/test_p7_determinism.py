@@ -2,25 +2,25 @@
 
 Twice in this process, and once more in a fresh interpreter with another
 `PYTHONHASHSEED` (set and dict orders of strings differ there), from the case written
-as JSON (`case_io`): the plan file must not depend on either.
+as JSON (`case_io`): the plan file must not depend on either. When the code on disk has
+changed since this process imported it (a shared checkout during a long run), the other
+process compiles other code and cannot judge determinism: the test is skipped, naming the
+files (`case_io.CheckoutChanged`).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 
+import pytest
 from hypothesis import given, settings
 
 from planner.compiler import compile_layouts
 from schemas.plan import encode_plan, load_plan, write_plan
 from tests.property import harness
-from tests.property.case_io import case_from_json, case_json
+from tests.property.case_io import CheckoutChanged, case_from_json, case_json, compile_elsewhere
 from tests.property.strategies import Case, cases
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @given(cases())
@@ -44,12 +44,8 @@ def test_compile_is_deterministic_and_round_trips(case: Case) -> None:
 @given(cases())
 def test_compile_is_identical_in_another_process(case: Case) -> None:
     data = encode_plan(harness.compile_case(case))
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path, out = os.path.join(tmp, "case.json"), os.path.join(tmp, "p.rplan")
-        with open(spec_path, "w", encoding="utf-8") as f:
-            f.write(case_json(case))
-        env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": ROOT}
-        subprocess.run([sys.executable, "-m", "tests.property.case_io", spec_path, out],
-                       check=True, env=env, cwd=ROOT, timeout=120)
-        with open(out, "rb") as f:
-            assert f.read() == data
+    try:
+        other = compile_elsewhere(case, hash_seed="12345")
+    except CheckoutChanged as e:
+        pytest.skip(f"property 7 across processes not checked: {e}")
+    assert other == data
