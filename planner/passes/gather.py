@@ -47,12 +47,14 @@ def _align(n: int) -> int:
 
 class _Staging:
     """Bump allocation of each rank's staging per stage, in two pools: the first
-    `budget - budget // 4` bytes for the boxes a rank owns, the rest for the parts it packs
-    for other owners (so those packs never fall back to row-by-row writes)."""
+    `budget - budget // 4` bytes (rounded down to `ALIGN`, so that the second pool's offsets
+    are aligned too) for the boxes a rank owns, the rest for the parts it packs for other
+    owners (so those packs never fall back to row-by-row writes)."""
 
     def __init__(self, world: int, budget: int) -> None:
         self.used: dict[tuple[int, int, int], int] = {}
-        self.bounds = ((0, budget - budget // 4), (budget - budget // 4, budget))
+        split = (budget - budget // 4) // ALIGN * ALIGN
+        self.bounds = ((0, split), (split, budget))
         self.peak = np.zeros(world, dtype=np.int64)
 
     def _start(self, rank: int, stages: tuple[int, ...], pool: int) -> int:
@@ -202,7 +204,8 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
                             src_stride1=src.a1[h], src_stride2=1, dst_dtype=src_code,
                             dst_stride0=m1, dst_stride1=1, dst_stride2=1, size0=m0, size1=m1,
                             size2=1, aux_offset=0)
-                dense = src.a1[h] == 1 and (m0 == 1 or src.a0[h] == m1)
+                rows_ok = src.a1[h] == 1 or m1 == 1  # a column is one strided run
+                dense = rows_ok and (m0 == 1 or src.a0[h] == m1)
                 if hr == owner:  # own part: straight into the gather buffer
                     out.copy(rank=owner, dst_region=stg, dst_offset=into,
                              **{**pack, "dst_stride0": n1})
@@ -213,7 +216,7 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
                              **pack)
                     out.runs(gather, (hr, int(n_regions[hr]), off), (owner, stg, into * es),
                              1, m0 * m1 * es, 0, 0)
-                elif src.a1[h] == 1:
+                elif rows_ok:
                     out.runs(gather, (hr, int(src.region[h]), start * es),
                              (owner, stg, into * es), m0, m1 * es, int(src.a0[h]) * es,
                              n1 * es)
@@ -232,7 +235,7 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
         rb, cb = -(-n0 // BLOCK), -(-n1 // BLOCK)
         for i in targets_of[target_ptr[t]:target_ptr[t + 1]].tolist():
             d_rank, d_reg = int(w.rank[i]), int(w.region[i])
-            if w.a1[i] != 1:
+            if w.a1[i] != 1 and n1 > 1:  # a column lands as one strided run
                 raise ConfigError(f"gather: {names[tensor]} is transposed on target rank "
                                   f"{d_rank}; gathered boxes must land as rows")
             d = int(w.base[i] + t0 * w.a0[i] + t1 * w.a1[i])

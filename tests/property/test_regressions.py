@@ -174,6 +174,76 @@ def test_gather_skips_transposed_boxes(side: str) -> None:
     assert verify_plan(plan) == []
 
 
+def test_gather_takes_single_columns_stored_transposed() -> None:
+    # Found by the deep run once hand-built layouts drew transposed boxes again. 3 bf16
+    # source ranks, each tensor row-split 3/3/2, -> 2 target replicas of 1 rank holding
+    # everything whole, except q_proj.weight [8, 8]: 8 single-column boxes [8 x 1], each
+    # stored transposed as its own [1, 8] tensor (dims=(1, 0): a0 = 1, a1 = 8). Each
+    # column comes in c=3 chunks to h=2 ranks: c*h - c - h = 1 write saved, so it is
+    # gathered. A column is one strided run whatever its stride a1 (lower reads it as one
+    # row); gather refused it ("... is transposed on target rank ...; gathered boxes must
+    # land as rows") while `_fine_cut` had rightly let it through.
+    from tests.planner.synthetic import row_split
+
+    spec = spec_from_hf(TINY)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    tensors = []
+    for t in spec.tensors:
+        if t.name != q:
+            tensors.append(PhysicalTensor(t.name, t.shape, "bfloat16", (
+                Piece(t.name, (0,) * len(t.shape), t.shape, (0,) * len(t.shape)),)))
+            continue
+        tensors += [PhysicalTensor(f"{q}.col{j}", (1, 8), "bfloat16", (
+            Piece(q, (0, j), (8, 1), (0, 0), (1, 0)),)) for j in range(8)]
+    dst = Layout("target", "hand", tuple(RankLayout(r, r, tuple(tensors)) for r in range(2)),
+                 2)
+    cfg = Config(model=ModelConfig("hand"), source=SourceConfig("fsdp2", dp=3),
+                 target=TargetConfig("vllm", replicas=2),
+                 cluster=ClusterConfig(gpus_per_host=8, nics_per_host=1), options=Options())
+    plan = compile_layouts(cfg, spec, row_split(spec, 3), dst)
+    assert plan.header["stats"]["gather_unit_max"] > 0  # the columns were gathered
+    assert verify_plan(plan) == []
+
+
+def test_gather_staging_pool_of_a_budget_not_a_multiple_of_the_element_size() -> None:
+    # Found by the deep run once budgets were drawn off the 64-byte grid again. 3 fp32
+    # source ranks, each tensor row-split 3/3/2, every 2-d piece stored with 2 padding
+    # columns ([rows, 10]: strided), -> 2 fp32 target replicas of 1 rank holding everything
+    # whole: every 8x8 weight (256 bytes) is gathered (c=3 chunks, h=2 ranks). The
+    # owner's helpers pack their strided rows into the second pool of their staging, which
+    # began at budget - budget // 4 = 5000 - 1250 = 3750 bytes: the PACK got element
+    # offset 3750 // 4 = 937 (byte 3748) while the write read from byte 3750, so two bytes
+    # of every helper's part were lost.
+    from tests.property import harness
+    from tests.property.strategies import Case
+
+    spec = spec_from_hf(TINY)
+    ranks = []
+    for r in range(3):
+        tensors = []
+        for t in spec.tensors:
+            lo, hi = min(3 * r, t.shape[0]), min(3 * r + 3, t.shape[0])
+            if len(t.shape) == 2:
+                tensors.append(PhysicalTensor(t.name, (hi - lo, t.shape[1] + 2), "float32", (
+                    Piece(t.name, (lo, 0), (hi - lo, t.shape[1]), (0, 1)),)))
+            else:
+                tensors.append(PhysicalTensor(t.name, (hi - lo,), "float32", (
+                    Piece(t.name, (lo,), (hi - lo,), (0,)),)))
+        ranks.append(RankLayout(r, 0, tuple(tensors)))
+    src = Layout("source", "hand", tuple(ranks), 1)
+    dst = whole_tensors(spec, "target", "float32", 2)
+    cfg = Config(model=ModelConfig("hand"), source=SourceConfig("fsdp2", dp=3, dtype="float32"),
+                 target=TargetConfig("vllm", replicas=2, dtype="float32"),
+                 cluster=ClusterConfig(gpus_per_host=8, nics_per_host=1),
+                 options=Options(staging_bytes=5000))
+    case = Case(spec, src, dst, cfg, TINY)
+    plan = compile_layouts(cfg, spec, src, dst)
+    assert plan.header["stats"]["gather_unit_max"] > 0  # the weights were gathered
+    assert verify_plan(plan) == []
+    full = harness.labels(case)
+    assert harness.mismatches(harness.run(plan, case, full), harness.expected(case, full)) == []
+
+
 # ------------------------------------------------ validate accepts, the layout refuses
 # `planner.validate.validate` passes these configs, then `build_layout` raises a
 # ConfigError: the error still names the key, but `validate` (what `rdma-plan` checks
