@@ -244,6 +244,39 @@ def test_gather_staging_pool_of_a_budget_not_a_multiple_of_the_element_size() ->
     assert harness.mismatches(harness.run(plan, case, full), harness.expected(case, full)) == []
 
 
+def test_gathered_boxes_are_balanced_over_nics_not_ranks() -> None:
+    # Found by the fast profile (p6, a replicated qwen3_moe case). An 8-layer llama with
+    # 16x16 weights (512 bytes in bf16); 3 source ranks each holding the whole model as
+    # row halves (pure data parallelism), 2 GPUs per host and 1 NIC: ranks 0 and 1 share
+    # NIC h0/nic0, rank 2 has h1/nic0. 3 target replicas of 1 rank hold everything whole,
+    # on other hosts. Every box comes in c=2 chunks to h=3 ranks (1 write saved): all are
+    # gathered, each by one owner as one unit (3 x 512 bytes). Owners were balanced over
+    # source *ranks*, so NIC h0/nic0 sent 2/3 of everything: ~14 KB above the mean, past
+    # the one-unit slack (max_write_bytes 4096) that `verify.balance` allows.
+    from planner import verify
+
+    hf = {**TINY, "hidden_size": 16, "head_dim": 16, "intermediate_size": 16,
+          "vocab_size": 16, "num_hidden_layers": 8}
+    spec = spec_from_hf(hf)
+    tensors = []
+    for t in spec.tensors:
+        half = t.shape[0] // 2
+        for i, (lo, n) in enumerate(((0, half), (half, t.shape[0] - half))):
+            shape = (n, *t.shape[1:])
+            tensors.append(PhysicalTensor(f"{t.name}.{i}", shape, "bfloat16", (
+                Piece(t.name, (lo, *[0] * (len(shape) - 1)), shape, (0,) * len(shape)),)))
+    src = Layout("source", "hand", tuple(RankLayout(r, r, tuple(tensors)) for r in range(3)),
+                 3)
+    cfg = Config(model=ModelConfig("hand"), source=SourceConfig("fsdp2", dp_replicate=3),
+                 target=TargetConfig("vllm", replicas=3),
+                 cluster=ClusterConfig(gpus_per_host=2, nics_per_host=1),
+                 options=Options(max_write_bytes=4096))
+    plan = compile_layouts(cfg, spec, src, whole_tensors(spec, "target", "bfloat16", 3))
+    assert plan.header["stats"]["gather_unit_max"] == 3 * 512  # every box was gathered
+    assert verify.balance(plan) == []
+    assert verify_plan(plan) == []
+
+
 # ------------------------------------------------ validate accepts, the layout refuses
 # `planner.validate.validate` passes these configs, then `build_layout` raises a
 # ConfigError: the error still names the key, but `validate` (what `rdma-plan` checks
