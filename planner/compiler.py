@@ -205,10 +205,14 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     low = lower(chunks, choice, src, dst, n_regions, cfg.options, names)
     if len(gathered):
         step("gather")
-        sent = np.bincount(low.w_src_rank, weights=low.w_nbytes, minlength=len(n_regions))
+        host, nic = np.asarray(topo.host), np.asarray(topo.nic)
+        remote = host[low.w_src_rank] != host[low.w_dst_rank]
+        sent = np.bincount(nic[low.w_src_rank[remote]], weights=low.w_nbytes[remote],
+                           minlength=int(nic.max()) + 1)
         more, ex_more, owner_only, unit_max = gather(spec, src, full_dst, gathered,
                                                      np.nonzero(scales)[0], n_regions,
-                                                     cfg.options, low.stages, sent)
+                                                     cfg.options, low.stages, host, nic,
+                                                     sent)
         low = merge(low, more)
         ex = np.concatenate([ex, ex_more])
     else:

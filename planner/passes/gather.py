@@ -10,7 +10,8 @@ Two kinds of target box take this path instead of `lower`'s direct one:
 All target ranks holding the same box (replicas, replicated tensors) receive the output
 of one gather. For each target box:
 - an *owner* source rank is chosen: the one holding most of the box (ties: the owner
-  with the fewest bytes to send so far, then the lowest rank);
+  whose NIC has sent the fewest bytes so far, then the lowest rank: `assign`'s rule, with
+  the box's fan-out to targets on other hosts as one unit);
 - if the owner holds an FP8 box whole in one piece, QUANT reads it in place; otherwise the
   box is first gathered into the owner's staging: the owner PACKs its own parts, the
   other holders write theirs (source -> source writes);
@@ -47,12 +48,14 @@ def _align(n: int) -> int:
 
 class _Staging:
     """Bump allocation of each rank's staging per stage, in two pools: the first
-    `budget - budget // 4` bytes for the boxes a rank owns, the rest for the parts it packs
-    for other owners (so those packs never fall back to row-by-row writes)."""
+    `budget - budget // 4` bytes (rounded down to `ALIGN`, so that the second pool's offsets
+    are aligned too) for the boxes a rank owns, the rest for the parts it packs for other
+    owners (so those packs never fall back to row-by-row writes)."""
 
     def __init__(self, world: int, budget: int) -> None:
         self.used: dict[tuple[int, int, int], int] = {}
-        self.bounds = ((0, budget - budget // 4), (budget - budget // 4, budget))
+        split = (budget - budget // 4) // ALIGN * ALIGN
+        self.bounds = ((0, split), (split, budget))
         self.peak = np.zeros(world, dtype=np.int64)
 
     def _start(self, rank: int, stages: tuple[int, ...], pool: int) -> int:
@@ -101,13 +104,15 @@ class _Out:
 
 def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.ndarray,
            scale_rows: np.ndarray, n_regions: np.ndarray, opts: Options, base: int,
+           host: np.ndarray | None = None, nic: np.ndarray | None = None,
            sent: np.ndarray | None = None
            ) -> tuple[Lowered, np.ndarray, np.ndarray, int]:
     """Gathers, conversions (QUANT or cast) and fan-out writes for target rows
     `weight_rows` (FP8 weights and fine-cut boxes); `scale_rows`: the FP8 scale pieces.
-    `sent`: bytes each rank already sends (owners are balanced on top of it). Also returns
-    `explain_rows` of the fan-out, per rank the fan-out bytes of boxes only it could
-    own, and the largest fan-out (bytes) one owner took as a whole."""
+    `host`, `nic`: host and NIC of each plan rank (default: one each); `sent`: bytes each
+    NIC already sends to other hosts (owners are balanced on top of it). Also returns
+    `explain_rows` of the fan-out, per rank the fan-out bytes to other hosts of boxes only
+    it could own, and the largest fan-out (bytes) one owner took as a whole."""
     names = [t.name for t in spec.tensors]
     index = {n: i for i, n in enumerate(names)}
     scale_id = {i: index[n + "_scale_inv"] for i, n in enumerate(names)
@@ -123,7 +128,12 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
              enumerate(zip(s.rank, s.tensor, s.off0, s.off1))}
     out = _Out()
     alloc = _Staging(len(n_regions), opts.staging_bytes)
-    load = np.zeros(len(n_regions), dtype=np.int64) if sent is None else sent.astype(np.int64)
+    world = len(n_regions)
+    host = np.arange(world) if host is None else np.asarray(host)
+    nic = np.arange(world) if nic is None else np.asarray(nic)
+    load = np.zeros(int(nic.max()) + 1 if world else 0, dtype=np.int64)  # per NIC
+    if sent is not None:
+        load[:len(sent)] += sent.astype(np.int64)
     owner_only = np.zeros(len(n_regions), dtype=np.int64)
     unit_max = 0  # the largest fan-out one owner takes as a whole (balance granularity)
     rounds: dict[int, int] = {}  # owner -> first round that may still have room
@@ -147,12 +157,12 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
         for c, hs in zip(cs, cands):
             for r in set(src.rank[hs].tolist()):
                 held[r] = held.get(r, 0) + int(chunks.size0[c] * chunks.size1[c])
-        owner = min(held, key=lambda r: (-held[r], load[r], r))
+        owner = min(held, key=lambda r: (-held[r], load[nic[r]], r))
         rows = []
         for hs in cands:
             mine = hs[src.rank[hs] == owner]
             rows.append(int(mine[0]) if len(mine) else
-                        int(min(hs, key=lambda h: (load[src.rank[h]], src.rank[h]))))
+                        int(min(hs, key=lambda h: (load[nic[src.rank[h]]], src.rank[h]))))
         es = int(element_size(src.dtype[rows[0]]))
         quant = int(w.dtype[first[t]]) == FP8_CODE
         out_code = int(w.dtype[first[t]])
@@ -178,10 +188,12 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
         g_off = alloc.take(owner, (gather, quant_stage), need)
         f_off = g_off + g_bytes
         s_off = f_off + f_bytes
-        load[owner] += numel * es_d * (target_ptr[t + 1] - target_ptr[t])
-        unit_max = max(unit_max, numel * es_d * int(target_ptr[t + 1] - target_ptr[t]))
+        to = w.rank[targets_of[target_ptr[t]:target_ptr[t + 1]]]
+        remote = numel * es_d * int((host[to] != host[owner]).sum())  # NVLink loads no NIC
+        load[nic[owner]] += remote
+        unit_max = max(unit_max, numel * es_d * len(to))
         if len(held) == 1:
-            owner_only[owner] += numel * es_d * (target_ptr[t + 1] - target_ptr[t])
+            owner_only[owner] += remote
         max_stage = max(max_stage, quant_stage)
         stg = int(n_regions[owner])
         if direct:
@@ -197,12 +209,15 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
                 start = int(src.base[h] + c0 * src.a0[h] + c1 * src.a1[h])
                 into = g_off // es + (c0 - t0) * n1 + (c1 - t1)
                 hr = int(src.rank[h])
+                if hr != owner and host[hr] != host[owner]:  # its NIC sends the part
+                    load[nic[hr]] += m0 * m1 * es
                 pack = dict(kind=PACK, stage=gather, src_region=src.region[h],
                             src_dtype=src_code, src_offset=start, src_stride0=src.a0[h],
                             src_stride1=src.a1[h], src_stride2=1, dst_dtype=src_code,
                             dst_stride0=m1, dst_stride1=1, dst_stride2=1, size0=m0, size1=m1,
                             size2=1, aux_offset=0)
-                dense = src.a1[h] == 1 and (m0 == 1 or src.a0[h] == m1)
+                rows_ok = src.a1[h] == 1 or m1 == 1  # a column is one strided run
+                dense = rows_ok and (m0 == 1 or src.a0[h] == m1)
                 if hr == owner:  # own part: straight into the gather buffer
                     out.copy(rank=owner, dst_region=stg, dst_offset=into,
                              **{**pack, "dst_stride0": n1})
@@ -213,7 +228,7 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
                              **pack)
                     out.runs(gather, (hr, int(n_regions[hr]), off), (owner, stg, into * es),
                              1, m0 * m1 * es, 0, 0)
-                elif src.a1[h] == 1:
+                elif rows_ok:
                     out.runs(gather, (hr, int(src.region[h]), start * es),
                              (owner, stg, into * es), m0, m1 * es, int(src.a0[h]) * es,
                              n1 * es)
@@ -232,7 +247,7 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
         rb, cb = -(-n0 // BLOCK), -(-n1 // BLOCK)
         for i in targets_of[target_ptr[t]:target_ptr[t + 1]].tolist():
             d_rank, d_reg = int(w.rank[i]), int(w.region[i])
-            if w.a1[i] != 1:
+            if w.a1[i] != 1 and n1 > 1:  # a column lands as one strided run
                 raise ConfigError(f"gather: {names[tensor]} is transposed on target rank "
                                   f"{d_rank}; gathered boxes must land as rows")
             d = int(w.base[i] + t0 * w.a0[i] + t1 * w.a1[i])

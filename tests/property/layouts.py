@@ -23,11 +23,6 @@ from hypothesis import strategies as st
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
 from planner.spec import LogicalTensor, ModelSpec
 
-TRANSPOSED = False
-"""Known bug (test_regressions.py::test_gather_skips_transposed_boxes): the compiler may
-pick a box stored transposed (on either side) for its gather pass, which refuses it. Until
-fixed, no box is drawn transposed."""
-
 
 @dataclass(frozen=True, slots=True)
 class Box:
@@ -57,7 +52,7 @@ def _dtype(t: LogicalTensor, dtype: str) -> str:
     return t.dtype if t.buffer else dtype
 
 
-def _physical(draw: st.DrawFn, boxes: list[Box], dtype: str, name: str, transpose: bool
+def _physical(draw: st.DrawFn, boxes: list[Box], dtype: str, name: str
               ) -> tuple[PhysicalTensor, int]:
     """One physical tensor from the first box(es) of `boxes`; returns it and how many it used."""
     b = boxes[0]
@@ -75,7 +70,7 @@ def _physical(draw: st.DrawFn, boxes: list[Box], dtype: str, name: str, transpos
         return PhysicalTensor(name, (pad0 + n + pad1,), pdt,
                               (Piece(b.tensor.name, b.offsets, b.sizes, (pad0,)),)), 1
     r, c = b.sizes
-    style = draw(st.sampled_from(["plain", "fused", "stacked"] + ["transposed"] * transpose))
+    style = draw(st.sampled_from(["plain", "fused", "stacked", "transposed"]))
     if style == "transposed":
         return PhysicalTensor(name, (c, r), pdt,
                               (Piece(b.tensor.name, b.offsets, b.sizes, (0, 0), (1, 0)),)), 1
@@ -100,14 +95,14 @@ def _physical(draw: st.DrawFn, boxes: list[Box], dtype: str, name: str, transpos
                           (Piece(b.tensor.name, b.offsets, b.sizes, (pad[0], pad[2])),)), 1
 
 
-def _rank_tensors(draw: st.DrawFn, boxes: list[Box], dtype: str, transpose: bool
+def _rank_tensors(draw: st.DrawFn, boxes: list[Box], dtype: str
                   ) -> tuple[PhysicalTensor, ...]:
     order = draw(st.permutations(range(len(boxes)))) if len(boxes) > 1 else list(range(
         len(boxes)))
     left = [boxes[i] for i in order]
     out = []
     while left:
-        pt, used_n = _physical(draw, left, dtype, f"p{len(out)}", transpose)
+        pt, used_n = _physical(draw, left, dtype, f"p{len(out)}")
         used = {p.tensor + repr(p.offsets) for p in pt.pieces}
         out.append(pt)
         left = [x for x in left if x.tensor.name + repr(x.offsets) not in used]
@@ -128,8 +123,7 @@ def random_layout(draw: st.DrawFn, spec: ModelSpec, side: str, per_replica: int,
                 second = draw(st.integers(0, per_replica - 1))
                 if second != first:
                     held[second].append(b)
-    transpose = TRANSPOSED
-    tensors = [_rank_tensors(draw, boxes, dtype, transpose) for boxes in held]
+    tensors = [_rank_tensors(draw, boxes, dtype) for boxes in held]
     ranks = tuple(RankLayout(rep * per_replica + r, rep, tensors[r])
                   for rep in range(replicas) for r in range(per_replica))
     return Layout(side, "synthetic", ranks, replicas)  # type: ignore[arg-type]

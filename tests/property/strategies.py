@@ -172,19 +172,11 @@ def clusters(draw: st.DrawFn) -> ClusterConfig:
         source_gpus_per_host=draw(st.integers(1, g - 1)) if colocated else None)
 
 
-ALIGNED_STAGING = True
-"""Known bug (test_regressions.py::test_staging_budget_not_a_multiple_of_64): lower.py
-rounds staging up to 64 bytes past a budget that is not a multiple of 64. Until it is
-fixed, budgets are drawn as multiples of 64 so the suite can look for other bugs."""
-
-
 @st.composite
 def options(draw: st.DrawFn) -> Options:
     max_write = draw(st.sampled_from([4096, 4099, 5000, 8192, 65536, 64 << 20]))
     staging = draw(st.one_of(st.just(256 << 20), st.integers(max_write, 4 * max_write),
                              st.integers(0, max_write)))
-    if ALIGNED_STAGING:
-        staging -= staging % 64
     return Options(max_write_bytes=max_write, staging_bytes=staging,
                    write_overhead_us=draw(st.sampled_from([0.0, 0.5, 2.0, 50.0])),
                    pack_gbps=draw(st.sampled_from([1.0, 2000.0, 1e6])),
