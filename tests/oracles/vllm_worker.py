@@ -59,6 +59,13 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list
     return errors
 
 
+KEEP: list[object] = []
+"""Every case's model, alive until the worker exits: vLLM caches the PP-missing layer names
+of a model by `id(model)` (`models/utils.py`), so a later model that reused a freed one's id
+got the earlier model's list (a flaky KeyError in load_weights for deepseek_v3 pp2 after
+qwen3_moe pp2)."""
+
+
 def run_case(case: dict, rank: int) -> list[str]:
     from vllm.config import set_current_vllm_config
     from vllm.distributed import destroy_model_parallel, initialize_model_parallel
@@ -81,6 +88,7 @@ def run_case(case: dict, rank: int) -> list[str]:
                                   pipeline_model_parallel_size=pp)
         try:
             model = get_model(vllm_config=cfg)
+            KEEP.append(model)
             model.load_weights(iter(full.items()))
             got = {n: p.detach() for n, p in model.named_parameters()}
         finally:
