@@ -390,6 +390,11 @@ def load_plan(path: str) -> Plan:
         header, start = read_header(f, path)
         names = sorted((n for n in header["blobs"] if n.startswith("rank/")),
                        key=lambda n: int(n.split("/")[1]))
+        world = header.get("world")
+        if not isinstance(world, int) or names != [f"rank/{r}" for r in range(world)]:
+            # every rank's plan, no more (a missing rank would leave its peers waiting)
+            raise PlanFormatError(f"{path}: the header says world={world!r} but the file "
+                                  f"holds {len(names)} rank blobs; the file is corrupt")
         ranks = tuple(RankPlan.decode(read_blob(f, header, start, n, path)) for n in names)
         for n, rp in zip(names, ranks):
             if f"rank/{rp.rank}" != n:

@@ -20,10 +20,6 @@ from hypothesis import strategies as st
 from schemas.plan import Plan, RankPlan, Region, Table, encode_plan
 
 TABLES = ("writes", "batches", "copies", "signals", "waits")
-SKIP_KNOWN_EXECUTOR_BUGS = True
-"""Until the executor checks them at load (tests/property/test_regressions.py: stage
-counts that differ from the header, signals/waits naming a peer outside the world), those
-mutations are not drawn, so the suite keeps looking for other bugs."""
 Mutation = tuple[str, Callable[[bytes, Plan], bytes]]
 
 
@@ -82,8 +78,7 @@ def semantic_mutation(draw: st.DrawFn, plan: Plan) -> Mutation:
     r = draw(st.integers(0, len(plan.ranks) - 1))
     rp = plan.ranks[r]
     tables = [t for t in TABLES if len(getattr(rp, t))]
-    kinds = ["peer_regions", "fingerprint", "rank", "role"]
-    kinds += [] if SKIP_KNOWN_EXECUTOR_BUGS else ["stages"]
+    kinds = ["peer_regions", "fingerprint", "rank", "role", "stages"]
     kinds += ["region"] if rp.regions else []
     kinds += ["value"] * 6 + ["drop_row", "dup_row"] if tables else []
     kind = draw(st.sampled_from(kinds))
@@ -97,8 +92,6 @@ def semantic_mutation(draw: st.DrawFn, plan: Plan) -> Mutation:
         col, dt = draw(st.sampled_from(t.schema))
         limit = max((reg.nbytes for reg in rp.regions), default=0)
         value = _interesting(draw, int(t[col][row]), limit, np.dtype(dt))
-        if SKIP_KNOWN_EXECUTOR_BUGS and name in ("signals", "waits") and col == "peer":
-            value = value % len(plan.ranks)
         what += f" {name}[{row}].{col} = {value} (was {int(t[col][row])})"
 
         def new_rank(p: RankPlan) -> RankPlan:

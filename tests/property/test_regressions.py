@@ -133,6 +133,21 @@ def test_signal_to_a_rank_outside_the_world_is_rejected(tmp_path) -> None:
     assert answer["outcome"] == "error" and "PlanBoundsError" in answer["types"], answer
 
 
+
+def test_rank_blob_missing_from_the_file_is_rejected(tmp_path) -> None:
+    # Found by the fast profile (p9: "rank 4: rank = 5"). Rank 0's plan is re-encoded
+    # claiming to be rank 1: the file then holds two blobs named rank/1 (the index keeps
+    # the second, rank 1's own) and none for rank 0, while the header still says world=2.
+    # Run in one process, rank 1 waited for rank 0's regions until its 60 s timeout (the
+    # sandbox saw a hang); the file must be refused while loading instead.
+    import dataclasses
+
+    path, case_path = _mutated_plan(
+        tmp_path, lambda r: [dataclasses.replace(r[0], rank=1), r[1]])
+    answer = _sandboxed(path, case_path)
+    assert answer["outcome"] == "error" and "PlanFormatError" in answer["types"], answer
+    assert answer["guards_ok"]
+
 def transposed(spec: ModelSpec, side: str, world: int, replicas: int) -> Layout:
     """Each tensor `torch.chunk`ed by rows over `world` ranks per replica; 2-d boxes are
     stored transposed (`[cols, rows]`, `dims=(1, 0)`)."""
