@@ -357,24 +357,25 @@ def _tree_copy(dst) -> str:
 
 def test_other_process_with_changed_code_is_not_nondeterminism(tmp_path) -> None:
     # A hand-built qwen3_moe (2 experts, 1 layer): 2 fp32 source ranks holding everything
-    # -> 2 bf16 target ranks holding everything. The copies of the tree are this checkout
-    # as is, and with one edit to the compiler (the version string it writes into the
-    # header), as an edit made while a run goes on would be.
+    # -> 2 bf16 target ranks holding everything. Two copies of the tree: this checkout as
+    # it is now, and the same with one edit to the compiler (the version string it writes
+    # into the header), as an edit made while a run goes on would be. The reference is the
+    # first copy (not this process's imports: the checkout may change under this test too).
     import os
 
-    from schemas.plan import encode_plan
-    from tests.property.case_io import CheckoutChanged, compile_elsewhere
+    from tests.property.case_io import CheckoutChanged, compile_elsewhere, source_digests
     from tests.property.strategies import Case
 
     spec = spec_from_hf(_QWEN3_MOE)
     case = Case(spec, whole_tensors(spec, "source", "float32", 2),
                 whole_tensors(spec, "target", "bfloat16", 2), config(), _QWEN3_MOE)
-    data = encode_plan(compile_layouts(case.cfg, case.spec, case.src, case.dst))
     same = _tree_copy(tmp_path / "same")
-    assert compile_elsewhere(case, hash_seed="12345", root=same) == data
+    code = source_digests(same)
+    data = compile_elsewhere(case, hash_seed="0", root=same, reference=code)
+    assert compile_elsewhere(case, hash_seed="12345", root=same, reference=code) == data
     edited = _tree_copy(tmp_path / "edited")
     with open(os.path.join(edited, "planner", "compiler.py"), "a", encoding="utf-8") as f:
         f.write('\nVERSION = "rdma-plan (edited during the run)"\n')
     with pytest.raises(CheckoutChanged) as e:
-        compile_elsewhere(case, hash_seed="12345", root=edited)
+        compile_elsewhere(case, hash_seed="12345", root=edited, reference=code)
     assert e.value.files == [os.path.join("planner", "compiler.py")]
