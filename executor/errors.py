@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from schemas.errors import UserError
 
-class BindError(ValueError):
+
+class BindError(UserError):
     """The tensors given to `load` do not match the plan's regions (every problem listed)."""
 
 
-class PlanBoundsError(ValueError):
+class PlanBoundsError(UserError):
     """An op of the plan reaches outside its regions, or names an unknown region/kind/dtype."""
 
 

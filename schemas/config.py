@@ -18,10 +18,12 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
+from .errors import UserError
+
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config value a user got wrong. The message names the key, the value and the fix."""
 
 

@@ -43,6 +43,8 @@ from typing import Any, BinaryIO
 import msgpack
 import numpy as np
 
+from .errors import UserError
+
 MAGIC = b"RDMAPLAN"
 FORMAT_VERSION = 1
 STAGING = "__staging__"
@@ -97,7 +99,7 @@ DAG_EDGE_COLUMNS = (("u", "<i8"), ("v", "<i8"))
 """An edge of the stage DAG: node `u` happens before node `v`."""
 
 
-class PlanFormatError(ValueError):
+class PlanFormatError(UserError):
     """A plan file that cannot be trusted: wrong magic or version, bad checksum, truncation."""
 
 
