@@ -49,6 +49,8 @@ def _nic_of_gpu(c: ClusterConfig, gpu: int) -> int:
 
 
 def build_topology(c: ClusterConfig, sources: int, targets: int) -> Topology:
+    """Place `sources` then `targets` ranks on the cluster; `cluster.hosts`, when given, must
+    be what they need (the one home of that rule)."""
     g = c.gpus_per_host
     if c.placement == "colocated":
         sg = c.source_gpus_per_host or g // 2
@@ -62,9 +64,9 @@ def build_topology(c: ClusterConfig, sources: int, targets: int) -> Topology:
         spots += [(src_hosts + j // g, j % g) for j in range(targets)]
         hosts = src_hosts + -(-targets // g)
     if c.hosts is not None and c.hosts != hosts:
-        raise ConfigError(f"cluster.hosts: {c.hosts} does not match the {hosts} hosts that "
-                          f"{sources} source and {targets} target ranks need with "
-                          f"{g} GPUs per host ({c.placement}); set cluster.hosts: {hosts}")
+        raise ConfigError(f"cluster.hosts: {c.hosts} does not match the world sizes: {sources} "
+                          f"source + {targets} target ranks ({c.placement}, {g} GPUs per "
+                          f"host) need {hosts} hosts; set cluster.hosts: {hosts} or remove it")
     host = tuple(h for h, _ in spots)
     gpu = tuple(x for _, x in spots)
     nic = tuple(h * c.nics_per_host + _nic_of_gpu(c, x) for h, x in spots)

@@ -12,28 +12,64 @@ Every error is a `ConfigError` naming the full key, the bad value and the fix.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
+from .bounded import short
 from .errors import UserError
 
 DTYPES = ("bfloat16", "float16", "float32")
+MAX_INT = 1 << 53
+"""Largest integer any key takes (a byte count fits; 10**30 is a typo or an attack)."""
+MAX_RANKS = 16384
+"""Most ranks on one side (source world, target world)."""
+MAX_LAYERS = 1024
+"""Most decoder layers (`model.num_layers`, the config.json's `num_hidden_layers`)."""
 
 
 class ConfigError(UserError):
     """A config value a user got wrong. The message names the key, the value and the fix."""
 
 
+class ConfigErrors(ConfigError):
+    """Several independent config errors of one file, reported together (one line each)."""
+
+    def __init__(self, errors: list[ConfigError]) -> None:
+        self.errors = tuple(errors)
+        super().__init__("; ".join(str(e) for e in errors))
+
+
+def raise_all(errors: list[ConfigError]) -> None:
+    """Raise nothing, the one error, or all of them as `ConfigErrors`."""
+    flat = [x for e in errors for x in (e.errors if isinstance(e, ConfigErrors) else (e,))]
+    if len(flat) == 1:
+        raise flat[0]
+    if flat:
+        raise ConfigErrors(flat)
+
+
 def _fail(key: str, value: object, fix: str) -> None:
-    raise ConfigError(f"{key}: {value!r} {fix}")
+    raise ConfigError(f"{key}: {short(value)} {fix}")
 
 
 def _positive(section: str, name: str, value: int | None) -> None:
     if value is not None and value < 1:
         _fail(f"{section}.{name}", value, "must be a positive integer (>= 1)")
+
+
+def _bandwidth(key: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        _fail(key, value, "must be a positive bandwidth (a finite number > 0)")
+
+
+def _world(keys: str, world: int) -> None:
+    if world > MAX_RANKS:
+        raise ConfigError(f"{keys}: {world:,} ranks are more than the {MAX_RANKS} one side "
+                          "may have; use fewer ranks")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +87,9 @@ class ModelConfig:
         if not self.config:
             _fail("model.config", self.config, "must be the path to a HF config.json")
         _positive("model", "num_layers", self.num_layers)
+        if self.num_layers is not None and self.num_layers > MAX_LAYERS:
+            _fail("model.num_layers", self.num_layers, f"is more than {MAX_LAYERS} layers; "
+                  "use the model's real layer count")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +140,8 @@ class SourceConfig:
         elif self.dp_replicate != 1:
             _fail("source.dp_replicate", self.dp_replicate,
                   "is fsdp2-only (HSDP); use source.dp for Megatron data parallel")
+        _world("source.tp * source.dp * source.dp_replicate" if self.framework == "fsdp2"
+               else "source.tp * source.pp * source.dp", self.world)
 
     @property
     def expert_tp(self) -> int:
@@ -145,6 +186,7 @@ class TargetConfig:
                   f"is not supported; use one of {', '.join(DTYPES)}, fp8_block128")
         if self.dp_attention and self.engine != "sglang":
             _fail("target.dp_attention", True, "is sglang-only; remove it for vllm")
+        _world("target.tp * target.dp * target.pp * target.replicas", self.world)
 
     @property
     def engine_world(self) -> int:
@@ -182,13 +224,15 @@ class ClusterConfig:
         for name in ("gpus_per_host", "nics_per_host", "source_gpus_per_host", "hosts"):
             _positive("cluster", name, getattr(self, name))
         for name in ("nic_gbps", "nvlink_gbps"):
-            if getattr(self, name) <= 0:
-                _fail(f"cluster.{name}", getattr(self, name), "must be a positive bandwidth")
+            _bandwidth(f"cluster.{name}", getattr(self, name))
         if self.placement not in ("disaggregated", "colocated"):
             _fail("cluster.placement", self.placement, "must be disaggregated or colocated")
         if self.gpus_per_host % self.nics_per_host and self.nic_gpus is None:
             _fail("cluster.nics_per_host", self.nics_per_host,
                   f"must divide gpus_per_host={self.gpus_per_host}, or give cluster.nic_gpus")
+        if self.placement == "colocated" and self.gpus_per_host < 2:
+            _fail("cluster.gpus_per_host", self.gpus_per_host, "must be at least 2 with "
+                  "placement: colocated (source and target GPUs share each host)")
         if self.source_gpus_per_host is not None:
             if self.placement != "colocated":
                 _fail("cluster.source_gpus_per_host", self.source_gpus_per_host,
@@ -224,9 +268,11 @@ class Options:
             _fail("options.max_write_bytes", self.max_write_bytes, "must be at least 4096")
         if self.staging_bytes < 0:
             _fail("options.staging_bytes", self.staging_bytes, "must be >= 0 (0 disables staging)")
-        for name in ("write_overhead_us", "pack_gbps", "pack_overhead_us"):
-            if getattr(self, name) < 0:
-                _fail(f"options.{name}", getattr(self, name), "must be >= 0")
+        _bandwidth("options.pack_gbps", self.pack_gbps)
+        for name in ("write_overhead_us", "pack_overhead_us"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                _fail(f"options.{name}", value, "must be a finite number >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,10 +350,16 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             _fail(key, value, "has the wrong type: expected an integer")
+        if abs(value) > MAX_INT:
+            _fail(key, value, f"is too large; use at most {MAX_INT} (2**53)")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(key, value, "has the wrong type: expected a number")
+        if isinstance(value, int) and abs(value) > MAX_INT:
+            _fail(key, value, f"is too large; use at most {MAX_INT} (2**53)")
+        if not math.isfinite(value):
+            _fail(key, value, "must be a finite number (not .nan or .inf)")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -318,6 +370,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     _fail(key, value, f"has the wrong type: expected {_type_name(tp)}")
 
 
+def _label(key: object) -> str:
+    """A YAML key as it appears in an error: itself when a short string, else its repr."""
+    return key if isinstance(key, str) and len(key) <= 40 else short(key, 40)
+
+
 def _section(name: str, cls: type, data: Any) -> Any:
     if data is None:  # `options:` with nothing under it
         data = {}
@@ -325,17 +382,21 @@ def _section(name: str, cls: type, data: Any) -> Any:
         _fail(name, data, "must be a mapping of keys to values")
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in fields(cls)}
-    kwargs = {}
+    kwargs, errors = {}, []
     for key, value in data.items():
-        if key not in known:
-            close = difflib.get_close_matches(str(key), list(known), 1)
-            hint = f"did you mean {name}.{close[0]}?" if close else \
-                f"known keys: {', '.join(known)}"
-            raise ConfigError(f"{name}.{key}: unknown key; {hint}")
-        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+        try:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), list(known), 1)
+                hint = f"did you mean {name}.{close[0]}?" if close else \
+                    f"known keys: {', '.join(known)}"
+                raise ConfigError(f"{name}.{_label(key)}: unknown key; {hint}")
+            kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+        except ConfigError as e:
+            errors.append(e)
     for f in known.values():
-        if f.default is MISSING and f.default_factory is MISSING and f.name not in kwargs:
-            raise ConfigError(f"{name}.{f.name}: missing; this key is required")
+        if f.default is MISSING and f.default_factory is MISSING and f.name not in data:
+            errors.append(ConfigError(f"{name}.{f.name}: missing; this key is required"))
+    raise_all(errors)
     return cls(**kwargs)
 
 
@@ -344,29 +405,37 @@ def config_from_dict(data: Any, base_dir: str = ".") -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config: {type(data).__name__} at the top level; the file must be "
                           "a mapping with model, source, target, cluster, options")
+    errors: list[ConfigError] = []
     for key in data:
         if key not in _SECTIONS:
             close = difflib.get_close_matches(str(key), list(_SECTIONS), 1)
             hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(_SECTIONS)}"
-            raise ConfigError(f"{key}: unknown section; {hint}")
+            errors.append(ConfigError(f"{_label(key)}: unknown section; {hint}"))
     for key in ("model", "source", "target"):
         if key not in data:
-            raise ConfigError(f"{key}: missing; the config needs a {key} section")
-    built = {name: _section(name, cls, data[name]) for name, cls in _SECTIONS.items()
-             if name in data}
+            errors.append(ConfigError(f"{key}: missing; the config needs a {key} section"))
+    built = {}
+    for name, cls in _SECTIONS.items():
+        if name in data:
+            try:
+                built[name] = _section(name, cls, data[name])
+            except ConfigError as e:
+                errors.append(e)
+    raise_all(errors)
     return Config(**built, base_dir=base_dir)
 
 
 def load_config(path: str) -> Config:
-    """Read a YAML config with `yaml.safe_load` and check each section."""
+    """Read a YAML config (bounded: `schemas.bounded`) with `yaml.safe_load` and check each
+    section; every error of every section is reported (`ConfigErrors`)."""
     import yaml
 
+    from .bounded import check_yaml_events, read_text
+
+    text = read_text(path, "config file", "a YAML config")
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file: {path!r} does not exist; give the path to a "
-                          "YAML config") from None
+        check_yaml_events(text, path)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from planner.cli import main
-from planner.validate import load, needed_hosts
+from planner.topology import build_topology
+from planner.validate import load
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = ROOT / "tests" / "bad_configs"
@@ -124,7 +125,8 @@ def test_demo_config_is_valid() -> None:
     cfg, spec = load(str(ROOT / "plans/demo.yaml"))
     # colocated, 4 GPUs per host, 2 for sources: megatron tp 2 (2 GPUs) and vLLM tp 1 x 2
     # replicas (2 GPUs) fit on one host.
-    assert (cfg.source.world, cfg.target.world, needed_hosts(cfg)) == (2, 2, 1)
+    hosts = build_topology(cfg.cluster, cfg.source.world, cfg.target.world).hosts
+    assert (cfg.source.world, cfg.target.world, hosts) == (2, 2, 1)
     assert spec.dims.model_type == "qwen3" and spec.dims.num_layers == 4
 
 
@@ -146,7 +148,7 @@ def test_needed_hosts(placement: str, src_per_host: int | None, expected: int) -
                             "source": {"framework": "megatron", "tp": 4, "dp": 3},
                             "target": {"engine": "vllm", "tp": 4, "replicas": 5},
                             "cluster": cluster})
-    assert needed_hosts(cfg) == expected
+    assert build_topology(cfg.cluster, cfg.source.world, cfg.target.world).hosts == expected
 
 
 def test_docs_list_every_key() -> None:

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from planner.spec import load_spec
-from planner.validate import needed_hosts, validate
-from schemas.config import ConfigError, config_from_dict
+from planner.spec import load_spec, spec_from_hf
+from planner.topology import build_topology
+from planner.validate import validate
+from schemas.config import (Config, ConfigError, ConfigErrors, ModelConfig, SourceConfig,
+                            TargetConfig, config_from_dict)
 
 MODELS = Path(__file__).resolve().parent.parent / "plans" / "models"
 
@@ -19,7 +21,7 @@ def _check(model: str, source: dict, target: dict, cluster: dict | None = None) 
     cfg = config_from_dict({"model": {"config": str(MODELS / model)}, "source": source,
                             "target": target, "cluster": cluster or {}})
     validate(cfg, load_spec(cfg.model_config_path))
-    return needed_hosts(cfg)
+    return build_topology(cfg.cluster, cfg.source.world, cfg.target.world).hosts
 
 
 def test_real_setups_pass() -> None:
@@ -72,3 +74,61 @@ def test_vllm_moe_tp_is_dp_times_tp() -> None:
                                           r"moe_intermediate_size=100"):
         validate(cfg, spec)
     validate(replace(cfg, target=replace(cfg.target, ep=True)), spec)
+
+
+# ------------------------------------------------ validate and the layouts agree
+# Found by the property suite as strict xfails: `validate` passed these, then
+# `build_layout` refused them. `validate` now calls each layout's `check`, so both refuse
+# with the same line.
+
+_QWEN3_MOE = dict(model_type="qwen3_moe", hidden_size=16, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8, intermediate_size=16, vocab_size=64,
+                  num_hidden_layers=1, tie_word_embeddings=False, num_experts=2,
+                  moe_intermediate_size=8, num_experts_per_tok=1)
+
+
+@pytest.mark.parametrize("side, kv_heads, message", [
+    # FSDP2+TP: tp=2 over 1 kv head (Megatron/vLLM replicate a KV head; FSDP2 cannot).
+    (SourceConfig("fsdp2", tp=2), 1, "source.tp: 2 must divide num_key_value_heads=1"),
+    # FSDP2 fused experts (`experts.gate_up_proj`) column-cut by tp=2 (2 kv heads).
+    (SourceConfig("fsdp2", tp=2, fused_experts=True), 2,
+     "source.fused_experts: True cannot be combined with source.tp=2"),
+    # vLLM EP over tp*dp = 4 ranks with 2 experts: some ranks get none.
+    (TargetConfig("vllm", tp=2, dp=2, ep=True), 1, "target.ep: True spreads 2 experts over 4"),
+], ids=["fsdp2-tp-over-kv-heads", "fsdp2-fused-experts-tp", "vllm-ep-more-ranks-than-experts"])
+def test_validate_agrees_with_the_layouts(side: SourceConfig | TargetConfig, kv_heads: int,
+                                         message: str) -> None:
+    from planner.layouts import build_layout
+
+    spec = spec_from_hf({**_QWEN3_MOE, "num_key_value_heads": kv_heads})
+    src = side if isinstance(side, SourceConfig) else SourceConfig("fsdp2")
+    dst = side if isinstance(side, TargetConfig) else TargetConfig("vllm")
+    cfg = Config(model=ModelConfig("hand"), source=src, target=dst)
+    with pytest.raises(ConfigError) as by_validate:
+        validate(cfg, spec)
+    with pytest.raises(ConfigError) as by_layout:
+        build_layout(spec, side)
+    assert str(by_validate.value).startswith(message)
+    assert str(by_layout.value) == str(by_validate.value)
+
+
+def test_every_independent_error_is_reported() -> None:
+    # tp 3 breaks the source (8 heads), tp 5 the target, hosts 9 the cluster: one run
+    # names all three.
+    cfg = config_from_dict({"model": {"config": str(MODELS / "qwen3-8b")},
+                            "source": {"framework": "megatron", "tp": 3},
+                            "target": {"engine": "vllm", "tp": 5},
+                            "cluster": {"hosts": 9}})
+    with pytest.raises(ConfigErrors) as err:
+        validate(cfg, load_spec(cfg.model_config_path))
+    keys = [str(e).split(":")[0] for e in err.value.errors]
+    assert keys == ["source.tp", "target.tp", "cluster.hosts"]
+
+
+def test_every_section_error_is_reported() -> None:
+    with pytest.raises(ConfigErrors) as err:
+        config_from_dict({"model": {"config": "x", "num_layers": 0},
+                          "source": {"framework": "megatron", "tp": "two", "tpp": 1},
+                          "target": {"engine": "vlm"}, "optons": {}})
+    keys = sorted(str(e).split(":")[0] for e in err.value.errors)
+    assert keys == ["model.num_layers", "optons", "source.tp", "source.tpp", "target.engine"]

@@ -32,10 +32,11 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from planner.layouts import rules
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
 from planner.layouts.shards import chunk, whole
 from planner.spec import LogicalTensor, ModelDims, ModelSpec
-from schemas.config import ConfigError, SourceConfig
+from schemas.config import SourceConfig
 
 _COLWISE = re.compile(r"\.(q_proj|k_proj|v_proj|q_b_proj|kv_b_proj|gate_proj|up_proj)\.")
 _ROWWISE = re.compile(r"\.(o_proj|down_proj)\.weight$")
@@ -72,22 +73,26 @@ def tp_dim(name: str) -> int | None:
     return None
 
 
-def check(d: ModelDims, cfg: SourceConfig) -> None:
-    tp = cfg.tp
-    if tp > 1:
-        if d.heads % tp or (not d.mla and d.kv_heads % tp):
-            raise ConfigError(f"source.tp: {tp} must divide num_attention_heads={d.heads} "
-                              f"and num_key_value_heads={d.kv_heads} for FSDP2+TP; use a "
-                              "common divisor")
-        if cfg.fused_experts and d.moe_layers:
-            raise ConfigError("source.fused_experts: true cannot be combined with "
-                              f"source.tp={tp} (a colwise cut of gate_up_proj mixes gate and "
-                              "up); use tp 1 or checkpoint-named experts")
+def check(spec: ModelSpec, cfg: SourceConfig) -> None:
+    """FSDP2 shards any shape (`torch.chunk`, uneven allowed); FSDP2+TP needs whole query
+    and KV heads on each TP rank, and experts named as in checkpoints."""
+    d, tp = spec.dims, cfg.tp
+    if tp == 1:
+        return
+    rules.divides("source.tp", tp, d.heads, "num_attention_heads")
+    if not d.mla and d.kv_heads % tp:
+        rules.fail("source.tp", tp, f"must divide num_key_value_heads={d.kv_heads} (FSDP2+TP "
+                   "cuts k_proj/v_proj by rows, no KV-head replication); use one of "
+                   f"{rules.divisors(d.kv_heads)}")
+    if cfg.fused_experts and d.moe_layers:
+        rules.fail("source.fused_experts", True, f"cannot be combined with source.tp={tp} (a "
+                   "colwise cut of gate_up_proj mixes gate and up); use tp 1 or "
+                   "checkpoint-named experts")
 
 
 def layout(spec: ModelSpec, cfg: SourceConfig) -> Layout:
     """Every FSDP2 rank's local shards as pieces."""
-    check(spec.dims, cfg)
+    check(spec, cfg)
     params = hf_params(spec, cfg)
     tp, dp = cfg.tp, cfg.dp
     shards = {(t, d): tuple(_local(p, cfg, t, d) for p in params)

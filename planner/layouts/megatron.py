@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from planner.layouts import rules
 from planner.layouts.base import Layout, PhysicalTensor, RankLayout
 from planner.layouts.shards import box, cut_rows, even, physical, whole
 from planner.spec import LogicalTensor, ModelDims, ModelSpec
@@ -57,11 +58,16 @@ def stage_layers(num_layers: int, cfg: SourceConfig) -> list[range]:
         counts[0], counts[-1] = first, last
     rest = num_layers - sum(c for c in counts if c is not None)
     left = sum(c is None for c in counts)
-    if rest < 0 or (left and rest % left) or (not left and rest):
+    if first is None and last is None and num_layers % pp:
+        raise ConfigError(f"source.pp: {pp} must divide the model's {num_layers} layers; use "
+                          f"one of {rules.divisors(num_layers)}, or set "
+                          "source.pp_first_stage_layers / pp_last_stage_layers")
+    if rest < 0 or (left and (rest % left or rest < left)) or (not left and rest):
         raise ConfigError(
             f"source.pp: {pp} stages cannot split {num_layers} layers (first stage "
             f"{first}, last stage {last}): the remaining {rest} layers must divide evenly "
-            f"over the other {left} stages; change pp or the first/last stage layers")
+            f"over the other {left} stages (at least one each); change pp or the first/last "
+            "stage layers")
     per = rest // left if left else 0
     out, start = [], 0
     for c in counts:
@@ -73,50 +79,55 @@ def stage_layers(num_layers: int, cfg: SourceConfig) -> list[range]:
 
 def padded_vocab(vocab: int, cfg: SourceConfig) -> int:
     if cfg.vocab_padding == "none":
-        if vocab % cfg.tp:
-            raise ConfigError(f"source.vocab_padding: 'none' needs vocab_size={vocab} to divide "
-                              f"by source.tp={cfg.tp}; use 'megatron' or another tp")
-        return vocab
+        return vocab  # check() requires vocab % tp == 0
     mult = 128 * cfg.tp
     return -(-vocab // mult) * mult
 
 
-def check(d: ModelDims, cfg: SourceConfig) -> None:
+def check(spec: ModelSpec, cfg: SourceConfig) -> None:
     """The combinations Megatron-Core cannot build, as ConfigErrors naming the key."""
-    tp, etp, ep = cfg.tp, cfg.expert_tp, cfg.ep
-    if d.heads % tp:
-        raise ConfigError(f"source.tp: {tp} does not divide num_attention_heads={d.heads}; "
-                          "use a divisor of it")
-    if not d.mla:
-        if d.kv_heads % tp and tp % d.kv_heads:
-            raise ConfigError(f"source.tp: {tp} and num_key_value_heads={d.kv_heads} must "
-                              "divide one another (Megatron's ng % tp or tp % ng rule)")
-        rows = (d.heads + 2 * d.kv_heads) * d.head_dim
-        if rows % tp:
-            raise ConfigError(f"source.tp: {tp} does not divide linear_qkv's {rows} rows; "
-                              "use a divisor of it")
-    if any(not d.is_moe(i) for i in range(d.num_layers)) and d.intermediate % tp:
-        raise ConfigError(f"source.tp: {tp} does not divide intermediate_size="
-                          f"{d.intermediate}; use a divisor of it")
-    if d.moe_layers:
-        if d.num_experts % ep:
-            raise ConfigError(f"source.ep: {ep} does not divide num_experts={d.num_experts}; "
-                              "use a divisor of it")
-        if d.moe_intermediate % etp:
-            raise ConfigError(f"source.etp: {etp} does not divide moe_intermediate_size="
-                              f"{d.moe_intermediate}; use a divisor of it")
-        if d.shared_intermediate % tp:
-            raise ConfigError(f"source.tp: {tp} does not divide the shared experts' "
-                              f"intermediate size {d.shared_intermediate}")
+    d, tp = spec.dims, cfg.tp
+    rules.attention_tp("source.tp", tp, tp, d)
+    qkv_rows = (d.heads + 2 * d.kv_heads) * d.head_dim
+    if not d.mla and qkv_rows % tp:
+        rules.fail("source.tp", tp, f"must divide linear_qkv's {qkv_rows} rows; use one of "
+                   f"{rules.divisors(qkv_rows)}")
+    rules.mlp_tp("source.tp", tp, d)
+    if cfg.vocab_padding == "none" and d.vocab % tp:
+        rules.fail("source.tp", tp, f"must divide vocab_size={d.vocab} when "
+                   "source.vocab_padding is none; set source.vocab_padding: megatron")
+    if d.mla and not cfg.transformer_engine:
+        _check_mla_local_spec(d, tp)
+    stage_layers(d.num_layers, cfg)
+    if not d.num_experts:
+        return
+    ep, etp = cfg.ep, cfg.expert_tp
+    rules.divides("source.ep", ep, d.num_experts, "the number of routed experts")
+    rules.divides("source.etp" if cfg.etp is not None else "source.tp", etp,
+                  d.moe_intermediate, "moe_intermediate_size")
     if (tp * cfg.dp) % (etp * ep):
-        raise ConfigError(f"source.ep: ep*etp = {ep}*{etp} must divide tp*dp = "
-                          f"{tp}*{cfg.dp} (one PP stage's ranks); change ep, etp or dp")
+        rules.fail("source.ep", ep, f"times expert tp {etp} must divide source.tp * "
+                   f"source.dp = {tp * cfg.dp} (Megatron's expert grid etp*ep*edp = tp*dp); "
+                   "change source.ep, source.etp or source.dp")
+
+
+def _check_mla_local_spec(d: ModelDims, tp: int) -> None:
+    """The local spec splits the MLA down projections' rows over tp (TE replicates them)."""
+    if d.q_lora_rank and d.q_lora_rank % tp:
+        rules.fail("source.tp", tp, f"must divide q_lora_rank={d.q_lora_rank} (Megatron's "
+                   "local spec splits linear_q_down_proj); set source.transformer_engine: "
+                   f"true or use one of {rules.divisors(d.q_lora_rank)}")
+    kv_rows = d.kv_lora_rank + d.qk_rope_head_dim
+    if kv_rows % tp:
+        rules.fail("source.tp", tp, f"must divide kv_lora_rank + qk_rope_head_dim={kv_rows} "
+                   "(Megatron's local spec splits linear_kv_down_proj); set "
+                   f"source.transformer_engine: true or use one of {rules.divisors(kv_rows)}")
 
 
 def layout(spec: ModelSpec, cfg: SourceConfig) -> Layout:
     """Every Megatron rank's parameters (and `router.expert_bias` buffers) as pieces."""
     d = spec.dims
-    check(d, cfg)
+    check(spec, cfg)
     stages = stage_layers(d.num_layers, cfg)
     vocab = padded_vocab(d.vocab, cfg)
     by_name = spec.by_name

@@ -20,7 +20,8 @@ head. Different (read from SGLang's source, not run):
 from __future__ import annotations
 
 from planner.layouts.base import Layout
-from planner.layouts.vllm import Names, Shard, Split, build, check_common, fail, pp_layers
+from planner.layouts.rules import divisors, fail
+from planner.layouts.vllm import Names, Shard, Split, build, check_common, pp_layers
 from planner.spec import ModelSpec
 from schemas.config import TargetConfig
 
@@ -39,7 +40,8 @@ def check(spec: ModelSpec, cfg: TargetConfig) -> None:
     d = spec.dims
     if cfg.ep and d.moe_layers and d.num_experts % cfg.tp:
         fail("target.tp", cfg.tp, f"must divide the {d.num_experts} experts with target.ep "
-             "(SGLang places experts evenly over ep_size = tp); pick a divisor")
+             f"(SGLang places experts evenly over ep_size = tp); use one of "
+             f"{divisors(d.num_experts)}")
 
 
 def shard(spec: ModelSpec, cfg: TargetConfig, p: int, t: int) -> Shard:

@@ -25,11 +25,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from planner.layouts import rules
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
+from planner.layouts.rules import fail
 from planner.spec import LogicalTensor, ModelSpec
-from schemas.config import ConfigError, TargetConfig
+from schemas.config import TargetConfig
 
 VOCAB_PAD = 64
+"""vLLM and SGLang pad the vocab of `embed_tokens`/`lm_head` to a multiple of this."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +77,6 @@ class Names:
     """MLA's fused [q_a_proj; kv_a_proj_with_mqa]."""
 
 
-def fail(key: str, value: object, fix: str) -> None:
-    raise ConfigError(f"{key}: {value!r} {fix}")
-
-
 def padded_vocab(vocab: int) -> int:
     return -(-vocab // VOCAB_PAD) * VOCAB_PAD
 
@@ -102,25 +101,19 @@ def check_common(spec: ModelSpec, cfg: TargetConfig, attn_tp: int, moe_tp: int,
                  ep_size: int) -> None:
     """Checks shared by vLLM and SGLang; `attn_tp` is the key `target.tp` names."""
     d = spec.dims
-    if d.heads % attn_tp:
-        fail("target.tp", cfg.tp, f"must divide num_attention_heads={d.heads} "
-             f"(attention TP {attn_tp}); pick a divisor")
-    if not d.mla and d.kv_heads % attn_tp and attn_tp % d.kv_heads:
-        fail("target.tp", cfg.tp, f"and num_key_value_heads={d.kv_heads} must divide one "
-             "another; pick a divisor or multiple of the KV heads")
-    dense = len(d.moe_layers) < d.num_layers
-    for name, size in (("intermediate_size", d.intermediate if dense else 0),
-                       ("the shared experts' intermediate size", d.shared_intermediate)):
-        if size % cfg.tp:
-            fail("target.tp", cfg.tp, f"must divide {name}={size}; pick a divisor")
+    rules.attention_tp("target.tp", cfg.tp, attn_tp, d)
+    rules.mlp_tp("target.tp", cfg.tp, d)
+    padded = padded_vocab(d.vocab)
+    if padded % cfg.tp:
+        fail("target.tp", cfg.tp, f"must divide the padded vocab {padded} (vocab_size="
+             f"{d.vocab} padded to a multiple of {VOCAB_PAD}); use one of "
+             f"{rules.divisors(padded)}")
+    rules.pp_fits("target.pp", cfg.pp, d)
     if d.moe_layers and d.moe_intermediate % moe_tp:
-        fail("target.tp", cfg.tp, f"gives MoE TP {moe_tp}, which must divide "
-             f"moe_intermediate_size={d.moe_intermediate}; pick a divisor or set target.ep")
-    if padded_vocab(d.vocab) % cfg.tp:
-        fail("target.tp", cfg.tp, f"must divide the padded vocab {padded_vocab(d.vocab)} "
-             f"(vocab_size={d.vocab} padded to a multiple of {VOCAB_PAD}); pick a divisor")
-    if cfg.pp > d.num_layers:
-        fail("target.pp", cfg.pp, f"exceeds num_hidden_layers={d.num_layers}; use fewer stages")
+        times = f"times target.dp={cfg.dp} " if moe_tp != cfg.tp else ""
+        fail("target.tp", cfg.tp, f"{times}(the expert TP without target.ep, {moe_tp}) must "
+             f"divide moe_intermediate_size={d.moe_intermediate}; use one of "
+             f"{rules.divisors(d.moe_intermediate)} or set target.ep: true")
     if d.moe_layers and ep_size > d.num_experts:
         fail("target.ep", cfg.ep, f"spreads {d.num_experts} experts over {ep_size} ranks, "
              "leaving some empty; use fewer ranks or disable target.ep")
