@@ -10,8 +10,15 @@ import pytest
 from planner.spec import load_spec, spec_from_hf
 from planner.topology import build_topology
 from planner.validate import validate
-from schemas.config import (Config, ConfigError, ConfigErrors, ModelConfig, SourceConfig,
-                            TargetConfig, config_from_dict)
+from schemas.config import (
+    Config,
+    ConfigError,
+    ConfigErrors,
+    ModelConfig,
+    SourceConfig,
+    TargetConfig,
+    config_from_dict,
+)
 
 MODELS = Path(__file__).resolve().parent.parent / "plans" / "models"
 

@@ -291,6 +291,12 @@ def test_gathered_boxes_are_balanced_over_nics_not_ranks() -> None:
     assert verify_plan(plan) == []
 
 
+_QWEN3_MOE = dict(model_type="qwen3_moe", hidden_size=16, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8, intermediate_size=16, vocab_size=64,
+                  num_hidden_layers=1, tie_word_embeddings=False, num_experts=2,
+                  moe_intermediate_size=8, num_experts_per_tok=1)
+
+
 # ------------------------------------------------ property 7 across processes
 # The first 34-minute deep run reported a hand-built qwen3_moe case (not shrunk) whose plan
 # differed when compiled in another process (PYTHONHASHSEED=12345); 80 more examples, and
