@@ -2,19 +2,27 @@
 
 Only this module reads argv and prints; each subcommand calls one library function. The
 compiler, inspector and verifier are imported inside their subcommands, so `spec` and
-config validation work on their own. Errors a user can cause (a bad config, a bad plan
-file, a missing file) exit 2 with one line `rdma-plan: error: ...` and no traceback.
+config validation work on their own (and nothing imports torch). Errors a user can cause
+(`schemas.errors.UserError`: a bad config, a bad plan file; a missing file) exit 2 with
+one line `rdma-plan: error: ...` per error and no traceback; any other exception is a bug
+in rdma-plan and prints as one. A plan file that breaks a reader in a way its checks did
+not foresee is still reported as a bad file (exit 2), never as a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 
 from planner.spec import ModelSpec, load_spec
-from schemas.config import ConfigError
+from schemas.config import ConfigError, ConfigErrors
+from schemas.errors import UserError
+
+MAX_LINE = 400
+"""Longest error line printed (a hostile value must not print megabytes)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,14 +36,18 @@ class _UsageError(Exception):
     pass
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [ConfigError, OSError, ValueError, _UsageError]
+class _PlanUnreadable(UserError):
+    """A plan file that a reader could not make sense of (the file's fault, not ours)."""
+
+
+def _positive_int(text: str) -> int:
     try:
-        from schemas.plan import PlanFormatError
-        errors.append(PlanFormatError)
-    except ImportError:  # the plan codec is optional for `spec`
-        pass
-    return tuple(errors)
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer (>= 1)")
+    return value
 
 
 # ---------------------------------------------------------------- spec
@@ -85,15 +97,36 @@ def _cmd_spec(args: argparse.Namespace) -> int:
 def _cmd_compile(args: argparse.Namespace) -> int:
     from planner.validate import load
 
-    load(args.config)  # bad configs fail here, before the compiler is imported
-    from planner.compiler import compile_file
+    _check_output(args.output)
+    cfg, spec = load(args.config)  # bad configs fail here, before the compiler is imported
+    from planner.compiler import compile_to
     from planner.progress import Progress
 
-    with Progress("compile") as progress:
-        stats = compile_file(args.config, args.output, progress)
+    try:
+        with Progress("compile") as progress:
+            stats = compile_to(cfg, spec, args.output, progress)
+    finally:
+        _remove_temp(args.output)
     summary = "  ".join(f"{k}={_fmt(v)}" for k, v in stats.items())
     print(f"wrote {args.output}: {summary}")
     return 0
+
+
+def _check_output(path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"-o: {path!r}: the folder {folder!r} does not exist; create it or "
+                          "write the plan elsewhere")
+    if os.path.isdir(path):
+        raise ConfigError(f"-o: {path!r} is a folder; give a file name for the plan")
+
+
+def _remove_temp(path: str) -> None:
+    """`write_plan` writes `PATH.tmpPID` and renames it; leave nothing behind on failure."""
+    try:
+        os.unlink(f"{path}.tmp{os.getpid()}")
+    except OSError:
+        pass
 
 
 def _fmt(value: object) -> str:
@@ -106,7 +139,9 @@ def _fmt(value: object) -> str:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from planner.inspect import inspect_text
+    from schemas.plan import load_plan
 
+    load_plan(args.plan)  # the checks the executor and verify apply; refuse what they refuse
     print(inspect_text(args.plan, args.json))
     if args.plot:
         from planner.plot import plot_plan
@@ -136,7 +171,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 def _cmd_explain(args: argparse.Namespace) -> int:
     from planner.inspect import explain_text
 
-    print(explain_text(args.plan, args.tensor))
+    print(explain_text(args.plan, args.tensor, args.json))
     return 0
 
 
@@ -157,14 +192,16 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="rdma-plan", description="Compile RL weight transfers into RDMA write "
                 "plans (Megatron/FSDP2 -> vLLM/SGLang), and look inside them.")
-    p.add_argument("--debug", action="store_true",
-                   help="show the full traceback of an error instead of one line")
+    debug = "show the full traceback of an error instead of one line"
+    p.add_argument("--debug", action="store_true", help=debug)
+    common = argparse.ArgumentParser(add_help=False)  # --debug after the subcommand too
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
     def add(name: str, func: Callable[[argparse.Namespace], int], help: str
             ) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help)
+        sp = sub.add_parser(name, help=help, description=help, parents=[common])
         sp.set_defaults(func=func)
         return sp
 
@@ -191,16 +228,22 @@ def build_parser() -> argparse.ArgumentParser:
                     "ratio, per-NIC bytes and busy time) instead of text")
     sp.add_argument("--plot", metavar="FILE.png", help="also draw per-NIC load and the "
                     "timeline of batches (needs matplotlib)")
-    sp.add_argument("--inflight", type=int, default=8, metavar="N",
+    sp.add_argument("--inflight", type=_positive_int, default=8, metavar="N",
                     help="batches a rank keeps in flight (the executor's max_inflight)")
 
-    sp = add("explain", _cmd_explain, "show how one logical tensor moves in a plan")
+    sp = add("explain", _cmd_explain, "show how one logical tensor moves in a plan: which "
+             "source ranks hold it, gathers, and every write into the targets")
     sp.add_argument("plan")
-    sp.add_argument("tensor", help="logical (checkpoint) tensor name")
+    sp.add_argument("tensor", help="the tensor's HF checkpoint name, as `rdma-plan spec` lists "
+                    "it (e.g. model.layers.0.self_attn.q_proj.weight), not a native name")
+    sp.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     sp = add("verify", _cmd_verify, "check a plan's invariants (exit 1 on a violation)")
     sp.add_argument("plan")
     return p
+
+
+_PLAN_COMMANDS = ("inspect", "verify", "simulate", "explain")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -211,15 +254,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.command == "spec" and args.num_layers is not None and args.num_layers < 1:
             raise ConfigError(f"--num-layers: {args.num_layers} must be a positive integer")
-        return int(args.func(args))
-    except _user_errors() as e:
+        return _run(args)
+    except BrokenPipeError:  # `rdma-plan inspect PLAN | head`: the reader has all it wants
+        _quiet_stdout()
+        return 0
+    except (UserError, OSError, _UsageError) as e:
         if args is not None and args.debug:
             raise
-        print(f"rdma-plan: error: {_one_line(e)}", file=sys.stderr)
+        errors = e.errors if isinstance(e, ConfigErrors) else (e,)
+        for err in errors:
+            print(f"rdma-plan: error: {_one_line(err)}", file=sys.stderr)
         return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The subcommand; a plan reader that trips over a file gives `_PlanUnreadable`."""
+    if args.command not in _PLAN_COMMANDS or args.debug:
+        return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except (UserError, OSError):
+        raise
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError, OverflowError,
+            RecursionError, MemoryError, UnicodeError) as e:
+        raise _PlanUnreadable(f"{args.plan}: cannot be read as a plan ({type(e).__name__}: "
+                              f"{e}); the file is corrupt or not a plan; --debug shows where"
+                              ) from e
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so that Python's exit flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def _one_line(e: BaseException) -> str:
     if isinstance(e, OSError) and e.filename is not None:
-        return f"{e.filename}: {e.strerror or e}"
-    return " ".join(str(e).split()) or type(e).__name__
+        text = f"{e.filename}: {e.strerror or e}"
+    else:
+        text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= MAX_LINE else text[: MAX_LINE - 5] + " ..."

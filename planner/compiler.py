@@ -261,6 +261,14 @@ def compile_file(config_path: str, out_path: str, progress=None) -> dict[str, An
 
     t0 = time.perf_counter()
     cfg, spec = load(config_path)
+    return compile_to(cfg, spec, out_path, progress, t0)
+
+
+def compile_to(cfg: Config, spec: ModelSpec, out_path: str, progress=None,
+               t0: float | None = None) -> dict[str, Any]:
+    """Compile a loaded, checked config (`planner.validate.load`) and write the plan.
+    Returns the header's stats with the plan's size, the seconds taken and its fingerprint."""
+    t0 = time.perf_counter() if t0 is None else t0
     plan = compile_config(cfg, spec, progress)
     size = write_plan(out_path, plan)
     stats = dict(plan.header["stats"])

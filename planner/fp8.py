@@ -1,7 +1,7 @@
 """Block-FP8 targets (`target.dtype: fp8_block128`): e4m3 weights in 128x128 blocks, each
 block with a float32 `weight_scale_inv`, as DeepSeek-V3, Kimi-K2 and Qwen3-FP8 serve.
 
-Three pieces, all data:
+Two pieces, all data (no torch: the compiler imports this module):
 - `with_scales(spec)`: the spec plus one logical scale tensor per quantized weight
   (`<weight>_scale_inv`, `[ceil(out/128), ceil(in/128)]`, float32), as FP8 checkpoints
   name them. Quantized weights are the linear projections (names ending in `proj.weight`
@@ -12,26 +12,24 @@ Three pieces, all data:
   `weight_scale_inv`, `w13_weight_scale_inv`, ...). Every piece must be block-aligned in
   both the logical and the physical tensor (vLLM's own partition rule); else a
   ConfigError names the tensor and the key to change.
-- `quantize_block128(x)`: the reference quantizer, vLLM's `per_block_cast_to_fp8`
-  formula: `scale = max(amax(block), 1e-4) / 448`, `q = (x.float() * (1 / scale))`
-  cast to e4m3; a partial edge block takes the amax of its real elements. The division
-  is correctly rounded on every device (vLLM on a GPU divides by the Python scalar 448,
-  which CUDA turns into a multiplication by 1/448: its scales can differ by one ulp).
+
+The quantizer itself (vLLM's `per_block_cast_to_fp8` formula) has one home, the executor
+(`executor/quant.py`), which runs it on the sources; the test references built on it
+(`quantize_block128`, `quantize_full`) are in `planner.testing` and still importable from
+here for the tests that import them so.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
-
-import torch
+from typing import Any
 
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
 from planner.spec import LogicalTensor, ModelSpec
 from schemas.config import ConfigError
 
 BLOCK = 128
-FP8_MAX = 448.0
+"""Quantization block edge (the executor's `executor.quant.BLOCK` is the same 128x128)."""
 FP8 = "float8_e4m3fn"
 SCALE_SUFFIX = "_scale_inv"
 
@@ -104,23 +102,10 @@ def quantize_layout(layout: Layout, spec: ModelSpec) -> Layout:
     return replace(layout, ranks=ranks)
 
 
-def quantize_block128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 tensor like x, float32 scales [ceil(m/128), ceil(n/128)]) of a 2-d tensor."""
-    m, n = x.shape
-    pm, pn = math.ceil(m / BLOCK) * BLOCK, math.ceil(n / BLOCK) * BLOCK
-    padded = torch.zeros((pm, pn), dtype=x.dtype, device=x.device)
-    padded[:m, :n] = x
-    blocks = padded.view(pm // BLOCK, BLOCK, pn // BLOCK, BLOCK)
-    amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
-    scale = amax / torch.full_like(amax, FP8_MAX)  # tensor / tensor: IEEE on CPU and GPU
-    q = (blocks * (1.0 / scale)).to(torch.float8_e4m3fn)
-    return q.view(pm, pn)[:m, :n].contiguous(), scale.view(pm // BLOCK, pn // BLOCK)
+def __getattr__(name: str) -> Any:
+    """`quantize_block128` and `quantize_full` live in `planner.testing` (they need torch)."""
+    if name in ("quantize_block128", "quantize_full"):
+        from planner import testing
 
-
-def quantize_full(spec: ModelSpec, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Reference FP8 logical tensors: quantized weights and their scales; others as is."""
-    out = dict(full)
-    for t in spec.tensors:
-        if is_quantized(t) and t.name in full:
-            out[t.name], out[t.name + SCALE_SUFFIX] = quantize_block128(full[t.name])
-    return out
+        return getattr(testing, name)
+    raise AttributeError(f"module 'planner.fp8' has no attribute {name!r}")

@@ -11,7 +11,15 @@ from typing import Any
 
 import numpy as np
 
-from schemas.plan import EXPLAIN_COLUMNS, PlanFormatError, RankPlan, Table, read_blob, read_header
+from schemas.plan import (
+    EXPLAIN_COLUMNS,
+    STAGING,
+    PlanFormatError,
+    RankPlan,
+    Table,
+    read_blob,
+    read_header,
+)
 
 
 def _gb(n: float) -> str:
@@ -22,6 +30,12 @@ def _balance(values: list[int]) -> float:
     """max / mean over the NICs that carry traffic (1.0 = perfect)."""
     used = [v for v in values if v > 0]
     return max(used) / (sum(used) / len(used)) if used else 1.0
+
+
+def _at_least_one(bound: float | None) -> float:
+    """The compiler's lower bound on egress max/mean; max/mean is never below 1, so a
+    smaller bound (the layouts force nothing) reads as 1."""
+    return max(1.0, float(bound)) if bound is not None else 1.0
 
 
 def summary(header: dict[str, Any]) -> dict[str, Any]:
@@ -41,7 +55,8 @@ def summary(header: dict[str, Any]) -> dict[str, Any]:
         "remote_bytes": st["remote_bytes"], "nvlink_bytes": st["nvlink_bytes"],
         "staging_max": st["staging_max"], "floor_s": st["floor_s"],
         "balance": {"egress_max_over_mean": out_bal, "ingress_max_over_mean": in_bal,
-                    "egress_bound_max_over_mean": st.get("egress_bound_max_over_mean")},
+                    "egress_bound_max_over_mean": _at_least_one(
+                        st.get("egress_bound_max_over_mean"))},
         "nics": [{"name": n["name"], "bytes_out": n["bytes_out"], "bytes_in": n["bytes_in"]}
                  for n in nics],
         "ranks": [{"rank": r, "role": header["ranks"][r][0], "writes": s[0], "bytes_out": s[1],
@@ -69,10 +84,11 @@ def inspect_text(path: str, as_json: bool = False) -> str:
         f"{_gb(s['nvlink_bytes'])}); staging max {s['staging_max'] / 2**20:.1f} MiB/rank",
         f"balance (max/mean over busy NICs): egress (source NICs) "
         f"{s['balance']['egress_max_over_mean']:.3f}, ingress (target NICs) "
-        f"{s['balance']['ingress_max_over_mean']:.3f}; the layouts allow egress no better "
-        f"than {s['balance']['egress_bound_max_over_mean'] or 0:.3f}",
-        f"estimated time (floor: busiest NIC or NVLink at full bandwidth): "
-        f"{s['floor_s'] * 1e3:.1f} ms",
+        f"{s['balance']['ingress_max_over_mean']:.3f}; no assignment of these layouts gets "
+        f"egress below {s['balance']['egress_bound_max_over_mean']:.3f}",
+        f"floor {s['floor_s'] * 1e3:.3f} ms: a lower bound, not an estimate (the busiest NIC "
+        "or NVLink moving its bytes at full bandwidth; no latency, packing or contention; "
+        "`rdma-plan simulate` estimates the time)",
         "", f"{'nic':<14}{'bytes out':>16}{'bytes in':>16}",
     ]
     nics = s["nics"]
@@ -91,7 +107,9 @@ def inspect_text(path: str, as_json: bool = False) -> str:
     return "\n".join(lines)
 
 
-def explain_text(path: str, tensor: str) -> str:
+def explain_text(path: str, tensor: str, as_json: bool = False) -> str:
+    """How the logical (HF checkpoint) tensor `tensor` moves: who sends which bytes to whom,
+    and, for gathered boxes, which source ranks hold it before the gather."""
     with open(path, "rb") as f:
         header, start = read_header(f, path)
         ex = read_blob(f, header, start, "explain", path)
@@ -99,21 +117,70 @@ def explain_text(path: str, tensor: str) -> str:
         if tensor not in names:
             import difflib
 
-            close = difflib.get_close_matches(tensor, names, 3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise PlanFormatError(f"explain: tensor {tensor!r} is not in this plan's model"
-                                  f"{hint}")
+            close = difflib.get_close_matches(tensor, names, 3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else \
+                "; `rdma-plan spec` lists the names"
+            raise PlanFormatError(f"explain: {tensor!r} is not a tensor of this plan's model: "
+                                  f"explain takes HF checkpoint names (e.g. {names[0]}){hint}")
         t = Table.from_msgpack(EXPLAIN_COLUMNS, ex["table"], "explain")
         m = np.nonzero(t["tensor"] == names.index(tensor))[0]
         ranks = sorted(set(t["src_rank"][m].tolist()) | set(t["dst_rank"][m].tolist()))
         regions = {r: RankPlan.decode(read_blob(f, header, start, f"rank/{r}", path)).regions
                    for r in ranks}
-    total = int(t["nbytes"][m].sum())
-    lines = [f"{tensor}: {total:,} bytes into {len(set(t['dst_rank'][m].tolist()))} target "
-             f"ranks from {len(set(t['src_rank'][m].tolist()))} source ranks"]
-    for i in m.tolist():
-        s, d = int(t["src_rank"][i]), int(t["dst_rank"][i])
-        lines.append(f"  source rank {s:>4} {regions[s][t['src_region'][i]].name:<50} -> "
-                     f"target rank {d:>4} {regions[d][t['dst_region'][i]].name:<50} "
-                     f"{int(t['nbytes'][i]):>14,} bytes in {int(t['boxes'][i])} boxes")
+    rows = [{"source_rank": int(t["src_rank"][i]),
+             "source": regions[int(t["src_rank"][i])][t["src_region"][i]].name,
+             "target_rank": int(t["dst_rank"][i]),
+             "target": regions[int(t["dst_rank"][i])][t["dst_region"][i]].name,
+             "bytes": int(t["nbytes"][i]), "boxes": int(t["boxes"][i])} for i in m.tolist()]
+    gathered = sorted({r["source_rank"] for r in rows if r["source"] == STAGING})
+    holders = _source_holders(header, tensor)
+    senders = sorted({r["source_rank"] for r in rows})
+    out = {"tensor": tensor, "bytes": sum(r["bytes"] for r in rows),
+           "target_ranks": len({r["target_rank"] for r in rows}),
+           "source_ranks_sending": senders, "source_ranks_holding": holders,
+           "gathered_on": gathered, "writes": rows}
+    return json.dumps(out, indent=1) if as_json else _explain_lines(out)
+
+
+def _explain_lines(e: dict[str, Any]) -> str:
+    held = e["source_ranks_holding"]
+    n_src = len(held) if held is not None else len(e["source_ranks_sending"])
+    lines = [f"{e['tensor']}: {e['bytes']:,} bytes into {e['target_ranks']} target ranks "
+             f"from {n_src} source ranks"]
+    if e["gathered_on"]:
+        lines.append(f"  gathered first: the {n_src} source ranks holding pieces of it write "
+                     f"them into the staging of source rank(s) "
+                     f"{_rank_list(e['gathered_on'])}, which send(s) the whole boxes")
+    for r in e["writes"]:
+        src = "staging (gathered)" if r["source"] == STAGING else r["source"]
+        lines.append(f"  source rank {r['source_rank']:>4} {src:<50} -> target rank "
+                     f"{r['target_rank']:>4} {r['target']:<50} {r['bytes']:>14,} bytes in "
+                     f"{r['boxes']} boxes")
     return "\n".join(lines)
+
+
+def _rank_list(ranks: list[int], limit: int = 8) -> str:
+    shown = ", ".join(map(str, ranks[:limit]))
+    return shown + (f", ... ({len(ranks)} in all)" if len(ranks) > limit else "")
+
+
+def _source_holders(header: dict[str, Any], tensor: str) -> list[int] | None:
+    """The source ranks whose layout holds a piece of `tensor` (rebuilt from the header's
+    model dims and source config); None when the header does not allow it."""
+    from dataclasses import fields
+
+    from planner.layouts import build_layout
+    from planner.spec import ModelDims, ModelSpec, _families
+    from schemas.config import ConfigError, SourceConfig
+
+    try:
+        raw = header["model"]["dims"]
+        d = ModelDims(**{f.name: tuple(raw[f.name]) if f.name == "moe_layers" else raw[f.name]
+                         for f in fields(ModelDims) if f.name in raw})
+        spec = ModelSpec(d, tuple(_families()[d.model_type].tensors(d, "bfloat16")))
+        layout = build_layout(spec, SourceConfig(**header["source"]))
+    except (KeyError, TypeError, ValueError, ConfigError):
+        return None
+    base = tensor.removesuffix("_scale_inv")
+    return sorted({rl.rank for rl in layout.ranks for pt in rl.tensors
+                   if any(p.tensor == base for p in pt.pieces)})

@@ -1,7 +1,8 @@
 """Pictures of plans and simulations (PNG, matplotlib's Agg backend).
 
 matplotlib is optional: it is imported only when a picture is asked for, and a missing
-install is one clear error (`pip install matplotlib`).
+install is one clear error (`pip install matplotlib`). A plan whose writes all stay on
+their hosts (colocated, NVLink only) says so in its NIC panel instead of drawing it empty.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+from schemas.errors import UserError
 
 TOO_MANY_LABELS = 48
 """Above this many bars, axis ticks are thinned."""
@@ -18,8 +21,8 @@ def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
-        raise ValueError("--plot needs matplotlib, which is not installed; install it with "
-                         "`pip install matplotlib` (or `pip install rdma-plan[plot]`)") from None
+        raise UserError("--plot needs matplotlib, which is not installed; install it with "
+                        "`pip install matplotlib` (or `pip install rdma-plan[plot]`)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -55,11 +58,14 @@ def plot_plan(header: dict[str, Any], path: str) -> str:
     _bars(ax1, [f"{i}{roles[i]}" for i in range(len(stats))],
           {"sent": stats[:, 1] / 1e9, "received": stats[:, 2] / 1e9}, "GB",
           f"bytes per rank ({header['sources']} sources 's', {header['targets']} targets 't')")
-    _bars(ax2, [n["name"] for n in nics],
-          {"out": np.array([n["bytes_out"] for n in nics]) / 1e9,
-           "in": np.array([n["bytes_in"] for n in nics]) / 1e9}, "GB",
-          f"bytes per NIC ({nics[0]['gbps'] if nics else '?'} Gb/s each); floor "
-          f"{header['stats']['floor_s'] * 1e3:.1f} ms")
+    title = (f"bytes per NIC ({nics[0]['gbps'] if nics else '?'} Gb/s each); floor "
+             f"{header['stats']['floor_s'] * 1e3:.1f} ms")
+    if _nic_bytes(nics):
+        _bars(ax2, [n["name"] for n in nics],
+              {"out": np.array([n["bytes_out"] for n in nics]) / 1e9,
+               "in": np.array([n["bytes_in"] for n in nics]) / 1e9}, "GB", title)
+    else:
+        _no_nic_traffic(ax2, header["stats"].get("nvlink_bytes", 0), title)
     fig.suptitle(f"{header['model']['model_type']}: {header['stats']['bytes'] / 1e9:.2f} GB, "
                  f"{header['stats']['writes']:,} writes", fontsize=11)
     fig.savefig(path, dpi=110)
@@ -70,13 +76,38 @@ def plot_plan(header: dict[str, Any], path: str) -> str:
 def plot_simulation(res: dict[str, Any], path: str, title: str = "") -> str:
     """Per-NIC load (bytes and busy time) and the timeline of batches; writes `path`."""
     plt = _pyplot()
-    from matplotlib.collections import LineCollection
-
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(12, 9), constrained_layout=True,
                                    gridspec_kw={"height_ratios": [1, 1.4]})
     nics = res["nics"]
     est = max(res["estimated_s"], 1e-12)
     gbps = res["nic_gbps"] * 1e9 / 8
+    if not _nic_bytes(nics):
+        _no_nic_traffic(ax1, res.get("nvlink_bytes", 0), "per-NIC load")
+    else:
+        _nic_load(ax1, nics, gbps, est)
+    _timeline(plt, ax2, res)
+    fig.suptitle(title or f"simulated {res['estimated_s'] * 1e3:.1f} ms, floor "
+                 f"{res['floor_s'] * 1e3:.1f} ms, ratio {res['ratio']:.3f}; bottleneck "
+                 f"{res['bottleneck']}", fontsize=11)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _nic_bytes(nics: list[dict[str, Any]]) -> int:
+    return sum(int(n["bytes_out"]) + int(n["bytes_in"]) for n in nics)
+
+
+def _no_nic_traffic(ax: Any, nvlink_bytes: float, title: str) -> None:
+    """The NIC panel of a plan whose writes all stay on their hosts: say so, draw nothing."""
+    ax.set_axis_off()
+    ax.set_title(title, fontsize=10)
+    ax.text(0.5, 0.5, f"no NIC traffic: every write stays on its host (NVLink, "
+            f"{float(nvlink_bytes) / 1e9:.3f} GB)", ha="center", va="center",
+            transform=ax.transAxes, fontsize=11)
+
+
+def _nic_load(ax1: Any, nics: list[dict[str, Any]], gbps: float, est: float) -> None:
     _bars(ax1, [n["name"] for n in nics],
           {"out: bytes / (bw x estimated)": np.array([n["bytes_out"] for n in nics]) / gbps / est,
            "in: bytes / (bw x estimated)": np.array([n["bytes_in"] for n in nics]) / gbps / est,
@@ -85,6 +116,13 @@ def plot_simulation(res: dict[str, Any], path: str, title: str = "") -> str:
           "fraction of the transfer", "per-NIC load (1.0 = busy or at full bandwidth "
           "the whole time)")
     ax1.set_ylim(0, 1.25)
+
+
+def _timeline(plt: Any, ax2: Any, res: dict[str, Any]) -> None:
+    """One row per source rank (integer ticks), one lane per in-flight slot."""
+    from matplotlib.collections import LineCollection
+    from matplotlib.ticker import MaxNLocator
+
     tl = res["timeline"]
     scale = 1e3
     cmap = plt.get_cmap("tab20")
@@ -111,11 +149,6 @@ def plot_simulation(res: dict[str, Any], path: str, title: str = "") -> str:
     ax2.set_title(f"{res['batches']:,} batches: one row per source rank, one lane per slot of "
                   "its in-flight window; colour = target rank (same colour at the same time: "
                   "incast)\ngaps: packs, waits, stage barriers", fontsize=9)
+    ax2.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax2.legend(fontsize=8, loc="lower right")
     ax2.grid(axis="x", alpha=0.3)
-    fig.suptitle(title or f"simulated {res['estimated_s'] * scale:.1f} ms, floor "
-                 f"{res['floor_s'] * scale:.1f} ms, ratio {res['ratio']:.3f}; bottleneck "
-                 f"{res['bottleneck']}", fontsize=11)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

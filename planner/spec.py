@@ -110,22 +110,30 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", 
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
-    """Read a HF config.json, with clear errors for a missing or broken file."""
+    """Read a HF config.json (a regular file of at most `schemas.bounded.MAX_FILE_BYTES`),
+    with clear errors for a missing, oversized or broken file."""
+    from schemas.bounded import read_text
+
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
+    text = read_text(path, "model.config", "the model's HF config.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"model.config: {path!r} does not exist; give the path to the "
-                          "model's HF config.json") from None
+        data = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise ConfigError(f"model.config: {path!r} is not valid JSON (line {e.lineno}: "
                           f"{e.msg}); use the model's HF config.json") from None
+    except (ValueError, RecursionError) as e:  # NaN, a 5000-digit int, deep nesting
+        raise ConfigError(f"model.config: {path!r} holds a value JSON configs do not "
+                          f"({' '.join(str(e).split())[:80]}); use the model's HF "
+                          "config.json") from None
     if not isinstance(data, dict):
         raise ConfigError(f"model.config: {path!r} holds {type(data).__name__}, not a JSON "
                           "object; use the model's HF config.json")
     return data
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number")
 
 
 def spec_from_hf(hf: dict[str, Any], num_layers: int | None = None,
@@ -147,6 +155,11 @@ def spec_from_hf(hf: dict[str, Any], num_layers: int | None = None,
         dims = replace(dims, mtp_layers=0,
                        moe_layers=tuple(i for i in dims.moe_layers if i < dims.num_layers))
     _check_dims(dims)
+    layers = dims.num_layers + dims.mtp_layers
+    if layers * (3 * dims.num_experts + 32) > MAX_TENSORS:
+        raise ConfigError(f"model.config: {layers} layers of {dims.num_experts} experts make "
+                          f"more than {MAX_TENSORS:,} tensors; fix config.json or "
+                          "model.overrides")
     return ModelSpec(dims=dims, tensors=tuple(family.tensors(dims, _dtype(hf))))
 
 
@@ -168,13 +181,25 @@ def _check_overrides(hf: dict[str, Any], overrides: tuple[tuple[str, Any], ...])
             raise ConfigError(f"model.overrides.{key}: not a key of this config.json; {hint}")
 
 
+MAX_DIM = 1 << 24
+"""Largest model number (hidden, vocab, intermediate...); the real ones are below 2**18."""
+MAX_TENSORS = 1_000_000
+"""Most logical tensors a spec may have (Kimi-K2 has ~71k)."""
+
+
 def _check_int_keys(hf: dict[str, Any], overrides: dict[str, Any]) -> None:
+    from schemas.bounded import short
+    from schemas.config import MAX_LAYERS
+
     for key in INT_KEYS:
         value = hf.get(key)
+        where = f"model.overrides.{key}" if key in overrides else f"model.config: {key}"
+        fix = "model.overrides" if key in overrides else "config.json"
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            where = f"model.overrides.{key}" if key in overrides else f"model.config: {key}"
-            raise ConfigError(f"{where}: {value!r} must be an integer; fix "
-                              f"{'model.overrides' if key in overrides else 'config.json'}")
+            raise ConfigError(f"{where}: {short(value)} must be an integer; fix {fix}")
+        cap = MAX_LAYERS if key in ("num_hidden_layers", "num_nextn_predict_layers") else MAX_DIM
+        if value is not None and value > cap:
+            raise ConfigError(f"{where}: {short(value)} is more than {cap:,}; fix {fix}")
 
 
 def load_spec(path: str, num_layers: int | None = None,

@@ -17,7 +17,7 @@ def dims(hf: dict[str, Any]) -> ModelDims:
         hidden=hidden,
         heads=heads,
         kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hidden // heads,
+        head_dim=hf.get("head_dim") or (hidden // heads if heads > 0 else 0),
         intermediate=require(hf, "intermediate_size"),
         vocab=require(hf, "vocab_size"),
         tied=bool(hf.get("tie_word_embeddings", False)),

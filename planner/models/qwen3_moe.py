@@ -8,13 +8,18 @@ from typing import Any
 
 from planner.models import dense
 from planner.spec import LogicalTensor, ModelDims, require
+from schemas.config import ConfigError
 
 
 def dims(hf: dict[str, Any]) -> ModelDims:
     base = dense.dims({**hf, "intermediate_size": hf.get("intermediate_size", 0)})
     num_experts = require(hf, "num_experts")
     step = hf.get("decoder_sparse_step", 1) or 1
-    mlp_only = set(hf.get("mlp_only_layers", []) or [])
+    mlp_only = hf.get("mlp_only_layers", []) or []
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
+        raise ConfigError("model.config: mlp_only_layers must be a list of layer indices; "
+                          "fix config.json")
+    mlp_only = set(mlp_only)
     moe = tuple(i for i in range(base.num_layers)
                 if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0)
     return replace(base, num_experts=num_experts,
