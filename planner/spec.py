@@ -112,7 +112,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", 
 def read_hf_config(path: str) -> dict[str, Any]:
     """Read a HF config.json (a regular file of at most `schemas.bounded.MAX_FILE_BYTES`),
     with clear errors for a missing, oversized or broken file."""
-    from schemas.bounded import read_text
+    from schemas.bounded import read_text, short
 
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
@@ -122,10 +122,13 @@ def read_hf_config(path: str) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise ConfigError(f"model.config: {path!r} is not valid JSON (line {e.lineno}: "
                           f"{e.msg}); use the model's HF config.json") from None
-    except (ValueError, RecursionError) as e:  # NaN, a 5000-digit int, deep nesting
-        raise ConfigError(f"model.config: {path!r} holds a value JSON configs do not "
-                          f"({' '.join(str(e).split())[:80]}); use the model's HF "
-                          "config.json") from None
+    except RecursionError:
+        raise ConfigError(f"model.config: {path!r} nests too deeply for a config.json; use "
+                          "the model's HF config.json") from None
+    except ValueError as e:  # NaN, Infinity, an int of more than 4300 digits
+        raise ConfigError(f"model.config: {path!r} holds a value no HF config.json has "
+                          f"({short(str(e), 60)[1:-1]}); use the model's HF config.json"
+                          ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"model.config: {path!r} holds {type(data).__name__}, not a JSON "
                           "object; use the model's HF config.json")

@@ -29,6 +29,10 @@ MAX_RANKS = 16384
 """Most ranks on one side (source world, target world)."""
 MAX_LAYERS = 1024
 """Most decoder layers (`model.num_layers`, the config.json's `num_hidden_layers`)."""
+MAX_PER_HOST = 1024
+"""Most GPUs or NICs in one host."""
+MAX_ERRORS = 10
+"""Most errors of one file reported (a file of 10,000 unknown keys prints 11 lines)."""
 
 
 class ConfigError(UserError):
@@ -38,18 +42,33 @@ class ConfigError(UserError):
 class ConfigErrors(ConfigError):
     """Several independent config errors of one file, reported together (one line each)."""
 
-    def __init__(self, errors: list[ConfigError]) -> None:
+    def __init__(self, errors: list[ConfigError], more: int = 0) -> None:
         self.errors = tuple(errors)
-        super().__init__("; ".join(str(e) for e in errors))
+        """The errors reported (at most `MAX_ERRORS`), then one line counting the rest."""
+        self.more = more
+        """Errors found beyond those listed."""
+        if more:
+            self.errors += (ConfigError(f"... and {more} more errors; fix these first"),)
+        super().__init__("; ".join(str(e) for e in self.errors))
 
 
 def raise_all(errors: list[ConfigError]) -> None:
-    """Raise nothing, the one error, or all of them as `ConfigErrors`."""
-    flat = [x for e in errors for x in (e.errors if isinstance(e, ConfigErrors) else (e,))]
-    if len(flat) == 1:
+    """Raise nothing, the one error, or all of them (at most `MAX_ERRORS`) as
+    `ConfigErrors`."""
+    flat: list[ConfigError] = []
+    more = 0
+    for e in errors:
+        if isinstance(e, ConfigErrors):
+            flat += e.errors[:len(e.errors) - (1 if e.more else 0)]
+            more += e.more
+        else:
+            flat.append(e)
+    more += max(0, len(flat) - MAX_ERRORS)
+    flat = flat[:MAX_ERRORS]
+    if len(flat) == 1 and not more:
         raise flat[0]
     if flat:
-        raise ConfigErrors(flat)
+        raise ConfigErrors(flat, more)
 
 
 def _fail(key: str, value: object, fix: str) -> None:
@@ -223,6 +242,10 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         for name in ("gpus_per_host", "nics_per_host", "source_gpus_per_host", "hosts"):
             _positive("cluster", name, getattr(self, name))
+        for name in ("gpus_per_host", "nics_per_host"):
+            if getattr(self, name) > MAX_PER_HOST:
+                _fail(f"cluster.{name}", getattr(self, name),
+                      f"is more than {MAX_PER_HOST} per host; give the real count")
         for name in ("nic_gbps", "nvlink_gbps"):
             _bandwidth(f"cluster.{name}", getattr(self, name))
         if self.placement not in ("disaggregated", "colocated"):

@@ -4,12 +4,20 @@ Each YAML in tests/bad_configs/ breaks one rule; `rdma-plan compile CASE -o OUT`
 exit 2 and print exactly one line `rdma-plan: error: ...` holding the substrings below
 (the full key, the bad value, the fix), and never a traceback. The good configs next to
 them (plans/demo.yaml) load, so the failures come from the rule each case breaks.
+
+`hostile_*` cases are what an attacker (or a bad day) hands the compiler: alias bombs,
+deep nesting, huge numbers, NaN/inf, /dev/zero, a world of 10^5 ranks, 10^6 layers. Each
+must be refused the same way, in under 5 s and without growing the process past 1 GiB;
+the big ones (a 100 MB YAML, a FIFO) are generated in a tmp dir by the tests below.
 """
 
 from __future__ import annotations
 
+import os
+import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,29 +80,177 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     "zero_replicas": ("target.replicas: 0", "positive integer"),
     "placement_typo": ("cluster.placement: 'colocate'", "did you mean 'colocated'?"),
     "empty_file": ("config: NoneType at the top level", "must be a mapping"),
+    # ---- hostile: YAML structure
+    "hostile_alias_bomb": ("config file:", "expands to more than 100,000 nodes", "aliases"),
+    "hostile_alias_bomb_top": ("config file:", "expands to more than 100,000 nodes"),
+    "hostile_deep_nesting": ("config file:", "nests deeper than 32 levels"),
+    "hostile_deep_mapping": ("config file:", "nests deeper than 32 levels"),
+    "hostile_long_scalar": ("config file:", "holds a value of 5,000 characters", "at most 4096"),
+    "hostile_int_5000_digits": ("config file:", "line 5", "5,000 characters"),
+    "hostile_python_tag": ("config file:", "not valid YAML", "python/object/apply:os.system"),
+    "hostile_binary_tp": ("source.tp: b'hello'", "expected an integer"),
+    "hostile_two_documents": ("config file:", "not valid YAML", "another document"),
+    "hostile_unhashable_key": ("config file:", "not valid YAML", "unhashable key"),
+    "hostile_yaml_not_utf8": ("config file:", "is not UTF-8 text", "a YAML config"),
+    "hostile_long_key": ("source.'xxxxxxxx", "...>: unknown key"),
+    "hostile_section_is_string": ("source: 'megatron'", "must be a mapping"),
+    "hostile_top_level_string": ("config: str at the top level", "must be a mapping"),
+    "hostile_bool_for_tp": ("source.tp: True", "expected an integer"),
+    "hostile_mtp_string": ("model.mtp: 'yes'", "expected true or false"),
+    # ---- hostile: numbers
+    "hostile_huge_int_tp": ("source.tp: 1000000000000000000000000000000", "too large",
+                            "2**53"),
+    "hostile_huge_int_staging": ("options.staging_bytes: 1152921504606846976", "too large"),
+    "hostile_huge_max_write": ("options.max_write_bytes: 100000000000000000000", "too large"),
+    "hostile_nan_nic_gbps": ("cluster.nic_gbps: nan", "finite number"),
+    "hostile_inf_nic_gbps": ("cluster.nic_gbps: inf", "finite number"),
+    "hostile_neg_inf_nvlink": ("cluster.nvlink_gbps: -inf", "finite number"),
+    "hostile_float_overflow": ("cluster.nic_gbps: inf", "finite number"),
+    "hostile_negative_nvlink": ("cluster.nvlink_gbps: -5.0", "positive bandwidth"),
+    "hostile_zero_pack_gbps": ("options.pack_gbps: 0.0", "positive bandwidth"),
+    "hostile_nan_pack_overhead": ("options.pack_overhead_us: nan", "finite number"),
+    "hostile_inf_write_overhead": ("options.write_overhead_us: inf", "finite number"),
+    "hostile_hosts_huge": ("cluster.hosts: 1000000000000000", "need 2 hosts",
+                           "set cluster.hosts: 2"),
+    # ---- hostile: sizes (layers, tensors, ranks, GPUs)
+    "hostile_million_layers": ("model.num_layers: 1000000", "more than 1024 layers"),
+    "hostile_override_million_layers": ("model.overrides.num_hidden_layers: 1000000",
+                                        "more than 1,024"),
+    "hostile_override_huge_hidden": ("model.overrides.hidden_size: 1000000000000",
+                                     "more than 16,777,216"),
+    "hostile_override_huge_vocab": ("model.overrides.vocab_size: 1099511627776", "more than"),
+    "hostile_override_nan": ("model.overrides.hidden_size: nan", "must be an integer"),
+    "hostile_too_many_tensors": ("model.config:", "1000 layers of 100000 experts",
+                                 "more than 1,000,000 tensors"),
+    "hostile_mtp_million": ("model.overrides.num_nextn_predict_layers: 1000000", "more than"),
+    "hostile_world_source": ("source.tp * source.pp * source.dp: 100,000 ranks",
+                             "more than the 16384"),
+    "hostile_world_target": ("target.tp * target.dp * target.pp * target.replicas: 200,000",
+                             "more than the 16384"),
+    "hostile_world_fsdp2": ("source.tp * source.dp * source.dp_replicate: 100,000 ranks",),
+    "hostile_gpus_per_host": ("cluster.gpus_per_host: 1000000000000", "more than 1024"),
+    "hostile_colocated_one_gpu": ("cluster.gpus_per_host: 1", "at least 2", "colocated"),
+    # ---- hostile: the model's config.json
+    "hostile_config_dev_zero": ("model.config: '/dev/zero'", "not a regular file"),
+    "hostile_config_folder_without_json": ("model.config:", "plans/config.json",
+                                           "does not exist"),
+    "hostile_config_is_yaml": ("model.config:", "negative_tp.yaml", "not valid JSON"),
+    "hostile_json_nan": ("model.config:", "nan/config.json", "NaN"),
+    "hostile_json_huge_int": ("model.config: hidden_size: 1000000000000000000000000000000",
+                              "more than 16,777,216", "fix config.json"),
+    "hostile_json_deep": ("model.config:", "deep/config.json", "nests too deeply"),
+    "hostile_json_list": ("model.config:", "holds list, not a JSON object"),
+    "hostile_json_not_utf8": ("model.config:", "not UTF-8 text"),
+    "hostile_json_mlp_only_layers": ("model.config: mlp_only_layers",
+                                     "must be a list of layer indices"),
+    "hostile_json_zero_heads": ("model.config: num_attention_heads = 0", "must be positive"),
 }
+MAX_SECONDS = 5.0
+MAX_RSS = 1 << 30
 
 
 def test_every_case_file_is_in_the_table() -> None:
     assert sorted(p.stem for p in CASES.glob("*.yaml")) == sorted(EXPECTED)
-    assert len(EXPECTED) >= 25
+    assert len(EXPECTED) >= 80
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED))
 def test_bad_config_fails_with_one_line(case: str, tmp_path: Path,
                                         capsys: pytest.CaptureFixture) -> None:
-    out = tmp_path / "plan.rplan"
-    code = main(["compile", str(CASES / f"{case}.yaml"), "-o", str(out)])
+    _fails_with_one_line(str(CASES / f"{case}.yaml"), EXPECTED[case], tmp_path, capsys)
+
+
+def _fails_with_one_line(config: str, parts: tuple[str, ...], tmp_path: Path,
+                         capsys: pytest.CaptureFixture) -> str:
+    (tmp_path / "out").mkdir()
+    out = tmp_path / "out" / "plan.rplan"
+    t0 = time.perf_counter()
+    code = main(["compile", config, "-o", str(out)])
+    seconds = time.perf_counter() - t0
     captured = capsys.readouterr()
     assert code == 2
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1, captured.err
     assert lines[0].startswith("rdma-plan: error: ")
     assert len(lines[0]) < 300
-    for part in EXPECTED[case]:
+    for part in parts:
         assert part in lines[0]
     assert "Traceback" not in captured.err + captured.out
-    assert not out.exists()
+    assert os.listdir(tmp_path / "out") == []  # no plan, no temporary file
+    # bounded: not a timing benchmark, a ceiling (the slowest case takes ~1 s here)
+    assert seconds < MAX_SECONDS
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < MAX_RSS
+    return lines[0]
+
+
+# ---------------------------------------------------------------- hostile files made here
+
+def _yaml(tmp_path: Path, name: str, model_config: str = "", extra: str = "") -> Path:
+    model = model_config or str(ROOT / "plans/models/tiny-qwen3/config.json")
+    path = tmp_path / "in" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(f"model:\n  config: {model}\nsource:\n  framework: megatron\n"
+                    f"target:\n  engine: vllm\n{extra}")
+    return path
+
+
+def test_hostile_100mb_yaml(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = _yaml(tmp_path, "big.yaml")
+    with open(path, "a") as f:  # a comment of 100 MB after a valid config
+        f.write("#" + "x" * (100 << 20) + "\n")
+    _fails_with_one_line(str(path), ("config file:", "104,857,7", "more than the 1,048,576"),
+                         tmp_path, capsys)
+
+
+def test_hostile_2mb_config_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    hf = tmp_path / "in" / "config.json"
+    hf.parent.mkdir()
+    hf.write_text('{"model_type": "qwen3", "pad": "' + "x" * (2 << 20) + '"}')
+    _fails_with_one_line(str(_yaml(tmp_path, "c.yaml", str(hf))),
+                         ("model.config:", "2,097,1", "more than the 1,048,576"),
+                         tmp_path, capsys)
+
+
+@pytest.mark.parametrize("what", ["model_config", "yaml"])
+def test_hostile_fifo(what: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # Opening a FIFO for reading blocks until a writer comes: it must be refused unopened.
+    fifo = tmp_path / "in" / "fifo"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    config = _yaml(tmp_path, "c.yaml", str(fifo)) if what == "model_config" else fifo
+    key = "model.config:" if what == "model_config" else "config file:"
+    _fails_with_one_line(str(config), (key, "is not a regular file"), tmp_path, capsys)
+
+
+def test_hostile_dev_zero_as_the_yaml(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    link = tmp_path / "in" / "zero.yaml"
+    link.parent.mkdir()
+    link.symlink_to("/dev/zero")
+    _fails_with_one_line(str(link), ("config file:", "is not a regular file"),
+                         tmp_path, capsys)
+
+
+def test_hostile_many_errors_are_capped(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # 10,000 unknown keys: ten errors and a count, not 10,000 lines.
+    keys = "".join(f"  k{i}: 1\n" for i in range(10_000))
+    path = _yaml(tmp_path, "many.yaml", extra=f"options:\n{keys}")
+    assert main(["compile", str(path), "-o", str(tmp_path / "p")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 11
+    assert all(line.startswith("rdma-plan: error: options.k") for line in lines[:10])
+    assert lines[10] == "rdma-plan: error: ... and 9990 more errors; fix these first"
+
+
+def test_hostile_cases_in_a_fresh_process_stay_small(tmp_path: Path) -> None:
+    # The alias bomb and the 10^5-rank world in a process of their own: peak RSS < 1 GiB.
+    for case in ("hostile_alias_bomb", "hostile_world_source", "hostile_too_many_tensors"):
+        run = subprocess.run([sys.executable, "-m", "planner", "compile",
+                              str(CASES / f"{case}.yaml"), "-o", str(tmp_path / "p")],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert run.returncode == 2 and run.stdout == ""
+        assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+        assert all(part in run.stderr for part in EXPECTED[case])
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 < MAX_RSS
 
 
 def test_subprocess_prints_no_traceback(tmp_path: Path) -> None:
