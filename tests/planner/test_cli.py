@@ -245,3 +245,20 @@ def test_colocated_plots_say_there_is_no_nic_traffic(demo: str, tmp_path: Path,
         assert any("no NIC traffic" in t.get_text() for t in ax.texts)
     ticks = figs[1].axes[1].get_yticks()  # the timeline's source ranks
     assert len(ticks) and all(float(t).is_integer() for t in ticks)
+
+
+# ---------------------------------------------------------------- bugs print as bugs
+
+def test_a_compiler_bug_is_not_reported_as_bad_input(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CLI catches UserError (bad input), not every ValueError: a ValueError raised
+    # inside the compiler is a bug and must surface with its traceback.
+    import planner.compiler
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("an internal invariant broke")
+
+    monkeypatch.setattr(planner.compiler, "compile_config", broken)
+    with pytest.raises(ValueError, match="an internal invariant broke"):
+        main(["compile", str(ROOT / "plans/demo.yaml"), "-o", str(tmp_path / "p.rplan")])
+    assert os.listdir(tmp_path) == []
