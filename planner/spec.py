@@ -147,6 +147,10 @@ def spec_from_hf(hf: dict[str, Any], num_layers: int | None = None,
     hf.update(dict(overrides))
     _check_int_keys(hf, dict(overrides))
     if num_layers is not None:
+        from schemas.config import MAX_LAYERS
+
+        if not 1 <= num_layers <= MAX_LAYERS:
+            raise ConfigError(f"model.num_layers: {num_layers} must be 1..{MAX_LAYERS}")
         hf["num_hidden_layers"] = num_layers
     model_type = hf.get("model_type")
     family = _families().get(model_type)

@@ -393,7 +393,8 @@ def load_plan(path: str) -> Plan:
         names = sorted((n for n in header["blobs"] if n.startswith("rank/")),
                        key=lambda n: int(n.split("/")[1]))
         world = header.get("world")
-        if not isinstance(world, int) or names != [f"rank/{r}" for r in range(world)]:
+        if not isinstance(world, int) or len(names) != world or \
+                names != [f"rank/{r}" for r in range(world)]:  # (len first: world=2**31)
             # every rank's plan, no more (a missing rank would leave its peers waiting)
             raise PlanFormatError(f"{path}: the header says world={world!r} but the file "
                                   f"holds {len(names)} rank blobs; the file is corrupt")
