@@ -2,22 +2,21 @@
 
 A config is a YAML file with five sections (`model`, `source`, `target`, `cluster`,
 `options`). Each section is a frozen dataclass below, with a docstring under every field.
-Checks of one section live in its `__post_init__`; checks that span sections (world size
-against the cluster, tp against the model's heads) live in `planner/validate.py`, because
-they need the model spec.
+Checks of one section live in its `__post_init__` (with the bounds: positive sizes, finite
+numbers, at most `MAX_RANKS` ranks a side); checks against the model (tp against the
+model's heads) live in each layout module's `check(spec, cfg)` and the cluster's host count
+in `planner.topology`, which `planner/validate.py` runs. Reading YAML is
+`schemas/config_load.py` (re-exported here).
 
 Every error is a `ConfigError` naming the full key, the bad value and the fix.
 """
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
-import types
-import typing
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Literal
 
 from .bounded import short
 from .errors import UserError
@@ -324,145 +323,9 @@ _SECTIONS = {"model": ModelConfig, "source": SourceConfig, "target": TargetConfi
              "cluster": ClusterConfig, "options": Options}
 
 
-def _type_name(tp: Any) -> str:
-    if tp is type(None):
-        return "null"
-    if typing.get_origin(tp) is tuple:
-        return "a list"
-    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+# Loading from plain data (YAML) lives in `schemas/config_load.py`; its two entry points
+# are part of this module's interface.
+from .config_load import config_from_dict, load_config  # noqa: E402
 
-
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check `value` against the annotation `tp`; convert lists to tuples, ints to floats."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(key, value, arg)
-            except ConfigError as e:
-                errors.append(str(e))
-        _fail(key, value, "has the wrong type: expected " +
-              " or ".join(_type_name(a) for a in args))
-    if origin is Literal:
-        if value not in args:
-            close = difflib.get_close_matches(str(value), [str(a) for a in args], 1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            _fail(key, value, f"is not one of {', '.join(map(repr, args))}{hint}")
-        return value
-    if origin is tuple:
-        pairs = bool(args) and typing.get_origin(args[0]) is tuple and \
-            typing.get_args(args[0])[-1] is not Ellipsis  # tuple[tuple[str, X], ...]
-        if pairs:
-            if not isinstance(value, dict):
-                _fail(key, value, "has the wrong type: expected a mapping (key: value)")
-            return tuple((str(k), v) for k, v in value.items())
-        if not isinstance(value, (list, tuple)):
-            _fail(key, value, "has the wrong type: expected a list")
-        item = args[0] if args else Any
-        return tuple(_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value))
-    if tp is Any:
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            _fail(key, value, "has the wrong type: expected true or false")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            _fail(key, value, "has the wrong type: expected an integer")
-        if abs(value) > MAX_INT:
-            _fail(key, value, f"is too large; use at most {MAX_INT} (2**53)")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            _fail(key, value, "has the wrong type: expected a number")
-        if isinstance(value, int) and abs(value) > MAX_INT:
-            _fail(key, value, f"is too large; use at most {MAX_INT} (2**53)")
-        if not math.isfinite(value):
-            _fail(key, value, "must be a finite number (not .nan or .inf)")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            _fail(key, value, "has the wrong type: expected a string")
-        return value
-    if isinstance(value, tp):
-        return value
-    _fail(key, value, f"has the wrong type: expected {_type_name(tp)}")
-
-
-def _label(key: object) -> str:
-    """A YAML key as it appears in an error: itself when a short string, else its repr."""
-    return key if isinstance(key, str) and len(key) <= 40 else short(key, 40)
-
-
-def _section(name: str, cls: type, data: Any) -> Any:
-    if data is None:  # `options:` with nothing under it
-        data = {}
-    if not isinstance(data, dict):
-        _fail(name, data, "must be a mapping of keys to values")
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in fields(cls)}
-    kwargs, errors = {}, []
-    for key, value in data.items():
-        try:
-            if key not in known:
-                close = difflib.get_close_matches(str(key), list(known), 1)
-                hint = f"did you mean {name}.{close[0]}?" if close else \
-                    f"known keys: {', '.join(known)}"
-                raise ConfigError(f"{name}.{_label(key)}: unknown key; {hint}")
-            kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
-        except ConfigError as e:
-            errors.append(e)
-    for f in known.values():
-        if f.default is MISSING and f.default_factory is MISSING and f.name not in data:
-            errors.append(ConfigError(f"{name}.{f.name}: missing; this key is required"))
-    raise_all(errors)
-    return cls(**kwargs)
-
-
-def config_from_dict(data: Any, base_dir: str = ".") -> Config:
-    """Build a `Config` from plain data (a parsed YAML document)."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"config: {type(data).__name__} at the top level; the file must be "
-                          "a mapping with model, source, target, cluster, options")
-    errors: list[ConfigError] = []
-    for key in data:
-        if key not in _SECTIONS:
-            close = difflib.get_close_matches(str(key), list(_SECTIONS), 1)
-            hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(_SECTIONS)}"
-            errors.append(ConfigError(f"{_label(key)}: unknown section; {hint}"))
-    for key in ("model", "source", "target"):
-        if key not in data:
-            errors.append(ConfigError(f"{key}: missing; the config needs a {key} section"))
-    built = {}
-    for name, cls in _SECTIONS.items():
-        if name in data:
-            try:
-                built[name] = _section(name, cls, data[name])
-            except ConfigError as e:
-                errors.append(e)
-    raise_all(errors)
-    return Config(**built, base_dir=base_dir)
-
-
-def load_config(path: str) -> Config:
-    """Read a YAML config (bounded: `schemas.bounded`) with `yaml.safe_load` and check each
-    section; every error of every section is reported (`ConfigErrors`)."""
-    import yaml
-
-    from .bounded import check_yaml_events, read_text
-
-    text = read_text(path, "config file", "a YAML config")
-    try:
-        check_yaml_events(text, path)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"config file: {path!r} is not valid YAML{where}: {problem}; "
-                          "fix the syntax there") from None
-    return config_from_dict(data, base_dir=os.path.dirname(os.path.abspath(path)))
+__all__ = ["ClusterConfig", "Config", "ConfigError", "ConfigErrors", "ModelConfig", "Options",
+           "SourceConfig", "TargetConfig", "config_from_dict", "load_config", "raise_all"]
