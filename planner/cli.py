@@ -90,7 +90,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from planner.progress import Progress
 
     with Progress("compile") as progress:
-        stats = compile_file(args.config, args.output, progress)
+        stats = compile_file(args.config, args.output, progress, args.sign_key)
     summary = "  ".join(f"{k}={_fmt(v)}" for k, v in stats.items())
     print(f"wrote {args.output}: {summary}")
     return 0
@@ -177,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("compile", _cmd_compile, "compile a YAML config into a plan file")
     sp.add_argument("config", help="the YAML config (see docs/config.md)")
     sp.add_argument("-o", "--output", required=True, metavar="PLAN", help="plan file to write")
+    sp.add_argument("--sign-key", metavar="FILE", default=None, help="sign the plan with the "
+                    "key in FILE (HMAC-SHA256); ranks then load it with plan_key=FILE")
 
     sp = add("inspect", _cmd_inspect, "summarise a plan file")
     sp.add_argument("plan")

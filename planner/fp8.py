@@ -29,9 +29,9 @@ import torch
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
 from planner.spec import LogicalTensor, ModelSpec
 from schemas.config import ConfigError
+from schemas.protocol import FP8_BLOCK as BLOCK
+from schemas.protocol import FP8_MAX
 
-BLOCK = 128
-FP8_MAX = 448.0
 FP8 = "float8_e4m3fn"
 SCALE_SUFFIX = "_scale_inv"
 
