@@ -89,8 +89,11 @@ def order_violations(rp: RankPlan, world: int) -> Iterator[str]:
                 _first(rp, "write", (w["dst_rank"] < 0) | (w["dst_rank"] >= world)
                        | (w["dst_rank"] == rp.rank), "names an invalid dst rank", w),
                 _first(rp, "copy", (c["stage"] < 0) | (c["stage"] >= rp.stages)
-                       | ~np.isin(c["kind"], KINDS.get(rp.role, ())),
-                       "has a stage out of range or a kind its role does not run", c)):
+                       | ~np.isin(c["kind"], KINDS.get(rp.role, ()))
+                       | (c["src_dtype"] >= len(DTYPE_CODES))
+                       | (c["dst_dtype"] >= len(DTYPE_CODES)),
+                       "has a stage out of range, a kind its role does not run or an unknown "
+                       "dtype code", c)):
         if msg is not None:
             yield msg
 

@@ -270,6 +270,14 @@ def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
 def read_raw_header(f: BinaryIO, path: str = "plan") -> tuple[dict[str, Any], int]:
     """The checksummed header map of an open plan file (plain msgpack data, not yet checked
     key by key), and where its blobs start."""
+    return _read_raw_header(f, path)[1:]
+
+
+_HEADERS: dict[bytes, PlanHeader] = {}
+"""Decoded headers by their checksum (a header is immutable; tools load one plan often)."""
+
+
+def _read_raw_header(f: BinaryIO, path: str) -> tuple[bytes, dict[str, Any], int]:
     magic = f.read(len(MAGIC))
     if magic != MAGIC:
         raise PlanFormatError(f"{path}: not an rdma-plan file (bad magic); compile one with "
@@ -286,7 +294,7 @@ def read_raw_header(f: BinaryIO, path: str = "plan") -> tuple[dict[str, Any], in
     header = _unpack(header_bytes, f"{path} header")
     if not isinstance(header, dict) or not isinstance(header.get("blobs"), dict):
         raise PlanFormatError(f"{path}: header is malformed")
-    return header, len(MAGIC) + 12 + hlen + 32
+    return _digest(header_bytes), header, len(MAGIC) + 12 + hlen + 32
 
 
 def read_header(f: BinaryIO, path: str = "plan", key: bytes | None = None
@@ -295,16 +303,31 @@ def read_header(f: BinaryIO, path: str = "plan", key: bytes | None = None
     `key`, the plan must be signed with it (`schemas/integrity.py`)."""
     from .protocol import MAX_STAGES, MAX_WORLD
 
-    raw, start = read_raw_header(f, path)
+    digest, raw, start = _read_raw_header(f, path)
     if key is not None:
         from .integrity import check_signature
 
         check_signature(raw, key, path)
-    header = PlanHeader.decode(raw, f"{path} header")
+    header = _HEADERS.get(digest)
+    if header is None:
+        header = PlanHeader.decode(raw, f"{path} header")
+        if len(_HEADERS) >= 16:
+            _HEADERS.clear()
+        _HEADERS[digest] = header
     if not 0 <= header.world <= MAX_WORLD or not 0 <= header.stages <= MAX_STAGES:
         raise PlanFormatError(f"{path}: header says world={header.world}, stages="
                               f"{header.stages} (at most {MAX_WORLD} ranks and {MAX_STAGES} "
                               "stages); the file is corrupt")
+    end = start + max((b.offset + b.length for b in header.blobs.values()), default=0)
+    try:
+        import os
+
+        size = os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError, ValueError):
+        size = end
+    if size != end:  # a signature covers the header and the blobs: nothing else may be there
+        raise PlanFormatError(f"{path}: the file has {size} bytes, its header and blobs "
+                              f"{end}; the file is truncated or has bytes appended")
     return header, start
 
 
