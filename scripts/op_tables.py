@@ -22,15 +22,16 @@ def digests(config: str) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "p.rplan")
         compile_file(config, out)
+        import msgpack
+
         from schemas.plan import read_blob, read_header
 
         lines = []
         with open(out, "rb") as f:
             header, start = read_header(f, out)
-            index = header["blobs"] if isinstance(header, dict) else header.blob_index()
+            index = header.blobs
             for name in sorted(index):
                 data = read_blob(f, header, start, name, out)
-                import msgpack
 
                 h = hashlib.blake2b(msgpack.packb(data, use_bin_type=True), digest_size=16)
                 lines.append(f"{config} {name} {h.hexdigest()}")
