@@ -158,3 +158,29 @@ def test_plan_fuzz() -> None:
           f"s: {dict(counts)}; {len(failures)} failures")
     assert len(answers) == MUTANTS
     assert not failures, "\n".join(failures[:20])
+
+
+def test_the_fuzz_sees_a_write_outside_its_region(monkeypatch, tmp_path) -> None:
+    """The guards can fail: with the bounds proof switched off, a write 64 bytes past the
+    end of its target region (into the guard bytes after it) is reported."""
+    import dataclasses
+
+    import numpy as np
+
+    import executor.check
+    from schemas.plan import Table, write_plan
+
+    bases = fuzz.base_plans(str(tmp_path))
+    plan = load_plan(bases["cast"])
+    rp = plan.ranks[0]
+    w = {n: np.array(rp.writes[n]) for n, _ in rp.writes.schema}
+    peer, region = int(w["dst_rank"][0]), int(w["dst_region"][0])
+    w["dst_offset"][0] = plan.ranks[peer].regions[region].nbytes - int(w["nbytes"][0]) + 64
+    bad = dataclasses.replace(plan, ranks=(dataclasses.replace(
+        rp, writes=Table.build(rp.writes.schema, **w)), *plan.ranks[1:]))
+    path = str(tmp_path / "bad.rplan")
+    write_plan(path, bad)
+    monkeypatch.setattr(executor.check, "violations", lambda *a, **k: iter(()))
+    ans = fuzz.Worker().serve_one(bases["cast"], path)
+    assert ans["run"]["ok"] and not ans["guards_ok"]
+    assert any("outside its tensors" in p for p in _problems(ans, False))
