@@ -35,6 +35,7 @@ from schemas.protocol import (
     copy_footprint,
     copy_value_problems,
     overlapping_dst,
+    staging_index,
     write_footprint,
 )
 
@@ -178,7 +179,7 @@ def _copies(rp: RankPlan, sizes: np.ndarray) -> Iterator[str | None]:
                  f"has a stage out of range [0, {rp.stages})", c)
     yield _first(rp, "copy", copy_value_problems(rp),
                  "has a negative or huge offset, stride or size", c)
-    staging = nreg - 1 if nreg and rp.regions[-1].name == STAGING else -1
+    staging = staging_index(rp)
     codes = np.array([DTYPE_CODES.index(r.dtype) if r.dtype in DTYPE_CODES else -1
                       for r in rp.regions] + [-1], dtype=np.int64)
     for side in ("src", "dst"):
