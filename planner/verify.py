@@ -23,12 +23,26 @@ Each check returns violation messages; `verify_plan` gives them all, in that ord
 
 from __future__ import annotations
 
+import math
+
 import networkx as nx
 import numpy as np
 
 from schemas.bounds import violations
 from schemas.header import PlanHeader
-from schemas.plan import ACK, DONE, PACK, QUANT, READY, STAGING, UNPACK, Plan, RankPlan, load_plan
+from schemas.plan import (
+    ACK,
+    DONE,
+    PACK,
+    QUANT,
+    READY,
+    STAGING,
+    UNPACK,
+    Plan,
+    PlanFormatError,
+    RankPlan,
+    load_plan,
+)
 from schemas.protocol import (
     ITEM,
     copy_extents,
@@ -40,6 +54,10 @@ from schemas.protocol import (
     wait_stage,
     write_stages,
 )
+
+MAX_RUNS = 1 << 24
+"""Contiguous runs of one copy's box that `copy_runs` lists (a compiled copy has at most a
+box's rows)."""
 
 
 def bounds(plan: Plan) -> list[str]:
@@ -70,6 +88,9 @@ def copy_runs(c, i: int, side: str, es: int) -> tuple[np.ndarray, np.ndarray]:
     run = 1
     while dims and dims[-1][1] == run:
         run *= dims.pop()[0]
+    if math.prod(n for n, _ in dims) > MAX_RUNS:
+        raise PlanFormatError(f"copy {i} is cut into {math.prod(n for n, _ in dims):,} runs, "
+                              f"more than verify checks ({MAX_RUNS:,}); the plan is corrupt")
     start = np.array([int(c[f"{side}_offset"][i])], dtype=np.int64)
     for n, st in dims:
         start = (start[:, None] + np.arange(n, dtype=np.int64) * st).reshape(-1)
@@ -263,6 +284,9 @@ def coverage(plan: Plan) -> list[str]:
     cov = plan.coverage
     for rank, reg, nbytes in zip(cov["rank"].tolist(), cov["region"].tolist(),
                                  cov["nbytes"].tolist()):
+        if not (0 <= rank < len(plan.ranks) and 0 <= reg < len(plan.ranks[rank].regions)):
+            out.append(f"coverage names region {reg} of rank {rank}, which does not exist")
+            continue
         got = written.get((rank, reg), 0)
         if got != nbytes:
             name = plan.ranks[rank].regions[reg].name
