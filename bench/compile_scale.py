@@ -51,7 +51,7 @@ def bench(config: str, out: str) -> dict:
     with open(out, "rb") as f:
         from schemas.plan import read_header
 
-        world = read_header(f)[0]["world"]
+        world = read_header(f)[0].world
     times = []
     for r in sorted({0, world // 3, world // 2, world - 1}):
         t = time.perf_counter()

@@ -32,6 +32,7 @@ stale result cannot pass. `--cpu-dry-run`: tiny models, gloo instead of NCCL, `n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -940,15 +941,15 @@ def main() -> int:
         plan = compile_config(cfg, spec)
         path = os.path.join(work, f"{model}.rplan")
         size = write_plan(path, plan)
-        st = plan.header["stats"]
+        st = plan.header.stats
+        rank_stats = [dataclasses.asdict(s) for s in plan.header.rank_stats]
         compile_info[model] = {"seconds": time.perf_counter() - t0, "plan_bytes": size,
-                               "writes": st["writes"], "bytes": st["bytes"],
-                               "packs": st["packs"], "unpacks": st["unpacks"],
-                               "rank_stats": plan.header["rank_stats"]}
-        print(f"compiled {model}: {st['writes']} writes, {st['bytes'] / 1e9:.2f} GB, "
-              f"{st['packs']} packs, {st['unpacks']} unpacks, plan {size / 1e6:.2f} MB in "
-              f"{compile_info[model]['seconds']:.2f} s; per rank [writes, sent, recv, packs, "
-              f"unpacks, staging]: {plan.header['rank_stats']}", flush=True)
+                               "writes": st.writes, "bytes": st.bytes,
+                               "packs": st.packs, "unpacks": st.unpacks,
+                               "rank_stats": rank_stats}
+        print(f"compiled {model}: {st.writes} writes, {st.bytes / 1e9:.2f} GB, "
+              f"{st.packs} packs, {st.unpacks} unpacks, plan {size / 1e6:.2f} MB in "
+              f"{compile_info[model]['seconds']:.2f} s; per rank: {rank_stats}", flush=True)
         plans.append(path)
     device = device_name(not dry)
     print(f"device: {device}", flush=True)
@@ -983,7 +984,7 @@ def main() -> int:
         results = json.load(f)
     for m in results["models"]:  # the floor's bytes: what the plan writes into one GPU
         stats = compile_info[m["model"]]["rank_stats"]
-        m["recv_bytes_max"] = max(stats[r][2] for r in TARGETS)
+        m["recv_bytes_max"] = max(stats[r]["bytes_in"] for r in TARGETS)
     shown = " ".join("$OUT" if a == args.out else a for a in argv)
     results.update(device=device, compile=compile_info, steps=args.steps, warmup=args.warmup,
                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

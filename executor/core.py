@@ -2,7 +2,7 @@
 
 `run()` walks the stages and does, per stage, the 7 steps of `schemas/plan.py`:
 ready/wait -> packs (and QUANTs) -> writes -> DONE -> wait -> unpacks -> ACK, with its two
-overlaps: packs run early where `schemas/prepack.py` allows, and writes stay in flight
+overlaps: packs run early where `schemas/protocol.py` allows, and writes stay in flight
 across a stage boundary where the rank receives nothing (`window.py`). Everything a step
 needs (copy views, prepared write batches, signal lists) is built at `connect()`; a step
 only replays it.
@@ -52,12 +52,15 @@ import msgpack
 import numpy as np
 import torch
 
+from schemas.header import PlanHeader
+from schemas.integrity import plan_key as read_key
+from schemas.integrity import rank_digest
 from schemas.plan import ACK, DONE, PACK, QUANT, READY, UNPACK, RankPlan, load_rank
-from schemas.prepack import Overlap
+from schemas.protocol import Overlap, carries
 
 from . import signals
 from .bind import bind
-from .check import check_against_header, check_rank_plan
+from .check import check_against_header, check_rank_plan, check_staging
 from .copies import Op, prepare_copies
 from .errors import PeerLostError, PeerMismatchError, PeerTimeoutError
 from .quant import prepare_quants
@@ -114,15 +117,17 @@ def make_transport(kind: str, rank: int, namespace: str, store: Store,
 
 
 class Executor:
-    def __init__(self, header: dict[str, Any], plan: RankPlan,
+    def __init__(self, header: PlanHeader, plan: RankPlan,
                  tensors: dict[str, torch.Tensor], transport: str = "nixl",
                  rendezvous: object = None, timeout_s: float = 60.0,
                  max_inflight: int = 8) -> None:
         check_rank_plan(plan)
         check_against_header(plan, header)
+        check_staging(plan, tensors)  # before bind allocates it
         self.plan, self.rank, self.timeout_s = plan, plan.rank, timeout_s
+        self.header = header  # peers' blob digests (schemas/integrity.py)
         self.max_inflight = max(1, max_inflight)
-        self.fingerprint = str(header.get("fingerprint", ""))
+        self.fingerprint = header.fingerprint
         self.tag = signals.fingerprint_tag(self.fingerprint)
         self.namespace = "rplan"  # not per plan: a peer on another plan must be told so
         self.regions = bind(plan.rank, plan.regions, tensors)
@@ -149,15 +154,17 @@ class Executor:
         self.reprepared = 0  # batches released and prepared again after a failed step
         self.peers: list[int] = []
         self.prepacked: list[bool] = []  # stage s packs during stage s-1's writes
+        self.carries: list[bool] = []  # stage s may end with its writes in flight
         self.rejoined = False
         self.bytes_per_step = int(plan.writes["nbytes"].sum())
 
     @staticmethod
     def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str = "nixl",
              rendezvous: object = None, timeout_s: float = 60.0,
-             max_inflight: int = 8) -> Executor:
-        """Read rank `rank` of the plan at `path`, bind `tensors`, register and connect."""
-        header, plan = load_rank(path, rank)
+             max_inflight: int = 8, plan_key: bytes | str | None = None) -> Executor:
+        """Read rank `rank` of the plan at `path`, bind `tensors`, register and connect.
+        `plan_key`: the plan must be signed with this key (bytes, or a key file's path)."""
+        header, plan = load_rank(path, rank, None if plan_key is None else read_key(plan_key))
         ex = Executor(header, plan, tensors, transport, rendezvous, timeout_s, max_inflight)
         ex.register()
         ex.connect()
@@ -172,7 +179,8 @@ class Executor:
         self.transport.register(self.regions)
         self.register_calls += 1
         info = {"fingerprint": self.fingerprint, "sizes": [r.nbytes for r in self.plan.regions],
-                "desc": self.transport.export(), "inc": self.incarnation}
+                "desc": self.transport.export(), "inc": self.incarnation,
+                "digest": rank_digest(self.header, self.rank)}
         key = f"{self.namespace}/rank/{self.rank}"
         self.rejoined = self.store.get(key) is not None  # an earlier process had this rank
         self._publish_step()
@@ -223,6 +231,7 @@ class Executor:
         self.stages = [self._prepare_stage(s) for s in range(p.stages)]
         self.overlap = Overlap(p)
         self.prepacked = self.overlap.prepacked.tolist()
+        self.carries = carries(p).tolist()  # stage s may end with its writes in flight
 
     def _check_peer(self, peer: int, info: dict[str, Any]) -> None:
         expected = dict(self.plan.peer_regions)
@@ -231,6 +240,11 @@ class Executor:
                 f"rank {self.rank}: peer rank {peer} loaded plan {info['fingerprint'][:16]!r}"
                 f", this rank {self.fingerprint[:16]!r}; load the same plan on every rank",
                 peer=peer)
+        if info.get("digest", b"") != rank_digest(self.header, peer):
+            raise PeerMismatchError(
+                f"rank {self.rank}: peer rank {peer} holds a different plan for itself than "
+                "this rank's plan says (its blob digest differs: another or a tampered plan "
+                "file); load the same plan file on every rank", peer=peer)
         sizes = list(info["sizes"])
         wrong = [(r, n) for r, n in expected.get(peer, ())
                  if r >= len(sizes) or sizes[r] != n]
@@ -400,7 +414,7 @@ class Executor:
         """Steps 1-4 of stage `s` after `ready`: wait READY/ACK, packs, writes, DONE.
 
         The packs of the next stage run here too, once the first writes are posted, where
-        `schemas.prepack` allows it. When nothing arrives for this rank in stage `s`, its
+        `schemas.protocol` allows it. When nothing arrives for this rank in stage `s`, its
         last writes may still be in flight when the next stage starts (`window.py`): their
         DONE goes out as they land."""
         st = self.stages[s]
@@ -425,7 +439,7 @@ class Executor:
             self._prepack(nxt, timeout)
         self.window.close(s)
         self.window.reap_landed()
-        if s + 1 == len(self.stages) or st.after or st.unpacks or st.ack_to:
+        if not self.carries[s]:
             self.window.drain(timeout)  # the next stage starts with nothing in flight
 
     def _pack(self, s: int) -> None:
@@ -433,7 +447,7 @@ class Executor:
             op()
 
     def _prepack(self, s: int, timeout_s: float) -> None:
-        """Stage `s`'s packs, early: `schemas.prepack` made them safe against what stages
+        """Stage `s`'s packs, early: `schemas.protocol` made them safe against what stages
         s-1 and s-2 read; writes of older stages still in flight that read what they
         write land first."""
         for k in self.overlap.blockers(s, self.window.stages()):
@@ -504,9 +518,12 @@ class Executor:
 
 
 def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str = "nixl",
-         rendezvous: object = None, timeout_s: float = 60.0, max_inflight: int = 8) -> Executor:
-    """Load rank `rank` of a plan, bind `tensors`, register once and connect to the peers."""
-    return Executor.load(path, rank, tensors, transport, rendezvous, timeout_s, max_inflight)
+         rendezvous: object = None, timeout_s: float = 60.0, max_inflight: int = 8,
+         plan_key: bytes | str | None = None) -> Executor:
+    """Load rank `rank` of a plan, bind `tensors`, register once and connect to the peers
+    (`plan_key`: refuse a plan not signed with this key)."""
+    return Executor.load(path, rank, tensors, transport, rendezvous, timeout_s, max_inflight,
+                         plan_key)
 
 
 def run(plan: Executor, step: int | None = None) -> RunStats:

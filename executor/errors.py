@@ -13,8 +13,9 @@ class PlanBoundsError(UserError):
     """An op of the plan reaches outside its regions, or names an unknown region/kind/dtype."""
 
 
-class PeerMismatchError(RuntimeError):
-    """A peer runs another plan (fingerprint) or exported regions of other sizes."""
+class PeerMismatchError(UserError, RuntimeError):
+    """A peer runs another plan (fingerprint, or its own part's digest) or exported regions
+    of other sizes: the ranks were given different plans or tensors."""
 
     def __init__(self, message: str, peer: int | None = None) -> None:
         super().__init__(message)

@@ -15,11 +15,10 @@ import numpy as np
 import torch
 
 from schemas.plan import DTYPE_CODES, Table
+from schemas.protocol import FP8_BLOCK as BLOCK
+from schemas.protocol import FP8_MAX
 
 from .bind import torch_dtype, typed
-
-BLOCK = 128
-FP8_MAX = 448.0
 
 Op = Callable[[], None]
 
@@ -52,8 +51,8 @@ def prepare_quants(copies: Table, rows: np.ndarray, regions: list[torch.Tensor])
                                     int(copies["src_stride1"][i])),
                            src.storage_offset() + int(copies["src_offset"][i]))
         dst = regions[int(copies["dst_region"][i])]
-        q = typed(dst, torch.float8_e4m3fn).as_strided(
-            (m, n), (n, 1), int(copies["dst_offset"][i]))
+        qf = typed(dst, torch.float8_e4m3fn)  # offsets count from the region, not its storage
+        q = qf.as_strided((m, n), (n, 1), qf.storage_offset() + int(copies["dst_offset"][i]))
         sf = typed(dst, torch.float32)
         rb, cb = -(-m // BLOCK), -(-n // BLOCK)
         s = sf.as_strided((rb, cb), (cb, 1), sf.storage_offset() + int(copies["aux_offset"][i]))

@@ -24,7 +24,7 @@ import hashlib
 import struct
 from collections import deque
 
-from schemas.plan import ACK
+from schemas.protocol import sent_stage
 
 _MAGIC = b"RPS2"
 _BODY = struct.Struct("<QQqiBi")
@@ -49,7 +49,7 @@ def encode(tag: bytes, incarnation: int, to: int, step: int, stage: int, kind: i
 
 def expected(step: int, wait_stage: int, kind: int, peer: int) -> Key:
     """The key of the signal that satisfies a wait at `wait_stage` (see the module doc)."""
-    return (step, wait_stage - 1 if kind == ACK else wait_stage, kind, peer)
+    return (step, sent_stage(kind, wait_stage), kind, peer)
 
 
 class Inbox:

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from schemas.errors import UserError
 from schemas.plan import load_plan
 
 from .core import Executor, RunStats
@@ -19,7 +20,7 @@ from .errors import PeerTimeoutError
 from .transports.local import Fabric
 
 
-class PlanDeadlockError(RuntimeError):
+class PlanDeadlockError(UserError, RuntimeError):
     """A rank waits for a signal that no earlier step of the protocol sends."""
 
 

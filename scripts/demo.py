@@ -97,7 +97,7 @@ def main() -> int:
     with open(plan, "rb") as f:
         from schemas.plan import read_header
 
-        world = read_header(f)[0]["world"]
+        world = read_header(f)[0].world
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, os.path.abspath(__file__), "--config", args.config, "--plan", plan,

@@ -1,4 +1,4 @@
-"""The overlap rules: which stages pack early (`schemas/prepack.py`), what the simulator
+"""The overlap rules: which stages pack early (`schemas/protocol.py`), what the simulator
 makes of early packs and of writes in flight across stages, and compiled plans using them.
 
 Hand-built ranks: a source with a 1 GiB staging region; each case lists its packs
@@ -25,7 +25,7 @@ from schemas.plan import (
     Region,
     Table,
 )
-from schemas.prepack import overlaps, prepacked
+from schemas.protocol import overlaps, prepacked
 from tests.test_simulate import GB, NIC_BPS, _plan, src, tgt
 
 MB = 1 << 20

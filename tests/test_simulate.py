@@ -7,9 +7,13 @@ Units: a 400 Gb/s NIC moves 50 GB/s, so 1 GB takes 20 ms; NVLink at 3600 Gb/s mo
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from planner.simulate import NIC_WRITE_S, NVLINK_WRITE_S, simulate
+from schemas.config import ClusterConfig, Options
+from schemas.header import PlanHeader, RankRow
 from schemas.plan import (
     ACK,
     BATCH_COLUMNS,
@@ -24,6 +28,7 @@ from schemas.plan import (
     RankPlan,
     Table,
 )
+from schemas.protocol import sent_stage
 
 GB = 10**9
 NIC_BPS = 50e9
@@ -49,7 +54,7 @@ def _plan(ranks: list[dict], nics_per_host: int = 8, overhead_us: float = 0.0,
             sig[s].append((st, d, DONE))
             wait[d].append((st, s, DONE))
             if acks and st >= 1:
-                sig[d].append((st - 1, s, ACK))
+                sig[d].append((sent_stage(ACK, st), s, ACK))
                 wait[s].append((st, d, ACK))
     out = []
     for i, r in enumerate(ranks):
@@ -80,13 +85,12 @@ def _plan(ranks: list[dict], nics_per_host: int = 8, overhead_us: float = 0.0,
             waits=Table.build(SIGNAL_COLUMNS, **dict(zip(("stage", "peer", "kind"),
                                                          zip(*wait[i]) if wait[i] else ([],) * 3))),
             peer_regions=(), stages=stages))
-    header = {
-        "options": {"write_overhead_us": overhead_us, "pack_gbps": 2000.0,
-                    "pack_overhead_us": pack_us},
-        "cluster": {"nic_gbps": 400.0, "nvlink_gbps": 3600.0},
-        "nvlink_gbps": 3600.0,
-        "ranks": [[r["role"], r["host"], r["gpu"], names[i]] for i, r in enumerate(ranks)],
-    }
+    header = PlanHeader(
+        options=Options(write_overhead_us=overhead_us, pack_gbps=2000.0,
+                        pack_overhead_us=pack_us),
+        cluster=ClusterConfig(nic_gbps=400.0, nvlink_gbps=3600.0), nvlink_gbps=3600.0,
+        ranks=tuple(RankRow(r["role"], r["host"], r["gpu"], names[i])
+                    for i, r in enumerate(ranks)))
     return Plan(header=header, ranks=tuple(out))
 
 
@@ -162,8 +166,9 @@ def test_staged_plan_packs_writes_unpacks_and_acks():
                       copies=((PACK, 0, GB), (PACK, 1, GB))),
                   tgt(1, 0, copies=((UNPACK, 0, GB), (UNPACK, 1, GB)))],
                  overhead_us=0.0, pack_us=10.0, acks=True)
-    plan.header["options"]["write_overhead_us"] = 2.0  # signals and batches: 2 us
-    res = simulate(plan)
+    header = dataclasses.replace(  # signals and batches: 2 us
+        plan.header, options=dataclasses.replace(plan.header.options, write_overhead_us=2.0))
+    res = simulate(dataclasses.replace(plan, header=header))
     w += lat + NIC_WRITE_S  # one batch of one write
     t_ack = lat + p + w + lat + p + lat
     assert res["estimated_s"] == pytest.approx(t_ack + p + w + lat + p)
@@ -176,14 +181,14 @@ def test_a_wait_nobody_signals_is_an_error():
     rp = plan.ranks[1]
     bad = RankPlan(**{**{f: getattr(rp, f) for f in RankPlan.__slots__},
                       "waits": Table.build(SIGNAL_COLUMNS, stage=[0, 0], peer=[0, 0],
-                                           kind=[DONE, ACK])})
+                                           kind=[DONE, READY])})  # no source sends READY
     with pytest.raises(ValueError, match="never finish"):
         simulate(Plan(header=plan.header, ranks=(plan.ranks[0], bad)))
 
 
 def _independent_floor(plan: Plan) -> float:
     """Most bytes through one NIC direction or one GPU's NVLink direction, over bandwidth."""
-    nic = {r: row[3] for r, row in enumerate(plan.header["ranks"])}
+    nic = {r: row.nic for r, row in enumerate(plan.header.ranks)}
     load: dict[tuple[str, object], float] = {}
     for rp in plan.ranks:
         for _st, ch, a, b in zip(rp.batches["stage"], rp.batches["nic"], rp.batches["start"],
@@ -193,9 +198,8 @@ def _independent_floor(plan: Plan) -> float:
                         (("nv-out", rp.rank), ("nv-in", int(d))))
                 for k in keys:
                     load[k] = load.get(k, 0) + int(n)
-    cluster = plan.header["cluster"]
-    return max(v * 8 / ((cluster["nic_gbps"] if k[0] in ("out", "in") else
-                         plan.header["nvlink_gbps"]) * 1e9) for k, v in load.items())
+    return max(v * 8 / ((plan.header.cluster.nic_gbps if k[0] in ("out", "in") else
+                         plan.header.nvlink_gbps) * 1e9) for k, v in load.items())
 
 
 @pytest.mark.parametrize("opts", [{}, {"staging_bytes": 8192, "max_write_bytes": 4096},
@@ -228,11 +232,11 @@ def test_compiled_plans_never_beat_the_floor(opts, placement):
     res = simulate(plan)
     floor = _independent_floor(plan)
     assert res["floor_s"] == pytest.approx(floor)
-    assert res["floor_s"] == pytest.approx(plan.header["stats"]["floor_s"])
+    assert res["floor_s"] == pytest.approx(plan.header.stats.floor_s)
     assert res["estimated_s"] >= res["floor_s"]
     tl = res["timeline"]
     assert (tl["end"] >= tl["start"]).all() and (tl["end"] <= res["estimated_s"] + 1e-12).all()
-    assert res["bytes"] == plan.header["stats"]["bytes"]
+    assert res["bytes"] == plan.header.stats.bytes
     assert max(res["rank_finish_s"]) == res["estimated_s"]
 
 

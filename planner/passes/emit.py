@@ -2,8 +2,10 @@
 
 Per rank: its regions (physical tensors in layout order, then staging), the writes it
 issues in scheduled order, batches, copies, signals, waits and the sizes of the peer
-regions it writes into. The header records everything the compiler decided: options,
-source/target configs, topology, per-NIC bytes, stats and the fingerprint.
+regions it writes into. The header (`plan_header`, a `schemas.header.PlanHeader`) records
+everything the compiler decided: options, source/target configs, topology, per-NIC bytes,
+stats, the fingerprint, and facts readers would otherwise re-derive (whether every source
+holds the whole model, the longest row).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import numpy as np
 from planner.layouts.base import Layout
 from planner.passes.lower import Lowered
 from planner.passes.schedule import Schedule
+from planner.spec import ModelSpec
 from planner.topology import Topology
+from schemas.config import Config, SourceConfig
+from schemas.header import ModelInfo, NicRow, PlanHeader, PlanStats, RankRow, RankStats
 from schemas.plan import (
     BATCH_COLUMNS,
     COPY_COLUMNS,
@@ -25,8 +30,11 @@ from schemas.plan import (
     DAG_NODE_COLUMNS,
     EXPLAIN_COLUMNS,
     ITEMSIZE,
+    PACK,
+    QUANT,
     SIGNAL_COLUMNS,
     STAGING,
+    UNPACK,
     WRITE_COLUMNS,
     Plan,
     RankPlan,
@@ -56,7 +64,63 @@ def _table(schema, rows: np.ndarray, names: tuple[str, ...]) -> Table:
     return Table.build(schema, **{n: rows[:, i] for i, n in enumerate(names)})
 
 
-def emit(header: dict[str, Any], low: Lowered, sched: Schedule, topo: Topology,
+def source_replicated(src: SourceConfig) -> bool:
+    """Whether every source rank holds the whole model (pure data parallelism)."""
+    if src.framework == "fsdp2":
+        return src.tp * src.dp == 1
+    return src.tp * src.pp * src.ep * src.expert_tp == 1
+
+
+def longest_row_bytes(spec: ModelSpec) -> int:
+    """An upper bound on one row (last dim) of any logical tensor, in bytes: a chunk is never
+    cut inside a row, so a row longer than `max_write_bytes` is one chunk."""
+    d = spec.dims
+    cols = [2 * d.hidden, d.intermediate, d.moe_intermediate, d.shared_intermediate,
+            d.heads * d.head_dim, d.heads * d.v_head_dim, d.q_lora_rank, d.kv_lora_rank]
+    return 4 * max(cols)
+
+
+def rank_stats(low: Lowered, world: int) -> tuple[RankStats, ...]:
+    """Per plan rank: writes issued, bytes sent and received, packs, unpacks, staging."""
+    count = np.bincount(low.w_src_rank, minlength=world)
+    sent = np.bincount(low.w_src_rank, weights=low.w_nbytes, minlength=world)
+    recv = np.bincount(low.w_dst_rank, weights=low.w_nbytes, minlength=world)
+    kind, rank = low.copies["kind"], low.copies["rank"]
+    packs = np.bincount(rank[(kind == PACK) | (kind == QUANT)], minlength=world)
+    unpacks = np.bincount(rank[kind == UNPACK], minlength=world)
+    cols = (count, sent, recv, packs, unpacks, low.staging)
+    return tuple(RankStats(*(int(c[r]) for c in cols)) for r in range(world))
+
+
+def plan_header(cfg: Config, spec: ModelSpec, topo: Topology, replicas: int, low: Lowered,
+                nic: dict[str, Any], chunks: int, unit_max: int, fingerprint: str,
+                created_by: str) -> PlanHeader:
+    """Everything the compiler decided about the whole plan (`nic`: `_nic_stats`)."""
+    kinds = low.copies["kind"]
+    return PlanHeader(
+        fingerprint=fingerprint, world=topo.world, sources=topo.sources,
+        targets=topo.targets, replicas=replicas, stages=low.stages, created_by=created_by,
+        model=ModelInfo(spec.dims.model_type, spec.dims.num_layers, spec.total_params,
+                        len(spec.tensors), longest_row_bytes(spec)),
+        source=cfg.source, target=cfg.target, cluster=cfg.cluster, options=cfg.options,
+        nvlink_gbps=topo.nvlink_gbps,
+        ranks=tuple(RankRow("source" if r < topo.sources else "target", topo.host[r],
+                            topo.gpu[r], topo.nic_name(topo.nic[r])) for r in range(topo.world)),
+        rank_stats=rank_stats(low, topo.world),
+        nics=tuple(NicRow(n["name"], n["host"], float(n["gbps"]), n["bytes_out"],
+                          n["bytes_in"]) for n in nic["nics"]),
+        stats=PlanStats(
+            writes=int(len(low.w_nbytes)), bytes=int(low.w_nbytes.sum()),
+            packs=int((kinds == PACK).sum()), unpacks=int((kinds == UNPACK).sum()),
+            quants=int((kinds == QUANT).sum()), chunks=chunks, gather_unit_max=int(unit_max),
+            staging_max=int(low.staging.max()) if len(low.staging) else 0,
+            nvlink_bytes=nic["nvlink_bytes"], remote_bytes=nic["remote_bytes"],
+            floor_s=nic["floor_s"],
+            egress_bound_max_over_mean=nic["egress_bound_max_over_mean"]),
+        source_replicated=source_replicated(cfg.source))
+
+
+def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
          regions: list[tuple[Region, ...]], explain: Table, tensors: tuple[str, ...],
          coverage: Table) -> Plan:
     world = topo.world

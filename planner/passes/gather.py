@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.fp8 import BLOCK
 from planner.passes.intersect import PieceTable, element_size, intersect
 from planner.passes.lower import ALIGN, Lowered
 from planner.spec import ModelSpec
 from schemas.config import ConfigError, Options
 from schemas.plan import COPY_COLUMNS, DTYPE_CODES, PACK, QUANT
+from schemas.protocol import FP8_BLOCK as BLOCK
+from schemas.protocol import scale_blocks
 
 FP8_CODE = DTYPE_CODES.index("float8_e4m3fn")
 
@@ -170,7 +171,7 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
         src_code = int(src.dtype[rows[0]])
         cast = not quant and out_code != src_code
         direct = quant and len(rows) == 1 and int(src.rank[rows[0]]) == owner
-        numel, nscale = n0 * n1, -(-n0 // BLOCK) * -(-n1 // BLOCK)
+        numel, nscale = n0 * n1, scale_blocks(n0, n1)
         g_bytes = 0 if direct else _align(numel * es)
         f_bytes = _align(numel) if quant else _align(numel * es_d) if cast else 0
         need = g_bytes + f_bytes + (_align(nscale * 4) if quant else 0)

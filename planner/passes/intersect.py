@@ -19,7 +19,8 @@ import numpy as np
 
 from planner.layouts.base import Layout
 from planner.spec import ModelSpec
-from schemas.plan import DTYPE_CODES, ITEMSIZE
+from schemas.plan import DTYPE_CODES
+from schemas.protocol import ITEM
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,5 +157,4 @@ def _check_coverage(spec: ModelSpec, tboxes: np.ndarray, tb: np.ndarray, numel: 
 
 
 def element_size(code: np.ndarray) -> np.ndarray:
-    sizes = np.array([ITEMSIZE[d] for d in DTYPE_CODES], dtype=np.int64)
-    return sizes[code]
+    return ITEM[code]

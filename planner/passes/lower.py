@@ -21,7 +21,7 @@ import numpy as np
 from planner.passes.intersect import Chunks, PieceTable, element_size
 from schemas.config import ConfigError, Options
 from schemas.plan import PACK, UNPACK
-from schemas.prepack import SLOTS
+from schemas.protocol import SLOTS
 
 ALIGN = 64
 """Staging offsets are aligned to this many bytes."""
@@ -80,7 +80,7 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     world = len(n_regions)
     si = _staging_order(np.nonzero(staged)[0], src_rank, dst_rank, nbytes, world)
     # Staged chunks start in stage 1 when there are direct writes: those go first, in
-    # stage 0, and stage 1's packs run while they are in flight (`schemas.prepack`).
+    # stage 0, and stage 1's packs run while they are in flight (`schemas.protocol`).
     first = int(bool((~staged).any() and (staged & pack).any()))
     st = _place_staging(si, src_rank, dst_rank, pack, unpack, nbytes,
                         opts, chunks.tensor, tensor_names, world, first)
@@ -150,7 +150,7 @@ def _place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
 
     Stage s uses slot `s % SLOTS` (a third) of the budget, so the packs of stage s+1 never
     touch what stages s and s-1 read and may run while their writes are in flight
-    (`schemas.prepack`); when a chunk is larger than a slot, every stage uses all of the
+    (`schemas.protocol`); when a chunk is larger than a slot, every stage uses all of the
     budget (and packs in order)."""
     budget = opts.staging_bytes
     stage = np.zeros(len(si), dtype=np.int64)

@@ -21,6 +21,7 @@ import numpy as np
 from planner.passes.lower import Lowered
 from planner.topology import Topology
 from schemas.plan import ACK, DONE, READY
+from schemas.protocol import sent_stage, wait_stage
 
 MAX_BATCH_WRITES = 1024
 PHASES = ("ready", "pack", "write", "done", "unpack", "ack")
@@ -94,7 +95,8 @@ def _signals(low: Lowered, n_regions: np.ndarray) -> tuple[np.ndarray, np.ndarra
     sent = [
         np.stack([pairs[:, 1], zeros, pairs[:, 0], zeros + READY], axis=1),
         np.stack([done[:, 0], done[:, 2], done[:, 1], np.full(len(done), DONE)], axis=1),
-        np.stack([ack[:, 1], ack[:, 2] - 1, ack[:, 0], np.full(len(ack), ACK)], axis=1),
+        np.stack([ack[:, 1], sent_stage(ACK, ack[:, 2]), ack[:, 0], np.full(len(ack), ACK)],
+                 axis=1),
     ]
     awaited = [
         np.stack([pairs[:, 0], zeros, pairs[:, 1], zeros + READY], axis=1),
@@ -128,7 +130,7 @@ def _dag(stages: int, world: int, signals: np.ndarray) -> tuple[np.ndarray, np.n
     phase_to = {READY: 2, DONE: 4, ACK: 2}
     for k in (READY, DONE, ACK):
         m = kind == k
-        to_stage = s[m] + (1 if k == ACK else 0)
+        to_stage = wait_stage(k, s[m])
         edges.append(np.stack([node(r[m], s[m], phase_from[k]),
                                node(peer[m], to_stage, phase_to[k])], axis=1))
     edges = np.concatenate(edges).astype(np.int64)

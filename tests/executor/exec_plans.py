@@ -17,6 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
+from schemas.header import PlanHeader  # noqa: E402
 from schemas.plan import (  # noqa: E402
     ACK,
     BATCH_COLUMNS,
@@ -82,7 +83,7 @@ def rank_plan(rank: int, role: str, regions: list[Region], writes=(), copies=(),
 
 
 def save(path: str, ranks: list[RankPlan], fingerprint: str = "test-plan") -> str:
-    write_plan(path, Plan(header={"fingerprint": fingerprint, "world": len(ranks)},
+    write_plan(path, Plan(header=PlanHeader(fingerprint=fingerprint, world=len(ranks)),
                           ranks=tuple(ranks)))
     return path
 

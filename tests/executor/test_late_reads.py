@@ -23,7 +23,7 @@ from planner.layouts import build_layout
 from planner.materialize import materialize, random_full_tensors
 from planner.validate import load
 from schemas.plan import write_plan
-from schemas.prepack import Overlap
+from schemas.protocol import Overlap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "tests", "configs", "staged-fp32.yaml")
@@ -119,9 +119,9 @@ def test_writes_that_read_late_land_bit_exact(tmp_path):
 def test_the_check_catches_a_race(tmp_path, monkeypatch):
     # Staging in two slots, the rule looking one stage back, no blockers: the packs of
     # stage s+1 go where stage s-1's writes, still in flight, read.
-    import schemas.prepack
+    import schemas.protocol
     from planner.passes import lower
     monkeypatch.setattr(lower, "SLOTS", 2)
-    monkeypatch.setattr(schemas.prepack, "SLOTS", 2)
+    monkeypatch.setattr(schemas.protocol, "SLOTS", 2)
     monkeypatch.setattr(Overlap, "blockers", lambda self, s, inflight: [])
     assert _check(tmp_path) != []

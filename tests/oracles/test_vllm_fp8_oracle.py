@@ -179,7 +179,7 @@ def run_plan(tmp_path: Path, model: str, source: dict, tp: int) -> dict[int, dic
     validate(cfg, spec)
     plan = compile_config(cfg, spec)
     assert verify_plan(plan) == []
-    assert plan.header["stats"]["quants"] > 0
+    assert plan.header.stats.quants > 0
     path = str(tmp_path / "p.rplan")
     write_plan(path, plan)
     src, dst = build_layout(spec, cfg.source), build_layout(spec, cfg.target)

@@ -49,11 +49,11 @@ def test_compiled_plan_reproduces_targets(tmp_path, src_kind, src_dtype, opts):
     spec = spec_from_hf(HF)
     src, dst = _source(src_kind, spec, src_dtype), fused_col_split(spec, 2, 2)
     plan = compile_layouts(_config(**opts), spec, src, dst)
-    stats = plan.header["stats"]
+    stats = plan.header.stats
     if src_kind == "cols" and opts.get("write_overhead_us", 2.0) > 0:
-        assert stats["unpacks"] > 0
+        assert stats.unpacks > 0
     if src_dtype == "float32":
-        assert stats["packs"] > 0
+        assert stats.packs > 0
     assert verify_plan(plan) == []
     path = str(tmp_path / "p.rplan")
     write_plan(path, plan)

@@ -58,8 +58,8 @@ def test_fp8_plan_is_bit_exact(tmp_path, kind, opts):
            "aligned": lambda: fused_col_split(spec, 2)}[kind]()
     dst = quantize_layout(fused_col_split(spec, 2, 2), spec)
     plan = compile_layouts(_config(**opts), with_scales(spec), src, dst)
-    st = plan.header["stats"]
-    assert st["quants"] > 0
+    st = plan.header.stats
+    assert st.quants > 0
     path = str(tmp_path / "p.rplan")
     write_plan(path, plan)
     full = random_full_tensors(spec, seed=3)
@@ -85,7 +85,7 @@ def test_fp8_halves_the_bytes():
     fp8 = compile_layouts(_config(), with_scales(spec), src, quantize_layout(dst, spec))
     q = [t for t in spec.tensors if t.name.endswith("proj.weight")]
     qbytes = sum(t.numel for t in q) * 2 * 2  # bf16 bytes of quantized weights, 2 replicas
-    saved = bf16.header["stats"]["bytes"] - fp8.header["stats"]["bytes"]
+    saved = bf16.header.stats.bytes - fp8.header.stats.bytes
     scales = sum(-(-t.shape[0] // 128) * -(-t.shape[1] // 128) for t in q) * 4 * 2
     assert saved == qbytes // 2 - scales
 

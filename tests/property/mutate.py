@@ -157,7 +157,7 @@ def semantic_mutation(draw: st.DrawFn, plan: Plan) -> Mutation:
     else:
         fp = draw(st.sampled_from(["", "0" * 32, "not hex", "f" * 1000]))
         what = f"fingerprint = {fp!r}"
-        header = {**plan.header, "fingerprint": fp}
+        header = dataclasses.replace(plan.header, fingerprint=fp)
 
         def new_rank(p: RankPlan) -> RankPlan:
             return p

@@ -71,7 +71,7 @@ def _mutated_plan(tmp_path, change) -> tuple[str, str]:
                               cluster=ClusterConfig(gpus_per_host=2, nics_per_host=1,
                                                     placement="colocated"))
     plan = compile_layouts(cfg, spec, src, dst)
-    assert plan.header["stages"] == 1 and len(plan.ranks) == 2
+    assert plan.header.stages == 1 and len(plan.ranks) == 2
     ranks = list(plan.ranks)
     ranks = change(ranks)
     path, case_path = str(tmp_path / "p.rplan"), str(tmp_path / "case.json")
@@ -215,7 +215,7 @@ def test_gather_takes_single_columns_stored_transposed() -> None:
                  target=TargetConfig("vllm", replicas=2),
                  cluster=ClusterConfig(gpus_per_host=8, nics_per_host=1), options=Options())
     plan = compile_layouts(cfg, spec, row_split(spec, 3), dst)
-    assert plan.header["stats"]["gather_unit_max"] > 0  # the columns were gathered
+    assert plan.header.stats.gather_unit_max > 0  # the columns were gathered
     assert verify_plan(plan) == []
 
 
@@ -252,7 +252,7 @@ def test_gather_staging_pool_of_a_budget_not_a_multiple_of_the_element_size() ->
                  options=Options(staging_bytes=5000))
     case = Case(spec, src, dst, cfg, TINY)
     plan = compile_layouts(cfg, spec, src, dst)
-    assert plan.header["stats"]["gather_unit_max"] > 0  # the weights were gathered
+    assert plan.header.stats.gather_unit_max > 0  # the weights were gathered
     assert verify_plan(plan) == []
     full = harness.labels(case)
     assert harness.mismatches(harness.run(plan, case, full), harness.expected(case, full)) == []
@@ -286,7 +286,7 @@ def test_gathered_boxes_are_balanced_over_nics_not_ranks() -> None:
                  cluster=ClusterConfig(gpus_per_host=2, nics_per_host=1),
                  options=Options(max_write_bytes=4096))
     plan = compile_layouts(cfg, spec, src, whole_tensors(spec, "target", "bfloat16", 3))
-    assert plan.header["stats"]["gather_unit_max"] == 3 * 512  # every box was gathered
+    assert plan.header.stats.gather_unit_max == 3 * 512  # every box was gathered
     assert verify.balance(plan) == []
     assert verify_plan(plan) == []
 

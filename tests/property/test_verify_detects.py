@@ -33,7 +33,7 @@ def plan() -> Plan:
     p = compile_layouts(cfg, spec, fused_col_split(spec, 4, 1, "float32"),
                         fused_col_split(spec, 2, 2))
     assert verify.verify_plan(p) == []
-    assert p.header["stages"] > 1 and p.header["stats"]["unpacks"] > 0
+    assert p.header.stages > 1 and p.header.stats.unpacks > 0
     return p
 
 
@@ -80,9 +80,11 @@ def test_duplicated_write_is_an_overlap(plan: Plan) -> None:
 
 
 def test_oversized_write_and_staging_are_reported(plan: Plan) -> None:
-    opts = {**plan.header["options"], "max_write_bytes": 8, "staging_bytes": 8}
-    problems = verify.sizes(dataclasses.replace(plan, header={**plan.header,
-                                                              "options": opts}))
+    opts = dataclasses.replace(plan.header.options)  # below what a config may ask for
+    object.__setattr__(opts, "max_write_bytes", 8)
+    object.__setattr__(opts, "staging_bytes", 8)
+    problems = verify.sizes(dataclasses.replace(plan, header=dataclasses.replace(
+        plan.header, options=opts)))
     assert any("exceeds max_write_bytes" in p for p in problems)
     assert any("exceeds staging_bytes" in p for p in problems)
 

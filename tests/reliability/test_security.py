@@ -77,7 +77,7 @@ def compiled(tmp_path_factory) -> Path:
 def _with_header(good: Path, out: Path, edit) -> Path:
     raw = good.read_bytes()
     with open(good, "rb") as f:
-        header, start = P.read_header(f)
+        header, start = P.read_raw_header(f)
     edit(header)
     hb = msgpack.packb(header, use_bin_type=True)
     out.write_bytes(P.MAGIC + struct.pack("<IQ", P.FORMAT_VERSION, len(hb)) + hb
@@ -89,7 +89,7 @@ def _with_blob(good: Path, out: Path, name: str, blob: bytes) -> Path:
     """Replace blob `name` by `blob`, with a correct index entry and checksum."""
     raw = good.read_bytes()
     with open(good, "rb") as f:
-        header, start = P.read_header(f)
+        header, start = P.read_raw_header(f)
     body, index, offset = b"", {}, 0
     for n, (off, length, _) in sorted(header["blobs"].items(), key=lambda kv: kv[1][0]):
         data = blob if n == name else raw[start + off:start + off + length]

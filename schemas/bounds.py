@@ -1,0 +1,224 @@
+"""The bounds proof of one rank's plan: every op of every kind inside the regions it names.
+
+`violations(rp, ...)` yields one message per failed check, in order (limits, regions,
+writes, batches, copies, signals); the executor raises the first one before it allocates or
+registers anything (`executor/check.py`), `verify` reports it. The footprints are those of
+`schemas.protocol` (one function per op kind), counted from the start of each region, never
+from a tensor's storage: a region bound to a view into a larger buffer is bounded by its own
+bytes. Values are range-checked before any arithmetic, so nothing overflows int64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from schemas.plan import (
+    ACK,
+    DONE,
+    DTYPE_CODES,
+    PACK,
+    QUANT,
+    READY,
+    STAGING,
+    UNPACK,
+    RankPlan,
+    Table,
+)
+from schemas.protocol import (
+    FP8_BLOCK,
+    FP8_CODE,
+    MAX_OPS,
+    MAX_STAGES,
+    MAX_VALUE,
+    copy_footprint,
+    copy_value_problems,
+    overlapping_dst,
+    staging_index,
+    write_footprint,
+)
+
+TABLES = ("writes", "batches", "copies", "signals", "waits")
+FLOAT_CODES = tuple(DTYPE_CODES.index(d) for d in ("bfloat16", "float16", "float32"))
+"""dtypes a QUANT may read."""
+KINDS = {"source": (PACK, QUANT), "target": (UNPACK,)}
+"""Copy kinds each role runs."""
+QUANT_PAD = 16
+"""A QUANT's scratch (its box padded to whole 128x128 blocks) may be at most this many
+times its box, or one block."""
+
+
+def _row(t: Table) -> Callable[[int], str]:
+    return lambda i: ", ".join(f"{n}={int(t[n][i])}" for n, _ in t.schema)
+
+
+def _first(rp: RankPlan, table: str, bad: np.ndarray, why: str, t: Table) -> str | None:
+    rows = np.flatnonzero(bad)
+    if not len(rows):
+        return None
+    i = int(rows[0])
+    return (f"rank {rp.rank}: {table} op {i} {why} ({_row(t)(i)}); {len(rows)} {table} op(s) "
+            "fail this check. The plan is corrupt or was compiled for other tensors: "
+            "recompile it")
+
+
+def violations(rp: RankPlan, world: int | None = None,
+               peer_sizes: dict[int, dict[int, int]] | None = None) -> Iterator[str]:
+    """Messages of the checks `rp` fails, in order. `world`: ranks in the plan, if known;
+    `peer_sizes`: byte sizes of peer regions (default: the rank's own `peer_regions`)."""
+    for msg in _limits(rp, world):
+        yield msg
+        return  # later checks assume the limits
+    sizes = np.array([r.nbytes for r in rp.regions] + [0], dtype=np.int64)
+    peers = {p: dict(rs) for p, rs in rp.peer_regions} if peer_sizes is None else peer_sizes
+    for check in (_writes(rp, sizes, peers), _batches(rp), _copies(rp, sizes),
+                  _signals(rp, world)):
+        for msg in check:
+            if msg is not None:
+                yield msg
+
+
+def order_violations(rp: RankPlan, world: int) -> Iterator[str]:
+    """The subset a reader of the order alone needs (the simulator: it never touches
+    memory): limits, batches, signals, and every write and copy in a stage and a world."""
+    for msg in _limits(rp, world):
+        yield msg
+        return
+    w, c = rp.writes, rp.copies
+    for msg in (*_batches(rp), *_signals(rp, world),
+                _first(rp, "write", (w["dst_rank"] < 0) | (w["dst_rank"] >= world)
+                       | (w["dst_rank"] == rp.rank), "names an invalid dst rank", w),
+                _first(rp, "copy", (c["stage"] < 0) | (c["stage"] >= rp.stages)
+                       | ~np.isin(c["kind"], KINDS.get(rp.role, ()))
+                       | (c["src_dtype"] >= len(DTYPE_CODES))
+                       | (c["dst_dtype"] >= len(DTYPE_CODES)),
+                       "has a stage out of range, a kind its role does not run or an unknown "
+                       "dtype code", c)):
+        if msg is not None:
+            yield msg
+
+
+def _limits(rp: RankPlan, world: int | None) -> Iterator[str]:
+    where = f"rank {rp.rank}"
+    if world is not None and not 0 <= rp.rank < world:
+        yield f"{where}: outside the plan's world of {world} ranks; the plan is corrupt"
+    if not 0 <= rp.stages <= MAX_STAGES:
+        yield f"{where}: stages is {rp.stages} (at most {MAX_STAGES}); the plan is corrupt"
+    for name in TABLES:
+        if len(getattr(rp, name)) > MAX_OPS:
+            yield f"{where}: {len(getattr(rp, name))} {name} (at most {MAX_OPS})"
+    if rp.role not in KINDS:
+        yield f"{where}: role {rp.role!r} is neither 'source' nor 'target'"
+    n = len(rp.regions)
+    for i, r in enumerate(rp.regions):
+        if r.name == STAGING and (i != n - 1 or r.dtype != "uint8" or r.shape != (r.nbytes,)):
+            yield (f"{where}: the staging region must be the last region, uint8, of shape "
+                   f"(nbytes,); it is region {i} of {n}, {r.dtype} {list(r.shape)}")
+        if not 0 <= r.nbytes <= MAX_VALUE:
+            yield f"{where}: region {i} ({r.name}) has {r.nbytes} bytes"
+    for peer, regs in rp.peer_regions:
+        if peer == rp.rank or peer < 0 or (world is not None and peer >= world) or \
+                any(not 0 <= r <= MAX_OPS or not 0 <= b <= MAX_VALUE for r, b in regs):
+            yield f"{where}: peer_regions entry of rank {peer} is invalid ({regs[:4]})"
+
+
+def _writes(rp: RankPlan, sizes: np.ndarray, peers: dict[int, dict[int, int]]
+            ) -> Iterator[str | None]:
+    w, nreg = rp.writes, len(rp.regions)
+    nbytes, so, do = w["nbytes"], w["src_offset"], w["dst_offset"]
+    yield _first(rp, "write", (nbytes <= 0) | (nbytes > MAX_VALUE) | (so < 0) | (so > MAX_VALUE)
+                 | (do < 0) | (do > MAX_VALUE), "has a non-positive or huge size, or a negative "
+                 "or huge offset", w)
+    reg, lo, hi = write_footprint(rp, "src")
+    yield _first(rp, "write", (reg < 0) | (reg >= nreg), f"names a src region outside [0, {nreg})",
+                 w)
+    yield _first(rp, "write", hi > sizes[np.clip(reg, 0, nreg)],
+                 "reads past the end of its local src region", w)
+    yield _first(rp, "write", w["dst_rank"] == rp.rank, "writes to its own rank", w)
+    known = np.isin(w["dst_rank"], np.array(sorted(peers), dtype=np.int64))
+    yield _first(rp, "write", ~known, "writes to a rank missing from peer_regions", w)
+    reg, lo, hi = write_footprint(rp, "dst")
+    for peer, psizes in peers.items():
+        sel = w["dst_rank"] == peer
+        if not sel.any():
+            continue
+        regs = np.array(sorted(psizes), dtype=np.int64)
+        ps = np.array([psizes[r] for r in regs.tolist()] + [0], dtype=np.int64)
+        at = np.minimum(np.searchsorted(regs, reg), len(regs))
+        listed = (at < len(regs)) & (regs[np.minimum(at, max(len(regs) - 1, 0))] == reg) \
+            if len(regs) else np.zeros(len(reg), dtype=bool)
+        yield _first(rp, "write", sel & ~listed,
+                     f"names a dst region of rank {peer} that peer_regions does not list", w)
+        yield _first(rp, "write", sel & (hi > ps[np.where(listed, at, len(regs))]),
+                     f"writes past the end of its dst region on rank {peer}", w)
+
+
+def _batches(rp: RankPlan) -> Iterator[str | None]:
+    b, n = rp.batches, len(rp.writes)
+    start, stop = b["start"].astype(np.int64), b["stop"].astype(np.int64)
+    expected = np.concatenate([[0], stop[:-1]]).astype(np.int64)
+    yield _first(rp, "batch", (start != expected) | (stop <= start), "does not start where "
+                 "the previous batch stops, or is empty (batches must cover the writes in "
+                 "order)", b)
+    if (len(b) and int(stop[-1]) != n) or (not len(b) and n):
+        yield (f"rank {rp.rank}: batches cover writes [0, {int(stop[-1]) if len(b) else 0}) "
+               f"but there are {n} writes; the plan is corrupt")
+    yield _first(rp, "batch", (b["stage"] < 0) | (b["stage"] >= rp.stages),
+                 f"has a stage out of range [0, {rp.stages})", b)
+    yield _first(rp, "batch", (b["nic"] < 0) | (b["nic"] >= max(1, len(rp.nics))),
+                 f"names a nic outside [0, {len(rp.nics)})", b)
+
+
+def _copies(rp: RankPlan, sizes: np.ndarray) -> Iterator[str | None]:
+    c, nreg = rp.copies, len(rp.regions)
+    kinds = KINDS.get(rp.role, ())
+    yield _first(rp, "copy", ~np.isin(c["kind"], kinds), f"has a kind other than {kinds} "
+                 f"(what a {rp.role} runs)", c)
+    yield _first(rp, "copy", (c["stage"] < 0) | (c["stage"] >= rp.stages),
+                 f"has a stage out of range [0, {rp.stages})", c)
+    yield _first(rp, "copy", copy_value_problems(rp),
+                 "has a negative or huge offset, stride or size", c)
+    staging = staging_index(rp)
+    codes = np.array([DTYPE_CODES.index(r.dtype) if r.dtype in DTYPE_CODES else -1
+                      for r in rp.regions] + [-1], dtype=np.int64)
+    for side in ("src", "dst"):
+        reg, code = c[f"{side}_region"].astype(np.int64), c[f"{side}_dtype"].astype(np.int64)
+        yield _first(rp, "copy", (reg < 0) | (reg >= nreg),
+                     f"names a {side} region outside [0, {nreg})", c)
+        yield _first(rp, "copy", code >= len(DTYPE_CODES), f"has an unknown {side} dtype code",
+                     c)
+        yield _first(rp, "copy", (reg != staging) & (code != codes[np.clip(reg, 0, nreg)]),
+                     f"views its {side} tensor region as another dtype (only staging may be "
+                     "viewed as any dtype)", c)
+    quant = c["kind"] == QUANT
+    yield _first(rp, "copy", quant & ((c["dst_region"] != staging) | (c["dst_dtype"] != FP8_CODE)
+                                      | ~np.isin(c["src_dtype"], FLOAT_CODES)
+                                      | (c["size2"] != 1)),
+                 "(QUANT) must read a float 2-d box (size2 = 1) and write float8_e4m3fn into "
+                 "staging", c)
+    m, n = c["size0"].astype(np.int64), c["size1"].astype(np.int64)
+    pad = -(-m // FP8_BLOCK) * -(-n // FP8_BLOCK) * FP8_BLOCK * FP8_BLOCK
+    yield _first(rp, "copy", quant & (pad > np.maximum(QUANT_PAD * m * n, FP8_BLOCK ** 2)),
+                 f"(QUANT) has a box too thin for 128x128 blocks (its scratch would be over "
+                 f"{QUANT_PAD} times the box)", c)
+    for side in ("src", "dst"):
+        rows, reg, lo, hi = copy_footprint(rp, side)
+        bad = np.zeros(len(c), dtype=bool)
+        bad[rows[hi > sizes[np.clip(reg, 0, nreg)]]] = True
+        yield _first(rp, "copy", bad, f"reaches past the end of its {side} region", c)
+    yield _first(rp, "copy", overlapping_dst(rp), "writes some element of its dst box twice "
+                 "(overlapping strides)", c)
+
+
+def _signals(rp: RankPlan, world: int | None) -> Iterator[str | None]:
+    for name, t in (("signal", rp.signals), ("wait", rp.waits)):
+        yield _first(rp, name, (t["stage"] < 0) | (t["stage"] >= rp.stages),
+                     f"has a stage out of range [0, {rp.stages})", t)
+        yield _first(rp, name, ~np.isin(t["kind"], (DONE, ACK, READY)), "has an unknown kind", t)
+        far = (t["peer"] >= world) if world is not None else np.zeros(len(t), dtype=bool)
+        yield _first(rp, name, (t["peer"] < 0) | (t["peer"] == rp.rank) | far,
+                     "names an invalid peer", t)
+    w = rp.waits
+    yield _first(rp, "wait", (w["kind"] == ACK) & (w["stage"] == 0),
+                 "waits for an ACK at stage 0 (ACKs of stage s-1 free stage s)", w)

@@ -1,0 +1,309 @@
+"""The plan's semantics: every rule that the executor, the simulator, `verify`, the compiler
+passes and the tests share, written once.
+
+A rank's work per step (`run()`), stage by stage 0..stages-1 (the executor's whole protocol):
+  1. send the `READY` signals `signals` lists for this stage (targets, stage 0: "my tensors
+     may be overwritten now"), then wait for the `READY` and `ACK` signals `waits` lists for
+     this stage;
+  2. run this stage's `PACK` copies (strided gather and/or cast into staging);
+  3. post this stage's `writes`, batch by batch, and wait for their completion;
+  4. send the `DONE` signals `signals` lists for this stage;
+  5. wait for the `DONE` signals `waits` lists for this stage (all data has landed);
+  6. run this stage's `UNPACK` copies (staging -> physical tensors);
+  7. send the `ACK` signals `signals` lists for this stage.
+Matching: a signal carries (fingerprint, step, stage it was sent in, kind). A `READY` or
+`DONE` wait at stage s matches the peer's signal sent in stage s of the same step; an
+`ACK` wait at stage s matches the peer's `ACK` sent in stage s-1 of the same step (the
+peer's staging, written in stage s, is free again). Every rank walks every stage, so the
+order is a DAG: READY -> packs -> writes -> DONE -> unpacks -> ACK -> next stage's writes.
+Two overlaps the executor applies, both decided by the plan alone (below): a stage's packs
+run during the previous stage's writes where allowed; and a rank that waits for no DONE,
+unpacks nothing and ACKs nothing in stage s goes on to stage s+1 (steps 1-3) once its
+stage-s writes are posted, if s+1's waits have arrived and its packs ran early; the DONE of
+stage s goes out when its writes have landed (step 4 late, never early).
+
+The rules, each with its one home here:
+
+- Signals: an `ACK` awaited in stage s was sent in stage s-1 (`sent_stage`, `wait_stage`);
+  `READY` and `DONE` match in the same stage.
+- Staging: the last region of a rank when it is named `STAGING` (`staging_index`); the
+  compiler gives stage s the slot `s % SLOTS` of the budget.
+- The stage of a write is its batch's (`write_stages`).
+- Carry-over (`carries`): a rank may leave stage s with its writes still in flight only where
+  it waits for no DONE, unpacks nothing and sends no ACK in s, and s is not its last stage;
+  at run time it also needs s+1's READY/ACK waits arrived and s+1's packs prepacked (or none).
+- Early packs (`Overlap`, `prepacked`): a stage's PACK/QUANT copies run during the previous
+  stage's writes when that cannot change what any byte holds (rules below).
+- Item sizes by dtype code (`ITEM`), the FP8 block (`FP8_BLOCK`, `FP8_MAX`), a QUANT op's
+  scale footprint (`scale_blocks`).
+- Footprints (`write_footprint`, `copy_footprint`): the bytes every op kind touches in its
+  regions, the one bounds proof of the executor's load-time check and of `verify`.
+- Limits (`MAX_WORLD`, `MAX_STAGES`, `MAX_OPS`): what a plan can make a process allocate or
+  loop over, checked before anything is allocated.
+
+Early packs. A source's stage s runs its PACK and QUANT copies, then posts its writes; a
+stage `s >= 1` is *prepacked* instead (its copies run while the writes of stage `s - 1`
+are in flight) when:
+  1. none of its copies reads staging, and all of them write staging (they read only the
+     rank's own tensors, which do not change during a step);
+  2. the staging bytes its copies write are disjoint from every staging byte that stages
+     `s - 1` .. `s - SLOTS + 1` read on this rank: the sources of their writes and of their
+     unpacks. (Writes of older stages still in flight that read those bytes land first:
+     `Overlap.blockers`.)
+The plan alone decides it: nothing here depends on the run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from schemas.plan import ACK, DTYPE_CODES, ITEMSIZE, PACK, QUANT, STAGING, UNPACK, RankPlan
+
+ITEM = np.array([ITEMSIZE[d] for d in DTYPE_CODES], dtype=np.int64)
+"""Bytes of one element, by dtype code (`schemas.plan.DTYPE_CODES`)."""
+FP8_CODE = DTYPE_CODES.index("float8_e4m3fn")
+FP8_BLOCK = 128
+"""A QUANT op's scale block: one float32 scale per `FP8_BLOCK` x `FP8_BLOCK` values."""
+FP8_MAX = 448.0
+"""Largest e4m3 value: a block's scale is `max(amax, 1e-4) / FP8_MAX`."""
+SCALE_BYTES = 4
+"""Bytes of one scale (float32); `aux_offset` counts them."""
+SLOTS = 3
+"""The compiler gives stage s the slot `s % SLOTS` of the staging budget; the early-pack
+rule checks the `SLOTS - 1` stages before s."""
+
+MAX_WORLD = 1 << 16
+"""Ranks in one plan (real plans: hundreds)."""
+MAX_STAGES = 1 << 14
+"""Stages in one plan: every rank walks every stage every step."""
+MAX_OPS = 1 << 26
+"""Rows of one table of one rank (writes, batches, copies, signals, waits)."""
+MAX_VALUE = 1 << 60
+"""Any offset or byte count beyond this is corrupt (and could overflow int64)."""
+MAX_DIM = (1 << 31) - 1
+"""Any box size or stride beyond this is corrupt."""
+
+
+# ------------------------------------------------------------------------ signals
+
+def sent_stage(kind: int | np.ndarray, wait_stage: int | np.ndarray) -> int | np.ndarray:
+    """The stage a signal awaited in `wait_stage` is sent in (an ACK: the stage before)."""
+    if isinstance(kind, int) and isinstance(wait_stage, int):
+        return wait_stage - 1 if kind == ACK else wait_stage
+    return wait_stage - (np.asarray(kind) == ACK).astype(np.int64)
+
+
+def wait_stage(kind: int | np.ndarray, sent_stage: int | np.ndarray) -> int | np.ndarray:
+    """The stage a signal sent in `sent_stage` is awaited in (an ACK: the stage after)."""
+    if isinstance(kind, int) and isinstance(sent_stage, int):
+        return sent_stage + 1 if kind == ACK else sent_stage
+    return sent_stage + (np.asarray(kind) == ACK).astype(np.int64)
+
+
+# ------------------------------------------------------------------------ staging, stages
+
+def staging_index(rp: RankPlan) -> int:
+    """Index of the rank's staging region, or -1 if it has none."""
+    return len(rp.regions) - 1 if rp.regions and rp.regions[-1].name == STAGING else -1
+
+
+def write_stages(rp: RankPlan) -> np.ndarray:
+    """The stage of every write of the rank (from its batches; writes no batch covers:
+    stage 0)."""
+    b, n = rp.batches, len(rp.writes)
+    start, stop = b["start"].astype(np.int64), b["stop"].astype(np.int64)
+    if len(b) and start[0] == 0 and stop[-1] == n and (stop >= start).all() \
+            and np.array_equal(start[1:], stop[:-1]):
+        return np.repeat(b["stage"].astype(np.int64), stop - start)
+    stage = np.zeros(n, dtype=np.int64)  # a malformed plan (`verify` reports it)
+    for a, z, s in zip(start.tolist(), stop.tolist(), b["stage"].tolist()):
+        stage[min(max(a, 0), n):min(max(z, 0), n)] = s
+    return stage
+
+
+def carries(rp: RankPlan) -> np.ndarray:
+    """`out[s]`: the rank may go on to stage s+1 with stage s's writes in flight (the static
+    part of carry-over, module doc): s is not its last stage, and in s it waits for no DONE,
+    unpacks nothing and sends no ACK."""
+    out = np.zeros(rp.stages, dtype=bool)
+    if rp.stages < 2:
+        return out
+    out[:-1] = True
+    for table, kinds in ((rp.waits, (0,)), (rp.signals, (ACK,))):  # 0: DONE
+        st = table["stage"][np.isin(table["kind"], kinds)]
+        out[st[(st >= 0) & (st < rp.stages)]] = False
+    st = rp.copies["stage"][rp.copies["kind"] == UNPACK]
+    out[st[(st >= 0) & (st < rp.stages)]] = False
+    return out
+
+
+# ------------------------------------------------------------------------ footprints
+
+def scale_blocks(size0: int | np.ndarray, size1: int | np.ndarray) -> int | np.ndarray:
+    """Float32 scales a QUANT of a `size0` x `size1` box writes: one per 128x128 block."""
+    return -(-size0 // FP8_BLOCK) * -(-size1 // FP8_BLOCK)
+
+
+def write_footprint(rp: RankPlan, side: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(region, lo, hi): the bytes `[lo, hi)` every write reads (`src`, this rank) or writes
+    (`dst`, region of `dst_rank`)."""
+    w = rp.writes
+    lo = w[f"{side}_offset"].astype(np.int64)
+    return w[f"{side}_region"].astype(np.int64), lo, lo + w["nbytes"]
+
+
+def _dims(rp: RankPlan, rows: np.ndarray, side: str, quant: np.ndarray
+          ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Box sizes and strides of `rows` on `side`: a QUANT's box is 2-d (its size2 is
+    ignored) and its dst is contiguous (`size1`-element rows)."""
+    c = rp.copies
+    sizes = [c[f"size{d}"][rows].astype(np.int64) for d in range(3)]
+    strides = [c[f"{side}_stride{d}"][rows].astype(np.int64) for d in range(3)]
+    sizes[2] = np.where(quant, 1, sizes[2])
+    if side == "dst":
+        strides = [np.where(quant, sizes[1], strides[0]), np.where(quant, 1, strides[1]),
+                   strides[2]]
+    return sizes, strides
+
+
+def copy_footprint(rp: RankPlan, side: str, rows: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(row, region, lo, hi): byte intervals `[lo, hi)` holding everything copies `rows`
+    touch on `side`: the extent of their strided boxes (offsets and strides in elements of
+    that side's dtype; an empty box touches nothing); a QUANT's dst also holds its float32
+    scales at `aux_offset`. One interval per row, a QUANT's dst two. Values must be in
+    range (`check_copy_values`): the extents are exact int64."""
+    c = rp.copies
+    rows = np.arange(len(c)) if rows is None else np.asarray(rows, dtype=np.int64)
+    quant = c["kind"][rows] == QUANT
+    sizes, strides = _dims(rp, rows, side, quant)
+    es = ITEM[np.clip(c[f"{side}_dtype"][rows].astype(np.int64), 0, len(ITEM) - 1)]
+    lo = c[f"{side}_offset"][rows].astype(np.int64)
+    last = lo.copy()
+    for n, st in zip(sizes, strides):
+        last += (n - 1) * st
+    empty = np.any([n <= 0 for n in sizes], axis=0) if len(rows) else np.zeros(0, bool)
+    lo, hi = lo * es, np.where(empty, lo, last + 1) * es
+    region = c[f"{side}_region"][rows].astype(np.int64)
+    if side == "dst" and quant.any():
+        q = rows[quant]
+        a = c["aux_offset"][q].astype(np.int64) * SCALE_BYTES
+        n = scale_blocks(c["size0"][q].astype(np.int64), c["size1"][q].astype(np.int64))
+        rows, region = np.concatenate([rows, q]), np.concatenate([region, region[quant]])
+        lo, hi = np.concatenate([lo, a]), np.concatenate([hi, a + SCALE_BYTES * n])
+    return rows, region, lo, hi
+
+
+def copy_value_problems(rp: RankPlan) -> np.ndarray:
+    """Rows whose offsets, strides or sizes are out of range for `copy_footprint` (negative,
+    or so large that an extent could overflow)."""
+    c = rp.copies
+    bad = np.zeros(len(c), dtype=bool)
+    for side in ("src", "dst"):
+        bad |= (c[f"{side}_offset"] < 0) | (c[f"{side}_offset"] > MAX_VALUE)
+        for d in range(3):
+            bad |= (c[f"{side}_stride{d}"] < 0) | (c[f"{side}_stride{d}"] > MAX_DIM)
+    for d in range(3):
+        bad |= (c[f"size{d}"] < 0) | (c[f"size{d}"] > MAX_DIM)
+    bad |= (c["aux_offset"] < 0) | (c["aux_offset"] > MAX_VALUE)
+    if bad.all():
+        return bad
+    ok = np.flatnonzero(~bad)  # the extent, in floats first: no int64 overflow below
+    for side in ("src", "dst"):
+        ext = c[f"{side}_offset"][ok].astype(np.float64)
+        for d in range(3):
+            ext += c[f"size{d}"][ok].astype(np.float64) * c[f"{side}_stride{d}"][ok]
+        bad[ok[ext > MAX_VALUE / 8]] = True
+    return bad
+
+
+def overlapping_dst(rp: RankPlan) -> np.ndarray:
+    """Rows whose dst box could write one element twice (a copy into it is refused by torch
+    or races): its dims of size > 1, by stride, must each step past the extent of the
+    smaller ones."""
+    c = rp.copies
+    bad = np.zeros(len(c), dtype=bool)
+    if not len(c):
+        return bad
+    quant = c["kind"] == QUANT
+    sizes, strides = _dims(rp, np.arange(len(c)), "dst", quant)
+    n, st = np.stack(sizes, axis=1), np.stack(strides, axis=1)
+    st = np.where(n > 1, st, np.iinfo(np.int64).max)  # dims of size 1 never overlap
+    order = np.argsort(st, axis=1, kind="stable")
+    n, st = np.take_along_axis(n, order, 1), np.take_along_axis(st, order, 1)
+    reach = np.zeros(len(c), dtype=np.int64)  # last element offset of the smaller dims
+    for d in range(3):
+        used = n[:, d] > 1
+        bad |= used & (st[:, d] <= reach)
+        reach = np.where(used, reach + (n[:, d] - 1) * np.minimum(st[:, d], MAX_DIM), reach)
+    return bad
+
+
+# ------------------------------------------------------------------------ early packs
+
+def overlaps(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> bool:
+    """Whether any interval of `a` shares a byte with any interval of `b`."""
+    (a_lo, a_hi), (b_lo, b_hi) = a, b
+    keep_a, keep_b = a_hi > a_lo, b_hi > b_lo
+    a_lo, a_hi, b_lo, b_hi = a_lo[keep_a], a_hi[keep_a], b_lo[keep_b], b_hi[keep_b]
+    if not len(a_lo) or not len(b_lo):
+        return False
+    order = np.argsort(b_lo, kind="stable")
+    b_lo, b_hi = b_lo[order], np.maximum.accumulate(b_hi[order])
+    k = np.searchsorted(b_lo, a_hi, side="left") - 1  # last b starting before a ends
+    return bool(((k >= 0) & (b_hi[np.maximum(k, 0)] > a_lo)).any())
+
+
+def copy_extents(rp: RankPlan, side: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Byte intervals `[lo, hi)` holding everything copies `rows` touch on `side`."""
+    _, _, lo, hi = copy_footprint(rp, side, rows)
+    return lo, hi
+
+
+class Overlap:
+    """The early-pack rule applied to one rank: `prepacked[s]`, and per stage the staging
+    bytes it reads (`reads`: sources of its writes and unpacks) and its packs write
+    (`packs`)."""
+
+    def __init__(self, rp: RankPlan) -> None:
+        self.prepacked = np.zeros(rp.stages, dtype=bool)
+        empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        self.reads = [empty] * rp.stages
+        self.packs = [empty] * rp.stages
+        sg = staging_index(rp)
+        c = rp.copies
+        if sg < 0 or rp.stages < 2 or not len(c):
+            return
+        w, w_stage = rp.writes, write_stages(rp)
+        ok = (w_stage >= 0) & (w_stage < rp.stages) & (w["src_region"] == sg)
+        unp = np.flatnonzero((c["kind"] == UNPACK) & (c["src_region"] == sg)
+                             & (c["stage"] >= 0) & (c["stage"] < rp.stages))
+        u_lo, u_hi = copy_extents(rp, "src", unp)
+        for st in np.unique(np.concatenate([w_stage[ok], c["stage"][unp]])).tolist():
+            sel, us = np.flatnonzero(ok & (w_stage == st)), c["stage"][unp] == st
+            lo = w["src_offset"][sel].astype(np.int64)
+            self.reads[st] = (np.concatenate([lo, u_lo[us]]),
+                              np.concatenate([lo + w["nbytes"][sel], u_hi[us]]))
+        packing = (c["kind"] == PACK) | (c["kind"] == QUANT)
+        for st in np.unique(c["stage"][packing]).tolist():
+            if st < 1 or st >= rp.stages:
+                continue
+            mine = np.flatnonzero(packing & (c["stage"] == st))
+            self.packs[st] = copy_extents(rp, "dst", mine)
+            if (c["src_region"][mine] == sg).any() or (c["dst_region"][mine] != sg).any():
+                continue  # rule 1 (and a pack into a tensor is never early)
+            if any(overlaps(self.packs[st], self.reads[k])
+                   for k in range(max(st - SLOTS + 1, 0), st)):
+                continue  # rule 2
+            self.prepacked[st] = True
+
+    def blockers(self, s: int, inflight: set[int] | list[int]) -> list[int]:
+        """Stages among `inflight` (older than the rule covers) whose writes read staging
+        that the early packs of stage `s` write: they must land first."""
+        return sorted(k for k in inflight
+                      if k <= s - SLOTS and overlaps(self.packs[s], self.reads[k]))
+
+
+def prepacked(rp: RankPlan) -> np.ndarray:
+    """`out[s]`: stage s's PACK/QUANT copies run during stage s-1's writes (module doc)."""
+    return Overlap(rp).prepacked

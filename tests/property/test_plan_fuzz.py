@@ -1,0 +1,186 @@
+"""The plan fuzz (`fuzz.py`): thousands of mutants of plans with PACK, QUANT, gathers and
+several stages, each run in a guarded child process.
+
+Every mutant must be refused (a `UserError`), or run correctly, or run with wrong data only
+in the consistent case (every rank holds the same tampered plan, no key given: the plan is
+a valid plan of another transfer, and nothing in it can tell). Always: no byte written
+outside the regions (guards intact, source tensors unchanged), no traceback (the executor,
+`inspect`, `verify`, `simulate`: only `UserError`s), no hang (a bounded time per mutant),
+`plan_key` refuses every mutant, and where one rank holds the mutant and the others the
+base plan, the ranks refuse each other or the data is right.
+
+Profiles: `RPLAN_FUZZ_MUTANTS` (default 2000: the CI's fast profile) and `RPLAN_FUZZ_SEED`
+(default 0); e.g. `RPLAN_FUZZ_MUTANTS=20000 RPLAN_FUZZ_SEED=7 pytest tests/property/
+test_plan_fuzz.py` for a deeper run. The summary is printed (`-s` shows it).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import select
+import subprocess
+import sys
+import tempfile
+import time
+
+from schemas.plan import load_plan
+from tests.property import fuzz
+
+MUTANTS = int(os.environ.get("RPLAN_FUZZ_MUTANTS", "2000"))
+SEED = int(os.environ.get("RPLAN_FUZZ_SEED", "0"))
+JOBS = int(os.environ.get("RPLAN_FUZZ_JOBS", "2"))
+TIMEOUT_S = 30.0
+FIRST_TIMEOUT_S = 300.0
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class _Child:
+    """One worker process (`python -m tests.property.fuzz`) and the request it is on."""
+
+    def __init__(self, folder: str, i: int) -> None:
+        self.path = os.path.join(folder, f"mutant{i}.rplan")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.property.fuzz"], cwd=ROOT, text=True,
+            env={**os.environ, "PYTHONPATH": ROOT}, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.job: tuple | None = None
+        self.since = 0.0
+
+    def send(self, base: str, data: bytes, job: tuple, timeout_s: float) -> None:
+        with open(self.path, "wb") as f:
+            f.write(data)
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"base": base, "plan": self.path}) + "\n")
+        self.proc.stdin.flush()
+        self.job, self.since, self.timeout_s = job, time.monotonic(), timeout_s
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _run(jobs: list[tuple], bases: dict[str, str], folder: str
+         ) -> list[tuple[tuple, dict]]:
+    """Every job (name, kind, what, data, same) answered by `JOBS` workers in parallel; a
+    worker that does not answer within `TIMEOUT_S` (its first request: the base plans'
+    set-up, `FIRST_TIMEOUT_S`) is a hang, and is replaced."""
+    todo, out = list(reversed(jobs)), []
+    children = [_Child(folder, i) for i in range(JOBS)]
+    first = set(range(JOBS))
+    try:
+        while todo or any(c.job for c in children):
+            for i, c in enumerate(children):
+                if c.job is None and todo:
+                    job = todo.pop()
+                    c.send(bases[job[0]], job[3], job,
+                           FIRST_TIMEOUT_S if i in first else TIMEOUT_S)
+                    first.discard(i)
+            busy = {c.proc.stdout: c for c in children if c.job is not None}
+            ready, _, _ = select.select(list(busy), [], [], 0.5)
+            for stream in ready:
+                c = busy[stream]
+                line = stream.readline()
+                out.append((c.job, json.loads(line) if line else
+                            {"hang_or_crash": "the worker died"}))
+                c.job = None
+            now = time.monotonic()
+            for i, c in enumerate(children):
+                dead = c.job is not None and c.proc.poll() is not None
+                if c.job is not None and (now - c.since > c.timeout_s or dead):
+                    if c.proc.stdout in ready:
+                        continue
+                    out.append((c.job, {"hang_or_crash": f"no answer in {c.timeout_s:.0f} s"}))
+                    c.stop()
+                    children[i] = _Child(folder, i)
+                    first.add(i)
+    finally:
+        for c in children:
+            c.stop()
+    return out
+
+
+def _problems(ans: dict, same_as_base: bool) -> list[str]:
+    if "hang_or_crash" in ans:
+        return [f"hang or crash: {ans['hang_or_crash']}"]
+    out = []
+    for name in ("keyed", "run", "inspect", "verify", "simulate"):
+        o = ans[name]
+        if not o["ok"] and not o["user"]:
+            out.append(f"{name}: traceback {o['type']} at {o['where']}: {o['msg']}")
+    if ans["keyed"]["ok"] and not same_as_base:
+        out.append("plan_key accepted a mutant")
+    if not ans["guards_ok"]:
+        out.append("wrote outside its tensors (guard bytes changed)")
+    if not ans["sources_ok"]:
+        out.append("wrote into a source tensor")
+    m = ans["mixed"]
+    if m is not None:
+        if not m["ok"] and not m["user"]:
+            out.append(f"mixed run: traceback {m['type']} at {m['where']}: {m['msg']}")
+        if m["ok"] and not m["correct"]:
+            out.append(f"mixed run (rank {m['rank']} holds the mutant) gave wrong data")
+        if not m["guards_ok"]:
+            out.append("mixed run wrote outside its tensors")
+    return out
+
+
+def test_plan_fuzz() -> None:
+    rng = random.Random(SEED)
+    counts: collections.Counter[str] = collections.Counter()
+    failures: list[str] = []
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        bases = fuzz.base_plans(tmp)
+        raw = {n: open(p, "rb").read() for n, p in bases.items()}
+        plans = {n: load_plan(p) for n, p in bases.items()}
+        jobs = []
+        for _ in range(MUTANTS):
+            name = rng.choice(sorted(bases))
+            kind, what, data = fuzz.mutant(rng, raw[name], plans[name])
+            jobs.append((name, kind, what, data, data == raw[name]))
+        answers = _run(jobs, bases, tmp)
+    for (name, kind, what, _, same), ans in answers:
+        bad = _problems(ans, same)
+        counts[kind] += 1
+        if bad:
+            failures.append(f"{name} {kind} {what}: {'; '.join(bad)}")
+            continue
+        counts["refused" if not ans["run"]["ok"] else
+               "correct" if ans["correct"] else "wrong (consistent tamper)"] += 1
+        counts["unchanged"] += same
+        if ans["mixed"] is not None:
+            counts["mixed refused" if not ans["mixed"]["ok"] else "mixed correct"] += 1
+    seconds = time.monotonic() - t0
+    print(f"\nplan fuzz: {len(answers)} mutants (seed {SEED}, {JOBS} workers) in {seconds:.0f} "
+          f"s: {dict(counts)}; {len(failures)} failures")
+    assert len(answers) == MUTANTS
+    assert not failures, "\n".join(failures[:20])
+
+
+def test_the_fuzz_sees_a_write_outside_its_region(monkeypatch, tmp_path) -> None:
+    """The guards can fail: with the bounds proof switched off, a write 64 bytes past the
+    end of its target region (into the guard bytes after it) is reported."""
+    import dataclasses
+
+    import numpy as np
+
+    import executor.check
+    from schemas.plan import Table, write_plan
+
+    bases = fuzz.base_plans(str(tmp_path))
+    plan = load_plan(bases["cast"])
+    rp = plan.ranks[0]
+    w = {n: np.array(rp.writes[n]) for n, _ in rp.writes.schema}
+    peer, region = int(w["dst_rank"][0]), int(w["dst_region"][0])
+    w["dst_offset"][0] = plan.ranks[peer].regions[region].nbytes - int(w["nbytes"][0]) + 64
+    bad = dataclasses.replace(plan, ranks=(dataclasses.replace(
+        rp, writes=Table.build(rp.writes.schema, **w)), *plan.ranks[1:]))
+    path = str(tmp_path / "bad.rplan")
+    write_plan(path, bad)
+    monkeypatch.setattr(executor.check, "violations", lambda *a, **k: iter(()))
+    ans = fuzz.Worker().serve_one(bases["cast"], path)
+    assert ans["run"]["ok"] and not ans["guards_ok"]
+    assert any("outside its tensors" in p for p in _problems(ans, False))
