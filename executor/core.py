@@ -52,6 +52,7 @@ import msgpack
 import numpy as np
 import torch
 
+from schemas.identity import check_against_plan
 from schemas.plan import ACK, DONE, PACK, QUANT, READY, UNPACK, RankPlan, load_rank
 from schemas.prepack import Overlap
 
@@ -155,9 +156,11 @@ class Executor:
     @staticmethod
     def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str = "nixl",
              rendezvous: object = None, timeout_s: float = 60.0,
-             max_inflight: int = 8) -> Executor:
-        """Read rank `rank` of the plan at `path`, bind `tensors`, register and connect."""
+             max_inflight: int = 8, identity: dict | None = None) -> Executor:
+        """Read rank `rank` of the plan at `path`, bind `tensors`, register and connect.
+        `identity` (`schemas/identity.py`): refused unless it is the plan's for `rank`."""
         header, plan = load_rank(path, rank)
+        check_against_plan(header, rank, identity, path)  # before anything is registered
         ex = Executor(header, plan, tensors, transport, rendezvous, timeout_s, max_inflight)
         ex.register()
         ex.connect()
@@ -504,9 +507,13 @@ class Executor:
 
 
 def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str = "nixl",
-         rendezvous: object = None, timeout_s: float = 60.0, max_inflight: int = 8) -> Executor:
-    """Load rank `rank` of a plan, bind `tensors`, register once and connect to the peers."""
-    return Executor.load(path, rank, tensors, transport, rendezvous, timeout_s, max_inflight)
+         rendezvous: object = None, timeout_s: float = 60.0, max_inflight: int = 8,
+         identity: dict | None = None) -> Executor:
+    """Load rank `rank` of a plan, bind `tensors`, register once and connect to the peers.
+    With `identity` (this process's coordinates, `schemas/identity.py`), a plan rank with
+    other coordinates is refused (`IdentityError`, naming both) before registration."""
+    return Executor.load(path, rank, tensors, transport, rendezvous, timeout_s, max_inflight,
+                         identity)
 
 
 def run(plan: Executor, step: int | None = None) -> RunStats:

@@ -19,6 +19,7 @@ import msgpack
 import numpy as np
 
 from planner.fp8 import FP8, SCALE_SUFFIX, with_scales
+from planner.identities import rank_identities, with_rank_tensors
 from planner.layouts import build_layout
 from planner.layouts.base import Layout
 from planner.passes.assign import assign, split_rows
@@ -250,9 +251,11 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
         "nics": nic["nics"],
     }
     header["rank_stats"] = _rank_stats(low, topo.world)
+    header.update(rank_identities(cfg, src_layout, dst_layout))
     step("emit")
-    return emit(header, low, sched, topo, regions, explain, tuple(names),
+    plan = emit(header, low, sched, topo, regions, explain, tuple(names),
                 coverage_table(dst_layout, src_layout.world))
+    return with_rank_tensors(plan, spec, (src, full_dst), (src_layout, dst_layout))
 
 
 def compile_file(config_path: str, out_path: str, progress=None) -> dict[str, Any]:
