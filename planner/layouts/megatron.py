@@ -13,6 +13,13 @@ With `transformer_engine`, the norms fuse into the next linear as `layer_norm_we
 (placed before that linear's `weight`, as TE registers it); MoE layers keep
 `pre_mlp_layernorm`; MLA keeps `input_layernorm` and replicates its down projections.
 
+Virtual pipeline (`source.vpp` > 1, the interleaved schedule): a rank holds `vpp` model
+chunks; chunk v of stage p holds the layers `chunk_layers` gives, with indices local to the
+chunk, and its names start with `model{v}.` (Megatron-LM's checkpoint keys for chunks).
+The embedding is in chunk 0 of stage 0, the final norm and output layer in the last chunk
+of the last stage. Checked against real Megatron-Core chunks (tests/oracles, VPP oracle:
+names, shapes, each chunk's `layer_number`s and the logits, uneven first stage included).
+
 DeepSeek MTP layers are left out (Megatron builds them in a separate `mtp` block).
 
 Checked against the real GPTModel (local spec) on CPU: names, shapes and forward logits
