@@ -96,6 +96,8 @@ def megatron_source(arg: dict) -> None:
         for name, t in ours.items():
             live[name].copy_(t)
     if arg.get("float16_module"):  # bf16 parameters, as under mixed precision
+        for c in chunks:
+            c.config.bf16 = True
         chunks = [Float16Module(c.config, c) for c in chunks]
     b = integrations.megatron.bind(arg["plan"], chunks)
     assert b.rank == rank, f"Megatron rank {rank} got plan rank {b.rank}"
