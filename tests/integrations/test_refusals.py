@@ -20,11 +20,11 @@ from planner.validate import validate
 from schemas.config import SourceConfig, config_from_dict
 from schemas.identity import IdentityError
 from schemas.plan import write_plan
-from tests.layouts.models import qwen3
+from tests.layouts.models import qwen3, qwen3_moe
 
 
-def _plan(tmp_path, source: dict, layers: int = 4) -> str:
-    spec = spec_from_hf(qwen3(num_hidden_layers=layers))
+def _plan(tmp_path, source: dict, layers: int = 4, hf=qwen3) -> str:
+    spec = spec_from_hf(hf(num_hidden_layers=layers))
     cfg = config_from_dict({"model": {"config": "x"}, "source": source,
                             "target": {"engine": "vllm", "tp": 1}})
     validate(cfg, spec)
@@ -47,10 +47,11 @@ def module(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
     return root
 
 
-def chunks(source: dict, rank: int, layers: int = 4, dtype: str | None = None) -> list:
+def chunks(source: dict, rank: int, layers: int = 4, dtype: str | None = None,
+           hf=qwen3) -> list:
     """The chunks of a Megatron rank as our layout names them (zeros)."""
     cfg = SourceConfig(**source)
-    lay = build_layout(spec_from_hf(qwen3(num_hidden_layers=layers)), cfg).ranks[rank]
+    lay = build_layout(spec_from_hf(hf(num_hidden_layers=layers)), cfg).ranks[rank]
     per: dict[int, dict[str, torch.Tensor]] = {}
     for t in lay.tensors:
         v, name = (int(t.name[5]), t.name[7:]) if cfg.vpp > 1 else (0, t.name)
@@ -98,6 +99,16 @@ def test_megatron_mismatches_are_named(tmp_path, plan_source, model_source, rank
     with pytest.raises(ModelMismatchError) as e:
         megatron.bind(path, model, state(vpp=2))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("plan_layout, model_layout", [("grouped", "sequential"),
+                                                       ("sequential", "grouped")])
+def test_megatron_expert_layout_is_named(tmp_path, plan_layout, model_layout):
+    source = {"framework": "megatron", "ep": 2, "dp": 2}
+    path = _plan(tmp_path, dict(source, expert_layout=plan_layout), hf=qwen3_moe)
+    model = chunks(dict(source, expert_layout=model_layout), 1, hf=qwen3_moe)
+    with pytest.raises(ModelMismatchError, match=f"set source.expert_layout: {model_layout}"):
+        megatron.bind(path, model[0], state(dp=1, ep=1))
 
 
 def test_megatron_wrong_chunks_or_identity(tmp_path):
