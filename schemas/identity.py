@@ -139,10 +139,11 @@ def check_against_plan(header: dict[str, Any], rank: int, given: Any | None,
     names the plan rank that does have `given`'s coordinates, if any."""
     if given is None:
         return
+    mine = check_identity(given, f"rank {rank}: identity")
     try:
-        compare(plan_identity(header, rank, path), given, rank, path)
+        compare(plan_identity(header, rank, path), mine, rank, path)
     except IdentityError as e:
-        other = find_rank(header, given, path, strict=False)
+        other = find_rank(header, mine, path, strict=False)
         if other is None or other == rank:
             raise
         raise IdentityError(f"{e} (that identity is plan rank {other})") from None
