@@ -15,6 +15,9 @@ What it does:
   buffers the plan lists (`mlp.router.expert_bias`) are bound like parameters.
 - dtypes: the model's own parameters are bound (bf16 under mixed precision, where the
   optimizer holds fp32 masters): they are what the forward pass and inference use.
+  `router.expert_bias` stays fp32: Megatron's router moves it back to fp32 (new storage) at
+  its first forward after `Float16Module` made it bf16; `bind` does that move first, so the
+  bound storage is the one the router keeps using.
 - refusals (`ModelMismatchError`, every problem at once, with the config key to change):
   Transformer Engine vs local names, grouped vs sequential experts, layers per stage or
   chunk, shapes, dtypes; an identity no plan rank has (`IdentityError`).
@@ -72,6 +75,7 @@ def live_tensors(model: Any) -> tuple[dict[str, torch.Tensor], set[str]]:
     buffers: set[str] = set()
     for v, chunk in enumerate(chunks):
         m = unwrap(chunk)
+        _fp32_expert_bias(m)
         pre = f"model{v}." if len(chunks) > 1 else ""
         for name, p in m.named_parameters():
             out[pre + name] = p.data
@@ -79,6 +83,16 @@ def live_tensors(model: Any) -> tuple[dict[str, torch.Tensor], set[str]]:
             out[pre + name] = b
             buffers.add(pre + name)
     return out, buffers
+
+
+def _fp32_expert_bias(model: torch.nn.Module) -> None:
+    """`Float16Module` casts `router.expert_bias` to bf16 with everything else; the router
+    puts it back to fp32 at its next forward by *replacing* the buffer's storage, which would
+    leave the registered memory stale. Do that replacement now, once, before binding."""
+    for mod in model.modules():
+        keep = getattr(mod, "_maintain_float32_expert_bias", None)
+        if callable(keep):
+            keep()
 
 
 def bind(plan_path: str, model: Any, parallel_state: Any = None) -> Binding:

@@ -83,11 +83,13 @@ def _check_targets(outs: list[str], targets: int) -> None:
     # TP2 x PP2 with 2 virtual chunks, bf16 parameters (Float16Module) -> vLLM TP 2
     pytest.param(qwen3(num_hidden_layers=4), dict(framework="megatron", tp=2, pp=2, vpp=2),
                  dict(engine="vllm", tp=2), {"float16_module": True}, id="tp2-pp2-vpp2-bf16"),
-    # MLA + shared experts + router.expert_bias, EP2 ETP1 with TP2 DP2 (expert DP 2), fp32
+    # MLA + shared experts + router.expert_bias (fp32 under Float16Module), EP2 ETP1 with
+    # TP2 DP2 (expert DP 2)
     pytest.param(deepseek_v3(num_hidden_layers=2),
-                 dict(framework="megatron", tp=2, dp=2, ep=2, etp=1, dtype="float32",
+                 dict(framework="megatron", tp=2, dp=2, ep=2, etp=1,
                       expert_layout="sequential"),
-                 dict(engine="vllm", tp=2, ep=True), {}, id="deepseek-ep2-etp1-dp2"),
+                 dict(engine="vllm", tp=2, ep=True), {"float16_module": True},
+                 id="deepseek-ep2-etp1-dp2-bf16"),
 ])
 def test_megatron_adapter_bit_exact(tmp_path, hf, source, target, extra):
     pytest.importorskip("megatron.core")

@@ -37,7 +37,7 @@ from schemas.tensors import rank_tensors  # noqa: E402
 
 def _full(spec, step: int) -> dict[str, torch.Tensor]:
     """The logical weights of step `step` (+1 per step, rounded once to their dtype)."""
-    return {k: (v.float() + step).to(v.dtype)
+    return {k: (v.to(torch.bfloat16).float() + step).to(v.dtype)  # fp32 buffers: bf16-exact
             for k, v in random_full_tensors(spec, seed=5, scale=0.5).items()}
 
 
