@@ -5,9 +5,11 @@
     stats = executor.run(plan)
 """
 
+from schemas.identity import IdentityError
+
 from .core import Executor, RunStats, load, run
 from .errors import BindError, PeerMismatchError, PeerTimeoutError, PlanBoundsError
 from .world import PlanDeadlockError, run_all_local
 
-__all__ = ["BindError", "Executor", "PeerMismatchError", "PeerTimeoutError", "PlanBoundsError",
-           "PlanDeadlockError", "RunStats", "load", "run", "run_all_local"]
+__all__ = ["BindError", "Executor", "IdentityError", "PeerMismatchError", "PeerTimeoutError",
+           "PlanBoundsError", "PlanDeadlockError", "RunStats", "load", "run", "run_all_local"]

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from schemas.header import PlanHeader
+from schemas.identity import check_against_plan
 from schemas.integrity import plan_key as read_key
 from schemas.integrity import rank_digest
 from schemas.plan import ACK, DONE, PACK, QUANT, READY, UNPACK, RankPlan, load_rank
@@ -161,10 +162,13 @@ class Executor:
     @staticmethod
     def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str = "nixl",
              rendezvous: object = None, timeout_s: float = 60.0,
-             max_inflight: int = 8, plan_key: bytes | str | None = None) -> Executor:
+             max_inflight: int = 8, plan_key: bytes | str | None = None,
+             identity: dict | None = None) -> Executor:
         """Read rank `rank` of the plan at `path`, bind `tensors`, register and connect.
-        `plan_key`: the plan must be signed with this key (bytes, or a key file's path)."""
+        `plan_key`: the plan must be signed with this key (bytes, or a key file's path).
+        `identity` (`schemas/identity.py`): refused unless it is the plan's for `rank`."""
         header, plan = load_rank(path, rank, None if plan_key is None else read_key(plan_key))
+        check_against_plan(header, rank, identity, path)  # before anything is registered
         ex = Executor(header, plan, tensors, transport, rendezvous, timeout_s, max_inflight)
         ex.register()
         ex.connect()
@@ -519,11 +523,13 @@ class Executor:
 
 def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str = "nixl",
          rendezvous: object = None, timeout_s: float = 60.0, max_inflight: int = 8,
-         plan_key: bytes | str | None = None) -> Executor:
-    """Load rank `rank` of a plan, bind `tensors`, register once and connect to the peers
-    (`plan_key`: refuse a plan not signed with this key)."""
+         plan_key: bytes | str | None = None, identity: dict | None = None) -> Executor:
+    """Load rank `rank` of a plan, bind `tensors`, register once and connect to the peers.
+    `plan_key`: refuse a plan not signed with this key. With `identity` (this process's
+    coordinates, `schemas/identity.py`), a plan rank with other coordinates is refused
+    (`IdentityError`, naming both) before registration."""
     return Executor.load(path, rank, tensors, transport, rendezvous, timeout_s, max_inflight,
-                         plan_key)
+                         plan_key, identity)
 
 
 def run(plan: Executor, step: int | None = None) -> RunStats:

@@ -144,6 +144,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from schemas.plan import load_plan
 
     load_plan(args.plan)  # the checks the executor and verify apply; refuse what they refuse
+    if args.ranks:
+        from planner.tensors_cmd import ranks_text
+
+        print(ranks_text(args.plan))
+        return 0
     print(inspect_text(args.plan, args.json))
     if args.plot:
         from planner.plot import plot_plan
@@ -174,6 +179,13 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     from planner.inspect import explain_text
 
     print(explain_text(args.plan, args.tensor, args.json))
+    return 0
+
+
+def _cmd_tensors(args: argparse.Namespace) -> int:
+    from planner.tensors_cmd import tensors_text
+
+    print(tensors_text(args.plan, args.rank, args.json))
     return 0
 
 
@@ -224,6 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="print JSON instead of text")
     sp.add_argument("--plot", metavar="FILE.png", help="also draw bytes per rank and per NIC "
                     "(needs matplotlib)")
+    sp.add_argument("--ranks", action="store_true", help="print every rank's identity "
+                    "(framework coordinates) instead")
+
+    sp = add("tensors", _cmd_tensors, "list what one rank binds: names, shapes, dtypes, "
+             "parameter or buffer, and the logical tensor boxes each holds")
+    sp.add_argument("plan")
+    sp.add_argument("--rank", type=int, required=True, metavar="N", help="plan rank")
+    sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     sp = add("simulate", _cmd_simulate, "estimate a plan's transfer time on its cluster "
              "(flow-level simulation) against the bandwidth floor")

@@ -19,6 +19,7 @@ import msgpack
 import numpy as np
 
 from planner.fp8 import FP8, SCALE_SUFFIX, with_scales
+from planner.identities import rank_identities, with_rank_tensors
 from planner.layouts import build_layout
 from planner.layouts.base import Layout
 from planner.passes.assign import assign, split_rows
@@ -218,9 +219,12 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
         if egress else 1.0
     header = plan_header(cfg, spec, topo, dst_layout.replicas, low, nic, int(len(chunks)),
                          unit_max, _fingerprint(spec, src, dst, regions, topo, cfg), VERSION)
+    header = dataclasses.replace(header, identities=tuple(
+        rank_identities(cfg, src_layout, dst_layout).get("identities", ())))
     step("emit")
-    return emit(header, low, sched, topo, regions, explain, tuple(names),
+    plan = emit(header, low, sched, topo, regions, explain, tuple(names),
                 coverage_table(dst_layout, src_layout.world))
+    return with_rank_tensors(plan, spec, (src, full_dst), (src_layout, dst_layout))
 
 
 def compile_file(config_path: str, out_path: str, progress=None,

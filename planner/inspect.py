@@ -73,11 +73,13 @@ def checked_header(path: str) -> PlanHeader:
     bounds (what `load_plan` and the executor check), else `PlanFormatError`."""
     with open(path, "rb") as f:
         header, start = read_header(f, path)
-        if sorted(header.blobs) != sorted([*(f"rank/{r}" for r in range(header.world)),
-                                           "explain", "dag"]):
+        needed = [*(f"rank/{r}" for r in range(header.world)), "explain", "dag"]
+        extra = [n for n in header.blobs if n.startswith("tensors/")]
+        if sorted(header.blobs) != sorted(needed + extra) or \
+                not set(extra) <= {f"tensors/{r}" for r in range(header.world)}:
             raise PlanFormatError(f"{path}: the header's blob index does not list exactly "
-                                  f"{header.world} rank blobs, explain and dag; the file is "
-                                  "corrupt")
+                                  f"{header.world} rank blobs, explain, dag and tensors blobs; "
+                                  "the file is corrupt")
         for r in range(header.world):
             rp = RankPlan.decode(read_blob(f, header, start, f"rank/{r}", path))
             for msg in violations(rp, header.world):
@@ -158,7 +160,7 @@ def explain_text(path: str, tensor: str, as_json: bool = False) -> str:
              "target": regions[int(t["dst_rank"][i])][t["dst_region"][i]].name,
              "bytes": int(t["nbytes"][i]), "boxes": int(t["boxes"][i])} for i in m.tolist()]
     gathered = sorted({r["source_rank"] for r in rows if r["source"] == STAGING})
-    holders = _source_holders(header, tensor)
+    holders = _source_holders(path, header, tensor)
     senders = sorted({r["source_rank"] for r in rows})
     out = {"tensor": tensor, "bytes": sum(r["bytes"] for r in rows),
            "target_ranks": len({r["target_rank"] for r in rows}),
@@ -189,6 +191,13 @@ def _rank_list(ranks: list[int], limit: int = 8) -> str:
     return shown + (f", ... ({len(ranks)} in all)" if len(ranks) > limit else "")
 
 
-def _source_holders(header: PlanHeader, tensor: str) -> list[int] | None:
-    """The source ranks that hold a piece of `tensor`; None when the plan does not say."""
-    return None
+def _source_holders(path: str, header: PlanHeader, tensor: str) -> list[int] | None:
+    """The source ranks that hold a piece of `tensor` (their `tensors/<rank>` blobs); None
+    when the plan does not list its ranks' tensors."""
+    from schemas.tensors import rank_tensors
+
+    if any(f"tensors/{r}" not in header.blobs for r in range(header.sources)):
+        return None
+    base = tensor.removesuffix("_scale_inv")
+    return [r for r in range(header.sources)
+            if any(p.tensor == base for t in rank_tensors(path, r).tensors for p in t.pieces)]

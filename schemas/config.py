@@ -134,6 +134,10 @@ class SourceConfig:
     """megatron: names with Transformer Engine's fused norms (`linear_qkv.layer_norm_weight`)."""
     expert_layout: Literal["grouped", "sequential"] = "grouped"
     """megatron: `experts.linear_fc1.weight{i}` (grouped) or `experts.local_experts.{i}.*`."""
+    vpp: int = 1
+    """megatron: virtual pipeline chunks per PP stage (`virtual_pipeline_model_parallel_size`,
+    the interleaved schedule); 1 means no VPP. Chunk v of stage p holds its share of the v-th
+    round of layers; each chunk's names start with `model{v}.` when vpp > 1."""
     pp_first_stage_layers: int | None = None
     """megatron: layers on the first PP stage; the rest spread evenly (None: even split)."""
     pp_last_stage_layers: int | None = None
@@ -144,14 +148,14 @@ class SourceConfig:
     def __post_init__(self) -> None:
         if self.framework not in ("megatron", "fsdp2"):
             _fail("source.framework", self.framework, "is not supported; use megatron or fsdp2")
-        for name in ("tp", "pp", "dp", "dp_replicate", "ep", "etp"):
+        for name in ("tp", "pp", "vpp", "dp", "dp_replicate", "ep", "etp"):
             _positive("source", name, getattr(self, name))
         for name in ("pp_first_stage_layers", "pp_last_stage_layers"):
             _positive("source", name, getattr(self, name))
         if self.dtype not in DTYPES:
             _fail("source.dtype", self.dtype, f"is not supported; use one of {', '.join(DTYPES)}")
         if self.framework == "fsdp2":
-            for name in ("pp", "ep", "etp"):
+            for name in ("pp", "vpp", "ep", "etp"):
                 value = getattr(self, name)
                 if value not in (None, 1):
                     _fail(f"source.{name}", value, "is megatron-only; remove it for fsdp2")

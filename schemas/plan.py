@@ -177,6 +177,9 @@ class Plan:
     """Edges of the stage DAG (`DAG_EDGE_COLUMNS`)."""
     coverage: Table = field(default_factory=lambda: Table.empty(COVERAGE_COLUMNS))
     """Logical bytes of every target region, for `verify` (`COVERAGE_COLUMNS`)."""
+    extra_blobs: tuple[tuple[str, Any], ...] = ()
+    """Further named blobs of plain msgpack data, written after the others and read by name
+    (`tensors/<rank>`: `schemas/tensors.py`)."""
 
 
 # ------------------------------------------------------------------------------ codec
@@ -226,6 +229,7 @@ def encode_plan(plan: Plan, key: bytes | None = None) -> bytes:
     blobs.append(("dag", _pack({"nodes": plan.dag_nodes.to_msgpack(),
                                 "edges": plan.dag_edges.to_msgpack(),
                                 "coverage": plan.coverage.to_msgpack()})))
+    blobs += [(name, _pack(obj)) for name, obj in plan.extra_blobs]
     index, offset = {}, 0
     for name, data in blobs:
         index[name] = [offset, len(data), _digest(data)]
@@ -386,8 +390,10 @@ def load_plan(path: str, key: bytes | None = None) -> Plan:
             coverage = Table.from_msgpack(COVERAGE_COLUMNS, dag["coverage"], "coverage")
         except (KeyError, TypeError) as e:
             raise PlanFormatError(f"{path}: dag blob is malformed ({e})") from None
+        extra = tuple((n, read_blob(f, header, start, n, path)) for n in header.blobs
+                      if not n.startswith("rank/") and n not in ("explain", "dag"))
     return Plan(header=header, ranks=ranks, explain=explain, tensors=tensors,
-                dag_nodes=nodes, dag_edges=edges, coverage=coverage)
+                dag_nodes=nodes, dag_edges=edges, coverage=coverage, extra_blobs=extra)
 
 
 def decode_explain(ex: Any, path: str = "plan") -> tuple[tuple[str, ...], Table]:

@@ -60,6 +60,8 @@ class PhysicalTensor:
     """Local dtype (`bfloat16`, `float32`, ...)."""
     pieces: tuple[Piece, ...]
     """The logical boxes it holds; elements covered by no piece are padding (zeros)."""
+    buffer: bool = False
+    """A module buffer (`named_buffers()`, e.g. `router.expert_bias`), not a parameter."""
 
     @property
     def numel(self) -> int:

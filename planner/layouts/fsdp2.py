@@ -178,7 +178,7 @@ def _fused(d: ModelDims, prefix: str, kind: str, dtype: str) -> _Param:
 def _local(p: _Param, cfg: SourceConfig, t: int, d: int) -> PhysicalTensor:
     """The shard of TP rank t, FSDP rank d: `full.chunk(tp, tp_dim)[t].chunk(dp, 0)[d]`."""
     if p.buffer:
-        return PhysicalTensor(p.name, p.shape, p.dtype, p.pieces)
+        return PhysicalTensor(p.name, p.shape, p.dtype, p.pieces, buffer=True)
     lo, hi = [0] * len(p.shape), list(p.shape)
     if cfg.tp > 1 and p.tp_dim is not None:
         lo[p.tp_dim], hi[p.tp_dim] = chunk(p.shape[p.tp_dim], cfg.tp, t)
@@ -190,6 +190,13 @@ def _local(p: _Param, cfg: SourceConfig, t: int, d: int) -> PhysicalTensor:
         return PhysicalTensor(p.name, shape, p.dtype, (piece,) if all(shape) else ())
     near = p.pieces[bisect_left(p.starts, lo[0] - p.reach + 1):bisect_left(p.starts, hi[0])]
     return PhysicalTensor(p.name, shape, p.dtype, restrict(near, lo, hi))
+
+
+def identity(cfg: SourceConfig, rank: int) -> dict[str, int | str]:
+    """Rank `rank`'s DeviceMesh coordinates (`schemas/identity.py`), TP fastest."""
+    tp, dp = cfg.tp, cfg.dp
+    return {"framework": "fsdp2", "dp_replicate": rank // (tp * dp),
+            "dp_shard": (rank // tp) % dp, "tp": rank % tp}
 
 
 def restrict(pieces: Sequence[Piece], lo: Sequence[int], hi: Sequence[int]

@@ -13,6 +13,13 @@ With `transformer_engine`, the norms fuse into the next linear as `layer_norm_we
 (placed before that linear's `weight`, as TE registers it); MoE layers keep
 `pre_mlp_layernorm`; MLA keeps `input_layernorm` and replicates its down projections.
 
+Virtual pipeline (`source.vpp` > 1, the interleaved schedule): a rank holds `vpp` model
+chunks; chunk v of stage p holds the layers `chunk_layers` gives, with indices local to the
+chunk, and its names start with `model{v}.` (Megatron-LM's checkpoint keys for chunks).
+The embedding is in chunk 0 of stage 0, the final norm and output layer in the last chunk
+of the last stage. Checked against real Megatron-Core chunks (tests/oracles, VPP oracle:
+names, shapes, each chunk's `layer_number`s and the logits, uneven first stage included).
+
 DeepSeek MTP layers are left out (Megatron builds them in a separate `mtp` block).
 
 Checked against the real GPTModel (local spec) on CPU: names, shapes and forward logits
@@ -25,7 +32,7 @@ TEGroupedLinear) are read from the sources, not run.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.layouts import rules
 from planner.layouts.base import Layout, PhysicalTensor, RankLayout
@@ -75,6 +82,40 @@ def stage_layers(num_layers: int, cfg: SourceConfig) -> list[range]:
         out.append(range(start, start + n))
         start += n
     return out
+
+
+def chunk_layers(num_layers: int, cfg: SourceConfig) -> list[list[range]]:
+    """Global layer indices of each virtual chunk of each PP stage (`[stage][chunk]`).
+
+    Megatron-Core's interleaved schedule (`get_transformer_layer_offset`): stage p holds
+    `n_p` layers (`stage_layers`), `n_p / vpp` in each chunk; chunk v of stage p starts at
+    `v * T + sum(n_q / vpp for q < p)` with `T = num_layers / vpp` (one round of chunks over
+    the stages). Uneven first/last stages keep their counts, split evenly over the chunks.
+    """
+    stages = stage_layers(num_layers, cfg)
+    vpp = cfg.vpp
+    if vpp == 1:
+        return [[r] for r in stages]
+    if cfg.pp < 2:
+        raise ConfigError(f"source.vpp: {vpp} needs source.pp >= 2 (got pp={cfg.pp}); "
+                          "remove vpp or raise pp")
+    for p, r in enumerate(stages):
+        if len(r) % vpp:
+            raise ConfigError(f"source.vpp: {vpp} does not divide the {len(r)} layers of PP "
+                              f"stage {p}; each stage's layers must split evenly into vpp "
+                              "chunks: change vpp, pp or the first/last stage layers")
+    per = [len(r) // vpp for r in stages]
+    round_ = sum(per)
+    return [[range(v * round_ + sum(per[:p]), v * round_ + sum(per[:p]) + per[p])
+             for v in range(vpp)] for p in range(cfg.pp)]
+
+
+def identity(cfg: SourceConfig, rank: int) -> dict[str, int | str]:
+    """Rank `rank`'s coordinates (`schemas/identity.py`), from the grid in the docstring."""
+    tp, dp, etp, ep = cfg.tp, cfg.dp, cfg.expert_tp, cfg.ep
+    s = rank % (tp * dp)  # the rank within its PP stage, on both grids
+    return {"framework": "megatron", "tp": rank % tp, "pp": rank // (tp * dp), "vpp": cfg.vpp,
+            "dp": s // tp, "ep": (s // etp) % ep, "etp": s % etp, "edp": s // (etp * ep)}
 
 
 def padded_vocab(vocab: int, cfg: SourceConfig) -> int:
@@ -128,7 +169,7 @@ def layout(spec: ModelSpec, cfg: SourceConfig) -> Layout:
     """Every Megatron rank's parameters (and `router.expert_bias` buffers) as pieces."""
     d = spec.dims
     check(spec, cfg)
-    stages = stage_layers(d.num_layers, cfg)
+    chunks = chunk_layers(d.num_layers, cfg)
     vocab = padded_vocab(d.vocab, cfg)
     by_name = spec.by_name
     tp, dp, etp, ep = cfg.tp, cfg.dp, cfg.expert_tp, cfg.ep
@@ -138,7 +179,7 @@ def layout(spec: ModelSpec, cfg: SourceConfig) -> Layout:
         c = _Coords(tp=rank % tp, pp=rank // (tp * dp), etp=rank % etp,
                     ep=(rank // etp) % ep)
         if c not in cache:
-            cache[c] = tuple(_rank(_Ctx(d, cfg, by_name, c, vocab), stages[c.pp]))
+            cache[c] = tuple(_rank(_Ctx(d, cfg, by_name, c, vocab), chunks[c.pp]))
         ranks.append(RankLayout(rank=rank, replica=(rank // tp) % dp, tensors=cache[c]))
     return Layout(side="source", framework="megatron", ranks=tuple(ranks), replicas=dp)
 
@@ -198,19 +239,28 @@ class _Ctx:
         return t.dtype if t.buffer else self.cfg.dtype
 
 
-def _rank(x: _Ctx, layers: range) -> Iterator[PhysicalTensor]:
+def _rank(x: _Ctx, chunks: list[range]) -> Iterator[PhysicalTensor]:
+    """The rank's model chunks in order; with VPP each chunk's names start `model{v}.`."""
+    for v, layers in enumerate(chunks):
+        yield from _chunk(x, layers, f"model{v}." if len(chunks) > 1 else "",
+                          first=x.c.pp == 0 and v == 0,
+                          last=x.c.pp == x.cfg.pp - 1 and v == len(chunks) - 1)
+
+
+def _chunk(x: _Ctx, layers: range, pre: str, first: bool, last: bool
+           ) -> Iterator[PhysicalTensor]:
     d, cfg = x.d, x.cfg
-    buffers = []
-    if layers.start == 0:
-        yield x.vocab_rows("embedding.word_embeddings.weight", "model.embed_tokens.weight")
+    buffers: list[PhysicalTensor] = []
+    if first:
+        yield x.vocab_rows(pre + "embedding.word_embeddings.weight", "model.embed_tokens.weight")
     for j, i in enumerate(layers):
-        yield from _layer(x, f"decoder.layers.{j}.", f"model.layers.{i}.", i, buffers)
-    if layers.stop == d.num_layers:
-        yield x.full("decoder.final_layernorm.weight", "model.norm.weight")
+        yield from _layer(x, f"{pre}decoder.layers.{j}.", f"model.layers.{i}.", i, buffers)
+    if last:
+        yield x.full(pre + "decoder.final_layernorm.weight", "model.norm.weight")
         if not d.tied:
-            yield x.vocab_rows("output_layer.weight", "lm_head.weight")
+            yield x.vocab_rows(pre + "output_layer.weight", "lm_head.weight")
         elif cfg.pp > 1:  # the last stage holds a copy of the tied embedding
-            yield x.vocab_rows("output_layer.weight", "model.embed_tokens.weight")
+            yield x.vocab_rows(pre + "output_layer.weight", "model.embed_tokens.weight")
     yield from buffers
 
 
@@ -251,7 +301,7 @@ def _layer(x: _Ctx, m: str, h: str, i: int, buffers: list[PhysicalTensor]
         yield x.cols(m + "mlp.shared_experts.linear_fc2.weight", s + "down_proj.weight")
     bias = h + "mlp.gate.e_score_correction_bias"
     if bias in x.by_name:
-        buffers.append(x.full(m + "mlp.router.expert_bias", bias))
+        buffers.append(replace(x.full(m + "mlp.router.expert_bias", bias), buffer=True))
 
 
 def _qkv(x: _Ctx, name: str, a: str, kind: str) -> PhysicalTensor:
@@ -315,4 +365,4 @@ def _experts(x: _Ctx, m: str, e: str) -> Iterator[PhysicalTensor]:
             yield fc2(k)
 
 
-__all__ = ["check", "layout", "padded_vocab", "stage_layers"]
+__all__ = ["check", "chunk_layers", "identity", "layout", "padded_vocab", "stage_layers"]

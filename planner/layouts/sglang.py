@@ -62,3 +62,15 @@ def layout(spec: ModelSpec, cfg: TargetConfig) -> Layout:
     shards = [shard(spec, cfg, p, t)
               for _ in range(engines) for p in range(cfg.pp) for t in range(cfg.tp)]
     return build("sglang", spec, cfg, shards, NAMES)
+
+
+def identity(cfg: TargetConfig, rank: int) -> dict[str, int | str]:
+    """Plan target rank `rank` (0-based on the target side) as SGLang coordinates
+    (`schemas/identity.py`). Without DP attention `dp` is the engine inside the replica;
+    with it, `attn_tp = tp % (tp/dp)` and `dp = tp // (tp/dp)` (the attention DP rank)."""
+    replica, local = divmod(rank, cfg.engine_world)
+    t, rest = local % cfg.tp, local // cfg.tp
+    a = attn_tp(cfg)
+    dp = t // a if cfg.dp_attention else rest // cfg.pp
+    return {"framework": "sglang", "replica": replica, "dp": dp, "tp": t, "pp": rest % cfg.pp,
+            "ep": t if cfg.ep else 0, "attn_tp": t % a}

@@ -156,6 +156,15 @@ def build(framework: str, spec: ModelSpec, cfg: TargetConfig, shards: list[Shard
     return Layout(side="target", framework=framework, ranks=ranks, replicas=cfg.replicas)
 
 
+def identity(cfg: TargetConfig, rank: int) -> dict[str, int | str]:
+    """Plan target rank `rank` (0-based on the target side) as vLLM coordinates
+    (`schemas/identity.py`): `local = (dp * pp + p) * tp + t`; `ep = dp * tp + t` with EP."""
+    replica, local = divmod(rank, cfg.engine_world)
+    t, rest = local % cfg.tp, local // cfg.tp
+    return {"framework": "vllm", "replica": replica, "dp": rest // cfg.pp, "tp": t,
+            "pp": rest % cfg.pp, "ep": (rest // cfg.pp) * cfg.tp + t if cfg.ep else 0}
+
+
 # ---------------------------------------------------------------- tensors of one rank
 
 

@@ -86,7 +86,8 @@ def _layout_data(layout: Layout) -> dict[str, Any]:
             "ranks": [[rl.rank, rl.replica,
                        [[pt.name, list(pt.shape), pt.dtype,
                          [[p.tensor, list(p.offsets), list(p.sizes), list(p.at),
-                           None if p.dims is None else list(p.dims)] for p in pt.pieces]]
+                           None if p.dims is None else list(p.dims)] for p in pt.pieces],
+                         pt.buffer]
                         for pt in rl.tensors]] for rl in layout.ranks]}
 
 
@@ -94,7 +95,8 @@ def _layout(data: dict[str, Any]) -> Layout:
     ranks = tuple(RankLayout(r, rep, tuple(
         PhysicalTensor(name, tuple(shape), dtype, tuple(
             Piece(t, tuple(o), tuple(s), tuple(a), None if d is None else tuple(d))
-            for t, o, s, a, d in pieces)) for name, shape, dtype, pieces in tensors))
+            for t, o, s, a, d in pieces), buffer)
+        for name, shape, dtype, pieces, buffer in tensors))
         for r, rep, tensors in data["ranks"])
     return Layout(data["side"], data["framework"], ranks, data["replicas"])
 

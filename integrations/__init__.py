@@ -1,0 +1,88 @@
+"""Framework adapters: a live framework process -> its plan rank, identity and tensors.
+
+Each adapter derives the caller's identity (`schemas/identity.py`) from the framework's own
+parallel state, finds the plan rank with that identity, and returns exactly the tensors
+that rank binds (`schemas/tensors.py`), checked by name, shape, dtype and contiguity:
+
+    b = integrations.megatron.bind("plan.rplan", model_chunks)
+    plan = executor.load("plan.rplan", rank=b.rank, tensors=b.tensors, identity=b.identity,
+                         rendezvous=...)
+
+Adapters read plans through `schemas` only (never planner internals).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from schemas.errors import UserError
+from schemas.tensors import RankTensors
+
+__all__ = ["Binding", "ModelMismatchError", "match"]
+
+
+class ModelMismatchError(UserError):
+    """The live model and the plan disagree (names, shapes, dtypes, layers per stage)."""
+
+
+@dataclass(frozen=True)
+class Binding:
+    rank: int
+    """The plan rank this process runs."""
+    identity: dict[str, int | str]
+    """This process's coordinates; pass it to `executor.load(identity=...)`."""
+    tensors: dict[str, torch.Tensor]
+    """Exactly the tensors the plan's rank binds, by native name (the live storage)."""
+
+
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+           torch.float8_e4m3fn: "float8_e4m3fn", torch.uint8: "uint8"}
+
+
+def match(expected: RankTensors, live: dict[str, torch.Tensor], path: str,
+          hint: Callable[[list[str], list[str]], str] = lambda missing, extra: "",
+          ignore_extra: Callable[[str], bool] = lambda name: False) -> dict[str, torch.Tensor]:
+    """The live tensors the plan's rank binds; `ModelMismatchError` listing every mismatch
+    (missing names, unexpected parameters, shapes, dtypes, non-contiguous storage), with
+    the framework's `hint` about the config key to change."""
+    out, problems = {}, []
+    missing = [t.name for t in expected.tensors if t.name not in live]
+    names = {t.name for t in expected.tensors}
+    extra = [n for n in live if n not in names and not ignore_extra(n)]
+    for t in expected.tensors:
+        x = live.get(t.name)
+        if x is None:
+            continue
+        dtype = _DTYPES.get(x.dtype, str(x.dtype).replace("torch.", ""))
+        if tuple(x.shape) != t.shape:
+            problems.append(f"{t.name}: shape {tuple(x.shape)}, the plan has {t.shape}")
+        elif dtype != t.dtype:
+            problems.append(f"{t.name}: dtype {dtype}, the plan has {t.dtype} (compile with "
+                            f"source.dtype: {dtype}, or pass the {t.dtype} tensors)")
+        elif not x.is_contiguous():
+            problems.append(f"{t.name}: not contiguous (strides {tuple(x.stride())}); the "
+                            "plan writes raw bytes: pass contiguous storage")
+        out[t.name] = x
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) of the plan are not in the model, e.g. "
+                        f"{', '.join(missing[:3])}")
+    if extra:
+        problems.append(f"{len(extra)} model tensor(s) are not in the plan (they would not be "
+                        f"transferred), e.g. {', '.join(extra[:3])}")
+    if problems:
+        fix = hint(missing, extra)
+        raise ModelMismatchError(
+            f"{path}: plan rank {expected.rank} ({_ident(expected)}) does not match this "
+            f"model: {len(problems)} problem(s); {'; '.join(problems[:8])}"
+            f"{'; ' + fix if fix else ''}. Compile the plan for this model's layout "
+            f"(`rdma-plan tensors {path} --rank {expected.rank}` lists what it expects)")
+    return out
+
+
+def _ident(rt: RankTensors) -> str:
+    from schemas.identity import describe
+
+    return describe(rt.identity) if rt.identity else "no identity"

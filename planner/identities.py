@@ -1,0 +1,76 @@
+"""Rank facts for the people and programs that bind a plan: identities and tensors.
+
+Two things the compiler knows and stores (readers never re-derive them):
+- `identities` (header key, `schemas/identity.py`): every plan rank's coordinates in its
+  framework's terms, from the layout modules' `identity(cfg, rank)`;
+- `tensors/<rank>` blobs (`schemas/tensors.py`): the tensors each rank binds and the pieces
+  of logical tensors they hold, from the piece tables the compiler already built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from planner.layouts.base import Layout
+from planner.passes.intersect import PieceTable
+from planner.spec import ModelSpec
+from schemas.config import Config
+from schemas.identity import HEADER_KEY
+from schemas.plan import Plan
+from schemas.tensors import encode_rank_tensors
+
+
+def _identity_fn(framework: str):
+    from planner.layouts import fsdp2, megatron, sglang, vllm
+
+    return {"megatron": megatron.identity, "fsdp2": fsdp2.identity, "vllm": vllm.identity,
+            "sglang": sglang.identity}.get(framework)
+
+
+def rank_identities(cfg: Config, src: Layout, dst: Layout) -> dict[str, Any]:
+    """`{"identities": [...]}` (one per plan rank) when both layouts are the ones `cfg`
+    describes; `{}` for hand-built layouts (tests), which have no framework coordinates."""
+    out = []
+    for layout, side, name in ((src, cfg.source, cfg.source.framework),
+                               (dst, cfg.target, cfg.target.engine)):
+        fn = _identity_fn(layout.framework)
+        if fn is None or layout.framework != name or layout.world != side.world:
+            return {}
+        out += [fn(side, r) for r in range(layout.world)]
+    return {HEADER_KEY: out}
+
+
+def with_rank_tensors(plan: Plan, spec: ModelSpec, tables: tuple[PieceTable, PieceTable],
+                      layouts: tuple[Layout, Layout]) -> Plan:
+    """`plan` with a `tensors/<rank>` blob per rank (replicas point at their first copy)."""
+    blobs: list[tuple[str, Any]] = []
+    first: dict[bytes, int] = {}
+    base = 0
+    for table, layout in zip(tables, layouts):
+        cut = np.searchsorted(table.rank, np.arange(base, base + layout.world + 1))
+        for rl in layout.ranks:
+            r = base + rl.rank
+            blob = _blob(spec, table, slice(cut[rl.rank], cut[rl.rank + 1]), rl.tensors)
+            key = msgpack.packb(blob, use_bin_type=True)  # equal content: point at the first
+            if key in first:
+                blob = {"same_as": first[key]}
+            else:
+                first[key] = r
+            blobs.append((f"tensors/{r}", blob))
+        base += layout.world
+    return dataclasses.replace(plan, extra_blobs=(*plan.extra_blobs, *blobs))
+
+
+def _blob(spec: ModelSpec, t: PieceTable, rows: slice, tensors: tuple) -> dict[str, Any]:
+    ids, local = np.unique(t.tensor[rows], return_inverse=True)
+    start = t.base[rows] + t.off0[rows] * t.a0[rows] + t.off1[rows] * t.a1[rows]
+    cols = {"region": t.region[rows], "tensor": local.reshape(-1), "off0": t.off0[rows],
+            "off1": t.off1[rows], "size0": t.size0[rows], "size1": t.size1[rows],
+            "start": start, "stride0": t.a0[rows], "stride1": t.a1[rows]}
+    logical = [spec.tensors[i] for i in ids.tolist()]
+    return encode_rank_tensors(cols, np.array([pt.buffer for pt in tensors], dtype=np.uint8),
+                               [x.name for x in logical], [x.shape for x in logical])

@@ -1,0 +1,154 @@
+"""What each plan rank binds: its tensors and the pieces of logical tensors each holds.
+
+The compiler stores one blob per rank, `tensors/<rank>` (msgpack map):
+
+    {"names":  [logical tensor names this rank's pieces refer to],
+     "shapes": [their logical shapes],
+     "buffer": bytes, one per region (1: a module buffer such as `router.expert_bias`,
+               0: a parameter; the staging region, if any, is last and never listed),
+     "pieces": PIECE_COLUMNS as raw little-endian columns}
+
+or `{"same_as": r}`: identical to the blob of an earlier rank `r` (replicas share theirs).
+A piece puts elements `[off0, off0+size0) x [off1, off1+size1)` of logical tensor
+`names[tensor]` (a 1-d tensor has `off1 = 0, size1 = 1`) at flat element
+`start + i0*stride0 + i1*stride1` of region `region` (row-major, element units), i.e.
+`tensor.view(-1).as_strided((size0, size1), (stride0, stride1), start)`.
+
+`rank_tensors(path, rank)` reads the header and that rank's blobs only; it is what
+`rdma-plan tensors` prints and what `integrations/` match live models against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .identity import plan_identity
+from .plan import STAGING, PlanFormatError, RankPlan, Table, read_blob, read_header
+
+PIECE_COLUMNS = (("region", "<i4"), ("tensor", "<i4"), ("off0", "<i8"), ("off1", "<i8"),
+                 ("size0", "<i8"), ("size1", "<i8"), ("start", "<i8"), ("stride0", "<i8"),
+                 ("stride1", "<i8"))
+"""One piece of a logical tensor inside a region (see the module docstring)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    tensor: str
+    """Logical (HF checkpoint) tensor name."""
+    offsets: tuple[int, ...]
+    """Start of the box in the logical tensor, one entry per logical dim."""
+    sizes: tuple[int, ...]
+    """Extent of the box, one entry per logical dim."""
+    start: int
+    """Flat element offset of the box's first element in the bound tensor."""
+    strides: tuple[int, ...]
+    """Element stride in the bound tensor of each logical dim."""
+
+
+@dataclass(frozen=True, slots=True)
+class BoundTensor:
+    name: str
+    """Native name, as the framework's `named_parameters()`/`named_buffers()` gives it."""
+    shape: tuple[int, ...]
+    dtype: str
+    buffer: bool
+    """A module buffer (trained state that moves), not a parameter."""
+    region: int
+    """Region index in the rank's plan."""
+    pieces: tuple[Piece, ...]
+    """The logical boxes it holds; elements outside them are padding."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankTensors:
+    rank: int
+    role: str
+    """`source` or `target`."""
+    identity: dict[str, int | str] | None
+    """The rank's coordinates (`schemas/identity.py`); None in plans without identities."""
+    tensors: tuple[BoundTensor, ...]
+    """Everything `executor.load(tensors=...)` must be given for this rank, in plan order."""
+
+    def json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "role": self.role, "identity": self.identity,
+                "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
+                             "kind": "buffer" if t.buffer else "parameter",
+                             "pieces": [{"tensor": p.tensor, "offsets": list(p.offsets),
+                                         "sizes": list(p.sizes), "start": p.start,
+                                         "strides": list(p.strides)} for p in t.pieces]}
+                            for t in self.tensors]}
+
+
+def encode_rank_tensors(pieces: dict[str, np.ndarray], buffer: np.ndarray,
+                        names: list[str], shapes: list[tuple[int, ...]]) -> dict[str, Any]:
+    """One rank's blob: `pieces` columns (`tensor` indexes `names`), a flag per region."""
+    table = Table.build(PIECE_COLUMNS, **pieces)
+    return {"names": list(names), "shapes": [list(s) for s in shapes],
+            "buffer": np.asarray(buffer, dtype=np.uint8).tobytes(),
+            "pieces": table.to_msgpack()}
+
+
+def _blob(f: Any, header: Any, start: int, rank: int, path: str) -> dict:
+    raw = read_blob(f, header, start, f"tensors/{rank}", path)
+    if isinstance(raw, dict) and "same_as" in raw:
+        other = raw["same_as"]
+        if not isinstance(other, int) or not 0 <= other < rank:
+            raise PlanFormatError(f"{path}: tensors/{rank} refers to rank {other!r}; corrupt")
+        raw = read_blob(f, header, start, f"tensors/{other}", path)
+    if not isinstance(raw, dict) or "same_as" in raw:
+        raise PlanFormatError(f"{path}: blob tensors/{rank} is malformed; recompile the plan")
+    return raw
+
+
+def rank_tensors(path: str, rank: int) -> RankTensors:
+    """The tensors rank `rank` of the plan at `path` binds, with their pieces."""
+    with open(path, "rb") as f:
+        header, start = read_header(f, path)
+        if f"rank/{rank}" not in header.blobs:
+            raise PlanFormatError(f"{path}: plan has no rank {rank} (it has "
+                                  f"{header.world} ranks)")
+        if f"tensors/{rank}" not in header.blobs:
+            raise PlanFormatError(f"{path}: the plan does not list its ranks' tensors (compiled "
+                                  "by an older rdma-plan); recompile it")
+        rp = RankPlan.decode(read_blob(f, header, start, f"rank/{rank}", path))
+        raw = _blob(f, header, start, rank, path)
+    return RankTensors(rank=rank, role=rp.role, identity=plan_identity(header, rank, path),
+                       tensors=_decode(raw, rp, path))
+
+
+def _decode(raw: dict, rp: RankPlan, path: str) -> tuple[BoundTensor, ...]:
+    what = f"{path} tensors/{rp.rank}"
+    try:
+        names = [str(n) for n in raw["names"]]
+        shapes = [tuple(int(x) for x in s) for s in raw["shapes"]]
+        flags = np.frombuffer(raw["buffer"], dtype=np.uint8)
+        table = Table.from_msgpack(PIECE_COLUMNS, raw["pieces"], what)
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlanFormatError(f"{what}: malformed ({type(e).__name__}: {e})") from None
+    regions = [r for r in rp.regions if r.name != STAGING]
+    if len(flags) != len(regions) or len(names) != len(shapes):
+        raise PlanFormatError(f"{what}: {len(flags)} flags for {len(regions)} regions; corrupt")
+    cols = {n: table[n].tolist() for n, _ in PIECE_COLUMNS}
+    by_region: list[list[Piece]] = [[] for _ in regions]
+    for i in range(len(table)):
+        reg, t = cols["region"][i], cols["tensor"][i]
+        if not (0 <= reg < len(regions) and 0 <= t < len(names)):
+            raise PlanFormatError(f"{what}: piece {i} names region {reg} / tensor {t}; corrupt")
+        nd = len(shapes[t])
+        by_region[reg].append(Piece(
+            names[t], (cols["off0"][i], cols["off1"][i])[:nd],
+            (cols["size0"][i], cols["size1"][i])[:nd], cols["start"][i],
+            (cols["stride0"][i], cols["stride1"][i])[:nd]))
+    for reg, ps in enumerate(by_region):
+        n = math.prod(regions[reg].shape)
+        for p in ps:
+            last = p.start + sum((s - 1) * st for s, st in zip(p.sizes, p.strides))
+            if p.start < 0 or last >= n or min(p.sizes, default=1) < 1:
+                raise PlanFormatError(f"{what}: a piece of {p.tensor} lies outside "
+                                      f"{regions[reg].name} {regions[reg].shape}; corrupt")
+    return tuple(BoundTensor(r.name, r.shape, r.dtype, bool(flags[i]), i, tuple(by_region[i]))
+                 for i, r in enumerate(regions))

@@ -1,0 +1,134 @@
+"""The adapters refuse a model that disagrees with the plan, naming the key to change.
+
+Models here are plain modules with the native names of a layout (no processes): the
+Megatron adapter reads the coordinates from a stand-in `parallel_state` (the real one is
+exercised by test_adapters.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from integrations import ModelMismatchError, fsdp2, megatron
+from planner.compiler import compile_config
+from planner.layouts import build_layout
+from planner.materialize import DTYPES
+from planner.spec import spec_from_hf
+from planner.validate import validate
+from schemas.config import SourceConfig, config_from_dict
+from schemas.identity import IdentityError
+from schemas.plan import write_plan
+from tests.layouts.models import qwen3, qwen3_moe
+
+
+def _plan(tmp_path, source: dict, layers: int = 4, hf=qwen3) -> str:
+    spec = spec_from_hf(hf(num_hidden_layers=layers))
+    cfg = config_from_dict({"model": {"config": "x"}, "source": source,
+                            "target": {"engine": "vllm", "tp": 1}})
+    validate(cfg, spec)
+    path = str(tmp_path / "p.rplan")
+    write_plan(path, compile_config(cfg, spec))
+    return path
+
+
+def module(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module tree whose `named_parameters()` are `tensors` (dotted names)."""
+    root = torch.nn.Module()
+    for name, t in tensors.items():
+        m = root
+        *path, leaf = name.split(".")
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        m.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return root
+
+
+def chunks(source: dict, rank: int, layers: int = 4, dtype: str | None = None,
+           hf=qwen3) -> list:
+    """The chunks of a Megatron rank as our layout names them (zeros)."""
+    cfg = SourceConfig(**source)
+    lay = build_layout(spec_from_hf(hf(num_hidden_layers=layers)), cfg).ranks[rank]
+    per: dict[int, dict[str, torch.Tensor]] = {}
+    for t in lay.tensors:
+        v, name = (int(t.name[5]), t.name[7:]) if cfg.vpp > 1 else (0, t.name)
+        per.setdefault(v, {})[name] = torch.zeros(t.shape, dtype=DTYPES[dtype or t.dtype])
+    return [module(per[v]) for v in sorted(per)]
+
+
+def state(tp=0, pp=0, dp=0, ep=0, etp=0, edp=0, vpp=None):
+    return SimpleNamespace(
+        get_tensor_model_parallel_rank=lambda: tp, get_pipeline_model_parallel_rank=lambda: pp,
+        get_data_parallel_rank=lambda: dp, get_expert_model_parallel_rank=lambda: ep,
+        get_expert_tensor_parallel_rank=lambda: etp, get_expert_data_parallel_rank=lambda: edp,
+        get_virtual_pipeline_model_parallel_world_size=lambda: vpp)
+
+
+MEGA = {"framework": "megatron", "tp": 2, "pp": 2, "vpp": 2}
+
+
+def test_megatron_binds_the_live_storage(tmp_path):
+    path = _plan(tmp_path, MEGA)
+    model = chunks(MEGA, 3)
+    b = megatron.bind(path, model, state(tp=1, pp=1, etp=1, vpp=2))
+    assert b.rank == 3 and b.identity["tp"] == 1 and b.identity["vpp"] == 2
+    live = dict(model[1].named_parameters())
+    assert b.tensors["model1.decoder.final_layernorm.weight"].data_ptr() == \
+        live["decoder.final_layernorm.weight"].data_ptr()
+    wrapped = [torch.nn.Module() for _ in model]  # DDP / Float16Module keep it in .module
+    for w, m in zip(wrapped, model):
+        w.add_module("module", m)
+    assert megatron.bind(path, wrapped, state(tp=1, pp=1, etp=1, vpp=2)).rank == 3
+
+
+@pytest.mark.parametrize("plan_source, model_source, rank, message", [
+    (dict(MEGA, transformer_engine=True), MEGA, 0, "set source.transformer_engine: false"),
+    (MEGA, dict(MEGA, transformer_engine=True), 0, "set source.transformer_engine: true"),
+    # the plan puts 2 layers on stage 0 (1 per chunk), the model was built with 4 and 4
+    (dict(MEGA, pp_first_stage_layers=2), MEGA, 0, "pp_first_stage_layers"),
+    (dict(MEGA, dtype="float32"), MEGA, 0, "dtype bfloat16, the plan has float32"),
+])
+def test_megatron_mismatches_are_named(tmp_path, plan_source, model_source, rank, message):
+    uneven = "pp_first_stage_layers" in plan_source
+    path = _plan(tmp_path, dict(plan_source, framework="megatron"), layers=6 if uneven else 4)
+    # uneven: the plan has 6 layers, 1 per chunk on stage 0; the model 8, 2 per chunk
+    model = chunks(dict(model_source, framework="megatron"), rank, layers=8 if uneven else 4)
+    with pytest.raises(ModelMismatchError) as e:
+        megatron.bind(path, model, state(vpp=2))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("plan_layout, model_layout", [("grouped", "sequential"),
+                                                       ("sequential", "grouped")])
+def test_megatron_expert_layout_is_named(tmp_path, plan_layout, model_layout):
+    source = {"framework": "megatron", "ep": 2, "dp": 2}
+    path = _plan(tmp_path, dict(source, expert_layout=plan_layout), hf=qwen3_moe)
+    model = chunks(dict(source, expert_layout=model_layout), 1, hf=qwen3_moe)
+    with pytest.raises(ModelMismatchError, match=f"set source.expert_layout: {model_layout}"):
+        megatron.bind(path, model[0], state(dp=1, ep=1))
+
+
+def test_megatron_wrong_chunks_or_identity(tmp_path):
+    path = _plan(tmp_path, MEGA)
+    with pytest.raises(ModelMismatchError, match="1 model chunk"):
+        megatron.bind(path, chunks(MEGA, 0)[:1], state(vpp=2))
+    with pytest.raises(IdentityError, match="no source rank has the identity megatron tp=0 "
+                       "pp=0 vpp=1"):
+        megatron.bind(path, chunks(MEGA, 0)[0], state(vpp=None))
+
+
+def test_fsdp2_plain_module_and_dtype(tmp_path):
+    source = {"framework": "fsdp2", "dtype": "float32"}
+    path = _plan(tmp_path, source)
+    lay = build_layout(spec_from_hf(qwen3(num_hidden_layers=4)), SourceConfig(**source))
+    model = module({t.name: torch.zeros(t.shape) for t in lay.ranks[0].tensors})
+    b = fsdp2.bind(path, model)  # no DTensors: the 1-rank mesh (0, 0, 0)
+    assert b.rank == 0 and b.identity == {"framework": "fsdp2", "dp_replicate": 0,
+                                          "dp_shard": 0, "tp": 0}
+    model = module({t.name: torch.zeros(t.shape, dtype=torch.bfloat16)
+                    for t in lay.ranks[0].tensors})
+    with pytest.raises(ModelMismatchError, match="compile with source.dtype: bfloat16"):
+        fsdp2.bind(path, model)

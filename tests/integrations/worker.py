@@ -1,0 +1,165 @@
+"""One process of the adapter acceptance tests (run by test_adapters.py), over NIXL.
+
+argv[1] = JSON {"role", "index", "plan", "config", "store", "gloo_port", "steps", ...}.
+
+- `megatron`: builds this rank's real Megatron-Core 0.16.1 model chunks (local spec, CPU,
+  gloo; `vpp` chunks with `vp_stage`; optionally wrapped in `Float16Module` for bf16
+  parameters), loads the test's logical weights into them, then calls only
+  `integrations.megatron.bind` and the executor.
+- `fsdp2`: builds the HF model (transformers), loads the weights, shards it with
+  `fully_shard` (default 1-d mesh, or an HSDP mesh), then `integrations.fsdp2.bind` and the
+  executor.
+- `target`: a plain process: allocates what `schemas.tensors.rank_tensors` (the library
+  function of `rdma-plan tensors`) lists, loads with the plan's identity, and after every
+  step compares every tensor bit-exactly with the target layout built from the same
+  logical weights. Sources add 1 to every bound tensor between steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, ROOT)
+
+import executor  # noqa: E402
+from planner.layouts import build_layout, megatron  # noqa: E402
+from planner.materialize import materialize, random_full_tensors  # noqa: E402
+from planner.validate import load  # noqa: E402
+from schemas.tensors import rank_tensors  # noqa: E402
+
+
+def _full(spec, step: int) -> dict[str, torch.Tensor]:
+    """The logical weights of step `step` (+1 per step, rounded once to their dtype)."""
+    return {k: (v.to(torch.bfloat16).float() + step).to(v.dtype)  # fp32 buffers: bf16-exact
+            for k, v in random_full_tensors(spec, seed=5, scale=0.5).items()}
+
+
+def _store(arg: dict) -> dist.TCPStore:
+    """A client of the store the test hosts (it outlives every rank)."""
+    from datetime import timedelta
+
+    host, port = arg["store"].rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                         timeout=timedelta(seconds=120))
+
+
+def _run_source(arg: dict, tensors: dict[str, torch.Tensor], rank: int, ident: dict) -> None:
+    ex = executor.load(arg["plan"], rank=rank, tensors=tensors, identity=ident,
+                       transport="nixl", rendezvous=_store(arg), timeout_s=120)
+    for step in range(arg["steps"]):
+        if step:
+            with torch.no_grad():
+                for t in tensors.values():
+                    t.add_(1)
+        stats = executor.run(ex)
+        print(f"{arg['role']} {arg['index']}: plan rank {rank} step {step} sent "
+              f"{stats.bytes} bytes", flush=True)
+
+
+def megatron_source(arg: dict) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+
+    import integrations.megatron
+    from tests.support.megatron import build, patch_cuda, patch_mla
+
+    cfg, spec = load(arg["config"])
+    src, hf = cfg.source, arg["hf"]
+    patch_cuda()
+    if hf["model_type"] == "deepseek_v3":
+        patch_mla()
+    ps.initialize_model_parallel(src.tp, src.pp, virtual_pipeline_model_parallel_size=(
+        src.vpp if src.vpp > 1 else None), expert_model_parallel_size=src.ep,
+        expert_tensor_parallel_size=src.expert_tp)
+    with contextlib.suppress(Exception):
+        model_parallel_cuda_manual_seed(0)
+    p, rank = ps.get_pipeline_model_parallel_rank(), dist.get_rank()
+    vocab = megatron.padded_vocab(spec.dims.vocab, src)
+    chunks = [build(hf, src, vocab, p == 0 and v == 0, p == src.pp - 1 and v == src.vpp - 1,
+                    vp_stage=v if src.vpp > 1 else None) for v in range(src.vpp)]
+    # Megatron's own global layer numbers must be the layers our layout gives each chunk
+    got = [[m.layer_number - 1 for m in c.decoder.layers] for c in chunks]
+    want = [list(r) for r in megatron.chunk_layers(spec.dims.num_layers, src)[p]]
+    assert got == want, f"chunk layers: Megatron {got}, layout {want}"
+    ours = materialize(build_layout(spec, src), _full(spec, 0), ranks=[rank])[rank]
+    live = {f"model{v}.{n}" if src.vpp > 1 else n: t for v, c in enumerate(chunks)
+            for n, t in [*c.named_parameters(), *c.named_buffers()]}
+    with torch.no_grad():
+        for name, t in ours.items():
+            live[name].copy_(t)
+    if arg.get("float16_module"):  # bf16 parameters, as under mixed precision
+        for c in chunks:
+            c.config.bf16 = True
+        chunks = [Float16Module(c.config, c) for c in chunks]
+    b = integrations.megatron.bind(arg["plan"], chunks)
+    assert b.rank == rank, f"Megatron rank {rank} got plan rank {b.rank}"
+    _run_source(arg, b.tensors, b.rank, b.identity)
+
+
+def fsdp2_source(arg: dict) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import integrations.fsdp2
+    from tests.support.hf import load_full
+
+    cfg, spec = load(arg["config"])
+    src = cfg.source
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**arg["hf"])).float()
+    load_full(model, _full(spec, 0))
+    mesh = None
+    if src.dp_replicate > 1:
+        mesh = init_device_mesh("cpu", (src.dp_replicate, src.dp),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    b = integrations.fsdp2.bind(arg["plan"], model)
+    assert b.rank == dist.get_rank(), f"rank {dist.get_rank()} got plan rank {b.rank}"
+    _run_source(arg, b.tensors, b.rank, b.identity)
+
+
+def target(arg: dict) -> None:
+    cfg, spec = load(arg["config"])
+    rank = arg["index"] + cfg.source.world
+    rt = rank_tensors(arg["plan"], rank)
+    tensors = {t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for t in rt.tensors}
+    layout = build_layout(spec, cfg.target)
+    assert [(t.name, t.shape) for t in rt.tensors] == \
+        [(t.name, t.shape) for t in layout.ranks[arg["index"]].tensors]
+    ex = executor.load(arg["plan"], rank=rank, tensors=tensors, identity=rt.identity,
+                       transport="nixl", rendezvous=_store(arg), timeout_s=120)
+    for step in range(arg["steps"]):
+        stats = executor.run(ex)
+        assert stats.complete, f"step {step} incomplete"
+        want = materialize(layout, _full(spec, step), ranks=[arg["index"]])[arg["index"]]
+        bad = [n for n, t in tensors.items() if not torch.equal(t, want[n])]
+        assert not bad, f"step {step}: {len(bad)} tensors differ, e.g. {bad[:3]}"
+        print(f"target {arg['index']}: plan rank {rank} step {step}: {len(tensors)} tensors "
+              "bit-exact", flush=True)
+
+
+def main() -> int:
+    arg = json.loads(sys.argv[1])
+    if arg["role"] != "target":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{arg['gloo_port']}",
+                                rank=arg["index"], world_size=arg["sources"])
+    {"megatron": megatron_source, "fsdp2": fsdp2_source, "target": target}[arg["role"]](arg)
+    if arg["role"] != "target":
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
