@@ -20,6 +20,7 @@ import numpy as np
 
 from planner.fp8 import FP8, SCALE_SUFFIX, with_scales
 from planner.layouts import build_layout
+from planner.layouts import sglang as sglang_layout
 from planner.layouts.base import Layout
 from planner.passes.assign import assign, split_rows
 from planner.passes.coalesce import coalesce
@@ -250,6 +251,8 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
         "nics": nic["nics"],
     }
     header["rank_stats"] = _rank_stats(low, topo.world)
+    if dst_layout.framework == "sglang":  # derived state to refresh after raw writes
+        header["derived"] = sglang_layout.derived(dst_layout)
     step("emit")
     return emit(header, low, sched, topo, regions, explain, tuple(names),
                 coverage_table(dst_layout, src_layout.world))

@@ -15,11 +15,19 @@ head. Different (read from SGLang's source, not run):
   embedding is replicated (`enable_tp=False`), lm_head and MLPs stay split over all tp.
 - PP: embedding on the first stage only; the last stage holds `lm_head.weight` (a copy of
   the embedding when tied and PP > 1; with PP 1 a tied head is the embedding itself).
+- Order of `named_parameters()` inside a layer differs from vLLM's (`ORDER`): Qwen3's
+  `q_norm`/`k_norm` come before `qkv_proj`; Qwen3-MoE's routed experts before the gate;
+  DeepSeek's `kv_a_layernorm` after `o_proj`, its routed experts before shared experts.
+
+Proven against SGLang 0.5.23 on CPU by tests/oracles/test_sglang_oracle.py (bit-exact per
+rank: names, order, shapes, dtypes, values).
 """
 
 from __future__ import annotations
 
-from planner.layouts.base import Layout
+from dataclasses import replace
+
+from planner.layouts.base import Layout, PhysicalTensor
 from planner.layouts.vllm import Names, Shard, Split, build, check_common, fail, pp_layers
 from planner.spec import ModelSpec
 from schemas.config import TargetConfig
@@ -59,4 +67,73 @@ def layout(spec: ModelSpec, cfg: TargetConfig) -> Layout:
     engines = 1 if cfg.dp_attention else cfg.dp
     shards = [shard(spec, cfg, p, t)
               for _ in range(engines) for p in range(cfg.pp) for t in range(cfg.tp)]
-    return build("sglang", spec, cfg, shards, NAMES)
+    lay = build("sglang", spec, cfg, shards, NAMES)
+    kind = spec.dims.model_type
+    return replace(lay, ranks=tuple(replace(r, tensors=sglang_order(r.tensors, kind))
+                                    for r in lay.ranks))
+
+
+ORDER = {
+    "qwen3": ("q_norm.", "k_norm.", "qkv_proj.", "o_proj."),
+    "qwen3_moe": ("qkv_proj.", "o_proj.", "q_norm.", "k_norm.", "experts.w13_weight",
+                  "experts.w2_weight", "mlp.gate.weight"),
+    "deepseek_v3": ("fused_qkv_a_proj_with_mqa.", "kv_a_proj_with_mqa.", "q_a_layernorm.",
+                    "q_b_proj.", "q_proj.", "kv_b_proj.", "o_proj.", "kv_a_layernorm.",
+                    "mlp.gate.weight", "e_score_correction_bias", "experts.w13_weight",
+                    "experts.w2_weight", "shared_experts.gate_up_proj.",
+                    "shared_experts.down_proj."),
+}
+"""Per family, the order of SGLang's `named_parameters()` inside a decoder layer (the order
+its modules create them), for the tensors whose order differs from vLLM's; tensors that
+match none keep their place after them (MLPs, layer norms)."""
+
+
+def sglang_order(tensors: tuple[PhysicalTensor, ...],
+                 model_type: str) -> tuple[PhysicalTensor, ...]:
+    """Reorder each decoder layer's tensors into SGLang's `named_parameters()` order."""
+    order = ORDER.get(model_type, ())
+
+    def key(t: PhysicalTensor) -> int:
+        return next((i for i, k in enumerate(order) if k in t.name), len(order))
+
+    out: list[PhysicalTensor] = []
+    group: list[PhysicalTensor] = []
+    for t in (*tensors, None):
+        layer = t is not None and t.name.startswith("model.layers.")
+        if group and (not layer or t.name.split(".")[2] != group[0].name.split(".")[2]):
+            out += sorted(group, key=key)
+            group = []
+        if layer:
+            group.append(t)
+        elif t is not None:
+            out.append(t)
+    return tuple(out)
+
+
+MLA_SPLIT = "mla_kv_b_split"
+"""Derived kind: `w_kc`/`w_vc` of an MLA attention, split from its `kv_b_proj.weight`."""
+
+
+def derived(lay: Layout) -> list[list[dict[str, object]]]:
+    """What SGLang derives from transferred bytes, per target rank (header key `derived`).
+
+    SGLang's DeepSeek `post_load_weights` builds each MLA layer's `w_kc`
+    `[heads, nope, kv_lora]` and `w_vc` `[heads, kv_lora, v]` from `kv_b_proj.weight` as
+    *copies* (`.contiguous()`), in every dtype, so a raw write into `kv_b_proj` leaves
+    them stale until that step runs again (it copies into the same storage: `data_ptr`s
+    stay). Entries are plain data, engine-neutral: `kind`, `engine`, `module` (the
+    attention module's name), `inputs` (physical tensors the plan writes) and `outputs`
+    (tensors refreshed from them). Nothing else in SGLang's dense, MoE or tied models is
+    derived from the weights (checked against SGLang 0.5.23 on CPU).
+    """
+    out = []
+    for rank in lay.ranks:
+        entries: list[dict[str, object]] = []
+        for t in rank.tensors:
+            if t.name.endswith(".self_attn.kv_b_proj.weight"):
+                module = t.name[: -len(".kv_b_proj.weight")]
+                entries.append({"kind": MLA_SPLIT, "engine": "sglang", "module": module,
+                                "inputs": [t.name],
+                                "outputs": [module + ".w_kc", module + ".w_vc"]})
+        out.append(entries)
+    return out

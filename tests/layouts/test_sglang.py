@@ -121,3 +121,37 @@ def test_coverage_property(spec: ModelSpec, tp: int, dp: int, pp: int, ep: bool,
         assume(False)
     check_replicas(lay, cfg.engine_world)
     check_coverage(spec, lay, sglang_expected(spec, cfg))
+
+
+def test_order_is_sglangs() -> None:
+    # SGLang's named_parameters() order inside a layer (proven by the oracle)
+    lay = sglang.layout(spec_from_hf(qwen3()), target(tp=2))
+    layer0 = [n.removeprefix("model.layers.0.") for n in names(lay, 0)
+              if n.startswith("model.layers.0.")]
+    assert layer0[:4] == ["self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                          "self_attn.qkv_proj.weight", "self_attn.o_proj.weight"]
+    lay = sglang.layout(spec_from_hf(deepseek_v3()), target(tp=2))
+    layer1 = [n.removeprefix("model.layers.1.") for n in names(lay, 0)
+              if n.startswith("model.layers.1.")]
+    assert layer1.index("self_attn.kv_a_layernorm.weight") > \
+        layer1.index("self_attn.o_proj.weight")
+    assert layer1.index("mlp.experts.w2_weight") < \
+        layer1.index("mlp.shared_experts.gate_up_proj.weight")
+
+
+def test_derived_lists_every_mla_layer_per_rank() -> None:
+    spec = spec_from_hf(deepseek_v3())
+    lay = sglang.layout(spec, target(tp=2, pp=2))
+    entries = sglang.derived(lay)
+    assert len(entries) == lay.world == 4
+    # PP 2 of 3 layers: stage 0 (ranks 0, 1) holds layers 0-1, stage 1 (ranks 2, 3) layer 2
+    assert [[e["module"] for e in r] for r in entries] == [
+        ["model.layers.0.self_attn", "model.layers.1.self_attn"]] * 2 + [
+        ["model.layers.2.self_attn"]] * 2
+    e = entries[3][0]
+    assert e == {"kind": "mla_kv_b_split", "engine": "sglang",
+                 "module": "model.layers.2.self_attn",
+                 "inputs": ["model.layers.2.self_attn.kv_b_proj.weight"],
+                 "outputs": ["model.layers.2.self_attn.w_kc", "model.layers.2.self_attn.w_vc"]}
+    assert all(i in names(lay, 3) for i in e["inputs"])
+    assert sglang.derived(sglang.layout(spec_from_hf(qwen3()), target(tp=2))) == [[], []]

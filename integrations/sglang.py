@@ -1,0 +1,156 @@
+"""SGLang engine side: write a plan's target ranks into a live SGLang 0.5.23 engine.
+
+One `SGLangTarget` per SGLang scheduler process (one TP rank of one engine), built once
+after the engine has loaded its model. It reads the rank's identity from SGLang's own
+parallel state (`runtime_context.get_parallel()`), binds the live `named_parameters()`
+and registers them once (`executor.load`); every update then writes straight into them.
+
+One update, through SGLang's own calls (trainer side on the left, each engine rank on
+the right; the engine's `collective_rpc` or a scheduler hook runs the right column):
+
+    engine.pause_generation()
+    engine.begin_weight_update()      target.begin()   WeightUpdater.begin_weight_update()
+    sources: executor.run(plan)       target.receive() executor.run(plan) on this rank
+    engine.end_weight_update()        target.end(v)    refuses a torn update, else
+                                                       WeightUpdater.end_weight_update(
+                                                       run_post_load=True): SGLang's
+                                                       post_load_weights refreshes the
+                                                       derived tensors (DeepSeek w_kc/w_vc)
+                                                       in place, then commits version v
+    engine.update_weight_version(v); engine.continue_generation()
+
+SGLang's scheduler runs `post_load_weights` at `end_weight_update` exactly when no
+`load_weights` ran in the session: the raw-write case. The plan header's `derived` entry
+for this rank (`planner.layouts.sglang.derived`) lists what that refresh must cover; the
+target checks at bind time that SGLang's model holds those tensors, so a plan compiled for
+another model or engine version is refused before anything is registered.
+
+Remote-instance memory registration: `weight_info()` returns SGLang's own
+`{name: (data_ptr, numel, element_size)}` map (`register_memory_region_v1`'s format) of
+the bound tensors; the pointers never change across updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import executor
+from schemas.errors import UserError
+from schemas.plan import read_header
+
+
+class TornUpdateError(UserError):
+    """The plan did not complete on this rank: the weights are not whole; nothing committed."""
+
+
+def identity(replica: int = 0, parallel: Any = None) -> dict[str, int | str]:
+    """This process's coordinates in SGLang's terms (the shared identity convention)."""
+    if parallel is None:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+    return {"framework": "sglang", "replica": replica,
+            "dp": int(getattr(parallel, "attn_dp_rank", 0) or 0),
+            "tp": int(parallel.tp_rank), "pp": int(parallel.pp_rank),
+            "ep": int(parallel.moe_ep_rank), "attn_tp": int(parallel.attn_tp_rank)}
+
+
+def plan_rank(header: dict[str, Any], ident: dict[str, int | str], dp_rank: int = 0) -> int:
+    """The plan rank of an engine rank: sources first, then replica, engine, PP, TP
+    (`planner.layouts.sglang.layout`'s order). `dp_rank`: which engine of the replica
+    without DP attention (SGLang's DP controller index)."""
+    t = header["target"]
+    tp, pp = int(t["tp"]), int(t["pp"])
+    engines = 1 if t.get("dp_attention") else int(t["dp"])
+    if not 0 <= dp_rank < engines:
+        raise UserError(f"dp_rank: {dp_rank} is not an engine of this plan (target.dp="
+                        f"{t['dp']}, dp_attention={t.get('dp_attention')}); pass 0..{engines - 1}")
+    local = (dp_rank * pp + int(ident["pp"])) * tp + int(ident["tp"])
+    return int(header["sources"]) + int(ident["replica"]) * engines * pp * tp + local
+
+
+def derived_of(header: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+    """The plan's derived-refresh entries of plan rank `rank` (header key `derived`: one
+    list per target rank, in target order; absent or empty when nothing is derived)."""
+    per_target = header.get("derived") or []
+    i = rank - int(header["sources"])
+    return list(per_target[i]) if 0 <= i < len(per_target) else []
+
+
+def check_derived(model: torch.nn.Module, entries: list[dict[str, Any]]) -> None:
+    """Every derived output the plan lists must exist on SGLang's model (after its first
+    post-load processing) as a tensor; refuse otherwise, naming the tensor."""
+    modules = dict(model.named_modules())
+    missing = []
+    for e in entries:
+        for out in e["outputs"]:
+            mod, _, attr = out.rpartition(".")
+            if not isinstance(getattr(modules.get(mod), attr, None), torch.Tensor):
+                missing.append(out)
+    if missing:
+        raise UserError(f"derived: {missing[:3]} not found on the SGLang model; the plan "
+                        "was compiled for another model or SGLang version: recompile it")
+
+
+class SGLangTarget:
+    """One SGLang engine rank bound to its plan rank (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, plan_path: str, *, updater: Any,
+                 replica: int = 0, dp_rank: int = 0, transport: str = "nixl",
+                 rendezvous: object = None, timeout_s: float = 60.0,
+                 commit_version: Callable[[str], None] | None = None,
+                 parallel: Any = None):
+        with open(plan_path, "rb") as f:
+            header = read_header(f, plan_path)[0]
+        if header["target"].get("engine") != "sglang":
+            raise UserError(f"{plan_path}: target.engine is "
+                            f"{header['target'].get('engine')!r}, not 'sglang'; compile "
+                            "the plan with target.engine: sglang")
+        self.model, self.updater, self.commit_version = model, updater, commit_version
+        self.identity = identity(replica, parallel)
+        self.rank = plan_rank(header, self.identity, dp_rank)
+        self.derived = derived_of(header, self.rank)
+        check_derived(model, self.derived)
+        self.tensors = {n: p.data for n, p in model.named_parameters()}
+        self.plan = executor.load(plan_path, self.rank, self.tensors, transport=transport,
+                                  rendezvous=rendezvous, timeout_s=timeout_s)
+        self.version: str | None = None
+        self.open = False
+
+    def weight_info(self) -> dict[str, tuple[int, int, int]]:
+        """SGLang's remote-instance registration map of the bound tensors."""
+        return {n: (t.data_ptr(), t.numel(), t.element_size()) for n, t in self.tensors.items()}
+
+    def begin(self) -> None:
+        """SGLang's `begin_weight_update` on this rank (undoes in-place weight packing)."""
+        self.updater.begin_weight_update()
+        self.open = True
+
+    def receive(self) -> executor.RunStats:
+        """This rank's part of one plan step; raises (naming the peer) if a peer is gone."""
+        if not self.open:
+            raise UserError("receive: no weight update is open; call begin() first")
+        return executor.run(self.plan)
+
+    def end(self, version: str) -> None:
+        """SGLang's `end_weight_update` with post-load processing (derived state refreshed
+        in place), then commit `version`; a torn update raises `TornUpdateError` and
+        leaves the session open and the version unchanged (run the next update)."""
+        if not self.open:
+            raise UserError("end: no weight update is open; call begin() first")
+        if not self.plan.complete:
+            raise TornUpdateError(f"plan rank {self.rank}: the last update did not complete "
+                                  "(a peer failed mid-step); the weights are not whole, "
+                                  f"version stays {self.version!r}: do not resume generation; "
+                                  "run receive() again, then end()")
+        self.updater.end_weight_update(run_post_load=True)
+        self.open = False
+        self.version = version
+        if self.commit_version is not None:
+            self.commit_version(version)
+
+    def close(self) -> None:
+        self.plan.close()
