@@ -2,7 +2,7 @@
 
 Same as vLLM: `qkv_proj` with KV-head replication, `gate_up_proj`, row-parallel
 `o_proj`/`down_proj`, 64-row vocab padding, global layer indices under PP, MLA split by
-head. Different (read from SGLang's source, not run):
+head. Different (checked against SGLang 0.5.23 on CPU):
 
 - Experts are `mlp.experts.w13_weight` / `w2_weight`. EP (`target.ep`) spans the TP group
   (`ep_size = tp`, MoE TP 1) and places experts contiguously: `E % tp == 0`, rank t owns
@@ -12,7 +12,8 @@ head. Different (read from SGLang's source, not run):
 - `dp` without DP attention: independent engines inside one target replica (each a full
   copy, ranks dp-major). With `dp_attention`: one engine of `tp` ranks per PP stage;
   attention uses `attn_tp = tp/dp`, TP rank t has attention rank `t % attn_tp`; the
-  embedding is replicated (`enable_tp=False`), lm_head and MLPs stay split over all tp.
+  embedding is split over the attention TP group like the attention (padded vocab /
+  attn_tp rows; replicated only when attn_tp = 1), lm_head and MLPs stay split over all tp.
 - PP: embedding on the first stage only; the last stage holds `lm_head.weight` (a copy of
   the embedding when tied and PP > 1; with PP 1 a tied head is the embedding itself).
 - Order of `named_parameters()` inside a layer differs from vLLM's (`ORDER`): Qwen3's
@@ -58,7 +59,7 @@ def shard(spec: ModelSpec, cfg: TargetConfig, p: int, t: int) -> Shard:
                  moe_tp=Split() if cfg.ep else tp, ep=tp if cfg.ep else Split(),
                  layers=pp_layers(spec.dims.num_layers, cfg.pp, p),
                  embed=p == 0, head=p == cfg.pp - 1,
-                 embed_vocab=Split() if cfg.dp_attention else tp)
+                 embed_vocab=Split(a, t % a) if cfg.dp_attention else tp)
 
 
 def layout(spec: ModelSpec, cfg: TargetConfig) -> Layout:

@@ -37,7 +37,8 @@ def test_experts_contiguous_ep() -> None:
 def test_dp_attention() -> None:
     # tp=4, dp=2, DP attention: world 4; attention TP 2 (rank t -> attention rank t % 2).
     # nh=8, ng=2, hd=4: rank 3 = q heads 4-7 (rows [16,32)), kv head 1.
-    # embed_tokens replicated [128, 16] (V=100 padded); lm_head split 4 ways (32 rows).
+    # embed_tokens split over the attention TP group: [64, 16] (V=100 padded to 128, /2),
+    # rank 3 = attention rank 1 = rows [64, 100); lm_head split 4 ways (32 rows).
     cfg = target(tp=4, dp=2, dp_attention=True)
     lay = sglang.layout(spec_from_hf(qwen3()), cfg)
     assert lay.world == 4 == cfg.engine_world
@@ -45,8 +46,8 @@ def test_dp_attention() -> None:
     assert [(x.offsets, x.sizes) for x in qkv.pieces] == [((16, 0), (16, 16)),
                                                            ((4, 0), (4, 16)), ((4, 0), (4, 16))]
     emb = tensor(lay, 3, "model.embed_tokens.weight")
-    assert emb.shape == (128, 16)
-    assert emb.pieces == (Piece("model.embed_tokens.weight", (0, 0), (100, 16), (0, 0)),)
+    assert emb.shape == (64, 16)
+    assert emb.pieces == (Piece("model.embed_tokens.weight", (64, 0), (36, 16), (0, 0)),)
     assert tensor(lay, 3, "lm_head.weight").pieces[0].offsets == (96, 0)
     # the dense MLP stays split over all 4 ranks: F=32 -> rank 3 down cols [24, 32)
     assert tensor(lay, 3, "model.layers.0.mlp.down_proj.weight").pieces[0].offsets == (0, 24)
@@ -89,8 +90,8 @@ def sglang_expected(spec: ModelSpec, cfg: TargetConfig) -> Callable[[str], int]:
     def expected(name: str) -> int:
         n = engines
         if name == "model.embed_tokens.weight":
-            # first stage (replicated with DP attention), plus lm_head's copy (tied, PP)
-            return n * ((cfg.tp if cfg.dp_attention else 1) + (d.tied and cfg.pp > 1))
+            # first stage (once per DP-attention group), plus lm_head's copy (tied, PP)
+            return n * ((cfg.tp // a if cfg.dp_attention else 1) + (d.tied and cfg.pp > 1))
         if ".experts." in name and ".shared_experts." not in name:
             return n
         if any(k in name for k in attention):

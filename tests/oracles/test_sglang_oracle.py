@@ -68,7 +68,10 @@ LAUNCHES = {
         case("deepseek_v3 tp2", deepseek_v3(), 2),
         case("qwen3 tp2 dp-attention", qwen3(), 2, dp=2, dp_attention=True)],
     4: [case("qwen3 tp4 kv-replication", qwen3(), 4),
-        case("qwen3 tp4 dp2 dp-attention", qwen3(), 4, dp=2, dp_attention=True)],
+        # attention TP 2: the embedding is split over the attention group, not replicated
+        case("qwen3 tp4 dp2 dp-attention", qwen3(), 4, dp=2, dp_attention=True),
+        case("qwen3 tp4 dp2 dp-attention tied", qwen3(tie_word_embeddings=True), 4, dp=2,
+             dp_attention=True)],
 }
 
 
