@@ -42,4 +42,4 @@ def test_update_live_engine_bit_exact_with_derived_refresh(tmp_path) -> None:
     compile_file(str(tmp_path / "plan.yaml"), plan)
     launch("sglang_update_worker.py", 3,
            {"config": str(tmp_path / "plan.yaml"), "plan": plan, "hf": hf,
-            "store": free_port(), "steps": 4, "torn": 3}, timeout=600.0)
+            "store": free_port(), "steps": 4, "torn": 3, "world": 3}, timeout=1200.0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import timedelta
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -35,17 +36,22 @@ def trainer(arg: dict) -> None:
     lay = build_layout(spec, cfg.source)
     tensors = {n: t.clone() for n, t in
                materialize(lay, random_full_tensors(spec, seed=100), ranks=[0])[0].items()}
-    plan = executor.load(arg["plan"], 0, tensors, transport="nixl",
-                         rendezvous=f"127.0.0.1:{arg['store']}", timeout_s=120)
+    plan = executor.load(arg["plan"], 0, tensors, transport="nixl",  # engines build slowly
+                         rendezvous=f"127.0.0.1:{arg['store']}", timeout_s=900)
+    plan.timeout_s = 120.0
+    engines = [f"{r}" for r in range(1, arg["world"])]
     for step in range(1, arg["steps"] + 1):
         new = materialize(lay, random_full_tensors(spec, seed=100 + step), ranks=[0])[0]
         for n, t in tensors.items():
             t.copy_(new[n])
         if step == arg["torn"]:
             print(f"trainer: skipping step {step}", flush=True)
+            plan.store.store.wait([f"test/torn-seen/{r}" for r in engines], timedelta(seconds=600))
             continue
         executor.run(plan)
         print(f"trainer: step {step} sent", flush=True)
+    # host the store (rank 0) until every engine rank has checked its last step
+    plan.store.store.wait([f"test/done/{r}" for r in engines], timedelta(seconds=600))
     plan.close()
 
 
@@ -92,8 +98,9 @@ def engine_rank(arg: dict, rank: int, world: int) -> None:
                             get_model_runner=None)
     versions: list[str] = []
     target = SGLangTarget(live, arg["plan"], updater=updater, parallel=get_parallel(),
-                          rendezvous=f"127.0.0.1:{arg['store']}", timeout_s=120,
+                          rendezvous=f"127.0.0.1:{arg['store']}", timeout_s=900,
                           commit_version=versions.append)
+    target.plan.timeout_s = 120.0
     ptrs = {n: t.data_ptr() for n, t in state(live).items()}
     assert target.derived and all(o in ptrs for e in target.derived for o in e["outputs"])
     for step in range(1, arg["steps"] + 1):
@@ -113,6 +120,7 @@ def engine_rank(arg: dict, rank: int, world: int) -> None:
                 print(f"rank {rank}: torn update refused: {e}", flush=True)
             assert target.version == versions[-1] == f"v{step - 1}", (target.version, versions)
             target.plan.timeout_s = 120.0
+            target.plan.store.set(f"test/torn-seen/{rank + 1}", b"1")
             continue
         target.receive()
         stale = differ(state(live), state(ref))
@@ -125,6 +133,7 @@ def engine_rank(arg: dict, rank: int, world: int) -> None:
         assert target.version == versions[-1] == f"v{step}"
         print(f"rank {rank}: step {step} bit-exact ({len(ptrs)} tensors, "
               f"{len(stale)} derived refreshed)", flush=True)
+    target.plan.store.set(f"test/done/{rank + 1}", b"1")
     target.close()
     sglang_env.teardown()
 
