@@ -74,22 +74,18 @@ def plan_rank(header: dict[str, Any], ident: dict[str, int | str], dp_rank: int 
 
 def derived_of(header: dict[str, Any], rank: int) -> list[dict[str, Any]]:
     """The plan's derived-refresh entries of plan rank `rank` (header key `derived`: one
-    list per target rank, in target order; absent or empty when nothing is derived)."""
-    per_target = header.get("derived") or []
-    i = rank - int(header["sources"])
-    return list(per_target[i]) if 0 <= i < len(per_target) else []
+    list per plan rank; absent or empty when nothing is derived)."""
+    per_rank = header.get("derived") or []
+    entries = list(per_rank[rank]) if 0 <= rank < len(per_rank) else []
+    return [e for e in entries if e.get("engine") == "sglang"]
 
 
 def check_derived(model: torch.nn.Module, entries: list[dict[str, Any]]) -> None:
-    """Every derived output the plan lists must exist on SGLang's model (after its first
-    post-load processing) as a tensor; refuse otherwise, naming the tensor."""
+    """Every derived tensor the plan lists must exist on SGLang's model (after its first
+    post-load processing); refuse otherwise, naming the tensor."""
     modules = dict(model.named_modules())
-    missing = []
-    for e in entries:
-        for out in e["outputs"]:
-            mod, _, attr = out.rpartition(".")
-            if not isinstance(getattr(modules.get(mod), attr, None), torch.Tensor):
-                missing.append(out)
+    missing = [f"{e['module']}.{w}" for e in entries for w in e["writes"]
+               if not isinstance(getattr(modules.get(e["module"]), w, None), torch.Tensor)]
     if missing:
         raise UserError(f"derived: {missing[:3]} not found on the SGLang model; the plan "
                         "was compiled for another model or SGLang version: recompile it")

@@ -252,7 +252,7 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     }
     header["rank_stats"] = _rank_stats(low, topo.world)
     if dst_layout.framework == "sglang":  # derived state to refresh after raw writes
-        header["derived"] = sglang_layout.derived(dst_layout)
+        header["derived"] = sglang_layout.derived(dst_layout, src_layout.world)
     step("emit")
     return emit(header, low, sched, topo, regions, explain, tuple(names),
                 coverage_table(dst_layout, src_layout.world))

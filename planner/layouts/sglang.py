@@ -27,8 +27,9 @@ rank: names, order, shapes, dtypes, values).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
-from planner.layouts.base import Layout, PhysicalTensor
+from planner.layouts.base import Layout, PhysicalTensor, RankLayout
 from planner.layouts.vllm import Names, Shard, Split, build, check_common, fail, pp_layers
 from planner.spec import ModelSpec
 from schemas.config import TargetConfig
@@ -111,30 +112,32 @@ def sglang_order(tensors: tuple[PhysicalTensor, ...],
     return tuple(out)
 
 
-MLA_SPLIT = "mla_kv_b_split"
-"""Derived kind: `w_kc`/`w_vc` of an MLA attention, split from its `kv_b_proj.weight`."""
+MLA_SPLIT = "mla_split"
+"""Derived rule: `w_kc`/`w_vc` of an MLA attention, split from its `kv_b_proj.weight`."""
 
 
-def derived(lay: Layout) -> list[list[dict[str, object]]]:
-    """What SGLang derives from transferred bytes, per target rank (header key `derived`).
+def derived_rank(rank: RankLayout) -> list[dict[str, Any]]:
+    """What SGLang derives from one target rank's transferred bytes (refresh entries of the
+    header key `derived`, format in the vLLM helper's `planner/derived.py`: `rule`,
+    `engine`, `module`, `reads` (the rank's plan tensors), `writes` (the module's derived
+    attributes)).
 
     SGLang's DeepSeek `post_load_weights` builds each MLA layer's `w_kc`
     `[heads, nope, kv_lora]` and `w_vc` `[heads, kv_lora, v]` from `kv_b_proj.weight` as
     *copies* (`.contiguous()`), in every dtype, so a raw write into `kv_b_proj` leaves
     them stale until that step runs again (it copies into the same storage: `data_ptr`s
-    stay). Entries are plain data, engine-neutral: `kind`, `engine`, `module` (the
-    attention module's name), `inputs` (physical tensors the plan writes) and `outputs`
-    (tensors refreshed from them). Nothing else in SGLang's dense, MoE or tied models is
-    derived from the weights (checked against SGLang 0.5.23 on CPU).
+    stay). Nothing else in SGLang's dense, MoE or tied models is derived from the weights
+    (checked against SGLang 0.5.23 on CPU, tests/integrations/test_sglang_update.py).
     """
-    out = []
-    for rank in lay.ranks:
-        entries: list[dict[str, object]] = []
-        for t in rank.tensors:
-            if t.name.endswith(".self_attn.kv_b_proj.weight"):
-                module = t.name[: -len(".kv_b_proj.weight")]
-                entries.append({"kind": MLA_SPLIT, "engine": "sglang", "module": module,
-                                "inputs": [t.name],
-                                "outputs": [module + ".w_kc", module + ".w_vc"]})
-        out.append(entries)
+    out: list[dict[str, Any]] = []
+    for t in rank.tensors:
+        if t.name.endswith(".self_attn.kv_b_proj.weight"):
+            out.append({"rule": MLA_SPLIT, "engine": "sglang",
+                        "module": t.name.removesuffix(".kv_b_proj.weight"),
+                        "reads": [t.name], "writes": ["w_kc", "w_vc"]})
     return out
+
+
+def derived(lay: Layout, sources: int) -> list[list[dict[str, Any]]]:
+    """The header's `derived` list: `[]` per source rank, then each target rank's entries."""
+    return [[] for _ in range(sources)] + [derived_rank(r) for r in lay.ranks]

@@ -36,11 +36,11 @@ def test_plan_rank_follows_the_layout_order() -> None:
 
 
 def test_derived_entries_and_check() -> None:
-    entry = {"kind": "mla_kv_b_split", "engine": "sglang", "module": "attn",
-             "inputs": ["attn.kv_b_proj.weight"], "outputs": ["attn.w_kc", "attn.w_vc"]}
-    header = {"sources": 2, "derived": [[], [entry]]}
+    entry = {"rule": "mla_split", "engine": "sglang", "module": "attn",
+             "reads": ["attn.kv_b_proj.weight"], "writes": ["w_kc", "w_vc"]}
+    header = {"derived": [[], [], [], [entry]]}
     assert derived_of(header, 3) == [entry] and derived_of(header, 2) == []
-    assert derived_of({"sources": 2}, 3) == []
+    assert derived_of({}, 3) == []
     model = torch.nn.Module()
     model.attn = torch.nn.Module()
     model.attn.w_kc = torch.zeros(2)

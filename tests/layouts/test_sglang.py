@@ -143,16 +143,15 @@ def test_order_is_sglangs() -> None:
 def test_derived_lists_every_mla_layer_per_rank() -> None:
     spec = spec_from_hf(deepseek_v3())
     lay = sglang.layout(spec, target(tp=2, pp=2))
-    entries = sglang.derived(lay)
-    assert len(entries) == lay.world == 4
+    entries = sglang.derived(lay, sources=2)
+    assert len(entries) == 2 + lay.world == 6 and entries[:2] == [[], []]
     # PP 2 of 3 layers: stage 0 (ranks 0, 1) holds layers 0-1, stage 1 (ranks 2, 3) layer 2
-    assert [[e["module"] for e in r] for r in entries] == [
+    assert [[e["module"] for e in r] for r in entries[2:]] == [
         ["model.layers.0.self_attn", "model.layers.1.self_attn"]] * 2 + [
         ["model.layers.2.self_attn"]] * 2
-    e = entries[3][0]
-    assert e == {"kind": "mla_kv_b_split", "engine": "sglang",
-                 "module": "model.layers.2.self_attn",
-                 "inputs": ["model.layers.2.self_attn.kv_b_proj.weight"],
-                 "outputs": ["model.layers.2.self_attn.w_kc", "model.layers.2.self_attn.w_vc"]}
-    assert all(i in names(lay, 3) for i in e["inputs"])
-    assert sglang.derived(sglang.layout(spec_from_hf(qwen3()), target(tp=2))) == [[], []]
+    e = entries[5][0]
+    assert e == {"rule": "mla_split", "engine": "sglang", "module": "model.layers.2.self_attn",
+                 "reads": ["model.layers.2.self_attn.kv_b_proj.weight"],
+                 "writes": ["w_kc", "w_vc"]}
+    assert all(r in names(lay, 3) for r in e["reads"])
+    assert sglang.derived(sglang.layout(spec_from_hf(qwen3()), target(tp=2)), 1) == [[]] * 3

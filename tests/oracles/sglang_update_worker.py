@@ -85,8 +85,8 @@ def engine_rank(arg: dict, rank: int, world: int) -> None:
     spec = spec_from_hf(arg["hf"], mtp=False)
     cpu = torch.device("cpu")
 
-    def checkpoint(seed: int):  # what the trainer holds at that step, in bf16
-        return iter((n, t.to(torch.bfloat16))
+    def checkpoint(seed: int):  # the trainer's weights at that step: bf16, fp32 buffers
+        return iter((n, t if spec.by_name[n].buffer else t.to(torch.bfloat16))
                     for n, t in random_full_tensors(spec, seed=seed).items())
 
     live = sglang_env.build(args, rank)
@@ -102,7 +102,8 @@ def engine_rank(arg: dict, rank: int, world: int) -> None:
                           commit_version=versions.append)
     target.plan.timeout_s = 120.0
     ptrs = {n: t.data_ptr() for n, t in state(live).items()}
-    assert target.derived and all(o in ptrs for e in target.derived for o in e["outputs"])
+    assert target.derived and all(f"{e['module']}.{w}" in ptrs
+                                  for e in target.derived for w in e["writes"])
     for step in range(1, arg["steps"] + 1):
         DefaultModelLoader.load_weights_and_postprocess(ref, checkpoint(100 + step), cpu)
         target.begin()
