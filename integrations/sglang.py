@@ -42,8 +42,9 @@ from schemas.errors import UserError
 from schemas.plan import read_header
 
 
-class TornUpdateError(UserError):
-    """The plan did not complete on this rank: the weights are not whole; nothing committed."""
+class TornUpdateError(RuntimeError):
+    """The plan did not complete on this rank: the weights are not whole; nothing committed.
+    (An operational failure, a peer lost mid-update, not bad input: no `UserError`.)"""
 
 
 def identity(replica: int = 0, parallel: Any = None) -> dict[str, int | str]:

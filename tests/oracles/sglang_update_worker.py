@@ -69,13 +69,33 @@ def differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     return [n for n in a if not torch.equal(a[n], b[n])]
 
 
+def torn_step(target, versions: list[str], step: int, rank: int) -> None:  # noqa: ANN001
+    """The trainer never sends: receive() times out, end() refuses, the version stays."""
+    from integrations.sglang import TornUpdateError
+
+    target.plan.timeout_s = 5.0
+    try:
+        target.receive()
+        raise AssertionError("receive() returned without the trainer's writes")
+    except executor.PeerTimeoutError:
+        pass
+    try:
+        target.end(f"v{step}")
+        raise AssertionError("end() accepted a torn update")
+    except TornUpdateError as e:
+        print(f"rank {rank}: torn update refused: {e}", flush=True)
+    assert target.version == versions[-1] == f"v{step - 1}", (target.version, versions)
+    target.plan.timeout_s = 120.0
+    target.plan.store.set(f"test/torn-seen/{rank + 1}", b"1")
+
+
 def engine_rank(arg: dict, rank: int, world: int) -> None:
     sglang_env.prepare()
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
     from sglang.srt.model_loader.loader import DefaultModelLoader
     from sglang.srt.runtime_context import get_parallel
 
-    from integrations.sglang import SGLangTarget, TornUpdateError
+    from integrations.sglang import SGLangTarget
     from planner.materialize import random_full_tensors
     from planner.spec import spec_from_hf
 
@@ -108,20 +128,7 @@ def engine_rank(arg: dict, rank: int, world: int) -> None:
         DefaultModelLoader.load_weights_and_postprocess(ref, checkpoint(100 + step), cpu)
         target.begin()
         if step == arg["torn"]:
-            target.plan.timeout_s = 5.0
-            try:
-                target.receive()
-                raise AssertionError("receive() returned without the trainer's writes")
-            except executor.PeerTimeoutError:
-                pass
-            try:
-                target.end(f"v{step}")
-                raise AssertionError("end() accepted a torn update")
-            except TornUpdateError as e:
-                print(f"rank {rank}: torn update refused: {e}", flush=True)
-            assert target.version == versions[-1] == f"v{step - 1}", (target.version, versions)
-            target.plan.timeout_s = 120.0
-            target.plan.store.set(f"test/torn-seen/{rank + 1}", b"1")
+            torn_step(target, versions, step, rank)
             continue
         target.receive()
         stale = differ(state(live), state(ref))
