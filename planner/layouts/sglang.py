@@ -14,8 +14,10 @@ head. Different (checked against SGLang 0.5.23 on CPU):
   attention uses `attn_tp = tp/dp`, TP rank t has attention rank `t % attn_tp`; the
   embedding is split over the attention TP group like the attention (padded vocab /
   attn_tp rows; replicated only when attn_tp = 1), lm_head and MLPs stay split over all tp.
-- PP: embedding on the first stage only; the last stage holds `lm_head.weight` (a copy of
-  the embedding when tied and PP > 1; with PP 1 a tied head is the embedding itself).
+- PP: layers split with the remainder on the *last* stages (`pp_layers`); embedding on the
+  first stage only; the last stage holds `lm_head.weight` (a copy of the embedding when
+  tied and PP > 1; with PP 1 a tied head is the embedding itself). Qwen3-MoE (untied)
+  holds `lm_head` on every stage, `model.norm` on the last only.
 - Order of `named_parameters()` inside a layer differs from vLLM's (`ORDER`): Qwen3's
   `q_norm`/`k_norm` come before `qkv_proj`; Qwen3-MoE's routed experts before the gate;
   DeepSeek's `kv_a_layernorm` after `o_proj`, its routed experts before shared experts.
@@ -30,11 +32,19 @@ from dataclasses import replace
 from typing import Any
 
 from planner.layouts.base import Layout, PhysicalTensor, RankLayout
-from planner.layouts.vllm import Names, Shard, Split, build, check_common, fail, pp_layers
+from planner.layouts.vllm import Names, Shard, Split, build, check_common, fail
 from planner.spec import ModelSpec
 from schemas.config import TargetConfig
 
 NAMES = Names(experts="mlp.experts.", fused_qkv_a="fused_qkv_a_proj_with_mqa")
+
+
+def pp_layers(num_layers: int, pp: int, stage: int) -> range:
+    """SGLang's `get_pp_indices`: the remainder goes to the *last* stages (vLLM: the ones
+    before the last). 3 layers over 2 stages: [0], [1, 2]."""
+    base, rem = divmod(num_layers, pp)
+    start = stage * base + max(0, stage - (pp - rem))
+    return range(start, start + base + (stage >= pp - rem))
 
 
 def attn_tp(cfg: TargetConfig) -> int:
@@ -71,8 +81,24 @@ def layout(spec: ModelSpec, cfg: TargetConfig) -> Layout:
               for _ in range(engines) for p in range(cfg.pp) for t in range(cfg.tp)]
     lay = build("sglang", spec, cfg, shards, NAMES)
     kind = spec.dims.model_type
-    return replace(lay, ranks=tuple(replace(r, tensors=sglang_order(r.tensors, kind))
-                                    for r in lay.ranks))
+    ranks = [replace(r, tensors=sglang_order(r.tensors, kind)) for r in lay.ranks]
+    if kind == "qwen3_moe" and cfg.pp > 1 and not spec.dims.tied:
+        ranks = [head_on_every_stage(r, ranks, cfg) for r in ranks]
+    return replace(lay, ranks=tuple(ranks))
+
+
+def head_on_every_stage(r: RankLayout, ranks: list[RankLayout],
+                        cfg: TargetConfig) -> RankLayout:
+    """SGLang's Qwen3-MoE builds `lm_head` on every PP stage (norm on the last only): a
+    rank before the last stage holds the same `lm_head` as its last-stage TP peer."""
+    engine = cfg.engine_world
+    local = r.rank % engine
+    stage = local // cfg.tp % cfg.pp
+    if stage == cfg.pp - 1:
+        return r
+    peer = r.rank + (cfg.pp - 1 - stage) * cfg.tp
+    head = next(t for t in ranks[peer].tensors if t.name == "lm_head.weight")
+    return replace(r, tensors=(*r.tensors, head))
 
 
 ORDER = {

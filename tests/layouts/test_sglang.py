@@ -92,6 +92,8 @@ def sglang_expected(spec: ModelSpec, cfg: TargetConfig) -> Callable[[str], int]:
         if name == "model.embed_tokens.weight":
             # first stage (once per DP-attention group), plus lm_head's copy (tied, PP)
             return n * ((cfg.tp // a if cfg.dp_attention else 1) + (d.tied and cfg.pp > 1))
+        if name == "lm_head.weight" and d.model_type == "qwen3_moe" and not d.tied:
+            return n * cfg.pp  # SGLang's Qwen3-MoE: lm_head on every PP stage
         if ".experts." in name and ".shared_experts." not in name:
             return n
         if any(k in name for k in attention):
@@ -124,6 +126,15 @@ def test_coverage_property(spec: ModelSpec, tp: int, dp: int, pp: int, ep: bool,
     check_coverage(spec, lay, sglang_expected(spec, cfg))
 
 
+def test_pp_split_and_moe_head_on_every_stage() -> None:
+    # SGLang's get_pp_indices: 5 layers over 3 stages = [0], [1, 2], [3, 4]
+    assert [list(sglang.pp_layers(5, 3, s)) for s in range(3)] == [[0], [1, 2], [3, 4]]
+    lay = sglang.layout(spec_from_hf(qwen3_moe()), target(tp=2, pp=2))
+    # stage 0 (ranks 0, 1) holds lm_head too, the same rows as its last-stage peer
+    assert tensor(lay, 1, "lm_head.weight") == tensor(lay, 3, "lm_head.weight")
+    assert "model.norm.weight" not in names(lay, 1)
+
+
 def test_order_is_sglangs() -> None:
     # SGLang's named_parameters() order inside a layer (proven by the oracle)
     lay = sglang.layout(spec_from_hf(qwen3()), target(tp=2))
@@ -145,11 +156,12 @@ def test_derived_lists_every_mla_layer_per_rank() -> None:
     lay = sglang.layout(spec, target(tp=2, pp=2))
     entries = sglang.derived(lay, sources=2)
     assert len(entries) == 2 + lay.world == 6 and entries[:2] == [[], []]
-    # PP 2 of 3 layers: stage 0 (ranks 0, 1) holds layers 0-1, stage 1 (ranks 2, 3) layer 2
+    # PP 2 of 3 layers (SGLang: remainder on the last stage): stage 0 (ranks 0, 1) holds
+    # layer 0, stage 1 (ranks 2, 3) layers 1-2
     assert [[e["module"] for e in r] for r in entries[2:]] == [
-        ["model.layers.0.self_attn", "model.layers.1.self_attn"]] * 2 + [
-        ["model.layers.2.self_attn"]] * 2
-    e = entries[5][0]
+        ["model.layers.0.self_attn"]] * 2 + [
+        ["model.layers.1.self_attn", "model.layers.2.self_attn"]] * 2
+    e = entries[5][1]
     assert e == {"rule": "mla_split", "engine": "sglang", "module": "model.layers.2.self_attn",
                  "reads": ["model.layers.2.self_attn.kv_b_proj.weight"],
                  "writes": ["w_kc", "w_vc"]}

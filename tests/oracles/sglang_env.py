@@ -69,7 +69,7 @@ def prepare() -> None:
         _stub(name, InterpolationMode=_InterpolationMode)
 
 
-def server_args(hf: dict, *, tp: int, ep: bool = False, dp: int = 1,
+def server_args(hf: dict, *, tp: int, pp: int = 1, ep: bool = False, dp: int = 1,
                 dp_attention: bool = False, dtype: str = "float32") -> Any:
     """SGLang's ServerArgs for a folder holding `hf` as config.json (no weights)."""
     from sglang.srt.server_args import ServerArgs
@@ -77,7 +77,7 @@ def server_args(hf: dict, *, tp: int, ep: bool = False, dp: int = 1,
     folder = tempfile.mkdtemp(prefix="sglang-oracle-")
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf, f)
-    return ServerArgs(model_path=folder, device="cpu", tp_size=tp, dtype=dtype,
+    return ServerArgs(model_path=folder, device="cpu", tp_size=tp, pp_size=pp, dtype=dtype,
                       load_format="dummy", skip_tokenizer_init=True,
                       disable_cuda_graph=True, ep_size=tp if ep else 1,
                       dp_size=dp, enable_dp_attention=dp_attention)

@@ -1,7 +1,8 @@
 """One rank of a real SGLang 0.5.23 engine on CPU, compared with our SGLang layout.
 
-argv[1] is JSON: {"port": ..., "cases": [{"name", "hf", "tp", "ep", "dp", "dp_attention",
-"swap_kv"}]}; every case's engine spans the whole WORLD (tp == WORLD_SIZE). For each case:
+argv[1] is JSON: {"port": ..., "cases": [{"name", "hf", "tp", "pp", "ep", "dp",
+"dp_attention", "swap_kv"}]}; every case's engine spans the whole WORLD (tp * pp ==
+WORLD_SIZE; world rank = pp_rank * tp + tp_rank = our layout rank). For each case:
 build SGLang's model for this rank (`sglang_env.build`: its own parallel groups over gloo,
 `get_model` with dummy weights), load random HF tensors through `model.load_weights`, and
 compare every `named_parameters()` entry bit-exactly with `materialize(layout, full)` for
@@ -62,13 +63,13 @@ def run_case(case: dict, rank: int) -> list[str]:
     from schemas.config import TargetConfig
 
     spec = spec_from_hf(case["hf"], mtp=False)
-    tp, dp, ep, dpa = case["tp"], case.get("dp", 1), case.get("ep", False), \
-        case.get("dp_attention", False)
-    target = TargetConfig(engine="sglang", tp=tp, dp=dp, ep=ep, dp_attention=dpa,
+    tp, pp, dp, ep, dpa = case["tp"], case.get("pp", 1), case.get("dp", 1), \
+        case.get("ep", False), case.get("dp_attention", False)
+    target = TargetConfig(engine="sglang", tp=tp, pp=pp, dp=dp, ep=ep, dp_attention=dpa,
                           dtype="float32")
     full = random_full_tensors(spec, seed=7)
     want = materialize(sglang_layout.layout(spec, target), full, ranks=[rank])[rank]
-    args = sglang_env.server_args(case["hf"], tp=tp, ep=ep, dp=dp, dp_attention=dpa)
+    args = sglang_env.server_args(case["hf"], tp=tp, pp=pp, ep=ep, dp=dp, dp_attention=dpa)
     try:
         model = sglang_env.build(args, rank)
         KEEP.append(model)

@@ -61,13 +61,18 @@ def case(name: str, hf: dict, tp: int, **kw: object) -> dict:
     return dict(name=name, hf=hf, tp=tp, **kw)
 
 
-# One launch per world size; every case's engine spans the launch (tp == world).
+# One launch per world size; every case's engine spans the launch (tp * pp == world).
 LAUNCHES = {
     2: [case("qwen3 tp2 tied", qwen3(tie_word_embeddings=True), 2),
         case("qwen3_moe tp2", qwen3_moe(), 2),
         case("qwen3_moe ep2", qwen3_moe(), 2, ep=True),
         case("deepseek_v3 tp2", deepseek_v3(), 2),
         case("qwen3 tp2 dp-attention", qwen3(), 2, dp=2, dp_attention=True),
+        # PP 2: 3 layers split [1, 2] (remainder last); tied lm_head copied on the last
+        # stage; SGLang's Qwen3-MoE holds lm_head on every stage; DeepSeek first/last
+        case("qwen3 pp2 tied", qwen3(tie_word_embeddings=True, num_hidden_layers=3), 1, pp=2),
+        case("qwen3_moe pp2", qwen3_moe(num_hidden_layers=3), 1, pp=2),
+        case("deepseek_v3 pp2", deepseek_v3(num_hidden_layers=3), 1, pp=2),
         # negative control: SGLang loads k_proj with KV heads 0 and 1 swapped; this case
         # passes only if the comparison above reports the qkv_proj values as different
         case("qwen3 tp2 swapped kv (must be caught)", qwen3(), 2, swap_kv=True)],
