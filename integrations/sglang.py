@@ -47,29 +47,34 @@ class TornUpdateError(RuntimeError):
     (An operational failure, a peer lost mid-update, not bad input: no `UserError`.)"""
 
 
-def identity(replica: int = 0, parallel: Any = None) -> dict[str, int | str]:
-    """This process's coordinates in SGLang's terms (the shared identity convention)."""
+def identity(replica: int = 0, dp_rank: int = 0, parallel: Any = None) -> dict[str, int | str]:
+    """This process's coordinates in SGLang's terms (the shared identity convention), from
+    SGLang's own parallel state. `dp`: the attention DP rank with DP attention, else the
+    engine's DP index `dp_rank` (SGLang's DP controller starts one engine per DP rank)."""
     if parallel is None:
         from sglang.srt.runtime_context import get_parallel
 
         parallel = get_parallel()
-    return {"framework": "sglang", "replica": replica,
-            "dp": int(getattr(parallel, "attn_dp_rank", 0) or 0),
+    dp = int(parallel.attn_dp_rank) if int(parallel.attn_dp_size) > 1 else dp_rank
+    return {"framework": "sglang", "replica": replica, "dp": dp,
             "tp": int(parallel.tp_rank), "pp": int(parallel.pp_rank),
             "ep": int(parallel.moe_ep_rank), "attn_tp": int(parallel.attn_tp_rank)}
 
 
-def plan_rank(header: dict[str, Any], ident: dict[str, int | str], dp_rank: int = 0) -> int:
-    """The plan rank of an engine rank: sources first, then replica, engine, PP, TP
-    (`planner.layouts.sglang.layout`'s order). `dp_rank`: which engine of the replica
-    without DP attention (SGLang's DP controller index)."""
+def plan_rank(header: dict[str, Any], ident: dict[str, int | str]) -> int:
+    """The plan rank of an engine rank: sources first, then replica, engine (DP without DP
+    attention), PP, TP: `planner.layouts.sglang.layout`'s order."""
     t = header["target"]
     tp, pp = int(t["tp"]), int(t["pp"])
     engines = 1 if t.get("dp_attention") else int(t["dp"])
-    if not 0 <= dp_rank < engines:
-        raise UserError(f"dp_rank: {dp_rank} is not an engine of this plan (target.dp="
+    engine = 0 if t.get("dp_attention") else int(ident["dp"])
+    if not 0 <= engine < engines:
+        raise UserError(f"dp_rank: {engine} is not an engine of this plan (target.dp="
                         f"{t['dp']}, dp_attention={t.get('dp_attention')}); pass 0..{engines - 1}")
-    local = (dp_rank * pp + int(ident["pp"])) * tp + int(ident["tp"])
+    if not 0 <= int(ident["replica"]) < int(t["replicas"]):
+        raise UserError(f"replica: {ident['replica']} is not in this plan (target.replicas="
+                        f"{t['replicas']}); pass 0..{int(t['replicas']) - 1}")
+    local = (engine * pp + int(ident["pp"])) * tp + int(ident["tp"])
     return int(header["sources"]) + int(ident["replica"]) * engines * pp * tp + local
 
 
@@ -107,8 +112,8 @@ class SGLangTarget:
                             f"{header['target'].get('engine')!r}, not 'sglang'; compile "
                             "the plan with target.engine: sglang")
         self.model, self.updater, self.commit_version = model, updater, commit_version
-        self.identity = identity(replica, parallel)
-        self.rank = plan_rank(header, self.identity, dp_rank)
+        self.identity = identity(replica, dp_rank, parallel)
+        self.rank = plan_rank(header, self.identity)
         self.derived = derived_of(header, self.rank)
         check_derived(model, self.derived)
         self.tensors = {n: p.data for n, p in model.named_parameters()}
