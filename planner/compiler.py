@@ -21,6 +21,7 @@ import numpy as np
 from planner.fp8 import FP8, SCALE_SUFFIX, with_scales
 from planner.identities import rank_identities, with_rank_tensors
 from planner.layouts import build_layout
+from planner.layouts import sglang as sglang_layout
 from planner.layouts.base import Layout
 from planner.passes.assign import assign, split_rows
 from planner.passes.coalesce import coalesce
@@ -221,6 +222,9 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
                          unit_max, _fingerprint(spec, src, dst, regions, topo, cfg), VERSION)
     header = dataclasses.replace(header, identities=tuple(
         rank_identities(cfg, src_layout, dst_layout).get("identities", ())))
+    if dst_layout.framework == "sglang":  # derived state to refresh after raw writes
+        header = dataclasses.replace(header, derived=tuple(
+            tuple(d) for d in sglang_layout.derived(dst_layout, src_layout.world)))
     step("emit")
     plan = emit(header, low, sched, topo, regions, explain, tuple(names),
                 coverage_table(dst_layout, src_layout.world))

@@ -3,7 +3,7 @@
 #   bash scripts/setup.sh          runtime: torch (CPU 2.13.0 if none), numpy, msgpack,
 #                                  networkx, pyyaml, NIXL (UCX) and rdma-plan itself
 #   bash scripts/setup.sh --test   also pytest, hypothesis, ruff and the CPU oracles
-#                                  (transformers, Megatron-Core, vLLM) the tests compare with
+#                                  (transformers, Megatron-Core, vLLM, SGLang) the tests compare with
 # torch is installed first and never upgraded afterwards: every other package that could
 # pull a CUDA torch is installed with --no-deps.
 set -euo pipefail
@@ -25,5 +25,7 @@ if [ "${1:-}" = "--test" ]; then
   if ! VLLM_TARGET_DEVICE=cpu python3 -c "import vllm.distributed" 2>/dev/null; then
     PYTHON=python3 bash tests/oracles/install_vllm.sh > /dev/null
   fi
+  # SGLang 0.5.23 in a private folder (its own triton); fast when already installed.
+  PYTHON=python3 bash tests/oracles/install_sglang.sh > /dev/null
 fi
 python3 -c "import torch, nixl; print('setup: ok (torch', torch.__version__ + ')')"

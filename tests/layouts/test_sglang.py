@@ -37,7 +37,8 @@ def test_experts_contiguous_ep() -> None:
 def test_dp_attention() -> None:
     # tp=4, dp=2, DP attention: world 4; attention TP 2 (rank t -> attention rank t % 2).
     # nh=8, ng=2, hd=4: rank 3 = q heads 4-7 (rows [16,32)), kv head 1.
-    # embed_tokens replicated [128, 16] (V=100 padded); lm_head split 4 ways (32 rows).
+    # embed_tokens split over the attention TP group: [64, 16] (V=100 padded to 128, /2),
+    # rank 3 = attention rank 1 = rows [64, 100); lm_head split 4 ways (32 rows).
     cfg = target(tp=4, dp=2, dp_attention=True)
     lay = sglang.layout(spec_from_hf(qwen3()), cfg)
     assert lay.world == 4 == cfg.engine_world
@@ -45,8 +46,8 @@ def test_dp_attention() -> None:
     assert [(x.offsets, x.sizes) for x in qkv.pieces] == [((16, 0), (16, 16)),
                                                            ((4, 0), (4, 16)), ((4, 0), (4, 16))]
     emb = tensor(lay, 3, "model.embed_tokens.weight")
-    assert emb.shape == (128, 16)
-    assert emb.pieces == (Piece("model.embed_tokens.weight", (0, 0), (100, 16), (0, 0)),)
+    assert emb.shape == (64, 16)
+    assert emb.pieces == (Piece("model.embed_tokens.weight", (64, 0), (36, 16), (0, 0)),)
     assert tensor(lay, 3, "lm_head.weight").pieces[0].offsets == (96, 0)
     # the dense MLP stays split over all 4 ranks: F=32 -> rank 3 down cols [24, 32)
     assert tensor(lay, 3, "model.layers.0.mlp.down_proj.weight").pieces[0].offsets == (0, 24)
@@ -89,8 +90,10 @@ def sglang_expected(spec: ModelSpec, cfg: TargetConfig) -> Callable[[str], int]:
     def expected(name: str) -> int:
         n = engines
         if name == "model.embed_tokens.weight":
-            # first stage (replicated with DP attention), plus lm_head's copy (tied, PP)
-            return n * ((cfg.tp if cfg.dp_attention else 1) + (d.tied and cfg.pp > 1))
+            # first stage (once per DP-attention group), plus lm_head's copy (tied, PP)
+            return n * ((cfg.tp // a if cfg.dp_attention else 1) + (d.tied and cfg.pp > 1))
+        if name == "lm_head.weight" and d.model_type == "qwen3_moe" and not d.tied:
+            return n * cfg.pp  # SGLang's Qwen3-MoE: lm_head on every PP stage
         if ".experts." in name and ".shared_experts." not in name:
             return n
         if any(k in name for k in attention):
@@ -121,3 +124,46 @@ def test_coverage_property(spec: ModelSpec, tp: int, dp: int, pp: int, ep: bool,
         assume(False)
     check_replicas(lay, cfg.engine_world)
     check_coverage(spec, lay, sglang_expected(spec, cfg))
+
+
+def test_pp_split_and_moe_head_on_every_stage() -> None:
+    # SGLang's get_pp_indices: 5 layers over 3 stages = [0], [1, 2], [3, 4]
+    assert [list(sglang.pp_layers(5, 3, s)) for s in range(3)] == [[0], [1, 2], [3, 4]]
+    lay = sglang.layout(spec_from_hf(qwen3_moe()), target(tp=2, pp=2))
+    # stage 0 (ranks 0, 1) holds lm_head too, the same rows as its last-stage peer
+    assert tensor(lay, 1, "lm_head.weight") == tensor(lay, 3, "lm_head.weight")
+    assert "model.norm.weight" not in names(lay, 1)
+
+
+def test_order_is_sglangs() -> None:
+    # SGLang's named_parameters() order inside a layer (proven by the oracle)
+    lay = sglang.layout(spec_from_hf(qwen3()), target(tp=2))
+    layer0 = [n.removeprefix("model.layers.0.") for n in names(lay, 0)
+              if n.startswith("model.layers.0.")]
+    assert layer0[:4] == ["self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                          "self_attn.qkv_proj.weight", "self_attn.o_proj.weight"]
+    lay = sglang.layout(spec_from_hf(deepseek_v3()), target(tp=2))
+    layer1 = [n.removeprefix("model.layers.1.") for n in names(lay, 0)
+              if n.startswith("model.layers.1.")]
+    assert layer1.index("self_attn.kv_a_layernorm.weight") > \
+        layer1.index("self_attn.o_proj.weight")
+    assert layer1.index("mlp.experts.w2_weight") < \
+        layer1.index("mlp.shared_experts.gate_up_proj.weight")
+
+
+def test_derived_lists_every_mla_layer_per_rank() -> None:
+    spec = spec_from_hf(deepseek_v3())
+    lay = sglang.layout(spec, target(tp=2, pp=2))
+    entries = sglang.derived(lay, sources=2)
+    assert len(entries) == 2 + lay.world == 6 and entries[:2] == [[], []]
+    # PP 2 of 3 layers (SGLang: remainder on the last stage): stage 0 (ranks 0, 1) holds
+    # layer 0, stage 1 (ranks 2, 3) layers 1-2
+    assert [[e["module"] for e in r] for r in entries[2:]] == [
+        ["model.layers.0.self_attn"]] * 2 + [
+        ["model.layers.1.self_attn", "model.layers.2.self_attn"]] * 2
+    e = entries[5][1]
+    assert e == {"rule": "mla_split", "engine": "sglang", "module": "model.layers.2.self_attn",
+                 "reads": ["model.layers.2.self_attn.kv_b_proj.weight"],
+                 "writes": ["w_kc", "w_vc"]}
+    assert all(r in names(lay, 3) for r in e["reads"])
+    assert sglang.derived(sglang.layout(spec_from_hf(qwen3()), target(tp=2)), 1) == [[]] * 3

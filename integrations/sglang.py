@@ -1,0 +1,160 @@
+"""SGLang engine side: write a plan's target ranks into a live SGLang 0.5.23 engine.
+
+One `SGLangTarget` per SGLang scheduler process (one TP rank of one engine), built once
+after the engine has loaded its model. It reads the rank's identity from SGLang's own
+parallel state (`runtime_context.get_parallel()`), binds the live `named_parameters()`
+and registers them once (`executor.load`); every update then writes straight into them.
+
+One update, through SGLang's own calls (trainer side on the left, each engine rank on
+the right; the engine's `collective_rpc` or a scheduler hook runs the right column):
+
+    engine.pause_generation()
+    engine.begin_weight_update()      target.begin()   WeightUpdater.begin_weight_update()
+    sources: executor.run(plan)       target.receive() executor.run(plan) on this rank
+    engine.end_weight_update()        target.end(v)    refuses a torn update, else
+                                                       WeightUpdater.end_weight_update(
+                                                       run_post_load=True): SGLang's
+                                                       post_load_weights refreshes the
+                                                       derived tensors (DeepSeek w_kc/w_vc)
+                                                       in place, then commits version v
+    engine.update_weight_version(v); engine.continue_generation()
+
+SGLang's scheduler runs `post_load_weights` at `end_weight_update` exactly when no
+`load_weights` ran in the session: the raw-write case. The plan header's `derived` entry
+for this rank (`planner.layouts.sglang.derived`) lists what that refresh must cover; the
+target checks at bind time that SGLang's model holds those tensors, so a plan compiled for
+another model or engine version is refused before anything is registered.
+
+Remote-instance memory registration: `weight_info()` returns SGLang's own
+`{name: (data_ptr, numel, element_size)}` map (`register_memory_region_v1`'s format) of
+the bound tensors; the pointers never change across updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import executor
+from schemas.errors import UserError
+from schemas.header import PlanHeader
+from schemas.plan import read_header
+
+
+class TornUpdateError(RuntimeError):
+    """The plan did not complete on this rank: the weights are not whole; nothing committed.
+    (An operational failure, a peer lost mid-update, not bad input: no `UserError`.)"""
+
+
+def identity(replica: int = 0, dp_rank: int = 0, parallel: Any = None) -> dict[str, int | str]:
+    """This process's coordinates in SGLang's terms (the shared identity convention), from
+    SGLang's own parallel state. `dp`: the attention DP rank with DP attention, else the
+    engine's DP index `dp_rank` (SGLang's DP controller starts one engine per DP rank)."""
+    if parallel is None:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+    dp = int(parallel.attn_dp_rank) if int(parallel.attn_dp_size) > 1 else dp_rank
+    return {"framework": "sglang", "replica": replica, "dp": dp,
+            "tp": int(parallel.tp_rank), "pp": int(parallel.pp_rank),
+            "ep": int(parallel.moe_ep_rank), "attn_tp": int(parallel.attn_tp_rank)}
+
+
+def plan_rank(header: PlanHeader, ident: dict[str, int | str]) -> int:
+    """The plan rank of an engine rank: sources first, then replica, engine (DP without DP
+    attention), PP, TP: `planner.layouts.sglang.layout`'s order."""
+    t = header.target
+    tp, pp = int(t.tp), int(t.pp)
+    engines = 1 if t.dp_attention else int(t.dp)
+    engine = 0 if t.dp_attention else int(ident["dp"])
+    if not 0 <= engine < engines:
+        raise UserError(f"dp_rank: {engine} is not an engine of this plan (target.dp="
+                        f"{t.dp}, dp_attention={t.dp_attention}); pass 0..{engines - 1}")
+    if not 0 <= int(ident["replica"]) < int(t.replicas):
+        raise UserError(f"replica: {ident['replica']} is not in this plan (target.replicas="
+                        f"{t.replicas}); pass 0..{int(t.replicas) - 1}")
+    local = (engine * pp + int(ident["pp"])) * tp + int(ident["tp"])
+    return int(header.sources) + int(ident["replica"]) * engines * pp * tp + local
+
+
+def derived_of(header: PlanHeader, rank: int) -> list[dict[str, Any]]:
+    """The plan's derived-refresh entries of plan rank `rank` (header key `derived`: one
+    list per plan rank; absent or empty when nothing is derived)."""
+    per_rank = header.derived
+    entries = list(per_rank[rank]) if 0 <= rank < len(per_rank) else []
+    return [e for e in entries if e.get("engine") == "sglang"]
+
+
+def check_derived(model: torch.nn.Module, entries: list[dict[str, Any]]) -> None:
+    """Every derived tensor the plan lists must exist on SGLang's model (after its first
+    post-load processing); refuse otherwise, naming the tensor."""
+    modules = dict(model.named_modules())
+    missing = [f"{e['module']}.{w}" for e in entries for w in e["writes"]
+               if not isinstance(getattr(modules.get(e["module"]), w, None), torch.Tensor)]
+    if missing:
+        raise UserError(f"derived: {missing[:3]} not found on the SGLang model; the plan "
+                        "was compiled for another model or SGLang version: recompile it")
+
+
+class SGLangTarget:
+    """One SGLang engine rank bound to its plan rank (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, plan_path: str, *, updater: Any,
+                 replica: int = 0, dp_rank: int = 0, transport: str = "nixl",
+                 rendezvous: object = None, timeout_s: float = 60.0,
+                 commit_version: Callable[[str], None] | None = None,
+                 parallel: Any = None):
+        with open(plan_path, "rb") as f:
+            header = read_header(f, plan_path)[0]
+        engine = header.target.engine if header.target is not None else None
+        if engine != "sglang":
+            raise UserError(f"{plan_path}: target.engine is {engine!r}, not 'sglang'; "
+                            "compile the plan with target.engine: sglang")
+        self.model, self.updater, self.commit_version = model, updater, commit_version
+        self.identity = identity(replica, dp_rank, parallel)
+        self.rank = plan_rank(header, self.identity)
+        self.derived = derived_of(header, self.rank)
+        check_derived(model, self.derived)
+        self.tensors = {n: p.data for n, p in model.named_parameters()}
+        self.plan = executor.load(plan_path, self.rank, self.tensors, transport=transport,
+                                  rendezvous=rendezvous, timeout_s=timeout_s,
+                                  identity=self.identity)
+        self.version: str | None = None
+        self.open = False
+
+    def weight_info(self) -> dict[str, tuple[int, int, int]]:
+        """SGLang's remote-instance registration map of the bound tensors."""
+        return {n: (t.data_ptr(), t.numel(), t.element_size()) for n, t in self.tensors.items()}
+
+    def begin(self) -> None:
+        """SGLang's `begin_weight_update` on this rank (undoes in-place weight packing)."""
+        self.updater.begin_weight_update()
+        self.open = True
+
+    def receive(self) -> executor.RunStats:
+        """This rank's part of one plan step; raises (naming the peer) if a peer is gone."""
+        if not self.open:
+            raise UserError("receive: no weight update is open; call begin() first")
+        return executor.run(self.plan)
+
+    def end(self, version: str) -> None:
+        """SGLang's `end_weight_update` with post-load processing (derived state refreshed
+        in place), then commit `version`; a torn update raises `TornUpdateError` and
+        leaves the session open and the version unchanged (run the next update)."""
+        if not self.open:
+            raise UserError("end: no weight update is open; call begin() first")
+        if not self.plan.complete:
+            raise TornUpdateError(f"plan rank {self.rank}: the last update did not complete "
+                                  "(a peer failed mid-step); the weights are not whole, "
+                                  f"version stays {self.version!r}: do not resume generation; "
+                                  "run receive() again, then end()")
+        self.updater.end_weight_update(run_post_load=True)
+        self.open = False
+        self.version = version
+        if self.commit_version is not None:
+            self.commit_version(version)
+
+    def close(self) -> None:
+        self.plan.close()

@@ -1,0 +1,59 @@
+"""integrations/sglang.py without SGLang: identity, plan rank, derived entries, refusals."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from integrations.sglang import check_derived, derived_of, identity, plan_rank
+from schemas.errors import UserError
+
+
+def parallel(tp: int, pp: int = 0, attn_tp: int | None = None, attn_dp: int = 0,
+             ep: int = 0, attn_dp_size: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(tp_rank=tp, pp_rank=pp, attn_tp_rank=tp if attn_tp is None
+                           else attn_tp, attn_dp_rank=attn_dp, moe_ep_rank=ep,
+                           attn_dp_size=attn_dp_size)
+
+
+def test_identity_from_sglang_parallel_state() -> None:
+    # DP attention (attention DP 2): dp is SGLang's attention DP rank
+    ident = identity(replica=1, parallel=parallel(3, attn_tp=1, attn_dp=1, ep=3,
+                                                  attn_dp_size=2))
+    assert ident == {"framework": "sglang", "replica": 1, "dp": 1, "tp": 3, "pp": 0,
+                     "ep": 3, "attn_tp": 1}
+    # separate DP engines: dp is the engine's DP index
+    assert identity(0, dp_rank=1, parallel=parallel(0))["dp"] == 1
+
+
+def test_plan_rank_follows_the_layout_order() -> None:
+    # 4 sources; targets: 2 replicas of (dp 2 engines x pp 2 x tp 2) = 8 ranks each
+    header = SimpleNamespace(sources=4, target=SimpleNamespace(
+        tp=2, pp=2, dp=2, dp_attention=False, replicas=2))
+    ident = identity(replica=1, dp_rank=1, parallel=parallel(1, pp=1))
+    assert plan_rank(header, ident) == 4 + 8 + (1 * 2 + 1) * 2 + 1
+    with pytest.raises(UserError, match=r"^dp_rank: 2 is not an engine"):
+        plan_rank(header, identity(0, dp_rank=2, parallel=parallel(0)))
+    with pytest.raises(UserError, match=r"^replica: 2 is not in this plan"):
+        plan_rank(header, identity(2, parallel=parallel(0)))
+    # DP attention: one engine of tp ranks per replica
+    header.target = SimpleNamespace(tp=4, pp=1, dp=2, dp_attention=True, replicas=1)
+    ident = identity(0, parallel=parallel(3, attn_tp=1, attn_dp=1, attn_dp_size=2))
+    assert plan_rank(header, ident) == 4 + 3
+
+
+def test_derived_entries_and_check() -> None:
+    entry = {"rule": "mla_split", "engine": "sglang", "module": "attn",
+             "reads": ["attn.kv_b_proj.weight"], "writes": ["w_kc", "w_vc"]}
+    header = SimpleNamespace(derived=((), (), (), (entry,)))
+    assert derived_of(header, 3) == [entry] and derived_of(header, 2) == []
+    assert derived_of(SimpleNamespace(derived=()), 3) == []
+    model = torch.nn.Module()
+    model.attn = torch.nn.Module()
+    model.attn.w_kc = torch.zeros(2)
+    with pytest.raises(UserError, match=r"derived: \['attn.w_vc'\] not found"):
+        check_derived(model, [entry])
+    model.attn.w_vc = torch.zeros(2)
+    check_derived(model, [entry])
