@@ -18,6 +18,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from planner.derived import derived
 from planner.fp8 import FP8, SCALE_SUFFIX, with_scales
 from planner.layouts import build_layout
 from planner.layouts.base import Layout
@@ -250,6 +251,7 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
         "nics": nic["nics"],
     }
     header["rank_stats"] = _rank_stats(low, topo.world)
+    header["derived"] = derived(dst_layout, src_layout.world, cfg.target)  # planner/derived.py
     step("emit")
     return emit(header, low, sched, topo, regions, explain, tuple(names),
                 coverage_table(dst_layout, src_layout.world))
