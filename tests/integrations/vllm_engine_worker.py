@@ -193,6 +193,7 @@ def serve(case: dict, rank: int) -> None:
             engine = WeightTransferEngineFactory.create_engine(
                 cfg.weight_transfer_config, cfg, torch.device("cpu"), model)
             shim, seq = Shim(case, rank, cfg, model, engine), 0
+            store.set(f"{case['name']}/built/{rank}", b"1")  # trainers load the plan now
             while True:
                 msg = json.loads(store.get(f"{case['name']}/rpc/{rank}/{seq}"))
                 if msg["method"] == "done":

@@ -142,6 +142,44 @@ def dense_checks(cfg) -> None:  # noqa: ANN001
 DENSE_MLA = vc.DEEPSEEK | dict(first_k_dense_replace=2)
 
 
+def plugin_checks() -> None:
+    """pyproject's `vllm.general_plugins` entry point, installed as package metadata in a
+    temporary folder, registers both engines through vLLM's own plugin loader."""
+    import tempfile
+
+    from vllm.distributed.weight_transfer import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+    from vllm.plugins import load_general_plugins
+
+    from integrations.vllm import BACKEND, register
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    with open(os.path.join(root, "pyproject.toml")) as f:  # the section's `k = "v"` lines
+        section = f.read().split('[project.entry-points."vllm.general_plugins"]')[1]
+    eps = dict(line.replace('"', "").split(" = ") for line in
+               section.split("\n\n")[0].strip().splitlines())
+    assert eps == {"rdma_plan": "integrations.vllm:register"}, eps
+    site = tempfile.mkdtemp(prefix="rplan-plugin-")
+    info = os.path.join(site, "rdma_plan_test-0.0.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: rdma-plan-test\nVersion: 0.0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[vllm.general_plugins]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
+    sys.path.insert(0, site)
+    for factory in (WeightTransferEngineFactory, WeightTransferTrainerFactory):
+        assert BACKEND not in factory._registry
+    load_general_plugins()
+    for factory in (WeightTransferEngineFactory, WeightTransferTrainerFactory):
+        assert BACKEND in factory._registry, factory
+    register()  # again: idempotent (vLLM's registry raises on duplicates)
+    assert WeightTransferEngineFactory._registry[BACKEND]().__name__ == \
+        "RdmaPlanWeightTransferEngine"
+    print("ok plugin entry point", flush=True)
+
+
 def main() -> None:
     arg = json.loads(sys.argv[1])
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -152,6 +190,7 @@ def main() -> None:
     )
 
     neutralise()
+    plugin_checks()
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                      distributed_init_method=f"tcp://127.0.0.1:{arg['port']}",

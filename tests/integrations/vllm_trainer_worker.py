@@ -34,6 +34,8 @@ def run_case(case: dict, rank: int, store, start: int) -> None:  # noqa: ANN001
     info = RdmaPlanTrainerInitInfo(rank=rank, plan=case["plan"],
                                    rendezvous=f"127.0.0.1:{case['rdzv']}",
                                    timeout_s=case["timeout_s"])
+    for w in range(case["workers"]):  # the plan's load timeout starts once vLLM is up
+        store.get(f"{name}/built/{w}")
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     for step in steps[start:]:
         label = step["label"]
