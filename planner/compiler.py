@@ -18,10 +18,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from planner.derived import derived
 from planner.fp8 import FP8, SCALE_SUFFIX, with_scales
 from planner.identities import rank_identities, with_rank_tensors
 from planner.layouts import build_layout
-from planner.layouts import sglang as sglang_layout
 from planner.layouts.base import Layout
 from planner.passes.assign import assign, split_rows
 from planner.passes.coalesce import coalesce
@@ -220,11 +220,10 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
         if egress else 1.0
     header = plan_header(cfg, spec, topo, dst_layout.replicas, low, nic, int(len(chunks)),
                          unit_max, _fingerprint(spec, src, dst, regions, topo, cfg), VERSION)
-    header = dataclasses.replace(header, identities=tuple(
-        rank_identities(cfg, src_layout, dst_layout).get("identities", ())))
-    if dst_layout.framework == "sglang":  # derived state to refresh after raw writes
-        header = dataclasses.replace(header, derived=tuple(
-            tuple(d) for d in sglang_layout.derived(dst_layout, src_layout.world)))
+    idents = rank_identities(cfg, src_layout, dst_layout).get("identities", ())
+    header = dataclasses.replace(
+        header, identities=tuple(idents),
+        derived=tuple(tuple(d) for d in derived(dst_layout, src_layout.world, cfg.target)))
     step("emit")
     plan = emit(header, low, sched, topo, regions, explain, tuple(names),
                 coverage_table(dst_layout, src_layout.world))

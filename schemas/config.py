@@ -197,6 +197,9 @@ class TargetConfig:
     """vllm: `experts.routed_experts.w13_weight` (0.33) or the older `experts.w13_weight`."""
     dp_attention: bool = False
     """sglang: DP attention (attention weights use attn_tp = tp/dp; world = tp)."""
+    w13_order: Literal["w1w3", "w3w1"] = "w1w3"
+    """vllm MoE `w13_weight` row order per expert: `w1w3` ([gate; up], the loader's and
+    Triton's) or `w3w1` ([up; gate], what FlashInfer-CUTLASS keeps after loading)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ("vllm", "sglang"):
@@ -208,6 +211,10 @@ class TargetConfig:
                   f"is not supported; use one of {', '.join(DTYPES)}, fp8_block128")
         if self.dp_attention and self.engine != "sglang":
             _fail("target.dp_attention", True, "is sglang-only; remove it for vllm")
+        if self.w13_order not in ("w1w3", "w3w1"):
+            _fail("target.w13_order", self.w13_order, "is not supported; use w1w3 or w3w1")
+        if self.w13_order != "w1w3" and self.engine != "vllm":
+            _fail("target.w13_order", self.w13_order, "is vllm-only; remove it")
         _world("target.tp * target.dp * target.pp * target.replicas", self.world)
 
     @property

@@ -78,6 +78,8 @@ class ModelInfo:
     """Logical tensors."""
     longest_row_bytes: int = 0
     """An upper bound on one row (last dim) of any logical tensor, in bytes."""
+    vocab: int = 0
+    """Vocabulary rows of the checkpoint (`vocab_size`), before any engine's padding."""
 
 
 @dataclass(frozen=True, slots=True)

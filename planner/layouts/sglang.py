@@ -166,11 +166,6 @@ def derived_rank(rank: RankLayout) -> list[dict[str, Any]]:
     return out
 
 
-def derived(lay: Layout, sources: int) -> list[list[dict[str, Any]]]:
-    """The header's `derived` list: `[]` per source rank, then each target rank's entries."""
-    return [[] for _ in range(sources)] + [derived_rank(r) for r in lay.ranks]
-
-
 def identity(cfg: TargetConfig, rank: int) -> dict[str, int | str]:
     """Plan target rank `rank` (0-based on the target side) as SGLang coordinates
     (`schemas/identity.py`). Without DP attention `dp` is the engine inside the replica;

@@ -10,7 +10,8 @@ Per rank (TP size `tp`, TP rank `t`):
 - `embed_tokens`/`lm_head`: vocab padded to a multiple of 64, `per = padded/tp` rows each,
   rank t holds `[t*per, min((t+1)*per, V))`; the tail is padding. A tied `lm_head` is the
   same parameter as `embed_tokens` and not listed.
-- MoE: `w13_weight [E_loc, 2*I/mtp, H]` ([gate; up] per expert), `w2_weight [E_loc, H,
+- MoE: `w13_weight [E_loc, 2*I/mtp, H]` ([gate; up] per expert; [up; gate] with
+  `w13_order: w3w1`, FlashInfer-CUTLASS's runtime order), `w2_weight [E_loc, H,
   I/mtp]`. Without EP the experts are TP-split over the dp*tp ranks of a PP stage; with
   EP, `ep = dp*tp`, `ep_rank = d*tp + t`, MoE TP 1, "linear" placement (uneven counts).
 - MLA: `fused_qkv_a_proj` = [q_a_proj; kv_a_proj_with_mqa] replicated, `q_b_proj` and
@@ -267,10 +268,11 @@ class _Builder:
         k, h = d.moe_intermediate // m.size, d.hidden
         local = expert_range(d.num_experts, self.s.ep)
         w13, w2 = [], []
+        gate, up = (0, k) if self.cfg.w13_order == "w1w3" else (k, 0)  # w3w1: FlashInfer
         for j, e in enumerate(local):
             lp = f"{p}mlp.experts.{e}."
-            w13.append(Piece(lp + "gate_proj.weight", (m.rank * k, 0), (k, h), (j, 0, 0)))
-            w13.append(Piece(lp + "up_proj.weight", (m.rank * k, 0), (k, h), (j, k, 0)))
+            w13.append(Piece(lp + "gate_proj.weight", (m.rank * k, 0), (k, h), (j, gate, 0)))
+            w13.append(Piece(lp + "up_proj.weight", (m.rank * k, 0), (k, h), (j, up, 0)))
             w2.append(Piece(lp + "down_proj.weight", (0, m.rank * k), (h, k), (j, 0, 0)))
         ep = p + self.names.experts
         yield PhysicalTensor(ep + "w13_weight", (len(local), 2 * k, h), self.cfg.dtype, tuple(w13))

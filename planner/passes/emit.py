@@ -101,7 +101,7 @@ def plan_header(cfg: Config, spec: ModelSpec, topo: Topology, replicas: int, low
         fingerprint=fingerprint, world=topo.world, sources=topo.sources,
         targets=topo.targets, replicas=replicas, stages=low.stages, created_by=created_by,
         model=ModelInfo(spec.dims.model_type, spec.dims.num_layers, spec.total_params,
-                        len(spec.tensors), longest_row_bytes(spec)),
+                        len(spec.tensors), longest_row_bytes(spec), spec.dims.vocab),
         source=cfg.source, target=cfg.target, cluster=cfg.cluster, options=cfg.options,
         nvlink_gbps=topo.nvlink_gbps,
         ranks=tuple(RankRow("source" if r < topo.sources else "target", topo.host[r],

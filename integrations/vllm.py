@@ -1,0 +1,342 @@
+"""rdma-plan as a vLLM (0.33) weight-transfer backend: `WeightTransferConfig(backend="rdma_plan")`.
+
+Worker side (`RdmaPlanWeightTransferEngine`, built by vLLM's `WeightTransferEngineFactory` in
+each worker after `load_model`, i.e. after the first post-load processing):
+
+1. `init_transfer_engine({"plan", "rendezvous", ...})`: the worker's identity from vLLM's own
+   objects picks and checks its plan rank (`integrations/vllm_checks.py`); the live
+   parameters are checked against the plan (refused, naming the layer and the backend, where
+   vLLM re-laid them out), bound, registered once and connected to the peers.
+2. `start_weight_update()`: a new update; nothing is registered or re-laid out.
+3. `update_weights({"version": ...})` -> `receive_weights`: runs this rank's part of the plan
+   (the trainer ranks write into the live parameters); no `torch.accelerator.synchronize()`.
+4. `finish_weight_update()`: only after every byte landed: re-derives exactly the tensors the
+   plan's header lists for this rank (`derived`, `planner/derived.py`) in place, checks that
+   every tensor kept its `data_ptr`, and commits the version. After a torn update (a peer
+   died mid-update) `update_weights` raises `TornUpdateError` (vLLM's worker then ends the
+   session, and the client never sets the version), `finish_weight_update` raises it too and
+   commits nothing; the next complete update recovers bit-exactly.
+
+Trainer side (`RdmaPlanTrainerEngine`, via `WeightTransferTrainerFactory.trainer_init` on every
+trainer rank): binds this rank's tensors from a `WeightSource` (its `iter_local()`, else
+`iter_full()`), and `send_weights()` drives start/update/finish through the
+`VLLMWeightSyncClient` on the sender (trainer rank 0) while every trainer rank runs the plan's
+source side. A source that yields new tensors each round is copied into the bound ones.
+
+`register()` adds both under `rdma_plan` (idempotent); vLLM calls it in every process through
+the `vllm.general_plugins` entry point once rdma-plan is installed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+import executor
+from executor.errors import PeerMismatchError, PeerTimeoutError
+from integrations import vllm_checks as checks
+from schemas.header import PlanHeader
+from schemas.plan import load_rank
+
+BACKEND = "rdma_plan"
+
+
+class TornUpdateError(RuntimeError):
+    """An update did not complete: the weights are partly written and no version committed."""
+
+
+@dataclass
+class RdmaPlanInitInfo(WeightTransferInitInfo):
+    plan: str
+    """Path of the compiled plan file, readable by every worker."""
+    rendezvous: str
+    """`host:port` of the plan's store (plan rank 0, the trainer sender, hosts it)."""
+    transport: str = "nixl"
+    """Executor transport: nixl, uccl, cuda_ipc or local."""
+    timeout_s: float = 60.0
+    """A peer that does not answer within this many seconds fails the update."""
+
+
+@dataclass
+class RdmaPlanUpdateInfo(WeightTransferUpdateInfo):
+    version: str | None = None
+    """The weight version this update carries; committed by `finish_weight_update`."""
+
+
+def live_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer under its `named_parameters()`/`named_buffers()` name."""
+    out = {n: p.data for n, p in model.named_parameters()}
+    out.update({n: b for n, b in model.named_buffers()})
+    return out
+
+
+def pointers(model: torch.nn.Module) -> dict[str, int]:
+    """data_ptr of every parameter, buffer and MLA-derived tensor (CUDA graphs hold them)."""
+    out = {n: t.data_ptr() for n, t in live_tensors(model).items()}
+    for prefix, m in checks.mla_modules(model).items():
+        out |= {f"{prefix}.{a}": getattr(m, a).data_ptr() for a in ("W_UK_T", "W_UV")}
+    return out
+
+
+class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPlanUpdateInfo]):
+    init_info_cls = RdmaPlanInitInfo
+    update_info_cls = RdmaPlanUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device,
+                 model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.plan: executor.Executor | None = None
+        self.plan_rank = -1
+        self.identity: dict[str, int | str] = {}
+        self.refresh: list[tuple[str, Callable[[], None]]] = []
+        self.ptrs: dict[str, int] = {}
+        self.weight_version: str | None = None
+        """The last committed version (None before the first complete update)."""
+        self.pending_version: str | None = None
+        self.failure: BaseException | None = None
+        self.received = False
+        self.refreshes = 0  # derived-state refreshes run, over all updates
+
+    def init_transfer_engine(self, init_info: RdmaPlanInitInfo) -> None:
+        if self.plan is not None:
+            raise RuntimeError("rdma_plan: init_transfer_engine called twice; call shutdown "
+                               "first to load another plan")
+        header, rank_plan = self._plan_rank(init_info.plan)
+        tensors = live_tensors(self.model)
+        checks.check_tensors(self.model, list(rank_plan.regions), tensors)
+        entries = header.derived
+        entries = list(entries[self.plan_rank]) if self.plan_rank < len(entries) else []
+        self.refresh = checks.refreshers(self.model, entries, self.model_config.dtype)
+        checks.zero_vocab_padding(self.model)
+        self.plan = executor.load(init_info.plan, self.plan_rank, tensors,
+                                  transport=init_info.transport,
+                                  rendezvous=init_info.rendezvous,
+                                  timeout_s=init_info.timeout_s,
+                                  identity=checks.plan_identity(header, self.identity))
+        self.ptrs = pointers(self.model)
+
+    def _plan_rank(self, path: str) -> tuple[PlanHeader, Any]:
+        """Read the header, derive and check this worker's plan rank; its part of the plan."""
+        header, _ = load_rank(path, 0)
+        engine = header.target.engine if header.target is not None else None
+        if engine != "vllm":
+            raise checks.EngineMismatchError(
+                f"{path}: target.engine {engine!r}; compile the plan with target.engine: vllm")
+        identity = checks.worker_identity(self.vllm_config)
+        self.plan_rank = header.sources + int(identity["index"])
+        if self.plan_rank >= header.world:
+            raise checks.EngineMismatchError(
+                f"vLLM worker {identity['index']}: the plan has {header.targets} target "
+                "ranks; compile it for this many engines and replicas")
+        identity["ep"] = checks.check_experts(self.model, header, identity)
+        checks.check_identity(header, self.plan_rank, identity)
+        checks.check_vocab_rows(self.model, header, identity)
+        self.identity = identity
+        return load_rank(path, self.plan_rank)
+
+    def start_weight_update(self) -> None:
+        if self.plan is None:
+            raise RuntimeError("rdma_plan: call init_weight_transfer_engine before "
+                               "start_weight_update")
+        self.pending_version, self.failure, self.received = None, None, False
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """`receive_weights` without the base class's `torch.accelerator.synchronize()`: the
+        executor returns once every byte has landed (it syncs its own CUDA stream)."""
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: RdmaPlanUpdateInfo) -> None:
+        """This rank's part of the plan; a peer lost mid-update raises `TornUpdateError`
+        (vLLM then ends the session; `finish_weight_update` would refuse to commit too)."""
+        assert self.plan is not None, "start_weight_update checks this"
+        self.pending_version = update_info.version
+        try:
+            executor.run(self.plan)
+        except (PeerTimeoutError, PeerMismatchError) as e:
+            self.failure = e
+            raise self._torn(update_info.version) from e
+        self.received = self.plan.complete
+
+    def _torn(self, version: str | None) -> TornUpdateError:
+        cause = self.failure or "update_weights did not run"
+        return TornUpdateError(
+            f"rdma_plan: vLLM worker {self.identity.get('index')} (plan rank {self.plan_rank}) "
+            f"did not receive update {version!r} completely: {cause}. Its weights are partly "
+            f"written and version {self.weight_version!r} stays; do not resume generation on "
+            "this engine until the next complete update (send the weights again once the peer "
+            "is back)")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Refresh the plan's derived tensors in place and commit the version, or raise."""
+        version = weight_version if weight_version is not None else self.pending_version
+        if self.failure is not None or not self.received:
+            raise self._torn(version)
+        with torch.no_grad():
+            for _, refresh in self.refresh:
+                refresh()
+        self.refreshes += len(self.refresh)
+        moved = [n for n, p in pointers(self.model).items() if self.ptrs.get(n) != p]
+        if moved:
+            raise RuntimeError(f"rdma_plan: {len(moved)} tensor(s) moved during the update "
+                               f"(first {moved[0]}); CUDA graphs captured on them are stale")
+        self.weight_version, self.received = version, False
+
+    def shutdown(self) -> None:
+        if self.plan is not None:
+            self.plan.close()
+            self.plan = None
+
+
+@dataclass
+class RdmaPlanTrainerInitInfo(TrainerInitInfo):
+    backend: ClassVar[str] = BACKEND
+    plan: str
+    """Path of the compiled plan file (the same file the workers load)."""
+    rendezvous: str
+    """`host:port` of the plan's store; plan rank 0 (the sender) hosts it."""
+    transport: str = "nixl"
+    timeout_s: float = 60.0
+    plan_rank: int | None = None
+    """This trainer rank's plan rank (default: `rank`; sources are plan ranks 0..S-1)."""
+
+    def worker_info(self) -> dict[str, Any]:
+        return {"plan": self.plan, "rendezvous": self.rendezvous,
+                "transport": self.transport, "timeout_s": self.timeout_s}
+
+
+class _Background:
+    """Run `fn(*args)` on a thread for the duration of a `with` block; its error is kept in
+    `error` (and re-raised at the end of the block unless `reraise=False`)."""
+
+    def __init__(self, timeout_s: float, fn: Callable[..., None], *args: Any,
+                 reraise: bool = True) -> None:
+        self.timeout_s, self.reraise = timeout_s, reraise
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True)
+
+    def _run(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            self.error = e
+
+    def __enter__(self) -> _Background:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.thread.join(self.timeout_s)
+        if self.thread.is_alive():
+            raise TimeoutError(f"rdma_plan: the vLLM client call did not return within "
+                               f"{self.timeout_s:g} s; check that the engine is running")
+        if self.error is not None and self.reraise and exc[0] is None:
+            raise self.error
+
+
+def source_tensors(source: WeightSource) -> dict[str, torch.Tensor]:
+    """This rank's tensors from `source`: `iter_local()` where implemented, else `iter_full()`."""
+    it = source.iter_local() if source.implements_iter_local() else source.iter_full()
+    return {name: t.detach() for name, t in it}
+
+
+class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]):
+    init_info_cls = RdmaPlanTrainerInitInfo
+
+    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource | None = None,
+                 is_sender: bool = True, rank: int = 0) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender, rank=rank)
+        self.plan: executor.Executor | None = None
+        self.bound: dict[str, torch.Tensor] = {}
+        self.timeout_s = 60.0
+        self.updates = 0
+
+    @classmethod
+    def trainer_init(cls, init_info: RdmaPlanTrainerInitInfo, *, client: VLLMWeightSyncClient,
+                     source: WeightSource | None = None) -> RdmaPlanTrainerEngine:
+        if source is None:
+            raise ValueError("rdma_plan: trainer_init needs source= (a WeightSource yielding "
+                             "this rank's plan tensors)")
+        eng = cls(client=client, source=source, is_sender=init_info.is_sender,
+                  rank=init_info.rank)
+        eng.timeout_s = 2 * init_info.timeout_s + 30
+        eng.bound = source_tensors(source)
+        rank = init_info.rank if init_info.plan_rank is None else init_info.plan_rank
+
+        def load() -> None:
+            eng.plan = executor.load(init_info.plan, rank, eng.bound,
+                                     transport=init_info.transport,
+                                     rendezvous=init_info.rendezvous,
+                                     timeout_s=init_info.timeout_s)
+        if eng.is_sender:  # the workers load while this rank does (both wait for peers)
+            with _Background(eng.timeout_s, client.init_weight_transfer_engine,
+                             init_info.worker_info()):
+                load()
+        else:
+            load()
+        return eng
+
+    def _copy_round(self) -> None:
+        """Bring this round's source tensors into the bound (registered) ones."""
+        assert self.source is not None
+        for name, t in source_tensors(self.source).items():
+            b = self.bound.get(name)
+            if b is None:
+                raise ValueError(f"rdma_plan: the source yields {name!r}, which it did not "
+                                 "yield at trainer_init; keep the names fixed")
+            if t.data_ptr() != b.data_ptr():
+                b.copy_(t)
+
+    def send_weights(self, weight_version: str | None = None) -> None:
+        """One update: every rank runs its part; the sender drives the engine around it."""
+        assert self.plan is not None, "trainer_init sets it"
+        self._copy_round()
+        self.updates += 1
+        if not self.is_sender:
+            executor.run(self.plan)
+            return
+        self.client.start_weight_update()
+        lost: BaseException | None = None
+        with _Background(self.timeout_s, self.client.update_weights,
+                         {"version": weight_version}, reraise=False) as rpc:
+            try:
+                executor.run(self.plan)
+            except PeerTimeoutError as e:  # the workers saw it too: their update raised
+                lost = e
+        if rpc.error is not None:  # vLLM ended the session: nothing to finish or commit
+            raise TornUpdateError(f"rdma_plan: update {weight_version!r} did not complete on "
+                                  f"the engine and was not committed: {rpc.error}") from lost
+        self.client.finish_weight_update(weight_version)
+        if lost is not None:
+            raise lost
+
+    def shutdown(self) -> None:
+        if self.plan is not None:
+            self.plan.close()
+            self.plan = None
+
+
+def register() -> None:
+    """Register the worker and trainer engines under `rdma_plan` (idempotent; lazy import)."""
+    from vllm.distributed.weight_transfer import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    for factory, cls in ((WeightTransferEngineFactory, "RdmaPlanWeightTransferEngine"),
+                         (WeightTransferTrainerFactory, "RdmaPlanTrainerEngine")):
+        if BACKEND not in factory._registry:
+            factory.register_engine(BACKEND, __name__, cls)

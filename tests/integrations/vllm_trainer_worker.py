@@ -1,0 +1,83 @@
+"""One trainer rank sending through `rdma_plan`'s trainer engine (source side of the plan).
+
+argv[1] is JSON: {"control": port, "cases": [...], "start": step index to begin at (a
+restarted rank)}. Per case: the rank's tensors (the plan's source layout, version = the
+first step's seed) in a vLLM `WeightSource`, `WeightTransferTrainerFactory.trainer_init`
+(rank 0 is the sender and drives the engine through `vllm_cases.StoreClient`), then per step
+new tensors in the source and `send_weights(weight_version)`. Every rank announces
+`ready/<rank>/<label>` and waits for the sender's `go/<label>`; the sender has each worker
+`check` its weights after every step. A step with `"die": rank` exits that rank (code 17)
+instead of sending: a source killed mid-update.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from tests.integrations import vllm_cases  # noqa: E402
+
+
+def run_case(case: dict, rank: int, store, start: int) -> None:  # noqa: ANN001
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from integrations.vllm import RdmaPlanTrainerInitInfo
+
+    name, steps, trainers = case["name"], case["steps"], case["trainers"]
+    source = vllm_cases.dict_source(vllm_cases.source_tensors(case, rank, steps[start]["seed"]))
+    client = vllm_cases.StoreClient(store, name, case["workers"])
+    info = RdmaPlanTrainerInitInfo(rank=rank, plan=case["plan"],
+                                   rendezvous=f"127.0.0.1:{case['rdzv']}",
+                                   timeout_s=case["timeout_s"])
+    for w in range(case["workers"]):  # the plan's load timeout starts once vLLM is up
+        store.get(f"{name}/built/{w}")
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    for step in steps[start:]:
+        label = step["label"]
+        source.tensors = vllm_cases.source_tensors(case, rank, step["seed"])  # new storage
+        if rank != 0:
+            store.set(f"{name}/ready/{rank}/{label}", b"1")
+            store.get(f"{name}/go/{label}")
+        else:
+            for r in range(1, trainers):
+                store.get(f"{name}/ready/{r}/{label}")
+            client.call("skip_refresh", skip=bool(step.get("skip_refresh")))
+            store.set(f"{name}/go/{label}", b"1")
+        if step.get("die") == rank:
+            os._exit(17)
+        try:
+            engine.send_weights(weight_version=label)
+            result = "ok"
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            result = f"{type(e).__name__}: {e}"
+        if rank == 0:
+            client.call("skip_refresh", skip=False)
+            client.call("check", label=label, seed=step.get("check_seed", step["seed"]),
+                        torn=result != "ok")
+            store.set(f"{name}/send/{label}", json.dumps(
+                {"result": result, "client_version": client.weight_version}))
+    engine.shutdown()
+    if rank == 0:
+        for w in range(case["workers"]):
+            store.set(f"{name}/rpc/{w}/{client.seq}", json.dumps({"method": "done"}))
+
+
+def main() -> None:
+    arg = json.loads(sys.argv[1])
+    rank = int(os.environ["RANK"])
+    from integrations.vllm import register
+
+    register()
+    store = vllm_cases.open_control(arg["control"])
+    for case in arg["cases"]:
+        run_case(case, rank, store, arg.get("start", 0))
+        print(f"trainer {rank}: {case['name']} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
