@@ -36,6 +36,7 @@ import hashlib
 import json
 import os
 import platform
+import secrets
 import socket
 import statistics
 import subprocess
@@ -654,14 +655,14 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
             store = dist.PrefixStore(f"rplan-{ctx.runs}-{model}-{tr}", ctx.store)
             tr_only, _, inflight = tr.partition("@")  # cuda_ipc:STREAMS@MAX_INFLIGHT
             kind, _, streams = tr_only.partition(":")
+            options = None
             if kind.startswith("cuda_ipc"):  # variants, for comparisons in one run
-                from executor.transports import cuda_ipc
-                cuda_ipc.STREAMS = int(streams or 4)
-                cuda_ipc.GRAPHS = not kind.endswith("-raw")  # cuda_ipc-raw: no CUDA graphs
+                options = {"streams": int(streams or 4),  # cuda_ipc-raw: no CUDA graphs
+                           "graphs": not kind.endswith("-raw")}
                 kind = "cuda_ipc"
             ex = executor.load(plan_path, rank=rank, tensors=tensors, transport=kind,
                                rendezvous=store, timeout_s=args.exec_timeout,
-                               max_inflight=int(inflight or 8))
+                               max_inflight=int(inflight or 8), transport_options=options)
         except Exception as e:
             traceback.print_exc()
             err = f"rank {rank}: {type(e).__name__}: {e}"
@@ -693,8 +694,9 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
                 print(f"[rank {rank}] a corrupted element is caught: {caught}", flush=True)
             res["run_seconds_last_step_per_rank"] = ctx.gather(last["stats"].seconds)
             res["bytes_written_per_rank"] = ctx.gather(ex.bytes_per_step)
-            res["device_copies_per_rank"] = ctx.gather(getattr(ex.transport, "ncopies", None))
-            res["raw_copies_per_rank"] = ctx.gather(getattr(ex.transport, "rt", None) is not None)
+            tstats = ex.transport.stats()
+            res["device_copies_per_rank"] = ctx.gather(tstats.get("device_copies"))
+            res["raw_copies_per_rank"] = ctx.gather(bool(tstats.get("raw_copies")))
             ctx.profile(step, f"{model} {label}")
         except StepError as e:  # every rank got it: keep going with the other methods
             res = {"error": str(e)}
@@ -954,7 +956,7 @@ def main() -> int:
     print(f"device: {device}", flush=True)
     results_path = os.path.join(out_dir, "results.json")
     port = _free_port()
-    env = {**os.environ, **NO_MULTICAST,
+    env = {**os.environ, **NO_MULTICAST, "RDMA_PLAN_SECRET": secrets.token_hex(32),
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     argv = [a for a in sys.argv[1:]]
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--port", str(port),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -37,8 +38,10 @@ class World:
         self.port = free_port()
         self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True,
                                    wait_for_workers=False, timeout=timedelta(seconds=30))
+        self.secret = secrets.token_hex(32)  # the job secret, as a launcher hands it out
         self.env = {**os.environ, "PYTHONPATH": ROOT, "NIXL_LOG_LEVEL": "ERROR",
-                    "UCX_LOG_LEVEL": "fatal", "OMP_NUM_THREADS": "1"}
+                    "UCX_LOG_LEVEL": "fatal", "OMP_NUM_THREADS": "1",
+                    "RDMA_PLAN_SECRET": self.secret}
         if tls:
             self.env["UCX_TLS"] = tls
         self.procs: dict[tuple[int, str], subprocess.Popen] = {}
