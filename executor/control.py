@@ -56,6 +56,7 @@ class Control:
         self.lost: str = ""
         self.beat = 0
         self.republished = 0
+        self.refused = 0  # peers' records refused (garbage, forged, replayed)
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -96,7 +97,9 @@ class Control:
         try:
             return open_record(self.keys, key, raw, rank, encrypted=False)
         except ForgedRecordError as e:
-            log.warning("%s (taken as no lease)", e)
+            self.refused += 1
+            if self.refused <= 16:
+                log.warning("%s (ignored)", e)
             return None
 
     def _wait_gone(self, key: str, old: Record) -> None:
@@ -131,13 +134,14 @@ class Control:
 
     def _heal(self) -> None:
         """Rewrite this rank's records that something else overwrote."""
-        for key, value in list(self.mine.items()):
-            if self.get(key) != value:
-                log.warning("rank %d: store record %r was overwritten; rewritten", self.rank,
-                            key)
-                with self.lock:
+        with self.lock:  # the main thread may publish meanwhile: compare what is current
+            for key, value in self.mine.items():
+                if self.store.get(key) != value:
                     self.store.set(key, value)
-                self.republished += 1
+                    self.republished += 1
+                    if self.republished <= 16:
+                        log.warning("rank %d: store record %r was overwritten; rewritten",
+                                    self.rank, key)
 
     def check(self) -> None:
         if self.lost:
@@ -170,15 +174,26 @@ class Control:
         return nxt
 
     def peer_info(self, peer: int, wait: bool = True) -> tuple[Record, dict[str, Any]] | None:
-        """`peer`'s checked descriptor record (waiting up to `timeout_s` if `wait`)."""
+        """`peer`'s checked descriptor record (waiting up to `timeout_s` if `wait`).
+
+        A refused record (garbage or a forgery over the peer's own) is waited out: the peer's
+        heartbeat rewrites its record; `ForgedRecordError` only if none is valid in time."""
         key = self.key("rank", peer)
         deadline = time.monotonic() + self.timeout_s
         while True:
             raw = self.get(key)
             if raw is not None:
-                rec = open_record(self.keys, key, raw, peer)
-                return rec, _check_info(key, rec)
-            if not wait:
+                try:
+                    rec = open_record(self.keys, key, raw, peer)
+                    return rec, _check_info(key, rec)
+                except ForgedRecordError as e:
+                    self.refused += 1
+                    if not wait or time.monotonic() > deadline:
+                        raise
+                    if self.refused <= 16:
+                        log.warning("rank %d: %s; waiting for rank %d's own record", self.rank,
+                                    e, peer)
+            elif not wait:
                 return None
             if time.monotonic() > deadline:
                 raise PeerTimeoutError(self.rank, peer, "publish its regions (load the plan)",
@@ -189,6 +204,7 @@ class Control:
         """Refuse a record older than the one imported for `peer` (a replay)."""
         have = self.peer_gens.get(peer, 0)
         if rec.gen < have:
+            self.refused += 1
             raise ForgedRecordError(
                 f"store record {self.key('rank', peer)!r}: generation {rec.gen} is older than "
                 f"the imported {have}: a replay of a dead process's record (refused)",
