@@ -115,22 +115,28 @@ class Control:
                     "wait until it is gone) before starting another for this rank")
 
     def _heartbeat(self) -> None:
-        key = self.key("lease", self.rank)
         while not self.stop.wait(BEAT_S):
             try:
-                cur = self._read(key, self.rank)
-                if cur is not None and (cur.inc, cur.gen) != (self.inc, self.gen) \
-                        and cur.gen >= self.gen:
-                    self.lost = (f"rank {self.rank}: process {self.inc:#x} lost its lease to "
-                                 f"process {cur.inc:#x} (generation {cur.gen}); this process "
-                                 "must stop (one rank, one process)")
-                    log.error(self.lost)
+                if not self._heartbeat_once():
                     return
-                self.beat += 1
-                self._put(key, {"beat": self.beat})
-                self._heal()
             except Exception as e:  # noqa: BLE001 - the store may be down; keep trying
                 log.debug("rank %d: heartbeat failed: %s", self.rank, e)
+
+    def _heartbeat_once(self) -> bool:
+        """Renew the lease and heal this rank's records; False if the lease was lost."""
+        key = self.key("lease", self.rank)
+        cur = self._read(key, self.rank)
+        if cur is not None and (cur.inc, cur.gen) != (self.inc, self.gen) \
+                and cur.gen >= self.gen:
+            self.lost = (f"rank {self.rank}: process {self.inc:#x} lost its lease to "
+                         f"process {cur.inc:#x} (generation {cur.gen}); this process "
+                         "must stop (one rank, one process)")
+            log.error(self.lost)
+            return False
+        self.beat += 1
+        self._put(key, {"beat": self.beat})
+        self._heal()
+        return True
 
     def _heal(self) -> None:
         """Rewrite this rank's records that something else overwrote."""

@@ -51,12 +51,15 @@ def main() -> int:
     p.add_argument("--die", default="")
     p.add_argument("--check-every", type=int, default=1)
     p.add_argument("--life", default="a")
+    p.add_argument("--insecure", action="store_true", help="run without a job secret")
     p.add_argument("--leak", action="store_true",
                    help="test only: publish this rank's plain descriptors at leak/<rank> (an "
                         "attacker who already holds them, tests/reliability/stray.py)")
     p.add_argument("--bump", action="store_true",
                    help="step k's weights = fixed ones + k %% 97, in place (cheap; long runs)")
     a = p.parse_args()
+    if a.insecure:
+        os.environ.pop("RDMA_PLAN_SECRET", None)
 
     import torch
     import torch.distributed as dist
@@ -92,7 +95,7 @@ def main() -> int:
 
     try:
         plan = executor.load(a.plan, a.rank, tensors, transport="nixl", rendezvous=store,
-                             timeout_s=30)
+                             timeout_s=30, insecure=a.insecure)
     except (executor.PeerMismatchError, executor.PeerTimeoutError, executor.BindError,
             executor.LeaseHeldError, executor.ForgedRecordError) as e:
         store.set(f"loaded/{a.rank}/{a.life}", json.dumps(

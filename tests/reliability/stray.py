@@ -34,8 +34,8 @@ def main() -> int:
     p.add_argument("mode", choices=["forge", "records", "garbage"])
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--plan", required=True)
-    p.add_argument("--target", type=int, default=2)
-    p.add_argument("--claim", type=int, default=0)
+    p.add_argument("--target", default="2", help="ranks, comma-separated")
+    p.add_argument("--claim", default="0", help="ranks, comma-separated")
     p.add_argument("--step", type=int, default=1)
     p.add_argument("--secret", default="")
     p.add_argument("--ranks", default="0")
@@ -60,17 +60,19 @@ def main() -> int:
 
     plan = load_plan(a.plan)
     tag = signals.fingerprint_tag(plan.header["fingerprint"])
-    leak = msgpack.unpackb(store.get(f"leak/{a.target}"))
-    claimed = msgpack.unpackb(store.get(f"leak/{a.claim}"))
-    name = agent.add_remote_agent(leak["desc"]["agent"])
     keys = keys_from(a.secret or os.urandom(32).hex())
     sent = 0
-    for seq, (stage, kind) in enumerate([(s, k) for s in range(plan.header["stages"])
-                                         for k in (READY, DONE, ACK)]):
-        msg = signals.encode(keys, tag, claimed["inc"], leak["inc"], a.step, stage, kind,
-                             a.claim, 10**6 + seq)
-        agent.send_notif(name, msg)
-        sent += 1
+    for target in map(int, a.target.split(",")):
+        leak = msgpack.unpackb(store.get(f"leak/{target}"))
+        name = agent.add_remote_agent(leak["desc"]["agent"])
+        for claim in map(int, a.claim.split(",")):
+            claimed = msgpack.unpackb(store.get(f"leak/{claim}"))
+            for stage in range(plan.header["stages"]):
+                for kind in (READY, DONE, ACK):
+                    sent += 1
+                    agent.send_notif(name, signals.encode(
+                        keys, tag, claimed["inc"], leak["inc"], a.step, stage, kind, claim,
+                        10**6 + sent))
     print(json.dumps({"sent": sent}), flush=True)
     # the sends complete only once the target progresses UCX (when it polls, in its next
     # step): stay, progressing, until the test says so (or 30 s)
