@@ -46,6 +46,8 @@ def test_survivors_name_the_lost_rank(plan, victim, sig, when):
             if r == victim and when == "mid":
                 die = f"2:{'stop-' if sig == 'stop' else ''}{MID[victim]}"
             w.spawn(r, die=die)
+        for r in range(4):  # all loaded: step 1 starts together (3 s timeouts on a busy box)
+            w.loaded(r)
         res = w.step(1, [0, 1, 2, 3])
         assert all(r["ok"] for r in res.values()) and res[2]["exact"] and res[3]["exact"], res
         if when == "between":
