@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
-from schemas.plan import ACK, DONE, PACK, QUANT, READY, UNPACK, RankPlan, load_rank
+from schemas.plan import ACK, DONE, READY, RankPlan, load_rank
 from schemas.prepack import Overlap
 
 from . import recovery, signals
@@ -37,62 +35,16 @@ from .bind import bind
 from .blame import Blame
 from .check import check_against_header, check_rank_plan
 from .control import Control
-from .copies import Op, prepare_copies
 from .errors import PeerAbortError, PeerLostError, PeerMismatchError, PeerTimeoutError
-from .quant import prepare_quants
 from .rendezvous import open_store
+from .stages import Stage, prepare_stage
+from .stats import RunStats, received_bytes
 from .transports import make_transport
-from .transports.base import Prepared, WriteBatch
+from .transports.base import Prepared
 from .window import Window
 
 _KIND_NAMES = {READY: "READY", DONE: "DONE (its writes landed)",
                ACK: "ACK (its staging is free)"}
-
-
-@dataclass(frozen=True, slots=True)
-class RunStats:
-    rank: int
-    """Plan rank, or -1 for a whole in-process world (`run_all_local`)."""
-    step: int
-    sent: int
-    """Bytes this rank wrote to its peers (all ranks' bytes for a world)."""
-    received: int
-    """Bytes the plan writes into this rank (its peers' writes; the header's rank stats)."""
-    seconds: float
-    complete: bool
-    """Whether this rank's part of the step finished (targets: weights are whole)."""
-
-    @property
-    def bytes(self) -> int:
-        """Bytes this rank moved: sent (sources) or received (targets)."""
-        return self.sent or self.received
-
-    @property
-    def gbytes_per_s(self) -> float:
-        """`bytes / seconds` in GB/s (10^9 bytes per second; configs' `nic_gbps` is Gb/s)."""
-        return self.bytes / max(self.seconds, 1e-9) / 1e9
-
-
-@dataclass(slots=True)
-class Stage:
-    """What one rank does in one stage, prepared once."""
-
-    ready_to: list[int] = field(default_factory=list)
-    before: list[tuple[int, int, int]] = field(default_factory=list)  # (stage, kind, peer)
-    packs: list[Op] = field(default_factory=list)
-    batches: list[Prepared] = field(default_factory=list)
-    done_to: list[int] = field(default_factory=list)
-    after: list[tuple[int, int, int]] = field(default_factory=list)
-    unpacks: list[Op] = field(default_factory=list)
-    ack_to: list[int] = field(default_factory=list)
-
-
-def _received(header: dict[str, Any], rank: int) -> int:
-    rows = header.get("rank_stats")
-    try:
-        return max(0, int(rows[rank][2]))  # type: ignore[index]
-    except (TypeError, IndexError, ValueError):
-        return 0
 
 
 class Executor:
@@ -147,7 +99,7 @@ class Executor:
         self.reprepared = 0  # batches released and prepared again after a failed step
         self.rejoined = False
         self.bytes_per_step = int(plan.writes["nbytes"].sum())
-        self.received_per_step = _received(header, self.rank)
+        self.received_per_step = received_bytes(header, self.rank)
 
     @staticmethod
     def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str = "nixl",
@@ -189,7 +141,8 @@ class Executor:
         if self.rejoined:  # a restarted rank joins at its peers' step (recovery.py)
             self.step = max(self.step, recovery.peers_next_step(self) - 1)
             self.control.publish_step(self.step + 1)
-        self.stages = [self._prepare_stage(s) for s in range(p.stages)]
+        self.stages = [prepare_stage(p, s, self.regions, self.transport)
+                       for s in range(p.stages)]
         self.overlap = Overlap(p)
         self.prepacked = self.overlap.prepacked.tolist()
 
@@ -220,33 +173,6 @@ class Executor:
                 f"rank {self.rank}: peer rank {peer} exported region {r} of {got} bytes, "
                 f"the plan expects {n} ({len(wrong)} region(s) differ); bind the tensors "
                 "the plan was compiled for on that rank", peer=peer)
-
-    def _prepare_stage(self, s: int) -> Stage:
-        p, st = self.plan, Stage()
-        for table, sent in ((p.signals, True), (p.waits, False)):
-            rows = np.flatnonzero(table["stage"] == s)
-            for kind, peer in zip(table["kind"][rows].tolist(), table["peer"][rows].tolist()):
-                if sent:
-                    {READY: st.ready_to, DONE: st.done_to, ACK: st.ack_to}[kind].append(peer)
-                else:
-                    (st.after if kind == DONE else st.before).append((s, kind, peer))
-        c = p.copies
-        st.packs = prepare_copies(c, np.flatnonzero((c["stage"] == s) & (c["kind"] == PACK)),
-                                  self.regions)
-        st.packs += prepare_quants(
-            c, np.flatnonzero((c["stage"] == s) & (c["kind"] == QUANT)), self.regions)
-        st.unpacks = prepare_copies(
-            c, np.flatnonzero((c["stage"] == s) & (c["kind"] == UNPACK)), self.regions)
-        w, b = p.writes, p.batches
-        for i in np.flatnonzero(b["stage"] == s):
-            rows = np.arange(int(b["start"][i]), int(b["stop"][i]))
-            dst = w["dst_rank"][rows]
-            for peer in dict.fromkeys(dst.tolist()):
-                r = rows[dst == peer]
-                batch = WriteBatch(peer, *(w[k][r].astype(np.int64) for k in (
-                    "src_region", "src_offset", "dst_region", "dst_offset", "nbytes")))
-                st.batches.append(Prepared(self.transport.prepare(batch), peer, batch))
-        return st
 
     # ------------------------------------------------------------------ every step
 

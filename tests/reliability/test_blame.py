@@ -54,7 +54,8 @@ def test_survivors_name_the_lost_rank(plan, victim, sig, when):
             w.signal(victim, signal.SIGKILL if sig == "kill" else signal.SIGSTOP)
         alive = [r for r in range(4) if r != victim]
         res = w.step(2, alive, timeout_s=40)
-        assert any(not r["ok"] for r in res.values()), res  # someone depended on it
+        if victim == 0 or when == "between":  # someone depended on it (a target stopped
+            assert any(not r["ok"] for r in res.values()), res  # after its DONE: nobody)
         for r in alive:
             if not res[r]["ok"]:
                 assert res[r]["seconds"] < 3.0 + 4.0, res[r]  # timeout + telling who is dead

@@ -111,9 +111,9 @@ def test_restarted_target_is_reimported_and_stale_signals_never_count():
     fabric = Fabric()
     src_t = {"x": torch.arange(8, dtype=torch.uint8)}
     src, tgt = _plans()
-    s = Executor(HEADER, src, src_t, "local", fabric, timeout_s=0.5)
+    s = Executor(HEADER, src, src_t, "local", fabric, timeout_s=2.0)
     t_old = Executor(HEADER, tgt, {"x": torch.zeros(8, dtype=torch.uint8)}, "local", fabric,
-                     timeout_s=0.5)
+                     timeout_s=2.0)
     for ex in (s, t_old):
         ex.register()
     for ex in (s, t_old):
@@ -127,7 +127,7 @@ def test_restarted_target_is_reimported_and_stale_signals_never_count():
     s.run()  # lands in t_old: the source cannot know yet
     src_t["x"].add_(1)
     new_x = torch.zeros(8, dtype=torch.uint8)
-    t_new = Executor(HEADER, tgt, {"x": new_x}, "local", fabric, timeout_s=0.5)
+    t_new = Executor(HEADER, tgt, {"x": new_x}, "local", fabric, timeout_s=2.0)
     t_new.register()
     t_new.connect()
     assert t_new.rejoined and t_new.step == 2  # joins at the source's next step (3)
