@@ -352,26 +352,12 @@ class Baseline:
 # ------------------------------------------- micro-benchmark: host cost of peer copies
 
 def cudart():
-    """ctypes handle on the libcudart that torch loaded (cudaMemcpyAsync), or None."""
-    import ctypes
+    """`cudaMemcpyAsync` of the libcudart that torch loaded (the executor's one loader), or
+    None."""
+    from executor.transports.cuda_ipc import load_cudart
 
-    paths = []
-    try:
-        with open("/proc/self/maps") as f:
-            paths = [ln.split()[-1] for ln in f if "libcudart.so" in ln]
-    except OSError:
-        pass
-    for path in [*dict.fromkeys(paths), "libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
-        try:
-            lib = ctypes.CDLL(path)
-            fn = lib.cudaMemcpyAsync
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                       ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        return fn
-    return None
+    rt = load_cudart()
+    return rt.memcpy_async if rt is not None else None
 
 
 def copy_microbench(n_bytes: int, src, dst) -> dict:

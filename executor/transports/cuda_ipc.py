@@ -76,6 +76,11 @@ class _Runtime:
         return None
 
 
+def load_cudart() -> _Runtime | None:
+    """The one loader of the CUDA runtime (used by this transport and the benchmarks)."""
+    return _Runtime.load()
+
+
 def _segment(t: torch.Tensor, offset: int) -> int:
     """Base address of the cudaMalloc allocation holding `t`'s storage (`offset`: the
     storage's offset in it, as `_share_cuda_()` gives it)."""
@@ -121,6 +126,7 @@ class CudaIpcTransport:
         self.segments: list[int] = []  # allocation base of each region (set by export)
         self.peer_segments: dict[int, list[int]] = {}
         self.ncopies = 0  # device copies per step (after merging), for benchmarks
+        self.regions: list[torch.Tensor] = []
 
     def register(self, regions: list[torch.Tensor]) -> None:
         self.regions = regions

@@ -41,6 +41,7 @@ class LocalTransport:
     def __init__(self, rank: int, namespace: str, fabric: Fabric | None = None) -> None:
         self.rank, self.ns, self.fabric = rank, namespace, fabric or FABRIC
         self.peers: dict[int, list[torch.Tensor]] = {}
+        self.regions: list[torch.Tensor] = []
 
     def register(self, regions: list[torch.Tensor]) -> None:
         self.regions = regions

@@ -31,6 +31,8 @@ class NixlTransport:
         self.peers: dict[int, tuple[str, list[int], int]] = {}  # name, addrs, device id
         self.handles: dict[int, tuple[Any, Any, Any]] = {}  # id(xfer) -> (lh, rh, xfer)
         self.leaked = 0  # handles NIXL refused to release (still in flight to a dead peer)
+        self.regions: list[torch.Tensor] = []
+        self.mem, self.dev, self.reg = "DRAM", 0, None
 
     def register(self, regions: list[torch.Tensor]) -> None:
         self.regions = regions

@@ -133,7 +133,7 @@ def main() -> int:
                        msg=str(e))
         res.update(complete=plan.complete, seconds=time.monotonic() - t0, rss=rss_bytes(),
                    fds=open_fds(), registers=plan.register_calls, reimports=plan.reimports,
-                   reprepared=plan.reprepared, leaked=getattr(plan.transport, "leaked", 0),
+                   reprepared=plan.reprepared, leaked=plan.transport.stats().get("leaked", 0),
                    exec_step=plan.step, refused=plan.inbox.refused,
                    last_refused=plan.inbox.last_refused, refused_records=plan.control.refused,
                    republished=plan.control.republished)
