@@ -84,6 +84,7 @@ class Inbox:
         """Sender -> (step, lost rank) of the `ABORT`s that arrived."""
         self.seen: dict[tuple[int, int], set[int]] = {}
         """(sender, incarnation) -> sequence numbers seen (replay window)."""
+        self.high: dict[tuple[int, int], int] = {}
         self.refused = 0
         self.last_refused = ""
 
@@ -112,13 +113,16 @@ class Inbox:
             log.warning("%s (%d refused so far)", self.last_refused, self.refused)
 
     def _fresh(self, sender: int, inc: int, seq: int) -> bool:
+        """Whether message `seq` of that process is new (a window of `_SEEN` numbers)."""
+        high = self.high.get((sender, inc), 0)
         seen = self.seen.setdefault((sender, inc), set())
-        if seq in seen or (seen and seq + _SEEN < max(seen)):
+        if seq in seen or seq + _SEEN < high:
             return False
         seen.add(seq)
+        if seq > high:
+            self.high[(sender, inc)] = high = seq
         if len(seen) > 2 * _SEEN:
-            top = max(seen)
-            seen.difference_update([q for q in seen if q + _SEEN < top])
+            seen.difference_update([q for q in seen if q + _SEEN < high])
         return True
 
     def add(self, msgs: list[tuple[str, bytes]], step: int) -> None:
