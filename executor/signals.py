@@ -1,7 +1,8 @@
 """Signal messages and the inbox that matches them to waits.
 
-A message is `b"RPS2"` + 8 bytes of the plan fingerprint's hash + (sender's incarnation,
-receiver's incarnation as the sender imported it, step, stage, kind, sender). Waits match
+A message (85 bytes) is `b"RPS3"` + 8 bytes of the plan fingerprint's hash + (sender's
+incarnation, receiver's incarnation as the sender imported it, step, stage, kind, sender,
+the sender process's sequence number) + a 16-byte MAC. Waits match
 the rule of `schemas/plan.py`: a `READY` or `DONE` wait at stage s matches the peer's
 signal sent in stage s of the same step, an `ACK` wait at stage s the peer's `ACK` sent in
 stage s-1. Messages of another plan are ignored, messages of an earlier step are stale and
