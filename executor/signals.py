@@ -1,6 +1,6 @@
 """Signal messages and the inbox that matches them to waits.
 
-A message (85 bytes) is `b"RPS3"` + 8 bytes of the plan fingerprint's hash + (sender's
+A message (69 bytes) is `b"RPS3"` + 8 bytes of the plan fingerprint's hash + (sender's
 incarnation, receiver's incarnation as the sender imported it, step, stage, kind, sender,
 the sender process's sequence number) + a 16-byte MAC. Waits match
 the rule of `schemas/plan.py`: a `READY` or `DONE` wait at stage s matches the peer's
