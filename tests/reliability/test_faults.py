@@ -48,8 +48,8 @@ def _recover(w: World, victim: int, survivors_raise: list[int], k_fail: int) -> 
         assert not got["ok"] and got["error"] in ("PeerTimeoutError", "PeerLostError",
                                                      "PeerAbortError"), got
         assert got["peer"] == victim, got
-        assert f"peer rank {victim}" in got["msg"], got
-        assert got["seconds"] < TIMEOUT_S + 2.0, got  # within the timeout, nothing hangs
+        assert f"rank {victim}" in got["msg"], got  # named as lost, or as the one a peer lost
+        assert got["seconds"] < TIMEOUT_S + 4.0, got  # the timeout + telling who is dead
         assert not got["complete"], got
     for r in alive:  # whoever raised names the dead rank
         assert res[r]["ok"] or res[r]["peer"] == victim, res[r]
