@@ -26,6 +26,7 @@ answer `get` of a missing key at once with None (`rendezvous.open_store` wraps s
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -85,6 +86,8 @@ class Control:
         self.gen = old.gen + 1 if old is not None else 1
         self._put(key, {"beat": 0})
         if heartbeat:
+            # stop beating before the interpreter (or the store rank 0 hosts) is torn down
+            atexit.register(self.close)
             self.thread = threading.Thread(target=self._heartbeat, daemon=True,
                                            name=f"rplan-lease-{self.rank}")
             self.thread.start()

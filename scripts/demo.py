@@ -90,6 +90,7 @@ def worker(args: argparse.Namespace) -> int:
         me.before(step)
         me.after(step, executor.run(plan))
     print(json.dumps(me.report), flush=True)
+    plan.close()
     return 0 if me.good() else 1
 
 

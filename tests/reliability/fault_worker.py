@@ -106,7 +106,8 @@ def main() -> int:
     if a.leak:
         import msgpack
         store.set(f"leak/{a.rank}", msgpack.packb({"desc": plan.transport.export(),
-                                                   "inc": plan.incarnation}))
+                                                   "inc": plan.incarnation,
+                                                   "name": plan.transport.name}))
     die_step, _, mode = a.die.partition(":")
     if die_step:
         _arm(plan, int(die_step), mode)
@@ -114,7 +115,8 @@ def main() -> int:
         {"step": plan.step, "rss": rss_bytes(), "fds": open_fds(),
          "registers": plan.register_calls}))
     for k in range(a.start, a.steps + 1):
-        store.wait([f"go/{k}"], timedelta(seconds=120))
+        if not _wait_go(store, k):
+            break  # the test ended before step k
         plan.test_step = k  # type: ignore[attr-defined]
         if is_source:
             if a.bump:  # the "training step": weights change in place
@@ -145,6 +147,18 @@ def main() -> int:
     store.wait(["exit"], timedelta(seconds=120))
     plan.close()
     return 0
+
+
+def _wait_go(store, k: int) -> bool:
+    """Wait for `go/<k>` (True) or `exit` (False), at most 120 s."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if store.check([f"go/{k}"]):
+            return True
+        if store.check(["exit"]):
+            return False
+        time.sleep(0.005)
+    return False
 
 
 def _arm(plan, step: int, mode: str) -> None:

@@ -39,6 +39,8 @@ def main() -> int:
     p.add_argument("--step", type=int, default=1)
     p.add_argument("--secret", default="")
     p.add_argument("--ranks", default="0")
+    p.add_argument("--spoof", action="store_true",
+                   help="forge: one agent per claimed rank, named like that rank's agent")
     a = p.parse_args()
 
     import msgpack
@@ -61,25 +63,39 @@ def main() -> int:
     plan = load_plan(a.plan)
     tag = signals.fingerprint_tag(plan.header["fingerprint"])
     keys = keys_from(a.secret or os.urandom(32).hex())
-    sent = 0
+    claims = [(c, msgpack.unpackb(store.get(f"leak/{c}"))) for c in map(int, a.claim.split(","))]
+    agents = {c: nixl_agent(leak["name"], nixl_agent_config(
+        enable_prog_thread=False, backends=["UCX"])) if a.spoof else agent
+        for c, leak in claims}
+    targets = []
     for target in map(int, a.target.split(",")):
         leak = msgpack.unpackb(store.get(f"leak/{target}"))
-        name = agent.add_remote_agent(leak["desc"]["agent"])
-        for claim in map(int, a.claim.split(",")):
-            claimed = msgpack.unpackb(store.get(f"leak/{claim}"))
-            for stage in range(plan.header["stages"]):
-                for kind in (READY, DONE, ACK):
-                    sent += 1
-                    agent.send_notif(name, signals.encode(
-                        keys, tag, claimed["inc"], leak["inc"], a.step, stage, kind, claim,
-                        10**6 + sent))
-    print(json.dumps({"sent": sent}), flush=True)
-    # the sends complete only once the target progresses UCX (when it polls, in its next
-    # step): stay, progressing, until the test says so (or 30 s)
+        names = {c: ag.add_remote_agent(leak["desc"]["agent"]) for c, ag in agents.items()}
+        targets.append((names, leak["inc"]))
+    claims = [(c, leak["inc"]) for c, leak in claims]
+    sent, rounds = 0, 0
     end = time.monotonic() + 30
+    # the sends complete only once a target progresses UCX (when it polls, in a step): send
+    # the lot again every 20 ms, for the steps to come too, until the test says stop
     while time.monotonic() < end and not store.check(["stray/stop"]):
-        agent.get_new_notifs()
-        time.sleep(0.005)
+        for names, inc in targets:
+            for claim, claim_inc in claims:
+                ag, name = agents[claim], names[claim]
+                for step in range(a.step, a.step + 3):
+                    for stage in range(plan.header["stages"]):
+                        for kind in (READY, DONE, ACK):
+                            sent += 1
+                            ag.send_notif(name, signals.encode(
+                                keys, tag, claim_inc, inc, step, stage, kind, claim,
+                                10**6 + sent))
+        if rounds == 0:
+            print(json.dumps({"sent": sent}), flush=True)
+        rounds += 1
+        t = time.monotonic() + 0.02
+        while time.monotonic() < t:
+            for ag in {id(x): x for x in agents.values()}.values():
+                ag.get_new_notifs()
+            time.sleep(0.002)
     return 0
 
 

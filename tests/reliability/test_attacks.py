@@ -34,19 +34,23 @@ def plan(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world(plan):
-    w = World(CONFIG, plan, 4, steps=10, timeout_s=3.0, extra=("--leak",))
+    w = World(CONFIG, plan, 4, steps=30, timeout_s=3.0, extra=("--leak",))
+    w.k = 0  # type: ignore[attr-defined]  # the last step run
     try:
         for r in RANKS:
             w.spawn(r)
         for r in RANKS:
             w.loaded(r)
-        _honest(w, 1)
+        _honest(w)
         yield w
     finally:
         w.close()
 
 
-def _honest(w: World, k: int) -> dict:
+def _honest(w: World) -> dict:
+    """The next step, honest: every rank completes, both targets bit-exact."""
+    w.k += 1
+    k = w.k
     res = w.step(k, RANKS)
     assert all(r["ok"] and r["complete"] for r in res.values()), (k, w.tails())
     assert res[2]["exact"] and res[3]["exact"], res
@@ -54,10 +58,15 @@ def _honest(w: World, k: int) -> dict:
 
 
 def test_forged_done_is_refused(world):
-    # DONE (and READY, ACK) of every stage of step 2 "from" both sources, sent before the
-    # step: taken, they would end the targets' step before any write landed (stale weights)
-    world.stray("forge", "--target", "2,3", "--claim", "0,1", "--step", "2")
-    res = _honest(world, 2)
+    # DONE (and READY, ACK) of every stage of the next steps "from" both sources, sent before
+    # and during them: taken, they would end a target's step before the writes landed
+    # its agents carry the sources' NIXL agent names: only the MAC stands in the way
+    world.stray("forge", "--target", "2,3", "--claim", "0,1", "--step", str(world.k + 1),
+                "--spoof")
+    for _ in range(3):  # the forgeries arrive once UCX wired the stray up (a step or two)
+        res = _honest(world)
+        if all(res[t]["refused"] >= 6 for t in (2, 3)):
+            break
     world.strays_stop()
     for t in (2, 3):
         assert res[t]["refused"] >= 6 and "forged" in res[t]["last_refused"], res[t]
@@ -65,9 +74,12 @@ def test_forged_done_is_refused(world):
 
 def test_impersonation_with_the_secret_but_another_agent_is_refused(world):
     # a process holding the job secret (the MAC is right) but not rank 0's NIXL agent
-    world.stray("forge", "--target", "2", "--claim", "0", "--step", "3", "--secret",
-                world.secret)
-    res = _honest(world, 3)
+    world.stray("forge", "--target", "2", "--claim", "0", "--step", str(world.k + 1),
+                "--secret", world.secret)
+    for _ in range(3):
+        res = _honest(world)
+        if "impersonation" in res[2]["last_refused"]:
+            break
     world.strays_stop()
     assert "impersonation" in res[2]["last_refused"], res[2]
 
@@ -76,8 +88,8 @@ def test_hijack_of_a_source_and_a_target_record_is_refused(world):
     # the stray re-publishes itself as source 0 and target 2 (and moves rank 1's record to
     # rank 0's key); the owners rewrite their records, readers refuse the forged ones
     world.stray("records", "--ranks", "0,2")
-    res = _honest(world, 4)
-    res = _honest(world, 5)
+    _honest(world)
+    res = _honest(world)
     assert res[0]["republished"] >= 1 and res[2]["republished"] >= 1, res
     _sealed_by(world, "rplan/rank/0", 0)
     _sealed_by(world, "rplan/rank/2", 2)
@@ -85,7 +97,7 @@ def test_hijack_of_a_source_and_a_target_record_is_refused(world):
 
 def test_garbage_records_and_an_oversized_step(world):
     world.stray("garbage")
-    _honest(world, 6)
+    _honest(world)
     for r, kind in ((1, "rank"), (3, "step"), (2, "lease")):
         _sealed_by(world, f"rplan/{kind}/{r}", r)
 
@@ -94,7 +106,7 @@ def test_a_second_process_for_a_live_rank_is_refused(world):
     world.spawn(2, life="dup", start=99)
     got = world.loaded(2, "dup")
     assert got["error"] == "LeaseHeldError" and "rank 2 is held by a live process" in got["msg"]
-    _honest(world, 7)
+    _honest(world)
 
 
 def test_recovery_after_garbage_kills_and_restarts(world):
@@ -102,9 +114,10 @@ def test_recovery_after_garbage_kills_and_restarts(world):
     # process takes its lease over, and the next steps are bit-exact
     world.stray("garbage")
     world.signal(3, signal.SIGKILL)
-    res = world.step(8, [0, 1, 2], timeout_s=40)
+    world.k += 1
+    res = world.step(world.k, [0, 1, 2], timeout_s=40)
     assert not res[0]["ok"] and res[0]["peer"] == 3, res[0]
-    check_recovery(world, 3, 8, res)
+    check_recovery(world, 3, world.k, res)
 
 
 def _sealed_by(w: World, key: str, rank: int) -> None:
@@ -119,15 +132,20 @@ def _sealed_by(w: World, key: str, rank: int) -> None:
 def test_without_a_secret_the_forged_done_succeeds(plan):
     # the control: the same forgery against a job run with insecure=True ends a target's
     # step on the forged DONE, with stale weights (what the secret prevents above)
-    w = World(CONFIG, plan, 4, steps=2, timeout_s=3.0, extra=("--leak", "--insecure"))
+    w = World(CONFIG, plan, 4, steps=6, timeout_s=3.0, extra=("--leak", "--insecure"))
+    w.k = 0  # type: ignore[attr-defined]
     try:
         for r in RANKS:
             w.spawn(r)
-        _honest(w, 1)
-        w.stray("forge", "--target", "2,3", "--claim", "0,1", "--step", "2")
-        res = w.step(2, RANKS)
+        for r in RANKS:
+            w.loaded(r)
+        _honest(w)
+        w.stray("forge", "--target", "2,3", "--claim", "0,1", "--step", "2", "--spoof")
+        fooled = []
+        for k in (2, 3, 4):
+            res = w.step(k, RANKS)
+            fooled += [t for t in (2, 3) if res[t]["complete"] and not res[t]["exact"]]
         w.strays_stop()
-        fooled = [t for t in (2, 3) if res[t]["complete"] and not res[t]["exact"]]
         assert fooled, res
     finally:
         w.close()
