@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import secrets
 import socket
 import statistics
 import subprocess
@@ -124,7 +125,7 @@ def bench_two_processes(path: str, steps: int, transport: str,
         port = s.getsockname()[1]
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=120))
-    env = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
+    env = {**os.environ, "NIXL_LOG_LEVEL": "WARN", "RDMA_PLAN_SECRET": secrets.token_hex(32)}
     gpus = torch.cuda.device_count() if device != "cpu" else 0
     devices = [device, "cuda:1" if gpus > 1 else device]  # the target on another GPU if any
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", path, str(r), str(port),

@@ -37,6 +37,7 @@ import hashlib
 import json
 import os
 import platform
+import secrets
 import socket
 import statistics
 import subprocess
@@ -352,26 +353,12 @@ class Baseline:
 # ------------------------------------------- micro-benchmark: host cost of peer copies
 
 def cudart():
-    """ctypes handle on the libcudart that torch loaded (cudaMemcpyAsync), or None."""
-    import ctypes
+    """`cudaMemcpyAsync` of the libcudart that torch loaded (the executor's one loader), or
+    None."""
+    from executor.transports.cuda_ipc import load_cudart
 
-    paths = []
-    try:
-        with open("/proc/self/maps") as f:
-            paths = [ln.split()[-1] for ln in f if "libcudart.so" in ln]
-    except OSError:
-        pass
-    for path in [*dict.fromkeys(paths), "libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
-        try:
-            lib = ctypes.CDLL(path)
-            fn = lib.cudaMemcpyAsync
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                       ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        return fn
-    return None
+    rt = load_cudart()
+    return rt.memcpy_async if rt is not None else None
 
 
 def copy_microbench(n_bytes: int, src, dst) -> dict:
@@ -655,14 +642,14 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
             store = dist.PrefixStore(f"rplan-{ctx.runs}-{model}-{tr}", ctx.store)
             tr_only, _, inflight = tr.partition("@")  # cuda_ipc:STREAMS@MAX_INFLIGHT
             kind, _, streams = tr_only.partition(":")
+            options = None
             if kind.startswith("cuda_ipc"):  # variants, for comparisons in one run
-                from executor.transports import cuda_ipc
-                cuda_ipc.STREAMS = int(streams or 4)
-                cuda_ipc.GRAPHS = not kind.endswith("-raw")  # cuda_ipc-raw: no CUDA graphs
+                options = {"streams": int(streams or 4),  # cuda_ipc-raw: no CUDA graphs
+                           "graphs": not kind.endswith("-raw")}
                 kind = "cuda_ipc"
             ex = executor.load(plan_path, rank=rank, tensors=tensors, transport=kind,
                                rendezvous=store, timeout_s=args.exec_timeout,
-                               max_inflight=int(inflight or 8))
+                               max_inflight=int(inflight or 8), transport_options=options)
         except Exception as e:
             traceback.print_exc()
             err = f"rank {rank}: {type(e).__name__}: {e}"
@@ -694,8 +681,9 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
                 print(f"[rank {rank}] a corrupted element is caught: {caught}", flush=True)
             res["run_seconds_last_step_per_rank"] = ctx.gather(last["stats"].seconds)
             res["bytes_written_per_rank"] = ctx.gather(ex.bytes_per_step)
-            res["device_copies_per_rank"] = ctx.gather(getattr(ex.transport, "ncopies", None))
-            res["raw_copies_per_rank"] = ctx.gather(getattr(ex.transport, "rt", None) is not None)
+            tstats = ex.transport.stats()
+            res["device_copies_per_rank"] = ctx.gather(tstats.get("device_copies"))
+            res["raw_copies_per_rank"] = ctx.gather(bool(tstats.get("raw_copies")))
             ctx.profile(step, f"{model} {label}")
         except StepError as e:  # every rank got it: keep going with the other methods
             res = {"error": str(e)}
@@ -955,7 +943,7 @@ def main() -> int:
     print(f"device: {device}", flush=True)
     results_path = os.path.join(out_dir, "results.json")
     port = _free_port()
-    env = {**os.environ, **NO_MULTICAST,
+    env = {**os.environ, **NO_MULTICAST, "RDMA_PLAN_SECRET": secrets.token_hex(32),
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     argv = [a for a in sys.argv[1:]]
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--port", str(port),

@@ -8,8 +8,21 @@
 from schemas.identity import IdentityError
 
 from .core import Executor, RunStats, load, run
-from .errors import BindError, PeerMismatchError, PeerTimeoutError, PlanBoundsError
+from .errors import (
+                     BindError,
+                     ForgedRecordError,
+                     LeaseHeldError,
+                     LeaseLostError,
+                     NoSecretError,
+                     PeerAbortError,
+                     PeerLostError,
+                     PeerMismatchError,
+                     PeerTimeoutError,
+                     PlanBoundsError,
+)
 from .world import PlanDeadlockError, run_all_local
 
-__all__ = ["BindError", "Executor", "IdentityError", "PeerMismatchError", "PeerTimeoutError",
-           "PlanBoundsError", "PlanDeadlockError", "RunStats", "load", "run", "run_all_local"]
+__all__ = ["BindError", "Executor", "ForgedRecordError", "IdentityError", "LeaseHeldError",
+           "LeaseLostError", "NoSecretError", "PeerAbortError", "PeerLostError",
+           "PeerMismatchError", "PeerTimeoutError", "PlanBoundsError", "PlanDeadlockError",
+           "RunStats", "load", "run", "run_all_local"]

@@ -41,3 +41,34 @@ class PeerLostError(PeerTimeoutError):
                               "run again (the next run() re-imports it)")
         self.rank = rank
         self.peer = peer
+
+
+class PeerAbortError(PeerTimeoutError):
+    """A peer gave up the step and said so (`ABORT`): `.sender` aborted, `.peer` is the rank
+    it blames (the one it lost), never the messenger."""
+
+    def __init__(self, rank: int, sender: int, blamed: int, step: int) -> None:
+        TimeoutError.__init__(self, f"rank {rank}: peer rank {sender} aborted step {step}: it "
+                              f"lost rank {blamed}; restart rank {blamed} if it is gone, then "
+                              "run again on every rank")
+        self.rank, self.sender, self.peer = rank, sender, blamed
+
+
+class NoSecretError(UserError):
+    """No job secret was given and `insecure=True` was not passed."""
+
+
+class ForgedRecordError(RuntimeError):
+    """A store record is garbage, unsigned, forged, moved or replayed (`.key` names it)."""
+
+    def __init__(self, message: str, key: str = "") -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class LeaseHeldError(RuntimeError):
+    """Another live process holds this rank's lease (one rank, one process)."""
+
+
+class LeaseLostError(RuntimeError):
+    """This process's lease was taken over by a newer process of its rank: it must stop."""

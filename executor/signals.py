@@ -1,7 +1,8 @@
 """Signal messages and the inbox that matches them to waits.
 
-A message is `b"RPS2"` + 8 bytes of the plan fingerprint's hash + (sender's incarnation,
-receiver's incarnation as the sender imported it, step, stage, kind, sender). Waits match
+A message (69 bytes) is `b"RPS3"` + 8 bytes of the plan fingerprint's hash + (sender's
+incarnation, receiver's incarnation as the sender imported it, step, stage, kind, sender,
+the sender process's sequence number) + a 16-byte MAC. Waits match
 the rule of `schemas/plan.py`: a `READY` or `DONE` wait at stage s matches the peer's
 signal sent in stage s of the same step, an `ACK` wait at stage s the peer's `ACK` sent in
 stage s-1. Messages of another plan are ignored, messages of an earlier step are stale and
@@ -16,18 +17,31 @@ sender's incarnation is the one imported for the sender. Messages of any other s
 incarnation never satisfy a wait: they are held (a bounded number), `foreign` is set so
 that the executor reads the store for a restarted peer, and `set_incarnation` admits the
 held ones of the newly imported one.
+
+Authentication (`auth.py`): every message ends in a 16-byte MAC under the job's signal key
+and carries a per-process sequence number. A message is refused (dropped, counted in
+`refused`, logged) when its MAC is wrong (forged), its sequence number was seen before
+(replayed), or the transport-level sender (e.g. the NIXL agent it came from) is not the one
+imported for the rank it claims (impersonation). Refused messages never satisfy a wait, void
+a READY or make a rank re-read the store.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 from collections import deque
 
 from schemas.protocol import sent_stage
 
-_MAGIC = b"RPS2"
-_BODY = struct.Struct("<QQqiBi")
+from .auth import SIG_MAC, Keys, sign, verify
+
+log = logging.getLogger("executor")
+_MAGIC = b"RPS3"
+_BODY = struct.Struct("<QQqiBiQ")
+SIZE = 12 + _BODY.size + SIG_MAC
+_SEEN = 4096  # sequence numbers remembered per sender (replay window)
 _HELD = 4096  # messages of unknown incarnations kept for a peer being re-imported
 ABORT = 255
 """Executor-internal kind (not in plans): the sender gave up this step because it lost the
@@ -41,10 +55,12 @@ def fingerprint_tag(fingerprint: object) -> bytes:
     return hashlib.blake2b(str(fingerprint).encode(), digest_size=8).digest()
 
 
-def encode(tag: bytes, incarnation: int, to: int, step: int, stage: int, kind: int,
-           sender: int) -> bytes:
-    """`incarnation`: the sender's; `to`: the receiver's, as the sender imported it."""
-    return _MAGIC + tag + _BODY.pack(incarnation, to, step, stage, kind, sender)
+def encode(keys: Keys, tag: bytes, incarnation: int, to: int, step: int, stage: int,
+           kind: int, sender: int, seq: int) -> bytes:
+    """`incarnation`: the sender's; `to`: the receiver's, as the sender imported it; `seq`:
+    the sender process's message counter (never repeats)."""
+    return sign(keys, _MAGIC + tag + _BODY.pack(incarnation, to, step, stage, kind, sender,
+                                               seq))
 
 
 def expected(step: int, wait_stage: int, kind: int, peer: int) -> Key:
@@ -53,47 +69,96 @@ def expected(step: int, wait_stage: int, kind: int, peer: int) -> Key:
 
 
 class Inbox:
-    def __init__(self, tag: bytes, incarnation: int = 0, rank: int = -1) -> None:
+    def __init__(self, tag: bytes, incarnation: int = 0, rank: int = -1,
+                 keys: Keys | None = None) -> None:
         self.tag, self.incarnation, self.rank = tag, incarnation, rank
+        self.keys = keys or Keys(None, None, None)
         self.arrived: set[Key] = set()
         self.incarnations: dict[int, int] = {}
         """Sender rank -> the incarnation imported for it."""
-        self.held: deque[tuple[int, Key]] = deque(maxlen=_HELD)
+        self.senders: dict[int, str] = {}
+        """Sender rank -> its transport-level identity (e.g. NIXL agent name), if known."""
+        self.held: deque[tuple[int, str, Key]] = deque(maxlen=_HELD)
         self.foreign = False
         """A message of an incarnation other than the imported one arrived."""
         self.aborted: dict[int, tuple[int, int]] = {}
         """Sender -> (step, lost rank) of the `ABORT`s that arrived."""
+        self.seen: dict[tuple[int, int], set[int]] = {}
+        """(sender, incarnation) -> sequence numbers seen (replay window)."""
+        self.high: dict[tuple[int, int], int] = {}
+        self.refused = 0
+        self.last_refused = ""
 
-    def set_incarnation(self, peer: int, incarnation: int) -> None:
-        """`peer` is now the process `incarnation`: admit its held messages."""
+    def set_incarnation(self, peer: int, incarnation: int, sender_id: str = "") -> None:
+        """`peer` is now the process `incarnation` (transport identity `sender_id`): admit
+        its held messages that came from that identity."""
         self.incarnations[peer] = incarnation
-        keep: deque[tuple[int, Key]] = deque(maxlen=_HELD)
-        for inc, key in self.held:
-            if key[3] == peer and inc == incarnation:
-                self.arrived.add(key)
+        if sender_id:
+            self.senders[peer] = sender_id
+        keep: deque[tuple[int, str, Key]] = deque(maxlen=_HELD)
+        for inc, sid, key in self.held:
+            if key[3] == peer and inc == incarnation and self._from(peer, sid):
+                self._admit(key)
             elif key[3] != peer:
-                keep.append((inc, key))
+                keep.append((inc, sid, key))
         self.held = keep
 
-    def add(self, msgs: list[bytes], step: int) -> None:
-        for m in msgs:
-            if len(m) != 12 + _BODY.size or m[:4] != _MAGIC or m[4:12] != self.tag:
-                continue
-            inc, to, *rest = _BODY.unpack(m[12:])
+    def _from(self, peer: int, sender_id: str) -> bool:
+        want = self.senders.get(peer, "")
+        return not want or not sender_id or sender_id == want
+
+    def _refuse(self, why: str) -> None:
+        self.refused += 1
+        self.last_refused = f"rank {self.rank}: refused a signal: {why}"
+        if self.refused <= 16 or self.refused % 1000 == 0:
+            log.warning("%s (%d refused so far)", self.last_refused, self.refused)
+
+    def _fresh(self, sender: int, inc: int, seq: int) -> bool:
+        """Whether message `seq` of that process is new (a window of `_SEEN` numbers)."""
+        high = self.high.get((sender, inc), 0)
+        seen = self.seen.setdefault((sender, inc), set())
+        if seq in seen or seq + _SEEN < high:
+            return False
+        seen.add(seq)
+        if seq > high:
+            self.high[(sender, inc)] = high = seq
+        if len(seen) > 2 * _SEEN:
+            seen.difference_update([q for q in seen if q + _SEEN < high])
+        return True
+
+    def add(self, msgs: list[tuple[str, bytes]], step: int) -> None:
+        """Take the messages a transport polled: (transport-level sender, message)."""
+        for sender_id, m in msgs:
+            if len(m) != SIZE or m[:4] != _MAGIC or m[4:12] != self.tag:
+                continue  # not ours, or another plan's (refused at connect)
+            inc, to, *rest, seq = _BODY.unpack(m[12:12 + _BODY.size])
             key: Key = tuple(rest)  # type: ignore[assignment]
+            if not verify(self.keys, m):
+                self._refuse(f"forged: kind {key[2]} from 'rank {key[3]}' (step {key[0]}, "
+                             f"stage {key[1]}) does not carry the job secret's MAC")
+                continue
             if key[0] < step or to != self.incarnation:
                 continue  # stale, or meant for an earlier process of this rank
             if self.incarnations.get(key[3]) != inc:
-                self.held.append((inc, key))
+                self.held.append((inc, sender_id, key))
                 self.foreign = True
                 continue
-            if key[2] == ABORT:  # the sender's signals of that step are void (it runs again)
-                self.arrived = {k for k in self.arrived
-                                if not (k[3] == key[3] and k[0] == key[0])}
-                if key[1] != self.rank:  # it lost another rank: waits on it fail now
-                    self.aborted[key[3]] = (key[0], key[1])
-            else:
-                self.arrived.add(key)
+            if not self._from(key[3], sender_id):
+                self._refuse(f"impersonation: claims rank {key[3]} but came from "
+                             f"{sender_id!r}, not {self.senders[key[3]]!r}")
+                continue
+            if not self._fresh(key[3], inc, seq):
+                self._refuse(f"replayed: message {seq} of rank {key[3]} arrived before")
+                continue
+            self._admit(key)
+
+    def _admit(self, key: Key) -> None:
+        if key[2] == ABORT:  # the sender's signals of that step are void (it runs again)
+            self.arrived = {k for k in self.arrived if not (k[3] == key[3] and k[0] == key[0])}
+            if key[1] != self.rank:  # it lost another rank: waits on it fail now
+                self.aborted[key[3]] = (key[0], key[1])
+        else:
+            self.arrived.add(key)
 
     def abort_of(self, step: int, missing: list[Key]) -> tuple[int, int] | None:
         """(sender, lost rank) if a sender of a missing key aborted step `step`."""
@@ -101,6 +166,13 @@ class Inbox:
             got = self.aborted.get(k[3])
             if got is not None and got[0] == step:
                 return k[3], got[1]
+        return None
+
+    def abort_any(self, step: int) -> tuple[int, int] | None:
+        """(sender, lost rank) of any `ABORT` of step `step` (the first that arrived)."""
+        for sender, (s, lost) in self.aborted.items():
+            if s == step:
+                return sender, lost
         return None
 
     def take(self, keys: list[Key]) -> list[Key]:
@@ -113,4 +185,4 @@ class Inbox:
     def drop_before(self, step: int) -> None:
         self.arrived = {k for k in self.arrived if k[0] >= step}
         self.aborted = {s: a for s, a in self.aborted.items() if a[0] >= step}
-        self.held = deque(((i, k) for i, k in self.held if k[0] >= step), maxlen=_HELD)
+        self.held = deque(((i, d, k) for i, d, k in self.held if k[0] >= step), maxlen=_HELD)

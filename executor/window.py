@@ -16,9 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import PeerLostError, PeerTimeoutError
+from .transports.base import Prepared
 
-Entry = list[Any]
-"""[prepared handle, peer, WriteBatch] (the executor's prepared batch)."""
+Entry = Prepared
 
 
 class Window:
@@ -39,10 +39,10 @@ class Window:
             self._reap(timeout_s)
         self.left[stage] = self.left.get(stage, 0) + 1
         try:
-            self.transport.post(entry[0])
+            self.transport.post(entry.handle)
         except Exception as e:  # noqa: BLE001 - transports raise their own types
             self.inflight.append((entry, stage))  # may be half-posted: settle it too
-            raise PeerLostError(self.rank, entry[1], f"post the writes of stage {stage}",
+            raise PeerLostError(self.rank, entry.peer, f"post the writes of stage {stage}",
                                 e) from e
         self.inflight.append((entry, stage))
 
@@ -85,9 +85,9 @@ class Window:
 
     def _done(self, entry: Entry, stage: int) -> bool:
         try:
-            return bool(self.transport.done(entry[0]))
+            return bool(self.transport.done(entry.handle))
         except Exception as e:  # noqa: BLE001 - transports raise their own types
-            raise PeerLostError(self.rank, entry[1], f"complete the writes of stage {stage}",
+            raise PeerLostError(self.rank, entry.peer, f"complete the writes of stage {stage}",
                                 e) from e
 
     def _reap(self, timeout_s: float) -> None:
@@ -96,7 +96,7 @@ class Window:
         while not self.reap_landed():
             if time.monotonic() >= deadline:
                 entry, stage = self.inflight[0]  # the oldest: it has waited longest
-                raise PeerTimeoutError(self.rank, entry[1],
+                raise PeerTimeoutError(self.rank, entry.peer,
                                        f"complete the writes of stage {stage}", timeout_s)
             time.sleep(nap)  # short naps: some transports progress only when polled
             nap = min(nap * 2, 2e-4)

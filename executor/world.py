@@ -36,6 +36,7 @@ def run_all_local(plan_path: str, tensors_by_rank: dict[int, dict[str, torch.Ten
     for ex in exs:
         ex.connect()
     total = sum(ex.bytes_per_step for ex in exs)
+    received = sum(ex.received_per_step for ex in exs)
     stages = max((len(ex.stages) for ex in exs), default=0)
     try:
         for _ in range(steps):
@@ -46,7 +47,7 @@ def run_all_local(plan_path: str, tensors_by_rank: dict[int, dict[str, torch.Ten
         for ex in exs:
             ex.close()
     seconds = seconds if steps else 0.0
-    return RunStats(-1, steps, total, seconds, total / max(seconds, 1e-9) / 1e9, True)
+    return RunStats(-1, steps, total, received, seconds, True)
 
 
 def _step(exs: list[Executor], stages: int) -> None:

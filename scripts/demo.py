@@ -6,7 +6,11 @@ Compiles the config, starts one process per plan rank on this machine (sources h
 their shards of random weights, materialized from full logical tensors; targets start
 from zeros), runs `--steps` steps with new weights each step over NIXL (UCX), and checks
 after every step that every target tensor equals its reference bit-exactly. Prints
-per-rank stats; exits 1 on any mismatch or error.
+per-rank stats; exits 1 on any mismatch or error. `--transport local` runs every rank in
+this process instead (one thread each, the in-process `local` transport).
+
+The launcher draws the job secret once and hands it to every rank in its environment
+(`RDMA_PLAN_SECRET`), as a real launcher would.
 """
 
 from __future__ import annotations
@@ -30,47 +34,102 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(args: argparse.Namespace) -> int:
-    import torch
+class Rank:
+    """One rank's tensors (zeros) and each step's reference weights."""
 
-    import executor
-    from planner.layouts import build_layout
-    from planner.materialize import materialize, random_full_tensors
-    from planner.validate import load
+    def __init__(self, config: str, rank: int, steps: int) -> None:
+        import torch
 
-    cfg, spec = load(args.config)
-    src, dst = build_layout(spec, cfg.source), build_layout(spec, cfg.target)
-    rank, n_src = args.worker, src.world
-    is_source = rank < n_src
-    layout, local = (src, rank) if is_source else (dst, rank - n_src)
-    shapes = {t.name: t for t in layout.ranks[local].tensors}
-    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    tensors = {n: torch.zeros(t.shape, dtype=dtypes[t.dtype]) for n, t in shapes.items()}
-    plan = executor.load(args.plan, rank=rank, tensors=tensors, transport=args.transport,
-                         rendezvous=f"127.0.0.1:{args.port}", timeout_s=60)
-    report = {"rank": rank, "role": "source" if is_source else "target", "steps": []}
-    # Each step's weights, made up front so that run() times the transfer, not the data.
-    wants = [materialize(layout, random_full_tensors(spec, seed=1000 + step),
-                         ranks=[local])[local] for step in range(args.steps)]
-    received = sum(t.numel() * t.element_size() for t in tensors.values())
-    for step in range(args.steps):
-        want = wants[step]
-        if is_source:  # the "training step": new weights, in place (memory stays registered)
-            for name, t in tensors.items():
-                t.copy_(want[name])
-        stats = executor.run(plan)
+        from planner.layouts import build_layout
+        from planner.materialize import materialize, random_full_tensors
+        from planner.validate import load
+
+        cfg, spec = load(config)
+        src, dst = build_layout(spec, cfg.source), build_layout(spec, cfg.target)
+        self.rank, self.is_source = rank, rank < src.world
+        layout, local = (src, rank) if self.is_source else (dst, rank - src.world)
+        dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+                  "float32": torch.float32}
+        self.tensors = {t.name: torch.zeros(t.shape, dtype=dtypes[t.dtype])
+                        for t in layout.ranks[local].tensors}
+        # Each step's weights, made up front so that run() times the transfer, not the data.
+        self.wants = [materialize(layout, random_full_tensors(spec, seed=1000 + step),
+                                  ranks=[local])[local] for step in range(steps)]
+        self.report: dict = {"rank": rank, "role": "source" if self.is_source else "target",
+                             "steps": []}
+
+    def before(self, step: int) -> None:
+        if self.is_source:  # the "training step": new weights, in place (still registered)
+            for name, t in self.tensors.items():
+                t.copy_(self.wants[step][name])
+
+    def after(self, step: int, stats) -> None:
+        import torch
+
         ok = None
-        if not is_source:
-            bad = [n for n, t in tensors.items() if not torch.equal(t, want[n])]
+        if not self.is_source:
+            bad = [n for n, t in self.tensors.items()
+                   if not torch.equal(t, self.wants[step][n])]
             ok = not bad
             if bad:
-                report["mismatch"] = bad[:5]
-        nbytes = stats.bytes if is_source else received
-        report["steps"].append({"bytes": nbytes, "seconds": stats.seconds,
-                                "gbps": nbytes / max(stats.seconds, 1e-9) / 1e9,
-                                "bit_exact": ok})
-    print(json.dumps(report), flush=True)
-    return 0 if all(s["bit_exact"] in (None, True) for s in report["steps"]) else 1
+                self.report["mismatch"] = bad[:5]
+        self.report["steps"].append({"bytes": stats.bytes, "seconds": stats.seconds,
+                                     "gbytes_per_s": stats.gbytes_per_s, "bit_exact": ok})
+
+    def good(self) -> bool:
+        return all(s["bit_exact"] in (None, True) for s in self.report["steps"])
+
+
+def worker(args: argparse.Namespace) -> int:
+    import executor
+
+    me = Rank(args.config, args.worker, args.steps)
+    plan = executor.load(args.plan, rank=me.rank, tensors=me.tensors, transport=args.transport,
+                         rendezvous=f"127.0.0.1:{args.port}", timeout_s=60)
+    for step in range(args.steps):
+        me.before(step)
+        me.after(step, executor.run(plan))
+    print(json.dumps(me.report), flush=True)
+    plan.close()
+    return 0 if me.good() else 1
+
+
+def in_process(args: argparse.Namespace, plan: str, world: int) -> tuple[list[dict], int]:
+    """Every rank in this process over the `local` transport, one thread per rank."""
+    import threading
+
+    from executor import Executor
+    from executor.transports.local import Fabric
+    from schemas.plan import load_plan
+
+    pf, fabric = load_plan(plan), Fabric()
+    ranks = [Rank(args.config, r, args.steps) for r in range(world)]
+    exs = [Executor(pf.header, pf.ranks[r], ranks[r].tensors, "local", fabric, timeout_s=60)
+           for r in range(world)]
+    for ex in exs:
+        ex.register()
+    for ex in exs:
+        ex.connect()
+    errors: list[str] = []
+
+    def one(r: int, step: int) -> None:
+        try:
+            ranks[r].after(step, exs[r].run())
+        except Exception as e:  # noqa: BLE001 - reported, the demo fails
+            errors.append(f"rank {r}: {type(e).__name__}: {e}")
+    for step in range(args.steps):
+        for rk in ranks:
+            rk.before(step)
+        threads = [threading.Thread(target=one, args=(r, step)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    for e in errors:
+        print(e)
+    for ex in exs:
+        ex.close()
+    return [rk.report for rk in ranks], len(errors) + sum(not rk.good() for rk in ranks)
 
 
 def main() -> int:
@@ -98,11 +157,34 @@ def main() -> int:
         from schemas.plan import read_header
 
         world = read_header(f)[0].world
+    t0 = time.perf_counter()
+    if args.transport == "local":
+        rows, failed = in_process(args, plan, world)
+    else:
+        rows, failed = processes(args, plan, world)
+    print("\nper rank and step: bytes sent (sources) or received (targets), time of run()")
+    print(f"{'rank':>4} {'role':<7} " + " ".join(f"{'step ' + str(i):>22}"
+                                              for i in range(args.steps)))
+    for rep in rows:
+        cells = [f"{s['bytes'] / 1e6:6.2f} MB {s['seconds'] * 1e3:7.1f} ms" for s in rep["steps"]]
+        print(f"{rep['rank']:>4} {rep['role']:<7} " + " ".join(f"{c:>22}" for c in cells))
+    exact = [s["bit_exact"] for rep in rows if rep["role"] == "target" for s in rep["steps"]]
+    good = not failed and exact and all(exact)
+    print(f"\n{len(rows)} ranks, {args.steps} steps over {args.transport} in "
+          f"{time.perf_counter() - t0:.1f} s; target tensors bit-exact after every step: "
+          f"{'yes' if good else 'NO'}")
+    return 0 if good else 1
+
+
+def processes(args: argparse.Namespace, plan: str, world: int) -> tuple[list[dict], int]:
+    """One process per rank, over NIXL; the job secret drawn here, handed to every rank."""
+    import secrets
+
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "RDMA_PLAN_SECRET": secrets.token_hex(32)}
     cmd = [sys.executable, os.path.abspath(__file__), "--config", args.config, "--plan", plan,
            "--port", str(port), "--steps", str(args.steps), "--transport", args.transport]
-    t0 = time.perf_counter()
     procs = [subprocess.Popen([*cmd, "--worker", str(r)], env=env, stdout=subprocess.PIPE,
                               text=True) for r in range(world)]
     failed = 0
@@ -120,18 +202,7 @@ def main() -> int:
             print(f"rank {r}: FAILED (exit {proc.returncode})")
             continue
         rows.append(rep)
-    print("\nper rank and step: bytes sent (sources) or received (targets), time of run()")
-    print(f"{'rank':>4} {'role':<7} " + " ".join(f"{'step ' + str(i):>22}"
-                                              for i in range(args.steps)))
-    for rep in rows:
-        cells = [f"{s['bytes'] / 1e6:6.2f} MB {s['seconds'] * 1e3:7.1f} ms" for s in rep["steps"]]
-        print(f"{rep['rank']:>4} {rep['role']:<7} " + " ".join(f"{c:>22}" for c in cells))
-    exact = [s["bit_exact"] for rep in rows if rep["role"] == "target" for s in rep["steps"]]
-    good = not failed and exact and all(exact)
-    print(f"\n{len(rows)} ranks, {args.steps} steps over {args.transport} in "
-          f"{time.perf_counter() - t0:.1f} s; target tensors bit-exact after every step: "
-          f"{'yes' if good else 'NO'}")
-    return 0 if good else 1
+    return rows, failed
 
 
 if __name__ == "__main__":

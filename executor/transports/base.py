@@ -28,6 +28,16 @@ class WriteBatch:
     nbytes: np.ndarray
 
 
+@dataclass(slots=True)
+class Prepared:
+    """A batch prepared once at connect: the transport's handle (replaced when the peer is
+    re-imported or the batch is prepared again), its peer and its writes."""
+
+    handle: Any
+    peer: int
+    batch: WriteBatch
+
+
 class Store(Protocol):
     """Key/value rendezvous shared by all ranks (an in-process dict or a TCPStore)."""
 
@@ -67,8 +77,22 @@ class Transport(Protocol):
         """Send a short message to `peer`, ordered after writes already completed."""
         ...
 
-    def poll(self) -> list[bytes]:
-        """Messages that arrived since the last poll (never blocks)."""
+    def poll(self) -> list[tuple[str, bytes]]:
+        """(sender, message) pairs that arrived since the last poll (never blocks). `sender`
+        is the transport-level identity of the process that sent it (e.g. its NIXL agent
+        name), as `peer_id` names an imported peer; "" where the transport cannot tell."""
+        ...
+
+    def peer_id(self, peer: int) -> str:
+        """The transport-level identity of the imported `peer` ("" if it has none)."""
+        ...
+
+    def release(self, handle: Any) -> None:
+        """Free a prepared batch (its peer restarted, or it failed in flight)."""
+        ...
+
+    def stats(self) -> dict[str, int]:
+        """Counters for benchmarks and tests (e.g. device copies, handles leaked)."""
         ...
 
     def close(self) -> None: ...
@@ -83,6 +107,9 @@ class StoreMailbox:
         self.sent: dict[int, int] = {}
         self.received: dict[int, int] = {}
 
+    def peer_id(self, peer: int) -> str:
+        return f"store:{peer}"  # the key it wrote (anyone may write keys: MACs decide)
+
     def listen(self, peer: int) -> None:
         self.received.setdefault(peer, 0)
 
@@ -91,11 +118,11 @@ class StoreMailbox:
         self.store.set(f"{self.ns}/msg/{peer}/{self.rank}/{seq}", msg)
         self.sent[peer] = seq + 1
 
-    def poll(self) -> list[bytes]:
+    def poll(self) -> list[tuple[str, bytes]]:
         msgs = []
         for peer, seq in self.received.items():
             while (m := self.store.get(f"{self.ns}/msg/{self.rank}/{peer}/{seq}")) is not None:
-                msgs.append(m)
+                msgs.append((self.peer_id(peer), m))
                 seq += 1
             self.received[peer] = seq
         return msgs

@@ -6,7 +6,7 @@ its fields travel as msgpack (bytes and ints), never pickle. A peer opens them w
 pointer triples, writes adjacent in memory on both sides (inside one allocation each) merged
 into one; a post is one
 `cudaMemcpyAsync` (device to device, peer access enabled as torch does) per triple on one
-of `STREAMS` copy streams (batches take them in turn), called through ctypes on the
+of `CudaIpcOptions.streams` copy streams (batches take them in turn), called through ctypes on the
 libcudart that torch loaded (about 3 us each: torch's cross-device `copy_` costs ~12 us of
 host time per write, which made many-MiB-sized writes host-bound). Without that library, or
 if the raw call fails, the batch runs as torch copies (`torch_copy.py`). A batch has landed
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .base import Store, WriteBatch
+from .options import CudaIpcOptions
 from .shm_mailbox import ShmMailbox
 from .torch_copy import Op, prepare_copies
 
@@ -75,6 +76,11 @@ class _Runtime:
         return None
 
 
+def load_cudart() -> _Runtime | None:
+    """The one loader of the CUDA runtime (used by this transport and the benchmarks)."""
+    return _Runtime.load()
+
+
 def _segment(t: torch.Tensor, offset: int) -> int:
     """Base address of the cudaMalloc allocation holding `t`'s storage (`offset`: the
     storage's offset in it, as `_share_cuda_()` gives it)."""
@@ -94,21 +100,6 @@ def coalesce(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, dst_alloc: np
     return dst[first], src[first], np.add.reduceat(nbytes, first)
 
 
-STREAMS = 4
-"""Copy streams per rank; batches take them in turn (prepared order), so up to this many
-copy engines work at once: one stream's peer copies run one after another."""
-
-
-GRAPHS = True
-GRAPH_MAX_MEAN_BYTES = 16 << 20
-"""A batch of several copies averaging less than this is captured once into a CUDA graph
-and replayed per step: one launch instead of a `cudaMemcpyAsync` per copy (~7 us of host
-time each, as long as a 3 MB copy takes over NVLink: runs of small copies starved the copy
-engines; on 2 H200s Qwen3-8B went from 1.32x to 1.15x the floor, Qwen3-30B-A3B from 1.21x
-to 1.08x). Batches of a few large copies are posted copy by copy: graph launches were
-slower there (fp32 -> bf16 Qwen3-8B, 64 MB in 1-4 copies per batch: 1.20x -> 1.27x)."""
-
-
 class _Posted:
     __slots__ = ("batch", "ops", "raw", "stream", "event", "posted", "graph")
 
@@ -120,12 +111,14 @@ class _Posted:
 
 
 class CudaIpcTransport:
-    def __init__(self, rank: int, namespace: str, store: Store, device: torch.device) -> None:
+    def __init__(self, rank: int, namespace: str, store: Store, device: torch.device,
+                 options: CudaIpcOptions | None = None) -> None:
         if device.type != "cuda":
             raise ValueError(f"rank {rank}: transport 'cuda_ipc' needs CUDA tensors, got "
                              f"{device}; use 'nixl' or 'local' for CPU tensors")
         self.rank, self.ns, self.store, self.device = rank, namespace, store, device
-        self.streams = [torch.cuda.Stream(device) for _ in range(max(1, STREAMS))]
+        self.options = opts = options or CudaIpcOptions()
+        self.streams = [torch.cuda.Stream(device) for _ in range(max(1, opts.streams))]
         self.prepared = 0
         self.peers: dict[int, list[torch.Tensor]] = {}
         self.mailbox = ShmMailbox(rank, namespace)
@@ -133,6 +126,7 @@ class CudaIpcTransport:
         self.segments: list[int] = []  # allocation base of each region (set by export)
         self.peer_segments: dict[int, list[int]] = {}
         self.ncopies = 0  # device copies per step (after merging), for benchmarks
+        self.regions: list[torch.Tensor] = []
 
     def register(self, regions: list[torch.Tensor]) -> None:
         self.regions = regions
@@ -174,7 +168,9 @@ class CudaIpcTransport:
                            batch.nbytes[keep].astype(np.int64), dst_alloc[dr], src_alloc[sr])
         self.ncopies += len(n)
         handle = _Posted(batch, None, stream, list(zip(d.tolist(), s.tolist(), n.tolist())))
-        if GRAPHS and len(n) > 1 and int(n.sum()) < GRAPH_MAX_MEAN_BYTES * len(n):
+        o = self.options
+        if o.graphs and len(n) >= o.graph_min_copies and \
+                int(n.sum()) < o.graph_max_mean_bytes * len(n):
             handle.graph = self._capture(handle.raw)
         return handle
 
@@ -230,8 +226,17 @@ class CudaIpcTransport:
     def notify(self, peer: int, msg: bytes) -> None:
         self.mailbox.notify(peer, msg)
 
-    def poll(self) -> list[bytes]:
+    def poll(self) -> list[tuple[str, bytes]]:
         return self.mailbox.poll()
+
+    def peer_id(self, peer: int) -> str:
+        return self.mailbox.peer_id(peer)
+
+    def release(self, handle: _Posted) -> None:
+        handle.graph = None
+
+    def stats(self) -> dict[str, int]:
+        return {"device_copies": self.ncopies, "raw_copies": int(self.rt is not None)}
 
     def close(self) -> None:
         for stream in self.streams:

@@ -6,6 +6,7 @@ Writes are torch copies between the ranks' regions, prepared once per batch
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from typing import Any
 
@@ -20,8 +21,10 @@ class Fabric:
 
     def __init__(self) -> None:
         self.regions: dict[tuple[str, int], list[torch.Tensor]] = {}
-        self.mailboxes: dict[tuple[str, int], list[bytes]] = defaultdict(list)
+        self.mailboxes: dict[tuple[str, int], list[tuple[str, bytes]]] = defaultdict(list)
         self.kv: dict[str, bytes] = {}
+        self.secret = os.urandom(32)
+        """The job secret of this in-process world (it never leaves the process)."""
 
     def set(self, key: str, value: bytes) -> None:
         self.kv[key] = value
@@ -38,6 +41,7 @@ class LocalTransport:
     def __init__(self, rank: int, namespace: str, fabric: Fabric | None = None) -> None:
         self.rank, self.ns, self.fabric = rank, namespace, fabric or FABRIC
         self.peers: dict[int, list[torch.Tensor]] = {}
+        self.regions: list[torch.Tensor] = []
 
     def register(self, regions: list[torch.Tensor]) -> None:
         self.regions = regions
@@ -60,9 +64,18 @@ class LocalTransport:
         return True
 
     def notify(self, peer: int, msg: bytes) -> None:
-        self.fabric.mailboxes[(self.ns, peer)].append(msg)
+        self.fabric.mailboxes[(self.ns, peer)].append((f"local:{self.rank}", msg))
 
-    def poll(self) -> list[bytes]:
+    def peer_id(self, peer: int) -> str:
+        return f"local:{peer}"
+
+    def release(self, handle: list[Op]) -> None:
+        pass
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def poll(self) -> list[tuple[str, bytes]]:
         box = self.fabric.mailboxes[(self.ns, self.rank)]
         msgs, box[:] = list(box), []
         return msgs

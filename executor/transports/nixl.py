@@ -16,20 +16,23 @@ import numpy as np
 import torch
 
 from .base import WriteBatch
+from .options import NixlOptions
 
 
 class NixlTransport:
-    def __init__(self, rank: int, namespace: str) -> None:
+    def __init__(self, rank: int, namespace: str, options: NixlOptions | None = None) -> None:
         from nixl import nixl_agent, nixl_agent_config
 
+        opts = options or NixlOptions()
         self.rank = rank
         self.name = f"{namespace}-r{rank}-{os.getpid()}-{id(self):x}"
-        # no progress thread (it spins ~30% of a core while idle): polls progress instead
-        self.agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False,
-                                                             backends=["UCX"]))
+        self.agent = nixl_agent(self.name, nixl_agent_config(
+            enable_prog_thread=opts.progress_thread, backends=list(opts.backends)))
         self.peers: dict[int, tuple[str, list[int], int]] = {}  # name, addrs, device id
         self.handles: dict[int, tuple[Any, Any, Any]] = {}  # id(xfer) -> (lh, rh, xfer)
         self.leaked = 0  # handles NIXL refused to release (still in flight to a dead peer)
+        self.regions: list[torch.Tensor] = []
+        self.mem, self.dev, self.reg = "DRAM", 0, None
 
     def register(self, regions: list[torch.Tensor]) -> None:
         self.regions = regions
@@ -100,8 +103,16 @@ class NixlTransport:
     def notify(self, peer: int, msg: bytes) -> None:
         self.agent.send_notif(self.peers[peer][0], msg)
 
-    def poll(self) -> list[bytes]:
-        return [m for msgs in self.agent.get_new_notifs().values() for m in msgs]
+    def peer_id(self, peer: int) -> str:
+        return self.peers[peer][0] if peer in self.peers else ""
+
+    def stats(self) -> dict[str, int]:
+        return {"leaked": self.leaked}
+
+    def poll(self) -> list[tuple[str, bytes]]:
+        """Each notification with the name of the agent NIXL received it from."""
+        return [(a if isinstance(a, str) else a.decode(errors="replace"), m)
+                for a, msgs in self.agent.get_new_notifs().items() for m in msgs]
 
     def close(self) -> None:
         for xfer in list(self.handles.values()):

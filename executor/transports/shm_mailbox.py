@@ -94,14 +94,17 @@ class ShmMailbox:
         ctypes.c_uint64.from_buffer(ring.map, at).value = len(msg)
         ring.head.value = seq + 1  # publish after the message
 
-    def poll(self) -> list[bytes]:
+    def peer_id(self, peer: int) -> str:
+        return f"shm:{peer}"  # the ring only that peer's process (its token) writes
+
+    def poll(self) -> list[tuple[str, bytes]]:
         msgs = []
-        for ring in self.inbox.values():
+        for peer, ring in self.inbox.items():
             head, seq = ring.head.value, ring.tail.value
             while seq < head:
                 at = 64 + (seq % SLOTS) * _SLOT
                 n = ctypes.c_uint64.from_buffer(ring.map, at).value
-                msgs.append(bytes(ring.map[at + 8:at + 8 + min(n, PAYLOAD)]))
+                msgs.append((f"shm:{peer}", bytes(ring.map[at + 8:at + 8 + min(n, PAYLOAD)])))
                 seq += 1
             ring.tail.value = seq
         return msgs

@@ -148,7 +148,16 @@ class UcclTransport:
     def notify(self, peer: int, msg: bytes) -> None:
         self.mailbox.notify(peer, msg)
 
-    def poll(self) -> list[bytes]:
+    def peer_id(self, peer: int) -> str:
+        return self.mailbox.peer_id(peer)
+
+    def release(self, handle: Any) -> None:
+        pass  # a prepared batch holds no transport resources of its own
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def poll(self) -> list[tuple[str, bytes]]:
         self._serve()
         return self.mailbox.poll()
 

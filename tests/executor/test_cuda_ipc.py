@@ -5,6 +5,7 @@ of one device too), the 2 x 2 example, several steps, bit-exact. Run on the devi
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 from datetime import timedelta
@@ -24,7 +25,8 @@ def test_four_processes_over_cuda_ipc(tmp_path):
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841
                           timeout=timedelta(seconds=60))
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + HERE}
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + HERE,
+           "RDMA_PLAN_SECRET": secrets.token_hex(32)}
     gpus = torch.cuda.device_count()
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"), path, str(r),
                                f"127.0.0.1:{port}", "3", "cuda_ipc", f"cuda:{r % gpus}"],

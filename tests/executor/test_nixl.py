@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 from datetime import timedelta
@@ -20,7 +21,8 @@ def test_four_processes_bit_exact_each_step(tmp_path, tls):
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841
                           timeout=timedelta(seconds=30))
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + HERE, "NIXL_LOG_LEVEL": "WARN"}
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + HERE, "NIXL_LOG_LEVEL": "WARN",
+           "RDMA_PLAN_SECRET": secrets.token_hex(32)}
     if tls:
         env["UCX_TLS"] = tls
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"), path,
@@ -41,7 +43,8 @@ def test_source_that_never_runs_times_out_on_its_targets(tmp_path):
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841
                           timeout=timedelta(seconds=30))
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + HERE, "NIXL_LOG_LEVEL": "WARN"}
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + HERE, "NIXL_LOG_LEVEL": "WARN",
+           "RDMA_PLAN_SECRET": secrets.token_hex(32)}
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"), path, str(r),
                                f"127.0.0.1:{port}", "0" if r == 0 else "1", "nixl", "cpu", "3"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -23,7 +23,7 @@ def _peer(desc: dict, conn) -> None:
         box.notify(0, b"m%06d" % i)
     got: list[bytes] = []
     while len(got) < 5:
-        got += box.poll()
+        got += [m for _, m in box.poll()]
     conn.send(got)
     conn.recv()  # parent done reading
     box.close()
@@ -41,9 +41,12 @@ def test_messages_arrive_once_in_order_across_processes():
         for i in range(5):
             box.notify(1, b"back%d" % i)
         got: list[bytes] = []
+        senders: set[str] = set()
         while len(got) < N:
-            got += box.poll()
-        assert got == [b"m%06d" % i for i in range(N)]
+            polled = box.poll()
+            got += [m for _, m in polled]
+            senders |= {s for s, _ in polled}
+        assert got == [b"m%06d" % i for i in range(N)] and senders == {box.peer_id(1)}
         assert here.recv() == [b"back%d" % i for i in range(5)]
         assert box.poll() == []
         here.send("done")

@@ -4,6 +4,7 @@ NIC (or EFA); skipped where `import uccl` fails."""
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 from datetime import timedelta
@@ -27,7 +28,8 @@ def test_four_processes_over_uccl(tmp_path):
     device = (lambda r: f"cuda:{r % gpus}") if torch.cuda.is_available() else (lambda r: "cpu")
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"), path, str(r),
                                f"127.0.0.1:{port}", "3", "uccl", device(r)],
-                              env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + HERE},
+                              env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + HERE,
+                                   "RDMA_PLAN_SECRET": secrets.token_hex(32)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(4)]
     outs = [p.communicate(timeout=240)[0] for p in procs]

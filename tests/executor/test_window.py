@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from executor.errors import PeerTimeoutError
+from executor.transports.base import Prepared
 from executor.window import Window
 
 
@@ -37,7 +38,7 @@ def test_a_slow_head_does_not_hold_the_window():
     # "b" has landed, without waiting for "a".
     w, t, _ = _window({"a": 1000, "b": 0, "c": 0, "d": 0}, limit=2)
     for h in "abc":
-        w.post([h, 7, None], 0, timeout_s=5)
+        w.post(Prepared(h, 7, None), 0, timeout_s=5)
     assert t.posted == ["a", "b", "c"] and t.asked["a"] < 1000
 
 
@@ -46,12 +47,12 @@ def test_done_of_a_stage_waits_for_its_last_batch_even_across_stages():
     # DONE(1) goes out when c and d have landed (DONE says "this stage's writes landed":
     # the target matches each stage's DONE on its own), DONE(0) only once "a" has.
     w, t, events = _window({"a": 50, "b": 0, "c": 0, "d": 0}, limit=4)
-    w.post(["a", 1, None], 0, 5)
-    w.post(["b", 1, None], 0, 5)
+    w.post(Prepared("a", 1, None), 0, 5)
+    w.post(Prepared("b", 1, None), 0, 5)
     w.close(0)
     assert w.reap_landed() == 1 and events == []  # b landed; a has not
-    w.post(["c", 2, None], 1, 5)
-    w.post(["d", 2, None], 1, 5)
+    w.post(Prepared("c", 2, None), 1, 5)
+    w.post(Prepared("d", 2, None), 1, 5)
     w.close(1)
     w.drain(timeout_s=5)
     assert [e[:2] for e in events] == [("DONE", 1), ("DONE", 0)]
@@ -68,8 +69,8 @@ def test_a_stage_without_writes_is_done_when_closed():
 
 def test_a_batch_that_never_lands_times_out_naming_its_peer():
     w, _, _ = _window({"a": 10**9}, limit=1)
-    w.post(["a", 5, None], 2, 5)
+    w.post(Prepared("a", 5, None), 2, 5)
     with pytest.raises(PeerTimeoutError, match="5") as e:
         w.drain(timeout_s=0.05)
     assert e.value.peer == 5 and "stage 2" in str(e.value)
-    assert [x[0] for x in w.abandon()] == ["a"] and len(w) == 0
+    assert [x.handle for x in w.abandon()] == ["a"] and len(w) == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 from datetime import timedelta
@@ -56,7 +57,8 @@ def run_job(tmp, role: str, hf: dict, source: dict, target: dict, extra: dict | 
                           timeout=timedelta(seconds=60))
     base = {"plan": plan, "config": config, "hf": hf, "store": f"127.0.0.1:{port}",
             "gloo_port": free_port(), "steps": 2, "sources": cfg.source.world, **(extra or {})}
-    env = {**os.environ, "PYTHONPATH": ROOT, "NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "RDMA_PLAN_SECRET": secrets.token_hex(32),
+           "PYTHONPATH": ROOT, "NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1",
            "PYTHONWARNINGS": "ignore"}
     jobs = [{**base, "role": role, "index": i} for i in range(cfg.source.world)]
     jobs += [{**base, "role": "target", "index": i} for i in range(cfg.target.world)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -92,7 +93,8 @@ class Procs:
         self.tmp, self.port = tmp, free_port()
         self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True,
                                    wait_for_workers=False, timeout=timedelta(seconds=30))
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+        self.env = {**os.environ, "RDMA_PLAN_SECRET": secrets.token_hex(32),
+           "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                     "PYTHONWARNINGS": "ignore", "NIXL_LOG_LEVEL": "ERROR",
                     "UCX_LOG_LEVEL": "fatal", "WORLD_SIZE": "2"}
         self.procs: dict[str, subprocess.Popen] = {}

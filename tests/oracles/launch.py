@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -21,7 +22,8 @@ def launch(script: str, world: int, arg: dict[str, Any], timeout: float = 150.0)
     unless every rank exits 0 within `timeout` seconds (stragglers are killed)."""
     arg = {**arg, "port": free_port()}
     path = os.path.join(os.path.dirname(__file__), script)
-    env = {**os.environ, "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "RDMA_PLAN_SECRET": secrets.token_hex(32),
+           "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
            "PYTHONWARNINGS": "ignore"}
     procs = [subprocess.Popen([sys.executable, path, json.dumps(arg)],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,

@@ -10,7 +10,8 @@ weights of step k into their tensors in place (deterministic in k), everyone cal
 steps), and the rank reports `res/<k>/<rank>` (JSON: ok, complete, error, peer, seconds,
 rss, fds, register calls). `--die K:post1` (a source) SIGKILLs this process after it posted
 its first write batch of step K; `--die K:done1` (a target) after the first DONE of step K
-arrived; `--die K:ready` (a target) right after it sent READY in step K. The rank sets
+arrived; `--die K:ready` (a target) right after it sent READY in step K; `--die K:stop-MODE`
+stops the process (SIGSTOP) at that point instead. The rank sets
 `loaded/<rank>/<life>` once connected and exits after `exit`. Tests host the store; this
 process never waits more than its timeouts.
 """
@@ -50,9 +51,15 @@ def main() -> int:
     p.add_argument("--die", default="")
     p.add_argument("--check-every", type=int, default=1)
     p.add_argument("--life", default="a")
+    p.add_argument("--insecure", action="store_true", help="run without a job secret")
+    p.add_argument("--leak", action="store_true",
+                   help="test only: publish this rank's plain descriptors at leak/<rank> (an "
+                        "attacker who already holds them, tests/reliability/stray.py)")
     p.add_argument("--bump", action="store_true",
                    help="step k's weights = fixed ones + k %% 97, in place (cheap; long runs)")
     a = p.parse_args()
+    if a.insecure:
+        os.environ.pop("RDMA_PLAN_SECRET", None)
 
     import torch
     import torch.distributed as dist
@@ -88,13 +95,19 @@ def main() -> int:
 
     try:
         plan = executor.load(a.plan, a.rank, tensors, transport="nixl", rendezvous=store,
-                             timeout_s=30)
-    except (executor.PeerMismatchError, executor.PeerTimeoutError, executor.BindError) as e:
+                             timeout_s=30, insecure=a.insecure)
+    except (executor.PeerMismatchError, executor.PeerTimeoutError, executor.BindError,
+            executor.LeaseHeldError, executor.ForgedRecordError) as e:
         store.set(f"loaded/{a.rank}/{a.life}", json.dumps(
             {"error": type(e).__name__, "peer": getattr(e, "peer", None), "msg": str(e)}))
         store.wait(["exit"], timedelta(seconds=120))  # stay reachable for the others
         return 4
     plan.timeout_s = a.timeout  # loading may wait for slow peers; steps may not
+    if a.leak:
+        import msgpack
+        store.set(f"leak/{a.rank}", msgpack.packb({"desc": plan.transport.export(),
+                                                   "inc": plan.incarnation,
+                                                   "name": plan.transport.name}))
     die_step, _, mode = a.die.partition(":")
     if die_step:
         _arm(plan, int(die_step), mode)
@@ -102,7 +115,8 @@ def main() -> int:
         {"step": plan.step, "rss": rss_bytes(), "fds": open_fds(),
          "registers": plan.register_calls}))
     for k in range(a.start, a.steps + 1):
-        store.wait([f"go/{k}"], timedelta(seconds=120))
+        if not _wait_go(store, k):
+            break  # the test ended before step k
         plan.test_step = k  # type: ignore[attr-defined]
         if is_source:
             if a.bump:  # the "training step": weights change in place
@@ -116,12 +130,15 @@ def main() -> int:
         try:
             stats = plan.run()
             res.update(ok=True, run_s=stats.seconds)
-        except executor.PeerTimeoutError as e:
-            res.update(ok=False, error=type(e).__name__, peer=e.peer, msg=str(e))
+        except (executor.PeerTimeoutError, executor.LeaseLostError) as e:
+            res.update(ok=False, error=type(e).__name__, peer=getattr(e, "peer", None),
+                       msg=str(e))
         res.update(complete=plan.complete, seconds=time.monotonic() - t0, rss=rss_bytes(),
                    fds=open_fds(), registers=plan.register_calls, reimports=plan.reimports,
-                   reprepared=plan.reprepared, leaked=getattr(plan.transport, "leaked", 0),
-                   exec_step=plan.step)
+                   reprepared=plan.reprepared, leaked=plan.transport.stats().get("leaked", 0),
+                   exec_step=plan.step, refused=plan.inbox.refused,
+                   last_refused=plan.inbox.last_refused, refused_records=plan.control.refused,
+                   republished=plan.control.republished)
         if res["ok"] and not is_source and (k % a.check_every == 0 or k == a.steps):
             want = weights(k)
             bad = [n for n, t in tensors.items() if not torch.equal(t, want[n])]
@@ -132,9 +149,25 @@ def main() -> int:
     return 0
 
 
+def _wait_go(store, k: int) -> bool:
+    """Wait for `go/<k>` (True) or `exit` (False), at most 120 s."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if store.check([f"go/{k}"]):
+            return True
+        if store.check(["exit"]):
+            return False
+        time.sleep(0.005)
+    return False
+
+
 def _arm(plan, step: int, mode: str) -> None:
-    """Test-only: SIGKILL this process at a chosen point of test step `step`."""
+    """Test-only: SIGKILL (or with `stop-`, SIGSTOP) this process at a chosen point of test
+    step `step`."""
     tr = plan.transport
+    sig = signal.SIGKILL
+    if mode.startswith("stop-"):
+        sig, mode = signal.SIGSTOP, mode[5:]
     if mode == "post1":
         post = tr.post
 
@@ -142,14 +175,14 @@ def _arm(plan, step: int, mode: str) -> None:
             post(handle)
             if getattr(plan, "test_step", 0) == step:
                 time.sleep(0.002)  # let the first batch get on the wire
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), sig)
         tr.post = dying_post
     elif mode == "ready":  # a target: right after it sent READY, before any write landed
         poll = tr.poll
 
         def dying_poll_ready():
             if getattr(plan, "test_step", 0) == step:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), sig)
             return poll()
         tr.poll = dying_poll_ready
     elif mode == "done1":
@@ -158,7 +191,7 @@ def _arm(plan, step: int, mode: str) -> None:
         def dying_poll():
             msgs = poll()
             if msgs and getattr(plan, "test_step", 0) == step:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), sig)
             return msgs
         tr.poll = dying_poll
     else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "fault_worker.py")
+STRAY = os.path.join(HERE, "stray.py")
 
 
 def free_port() -> int:
@@ -37,12 +39,15 @@ class World:
         self.port = free_port()
         self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True,
                                    wait_for_workers=False, timeout=timedelta(seconds=30))
+        self.secret = secrets.token_hex(32)  # the job secret, as a launcher hands it out
         self.env = {**os.environ, "PYTHONPATH": ROOT, "NIXL_LOG_LEVEL": "ERROR",
-                    "UCX_LOG_LEVEL": "fatal", "OMP_NUM_THREADS": "1"}
+                    "UCX_LOG_LEVEL": "fatal", "OMP_NUM_THREADS": "1",
+                    "RDMA_PLAN_SECRET": self.secret}
         if tls:
             self.env["UCX_TLS"] = tls
         self.procs: dict[tuple[int, str], subprocess.Popen] = {}
         self.logs: dict[tuple[int, str], str] = {}
+        self.strays: list[subprocess.Popen] = []
 
     def spawn(self, rank: int, life: str = "a", start: int = 1, die: str = "") -> None:
         config, plan = self.plans.get(rank, (self.config, self.plan))
@@ -75,6 +80,28 @@ class World:
         self.store.set(f"go/{k}", b"1")
         return {r: self.get(f"res/{k}/{r}", timeout_s) for r in ranks}
 
+    def stray(self, mode: str, *args: str) -> dict:
+        """Run tests/reliability/stray.py (a hostile process without the job secret) until it
+        has done its deed; a `forge` stray stays (progressing its sends) until `strays_stop`."""
+        env = {k: v for k, v in self.env.items() if k != "RDMA_PLAN_SECRET"}
+        self.store.delete_key("stray/stop")
+        proc = subprocess.Popen([sys.executable, STRAY, mode, "--port", str(self.port),
+                                 "--plan", self.plan, *args], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+        self.strays.append(proc)
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert line.startswith("{"), f"stray {mode} failed (exit {proc.wait(timeout=30)})"
+        return json.loads(line)
+
+    def strays_stop(self) -> None:
+        self.store.set("stray/stop", b"1")
+        for proc in self.strays:
+            proc.wait(timeout=30)
+        self.strays = []
+
+    def signal(self, rank: int, sig: int, life: str = "a") -> None:
+        os.kill(self.procs[(rank, life)].pid, sig)
+
     def wait_dead(self, rank: int, life: str = "a", timeout_s: float = 30) -> int:
         return self.procs[(rank, life)].wait(timeout=timeout_s)
 
@@ -87,6 +114,10 @@ class World:
         return "\n".join(out)
 
     def close(self) -> None:
+        self.strays_stop()
+        for p in self.procs.values():  # stopped ones never exit on their own
+            if p.poll() is None and _stopped(p.pid):
+                p.kill()
         self.store.set("exit", b"1")
         deadline = time.monotonic() + 20
         for p in self.procs.values():
@@ -95,3 +126,39 @@ class World:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=10)
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
+def check_recovery(w: World, victim: int, k_fail: int, res: dict, dead: bool = True) -> dict:
+    """Step k_fail lost `victim` (killed or stopped): every survivor that raised names it and
+    no target claims whole weights; a new process replaces it (SIGKILLing a stopped one) and
+    steps k_fail+1, k_fail+2 are bit-exact with one step number everywhere."""
+    ranks = sorted({r for r, _ in w.procs})
+    alive = [r for r in ranks if r != victim]
+    for r in alive:
+        got = res[r]
+        assert got["ok"] or got["peer"] == victim, (r, got)  # whoever raised names the victim
+        if not got["ok"]:
+            assert f"rank {victim}" in got["msg"], got
+        if r >= 2:  # a target never claims whole weights it did not get
+            assert got["complete"] == got["ok"], got
+    if not dead:
+        w.procs[(victim, "a")].kill()
+    assert w.wait_dead(victim) == -9
+    w.spawn(victim, life="b", start=k_fail + 1)
+    w.loaded(victim, "b")
+    for k in (k_fail + 1, k_fail + 2):
+        res = w.step(k, ranks)
+        assert all(r["ok"] and r["complete"] for r in res.values()), (k, res)
+        assert all(res[t]["exact"] for t in ranks if t >= 2), res
+        assert len({r["exec_step"] for r in res.values()}) == 1, res  # steps agree
+    for r in alive:
+        assert res[r]["registers"] == 1, res[r]  # survivors never registered again
+    return res

@@ -35,6 +35,8 @@ def plan(tmp_path_factory):
 def _recover(w: World, victim: int, survivors_raise: list[int], k_fail: int) -> dict:
     """Step k_fail kills `victim`; restart it; steps k_fail+1.. must be bit-exact."""
     ranks = list(range(4))
+    for r in ranks:  # all loaded: step 1 starts together (3 s timeouts on a busy box)
+        w.loaded(r)
     res = w.step(1, ranks)
     assert all(r["ok"] for r in res.values()), res
     assert all(res[t]["exact"] for t in (2, 3)), res
@@ -43,10 +45,11 @@ def _recover(w: World, victim: int, survivors_raise: list[int], k_fail: int) -> 
     assert w.wait_dead(victim) == -9  # SIGKILL, mid-run
     for r in survivors_raise:
         got = res[r]
-        assert not got["ok"] and got["error"] in ("PeerTimeoutError", "PeerLostError"), got
+        assert not got["ok"] and got["error"] in ("PeerTimeoutError", "PeerLostError",
+                                                     "PeerAbortError"), got
         assert got["peer"] == victim, got
-        assert f"peer rank {victim}" in got["msg"], got
-        assert got["seconds"] < TIMEOUT_S + 2.0, got  # within the timeout, nothing hangs
+        assert f"rank {victim}" in got["msg"], got  # named as lost, or as the one a peer lost
+        assert got["seconds"] < TIMEOUT_S + 4.0, got  # the timeout + telling who is dead
         assert not got["complete"], got
     for r in alive:  # whoever raised names the dead rank
         assert res[r]["ok"] or res[r]["peer"] == victim, res[r]

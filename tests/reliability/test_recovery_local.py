@@ -3,6 +3,7 @@ messages meant for a dead process, re-import of a restarted peer, step resync, A
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
@@ -15,18 +16,23 @@ from exec_plans import DONE, READY, rank_plan, region  # noqa: E402
 
 from executor import Executor, PeerTimeoutError  # noqa: E402
 from executor import signals as sg  # noqa: E402
+from executor.auth import keys_from  # noqa: E402
 from executor.transports.local import Fabric  # noqa: E402
+from schemas.header import PlanHeader  # noqa: E402
 
 TAG = sg.fingerprint_tag("fp")
-HEADER = {"fingerprint": "fp", "world": 2}
+HEADER = PlanHeader(fingerprint="fp", world=2)
+KEYS = keys_from(b"k" * 32)
+SEQ = itertools.count(1)
 
 
-def _msg(inc, to, step, stage, kind, sender):
-    return sg.encode(TAG, inc, to, step, stage, kind, sender)
+def _msg(inc, to, step, stage, kind, sender, keys=KEYS):
+    """(transport-level sender, message) as a transport's poll returns it."""
+    return ("", sg.encode(keys, TAG, inc, to, step, stage, kind, sender, next(SEQ)))
 
 
 def test_inbox_counts_only_the_imported_incarnation_addressed_to_this_process():
-    box = sg.Inbox(TAG, incarnation=7)
+    box = sg.Inbox(TAG, incarnation=7, keys=KEYS)
     box.set_incarnation(1, 100)
     key = sg.expected(3, 0, DONE, 1)
     box.add([_msg(99, 7, 3, 0, DONE, 1)], step=3)  # a dead process of rank 1
@@ -39,8 +45,25 @@ def test_inbox_counts_only_the_imported_incarnation_addressed_to_this_process():
     assert box.take([key]) == []
 
 
+def test_inbox_refuses_forged_replayed_and_impersonating_signals():
+    box = sg.Inbox(TAG, incarnation=7, rank=2, keys=KEYS)
+    box.set_incarnation(1, 100, "agent-of-rank-1")
+    key = sg.expected(3, 0, DONE, 1)
+    forged = _msg(100, 7, 3, 0, DONE, 1, keys=keys_from(b"another job's secret!"))
+    box.add([("agent-of-rank-1", forged[1])], step=3)
+    assert box.take([key]) == [key] and box.refused == 1 and "forged" in box.last_refused
+    _, good = _msg(100, 7, 3, 0, DONE, 1)
+    box.add([("stray-agent", good)], step=3)  # right MAC, wrong transport-level sender
+    assert box.take([key]) == [key] and "impersonation" in box.last_refused
+    box.add([("agent-of-rank-1", good)], step=3)  # from its own agent: it counts
+    assert box.take([key]) == []
+    box.add([("agent-of-rank-1", good)], step=3)  # the same message again: a replay
+    assert box.take([key]) == [key] and "replayed" in box.last_refused
+    assert box.refused == 3 and not box.foreign
+
+
 def test_held_messages_of_a_restarted_peer_are_admitted_once_imported():
-    box = sg.Inbox(TAG, incarnation=7)
+    box = sg.Inbox(TAG, incarnation=7, keys=KEYS)
     box.set_incarnation(1, 100)
     key = sg.expected(4, 0, READY, 1)
     box.add([_msg(200, 7, 4, 0, READY, 1)], step=4)  # the new process, not imported yet
@@ -50,7 +73,7 @@ def test_held_messages_of_a_restarted_peer_are_admitted_once_imported():
 
 
 def test_abort_names_the_lost_rank_for_that_step_only():
-    box = sg.Inbox(TAG, incarnation=7)
+    box = sg.Inbox(TAG, incarnation=7, keys=KEYS)
     box.set_incarnation(1, 100)
     box.add([_msg(100, 7, 5, 3, sg.ABORT, 1)], step=5)  # rank 1 lost rank 3 in step 5
     missing = [sg.expected(5, 0, DONE, 1)]
@@ -89,9 +112,9 @@ def test_restarted_target_is_reimported_and_stale_signals_never_count():
     fabric = Fabric()
     src_t = {"x": torch.arange(8, dtype=torch.uint8)}
     src, tgt = _plans()
-    s = Executor(HEADER, src, src_t, "local", fabric, timeout_s=0.5)
+    s = Executor(HEADER, src, src_t, "local", fabric, timeout_s=2.0)
     t_old = Executor(HEADER, tgt, {"x": torch.zeros(8, dtype=torch.uint8)}, "local", fabric,
-                     timeout_s=0.5)
+                     timeout_s=2.0)
     for ex in (s, t_old):
         ex.register()
     for ex in (s, t_old):
@@ -105,7 +128,7 @@ def test_restarted_target_is_reimported_and_stale_signals_never_count():
     s.run()  # lands in t_old: the source cannot know yet
     src_t["x"].add_(1)
     new_x = torch.zeros(8, dtype=torch.uint8)
-    t_new = Executor(HEADER, tgt, {"x": new_x}, "local", fabric, timeout_s=0.5)
+    t_new = Executor(HEADER, tgt, {"x": new_x}, "local", fabric, timeout_s=2.0)
     t_new.register()
     t_new.connect()
     assert t_new.rejoined and t_new.step == 2  # joins at the source's next step (3)

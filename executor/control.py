@@ -1,0 +1,241 @@
+"""The control plane of one rank: its sealed records in the rendezvous store and its lease.
+
+Records (all sealed by `auth.seal`, read only through `auth.open_record` and the checks
+here, so garbage or a forgery gives `ForgedRecordError` naming the key, never a decoding
+traceback):
+
+- `<ns>/rank/<r>`: the rank's descriptors (fingerprint, region sizes, the transport's
+  `export()`), encrypted under the job secret;
+- `<ns>/step/<r>`: the step the rank runs next (an int in [0, 2^62));
+- `<ns>/lease/<r>`: the lease: the holding process's incarnation, its generation (one more
+  than the process it replaced) and a heartbeat counter.
+
+One rank, one process. `claim()` reads the lease: if none (or garbage) the rank is free; if
+its heartbeat moves during `LEASE_S`, a live process holds the rank and `LeaseHeldError`
+names it; if not, the old process is gone and this one takes over with the next generation.
+A heartbeat thread then renews the lease every `BEAT_S`, rewrites this rank's records if
+anything overwrote them, and notices when a newer process took the rank over (`check()`
+then raises `LeaseLostError` at the next step). Peers' records carry the generation: a record
+of an older generation than the one imported (a replay of a dead process's record) is
+refused.
+
+Store calls are serialised by a lock (the heartbeat thread shares the store). The store must
+answer `get` of a missing key at once with None (`rendezvous.open_store` wraps stores whose
+`get` blocks, like torch's, through their `check`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from typing import Any
+
+from .auth import Keys, Record, open_record, seal
+from .errors import ForgedRecordError, LeaseHeldError, LeaseLostError, PeerTimeoutError
+from .transports.base import Store
+
+log = logging.getLogger("executor")
+BEAT_S = 0.25
+LEASE_S = 1.5
+"""A lease whose heartbeat does not move for this long is taken over."""
+MAX_STEP = 1 << 62
+MAX_REGIONS = 1 << 16
+
+
+class Control:
+    def __init__(self, store: Store, keys: Keys, namespace: str, rank: int, inc: int,
+                 timeout_s: float) -> None:
+        self.store, self.keys, self.ns, self.rank, self.inc = store, keys, namespace, rank, inc
+        self.timeout_s = timeout_s
+        self.gen = 0
+        self.lock = threading.Lock()
+        self.mine: dict[str, bytes] = {}
+        """Records this process wrote (key -> value): kept there by the heartbeat."""
+        self.peer_gens: dict[int, int] = {}
+        self.lost: str = ""
+        self.beat = 0
+        self.republished = 0
+        self.refused = 0  # peers' records refused (garbage, forged, replayed)
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def key(self, kind: str, rank: int) -> str:
+        return f"{self.ns}/{kind}/{rank}"
+
+    def get(self, key: str) -> bytes | None:
+        with self.lock:
+            return self.store.get(key)
+
+    def _put(self, key: str, body: Any, step: int = 0, encrypt: bool = False) -> None:
+        value = seal(self.keys, key, self.rank, self.inc, self.gen, step, body, encrypt)
+        with self.lock:
+            self.store.set(key, value)
+            self.mine[key] = value
+
+    # ------------------------------------------------------------------ lease
+
+    def claim(self, heartbeat: bool = True, live_check: bool = True) -> bool:
+        """Take this rank's lease; True if an earlier process held the rank. `live_check`:
+        refuse if the holder's heartbeat moves (off where one process holds every rank)."""
+        key = self.key("lease", self.rank)
+        old = self._read(key, self.rank)
+        if old is not None and live_check:
+            self._wait_gone(key, old)
+        self.gen = old.gen + 1 if old is not None else 1
+        self._put(key, {"beat": 0})
+        if heartbeat:
+            # stop beating before the interpreter (or the store rank 0 hosts) is torn down
+            atexit.register(self.close)
+            self.thread = threading.Thread(target=self._heartbeat, daemon=True,
+                                           name=f"rplan-lease-{self.rank}")
+            self.thread.start()
+        return old is not None
+
+    def _read(self, key: str, rank: int) -> Record | None:
+        raw = self.get(key)
+        if raw is None:
+            return None
+        try:
+            return open_record(self.keys, key, raw, rank, encrypted=False)
+        except ForgedRecordError as e:
+            self.refused += 1
+            if self.refused <= 16:
+                log.warning("%s (ignored)", e)
+            return None
+
+    def _wait_gone(self, key: str, old: Record) -> None:
+        """Raise `LeaseHeldError` if the lease's holder still beats within `LEASE_S`."""
+        first = self.get(key)
+        deadline = time.monotonic() + LEASE_S
+        while time.monotonic() < deadline:
+            time.sleep(BEAT_S / 2)
+            if self.get(key) != first:
+                raise LeaseHeldError(
+                    f"rank {self.rank} is held by a live process (incarnation {old.inc:#x}, "
+                    f"generation {old.gen}): one rank, one process; stop that process (or "
+                    "wait until it is gone) before starting another for this rank")
+
+    def _heartbeat(self) -> None:
+        while not self.stop.wait(BEAT_S):
+            try:
+                if not self._heartbeat_once():
+                    return
+            except Exception as e:  # noqa: BLE001 - the store may be down; keep trying
+                log.debug("rank %d: heartbeat failed: %s", self.rank, e)
+
+    def _heartbeat_once(self) -> bool:
+        """Renew the lease and heal this rank's records; False if the lease was lost."""
+        key = self.key("lease", self.rank)
+        cur = self._read(key, self.rank)
+        if cur is not None and (cur.inc, cur.gen) != (self.inc, self.gen) \
+                and cur.gen >= self.gen:
+            self.lost = (f"rank {self.rank}: process {self.inc:#x} lost its lease to "
+                         f"process {cur.inc:#x} (generation {cur.gen}); this process "
+                         "must stop (one rank, one process)")
+            log.error(self.lost)
+            return False
+        self.beat += 1
+        self._put(key, {"beat": self.beat})
+        self._heal()
+        return True
+
+    def _heal(self) -> None:
+        """Rewrite this rank's records that something else overwrote."""
+        with self.lock:  # the main thread may publish meanwhile: compare what is current
+            for key, value in self.mine.items():
+                if self.store.get(key) != value:
+                    self.store.set(key, value)
+                    self.republished += 1
+                    if self.republished <= 16:
+                        log.warning("rank %d: store record %r was overwritten; rewritten",
+                                    self.rank, key)
+
+    def check(self) -> None:
+        if self.lost:
+            raise LeaseLostError(self.lost)
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=2 * BEAT_S + 1)
+
+    # ------------------------------------------------------------------ records
+
+    def publish_rank(self, info: dict[str, Any]) -> None:
+        self._put(self.key("rank", self.rank), info, encrypt=True)
+
+    def publish_step(self, step: int) -> None:
+        self._put(self.key("step", self.rank), {"next": int(step)}, step=int(step))
+
+    def peer_step(self, peer: int) -> int | None:
+        """The step `peer` runs next, or None (absent, or refused with a warning)."""
+        key = self.key("step", peer)
+        rec = self._read(key, peer)
+        if rec is None:
+            return None
+        nxt = rec.body.get("next") if isinstance(rec.body, dict) else None
+        if type(nxt) is not int or not 0 <= nxt < MAX_STEP or nxt != rec.step:
+            log.warning("store record %r: step %r is not an int in [0, 2^62) (ignored)", key,
+                        nxt)
+            return None
+        return nxt
+
+    def peer_info(self, peer: int, wait: bool = True) -> tuple[Record, dict[str, Any]] | None:
+        """`peer`'s checked descriptor record (waiting up to `timeout_s` if `wait`).
+
+        A refused record (garbage or a forgery over the peer's own) is waited out: the peer's
+        heartbeat rewrites its record; `ForgedRecordError` only if none is valid in time."""
+        key = self.key("rank", peer)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            raw = self.get(key)
+            if raw is not None:
+                try:
+                    rec = open_record(self.keys, key, raw, peer)
+                    return rec, _check_info(key, rec)
+                except ForgedRecordError as e:
+                    self.refused += 1
+                    if not wait or time.monotonic() > deadline:
+                        raise
+                    if self.refused <= 16:
+                        log.warning("rank %d: %s; waiting for rank %d's own record", self.rank,
+                                    e, peer)
+            elif not wait:
+                return None
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(self.rank, peer, "publish its regions (load the plan)",
+                                       self.timeout_s)
+            time.sleep(0.01)
+
+    def accept_gen(self, peer: int, rec: Record) -> None:
+        """Refuse a record older than the one imported for `peer` (a replay)."""
+        have = self.peer_gens.get(peer, 0)
+        if rec.gen < have:
+            self.refused += 1
+            raise ForgedRecordError(
+                f"store record {self.key('rank', peer)!r}: generation {rec.gen} is older than "
+                f"the imported {have}: a replay of a dead process's record (refused)",
+                key=self.key("rank", peer))
+        self.peer_gens[peer] = rec.gen
+
+
+def _check_info(key: str, rec: Record) -> dict[str, Any]:
+    """The descriptor body's fields, typed and in range."""
+    info = rec.body
+
+    def bad(why: str) -> ForgedRecordError:
+        return ForgedRecordError(f"store record {key!r}: {why} (refused)", key=key)
+
+    if not isinstance(info, dict):
+        raise bad(f"body is a {type(info).__name__}, not a map")
+    fp, sizes, desc = info.get("fingerprint"), info.get("sizes"), info.get("desc")
+    if not isinstance(fp, str) or len(fp) > 256:
+        raise bad("'fingerprint' is not a string of <= 256 characters")
+    if not isinstance(sizes, list) or len(sizes) > MAX_REGIONS or not all(
+            type(n) is int and 0 <= n < 1 << 48 for n in sizes):
+        raise bad(f"'sizes' is not a list of <= {MAX_REGIONS} byte counts")
+    if not isinstance(desc, dict):
+        raise bad("'desc' (the transport's descriptors) is not a map")
+    return info

@@ -1,0 +1,110 @@
+"""What the next `run()` does after a failed one (docs/reliability.md, recovery protocol).
+
+1. Incarnations. Every `Executor` draws a random 64-bit incarnation id, sealed into its
+   records (`control.py`) and carried by every signal; a signal counts only if its
+   incarnation is the one this rank imported for the sender (`signals.py`).
+2. Re-import. A rank restarted after a crash loads the plan again: it takes the rank's lease
+   once the old process is gone, registers, publishes its new descriptors (a newer
+   generation) and connects. A surviving rank, at the start of the `run()` after a failed
+   one (or as soon as it sees a signal of an unknown incarnation), reads every peer's record;
+   for a peer whose incarnation changed it checks the record (MAC, generation, fingerprint,
+   sizes), re-imports the descriptors and re-prepares the write batches to that peer (the
+   old ones are released). A record that fails the checks is refused with a warning and the
+   old import kept: garbage in the store never breaks recovery.
+3. In-flight writes. Batches still in flight when a step failed are waited for (briefly)
+   and, if not finished, released and prepared again before anything is re-posted.
+4. Steps. Signals carry the step number; a rank publishes the step it runs next
+   (`<ns>/step/<r>`) when it registers and when a step ends or fails. A restarted rank runs
+   the largest step its peers published; a survivor recovering runs the largest of that and
+   its last completed step + 1, so the next `run()` has the same number everywhere. (A rank
+   that failed a step no peer started runs the same number again: its `ABORT` voided the
+   signals it sent in the failed attempt. A caller that knows its training step can pass
+   `run(step=n)` on every rank instead.)
+Re-import needs a transport whose `import_peer` can be called again for a new process:
+`nixl` and `local` (not yet `uccl`, `cuda_ipc`: their mailboxes count messages per pair).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from .errors import ForgedRecordError, PeerMismatchError
+
+if TYPE_CHECKING:
+    from .core import Executor
+    from .transports.base import Prepared
+
+log = logging.getLogger("executor")
+
+
+def recover(ex: Executor) -> None:
+    """Before a step that follows a failure (steps 2-4 of the module doc)."""
+    settle_pending(ex)
+    refresh_peers(ex)
+    try:  # a failed step is run again only if no peer has started it
+        ex.step = max(ex.last_complete_step, peers_next_step(ex) - 1)
+    except Exception:  # noqa: BLE001 - the store may be gone; keep our own count
+        pass
+    ex.failed = False
+
+
+def peers_next_step(ex: Executor) -> int:
+    """The largest step the peers run next, per the store (0 if none published)."""
+    steps = [ex.control.peer_step(peer) for peer in ex.peers]
+    return max([0, *(s for s in steps if s is not None)])
+
+
+def settle_pending(ex: Executor) -> None:
+    """Batches in flight when a step failed: done, or released and prepared again."""
+    deadline = time.monotonic() + min(ex.timeout_s, 1.0)
+    for entry in ex.pending:
+        while True:
+            try:
+                if ex.transport.done(entry.handle):
+                    break
+                failed = False
+            except Exception:  # noqa: BLE001 - a failed batch: prepare it again
+                failed = True
+            if failed or time.monotonic() >= deadline:
+                ex.reprepared += 1
+                ex.transport.release(entry.handle)
+                entry.handle = ex.transport.prepare(entry.batch)
+                break
+            time.sleep(1e-3)
+    ex.pending = []
+
+
+def refresh_peers(ex: Executor) -> None:
+    """Re-import every peer whose published incarnation changed (it restarted)."""
+    for peer in ex.peers:
+        try:
+            got = ex.control.peer_info(peer, wait=False)
+        except ForgedRecordError as e:
+            log.warning("rank %d: %s; keeping the imported peer", ex.rank, e)
+            continue
+        except Exception:  # noqa: BLE001 - the store may be gone: nothing to re-import
+            return
+        if got is None or got[0].inc == ex.inbox.incarnations.get(peer):
+            continue
+        rec, info = got
+        try:
+            ex._check_peer(peer, info)
+            ex.control.accept_gen(peer, rec)
+        except (ForgedRecordError, PeerMismatchError) as e:
+            log.warning("rank %d: %s; keeping the imported peer", ex.rank, e)
+            continue
+        _reimport(ex, peer, rec, info)
+    ex.inbox.foreign = False
+
+
+def _reimport(ex: Executor, peer: int, rec: object, info: dict) -> None:
+    entries: list[Prepared] = [e for st in ex.stages for e in st.batches if e.peer == peer]
+    for e in entries:
+        ex.transport.release(e.handle)
+        e.handle = None
+    ex.import_peer(peer, rec, info)
+    for e in entries:
+        e.handle = ex.transport.prepare(e.batch)
+    ex.reimports += 1

@@ -1,0 +1,37 @@
+"""What `run()` returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.header import PlanHeader
+
+
+@dataclass(frozen=True, slots=True)
+class RunStats:
+    rank: int
+    """Plan rank, or -1 for a whole in-process world (`run_all_local`)."""
+    step: int
+    sent: int
+    """Bytes this rank wrote to its peers (all ranks' bytes for a world)."""
+    received: int
+    """Bytes the plan writes into this rank (its peers' writes; the header's rank stats)."""
+    seconds: float
+    complete: bool
+    """Whether this rank's part of the step finished (targets: weights are whole)."""
+
+    @property
+    def bytes(self) -> int:
+        """Bytes this rank moved: sent (sources) or received (targets)."""
+        return self.sent or self.received
+
+    @property
+    def gbytes_per_s(self) -> float:
+        """`bytes / seconds` in GB/s (10^9 bytes per second; configs' `nic_gbps` is Gb/s)."""
+        return self.bytes / max(self.seconds, 1e-9) / 1e9
+
+
+def received_bytes(header: PlanHeader, rank: int) -> int:
+    """Bytes the plan writes into `rank` per step (the header's rank stats), or 0."""
+    rows = header.rank_stats
+    return max(0, rows[rank].bytes_in) if 0 <= rank < len(rows) else 0

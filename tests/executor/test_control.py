@@ -1,0 +1,136 @@
+"""The control plane in one process: the job secret, sealed store records, the lease, and
+the store values a hostile or broken store can hold (executor/auth.py, control.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgpack
+import pytest
+
+from executor.auth import MAX_RECORD, keys_from, open_record, seal
+from executor.control import Control
+from executor.errors import ForgedRecordError, LeaseHeldError, LeaseLostError, NoSecretError
+from executor.rendezvous import open_store
+
+KEYS = keys_from("s" * 64)
+INFO = {"fingerprint": "fp", "sizes": [8, 16], "desc": {"agent": b"UCX worker address + rkeys"}}
+
+
+class Dict:
+    def __init__(self) -> None:
+        self.kv: dict[str, bytes] = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        self.kv[key] = value
+
+    def get(self, key: str) -> bytes | None:
+        return self.kv.get(key)
+
+
+def test_a_record_opens_only_under_the_job_secret_at_its_key_for_its_rank():
+    raw = seal(KEYS, "rplan/rank/1", 1, 77, 3, 5, INFO)
+    assert b"rkeys" not in raw  # descriptors are encrypted in the store
+    rec = open_record(KEYS, "rplan/rank/1", raw, 1)
+    assert (rec.rank, rec.inc, rec.gen, rec.step, rec.body) == (1, 77, 3, 5, INFO)
+    cases = [
+        (keys_from("another job's secret"), "rplan/rank/1", raw, 1, "MAC does not match"),
+        (KEYS, "rplan/rank/0", raw, 0, "written for key 'rplan/rank/1'"),  # moved
+        (KEYS, "rplan/rank/1", seal(KEYS, "rplan/rank/1", 2, 1, 1, 0, INFO), 1, "claims rank 2"),
+        (KEYS, "rplan/rank/1", seal(keys_from(None, insecure=True), "rplan/rank/1", 1, 1, 1,
+                                    0, INFO), 1, "unsigned"),
+        (KEYS, "rplan/step/3", b"99999999999999999999", 3, "not a record"),
+        (KEYS, "rplan/rank/1", bytes(range(256)) * 4, 1, "not a record"),
+        (KEYS, "rplan/rank/1", b"\xc6" + (2**31).to_bytes(4, "big"), 1, "not a record"),
+        (KEYS, "rplan/rank/1", b"x" * (MAX_RECORD + 1), 1, "over the 1048576-byte limit"),
+        (KEYS, "rplan/rank/1", "text", 1, "a str, not bytes"),
+    ]
+    for keys, key, value, rank, why in cases:
+        with pytest.raises(ForgedRecordError, match=why) as e:
+            open_record(keys, key, value, rank)
+        assert e.value.key == key and key in str(e.value)
+    tampered = msgpack.unpackb(raw)
+    tampered["g"] = 4  # a newer generation, to outrun the real process: the MAC catches it
+    with pytest.raises(ForgedRecordError, match="MAC does not match"):
+        open_record(KEYS, "rplan/rank/1", msgpack.packb(tampered), 1)
+    big = seal(keys_from(None, insecure=True), "rplan/rank/1", 1, 1, 2**62 + 1, 0, INFO)
+    with pytest.raises(ForgedRecordError, match="'g' = 4611686018427387905 out of range"):
+        open_record(keys_from(None, insecure=True), "rplan/rank/1", big, 1)
+
+
+def test_no_secret_is_refused_unless_insecure_is_explicit(monkeypatch, caplog):
+    monkeypatch.delenv("RDMA_PLAN_SECRET", raising=False)
+    with pytest.raises(NoSecretError, match="RDMA_PLAN_SECRET.*token_hex.*insecure=True"):
+        keys_from(None, rank=3)
+    with pytest.raises(NoSecretError, match="has 5 bytes, fewer than 16"):
+        keys_from("short")
+    with caplog.at_level(logging.WARNING, logger="executor"):
+        assert not keys_from(None, insecure=True, rank=3).secure
+    assert "rank 3: running WITHOUT a job secret" in caplog.text
+    monkeypatch.setenv("RDMA_PLAN_SECRET", "e" * 64)
+    assert keys_from(None).record == keys_from("e" * 64).record
+
+
+def test_garbage_step_values_are_ignored_and_older_generations_refused(caplog):
+    store = Dict()
+    me = Control(store, KEYS, "rplan", 0, 1, timeout_s=0.2)
+    peer = Control(store, KEYS, "rplan", 1, 2, timeout_s=0.2)
+    peer.gen = 2
+    peer.publish_step(7)
+    assert me.peer_step(1) == 7
+    for garbage in (b"99999999999999999999", b"\x00" * 9, seal(KEYS, "rplan/step/1", 1, 2, 2,
+                                                                  5, {"next": 2**63})):
+        store.set("rplan/step/1", garbage)
+        with caplog.at_level(logging.WARNING, logger="executor"):
+            assert me.peer_step(1) is None  # the step is not taken; recovery goes on
+        assert "rplan/step/1" in caplog.text
+    peer.publish_rank(INFO)
+    rec, info = me.peer_info(1)
+    me.accept_gen(1, rec)
+    old = Control(store, KEYS, "rplan", 1, 9, timeout_s=0.2)
+    old.gen = 1  # a dead process's record, replayed
+    old.publish_rank(INFO)
+    with pytest.raises(ForgedRecordError, match="generation 1 is older than the imported 2"):
+        me.accept_gen(1, me.peer_info(1)[0])
+    store.set("rplan/rank/1", b"\x93garbage")  # only garbage there until the deadline
+    with pytest.raises(ForgedRecordError, match="'rplan/rank/1': not a record"):
+        me.peer_info(1)
+
+
+def test_one_rank_one_process():
+    store = Dict()
+    a = Control(store, KEYS, "rplan", 2, 100, timeout_s=5)
+    assert not a.claim()
+    b = Control(store, KEYS, "rplan", 2, 200, timeout_s=5)
+    t0 = time.monotonic()
+    with pytest.raises(LeaseHeldError, match="rank 2 is held by a live process.*0x64"):
+        b.claim()
+    assert time.monotonic() - t0 < 3
+    a.stop.set()  # process a freezes (SIGSTOP) or dies: its heartbeat stops
+    a.thread.join(2)
+    c = Control(store, KEYS, "rplan", 2, 300, timeout_s=5)
+    assert c.claim() and c.gen == 2  # taken over, one generation on
+    a.stop.clear()  # a resumes: it sees the newer holder and must stop
+    a._heartbeat_once()
+    with pytest.raises(LeaseLostError, match="lost its lease to process 0x12c"):
+        a.check()
+    c.close()
+
+
+def test_a_blocking_store_is_accepted_through_check():
+    class Blocking(Dict):  # a torch-like store: get waits for the key, then raises
+        def get(self, key: str) -> bytes:
+            if key not in self.kv:
+                time.sleep(0.5)
+                raise TimeoutError(f"key {key} not set")
+            return self.kv[key]
+
+        def check(self, keys: list[str]) -> bool:
+            return all(k in self.kv for k in keys)
+
+    store = open_store(Blocking(), 0, 1.0)
+    t0 = time.monotonic()
+    assert store.get("rplan/rank/1") is None and time.monotonic() - t0 < 0.1
+    store.set("k", b"v")
+    assert store.get("k") == b"v"
