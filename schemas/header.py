@@ -181,6 +181,9 @@ class PlanHeader:
             identities=_identities(raw.get("identities", []), what),
             derived=_derived(raw.get("derived", []), what),
             blobs=_blobs(raw.get("blobs", {}), what), signature=r.bytes("signature"))
+        if len(h.fingerprint) > 64:
+            raise PlanFormatError(f"{what}: fingerprint of {len(h.fingerprint)} characters (the "
+                                  "compiler writes 32); the file is corrupt: recompile it")
         for name in ("ranks", "rank_stats", "identities", "derived"):
             n = len(getattr(h, name))
             if n and n != h.world:

@@ -82,6 +82,13 @@ DAG_EDGE_COLUMNS = (("u", "<i8"), ("v", "<i8"))
 """An edge of the stage DAG: node `u` happens before node `v`."""
 
 
+def _int(x: Any) -> int:
+    """A plan integer: a msgpack int (not a float, not a bool) within +-2**62."""
+    if isinstance(x, bool) or not isinstance(x, int) or not -(1 << 62) <= x <= 1 << 62:
+        raise ValueError(f"{str(x)[:40]!r} is not an integer in range")
+    return x
+
+
 @dataclass(frozen=True, slots=True)
 class Region:
     name: str
@@ -140,24 +147,24 @@ class RankPlan:
     def decode(raw: Any) -> RankPlan:
         try:
             what = f"rank/{raw['rank']}"
-            regions = tuple(Region(str(n), str(d), tuple(int(x) for x in s), int(b))
+            regions = tuple(Region(str(n), str(d), tuple(_int(x) for x in s), _int(b))
                             for n, d, s, b in raw["regions"])
             return RankPlan(
-                rank=int(raw["rank"]), role=str(raw["role"]), host=int(raw["host"]),
-                gpu=int(raw["gpu"]), nics=tuple(str(n) for n in raw["nics"]),
+                rank=_int(raw["rank"]), role=str(raw["role"]), host=_int(raw["host"]),
+                gpu=_int(raw["gpu"]), nics=tuple(str(n) for n in raw["nics"]),
                 regions=regions,
                 writes=Table.from_msgpack(WRITE_COLUMNS, raw["writes"], what + ".writes"),
                 batches=Table.from_msgpack(BATCH_COLUMNS, raw["batches"], what + ".batches"),
                 copies=Table.from_msgpack(COPY_COLUMNS, raw["copies"], what + ".copies"),
                 signals=Table.from_msgpack(SIGNAL_COLUMNS, raw["signals"], what + ".signals"),
                 waits=Table.from_msgpack(SIGNAL_COLUMNS, raw["waits"], what + ".waits"),
-                peer_regions=tuple((int(p), tuple((int(r), int(n)) for r, n in s))
+                peer_regions=tuple((_int(p), tuple((_int(r), _int(n)) for r, n in s))
                                    for p, s in raw["peer_regions"]),
-                stages=int(raw["stages"]),
+                stages=_int(raw["stages"]),
             )
         except PlanFormatError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise PlanFormatError(f"rank plan is malformed ({type(e).__name__}: {e})") from None
 
 

@@ -93,7 +93,7 @@ def test_swapped_megatron_tp_ranks_are_refused_before_registration(tmp_path):
     path = _plan(tmp_path, {"framework": "megatron", "tp": 2}, {"engine": "vllm", "tp": 1})
     with open(path, "rb") as f:
         header, _ = read_header(f)
-    ids = header["identities"]
+    ids = header.identities
     assert ids[0]["tp"] == 0 and ids[1]["tp"] == 1 and ids[2]["framework"] == "vllm"
     check_against_plan(header, 1, ids[1])  # the right one passes
     with pytest.raises(IdentityError) as e:
@@ -115,7 +115,7 @@ def test_plan_without_identities_refuses_a_given_identity(tmp_path):
     cfg = config_from_dict({"model": {"config": "x"}, "source": {"framework": "fsdp2",
                             "dp": 3}, "target": {"engine": "vllm", "tp": 2}})
     plan = compile_layouts(cfg, spec, row_split(spec, 3), fused_col_split(spec, 2, 1))
-    assert "identities" not in plan.header
+    assert not plan.header.identities
     with pytest.raises(IdentityError, match="records no rank identities"):
         check_against_plan(plan.header, 0, MEGA)
     check_against_plan(plan.header, 0, None)  # no identity given: nothing to check

@@ -11,7 +11,6 @@ and the backend.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -39,12 +38,13 @@ def refused(fn, *args, match: tuple[str, ...]) -> str:  # noqa: ANN001
     raise AssertionError(f"{fn.__name__} accepted what it must refuse")
 
 
-def header(hf: dict, **target) -> dict:
+def header(hf: dict, **target):  # noqa: ANN201 - a PlanHeader
     from schemas.config import TargetConfig
+    from schemas.header import ModelInfo, PlanHeader
 
-    t = dataclasses.asdict(TargetConfig("vllm", **target))
-    return {"target": t, "sources": 1, "world": 1 + t["tp"] * t["dp"] * t["pp"],
-            "model": {"dims": {"vocab": hf["vocab_size"]}}}
+    t = TargetConfig("vllm", **target)
+    return PlanHeader(target=t, sources=1, world=1 + t.tp * t.dp * t.pp,
+                      model=ModelInfo(vocab=hf["vocab_size"]))
 
 
 def build(cfg, hf: dict):  # noqa: ANN001, ANN201

@@ -61,7 +61,7 @@ def main() -> int:
     from schemas.plan import ACK, DONE, READY, load_plan
 
     plan = load_plan(a.plan)
-    tag = signals.fingerprint_tag(plan.header["fingerprint"])
+    tag = signals.fingerprint_tag(plan.header.fingerprint)
     keys = keys_from(a.secret or os.urandom(32).hex())
     claims = [(c, msgpack.unpackb(store.get(f"leak/{c}"))) for c in map(int, a.claim.split(","))]
     agents = {c: nixl_agent(leak["name"], nixl_agent_config(
@@ -82,7 +82,7 @@ def main() -> int:
             for claim, claim_inc in claims:
                 ag, name = agents[claim], names[claim]
                 for step in range(a.step, a.step + 3):
-                    for stage in range(plan.header["stages"]):
+                    for stage in range(plan.header.stages):
                         for kind in (READY, DONE, ACK):
                             sent += 1
                             ag.send_notif(name, signals.encode(
