@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from planner.derived import derived
 from planner.layouts import sglang
 from planner.layouts.base import Piece
 from planner.spec import ModelSpec, spec_from_hf
@@ -153,8 +154,9 @@ def test_order_is_sglangs() -> None:
 
 def test_derived_lists_every_mla_layer_per_rank() -> None:
     spec = spec_from_hf(deepseek_v3())
-    lay = sglang.layout(spec, target(tp=2, pp=2))
-    entries = sglang.derived(lay, sources=2)
+    cfg = target(tp=2, pp=2)
+    lay = sglang.layout(spec, cfg)
+    entries = derived(lay, 2, cfg)  # planner/derived.py, SGLang's rule
     assert len(entries) == 2 + lay.world == 6 and entries[:2] == [[], []]
     # PP 2 of 3 layers (SGLang: remainder on the last stage): stage 0 (ranks 0, 1) holds
     # layer 0, stage 1 (ranks 2, 3) layers 1-2
@@ -166,4 +168,5 @@ def test_derived_lists_every_mla_layer_per_rank() -> None:
                  "reads": ["model.layers.2.self_attn.kv_b_proj.weight"],
                  "writes": ["w_kc", "w_vc"]}
     assert all(r in names(lay, 3) for r in e["reads"])
-    assert sglang.derived(sglang.layout(spec_from_hf(qwen3()), target(tp=2)), 1) == [[]] * 3
+    cfg = target(tp=2)
+    assert derived(sglang.layout(spec_from_hf(qwen3()), cfg), 1, cfg) == [[]] * 3
