@@ -140,12 +140,11 @@ def check(spec: ModelSpec, cfg: SourceConfig) -> None:
     if d.mla and not cfg.transformer_engine:
         _check_mla_local_spec(d, tp)
     stage_layers(d.num_layers, cfg)
-    if not d.num_experts:
-        return
     ep, etp = cfg.ep, cfg.expert_tp
-    rules.divides("source.ep", ep, d.num_experts, "the number of routed experts")
-    rules.divides("source.etp" if cfg.etp is not None else "source.tp", etp,
-                  d.moe_intermediate, "moe_intermediate_size")
+    if d.moe_layers:  # (a MoE family whose layers are all dense has no experts to place)
+        rules.divides("source.ep", ep, d.num_experts, "the number of routed experts")
+        rules.divides("source.etp" if cfg.etp is not None else "source.tp", etp,
+                      d.moe_intermediate, "moe_intermediate_size")
     if (tp * cfg.dp) % (etp * ep):
         rules.fail("source.ep", ep, f"times expert tp {etp} must divide source.tp * "
                    f"source.dp = {tp * cfg.dp} (Megatron's expert grid etp*ep*edp = tp*dp); "
