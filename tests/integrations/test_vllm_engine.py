@@ -204,7 +204,7 @@ def test_source_killed_mid_update(tmp_path: Path) -> None:
     bit-exact."""
     st = [dict(label="v21", seed=21), dict(label="v22", seed=22, die=1, check_seed=21),
           dict(label="v23", seed=23)]
-    case = case_dict(tmp_path, "qwen3-kill", vc.QWEN3, MEGATRON_TP2, False, st, timeout_s=10)
+    case = case_dict(tmp_path, "qwen3-kill", vc.QWEN3, MEGATRON_TP2, False, st, timeout_s=30)
     procs = start(tmp_path, [case])
     try:
         assert procs.wait("trainer1", 400) == 17
