@@ -8,15 +8,21 @@ source/target configs, topology, per-NIC bytes, stats and the fingerprint.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from planner.layouts.base import Layout
+from planner.passes.intersect import PieceTable
 from planner.passes.lower import Lowered
 from planner.passes.schedule import Schedule
+from planner.spec import ModelSpec
 from planner.topology import Topology
+from schemas.config import Config
 from schemas.plan import (
     BATCH_COLUMNS,
     COPY_COLUMNS,
@@ -24,6 +30,7 @@ from schemas.plan import (
     DAG_EDGE_COLUMNS,
     DAG_NODE_COLUMNS,
     EXPLAIN_COLUMNS,
+    FORMAT_VERSION,
     ITEMSIZE,
     SIGNAL_COLUMNS,
     STAGING,
@@ -138,3 +145,61 @@ def explain_table(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarr
     return Table.build(EXPLAIN_COLUMNS, tensor=uniq[:, 0], src_rank=uniq[:, 1],
                        src_region=uniq[:, 2], dst_rank=uniq[:, 3], dst_region=uniq[:, 4],
                        nbytes=total, boxes=boxes)
+
+
+def fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable,
+                regions: list[tuple[Region, ...]], topo: Topology, cfg: Config) -> str:
+    """Digest of what the plan depends on: spec, piece tables, regions, topology, options."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(msgpack.packb([FORMAT_VERSION, [(t.name, list(t.shape), t.dtype)
+                                             for t in spec.tensors]]))
+    for table in (src, dst):
+        for col in dataclasses.astuple(table):
+            h.update(np.ascontiguousarray(col).tobytes())
+    h.update(msgpack.packb([[(r.name, r.dtype, list(r.shape)) for r in regs
+                             if r.name != STAGING] for regs in regions]))
+    h.update(msgpack.packb([list(topo.host), list(topo.gpu), list(topo.nic),
+                            topo.nic_gbps, topo.nvlink_gbps]))
+    h.update(msgpack.packb(dataclasses.asdict(cfg.options)))
+    return h.hexdigest()
+
+
+def rank_stats(low: Lowered, world: int) -> list[list[int]]:
+    """Per plan rank: [writes issued, bytes sent, bytes received, packs, unpacks, staging]."""
+    count = np.bincount(low.w_src_rank, minlength=world)
+    sent = np.bincount(low.w_src_rank, weights=low.w_nbytes, minlength=world)
+    recv = np.bincount(low.w_dst_rank, weights=low.w_nbytes, minlength=world)
+    kind, rank = low.copies["kind"], low.copies["rank"]
+    packs = np.bincount(rank[(kind == 1) | (kind == 3)], minlength=world)
+    unpacks = np.bincount(rank[kind == 2], minlength=world)
+    cols = (count, sent, recv, packs, unpacks, low.staging)
+    return [[int(c[r]) for c in cols] for r in range(world)]
+
+
+def plan_header(cfg: Config, spec: ModelSpec, topo: Topology, replicas: int, low: Lowered,
+                nics: dict[str, Any], chunks: int, unit_max: int, digest: str,
+                created_by: str) -> dict[str, Any]:
+    """The header: what the compiler decided and why (`nics`: `planner.nic_stats`)."""
+    kinds = low.copies["kind"]
+    return {
+        "created_by": created_by,
+        "fingerprint": digest,
+        "world": topo.world, "sources": topo.sources, "targets": topo.targets,
+        "replicas": replicas, "stages": low.stages,
+        "model": {"model_type": spec.dims.model_type, "num_layers": spec.dims.num_layers,
+                  "total_params": spec.total_params, "tensors": len(spec.tensors),
+                  "dims": dataclasses.asdict(spec.dims)},
+        "source": dataclasses.asdict(cfg.source), "target": dataclasses.asdict(cfg.target),
+        "cluster": dataclasses.asdict(cfg.cluster), "options": dataclasses.asdict(cfg.options),
+        "ranks": [[("source" if r < topo.sources else "target"), topo.host[r], topo.gpu[r],
+                   topo.nic_name(topo.nic[r])] for r in range(topo.world)],
+        "nvlink_gbps": topo.nvlink_gbps,
+        "stats": {"writes": int(len(low.w_nbytes)), "bytes": int(low.w_nbytes.sum()),
+                  "packs": int((kinds == 1).sum()), "unpacks": int((kinds == 2).sum()),
+                  "quants": int((kinds == 3).sum()),
+                  "chunks": chunks, "gather_unit_max": int(unit_max),
+                  "staging_max": int(low.staging.max()) if len(low.staging) else 0,
+                  **{k: v for k, v in nics.items() if k != "nics"}},
+        "nics": nics["nics"],
+        "rank_stats": rank_stats(low, topo.world),
+    }
