@@ -8,7 +8,16 @@ import time
 
 import pytest
 import torch
-from exec_plans import (
+
+from executor import (
+    BindError,
+    Executor,
+    PeerMismatchError,
+    PeerTimeoutError,
+    PlanBoundsError,
+)
+from executor.transports.local import Fabric
+from tests.support.plans import (
     BF16,
     DONE,
     F32,
@@ -21,15 +30,6 @@ from exec_plans import (
     two_by_two,
     two_by_two_tensors,
 )
-
-from executor import (
-    BindError,
-    Executor,
-    PeerMismatchError,
-    PeerTimeoutError,
-    PlanBoundsError,
-)
-from executor.transports.local import Fabric
 
 HEADER = {"fingerprint": "fp-a", "world": 4}
 

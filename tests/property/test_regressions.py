@@ -176,7 +176,7 @@ def test_gather_skips_transposed_boxes(side: str) -> None:
     # gather it. With the 2-d boxes of one side stored transposed (`side`), gather raises
     # "... transposed ...; gathered boxes must land as rows" / "a gather needs rows" for
     # layouts the direct path handles: such boxes must not be chosen for gathering.
-    from tests.planner.synthetic import row_split
+    from tests.support.synthetic import row_split
 
     spec = spec_from_hf(TINY)
     src = transposed(spec, "source", 3, 1) if side == "source" else row_split(spec, 3)
@@ -198,7 +198,7 @@ def test_gather_takes_single_columns_stored_transposed() -> None:
     # gathered. A column is one strided run whatever its stride a1 (lower reads it as one
     # row); gather refused it ("... is transposed on target rank ...; gathered boxes must
     # land as rows") while `_fine_cut` had rightly let it through.
-    from tests.planner.synthetic import row_split
+    from tests.support.synthetic import row_split
 
     spec = spec_from_hf(TINY)
     q = "model.layers.0.self_attn.q_proj.weight"
