@@ -94,3 +94,26 @@ def fp8_config(**opts) -> Config:
                   target=TargetConfig("vllm", tp=2, replicas=2, dtype="fp8_block128"),
                   cluster=ClusterConfig(gpus_per_host=8, nics_per_host=2),
                   options=Options(**opts))
+
+
+# A one-layer llama with 8x8 weights (128 bytes each in bf16) and 8-element norms (16 bytes).
+TINY = dict(model_type="llama", hidden_size=8, num_attention_heads=1, num_key_value_heads=1,
+            head_dim=8, intermediate_size=8, vocab_size=8, num_hidden_layers=1,
+            tie_word_embeddings=True)
+
+
+def whole_tensors(spec: ModelSpec, side: str, dtype: str, world: int = 1) -> Layout:
+    """Every rank holds every logical tensor whole, under its checkpoint name."""
+    tensors = tuple(PhysicalTensor(t.name, t.shape, dtype, (
+        Piece(t.name, (0,) * len(t.shape), t.shape, (0,) * len(t.shape)),))
+        for t in spec.tensors)
+    return Layout(side, "hand", tuple(RankLayout(r, r, tensors) for r in range(world)),
+                  world)  # type: ignore[arg-type]
+
+
+def tiny_config(**opts: int) -> Config:
+    """1 fp32 FSDP2 rank -> 1 vLLM rank on a host of 1 GPU (options: `opts`)."""
+    return Config(model=ModelConfig("hand"), source=SourceConfig("fsdp2", dtype="float32"),
+                  target=TargetConfig("vllm"),
+                  cluster=ClusterConfig(gpus_per_host=1, nics_per_host=1),
+                  options=Options(**opts))
