@@ -1,6 +1,7 @@
 """Benchmark: compile the largest example configs; time, peak RSS, plan size, rank load.
 
     python3 bench/compile_scale.py [CONFIG ...] [--write]
+    python3 bench/compile_scale.py --tiny     # plans/demo.yaml only (the test suite's)
 
 Each config compiles in a fresh subprocess (one process, as `rdma-plan compile` runs),
 so peak RSS is that compile's alone. Then one rank's part is loaded from the plan file
@@ -24,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = ["plans/deepseek-v3_megatron-pp16ep16_vllm-tp32x8.yaml",
            "plans/kimi-k2_fsdp2-256_vllm-tp16x8.yaml",
            "plans/qwen3-235b-a22b_megatron-tp4pp8ep16_vllm-tp8x16.yaml"]
+TINY = ["plans/demo.yaml"]
 
 CHILD = """
 import json, resource, sys, time
@@ -64,7 +66,7 @@ def bench(config: str, out: str) -> dict:
 
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    configs = args or DEFAULT
+    configs = args or (TINY if "--tiny" in sys.argv else DEFAULT)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for c in configs:
@@ -80,7 +82,7 @@ def main() -> None:
              f"{s['plan_bytes'] / 2**20:.1f} | {s['rank_load_ms']:.1f} |" for c, s in rows]
     table = "\n".join([head, *lines])
     print(table)
-    if "--write" in sys.argv:
+    if "--write" in sys.argv and "--tiny" not in sys.argv:
         cpu = platform.processor() or platform.machine()
         try:
             cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")

@@ -2,6 +2,7 @@
 
     python bench/executor_bench.py [--writes 64] [--mib 4] [--steps 5] [--record]
                                    [--transport nixl|cuda_ipc] [--device cpu|cuda]
+    python bench/executor_bench.py --tiny    # 8 x 64 KiB on CPU, nixl and local, seconds
 
 1. NIXL (or CUDA IPC), 2 processes (rank 0 source, rank 1 target): `executor.run` (READY,
    W writes in batches of 8, DONE) vs one raw write of all the bytes between the same
@@ -17,7 +18,6 @@ import argparse
 import os
 import platform
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import executor  # noqa: E402
+from schemas.header import PlanHeader  # noqa: E402
 from schemas.plan import (  # noqa: E402
     BATCH_COLUMNS,
     COPY_COLUMNS,
@@ -47,6 +48,7 @@ from schemas.plan import (  # noqa: E402
     load_rank,
     write_plan,
 )
+from tests.support.procs import free_port, root_env, spawn_ranks  # noqa: E402
 
 
 def make_plan(path: str, writes: int, chunk: int, per_batch: int = 8) -> int:
@@ -68,7 +70,7 @@ def make_plan(path: str, writes: int, chunk: int, per_batch: int = 8) -> int:
              RankPlan(1, "target", 0, 1, ("lo",), (x,), empty(WRITE_COLUMNS),
                       empty(BATCH_COLUMNS), empty(COPY_COLUMNS), sig(0, READY), sig(0, DONE),
                       (), 1))
-    write_plan(path, Plan({"fingerprint": f"bench-{writes}x{chunk}", "world": 2}, ranks))
+    write_plan(path, Plan(PlanHeader(fingerprint=f"bench-{writes}x{chunk}", world=2), ranks))
     return n
 
 
@@ -92,12 +94,13 @@ def raw_nixl(plan: executor.Executor, x: torch.Tensor, steps: int) -> list[float
 
 def raw_cuda_ipc(plan: executor.Executor, x: torch.Tensor, steps: int) -> list[float]:
     t, dst = plan.transport, plan.transport.peers[1][0]
+    stream = t.streams[0]  # one of the transport's copy streams
     raw = []
     for _ in range(steps + 1):
         t0 = time.perf_counter()
-        with torch.cuda.stream(t.stream):
+        with torch.cuda.stream(stream):
             dst.copy_(x)
-        t.stream.synchronize()
+        stream.synchronize()
         raw.append(time.perf_counter() - t0)
     return raw[1:]
 
@@ -113,6 +116,10 @@ def worker(path: str, rank: int, port: int, steps: int, transport: str, device: 
     if rank == 0:
         raw = (raw_nixl if transport == "nixl" else raw_cuda_ipc)(plan, x, steps)
         store.set("result", f"{statistics.median(times)} {statistics.median(raw)}".encode())
+    else:  # UCX over TCP or shared memory needs the target to make progress too
+        while not store.check(["result"]):
+            plan.transport.poll()
+            time.sleep(1e-4)
     store.set(f"exit/{rank}", b"1")
     store.wait(["exit/0", "exit/1"], timedelta(seconds=120))
     plan.close()
@@ -120,19 +127,18 @@ def worker(path: str, rank: int, port: int, steps: int, transport: str, device: 
 
 def bench_two_processes(path: str, steps: int, transport: str,
                         device: str) -> tuple[float, float]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=120))
-    env = {**os.environ, "NIXL_LOG_LEVEL": "WARN", "RDMA_PLAN_SECRET": secrets.token_hex(32)}
     gpus = torch.cuda.device_count() if device != "cpu" else 0
     devices = [device, "cuda:1" if gpus > 1 else device]  # the target on another GPU if any
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", path, str(r), str(port),
-                               str(steps), transport, devices[r]], env=env) for r in (0, 1)]
-    for p in procs:
-        if p.wait(timeout=300):
-            raise SystemExit(f"{transport} worker failed with status {p.returncode}")
+    done = spawn_ranks(lambda r: [sys.executable, os.path.abspath(__file__), "--worker", path,
+                                  str(r), str(port), str(steps), transport, devices[r]], 2,
+                       env=root_env(NIXL_LOG_LEVEL="WARN", RDMA_PLAN_SECRET=secrets.token_hex(32)),
+                       timeout=300, capture=False)
+    for f in done:
+        if f.returncode:
+            raise SystemExit(f"{transport} worker {f.rank} failed with status {f.returncode}")
     ex, raw = map(float, store.get("result").decode().split())
     return ex, raw
 
@@ -162,22 +168,27 @@ def machine() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--writes", type=int, default=64)
-    ap.add_argument("--mib", type=int, default=4)
+    ap.add_argument("--mib", type=float, default=4, help="size of one write (MiB)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--transport", default="nixl", choices=["nixl", "cuda_ipc"])
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (rank 1 on cuda:1 if any)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="8 writes of 64 KiB, 2 steps, nixl on CPU (the test suite's mode)")
     a = ap.parse_args()
+    if a.tiny:
+        a.writes, a.mib, a.steps, a.transport, a.device = 8, 1 / 16, 2, "nixl", "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.rplan")
-        n = make_plan(path, a.writes, a.mib << 20)
+        n = make_plan(path, a.writes, int(a.mib * 2**20))
         dev = "cuda:0" if a.device == "cuda" else a.device
         rows = [(f"{a.transport} (2 processes, {a.device})", f"raw {a.transport} write",
                  *bench_two_processes(path, a.steps, a.transport, dev)),
                 (f"local (run_all_local, {a.device})", "torch copy_",
                  *bench_local(path, n, a.steps, dev))]
     gb = n / 1e9
-    lines = [f"{a.writes} writes x {a.mib} MiB = {n >> 20} MiB, median of {a.steps} warm steps",
+    lines = [f"{a.writes} writes x {a.mib:g} MiB = {n / 2**20:g} MiB, median of {a.steps} "
+             "warm steps",
              "", "| executor | baseline | executor s | baseline s | executor GB/s | "
              "baseline GB/s | ratio |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, base, ex, raw in rows:

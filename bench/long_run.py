@@ -1,6 +1,7 @@
 """Long run: many `run()` steps of plans/demo.yaml over NIXL between 4 processes.
 
     python3 bench/long_run.py [--steps 1000] [--check-every 100] [--tls tcp]
+    python3 bench/long_run.py --tiny      # 3 steps, checked every step (the test suite's)
 
 Sources change their weights in place every step (fixed small integers + step % 97, so
 every value is exact in bf16); targets compare all their tensors bit-exactly with the
@@ -21,14 +22,12 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "reliability"))
 
 
 def long_run(steps: int = 1000, check_every: int = 100, tls: str | None = None,
              config: str | None = None, timeout_s: float = 10.0) -> dict:
-    from harness import World
-
     from planner.compiler import compile_file
+    from tests.reliability.harness import World
 
     config = config or os.path.join(ROOT, "plans", "demo.yaml")
     out = tempfile.mkdtemp(prefix="rdma-plan-long-")
@@ -81,7 +80,10 @@ def main() -> int:
     p.add_argument("--check-every", type=int, default=100)
     p.add_argument("--tls", default=None, help="UCX_TLS for the ranks (default: UCX's own)")
     p.add_argument("--config", default=None)
+    p.add_argument("--tiny", action="store_true", help="3 steps, checked every step")
     a = p.parse_args()
+    if a.tiny:
+        a.steps, a.check_every = 3, 1
     rep = long_run(a.steps, a.check_every, a.tls, a.config)
     print(f"{'step':>6} " + " ".join(f"{'rank ' + str(r) + ' RSS MB / fds':>22}" for r in range(4)))
     for s in rep["samples"]:

@@ -5,6 +5,7 @@
     python bench/published.py qwen3-4b       # only configs whose file name contains this
     python bench/published.py kimi --save rows.jsonl       # keep each row as a JSON line
     python bench/published.py --load rows.jsonl --record   # table from saved rows only
+    python bench/published.py --tiny         # the smallest config only (the test suite's)
 
 Each config is compiled by the real CLI (`python -m planner compile`) in its own process,
 so the compile time and peak RSS are that process's; then the plan is simulated here
@@ -32,6 +33,7 @@ from planner.simulate import simulate  # noqa: E402
 
 HEADING = "## Published setups (simulated)"
 GOAL_RATIO = 1.15
+TINY = "qwen3-4b_dp8_to_vllm-tp8"
 
 
 def published_seconds(path: str) -> float | None:
@@ -198,7 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save", metavar="FILE", help="append each row to FILE as a JSON line")
     p.add_argument("--load", metavar="FILE", nargs="+", help="rows saved by --save (no "
                    "compiling; a config's last row wins)")
+    p.add_argument("--tiny", action="store_true", help=f"only {TINY} (seconds), no --record")
     args = p.parse_args(argv)
+    if args.tiny:
+        args.only, args.record = [TINY], False
     if args.load:
         by_name: dict[str, dict[str, Any]] = {}
         for path in args.load:

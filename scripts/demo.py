@@ -18,20 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Rank:
@@ -180,26 +172,22 @@ def processes(args: argparse.Namespace, plan: str, world: int) -> tuple[list[dic
     """One process per rank, over NIXL; the job secret drawn here, handed to every rank."""
     import secrets
 
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "RDMA_PLAN_SECRET": secrets.token_hex(32)}
+    from tests.support.procs import free_port, root_env, spawn_ranks
+
     cmd = [sys.executable, os.path.abspath(__file__), "--config", args.config, "--plan", plan,
-           "--port", str(port), "--steps", str(args.steps), "--transport", args.transport]
-    procs = [subprocess.Popen([*cmd, "--worker", str(r)], env=env, stdout=subprocess.PIPE,
-                              text=True) for r in range(world)]
+           "--port", str(free_port()), "--steps", str(args.steps), "--transport",
+           args.transport]
+    done = spawn_ranks(lambda r: [*cmd, "--worker", str(r)], world,
+                       env=root_env(RDMA_PLAN_SECRET=secrets.token_hex(32)), timeout=300,
+                       merge_stderr=False)
     failed = 0
     rows = []
-    for r, proc in enumerate(procs):
-        try:
-            out_text, _ = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out_text = ""
-        line = out_text.strip().splitlines()[-1] if out_text.strip() else ""
+    for f in done:
+        line = f.output.strip().splitlines()[-1] if f.output.strip() else ""
         rep = json.loads(line) if line.startswith("{") else None
-        if proc.returncode != 0 or rep is None:
+        if f.returncode != 0 or rep is None:
             failed += 1
-            print(f"rank {r}: FAILED (exit {proc.returncode})")
+            print(f"rank {f.rank}: FAILED (exit {f.returncode})")
             continue
         rows.append(rep)
     return rows, failed

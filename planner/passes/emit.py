@@ -10,12 +10,16 @@ holds the whole model, the longest row).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from planner.layouts.base import Layout
+from planner.passes.intersect import PieceTable
 from planner.passes.lower import Lowered
 from planner.passes.schedule import Schedule
 from planner.spec import ModelSpec
@@ -29,6 +33,7 @@ from schemas.plan import (
     DAG_EDGE_COLUMNS,
     DAG_NODE_COLUMNS,
     EXPLAIN_COLUMNS,
+    FORMAT_VERSION,
     ITEMSIZE,
     PACK,
     QUANT,
@@ -95,7 +100,8 @@ def rank_stats(low: Lowered, world: int) -> tuple[RankStats, ...]:
 def plan_header(cfg: Config, spec: ModelSpec, topo: Topology, replicas: int, low: Lowered,
                 nic: dict[str, Any], chunks: int, unit_max: int, fingerprint: str,
                 created_by: str) -> PlanHeader:
-    """Everything the compiler decided about the whole plan (`nic`: `_nic_stats`)."""
+    """Everything the compiler decided about the whole plan (`nic`: from
+    `planner.nic_stats.nic_stats`)."""
     kinds = low.copies["kind"]
     return PlanHeader(
         fingerprint=fingerprint, world=topo.world, sources=topo.sources,
@@ -202,3 +208,20 @@ def explain_table(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarr
     return Table.build(EXPLAIN_COLUMNS, tensor=uniq[:, 0], src_rank=uniq[:, 1],
                        src_region=uniq[:, 2], dst_rank=uniq[:, 3], dst_region=uniq[:, 4],
                        nbytes=total, boxes=boxes)
+
+
+def fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable,
+                regions: list[tuple[Region, ...]], topo: Topology, cfg: Config) -> str:
+    """Digest of what the plan depends on: spec, piece tables, regions, topology, options."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(msgpack.packb([FORMAT_VERSION, [(t.name, list(t.shape), t.dtype)
+                                             for t in spec.tensors]]))
+    for table in (src, dst):
+        for col in dataclasses.astuple(table):
+            h.update(np.ascontiguousarray(col).tobytes())
+    h.update(msgpack.packb([[(r.name, r.dtype, list(r.shape)) for r in regs
+                             if r.name != STAGING] for regs in regions]))
+    h.update(msgpack.packb([list(topo.host), list(topo.gpu), list(topo.nic),
+                            topo.nic_gbps, topo.nvlink_gbps]))
+    h.update(msgpack.packb(dataclasses.asdict(cfg.options)))
+    return h.hexdigest()

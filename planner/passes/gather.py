@@ -4,7 +4,7 @@ Two kinds of target box take this path instead of `lower`'s direct one:
 - block-FP8 weights (`target.dtype: fp8_block128`): a 128x128 block must be quantized by
   one rank that holds all of it (`fp8.py` checks that target boxes are block-aligned);
 - fine-cut boxes: a box that arrives in `c` source chunks at `h` target ranks costs
-  `c * h` writes directly, but `c + h` when gathered first; `compiler.py` sends a box here
+  `c * h` writes directly, but `c + h` when gathered first; `route` sends a box here
   when the writes saved outweigh the extra hop of its bytes (FSDP2 row shards of a
   tensor every target rank holds: 256 x 128 writes become 256 + 128).
 All target ranks holding the same box (replicas, replicated tensors) receive the output
@@ -26,21 +26,21 @@ the owner's ACK.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from planner.passes.intersect import PieceTable, element_size, intersect
+from planner.passes.intersect import PieceTable, element_size, intersect, take
 from planner.passes.lower import ALIGN, Lowered
+from planner.passes.route import Routes
 from planner.spec import ModelSpec
+from planner.topology import Topology
 from schemas.config import ConfigError, Options
 from schemas.plan import COPY_COLUMNS, DTYPE_CODES, PACK, QUANT
 from schemas.protocol import FP8_BLOCK as BLOCK
 from schemas.protocol import scale_blocks
 
 FP8_CODE = DTYPE_CODES.index("float8_e4m3fn")
-
-
-def take(t: PieceTable, rows: np.ndarray) -> PieceTable:
-    return PieceTable(*(getattr(t, f)[rows] for f in PieceTable.__slots__))
 
 
 def _align(n: int) -> int:
@@ -103,56 +103,179 @@ class _Out:
                                       one * row_bytes, one * stage], axis=1))
 
 
-def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.ndarray,
-           scale_rows: np.ndarray, n_regions: np.ndarray, opts: Options, base: int,
-           host: np.ndarray | None = None, nic: np.ndarray | None = None,
-           sent: np.ndarray | None = None
-           ) -> tuple[Lowered, np.ndarray, np.ndarray, int]:
-    """Gathers, conversions (QUANT or cast) and fan-out writes for target rows
-    `weight_rows` (FP8 weights and fine-cut boxes); `scale_rows`: the FP8 scale pieces.
-    `host`, `nic`: host and NIC of each plan rank (default: one each); `sent`: bytes each
-    NIC already sends to other hosts (owners are balanced on top of it). Also returns
-    `explain_rows` of the fan-out, per rank the fan-out bytes to other hosts of boxes only
-    it could own, and the largest fan-out (bytes) one owner took as a whole."""
-    names = [t.name for t in spec.tensors]
-    index = {n: i for i, n in enumerate(names)}
-    scale_id = {i: index[n + "_scale_inv"] for i, n in enumerate(names)
-                if n + "_scale_inv" in index}
-    w = take(dst, weight_rows)
-    s = take(dst, scale_rows)
-    keys = np.stack([w.tensor, w.off0, w.off1, w.size0, w.size1], axis=1)
-    tboxes, first, tb_of = np.unique(keys, axis=0, return_index=True, return_inverse=True)
-    tb_of = tb_of.reshape(-1)
-    chunks = intersect(spec, src, take(w, first))
-    # Scale piece of every target weight row: same rank, scale tensor, offsets / 128.
-    s_key = {(int(r), int(t), int(a), int(b)): i for i, (r, t, a, b) in
-             enumerate(zip(s.rank, s.tensor, s.off0, s.off1))}
-    out = _Out()
-    alloc = _Staging(len(n_regions), opts.staging_bytes)
-    world = len(n_regions)
-    host = np.arange(world) if host is None else np.asarray(host)
-    nic = np.arange(world) if nic is None else np.asarray(nic)
-    load = np.zeros(int(nic.max()) + 1 if world else 0, dtype=np.int64)  # per NIC
-    if sent is not None:
-        load[:len(sent)] += sent.astype(np.int64)
-    owner_only = np.zeros(len(n_regions), dtype=np.int64)
-    unit_max = 0  # the largest fan-out one owner takes as a whole (balance granularity)
-    rounds: dict[int, int] = {}  # owner -> first round that may still have room
-    chunk_ptr = np.searchsorted(chunks.dst, np.arange(len(tboxes) + 1))
-    targets_of = np.argsort(tb_of, kind="stable")
-    target_ptr = np.searchsorted(tb_of[targets_of], np.arange(len(tboxes) + 1))
-    hp = chunks.holder_ptr
-    max_stage = base - 1
-    # Boxes only one source can own first, then the rest largest first (list scheduling).
-    n_chunks = np.diff(chunk_ptr)
-    first_chunk = chunk_ptr[:-1].clip(max=max(len(chunks) - 1, 0))
-    n_holders = hp[chunks.sbox[first_chunk] + 1] - hp[chunks.sbox[first_chunk]] \
-        if len(chunks) else np.zeros(len(tboxes), dtype=np.int64)
-    forced = (n_chunks == 1) & (n_holders == 1)
-    order = np.lexsort((np.arange(len(tboxes)), -(tboxes[:, 3] * tboxes[:, 4]), ~forced))
-    for t in order.tolist():
-        tensor, t0, t1, n0, n1 = (int(x) for x in tboxes[t])
-        cs = range(chunk_ptr[t], chunk_ptr[t + 1])
+@dataclass(frozen=True, slots=True)
+class Gathered:
+    """What the gather pass adds to the plan."""
+
+    lowered: Lowered | None
+    """Its gathers, conversions and fan-out writes; None when no box takes this path."""
+    explain: np.ndarray
+    """(tensor, owner, staging region, target rank, target region, bytes) per fan-out."""
+    owner_only: np.ndarray
+    """Per plan rank: fan-out bytes to other hosts of the boxes only it could own."""
+    unit_max: int
+    """The largest fan-out (bytes) one owner took as a whole (the balance granularity)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Box:
+    """One target box of the gather path and what was decided for it."""
+
+    tensor: int
+    t0: int
+    t1: int
+    n0: int
+    n1: int
+    chunks: range
+    """Its chunks (rows of the chunk table), each fed by one source piece."""
+    rows: tuple[int, ...]
+    """The source piece row that sends each chunk."""
+    owner: int
+    """The source rank that gathers, converts and fans the box out."""
+    sole: bool
+    """Only `owner` holds any of it."""
+    src_code: int
+    out_code: int
+    es: int
+    """Element size at the sources."""
+    es_d: int
+    """Element size at the targets."""
+    quant: bool
+    cast: bool
+    direct: bool
+    """QUANT reads the owner's piece in place (an FP8 box it holds whole, in one piece)."""
+
+    @property
+    def numel(self) -> int:
+        return self.n0 * self.n1
+
+    @property
+    def g_bytes(self) -> int:
+        return 0 if self.direct else _align(self.numel * self.es)
+
+    @property
+    def f_bytes(self) -> int:
+        return _align(self.numel) if self.quant else \
+            _align(self.numel * self.es_d) if self.cast else 0
+
+    @property
+    def need(self) -> int:
+        nscale = scale_blocks(self.n0, self.n1)
+        return self.g_bytes + self.f_bytes + (_align(nscale * 4) if self.quant else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """Where and when a box lives in its owner's staging."""
+
+    gather: int
+    """Stage of the gather (its parts land)."""
+    convert: int
+    """Stage of the conversion and the fan-out."""
+    g_off: int
+    """Byte offset of the gathered box."""
+    f_off: int
+    """Byte offset of the converted box (QUANT or cast)."""
+    s_off: int
+    """Byte offset of the FP8 scales."""
+
+
+def gather(spec: ModelSpec, src: PieceTable, routes: Routes, n_regions: np.ndarray,
+           opts: Options, topo: Topology, base: int, sent: np.ndarray) -> Gathered:
+    """Gathers, conversions (QUANT or cast) and fan-out writes of the target rows
+    `routes.gathered`, in stages from `base` on; `sent`: bytes each NIC already sends to
+    other hosts (owners are balanced on top of it)."""
+    if len(routes.gathered) == 0:
+        return Gathered(None, explain_rows(_Out()), np.zeros(len(n_regions), np.int64), 0)
+    g = _Gatherer(spec, src, routes, n_regions, opts, topo, base, sent)
+    for t in g.order():
+        g.add(t)
+    return g.result()
+
+
+class _Gatherer:
+    """The pass's state across boxes: staging, NIC loads, owner rounds and the output."""
+
+    def __init__(self, spec: ModelSpec, src: PieceTable, routes: Routes,
+                 n_regions: np.ndarray, opts: Options, topo: Topology, base: int,
+                 sent: np.ndarray) -> None:
+        self.names = [t.name for t in spec.tensors]
+        index = {n: i for i, n in enumerate(self.names)}
+        self.scale_id = {i: index[n + "_scale_inv"] for i, n in enumerate(self.names)
+                         if n + "_scale_inv" in index}
+        self.src, self.n_regions, self.opts, self.base = src, n_regions, opts, base
+        self.w = take(routes.targets, routes.gathered)
+        self.s = take(routes.targets, routes.scales)
+        keys = np.stack([self.w.tensor, self.w.off0, self.w.off1, self.w.size0, self.w.size1],
+                        axis=1)
+        self.tboxes, self.first, tb_of = np.unique(keys, axis=0, return_index=True,
+                                                   return_inverse=True)
+        tb_of = tb_of.reshape(-1)
+        self.chunks = intersect(spec, src, take(self.w, self.first))
+        # Scale piece of every target weight row: same rank, scale tensor, offsets / 128.
+        self.s_key = {(int(r), int(t), int(a), int(b)): i for i, (r, t, a, b) in
+                      enumerate(zip(self.s.rank, self.s.tensor, self.s.off0, self.s.off1))}
+        world = len(n_regions)
+        self.out = _Out()
+        self.alloc = _Staging(world, opts.staging_bytes)
+        self.host, self.nic = np.asarray(topo.host), np.asarray(topo.nic)
+        self.load = np.zeros(int(self.nic.max()) + 1 if world else 0, dtype=np.int64)
+        self.load[:len(sent)] += sent.astype(np.int64)
+        self.owner_only = np.zeros(world, dtype=np.int64)
+        self.unit_max = 0
+        self.rounds: dict[int, int] = {}  # owner -> first round that may still have room
+        self.max_stage = base - 1
+        self.chunk_ptr = np.searchsorted(self.chunks.dst, np.arange(len(self.tboxes) + 1))
+        self.targets_of = np.argsort(tb_of, kind="stable")
+        self.target_ptr = np.searchsorted(tb_of[self.targets_of],
+                                          np.arange(len(self.tboxes) + 1))
+
+    def order(self) -> list[int]:
+        """Boxes only one source can own first, then the rest largest first (list
+        scheduling)."""
+        chunks, hp = self.chunks, self.chunks.holder_ptr
+        n_chunks = np.diff(self.chunk_ptr)
+        first_chunk = self.chunk_ptr[:-1].clip(max=max(len(chunks) - 1, 0))
+        n_holders = hp[chunks.sbox[first_chunk] + 1] - hp[chunks.sbox[first_chunk]] \
+            if len(chunks) else np.zeros(len(self.tboxes), dtype=np.int64)
+        forced = (n_chunks == 1) & (n_holders == 1)
+        sizes = self.tboxes[:, 3] * self.tboxes[:, 4]
+        return np.lexsort((np.arange(len(self.tboxes)), -sizes, ~forced)).tolist()
+
+    def add(self, t: int) -> None:
+        """Gather, convert and fan out target box `t`."""
+        box = self._choose(t)
+        slot = self._place(box)
+        to = self._targets(t)
+        self._account(box, slot, self.w.rank[to])
+        if box.direct:
+            h = box.rows[0]
+            src = self.src
+            read = (int(src.region[h]), int(src.base[h] + box.t0 * src.a0[h]
+                                             + box.t1 * src.a1[h]),
+                    (int(src.a0[h]), int(src.a1[h])))
+        else:
+            for c, h in zip(box.chunks, box.rows):
+                self._gather_part(box, slot, c, h)
+            read = (int(self.n_regions[box.owner]), slot.g_off // box.es, (box.n1, 1))
+        f_off = self._convert(box, slot, *read)
+        for i in to.tolist():
+            self._fan_out(box, slot, f_off, i)
+
+    def result(self) -> Gathered:
+        return Gathered(_lowered(self.out, self.alloc.peak, self.max_stage + 1),
+                        explain_rows(self.out), self.owner_only, self.unit_max)
+
+    def _targets(self, t: int) -> np.ndarray:
+        return self.targets_of[self.target_ptr[t]:self.target_ptr[t + 1]]
+
+    def _choose(self, t: int) -> _Box:
+        """The owner (holds most of the box; ties: the least loaded NIC, then the lowest
+        rank) and the source piece of each chunk (the owner's, else the least loaded)."""
+        chunks, hp, src, load, nic = self.chunks, self.chunks.holder_ptr, self.src, \
+            self.load, self.nic
+        tensor, t0, t1, n0, n1 = (int(x) for x in self.tboxes[t])
+        cs = range(self.chunk_ptr[t], self.chunk_ptr[t + 1])
         cands = [chunks.holders[hp[chunks.sbox[c]]:hp[chunks.sbox[c] + 1]] for c in cs]
         held: dict[int, int] = {}
         for c, hs in zip(cs, cands):
@@ -164,107 +287,117 @@ def gather(spec: ModelSpec, src: PieceTable, dst: PieceTable, weight_rows: np.nd
             mine = hs[src.rank[hs] == owner]
             rows.append(int(mine[0]) if len(mine) else
                         int(min(hs, key=lambda h: (load[nic[src.rank[h]]], src.rank[h]))))
-        es = int(element_size(src.dtype[rows[0]]))
-        quant = int(w.dtype[first[t]]) == FP8_CODE
-        out_code = int(w.dtype[first[t]])
-        es_d = int(element_size(np.array([out_code]))[0])
+        out_code = int(self.w.dtype[self.first[t]])
         src_code = int(src.dtype[rows[0]])
-        cast = not quant and out_code != src_code
-        direct = quant and len(rows) == 1 and int(src.rank[rows[0]]) == owner
-        numel, nscale = n0 * n1, scale_blocks(n0, n1)
-        g_bytes = 0 if direct else _align(numel * es)
-        f_bytes = _align(numel) if quant else _align(numel * es_d) if cast else 0
-        need = g_bytes + f_bytes + (_align(nscale * 4) if quant else 0)
-        if not alloc.fits(-1, (0,), need):
+        quant = out_code == FP8_CODE
+        return _Box(tensor, t0, t1, n0, n1, cs, tuple(rows), owner, len(held) == 1,
+                    src_code, out_code, int(element_size(src.dtype[rows[0]])),
+                    int(element_size(np.array([out_code]))[0]), quant,
+                    not quant and out_code != src_code,
+                    quant and len(rows) == 1 and int(src.rank[rows[0]]) == owner)
+
+    def _place(self, b: _Box) -> _Slot:
+        """The owner's first round whose two stages both have room for the box."""
+        need = b.need
+        if not self.alloc.fits(-1, (0,), need):
             raise ConfigError(
-                f"options.staging_bytes: {opts.staging_bytes} is too small to gather "
-                f"{names[tensor]} rows {t0}..{t0 + n0} cols {t1}..{t1 + n1} ({need} bytes of "
-                f"staging, which must fit in 3/4 of the budget); raise "
+                f"options.staging_bytes: {self.opts.staging_bytes} is too small to gather "
+                f"{self.names[b.tensor]} rows {b.t0}..{b.t0 + b.n0} cols {b.t1}..{b.t1 + b.n1}"
+                f" ({need} bytes of staging, which must fit in 3/4 of the budget); raise "
                 f"options.staging_bytes to at least {-(-need * 4 // 3) + ALIGN}")
-        k = rounds.get(owner, 0)
-        while not alloc.fits(owner, (base + 2 * k, base + 2 * k + 1), need):
+        k = self.rounds.get(b.owner, 0)
+        while not self.alloc.fits(b.owner, (self.base + 2 * k, self.base + 2 * k + 1), need):
             k += 1
-        rounds[owner] = k
-        gather, quant_stage = base + 2 * k, base + 2 * k + 1
-        g_off = alloc.take(owner, (gather, quant_stage), need)
-        f_off = g_off + g_bytes
-        s_off = f_off + f_bytes
-        to = w.rank[targets_of[target_ptr[t]:target_ptr[t + 1]]]
-        remote = numel * es_d * int((host[to] != host[owner]).sum())  # NVLink loads no NIC
-        load[nic[owner]] += remote
-        unit_max = max(unit_max, numel * es_d * len(to))
-        if len(held) == 1:
-            owner_only[owner] += remote
-        max_stage = max(max_stage, quant_stage)
-        stg = int(n_regions[owner])
-        if direct:
-            h = rows[0]
-            q_region, q_code = int(src.region[h]), src_code
-            q_off = int(src.base[h] + t0 * src.a0[h] + t1 * src.a1[h])
-            q_st = (int(src.a0[h]), int(src.a1[h]))
+        self.rounds[b.owner] = k
+        stages = (self.base + 2 * k, self.base + 2 * k + 1)
+        g_off = self.alloc.take(b.owner, stages, need)
+        return _Slot(*stages, g_off, g_off + b.g_bytes, g_off + b.g_bytes + b.f_bytes)
+
+    def _account(self, b: _Box, slot: _Slot, to: np.ndarray) -> None:
+        """The fan-out's bytes on the owner's NIC (NVLink loads none), and the bounds."""
+        remote = b.numel * b.es_d * int((self.host[to] != self.host[b.owner]).sum())
+        self.load[self.nic[b.owner]] += remote
+        self.unit_max = max(self.unit_max, b.numel * b.es_d * len(to))
+        if b.sole:
+            self.owner_only[b.owner] += remote
+        self.max_stage = max(self.max_stage, slot.convert)
+
+    def _gather_part(self, b: _Box, slot: _Slot, c: int, h: int) -> None:
+        """Chunk `c` from source piece `h` into the owner's gather buffer: a PACK on the
+        owner, or a PACK on its holder then one write, or one write per row."""
+        src, chunks, owner, es = self.src, self.chunks, b.owner, b.es
+        stg = int(self.n_regions[owner])
+        c0, c1 = int(chunks.off0[c]), int(chunks.off1[c])
+        m0, m1 = int(chunks.size0[c]), int(chunks.size1[c])
+        start = int(src.base[h] + c0 * src.a0[h] + c1 * src.a1[h])
+        into = slot.g_off // es + (c0 - b.t0) * b.n1 + (c1 - b.t1)
+        hr = int(src.rank[h])
+        if hr != owner and self.host[hr] != self.host[owner]:  # its NIC sends the part
+            self.load[self.nic[hr]] += m0 * m1 * es
+        pack = dict(kind=PACK, stage=slot.gather, src_region=src.region[h],
+                    src_dtype=b.src_code, src_offset=start, src_stride0=src.a0[h],
+                    src_stride1=src.a1[h], src_stride2=1, dst_dtype=b.src_code,
+                    dst_stride0=m1, dst_stride1=1, dst_stride2=1, size0=m0, size1=m1,
+                    size2=1, aux_offset=0)
+        rows_ok = src.a1[h] == 1 or m1 == 1  # a column is one strided run
+        dense = rows_ok and (m0 == 1 or src.a0[h] == m1)
+        if hr == owner:  # own part: straight into the gather buffer
+            self.out.copy(rank=owner, dst_region=stg, dst_offset=into,
+                          **{**pack, "dst_stride0": b.n1})
+        elif not dense and m1 == b.n1 and self.alloc.fits(hr, (slot.gather,), m0 * m1 * es, 1):
+            # strided on its holder: pack there, then one write
+            off = self.alloc.take(hr, (slot.gather,), m0 * m1 * es, 1)
+            self.out.copy(rank=hr, dst_region=int(self.n_regions[hr]), dst_offset=off // es,
+                          **pack)
+            self.out.runs(slot.gather, (hr, int(self.n_regions[hr]), off),
+                          (owner, stg, into * es), 1, m0 * m1 * es, 0, 0)
+        elif rows_ok:
+            self.out.runs(slot.gather, (hr, int(src.region[h]), start * es),
+                          (owner, stg, into * es), m0, m1 * es, int(src.a0[h]) * es,
+                          b.n1 * es)
         else:
-            q_region, q_code, q_off, q_st = stg, src_code, g_off // es, (n1, 1)
-            for c, h in zip(cs, rows):
-                c0, c1 = int(chunks.off0[c]), int(chunks.off1[c])
-                m0, m1 = int(chunks.size0[c]), int(chunks.size1[c])
-                start = int(src.base[h] + c0 * src.a0[h] + c1 * src.a1[h])
-                into = g_off // es + (c0 - t0) * n1 + (c1 - t1)
-                hr = int(src.rank[h])
-                if hr != owner and host[hr] != host[owner]:  # its NIC sends the part
-                    load[nic[hr]] += m0 * m1 * es
-                pack = dict(kind=PACK, stage=gather, src_region=src.region[h],
-                            src_dtype=src_code, src_offset=start, src_stride0=src.a0[h],
-                            src_stride1=src.a1[h], src_stride2=1, dst_dtype=src_code,
-                            dst_stride0=m1, dst_stride1=1, dst_stride2=1, size0=m0, size1=m1,
-                            size2=1, aux_offset=0)
-                rows_ok = src.a1[h] == 1 or m1 == 1  # a column is one strided run
-                dense = rows_ok and (m0 == 1 or src.a0[h] == m1)
-                if hr == owner:  # own part: straight into the gather buffer
-                    out.copy(rank=owner, dst_region=stg, dst_offset=into,
-                             **{**pack, "dst_stride0": n1})
-                elif not dense and m1 == n1 and alloc.fits(hr, (gather,), m0 * m1 * es, 1):
-                    # strided on its holder: pack there, then one write
-                    off = alloc.take(hr, (gather,), m0 * m1 * es, 1)
-                    out.copy(rank=hr, dst_region=int(n_regions[hr]), dst_offset=off // es,
-                             **pack)
-                    out.runs(gather, (hr, int(n_regions[hr]), off), (owner, stg, into * es),
-                             1, m0 * m1 * es, 0, 0)
-                elif rows_ok:
-                    out.runs(gather, (hr, int(src.region[h]), start * es),
-                             (owner, stg, into * es), m0, m1 * es, int(src.a0[h]) * es,
-                             n1 * es)
-                else:
-                    raise ConfigError(f"gather: {names[tensor]} is stored transposed on "
-                                      f"source rank {hr}; a gather needs rows")
-        if quant or cast:
-            out.copy(rank=owner, kind=QUANT if quant else PACK, stage=quant_stage,
-                     src_region=q_region, src_dtype=q_code, src_offset=q_off,
-                     src_stride0=q_st[0], src_stride1=q_st[1], src_stride2=1, dst_region=stg,
-                     dst_dtype=out_code, dst_offset=f_off // es_d, dst_stride0=n1,
-                     dst_stride1=1, dst_stride2=1, size0=n0, size1=n1, size2=1,
-                     aux_offset=s_off // 4 if quant else 0)
-        else:
-            f_off = g_off  # the gathered box is already the target's bytes
+            raise ConfigError(f"gather: {self.names[b.tensor]} is stored transposed on "
+                              f"source rank {hr}; a gather needs rows")
+
+    def _convert(self, b: _Box, slot: _Slot, region: int, offset: int,
+                 strides: tuple[int, int]) -> int:
+        """QUANT (FP8) or a casting PACK of the box read at (`region`, element `offset`,
+        `strides`) into the owner's staging; returns the byte offset the fan-out reads."""
+        if not (b.quant or b.cast):
+            return slot.g_off  # the gathered box is already the target's bytes
+        self.out.copy(rank=b.owner, kind=QUANT if b.quant else PACK, stage=slot.convert,
+                      src_region=region, src_dtype=b.src_code, src_offset=offset,
+                      src_stride0=strides[0], src_stride1=strides[1], src_stride2=1,
+                      dst_region=int(self.n_regions[b.owner]), dst_dtype=b.out_code,
+                      dst_offset=slot.f_off // b.es_d, dst_stride0=b.n1, dst_stride1=1,
+                      dst_stride2=1, size0=b.n0, size1=b.n1, size2=1,
+                      aux_offset=slot.s_off // 4 if b.quant else 0)
+        return slot.f_off
+
+    def _fan_out(self, b: _Box, slot: _Slot, f_off: int, i: int) -> None:
+        """The converted box (and its FP8 scales) to the target piece row `i`."""
+        w, owner, es_d, n0, n1 = self.w, b.owner, b.es_d, b.n0, b.n1
+        stg = int(self.n_regions[owner])
+        d_rank, d_reg = int(w.rank[i]), int(w.region[i])
+        if w.a1[i] != 1 and n1 > 1:  # a column lands as one strided run
+            raise ConfigError(f"gather: {self.names[b.tensor]} is transposed on target rank "
+                              f"{d_rank}; gathered boxes must land as rows")
+        d = int(w.base[i] + b.t0 * w.a0[i] + b.t1 * w.a1[i])
+        self.out.runs(slot.convert, (owner, stg, f_off), (d_rank, d_reg, d * es_d), n0,
+                      n1 * es_d, n1 * es_d, int(w.a0[i]) * es_d)
+        self.out.explain.append((b.tensor, owner, stg, d_rank, d_reg, b.numel * es_d))
+        if not b.quant:
+            return
         rb, cb = -(-n0 // BLOCK), -(-n1 // BLOCK)
-        for i in targets_of[target_ptr[t]:target_ptr[t + 1]].tolist():
-            d_rank, d_reg = int(w.rank[i]), int(w.region[i])
-            if w.a1[i] != 1 and n1 > 1:  # a column lands as one strided run
-                raise ConfigError(f"gather: {names[tensor]} is transposed on target rank "
-                                  f"{d_rank}; gathered boxes must land as rows")
-            d = int(w.base[i] + t0 * w.a0[i] + t1 * w.a1[i])
-            out.runs(quant_stage, (owner, stg, f_off), (d_rank, d_reg, d * es_d), n0,
-                     n1 * es_d, n1 * es_d, int(w.a0[i]) * es_d)
-            out.explain.append((tensor, owner, stg, d_rank, d_reg, numel * es_d))
-            if not quant:
-                continue
-            j = s_key.get((d_rank, scale_id[tensor], t0 // BLOCK, t1 // BLOCK))
-            if j is None:
-                raise ValueError(f"gather: target rank {d_rank} has no scale piece for "
-                                 f"{names[tensor]} block ({t0 // BLOCK}, {t1 // BLOCK})")
-            sd = int(s.base[j] + (t0 // BLOCK) * s.a0[j] + (t1 // BLOCK) * s.a1[j])
-            out.runs(quant_stage, (owner, stg, s_off), (d_rank, int(s.region[j]), sd * 4), rb,
-                     cb * 4, cb * 4, int(s.a0[j]) * 4)
-    return _lowered(out, alloc.peak, max_stage + 1), explain_rows(out), owner_only, unit_max
+        j = self.s_key.get((d_rank, self.scale_id[b.tensor], b.t0 // BLOCK, b.t1 // BLOCK))
+        if j is None:
+            raise ValueError(f"gather: target rank {d_rank} has no scale piece for "
+                             f"{self.names[b.tensor]} block ({b.t0 // BLOCK}, "
+                             f"{b.t1 // BLOCK})")
+        s = self.s
+        sd = int(s.base[j] + (b.t0 // BLOCK) * s.a0[j] + (b.t1 // BLOCK) * s.a1[j])
+        self.out.runs(slot.convert, (owner, stg, slot.s_off), (d_rank, int(s.region[j]), sd * 4),
+                      rb, cb * 4, cb * 4, int(s.a0[j]) * 4)
 
 
 def explain_rows(out: _Out) -> np.ndarray:

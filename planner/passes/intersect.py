@@ -65,6 +65,16 @@ class Chunks:
         return len(self.tensor)
 
 
+def take(t: PieceTable, rows: np.ndarray) -> PieceTable:
+    """The rows `rows` of a piece table, as a new table."""
+    return PieceTable(*(getattr(t, f)[rows] for f in PieceTable.__slots__))
+
+
+def chunk_bytes(chunks: Chunks, dst: PieceTable) -> np.ndarray:
+    """Bytes of each chunk in the target's dtype."""
+    return chunks.size0 * chunks.size1 * element_size(dst.dtype[chunks.dst])
+
+
 def piece_table(layout: Layout, spec: ModelSpec, rank_base: int) -> PieceTable:
     """Flatten a layout's pieces into columns (plan rank = rank_base + layout rank)."""
     tensor_id = {t.name: i for i, t in enumerate(spec.tensors)}

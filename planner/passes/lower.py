@@ -46,6 +46,18 @@ class Lowered:
     stages: int
 
 
+def merge(a: Lowered, b: Lowered | None) -> Lowered:
+    """Writes and copies of both; staging per rank is the larger (their stages differ)."""
+    if b is None:
+        return a
+    cat = np.concatenate
+    w = {k: cat([getattr(a, k), getattr(b, k)]) for k in Lowered.__slots__
+         if k.startswith("w_")}
+    copies = {k: cat([a.copies[k], b.copies[k]]) for k in a.copies}
+    return Lowered(**w, copies=copies, staging=np.maximum(a.staging, b.staging),
+                   stages=max(a.stages, b.stages))
+
+
 def _geometry(t: PieceTable, rows: np.ndarray, c: Chunks) -> tuple[np.ndarray, ...]:
     start = t.base[rows] + c.off0 * t.a0[rows] + c.off1 * t.a1[rows]
     return start, t.a0[rows], t.a1[rows]

@@ -86,10 +86,19 @@ def _unique_rows(*cols: np.ndarray) -> np.ndarray:
 
 def _signals(low: Lowered, n_regions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(rank, stage, peer, kind) rows of signals sent and awaited."""
-    s, d, st = low.w_src_rank, low.w_dst_rank, low.w_stage
+    d = low.w_dst_rank
+    return signal_rows(low.w_src_rank, d, low.w_stage, low.w_dst_region == n_regions[d])
+
+
+def signal_rows(s: np.ndarray, d: np.ndarray, st: np.ndarray, staged: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The signals of writes (source rank `s`, target rank `d`, stage `st`, `staged`: lands
+    in the target's staging), as (rank, stage, peer, kind) rows sent and awaited: READY
+    (stage 0) per pair, DONE per pair and stage, and an ACK of stage s-1 where the target's
+    staging is written in stage s >= 1 (hand-built plans in the tests derive theirs here)."""
     pairs = _unique_rows(s, d)
     done = _unique_rows(s, d, st)
-    into_staging = (low.w_dst_region == n_regions[d]) & (st >= 1)
+    into_staging = staged & (st >= 1)
     ack = _unique_rows(s[into_staging], d[into_staging], st[into_staging])
     zeros = np.zeros(len(pairs), dtype=np.int64)
     sent = [

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import os
 import secrets
-import subprocess
 import sys
 from datetime import timedelta
 
 import pytest
 import torch
-from exec_plans import HERE, ROOT, free_port, save, two_by_two
+
+from tests.support.plans import save, two_by_two
+from tests.support.procs import free_port, root_env, spawn_ranks
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 
 pytestmark = pytest.mark.gpu
 
@@ -25,14 +28,11 @@ def test_four_processes_over_cuda_ipc(tmp_path):
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841
                           timeout=timedelta(seconds=60))
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + HERE,
-           "RDMA_PLAN_SECRET": secrets.token_hex(32)}
     gpus = torch.cuda.device_count()
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"), path, str(r),
-                               f"127.0.0.1:{port}", "3", "cuda_ipc", f"cuda:{r % gpus}"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(4)]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r} failed:\n{out[-3000:]}"
-        assert f"rank {r} step 3: ok" in out
+    done = spawn_ranks(lambda r: [sys.executable, WORKER, path, str(r), f"127.0.0.1:{port}",
+                                  "3", "cuda_ipc", f"cuda:{r % gpus}"], 4,
+                       env=root_env(RDMA_PLAN_SECRET=secrets.token_hex(32)),
+                       timeout=240)
+    for f in done:
+        assert f.returncode == 0, f"rank {f.rank} failed:\n{f.output[-3000:]}"
+        assert f"rank {f.rank} step 3: ok" in f.output

@@ -9,7 +9,17 @@ import time
 
 import pytest
 import torch
-from exec_plans import (
+
+from executor import (
+    BindError,
+    Executor,
+    PeerMismatchError,
+    PeerTimeoutError,
+    PlanBoundsError,
+)
+from executor.transports.local import Fabric
+from schemas.header import PlanHeader
+from tests.support.plans import (
     BF16,
     DONE,
     F32,
@@ -22,16 +32,6 @@ from exec_plans import (
     two_by_two,
     two_by_two_tensors,
 )
-
-from executor import (
-    BindError,
-    Executor,
-    PeerMismatchError,
-    PeerTimeoutError,
-    PlanBoundsError,
-)
-from executor.transports.local import Fabric
-from schemas.header import PlanHeader
 
 HEADER = PlanHeader(fingerprint="fp-a", world=4)
 

@@ -12,12 +12,12 @@ import threading
 
 import pytest
 import torch
-from exec_plans import DONE, READY, rank_plan, region
 
 from executor import Executor
 from executor.transports.local import Fabric
 from executor.transports.options import CudaIpcOptions, TransportOptionError
 from schemas.header import PlanHeader, RankStats
+from tests.support.plans import DONE, READY, rank_plan, region
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import os
 
-from exec_plans import ROOT
+from tests.support.procs import ROOT
 
 EXECUTOR = os.path.join(ROOT, "executor")
 

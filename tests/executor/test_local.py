@@ -7,7 +7,11 @@ import time
 import numpy as np
 import pytest
 import torch
-from exec_plans import (
+
+import executor
+from executor import PlanDeadlockError
+from schemas.plan import QUANT
+from tests.support.plans import (
     BF16,
     DONE,
     DTYPE_CODES,
@@ -22,10 +26,6 @@ from exec_plans import (
     two_by_two_expected,
     two_by_two_tensors,
 )
-
-import executor
-from executor import PlanDeadlockError
-from schemas.plan import QUANT
 
 
 def test_two_by_two_is_bit_exact(tmp_path):

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import os
 import secrets
-import subprocess
 import sys
 from datetime import timedelta
 
 import pytest
-from exec_plans import HERE, ROOT, free_port, save, two_by_two
+
+from tests.support.plans import save, two_by_two
+from tests.support.procs import free_port, root_env, spawn_ranks
 
 pytest.importorskip("nixl")
 import torch.distributed as dist  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 
 
 @pytest.mark.parametrize("tls", [None, "tcp"])
@@ -21,18 +24,13 @@ def test_four_processes_bit_exact_each_step(tmp_path, tls):
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841
                           timeout=timedelta(seconds=30))
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + HERE, "NIXL_LOG_LEVEL": "WARN",
-           "RDMA_PLAN_SECRET": secrets.token_hex(32)}
-    if tls:
-        env["UCX_TLS"] = tls
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"), path,
-                               str(r), f"127.0.0.1:{port}", "3"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(4)]
-    outs = [p.communicate(timeout=180)[0] for p in procs]
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r} failed:\n{out[-3000:]}"
-        assert f"rank {r} step 3: ok" in out
+    env = root_env(NIXL_LOG_LEVEL="WARN", RDMA_PLAN_SECRET=secrets.token_hex(32),
+                   **({"UCX_TLS": tls} if tls else {}))
+    done = spawn_ranks(lambda r: [sys.executable, WORKER, path, str(r), f"127.0.0.1:{port}",
+                                  "3"], 4, env=env, timeout=180)
+    for f in done:
+        assert f.returncode == 0, f"rank {f.rank} failed:\n{f.output[-3000:]}"
+        assert f"rank {f.rank} step 3: ok" in f.output
 
 
 def test_source_that_never_runs_times_out_on_its_targets(tmp_path):
@@ -43,15 +41,12 @@ def test_source_that_never_runs_times_out_on_its_targets(tmp_path):
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841
                           timeout=timedelta(seconds=30))
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + HERE, "NIXL_LOG_LEVEL": "WARN",
-           "RDMA_PLAN_SECRET": secrets.token_hex(32)}
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"), path, str(r),
-                               f"127.0.0.1:{port}", "0" if r == 0 else "1", "nixl", "cpu", "3"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(4)]
-    outs = [p.communicate(timeout=180)[0] for p in procs]
-    assert procs[0].returncode == 0 and procs[1].returncode == 0, outs[:2]
-    for r in (2, 3):
-        assert procs[r].returncode == 3, outs[r][-2000:]
-        assert f"rank {r}: PeerTimeoutError peer=0 complete=False" in outs[r]
-        assert "within 3 s" in outs[r]
+    done = spawn_ranks(lambda r: [sys.executable, WORKER, path, str(r), f"127.0.0.1:{port}",
+                                  "0" if r == 0 else "1", "nixl", "cpu", "3"], 4,
+                       env=root_env(NIXL_LOG_LEVEL="WARN", RDMA_PLAN_SECRET=secrets.token_hex(32)),
+                       timeout=180)
+    assert done[0].returncode == 0 and done[1].returncode == 0, [f.output for f in done[:2]]
+    for f in done[2:]:
+        assert f.returncode == 3, f.output[-2000:]
+        assert f"rank {f.rank}: PeerTimeoutError peer=0 complete=False" in f.output
+        assert "within 3 s" in f.output

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import os
 import secrets
-import subprocess
 import sys
 from datetime import timedelta
 
 import pytest
-from exec_plans import HERE, ROOT, free_port, save, two_by_two
+
+from tests.support.plans import save, two_by_two
+from tests.support.procs import free_port, root_env, spawn_ranks
 
 pytest.importorskip("uccl")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 
 
 def test_four_processes_over_uccl(tmp_path):
@@ -26,12 +28,8 @@ def test_four_processes_over_uccl(tmp_path):
                           timeout=timedelta(seconds=60))
     gpus = max(torch.cuda.device_count(), 1)
     device = (lambda r: f"cuda:{r % gpus}") if torch.cuda.is_available() else (lambda r: "cpu")
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"), path, str(r),
-                               f"127.0.0.1:{port}", "3", "uccl", device(r)],
-                              env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + HERE,
-                                   "RDMA_PLAN_SECRET": secrets.token_hex(32)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(4)]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r} failed:\n{out[-3000:]}"
+    done = spawn_ranks(lambda r: [sys.executable, WORKER, path, str(r), f"127.0.0.1:{port}",
+                                  "3", "uccl", device(r)], 4,
+                       env=root_env(RDMA_PLAN_SECRET=secrets.token_hex(32)), timeout=240)
+    for f in done:
+        assert f.returncode == 0, f"rank {f.rank} failed:\n{f.output[-3000:]}"

@@ -16,9 +16,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from exec_plans import two_by_two_expected, two_by_two_tensors
 
 import executor
+from tests.support.plans import two_by_two_expected, two_by_two_tensors
 
 
 def main(path: str, rank: int, rendezvous: str, steps: int, transport: str = "nixl",

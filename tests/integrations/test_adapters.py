@@ -22,8 +22,8 @@ import yaml
 from planner.compiler import compile_config
 from planner.validate import load
 from schemas.plan import write_plan
-from tests.layouts.models import deepseek_v3, qwen3, qwen3_moe
 from tests.oracles.launch import free_port
+from tests.support.models import deepseek_v3, qwen3, qwen3_moe
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.oracle

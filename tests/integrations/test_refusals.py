@@ -20,7 +20,7 @@ from planner.validate import validate
 from schemas.config import SourceConfig, config_from_dict
 from schemas.identity import IdentityError
 from schemas.plan import write_plan
-from tests.layouts.models import qwen3, qwen3_moe
+from tests.support.models import qwen3, qwen3_moe
 
 
 def _plan(tmp_path, source: dict, layers: int = 4, hf=qwen3) -> str:

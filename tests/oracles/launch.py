@@ -5,16 +5,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
-import subprocess
 import sys
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support.procs import free_port, spawn_ranks
 
 
 def launch(script: str, world: int, arg: dict[str, Any], timeout: float = 150.0) -> None:
@@ -25,19 +19,11 @@ def launch(script: str, world: int, arg: dict[str, Any], timeout: float = 150.0)
     env = {**os.environ, "RDMA_PLAN_SECRET": secrets.token_hex(32),
            "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
            "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen([sys.executable, path, json.dumps(arg)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise AssertionError(f"{script} {arg}: timed out after {timeout} s") from None
-    codes = [p.returncode for p in procs]
-    if any(codes):
-        tails = "\n".join(f"--- rank {r} (exit {c})\n{o[-4000:]}"
-                          for r, (c, o) in enumerate(zip(codes, outs)) if c)
+    done = spawn_ranks(lambda r: [sys.executable, path, json.dumps(arg)], world,
+                       env=lambda r: {**env, "RANK": str(r)}, timeout=timeout)
+    if any(f.timed_out for f in done):
+        raise AssertionError(f"{script} {arg}: timed out after {timeout} s")
+    if any(f.returncode for f in done):
+        tails = "\n".join(f"--- rank {f.rank} (exit {f.returncode})\n{f.output[-4000:]}"
+                          for f in done if f.returncode)
         raise AssertionError(f"{script} {arg}: ranks failed\n{tails}")

@@ -22,8 +22,8 @@ from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedS
 from planner.layouts import fsdp2  # noqa: E402
 from planner.spec import spec_from_hf  # noqa: E402
 from schemas.config import SourceConfig  # noqa: E402
-from tests.layouts.models import deepseek_v3, qwen3  # noqa: E402
 from tests.oracles.launch import launch  # noqa: E402
+from tests.support.models import deepseek_v3, qwen3  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 

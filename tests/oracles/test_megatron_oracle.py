@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-from tests.layouts.models import deepseek_v3  # noqa: E402
 from tests.oracles.launch import launch  # noqa: E402
+from tests.support.models import deepseek_v3  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 

@@ -11,21 +11,10 @@ from planner.compiler import compile_layouts
 from planner.materialize import materialize, random_full_tensors
 from planner.spec import spec_from_hf
 from planner.verify import verify_plan
-from schemas.config import ClusterConfig, Config, ModelConfig, Options, SourceConfig, TargetConfig
 from schemas.plan import encode_plan, load_plan, write_plan
-from tests.planner.synthetic import fused_col_split, row_split
-
-HF = dict(model_type="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-          head_dim=16, intermediate_size=96, vocab_size=101, num_hidden_layers=2,
-          tie_word_embeddings=False)
-
-
-def _config(**opts) -> Config:
-    return Config(model=ModelConfig("unused"), source=SourceConfig("fsdp2", dp=3),
-                  target=TargetConfig("vllm", tp=2, replicas=2),
-                  cluster=ClusterConfig(gpus_per_host=4, nics_per_host=2,
-                                        placement="colocated", source_gpus_per_host=2),
-                  options=Options(**opts))
+from tests.support.synthetic import SMALL_HF as HF
+from tests.support.synthetic import fused_col_split, row_split
+from tests.support.synthetic import small_config as _config
 
 
 def _source(kind: str, spec, dtype: str):

@@ -18,20 +18,10 @@ from planner.compiler import compile_layouts
 from planner.fp8 import quantize_block128, quantize_full, quantize_layout, with_scales
 from planner.materialize import materialize, random_full_tensors
 from planner.spec import spec_from_hf
-from schemas.config import ClusterConfig, Config, ModelConfig, Options, SourceConfig, TargetConfig
 from schemas.plan import write_plan
-from tests.planner.synthetic import fused_col_split, row_split
-
-HF = dict(model_type="qwen3", hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
-          head_dim=128, intermediate_size=512, vocab_size=101, num_hidden_layers=2,
-          tie_word_embeddings=False)
-
-
-def _config(**opts) -> Config:
-    return Config(model=ModelConfig("unused"), source=SourceConfig("fsdp2", dp=3),
-                  target=TargetConfig("vllm", tp=2, replicas=2, dtype="fp8_block128"),
-                  cluster=ClusterConfig(gpus_per_host=8, nics_per_host=2),
-                  options=Options(**opts))
+from tests.support.synthetic import FP8_HF as HF
+from tests.support.synthetic import fp8_config as _config
+from tests.support.synthetic import fused_col_split, row_split
 
 
 def test_reference_quantizer_matches_the_formula():

@@ -12,8 +12,9 @@ from planner.fp8 import quantize_full, quantize_layout, with_scales
 from planner.materialize import materialize, random_full_tensors
 from planner.spec import spec_from_hf
 from schemas.plan import write_plan
-from tests.planner.synthetic import fused_col_split, row_split
-from tests.planner.test_fp8 import HF, _config
+from tests.support.synthetic import FP8_HF as HF
+from tests.support.synthetic import fp8_config as _config
+from tests.support.synthetic import fused_col_split, row_split
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

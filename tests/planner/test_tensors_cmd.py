@@ -16,7 +16,7 @@ from planner.validate import validate
 from schemas.config import config_from_dict
 from schemas.plan import PlanFormatError, encode_plan, load_plan, write_plan
 from schemas.tensors import rank_tensors
-from tests.layouts.models import deepseek_v3
+from tests.support.models import deepseek_v3
 
 SOURCE = {"framework": "megatron", "tp": 2, "dp": 2, "ep": 2, "pp": 2}
 TARGET = {"engine": "vllm", "tp": 2, "replicas": 2}

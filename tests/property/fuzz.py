@@ -66,7 +66,7 @@ def base_plans(folder: str) -> dict[str, str]:
         TargetConfig,
     )
     from schemas.plan import write_plan
-    from tests.planner.synthetic import fused_col_split, row_split
+    from tests.support.synthetic import fused_col_split, row_split
 
     spec = spec_from_hf(HF)
     cluster = ClusterConfig(gpus_per_host=8, nics_per_host=2)

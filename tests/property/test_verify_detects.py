@@ -18,8 +18,8 @@ from planner.compiler import compile_layouts
 from planner.spec import spec_from_hf
 from schemas.config import ClusterConfig, Config, ModelConfig, Options, SourceConfig, TargetConfig
 from schemas.plan import ACK, DONE, PACK, STAGING, Plan, RankPlan, Table
-from tests.planner.synthetic import fused_col_split
-from tests.planner.test_compile_synthetic import HF
+from tests.support.synthetic import SMALL_HF as HF
+from tests.support.synthetic import fused_col_split
 
 
 @pytest.fixture(scope="module")

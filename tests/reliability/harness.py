@@ -16,18 +16,12 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from tests.support.procs import free_port
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "fault_worker.py")
 STRAY = os.path.join(HERE, "stray.py")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class World:

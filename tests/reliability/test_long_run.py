@@ -4,18 +4,13 @@ fails, nothing registers twice, descriptors and RSS stay flat."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
 pytest.importorskip("nixl")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
-                                "bench"))
 
 
 def test_fifty_steps_bit_exact_and_flat():
-    from long_run import long_run
+    from bench.long_run import long_run
 
     rep = long_run(steps=50, check_every=10)
     assert rep["steps_done"] == 50 and not rep["failures"], rep["failures"]

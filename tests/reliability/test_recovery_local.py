@@ -4,21 +4,17 @@ messages meant for a dead process, re-import of a restarted peer, step resync, A
 from __future__ import annotations
 
 import itertools
-import os
-import sys
 import threading
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "executor"))
-from exec_plans import DONE, READY, rank_plan, region  # noqa: E402
-
-from executor import Executor, PeerTimeoutError  # noqa: E402
-from executor import signals as sg  # noqa: E402
-from executor.auth import keys_from  # noqa: E402
-from executor.transports.local import Fabric  # noqa: E402
-from schemas.header import PlanHeader  # noqa: E402
+from executor import Executor, PeerTimeoutError
+from executor import signals as sg
+from executor.auth import keys_from
+from executor.transports.local import Fabric
+from schemas.header import PlanHeader
+from tests.support.plans import DONE, READY, rank_plan, region
 
 TAG = sg.fingerprint_tag("fp")
 HEADER = PlanHeader(fingerprint="fp", world=2)

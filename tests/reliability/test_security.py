@@ -55,10 +55,7 @@ def test_no_pickle_family_loading_in_the_packages():
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> Path:
-    import sys
-
-    sys.path.insert(0, str(ROOT / "tests" / "executor"))
-    from exec_plans import save, two_by_two
+    from tests.support.plans import save, two_by_two
 
     path = tmp_path_factory.mktemp("sec") / "good.rplan"
     save(str(path), two_by_two())

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 pytest.importorskip("nixl")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("config,tls,steps", [

@@ -37,7 +37,7 @@ from schemas.plan import (
 from schemas.protocol import FP8_BLOCK, carries, copy_footprint, scale_blocks
 from tests.property import fuzz
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

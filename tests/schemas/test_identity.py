@@ -19,7 +19,7 @@ from schemas.identity import (
     find_rank,
 )
 from schemas.plan import read_header, write_plan
-from tests.layouts.models import qwen3
+from tests.support.models import qwen3
 
 MEGA = {"framework": "megatron", "tp": 0, "pp": 0, "vpp": 1, "dp": 0, "ep": 0, "etp": 0,
         "edp": 0}
@@ -109,7 +109,7 @@ def test_swapped_megatron_tp_ranks_are_refused_before_registration(tmp_path):
 
 def test_plan_without_identities_refuses_a_given_identity(tmp_path):
     from planner.compiler import compile_layouts
-    from tests.planner.synthetic import fused_col_split, row_split
+    from tests.support.synthetic import fused_col_split, row_split
 
     spec = spec_from_hf(qwen3())
     cfg = config_from_dict({"model": {"config": "x"}, "source": {"framework": "fsdp2",

@@ -1,24 +1,22 @@
-"""Hand-built plans for the executor tests (no compiler needed).
+"""Hand-built plans (no compiler needed) for the executor, the simulator and the verifier.
 
-`rank_plan` turns plain lists into a `RankPlan`: writes get one batch per stage, copies
-take keyword defaults. `two_by_two` is the shared 2 sources -> 2 targets example.
+- `rank_plan` turns plain lists into a `RankPlan`: writes get one batch per stage, copies
+  take keyword defaults, signals are given by hand (to build wrong ones on purpose too);
+  `two_by_two` is the shared 2 sources -> 2 targets example.
+- `plan_of` builds a whole plan from per-rank batches and copies, its signals derived by
+  the compiler's own rule (`planner.passes.schedule.signal_rows`); `src` and `tgt` are its
+  rank rows.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import sys
-
 import numpy as np
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, ROOT)
-
-from schemas.header import PlanHeader  # noqa: E402
-from schemas.plan import (  # noqa: E402
+from planner.passes.schedule import signal_rows
+from schemas.config import ClusterConfig, Options
+from schemas.header import PlanHeader, RankRow
+from schemas.plan import (
     ACK,
     BATCH_COLUMNS,
     COPY_COLUMNS,
@@ -157,7 +155,83 @@ def two_by_two_expected(seed: int) -> dict[int, dict[str, torch.Tensor]]:
     return {2: {"w": W[:, 0:4], "bt": B[:, 1:5].t().to(torch.bfloat16)}, 3: {"w": W[:, 4:8]}}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# ----------------------------------------------------------------- plans for the simulator
+#
+# Units: a 400 Gb/s NIC moves 50 GB/s, so 1 GB takes 20 ms; NVLink at 3600 Gb/s moves
+# 450 GB/s.
+
+GB = 10**9
+NIC_BPS = 50e9
+NV_BPS = 450e9
+
+
+def plan_of(ranks: list[dict], nics_per_host: int = 8, overhead_us: float = 0.0,
+            pack_us: float = 0.0, acks: bool = False) -> Plan:
+    """A plan from rank dicts (`src`, `tgt`): role, host, gpu, batches [(stage, chan, dst,
+    bytes, writes)], copies [(kind, stage, bytes)]. Signals as the compiler derives them:
+    READY per pair, DONE per pair and stage with writes, and (with `acks`: every write
+    lands in the target's staging) ACK for every such stage >= 1."""
+    g_per_nic = 8 // nics_per_host
+    names = [f"h{r['host']}/nic{r['gpu'] // g_per_nic}" for r in ranks]
+    stages = 1 + max([b[0] for r in ranks for b in r.get("batches", ())] +
+                     [c[1] for r in ranks for c in r.get("copies", ())], default=0)
+    rows = np.array([(s, b[2], b[0]) for s, r in enumerate(ranks)
+                     for b in r.get("batches", ())], dtype=np.int64).reshape(-1, 3)
+    sent, awaited = signal_rows(rows[:, 0], rows[:, 1], rows[:, 2],
+                                np.full(len(rows), acks, dtype=bool))
+    out = [RankPlan(rank=i, role=r["role"], host=r["host"], gpu=r["gpu"],
+                    nics=(names[i], "nvlink"), regions=(), writes=_writes(r),
+                    batches=_batches(r), copies=_copies(r), signals=_signal_table(sent, i),
+                    waits=_signal_table(awaited, i), peer_regions=(), stages=stages)
+           for i, r in enumerate(ranks)]
+    header = PlanHeader(
+        options=Options(write_overhead_us=overhead_us, pack_gbps=2000.0,
+                        pack_overhead_us=pack_us),
+        cluster=ClusterConfig(nic_gbps=400.0, nvlink_gbps=3600.0), nvlink_gbps=3600.0,
+        ranks=tuple(RankRow(r["role"], r["host"], r["gpu"], names[i])
+                    for i, r in enumerate(ranks)))
+    return Plan(header=header, ranks=tuple(out))
+
+
+def _writes(r: dict) -> Table:
+    w: dict[str, list[int]] = {k: [] for k, _ in WRITE_COLUMNS}
+    for _, _, dst, nbytes, n in r.get("batches", ()):
+        for _ in range(n):
+            for k, v in (("dst_rank", dst), ("src_region", 0), ("src_offset", 0),
+                         ("dst_region", 0), ("dst_offset", 0), ("nbytes", nbytes // n)):
+                w[k].append(v)
+    return Table.build(WRITE_COLUMNS, **w)
+
+
+def _batches(r: dict) -> Table:
+    b: dict[str, list[int]] = {k: [] for k, _ in BATCH_COLUMNS}
+    start = 0
+    for stage, chan, _, _, n in r.get("batches", ()):
+        for k, v in (("stage", stage), ("nic", chan), ("start", start), ("stop", start + n)):
+            b[k].append(v)
+        start += n
+    return Table.build(BATCH_COLUMNS, **b)
+
+
+def _copies(r: dict) -> Table:
+    c: dict[str, list[int]] = {k: [] for k, _ in COPY_COLUMNS}
+    for kind, stage, nbytes in r.get("copies", ()):
+        row = dict.fromkeys(c, 0)
+        row.update(kind=kind, stage=stage, src_dtype=1, dst_dtype=1, size0=nbytes // 2,
+                   size1=1, size2=1)
+        for k in c:
+            c[k].append(row[k])
+    return Table.build(COPY_COLUMNS, **c)
+
+
+def _signal_table(rows: np.ndarray, rank: int) -> Table:
+    mine = rows[rows[:, 0] == rank]
+    return Table.build(SIGNAL_COLUMNS, stage=mine[:, 1], peer=mine[:, 2], kind=mine[:, 3])
+
+
+def src(host: int, gpu: int, *batches: tuple, copies: tuple = ()) -> dict:
+    return {"role": "source", "host": host, "gpu": gpu, "batches": batches, "copies": copies}
+
+
+def tgt(host: int, gpu: int, copies: tuple = ()) -> dict:
+    return {"role": "target", "host": host, "gpu": gpu, "copies": copies}

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from planner.layouts import fsdp2
 from planner.spec import spec_from_hf
 from schemas.config import ConfigError, SourceConfig
-from tests.layouts.coverage import coverage
-from tests.layouts.models import deepseek_v3, qwen3, qwen3_moe, tiny_specs
+from tests.support.coverage import coverage
+from tests.support.models import deepseek_v3, qwen3, qwen3_moe, tiny_specs
 
 
 def cfg(**kw: object) -> SourceConfig:

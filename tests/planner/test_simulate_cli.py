@@ -13,7 +13,7 @@ from planner.compiler import compile_layouts
 from planner.spec import spec_from_hf
 from schemas.config import ClusterConfig, Config, ModelConfig, Options, SourceConfig, TargetConfig
 from schemas.plan import write_plan
-from tests.planner.synthetic import fused_col_split, row_split
+from tests.support.synthetic import fused_col_split, row_split
 
 HF = dict(model_type="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
           head_dim=16, intermediate_size=96, vocab_size=101, num_hidden_layers=2,

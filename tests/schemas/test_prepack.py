@@ -26,7 +26,7 @@ from schemas.plan import (
     Table,
 )
 from schemas.protocol import overlaps, prepacked
-from tests.test_simulate import GB, NIC_BPS, _plan, src, tgt
+from tests.support.plans import GB, NIC_BPS, plan_of, src, tgt
 
 MB = 1 << 20
 
@@ -139,7 +139,7 @@ def test_simulated_early_packs_hide_behind_the_writes():
     # In order: P | W | P | W = 24 ms. Stage 1 packed early (other half of staging):
     # P | W W = 22 ms: its packs ran during stage 0's writes.
     half = GB // 2
-    base = _plan([src(0, 0, (0, 0, 1, half, 1), (1, 0, 1, half, 1)), tgt(1, 0)],
+    base = plan_of([src(0, 0, (0, 0, 1, half, 1), (1, 0, 1, half, 1)), tgt(1, 0)],
                  pack_us=10.0)
     p, w = half / 250e9 + 10e-6, half / NIC_BPS
     in_order = simulate(_with_staging(base, 0, [(0, 0, half), (1, 0, half)]))
@@ -160,8 +160,9 @@ def test_compiled_plans_pack_early_and_verify():
     no peer write landing in early-packed bytes)."""
     from planner.compiler import compile_layouts
     from planner.spec import spec_from_hf
-    from tests.planner.synthetic import fused_col_split, row_split
-    from tests.planner.test_compile_synthetic import HF, _config
+    from tests.support.synthetic import SMALL_HF as HF
+    from tests.support.synthetic import fused_col_split, row_split
+    from tests.support.synthetic import small_config as _config
 
     spec = spec_from_hf(HF)
     plan = compile_layouts(_config(staging_bytes=8192, max_write_bytes=4096), spec,

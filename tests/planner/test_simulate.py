@@ -12,101 +12,15 @@ import dataclasses
 import pytest
 
 from planner.simulate import NIC_WRITE_S, NVLINK_WRITE_S, simulate
-from schemas.config import ClusterConfig, Options
-from schemas.header import PlanHeader, RankRow
-from schemas.plan import (
-    ACK,
-    BATCH_COLUMNS,
-    COPY_COLUMNS,
-    DONE,
-    PACK,
-    READY,
-    SIGNAL_COLUMNS,
-    UNPACK,
-    WRITE_COLUMNS,
-    Plan,
-    RankPlan,
-    Table,
-)
-from schemas.protocol import sent_stage
-
-GB = 10**9
-NIC_BPS = 50e9
-NV_BPS = 450e9
-
-
-def _plan(ranks: list[dict], nics_per_host: int = 8, overhead_us: float = 0.0,
-          pack_us: float = 0.0, acks: bool = False) -> Plan:
-    """A plan from rank dicts: role, host, gpu, batches [(stage, chan, dst, bytes, writes)],
-    copies [(kind, stage, bytes)]. READY per pair, DONE per pair and stage with writes,
-    and (with `acks`) ACK for every such stage >= 1, as the compiler signals them."""
-    g_per_nic = 8 // nics_per_host
-    names = [f"h{r['host']}/nic{r['gpu'] // g_per_nic}" for r in ranks]
-    stages = 1 + max([b[0] for r in ranks for b in r.get("batches", ())] +
-                     [c[1] for r in ranks for c in r.get("copies", ())], default=0)
-    sig: list[list[tuple[int, int, int]]] = [[] for _ in ranks]
-    wait: list[list[tuple[int, int, int]]] = [[] for _ in ranks]
-    for s, r in enumerate(ranks):
-        for d in sorted({b[2] for b in r.get("batches", ())}):
-            sig[d].append((0, s, READY))
-            wait[s].append((0, d, READY))
-        for st, d in sorted({(b[0], b[2]) for b in r.get("batches", ())}):
-            sig[s].append((st, d, DONE))
-            wait[d].append((st, s, DONE))
-            if acks and st >= 1:
-                sig[d].append((sent_stage(ACK, st), s, ACK))
-                wait[s].append((st, d, ACK))
-    out = []
-    for i, r in enumerate(ranks):
-        w = {k: [] for k, _ in WRITE_COLUMNS}
-        b = {k: [] for k, _ in BATCH_COLUMNS}
-        for stage, chan, dst, nbytes, n in r.get("batches", ()):
-            b["stage"].append(stage)
-            b["nic"].append(chan)
-            b["start"].append(len(w["nbytes"]))
-            for _ in range(n):
-                for k, v in (("dst_rank", dst), ("src_region", 0), ("src_offset", 0),
-                             ("dst_region", 0), ("dst_offset", 0), ("nbytes", nbytes // n)):
-                    w[k].append(v)
-            b["stop"].append(len(w["nbytes"]))
-        c = {k: [] for k, _ in COPY_COLUMNS}
-        for kind, stage, nbytes in r.get("copies", ()):
-            row = dict.fromkeys(c, 0)
-            row.update(kind=kind, stage=stage, src_dtype=1, dst_dtype=1, size0=nbytes // 2,
-                       size1=1, size2=1)
-            for k in c:
-                c[k].append(row[k])
-        out.append(RankPlan(
-            rank=i, role=r["role"], host=r["host"], gpu=r["gpu"], nics=(names[i], "nvlink"),
-            regions=(), writes=Table.build(WRITE_COLUMNS, **w),
-            batches=Table.build(BATCH_COLUMNS, **b), copies=Table.build(COPY_COLUMNS, **c),
-            signals=Table.build(SIGNAL_COLUMNS, **dict(zip(("stage", "peer", "kind"),
-                                                           zip(*sig[i]) if sig[i] else ([],) * 3))),
-            waits=Table.build(SIGNAL_COLUMNS, **dict(zip(("stage", "peer", "kind"),
-                                                         zip(*wait[i]) if wait[i] else ([],) * 3))),
-            peer_regions=(), stages=stages))
-    header = PlanHeader(
-        options=Options(write_overhead_us=overhead_us, pack_gbps=2000.0,
-                        pack_overhead_us=pack_us),
-        cluster=ClusterConfig(nic_gbps=400.0, nvlink_gbps=3600.0), nvlink_gbps=3600.0,
-        ranks=tuple(RankRow(r["role"], r["host"], r["gpu"], names[i])
-                    for i, r in enumerate(ranks)))
-    return Plan(header=header, ranks=tuple(out))
-
-
-def src(host: int, gpu: int, *batches: tuple, copies: tuple = ()) -> dict:
-    return {"role": "source", "host": host, "gpu": gpu, "batches": batches, "copies": copies}
-
-
-def tgt(host: int, gpu: int, copies: tuple = ()) -> dict:
-    return {"role": "target", "host": host, "gpu": gpu, "copies": copies}
+from schemas.plan import DONE, PACK, READY, SIGNAL_COLUMNS, UNPACK, Plan, RankPlan, Table
+from tests.support.plans import GB, NIC_BPS, NV_BPS, plan_of, src, tgt
 
 
 def test_one_gigabyte_over_one_nic():
     # source h0/gpu0 -> target h1/gpu0: 1 GB at 50 GB/s = 20 ms; one batch: 2 us of
     # latency and 16 writes x 10 ns of NIC work; READY and DONE each arrive 2 us after
     # they are sent.
-    plan = _plan([src(0, 0, (0, 0, 1, GB, 16)), tgt(1, 0)], overhead_us=2.0)
+    plan = plan_of([src(0, 0, (0, 0, 1, GB, 16)), tgt(1, 0)], overhead_us=2.0)
     res = simulate(plan)
     assert res["floor_s"] == pytest.approx(0.02)
     assert res["estimated_s"] == pytest.approx(2e-6 + 0.02 + 2e-6 + 16 * NIC_WRITE_S + 2e-6)
@@ -119,7 +33,7 @@ def test_two_sources_share_the_target_ingress():
     # Unequal halves (0.25 + 0.75 GB): 25 GB/s each until the small one ends at 10 ms, then
     # the big one alone at 50 GB/s for its last 0.5 GB: also 20 ms in all (max-min fair).
     for a, b in ((GB // 2, GB // 2), (GB // 4, 3 * GB // 4)):
-        plan = _plan([src(0, 0, (0, 0, 2, a, 1)), src(1, 0, (0, 0, 2, b, 1)), tgt(2, 0)])
+        plan = plan_of([src(0, 0, (0, 0, 2, a, 1)), src(1, 0, (0, 0, 2, b, 1)), tgt(2, 0)])
         res = simulate(plan)
         assert res["floor_s"] == pytest.approx(0.02)
         assert res["estimated_s"] == pytest.approx(0.02)
@@ -131,7 +45,7 @@ def test_two_sources_share_the_target_ingress():
 def test_gpus_behind_one_nic_share_its_egress():
     # 4 NICs per host: GPUs 0 and 1 share h0/nic0; they send 0.5 GB each to two targets on
     # different NICs of h1: the shared egress carries 1 GB: 20 ms.
-    plan = _plan([src(0, 0, (0, 0, 2, GB // 2, 1)), src(0, 1, (0, 0, 3, GB // 2, 1)),
+    plan = plan_of([src(0, 0, (0, 0, 2, GB // 2, 1)), src(0, 1, (0, 0, 3, GB // 2, 1)),
                   tgt(1, 0), tgt(1, 2)], nics_per_host=4)
     res = simulate(plan)
     assert res["floor_s"] == pytest.approx(0.02)
@@ -142,7 +56,7 @@ def test_same_host_writes_go_over_nvlink_alongside_the_nic():
     # 1 GB to a target on the same host over NVLink (450 GB/s: 2.22 ms, plus 3.4 us for its
     # one peer copy) while 1 GB goes to another host over the NIC (20 ms): the two channels
     # run at once, the NIC dominates.
-    plan = _plan([src(0, 0, (0, 1, 1, GB, 1), (0, 0, 2, GB, 1)), tgt(0, 4), tgt(1, 0)])
+    plan = plan_of([src(0, 0, (0, 1, 1, GB, 1), (0, 0, 2, GB, 1)), tgt(0, 4), tgt(1, 0)])
     res = simulate(plan)
     assert res["estimated_s"] == pytest.approx(0.02, abs=1e-7)
     tl = res["timeline"]
@@ -150,7 +64,7 @@ def test_same_host_writes_go_over_nvlink_alongside_the_nic():
     assert tl["end"][nv][0] == pytest.approx(GB / NV_BPS + NVLINK_WRITE_S)
     assert res["nvlink_bytes"] == GB
     # NVLink alone: its own floor.
-    res = simulate(_plan([src(0, 0, (0, 1, 1, GB, 1)), tgt(0, 4)]))
+    res = simulate(plan_of([src(0, 0, (0, 1, 1, GB, 1)), tgt(0, 4)]))
     assert res["floor_s"] == pytest.approx(GB / NV_BPS)
     assert res["estimated_s"] == pytest.approx(GB / NV_BPS + NVLINK_WRITE_S)
     assert res["bottleneck"] == "rank 0 NVLink out"
@@ -162,7 +76,7 @@ def test_staged_plan_packs_writes_unpacks_and_acks():
     #   stage 0: READY 2 us | pack P | write W | DONE +2us | target unpacks U | ACK +2us
     #   stage 1: pack P | write W | DONE +2us | unpack U  (the end)
     lat, p, w = 2e-6, GB / 250e9 + 10e-6, GB / NIC_BPS
-    plan = _plan([src(0, 0, (0, 0, 1, GB, 1), (1, 0, 1, GB, 1),
+    plan = plan_of([src(0, 0, (0, 0, 1, GB, 1), (1, 0, 1, GB, 1),
                       copies=((PACK, 0, GB), (PACK, 1, GB))),
                   tgt(1, 0, copies=((UNPACK, 0, GB), (UNPACK, 1, GB)))],
                  overhead_us=0.0, pack_us=10.0, acks=True)
@@ -177,7 +91,7 @@ def test_staged_plan_packs_writes_unpacks_and_acks():
 
 
 def test_a_wait_nobody_signals_is_an_error():
-    plan = _plan([src(0, 0, (0, 0, 1, GB, 1)), tgt(1, 0)])
+    plan = plan_of([src(0, 0, (0, 0, 1, GB, 1)), tgt(1, 0)])
     rp = plan.ranks[1]
     bad = RankPlan(**{**{f: getattr(rp, f) for f in RankPlan.__slots__},
                       "waits": Table.build(SIGNAL_COLUMNS, stage=[0, 0], peer=[0, 0],
@@ -216,7 +130,7 @@ def test_compiled_plans_never_beat_the_floor(opts, placement):
         SourceConfig,
         TargetConfig,
     )
-    from tests.planner.synthetic import fused_col_split, row_split
+    from tests.support.synthetic import fused_col_split, row_split
 
     hf = dict(model_type="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, intermediate_size=96, vocab_size=101, num_hidden_layers=2,
@@ -245,7 +159,7 @@ def test_batches_in_flight_overlap_targets():
     # T1. One batch at a time: A and B share T1's ingress (25 GB/s each, 40 ms), then A
     # sends to T2 alone (20 ms): 60 ms. Two in flight: A's egress carries 2 GB at 50 GB/s
     # and every flow gets 25 GB/s: all end at 40 ms, the floor (A's egress).
-    plan = _plan([src(0, 0, (0, 0, 2, GB, 1), (0, 0, 3, GB, 1)), src(1, 0, (0, 0, 2, GB, 1)),
+    plan = plan_of([src(0, 0, (0, 0, 2, GB, 1), (0, 0, 3, GB, 1)), src(1, 0, (0, 0, 2, GB, 1)),
                   tgt(2, 0), tgt(3, 0)])
     assert simulate(plan, inflight=1)["estimated_s"] == pytest.approx(0.06)
     res = simulate(plan, inflight=2)
@@ -260,7 +174,7 @@ def test_in_order_reaping_holds_the_window_behind_a_slow_head():
     # order (the executor's window now, the default): C starts at 4 ms beside A (25 GB/s
     # each), has 0.1 GB left when A ends at 40 ms: 42 ms = the floor (X's egress carries
     # 2.1 GB).
-    plan = _plan([src(0, 0, (0, 0, 2, GB, 1), (0, 0, 3, GB // 10, 1), (0, 0, 4, GB, 1)),
+    plan = plan_of([src(0, 0, (0, 0, 2, GB, 1), (0, 0, 3, GB // 10, 1), (0, 0, 4, GB, 1)),
                   src(1, 0, (0, 0, 2, GB, 1)), tgt(2, 0), tgt(3, 0), tgt(4, 0)])
     assert simulate(plan, inflight=2, in_order=True)["estimated_s"] == pytest.approx(0.06)
     res = simulate(plan, inflight=2)

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
 from planner.spec import ModelSpec
+from schemas.config import ClusterConfig, Config, ModelConfig, Options, SourceConfig, TargetConfig
+
+# A small Qwen3 (hidden 64, 4 heads of 16, 2 KV heads) from 3 FSDP2 ranks into 2 vLLM TP
+# ranks x 2 replicas, colocated on hosts of 4 GPUs: the compiler tests' standard case.
 
 
 def row_split(spec: ModelSpec, world: int, dtype: str = "bfloat16") -> Layout:
@@ -63,3 +67,53 @@ def fused_col_split(spec: ModelSpec, tp: int, replicas: int = 1,
                 tensors.append(PhysicalTensor(name, (rows, cols), tdtype, tuple(pieces)))
             ranks.append(RankLayout(rep * tp + r, rep, tuple(tensors)))
     return Layout("target", "synthetic-cols", tuple(ranks), replicas)
+
+
+SMALL_HF = dict(model_type="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+          head_dim=16, intermediate_size=96, vocab_size=101, num_hidden_layers=2,
+          tie_word_embeddings=False)
+
+
+def small_config(**opts) -> Config:
+    return Config(model=ModelConfig("unused"), source=SourceConfig("fsdp2", dp=3),
+                  target=TargetConfig("vllm", tp=2, replicas=2),
+                  cluster=ClusterConfig(gpus_per_host=4, nics_per_host=2,
+                                        placement="colocated", source_gpus_per_host=2),
+                  options=Options(**opts))
+
+
+# Block-FP8 targets: hidden 256, 2 heads of 128 (1 KV head), intermediate 512, so a 2-way
+# column split of the target keeps every shard on the 128-grid.
+FP8_HF = dict(model_type="qwen3", hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
+          head_dim=128, intermediate_size=512, vocab_size=101, num_hidden_layers=2,
+          tie_word_embeddings=False)
+
+
+def fp8_config(**opts) -> Config:
+    return Config(model=ModelConfig("unused"), source=SourceConfig("fsdp2", dp=3),
+                  target=TargetConfig("vllm", tp=2, replicas=2, dtype="fp8_block128"),
+                  cluster=ClusterConfig(gpus_per_host=8, nics_per_host=2),
+                  options=Options(**opts))
+
+
+# A one-layer llama with 8x8 weights (128 bytes each in bf16) and 8-element norms (16 bytes).
+TINY = dict(model_type="llama", hidden_size=8, num_attention_heads=1, num_key_value_heads=1,
+            head_dim=8, intermediate_size=8, vocab_size=8, num_hidden_layers=1,
+            tie_word_embeddings=True)
+
+
+def whole_tensors(spec: ModelSpec, side: str, dtype: str, world: int = 1) -> Layout:
+    """Every rank holds every logical tensor whole, under its checkpoint name."""
+    tensors = tuple(PhysicalTensor(t.name, t.shape, dtype, (
+        Piece(t.name, (0,) * len(t.shape), t.shape, (0,) * len(t.shape)),))
+        for t in spec.tensors)
+    return Layout(side, "hand", tuple(RankLayout(r, r, tensors) for r in range(world)),
+                  world)  # type: ignore[arg-type]
+
+
+def tiny_config(**opts: int) -> Config:
+    """1 fp32 FSDP2 rank -> 1 vLLM rank on a host of 1 GPU (options: `opts`)."""
+    return Config(model=ModelConfig("hand"), source=SourceConfig("fsdp2", dtype="float32"),
+                  target=TargetConfig("vllm"),
+                  cluster=ClusterConfig(gpus_per_host=1, nics_per_host=1),
+                  options=Options(**opts))

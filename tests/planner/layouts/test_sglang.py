@@ -13,8 +13,8 @@ from planner.layouts import sglang
 from planner.layouts.base import Piece
 from planner.spec import ModelSpec, spec_from_hf
 from schemas.config import ConfigError, TargetConfig
-from tests.layouts.models import deepseek_v3, qwen3, qwen3_moe, tiny_specs
-from tests.layouts.targets import TP_SPLIT, check_coverage, check_replicas, names, tensor
+from tests.support.models import deepseek_v3, qwen3, qwen3_moe, tiny_specs
+from tests.support.targets import TP_SPLIT, check_coverage, check_replicas, names, tensor
 
 
 def target(**kw: object) -> TargetConfig:

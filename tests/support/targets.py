@@ -24,7 +24,7 @@ import numpy as np
 
 from planner.layouts.base import Layout, PhysicalTensor
 from planner.spec import ModelSpec
-from tests.layouts.coverage import coverage
+from tests.support.coverage import coverage
 
 TP_SPLIT = ("q_proj.", "o_proj.", "q_b_proj.", "kv_b_proj.", "gate_proj.", "up_proj.",
             "down_proj.", "embed_tokens.", "lm_head.")

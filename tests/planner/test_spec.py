@@ -22,7 +22,7 @@ import pytest
 from planner.cli import main
 from planner.spec import ModelSpec, load_spec, spec_from_hf
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODELS = sorted(p.parent.name for p in (ROOT / "plans" / "models").glob("*/config.json"))
 
 # Published parameter counts (HF model, MTP excluded, tied embeddings counted once).

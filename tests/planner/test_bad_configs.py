@@ -26,7 +26,7 @@ from planner.cli import main
 from planner.topology import build_topology
 from planner.validate import load
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CASES = ROOT / "tests" / "bad_configs"
 
 # case -> substrings of its one-line error (key, value, fix).

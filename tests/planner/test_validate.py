@@ -20,7 +20,7 @@ from schemas.config import (
     config_from_dict,
 )
 
-MODELS = Path(__file__).resolve().parent.parent / "plans" / "models"
+MODELS = Path(__file__).resolve().parents[2] / "plans" / "models"
 
 
 def _check(model: str, source: dict, target: dict, cluster: dict | None = None) -> int:

@@ -1,0 +1,122 @@
+"""A worker's world: process groups, barriers, timed steps that fail together."""
+
+from __future__ import annotations
+
+import statistics
+import traceback
+from datetime import timedelta
+
+from bench.gpu_refit.setup import Setup, now
+
+
+def _stats(times: list[float]) -> dict:
+    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return {"median": statistics.median(times), "min": min(times), "max": max(times),
+            "q1": q[0], "q3": q[2], "n": len(times), "all": times}
+
+
+class StepError(RuntimeError):
+    """A step failed on some rank; every rank raises it after the same barriers."""
+
+
+class Ctx:
+    def __init__(self, args, rank: int, setup: Setup) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.args, self.rank, self.dist, self.torch = args, rank, dist, torch
+        self.setup = setup
+        self.gpu = not args.cpu_dry_run
+        if self.gpu:
+            torch.cuda.set_device(rank)
+            self.device = torch.device("cuda", rank)
+        else:
+            self.device = torch.device("cpu")
+        self.store = dist.TCPStore("127.0.0.1", args.port, setup.world, is_master=rank == 0,
+                                   timeout=timedelta(seconds=120))
+        limit = timedelta(seconds=max(180.0, 3 * args.exec_timeout))
+        dist.init_process_group("nccl" if self.gpu else "gloo", store=self.store, rank=rank,
+                                world_size=setup.world, timeout=limit)
+        self.cpu_group = (dist.new_group(backend="gloo", timeout=limit) if self.gpu
+                          else dist.group.WORLD)
+        self.trainers = dist.new_group(list(setup.trainers), timeout=limit)
+        self.bcast = dist.new_group([0, *setup.targets], timeout=limit)
+        self.runs = 0
+
+    def sync(self) -> None:
+        if self.gpu:
+            self.torch.cuda.synchronize()
+
+    def barrier(self) -> None:
+        self.sync()
+        self.dist.barrier(group=self.cpu_group)
+
+    def gather(self, obj):
+        out = [None] * self.setup.world
+        self.dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
+    def timed(self, step, warmup: int, steps: int) -> dict:
+        """Warm-up, then timed steps. A rank whose step raises stops stepping but keeps
+        meeting the barriers (its peers time out and do the same), so every rank leaves
+        together; then the first error is raised on every rank."""
+        error = None
+
+        def one() -> None:
+            nonlocal error
+            if error is None:
+                try:
+                    step()
+                    self.sync()
+                except Exception as e:
+                    traceback.print_exc()
+                    error = f"rank {self.rank}: {type(e).__name__}: {e}"
+
+        for _ in range(warmup):
+            self.barrier()
+            one()
+        starts, ends = [], []
+        for _ in range(steps):
+            self.barrier()
+            t0 = now()
+            one()
+            starts.append(t0)
+            ends.append(now())
+        self.barrier()
+        allr = self.gather((starts, ends, error))
+        errors = sorted((e[2] for e in allr if e[2]), key=lambda e: "Timeout" in e)
+        if errors:
+            raise StepError(errors[0])
+        times = [max(e[1][i] for e in allr) - min(e[0][i] for e in allr) for i in range(steps)]
+        return _stats(times)
+
+    def profile(self, step, label: str, steps: int = 3) -> None:
+        """Profile `steps` steps on ranks 0 and 2; print the top ops."""
+        if not self.args.profile or not self.gpu:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        on = self.rank in (0, self.setup.targets[0])
+        self.barrier()
+        if on:
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
+        failed = False
+        for _ in range(steps):
+            self.barrier()
+            if not failed:
+                try:
+                    step()
+                    self.sync()
+                except Exception:
+                    traceback.print_exc()
+                    failed = True
+        if on:
+            prof.__exit__(None, None, None)
+            table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14,
+                                              max_name_column_width=60)
+            cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10,
+                                            max_name_column_width=60)
+            print(f"\n=== profile {label} rank {self.rank} ({steps} steps) ===\n{table}\n"
+                  f"{cpu}", flush=True)
+        self.barrier()

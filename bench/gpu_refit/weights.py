@@ -1,0 +1,96 @@
+"""Deterministic weights: generated on the device piece by piece, checked bit-exactly."""
+
+from __future__ import annotations
+
+import hashlib
+
+
+def tensor_key(name: str, seed: int) -> int:
+    h = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=4).digest()
+    return int.from_bytes(h, "little") & 0x7FFFFFFF
+
+
+def logical_values(shape, offsets, sizes, key: int, device, dtype):
+    """The values of box (`offsets`, `sizes`) of a logical tensor of `shape`: a hash of the
+    element's linear index, as exact bf16 numbers in [2^-9, 2^-1) with random signs."""
+    import torch
+
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    idx = torch.zeros((1,) * len(sizes), dtype=torch.int64, device=device)
+    for d, (o, s) in enumerate(zip(offsets, sizes)):
+        view = [1] * len(sizes)
+        view[d] = s
+        ar = (torch.arange(o, o + s, dtype=torch.int64, device=device) * strides[d])
+        idx = idx + ar.view(view)
+    x = (idx * 2654435761 + key) & 0xFFFFFFFF
+    del idx
+    x ^= x >> 15
+    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
+    x ^= x >> 12
+    x = (x * 0x297A2D39) & 0xFFFFFFFF
+    x ^= x >> 15
+    bits = (x & 0x807F) | ((118 + ((x >> 7) & 7)) << 7)
+    del x
+    bits = bits - ((bits & 0x8000) << 1)
+    return bits.to(torch.int16).view(torch.bfloat16).to(dtype)
+
+
+def fill_pieces(t, pt, spec, seed: int, chunk_elems: int = 1 << 27) -> None:
+    """Write the logical values of every piece of physical tensor `pt` into `t`."""
+    from planner.materialize import piece_view
+
+    by = spec.by_name
+    for piece in pt.pieces:
+        view = piece_view(t, piece)
+        shape = by[piece.tensor].shape
+        key = tensor_key(piece.tensor, seed)
+        rows = piece.sizes[0] if piece.sizes else 1
+        per_row = max(1, piece.numel // max(rows, 1))
+        step = max(1, chunk_elems // per_row)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            off = (piece.offsets[0] + r0, *piece.offsets[1:])
+            size = (r1 - r0, *piece.sizes[1:])
+            view.narrow(0, r0, r1 - r0).copy_(
+                logical_values(shape, off, size, key, t.device, t.dtype))
+
+
+def generate(tensors: dict, rank_layout, spec, seed: int) -> None:
+    for pt in rank_layout.tensors:
+        t = tensors[pt.name]
+        t.zero_()
+        fill_pieces(t, pt, spec, seed)
+
+
+def check_targets(tensors: dict, rank_layout, spec, seed: int) -> list[str]:
+    """Names of the tensors that differ (bit-exactly) from the reference."""
+    import torch
+
+    bad = []
+    for pt in rank_layout.tensors:
+        t = tensors[pt.name]
+        want = torch.zeros_like(t)
+        fill_pieces(want, pt, spec, seed)
+        if not torch.equal(t.view(torch.int16) if t.dtype == torch.bfloat16 else t,
+                           want.view(torch.int16) if t.dtype == torch.bfloat16 else want):
+            bad.append(pt.name)
+        del want
+    return bad
+
+
+def check_generator(spec, layout, local: int, seed: int) -> list[str]:
+    """Dry run: the generator agrees with `planner.materialize` from full logical tensors."""
+    import torch
+
+    from planner.materialize import DTYPES, materialize
+
+    full = {t.name: logical_values(t.shape, (0,) * len(t.shape), t.shape,
+                                   tensor_key(t.name, seed), "cpu", DTYPES[t.dtype])
+            for t in spec.tensors}
+    ref = materialize(layout, full, ranks=[local])[local]
+    mine = {pt.name: torch.empty(pt.shape, dtype=DTYPES[pt.dtype])
+            for pt in layout.ranks[local].tensors}
+    generate(mine, layout.ranks[local], spec, seed)
+    return [n for n in ref if not torch.equal(ref[n], mine[n])]

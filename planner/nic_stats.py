@@ -1,0 +1,85 @@
+"""NIC statistics of a plan: bytes per NIC and NVLink, the bandwidth floor, the egress bound.
+
+Writes between ranks of one host go over NVLink and load no NIC; every other write loads
+its source rank's NIC (egress) and its target rank's NIC (ingress). The floor is the
+busiest NIC direction (or GPU NVLink) at full bandwidth; the egress bound is what no
+assignment of source replicas could beat (see `egress_bound`), so `inspect` can tell a
+balance problem from a layout that cannot do better.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from planner.passes.intersect import Chunks, PieceTable, chunk_bytes
+from planner.passes.lower import Lowered
+from planner.topology import Topology
+
+
+def remote_egress(topo: Topology, low: Lowered) -> np.ndarray:
+    """Bytes each NIC sends to other hosts in the writes of `low`."""
+    host, nic = np.asarray(topo.host), np.asarray(topo.nic)
+    remote = host[low.w_src_rank] != host[low.w_dst_rank]
+    return np.bincount(nic[low.w_src_rank[remote]], weights=low.w_nbytes[remote],
+                       minlength=int(nic.max()) + 1)
+
+
+def nic_stats(topo: Topology, low: Lowered, bound: float) -> dict[str, Any]:
+    """`nics` (per NIC: name, host, gbps, bytes out and in), `nvlink_bytes`,
+    `remote_bytes`, `floor_s` and `egress_bound_max_over_mean` (`bound` over the mean
+    egress of the NICs that send)."""
+    src_rank, dst_rank = low.w_src_rank, low.w_dst_rank
+    nbytes = low.w_nbytes.astype(np.float64)
+    host, nic = np.asarray(topo.host), np.asarray(topo.nic)
+    remote = host[src_rank] != host[dst_rank]
+    n_nics = int(nic.max()) + 1
+    out_b = np.bincount(nic[src_rank[remote]], weights=nbytes[remote], minlength=n_nics)
+    in_b = np.bincount(nic[dst_rank[remote]], weights=nbytes[remote], minlength=n_nics)
+    nv = np.bincount(src_rank[~remote], weights=nbytes[~remote], minlength=topo.world)
+    nv_in = np.bincount(dst_rank[~remote], weights=nbytes[~remote], minlength=topo.world)
+    nics = [{"name": topo.nic_name(n), "host": n // topo.nics_per_host,
+             "gbps": topo.nic_gbps, "bytes_out": int(out_b[n]), "bytes_in": int(in_b[n])}
+            for n in sorted(set(topo.nic))]
+    nic_floor = max(max(out_b.max(), in_b.max()) * 8 / (topo.nic_gbps * 1e9), 0.0)
+    nv_floor = max(nv.max(), nv_in.max()) * 8 / (topo.nvlink_gbps * 1e9)
+    egress = [n["bytes_out"] for n in nics if n["bytes_out"]]
+    return {"nics": nics, "nvlink_bytes": int(nv.sum()),
+            "remote_bytes": int(nbytes[remote].sum()),
+            "floor_s": float(max(nic_floor, nv_floor)),
+            "egress_bound_max_over_mean": float(bound / (sum(egress) / len(egress)))
+            if egress else 1.0}
+
+
+def egress_bound(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology,
+                 owner_only: np.ndarray) -> float:
+    """A lower bound on the busiest source NIC that no assignment can beat: the bytes a
+    set S of source NICs alone can send must leave through S, so some NIC of S sends at
+    least bytes(S) / |S|, where bytes(S) counts what only S holds and what only one NIC of
+    S holds (taken over the candidate sets that occur). `chunks`: the direct path's chunks
+    of `dst`; `owner_only`: bytes per plan rank of gathered boxes only it can own."""
+    host, nic = np.asarray(topo.host), np.asarray(topo.nic)
+    own = np.bincount(nic[:topo.sources], weights=owner_only[:topo.sources]) \
+        if topo.sources else np.zeros(0)
+    bound = float(own.max()) if topo.sources else 0.0
+    ptr, holders = chunks.holder_ptr, chunks.holders
+    sets: dict[int, tuple[int, ...]] = {}
+    per_set: dict[tuple[int, ...], float] = {}
+    dst_host = host[dst.rank[chunks.dst]]
+    for sb, dh, b in zip(chunks.sbox.tolist(), dst_host.tolist(),
+                         chunk_bytes(chunks, dst).tolist()):
+        key = sets.get(sb)
+        if key is None:
+            ranks = src.rank[holders[ptr[sb]:ptr[sb + 1]]]
+            key = sets[sb] = tuple(sorted(set(nic[ranks].tolist()))) \
+                if not (host[ranks] == dh).any() else ()
+        if key:
+            per_set[key] = per_set.get(key, 0.0) + b
+    single = {k[0]: b for k, b in per_set.items() if len(k) == 1}
+    for n, b in enumerate(own.tolist()):
+        single[n] = single.get(n, 0.0) + b
+    for key, b in per_set.items():  # what only S holds, and what only one NIC of S holds
+        inner = sum(single.get(n, 0.0) for n in key) if len(key) > 1 else 0.0
+        bound = max(bound, (b + inner) / len(key))
+    return bound

@@ -1,0 +1,89 @@
+"""Pass 3b (`route`): which target pieces take the direct path, which the gather path.
+
+The direct path (`intersect` -> `assign` -> `lower`) writes every chunk of a target box
+from the source replica `assign` picks. Two kinds of target box take `gather` instead:
+- block-FP8 weights (`target.dtype: fp8_block128`, a weight whose `_scale_inv` is in the
+  spec): a 128x128 block is quantized by one rank that holds all of it; their scale pieces
+  are written by that gather too, so they take neither path on their own;
+- fine-cut boxes: a box cut into `c` source chunks and held by `h` target ranks takes
+  `c * h` writes directly and `c + h` gathered; it is gathered when the writes saved cost
+  more than one more hop of the box (FSDP2 row shards of a tensor every target rank
+  holds: 256 x 128 writes become 256 + 128), it lands as rows on both sides and the
+  owner's staging can hold it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.fp8 import FP8, SCALE_SUFFIX
+from planner.passes.intersect import PieceTable, element_size, intersect, take
+from planner.spec import ModelSpec
+from planner.topology import Topology
+from schemas.config import Options
+from schemas.plan import DTYPE_CODES
+
+
+@dataclass(frozen=True, slots=True)
+class Routes:
+    """The target pieces, split by the path each takes."""
+
+    targets: PieceTable
+    """Every target piece (plan ranks)."""
+    direct: PieceTable
+    """The target pieces written directly (rows of `targets`, in order)."""
+    gathered: np.ndarray
+    """Rows of `targets` gathered onto one source first (FP8 weights, fine-cut boxes)."""
+    scales: np.ndarray
+    """Rows of `targets` holding FP8 block scales (written by the gather of their weight)."""
+
+
+def route(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
+          topo: Topology) -> Routes:
+    """Split the target pieces `dst` into the direct and the gathered path."""
+    names = [t.name for t in spec.tensors]
+    fp8 = np.isin(dst.tensor, [i for i, n in enumerate(names)
+                               if spec.by_name.get(n + SCALE_SUFFIX)])
+    fp8 &= dst.dtype == DTYPE_CODES.index(FP8)
+    scales = np.isin(dst.tensor, [i for i, n in enumerate(names) if n.endswith(SCALE_SUFFIX)])
+    plain = np.nonzero(~fp8 & ~scales)[0]
+    fine = plain[fine_cut(spec, src, take(dst, plain), opts, topo)]
+    plain = np.setdiff1d(plain, fine)
+    gathered = np.sort(np.concatenate([np.nonzero(fp8)[0], fine]))
+    return Routes(targets=dst, direct=take(dst, plain), gathered=gathered,
+                  scales=np.nonzero(scales)[0])
+
+
+def fine_cut(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
+             topo: Topology) -> np.ndarray:
+    """Rows of `dst` whose box is worth gathering on one source first: a box cut into `c`
+    source chunks and held by `h` target ranks takes `c * h` writes directly and `c + h`
+    gathered; gather when the writes saved cost more than one more hop of the box."""
+    if len(dst) == 0:
+        return np.zeros(0, dtype=np.int64)
+    keys = np.stack([dst.tensor, dst.off0, dst.off1, dst.size0, dst.size1], axis=1)
+    _, first, inv = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    holders = np.bincount(inv)
+    ch = intersect(spec, src, take(dst, first))
+    chunks = np.bincount(ch.dst, minlength=len(first))
+    numel = dst.size0[first] * dst.size1[first]
+    nbytes = numel * element_size(dst.dtype[first])
+    saved_us = (chunks * holders - chunks - holders) * opts.write_overhead_us
+    hop_us = nbytes * 8e-3 / topo.nic_gbps
+    # Staging the owner needs: the gathered box (source dtype), and its cast (target dtype).
+    one = ch.holders[ch.holder_ptr[ch.sbox[np.searchsorted(ch.dst, np.arange(len(first)))]]] \
+        if len(ch) else np.zeros(len(first), dtype=np.int64)
+    es_src = element_size(src.dtype[one]) if len(src) else np.ones(len(first), np.int64)
+    cast = src.dtype[one] != dst.dtype[first] if len(src) else np.zeros(len(first), bool)
+    need = numel * es_src + np.where(cast, nbytes, 0)
+    fine = (chunks >= 2) & (holders >= 2) & (saved_us > hop_us)
+    # A gather moves rows: boxes stored transposed (on either side) stay on the direct path.
+    transposed = np.zeros(len(spec.tensors), dtype=bool)
+    transposed[src.tensor[(src.a1 != 1) & (src.size1 > 1)]] = True
+    transposed[dst.tensor[(dst.a1 != 1) & (dst.size1 > 1)]] = True
+    fine &= ~transposed[dst.tensor[first]]
+    fine &= need + 256 <= opts.staging_bytes - opts.staging_bytes // 4
+    return np.nonzero(fine[inv])[0]

@@ -1,0 +1,62 @@
+"""Every benchmark in `bench/` runs in its tiny CPU mode (seconds each, on a quiet box): an
+API change breaks this test, not the next GPU run. Each runs as the command a person
+types, in a fresh process; each must exit 0 and print its result table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.procs import ROOT, root_env
+
+pytestmark = pytest.mark.slow
+
+
+def _run(*argv: str, timeout: float = 600) -> str:
+    p = subprocess.run([sys.executable, *argv], cwd=ROOT, env=root_env(), capture_output=True,
+                       text=True, timeout=timeout)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, f"{' '.join(argv)} exited {p.returncode}:\n{out[-4000:]}"
+    return p.stdout
+
+
+def test_every_benchmark_has_a_tiny_mode_here() -> None:
+    # a new benchmark must come with a tiny mode and a test below
+    scripts = sorted(n for n in os.listdir(os.path.join(ROOT, "bench"))
+                     if n.endswith(".py") or os.path.isdir(os.path.join(ROOT, "bench", n))
+                     and not n.startswith("__"))
+    assert scripts == ["compile_scale.py", "executor_bench.py", "gpu_refit", "long_run.py",
+                       "published.py"]
+
+
+def test_compile_scale_tiny() -> None:
+    out = _run("bench/compile_scale.py", "--tiny")
+    assert "| demo.yaml | 4 |" in out
+
+
+def test_published_tiny() -> None:
+    out = _run("bench/published.py", "--tiny")
+    assert "| qwen3-4b_dp8_to_vllm-tp8 |" in out
+
+
+def test_executor_bench_tiny_nixl_and_local() -> None:
+    pytest.importorskip("nixl")
+    out = _run("bench/executor_bench.py", "--tiny")
+    assert "| nixl (2 processes, cpu) | raw nixl write |" in out
+    assert "| local (run_all_local, cpu) | torch copy_ |" in out
+
+
+def test_long_run_tiny() -> None:
+    pytest.importorskip("nixl")
+    out = _run("bench/long_run.py", "--tiny")
+    assert "3/3 steps" in out and ": OK" in out
+
+
+def test_gpu_refit_tiny_on_cpu() -> None:
+    pytest.importorskip("nixl")
+    out = _run("-m", "bench.gpu_refit", "--tiny")
+    assert "rdma-plan (nixl)" in out and "NCCL baseline" in out
+    assert "all methods bit-exact: yes" in out
