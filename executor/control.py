@@ -166,21 +166,27 @@ class Control:
     def publish_rank(self, info: dict[str, Any]) -> None:
         self._put(self.key("rank", self.rank), info, encrypt=True)
 
-    def publish_step(self, step: int) -> None:
-        self._put(self.key("step", self.rank), {"next": int(step)}, step=int(step))
+    def publish_step(self, step: int, running: bool = False) -> None:
+        """Publish where a restarted peer joins: `step` is the next step this rank runs, or
+        (`running`) the step it is inside now (recovery.py, rule 4)."""
+        self._put(self.key("step", self.rank), {"next": int(step), "running": bool(running)},
+                  step=int(step))
 
-    def peer_step(self, peer: int) -> int | None:
-        """The step `peer` runs next, or None (absent, or refused with a warning)."""
+    def peer_step(self, peer: int) -> tuple[int, bool] | None:
+        """(the step `peer` runs next or is inside now, whether it is inside it), or None
+        (absent, or refused with a warning)."""
         key = self.key("step", peer)
         rec = self._read(key, peer)
         if rec is None:
             return None
-        nxt = rec.body.get("next") if isinstance(rec.body, dict) else None
-        if type(nxt) is not int or not 0 <= nxt < MAX_STEP or nxt != rec.step:
-            log.warning("store record %r: step %r is not an int in [0, 2^62) (ignored)", key,
-                        nxt)
+        body = rec.body if isinstance(rec.body, dict) else {}
+        nxt, running = body.get("next"), body.get("running", False)
+        if type(nxt) is not int or not 0 <= nxt < MAX_STEP or nxt != rec.step \
+                or type(running) is not bool:
+            log.warning("store record %r: step %r (running %r) is not an int in [0, 2^62) "
+                        "and a bool (ignored)", key, nxt, running)
             return None
-        return nxt
+        return nxt, running
 
     def peer_info(self, peer: int, wait: bool = True) -> tuple[Record, dict[str, Any]] | None:
         """`peer`'s checked descriptor record (waiting up to `timeout_s` if `wait`).

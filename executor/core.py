@@ -151,7 +151,7 @@ class Executor:
             self.import_peer(peer, rec, info)
         self.peers = peers
         if self.rejoined:  # a restarted rank joins at its peers' step (recovery.py)
-            self.step = max(self.step, recovery.peers_next_step(self) - 1)
+            self.step = max(self.step, recovery.join_step(self) - 1)
             self.control.publish_step(self.step + 1)
         self.stages = [prepare_stage(p, s, self.regions, self.transport)
                        for s in range(p.stages)]
@@ -219,6 +219,7 @@ class Executor:
             recovery.recover(self)
         self.step = self.step + 1 if step is None else step
         self.inbox.drop_before(self.step)
+        self.control.publish_step(self.step, running=True)  # where peers join (recovery.py)
 
     def fail(self, lost: int | None = None) -> None:
         """Mark the step failed: tell every peer which rank was lost (its signals of this step

@@ -14,9 +14,14 @@
 3. In-flight writes. Batches still in flight when a step failed are waited for (briefly)
    and, if not finished, released and prepared again before anything is re-posted.
 4. Steps. Signals carry the step number; a rank publishes the step it runs next
-   (`<ns>/step/<r>`) when it registers and when a step ends or fails. A restarted rank runs
-   the largest step its peers published; a survivor recovering runs the largest of that and
-   its last completed step + 1, so the next `run()` has the same number everywhere. (A rank
+   (`<ns>/step/<r>`) when it registers and when a step ends or fails, and the step it is
+   inside when one begins (flagged `running`). A survivor recovering runs the largest of
+   the published steps and its last completed step + 1; a restarted rank runs the largest
+   published step, or the one after it where that peer is inside it: such a step waits for
+   the dead process (its READYs went there) and ends, failed or not, without the newcomer
+   (found by `test_source_killed_mid_update`: joined at the step its targets were stuck in,
+   the new source waited for READYs that never came while they moved on). So the next
+   `run()` has the same number everywhere. (A rank
    that failed a step no peer started runs the same number again: its `ABORT` voided the
    signals it sent in the failed attempt. A caller that knows its training step can pass
    `run(step=n)` on every rank instead.)
@@ -51,9 +56,18 @@ def recover(ex: Executor) -> None:
 
 
 def peers_next_step(ex: Executor) -> int:
-    """The largest step the peers run next, per the store (0 if none published)."""
+    """The largest step the peers run next or are inside now, per the store (0 if none
+    published): where a survivor, imported by its peers, can take part."""
     steps = [ex.control.peer_step(peer) for peer in ex.peers]
-    return max([0, *(s for s in steps if s is not None)])
+    return max([0, *(s[0] for s in steps if s is not None)])
+
+
+def join_step(ex: Executor) -> int:
+    """Where a restarted rank joins: the largest step its peers run next, past any step a
+    peer is inside now (that step waits for the dead process, to which its READYs went, and
+    ends, failed or not, without this one)."""
+    steps = [ex.control.peer_step(peer) for peer in ex.peers]
+    return max([0, *(s[0] + s[1] for s in steps if s is not None)])
 
 
 def settle_pending(ex: Executor) -> None:

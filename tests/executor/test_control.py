@@ -78,9 +78,12 @@ def test_garbage_step_values_are_ignored_and_older_generations_refused(caplog):
     peer = Control(store, KEYS, "rplan", 1, 2, timeout_s=0.2)
     peer.gen = 2
     peer.publish_step(7)
-    assert me.peer_step(1) == 7
+    assert me.peer_step(1) == (7, False)
+    peer.publish_step(8, running=True)
+    assert me.peer_step(1) == (8, True)
     for garbage in (b"99999999999999999999", b"\x00" * 9, seal(KEYS, "rplan/step/1", 1, 2, 2,
-                                                                  5, {"next": 2**63})):
+                                                                  5, {"next": 2**63}),
+                    seal(KEYS, "rplan/step/1", 1, 2, 2, 5, {"next": 5, "running": "yes"})):
         store.set("rplan/step/1", garbage)
         with caplog.at_level(logging.WARNING, logger="executor"):
             assert me.peer_step(1) is None  # the step is not taken; recovery goes on

@@ -198,10 +198,6 @@ def test_fp8_refresh_is_needed(run: tuple[Procs, list[dict]]) -> None:
             c["errors"]
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "open bug (issue 17): once in three runs on the loaded 2-core box, the update after the "
-    "restarted trainer rank 1 rejoined reported complete while the tensors that rank sends "
-    "(the replicated norms) still differed from v23; passes otherwise"))
 def test_source_killed_mid_update(tmp_path: Path) -> None:
     """Trainer rank 1 dies at v2 after the sender started the update: the workers' update
     raises, finish refuses, no version is committed (v1 stays); the rank restarts and v3 is

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import pytest
 import torch
@@ -171,3 +172,60 @@ def test_a_rank_that_failed_a_step_alone_runs_it_again_with_its_peers():
     src_t["x"].add_(1)
     out, errs = _both(s, t)
     assert not errs and out[0].step == out[1].step and torch.equal(x, src_t["x"])
+
+
+def test_a_source_restarted_while_its_target_is_inside_a_step_joins_the_next_one():
+    # Sources 0 and 1 each write 4 bytes of target 2's "x". In step 2 source 1 dies before
+    # sending; source 0 finishes its part and goes on; target 2 is inside step 2, waiting
+    # for the dead process. A new process of rank 1 starts now. Step 2 cannot take it in
+    # (the target's READY went to the dead process), so it must join at step 3, where
+    # source 0 and the recovering target go. Joining at the target's published step 2 (the
+    # rule before the fix) left it waiting for READYs that never came while the others
+    # ran step 3 (`test_source_killed_mid_update`, issue 17).
+    header = PlanHeader(fingerprint="fp", world=3)
+    x4, x8 = region("x", "uint8", (4,)), region("x", "uint8", (8,))
+    srcs = [rank_plan(r, "source", [x4], [(0, 2, 0, 0, 0, 4 * r, 4)], signals=[(0, 2, DONE)],
+                      waits=[(0, 2, READY)], peer_regions={2: (8,)}) for r in (0, 1)]
+    tgt = rank_plan(2, "target", [x8], signals=[(0, 0, READY), (0, 1, READY)],
+                    waits=[(0, 0, DONE), (0, 1, DONE)])
+    fabric = Fabric()
+    data = [torch.arange(4, dtype=torch.uint8) + 4 * r for r in (0, 1)]
+    x = torch.zeros(8, dtype=torch.uint8)
+    ranks = [Executor(header, srcs[r], {"x": data[r]}, "local", fabric, timeout_s=1.5)
+             for r in (0, 1)] + [Executor(header, tgt, {"x": x}, "local", fabric,
+                                          timeout_s=1.5)]
+    for ex in ranks:
+        ex.register()
+    for ex in ranks:
+        ex.connect()
+    errs: dict[int, BaseException] = {}
+
+    def run_all(exs: list[Executor]) -> None:
+        def go(ex: Executor) -> None:
+            try:
+                ex.run()
+            except PeerTimeoutError as e:
+                errs[ex.rank] = e
+        threads = [threading.Thread(target=go, args=(ex,)) for ex in exs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+
+    run_all(ranks)
+    assert not errs and torch.equal(x, torch.cat(data))
+    for d in data:
+        d.add_(10)
+    stuck = threading.Thread(target=run_all, args=([ranks[0], ranks[2]],))
+    stuck.start()  # step 2 without source 1 (dead)
+    while ranks[0].control.peer_step(2) != (2, True):
+        time.sleep(1e-3)
+    new = Executor(header, srcs[1], {"x": data[1]}, "local", fabric, timeout_s=1.5)
+    new.register()
+    new.connect()
+    assert new.rejoined and new.step == 2  # joins at step 3
+    stuck.join(timeout=30)
+    assert set(errs) == {2} and errs.pop(2).peer == 1
+    run_all([ranks[0], new, ranks[2]])
+    assert not errs and ranks[2].complete and ranks[2].step == new.step == ranks[0].step == 3
+    assert torch.equal(x, torch.cat(data))
