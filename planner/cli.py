@@ -161,7 +161,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from planner.simulate import simulate, summary_text
+    from planner.simflow import summary_text
+    from planner.simulate import simulate
 
     res = simulate(args.plan, inflight=args.inflight)
     if args.plot:

@@ -39,16 +39,26 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from schemas.bounds import order_violations
+from planner.simflow import (
+    INFLIGHT,
+    NIC,
+    NIC_WRITE_S,
+    NVLINK_WRITE_S,
+    batch_columns,
+    by_stage,
+    copy_seconds,
+    load_checked,
+    maxmin,
+    nic_order,
+    result,
+)
 from schemas.header import PlanHeader
 from schemas.plan import (
     ACK,
-    COPY_GROUP_KEY,
     DONE,
     PACK,
     QUANT,
@@ -57,148 +67,10 @@ from schemas.plan import (
     Plan,
     PlanFormatError,
     RankPlan,
-    load_plan,
 )
-from schemas.protocol import ITEM, Overlap, carries, sent_stage
+from schemas.protocol import Overlap, carries, sent_stage
 
-NIC, NVLINK = 0, 1
-"""Channels of a source rank (the values of `batches.nic`)."""
-NIC_WRITE_S = 10e-9
-"""Link time of one RDMA write beyond its bytes (work request fetch and headers)."""
-NVLINK_WRITE_S = 3.4e-6
-"""Copy-engine time of one peer copy beyond its bytes (measured on H200, cuda_ipc)."""
-INFLIGHT = 8
-"""Batches a rank keeps in flight by default (`executor` `max_inflight`)."""
-MAX_LEVELS = 8
-"""Progressive-filling levels computed exactly (see `_maxmin`)."""
-MAX_CELLS = 1 << 26
-"""(rank, stage) queues the simulation indexes (ranks x stages)."""
 _WAIT_IN, _PACK, _WRITE, _SEND_DONE, _WAIT_DONE, _UNPACK, _SEND_ACK = range(7)
-
-
-@dataclass(frozen=True, slots=True)
-class _Batches:
-    """Every batch of the plan, in (rank, plan order), as columns."""
-
-    rank: np.ndarray
-    stage: np.ndarray
-    chan: np.ndarray
-    dst: np.ndarray
-    nbytes: np.ndarray
-    writes: np.ndarray
-
-
-def _load(path_or_plan: str | Plan) -> tuple[PlanHeader, tuple[RankPlan, ...]]:
-    """The plan's header and ranks, each rank's order within bounds (`schemas.bounds`:
-    stages, peers, batches and signals in range, so the simulation terminates)."""
-    plan = path_or_plan if isinstance(path_or_plan, Plan) else load_plan(str(path_or_plan))
-    for rp in plan.ranks:
-        for msg in order_violations(rp, len(plan.ranks)):
-            raise PlanFormatError(f"simulate: {msg}")
-    cells = len(plan.ranks) * max((rp.stages for rp in plan.ranks), default=0)
-    if cells > MAX_CELLS:
-        raise PlanFormatError(f"simulate: {len(plan.ranks)} ranks x their stages is {cells:,} "
-                              f"(rank, stage) queues, more than {MAX_CELLS:,}; the plan is "
-                              "corrupt or too large to simulate")
-    if len(plan.header.ranks) != len(plan.ranks):
-        raise PlanFormatError(f"simulate: the header lists {len(plan.header.ranks)} ranks, "
-                              f"the plan has {len(plan.ranks)}; the file is corrupt")
-    return plan.header, plan.ranks
-
-
-def _nic_order(name: str) -> tuple[int, str]:
-    """NICs by host (`h<host>/...`), then name."""
-    host = name.split("/")[0][1:]
-    return (int(host) if host.isdigit() else -1, name)
-
-
-def _batches(ranks: tuple[RankPlan, ...]) -> _Batches:
-    cols: dict[str, list[np.ndarray]] = {k: [] for k in _Batches.__slots__}
-    for rp in ranks:
-        b, w = rp.batches, rp.writes
-        if len(b) == 0:
-            continue
-        start, stop = b["start"].astype(np.int64), b["stop"].astype(np.int64)
-        csum = np.concatenate([[0], np.cumsum(w["nbytes"], dtype=np.int64)])
-        cols["rank"].append(np.full(len(b), rp.rank, dtype=np.int64))
-        cols["stage"].append(b["stage"].astype(np.int64))
-        cols["chan"].append(b["nic"].astype(np.int64))
-        cols["dst"].append(w["dst_rank"][start].astype(np.int64))  # a batch has one target
-        cols["nbytes"].append((csum[stop] - csum[start]).astype(np.float64))
-        cols["writes"].append(stop - start)
-    return _Batches(**{k: (np.concatenate(v) if v else np.zeros(0, dtype=np.int64))
-                       for k, v in cols.items()})
-
-
-def _copy_seconds(rp: RankPlan, kinds: tuple[int, ...], pack_bps: float,
-                  overhead_s: float) -> np.ndarray:
-    """Seconds of the copies of `kinds` in each stage of one rank: bytes (of the wider side)
-    at `pack_bps`, plus `overhead_s` per executor op (a QUANT, or a group of PACKs or
-    UNPACKs that run as one, `schemas.plan.COPY_GROUP_KEY`)."""
-    c = rp.copies
-    out = np.zeros(rp.stages)
-    m = np.isin(c["kind"], kinds)
-    if not m.any():
-        return out
-    item = np.maximum(ITEM[c["src_dtype"][m]], ITEM[c["dst_dtype"][m]])
-    nbytes = (c["size0"][m] * c["size1"][m] * c["size2"][m] * item).astype(np.float64)
-    np.add.at(out, c["stage"][m], nbytes / pack_bps)
-    rows = np.flatnonzero(m)
-    quant = c["kind"][rows] == QUANT
-    np.add.at(out, c["stage"][rows[quant]], overhead_s)
-    rows = rows[~quant]
-    if len(rows):
-        key = np.stack([c[k][rows].astype(np.int64) for k in ("stage", "kind", *COPY_GROUP_KEY)],
-                       axis=1)
-        ops = np.unique(key, axis=0)
-        np.add.at(out, ops[:, 0], overhead_s)
-    return out
-
-
-def _maxmin(eres: np.ndarray, ires: np.ndarray, cap: np.ndarray,
-            max_levels: int = MAX_LEVELS) -> np.ndarray:
-    """Max-min fair rates of flows that each use resources `eres[f]` and `ires[f]`.
-
-    Progressive filling: raise every unfrozen flow's rate until a resource saturates,
-    freeze the flows through it, repeat. After `max_levels` levels, flows still unfrozen
-    get the fair share of their tighter resource's leftover, twice: a feasible allocation
-    a little below max-min (exact when there are at most `max_levels` bottleneck levels).
-    """
-    res, inv = np.unique(np.concatenate([eres, ires]), return_inverse=True)
-    f, n = len(eres), len(res)
-    e, i = inv[:f], inv[f:]
-    left = cap[res].astype(np.float64)
-    rate = np.zeros(f)
-    idx, level = np.arange(f), 0.0  # unfrozen flows, all at rate `level`
-    for _ in range(max_levels):
-        ee, ii = e[idx], i[idx]
-        cnt = np.bincount(ee, minlength=n) + np.bincount(ii, minlength=n)
-        used = np.nonzero(cnt)[0]
-        share = left[used] / cnt[used]
-        d = share.min()
-        level += d
-        left[used] -= d * cnt[used]
-        full = np.zeros(n, dtype=bool)
-        full[used[share <= d * (1 + 1e-9)]] = True
-        frozen = full[ee] | full[ii]
-        rate[idx[frozen]] = level
-        idx = idx[~frozen]
-        if len(idx) == 0:
-            return rate
-    rate[idx] = level
-    free = np.zeros(f, dtype=bool)
-    free[idx] = True
-    for _ in range(2):
-        idx = np.nonzero(free)[0]
-        cnt = np.bincount(e[idx], minlength=n) + np.bincount(i[idx], minlength=n)
-        share = left / np.maximum(cnt, 1)
-        add = np.minimum(share[e[idx]], share[i[idx]])
-        rate[idx] += add
-        left -= (np.bincount(e[idx], weights=add, minlength=n) +
-                 np.bincount(i[idx], weights=add, minlength=n))
-        full = left <= 1e-9 * cap[res]
-        free[idx] = ~(full[e[idx]] | full[i[idx]])
-    return rate
 
 
 def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
@@ -216,7 +88,7 @@ def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
     rank's window) of every batch.
     """
     t_wall = time.perf_counter()
-    header, ranks = _load(path_or_plan)
+    header, ranks = load_checked(path_or_plan)
     return _Sim(header, ranks, inflight, in_order).run(t_wall)
 
 
@@ -231,7 +103,7 @@ class _Sim:
         self.in_order = in_order
         self.world = len(ranks)
         self.lat = opts.write_overhead_us * 1e-6
-        nic_names = sorted({r.nic for r in header.ranks}, key=_nic_order)
+        nic_names = sorted({r.nic for r in header.ranks}, key=nic_order)
         self.nic_names = nic_names
         nic_id = {n: i for i, n in enumerate(nic_names)}
         self.rank_nic = np.array([nic_id[r.nic] for r in header.ranks], dtype=np.int64)
@@ -240,7 +112,7 @@ class _Sim:
         self.nv_bps = header.nvlink_gbps * 1e9 / 8
         # resources: NIC egress [0, n), NIC ingress [n, 2n), NVLink out [2n, 2n+w), in
         self.cap = np.concatenate([np.full(2 * n_nic, self.nic_bps), np.full(2 * w, self.nv_bps)])
-        b = _batches(ranks)
+        b = batch_columns(ranks)
         self.b = b
         nic = b.chan == NIC
         self.eres = np.where(nic, self.rank_nic[b.rank], 2 * n_nic + b.rank)
@@ -256,21 +128,14 @@ class _Sim:
         bounds = np.searchsorted(key[self.qorder], np.arange(w * smax + 1))
         self.qbounds, self.smax = bounds.tolist(), smax
         pbps, pov = opts.pack_gbps * 1e9 / 8, opts.pack_overhead_us * 1e-6
-        self.pack_s = [_copy_seconds(rp, (PACK, QUANT), pbps, pov) for rp in ranks]
-        self.unpack_s = [_copy_seconds(rp, (UNPACK,), pbps, pov) for rp in ranks]
+        self.pack_s = [copy_seconds(rp, (PACK, QUANT), pbps, pov) for rp in ranks]
+        self.unpack_s = [copy_seconds(rp, (UNPACK,), pbps, pov) for rp in ranks]
         self.overlap = [Overlap(rp) for rp in ranks]
         self.prepacked = [ov.prepacked.tolist() for ov in self.overlap]
         self.carries = [carries(rp).tolist() for rp in ranks]  # as the executor's
         self.packs_end = [0.0] * self.world  # when a prepacked stage's packs finish
-        self.sends = [self._by_stage(rp.signals, rp.stages) for rp in ranks]
-        self.waits = [self._by_stage(rp.waits, rp.stages) for rp in ranks]
-
-    @staticmethod
-    def _by_stage(t: Any, stages: int) -> list[list[tuple[int, int]]]:
-        out: list[list[tuple[int, int]]] = [[] for _ in range(stages)]
-        for s, p, k in zip(t["stage"].tolist(), t["peer"].tolist(), t["kind"].tolist()):
-            out[s].append((p, k))
-        return out
+        self.sends = [by_stage(rp.signals, rp.stages) for rp in ranks]
+        self.waits = [by_stage(rp.waits, rp.stages) for rp in ranks]
 
     # ------------------------------------------------------------ rank state machine
 
@@ -456,11 +321,12 @@ class _Sim:
         if self.last_key is not None and np.array_equal(key, self.last_key):
             self.rate[act[order]] = self.last_rate
             return
-        rate = _maxmin(self.f_eres[act], self.f_ires[act], self.cap)
+        rate = maxmin(self.f_eres[act], self.f_ires[act], self.cap)
         self.rate[act] = rate
         self.last_key, self.last_rate = key, rate[order]
 
-    def run(self, t_wall: float) -> dict[str, Any]:
+    def _reset(self) -> None:
+        """The state of every rank, window and flow at t=0."""
         w, nb = self.world, len(self.b.rank)
         self.stage, self.phase = [0] * w, [_WAIT_IN] * w
         self.finish = [0.0] * w
@@ -485,10 +351,15 @@ class _Sim:
         self.f_ires = np.zeros(w * k, dtype=np.int64)
         self.start, self.end = np.zeros(nb), np.zeros(nb)
         self.lane = np.zeros(nb, dtype=np.int64)
-        busy = np.zeros(len(self.cap))
-        self.dirty, t, events = False, 0.0, 0
+        self.dirty = False
         self.last_key: np.ndarray | None = None
         self.last_rate = np.zeros(0)
+
+    def run(self, t_wall: float) -> dict[str, Any]:
+        self._reset()
+        w = self.world
+        busy = np.zeros(len(self.cap))
+        t, events = 0.0, 0
         for r in range(w):
             self._advance(r, 0.0)
         while True:
@@ -531,53 +402,4 @@ class _Sim:
         if stuck:
             raise PlanFormatError(f"simulate: ranks {stuck[:8]} never finish (a wait that no rank "
                              "signals); the plan is inconsistent: run `rdma-plan verify`")
-        return self._result(busy, events, time.perf_counter() - t_wall)
-
-    def _result(self, busy: np.ndarray, events: int, wall: float) -> dict[str, Any]:
-        b, n_nic = self.b, len(self.nic_names)
-        load = np.bincount(self.eres, weights=b.nbytes, minlength=len(self.cap))
-        load += np.bincount(self.ires, weights=b.nbytes, minlength=len(self.cap))
-        floors = load / self.cap
-        worst = int(np.argmax(floors)) if len(floors) else 0
-        floor = float(floors[worst]) if len(floors) else 0.0
-        est = max(self.finish, default=0.0)
-        nics = [{"name": name, "bytes_out": int(load[i]), "bytes_in": int(load[n_nic + i]),
-                 "busy_out_s": float(busy[i]), "busy_in_s": float(busy[n_nic + i])}
-                for i, name in enumerate(self.nic_names)]
-        nv = 2 * n_nic
-        return {
-            "estimated_s": float(est), "floor_s": floor,
-            "ratio": float(est / floor) if floor > 0 else 1.0,
-            "bottleneck": self._resource_name(worst),
-            "bytes": int(b.nbytes.sum()), "batches": int(len(b.rank)),
-            "writes": int(b.writes.sum()), "stages": max(self.stages, default=0),
-            "nic_gbps": self.nic_bps * 8 / 1e9, "nvlink_gbps": self.nv_bps * 8 / 1e9,
-            "nics": nics,
-            "nvlink_bytes": int(load[nv:nv + self.world].sum()),
-            "nvlink_max_out_bytes": int(load[nv:nv + self.world].max(initial=0)),
-            "nvlink_max_in_bytes": int(load[nv + self.world:].max(initial=0)),
-            "rank_finish_s": [float(x) for x in self.finish],
-            "inflight": self.inflight, "in_order": self.in_order, "events": events,
-            "sim_seconds": round(wall, 3),
-            "timeline": {"start": self.start, "end": self.end, "rank": b.rank,
-                         "chan": b.chan, "dst": b.dst, "bytes": b.nbytes,
-                         "lane": self.lane},
-        }
-
-    def _resource_name(self, i: int) -> str:
-        n = len(self.nic_names)
-        if i < 2 * n:
-            return f"{self.nic_names[i % n]} {'egress' if i < n else 'ingress'}"
-        i -= 2 * n
-        return f"rank {i % self.world} NVLink {'out' if i < self.world else 'in'}"
-
-
-def summary_text(res: dict[str, Any]) -> str:
-    """Three lines a person reads: estimated time, floor, ratio and the bottleneck."""
-    return "\n".join([
-        f"estimated {res['estimated_s'] * 1e3:.1f} ms  floor {res['floor_s'] * 1e3:.1f} ms  "
-        f"ratio {res['ratio']:.3f}",
-        f"bottleneck {res['bottleneck']}; {res['bytes'] / 1e9:.3f} GB in {res['batches']:,} "
-        f"batches ({res['writes']:,} writes), {res['stages']} stages",
-        f"simulated {res['events']:,} events in {res['sim_seconds']:.2f} s",
-    ])
+        return result(self, busy, events, time.perf_counter() - t_wall)

@@ -1,0 +1,217 @@
+"""The simulator's inputs and outputs (`planner/simulate.py` runs the model in between).
+
+Inputs: the plan checked for order bounds (`load_checked`), every batch as columns
+(`batch_columns`), the time of a stage's packs or unpacks (`copy_seconds`), and max-min fair
+sharing of NIC and NVLink directions between flows (`maxmin`). Outputs: the result dict
+(`result`) and the three lines `rdma-plan simulate` prints (`summary_text`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from schemas.bounds import order_violations
+from schemas.header import PlanHeader
+from schemas.plan import COPY_GROUP_KEY, QUANT, Plan, PlanFormatError, RankPlan, load_plan
+from schemas.protocol import ITEM
+
+NIC, NVLINK = 0, 1
+"""Channels of a source rank (the values of `batches.nic`)."""
+NIC_WRITE_S = 10e-9
+"""Link time of one RDMA write beyond its bytes (work request fetch and headers)."""
+NVLINK_WRITE_S = 3.4e-6
+"""Copy-engine time of one peer copy beyond its bytes (measured on H200, cuda_ipc)."""
+INFLIGHT = 8
+"""Batches a rank keeps in flight by default (`executor` `max_inflight`)."""
+MAX_LEVELS = 8
+"""Progressive-filling levels computed exactly (see `maxmin`)."""
+MAX_CELLS = 1 << 26
+"""(rank, stage) queues the simulation indexes (ranks x stages)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Batches:
+    """Every batch of the plan, in (rank, plan order), as columns."""
+
+    rank: np.ndarray
+    stage: np.ndarray
+    chan: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+    writes: np.ndarray
+
+
+def load_checked(path_or_plan: str | Plan) -> tuple[PlanHeader, tuple[RankPlan, ...]]:
+    """The plan's header and ranks, each rank's order within bounds (`schemas.bounds`:
+    stages, peers, batches and signals in range, so the simulation terminates)."""
+    plan = path_or_plan if isinstance(path_or_plan, Plan) else load_plan(str(path_or_plan))
+    for rp in plan.ranks:
+        for msg in order_violations(rp, len(plan.ranks)):
+            raise PlanFormatError(f"simulate: {msg}")
+    cells = len(plan.ranks) * max((rp.stages for rp in plan.ranks), default=0)
+    if cells > MAX_CELLS:
+        raise PlanFormatError(f"simulate: {len(plan.ranks)} ranks x their stages is {cells:,} "
+                              f"(rank, stage) queues, more than {MAX_CELLS:,}; the plan is "
+                              "corrupt or too large to simulate")
+    if len(plan.header.ranks) != len(plan.ranks):
+        raise PlanFormatError(f"simulate: the header lists {len(plan.header.ranks)} ranks, "
+                              f"the plan has {len(plan.ranks)}; the file is corrupt")
+    return plan.header, plan.ranks
+
+
+def nic_order(name: str) -> tuple[int, str]:
+    """NICs by host (`h<host>/...`), then name."""
+    host = name.split("/")[0][1:]
+    return (int(host) if host.isdigit() else -1, name)
+
+
+def batch_columns(ranks: tuple[RankPlan, ...]) -> Batches:
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in Batches.__slots__}
+    for rp in ranks:
+        b, w = rp.batches, rp.writes
+        if len(b) == 0:
+            continue
+        start, stop = b["start"].astype(np.int64), b["stop"].astype(np.int64)
+        csum = np.concatenate([[0], np.cumsum(w["nbytes"], dtype=np.int64)])
+        cols["rank"].append(np.full(len(b), rp.rank, dtype=np.int64))
+        cols["stage"].append(b["stage"].astype(np.int64))
+        cols["chan"].append(b["nic"].astype(np.int64))
+        cols["dst"].append(w["dst_rank"][start].astype(np.int64))  # a batch has one target
+        cols["nbytes"].append((csum[stop] - csum[start]).astype(np.float64))
+        cols["writes"].append(stop - start)
+    return Batches(**{k: (np.concatenate(v) if v else np.zeros(0, dtype=np.int64))
+                       for k, v in cols.items()})
+
+
+def copy_seconds(rp: RankPlan, kinds: tuple[int, ...], pack_bps: float,
+                  overhead_s: float) -> np.ndarray:
+    """Seconds of the copies of `kinds` in each stage of one rank: bytes (of the wider side)
+    at `pack_bps`, plus `overhead_s` per executor op (a QUANT, or a group of PACKs or
+    UNPACKs that run as one, `schemas.plan.COPY_GROUP_KEY`)."""
+    c = rp.copies
+    out = np.zeros(rp.stages)
+    m = np.isin(c["kind"], kinds)
+    if not m.any():
+        return out
+    item = np.maximum(ITEM[c["src_dtype"][m]], ITEM[c["dst_dtype"][m]])
+    nbytes = (c["size0"][m] * c["size1"][m] * c["size2"][m] * item).astype(np.float64)
+    np.add.at(out, c["stage"][m], nbytes / pack_bps)
+    rows = np.flatnonzero(m)
+    quant = c["kind"][rows] == QUANT
+    np.add.at(out, c["stage"][rows[quant]], overhead_s)
+    rows = rows[~quant]
+    if len(rows):
+        key = np.stack([c[k][rows].astype(np.int64) for k in ("stage", "kind", *COPY_GROUP_KEY)],
+                       axis=1)
+        ops = np.unique(key, axis=0)
+        np.add.at(out, ops[:, 0], overhead_s)
+    return out
+
+
+def maxmin(eres: np.ndarray, ires: np.ndarray, cap: np.ndarray,
+            max_levels: int = MAX_LEVELS) -> np.ndarray:
+    """Max-min fair rates of flows that each use resources `eres[f]` and `ires[f]`.
+
+    Progressive filling: raise every unfrozen flow's rate until a resource saturates,
+    freeze the flows through it, repeat. After `max_levels` levels, flows still unfrozen
+    get the fair share of their tighter resource's leftover, twice: a feasible allocation
+    a little below max-min (exact when there are at most `max_levels` bottleneck levels).
+    """
+    res, inv = np.unique(np.concatenate([eres, ires]), return_inverse=True)
+    f, n = len(eres), len(res)
+    e, i = inv[:f], inv[f:]
+    left = cap[res].astype(np.float64)
+    rate = np.zeros(f)
+    idx, level = np.arange(f), 0.0  # unfrozen flows, all at rate `level`
+    for _ in range(max_levels):
+        ee, ii = e[idx], i[idx]
+        cnt = np.bincount(ee, minlength=n) + np.bincount(ii, minlength=n)
+        used = np.nonzero(cnt)[0]
+        share = left[used] / cnt[used]
+        d = share.min()
+        level += d
+        left[used] -= d * cnt[used]
+        full = np.zeros(n, dtype=bool)
+        full[used[share <= d * (1 + 1e-9)]] = True
+        frozen = full[ee] | full[ii]
+        rate[idx[frozen]] = level
+        idx = idx[~frozen]
+        if len(idx) == 0:
+            return rate
+    rate[idx] = level
+    free = np.zeros(f, dtype=bool)
+    free[idx] = True
+    for _ in range(2):
+        idx = np.nonzero(free)[0]
+        cnt = np.bincount(e[idx], minlength=n) + np.bincount(i[idx], minlength=n)
+        share = left / np.maximum(cnt, 1)
+        add = np.minimum(share[e[idx]], share[i[idx]])
+        rate[idx] += add
+        left -= (np.bincount(e[idx], weights=add, minlength=n) +
+                 np.bincount(i[idx], weights=add, minlength=n))
+        full = left <= 1e-9 * cap[res]
+        free[idx] = ~(full[e[idx]] | full[i[idx]])
+    return rate
+
+
+def by_stage(t: Any, stages: int) -> list[list[tuple[int, int]]]:
+    """A signal table (`signals` or `waits`) as (peer, kind) lists per stage."""
+    out: list[list[tuple[int, int]]] = [[] for _ in range(stages)]
+    for s, p, k in zip(t["stage"].tolist(), t["peer"].tolist(), t["kind"].tolist()):
+        out[s].append((p, k))
+    return out
+
+
+def result(sim: Any, busy: np.ndarray, events: int, wall: float) -> dict[str, Any]:
+    """The result dict of a finished simulation `sim` (see `planner.simulate.simulate`)."""
+    b, n_nic = sim.b, len(sim.nic_names)
+    load = np.bincount(sim.eres, weights=b.nbytes, minlength=len(sim.cap))
+    load += np.bincount(sim.ires, weights=b.nbytes, minlength=len(sim.cap))
+    floors = load / sim.cap
+    worst = int(np.argmax(floors)) if len(floors) else 0
+    floor = float(floors[worst]) if len(floors) else 0.0
+    est = max(sim.finish, default=0.0)
+    nics = [{"name": name, "bytes_out": int(load[i]), "bytes_in": int(load[n_nic + i]),
+             "busy_out_s": float(busy[i]), "busy_in_s": float(busy[n_nic + i])}
+            for i, name in enumerate(sim.nic_names)]
+    nv = 2 * n_nic
+    return {
+        "estimated_s": float(est), "floor_s": floor,
+        "ratio": float(est / floor) if floor > 0 else 1.0,
+        "bottleneck": resource_name(sim, worst),
+        "bytes": int(b.nbytes.sum()), "batches": int(len(b.rank)),
+        "writes": int(b.writes.sum()), "stages": max(sim.stages, default=0),
+        "nic_gbps": sim.nic_bps * 8 / 1e9, "nvlink_gbps": sim.nv_bps * 8 / 1e9,
+        "nics": nics,
+        "nvlink_bytes": int(load[nv:nv + sim.world].sum()),
+        "nvlink_max_out_bytes": int(load[nv:nv + sim.world].max(initial=0)),
+        "nvlink_max_in_bytes": int(load[nv + sim.world:].max(initial=0)),
+        "rank_finish_s": [float(x) for x in sim.finish],
+        "inflight": sim.inflight, "in_order": sim.in_order, "events": events,
+        "sim_seconds": round(wall, 3),
+        "timeline": {"start": sim.start, "end": sim.end, "rank": b.rank,
+                     "chan": b.chan, "dst": b.dst, "bytes": b.nbytes,
+                     "lane": sim.lane},
+    }
+
+def resource_name(sim: Any, i: int) -> str:
+    """A resource index as a person reads it (a NIC direction or a rank's NVLink)."""
+    n = len(sim.nic_names)
+    if i < 2 * n:
+        return f"{sim.nic_names[i % n]} {'egress' if i < n else 'ingress'}"
+    i -= 2 * n
+    return f"rank {i % sim.world} NVLink {'out' if i < sim.world else 'in'}"
+
+
+def summary_text(res: dict[str, Any]) -> str:
+    """Three lines a person reads: estimated time, floor, ratio and the bottleneck."""
+    return "\n".join([
+        f"estimated {res['estimated_s'] * 1e3:.1f} ms  floor {res['floor_s'] * 1e3:.1f} ms  "
+        f"ratio {res['ratio']:.3f}",
+        f"bottleneck {res['bottleneck']}; {res['bytes'] / 1e9:.3f} GB in {res['batches']:,} "
+        f"batches ({res['writes']:,} writes), {res['stages']} stages",
+        f"simulated {res['events']:,} events in {res['sim_seconds']:.2f} s",
+    ])
