@@ -8,8 +8,9 @@ needs (copy views, prepared write batches, signal lists) is built at `connect()`
 only replays it.
 
 Beside the interpreter: `control.py` (the rank's sealed store records and its lease),
-`auth.py` (the job secret), `signals.py` (MACed signals, the inbox), `recovery.py` (what
-the next `run()` does after a failed one), `window.py` (writes in flight).
+`auth.py` (the job secret), `signals.py` (MACed signals, the inbox), `waits.py` (sending
+and awaiting them: the `Signalling` half of `Executor`), `recovery.py` (what the next
+`run()` does after a failed one), `window.py` (writes in flight).
 
 A step that cannot finish raises within `timeout_s` (plus the time to tell a dead rank from
 a blocked one): `PeerTimeoutError`, `PeerLostError` (the transport reported the peer gone)
@@ -39,19 +40,17 @@ from .bind import bind
 from .blame import Blame
 from .check import check_against_header, check_rank_plan, check_staging
 from .control import Control
-from .errors import PeerAbortError, PeerLostError, PeerMismatchError, PeerTimeoutError
+from .errors import PeerLostError, PeerMismatchError
 from .rendezvous import open_store
 from .stages import Stage, prepare_stage
 from .stats import RunStats, received_bytes
 from .transports import make_transport
 from .transports.base import Prepared
+from .waits import Signalling
 from .window import Window
 
-_KIND_NAMES = {READY: "READY", DONE: "DONE (its writes landed)",
-               ACK: "ACK (its staging is free)"}
 
-
-class Executor:
+class Executor(Signalling):
     def __init__(self, header: PlanHeader, plan: RankPlan,
                  tensors: dict[str, torch.Tensor], transport: str = "nixl",
                  rendezvous: object = None, timeout_s: float = 60.0, max_inflight: int = 8,
@@ -300,14 +299,6 @@ class Executor:
             self.window.drain_stage(k, timeout_s)
         self._pack(s)
 
-    def _take(self, waits: list[tuple[int, int, int]]) -> bool:
-        """Whether every signal of `waits` has arrived (they are consumed if so)."""
-        if not waits:
-            return True
-        self.inbox.add(self.transport.poll(), self.step)
-        return not self.inbox.take([signals.expected(self.step, s, kind, peer)
-                                    for s, kind, peer in waits])
-
     def recv_half(self, s: int, timeout_s: float | None = None) -> None:
         """Steps 5-7 of stage `s`: wait DONE, unpacks, ACK."""
         st = self.stages[s]
@@ -317,55 +308,6 @@ class Executor:
         if st.unpacks:
             self._sync()  # ACK frees staging the unpacks read; and the weights are whole
         self._signal(st.ack_to, s, ACK)
-
-    def _sync(self) -> None:
-        """Wait for the packs/unpacks queued on this rank's current CUDA stream (async
-        kernels; a peer must not read or overwrite their staging before they finish).
-        Only that stream: a transport's copies of earlier writes may still be running."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-
-    def _msg(self, peer: int, stage: int, kind: int) -> bytes:
-        self.seq += 1
-        return signals.encode(self.keys, self.tag, self.incarnation,
-                              self.inbox.incarnations.get(peer, 0), self.step, stage, kind,
-                              self.rank, self.seq)
-
-    def _signal(self, peers: list[int], stage: int, kind: int) -> None:
-        for peer in peers:
-            try:
-                self.transport.notify(peer, self._msg(peer, stage, kind))
-            except Exception as e:  # noqa: BLE001 - transports raise their own types
-                raise PeerLostError(self.rank, peer, f"send {_KIND_NAMES[kind]} of stage "
-                                    f"{stage}", e) from e
-
-    def _wait(self, waits: list[tuple[int, int, int]], timeout_s: float | None) -> None:
-        if not waits:
-            return
-        keys = [signals.expected(self.step, s, kind, peer) for s, kind, peer in waits]
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        self.blame.start(timeout_s)
-        nap = 5e-5
-        while True:
-            self.inbox.add(self.transport.poll(), self.step)
-            if self.inbox.foreign:  # a restarted peer already signals: import it now
-                recovery.refresh_peers(self)
-            missing = self.inbox.take(keys)
-            if not missing:
-                return
-            if (aborted := self.inbox.abort_of(self.step, missing)) is not None:
-                raise PeerAbortError(self.rank, aborted[0], aborted[1], self.step)
-            if self.blame.expired():
-                _, stage, kind, peer = missing[0]
-                culprit = self.blame.culprit(peer)
-                what = f"send {_KIND_NAMES[kind]} of stage {stage}, step {self.step}"
-                if culprit != peer:
-                    what = (f"take part in step {self.step} (rank {peer}, which this rank "
-                            f"waits for, is alive and waits itself; rank {culprit}'s "
-                            "heartbeat stopped)")
-                raise PeerTimeoutError(self.rank, culprit, what, timeout_s)
-            time.sleep(nap)  # backs off to 0.2 ms: never a busy loop, and not late
-            nap = min(nap * 2, 2e-4)
 
     def close(self) -> None:
         self.control.close()

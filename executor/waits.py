@@ -1,0 +1,103 @@
+"""Signals between ranks, as the executor sends and awaits them (a mixin of `Executor`).
+
+`_signal` sends one kind of signal of a stage to peers (MACed, `signals.encode`); `_wait`
+polls the transport into the inbox until every awaited signal of this step arrived, a peer
+aborts the step (`PeerAbortError`) or the wait times out (`PeerTimeoutError`, blaming the
+rank `blame.py` finds); `_take` is the non-blocking form; `_sync` waits for this rank's own
+queued copy kernels. A restarted peer's signals make the wait re-import it at once
+(`recovery.refresh_peers`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from schemas.plan import ACK, DONE, READY
+
+from . import recovery, signals
+from .errors import PeerAbortError, PeerLostError, PeerTimeoutError
+
+if TYPE_CHECKING:
+    from .auth import Keys
+    from .blame import Blame
+    from .transports.base import Transport
+
+_KIND_NAMES = {READY: "READY", DONE: "DONE (its writes landed)",
+               ACK: "ACK (its staging is free)"}
+
+
+class Signalling:
+    """The signal half of `Executor` (its attributes are set by `Executor.__init__`)."""
+
+    rank: int
+    step: int
+    seq: int
+    incarnation: int
+    timeout_s: float
+    tag: bytes
+    keys: Keys
+    inbox: signals.Inbox
+    transport: Transport
+    blame: Blame
+    device: torch.device
+
+    def _take(self, waits: list[tuple[int, int, int]]) -> bool:
+        """Whether every signal of `waits` has arrived (they are consumed if so)."""
+        if not waits:
+            return True
+        self.inbox.add(self.transport.poll(), self.step)
+        return not self.inbox.take([signals.expected(self.step, s, kind, peer)
+                                    for s, kind, peer in waits])
+
+    def _sync(self) -> None:
+        """Wait for the packs/unpacks queued on this rank's current CUDA stream (async
+        kernels; a peer must not read or overwrite their staging before they finish).
+        Only that stream: a transport's copies of earlier writes may still be running."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _msg(self, peer: int, stage: int, kind: int) -> bytes:
+        self.seq += 1
+        return signals.encode(self.keys, self.tag, self.incarnation,
+                              self.inbox.incarnations.get(peer, 0), self.step, stage, kind,
+                              self.rank, self.seq)
+
+    def _signal(self, peers: list[int], stage: int, kind: int) -> None:
+        for peer in peers:
+            try:
+                self.transport.notify(peer, self._msg(peer, stage, kind))
+            except Exception as e:  # noqa: BLE001 - transports raise their own types
+                raise PeerLostError(self.rank, peer, f"send {_KIND_NAMES[kind]} of stage "
+                                    f"{stage}", e) from e
+
+    def _wait(self, waits: list[tuple[int, int, int]], timeout_s: float | None) -> None:
+        if not waits:
+            return
+        keys = [signals.expected(self.step, s, kind, peer) for s, kind, peer in waits]
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        self.blame.start(timeout_s)
+        nap = 5e-5
+        while True:
+            self.inbox.add(self.transport.poll(), self.step)
+            if self.inbox.foreign:  # a restarted peer already signals: import it now
+                recovery.refresh_peers(self)
+            missing = self.inbox.take(keys)
+            if not missing:
+                return
+            if (aborted := self.inbox.abort_of(self.step, missing)) is not None:
+                raise PeerAbortError(self.rank, aborted[0], aborted[1], self.step)
+            if self.blame.expired():
+                _, stage, kind, peer = missing[0]
+                culprit = self.blame.culprit(peer)
+                what = f"send {_KIND_NAMES[kind]} of stage {stage}, step {self.step}"
+                if culprit != peer:
+                    what = (f"take part in step {self.step} (rank {peer}, which this rank "
+                            f"waits for, is alive and waits itself; rank {culprit}'s "
+                            "heartbeat stopped)")
+                raise PeerTimeoutError(self.rank, culprit, what, timeout_s)
+            time.sleep(nap)  # backs off to 0.2 ms: never a busy loop, and not late
+            nap = min(nap * 2, 2e-4)
+
