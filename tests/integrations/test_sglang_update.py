@@ -22,7 +22,7 @@ from tests.oracles import sglang_env
 from tests.oracles.launch import free_port, launch
 from tests.oracles.test_sglang_oracle import deepseek_v3
 
-pytestmark = pytest.mark.oracle
+pytestmark = [pytest.mark.oracle, pytest.mark.deep]
 pytest.importorskip("nixl")
 if not sglang_env.available():
     pytest.skip(f"SGLang is not installed in {sglang_env.SITE} "

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.oracle, pytest.mark.slow]
+pytestmark = [pytest.mark.oracle, pytest.mark.deep]
 if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
     pytest.skip("vllm and nixl are needed (tests/oracles/install_vllm.sh)",
                 allow_module_level=True)

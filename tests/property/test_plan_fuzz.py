@@ -9,7 +9,8 @@ outside the regions (guards intact, source tensors unchanged), no traceback (the
 `plan_key` refuses every mutant, and where one rank holds the mutant and the others the
 base plan, the ranks refuse each other or the data is right.
 
-Profiles: `RPLAN_FUZZ_MUTANTS` (default 2000: the CI's fast profile) and `RPLAN_FUZZ_SEED`
+Profiles: 300 mutants in the README's test command; `RPLAN_FUZZ_MUTANTS` (default 2000) in
+the deep profile (`pytest -m deep`, which `.ci/run` runs after it) and `RPLAN_FUZZ_SEED`
 (default 0); e.g. `RPLAN_FUZZ_MUTANTS=20000 RPLAN_FUZZ_SEED=7 pytest tests/property/
 test_plan_fuzz.py` for a deeper run. The summary is printed (`-s` shows it).
 """
@@ -26,10 +27,13 @@ import sys
 import tempfile
 import time
 
+import pytest
+
 from schemas.plan import load_plan
 from tests.property import fuzz
 
 MUTANTS = int(os.environ.get("RPLAN_FUZZ_MUTANTS", "2000"))
+QUICK = min(MUTANTS, 300)
 SEED = int(os.environ.get("RPLAN_FUZZ_SEED", "0"))
 JOBS = int(os.environ.get("RPLAN_FUZZ_JOBS", "2"))
 TIMEOUT_S = 30.0
@@ -127,7 +131,11 @@ def _problems(ans: dict, same_as_base: bool) -> list[str]:
     return out
 
 
-def test_plan_fuzz() -> None:
+@pytest.mark.parametrize("mutants", [
+    QUICK, pytest.param(MUTANTS, marks=pytest.mark.deep, id="full")], ids=str)
+def test_plan_fuzz(mutants: int) -> None:
+    """`QUICK` mutants in the README's test command, `MUTANTS` in the deep profile
+    (`pytest -m deep`, run by `.ci/run` too)."""
     rng = random.Random(SEED)
     counts: collections.Counter[str] = collections.Counter()
     failures: list[str] = []
@@ -137,7 +145,7 @@ def test_plan_fuzz() -> None:
         raw = {n: open(p, "rb").read() for n, p in bases.items()}
         plans = {n: load_plan(p) for n, p in bases.items()}
         jobs = []
-        for _ in range(MUTANTS):
+        for _ in range(mutants):
             name = rng.choice(sorted(bases))
             kind, what, data = fuzz.mutant(rng, raw[name], plans[name])
             jobs.append((name, kind, what, data, data == raw[name]))
@@ -156,7 +164,7 @@ def test_plan_fuzz() -> None:
     seconds = time.monotonic() - t0
     print(f"\nplan fuzz: {len(answers)} mutants (seed {SEED}, {JOBS} workers) in {seconds:.0f} "
           f"s: {dict(counts)}; {len(failures)} failures")
-    assert len(answers) == MUTANTS
+    assert len(answers) == mutants
     assert not failures, "\n".join(failures[:20])
 
 

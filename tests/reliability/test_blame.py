@@ -37,7 +37,7 @@ FAST = {(2, "stop", "between"), (0, "stop", "mid")}
 
 
 @pytest.mark.parametrize("victim, sig, when", [
-    c if c in FAST else pytest.param(*c, marks=pytest.mark.slow) for c in CASES])
+    c if c in FAST else pytest.param(*c, marks=pytest.mark.deep) for c in CASES])
 def test_survivors_name_the_lost_rank(plan, victim, sig, when):
     w = World(CONFIG, plan, 4, steps=4, timeout_s=3.0)
     try:
