@@ -31,7 +31,7 @@ from schemas.header import PlanHeader
 from schemas.identity import check_against_plan
 from schemas.integrity import plan_key as read_key
 from schemas.integrity import rank_digest
-from schemas.plan import ACK, DONE, READY, RankPlan, load_rank
+from schemas.plan import ACK, DONE, READY, SLOT_ACK, RankPlan, load_rank
 from schemas.protocol import Overlap, carries
 
 from . import recovery, signals
@@ -308,6 +308,7 @@ class Executor(Signalling):
         if st.unpacks:
             self._sync()  # ACK frees staging the unpacks read; and the weights are whole
         self._signal(st.ack_to, s, ACK)
+        self._signal(st.slot_ack_to, s, SLOT_ACK)
 
     def close(self) -> None:
         self.control.close()

@@ -2,29 +2,29 @@
 
 A message (69 bytes) is `b"RPS3"` + 8 bytes of the plan fingerprint's hash + (sender's
 incarnation, receiver's incarnation as the sender imported it, step, stage, kind, sender,
-the sender process's sequence number) + a 16-byte MAC. Waits match
-the rule of `schemas/plan.py`: a `READY` or `DONE` wait at stage s matches the peer's
-signal sent in stage s of the same step, an `ACK` wait at stage s the peer's `ACK` sent in
-stage s-1. Messages of another plan are ignored, messages of an earlier step are stale and
-dropped, messages of a later step are kept for it. An `ABORT` (executor-internal) says the
-sender gave up the step after losing a rank: its signals of that step received so far are
-void (it may run the step again and send them again), and if the lost rank is another one,
-waits on the sender fail at once, naming it.
+the sender process's sequence number) + a 16-byte MAC. Waits match the rule of
+`schemas/plan.py`: a `READY` or `DONE` wait at stage s matches the peer's signal sent in
+stage s of the same step, an `ACK` wait at stage s the peer's `ACK` sent in stage s-1, a
+`SLOT_ACK` wait the peer's `SLOT_ACK` sent in stage s-SLOTS. Messages of another plan are
+ignored, messages of an earlier step are stale and dropped, messages of a later step are
+kept for it. An `ABORT` (executor-internal) says the sender gave up the step after losing a
+rank: its signals of that step received so far are void (it may run the step again and send
+them again), and if the lost rank is another one, waits on the sender fail at once, naming
+it.
 
 Incarnations (executor/core.py, recovery): a message counts only if it is addressed to this
 process (not to an earlier process of this rank: the sender's writes went there) and its
 sender's incarnation is the one imported for the sender. Messages of any other sender
-incarnation never satisfy a wait: they are held (a bounded number), `foreign` is set so
-that the executor reads the store for a restarted peer, and `set_incarnation` admits the
-held ones of the newly imported one.
+incarnation never satisfy a wait: they are held (a bounded number), `foreign` is set so that
+the executor reads the store for a restarted peer, and `set_incarnation` admits the held
+ones of the newly imported one.
 
 Authentication (`auth.py`): every message ends in a 16-byte MAC under the job's signal key
 and carries a per-process sequence number. A message is refused (dropped, counted in
 `refused`, logged) when its MAC is wrong (forged), its sequence number was seen before
 (replayed), or the transport-level sender (e.g. the NIXL agent it came from) is not the one
 imported for the rank it claims (impersonation). Refused messages never satisfy a wait, void
-a READY or make a rank re-read the store.
-"""
+a READY or make a rank re-read the store."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from schemas.plan import ACK, DONE, PACK, QUANT, READY, UNPACK, RankPlan
+from schemas.plan import ACK, DONE, PACK, QUANT, READY, SLOT_ACK, UNPACK, RankPlan
 
 from .copies import Op, prepare_copies
 from .quant import prepare_quants
@@ -30,6 +30,7 @@ class Stage:
     after: list[tuple[int, int, int]] = field(default_factory=list)
     unpacks: list[Op] = field(default_factory=list)
     ack_to: list[int] = field(default_factory=list)
+    slot_ack_to: list[int] = field(default_factory=list)
 
 
 def prepare_stage(plan: RankPlan, s: int, regions: list[torch.Tensor],
@@ -40,7 +41,8 @@ def prepare_stage(plan: RankPlan, s: int, regions: list[torch.Tensor],
         rows = np.flatnonzero(table["stage"] == s)
         for kind, peer in zip(table["kind"][rows].tolist(), table["peer"][rows].tolist()):
             if sent:
-                {READY: st.ready_to, DONE: st.done_to, ACK: st.ack_to}[kind].append(peer)
+                {READY: st.ready_to, DONE: st.done_to, ACK: st.ack_to,
+                 SLOT_ACK: st.slot_ack_to}[kind].append(peer)
             else:
                 (st.after if kind == DONE else st.before).append((s, kind, peer))
     c = p.copies

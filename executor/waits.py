@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from schemas.plan import ACK, DONE, READY
+from schemas.plan import ACK, DONE, READY, SLOT_ACK
 
 from . import recovery, signals
 from .errors import PeerAbortError, PeerLostError, PeerTimeoutError
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .transports.base import Transport
 
 _KIND_NAMES = {READY: "READY", DONE: "DONE (its writes landed)",
-               ACK: "ACK (its staging is free)"}
+               ACK: "ACK (its staging is free)", SLOT_ACK: "SLOT_ACK (its staging slot is free)"}
 
 
 class Signalling:

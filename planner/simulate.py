@@ -63,6 +63,7 @@ from schemas.plan import (
     PACK,
     QUANT,
     READY,
+    SLOT_ACK,
     UNPACK,
     Plan,
     PlanFormatError,
@@ -149,7 +150,7 @@ class _Sim:
             if ph in (_WAIT_IN, _WAIT_DONE):
                 if ph == _WAIT_IN:
                     self._send(r, s, t, READY)
-                kinds = (READY, ACK) if ph == _WAIT_IN else (DONE,)
+                kinds = (READY, ACK, SLOT_ACK) if ph == _WAIT_IN else (DONE,)
                 self.phase[r] += 1
                 if not self._wait(r, s, t, kinds):
                     return
@@ -167,6 +168,8 @@ class _Sim:
                     return
             elif ph in (_SEND_DONE, _SEND_ACK):
                 self._send(r, s, t, DONE if ph == _SEND_DONE else ACK)
+                if ph == _SEND_ACK:
+                    self._send(r, s, t, SLOT_ACK)
                 if ph == _SEND_ACK:
                     self.stage[r], self.phase[r] = s + 1, _WAIT_IN
                 else:

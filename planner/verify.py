@@ -8,7 +8,8 @@ One implementation serves the CLI and the property suite:
 - `sizes`: no write above `max_write_bytes`, staging within `staging_bytes`;
 - `order`: the stage DAG is acyclic; every wait has its signal and vice versa; every
   (source, target, stage) with writes has READY and DONE; staged writes into a target's
-  staging after stage 0 wait for its ACK;
+  staging after stage 0 wait for its ACK of the stage before, or (slotted staging) touch no
+  byte it still reads in the stages its SLOT_ACK does not cover;
 - `dataflow`: staging is filled before it is read, in the same stage: every staging byte
   a write reads was packed by that rank in the write's stage (packs run before writes),
   every staging byte an unpack reads was written into it in the unpack's stage (writes
@@ -36,6 +37,7 @@ from schemas.plan import (
     PACK,
     QUANT,
     READY,
+    SLOT_ACK,
     STAGING,
     UNPACK,
     Plan,
@@ -45,6 +47,7 @@ from schemas.plan import (
 )
 from schemas.protocol import (
     ITEM,
+    SLOTS,
     copy_extents,
     copy_footprint,
     overlaps,
@@ -52,6 +55,7 @@ from schemas.protocol import (
     sent_stage,
     staging_index,
     wait_stage,
+    write_footprint,
     write_stages,
 )
 
@@ -339,10 +343,28 @@ def order(plan: Plan) -> list[str]:
             staging = staging_index(plan.ranks[p])
             into = (rp.writes["dst_rank"] == p) & (rp.writes["dst_region"] == staging) & \
                 (stage == s)
-            if s > 0 and staging >= 0 and into.any() and (rp.rank, s, p, ACK) not in waited:
+            if not (s > 0 and staging >= 0 and into.any()) or (rp.rank, s, p, ACK) in waited:
+                continue
+            freed = s - SLOTS if (rp.rank, s, p, SLOT_ACK) in waited else -1
+            lo, hi = write_footprint(rp, "dst")[1:]
+            if overlaps((lo[into], hi[into]), _staging_reads(plan.ranks[p], freed + 1, s)):
                 out.append(f"rank {rp.rank} writes into rank {p}'s staging in stage {s} "
-                           "without waiting for its ACK")
+                           f"bytes that rank {p} may still read in stages {freed + 1}..{s - 1}"
+                           " (it waits for no ACK of stage s-1)")
     return out[:5]
+
+
+def _staging_reads(rp: RankPlan, first: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    """Staging bytes rank `rp` reads in stages `first` .. `stop - 1`: the sources of its
+    writes and copies (what a SLOT_ACK of stage `first - 1` does not yet free)."""
+    sg = staging_index(rp)
+    w, c = rp.writes, rp.copies
+    st = write_stages(rp)
+    mw = (w["src_region"] == sg) & (st >= first) & (st < stop)
+    mc = np.flatnonzero((c["src_region"] == sg) & (c["stage"] >= first) & (c["stage"] < stop))
+    _, lo, hi = write_footprint(rp, "src")
+    c_lo, c_hi = copy_extents(rp, "src", mc)
+    return np.concatenate([lo[mw], c_lo]), np.concatenate([hi[mw], c_hi])
 
 
 def verify_plan(plan: Plan) -> list[str]:

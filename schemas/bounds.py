@@ -15,12 +15,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from schemas.plan import (
-    ACK,
-    DONE,
     DTYPE_CODES,
     PACK,
     QUANT,
-    READY,
     STAGING,
     UNPACK,
     RankPlan,
@@ -35,9 +32,11 @@ from schemas.protocol import (
     copy_footprint,
     copy_value_problems,
     overlapping_dst,
+    sent_stage,
     staging_index,
     write_footprint,
 )
+from schemas.protocol import KINDS as SIGNAL_KINDS
 
 TABLES = ("writes", "batches", "copies", "signals", "waits")
 FLOAT_CODES = tuple(DTYPE_CODES.index(d) for d in ("bfloat16", "float16", "float32"))
@@ -215,10 +214,11 @@ def _signals(rp: RankPlan, world: int | None) -> Iterator[str | None]:
     for name, t in (("signal", rp.signals), ("wait", rp.waits)):
         yield _first(rp, name, (t["stage"] < 0) | (t["stage"] >= rp.stages),
                      f"has a stage out of range [0, {rp.stages})", t)
-        yield _first(rp, name, ~np.isin(t["kind"], (DONE, ACK, READY)), "has an unknown kind", t)
+        yield _first(rp, name, ~np.isin(t["kind"], SIGNAL_KINDS), "has an unknown kind", t)
         far = (t["peer"] >= world) if world is not None else np.zeros(len(t), dtype=bool)
         yield _first(rp, name, (t["peer"] < 0) | (t["peer"] == rp.rank) | far,
                      "names an invalid peer", t)
     w = rp.waits
-    yield _first(rp, "wait", (w["kind"] == ACK) & (w["stage"] == 0),
-                 "waits for an ACK at stage 0 (ACKs of stage s-1 free stage s)", w)
+    yield _first(rp, "wait", sent_stage(w["kind"], w["stage"].astype(np.int64)) < 0,
+                 "waits for an ACK sent before stage 0 (an ACK of stage s-1 frees stage s, a "
+                 "SLOT_ACK of stage s-3 stage s)", w)

@@ -39,9 +39,11 @@ it reads a 2-d box (`size0` x `size1`, any float dtype) and writes its e4m3 valu
 contiguously at `dst_offset` and its float32 block scales (`[ceil(size0/128),
 ceil(size1/128)]`, amax/448 per 128x128 block) contiguously at `aux_offset` (float32
 elements) of the same destination region."""
-DONE, ACK, READY = 0, 1, 2
+DONE, ACK, READY, SLOT_ACK = 0, 1, 2, 3
 """Signal kinds: DONE (writes of a stage landed), ACK (staging of a stage is free again),
-READY (a target may be written: sent once per step, before any write into it)."""
+READY (a target may be written: sent once per step, before any write into it), SLOT_ACK
+(an ACK awaited `schemas.protocol.SLOTS` stages later: staging used in slots, where stage s
+writes only the slot stage s - SLOTS freed, so the writer does not wait for stages between)."""
 
 DTYPE_CODES = ("uint8", "bfloat16", "float16", "float32", "float8_e4m3fn")
 """dtype codes used in copy ops (index = code)."""

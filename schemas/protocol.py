@@ -14,7 +14,10 @@ A rank's work per step (`run()`), stage by stage 0..stages-1 (the executor's who
 Matching: a signal carries (fingerprint, step, stage it was sent in, kind). A `READY` or
 `DONE` wait at stage s matches the peer's signal sent in stage s of the same step; an
 `ACK` wait at stage s matches the peer's `ACK` sent in stage s-1 of the same step (the
-peer's staging, written in stage s, is free again). Every rank walks every stage, so the
+peer's staging, written in stage s, is free again); a `SLOT_ACK` wait at stage s matches
+the peer's `SLOT_ACK` sent in stage s-SLOTS (the peer's staging is used in slots: what
+stage s writes there, stages s-1 .. s-SLOTS+1 never read; `verify` checks it). Both kinds
+of ACK go out in step 7. Every rank walks every stage, so the
 order is a DAG: READY -> packs -> writes -> DONE -> unpacks -> ACK -> next stage's writes.
 Two overlaps the executor applies, both decided by the plan alone (below): a stage's packs
 run during the previous stage's writes where allowed; and a rank that waits for no DONE,
@@ -24,8 +27,8 @@ stage s goes out when its writes have landed (step 4 late, never early).
 
 The rules, each with its one home here:
 
-- Signals: an `ACK` awaited in stage s was sent in stage s-1 (`sent_stage`, `wait_stage`);
-  `READY` and `DONE` match in the same stage.
+- Signals: an `ACK` awaited in stage s was sent in stage s-1, a `SLOT_ACK` in stage s-SLOTS
+  (`LAG`, `sent_stage`, `wait_stage`); `READY` and `DONE` match in the same stage.
 - Staging: the last region of a rank when it is named `STAGING` (`staging_index`); the
   compiler gives stage s the slot `s % SLOTS` of the budget.
 - The stage of a write is its batch's (`write_stages`).
@@ -57,7 +60,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from schemas.plan import ACK, DTYPE_CODES, ITEMSIZE, PACK, QUANT, STAGING, UNPACK, RankPlan
+from schemas.plan import (
+    ACK,
+    DONE,
+    DTYPE_CODES,
+    ITEMSIZE,
+    PACK,
+    QUANT,
+    READY,
+    SLOT_ACK,
+    STAGING,
+    UNPACK,
+    RankPlan,
+)
 
 ITEM = np.array([ITEMSIZE[d] for d in DTYPE_CODES], dtype=np.int64)
 """Bytes of one element, by dtype code (`schemas.plan.DTYPE_CODES`)."""
@@ -86,18 +101,31 @@ MAX_DIM = (1 << 31) - 1
 
 # ------------------------------------------------------------------------ signals
 
+ACKS = (ACK, SLOT_ACK)
+"""The kinds that free staging: sent after the unpacks (step 7), awaited before writes."""
+LAG = np.array([0, 1, 0, SLOTS], dtype=np.int64)
+"""Stages between a signal's sending and its wait, by kind (DONE, ACK, READY, SLOT_ACK)."""
+KINDS = (DONE, ACK, READY, SLOT_ACK)
+
+
+def _lag(kind: int | np.ndarray) -> int | np.ndarray:
+    if np.ndim(kind) == 0:
+        k = int(kind)
+        return int(LAG[k]) if 0 <= k < len(LAG) else 0
+    k = np.asarray(kind).astype(np.int64)
+    return np.where((k >= 0) & (k < len(LAG)), LAG[np.clip(k, 0, len(LAG) - 1)], 0)
+
+
 def sent_stage(kind: int | np.ndarray, wait_stage: int | np.ndarray) -> int | np.ndarray:
-    """The stage a signal awaited in `wait_stage` is sent in (an ACK: the stage before)."""
-    if isinstance(kind, int) and isinstance(wait_stage, int):
-        return wait_stage - 1 if kind == ACK else wait_stage
-    return wait_stage - (np.asarray(kind) == ACK).astype(np.int64)
+    """The stage a signal awaited in `wait_stage` is sent in (an ACK: the stage before; a
+    SLOT_ACK: `SLOTS` stages before)."""
+    return wait_stage - _lag(kind)
 
 
 def wait_stage(kind: int | np.ndarray, sent_stage: int | np.ndarray) -> int | np.ndarray:
-    """The stage a signal sent in `sent_stage` is awaited in (an ACK: the stage after)."""
-    if isinstance(kind, int) and isinstance(sent_stage, int):
-        return sent_stage + 1 if kind == ACK else sent_stage
-    return sent_stage + (np.asarray(kind) == ACK).astype(np.int64)
+    """The stage a signal sent in `sent_stage` is awaited in (an ACK: the stage after; a
+    SLOT_ACK: `SLOTS` stages after)."""
+    return sent_stage + _lag(kind)
 
 
 # ------------------------------------------------------------------------ staging, stages
@@ -129,7 +157,7 @@ def carries(rp: RankPlan) -> np.ndarray:
     if rp.stages < 2:
         return out
     out[:-1] = True
-    for table, kinds in ((rp.waits, (0,)), (rp.signals, (ACK,))):  # 0: DONE
+    for table, kinds in ((rp.waits, (DONE,)), (rp.signals, ACKS)):
         st = table["stage"][np.isin(table["kind"], kinds)]
         out[st[(st >= 0) & (st < rp.stages)]] = False
     st = rp.copies["stage"][rp.copies["kind"] == UNPACK]

@@ -44,6 +44,9 @@ class Lowered:
     staging: np.ndarray
     """Staging bytes of each plan rank."""
     stages: int
+    slotted: bool = False
+    """The targets' staging is used in slots (stage s: slot `s % SLOTS`, `_place_staging`):
+    a write into it waits for the SLOT_ACK of stage s - SLOTS, not the ACK of s - 1."""
 
 
 def merge(a: Lowered, b: Lowered | None) -> Lowered:
@@ -55,7 +58,7 @@ def merge(a: Lowered, b: Lowered | None) -> Lowered:
          if k.startswith("w_")}
     copies = {k: cat([a.copies[k], b.copies[k]]) for k in a.copies}
     return Lowered(**w, copies=copies, staging=np.maximum(a.staging, b.staging),
-                   stages=max(a.stages, b.stages))
+                   stages=max(a.stages, b.stages), slotted=a.slotted)
 
 
 def _geometry(t: PieceTable, rows: np.ndarray, c: Chunks) -> tuple[np.ndarray, ...]:
@@ -96,7 +99,7 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     first = int(bool((~staged).any() and (staged & pack).any()))
     st = _place_staging(si, src_rank, dst_rank, pack, unpack, nbytes,
                         opts, chunks.tensor, tensor_names, world, first)
-    stage, s_soff, d_soff, staging = st
+    stage, s_soff, d_soff, staging, slotted = st
     stages = int(stage.max()) + 1 if len(stage) else 1
 
     # Direct writes: `runs` rows each (or the whole box when both sides are contiguous).
@@ -125,7 +128,7 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
         w_dst_offset=cat([(d_start[idx] + k * d_a0[idx]) * es_d[idx], d_off]),
         w_nbytes=cat([d_n, nbytes[si]]),
         w_stage=cat([np.zeros(len(idx), dtype=np.int64), stage]),
-        copies=copies, staging=staging, stages=stages)
+        copies=copies, staging=staging, stages=stages, slotted=slotted)
 
 
 QUANTUM = 64 << 20
@@ -156,9 +159,9 @@ def _staging_order(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
 def _place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
                    pack: np.ndarray, unpack: np.ndarray, nbytes: np.ndarray, opts: Options,
                    tensor: np.ndarray, tensor_names: list[str], world: int, first: int = 0
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
     """Stage (from `first` on) and staging offsets of each staged chunk: the first stage
-    where both ends fit.
+    where both ends fit; and whether stages use slots.
 
     Stage s uses slot `s % SLOTS` (a third) of the budget, so the packs of stage s+1 never
     touch what stages s and s-1 read and may run while their writes are in flight
@@ -170,7 +173,7 @@ def _place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
     d_off = np.zeros(len(si), dtype=np.int64)
     staging = np.zeros(world, dtype=np.int64)
     if len(si) == 0:
-        return stage, s_off, d_off, staging
+        return stage, s_off, d_off, staging, False
     big = nbytes[si] > budget
     if big.any():
         i = si[np.argmax(big)]
@@ -203,7 +206,7 @@ def _place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
             used[(r, s)] = off + size  # the next chunk starts aligned
             cursor[r] = s
             staging[r] = max(staging[r], base + off + nb[j])  # within the budget
-    return stage, s_off, d_off, staging
+    return stage, s_off, d_off, staging, slots
 
 
 def _copies(si, pack, unpack, stage, s_soff, d_soff, src_rank, dst_rank, n_regions,

@@ -20,7 +20,7 @@ import numpy as np
 
 from planner.passes.lower import Lowered
 from planner.topology import Topology
-from schemas.plan import ACK, DONE, READY
+from schemas.plan import ACK, DONE, READY, SLOT_ACK
 from schemas.protocol import sent_stage, wait_stage
 
 MAX_BATCH_WRITES = 1024
@@ -73,7 +73,7 @@ def schedule(low: Lowered, topo: Topology, max_write_bytes: int,
     batch_start = np.nonzero(new_batch)[0]
     host = np.asarray(topo.host)
     batch_nic = (host[o_src[batch_start]] == host[o_dst[batch_start]]).astype(np.int64)
-    signals, waits = _signals(low, n_regions)
+    signals, waits = _signals(low, n_regions, topo.sources)
     nodes, edges = _dag(low.stages, topo.world, signals)
     return Schedule(order, batch_start, batch_nic, signals, waits, nodes, edges)
 
@@ -84,33 +84,38 @@ def _unique_rows(*cols: np.ndarray) -> np.ndarray:
     return np.unique(np.stack(cols, axis=1), axis=0)
 
 
-def _signals(low: Lowered, n_regions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _signals(low: Lowered, n_regions: np.ndarray, sources: int
+             ) -> tuple[np.ndarray, np.ndarray]:
     """(rank, stage, peer, kind) rows of signals sent and awaited."""
     d = low.w_dst_rank
-    return signal_rows(low.w_src_rank, d, low.w_stage, low.w_dst_region == n_regions[d])
+    slot = low.slotted & (d >= sources)  # the direct path's target staging
+    return signal_rows(low.w_src_rank, d, low.w_stage, low.w_dst_region == n_regions[d], slot)
 
 
-def signal_rows(s: np.ndarray, d: np.ndarray, st: np.ndarray, staged: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray]:
+def signal_rows(s: np.ndarray, d: np.ndarray, st: np.ndarray, staged: np.ndarray,
+                slot: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The signals of writes (source rank `s`, target rank `d`, stage `st`, `staged`: lands
-    in the target's staging), as (rank, stage, peer, kind) rows sent and awaited: READY
-    (stage 0) per pair, DONE per pair and stage, and an ACK of stage s-1 where the target's
-    staging is written in stage s >= 1 (hand-built plans in the tests derive theirs here)."""
+    in the target's staging; `slot`: that staging is used in slots), as (rank, stage,
+    peer, kind) rows sent and awaited: READY (stage 0) per pair, DONE per pair and stage,
+    and where the target's staging is written in stage s, an ACK of stage s-1 (s >= 1) or,
+    slotted, a SLOT_ACK of stage s-SLOTS (s >= SLOTS) (hand-built plans in the tests derive
+    theirs here)."""
+    slot = np.zeros(len(s), dtype=bool) if slot is None else np.asarray(slot, dtype=bool)
+    kind = np.where(slot, SLOT_ACK, ACK)
     pairs = _unique_rows(s, d)
     done = _unique_rows(s, d, st)
-    into_staging = staged & (st >= 1)
-    ack = _unique_rows(s[into_staging], d[into_staging], st[into_staging])
+    into_staging = staged & (sent_stage(kind, st) >= 0)
+    ack = _unique_rows(s[into_staging], d[into_staging], st[into_staging], kind[into_staging])
     zeros = np.zeros(len(pairs), dtype=np.int64)
     sent = [
         np.stack([pairs[:, 1], zeros, pairs[:, 0], zeros + READY], axis=1),
         np.stack([done[:, 0], done[:, 2], done[:, 1], np.full(len(done), DONE)], axis=1),
-        np.stack([ack[:, 1], sent_stage(ACK, ack[:, 2]), ack[:, 0], np.full(len(ack), ACK)],
-                 axis=1),
+        np.stack([ack[:, 1], sent_stage(ack[:, 3], ack[:, 2]), ack[:, 0], ack[:, 3]], axis=1),
     ]
     awaited = [
         np.stack([pairs[:, 0], zeros, pairs[:, 1], zeros + READY], axis=1),
         np.stack([done[:, 1], done[:, 2], done[:, 0], np.full(len(done), DONE)], axis=1),
-        np.stack([ack[:, 0], ack[:, 2], ack[:, 1], np.full(len(ack), ACK)], axis=1),
+        np.stack([ack[:, 0], ack[:, 2], ack[:, 1], ack[:, 3]], axis=1),
     ]
     return _sorted(np.concatenate(sent)), _sorted(np.concatenate(awaited))
 
@@ -135,9 +140,9 @@ def _dag(stages: int, world: int, signals: np.ndarray) -> tuple[np.ndarray, np.n
     chain = chain[ranks[chain] == ranks[chain + 1]]  # phase -> next phase -> next stage
     edges = [np.stack([chain, chain + 1], axis=1)]
     r, s, peer, kind = signals.T
-    phase_from = {READY: 0, DONE: 3, ACK: 5}
-    phase_to = {READY: 2, DONE: 4, ACK: 2}
-    for k in (READY, DONE, ACK):
+    phase_from = {READY: 0, DONE: 3, ACK: 5, SLOT_ACK: 5}
+    phase_to = {READY: 2, DONE: 4, ACK: 2, SLOT_ACK: 2}
+    for k in (READY, DONE, ACK, SLOT_ACK):
         m = kind == k
         to_stage = wait_stage(k, s[m])
         edges.append(np.stack([node(r[m], s[m], phase_from[k]),
