@@ -125,7 +125,11 @@ def begin_hook(original: Callable, manager: Any, recv_req: Any) -> Any:
     from sglang.srt.managers.io_struct import BeginWeightUpdateReqOutput
 
     scheduler = manager.scheduler
-    state = _bound(scheduler)
+    try:
+        state = _bound(scheduler)
+    except Exception as e:  # noqa: BLE001  (an answer, not a crashed scheduler loop)
+        return BeginWeightUpdateReqOutput(success=False, message=f"rdma-plan: binding "
+                                          f"{ENV} failed: {type(e).__name__}: {e}")
     if state is None:
         return original(manager, recv_req)
     if not scheduler._engine_paused:

@@ -2,7 +2,10 @@
 RANKs 1.. are the TP ranks of a real SGLang 0.5.23 engine on CPU driven through SGLang's
 own scheduler handlers with the rdma-plan plugin (`integrations.sglang_engine`).
 
-argv[1] is JSON: {"port", "store", "ctl", "plan", "hf", "steps", "torn", "world"}.
+argv[1] is JSON: {"port", "store", "ctl", "plan", "hf", "steps", "torn", "world", "bind"};
+`bind` is "rpc" (`Scheduler.rdma_plan_init` through `handle_rpc_request`, as
+`Engine.collective_rpc` sends it) or "env" (`RDMA_PLAN_SGLANG`, bound by the first
+`begin_weight_update`, as for an HTTP server).
 
 What is real SGLang here: the model and its loader, the parallel groups (gloo), the
 scheduler-level `SchedulerWeightUpdaterManager` (begin/end session, post-load), the
@@ -66,6 +69,10 @@ def fan_out(store: torch.distributed.TCPStore, engines: int):  # noqa: ANN201
     return call
 
 
+def bind_keys(arg: dict) -> dict:
+    return {"plan": arg["plan"], "rendezvous": f"127.0.0.1:{arg['store']}", "timeout_s": 900.0}
+
+
 def trainer(arg: dict) -> None:
     from integrations.sglang import TornUpdateError
     from integrations.sglang_engine import update
@@ -79,18 +86,22 @@ def trainer(arg: dict) -> None:
     lay = build_layout(spec, cfg.source)
     tensors = {n: t.clone() for n, t in
                materialize(lay, random_full_tensors(spec, seed=100), ranks=[0])[0].items()}
-    init = {"method": "rdma_plan_init", "parameters": {
-        "plan": arg["plan"], "rendezvous": f"127.0.0.1:{arg['store']}", "timeout_s": 900.0}}
-    answers: list[dict] = []  # the RPC and the trainer's load rendezvous with each other
-    rpc = threading.Thread(target=lambda: answers.append(call("rpc", init)))
-    rpc.start()
+    # binding (the RPC, or with RDMA_PLAN_SGLANG the first begin_weight_update) and the
+    # trainer's executor.load rendezvous with each other: the request goes from a thread
+    first = ("rpc", {"method": "rdma_plan_init", "parameters": bind_keys(arg)}) \
+        if arg["bind"] == "rpc" else ("begin_weight_update", {})
+    answers: list[dict] = []
+    bind = threading.Thread(target=lambda: answers.append(call(*first)))
+    bind.start()
     plan = executor.load(arg["plan"], 0, tensors, transport="nixl",
                          rendezvous=f"127.0.0.1:{arg['store']}", timeout_s=900)
-    rpc.join()
-    assert answers[0]["success"], answers
-    plan.timeout_s = 120.0
-    unpaused = call("begin_weight_update", {})
+    bind.join()
+    if arg["bind"] == "rpc":
+        assert answers[0]["success"], answers
+        answers = [call("begin_weight_update", {})]
+    unpaused = answers[0]  # begin is refused while generation runs
     assert not unpaused["success"] and "pause_generation" in unpaused["message"], unpaused
+    plan.timeout_s = 120.0
     for step in range(1, arg["steps"] + 1):
         new = materialize(lay, random_full_tensors(spec, seed=100 + step), ranks=[0])[0]
         for n, t in tensors.items():
@@ -167,10 +178,12 @@ def engine_rank(arg: dict, rank: int, world: int) -> None:
     from sglang.srt.model_loader.loader import DefaultModelLoader
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from integrations.sglang_engine import rank_state, register
+    from integrations.sglang_engine import ENV, rank_state, register
     from planner.materialize import random_full_tensors
     from planner.spec import spec_from_hf
 
+    if arg["bind"] == "env":
+        os.environ[ENV] = json.dumps(bind_keys(arg))
     register()  # what load_plugins() does with the entry point, then it applies the hooks
     HookRegistry.apply_hooks()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(arg["port"]))
