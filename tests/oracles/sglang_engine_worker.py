@@ -11,8 +11,9 @@ What is real SGLang here: the model and its loader, the parallel groups (gloo), 
 scheduler-level `SchedulerWeightUpdaterManager` (begin/end session, post-load), the
 `Scheduler` class's own handlers (`init_request_dispatcher`'s table: `handle_rpc_request`,
 `pause_generation`, `continue_generation`, `handle_update_weight_version`) and SGLang's
-`HookRegistry` applying the plugin's hooks. What stands in: `Scheduler.__init__` (it needs
-KV-cache pools, a TP worker and ZMQ sockets, not available on CPU here), so a
+`HookRegistry` applying the plugin's hooks. What stands in: `Scheduler.__init__` (it builds
+KV-cache pools, a TP worker and ZMQ sockets; a whole `sglang.Engine` on CPU was not carried
+through here), so a
 `Scheduler.__new__` object carries the few fields those handlers read; the TP worker is a
 namespace holding the model runner's two fields (`model`, `weight_updater`); the
 tokenizer manager's fan-out (ZMQ, then SGLang's broadcast to TP ranks) is a TCPStore:
