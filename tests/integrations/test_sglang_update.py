@@ -29,7 +29,7 @@ if not sglang_env.available():
                 "(tests/oracles/install_sglang.sh)", allow_module_level=True)
 
 
-def test_update_live_engine_bit_exact_with_derived_refresh(tmp_path) -> None:
+def compiled(tmp_path) -> tuple[dict, str]:
     hf = deepseek_v3(torch_dtype="bfloat16")
     (tmp_path / "config.json").write_text(json.dumps(hf))
     config = {"model": {"config": "config.json"},
@@ -40,6 +40,27 @@ def test_update_live_engine_bit_exact_with_derived_refresh(tmp_path) -> None:
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(config))
     plan = str(tmp_path / "plan.rplan")
     compile_file(str(tmp_path / "plan.yaml"), plan)
+    return hf, plan
+
+
+def test_update_live_engine_bit_exact_with_derived_refresh(tmp_path) -> None:
+    hf, plan = compiled(tmp_path)
     launch("sglang_update_worker.py", 3,
            {"config": str(tmp_path / "plan.yaml"), "plan": plan, "hf": hf,
             "store": free_port(), "steps": 4, "torn": 3, "world": 3}, timeout=1200.0)
+
+
+@pytest.mark.parametrize("bind", ["rpc", "env"])
+def test_update_through_sglang_scheduler_calls(tmp_path, bind: str) -> None:
+    """The plugin (integrations/sglang_engine.py) in SGLang's own scheduler handlers:
+    rdma_plan_init by RPC or by RDMA_PLAN_SGLANG at the first begin, begin refused until
+    paused, four updates through pause /
+    begin / end / update_weight_version / continue_generation, bit-exact after each whole
+    one; the torn one refused at end_weight_update on every rank, after which the version
+    and the pause stay as they were; the next one re-arms the open session
+    (tests/oracles/sglang_engine_worker.py says which parts of SGLang are real)."""
+    hf, plan = compiled(tmp_path)
+    launch("sglang_engine_worker.py", 3,
+           {"config": str(tmp_path / "plan.yaml"), "plan": plan, "hf": hf,
+            "store": free_port(), "ctl": free_port(), "steps": 4, "torn": 3, "world": 3,
+            "bind": bind}, timeout=1200.0)

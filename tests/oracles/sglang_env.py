@@ -11,6 +11,8 @@ What differs from a GPU engine, and why none of it changes the loaded values:
 - `torchvision` is replaced by an empty stub module: the PyPI wheel links CUDA torch, and
   SGLang imports it only for image preprocessing (`InterpolationMode` at import time).
   `transformers` is imported first, so it still sees torchvision as absent.
+- `setproctitle` (a C extension the scheduler, detokenizer and DP controller modules
+  import; it only names the process) is a stub with no-op `setproctitle`/`getproctitle`.
 - The parallel groups are built with SGLang's own `bootstrap._init_parallel_groups` over
   gloo (as `init_parallel_runtime` does), skipping only its CUDA device selection, NCCL
   warm-ups and the AMX thread binding that needs sgl-kernel.
@@ -67,6 +69,8 @@ def prepare() -> None:
     iu.is_torchvision_available()  # cached as False before the stub exists
     for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"):
         _stub(name, InterpolationMode=_InterpolationMode)
+    if "setproctitle" not in sys.modules:
+        _stub("setproctitle", setproctitle=lambda title: None, getproctitle=lambda: "")
 
 
 def server_args(hf: dict, *, tp: int, pp: int = 1, ep: bool = False, dp: int = 1,

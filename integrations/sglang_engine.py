@@ -1,0 +1,263 @@
+"""rdma-plan inside a live SGLang 0.5.23 engine, through SGLang's own weight-update calls.
+
+An SGLang general plugin (entry point group `sglang.srt.plugins`, name `rdma_plan`:
+`register`). SGLang runs `load_plugins()` in every scheduler process before it builds the
+scheduler; `register` adds one scheduler method and four hooks, through SGLang's
+`HookRegistry` (AROUND hooks; nothing in SGLang is edited):
+
+- `Scheduler.rdma_plan_init(plan, rendezvous, transport, timeout_s, replica)`: bind this
+  TP rank's live parameters to its plan rank and register them once (`SGLangTarget`).
+  Reach it with `engine.collective_rpc("rdma_plan_init", plan=...)` (SGLang broadcasts an
+  RPC to every TP rank and runs it there), or set `RDMA_PLAN_SGLANG` to the same keys as
+  JSON in the server's environment (bound at the first `begin_weight_update`).
+- `begin_weight_update` (scheduler): refused unless generation is paused; after SGLang's
+  own begin, this rank starts receiving its plan step in a background thread (the
+  scheduler keeps serving control requests meanwhile).
+- `end_weight_update` (scheduler): waits for the receive, then all TP ranks agree
+  (a MIN all-reduce over SGLang's TP CPU group: every rank answers the same). A torn step
+  on any rank is refused before SGLang's end runs: `success=False` naming the ranks, the
+  session stays open (the next `begin_weight_update` re-arms the receive: a retry),
+  nothing is committed. A whole step runs SGLang's end, whose post-load processing
+  refreshes the derived tensors (DeepSeek `w_kc`/`w_vc`) in place.
+- `update_weight_version` and `continue_generation` (scheduler) are skipped while the
+  weights are torn: the label stamped on outputs keeps the last whole version and the
+  engine stays paused; `status(scheduler)["torn"]` says why.
+
+The trainer drives an update with `update(call, send, version)`; `call` posts one of
+SGLang's HTTP endpoints (`http(url)`), `send` runs the sources' `executor.run(plan)`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import executor
+from integrations.sglang import SGLangTarget, TornUpdateError
+from schemas.errors import UserError
+
+log = logging.getLogger(__name__)
+ENV = "RDMA_PLAN_SGLANG"
+"""JSON of `rdma_plan_init`'s keys, read by a server started without the RPC."""
+JOIN_MARGIN_S = 30.0
+"""How long `end_weight_update` waits for the receive beyond the plan's own timeout."""
+
+
+@dataclass
+class EngineRank:
+    """The rdma-plan state of one scheduler process (attribute `rdma_plan` of it)."""
+
+    target: SGLangTarget
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    torn: str | None = None
+    """Why the weights are not whole (None when they are): generation must not resume."""
+    steps: list[executor.RunStats] = field(default_factory=list)
+
+    def receive(self) -> None:
+        try:
+            self.steps.append(executor.run(self.target.plan))
+        except BaseException as e:  # noqa: BLE001  (reported by end_weight_update)
+            self.error = e
+
+    def start(self) -> None:
+        self.error = None
+        self.torn = "a weight update is in progress"
+        self.thread = threading.Thread(target=self.receive, name="rdma-plan-receive",
+                                       daemon=True)
+        self.thread.start()
+
+    def finish(self) -> str | None:
+        """Wait for the receive; None when this rank's step is whole, else why not."""
+        thread, self.thread = self.thread, None
+        assert thread is not None
+        thread.join(self.target.plan.timeout_s + JOIN_MARGIN_S)
+        if thread.is_alive():
+            self.thread = thread
+            return "the receive is still running"
+        if self.error is not None:
+            return f"{type(self.error).__name__}: {self.error}"
+        return None if self.target.plan.complete else "the plan step did not complete"
+
+
+def rank_state(scheduler: Any) -> EngineRank | None:
+    return scheduler.__dict__.get("rdma_plan")
+
+
+def rdma_plan_init(scheduler: Any, plan: str, rendezvous: str = "", transport: str = "nixl",
+                   timeout_s: float = 60.0, replica: int = 0) -> None:
+    """Bind this scheduler's target model to its plan rank (a `Scheduler` method)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    if rank_state(scheduler) is not None:
+        raise UserError(f"rdma_plan_init: this engine is already bound (plan rank "
+                        f"{rank_state(scheduler).target.rank}); start a new engine")
+    runner = dict(scheduler.tp_worker.weight_update_runners())["target"]
+    parallel = get_parallel()
+    target = SGLangTarget(runner.model, plan, updater=runner.weight_updater,
+                          replica=int(replica), dp_rank=int(parallel.dp_rank or 0),
+                          transport=transport, rendezvous=rendezvous or None,
+                          timeout_s=float(timeout_s), parallel=parallel)
+    scheduler.rdma_plan = EngineRank(target)
+
+
+def _bound(scheduler: Any) -> EngineRank | None:
+    if rank_state(scheduler) is None and os.environ.get(ENV):
+        try:
+            keys = json.loads(os.environ[ENV])
+        except ValueError as e:
+            raise UserError(f"{ENV}: not JSON ({e}); set it to e.g. "
+                            '{"plan": "/plans/x.rplan", "rendezvous": "host:port"}') from e
+        rdma_plan_init(scheduler, **keys)
+    return rank_state(scheduler)
+
+
+def begin_hook(original: Callable, manager: Any, recv_req: Any) -> Any:
+    from sglang.srt.managers.io_struct import BeginWeightUpdateReqOutput
+
+    scheduler = manager.scheduler
+    try:
+        state = _bound(scheduler)
+    except Exception as e:  # noqa: BLE001  (an answer, not a crashed scheduler loop)
+        return BeginWeightUpdateReqOutput(success=False, message=f"rdma-plan: binding "
+                                          f"{ENV} failed: {type(e).__name__}: {e}")
+    if state is None:
+        return original(manager, recv_req)
+    if not scheduler._engine_paused:
+        return BeginWeightUpdateReqOutput(success=False, message=(
+            "rdma-plan: generation is running; call pause_generation first"))
+    if manager._session is not None and state.thread is None and state.torn:
+        state.start()  # retry of a refused (torn) update: the session is still open
+        return BeginWeightUpdateReqOutput(success=True, message="rdma-plan: receive re-armed")
+    out = original(manager, recv_req)
+    if out.success:
+        state.start()
+    return out
+
+
+def end_hook(original: Callable, manager: Any, recv_req: Any) -> Any:
+    from sglang.srt.managers.io_struct import EndWeightUpdateReqOutput
+
+    state = rank_state(manager.scheduler)
+    if state is None or manager._session is None:
+        return original(manager, recv_req)
+    if state.thread is None:  # no receive armed: refused before, or none was started
+        if state.torn:
+            return EndWeightUpdateReqOutput(success=False, message=f"rdma-plan: {state.torn}")
+        return original(manager, recv_req)
+    why = state.finish()
+    flag = torch.tensor([0 if why else 1, state.target.rank], dtype=torch.int64)
+    flags = [torch.zeros_like(flag) for _ in range(manager.tp_cpu_group.size())]
+    torch.distributed.all_gather(flags, flag, group=manager.tp_cpu_group)
+    torn = [int(f[1]) for f in flags if not int(f[0])]
+    if torn:
+        state.torn = (f"the update did not complete on plan rank(s) {torn}"
+                      + (f" (this rank: {why})" if why else "")
+                      + "; the weights are not whole: begin_weight_update and send again")
+        log.error("rdma-plan: end_weight_update refused: %s", state.torn)
+        return EndWeightUpdateReqOutput(success=False, message=f"rdma-plan: {state.torn}")
+    out = original(manager, recv_req)
+    if out.success:
+        state.torn = None
+    return out
+
+
+def continue_hook(original: Callable, scheduler: Any, recv_req: Any) -> Any:
+    state = rank_state(scheduler)
+    if state is not None and state.torn:
+        log.error("rdma-plan: continue_generation skipped (the engine stays paused): %s",
+                  state.torn)
+        return None
+    return original(scheduler, recv_req)
+
+
+def version_hook(original: Callable, scheduler: Any, recv_req: Any) -> Any:
+    from sglang.srt.managers.io_struct import UpdateWeightVersionReqOutput
+
+    state = rank_state(scheduler)
+    if state is not None and state.torn:
+        log.error("rdma-plan: weight_version %r not recorded: %s", recv_req.new_version,
+                  state.torn)
+        return UpdateWeightVersionReqOutput()
+    return original(scheduler, recv_req)
+
+
+def status(scheduler: Any) -> dict[str, Any]:
+    """This rank's rdma-plan state: bound, plan rank, steps received, why torn."""
+    state = rank_state(scheduler)
+    if state is None:
+        return {"bound": False}
+    return {"bound": True, "rank": state.target.rank, "steps": len(state.steps),
+            "receiving": state.thread is not None, "torn": state.torn}
+
+
+HOOKS = {
+    "sglang.srt.managers.scheduler_components.weight_updater."
+    "SchedulerWeightUpdaterManager.begin_weight_update": begin_hook,
+    "sglang.srt.managers.scheduler_components.weight_updater."
+    "SchedulerWeightUpdaterManager.end_weight_update": end_hook,
+    "sglang.srt.managers.scheduler.Scheduler.continue_generation": continue_hook,
+    "sglang.srt.managers.scheduler.Scheduler.handle_update_weight_version": version_hook,
+}
+
+
+def register() -> None:
+    """The plugin's entry point: SGLang calls it in every process, then applies hooks."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    Scheduler.rdma_plan_init = rdma_plan_init
+    for path, hook in HOOKS.items():
+        HookRegistry.register(path, hook, HookType.AROUND)
+
+
+# ---- the trainer's side -------------------------------------------------------------
+
+Call = Callable[[str, dict[str, Any]], dict[str, Any]]
+"""Posts one SGLang endpoint with a JSON body, returns the JSON answer (also on HTTP 400)."""
+
+
+def http(url: str, timeout_s: float = 600.0) -> Call:
+    """`Call` over an SGLang server's HTTP API at `url` (e.g. http://host:30000)."""
+    def call(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+        req = urllib.request.Request(f"{url.rstrip('/')}/{endpoint}",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            if e.code != 400:
+                raise
+            return json.loads(e.read() or b"{}")
+    return call
+
+
+def update(call: Call, send: Callable[[], object], version: str,
+           empty_cache: bool = True) -> None:
+    """One update of one engine: pause, begin, the sources' `send()`, end (refused when
+    torn: raises `TornUpdateError`, the engine stays paused with its old version; call
+    `update` again), then the version and resume."""
+    call("pause_generation", {"mode": "in_place"})
+    begun = call("begin_weight_update", {})
+    if not begun.get("success"):
+        raise TornUpdateError(f"begin_weight_update refused: {begun.get('message')}")
+    try:
+        send()
+    except Exception as e:  # noqa: BLE001  (the engine's end decides and says why)
+        log.error("rdma-plan: send failed: %s", e)
+    ended = call("end_weight_update", {})
+    if not ended.get("success"):
+        raise TornUpdateError(f"end_weight_update refused: {ended.get('message')}; the "
+                              f"engine stays paused, version not set to {version!r}")
+    call("update_weight_version", {"new_version": version, "abort_all_requests": False})
+    call("continue_generation", {"torch_empty_cache": empty_cache})
