@@ -1,0 +1,314 @@
+"""Trace vLLM 0.33's own `load_weights` into pieces (imports torch and vLLM; only
+`planner/layouts/traced.py` imports this module, and only on a cache miss).
+
+For one engine rank: vLLM's distributed state is faked (TP/PP/DP/EP groups of the right
+sizes and ranks, no process group), the model is built on the meta device, and its
+`load_weights` runs over meta stand-ins of the checkpoint tensors under a
+`TorchFunctionMode` that records every `copy_` from a stand-in's storage into a parameter's
+storage. Meta tensors keep sizes, strides and storage offsets, so a copy's two views give
+the logical box and where it lands in the parameter. Anything else computed from
+checkpoint data (a product, a `cat`, a cast into a new tensor) is marked tainted; copying
+a tainted tensor into a parameter is refused naming the parameter and the operation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+import torch  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+from planner.layouts.base import PhysicalTensor, Piece  # noqa: E402
+from planner.spec import ModelSpec  # noqa: E402
+from schemas.config import ConfigError, TargetConfig  # noqa: E402
+
+COPIES = {torch.Tensor.copy_}
+"""Operations that move checkpoint data into a parameter (recorded)."""
+
+
+class TraceError(ConfigError):
+    """vLLM's loader does something a traced layout cannot express."""
+
+
+# ---------------------------------------------------------------- faked parallel state
+
+
+class _ProcessGroup:
+    """What vLLM asks of a `torch.distributed` group while building a model."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+class _Group:
+    """A stand-in for vLLM's `GroupCoordinator`: sizes and ranks, no communication."""
+
+    def __init__(self, size: int, rank: int, name: str) -> None:
+        self.world_size, self.rank_in_group, self.rank = size, rank, rank
+        self.ranks, self.local_rank, self.unique_name = list(range(size)), rank, name
+        self.device_group = self.cpu_group = _ProcessGroup(size, rank)
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+
+_GROUPS = ("_WORLD", "_TP", "_PP", "_DP", "_EP", "_PCP", "_DCP")
+
+
+@contextmanager
+def fake_parallel_state(cfg: TargetConfig, d: int, p: int, t: int) -> Iterator[None]:
+    """vLLM's process-wide groups for DP rank d, PP stage p, TP rank t; restored after."""
+    from vllm.distributed import parallel_state as ps
+
+    world = cfg.engine_world
+    ep = (cfg.dp * cfg.tp, d * cfg.tp + t) if cfg.ep else (1, 0)
+    groups = {"_WORLD": (world, (d * cfg.pp + p) * cfg.tp + t), "_TP": (cfg.tp, t),
+              "_PP": (cfg.pp, p), "_DP": (cfg.dp, d), "_EP": ep, "_PCP": (1, 0),
+              "_DCP": (1, 0)}
+    saved = {g: getattr(ps, g) for g in _GROUPS}
+    try:
+        for g, (size, rank) in groups.items():
+            setattr(ps, g, _Group(size, rank, g.lower()))
+        yield
+    finally:
+        for g, old in saved.items():
+            setattr(ps, g, old)
+
+
+def engine_config(hf: dict[str, Any], cfg: TargetConfig) -> Any:
+    """vLLM's `VllmConfig` for one engine of `cfg` (vLLM's own checks run here)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    with tempfile.TemporaryDirectory(prefix="rdma-plan-trace-") as folder:
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(hf, f)
+        try:
+            return EngineArgs(model=folder, skip_tokenizer_init=True, dtype=cfg.dtype,
+                              load_format="dummy", tensor_parallel_size=cfg.tp,
+                              pipeline_parallel_size=cfg.pp, data_parallel_size=cfg.dp,
+                              enable_expert_parallel=cfg.ep, enforce_eager=True,
+                              max_model_len=128).create_engine_config()
+        except Exception as e:  # vLLM's own config check (pydantic, ValueError)
+            first = str(e).strip().splitlines()
+            why = next((ln.strip() for ln in first if "error" in ln.lower()), first[0])
+            raise TraceError(f"target: vLLM refuses this engine ({why[:300]}); fix target "
+                             "tp/pp/dp/ep or the model config") from None
+
+
+# ---------------------------------------------------------------- the recorder
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    name: str
+    shape: tuple[int, ...]
+
+
+class Recorder(TorchFunctionMode):
+    """Records `copy_` from checkpoint stand-ins into parameters; taints arithmetic."""
+
+    def __init__(self, params: dict[int, str], sources: dict[int, _Source]) -> None:
+        super().__init__()
+        self.params, self.sources = params, sources
+        self.tainted: dict[int, str] = {}
+        """storage -> what computed it (from checkpoint data)."""
+        self.pieces: dict[str, list[Piece]] = {n: [] for n in params.values()}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func in COPIES:
+            self._copy(args[0], args[1])
+        elif func is torch.Tensor.__setitem__ and _key(args[2]) in self._watched():
+            self._copy(args[0][args[1]], args[2])  # the mode is off inside its handler
+        out = func(*args, **kwargs)
+        self._taint(func, args, kwargs, out)
+        return out
+
+    def _watched(self) -> set[int]:
+        return self.sources.keys() | self.tainted.keys()
+
+    def _taint(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """A new tensor computed from checkpoint data is tainted (views share storage)."""
+        ins = [_key(a) for a in _tensors((args, kwargs))]
+        why = next((self.tainted[k] for k in ins if k in self.tainted), None)
+        src = next((self.sources[k].name for k in ins if k in self.sources), None)
+        if why is None and src is None:
+            return
+        for o in _tensors(out):
+            k = _key(o)
+            if k not in self.sources and k not in self.params and k not in self.tainted:
+                self.tainted[k] = why or f"{getattr(func, '__name__', func)} on {src}"
+
+    def _copy(self, dst: torch.Tensor, src: Any) -> None:
+        if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor):
+            return
+        ks, kd = _key(src), _key(dst)
+        if kd not in self.params:
+            return
+        param = self.params[kd]
+        if ks in self.tainted:
+            raise TraceError(f"target.layout: traced: vLLM's loader writes {param} from "
+                             f"arithmetic ({self.tainted[ks]}); a traced layout takes only "
+                             "views, slices, narrows and copies: use target.layout: rules "
+                             "where a hand-written layout exists")
+        if ks not in self.sources:
+            return  # a constant (zeros, a fill): padding, not logical data
+        self.pieces[param].append(piece(self.sources[ks], src, dst, self.shapes[param], param))
+
+
+def _key(t: Any) -> int:
+    return t.untyped_storage()._cdata if isinstance(t, torch.Tensor) else -1
+
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
+# ---------------------------------------------------------------- geometry of one copy
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return out[::-1]
+
+
+def _unravel(offset: int, shape: tuple[int, ...]) -> list[int]:
+    out = []
+    for stride in _contiguous_strides(shape):
+        out.append(offset // stride)
+        offset %= stride
+    return out
+
+
+def _dim_map(view: torch.Tensor, shape: tuple[int, ...], what: str) -> list[int | None]:
+    """For each dim of `view` (a view into a contiguous tensor of `shape`), the dim of that
+    tensor it runs along (None where the view's extent is 1)."""
+    strides = _contiguous_strides(shape)
+    out: list[int | None] = []
+    for size, stride in zip(view.shape, view.stride()):
+        if size == 1:
+            out.append(None)
+            continue
+        dims = [i for i, s in enumerate(strides) if s == stride and shape[i] > 1]
+        if len(dims) != 1 or dims[0] in out:
+            raise TraceError(f"target.layout: traced: {what} is copied through a view of "
+                             f"strides {tuple(view.stride())} that is not a box; a traced "
+                             "layout takes only views, slices, narrows and copies")
+        out.append(dims[0])
+    return out
+
+
+def piece(src_t: _Source, src: torch.Tensor, dst: torch.Tensor, pshape: tuple[int, ...],
+          param: str) -> Piece:
+    """The piece that `dst.copy_(src)` writes: logical box -> position in the parameter."""
+    if tuple(src.shape) != tuple(dst.shape):
+        raise TraceError(f"target.layout: traced: vLLM's loader broadcasts {src_t.name} "
+                         f"{tuple(src.shape)} into {param} {tuple(dst.shape)}; a traced "
+                         "layout takes only same-shape copies")
+    lmap = _dim_map(src, src_t.shape, src_t.name)
+    pmap = _dim_map(dst, pshape, param)
+    offsets = _unravel(src.storage_offset(), src_t.shape)
+    at = _unravel(dst.storage_offset(), pshape)
+    sizes = [1] * len(src_t.shape)
+    to_phys: dict[int, int] = {}
+    for size, li, pi in zip(src.shape, lmap, pmap):
+        if li is not None and pi is not None:
+            sizes[li], to_phys[li] = size, pi
+    lead = len(pshape) - len(src_t.shape)
+    default = list(range(lead, len(pshape))) if lead >= 0 else None
+    if default is not None and all(default[i] == j for i, j in to_phys.items()):
+        dims = None
+    else:
+        free = iter(j for j in range(len(pshape)) if j not in to_phys.values())
+        dims = tuple(to_phys[i] if i in to_phys else next(free)
+                     for i in range(len(src_t.shape)))
+    return Piece(src_t.name, tuple(offsets), tuple(sizes), tuple(at), dims)
+
+
+# ---------------------------------------------------------------- one rank
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _stand_ins(spec: ModelSpec, dtype: str) -> tuple[list[tuple[str, torch.Tensor]],
+                                                      dict[int, _Source]]:
+    """Meta tensors of the checkpoint (MTP layers left out: vLLM does not load them)."""
+    named, sources = [], {}
+    for t in spec.tensors:
+        if t.mtp:
+            continue
+        tensor = torch.empty(t.shape, dtype=getattr(torch, "float32" if t.buffer else dtype),
+                             device="meta")
+        named.append((t.name, tensor))
+        sources[_key(tensor)] = _Source(t.name, t.shape)
+    return named, sources
+
+
+def trace_rank(spec: ModelSpec, vcfg: Any, cfg: TargetConfig, rank: tuple[int, int, int],
+               keep: list[Any]) -> list[PhysicalTensor]:
+    """One engine rank's (DP d, PP p, TP t) `named_parameters()` as pieces, from vLLM's
+    `load_weights`. The model goes into `keep`: vLLM caches per-model state by `id(model)`
+    (`models/utils.py`), so no model may be freed while the engine's others are traced."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    d, p, t = rank
+    with fake_parallel_state(cfg, d, p, t), set_current_vllm_config(vcfg), \
+            set_default_torch_dtype(vcfg.model_config.dtype), torch.device("meta"):
+        vcfg.compilation_config.static_forward_context.clear()  # one model at a time
+        model = initialize_model(vllm_config=vcfg)
+        keep.append(model)
+        named = list(model.named_parameters())
+        rec = Recorder({_key(x): n for n, x in named}, {})
+        rec.shapes = {n: tuple(x.shape) for n, x in named}
+        for n, x in named:
+            if not x.is_contiguous():
+                raise TraceError(f"target.layout: traced: parameter {n} is not contiguous")
+        stream, rec.sources = _stand_ins(spec, cfg.dtype)
+        with torch.no_grad(), rec:
+            model.load_weights(iter(stream))
+    return [PhysicalTensor(n, tuple(x.shape), _dtype_name(x.dtype),
+                           tuple(sorted(rec.pieces[n], key=lambda q: q.at)))
+            for n, x in named]
+
+
+def trace_engine(spec: ModelSpec, hf: dict[str, Any],
+                 cfg: TargetConfig) -> list[list[PhysicalTensor]]:
+    """Every rank of one engine, in engine rank order `(d * pp + p) * tp + t`."""
+    vcfg, keep = engine_config(hf, cfg), []
+    return [trace_rank(spec, vcfg, cfg, (d, p, t), keep)
+            for d in range(cfg.dp) for p in range(cfg.pp) for t in range(cfg.tp)]
