@@ -95,6 +95,33 @@ def fake_parallel_state(cfg: TargetConfig, d: int, p: int, t: int) -> Iterator[N
             setattr(ps, g, old)
 
 
+def check_known(hf: dict[str, Any]) -> None:
+    """One clear line when vLLM cannot build the model: neither transformers nor vLLM knows
+    its `model_type`/`architectures`, or vLLM does not serve it."""
+    import transformers
+    import vllm
+    from transformers import CONFIG_MAPPING
+    from vllm.model_executor.models import ModelRegistry
+
+    model_type, archs = hf.get("model_type"), hf.get("architectures") or []
+    served = sorted(a for a in ModelRegistry.get_supported_archs() if a.endswith("ForCausalLM"))
+    if isinstance(archs, list) and any(a in served for a in archs):
+        return
+    known = isinstance(model_type, str) and model_type in CONFIG_MAPPING
+    who = (f"vLLM {vllm.__version__} serves none of its architectures {archs}" if known else
+           f"neither transformers {transformers.__version__} nor vLLM {vllm.__version__} "
+           "knows it")
+    raise TraceError(f"model.config: model_type {model_type!r}: {who}; supported: the "
+                     f"hand-written families ({', '.join(_hand_written())}) and, traced, any "
+                     f"of vLLM's {len(served)} causal LMs: {', '.join(served)}")
+
+
+def _hand_written() -> tuple[str, ...]:
+    from planner.layouts.traced import HAND_WRITTEN
+
+    return HAND_WRITTEN
+
+
 def engine_config(hf: dict[str, Any], cfg: TargetConfig) -> Any:
     """vLLM's `VllmConfig` for one engine of `cfg` (vLLM's own checks run here)."""
     from vllm.engine.arg_utils import EngineArgs
@@ -109,8 +136,9 @@ def engine_config(hf: dict[str, Any], cfg: TargetConfig) -> Any:
                               enable_expert_parallel=cfg.ep, enforce_eager=True,
                               max_model_len=128).create_engine_config()
         except Exception as e:  # vLLM's own config check (pydantic, ValueError)
-            first = str(e).strip().splitlines()
-            why = next((ln.strip() for ln in first if "error" in ln.lower()), first[0])
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [repr(e)]
+            why = next((ln for ln in lines if ln.startswith("Value error,")), lines[0])
+            why = why.removeprefix("Value error,").split(" [type=")[0].strip()
             raise TraceError(f"target: vLLM refuses this engine ({why[:300]}); fix target "
                              "tp/pp/dp/ep or the model config") from None
 
