@@ -177,13 +177,19 @@ class Recorder(TorchFunctionMode):
         return self.sources.keys() | self.tainted.keys()
 
     def _taint(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        """A new tensor computed from checkpoint data is tainted (views share storage)."""
+        """A new tensor computed from checkpoint data is tainted (views share storage).
+        Fast path first: most calls return no tensor (`dim`, `item`, `size`)."""
+        outs = [out] if isinstance(out, torch.Tensor) else (
+            [o for o in out if isinstance(o, torch.Tensor)] if isinstance(out, (tuple, list))
+            else [])
+        if not outs:
+            return
         ins = [_key(a) for a in _tensors((args, kwargs))]
         why = next((self.tainted[k] for k in ins if k in self.tainted), None)
         src = next((self.sources[k].name for k in ins if k in self.sources), None)
         if why is None and src is None:
             return
-        for o in _tensors(out):
+        for o in outs:
             k = _key(o)
             if k not in self.sources and k not in self.params and k not in self.tainted:
                 self.tainted[k] = why or f"{getattr(func, '__name__', func)} on {src}"
@@ -305,28 +311,31 @@ def _stand_ins(spec: ModelSpec, dtype: str) -> tuple[list[tuple[str, torch.Tenso
     return named, sources
 
 
-def trace_rank(spec: ModelSpec, vcfg: Any, cfg: TargetConfig, rank: tuple[int, int, int],
+def trace_rank(checkpoint: tuple[list[tuple[str, torch.Tensor]], dict[int, _Source]],
+               vcfg: Any, cfg: TargetConfig, rank: tuple[int, int, int],
                keep: list[Any]) -> list[PhysicalTensor]:
     """One engine rank's (DP d, PP p, TP t) `named_parameters()` as pieces, from vLLM's
-    `load_weights`. The model goes into `keep`: vLLM caches per-model state by `id(model)`
-    (`models/utils.py`), so no model may be freed while the engine's others are traced."""
+    `load_weights` of the `checkpoint` stand-ins (`_stand_ins`). The model goes into
+    `keep`: vLLM caches per-model state by `id(model)` (`models/utils.py`), so no model may
+    be freed while the engine's others are traced."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     d, p, t = rank
     with fake_parallel_state(cfg, d, p, t), set_current_vllm_config(vcfg), \
-            set_default_torch_dtype(vcfg.model_config.dtype), torch.device("meta"):
+            set_default_torch_dtype(vcfg.model_config.dtype):
         vcfg.compilation_config.static_forward_context.clear()  # one model at a time
-        model = initialize_model(vllm_config=vcfg)
+        with torch.device("meta"):
+            model = initialize_model(vllm_config=vcfg)
         keep.append(model)
         named = list(model.named_parameters())
-        rec = Recorder({_key(x): n for n, x in named}, {})
+        stream, sources = checkpoint
+        rec = Recorder({_key(x): n for n, x in named}, sources)
         rec.shapes = {n: tuple(x.shape) for n, x in named}
         for n, x in named:
             if not x.is_contiguous():
                 raise TraceError(f"target.layout: traced: parameter {n} is not contiguous")
-        stream, rec.sources = _stand_ins(spec, cfg.dtype)
         with torch.no_grad(), rec:
             model.load_weights(iter(stream))
     return [PhysicalTensor(n, tuple(x.shape), _dtype_name(x.dtype),
@@ -337,6 +346,6 @@ def trace_rank(spec: ModelSpec, vcfg: Any, cfg: TargetConfig, rank: tuple[int, i
 def trace_engine(spec: ModelSpec, hf: dict[str, Any],
                  cfg: TargetConfig) -> list[list[PhysicalTensor]]:
     """Every rank of one engine, in engine rank order `(d * pp + p) * tp + t`."""
-    vcfg, keep = engine_config(hf, cfg), []
-    return [trace_rank(spec, vcfg, cfg, (d, p, t), keep)
+    vcfg, keep, checkpoint = engine_config(hf, cfg), [], _stand_ins(spec, cfg.dtype)
+    return [trace_rank(checkpoint, vcfg, cfg, (d, p, t), keep)
             for d in range(cfg.dp) for p in range(cfg.pp) for t in range(cfg.tp)]
