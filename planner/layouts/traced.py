@@ -19,6 +19,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -115,12 +116,24 @@ def _trace(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list[list[
 # ---------------------------------------------------------------- the cache file
 
 
+def encode_rank(tensors: Sequence[PhysicalTensor]) -> list[Any]:
+    """One rank as plain msgpack-able rows (the cache's, and the tracing workers')."""
+    return [[t.name, list(t.shape), t.dtype,
+             [[p.tensor, list(p.offsets), list(p.sizes), list(p.at),
+               None if p.dims is None else list(p.dims)] for p in t.pieces]] for t in tensors]
+
+
+def decode_rank(rows: Any, spec: ModelSpec) -> tuple[PhysicalTensor, ...]:
+    """`encode_rank`'s rows, checked: types, names in `spec`, every piece in bounds
+    (raises ValueError, TypeError, KeyError or IndexError otherwise)."""
+    if not isinstance(rows, list):
+        raise ValueError("a rank is not a list")
+    return tuple(_tensor(t, spec) for t in rows)
+
+
 def write_cache(path: str, key: str, engine: list[tuple[PhysicalTensor, ...]]) -> None:
     """Write atomically (a temporary file renamed), so a reader never sees half a file."""
-    ranks = [[[t.name, list(t.shape), t.dtype,
-               [[p.tensor, list(p.offsets), list(p.sizes), list(p.at),
-                 None if p.dims is None else list(p.dims)] for p in t.pieces]]
-              for t in rank] for rank in engine]
+    ranks = [encode_rank(rank) for rank in engine]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
@@ -156,7 +169,7 @@ def _decode(raw: Any, key: str, spec: ModelSpec,
     ranks = raw["ranks"]
     if not isinstance(ranks, list) or len(ranks) != world:
         return None
-    return [tuple(_tensor(t, spec) for t in rank) for rank in ranks]
+    return [decode_rank(rank, spec) for rank in ranks]
 
 
 def _tensor(t: Any, spec: ModelSpec) -> PhysicalTensor:

@@ -14,6 +14,7 @@ a tainted tensor into a parameter is refused naming the parameter and the operat
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import tempfile
 from collections.abc import Iterator
@@ -184,7 +185,9 @@ class Recorder(TorchFunctionMode):
             else [])
         if not outs:
             return
-        ins = [_key(a) for a in _tensors((args, kwargs))]
+        ins = [_key(a) for a in _tensors((args, kwargs)) if a.is_meta]  # stand-ins are meta
+        if not ins:
+            return
         why = next((self.tainted[k] for k in ins if k in self.tainted), None)
         src = next((self.sources[k].name for k in ins if k in self.sources), None)
         if why is None and src is None:
@@ -215,15 +218,18 @@ def _key(t: Any) -> int:
     return t.untyped_storage()._cdata if isinstance(t, torch.Tensor) else -1
 
 
-def _tensors(x: Any) -> Iterator[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _tensors(y)
+def _tensors(x: Any) -> list[torch.Tensor]:
+    """The tensors in nested lists, tuples and dicts (a function's args and kwargs)."""
+    out, todo = [], [x]
+    while todo:
+        y = todo.pop()
+        if isinstance(y, torch.Tensor):
+            out.append(y)
+        elif isinstance(y, (list, tuple)):
+            todo.extend(y)
+        elif isinstance(y, dict):
+            todo.extend(y.values())
+    return out
 
 
 # ---------------------------------------------------------------- geometry of one copy
@@ -343,9 +349,72 @@ def trace_rank(checkpoint: tuple[list[tuple[str, torch.Tensor]], dict[int, _Sour
             for n, x in named]
 
 
-def trace_engine(spec: ModelSpec, hf: dict[str, Any],
-                 cfg: TargetConfig) -> list[list[PhysicalTensor]]:
-    """Every rank of one engine, in engine rank order `(d * pp + p) * tp + t`."""
-    vcfg, keep, checkpoint = engine_config(hf, cfg), [], _stand_ins(spec, cfg.dtype)
-    return [trace_rank(checkpoint, vcfg, cfg, (d, p, t), keep)
-            for d in range(cfg.dp) for p in range(cfg.pp) for t in range(cfg.tp)]
+def trace_engine(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig,
+                 workers: int | None = None) -> list[list[PhysicalTensor]]:
+    """Every rank of one engine, in engine rank order `(d * pp + p) * tp + t`, traced by up
+    to `workers` forked processes (default: one per CPU core)."""
+    vcfg, checkpoint = engine_config(hf, cfg), _stand_ins(spec, cfg.dtype)
+    ranks = [(d, p, t) for d in range(cfg.dp) for p in range(cfg.pp) for t in range(cfg.tp)]
+    workers = min(len(ranks), workers or os.cpu_count() or 1)
+    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        keep: list[Any] = []
+        return [trace_rank(checkpoint, vcfg, cfg, r, keep) for r in ranks]
+    ctx = multiprocessing.get_context("fork")
+    pipes, procs = [], []
+    for w in range(workers):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_worker, args=(send, checkpoint, vcfg, cfg, ranks[w::workers]),
+                           daemon=True)
+        proc.start()
+        send.close()
+        pipes.append(recv)
+        procs.append(proc)
+    try:
+        parts = [_receive(recv, spec) for recv in pipes]
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    return [list(parts[i % workers][i // workers]) for i in range(len(ranks))]
+
+
+def _worker(send: Any, checkpoint: Any, vcfg: Any, cfg: TargetConfig,
+            ranks: list[tuple[int, int, int]]) -> None:
+    """A forked tracer: sends its ranks as msgpack rows, or `{"error": line}`."""
+    import msgpack
+
+    from planner.layouts.traced import encode_rank
+
+    keep: list[Any] = []
+    try:
+        out: Any = {"ranks": [encode_rank(trace_rank(checkpoint, vcfg, cfg, r, keep))
+                              for r in ranks]}
+    except ConfigError as e:
+        out = {"error": str(e)}
+    except Exception as e:  # noqa: BLE001 (a vLLM failure: the parent names it)
+        out = {"error": f"target.layout: traced: vLLM failed while tracing "
+                        f"({type(e).__name__}: {str(e)[:300]})"}
+    send.send_bytes(msgpack.packb(out))
+    send.close()
+
+
+def _receive(recv: Any, spec: ModelSpec) -> list[tuple[PhysicalTensor, ...]]:
+    """One worker's ranks, checked like a cache file (`traced.decode_rank`)."""
+    import msgpack
+
+    from planner.layouts.traced import decode_rank
+
+    try:
+        raw = msgpack.unpackb(recv.recv_bytes(), strict_map_key=True)
+        if isinstance(raw, dict) and "error" in raw:
+            error = str(raw["error"])[:4000]
+        else:
+            return [decode_rank(rows, spec) for rows in raw["ranks"]]
+    except EOFError:
+        raise TraceError("target.layout: traced: a tracing process died without an answer "
+                         "(out of memory?); retry, or trace with fewer processes") from None
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        raise TraceError(f"target.layout: traced: a tracing process sent a bad answer ({e})"
+                         ) from None
+    raise TraceError(error)

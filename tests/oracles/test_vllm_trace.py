@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from planner.layouts import traced, vllm
+from planner.layouts import traced, vllm, vllm_trace  # noqa: F401 (sets VLLM_TARGET_DEVICE)
 from planner.spec import spec_from_hf
 from schemas.config import ConfigError, TargetConfig
 from tests.support.engine_models import deepseek_v3, llama, qwen2, qwen3, qwen3_moe
