@@ -29,15 +29,12 @@ import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from planner.layouts.base import PhysicalTensor, Piece  # noqa: E402
+from planner.layouts.trace_geometry import TraceError, View, piece  # noqa: E402
 from planner.spec import ModelSpec  # noqa: E402
 from schemas.config import ConfigError, TargetConfig  # noqa: E402
 
 COPIES = {torch.Tensor.copy_}
 """Operations that move checkpoint data into a parameter (recorded)."""
-
-
-class TraceError(ConfigError):
-    """vLLM's loader does something a traced layout cannot express."""
 
 
 # ---------------------------------------------------------------- faked parallel state
@@ -211,7 +208,13 @@ class Recorder(TorchFunctionMode):
                              "where a hand-written layout exists")
         if ks not in self.sources:
             return  # a constant (zeros, a fill): padding, not logical data
-        self.pieces[param].append(piece(self.sources[ks], src, dst, self.shapes[param], param))
+        source = self.sources[ks]
+        self.pieces[param].append(piece(source.name, source.shape, _view(src), _view(dst),
+                                        self.shapes[param], param))
+
+
+def _view(t: torch.Tensor) -> View:
+    return View(tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
 
 def _key(t: Any) -> int:
@@ -230,70 +233,6 @@ def _tensors(x: Any) -> list[torch.Tensor]:
         elif isinstance(y, dict):
             todo.extend(y.values())
     return out
-
-
-# ---------------------------------------------------------------- geometry of one copy
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return out[::-1]
-
-
-def _unravel(offset: int, shape: tuple[int, ...]) -> list[int]:
-    out = []
-    for stride in _contiguous_strides(shape):
-        out.append(offset // stride)
-        offset %= stride
-    return out
-
-
-def _dim_map(view: torch.Tensor, shape: tuple[int, ...], what: str) -> list[int | None]:
-    """For each dim of `view` (a view into a contiguous tensor of `shape`), the dim of that
-    tensor it runs along (None where the view's extent is 1)."""
-    strides = _contiguous_strides(shape)
-    out: list[int | None] = []
-    for size, stride in zip(view.shape, view.stride()):
-        if size == 1:
-            out.append(None)
-            continue
-        dims = [i for i, s in enumerate(strides) if s == stride and shape[i] > 1]
-        if len(dims) != 1 or dims[0] in out:
-            raise TraceError(f"target.layout: traced: {what} is copied through a view of "
-                             f"strides {tuple(view.stride())} that is not a box; a traced "
-                             "layout takes only views, slices, narrows and copies")
-        out.append(dims[0])
-    return out
-
-
-def piece(src_t: _Source, src: torch.Tensor, dst: torch.Tensor, pshape: tuple[int, ...],
-          param: str) -> Piece:
-    """The piece that `dst.copy_(src)` writes: logical box -> position in the parameter."""
-    if tuple(src.shape) != tuple(dst.shape):
-        raise TraceError(f"target.layout: traced: vLLM's loader broadcasts {src_t.name} "
-                         f"{tuple(src.shape)} into {param} {tuple(dst.shape)}; a traced "
-                         "layout takes only same-shape copies")
-    lmap = _dim_map(src, src_t.shape, src_t.name)
-    pmap = _dim_map(dst, pshape, param)
-    offsets = _unravel(src.storage_offset(), src_t.shape)
-    at = _unravel(dst.storage_offset(), pshape)
-    sizes = [1] * len(src_t.shape)
-    to_phys: dict[int, int] = {}
-    for size, li, pi in zip(src.shape, lmap, pmap):
-        if li is not None and pi is not None:
-            sizes[li], to_phys[li] = size, pi
-    lead = len(pshape) - len(src_t.shape)
-    default = list(range(lead, len(pshape))) if lead >= 0 else None
-    if default is not None and all(default[i] == j for i, j in to_phys.items()):
-        dims = None
-    else:
-        free = iter(j for j in range(len(pshape)) if j not in to_phys.values())
-        dims = tuple(to_phys[i] if i in to_phys else next(free)
-                     for i in range(len(src_t.shape)))
-    return Piece(src_t.name, tuple(offsets), tuple(sizes), tuple(at), dims)
 
 
 # ---------------------------------------------------------------- one rank
