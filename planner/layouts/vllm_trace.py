@@ -168,6 +168,8 @@ class Recorder(TorchFunctionMode):
         elif func is torch.Tensor.__setitem__ and _key(args[2]) in self._watched():
             self._copy(args[0][args[1]], args[2])  # the mode is off inside its handler
         out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and not out.is_meta:
+            return out  # the hot path: vLLM's CPU bookkeeping (expert maps), never data
         self._taint(func, args, kwargs, out)
         return out
 
