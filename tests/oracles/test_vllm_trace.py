@@ -42,6 +42,12 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "deepseek_v3 ep2": (deepseek_v3(), dict(tp=2, ep=True)),
     "deepseek_v3 ep3": (deepseek_v3(), dict(tp=3, ep=True)),
     "deepseek_v3 pp2": (deepseek_v3(), dict(tp=1, pp=2)),
+    # vLLM's sequence-parallel MoE (EP, TP > 1, DP > 1) replicates the shared experts: the
+    # trace found the hand-written rule TP-splitting them here
+    "deepseek_v3 dp2 tp2 ep": (deepseek_v3(), dict(dp=2, tp=2, ep=True)),
+    "deepseek_v3 dp2 tp2": (deepseek_v3(), dict(dp=2, tp=2)),
+    "qwen3_moe dp2 ep": (qwen3_moe(), dict(dp=2, tp=1, ep=True)),
+    "qwen3_moe dp2 no-ep": (qwen3_moe(), dict(dp=2, tp=1)),
 }
 
 
