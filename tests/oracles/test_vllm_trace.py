@@ -47,6 +47,12 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "deepseek_v3 dp2 tp2 ep": (deepseek_v3(), dict(dp=2, tp=2, ep=True)),
     "deepseek_v3 dp2 tp2": (deepseek_v3(), dict(dp=2, tp=2)),
     "qwen3_moe dp2 ep": (qwen3_moe(), dict(dp=2, tp=1, ep=True)),
+    "qwen3_moe tp2 pp2 dp2 ep bf16": (qwen3_moe(), dict(tp=2, pp=2, dp=2, ep=True,
+                                                       dtype="bfloat16")),
+    "llama tp2 pp2 tied": (llama(tie_word_embeddings=True), dict(tp=2, pp=2)),
+    "deepseek_v3 no q_lora tp2": (deepseek_v3(q_lora_rank=None), dict(tp=2)),
+    "kimi_k2 ep2": (deepseek_v3(model_type="kimi_k2", first_k_dense_replace=2),
+                    dict(tp=2, ep=True)),
     "qwen3_moe dp2 no-ep": (qwen3_moe(), dict(dp=2, tp=1)),
 }
 
