@@ -19,6 +19,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -97,7 +98,11 @@ def engine_ranks(spec: ModelSpec, cfg: TargetConfig, hf: dict[str, Any],
     if cached is not None:
         return cached
     engine = [tuple(r) for r in _trace(spec, hf, replace(cfg, replicas=1))]
-    write_cache(path, key, engine)
+    try:
+        write_cache(path, key, engine)
+    except OSError as e:  # a read-only or full disk costs the next compile a trace, no more
+        print(f"rdma-plan: traced layout not cached ({e}); set RDMA_PLAN_CACHE to a writable "
+              "folder", file=sys.stderr)
     return engine
 
 

@@ -124,3 +124,15 @@ def test_settings_the_loader_does_not_write_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="target.w13_order: 'w3w1' is not what vLLM"):
         traced.layout(spec, TargetConfig(engine="vllm", w13_order="w3w1"), qwen3(),
                       str(tmp_path))
+
+
+def test_an_unwritable_cache_only_costs_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = target(layout="traced")
+    engine = [r.tensors for r in vllm.layout(SPEC, cfg).ranks]
+    monkeypatch.setattr(traced, "_trace", lambda spec, hf, c: engine)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")  # the cache folder cannot be made under a file
+    got = traced.layout(SPEC, cfg, HF, str(blocker))
+    assert got == vllm.layout(SPEC, cfg)
+    assert "traced layout not cached" in capsys.readouterr().err
