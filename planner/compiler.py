@@ -23,6 +23,7 @@ from planner.fp8 import with_scales
 from planner.identities import rank_identities, with_rank_tensors
 from planner.layouts import build_layout
 from planner.layouts.base import Layout
+from planner.layouts.traced import model_hf, uses_trace
 from planner.nic_stats import egress_bound, nic_stats, remote_egress
 from planner.passes.assign import assign, explain_chunks, split_rows
 from planner.passes.coalesce import coalesce
@@ -55,7 +56,8 @@ def compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None = Non
     if progress is not None:
         progress("layouts")
     src_layout = build_layout(spec, cfg.source)
-    dst_layout = build_layout(spec, cfg.target)
+    dst_layout = build_layout(spec, cfg.target, model_hf(cfg) if uses_trace(spec, cfg.target)
+                              else None)
     if cfg.target.dtype == "fp8_block128":
         spec = with_scales(spec)
     return compile_layouts(cfg, spec, src_layout, dst_layout, progress)

@@ -200,6 +200,11 @@ class TargetConfig:
     w13_order: Literal["w1w3", "w3w1"] = "w1w3"
     """vllm MoE `w13_weight` row order per expert: `w1w3` ([gate; up], the loader's and
     Triton's) or `w3w1` ([up; gate], what FlashInfer-CUTLASS keeps after loading)."""
+    layout: Literal["auto", "rules", "traced"] = "auto"
+    """vllm: where the layout comes from: `rules` (hand-written, `planner/layouts/vllm.py`),
+    `traced` (vLLM 0.33's own `load_weights` recorded on the meta device, cached under
+    ~/.cache/rdma-plan; needs torch and vLLM on a cache miss), or `auto` (rules for the
+    model types they cover, traced for any other)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ("vllm", "sglang"):
@@ -215,6 +220,10 @@ class TargetConfig:
             _fail("target.w13_order", self.w13_order, "is not supported; use w1w3 or w3w1")
         if self.w13_order != "w1w3" and self.engine != "vllm":
             _fail("target.w13_order", self.w13_order, "is vllm-only; remove it")
+        if self.layout not in ("auto", "rules", "traced"):
+            _fail("target.layout", self.layout, "is not supported; use auto, rules or traced")
+        if self.layout == "traced" and self.engine != "vllm":
+            _fail("target.layout", self.layout, "is vllm-only; remove it for sglang")
         _world("target.tp * target.dp * target.pp * target.replicas", self.world)
 
     @property

@@ -14,6 +14,7 @@ Per rank (TP size `tp`, TP rank `t`):
   `w13_order: w3w1`, FlashInfer-CUTLASS's runtime order), `w2_weight [E_loc, H,
   I/mtp]`. Without EP the experts are TP-split over the dp*tp ranks of a PP stage; with
   EP, `ep = dp*tp`, `ep_rank = d*tp + t`, MoE TP 1, "linear" placement (uneven counts).
+  With EP, TP > 1 and DP > 1 (vLLM's sequence-parallel MoE) shared experts are replicated.
 - MLA: `fused_qkv_a_proj` = [q_a_proj; kv_a_proj_with_mqa] replicated, `q_b_proj` and
   `kv_b_proj` split by head, `o_proj` row-parallel. MTP layers are not loaded.
 - PP: global layer indices; a stage holds only its layers (`get_pp_indices`); embedding
@@ -66,6 +67,8 @@ class Shard:
     """Holds `model.norm` and `lm_head`."""
     embed_vocab: Split | None = None
     """embed_tokens rows when they differ from lm_head's (size 1: replicated)."""
+    shared: Split | None = None
+    """Shared experts when they differ from `mlp` (size 1: replicated)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,11 +134,14 @@ def shard(spec: ModelSpec, cfg: TargetConfig, d: int, p: int, t: int) -> Shard:
     tp = Split(cfg.tp, t)
     every_stage = spec.dims.model_type == "qwen3_moe"
     last = p == cfg.pp - 1
+    # vLLM's sequence-parallel MoE (`use_sequence_parallel_moe`: EP, TP > 1, DP > 1 with
+    # the default all2all backend) replicates the shared experts (`disable_tp`)
+    sequence_parallel = cfg.ep and cfg.tp > 1 and cfg.dp > 1
     return Shard(attn=tp, mlp=tp, vocab=tp,
                  moe_tp=Split() if cfg.ep else flat, ep=flat if cfg.ep else Split(),
                  layers=pp_layers(spec.dims.num_layers, cfg.pp, p),
                  embed=every_stage or p == 0 or (spec.dims.tied and last),
-                 head=every_stage or last)
+                 head=every_stage or last, shared=Split() if sequence_parallel else None)
 
 
 def layout(spec: ModelSpec, cfg: TargetConfig) -> Layout:
@@ -288,7 +294,7 @@ class _Builder:
                 yield self.whole(bias)
             if self.d.shared_intermediate:
                 yield from self.gated(p + "mlp.shared_experts.", p + "mlp.shared_experts.",
-                                      self.s.mlp)
+                                      self.s.shared or self.s.mlp)
             yield from self.experts(p)
         else:
             yield from self.gated(p + "mlp.", p + "mlp.", self.s.mlp)

@@ -29,12 +29,20 @@ def test_every_benchmark_has_a_tiny_mode_here() -> None:
                      if n.endswith(".py") or os.path.isdir(os.path.join(ROOT, "bench", n))
                      and not n.startswith("__"))
     assert scripts == ["compile_scale.py", "executor_bench.py", "gpu_refit", "long_run.py",
-                       "published.py"]
+                       "published.py", "traced_compile.py"]
 
 
 def test_compile_scale_tiny() -> None:
     out = _run("bench/compile_scale.py", "--tiny")
     assert "| demo.yaml | 4 |" in out
+
+
+def test_traced_compile_tiny() -> None:
+    pytest.importorskip("vllm")
+    out = _run("bench/traced_compile.py", "--tiny")
+    # the traced plans equal the hand-written one; the cache hit imports no torch
+    assert "| traced, empty cache |" in out and "| True | True |" in out
+    assert out.rstrip().endswith("| False | True |")
 
 
 def test_published_tiny() -> None:

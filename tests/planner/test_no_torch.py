@@ -56,6 +56,33 @@ print("ok without torch")
     assert plan.stat().st_size > 0
 
 
+def test_a_cached_trace_compiles_without_torch(tmp_path: Path) -> None:
+    # the cache file is written from the hand-written layout (what a trace of this family
+    # equals: tests/oracles/test_vllm_trace.py); a hit must not import torch or vLLM
+    config = tmp_path / "traced.yaml"
+    text = (ROOT / "plans" / "demo.yaml").read_text()
+    config.write_text(text.replace("models/tiny-qwen3", str(ROOT / "plans/models/tiny-qwen3"))
+                      .replace("  replicas: 2", "  replicas: 2\n  layout: traced"))
+    run = _run(f"""
+import dataclasses, os
+os.environ["RDMA_PLAN_CACHE"] = {str(tmp_path / "cache")!r}
+from planner.cli import main
+from planner.layouts import traced, vllm
+from planner.validate import load
+
+cfg, spec = load({str(config)!r})
+assert cfg.target.layout == "traced"
+engine = [r.tensors for r in vllm.layout(spec, dataclasses.replace(cfg.target, replicas=1)).ranks]
+key = traced.cache_key(traced.model_hf(cfg), cfg.target)
+traced.write_cache(os.path.join(traced.cache_dir(), "traced", key + ".msgpack"), key, engine)
+assert main(["compile", {str(config)!r}, "-o", {str(tmp_path / "t.rplan")!r}]) == 0
+assert "torch" not in sys.modules and "vllm" not in sys.modules
+print("ok without torch")
+""", tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().endswith("ok without torch")
+
+
 def test_the_blocker_does_block(tmp_path: Path) -> None:
     run = _run("import planner.testing\n", tmp_path)
     assert run.returncode != 0 and "torch is blocked in this test" in run.stderr

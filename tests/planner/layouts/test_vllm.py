@@ -176,6 +176,8 @@ def vllm_expected(spec: ModelSpec, cfg: TargetConfig) -> Callable[[str], int]:
                 stages = 2
         if ".experts." in name and ".shared_experts." not in name:
             return stages  # each routed expert element on exactly one rank of the stage
+        if ".shared_experts." in name and cfg.ep and cfg.tp > 1 and cfg.dp > 1:
+            return stages * cfg.dp * cfg.tp  # sequence-parallel MoE: replicated
         if ".k_proj." in name or ".v_proj." in name:
             return stages * cfg.dp * max(1, cfg.tp // d.kv_heads)
         if any(k in name for k in TP_SPLIT):

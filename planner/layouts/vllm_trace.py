@@ -1,0 +1,361 @@
+"""Trace vLLM 0.33's own `load_weights` into pieces (imports torch and vLLM; only
+`planner/layouts/traced.py` imports this module, and only on a cache miss).
+
+For one engine rank: vLLM's distributed state is faked (TP/PP/DP/EP groups of the right
+sizes and ranks, no process group), the model is built on the meta device, and its
+`load_weights` runs over meta stand-ins of the checkpoint tensors under a
+`TorchFunctionMode` that records every `copy_` from a stand-in's storage into a parameter's
+storage. Meta tensors keep sizes, strides and storage offsets, so a copy's two views give
+the logical box and where it lands in the parameter. Anything else computed from
+checkpoint data (a product, a `cat`, a cast into a new tensor) is marked tainted; copying
+a tainted tensor into a parameter is refused naming the parameter and the operation.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+import torch  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+from planner.layouts.base import PhysicalTensor, Piece  # noqa: E402
+from planner.layouts.trace_geometry import TraceError, View, piece  # noqa: E402
+from planner.spec import ModelSpec  # noqa: E402
+from schemas.config import ConfigError, TargetConfig  # noqa: E402
+
+COPIES = {torch.Tensor.copy_}
+"""Operations that move checkpoint data into a parameter (recorded)."""
+
+
+# ---------------------------------------------------------------- faked parallel state
+
+
+class _ProcessGroup:
+    """What vLLM asks of a `torch.distributed` group while building a model."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+class _Group:
+    """A stand-in for vLLM's `GroupCoordinator`: sizes and ranks, no communication."""
+
+    def __init__(self, size: int, rank: int, name: str) -> None:
+        self.world_size, self.rank_in_group, self.rank = size, rank, rank
+        self.ranks, self.local_rank, self.unique_name = list(range(size)), rank, name
+        self.device_group = self.cpu_group = _ProcessGroup(size, rank)
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+
+_GROUPS = ("_WORLD", "_TP", "_PP", "_DP", "_EP", "_PCP", "_DCP")
+
+
+@contextmanager
+def fake_parallel_state(cfg: TargetConfig, d: int, p: int, t: int) -> Iterator[None]:
+    """vLLM's process-wide groups for DP rank d, PP stage p, TP rank t; restored after."""
+    from vllm.distributed import parallel_state as ps
+
+    world = cfg.engine_world
+    ep = (cfg.dp * cfg.tp, d * cfg.tp + t) if cfg.ep else (1, 0)
+    groups = {"_WORLD": (world, (d * cfg.pp + p) * cfg.tp + t), "_TP": (cfg.tp, t),
+              "_PP": (cfg.pp, p), "_DP": (cfg.dp, d), "_EP": ep, "_PCP": (1, 0),
+              "_DCP": (1, 0)}
+    saved = {g: getattr(ps, g) for g in _GROUPS}
+    try:
+        for g, (size, rank) in groups.items():
+            setattr(ps, g, _Group(size, rank, g.lower()))
+        yield
+    finally:
+        for g, old in saved.items():
+            setattr(ps, g, old)
+
+
+def check_known(hf: dict[str, Any]) -> None:
+    """One clear line when vLLM cannot build the model: neither transformers nor vLLM knows
+    its `model_type`/`architectures`, or vLLM does not serve it."""
+    import transformers
+    import vllm
+    from transformers import CONFIG_MAPPING
+    from vllm.model_executor.models import ModelRegistry
+
+    model_type, archs = hf.get("model_type"), hf.get("architectures") or []
+    served = sorted(a for a in ModelRegistry.get_supported_archs() if a.endswith("ForCausalLM"))
+    if isinstance(archs, list) and any(a in served for a in archs):
+        return
+    known = isinstance(model_type, str) and model_type in CONFIG_MAPPING
+    who = (f"vLLM {vllm.__version__} serves none of its architectures {archs}" if known else
+           f"neither transformers {transformers.__version__} nor vLLM {vllm.__version__} "
+           "knows it")
+    raise TraceError(f"model.config: model_type {model_type!r}: {who}; supported: the "
+                     f"hand-written families ({', '.join(_hand_written())}) and, traced, any "
+                     f"of vLLM's {len(served)} causal LMs: {', '.join(served)}")
+
+
+def _hand_written() -> tuple[str, ...]:
+    from planner.layouts.traced import HAND_WRITTEN
+
+    return HAND_WRITTEN
+
+
+def engine_config(hf: dict[str, Any], cfg: TargetConfig) -> Any:
+    """vLLM's `VllmConfig` for one engine of `cfg` (vLLM's own checks run here)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    with tempfile.TemporaryDirectory(prefix="rdma-plan-trace-") as folder:
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(hf, f)
+        try:
+            return EngineArgs(model=folder, skip_tokenizer_init=True, dtype=cfg.dtype,
+                              load_format="dummy", tensor_parallel_size=cfg.tp,
+                              pipeline_parallel_size=cfg.pp, data_parallel_size=cfg.dp,
+                              enable_expert_parallel=cfg.ep, enforce_eager=True,
+                              max_model_len=128).create_engine_config()
+        except Exception as e:  # vLLM's own config check (pydantic, ValueError)
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [repr(e)]
+            why = next((ln for ln in lines if ln.startswith("Value error,")), lines[0])
+            why = why.removeprefix("Value error,").split(" [type=")[0].strip()
+            raise TraceError(f"target: vLLM refuses this engine ({why[:300]}); fix target "
+                             "tp/pp/dp/ep or the model config") from None
+
+
+# ---------------------------------------------------------------- the recorder
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    name: str
+    shape: tuple[int, ...]
+
+
+class Recorder(TorchFunctionMode):
+    """Records `copy_` from checkpoint stand-ins into parameters; taints arithmetic."""
+
+    def __init__(self, params: dict[int, str], sources: dict[int, _Source]) -> None:
+        super().__init__()
+        self.params, self.sources = params, sources
+        self.tainted: dict[int, str] = {}
+        """storage -> what computed it (from checkpoint data)."""
+        self.pieces: dict[str, list[Piece]] = {n: [] for n in params.values()}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func in COPIES:
+            self._copy(args[0], args[1])
+        elif func is torch.Tensor.__setitem__ and _key(args[2]) in self._watched():
+            self._copy(args[0][args[1]], args[2])  # the mode is off inside its handler
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and not out.is_meta:
+            return out  # the hot path: vLLM's CPU bookkeeping (expert maps), never data
+        self._taint(func, args, kwargs, out)
+        return out
+
+    def _watched(self) -> set[int]:
+        return self.sources.keys() | self.tainted.keys()
+
+    def _taint(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """A new tensor computed from checkpoint data is tainted (views share storage).
+        Fast path first: most calls return no tensor (`dim`, `item`, `size`)."""
+        outs = [out] if isinstance(out, torch.Tensor) else (
+            [o for o in out if isinstance(o, torch.Tensor)] if isinstance(out, (tuple, list))
+            else [])
+        if not outs:
+            return
+        ins = [_key(a) for a in _tensors((args, kwargs)) if a.is_meta]  # stand-ins are meta
+        if not ins:
+            return
+        why = next((self.tainted[k] for k in ins if k in self.tainted), None)
+        src = next((self.sources[k].name for k in ins if k in self.sources), None)
+        if why is None and src is None:
+            return
+        for o in outs:
+            k = _key(o)
+            if k not in self.sources and k not in self.params and k not in self.tainted:
+                self.tainted[k] = why or f"{getattr(func, '__name__', func)} on {src}"
+
+    def _copy(self, dst: torch.Tensor, src: Any) -> None:
+        if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor):
+            return
+        ks, kd = _key(src), _key(dst)
+        if kd not in self.params:
+            return
+        param = self.params[kd]
+        if ks in self.tainted:
+            raise TraceError(f"target.layout: traced: vLLM's loader writes {param} from "
+                             f"arithmetic ({self.tainted[ks]}); a traced layout takes only "
+                             "views, slices, narrows and copies: use target.layout: rules "
+                             "where a hand-written layout exists")
+        if ks not in self.sources:
+            return  # a constant (zeros, a fill): padding, not logical data
+        source = self.sources[ks]
+        self.pieces[param].append(piece(source.name, source.shape, _view(src), _view(dst),
+                                        self.shapes[param], param))
+
+
+def _view(t: torch.Tensor) -> View:
+    return View(tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+
+def _key(t: Any) -> int:
+    return t.untyped_storage()._cdata if isinstance(t, torch.Tensor) else -1
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    """The tensors in nested lists, tuples and dicts (a function's args and kwargs)."""
+    out, todo = [], [x]
+    while todo:
+        y = todo.pop()
+        if isinstance(y, torch.Tensor):
+            out.append(y)
+        elif isinstance(y, (list, tuple)):
+            todo.extend(y)
+        elif isinstance(y, dict):
+            todo.extend(y.values())
+    return out
+
+
+# ---------------------------------------------------------------- one rank
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _stand_ins(spec: ModelSpec, dtype: str) -> tuple[list[tuple[str, torch.Tensor]],
+                                                      dict[int, _Source]]:
+    """Meta tensors of the checkpoint (MTP layers left out: vLLM does not load them)."""
+    named, sources = [], {}
+    for t in spec.tensors:
+        if t.mtp:
+            continue
+        tensor = torch.empty(t.shape, dtype=getattr(torch, "float32" if t.buffer else dtype),
+                             device="meta")
+        named.append((t.name, tensor))
+        sources[_key(tensor)] = _Source(t.name, t.shape)
+    return named, sources
+
+
+def trace_rank(checkpoint: tuple[list[tuple[str, torch.Tensor]], dict[int, _Source]],
+               vcfg: Any, cfg: TargetConfig, rank: tuple[int, int, int],
+               keep: list[Any]) -> list[PhysicalTensor]:
+    """One engine rank's (DP d, PP p, TP t) `named_parameters()` as pieces, from vLLM's
+    `load_weights` of the `checkpoint` stand-ins (`_stand_ins`). The model goes into
+    `keep`: vLLM caches per-model state by `id(model)` (`models/utils.py`), so no model may
+    be freed while the engine's others are traced."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    d, p, t = rank
+    with fake_parallel_state(cfg, d, p, t), set_current_vllm_config(vcfg), \
+            set_default_torch_dtype(vcfg.model_config.dtype):
+        vcfg.compilation_config.static_forward_context.clear()  # one model at a time
+        with torch.device("meta"):
+            model = initialize_model(vllm_config=vcfg)
+        keep.append(model)
+        named = list(model.named_parameters())
+        stream, sources = checkpoint
+        rec = Recorder({_key(x): n for n, x in named}, sources)
+        rec.shapes = {n: tuple(x.shape) for n, x in named}
+        for n, x in named:
+            if not x.is_contiguous():
+                raise TraceError(f"target.layout: traced: parameter {n} is not contiguous")
+        with torch.no_grad(), rec:
+            model.load_weights(iter(stream))
+    return [PhysicalTensor(n, tuple(x.shape), _dtype_name(x.dtype),
+                           tuple(sorted(rec.pieces[n], key=lambda q: q.at)))
+            for n, x in named]
+
+
+def trace_engine(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig,
+                 workers: int | None = None) -> list[list[PhysicalTensor]]:
+    """Every rank of one engine, in engine rank order `(d * pp + p) * tp + t`, traced by up
+    to `workers` forked processes (default: one per CPU core)."""
+    vcfg, checkpoint = engine_config(hf, cfg), _stand_ins(spec, cfg.dtype)
+    ranks = [(d, p, t) for d in range(cfg.dp) for p in range(cfg.pp) for t in range(cfg.tp)]
+    workers = min(len(ranks), workers or os.cpu_count() or 1)
+    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        keep: list[Any] = []
+        return [trace_rank(checkpoint, vcfg, cfg, r, keep) for r in ranks]
+    ctx = multiprocessing.get_context("fork")
+    pipes, procs = [], []
+    for w in range(workers):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_worker, args=(send, checkpoint, vcfg, cfg, ranks[w::workers]),
+                           daemon=True)
+        proc.start()
+        send.close()
+        pipes.append(recv)
+        procs.append(proc)
+    try:
+        parts = [_receive(recv, spec) for recv in pipes]
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    return [list(parts[i % workers][i // workers]) for i in range(len(ranks))]
+
+
+def _worker(send: Any, checkpoint: Any, vcfg: Any, cfg: TargetConfig,
+            ranks: list[tuple[int, int, int]]) -> None:
+    """A forked tracer: sends its ranks as msgpack rows, or `{"error": line}`."""
+    import msgpack
+
+    from planner.layouts.traced import encode_rank
+
+    keep: list[Any] = []
+    try:
+        out: Any = {"ranks": [encode_rank(trace_rank(checkpoint, vcfg, cfg, r, keep))
+                              for r in ranks]}
+    except ConfigError as e:
+        out = {"error": str(e)}
+    except Exception as e:  # noqa: BLE001 (a vLLM failure: the parent names it)
+        out = {"error": f"target.layout: traced: vLLM failed while tracing "
+                        f"({type(e).__name__}: {str(e)[:300]})"}
+    send.send_bytes(msgpack.packb(out))
+    send.close()
+
+
+def _receive(recv: Any, spec: ModelSpec) -> list[tuple[PhysicalTensor, ...]]:
+    """One worker's ranks, checked like a cache file (`traced.decode_rank`)."""
+    import msgpack
+
+    from planner.layouts.traced import decode_rank
+
+    try:
+        raw = msgpack.unpackb(recv.recv_bytes(), strict_map_key=True)
+        if isinstance(raw, dict) and "error" in raw:
+            error = str(raw["error"])[:4000]
+        else:
+            return [decode_rank(rows, spec) for rows in raw["ranks"]]
+    except EOFError:
+        raise TraceError("target.layout: traced: a tracing process died without an answer "
+                         "(out of memory?); retry, or trace with fewer processes") from None
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        raise TraceError(f"target.layout: traced: a tracing process sent a bad answer ({e})"
+                         ) from None
+    raise TraceError(error)
