@@ -154,9 +154,9 @@ def spec_from_hf(hf: dict[str, Any], num_layers: int | None = None,
         hf["num_hidden_layers"] = num_layers
     model_type = hf.get("model_type")
     family = _families().get(model_type)
-    if family is None:
-        raise ConfigError(f"model.config: model_type {model_type!r} is not supported; "
-                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    hand_written = family is not None
+    if not hand_written:
+        family = _from_transformers(model_type)
     dims = family.dims(hf)
     if not mtp:
         dims = replace(dims, mtp_layers=0,
@@ -167,7 +167,23 @@ def spec_from_hf(hf: dict[str, Any], num_layers: int | None = None,
         raise ConfigError(f"model.config: {layers} layers of {dims.num_experts} experts make "
                           f"more than {MAX_TENSORS:,} tensors; fix config.json or "
                           "model.overrides")
-    return ModelSpec(dims=dims, tensors=tuple(family.tensors(dims, _dtype(hf))))
+    if hand_written:
+        return ModelSpec(dims=dims, tensors=tuple(family.tensors(dims, _dtype(hf))))
+    return ModelSpec(dims=dims, tensors=tuple(family.tensors(hf, dims, _dtype(hf))))
+
+
+def _from_transformers(model_type: object) -> Any:
+    """`planner.models.hf` for a model_type transformers knows (imports transformers)."""
+    try:
+        from planner.models import hf
+        known = hf.known(model_type)
+    except ImportError:
+        known, hf = False, None
+    if not known:
+        raise ConfigError(f"model.config: model_type {model_type!r} is not supported: no "
+                          "hand-written family and transformers does not know it (or is not "
+                          f"installed); hand-written: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return hf
 
 
 # The integer numbers the families read; null is allowed (e.g. `q_lora_rank: null`).

@@ -29,9 +29,11 @@ from dataclasses import dataclass
 from planner.layouts import rules
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
 from planner.layouts.rules import fail
-from planner.spec import LogicalTensor, ModelSpec
+from planner.spec import SUPPORTED_MODEL_TYPES, LogicalTensor, ModelSpec
 from schemas.config import TargetConfig
 
+FAMILIES = SUPPORTED_MODEL_TYPES
+"""The model_types these rules cover (others: specs from transformers, no rules)."""
 VOCAB_PAD = 64
 """vLLM and SGLang pad the vocab of `embed_tokens`/`lm_head` to a multiple of this."""
 
@@ -121,6 +123,7 @@ def check_common(spec: ModelSpec, cfg: TargetConfig, attn_tp: int, moe_tp: int,
 
 
 def check(spec: ModelSpec, cfg: TargetConfig) -> None:
+    rules.has_rules("target.engine", cfg.engine, spec.dims, FAMILIES)
     moe = cfg.dp * cfg.tp
     check_common(spec, cfg, cfg.tp, 1 if cfg.ep else moe, moe if cfg.ep else 1)
 
