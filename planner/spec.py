@@ -65,6 +65,10 @@ class ModelDims:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     mtp_layers: int = 0
+    moe_module: str = "mlp"
+    """The MoE block's module name inside a layer (Mixtral: `block_sparse_moe`)."""
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    """Checkpoint names of an expert's gate, up and down projections (Mixtral: w1, w3, w2)."""
 
     @property
     def mla(self) -> bool:
@@ -100,13 +104,14 @@ class ModelSpec:
 
 
 def _families() -> dict[str, Any]:
-    from planner.models import deepseek_v3, dense, qwen3_moe
+    from planner.models import deepseek_v3, dense, mixtral, qwen3_moe
 
     return {"llama": dense, "qwen2": dense, "qwen3": dense, "qwen3_moe": qwen3_moe,
-            "deepseek_v3": deepseek_v3, "kimi_k2": deepseek_v3}
+            "deepseek_v3": deepseek_v3, "kimi_k2": deepseek_v3, "mixtral": mixtral}
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2",
+                         "mixtral")
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
@@ -190,7 +195,8 @@ def _from_transformers(model_type: object) -> Any:
 INT_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "intermediate_size", "vocab_size", "num_experts", "n_routed_experts",
             "n_shared_experts", "moe_intermediate_size", "num_experts_per_tok",
-            "decoder_sparse_step", "first_k_dense_replace", "moe_layer_freq", "q_lora_rank",
+            "decoder_sparse_step", "first_k_dense_replace", "num_local_experts",
+            "moe_layer_freq", "q_lora_rank",
             "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
             "num_nextn_predict_layers")
 

@@ -37,10 +37,10 @@ from dataclasses import dataclass, replace
 from planner.layouts import rules
 from planner.layouts.base import Layout, PhysicalTensor, RankLayout
 from planner.layouts.shards import box, cut_rows, even, physical, whole
-from planner.spec import SUPPORTED_MODEL_TYPES, LogicalTensor, ModelDims, ModelSpec
+from planner.spec import LogicalTensor, ModelDims, ModelSpec
 from schemas.config import ConfigError, SourceConfig
 
-FAMILIES = SUPPORTED_MODEL_TYPES
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2")
 """The model_types these rules cover (others: specs from transformers, no rules)."""
 
 

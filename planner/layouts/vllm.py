@@ -74,8 +74,8 @@ class Shard:
 class Names:
     """Engine-specific native names."""
 
-    experts: str = "mlp.experts.routed_experts."
-    """Prefix of w13_weight/w2_weight inside a layer."""
+    experts: str = "experts.routed_experts."
+    """Prefix of w13_weight/w2_weight inside the MoE block (`ModelDims.moe_module`)."""
     fused_qkv_a: str = "fused_qkv_a_proj"
     """MLA's fused [q_a_proj; kv_a_proj_with_mqa]."""
 
@@ -144,8 +144,7 @@ def shard(spec: ModelSpec, cfg: TargetConfig, d: int, p: int, t: int) -> Shard:
 def layout(spec: ModelSpec, cfg: TargetConfig) -> Layout:
     """The vLLM layout of `cfg.replicas` engines of `cfg.dp * cfg.pp * cfg.tp` ranks."""
     check(spec, cfg)
-    names = Names(experts="mlp.experts." if cfg.expert_names == "experts"
-                  else Names().experts)
+    names = Names(experts="experts." if cfg.expert_names == "experts" else Names().experts)
     shards = [shard(spec, cfg, d, p, t)
               for d in range(cfg.dp) for p in range(cfg.pp) for t in range(cfg.tp)]
     return build("vllm", spec, cfg, shards, names)
@@ -272,12 +271,13 @@ class _Builder:
         local = expert_range(d.num_experts, self.s.ep)
         w13, w2 = [], []
         gate, up = (0, k) if self.cfg.w13_order == "w1w3" else (k, 0)  # w3w1: FlashInfer
+        g, u, dn = (f"{name}.weight" for name in d.expert_names)
         for j, e in enumerate(local):
-            lp = f"{p}mlp.experts.{e}."
-            w13.append(Piece(lp + "gate_proj.weight", (m.rank * k, 0), (k, h), (j, gate, 0)))
-            w13.append(Piece(lp + "up_proj.weight", (m.rank * k, 0), (k, h), (j, up, 0)))
-            w2.append(Piece(lp + "down_proj.weight", (0, m.rank * k), (h, k), (j, 0, 0)))
-        ep = p + self.names.experts
+            lp = f"{p}{d.moe_module}.experts.{e}."
+            w13.append(Piece(lp + g, (m.rank * k, 0), (k, h), (j, gate, 0)))
+            w13.append(Piece(lp + u, (m.rank * k, 0), (k, h), (j, up, 0)))
+            w2.append(Piece(lp + dn, (0, m.rank * k), (h, k), (j, 0, 0)))
+        ep = f"{p}{d.moe_module}.{self.names.experts}"
         yield PhysicalTensor(ep + "w13_weight", (len(local), 2 * k, h), self.cfg.dtype, tuple(w13))
         yield PhysicalTensor(ep + "w2_weight", (len(local), h, k), self.cfg.dtype, tuple(w2))
 
@@ -285,8 +285,9 @@ class _Builder:
         p = f"model.layers.{i}."
         yield from self.mla(p + "self_attn.") if self.d.mla else self.gqa(p + "self_attn.")
         if self.d.is_moe(i):
-            yield self.whole(p + "mlp.gate.weight")
-            bias = p + "mlp.gate.e_score_correction_bias"
+            moe = f"{p}{self.d.moe_module}."
+            yield self.whole(moe + "gate.weight")
+            bias = moe + "gate.e_score_correction_bias"
             if bias in self.lt:
                 yield self.whole(bias)
             if self.d.shared_intermediate:

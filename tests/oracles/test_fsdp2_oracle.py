@@ -70,6 +70,7 @@ DENSE = dict(model_type="qwen3", hidden_size=12, intermediate_size=20, num_atten
              tie_word_embeddings=False)
 MOE = dict(DENSE, model_type="qwen3_moe", moe_intermediate_size=6, num_experts=4,
            num_experts_per_tok=1)
+MIXTRAL = dict(DENSE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=1)
 
 
 @pytest.mark.parametrize("hf, source, world", [
@@ -78,8 +79,11 @@ MOE = dict(DENSE, model_type="qwen3_moe", moe_intermediate_size=6, num_experts=4
     # 4 experts over 3 ranks: 2, 2, 0 (an empty shard); fused [E, 2I, H] with transformers
     # 5.x, checkpoint-named experts (each Shard(0) on its own rows) with 4.x
     pytest.param(MOE, dict(dp=3), 3, id="moe-dp3"),
+    # transformers 5.x renames `block_sparse_moe` to `mlp` and fuses w1/w3 into gate_up_proj
+    pytest.param(MIXTRAL, dict(dp=2), 2, id="mixtral-dp2"),
 ])
 def test_fsdp2_matches_real_dtensors(hf, source, world):
     transformers = pytest.importorskip("transformers")
-    fused = hf["model_type"] == "qwen3_moe" and int(transformers.__version__.split(".")[0]) >= 5
+    fused = (hf["model_type"] in ("qwen3_moe", "mixtral")
+             and int(transformers.__version__.split(".")[0]) >= 5)
     launch("fsdp2_worker.py", world, {"hf": hf, "source": dict(source, fused_experts=fused)})

@@ -52,6 +52,14 @@ def deepseek_v3(**kw: object) -> dict:
                        tie_word_embeddings=False, rope_scaling=None) | kw
 
 
+def mixtral(**kw: object) -> dict:
+    # nh=4, ng=2; E=8 experts in every layer, named block_sparse_moe.experts.{e}.w1/w3/w2
+    return BASE | dict(model_type="mixtral", architectures=["MixtralForCausalLM"],
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
+                       tie_word_embeddings=False, sliding_window=None) | kw
+
+
 def case(name: str, hf: dict, tp: int, ep: bool = False, pp: int = 1) -> dict:
     return dict(name=name, hf=hf, tp=tp, ep=ep, pp=pp)
 
@@ -65,13 +73,17 @@ LAUNCHES = {
         case("qwen3_moe ep2", qwen3_moe(), 2, ep=True),
         case("deepseek_v3 tp2", deepseek_v3(), 2),
         case("deepseek_v3 ep2", deepseek_v3(), 2, ep=True),
+        case("mixtral tp2", mixtral(), 2),
+        case("mixtral ep2", mixtral(), 2, ep=True),
         # PP 2: 3 layers split [2, 1]; tied embedding on both stages; vLLM's Qwen3-MoE
         # keeps embed/norm/lm_head on every stage; DeepSeek first/last only.
         case("qwen3 pp2 tied", qwen3(tie_word_embeddings=True, num_hidden_layers=3), 1, pp=2),
         case("qwen3_moe pp2", qwen3_moe(), 1, pp=2),
         case("deepseek_v3 pp2", deepseek_v3(), 1, pp=2)],
     3: [case("qwen3_moe ep3", qwen3_moe(), 3, ep=True),
-        case("deepseek_v3 ep3", deepseek_v3(), 3, ep=True)],
+        case("deepseek_v3 ep3", deepseek_v3(), 3, ep=True),
+        case("mixtral ep3 (3, 3, 2 experts)", mixtral(num_attention_heads=6,
+                                                    num_key_value_heads=1), 3, ep=True)],
     4: [case("qwen3 tp4 kv-replication", qwen3(), 4)],
 }
 

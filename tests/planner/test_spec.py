@@ -29,6 +29,7 @@ MODELS = sorted(p.parent.name for p in (ROOT / "plans" / "models").glob("*/confi
 PUBLISHED_B = {
     "qwen3-4b": 4.02, "qwen3-8b": 8.19, "qwen3-30b-a3b": 30.5, "qwen3-235b-a22b": 235.1,
     "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.6, "deepseek-v3": 671.0, "kimi-k2": 1026.4,
+    "mixtral-8x7b": 46.7,
 }
 
 
@@ -66,7 +67,8 @@ def test_spec_matches_transformers(name: str) -> None:
     wrong = {k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs[k]}
     assert wrong == {}, "(ours, transformers) differ"
     # ModelDims.moe_layers agrees with the layers where transformers built experts.
-    hf_moe = {int(k.split(".")[2]) for k in theirs if ".mlp.experts." in k}
+    experts = f".{spec.dims.moe_module}.experts."
+    hf_moe = {int(k.split(".")[2]) for k in theirs if experts in k}
     assert {i for i in range(spec.dims.num_layers) if spec.dims.is_moe(i)} == hf_moe
 
 

@@ -32,6 +32,7 @@ FAMILIES = {
     "deepseek_v3": models.deepseek_v3(num_nextn_predict_layers=0),
     "deepseek_v3 no q_lora": models.deepseek_v3(q_lora_rank=None, first_k_dense_replace=0),
     "kimi_k2": models.deepseek_v3(model_type="kimi_k2", num_nextn_predict_layers=0),
+    "mixtral": dict(SMALL, model_type="mixtral", num_local_experts=4),
 }
 
 
