@@ -104,14 +104,15 @@ class ModelSpec:
 
 
 def _families() -> dict[str, Any]:
-    from planner.models import deepseek_v3, dense, mixtral, qwen3_moe
+    from planner.models import deepseek_v3, dense, glm4_moe, mixtral, qwen3_moe
 
     return {"llama": dense, "qwen2": dense, "qwen3": dense, "qwen3_moe": qwen3_moe,
-            "deepseek_v3": deepseek_v3, "kimi_k2": deepseek_v3, "mixtral": mixtral}
+            "deepseek_v3": deepseek_v3, "kimi_k2": deepseek_v3, "mixtral": mixtral,
+            "glm4_moe": glm4_moe}
 
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2",
-                         "mixtral")
+                         "mixtral", "glm4_moe")
 
 
 def read_hf_config(path: str) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from planner.layouts.shards import box, cut_rows, even, physical, whole
 from planner.spec import LogicalTensor, ModelDims, ModelSpec
 from schemas.config import ConfigError, SourceConfig
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "glm4_moe")
 """The model_types these rules cover (others: specs from transformers, no rules)."""
 
 

@@ -96,10 +96,10 @@ def state(hf: dict[str, Any], dtype: str) -> dict[str, tuple[tuple[int, ...], st
     with torch.device("meta"), _quiet():
         try:
             model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
-        except ValueError as e:
-            raise ConfigError(f"model.config: transformers has no causal LM for model_type "
-                              f"{hf['model_type']!r} ({str(e)[:160]}); use a text model's "
-                              "config.json") from None
+        except (ValueError, TypeError, AssertionError) as e:  # what its builders raise
+            raise ConfigError(f"model.config: transformers cannot build a causal LM for "
+                              f"model_type {hf['model_type']!r} from config.json "
+                              f"({str(e)[:160]}); fix config.json") from None
     params = model.state_dict()
     buffers = {n for n, _ in model.named_buffers()}
     fp32 = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())

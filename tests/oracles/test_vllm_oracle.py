@@ -60,6 +60,19 @@ def mixtral(**kw: object) -> dict:
                        tie_word_embeddings=False, sliding_window=None) | kw
 
 
+def glm4_moe(**kw: object) -> dict:
+    # nh=6, ng=2 (TP 2: 3 q heads, 1 kv head per rank); q/k/v biases, q/k norms, partial
+    # rotary; layer 0 dense, layer 1 MoE with E=8 + 1 shared expert and the router bias
+    return BASE | dict(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"],
+                       num_attention_heads=6, num_key_value_heads=2, head_dim=32,
+                       attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5,
+                       intermediate_size=192, moe_intermediate_size=64, n_routed_experts=8,
+                       n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                       n_group=1, topk_group=1, norm_topk_prob=True,
+                       routed_scaling_factor=1.0, num_nextn_predict_layers=1,
+                       tie_word_embeddings=False) | kw
+
+
 def case(name: str, hf: dict, tp: int, ep: bool = False, pp: int = 1) -> dict:
     return dict(name=name, hf=hf, tp=tp, ep=ep, pp=pp)
 
@@ -75,6 +88,8 @@ LAUNCHES = {
         case("deepseek_v3 ep2", deepseek_v3(), 2, ep=True),
         case("mixtral tp2", mixtral(), 2),
         case("mixtral ep2", mixtral(), 2, ep=True),
+        case("glm4_moe tp2", glm4_moe(), 2),
+        case("glm4_moe ep2", glm4_moe(), 2, ep=True),
         # PP 2: 3 layers split [2, 1]; tied embedding on both stages; vLLM's Qwen3-MoE
         # keeps embed/norm/lm_head on every stage; DeepSeek first/last only.
         case("qwen3 pp2 tied", qwen3(tie_word_embeddings=True, num_hidden_layers=3), 1, pp=2),

@@ -23,7 +23,7 @@ from schemas.plan import encode_plan, write_plan
 
 MODELS = os.path.join(os.path.dirname(__file__), "..", "..", "plans", "models")
 DENSE, MOE, MLA = "tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3"
-MIXTRAL = "tiny-mixtral"
+MIXTRAL, GLM = "tiny-mixtral", "tiny-glm4-moe"
 
 CASES = [
     # model, source, target
@@ -49,6 +49,11 @@ CASES = [
     (MIXTRAL, dict(framework="fsdp2", dp=3, fused_experts=True), dict(engine="vllm", tp=2,
                                                                        ep=True)),
     (MIXTRAL, dict(framework="fsdp2", dp=2), dict(engine="vllm", tp=2, replicas=2)),
+    (GLM, dict(framework="fsdp2", dp=3, fused_experts=True), dict(engine="vllm", tp=2,
+                                                                   ep=True)),
+    (GLM, dict(framework="fsdp2", dp=2, dtype="float32"), dict(engine="vllm", tp=2,
+                                                                replicas=2)),
+    (GLM, dict(framework="megatron", tp=2, ep=2, dp=2), dict(engine="vllm", tp=2, ep=True)),
 ]
 
 

@@ -31,6 +31,10 @@ PUBLISHED_B = {
     "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.6, "deepseek-v3": 671.0, "kimi-k2": 1026.4,
     "mixtral-8x7b": 46.7,
 }
+# Checkpoint totals (MTP layers included), as the Hub counts a checkpoint's safetensors:
+# GLM-4.5 is announced as 355B / GLM-4.5-Air as 106B total, rounded figures that the HF
+# model (352.8B / 106.85B, MTP excluded) does not reach; their checkpoints hold 358B / 110B.
+PUBLISHED_CHECKPOINT_B = {"glm-4.5": 358.0, "glm-4.5-air": 110.0}
 
 
 def _hf_config(name: str) -> dict:
@@ -106,7 +110,8 @@ def test_spec_order_is_checkpoint_order() -> None:
     assert layers == sorted(layers) and layers[-1] == 35
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3", "tiny-deepseek-v3"])
+@pytest.mark.parametrize("name", ["deepseek-v3", "tiny-deepseek-v3", "glm-4.5-air",
+                                  "tiny-glm4-moe"])
 def test_mtp_layer_is_a_moe_layer_plus_its_heads(name: str) -> None:
     """The MTP layer L (checkpoint only) = HF's MoE decoder layer + embed/enorm/hnorm/eh_proj/
     shared_head, each shaped like the HF tensor it mirrors."""
@@ -152,6 +157,14 @@ def test_cli_spec_totals_match_published(name: str, capsys: pytest.CaptureFixtur
                                                                          1e-3 * published))
     assert out["total_params"] == sum(_numel(t["shape"]) for t in out["tensors"]
                                       if not t["mtp"])
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_CHECKPOINT_B))
+def test_checkpoint_totals_match_published(name: str) -> None:
+    spec = load_spec(str(ROOT / "plans/models" / name))
+    published = PUBLISHED_CHECKPOINT_B[name]
+    total = (spec.total_params + spec.mtp_params) / 1e9
+    assert total == pytest.approx(published, abs=max(0.5, 1e-3 * published))
 
 
 def test_cli_spec_subprocess_and_num_layers() -> None:

@@ -33,6 +33,12 @@ FAMILIES = {
     "deepseek_v3 no q_lora": models.deepseek_v3(q_lora_rank=None, first_k_dense_replace=0),
     "kimi_k2": models.deepseek_v3(model_type="kimi_k2", num_nextn_predict_layers=0),
     "mixtral": dict(SMALL, model_type="mixtral", num_local_experts=4),
+    "glm4_moe": dict(SMALL, model_type="glm4_moe", attention_bias=True, use_qk_norm=True,
+                     moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+                     first_k_dense_replace=1, num_nextn_predict_layers=0),
+    "glm4_moe no bias, no qk norm, 2 shared": dict(
+        SMALL, model_type="glm4_moe", attention_bias=False, moe_intermediate_size=32,
+        n_routed_experts=4, n_shared_experts=2, first_k_dense_replace=0),
 }
 
 
