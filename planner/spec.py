@@ -32,10 +32,27 @@ class LogicalTensor:
     """A trained buffer, not a parameter (kept in its own dtype on both sides)."""
     mtp: bool = False
     """Part of a multi-token-prediction layer (in checkpoints, not in the HF model)."""
+    stored: tuple[int, ...] = ()
+    """The checkpoint's shape when it has more than 2 dims (gpt-oss's fused experts
+    `[E, H, 2I]`); `shape` is then its row-major 2-d view `[E*H, 2I]` (the same bytes),
+    since boxes are 2-d. Empty when `shape` is the checkpoint shape."""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        return self.stored or self.shape
+
+
+def as_2d(name: str, shape: tuple[int, ...], dtype: str, layer: int = -1,
+          buffer: bool = False) -> LogicalTensor:
+    """A logical tensor of any rank: more than 2 dims are viewed as `[prod(lead), last]`."""
+    if len(shape) <= 2:
+        return LogicalTensor(name, shape, dtype, layer, buffer)
+    return LogicalTensor(name, (math.prod(shape[:-1]), shape[-1]), dtype, layer, buffer,
+                         stored=shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,15 +121,15 @@ class ModelSpec:
 
 
 def _families() -> dict[str, Any]:
-    from planner.models import deepseek_v3, dense, glm4_moe, mixtral, qwen3_moe
+    from planner.models import deepseek_v3, dense, glm4_moe, gpt_oss, mixtral, qwen3_moe
 
     return {"llama": dense, "qwen2": dense, "qwen3": dense, "qwen3_moe": qwen3_moe,
             "deepseek_v3": deepseek_v3, "kimi_k2": deepseek_v3, "mixtral": mixtral,
-            "glm4_moe": glm4_moe}
+            "glm4_moe": glm4_moe, "gpt_oss": gpt_oss}
 
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2",
-                         "mixtral", "glm4_moe")
+                         "mixtral", "glm4_moe", "gpt_oss")
 
 
 def read_hf_config(path: str) -> dict[str, Any]:

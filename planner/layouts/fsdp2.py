@@ -84,6 +84,9 @@ def check(spec: ModelSpec, cfg: SourceConfig) -> None:
         rules.fail("source.tp", tp, f"must divide num_key_value_heads={d.kv_heads} (FSDP2+TP "
                    "cuts k_proj/v_proj by rows, no KV-head replication); use one of "
                    f"{rules.divisors(d.kv_heads)}")
+    if d.model_type == "gpt_oss":
+        rules.fail("source.tp", tp, "has no TP plan for gpt-oss's fused experts (gate and up "
+                   "interleaved in gate_up_proj); use source.tp: 1")
     if cfg.fused_experts and d.moe_layers:
         rules.fail("source.fused_experts", True, f"cannot be combined with source.tp={tp} (a "
                    "colwise cut of gate_up_proj mixes gate and up); use tp 1 or "
@@ -125,6 +128,11 @@ def hf_params(spec: ModelSpec, cfg: SourceConfig) -> list[_Param]:
 
 
 def _plain(t: LogicalTensor, cfg: SourceConfig) -> _Param:
+    if t.stored:  # a 3-d checkpoint tensor (gpt-oss experts), logical 2-d view: by expert
+        rows = t.shape[0] // t.stored[0]
+        pieces = tuple(Piece(t.name, (x * rows, 0), (rows, t.shape[1]), (x, 0, 0))
+                       for x in range(t.stored[0]))
+        return _Param(t.name, t.stored, cfg.dtype, pieces, None)
     return _Param(t.name, t.shape, t.dtype if t.buffer else cfg.dtype,
                   (whole(t.name, t.shape),), None if t.buffer else tp_dim(t.name), t.buffer)
 

@@ -126,6 +126,10 @@ def check(spec: ModelSpec, cfg: TargetConfig) -> None:
     rules.has_rules("target.engine", cfg.engine, spec.dims, FAMILIES)
     moe = cfg.dp * cfg.tp
     check_common(spec, cfg, cfg.tp, 1 if cfg.ep else moe, moe if cfg.ep else 1)
+    if spec.dims.model_type == "gpt_oss":
+        from planner.layouts.vllm_gpt_oss import check as gpt_oss_check
+
+        gpt_oss_check(spec, cfg)
 
 
 def shard(spec: ModelSpec, cfg: TargetConfig, d: int, p: int, t: int) -> Shard:
@@ -153,7 +157,10 @@ def layout(spec: ModelSpec, cfg: TargetConfig) -> Layout:
 def build(framework: str, spec: ModelSpec, cfg: TargetConfig, shards: list[Shard],
           names: Names) -> Layout:
     """One engine's ranks (`shards`, in engine rank order), repeated for every replica."""
-    engine = [tuple(_Builder(spec, cfg, s, names).tensors()) for s in shards]
+    builder: type[_Builder] = _Builder
+    if spec.dims.model_type == "gpt_oss":
+        from planner.layouts.vllm_gpt_oss import GptOssBuilder as builder
+    engine = [tuple(builder(spec, cfg, s, names).tensors()) for s in shards]
     ranks = tuple(RankLayout(rank=r * len(engine) + i, replica=r, tensors=tensors)
                   for r in range(cfg.replicas) for i, tensors in enumerate(engine))
     return Layout(side="target", framework=framework, ranks=ranks, replicas=cfg.replicas)
@@ -229,8 +236,10 @@ class _Builder:
                                                     (lp + "up_proj.weight", split.rank * k, k)], h)
         yield self.column_split(p + "down_proj.weight", lp + "down_proj.weight", split)
 
-    def gqa(self, p: str) -> Iterator[PhysicalTensor]:
-        d, a = self.d, self.s.attn
+    def gqa(self, p: str, phys: str | None = None) -> Iterator[PhysicalTensor]:
+        """qkv_proj, o_proj (and q/k norms) of the attention with logical prefix `p`, named
+        `phys` on the engine (default: `p`)."""
+        d, a, phys = self.d, self.s.attn, phys or p
         hd, q = d.head_dim, d.heads // a.size
         if a.size >= d.kv_heads:
             kv0, nkv = a.rank // (a.size // d.kv_heads), 1
@@ -242,11 +251,12 @@ class _Builder:
             parts = [(f"{p}q_proj.{sfx}", a.rank * q * hd, q * hd),
                      (f"{p}k_proj.{sfx}", kv0 * hd, nkv * hd),
                      (f"{p}v_proj.{sfx}", kv0 * hd, nkv * hd)]
-            yield self.rows(f"{p}qkv_proj.{sfx}", parts, d.hidden if sfx == "weight" else None)
-        yield self.column_split(p + "o_proj.weight", p + "o_proj.weight", a)
+            yield self.rows(f"{phys}qkv_proj.{sfx}", parts,
+                            d.hidden if sfx == "weight" else None)
+        yield self.column_split(phys + "o_proj.weight", p + "o_proj.weight", a)
         if d.qk_norm:
-            yield self.whole(p + "q_norm.weight")
-            yield self.whole(p + "k_norm.weight")
+            yield self.whole(phys + "q_norm.weight", p + "q_norm.weight")
+            yield self.whole(phys + "k_norm.weight", p + "k_norm.weight")
 
     def mla(self, p: str) -> Iterator[PhysicalTensor]:
         d, a = self.d, self.s.attn

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from planner.spec import LogicalTensor, ModelDims
+from planner.spec import LogicalTensor, ModelDims, as_2d
 from schemas.config import ConfigError
 
 NOT_FOR_TRANSFORMERS = ("auto_map", "quantization_config", "architectures",
@@ -131,5 +131,5 @@ def tensors(hf: dict[str, Any], d: ModelDims, dtype: str) -> list[LogicalTensor]
     for name in names:
         shape, dt, buffer = found[name]
         m = re.search(LAYER, name)
-        out.append(LogicalTensor(name, shape, dt, int(m.group(1)) if m else -1, buffer=buffer))
+        out.append(as_2d(name, shape, dt, int(m.group(1)) if m else -1, buffer))
     return out

@@ -40,7 +40,7 @@ def _tp_plan(model: torch.nn.Module) -> dict:
     return plan
 
 
-def _from_checkpoint(hf: dict, full: dict[str, torch.Tensor]) -> torch.nn.Module:
+def _from_checkpoint(hf: dict, full: dict[str, torch.Tensor], spec) -> torch.nn.Module:
     """The HF model loaded by transformers' own `from_pretrained` from a checkpoint of the
     logical tensors (checkpoint names: transformers 5.x fuses and renames experts itself)."""
     import tempfile
@@ -51,7 +51,8 @@ def _from_checkpoint(hf: dict, full: dict[str, torch.Tensor]) -> torch.nn.Module
     folder = tempfile.mkdtemp(prefix="fsdp2-oracle-")
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(dict(hf, torch_dtype="float32"), f)
-    save_file({k: v.contiguous() for k, v in full.items()},
+    save_file({k: v.reshape(spec.by_name[k].checkpoint_shape).contiguous()
+               for k, v in full.items()},
               os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
@@ -71,7 +72,7 @@ def main() -> int:
     mesh = init_device_mesh("cpu", (cfg.dp_replicate, cfg.dp, cfg.tp),
                             mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     full = {k: v.float() for k, v in random_full_tensors(spec, seed=2).items()}
-    model = _from_checkpoint(hf, full)
+    model = _from_checkpoint(hf, full, spec)
     if cfg.tp > 1:
         parallelize_module(model, mesh["tp"], _tp_plan(model))
     dp_mesh = mesh["dp_replicate", "dp_shard"]

@@ -70,6 +70,9 @@ DENSE = dict(model_type="qwen3", hidden_size=12, intermediate_size=20, num_atten
              tie_word_embeddings=False)
 MOE = dict(DENSE, model_type="qwen3_moe", moe_intermediate_size=6, num_experts=4,
            num_experts_per_tok=1)
+GPT_OSS = dict(DENSE, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=1,
+               attention_bias=True, sliding_window=8,
+               layer_types=["sliding_attention", "full_attention"])
 MIXTRAL = dict(DENSE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=1)
 GLM4_MOE = dict(DENSE, model_type="glm4_moe", attention_bias=True, use_qk_norm=True,
                 moe_intermediate_size=6, n_routed_experts=4, n_shared_experts=1,
@@ -87,6 +90,8 @@ GLM4_MOE = dict(DENSE, model_type="glm4_moe", attention_bias=True, use_qk_norm=T
     pytest.param(MIXTRAL, dict(dp=2), 2, id="mixtral-dp2"),
     # q/k/v biases, router bias buffer, shared expert; the MTP layer is not in the HF model
     pytest.param(GLM4_MOE, dict(dp=3), 3, id="glm4_moe-dp3"),
+    # the checkpoint's fused experts are the HF model's parameters; sinks, biases
+    pytest.param(GPT_OSS, dict(dp=3), 3, id="gpt_oss-dp3"),
 ])
 def test_fsdp2_matches_real_dtensors(hf, source, world):
     transformers = pytest.importorskip("transformers")

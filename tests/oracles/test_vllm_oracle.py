@@ -73,6 +73,20 @@ def glm4_moe(**kw: object) -> dict:
                        tie_word_embeddings=False) | kw
 
 
+def gpt_oss(**kw: object) -> dict:
+    # nh=4, ng=2; sinks, q/k/v/o biases, router bias, fused interleaved gate_up_proj with
+    # biases; sliding and full attention layers; E=8 (EP 2: 4 each)
+    return BASE | dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"],
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
+                       experts_per_token=2, attention_bias=True, sliding_window=64,
+                       layer_types=["sliding_attention", "full_attention"],
+                       rope_theta=150000.0, swiglu_limit=7.0, tie_word_embeddings=False,
+                       rope_scaling={"rope_type": "yarn", "factor": 1.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False,
+                                     "original_max_position_embeddings": 256}) | kw
+
+
 def case(name: str, hf: dict, tp: int, ep: bool = False, pp: int = 1) -> dict:
     return dict(name=name, hf=hf, tp=tp, ep=ep, pp=pp)
 
@@ -90,6 +104,8 @@ LAUNCHES = {
         case("mixtral ep2", mixtral(), 2, ep=True),
         case("glm4_moe tp2", glm4_moe(), 2),
         case("glm4_moe ep2", glm4_moe(), 2, ep=True),
+        case("gpt_oss tp2", gpt_oss(), 2),
+        case("gpt_oss ep2", gpt_oss(), 2, ep=True),
         # PP 2: 3 layers split [2, 1]; tied embedding on both stages; vLLM's Qwen3-MoE
         # keeps embed/norm/lm_head on every stage; DeepSeek first/last only.
         case("qwen3 pp2 tied", qwen3(tie_word_embeddings=True, num_hidden_layers=3), 1, pp=2),

@@ -29,7 +29,7 @@ MODELS = sorted(p.parent.name for p in (ROOT / "plans" / "models").glob("*/confi
 PUBLISHED_B = {
     "qwen3-4b": 4.02, "qwen3-8b": 8.19, "qwen3-30b-a3b": 30.5, "qwen3-235b-a22b": 235.1,
     "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.6, "deepseek-v3": 671.0, "kimi-k2": 1026.4,
-    "mixtral-8x7b": 46.7,
+    "mixtral-8x7b": 46.7, "gpt-oss-20b": 20.91, "gpt-oss-120b": 116.83,
 }
 # Checkpoint totals (MTP layers included), as the Hub counts a checkpoint's safetensors:
 # GLM-4.5 is announced as 355B / GLM-4.5-Air as 106B total, rounded figures that the HF
@@ -54,7 +54,7 @@ def _hf_state(hf: dict) -> tuple[dict[str, tuple[tuple[int, ...], str]], object]
 
 
 def _ours(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], str]]:
-    return {t.name: (t.shape, t.dtype) for t in spec.tensors if not t.mtp}
+    return {t.name: (t.checkpoint_shape, t.dtype) for t in spec.tensors if not t.mtp}
 
 
 @pytest.mark.parametrize("name", MODELS)

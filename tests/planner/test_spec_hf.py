@@ -39,11 +39,14 @@ FAMILIES = {
     "glm4_moe no bias, no qk norm, 2 shared": dict(
         SMALL, model_type="glm4_moe", attention_bias=False, moe_intermediate_size=32,
         n_routed_experts=4, n_shared_experts=2, first_k_dense_replace=0),
+    "gpt_oss": dict(SMALL, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }
 
 
 def _table(spec: ModelSpec) -> dict[str, tuple]:
-    return {t.name: (t.shape, t.dtype, t.buffer, t.layer) for t in spec.tensors if not t.mtp}
+    return {t.name: (t.shape, t.stored, t.dtype, t.buffer, t.layer) for t in spec.tensors
+            if not t.mtp}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
