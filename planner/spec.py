@@ -32,10 +32,27 @@ class LogicalTensor:
     """A trained buffer, not a parameter (kept in its own dtype on both sides)."""
     mtp: bool = False
     """Part of a multi-token-prediction layer (in checkpoints, not in the HF model)."""
+    stored: tuple[int, ...] = ()
+    """The checkpoint's shape when it has more than 2 dims (gpt-oss's fused experts
+    `[E, H, 2I]`); `shape` is then its row-major 2-d view `[E*H, 2I]` (the same bytes),
+    since boxes are 2-d. Empty when `shape` is the checkpoint shape."""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        return self.stored or self.shape
+
+
+def as_2d(name: str, shape: tuple[int, ...], dtype: str, layer: int = -1,
+          buffer: bool = False) -> LogicalTensor:
+    """A logical tensor of any rank: more than 2 dims are viewed as `[prod(lead), last]`."""
+    if len(shape) <= 2:
+        return LogicalTensor(name, shape, dtype, layer, buffer)
+    return LogicalTensor(name, (math.prod(shape[:-1]), shape[-1]), dtype, layer, buffer,
+                         stored=shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +82,10 @@ class ModelDims:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     mtp_layers: int = 0
+    moe_module: str = "mlp"
+    """The MoE block's module name inside a layer (Mixtral: `block_sparse_moe`)."""
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    """Checkpoint names of an expert's gate, up and down projections (Mixtral: w1, w3, w2)."""
 
     @property
     def mla(self) -> bool:
@@ -100,13 +121,15 @@ class ModelSpec:
 
 
 def _families() -> dict[str, Any]:
-    from planner.models import deepseek_v3, dense, qwen3_moe
+    from planner.models import deepseek_v3, dense, glm4_moe, gpt_oss, mixtral, qwen3_moe
 
     return {"llama": dense, "qwen2": dense, "qwen3": dense, "qwen3_moe": qwen3_moe,
-            "deepseek_v3": deepseek_v3, "kimi_k2": deepseek_v3}
+            "deepseek_v3": deepseek_v3, "kimi_k2": deepseek_v3, "mixtral": mixtral,
+            "glm4_moe": glm4_moe, "gpt_oss": gpt_oss}
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2",
+                         "mixtral", "glm4_moe", "gpt_oss")
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
@@ -154,9 +177,9 @@ def spec_from_hf(hf: dict[str, Any], num_layers: int | None = None,
         hf["num_hidden_layers"] = num_layers
     model_type = hf.get("model_type")
     family = _families().get(model_type)
-    if family is None:
-        raise ConfigError(f"model.config: model_type {model_type!r} is not supported; "
-                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    hand_written = family is not None
+    if not hand_written:
+        family = _from_transformers(model_type)
     dims = family.dims(hf)
     if not mtp:
         dims = replace(dims, mtp_layers=0,
@@ -167,14 +190,31 @@ def spec_from_hf(hf: dict[str, Any], num_layers: int | None = None,
         raise ConfigError(f"model.config: {layers} layers of {dims.num_experts} experts make "
                           f"more than {MAX_TENSORS:,} tensors; fix config.json or "
                           "model.overrides")
-    return ModelSpec(dims=dims, tensors=tuple(family.tensors(dims, _dtype(hf))))
+    if hand_written:
+        return ModelSpec(dims=dims, tensors=tuple(family.tensors(dims, _dtype(hf))))
+    return ModelSpec(dims=dims, tensors=tuple(family.tensors(hf, dims, _dtype(hf))))
+
+
+def _from_transformers(model_type: object) -> Any:
+    """`planner.models.hf` for a model_type transformers knows (imports transformers)."""
+    try:
+        from planner.models import hf
+        known = hf.known(model_type)
+    except ImportError:
+        known, hf = False, None
+    if not known:
+        raise ConfigError(f"model.config: model_type {model_type!r} is not supported: no "
+                          "hand-written family and transformers does not know it (or is not "
+                          f"installed); hand-written: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return hf
 
 
 # The integer numbers the families read; null is allowed (e.g. `q_lora_rank: null`).
 INT_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "intermediate_size", "vocab_size", "num_experts", "n_routed_experts",
             "n_shared_experts", "moe_intermediate_size", "num_experts_per_tok",
-            "decoder_sparse_step", "first_k_dense_replace", "moe_layer_freq", "q_lora_rank",
+            "decoder_sparse_step", "first_k_dense_replace", "num_local_experts",
+            "moe_layer_freq", "q_lora_rank",
             "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
             "num_nextn_predict_layers")
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner.layouts import rules
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
@@ -38,8 +38,8 @@ from planner.layouts.shards import chunk, whole
 from planner.spec import LogicalTensor, ModelDims, ModelSpec
 from schemas.config import SourceConfig
 
-_COLWISE = re.compile(r"\.(q_proj|k_proj|v_proj|q_b_proj|kv_b_proj|gate_proj|up_proj)\.")
-_ROWWISE = re.compile(r"\.(o_proj|down_proj)\.weight$")
+_COLWISE = re.compile(r"\.(q_proj|k_proj|v_proj|q_b_proj|kv_b_proj|gate_proj|up_proj|w1|w3)\.")
+_ROWWISE = re.compile(r"\.(o_proj|down_proj|w2)\.weight$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +84,9 @@ def check(spec: ModelSpec, cfg: SourceConfig) -> None:
         rules.fail("source.tp", tp, f"must divide num_key_value_heads={d.kv_heads} (FSDP2+TP "
                    "cuts k_proj/v_proj by rows, no KV-head replication); use one of "
                    f"{rules.divisors(d.kv_heads)}")
+    if d.model_type == "gpt_oss":
+        rules.fail("source.tp", tp, "has no TP plan for gpt-oss's fused experts (gate and up "
+                   "interleaved in gate_up_proj); use source.tp: 1")
     if cfg.fused_experts and d.moe_layers:
         rules.fail("source.fused_experts", True, f"cannot be combined with source.tp={tp} (a "
                    "colwise cut of gate_up_proj mixes gate and up); use tp 1 or "
@@ -125,6 +128,11 @@ def hf_params(spec: ModelSpec, cfg: SourceConfig) -> list[_Param]:
 
 
 def _plain(t: LogicalTensor, cfg: SourceConfig) -> _Param:
+    if t.stored:  # a 3-d checkpoint tensor (gpt-oss experts), logical 2-d view: by expert
+        rows = t.shape[0] // t.stored[0]
+        pieces = tuple(Piece(t.name, (x * rows, 0), (rows, t.shape[1]), (x, 0, 0))
+                       for x in range(t.stored[0]))
+        return _Param(t.name, t.stored, cfg.dtype, pieces, None)
     return _Param(t.name, t.shape, t.dtype if t.buffer else cfg.dtype,
                   (whole(t.name, t.shape),), None if t.buffer else tp_dim(t.name), t.buffer)
 
@@ -134,15 +142,17 @@ def _layer_params(d: ModelDims, tensors: Sequence[LogicalTensor],
     if not tensors:
         return []
     fused = cfg.fused_experts and d.is_moe(tensors[0].layer)
+    moe = f".{d.moe_module}."
+    gate_first = d.model_type == "mixtral" or (d.model_type == "qwen3_moe" and not fused)
 
     def rank(t: LogicalTensor) -> int:
         n = t.name
         if ".self_attn." in n:
             return 0
-        if ".mlp.experts." in n:
-            return 1 if fused or d.model_type != "qwen3_moe" else 2
-        if ".mlp.gate." in n:
-            return 2 if fused or d.model_type != "qwen3_moe" else 1
+        if moe + "experts." in n:
+            return 2 if gate_first else 1
+        if moe + "gate." in n:
+            return 1 if gate_first else 2
         if ".mlp.shared_experts." in n:
             return 3
         if ".mlp." in n:
@@ -150,27 +160,34 @@ def _layer_params(d: ModelDims, tensors: Sequence[LogicalTensor],
         return 4 if "input_layernorm" in n else 5
 
     ordered = sorted(tensors, key=rank)  # stable: keeps the checkpoint order inside a group
+    names = "|".join(d.expert_names)
     out: list[_Param] = []
     for t in ordered:
-        m = re.search(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", t.name)
+        m = re.search(rf"{re.escape(moe)}experts\.(\d+)\.({names})\.weight$", t.name)
         if fused and m:
-            if m.group(1) == "0" and m.group(2) != "up_proj":
-                out.append(_fused(d, t.name[: m.start()] + ".mlp.experts.",
-                                  m.group(2), cfg.dtype))
+            if m.group(1) == "0" and m.group(2) != d.expert_names[1]:
+                out.append(_fused(d, t.name[: m.start()], m.group(2) == d.expert_names[2],
+                                  cfg.dtype))
+            continue
+        if fused and moe != ".mlp." and moe + "gate." in t.name:  # transformers 5.x renames
+            out.append(replace(_plain(t, cfg), name=t.name.replace(moe, ".mlp.")))
             continue
         out.append(_plain(t, cfg))
     return out
 
 
-def _fused(d: ModelDims, prefix: str, kind: str, dtype: str) -> _Param:
-    """transformers 5.x `gate_up_proj [E, 2I, H]` (`[gate; up]` per expert) or
-    `down_proj [E, H, I]`."""
+def _fused(d: ModelDims, layer: str, down: bool, dtype: str) -> _Param:
+    """transformers 5.x `mlp.experts.gate_up_proj [E, 2I, H]` (`[gate; up]` per expert) or
+    `mlp.experts.down_proj [E, H, I]` of the layer prefix `layer` (`model.layers.N`)."""
     e, i, h = d.num_experts, d.moe_intermediate, d.hidden
-    if kind == "gate_proj":
-        pieces = [Piece(f"{prefix}{x}.{w}_proj.weight", (0, 0), (i, h), (x, k * i, 0))
-                  for x in range(e) for k, w in enumerate(("gate", "up"))]
+    logical = f"{layer}.{d.moe_module}.experts."
+    gate, up, down_name = d.expert_names
+    prefix = layer + ".mlp.experts."
+    if not down:
+        pieces = [Piece(f"{logical}{x}.{w}.weight", (0, 0), (i, h), (x, k * i, 0))
+                  for x in range(e) for k, w in enumerate((gate, up))]
         return _Param(prefix + "gate_up_proj", (e, 2 * i, h), dtype, tuple(pieces), None)
-    pieces = [Piece(f"{prefix}{x}.down_proj.weight", (0, 0), (h, i), (x, 0, 0))
+    pieces = [Piece(f"{logical}{x}.{down_name}.weight", (0, 0), (h, i), (x, 0, 0))
               for x in range(e)]
     return _Param(prefix + "down_proj", (e, h, i), dtype, tuple(pieces), None)
 
@@ -186,7 +203,7 @@ def _local(p: _Param, cfg: SourceConfig, t: int, d: int) -> PhysicalTensor:
     lo[0], hi[0] = lo[0] + a, lo[0] + b
     shape = tuple(y - x for x, y in zip(lo, hi))
     if len(p.pieces) == 1 and p.pieces[0].sizes == p.shape:  # a plain parameter: one box
-        piece = Piece(p.name, tuple(lo), shape, (0,) * len(shape))
+        piece = Piece(p.pieces[0].tensor, tuple(lo), shape, (0,) * len(shape))
         return PhysicalTensor(p.name, shape, p.dtype, (piece,) if all(shape) else ())
     near = p.pieces[bisect_left(p.starts, lo[0] - p.reach + 1):bisect_left(p.starts, hi[0])]
     return PhysicalTensor(p.name, shape, p.dtype, restrict(near, lo, hi))

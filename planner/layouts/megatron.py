@@ -40,6 +40,9 @@ from planner.layouts.shards import box, cut_rows, even, physical, whole
 from planner.spec import LogicalTensor, ModelDims, ModelSpec
 from schemas.config import ConfigError, SourceConfig
 
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "glm4_moe")
+"""The model_types these rules cover (others: specs from transformers, no rules)."""
+
 
 @dataclass(frozen=True, slots=True)
 class _Coords:
@@ -128,6 +131,7 @@ def padded_vocab(vocab: int, cfg: SourceConfig) -> int:
 def check(spec: ModelSpec, cfg: SourceConfig) -> None:
     """The combinations Megatron-Core cannot build, as ConfigErrors naming the key."""
     d, tp = spec.dims, cfg.tp
+    rules.has_rules("source.framework", cfg.framework, d, FAMILIES)
     rules.attention_tp("source.tp", tp, tp, d)
     qkv_rows = (d.heads + 2 * d.kv_heads) * d.head_dim
     if not d.mla and qkv_rows % tp:

@@ -55,3 +55,11 @@ def pp_fits(key: str, pp: int, d: ModelDims) -> None:
     if pp > d.num_layers:
         fail(key, pp, f"exceeds the model's {d.num_layers} layers; use at most "
              f"{d.num_layers} stages")
+
+
+def has_rules(key: str, value: object, d: ModelDims, families: tuple[str, ...]) -> None:
+    """A hand-written layout covers only the families it was written for (a model_type
+    whose spec comes from transformers has no rules)."""
+    if d.model_type not in families:
+        fail(key, value, f"has no layout rules for model_type {d.model_type!r}; it has rules "
+             f"for {', '.join(families)}")

@@ -31,13 +31,16 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from planner.layouts import rules
 from planner.layouts.base import Layout, PhysicalTensor, RankLayout
 from planner.layouts.rules import divisors, fail
 from planner.layouts.vllm import Names, Shard, Split, build, check_common
 from planner.spec import ModelSpec
 from schemas.config import TargetConfig
 
-NAMES = Names(experts="mlp.experts.", fused_qkv_a="fused_qkv_a_proj_with_mqa")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2")
+"""The model_types these rules cover (others: specs from transformers, no rules)."""
+NAMES = Names(experts="experts.", fused_qkv_a="fused_qkv_a_proj_with_mqa")
 
 
 def pp_layers(num_layers: int, pp: int, stage: int) -> range:
@@ -53,6 +56,7 @@ def attn_tp(cfg: TargetConfig) -> int:
 
 
 def check(spec: ModelSpec, cfg: TargetConfig) -> None:
+    rules.has_rules("target.engine", cfg.engine, spec.dims, FAMILIES)
     if cfg.dp_attention and cfg.tp % cfg.dp:
         fail("target.dp", cfg.dp, f"must divide target.tp={cfg.tp} with dp_attention "
              "(attention TP = tp/dp); pick a divisor of tp")

@@ -30,9 +30,11 @@ from dataclasses import dataclass
 from planner.layouts import rules
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
 from planner.layouts.rules import fail
-from planner.spec import LogicalTensor, ModelSpec
+from planner.spec import SUPPORTED_MODEL_TYPES, LogicalTensor, ModelSpec
 from schemas.config import TargetConfig
 
+FAMILIES = SUPPORTED_MODEL_TYPES
+"""The model_types these rules cover (others: specs from transformers, no rules)."""
 VOCAB_PAD = 64
 """vLLM and SGLang pad the vocab of `embed_tokens`/`lm_head` to a multiple of this."""
 
@@ -75,8 +77,8 @@ class Shard:
 class Names:
     """Engine-specific native names."""
 
-    experts: str = "mlp.experts.routed_experts."
-    """Prefix of w13_weight/w2_weight inside a layer."""
+    experts: str = "experts.routed_experts."
+    """Prefix of w13_weight/w2_weight inside the MoE block (`ModelDims.moe_module`)."""
     fused_qkv_a: str = "fused_qkv_a_proj"
     """MLA's fused [q_a_proj; kv_a_proj_with_mqa]."""
 
@@ -124,8 +126,13 @@ def check_common(spec: ModelSpec, cfg: TargetConfig, attn_tp: int, moe_tp: int,
 
 
 def check(spec: ModelSpec, cfg: TargetConfig) -> None:
+    rules.has_rules("target.engine", cfg.engine, spec.dims, FAMILIES)
     moe = cfg.dp * cfg.tp
     check_common(spec, cfg, cfg.tp, 1 if cfg.ep else moe, moe if cfg.ep else 1)
+    if spec.dims.model_type == "gpt_oss":
+        from planner.layouts.vllm_gpt_oss import check as gpt_oss_check
+
+        gpt_oss_check(spec, cfg)
 
 
 def shard(spec: ModelSpec, cfg: TargetConfig, d: int, p: int, t: int) -> Shard:
@@ -147,8 +154,7 @@ def shard(spec: ModelSpec, cfg: TargetConfig, d: int, p: int, t: int) -> Shard:
 def layout(spec: ModelSpec, cfg: TargetConfig) -> Layout:
     """The vLLM layout of `cfg.replicas` engines of `cfg.dp * cfg.pp * cfg.tp` ranks."""
     check(spec, cfg)
-    names = Names(experts="mlp.experts." if cfg.expert_names == "experts"
-                  else Names().experts)
+    names = Names(experts="experts." if cfg.expert_names == "experts" else Names().experts)
     shards = [shard(spec, cfg, d, p, t)
               for d in range(cfg.dp) for p in range(cfg.pp) for t in range(cfg.tp)]
     return build("vllm", spec, cfg, shards, names)
@@ -157,7 +163,10 @@ def layout(spec: ModelSpec, cfg: TargetConfig) -> Layout:
 def build(framework: str, spec: ModelSpec, cfg: TargetConfig, shards: list[Shard],
           names: Names) -> Layout:
     """One engine's ranks (`shards`, in engine rank order), repeated for every replica."""
-    engine = [tuple(_Builder(spec, cfg, s, names).tensors()) for s in shards]
+    builder: type[_Builder] = _Builder
+    if spec.dims.model_type == "gpt_oss":
+        from planner.layouts.vllm_gpt_oss import GptOssBuilder as builder
+    engine = [tuple(builder(spec, cfg, s, names).tensors()) for s in shards]
     ranks = tuple(RankLayout(rank=r * len(engine) + i, replica=r, tensors=tensors)
                   for r in range(cfg.replicas) for i, tensors in enumerate(engine))
     return Layout(side="target", framework=framework, ranks=ranks, replicas=cfg.replicas)
@@ -233,8 +242,10 @@ class _Builder:
                                                     (lp + "up_proj.weight", split.rank * k, k)], h)
         yield self.column_split(p + "down_proj.weight", lp + "down_proj.weight", split)
 
-    def gqa(self, p: str) -> Iterator[PhysicalTensor]:
-        d, a = self.d, self.s.attn
+    def gqa(self, p: str, phys: str | None = None) -> Iterator[PhysicalTensor]:
+        """qkv_proj, o_proj (and q/k norms) of the attention with logical prefix `p`, named
+        `phys` on the engine (default: `p`)."""
+        d, a, phys = self.d, self.s.attn, phys or p
         hd, q = d.head_dim, d.heads // a.size
         if a.size >= d.kv_heads:
             kv0, nkv = a.rank // (a.size // d.kv_heads), 1
@@ -246,11 +257,12 @@ class _Builder:
             parts = [(f"{p}q_proj.{sfx}", a.rank * q * hd, q * hd),
                      (f"{p}k_proj.{sfx}", kv0 * hd, nkv * hd),
                      (f"{p}v_proj.{sfx}", kv0 * hd, nkv * hd)]
-            yield self.rows(f"{p}qkv_proj.{sfx}", parts, d.hidden if sfx == "weight" else None)
-        yield self.column_split(p + "o_proj.weight", p + "o_proj.weight", a)
+            yield self.rows(f"{phys}qkv_proj.{sfx}", parts,
+                            d.hidden if sfx == "weight" else None)
+        yield self.column_split(phys + "o_proj.weight", p + "o_proj.weight", a)
         if d.qk_norm:
-            yield self.whole(p + "q_norm.weight")
-            yield self.whole(p + "k_norm.weight")
+            yield self.whole(phys + "q_norm.weight", p + "q_norm.weight")
+            yield self.whole(phys + "k_norm.weight", p + "k_norm.weight")
 
     def mla(self, p: str) -> Iterator[PhysicalTensor]:
         d, a = self.d, self.s.attn
@@ -275,12 +287,13 @@ class _Builder:
         local = expert_range(d.num_experts, self.s.ep)
         w13, w2 = [], []
         gate, up = (0, k) if self.cfg.w13_order == "w1w3" else (k, 0)  # w3w1: FlashInfer
+        g, u, dn = (f"{name}.weight" for name in d.expert_names)
         for j, e in enumerate(local):
-            lp = f"{p}mlp.experts.{e}."
-            w13.append(Piece(lp + "gate_proj.weight", (m.rank * k, 0), (k, h), (j, gate, 0)))
-            w13.append(Piece(lp + "up_proj.weight", (m.rank * k, 0), (k, h), (j, up, 0)))
-            w2.append(Piece(lp + "down_proj.weight", (0, m.rank * k), (h, k), (j, 0, 0)))
-        ep = p + self.names.experts
+            lp = f"{p}{d.moe_module}.experts.{e}."
+            w13.append(Piece(lp + g, (m.rank * k, 0), (k, h), (j, gate, 0)))
+            w13.append(Piece(lp + u, (m.rank * k, 0), (k, h), (j, up, 0)))
+            w2.append(Piece(lp + dn, (0, m.rank * k), (h, k), (j, 0, 0)))
+        ep = f"{p}{d.moe_module}.{self.names.experts}"
         yield PhysicalTensor(ep + "w13_weight", (len(local), 2 * k, h), self.cfg.dtype, tuple(w13))
         yield PhysicalTensor(ep + "w2_weight", (len(local), h, k), self.cfg.dtype, tuple(w2))
 
@@ -288,8 +301,9 @@ class _Builder:
         p = f"model.layers.{i}."
         yield from self.mla(p + "self_attn.") if self.d.mla else self.gqa(p + "self_attn.")
         if self.d.is_moe(i):
-            yield self.whole(p + "mlp.gate.weight")
-            bias = p + "mlp.gate.e_score_correction_bias"
+            moe = f"{p}{self.d.moe_module}."
+            yield self.whole(moe + "gate.weight")
+            bias = moe + "gate.e_score_correction_bias"
             if bias in self.lt:
                 yield self.whole(bias)
             if self.d.shared_intermediate:

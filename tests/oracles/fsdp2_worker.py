@@ -1,6 +1,7 @@
 """One rank of the FSDP2 oracle (run as a script by test_fsdp2_oracle.py).
 
-Builds the HF model (transformers, CPU), applies torchtitan-style TP (`parallelize_module`
+Loads the HF model with transformers' `from_pretrained` from a checkpoint of random logical
+tensors (CPU), applies torchtitan-style TP (`parallelize_module`
 on the `tp` mesh dim, when tp > 1) and `fully_shard` (FSDP2) per layer and at the root
 over `dp_shard` (HSDP when dp_replicate > 1), on gloo. Then checks our layout against the
 real DTensors: names, order and local shapes, and values: every `to_local()` shard equals
@@ -39,12 +40,28 @@ def _tp_plan(model: torch.nn.Module) -> dict:
     return plan
 
 
+def _from_checkpoint(hf: dict, full: dict[str, torch.Tensor], spec) -> torch.nn.Module:
+    """The HF model loaded by transformers' own `from_pretrained` from a checkpoint of the
+    logical tensors (checkpoint names: transformers 5.x fuses and renames experts itself)."""
+    import tempfile
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    folder = tempfile.mkdtemp(prefix="fsdp2-oracle-")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(dict(hf, torch_dtype="float32"), f)
+    save_file({k: v.reshape(spec.by_name[k].checkpoint_shape).contiguous()
+               for k, v in full.items()},
+              os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
 def main() -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     arg = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -54,24 +71,8 @@ def main() -> int:
     spec = spec_from_hf(hf)
     mesh = init_device_mesh("cpu", (cfg.dp_replicate, cfg.dp, cfg.tp),
                             mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf)).float()
     full = {k: v.float() for k, v in random_full_tensors(spec, seed=2).items()}
-    with torch.no_grad():  # load the logical tensors before sharding
-        sd = model.state_dict()
-        for name, t in full.items():
-            if name in sd:
-                sd[name].copy_(t)
-        for name, p in sd.items():
-            if name.endswith("experts.gate_up_proj"):
-                pre = name[: -len("gate_up_proj")]
-                p.copy_(torch.stack([torch.cat([full[f"{pre}{e}.gate_proj.weight"],
-                                                full[f"{pre}{e}.up_proj.weight"]])
-                                     for e in range(p.shape[0])]))
-            elif name.endswith("experts.down_proj"):
-                pre = name[: -len("down_proj")]
-                p.copy_(torch.stack([full[f"{pre}{e}.down_proj.weight"]
-                                     for e in range(p.shape[0])]))
+    model = _from_checkpoint(hf, full, spec)
     if cfg.tp > 1:
         parallelize_module(model, mesh["tp"], _tp_plan(model))
     dp_mesh = mesh["dp_replicate", "dp_shard"]

@@ -63,6 +63,7 @@ def main() -> int:
     full = {k: v.float() for k, v in random_full_tensors(spec, seed=1, scale=0.2).items()}
     local = materialize(megatron.layout(spec, cfg), full, ranks=[rank])[rank]
     params = dict(model.named_parameters())
+    params |= {n: b for n, b in model.named_buffers() if n.endswith("expert_bias")}
     with torch.no_grad():
         for name, t in local.items():
             params[name].copy_(t)

@@ -70,6 +70,14 @@ DENSE = dict(model_type="qwen3", hidden_size=12, intermediate_size=20, num_atten
              tie_word_embeddings=False)
 MOE = dict(DENSE, model_type="qwen3_moe", moe_intermediate_size=6, num_experts=4,
            num_experts_per_tok=1)
+GPT_OSS = dict(DENSE, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=1,
+               attention_bias=True, sliding_window=8,
+               layer_types=["sliding_attention", "full_attention"])
+MIXTRAL = dict(DENSE, model_type="mixtral", num_local_experts=4, num_experts_per_tok=1)
+GLM4_MOE = dict(DENSE, model_type="glm4_moe", attention_bias=True, use_qk_norm=True,
+                moe_intermediate_size=6, n_routed_experts=4, n_shared_experts=1,
+                num_experts_per_tok=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                num_nextn_predict_layers=1)
 
 
 @pytest.mark.parametrize("hf, source, world", [
@@ -78,8 +86,15 @@ MOE = dict(DENSE, model_type="qwen3_moe", moe_intermediate_size=6, num_experts=4
     # 4 experts over 3 ranks: 2, 2, 0 (an empty shard); fused [E, 2I, H] with transformers
     # 5.x, checkpoint-named experts (each Shard(0) on its own rows) with 4.x
     pytest.param(MOE, dict(dp=3), 3, id="moe-dp3"),
+    # transformers 5.x renames `block_sparse_moe` to `mlp` and fuses w1/w3 into gate_up_proj
+    pytest.param(MIXTRAL, dict(dp=2), 2, id="mixtral-dp2"),
+    # q/k/v biases, router bias buffer, shared expert; the MTP layer is not in the HF model
+    pytest.param(GLM4_MOE, dict(dp=3), 3, id="glm4_moe-dp3"),
+    # the checkpoint's fused experts are the HF model's parameters; sinks, biases
+    pytest.param(GPT_OSS, dict(dp=3), 3, id="gpt_oss-dp3"),
 ])
 def test_fsdp2_matches_real_dtensors(hf, source, world):
     transformers = pytest.importorskip("transformers")
-    fused = hf["model_type"] == "qwen3_moe" and int(transformers.__version__.split(".")[0]) >= 5
+    fused = (hf["model_type"] in ("qwen3_moe", "mixtral", "glm4_moe")
+             and int(transformers.__version__.split(".")[0]) >= 5)
     launch("fsdp2_worker.py", world, {"hf": hf, "source": dict(source, fused_experts=fused)})

@@ -24,6 +24,13 @@ DENSE = dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_atten
              tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0)
 MOE = dict(DENSE, model_type="qwen3_moe", intermediate_size=48, moe_intermediate_size=16,
            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0])
+# GLM-4.5: q/k/v biases, q/k norms, half the head dim rotary, dense layer 0, then sigmoid
+# routing with the expert bias, a routed scaling factor and a shared expert
+GLM4_MOE = dict(DENSE, model_type="glm4_moe", attention_bias=True, use_qk_norm=True,
+                partial_rotary_factor=0.5, intermediate_size=48, moe_intermediate_size=16,
+                n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
+                routed_scaling_factor=2.5, num_nextn_predict_layers=0)
 
 
 @pytest.mark.parametrize("hf, source, world", [
@@ -32,6 +39,8 @@ MOE = dict(DENSE, model_type="qwen3_moe", intermediate_size=48, moe_intermediate
     pytest.param(MOE, dict(ep=2, dp=2, expert_layout="sequential"), 2, id="moe-ep2"),
     pytest.param(MOE, dict(tp=2, dp=2, ep=2, etp=2, expert_layout="sequential"), 4,
                  id="moe-tp2-ep2-etp2"),
+    pytest.param(GLM4_MOE, dict(tp=2, dp=2, ep=2, etp=1, expert_layout="sequential"), 2,
+                 id="glm4_moe-tp2-ep2"),
     # names and shapes only: MLA (local spec: down projections column-parallel), dense
     # first layer, shared experts, router.expert_bias; expert grid with etp 1 under tp 2
     pytest.param(deepseek_v3(num_hidden_layers=2), dict(tp=2, ep=2, etp=1,

@@ -89,7 +89,8 @@ def run_case(case: dict, rank: int) -> list[str]:
         try:
             model = get_model(vllm_config=cfg)
             KEEP.append(model)
-            model.load_weights(iter(full.items()))
+            model.load_weights((k, v.view(spec.by_name[k].checkpoint_shape))
+                               for k, v in full.items())
             got = {n: p.detach() for n, p in model.named_parameters()}
         finally:
             destroy_model_parallel()

@@ -66,7 +66,10 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     "zero_bandwidth": ("cluster.nic_gbps: 0", "positive bandwidth"),
     "max_write_bytes_too_small": ("options.max_write_bytes: 1024", "at least 4096"),
     "negative_staging": ("options.staging_bytes: -1", ">= 0"),
-    "unknown_model_type": ("model.config:", "'gpt2' is not supported", "supported: llama"),
+    "unknown_model_type": ("model.config:", "'not_a_model' is not supported",
+                           "transformers does not know it", "hand-written: llama"),
+    "no_layout_rules": ("target.engine: 'vllm'", "no layout rules for model_type 'gpt2'",
+                        "rules for llama"),
     "negative_hidden_size": ("model.config:", "hidden_size = -256", "model.overrides"),
     "missing_config_json": ("model.config:", "models/nope/config.json", "does not exist"),
     "config_json_not_json": ("model.config:", "not-json/config.json", "not valid JSON"),
@@ -146,6 +149,9 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     "hostile_json_zero_heads": ("model.config: num_attention_heads = 0", "must be positive"),
 }
 MAX_SECONDS = 5.0
+IMPORTS_TORCH = {"no_layout_rules"}
+"""Cases whose spec comes from transformers on the meta device: they import torch and
+transformers first (12-40 s on a loaded box), so only a hang ceiling applies."""
 MAX_RSS = 1 << 30
 
 
@@ -157,11 +163,12 @@ def test_every_case_file_is_in_the_table() -> None:
 @pytest.mark.parametrize("case", sorted(EXPECTED))
 def test_bad_config_fails_with_one_line(case: str, tmp_path: Path,
                                         capsys: pytest.CaptureFixture) -> None:
-    _fails_with_one_line(str(CASES / f"{case}.yaml"), EXPECTED[case], tmp_path, capsys)
+    _fails_with_one_line(str(CASES / f"{case}.yaml"), EXPECTED[case], tmp_path, capsys,
+                         max_seconds=120.0 if case in IMPORTS_TORCH else MAX_SECONDS)
 
 
 def _fails_with_one_line(config: str, parts: tuple[str, ...], tmp_path: Path,
-                         capsys: pytest.CaptureFixture) -> str:
+                         capsys: pytest.CaptureFixture, max_seconds: float = MAX_SECONDS) -> str:
     (tmp_path / "out").mkdir()
     out = tmp_path / "out" / "plan.rplan"
     tracemalloc.start()  # this case's own peak (the process's max RSS holds earlier tests')
@@ -183,7 +190,7 @@ def _fails_with_one_line(config: str, parts: tuple[str, ...], tmp_path: Path,
     assert "Traceback" not in captured.err + captured.out
     assert os.listdir(tmp_path / "out") == []  # no plan, no temporary file
     # bounded: not a timing benchmark, a ceiling (the slowest case takes ~1 s here)
-    assert seconds < MAX_SECONDS
+    assert seconds < max_seconds
     assert peak < MAX_RSS
     return lines[0]
 

@@ -23,6 +23,7 @@ from schemas.plan import encode_plan, write_plan
 
 MODELS = os.path.join(os.path.dirname(__file__), "..", "..", "plans", "models")
 DENSE, MOE, MLA = "tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3"
+MIXTRAL, GLM, GPT_OSS = "tiny-mixtral", "tiny-glm4-moe", "tiny-gpt-oss"
 
 CASES = [
     # model, source, target
@@ -45,6 +46,19 @@ CASES = [
     (MLA, dict(framework="megatron", tp=1, pp=3, dtype="float32"), dict(engine="vllm", tp=2,
                                                                         replicas=2)),
     (MLA, dict(framework="fsdp2", dp=3), dict(engine="vllm", tp=4, ep=True)),
+    (MIXTRAL, dict(framework="fsdp2", dp=3, fused_experts=True), dict(engine="vllm", tp=2,
+                                                                       ep=True)),
+    (MIXTRAL, dict(framework="fsdp2", dp=2), dict(engine="vllm", tp=2, replicas=2)),
+    (GLM, dict(framework="fsdp2", dp=3, fused_experts=True), dict(engine="vllm", tp=2,
+                                                                   ep=True)),
+    (GLM, dict(framework="fsdp2", dp=2, dtype="float32"), dict(engine="vllm", tp=2,
+                                                                replicas=2)),
+    (GLM, dict(framework="megatron", tp=2, ep=2, dp=2), dict(engine="vllm", tp=2, ep=True)),
+    # transposed expert pieces (gate_up_proj [E, H, 2I] -> w13 [E, 2k, H]); w2_bias on MoE
+    # TP rank 0 only
+    (GPT_OSS, dict(framework="fsdp2", dp=3), dict(engine="vllm", tp=2)),
+    (GPT_OSS, dict(framework="fsdp2", dp=2, dtype="float32"), dict(engine="vllm", tp=2,
+                                                                    ep=True, replicas=2)),
 ]
 
 

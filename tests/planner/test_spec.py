@@ -3,7 +3,8 @@
 For every config.json in plans/models/ we build the HF model with transformers on the meta
 device (no weights, no download) and compare its state_dict with our spec: the same names
 and shapes. transformers 5.x fuses experts (`mlp.experts.gate_up_proj [E, 2I, H]`, gate
-half first, and `down_proj [E, H, I]`); the test splits them back into checkpoint names.
+half first, and `down_proj [E, H, I]`); transformers' own `revert_weight_conversion` (what
+`save_pretrained` runs, used by `planner.models.hf`) splits them back into checkpoint names.
 A tied `lm_head` is in the HF state_dict but not in our spec (written once). DeepSeek-V3's
 MTP layer is in checkpoints but not in the HF model, so it is compared with HF's own MoE
 layer. All models are compared at full size (the meta device makes that ~0.1 s each).
@@ -12,7 +13,6 @@ layer. All models are compared at full size (the meta device makes that ~0.1 s e
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,10 +29,12 @@ MODELS = sorted(p.parent.name for p in (ROOT / "plans" / "models").glob("*/confi
 PUBLISHED_B = {
     "qwen3-4b": 4.02, "qwen3-8b": 8.19, "qwen3-30b-a3b": 30.5, "qwen3-235b-a22b": 235.1,
     "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.6, "deepseek-v3": 671.0, "kimi-k2": 1026.4,
+    "mixtral-8x7b": 46.7, "gpt-oss-20b": 20.91, "gpt-oss-120b": 116.83,
 }
-# Keys that only matter to custom code or quantized loading, not to the tensor list.
-_NOT_FOR_TRANSFORMERS = ("auto_map", "quantization_config", "architectures",
-                         "transformers_version", "model_type")
+# Checkpoint totals (MTP layers included), as the Hub counts a checkpoint's safetensors:
+# GLM-4.5 is announced as 355B / GLM-4.5-Air as 106B total, rounded figures that the HF
+# model (352.8B / 106.85B, MTP excluded) does not reach; their checkpoints hold 358B / 110B.
+PUBLISHED_CHECKPOINT_B = {"glm-4.5": 358.0, "glm-4.5-air": 110.0}
 
 
 def _hf_config(name: str) -> dict:
@@ -40,47 +42,19 @@ def _hf_config(name: str) -> dict:
 
 
 def _hf_state(hf: dict) -> tuple[dict[str, tuple[tuple[int, ...], str]], object]:
-    """name -> (shape, dtype) of the transformers model built on the meta device."""
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    model_type = hf["model_type"]
-    if model_type not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
-        model_type = "deepseek_v3"  # kimi_k2 ships custom code: same architecture
-    numbers = {k: v for k, v in hf.items() if k not in _NOT_FOR_TRANSFORMERS}
-    cfg = transformers.AutoConfig.for_model(model_type, **numbers)
-    dtype = getattr(torch, hf.get("torch_dtype", "bfloat16"))
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    fp32 = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
-    out = {}
-    for key, t in model.state_dict().items():
-        dt = "float32" if any(m in key for m in fp32) else str(t.dtype).removeprefix("torch.")
-        out[key] = (tuple(t.shape), dt)
-    return _split_experts(out), cfg
+    """name -> (shape, dtype) of the transformers model built on the meta device, fused
+    experts reverted to checkpoint names by transformers' own `revert_weight_conversion`
+    (`planner.models.hf`, the spec of families without a hand-written module)."""
+    pytest.importorskip("transformers")
+    from planner.models import hf as from_transformers
 
-
-def _split_experts(state: dict) -> dict:
-    """transformers 5.x fused experts -> checkpoint names `experts.{e}.{gate,up,down}_proj`."""
-    out = {}
-    for key, (shape, dtype) in state.items():
-        m = re.fullmatch(r"(.*\.experts)\.(gate_up_proj|down_proj)", key)
-        if not m:
-            out[key] = (shape, dtype)
-            continue
-        num, rows, cols = shape
-        for e in range(num):
-            p = f"{m.group(1)}.{e}."
-            if m.group(2) == "gate_up_proj":  # [E, 2I, H]: rows [0, I) gate, [I, 2I) up
-                assert rows % 2 == 0, key
-                out[p + "gate_proj.weight"] = ((rows // 2, cols), dtype)
-                out[p + "up_proj.weight"] = ((rows // 2, cols), dtype)
-            else:  # [E, H, I]
-                out[p + "down_proj.weight"] = ((rows, cols), dtype)
-    return out
+    state = from_transformers.state(hf, hf.get("torch_dtype", "bfloat16"))
+    return ({k: (shape, dt) for k, (shape, dt, _) in state.items()},
+            from_transformers.config(hf))
 
 
 def _ours(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], str]]:
-    return {t.name: (t.shape, t.dtype) for t in spec.tensors if not t.mtp}
+    return {t.name: (t.checkpoint_shape, t.dtype) for t in spec.tensors if not t.mtp}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -97,7 +71,8 @@ def test_spec_matches_transformers(name: str) -> None:
     wrong = {k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs[k]}
     assert wrong == {}, "(ours, transformers) differ"
     # ModelDims.moe_layers agrees with the layers where transformers built experts.
-    hf_moe = {int(k.split(".")[2]) for k in theirs if ".mlp.experts." in k}
+    experts = f".{spec.dims.moe_module}.experts."
+    hf_moe = {int(k.split(".")[2]) for k in theirs if experts in k}
     assert {i for i in range(spec.dims.num_layers) if spec.dims.is_moe(i)} == hf_moe
 
 
@@ -135,7 +110,8 @@ def test_spec_order_is_checkpoint_order() -> None:
     assert layers == sorted(layers) and layers[-1] == 35
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3", "tiny-deepseek-v3"])
+@pytest.mark.parametrize("name", ["deepseek-v3", "tiny-deepseek-v3", "glm-4.5-air",
+                                  "tiny-glm4-moe"])
 def test_mtp_layer_is_a_moe_layer_plus_its_heads(name: str) -> None:
     """The MTP layer L (checkpoint only) = HF's MoE decoder layer + embed/enorm/hnorm/eh_proj/
     shared_head, each shaped like the HF tensor it mirrors."""
@@ -181,6 +157,14 @@ def test_cli_spec_totals_match_published(name: str, capsys: pytest.CaptureFixtur
                                                                          1e-3 * published))
     assert out["total_params"] == sum(_numel(t["shape"]) for t in out["tensors"]
                                       if not t["mtp"])
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_CHECKPOINT_B))
+def test_checkpoint_totals_match_published(name: str) -> None:
+    spec = load_spec(str(ROOT / "plans/models" / name))
+    published = PUBLISHED_CHECKPOINT_B[name]
+    total = (spec.total_params + spec.mtp_params) / 1e9
+    assert total == pytest.approx(published, abs=max(0.5, 1e-3 * published))
 
 
 def test_cli_spec_subprocess_and_num_layers() -> None:

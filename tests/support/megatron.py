@@ -41,6 +41,15 @@ def patch_mla() -> None:
 
 def _moe_kwargs(hf: dict, cfg: SourceConfig) -> dict:
     layers = hf["num_hidden_layers"]
+    if hf["model_type"] == "glm4_moe":  # sigmoid router with expert bias, shared experts
+        first = hf.get("first_k_dense_replace", 0)
+        return dict(num_moe_experts=hf["n_routed_experts"],
+                    moe_shared_expert_intermediate_size=hf["moe_intermediate_size"] * hf[
+                        "n_shared_experts"], moe_router_enable_expert_bias=True,
+                    moe_router_score_function="sigmoid",
+                    moe_router_topk_scaling_factor=hf.get("routed_scaling_factor", 1.0),
+                    moe_layer_freq=[int(i >= first) for i in range(layers)],
+                    **_expert_kwargs(hf, cfg))
     if hf["model_type"] == "deepseek_v3":
         first = hf.get("first_k_dense_replace", 0)
         return dict(num_moe_experts=hf["n_routed_experts"],
@@ -72,7 +81,8 @@ def build(hf: dict, cfg: SourceConfig, vocab: int, pre: bool, post: bool,
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    moe = hf["model_type"] in ("qwen3_moe", "deepseek_v3")
+    moe = hf["model_type"] in ("qwen3_moe", "deepseek_v3", "glm4_moe")
+    qk_norm = hf.get("use_qk_norm", True) if hf["model_type"] == "glm4_moe" else True
     kw = _moe_kwargs(hf, cfg) if moe else {}
     if hf["model_type"] == "deepseek_v3":
         make = MLATransformerConfig
@@ -88,7 +98,8 @@ def build(hf: dict, cfg: SourceConfig, vocab: int, pre: bool, post: bool,
         ffn_hidden_size=hf.get("intermediate_size", 0) or 4 * hf["hidden_size"],
         normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0,
+        qk_layernorm=qk_norm, add_qkv_bias=bool(hf.get("attention_bias", False)),
+        hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
         virtual_pipeline_model_parallel_size=cfg.vpp if cfg.vpp > 1 else None,
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype,
@@ -101,11 +112,12 @@ def build(hf: dict, cfg: SourceConfig, vocab: int, pre: bool, post: bool,
         spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False,
                                           normalization="RMSNorm", vp_stage=vp_stage)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
     return GPTModel(tc, spec, vocab_size=vocab, max_sequence_length=64, pre_process=pre,
                     vp_stage=vp_stage,
                     post_process=post, share_embeddings_and_output_weights=hf.get(
                         "tie_word_embeddings", False), position_embedding_type="rope",
+                    rotary_percent=hf.get("partial_rotary_factor", 1.0),
                     rotary_base=hf.get("rope_theta", 10000.0))
 
 
