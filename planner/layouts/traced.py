@@ -27,11 +27,11 @@ from typing import Any
 import msgpack
 
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
-from planner.spec import ModelSpec
+from planner.spec import SUPPORTED_MODEL_TYPES, ModelSpec
 from schemas.config import Config, ConfigError, TargetConfig
 
 FORMAT = 1
-HAND_WRITTEN = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2")
+HAND_WRITTEN = SUPPORTED_MODEL_TYPES  # the families planner/layouts/vllm.py has rules for
 """Model types `planner/layouts/vllm.py` has rules for (`auto` uses them)."""
 MAX_CACHE_BYTES = 1 << 30
 
