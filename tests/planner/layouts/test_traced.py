@@ -52,7 +52,7 @@ def no_tracer(monkeypatch: pytest.MonkeyPatch) -> list[TargetConfig]:
 def test_auto_traces_only_model_types_without_rules() -> None:
     assert not traced.uses_trace(SPEC, TargetConfig(engine="vllm"))
     assert traced.uses_trace(SPEC, TargetConfig(engine="vllm", layout="traced"))
-    other = dataclasses.replace(SPEC, dims=dataclasses.replace(SPEC.dims, model_type="glm4_moe"))
+    other = dataclasses.replace(SPEC, dims=dataclasses.replace(SPEC.dims, model_type="qwen3_next"))
     assert traced.uses_trace(other, TargetConfig(engine="vllm"))
     assert not traced.uses_trace(other, TargetConfig(engine="vllm", layout="rules"))
     assert not traced.uses_trace(other, TargetConfig(engine="sglang"))
