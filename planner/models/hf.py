@@ -62,10 +62,15 @@ def config(hf: dict[str, Any]) -> Any:
     numbers = {k: v for k, v in hf.items() if k not in NOT_FOR_TRANSFORMERS}
     try:
         with _quiet():
-            return transformers.AutoConfig.for_model(model_type, **numbers)
+            cfg = transformers.AutoConfig.for_model(model_type, **numbers)
     except (ValueError, TypeError, KeyError) as e:
         raise ConfigError(f"model.config: transformers cannot build a {model_type!r} config "
                           f"from config.json ({str(e)[:200]}); fix config.json") from None
+    # vLLM's config loader sets `model_type` on the transformers config *class* when it
+    # loads an alias (kimi_k2 -> DeepseekV3Config.model_type = "kimi_k2"); transformers
+    # looks up its expert conversion by model_type, so pin it on this instance.
+    cfg.model_type = model_type
+    return cfg
 
 
 def dims(hf: dict[str, Any]) -> ModelDims:

@@ -99,3 +99,18 @@ def test_unknown_model_type_is_one_clear_error() -> None:
     with pytest.raises(ConfigError, match="'not_a_model' is not supported.*transformers "
                        "does not know it.*hand-written: llama"):
         spec_from_hf(dict(SMALL, model_type="not_a_model"))
+
+
+def test_a_config_class_renamed_by_vllm_still_gives_checkpoint_names(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's config loader sets `model_type` on transformers' config class for an alias
+    (kimi_k2 -> `DeepseekV3Config.model_type = "kimi_k2"`); transformers finds its expert
+    conversion by model_type, so a spec built after a kimi_k2 trace kept fused experts."""
+    from transformers import DeepseekV3Config
+
+    monkeypatch.setattr(DeepseekV3Config, "model_type", "kimi_k2")
+    hf = FAMILIES["deepseek_v3"]
+    dims = from_transformers.dims(hf)
+    derived = ModelSpec(dims=dims, tensors=tuple(from_transformers.tensors(hf, dims,
+                                                                           "bfloat16")))
+    assert _table(derived) == _table(spec_from_hf(hf))
