@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from planner.layouts import traced
 from planner.spec import ModelSpec, load_spec
 from planner.topology import build_topology
 from schemas.config import Config, ConfigError, SourceConfig, TargetConfig, raise_all
@@ -28,13 +29,17 @@ def load(config_path: str) -> tuple[Config, ModelSpec]:
     return cfg, spec
 
 
-def layout_check(side: SourceConfig | TargetConfig) -> Callable[[ModelSpec, object], None]:
-    """The `check(spec, cfg)` of the layout module that builds `side`."""
+def layout_check(side: SourceConfig | TargetConfig,
+                 spec: ModelSpec) -> Callable[[ModelSpec, object], None]:
+    """The `check(spec, cfg)` of the layout module that builds `side` (for a vLLM target
+    traced from the engine's loader, `planner.layouts.traced.check`)."""
     if isinstance(side, SourceConfig):
         if side.framework == "megatron":
             from planner.layouts.megatron import check
         else:
             from planner.layouts.fsdp2 import check
+    elif side.engine == "vllm" and traced.uses_trace(spec, side):
+        check = traced.check
     elif side.engine == "vllm":
         from planner.layouts.vllm import check
     else:
@@ -46,8 +51,8 @@ def validate(config: Config, spec: ModelSpec) -> None:
     """Raise `ConfigError` (`ConfigErrors` for several) on every rule `config` breaks."""
     errors: list[ConfigError] = []
     checks = (lambda: _no_experts_on_dense_model(config, spec),
-              lambda: layout_check(config.source)(spec, config.source),
-              lambda: layout_check(config.target)(spec, config.target),
+              lambda: layout_check(config.source, spec)(spec, config.source),
+              lambda: layout_check(config.target, spec)(spec, config.target),
               lambda: build_topology(config.cluster, config.source.world,
                                      config.target.world))
     for check in checks:

@@ -43,6 +43,18 @@ def uses_trace(spec: ModelSpec, cfg: TargetConfig) -> bool:
     return cfg.layout == "traced" or spec.dims.model_type not in HAND_WRITTEN
 
 
+def check(spec: ModelSpec, cfg: TargetConfig) -> None:
+    """The rules of a traced target are vLLM's own: building the engine's model for the
+    trace runs them and a refusal is one line naming `target` (`vllm_trace.engine_config`);
+    a cached trace was built under the same parallel config. What is checked here is only
+    what the trace cannot express."""
+    if cfg.w13_order != "w1w3" or cfg.expert_names != "routed_experts":
+        key, value = (("target.w13_order", cfg.w13_order) if cfg.w13_order != "w1w3"
+                      else ("target.expert_names", cfg.expert_names))
+        raise ConfigError(f"{key}: {value!r} is not what vLLM 0.33's loader writes; remove it "
+                          "with target.layout: traced, or use target.layout: rules")
+
+
 def model_hf(cfg: Config) -> dict[str, Any]:
     """The HF config the spec was built from: config.json with `model.overrides` and
     `model.num_layers` applied (as `planner.spec.spec_from_hf` applies them)."""
@@ -78,11 +90,7 @@ def cache_key(hf: dict[str, Any], cfg: TargetConfig) -> str:
 def layout(spec: ModelSpec, cfg: TargetConfig, hf: dict[str, Any],
            folder: str | None = None) -> Layout:
     """The traced vLLM layout of `cfg.replicas` engines (one trace, reused by replicas)."""
-    if cfg.w13_order != "w1w3" or cfg.expert_names != "routed_experts":
-        key, value = (("target.w13_order", cfg.w13_order) if cfg.w13_order != "w1w3"
-                      else ("target.expert_names", cfg.expert_names))
-        raise ConfigError(f"{key}: {value!r} is not what vLLM 0.33's loader writes; remove it "
-                          "with target.layout: traced, or use target.layout: rules")
+    check(spec, cfg)
     engine = engine_ranks(spec, cfg, hf, folder or cache_dir())
     ranks = tuple(RankLayout(rank=r * len(engine) + i, replica=r, tensors=tensors)
                   for r in range(cfg.replicas) for i, tensors in enumerate(engine))

@@ -13,6 +13,7 @@ import importlib.util
 import pytest
 
 from tests.oracles.launch import launch
+from tests.support.engine_models import gemma3
 
 pytestmark = pytest.mark.oracle
 if importlib.util.find_spec("vllm") is None:  # importorskip without the 20 s import
@@ -87,8 +88,10 @@ def gpt_oss(**kw: object) -> dict:
                                      "original_max_position_embeddings": 256}) | kw
 
 
-def case(name: str, hf: dict, tp: int, ep: bool = False, pp: int = 1) -> dict:
-    return dict(name=name, hf=hf, tp=tp, ep=ep, pp=pp)
+def case(name: str, hf: dict, tp: int, ep: bool = False, pp: int = 1,
+         layout: str = "rules") -> dict:
+    """`layout: traced` compares with `planner/layouts/traced.py` (traced in the worker)."""
+    return dict(name=name, hf=hf, tp=tp, ep=ep, pp=pp, layout=layout)
 
 
 # One launch per world size; the cases of a launch share its processes. A case with
@@ -106,6 +109,9 @@ LAUNCHES = {
         case("glm4_moe ep2", glm4_moe(), 2, ep=True),
         case("gpt_oss tp2", gpt_oss(), 2),
         case("gpt_oss ep2", gpt_oss(), 2, ep=True),
+        # a family without hand-written rules: its traced layout against vLLM's parameters
+        case("gemma3 tp2 traced", gemma3(torch_dtype="float32"), 2, layout="traced"),
+        case("gemma3 pp2 traced", gemma3(torch_dtype="float32"), 1, pp=2, layout="traced"),
         # PP 2: 3 layers split [2, 1]; tied embedding on both stages; vLLM's Qwen3-MoE
         # keeps embed/norm/lm_head on every stage; DeepSeek first/last only.
         case("qwen3 pp2 tied", qwen3(tie_word_embeddings=True, num_hidden_layers=3), 1, pp=2),
@@ -115,7 +121,9 @@ LAUNCHES = {
         case("deepseek_v3 ep3", deepseek_v3(), 3, ep=True),
         case("mixtral ep3 (3, 3, 2 experts)", mixtral(num_attention_heads=6,
                                                     num_key_value_heads=1), 3, ep=True)],
-    4: [case("qwen3 tp4 kv-replication", qwen3(), 4)],
+    4: [case("qwen3 tp4 kv-replication", qwen3(), 4),
+        case("gemma3 tp4 kv-replication traced", gemma3(torch_dtype="float32"), 4,
+             layout="traced")],
 }
 
 

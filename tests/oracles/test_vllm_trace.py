@@ -136,12 +136,15 @@ MODELS = Path(__file__).resolve().parents[2] / "plans" / "models"
 @pytest.mark.parametrize("model,target_kw", [
     ("tiny-qwen3-moe", dict(tp=2, ep=True, replicas=2)),
     ("tiny-deepseek-v3", dict(tp=2)),
+    ("tiny-gemma3", dict(tp=2, replicas=2)),  # no hand-written rules: auto traces
 ])
 def test_fsdp2_to_traced_vllm_end_to_end_bit_exact(model: str, target_kw: dict, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Compile FSDP2 -> vLLM with traced target layouts, run the plan with `run_all_local`,
     and compare every target tensor with the hand-written layout (checked against real vLLM
-    by test_vllm_oracle.py) materialized from the same logical tensors."""
+    by test_vllm_oracle.py) materialized from the same logical tensors; a family without
+    hand-written rules (gemma3_text) against its traced layout, which test_vllm_oracle.py
+    checks against real vLLM's loaded parameters."""
     import torch
 
     import executor
@@ -156,7 +159,9 @@ def test_fsdp2_to_traced_vllm_end_to_end_bit_exact(model: str, target_kw: dict, 
     monkeypatch.setenv("RDMA_PLAN_CACHE", str(tmp_path / "cache"))
     cfg = config_from_dict({"model": {"config": f"{model}/config.json"},
                             "source": {"framework": "fsdp2", "dp": 3},
-                            "target": {"engine": "vllm", "layout": "traced", **target_kw},
+                            "target": {"engine": "vllm", **target_kw,
+                                       **({} if model == "tiny-gemma3" else
+                                          {"layout": "traced"})},
                             "cluster": {"gpus_per_host": 8}}, base_dir=str(MODELS))
     spec = load_spec(cfg.model_config_path)
     validate(cfg, spec)
@@ -167,7 +172,10 @@ def test_fsdp2_to_traced_vllm_end_to_end_bit_exact(model: str, target_kw: dict, 
     full = random_full_tensors(spec, seed=11)
     src = build_layout(spec, cfg.source)
     tensors = materialize(src, full)
-    want = materialize(vllm.layout(spec, cfg.target), full)
+    if spec.dims.model_type in traced.HAND_WRITTEN:
+        want = materialize(vllm.layout(spec, cfg.target), full)
+    else:
+        want = materialize(traced.layout(spec, cfg.target, traced.model_hf(cfg)), full)
     for r, ts in want.items():
         tensors[src.world + r] = {k: torch.zeros_like(v) for k, v in ts.items()}
     executor.run_all_local(path, tensors)

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import replace
 
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -81,7 +82,14 @@ def run_case(case: dict, rank: int) -> list[str]:
     target = TargetConfig(engine="vllm", tp=tp, pp=pp, ep=case["ep"], dtype="float32")
     full = random_full_tensors(spec, seed=7)
     local = rank % (tp * pp)  # vLLM's rank grid: external DP x DP x PP x TP
-    want = materialize(vllm_layout.layout(spec, target), full, ranks=[local])[local]
+    if case.get("layout") == "traced":  # traced on the meta device before this rank builds
+        from planner.layouts import traced
+
+        target = replace(target, layout="traced")
+        layout = traced.layout(spec, target, case["hf"], tempfile.mkdtemp(prefix="trace-"))
+    else:
+        layout = vllm_layout.layout(spec, target)
+    want = materialize(layout, full, ranks=[local])[local]
     cfg = engine_config(case["hf"], tp, pp, case["ep"])
     with set_current_vllm_config(cfg):
         initialize_model_parallel(tensor_model_parallel_size=tp,

@@ -5,11 +5,12 @@ parallelism: the config validates, the plan verifies, and the bytes sent are the
 bytes the engines load (MTP excluded) per replica, plus under 1% for what vLLM replicates
 over its TP ranks (norms, routers, KV heads). GLM-4.5 at Megatron TP4 x PP4 x EP16
 (plans/glm-4.5_*.yaml) compiles the same way (~15 s here) and is left to the CLI, to keep
-CI time.
+CI time. Gemma-3-1B has no hand-written rules: its vLLM layout is traced (needs vLLM).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -38,4 +39,21 @@ def test_family_plan_compiles_and_verifies(name: str) -> None:
     if name not in UNVERIFIABLE:
         assert verify_plan(plan) == []
     logical = sum(t.numel for t in spec.tensors if not t.mtp) * 2 * cfg.target.replicas
+    assert logical <= plan.header.stats.bytes < 1.01 * logical
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="tracing needs vLLM")
+def test_a_family_without_rules_compiles_traced_and_verifies(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gemma3_text: spec from transformers, the vLLM layout traced (target.layout: auto)
+    into an empty cache, one trace for 8 replicas."""
+    monkeypatch.setenv("RDMA_PLAN_CACHE", str(tmp_path))
+    cfg = load_config(str(ROOT / "plans" / "gemma-3-1b_fsdp2-8_vllm-tp1-x8.yaml"))
+    spec = load_spec(cfg.model_config_path)
+    assert spec.dims.model_type == "gemma3_text" and cfg.target.layout == "auto"
+    validate(cfg, spec)
+    plan = compile_config(cfg, spec)
+    assert len(list((tmp_path / "traced").iterdir())) == 1
+    assert verify_plan(plan) == []
+    logical = sum(t.numel for t in spec.tensors) * 2 * cfg.target.replicas
     assert logical <= plan.header.stats.bytes < 1.01 * logical

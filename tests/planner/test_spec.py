@@ -30,6 +30,7 @@ PUBLISHED_B = {
     "qwen3-4b": 4.02, "qwen3-8b": 8.19, "qwen3-30b-a3b": 30.5, "qwen3-235b-a22b": 235.1,
     "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.6, "deepseek-v3": 671.0, "kimi-k2": 1026.4,
     "mixtral-8x7b": 46.7, "gpt-oss-20b": 20.91, "gpt-oss-120b": 116.83,
+    "gemma-3-1b": 0.999886,  # 999,885,952 (Keras Hub's gemma3_1b preset metadata)
 }
 # Checkpoint totals (MTP layers included), as the Hub counts a checkpoint's safetensors:
 # GLM-4.5 is announced as 355B / GLM-4.5-Air as 106B total, rounded figures that the HF

@@ -53,3 +53,15 @@ def deepseek_v3(**kw: Any) -> dict[str, Any]:
                        topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
                        routed_scaling_factor=1.0, num_nextn_predict_layers=0,
                        tie_word_embeddings=False, rope_scaling=None) | kw
+
+
+def gemma3(**kw: Any) -> dict[str, Any]:
+    # gemma3_text, no hand-written rules (spec from transformers, layout traced): q/k norms,
+    # four norms per layer, sliding and full attention, tied embedding; nh=4, ng=2
+    return BASE | dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       intermediate_size=256, hidden_activation="gelu_pytorch_tanh",
+                       query_pre_attn_scalar=32, sliding_window=64,
+                       rope_local_base_freq=10000.0, tie_word_embeddings=True,
+                       layer_types=["sliding_attention", "sliding_attention",
+                                    "full_attention"]) | kw
