@@ -28,6 +28,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
+from planner.layouts import trace_layers  # noqa: E402
 from planner.layouts.base import PhysicalTensor, Piece  # noqa: E402
 from planner.layouts.trace_geometry import TraceError, View, piece  # noqa: E402
 from planner.spec import ModelSpec  # noqa: E402
@@ -262,32 +263,63 @@ def trace_rank(checkpoint: tuple[list[tuple[str, torch.Tensor]], dict[int, _Sour
                vcfg: Any, cfg: TargetConfig, rank: tuple[int, int, int],
                keep: list[Any]) -> list[PhysicalTensor]:
     """One engine rank's (DP d, PP p, TP t) `named_parameters()` as pieces, from vLLM's
-    `load_weights` of the `checkpoint` stand-ins (`_stand_ins`). The model goes into
-    `keep`: vLLM caches per-model state by `id(model)` (`models/utils.py`), so no model may
-    be freed while the engine's others are traced."""
+    `load_weights` of the `checkpoint` stand-ins (`_stand_ins`): the representatives of
+    each class of alike layers, extrapolated to the rest (`trace_layers`), or every layer
+    when a representative disagrees. The models go into `keep`: vLLM caches per-model
+    state by `id(model)` (`models/utils.py`), so no model may be freed while the engine's
+    others are traced."""
+    stream, _ = checkpoint
+    model, named = _build(vcfg, cfg, rank, keep)
+    classes = trace_layers.layer_classes(
+        [(n, tuple(x.shape), str(x.dtype)) for n, x in stream],
+        [(n, tuple(x.shape), str(x.dtype)) for n, x in named])
+    chosen = trace_layers.representatives(classes)
+    some = [(n, x) for n, x in stream
+            if (layer := trace_layers.layer_of(n)) is None or layer in chosen]
+    pieces = trace_layers.extrapolate(classes, [n for n, _ in named],
+                                      _load(model, named, some, checkpoint, vcfg, cfg, rank))
+    if pieces is None:  # a loader that treats a layer by its index: trace them all
+        model, named = _build(vcfg, cfg, rank, keep)
+        pieces = _load(model, named, stream, checkpoint, vcfg, cfg, rank)
+    return [PhysicalTensor(n, tuple(x.shape), _dtype_name(x.dtype),
+                           tuple(sorted(pieces[n], key=lambda q: q.at)))
+            for n, x in named]
+
+
+def _build(vcfg: Any, cfg: TargetConfig, rank: tuple[int, int, int],
+           keep: list[Any]) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+    """vLLM's model of one rank on the meta device, and its parameters."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    d, p, t = rank
-    with fake_parallel_state(cfg, d, p, t), set_current_vllm_config(vcfg), \
+    with fake_parallel_state(cfg, *rank), set_current_vllm_config(vcfg), \
             set_default_torch_dtype(vcfg.model_config.dtype):
         vcfg.compilation_config.static_forward_context.clear()  # one model at a time
         with torch.device("meta"):
             model = initialize_model(vllm_config=vcfg)
-        keep.append(model)
-        named = list(model.named_parameters())
-        stream, sources = checkpoint
-        rec = Recorder({_key(x): n for n, x in named}, sources)
-        rec.shapes = {n: tuple(x.shape) for n, x in named}
-        for n, x in named:
-            if not x.is_contiguous():
-                raise TraceError(f"target.layout: traced: parameter {n} is not contiguous")
-        with torch.no_grad(), rec:
-            model.load_weights(iter(stream))
-    return [PhysicalTensor(n, tuple(x.shape), _dtype_name(x.dtype),
-                           tuple(sorted(rec.pieces[n], key=lambda q: q.at)))
-            for n, x in named]
+    keep.append(model)
+    named = list(model.named_parameters())
+    for n, x in named:
+        if not x.is_contiguous():
+            raise TraceError(f"target.layout: traced: parameter {n} is not contiguous")
+    return model, named
+
+
+def _load(model: Any, named: list[tuple[str, torch.Tensor]],
+          stream: list[tuple[str, torch.Tensor]],
+          checkpoint: tuple[list[tuple[str, torch.Tensor]], dict[int, _Source]],
+          vcfg: Any, cfg: TargetConfig, rank: tuple[int, int, int]) -> dict[str, list[Piece]]:
+    """The pieces that `model.load_weights(stream)` copies into each parameter."""
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    rec = Recorder({_key(x): n for n, x in named}, checkpoint[1])
+    rec.shapes = {n: tuple(x.shape) for n, x in named}
+    with fake_parallel_state(cfg, *rank), set_current_vllm_config(vcfg), \
+            set_default_torch_dtype(vcfg.model_config.dtype), torch.no_grad(), rec:
+        model.load_weights(iter(stream))
+    return rec.pieces
 
 
 def trace_engine(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig,

@@ -54,6 +54,12 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "kimi_k2 ep2": (deepseek_v3(model_type="kimi_k2", first_k_dense_replace=2),
                     dict(tp=2, ep=True)),
     "qwen3_moe dp2 no-ep": (qwen3_moe(), dict(dp=2, tp=1)),
+    # enough alike layers that some are extrapolated, not traced (trace_layers): MoE
+    # layers 1-6 trace 1, 3, 6; PP 2 splits the classes by stage
+    "deepseek_v3 7 layers ep2": (deepseek_v3(num_hidden_layers=7), dict(tp=2, ep=True)),
+    "qwen3_moe 9 layers tp2 pp2": (qwen3_moe(num_hidden_layers=9), dict(tp=2, pp=2)),
+    "llama 8 layers tp2 tied": (llama(num_hidden_layers=8, tie_word_embeddings=True),
+                                dict(tp=2)),
 }
 
 
@@ -182,3 +188,22 @@ def test_fsdp2_to_traced_vllm_end_to_end_bit_exact(model: str, target_kw: dict, 
     for r, ts in want.items():
         for name, w in ts.items():
             assert torch.equal(tensors[src.world + r][name], w), f"target rank {r} {name}"
+
+
+def test_a_disagreeing_layer_class_traces_the_rank_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When a traced representative disagrees with its class (`extrapolate` gives None;
+    its detection is tests/planner/layouts/test_trace_layers.py), every layer is traced."""
+    from planner.layouts import trace_layers
+
+    calls: list[int] = []
+
+    def disagree(*a: Any) -> None:
+        calls.append(1)
+
+    monkeypatch.setattr(trace_layers, "extrapolate", disagree)
+    hf, kw = CASES["deepseek_v3 7 layers ep2"]
+    spec, cfg = spec_from_hf(hf, mtp=False), target(**kw)
+    monkeypatch.setattr(vllm_trace.os, "cpu_count", lambda: 1)  # in this process
+    got = traced.layout(spec, cfg, hf, str(tmp_path))
+    assert calls == [1, 1] and got == vllm.layout(spec, cfg)
