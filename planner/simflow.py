@@ -181,7 +181,7 @@ def result(sim: Any, busy: np.ndarray, events: int, wall: float) -> dict[str, An
     return {
         "estimated_s": float(est), "floor_s": floor,
         "ratio": float(est / floor) if floor > 0 else 1.0,
-        "bottleneck": resource_name(sim, worst),
+        "bottleneck": resource_name(sim, worst), "bottleneck_index": worst,
         "bytes": int(b.nbytes.sum()), "batches": int(len(b.rank)),
         "writes": int(b.writes.sum()), "stages": max(sim.stages, default=0),
         "nic_gbps": sim.nic_bps * 8 / 1e9, "nvlink_gbps": sim.nv_bps * 8 / 1e9,
@@ -207,11 +207,14 @@ def resource_name(sim: Any, i: int) -> str:
 
 
 def summary_text(res: dict[str, Any]) -> str:
-    """Three lines a person reads: estimated time, floor, ratio and the bottleneck."""
+    """Three lines a person reads: estimated time, floor, ratio and the bottleneck; then
+    what the gap to the floor is made of (`planner.simgap`)."""
+    from planner.simgap import gap_text
+
     return "\n".join([
         f"estimated {res['estimated_s'] * 1e3:.1f} ms  floor {res['floor_s'] * 1e3:.1f} ms  "
         f"ratio {res['ratio']:.3f}",
         f"bottleneck {res['bottleneck']}; {res['bytes'] / 1e9:.3f} GB in {res['batches']:,} "
         f"batches ({res['writes']:,} writes), {res['stages']} stages",
         f"simulated {res['events']:,} events in {res['sim_seconds']:.2f} s",
-    ])
+    ] + ([gap_text(res["gap"])] if gap_text(res.get("gap", {})) else []))

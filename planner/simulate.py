@@ -56,6 +56,7 @@ from planner.simflow import (
     nic_order,
     result,
 )
+from planner.simgap import explain_gap
 from schemas.header import PlanHeader
 from schemas.plan import (
     ACK,
@@ -99,7 +100,7 @@ class _Sim:
     def __init__(self, header: PlanHeader, ranks: tuple[RankPlan, ...],
                  inflight: int, in_order: bool) -> None:
         opts = header.options
-        self.header = header
+        self.header, self.ranks = header, ranks
         self.inflight = max(1, inflight)
         self.in_order = in_order
         self.world = len(ranks)
@@ -405,4 +406,6 @@ class _Sim:
         if stuck:
             raise PlanFormatError(f"simulate: ranks {stuck[:8]} never finish (a wait that no rank "
                              "signals); the plan is inconsistent: run `rdma-plan verify`")
-        return result(self, busy, events, time.perf_counter() - t_wall)
+        res = result(self, busy, events, time.perf_counter() - t_wall)
+        res["gap"] = explain_gap(self, res, res["bottleneck_index"], self.ranks)
+        return res

@@ -1,0 +1,179 @@
+"""Why a simulated plan is slower than its floor (`rdma-plan simulate` prints it).
+
+The floor is the busiest resource (a NIC direction, or a rank's NVLink direction) moving
+its bytes at full rate; the estimate exceeds it by the time that resource is idle before
+the transfer ends plus the time it is busy below its full rate. `explain_gap` splits it
+by where it falls on the busiest resource's timeline:
+
+- **head**: before its first batch starts (waits for READY, stage 0's packs);
+- **stage boundaries**: between a batch of stage s and the next batch, of a later stage,
+  on it (the protocol's DONE -> unpack -> ACK round trip, or packs, between stages);
+- **within stages**: between batches of one stage (the write window ran dry: the sources
+  feeding it were busy elsewhere, or waited for their own packs);
+- **tail**: after its last batch lands, until the last rank finishes (another resource's
+  late batches, or unpacks);
+- **below full rate**: time it is busy but moves less than its rate (its flows share their
+  other end with other flows; per-batch latency and per-write costs).
+
+It names the largest cause with its stage, the batch and tensor behind the tail, and the
+option that changes it. Inputs are the simulation's own columns (`planner/simulate.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from schemas.plan import RankPlan
+
+
+def explain_gap(sim: Any, res: dict[str, Any], worst: int,
+                ranks: tuple[RankPlan, ...]) -> dict[str, Any]:
+    """The gap between `res`'s estimate and floor, split by cause (seconds), with the
+    largest cause, the tail's batch and tensor, and a suggestion."""
+    from planner.simflow import resource_name
+
+    est = res["estimated_s"]
+    on = np.flatnonzero((sim.eres == worst) | (sim.ires == worst))
+    out: dict[str, Any] = {"resource": resource_name(sim, worst), "gap_s": est - res["floor_s"]}
+    if est <= 0 or len(on) == 0:
+        return out | {"busy_fraction": 0.0, "causes": {}, "largest": None, "suggest": ""}
+    start, end, stage = sim.start[on], sim.end[on], sim.b.stage[on]
+    order = np.argsort(start, kind="stable")
+    start, end, stage = start[order], end[order], stage[order]
+    reach = np.maximum.accumulate(end)  # how far the resource is busy, batch by batch
+    idle = np.maximum(start[1:] - reach[:-1], 0.0)
+    last_stage = stage[np.maximum.accumulate(np.where(end == reach, np.arange(len(end)), 0))]
+    boundary = stage[1:] != last_stage[:-1]
+    by_stage: dict[int, float] = {}
+    for s, gap in zip(last_stage[:-1][boundary].tolist(), idle[boundary].tolist()):
+        by_stage[s] = by_stage.get(s, 0.0) + gap
+    busy = float(res_busy(res, sim, worst))
+    causes = {"below full rate": max(busy - res["floor_s"], 0.0),
+              "head": float(start[0]), "stage boundaries": float(idle[boundary].sum()),
+              "within stages": float(idle[~boundary].sum()),
+              "tail": float(max(est - reach[-1], 0.0))}
+    largest = max(causes, key=causes.get)
+    out |= {"busy_fraction": busy / est, "causes": causes, "largest": largest,
+            "worst_boundary": (max(by_stage, key=by_stage.get) if by_stage else None),
+            "tail": _tail(sim, res, ranks)}
+    out["suggest"] = _suggest(sim, out)
+    return out
+
+
+def res_busy(res: dict[str, Any], sim: Any, worst: int) -> float:
+    n = len(sim.nic_names)
+    if worst < 2 * n:
+        nic = res["nics"][worst % n]
+        return nic["busy_out_s"] if worst < n else nic["busy_in_s"]
+    on = (sim.eres == worst) | (sim.ires == worst)
+    spans = np.stack([sim.start[on], sim.end[on]], axis=1)
+    spans = spans[np.argsort(spans[:, 0])]
+    total, reach = 0.0, -np.inf
+    for a, b in spans.tolist():
+        total += max(0.0, b - max(a, reach))
+        reach = max(reach, b)
+    return total
+
+
+def _tail(sim: Any, res: dict[str, Any], ranks: tuple[RankPlan, ...]) -> dict[str, Any]:
+    """The rank that finishes last, its last landed batch and the tensor it writes most."""
+    from planner.simflow import resource_name
+
+    finish = np.asarray(res["rank_finish_s"])
+    r = int(np.argmax(finish))
+    mine = np.flatnonzero((sim.b.rank == r) | (sim.b.dst == r))
+    out: dict[str, Any] = {"rank": r, "finish_s": float(finish[r])}
+    if len(mine) == 0:
+        return out
+    g = int(mine[np.argmax(sim.end[mine])])
+    src = int(sim.b.rank[g])
+    first = int(np.searchsorted(sim.b.rank, src))  # batches are in (rank, plan order)
+    rp = ranks[src]
+    lo, hi = int(rp.batches["start"][g - first]), int(rp.batches["stop"][g - first])
+    dst = int(sim.b.dst[g])
+    w = rp.writes
+    regions = w["dst_region"][lo:hi]
+    weight = np.bincount(regions, weights=w["nbytes"][lo:hi].astype(np.float64))
+    names = [reg.name for reg in ranks[dst].regions]
+    top = int(np.argmax(weight)) if len(weight) else -1
+    tensor = names[top] if 0 <= top < len(names) else None
+    if tensor is not None and tensor.startswith("__"):  # staging: where its unpacks go
+        tensor = _unpacked_into(ranks[dst], top, int(sim.b.stage[g])) or tensor
+    return out | {"batch": {"source": src, "target": dst, "stage": int(sim.b.stage[g]),
+                            "bytes": int(sim.b.nbytes[g]), "writes": hi - lo,
+                            "start_s": float(sim.start[g]), "end_s": float(sim.end[g]),
+                            "egress": resource_name(sim, int(sim.eres[g])),
+                            "ingress": resource_name(sim, int(sim.ires[g]))},
+                  "tensor": tensor,
+                  "after_last_write_s": float(finish[r] - sim.end[g])}
+
+
+def _unpacked_into(rp: RankPlan, staging: int, stage: int) -> str | None:
+    """The tensor that most of a stage's unpacks from region `staging` write."""
+    from schemas.plan import UNPACK
+
+    c = rp.copies
+    m = (c["kind"] == UNPACK) & (c["stage"] == stage) & (c["src_region"] == staging)
+    if not m.any():
+        return None
+    n = (c["size0"][m] * c["size1"][m] * c["size2"][m]).astype(np.float64)
+    return rp.regions[int(np.argmax(np.bincount(c["dst_region"][m], weights=n)))].name
+
+
+def _suggest(sim: Any, g: dict[str, Any]) -> str:
+    opts, stages = sim.header.options, max(sim.stages, default=0)
+    largest, tail = g["largest"], g.get("tail", {})
+    if largest == "stage boundaries" and stages > 1:
+        return (f"{stages} stages: raise options.staging_bytes (now {opts.staging_bytes >> 20} "
+                "MiB) so that fewer, larger stages meet fewer DONE/ACK round trips")
+    if largest == "within stages":
+        return ("the write window runs dry between batches: more batches in flight "
+                "(executor max_inflight; `rdma-plan simulate --inflight N` shows it), or "
+                "smaller options.max_write_bytes so that more sources feed this resource")
+    if largest == "below full rate":
+        return (f"{g['resource']} is busy but shared below its rate: its flows' other ends "
+                "(a target's ingress, a source's egress) carry other flows at the same time, "
+                "or per-batch latency; `rdma-plan inspect` shows the per-NIC balance")
+    if largest == "head":
+        return ("the first batch waits for stage 0's packs or READY: fewer bytes packed in "
+                "stage 0 (direct writes go first) or a higher pack rate")
+    if tail.get("after_last_write_s", 0.0) > 0.5 * g["causes"]["tail"] > 0:
+        return (f"rank {tail['rank']} finishes {tail['after_last_write_s'] * 1e3:.2f} ms after "
+                "its last write lands (unpacks, ACKs): fewer bytes through staging into it")
+    b = tail.get("batch")
+    if b and stages > 2:
+        return (f"the transfer ends with stage {b['stage']}'s writes on {b['egress']} -> "
+                f"{b['ingress']}, after {g['resource']} went idle; with {stages} stages each "
+                "waits for the ACKs of the one before: raise options.staging_bytes (now "
+                f"{opts.staging_bytes >> 20} MiB) for fewer stages, or lower "
+                f"options.max_write_bytes (now {opts.max_write_bytes >> 20} MiB) for smaller "
+                "last batches")
+    if b:
+        return (f"the last batch ({b['bytes'] / 1e6:.1f} MB, {b['egress']} -> {b['ingress']}) "
+                f"lands after {g['resource']} went idle: lower options.max_write_bytes (now "
+                f"{opts.max_write_bytes >> 20} MiB) spreads such batches over the transfer")
+    return ""
+
+
+def gap_text(g: dict[str, Any]) -> str:
+    """The lines `rdma-plan simulate` adds under its summary."""
+    if not g.get("causes") or g["gap_s"] <= 0:
+        return ""
+    c = g["causes"]
+    parts = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in c.items() if v > 0)
+    lines = [f"gap {g['gap_s'] * 1e3:.2f} ms: {g['resource']} busy "
+             f"{g['busy_fraction'] * 100:.0f}% of the transfer; idle: {parts}"]
+    if g["largest"] == "stage boundaries" and g.get("worst_boundary") is not None:
+        lines.append(f"largest: stage boundaries, most after stage {g['worst_boundary']}")
+    t = g.get("tail", {})
+    if t.get("batch"):
+        b = t["batch"]
+        lines.append(f"tail: rank {t['rank']} finishes at {t['finish_s'] * 1e3:.2f} ms; its "
+                     f"last batch: rank {b['source']} -> {b['target']}, stage {b['stage']}, "
+                     f"{b['bytes'] / 1e6:.2f} MB in {b['writes']} writes ({t['tensor']}), "
+                     f"{b['egress']} -> {b['ingress']}, lands at {b['end_s'] * 1e3:.2f} ms")
+    if g.get("suggest"):
+        lines.append(f"suggest: {g['suggest']}")
+    return "\n".join(lines)
