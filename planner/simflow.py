@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from planner.rows import unique_rows
 from schemas.bounds import order_violations
 from schemas.header import PlanHeader
 from schemas.plan import COPY_GROUP_KEY, QUANT, Plan, PlanFormatError, RankPlan, load_plan
@@ -106,7 +107,7 @@ def copy_seconds(rp: RankPlan, kinds: tuple[int, ...], pack_bps: float,
     if len(rows):
         key = np.stack([c[k][rows].astype(np.int64) for k in ("stage", "kind", *COPY_GROUP_KEY)],
                        axis=1)
-        ops = np.unique(key, axis=0)
+        ops = unique_rows(key)
         np.add.at(out, ops[:, 0], overhead_s)
     return out
 

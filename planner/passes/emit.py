@@ -22,6 +22,7 @@ from planner.layouts.base import Layout
 from planner.passes.intersect import PieceTable
 from planner.passes.lower import Lowered
 from planner.passes.schedule import Schedule
+from planner.rows import unique_rows
 from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import Config, SourceConfig
@@ -151,7 +152,7 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
     for r in range(world):
         ws = slice(w_cut[r], w_cut[r + 1])
         bs = slice(b_cut[r], b_cut[r + 1])
-        pairs = np.unique(np.stack([w["dst_rank"][ws], w["dst_region"][ws]], axis=1), axis=0) \
+        pairs = unique_rows(np.stack([w["dst_rank"][ws], w["dst_region"][ws]], axis=1)) \
             if ws.stop > ws.start else np.zeros((0, 2), dtype=np.int64)
         ranks.append(RankPlan(
             rank=r, role="source" if r < topo.sources else "target", host=topo.host[r],
@@ -201,7 +202,7 @@ def explain_table(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarr
     keys = np.stack([tensor, src_rank, src_region, dst_rank, dst_region], axis=1)
     if len(keys) == 0:
         return Table.empty(EXPLAIN_COLUMNS)
-    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+    uniq, inv = unique_rows(keys, return_inverse=True)
     inv = inv.reshape(-1)
     total = np.bincount(inv, weights=nbytes.astype(np.float64)).astype(np.int64)
     boxes = np.bincount(inv)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.layouts.base import Layout
+from planner.rows import unique_rows
 from planner.spec import ModelSpec
 from schemas.plan import DTYPE_CODES
 from schemas.protocol import ITEM
@@ -113,7 +114,7 @@ def _unique_boxes(t: PieceTable) -> tuple[np.ndarray, np.ndarray]:
     """(box id of each row, row index of each unique box's first holder); boxes sorted by
     (tensor, off0, off1, size0, size1)."""
     keys = np.stack([t.tensor, t.off0, t.off1, t.size0, t.size1], axis=1)
-    uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
+    uniq, inverse = unique_rows(keys, return_inverse=True)
     return inverse.reshape(-1), uniq
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from planner.fp8 import FP8, SCALE_SUFFIX
 from planner.passes.intersect import PieceTable, element_size, intersect, take
+from planner.rows import unique_rows
 from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import Options
@@ -50,7 +51,7 @@ def route(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
     scales = np.isin(dst.tensor, [i for i, n in enumerate(names) if n.endswith(SCALE_SUFFIX)])
     plain = np.nonzero(~fp8 & ~scales)[0]
     fine = plain[fine_cut(spec, src, take(dst, plain), opts, topo)]
-    plain = np.setdiff1d(plain, fine)
+    plain = plain[~np.isin(plain, fine, assume_unique=True)]  # both sorted, unique
     gathered = np.sort(np.concatenate([np.nonzero(fp8)[0], fine]))
     return Routes(targets=dst, direct=take(dst, plain), gathered=gathered,
                   scales=np.nonzero(scales)[0])
@@ -64,7 +65,7 @@ def fine_cut(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
     if len(dst) == 0:
         return np.zeros(0, dtype=np.int64)
     keys = np.stack([dst.tensor, dst.off0, dst.off1, dst.size0, dst.size1], axis=1)
-    _, first, inv = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    _, first, inv = unique_rows(keys, return_index=True, return_inverse=True)
     inv = inv.reshape(-1)
     holders = np.bincount(inv)
     ch = intersect(spec, src, take(dst, first))

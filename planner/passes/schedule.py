@@ -19,6 +19,7 @@ import networkx as nx
 import numpy as np
 
 from planner.passes.lower import Lowered
+from planner.rows import unique_rows
 from planner.topology import Topology
 from schemas.plan import ACK, DONE, READY, SLOT_ACK
 from schemas.protocol import sent_stage, wait_stage
@@ -81,7 +82,7 @@ def schedule(low: Lowered, topo: Topology, max_write_bytes: int,
 def _unique_rows(*cols: np.ndarray) -> np.ndarray:
     if len(cols[0]) == 0:
         return np.zeros((0, len(cols)), dtype=np.int64)
-    return np.unique(np.stack(cols, axis=1), axis=0)
+    return unique_rows(np.stack(cols, axis=1))
 
 
 def _signals(low: Lowered, n_regions: np.ndarray, sources: int
