@@ -99,7 +99,7 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
                                              more.explain]).T)
     step("emit")
     plan = emit(header, low, sched, topo, regions, explain, names,
-                coverage_table(dst_layout, src_layout.world))
+                coverage_table(dst_layout, src_layout.world, routes.targets))
     return with_rank_tensors(plan, spec, (src, routes.targets), (src_layout, dst_layout))
 
 

@@ -87,7 +87,7 @@ def encode_rank_tensors(pieces: dict[str, np.ndarray], buffer: np.ndarray,
                         names: list[str], shapes: list[tuple[int, ...]]) -> dict[str, Any]:
     """One rank's blob: `pieces` columns (`tensor` indexes `names`), a flag per region."""
     table = Table.build(PIECE_COLUMNS, **pieces)
-    return {"names": list(names), "shapes": [list(s) for s in shapes],
+    return {"names": list(names), "shapes": list(shapes),  # tuples pack as msgpack arrays
             "buffer": np.asarray(buffer, dtype=np.uint8).tobytes(),
             "pieces": table.to_msgpack()}
 

@@ -185,15 +185,23 @@ def _peer_regions(pairs: np.ndarray, region_bytes: list[tuple[int, ...]]
     return tuple((p, tuple(rs)) for p, rs in out.items())
 
 
-def coverage_table(dst: Layout, rank_base: int) -> Table:
-    """Logical bytes of every target region (elements covered by pieces x itemsize)."""
-    rank, region, nbytes = [], [], []
+def coverage_table(dst: Layout, rank_base: int, pieces: PieceTable) -> Table:
+    """Logical bytes of every target region (elements covered by pieces x itemsize);
+    `pieces`: the target layout's piece table (`intersect.piece_table`)."""
+    rank, region, item, first = [], [], [], {}
     for rl in dst.ranks:
+        first[rank_base + rl.rank] = len(rank)
         for i, t in enumerate(rl.tensors):
             rank.append(rank_base + rl.rank)
             region.append(i)
-            nbytes.append(sum(p.numel for p in t.pieces) * ITEMSIZE[t.dtype])
-    return Table.build(COVERAGE_COLUMNS, rank=rank, region=region, nbytes=nbytes)
+            item.append(ITEMSIZE[t.dtype])
+    start = np.zeros(max(first, default=-1) + 1, dtype=np.int64)
+    start[list(first)] = list(first.values())
+    at = start[pieces.rank] + pieces.region
+    numel = np.bincount(at, weights=(pieces.size0 * pieces.size1).astype(np.float64),
+                        minlength=len(rank)).astype(np.int64)  # exact below 2^53
+    return Table.build(COVERAGE_COLUMNS, rank=rank, region=region,
+                       nbytes=numel * np.array(item, dtype=np.int64))
 
 
 def explain_table(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarray,

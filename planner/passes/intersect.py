@@ -79,16 +79,21 @@ def chunk_bytes(chunks: Chunks, dst: PieceTable) -> np.ndarray:
 def piece_table(layout: Layout, spec: ModelSpec, rank_base: int) -> PieceTable:
     """Flatten a layout's pieces into columns (plan rank = rank_base + layout rank)."""
     tensor_id = {t.name: i for i, t in enumerate(spec.tensors)}
-    rows: list[tuple[int, ...]] = []
-    cache: dict[int, list[tuple[int, ...]]] = {}
+    cache: dict[int, list[tuple[int, ...]]] = {}  # id(physical tensor) -> its rows
+    ranks: dict[int, np.ndarray] = {}  # id(a rank's tensors) -> (region, *row) rows
+    blocks = []
     for rl in layout.ranks:
-        for region, pt in enumerate(rl.tensors):
-            key = id(pt)
-            if key not in cache:
-                cache[key] = _tensor_rows(pt, tensor_id)
-            r = rank_base + rl.rank
-            rows.extend((r, region, *row) for row in cache[key])
-    cols = np.array(rows, dtype=np.int64).reshape(-1, 11).T
+        block = ranks.get(id(rl.tensors))  # replicas share their engine rank's tuple
+        if block is None:
+            rows: list[tuple[int, ...]] = []
+            for region, pt in enumerate(rl.tensors):
+                if id(pt) not in cache:
+                    cache[id(pt)] = _tensor_rows(pt, tensor_id)
+                rows.extend((region, *row) for row in cache[id(pt)])
+            block = ranks[id(rl.tensors)] = np.array(rows, dtype=np.int64).reshape(-1, 10)
+        blocks.append(np.concatenate([np.full((len(block), 1), rank_base + rl.rank,
+                                              dtype=np.int64), block], axis=1))
+    cols = (np.concatenate(blocks) if blocks else np.zeros((0, 11), dtype=np.int64)).T
     return PieceTable(*cols)
 
 
