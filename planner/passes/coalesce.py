@@ -12,12 +12,13 @@ from dataclasses import replace
 import numpy as np
 
 from planner.passes.lower import Lowered
+from planner.rows import lexorder
 
 _KEYS = ("w_src_rank", "w_stage", "w_dst_rank", "w_src_region", "w_dst_region")
 
 
 def coalesce(low: Lowered, max_write_bytes: int) -> Lowered:
-    order = np.lexsort((low.w_src_offset,) + tuple(getattr(low, k) for k in reversed(_KEYS)))
+    order = lexorder(low.w_src_offset, *(getattr(low, k) for k in reversed(_KEYS)))
     cols = {k: getattr(low, k)[order] for k in (*_KEYS, "w_src_offset", "w_dst_offset",
                                                   "w_nbytes")}
     n = len(order)

@@ -22,7 +22,7 @@ from planner.layouts.base import Layout
 from planner.passes.intersect import PieceTable
 from planner.passes.lower import Lowered
 from planner.passes.schedule import Schedule
-from planner.rows import unique_rows
+from planner.rows import lexorder, unique_rows
 from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import Config, SourceConfig
@@ -142,7 +142,7 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
     b_rank = w_src[b_start] if len(b_start) else b_start
     b_cut = _slices(b_rank, world)
     c = low.copies
-    c_order = np.lexsort((np.arange(len(c["rank"])), c["kind"], c["stage"], c["rank"]))
+    c_order = lexorder(c["kind"], c["stage"], c["rank"])  # stable: ties keep their order
     c = {k: v[c_order] for k, v in c.items()}
     c_cut = _slices(c["rank"], world)
     s_cut = _slices(sched.signals[:, 0], world)

@@ -19,7 +19,7 @@ import networkx as nx
 import numpy as np
 
 from planner.passes.lower import Lowered
-from planner.rows import unique_rows
+from planner.rows import lexorder, unique_rows
 from planner.topology import Topology
 from schemas.plan import ACK, DONE, READY, SLOT_ACK
 from schemas.protocol import sent_stage, wait_stage
@@ -50,7 +50,7 @@ def schedule(low: Lowered, topo: Topology, max_write_bytes: int,
              n_regions: np.ndarray) -> Schedule:
     src, dst, stage = low.w_src_rank, low.w_dst_rank, low.w_stage
     n = len(src)
-    group = np.lexsort((dst, stage, src))  # writes grouped by (src, stage, dst)
+    group = lexorder(dst, stage, src)  # writes grouped by (src, stage, dst)
     g_src, g_stage, g_dst = src[group], stage[group], dst[group]
     new_group = np.ones(n, dtype=bool)
     new_group[1:] = (g_src[1:] != g_src[:-1]) | (g_stage[1:] != g_stage[:-1]) | \
@@ -63,7 +63,7 @@ def schedule(low: Lowered, topo: Topology, max_write_bytes: int,
     pos = np.arange(n) - gstart[gid]
     rnd = np.maximum(before // max_write_bytes, pos // MAX_BATCH_WRITES)
     rot = (g_dst - topo.sources + g_src) % max(topo.targets, 1)
-    order = group[np.lexsort((np.arange(n), rot, rnd, g_stage, g_src))]
+    order = group[lexorder(rot, rnd, g_stage, g_src)]  # stable: ties keep group order
     o_src, o_stage, o_dst = src[order], stage[order], dst[order]
     key_rnd = np.empty(n, dtype=np.int64)
     key_rnd[group] = rnd
@@ -123,7 +123,7 @@ def signal_rows(s: np.ndarray, d: np.ndarray, st: np.ndarray, staged: np.ndarray
 
 def _sorted(rows: np.ndarray) -> np.ndarray:
     rows = rows.reshape(-1, 4).astype(np.int64)
-    return rows[np.lexsort((rows[:, 3], rows[:, 2], rows[:, 1], rows[:, 0]))]
+    return rows[lexorder(rows[:, 3], rows[:, 2], rows[:, 1], rows[:, 0])]
 
 
 def _dag(stages: int, world: int, signals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

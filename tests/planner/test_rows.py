@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from planner.rows import row_keys, unique_rows
+from planner.rows import lexorder, row_keys, unique_rows
 
 ints = st.integers(min_value=-(2 ** 62), max_value=2 ** 62)
 
@@ -33,3 +33,10 @@ def test_wide_distinct_columns_rerank_instead_of_overflowing() -> None:
     assert np.all(np.diff(keys[order]) >= 0)  # lexicographic order kept
     assert len(np.unique(keys)) == len(np.unique(a, axis=0))
     assert np.array_equal(unique_rows(a), np.unique(a, axis=0))
+
+
+@settings(max_examples=200, deadline=None)
+@given(arrays(np.int64, st.tuples(st.integers(1, 4), st.integers(0, 40)),
+              elements=st.one_of(st.integers(0, 3), ints)))
+def test_lexorder_equals_lexsort(keys: np.ndarray) -> None:
+    assert np.array_equal(lexorder(*keys), np.lexsort(keys))
