@@ -64,18 +64,20 @@ def egress_bound(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topolog
         if topo.sources else np.zeros(0)
     bound = float(own.max()) if topo.sources else 0.0
     ptr, holders = chunks.holder_ptr, chunks.holders
-    sets: dict[int, tuple[int, ...]] = {}
-    per_set: dict[tuple[int, ...], float] = {}
+    n_sbox, hosts = len(ptr) - 1, max(int(host.max(initial=0)) + 1, 1)
+    # each source box's set of holder NICs (once per box), and its holders' hosts
+    sbox_of_holder = np.repeat(np.arange(n_sbox), np.diff(ptr))
+    holder_rank = src.rank[holders[ptr[0]:ptr[-1]]] if n_sbox else np.zeros(0, np.int64)
+    keys: dict[tuple[int, ...], int] = {}
+    set_of = np.array([keys.setdefault(tuple(sorted(set(nic[rs].tolist()))), len(keys))
+                       for rs in np.split(holder_rank, np.diff(ptr)[:-1].cumsum())]
+                      if n_sbox else [], dtype=np.int64)
+    near = np.unique(sbox_of_holder * hosts + host[holder_rank])
     dst_host = host[dst.rank[chunks.dst]]
-    for sb, dh, b in zip(chunks.sbox.tolist(), dst_host.tolist(),
-                         chunk_bytes(chunks, dst).tolist()):
-        key = sets.get(sb)
-        if key is None:
-            ranks = src.rank[holders[ptr[sb]:ptr[sb + 1]]]
-            key = sets[sb] = tuple(sorted(set(nic[ranks].tolist()))) \
-                if not (host[ranks] == dh).any() else ()
-        if key:
-            per_set[key] = per_set.get(key, 0.0) + b
+    remote = ~np.isin(chunks.sbox * hosts + dst_host, near)  # no holder on the target host
+    per_id = np.bincount(set_of[chunks.sbox[remote]], minlength=len(keys),
+                         weights=chunk_bytes(chunks, dst)[remote].astype(np.float64))
+    per_set = {k: float(per_id[i]) for k, i in keys.items() if per_id[i] > 0}
     single = {k[0]: b for k, b in per_set.items() if len(k) == 1}
     for n, b in enumerate(own.tolist()):
         single[n] = single.get(n, 0.0) + b
