@@ -47,11 +47,12 @@ from schemas.plan import (
 )
 from schemas.protocol import (
     ITEM,
+    SCALE_BYTES,
     SLOTS,
     copy_extents,
-    copy_footprint,
     overlaps,
     prepacked,
+    quant_scales,
     sent_stage,
     staging_index,
     wait_stage,
@@ -135,12 +136,23 @@ def _copy_bytes(rp: RankPlan, kind: int, side: str, region: int
 
 
 def _quant_bytes(rp: RankPlan, region: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """stage -> byte intervals QUANT copies write in `region` (e4m3 box and its scales)."""
+    """stage -> byte intervals QUANT copies write in `region`: each row of their e4m3 box
+    and of their scales (`schemas.protocol.quant_scales`)."""
     c = rp.copies
-    rows, _, lo, hi = copy_footprint(
-        rp, "dst", np.flatnonzero((c["kind"] == QUANT) & (c["dst_region"] == region)))
-    stage = c["stage"][rows]
-    return {s: (lo[stage == s], hi[stage == s]) for s in np.unique(stage).tolist()}
+    rows = np.flatnonzero((c["kind"] == QUANT) & (c["dst_region"] == region))
+    a, rb, cb, st = quant_scales(rp, rows)
+    m, n = c["size0"][rows].astype(np.int64), c["size1"][rows].astype(np.int64)
+    if int(m.sum() + rb.sum()) > MAX_RUNS:
+        raise PlanFormatError(f"rank {rp.rank}: its QUANTs write over {MAX_RUNS:,} rows; the "
+                              "plan is corrupt")
+    acc: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for j, i in enumerate(rows.tolist()):
+        e4m3 = int(c["dst_offset"][i]) + np.arange(m[j], dtype=np.int64) * int(c["dst_stride0"][i])
+        scale = (a[j] + np.arange(rb[j], dtype=np.int64) * st[j]) * SCALE_BYTES
+        acc.setdefault(int(c["stage"][i]), []).append(
+            (np.concatenate([e4m3, scale]),
+             np.concatenate([e4m3 + n[j], scale + cb[j] * SCALE_BYTES])))
+    return {s: _cat(*v) for s, v in acc.items()}
 
 
 def _cat(*parts: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
