@@ -30,7 +30,9 @@ The rules, each with its one home here:
 - Signals: an `ACK` awaited in stage s was sent in stage s-1, a `SLOT_ACK` in stage s-SLOTS
   (`LAG`, `sent_stage`, `wait_stage`); `READY` and `DONE` match in the same stage.
 - Staging: the last region of a rank when it is named `STAGING` (`staging_index`); the
-  compiler gives stage s the slot `s % SLOTS` of the budget.
+  compiler gives stage s the slot `s % SLOTS` of it (slot k starts where slot k-1 ends,
+  each as large as the most one of the rank's stages puts there: staging is sized to
+  need, `options.staging_bytes` caps it).
 - The stage of a write is its batch's (`write_stages`).
 - Carry-over (`carries`): a rank may leave stage s with its writes still in flight only where
   it waits for no DONE, unpacks nothing and sends no ACK in s, and s is not its last stage;
@@ -84,8 +86,9 @@ FP8_MAX = 448.0
 SCALE_BYTES = 4
 """Bytes of one scale (float32); `aux_offset` counts them."""
 SLOTS = 3
-"""The compiler gives stage s the slot `s % SLOTS` of the staging budget; the early-pack
-rule checks the `SLOTS - 1` stages before s."""
+"""The compiler gives stage s the slot `s % SLOTS` of the rank's staging (each slot at most
+a third of `options.staging_bytes`); the early-pack rule checks the `SLOTS - 1` stages
+before s."""
 
 MAX_WORLD = 1 << 16
 """Ranks in one plan (real plans: hundreds)."""

@@ -55,30 +55,43 @@ def _align(n: int) -> int:
 
 
 class _Staging:
-    """Bump allocation of each rank's staging per stage, in two pools: the first
-    `budget - budget // 4` bytes (rounded down to `ALIGN`, so that the second pool's offsets
-    are aligned too) for the boxes a rank owns, the rest for the parts it packs for other
-    owners (so those packs never fall back to row-by-row writes)."""
+    """Bump allocation of each rank's staging per stage, in two pools: pool 0, at most
+    `budget - budget // 4` bytes (rounded down to `ALIGN`), for the boxes a rank owns, and
+    pool 1, at most the rest, for the parts it packs for other owners (so those packs never
+    fall back to row-by-row writes). The budget is a cap: pool 0 starts at byte 0 and is
+    as large as its peak; pool 1 starts where pool 0 ends on that rank (`pool1`), known
+    once every box is placed, so `take` gives pool-1 offsets from the pool's start."""
 
     def __init__(self, world: int, budget: int) -> None:
         self.used: dict[tuple[int, int, int], int] = {}
         split = (budget - budget // 4) // ALIGN * ALIGN
-        self.bounds = ((0, split), (split, budget))
-        self.peak = np.zeros(world, dtype=np.int64)
+        self.caps = (split, budget - split)
+        self.peak = np.zeros((world, 2), dtype=np.int64)
 
     def _start(self, rank: int, stages: tuple[int, ...], pool: int) -> int:
-        return max(self.used.get((rank, s, pool), self.bounds[pool][0]) for s in stages)
+        return max(self.used.get((rank, s, pool), 0) for s in stages)
 
     def fits(self, rank: int, stages: tuple[int, ...], nbytes: int, pool: int = 0) -> bool:
-        return self._start(rank, stages, pool) + _align(nbytes) <= self.bounds[pool][1]
+        return self._start(rank, stages, pool) + _align(nbytes) <= self.caps[pool]
 
     def take(self, rank: int, stages: tuple[int, ...], nbytes: int, pool: int = 0) -> int:
-        """Offset of `nbytes` live in every stage of `stages` on `rank`."""
+        """Offset (from the pool's start) of `nbytes` live in every stage of `stages` on
+        `rank`."""
         start = self._start(rank, stages, pool)
         for s in stages:
             self.used[(rank, s, pool)] = start + _align(nbytes)
-        self.peak[rank] = max(self.peak[rank], start + _align(nbytes))
+        self.peak[rank, pool] = max(self.peak[rank, pool], start + _align(nbytes))
         return start
+
+    @property
+    def pool1(self) -> np.ndarray:
+        """Per rank: the byte where pool 1 starts."""
+        return self.peak[:, 0]
+
+    @property
+    def staging(self) -> np.ndarray:
+        """Per rank: the staging bytes both pools use at their peaks."""
+        return self.peak.sum(axis=1)
 
 
 class _Out:
@@ -93,6 +106,9 @@ class _Out:
         self.strided: list[np.ndarray] = []
         self.copies: list[tuple[int, ...]] = []
         self.explain: list[tuple[int, int, int, int, int, int]] = []
+        self.pool1: list[tuple[int, int, int, int]] = []
+        """(copy, write, rank, element size): a PACK into pool 1 and the write of it, whose
+        offsets count from the pool's start (`_Staging`)."""
 
     def copy(self, **cols: int) -> None:
         self.copies.append(tuple(int(cols[k]) for k in self.C))
@@ -275,7 +291,7 @@ class _Gatherer:
             self._fan_out(box, slot, f_off, i)
 
     def result(self) -> Gathered:
-        return Gathered(_lowered(self.out, self.alloc.peak, self.max_stage + 1),
+        return Gathered(_lowered(self.out, self.alloc, self.max_stage + 1),
                         explain_rows(self.out), self.owner_only, self.unit_max)
 
     def _targets(self, t: int) -> np.ndarray:
@@ -400,6 +416,7 @@ class _Gatherer:
                           **pack)
             self.out.runs(slot.gather, (hr, int(self.n_regions[hr]), off),
                           (owner, stg, into * es), 1, m0 * m1 * es, 0, 0)
+            self.out.pool1.append((len(self.out.copies) - 1, len(self.out.writes) - 1, hr, es))
         elif rows_ok:
             self.out.runs(slot.gather, (hr, int(src.region[h]), start * es),
                           (owner, stg, into * es), m0, m1 * es, int(src.a0[h]) * es,
@@ -459,9 +476,13 @@ def explain_rows(out: _Out) -> np.ndarray:
     return np.array(out.explain, dtype=np.int64).reshape(-1, 6)
 
 
-def _lowered(out: _Out, staging: np.ndarray, stages: int) -> Lowered:
+def _lowered(out: _Out, alloc: _Staging, stages: int) -> Lowered:
     w = np.concatenate([np.array(out.writes, dtype=np.int64).reshape(-1, 8), *out.strided])
     c = np.array(out.copies, dtype=np.int64).reshape(-1, len(_Out.C))
+    if out.pool1:  # pool 1 starts where pool 0 ends on its rank
+        ci, wi, rank, es = np.array(out.pool1, dtype=np.int64).T
+        c[ci, _Out.C.index("dst_offset")] += alloc.pool1[rank] // es
+        w[wi, _Out.W.index("src_offset")] += alloc.pool1[rank]
     copies = {name: c[:, i] for i, name in enumerate(_Out.C)}
-    return Lowered(*(w[:, i] for i in range(8)), copies=copies, staging=staging,
+    return Lowered(*(w[:, i] for i in range(8)), copies=copies, staging=alloc.staging,
                    stages=stages)
