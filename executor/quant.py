@@ -3,8 +3,9 @@
 The formula is vLLM's `per_block_cast_to_fp8` (and the planner's reference quantizer,
 which tests hold this to bit for bit): per 128x128 block, `scale = max(amax, 1e-4) /
 448`, `q = (x.float() * (1 / scale))` cast to e4m3; a partial edge block takes the amax of
-its real elements. e4m3 values land contiguously at `dst_offset` (bytes) and the float32
-scales `[ceil(m/128), ceil(n/128)]` at `aux_offset` (float32 elements) of the same region.
+its real elements. e4m3 values land at `dst_offset` (bytes) in rows `dst_stride0` apart and
+the float32 scales `[ceil(m/128), ceil(n/128)]` at `aux_offset` (float32 elements) of the
+same region, in rows `scale_stride(dst_stride0)` apart (`schemas.protocol`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from schemas.plan import DTYPE_CODES, Table
 from schemas.protocol import FP8_BLOCK as BLOCK
-from schemas.protocol import FP8_MAX
+from schemas.protocol import FP8_MAX, scale_stride
 
 from .bind import torch_dtype, typed
 
@@ -52,10 +53,12 @@ def prepare_quants(copies: Table, rows: np.ndarray, regions: list[torch.Tensor])
                            src.storage_offset() + int(copies["src_offset"][i]))
         dst = regions[int(copies["dst_region"][i])]
         qf = typed(dst, torch.float8_e4m3fn)  # offsets count from the region, not its storage
-        q = qf.as_strided((m, n), (n, 1), qf.storage_offset() + int(copies["dst_offset"][i]))
+        row = int(copies["dst_stride0"][i])
+        q = qf.as_strided((m, n), (row, 1), qf.storage_offset() + int(copies["dst_offset"][i]))
         sf = typed(dst, torch.float32)
         rb, cb = -(-m // BLOCK), -(-n // BLOCK)
-        s = sf.as_strided((rb, cb), (cb, 1), sf.storage_offset() + int(copies["aux_offset"][i]))
+        s = sf.as_strided((rb, cb), (int(scale_stride(row)), 1),
+                          sf.storage_offset() + int(copies["aux_offset"][i]))
         pad = torch.zeros((rb * BLOCK, cb * BLOCK), dtype=x.dtype, device=x.device)
 
         def op(x=x, q=q, s=s, pad=pad) -> None:

@@ -6,6 +6,7 @@ One implementation serves the CLI and the property suite:
   (by a write or an unpack), nothing outside it, and no two writes overlap in a
   destination (staging: per stage);
 - `sizes`: no write above `max_write_bytes`, staging within `staging_bytes`;
+- `staging_fit`: no rank's staging exceeds what its ops use at peak (the budget is a cap);
 - `order`: the stage DAG is acyclic; every wait has its signal and vice versa; every
   (source, target, stage) with writes has READY and DONE; staged writes into a target's
   staging after stage 0 wait for its ACK of the stage before, or (slotted staging) touch no
@@ -29,6 +30,7 @@ import math
 import networkx as nx
 import numpy as np
 
+from planner.passes.lower import ALIGN
 from schemas.bounds import violations
 from schemas.header import PlanHeader
 from schemas.plan import (
@@ -47,11 +49,13 @@ from schemas.plan import (
 )
 from schemas.protocol import (
     ITEM,
+    SCALE_BYTES,
     SLOTS,
     copy_extents,
     copy_footprint,
     overlaps,
     prepacked,
+    quant_scales,
     sent_stage,
     staging_index,
     wait_stage,
@@ -135,12 +139,23 @@ def _copy_bytes(rp: RankPlan, kind: int, side: str, region: int
 
 
 def _quant_bytes(rp: RankPlan, region: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """stage -> byte intervals QUANT copies write in `region` (e4m3 box and its scales)."""
+    """stage -> byte intervals QUANT copies write in `region`: each row of their e4m3 box
+    and of their scales (`schemas.protocol.quant_scales`)."""
     c = rp.copies
-    rows, _, lo, hi = copy_footprint(
-        rp, "dst", np.flatnonzero((c["kind"] == QUANT) & (c["dst_region"] == region)))
-    stage = c["stage"][rows]
-    return {s: (lo[stage == s], hi[stage == s]) for s in np.unique(stage).tolist()}
+    rows = np.flatnonzero((c["kind"] == QUANT) & (c["dst_region"] == region))
+    a, rb, cb, st = quant_scales(rp, rows)
+    m, n = c["size0"][rows].astype(np.int64), c["size1"][rows].astype(np.int64)
+    if int(m.sum() + rb.sum()) > MAX_RUNS:
+        raise PlanFormatError(f"rank {rp.rank}: its QUANTs write over {MAX_RUNS:,} rows; the "
+                              "plan is corrupt")
+    acc: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for j, i in enumerate(rows.tolist()):
+        e4m3 = int(c["dst_offset"][i]) + np.arange(m[j], dtype=np.int64) * int(c["dst_stride0"][i])
+        scale = (a[j] + np.arange(rb[j], dtype=np.int64) * st[j]) * SCALE_BYTES
+        acc.setdefault(int(c["stage"][i]), []).append(
+            (np.concatenate([e4m3, scale]),
+             np.concatenate([e4m3 + n[j], scale + cb[j] * SCALE_BYTES])))
+    return {s: _cat(*v) for s, v in acc.items()}
 
 
 def _cat(*parts: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -314,6 +329,52 @@ def sizes(plan: Plan) -> list[str]:
     return out
 
 
+def staging_use(plan: Plan) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per rank with staging: (stage, lo, hi) of every staging byte interval its ops touch:
+    its writes' sources, peers' writes into it, and both sides of its copies."""
+    acc: dict[int, list[tuple[np.ndarray, ...]]] = {}
+    peer_sg = np.array([staging_index(p) for p in plan.ranks], dtype=np.int64)
+    for rp in plan.ranks:
+        sg, stage = staging_index(rp), write_stages(rp)
+        reg, lo, hi = write_footprint(rp, "src")
+        acc.setdefault(rp.rank, []).append((stage[reg == sg], lo[reg == sg], hi[reg == sg]))
+        reg, lo, hi = write_footprint(rp, "dst")
+        into = reg == peer_sg[rp.writes["dst_rank"]]
+        for peer in np.unique(rp.writes["dst_rank"][into]).tolist():
+            m = into & (rp.writes["dst_rank"] == peer)
+            acc.setdefault(peer, []).append((stage[m], lo[m], hi[m]))
+        for side in ("src", "dst"):
+            rows, reg, lo, hi = copy_footprint(rp, side)
+            m = reg == sg
+            acc[rp.rank].append((rp.copies["stage"][rows[m]].astype(np.int64), lo[m], hi[m]))
+    return {r: tuple(np.concatenate([p[i] for p in parts]).astype(np.int64) for i in range(3))
+            for r, parts in acc.items() if staging_index(plan.ranks[r]) >= 0}
+
+
+def staging_fit(plan: Plan) -> list[str]:
+    """No rank's staging exceeds what its ops use at peak: it ends at the last staging byte
+    they touch (rounded up to `ALIGN`), and it is at most the bytes the `SLOTS` stages
+    that use the most touch (a stage's use: from its first to its last byte; the rotation
+    keeps up to `SLOTS` stages' staging live at once), plus `ALIGN` per slot."""
+    out = []
+    for r, (stage, lo, hi) in staging_use(plan).items():
+        have = plan.ranks[r].regions[-1].nbytes
+        keep = hi > lo
+        stage, lo, hi = stage[keep], lo[keep], hi[keep]
+        end = -(-int(hi.max(initial=0)) // ALIGN) * ALIGN
+        first = np.full(int(stage.max(initial=-1)) + 1, np.iinfo(np.int64).max)
+        last = np.zeros(len(first), dtype=np.int64)
+        np.minimum.at(first, stage, lo)
+        np.maximum.at(last, stage, hi)
+        span = np.sort(np.where(last > 0, last - first, 0))[::-1]
+        peak = int(span[:SLOTS].sum()) + SLOTS * ALIGN
+        if have > min(end, peak):
+            out.append(f"rank {r}: staging of {have} bytes exceeds what its ops use at peak "
+                       f"(they touch bytes up to {end}; its {SLOTS} busiest stages "
+                       f"{peak - SLOTS * ALIGN})")
+    return out
+
+
 def order(plan: Plan) -> list[str]:
     out = []
     g = nx.DiGraph()
@@ -372,7 +433,8 @@ def verify_plan(plan: Plan) -> list[str]:
     problems = bounds(plan)
     if problems:
         return problems
-    return coverage(plan) + sizes(plan) + order(plan) + dataflow(plan) + balance(plan)
+    return coverage(plan) + sizes(plan) + staging_fit(plan) + order(plan) + dataflow(plan) \
+        + balance(plan)
 
 
 def verify_file(path: str) -> list[str]:

@@ -297,7 +297,8 @@ class Options:
     max_write_bytes: int = 64 << 20
     """Largest single RDMA write; longer runs are split."""
     staging_bytes: int = 256 << 20
-    """Staging memory budget per rank (pack/cast on sources, unpack on targets)."""
+    """Staging memory cap per rank (pack/cast on sources, unpack on targets): a rank
+    allocates what its ops use at peak, never more than this."""
     write_overhead_us: float = 2.0
     """Cost model: fixed cost of one write (posting, completion), in microseconds."""
     pack_gbps: float = 2000.0

@@ -35,10 +35,12 @@ STAGING = "__staging__"
 
 WRITE, PACK, UNPACK, QUANT = 0, 1, 2, 3
 """Op kinds: the closed set the executor interprets. QUANT runs with the packs (step 2):
-it reads a 2-d box (`size0` x `size1`, any float dtype) and writes its e4m3 values
-contiguously at `dst_offset` and its float32 block scales (`[ceil(size0/128),
-ceil(size1/128)]`, amax/448 per 128x128 block) contiguously at `aux_offset` (float32
-elements) of the same destination region."""
+it reads a 2-d box (`size0` x `size1`, any float dtype) and writes its e4m3 values at
+`dst_offset` in rows of `size1`, `dst_stride0` apart, and its float32 block scales
+(`[ceil(size0/128), ceil(size1/128)]`, amax/448 per 128x128 block) at `aux_offset`
+(float32 elements) of the same destination region, in rows `ceil(dst_stride0/128)` apart:
+where a QUANT of the whole row-major box `dst_stride0` wide would put them
+(`schemas.protocol.quant_scales`)."""
 DONE, ACK, READY, SLOT_ACK = 0, 1, 2, 3
 """Signal kinds: DONE (writes of a stage landed), ACK (staging of a stage is free again),
 READY (a target may be written: sent once per step, before any write into it), SLOT_ACK

@@ -30,7 +30,9 @@ The rules, each with its one home here:
 - Signals: an `ACK` awaited in stage s was sent in stage s-1, a `SLOT_ACK` in stage s-SLOTS
   (`LAG`, `sent_stage`, `wait_stage`); `READY` and `DONE` match in the same stage.
 - Staging: the last region of a rank when it is named `STAGING` (`staging_index`); the
-  compiler gives stage s the slot `s % SLOTS` of the budget.
+  compiler gives stage s the slot `s % SLOTS` of it (slot k starts where slot k-1 ends,
+  each as large as the most one of the rank's stages puts there: staging is sized to
+  need, `options.staging_bytes` caps it).
 - The stage of a write is its batch's (`write_stages`).
 - Carry-over (`carries`): a rank may leave stage s with its writes still in flight only where
   it waits for no DONE, unpacks nothing and sends no ACK in s, and s is not its last stage;
@@ -38,7 +40,7 @@ The rules, each with its one home here:
 - Early packs (`Overlap`, `prepacked`): a stage's PACK/QUANT copies run during the previous
   stage's writes when that cannot change what any byte holds (rules below).
 - Item sizes by dtype code (`ITEM`), the FP8 block (`FP8_BLOCK`, `FP8_MAX`), a QUANT op's
-  scale footprint (`scale_blocks`).
+  scales: how many (`scale_blocks`) and where (`quant_scales`, `scale_stride`).
 - Footprints (`write_footprint`, `copy_footprint`): the bytes every op kind touches in its
   regions, the one bounds proof of the executor's load-time check and of `verify`.
 - Limits (`MAX_WORLD`, `MAX_STAGES`, `MAX_OPS`): what a plan can make a process allocate or
@@ -84,8 +86,9 @@ FP8_MAX = 448.0
 SCALE_BYTES = 4
 """Bytes of one scale (float32); `aux_offset` counts them."""
 SLOTS = 3
-"""The compiler gives stage s the slot `s % SLOTS` of the staging budget; the early-pack
-rule checks the `SLOTS - 1` stages before s."""
+"""The compiler gives stage s the slot `s % SLOTS` of the rank's staging (each slot at most
+a third of `options.staging_bytes`); the early-pack rule checks the `SLOTS - 1` stages
+before s."""
 
 MAX_WORLD = 1 << 16
 """Ranks in one plan (real plans: hundreds)."""
@@ -172,6 +175,14 @@ def scale_blocks(size0: int | np.ndarray, size1: int | np.ndarray) -> int | np.n
     return -(-size0 // FP8_BLOCK) * -(-size1 // FP8_BLOCK)
 
 
+def scale_stride(dst_stride0: int | np.ndarray) -> int | np.ndarray:
+    """Row stride (float32 elements) of a QUANT's scales: its e4m3 rows are `dst_stride0`
+    apart, as in a row-major box `dst_stride0` wide, and its scales are laid out as that
+    box's would be (`ceil(dst_stride0 / 128)` per block row). So a QUANT of a block-aligned
+    part of a box puts its values and its scales where a QUANT of the whole box would."""
+    return -(-dst_stride0 // FP8_BLOCK)
+
+
 def write_footprint(rp: RankPlan, side: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(region, lo, hi): the bytes `[lo, hi)` every write reads (`src`, this rank) or writes
     (`dst`, region of `dst_rank`)."""
@@ -183,15 +194,24 @@ def write_footprint(rp: RankPlan, side: str) -> tuple[np.ndarray, np.ndarray, np
 def _dims(rp: RankPlan, rows: np.ndarray, side: str, quant: np.ndarray
           ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Box sizes and strides of `rows` on `side`: a QUANT's box is 2-d (its size2 is
-    ignored) and its dst is contiguous (`size1`-element rows)."""
+    ignored) and its dst rows are contiguous (`size1` elements, `dst_stride0` apart)."""
     c = rp.copies
     sizes = [c[f"size{d}"][rows].astype(np.int64) for d in range(3)]
     strides = [c[f"{side}_stride{d}"][rows].astype(np.int64) for d in range(3)]
     sizes[2] = np.where(quant, 1, sizes[2])
     if side == "dst":
-        strides = [np.where(quant, sizes[1], strides[0]), np.where(quant, 1, strides[1]),
-                   strides[2]]
+        strides[1] = np.where(quant, 1, strides[1])
     return sizes, strides
+
+
+def quant_scales(rp: RankPlan, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                          np.ndarray]:
+    """(offset, block rows, block cols, row stride) of the float32 scales QUANT `rows`
+    write, all in float32 elements of their dst region."""
+    c = rp.copies
+    m, n = c["size0"][rows].astype(np.int64), c["size1"][rows].astype(np.int64)
+    return (c["aux_offset"][rows].astype(np.int64), -(-m // FP8_BLOCK), -(-n // FP8_BLOCK),
+            scale_stride(c["dst_stride0"][rows].astype(np.int64)))
 
 
 def copy_footprint(rp: RankPlan, side: str, rows: np.ndarray | None = None
@@ -199,8 +219,8 @@ def copy_footprint(rp: RankPlan, side: str, rows: np.ndarray | None = None
     """(row, region, lo, hi): byte intervals `[lo, hi)` holding everything copies `rows`
     touch on `side`: the extent of their strided boxes (offsets and strides in elements of
     that side's dtype; an empty box touches nothing); a QUANT's dst also holds its float32
-    scales at `aux_offset`. One interval per row, a QUANT's dst two. Values must be in
-    range (`check_copy_values`): the extents are exact int64."""
+    scales at `aux_offset` (`quant_scales`). One interval per row, a QUANT's dst two.
+    Values must be in range (`check_copy_values`): the extents are exact int64."""
     c = rp.copies
     rows = np.arange(len(c)) if rows is None else np.asarray(rows, dtype=np.int64)
     quant = c["kind"][rows] == QUANT
@@ -215,10 +235,10 @@ def copy_footprint(rp: RankPlan, side: str, rows: np.ndarray | None = None
     region = c[f"{side}_region"][rows].astype(np.int64)
     if side == "dst" and quant.any():
         q = rows[quant]
-        a = c["aux_offset"][q].astype(np.int64) * SCALE_BYTES
-        n = scale_blocks(c["size0"][q].astype(np.int64), c["size1"][q].astype(np.int64))
+        a, rb, cb, st = quant_scales(rp, q)
+        last = np.where((rb > 0) & (cb > 0), a + (rb - 1) * st + cb, a)
         rows, region = np.concatenate([rows, q]), np.concatenate([region, region[quant]])
-        lo, hi = np.concatenate([lo, a]), np.concatenate([hi, a + SCALE_BYTES * n])
+        lo, hi = np.concatenate([lo, a * SCALE_BYTES]), np.concatenate([hi, last * SCALE_BYTES])
     return rows, region, lo, hi
 
 

@@ -12,12 +12,19 @@ of one gather. For each target box:
 - an *owner* source rank is chosen: the one holding most of the box (ties: the owner
   whose NIC has sent the fewest bytes so far, then the lowest rank: `assign`'s rule, with
   the box's fan-out to targets on other hosts as one unit);
-- if the owner holds an FP8 box whole in one piece, QUANT reads it in place; otherwise the
-  box is first gathered into the owner's staging: the owner PACKs its own parts, the
-  other holders write theirs (source -> source writes);
-- QUANT (FP8) writes the e4m3 box and its scales into the owner's staging, or a PACK casts
-  the gathered box to the target dtype (plain boxes, when dtypes differ); the owner then
-  writes the result (and the scales) to every target rank holding the box.
+- if the owner holds an FP8 box whole in one piece, QUANT reads it in place;
+- an FP8 box whose source parts are block-aligned and not all whole rows (a column split:
+  Megatron TP 4 halves of a vLLM TP 2 row-parallel weight) is quantized part by part:
+  QUANT reads the owner's own parts in place and each other part from the owner's
+  staging, where it lands whole (one write: the holder sends it as it is, or PACKs it
+  first); each QUANT puts its values and scales where the whole box's would go
+  (`schemas.protocol.quant_scales`). Gathered as rows of the whole box, each part would
+  take one write per row;
+- otherwise the box is first gathered into the owner's staging: the owner PACKs its own
+  parts, the other holders write theirs (source -> source writes); QUANT (FP8) writes the
+  e4m3 box and its scales into the owner's staging, or a PACK casts the gathered box to
+  the target dtype (plain boxes, when dtypes differ);
+- the owner then writes the result (and the scales) to every target rank holding the box.
 Rounds: the owner's buffers of one round fit `staging_bytes`; round k gathers in stage
 `base + 2k` and converts and sends in stage `base + 2k + 1`, so the gather has landed
 (DONE) before it is read, and the next round's gather into the same staging waits for
@@ -38,7 +45,7 @@ from planner.topology import Topology
 from schemas.config import ConfigError, Options
 from schemas.plan import COPY_COLUMNS, DTYPE_CODES, PACK, QUANT
 from schemas.protocol import FP8_BLOCK as BLOCK
-from schemas.protocol import scale_blocks
+from schemas.protocol import scale_blocks, scale_stride
 
 FP8_CODE = DTYPE_CODES.index("float8_e4m3fn")
 
@@ -48,30 +55,43 @@ def _align(n: int) -> int:
 
 
 class _Staging:
-    """Bump allocation of each rank's staging per stage, in two pools: the first
-    `budget - budget // 4` bytes (rounded down to `ALIGN`, so that the second pool's offsets
-    are aligned too) for the boxes a rank owns, the rest for the parts it packs for other
-    owners (so those packs never fall back to row-by-row writes)."""
+    """Bump allocation of each rank's staging per stage, in two pools: pool 0, at most
+    `budget - budget // 4` bytes (rounded down to `ALIGN`), for the boxes a rank owns, and
+    pool 1, at most the rest, for the parts it packs for other owners (so those packs never
+    fall back to row-by-row writes). The budget is a cap: pool 0 starts at byte 0 and is
+    as large as its peak; pool 1 starts where pool 0 ends on that rank (`pool1`), known
+    once every box is placed, so `take` gives pool-1 offsets from the pool's start."""
 
     def __init__(self, world: int, budget: int) -> None:
         self.used: dict[tuple[int, int, int], int] = {}
         split = (budget - budget // 4) // ALIGN * ALIGN
-        self.bounds = ((0, split), (split, budget))
-        self.peak = np.zeros(world, dtype=np.int64)
+        self.caps = (split, budget - split)
+        self.peak = np.zeros((world, 2), dtype=np.int64)
 
     def _start(self, rank: int, stages: tuple[int, ...], pool: int) -> int:
-        return max(self.used.get((rank, s, pool), self.bounds[pool][0]) for s in stages)
+        return max(self.used.get((rank, s, pool), 0) for s in stages)
 
     def fits(self, rank: int, stages: tuple[int, ...], nbytes: int, pool: int = 0) -> bool:
-        return self._start(rank, stages, pool) + _align(nbytes) <= self.bounds[pool][1]
+        return self._start(rank, stages, pool) + _align(nbytes) <= self.caps[pool]
 
     def take(self, rank: int, stages: tuple[int, ...], nbytes: int, pool: int = 0) -> int:
-        """Offset of `nbytes` live in every stage of `stages` on `rank`."""
+        """Offset (from the pool's start) of `nbytes` live in every stage of `stages` on
+        `rank`."""
         start = self._start(rank, stages, pool)
         for s in stages:
             self.used[(rank, s, pool)] = start + _align(nbytes)
-        self.peak[rank] = max(self.peak[rank], start + _align(nbytes))
+        self.peak[rank, pool] = max(self.peak[rank, pool], start + _align(nbytes))
         return start
+
+    @property
+    def pool1(self) -> np.ndarray:
+        """Per rank: the byte where pool 1 starts."""
+        return self.peak[:, 0]
+
+    @property
+    def staging(self) -> np.ndarray:
+        """Per rank: the staging bytes both pools use at their peaks."""
+        return self.peak.sum(axis=1)
 
 
 class _Out:
@@ -86,6 +106,9 @@ class _Out:
         self.strided: list[np.ndarray] = []
         self.copies: list[tuple[int, ...]] = []
         self.explain: list[tuple[int, int, int, int, int, int]] = []
+        self.pool1: list[tuple[int, int, int, int]] = []
+        """(copy, write, rank, element size): a PACK into pool 1 and the write of it, whose
+        offsets count from the pool's start (`_Staging`)."""
 
     def copy(self, **cols: int) -> None:
         self.copies.append(tuple(int(cols[k]) for k in self.C))
@@ -144,14 +167,14 @@ class _Box:
     cast: bool
     direct: bool
     """QUANT reads the owner's piece in place (an FP8 box it holds whole, in one piece)."""
+    parts: bool
+    """QUANT part by part: the other holders' parts land whole in the owner's staging."""
+    g_bytes: int
+    """Staging of the gathered box (or of the other holders' parts)."""
 
     @property
     def numel(self) -> int:
         return self.n0 * self.n1
-
-    @property
-    def g_bytes(self) -> int:
-        return 0 if self.direct else _align(self.numel * self.es)
 
     @property
     def f_bytes(self) -> int:
@@ -248,22 +271,27 @@ class _Gatherer:
         slot = self._place(box)
         to = self._targets(t)
         self._account(box, slot, self.w.rank[to])
-        if box.direct:
+        if box.parts:
+            f_off = self._quant_parts(box, slot)
+        elif box.direct:
             h = box.rows[0]
             src = self.src
             read = (int(src.region[h]), int(src.base[h] + box.t0 * src.a0[h]
                                              + box.t1 * src.a1[h]),
                     (int(src.a0[h]), int(src.a1[h])))
+            f_off = self._convert(box, slot, *read)
         else:
             for c, h in zip(box.chunks, box.rows):
-                self._gather_part(box, slot, c, h)
-            read = (int(self.n_regions[box.owner]), slot.g_off // box.es, (box.n1, 1))
-        f_off = self._convert(box, slot, *read)
+                c0, c1 = int(self.chunks.off0[c]), int(self.chunks.off1[c])
+                into = slot.g_off // box.es + (c0 - box.t0) * box.n1 + (c1 - box.t1)
+                self._gather_part(box, slot, c, h, into, box.n1)
+            f_off = self._convert(box, slot, int(self.n_regions[box.owner]),
+                                  slot.g_off // box.es, (box.n1, 1))
         for i in to.tolist():
             self._fan_out(box, slot, f_off, i)
 
     def result(self) -> Gathered:
-        return Gathered(_lowered(self.out, self.alloc.peak, self.max_stage + 1),
+        return Gathered(_lowered(self.out, self.alloc, self.max_stage + 1),
                         explain_rows(self.out), self.owner_only, self.unit_max)
 
     def _targets(self, t: int) -> np.ndarray:
@@ -289,12 +317,29 @@ class _Gatherer:
                         int(min(hs, key=lambda h: (load[nic[src.rank[h]]], src.rank[h]))))
         out_code = int(self.w.dtype[self.first[t]])
         src_code = int(src.dtype[rows[0]])
+        es = int(element_size(src.dtype[rows[0]]))
         quant = out_code == FP8_CODE
+        direct = quant and len(rows) == 1 and int(src.rank[rows[0]]) == owner
+        parts = quant and not direct and self._by_parts(t)
+        others = [c for c, h in zip(cs, rows) if int(src.rank[h]) != owner]
+        g_bytes = 0 if direct else \
+            sum(_align(int(chunks.size0[c] * chunks.size1[c]) * es) for c in others) \
+            if parts else _align(n0 * n1 * es)
         return _Box(tensor, t0, t1, n0, n1, cs, tuple(rows), owner, len(held) == 1,
-                    src_code, out_code, int(element_size(src.dtype[rows[0]])),
-                    int(element_size(np.array([out_code]))[0]), quant,
-                    not quant and out_code != src_code,
-                    quant and len(rows) == 1 and int(src.rank[rows[0]]) == owner)
+                    src_code, out_code, es, int(element_size(np.array([out_code]))[0]), quant,
+                    not quant and out_code != src_code, direct, parts, g_bytes)
+
+    def _by_parts(self, t: int) -> bool:
+        """Box `t` is cut into block-aligned parts (each starts on the box's 128-grid and
+        ends on it or at the box's edge), not all of them whole rows."""
+        ch = self.chunks
+        cs = slice(self.chunk_ptr[t], self.chunk_ptr[t + 1])
+        _, t0, t1, n0, n1 = (int(x) for x in self.tboxes[t])
+        r0, r1 = ch.off0[cs] - t0, ch.off1[cs] - t1
+        m0, m1 = ch.size0[cs], ch.size1[cs]
+        aligned = (r0 % BLOCK == 0) & (r1 % BLOCK == 0) \
+            & ((m0 % BLOCK == 0) | (r0 + m0 == n0)) & ((m1 % BLOCK == 0) | (r1 + m1 == n1))
+        return bool(aligned.all() and (m1 < n1).any())
 
     def _place(self, b: _Box) -> _Slot:
         """The owner's first round whose two stages both have room for the box."""
@@ -322,15 +367,34 @@ class _Gatherer:
             self.owner_only[b.owner] += remote
         self.max_stage = max(self.max_stage, slot.convert)
 
-    def _gather_part(self, b: _Box, slot: _Slot, c: int, h: int) -> None:
-        """Chunk `c` from source piece `h` into the owner's gather buffer: a PACK on the
-        owner, or a PACK on its holder then one write, or one write per row."""
+    def _quant_parts(self, b: _Box, slot: _Slot) -> int:
+        """QUANT box `b` part by part (`_Box.parts`): the owner's parts read in place, the
+        others' from where they land whole in its staging; returns the e4m3 box's offset."""
+        src, chunks, at = self.src, self.chunks, slot.g_off
+        stg = int(self.n_regions[b.owner])
+        for c, h in zip(b.chunks, b.rows):
+            c0, c1 = int(chunks.off0[c]), int(chunks.off1[c])
+            m0, m1 = int(chunks.size0[c]), int(chunks.size1[c])
+            if int(src.rank[h]) == b.owner:
+                read = (int(src.region[h]), int(src.base[h] + c0 * src.a0[h] + c1 * src.a1[h]),
+                        (int(src.a0[h]), int(src.a1[h])))
+            else:
+                self._gather_part(b, slot, c, h, at // b.es, m1)
+                read = (stg, at // b.es, (m1, 1))
+                at += _align(m0 * m1 * b.es)
+            self._convert(b, slot, *read, part=(c0 - b.t0, c1 - b.t1, m0, m1))
+        return slot.f_off
+
+    def _gather_part(self, b: _Box, slot: _Slot, c: int, h: int, into: int,
+                     stride: int) -> None:
+        """Chunk `c` from source piece `h` into the owner's staging at element `into`, in
+        rows `stride` apart: a PACK on the owner, or a PACK on its holder then one write,
+        or one write per row (one in all where both sides are dense)."""
         src, chunks, owner, es = self.src, self.chunks, b.owner, b.es
         stg = int(self.n_regions[owner])
         c0, c1 = int(chunks.off0[c]), int(chunks.off1[c])
         m0, m1 = int(chunks.size0[c]), int(chunks.size1[c])
         start = int(src.base[h] + c0 * src.a0[h] + c1 * src.a1[h])
-        into = slot.g_off // es + (c0 - b.t0) * b.n1 + (c1 - b.t1)
         hr = int(src.rank[h])
         if hr != owner and self.host[hr] != self.host[owner]:  # its NIC sends the part
             self.load[self.nic[hr]] += m0 * m1 * es
@@ -343,35 +407,42 @@ class _Gatherer:
         dense = rows_ok and (m0 == 1 or src.a0[h] == m1)
         if hr == owner:  # own part: straight into the gather buffer
             self.out.copy(rank=owner, dst_region=stg, dst_offset=into,
-                          **{**pack, "dst_stride0": b.n1})
-        elif not dense and m1 == b.n1 and self.alloc.fits(hr, (slot.gather,), m0 * m1 * es, 1):
+                          **{**pack, "dst_stride0": stride})
+        elif not dense and (m1 == stride or m0 == 1) \
+                and self.alloc.fits(hr, (slot.gather,), m0 * m1 * es, 1):
             # strided on its holder: pack there, then one write
             off = self.alloc.take(hr, (slot.gather,), m0 * m1 * es, 1)
             self.out.copy(rank=hr, dst_region=int(self.n_regions[hr]), dst_offset=off // es,
                           **pack)
             self.out.runs(slot.gather, (hr, int(self.n_regions[hr]), off),
                           (owner, stg, into * es), 1, m0 * m1 * es, 0, 0)
+            self.out.pool1.append((len(self.out.copies) - 1, len(self.out.writes) - 1, hr, es))
         elif rows_ok:
             self.out.runs(slot.gather, (hr, int(src.region[h]), start * es),
                           (owner, stg, into * es), m0, m1 * es, int(src.a0[h]) * es,
-                          b.n1 * es)
+                          stride * es)
         else:
             raise ConfigError(f"gather: {self.names[b.tensor]} is stored transposed on "
                               f"source rank {hr}; a gather needs rows")
 
     def _convert(self, b: _Box, slot: _Slot, region: int, offset: int,
-                 strides: tuple[int, int]) -> int:
-        """QUANT (FP8) or a casting PACK of the box read at (`region`, element `offset`,
-        `strides`) into the owner's staging; returns the byte offset the fan-out reads."""
+                 strides: tuple[int, int], part: tuple[int, int, int, int] | None = None
+                 ) -> int:
+        """QUANT (FP8) or a casting PACK of the box (or of its block-aligned `part`: rows
+        and columns from the box's corner, sizes) read at (`region`, element `offset`,
+        `strides`) into the owner's staging, where the whole box's values and scales go;
+        returns the byte offset the fan-out reads."""
         if not (b.quant or b.cast):
             return slot.g_off  # the gathered box is already the target's bytes
+        r0, r1, m0, m1 = part or (0, 0, b.n0, b.n1)
+        scales = slot.s_off // 4 + (r0 // BLOCK) * scale_stride(b.n1) + r1 // BLOCK
         self.out.copy(rank=b.owner, kind=QUANT if b.quant else PACK, stage=slot.convert,
                       src_region=region, src_dtype=b.src_code, src_offset=offset,
                       src_stride0=strides[0], src_stride1=strides[1], src_stride2=1,
                       dst_region=int(self.n_regions[b.owner]), dst_dtype=b.out_code,
-                      dst_offset=slot.f_off // b.es_d, dst_stride0=b.n1, dst_stride1=1,
-                      dst_stride2=1, size0=b.n0, size1=b.n1, size2=1,
-                      aux_offset=slot.s_off // 4 if b.quant else 0)
+                      dst_offset=slot.f_off // b.es_d + r0 * b.n1 + r1, dst_stride0=b.n1,
+                      dst_stride1=1, dst_stride2=1, size0=m0, size1=m1, size2=1,
+                      aux_offset=scales if b.quant else 0)
         return slot.f_off
 
     def _fan_out(self, b: _Box, slot: _Slot, f_off: int, i: int) -> None:
@@ -405,9 +476,13 @@ def explain_rows(out: _Out) -> np.ndarray:
     return np.array(out.explain, dtype=np.int64).reshape(-1, 6)
 
 
-def _lowered(out: _Out, staging: np.ndarray, stages: int) -> Lowered:
+def _lowered(out: _Out, alloc: _Staging, stages: int) -> Lowered:
     w = np.concatenate([np.array(out.writes, dtype=np.int64).reshape(-1, 8), *out.strided])
     c = np.array(out.copies, dtype=np.int64).reshape(-1, len(_Out.C))
+    if out.pool1:  # pool 1 starts where pool 0 ends on its rank
+        ci, wi, rank, es = np.array(out.pool1, dtype=np.int64).T
+        c[ci, _Out.C.index("dst_offset")] += alloc.pool1[rank] // es
+        w[wi, _Out.W.index("src_offset")] += alloc.pool1[rank]
     copies = {name: c[:, i] for i, name in enumerate(_Out.C)}
-    return Lowered(*(w[:, i] for i in range(8)), copies=copies, staging=staging,
+    return Lowered(*(w[:, i] for i in range(8)), copies=copies, staging=alloc.staging,
                    stages=stages)

@@ -161,19 +161,20 @@ def _place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
                    tensor: np.ndarray, tensor_names: list[str], world: int, first: int = 0
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
     """Stage (from `first` on) and staging offsets of each staged chunk: the first stage
-    where both ends fit; and whether stages use slots.
+    where both ends fit; each rank's staging bytes; and whether stages use slots.
 
-    Stage s uses slot `s % SLOTS` (a third) of the budget, so the packs of stage s+1 never
+    Stage s uses slot `s % SLOTS` of the rank's staging, so the packs of stage s+1 never
     touch what stages s and s-1 read and may run while their writes are in flight
-    (`schemas.protocol`); when a chunk is larger than a slot, every stage uses all of the
-    budget (and packs in order)."""
+    (`schemas.protocol`); a stage fills at most a third of the budget, and each slot of a
+    rank is as large as the most one of its stages puts there (`slot_bases`): the budget
+    is a cap, not an allocation. When a chunk is larger than a third, every stage uses all
+    of the budget (and packs in order)."""
     budget = opts.staging_bytes
     stage = np.zeros(len(si), dtype=np.int64)
     s_off = np.zeros(len(si), dtype=np.int64)
     d_off = np.zeros(len(si), dtype=np.int64)
-    staging = np.zeros(world, dtype=np.int64)
     if len(si) == 0:
-        return stage, s_off, d_off, staging, False
+        return stage, s_off, d_off, np.zeros(world, dtype=np.int64), False
     big = nbytes[si] > budget
     if big.any():
         i = si[np.argmax(big)]
@@ -182,9 +183,9 @@ def _place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
             f"options.staging_bytes: {budget} is too small: {tensor_names[tensor[i]]} needs "
             f"{why} of {int(nbytes[i])} bytes; raise options.staging_bytes to at least "
             f"{int(nbytes[i])} or lower options.max_write_bytes")
-    slot = budget // SLOTS // ALIGN * ALIGN
-    slots = slot > 0 and int(nbytes[si].max()) <= slot
-    cap = slot if slots else budget
+    third = budget // SLOTS // ALIGN * ALIGN
+    slots = third > 0 and int(nbytes[si].max()) <= third
+    cap = third if slots else budget
     used: dict[tuple[int, int], int] = {}
     cursor = [first] * world
     sr, dr = src_rank[si].tolist(), dst_rank[si].tolist()
@@ -196,17 +197,36 @@ def _place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
             s += 1
         stage[j] = s
         size = -(-nb[j] // ALIGN) * ALIGN
-        base = (s % SLOTS) * slot if slots else 0
         for r in ranks:
             off = used.get((r, s), 0)
             if r == sr[j] and pk[j]:
-                s_off[j] = base + off
+                s_off[j] = off
             else:
-                d_off[j] = base + off
+                d_off[j] = off
             used[(r, s)] = off + size  # the next chunk starts aligned
             cursor[r] = s
-            staging[r] = max(staging[r], base + off + nb[j])  # within the budget
+    slot = stage % SLOTS if slots else np.zeros(len(si), dtype=np.int64)
+    p, u = np.asarray(pk, dtype=bool), np.asarray(up, dtype=bool)
+    ranks = np.concatenate([src_rank[si][p], dst_rank[si][u]])
+    k = np.concatenate([slot[p], slot[u]])
+    ends = np.concatenate([s_off[p], d_off[u]]) + np.concatenate([nbytes[si][p], nbytes[si][u]])
+    base, staging = slot_bases(ranks, k, ends, world)
+    s_off = np.where(p, s_off + base[src_rank[si], slot], s_off)
+    d_off = np.where(u, d_off + base[dst_rank[si], slot], d_off)
     return stage, s_off, d_off, staging, slots
+
+
+def slot_bases(rank: np.ndarray, slot: np.ndarray, end: np.ndarray, world: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Where each rank's slots start (`[world, SLOTS]`) and its staging bytes, from the end
+    (bytes from its slot's start) of every buffer placed there: slot k is as large as its
+    largest end, aligned, and starts where slot k-1 ends; the staging ends at the last
+    byte used."""
+    size = np.zeros((world, SLOTS), dtype=np.int64)
+    np.maximum.at(size, (rank, slot), end)
+    base = np.cumsum(-(-size // ALIGN) * ALIGN, axis=1) - -(-size // ALIGN) * ALIGN
+    staging = np.where(size > 0, base + size, 0).max(axis=1, initial=0)
+    return base, staging
 
 
 def _copies(si, pack, unpack, stage, s_soff, d_soff, src_rank, dst_rank, n_regions,

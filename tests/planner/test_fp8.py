@@ -95,6 +95,7 @@ DSV3 = dict(model_type="deepseek_v3", hidden_size=256, num_attention_heads=4,
 
 LAYOUT_CASES = [
     (QWEN, dict(framework="megatron", tp=2), dict(engine="vllm", tp=2, replicas=2)),
+    (QWEN, dict(framework="megatron", tp=4), dict(engine="vllm", tp=2, replicas=2)),  # parts
     (QWEN, dict(framework="fsdp2", dp=3), dict(engine="vllm", tp=2)),        # gathers
     (QWEN, dict(framework="megatron", tp=1, dtype="float32"), dict(engine="vllm", tp=1)),
     (DSV3, dict(framework="megatron", tp=2, ep=2, dp=2), dict(engine="vllm", tp=2, ep=True)),
@@ -139,3 +140,31 @@ def test_fp8_real_layouts_bit_exact(tmp_path, hf, source, target):
         for name, w in tensors_r.items():
             got = tensors[src.world + r][name]
             assert torch.equal(got.view(torch.uint8), w.view(torch.uint8)), (r, name)
+
+
+def test_fp8_column_parts_are_gathered_whole(tmp_path):
+    # Megatron TP 4 holds o_proj and down_proj ([256, 512] each) as four [256, 128] column
+    # quarters; vLLM TP 2 quantizes [256, 256] halves, two quarters each. The quarter the
+    # half's owner lacks lands whole in its staging (one 64 KiB write, not 256 rows of
+    # 256 bytes) and each quarter is quantized on its own (bit-exact: the case above).
+    import json
+
+    from planner.compiler import compile_config
+    from planner.spec import load_spec
+    from schemas.config import config_from_dict
+    from schemas.plan import QUANT
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN))
+    cfg = config_from_dict({"model": {"config": "config.json"},
+                            "source": dict(framework="megatron", tp=4),
+                            "target": dict(engine="vllm", tp=2, replicas=2,
+                                           dtype="fp8_block128")}, str(tmp_path))
+    plan = compile_config(cfg, load_spec(cfg.model_config_path))
+    sources = [rp for rp in plan.ranks if rp.role == "source"]
+    gathers = [rp.writes["nbytes"][rp.writes["dst_rank"] < len(sources)] for rp in sources]
+    sizes = [int(n) for g in gathers for n in g.tolist()]
+    assert sizes and min(sizes) >= 128 * 128 * 2  # at least one bf16 block each
+    parts = [rp.copies["size1"][(rp.copies["kind"] == QUANT)
+                                & (rp.copies["size1"] < rp.copies["dst_stride0"])]
+             for rp in sources]
+    assert sum(len(p) for p in parts) >= 8  # 2 layers x 2 weights x 2 halves, by quarters

@@ -36,6 +36,7 @@ from schemas.plan import (
 )
 from schemas.protocol import FP8_BLOCK, carries, copy_footprint, scale_blocks
 from tests.property import fuzz
+from tests.support.plans import rank_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,6 +94,36 @@ def test_a_quant_into_a_view_of_a_larger_storage_lands_in_its_region():
     assert (store[1024 + 4004:] == 0xA5).all()
     scale = store[1024 + 4000:1024 + 4004].view(torch.float32)
     assert scale.item() == pytest.approx(src.abs().max().item() / 448, rel=1e-6)
+
+
+def test_quants_of_block_aligned_parts_write_what_the_whole_box_quant_writes():
+    # x is [256, 384]: 2 x 3 blocks. Quantized whole, its e4m3 rows are 384 apart and its
+    # scales [2, 3]. Quantized as two column parts (0..128 and 128..384, all rows: a column
+    # split), each with dst_stride0 = 384, the parts' values and scales land at the same
+    # bytes: scale rows ceil(384 / 128) = 3 apart, the second part's from scale 1 on.
+    x = torch.randn(256, 384)
+    n_q, a = 256 * 384, 256 * 384 // 4  # scales (float32 elements) right after the values
+    whole, parts = (torch.zeros(n_q + 6 * 4, dtype=torch.uint8) for _ in range(2))
+
+    def quant(r1: int, m1: int) -> dict[str, int]:
+        row = dict.fromkeys((n for n, _ in COPY_COLUMNS), 0)
+        row.update(kind=QUANT, src_dtype=3, src_offset=r1, src_stride0=384, src_stride1=1,
+                   dst_region=1, dst_dtype=4, dst_offset=r1, dst_stride0=384, dst_stride1=1,
+                   size0=256, size1=m1, size2=1, aux_offset=a + r1 // FP8_BLOCK)
+        return row
+
+    for out, rows, scales in ((whole, [quant(0, 384)], [(a, a + 6)]),
+                              (parts, [quant(0, 128), quant(128, 256)],
+                               [(a, a + 3 + 1), (a + 1, a + 1 + 3 + 2)])):
+        rp = rank_plan(0, "source", [], copies=rows)
+        for op in prepare_quants(rp.copies, np.arange(len(rows)),
+                                 [x.view(-1).view(torch.uint8), out]):
+            op()
+        _, _, lo, hi = copy_footprint(rp, "dst")  # each QUANT's values, then its scales
+        n = len(rows)
+        assert list(zip(lo[n:].tolist(), hi[n:].tolist())) == [(4 * i, 4 * j) for i, j in scales]
+    assert torch.equal(parts, whole)
+    assert (whole[n_q:].view(torch.float32) > 0).all()
 
 
 def _rank_with_copy(plan, **values):
