@@ -89,6 +89,17 @@ def test_oversized_write_and_staging_are_reported(plan: Plan) -> None:
     assert any("exceeds staging_bytes" in p for p in problems)
 
 
+def test_staging_beyond_what_the_ops_use_is_reported(plan: Plan) -> None:
+    # The budget is a cap: a staging region one slot (4096 bytes) larger than the bytes its
+    # rank's ops touch is what staging allocated by budget looked like.
+    rp = next(rp for rp in plan.ranks if rp.regions and rp.regions[-1].name == STAGING)
+    n = rp.regions[-1].nbytes + 4096
+    regions = (*rp.regions[:-1], dataclasses.replace(rp.regions[-1], shape=(n,), nbytes=n))
+    assert verify.staging_fit(plan) == []
+    problems = verify.staging_fit(_edit(plan, rp.rank, regions=regions))
+    assert len(problems) == 1 and "exceeds what its ops use at peak" in problems[0]
+
+
 def test_pack_in_the_wrong_stage_is_a_dataflow_error(plan: Plan) -> None:
     rp = next(r for r in plan.ranks if (r.copies["kind"] == PACK).any()
               and len(set(r.copies["stage"].tolist())) > 1)
