@@ -28,8 +28,8 @@ def test_every_benchmark_has_a_tiny_mode_here() -> None:
     scripts = sorted(n for n in os.listdir(os.path.join(ROOT, "bench"))
                      if n.endswith(".py") or os.path.isdir(os.path.join(ROOT, "bench", n))
                      and not n.startswith("__"))
-    assert scripts == ["compile_scale.py", "executor_bench.py", "gpu_refit", "long_run.py",
-                       "published.py", "traced_compile.py"]
+    assert scripts == ["compile_scale.py", "defaults.py", "executor_bench.py", "gpu_refit",
+                       "long_run.py", "published.py", "traced_compile.py"]
 
 
 def test_compile_scale_tiny() -> None:
@@ -43,6 +43,11 @@ def test_traced_compile_tiny() -> None:
     # the traced plans equal the hand-written one; the cache hit imports no torch
     assert "| traced, empty cache |" in out and "| True | True |" in out
     assert out.rstrip().endswith("| False | True |")
+
+
+def test_defaults_tiny() -> None:
+    out = _run("bench/defaults.py", "--tiny")
+    assert "| demo.yaml | 154 |" in out and "Worst ratio" in out
 
 
 def test_published_tiny() -> None:
