@@ -12,8 +12,10 @@ by where it falls on the busiest resource's timeline:
   feeding it were busy elsewhere, or waited for their own packs);
 - **tail**: after its last batch lands, until the last rank finishes (another resource's
   late batches, or unpacks);
-- **below full rate**: time it is busy but moves less than its rate (its flows share their
-  other end with other flows; per-batch latency and per-write costs).
+- **per-write costs**: link time it spends on batch latency and per-write costs (an RDMA
+  work request, an NVLink peer copy's fixed cost), as the simulator charges them;
+- **shared below its rate**: the rest of the time it is busy but moves less than its rate
+  (its flows share their other end with other flows).
 
 It names the largest cause with its stage, the batch and tensor behind the tail, and the
 option that changes it. Inputs are the simulation's own columns (`planner/simulate.py`).
@@ -50,7 +52,12 @@ def explain_gap(sim: Any, res: dict[str, Any], worst: int,
     for s, gap in zip(last_stage[:-1][boundary].tolist(), idle[boundary].tolist()):
         by_stage[s] = by_stage.get(s, 0.0) + gap
     busy = float(res_busy(res, sim, worst))
-    causes = {"below full rate": max(busy - res["floor_s"], 0.0),
+    # link time of batch latency and per-write costs (`simulate`: a batch's size beyond its
+    # bytes) on this resource; the rest of its below-rate time is sharing
+    costs = float(((sim.size[on] - sim.b.nbytes[on]) / sim.cap[worst]).sum())
+    below = max(busy - res["floor_s"], 0.0)
+    costs = min(costs, below)
+    causes = {"per-write costs": costs, "shared below its rate": below - costs,
               "head": float(start[0]), "stage boundaries": float(idle[boundary].sum()),
               "within stages": float(idle[~boundary].sum()),
               "tail": float(max(est - reach[-1], 0.0))}
@@ -132,10 +139,14 @@ def _suggest(sim: Any, g: dict[str, Any]) -> str:
         return ("the write window runs dry between batches: more batches in flight "
                 "(executor max_inflight; `rdma-plan simulate --inflight N` shows it), or "
                 "smaller options.max_write_bytes so that more sources feed this resource")
-    if largest == "below full rate":
+    if largest == "per-write costs":
+        return (f"{g['resource']} spends {g['causes']['per-write costs'] * 1e3:.2f} ms on "
+                "per-write and per-batch costs (an NVLink peer copy costs ~3.4 us): fewer, "
+                "larger writes (larger contiguous pieces, or a gather first)")
+    if largest == "shared below its rate":
         return (f"{g['resource']} is busy but shared below its rate: its flows' other ends "
-                "(a target's ingress, a source's egress) carry other flows at the same time, "
-                "or per-batch latency; `rdma-plan inspect` shows the per-NIC balance")
+                "(a target's ingress, a source's egress) carry other flows at the same time; "
+                "`rdma-plan inspect` shows the per-NIC balance")
     if largest == "head":
         return ("the first batch waits for stage 0's packs or READY: fewer bytes packed in "
                 "stage 0 (direct writes go first) or a higher pack rate")
@@ -164,7 +175,7 @@ def gap_text(g: dict[str, Any]) -> str:
     c = g["causes"]
     parts = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in c.items() if v > 0)
     lines = [f"gap {g['gap_s'] * 1e3:.2f} ms: {g['resource']} busy "
-             f"{g['busy_fraction'] * 100:.0f}% of the transfer; idle: {parts}"]
+             f"{g['busy_fraction'] * 100:.0f}% of the transfer; made of: {parts}"]
     if g["largest"] == "stage boundaries" and g.get("worst_boundary") is not None:
         lines.append(f"largest: stage boundaries, most after stage {g['worst_boundary']}")
     t = g.get("tail", {})
