@@ -234,6 +234,12 @@ def _digest(data: bytes) -> bytes:
 def encode_plan(plan: Plan, key: bytes | None = None) -> bytes:
     """The bytes of a plan file; deterministic for equal plans. With `key`, the header
     carries an HMAC-SHA256 `signature` over everything (`schemas/integrity.py`)."""
+    return b"".join(_encode_parts(plan, key))
+
+
+def _encode_parts(plan: Plan, key: bytes | None) -> list[bytes]:
+    """The plan file as its parts in order: the head (magic, version, header, digest), then
+    every blob (written one by one: a large plan is never joined in memory)."""
     blobs = [(f"rank/{r.rank}", _pack(r.encode())) for r in plan.ranks]
     blobs.append(("explain", _pack({"tensors": list(plan.tensors),
                                     "table": plan.explain.to_msgpack()})))
@@ -252,19 +258,20 @@ def encode_plan(plan: Plan, key: bytes | None = None) -> bytes:
         raw["signature"] = signature(key, _pack(raw))
     header = _pack(raw)
     head = MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)) + header + _digest(header)
-    return head + b"".join(data for _, data in blobs)
+    return [head] + [data for _, data in blobs]
 
 
 def write_plan(path: str, plan: Plan, key: bytes | None = None) -> int:
     """Write `plan` to `path` atomically (temp file + rename); returns the size in bytes."""
     import os
 
-    data = encode_plan(plan, key)
+    parts = _encode_parts(plan, key)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
-        f.write(data)
+        for part in parts:
+            f.write(part)
     os.replace(tmp, path)
-    return len(data)
+    return sum(len(part) for part in parts)
 
 
 def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
