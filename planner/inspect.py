@@ -16,7 +16,10 @@ import numpy as np
 from schemas.bounds import violations
 from schemas.header import PlanHeader
 from schemas.plan import (
+    PACK,
+    QUANT,
     STAGING,
+    UNPACK,
     PlanFormatError,
     RankPlan,
     decode_explain,
@@ -89,9 +92,42 @@ def checked_header(path: str) -> PlanHeader:
     return header
 
 
+def staging_why(rp: RankPlan) -> str:
+    """Why rank `rp` has staging: the stage that puts the most bytes there, what fills it
+    (packs or QUANTs of this rank's tensors, or peers' writes unpacked here) and the
+    tensor with most of those bytes; "" without staging."""
+    names = [r.name for r in rp.regions]
+    if STAGING not in names:
+        return ""
+    st, c, w = names.index(STAGING), rp.copies, rp.writes
+    size = (c["size0"] * c["size1"] * c["size2"]).astype(np.float64)
+    packs = np.isin(c["kind"], (PACK, QUANT)) & (c["dst_region"] == st)
+    unpacks = (c["kind"] == UNPACK) & (c["src_region"] == st)
+    rows = [(c["stage"][m], c[other][m], size[m], why) for m, other, why in
+            ((packs, "src_region", "packed from"), (unpacks, "dst_region", "unpacked into"))]
+    if not any(len(r[0]) for r in rows):
+        return "peers' writes" if (w["dst_region"] == st).any() else ""
+    per_stage = np.bincount(np.concatenate([r[0] for r in rows]),
+                            weights=np.concatenate([r[2] for r in rows]))
+    stage = int(np.argmax(per_stage))
+    best = max(rows, key=lambda r: float(r[2][r[0] == stage].sum()))
+    m = best[0] == stage
+    tensor = int(np.argmax(np.bincount(best[1][m], weights=best[2][m])))
+    return f"stage {stage}: {best[3]} {names[tensor]}"
+
+
 def inspect_text(path: str, as_json: bool = False) -> str:
     header = checked_header(path)
     s = summary(header)
+    why = {}
+    with open(path, "rb") as f:
+        _, start = read_header(f, path)
+        for r, row in enumerate(s["ranks"]):
+            if row["staging"]:
+                why[r] = staging_why(RankPlan.decode(read_blob(f, header, start,
+                                                               f"rank/{r}", path)))
+    for r, row in enumerate(s["ranks"]):
+        row["staging_why"] = why.get(r, "")
     if as_json:
         return json.dumps(s, indent=1)
     src, tgt = header.source, header.target
@@ -120,11 +156,11 @@ def inspect_text(path: str, as_json: bool = False) -> str:
     if len(nics) > len(shown):
         lines.append(f"... ({len(nics) - len(shown)} more NICs; --json lists all)")
     lines += ["", f"{'rank':>5} {'role':<7}{'writes':>9}{'bytes out':>16}{'bytes in':>16}"
-              f"{'packs':>7}{'unpacks':>8}{'staging':>12}"]
+              f"{'packs':>7}{'unpacks':>8}{'staging':>12}  staging for"]
     ranks = s["ranks"] if len(s["ranks"]) <= 32 else s["ranks"][:16] + s["ranks"][-16:]
     lines += [f"{r['rank']:>5} {r['role']:<7}{r['writes']:>9}{r['bytes_out']:>16,}"
               f"{r['bytes_in']:>16,}{r['packs']:>7}{r['unpacks']:>8}{r['staging']:>12,}"
-              for r in ranks]
+              f"  {r['staging_why']}".rstrip() for r in ranks]
     if len(s["ranks"]) > len(ranks):
         lines.append(f"... ({len(s['ranks']) - len(ranks)} more ranks; --json lists all)")
     return "\n".join(lines)
