@@ -7,13 +7,12 @@ from __future__ import annotations
 import os
 import secrets
 import sys
-from datetime import timedelta
 
 import pytest
 import torch
 
 from tests.support.plans import save, two_by_two
-from tests.support.procs import free_port, root_env, spawn_ranks
+from tests.support.procs import master_store, root_env, spawn_ranks
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 
@@ -22,12 +21,9 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_four_processes_over_cuda_ipc(tmp_path):
-    import torch.distributed as dist
 
     path = save(str(tmp_path / "p.rplan"), two_by_two())
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841
-                          timeout=timedelta(seconds=60))
+    store, port = master_store(60)  # noqa: F841 (alive while the ranks run)
     gpus = torch.cuda.device_count()
     done = spawn_ranks(lambda r: [sys.executable, WORKER, path, str(r), f"127.0.0.1:{port}",
                                   "3", "cuda_ipc", f"cuda:{r % gpus}"], 4,

@@ -5,15 +5,13 @@ from __future__ import annotations
 import os
 import secrets
 import sys
-from datetime import timedelta
 
 import pytest
 
 from tests.support.plans import save, two_by_two
-from tests.support.procs import free_port, root_env, spawn_ranks
+from tests.support.procs import master_store, root_env, spawn_ranks
 
 pytest.importorskip("nixl")
-import torch.distributed as dist  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 
@@ -21,9 +19,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 @pytest.mark.parametrize("tls", [None, "tcp"])
 def test_four_processes_bit_exact_each_step(tmp_path, tls):
     path = save(str(tmp_path / "p.rplan"), two_by_two())
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841
-                          timeout=timedelta(seconds=30))
+    store, port = master_store(30)  # noqa: F841 (alive while the ranks run)
     env = root_env(NIXL_LOG_LEVEL="WARN", RDMA_PLAN_SECRET=secrets.token_hex(32),
                    **({"UCX_TLS": tls} if tls else {}))
     done = spawn_ranks(lambda r: [sys.executable, WORKER, path, str(r), f"127.0.0.1:{port}",
@@ -38,9 +34,7 @@ def test_source_that_never_runs_times_out_on_its_targets(tmp_path):
     # and must raise PeerTimeoutError naming rank 0 within their 3 s timeout. Rank 1's
     # part does not depend on rank 0, so it completes.
     path = save(str(tmp_path / "p.rplan"), two_by_two())
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841
-                          timeout=timedelta(seconds=30))
+    store, port = master_store(30)  # noqa: F841 (alive while the ranks run)
     done = spawn_ranks(lambda r: [sys.executable, WORKER, path, str(r), f"127.0.0.1:{port}",
                                   "0" if r == 0 else "1", "nixl", "cpu", "3"], 4,
                        env=root_env(NIXL_LOG_LEVEL="WARN", RDMA_PLAN_SECRET=secrets.token_hex(32)),

@@ -6,16 +6,14 @@ from __future__ import annotations
 import os
 import secrets
 import sys
-from datetime import timedelta
 
 import pytest
 
 from tests.support.plans import save, two_by_two
-from tests.support.procs import free_port, root_env, spawn_ranks
+from tests.support.procs import master_store, root_env, spawn_ranks
 
 pytest.importorskip("uccl")
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
@@ -23,9 +21,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 
 def test_four_processes_over_uccl(tmp_path):
     path = save(str(tmp_path / "p.rplan"), two_by_two())
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841
-                          timeout=timedelta(seconds=60))
+    store, port = master_store(60)  # noqa: F841 (alive while the ranks run)
     gpus = max(torch.cuda.device_count(), 1)
     device = (lambda r: f"cuda:{r % gpus}") if torch.cuda.is_available() else (lambda r: "cpu")
     done = spawn_ranks(lambda r: [sys.executable, WORKER, path, str(r), f"127.0.0.1:{port}",

@@ -14,7 +14,6 @@ import os
 import secrets
 import subprocess
 import sys
-from datetime import timedelta
 
 import pytest
 import yaml
@@ -24,6 +23,7 @@ from planner.validate import load
 from schemas.plan import write_plan
 from tests.oracles.launch import free_port
 from tests.support.models import deepseek_v3, qwen3, qwen3_moe
+from tests.support.procs import master_store
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.oracle
@@ -48,13 +48,10 @@ def compile_plan(tmp, hf: dict, source: dict, target: dict) -> tuple[str, str]:
 
 def run_job(tmp, role: str, hf: dict, source: dict, target: dict, extra: dict | None = None
             ) -> list[str]:
-    import torch.distributed as dist
 
     config, plan = compile_plan(str(tmp), hf, source, target)
     cfg, _ = load(config)
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841
-                          timeout=timedelta(seconds=60))
+    store, port = master_store(60)  # noqa: F841 (alive while the ranks run)
     base = {"plan": plan, "config": config, "hf": hf, "store": f"127.0.0.1:{port}",
             "gloo_port": free_port(), "steps": 2, "sources": cfg.source.world, **(extra or {})}
     env = {**os.environ, "RDMA_PLAN_SECRET": secrets.token_hex(32),

@@ -19,7 +19,6 @@ import secrets
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -29,9 +28,9 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
     pytest.skip("vllm and nixl are needed (tests/oracles/install_vllm.sh)",
                 allow_module_level=True)
 
-import torch.distributed as dist  # noqa: E402
 
 from tests.integrations import vllm_cases as vc  # noqa: E402
+from tests.support.procs import master_store  # noqa: E402
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -90,9 +89,8 @@ class Procs:
     """The worker and trainer processes of one test; killed (by pid) if still running."""
 
     def __init__(self, tmp: Path) -> None:
-        self.tmp, self.port = tmp, free_port()
-        self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True,
-                                   wait_for_workers=False, timeout=timedelta(seconds=30))
+        self.tmp = tmp
+        self.store, self.port = master_store(30)
         self.env = {**os.environ, "RDMA_PLAN_SECRET": secrets.token_hex(32),
            "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                     "PYTHONWARNINGS": "ignore", "NIXL_LOG_LEVEL": "ERROR",

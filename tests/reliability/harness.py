@@ -12,11 +12,8 @@ import secrets
 import subprocess
 import sys
 import time
-from datetime import timedelta
 
-import torch.distributed as dist
-
-from tests.support.procs import free_port
+from tests.support.procs import master_store
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -30,9 +27,7 @@ class World:
                  extra: tuple[str, ...] = ()) -> None:
         self.config, self.plan, self.world, self.steps = config, plan, world, steps
         self.timeout_s, self.extra, self.plans = timeout_s, extra, plans or {}
-        self.port = free_port()
-        self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True,
-                                   wait_for_workers=False, timeout=timedelta(seconds=30))
+        self.store, self.port = master_store(30)
         self.secret = secrets.token_hex(32)  # the job secret, as a launcher hands it out
         self.env = {**os.environ, "PYTHONPATH": ROOT, "NIXL_LOG_LEVEL": "ERROR",
                     "UCX_LOG_LEVEL": "fatal", "OMP_NUM_THREADS": "1",

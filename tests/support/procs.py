@@ -12,13 +12,27 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 """The repository root (on `PYTHONPATH` of every spawned rank)."""
 
 
+def master_store(timeout_s: float = 30.0) -> tuple[Any, int]:
+    """A torch `TCPStore` hosted here on a port the OS picks while binding it (no window
+    in which another process can take a port found free a moment before), and its port."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    return store, int(store.port)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a process that binds it
+    itself; a store hosted here: `master_store`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
