@@ -141,6 +141,7 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
     b_stop = np.append(b_start[1:], len(o))
     b_rank = w_src[b_start] if len(b_start) else b_start
     b_cut = _slices(b_rank, world)
+    b_stage = low.w_stage[o][b_start]  # once: indexing `low.w_stage[o]` per rank was 8M x 512
     c = low.copies
     c_order = lexorder(c["kind"], c["stage"], c["rank"])  # stable: ties keep their order
     c = {k: v[c_order] for k, v in c.items()}
@@ -158,7 +159,7 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
             rank=r, role="source" if r < topo.sources else "target", host=topo.host[r],
             gpu=topo.gpu[r], nics=(topo.nic_name(topo.nic[r]), "nvlink"), regions=regions[r],
             writes=Table.build(WRITE_COLUMNS, **{k: v[ws] for k, v in w.items()}),
-            batches=Table.build(BATCH_COLUMNS, stage=low.w_stage[o][b_start[bs]],
+            batches=Table.build(BATCH_COLUMNS, stage=b_stage[bs],
                                 nic=sched.batch_nic[bs], start=b_start[bs] - w_cut[r],
                                 stop=b_stop[bs] - w_cut[r]),
             copies=Table.build(COPY_COLUMNS, **{n: c[n][c_cut[r]:c_cut[r + 1]]
