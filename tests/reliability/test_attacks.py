@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 from harness import ROOT, World, check_recovery
@@ -88,11 +89,13 @@ def test_hijack_of_a_source_and_a_target_record_is_refused(world):
     # the stray re-publishes itself as source 0 and target 2 (and moves rank 1's record to
     # rank 0's key); the owners rewrite their records, readers refuse the forged ones
     world.stray("records", "--ranks", "0,2")
-    _honest(world)
-    for _ in range(4):  # a heartbeat (0.25 s) sees the forgery; a loaded box may take steps
-        res = _honest(world)
+    res = _honest(world)
+    deadline = time.monotonic() + 15.0  # a heartbeat (every 0.25 s) sees the forgery: on an
+    while time.monotonic() < deadline:  # idle box five steps take less than one beat
         if res[0]["republished"] >= 1 and res[2]["republished"] >= 1:
             break
+        time.sleep(0.1)
+        res = _honest(world)
     assert res[0]["republished"] >= 1 and res[2]["republished"] >= 1, res
     _sealed_by(world, "rplan/rank/0", 0)
     _sealed_by(world, "rplan/rank/2", 2)
