@@ -37,93 +37,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.passes.gather_out import Out, Staging, align, explain_rows, lowered
 from planner.passes.intersect import PieceTable, element_size, intersect, take
 from planner.passes.lower import ALIGN, Lowered
 from planner.passes.route import Routes
 from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import ConfigError, Options
-from schemas.plan import COPY_COLUMNS, DTYPE_CODES, PACK, QUANT
+from schemas.plan import DTYPE_CODES, PACK, QUANT
 from schemas.protocol import FP8_BLOCK as BLOCK
 from schemas.protocol import scale_blocks, scale_stride
 
 FP8_CODE = DTYPE_CODES.index("float8_e4m3fn")
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-class _Staging:
-    """Bump allocation of each rank's staging per stage, in two pools: pool 0, at most
-    `budget - budget // 4` bytes (rounded down to `ALIGN`), for the boxes a rank owns, and
-    pool 1, at most the rest, for the parts it packs for other owners (so those packs never
-    fall back to row-by-row writes). The budget is a cap: pool 0 starts at byte 0 and is
-    as large as its peak; pool 1 starts where pool 0 ends on that rank (`pool1`), known
-    once every box is placed, so `take` gives pool-1 offsets from the pool's start."""
-
-    def __init__(self, world: int, budget: int) -> None:
-        self.used: dict[tuple[int, int, int], int] = {}
-        split = (budget - budget // 4) // ALIGN * ALIGN
-        self.caps = (split, budget - split)
-        self.peak = np.zeros((world, 2), dtype=np.int64)
-
-    def _start(self, rank: int, stages: tuple[int, ...], pool: int) -> int:
-        return max(self.used.get((rank, s, pool), 0) for s in stages)
-
-    def fits(self, rank: int, stages: tuple[int, ...], nbytes: int, pool: int = 0) -> bool:
-        return self._start(rank, stages, pool) + _align(nbytes) <= self.caps[pool]
-
-    def take(self, rank: int, stages: tuple[int, ...], nbytes: int, pool: int = 0) -> int:
-        """Offset (from the pool's start) of `nbytes` live in every stage of `stages` on
-        `rank`."""
-        start = self._start(rank, stages, pool)
-        for s in stages:
-            self.used[(rank, s, pool)] = start + _align(nbytes)
-        self.peak[rank, pool] = max(self.peak[rank, pool], start + _align(nbytes))
-        return start
-
-    @property
-    def pool1(self) -> np.ndarray:
-        """Per rank: the byte where pool 1 starts."""
-        return self.peak[:, 0]
-
-    @property
-    def staging(self) -> np.ndarray:
-        """Per rank: the staging bytes both pools use at their peaks."""
-        return self.peak.sum(axis=1)
-
-
-class _Out:
-    """Rows of writes and copies, turned into columns at the end."""
-
-    W = ("src_rank", "src_region", "src_offset", "dst_rank", "dst_region", "dst_offset",
-         "nbytes", "stage")
-    C = ("rank", *(n for n, _ in COPY_COLUMNS))
-
-    def __init__(self) -> None:
-        self.writes: list[tuple[int, ...]] = []
-        self.strided: list[np.ndarray] = []
-        self.copies: list[tuple[int, ...]] = []
-        self.explain: list[tuple[int, int, int, int, int, int]] = []
-        self.pool1: list[tuple[int, int, int, int]] = []
-        """(copy, write, rank, element size): a PACK into pool 1 and the write of it, whose
-        offsets count from the pool's start (`_Staging`)."""
-
-    def copy(self, **cols: int) -> None:
-        self.copies.append(tuple(int(cols[k]) for k in self.C))
-
-    def runs(self, stage: int, src: tuple[int, int, int], dst: tuple[int, int, int],
-             rows: int, row_bytes: int, src_stride: int, dst_stride: int) -> None:
-        """`rows` writes of `row_bytes` (byte strides), or one when both sides are dense."""
-        if rows == 1 or (src_stride == row_bytes and dst_stride == row_bytes):
-            self.writes.append((*src, *dst, rows * row_bytes, stage))
-            return
-        k = np.arange(rows, dtype=np.int64)
-        one = np.ones(rows, dtype=np.int64)
-        self.strided.append(np.stack([one * src[0], one * src[1], src[2] + k * src_stride,
-                                      one * dst[0], one * dst[1], dst[2] + k * dst_stride,
-                                      one * row_bytes, one * stage], axis=1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,13 +103,13 @@ class _Box:
 
     @property
     def f_bytes(self) -> int:
-        return _align(self.numel) if self.quant else \
-            _align(self.numel * self.es_d) if self.cast else 0
+        return align(self.numel) if self.quant else \
+            align(self.numel * self.es_d) if self.cast else 0
 
     @property
     def need(self) -> int:
         nscale = scale_blocks(self.n0, self.n1)
-        return self.g_bytes + self.f_bytes + (_align(nscale * 4) if self.quant else 0)
+        return self.g_bytes + self.f_bytes + (align(nscale * 4) if self.quant else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +134,7 @@ def gather(spec: ModelSpec, src: PieceTable, routes: Routes, n_regions: np.ndarr
     `routes.gathered`, in stages from `base` on; `sent`: bytes each NIC already sends to
     other hosts (owners are balanced on top of it)."""
     if len(routes.gathered) == 0:
-        return Gathered(None, explain_rows(_Out()), np.zeros(len(n_regions), np.int64), 0)
+        return Gathered(None, explain_rows(Out()), np.zeros(len(n_regions), np.int64), 0)
     g = _Gatherer(spec, src, routes, n_regions, opts, topo, base, sent)
     for t in g.order():
         g.add(t)
@@ -239,8 +164,8 @@ class _Gatherer:
         self.s_key = {(int(r), int(t), int(a), int(b)): i for i, (r, t, a, b) in
                       enumerate(zip(self.s.rank, self.s.tensor, self.s.off0, self.s.off1))}
         world = len(n_regions)
-        self.out = _Out()
-        self.alloc = _Staging(world, opts.staging_bytes)
+        self.out = Out()
+        self.alloc = Staging(world, opts.staging_bytes)
         self.host, self.nic = np.asarray(topo.host), np.asarray(topo.nic)
         self.load = np.zeros(int(self.nic.max()) + 1 if world else 0, dtype=np.int64)
         self.load[:len(sent)] += sent.astype(np.int64)
@@ -291,7 +216,7 @@ class _Gatherer:
             self._fan_out(box, slot, f_off, i)
 
     def result(self) -> Gathered:
-        return Gathered(_lowered(self.out, self.alloc, self.max_stage + 1),
+        return Gathered(lowered(self.out, self.alloc, self.max_stage + 1),
                         explain_rows(self.out), self.owner_only, self.unit_max)
 
     def _targets(self, t: int) -> np.ndarray:
@@ -323,8 +248,8 @@ class _Gatherer:
         parts = quant and not direct and self._by_parts(t)
         others = [c for c, h in zip(cs, rows) if int(src.rank[h]) != owner]
         g_bytes = 0 if direct else \
-            sum(_align(int(chunks.size0[c] * chunks.size1[c]) * es) for c in others) \
-            if parts else _align(n0 * n1 * es)
+            sum(align(int(chunks.size0[c] * chunks.size1[c]) * es) for c in others) \
+            if parts else align(n0 * n1 * es)
         return _Box(tensor, t0, t1, n0, n1, cs, tuple(rows), owner, len(held) == 1,
                     src_code, out_code, es, int(element_size(np.array([out_code]))[0]), quant,
                     not quant and out_code != src_code, direct, parts, g_bytes)
@@ -381,7 +306,7 @@ class _Gatherer:
             else:
                 self._gather_part(b, slot, c, h, at // b.es, m1)
                 read = (stg, at // b.es, (m1, 1))
-                at += _align(m0 * m1 * b.es)
+                at += align(m0 * m1 * b.es)
             self._convert(b, slot, *read, part=(c0 - b.t0, c1 - b.t1, m0, m1))
         return slot.f_off
 
@@ -469,20 +394,3 @@ class _Gatherer:
         sd = int(s.base[j] + (b.t0 // BLOCK) * s.a0[j] + (b.t1 // BLOCK) * s.a1[j])
         self.out.runs(slot.convert, (owner, stg, slot.s_off), (d_rank, int(s.region[j]), sd * 4),
                       rb, cb * 4, cb * 4, int(s.a0[j]) * 4)
-
-
-def explain_rows(out: _Out) -> np.ndarray:
-    """(tensor, owner, staging region, target rank, target region, bytes) per fan-out."""
-    return np.array(out.explain, dtype=np.int64).reshape(-1, 6)
-
-
-def _lowered(out: _Out, alloc: _Staging, stages: int) -> Lowered:
-    w = np.concatenate([np.array(out.writes, dtype=np.int64).reshape(-1, 8), *out.strided])
-    c = np.array(out.copies, dtype=np.int64).reshape(-1, len(_Out.C))
-    if out.pool1:  # pool 1 starts where pool 0 ends on its rank
-        ci, wi, rank, es = np.array(out.pool1, dtype=np.int64).T
-        c[ci, _Out.C.index("dst_offset")] += alloc.pool1[rank] // es
-        w[wi, _Out.W.index("src_offset")] += alloc.pool1[rank]
-    copies = {name: c[:, i] for i, name in enumerate(_Out.C)}
-    return Lowered(*(w[:, i] for i in range(8)), copies=copies, staging=alloc.staging,
-                   stages=stages)
