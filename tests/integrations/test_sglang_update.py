@@ -20,7 +20,7 @@ import yaml
 from planner.compiler import compile_file
 from tests.oracles import sglang_env
 from tests.oracles.launch import free_port, launch
-from tests.oracles.test_sglang_oracle import deepseek_v3
+from tests.support.sglang_models import deepseek_v3
 
 pytestmark = [pytest.mark.oracle, pytest.mark.deep]
 pytest.importorskip("nixl")
