@@ -268,7 +268,7 @@ def trace_rank(checkpoint: tuple[list[tuple[str, torch.Tensor]], dict[int, _Sour
     when a representative disagrees. The models go into `keep`: vLLM caches per-model
     state by `id(model)` (`models/utils.py`), so no model may be freed while the engine's
     others are traced."""
-    stream, _ = checkpoint
+    stream, sources = checkpoint
     model, named = _build(vcfg, cfg, rank, keep)
     classes = trace_layers.layer_classes(
         [(n, tuple(x.shape), str(x.dtype)) for n, x in stream],
@@ -277,10 +277,10 @@ def trace_rank(checkpoint: tuple[list[tuple[str, torch.Tensor]], dict[int, _Sour
     some = [(n, x) for n, x in stream
             if (layer := trace_layers.layer_of(n)) is None or layer in chosen]
     pieces = trace_layers.extrapolate(classes, [n for n, _ in named],
-                                      _load(model, named, some, checkpoint, vcfg, cfg, rank))
+                                      _load(model, named, some, sources, vcfg, cfg, rank))
     if pieces is None:  # a loader that treats a layer by its index: trace them all
         model, named = _build(vcfg, cfg, rank, keep)
-        pieces = _load(model, named, stream, checkpoint, vcfg, cfg, rank)
+        pieces = _load(model, named, stream, sources, vcfg, cfg, rank)
     return [PhysicalTensor(n, tuple(x.shape), _dtype_name(x.dtype),
                            tuple(sorted(pieces[n], key=lambda q: q.at)))
             for n, x in named]
@@ -307,14 +307,13 @@ def _build(vcfg: Any, cfg: TargetConfig, rank: tuple[int, int, int],
 
 
 def _load(model: Any, named: list[tuple[str, torch.Tensor]],
-          stream: list[tuple[str, torch.Tensor]],
-          checkpoint: tuple[list[tuple[str, torch.Tensor]], dict[int, _Source]],
+          stream: list[tuple[str, torch.Tensor]], sources: dict[int, _Source],
           vcfg: Any, cfg: TargetConfig, rank: tuple[int, int, int]) -> dict[str, list[Piece]]:
     """The pieces that `model.load_weights(stream)` copies into each parameter."""
     from vllm.config import set_current_vllm_config
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    rec = Recorder({_key(x): n for n, x in named}, checkpoint[1])
+    rec = Recorder({_key(x): n for n, x in named}, sources)
     rec.shapes = {n: tuple(x.shape) for n, x in named}
     with fake_parallel_state(cfg, *rank), set_current_vllm_config(vcfg), \
             set_default_torch_dtype(vcfg.model_config.dtype), torch.no_grad(), rec:
