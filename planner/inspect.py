@@ -71,9 +71,10 @@ def summary(header: PlanHeader) -> dict[str, Any]:
     }
 
 
-def checked_header(path: str) -> PlanHeader:
+def checked_header(path: str, why: dict[int, str] | None = None) -> PlanHeader:
     """The header of the plan at `path`, once every rank blob it lists is intact and within
-    bounds (what `load_plan` and the executor check), else `PlanFormatError`."""
+    bounds (what `load_plan` and the executor check), else `PlanFormatError`. `why`, when
+    given, gets each rank's `staging_why` from the same read."""
     with open(path, "rb") as f:
         header, start = read_header(f, path)
         needed = [*(f"rank/{r}" for r in range(header.world)), "explain", "dag"]
@@ -87,6 +88,8 @@ def checked_header(path: str) -> PlanHeader:
             rp = RankPlan.decode(read_blob(f, header, start, f"rank/{r}", path))
             for msg in violations(rp, header.world):
                 raise PlanFormatError(f"{path}: {msg}")
+            if why is not None:
+                why[r] = staging_why(rp)
         for name in ("explain", "dag"):
             read_blob(f, header, start, name, path)
     return header
@@ -117,15 +120,9 @@ def staging_why(rp: RankPlan) -> str:
 
 
 def inspect_text(path: str, as_json: bool = False) -> str:
-    header = checked_header(path)
+    why: dict[int, str] = {}
+    header = checked_header(path, why)
     s = summary(header)
-    why = {}
-    with open(path, "rb") as f:
-        _, start = read_header(f, path)
-        for r, row in enumerate(s["ranks"]):
-            if row["staging"]:
-                why[r] = staging_why(RankPlan.decode(read_blob(f, header, start,
-                                                               f"rank/{r}", path)))
     for r, row in enumerate(s["ranks"]):
         row["staging_why"] = why.get(r, "")
     if as_json:
