@@ -30,13 +30,13 @@ import numpy as np
 from schemas.plan import RankPlan
 
 
-def explain_gap(sim: Any, res: dict[str, Any], worst: int,
-                ranks: tuple[RankPlan, ...]) -> dict[str, Any]:
-    """The gap between `res`'s estimate and floor, split by cause (seconds), with the
-    largest cause, the tail's batch and tensor, and a suggestion."""
+def explain_gap(sim: Any, res: dict[str, Any]) -> dict[str, Any]:
+    """The gap between `res`'s estimate and floor (on its bottleneck resource), split by
+    cause (seconds), with the largest cause, the tail's batch and tensor, and a
+    suggestion."""
     from planner.simflow import resource_name
 
-    est = res["estimated_s"]
+    est, worst = res["estimated_s"], res["bottleneck_index"]
     on = np.flatnonzero((sim.eres == worst) | (sim.ires == worst))
     out: dict[str, Any] = {"resource": resource_name(sim, worst), "gap_s": est - res["floor_s"]}
     if est <= 0 or len(on) == 0:
@@ -64,7 +64,7 @@ def explain_gap(sim: Any, res: dict[str, Any], worst: int,
     largest = max(causes, key=causes.get)
     out |= {"busy_fraction": busy / est, "causes": causes, "largest": largest,
             "worst_boundary": (max(by_stage, key=by_stage.get) if by_stage else None),
-            "tail": _tail(sim, res, ranks)}
+            "tail": _tail(sim, res, sim.ranks)}
     out["suggest"] = _suggest(sim, out)
     return out
 

@@ -407,5 +407,5 @@ class _Sim:
             raise PlanFormatError(f"simulate: ranks {stuck[:8]} never finish (a wait that no rank "
                              "signals); the plan is inconsistent: run `rdma-plan verify`")
         res = result(self, busy, events, time.perf_counter() - t_wall)
-        res["gap"] = explain_gap(self, res, res["bottleneck_index"], self.ranks)
+        res["gap"] = explain_gap(self, res)
         return res
