@@ -81,6 +81,10 @@ class Executor(Signalling):
         self.keys = keys_from(secret, insecure, self.rank)
         self.store = open_store(rendezvous, self.rank, timeout_s)
         self.transport = make(self.rank, self.namespace, self.store, device)
+        self.ordered_posts = bool(getattr(self.transport, "ordered_posts", False))
+        """Posted writes run after the kernels queued before them on the current stream."""
+        self.one_stream = bool(getattr(self.transport, "one_stream", False))
+        """Every rank's kernels and copies queue on one stream of one process (`local`)."""
         self.incarnation = int.from_bytes(os.urandom(8), "little")
         self.control = Control(self.store, self.keys, self.namespace, self.rank,
                                self.incarnation, timeout_s)
@@ -106,6 +110,8 @@ class Executor(Signalling):
         self.rejoined = False
         self.bytes_per_step = int(plan.writes["nbytes"].sum())
         self.received_per_step = received_bytes(header, self.rank)
+        self.waited = 0.0  # seconds of this step spent waiting (waits.py, end_step)
+        self.window_waited = 0.0  # the window's count when this step began
 
     @staticmethod
     def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str = "nixl",
@@ -217,8 +223,10 @@ class Executor(Signalling):
         if self.failed or self.inbox.foreign:
             recovery.recover(self)
         self.step = self.step + 1 if step is None else step
+        self.waited, self.window_waited = 0.0, self.window.waited
         self.inbox.drop_before(self.step)
-        self.control.publish_step(self.step, running=True)  # where peers join (recovery.py)
+        # where peers join (recovery.py); by the publisher thread, off the step's path
+        self.control.publish_step(self.step, running=True, later=True)
 
     def fail(self, lost: int | None = None) -> None:
         """Mark the step failed: tell every peer which rank was lost (its signals of this step
@@ -239,16 +247,19 @@ class Executor(Signalling):
 
     def end_step(self, t0: float) -> RunStats:
         if self.device.type == "cuda":  # unpacks are queued: the weights are whole after this
+            t1 = time.perf_counter()
             torch.cuda.current_stream(self.device).synchronize()
+            self.waited += time.perf_counter() - t1
         self.complete = True
         self.last_complete_step = self.step
         seconds = time.perf_counter() - t0
         try:  # where a restarted peer joins (recovery.py)
-            self.control.publish_step(self.step + 1)
+            self.control.publish_step(self.step + 1, later=True)
         except Exception:  # noqa: BLE001 - the store may be gone; the weights are whole
             pass
+        waited = self.waited + self.window.waited - self.window_waited
         return RunStats(self.rank, self.step, self.bytes_per_step, self.received_per_step,
-                        seconds, True)
+                        seconds, True, min(waited, seconds))
 
     def ready(self, s: int) -> None:
         """Step 1, first half: send this stage's READY signals."""
@@ -271,7 +282,7 @@ class Executor(Signalling):
             self._wait(st.before, timeout_s)
         if not self.prepacked[s]:  # else they ran while stage s-1's writes were in flight
             self._pack(s)
-        if st.packs:
+        if st.packs and not self.ordered_posts:
             self._sync()  # writes read what the packs wrote: their kernels must be done
         nxt = s + 1 if s + 1 < len(self.stages) and self.prepacked[s + 1] else -1
         for i, entry in enumerate(st.batches):
@@ -305,7 +316,7 @@ class Executor(Signalling):
         self._wait(st.after, timeout_s)
         for op in st.unpacks:
             op()
-        if st.unpacks:
+        if st.unpacks and not self.one_stream:
             self._sync()  # ACK frees staging the unpacks read; and the weights are whole
         self._signal(st.ack_to, s, ACK)
         self._signal(st.slot_ack_to, s, SLOT_ACK)

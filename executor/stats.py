@@ -19,6 +19,14 @@ class RunStats:
     seconds: float
     complete: bool
     """Whether this rank's part of the step finished (targets: weights are whole)."""
+    waited: float = 0.0
+    """Seconds of `seconds` spent waiting: for peers' signals, for writes to land, for this
+    rank's own queued kernels. The rest is host work (`host_seconds`)."""
+
+    @property
+    def host_seconds(self) -> float:
+        """Seconds of the step the host spent working, not waiting."""
+        return self.seconds - self.waited
 
     @property
     def bytes(self) -> int:

@@ -19,6 +19,7 @@ from schemas.plan import ACK, DONE, READY, SLOT_ACK
 
 from . import recovery, signals
 from .errors import PeerAbortError, PeerLostError, PeerTimeoutError
+from .spin import Backoff
 
 if TYPE_CHECKING:
     from .auth import Keys
@@ -43,6 +44,8 @@ class Signalling:
     transport: Transport
     blame: Blame
     device: torch.device
+    waited: float
+    """Seconds of this step spent waiting (signals, landed writes, own kernels)."""
 
     def _take(self, waits: list[tuple[int, int, int]]) -> bool:
         """Whether every signal of `waits` has arrived (they are consumed if so)."""
@@ -57,7 +60,9 @@ class Signalling:
         kernels; a peer must not read or overwrite their staging before they finish).
         Only that stream: a transport's copies of earlier writes may still be running."""
         if self.device.type == "cuda":
+            t0 = time.perf_counter()
             torch.cuda.current_stream(self.device).synchronize()
+            self.waited += time.perf_counter() - t0
 
     def _msg(self, peer: int, stage: int, kind: int) -> bytes:
         self.seq += 1
@@ -79,7 +84,13 @@ class Signalling:
         keys = [signals.expected(self.step, s, kind, peer) for s, kind, peer in waits]
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         self.blame.start(timeout_s)
-        nap = 5e-5
+        backoff, t0 = Backoff(), time.perf_counter()
+        try:
+            self._poll_until(keys, backoff, timeout_s)
+        finally:
+            self.waited += time.perf_counter() - t0
+
+    def _poll_until(self, keys: list[signals.Key], backoff: Backoff, timeout_s: float) -> None:
         while True:
             self.inbox.add(self.transport.poll(), self.step)
             if self.inbox.foreign:  # a restarted peer already signals: import it now
@@ -98,6 +109,5 @@ class Signalling:
                             f"waits for, is alive and waits itself; rank {culprit}'s "
                             "heartbeat stopped)")
                 raise PeerTimeoutError(self.rank, culprit, what, timeout_s)
-            time.sleep(nap)  # backs off to 0.2 ms: never a busy loop, and not late
-            nap = min(nap * 2, 2e-4)
+            backoff.pause()  # spins briefly, then naps up to 0.2 ms (spin.py)
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import PeerLostError, PeerTimeoutError
+from .spin import Backoff
 from .transports.base import Prepared
 
 Entry = Prepared
@@ -29,6 +30,7 @@ class Window:
         self.inflight: deque[tuple[Entry, int]] = deque()
         self.left: dict[int, int] = {}  # stage -> its batches not yet reaped
         self.closed: set[int] = set()
+        self.waited = 0.0  # seconds spent waiting for batches to land (all steps)
 
     def __len__(self) -> int:
         return len(self.inflight)
@@ -92,14 +94,15 @@ class Window:
 
     def _reap(self, timeout_s: float) -> None:
         """Wait until at least one batch has landed, and reap what has."""
-        deadline, nap = time.monotonic() + timeout_s, 2e-5
+        t0 = time.perf_counter()
+        deadline, backoff = time.monotonic() + timeout_s, Backoff()
         while not self.reap_landed():
             if time.monotonic() >= deadline:
                 entry, stage = self.inflight[0]  # the oldest: it has waited longest
                 raise PeerTimeoutError(self.rank, entry.peer,
                                        f"complete the writes of stage {stage}", timeout_s)
-            time.sleep(nap)  # short naps: some transports progress only when polled
-            nap = min(nap * 2, 2e-4)
+            backoff.pause()  # spins, then short naps: some transports progress when polled
+        self.waited += time.perf_counter() - t0
 
     def _count(self, stage: int) -> None:
         self.left[stage] -= 1

@@ -41,16 +41,17 @@ def run_all_local(plan_path: str, tensors_by_rank: dict[int, dict[str, torch.Ten
     try:
         for _ in range(steps):
             t0 = time.perf_counter()
-            _step(exs, stages)
+            waited = _step(exs, stages)
             seconds = time.perf_counter() - t0
     finally:
         for ex in exs:
             ex.close()
-    seconds = seconds if steps else 0.0
-    return RunStats(-1, steps, total, received, seconds, True)
+    seconds, waited = (seconds, waited) if steps else (0.0, 0.0)
+    return RunStats(-1, steps, total, received, seconds, True, min(waited, seconds))
 
 
-def _step(exs: list[Executor], stages: int) -> None:
+def _step(exs: list[Executor], stages: int) -> float:
+    """One step of every rank; the seconds they spent waiting (on their own kernels)."""
     for ex in exs:
         ex.begin_step()
     for s in range(stages):
@@ -65,5 +66,4 @@ def _step(exs: list[Executor], stages: int) -> None:
             raise PlanDeadlockError(f"plan deadlock at stage {s}: {e}. Every wait must match a "
                                     "signal sent earlier in the protocol (schemas/plan.py); "
                                     "the plan's signals and waits do not") from None
-    for ex in exs:
-        ex.end_step(time.perf_counter())
+    return sum(ex.end_step(time.perf_counter()).waited for ex in exs)

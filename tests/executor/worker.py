@@ -55,6 +55,10 @@ def _steps(plan: executor.Executor, rank: int, tensors: dict[str, torch.Tensor],
                 if not torch.equal(tensors[name].cpu(), want):
                     print(f"rank {rank} step {step}: {name} differs", flush=True)
                     return 1
+        if not 0 <= stats.waited <= stats.seconds:
+            print(f"rank {rank} step {step}: waited {stats.waited} of {stats.seconds} s",
+                  flush=True)
+            return 1
         print(f"rank {rank} step {step}: ok {stats.bytes} B", flush=True)
     return 0
 
