@@ -6,7 +6,9 @@ traceback):
 
 - `<ns>/rank/<r>`: the rank's descriptors (fingerprint, region sizes, the transport's
   `export()`), encrypted under the job secret;
-- `<ns>/step/<r>`: the step the rank runs next (an int in [0, 2^62));
+- `<ns>/step/<r>`: the step the rank runs next (an int in [0, 2^62)); within a step's
+  path a publisher thread writes it (`publish_step(later=True)`: no store round trip on
+  the step's critical path), elsewhere the caller does;
 - `<ns>/lease/<r>`: the lease: the holding process's incarnation, its generation (one more
   than the process it replaced) and a heartbeat counter.
 
@@ -60,6 +62,11 @@ class Control:
         self.refused = 0  # peers' records refused (garbage, forged, replayed)
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
+        self.step_cv = threading.Condition()
+        self.step_order = threading.Lock()  # step records reach the store in program order
+        self.step_pending: tuple[int, bool, int] | None = None  # (step, running, epoch)
+        self.step_epoch = 0  # bumped by every synchronous publish: older pendings are void
+        self.step_thread: threading.Thread | None = None
 
     def key(self, kind: str, rank: int) -> str:
         return f"{self.ns}/{kind}/{rank}"
@@ -158,6 +165,10 @@ class Control:
 
     def close(self) -> None:
         self.stop.set()
+        with self.step_cv:
+            self.step_cv.notify()
+        if self.step_thread is not None:  # it writes what is pending, then returns
+            self.step_thread.join(timeout=2 * BEAT_S + 1)
         if self.thread is not None:
             self.thread.join(timeout=2 * BEAT_S + 1)
 
@@ -166,11 +177,42 @@ class Control:
     def publish_rank(self, info: dict[str, Any]) -> None:
         self._put(self.key("rank", self.rank), info, encrypt=True)
 
-    def publish_step(self, step: int, running: bool = False) -> None:
+    def publish_step(self, step: int, running: bool = False, later: bool = False) -> None:
         """Publish where a restarted peer joins: `step` is the next step this rank runs, or
-        (`running`) the step it is inside now (recovery.py, rule 4)."""
-        self._put(self.key("step", self.rank), {"next": int(step), "running": bool(running)},
-                  step=int(step))
+        (`running`) the step it is inside now (recovery.py, rule 4). `later`: hand it to
+        the publisher thread (a store round trip off the step's path; a newer publish
+        replaces one not written yet, and a synchronous one voids it)."""
+        if later and self.thread is not None and not self.stop.is_set():
+            with self.step_cv:
+                self.step_pending = (int(step), bool(running), self.step_epoch)
+                self.step_cv.notify()
+            if self.step_thread is None:
+                self.step_thread = threading.Thread(target=self._publisher, daemon=True,
+                                                    name=f"rplan-step-{self.rank}")
+                self.step_thread.start()
+            return
+        with self.step_order:
+            with self.step_cv:
+                self.step_pending, self.step_epoch = None, self.step_epoch + 1
+            self._put_step(int(step), bool(running))
+
+    def _put_step(self, step: int, running: bool) -> None:
+        self._put(self.key("step", self.rank), {"next": step, "running": running}, step=step)
+
+    def _publisher(self) -> None:
+        while True:
+            with self.step_cv:
+                while self.step_pending is None and not self.stop.is_set():
+                    self.step_cv.wait(BEAT_S)
+                got, self.step_pending = self.step_pending, None
+            if got is None:
+                return  # stopped with nothing left to write
+            with self.step_order:
+                if got[2] == self.step_epoch:  # else a synchronous publish came after it
+                    try:
+                        self._put_step(got[0], got[1])
+                    except Exception as e:  # noqa: BLE001 - the store may be gone
+                        log.debug("rank %d: step record not published: %s", self.rank, e)
 
     def peer_step(self, peer: int) -> tuple[int, bool] | None:
         """(the step `peer` runs next or is inside now, whether it is inside it), or None
