@@ -1,7 +1,10 @@
 """What one rank does in one stage, prepared once at connect (the interpreter replays it).
 
 Signals and waits by kind, the copy views of its packs/QUANTs and unpacks, and the write
-batches (one per destination per plan batch) prepared by the transport.
+batches (one per destination per plan batch) prepared by the transport. A transport that
+queues its copies on the GPU says so (`fuse_batches`: a stage's batches become one per
+destination, posted as one launch; `graph_ops`: packs and unpacks become one CUDA graph
+each): the plan's batches size NIC work queues, which a copy engine does not need.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from schemas.plan import ACK, DONE, PACK, QUANT, READY, SLOT_ACK, UNPACK, RankPl
 from .copies import Op, prepare_copies
 from .quant import prepare_quants
 from .transports.base import Prepared, Transport, WriteBatch
+from .transports.graphs import as_graph
 
 
 @dataclass(slots=True)
@@ -52,9 +56,16 @@ def prepare_stage(plan: RankPlan, s: int, regions: list[torch.Tensor],
         c, np.flatnonzero((c["stage"] == s) & (c["kind"] == QUANT)), regions)
     st.unpacks = prepare_copies(
         c, np.flatnonzero((c["stage"] == s) & (c["kind"] == UNPACK)), regions)
+    if getattr(transport, "graph_ops", False) and regions:  # one launch each (graphs.py)
+        dev = regions[0].device
+        st.packs = as_graph(st.packs, dev, f"rank {p.rank} stage {s} packs")
+        st.unpacks = as_graph(st.unpacks, dev, f"rank {p.rank} stage {s} unpacks")
     w, b = p.writes, p.batches
-    for i in np.flatnonzero(b["stage"] == s):
-        rows = np.arange(int(b["start"][i]), int(b["stop"][i]))
+    batches = [np.arange(int(b["start"][i]), int(b["stop"][i]))
+               for i in np.flatnonzero(b["stage"] == s)]
+    if getattr(transport, "fuse_batches", False) and batches:  # one batch per peer
+        batches = [np.concatenate(batches)]
+    for rows in batches:
         dst = w["dst_rank"][rows]
         for peer in dict.fromkeys(dst.tolist()):
             r = rows[dst == peer]

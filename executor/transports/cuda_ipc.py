@@ -2,16 +2,19 @@
 
 Each rank exports a CUDA IPC handle per region once (`UntypedStorage._share_cuda_()`);
 its fields travel as msgpack (bytes and ints), never pickle. A peer opens them with
-`UntypedStorage._new_shared_cuda(...)`. A batch is prepared once into raw (dst, src, nbytes)
-pointer triples, writes adjacent in memory on both sides (inside one allocation each) merged
-into one; a post is one
-`cudaMemcpyAsync` (device to device, peer access enabled as torch does) per triple on one
-of `CudaIpcOptions.streams` copy streams (batches take them in turn), called through ctypes on the
-libcudart that torch loaded (about 3 us each: torch's cross-device `copy_` costs ~12 us of
-host time per write, which made many-MiB-sized writes host-bound). Without that library, or
-if the raw call fails, the batch runs as torch copies (`torch_copy.py`). A batch has landed
-when its CUDA event has. Notifications go through shared memory (`shm_mailbox.py`: the
-ranks share a host), not the rendezvous store (a TCP round trip per poll).
+`UntypedStorage._new_shared_cuda(...)`. A stage's writes to one peer are one batch
+(`fuse_batches`), prepared once into raw (dst, src, nbytes) pointer triples, writes adjacent
+in memory on both sides (inside one allocation each) merged into one, split into up to
+`CudaIpcOptions.streams` branches of near-equal bytes that run side by side (several copy
+engines). A batch of small copies is captured once as one CUDA graph of those branches and
+replayed: one launch per stage and peer; one of large copies is posted as one
+`cudaMemcpyAsync` (device to device, peer access enabled as torch does) per triple, called
+through ctypes on the libcudart that torch loaded (about 3 us each: torch's cross-device
+`copy_` costs ~12 us of host time per write). Without that library, or if the raw call
+fails, the batch runs as torch copies (`torch_copy.py`). Posts queue after the caller's
+current stream (`ordered_posts`: packs need no host wait); a batch has landed when its CUDA
+event has. Notifications go through shared memory (`shm_mailbox.py`: the ranks share a
+host), not the rendezvous store (a TCP round trip per poll).
 """
 
 from __future__ import annotations
@@ -110,7 +113,22 @@ class _Posted:
         self.graph: torch.cuda.CUDAGraph | None = None
 
 
+def branches(raw: list[tuple[int, int, int]], k: int) -> list[list[tuple[int, int, int]]]:
+    """`raw` split into at most `k` lists of near-equal bytes (largest copies first, each to
+    the lightest list; copies of one list run one after another, lists side by side)."""
+    parts: list[list[tuple[int, int, int]]] = [[] for _ in range(max(1, min(k, len(raw))))]
+    load = [0] * len(parts)
+    for i in sorted(range(len(raw)), key=lambda i: (-raw[i][2], i)):
+        j = load.index(min(load))
+        parts[j].append(raw[i])
+        load[j] += raw[i][2]
+    return [p for p in parts if p]
+
+
 class CudaIpcTransport:
+    fuse_batches = ordered_posts = True
+    """A stage's writes to one peer are one batch, posted after the caller's queued kernels."""
+
     def __init__(self, rank: int, namespace: str, store: Store, device: torch.device,
                  options: CudaIpcOptions | None = None) -> None:
         if device.type != "cuda":
@@ -118,6 +136,7 @@ class CudaIpcTransport:
                              f"{device}; use 'nixl' or 'local' for CPU tensors")
         self.rank, self.ns, self.store, self.device = rank, namespace, store, device
         self.options = opts = options or CudaIpcOptions()
+        self.graph_ops = opts.graphs
         self.streams = [torch.cuda.Stream(device) for _ in range(max(1, opts.streams))]
         self.prepared = 0
         self.peers: dict[int, list[torch.Tensor]] = {}
@@ -175,20 +194,31 @@ class CudaIpcTransport:
         return handle
 
     def _capture(self, raw: list[tuple[int, int, int]]) -> torch.cuda.CUDAGraph | None:
-        """The copies of `raw` as one CUDA graph, or None (then they are posted one by one)."""
+        """The copies of `raw` as one CUDA graph of up to `streams` parallel branches (so
+        several copy engines work at once), or None (then they are posted one by one)."""
         graph = torch.cuda.CUDAGraph()
+        sides = [torch.cuda.Stream(self.device) for _ in range(len(self.streams))]
         try:
             with torch.cuda.device(self.device), torch.cuda.graph(graph):
-                stream, fn = torch.cuda.current_stream(self.device).cuda_stream, self.rt
-                for d, s, n in raw:
-                    if fn.memcpy_async(d, s, n, _Runtime.D2D, stream):
-                        raise RuntimeError(f"cudaMemcpyAsync error {fn.last_error()}")
+                main = torch.cuda.current_stream(self.device)
+                parts = branches(raw, len(sides))
+                for side, part in zip(sides, parts):
+                    side.wait_stream(main)  # fork
+                    self._copy(part, side.cuda_stream)
+                for side in sides[:len(parts)]:
+                    main.wait_stream(side)  # join
         except Exception as e:  # noqa: BLE001 - any capture failure: post copies instead
             warnings.warn(f"rank {self.rank}: cuda_ipc could not capture a batch as a CUDA "
                           f"graph ({e}); it posts its copies one by one", stacklevel=2)
             torch.cuda.synchronize(self.device)
             return None
         return graph
+
+    def _copy(self, raw: list[tuple[int, int, int]], stream: int) -> None:
+        fn, kind = self.rt.memcpy_async, _Runtime.D2D  # type: ignore[union-attr]
+        for d, s, n in raw:
+            if fn(d, s, n, kind, stream):
+                raise RuntimeError(f"cudaMemcpyAsync error {self.rt.last_error()}")  # type: ignore[union-attr]
 
     def post(self, handle: _Posted) -> None:
         stream = handle.stream
@@ -199,21 +229,35 @@ class CudaIpcTransport:
             with torch.cuda.stream(stream):
                 handle.graph.replay()
         elif handle.raw is not None:
-            raw, fn, kind = stream.cuda_stream, self.rt.memcpy_async, _Runtime.D2D
-            for d, s, n in handle.raw:
-                if fn(d, s, n, kind, raw):
-                    code = self.rt.last_error()  # clear it: torch would report it later
-                    warnings.warn(f"rank {self.rank}: cudaMemcpyAsync failed (error "
-                                  f"{code}); cuda_ipc falls back to torch copies", stacklevel=2)
-                    self.rt = None
-                    self._as_torch(handle)  # the whole batch again: idempotent
-                    break
+            self._post_raw(handle)
         if handle.ops:
             with torch.cuda.stream(stream):
                 for op in handle.ops:
                     op()
         handle.event.record(stream)
         handle.posted = True
+
+    def _post_raw(self, handle: _Posted) -> None:
+        """The copies one `cudaMemcpyAsync` each, spread over the copy streams (joined back
+        into the handle's stream, whose event says when all have landed)."""
+        parts = branches(handle.raw or [], len(self.streams))
+        sides = [handle.stream] + [s for s in self.streams if s is not handle.stream]
+        try:
+            for side in sides[1:len(parts)]:
+                side.wait_stream(handle.stream)
+            # in turn across the branches: every copy engine starts after one post
+            for i in range(max(map(len, parts), default=0)):
+                for side, part in zip(sides, parts):
+                    if i < len(part):
+                        self._copy(part[i:i + 1], side.cuda_stream)
+            for side in sides[1:len(parts)]:
+                handle.stream.wait_stream(side)
+        except RuntimeError as e:
+            code = self.rt.last_error() if self.rt else 0  # clear it: torch would report it
+            warnings.warn(f"rank {self.rank}: {e} ({code}); cuda_ipc falls back to torch "
+                          "copies", stacklevel=3)
+            self.rt = None
+            self._as_torch(handle)  # the whole batch again: idempotent
 
     def _as_torch(self, handle: _Posted) -> None:
         """Turn a raw batch into torch copies (after a raw call failed)."""

@@ -1,7 +1,9 @@
 """In-process transport: every rank lives in this process and shares one `Fabric`.
 
 Writes are torch copies between the ranks' regions, prepared once per batch
-(`torch_copy.py`).
+(`torch_copy.py`). Every rank queues its kernels and copies on the one current stream, in
+program order: on a GPU a batch's copies are one CUDA graph, a stage's batches one batch
+per destination, and nothing waits for a kernel before a signal (`one_stream`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 import torch
 
 from .base import WriteBatch
+from .graphs import as_graph
 from .torch_copy import Op, prepare_copies
 
 
@@ -38,14 +41,19 @@ FABRIC = Fabric()
 
 
 class LocalTransport:
+    ordered_posts = one_stream = True
+    """Copies run on the caller's current stream, in the order they are posted."""
+
     def __init__(self, rank: int, namespace: str, fabric: Fabric | None = None) -> None:
         self.rank, self.ns, self.fabric = rank, namespace, fabric or FABRIC
         self.peers: dict[int, list[torch.Tensor]] = {}
         self.regions: list[torch.Tensor] = []
+        self.fuse_batches = self.graph_ops = False  # on a GPU: see the module doc
 
     def register(self, regions: list[torch.Tensor]) -> None:
         self.regions = regions
         self.fabric.regions[(self.ns, self.rank)] = regions
+        self.fuse_batches = self.graph_ops = bool(regions) and regions[0].is_cuda
 
     def export(self) -> dict[str, Any]:
         return {"rank": self.rank}
@@ -54,7 +62,10 @@ class LocalTransport:
         self.peers[peer] = self.fabric.regions[(self.ns, int(desc["rank"]))]
 
     def prepare(self, batch: WriteBatch) -> list[Op]:
-        return prepare_copies(self.regions, self.peers[batch.peer], batch)
+        ops = prepare_copies(self.regions, self.peers[batch.peer], batch)
+        if self.graph_ops:
+            ops = as_graph(ops, self.regions[0].device, f"rank {self.rank} writes")
+        return ops
 
     def post(self, handle: list[Op]) -> None:
         for op in handle:
