@@ -15,6 +15,8 @@ Medians over `--steps` warm steps; `--record` appends the table to BENCHMARKS.md
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import json
 import os
 import platform
 import secrets
@@ -105,17 +107,27 @@ def raw_cuda_ipc(plan: executor.Executor, x: torch.Tensor, steps: int) -> list[f
     return raw[1:]
 
 
-def worker(path: str, rank: int, port: int, steps: int, transport: str, device: str) -> None:
+def worker(path: str, rank: int, port: int, steps: int, transport: str, device: str,
+           options: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
                           timeout=timedelta(seconds=120))
+    if os.environ.get("BENCH_HANG_S"):  # where a hung worker was, printed before it exits
+        faulthandler.dump_traceback_later(float(os.environ["BENCH_HANG_S"]), exit=True)
     n = load_rank(path, rank)[1].regions[0].nbytes
-    x = torch.randint(0, 255, (n,), dtype=torch.uint8).to(device)
+    x = _data(n, rank, device)
     plan = executor.load(path, rank, {"x": x}, transport=transport, rendezvous=store,
-                         timeout_s=120)
-    times = [executor.run(plan).seconds for _ in range(steps + 1)][1:]
+                         timeout_s=120, transport_options=json.loads(options) or None)
+    runs = [executor.run(plan) for _ in range(steps + 1)][1:]
+    if rank == 1:  # bit-exact: slot (i * 7) % W of the target holds the source's chunk i
+        store.set("exact", b"1" if torch.equal(x, _permuted(n, int(store.get("writes")),
+                                                            device)) else b"0")
     if rank == 0:
+        store.wait(["exact"])  # before the raw copies overwrite the target
         raw = (raw_nixl if transport == "nixl" else raw_cuda_ipc)(plan, x, steps)
-        store.set("result", f"{statistics.median(times)} {statistics.median(raw)}".encode())
+        times = [r.seconds for r in runs]
+        host = statistics.median(r.host_seconds for r in runs)
+        store.set("result", f"{statistics.median(times)} {statistics.median(raw)} "
+                            f"{host}".encode())
     else:  # UCX over TCP or shared memory needs the target to make progress too
         while not store.check(["result"]):
             plan.transport.poll()
@@ -125,37 +137,57 @@ def worker(path: str, rank: int, port: int, steps: int, transport: str, device: 
     plan.close()
 
 
-def bench_two_processes(path: str, steps: int, transport: str,
-                        device: str) -> tuple[float, float]:
+def _data(n: int, rank: int, device: str) -> torch.Tensor:
+    """Rank `rank`'s bytes, the same in every process (generated where they live: 4 GiB of
+    random bytes on a CPU take a minute)."""
+    gen = torch.Generator(device=device).manual_seed(rank)
+    return torch.randint(0, 255, (n,), dtype=torch.uint8, generator=gen, device=device)
+
+
+def _permuted(n: int, writes: int, device: str) -> torch.Tensor:
+    """What the target must hold: the source's chunk i at slot (i * 7) % writes."""
+    chunks = _data(n, 0, device).view(writes, n // writes)
+    out = torch.empty_like(chunks)
+    out[torch.tensor([(i * 7) % writes for i in range(writes)], device=device)] = chunks
+    return out.view(-1)
+
+
+def bench_two_processes(path: str, steps: int, transport: str, device: str,
+                        writes: int, options: str) -> tuple[float, float, float, bool]:
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=120))
+    store.set("writes", str(writes).encode())
     gpus = torch.cuda.device_count() if device != "cpu" else 0
     devices = [device, "cuda:1" if gpus > 1 else device]  # the target on another GPU if any
     done = spawn_ranks(lambda r: [sys.executable, os.path.abspath(__file__), "--worker", path,
-                                  str(r), str(port), str(steps), transport, devices[r]], 2,
+                                  str(r), str(port), str(steps), transport, devices[r], options],
+                       2,
                        env=root_env(NIXL_LOG_LEVEL="WARN", RDMA_PLAN_SECRET=secrets.token_hex(32)),
                        timeout=300, capture=False)
     for f in done:
         if f.returncode:
             raise SystemExit(f"{transport} worker {f.rank} failed with status {f.returncode}")
-    ex, raw = map(float, store.get("result").decode().split())
-    return ex, raw
+    ex, raw, host = map(float, store.get("result").decode().split())
+    return ex, raw, host, store.get("exact") == b"1"
 
 
-def bench_local(path: str, n: int, steps: int, device: str) -> tuple[float, float]:
-    src = torch.randint(0, 255, (n,), dtype=torch.uint8).to(device)
+def bench_local(path: str, n: int, writes: int, steps: int,
+                device: str) -> tuple[float, float, float, bool]:
+    src = _data(n, 0, device)
     dst = torch.zeros(n, dtype=torch.uint8, device=device)
     sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
-    ex = [executor.run_all_local(path, {0: {"x": src}, 1: {"x": dst}}, steps=2).seconds
-          for _ in range(steps)]
+    runs = [executor.run_all_local(path, {0: {"x": src}, 1: {"x": dst}}, steps=2)
+            for _ in range(steps)]
+    exact = torch.equal(dst, _permuted(n, writes, device))
     raw = []
     for _ in range(steps + 1):
         t0 = time.perf_counter()
         dst.copy_(src)
         sync()
         raw.append(time.perf_counter() - t0)
-    return statistics.median(ex), statistics.median(raw[1:])
+    return (statistics.median(r.seconds for r in runs), statistics.median(raw[1:]),
+            statistics.median(r.host_seconds for r in runs), exact)
 
 
 def machine() -> str:
@@ -173,6 +205,8 @@ def main() -> None:
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--transport", default="nixl", choices=["nixl", "cuda_ipc"])
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (rank 1 on cuda:1 if any)")
+    ap.add_argument("--transport-options", default="{}",
+                    help='JSON of the transport\'s options, e.g. \'{"graphs": false}\'')
     ap.add_argument("--tiny", action="store_true",
                     help="8 writes of 64 KiB, 2 steps, nixl on CPU (the test suite's mode)")
     a = ap.parse_args()
@@ -183,19 +217,24 @@ def main() -> None:
         n = make_plan(path, a.writes, int(a.mib * 2**20))
         dev = "cuda:0" if a.device == "cuda" else a.device
         rows = [(f"{a.transport} (2 processes, {a.device})", f"raw {a.transport} write",
-                 *bench_two_processes(path, a.steps, a.transport, dev)),
+                 *bench_two_processes(path, a.steps, a.transport, dev, a.writes,
+                                      a.transport_options)),
                 (f"local (run_all_local, {a.device})", "torch copy_",
-                 *bench_local(path, n, a.steps, dev))]
+                 *bench_local(path, n, a.writes, a.steps, dev))]
     gb = n / 1e9
     lines = [f"{a.writes} writes x {a.mib:g} MiB = {n / 2**20:g} MiB, median of {a.steps} "
              "warm steps",
              "", "| executor | baseline | executor s | baseline s | executor GB/s | "
-             "baseline GB/s | ratio |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-    for name, base, ex, raw in rows:
+             "baseline GB/s | ratio | host s per step | bit-exact |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for name, base, ex, raw, host, exact in rows:
         lines.append(f"| {name} | {base} | {ex:.4f} | {raw:.4f} | {gb / ex:.2f} | "
-                     f"{gb / raw:.2f} | {raw / ex:.2f} |")
+                     f"{gb / raw:.2f} | {raw / ex:.2f} | {host:.5f} | "
+                     f"{'yes' if exact else '**no**'} |")
     table = "\n".join(lines)
     print(table)
+    if not all(row[-1] for row in rows):
+        raise SystemExit("a benchmark row was not bit-exact")
     if a.record:
         cmd = "python bench/executor_bench.py " + " ".join(sys.argv[1:])
         with open(os.path.join(ROOT, "BENCHMARKS.md"), "a") as f:
@@ -206,6 +245,6 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6],
-               sys.argv[7])
+               sys.argv[7], sys.argv[8])
     else:
         main()
