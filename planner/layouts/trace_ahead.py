@@ -8,7 +8,7 @@ the engine with its own workers, sends the ranks as `traced.encode_rank` rows, t
 the cache file) and `Pending.result` joins it. This process never imports torch or vLLM, so
 the rest of the compile does not pay for their ~1.5M objects in every garbage collection.
 The tracer's answer is checked like a cache file (`traced.decode_rank`); what it traced is
-what `traced.layout` traces in this process (the same `traced._trace`), so the plan is the
+what `traced.layout` traces in this process (the same `traced._trace_rows`), so the plan is the
 same bytes. Without `fork` (or on a cache hit) nothing starts early: `result` builds the
 layout then, as `build_layout` would.
 """
@@ -26,7 +26,7 @@ from typing import Any
 import msgpack
 
 from planner.layouts import traced
-from planner.layouts.base import Layout
+from planner.layouts.base import Layout, PhysicalTensor
 from planner.layouts.trace_geometry import TraceError
 from planner.spec import ModelSpec
 from schemas.config import ConfigError, TargetConfig
@@ -96,29 +96,35 @@ def _join(pending: Pending, recv: Any, spec: ModelSpec, cfg: TargetConfig) -> La
     """The tracer's ranks, checked like a cache file; then the tracer is reaped (it only
     writes the cache file after answering)."""
     try:
-        raw = msgpack.unpackb(recv.recv_bytes(), strict_map_key=True)
+        with traced.gc_paused():
+            engine = _answer(recv.recv_bytes(), spec, cfg.engine_world)
     except EOFError:
-        raise TraceError("target.layout: traced: the tracing process died without an answer "
-                         "(out of memory?); retry, or set RDMA_PLAN_CACHE to a folder holding "
-                         "a trace") from None
+        engine = ("target.layout: traced: the tracing process died without an answer (out "
+                  "of memory?); retry, or set RDMA_PLAN_CACHE to a folder holding a trace")
     finally:
         recv.close()
-    if isinstance(raw, dict) and "error" in raw:
+    if isinstance(engine, str):
         pending.cancel()
-        raise TraceError(str(raw["error"])[:4000])
-    try:
-        ranks = raw["ranks"]
-        if not isinstance(ranks, list) or len(ranks) != cfg.engine_world:
-            raise ValueError(f"{len(ranks)} ranks, not {cfg.engine_world}")
-        engine = [traced.decode_rank(rank, spec) for rank in ranks]
-    except (ValueError, TypeError, KeyError, IndexError) as e:
-        pending.cancel()
-        raise TraceError(f"target.layout: traced: the tracing process sent a bad answer "
-                         f"({e})") from None
+        raise TraceError(engine)
     if pending._proc is not None:
         pending._proc.join(timeout=60)  # it writes the cache file
     pending.cancel()  # reaps it (kills it only if that write hangs)
     return traced.replicated(engine, cfg)
+
+
+def _answer(data: bytes, spec: ModelSpec, world: int) -> list[tuple[PhysicalTensor, ...]] | str:
+    """The tracer's `world` ranks decoded and checked (as `traced.read_cache` does), or the
+    one-line error it sent or that its answer earns."""
+    try:
+        raw = msgpack.unpackb(data, strict_map_key=True)
+        if isinstance(raw, dict) and "error" in raw:
+            return str(raw["error"])[:4000]
+        ranks = raw["ranks"]
+        if not isinstance(ranks, list) or len(ranks) != world:
+            raise ValueError(f"not {world} ranks")
+        return [traced.decode_rank(rank, spec) for rank in ranks]
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        return f"target.layout: traced: the tracing process sent a bad answer ({e})"
 
 
 def _tracer(send: Any, spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig, path: str,
@@ -127,8 +133,7 @@ def _tracer(send: Any, spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig, p
     os.setpgid(0, 0)  # its own group, so that `cancel` stops its workers with it
     gc.disable()  # a short-lived process: nothing it allocates needs collecting
     try:
-        rows = [traced.encode_rank(rank) for rank in traced._trace(spec, hf, cfg)]
-        out: dict[str, Any] = {"ranks": rows}
+        out: dict[str, Any] = {"ranks": traced._trace_rows(spec, hf, cfg)}
     except ConfigError as e:
         out = {"error": str(e)}
     except Exception as e:  # noqa: BLE001 (a failure of vLLM or torch: named in one line)

@@ -21,7 +21,8 @@ import importlib.metadata
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -129,12 +130,17 @@ def cache_quietly(path: str, key: str, ranks: list[Any]) -> None:
 
 
 def _trace(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list[list[PhysicalTensor]]:
-    """Import torch and vLLM and trace one engine, with the cyclic garbage collector paused:
-    importing vLLM allocates ~1.5M objects, and collecting them over and over while they are
-    all still alive took ~1.4 s of a ~5.6 s import here (and more while building models)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    """One engine traced in this process (`_trace_rows`), decoded and checked."""
+    with gc_paused():
+        return [list(decode_rank(rank, spec)) for rank in _trace_rows(spec, hf, cfg)]
+
+
+def _trace_rows(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list[list[Any]]:
+    """Import torch and vLLM and trace one engine (`encode_rank` rows, unchecked), with the
+    cyclic garbage collector paused: importing vLLM allocates ~1.5M objects, and collecting
+    them over and over while they are all still alive took ~1.4 s of a ~5.6 s import here
+    (and more while building models)."""
+    with gc_paused():
         try:
             from planner.layouts import vllm_trace
         except ImportError as e:
@@ -144,6 +150,16 @@ def _trace(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list[list[
                               ) from None
         vllm_trace.check_known(hf)
         return vllm_trace.trace_engine(spec, hf, cfg)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside: building many objects that all stay alive (an
+    import, a decoded trace) otherwise pays for collections that find nothing to free."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
     finally:
         if enabled:
             gc.enable()
@@ -188,9 +204,9 @@ def read_cache(path: str, key: str, spec: ModelSpec,
     try:
         if os.path.getsize(path) > MAX_CACHE_BYTES:
             return None
-        with open(path, "rb") as f:
+        with open(path, "rb") as f, gc_paused():
             raw = msgpack.unpackb(f.read(), strict_map_key=True, use_list=True)
-        return _decode(raw, key, spec, world)
+            return _decode(raw, key, spec, world)
     except (OSError, ValueError, TypeError, KeyError, IndexError, msgpack.ExtraData,
             msgpack.FormatError, msgpack.StackError):
         return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,8 +39,10 @@ def engine(cfg: TargetConfig) -> list:
     return [r.tensors for r in vllm.layout(SPEC, dataclasses.replace(cfg, replicas=1)).ranks]
 
 
-def stub(monkeypatch: pytest.MonkeyPatch, trace: object) -> None:
-    monkeypatch.setattr(traced, "_trace", trace)
+def stub(monkeypatch: pytest.MonkeyPatch, trace: Callable[..., list]) -> None:
+    """The tracer's trace: `trace`'s engine, encoded as vLLM's tracing workers send it."""
+    monkeypatch.setattr(traced, "_trace_rows", lambda *a: [traced.encode_rank(rank)
+                                                          for rank in trace(*a)])
 
 
 def test_the_forked_trace_is_the_layout_and_is_cached(tmp_path: Path,
