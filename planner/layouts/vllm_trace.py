@@ -190,51 +190,52 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
-    """Meta stand-ins of the checkpoint tensors and what every rank's trace asks of them
-    (computed once per engine, not per rank)."""
+    """The checkpoint's tensors and what every rank's trace asks of them, computed once
+    per engine; its meta stand-ins are made per rank, for the layers the rank traces."""
 
-    stream: list[tuple[str, torch.Tensor]]
-    sources: dict[int, _Source]
+    entries: list[tuple[str, tuple[int, ...], torch.dtype]]
     layers: list[int | None]
-    """The decoder layer of each tensor of `stream` (`trace_layers.layer_of`)."""
+    """The decoder layer of each entry (`trace_layers.layer_of`)."""
     signatures: trace_layers.Signatures
 
+    def stand_ins(self, layers: set[int] | None = None
+                  ) -> tuple[list[tuple[str, torch.Tensor]], dict[int, _Source]]:
+        """Meta tensors of the entries outside decoder layers or in `layers` (all when
+        None), and each one's source by storage."""
+        stream, sources = [], {}
+        for (name, shape, dtype), layer in zip(self.entries, self.layers, strict=True):
+            if layers is None or layer is None or layer in layers:
+                tensor = torch.empty(shape, dtype=dtype, device="meta")
+                stream.append((name, tensor))
+                sources[_key(tensor)] = _Source(name, shape)
+        return stream, sources
 
-def _stand_ins(spec: ModelSpec, dtype: str) -> Checkpoint:
-    """Meta tensors of the checkpoint (MTP layers left out: vLLM does not load them)."""
-    named, sources = [], {}
-    for t in spec.tensors:
-        if t.mtp:
-            continue
-        tensor = torch.empty(t.shape, dtype=getattr(torch, "float32" if t.buffer else dtype),
-                             device="meta")
-        named.append((t.name, tensor))
-        sources[_key(tensor)] = _Source(t.name, t.shape)
-    return Checkpoint(named, sources, [trace_layers.layer_of(n) for n, _ in named],
-                      trace_layers.signatures((n, tuple(x.shape), str(x.dtype))
-                                              for n, x in named))
+
+def _checkpoint(spec: ModelSpec, dtype: str) -> Checkpoint:
+    """The checkpoint's tensors (MTP layers left out: vLLM does not load them)."""
+    entries = [(t.name, t.shape, getattr(torch, "float32" if t.buffer else dtype))
+               for t in spec.tensors if not t.mtp]
+    return Checkpoint(entries, [trace_layers.layer_of(n) for n, _, _ in entries],
+                      trace_layers.signatures((n, shape, str(d)) for n, shape, d in entries))
 
 
 def trace_rank(checkpoint: Checkpoint, vcfg: Any, cfg: TargetConfig,
                rank: tuple[int, int, int], keep: list[Any]) -> list[PhysicalTensor]:
     """One engine rank's (DP d, PP p, TP t) `named_parameters()` as pieces, from vLLM's
-    `load_weights` of the `checkpoint` stand-ins (`_stand_ins`): the representatives of
-    each class of alike layers, extrapolated to the rest (`trace_layers`), or every layer
-    when a representative disagrees. The models go into `keep`: vLLM caches per-model
-    state by `id(model)` (`models/utils.py`), so no model may be freed while the engine's
-    others are traced."""
-    stream, sources = checkpoint.stream, checkpoint.sources
+    `load_weights` of the `checkpoint`'s stand-ins: the representatives of each class of
+    alike layers, extrapolated to the rest (`trace_layers`), or every layer when a
+    representative disagrees. The models go into `keep`: vLLM caches per-model state by
+    `id(model)` (`models/utils.py`), so no model may be freed while the engine's others
+    are traced."""
     model, named = _build(vcfg, cfg, rank, keep)
     classes = trace_layers.classes(checkpoint.signatures,
                                    [(n, tuple(x.shape), str(x.dtype)) for n, x in named])
-    chosen = trace_layers.representatives(classes)
-    some = [entry for entry, layer in zip(stream, checkpoint.layers, strict=True)
-            if layer is None or layer in chosen]
+    some = checkpoint.stand_ins(trace_layers.representatives(classes))
     pieces = trace_layers.extrapolate(classes, [n for n, _ in named],
-                                      _load(model, named, some, sources, vcfg, cfg, rank))
+                                      _load(model, named, *some, vcfg, cfg, rank))
     if pieces is None:  # a loader that treats a layer by its index: trace them all
         model, named = _build(vcfg, cfg, rank, keep)
-        pieces = _load(model, named, stream, sources, vcfg, cfg, rank)
+        pieces = _load(model, named, *checkpoint.stand_ins(), vcfg, cfg, rank)
     return [PhysicalTensor(n, tuple(x.shape), _dtype_name(x.dtype),
                            tuple(sorted(pieces[n], key=lambda q: q.at)))
             for n, x in named]
@@ -282,7 +283,7 @@ def trace_engine(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig,
     traced by up to `workers` forked processes (default: one per CPU core)."""
     from planner.layouts.traced import encode_rank
 
-    vcfg, checkpoint = engine_config(hf, cfg), _stand_ins(spec, cfg.dtype)
+    vcfg, checkpoint = engine_config(hf, cfg), _checkpoint(spec, cfg.dtype)
     ranks = [(d, p, t) for d in range(cfg.dp) for p in range(cfg.pp) for t in range(cfg.tp)]
     workers = min(len(ranks), workers or os.cpu_count() or 1)
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
