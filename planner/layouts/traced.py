@@ -138,7 +138,7 @@ def _trace(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list[list[
 def _trace_rows(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list[list[Any]]:
     """Import torch and vLLM and trace one engine (`encode_rank` rows, unchecked), with the
     cyclic garbage collector paused: importing vLLM allocates ~1.5M objects, and collecting
-    them over and over while they are all still alive took ~1.4 s of a ~5.6 s import here
+    them over and over while they are all still alive took ~1.5 s of a ~5.6 s import here
     (and more while building models)."""
     with gc_paused():
         try:
