@@ -5,9 +5,11 @@
 
 Three compiles of one config, each in a fresh process (as `rdma-plan compile` runs):
 `target.layout: rules`, `traced` with an empty cache (vLLM imported, every engine rank
-traced), and `traced` again (the cache hit). Prints seconds, the ratio to the rules
-compile, and whether the plans' fingerprints agree (they must: a trace of a hand-written
-family equals its rules). `--write` appends the table to BENCHMARKS.md.
+traced, in a process forked when the compile starts: `planner/layouts/trace_ahead.py`), and
+`traced` again (the cache hit). Prints seconds, the ratio to the rules compile, whether the
+compile traced (wrote a trace to the cache), whether the compiling process imported torch
+(never: a tracer does), and whether the plans' fingerprints agree (they must: a trace of a
+hand-written family equals its rules). `--write` appends the table to BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -52,13 +54,22 @@ def variant(config: str, layout: str, folder: str) -> str:
 
 
 def compile_once(config: str, out: str, cache: str) -> dict:
+    """One compile in a fresh process: its seconds, fingerprint, whether it imported torch
+    and whether it traced (a new file in the trace cache)."""
     env = {**os.environ, "RDMA_PLAN_CACHE": cache, "PYTHONPATH": ROOT}
+    before = _traces(cache)
     res = subprocess.run([sys.executable, "-c", CHILD.format(root=ROOT, config=config,
                                                              out=out)],
                          capture_output=True, text=True, env=env, check=False)
     if res.returncode != 0:
         raise SystemExit(f"{config}: compile failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return {**json.loads(res.stdout.strip().splitlines()[-1]),
+            "traced": bool(_traces(cache) - before)}
+
+
+def _traces(cache: str) -> set[str]:
+    folder = os.path.join(cache, "traced")
+    return set(os.listdir(folder)) if os.path.isdir(folder) else set()
 
 
 def main() -> None:
@@ -75,10 +86,10 @@ def main() -> None:
             print(f"{label}: {s['s']:.1f} s", flush=True)
     base = rows[0][1]
     same = all(s["fingerprint"] == base["fingerprint"] for _, s in rows)
-    head = ("| target layout | compile s | x rules | imports torch | plan equal to rules |\n"
-            "|---|---|---|---|---|")
-    lines = [f"| {label} | {s['s']:.1f} | {s['s'] / base['s']:.2f} | {s['torch']} | "
-             f"{s['fingerprint'] == base['fingerprint']} |" for label, s in rows]
+    head = ("| target layout | compile s | x rules | traced | compiling process imports torch "
+            "| plan equal to rules |\n|---|---|---|---|---|---|")
+    lines = [f"| {label} | {s['s']:.1f} | {s['s'] / base['s']:.2f} | {s['traced']} | "
+             f"{s['torch']} | {s['fingerprint'] == base['fingerprint']} |" for label, s in rows]
     table = "\n".join([head, *lines])
     print(table)
     if not same:

@@ -21,7 +21,7 @@ import numpy as np
 from planner.derived import derived
 from planner.fp8 import with_scales
 from planner.identities import rank_identities, with_rank_tensors
-from planner.layouts import build_layout
+from planner.layouts import build_layout, start_layout
 from planner.layouts.base import Layout
 from planner.layouts.traced import model_hf, uses_trace
 from planner.nic_stats import egress_bound, nic_stats, remote_egress
@@ -36,7 +36,7 @@ from planner.passes.emit import (
     rank_regions,
 )
 from planner.passes.gather import gather
-from planner.passes.intersect import intersect, piece_table
+from planner.passes.intersect import PieceTable, intersect, piece_table
 from planner.passes.lower import lower, merge
 from planner.passes.route import route
 from planner.passes.schedule import schedule
@@ -55,25 +55,28 @@ def compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None = Non
     """Compile a checked config and its model spec into a plan."""
     if progress is not None:
         progress("layouts")
-    src_layout = build_layout(spec, cfg.source)
-    dst_layout = build_layout(spec, cfg.target, model_hf(cfg) if uses_trace(spec, cfg.target)
-                              else None)
-    if cfg.target.dtype == "fp8_block128":
-        spec = with_scales(spec)
-    return compile_layouts(cfg, spec, src_layout, dst_layout, progress)
+    hf = model_hf(cfg) if uses_trace(spec, cfg.target) else None
+    with start_layout(spec, cfg.target, hf) as target:  # a trace not cached starts now
+        src_layout = build_layout(spec, cfg.source)
+        if cfg.target.dtype == "fp8_block128":
+            spec = with_scales(spec)
+        src = piece_table(src_layout, spec, 0)  # while the target is traced
+        dst_layout = target.result()
+    return compile_layouts(cfg, spec, src_layout, dst_layout, progress, src)
 
 
 def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout: Layout,
-                    progress: Progress | None = None) -> Plan:
+                    progress: Progress | None = None, src: PieceTable | None = None) -> Plan:
     """Compile two given layouts (the rest of `cfg`: cluster, options), one pass a line:
-    topology, piece tables, route (direct or gather path), intersect and split rows,
-    assign, lower (direct path), gather (FP8 and fine-cut boxes), merge and coalesce,
-    schedule, regions, NIC stats, header (the fingerprint covers the direct path's target
-    pieces, as it always has), explain, emit."""
+    topology, piece tables (`src`: the source's, when already built), route (direct or
+    gather path), intersect and split rows, assign, lower (direct path), gather (FP8 and
+    fine-cut boxes), merge and coalesce, schedule, regions, NIC stats, header (the
+    fingerprint covers the direct path's target pieces, as it always has), explain, emit."""
     step, opts, names = progress or _quiet, cfg.options, tuple(t.name for t in spec.tensors)
     topo = build_topology(cfg.cluster, src_layout.world, dst_layout.world)
     step("intersect")
-    src, dst = piece_table(src_layout, spec, 0), piece_table(dst_layout, spec, src_layout.world)
+    src = piece_table(src_layout, spec, 0) if src is None else src
+    dst = piece_table(dst_layout, spec, src_layout.world)
     routes = route(spec, src, dst, opts, topo)
     chunks = split_rows(intersect(spec, src, routes.direct), routes.direct, opts.max_write_bytes)
     step("assign")

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
 from planner.spec import ModelSpec
 from schemas.config import ConfigError, SourceConfig, TargetConfig
 
-__all__ = ["Layout", "PhysicalTensor", "Piece", "RankLayout", "build_layout"]
+if TYPE_CHECKING:
+    from planner.layouts.trace_ahead import Pending
+
+__all__ = ["Layout", "PhysicalTensor", "Piece", "RankLayout", "build_layout", "start_layout"]
 
 
 def build_layout(spec: ModelSpec, side: SourceConfig | TargetConfig,
@@ -38,3 +41,20 @@ def build_layout(spec: ModelSpec, side: SourceConfig | TargetConfig,
     else:
         from planner.layouts import sglang as mod
     return mod.layout(spec, side)
+
+
+def start_layout(spec: ModelSpec, side: TargetConfig, hf: dict[str, Any] | None = None
+                 ) -> Pending:
+    """`build_layout(spec, side, hf)`, begun: a traced vLLM target that is not cached starts
+    tracing now in a forked process (`planner/layouts/trace_ahead.py`); any other layout is
+    built when `result()` is called. Use it as a context manager (leaving it stops a tracer)."""
+    from planner.layouts import trace_ahead, traced
+
+    bf16 = replace(side, dtype="bfloat16") if side.dtype == "fp8_block128" else side
+    if hf is None or side.engine != "vllm" or not traced.uses_trace(spec, bf16):
+        return trace_ahead.Pending(lambda: build_layout(spec, side, hf))
+    if bf16 is side:
+        return trace_ahead.begin(spec, side, hf)
+    from planner.fp8 import quantize_layout
+
+    return trace_ahead.begin(spec, bf16, hf, then=lambda layout: quantize_layout(layout, spec))

@@ -39,8 +39,12 @@ def relayer(name: str, src: int, dst: int) -> str:
     return name[:m.start(1)] + str(dst) + name[m.end(1):]
 
 
-def _signatures(entries: Iterable[Entry]) -> dict[int, list[tuple[str, tuple[int, ...], str]]]:
-    out: dict[int, list[tuple[str, tuple[int, ...], str]]] = {}
+Signatures = dict[int, list[Entry]]
+"""Per layer index, its entries with the index replaced by -1."""
+
+
+def signatures(entries: Iterable[Entry]) -> Signatures:
+    out: Signatures = {}
     for name, shape, dtype in entries:
         layer = layer_of(name)
         if layer is not None:
@@ -51,7 +55,13 @@ def _signatures(entries: Iterable[Entry]) -> dict[int, list[tuple[str, tuple[int
 def layer_classes(checkpoint: Sequence[Entry], params: Sequence[Entry]) -> list[list[int]]:
     """The checkpoint's layers grouped by (checkpoint signature, parameter signature on
     this rank), each class in layer order."""
-    ck, pa = _signatures(checkpoint), _signatures(params)
+    return classes(signatures(checkpoint), params)
+
+
+def classes(ck: Signatures, params: Sequence[Entry]) -> list[list[int]]:
+    """`layer_classes` from the checkpoint's `signatures`, the same for every rank (a
+    tracer computes them once for all its ranks)."""
+    pa = signatures(params)
     groups: dict[tuple, list[int]] = {}
     for layer in sorted(ck):
         key = (tuple(ck[layer]), tuple(pa.get(layer, ())))

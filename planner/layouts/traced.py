@@ -15,12 +15,14 @@ Cache file (msgpack map): `format` (1), `key`, `ranks`: per engine rank, a list 
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib.metadata
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -91,39 +93,76 @@ def layout(spec: ModelSpec, cfg: TargetConfig, hf: dict[str, Any],
            folder: str | None = None) -> Layout:
     """The traced vLLM layout of `cfg.replicas` engines (one trace, reused by replicas)."""
     check(spec, cfg)
-    engine = engine_ranks(spec, cfg, hf, folder or cache_dir())
+    return replicated(engine_ranks(spec, cfg, hf, folder or cache_dir()), cfg)
+
+
+def replicated(engine: Sequence[tuple[PhysicalTensor, ...]], cfg: TargetConfig) -> Layout:
+    """The layout of `cfg.replicas` engines, each `engine`'s ranks (the same tuples)."""
     ranks = tuple(RankLayout(rank=r * len(engine) + i, replica=r, tensors=tensors)
                   for r in range(cfg.replicas) for i, tensors in enumerate(engine))
     return Layout(side="target", framework="vllm", ranks=ranks, replicas=cfg.replicas)
+
+
+def cache_path(folder: str, key: str) -> str:
+    return os.path.join(folder, "traced", key + ".msgpack")
 
 
 def engine_ranks(spec: ModelSpec, cfg: TargetConfig, hf: dict[str, Any],
                  folder: str) -> list[tuple[PhysicalTensor, ...]]:
     """One engine's ranks, from the cache or traced (and then cached)."""
     key = cache_key(hf, cfg)
-    path = os.path.join(folder, "traced", key + ".msgpack")
+    path = cache_path(folder, key)
     cached = read_cache(path, key, spec, cfg.engine_world)
     if cached is not None:
         return cached
     engine = [tuple(r) for r in _trace(spec, hf, replace(cfg, replicas=1))]
-    try:
-        write_cache(path, key, engine)
-    except OSError as e:  # a read-only or full disk costs the next compile a trace, no more
-        print(f"rdma-plan: traced layout not cached ({e}); set RDMA_PLAN_CACHE to a writable "
-              "folder", file=sys.stderr)
+    cache_quietly(path, key, [encode_rank(rank) for rank in engine])
     return engine
 
 
-def _trace(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list[list[PhysicalTensor]]:
+def cache_quietly(path: str, key: str, ranks: list[Any]) -> None:
+    """`write_rows`; a read-only or full disk costs the next compile a trace, no more."""
     try:
-        from planner.layouts import vllm_trace
-    except ImportError as e:
-        raise ConfigError(f"target.layout: traced needs torch and vLLM 0.33 to trace (and "
-                          f"no cached trace was found): {e}; install them "
-                          "(tests/oracles/install_vllm.sh) or use target.layout: rules"
-                          ) from None
-    vllm_trace.check_known(hf)
-    return vllm_trace.trace_engine(spec, hf, cfg)
+        write_rows(path, key, ranks)
+    except OSError as e:
+        print(f"rdma-plan: traced layout not cached ({e}); set RDMA_PLAN_CACHE to a writable "
+              "folder", file=sys.stderr)
+
+
+def _trace(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list[list[PhysicalTensor]]:
+    """One engine traced in this process (`_trace_rows`), decoded and checked."""
+    with gc_paused():
+        return [list(decode_rank(rank, spec)) for rank in _trace_rows(spec, hf, cfg)]
+
+
+def _trace_rows(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list[list[Any]]:
+    """Import torch and vLLM and trace one engine (`encode_rank` rows, unchecked), with the
+    cyclic garbage collector paused: importing vLLM allocates ~1.5M objects, and collecting
+    them over and over while they are all still alive took ~1.5 s of a ~5.6 s import here
+    (and more while building models)."""
+    with gc_paused():
+        try:
+            from planner.layouts import vllm_trace
+        except ImportError as e:
+            raise ConfigError(f"target.layout: traced needs torch and vLLM 0.33 to trace (and "
+                              f"no cached trace was found): {e}; install them "
+                              "(tests/oracles/install_vllm.sh) or use target.layout: rules"
+                              ) from None
+        vllm_trace.check_known(hf)
+        return vllm_trace.trace_engine(spec, hf, cfg)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside: building many objects that all stay alive (an
+    import, a decoded trace) otherwise pays for collections that find nothing to free."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 # ---------------------------------------------------------------- the cache file
@@ -144,9 +183,14 @@ def decode_rank(rows: Any, spec: ModelSpec) -> tuple[PhysicalTensor, ...]:
     return tuple(_tensor(t, spec) for t in rows)
 
 
-def write_cache(path: str, key: str, engine: list[tuple[PhysicalTensor, ...]]) -> None:
-    """Write atomically (a temporary file renamed), so a reader never sees half a file."""
-    ranks = [encode_rank(rank) for rank in engine]
+def write_cache(path: str, key: str, engine: Sequence[Sequence[PhysicalTensor]]) -> None:
+    """Write one engine's ranks (`write_rows`)."""
+    write_rows(path, key, [encode_rank(rank) for rank in engine])
+
+
+def write_rows(path: str, key: str, ranks: list[Any]) -> None:
+    """Write one engine's ranks as `encode_rank`'s rows, atomically (a temporary file
+    renamed), so a reader never sees half a file."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
@@ -160,9 +204,9 @@ def read_cache(path: str, key: str, spec: ModelSpec,
     try:
         if os.path.getsize(path) > MAX_CACHE_BYTES:
             return None
-        with open(path, "rb") as f:
+        with open(path, "rb") as f, gc_paused():
             raw = msgpack.unpackb(f.read(), strict_map_key=True, use_list=True)
-        return _decode(raw, key, spec, world)
+            return _decode(raw, key, spec, world)
     except (OSError, ValueError, TypeError, KeyError, IndexError, msgpack.ExtraData,
             msgpack.FormatError, msgpack.StackError):
         return None

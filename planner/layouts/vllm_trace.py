@@ -17,8 +17,6 @@ import json
 import multiprocessing
 import os
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,67 +29,12 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 from planner.layouts import trace_layers  # noqa: E402
 from planner.layouts.base import PhysicalTensor, Piece  # noqa: E402
 from planner.layouts.trace_geometry import TraceError, View, piece  # noqa: E402
+from planner.layouts.vllm_groups import fake_parallel_state  # noqa: E402
 from planner.spec import ModelSpec  # noqa: E402
 from schemas.config import ConfigError, TargetConfig  # noqa: E402
 
 COPIES = {torch.Tensor.copy_}
 """Operations that move checkpoint data into a parameter (recorded)."""
-
-
-# ---------------------------------------------------------------- faked parallel state
-
-
-class _ProcessGroup:
-    """What vLLM asks of a `torch.distributed` group while building a model."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
-class _Group:
-    """A stand-in for vLLM's `GroupCoordinator`: sizes and ranks, no communication."""
-
-    def __init__(self, size: int, rank: int, name: str) -> None:
-        self.world_size, self.rank_in_group, self.rank = size, rank, rank
-        self.ranks, self.local_rank, self.unique_name = list(range(size)), rank, name
-        self.device_group = self.cpu_group = _ProcessGroup(size, rank)
-
-    @property
-    def is_first_rank(self) -> bool:
-        return self.rank_in_group == 0
-
-    @property
-    def is_last_rank(self) -> bool:
-        return self.rank_in_group == self.world_size - 1
-
-
-_GROUPS = ("_WORLD", "_TP", "_PP", "_DP", "_EP", "_PCP", "_DCP")
-
-
-@contextmanager
-def fake_parallel_state(cfg: TargetConfig, d: int, p: int, t: int) -> Iterator[None]:
-    """vLLM's process-wide groups for DP rank d, PP stage p, TP rank t; restored after."""
-    from vllm.distributed import parallel_state as ps
-
-    world = cfg.engine_world
-    ep = (cfg.dp * cfg.tp, d * cfg.tp + t) if cfg.ep else (1, 0)
-    groups = {"_WORLD": (world, (d * cfg.pp + p) * cfg.tp + t), "_TP": (cfg.tp, t),
-              "_PP": (cfg.pp, p), "_DP": (cfg.dp, d), "_EP": ep, "_PCP": (1, 0),
-              "_DCP": (1, 0)}
-    saved = {g: getattr(ps, g) for g in _GROUPS}
-    try:
-        for g, (size, rank) in groups.items():
-            setattr(ps, g, _Group(size, rank, g.lower()))
-        yield
-    finally:
-        for g, old in saved.items():
-            setattr(ps, g, old)
 
 
 def check_known(hf: dict[str, Any]) -> None:
@@ -245,42 +188,54 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _stand_ins(spec: ModelSpec, dtype: str) -> tuple[list[tuple[str, torch.Tensor]],
-                                                      dict[int, _Source]]:
-    """Meta tensors of the checkpoint (MTP layers left out: vLLM does not load them)."""
-    named, sources = [], {}
-    for t in spec.tensors:
-        if t.mtp:
-            continue
-        tensor = torch.empty(t.shape, dtype=getattr(torch, "float32" if t.buffer else dtype),
-                             device="meta")
-        named.append((t.name, tensor))
-        sources[_key(tensor)] = _Source(t.name, t.shape)
-    return named, sources
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """The checkpoint's tensors and what every rank's trace asks of them, computed once
+    per engine; its meta stand-ins are made per rank, for the layers the rank traces."""
+
+    entries: list[tuple[str, tuple[int, ...], torch.dtype]]
+    layers: list[int | None]
+    """The decoder layer of each entry (`trace_layers.layer_of`)."""
+    signatures: trace_layers.Signatures
+
+    def stand_ins(self, layers: set[int] | None = None
+                  ) -> tuple[list[tuple[str, torch.Tensor]], dict[int, _Source]]:
+        """Meta tensors of the entries outside decoder layers or in `layers` (all when
+        None), and each one's source by storage."""
+        stream, sources = [], {}
+        for (name, shape, dtype), layer in zip(self.entries, self.layers, strict=True):
+            if layers is None or layer is None or layer in layers:
+                tensor = torch.empty(shape, dtype=dtype, device="meta")
+                stream.append((name, tensor))
+                sources[_key(tensor)] = _Source(name, shape)
+        return stream, sources
 
 
-def trace_rank(checkpoint: tuple[list[tuple[str, torch.Tensor]], dict[int, _Source]],
-               vcfg: Any, cfg: TargetConfig, rank: tuple[int, int, int],
-               keep: list[Any]) -> list[PhysicalTensor]:
+def _checkpoint(spec: ModelSpec, dtype: str) -> Checkpoint:
+    """The checkpoint's tensors (MTP layers left out: vLLM does not load them)."""
+    entries = [(t.name, t.shape, getattr(torch, "float32" if t.buffer else dtype))
+               for t in spec.tensors if not t.mtp]
+    return Checkpoint(entries, [trace_layers.layer_of(n) for n, _, _ in entries],
+                      trace_layers.signatures((n, shape, str(d)) for n, shape, d in entries))
+
+
+def trace_rank(checkpoint: Checkpoint, vcfg: Any, cfg: TargetConfig,
+               rank: tuple[int, int, int], keep: list[Any]) -> list[PhysicalTensor]:
     """One engine rank's (DP d, PP p, TP t) `named_parameters()` as pieces, from vLLM's
-    `load_weights` of the `checkpoint` stand-ins (`_stand_ins`): the representatives of
-    each class of alike layers, extrapolated to the rest (`trace_layers`), or every layer
-    when a representative disagrees. The models go into `keep`: vLLM caches per-model
-    state by `id(model)` (`models/utils.py`), so no model may be freed while the engine's
-    others are traced."""
-    stream, sources = checkpoint
+    `load_weights` of the `checkpoint`'s stand-ins: the representatives of each class of
+    alike layers, extrapolated to the rest (`trace_layers`), or every layer when a
+    representative disagrees. The models go into `keep`: vLLM caches per-model state by
+    `id(model)` (`models/utils.py`), so no model may be freed while the engine's others
+    are traced."""
     model, named = _build(vcfg, cfg, rank, keep)
-    classes = trace_layers.layer_classes(
-        [(n, tuple(x.shape), str(x.dtype)) for n, x in stream],
-        [(n, tuple(x.shape), str(x.dtype)) for n, x in named])
-    chosen = trace_layers.representatives(classes)
-    some = [(n, x) for n, x in stream
-            if (layer := trace_layers.layer_of(n)) is None or layer in chosen]
+    classes = trace_layers.classes(checkpoint.signatures,
+                                   [(n, tuple(x.shape), str(x.dtype)) for n, x in named])
+    some = checkpoint.stand_ins(trace_layers.representatives(classes))
     pieces = trace_layers.extrapolate(classes, [n for n, _ in named],
-                                      _load(model, named, some, sources, vcfg, cfg, rank))
+                                      _load(model, named, *some, vcfg, cfg, rank))
     if pieces is None:  # a loader that treats a layer by its index: trace them all
         model, named = _build(vcfg, cfg, rank, keep)
-        pieces = _load(model, named, stream, sources, vcfg, cfg, rank)
+        pieces = _load(model, named, *checkpoint.stand_ins(), vcfg, cfg, rank)
     return [PhysicalTensor(n, tuple(x.shape), _dtype_name(x.dtype),
                            tuple(sorted(pieces[n], key=lambda q: q.at)))
             for n, x in named]
@@ -322,15 +277,18 @@ def _load(model: Any, named: list[tuple[str, torch.Tensor]],
 
 
 def trace_engine(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig,
-                 workers: int | None = None) -> list[list[PhysicalTensor]]:
-    """Every rank of one engine, in engine rank order `(d * pp + p) * tp + t`, traced by up
-    to `workers` forked processes (default: one per CPU core)."""
-    vcfg, checkpoint = engine_config(hf, cfg), _stand_ins(spec, cfg.dtype)
+                 workers: int | None = None) -> list[list[Any]]:
+    """Every rank of one engine, in engine rank order `(d * pp + p) * tp + t`, as
+    `traced.encode_rank` rows (unchecked: the caller decodes them, `traced.decode_rank`),
+    traced by up to `workers` forked processes (default: one per CPU core)."""
+    from planner.layouts.traced import encode_rank
+
+    vcfg, checkpoint = engine_config(hf, cfg), _checkpoint(spec, cfg.dtype)
     ranks = [(d, p, t) for d in range(cfg.dp) for p in range(cfg.pp) for t in range(cfg.tp)]
     workers = min(len(ranks), workers or os.cpu_count() or 1)
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         keep: list[Any] = []
-        return [trace_rank(checkpoint, vcfg, cfg, r, keep) for r in ranks]
+        return [encode_rank(trace_rank(checkpoint, vcfg, cfg, r, keep)) for r in ranks]
     ctx = multiprocessing.get_context("fork")
     pipes, procs = [], []
     for w in range(workers):
@@ -342,16 +300,16 @@ def trace_engine(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig,
         pipes.append(recv)
         procs.append(proc)
     try:
-        parts = [_receive(recv, spec) for recv in pipes]
+        parts = [_receive(recv, len(ranks[w::workers])) for w, recv in enumerate(pipes)]
     finally:
         for proc in procs:
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
-    return [list(parts[i % workers][i // workers]) for i in range(len(ranks))]
+    return [parts[i % workers][i // workers] for i in range(len(ranks))]
 
 
-def _worker(send: Any, checkpoint: Any, vcfg: Any, cfg: TargetConfig,
+def _worker(send: Any, checkpoint: Checkpoint, vcfg: Any, cfg: TargetConfig,
             ranks: list[tuple[int, int, int]]) -> None:
     """A forked tracer: sends its ranks as msgpack rows, or `{"error": line}`."""
     import msgpack
@@ -371,22 +329,21 @@ def _worker(send: Any, checkpoint: Any, vcfg: Any, cfg: TargetConfig,
     send.close()
 
 
-def _receive(recv: Any, spec: ModelSpec) -> list[tuple[PhysicalTensor, ...]]:
-    """One worker's ranks, checked like a cache file (`traced.decode_rank`)."""
+def _receive(recv: Any, n: int) -> list[Any]:
+    """One worker's `n` ranks' rows (decoded and checked by the caller)."""
     import msgpack
-
-    from planner.layouts.traced import decode_rank
 
     try:
         raw = msgpack.unpackb(recv.recv_bytes(), strict_map_key=True)
-        if isinstance(raw, dict) and "error" in raw:
-            error = str(raw["error"])[:4000]
-        else:
-            return [decode_rank(rows, spec) for rows in raw["ranks"]]
     except EOFError:
         raise TraceError("target.layout: traced: a tracing process died without an answer "
                          "(out of memory?); retry, or trace with fewer processes") from None
-    except (ValueError, TypeError, KeyError, IndexError) as e:
+    except ValueError as e:
         raise TraceError(f"target.layout: traced: a tracing process sent a bad answer ({e})"
                          ) from None
-    raise TraceError(error)
+    if isinstance(raw, dict) and "error" in raw:
+        raise TraceError(str(raw["error"])[:4000])
+    if not isinstance(raw, dict) or not isinstance(raw.get("ranks"), list) or len(
+            raw["ranks"]) != n:
+        raise TraceError("target.layout: traced: a tracing process sent a bad answer")
+    return raw["ranks"]

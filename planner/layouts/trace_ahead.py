@@ -1,0 +1,145 @@
+"""Trace ahead: a traced target layout that is not cached is traced in a forked process
+started when the compile starts, while this process builds the source side.
+
+Tracing imports torch and vLLM (~4 s on one core, the larger part of a trace) and builds
+every engine rank's model; none of it needs the source layout, and the source layout and
+its piece table need nothing of the trace. So `begin` forks a tracer (it imports vLLM, traces
+the engine with its own workers, sends the ranks as `traced.encode_rank` rows, then writes
+the cache file) and `Pending.result` joins it. This process never imports torch or vLLM, so
+the rest of the compile does not pay for their ~1.5M objects in every garbage collection.
+The tracer's answer is checked like a cache file (`traced.decode_rank`); what it traced is
+what `traced.layout` traces in this process (the same `traced._trace_rows`), so the plan is the
+same bytes. Without `fork` (or on a cache hit) nothing starts early: `result` builds the
+layout then, as `build_layout` would.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import msgpack
+
+from planner.layouts import traced
+from planner.layouts.base import Layout, PhysicalTensor
+from planner.layouts.trace_geometry import TraceError
+from planner.spec import ModelSpec
+from schemas.config import ConfigError, TargetConfig
+
+Then = Callable[[Layout], Layout]
+
+
+def _same(layout: Layout) -> Layout:
+    return layout
+
+
+class Pending:
+    """A target layout on its way: `result()` waits for it, `cancel()` stops its tracer.
+    A context manager: leaving the block cancels a tracer still running (an error on the
+    source side must not leave a process tracing behind it)."""
+
+    def __init__(self, build: Callable[[], Layout], then: Then = _same) -> None:
+        self._build, self._then = build, then
+        self._proc: Any = None
+
+    def result(self) -> Layout:
+        return self._then(self._build())
+
+    def cancel(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.is_alive():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the tracer and its workers
+            except (ProcessLookupError, PermissionError):
+                proc.kill()
+        if proc is not None:
+            proc.join(timeout=10)
+
+    def __enter__(self) -> Pending:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+def begin(spec: ModelSpec, cfg: TargetConfig, hf: dict[str, Any], folder: str | None = None,
+          then: Then = _same) -> Pending:
+    """`traced.layout(spec, cfg, hf, folder)`, begun now: on a cache miss a forked tracer
+    starts at once (a bad setting is refused here, before it starts); `then` is applied to
+    the layout when `result()` gives it (the FP8 quantization of a traced bf16 engine)."""
+    traced.check(spec, cfg)
+    folder = folder or traced.cache_dir()
+    key = traced.cache_key(hf, cfg)
+    path = traced.cache_path(folder, key)
+    engine = traced.read_cache(path, key, spec, cfg.engine_world)
+    if engine is not None:
+        return Pending(lambda: traced.replicated(engine, cfg), then)
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return Pending(lambda: traced.layout(spec, cfg, hf, folder), then)
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_tracer, args=(send, spec, hf, replace(cfg, replicas=1), path,
+                                             key))  # not a daemon: it starts workers
+    proc.start()
+    send.close()
+    pending = Pending(lambda: _join(pending, recv, spec, cfg), then)
+    pending._proc = proc
+    return pending
+
+
+def _join(pending: Pending, recv: Any, spec: ModelSpec, cfg: TargetConfig) -> Layout:
+    """The tracer's ranks, checked like a cache file; then the tracer is reaped (it only
+    writes the cache file after answering)."""
+    try:
+        with traced.gc_paused():
+            engine = _answer(recv.recv_bytes(), spec, cfg.engine_world)
+    except EOFError:
+        engine = ("target.layout: traced: the tracing process died without an answer (out "
+                  "of memory?); retry, or set RDMA_PLAN_CACHE to a folder holding a trace")
+    finally:
+        recv.close()
+    if isinstance(engine, str):
+        pending.cancel()
+        raise TraceError(engine)
+    if pending._proc is not None:
+        pending._proc.join(timeout=60)  # it writes the cache file
+    pending.cancel()  # reaps it (kills it only if that write hangs)
+    return traced.replicated(engine, cfg)
+
+
+def _answer(data: bytes, spec: ModelSpec, world: int) -> list[tuple[PhysicalTensor, ...]] | str:
+    """The tracer's `world` ranks decoded and checked (as `traced.read_cache` does), or the
+    one-line error it sent or that its answer earns."""
+    try:
+        raw = msgpack.unpackb(data, strict_map_key=True)
+        if isinstance(raw, dict) and "error" in raw:
+            return str(raw["error"])[:4000]
+        ranks = raw["ranks"]
+        if not isinstance(ranks, list) or len(ranks) != world:
+            raise ValueError(f"not {world} ranks")
+        return [traced.decode_rank(rank, spec) for rank in ranks]
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        return f"target.layout: traced: the tracing process sent a bad answer ({e})"
+
+
+def _tracer(send: Any, spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig, path: str,
+            key: str) -> None:
+    """The forked tracer: answers `{"ranks": rows}` or `{"error": line}`, then caches."""
+    os.setpgid(0, 0)  # its own group, so that `cancel` stops its workers with it
+    gc.disable()  # a short-lived process: nothing it allocates needs collecting
+    try:
+        out: dict[str, Any] = {"ranks": traced._trace_rows(spec, hf, cfg)}
+    except ConfigError as e:
+        out = {"error": str(e)}
+    except Exception as e:  # noqa: BLE001 (a failure of vLLM or torch: named in one line)
+        out = {"error": f"target.layout: traced: tracing failed ({type(e).__name__}: "
+                        f"{str(e)[:300]})"}
+    send.send_bytes(msgpack.packb(out))
+    send.close()
+    if "ranks" in out:
+        traced.cache_quietly(path, key, out["ranks"])

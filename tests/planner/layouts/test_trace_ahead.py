@@ -1,0 +1,152 @@
+"""Tracing ahead (`planner/layouts/trace_ahead.py`): a trace not cached runs in a forked
+process begun before the source side is built; its answer is the in-process trace's, is
+checked like a cache file and is cached; its failures are one line; leaving early stops it.
+
+`traced._trace` is replaced by a stub (the fork inherits it) giving the hand-written engine
+(what a trace of a covered family equals, `tests/oracles/test_vllm_trace.py`), so these
+tests run without vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from planner.fp8 import quantize_layout
+from planner.layouts import build_layout, start_layout, trace_ahead, traced, vllm
+from planner.layouts.base import Piece
+from planner.spec import spec_from_hf
+from schemas.config import ConfigError, TargetConfig
+from tests.support.models import qwen3_moe
+
+HF = qwen3_moe(num_hidden_layers=2)
+SPEC = spec_from_hf(HF, mtp=False)
+pytestmark = pytest.mark.skipif("fork" not in __import__("multiprocessing")
+                                .get_all_start_methods(), reason="tracing ahead forks")
+
+
+def target(**kw: object) -> TargetConfig:
+    return TargetConfig(**({"engine": "vllm", "tp": 2, "ep": True, "layout": "traced",
+                            "replicas": 3} | kw))  # type: ignore[arg-type]
+
+
+def engine(cfg: TargetConfig) -> list:
+    return [r.tensors for r in vllm.layout(SPEC, dataclasses.replace(cfg, replicas=1)).ranks]
+
+
+def stub(monkeypatch: pytest.MonkeyPatch, trace: Callable[..., list]) -> None:
+    """The tracer's trace: `trace`'s engine, encoded as vLLM's tracing workers send it."""
+    monkeypatch.setattr(traced, "_trace_rows", lambda *a: [traced.encode_rank(rank)
+                                                          for rank in trace(*a)])
+
+
+def test_the_forked_trace_is_the_layout_and_is_cached(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = target()
+    stub(monkeypatch, lambda spec, hf, c: [] if c.replicas != 1 else engine(c))
+    with trace_ahead.begin(SPEC, cfg, HF, str(tmp_path)) as pending:
+        assert pending._proc is not None  # started before result() is asked for
+        got = pending.result()
+    assert got == vllm.layout(SPEC, cfg)
+    assert pending._proc is None  # reaped
+    key = traced.cache_key(HF, cfg)
+    cached = traced.read_cache(traced.cache_path(str(tmp_path), key), key, SPEC,
+                               cfg.engine_world)
+    assert cached == engine(cfg)
+    stub(monkeypatch, lambda *a: pytest.fail("traced again although cached"))
+    with trace_ahead.begin(SPEC, cfg, HF, str(tmp_path)) as again:
+        assert again._proc is None and again.result() == got
+
+
+def test_fp8_quantizes_the_traced_engine(tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    hf = qwen3_moe(hidden_size=256, head_dim=128, num_attention_heads=2, num_key_value_heads=2,
+                   intermediate_size=256, moe_intermediate_size=256, vocab_size=256)
+    spec = spec_from_hf(hf, mtp=False)  # every TP 2 shard 128x128-block aligned
+    monkeypatch.setenv("RDMA_PLAN_CACHE", str(tmp_path))
+    cfg = target(dtype="fp8_block128")
+    calls: list[str] = []
+
+    def trace(spec_: object, hf_: object, c: TargetConfig) -> list:
+        calls.append(c.dtype)  # in the forked tracer: this process never sees it
+        return [r.tensors for r in vllm.layout(spec, c).ranks]
+
+    stub(monkeypatch, trace)
+    with start_layout(spec, cfg, hf) as pending:
+        got = pending.result()
+    want = quantize_layout(vllm.layout(spec, dataclasses.replace(cfg, dtype="bfloat16")), spec)
+    assert got == want
+    assert build_layout(spec, cfg, hf) == want  # the cache the tracer wrote: bf16, reused
+    assert calls == []
+
+
+def test_a_refusal_in_the_tracer_is_one_line_here(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*a: object) -> None:
+        raise ConfigError("target: vLLM refuses this engine (stub)")
+
+    stub(monkeypatch, refuse)
+    with trace_ahead.begin(SPEC, target(), HF, str(tmp_path)) as pending:
+        with pytest.raises(ConfigError, match=r"^target: vLLM refuses this engine \(stub\)$"):
+            pending.result()
+    assert not (tmp_path / "traced").exists()
+
+
+@pytest.mark.parametrize("fault", ["crash", "dies", "bad piece", "rank short"])
+def test_a_failed_or_bad_tracer_is_refused(fault: str, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    def trace(spec: object, hf: object, c: TargetConfig) -> list:
+        ranks = engine(c)
+        if fault == "crash":
+            raise RuntimeError("boom\nsecond line")
+        if fault == "dies":
+            os._exit(3)
+        if fault == "bad piece":
+            pt = ranks[0][0]
+            bad = dataclasses.replace(pt.pieces[0], offsets=(10**6, 0))
+            ranks[0] = (dataclasses.replace(pt, pieces=(bad, *pt.pieces[1:])), *ranks[0][1:])
+        return ranks[:-1] if fault == "rank short" else ranks
+
+    stub(monkeypatch, trace)
+    want = {"crash": "tracing failed \\(RuntimeError: boom", "dies": "died without an answer",
+            "bad piece": "sent a bad answer", "rank short": "sent a bad answer"}[fault]
+    with trace_ahead.begin(SPEC, target(), HF, str(tmp_path)) as pending:
+        with pytest.raises(ConfigError, match=want):
+            pending.result()
+    assert pending._proc is None
+
+
+def test_leaving_early_stops_the_tracer(tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    def slow(*a: object) -> list:
+        time.sleep(600)
+        return []
+
+    stub(monkeypatch, slow)
+    t = time.monotonic()
+    with pytest.raises(ValueError, match="the source side failed"):
+        with trace_ahead.begin(SPEC, target(), HF, str(tmp_path)) as pending:
+            proc = pending._proc
+            raise ValueError("the source side failed")
+    assert not proc.is_alive() and time.monotonic() - t < 30
+
+
+def test_settings_the_loader_does_not_write_are_refused_before_forking(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stub(monkeypatch, lambda *a: pytest.fail("traced"))
+    with pytest.raises(ConfigError, match="target.w13_order"):
+        trace_ahead.begin(SPEC, target(w13_order="w3w1"), HF, str(tmp_path))
+
+
+def test_layouts_without_a_trace_are_built_on_result() -> None:
+    cfg = dataclasses.replace(target(), layout="rules")
+    with start_layout(SPEC, cfg, HF) as pending:
+        assert pending._proc is None
+        got = pending.result()
+    assert got == vllm.layout(SPEC, cfg) and isinstance(got.ranks[0].tensors[0].pieces[0],
+                                                        Piece)
