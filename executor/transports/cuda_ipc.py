@@ -104,13 +104,15 @@ def coalesce(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, dst_alloc: np
 
 
 class _Posted:
-    __slots__ = ("batch", "ops", "raw", "stream", "event", "posted", "graph")
+    __slots__ = ("batch", "ops", "raw", "stream", "event", "posted", "graph", "order", "sides")
 
     def __init__(self, batch: WriteBatch, ops: list[Op] | None, stream: torch.cuda.Stream,
                  raw: list[tuple[int, int, int]] | None = None) -> None:
         self.batch, self.ops, self.raw, self.stream = batch, ops, raw, stream
         self.event, self.posted = torch.cuda.Event(), False
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.order: list[tuple[int, int, int, int]] = []  # (dst, src, n, raw stream): posts
+        self.sides: list[torch.cuda.Stream] = []  # the streams beside `stream` it uses
 
 
 def branches(raw: list[tuple[int, int, int]], k: int) -> list[list[tuple[int, int, int]]]:
@@ -191,7 +193,19 @@ class CudaIpcTransport:
         if o.graphs and len(n) >= o.graph_min_copies and \
                 int(n.sum()) < o.graph_max_mean_bytes * len(n):
             handle.graph = self._capture(handle.raw)
+        if handle.graph is None:
+            self._plan_posts(handle)
         return handle
+
+    def _plan_posts(self, handle: _Posted) -> None:
+        """The copies' post order, once: in turn across the branches, so that every copy
+        engine starts after one post (branch 0 on the handle's stream)."""
+        parts = branches(handle.raw or [], len(self.streams))
+        streams = [handle.stream] + [s for s in self.streams if s is not handle.stream]
+        handle.sides = streams[1:len(parts)]
+        ids = [s.cuda_stream for s in streams]
+        handle.order = [(*part[i], ids[b]) for i in range(max(map(len, parts), default=0))
+                        for b, part in enumerate(parts) if i < len(part)]
 
     def _capture(self, raw: list[tuple[int, int, int]]) -> torch.cuda.CUDAGraph | None:
         """The copies of `raw` as one CUDA graph of up to `streams` parallel branches (so
@@ -240,29 +254,24 @@ class CudaIpcTransport:
     def _post_raw(self, handle: _Posted) -> None:
         """The copies one `cudaMemcpyAsync` each, spread over the copy streams (joined back
         into the handle's stream, whose event says when all have landed)."""
-        parts = branches(handle.raw or [], len(self.streams))
-        sides = [handle.stream] + [s for s in self.streams if s is not handle.stream]
-        try:
-            for side in sides[1:len(parts)]:
-                side.wait_stream(handle.stream)
-            # in turn across the branches: every copy engine starts after one post
-            for i in range(max(map(len, parts), default=0)):
-                for side, part in zip(sides, parts):
-                    if i < len(part):
-                        self._copy(part[i:i + 1], side.cuda_stream)
-            for side in sides[1:len(parts)]:
-                handle.stream.wait_stream(side)
-        except RuntimeError as e:
-            code = self.rt.last_error() if self.rt else 0  # clear it: torch would report it
-            warnings.warn(f"rank {self.rank}: {e} ({code}); cuda_ipc falls back to torch "
-                          "copies", stacklevel=3)
-            self.rt = None
-            self._as_torch(handle)  # the whole batch again: idempotent
+        for side in handle.sides:
+            side.wait_stream(handle.stream)
+        fn, kind = self.rt.memcpy_async, _Runtime.D2D  # type: ignore[union-attr]
+        for d, s, n, stream in handle.order:
+            if fn(d, s, n, kind, stream):
+                code = self.rt.last_error()  # type: ignore[union-attr] # clear it for torch
+                warnings.warn(f"rank {self.rank}: cudaMemcpyAsync failed (error {code}); "
+                              "cuda_ipc falls back to torch copies", stacklevel=3)
+                self.rt = None
+                self._as_torch(handle)  # the whole batch again: idempotent
+                break
+        for side in handle.sides:
+            handle.stream.wait_stream(side)
 
     def _as_torch(self, handle: _Posted) -> None:
         """Turn a raw batch into torch copies (after a raw call failed)."""
         handle.ops = prepare_copies(self.regions, self.peers[handle.batch.peer], handle.batch)
-        handle.raw, handle.graph = None, None
+        handle.raw, handle.graph, handle.order = None, None, []
 
     def done(self, handle: _Posted) -> bool:
         return not handle.posted or handle.event.query()
