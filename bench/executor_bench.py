@@ -15,10 +15,13 @@ Medians over `--steps` warm steps; `--record` appends the table to BENCHMARKS.md
 from __future__ import annotations
 
 import argparse
+import cProfile
 import faulthandler
+import io
 import json
 import os
 import platform
+import pstats
 import secrets
 import statistics
 import subprocess
@@ -117,7 +120,16 @@ def worker(path: str, rank: int, port: int, steps: int, transport: str, device: 
     x = _data(n, rank, device)
     plan = executor.load(path, rank, {"x": x}, transport=transport, rendezvous=store,
                          timeout_s=120, transport_options=json.loads(options) or None)
-    runs = [executor.run(plan) for _ in range(steps + 1)][1:]
+    prof = cProfile.Profile() if os.environ.get("BENCH_PROFILE") else None
+    runs = [executor.run(plan)]  # warm-up
+    if prof:
+        prof.enable()
+    runs = [executor.run(plan) for _ in range(steps)]
+    if prof:  # where the host's time goes (`BENCH_PROFILE=1`): each rank prints its top 25
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+        print(f"--- rank {rank} profile of {steps} steps\n{out.getvalue()}", flush=True)
     if rank == 1:  # bit-exact: slot (i * 7) % W of the target holds the source's chunk i
         store.set("exact", b"1" if torch.equal(x, _permuted(n, int(store.get("writes")),
                                                             device)) else b"0")

@@ -13,7 +13,9 @@ through ctypes on the libcudart that torch loaded (about 3 us each: torch's cros
 `copy_` costs ~12 us of host time per write). Without that library, or if the raw call
 fails, the batch runs as torch copies (`torch_copy.py`). Posts queue after the caller's
 current stream (`ordered_posts`: packs need no host wait); a batch has landed when its CUDA
-event has. Notifications go through shared memory (`shm_mailbox.py`: the ranks share a
+event has. A post is a few runtime calls on raw handles made at prepare (record an event
+on the caller's stream, make the copy stream wait for it, launch the graph, record the
+landed event: ~1 us each), not torch's Python stream objects (~100 us a batch). Notifications go through shared memory (`shm_mailbox.py`: the ranks share a
 host), not the rendezvous store (a TCP round trip per poll).
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -62,6 +65,14 @@ class _Runtime:
         self.memcpy_async.restype = i
         self.last_error = lib.cudaGetLastError
         self.last_error.restype = i
+        self.event_record = lib.cudaEventRecord
+        self.event_record.argtypes, self.event_record.restype = [vp, vp], i
+        self.wait_event = lib.cudaStreamWaitEvent
+        self.wait_event.argtypes, self.wait_event.restype = [vp, vp, ctypes.c_uint], i
+        self.event_query = lib.cudaEventQuery
+        self.event_query.argtypes, self.event_query.restype = [vp], i
+        self.graph_launch = lib.cudaGraphLaunch
+        self.graph_launch.argtypes, self.graph_launch.restype = [vp, vp], i
 
     @staticmethod
     def load() -> _Runtime | None:
@@ -77,6 +88,15 @@ class _Runtime:
             except (OSError, AttributeError):
                 continue
         return None
+
+
+def _current_raw_stream() -> Callable[[int], int] | None:
+    """torch's current stream of a device as a raw `cudaStream_t`, without torch's Python
+    stream objects (None where this torch lacks it, or lacks raw graph handles)."""
+    fn = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if fn is None or not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
+        return None
+    return fn
 
 
 def load_cudart() -> _Runtime | None:
@@ -103,8 +123,29 @@ def coalesce(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, dst_alloc: np
     return dst[first], src[first], np.add.reduceat(nbytes, first)
 
 
+NOT_READY = 600  # cudaErrorNotReady: what cudaEventQuery says of work still running
+
+
+class _Fast:
+    """A batch's raw handles for posting through the runtime (no torch stream objects per
+    step): events `ready` (the caller's queued work), one per side branch, and `done`."""
+
+    __slots__ = ("events", "ready", "sides", "done", "stream", "side_streams", "graph_exec")
+
+    def __init__(self, stream: torch.cuda.Stream, sides: list[torch.cuda.Stream],
+                 graph_exec: int) -> None:
+        self.events = [torch.cuda.Event() for _ in range(2 + len(sides))]
+        for e in self.events:  # a torch event makes its CUDA event when first recorded
+            e.record(stream)
+        raw = [e.cuda_event for e in self.events]
+        self.ready, self.done, self.sides = raw[0], raw[1], raw[2:]
+        self.stream, self.side_streams = stream.cuda_stream, [s.cuda_stream for s in sides]
+        self.graph_exec = graph_exec
+
+
 class _Posted:
-    __slots__ = ("batch", "ops", "raw", "stream", "event", "posted", "graph", "order", "sides")
+    __slots__ = ("batch", "ops", "raw", "stream", "event", "posted", "graph", "order", "sides",
+                 "fast", "fast_posted")
 
     def __init__(self, batch: WriteBatch, ops: list[Op] | None, stream: torch.cuda.Stream,
                  raw: list[tuple[int, int, int]] | None = None) -> None:
@@ -113,6 +154,8 @@ class _Posted:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.order: list[tuple[int, int, int, int]] = []  # (dst, src, n, raw stream): posts
         self.sides: list[torch.cuda.Stream] = []  # the streams beside `stream` it uses
+        self.fast: _Fast | None = None
+        self.fast_posted = False
 
 
 def branches(raw: list[tuple[int, int, int]], k: int) -> list[list[tuple[int, int, int]]]:
@@ -148,6 +191,8 @@ class CudaIpcTransport:
         self.peer_segments: dict[int, list[int]] = {}
         self.ncopies = 0  # device copies per step (after merging), for benchmarks
         self.regions: list[torch.Tensor] = []
+        self.current_raw = _current_raw_stream() if self.rt is not None else None
+        """The caller's current stream as a raw handle (posts through the runtime), or None."""
 
     def register(self, regions: list[torch.Tensor]) -> None:
         self.regions = regions
@@ -195,6 +240,9 @@ class CudaIpcTransport:
             handle.graph = self._capture(handle.raw)
         if handle.graph is None:
             self._plan_posts(handle)
+        if self.current_raw is not None:
+            graph_exec = handle.graph.raw_cuda_graph_exec() if handle.graph is not None else 0
+            handle.fast = _Fast(stream, handle.sides, graph_exec)
         return handle
 
     def _plan_posts(self, handle: _Posted) -> None:
@@ -235,6 +283,11 @@ class CudaIpcTransport:
                 raise RuntimeError(f"cudaMemcpyAsync error {self.rt.last_error()}")  # type: ignore[union-attr]
 
     def post(self, handle: _Posted) -> None:
+        handle.fast_posted = False
+        if handle.fast is not None and self.rt is not None and self.current_raw is not None \
+                and self._post_fast(handle):
+            handle.posted = handle.fast_posted = True
+            return
         stream = handle.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         if handle.raw is not None and self.rt is None:  # the raw path failed before
@@ -268,12 +321,44 @@ class CudaIpcTransport:
         for side in handle.sides:
             handle.stream.wait_stream(side)
 
+    def _post_fast(self, handle: _Posted) -> bool:
+        """The post as a few runtime calls on raw handles (~1 us each: torch's stream
+        context managers and `wait_stream` cost ~100 us a batch); False if one failed (it
+        is then posted the torch way, whole: idempotent)."""
+        rt, f = self.rt, handle.fast
+        assert rt is not None and f is not None and self.current_raw is not None
+        cur = self.current_raw(self.device.index)
+        bad = rt.event_record(f.ready, cur) or rt.wait_event(f.stream, f.ready, 0)
+        if not bad and f.graph_exec:
+            bad = rt.graph_launch(f.graph_exec, f.stream)
+        elif not bad:
+            fn, kind = rt.memcpy_async, _Runtime.D2D
+            for side in f.side_streams:
+                bad = bad or rt.wait_event(side, f.ready, 0)
+            for d, s, n, stream in handle.order:
+                bad = bad or fn(d, s, n, kind, stream)
+            for side, ev in zip(f.side_streams, f.sides):
+                bad = bad or rt.event_record(ev, side) or rt.wait_event(f.stream, ev, 0)
+        bad = bad or rt.event_record(f.done, f.stream)
+        if bad:
+            code = rt.last_error()  # clear it: torch would report it later
+            warnings.warn(f"rank {self.rank}: a CUDA runtime call failed (error {bad}, "
+                          f"{code}); cuda_ipc posts through torch from now on", stacklevel=3)
+            self.current_raw = None
+            return False
+        return True
+
     def _as_torch(self, handle: _Posted) -> None:
         """Turn a raw batch into torch copies (after a raw call failed)."""
         handle.ops = prepare_copies(self.regions, self.peers[handle.batch.peer], handle.batch)
         handle.raw, handle.graph, handle.order = None, None, []
 
     def done(self, handle: _Posted) -> bool:
+        if handle.fast_posted and self.rt is not None:
+            code = self.rt.event_query(handle.fast.done)  # type: ignore[union-attr]
+            if code and code != NOT_READY:
+                raise RuntimeError(f"rank {self.rank}: CUDA error {code} in a batch's copies")
+            return not code
         return not handle.posted or handle.event.query()
 
     def notify(self, peer: int, msg: bytes) -> None:
@@ -286,7 +371,7 @@ class CudaIpcTransport:
         return self.mailbox.peer_id(peer)
 
     def release(self, handle: _Posted) -> None:
-        handle.graph = None
+        handle.graph, handle.fast = None, None  # the raw graph exec dies with the graph
 
     def stats(self) -> dict[str, int]:
         return {"device_copies": self.ncopies, "raw_copies": int(self.rt is not None)}
