@@ -1,22 +1,23 @@
 """CUDA IPC transport: GPUs of one host, peer copies over NVLink/PCIe.
 
-Each rank exports a CUDA IPC handle per region once (`UntypedStorage._share_cuda_()`);
-its fields travel as msgpack (bytes and ints), never pickle. A peer opens them with
+Each rank exports a CUDA IPC handle per region once (`UntypedStorage._share_cuda_()`); its
+fields travel as msgpack (bytes and ints), never pickle. A peer opens them with
 `UntypedStorage._new_shared_cuda(...)`. A stage's writes to one peer are one batch
-(`fuse_batches`), prepared once into raw (dst, src, nbytes) pointer triples, writes adjacent
-in memory on both sides (inside one allocation each) merged into one, split into up to
-`CudaIpcOptions.streams` branches of near-equal bytes that run side by side (several copy
-engines). A batch of small copies is captured once as one CUDA graph of those branches and
-replayed: one launch per stage and peer; one of large copies is posted as one
+(`fuse_batches`), prepared once into raw (dst, src, nbytes) pointer triples, writes
+adjacent in memory on both sides (inside one allocation each) merged into one, split into
+up to `CudaIpcOptions.streams` branches of near-equal bytes that run side by side (several
+copy engines). A batch of small copies is captured once as one CUDA graph of those branches
+and replayed: one launch per stage and peer; one of large copies is posted as one
 `cudaMemcpyAsync` (device to device, peer access enabled as torch does) per triple, called
 through ctypes on the libcudart that torch loaded (about 3 us each: torch's cross-device
 `copy_` costs ~12 us of host time per write). Without that library, or if the raw call
 fails, the batch runs as torch copies (`torch_copy.py`). Posts queue after the caller's
 current stream (`ordered_posts`: packs need no host wait); a batch has landed when its CUDA
-event has. A post is a few runtime calls on raw handles made at prepare (record an event
-on the caller's stream, make the copy stream wait for it, launch the graph, record the
-landed event: ~1 us each), not torch's Python stream objects (~100 us a batch). Notifications go through shared memory (`shm_mailbox.py`: the ranks share a
-host), not the rendezvous store (a TCP round trip per poll).
+event has. A post is a few runtime calls on raw handles made at prepare (record an event on
+the caller's stream, make the copy stream wait for it, launch the graph, record the landed
+event: ~1 us each), not torch's Python stream objects (~100 us a batch). Notifications go
+through shared memory (`shm_mailbox.py`: the ranks share a host), not the rendezvous store
+(a TCP round trip per poll).
 """
 
 from __future__ import annotations

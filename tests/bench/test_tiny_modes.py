@@ -62,6 +62,7 @@ def test_executor_bench_tiny_nixl_and_local() -> None:
     out = _run("bench/executor_bench.py", "--tiny")
     assert "| nixl (2 processes, cpu) | raw nixl write |" in out
     assert "| local (run_all_local, cpu) | torch copy_ |" in out
+    assert out.count("| yes |") == 2  # both rows bit-exact
 
 
 def test_long_run_tiny() -> None:

@@ -137,3 +137,64 @@ def test_a_blocking_store_is_accepted_through_check():
     assert store.get("rplan/rank/1") is None and time.monotonic() - t0 < 0.1
     store.set("k", b"v")
     assert store.get("k") == b"v"
+
+
+class SlowStore(Dict):
+    """A store whose writes take time and are logged in order (a TCP round trip each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, bytes]] = []
+
+    def set(self, key: str, value: bytes) -> None:
+        time.sleep(0.01)
+        super().set(key, value)
+        self.log.append((key, value))
+
+
+def _steps(store: SlowStore, reader: Control) -> list[tuple[int, bool]]:
+    """The step records as they reached the store, read back through a peer's checks."""
+    out, real = [], store.kv
+    for key, value in store.log:
+        if key == "rplan/step/1":
+            store.kv = {key: value}
+            out.append(reader.peer_step(1))
+    store.kv = real
+    return out
+
+
+def test_step_records_published_later_arrive_in_order_and_the_last_one_wins():
+    store = SlowStore()
+    me = Control(store, KEYS, "rplan", 0, 1, timeout_s=0.2)
+    peer = Control(store, KEYS, "rplan", 1, 2, timeout_s=0.2)
+    peer.claim(heartbeat=True, live_check=False)
+    try:
+        for step in range(1, 40):  # faster than the store: pending ones are replaced
+            peer.publish_step(step, running=True, later=True)
+            peer.publish_step(step + 1, later=True)
+        deadline = time.monotonic() + 5
+        while peer.step_pending is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        got = _steps(store, me)
+        assert got[-1] == (40, False)  # the newest value is what the store holds
+        assert len(got) < 78  # coalesced: a newer publish replaced one not yet written
+        keys = [s + r for s, r in got]
+        assert keys == sorted(keys)  # never an older step after a newer one
+        peer.publish_step(100, later=True)
+        peer.publish_step(50)  # a synchronous publish voids the pending one
+        time.sleep(0.1)
+        assert _steps(store, me)[-1] == (50, False)
+    finally:
+        peer.close()
+
+
+def test_close_writes_the_pending_step_record():
+    store = SlowStore()
+    me = Control(store, KEYS, "rplan", 0, 1, timeout_s=0.2)
+    peer = Control(store, KEYS, "rplan", 1, 2, timeout_s=0.2)
+    peer.claim(heartbeat=True, live_check=False)
+    peer.publish_step(3, later=True)
+    peer.publish_step(4, running=True, later=True)
+    peer.close()
+    assert _steps(store, me)[-1] == (4, True)
