@@ -6,6 +6,12 @@ replayed. Capture records kernels without running them: nothing is written at co
 Ops that cannot be captured (a failing capture, or any op on the CPU) stay as they are,
 with a warning naming the rank. The replay keeps the ops alive: the graph reads their
 index tensors and views in place, and freed memory would be handed to other tensors.
+
+Temporaries (an `index_select` of a group of boxes, a quantizer's scratch) live in the
+graph's memory pool for good. Every graph of a device shares one pool, so a rank holds the
+largest graph's temporaries, not the sum over its stages: safe because no graph's
+temporaries outlive it (results land in registered regions) and the executor replays its
+graphs one at a time on the caller's stream.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from collections.abc import Callable
 import torch
 
 Op = Callable[[], None]
+_POOLS: dict[int, object] = {}
+"""Device index -> the memory pool its captured graphs share."""
 
 
 class Replay:
@@ -36,7 +44,11 @@ def as_graph(ops: list[Op], device: torch.device, what: str) -> list[Op]:
         return ops
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.device(device), torch.cuda.graph(graph):
+        index = torch.device(device).index or 0
+        if index not in _POOLS:
+            _POOLS[index] = torch.cuda.graph_pool_handle()
+        pool = _POOLS[index]
+        with torch.cuda.device(device), torch.cuda.graph(graph, pool=pool):
             for op in ops:
                 op()
     except Exception as e:  # noqa: BLE001 - any capture failure: run the ops one by one
