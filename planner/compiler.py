@@ -83,7 +83,8 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     choice = assign(chunks, src, routes.direct, topo)
     step("lower")
     staging_ids = _staging_ids(src_layout, dst_layout)
-    direct = lower(chunks, choice, src, routes.direct, staging_ids, opts, names)
+    direct = lower(chunks, choice, src, routes.direct, staging_ids, opts, names,
+                   src_layout.world, topo.nic_gbps)
     step("gather")
     more = gather(spec, src, routes, staging_ids, opts, topo, direct.stages,
                   remote_egress(topo, direct))
