@@ -70,10 +70,11 @@ def _geometry(t: PieceTable, rows: np.ndarray, c: Chunks) -> tuple[np.ndarray, .
 
 def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
           n_regions: np.ndarray, opts: Options, tensor_names: list[str], sources: int,
-          nic_gbps: float) -> Lowered:
+          bytes_in: np.ndarray, nic_gbps: float) -> Lowered:
     """Direct writes and staged chunks (packs, writes, unpacks in stages) of `chunks`;
     plan ranks below `sources` are source ranks (`budget.budgets`: their staging budget is
-    the cap; a target's is sized from the cost model, its link at `nic_gbps`)."""
+    the cap; a target's is sized from the cost model: `bytes_in` it receives in the whole
+    plan, its link at `nic_gbps`)."""
     d_row = chunks.dst
     s_start, s_a0, s_a1 = _geometry(src, choice, chunks)
     d_start, d_a0, d_a1 = _geometry(dst, d_row, chunks)
@@ -101,7 +102,6 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     world = len(n_regions)
     si = _staging_order(np.nonzero(staged)[0], src_rank, dst_rank, nbytes, world)
     su = staged & unpack
-    bytes_in = np.bincount(dst_rank, weights=nbytes, minlength=world)
     budget = budgets(world, sources, dst_rank[su], nbytes[su], bytes_in, opts, nic_gbps)
     # Staged chunks start in stage 1 when there are direct writes: those go first, in
     # stage 0, and stage 1's packs run while they are in flight (`schemas.protocol`).
