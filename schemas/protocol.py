@@ -88,8 +88,8 @@ SCALE_BYTES = 4
 """Bytes of one scale (float32); `aux_offset` counts them."""
 SLOTS = 3
 """The compiler gives stage s the slot `s % SLOTS` of the rank's staging (each slot at most
-a third of the rank's budget, `planner/passes/budget.py`); the early-pack rule checks the `SLOTS - 1` stages
-before s."""
+a third of the rank's budget, `planner/passes/budget.py`); the early-pack rule checks the
+`SLOTS - 1` stages before s."""
 
 MAX_WORLD = 1 << 16
 """Ranks in one plan (real plans: hundreds)."""
