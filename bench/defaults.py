@@ -6,7 +6,8 @@
 Each `plans/*.yaml` and `plans/published/*.yaml` is compiled with its `options` section
 removed (the published configs set 1 GiB of staging by hand), by the real CLI in its own
 process, then simulated in its own process (`rdma-plan simulate --json`). Prints config,
-writes, stages, estimated and floor ms, ratio, and what `simulate` says the gap is made of.
+writes, stages, estimated and floor ms, ratio, what `simulate` says the gap is made of, and
+the most staging one source rank and one target rank allocate (`rdma-plan inspect --json`).
 `--record` appends the table to BENCHMARKS.md with the command and machine.
 """
 
@@ -56,20 +57,28 @@ def row(path: str, folder: str) -> dict:
                          check=True, cwd=ROOT, capture_output=True, text=True).stdout
     res = json.loads(out)
     gap = res.get("gap", {})
+    ranks = json.loads(subprocess.run([sys.executable, "-m", "planner", "inspect", plan,
+                                       "--json"], check=True, cwd=ROOT, capture_output=True,
+                                      text=True).stdout)["ranks"]
+    staging = {role: max((r["staging"] for r in ranks if r["role"] == role), default=0)
+               for role in ("source", "target")}
     return {"config": os.path.relpath(path, os.path.join(ROOT, "plans")),
             "writes": res["writes"], "stages": res["stages"],
             "estimated_ms": res["estimated_s"] * 1e3, "floor_ms": res["floor_s"] * 1e3,
             "ratio": res["ratio"], "largest": gap.get("largest"),
-            "compile_s": compile_s}
+            "compile_s": compile_s, "source_staging_mb": staging["source"] / 1e6,
+            "target_staging_mb": staging["target"] / 1e6}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| config | writes | stages | simulated ms | floor ms | ratio | largest gap cause |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| config | writes | stages | simulated ms | floor ms | ratio | largest gap cause "
+             "| staging MB, max per source / target rank |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['writes']:,} | {r['stages']} | "
                      f"{r['estimated_ms']:.1f} | {r['floor_ms']:.1f} | {r['ratio']:.3f} | "
-                     f"{r['largest']} |")
+                     f"{r['largest']} | {r.get('source_staging_mb', 0):.1f} / "
+                     f"{r.get('target_staging_mb', 0):.1f} |")
     worst = max((r["ratio"] for r in rows), default=0.0)
     lines.append(f"\nWorst ratio {worst:.3f} (goal: every config within {GOAL}x of its floor).")
     return "\n".join(lines)

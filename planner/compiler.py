@@ -36,7 +36,7 @@ from planner.passes.emit import (
     rank_regions,
 )
 from planner.passes.gather import gather
-from planner.passes.intersect import PieceTable, intersect, piece_table
+from planner.passes.intersect import PieceTable, element_size, intersect, piece_table
 from planner.passes.lower import lower, merge
 from planner.passes.route import route
 from planner.passes.schedule import schedule
@@ -83,7 +83,11 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     choice = assign(chunks, src, routes.direct, topo)
     step("lower")
     staging_ids = _staging_ids(src_layout, dst_layout)
-    direct = lower(chunks, choice, src, routes.direct, staging_ids, opts, names)
+    t = routes.targets  # what each rank receives in the whole plan (both paths)
+    bytes_in = np.bincount(t.rank, weights=t.size0 * t.size1 * element_size(t.dtype),
+                           minlength=topo.world).astype(np.int64)
+    direct = lower(chunks, choice, src, routes.direct, staging_ids, opts, names,
+                   src_layout.world, bytes_in, topo.nic_gbps)
     step("gather")
     more = gather(spec, src, routes, staging_ids, opts, topo, direct.stages,
                   remote_egress(topo, direct))

@@ -89,19 +89,41 @@ def checked_header(path: str, why: dict[int, str] | None = None) -> PlanHeader:
             for msg in violations(rp, header.world):
                 raise PlanFormatError(f"{path}: {msg}")
             if why is not None:
-                why[r] = staging_why(rp)
+                why[r] = staging_why(rp, header)
         for name in ("explain", "dag"):
             read_blob(f, header, start, name, path)
     return header
 
 
-def staging_why(rp: RankPlan) -> str:
+def staging_why(rp: RankPlan, header: PlanHeader | None = None) -> str:
     """Why rank `rp` has staging: the stage that puts the most bytes there, what fills it
     (packs or QUANTs of this rank's tensors, or peers' writes unpacked here) and the
-    tensor with most of those bytes; "" without staging."""
+    tensor with most of those bytes, then (given the plan's `header`) how its budget was
+    chosen (`planner.passes.budget`); "" without staging."""
     names = [r.name for r in rp.regions]
     if STAGING not in names:
         return ""
+    what = _staging_use(rp, names)
+    if header is None or not what:
+        return what
+    return f"{what}; {_budget_why(rp, header, names.index(STAGING))}"
+
+
+def _budget_why(rp: RankPlan, header: PlanHeader, st: int) -> str:
+    from planner.passes.budget import budget_why
+    from schemas.protocol import ITEM
+
+    c = rp.copies
+    m = (c["kind"] == UNPACK) & (c["src_region"] == st)
+    n = c["size0"][m] * c["size1"][m] * c["size2"][m] * ITEM[c["src_dtype"][m]]
+    return budget_why(header.ranks[rp.rank].role, int(n.max(initial=0)), int(n.sum()),
+                      header.rank_stats[rp.rank].bytes_in, header.options,
+                      header.cluster.nic_gbps)
+
+
+def _staging_use(rp: RankPlan, names: list[str]) -> str:
+    """The stage that puts the most bytes in `rp`'s staging, what fills it and the tensor
+    with most of those bytes."""
     st, c, w = names.index(STAGING), rp.copies, rp.writes
     size = (c["size0"] * c["size1"] * c["size2"]).astype(np.float64)
     packs = np.isin(c["kind"], (PACK, QUANT)) & (c["dst_region"] == st)

@@ -134,7 +134,9 @@ def _suggest(sim: Any, g: dict[str, Any]) -> str:
     largest, tail = g["largest"], g.get("tail", {})
     if largest == "stage boundaries" and stages > 1:
         return (f"{stages} stages: raise options.staging_bytes (now {opts.staging_bytes >> 20} "
-                "MiB) so that fewer, larger stages meet fewer DONE/ACK round trips")
+                "MiB) so that fewer, larger stages meet fewer DONE/ACK round trips (it caps "
+                "every rank; targets stage only what keeps the write window full: "
+                "`rdma-plan inspect` says each rank's)")
     if largest == "within stages":
         return ("the write window runs dry between batches: more batches in flight "
                 "(executor max_inflight; `rdma-plan simulate --inflight N` shows it), or "

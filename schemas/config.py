@@ -296,9 +296,11 @@ class ClusterConfig:
 class Options:
     max_write_bytes: int = 64 << 20
     """Largest single RDMA write; longer runs are split."""
-    staging_bytes: int = 256 << 20
+    staging_bytes: int = 1 << 30
     """Staging memory cap per rank (pack/cast on sources, unpack on targets): a rank
-    allocates what its ops use at peak, never more than this."""
+    allocates what its ops use at peak, never more than this. Below it the compiler picks
+    each rank's budget (`planner/passes/budget.py`): sources up to the cap (fewer stages),
+    targets only what keeps the write window full (they prefer direct writes)."""
     write_overhead_us: float = 2.0
     """Cost model: fixed cost of one write (posting, completion), in microseconds."""
     pack_gbps: float = 2000.0

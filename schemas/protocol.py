@@ -32,7 +32,8 @@ The rules, each with its one home here:
 - Staging: the last region of a rank when it is named `STAGING` (`staging_index`); the
   compiler gives stage s the slot `s % SLOTS` of it (slot k starts where slot k-1 ends,
   each as large as the most one of the rank's stages puts there: staging is sized to
-  need, `options.staging_bytes` caps it).
+  need, within the rank's budget: `options.staging_bytes` caps it, targets get only what
+  keeps the write window full).
 - The stage of a write is its batch's (`write_stages`).
 - Carry-over (`carries`): a rank may leave stage s with its writes still in flight only where
   it waits for no DONE, unpacks nothing and sends no ACK in s, and s is not its last stage;
@@ -87,8 +88,8 @@ SCALE_BYTES = 4
 """Bytes of one scale (float32); `aux_offset` counts them."""
 SLOTS = 3
 """The compiler gives stage s the slot `s % SLOTS` of the rank's staging (each slot at most
-a third of `options.staging_bytes`); the early-pack rule checks the `SLOTS - 1` stages
-before s."""
+a third of the rank's budget, `planner/passes/budget.py`); the early-pack rule checks the
+`SLOTS - 1` stages before s."""
 
 MAX_WORLD = 1 << 16
 """Ranks in one plan (real plans: hundreds)."""

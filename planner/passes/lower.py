@@ -9,7 +9,8 @@ Each chunk is a 2-d box `size0 x size1` that starts at element `start` with stri
   staging, one write, and an UNPACK out of the target's staging where the target box is
   strided. Either side skips its copy when its box is contiguous and needs no cast.
 The cost model (options: write overhead, pack overhead and throughput) picks the cheaper;
-staged chunks are placed in stages so that no rank's staging exceeds `staging_bytes`.
+staged chunks are placed in stages so that no rank's staging exceeds its budget
+(`budget.budgets`: sources up to `staging_bytes`, targets what keeps the write window full).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.passes.budget import budgets
 from planner.passes.intersect import Chunks, PieceTable, element_size
 from schemas.config import ConfigError, Options
 from schemas.plan import PACK, UNPACK
@@ -67,7 +69,12 @@ def _geometry(t: PieceTable, rows: np.ndarray, c: Chunks) -> tuple[np.ndarray, .
 
 
 def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
-          n_regions: np.ndarray, opts: Options, tensor_names: list[str]) -> Lowered:
+          n_regions: np.ndarray, opts: Options, tensor_names: list[str], sources: int,
+          bytes_in: np.ndarray, nic_gbps: float) -> Lowered:
+    """Direct writes and staged chunks (packs, writes, unpacks in stages) of `chunks`;
+    plan ranks below `sources` are source ranks (`budget.budgets`: their staging budget is
+    the cap; a target's is sized from the cost model: `bytes_in` it receives in the whole
+    plan, its link at `nic_gbps`)."""
     d_row = chunks.dst
     s_start, s_a0, s_a1 = _geometry(src, choice, chunks)
     d_start, d_a0, d_a1 = _geometry(dst, d_row, chunks)
@@ -94,10 +101,12 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     src_rank, dst_rank = src.rank[choice], dst.rank[d_row]
     world = len(n_regions)
     si = _staging_order(np.nonzero(staged)[0], src_rank, dst_rank, nbytes, world)
+    su = staged & unpack
+    budget = budgets(world, sources, dst_rank[su], nbytes[su], bytes_in, opts, nic_gbps)
     # Staged chunks start in stage 1 when there are direct writes: those go first, in
     # stage 0, and stage 1's packs run while they are in flight (`schemas.protocol`).
     first = int(bool((~staged).any() and (staged & pack).any()))
-    st = _place_staging(si, src_rank, dst_rank, pack, unpack, nbytes,
+    st = _place_staging(si, src_rank, dst_rank, pack, unpack, nbytes, budget,
                         opts, chunks.tensor, tensor_names, world, first)
     stage, s_soff, d_soff, staging, slotted = st
     stages = int(stage.max()) + 1 if len(stage) else 1
@@ -157,35 +166,39 @@ def _staging_order(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
 
 
 def _place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
-                   pack: np.ndarray, unpack: np.ndarray, nbytes: np.ndarray, opts: Options,
-                   tensor: np.ndarray, tensor_names: list[str], world: int, first: int = 0
+                   pack: np.ndarray, unpack: np.ndarray, nbytes: np.ndarray,
+                   budget: np.ndarray, opts: Options, tensor: np.ndarray,
+                   tensor_names: list[str], world: int, first: int = 0
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
     """Stage (from `first` on) and staging offsets of each staged chunk: the first stage
     where both ends fit; each rank's staging bytes; and whether stages use slots.
 
     Stage s uses slot `s % SLOTS` of the rank's staging, so the packs of stage s+1 never
     touch what stages s and s-1 read and may run while their writes are in flight
-    (`schemas.protocol`); a stage fills at most a third of the budget, and each slot of a
-    rank is as large as the most one of its stages puts there (`slot_bases`): the budget
-    is a cap, not an allocation. When a chunk is larger than a third, every stage uses all
-    of the budget (and packs in order)."""
-    budget = opts.staging_bytes
+    (`schemas.protocol`); a stage fills at most a third of the rank's `budget`, and each
+    slot of a rank is as large as the most one of its stages puts there (`slot_bases`): the
+    budget is a cap, not an allocation. When a chunk is larger than a third of a budget it
+    uses, every stage uses all of each rank's budget (and packs in order)."""
+    cap_bytes = opts.staging_bytes
     stage = np.zeros(len(si), dtype=np.int64)
     s_off = np.zeros(len(si), dtype=np.int64)
     d_off = np.zeros(len(si), dtype=np.int64)
     if len(si) == 0:
         return stage, s_off, d_off, np.zeros(world, dtype=np.int64), False
-    big = nbytes[si] > budget
+    big = nbytes[si] > cap_bytes
     if big.any():
         i = si[np.argmax(big)]
-        why = "a cast or strided pack" if budget else "staging (a cast, or a strided box)"
+        why = "a cast or strided pack" if cap_bytes else "staging (a cast, or a strided box)"
         raise ConfigError(
-            f"options.staging_bytes: {budget} is too small: {tensor_names[tensor[i]]} needs "
+            f"options.staging_bytes: {cap_bytes} is too small: {tensor_names[tensor[i]]} needs "
             f"{why} of {int(nbytes[i])} bytes; raise options.staging_bytes to at least "
             f"{int(nbytes[i])} or lower options.max_write_bytes")
     third = budget // SLOTS // ALIGN * ALIGN
-    slots = third > 0 and int(nbytes[si].max()) <= third
-    cap = third if slots else budget
+    p_, u_ = pack[si], unpack[si]
+    slots = bool((third[src_rank[si][p_]] >= nbytes[si][p_]).all()
+                 and (third[dst_rank[si][u_]] >= nbytes[si][u_]).all()
+                 and (third[src_rank[si][p_]] > 0).all() and (third[dst_rank[si][u_]] > 0).all())
+    cap = (third if slots else budget).tolist()
     used: dict[tuple[int, int], int] = {}
     cursor = [first] * world
     sr, dr = src_rank[si].tolist(), dst_rank[si].tolist()
@@ -193,7 +206,7 @@ def _place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
     for j in range(len(si)):
         ranks = ([sr[j]] if pk[j] else []) + ([dr[j]] if up[j] else [])
         s = max(cursor[r] for r in ranks)
-        while any(used.get((r, s), 0) + nb[j] > cap for r in ranks):
+        while any(used.get((r, s), 0) + nb[j] > cap[r] for r in ranks):
             s += 1
         stage[j] = s
         size = -(-nb[j] // ALIGN) * ALIGN

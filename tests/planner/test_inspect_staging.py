@@ -33,6 +33,7 @@ def test_a_source_that_packs(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     ranks = inspected("demo-moe.yaml", tmp_path, capsys)["ranks"]
     why = {r["rank"]: r["staging_why"] for r in ranks}
     assert why[1].startswith("stage 1: packed from decoder.layers.")
+    assert why[1].endswith("; source, up to the cap (1024 MiB)")  # how its budget was chosen
     assert why[0] == why[2] == ""
 
 
@@ -41,4 +42,6 @@ def test_targets_that_unpack(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     targets = [r for r in out["ranks"] if r["role"] == "target"]
     assert targets and all("unpacked into model.layers." in r["staging_why"]
                            for r in targets)
+    # a target's budget: the write window (4 of its largest staged writes per slot)
+    assert all("; target, slots of 4 x its largest write" in r["staging_why"] for r in targets)
     assert all(r["staging_why"] == "" for r in out["ranks"] if r["role"] == "source")
