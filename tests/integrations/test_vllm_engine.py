@@ -81,7 +81,7 @@ def case_dict(tmp: Path, name: str, hf: dict, source: dict, ep: bool, st: list[d
               timeout_s: float = 60.0) -> dict:
     plan = compile_case(tmp, name, hf, source, ep)
     return dict(name=name, hf=hf, source=source, tp=2, ep=ep, folder=str(tmp / name),
-                plan=plan, steps=st, rdzv=free_port(), timeout_s=timeout_s, trainers=2,
+                plan=plan, steps=st, timeout_s=timeout_s, trainers=2,
                 workers=2)
 
 

@@ -21,6 +21,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from tests.integrations import vllm_cases  # noqa: E402
+from tests.support.procs import free_port  # noqa: E402
 
 
 def run_case(case: dict, rank: int, store, start: int) -> None:  # noqa: ANN001
@@ -31,9 +32,11 @@ def run_case(case: dict, rank: int, store, start: int) -> None:  # noqa: ANN001
     name, steps, trainers = case["name"], case["steps"], case["trainers"]
     source = vllm_cases.dict_source(vllm_cases.source_tensors(case, rank, steps[start]["seed"]))
     client = vllm_cases.StoreClient(store, name, case["workers"])
+    if rank == 0 and start == 0:  # a port picked now: one picked when the test began
+        store.set(f"{name}/rdzv", str(free_port()).encode())  # was taken by vLLM's own
+    port = int(store.get(f"{name}/rdzv"))  # stores by the time a later case ran
     info = RdmaPlanTrainerInitInfo(rank=rank, plan=case["plan"],
-                                   rendezvous=f"127.0.0.1:{case['rdzv']}",
-                                   timeout_s=case["timeout_s"])
+                                   rendezvous=f"127.0.0.1:{port}", timeout_s=case["timeout_s"])
     for w in range(case["workers"]):  # the plan's load timeout starts once vLLM is up
         store.get(f"{name}/built/{w}")
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
