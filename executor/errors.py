@@ -72,3 +72,8 @@ class LeaseHeldError(RuntimeError):
 
 class LeaseLostError(RuntimeError):
     """This process's lease was taken over by a newer process of its rank: it must stop."""
+
+
+class RendezvousError(UserError, RuntimeError):
+    """The rendezvous store could not be hosted or reached (names the address and the fix)."""
+

@@ -7,13 +7,20 @@ once when no rank has set the key. Stores whose `get` blocks until the key appea
 key is there. A torch store is cloned (`Store.clone()`, its own connection): the caller may
 block its own connection (`store.wait`) while the lease's heartbeat must go on. Everything
 read from a store is checked (`control.py`) before it is used.
+
+A `"host:port"` store is made within `timeout_s` or refused in one line
+(`RendezvousError`): torch's `TCPStore` client waits forever, whatever its timeout, on a
+port where another service (a gloo or NCCL listener) accepts and never answers, and its
+host raises a socket error when the port is taken.
 """
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Any
 
+from .errors import RendezvousError
 from .transports.base import Store
 
 
@@ -38,9 +45,7 @@ def open_store(rendezvous: object, rank: int, timeout_s: float) -> Store:
         host, _, port = rendezvous.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"rendezvous {rendezvous!r} is not 'host:port'")
-        store = dist.TCPStore(host, int(port), is_master=rank == 0, wait_for_workers=False,
-                              timeout=timedelta(seconds=timeout_s))
-        return TorchStore(store)
+        return TorchStore(_tcp_store(dist, host, int(port), rank, timeout_s))
     if type(rendezvous).__module__.startswith("torch"):
         try:  # a connection of our own: the caller may block theirs (store.wait), and the
             rendezvous = rendezvous.clone()  # lease's heartbeat must not wait behind it
@@ -54,3 +59,31 @@ def open_store(rendezvous: object, rank: int, timeout_s: float) -> Store:
                          "or a store with set(key, bytes) and either a get(key) that returns "
                          "None at once for a missing key or check([key]) -> bool")
     return rendezvous  # type: ignore[return-value]
+
+
+def _tcp_store(dist: Any, host: str, port: int, rank: int, timeout_s: float) -> Any:
+    """A TCPStore at host:port (hosted by rank 0), made in a thread that is given up on after
+    `timeout_s` (torch's client never returns from a listener that does not answer)."""
+    made: list[Any] = []
+
+    def make() -> None:
+        try:
+            made.append(dist.TCPStore(host, port, is_master=rank == 0, wait_for_workers=False,
+                                      timeout=timedelta(seconds=timeout_s)))
+        except Exception as e:  # noqa: BLE001 - reported below, in one line
+            made.append(e)
+
+    thread = threading.Thread(target=make, daemon=True, name=f"rplan-store-{rank}")
+    thread.start()
+    thread.join(timeout_s + 5.0)
+    got = made[0] if made else None
+    where = f"rendezvous {host}:{port} (rank {rank}"
+    if got is None:
+        raise RendezvousError(
+            f"{where}): nothing there answered as a TCPStore within {timeout_s:g} s; another "
+            "service may hold that port: give every rank a free port for the rendezvous")
+    if isinstance(got, Exception):
+        what = "host" if rank == 0 else "reach"
+        raise RendezvousError(f"{where}) could not {what} the store: {str(got).splitlines()[0]}"
+                              "; pick a free port (rank 0 hosts the store there)") from got
+    return got

@@ -198,3 +198,22 @@ def test_close_writes_the_pending_step_record():
     peer.publish_step(4, running=True, later=True)
     peer.close()
     assert _steps(store, me)[-1] == (4, True)
+
+
+def test_a_rendezvous_port_held_by_another_service_is_refused_in_time():
+    """torch's TCPStore client never returns from a listener that does not answer (a gloo
+    port, say); `open_store` gives up after its timeout and names the address."""
+    import socket
+
+    from executor.errors import RendezvousError
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(4)
+        port = srv.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousError, match=f"127.0.0.1:{port} .*nothing there answered"):
+            open_store(f"127.0.0.1:{port}", 1, 1.0)
+        assert time.monotonic() - t0 < 15
+        with pytest.raises(RendezvousError, match=f"127.0.0.1:{port} .*could not host"):
+            open_store(f"127.0.0.1:{port}", 0, 1.0)  # rank 0 cannot host on a taken port
