@@ -110,8 +110,7 @@ class Executor(Signalling):
         self.rejoined = False
         self.bytes_per_step = int(plan.writes["nbytes"].sum())
         self.received_per_step = received_bytes(header, self.rank)
-        self.waited = 0.0  # seconds of this step spent waiting (waits.py, end_step)
-        self.window_waited = 0.0  # the window's count when this step began
+        self.waited = 0.0  # seconds of this step spent waiting (waits.py)
 
     @staticmethod
     def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str = "nixl",
@@ -223,7 +222,7 @@ class Executor(Signalling):
         if self.failed or self.inbox.foreign:
             recovery.recover(self)
         self.step = self.step + 1 if step is None else step
-        self.waited, self.window_waited = 0.0, self.window.waited
+        self.waited = self.window.waited = 0.0
         self.inbox.drop_before(self.step)
         # where peers join (recovery.py); by the publisher thread, off the step's path
         self.control.publish_step(self.step, running=True, later=True)
@@ -246,10 +245,7 @@ class Executor(Signalling):
             pass
 
     def end_step(self, t0: float) -> RunStats:
-        if self.device.type == "cuda":  # unpacks are queued: the weights are whole after this
-            t1 = time.perf_counter()
-            torch.cuda.current_stream(self.device).synchronize()
-            self.waited += time.perf_counter() - t1
+        self._sync()  # unpacks are queued: the weights are whole after this
         self.complete = True
         self.last_complete_step = self.step
         seconds = time.perf_counter() - t0
@@ -257,7 +253,7 @@ class Executor(Signalling):
             self.control.publish_step(self.step + 1, later=True)
         except Exception:  # noqa: BLE001 - the store may be gone; the weights are whole
             pass
-        waited = self.waited + self.window.waited - self.window_waited
+        waited = self.waited + self.window.waited
         return RunStats(self.rank, self.step, self.bytes_per_step, self.received_per_step,
                         seconds, True, min(waited, seconds))
 

@@ -30,7 +30,7 @@ class Window:
         self.inflight: deque[tuple[Entry, int]] = deque()
         self.left: dict[int, int] = {}  # stage -> its batches not yet reaped
         self.closed: set[int] = set()
-        self.waited = 0.0  # seconds spent waiting for batches to land (all steps)
+        self.waited = 0.0  # seconds spent waiting for batches to land (the executor resets it)
 
     def __len__(self) -> int:
         return len(self.inflight)
