@@ -29,7 +29,8 @@ from schemas.config import Options
 from schemas.protocol import SLOTS
 
 ALIGN = 64
-"""Staging offsets are aligned to this many bytes (`lower.ALIGN`)."""
+"""Staging offsets are aligned to this many bytes (the one definition; `lower` places
+staging with it)."""
 WINDOW_WRITES = -(-INFLIGHT // (SLOTS - 1))
 """Staged writes a target's slot holds: the write window spread over the slots not being
 unpacked."""

@@ -19,14 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.passes.budget import budgets
+from planner.passes.budget import ALIGN, budgets
 from planner.passes.intersect import Chunks, PieceTable, element_size
 from schemas.config import ConfigError, Options
 from schemas.plan import PACK, UNPACK
 from schemas.protocol import SLOTS
-
-ALIGN = 64
-"""Staging offsets are aligned to this many bytes."""
 
 
 @dataclass(frozen=True, slots=True)
