@@ -184,13 +184,14 @@ def bench_two_processes(path: str, steps: int, transport: str, device: str,
     return ex, raw, host, store.get("exact") == b"1"
 
 
-def bench_local(path: str, n: int, writes: int, steps: int,
-                device: str) -> tuple[float, float, float, bool]:
+def bench_local(path: str, n: int, writes: int, steps: int, device: str,
+                options: str = "{}") -> tuple[float, float, float, bool]:
     src = _data(n, 0, device)
     dst = torch.zeros(n, dtype=torch.uint8, device=device)
     sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
-    runs = [executor.run_all_local(path, {0: {"x": src}, 1: {"x": dst}}, steps=2)
-            for _ in range(steps)]
+    opts = json.loads(options) or None
+    runs = [executor.run_all_local(path, {0: {"x": src}, 1: {"x": dst}}, steps=2,
+                                   transport_options=opts) for _ in range(steps)]
     exact = torch.equal(dst, _permuted(n, writes, device))
     raw = []
     for _ in range(steps + 1):
@@ -219,6 +220,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (rank 1 on cuda:1 if any)")
     ap.add_argument("--transport-options", default="{}",
                     help='JSON of the transport\'s options, e.g. \'{"graphs": false}\'')
+    ap.add_argument("--local-options", default="{}",
+                    help='JSON of the local transport\'s options, e.g. \'{"copy_kernel": false}\'')
     ap.add_argument("--tiny", action="store_true",
                     help="8 writes of 64 KiB, 2 steps, nixl on CPU (the test suite's mode)")
     a = ap.parse_args()
@@ -232,7 +235,7 @@ def main() -> None:
                  *bench_two_processes(path, a.steps, a.transport, dev, a.writes,
                                       a.transport_options)),
                 (f"local (run_all_local, {a.device})", "torch copy_",
-                 *bench_local(path, n, a.writes, a.steps, dev))]
+                 *bench_local(path, n, a.writes, a.steps, dev, a.local_options))]
     gb = n / 1e9
     lines = [f"{a.writes} writes x {a.mib:g} MiB = {n / 2**20:g} MiB, median of {a.steps} "
              "warm steps",

@@ -9,6 +9,7 @@ protocol), so it is reported as a plan deadlock instead of hanging.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -25,12 +26,13 @@ class PlanDeadlockError(UserError, RuntimeError):
 
 
 def run_all_local(plan_path: str, tensors_by_rank: dict[int, dict[str, torch.Tensor]],
-                  steps: int = 1) -> RunStats:
-    """Run `steps` steps of every rank of the plan at `plan_path`; stats of the last step."""
+                  steps: int = 1, transport_options: dict[str, Any] | None = None) -> RunStats:
+    """Run `steps` steps of every rank of the plan at `plan_path`; stats of the last step
+    (`transport_options`: `local`'s, see `transports/options.py`)."""
     plan = load_plan(plan_path)
     fabric = Fabric()
-    exs = [Executor(plan.header, rp, tensors_by_rank.get(rp.rank, {}), "local", fabric)
-           for rp in plan.ranks]
+    exs = [Executor(plan.header, rp, tensors_by_rank.get(rp.rank, {}), "local", fabric,
+                    transport_options=transport_options) for rp in plan.ranks]
     for ex in exs:
         ex.register()
     for ex in exs:

@@ -20,7 +20,8 @@ def make_transport(kind: str, options: dict[str, Any] | None = None) -> Factory:
     def make(rank: int, namespace: str, store: Store, device: torch.device) -> Transport:
         if kind == "local":
             from .local import Fabric, LocalTransport
-            return LocalTransport(rank, namespace, store if isinstance(store, Fabric) else None)
+            return LocalTransport(rank, namespace, store if isinstance(store, Fabric) else None,
+                                  opts)
         if kind == "nixl":
             from .nixl import NixlTransport
             return NixlTransport(rank, namespace, opts)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .base import Store, WriteBatch
+from .copy_kernel import CopyKernel, coalesce
 from .options import CudaIpcOptions
 from .shm_mailbox import ShmMailbox
 from .torch_copy import Op, prepare_copies
@@ -111,19 +112,6 @@ def _segment(t: torch.Tensor, offset: int) -> int:
     return t.untyped_storage().data_ptr() - offset
 
 
-def coalesce(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, dst_alloc: np.ndarray,
-             src_alloc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge consecutive writes that are adjacent in memory on both sides and stay inside one
-    allocation on each side (int64 arrays; `*_alloc`: each write's allocation base). A copy
-    that spans two allocations, even adjacent ones, fails (cudaErrorInvalidValue)."""
-    if len(nbytes) < 2:
-        return dst, src, nbytes
-    cut = (src[1:] != src[:-1] + nbytes[:-1]) | (dst[1:] != dst[:-1] + nbytes[:-1]) | \
-        (src_alloc[1:] != src_alloc[:-1]) | (dst_alloc[1:] != dst_alloc[:-1])
-    first = np.flatnonzero(np.concatenate([[True], cut]))
-    return dst[first], src[first], np.add.reduceat(nbytes, first)
-
-
 NOT_READY = 600  # cudaErrorNotReady: what cudaEventQuery says of work still running
 
 
@@ -146,7 +134,7 @@ class _Fast:
 
 class _Posted:
     __slots__ = ("batch", "ops", "raw", "stream", "event", "posted", "graph", "order", "sides",
-                 "fast", "fast_posted")
+                 "fast", "fast_posted", "table")
 
     def __init__(self, batch: WriteBatch, ops: list[Op] | None, stream: torch.cuda.Stream,
                  raw: list[tuple[int, int, int]] | None = None) -> None:
@@ -157,6 +145,7 @@ class _Posted:
         self.sides: list[torch.cuda.Stream] = []  # the streams beside `stream` it uses
         self.fast: _Fast | None = None
         self.fast_posted = False
+        self.table: torch.Tensor | None = None  # the copy kernel's pieces (its graph reads it)
 
 
 def branches(raw: list[tuple[int, int, int]], k: int) -> list[list[tuple[int, int, int]]]:
@@ -194,6 +183,8 @@ class CudaIpcTransport:
         self.regions: list[torch.Tensor] = []
         self.current_raw = _current_raw_stream() if self.rt is not None else None
         """The caller's current stream as a raw handle (posts through the runtime), or None."""
+        self.kernel = CopyKernel.load(device) if opts.copy_kernel and self.rt else None
+        """The batched copy kernel (`copy_kernel.py`), or None: copy engines only."""
 
     def register(self, regions: list[torch.Tensor]) -> None:
         self.regions = regions
@@ -236,7 +227,11 @@ class CudaIpcTransport:
         self.ncopies += len(n)
         handle = _Posted(batch, None, stream, list(zip(d.tolist(), s.tolist(), n.tolist())))
         o = self.options
-        if o.graphs and len(n) >= o.graph_min_copies and \
+        if self.kernel is not None and len(n) and \
+                int(n.sum()) < o.kernel_max_mean_bytes * len(n):
+            handle.table = self.kernel.table(d, s, n)
+            handle.graph = self._capture_kernel(handle.table)
+        if handle.graph is None and o.graphs and len(n) >= o.graph_min_copies and \
                 int(n.sum()) < o.graph_max_mean_bytes * len(n):
             handle.graph = self._capture(handle.raw)
         if handle.graph is None:
@@ -274,6 +269,20 @@ class CudaIpcTransport:
             warnings.warn(f"rank {self.rank}: cuda_ipc could not capture a batch as a CUDA "
                           f"graph ({e}); it posts its copies one by one", stacklevel=2)
             torch.cuda.synchronize(self.device)
+            return None
+        return graph
+
+    def _capture_kernel(self, table: torch.Tensor) -> torch.cuda.CUDAGraph | None:
+        """One launch of the copy kernel over `table` as a CUDA graph, or None."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.device(self.device), torch.cuda.graph(graph):
+                self.kernel.launch(table)  # type: ignore[union-attr]
+        except Exception as e:  # noqa: BLE001 - the copy engines instead
+            warnings.warn(f"rank {self.rank}: cuda_ipc could not capture its copy kernel ({e}); "
+                          "the copy engines take its batches", stacklevel=2)
+            torch.cuda.synchronize(self.device)
+            self.kernel = None
             return None
         return graph
 
@@ -373,6 +382,7 @@ class CudaIpcTransport:
 
     def release(self, handle: _Posted) -> None:
         handle.graph, handle.fast = None, None  # the raw graph exec dies with the graph
+        handle.table = None
 
     def stats(self) -> dict[str, int]:
         return {"device_copies": self.ncopies, "raw_copies": int(self.rt is not None)}

@@ -1,7 +1,8 @@
 """In-process transport: every rank lives in this process and shares one `Fabric`.
 
 Writes are torch copies between the ranks' regions, prepared once per batch
-(`torch_copy.py`). Every rank queues its kernels and copies on the one current stream, in
+(`torch_copy.py`); on a GPU, one launch of the batched copy kernel (`copy_kernel.py`)
+where it builds. Every rank queues its kernels and copies on the one current stream, in
 program order: on a GPU a batch's copies are one CUDA graph, a stage's batches one batch
 per destination, and nothing waits for a kernel before a signal (`one_stream`).
 """
@@ -12,10 +13,13 @@ import os
 from collections import defaultdict
 from typing import Any
 
+import numpy as np
 import torch
 
 from .base import WriteBatch
+from .copy_kernel import CopyKernel, coalesce
 from .graphs import as_graph
+from .options import LocalOptions
 from .torch_copy import Op, prepare_copies
 
 
@@ -44,8 +48,10 @@ class LocalTransport:
     ordered_posts = one_stream = True
     """Copies run on the caller's current stream, in the order they are posted."""
 
-    def __init__(self, rank: int, namespace: str, fabric: Fabric | None = None) -> None:
+    def __init__(self, rank: int, namespace: str, fabric: Fabric | None = None,
+                 options: LocalOptions | None = None) -> None:
         self.rank, self.ns, self.fabric = rank, namespace, fabric or FABRIC
+        self.options = options or LocalOptions()
         self.peers: dict[int, list[torch.Tensor]] = {}
         self.regions: list[torch.Tensor] = []
         self.fuse_batches = self.graph_ops = False  # on a GPU: see the module doc
@@ -62,10 +68,32 @@ class LocalTransport:
         self.peers[peer] = self.fabric.regions[(self.ns, int(desc["rank"]))]
 
     def prepare(self, batch: WriteBatch) -> list[Op]:
-        ops = prepare_copies(self.regions, self.peers[batch.peer], batch)
+        ops = self._kernel_ops(batch) if self.graph_ops else None
+        if ops is None:
+            ops = prepare_copies(self.regions, self.peers[batch.peer], batch)
         if self.graph_ops:
             ops = as_graph(ops, self.regions[0].device, f"rank {self.rank} writes")
         return ops
+
+    def _kernel_ops(self, batch: WriteBatch) -> list[Op] | None:
+        """The batch as one launch of the copy kernel, or None (turned off, or the peer's
+        regions on another device, or no kernel on this device)."""
+        dev = self.regions[0].device
+        peer = self.peers[batch.peer]
+        if not self.options.copy_kernel or any(r.device != dev for r in peer):
+            return None
+        kernel = CopyKernel.load(dev)
+        if kernel is None:
+            return None
+        keep = batch.nbytes > 0
+        src = np.array([r.data_ptr() for r in self.regions], dtype=np.int64)
+        dst = np.array([r.data_ptr() for r in peer], dtype=np.int64)
+        none = np.zeros(int(keep.sum()), dtype=np.int64)  # a kernel may span allocations
+        d, s, n = coalesce(dst[batch.dst_region[keep]] + batch.dst_offset[keep],
+                           src[batch.src_region[keep]] + batch.src_offset[keep],
+                           batch.nbytes[keep].astype(np.int64), none, none)
+        table = kernel.table(d, s, n)
+        return [lambda: kernel.launch(table)]
 
     def post(self, handle: list[Op]) -> None:
         for op in handle:

@@ -40,6 +40,12 @@ class CudaIpcOptions:
     graph_max_mean_bytes: int = 16 << 20
     """Batches whose copies average this or more are posted copy by copy (graph launches
     were slower there: fp32 -> bf16 Qwen3-8B, 64 MB in 1-4 copies, 1.20x -> 1.27x)."""
+    copy_kernel: bool = True
+    """A batch's copies as one kernel on the SMs (`copy_kernel.py`) instead of the copy
+    engines, where its copies average under `kernel_max_mean_bytes`; false keeps the SMs
+    free for compute running beside the transfer."""
+    kernel_max_mean_bytes: int = 1 << 40
+    """Batches whose copies average this or more go through the copy engines."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +56,9 @@ class UcclOptions:
 
 @dataclass(frozen=True, slots=True)
 class LocalOptions:
-    pass
+    copy_kernel: bool = True
+    """On a GPU, a batch's copies as one kernel (`copy_kernel.py`) instead of torch's
+    `_foreach_copy_` and slice copies."""
 
 
 OPTIONS: dict[str, type] = {"nixl": NixlOptions, "cuda_ipc": CudaIpcOptions,

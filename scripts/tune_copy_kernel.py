@@ -1,0 +1,109 @@
+"""Tune the batched copy kernel on a GPU (a tool, not a benchmark: it picks constants).
+
+    python scripts/tune_copy_kernel.py [--rows 64x4,64x16,64x64,1024x1,4096x1]
+
+For each row (writes x MiB, chunk i to slot (i * 7) % writes of another buffer on the same
+GPU, as `bench/executor_bench.py` does) it times, with CUDA events over graph replays, one
+`copy_` of all the bytes, the copy engines (4 branches, one `cudaMemcpyAsync` per write, as
+`cuda_ipc` captures them) and the kernel at several launch shapes, checks each result
+bit-exact, and prints the ratio to the one copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from functools import partial
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from executor.transports.copy_kernel import SOURCE, CopyKernel, piece_table  # noqa: E402
+from executor.transports.cuda_ipc import branches, load_cudart  # noqa: E402
+
+
+def timed(fn, reps: int = 20) -> float:
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(out)
+
+
+def engines(rt, raw: list[tuple[int, int, int]]) -> None:
+    """The copies as 4 branches of `cudaMemcpyAsync`s (what `cuda_ipc` captures)."""
+    main_s = torch.cuda.current_stream()
+    sides = [torch.cuda.Stream() for _ in range(4)]
+    for side, part in zip(sides, branches(raw, 4)):
+        side.wait_stream(main_s)
+        for dd, ss, nn in part:
+            rt.memcpy_async(dd, ss, nn, 3, side.cuda_stream)
+        main_s.wait_stream(side)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="64x4,64x16,64x64,1024x1,4096x1")
+    a = ap.parse_args()
+    dev = torch.device("cuda", 0)
+    rt = load_cudart()
+    base = CopyKernel.load(dev)
+    assert base is not None
+    kernels = {"plain": base.fn}
+    try:
+        kernels["streaming"] = torch.cuda._compile_kernel(SOURCE, "rplan_copy",
+                                                          nvcc_options=["-DRPLAN_STREAMING=1"])
+    except Exception as e:  # noqa: BLE001
+        print("streaming variant did not build:", e)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    print(f"{torch.cuda.get_device_name(dev)}, {sms} SMs, torch {torch.__version__}")
+    print("| row | variant | s | GB/s | x one copy_ | exact |")
+    print("| --- | --- | ---: | ---: | ---: | --- |")
+    for row in a.rows.split(","):
+        w, mib = row.split("x")
+        writes, size = int(w), int(float(mib) * 2**20)
+        n = writes * size
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        want = src.view(writes, size)[torch.tensor([(i * 7) % writes for i in range(writes)],
+                                                   device=dev).argsort()].reshape(-1)
+        s = src.data_ptr() + np.arange(writes, dtype=np.int64) * size
+        d = dst.data_ptr() + (np.arange(writes, dtype=np.int64) * 7 % writes) * size
+        sizes = np.full(writes, size, dtype=np.int64)
+        one = timed(partial(dst.copy_, src))
+        results = [("one copy_", one, None)]
+
+        dst.zero_()
+        raw = list(zip(d.tolist(), s.tolist(), sizes.tolist()))
+        results.append(("engines, 4 branches", timed(partial(engines, rt, raw)),
+                        torch.equal(dst, want)))
+        for name, fn in kernels.items():
+            for chunk in (1 << 16, 1 << 18, 1 << 20):
+                table = torch.from_numpy(piece_table(d, s, sizes, chunk)).to(dev)
+                for bps in (1, 2, 4, 8):
+                    for threads in (256, 512):
+                        grid = min(len(table), sms * bps)
+                        dst.zero_()
+                        t = timed(partial(fn, grid=(grid, 1, 1), block=(threads, 1, 1),
+                                          args=[table, len(table)]))
+                        results.append((f"kernel {name} chunk {chunk >> 10}K {bps}/SM "
+                                        f"{threads} thr", t, torch.equal(dst, want)))
+        for label, t, ok in results:
+            print(f"| {row} | {label} | {t:.6f} | {n / t / 1e9:.0f} | {one / t:.2f} | "
+                  f"{'-' if ok is None else ('yes' if ok else 'NO')} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
