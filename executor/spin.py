@@ -1,32 +1,55 @@
-"""How the host waits: spin first, then nap.
+"""How the host waits: spin first, then nap, each nap a small share of the wait so far.
 
 A signal or a landed copy usually comes within microseconds on NVLink and shared memory;
-a `time.sleep` costs 50-100 us of the kernel's timer slack, more than a whole 1 MiB write
-takes. So a wait polls without sleeping for its first `SPIN_S`, then naps from 20 us up to
-200 us (never a busy loop for long: a wait for a slow peer costs no core). The time a step
-spends in waits is counted (`waited`), so a benchmark can tell host work from waiting.
+a `time.sleep` costs 50-100 us of the kernel's default timer slack, more than a whole
+1 MiB write takes. So a wait polls without sleeping for its first `SPIN_S`, then naps
+`NAP_SHARE` of the time it has waited so far (between `NAP_MIN_S` and `NAP_MAX_S`): a wait
+that ends after 1 ms is noticed at most ~60 us late, one for a slow peer costs no core.
+The first nap of a thread sets its timer slack to 1 us (Linux `prctl`), so a nap lasts
+what it asks for (a fixed 200 us nap had made a 1 GiB step on one H100 ~0.4 ms late:
+the source noticed its landed copies late, the target the DONE). The time a step spends
+in waits is counted (`waited`), so a benchmark can tell host work from waiting.
 """
 
 from __future__ import annotations
 
+import ctypes
+import threading
 import time
 
 SPIN_S = 2e-4
 """Seconds a wait polls without sleeping."""
+NAP_MIN_S = 1e-5
 NAP_MAX_S = 2e-4
+NAP_SHARE = 1 / 16
+"""A nap is this share of the time waited so far (clamped to the two bounds above)."""
+_PR_SET_TIMERSLACK = 29
+_slack = threading.local()
+
+
+def tight_timer_slack() -> bool:
+    """Set this thread's timer slack to 1 us, once (False where the OS has no `prctl`)."""
+    if not hasattr(_slack, "set"):
+        try:
+            _slack.set = ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1000,
+                                                                0, 0, 0) == 0
+        except (OSError, AttributeError):
+            _slack.set = False
+    return _slack.set
 
 
 class Backoff:
     """`pause()` between two polls of one wait: nothing during the spin, then naps."""
 
-    __slots__ = ("spin_until", "nap")
+    __slots__ = ("t0", "spin_until")
 
     def __init__(self, spin_s: float = SPIN_S) -> None:
-        self.spin_until = time.perf_counter() + spin_s
-        self.nap = 2e-5
+        self.t0 = time.perf_counter()
+        self.spin_until = self.t0 + spin_s
 
     def pause(self) -> None:
-        if time.perf_counter() < self.spin_until:
+        now = time.perf_counter()
+        if now < self.spin_until:
             return
-        time.sleep(self.nap)
-        self.nap = min(self.nap * 2, NAP_MAX_S)
+        tight_timer_slack()
+        time.sleep(min(NAP_MAX_S, max(NAP_MIN_S, (now - self.t0) * NAP_SHARE)))
