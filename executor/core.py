@@ -319,7 +319,15 @@ class Executor(Signalling):
 
     def close(self) -> None:
         self.control.close()
-        self.transport.close()
+        try:
+            if self.device.type == "cuda":  # nothing of this rank's may still run on the GPU
+                torch.cuda.synchronize(self.device)
+            for st in self.stages:  # its CUDA graphs go now, not whenever the GC finds them
+                for entry in st.batches:
+                    self.transport.release(entry.handle)
+        finally:
+            self.stages = []
+            self.transport.close()
 
 
 def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str = "nixl",

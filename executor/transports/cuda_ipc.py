@@ -32,6 +32,7 @@ import torch
 
 from .base import Store, WriteBatch
 from .copy_kernel import CopyKernel, coalesce
+from .graphs import capturing
 from .options import CudaIpcOptions
 from .shm_mailbox import ShmMailbox
 from .torch_copy import Op, prepare_copies
@@ -257,7 +258,7 @@ class CudaIpcTransport:
         graph = torch.cuda.CUDAGraph()
         sides = [torch.cuda.Stream(self.device) for _ in range(len(self.streams))]
         try:
-            with torch.cuda.device(self.device), torch.cuda.graph(graph):
+            with capturing(self.device, graph):
                 main = torch.cuda.current_stream(self.device)
                 parts = branches(raw, len(sides))
                 for side, part in zip(sides, parts):
@@ -276,7 +277,7 @@ class CudaIpcTransport:
         """One launch of the copy kernel over `table` as a CUDA graph, or None."""
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.device(self.device), torch.cuda.graph(graph):
+            with capturing(self.device, graph):
                 self.kernel.launch(table)  # type: ignore[union-attr]
         except Exception as e:  # noqa: BLE001 - the copy engines instead
             warnings.warn(f"rank {self.rank}: cuda_ipc could not capture its copy kernel ({e}); "

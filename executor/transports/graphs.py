@@ -16,8 +16,10 @@ graphs one at a time on the caller's stream.
 
 from __future__ import annotations
 
+import gc
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -38,6 +40,29 @@ class Replay:
         self.graph.replay()
 
 
+@contextmanager
+def capturing(device: torch.device, graph: torch.cuda.CUDAGraph,
+              pool: object = None) -> Iterator[None]:
+    """Capture into `graph` on `device`, robust to the rest of the process: in
+    `thread_local` mode (another thread's CUDA calls, an engine's or our publisher's, do
+    not void it) and with Python's cyclic GC off (a collection freeing an old graph, an
+    executor closed earlier, destroys it mid-capture; seen on one H100 as every later
+    capture failing). On failure the device's shared pool is dropped: torch leaves a failed
+    capture's pool recording, and every later capture into it fails."""
+    enabled = gc.isenabled()
+    gc.disable()  # torch.cuda.graph still collects once, before the capture begins
+    try:
+        with torch.cuda.device(device), torch.cuda.graph(graph, pool=pool,
+                                                         capture_error_mode="thread_local"):
+            yield
+    except BaseException:
+        _POOLS.pop(torch.device(device).index or 0, None)
+        raise
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def as_graph(ops: list[Op], device: torch.device, what: str) -> list[Op]:
     """`ops` captured as one graph's replay, or `ops` unchanged (CPU, none, or failure)."""
     if device.type != "cuda" or not ops:
@@ -47,8 +72,7 @@ def as_graph(ops: list[Op], device: torch.device, what: str) -> list[Op]:
         index = torch.device(device).index or 0
         if index not in _POOLS:
             _POOLS[index] = torch.cuda.graph_pool_handle()
-        pool = _POOLS[index]
-        with torch.cuda.device(device), torch.cuda.graph(graph, pool=pool):
+        with capturing(device, graph, _POOLS[index]):
             for op in ops:
                 op()
     except Exception as e:  # noqa: BLE001 - any capture failure: run the ops one by one

@@ -120,3 +120,28 @@ def test_two_by_two_on_gpu(tmp_path):
     for rank, named in two_by_two_expected(3).items():
         for name, t in named.items():
             assert torch.equal(tensors[rank][name].cpu(), t), (rank, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_runs_one_after_another_capture_their_graphs(tmp_path):
+    """A collection during a capture used to free an earlier run's graphs (destroying a
+    graph voids a capture in progress) and left the shared pool recording: every later
+    capture failed and the copies ran one by one, with a warning."""
+    import gc
+    import warnings
+    path = save(str(tmp_path / "p.rplan"), two_by_two())
+    old = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)  # collect at nearly every allocation
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(4):
+                tensors = {r: {k: t.cuda() for k, t in named.items()}
+                           for r, named in two_by_two_tensors(3).items()}
+                executor.run_all_local(path, tensors)
+    finally:
+        gc.set_threshold(*old)
+    for rank, named in two_by_two_expected(3).items():
+        for name, t in named.items():
+            assert torch.equal(tensors[rank][name].cpu(), t), (rank, name)
