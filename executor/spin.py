@@ -4,7 +4,7 @@ A signal or a landed copy usually comes within microseconds on NVLink and shared
 a `time.sleep` costs 50-100 us of the kernel's default timer slack, more than a whole
 1 MiB write takes. So a wait polls without sleeping for its first `SPIN_S`, then naps
 `NAP_SHARE` of the time it has waited so far (between `NAP_MIN_S` and `NAP_MAX_S`): a wait
-that ends after 1 ms is noticed at most ~60 us late, one for a slow peer costs no core.
+that ends after 1 ms is noticed at most ~16 us late, one for a slow peer costs no core.
 The first nap of a thread sets its timer slack to 1 us (Linux `prctl`), so a nap lasts
 what it asks for (a fixed 200 us nap had made a 1 GiB step on one H100 ~0.4 ms late:
 the source noticed its landed copies late, the target the DONE). The time a step spends
@@ -21,7 +21,7 @@ SPIN_S = 2e-4
 """Seconds a wait polls without sleeping."""
 NAP_MIN_S = 1e-5
 NAP_MAX_S = 2e-4
-NAP_SHARE = 1 / 16
+NAP_SHARE = 1 / 64
 """A nap is this share of the time waited so far (clamped to the two bounds above)."""
 _PR_SET_TIMERSLACK = 29
 _slack = threading.local()

@@ -109,5 +109,5 @@ class Signalling:
                             f"waits for, is alive and waits itself; rank {culprit}'s "
                             "heartbeat stopped)")
                 raise PeerTimeoutError(self.rank, culprit, what, timeout_s)
-            backoff.pause()  # spins briefly, then naps up to 0.2 ms (spin.py)
+            backoff.pause()  # spins briefly, then naps a share of the wait (spin.py)
 

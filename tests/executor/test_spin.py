@@ -1,5 +1,5 @@
 """How waits pause (`executor/spin.py`): no sleep while spinning, then naps that are a
-bounded share of the time waited (so a wait is noticed at most ~6% late), and the
+bounded share of the time waited (so a wait is noticed at most ~2% late), and the
 thread's timer slack cut to 1 us so that a nap lasts what it asks for."""
 
 from __future__ import annotations
