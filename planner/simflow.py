@@ -23,8 +23,11 @@ NIC, NVLINK = 0, 1
 """Channels of a source rank (the values of `batches.nic`)."""
 NIC_WRITE_S = 10e-9
 """Link time of one RDMA write beyond its bytes (work request fetch and headers)."""
-NVLINK_WRITE_S = 3.4e-6
-"""Copy-engine time of one peer copy beyond its bytes (measured on H200, cuda_ipc)."""
+NVLINK_WRITE_S = 2e-8
+"""GPU time of one peer write beyond its bytes: `cuda_ipc` copies a batch with one kernel
+(`executor/transports/copy_kernel.py`), which moved 4096 x 1 MiB as fast as 64 x 64 MiB on
+one H100 (under 10 ns a write; a write smaller than its 256 KiB pieces costs a block's loop
+setup). Through the copy engines (`copy_kernel: false`) a copy costs ~3.4 us (H200)."""
 INFLIGHT = 8
 """Batches a rank keeps in flight by default (`executor` `max_inflight`)."""
 MAX_LEVELS = 8

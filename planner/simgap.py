@@ -143,7 +143,7 @@ def _suggest(sim: Any, g: dict[str, Any]) -> str:
                 "smaller options.max_write_bytes so that more sources feed this resource")
     if largest == "per-write costs":
         return (f"{g['resource']} spends {g['causes']['per-write costs'] * 1e3:.2f} ms on "
-                "per-write and per-batch costs (an NVLink peer copy costs ~3.4 us): fewer, "
+                "per-write and per-batch costs: fewer, "
                 "larger writes (larger contiguous pieces, or a gather first)")
     if largest == "shared below its rate":
         return (f"{g['resource']} is busy but shared below its rate: its flows' other ends "

@@ -20,9 +20,10 @@ The model (at batch granularity; a batch is one flow):
   and pipelined by the NIC, so the latency is paid per batch, not per write), plus
   `NIC_WRITE_S` per write on a NIC (each RDMA write costs the NIC a work request and
   headers; CX-7 class NICs process over 200 M messages/s) or `NVLINK_WRITE_S` per write
-  over NVLink (each peer copy is one copy-engine job: ~3.4 us measured on H200,
-  BENCHMARKS.md "GPU refit"). Until 2026-11-22 every write paid `write_overhead_us` of
-  link time; that made 800 KB RDMA writes 12% slower than line rate.
+  over NVLink (a batch's peer writes are one kernel: ~20 ns a write; through the copy
+  engines each was one job of ~3.4 us measured on H200, BENCHMARKS.md "GPU refit").
+  Until 2026-11-22 every write paid `write_overhead_us` of link time; that made 800 KB
+  RDMA writes 12% slower than line rate.
 - Packs (and QUANTs) and unpacks of a stage run one after another on their rank: bytes
   (of the wider dtype side) at `pack_gbps`, plus `pack_overhead_us` per executor op (a
   QUANT, or a group of packs the executor runs as one vectorised op). A

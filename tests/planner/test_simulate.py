@@ -53,8 +53,8 @@ def test_gpus_behind_one_nic_share_its_egress():
 
 
 def test_same_host_writes_go_over_nvlink_alongside_the_nic():
-    # 1 GB to a target on the same host over NVLink (450 GB/s: 2.22 ms, plus 3.4 us for its
-    # one peer copy) while 1 GB goes to another host over the NIC (20 ms): the two channels
+    # 1 GB to a target on the same host over NVLink (450 GB/s: 2.22 ms, plus NVLINK_WRITE_S
+    # for its one peer write) while 1 GB goes to another host over the NIC (20 ms): the two channels
     # run at once, the NIC dominates.
     plan = plan_of([src(0, 0, (0, 1, 1, GB, 1), (0, 0, 2, GB, 1)), tgt(0, 4), tgt(1, 0)])
     res = simulate(plan)
