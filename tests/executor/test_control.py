@@ -9,6 +9,7 @@ import time
 import msgpack
 import pytest
 
+from executor import control
 from executor.auth import MAX_RECORD, keys_from, open_record, seal
 from executor.control import Control
 from executor.errors import ForgedRecordError, LeaseHeldError, LeaseLostError, NoSecretError
@@ -185,6 +186,24 @@ def test_step_records_published_later_arrive_in_order_and_the_last_one_wins():
         peer.publish_step(50)  # a synchronous publish voids the pending one
         time.sleep(0.1)
         assert _steps(store, me)[-1] == (50, False)
+    finally:
+        peer.close()
+
+
+def test_a_record_voided_while_the_publisher_waits_leaves_it_publishing(monkeypatch):
+    monkeypatch.setattr(control, "STEP_DELAY_S", 0.2)  # the void lands inside the delay
+    store = SlowStore()
+    me = Control(store, KEYS, "rplan", 0, 1, timeout_s=0.2)
+    peer = Control(store, KEYS, "rplan", 1, 2, timeout_s=0.2)
+    peer.claim(heartbeat=True, live_check=False)
+    try:
+        peer.publish_step(100, later=True)
+        time.sleep(0.05)  # the publisher holds it for newer ones
+        peer.publish_step(50)  # synchronous: voids it
+        time.sleep(0.3)
+        peer.publish_step(60, later=True)
+        time.sleep(0.5)
+        assert _steps(store, me)[-1] == (60, False)  # the publisher did not quit
     finally:
         peer.close()
 

@@ -4,6 +4,7 @@ of one device too), the 2 x 2 example, several steps, bit-exact. Run on the devi
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import sys
@@ -20,13 +21,15 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_four_processes_over_cuda_ipc(tmp_path):
+@pytest.mark.parametrize("kernel", [True, False], ids=["copy-kernel", "copy-engines"])
+def test_four_processes_over_cuda_ipc(tmp_path, kernel):
 
     path = save(str(tmp_path / "p.rplan"), two_by_two())
     store, port = master_store(60)  # noqa: F841 (alive while the ranks run)
     gpus = torch.cuda.device_count()
     done = spawn_ranks(lambda r: [sys.executable, WORKER, path, str(r), f"127.0.0.1:{port}",
-                                  "3", "cuda_ipc", f"cuda:{r % gpus}"], 4,
+                                  "3", "cuda_ipc", f"cuda:{r % gpus}", "90",
+                                  json.dumps({"copy_kernel": kernel})], 4,
                        env=root_env(RDMA_PLAN_SECRET=secrets.token_hex(32)),
                        timeout=240)
     for f in done:

@@ -1,7 +1,9 @@
 """One rank of the 2 x 2 example as its own process (spawned by test_nixl.py and
 test_cuda_ipc.py).
 
-    python worker.py PLAN RANK HOST:PORT STEPS [TRANSPORT [DEVICE [TIMEOUT_S]]]
+    python worker.py PLAN RANK HOST:PORT STEPS [TRANSPORT [DEVICE [TIMEOUT_S [OPTIONS]]]]
+
+(OPTIONS: the transport's options as JSON.)
 
 Sources refill their tensors with the data of step k before each run(); targets check
 their tensors bit-exactly after each run(). Exit status 0 means every step matched; a
@@ -10,6 +12,7 @@ rank with STEPS 0 loads and never runs; a `PeerTimeoutError` prints the peer, ex
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from datetime import timedelta
@@ -22,13 +25,13 @@ from tests.support.plans import two_by_two_expected, two_by_two_tensors
 
 
 def main(path: str, rank: int, rendezvous: str, steps: int, transport: str = "nixl",
-         device: str = "cpu", timeout_s: str = "90") -> int:
+         device: str = "cpu", timeout_s: str = "90", options: str = "{}") -> int:
     host, port = rendezvous.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                           timeout=timedelta(seconds=90))
     tensors = {k: t.to(device) for k, t in two_by_two_tensors(0)[rank].items()}
     plan = executor.load(path, rank, tensors, transport=transport, rendezvous=store,
-                         timeout_s=90)
+                         timeout_s=90, transport_options=json.loads(options) or None)
     plan.timeout_s = float(timeout_s)  # loading may wait for slow peers; steps may not
     try:
         status = _steps(plan, rank, tensors, steps)
