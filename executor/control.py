@@ -188,9 +188,11 @@ class Control:
         the publisher thread (a store round trip off the step's path; a newer publish
         replaces one not written yet, and a synchronous one voids it)."""
         if later and self.thread is not None and not self.stop.is_set():
-            with self.step_cv:
+            with self.step_cv:  # wake the publisher only if it has nothing: a wake-up takes
+                idle = self.step_pending is None  # the GIL from the step too
                 self.step_pending = (int(step), bool(running), self.step_epoch)
-                self.step_cv.notify()
+                if idle:
+                    self.step_cv.notify()
             if self.step_thread is None:
                 self.step_thread = threading.Thread(target=self._publisher, daemon=True,
                                                     name=f"rplan-step-{self.rank}")
