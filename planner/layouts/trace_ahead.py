@@ -7,10 +7,13 @@ its piece table need nothing of the trace. So `begin` forks a tracer (it imports
 the engine with its own workers, sends the ranks as `traced.encode_rank` rows, then writes
 the cache file) and `Pending.result` joins it. This process never imports torch or vLLM, so
 the rest of the compile does not pay for their ~1.5M objects in every garbage collection.
-The tracer's answer is checked like a cache file (`traced.decode_rank`); what it traced is
-what `traced.layout` traces in this process (the same `traced._trace_rows`), so the plan is the
-same bytes. Without `fork` (or on a cache hit) nothing starts early: `result` builds the
-layout then, as `build_layout` would.
+The tracer imports vLLM lean (`vllm_lean`, unless RDMA_PLAN_TRACE_LEAN=0): what that leaves
+out refuses any use, so a trace needing it fails rather than answering otherwise, and a lean
+tracer that fails is followed by one importing vLLM whole (lean and whole traces are compared
+by tests/oracles/test_vllm_trace_lean.py). The tracer's answer is checked like a cache file
+(`traced.decode_rank`); what it traced is what `traced.layout` traces in this process (the
+same `traced._trace_rows`), so the plan is the same bytes. Without `fork` (or on a cache
+hit) nothing starts early: `result` builds the layout then, as `build_layout` would.
 """
 
 from __future__ import annotations
