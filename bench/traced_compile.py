@@ -8,7 +8,8 @@ Compiles of one config, each in a fresh process (as `rdma-plan compile` runs), i
 them alike: `target.layout: rules`; `traced` with an empty cache, vLLM imported lean in the
 forked tracer (`planner/layouts/vllm_lean.py`, the default) and imported whole
 (`RDMA_PLAN_TRACE_LEAN=0`); `traced` again (the cache hit). Prints every run's seconds, the
-median, the median's ratio to the rules median, the tracers forked (`lean`, `whole`, or
+median, the median's ratio to the rules median, the CPU seconds of the compile's process
+tree (its tracers included), the tracers forked (`lean`, `whole`, or
 `lean, then whole` after a failed lean one), whether the compiling process imported torch
 (never: a tracer does) and whether the plans' fingerprints agree (they must: a trace of a
 hand-written family equals its rules). `--write` appends the table to BENCHMARKS.md.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -67,12 +69,15 @@ def compile_once(config: str, out: str, cache: str, lean: bool = True) -> dict:
     env = {**os.environ, "RDMA_PLAN_CACHE": cache, "PYTHONPATH": ROOT,
            "RDMA_PLAN_TRACE_LEAN": "1" if lean else "0"}
     before = _traces(cache)
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
     res = subprocess.run([sys.executable, "-c", CHILD.format(root=ROOT, config=config,
                                                              out=out)],
                          capture_output=True, text=True, env=env, check=False)
     if res.returncode != 0:
         raise SystemExit(f"{config}: compile failed:\n{res.stderr[-3000:]}")
-    return {**json.loads(res.stdout.strip().splitlines()[-1]),
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the compile and its tracers
+    cpu = after.ru_utime + after.ru_stime - used.ru_utime - used.ru_stime
+    return {**json.loads(res.stdout.strip().splitlines()[-1]), "cpu": cpu,
             "traced": bool(_traces(cache) - before)}
 
 
@@ -108,16 +113,19 @@ def table(runs: dict[str, list[dict]]) -> str:
     base = runs["rules"]
     rules = statistics.median(s["s"] for s in base)
     lines = ["| target layout | compile s, each round | median s | x rules (medians) | "
-             "x rules, each round | tracers | traced | compiling process imports torch | "
-             "plan equal to rules |", "|---|---|---|---|---|---|---|---|---|"]
+             "x rules, each round | CPU s, median (process tree) | tracers | traced | "
+             "compiling process imports torch | plan equal to rules |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for label, ss in runs.items():
         med = statistics.median(s["s"] for s in ss)
         each = " / ".join(f"{s['s']:.1f}" for s in ss)
         ratios = " / ".join(f"{s['s'] / b['s']:.2f}" for s, b in zip(ss, base))
         tracers = ", ".join(sorted({s["tracers"] or "none" for s in ss}))
         same = all(s["fingerprint"] == base[0]["fingerprint"] for s in ss)
+        cpu = statistics.median(s["cpu"] for s in ss)
         lines.append(f"| {label} | {each} | {med:.1f} | {med / rules:.2f} | {ratios} | "
-                     f"{tracers} | {_one(ss, 'traced')} | {_one(ss, 'torch')} | {same} |")
+                     f"{cpu:.1f} | {tracers} | {_one(ss, 'traced')} | {_one(ss, 'torch')} | "
+                     f"{same} |")
     return "\n".join(lines)
 
 
