@@ -52,6 +52,10 @@ STUBS = {
     "transformers.models.auto.tokenization_auto": "tokenizer configs (vLLM's config imports "
                                                   "one function; the trace skips the "
                                                   "tokenizer)",
+    "vllm.transformers_utils.s3_utils": "S3 listing for the sharded-state loader (boto3)",
+    "vllm.distributed.device_communicators.pynccl_allocator": "NCCL's CUDA-graph memory "
+                                                              "pool, built with torch's C++ "
+                                                              "extension loader (setuptools)",
     "vllm.connections": "HTTP clients for fetching media and assets",
 }
 STUB_TREES = {
