@@ -34,6 +34,7 @@ from planner.passes.emit import (
     fingerprint,
     plan_header,
     rank_regions,
+    tensor_regions,
 )
 from planner.passes.gather import gather
 from planner.passes.intersect import PieceTable, element_size, intersect, piece_table
@@ -44,7 +45,7 @@ from planner.spec import ModelSpec
 from planner.topology import build_topology
 from schemas.config import Config
 from schemas.integrity import plan_key
-from schemas.plan import Plan, write_plan
+from schemas.plan import Plan, Region, write_plan
 
 VERSION = "rdma-plan 0.1.0"
 
@@ -61,14 +62,17 @@ def compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None = Non
         if cfg.target.dtype == "fp8_block128":
             spec = with_scales(spec)
         src = piece_table(src_layout, spec, 0)  # while the target is traced
+        src_regions = tensor_regions(src_layout)
         dst_layout = target.result()
-    return compile_layouts(cfg, spec, src_layout, dst_layout, progress, src)
+    return compile_layouts(cfg, spec, src_layout, dst_layout, progress, src, src_regions)
 
 
 def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout: Layout,
-                    progress: Progress | None = None, src: PieceTable | None = None) -> Plan:
+                    progress: Progress | None = None, src: PieceTable | None = None,
+                    src_regions: list[tuple[Region, ...]] | None = None) -> Plan:
     """Compile two given layouts (the rest of `cfg`: cluster, options), one pass a line:
-    topology, piece tables (`src`: the source's, when already built), route (direct or
+    topology, piece tables and tensor regions (`src`, `src_regions`: the source's, when
+    already built: while a target is traced), route (direct or
     gather path), intersect and split rows, assign, lower (direct path), gather (FP8 and
     fine-cut boxes), merge and coalesce, schedule, regions, NIC stats, header (the
     fingerprint covers the direct path's target pieces, as it always has), explain, emit."""
@@ -94,7 +98,8 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     low = coalesce(merge(direct, more.lowered), opts.max_write_bytes)
     step("schedule")
     sched = schedule(low, topo, opts.max_write_bytes, staging_ids)
-    regions = rank_regions(src_layout, dst_layout, low.staging)
+    regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
+                           tensor_regions(dst_layout), low.staging)
     nics = nic_stats(topo, low, egress_bound(chunks, src, routes.direct, topo, more.owner_only))
     header = plan_header(cfg, spec, topo, dst_layout.replicas, low, nics, len(chunks),
                          more.unit_max, fingerprint(spec, src, routes.direct, regions, topo, cfg),

@@ -7,10 +7,13 @@ its piece table need nothing of the trace. So `begin` forks a tracer (it imports
 the engine with its own workers, sends the ranks as `traced.encode_rank` rows, then writes
 the cache file) and `Pending.result` joins it. This process never imports torch or vLLM, so
 the rest of the compile does not pay for their ~1.5M objects in every garbage collection.
-The tracer's answer is checked like a cache file (`traced.decode_rank`); what it traced is
-what `traced.layout` traces in this process (the same `traced._trace_rows`), so the plan is the
-same bytes. Without `fork` (or on a cache hit) nothing starts early: `result` builds the
-layout then, as `build_layout` would.
+The tracer imports vLLM lean (`vllm_lean`, unless RDMA_PLAN_TRACE_LEAN=0): what that leaves
+out refuses any use, so a trace needing it fails rather than answering otherwise, and a lean
+tracer that fails is followed by one importing vLLM whole (lean and whole traces are compared
+by tests/oracles/test_vllm_trace_lean.py). The tracer's answer is checked like a cache file
+(`traced.decode_rank`); what it traced is what `traced.layout` traces in this process (the
+same `traced._trace_rows`), so the plan is the same bytes. Without `fork` (or on a cache
+hit) nothing starts early: `result` builds the layout then, as `build_layout` would.
 """
 
 from __future__ import annotations
@@ -81,42 +84,73 @@ def begin(spec: ModelSpec, cfg: TargetConfig, hf: dict[str, Any], folder: str | 
         return Pending(lambda: traced.replicated(engine, cfg), then)
     if "fork" not in multiprocessing.get_all_start_methods():
         return Pending(lambda: traced.layout(spec, cfg, hf, folder), then)
-    ctx = multiprocessing.get_context("fork")
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_tracer, args=(send, spec, hf, replace(cfg, replicas=1), path,
-                                             key))  # not a daemon: it starts workers
-    proc.start()
-    send.close()
-    pending = Pending(lambda: _join(pending, recv, spec, cfg), then)
+
+    def start(lean: bool) -> tuple[Any, Any]:
+        return _fork(spec, hf, replace(cfg, replicas=1), path, key, lean)
+
+    proc, recv = start(lean_wanted())
+    pending = Pending(lambda: _join(pending, start, recv, spec, cfg), then)
     pending._proc = proc
     return pending
 
 
-def _join(pending: Pending, recv: Any, spec: ModelSpec, cfg: TargetConfig) -> Layout:
+def lean_wanted() -> bool:
+    """Whether the tracer tries the lean import of vLLM first (`vllm_lean`); set
+    RDMA_PLAN_TRACE_LEAN=0 to import vLLM whole."""
+    return os.environ.get("RDMA_PLAN_TRACE_LEAN", "1") != "0"
+
+
+def _fork(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig, path: str, key: str,
+          lean: bool) -> tuple[Any, Any]:
+    """A tracer (not a daemon: it starts workers) and the pipe it answers on."""
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_tracer, args=(send, spec, hf, cfg, path, key, lean))
+    proc.start()
+    send.close()
+    return proc, recv
+
+
+def _join(pending: Pending, start: Callable[[bool], tuple[Any, Any]], recv: Any, spec: ModelSpec,
+          cfg: TargetConfig) -> Layout:
     """The tracer's ranks, checked like a cache file; then the tracer is reaped (it only
-    writes the cache file after answering)."""
-    try:
-        with traced.gc_paused():
-            engine = _answer(recv.recv_bytes(), spec, cfg.engine_world)
-    except EOFError:
-        engine = ("target.layout: traced: the tracing process died without an answer (out "
-                  "of memory?); retry, or set RDMA_PLAN_CACHE to a folder holding a trace")
-    finally:
-        recv.close()
-    if isinstance(engine, str):
+    writes the cache file after answering). A lean tracer that failed is followed by one
+    importing vLLM whole (its failure may be the lean import's)."""
+    engine = _receive(recv, spec, cfg.engine_world)
+    if engine is None:
         pending.cancel()
-        raise TraceError(engine)
+        pending._proc, recv = start(False)
+        engine = _receive(recv, spec, cfg.engine_world)
+    if engine is None or isinstance(engine, str):
+        pending.cancel()
+        raise TraceError(engine or "target.layout: traced: the tracing process failed")
     if pending._proc is not None:
         pending._proc.join(timeout=60)  # it writes the cache file
     pending.cancel()  # reaps it (kills it only if that write hangs)
     return traced.replicated(engine, cfg)
 
 
-def _answer(data: bytes, spec: ModelSpec, world: int) -> list[tuple[PhysicalTensor, ...]] | str:
-    """The tracer's `world` ranks decoded and checked (as `traced.read_cache` does), or the
-    one-line error it sent or that its answer earns."""
+def _receive(recv: Any, spec: ModelSpec,
+             world: int) -> list[tuple[PhysicalTensor, ...]] | str | None:
+    """`_answer` to what the tracer sends on `recv` (then closed)."""
+    try:
+        with traced.gc_paused():
+            return _answer(recv.recv_bytes(), spec, world)
+    except EOFError:
+        return ("target.layout: traced: the tracing process died without an answer (out "
+                "of memory?); retry, or set RDMA_PLAN_CACHE to a folder holding a trace")
+    finally:
+        recv.close()
+
+
+def _answer(data: bytes, spec: ModelSpec,
+            world: int) -> list[tuple[PhysicalTensor, ...]] | str | None:
+    """The tracer's `world` ranks decoded and checked (as `traced.read_cache` does), the
+    one-line error it sent or that its answer earns, or None: a lean tracer failed."""
     try:
         raw = msgpack.unpackb(data, strict_map_key=True)
+        if isinstance(raw, dict) and raw.get("lean") is True:
+            return None
         if isinstance(raw, dict) and "error" in raw:
             return str(raw["error"])[:4000]
         ranks = raw["ranks"]
@@ -128,17 +162,24 @@ def _answer(data: bytes, spec: ModelSpec, world: int) -> list[tuple[PhysicalTens
 
 
 def _tracer(send: Any, spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig, path: str,
-            key: str) -> None:
-    """The forked tracer: answers `{"ranks": rows}` or `{"error": line}`, then caches."""
+            key: str, lean: bool = False) -> None:
+    """The forked tracer: answers `{"ranks": rows}` or `{"error": line}` (with `"lean":
+    true` when it imported vLLM lean: try again without), then caches."""
     os.setpgid(0, 0)  # its own group, so that `cancel` stops its workers with it
     gc.disable()  # a short-lived process: nothing it allocates needs collecting
     try:
+        if lean:
+            from planner.layouts import vllm_lean
+
+            lean = vllm_lean.install()
         out: dict[str, Any] = {"ranks": traced._trace_rows(spec, hf, cfg)}
     except ConfigError as e:
         out = {"error": str(e)}
     except Exception as e:  # noqa: BLE001 (a failure of vLLM or torch: named in one line)
         out = {"error": f"target.layout: traced: tracing failed ({type(e).__name__}: "
                         f"{str(e)[:300]})"}
+    if lean and "error" in out:
+        out["lean"] = True
     send.send_bytes(msgpack.packb(out))
     send.close()
     if "ranks" in out:

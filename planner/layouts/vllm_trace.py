@@ -244,21 +244,30 @@ def trace_rank(checkpoint: Checkpoint, vcfg: Any, cfg: TargetConfig,
 def _build(vcfg: Any, cfg: TargetConfig, rank: tuple[int, int, int],
            keep: list[Any]) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
     """vLLM's model of one rank on the meta device, and its parameters."""
+    from unittest import mock
+
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.model_executor.model_loader import utils
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    # `record_metadata_for_reloading` keeps a meta copy of every layer for vLLM's
+    # layerwise reload (torchao models only), ~1/5 of a rank here: a trace never reloads
     with fake_parallel_state(cfg, *rank), set_current_vllm_config(vcfg), \
-            set_default_torch_dtype(vcfg.model_config.dtype):
+            set_default_torch_dtype(vcfg.model_config.dtype), \
+            mock.patch.object(utils, "record_metadata_for_reloading", _nothing):
         vcfg.compilation_config.static_forward_context.clear()  # one model at a time
         with torch.device("meta"):
-            model = initialize_model(vllm_config=vcfg)
+            model = utils.initialize_model(vllm_config=vcfg)
     keep.append(model)
     named = list(model.named_parameters())
     for n, x in named:
         if not x.is_contiguous():
             raise TraceError(f"target.layout: traced: parameter {n} is not contiguous")
     return model, named
+
+
+def _nothing(*args: Any) -> None:
+    return None
 
 
 def _load(model: Any, named: list[tuple[str, torch.Tensor]],
@@ -286,6 +295,9 @@ def trace_engine(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig,
     vcfg, checkpoint = engine_config(hf, cfg), _checkpoint(spec, cfg.dtype)
     ranks = [(d, p, t) for d in range(cfg.dp) for p in range(cfg.pp) for t in range(cfg.tp)]
     workers = min(len(ranks), workers or os.cpu_count() or 1)
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    get_model_architecture(vcfg.model_config)  # its modules imported once, before forking
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         keep: list[Any] = []
         return [encode_rank(trace_rank(checkpoint, vcfg, cfg, r, keep)) for r in ranks]

@@ -49,16 +49,30 @@ from schemas.plan import (
 )
 
 
-def rank_regions(src: Layout, dst: Layout, staging: np.ndarray) -> list[tuple[Region, ...]]:
-    """Regions of every plan rank: its physical tensors, then staging when it has any."""
+def tensor_regions(layout: Layout) -> list[tuple[Region, ...]]:
+    """The regions of each rank's physical tensors (built once for replicas sharing them)."""
+    built: dict[int, tuple[Region, ...]] = {}
     out = []
-    for plan_rank, rl in enumerate([*src.ranks, *dst.ranks]):
-        regs = [Region(t.name, t.dtype, t.shape, math.prod(t.shape) * ITEMSIZE[t.dtype])
-                for t in rl.tensors]
+    for rl in layout.ranks:
+        regs = built.get(id(rl.tensors))
+        if regs is None:
+            regs = built[id(rl.tensors)] = tuple(
+                Region(t.name, t.dtype, t.shape, math.prod(t.shape) * ITEMSIZE[t.dtype])
+                for t in rl.tensors)
+        out.append(regs)
+    return out
+
+
+def rank_regions(src: list[tuple[Region, ...]], dst: list[tuple[Region, ...]],
+                 staging: np.ndarray) -> list[tuple[Region, ...]]:
+    """Regions of every plan rank: its physical tensors (`tensor_regions` of the source
+    and target layouts), then staging when it has any."""
+    out = []
+    for plan_rank, regs in enumerate([*src, *dst]):
         if staging[plan_rank]:
-            regs.append(Region(STAGING, "uint8", (int(staging[plan_rank]),),
-                               int(staging[plan_rank])))
-        out.append(tuple(regs))
+            regs = (*regs, Region(STAGING, "uint8", (int(staging[plan_rank]),),
+                                  int(staging[plan_rank])))
+        out.append(regs)
     return out
 
 

@@ -41,10 +41,13 @@ def test_traced_compile_tiny() -> None:
     pytest.importorskip("vllm")
     out = _run("bench/traced_compile.py", "--tiny")
     # the traced plans equal the hand-written one; the empty cache traces (in a forked
-    # tracer: the compiling process imports no torch), the cache hit does not trace
+    # tracer, vLLM imported lean or whole: the compiling process imports no torch), the
+    # cache hit does not trace
     rows = {line.split(" | ")[0]: line for line in out.splitlines() if line.startswith("| ")}
-    assert rows["| traced, empty cache"].endswith("| True | False | True |")
-    assert rows["| traced, cached"].endswith("| False | False | True |")
+    assert rows["| traced, empty cache (lean import)"].endswith("| lean | True | False | True |")
+    assert rows["| traced, empty cache (whole import)"].endswith("| whole | True | False | True |")
+    assert rows["| traced, cached"].endswith("| none | False | False | True |")
+    assert rows["| rules"].endswith("| none | False | False | True |")
 
 
 def test_defaults_tiny() -> None:

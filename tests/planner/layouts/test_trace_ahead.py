@@ -4,7 +4,8 @@ checked like a cache file and is cached; its failures are one line; leaving earl
 
 `traced._trace` is replaced by a stub (the fork inherits it) giving the hand-written engine
 (what a trace of a covered family equals, `tests/oracles/test_vllm_trace.py`), so these
-tests run without vLLM.
+tests run without vLLM; so is the lean import (`vllm_lean.install`: it would import torch in
+every tracer), but where a test says otherwise.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from planner.fp8 import quantize_layout
-from planner.layouts import build_layout, start_layout, trace_ahead, traced, vllm
+from planner.layouts import build_layout, start_layout, trace_ahead, traced, vllm, vllm_lean
 from planner.layouts.base import Piece
 from planner.spec import spec_from_hf
 from schemas.config import ConfigError, TargetConfig
@@ -28,6 +29,11 @@ HF = qwen3_moe(num_hidden_layers=2)
 SPEC = spec_from_hf(HF, mtp=False)
 pytestmark = pytest.mark.skipif("fork" not in __import__("multiprocessing")
                                 .get_all_start_methods(), reason="tracing ahead forks")
+
+
+@pytest.fixture(autouse=True)
+def no_lean_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_lean, "install", lambda: False)
 
 
 def target(**kw: object) -> TargetConfig:
@@ -150,3 +156,58 @@ def test_layouts_without_a_trace_are_built_on_result() -> None:
         got = pending.result()
     assert got == vllm.layout(SPEC, cfg) and isinstance(got.ranks[0].tensors[0].pieces[0],
                                                         Piece)
+
+
+def lean_stub(monkeypatch: pytest.MonkeyPatch, lean_fails: bool, whole_fails: bool) -> None:
+    """A tracer whose `install` says it imported lean (noted in its environment, which a
+    tracer forked after it does not share) and whose trace fails lean or whole as told."""
+    monkeypatch.delenv("LEAN_TEST", raising=False)
+    monkeypatch.setattr(vllm_lean, "install", lambda: os.environ.setdefault("LEAN_TEST", "1"))
+
+    def trace(spec: object, hf: object, c: TargetConfig) -> list:
+        lean = os.environ.get("LEAN_TEST") == "1"
+        if lean and lean_fails:
+            raise vllm_lean.LeanMiss("called vllm.x.Y, left out by the lean import of vLLM")
+        if not lean and whole_fails:
+            raise ConfigError("target: vLLM refuses this engine (whole)")
+        return engine(c)
+
+    stub(monkeypatch, trace)
+
+
+@pytest.mark.parametrize("lean_fails", [False, True])
+def test_a_failed_lean_tracer_is_followed_by_a_whole_one(lean_fails: bool, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    lean_stub(monkeypatch, lean_fails, whole_fails=False)
+    forks: list[bool] = []
+    fork = trace_ahead._fork
+    monkeypatch.setattr(trace_ahead, "_fork", lambda *a: forks.append(a[-1]) or fork(*a))
+    cfg = target()
+    with trace_ahead.begin(SPEC, cfg, HF, str(tmp_path)) as pending:
+        got = pending.result()
+    assert got == vllm.layout(SPEC, cfg)
+    assert forks == ([True, False] if lean_fails else [True])
+    key = traced.cache_key(HF, cfg)
+    assert traced.read_cache(traced.cache_path(str(tmp_path), key), key, SPEC,
+                             cfg.engine_world) == engine(cfg)
+
+
+def test_a_whole_tracer_refusing_too_is_its_one_line(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    lean_stub(monkeypatch, lean_fails=True, whole_fails=True)
+    with trace_ahead.begin(SPEC, target(), HF, str(tmp_path)) as pending:
+        with pytest.raises(ConfigError, match=r"^target: vLLM refuses this engine \(whole\)$"):
+            pending.result()
+    assert pending._proc is None and not (tmp_path / "traced").exists()
+
+
+def test_no_lean_import_when_switched_off(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RDMA_PLAN_TRACE_LEAN", "0")
+    forks: list[bool] = []
+    fork = trace_ahead._fork
+    monkeypatch.setattr(trace_ahead, "_fork", lambda *a: forks.append(a[-1]) or fork(*a))
+    stub(monkeypatch, lambda spec, hf, c: engine(c))
+    with trace_ahead.begin(SPEC, target(), HF, str(tmp_path)) as pending:
+        pending.result()
+    assert forks == [False]

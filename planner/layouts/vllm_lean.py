@@ -1,0 +1,207 @@
+"""A lean import of vLLM for the forked tracer (`planner/layouts/trace_ahead.py`) only.
+
+Importing what a trace needs of vLLM 0.33 costs ~4 s on one core, most of it modules a
+trace never runs: Inductor and Dynamo (pulled in by `vllm.env_override`, by
+`torch._inductor.custom_graph_pass`'s package and by module-level `@torch.compile`), the
+OpenAI server's types, structured output, the multimodal media decoders, KV-transfer
+connectors, `transformers`' auto-model factory. `install` puts a meta-path finder in front
+of the import system of the calling process that
+
+- skips the `__init__` of the packages in `SKIP_INIT` (their submodules import as usual),
+- gives a placeholder module for each module in `STUBS` (its real submodules still
+  import) and for every module under a prefix in `STUB_TREES`,
+
+and makes `torch.compile` hand back the function it is given (a trace runs no forward;
+vLLM decorates functions with it at import). A placeholder module has every public name,
+as a placeholder class that refuses any use a trace could depend on: calling it,
+`isinstance`/`issubclass` against it, truth, iteration, membership, attributes. So a
+trace either never touches what was left out, or fails (`LeanMiss`) and is traced again
+with the normal import (`trace_ahead`): a lean import can cost time, never a different
+layout (tests/oracles/test_vllm_trace_lean.py traces every family both ways).
+
+Only for the versions it was written against (`VERSIONS`); with any other, `install`
+does nothing. Never call it in a process that goes on to use vLLM or torch for anything
+else: what it leaves out stays out of that process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import sys
+from types import ModuleType
+from typing import Any
+
+VERSIONS = {"vllm": "0.33.", "torch": "2.13.", "transformers": "5.20."}
+"""Distribution -> version prefix the lists below were measured against."""
+
+SKIP_INIT = {
+    "torch._inductor": "its __init__ imports standalone_compile, hence all of Dynamo; vLLM's "
+                       "config only needs custom_graph_pass's base class",
+}
+STUBS = {
+    "vllm.env_override": "Inductor monkeypatches and CUDA/ROCm library paths for compiled "
+                         "engines",
+    "transformers.models.auto.image_processing_auto": "image processor configs (vLLM's "
+                                                      "config imports one function)",
+    "transformers.models.auto.modeling_auto": "the auto-model factory (vLLM's config reads "
+                                              "its name table only for a config.json "
+                                              "without `architectures`)",
+    "transformers.models.auto.tokenization_auto": "tokenizer configs (vLLM's config imports "
+                                                  "one function; the trace skips the "
+                                                  "tokenizer)",
+    "vllm.transformers_utils.s3_utils": "S3 listing for the sharded-state loader (boto3)",
+    "vllm.distributed.device_communicators.pynccl_allocator": "NCCL's CUDA-graph memory "
+                                                              "pool, built with torch's C++ "
+                                                              "extension loader (setuptools)",
+    "vllm.connections": "HTTP clients for fetching media and assets",
+}
+STUB_TREES = {
+    "vllm.entrypoints": "the OpenAI-compatible server and its tools",
+    "vllm.reasoning": "reasoning-output parsers",
+    "vllm.parser": "tool and reasoning parsers",
+    "vllm.v1.request": "scheduler requests",
+    "vllm.v1.structured_output": "grammar-constrained decoding",
+    "vllm.multimodal.audio": "audio decoding (scipy.signal)",
+    "vllm.multimodal.media": "image/video/audio media loaders",
+    "vllm.transformers_utils.processor": "HF processors (transformers' processing and "
+                                         "modeling utils)",
+}
+
+
+class LeanMiss(RuntimeError):
+    """The trace used something the lean import left out."""
+
+
+class _StubMeta(type):
+    def _miss(cls, what: str) -> LeanMiss:
+        return LeanMiss(f"{what} {cls.__module__}.{cls.__qualname__}, left out by the lean "
+                        "import of vLLM")
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        raise cls._miss("called")
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        raise cls._miss("isinstance against")
+
+    def __subclasscheck__(cls, sub: Any) -> bool:
+        raise cls._miss("issubclass against")
+
+    def __bool__(cls) -> bool:
+        raise cls._miss("truth of")
+
+    def __iter__(cls) -> Any:
+        raise cls._miss("iterated")
+
+    def __len__(cls) -> int:
+        raise cls._miss("len of")
+
+    def __contains__(cls, item: Any) -> bool:
+        raise cls._miss("membership in")
+
+    def __getitem__(cls, item: Any) -> Any:
+        return cls  # a generic in an annotation: `Placeholder[int]`
+
+
+def _placeholder_getattr(module: ModuleType) -> Any:
+    def __getattr__(name: str) -> Any:  # noqa: N807 (a module's attribute hook)
+        if name.startswith("__"):
+            raise AttributeError(name)
+        path = getattr(module, "__path__", None)
+        if path and importlib.machinery.PathFinder.find_spec(f"{module.__name__}.{name}",
+                                                             path) is not None:
+            return importlib.import_module(f"{module.__name__}.{name}")
+        stub = _StubMeta(name, (), {"__module__": module.__name__, "__qualname__": name})
+        setattr(module, name, stub)
+        return stub
+
+    return __getattr__
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None  # the default module
+
+    def exec_module(self, module: ModuleType) -> None:
+        name = module.__name__
+        real = None
+        if self.kind != "tree":
+            parent = sys.modules[name.rpartition(".")[0]].__path__ if "." in name else None
+            real = importlib.machinery.PathFinder.find_spec(name, parent)
+        module.__path__ = list(real.submodule_search_locations or []) if real else []
+        if self.kind == "skip":
+            if real is None or real.origin is None:
+                raise LeanMiss(f"{name} not found")
+            module.__file__ = real.origin
+        else:
+            module.__getattr__ = _placeholder_getattr(module)  # type: ignore[method-assign]
+        _Finder.used.add(name)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    used: set[str] = set()
+    """What it replaced so far (for tests and the benchmark)."""
+
+    def find_spec(self, name: str, path: Any = None,
+                  target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name in SKIP_INIT:
+            kind = "skip"
+        elif name in STUBS:
+            kind = "stub"
+        elif any(name == t or name.startswith(t + ".") for t in STUB_TREES):
+            kind = "tree"
+        else:
+            return None
+        return importlib.machinery.ModuleSpec(name, _Loader(kind), is_package=True)
+
+
+def supported() -> bool:
+    """Whether the installed vLLM, torch and transformers are the versions the lists
+    above were measured against."""
+    try:
+        return all(importlib.metadata.version(d).startswith(v) for d, v in VERSIONS.items())
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def install() -> bool:
+    """Make this process's later imports of vLLM lean; False (nothing done) when the
+    versions are not `VERSIONS` or vLLM, torch or Inductor is already imported."""
+    if not supported() or any(m in sys.modules for m in ("vllm", "torch._inductor",
+                                                         *SKIP_INIT, *STUBS)):
+        return False
+    sys.meta_path.insert(0, _Finder())
+    _compile_hints_off()
+    return True
+
+
+def _same(fn: Any) -> Any:
+    return fn
+
+
+def _compile_hints_off() -> None:
+    """`torch.compile` and the `torch.compiler` decorators vLLM applies at import give back
+    the function (each would import Dynamo or Inductor; a trace compiles nothing)."""
+    import torch
+    import torch.compiler
+
+    def compile_off(model: Any = None, **kwargs: Any) -> Any:
+        return _same if model is None else model
+
+    def disable_off(fn: Any = None, recursive: bool = True, *, reason: Any = None) -> Any:
+        return _same if fn is None else fn
+
+    torch.compile = compile_off  # type: ignore[assignment]
+    torch.compiler.disable = disable_off  # type: ignore[assignment]
+    torch.compiler.allow_in_graph = _same  # type: ignore[assignment]
+    torch.compiler.assume_constant_result = _same  # type: ignore[assignment]
+
+
+def used() -> set[str]:
+    """The modules the lean import replaced in this process."""
+    return set(_Finder.used)

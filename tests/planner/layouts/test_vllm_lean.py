@@ -1,0 +1,114 @@
+"""The lean import of vLLM (`planner/layouts/vllm_lean.py`): its placeholders refuse every
+use a trace could depend on, its finder skips package inits and stubs modules and trees on
+fake packages, and `install` declines for other versions or when something it would
+replace is already imported. (That lean traces equal whole ones, with real vLLM:
+tests/oracles/test_vllm_trace_lean.py.)
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from planner.layouts import vllm_lean
+
+
+def placeholder(name: str = "Thing") -> type:
+    return vllm_lean._placeholder_getattr(ModuleType("somewhere"))(name)
+
+
+@pytest.mark.parametrize("use", [
+    lambda p: p(), lambda p: isinstance(1, p), lambda p: issubclass(int, p),
+    lambda p: bool(p), lambda p: list(p), lambda p: len(p), lambda p: 1 in p,
+])
+def test_a_placeholder_refuses_to_be_used(use: object) -> None:
+    with pytest.raises(vllm_lean.LeanMiss, match="somewhere.Thing, left out by the lean"):
+        use(placeholder())  # type: ignore[operator]
+
+
+def test_a_placeholder_stands_in_annotations_only() -> None:
+    p = placeholder()
+    assert p[int] is p and (p | None) is not None  # `Thing[int]`, `Thing | None`
+    with pytest.raises(AttributeError):
+        p.get_class  # noqa: B018
+    with pytest.raises(AttributeError):
+        vllm_lean._placeholder_getattr(ModuleType("m"))("__all__")
+
+
+def write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+@pytest.fixture
+def fake_packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    boom = "raise RuntimeError('this init must not run')\n"
+    write(tmp_path, {"lean_skip/__init__.py": boom, "lean_skip/sub.py": "X = 1\n",
+                     "lean_stub/__init__.py": boom, "lean_stub/real.py": "Y = 2\n",
+                     "lean_tree/__init__.py": boom, "lean_tree/a/__init__.py": boom,
+                     "lean_tree/a/b.py": boom})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(vllm_lean, "SKIP_INIT", {"lean_skip": "test"})
+    monkeypatch.setattr(vllm_lean, "STUBS", {"lean_stub": "test"})
+    monkeypatch.setattr(vllm_lean, "STUB_TREES", {"lean_tree": "test"})
+    monkeypatch.setattr(sys, "meta_path", [vllm_lean._Finder(), *sys.meta_path])
+    monkeypatch.setattr(vllm_lean._Finder, "used", set())
+    for name in list(sys.modules):
+        if name.startswith(("lean_skip", "lean_stub", "lean_tree")):
+            monkeypatch.delitem(sys.modules, name)
+    yield
+    for name in list(sys.modules):
+        if name.startswith(("lean_skip", "lean_stub", "lean_tree")):
+            del sys.modules[name]
+
+
+@pytest.mark.usefixtures("fake_packages")
+def test_the_finder_skips_inits_and_stubs_modules_and_trees() -> None:
+    assert importlib.import_module("lean_skip.sub").X == 1  # the package's init never ran
+    stub = importlib.import_module("lean_stub")
+    assert stub.real.Y == 2  # a real submodule of a stubbed module still imports
+    from lean_stub import Missing  # type: ignore[attr-defined]
+    with pytest.raises(vllm_lean.LeanMiss):
+        Missing()
+    from lean_tree.a.b import Anything  # type: ignore[import-not-found]
+    with pytest.raises(vllm_lean.LeanMiss):
+        isinstance(None, Anything)
+    assert vllm_lean.used() == {"lean_skip", "lean_stub", "lean_tree", "lean_tree.a",
+                                "lean_tree.a.b"}
+
+
+def test_other_versions_are_not_supported(monkeypatch: pytest.MonkeyPatch) -> None:
+    versions = {"vllm": "0.33.0", "torch": "2.13.0+cpu", "transformers": "5.20.2"}
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: versions[d])
+    assert vllm_lean.supported()
+    versions["vllm"] = "0.34.0"
+    assert not vllm_lean.supported()
+
+    def missing(d: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(d)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert not vllm_lean.supported()
+
+
+@pytest.mark.parametrize("loaded", ["vllm", "torch._inductor",
+                                    "transformers.models.auto.modeling_auto"])
+def test_install_declines_when_it_comes_too_late(loaded: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_lean, "supported", lambda: True)
+    monkeypatch.setitem(sys.modules, loaded, sys.modules.get(loaded) or ModuleType(loaded))
+    before = list(sys.meta_path)
+    assert vllm_lean.install() is False
+    assert sys.meta_path == before
+
+
+def test_install_declines_other_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_lean, "supported", lambda: False)
+    before = list(sys.meta_path)
+    assert vllm_lean.install() is False and sys.meta_path == before
