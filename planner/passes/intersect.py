@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from planner.layouts.base import Layout
-from planner.rows import unique_rows
+from planner.layouts.base import Layout, PhysicalTensor, PieceColumns
+from planner.rows import unique_columns
 from planner.spec import ModelSpec
 from schemas.plan import DTYPE_CODES
 from schemas.protocol import ITEM
@@ -77,34 +78,62 @@ def chunk_bytes(chunks: Chunks, dst: PieceTable) -> np.ndarray:
 
 
 def piece_table(layout: Layout, spec: ModelSpec, rank_base: int) -> PieceTable:
-    """Flatten a layout's pieces into columns (plan rank = rank_base + layout rank)."""
+    """Flatten a layout's pieces into columns (plan rank = rank_base + layout rank).
+
+    A rank's rows are built once for every rank holding the same tensors (replicas share
+    their engine rank's tuple), a tensor's once for every rank holding it, and the pieces of
+    a `PieceColumns` from its columns; each column of the table is one contiguous array."""
     tensor_id = {t.name: i for i, t in enumerate(spec.tensors)}
-    cache: dict[int, list[tuple[int, ...]]] = {}  # id(physical tensor) -> its rows
-    ranks: dict[int, np.ndarray] = {}  # id(a rank's tensors) -> (region, *row) rows
+    cache: dict[int, Any] = {}  # id(physical tensor) -> its (9, n) rows; id(names) -> ids
+    ranks: dict[int, np.ndarray] = {}  # id(a rank's tensors) -> its (10, n) rows, region first
     blocks = []
     for rl in layout.ranks:
-        block = ranks.get(id(rl.tensors))  # replicas share their engine rank's tuple
+        block = ranks.get(id(rl.tensors))
         if block is None:
-            rows: list[tuple[int, ...]] = []
-            for region, pt in enumerate(rl.tensors):
-                if id(pt) not in cache:
-                    cache[id(pt)] = _tensor_rows(pt, tensor_id)
-                rows.extend((region, *row) for row in cache[id(pt)])
-            block = ranks[id(rl.tensors)] = np.array(rows, dtype=np.int64).reshape(-1, 10)
-        blocks.append(np.concatenate([np.full((len(block), 1), rank_base + rl.rank,
-                                              dtype=np.int64), block], axis=1))
-    cols = (np.concatenate(blocks) if blocks else np.zeros((0, 11), dtype=np.int64)).T
-    return PieceTable(*cols)
+            block = ranks[id(rl.tensors)] = _rank_rows(rl.tensors, tensor_id, cache)
+        blocks.append((rank_base + rl.rank, block))
+    out = np.empty((11, sum(b.shape[1] for _, b in blocks)), dtype=np.int64)
+    at = 0
+    for rank, block in blocks:
+        out[0, at:at + block.shape[1]] = rank
+        out[1:, at:at + block.shape[1]] = block
+        at += block.shape[1]
+    return PieceTable(*out)
 
 
-def _tensor_rows(pt, tensor_id: dict[str, int]) -> list[tuple[int, ...]]:
+def _rank_rows(tensors: tuple[PhysicalTensor, ...], tensor_id: dict[str, int],
+               cache: dict[int, Any]) -> np.ndarray:
+    """(region, *row) of every piece of one rank's tensors, as 10 rows of columns."""
+    parts: list[np.ndarray] = []
+    rows: list[tuple[int, ...]] = []  # of tensors of a few pieces, made in Python
+
+    def flush() -> None:
+        if rows:
+            parts.append(np.array(rows, dtype=np.int64).reshape(-1, 10).T)
+            rows.clear()
+
+    for region, pt in enumerate(tensors):
+        got = cache.get(id(pt))
+        if got is None:
+            got = cache[id(pt)] = _column_rows(pt, tensor_id, cache) \
+                if isinstance(pt.pieces, PieceColumns) else _tensor_rows(pt, tensor_id)
+        if isinstance(got, list):
+            rows.extend((region, *row) for row in got)
+        else:
+            flush()
+            parts.append(np.concatenate([np.full((1, got.shape[1]), region, np.int64), got]))
+    flush()
+    return np.concatenate(parts, axis=1) if parts else np.zeros((10, 0), dtype=np.int64)
+
+
+def _tensor_rows(pt: PhysicalTensor, tensor_id: dict[str, int]) -> list[tuple[int, ...]]:
+    """(tensor, off0, off1, size0, size1, base, a0, a1, dtype) of each piece."""
     strides = [math.prod(pt.shape[d + 1:]) for d in range(len(pt.shape))]
     code = DTYPE_CODES.index(pt.dtype)
     rows = []
     for p in pt.pieces:
         if p.tensor not in tensor_id:
-            raise ValueError(f"layout: {pt.name} holds a piece of {p.tensor!r}, which is not "
-                             "in the model spec")
+            _unknown(pt, p.tensor)
         dims = p.phys_dims()
         a = [strides[d] for d in dims] + [1] * (2 - len(dims))
         off = list(p.offsets) + [0] * (2 - len(p.offsets))
@@ -115,18 +144,78 @@ def _tensor_rows(pt, tensor_id: dict[str, int]) -> list[tuple[int, ...]]:
     return rows
 
 
-def _unique_boxes(t: PieceTable) -> tuple[np.ndarray, np.ndarray]:
-    """(box id of each row, row index of each unique box's first holder); boxes sorted by
-    (tensor, off0, off1, size0, size1)."""
-    keys = np.stack([t.tensor, t.off0, t.off1, t.size0, t.size1], axis=1)
-    uniq, inverse = unique_rows(keys, return_inverse=True)
-    return inverse.reshape(-1), uniq
+def _unknown(pt: PhysicalTensor, name: str) -> None:
+    raise ValueError(f"layout: {pt.name} holds a piece of {name!r}, which is not in the "
+                     "model spec")
 
 
-def intersect(spec: ModelSpec, src: PieceTable, dst: PieceTable) -> Chunks:
-    """Cut every target piece by the source boxes it overlaps; check exact coverage."""
+def _column_rows(pt: PhysicalTensor, tensor_id: dict[str, int], cache: dict[int, Any]
+                 ) -> np.ndarray:
+    """`_tensor_rows` of a `PieceColumns` tensor, from its columns, as 9 rows."""
+    c = pt.pieces
+    assert isinstance(c, PieceColumns)
+    ids = cache.get(id(c.names))
+    if ids is None:  # names shared by many ranks' columns are looked up once
+        ids = cache[id(c.names)] = [tensor_id.get(name, -1) for name in c.names]
+    if -1 in ids:
+        _unknown(pt, c.names[ids.index(-1)])
+    n, k = len(c), c.offsets.shape[1]
+    rows = np.empty((9, n), dtype=np.int64)
+    if n == 0:
+        return rows
+    dims = c.dims if c.dims is not None else tuple(range(c.at.shape[1] - k, c.at.shape[1]))
+    strides = np.array([math.prod(pt.shape[d + 1:]) for d in range(len(pt.shape))],
+                       dtype=np.int64)
+    a = ([int(strides[d]) for d in dims] + [1, 1])[:2]  # 1-d (and 0-d) boxes: [n, 1]
+    rows[0] = ids
+    rows[1] = c.offsets[:, 0] if k > 0 else 0
+    rows[2] = c.offsets[:, 1] if k > 1 else 0
+    rows[3] = c.sizes[:, 0] if k > 0 else 1
+    rows[4] = c.sizes[:, 1] if k > 1 else 1
+    rows[5] = (c.at @ strides if len(strides) else 0) - rows[1] * a[0] - rows[2] * a[1]
+    rows[6], rows[7] = a
+    rows[8] = DTYPE_CODES.index(pt.dtype)
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class Boxes:
+    """The distinct boxes (tensor, off0, off1, size0, size1) of a piece table's rows, in
+    that sorted order: `of[row]` is the box of each row, `first[box]` its first row."""
+
+    of: np.ndarray
+    first: np.ndarray
+
+
+def boxes(t: PieceTable) -> Boxes:
+    """The distinct boxes of `t`'s rows (one sort of the rows)."""
+    first, of = unique_columns([t.tensor, t.off0, t.off1, t.size0, t.size1])
+    return Boxes(of=of, first=first)
+
+
+def keep_boxes(b: Boxes, keep: np.ndarray) -> Boxes:
+    """The boxes of the rows `keep` (a mask that keeps or drops each box whole), for the
+    table `take(t, np.nonzero(keep)[0])`: no sort."""
+    kept = keep[b.first]
+    box = np.cumsum(kept) - 1
+    row = np.cumsum(keep) - 1
+    return Boxes(of=box[b.of[keep]], first=row[b.first[kept]])
+
+
+def _unique_boxes(t: PieceTable, b: Boxes | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(box id of each row, the box of each unique box as (tensor, off0, off1, size0,
+    size1) rows); boxes sorted. `b`: `boxes(t)`, when known."""
+    b = boxes(t) if b is None else b
+    f = b.first
+    return b.of, np.stack([t.tensor[f], t.off0[f], t.off1[f], t.size0[f], t.size1[f]], axis=1)
+
+
+def intersect(spec: ModelSpec, src: PieceTable, dst: PieceTable,
+              dst_boxes: Boxes | None = None) -> Chunks:
+    """Cut every target piece by the source boxes it overlaps; check exact coverage.
+    `dst_boxes`: `boxes(dst)`, when the caller has it (`route` does)."""
     sbox_of, sboxes = _unique_boxes(src)
-    tbox_of, tboxes = _unique_boxes(dst)
+    tbox_of, tboxes = _unique_boxes(dst, dst_boxes)
     # Cross join unique target boxes with the unique source boxes of the same tensor.
     s_start = np.searchsorted(sboxes[:, 0], tboxes[:, 0], side="left")
     s_end = np.searchsorted(sboxes[:, 0], tboxes[:, 0], side="right")
