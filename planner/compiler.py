@@ -78,7 +78,8 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     src = piece_table(src_layout, spec, 0) if src is None else src
     dst = piece_table(dst_layout, spec, src_layout.world)
     routes = route(spec, src, dst, opts, topo)
-    chunks = split_rows(intersect(spec, src, routes.direct), routes.direct, opts.max_write_bytes)
+    chunks = split_rows(intersect(spec, src, routes.direct, routes.direct_boxes), routes.direct,
+                        opts.max_write_bytes)
     step("assign")
     choice = assign(chunks, src, routes.direct, topo)
     step("lower")
