@@ -28,6 +28,8 @@ def split_rows(chunks: Chunks, dst: PieceTable, max_write_bytes: int) -> Chunks:
     row_bytes = chunks.size1 * element_size(dst.dtype[chunks.dst])
     rows_per = np.maximum(1, max_write_bytes // row_bytes)
     parts = -(-chunks.size0 // rows_per)
+    if len(parts) == 0 or parts.max() == 1:  # nothing to cut
+        return chunks
     idx = np.repeat(np.arange(len(chunks)), parts)
     first = np.repeat(np.cumsum(parts) - parts, parts)
     k = np.arange(len(idx)) - first
@@ -60,23 +62,21 @@ def assign(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology) -> 
     holders, ptr = chunks.holders, chunks.holder_ptr
     src_ranks, host_l, nic_l = src.rank.tolist(), host.tolist(), nic.tolist()
     nvk = nvlink_key.tolist()
-    sbox_l, dhost_l, nbytes_l = chunks.sbox.tolist(), dst_host.tolist(), nbytes.tolist()
     out = choice.copy()
-    for i in order.tolist():
-        sb = sbox_l[i]
+    for i, sb, dh, nb in zip(order.tolist(), *(x[order].tolist()
+                                               for x in (chunks.sbox, dst_host, nbytes))):
         cands = cand_cache.get(sb)
         if cands is None:
             cands = [(src_ranks[h], host_l[src_ranks[h]], nic_l[src_ranks[h]], h)
                      for h in holders[ptr[sb]:ptr[sb + 1]].tolist()]
             cand_cache[sb] = cands
-        dh = dhost_l[i]
         same = [c for c in cands if c[1] == dh]
         if same:
             best = min(same, key=lambda c: (load[nvk[c[0]]], c[0]))
-            load[nvk[best[0]]] += nbytes_l[i]
+            load[nvk[best[0]]] += nb
         else:
             best = min(cands, key=lambda c: (load[c[2]], c[0]))
-            load[best[2]] += nbytes_l[i]
+            load[best[2]] += nb
         out[i] = best[3]
     return out
 
