@@ -98,6 +98,7 @@ def piece_table(layout: Layout, spec: ModelSpec, rank_base: int) -> PieceTable:
         out[0, at:at + block.shape[1]] = rank
         out[1:, at:at + block.shape[1]] = block
         at += block.shape[1]
+    out.flags.writeable = False  # `intersect`'s chunks may share its columns
     return PieceTable(*out)
 
 
@@ -230,14 +231,18 @@ def intersect(spec: ModelSpec, src: PieceTable, dst: PieceTable,
     keep = (hi0 > lo0) & (hi1 > lo1)
     tb, sb, lo0, lo1, hi0, hi1 = (x[keep] for x in (tb, sb, lo0, lo1, hi0, hi1))
     _check_coverage(spec, tboxes, tb, (hi0 - lo0) * (hi1 - lo1), dst, tbox_of)
+    holders = np.argsort(sbox_of, kind="stable")
+    holder_ptr = np.searchsorted(sbox_of[holders], np.arange(len(sboxes) + 1))
+    if np.array_equal(tb, np.arange(len(tboxes))):  # one source box each: all of it (coverage)
+        return Chunks(tensor=dst.tensor, off0=dst.off0, off1=dst.off1, size0=dst.size0,
+                      size1=dst.size1, dst=np.arange(len(dst)), sbox=sb[tbox_of],
+                      holder_ptr=holder_ptr, holders=holders)
     # Expand box pairs (grouped by tbox, as `tb` is sorted) to every target piece row.
     pair_ptr = np.searchsorted(tb, np.arange(len(tboxes) + 1))
     per_row = pair_ptr[tbox_of + 1] - pair_ptr[tbox_of]
     rows = np.repeat(np.arange(len(dst)), per_row)
     first = np.repeat(np.cumsum(per_row) - per_row, per_row)
     pair = np.repeat(pair_ptr[tbox_of], per_row) + (np.arange(len(rows)) - first)
-    holders = np.argsort(sbox_of, kind="stable")
-    holder_ptr = np.searchsorted(sbox_of[holders], np.arange(len(sboxes) + 1))
     return Chunks(tensor=tboxes[tb[pair], 0], off0=lo0[pair], off1=lo1[pair],
                   size0=(hi0 - lo0)[pair], size1=(hi1 - lo1)[pair], dst=rows, sbox=sb[pair],
                   holder_ptr=holder_ptr, holders=holders)
