@@ -83,23 +83,53 @@ def piece_table(layout: Layout, spec: ModelSpec, rank_base: int) -> PieceTable:
     A rank's rows are built once for every rank holding the same tensors (replicas share
     their engine rank's tuple), a tensor's once for every rank holding it, and the pieces of
     a `PieceColumns` from its columns; each column of the table is one contiguous array."""
+    return _flatten(layout, spec, rank_base, False)[0]
+
+
+def table_and_boxes(layout: Layout, spec: ModelSpec, rank_base: int
+                    ) -> tuple[PieceTable, Boxes]:
+    """`piece_table` and its `boxes`, found among the rows of its distinct ranks only (a
+    replica's rows are its engine rank's)."""
+    table, found = _flatten(layout, spec, rank_base, True)
+    assert found is not None
+    return table, found
+
+
+def _flatten(layout: Layout, spec: ModelSpec, rank_base: int, with_boxes: bool
+             ) -> tuple[PieceTable, Boxes | None]:
     tensor_id = {t.name: i for i, t in enumerate(spec.tensors)}
     cache: dict[int, Any] = {}  # id(physical tensor) -> its (9, n) rows; id(names) -> ids
-    ranks: dict[int, np.ndarray] = {}  # id(a rank's tensors) -> its (10, n) rows, region first
-    blocks = []
+    ranks: dict[int, int] = {}  # id(a rank's tensors) -> its block
+    blocks: list[np.ndarray] = []  # (10, n) rows of each distinct rank, region first
+    used: list[int] = []  # block of each rank
+    made: list[int] = []  # the rank (index) where each block is first used
     for rl in layout.ranks:
-        block = ranks.get(id(rl.tensors))
-        if block is None:
-            block = ranks[id(rl.tensors)] = _rank_rows(rl.tensors, tensor_id, cache)
-        blocks.append((rank_base + rl.rank, block))
-    out = np.empty((11, sum(b.shape[1] for _, b in blocks)), dtype=np.int64)
-    at = 0
-    for rank, block in blocks:
-        out[0, at:at + block.shape[1]] = rank
-        out[1:, at:at + block.shape[1]] = block
-        at += block.shape[1]
+        b = ranks.get(id(rl.tensors))
+        if b is None:
+            b = ranks[id(rl.tensors)] = len(blocks)
+            blocks.append(_rank_rows(rl.tensors, tensor_id, cache))
+            made.append(len(used))
+        used.append(b)
+    sizes = np.array([blocks[b].shape[1] for b in used], dtype=np.int64)
+    starts = np.cumsum(sizes) - sizes
+    out = np.empty((11, int(sizes.sum())), dtype=np.int64)
+    for rl, b, at in zip(layout.ranks, used, starts.tolist()):
+        out[0, at:at + blocks[b].shape[1]] = rank_base + rl.rank
+        out[1:, at:at + blocks[b].shape[1]] = blocks[b]
     out.flags.writeable = False  # `intersect`'s chunks may share its columns
-    return PieceTable(*out)
+    table = PieceTable(*out)
+    if not with_boxes:
+        return table, None
+    # Boxes of the distinct ranks' rows; the rows of a block's first use come before any
+    # later use, so a box's first row among the blocks maps to its first row in the table.
+    cat = np.concatenate(blocks, axis=1) if blocks else np.zeros((10, 0), dtype=np.int64)
+    first, of = unique_columns(list(cat[1:6]))
+    del cat
+    lens = np.array([b.shape[1] for b in blocks], dtype=np.int64)
+    cstart = np.cumsum(lens) - lens
+    first = first + np.repeat(starts[made] - cstart, lens)[first]
+    of = np.concatenate([of[cstart[b]:cstart[b] + lens[b]] for b in used]) if used else of
+    return table, Boxes(of=of, first=first)
 
 
 def _rank_rows(tensors: tuple[PhysicalTensor, ...], tensor_id: dict[str, int],

@@ -51,16 +51,20 @@ class Routes:
 
 
 def route(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
-          topo: Topology) -> Routes:
-    """Split the target pieces `dst` into the direct and the gathered path."""
+          topo: Topology, dst_boxes: Boxes | None = None) -> Routes:
+    """Split the target pieces `dst` into the direct and the gathered path. `dst_boxes`:
+    `intersect.boxes(dst)`, when known (`intersect.table_and_boxes`)."""
     names = [t.name for t in spec.tensors]
     fp8 = np.isin(dst.tensor, [i for i, n in enumerate(names)
                                if spec.by_name.get(n + SCALE_SUFFIX)])
     fp8 &= dst.dtype == DTYPE_CODES.index(FP8)
     scales = np.isin(dst.tensor, [i for i, n in enumerate(names) if n.endswith(SCALE_SUFFIX)])
     plain = np.nonzero(~fp8 & ~scales)[0]
-    table = dst if len(plain) == len(dst) else take(dst, plain)  # no copy when all are plain
-    found = boxes(table)
+    if len(plain) == len(dst):  # all plain: no copy
+        table, found = dst, boxes(dst) if dst_boxes is None else dst_boxes
+    else:
+        table = take(dst, plain)
+        found = boxes(table)
     fine = fine_cut(spec, src, table, opts, topo, found)
     if len(fine):
         keep = np.ones(len(plain), dtype=bool)
