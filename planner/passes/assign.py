@@ -40,31 +40,44 @@ def split_rows(chunks: Chunks, dst: PieceTable, max_write_bytes: int) -> Chunks:
                   holder_ptr=chunks.holder_ptr, holders=chunks.holders)
 
 
+_SLICE = 1 << 21
+"""Chunks whose single-candidate loads are counted at a time (bounds the temporaries)."""
+
+
 def assign(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology) -> np.ndarray:
     """Row of the source `PieceTable` chosen for each chunk."""
-    nbytes = chunks.size0 * chunks.size1 * element_size(dst.dtype[chunks.dst])
-    lo = chunks.holder_ptr[chunks.sbox]
-    n_cand = chunks.holder_ptr[chunks.sbox + 1] - lo
-    choice = chunks.holders[lo]  # right for single-candidate chunks
+    holders, ptr = chunks.holders, chunks.holder_ptr
     host = np.asarray(topo.host)
     nic = np.asarray(topo.nic)
-    dst_host = host[dst.rank[chunks.dst]]
     nvlink_key = int(nic.max()) + 1 + np.arange(topo.world)  # one NVLink "port" per rank
-    src_rank = src.rank[choice]
-    key = np.where(host[src_rank] == dst_host, nvlink_key[src_rank], nic[src_rank])
-    load = np.bincount(key[n_cand == 1], weights=nbytes[n_cand == 1],
-                       minlength=int(nvlink_key.max()) + 1).tolist()
-    multi = np.nonzero(n_cand > 1)[0]
+    load_a = np.zeros(int(nvlink_key.max()) + 1)
+    choice = np.empty(len(chunks), dtype=holders.dtype)
+    multis = []
+    for at in range(0, len(chunks), _SLICE):
+        part = slice(at, at + _SLICE)
+        sbox = chunks.sbox[part]
+        lo = ptr[sbox]
+        one = ptr[sbox + 1] - lo == 1
+        choice[part] = holders[lo]  # right for single-candidate chunks
+        rows = np.nonzero(one)[0] + at
+        src_rank = src.rank[choice[rows]]
+        key = np.where(host[src_rank] == host[dst.rank[chunks.dst[rows]]],
+                       nvlink_key[src_rank], nic[src_rank])
+        load_a += np.bincount(key, weights=_nbytes(chunks, dst, rows), minlength=len(load_a))
+        multis.append(np.nonzero(~one)[0] + at)
+    multi = np.concatenate(multis) if multis else np.zeros(0, dtype=np.int64)
     if len(multi) == 0:
         return choice
-    order = multi[np.argsort(-nbytes[multi], kind="stable")]
+    nbytes = _nbytes(chunks, dst, multi)
+    pick = np.argsort(-nbytes, kind="stable")
+    order, nbytes = multi[pick], nbytes[pick]
+    load = load_a.tolist()
     cand_cache: dict[int, list[tuple[int, int, int, int]]] = {}
-    holders, ptr = chunks.holders, chunks.holder_ptr
     src_ranks, host_l, nic_l = src.rank.tolist(), host.tolist(), nic.tolist()
     nvk = nvlink_key.tolist()
-    out = choice.copy()
-    for i, sb, dh, nb in zip(order.tolist(), *(x[order].tolist()
-                                               for x in (chunks.sbox, dst_host, nbytes))):
+    dst_host = host[dst.rank[chunks.dst[order]]]
+    for i, sb, dh, nb in zip(order.tolist(), chunks.sbox[order].tolist(), dst_host.tolist(),
+                             nbytes.tolist()):
         cands = cand_cache.get(sb)
         if cands is None:
             cands = [(src_ranks[h], host_l[src_ranks[h]], nic_l[src_ranks[h]], h)
@@ -77,8 +90,12 @@ def assign(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology) -> 
         else:
             best = min(cands, key=lambda c: (load[c[2]], c[0]))
             load[best[2]] += nb
-        out[i] = best[3]
-    return out
+        choice[i] = best[3]
+    return choice
+
+
+def _nbytes(chunks: Chunks, dst: PieceTable, rows: np.ndarray) -> np.ndarray:
+    return chunks.size0[rows] * chunks.size1[rows] * element_size(dst.dtype[chunks.dst[rows]])
 
 
 def explain_chunks(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable
