@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import mul
 from typing import Any
 
 import numpy as np
@@ -137,11 +138,14 @@ def _rank_rows(tensors: tuple[PhysicalTensor, ...], tensor_id: dict[str, int],
     """(region, *row) of every piece of one rank's tensors, as 10 rows of columns."""
     parts: list[np.ndarray] = []
     rows: list[tuple[int, ...]] = []  # of tensors of a few pieces, made in Python
+    regions: list[int] = []
 
     def flush() -> None:
         if rows:
-            parts.append(np.array(rows, dtype=np.int64).reshape(-1, 10).T)
+            parts.append(np.concatenate([np.array(regions, dtype=np.int64)[None],
+                                         np.array(rows, dtype=np.int64).T]))
             rows.clear()
+            regions.clear()
 
     for region, pt in enumerate(tensors):
         got = cache.get(id(pt))
@@ -149,7 +153,8 @@ def _rank_rows(tensors: tuple[PhysicalTensor, ...], tensor_id: dict[str, int],
             got = cache[id(pt)] = _column_rows(pt, tensor_id, cache) \
                 if isinstance(pt.pieces, PieceColumns) else _tensor_rows(pt, tensor_id)
         if isinstance(got, list):
-            rows.extend((region, *row) for row in got)
+            rows += got
+            regions += [region] * len(got)
         else:
             flush()
             parts.append(np.concatenate([np.full((1, got.shape[1]), region, np.int64), got]))
@@ -157,21 +162,33 @@ def _rank_rows(tensors: tuple[PhysicalTensor, ...], tensor_id: dict[str, int],
     return np.concatenate(parts, axis=1) if parts else np.zeros((10, 0), dtype=np.int64)
 
 
+_CODES = {name: code for code, name in enumerate(DTYPE_CODES)}
+
+
 def _tensor_rows(pt: PhysicalTensor, tensor_id: dict[str, int]) -> list[tuple[int, ...]]:
-    """(tensor, off0, off1, size0, size1, base, a0, a1, dtype) of each piece."""
-    strides = [math.prod(pt.shape[d + 1:]) for d in range(len(pt.shape))]
-    code = DTYPE_CODES.index(pt.dtype)
+    """(tensor, off0, off1, size0, size1, base, a0, a1, dtype) of each piece; 1-d (and
+    0-d) boxes as `[n, 1]`."""
+    shape, nd = pt.shape, len(pt.shape)
+    strides = [1] * nd  # row-major, in elements
+    for d in range(nd - 1, 0, -1):
+        strides[d - 1] = strides[d] * shape[d]
+    code = _CODES[pt.dtype]
     rows = []
     for p in pt.pieces:
-        if p.tensor not in tensor_id:
+        tid = tensor_id.get(p.tensor)
+        if tid is None:
             _unknown(pt, p.tensor)
-        dims = p.phys_dims()
-        a = [strides[d] for d in dims] + [1] * (2 - len(dims))
-        off = list(p.offsets) + [0] * (2 - len(p.offsets))
-        size = list(p.sizes) + [1] * (2 - len(p.sizes))
-        base = sum(x * s for x, s in zip(p.at, strides)) - off[0] * a[0] - off[1] * a[1]
-        rows.append((tensor_id[p.tensor], off[0], off[1], size[0], size[1], base, a[0],
-                     a[1], code))
+        off, size, at, k = p.offsets, p.sizes, p.at, len(p.sizes)
+        dims = p.dims if p.dims is not None else range(len(at) - k, len(at))
+        if k >= 2:
+            o0, o1, s0, s1, a0, a1 = off[0], off[1], size[0], size[1], strides[dims[0]], \
+                strides[dims[1]]
+        elif k == 1:
+            o0, o1, s0, s1, a0, a1 = off[0], 0, size[0], 1, strides[dims[0]], 1
+        else:
+            o0, o1, s0, s1, a0, a1 = 0, 0, 1, 1, 1, 1
+        base = sum(map(mul, at, strides)) - o0 * a0 - o1 * a1
+        rows.append((tid, o0, o1, s0, s1, base, a0, a1, code))
     return rows
 
 
