@@ -8,11 +8,12 @@ import dataclasses
 import numpy as np
 import pytest
 
+from planner.fp8 import quantize_layout
 from planner.layouts import megatron, vllm
 from planner.layouts.base import Layout, PieceColumns, RankLayout
 from planner.passes.intersect import boxes, intersect, piece_table, table_and_boxes
 from planner.spec import spec_from_hf
-from schemas.config import SourceConfig, TargetConfig
+from schemas.config import ConfigError, SourceConfig, TargetConfig
 from tests.support.models import deepseek_v3, qwen3_moe
 
 
@@ -76,3 +77,26 @@ def test_unknown_tensor_in_columns_is_named() -> None:
     broken = dataclasses.replace(lay, ranks=(dataclasses.replace(r, tensors=tensors),))
     with pytest.raises(ValueError, match="no.such.tensor"):
         piece_table(broken, spec, 0)
+
+
+def _fp8_moe(**kw: int) -> dict:
+    """Heads of 128 rows: attention shards stay on the 128-block grid."""
+    return qwen3_moe(hidden_size=256, intermediate_size=256, num_attention_heads=2,
+                     num_key_value_heads=2, head_dim=128, **kw)
+
+
+def test_fp8_scales_of_columns_equal_those_of_their_pieces() -> None:
+    # TP 1 (experts over EP 2): every box whole, so block-aligned
+    spec = spec_from_hf(_fp8_moe(moe_intermediate_size=256))
+    lay = vllm.layout(spec, TargetConfig(engine="vllm", tp=1, dp=2, ep=True))
+    cols, plain = quantize_layout(lay, spec), quantize_layout(_as_tuples(lay), spec)
+    assert _columns(cols) > _columns(lay)  # the scales of columns are columns
+    assert cols == plain
+
+
+def test_fp8_misaligned_columns_are_refused_naming_the_piece() -> None:
+    # attention split by whole 128-row heads; experts' 192 rows over TP 2: 96 per rank
+    spec = spec_from_hf(_fp8_moe(moe_intermediate_size=192))
+    lay = vllm.layout(spec, TargetConfig(engine="vllm", tp=2))
+    with pytest.raises(ConfigError, match=r"w13_weight holds model\.layers\.0\.mlp\.experts\.0"):
+        quantize_layout(lay, spec)
