@@ -37,7 +37,13 @@ from planner.passes.emit import (
     tensor_regions,
 )
 from planner.passes.gather import gather
-from planner.passes.intersect import PieceTable, element_size, intersect, piece_table
+from planner.passes.intersect import (
+    PieceTable,
+    element_size,
+    intersect,
+    piece_table,
+    table_and_boxes,
+)
 from planner.passes.lower import lower, merge
 from planner.passes.route import route
 from planner.passes.schedule import schedule
@@ -80,9 +86,10 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     topo = build_topology(cfg.cluster, src_layout.world, dst_layout.world)
     step("intersect")
     src = piece_table(src_layout, spec, 0) if src is None else src
-    dst = piece_table(dst_layout, spec, src_layout.world)
-    routes = route(spec, src, dst, opts, topo)
-    chunks = split_rows(intersect(spec, src, routes.direct), routes.direct, opts.max_write_bytes)
+    dst, dst_boxes = table_and_boxes(dst_layout, spec, src_layout.world)
+    routes = route(spec, src, dst, opts, topo, dst_boxes)
+    chunks = split_rows(intersect(spec, src, routes.direct, routes.direct_boxes), routes.direct,
+                        opts.max_write_bytes)
     step("assign")
     choice = assign(chunks, src, routes.direct, topo)
     step("lower")

@@ -24,7 +24,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
+import numpy as np
+
+from planner.layouts.base import Layout, PhysicalTensor, Piece, PieceColumns, RankLayout
 from planner.spec import LogicalTensor, ModelSpec
 from schemas.config import ConfigError
 from schemas.protocol import FP8_BLOCK as BLOCK
@@ -63,6 +65,12 @@ def _aligned(p: Piece, logical: tuple[int, ...]) -> bool:
     return all(p.at[d] % BLOCK == 0 for d in dims)
 
 
+def _dims(c: PieceColumns) -> set[int]:
+    """The physical dims the pieces of `c` run along."""
+    k, p = c.offsets.shape[1], c.at.shape[1]
+    return set(c.dims if c.dims is not None else range(p - k, p))
+
+
 def _scale_tensor(pt: PhysicalTensor, spec_by_name: dict[str, LogicalTensor]
                   ) -> PhysicalTensor:
     dims = {d for p in pt.pieces for d in p.phys_dims()}
@@ -83,6 +91,24 @@ def _scale_tensor(pt: PhysicalTensor, spec_by_name: dict[str, LogicalTensor]
     return PhysicalTensor(pt.name + SCALE_SUFFIX, shape, "float32", tuple(pieces))
 
 
+def _scale_columns(pt: PhysicalTensor, c: PieceColumns, shape: tuple[int, ...],
+                   spec_by_name: dict[str, LogicalTensor]) -> PhysicalTensor:
+    """`_scale_tensor` of a tensor whose pieces are columns, column by column."""
+    k = c.offsets.shape[1]
+    dims = list(c.dims if c.dims is not None else range(c.at.shape[1] - k, c.at.shape[1]))
+    full = np.array([spec_by_name[n].shape for n in c.names], dtype=np.int64).reshape(len(c), k)
+    off, size, at = c.offsets, c.sizes, c.at
+    ok = ((off % BLOCK == 0) & ((size % BLOCK == 0) | (off + size == full))).all(axis=1)
+    ok &= (at[:, dims] % BLOCK == 0).all(axis=1)
+    if not ok.all():
+        _scale_tensor(replace(pt, pieces=(c[int(np.argmin(ok))],)), spec_by_name)  # raises
+    scaled = at.copy()
+    scaled[:, dims] //= BLOCK
+    return PhysicalTensor(pt.name + SCALE_SUFFIX, shape, "float32", PieceColumns(
+        tuple(n + SCALE_SUFFIX for n in c.names), off // BLOCK,
+        -(-(off + size) // BLOCK) - off // BLOCK, scaled, c.dims))
+
+
 def quantize_layout(layout: Layout, spec: ModelSpec) -> Layout:
     """The FP8 form of a target layout built with bf16 weights."""
     by_name = spec.by_name
@@ -90,9 +116,17 @@ def quantize_layout(layout: Layout, spec: ModelSpec) -> Layout:
 
     def convert(pt: PhysicalTensor) -> tuple[PhysicalTensor, ...]:
         if id(pt) not in cache:
-            quant = bool(pt.pieces) and all(is_quantized(by_name[p.tensor]) for p in pt.pieces)
-            cache[id(pt)] = (replace(pt, dtype=FP8), _scale_tensor(pt, by_name)) if quant \
-                else (pt,)
+            c = pt.pieces
+            names = c.names if isinstance(c, PieceColumns) else [p.tensor for p in c]
+            quant = bool(names) and all(is_quantized(by_name[n]) for n in names)
+            if not quant:
+                cache[id(pt)] = (pt,)
+            elif isinstance(c, PieceColumns):
+                shape = tuple(-(-s // BLOCK) if d in _dims(c) else s
+                              for d, s in enumerate(pt.shape))
+                cache[id(pt)] = (replace(pt, dtype=FP8), _scale_columns(pt, c, shape, by_name))
+            else:
+                cache[id(pt)] = (replace(pt, dtype=FP8), _scale_tensor(pt, by_name))
         return cache[id(pt)]
 
     ranks = tuple(RankLayout(r.rank, r.replica,

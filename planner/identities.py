@@ -52,14 +52,19 @@ def with_rank_tensors(plan: Plan, spec: ModelSpec, tables: tuple[PieceTable, Pie
     base = 0
     for table, layout in zip(tables, layouts):
         cut = np.searchsorted(table.rank, np.arange(base, base + layout.world + 1))
+        same: dict[int, int] = {}  # id(a rank's tensors) -> the rank its content points at
         for rl in layout.ranks:
             r = base + rl.rank
+            if id(rl.tensors) in same:  # replicas: the same tensors, so the same rows
+                blobs.append((f"tensors/{r}", {"same_as": same[id(rl.tensors)]}))
+                continue
             blob = _blob(spec, table, slice(cut[rl.rank], cut[rl.rank + 1]), rl.tensors)
             key = msgpack.packb(blob, use_bin_type=True)  # equal content: point at the first
             if key in first:
                 blob = {"same_as": first[key]}
             else:
                 first[key] = r
+            same[id(rl.tensors)] = first[key]
             blobs.append((f"tensors/{r}", blob))
         base += layout.world
     return dataclasses.replace(plan, extra_blobs=(*plan.extra_blobs, *blobs))

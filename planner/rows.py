@@ -11,6 +11,8 @@ unique rows in sorted order, the index of each one's first occurrence, and the i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 _LIMIT = np.iinfo(np.int64).max
@@ -34,14 +36,29 @@ def row_keys(a: np.ndarray) -> np.ndarray:
     n, k = a.shape
     if k == 0 or n == 0:
         return np.zeros(n, dtype=np.int64)
-    key, span = _codes(a[:, 0])
-    for j in range(1, k):
-        codes, m = _codes(a[:, j])
+    return column_keys([a[:, j] for j in range(k)])
+
+
+def column_keys(cols: Sequence[np.ndarray]) -> np.ndarray:
+    """`row_keys(np.stack(cols, axis=1))`, without making the stacked copy."""
+    if not cols or len(cols[0]) == 0:
+        return np.zeros(len(cols[0]) if cols else 0, dtype=np.int64)
+    key, span = _codes(cols[0])
+    for col in cols[1:]:
+        codes, m = _codes(col)
         if span > _LIMIT // max(m, 1):
             key, span = _codes(key)
         key = key * m + codes
         span = span * m
     return key
+
+
+def unique_columns(cols: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """`np.unique(np.stack(cols, axis=1), axis=0, return_index=True, return_inverse=True)`
+    less the unique rows themselves: (index of each unique row's first occurrence, in the
+    rows' sorted order; the unique row of each row)."""
+    _, first, inverse = np.unique(column_keys(cols), return_index=True, return_inverse=True)
+    return first, inverse.reshape(-1)
 
 
 def lexorder(*keys: np.ndarray) -> np.ndarray:

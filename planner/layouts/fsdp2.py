@@ -56,12 +56,21 @@ class _Param:
     """`at[0]` of each piece (pieces are sorted by it), to find a shard's pieces quickly."""
     reach: int = field(init=False)
     """The largest extent of a piece along dim 0."""
+    plain: bool = field(init=False)
+    """One piece, the whole tensor (a shard is then one box)."""
+    spans: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...] = \
+        field(init=False)
+    """(at, at + physical sizes, physical dims) of each piece, for `restrict`."""
 
     def __post_init__(self) -> None:
         pieces = tuple(sorted(self.pieces, key=lambda p: p.at[0]))
         object.__setattr__(self, "pieces", pieces)
         object.__setattr__(self, "starts", tuple(p.at[0] for p in pieces))
         object.__setattr__(self, "reach", max((p.phys_sizes()[0] for p in pieces), default=0))
+        object.__setattr__(self, "plain", len(pieces) == 1 and pieces[0].sizes == self.shape)
+        object.__setattr__(self, "spans", tuple(
+            (p.at, tuple(a + s for a, s in zip(p.at, p.phys_sizes())), p.phys_dims())
+            for p in pieces))
 
 
 def tp_dim(name: str) -> int | None:
@@ -199,14 +208,17 @@ def _local(p: _Param, cfg: SourceConfig, t: int, d: int) -> PhysicalTensor:
     lo, hi = [0] * len(p.shape), list(p.shape)
     if cfg.tp > 1 and p.tp_dim is not None:
         lo[p.tp_dim], hi[p.tp_dim] = chunk(p.shape[p.tp_dim], cfg.tp, t)
-    a, b = chunk(hi[0] - lo[0], cfg.dp, d)
-    lo[0], hi[0] = lo[0] + a, lo[0] + b
+    n = hi[0] - lo[0]
+    c = -(-n // cfg.dp)  # `chunk`, inline: this runs for every parameter of every rank
+    a = min(d * c, n)
+    lo[0], hi[0] = lo[0] + a, lo[0] + min(a + c, n)
     shape = tuple(y - x for x, y in zip(lo, hi))
-    if len(p.pieces) == 1 and p.pieces[0].sizes == p.shape:  # a plain parameter: one box
+    if p.plain:  # a plain parameter: one box
         piece = Piece(p.pieces[0].tensor, tuple(lo), shape, (0,) * len(shape))
         return PhysicalTensor(p.name, shape, p.dtype, (piece,) if all(shape) else ())
-    near = p.pieces[bisect_left(p.starts, lo[0] - p.reach + 1):bisect_left(p.starts, hi[0])]
-    return PhysicalTensor(p.name, shape, p.dtype, restrict(near, lo, hi))
+    first, stop = bisect_left(p.starts, lo[0] - p.reach + 1), bisect_left(p.starts, hi[0])
+    return PhysicalTensor(p.name, shape, p.dtype,
+                          _restrict(p.pieces[first:stop], p.spans[first:stop], lo, hi))
 
 
 def identity(cfg: SourceConfig, rank: int) -> dict[str, int | str]:
@@ -219,15 +231,20 @@ def identity(cfg: SourceConfig, rank: int) -> dict[str, int | str]:
 def restrict(pieces: Sequence[Piece], lo: Sequence[int], hi: Sequence[int]
              ) -> tuple[Piece, ...]:
     """The parts of `pieces` inside the physical region `[lo, hi)`, re-based to `lo`."""
+    spans = [(p.at, tuple(a + s for a, s in zip(p.at, p.phys_sizes())), p.phys_dims())
+             for p in pieces]
+    return _restrict(pieces, spans, lo, hi)
+
+
+def _restrict(pieces: Sequence[Piece], spans: Sequence[tuple[tuple[int, ...], ...]],
+              lo: Sequence[int], hi: Sequence[int]) -> tuple[Piece, ...]:
+    """`restrict`, given each piece's (at, stop, dims) (`_Param.spans`)."""
     out = []
-    for piece in pieces:
-        start = piece.at
-        stop = [a + s for a, s in zip(piece.at, piece.phys_sizes())]
+    for piece, (start, stop, dims) in zip(pieces, spans):
         new_lo = [max(a, x) for a, x in zip(start, lo)]
         new_hi = [min(b, y) for b, y in zip(stop, hi)]
         if any(x >= y for x, y in zip(new_lo, new_hi)):
             continue
-        dims = piece.phys_dims()
         offsets = tuple(o + new_lo[pd] - start[pd] for o, pd in zip(piece.offsets, dims))
         sizes = tuple(new_hi[pd] - new_lo[pd] for pd in dims)
         at = tuple(x - y for x, y in zip(new_lo, lo))

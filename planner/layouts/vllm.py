@@ -26,9 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
 
 from planner.layouts import rules
-from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
+from planner.layouts.base import Layout, PhysicalTensor, Piece, PieceColumns, RankLayout
 from planner.layouts.rules import fail
 from planner.spec import SUPPORTED_MODEL_TYPES, LogicalTensor, ModelSpec
 from schemas.config import TargetConfig
@@ -184,6 +187,13 @@ def identity(cfg: TargetConfig, rank: int) -> dict[str, int | str]:
 # ---------------------------------------------------------------- tensors of one rank
 
 
+@lru_cache(maxsize=1024)
+def _expert_names(prefix: str, local: range, weights: tuple[str, ...]) -> tuple[str, ...]:
+    """`{prefix}{e}.{w}` for each expert e of `local`, each weight w: one tuple shared by
+    every rank holding those experts (the piece table looks its names up once)."""
+    return tuple(f"{prefix}{e}.{w}" for e in local for w in weights)
+
+
 class _Builder:
     """Builds one rank's physical tensors; `lt` looks logical tensors up by name."""
 
@@ -281,21 +291,28 @@ class _Builder:
         yield self.column_split(p + "o_proj.weight", p + "o_proj.weight", a)
 
     def experts(self, p: str) -> Iterator[PhysicalTensor]:
-        """Stacked routed experts of layer prefix `p`."""
+        """Stacked routed experts of layer prefix `p`, as columns (`PieceColumns`)."""
         d, m = self.d, self.s.moe_tp
         k, h = d.moe_intermediate // m.size, d.hidden
         local = expert_range(d.num_experts, self.s.ep)
-        w13, w2 = [], []
+        n = len(local)
         gate, up = (0, k) if self.cfg.w13_order == "w1w3" else (k, 0)  # w3w1: FlashInfer
         g, u, dn = (f"{name}.weight" for name in d.expert_names)
-        for j, e in enumerate(local):
-            lp = f"{p}{d.moe_module}.experts.{e}."
-            w13.append(Piece(lp + g, (m.rank * k, 0), (k, h), (j, gate, 0)))
-            w13.append(Piece(lp + u, (m.rank * k, 0), (k, h), (j, up, 0)))
-            w2.append(Piece(lp + dn, (0, m.rank * k), (h, k), (j, 0, 0)))
+        j = np.arange(n)
+        w13_at = np.zeros((n, 2, 3), dtype=np.int64)  # expert j: its gate, then its up
+        w13_at[:, :, 0] = j[:, None]
+        w13_at[:, :, 1] = (gate, up)
+        w13 = PieceColumns(_expert_names(f"{p}{d.moe_module}.experts.", local, (g, u)),
+                           np.broadcast_to([m.rank * k, 0], (2 * n, 2)),
+                           np.broadcast_to([k, h], (2 * n, 2)), w13_at.reshape(2 * n, 3))
+        w2_at = np.zeros((n, 3), dtype=np.int64)
+        w2_at[:, 0] = j
+        w2 = PieceColumns(_expert_names(f"{p}{d.moe_module}.experts.", local, (dn,)),
+                          np.broadcast_to([0, m.rank * k], (n, 2)),
+                          np.broadcast_to([h, k], (n, 2)), w2_at)
         ep = f"{p}{d.moe_module}.{self.names.experts}"
-        yield PhysicalTensor(ep + "w13_weight", (len(local), 2 * k, h), self.cfg.dtype, tuple(w13))
-        yield PhysicalTensor(ep + "w2_weight", (len(local), h, k), self.cfg.dtype, tuple(w2))
+        yield PhysicalTensor(ep + "w13_weight", (n, 2 * k, h), self.cfg.dtype, w13)
+        yield PhysicalTensor(ep + "w2_weight", (n, h, k), self.cfg.dtype, w2)
 
     def layer(self, i: int) -> Iterator[PhysicalTensor]:
         p = f"model.layers.{i}."

@@ -28,6 +28,8 @@ def split_rows(chunks: Chunks, dst: PieceTable, max_write_bytes: int) -> Chunks:
     row_bytes = chunks.size1 * element_size(dst.dtype[chunks.dst])
     rows_per = np.maximum(1, max_write_bytes // row_bytes)
     parts = -(-chunks.size0 // rows_per)
+    if len(parts) == 0 or parts.max() == 1:  # nothing to cut
+        return chunks
     idx = np.repeat(np.arange(len(chunks)), parts)
     first = np.repeat(np.cumsum(parts) - parts, parts)
     k = np.arange(len(idx)) - first
@@ -38,47 +40,62 @@ def split_rows(chunks: Chunks, dst: PieceTable, max_write_bytes: int) -> Chunks:
                   holder_ptr=chunks.holder_ptr, holders=chunks.holders)
 
 
+_SLICE = 1 << 21
+"""Chunks whose single-candidate loads are counted at a time (bounds the temporaries)."""
+
+
 def assign(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology) -> np.ndarray:
     """Row of the source `PieceTable` chosen for each chunk."""
-    nbytes = chunks.size0 * chunks.size1 * element_size(dst.dtype[chunks.dst])
-    lo = chunks.holder_ptr[chunks.sbox]
-    n_cand = chunks.holder_ptr[chunks.sbox + 1] - lo
-    choice = chunks.holders[lo]  # right for single-candidate chunks
+    holders, ptr = chunks.holders, chunks.holder_ptr
     host = np.asarray(topo.host)
     nic = np.asarray(topo.nic)
-    dst_host = host[dst.rank[chunks.dst]]
     nvlink_key = int(nic.max()) + 1 + np.arange(topo.world)  # one NVLink "port" per rank
-    src_rank = src.rank[choice]
-    key = np.where(host[src_rank] == dst_host, nvlink_key[src_rank], nic[src_rank])
-    load = np.bincount(key[n_cand == 1], weights=nbytes[n_cand == 1],
-                       minlength=int(nvlink_key.max()) + 1).tolist()
-    multi = np.nonzero(n_cand > 1)[0]
+    load_a = np.zeros(int(nvlink_key.max()) + 1)
+    choice = np.empty(len(chunks), dtype=holders.dtype)
+    multis = []
+    for at in range(0, len(chunks), _SLICE):
+        part = slice(at, at + _SLICE)
+        sbox = chunks.sbox[part]
+        lo = ptr[sbox]
+        one = ptr[sbox + 1] - lo == 1
+        choice[part] = holders[lo]  # right for single-candidate chunks
+        rows = np.nonzero(one)[0] + at
+        src_rank = src.rank[choice[rows]]
+        key = np.where(host[src_rank] == host[dst.rank[chunks.dst[rows]]],
+                       nvlink_key[src_rank], nic[src_rank])
+        load_a += np.bincount(key, weights=_nbytes(chunks, dst, rows), minlength=len(load_a))
+        multis.append(np.nonzero(~one)[0] + at)
+    multi = np.concatenate(multis) if multis else np.zeros(0, dtype=np.int64)
     if len(multi) == 0:
         return choice
-    order = multi[np.argsort(-nbytes[multi], kind="stable")]
+    nbytes = _nbytes(chunks, dst, multi)
+    pick = np.argsort(-nbytes, kind="stable")
+    order, nbytes = multi[pick], nbytes[pick]
+    load = load_a.tolist()
     cand_cache: dict[int, list[tuple[int, int, int, int]]] = {}
-    holders, ptr = chunks.holders, chunks.holder_ptr
     src_ranks, host_l, nic_l = src.rank.tolist(), host.tolist(), nic.tolist()
     nvk = nvlink_key.tolist()
-    sbox_l, dhost_l, nbytes_l = chunks.sbox.tolist(), dst_host.tolist(), nbytes.tolist()
-    out = choice.copy()
-    for i in order.tolist():
-        sb = sbox_l[i]
+    dst_host = host[dst.rank[chunks.dst[order]]]
+    for i, sb, dh, nb in zip(order.tolist(), chunks.sbox[order].tolist(), dst_host.tolist(),
+                             nbytes.tolist()):
         cands = cand_cache.get(sb)
         if cands is None:
             cands = [(src_ranks[h], host_l[src_ranks[h]], nic_l[src_ranks[h]], h)
                      for h in holders[ptr[sb]:ptr[sb + 1]].tolist()]
             cand_cache[sb] = cands
-        dh = dhost_l[i]
         same = [c for c in cands if c[1] == dh]
         if same:
             best = min(same, key=lambda c: (load[nvk[c[0]]], c[0]))
-            load[nvk[best[0]]] += nbytes_l[i]
+            load[nvk[best[0]]] += nb
         else:
             best = min(cands, key=lambda c: (load[c[2]], c[0]))
-            load[best[2]] += nbytes_l[i]
-        out[i] = best[3]
-    return out
+            load[best[2]] += nb
+        choice[i] = best[3]
+    return choice
+
+
+def _nbytes(chunks: Chunks, dst: PieceTable, rows: np.ndarray) -> np.ndarray:
+    return chunks.size0[rows] * chunks.size1[rows] * element_size(dst.dtype[chunks.dst[rows]])
 
 
 def explain_chunks(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable

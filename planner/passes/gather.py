@@ -251,7 +251,7 @@ class _Gatherer:
             sum(align(int(chunks.size0[c] * chunks.size1[c]) * es) for c in others) \
             if parts else align(n0 * n1 * es)
         return _Box(tensor, t0, t1, n0, n1, cs, tuple(rows), owner, len(held) == 1,
-                    src_code, out_code, es, int(element_size(np.array([out_code]))[0]), quant,
+                    src_code, out_code, es, int(element_size(out_code)), quant,
                     not quant and out_code != src_code, direct, parts, g_bytes)
 
     def _by_parts(self, t: int) -> bool:

@@ -71,7 +71,7 @@ class Out:
         offsets count from the pool's start (`Staging`)."""
 
     def copy(self, **cols: int) -> None:
-        self.copies.append(tuple(int(cols[k]) for k in self.C))
+        self.copies.append(tuple(map(int, map(cols.__getitem__, self.C))))
 
     def runs(self, stage: int, src: tuple[int, int, int], dst: tuple[int, int, int],
              rows: int, row_bytes: int, src_stride: int, dst_stride: int) -> None:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import mul
+from typing import Any
 
 import numpy as np
 
-from planner.layouts.base import Layout
-from planner.rows import unique_rows
+from planner.layouts.base import Layout, PhysicalTensor, PieceColumns
+from planner.rows import unique_columns
 from planner.spec import ModelSpec
 from schemas.plan import DTYPE_CODES
 from schemas.protocol import ITEM
@@ -77,56 +79,191 @@ def chunk_bytes(chunks: Chunks, dst: PieceTable) -> np.ndarray:
 
 
 def piece_table(layout: Layout, spec: ModelSpec, rank_base: int) -> PieceTable:
-    """Flatten a layout's pieces into columns (plan rank = rank_base + layout rank)."""
+    """Flatten a layout's pieces into columns (plan rank = rank_base + layout rank).
+
+    A rank's rows are built once for every rank holding the same tensors (replicas share
+    their engine rank's tuple), a tensor's once for every rank holding it, and the pieces of
+    a `PieceColumns` from its columns; each column of the table is one contiguous array."""
+    return _flatten(layout, spec, rank_base, False)[0]
+
+
+def table_and_boxes(layout: Layout, spec: ModelSpec, rank_base: int
+                    ) -> tuple[PieceTable, Boxes]:
+    """`piece_table` and its `boxes`, found among the rows of its distinct ranks only (a
+    replica's rows are its engine rank's)."""
+    table, found = _flatten(layout, spec, rank_base, True)
+    assert found is not None
+    return table, found
+
+
+def _flatten(layout: Layout, spec: ModelSpec, rank_base: int, with_boxes: bool
+             ) -> tuple[PieceTable, Boxes | None]:
     tensor_id = {t.name: i for i, t in enumerate(spec.tensors)}
-    cache: dict[int, list[tuple[int, ...]]] = {}  # id(physical tensor) -> its rows
-    ranks: dict[int, np.ndarray] = {}  # id(a rank's tensors) -> (region, *row) rows
-    blocks = []
+    cache: dict[int, Any] = {}  # id(physical tensor) -> its (9, n) rows; id(names) -> ids
+    ranks: dict[int, int] = {}  # id(a rank's tensors) -> its block
+    blocks: list[np.ndarray] = []  # (10, n) rows of each distinct rank, region first
+    used: list[int] = []  # block of each rank
+    made: list[int] = []  # the rank (index) where each block is first used
     for rl in layout.ranks:
-        block = ranks.get(id(rl.tensors))  # replicas share their engine rank's tuple
-        if block is None:
-            rows: list[tuple[int, ...]] = []
-            for region, pt in enumerate(rl.tensors):
-                if id(pt) not in cache:
-                    cache[id(pt)] = _tensor_rows(pt, tensor_id)
-                rows.extend((region, *row) for row in cache[id(pt)])
-            block = ranks[id(rl.tensors)] = np.array(rows, dtype=np.int64).reshape(-1, 10)
-        blocks.append(np.concatenate([np.full((len(block), 1), rank_base + rl.rank,
-                                              dtype=np.int64), block], axis=1))
-    cols = (np.concatenate(blocks) if blocks else np.zeros((0, 11), dtype=np.int64)).T
-    return PieceTable(*cols)
+        b = ranks.get(id(rl.tensors))
+        if b is None:
+            b = ranks[id(rl.tensors)] = len(blocks)
+            blocks.append(_rank_rows(rl.tensors, tensor_id, cache))
+            made.append(len(used))
+        used.append(b)
+    sizes = np.array([blocks[b].shape[1] for b in used], dtype=np.int64)
+    starts = np.cumsum(sizes) - sizes
+    out = np.empty((11, int(sizes.sum())), dtype=np.int64)
+    for rl, b, at in zip(layout.ranks, used, starts.tolist()):
+        out[0, at:at + blocks[b].shape[1]] = rank_base + rl.rank
+        out[1:, at:at + blocks[b].shape[1]] = blocks[b]
+    out.flags.writeable = False  # `intersect`'s chunks may share its columns
+    table = PieceTable(*out)
+    if not with_boxes:
+        return table, None
+    # Boxes of the distinct ranks' rows; the rows of a block's first use come before any
+    # later use, so a box's first row among the blocks maps to its first row in the table.
+    cat = np.concatenate(blocks, axis=1) if blocks else np.zeros((10, 0), dtype=np.int64)
+    first, of = unique_columns(list(cat[1:6]))
+    del cat
+    lens = np.array([b.shape[1] for b in blocks], dtype=np.int64)
+    cstart = np.cumsum(lens) - lens
+    first = first + np.repeat(starts[made] - cstart, lens)[first]
+    of = np.concatenate([of[cstart[b]:cstart[b] + lens[b]] for b in used]) if used else of
+    return table, Boxes(of=of, first=first)
 
 
-def _tensor_rows(pt, tensor_id: dict[str, int]) -> list[tuple[int, ...]]:
-    strides = [math.prod(pt.shape[d + 1:]) for d in range(len(pt.shape))]
-    code = DTYPE_CODES.index(pt.dtype)
+def _rank_rows(tensors: tuple[PhysicalTensor, ...], tensor_id: dict[str, int],
+               cache: dict[int, Any]) -> np.ndarray:
+    """(region, *row) of every piece of one rank's tensors, as 10 rows of columns."""
+    parts: list[np.ndarray] = []
+    rows: list[tuple[int, ...]] = []  # of tensors of a few pieces, made in Python
+    regions: list[int] = []
+
+    def flush() -> None:
+        if rows:
+            parts.append(np.concatenate([np.array(regions, dtype=np.int64)[None],
+                                         np.array(rows, dtype=np.int64).T]))
+            rows.clear()
+            regions.clear()
+
+    for region, pt in enumerate(tensors):
+        got = cache.get(id(pt))
+        if got is None:
+            got = cache[id(pt)] = _column_rows(pt, tensor_id, cache) \
+                if isinstance(pt.pieces, PieceColumns) else _tensor_rows(pt, tensor_id)
+        if isinstance(got, list):
+            rows += got
+            regions += [region] * len(got)
+        else:
+            flush()
+            parts.append(np.concatenate([np.full((1, got.shape[1]), region, np.int64), got]))
+    flush()
+    return np.concatenate(parts, axis=1) if parts else np.zeros((10, 0), dtype=np.int64)
+
+
+_CODES = {name: code for code, name in enumerate(DTYPE_CODES)}
+
+
+def _tensor_rows(pt: PhysicalTensor, tensor_id: dict[str, int]) -> list[tuple[int, ...]]:
+    """(tensor, off0, off1, size0, size1, base, a0, a1, dtype) of each piece; 1-d (and
+    0-d) boxes as `[n, 1]`."""
+    shape, nd = pt.shape, len(pt.shape)
+    strides = [1] * nd  # row-major, in elements
+    for d in range(nd - 1, 0, -1):
+        strides[d - 1] = strides[d] * shape[d]
+    code = _CODES[pt.dtype]
     rows = []
     for p in pt.pieces:
-        if p.tensor not in tensor_id:
-            raise ValueError(f"layout: {pt.name} holds a piece of {p.tensor!r}, which is not "
-                             "in the model spec")
-        dims = p.phys_dims()
-        a = [strides[d] for d in dims] + [1] * (2 - len(dims))
-        off = list(p.offsets) + [0] * (2 - len(p.offsets))
-        size = list(p.sizes) + [1] * (2 - len(p.sizes))
-        base = sum(x * s for x, s in zip(p.at, strides)) - off[0] * a[0] - off[1] * a[1]
-        rows.append((tensor_id[p.tensor], off[0], off[1], size[0], size[1], base, a[0],
-                     a[1], code))
+        tid = tensor_id.get(p.tensor)
+        if tid is None:
+            _unknown(pt, p.tensor)
+        off, size, at, k = p.offsets, p.sizes, p.at, len(p.sizes)
+        dims = p.dims if p.dims is not None else range(len(at) - k, len(at))
+        if k >= 2:
+            o0, o1, s0, s1, a0, a1 = off[0], off[1], size[0], size[1], strides[dims[0]], \
+                strides[dims[1]]
+        elif k == 1:
+            o0, o1, s0, s1, a0, a1 = off[0], 0, size[0], 1, strides[dims[0]], 1
+        else:
+            o0, o1, s0, s1, a0, a1 = 0, 0, 1, 1, 1, 1
+        base = sum(map(mul, at, strides)) - o0 * a0 - o1 * a1
+        rows.append((tid, o0, o1, s0, s1, base, a0, a1, code))
     return rows
 
 
-def _unique_boxes(t: PieceTable) -> tuple[np.ndarray, np.ndarray]:
-    """(box id of each row, row index of each unique box's first holder); boxes sorted by
-    (tensor, off0, off1, size0, size1)."""
-    keys = np.stack([t.tensor, t.off0, t.off1, t.size0, t.size1], axis=1)
-    uniq, inverse = unique_rows(keys, return_inverse=True)
-    return inverse.reshape(-1), uniq
+def _unknown(pt: PhysicalTensor, name: str) -> None:
+    raise ValueError(f"layout: {pt.name} holds a piece of {name!r}, which is not in the "
+                     "model spec")
 
 
-def intersect(spec: ModelSpec, src: PieceTable, dst: PieceTable) -> Chunks:
-    """Cut every target piece by the source boxes it overlaps; check exact coverage."""
+def _column_rows(pt: PhysicalTensor, tensor_id: dict[str, int], cache: dict[int, Any]
+                 ) -> np.ndarray:
+    """`_tensor_rows` of a `PieceColumns` tensor, from its columns, as 9 rows."""
+    c = pt.pieces
+    assert isinstance(c, PieceColumns)
+    ids = cache.get(id(c.names))
+    if ids is None:  # names shared by many ranks' columns are looked up once
+        ids = cache[id(c.names)] = [tensor_id.get(name, -1) for name in c.names]
+    if -1 in ids:
+        _unknown(pt, c.names[ids.index(-1)])
+    n, k = len(c), c.offsets.shape[1]
+    rows = np.empty((9, n), dtype=np.int64)
+    if n == 0:
+        return rows
+    dims = c.dims if c.dims is not None else tuple(range(c.at.shape[1] - k, c.at.shape[1]))
+    strides = np.array([math.prod(pt.shape[d + 1:]) for d in range(len(pt.shape))],
+                       dtype=np.int64)
+    a = ([int(strides[d]) for d in dims] + [1, 1])[:2]  # 1-d (and 0-d) boxes: [n, 1]
+    rows[0] = ids
+    rows[1] = c.offsets[:, 0] if k > 0 else 0
+    rows[2] = c.offsets[:, 1] if k > 1 else 0
+    rows[3] = c.sizes[:, 0] if k > 0 else 1
+    rows[4] = c.sizes[:, 1] if k > 1 else 1
+    rows[5] = (c.at @ strides if len(strides) else 0) - rows[1] * a[0] - rows[2] * a[1]
+    rows[6], rows[7] = a
+    rows[8] = DTYPE_CODES.index(pt.dtype)
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class Boxes:
+    """The distinct boxes (tensor, off0, off1, size0, size1) of a piece table's rows, in
+    that sorted order: `of[row]` is the box of each row, `first[box]` its first row."""
+
+    of: np.ndarray
+    first: np.ndarray
+
+
+def boxes(t: PieceTable) -> Boxes:
+    """The distinct boxes of `t`'s rows (one sort of the rows)."""
+    first, of = unique_columns([t.tensor, t.off0, t.off1, t.size0, t.size1])
+    return Boxes(of=of, first=first)
+
+
+def keep_boxes(b: Boxes, keep: np.ndarray) -> Boxes:
+    """The boxes of the rows `keep` (a mask that keeps or drops each box whole), for the
+    table `take(t, np.nonzero(keep)[0])`: no sort."""
+    kept = keep[b.first]
+    box = np.cumsum(kept) - 1
+    row = np.cumsum(keep) - 1
+    return Boxes(of=box[b.of[keep]], first=row[b.first[kept]])
+
+
+def _unique_boxes(t: PieceTable, b: Boxes | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(box id of each row, the box of each unique box as (tensor, off0, off1, size0,
+    size1) rows); boxes sorted. `b`: `boxes(t)`, when known."""
+    b = boxes(t) if b is None else b
+    f = b.first
+    return b.of, np.stack([t.tensor[f], t.off0[f], t.off1[f], t.size0[f], t.size1[f]], axis=1)
+
+
+def intersect(spec: ModelSpec, src: PieceTable, dst: PieceTable,
+              dst_boxes: Boxes | None = None) -> Chunks:
+    """Cut every target piece by the source boxes it overlaps; check exact coverage.
+    `dst_boxes`: `boxes(dst)`, when the caller has it (`route` does)."""
     sbox_of, sboxes = _unique_boxes(src)
-    tbox_of, tboxes = _unique_boxes(dst)
+    tbox_of, tboxes = _unique_boxes(dst, dst_boxes)
     # Cross join unique target boxes with the unique source boxes of the same tensor.
     s_start = np.searchsorted(sboxes[:, 0], tboxes[:, 0], side="left")
     s_end = np.searchsorted(sboxes[:, 0], tboxes[:, 0], side="right")
@@ -141,14 +278,18 @@ def intersect(spec: ModelSpec, src: PieceTable, dst: PieceTable) -> Chunks:
     keep = (hi0 > lo0) & (hi1 > lo1)
     tb, sb, lo0, lo1, hi0, hi1 = (x[keep] for x in (tb, sb, lo0, lo1, hi0, hi1))
     _check_coverage(spec, tboxes, tb, (hi0 - lo0) * (hi1 - lo1), dst, tbox_of)
+    holders = np.argsort(sbox_of, kind="stable")
+    holder_ptr = np.searchsorted(sbox_of[holders], np.arange(len(sboxes) + 1))
+    if np.array_equal(tb, np.arange(len(tboxes))):  # one source box each: all of it (coverage)
+        return Chunks(tensor=dst.tensor, off0=dst.off0, off1=dst.off1, size0=dst.size0,
+                      size1=dst.size1, dst=np.arange(len(dst)), sbox=sb[tbox_of],
+                      holder_ptr=holder_ptr, holders=holders)
     # Expand box pairs (grouped by tbox, as `tb` is sorted) to every target piece row.
     pair_ptr = np.searchsorted(tb, np.arange(len(tboxes) + 1))
     per_row = pair_ptr[tbox_of + 1] - pair_ptr[tbox_of]
     rows = np.repeat(np.arange(len(dst)), per_row)
     first = np.repeat(np.cumsum(per_row) - per_row, per_row)
     pair = np.repeat(pair_ptr[tbox_of], per_row) + (np.arange(len(rows)) - first)
-    holders = np.argsort(sbox_of, kind="stable")
-    holder_ptr = np.searchsorted(sbox_of[holders], np.arange(len(sboxes) + 1))
     return Chunks(tensor=tboxes[tb[pair], 0], off0=lo0[pair], off1=lo1[pair],
                   size0=(hi0 - lo0)[pair], size1=(hi1 - lo1)[pair], dst=rows, sbox=sb[pair],
                   holder_ptr=holder_ptr, holders=holders)

@@ -19,8 +19,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.fp8 import FP8, SCALE_SUFFIX
-from planner.passes.intersect import PieceTable, element_size, intersect, take
-from planner.rows import unique_rows
+from planner.passes.intersect import (
+    Boxes,
+    PieceTable,
+    boxes,
+    element_size,
+    intersect,
+    keep_boxes,
+    take,
+)
 from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import Options
@@ -39,34 +46,45 @@ class Routes:
     """Rows of `targets` gathered onto one source first (FP8 weights, fine-cut boxes)."""
     scales: np.ndarray
     """Rows of `targets` holding FP8 block scales (written by the gather of their weight)."""
+    direct_boxes: Boxes | None = None
+    """`intersect.boxes(direct)`, for `intersect` (found here anyway)."""
 
 
 def route(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
-          topo: Topology) -> Routes:
-    """Split the target pieces `dst` into the direct and the gathered path."""
+          topo: Topology, dst_boxes: Boxes | None = None) -> Routes:
+    """Split the target pieces `dst` into the direct and the gathered path. `dst_boxes`:
+    `intersect.boxes(dst)`, when known (`intersect.table_and_boxes`)."""
     names = [t.name for t in spec.tensors]
     fp8 = np.isin(dst.tensor, [i for i, n in enumerate(names)
                                if spec.by_name.get(n + SCALE_SUFFIX)])
     fp8 &= dst.dtype == DTYPE_CODES.index(FP8)
     scales = np.isin(dst.tensor, [i for i, n in enumerate(names) if n.endswith(SCALE_SUFFIX)])
     plain = np.nonzero(~fp8 & ~scales)[0]
-    fine = plain[fine_cut(spec, src, take(dst, plain), opts, topo)]
-    plain = plain[~np.isin(plain, fine, assume_unique=True)]  # both sorted, unique
-    gathered = np.sort(np.concatenate([np.nonzero(fp8)[0], fine]))
-    return Routes(targets=dst, direct=take(dst, plain), gathered=gathered,
-                  scales=np.nonzero(scales)[0])
+    if len(plain) == len(dst):  # all plain: no copy
+        table, found = dst, boxes(dst) if dst_boxes is None else dst_boxes
+    else:
+        table = take(dst, plain)
+        found = boxes(table)
+    fine = fine_cut(spec, src, table, opts, topo, found)
+    if len(fine):
+        keep = np.ones(len(plain), dtype=bool)
+        keep[fine] = False  # whole boxes
+        table, found = take(table, np.nonzero(keep)[0]), keep_boxes(found, keep)
+    gathered = np.sort(np.concatenate([np.nonzero(fp8)[0], plain[fine]]))
+    return Routes(targets=dst, direct=table, gathered=gathered, scales=np.nonzero(scales)[0],
+                  direct_boxes=found)
 
 
 def fine_cut(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
-             topo: Topology) -> np.ndarray:
+             topo: Topology, found: Boxes | None = None) -> np.ndarray:
     """Rows of `dst` whose box is worth gathering on one source first: a box cut into `c`
     source chunks and held by `h` target ranks takes `c * h` writes directly and `c + h`
-    gathered; gather when the writes saved cost more than one more hop of the box."""
+    gathered; gather when the writes saved cost more than one more hop of the box.
+    `found`: `intersect.boxes(dst)`, when known."""
     if len(dst) == 0:
         return np.zeros(0, dtype=np.int64)
-    keys = np.stack([dst.tensor, dst.off0, dst.off1, dst.size0, dst.size1], axis=1)
-    _, first, inv = unique_rows(keys, return_index=True, return_inverse=True)
-    inv = inv.reshape(-1)
+    found = boxes(dst) if found is None else found
+    first, inv = found.first, found.of
     holders = np.bincount(inv)
     ch = intersect(spec, src, take(dst, first))
     chunks = np.bincount(ch.dst, minlength=len(first))
