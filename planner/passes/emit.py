@@ -226,9 +226,9 @@ def fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable,
     h = hashlib.blake2b(digest_size=16)
     h.update(msgpack.packb([FORMAT_VERSION, [(t.name, list(t.shape), t.dtype)
                                              for t in spec.tensors]]))
-    for table in (src, dst):
-        for col in dataclasses.astuple(table):
-            h.update(np.ascontiguousarray(col).tobytes())
+    for table in (src, dst):  # (not `dataclasses.astuple`: it deep-copies every column)
+        for f in dataclasses.fields(table):
+            h.update(np.ascontiguousarray(getattr(table, f.name)).data)
     h.update(msgpack.packb([[(r.name, r.dtype, list(r.shape)) for r in regs
                              if r.name != STAGING] for regs in regions]))
     h.update(msgpack.packb([list(topo.host), list(topo.gpu), list(topo.nic),

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.passes.budget import ALIGN, budgets
+from planner.passes.budget import ALIGN, budgets  # noqa: F401 (ALIGN: re-exported)
 from planner.passes.intersect import Chunks, PieceTable, element_size
-from schemas.config import ConfigError, Options
+from planner.passes.staging import place_staging, staging_order
+from schemas.config import Options
 from schemas.plan import PACK, UNPACK
-from schemas.protocol import SLOTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +44,7 @@ class Lowered:
     """Staging bytes of each plan rank."""
     stages: int
     slotted: bool = False
-    """The targets' staging is used in slots (stage s: slot `s % SLOTS`, `_place_staging`):
+    """The targets' staging is used in slots (stage s: slot `s % SLOTS`, `staging.place_staging`):
     a write into it waits for the SLOT_ACK of stage s - SLOTS, not the ACK of s - 1."""
 
 
@@ -97,13 +97,13 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     staged = ~direct_ok | (cost_staged < cost_direct)
     src_rank, dst_rank = src.rank[choice], dst.rank[d_row]
     world = len(n_regions)
-    si = _staging_order(np.nonzero(staged)[0], src_rank, dst_rank, nbytes, world)
+    si = staging_order(np.nonzero(staged)[0], src_rank, dst_rank, nbytes, world)
     su = staged & unpack
     budget = budgets(world, sources, dst_rank[su], nbytes[su], bytes_in, opts, nic_gbps)
     # Staged chunks start in stage 1 when there are direct writes: those go first, in
     # stage 0, and stage 1's packs run while they are in flight (`schemas.protocol`).
     first = int(bool((~staged).any() and (staged & pack).any()))
-    st = _place_staging(si, src_rank, dst_rank, pack, unpack, nbytes, budget,
+    st = place_staging(si, src_rank, dst_rank, pack, unpack, nbytes, budget,
                         opts, chunks.tensor, tensor_names, world, first)
     stage, s_soff, d_soff, staging, slotted = st
     stages = int(stage.max()) + 1 if len(stage) else 1
@@ -135,108 +135,6 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
         w_nbytes=cat([d_n, nbytes[si]]),
         w_stage=cat([np.zeros(len(idx), dtype=np.int64), stage]),
         copies=copies, staging=staging, stages=stages, slotted=slotted)
-
-
-QUANTUM = 64 << 20
-"""Bytes of one (source, target) pair that go into staging before the next target's turn."""
-
-
-def _staging_order(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
-                   nbytes: np.ndarray, world: int) -> np.ndarray:
-    """Staged chunks in placement order: every source takes its targets in turn, in
-    `QUANTUM`-byte slices, starting from a target rotated by the source, so each stage
-    spreads over the targets instead of all sources filling it with the same tensors
-    (and hence the same few targets: incast)."""
-    if len(si) == 0:
-        return si
-    s, d = src_rank[si], dst_rank[si]
-    pair = np.lexsort((np.arange(len(si)), d, s))
-    nb = nbytes[si][pair]
-    new = np.ones(len(si), dtype=bool)
-    new[1:] = (s[pair][1:] != s[pair][:-1]) | (d[pair][1:] != d[pair][:-1])
-    start = np.maximum.accumulate(np.where(new, np.arange(len(si)), 0))
-    before = np.cumsum(nb) - nb
-    quantum = np.empty(len(si), dtype=np.int64)
-    quantum[pair] = (before - before[start]) // QUANTUM
-    rot = (d + s) % max(world, 1)
-    return si[np.lexsort((np.arange(len(si)), s, rot, quantum))]
-
-
-def _place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
-                   pack: np.ndarray, unpack: np.ndarray, nbytes: np.ndarray,
-                   budget: np.ndarray, opts: Options, tensor: np.ndarray,
-                   tensor_names: list[str], world: int, first: int = 0
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
-    """Stage (from `first` on) and staging offsets of each staged chunk: the first stage
-    where both ends fit; each rank's staging bytes; and whether stages use slots.
-
-    Stage s uses slot `s % SLOTS` of the rank's staging, so the packs of stage s+1 never
-    touch what stages s and s-1 read and may run while their writes are in flight
-    (`schemas.protocol`); a stage fills at most a third of the rank's `budget`, and each
-    slot of a rank is as large as the most one of its stages puts there (`slot_bases`): the
-    budget is a cap, not an allocation. When a chunk is larger than a third of a budget it
-    uses, every stage uses all of each rank's budget (and packs in order)."""
-    cap_bytes = opts.staging_bytes
-    stage = np.zeros(len(si), dtype=np.int64)
-    s_off = np.zeros(len(si), dtype=np.int64)
-    d_off = np.zeros(len(si), dtype=np.int64)
-    if len(si) == 0:
-        return stage, s_off, d_off, np.zeros(world, dtype=np.int64), False
-    big = nbytes[si] > cap_bytes
-    if big.any():
-        i = si[np.argmax(big)]
-        why = "a cast or strided pack" if cap_bytes else "staging (a cast, or a strided box)"
-        raise ConfigError(
-            f"options.staging_bytes: {cap_bytes} is too small: {tensor_names[tensor[i]]} needs "
-            f"{why} of {int(nbytes[i])} bytes; raise options.staging_bytes to at least "
-            f"{int(nbytes[i])} or lower options.max_write_bytes")
-    third = budget // SLOTS // ALIGN * ALIGN
-    p_, u_ = pack[si], unpack[si]
-    slots = bool((third[src_rank[si][p_]] >= nbytes[si][p_]).all()
-                 and (third[dst_rank[si][u_]] >= nbytes[si][u_]).all()
-                 and (third[src_rank[si][p_]] > 0).all() and (third[dst_rank[si][u_]] > 0).all())
-    cap = (third if slots else budget).tolist()
-    used: dict[tuple[int, int], int] = {}
-    cursor = [first] * world
-    sr, dr = src_rank[si].tolist(), dst_rank[si].tolist()
-    pk, up, nb = pack[si].tolist(), unpack[si].tolist(), nbytes[si].tolist()
-    for j in range(len(si)):
-        ranks = ([sr[j]] if pk[j] else []) + ([dr[j]] if up[j] else [])
-        s = max(cursor[r] for r in ranks)
-        while any(used.get((r, s), 0) + nb[j] > cap[r] for r in ranks):
-            s += 1
-        stage[j] = s
-        size = -(-nb[j] // ALIGN) * ALIGN
-        for r in ranks:
-            off = used.get((r, s), 0)
-            if r == sr[j] and pk[j]:
-                s_off[j] = off
-            else:
-                d_off[j] = off
-            used[(r, s)] = off + size  # the next chunk starts aligned
-            cursor[r] = s
-    slot = stage % SLOTS if slots else np.zeros(len(si), dtype=np.int64)
-    p, u = np.asarray(pk, dtype=bool), np.asarray(up, dtype=bool)
-    ranks = np.concatenate([src_rank[si][p], dst_rank[si][u]])
-    k = np.concatenate([slot[p], slot[u]])
-    ends = np.concatenate([s_off[p], d_off[u]]) + np.concatenate([nbytes[si][p], nbytes[si][u]])
-    base, staging = slot_bases(ranks, k, ends, world)
-    s_off = np.where(p, s_off + base[src_rank[si], slot], s_off)
-    d_off = np.where(u, d_off + base[dst_rank[si], slot], d_off)
-    return stage, s_off, d_off, staging, slots
-
-
-def slot_bases(rank: np.ndarray, slot: np.ndarray, end: np.ndarray, world: int
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """Where each rank's slots start (`[world, SLOTS]`) and its staging bytes, from the end
-    (bytes from its slot's start) of every buffer placed there: slot k is as large as its
-    largest end, aligned, and starts where slot k-1 ends; the staging ends at the last
-    byte used."""
-    size = np.zeros((world, SLOTS), dtype=np.int64)
-    np.maximum.at(size, (rank, slot), end)
-    base = np.cumsum(-(-size // ALIGN) * ALIGN, axis=1) - -(-size // ALIGN) * ALIGN
-    staging = np.where(size > 0, base + size, 0).max(axis=1, initial=0)
-    return base, staging
 
 
 def _copies(si, pack, unpack, stage, s_soff, d_soff, src_rank, dst_rank, n_regions,
