@@ -22,7 +22,7 @@ from planner.layouts.base import Layout
 from planner.passes.intersect import PieceTable
 from planner.passes.lower import Lowered
 from planner.passes.schedule import Schedule
-from planner.rows import lexorder, unique_rows
+from planner.rows import lexorder, row_keys, unique_rows
 from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import Config, SourceConfig
@@ -49,17 +49,23 @@ from schemas.plan import (
 )
 
 
-def rank_regions(src: Layout, dst: Layout, staging: np.ndarray) -> list[tuple[Region, ...]]:
-    """Regions of every plan rank: its physical tensors, then staging when it has any."""
+def rank_regions(src: Layout, dst: Layout, staging: np.ndarray | None = None
+                 ) -> list[tuple[Region, ...]]:
+    """Regions of every plan rank: its physical tensors, then staging when it has any
+    (`staging`: bytes per plan rank; none yet when not given, see `with_staging`)."""
     out = []
-    for plan_rank, rl in enumerate([*src.ranks, *dst.ranks]):
-        regs = [Region(t.name, t.dtype, t.shape, math.prod(t.shape) * ITEMSIZE[t.dtype])
-                for t in rl.tensors]
-        if staging[plan_rank]:
-            regs.append(Region(STAGING, "uint8", (int(staging[plan_rank]),),
-                               int(staging[plan_rank])))
-        out.append(tuple(regs))
-    return out
+    for rl in [*src.ranks, *dst.ranks]:
+        out.append(tuple(Region(t.name, t.dtype, t.shape, math.prod(t.shape) * ITEMSIZE[t.dtype])
+                         for t in rl.tensors))
+    return out if staging is None else with_staging(out, staging)
+
+
+def with_staging(regions: list[tuple[Region, ...]], staging: np.ndarray
+                 ) -> list[tuple[Region, ...]]:
+    """`regions` (of `rank_regions`, without staging) with each rank's staging region
+    appended where it has one."""
+    return [(*regs, Region(STAGING, "uint8", (int(n),), int(n))) if n else regs
+            for regs, n in zip(regions, staging.tolist())]
 
 
 def _slices(sorted_keys: np.ndarray, world: int) -> np.ndarray:
@@ -206,18 +212,38 @@ def coverage_table(dst: Layout, rank_base: int, pieces: PieceTable) -> Table:
 
 
 def explain_table(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarray,
-                  dst_rank: np.ndarray, dst_region: np.ndarray, nbytes: np.ndarray) -> Table:
-    """Bytes and boxes per (tensor, source region, target region)."""
-    keys = np.stack([tensor, src_rank, src_region, dst_rank, dst_region], axis=1)
-    if len(keys) == 0:
+                  dst_rank: np.ndarray, dst_region: np.ndarray, nbytes: np.ndarray,
+                  boxes: np.ndarray | None = None) -> Table:
+    """Bytes and boxes per (tensor, source region, target region), sorted by those keys
+    (`boxes`: how many boxes each row stands for; one each when not given). Runs of equal
+    consecutive rows (a chunk cut in parts) are summed before the rows are sorted."""
+    if len(tensor) == 0:
         return Table.empty(EXPLAIN_COLUMNS)
-    uniq, inv = unique_rows(keys, return_inverse=True)
+    keys = np.stack([tensor, src_rank, src_region, dst_rank, dst_region], axis=1)
+    key = row_keys(keys)
+    start = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
+    run_bytes = np.add.reduceat(np.asarray(nbytes, dtype=np.int64), start)
+    run_boxes = np.diff(np.append(start, len(key))) if boxes is None else \
+        np.add.reduceat(np.asarray(boxes, dtype=np.int64), start)
+    _, first, inv = np.unique(key[start], return_index=True, return_inverse=True)
     inv = inv.reshape(-1)
-    total = np.bincount(inv, weights=nbytes.astype(np.float64)).astype(np.int64)
-    boxes = np.bincount(inv)
+    uniq = keys[start[first]]
+    total = np.bincount(inv, weights=run_bytes.astype(np.float64)).astype(np.int64)
+    count = np.bincount(inv, weights=run_boxes.astype(np.float64)).astype(np.int64)
     return Table.build(EXPLAIN_COLUMNS, tensor=uniq[:, 0], src_rank=uniq[:, 1],
                        src_region=uniq[:, 2], dst_rank=uniq[:, 3], dst_region=uniq[:, 4],
-                       nbytes=total, boxes=boxes)
+                       nbytes=total, boxes=count)
+
+
+def explain_with(table: Table, rows: np.ndarray) -> Table:
+    """`table` (of `explain_table`) with more `rows` (tensor, source rank, source region,
+    target rank, target region, bytes: one box each), as one explain table."""
+    if len(rows) == 0:
+        return table
+    cols = [np.concatenate([table[name], rows[:, i]])
+            for i, (name, _) in enumerate(EXPLAIN_COLUMNS[:6])]
+    return explain_table(*cols, boxes=np.concatenate([table["boxes"],
+                                                      np.ones(len(rows), np.int64)]))
 
 
 def fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable,

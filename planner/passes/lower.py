@@ -55,15 +55,48 @@ def merge(a: Lowered, b: Lowered | None) -> Lowered:
     cat = np.concatenate
     w = {k: cat([getattr(a, k), getattr(b, k)]) for k in Lowered.__slots__
          if k.startswith("w_")}
+    w = {k: v.astype(np.int32) if k in NARROW else v for k, v in w.items()}
     copies = {k: cat([a.copies[k], b.copies[k]]) for k in a.copies}
     return Lowered(**w, copies=copies, staging=np.maximum(a.staging, b.staging),
                    stages=max(a.stages, b.stages), slotted=a.slotted)
 
 
-def _start(t: PieceTable, rows: np.ndarray, c: Chunks, which: np.ndarray) -> np.ndarray:
+BLOCK = 1 << 20
+"""Chunks classified (and their direct writes made) per block of this many: the pass's
+temporaries are the size of a block, not of the plan."""
+NARROW = ("w_src_rank", "w_src_region", "w_dst_rank", "w_dst_region", "w_stage")
+"""Write columns held as int32 (ranks, regions, stages: as in the plan's tables)."""
+
+
+def _start(t: PieceTable, rows: np.ndarray, c: Chunks, which: np.ndarray | slice
+           ) -> np.ndarray:
     """Element offset of the first element of chunks `which` (rows `rows[which]` of `t`)."""
     r = rows[which]
     return t.base[r] + c.off0[which] * t.a0[r] + c.off1[which] * t.a1[r]
+
+
+def _shape(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
+           which: np.ndarray | slice) -> dict[str, np.ndarray]:
+    """Geometry and copy needs of chunks `which`: sizes and strides as 2-d boxes (`n x 1`
+    read as `1 x n`), dtype codes, bytes, whether each side is contiguous, and whether
+    the chunk is staged (no direct write can do it: a cast or a strided row)."""
+    sr, dr = choice[which], chunks.dst[which]
+    s0, s1 = chunks.size0[which], chunks.size1[which]
+    col = s1 == 1  # read `n x 1` as `1 x n`
+    g = {"s_a0": src.a0[sr], "d_a0": dst.a0[dr]}
+    g["s_a1"] = np.where(col, g["s_a0"], src.a1[sr])
+    g["d_a1"] = np.where(col, g["d_a0"], dst.a1[dr])
+    g["s0"], g["s1"] = np.where(col, 1, s0), np.where(col, s0, s1)
+    g["s_code"], g["d_code"] = src.dtype[sr], dst.dtype[dr]
+    g["es_d"] = element_size(g["d_code"])
+    g["nbytes"] = g["s0"] * g["s1"] * g["es_d"]
+    one_row = g["s0"] == 1
+    g["s_contig"] = (g["s_a1"] == 1) & (one_row | (g["s_a0"] == g["s1"]))
+    g["d_contig"] = (g["d_a1"] == 1) & (one_row | (g["d_a0"] == g["s1"]))
+    cast = g["s_code"] != g["d_code"]
+    g["pack"], g["unpack"] = cast | ~g["s_contig"], ~g["d_contig"]
+    g["staged"] = cast | (g["s_a1"] != 1) | (g["d_a1"] != 1)
+    return g
 
 
 def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
@@ -72,93 +105,102 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     """Direct writes and staged chunks (packs, writes, unpacks in stages) of `chunks`;
     plan ranks below `sources` are source ranks (`budget.budgets`: their staging budget is
     the cap; a target's is sized from the cost model: `bytes_in` it receives in the whole
-    plan, its link at `nic_gbps`). Columns over all chunks are only those the choice
-    between direct and staged needs; the rest is computed for each kind's chunks."""
-    d_row = chunks.dst
-    s0, s1 = chunks.size0, chunks.size1
-    col = s1 == 1  # read `n x 1` as `1 x n`
-    s_a0, d_a0 = src.a0[choice], dst.a0[d_row]
-    s_a1 = np.where(col, s_a0, src.a1[choice])
-    d_a1 = np.where(col, d_a0, dst.a1[d_row])
-    s0, s1 = np.where(col, 1, s0), np.where(col, s0, s1)
-    del col
-    s_code, d_code = src.dtype[choice], dst.dtype[d_row]
-    es_d = element_size(d_code)
-    cast = s_code != d_code
-    one_row = s0 == 1
-    s_contig = (s_a1 == 1) & (one_row | (s_a0 == s1))
-    d_contig = (d_a1 == 1) & (one_row | (d_a0 == s1))
-    del one_row
-    nbytes = s0 * s1 * es_d
-    pack = cast | ~s_contig
-    unpack = ~d_contig
-    # Staged: no direct write can do it, or the cost model prefers it. A chunk contiguous
-    # on both sides is one direct write, never dearer than staging it.
-    staged = cast | (s_a1 != 1) | (d_a1 != 1)
-    del cast
-    some = np.nonzero(~staged & ~(s_contig & d_contig))[0]
-    del s_contig, d_contig
-    w_us, p_us = opts.write_overhead_us, opts.pack_overhead_us
-    pack_us = p_us + nbytes[some] * 8e-3 / opts.pack_gbps  # bytes * 8 / (Gb/s * 1e3) = us
-    staged[some] = w_us + pack[some] * pack_us + unpack[some] * pack_us < s0[some] * w_us
-    del some, pack_us
-    src_rank, dst_rank = src.rank[choice], dst.rank[d_row]
-    world = len(n_regions)
-    si = staging_order(np.nonzero(staged)[0], src_rank, dst_rank, nbytes, world)
-    su = staged & unpack
-    budget = budgets(world, sources, dst_rank[su], nbytes[su], bytes_in, opts, nic_gbps)
-    del su
-    # Staged chunks start in stage 1 when there are direct writes: those go first, in
-    # stage 0, and stage 1's packs run while they are in flight (`schemas.protocol`).
-    first = int(bool((~staged).any() and (staged & pack).any()))
-    st = place_staging(si, src_rank, dst_rank, pack, unpack, nbytes, budget,
-                       opts, chunks.tensor, tensor_names, world, first)
-    stage, s_soff, d_soff, staging, slotted = st
-    stages = int(stage.max()) + 1 if len(stage) else 1
+    plan, its link at `nic_gbps`). Chunks are classified and their direct writes made
+    `BLOCK` at a time; the staged ones are then placed and lowered together."""
+    staged_at, direct = [], []
+    for lo in range(0, len(chunks), BLOCK):
+        staged, writes = _direct(chunks, choice, src, dst, opts, slice(lo, lo + BLOCK))
+        staged_at.append(lo + staged)
+        direct.append(writes)
+    si = np.concatenate(staged_at) if staged_at else np.zeros(0, np.int64)
+    w = {k: np.concatenate([d[k] for d in direct]) if direct else np.zeros(0, np.int64)
+         for k in Lowered.__slots__ if k.startswith("w_") and k != "w_stage"}
+    del direct
+    first = int(len(si) < len(chunks))  # any direct chunk: see `_staged`
+    staged, copies, staging, stages, slotted = _staged(
+        chunks, choice, src, dst, si, first, n_regions, opts, tensor_names, sources,
+        bytes_in, nic_gbps)
+    cat = np.concatenate
+    out = {k: cat([w.pop(k), staged[k]]) for k in list(w)}
+    out["w_stage"] = cat([np.zeros(len(out["w_nbytes"]) - len(staged["w_stage"]), np.int32),
+                          staged["w_stage"]])
+    out = {k: v.astype(np.int32) if k in NARROW else v for k, v in out.items()}
+    return Lowered(**out, copies=copies, staging=staging, stages=stages, slotted=slotted)
 
-    # Direct writes: one per row (or the whole box when both sides are contiguous).
+
+def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
+            opts: Options, b: slice) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Of the chunks in block `b`: which are staged (offsets in the block), and the direct
+    writes of the others (one per row, or the whole box when both sides are contiguous)."""
+    g = _shape(chunks, choice, src, dst, b)
+    staged = g["staged"]
+    # The cost model, where a direct chunk takes several writes (a chunk contiguous on
+    # both sides is one direct write, never dearer than staging it).
+    some = np.nonzero(~staged & ~(g["s_contig"] & g["d_contig"]))[0]
+    w_us, p_us = opts.write_overhead_us, opts.pack_overhead_us
+    pack_us = p_us + g["nbytes"][some] * 8e-3 / opts.pack_gbps  # bytes*8/(Gb/s*1e3) = us
+    staged[some] = (w_us + g["pack"][some] * pack_us + g["unpack"][some] * pack_us
+                    < g["s0"][some] * w_us)
     di = np.nonzero(~staged)[0]
-    del staged
-    whole = (s_a0[di] == s1[di]) & (d_a0[di] == s1[di]) | (s0[di] == 1)
-    r = np.where(whole, 1, s0[di])
+    s0, s1 = g["s0"][di], g["s1"][di]
+    whole = (g["s_a0"][di] == s1) & (g["d_a0"][di] == s1) | (s0 == 1)
+    r = np.where(whole, 1, s0)
     idx = np.repeat(di, r)
     k = np.arange(len(idx)) - np.repeat(np.cumsum(r) - r, r)
-    d_n = np.repeat(np.where(whole, s0[di] * s1[di], s1[di]) * es_d[di], r)
-    del whole, r
-    es_s_di = element_size(s_code[idx])
-    s_first = _start(src, choice, chunks, idx)
-    d_first = _start(dst, d_row, chunks, idx)
-    direct = dict(
-        w_src_rank=src_rank[idx], w_src_region=src.region[choice[idx]],
-        w_src_offset=(s_first + k * s_a0[idx]) * es_s_di,
-        w_dst_rank=dst_rank[idx], w_dst_region=dst.region[d_row[idx]],
-        w_dst_offset=(d_first + k * d_a0[idx]) * es_d[idx], w_nbytes=d_n)
-    del s_first, d_first, k, idx, es_s_di, d_n
-    # Staged writes: one per chunk (in placement order `si`, which `stage`, `s_soff` and
-    # `d_soff` follow), from staging (if packed) into staging (if unpacked).
-    s_start, d_start = _start(src, choice, chunks, si), _start(dst, d_row, chunks, si)
-    p_si, u_si = pack[si], unpack[si]
-    s_off = np.where(p_si, s_soff, s_start * element_size(s_code[si]))
-    d_off = np.where(u_si, d_soff, d_start * es_d[si])
-    g = {name: a[si] for name, a in (("src_rank", src_rank), ("dst_rank", dst_rank),
-                                     ("s_code", s_code), ("d_code", d_code), ("es_d", es_d),
-                                     ("s_a0", s_a0), ("s_a1", s_a1), ("d_a0", d_a0),
-                                     ("d_a1", d_a1), ("s0", s0), ("s1", s1))}
-    g["s_region"], g["d_region"] = src.region[choice[si]], dst.region[d_row[si]]
-    s_reg = np.where(p_si, n_regions[g["src_rank"]], g["s_region"])
-    d_reg = np.where(u_si, n_regions[g["dst_rank"]], g["d_region"])
-    copies = _copies(p_si, u_si, stage, s_soff, d_soff, n_regions, s_start, d_start, **g)
-    cat = np.concatenate
-    return Lowered(
-        w_src_rank=cat([direct["w_src_rank"], g["src_rank"]]),
-        w_src_region=cat([direct["w_src_region"], s_reg]),
-        w_src_offset=cat([direct["w_src_offset"], s_off]),
-        w_dst_rank=cat([direct["w_dst_rank"], g["dst_rank"]]),
-        w_dst_region=cat([direct["w_dst_region"], d_reg]),
-        w_dst_offset=cat([direct["w_dst_offset"], d_off]),
-        w_nbytes=cat([direct["w_nbytes"], nbytes[si]]),
-        w_stage=cat([np.zeros(len(direct["w_nbytes"]), dtype=np.int64), stage]),
-        copies=copies, staging=staging, stages=stages, slotted=slotted)
+    at = idx + (b.start or 0)  # chunk index
+    sr, dr = choice[at], chunks.dst[at]
+    writes = {
+        "w_src_rank": src.rank[sr], "w_src_region": src.region[sr],
+        "w_src_offset": (_start(src, choice, chunks, at) + k * g["s_a0"][idx])
+        * element_size(g["s_code"][idx]),
+        "w_dst_rank": dst.rank[dr], "w_dst_region": dst.region[dr],
+        "w_dst_offset": (_start(dst, chunks.dst, chunks, at) + k * g["d_a0"][idx])
+        * g["es_d"][idx],
+        "w_nbytes": np.repeat(np.where(whole, s0 * s1, s1) * g["es_d"][di], r)}
+    return np.nonzero(staged)[0], writes
+
+
+def _staged(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
+            si: np.ndarray, first: int, n_regions: np.ndarray, opts: Options,
+            tensor_names: list[str], sources: int, bytes_in: np.ndarray, nic_gbps: float
+            ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray, int, bool]:
+    """Writes, copies, staging per rank, stages and slotting of the staged chunks `si`.
+    They start in stage `first`: 1 when there are direct writes (and packs): those go
+    first, in stage 0, and stage 1's packs run while they are in flight
+    (`schemas.protocol`)."""
+    world = len(n_regions)
+    g = _shape(chunks, choice, src, dst, si)
+    src_rank, dst_rank = src.rank[choice[si]], dst.rank[chunks.dst[si]]
+    nbytes, pack, unpack = g["nbytes"], g["pack"], g["unpack"]
+    first = first if pack.any() else 0
+    order = staging_order(np.arange(len(si)), src_rank, dst_rank, nbytes, world)
+    budget = budgets(world, sources, dst_rank[unpack], nbytes[unpack], bytes_in, opts,
+                     nic_gbps)
+    stage, s_soff, d_soff, staging, slotted = place_staging(
+        order, src_rank, dst_rank, pack, unpack, nbytes, budget, opts, chunks.tensor[si],
+        tensor_names, world, first)
+    stages = int(stage.max()) + 1 if len(stage) else 1
+    # One write per chunk (in placement order, which `stage`, `s_soff` and `d_soff`
+    # follow), from staging (if packed) into staging (if unpacked).
+    si = si[order]
+    g = {k: v[order] for k, v in g.items()}
+    src_rank, dst_rank = src_rank[order], dst_rank[order]
+    p, u = g["pack"], g["unpack"]
+    s_start, d_start = _start(src, choice, chunks, si), _start(dst, chunks.dst, chunks, si)
+    s_region, d_region = src.region[choice[si]], dst.region[chunks.dst[si]]
+    writes = {
+        "w_src_rank": src_rank, "w_dst_rank": dst_rank,
+        "w_src_region": np.where(p, n_regions[src_rank], s_region),
+        "w_src_offset": np.where(p, s_soff, s_start * element_size(g["s_code"])),
+        "w_dst_region": np.where(u, n_regions[dst_rank], d_region),
+        "w_dst_offset": np.where(u, d_soff, d_start * g["es_d"]),
+        "w_nbytes": g["nbytes"], "w_stage": stage.astype(np.int32)}
+    copies = _copies(p, u, stage, s_soff, d_soff, n_regions, s_start, d_start,
+                     src_rank=src_rank, dst_rank=dst_rank, s_region=s_region,
+                     d_region=d_region, **{k: g[k] for k in (
+                         "s_code", "d_code", "es_d", "s_a0", "s_a1", "d_a0", "d_a1", "s0",
+                         "s1")})
+    return writes, copies, staging, stages, slotted
 
 
 def _copies(p: np.ndarray, u: np.ndarray, stage: np.ndarray, s_soff: np.ndarray,
