@@ -219,17 +219,19 @@ def explain_table(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarr
     consecutive rows (a chunk cut in parts) are summed before the rows are sorted."""
     if len(tensor) == 0:
         return Table.empty(EXPLAIN_COLUMNS)
-    keys = np.stack([tensor, src_rank, src_region, dst_rank, dst_region], axis=1)
+    keys = np.stack([tensor, src_rank, src_region, dst_rank, dst_region], axis=1,
+                    dtype=np.int32)  # as in the table
     key = row_keys(keys)
     start = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
     run_bytes = np.add.reduceat(np.asarray(nbytes, dtype=np.int64), start)
     run_boxes = np.diff(np.append(start, len(key))) if boxes is None else \
         np.add.reduceat(np.asarray(boxes, dtype=np.int64), start)
-    _, first, inv = np.unique(key[start], return_index=True, return_inverse=True)
-    inv = inv.reshape(-1)
-    uniq = keys[start[first]]
-    total = np.bincount(inv, weights=run_bytes.astype(np.float64)).astype(np.int64)
-    count = np.bincount(inv, weights=run_boxes.astype(np.float64)).astype(np.int64)
+    order = np.argsort(key[start])  # equal keys are equal rows: any order among them
+    sorted_key = key[start[order]]
+    first = np.flatnonzero(np.concatenate([[True], sorted_key[1:] != sorted_key[:-1]]))
+    uniq = keys[start[order[first]]]
+    total = np.add.reduceat(run_bytes[order], first)
+    count = np.add.reduceat(run_boxes[order], first)
     return Table.build(EXPLAIN_COLUMNS, tensor=uniq[:, 0], src_rank=uniq[:, 1],
                        src_region=uniq[:, 2], dst_rank=uniq[:, 3], dst_region=uniq[:, 4],
                        nbytes=total, boxes=count)
