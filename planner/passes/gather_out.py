@@ -4,6 +4,8 @@ two pools (`Staging`), and the writes and copies it emits (`Out`), turned into t
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 import numpy as np
 
 from planner.passes.lower import ALIGN, Lowered
@@ -71,7 +73,7 @@ class Out:
         offsets count from the pool's start (`Staging`)."""
 
     def copy(self, **cols: int) -> None:
-        self.copies.append(tuple(int(cols[k]) for k in self.C))
+        self.copies.append(tuple(map(int, _copy_row(cols))))
 
     def runs(self, stage: int, src: tuple[int, int, int], dst: tuple[int, int, int],
              rows: int, row_bytes: int, src_stride: int, dst_stride: int) -> None:
@@ -102,3 +104,7 @@ def lowered(out: Out, alloc: Staging, stages: int) -> Lowered:
     copies = {name: c[:, i] for i, name in enumerate(Out.C)}
     return Lowered(*(w[:, i] for i in range(8)), copies=copies, staging=alloc.staging,
                    stages=stages)
+
+
+_copy_row = itemgetter(*Out.C)
+"""A copy's columns in `Out.C` order, from its keyword arguments."""
