@@ -140,9 +140,9 @@ class RankPlan:
             "rank": self.rank, "role": self.role, "host": self.host, "gpu": self.gpu,
             "nics": list(self.nics),
             "regions": [[r.name, r.dtype, list(r.shape), r.nbytes] for r in self.regions],
-            "writes": self.writes.to_msgpack(), "batches": self.batches.to_msgpack(),
-            "copies": self.copies.to_msgpack(), "signals": self.signals.to_msgpack(),
-            "waits": self.waits.to_msgpack(),
+            "writes": self.writes.views(), "batches": self.batches.views(),
+            "copies": self.copies.views(), "signals": self.signals.views(),
+            "waits": self.waits.views(),
             "peer_regions": [[p, [list(rs) for rs in s]] for p, s in self.peer_regions],
             "stages": self.stages,
         }
@@ -242,10 +242,10 @@ def _encode_parts(plan: Plan, key: bytes | None) -> list[bytes]:
     every blob (written one by one: a large plan is never joined in memory)."""
     blobs = [(f"rank/{r.rank}", _pack(r.encode())) for r in plan.ranks]
     blobs.append(("explain", _pack({"tensors": list(plan.tensors),
-                                    "table": plan.explain.to_msgpack()})))
-    blobs.append(("dag", _pack({"nodes": plan.dag_nodes.to_msgpack(),
-                                "edges": plan.dag_edges.to_msgpack(),
-                                "coverage": plan.coverage.to_msgpack()})))
+                                    "table": plan.explain.views()})))
+    blobs.append(("dag", _pack({"nodes": plan.dag_nodes.views(),
+                                "edges": plan.dag_edges.views(),
+                                "coverage": plan.coverage.views()})))
     blobs += [(name, _pack(obj)) for name, obj in plan.extra_blobs]
     index, offset = {}, 0
     for name, data in blobs:

@@ -113,18 +113,15 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
         staged_at.append(lo + staged)
         direct.append(writes)
     si = np.concatenate(staged_at) if staged_at else np.zeros(0, np.int64)
-    w = {k: np.concatenate([d[k] for d in direct]) if direct else np.zeros(0, np.int64)
-         for k in Lowered.__slots__ if k.startswith("w_") and k != "w_stage"}
-    del direct
     first = int(len(si) < len(chunks))  # any direct chunk: see `_staged`
     staged, copies, staging, stages, slotted = _staged(
         chunks, choice, src, dst, si, first, n_regions, opts, tensor_names, sources,
         bytes_in, nic_gbps)
-    cat = np.concatenate
-    out = {k: cat([w.pop(k), staged[k]]) for k in list(w)}
-    out["w_stage"] = cat([np.zeros(len(out["w_nbytes"]) - len(staged["w_stage"]), np.int32),
-                          staged["w_stage"]])
-    out = {k: v.astype(np.int32) if k in NARROW else v for k, v in out.items()}
+    n_direct = sum(len(d["w_nbytes"]) for d in direct)
+    direct.append({"w_stage": np.zeros(n_direct, np.int32)})
+    out = {k: np.concatenate([d.pop(k) for d in direct if k in d] + [staged.pop(k)],
+                             dtype=np.int32 if k in NARROW else np.int64)
+           for k in Lowered.__slots__ if k.startswith("w_")}  # one column at a time
     return Lowered(**out, copies=copies, staging=staging, stages=stages, slotted=slotted)
 
 
