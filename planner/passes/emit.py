@@ -53,10 +53,14 @@ def rank_regions(src: Layout, dst: Layout, staging: np.ndarray | None = None
                  ) -> list[tuple[Region, ...]]:
     """Regions of every plan rank: its physical tensors, then staging when it has any
     (`staging`: bytes per plan rank; none yet when not given, see `with_staging`)."""
-    out = []
+    out, alike = [], {}  # replicas share their tensor list: one tuple of regions for all
     for rl in [*src.ranks, *dst.ranks]:
-        out.append(tuple(Region(t.name, t.dtype, t.shape, math.prod(t.shape) * ITEMSIZE[t.dtype])
-                         for t in rl.tensors))
+        regs = alike.get(id(rl.tensors))
+        if regs is None:
+            regs = alike[id(rl.tensors)] = tuple(
+                Region(t.name, t.dtype, t.shape, math.prod(t.shape) * ITEMSIZE[t.dtype])
+                for t in rl.tensors)
+        out.append(regs)
     return out if staging is None else with_staging(out, staging)
 
 
@@ -154,7 +158,9 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
     c_cut = _slices(c["rank"], world)
     s_cut = _slices(sched.signals[:, 0], world)
     wt_cut = _slices(sched.waits[:, 0], world)
-    region_bytes = [tuple(r.nbytes for r in regs) for regs in regions]
+    sizes = [len(regs) for regs in regions]
+    first_region = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    region_bytes = np.array([r.nbytes for regs in regions for r in regs], dtype=np.int64)
     ranks = []
     for r in range(world):
         ws = slice(w_cut[r], w_cut[r + 1])
@@ -174,7 +180,7 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
                            ("stage", "peer", "kind")),
             waits=_table(SIGNAL_COLUMNS, sched.waits[wt_cut[r]:wt_cut[r + 1], 1:],
                          ("stage", "peer", "kind")),
-            peer_regions=_peer_regions(pairs, region_bytes),
+            peer_regions=_peer_regions(pairs, region_bytes, first_region),
             stages=low.stages,
         ))
     nodes = _table(DAG_NODE_COLUMNS, sched.dag_nodes, ("rank", "stage", "phase"))
@@ -183,13 +189,17 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
                 dag_nodes=nodes, dag_edges=edges, coverage=coverage)
 
 
-def _peer_regions(pairs: np.ndarray, region_bytes: list[tuple[int, ...]]
+def _peer_regions(pairs: np.ndarray, region_bytes: np.ndarray, first_region: np.ndarray
                   ) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
-    """(peer, ((region, nbytes), ...)) for the (peer, region) pairs a rank writes into."""
-    out: dict[int, list[tuple[int, int]]] = {}
-    for peer, region in pairs.tolist():
-        out.setdefault(peer, []).append((region, region_bytes[peer][region]))
-    return tuple((p, tuple(rs)) for p, rs in out.items())
+    """(peer, ((region, nbytes), ...)) for the (peer, region) pairs a rank writes into
+    (sorted; `region_bytes`: every rank's region sizes in one column, rank r's from
+    `first_region[r]` on)."""
+    if len(pairs) == 0:
+        return ()
+    peer, region = pairs[:, 0], pairs[:, 1]
+    items = list(zip(region.tolist(), region_bytes[first_region[peer] + region].tolist()))
+    cut = np.flatnonzero(np.concatenate([[True], peer[1:] != peer[:-1], [True]])).tolist()
+    return tuple((int(peer[a]), tuple(items[a:b])) for a, b in zip(cut[:-1], cut[1:]))
 
 
 def coverage_table(dst: Layout, rank_base: int, pieces: PieceTable) -> Table:
@@ -248,6 +258,19 @@ def explain_with(table: Table, rows: np.ndarray) -> Table:
                                                       np.ones(len(rows), np.int64)]))
 
 
+def _packed_regions(regions: list[tuple[Region, ...]]) -> bytes:
+    """msgpack of every rank's (name, dtype, shape) regions less staging, as one list: its
+    array header, then each rank's list packed (once per distinct tuple of regions)."""
+    packer, done = msgpack.Packer(), {}
+    parts = [packer.pack_array_header(len(regions))]
+    for regs in regions:
+        if id(regs) not in done:
+            done[id(regs)] = packer.pack([(r.name, r.dtype, list(r.shape)) for r in regs
+                                          if r.name != STAGING])
+        parts.append(done[id(regs)])
+    return b"".join(parts)
+
+
 def fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable,
                 regions: list[tuple[Region, ...]], topo: Topology, cfg: Config) -> str:
     """Digest of what the plan depends on: spec, piece tables, regions, topology, options."""
@@ -257,8 +280,7 @@ def fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable,
     for table in (src, dst):  # (not `dataclasses.astuple`: it deep-copies every column)
         for f in dataclasses.fields(table):
             h.update(np.ascontiguousarray(getattr(table, f.name)).data)
-    h.update(msgpack.packb([[(r.name, r.dtype, list(r.shape)) for r in regs
-                             if r.name != STAGING] for regs in regions]))
+    h.update(_packed_regions(regions))
     h.update(msgpack.packb([list(topo.host), list(topo.gpu), list(topo.nic),
                             topo.nic_gbps, topo.nvlink_gbps]))
     h.update(msgpack.packb(dataclasses.asdict(cfg.options)))
