@@ -154,6 +154,7 @@ def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable
         "w_dst_offset": (_start(dst, chunks.dst, chunks, at) + k * g["d_a0"][idx])
         * g["es_d"][idx],
         "w_nbytes": np.repeat(np.where(whole, s0 * s1, s1) * g["es_d"][di], r)}
+    writes = {k: v.astype(np.int32) if k in NARROW else v for k, v in writes.items()}
     return np.nonzero(staged)[0], writes
 
 
@@ -180,7 +181,8 @@ def _staged(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable
     # One write per chunk (in placement order, which `stage`, `s_soff` and `d_soff`
     # follow), from staging (if packed) into staging (if unpacked).
     si = si[order]
-    g = {k: v[order] for k, v in g.items()}
+    for k in list(g):  # one column at a time: the unordered one goes as the next is made
+        g[k] = g[k][order]
     src_rank, dst_rank = src_rank[order], dst_rank[order]
     p, u = g["pack"], g["unpack"]
     s_start, d_start = _start(src, choice, chunks, si), _start(dst, chunks.dst, chunks, si)
