@@ -23,7 +23,7 @@ from planner.passes.budget import ALIGN, budgets  # noqa: F401 (ALIGN: re-export
 from planner.passes.intersect import Chunks, PieceTable, element_size
 from planner.passes.staging import place_staging, staging_order
 from schemas.config import Options
-from schemas.plan import PACK, UNPACK
+from schemas.plan import COPY_COLUMNS, PACK, UNPACK
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +214,7 @@ def _copies(p: np.ndarray, u: np.ndarray, stage: np.ndarray, s_soff: np.ndarray,
     p, u = np.nonzero(p)[0], np.nonzero(u)[0]
     one_p, one_u = np.ones(len(p), np.int64), np.ones(len(u), np.int64)
     cat = np.concatenate
-    return {
+    cols = {
         "rank": cat([src_rank[p], dst_rank[u]]),
         "kind": cat([np.full(len(p), PACK), np.full(len(u), UNPACK)]),
         "stage": cat([stage[p], stage[u]]),
@@ -235,3 +235,8 @@ def _copies(p: np.ndarray, u: np.ndarray, stage: np.ndarray, s_soff: np.ndarray,
         "size2": cat([one_p, one_u]),
         "aux_offset": np.zeros(len(p) + len(u), dtype=np.int64),
     }
+    return {k: v.astype(_COPY_DTYPES.get(k, np.int64), copy=False) for k, v in cols.items()}
+
+
+_COPY_DTYPES = {"rank": np.dtype(np.int32), **{n: np.dtype(d) for n, d in COPY_COLUMNS}}
+"""Copy columns as the plan holds them (narrow: kinds, dtypes, stages, regions, ranks)."""

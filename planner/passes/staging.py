@@ -16,8 +16,6 @@ The loop runs once per stage break and per such chunk, never per chunk.
 
 from __future__ import annotations
 
-from bisect import bisect_right
-
 import numpy as np
 
 from planner.passes.budget import ALIGN
@@ -120,8 +118,8 @@ def _next_fit(use_chunk: np.ndarray, use_rank: np.ndarray, use_nb: np.ndarray,
     chunk, whether it uses two ranks)."""
     lo = np.searchsorted(use_rank, np.arange(world), side="left").tolist()
     hi = np.searchsorted(use_rank, np.arange(world), side="right").tolist()
-    ends = (before + use_nb).tolist()  # a use fits while its end - its stage's start <= cap
-    at = before.tolist()
+    ends = before + use_nb  # a use fits while its end - its stage's start <= cap
+    at = before
     caps = cap.tolist()
     cut_at: list[int] = []
     cut_stage: list[int] = []
@@ -130,15 +128,15 @@ def _next_fit(use_chunk: np.ndarray, use_rank: np.ndarray, use_nb: np.ndarray,
         if lo[r] < hi[r]:
             cut_at.append(lo[r])
             cut_stage.append(first)
-            start[r] = at[lo[r]]
+            start[r] = int(at[lo[r]])
 
     def advance(r: int, upto: int) -> None:
         q, st, s0, limit = pos[r], stage[r], start[r], caps[r]
         while q < upto:
-            q = bisect_right(ends, s0 + limit, q, upto)
+            q += int(np.searchsorted(ends[q:upto], s0 + limit, side="right"))
             if q >= upto:
                 break
-            st, s0 = st + 1, at[q]
+            st, s0 = st + 1, int(at[q])
             cut_at.append(q)
             cut_stage.append(st)
             q += 1
@@ -147,7 +145,7 @@ def _next_fit(use_chunk: np.ndarray, use_rank: np.ndarray, use_nb: np.ndarray,
     # Chunks that use two ranks, in placement order, as (use on one rank, use on the other).
     two = np.nonzero(both[use_chunk])[0]
     two = two[np.lexsort((use_rank[two], use_chunk[two]))].reshape(-1, 2)
-    nbs = use_nb.tolist()
+    at, nbs = (at.tolist(), use_nb.tolist()) if len(two) else (at, use_nb)
     for ua, ub in two.tolist():
         a, b = int(use_rank[ua]), int(use_rank[ub])
         advance(a, ua)
