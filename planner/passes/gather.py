@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.passes.gather_out import Out, Staging, align, explain_rows, lowered
+from planner.passes.gather_out import Out, Rows, Staging, align, explain_rows, lowered
 from planner.passes.intersect import PieceTable, intersect, take
 from planner.passes.lower import ALIGN, Lowered
 from planner.passes.route import Routes
@@ -112,14 +112,6 @@ class _Box:
         return self.g_bytes + self.f_bytes + (align(nscale * 4) if self.quant else 0)
 
 
-class _Rows:
-    """Some columns of a table as Python lists, for reads of one row at a time."""
-
-    def __init__(self, table: object, columns: tuple[str, ...]) -> None:
-        for c in columns:
-            setattr(self, c, getattr(table, c).tolist())
-
-
 @dataclass(frozen=True, slots=True)
 class _Slot:
     """Where and when a box lives in its owner's staging."""
@@ -170,8 +162,10 @@ class _Gatherer:
         self.chunks = intersect(spec, src, take(self.w, self.first))
         # The columns read one row at a time, as lists (a numpy scalar costs ~10x more).
         geo = ("rank", "region", "base", "a0", "a1", "dtype")
-        self.src_l, self.w_l, self.s_l = (_Rows(t, geo) for t in (src, self.w, self.s))
-        self.chunks_l = _Rows(self.chunks, ("off0", "off1", "size0", "size1"))
+        self.src_l, self.w_l, self.s_l = (Rows(t, geo) for t in (src, self.w, self.s))
+        self.chunks_l = Rows(self.chunks, ("off0", "off1", "size0", "size1"))
+        self.sbox_l = self.chunks.sbox.tolist()
+        self.holder_rows: dict[int, list[tuple[int, int]]] = {}
         # Scale piece of every target weight row: same rank, scale tensor, offsets / 128.
         self.s_key = {(int(r), int(t), int(a), int(b)): i for i, (r, t, a, b) in
                       enumerate(zip(self.s.rank, self.s.tensor, self.s.off0, self.s.off1))}
@@ -179,6 +173,7 @@ class _Gatherer:
         self.out = Out()
         self.alloc = Staging(world, opts.staging_bytes)
         self.host, self.nic = np.asarray(topo.host), np.asarray(topo.nic)
+        self.nic_l = self.nic.tolist()
         self.load = np.zeros(int(self.nic.max()) + 1 if world else 0, dtype=np.int64)
         self.load[:len(sent)] += sent.astype(np.int64)
         self.owner_only = np.zeros(world, dtype=np.int64)
@@ -236,22 +231,20 @@ class _Gatherer:
     def _choose(self, t: int) -> _Box:
         """The owner (holds most of the box; ties: the least loaded NIC, then the lowest
         rank) and the source piece of each chunk (the owner's, else the least loaded)."""
-        chunks, hp, src, load, nic = self.chunks, self.chunks.holder_ptr, self.src, \
-            self.load, self.nic
-        cl = self.chunks_l
+        load, nic, cl = self.load, self.nic_l, self.chunks_l
         tensor, t0, t1, n0, n1 = (int(x) for x in self.tboxes[t])
         cs = range(self.chunk_ptr[t], self.chunk_ptr[t + 1])
-        cands = [chunks.holders[hp[chunks.sbox[c]]:hp[chunks.sbox[c] + 1]] for c in cs]
+        cands = [self._holders(c) for c in cs]
         held: dict[int, int] = {}
         for c, hs in zip(cs, cands):
-            for r in set(src.rank[hs].tolist()):
+            for r in {r for _, r in hs}:
                 held[r] = held.get(r, 0) + cl.size0[c] * cl.size1[c]
         owner = min(held, key=lambda r: (-held[r], load[nic[r]], r))
         rows = []
         for hs in cands:
-            mine = hs[src.rank[hs] == owner]
-            rows.append(int(mine[0]) if len(mine) else
-                        int(min(hs, key=lambda h: (load[nic[src.rank[h]]], src.rank[h]))))
+            mine = next((h for h, r in hs if r == owner), None)
+            rows.append(mine if mine is not None else
+                        min(hs, key=lambda hr: (load[nic[hr[1]]], hr[1]))[0])
         sl = self.src_l
         out_code = self.w_l.dtype[int(self.first[t])]
         src_code = sl.dtype[rows[0]]
@@ -266,6 +259,17 @@ class _Gatherer:
         return _Box(tensor, t0, t1, n0, n1, cs, tuple(rows), owner, len(held) == 1,
                     src_code, out_code, es, int(ITEM[out_code]), quant,
                     not quant and out_code != src_code, direct, parts, g_bytes)
+
+    def _holders(self, c: int) -> list[tuple[int, int]]:
+        """(source piece row, its rank) of every holder of chunk `c`'s source box, in the
+        chunk table's order (once per source box)."""
+        sb = self.sbox_l[c]
+        hs = self.holder_rows.get(sb)
+        if hs is None:
+            ptr, rank = self.chunks.holder_ptr, self.src_l.rank
+            hs = self.holder_rows[sb] = [
+                (h, rank[h]) for h in self.chunks.holders[ptr[sb]:ptr[sb + 1]].tolist()]
+        return hs
 
     def _by_parts(self, t: int) -> bool:
         """Box `t` is cut into block-aligned parts (each starts on the box's 128-grid and
