@@ -24,25 +24,29 @@ from planner.identities import rank_identities, with_rank_tensors
 from planner.layouts import build_layout, start_layout
 from planner.layouts.base import Layout
 from planner.layouts.traced import model_hf, uses_trace
-from planner.nic_stats import egress_bound, nic_stats, remote_egress
-from planner.passes.assign import assign, explain_chunks, split_rows
+from planner.nic_stats import egress_bound, egress_sets, nic_stats, remote_egress
+from planner.passes.assign import assign, split_rows
 from planner.passes.coalesce import coalesce
 from planner.passes.emit import (
     coverage_table,
     emit,
     explain_table,
+    explain_with,
     fingerprint,
     plan_header,
     rank_regions,
     tensor_regions,
+    with_staging,
 )
 from planner.passes.gather import gather
 from planner.passes.intersect import (
     PieceTable,
+    chunk_bytes,
     element_size,
     intersect,
     piece_table,
     table_and_boxes,
+    take,
 )
 from planner.passes.lower import lower, merge
 from planner.passes.route import route
@@ -81,7 +85,10 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     already built: while a target is traced), route (direct or
     gather path), intersect and split rows, assign, lower (direct path), gather (FP8 and
     fine-cut boxes), merge and coalesce, schedule, regions, NIC stats, header (the
-    fingerprint covers the direct path's target pieces, as it always has), explain, emit."""
+    fingerprint covers the direct path's target pieces, as it always has), explain, emit.
+    What later steps need of the chunks (their explain rows, the egress bound's holder
+    sets, the fingerprint) is taken right after assign, and the chunks are dropped once
+    lowered: memory holds one pass's columns, not every pass's."""
     step, opts, names = progress or _quiet, cfg.options, tuple(t.name for t in spec.tensors)
     topo = build_topology(cfg.cluster, src_layout.world, dst_layout.world)
     step("intersect")
@@ -92,6 +99,13 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
                         opts.max_write_bytes)
     step("assign")
     choice = assign(chunks, src, routes.direct, topo)
+    n_chunks, sets = len(chunks), egress_sets(chunks, src, routes.direct, topo)
+    explain = explain_table(chunks.tensor, src.rank[choice], src.region[choice],
+                            routes.direct.rank[chunks.dst], routes.direct.region[chunks.dst],
+                            chunk_bytes(chunks, routes.direct))
+    regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
+                           tensor_regions(dst_layout))  # staging is added once lowered
+    fp = fingerprint(spec, src, routes.direct, regions, topo, cfg)
     step("lower")
     staging_ids = _staging_ids(src_layout, dst_layout)
     t = routes.targets  # what each rank receives in the whole plan (both paths)
@@ -99,26 +113,29 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
                            minlength=topo.world).astype(np.int64)
     direct = lower(chunks, choice, src, routes.direct, staging_ids, opts, names,
                    src_layout.world, bytes_in, topo.nic_gbps)
+    del chunks, choice  # the largest columns: nothing later reads them
+    routes = dataclasses.replace(routes, direct=take(routes.direct, np.zeros(0, np.int64)),
+                                 direct_boxes=None)
     step("gather")
     more = gather(spec, src, routes, staging_ids, opts, topo, direct.stages,
                   remote_egress(topo, direct))
     low = coalesce(merge(direct, more.lowered), opts.max_write_bytes)
+    del direct
     step("schedule")
     sched = schedule(low, topo, opts.max_write_bytes, staging_ids)
-    regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
-                           tensor_regions(dst_layout), low.staging)
-    nics = nic_stats(topo, low, egress_bound(chunks, src, routes.direct, topo, more.owner_only))
-    header = plan_header(cfg, spec, topo, dst_layout.replicas, low, nics, len(chunks),
-                         more.unit_max, fingerprint(spec, src, routes.direct, regions, topo, cfg),
-                         VERSION)
+    regions = with_staging(regions, low.staging)
+    nics = nic_stats(topo, low, egress_bound(sets, topo, more.owner_only))
+    header = plan_header(cfg, spec, topo, dst_layout.replicas, low, nics, n_chunks,
+                         more.unit_max, fp, VERSION)
     header = dataclasses.replace(header, identities=tuple(rank_identities(
         cfg, src_layout, dst_layout).get("identities", ())), derived=tuple(
         tuple(d) for d in derived(dst_layout, src_layout.world, cfg.target)))
-    explain = explain_table(*np.concatenate([explain_chunks(chunks, choice, src, routes.direct),
-                                             more.explain]).T)
+    explain = explain_with(explain, more.explain)
+    del more
     step("emit")
     plan = emit(header, low, sched, topo, regions, explain, names,
                 coverage_table(dst_layout, src_layout.world, routes.targets))
+    del low, sched
     return with_rank_tensors(plan, spec, (src, routes.targets), (src_layout, dst_layout))
 
 

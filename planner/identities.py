@@ -49,25 +49,30 @@ def with_rank_tensors(plan: Plan, spec: ModelSpec, tables: tuple[PieceTable, Pie
     """`plan` with a `tensors/<rank>` blob per rank (replicas point at their first copy)."""
     blobs: list[tuple[str, Any]] = []
     first: dict[bytes, int] = {}
-    base = 0
-    for table, layout in zip(tables, layouts):
+    for table, layout, base in zip(tables, layouts, (0, layouts[0].world)):
         cut = np.searchsorted(table.rank, np.arange(base, base + layout.world + 1))
-        same: dict[int, int] = {}  # id(a rank's tensors) -> the rank its content points at
+        alike: dict[int, list[tuple[slice, int]]] = {}  # by tensor list: (rows, first rank)
         for rl in layout.ranks:
-            r = base + rl.rank
-            if id(rl.tensors) in same:  # replicas: the same tensors, so the same rows
-                blobs.append((f"tensors/{r}", {"same_as": same[id(rl.tensors)]}))
-                continue
-            blob = _blob(spec, table, slice(cut[rl.rank], cut[rl.rank + 1]), rl.tensors)
-            key = msgpack.packb(blob, use_bin_type=True)  # equal content: point at the first
-            if key in first:
-                blob = {"same_as": first[key]}
-            else:
-                first[key] = r
-            same[id(rl.tensors)] = first[key]
-            blobs.append((f"tensors/{r}", blob))
-        base += layout.world
+            r, rows = base + rl.rank, slice(cut[rl.rank], cut[rl.rank + 1])
+            seen = alike.setdefault(id(rl.tensors), [])
+            same = next((f for other, f in seen if _same_rows(table, rows, other)), None)
+            if same is None:  # equal content: point at the first
+                blob = _blob(spec, table, rows, rl.tensors)
+                same = first.setdefault(msgpack.packb(blob, use_bin_type=True), r)
+                seen.append((rows, same))
+            blobs.append((f"tensors/{r}", blob if same == r else {"same_as": same}))
     return dataclasses.replace(plan, extra_blobs=(*plan.extra_blobs, *blobs))
+
+
+_BLOB_COLUMNS = ("region", "tensor", "off0", "off1", "size0", "size1", "base", "a0", "a1")
+"""The piece table's columns a `tensors/<rank>` blob is made of (with the rank's tensors)."""
+
+
+def _same_rows(t: PieceTable, a: slice, b: slice) -> bool:
+    """Whether rows `a` and `b` of `t` make the same blob (for ranks of one tensor list):
+    a replica's blob is found equal without being built."""
+    return a.stop - a.start == b.stop - b.start and all(
+        np.array_equal(getattr(t, c)[a], getattr(t, c)[b]) for c in _BLOB_COLUMNS)
 
 
 def _blob(spec: ModelSpec, t: PieceTable, rows: slice, tensors: tuple) -> dict[str, Any]:

@@ -52,17 +52,12 @@ def nic_stats(topo: Topology, low: Lowered, bound: float) -> dict[str, Any]:
             if egress else 1.0}
 
 
-def egress_bound(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology,
-                 owner_only: np.ndarray) -> float:
-    """A lower bound on the busiest source NIC that no assignment can beat: the bytes a
-    set S of source NICs alone can send must leave through S, so some NIC of S sends at
-    least bytes(S) / |S|, where bytes(S) counts what only S holds and what only one NIC of
-    S holds (taken over the candidate sets that occur). `chunks`: the direct path's chunks
-    of `dst`; `owner_only`: bytes per plan rank of gathered boxes only it can own."""
+def egress_sets(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology
+                ) -> dict[tuple[int, ...], float]:
+    """Bytes of the direct path's chunks of `dst` (`chunks`) per set of source NICs that hold
+    them, counting only chunks with no holder on their target's host: `egress_bound`'s
+    input, taken while the chunks are at hand (the compiler drops them after `lower`)."""
     host, nic = np.asarray(topo.host), np.asarray(topo.nic)
-    own = np.bincount(nic[:topo.sources], weights=owner_only[:topo.sources]) \
-        if topo.sources else np.zeros(0)
-    bound = float(own.max()) if topo.sources else 0.0
     ptr, holders = chunks.holder_ptr, chunks.holders
     n_sbox, hosts = len(ptr) - 1, max(int(host.max(initial=0)) + 1, 1)
     # each source box's set of holder NICs (once per box), and its holders' hosts
@@ -77,7 +72,21 @@ def egress_bound(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topolog
     remote = ~np.isin(chunks.sbox * hosts + dst_host, near)  # no holder on the target host
     per_id = np.bincount(set_of[chunks.sbox[remote]], minlength=len(keys),
                          weights=chunk_bytes(chunks, dst)[remote].astype(np.float64))
-    per_set = {k: float(per_id[i]) for k, i in keys.items() if per_id[i] > 0}
+    return {k: float(per_id[i]) for k, i in keys.items() if per_id[i] > 0}
+
+
+def egress_bound(per_set: dict[tuple[int, ...], float], topo: Topology,
+                 owner_only: np.ndarray) -> float:
+    """A lower bound on the busiest source NIC that no assignment can beat: the bytes a
+    set S of source NICs alone can send must leave through S, so some NIC of S sends at
+    least bytes(S) / |S|, where bytes(S) counts what only S holds and what only one NIC of
+    S holds (taken over the candidate sets that occur). `per_set`: the direct path's bytes
+    per holder set (`egress_sets`); `owner_only`: bytes per plan rank of gathered boxes
+    only it can own."""
+    nic = np.asarray(topo.nic)
+    own = np.bincount(nic[:topo.sources], weights=owner_only[:topo.sources]) \
+        if topo.sources else np.zeros(0)
+    bound = float(own.max()) if topo.sources else 0.0
     single = {k[0]: b for k, b in per_set.items() if len(k) == 1}
     for n, b in enumerate(own.tolist()):
         single[n] = single.get(n, 0.0) + b

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -140,9 +141,9 @@ class RankPlan:
             "rank": self.rank, "role": self.role, "host": self.host, "gpu": self.gpu,
             "nics": list(self.nics),
             "regions": [[r.name, r.dtype, list(r.shape), r.nbytes] for r in self.regions],
-            "writes": self.writes.to_msgpack(), "batches": self.batches.to_msgpack(),
-            "copies": self.copies.to_msgpack(), "signals": self.signals.to_msgpack(),
-            "waits": self.waits.to_msgpack(),
+            "writes": self.writes.views(), "batches": self.batches.views(),
+            "copies": self.copies.views(), "signals": self.signals.views(),
+            "waits": self.waits.views(),
             "peer_regions": [[p, [list(rs) for rs in s]] for p, s in self.peer_regions],
             "stages": self.stages,
         }
@@ -239,18 +240,16 @@ def encode_plan(plan: Plan, key: bytes | None = None) -> bytes:
 
 def _encode_parts(plan: Plan, key: bytes | None) -> list[bytes]:
     """The plan file as its parts in order: the head (magic, version, header, digest), then
-    every blob (written one by one: a large plan is never joined in memory)."""
-    blobs = [(f"rank/{r.rank}", _pack(r.encode())) for r in plan.ranks]
-    blobs.append(("explain", _pack({"tensors": list(plan.tensors),
-                                    "table": plan.explain.to_msgpack()})))
-    blobs.append(("dag", _pack({"nodes": plan.dag_nodes.to_msgpack(),
-                                "edges": plan.dag_edges.to_msgpack(),
-                                "coverage": plan.coverage.to_msgpack()})))
-    blobs += [(name, _pack(obj)) for name, obj in plan.extra_blobs]
-    index, offset = {}, 0
-    for name, data in blobs:
-        index[name] = [offset, len(data), _digest(data)]
-        offset += len(data)
+    every blob (written one by one: a large plan is never joined in memory). Each blob is
+    digested on a second thread while the next is packed (blake2b releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        blobs = [(name, data, pool.submit(_digest, data)) for name, data in _blobs(plan)]
+        index, offset = {}, 0
+        for name, data, digest in blobs:
+            index[name] = [offset, len(data), digest.result()]
+            offset += len(data)
     raw = {**plan.header.encode(), "format_version": FORMAT_VERSION, "blobs": index}
     if key is not None:
         from .integrity import signature
@@ -258,7 +257,18 @@ def _encode_parts(plan: Plan, key: bytes | None) -> list[bytes]:
         raw["signature"] = signature(key, _pack(raw))
     header = _pack(raw)
     head = MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)) + header + _digest(header)
-    return [head] + [data for _, data in blobs]
+    return [head] + [data for _, data, _ in blobs]
+
+
+def _blobs(plan: Plan) -> Iterator[tuple[str, bytes]]:
+    """Every blob of the plan file, packed, in file order."""
+    for r in plan.ranks:
+        yield f"rank/{r.rank}", _pack(r.encode())
+    yield "explain", _pack({"tensors": list(plan.tensors), "table": plan.explain.views()})
+    yield "dag", _pack({"nodes": plan.dag_nodes.views(), "edges": plan.dag_edges.views(),
+                        "coverage": plan.coverage.views()})
+    for name, obj in plan.extra_blobs:
+        yield name, _pack(obj)
 
 
 def write_plan(path: str, plan: Plan, key: bytes | None = None) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.passes.intersect import Chunks, PieceTable, chunk_bytes, element_size
+from planner.passes.intersect import Chunks, PieceTable, element_size
 from planner.topology import Topology
 
 
@@ -97,9 +97,3 @@ def assign(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology) -> 
 def _nbytes(chunks: Chunks, dst: PieceTable, rows: np.ndarray) -> np.ndarray:
     return chunks.size0[rows] * chunks.size1[rows] * element_size(dst.dtype[chunks.dst[rows]])
 
-
-def explain_chunks(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable
-                 ) -> np.ndarray:
-    """(tensor, source rank, source region, target rank, target region, bytes) per chunk."""
-    return np.stack([chunks.tensor, src.rank[choice], src.region[choice], dst.rank[chunks.dst],
-                     dst.region[chunks.dst], chunk_bytes(chunks, dst)], axis=1)

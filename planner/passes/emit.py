@@ -22,7 +22,7 @@ from planner.layouts.base import Layout
 from planner.passes.intersect import PieceTable
 from planner.passes.lower import Lowered
 from planner.passes.schedule import Schedule
-from planner.rows import lexorder, unique_rows
+from planner.rows import lexorder, row_keys, unique_rows
 from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import Config, SourceConfig
@@ -50,7 +50,8 @@ from schemas.plan import (
 
 
 def tensor_regions(layout: Layout) -> list[tuple[Region, ...]]:
-    """The regions of each rank's physical tensors (built once for replicas sharing them)."""
+    """The regions of each rank's physical tensors (built once for replicas sharing them:
+    one tuple of regions for all)."""
     built: dict[int, tuple[Region, ...]] = {}
     out = []
     for rl in layout.ranks:
@@ -64,16 +65,20 @@ def tensor_regions(layout: Layout) -> list[tuple[Region, ...]]:
 
 
 def rank_regions(src: list[tuple[Region, ...]], dst: list[tuple[Region, ...]],
-                 staging: np.ndarray) -> list[tuple[Region, ...]]:
+                 staging: np.ndarray | None = None) -> list[tuple[Region, ...]]:
     """Regions of every plan rank: its physical tensors (`tensor_regions` of the source
-    and target layouts), then staging when it has any."""
-    out = []
-    for plan_rank, regs in enumerate([*src, *dst]):
-        if staging[plan_rank]:
-            regs = (*regs, Region(STAGING, "uint8", (int(staging[plan_rank]),),
-                                  int(staging[plan_rank])))
-        out.append(regs)
-    return out
+    and target layouts), then staging when it has any (`staging`: bytes per plan rank;
+    none yet when not given, see `with_staging`)."""
+    out = [*src, *dst]
+    return out if staging is None else with_staging(out, staging)
+
+
+def with_staging(regions: list[tuple[Region, ...]], staging: np.ndarray
+                 ) -> list[tuple[Region, ...]]:
+    """`regions` (of `rank_regions`, without staging) with each rank's staging region
+    appended where it has one."""
+    return [(*regs, Region(STAGING, "uint8", (int(n),), int(n))) if n else regs
+            for regs, n in zip(regions, staging.tolist())]
 
 
 def _slices(sorted_keys: np.ndarray, world: int) -> np.ndarray:
@@ -162,7 +167,9 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
     c_cut = _slices(c["rank"], world)
     s_cut = _slices(sched.signals[:, 0], world)
     wt_cut = _slices(sched.waits[:, 0], world)
-    region_bytes = [tuple(r.nbytes for r in regs) for regs in regions]
+    sizes = [len(regs) for regs in regions]
+    first_region = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    region_bytes = np.array([r.nbytes for regs in regions for r in regs], dtype=np.int64)
     ranks = []
     for r in range(world):
         ws = slice(w_cut[r], w_cut[r + 1])
@@ -182,7 +189,7 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
                            ("stage", "peer", "kind")),
             waits=_table(SIGNAL_COLUMNS, sched.waits[wt_cut[r]:wt_cut[r + 1], 1:],
                          ("stage", "peer", "kind")),
-            peer_regions=_peer_regions(pairs, region_bytes),
+            peer_regions=_peer_regions(pairs, region_bytes, first_region),
             stages=low.stages,
         ))
     nodes = _table(DAG_NODE_COLUMNS, sched.dag_nodes, ("rank", "stage", "phase"))
@@ -191,13 +198,17 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
                 dag_nodes=nodes, dag_edges=edges, coverage=coverage)
 
 
-def _peer_regions(pairs: np.ndarray, region_bytes: list[tuple[int, ...]]
+def _peer_regions(pairs: np.ndarray, region_bytes: np.ndarray, first_region: np.ndarray
                   ) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
-    """(peer, ((region, nbytes), ...)) for the (peer, region) pairs a rank writes into."""
-    out: dict[int, list[tuple[int, int]]] = {}
-    for peer, region in pairs.tolist():
-        out.setdefault(peer, []).append((region, region_bytes[peer][region]))
-    return tuple((p, tuple(rs)) for p, rs in out.items())
+    """(peer, ((region, nbytes), ...)) for the (peer, region) pairs a rank writes into
+    (sorted; `region_bytes`: every rank's region sizes in one column, rank r's from
+    `first_region[r]` on)."""
+    if len(pairs) == 0:
+        return ()
+    peer, region = pairs[:, 0], pairs[:, 1]
+    items = list(zip(region.tolist(), region_bytes[first_region[peer] + region].tolist()))
+    cut = np.flatnonzero(np.concatenate([[True], peer[1:] != peer[:-1], [True]])).tolist()
+    return tuple((int(peer[a]), tuple(items[a:b])) for a, b in zip(cut[:-1], cut[1:]))
 
 
 def coverage_table(dst: Layout, rank_base: int, pieces: PieceTable) -> Table:
@@ -220,18 +231,53 @@ def coverage_table(dst: Layout, rank_base: int, pieces: PieceTable) -> Table:
 
 
 def explain_table(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarray,
-                  dst_rank: np.ndarray, dst_region: np.ndarray, nbytes: np.ndarray) -> Table:
-    """Bytes and boxes per (tensor, source region, target region)."""
-    keys = np.stack([tensor, src_rank, src_region, dst_rank, dst_region], axis=1)
-    if len(keys) == 0:
+                  dst_rank: np.ndarray, dst_region: np.ndarray, nbytes: np.ndarray,
+                  boxes: np.ndarray | None = None) -> Table:
+    """Bytes and boxes per (tensor, source region, target region), sorted by those keys
+    (`boxes`: how many boxes each row stands for; one each when not given). Runs of equal
+    consecutive rows (a chunk cut in parts) are summed before the rows are sorted."""
+    if len(tensor) == 0:
         return Table.empty(EXPLAIN_COLUMNS)
-    uniq, inv = unique_rows(keys, return_inverse=True)
-    inv = inv.reshape(-1)
-    total = np.bincount(inv, weights=nbytes.astype(np.float64)).astype(np.int64)
-    boxes = np.bincount(inv)
+    keys = np.stack([tensor, src_rank, src_region, dst_rank, dst_region], axis=1,
+                    dtype=np.int32)  # as in the table
+    key = row_keys(keys)
+    start = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
+    run_bytes = np.add.reduceat(np.asarray(nbytes, dtype=np.int64), start)
+    run_boxes = np.diff(np.append(start, len(key))) if boxes is None else \
+        np.add.reduceat(np.asarray(boxes, dtype=np.int64), start)
+    order = np.argsort(key[start])  # equal keys are equal rows: any order among them
+    sorted_key = key[start[order]]
+    first = np.flatnonzero(np.concatenate([[True], sorted_key[1:] != sorted_key[:-1]]))
+    uniq = keys[start[order[first]]]
+    total = np.add.reduceat(run_bytes[order], first)
+    count = np.add.reduceat(run_boxes[order], first)
     return Table.build(EXPLAIN_COLUMNS, tensor=uniq[:, 0], src_rank=uniq[:, 1],
                        src_region=uniq[:, 2], dst_rank=uniq[:, 3], dst_region=uniq[:, 4],
-                       nbytes=total, boxes=boxes)
+                       nbytes=total, boxes=count)
+
+
+def explain_with(table: Table, rows: np.ndarray) -> Table:
+    """`table` (of `explain_table`) with more `rows` (tensor, source rank, source region,
+    target rank, target region, bytes: one box each), as one explain table."""
+    if len(rows) == 0:
+        return table
+    cols = [np.concatenate([table[name], rows[:, i]])
+            for i, (name, _) in enumerate(EXPLAIN_COLUMNS[:6])]
+    return explain_table(*cols, boxes=np.concatenate([table["boxes"],
+                                                      np.ones(len(rows), np.int64)]))
+
+
+def _packed_regions(regions: list[tuple[Region, ...]]) -> bytes:
+    """msgpack of every rank's (name, dtype, shape) regions less staging, as one list: its
+    array header, then each rank's list packed (once per distinct tuple of regions)."""
+    packer, done = msgpack.Packer(), {}
+    parts = [packer.pack_array_header(len(regions))]
+    for regs in regions:
+        if id(regs) not in done:
+            done[id(regs)] = packer.pack([(r.name, r.dtype, list(r.shape)) for r in regs
+                                          if r.name != STAGING])
+        parts.append(done[id(regs)])
+    return b"".join(parts)
 
 
 def fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable,
@@ -240,11 +286,10 @@ def fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable,
     h = hashlib.blake2b(digest_size=16)
     h.update(msgpack.packb([FORMAT_VERSION, [(t.name, list(t.shape), t.dtype)
                                              for t in spec.tensors]]))
-    for table in (src, dst):
-        for col in dataclasses.astuple(table):
-            h.update(np.ascontiguousarray(col).tobytes())
-    h.update(msgpack.packb([[(r.name, r.dtype, list(r.shape)) for r in regs
-                             if r.name != STAGING] for regs in regions]))
+    for table in (src, dst):  # (not `dataclasses.astuple`: it deep-copies every column)
+        for f in dataclasses.fields(table):
+            h.update(np.ascontiguousarray(getattr(table, f.name)).data)
+    h.update(_packed_regions(regions))
     h.update(msgpack.packb([list(topo.host), list(topo.gpu), list(topo.nic),
                             topo.nic_gbps, topo.nvlink_gbps]))
     h.update(msgpack.packb(dataclasses.asdict(cfg.options)))

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.passes.gather_out import Out, Staging, align, explain_rows, lowered
-from planner.passes.intersect import PieceTable, element_size, intersect, take
+from planner.passes.gather_out import Out, Rows, Staging, align, explain_rows, lowered
+from planner.passes.intersect import PieceTable, intersect, take
 from planner.passes.lower import ALIGN, Lowered
 from planner.passes.route import Routes
 from planner.spec import ModelSpec
@@ -46,7 +46,7 @@ from planner.topology import Topology
 from schemas.config import ConfigError, Options
 from schemas.plan import DTYPE_CODES, PACK, QUANT
 from schemas.protocol import FP8_BLOCK as BLOCK
-from schemas.protocol import scale_blocks, scale_stride
+from schemas.protocol import ITEM, scale_blocks, scale_stride
 
 FP8_CODE = DTYPE_CODES.index("float8_e4m3fn")
 
@@ -160,6 +160,12 @@ class _Gatherer:
                                                    return_inverse=True)
         tb_of = tb_of.reshape(-1)
         self.chunks = intersect(spec, src, take(self.w, self.first))
+        # The columns read one row at a time, as lists (a numpy scalar costs ~10x more).
+        geo = ("rank", "region", "base", "a0", "a1", "dtype")
+        self.src_l, self.w_l, self.s_l = (Rows(t, geo) for t in (src, self.w, self.s))
+        self.chunks_l = Rows(self.chunks, ("off0", "off1", "size0", "size1"))
+        self.sbox_l = self.chunks.sbox.tolist()
+        self.holder_rows: dict[int, list[tuple[int, int]]] = {}
         # Scale piece of every target weight row: same rank, scale tensor, offsets / 128.
         self.s_key = {(int(r), int(t), int(a), int(b)): i for i, (r, t, a, b) in
                       enumerate(zip(self.s.rank, self.s.tensor, self.s.off0, self.s.off1))}
@@ -167,6 +173,7 @@ class _Gatherer:
         self.out = Out()
         self.alloc = Staging(world, opts.staging_bytes)
         self.host, self.nic = np.asarray(topo.host), np.asarray(topo.nic)
+        self.nic_l = self.nic.tolist()
         self.load = np.zeros(int(self.nic.max()) + 1 if world else 0, dtype=np.int64)
         self.load[:len(sent)] += sent.astype(np.int64)
         self.owner_only = np.zeros(world, dtype=np.int64)
@@ -200,14 +207,13 @@ class _Gatherer:
             f_off = self._quant_parts(box, slot)
         elif box.direct:
             h = box.rows[0]
-            src = self.src
-            read = (int(src.region[h]), int(src.base[h] + box.t0 * src.a0[h]
-                                             + box.t1 * src.a1[h]),
-                    (int(src.a0[h]), int(src.a1[h])))
+            src = self.src_l
+            read = (src.region[h], src.base[h] + box.t0 * src.a0[h] + box.t1 * src.a1[h],
+                    (src.a0[h], src.a1[h]))
             f_off = self._convert(box, slot, *read)
         else:
             for c, h in zip(box.chunks, box.rows):
-                c0, c1 = int(self.chunks.off0[c]), int(self.chunks.off1[c])
+                c0, c1 = self.chunks_l.off0[c], self.chunks_l.off1[c]
                 into = slot.g_off // box.es + (c0 - box.t0) * box.n1 + (c1 - box.t1)
                 self._gather_part(box, slot, c, h, into, box.n1)
             f_off = self._convert(box, slot, int(self.n_regions[box.owner]),
@@ -225,34 +231,45 @@ class _Gatherer:
     def _choose(self, t: int) -> _Box:
         """The owner (holds most of the box; ties: the least loaded NIC, then the lowest
         rank) and the source piece of each chunk (the owner's, else the least loaded)."""
-        chunks, hp, src, load, nic = self.chunks, self.chunks.holder_ptr, self.src, \
-            self.load, self.nic
+        load, nic, cl = self.load, self.nic_l, self.chunks_l
         tensor, t0, t1, n0, n1 = (int(x) for x in self.tboxes[t])
         cs = range(self.chunk_ptr[t], self.chunk_ptr[t + 1])
-        cands = [chunks.holders[hp[chunks.sbox[c]]:hp[chunks.sbox[c] + 1]] for c in cs]
+        cands = [self._holders(c) for c in cs]
         held: dict[int, int] = {}
         for c, hs in zip(cs, cands):
-            for r in set(src.rank[hs].tolist()):
-                held[r] = held.get(r, 0) + int(chunks.size0[c] * chunks.size1[c])
+            for r in {r for _, r in hs}:
+                held[r] = held.get(r, 0) + cl.size0[c] * cl.size1[c]
         owner = min(held, key=lambda r: (-held[r], load[nic[r]], r))
         rows = []
         for hs in cands:
-            mine = hs[src.rank[hs] == owner]
-            rows.append(int(mine[0]) if len(mine) else
-                        int(min(hs, key=lambda h: (load[nic[src.rank[h]]], src.rank[h]))))
-        out_code = int(self.w.dtype[self.first[t]])
-        src_code = int(src.dtype[rows[0]])
-        es = int(element_size(src.dtype[rows[0]]))
+            mine = next((h for h, r in hs if r == owner), None)
+            rows.append(mine if mine is not None else
+                        min(hs, key=lambda hr: (load[nic[hr[1]]], hr[1]))[0])
+        sl = self.src_l
+        out_code = self.w_l.dtype[int(self.first[t])]
+        src_code = sl.dtype[rows[0]]
+        es = int(ITEM[src_code])
         quant = out_code == FP8_CODE
-        direct = quant and len(rows) == 1 and int(src.rank[rows[0]]) == owner
+        direct = quant and len(rows) == 1 and sl.rank[rows[0]] == owner
         parts = quant and not direct and self._by_parts(t)
-        others = [c for c, h in zip(cs, rows) if int(src.rank[h]) != owner]
+        others = [c for c, h in zip(cs, rows) if sl.rank[h] != owner]
         g_bytes = 0 if direct else \
-            sum(align(int(chunks.size0[c] * chunks.size1[c]) * es) for c in others) \
+            sum(align(cl.size0[c] * cl.size1[c] * es) for c in others) \
             if parts else align(n0 * n1 * es)
         return _Box(tensor, t0, t1, n0, n1, cs, tuple(rows), owner, len(held) == 1,
-                    src_code, out_code, es, int(element_size(out_code)), quant,
+                    src_code, out_code, es, int(ITEM[out_code]), quant,
                     not quant and out_code != src_code, direct, parts, g_bytes)
+
+    def _holders(self, c: int) -> list[tuple[int, int]]:
+        """(source piece row, its rank) of every holder of chunk `c`'s source box, in the
+        chunk table's order (once per source box)."""
+        sb = self.sbox_l[c]
+        hs = self.holder_rows.get(sb)
+        if hs is None:
+            ptr, rank = self.chunks.holder_ptr, self.src_l.rank
+            hs = self.holder_rows[sb] = [
+                (h, rank[h]) for h in self.chunks.holders[ptr[sb]:ptr[sb + 1]].tolist()]
+        return hs
 
     def _by_parts(self, t: int) -> bool:
         """Box `t` is cut into block-aligned parts (each starts on the box's 128-grid and
@@ -295,14 +312,14 @@ class _Gatherer:
     def _quant_parts(self, b: _Box, slot: _Slot) -> int:
         """QUANT box `b` part by part (`_Box.parts`): the owner's parts read in place, the
         others' from where they land whole in its staging; returns the e4m3 box's offset."""
-        src, chunks, at = self.src, self.chunks, slot.g_off
+        src, chunks, at = self.src_l, self.chunks_l, slot.g_off
         stg = int(self.n_regions[b.owner])
         for c, h in zip(b.chunks, b.rows):
-            c0, c1 = int(chunks.off0[c]), int(chunks.off1[c])
-            m0, m1 = int(chunks.size0[c]), int(chunks.size1[c])
-            if int(src.rank[h]) == b.owner:
-                read = (int(src.region[h]), int(src.base[h] + c0 * src.a0[h] + c1 * src.a1[h]),
-                        (int(src.a0[h]), int(src.a1[h])))
+            c0, c1 = chunks.off0[c], chunks.off1[c]
+            m0, m1 = chunks.size0[c], chunks.size1[c]
+            if src.rank[h] == b.owner:
+                read = (src.region[h], src.base[h] + c0 * src.a0[h] + c1 * src.a1[h],
+                        (src.a0[h], src.a1[h]))
             else:
                 self._gather_part(b, slot, c, h, at // b.es, m1)
                 read = (stg, at // b.es, (m1, 1))
@@ -315,12 +332,12 @@ class _Gatherer:
         """Chunk `c` from source piece `h` into the owner's staging at element `into`, in
         rows `stride` apart: a PACK on the owner, or a PACK on its holder then one write,
         or one write per row (one in all where both sides are dense)."""
-        src, chunks, owner, es = self.src, self.chunks, b.owner, b.es
+        src, chunks, owner, es = self.src_l, self.chunks_l, b.owner, b.es
         stg = int(self.n_regions[owner])
-        c0, c1 = int(chunks.off0[c]), int(chunks.off1[c])
-        m0, m1 = int(chunks.size0[c]), int(chunks.size1[c])
-        start = int(src.base[h] + c0 * src.a0[h] + c1 * src.a1[h])
-        hr = int(src.rank[h])
+        c0, c1 = chunks.off0[c], chunks.off1[c]
+        m0, m1 = chunks.size0[c], chunks.size1[c]
+        start = src.base[h] + c0 * src.a0[h] + c1 * src.a1[h]
+        hr = src.rank[h]
         if hr != owner and self.host[hr] != self.host[owner]:  # its NIC sends the part
             self.load[self.nic[hr]] += m0 * m1 * es
         pack = dict(kind=PACK, stage=slot.gather, src_region=src.region[h],
@@ -343,8 +360,8 @@ class _Gatherer:
                           (owner, stg, into * es), 1, m0 * m1 * es, 0, 0)
             self.out.pool1.append((len(self.out.copies) - 1, len(self.out.writes) - 1, hr, es))
         elif rows_ok:
-            self.out.runs(slot.gather, (hr, int(src.region[h]), start * es),
-                          (owner, stg, into * es), m0, m1 * es, int(src.a0[h]) * es,
+            self.out.runs(slot.gather, (hr, src.region[h], start * es),
+                          (owner, stg, into * es), m0, m1 * es, src.a0[h] * es,
                           stride * es)
         else:
             raise ConfigError(f"gather: {self.names[b.tensor]} is stored transposed on "
@@ -372,15 +389,15 @@ class _Gatherer:
 
     def _fan_out(self, b: _Box, slot: _Slot, f_off: int, i: int) -> None:
         """The converted box (and its FP8 scales) to the target piece row `i`."""
-        w, owner, es_d, n0, n1 = self.w, b.owner, b.es_d, b.n0, b.n1
+        w, owner, es_d, n0, n1 = self.w_l, b.owner, b.es_d, b.n0, b.n1
         stg = int(self.n_regions[owner])
-        d_rank, d_reg = int(w.rank[i]), int(w.region[i])
+        d_rank, d_reg = w.rank[i], w.region[i]
         if w.a1[i] != 1 and n1 > 1:  # a column lands as one strided run
             raise ConfigError(f"gather: {self.names[b.tensor]} is transposed on target rank "
                               f"{d_rank}; gathered boxes must land as rows")
-        d = int(w.base[i] + b.t0 * w.a0[i] + b.t1 * w.a1[i])
+        d = w.base[i] + b.t0 * w.a0[i] + b.t1 * w.a1[i]
         self.out.runs(slot.convert, (owner, stg, f_off), (d_rank, d_reg, d * es_d), n0,
-                      n1 * es_d, n1 * es_d, int(w.a0[i]) * es_d)
+                      n1 * es_d, n1 * es_d, w.a0[i] * es_d)
         self.out.explain.append((b.tensor, owner, stg, d_rank, d_reg, b.numel * es_d))
         if not b.quant:
             return
@@ -390,7 +407,7 @@ class _Gatherer:
             raise ValueError(f"gather: target rank {d_rank} has no scale piece for "
                              f"{self.names[b.tensor]} block ({b.t0 // BLOCK}, "
                              f"{b.t1 // BLOCK})")
-        s = self.s
-        sd = int(s.base[j] + (b.t0 // BLOCK) * s.a0[j] + (b.t1 // BLOCK) * s.a1[j])
-        self.out.runs(slot.convert, (owner, stg, slot.s_off), (d_rank, int(s.region[j]), sd * 4),
-                      rb, cb * 4, cb * 4, int(s.a0[j]) * 4)
+        s = self.s_l
+        sd = s.base[j] + (b.t0 // BLOCK) * s.a0[j] + (b.t1 // BLOCK) * s.a1[j]
+        self.out.runs(slot.convert, (owner, stg, slot.s_off), (d_rank, s.region[j], sd * 4),
+                      rb, cb * 4, cb * 4, s.a0[j] * 4)

@@ -1,8 +1,11 @@
 """What the gather pass (`gather.py`) builds: each rank's staging, allocated per stage in
 two pools (`Staging`), and the writes and copies it emits (`Out`), turned into the
-`Lowered` columns the later passes take (`lowered`)."""
+`Lowered` columns the later passes take (`lowered`); `Rows`, the columns it reads row by
+row."""
 
 from __future__ import annotations
+
+from operator import itemgetter
 
 import numpy as np
 
@@ -54,6 +57,15 @@ class Staging:
         return self.peak.sum(axis=1)
 
 
+class Rows:
+    """Some columns of a table as Python lists, for reads of one row at a time (a numpy
+    scalar costs ~10x more)."""
+
+    def __init__(self, table: object, columns: tuple[str, ...]) -> None:
+        for c in columns:
+            setattr(self, c, getattr(table, c).tolist())
+
+
 class Out:
     """Rows of writes and copies, turned into columns at the end."""
 
@@ -71,7 +83,7 @@ class Out:
         offsets count from the pool's start (`Staging`)."""
 
     def copy(self, **cols: int) -> None:
-        self.copies.append(tuple(map(int, map(cols.__getitem__, self.C))))
+        self.copies.append(tuple(map(int, _copy_row(cols))))
 
     def runs(self, stage: int, src: tuple[int, int, int], dst: tuple[int, int, int],
              rows: int, row_bytes: int, src_stride: int, dst_stride: int) -> None:
@@ -102,3 +114,7 @@ def lowered(out: Out, alloc: Staging, stages: int) -> Lowered:
     copies = {name: c[:, i] for i, name in enumerate(Out.C)}
     return Lowered(*(w[:, i] for i in range(8)), copies=copies, staging=alloc.staging,
                    stages=stages)
+
+
+_copy_row = itemgetter(*Out.C)
+"""A copy's columns in `Out.C` order, from its keyword arguments."""

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.passes.budget import ALIGN, budgets
+from planner.passes.budget import ALIGN, budgets  # noqa: F401 (ALIGN: re-exported)
 from planner.passes.intersect import Chunks, PieceTable, element_size
-from schemas.config import ConfigError, Options
-from schemas.plan import PACK, UNPACK
-from schemas.protocol import SLOTS
+from planner.passes.staging import place_staging, staging_order
+from schemas.config import Options
+from schemas.plan import COPY_COLUMNS, PACK, UNPACK
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +44,7 @@ class Lowered:
     """Staging bytes of each plan rank."""
     stages: int
     slotted: bool = False
-    """The targets' staging is used in slots (stage s: slot `s % SLOTS`, `_place_staging`):
+    """The targets' staging is used in slots (stage s: slot `s % SLOTS`, `staging.place_staging`):
     a write into it waits for the SLOT_ACK of stage s - SLOTS, not the ACK of s - 1."""
 
 
@@ -55,14 +55,48 @@ def merge(a: Lowered, b: Lowered | None) -> Lowered:
     cat = np.concatenate
     w = {k: cat([getattr(a, k), getattr(b, k)]) for k in Lowered.__slots__
          if k.startswith("w_")}
+    w = {k: v.astype(np.int32) if k in NARROW else v for k, v in w.items()}
     copies = {k: cat([a.copies[k], b.copies[k]]) for k in a.copies}
     return Lowered(**w, copies=copies, staging=np.maximum(a.staging, b.staging),
                    stages=max(a.stages, b.stages), slotted=a.slotted)
 
 
-def _geometry(t: PieceTable, rows: np.ndarray, c: Chunks) -> tuple[np.ndarray, ...]:
-    start = t.base[rows] + c.off0 * t.a0[rows] + c.off1 * t.a1[rows]
-    return start, t.a0[rows], t.a1[rows]
+BLOCK = 1 << 20
+"""Chunks classified (and their direct writes made) per block of this many: the pass's
+temporaries are the size of a block, not of the plan."""
+NARROW = ("w_src_rank", "w_src_region", "w_dst_rank", "w_dst_region", "w_stage")
+"""Write columns held as int32 (ranks, regions, stages: as in the plan's tables)."""
+
+
+def _start(t: PieceTable, rows: np.ndarray, c: Chunks, which: np.ndarray | slice
+           ) -> np.ndarray:
+    """Element offset of the first element of chunks `which` (rows `rows[which]` of `t`)."""
+    r = rows[which]
+    return t.base[r] + c.off0[which] * t.a0[r] + c.off1[which] * t.a1[r]
+
+
+def _shape(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
+           which: np.ndarray | slice) -> dict[str, np.ndarray]:
+    """Geometry and copy needs of chunks `which`: sizes and strides as 2-d boxes (`n x 1`
+    read as `1 x n`), dtype codes, bytes, whether each side is contiguous, and whether
+    the chunk is staged (no direct write can do it: a cast or a strided row)."""
+    sr, dr = choice[which], chunks.dst[which]
+    s0, s1 = chunks.size0[which], chunks.size1[which]
+    col = s1 == 1  # read `n x 1` as `1 x n`
+    g = {"s_a0": src.a0[sr], "d_a0": dst.a0[dr]}
+    g["s_a1"] = np.where(col, g["s_a0"], src.a1[sr])
+    g["d_a1"] = np.where(col, g["d_a0"], dst.a1[dr])
+    g["s0"], g["s1"] = np.where(col, 1, s0), np.where(col, s0, s1)
+    g["s_code"], g["d_code"] = src.dtype[sr], dst.dtype[dr]
+    g["es_d"] = element_size(g["d_code"])
+    g["nbytes"] = g["s0"] * g["s1"] * g["es_d"]
+    one_row = g["s0"] == 1
+    g["s_contig"] = (g["s_a1"] == 1) & (one_row | (g["s_a0"] == g["s1"]))
+    g["d_contig"] = (g["d_a1"] == 1) & (one_row | (g["d_a0"] == g["s1"]))
+    cast = g["s_code"] != g["d_code"]
+    g["pack"], g["unpack"] = cast | ~g["s_contig"], ~g["d_contig"]
+    g["staged"] = cast | (g["s_a1"] != 1) | (g["d_a1"] != 1)
+    return g
 
 
 def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
@@ -71,201 +105,138 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     """Direct writes and staged chunks (packs, writes, unpacks in stages) of `chunks`;
     plan ranks below `sources` are source ranks (`budget.budgets`: their staging budget is
     the cap; a target's is sized from the cost model: `bytes_in` it receives in the whole
-    plan, its link at `nic_gbps`)."""
-    d_row = chunks.dst
-    s_start, s_a0, s_a1 = _geometry(src, choice, chunks)
-    d_start, d_a0, d_a1 = _geometry(dst, d_row, chunks)
-    s0, s1 = chunks.size0.copy(), chunks.size1.copy()
-    col = s1 == 1  # read `n x 1` as `1 x n`
-    s_a1 = np.where(col, s_a0, s_a1)
-    d_a1 = np.where(col, d_a0, d_a1)
-    s0, s1 = np.where(col, 1, s0), np.where(col, s0, s1)
-    s_code, d_code = src.dtype[choice], dst.dtype[d_row]
-    es_s, es_d = element_size(s_code), element_size(d_code)
-    cast = s_code != d_code
-    s_contig = (s_a1 == 1) & ((s0 == 1) | (s_a0 == s1))
-    d_contig = (d_a1 == 1) & ((s0 == 1) | (d_a0 == s1))
-    direct_ok = ~cast & (s_a1 == 1) & (d_a1 == 1)
-    runs = np.where(s_contig & d_contig, 1, s0)
-    nbytes = s0 * s1 * es_d
-    pack = cast | ~s_contig
-    unpack = ~d_contig
-    w_us, p_us = opts.write_overhead_us, opts.pack_overhead_us
-    pack_us = p_us + nbytes * 8e-3 / opts.pack_gbps  # bytes * 8 / (Gb/s * 1e3) = us
-    cost_direct = runs * w_us
-    cost_staged = w_us + pack * pack_us + unpack * pack_us
-    staged = ~direct_ok | (cost_staged < cost_direct)
-    src_rank, dst_rank = src.rank[choice], dst.rank[d_row]
-    world = len(n_regions)
-    si = _staging_order(np.nonzero(staged)[0], src_rank, dst_rank, nbytes, world)
-    su = staged & unpack
-    budget = budgets(world, sources, dst_rank[su], nbytes[su], bytes_in, opts, nic_gbps)
-    # Staged chunks start in stage 1 when there are direct writes: those go first, in
-    # stage 0, and stage 1's packs run while they are in flight (`schemas.protocol`).
-    first = int(bool((~staged).any() and (staged & pack).any()))
-    st = _place_staging(si, src_rank, dst_rank, pack, unpack, nbytes, budget,
-                        opts, chunks.tensor, tensor_names, world, first)
-    stage, s_soff, d_soff, staging, slotted = st
-    stages = int(stage.max()) + 1 if len(stage) else 1
+    plan, its link at `nic_gbps`). Chunks are classified and their direct writes made
+    `BLOCK` at a time; the staged ones are then placed and lowered together."""
+    staged_at, direct = [], []
+    for lo in range(0, len(chunks), BLOCK):
+        staged, writes = _direct(chunks, choice, src, dst, opts, slice(lo, lo + BLOCK))
+        staged_at.append(lo + staged)
+        direct.append(writes)
+    si = np.concatenate(staged_at) if staged_at else np.zeros(0, np.int64)
+    first = int(len(si) < len(chunks))  # any direct chunk: see `_staged`
+    staged, copies, staging, stages, slotted = _staged(
+        chunks, choice, src, dst, si, first, n_regions, opts, tensor_names, sources,
+        bytes_in, nic_gbps)
+    n_direct = sum(len(d["w_nbytes"]) for d in direct)
+    direct.append({"w_stage": np.zeros(n_direct, np.int32)})
+    out = {k: np.concatenate([d.pop(k) for d in direct if k in d] + [staged.pop(k)],
+                             dtype=np.int32 if k in NARROW else np.int64)
+           for k in Lowered.__slots__ if k.startswith("w_")}  # one column at a time
+    return Lowered(**out, copies=copies, staging=staging, stages=stages, slotted=slotted)
 
-    # Direct writes: `runs` rows each (or the whole box when both sides are contiguous).
+
+def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
+            opts: Options, b: slice) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Of the chunks in block `b`: which are staged (offsets in the block), and the direct
+    writes of the others (one per row, or the whole box when both sides are contiguous)."""
+    g = _shape(chunks, choice, src, dst, b)
+    staged = g["staged"]
+    # The cost model, where a direct chunk takes several writes (a chunk contiguous on
+    # both sides is one direct write, never dearer than staging it).
+    some = np.nonzero(~staged & ~(g["s_contig"] & g["d_contig"]))[0]
+    w_us, p_us = opts.write_overhead_us, opts.pack_overhead_us
+    pack_us = p_us + g["nbytes"][some] * 8e-3 / opts.pack_gbps  # bytes*8/(Gb/s*1e3) = us
+    staged[some] = (w_us + g["pack"][some] * pack_us + g["unpack"][some] * pack_us
+                    < g["s0"][some] * w_us)
     di = np.nonzero(~staged)[0]
-    r = runs[di]
+    s0, s1 = g["s0"][di], g["s1"][di]
+    whole = (g["s_a0"][di] == s1) & (g["d_a0"][di] == s1) | (s0 == 1)
+    r = np.where(whole, 1, s0)
     idx = np.repeat(di, r)
     k = np.arange(len(idx)) - np.repeat(np.cumsum(r) - r, r)
-    whole = (runs[idx] == 1)
-    d_n = np.where(whole, s0[idx] * s1[idx], s1[idx]) * es_d[idx]
-    # Staged writes: one per chunk (in placement order `si`, which `stage`, `s_soff` and
-    # `d_soff` follow), from staging (if packed) into staging (if unpacked).
-    s_reg = np.where(pack[si], n_regions[src_rank[si]], src.region[choice[si]])
-    s_off = np.where(pack[si], s_soff, s_start[si] * es_s[si])
-    d_reg = np.where(unpack[si], n_regions[dst_rank[si]], dst.region[d_row[si]])
-    d_off = np.where(unpack[si], d_soff, d_start[si] * es_d[si])
-    copies = _copies(si, pack, unpack, stage, s_soff, d_soff, src_rank, dst_rank, n_regions,
-                     src.region[choice], dst.region[d_row], s_code, d_code, es_d,
-                     s_start, s_a0, s_a1, d_start, d_a0, d_a1, s0, s1)
-    cat = np.concatenate
-    return Lowered(
-        w_src_rank=cat([src_rank[idx], src_rank[si]]),
-        w_src_region=cat([src.region[choice[idx]], s_reg]),
-        w_src_offset=cat([(s_start[idx] + k * s_a0[idx]) * es_s[idx], s_off]),
-        w_dst_rank=cat([dst_rank[idx], dst_rank[si]]),
-        w_dst_region=cat([dst.region[d_row[idx]], d_reg]),
-        w_dst_offset=cat([(d_start[idx] + k * d_a0[idx]) * es_d[idx], d_off]),
-        w_nbytes=cat([d_n, nbytes[si]]),
-        w_stage=cat([np.zeros(len(idx), dtype=np.int64), stage]),
-        copies=copies, staging=staging, stages=stages, slotted=slotted)
+    at = idx + (b.start or 0)  # chunk index
+    sr, dr = choice[at], chunks.dst[at]
+    writes = {
+        "w_src_rank": src.rank[sr], "w_src_region": src.region[sr],
+        "w_src_offset": (_start(src, choice, chunks, at) + k * g["s_a0"][idx])
+        * element_size(g["s_code"][idx]),
+        "w_dst_rank": dst.rank[dr], "w_dst_region": dst.region[dr],
+        "w_dst_offset": (_start(dst, chunks.dst, chunks, at) + k * g["d_a0"][idx])
+        * g["es_d"][idx],
+        "w_nbytes": np.repeat(np.where(whole, s0 * s1, s1) * g["es_d"][di], r)}
+    writes = {k: v.astype(np.int32) if k in NARROW else v for k, v in writes.items()}
+    return np.nonzero(staged)[0], writes
 
 
-QUANTUM = 64 << 20
-"""Bytes of one (source, target) pair that go into staging before the next target's turn."""
+def _staged(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
+            si: np.ndarray, first: int, n_regions: np.ndarray, opts: Options,
+            tensor_names: list[str], sources: int, bytes_in: np.ndarray, nic_gbps: float
+            ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray, int, bool]:
+    """Writes, copies, staging per rank, stages and slotting of the staged chunks `si`.
+    They start in stage `first`: 1 when there are direct writes (and packs): those go
+    first, in stage 0, and stage 1's packs run while they are in flight
+    (`schemas.protocol`)."""
+    world = len(n_regions)
+    g = _shape(chunks, choice, src, dst, si)
+    src_rank, dst_rank = src.rank[choice[si]], dst.rank[chunks.dst[si]]
+    nbytes, pack, unpack = g["nbytes"], g["pack"], g["unpack"]
+    first = first if pack.any() else 0
+    order = staging_order(np.arange(len(si)), src_rank, dst_rank, nbytes, world)
+    budget = budgets(world, sources, dst_rank[unpack], nbytes[unpack], bytes_in, opts,
+                     nic_gbps)
+    stage, s_soff, d_soff, staging, slotted = place_staging(
+        order, src_rank, dst_rank, pack, unpack, nbytes, budget, opts, chunks.tensor[si],
+        tensor_names, world, first)
+    stages = int(stage.max()) + 1 if len(stage) else 1
+    # One write per chunk (in placement order, which `stage`, `s_soff` and `d_soff`
+    # follow), from staging (if packed) into staging (if unpacked).
+    si = si[order]
+    for k in list(g):  # one column at a time: the unordered one goes as the next is made
+        g[k] = g[k][order]
+    src_rank, dst_rank = src_rank[order], dst_rank[order]
+    p, u = g["pack"], g["unpack"]
+    s_start, d_start = _start(src, choice, chunks, si), _start(dst, chunks.dst, chunks, si)
+    s_region, d_region = src.region[choice[si]], dst.region[chunks.dst[si]]
+    writes = {
+        "w_src_rank": src_rank, "w_dst_rank": dst_rank,
+        "w_src_region": np.where(p, n_regions[src_rank], s_region),
+        "w_src_offset": np.where(p, s_soff, s_start * element_size(g["s_code"])),
+        "w_dst_region": np.where(u, n_regions[dst_rank], d_region),
+        "w_dst_offset": np.where(u, d_soff, d_start * g["es_d"]),
+        "w_nbytes": g["nbytes"], "w_stage": stage.astype(np.int32)}
+    copies = _copies(p, u, stage, s_soff, d_soff, n_regions, s_start, d_start,
+                     src_rank=src_rank, dst_rank=dst_rank, s_region=s_region,
+                     d_region=d_region, **{k: g[k] for k in (
+                         "s_code", "d_code", "es_d", "s_a0", "s_a1", "d_a0", "d_a1", "s0",
+                         "s1")})
+    return writes, copies, staging, stages, slotted
 
 
-def _staging_order(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
-                   nbytes: np.ndarray, world: int) -> np.ndarray:
-    """Staged chunks in placement order: every source takes its targets in turn, in
-    `QUANTUM`-byte slices, starting from a target rotated by the source, so each stage
-    spreads over the targets instead of all sources filling it with the same tensors
-    (and hence the same few targets: incast)."""
-    if len(si) == 0:
-        return si
-    s, d = src_rank[si], dst_rank[si]
-    pair = np.lexsort((np.arange(len(si)), d, s))
-    nb = nbytes[si][pair]
-    new = np.ones(len(si), dtype=bool)
-    new[1:] = (s[pair][1:] != s[pair][:-1]) | (d[pair][1:] != d[pair][:-1])
-    start = np.maximum.accumulate(np.where(new, np.arange(len(si)), 0))
-    before = np.cumsum(nb) - nb
-    quantum = np.empty(len(si), dtype=np.int64)
-    quantum[pair] = (before - before[start]) // QUANTUM
-    rot = (d + s) % max(world, 1)
-    return si[np.lexsort((np.arange(len(si)), s, rot, quantum))]
-
-
-def _place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
-                   pack: np.ndarray, unpack: np.ndarray, nbytes: np.ndarray,
-                   budget: np.ndarray, opts: Options, tensor: np.ndarray,
-                   tensor_names: list[str], world: int, first: int = 0
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
-    """Stage (from `first` on) and staging offsets of each staged chunk: the first stage
-    where both ends fit; each rank's staging bytes; and whether stages use slots.
-
-    Stage s uses slot `s % SLOTS` of the rank's staging, so the packs of stage s+1 never
-    touch what stages s and s-1 read and may run while their writes are in flight
-    (`schemas.protocol`); a stage fills at most a third of the rank's `budget`, and each
-    slot of a rank is as large as the most one of its stages puts there (`slot_bases`): the
-    budget is a cap, not an allocation. When a chunk is larger than a third of a budget it
-    uses, every stage uses all of each rank's budget (and packs in order)."""
-    cap_bytes = opts.staging_bytes
-    stage = np.zeros(len(si), dtype=np.int64)
-    s_off = np.zeros(len(si), dtype=np.int64)
-    d_off = np.zeros(len(si), dtype=np.int64)
-    if len(si) == 0:
-        return stage, s_off, d_off, np.zeros(world, dtype=np.int64), False
-    big = nbytes[si] > cap_bytes
-    if big.any():
-        i = si[np.argmax(big)]
-        why = "a cast or strided pack" if cap_bytes else "staging (a cast, or a strided box)"
-        raise ConfigError(
-            f"options.staging_bytes: {cap_bytes} is too small: {tensor_names[tensor[i]]} needs "
-            f"{why} of {int(nbytes[i])} bytes; raise options.staging_bytes to at least "
-            f"{int(nbytes[i])} or lower options.max_write_bytes")
-    third = budget // SLOTS // ALIGN * ALIGN
-    p_, u_ = pack[si], unpack[si]
-    slots = bool((third[src_rank[si][p_]] >= nbytes[si][p_]).all()
-                 and (third[dst_rank[si][u_]] >= nbytes[si][u_]).all()
-                 and (third[src_rank[si][p_]] > 0).all() and (third[dst_rank[si][u_]] > 0).all())
-    cap = (third if slots else budget).tolist()
-    used: dict[tuple[int, int], int] = {}
-    cursor = [first] * world
-    sr, dr = src_rank[si].tolist(), dst_rank[si].tolist()
-    pk, up, nb = pack[si].tolist(), unpack[si].tolist(), nbytes[si].tolist()
-    for j in range(len(si)):
-        ranks = ([sr[j]] if pk[j] else []) + ([dr[j]] if up[j] else [])
-        s = max(cursor[r] for r in ranks)
-        while any(used.get((r, s), 0) + nb[j] > cap[r] for r in ranks):
-            s += 1
-        stage[j] = s
-        size = -(-nb[j] // ALIGN) * ALIGN
-        for r in ranks:
-            off = used.get((r, s), 0)
-            if r == sr[j] and pk[j]:
-                s_off[j] = off
-            else:
-                d_off[j] = off
-            used[(r, s)] = off + size  # the next chunk starts aligned
-            cursor[r] = s
-    slot = stage % SLOTS if slots else np.zeros(len(si), dtype=np.int64)
-    p, u = np.asarray(pk, dtype=bool), np.asarray(up, dtype=bool)
-    ranks = np.concatenate([src_rank[si][p], dst_rank[si][u]])
-    k = np.concatenate([slot[p], slot[u]])
-    ends = np.concatenate([s_off[p], d_off[u]]) + np.concatenate([nbytes[si][p], nbytes[si][u]])
-    base, staging = slot_bases(ranks, k, ends, world)
-    s_off = np.where(p, s_off + base[src_rank[si], slot], s_off)
-    d_off = np.where(u, d_off + base[dst_rank[si], slot], d_off)
-    return stage, s_off, d_off, staging, slots
-
-
-def slot_bases(rank: np.ndarray, slot: np.ndarray, end: np.ndarray, world: int
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """Where each rank's slots start (`[world, SLOTS]`) and its staging bytes, from the end
-    (bytes from its slot's start) of every buffer placed there: slot k is as large as its
-    largest end, aligned, and starts where slot k-1 ends; the staging ends at the last
-    byte used."""
-    size = np.zeros((world, SLOTS), dtype=np.int64)
-    np.maximum.at(size, (rank, slot), end)
-    base = np.cumsum(-(-size // ALIGN) * ALIGN, axis=1) - -(-size // ALIGN) * ALIGN
-    staging = np.where(size > 0, base + size, 0).max(axis=1, initial=0)
-    return base, staging
-
-
-def _copies(si, pack, unpack, stage, s_soff, d_soff, src_rank, dst_rank, n_regions,
-            s_region, d_region, s_code, d_code, es_d, s_start, s_a0, s_a1,
-            d_start, d_a0, d_a1, s0, s1) -> dict[str, np.ndarray]:
-    """PACK copies (on sources) then UNPACK copies (on targets) of the staged chunks."""
-    p = np.nonzero(pack[si])[0]
-    u = np.nonzero(unpack[si])[0]
-    pi, ui = si[p], si[u]
+def _copies(p: np.ndarray, u: np.ndarray, stage: np.ndarray, s_soff: np.ndarray,
+            d_soff: np.ndarray, n_regions: np.ndarray, s_start: np.ndarray,
+            d_start: np.ndarray, *, src_rank: np.ndarray, dst_rank: np.ndarray,
+            s_code: np.ndarray, d_code: np.ndarray, es_d: np.ndarray, s_a0: np.ndarray,
+            s_a1: np.ndarray, d_a0: np.ndarray, d_a1: np.ndarray, s0: np.ndarray,
+            s1: np.ndarray, s_region: np.ndarray, d_region: np.ndarray
+            ) -> dict[str, np.ndarray]:
+    """PACK copies (on sources) then UNPACK copies (on targets) of the staged chunks (every
+    column is over the staged chunks in placement order; `p`, `u`: packed, unpacked)."""
+    p, u = np.nonzero(p)[0], np.nonzero(u)[0]
     one_p, one_u = np.ones(len(p), np.int64), np.ones(len(u), np.int64)
     cat = np.concatenate
-    return {
-        "rank": cat([src_rank[pi], dst_rank[ui]]),
+    cols = {
+        "rank": cat([src_rank[p], dst_rank[u]]),
         "kind": cat([np.full(len(p), PACK), np.full(len(u), UNPACK)]),
         "stage": cat([stage[p], stage[u]]),
-        "src_region": cat([s_region[pi], n_regions[dst_rank[ui]]]),
-        "src_dtype": cat([s_code[pi], d_code[ui]]),
-        "src_offset": cat([s_start[pi], d_soff[u] // es_d[ui]]),
-        "src_stride0": cat([s_a0[pi], s1[ui]]),
-        "src_stride1": cat([s_a1[pi], one_u]),
+        "src_region": cat([s_region[p], n_regions[dst_rank[u]]]),
+        "src_dtype": cat([s_code[p], d_code[u]]),
+        "src_offset": cat([s_start[p], d_soff[u] // es_d[u]]),
+        "src_stride0": cat([s_a0[p], s1[u]]),
+        "src_stride1": cat([s_a1[p], one_u]),
         "src_stride2": cat([one_p, one_u]),
-        "dst_region": cat([n_regions[src_rank[pi]], d_region[ui]]),
-        "dst_dtype": cat([d_code[pi], d_code[ui]]),
-        "dst_offset": cat([s_soff[p] // es_d[pi], d_start[ui]]),
-        "dst_stride0": cat([s1[pi], d_a0[ui]]),
-        "dst_stride1": cat([one_p, d_a1[ui]]),
+        "dst_region": cat([n_regions[src_rank[p]], d_region[u]]),
+        "dst_dtype": cat([d_code[p], d_code[u]]),
+        "dst_offset": cat([s_soff[p] // es_d[p], d_start[u]]),
+        "dst_stride0": cat([s1[p], d_a0[u]]),
+        "dst_stride1": cat([one_p, d_a1[u]]),
         "dst_stride2": cat([one_p, one_u]),
-        "size0": cat([s0[pi], s0[ui]]),
-        "size1": cat([s1[pi], s1[ui]]),
+        "size0": cat([s0[p], s0[u]]),
+        "size1": cat([s1[p], s1[u]]),
         "size2": cat([one_p, one_u]),
         "aux_offset": np.zeros(len(p) + len(u), dtype=np.int64),
     }
+    return {k: v.astype(_COPY_DTYPES.get(k, np.int64), copy=False) for k, v in cols.items()}
+
+
+_COPY_DTYPES = {"rank": np.dtype(np.int32), **{n: np.dtype(d) for n, d in COPY_COLUMNS}}
+"""Copy columns as the plan holds them (narrow: kinds, dtypes, stages, regions, ranks)."""

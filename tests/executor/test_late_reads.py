@@ -120,8 +120,8 @@ def test_the_check_catches_a_race(tmp_path, monkeypatch):
     # Staging in two slots, the rule looking one stage back, no blockers: the packs of
     # stage s+1 go where stage s-1's writes, still in flight, read.
     import schemas.protocol
-    from planner.passes import lower
-    monkeypatch.setattr(lower, "SLOTS", 2)
+    from planner.passes import staging
+    monkeypatch.setattr(staging, "SLOTS", 2)
     monkeypatch.setattr(schemas.protocol, "SLOTS", 2)
     monkeypatch.setattr(Overlap, "blockers", lambda self, s, inflight: [])
     assert _check(tmp_path) != []

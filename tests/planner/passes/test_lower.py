@@ -7,7 +7,13 @@ from planner.compiler import compile_layouts
 from planner.spec import spec_from_hf
 from planner.verify import verify_plan
 from schemas.plan import STAGING
-from tests.support.synthetic import TINY, whole_tensors
+from tests.support.synthetic import (
+    SMALL_HF,
+    TINY,
+    fused_col_split,
+    small_config,
+    whole_tensors,
+)
 from tests.support.synthetic import tiny_config as config
 
 
@@ -25,3 +31,25 @@ def test_staging_budget_not_a_multiple_of_64() -> None:
     assert max(staging) <= 150
     assert verify_plan(plan) == []
 
+
+
+
+def test_blocks_do_not_change_the_plan(monkeypatch) -> None:
+    # `lower` classifies chunks and makes their direct writes a block at a time: blocks of
+    # 3 chunks (boundaries inside every tensor's chunks) must give the same op tables as
+    # one block for all. A 4-way column split into 2 x TP 2 column shards: each target
+    # half-column comes from 2 sources as strided quarters (direct row writes, or a pack
+    # and an unpack: both occur at these overheads).
+    from planner.passes import lower
+
+    spec = spec_from_hf(SMALL_HF)
+    layouts = (fused_col_split(spec, 4, 1), fused_col_split(spec, 2, 2))
+    cfg = small_config(write_overhead_us=0.5)
+    whole = compile_layouts(cfg, spec, *layouts)
+    monkeypatch.setattr(lower, "BLOCK", 3)
+    cut = compile_layouts(cfg, spec, *layouts)
+    st = whole.header.stats
+    assert st.unpacks > 0 and st.writes > st.unpacks + st.packs  # staged and direct
+    for a, b in zip(whole.ranks, cut.ranks, strict=True):
+        for table in ("writes", "batches", "copies", "signals", "waits"):
+            assert getattr(a, table).to_msgpack() == getattr(b, table).to_msgpack(), table

@@ -1,0 +1,183 @@
+"""Where `lower`'s staged chunks go: their order, stage and staging offsets.
+
+`staging_order` sorts the staged chunks for placement; `place_staging` gives each its
+stage and the offsets of its bytes in its ranks' staging, first fit in that order;
+`slot_bases` sizes each rank's slots from what they hold.
+
+First fit in order, per chunk: a chunk uses its source's staging when packed and its
+target's when unpacked; it goes into the first stage (from the latest stage either of its
+ranks has reached on) where it fits in both, after what is already there (aligned). A
+rank's stages only move forward, so its state is one stage and the bytes used in it, and a
+chunk that uses one rank only is a step of a next fit over that rank's own chunks: its
+stage breaks come from a binary search on running byte sums. Only chunks that use two
+ranks (packed and unpacked) tie the ranks' sequences together; they are taken in order.
+The loop runs once per stage break and per such chunk, never per chunk.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from planner.passes.budget import ALIGN
+from schemas.config import ConfigError, Options
+from schemas.protocol import SLOTS
+
+QUANTUM = 64 << 20
+"""Bytes of one (source, target) pair that go into staging before the next target's turn."""
+
+
+def staging_order(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
+                  nbytes: np.ndarray, world: int) -> np.ndarray:
+    """Staged chunks in placement order: every source takes its targets in turn, in
+    `QUANTUM`-byte slices, starting from a target rotated by the source, so each stage
+    spreads over the targets instead of all sources filling it with the same tensors
+    (and hence the same few targets: incast)."""
+    if len(si) == 0:
+        return si
+    s, d = src_rank[si], dst_rank[si]
+    pair = np.lexsort((np.arange(len(si)), d, s))
+    nb = nbytes[si][pair]
+    new = np.ones(len(si), dtype=bool)
+    new[1:] = (s[pair][1:] != s[pair][:-1]) | (d[pair][1:] != d[pair][:-1])
+    start = np.maximum.accumulate(np.where(new, np.arange(len(si)), 0))
+    before = np.cumsum(nb) - nb
+    quantum = np.empty(len(si), dtype=np.int64)
+    quantum[pair] = (before - before[start]) // QUANTUM
+    rot = (d + s) % max(world, 1)
+    return si[np.lexsort((np.arange(len(si)), s, rot, quantum))]
+
+
+def place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
+                  pack: np.ndarray, unpack: np.ndarray, nbytes: np.ndarray,
+                  budget: np.ndarray, opts: Options, tensor: np.ndarray,
+                  tensor_names: list[str], world: int, first: int = 0
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
+    """Stage (from `first` on) and staging offsets of each staged chunk `si` (in placement
+    order): the first stage where both ends fit; each rank's staging bytes; and whether
+    stages use slots.
+
+    Stage s uses slot `s % SLOTS` of the rank's staging, so the packs of stage s+1 never
+    touch what stages s and s-1 read and may run while their writes are in flight
+    (`schemas.protocol`); a stage fills at most a third of the rank's `budget`, and each
+    slot of a rank is as large as the most one of its stages puts there (`slot_bases`): the
+    budget is a cap, not an allocation. When a chunk is larger than a third of a budget it
+    uses, every stage uses all of each rank's budget (and packs in order)."""
+    cap_bytes = opts.staging_bytes
+    n = len(si)
+    if n == 0:
+        zero = np.zeros(0, dtype=np.int64)
+        return zero, zero, zero.copy(), np.zeros(world, dtype=np.int64), False
+    nb = nbytes[si].astype(np.int64)
+    big = nb > cap_bytes
+    if big.any():
+        i = si[np.argmax(big)]
+        why = "a cast or strided pack" if cap_bytes else "staging (a cast, or a strided box)"
+        raise ConfigError(
+            f"options.staging_bytes: {cap_bytes} is too small: {tensor_names[tensor[i]]} needs "
+            f"{why} of {int(nbytes[i])} bytes; raise options.staging_bytes to at least "
+            f"{int(nbytes[i])} or lower options.max_write_bytes")
+    p, u = pack[si], unpack[si]
+    sr, dr = src_rank[si], dst_rank[si]
+    third = budget // SLOTS // ALIGN * ALIGN
+    slots = bool((third[sr[p]] >= nb[p]).all() and (third[dr[u]] >= nb[u]).all()
+                 and (third[sr[p]] > 0).all() and (third[dr[u]] > 0).all())
+    cap = third if slots else budget
+    # One "use" per (chunk, rank whose staging it takes): packed on its source, unpacked on
+    # its target; grouped by rank, in placement order within a rank.
+    use_chunk = np.concatenate([np.nonzero(p)[0], np.nonzero(u)[0]])
+    use_rank = np.concatenate([sr[p], dr[u]])
+    # stable: a rank's uses are all packs (a source) or all unpacks (a target), in order
+    by_rank = np.argsort(use_rank.astype(np.uint16) if world <= 1 << 16 else use_rank,
+                         kind="stable")
+    use_chunk, use_rank = use_chunk[by_rank], use_rank[by_rank]
+    use_nb = nb[use_chunk]
+    before = np.cumsum(-(-use_nb // ALIGN) * ALIGN) - -(-use_nb // ALIGN) * ALIGN
+    stage_of, start_of = _next_fit(use_chunk, use_rank, use_nb, before, cap, p & u, world,
+                                   first)
+    off = before - before[start_of]
+    stage = np.full(n, first, dtype=np.int64)
+    stage[use_chunk] = stage_of
+    is_src = np.concatenate([np.ones(int(p.sum()), bool), np.zeros(int(u.sum()), bool)])
+    is_src = is_src[by_rank]
+    s_off = np.zeros(n, dtype=np.int64)
+    d_off = np.zeros(n, dtype=np.int64)
+    s_off[use_chunk[is_src]] = off[is_src]
+    d_off[use_chunk[~is_src]] = off[~is_src]
+    slot = stage % SLOTS if slots else np.zeros(n, dtype=np.int64)
+    base, staging = slot_bases(use_rank, slot[use_chunk], off + use_nb, world)
+    s_off = np.where(p, s_off + base[sr, slot], s_off)
+    d_off = np.where(u, d_off + base[dr, slot], d_off)
+    return stage, s_off, d_off, staging, slots
+
+
+def _next_fit(use_chunk: np.ndarray, use_rank: np.ndarray, use_nb: np.ndarray,
+              before: np.ndarray, cap: np.ndarray, both: np.ndarray, world: int, first: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Per use (grouped by rank): its stage, and the use that starts its stage on its rank
+    (`before`: aligned bytes of the uses ahead of it, summed over all ranks; `both`: per
+    chunk, whether it uses two ranks)."""
+    lo = np.searchsorted(use_rank, np.arange(world), side="left").tolist()
+    hi = np.searchsorted(use_rank, np.arange(world), side="right").tolist()
+    ends = before + use_nb  # a use fits while its end - its stage's start <= cap
+    at = before
+    caps = cap.tolist()
+    cut_at: list[int] = []
+    cut_stage: list[int] = []
+    pos, stage, start = list(lo), [first] * world, [0] * world
+    for r in range(world):
+        if lo[r] < hi[r]:
+            cut_at.append(lo[r])
+            cut_stage.append(first)
+            start[r] = int(at[lo[r]])
+
+    def advance(r: int, upto: int) -> None:
+        q, st, s0, limit = pos[r], stage[r], start[r], caps[r]
+        while q < upto:
+            q += int(np.searchsorted(ends[q:upto], s0 + limit, side="right"))
+            if q >= upto:
+                break
+            st, s0 = st + 1, int(at[q])
+            cut_at.append(q)
+            cut_stage.append(st)
+            q += 1
+        pos[r], stage[r], start[r] = upto, st, s0
+
+    # Chunks that use two ranks, in placement order, as (use on one rank, use on the other).
+    two = np.nonzero(both[use_chunk])[0]
+    two = two[np.lexsort((use_rank[two], use_chunk[two]))].reshape(-1, 2)
+    at, nbs = (at.tolist(), use_nb.tolist()) if len(two) else (at, use_nb)
+    for ua, ub in two.tolist():
+        a, b = int(use_rank[ua]), int(use_rank[ub])
+        advance(a, ua)
+        advance(b, ub)
+        s = max(stage[a], stage[b])
+        fill_a = at[ua] - start[a] if stage[a] == s else 0
+        fill_b = at[ub] - start[b] if stage[b] == s else 0
+        if fill_a + nbs[ua] > caps[a] or fill_b + nbs[ub] > caps[b]:
+            s += 1
+        for r, x in ((a, ua), (b, ub)):
+            if stage[r] != s:
+                stage[r], start[r] = s, at[x]
+                cut_at.append(x)
+                cut_stage.append(s)
+            pos[r] = x + 1
+    for r in range(world):
+        advance(r, hi[r])
+    cuts = np.asarray(cut_at, dtype=np.int64)
+    order = np.argsort(cuts, kind="stable")
+    cuts = cuts[order]
+    span = np.diff(cuts, append=len(use_rank))  # uses from each cut to the next
+    return np.repeat(np.asarray(cut_stage, dtype=np.int64)[order], span), np.repeat(cuts, span)
+
+
+def slot_bases(rank: np.ndarray, slot: np.ndarray, end: np.ndarray, world: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Where each rank's slots start (`[world, SLOTS]`) and its staging bytes, from the end
+    (bytes from its slot's start) of every buffer placed there: slot k is as large as its
+    largest end, aligned, and starts where slot k-1 ends; the staging ends at the last
+    byte used."""
+    size = np.zeros((world, SLOTS), dtype=np.int64)
+    np.maximum.at(size, (rank, slot), end)
+    base = np.cumsum(-(-size // ALIGN) * ALIGN, axis=1) - -(-size // ALIGN) * ALIGN
+    staging = np.where(size > 0, base + size, 0).max(axis=1, initial=0)
+    return base, staging
