@@ -4,7 +4,10 @@ Each rank exports a CUDA IPC handle per region once (`UntypedStorage._share_cuda
 fields travel as msgpack (bytes and ints), never pickle. A peer opens them with
 `UntypedStorage._new_shared_cuda(...)`. A stage's writes to one peer are one batch
 (`fuse_batches`), prepared once into raw (dst, src, nbytes) pointer triples, writes
-adjacent in memory on both sides (inside one allocation each) merged into one, split into
+adjacent in memory on both sides (inside one allocation each) merged into one. By default
+a batch is one launch of the copy kernel (`copy_kernel.py`: the SMs, no per-copy cost),
+captured as a CUDA graph. With `copy_kernel: false` (or where the kernel cannot be built)
+the copy engines take it: the triples split into
 up to `CudaIpcOptions.streams` branches of near-equal bytes that run side by side (several
 copy engines). A batch of small copies is captured once as one CUDA graph of those branches
 and replayed: one launch per stage and peer; one of large copies is posted as one
@@ -31,7 +34,7 @@ import numpy as np
 import torch
 
 from .base import Store, WriteBatch
-from .copy_kernel import CopyKernel, coalesce
+from .copy_kernel import CopyKernel, batch_copies
 from .graphs import capturing
 from .options import CudaIpcOptions
 from .shm_mailbox import ShmMailbox
@@ -214,17 +217,11 @@ class CudaIpcTransport:
         if self.rt is None:
             return _Posted(batch, prepare_copies(self.regions, self.peers[batch.peer], batch),
                            stream)
-        keep = batch.nbytes > 0
-        peer = self.peers[batch.peer]
-        src = np.array([r.data_ptr() for r in self.regions], dtype=np.int64)
-        dst = np.array([r.data_ptr() for r in peer], dtype=np.int64)
         if len(self.segments) != len(self.regions):
             self.export()
-        src_alloc = np.array(self.segments, dtype=np.int64)
-        dst_alloc = np.array(self.peer_segments[batch.peer], dtype=np.int64)
-        sr, dr = batch.src_region[keep], batch.dst_region[keep]
-        d, s, n = coalesce(dst[dr] + batch.dst_offset[keep], src[sr] + batch.src_offset[keep],
-                           batch.nbytes[keep].astype(np.int64), dst_alloc[dr], src_alloc[sr])
+        d, s, n = batch_copies(self.regions, self.peers[batch.peer], batch,
+                               np.array(self.segments, dtype=np.int64),
+                               np.array(self.peer_segments[batch.peer], dtype=np.int64))
         self.ncopies += len(n)
         handle = _Posted(batch, None, stream, list(zip(d.tolist(), s.tolist(), n.tolist())))
         o = self.options

@@ -13,11 +13,10 @@ import os
 from collections import defaultdict
 from typing import Any
 
-import numpy as np
 import torch
 
 from .base import WriteBatch
-from .copy_kernel import CopyKernel, coalesce
+from .copy_kernel import CopyKernel, batch_copies
 from .graphs import as_graph
 from .options import LocalOptions
 from .torch_copy import Op, prepare_copies
@@ -85,14 +84,7 @@ class LocalTransport:
         kernel = CopyKernel.load(dev)
         if kernel is None:
             return None
-        keep = batch.nbytes > 0
-        src = np.array([r.data_ptr() for r in self.regions], dtype=np.int64)
-        dst = np.array([r.data_ptr() for r in peer], dtype=np.int64)
-        none = np.zeros(int(keep.sum()), dtype=np.int64)  # a kernel may span allocations
-        d, s, n = coalesce(dst[batch.dst_region[keep]] + batch.dst_offset[keep],
-                           src[batch.src_region[keep]] + batch.src_offset[keep],
-                           batch.nbytes[keep].astype(np.int64), none, none)
-        table = kernel.table(d, s, n)
+        table = kernel.table(*batch_copies(self.regions, peer, batch))
         return [lambda: kernel.launch(table)]
 
     def post(self, handle: list[Op]) -> None:

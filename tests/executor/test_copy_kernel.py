@@ -82,3 +82,24 @@ def test_kernel_copies_bit_exact(graph):
         want[do:do + size] = src[so:so + size]
     torch.cuda.synchronize(dev)
     assert torch.equal(dst, want)
+
+
+def test_batch_copies_merge_adjacent_writes_only_within_an_allocation():
+    from executor.transports.base import WriteBatch
+    from executor.transports.copy_kernel import batch_copies
+    src = [torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)]
+    dst = [torch.zeros(64, dtype=torch.uint8)]
+    a = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
+    # writes 0 and 1 adjacent on both sides; write 2 empty; write 3 from the other region
+    batch = WriteBatch(1, a(0, 0, 0, 1), a(0, 8, 16, 0), a(0, 0, 0, 0), a(0, 8, 40, 16),
+                       a(8, 8, 0, 4))
+    s0, s1, d0 = (t.data_ptr() for t in (*src, dst[0]))
+    d, s, n = batch_copies(src, dst, batch)
+    assert (d.tolist(), s.tolist(), n.tolist()) == ([d0, d0 + 16], [s0, s1], [16, 4])
+    alloc = a(0, 1)  # the two writes of region 0 in one allocation: still merged
+    d, s, n = batch_copies(src, dst, batch, alloc, a(0))
+    assert n.tolist() == [16, 4]
+    batch2 = WriteBatch(1, a(0, 1), a(56, 0), a(0, 0), a(0, 8), a(8, 8))
+    if s1 == s0 + 64:  # adjacent in memory, but two allocations: merged for the kernel only
+        assert batch_copies(src, dst, batch2)[2].tolist() == [16]
+    assert batch_copies(src, dst, batch2, a(s0, s1), a(d0))[2].tolist() == [8, 8]
