@@ -5,9 +5,12 @@ fields travel as msgpack (bytes and ints), never pickle. A peer opens them with
 `UntypedStorage._new_shared_cuda(...)`. A stage's writes to one peer are one batch
 (`fuse_batches`), prepared once into raw (dst, src, nbytes) pointer triples, writes
 adjacent in memory on both sides (inside one allocation each) merged into one. By default
-a batch is one launch of the copy kernel (`copy_kernel.py`: the SMs, no per-copy cost),
-captured as a CUDA graph. With `copy_kernel: false` (or where the kernel cannot be built)
-the copy engines take it: the triples split into
+a batch into a peer on this GPU is one launch of the copy kernel (`copy_kernel.py`: the
+SMs, no per-copy cost), captured as a CUDA graph. A batch into a peer on another GPU, or
+any batch with `copy_kernel: false` (or where the kernel cannot be built), goes to the
+copy engines: a kernel writing into another GPU's memory opened through CUDA IPC faulted
+(CUDA error 700 on two NVLinked H100s, with peer access on before or after the open). The
+copy engines take it: the triples split into
 up to `CudaIpcOptions.streams` branches of near-equal bytes that run side by side (several
 copy engines). A batch of small copies is captured once as one CUDA graph of those branches
 and replayed: one launch per stage and peer; one of large copies is posted as one
@@ -25,9 +28,7 @@ through shared memory (`shm_mailbox.py`: the ranks share a host), not the rendez
 
 from __future__ import annotations
 
-import ctypes
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ import torch
 
 from .base import Store, WriteBatch
 from .copy_kernel import CopyKernel, batch_copies
+from .cuda_runtime import NOT_READY, Runtime, current_raw_stream
 from .graphs import capturing
 from .options import CudaIpcOptions
 from .shm_mailbox import ShmMailbox
@@ -59,64 +61,10 @@ def _import_region(fields: list[Any]) -> torch.Tensor:
     return t.set_(storage, storage_offset, (numel,), (1,))
 
 
-class _Runtime:
-    """`cudaMemcpyAsync` and `cudaGetLastError` of the libcudart torch loaded."""
-
-    D2D = 3  # cudaMemcpyDeviceToDevice: what torch's peer copy_ calls once P2P is enabled
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
-        self.memcpy_async = lib.cudaMemcpyAsync
-        self.memcpy_async.argtypes = [vp, vp, sz, i, vp]
-        self.memcpy_async.restype = i
-        self.last_error = lib.cudaGetLastError
-        self.last_error.restype = i
-        self.event_record = lib.cudaEventRecord
-        self.event_record.argtypes, self.event_record.restype = [vp, vp], i
-        self.wait_event = lib.cudaStreamWaitEvent
-        self.wait_event.argtypes, self.wait_event.restype = [vp, vp, ctypes.c_uint], i
-        self.event_query = lib.cudaEventQuery
-        self.event_query.argtypes, self.event_query.restype = [vp], i
-        self.graph_launch = lib.cudaGraphLaunch
-        self.graph_launch.argtypes, self.graph_launch.restype = [vp, vp], i
-
-    @staticmethod
-    def load() -> _Runtime | None:
-        paths = []
-        try:
-            with open("/proc/self/maps") as f:
-                paths = [ln.split()[-1] for ln in f if "libcudart.so" in ln]
-        except OSError:
-            pass
-        for path in dict.fromkeys(paths):  # never a second copy of the runtime
-            try:
-                return _Runtime(ctypes.CDLL(path))
-            except (OSError, AttributeError):
-                continue
-        return None
-
-
-def _current_raw_stream() -> Callable[[int], int] | None:
-    """torch's current stream of a device as a raw `cudaStream_t`, without torch's Python
-    stream objects (None where this torch lacks it, or lacks raw graph handles)."""
-    fn = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if fn is None or not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
-        return None
-    return fn
-
-
-def load_cudart() -> _Runtime | None:
-    """The one loader of the CUDA runtime (used by this transport and the benchmarks)."""
-    return _Runtime.load()
-
-
 def _segment(t: torch.Tensor, offset: int) -> int:
     """Base address of the cudaMalloc allocation holding `t`'s storage (`offset`: the
     storage's offset in it, as `_share_cuda_()` gives it)."""
     return t.untyped_storage().data_ptr() - offset
-
-
-NOT_READY = 600  # cudaErrorNotReady: what cudaEventQuery says of work still running
 
 
 class _Fast:
@@ -180,12 +128,12 @@ class CudaIpcTransport:
         self.prepared = 0
         self.peers: dict[int, list[torch.Tensor]] = {}
         self.mailbox = ShmMailbox(rank, namespace)
-        self.rt = _Runtime.load()
+        self.rt = Runtime.load()
         self.segments: list[int] = []  # allocation base of each region (set by export)
         self.peer_segments: dict[int, list[int]] = {}
         self.ncopies = 0  # device copies per step (after merging), for benchmarks
         self.regions: list[torch.Tensor] = []
-        self.current_raw = _current_raw_stream() if self.rt is not None else None
+        self.current_raw = current_raw_stream() if self.rt is not None else None
         """The caller's current stream as a raw handle (posts through the runtime), or None."""
         self.kernel = CopyKernel.load(device) if opts.copy_kernel and self.rt else None
         """The batched copy kernel (`copy_kernel.py`), or None: copy engines only."""
@@ -226,7 +174,8 @@ class CudaIpcTransport:
         handle = _Posted(batch, None, stream, list(zip(d.tolist(), s.tolist(), n.tolist())))
         o = self.options
         if self.kernel is not None and len(n) and \
-                int(n.sum()) < o.kernel_max_mean_bytes * len(n):
+                int(n.sum()) < o.kernel_max_mean_bytes * len(n) and \
+                all(r.device == self.device for r in self.peers[batch.peer]):
             handle.table = self.kernel.table(d, s, n)
             handle.graph = self._capture_kernel(handle.table)
         if handle.graph is None and o.graphs and len(n) >= o.graph_min_copies and \
@@ -285,7 +234,7 @@ class CudaIpcTransport:
         return graph
 
     def _copy(self, raw: list[tuple[int, int, int]], stream: int) -> None:
-        fn, kind = self.rt.memcpy_async, _Runtime.D2D  # type: ignore[union-attr]
+        fn, kind = self.rt.memcpy_async, Runtime.D2D  # type: ignore[union-attr]
         for d, s, n in raw:
             if fn(d, s, n, kind, stream):
                 raise RuntimeError(f"cudaMemcpyAsync error {self.rt.last_error()}")  # type: ignore[union-attr]
@@ -317,7 +266,7 @@ class CudaIpcTransport:
         into the handle's stream, whose event says when all have landed)."""
         for side in handle.sides:
             side.wait_stream(handle.stream)
-        fn, kind = self.rt.memcpy_async, _Runtime.D2D  # type: ignore[union-attr]
+        fn, kind = self.rt.memcpy_async, Runtime.D2D  # type: ignore[union-attr]
         for d, s, n, stream in handle.order:
             if fn(d, s, n, kind, stream):
                 code = self.rt.last_error()  # type: ignore[union-attr] # clear it for torch
@@ -340,7 +289,7 @@ class CudaIpcTransport:
         if not bad and f.graph_exec:
             bad = rt.graph_launch(f.graph_exec, f.stream)
         elif not bad:
-            fn, kind = rt.memcpy_async, _Runtime.D2D
+            fn, kind = rt.memcpy_async, Runtime.D2D
             for side in f.side_streams:
                 bad = bad or rt.wait_event(side, f.ready, 0)
             for d, s, n, stream in handle.order:

@@ -42,8 +42,9 @@ class CudaIpcOptions:
     were slower there: fp32 -> bf16 Qwen3-8B, 64 MB in 1-4 copies, 1.20x -> 1.27x)."""
     copy_kernel: bool = True
     """A batch's copies as one kernel on the SMs (`copy_kernel.py`) instead of the copy
-    engines, where its copies average under `kernel_max_mean_bytes`; false keeps the SMs
-    free for compute running beside the transfer."""
+    engines, where its copies average under `kernel_max_mean_bytes` and the peer's
+    regions are on this GPU (a peer on another GPU always takes the copy engines); false
+    keeps the SMs free for compute running beside the transfer."""
     kernel_max_mean_bytes: int = 1 << 40
     """Batches whose copies average this or more go through the copy engines."""
 
