@@ -16,19 +16,21 @@ from bench.gpu_refit.weights import check_generator, check_targets, generate
 def transport_variant(entry: str) -> tuple[str, dict, int]:
     """A `--transports` entry -> (transport, its options, batches in flight):
     `cuda_ipc:N` uses N copy streams, `cuda_ipc-raw` posts copies one by one (no CUDA
-    graphs), a suffix `@M` keeps M batches in flight (default 8)."""
+    graphs), `cuda_ipc-engines` keeps the copy engines (no copy kernel), a suffix `@M`
+    keeps M batches in flight (default 8)."""
     tr, _, inflight = entry.partition("@")
     kind, _, streams = tr.partition(":")
     options: dict = {}
     if kind.startswith("cuda_ipc"):  # variants, for comparisons in one run
-        options = cuda_ipc_options(int(streams or 4), graphs=not kind.endswith("-raw"))
+        options = cuda_ipc_options(int(streams or 4), graphs=not kind.endswith("-raw"),
+                                   kernel=not kind.endswith("-engines"))
         kind = "cuda_ipc"
     return kind, options, int(inflight or 8)
 
 
-def cuda_ipc_options(streams: int, graphs: bool) -> dict:
+def cuda_ipc_options(streams: int, graphs: bool, kernel: bool = True) -> dict:
     """The cuda_ipc transport's options (`executor.load(..., transport_options=...)`)."""
-    return {"streams": streams, "graphs": graphs}
+    return {"streams": streams, "graphs": graphs, "copy_kernel": kernel}
 
 
 def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
