@@ -55,7 +55,8 @@ class Executor(Signalling):
                  tensors: dict[str, torch.Tensor], transport: str = "nixl",
                  rendezvous: object = None, timeout_s: float = 60.0, max_inflight: int = 8,
                  *, secret: bytes | str | None = None, insecure: bool = False,
-                 transport_options: dict[str, Any] | None = None) -> None:
+                 transport_options: dict[str, Any] | None = None,
+                 step_records: bool = True) -> None:
         check_rank_plan(plan)
         check_against_header(plan, header)
         check_staging(plan, tensors)  # before bind allocates it
@@ -111,6 +112,9 @@ class Executor(Signalling):
         self.bytes_per_step = int(plan.writes["nbytes"].sum())
         self.received_per_step = received_bytes(header, self.rank)
         self.waited = 0.0  # seconds of this step spent waiting (waits.py)
+        self.step_records = step_records
+        """Publish each step's record (where a restarted peer joins, recovery.py); off
+        where no process can join: `run_all_local` holds every rank for one call."""
 
     @staticmethod
     def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str = "nixl",
@@ -224,8 +228,8 @@ class Executor(Signalling):
         self.step = self.step + 1 if step is None else step
         self.waited = self.window.waited = 0.0
         self.inbox.drop_before(self.step)
-        # where peers join (recovery.py); by the publisher thread, off the step's path
-        self.control.publish_step(self.step, running=True, later=True)
+        if self.step_records:  # where peers join (recovery.py); by the publisher thread
+            self.control.publish_step(self.step, running=True, later=True)
 
     def fail(self, lost: int | None = None) -> None:
         """Mark the step failed: tell every peer which rank was lost (its signals of this step
@@ -250,7 +254,8 @@ class Executor(Signalling):
         self.last_complete_step = self.step
         seconds = time.perf_counter() - t0
         try:  # where a restarted peer joins (recovery.py)
-            self.control.publish_step(self.step + 1, later=True)
+            if self.step_records:
+                self.control.publish_step(self.step + 1, later=True)
         except Exception:  # noqa: BLE001 - the store may be gone; the weights are whole
             pass
         waited = self.waited + self.window.waited

@@ -32,7 +32,8 @@ def run_all_local(plan_path: str, tensors_by_rank: dict[int, dict[str, torch.Ten
     plan = load_plan(plan_path)
     fabric = Fabric()
     exs = [Executor(plan.header, rp, tensors_by_rank.get(rp.rank, {}), "local", fabric,
-                    transport_options=transport_options) for rp in plan.ranks]
+                    transport_options=transport_options, step_records=False)
+           for rp in plan.ranks]  # no process can join a world that lives for this call
     for ex in exs:
         ex.register()
     for ex in exs:

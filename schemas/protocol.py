@@ -112,7 +112,12 @@ LAG = np.array([0, 1, 0, SLOTS], dtype=np.int64)
 KINDS = (DONE, ACK, READY, SLOT_ACK)
 
 
+_LAGS = dict(enumerate(LAG.tolist()))
+
+
 def _lag(kind: int | np.ndarray) -> int | np.ndarray:
+    if type(kind) is int:  # the executor's per-step path: no numpy call
+        return _LAGS.get(kind, 0)
     if np.ndim(kind) == 0:
         k = int(kind)
         return int(LAG[k]) if 0 <= k < len(LAG) else 0
