@@ -23,11 +23,13 @@ NIC, NVLINK = 0, 1
 """Channels of a source rank (the values of `batches.nic`)."""
 NIC_WRITE_S = 10e-9
 """Link time of one RDMA write beyond its bytes (work request fetch and headers)."""
-NVLINK_WRITE_S = 2e-8
-"""GPU time of one peer write beyond its bytes: `cuda_ipc` copies a batch with one kernel
-(`executor/transports/copy_kernel.py`), which moved 4096 x 1 MiB as fast as 64 x 64 MiB on
-one H100 (under 10 ns a write; a write smaller than its 256 KiB pieces costs a block's loop
-setup). Through the copy engines (`copy_kernel: false`) a copy costs ~3.4 us (H200)."""
+NVLINK_WRITE_S = 3.5e-6
+"""Link time of one peer write beyond its bytes, between two GPUs: `cuda_ipc` posts those
+through the copy engines (its copy kernel writes only into a peer on its own GPU,
+`executor/transports/cuda_ipc.py`), ~3.5 us a write on two NVLinked H100s
+(`bench/executor_bench.py`, 1024 and 4096 writes of 1 MiB: 6.4 and 25.5 ms against 2.7 and
+10.8 ms for one copy of the same bytes; 3.4 us on H200s). The kernel, where it runs, costs
+under 20 ns a write (4096 x 1 MiB as fast as 64 x 64 MiB on one H100)."""
 INFLIGHT = 8
 """Batches a rank keeps in flight by default (`executor` `max_inflight`)."""
 MAX_LEVELS = 8

@@ -20,8 +20,9 @@ The model (at batch granularity; a batch is one flow):
   and pipelined by the NIC, so the latency is paid per batch, not per write), plus
   `NIC_WRITE_S` per write on a NIC (each RDMA write costs the NIC a work request and
   headers; CX-7 class NICs process over 200 M messages/s) or `NVLINK_WRITE_S` per write
-  over NVLink (a batch's peer writes are one kernel: ~20 ns a write; through the copy
-  engines each was one job of ~3.4 us measured on H200, BENCHMARKS.md "GPU refit").
+  over NVLink (between two GPUs `cuda_ipc` posts peer writes through the copy engines:
+  ~3.5 us a write measured on two H100s, 3.4 us on H200s, BENCHMARKS.md "GPU refit" and
+  "Issue 21: two GPUs").
   Until 2026-11-22 every write paid `write_overhead_us` of link time; that made 800 KB
   RDMA writes 12% slower than line rate.
 - Packs (and QUANTs) and unpacks of a stage run one after another on their rank: bytes
