@@ -8,9 +8,11 @@ Each chunk is a 2-d box `size0 x size1` that starts at element `start` with stri
 - staged: a PACK (strided gather, and the cast when dtypes differ) into the source's
   staging, one write, and an UNPACK out of the target's staging where the target box is
   strided. Either side skips its copy when its box is contiguous and needs no cast.
-The cost model (options: write overhead, pack overhead and throughput) picks the cheaper;
-staged chunks are placed in stages so that no rank's staging exceeds its budget
-(`budget.budgets`: sources up to `staging_bytes`, targets what keeps the write window full).
+The cost model (options: write overhead, pack overhead and throughput) picks the cheaper.
+Direct writes go in stage 0 when staged chunks are packed, and in a last stage of their own
+when they are only unpacked (`direct_stage`); staged chunks are placed in stages so that no
+rank's staging exceeds its budget (`budget.budgets`: sources up to `staging_bytes`, targets
+what keeps the write window full).
 """
 
 from __future__ import annotations
@@ -118,11 +120,26 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
         chunks, choice, src, dst, si, first, n_regions, opts, tensor_names, sources,
         bytes_in, nic_gbps)
     n_direct = sum(len(d["w_nbytes"]) for d in direct)
-    direct.append({"w_stage": np.zeros(n_direct, np.int32)})
+    at = direct_stage(copies["kind"], stages) if n_direct else 0
+    direct.append({"w_stage": np.full(n_direct, at, np.int32)})
+    stages = max(stages, at + 1)
     out = {k: np.concatenate([d.pop(k) for d in direct if k in d] + [staged.pop(k)],
                              dtype=np.int32 if k in NARROW else np.int64)
            for k in Lowered.__slots__ if k.startswith("w_")}  # one column at a time
     return Lowered(**out, copies=copies, staging=staging, stages=stages, slotted=slotted)
+
+
+def direct_stage(kinds: np.ndarray, stages: int) -> int:
+    """The stage of the direct writes, given the kinds of the staged chunks' copies and
+    their `stages`: stage 0, before the staged chunks, when any is packed (the packs of
+    stage 1 run while the direct writes are in flight, `_staged`); a stage of their own
+    after the staged chunks when these are only unpacked: the targets' unpacks of the last
+    staged stage then run while the direct writes are in flight (a source carries on into
+    that stage, `schemas.protocol.carries`) instead of ending the transfer after every
+    write has landed."""
+    if (kinds == PACK).any() or not (kinds == UNPACK).any():
+        return 0
+    return stages
 
 
 def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
