@@ -111,8 +111,8 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     t = routes.targets  # what each rank receives in the whole plan (both paths)
     bytes_in = np.bincount(t.rank, weights=t.size0 * t.size1 * element_size(t.dtype),
                            minlength=topo.world).astype(np.int64)
-    direct = lower(chunks, choice, src, routes.direct, staging_ids, opts, names,
-                   src_layout.world, bytes_in, topo.nic_gbps)
+    direct = lower(chunks, choice, src, routes.direct, staging_ids, opts, names, bytes_in,
+                   topo)
     del chunks, choice  # the largest columns: nothing later reads them
     routes = dataclasses.replace(routes, direct=take(routes.direct, np.zeros(0, np.int64)),
                                  direct_boxes=None)

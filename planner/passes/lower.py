@@ -8,7 +8,10 @@ Each chunk is a 2-d box `size0 x size1` that starts at element `start` with stri
 - staged: a PACK (strided gather, and the cast when dtypes differ) into the source's
   staging, one write, and an UNPACK out of the target's staging where the target box is
   strided. Either side skips its copy when its box is contiguous and needs no cast.
-The cost model (options: write overhead, pack overhead and throughput) picks the cheaper;
+The cost model (options: write overhead, pack overhead and throughput) picks the cheaper,
+chunk by chunk; `balance` then moves whole copy ops over NVLink to row writes where a
+rank's copies would outlast its links. Direct writes go in stage 0 when staged chunks are
+packed, and in a last stage of their own when they are only unpacked (`direct_stage`);
 staged chunks are placed in stages so that no rank's staging exceeds its budget
 (`budget.budgets`: sources up to `staging_bytes`, targets what keeps the write window full).
 """
@@ -19,9 +22,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.passes.balance import direct_after_all
 from planner.passes.budget import ALIGN, budgets  # noqa: F401 (ALIGN: re-exported)
 from planner.passes.intersect import Chunks, PieceTable, element_size
 from planner.passes.staging import place_staging, staging_order
+from planner.rows import unique_rows
+from planner.simflow import NVLINK_WRITE_S
+from planner.topology import Topology
 from schemas.config import Options
 from schemas.plan import COPY_COLUMNS, PACK, UNPACK
 
@@ -100,29 +107,48 @@ def _shape(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
 
 
 def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
-          n_regions: np.ndarray, opts: Options, tensor_names: list[str], sources: int,
-          bytes_in: np.ndarray, nic_gbps: float) -> Lowered:
+          n_regions: np.ndarray, opts: Options, tensor_names: list[str],
+          bytes_in: np.ndarray, topo: Topology) -> Lowered:
     """Direct writes and staged chunks (packs, writes, unpacks in stages) of `chunks`;
-    plan ranks below `sources` are source ranks (`budget.budgets`: their staging budget is
-    the cap; a target's is sized from the cost model: `bytes_in` it receives in the whole
-    plan, its link at `nic_gbps`). Chunks are classified and their direct writes made
-    `BLOCK` at a time; the staged ones are then placed and lowered together."""
+    plan ranks below `topo.sources` are source ranks (`budget.budgets`: their staging
+    budget is the cap; a target's is sized from the cost model: `bytes_in` it receives in
+    the whole plan, its link at `topo.nic_gbps`). Chunks are classified and their direct
+    writes made `BLOCK` at a time; `balance` takes a second look at the staged ones over
+    NVLink, and those left are placed and lowered together."""
     staged_at, direct = [], []
     for lo in range(0, len(chunks), BLOCK):
         staged, writes = _direct(chunks, choice, src, dst, opts, slice(lo, lo + BLOCK))
         staged_at.append(lo + staged)
         direct.append(writes)
     si = np.concatenate(staged_at) if staged_at else np.zeros(0, np.int64)
+    si, moved = _second_look(chunks, choice, src, dst, si, direct, opts, topo)
+    direct.append(moved)
+    sources, nic_gbps = topo.sources, topo.nic_gbps
     first = int(len(si) < len(chunks))  # any direct chunk: see `_staged`
     staged, copies, staging, stages, slotted = _staged(
         chunks, choice, src, dst, si, first, n_regions, opts, tensor_names, sources,
         bytes_in, nic_gbps)
     n_direct = sum(len(d["w_nbytes"]) for d in direct)
-    direct.append({"w_stage": np.zeros(n_direct, np.int32)})
+    at = direct_stage(copies["kind"], stages) if n_direct else 0
+    direct.append({"w_stage": np.full(n_direct, at, np.int32)})
+    stages = max(stages, at + 1)
     out = {k: np.concatenate([d.pop(k) for d in direct if k in d] + [staged.pop(k)],
                              dtype=np.int32 if k in NARROW else np.int64)
            for k in Lowered.__slots__ if k.startswith("w_")}  # one column at a time
     return Lowered(**out, copies=copies, staging=staging, stages=stages, slotted=slotted)
+
+
+def direct_stage(kinds: np.ndarray, stages: int) -> int:
+    """The stage of the direct writes, given the kinds of the staged chunks' copies and
+    their `stages`: stage 0, before the staged chunks, when any is packed (the packs of
+    stage 1 run while the direct writes are in flight, `_staged`); a stage of their own
+    after the staged chunks when these are only unpacked: the targets' unpacks of the last
+    staged stage then run while the direct writes are in flight (a source carries on into
+    that stage, `schemas.protocol.carries`) instead of ending the transfer after every
+    write has landed."""
+    if (kinds == PACK).any() or not (kinds == UNPACK).any():
+        return 0
+    return stages
 
 
 def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
@@ -138,13 +164,22 @@ def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable
     pack_us = p_us + g["nbytes"][some] * 8e-3 / opts.pack_gbps  # bytes*8/(Gb/s*1e3) = us
     staged[some] = (w_us + g["pack"][some] * pack_us + g["unpack"][some] * pack_us
                     < g["s0"][some] * w_us)
-    di = np.nonzero(~staged)[0]
+    ids = np.arange(b.start or 0, min(b.stop or len(chunks), len(chunks)))
+    return np.nonzero(staged)[0], _writes(chunks, choice, src, dst, g, np.nonzero(~staged)[0],
+                                          ids)
+
+
+def _writes(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
+            g: dict[str, np.ndarray], di: np.ndarray, ids: np.ndarray
+            ) -> dict[str, np.ndarray]:
+    """Direct writes of the chunks `ids[di]` (`g`: `_shape` of `ids`): one per row, or the
+    whole box when both sides are contiguous."""
     s0, s1 = g["s0"][di], g["s1"][di]
     whole = (g["s_a0"][di] == s1) & (g["d_a0"][di] == s1) | (s0 == 1)
     r = np.where(whole, 1, s0)
     idx = np.repeat(di, r)
     k = np.arange(len(idx)) - np.repeat(np.cumsum(r) - r, r)
-    at = idx + (b.start or 0)  # chunk index
+    at = ids[idx]  # chunk index
     sr, dr = choice[at], chunks.dst[at]
     writes = {
         "w_src_rank": src.rank[sr], "w_src_region": src.region[sr],
@@ -154,8 +189,46 @@ def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable
         "w_dst_offset": (_start(dst, chunks.dst, chunks, at) + k * g["d_a0"][idx])
         * g["es_d"][idx],
         "w_nbytes": np.repeat(np.where(whole, s0 * s1, s1) * g["es_d"][di], r)}
-    writes = {k: v.astype(np.int32) if k in NARROW else v for k, v in writes.items()}
-    return np.nonzero(staged)[0], writes
+    return {k: v.astype(np.int32) if k in NARROW else v for k, v in writes.items()}
+
+
+def _second_look(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
+                 si: np.ndarray, direct: list[dict[str, np.ndarray]], opts: Options,
+                 topo: Topology) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The staged chunks `si` that stay staged, and the direct writes of those that
+    `balance.direct_after_all` moves (`direct`: the direct writes made so far)."""
+    host, world = np.asarray(topo.host, dtype=np.int32), topo.world
+    s_rank, d_rank = src.rank[choice[si]], dst.rank[chunks.dst[si]]
+    nvlink = host[s_rank] == host[d_rank]
+    if not nvlink.any():
+        return si, _writes(chunks, choice, src, dst, _shape(chunks, choice, src, dst, si[:0]),
+                           si[:0], si[:0])
+    g = _shape(chunks, choice, src, dst, si)
+    s_reg, d_reg = src.region[choice[si]], dst.region[chunks.dst[si]]
+    p, u, nb = g["pack"], g["unpack"], g["nbytes"]
+    # each rank's copies: one op per (rank, tensor region), and their bytes
+    ops = unique_rows(np.concatenate([np.stack([s_rank[p], s_reg[p]], axis=1),
+                                      np.stack([d_rank[u], d_reg[u]], axis=1)]).astype(np.int64))
+    copy_s = (np.bincount(ops[:, 0], minlength=world) * opts.pack_overhead_us * 1e-6 +
+              np.bincount(np.concatenate([s_rank[p], d_rank[u]]),
+                          weights=np.concatenate([nb[p], nb[u]]), minlength=world)
+              / (opts.pack_gbps * 1e9 / 8))
+    # each rank's NVLink traffic: its bytes at its rate, its writes at NVLINK_WRITE_S each
+    link_s = np.zeros(world)
+    for a, z, n in [(d["w_src_rank"], d["w_dst_rank"], d["w_nbytes"]) for d in direct] + \
+            [(s_rank, d_rank, nb)]:
+        nv = host[a] == host[z]
+        for r in (a[nv], z[nv]):
+            link_s += np.bincount(r, weights=n[nv], minlength=world) / (
+                topo.nvlink_gbps * 1e9 / 8) + np.bincount(r, minlength=world) * NVLINK_WRITE_S
+    one = np.flatnonzero(p ^ u)  # a pack or an unpack, not both
+    pk = p[one]
+    move = direct_after_all(
+        np.where(pk, s_rank[one], d_rank[one]), np.where(pk, s_reg[one], d_reg[one]),
+        g["s0"][one], nb[one], np.where(pk, d_rank[one], s_rank[one]),
+        nvlink[one] & ~g["staged"][one], copy_s, link_s, opts)  # ~staged: rows can do it
+    moved = one[move]
+    return np.delete(si, moved), _writes(chunks, choice, src, dst, g, moved, si)
 
 
 def _staged(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,

@@ -3,10 +3,16 @@ by the property suite (tests/property/)."""
 
 from __future__ import annotations
 
-from planner.compiler import compile_layouts
+from pathlib import Path
+
+import numpy as np
+
+from planner.compiler import compile_file, compile_layouts
+from planner.passes.lower import direct_stage
 from planner.spec import spec_from_hf
 from planner.verify import verify_plan
-from schemas.plan import STAGING
+from schemas.plan import PACK, QUANT, STAGING, UNPACK, load_plan
+from schemas.protocol import staging_index, write_stages
 from tests.support.synthetic import (
     SMALL_HF,
     TINY,
@@ -15,6 +21,8 @@ from tests.support.synthetic import (
     whole_tensors,
 )
 from tests.support.synthetic import tiny_config as config
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_staging_budget_not_a_multiple_of_64() -> None:
@@ -53,3 +61,32 @@ def test_blocks_do_not_change_the_plan(monkeypatch) -> None:
     for a, b in zip(whole.ranks, cut.ranks, strict=True):
         for table in ("writes", "batches", "copies", "signals", "waits"):
             assert getattr(a, table).to_msgpack() == getattr(b, table).to_msgpack(), table
+
+
+def test_direct_stage_by_what_the_staged_chunks_need() -> None:
+    # kinds of the staged chunks' copies -> the stage of the direct writes (3 staged stages)
+    table = [((), 0), ((PACK,), 0), ((PACK, UNPACK), 0), ((UNPACK,), 3), ((QUANT,), 0)]
+    for kinds, at in table:
+        assert direct_stage(np.array(kinds, dtype=np.uint8), 3) == at, kinds
+
+
+def test_direct_writes_go_after_chunks_that_are_only_unpacked(tmp_path: Path) -> None:
+    # plans/demo.yaml: Megatron TP 2 -> 2 x vLLM TP 1 on one host. o_proj and down_proj
+    # are split by columns at the source: each lands on a target as strided half rows,
+    # written into its staging and unpacked (no source packs). Every other chunk is a
+    # direct write, in stage 1, after them: the targets' unpacks of stage 0 run while the
+    # direct writes land.
+    path = str(tmp_path / "demo.rplan")
+    compile_file(str(ROOT / "plans" / "demo.yaml"), path)
+    plan = load_plan(path)
+    assert verify_plan(plan) == []
+    staging = {rp.rank: staging_index(rp) for rp in plan.ranks}
+    for rp in plan.ranks[:2]:  # the sources
+        w, stage = rp.writes, write_stages(rp)
+        into = np.array([staging[d] == r for d, r in zip(w["dst_rank"].tolist(),
+                                                         w["dst_region"].tolist())])
+        assert into.any() and (~into).any()
+        assert set(stage[into].tolist()) == {0} and set(stage[~into].tolist()) == {1}
+        assert not (rp.copies["kind"] == PACK).any()
+    for rp in plan.ranks[2:]:
+        assert set(rp.copies["stage"][rp.copies["kind"] == UNPACK].tolist()) == {0}
