@@ -8,14 +8,16 @@ things that price cannot see:
   one op per rank and region), beside its writes: its packs during the previous stage's
   writes, its unpacks during the writes of the next stage (`lower.direct_stage`). Where
   its copies take longer than its link, they are what the transfer waits for;
-- over NVLink a row costs a peer copy `NVLINK_WRITE_S` of link time (`planner/simflow.py`:
-  one kernel copies a batch), not a NIC work request and its posting.
+- over NVLink a row costs a peer copy `NVLINK_WRITE_S` of link time (`planner/simflow.py`),
+  not a NIC work request and its posting: 3.5 us through the copy engines between two GPUs
+  (what `cuda_ipc` does today), ~20 ns where one kernel copies a batch.
 
 So where a rank's copies outlast its NVLink traffic, whole copy ops move to direct row
 writes, the dearest op per row first, while the copies left still take at least as long as
-the links the rows pass through (both ends of each row). Small plans meet this: the demo's
-targets unpack 8 tensors of half rows (86 us of copies against 14 us of NVLink); a plan of
-real size has links busy for milliseconds and keeps its copies. Chunks over a NIC, or that
+the links the rows pass through (both ends of each row). With rows at the kernel's ~20 ns,
+small plans meet this (the demo's targets unpack 8 tensors of half rows: 86 us of copies
+against 14 us of NVLink); at the copy engines' 3.5 us a row none do; a plan of real size
+has links busy for milliseconds and keeps its copies either way. Chunks over a NIC, or that
 need a cast, a pack and an unpack both, or a strided row, stay staged.
 """
 
@@ -30,12 +32,13 @@ from schemas.config import Options
 
 def direct_after_all(copy_rank: np.ndarray, region: np.ndarray, rows: np.ndarray,
                      nbytes: np.ndarray, peer: np.ndarray, movable: np.ndarray,
-                     copy_s: np.ndarray, link_s: np.ndarray, opts: Options) -> np.ndarray:
+                     copy_s: np.ndarray, link_s: np.ndarray, opts: Options,
+                     row_write_s: float = NVLINK_WRITE_S) -> np.ndarray:
     """Staged chunks (`movable` of them may be written directly as `rows` row writes over
     NVLink between `copy_rank` and `peer`) that go direct: each chunk's copy runs on
     `copy_rank` into or out of its tensor `region` (its op). `copy_s`, `link_s`: per rank,
-    seconds of its copies and of its NVLink traffic (bytes and writes) as planned. Returns
-    a mask over the chunks."""
+    seconds of its copies and of its NVLink traffic (bytes and writes) as planned;
+    `row_write_s`: link time of one row write. Returns a mask over the chunks."""
     move = np.zeros(len(copy_rank), dtype=bool)
     if not movable.any():
         return move
@@ -45,7 +48,7 @@ def direct_after_all(copy_rank: np.ndarray, region: np.ndarray, rows: np.ndarray
     r_of = ops[:, 0]
     op_s = opts.pack_overhead_us * 1e-6 + np.bincount(of, weights=nbytes) / (
         opts.pack_gbps * 1e9 / 8)
-    row_s = np.bincount(of, weights=rows) * NVLINK_WRITE_S
+    row_s = np.bincount(of, weights=rows) * row_write_s
     # copies only shrink and links only grow: an op that does not fit now never will
     fits = np.bincount(of, weights=~movable, minlength=len(ops)) == 0
     fits &= copy_s[r_of] - op_s >= link_s[r_of] + row_s
@@ -59,7 +62,7 @@ def direct_after_all(copy_rank: np.ndarray, region: np.ndarray, rows: np.ndarray
         if link_s[r] + row_s[op] > left:
             continue
         mine = by_op[bounds[op]:bounds[op + 1]]
-        peers = np.bincount(peer[mine], weights=rows[mine] * NVLINK_WRITE_S,
+        peers = np.bincount(peer[mine], weights=rows[mine] * row_write_s,
                             minlength=len(link_s))
         touched = np.flatnonzero(peers)
         if len(touched) and (link_s[touched] + peers[touched]).max() > left:

@@ -3,7 +3,8 @@
 Target rank 2 unpacks four chunks of half rows (256 rows of 128 bf16, 64 KiB each) from
 sources 0 and 1: two into region 5, two into region 6, so two copy ops of 10 us plus
 128 KiB at 2000 Gb/s (0.52 us) each, 21.05 us of copies. As row writes an op is 512 rows
-of 20 ns of NVLink time (10.24 us), 256 of them through each source."""
+of 20 ns of NVLink time (10.24 us: the copy kernel's cost, passed in), 256 of them through
+each source; at the copy engines' cost (`NVLINK_WRITE_S`, 3.5 us a row) no op moves."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from planner.passes.balance import direct_after_all
+from planner.simflow import NVLINK_WRITE_S
 from schemas.config import Options
 
 OPTS = Options()
@@ -37,5 +39,12 @@ COPY_S = np.array([0.0, 0.0, 2 * (10e-6 + (128 << 10) / 250e9)])
 ])
 def test_ops_move_while_the_copies_left_outlast_the_links(link_us, movable, moved) -> None:
     got = direct_after_all(RANK, REGION, ROWS, NBYTES, PEER, np.array(movable, dtype=bool),
-                           COPY_S, np.array(link_us) * 1e-6, OPTS)
+                           COPY_S, np.array(link_us) * 1e-6, OPTS, row_write_s=20e-9)
     assert got.tolist() == [bool(m) for m in moved]
+
+
+def test_no_op_moves_at_the_copy_engines_cost_a_row() -> None:
+    assert NVLINK_WRITE_S > 1e-6  # 512 rows of it outlast any copy op of the geometry
+    got = direct_after_all(RANK, REGION, ROWS, NBYTES, PEER, np.ones(4, dtype=bool), COPY_S,
+                           np.zeros(3), OPTS)
+    assert not got.any()
