@@ -240,8 +240,8 @@ def encode_plan(plan: Plan, key: bytes | None = None) -> bytes:
 
 def _encode_parts(plan: Plan, key: bytes | None) -> list[bytes]:
     """The plan file as its parts in order: the head (magic, version, header, digest), then
-    every blob (written one by one: a large plan is never joined in memory). Each blob is
-    digested on a second thread while the next is packed (blake2b releases the GIL)."""
+    every blob. Each blob is digested on a second thread while the next is packed (blake2b
+    releases the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(1) as pool:
@@ -250,14 +250,18 @@ def _encode_parts(plan: Plan, key: bytes | None) -> list[bytes]:
         for name, data, digest in blobs:
             index[name] = [offset, len(data), digest.result()]
             offset += len(data)
+    return [_head(plan, key, index)] + [data for _, data, _ in blobs]
+
+
+def _head(plan: Plan, key: bytes | None, index: dict[str, list[Any]]) -> bytes:
+    """Magic, version, the header (with the blob `index`, signed with `key`), its digest."""
     raw = {**plan.header.encode(), "format_version": FORMAT_VERSION, "blobs": index}
     if key is not None:
         from .integrity import signature
 
         raw["signature"] = signature(key, _pack(raw))
     header = _pack(raw)
-    head = MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)) + header + _digest(header)
-    return [head] + [data for _, data, _ in blobs]
+    return MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)) + header + _digest(header)
 
 
 def _blobs(plan: Plan) -> Iterator[tuple[str, bytes]]:
@@ -272,16 +276,65 @@ def _blobs(plan: Plan) -> Iterator[tuple[str, bytes]]:
 
 
 def write_plan(path: str, plan: Plan, key: bytes | None = None) -> int:
-    """Write `plan` to `path` atomically (temp file + rename); returns the size in bytes."""
-    import os
+    """Write `plan` to `path` atomically (temp file + rename); returns the size in bytes.
 
-    parts = _encode_parts(plan, key)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        for part in parts:
-            f.write(part)
-    os.replace(tmp, path)
-    return sum(len(part) for part in parts)
+    The header indexes the blobs (offsets, lengths, digests), so it is known only once all
+    are packed; they are not held meanwhile: each is written to an unnamed spill file as it
+    is packed (and digested on a second thread while the next is packed), then the head is
+    written and the spill copied after it (in the kernel where it can). Memory holds two
+    blobs at a time, not the plan's bytes twice; the file is `encode_plan`'s bytes."""
+    import os
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    index: dict[str, list[Any]] = {}
+    offset = 0
+    with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))) as spill:
+        with ThreadPoolExecutor(1) as pool:
+            pending = None  # the previous blob's index entry and digest: two in flight
+            for name, data in _blobs(plan):
+                digest = pool.submit(_digest, data)
+                spill.write(data)
+                entry = index[name] = [offset, len(data)]
+                offset += len(data)
+                del data
+                if pending is not None:
+                    pending[0].append(pending[1].result())
+                pending = entry, digest
+            if pending is not None:
+                pending[0].append(pending[1].result())
+        head = _head(plan, key, index)
+        spill.flush()
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(head)
+            f.flush()
+            spill.seek(0)
+            _copy(spill, f, offset)
+        os.replace(tmp, path)
+    return len(head) + offset
+
+
+def _copy(src: BinaryIO, dst: BinaryIO, n: int) -> None:
+    """`n` bytes from the position of `src` to the end of `dst` (both flushed files)."""
+    import os
+    import shutil
+
+    done = 0
+    try:
+        while done < n:
+            got = os.copy_file_range(src.fileno(), dst.fileno(), n - done)
+            if got == 0:
+                break
+            done += got
+    except (AttributeError, OSError):
+        if done:
+            raise
+        src.seek(0)
+        shutil.copyfileobj(src, dst, 16 << 20)
+        return
+    if done != n:
+        raise OSError(f"write_plan: copied {done} of {n} bytes of the plan's blobs")
 
 
 def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
