@@ -280,6 +280,10 @@ def _packed_regions(regions: list[tuple[Region, ...]]) -> bytes:
     return b"".join(parts)
 
 
+_HASHED = 1 << 20
+"""Rows of a piece table column cast to int64 and hashed at a time."""
+
+
 def fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable,
                 regions: list[tuple[Region, ...]], topo: Topology, cfg: Config) -> str:
     """Digest of what the plan depends on: spec, piece tables, regions, topology, options."""
@@ -287,8 +291,10 @@ def fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable,
     h.update(msgpack.packb([FORMAT_VERSION, [(t.name, list(t.shape), t.dtype)
                                              for t in spec.tensors]]))
     for table in (src, dst):  # (not `dataclasses.astuple`: it deep-copies every column)
-        for f in dataclasses.fields(table):
-            h.update(np.ascontiguousarray(getattr(table, f.name)).data)
+        for f in dataclasses.fields(table):  # as int64, whatever the column holds
+            col = getattr(table, f.name)
+            for at in range(0, len(col), _HASHED):
+                h.update(np.ascontiguousarray(col[at:at + _HASHED], dtype=np.int64).data)
     h.update(_packed_regions(regions))
     h.update(msgpack.packb([list(topo.host), list(topo.gpu), list(topo.nic),
                             topo.nic_gbps, topo.nvlink_gbps]))

@@ -28,7 +28,8 @@ from schemas.protocol import ITEM
 
 @dataclass(frozen=True, slots=True)
 class PieceTable:
-    """One side's pieces as columns; `rank` is the plan rank."""
+    """One side's pieces as columns; `rank` is the plan rank. Columns are int32 where every
+    value and every element offset made from them fits (`piece_table`), else int64."""
 
     rank: np.ndarray
     region: np.ndarray
@@ -113,7 +114,7 @@ def _flatten(layout: Layout, spec: ModelSpec, rank_base: int, with_boxes: bool
         used.append(b)
     sizes = np.array([blocks[b].shape[1] for b in used], dtype=np.int64)
     starts = np.cumsum(sizes) - sizes
-    out = np.empty((11, int(sizes.sum())), dtype=np.int64)
+    out = np.empty((11, int(sizes.sum())), dtype=_column_dtype(blocks, rank_base + len(used)))
     for rl, b, at in zip(layout.ranks, used, starts.tolist()):
         out[0, at:at + blocks[b].shape[1]] = rank_base + rl.rank
         out[1:, at:at + blocks[b].shape[1]] = blocks[b]
@@ -131,6 +132,24 @@ def _flatten(layout: Layout, spec: ModelSpec, rank_base: int, with_boxes: bool
     first = first + np.repeat(starts[made] - cstart, lens)[first]
     of = np.concatenate([of[cstart[b]:cstart[b] + lens[b]] for b in used]) if used else of
     return table, Boxes(of=of, first=first)
+
+
+_NARROW = np.iinfo(np.int32).max
+
+
+def _column_dtype(blocks: list[np.ndarray], ranks: int) -> np.dtype:
+    """int32 when every value, and every element offset or box size made from a row, fits
+    in it (element offsets `base + i0*a0 + i1*a1` within the box, and every partial sum,
+    are bounded by `|base| + (off0+size0)*|a0| + (off1+size1)*|a1|`): the passes' products
+    of two columns then never overflow. Else int64. Rows are `(region, *row)` blocks."""
+    bound = ranks
+    for b in blocks:
+        if b.shape[1] == 0:
+            continue
+        _, _, off0, off1, size0, size1, base, a0, a1, _ = b
+        reach = np.abs(base) + (off0 + size0) * np.abs(a0) + (off1 + size1) * np.abs(a1)
+        bound = max(bound, int(np.abs(b).max()), int(reach.max()), int((size0 * size1).max()))
+    return np.dtype(np.int32 if bound <= _NARROW else np.int64)
 
 
 def _rank_rows(tensors: tuple[PhysicalTensor, ...], tensor_id: dict[str, int],
