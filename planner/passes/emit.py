@@ -22,7 +22,7 @@ from planner.layouts.base import Layout
 from planner.passes.intersect import PieceTable
 from planner.passes.lower import Lowered
 from planner.passes.schedule import Schedule
-from planner.rows import lexorder, row_keys, unique_rows
+from planner.rows import column_keys, lexorder, unique_rows
 from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import Config, SourceConfig
@@ -238,22 +238,24 @@ def explain_table(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarr
     consecutive rows (a chunk cut in parts) are summed before the rows are sorted."""
     if len(tensor) == 0:
         return Table.empty(EXPLAIN_COLUMNS)
-    keys = np.stack([tensor, src_rank, src_region, dst_rank, dst_region], axis=1,
-                    dtype=np.int32)  # as in the table
-    key = row_keys(keys)
+    keys = [np.asarray(c, dtype=np.int32) for c in  # as in the table
+            (tensor, src_rank, src_region, dst_rank, dst_region)]
+    key = column_keys(keys)
     start = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
     run_bytes = np.add.reduceat(np.asarray(nbytes, dtype=np.int64), start)
     run_boxes = np.diff(np.append(start, len(key))) if boxes is None else \
         np.add.reduceat(np.asarray(boxes, dtype=np.int64), start)
-    order = np.argsort(key[start])  # equal keys are equal rows: any order among them
-    sorted_key = key[start[order]]
-    first = np.flatnonzero(np.concatenate([[True], sorted_key[1:] != sorted_key[:-1]]))
-    uniq = keys[start[order[first]]]
+    key = key[start]
+    order = np.argsort(key)  # equal keys are equal rows: any order among them
+    key = key[order]
+    first = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
+    del key
+    rows = start[order[first]]
     total = np.add.reduceat(run_bytes[order], first)
     count = np.add.reduceat(run_boxes[order], first)
-    return Table.build(EXPLAIN_COLUMNS, tensor=uniq[:, 0], src_rank=uniq[:, 1],
-                       src_region=uniq[:, 2], dst_rank=uniq[:, 3], dst_region=uniq[:, 4],
-                       nbytes=total, boxes=count)
+    del run_bytes, run_boxes, order, start
+    return Table.build(EXPLAIN_COLUMNS, **{name: k[rows] for (name, _), k in zip(
+        EXPLAIN_COLUMNS, keys)}, nbytes=total, boxes=count)
 
 
 def explain_with(table: Table, rows: np.ndarray) -> Table:
