@@ -99,6 +99,7 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     del dst, dst_boxes  # in `routes`, and dropped with it
     chunks = split_rows(intersect(spec, src, routes.direct, routes.direct_boxes), routes.direct,
                         opts.max_write_bytes)
+    routes = dataclasses.replace(routes, direct_boxes=None)  # read by intersect only
     step("assign")
     choice = assign(chunks, src, routes.direct, topo)
     n_chunks, sets = len(chunks), egress_sets(chunks, src, routes.direct, topo)

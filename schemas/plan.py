@@ -266,13 +266,57 @@ def _head(plan: Plan, key: bytes | None, index: dict[str, list[Any]]) -> bytes:
 
 def _blobs(plan: Plan) -> Iterator[tuple[str, bytes]]:
     """Every blob of the plan file, packed, in file order."""
-    for r in plan.ranks:
-        yield f"rank/{r.rank}", _pack(r.encode())
-    yield "explain", _pack({"tensors": list(plan.tensors), "table": plan.explain.views()})
-    yield "dag", _pack({"nodes": plan.dag_nodes.views(), "edges": plan.dag_edges.views(),
-                        "coverage": plan.coverage.views()})
-    for name, obj in plan.extra_blobs:
+    for name, obj in _blob_objects(plan):
         yield name, _pack(obj)
+
+
+def _blob_objects(plan: Plan) -> Iterator[tuple[str, Any]]:
+    """Every blob of the plan file as the object msgpack packs, in file order (each made
+    when asked for)."""
+    for r in plan.ranks:
+        yield f"rank/{r.rank}", r.encode()
+    yield "explain", {"tensors": list(plan.tensors), "table": plan.explain.views()}
+    yield "dag", {"nodes": plan.dag_nodes.views(), "edges": plan.dag_edges.views(),
+                  "coverage": plan.coverage.views()}
+    yield from plan.extra_blobs
+
+
+def _parts(obj: Any) -> list[bytes | memoryview]:
+    """`_pack(obj)` as parts whose concatenation is those bytes, a table's column bytes left
+    in place (not copied into one buffer, whose growth would hold them two or three times):
+    a map is its header and its keys' and values' parts, a list of memoryviews (a table) its
+    header and each column's bin header and bytes; anything else is packed whole."""
+    if isinstance(obj, dict):
+        out: list[bytes | memoryview] = [_PACKER.pack_map_header(len(obj))]
+        for k, v in obj.items():
+            out.append(_pack(k))
+            out += _parts(v)
+        return out
+    if isinstance(obj, list) and obj and all(isinstance(v, memoryview) for v in obj):
+        out = [_PACKER.pack_array_header(len(obj))]
+        for v in obj:
+            out += [_bin_header(v.nbytes), v]
+        return out
+    return [_pack(obj)]
+
+
+_PACKER = msgpack.Packer(use_bin_type=True)
+
+
+def _bin_header(n: int) -> bytes:
+    """msgpack's header of a bin of `n` bytes (bin 8, 16 or 32)."""
+    if n < 1 << 8:
+        return struct.pack(">BB", 0xC4, n)
+    if n < 1 << 16:
+        return struct.pack(">BH", 0xC5, n)
+    return struct.pack(">BI", 0xC6, n)
+
+
+def _digest_parts(parts: list[bytes | memoryview]) -> bytes:
+    h = hashlib.blake2b(digest_size=32)
+    for part in parts:
+        h.update(part)
+    return h.digest()
 
 
 def write_plan(path: str, plan: Plan, key: bytes | None = None) -> int:
@@ -280,9 +324,10 @@ def write_plan(path: str, plan: Plan, key: bytes | None = None) -> int:
 
     The header indexes the blobs (offsets, lengths, digests), so it is known only once all
     are packed; they are not held meanwhile: each is written to an unnamed spill file as it
-    is packed (and digested on a second thread while the next is packed), then the head is
-    written and the spill copied after it (in the kernel where it can). Memory holds two
-    blobs at a time, not the plan's bytes twice; the file is `encode_plan`'s bytes."""
+    is packed (its table columns straight from their arrays, `_parts`; digested on a second
+    thread while written), then the head is written and the spill copied after it (in the
+    kernel where it can). Memory holds one blob's small parts, not the plan's bytes twice;
+    the file is `encode_plan`'s bytes."""
     import os
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
@@ -291,18 +336,15 @@ def write_plan(path: str, plan: Plan, key: bytes | None = None) -> int:
     offset = 0
     with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))) as spill:
         with ThreadPoolExecutor(1) as pool:
-            pending = None  # the previous blob's index entry and digest: two in flight
-            for name, data in _blobs(plan):
-                digest = pool.submit(_digest, data)
-                spill.write(data)
-                entry = index[name] = [offset, len(data)]
-                offset += len(data)
-                del data
-                if pending is not None:
-                    pending[0].append(pending[1].result())
-                pending = entry, digest
-            if pending is not None:
-                pending[0].append(pending[1].result())
+            for name, obj in _blob_objects(plan):
+                parts = _parts(obj)
+                digest = pool.submit(_digest_parts, parts)
+                for part in parts:
+                    spill.write(part)
+                n = sum(len(part) for part in parts)
+                del parts, obj
+                index[name] = [offset, n, digest.result()]
+                offset += n
         head = _head(plan, key, index)
         spill.flush()
         tmp = f"{path}.tmp{os.getpid()}"

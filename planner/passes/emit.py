@@ -149,21 +149,31 @@ def plan_header(cfg: Config, spec: ModelSpec, topo: Topology, replicas: int, low
 def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
          regions: list[tuple[Region, ...]], explain: Table, tensors: tuple[str, ...],
          coverage: Table) -> Plan:
+    """The plan: every rank's tables, the explain, DAG and coverage tables, `header`.
+
+    `low` is consumed: its write columns are put in scheduled order, and its copies in
+    (rank, stage, kind) order, in place, so each rank's tables are views of them and the
+    plan holds no second copy of the op tables (the compiler reads `low` no more)."""
     world = topo.world
     o = sched.order
-    w = {"dst_rank": low.w_dst_rank[o], "src_region": low.w_src_region[o],
-         "src_offset": low.w_src_offset[o], "dst_region": low.w_dst_region[o],
-         "dst_offset": low.w_dst_offset[o], "nbytes": low.w_nbytes[o]}
-    w_src = low.w_src_rank[o]
+    for k in ("w_src_rank", "w_dst_rank", "w_src_region", "w_src_offset", "w_dst_region",
+              "w_dst_offset", "w_nbytes", "w_stage"):
+        _permute(getattr(low, k), o)
+    w = {"dst_rank": low.w_dst_rank, "src_region": low.w_src_region,
+         "src_offset": low.w_src_offset, "dst_region": low.w_dst_region,
+         "dst_offset": low.w_dst_offset, "nbytes": low.w_nbytes}
+    w_src = low.w_src_rank
     w_cut = _slices(w_src, world)
     b_start = sched.batch_start
     b_stop = np.append(b_start[1:], len(o))
     b_rank = w_src[b_start] if len(b_start) else b_start
     b_cut = _slices(b_rank, world)
-    b_stage = low.w_stage[o][b_start]  # once: indexing `low.w_stage[o]` per rank was 8M x 512
+    b_stage = low.w_stage[b_start]  # once: indexing it per rank was 8M x 512
     c = low.copies
     c_order = lexorder(c["kind"], c["stage"], c["rank"])  # stable: ties keep their order
-    c = {k: v[c_order] for k, v in c.items()}
+    for v in c.values():
+        _permute(v, c_order)
+    del c_order
     c_cut = _slices(c["rank"], world)
     s_cut = _slices(sched.signals[:, 0], world)
     wt_cut = _slices(sched.waits[:, 0], world)
@@ -196,6 +206,11 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
     edges = _table(DAG_EDGE_COLUMNS, sched.dag_edges, ("u", "v"))
     return Plan(header=header, ranks=tuple(ranks), explain=explain, tensors=tensors,
                 dag_nodes=nodes, dag_edges=edges, coverage=coverage)
+
+
+def _permute(col: np.ndarray, order: np.ndarray) -> None:
+    """`col[:] = col[order]`: a column put in order in place (one column's copy at a time)."""
+    col[:] = col[order]
 
 
 def _peer_regions(pairs: np.ndarray, region_bytes: np.ndarray, first_region: np.ndarray

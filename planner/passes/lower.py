@@ -213,29 +213,29 @@ def _copies(p: np.ndarray, u: np.ndarray, stage: np.ndarray, s_soff: np.ndarray,
     column is over the staged chunks in placement order; `p`, `u`: packed, unpacked)."""
     p, u = np.nonzero(p)[0], np.nonzero(u)[0]
     one_p, one_u = np.ones(len(p), np.int64), np.ones(len(u), np.int64)
-    cat = np.concatenate
-    cols = {
-        "rank": cat([src_rank[p], dst_rank[u]]),
-        "kind": cat([np.full(len(p), PACK), np.full(len(u), UNPACK)]),
-        "stage": cat([stage[p], stage[u]]),
-        "src_region": cat([s_region[p], n_regions[dst_rank[u]]]),
-        "src_dtype": cat([s_code[p], d_code[u]]),
-        "src_offset": cat([s_start[p], d_soff[u] // es_d[u]]),
-        "src_stride0": cat([s_a0[p], s1[u]]),
-        "src_stride1": cat([s_a1[p], one_u]),
-        "src_stride2": cat([one_p, one_u]),
-        "dst_region": cat([n_regions[src_rank[p]], d_region[u]]),
-        "dst_dtype": cat([d_code[p], d_code[u]]),
-        "dst_offset": cat([s_soff[p] // es_d[p], d_start[u]]),
-        "dst_stride0": cat([s1[p], d_a0[u]]),
-        "dst_stride1": cat([one_p, d_a1[u]]),
-        "dst_stride2": cat([one_p, one_u]),
-        "size0": cat([s0[p], s0[u]]),
-        "size1": cat([s1[p], s1[u]]),
-        "size2": cat([one_p, one_u]),
-        "aux_offset": np.zeros(len(p) + len(u), dtype=np.int64),
+    cols = {  # each column's (packs, unpacks), made one column at a time
+        "rank": lambda: (src_rank[p], dst_rank[u]),
+        "kind": lambda: (np.full(len(p), PACK), np.full(len(u), UNPACK)),
+        "stage": lambda: (stage[p], stage[u]),
+        "src_region": lambda: (s_region[p], n_regions[dst_rank[u]]),
+        "src_dtype": lambda: (s_code[p], d_code[u]),
+        "src_offset": lambda: (s_start[p], d_soff[u] // es_d[u]),
+        "src_stride0": lambda: (s_a0[p], s1[u]),
+        "src_stride1": lambda: (s_a1[p], one_u),
+        "src_stride2": lambda: (one_p, one_u),
+        "dst_region": lambda: (n_regions[src_rank[p]], d_region[u]),
+        "dst_dtype": lambda: (d_code[p], d_code[u]),
+        "dst_offset": lambda: (s_soff[p] // es_d[p], d_start[u]),
+        "dst_stride0": lambda: (s1[p], d_a0[u]),
+        "dst_stride1": lambda: (one_p, d_a1[u]),
+        "dst_stride2": lambda: (one_p, one_u),
+        "size0": lambda: (s0[p], s0[u]),
+        "size1": lambda: (s1[p], s1[u]),
+        "size2": lambda: (one_p, one_u),
+        "aux_offset": lambda: (np.zeros(len(p) + len(u), dtype=np.int64),),
     }
-    return {k: v.astype(_COPY_DTYPES.get(k, np.int64), copy=False) for k, v in cols.items()}
+    return {k: np.concatenate(f(), dtype=_COPY_DTYPES.get(k, np.int64), casting="unsafe")
+            for k, f in cols.items()}
 
 
 _COPY_DTYPES = {"rank": np.dtype(np.int32), **{n: np.dtype(d) for n, d in COPY_COLUMNS}}
