@@ -152,8 +152,9 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
     """The plan: every rank's tables, the explain, DAG and coverage tables, `header`.
 
     `low` is consumed: its write columns are put in scheduled order, and its copies in
-    (rank, stage, kind) order, in place, so each rank's tables are views of them and the
-    plan holds no second copy of the op tables (the compiler reads `low` no more)."""
+    (rank, stage, kind) order and the plan's dtypes, in place, so each rank's tables are
+    views of them and the plan holds no second copy of the op tables (the compiler reads
+    `low` no more)."""
     world = topo.world
     o = sched.order
     for k in ("w_src_rank", "w_dst_rank", "w_src_region", "w_src_offset", "w_dst_region",
@@ -174,6 +175,8 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
     for v in c.values():
         _permute(v, c_order)
     del c_order
+    for name, dt in COPY_COLUMNS:  # the plan's dtypes, one column at a time
+        c[name] = c[name].astype(dt, copy=False)
     c_cut = _slices(c["rank"], world)
     s_cut = _slices(sched.signals[:, 0], world)
     wt_cut = _slices(sched.waits[:, 0], world)

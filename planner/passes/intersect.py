@@ -297,11 +297,12 @@ def intersect(spec: ModelSpec, src: PieceTable, dst: PieceTable,
     keep = (hi0 > lo0) & (hi1 > lo1)
     tb, sb, lo0, lo1, hi0, hi1 = (x[keep] for x in (tb, sb, lo0, lo1, hi0, hi1))
     _check_coverage(spec, tboxes, tb, (hi0 - lo0) * (hi1 - lo1), dst, tbox_of)
-    holders = np.argsort(sbox_of, kind="stable")
+    holders = np.argsort(sbox_of, kind="stable").astype(_index_dtype(len(src)))
     holder_ptr = np.searchsorted(sbox_of[holders], np.arange(len(sboxes) + 1))
     if np.array_equal(tb, np.arange(len(tboxes))):  # one source box each: all of it (coverage)
         return Chunks(tensor=dst.tensor, off0=dst.off0, off1=dst.off1, size0=dst.size0,
-                      size1=dst.size1, dst=np.arange(len(dst)), sbox=sb[tbox_of],
+                      size1=dst.size1, dst=np.arange(len(dst), dtype=_index_dtype(len(dst))),
+                      sbox=sb[tbox_of],
                       holder_ptr=holder_ptr, holders=holders)
     # Expand box pairs (grouped by tbox, as `tb` is sorted) to every target piece row.
     pair_ptr = np.searchsorted(tb, np.arange(len(tboxes) + 1))
@@ -312,6 +313,12 @@ def intersect(spec: ModelSpec, src: PieceTable, dst: PieceTable,
     return Chunks(tensor=tboxes[tb[pair], 0], off0=lo0[pair], off1=lo1[pair],
                   size0=(hi0 - lo0)[pair], size1=(hi1 - lo1)[pair], dst=rows, sbox=sb[pair],
                   holder_ptr=holder_ptr, holders=holders)
+
+
+def _index_dtype(n: int) -> np.dtype:
+    """Row numbers of a table of `n` rows: int32 where they fit (the chunks' `dst`, the
+    holders and hence `assign`'s choice: only ever indices)."""
+    return np.dtype(np.int32 if n <= _NARROW else np.int64)
 
 
 def _check_coverage(spec: ModelSpec, tboxes: np.ndarray, tb: np.ndarray, numel: np.ndarray,

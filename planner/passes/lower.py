@@ -39,7 +39,8 @@ class Lowered:
     w_nbytes: np.ndarray
     w_stage: np.ndarray
     copies: dict[str, np.ndarray]
-    """`schemas.plan.COPY_COLUMNS` plus `rank` (the rank that runs the copy)."""
+    """`schemas.plan.COPY_COLUMNS` plus `rank` (the rank that runs the copy), in the plan's
+    dtypes but int64 columns as int32 where their values fit (`emit` casts them back)."""
     staging: np.ndarray
     """Staging bytes of each plan rank."""
     stages: int
@@ -234,8 +235,16 @@ def _copies(p: np.ndarray, u: np.ndarray, stage: np.ndarray, s_soff: np.ndarray,
         "size2": lambda: (one_p, one_u),
         "aux_offset": lambda: (np.zeros(len(p) + len(u), dtype=np.int64),),
     }
-    return {k: np.concatenate(f(), dtype=_COPY_DTYPES.get(k, np.int64), casting="unsafe")
-            for k, f in cols.items()}
+    return {k: _narrow(np.concatenate(f(), dtype=_COPY_DTYPES.get(k, np.int64),
+                                      casting="unsafe")) for k, f in cols.items()}
+
+
+def _narrow(col: np.ndarray) -> np.ndarray:
+    """An int64 copy column as int32 when its values fit (`emit` casts it back)."""
+    if col.dtype != np.int64 or len(col) == 0 or col.min() < -(1 << 31) or \
+            col.max() >= 1 << 31:
+        return col
+    return col.astype(np.int32)
 
 
 _COPY_DTYPES = {"rank": np.dtype(np.int32), **{n: np.dtype(d) for n, d in COPY_COLUMNS}}
