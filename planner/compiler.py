@@ -88,8 +88,8 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     What later steps need of the chunks (their explain rows, the egress bound's holder
     sets, the fingerprint) is taken right after assign, and the chunks are dropped once
     lowered; what they need of the target pieces (the coverage table, the tensors blobs)
-    right after lower, when all but the gathered ones are dropped: memory holds one pass's
-    columns, not every pass's."""
+    before lower, and all but the gathered ones are dropped once lowered: memory holds
+    one pass's columns, not every pass's."""
     step, opts, names = progress or _quiet, cfg.options, tuple(t.name for t in spec.tensors)
     topo = build_topology(cfg.cluster, src_layout.world, dst_layout.world)
     step("intersect")
@@ -109,14 +109,14 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
                            tensor_regions(dst_layout))  # staging is added once lowered
     fp = fingerprint(spec, src, routes.direct, regions, topo, cfg)
+    coverage = coverage_table(dst_layout, src_layout.world, routes.targets)
+    blobs = rank_tensor_blobs(spec, (src, routes.targets), (src_layout, dst_layout))
     step("lower")
     staging_ids = _staging_ids(src_layout, dst_layout)
     bytes_in = _bytes_in(routes.targets, topo.world)
     direct = lower(chunks, choice, src, routes.direct, staging_ids, opts, names,
                    src_layout.world, bytes_in, topo.nic_gbps)
     del chunks, choice  # the largest columns: nothing later reads them
-    coverage = coverage_table(dst_layout, src_layout.world, routes.targets)
-    blobs = rank_tensor_blobs(spec, (src, routes.targets), (src_layout, dst_layout))
     routes = gathered_only(routes)  # the target pieces go, but those gather reads
     step("gather")
     more = gather(spec, src, routes, staging_ids, opts, topo, direct.stages,

@@ -107,17 +107,19 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     plan ranks below `sources` are source ranks (`budget.budgets`: their staging budget is
     the cap; a target's is sized from the cost model: `bytes_in` it receives in the whole
     plan, its link at `nic_gbps`). Chunks are classified and their direct writes made
-    `BLOCK` at a time; the staged ones are then placed and lowered together."""
-    staged_at, direct = [], []
-    for lo in range(0, len(chunks), BLOCK):
-        staged, writes = _direct(chunks, choice, src, dst, opts, slice(lo, lo + BLOCK))
-        staged_at.append(lo + staged)
-        direct.append(writes)
-    si = np.concatenate(staged_at) if staged_at else np.zeros(0, np.int64)
+    `BLOCK` at a time; the staged ones are then placed and lowered together, and the direct
+    writes made after them, a block at a time (the staged chunks' temporaries and the
+    direct writes are never held together)."""
+    blocks = [slice(lo, lo + BLOCK) for lo in range(0, len(chunks), BLOCK)]
+    si = np.concatenate([b.start + np.nonzero(_staged_mask(_shape(chunks, choice, src, dst, b),
+                                                            opts))[0] for b in blocks]) \
+        if blocks else np.zeros(0, np.int64)
     first = int(len(si) < len(chunks))  # any direct chunk: see `_staged`
     staged, copies, staging, stages, slotted = _staged(
         chunks, choice, src, dst, si, first, n_regions, opts, tensor_names, sources,
         bytes_in, nic_gbps)
+    del si
+    direct = [_direct(chunks, choice, src, dst, opts, b) for b in blocks]
     n_direct = sum(len(d["w_nbytes"]) for d in direct)
     direct.append({"w_stage": np.zeros(n_direct, np.int32)})
     out = {k: np.concatenate([d.pop(k) for d in direct if k in d] + [staged.pop(k)],
@@ -126,11 +128,9 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     return Lowered(**out, copies=copies, staging=staging, stages=stages, slotted=slotted)
 
 
-def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
-            opts: Options, b: slice) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Of the chunks in block `b`: which are staged (offsets in the block), and the direct
-    writes of the others (one per row, or the whole box when both sides are contiguous)."""
-    g = _shape(chunks, choice, src, dst, b)
+def _staged_mask(g: dict[str, np.ndarray], opts: Options) -> np.ndarray:
+    """Which chunks of `g` (`_shape`) are staged: those no direct write can do, and those
+    the cost model finds cheaper staged."""
     staged = g["staged"]
     # The cost model, where a direct chunk takes several writes (a chunk contiguous on
     # both sides is one direct write, never dearer than staging it).
@@ -139,6 +139,15 @@ def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable
     pack_us = p_us + g["nbytes"][some] * 8e-3 / opts.pack_gbps  # bytes*8/(Gb/s*1e3) = us
     staged[some] = (w_us + g["pack"][some] * pack_us + g["unpack"][some] * pack_us
                     < g["s0"][some] * w_us)
+    return staged
+
+
+def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
+            opts: Options, b: slice) -> dict[str, np.ndarray]:
+    """The direct writes of the chunks in block `b` that are not staged (one per row, or
+    the whole box when both sides are contiguous)."""
+    g = _shape(chunks, choice, src, dst, b)
+    staged = _staged_mask(g, opts)
     di = np.nonzero(~staged)[0]
     s0, s1 = g["s0"][di], g["s1"][di]
     whole = (g["s_a0"][di] == s1) & (g["d_a0"][di] == s1) | (s0 == 1)
@@ -155,8 +164,7 @@ def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable
         "w_dst_offset": (_start(dst, chunks.dst, chunks, at) + k * g["d_a0"][idx])
         * g["es_d"][idx],
         "w_nbytes": np.repeat(np.where(whole, s0 * s1, s1) * g["es_d"][di], r)}
-    writes = {k: v.astype(np.int32) if k in NARROW else v for k, v in writes.items()}
-    return np.nonzero(staged)[0], writes
+    return {k: v.astype(np.int32) if k in NARROW else v for k, v in writes.items()}
 
 
 def _staged(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
