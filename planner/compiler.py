@@ -35,6 +35,7 @@ from planner.passes.emit import (
     fingerprint,
     plan_header,
     rank_regions,
+    spilled,
     tensor_regions,
     with_staging,
 )
@@ -106,6 +107,7 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     explain = explain_table(chunks.tensor, src.rank[choice], src.region[choice],
                             routes.direct.rank[chunks.dst], routes.direct.region[chunks.dst],
                             chunk_bytes(chunks, routes.direct))
+    explain = spilled(explain)  # read again only when the plan is written
     regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
                            tensor_regions(dst_layout))  # staging is added once lowered
     fp = fingerprint(spec, src, routes.direct, regions, topo, cfg)
