@@ -47,6 +47,7 @@ from planner.passes.intersect import (
     intersect,
     piece_table,
     table_and_boxes,
+    without_holders,
 )
 from planner.passes.lower import lower, merge
 from planner.passes.route import gathered_only, route
@@ -104,6 +105,7 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     step("assign")
     choice = assign(chunks, src, routes.direct, topo)
     n_chunks, sets = len(chunks), egress_sets(chunks, src, routes.direct, topo)
+    chunks = without_holders(chunks)  # read by assign and egress_sets only
     explain = explain_table(chunks.tensor, src.rank[choice], src.region[choice],
                             routes.direct.rank[chunks.dst], routes.direct.region[chunks.dst],
                             chunk_bytes(chunks, routes.direct))

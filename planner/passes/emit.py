@@ -261,7 +261,8 @@ def explain_table(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarr
     key = column_keys(keys)
     start = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
     run_bytes = np.add.reduceat(np.asarray(nbytes, dtype=np.int64), start)
-    run_boxes = np.diff(np.append(start, len(key))) if boxes is None else \
+    run_boxes = np.diff(np.append(start, len(key)).astype(np.int32 if len(key) < 1 << 31 else
+                                                           np.int64)) if boxes is None else \
         np.add.reduceat(np.asarray(boxes, dtype=np.int64), start)
     key = key[start]
     order = np.argsort(key)  # equal keys are equal rows: any order among them

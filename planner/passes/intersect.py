@@ -74,6 +74,15 @@ def take(t: PieceTable, rows: np.ndarray) -> PieceTable:
     return PieceTable(*(getattr(t, f)[rows] for f in PieceTable.__slots__))
 
 
+def without_holders(chunks: Chunks) -> Chunks:
+    """`chunks` less their source boxes and holders (empty): what `lower` and the explain
+    table read, once `assign` has chosen."""
+    none = np.zeros(0, dtype=np.int64)
+    return Chunks(tensor=chunks.tensor, off0=chunks.off0, off1=chunks.off1,
+                  size0=chunks.size0, size1=chunks.size1, dst=chunks.dst, sbox=none,
+                  holder_ptr=none, holders=none)
+
+
 def chunk_bytes(chunks: Chunks, dst: PieceTable) -> np.ndarray:
     """Bytes of each chunk in the target's dtype."""
     return chunks.size0 * chunks.size1 * element_size(dst.dtype[chunks.dst])
