@@ -9,7 +9,8 @@ import numpy as np
 
 from planner.compiler import compile_config
 from planner.validate import load
-from schemas.plan import _pack, _parts, encode_plan, write_plan
+from schemas.plan import _pack, encode_plan, write_plan
+from schemas.plan_write import _parts
 
 ROOT = Path(__file__).resolve().parents[2]
 
