@@ -20,7 +20,7 @@ import numpy as np
 
 from planner.derived import derived
 from planner.fp8 import with_scales
-from planner.identities import rank_identities, with_rank_tensors
+from planner.identities import rank_identities, rank_tensor_blobs
 from planner.layouts import build_layout, start_layout
 from planner.layouts.base import Layout
 from planner.layouts.traced import model_hf, uses_trace
@@ -35,6 +35,7 @@ from planner.passes.emit import (
     fingerprint,
     plan_header,
     rank_regions,
+    spilled,
     tensor_regions,
     with_staging,
 )
@@ -46,10 +47,10 @@ from planner.passes.intersect import (
     intersect,
     piece_table,
     table_and_boxes,
-    take,
+    without_holders,
 )
 from planner.passes.lower import lower, merge
-from planner.passes.route import route
+from planner.passes.route import gathered_only, route
 from planner.passes.schedule import schedule
 from planner.spec import ModelSpec
 from planner.topology import build_topology
@@ -88,34 +89,39 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     fingerprint covers the direct path's target pieces, as it always has), explain, emit.
     What later steps need of the chunks (their explain rows, the egress bound's holder
     sets, the fingerprint) is taken right after assign, and the chunks are dropped once
-    lowered: memory holds one pass's columns, not every pass's."""
+    lowered; what they need of the target pieces (the coverage table, the tensors blobs)
+    before lower, and all but the gathered ones are dropped once lowered: memory holds
+    one pass's columns, not every pass's."""
     step, opts, names = progress or _quiet, cfg.options, tuple(t.name for t in spec.tensors)
     topo = build_topology(cfg.cluster, src_layout.world, dst_layout.world)
     step("intersect")
     src = piece_table(src_layout, spec, 0) if src is None else src
     dst, dst_boxes = table_and_boxes(dst_layout, spec, src_layout.world)
     routes = route(spec, src, dst, opts, topo, dst_boxes)
+    del dst, dst_boxes  # in `routes`, and dropped with it
     chunks = split_rows(intersect(spec, src, routes.direct, routes.direct_boxes), routes.direct,
                         opts.max_write_bytes)
+    routes = dataclasses.replace(routes, direct_boxes=None)  # read by intersect only
     step("assign")
     choice = assign(chunks, src, routes.direct, topo)
     n_chunks, sets = len(chunks), egress_sets(chunks, src, routes.direct, topo)
+    chunks = without_holders(chunks)  # read by assign and egress_sets only
     explain = explain_table(chunks.tensor, src.rank[choice], src.region[choice],
                             routes.direct.rank[chunks.dst], routes.direct.region[chunks.dst],
                             chunk_bytes(chunks, routes.direct))
+    explain = spilled(explain)  # read again only when the plan is written
     regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
                            tensor_regions(dst_layout))  # staging is added once lowered
     fp = fingerprint(spec, src, routes.direct, regions, topo, cfg)
+    coverage = coverage_table(dst_layout, src_layout.world, routes.targets)
+    blobs = rank_tensor_blobs(spec, (src, routes.targets), (src_layout, dst_layout))
     step("lower")
     staging_ids = _staging_ids(src_layout, dst_layout)
-    t = routes.targets  # what each rank receives in the whole plan (both paths)
-    bytes_in = np.bincount(t.rank, weights=t.size0 * t.size1 * element_size(t.dtype),
-                           minlength=topo.world).astype(np.int64)
+    bytes_in = _bytes_in(routes.targets, topo.world)
     direct = lower(chunks, choice, src, routes.direct, staging_ids, opts, names, bytes_in,
                    topo)
     del chunks, choice  # the largest columns: nothing later reads them
-    routes = dataclasses.replace(routes, direct=take(routes.direct, np.zeros(0, np.int64)),
-                                 direct_boxes=None)
+    routes = gathered_only(routes)  # the target pieces go, but those gather reads
     step("gather")
     more = gather(spec, src, routes, staging_ids, opts, topo, direct.stages,
                   remote_egress(topo, direct))
@@ -133,14 +139,18 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     explain = explain_with(explain, more.explain)
     del more
     step("emit")
-    plan = emit(header, low, sched, topo, regions, explain, names,
-                coverage_table(dst_layout, src_layout.world, routes.targets))
-    del low, sched
-    return with_rank_tensors(plan, spec, (src, routes.targets), (src_layout, dst_layout))
+    plan = emit(header, low, sched, topo, regions, explain, names, coverage)
+    return dataclasses.replace(plan, extra_blobs=(*plan.extra_blobs, *blobs))
 
 
 def _quiet(step: str) -> None:
     pass
+
+
+def _bytes_in(t: PieceTable, world: int) -> np.ndarray:
+    """Bytes each plan rank receives in the whole plan (both paths)."""
+    return np.bincount(t.rank, weights=t.size0 * t.size1 * element_size(t.dtype),
+                       minlength=world).astype(np.int64)
 
 
 def _staging_ids(src: Layout, dst: Layout) -> np.ndarray:

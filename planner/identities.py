@@ -46,7 +46,16 @@ def rank_identities(cfg: Config, src: Layout, dst: Layout) -> dict[str, Any]:
 
 def with_rank_tensors(plan: Plan, spec: ModelSpec, tables: tuple[PieceTable, PieceTable],
                       layouts: tuple[Layout, Layout]) -> Plan:
-    """`plan` with a `tensors/<rank>` blob per rank (replicas point at their first copy)."""
+    """`plan` with a `tensors/<rank>` blob per rank (`rank_tensor_blobs`)."""
+    return dataclasses.replace(plan, extra_blobs=(*plan.extra_blobs,
+                                                  *rank_tensor_blobs(spec, tables, layouts)))
+
+
+def rank_tensor_blobs(spec: ModelSpec, tables: tuple[PieceTable, PieceTable],
+                      layouts: tuple[Layout, Layout]) -> tuple[tuple[str, Any], ...]:
+    """A `tensors/<rank>` blob per plan rank (replicas point at their first copy), from the
+    source and target piece tables and layouts: the compiler takes them while it still
+    holds the tables and adds them to the plan at the end."""
     blobs: list[tuple[str, Any]] = []
     first: dict[bytes, int] = {}
     for table, layout, base in zip(tables, layouts, (0, layouts[0].world)):
@@ -61,7 +70,7 @@ def with_rank_tensors(plan: Plan, spec: ModelSpec, tables: tuple[PieceTable, Pie
                 same = first.setdefault(msgpack.packb(blob, use_bin_type=True), r)
                 seen.append((rows, same))
             blobs.append((f"tensors/{r}", blob if same == r else {"same_as": same}))
-    return dataclasses.replace(plan, extra_blobs=(*plan.extra_blobs, *blobs))
+    return tuple(blobs)
 
 
 _BLOB_COLUMNS = ("region", "tensor", "off0", "off1", "size0", "size1", "base", "a0", "a1")

@@ -66,7 +66,7 @@ def lexorder(*keys: np.ndarray) -> np.ndarray:
     argsort of a combined key."""
     if not keys or len(keys[0]) == 0:
         return np.zeros(len(keys[0]) if keys else 0, dtype=np.int64)
-    return np.argsort(row_keys(np.stack(keys[::-1], axis=1)), kind="stable")
+    return np.argsort(column_keys(keys[::-1]), kind="stable")  # (no stacked copy)
 
 
 def unique_rows(a: np.ndarray, return_index: bool = False,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -232,58 +231,6 @@ def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=32).digest()
 
 
-def encode_plan(plan: Plan, key: bytes | None = None) -> bytes:
-    """The bytes of a plan file; deterministic for equal plans. With `key`, the header
-    carries an HMAC-SHA256 `signature` over everything (`schemas/integrity.py`)."""
-    return b"".join(_encode_parts(plan, key))
-
-
-def _encode_parts(plan: Plan, key: bytes | None) -> list[bytes]:
-    """The plan file as its parts in order: the head (magic, version, header, digest), then
-    every blob (written one by one: a large plan is never joined in memory). Each blob is
-    digested on a second thread while the next is packed (blake2b releases the GIL)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(1) as pool:
-        blobs = [(name, data, pool.submit(_digest, data)) for name, data in _blobs(plan)]
-        index, offset = {}, 0
-        for name, data, digest in blobs:
-            index[name] = [offset, len(data), digest.result()]
-            offset += len(data)
-    raw = {**plan.header.encode(), "format_version": FORMAT_VERSION, "blobs": index}
-    if key is not None:
-        from .integrity import signature
-
-        raw["signature"] = signature(key, _pack(raw))
-    header = _pack(raw)
-    head = MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)) + header + _digest(header)
-    return [head] + [data for _, data, _ in blobs]
-
-
-def _blobs(plan: Plan) -> Iterator[tuple[str, bytes]]:
-    """Every blob of the plan file, packed, in file order."""
-    for r in plan.ranks:
-        yield f"rank/{r.rank}", _pack(r.encode())
-    yield "explain", _pack({"tensors": list(plan.tensors), "table": plan.explain.views()})
-    yield "dag", _pack({"nodes": plan.dag_nodes.views(), "edges": plan.dag_edges.views(),
-                        "coverage": plan.coverage.views()})
-    for name, obj in plan.extra_blobs:
-        yield name, _pack(obj)
-
-
-def write_plan(path: str, plan: Plan, key: bytes | None = None) -> int:
-    """Write `plan` to `path` atomically (temp file + rename); returns the size in bytes."""
-    import os
-
-    parts = _encode_parts(plan, key)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        for part in parts:
-            f.write(part)
-    os.replace(tmp, path)
-    return sum(len(part) for part in parts)
-
-
 def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
     try:  # never ask for more than the file holds (an absurd size must not allocate)
         import os
@@ -431,3 +378,6 @@ def decode_explain(ex: Any, path: str = "plan") -> tuple[tuple[str, ...], Table]
         raise PlanFormatError(f"{path}: explain blob is malformed")
     return tuple(ex["tensors"]), Table.from_msgpack(EXPLAIN_COLUMNS, ex.get("table"),
                                                     "explain")
+
+
+from .plan_write import encode_plan, write_plan  # noqa: E402,F401 (the codec's writing half)

@@ -18,29 +18,41 @@ _KEYS = ("w_src_rank", "w_stage", "w_dst_rank", "w_src_region", "w_dst_region")
 
 
 def coalesce(low: Lowered, max_write_bytes: int) -> Lowered:
+    """`low` with adjacent writes merged and runs cut at `max_write_bytes`. Columns are
+    put in order one at a time (a sorted copy of the whole table is never held)."""
     order = lexorder(low.w_src_offset, *(getattr(low, k) for k in reversed(_KEYS)))
-    cols = {k: getattr(low, k)[order] for k in (*_KEYS, "w_src_offset", "w_dst_offset",
-                                                  "w_nbytes")}
     n = len(order)
     if n == 0:
         return low
     same = np.ones(n, dtype=bool)
     same[0] = False
     for k in _KEYS:
-        same[1:] &= cols[k][1:] == cols[k][:-1]
-    end_s = cols["w_src_offset"] + cols["w_nbytes"]
-    end_d = cols["w_dst_offset"] + cols["w_nbytes"]
-    same[1:] &= (cols["w_src_offset"][1:] == end_s[:-1]) & (cols["w_dst_offset"][1:] == end_d[:-1])
+        col = getattr(low, k)[order]
+        same[1:] &= col[1:] == col[:-1]
+    del col
+    nbytes = low.w_nbytes[order]
+    for k in ("w_src_offset", "w_dst_offset"):
+        off = getattr(low, k)[order]
+        same[1:] &= off[1:] == off[:-1] + nbytes[:-1]
+        del off
     starts = np.nonzero(~same)[0]
-    merged = {k: cols[k][starts] for k in (*_KEYS, "w_src_offset", "w_dst_offset")}
-    merged["w_nbytes"] = np.add.reduceat(cols["w_nbytes"], starts)
+    del same
+    merged_bytes = np.add.reduceat(nbytes, starts)
+    del nbytes
+    first = order[starts]
+    del order, starts
+    merged = {k: getattr(low, k)[first] for k in (*_KEYS, "w_src_offset", "w_dst_offset")}
+    del first
+    merged["w_nbytes"] = merged_bytes
     # Split at max_write_bytes.
-    parts = -(-merged["w_nbytes"] // max_write_bytes)
-    idx = np.repeat(np.arange(len(starts)), parts)
+    parts = -(-merged_bytes // max_write_bytes)
+    if (parts == 1).all():  # nothing to cut (a 0-byte run would go: below)
+        return replace(low, **merged)
+    idx = np.repeat(np.arange(len(parts)), parts)
     k = np.arange(len(idx)) - np.repeat(np.cumsum(parts) - parts, parts)
     shift = k * max_write_bytes
     out = {key: v[idx] for key, v in merged.items()}
     out["w_src_offset"] = out["w_src_offset"] + shift
     out["w_dst_offset"] = out["w_dst_offset"] + shift
-    out["w_nbytes"] = np.minimum(max_write_bytes, merged["w_nbytes"][idx] - shift)
+    out["w_nbytes"] = np.minimum(max_write_bytes, merged_bytes[idx] - shift)
     return replace(low, **out)

@@ -22,7 +22,7 @@ from planner.layouts.base import Layout
 from planner.passes.intersect import PieceTable
 from planner.passes.lower import Lowered
 from planner.passes.schedule import Schedule
-from planner.rows import lexorder, row_keys, unique_rows
+from planner.rows import column_keys, lexorder, unique_rows
 from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import Config, SourceConfig
@@ -149,21 +149,34 @@ def plan_header(cfg: Config, spec: ModelSpec, topo: Topology, replicas: int, low
 def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
          regions: list[tuple[Region, ...]], explain: Table, tensors: tuple[str, ...],
          coverage: Table) -> Plan:
+    """The plan: every rank's tables, the explain, DAG and coverage tables, `header`.
+
+    `low` is consumed: its write columns are put in scheduled order, and its copies in
+    (rank, stage, kind) order and the plan's dtypes, in place, so each rank's tables are
+    views of them and the plan holds no second copy of the op tables (the compiler reads
+    `low` no more)."""
     world = topo.world
     o = sched.order
-    w = {"dst_rank": low.w_dst_rank[o], "src_region": low.w_src_region[o],
-         "src_offset": low.w_src_offset[o], "dst_region": low.w_dst_region[o],
-         "dst_offset": low.w_dst_offset[o], "nbytes": low.w_nbytes[o]}
-    w_src = low.w_src_rank[o]
+    for k in ("w_src_rank", "w_dst_rank", "w_src_region", "w_src_offset", "w_dst_region",
+              "w_dst_offset", "w_nbytes", "w_stage"):
+        _permute(getattr(low, k), o)
+    w = {"dst_rank": low.w_dst_rank, "src_region": low.w_src_region,
+         "src_offset": low.w_src_offset, "dst_region": low.w_dst_region,
+         "dst_offset": low.w_dst_offset, "nbytes": low.w_nbytes}
+    w_src = low.w_src_rank
     w_cut = _slices(w_src, world)
     b_start = sched.batch_start
     b_stop = np.append(b_start[1:], len(o))
     b_rank = w_src[b_start] if len(b_start) else b_start
     b_cut = _slices(b_rank, world)
-    b_stage = low.w_stage[o][b_start]  # once: indexing `low.w_stage[o]` per rank was 8M x 512
+    b_stage = low.w_stage[b_start]  # once: indexing it per rank was 8M x 512
     c = low.copies
     c_order = lexorder(c["kind"], c["stage"], c["rank"])  # stable: ties keep their order
-    c = {k: v[c_order] for k, v in c.items()}
+    for v in c.values():
+        _permute(v, c_order)
+    del c_order
+    for name, dt in COPY_COLUMNS:  # the plan's dtypes, one column at a time
+        c[name] = c[name].astype(dt, copy=False)
     c_cut = _slices(c["rank"], world)
     s_cut = _slices(sched.signals[:, 0], world)
     wt_cut = _slices(sched.waits[:, 0], world)
@@ -196,6 +209,11 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
     edges = _table(DAG_EDGE_COLUMNS, sched.dag_edges, ("u", "v"))
     return Plan(header=header, ranks=tuple(ranks), explain=explain, tensors=tensors,
                 dag_nodes=nodes, dag_edges=edges, coverage=coverage)
+
+
+def _permute(col: np.ndarray, order: np.ndarray) -> None:
+    """`col[:] = col[order]`: a column put in order in place (one column's copy at a time)."""
+    col[:] = col[order]
 
 
 def _peer_regions(pairs: np.ndarray, region_bytes: np.ndarray, first_region: np.ndarray
@@ -238,22 +256,48 @@ def explain_table(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarr
     consecutive rows (a chunk cut in parts) are summed before the rows are sorted."""
     if len(tensor) == 0:
         return Table.empty(EXPLAIN_COLUMNS)
-    keys = np.stack([tensor, src_rank, src_region, dst_rank, dst_region], axis=1,
-                    dtype=np.int32)  # as in the table
-    key = row_keys(keys)
+    keys = [np.asarray(c, dtype=np.int32) for c in  # as in the table
+            (tensor, src_rank, src_region, dst_rank, dst_region)]
+    key = column_keys(keys)
     start = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
     run_bytes = np.add.reduceat(np.asarray(nbytes, dtype=np.int64), start)
-    run_boxes = np.diff(np.append(start, len(key))) if boxes is None else \
+    run_boxes = np.diff(np.append(start, len(key)).astype(np.int32 if len(key) < 1 << 31 else
+                                                           np.int64)) if boxes is None else \
         np.add.reduceat(np.asarray(boxes, dtype=np.int64), start)
-    order = np.argsort(key[start])  # equal keys are equal rows: any order among them
-    sorted_key = key[start[order]]
-    first = np.flatnonzero(np.concatenate([[True], sorted_key[1:] != sorted_key[:-1]]))
-    uniq = keys[start[order[first]]]
+    key = key[start]
+    order = np.argsort(key)  # equal keys are equal rows: any order among them
+    key = key[order]
+    first = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
+    del key
+    rows = start[order[first]]
     total = np.add.reduceat(run_bytes[order], first)
     count = np.add.reduceat(run_boxes[order], first)
-    return Table.build(EXPLAIN_COLUMNS, tensor=uniq[:, 0], src_rank=uniq[:, 1],
-                       src_region=uniq[:, 2], dst_rank=uniq[:, 3], dst_region=uniq[:, 4],
-                       nbytes=total, boxes=count)
+    del run_bytes, run_boxes, order, start
+    return Table.build(EXPLAIN_COLUMNS, **{name: k[rows] for (name, _), k in zip(
+        EXPLAIN_COLUMNS, keys)}, nbytes=total, boxes=count)
+
+
+def spilled(table: Table) -> Table:
+    """`table` with its columns written to an unnamed temporary file and mapped back
+    read-only: the same table, whose bytes are in the page cache instead of this process
+    until read (the compiler holds the explain table from assign to the plan's writing;
+    DeepSeek-V3's is 0.42 GB)."""
+    import mmap
+    import tempfile
+
+    size = sum(c.nbytes for c in table.columns)
+    if size == 0:
+        return table
+    with tempfile.TemporaryFile() as f:
+        for c in table.columns:
+            f.write(memoryview(c).cast("B"))
+        f.flush()
+        m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)  # outlives the file
+    cols, at = [], 0
+    for (_, dt), c in zip(table.schema, table.columns):
+        cols.append(np.frombuffer(m, dtype=dt, count=len(c), offset=at))
+        at += c.nbytes
+    return Table(table.schema, tuple(cols))
 
 
 def explain_with(table: Table, rows: np.ndarray) -> Table:
@@ -280,6 +324,10 @@ def _packed_regions(regions: list[tuple[Region, ...]]) -> bytes:
     return b"".join(parts)
 
 
+_HASHED = 1 << 20
+"""Rows of a piece table column cast to int64 and hashed at a time."""
+
+
 def fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable,
                 regions: list[tuple[Region, ...]], topo: Topology, cfg: Config) -> str:
     """Digest of what the plan depends on: spec, piece tables, regions, topology, options."""
@@ -287,8 +335,10 @@ def fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable,
     h.update(msgpack.packb([FORMAT_VERSION, [(t.name, list(t.shape), t.dtype)
                                              for t in spec.tensors]]))
     for table in (src, dst):  # (not `dataclasses.astuple`: it deep-copies every column)
-        for f in dataclasses.fields(table):
-            h.update(np.ascontiguousarray(getattr(table, f.name)).data)
+        for f in dataclasses.fields(table):  # as int64, whatever the column holds
+            col = getattr(table, f.name)
+            for at in range(0, len(col), _HASHED):
+                h.update(np.ascontiguousarray(col[at:at + _HASHED], dtype=np.int64).data)
     h.update(_packed_regions(regions))
     h.update(msgpack.packb([list(topo.host), list(topo.gpu), list(topo.nic),
                             topo.nic_gbps, topo.nvlink_gbps]))

@@ -28,7 +28,8 @@ from schemas.protocol import ITEM
 
 @dataclass(frozen=True, slots=True)
 class PieceTable:
-    """One side's pieces as columns; `rank` is the plan rank."""
+    """One side's pieces as columns; `rank` is the plan rank. Columns are int32 where every
+    value and every element offset made from them fits (`piece_table`), else int64."""
 
     rank: np.ndarray
     region: np.ndarray
@@ -73,6 +74,15 @@ def take(t: PieceTable, rows: np.ndarray) -> PieceTable:
     return PieceTable(*(getattr(t, f)[rows] for f in PieceTable.__slots__))
 
 
+def without_holders(chunks: Chunks) -> Chunks:
+    """`chunks` less their source boxes and holders (empty): what `lower` and the explain
+    table read, once `assign` has chosen."""
+    none = np.zeros(0, dtype=np.int64)
+    return Chunks(tensor=chunks.tensor, off0=chunks.off0, off1=chunks.off1,
+                  size0=chunks.size0, size1=chunks.size1, dst=chunks.dst, sbox=none,
+                  holder_ptr=none, holders=none)
+
+
 def chunk_bytes(chunks: Chunks, dst: PieceTable) -> np.ndarray:
     """Bytes of each chunk in the target's dtype."""
     return chunks.size0 * chunks.size1 * element_size(dst.dtype[chunks.dst])
@@ -113,7 +123,7 @@ def _flatten(layout: Layout, spec: ModelSpec, rank_base: int, with_boxes: bool
         used.append(b)
     sizes = np.array([blocks[b].shape[1] for b in used], dtype=np.int64)
     starts = np.cumsum(sizes) - sizes
-    out = np.empty((11, int(sizes.sum())), dtype=np.int64)
+    out = np.empty((11, int(sizes.sum())), dtype=_column_dtype(blocks, rank_base + len(used)))
     for rl, b, at in zip(layout.ranks, used, starts.tolist()):
         out[0, at:at + blocks[b].shape[1]] = rank_base + rl.rank
         out[1:, at:at + blocks[b].shape[1]] = blocks[b]
@@ -131,6 +141,24 @@ def _flatten(layout: Layout, spec: ModelSpec, rank_base: int, with_boxes: bool
     first = first + np.repeat(starts[made] - cstart, lens)[first]
     of = np.concatenate([of[cstart[b]:cstart[b] + lens[b]] for b in used]) if used else of
     return table, Boxes(of=of, first=first)
+
+
+_NARROW = np.iinfo(np.int32).max
+
+
+def _column_dtype(blocks: list[np.ndarray], ranks: int) -> np.dtype:
+    """int32 when every value, and every element offset or box size made from a row, fits
+    in it (element offsets `base + i0*a0 + i1*a1` within the box, and every partial sum,
+    are bounded by `|base| + (off0+size0)*|a0| + (off1+size1)*|a1|`): the passes' products
+    of two columns then never overflow. Else int64. Rows are `(region, *row)` blocks."""
+    bound = ranks
+    for b in blocks:
+        if b.shape[1] == 0:
+            continue
+        _, _, off0, off1, size0, size1, base, a0, a1, _ = b
+        reach = np.abs(base) + (off0 + size0) * np.abs(a0) + (off1 + size1) * np.abs(a1)
+        bound = max(bound, int(np.abs(b).max()), int(reach.max()), int((size0 * size1).max()))
+    return np.dtype(np.int32 if bound <= _NARROW else np.int64)
 
 
 def _rank_rows(tensors: tuple[PhysicalTensor, ...], tensor_id: dict[str, int],
@@ -278,11 +306,12 @@ def intersect(spec: ModelSpec, src: PieceTable, dst: PieceTable,
     keep = (hi0 > lo0) & (hi1 > lo1)
     tb, sb, lo0, lo1, hi0, hi1 = (x[keep] for x in (tb, sb, lo0, lo1, hi0, hi1))
     _check_coverage(spec, tboxes, tb, (hi0 - lo0) * (hi1 - lo1), dst, tbox_of)
-    holders = np.argsort(sbox_of, kind="stable")
+    holders = np.argsort(sbox_of, kind="stable").astype(_index_dtype(len(src)))
     holder_ptr = np.searchsorted(sbox_of[holders], np.arange(len(sboxes) + 1))
     if np.array_equal(tb, np.arange(len(tboxes))):  # one source box each: all of it (coverage)
         return Chunks(tensor=dst.tensor, off0=dst.off0, off1=dst.off1, size0=dst.size0,
-                      size1=dst.size1, dst=np.arange(len(dst)), sbox=sb[tbox_of],
+                      size1=dst.size1, dst=np.arange(len(dst), dtype=_index_dtype(len(dst))),
+                      sbox=sb[tbox_of],
                       holder_ptr=holder_ptr, holders=holders)
     # Expand box pairs (grouped by tbox, as `tb` is sorted) to every target piece row.
     pair_ptr = np.searchsorted(tb, np.arange(len(tboxes) + 1))
@@ -293,6 +322,12 @@ def intersect(spec: ModelSpec, src: PieceTable, dst: PieceTable,
     return Chunks(tensor=tboxes[tb[pair], 0], off0=lo0[pair], off1=lo1[pair],
                   size0=(hi0 - lo0)[pair], size1=(hi1 - lo1)[pair], dst=rows, sbox=sb[pair],
                   holder_ptr=holder_ptr, holders=holders)
+
+
+def _index_dtype(n: int) -> np.dtype:
+    """Row numbers of a table of `n` rows: int32 where they fit (the chunks' `dst`, the
+    holders and hence `assign`'s choice: only ever indices)."""
+    return np.dtype(np.int32 if n <= _NARROW else np.int64)
 
 
 def _check_coverage(spec: ModelSpec, tboxes: np.ndarray, tb: np.ndarray, numel: np.ndarray,

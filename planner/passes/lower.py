@@ -46,7 +46,8 @@ class Lowered:
     w_nbytes: np.ndarray
     w_stage: np.ndarray
     copies: dict[str, np.ndarray]
-    """`schemas.plan.COPY_COLUMNS` plus `rank` (the rank that runs the copy)."""
+    """`schemas.plan.COPY_COLUMNS` plus `rank` (the rank that runs the copy), in the plan's
+    dtypes but int64 columns as int32 where their values fit (`emit` casts them back)."""
     staging: np.ndarray
     """Staging bytes of each plan rank."""
     stages: int
@@ -112,22 +113,22 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     """Direct writes and staged chunks (packs, writes, unpacks in stages) of `chunks`;
     plan ranks below `topo.sources` are source ranks (`budget.budgets`: their staging
     budget is the cap; a target's is sized from the cost model: `bytes_in` it receives in
-    the whole plan, its link at `topo.nic_gbps`). Chunks are classified and their direct
-    writes made `BLOCK` at a time; `balance` takes a second look at the staged ones over
-    NVLink, and those left are placed and lowered together."""
-    staged_at, direct = [], []
-    for lo in range(0, len(chunks), BLOCK):
-        staged, writes = _direct(chunks, choice, src, dst, opts, slice(lo, lo + BLOCK))
-        staged_at.append(lo + staged)
-        direct.append(writes)
-    si = np.concatenate(staged_at) if staged_at else np.zeros(0, np.int64)
-    si, moved = _second_look(chunks, choice, src, dst, si, direct, opts, topo)
-    direct.append(moved)
+    the whole plan, its link at `topo.nic_gbps`). Chunks are classified `BLOCK` at a time;
+    `balance` takes a second look at the staged ones over NVLink; those left are placed and
+    lowered together, and the direct writes made after them, a block at a time (the staged
+    chunks' temporaries and the direct writes are never held together)."""
+    blocks = [slice(lo, lo + BLOCK) for lo in range(0, len(chunks), BLOCK)]
+    si = np.concatenate([b.start + np.nonzero(_staged_mask(_shape(chunks, choice, src, dst, b),
+                                                            opts))[0] for b in blocks]) \
+        if blocks else np.zeros(0, np.int64)
+    si, moved = _second_look(chunks, choice, src, dst, si, blocks, opts, topo)
     sources, nic_gbps = topo.sources, topo.nic_gbps
     first = int(len(si) < len(chunks))  # any direct chunk: see `_staged`
     staged, copies, staging, stages, slotted = _staged(
         chunks, choice, src, dst, si, first, n_regions, opts, tensor_names, sources,
         bytes_in, nic_gbps)
+    del si
+    direct = [_direct(chunks, choice, src, dst, opts, b) for b in blocks] + [moved]
     n_direct = sum(len(d["w_nbytes"]) for d in direct)
     at = direct_stage(copies["kind"], stages) if n_direct else 0
     direct.append({"w_stage": np.full(n_direct, at, np.int32)})
@@ -151,11 +152,9 @@ def direct_stage(kinds: np.ndarray, stages: int) -> int:
     return stages
 
 
-def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
-            opts: Options, b: slice) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Of the chunks in block `b`: which are staged (offsets in the block), and the direct
-    writes of the others (one per row, or the whole box when both sides are contiguous)."""
-    g = _shape(chunks, choice, src, dst, b)
+def _staged_mask(g: dict[str, np.ndarray], opts: Options) -> np.ndarray:
+    """Which chunks of `g` (`_shape`) are staged: those no direct write can do, and those
+    the cost model finds cheaper staged."""
     staged = g["staged"]
     # The cost model, where a direct chunk takes several writes (a chunk contiguous on
     # both sides is one direct write, never dearer than staging it).
@@ -164,9 +163,16 @@ def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable
     pack_us = p_us + g["nbytes"][some] * 8e-3 / opts.pack_gbps  # bytes*8/(Gb/s*1e3) = us
     staged[some] = (w_us + g["pack"][some] * pack_us + g["unpack"][some] * pack_us
                     < g["s0"][some] * w_us)
+    return staged
+
+
+def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
+            opts: Options, b: slice) -> dict[str, np.ndarray]:
+    """The direct writes of the chunks in block `b` that are not staged (one per row, or
+    the whole box when both sides are contiguous)."""
+    g = _shape(chunks, choice, src, dst, b)
     ids = np.arange(b.start or 0, min(b.stop or len(chunks), len(chunks)))
-    return np.nonzero(staged)[0], _writes(chunks, choice, src, dst, g, np.nonzero(~staged)[0],
-                                          ids)
+    return _writes(chunks, choice, src, dst, g, np.nonzero(~_staged_mask(g, opts))[0], ids)
 
 
 def _writes(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
@@ -193,10 +199,11 @@ def _writes(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable
 
 
 def _second_look(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
-                 si: np.ndarray, direct: list[dict[str, np.ndarray]], opts: Options,
+                 si: np.ndarray, blocks: list[slice], opts: Options,
                  topo: Topology) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """The staged chunks `si` that stay staged, and the direct writes of those that
-    `balance.direct_after_all` moves (`direct`: the direct writes made so far)."""
+    `balance.direct_after_all` moves (the other chunks' direct writes, made a block at a
+    time, count towards the links only where a staged chunk crosses NVLink)."""
     host, world = np.asarray(topo.host, dtype=np.int32), topo.world
     s_rank, d_rank = src.rank[choice[si]], dst.rank[chunks.dst[si]]
     nvlink = host[s_rank] == host[d_rank]
@@ -215,6 +222,7 @@ def _second_look(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: Piece
               / (opts.pack_gbps * 1e9 / 8))
     # each rank's NVLink traffic: its bytes at its rate, its writes at NVLINK_WRITE_S each
     link_s = np.zeros(world)
+    direct = (_direct(chunks, choice, src, dst, opts, b) for b in blocks)
     for a, z, n in [(d["w_src_rank"], d["w_dst_rank"], d["w_nbytes"]) for d in direct] + \
             [(s_rank, d_rank, nb)]:
         nv = host[a] == host[z]
@@ -286,29 +294,37 @@ def _copies(p: np.ndarray, u: np.ndarray, stage: np.ndarray, s_soff: np.ndarray,
     column is over the staged chunks in placement order; `p`, `u`: packed, unpacked)."""
     p, u = np.nonzero(p)[0], np.nonzero(u)[0]
     one_p, one_u = np.ones(len(p), np.int64), np.ones(len(u), np.int64)
-    cat = np.concatenate
-    cols = {
-        "rank": cat([src_rank[p], dst_rank[u]]),
-        "kind": cat([np.full(len(p), PACK), np.full(len(u), UNPACK)]),
-        "stage": cat([stage[p], stage[u]]),
-        "src_region": cat([s_region[p], n_regions[dst_rank[u]]]),
-        "src_dtype": cat([s_code[p], d_code[u]]),
-        "src_offset": cat([s_start[p], d_soff[u] // es_d[u]]),
-        "src_stride0": cat([s_a0[p], s1[u]]),
-        "src_stride1": cat([s_a1[p], one_u]),
-        "src_stride2": cat([one_p, one_u]),
-        "dst_region": cat([n_regions[src_rank[p]], d_region[u]]),
-        "dst_dtype": cat([d_code[p], d_code[u]]),
-        "dst_offset": cat([s_soff[p] // es_d[p], d_start[u]]),
-        "dst_stride0": cat([s1[p], d_a0[u]]),
-        "dst_stride1": cat([one_p, d_a1[u]]),
-        "dst_stride2": cat([one_p, one_u]),
-        "size0": cat([s0[p], s0[u]]),
-        "size1": cat([s1[p], s1[u]]),
-        "size2": cat([one_p, one_u]),
-        "aux_offset": np.zeros(len(p) + len(u), dtype=np.int64),
+    cols = {  # each column's (packs, unpacks), made one column at a time
+        "rank": lambda: (src_rank[p], dst_rank[u]),
+        "kind": lambda: (np.full(len(p), PACK), np.full(len(u), UNPACK)),
+        "stage": lambda: (stage[p], stage[u]),
+        "src_region": lambda: (s_region[p], n_regions[dst_rank[u]]),
+        "src_dtype": lambda: (s_code[p], d_code[u]),
+        "src_offset": lambda: (s_start[p], d_soff[u] // es_d[u]),
+        "src_stride0": lambda: (s_a0[p], s1[u]),
+        "src_stride1": lambda: (s_a1[p], one_u),
+        "src_stride2": lambda: (one_p, one_u),
+        "dst_region": lambda: (n_regions[src_rank[p]], d_region[u]),
+        "dst_dtype": lambda: (d_code[p], d_code[u]),
+        "dst_offset": lambda: (s_soff[p] // es_d[p], d_start[u]),
+        "dst_stride0": lambda: (s1[p], d_a0[u]),
+        "dst_stride1": lambda: (one_p, d_a1[u]),
+        "dst_stride2": lambda: (one_p, one_u),
+        "size0": lambda: (s0[p], s0[u]),
+        "size1": lambda: (s1[p], s1[u]),
+        "size2": lambda: (one_p, one_u),
+        "aux_offset": lambda: (np.zeros(len(p) + len(u), dtype=np.int64),),
     }
-    return {k: v.astype(_COPY_DTYPES.get(k, np.int64), copy=False) for k, v in cols.items()}
+    return {k: _narrow(np.concatenate(f(), dtype=_COPY_DTYPES.get(k, np.int64),
+                                      casting="unsafe")) for k, f in cols.items()}
+
+
+def _narrow(col: np.ndarray) -> np.ndarray:
+    """An int64 copy column as int32 when its values fit (`emit` casts it back)."""
+    if col.dtype != np.int64 or len(col) == 0 or col.min() < -(1 << 31) or \
+            col.max() >= 1 << 31:
+        return col
+    return col.astype(np.int32)
 
 
 _COPY_DTYPES = {"rank": np.dtype(np.int32), **{n: np.dtype(d) for n, d in COPY_COLUMNS}}

@@ -106,3 +106,13 @@ def fine_cut(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
     fine &= ~transposed[dst.tensor[first]]
     fine &= need + 256 <= opts.staging_bytes - opts.staging_bytes // 4
     return np.nonzero(fine[inv])[0]
+
+
+def gathered_only(routes: Routes) -> Routes:
+    """`routes` with `targets` cut to the rows `gather` reads (the gathered and the scale
+    rows, in order; `gathered` and `scales` renumbered) and no direct pieces: what the
+    compiler keeps once the direct path is lowered."""
+    keep = np.union1d(routes.gathered, routes.scales)
+    return Routes(targets=take(routes.targets, keep), direct=take(routes.direct, keep[:0]),
+                  gathered=np.searchsorted(keep, routes.gathered),
+                  scales=np.searchsorted(keep, routes.scales))

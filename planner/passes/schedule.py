@@ -57,24 +57,36 @@ def schedule(low: Lowered, topo: Topology, max_write_bytes: int,
     new_group[1:] = (g_src[1:] != g_src[:-1]) | (g_stage[1:] != g_stage[:-1]) | \
         (g_dst[1:] != g_dst[:-1])
     gid = np.cumsum(new_group) - 1
-    nb = low.w_nbytes[group]
-    csum = np.cumsum(nb)
     gstart = np.nonzero(new_group)[0]
-    before = csum - nb - (csum - nb)[gstart][gid]  # bytes earlier in the same group
+    del new_group
+    nb = low.w_nbytes[group]
+    before = np.cumsum(nb)
+    before -= nb  # bytes earlier in the whole order, then in the same group
+    del nb
+    before -= before[gstart][gid]
     pos = np.arange(n) - gstart[gid]
+    del gid, gstart
     rnd = np.maximum(before // max_write_bytes, pos // MAX_BATCH_WRITES)
+    del before, pos
     rot = (g_dst - topo.sources + g_src) % max(topo.targets, 1)
+    del g_dst
     order = group[lexorder(rot, rnd, g_stage, g_src)]  # stable: ties keep group order
-    o_src, o_stage, o_dst = src[order], stage[order], dst[order]
+    del rot, g_stage, g_src
     key_rnd = np.empty(n, dtype=np.int64)
     key_rnd[group] = rnd
-    o_rnd = key_rnd[order]
-    new_batch = np.ones(n, dtype=bool)
-    new_batch[1:] = (o_src[1:] != o_src[:-1]) | (o_stage[1:] != o_stage[:-1]) | \
-        (o_dst[1:] != o_dst[:-1]) | (o_rnd[1:] != o_rnd[:-1])
+    del group, rnd
+    new_batch = np.zeros(n, dtype=bool)
+    new_batch[:1] = True
+    for col in (src, stage, dst, key_rnd):  # one column in order at a time
+        o = col[order]
+        new_batch[1:] |= o[1:] != o[:-1]
+        del o
+    del key_rnd
     batch_start = np.nonzero(new_batch)[0]
+    del new_batch
     host = np.asarray(topo.host)
-    batch_nic = (host[o_src[batch_start]] == host[o_dst[batch_start]]).astype(np.int64)
+    batch_nic = (host[src[order[batch_start]]] == host[dst[order[batch_start]]]).astype(
+        np.int64)
     signals, waits = _signals(low, n_regions, topo.sources)
     nodes, edges = _dag(low.stages, topo.world, signals)
     return Schedule(order, batch_start, batch_nic, signals, waits, nodes, edges)

@@ -32,3 +32,19 @@ def test_sums_equal_rows_in_key_order() -> None:
     # more rows added to a table already summed: as if summed together
     assert _rows(explain_with(explain_table(*rows[:1700].T), rows[1700:])) == _oracle(rows)
     assert len(explain_table(*rows[:0].T)) == 0
+
+
+def test_spilled_table_reads_the_same() -> None:
+    """`spilled`: the table's columns from a mapped temporary file, equal and read-only."""
+    from planner.passes.emit import spilled
+
+    rng = np.random.default_rng(3)
+    rows = np.stack([rng.integers(0, 9, 500), rng.integers(0, 4, 500), rng.integers(0, 3, 500),
+                     rng.integers(4, 8, 500), rng.integers(0, 2, 500),
+                     rng.integers(1, 1 << 40, 500)], axis=1)
+    table = explain_table(*rows.T)
+    out = spilled(table)
+    assert out.schema == table.schema and _rows(out) == _rows(table)
+    assert not any(c.flags.writeable for c in out.columns)
+    empty = explain_table(*np.zeros((6, 0), np.int64))
+    assert spilled(empty) is empty

@@ -100,3 +100,19 @@ def test_fp8_misaligned_columns_are_refused_naming_the_piece() -> None:
     lay = vllm.layout(spec, TargetConfig(engine="vllm", tp=2))
     with pytest.raises(ConfigError, match=r"w13_weight holds model\.layers\.0\.mlp\.experts\.0"):
         quantize_layout(lay, spec)
+
+
+def test_columns_are_int32_only_where_every_offset_fits() -> None:
+    """int32 columns when values and element offsets fit; a box whose offsets reach past
+    2**31 elements (base + off0 * a0) keeps the table int64."""
+    from planner.passes.intersect import _column_dtype
+
+    row = np.array([[0], [0], [0], [0], [4], [8], [0], [8], [1], [1]], dtype=np.int64)
+    assert _column_dtype([row], 16) == np.int32
+    far = row.copy()
+    far[2], far[7] = 1 << 20, 1 << 12  # off0 * a0 = 2**32
+    far[6] = -(1 << 32) + 5
+    assert _column_dtype([row, far], 16) == np.int64
+    spec = spec_from_hf(qwen3_moe())
+    table = piece_table(vllm.layout(spec, TargetConfig(engine="vllm", tp=2)), spec, 0)
+    assert all(getattr(table, f).dtype == np.int32 for f in table.__slots__)

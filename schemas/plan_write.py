@@ -1,0 +1,164 @@
+"""Writing a plan file (`schemas/plan.py` has the format and the reading half).
+
+`encode_plan` gives the file's bytes; `write_plan` writes the same bytes without holding
+them: each blob goes to an unnamed spill file as it is packed, then the head (which
+indexes the blobs) is written and the spill copied after it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+import msgpack
+
+from .plan import FORMAT_VERSION, MAGIC, Plan, _digest, _pack
+
+
+def encode_plan(plan: Plan, key: bytes | None = None) -> bytes:
+    """The bytes of a plan file; deterministic for equal plans. With `key`, the header
+    carries an HMAC-SHA256 `signature` over everything (`schemas/integrity.py`)."""
+    return b"".join(_encode_parts(plan, key))
+
+
+def _encode_parts(plan: Plan, key: bytes | None) -> list[bytes]:
+    """The plan file as its parts in order: the head (magic, version, header, digest), then
+    every blob. Each blob is digested on a second thread while the next is packed (blake2b
+    releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        blobs = [(name, data, pool.submit(_digest, data)) for name, data in _blobs(plan)]
+        index, offset = {}, 0
+        for name, data, digest in blobs:
+            index[name] = [offset, len(data), digest.result()]
+            offset += len(data)
+    return [_head(plan, key, index)] + [data for _, data, _ in blobs]
+
+
+def _head(plan: Plan, key: bytes | None, index: dict[str, list[Any]]) -> bytes:
+    """Magic, version, the header (with the blob `index`, signed with `key`), its digest."""
+    raw = {**plan.header.encode(), "format_version": FORMAT_VERSION, "blobs": index}
+    if key is not None:
+        from .integrity import signature
+
+        raw["signature"] = signature(key, _pack(raw))
+    header = _pack(raw)
+    return MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)) + header + _digest(header)
+
+
+def _blobs(plan: Plan) -> Iterator[tuple[str, bytes]]:
+    """Every blob of the plan file, packed, in file order."""
+    for name, obj in _blob_objects(plan):
+        yield name, _pack(obj)
+
+
+def _blob_objects(plan: Plan) -> Iterator[tuple[str, Any]]:
+    """Every blob of the plan file as the object msgpack packs, in file order (each made
+    when asked for)."""
+    for r in plan.ranks:
+        yield f"rank/{r.rank}", r.encode()
+    yield "explain", {"tensors": list(plan.tensors), "table": plan.explain.views()}
+    yield "dag", {"nodes": plan.dag_nodes.views(), "edges": plan.dag_edges.views(),
+                  "coverage": plan.coverage.views()}
+    yield from plan.extra_blobs
+
+
+def _parts(obj: Any) -> list[bytes | memoryview]:
+    """`_pack(obj)` as parts whose concatenation is those bytes, a table's column bytes left
+    in place (not copied into one buffer, whose growth would hold them two or three times):
+    a map is its header and its keys' and values' parts, a list of memoryviews (a table) its
+    header and each column's bin header and bytes; anything else is packed whole."""
+    if isinstance(obj, dict):
+        out: list[bytes | memoryview] = [_PACKER.pack_map_header(len(obj))]
+        for k, v in obj.items():
+            out.append(_pack(k))
+            out += _parts(v)
+        return out
+    if isinstance(obj, list) and obj and all(isinstance(v, memoryview) for v in obj):
+        out = [_PACKER.pack_array_header(len(obj))]
+        for v in obj:
+            out += [_bin_header(v.nbytes), v]
+        return out
+    return [_pack(obj)]
+
+
+_PACKER = msgpack.Packer(use_bin_type=True)
+
+
+def _bin_header(n: int) -> bytes:
+    """msgpack's header of a bin of `n` bytes (bin 8, 16 or 32)."""
+    if n < 1 << 8:
+        return struct.pack(">BB", 0xC4, n)
+    if n < 1 << 16:
+        return struct.pack(">BH", 0xC5, n)
+    return struct.pack(">BI", 0xC6, n)
+
+
+def _digest_parts(parts: list[bytes | memoryview]) -> bytes:
+    h = hashlib.blake2b(digest_size=32)
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+def write_plan(path: str, plan: Plan, key: bytes | None = None) -> int:
+    """Write `plan` to `path` atomically (temp file + rename); returns the size in bytes.
+
+    The header indexes the blobs (offsets, lengths, digests), so it is known only once all
+    are packed; they are not held meanwhile: each is written to an unnamed spill file as it
+    is packed (its table columns straight from their arrays, `_parts`; digested on a second
+    thread while written), then the head is written and the spill copied after it (in the
+    kernel where it can). Memory holds one blob's small parts, not the plan's bytes twice;
+    the file is `encode_plan`'s bytes."""
+    import os
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    index: dict[str, list[Any]] = {}
+    offset = 0
+    with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))) as spill:
+        with ThreadPoolExecutor(1) as pool:
+            for name, obj in _blob_objects(plan):
+                parts = _parts(obj)
+                digest = pool.submit(_digest_parts, parts)
+                for part in parts:
+                    spill.write(part)
+                n = sum(len(part) for part in parts)
+                del parts, obj
+                index[name] = [offset, n, digest.result()]
+                offset += n
+        head = _head(plan, key, index)
+        spill.flush()
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(head)
+            f.flush()
+            spill.seek(0)
+            _copy(spill, f, offset)
+        os.replace(tmp, path)
+    return len(head) + offset
+
+
+def _copy(src: BinaryIO, dst: BinaryIO, n: int) -> None:
+    """`n` bytes from the position of `src` to the end of `dst` (both flushed files)."""
+    import os
+    import shutil
+
+    done = 0
+    try:
+        while done < n:
+            got = os.copy_file_range(src.fileno(), dst.fileno(), n - done)
+            if got == 0:
+                break
+            done += got
+    except (AttributeError, OSError):
+        if done:
+            raise
+        src.seek(0)
+        shutil.copyfileobj(src, dst, 16 << 20)
+        return
+    if done != n:
+        raise OSError(f"write_plan: copied {done} of {n} bytes of the plan's blobs")
