@@ -9,7 +9,6 @@ Two things the compiler knows and stores (readers never re-derive them):
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import msgpack
@@ -20,7 +19,6 @@ from planner.passes.intersect import PieceTable
 from planner.spec import ModelSpec
 from schemas.config import Config
 from schemas.identity import HEADER_KEY
-from schemas.plan import Plan
 from schemas.tensors import encode_rank_tensors
 
 
@@ -42,13 +40,6 @@ def rank_identities(cfg: Config, src: Layout, dst: Layout) -> dict[str, Any]:
             return {}
         out += [fn(side, r) for r in range(layout.world)]
     return {HEADER_KEY: out}
-
-
-def with_rank_tensors(plan: Plan, spec: ModelSpec, tables: tuple[PieceTable, PieceTable],
-                      layouts: tuple[Layout, Layout]) -> Plan:
-    """`plan` with a `tensors/<rank>` blob per rank (`rank_tensor_blobs`)."""
-    return dataclasses.replace(plan, extra_blobs=(*plan.extra_blobs,
-                                                  *rank_tensor_blobs(spec, tables, layouts)))
 
 
 def rank_tensor_blobs(spec: ModelSpec, tables: tuple[PieceTable, PieceTable],
