@@ -38,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import executor  # noqa: E402
+from bench import step_trace  # noqa: E402
 from schemas.header import PlanHeader  # noqa: E402
 from schemas.plan import (  # noqa: E402
     BATCH_COLUMNS,
@@ -103,8 +104,12 @@ def raw_cuda_ipc(plan: executor.Executor, x: torch.Tensor, steps: int) -> list[f
     raw = []
     for _ in range(steps + 1):
         t0 = time.perf_counter()
-        with torch.cuda.stream(stream):
-            dst.copy_(x)
+        if isinstance(dst, torch.Tensor):
+            with torch.cuda.stream(stream):
+                dst.copy_(x)
+        else:  # a peer on another GPU mapped by the transport itself: the same one copy
+            assert not t.rt.memcpy_async(dst.data_ptr(), x.data_ptr(), x.numel(),
+                                         t.rt.D2D, stream.cuda_stream)
         stream.synchronize()
         raw.append(time.perf_counter() - t0)
     return raw[1:]
@@ -122,6 +127,7 @@ def worker(path: str, rank: int, port: int, steps: int, transport: str, device: 
                          timeout_s=120, transport_options=json.loads(options) or None)
     prof = cProfile.Profile() if os.environ.get("BENCH_PROFILE") else None
     runs = [executor.run(plan)]  # warm-up
+    trace = step_trace.attach(plan) if os.environ.get("BENCH_TRACE") else None
     if prof:
         prof.enable()
     runs = [executor.run(plan) for _ in range(steps)]
@@ -130,6 +136,10 @@ def worker(path: str, rank: int, port: int, steps: int, transport: str, device: 
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
         print(f"--- rank {rank} profile of {steps} steps\n{out.getvalue()}", flush=True)
+    if trace is not None:  # `BENCH_TRACE=DIR`: each event's time of each step
+        step_trace.save(os.environ["BENCH_TRACE"], rank, trace)
+    if rank == 0 and transport == "cuda_ipc":  # which path the batches took
+        print(f"rank 0 ({device}) transport stats: {plan.transport.stats()}", flush=True)
     if rank == 1:  # bit-exact: slot (i * 7) % W of the target holds the source's chunk i
         store.set("exact", b"1" if torch.equal(x, _permuted(n, int(store.get("writes")),
                                                             device)) else b"0")
@@ -180,6 +190,8 @@ def bench_two_processes(path: str, steps: int, transport: str, device: str,
     for f in done:
         if f.returncode:
             raise SystemExit(f"{transport} worker {f.rank} failed with status {f.returncode}")
+    if os.environ.get("BENCH_TRACE"):
+        print(step_trace.report(os.environ["BENCH_TRACE"]))
     ex, raw, host = map(float, store.get("result").decode().split())
     return ex, raw, host, store.get("exact") == b"1"
 

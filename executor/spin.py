@@ -14,11 +14,12 @@ in waits is counted (`waited`), so a benchmark can tell host work from waiting.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 
-SPIN_S = 2e-4
-"""Seconds a wait polls without sleeping."""
+SPIN_S = float(os.environ.get("RDMA_PLAN_SPIN_S", "2e-4"))
+"""Seconds a wait polls without sleeping (`RDMA_PLAN_SPIN_S` sets it for a process)."""
 NAP_MIN_S = 1e-5
 NAP_MAX_S = 2e-4
 NAP_SHARE = 1 / 64

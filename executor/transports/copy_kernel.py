@@ -5,10 +5,10 @@ of 1024 writes of 1 MiB runs at half the speed of one copy of the same bytes how
 posted. This kernel reads a table of (dst, src, nbytes) pieces of at most `CHUNK` bytes
 (every write cut into such pieces, at 16-byte multiples of its start) and each block copies
 pieces in turn, 16 bytes per load where both sides are 16-byte aligned alike (the plan's
-offsets nearly always are), bytes otherwise. It writes to this device's memory, a
-process's own or another's opened through CUDA IPC; not to another GPU's memory opened
-through IPC, which faulted (CUDA error 700 on two NVLinked H100s, peer access on or not):
-`cuda_ipc` sends those batches to the copy engines.
+offsets nearly always are), bytes otherwise. It writes to this device's memory (a
+process's own or another's opened through CUDA IPC) and to another GPU's memory mapped in
+this device's context (`cuda_ipc` opens a peer's handles there itself: memory that torch
+opened in the owner device's context faulted, CUDA error 700 on two NVLinked H100s).
 
 It is built at run time with NVRTC through `torch.cuda._compile_kernel` (no compiler
 needed at install) once per process and device, and captured in the batch's CUDA graph, so

@@ -5,12 +5,15 @@ fields travel as msgpack (bytes and ints), never pickle. A peer opens them with
 `UntypedStorage._new_shared_cuda(...)`. A stage's writes to one peer are one batch
 (`fuse_batches`), prepared once into raw (dst, src, nbytes) pointer triples, writes
 adjacent in memory on both sides (inside one allocation each) merged into one. By default
-a batch into a peer on this GPU is one launch of the copy kernel (`copy_kernel.py`: the
-SMs, no per-copy cost), captured as a CUDA graph. A batch into a peer on another GPU, or
-any batch with `copy_kernel: false` (or where the kernel cannot be built), goes to the
-copy engines: a kernel writing into another GPU's memory opened through CUDA IPC faulted
-(CUDA error 700 on two NVLinked H100s, with peer access on before or after the open). The
-copy engines take it: the triples split into
+a batch is one launch of the copy kernel (`copy_kernel.py`: the SMs, no per-copy cost),
+captured as a CUDA graph. For a peer on another GPU the kernel needs the peer's memory
+mapped in this rank's own device context: torch maps it in the owner device's context,
+where a kernel of this device faulted (CUDA error 700 on two NVLinked H100s, peer access
+on or not), and the driver lets a process open a peer's handle in one context only. So
+such a peer's handles are opened here with `cudaIpcOpenMemHandle`, this device current
+(`PeerRegion`: raw addresses, as NCCL maps its peers), not through torch. Batches with
+`copy_kernel: false`, or where the kernel cannot be built, or of large writes, go to the
+copy engines: the triples split into
 up to `CudaIpcOptions.streams` branches of near-equal bytes that run side by side (several
 copy engines). A batch of small copies is captured once as one CUDA graph of those branches
 and replayed: one launch per stage and peer; one of large copies is posted as one
@@ -59,6 +62,28 @@ def _import_region(fields: list[Any]) -> torch.Tensor:
         device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync)
     t = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
     return t.set_(storage, storage_offset, (numel,), (1,))
+
+
+def _raw_handle(handle: bytes) -> bytes | None:
+    """The 64-byte `cudaIpcMemHandle_t` in torch's shareable handle (a version byte, the
+    type `c` of a cudaMalloc block, the handle; or the bare handle of older torch), or None
+    (an expandable segment's handle: only torch opens those)."""
+    if len(handle) == 64:
+        return handle
+    return handle[2:] if len(handle) == 66 and handle[1:2] == b"c" else None
+
+
+class PeerRegion:
+    """A region of a peer on another GPU, mapped into this rank's device context by
+    `cudaIpcOpenMemHandle` (not by torch): its address, size and owner device."""
+
+    __slots__ = ("ptr", "nbytes", "device")
+
+    def __init__(self, ptr: int, nbytes: int, device: int) -> None:
+        self.ptr, self.nbytes, self.device = ptr, nbytes, device
+
+    def data_ptr(self) -> int:
+        return self.ptr
 
 
 def _segment(t: torch.Tensor, offset: int) -> int:
@@ -137,6 +162,9 @@ class CudaIpcTransport:
         """The caller's current stream as a raw handle (posts through the runtime), or None."""
         self.kernel = CopyKernel.load(device) if opts.copy_kernel and self.rt else None
         """The batched copy kernel (`copy_kernel.py`), or None: copy engines only."""
+        self.opened: dict[int, list[int]] = {}
+        """Peer -> the bases this rank opened itself (`PeerRegion`s), one per open."""
+        self.kernel_batches = 0
 
     def register(self, regions: list[torch.Tensor]) -> None:
         self.regions = regions
@@ -147,10 +175,13 @@ class CudaIpcTransport:
         return {"regions": fields, "mailbox": self.mailbox.export()}
 
     def import_peer(self, peer: int, desc: dict[str, Any]) -> None:
+        self._close_peer(peer)
+        self.mailbox.import_peer(peer, desc["mailbox"])
+        if self._open_here(peer, desc["regions"]):
+            return
         self.peers[peer] = [_import_region(f) for f in desc["regions"]]
         self.peer_segments[peer] = [_segment(r, f[3]) for r, f in
                                     zip(self.peers[peer], desc["regions"])]
-        self.mailbox.import_peer(peer, desc["mailbox"])
         regs = self.peers[peer]
         if regs and regs[0].device != self.device:  # torch enables peer access both ways
             a = torch.zeros(1, dtype=torch.uint8, device=self.device)
@@ -159,12 +190,54 @@ class CudaIpcTransport:
             a.copy_(b)
             torch.cuda.synchronize(regs[0].device)
 
+    def _open_here(self, peer: int, fields: list[list[Any]]) -> bool:
+        """Open the regions of a peer on another GPU in this device's context (for the copy
+        kernel); False where that does not apply (same GPU, no kernel, no runtime, handles
+        only torch opens) or fails: torch opens them then, for the copy engines."""
+        raws = [_raw_handle(bytes(f[1])) for f in fields]
+        if self.rt is None or self.kernel is None or not fields or None in raws or \
+                any(int(f[0]) == self.device.index for f in fields):
+            return False
+        bases: list[int] = []
+        try:
+            with torch.cuda.device(self.device):
+                for h in raws:
+                    bases.append(self.rt.open_handle(h))  # type: ignore[arg-type]
+        except RuntimeError as e:
+            self.opened[peer] = bases
+            self._close_peer(peer)
+            warnings.warn(f"rank {self.rank}: could not map peer {peer}'s memory on "
+                          f"{self.device} ({e}); its batches go to the copy engines",
+                          stacklevel=3)
+            return False
+        self.opened[peer] = bases
+        self.peers[peer] = [PeerRegion(b + int(f[3]) + int(f[8]), int(f[9]), int(f[0]))
+                            for b, f in zip(bases, fields)]  # type: ignore[misc]
+        self.peer_segments[peer] = bases
+        return True
+
+    def _close_peer(self, peer: int) -> None:
+        bases = self.opened.pop(peer, [])
+        if bases and self.rt is not None:
+            with torch.cuda.device(self.device):
+                for base in bases:
+                    self.rt.ipc_close(base)
+        if bases:
+            self.peers.pop(peer, None)
+
+    def _torch_peer(self, peer: int) -> list[torch.Tensor]:
+        if peer in self.opened:
+            raise RuntimeError(f"rank {self.rank}: a CUDA runtime call failed for a batch into "
+                               f"peer {peer}, whose memory this rank mapped itself; there is "
+                               "no torch path for it (set copy_kernel: false to use torch's)")
+        return self.peers[peer]
+
     def prepare(self, batch: WriteBatch) -> _Posted:
         stream = self.streams[self.prepared % len(self.streams)]
         self.prepared += 1
         if self.rt is None:
-            return _Posted(batch, prepare_copies(self.regions, self.peers[batch.peer], batch),
-                           stream)
+            return _Posted(batch, prepare_copies(self.regions, self._torch_peer(batch.peer),
+                                                 batch), stream)
         if len(self.segments) != len(self.regions):
             self.export()
         d, s, n = batch_copies(self.regions, self.peers[batch.peer], batch,
@@ -173,11 +246,13 @@ class CudaIpcTransport:
         self.ncopies += len(n)
         handle = _Posted(batch, None, stream, list(zip(d.tolist(), s.tolist(), n.tolist())))
         o = self.options
-        if self.kernel is not None and len(n) and \
-                int(n.sum()) < o.kernel_max_mean_bytes * len(n) and \
-                all(r.device == self.device for r in self.peers[batch.peer]):
+        here = batch.peer in self.opened  # on another GPU, mapped in this context
+        limit = o.peer_kernel_max_mean_bytes if here else o.kernel_max_mean_bytes
+        if self.kernel is not None and len(n) and int(n.sum()) < limit * len(n) and \
+                (here or all(r.device == self.device for r in self.peers[batch.peer])):
             handle.table = self.kernel.table(d, s, n)
             handle.graph = self._capture_kernel(handle.table)
+            self.kernel_batches += handle.graph is not None
         if handle.graph is None and o.graphs and len(n) >= o.graph_min_copies and \
                 int(n.sum()) < o.graph_max_mean_bytes * len(n):
             handle.graph = self._capture(handle.raw)
@@ -307,7 +382,8 @@ class CudaIpcTransport:
 
     def _as_torch(self, handle: _Posted) -> None:
         """Turn a raw batch into torch copies (after a raw call failed)."""
-        handle.ops = prepare_copies(self.regions, self.peers[handle.batch.peer], handle.batch)
+        handle.ops = prepare_copies(self.regions, self._torch_peer(handle.batch.peer),
+                                    handle.batch)
         handle.raw, handle.graph, handle.order = None, None, []
 
     def done(self, handle: _Posted) -> bool:
@@ -332,10 +408,13 @@ class CudaIpcTransport:
         handle.table = None
 
     def stats(self) -> dict[str, int]:
-        return {"device_copies": self.ncopies, "raw_copies": int(self.rt is not None)}
+        return {"device_copies": self.ncopies, "raw_copies": int(self.rt is not None),
+                "kernel_batches": self.kernel_batches, "peers_mapped_here": len(self.opened)}
 
     def close(self) -> None:
         for stream in self.streams:
             stream.synchronize()
+        for peer in list(self.opened):
+            self._close_peer(peer)
         self.peers.clear()
         self.mailbox.close()

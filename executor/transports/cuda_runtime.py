@@ -13,10 +13,17 @@ from collections.abc import Callable
 import torch
 
 
+class IpcMemHandle(ctypes.Structure):
+    """`cudaIpcMemHandle_t`: 64 opaque bytes, passed by value."""
+
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]  # c_char would stop at the first NUL
+
+
 class Runtime:
     """`cudaMemcpyAsync` and `cudaGetLastError` of the libcudart torch loaded."""
 
     D2D = 3  # cudaMemcpyDeviceToDevice: what torch's peer copy_ calls once P2P is enabled
+    LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
@@ -33,6 +40,23 @@ class Runtime:
         self.event_query.argtypes, self.event_query.restype = [vp], i
         self.graph_launch = lib.cudaGraphLaunch
         self.graph_launch.argtypes, self.graph_launch.restype = [vp, vp], i
+        self.ipc_open = lib.cudaIpcOpenMemHandle
+        self.ipc_open.argtypes = [ctypes.POINTER(vp), IpcMemHandle, ctypes.c_uint]
+        self.ipc_open.restype = i
+        self.ipc_close = lib.cudaIpcCloseMemHandle
+        self.ipc_close.argtypes, self.ipc_close.restype = [vp], i
+
+    def open_handle(self, handle: bytes) -> int:
+        """Map a peer's allocation (a raw 64-byte IPC handle) into the current device's
+        context, peer access enabled as needed; its base address. Opening a handle this
+        context has open already gives the same address (the driver counts the opens)."""
+        ptr = ctypes.c_void_p()
+        code = self.ipc_open(ctypes.byref(ptr), IpcMemHandle.from_buffer_copy(handle),
+                             self.LAZY_PEER)
+        if code or not ptr.value:
+            self.last_error()  # clear it: torch would report it later
+            raise RuntimeError(f"cudaIpcOpenMemHandle failed (CUDA error {code})")
+        return int(ptr.value)
 
     @staticmethod
     def load() -> Runtime | None:

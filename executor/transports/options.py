@@ -42,11 +42,16 @@ class CudaIpcOptions:
     were slower there: fp32 -> bf16 Qwen3-8B, 64 MB in 1-4 copies, 1.20x -> 1.27x)."""
     copy_kernel: bool = True
     """A batch's copies as one kernel on the SMs (`copy_kernel.py`) instead of the copy
-    engines, where its copies average under `kernel_max_mean_bytes` and the peer's
-    regions are on this GPU (a peer on another GPU always takes the copy engines); false
-    keeps the SMs free for compute running beside the transfer."""
+    engines, where its copies average under `kernel_max_mean_bytes` (a peer on another
+    GPU: `peer_kernel_max_mean_bytes`); false keeps the SMs free for compute running
+    beside the transfer."""
     kernel_max_mean_bytes: int = 1 << 40
-    """Batches whose copies average this or more go through the copy engines."""
+    """Batches into a peer on this GPU whose copies average this or more go through the
+    copy engines."""
+    peer_kernel_max_mean_bytes: int = 32 << 20
+    """The same for a peer on another GPU (the kernel writes over NVLink). Two NV18 H100s,
+    executor / raw copy, kernel against engines: 64 x 16 MiB 0.88 / 0.84, 64 x 64 MiB
+    0.89 / 0.93 (BENCHMARKS.md, issue 21)."""
 
 
 @dataclass(frozen=True, slots=True)

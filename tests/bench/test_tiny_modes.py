@@ -15,9 +15,9 @@ from tests.support.procs import ROOT, root_env
 pytestmark = pytest.mark.slow
 
 
-def _run(*argv: str, timeout: float = 600) -> str:
-    p = subprocess.run([sys.executable, *argv], cwd=ROOT, env=root_env(), capture_output=True,
-                       text=True, timeout=timeout)
+def _run(*argv: str, timeout: float = 600, **env: str) -> str:
+    p = subprocess.run([sys.executable, *argv], cwd=ROOT, env=root_env(**env),
+                       capture_output=True, text=True, timeout=timeout)
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"{' '.join(argv)} exited {p.returncode}:\n{out[-4000:]}"
     return p.stdout
@@ -29,7 +29,7 @@ def test_every_benchmark_has_a_tiny_mode_here() -> None:
                      if n.endswith(".py") or os.path.isdir(os.path.join(ROOT, "bench", n))
                      and not n.startswith("__"))
     assert scripts == ["compile_scale.py", "defaults.py", "executor_bench.py", "gpu_refit",
-                       "long_run.py", "published.py", "traced_compile.py"]
+                       "long_run.py", "published.py", "step_trace.py", "traced_compile.py"]
 
 
 def test_compile_scale_tiny() -> None:
@@ -61,9 +61,11 @@ def test_published_tiny() -> None:
     assert "| qwen3-4b_dp8_to_vllm-tp8 |" in out
 
 
-def test_executor_bench_tiny_nixl_and_local() -> None:
+def test_executor_bench_tiny_nixl_and_local(tmp_path) -> None:
     pytest.importorskip("nixl")
-    out = _run("bench/executor_bench.py", "--tiny")
+    out = _run("bench/executor_bench.py", "--tiny", BENCH_TRACE=str(tmp_path))
+    for event in ("| source | got READY |", "| source | landed |", "| target | got DONE |"):
+        assert event in out  # step_trace.py: both ranks' events on one axis
     assert "| nixl (2 processes, cpu) | raw nixl write |" in out
     assert "| local (run_all_local, cpu) | torch copy_ |" in out
     assert out.count("| yes |") == 2  # both rows bit-exact

@@ -1,0 +1,86 @@
+"""Where a step's time goes between two processes (`BENCH_TRACE=DIR` on executor_bench).
+
+Each rank records, per step, when it started, got each wait's signals, sent each signal,
+posted its batches, first saw them landed, and ended (`time.perf_counter`: CLOCK_MONOTONIC,
+one clock for every process of a host), and writes them to `DIR/rank{r}.json`; `report`
+prints each event's median offset from the source's step start, both ranks on one axis.
+Bench tooling only: it wraps one executor's methods on the instance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+from executor.waits import _KIND_NAMES
+
+
+def attach(ex: Any) -> list[list[tuple[str, float]]]:
+    """Record `ex`'s steps from now on (wraps `run`, `_wait`, `_signal` and its transport's
+    `post` and `done`); the list fills as it runs."""
+    steps: list[list[tuple[str, float]]] = []
+    run, wait, signal = ex.run, ex._wait, ex._signal
+    post, done = ex.transport.post, ex.transport.done
+    landed: set[int] = set()
+
+    def mark(name: str) -> None:
+        if steps:
+            steps[-1].append((name, time.perf_counter()))
+
+    def t_run(step: Any = None) -> Any:
+        steps.append([("start", time.perf_counter())])
+        landed.clear()
+        out = run(step)
+        mark("end")
+        return out
+
+    def t_wait(waits: list[tuple[int, int, int]], timeout_s: Any) -> None:
+        wait(waits, timeout_s)
+        if waits:
+            mark("got " + "+".join(sorted({_KIND_NAMES[k].split()[0] for _, k, _ in waits})))
+
+    def t_signal(peers: list[int], stage: int, kind: int) -> None:
+        signal(peers, stage, kind)
+        if peers:
+            mark("sent " + _KIND_NAMES[kind].split()[0])
+
+    def t_post(handle: Any) -> None:
+        post(handle)
+        mark("posted")
+
+    def t_done(handle: Any) -> bool:
+        ok = done(handle)
+        if ok and id(handle) not in landed:
+            landed.add(id(handle))
+            mark("landed")
+        return ok
+
+    ex.run, ex._wait, ex._signal = t_run, t_wait, t_signal
+    ex.transport.post, ex.transport.done = t_post, t_done
+    return steps
+
+
+def save(folder: str, rank: int, steps: list[list[tuple[str, float]]]) -> None:
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+        json.dump(steps, f)
+
+
+def report(folder: str, source: int = 0, target: int = 1) -> str:
+    """Median offset (us) of each event from the source's step start, per rank."""
+    with open(os.path.join(folder, f"rank{source}.json")) as f:
+        src = json.load(f)
+    with open(os.path.join(folder, f"rank{target}.json")) as f:
+        dst = json.load(f)
+    lines = ["| rank | event | median us after the source's step start |", "| --- | --- | ---: |"]
+    for name, steps in (("source", src), ("target", dst)):
+        offsets: dict[str, list[float]] = {}
+        for i, events in enumerate(steps[:len(src)]):
+            t0 = src[i][0][1]
+            for k, (event, t) in enumerate(events):
+                offsets.setdefault(f"{k:02d} {event}", []).append((t - t0) * 1e6)
+        for key in sorted(offsets):
+            lines.append(f"| {name} | {key[3:]} | {statistics.median(offsets[key]):.1f} |")
+    return "\n".join(lines)

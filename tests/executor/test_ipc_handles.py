@@ -1,0 +1,24 @@
+"""How `cuda_ipc` reads torch's shareable CUDA IPC handles before opening a peer's memory
+in its own device context (any machine: no GPU is touched)."""
+
+from __future__ import annotations
+
+import os
+
+from executor.transports.cuda_ipc import _raw_handle
+from executor.transports.cuda_runtime import IpcMemHandle
+
+
+def test_the_handle_passed_by_value_keeps_every_byte_nuls_included():
+    # a real handle has NUL bytes; a c_char array field stopped at the first one
+    handle = bytes([0, 1, 2, 0, 5]) + os.urandom(58) + b"\0"
+    assert bytes(IpcMemHandle.from_buffer_copy(handle)) == handle
+
+
+def test_torch_handles_are_read_by_their_type_byte():
+    h = os.urandom(64)
+    assert _raw_handle(h) == h  # a bare cudaIpcMemHandle_t (older torch)
+    for version in (2, 3):  # torch <= 2.12 and 2.13: version, type 'c', the handle
+        assert _raw_handle(bytes([version]) + b"c" + h) == h
+    assert _raw_handle(bytes([2]) + b"e" + h) is None  # an expandable segment: torch's only
+    assert _raw_handle(h[:40]) is None
