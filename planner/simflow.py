@@ -23,13 +23,14 @@ NIC, NVLINK = 0, 1
 """Channels of a source rank (the values of `batches.nic`)."""
 NIC_WRITE_S = 10e-9
 """Link time of one RDMA write beyond its bytes (work request fetch and headers)."""
-NVLINK_WRITE_S = 3.5e-6
-"""Link time of one peer write beyond its bytes, between two GPUs: `cuda_ipc` posts those
-through the copy engines (its copy kernel writes only into a peer on its own GPU,
-`executor/transports/cuda_ipc.py`), ~3.5 us a write on two NVLinked H100s
-(`bench/executor_bench.py`, 1024 and 4096 writes of 1 MiB: 6.4 and 25.5 ms against 2.7 and
-10.8 ms for one copy of the same bytes; 3.4 us on H200s). The kernel, where it runs, costs
-under 20 ns a write (4096 x 1 MiB as fast as 64 x 64 MiB on one H100)."""
+NVLINK_WRITE_S = 20e-9
+"""Link time of one peer write beyond its bytes, between two GPUs: `cuda_ipc` copies a
+batch with one kernel that writes over NVLink (`executor/transports/cuda_ipc.py`). On two
+NVLinked H100s (`bench/executor_bench.py`, 2026-11-26) 1024 and 4096 writes of 1 MiB took
+3.1 and 12.0 ms, as long as 64 writes of 16 and 64 MiB (3.1 and 12.1 ms): under ~25 ns a
+write. The copy engines, which batches of writes averaging 32 MiB or more still take, cost
+~3.5 us a write (6.4 and 25.5 ms for the 1 MiB rows); at that size it is under 1% of a
+write's bytes."""
 INFLIGHT = 8
 """Batches a rank keeps in flight by default (`executor` `max_inflight`)."""
 MAX_LEVELS = 8

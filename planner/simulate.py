@@ -20,9 +20,9 @@ The model (at batch granularity; a batch is one flow):
   and pipelined by the NIC, so the latency is paid per batch, not per write), plus
   `NIC_WRITE_S` per write on a NIC (each RDMA write costs the NIC a work request and
   headers; CX-7 class NICs process over 200 M messages/s) or `NVLINK_WRITE_S` per write
-  over NVLink (between two GPUs `cuda_ipc` posts peer writes through the copy engines:
-  ~3.5 us a write measured on two H100s, 3.4 us on H200s, BENCHMARKS.md "GPU refit" and
-  "Issue 21: two GPUs").
+  over NVLink (between two GPUs `cuda_ipc` copies a batch with one kernel writing over
+  NVLink: under ~25 ns a write on two H100s; the copy engines it used before cost ~3.5 us,
+  BENCHMARKS.md "Issue 21: two GPUs").
   Until 2026-11-22 every write paid `write_overhead_us` of link time; that made 800 KB
   RDMA writes 12% slower than line rate.
 - Packs (and QUANTs) and unpacks of a stage run one after another on their rank: bytes
