@@ -164,6 +164,10 @@ class CudaIpcTransport:
         """The batched copy kernel (`copy_kernel.py`), or None: copy engines only."""
         self.opened: dict[int, list[int]] = {}
         """Peer -> the bases this rank opened itself (`PeerRegion`s), one per open."""
+        self.counters: dict[int, list[tuple[bytes, int, int]]] = {}
+        """Peer -> torch's IPC reference counters of the regions opened here (released at
+        close, as torch's own import does when its storage dies: until then the peer's
+        torch keeps each exported block alive)."""
         self.kernel_batches = 0
 
     def register(self, regions: list[torch.Tensor]) -> None:
@@ -211,6 +215,7 @@ class CudaIpcTransport:
                           stacklevel=3)
             return False
         self.opened[peer] = bases
+        self.counters[peer] = [(bytes(f[4]), int(f[5]), int(f[0])) for f in fields]
         self.peers[peer] = [PeerRegion(b + int(f[3]) + int(f[8]), int(f[9]), int(f[0]))
                             for b, f in zip(bases, fields)]  # type: ignore[misc]
         self.peer_segments[peer] = bases
@@ -224,6 +229,13 @@ class CudaIpcTransport:
                     self.rt.ipc_close(base)
         if bases:
             self.peers.pop(peer, None)
+        for handle, offset, device in self.counters.pop(peer, []):
+            try:  # else the peer's torch holds every exported block until it exits
+                torch.UntypedStorage._release_ipc_counter(handle, offset, device=device)
+            except Exception as e:  # noqa: BLE001 - the peer may be gone: nothing to keep
+                warnings.warn(f"rank {self.rank}: could not release peer {peer}'s IPC "
+                              f"counter ({e})", stacklevel=2)
+                break
 
     def _torch_peer(self, peer: int) -> list[torch.Tensor]:
         if peer in self.opened:
