@@ -4,7 +4,7 @@ A signal or a landed copy usually comes within microseconds on NVLink and shared
 a `time.sleep` costs 50-100 us of the kernel's default timer slack, more than a whole
 1 MiB write takes. So a wait polls without sleeping for its first `SPIN_S`, then naps
 `NAP_SHARE` of the time it has waited so far (between `NAP_MIN_S` and `NAP_MAX_S`): a wait
-that ends after 1 ms is noticed at most ~16 us late, one for a slow peer costs no core.
+that ends after 4 ms is noticed at most ~60 us late, one for a slow peer costs no core.
 The first nap of a thread sets its timer slack to 1 us (Linux `prctl`), so a nap lasts
 what it asks for (a fixed 200 us nap had made a 1 GiB step on one H100 ~0.4 ms late:
 the source noticed its landed copies late, the target the DONE). The time a step spends
@@ -18,8 +18,12 @@ import os
 import threading
 import time
 
-SPIN_S = float(os.environ.get("RDMA_PLAN_SPIN_S", "2e-4"))
-"""Seconds a wait polls without sleeping (`RDMA_PLAN_SPIN_S` sets it for a process)."""
+SPIN_S = float(os.environ.get("RDMA_PLAN_SPIN_S", "2e-3"))
+"""Seconds a wait polls without sleeping (`RDMA_PLAN_SPIN_S` sets it for a process). A
+nap, however short, was noticed ~50 us late on the GPU hosts (the core sleeps deeper than
+the timer asks): 2 ms against 0.2 ms took two NVLinked H100s' 64 x 4 MiB step (0.9 ms)
+from 0.76-0.84 to 0.84-0.87 of a raw copy (BENCHMARKS.md, issue 21). Waits of whole
+weight updates last seconds: 2 ms of spinning each is nothing to them."""
 NAP_MIN_S = 1e-5
 NAP_MAX_S = 2e-4
 NAP_SHARE = 1 / 64
