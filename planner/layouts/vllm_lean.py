@@ -57,6 +57,11 @@ STUBS = {
                                                               "pool, built with torch's C++ "
                                                               "extension loader (setuptools)",
     "vllm.connections": "HTTP clients for fetching media and assets",
+    "torch._dynamo": "Dynamo, imported only by `vllm.compilation.decorators` (for a class it "
+                     "uses when compiling a model's forward; a trace builds models eagerly "
+                     "and runs no forward)",
+    "torch._dynamo.symbolic_convert": "the class `vllm.compilation.decorators` imports from "
+                                      "Dynamo (see torch._dynamo)",
 }
 STUB_TREES = {
     "vllm.entrypoints": "the OpenAI-compatible server and its tools",
@@ -140,6 +145,8 @@ class _Loader(importlib.abc.Loader):
             module.__file__ = real.origin
         else:
             module.__getattr__ = _placeholder_getattr(module)  # type: ignore[method-assign]
+            for attr, value in FAKES.get(name, {}).items():
+                setattr(module, attr, value)
         _Finder.used.add(name)
 
 
@@ -184,20 +191,34 @@ def _same(fn: Any) -> Any:
     return fn
 
 
+def _compile_off(model: Any = None, **kwargs: Any) -> Any:
+    return _same if model is None else model
+
+
+def _disable_off(fn: Any = None, recursive: bool = True, *, reason: Any = None,
+                 wrapping: bool = True) -> Any:
+    """`torch._dynamo.disable` / `torch.compiler.disable` where nothing is compiled: with no
+    Dynamo frame hook set (none is: Dynamo is not even imported), the real wrapper only
+    calls `fn`."""
+    return _same if fn is None else fn
+
+
+FAKES: dict[str, dict[str, Any]] = {
+    "torch._dynamo": {"disable": _disable_off},
+}
+"""Names a placeholder module gives that work rather than refuse: torch's own meta
+kernels (`torch._compile._disable_dynamo`, on their first call) wrap themselves in
+`torch._dynamo.disable`."""
+
+
 def _compile_hints_off() -> None:
     """`torch.compile` and the `torch.compiler` decorators vLLM applies at import give back
     the function (each would import Dynamo or Inductor; a trace compiles nothing)."""
     import torch
     import torch.compiler
 
-    def compile_off(model: Any = None, **kwargs: Any) -> Any:
-        return _same if model is None else model
-
-    def disable_off(fn: Any = None, recursive: bool = True, *, reason: Any = None) -> Any:
-        return _same if fn is None else fn
-
-    torch.compile = compile_off  # type: ignore[assignment]
-    torch.compiler.disable = disable_off  # type: ignore[assignment]
+    torch.compile = _compile_off  # type: ignore[assignment]
+    torch.compiler.disable = _disable_off  # type: ignore[assignment]
     torch.compiler.allow_in_graph = _same  # type: ignore[assignment]
     torch.compiler.assume_constant_result = _same  # type: ignore[assignment]
 

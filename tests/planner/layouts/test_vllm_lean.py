@@ -57,6 +57,7 @@ def fake_packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vllm_lean, "SKIP_INIT", {"lean_skip": "test"})
     monkeypatch.setattr(vllm_lean, "STUBS", {"lean_stub": "test"})
     monkeypatch.setattr(vllm_lean, "STUB_TREES", {"lean_tree": "test"})
+    monkeypatch.setattr(vllm_lean, "FAKES", {"lean_stub": {"works": len}})
     monkeypatch.setattr(sys, "meta_path", [vllm_lean._Finder(), *sys.meta_path])
     monkeypatch.setattr(vllm_lean._Finder, "used", set())
     for name in list(sys.modules):
@@ -97,7 +98,23 @@ def test_other_versions_are_not_supported(monkeypatch: pytest.MonkeyPatch) -> No
     assert not vllm_lean.supported()
 
 
-@pytest.mark.parametrize("loaded", ["vllm", "torch._inductor",
+@pytest.mark.usefixtures("fake_packages")
+def test_a_stub_gives_its_fakes_and_placeholders_for_the_rest() -> None:
+    from lean_stub import Other, works  # type: ignore[attr-defined]
+    assert works is len
+    with pytest.raises(vllm_lean.LeanMiss):
+        Other()
+
+
+def test_dynamos_disable_gives_back_the_function() -> None:
+    def f() -> int:
+        return 1
+
+    disable = vllm_lean.FAKES["torch._dynamo"]["disable"]
+    assert disable(f, True, wrapping=False) is f and disable()(f) is f
+
+
+@pytest.mark.parametrize("loaded", ["vllm", "torch._inductor", "torch._dynamo",
                                     "transformers.models.auto.modeling_auto"])
 def test_install_declines_when_it_comes_too_late(loaded: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
