@@ -64,7 +64,11 @@ Progress = Callable[[str], None]
 
 
 def compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None = None) -> Plan:
-    """Compile a checked config and its model spec into a plan."""
+    """Compile a checked config and its model spec into a plan. A target traced from vLLM
+    for a family with hand-written rules is compiled with the rules' layout while the trace
+    runs; that plan is kept only if the trace equals the rules piece for piece (the plan of
+    equal layouts is the same bytes), else the traced layout is compiled
+    (`planner/layouts/trace_ahead.py`)."""
     if progress is not None:
         progress("layouts")
     hf = model_hf(cfg) if uses_trace(spec, cfg.target) else None
@@ -74,8 +78,27 @@ def compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None = Non
             spec = with_scales(spec)
         src = piece_table(src_layout, spec, 0)  # while the target is traced
         src_regions = tensor_regions(src_layout)
+        guess = target.guess()  # the hand-written layout the trace should equal, if any
+        if guess is not None:
+            plan = _compile_guessed(cfg, spec, src_layout, guess, progress, src, src_regions)
+            if target.confirms(guess):  # the trace equals it: `plan` is the traced plan
+                if isinstance(plan, BaseException):
+                    raise plan
+                return plan
+            src = src_regions = None  # the traced layout differs: compile it from scratch
         dst_layout = target.result()
     return compile_layouts(cfg, spec, src_layout, dst_layout, progress, src, src_regions)
+
+
+def _compile_guessed(cfg: Config, spec: ModelSpec, src_layout: Layout, guess: Layout,
+                     progress: Progress | None, src: PieceTable,
+                     src_regions: list[tuple[Region, ...]]) -> Plan | Exception:
+    """The plan with the target layout a trace under way is expected to equal, or its
+    error (raised only if the trace confirms the guess: the same layout fails the same)."""
+    try:
+        return compile_layouts(cfg, spec, src_layout, guess, progress, src, src_regions)
+    except Exception as e:  # noqa: BLE001 (kept for after the trace: see above)
+        return e
 
 
 def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout: Layout,
