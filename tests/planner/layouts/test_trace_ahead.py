@@ -288,8 +288,10 @@ def test_a_compile_keeps_the_guessed_plan_only_if_the_trace_confirms_it(
     confirms = trace_ahead.Pending.confirms
     monkeypatch.setattr(trace_ahead.Pending, "confirms",
                         lambda self, g: guessed.append(confirms(self, g)) or guessed[-1])
-    got = encode_plan(compile_config(cfg, spec))
+    seen: list[bytes] = []
+    got = encode_plan(compile_config(cfg, spec, on_plan=lambda p: seen.append(encode_plan(p))))
     assert guessed == [same]
+    assert seen[-1] == got and len(seen) == (1 if same else 2)  # a refuted guess's plan first
     dst = trace_ahead._decoded([traced.encode_rank(r) for r in (
         engine_of(spec, cfg.target) if same else swapped_of(spec, cfg.target))], spec, cfg.target)
     src = build_layout(spec, cfg.source)
