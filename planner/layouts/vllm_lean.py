@@ -156,6 +156,8 @@ class _Finder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, name: str, path: Any = None,
                   target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name in PATCHES:
+            return _patched(name, path)
         if name in SKIP_INIT:
             kind = "skip"
         elif name in STUBS:
@@ -165,6 +167,50 @@ class _Finder(importlib.abc.MetaPathFinder):
         else:
             return None
         return importlib.machinery.ModuleSpec(name, _Loader(kind), is_package=True)
+
+
+def _patched(name: str, path: Any) -> importlib.machinery.ModuleSpec | None:
+    """The real module's spec, its loader made to apply `PATCHES[name]` once the module has
+    run (the loader is this module's own: the file finder makes one per module)."""
+    spec = importlib.machinery.PathFinder.find_spec(name, path)
+    if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        return spec
+    run = spec.loader.exec_module
+
+    def exec_module(module: ModuleType) -> None:
+        run(module)
+        PATCHES[name](module)
+        _Finder.used.add(name)
+
+    spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+    return spec
+
+
+_LINE_ENDS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+"""Where `str.splitlines` ends a line."""
+
+
+def _fetch_all_from_the_end(module: ModuleType) -> None:
+    """transformers' `fetch__all__` (the `__all__` list of a source file, read from the last
+    line that starts with `__all__`; transformers' package init runs it over ~3,000 model
+    files, splitting each into lines and testing every line) given only the text from that
+    line on: found from the end, the same answer for every text (tests/planner/layouts/
+    test_vllm_lean.py checks every file of the installed transformers)."""
+    whole = module.fetch__all__
+
+    def fetch__all__(file_content: str) -> list[str]:
+        at = len(file_content)
+        while (at := file_content.rfind("__all__", 0, at + 6)) > 0:  # one starting before at
+            if file_content[at - 1] in _LINE_ENDS:
+                break
+        return whole(file_content[at:]) if at >= 0 else []
+
+    fetch__all__.whole = whole  # type: ignore[attr-defined]
+    module.fetch__all__ = fetch__all__
+
+
+PATCHES = {"transformers.utils.import_utils": _fetch_all_from_the_end}
+"""Module -> what is changed in it once it has run: a faster function answering as its own."""
 
 
 def supported() -> bool:
