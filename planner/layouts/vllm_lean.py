@@ -2,14 +2,16 @@
 
 Importing what a trace needs of vLLM 0.33 costs ~4 s on one core, most of it modules a
 trace never runs: Inductor and Dynamo (pulled in by `vllm.env_override`, by
-`torch._inductor.custom_graph_pass`'s package and by module-level `@torch.compile`), the
-OpenAI server's types, structured output, the multimodal media decoders, KV-transfer
-connectors, `transformers`' auto-model factory. `install` puts a meta-path finder in front
+`torch._inductor.custom_graph_pass`'s package, by `vllm.compilation.decorators` and by
+module-level `@torch.compile`), the OpenAI server's types, structured output, the
+multimodal media decoders, KV-transfer connectors, `transformers`' auto-model factory. `install` puts a meta-path finder in front
 of the import system of the calling process that
 
 - skips the `__init__` of the packages in `SKIP_INIT` (their submodules import as usual),
 - gives a placeholder module for each module in `STUBS` (its real submodules still
-  import) and for every module under a prefix in `STUB_TREES`,
+  import; the few names in `FAKES` work) and for every module under a prefix in
+  `STUB_TREES`,
+- changes a module in `PATCHES` once it has run (a faster function answering as its own),
 
 and makes `torch.compile` hand back the function it is given (a trace runs no forward;
 vLLM decorates functions with it at import). A placeholder module has every public name,
