@@ -4,8 +4,9 @@ Importing what a trace needs of vLLM 0.33 costs ~4 s on one core, most of it mod
 trace never runs: Inductor and Dynamo (pulled in by `vllm.env_override`, by
 `torch._inductor.custom_graph_pass`'s package, by `vllm.compilation.decorators` and by
 module-level `@torch.compile`), the OpenAI server's types, structured output, the
-multimodal media decoders, KV-transfer connectors, `transformers`' auto-model factory. `install` puts a meta-path finder in front
-of the import system of the calling process that
+multimodal media decoders, KV-transfer connectors, `transformers`' auto-model factory.
+`install` puts a meta-path finder in front of the import system of the calling process
+that
 
 - skips the `__init__` of the packages in `SKIP_INIT` (their submodules import as usual),
 - gives a placeholder module for each module in `STUBS` (its real submodules still
