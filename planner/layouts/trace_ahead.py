@@ -93,8 +93,10 @@ class Pending:
         rules, cfg = self._guess[0], self._cfg
         assert cfg is not None
         engine = [r.tensors for r in rules.ranks[:cfg.engine_world]]
-        want = [traced.encode_rank(tensors) for tensors in engine]  # before the wait
-        self._confirmed = self._rows() == want and rules == traced.replicated(engine, cfg)
+        want = [msgpack.packb(traced.encode_rank(tensors)) for tensors in engine]  # compact,
+        rows = self._rows()  # and made before the wait
+        self._confirmed = (len(rows) == len(want) and rules == traced.replicated(engine, cfg)
+                           and all(msgpack.packb(row) == w for row, w in zip(rows, want)))
         return self._confirmed
 
     def cancel(self) -> None:
