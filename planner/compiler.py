@@ -217,9 +217,10 @@ def compile_to(cfg: Config, spec: ModelSpec, out_path: str, progress=None,
         plan = compile_config(cfg, spec, progress,
                               lambda p: sizes.append(write_plan(tmp, p, key)))
         os.replace(tmp, out_path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    finally:  # nothing left behind on failure: ours, nor `write_plan`'s own PATH.tmpPID
+        for left in (tmp, f"{tmp}.tmp{os.getpid()}"):
+            if os.path.exists(left):
+                os.remove(left)
     size = sizes[-1]
     stats = dataclasses.asdict(plan.header.stats)
     stats.update(plan_bytes=size, seconds=round(time.perf_counter() - t0, 3),
