@@ -12,7 +12,10 @@ median, the median's ratio to the rules median, the CPU seconds of the compile's
 tree (its tracers included), the tracers forked (`lean`, `whole`, or
 `lean, then whole` after a failed lean one), whether the compiling process imported torch
 (never: a tracer does) and whether the plans' fingerprints agree (they must: a trace of a
-hand-written family equals its rules). `--write` appends the table to BENCHMARKS.md.
+hand-written family equals its rules), and checks that the traced plans are the same bytes
+in every mode (the cached compile decodes the trace; an empty-cache one of a family with
+rules keeps the plan it compiled with them while tracing, once the trace equals them).
+`--write` appends the table to BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ DEFAULT = "plans/qwen3-235b-a22b_megatron-tp4pp8ep16_vllm-tp8x16.yaml"
 TINY = "plans/demo.yaml"
 
 CHILD = """
-import json, sys, time
+import hashlib, json, sys, time
 sys.path.insert(0, {root!r})
 from planner.compiler import compile_file
 from planner.layouts import trace_ahead
@@ -43,7 +46,9 @@ fork = trace_ahead._fork
 trace_ahead._fork = lambda *a: forks.append(a[-1]) or fork(*a)  # a tracer: lean or not
 t = time.perf_counter()
 stats = compile_file({config!r}, {out!r})
+digest = hashlib.sha256(open({out!r}, "rb").read()).hexdigest()
 print(json.dumps({{"s": time.perf_counter() - t, "fingerprint": stats["fingerprint"],
+                  "digest": digest,
                   "writes": stats["writes"], "torch": "torch" in sys.modules,
                   "tracers": ", then ".join("lean" if f else "whole" for f in forks)}}))
 """
@@ -144,6 +149,10 @@ def main() -> None:
     if not all(s["fingerprint"] == runs["rules"][0]["fingerprint"]
                for ss in runs.values() for s in ss):
         raise SystemExit("the traced plan differs from the hand-written one")
+    digests = {s["digest"] for label, ss in runs.items() if label != "rules" for s in ss}
+    print(f"traced plans byte-identical in every mode and round: {len(digests) == 1}")
+    if len(digests) != 1:  # a cache hit decodes the trace; an empty cache may keep the guess
+        raise SystemExit("the traced plans differ between modes")
     if "--write" in sys.argv and "--tiny" not in sys.argv:
         cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
                     if ln.startswith("model name")), platform.machine())

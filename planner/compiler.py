@@ -12,6 +12,7 @@ layouts, topology, options) goes into its fingerprint; nothing that varies betwe
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -63,8 +64,16 @@ VERSION = "rdma-plan 0.1.0"
 Progress = Callable[[str], None]
 
 
-def compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None = None) -> Plan:
-    """Compile a checked config and its model spec into a plan."""
+def compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None = None,
+                   on_plan: Callable[[Plan], None] | None = None) -> Plan:
+    """Compile a checked config and its model spec into a plan. A target traced from vLLM
+    for a family with hand-written rules is compiled with the rules' layout while the trace
+    runs; that plan is kept only if the trace equals the rules piece for piece (the plan of
+    equal layouts is the same bytes), else the traced layout is compiled
+    (`planner/layouts/trace_ahead.py`). `on_plan` is called with each plan as soon as it
+    is compiled (a guessed one before the trace confirms it, so that writing it overlaps
+    the trace): the last call's plan is the one returned."""
+    on_plan = on_plan or _ignore
     if progress is not None:
         progress("layouts")
     hf = model_hf(cfg) if uses_trace(spec, cfg.target) else None
@@ -74,8 +83,31 @@ def compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None = Non
             spec = with_scales(spec)
         src = piece_table(src_layout, spec, 0)  # while the target is traced
         src_regions = tensor_regions(src_layout)
+        guess = target.guess()  # the hand-written layout the trace should equal, if any
+        if guess is not None:
+            plan = _compile_guessed(cfg, spec, src_layout, guess, progress, src, src_regions)
+            if not isinstance(plan, BaseException):
+                on_plan(plan)
+            if target.confirms(guess):  # the trace equals it: `plan` is the traced plan
+                if isinstance(plan, BaseException):
+                    raise plan
+                return plan
+            src = src_regions = None  # the traced layout differs: compile it from scratch
         dst_layout = target.result()
-    return compile_layouts(cfg, spec, src_layout, dst_layout, progress, src, src_regions)
+    plan = compile_layouts(cfg, spec, src_layout, dst_layout, progress, src, src_regions)
+    on_plan(plan)
+    return plan
+
+
+def _compile_guessed(cfg: Config, spec: ModelSpec, src_layout: Layout, guess: Layout,
+                     progress: Progress | None, src: PieceTable,
+                     src_regions: list[tuple[Region, ...]]) -> Plan | Exception:
+    """The plan with the target layout a trace under way is expected to equal, or its
+    error (raised only if the trace confirms the guess: the same layout fails the same)."""
+    try:
+        return compile_layouts(cfg, spec, src_layout, guess, progress, src, src_regions)
+    except Exception as e:  # noqa: BLE001 (kept for after the trace: see above)
+        return e
 
 
 def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout: Layout,
@@ -147,6 +179,10 @@ def _quiet(step: str) -> None:
     pass
 
 
+def _ignore(plan: Plan) -> None:
+    pass
+
+
 def _bytes_in(t: PieceTable, world: int) -> np.ndarray:
     """Bytes each plan rank receives in the whole plan (both paths)."""
     return np.bincount(t.rank, weights=t.size0 * t.size1 * element_size(t.dtype),
@@ -176,8 +212,16 @@ def compile_to(cfg: Config, spec: ModelSpec, out_path: str, progress=None,
     taken and its fingerprint."""
     t0 = time.perf_counter() if t0 is None else t0
     key = None if sign_key is None else plan_key(sign_key)  # a bad key fails first
-    plan = compile_config(cfg, spec, progress)
-    size = write_plan(out_path, plan, key)
+    tmp, sizes = f"{out_path}.{os.getpid()}.compiling", []
+    try:  # written as soon as compiled (`compile_config`), in place once it is the plan
+        plan = compile_config(cfg, spec, progress,
+                              lambda p: sizes.append(write_plan(tmp, p, key)))
+        os.replace(tmp, out_path)
+    finally:  # nothing left behind on failure: ours, nor `write_plan`'s own PATH.tmpPID
+        for left in (tmp, f"{tmp}.tmp{os.getpid()}"):
+            if os.path.exists(left):
+                os.remove(left)
+    size = sizes[-1]
     stats = dataclasses.asdict(plan.header.stats)
     stats.update(plan_bytes=size, seconds=round(time.perf_counter() - t0, 3),
                  fingerprint=plan.header.fingerprint)

@@ -14,6 +14,14 @@ by tests/oracles/test_vllm_trace_lean.py). The tracer's answer is checked like a
 (`traced.decode_rank`); what it traced is what `traced.layout` traces in this process (the
 same `traced._trace_rows`), so the plan is the same bytes. Without `fork` (or on a cache
 hit) nothing starts early: `result` builds the layout then, as `build_layout` would.
+
+For a family with hand-written rules, the trace is expected to equal them (a test checks
+it for every such family): `guess` builds the rules' layout so that the compile can go on
+with it while the tracer works, and `confirms` compares the tracer's rows, undecoded, with
+the rules' engine encoded the same way (`traced.encode_rank`). Equal rows are equal
+layouts, so the plan compiled with the guess is the traced layout's plan, byte for byte;
+rows that differ, or rules that refuse the config, leave `result` to decode the trace, and
+the plan is compiled from it. The trace itself is never skipped.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from typing import Any
 import msgpack
 
 from planner.layouts import traced
-from planner.layouts.base import Layout, PhysicalTensor
+from planner.layouts.base import Layout
 from planner.layouts.trace_geometry import TraceError
 from planner.spec import ModelSpec
 from schemas.config import ConfigError, TargetConfig
@@ -44,14 +52,52 @@ def _same(layout: Layout) -> Layout:
 class Pending:
     """A target layout on its way: `result()` waits for it, `cancel()` stops its tracer.
     A context manager: leaving the block cancels a tracer still running (an error on the
-    source side must not leave a process tracing behind it)."""
+    source side must not leave a process tracing behind it). While a trace runs, `guess()`
+    gives the layout it is expected to equal, if any, and `confirms(guess)` says whether it
+    did (then `result()` is that guess)."""
 
-    def __init__(self, build: Callable[[], Layout], then: Then = _same) -> None:
+    def __init__(self, build: Callable[[], Layout], then: Then = _same,
+                 rules: Callable[[], Layout] | None = None,
+                 cfg: TargetConfig | None = None) -> None:
         self._build, self._then = build, then
         self._proc: Any = None
+        self._rows: Callable[[], list[Any]] | None = None  # the tracer's answer, undecoded
+        self._rules, self._cfg = rules, cfg
+        self._guess: tuple[Layout, Layout] | None = None  # the rules' layout, and `then` of it
+        self._confirmed = False
 
     def result(self) -> Layout:
+        if self._confirmed and self._guess is not None:
+            return self._guess[1]
         return self._then(self._build())
+
+    def guess(self) -> Layout | None:
+        """The hand-written layout (`then` applied) that the trace under way is expected to
+        equal; None without a trace under way or rules for the family, or when the rules
+        refuse the config (the trace decides then)."""
+        if self._rules is None or self._rows is None or self._proc is None:
+            return None
+        try:
+            rules = self._rules()
+            self._guess = (rules, self._then(rules))
+        except Exception:  # noqa: BLE001 (rules that cannot build it: no guess, the trace decides)
+            return None
+        return self._guess[1]
+
+    def confirms(self, guess: Layout) -> bool:
+        """Waits for the trace (raising its error, as `result()` would) and says whether it
+        equals `guess`, what `guess()` gave: every engine rank's rows are the rules'
+        engine's, and the rules' replicas are that engine's (`traced.replicated`)."""
+        if self._guess is None or self._guess[1] is not guess or self._rows is None:
+            return False
+        rules, cfg = self._guess[0], self._cfg
+        assert cfg is not None
+        engine = [r.tensors for r in rules.ranks[:cfg.engine_world]]
+        want = [msgpack.packb(traced.encode_rank(tensors)) for tensors in engine]  # compact,
+        rows = self._rows()  # and made before the wait
+        self._confirmed = (len(rows) == len(want) and rules == traced.replicated(engine, cfg)
+                           and all(msgpack.packb(row) == w for row, w in zip(rows, want)))
+        return self._confirmed
 
     def cancel(self) -> None:
         proc, self._proc = self._proc, None
@@ -88,9 +134,23 @@ def begin(spec: ModelSpec, cfg: TargetConfig, hf: dict[str, Any], folder: str | 
     def start(lean: bool) -> tuple[Any, Any]:
         return _fork(spec, hf, replace(cfg, replicas=1), path, key, lean)
 
+    def rules() -> Layout:
+        from planner.layouts import vllm
+
+        return vllm.layout(spec, replace(cfg, layout="rules"))
+
     proc, recv = start(lean_wanted())
-    pending = Pending(lambda: _join(pending, start, recv, spec, cfg), then)
-    pending._proc = proc
+    hand_written = spec.dims.model_type in traced.HAND_WRITTEN
+    pending = Pending(lambda: _decoded(answer(), spec, cfg), then,
+                      rules if hand_written else None, cfg)
+    rows: list[list[Any]] = []
+
+    def answer() -> list[Any]:
+        if not rows:
+            rows.append(_join(pending, start, recv, cfg.engine_world))
+        return rows[0]
+
+    pending._rows, pending._proc = answer, proc
     return pending
 
 
@@ -111,31 +171,41 @@ def _fork(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig, path: str, key
     return proc, recv
 
 
-def _join(pending: Pending, start: Callable[[bool], tuple[Any, Any]], recv: Any, spec: ModelSpec,
-          cfg: TargetConfig) -> Layout:
-    """The tracer's ranks, checked like a cache file; then the tracer is reaped (it only
-    writes the cache file after answering). A lean tracer that failed is followed by one
-    importing vLLM whole (its failure may be the lean import's)."""
-    engine = _receive(recv, spec, cfg.engine_world)
-    if engine is None:
+def _join(pending: Pending, start: Callable[[bool], tuple[Any, Any]], recv: Any,
+          world: int) -> list[Any]:
+    """The tracer's `world` ranks, undecoded; then the tracer is reaped (it only writes the
+    cache file after answering). A lean tracer that failed is followed by one importing
+    vLLM whole (its failure may be the lean import's)."""
+    rows = _receive(recv, world)
+    if rows is None:
         pending.cancel()
         pending._proc, recv = start(False)
-        engine = _receive(recv, spec, cfg.engine_world)
-    if engine is None or isinstance(engine, str):
+        rows = _receive(recv, world)
+    if rows is None or isinstance(rows, str):
         pending.cancel()
-        raise TraceError(engine or "target.layout: traced: the tracing process failed")
+        raise TraceError(rows or "target.layout: traced: the tracing process failed")
     if pending._proc is not None:
         pending._proc.join(timeout=60)  # it writes the cache file
     pending.cancel()  # reaps it (kills it only if that write hangs)
+    return rows
+
+
+def _decoded(rows: list[Any], spec: ModelSpec, cfg: TargetConfig) -> Layout:
+    """The tracer's ranks decoded and checked (as `traced.read_cache` does), replicated."""
+    try:
+        with traced.gc_paused():
+            engine = [traced.decode_rank(rank, spec) for rank in rows]
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        raise TraceError(f"target.layout: traced: the tracing process sent a bad answer ({e})"
+                         ) from None
     return traced.replicated(engine, cfg)
 
 
-def _receive(recv: Any, spec: ModelSpec,
-             world: int) -> list[tuple[PhysicalTensor, ...]] | str | None:
+def _receive(recv: Any, world: int) -> list[Any] | str | None:
     """`_answer` to what the tracer sends on `recv` (then closed)."""
     try:
         with traced.gc_paused():
-            return _answer(recv.recv_bytes(), spec, world)
+            return _answer(recv.recv_bytes(), world)
     except EOFError:
         return ("target.layout: traced: the tracing process died without an answer (out "
                 "of memory?); retry, or set RDMA_PLAN_CACHE to a folder holding a trace")
@@ -143,10 +213,9 @@ def _receive(recv: Any, spec: ModelSpec,
         recv.close()
 
 
-def _answer(data: bytes, spec: ModelSpec,
-            world: int) -> list[tuple[PhysicalTensor, ...]] | str | None:
-    """The tracer's `world` ranks decoded and checked (as `traced.read_cache` does), the
-    one-line error it sent or that its answer earns, or None: a lean tracer failed."""
+def _answer(data: bytes, world: int) -> list[Any] | str | None:
+    """The tracer's `world` ranks as it sent them (`traced.encode_rank` rows, unchecked),
+    the one-line error it sent or that its answer earns, or None: a lean tracer failed."""
     try:
         raw = msgpack.unpackb(data, strict_map_key=True)
         if isinstance(raw, dict) and raw.get("lean") is True:
@@ -156,7 +225,7 @@ def _answer(data: bytes, spec: ModelSpec,
         ranks = raw["ranks"]
         if not isinstance(ranks, list) or len(ranks) != world:
             raise ValueError(f"not {world} ranks")
-        return [traced.decode_rank(rank, spec) for rank in ranks]
+        return ranks
     except (ValueError, TypeError, KeyError, IndexError) as e:
         return f"target.layout: traced: the tracing process sent a bad answer ({e})"
 

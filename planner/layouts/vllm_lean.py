@@ -2,14 +2,17 @@
 
 Importing what a trace needs of vLLM 0.33 costs ~4 s on one core, most of it modules a
 trace never runs: Inductor and Dynamo (pulled in by `vllm.env_override`, by
-`torch._inductor.custom_graph_pass`'s package and by module-level `@torch.compile`), the
-OpenAI server's types, structured output, the multimodal media decoders, KV-transfer
-connectors, `transformers`' auto-model factory. `install` puts a meta-path finder in front
-of the import system of the calling process that
+`torch._inductor.custom_graph_pass`'s package, by `vllm.compilation.decorators` and by
+module-level `@torch.compile`), the OpenAI server's types, structured output, the
+multimodal media decoders, KV-transfer connectors, `transformers`' auto-model factory.
+`install` puts a meta-path finder in front of the import system of the calling process
+that
 
 - skips the `__init__` of the packages in `SKIP_INIT` (their submodules import as usual),
 - gives a placeholder module for each module in `STUBS` (its real submodules still
-  import) and for every module under a prefix in `STUB_TREES`,
+  import; the few names in `FAKES` work) and for every module under a prefix in
+  `STUB_TREES`,
+- changes a module in `PATCHES` once it has run (a faster function answering as its own),
 
 and makes `torch.compile` hand back the function it is given (a trace runs no forward;
 vLLM decorates functions with it at import). A placeholder module has every public name,
@@ -57,6 +60,11 @@ STUBS = {
                                                               "pool, built with torch's C++ "
                                                               "extension loader (setuptools)",
     "vllm.connections": "HTTP clients for fetching media and assets",
+    "torch._dynamo": "Dynamo, imported only by `vllm.compilation.decorators` (for a class it "
+                     "uses when compiling a model's forward; a trace builds models eagerly "
+                     "and runs no forward)",
+    "torch._dynamo.symbolic_convert": "the class `vllm.compilation.decorators` imports from "
+                                      "Dynamo (see torch._dynamo)",
 }
 STUB_TREES = {
     "vllm.entrypoints": "the OpenAI-compatible server and its tools",
@@ -140,6 +148,8 @@ class _Loader(importlib.abc.Loader):
             module.__file__ = real.origin
         else:
             module.__getattr__ = _placeholder_getattr(module)  # type: ignore[method-assign]
+            for attr, value in FAKES.get(name, {}).items():
+                setattr(module, attr, value)
         _Finder.used.add(name)
 
 
@@ -149,6 +159,8 @@ class _Finder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, name: str, path: Any = None,
                   target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name in PATCHES:
+            return _patched(name, path)
         if name in SKIP_INIT:
             kind = "skip"
         elif name in STUBS:
@@ -158,6 +170,50 @@ class _Finder(importlib.abc.MetaPathFinder):
         else:
             return None
         return importlib.machinery.ModuleSpec(name, _Loader(kind), is_package=True)
+
+
+def _patched(name: str, path: Any) -> importlib.machinery.ModuleSpec | None:
+    """The real module's spec, its loader made to apply `PATCHES[name]` once the module has
+    run (the loader is this module's own: the file finder makes one per module)."""
+    spec = importlib.machinery.PathFinder.find_spec(name, path)
+    if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        return spec
+    run = spec.loader.exec_module
+
+    def exec_module(module: ModuleType) -> None:
+        run(module)
+        PATCHES[name](module)
+        _Finder.used.add(name)
+
+    spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+    return spec
+
+
+_LINE_ENDS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+"""Where `str.splitlines` ends a line."""
+
+
+def _fetch_all_from_the_end(module: ModuleType) -> None:
+    """transformers' `fetch__all__` (the `__all__` list of a source file, read from the last
+    line that starts with `__all__`; transformers' package init runs it over ~3,000 model
+    files, splitting each into lines and testing every line) given only the text from that
+    line on: found from the end, the same answer for every text (tests/planner/layouts/
+    test_vllm_lean.py checks every file of the installed transformers)."""
+    whole = module.fetch__all__
+
+    def fetch__all__(file_content: str) -> list[str]:
+        at = len(file_content)
+        while (at := file_content.rfind("__all__", 0, at + 6)) > 0:  # one starting before at
+            if file_content[at - 1] in _LINE_ENDS:
+                break
+        return whole(file_content[at:]) if at >= 0 else []
+
+    fetch__all__.whole = whole  # type: ignore[attr-defined]
+    module.fetch__all__ = fetch__all__
+
+
+PATCHES = {"transformers.utils.import_utils": _fetch_all_from_the_end}
+"""Module -> what is changed in it once it has run: a faster function answering as its own."""
 
 
 def supported() -> bool:
@@ -184,20 +240,34 @@ def _same(fn: Any) -> Any:
     return fn
 
 
+def _compile_off(model: Any = None, **kwargs: Any) -> Any:
+    return _same if model is None else model
+
+
+def _disable_off(fn: Any = None, recursive: bool = True, *, reason: Any = None,
+                 wrapping: bool = True) -> Any:
+    """`torch._dynamo.disable` / `torch.compiler.disable` where nothing is compiled: with no
+    Dynamo frame hook set (none is: Dynamo is not even imported), the real wrapper only
+    calls `fn`."""
+    return _same if fn is None else fn
+
+
+FAKES: dict[str, dict[str, Any]] = {
+    "torch._dynamo": {"disable": _disable_off},
+}
+"""Names a placeholder module gives that work rather than refuse: torch's own meta
+kernels (`torch._compile._disable_dynamo`, on their first call) wrap themselves in
+`torch._dynamo.disable`."""
+
+
 def _compile_hints_off() -> None:
     """`torch.compile` and the `torch.compiler` decorators vLLM applies at import give back
     the function (each would import Dynamo or Inductor; a trace compiles nothing)."""
     import torch
     import torch.compiler
 
-    def compile_off(model: Any = None, **kwargs: Any) -> Any:
-        return _same if model is None else model
-
-    def disable_off(fn: Any = None, recursive: bool = True, *, reason: Any = None) -> Any:
-        return _same if fn is None else fn
-
-    torch.compile = compile_off  # type: ignore[assignment]
-    torch.compiler.disable = disable_off  # type: ignore[assignment]
+    torch.compile = _compile_off  # type: ignore[assignment]
+    torch.compiler.disable = _disable_off  # type: ignore[assignment]
     torch.compiler.allow_in_graph = _same  # type: ignore[assignment]
     torch.compiler.assume_constant_result = _same  # type: ignore[assignment]
 

@@ -27,6 +27,7 @@ from tests.support.models import qwen3_moe
 
 HF = qwen3_moe(num_hidden_layers=2)
 SPEC = spec_from_hf(HF, mtp=False)
+ROOT_PLANS = Path(__file__).resolve().parents[3] / "plans"
 pytestmark = pytest.mark.skipif("fork" not in __import__("multiprocessing")
                                 .get_all_start_methods(), reason="tracing ahead forks")
 
@@ -211,3 +212,99 @@ def test_no_lean_import_when_switched_off(tmp_path: Path,
     with trace_ahead.begin(SPEC, target(), HF, str(tmp_path)) as pending:
         pending.result()
     assert forks == [False]
+
+
+def swapped(cfg: TargetConfig) -> list:
+    """A valid engine that is not the rules' one: its first two ranks swapped."""
+    ranks = engine(cfg)
+    return [ranks[1], ranks[0], *ranks[2:]]
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_the_rules_are_a_guess_the_trace_confirms_or_refutes(
+        same: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = target()
+    stub(monkeypatch, lambda spec, hf, c: engine(c) if same else swapped(c))
+    with trace_ahead.begin(SPEC, cfg, HF, str(tmp_path)) as pending:
+        guess = pending.guess()
+        assert guess == vllm.layout(SPEC, cfg) and pending._proc is not None  # not waited
+        assert pending.confirms(guess) is same
+        got = pending.result()
+    assert (got is guess) is same
+    want = vllm.layout(SPEC, cfg) if same else trace_ahead._decoded(
+        [traced.encode_rank(r) for r in swapped(cfg)], SPEC, cfg)
+    assert got == want and pending._proc is None
+    assert pending.confirms(vllm.layout(SPEC, cfg)) is False  # not the object it gave
+
+
+def test_no_guess_without_rules_a_trace_or_a_layout_the_rules_build(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stub(monkeypatch, lambda spec, hf, c: engine(c))
+    cfg = target()
+    with trace_ahead.begin(SPEC, cfg, HF, str(tmp_path)) as pending:
+        pending.result()  # traced and cached
+    with trace_ahead.begin(SPEC, cfg, HF, str(tmp_path)) as hit:
+        assert hit.guess() is None  # nothing under way
+    monkeypatch.setattr(traced, "HAND_WRITTEN", ())
+    with trace_ahead.begin(SPEC, cfg, HF, str(tmp_path / "b")) as no_rules:
+        assert no_rules.guess() is None
+    monkeypatch.undo()
+    stub(monkeypatch, lambda spec, hf, c: engine(c))
+    monkeypatch.setattr(vllm, "layout", lambda *a: (_ for _ in ()).throw(ConfigError("no")))
+    with trace_ahead.begin(SPEC, cfg, HF, str(tmp_path / "c")) as refused:
+        assert refused.guess() is None and refused.confirms(cfg) is False  # type: ignore[arg-type]
+
+
+def test_a_guess_of_fp8_is_the_quantized_rules(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    hf = qwen3_moe(hidden_size=256, head_dim=128, num_attention_heads=2, num_key_value_heads=2,
+                   intermediate_size=256, moe_intermediate_size=256, vocab_size=256)
+    spec = spec_from_hf(hf, mtp=False)
+    monkeypatch.setenv("RDMA_PLAN_CACHE", str(tmp_path))
+    cfg = target(dtype="fp8_block128")
+    bf16 = dataclasses.replace(cfg, dtype="bfloat16")
+    stub(monkeypatch, lambda s, h, c: [r.tensors for r in vllm.layout(spec, c).ranks])
+    with start_layout(spec, cfg, hf) as pending:
+        guess = pending.guess()
+        assert guess == quantize_layout(vllm.layout(spec, bf16), spec)
+        assert pending.confirms(guess) and pending.result() is guess
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_a_compile_keeps_the_guessed_plan_only_if_the_trace_confirms_it(
+        same: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from planner.compiler import compile_config, compile_layouts
+    from planner.validate import load
+    from schemas.plan import encode_plan
+
+    monkeypatch.setenv("RDMA_PLAN_CACHE", str(tmp_path))
+    conf = tmp_path / "c.yaml"
+    text = (ROOT_PLANS / "demo-moe.yaml").read_text()
+    conf.write_text(text.replace("config: models/", f"config: {ROOT_PLANS}/models/")
+                    .replace("ep: true}", "ep: true, layout: traced}"))
+    cfg, spec = load(str(conf))
+    stub(monkeypatch, lambda s, h, c: engine_of(s, c) if same else swapped_of(s, c))
+    guessed: list[bool] = []
+    confirms = trace_ahead.Pending.confirms
+    monkeypatch.setattr(trace_ahead.Pending, "confirms",
+                        lambda self, g: guessed.append(confirms(self, g)) or guessed[-1])
+    seen: list[bytes] = []
+    got = encode_plan(compile_config(cfg, spec, on_plan=lambda p: seen.append(encode_plan(p))))
+    assert guessed == [same]
+    assert seen[-1] == got and len(seen) == (1 if same else 2)  # a refuted guess's plan first
+    dst = trace_ahead._decoded([traced.encode_rank(r) for r in (
+        engine_of(spec, cfg.target) if same else swapped_of(spec, cfg.target))], spec, cfg.target)
+    src = build_layout(spec, cfg.source)
+    assert got == encode_plan(compile_layouts(cfg, spec, src, dst))  # the traced layout's plan
+    rules = build_layout(spec, dataclasses.replace(cfg.target, layout="rules"))
+    assert (got == encode_plan(compile_layouts(cfg, spec, src, rules))) is same
+
+
+
+def engine_of(spec: object, c: TargetConfig) -> list:
+    return [r.tensors for r in vllm.layout(spec, dataclasses.replace(c, replicas=1)).ranks]
+
+
+def swapped_of(spec: object, c: TargetConfig) -> list:
+    ranks = engine_of(spec, c)
+    return [ranks[1], ranks[0], *ranks[2:]]

@@ -57,6 +57,7 @@ def fake_packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vllm_lean, "SKIP_INIT", {"lean_skip": "test"})
     monkeypatch.setattr(vllm_lean, "STUBS", {"lean_stub": "test"})
     monkeypatch.setattr(vllm_lean, "STUB_TREES", {"lean_tree": "test"})
+    monkeypatch.setattr(vllm_lean, "FAKES", {"lean_stub": {"works": len}})
     monkeypatch.setattr(sys, "meta_path", [vllm_lean._Finder(), *sys.meta_path])
     monkeypatch.setattr(vllm_lean._Finder, "used", set())
     for name in list(sys.modules):
@@ -97,7 +98,23 @@ def test_other_versions_are_not_supported(monkeypatch: pytest.MonkeyPatch) -> No
     assert not vllm_lean.supported()
 
 
-@pytest.mark.parametrize("loaded", ["vllm", "torch._inductor",
+@pytest.mark.usefixtures("fake_packages")
+def test_a_stub_gives_its_fakes_and_placeholders_for_the_rest() -> None:
+    from lean_stub import Other, works  # type: ignore[attr-defined]
+    assert works is len
+    with pytest.raises(vllm_lean.LeanMiss):
+        Other()
+
+
+def test_dynamos_disable_gives_back_the_function() -> None:
+    def f() -> int:
+        return 1
+
+    disable = vllm_lean.FAKES["torch._dynamo"]["disable"]
+    assert disable(f, True, wrapping=False) is f and disable()(f) is f
+
+
+@pytest.mark.parametrize("loaded", ["vllm", "torch._inductor", "torch._dynamo",
                                     "transformers.models.auto.modeling_auto"])
 def test_install_declines_when_it_comes_too_late(loaded: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,3 +129,48 @@ def test_install_declines_other_versions(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(vllm_lean, "supported", lambda: False)
     before = list(sys.meta_path)
     assert vllm_lean.install() is False and sys.meta_path == before
+
+
+def fast_fetch_all() -> tuple:
+    module = ModuleType("import_utils")
+    module.fetch__all__ = lambda text: ("whole", text)  # type: ignore[attr-defined]
+    vllm_lean._fetch_all_from_the_end(module)
+    return module.fetch__all__, module.fetch__all__.whole  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("text", "rest"), [
+    ("x = 1\n__all__ = ['a']\ny = 2\n__all__ = ['b']\n", "__all__ = ['b']\n"),
+    ("__all__ = ['a']", "__all__ = ['a']"),
+    ("s = '__all__'\n__all__ = [\n 'a',\n]\n", "__all__ = [\n 'a',\n]\n"),
+    ("__all__all__ = 1", "__all__all__ = 1"),  # overlapping: the line starts at 0
+    ("x\r__all__ = ['a']\x0c__all__all__", "__all__all__"),
+])
+def test_transformers_fetch_all_reads_from_the_last_line_starting_with_it(
+        text: str, rest: str) -> None:
+    fast, _ = fast_fetch_all()
+    assert fast(text) == ("whole", rest)
+    assert fast("y = '__all__'\n") == [] and fast("nothing") == []
+
+
+def test_transformers_fetch_all_answers_as_its_own_for_every_installed_file() -> None:
+    iu = pytest.importorskip("transformers.utils.import_utils")
+    whole = getattr(iu.fetch__all__, "whole", iu.fetch__all__)
+    module = ModuleType("import_utils")
+    module.fetch__all__ = whole  # type: ignore[attr-defined]
+    vllm_lean._fetch_all_from_the_end(module)
+    root = Path(iu.__file__).parents[1]
+    files = [p.read_text(encoding="utf-8") for p in root.rglob("*.py")]
+    assert len(files) > 1000
+    assert [module.fetch__all__(t) for t in files] == [whole(t) for t in files]
+
+
+def test_a_patched_module_runs_then_is_patched(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    write(tmp_path, {"lean_patch.py": "def f():\n    return 1\n"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(vllm_lean, "PATCHES", {"lean_patch": lambda m: setattr(m, "g", m.f)})
+    monkeypatch.setattr(sys, "meta_path", [vllm_lean._Finder(), *sys.meta_path])
+    monkeypatch.delitem(sys.modules, "lean_patch", raising=False)
+    module = importlib.import_module("lean_patch")
+    assert module.g() == 1 and module.__file__ == str(tmp_path / "lean_patch.py")
+    del sys.modules["lean_patch"]
