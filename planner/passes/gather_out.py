@@ -5,8 +5,6 @@ row."""
 
 from __future__ import annotations
 
-from operator import itemgetter
-
 import numpy as np
 
 from planner.passes.lower import ALIGN, Lowered
@@ -29,10 +27,11 @@ class Staging:
         self.used: dict[tuple[int, int, int], int] = {}
         split = (budget - budget // 4) // ALIGN * ALIGN
         self.caps = (split, budget - split)
-        self.peak = np.zeros((world, 2), dtype=np.int64)
+        self._peak = [[0, 0] for _ in range(world)]  # lists: read and set one at a time
 
     def _start(self, rank: int, stages: tuple[int, ...], pool: int) -> int:
-        return max(self.used.get((rank, s, pool), 0) for s in stages)
+        get = self.used.get
+        return max([get((rank, s, pool), 0) for s in stages])
 
     def fits(self, rank: int, stages: tuple[int, ...], nbytes: int, pool: int = 0) -> bool:
         return self._start(rank, stages, pool) + align(nbytes) <= self.caps[pool]
@@ -41,10 +40,18 @@ class Staging:
         """Offset (from the pool's start) of `nbytes` live in every stage of `stages` on
         `rank`."""
         start = self._start(rank, stages, pool)
+        end = start + align(nbytes)
         for s in stages:
-            self.used[(rank, s, pool)] = start + align(nbytes)
-        self.peak[rank, pool] = max(self.peak[rank, pool], start + align(nbytes))
+            self.used[(rank, s, pool)] = end
+        peak = self._peak[rank]
+        if end > peak[pool]:
+            peak[pool] = end
         return start
+
+    @property
+    def peak(self) -> np.ndarray:
+        """Per rank and pool: the bytes used at the peak."""
+        return np.array(self._peak, dtype=np.int64).reshape(-1, 2)
 
     @property
     def pool1(self) -> np.ndarray:
@@ -75,28 +82,26 @@ class Out:
 
     def __init__(self) -> None:
         self.writes: list[tuple[int, ...]] = []
-        self.strided: list[np.ndarray] = []
+        self.strided: list[tuple[int, ...]] = []
+        """Runs of several writes: (*src, *dst, rows, row_bytes, src_stride, dst_stride,
+        stage), expanded into rows at the end (`lowered`), after `writes`."""
         self.copies: list[tuple[int, ...]] = []
         self.explain: list[tuple[int, int, int, int, int, int]] = []
         self.pool1: list[tuple[int, int, int, int]] = []
         """(copy, write, rank, element size): a PACK into pool 1 and the write of it, whose
         offsets count from the pool's start (`Staging`)."""
 
-    def copy(self, **cols: int) -> None:
-        self.copies.append(tuple(map(int, _copy_row(cols))))
+    def copy(self, row: tuple[int, ...]) -> None:
+        """A copy: its Python ints in `Out.C` order."""
+        self.copies.append(row)
 
     def runs(self, stage: int, src: tuple[int, int, int], dst: tuple[int, int, int],
              rows: int, row_bytes: int, src_stride: int, dst_stride: int) -> None:
         """`rows` writes of `row_bytes` (byte strides), or one when both sides are dense."""
         if rows == 1 or (src_stride == row_bytes and dst_stride == row_bytes):
             self.writes.append((*src, *dst, rows * row_bytes, stage))
-            return
-        k = np.arange(rows, dtype=np.int64)
-        one = np.ones(rows, dtype=np.int64)
-        self.strided.append(np.stack([one * src[0], one * src[1], src[2] + k * src_stride,
-                                      one * dst[0], one * dst[1], dst[2] + k * dst_stride,
-                                      one * row_bytes, one * stage], axis=1))
-
+        else:
+            self.strided.append((*src, *dst, rows, row_bytes, src_stride, dst_stride, stage))
 
 
 def explain_rows(out: Out) -> np.ndarray:
@@ -105,7 +110,8 @@ def explain_rows(out: Out) -> np.ndarray:
 
 
 def lowered(out: Out, alloc: Staging, stages: int) -> Lowered:
-    w = np.concatenate([np.array(out.writes, dtype=np.int64).reshape(-1, 8), *out.strided])
+    w = np.concatenate([np.array(out.writes, dtype=np.int64).reshape(-1, 8),
+                        _expand(np.array(out.strided, dtype=np.int64).reshape(-1, 11))])
     c = np.array(out.copies, dtype=np.int64).reshape(-1, len(Out.C))
     if out.pool1:  # pool 1 starts where pool 0 ends on its rank
         ci, wi, rank, es = np.array(out.pool1, dtype=np.int64).T
@@ -116,5 +122,14 @@ def lowered(out: Out, alloc: Staging, stages: int) -> Lowered:
                    stages=stages)
 
 
-_copy_row = itemgetter(*Out.C)
-"""A copy's columns in `Out.C` order, from its keyword arguments."""
+def _expand(runs: np.ndarray) -> np.ndarray:
+    """Runs (`Out.strided`) as their writes (`Out.W` columns), run by run, row by row."""
+    rows = runs[:, 6]
+    run = np.repeat(np.arange(len(runs)), rows)
+    k = np.arange(len(run), dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)
+    out = np.empty((len(run), 8), dtype=np.int64)
+    for j, c in enumerate((0, 1, 2, 3, 4, 5, 7, 10)):
+        out[:, j] = runs[run, c]
+    out[:, 2] += k * runs[run, 8]
+    out[:, 5] += k * runs[run, 9]
+    return out
