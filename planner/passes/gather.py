@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.passes.gather_out import Out, Rows, Staging, align, explain_rows, lowered
+from planner.passes.gather_direct import add_direct
+from planner.passes.gather_out import Out, Rows, ScaleRows, Staging, align, explain_rows, lowered
 from planner.passes.intersect import PieceTable, intersect, take
 from planner.passes.lower import ALIGN, Lowered
 from planner.passes.route import Routes
@@ -136,7 +137,8 @@ def gather(spec: ModelSpec, src: PieceTable, routes: Routes, n_regions: np.ndarr
     if len(routes.gathered) == 0:
         return Gathered(None, explain_rows(Out()), np.zeros(len(n_regions), np.int64), 0)
     g = _Gatherer(spec, src, routes, n_regions, opts, topo, base, sent)
-    for t in g.order():
+    order = g.order()
+    for t in order[add_direct(g, np.array(order, dtype=np.int64)):]:
         g.add(t)
     return g.result()
 
@@ -167,9 +169,12 @@ class _Gatherer:
         self.sbox_l = self.chunks.sbox.tolist()
         self.holder_rows: dict[int, tuple[list[tuple[int, int]], tuple[int, ...]]] = {}
         self.by_parts = self._by_parts().tolist()
-        # Scale piece of every target weight row: same rank, scale tensor, offsets / 128.
-        self.s_key = {(int(r), int(t), int(a), int(b)): i for i, (r, t, a, b) in
-                      enumerate(zip(self.s.rank, self.s.tensor, self.s.off0, self.s.off1))}
+        self.scale_tensor = np.full(len(self.names), -1, dtype=np.int64)
+        self.scale_tensor[list(self.scale_id)] = list(self.scale_id.values())
+        # the scale piece of each target row: same rank, scale tensor, offsets / 128
+        self.scale_j = ScaleRows(self.s)(self.w.rank, self.scale_tensor[self.w.tensor],
+                                         self.w.off0 // BLOCK, self.w.off1 // BLOCK)
+        self.scale_j_l = self.scale_j.tolist()
         world = len(n_regions)
         self.out = Out()
         self.alloc = Staging(world, opts.staging_bytes)
@@ -364,7 +369,7 @@ class _Gatherer:
                            self.stg[hr], code, off // es, m1, 1, 1, m0, m1, 1, 0))
             self.out.runs(slot.gather, (hr, self.stg[hr], off), (owner, stg, into * es), 1,
                           m0 * m1 * es, 0, 0)
-            self.out.pool1.append((len(self.out.copies) - 1, len(self.out.writes) - 1, hr, es))
+            self.out.pool1.append((*self.out.last(), hr, es))
         elif rows_ok:
             self.out.runs(slot.gather, (hr, region, start * es), (owner, stg, into * es), m0,
                           m1 * es, a0 * es, stride * es)
@@ -404,8 +409,8 @@ class _Gatherer:
         if not b.quant:
             return
         rb, cb = -(-n0 // BLOCK), -(-n1 // BLOCK)
-        j = self.s_key.get((d_rank, self.scale_id[b.tensor], b.t0 // BLOCK, b.t1 // BLOCK))
-        if j is None:
+        j = self.scale_j_l[i]
+        if j < 0:
             raise ValueError(f"gather: target rank {d_rank} has no scale piece for "
                              f"{self.names[b.tensor]} block ({b.t0 // BLOCK}, "
                              f"{b.t1 // BLOCK})")

@@ -73,6 +73,30 @@ class Rows:
             setattr(self, c, getattr(table, c).tolist())
 
 
+class ScaleRows:
+    """The row of a table of FP8 scale pieces by (rank, scale tensor, block row, block
+    column), i.e. its (rank, tensor, off0, off1): where keys repeat, the last such row;
+    -1 where none."""
+
+    def __init__(self, s: object) -> None:
+        cols = [np.asarray(getattr(s, c), dtype=np.int64) for c in ("rank", "tensor", "off0",
+                                                                     "off1")]
+        self.dims = tuple(int(c.max()) + 1 if len(c) else 1 for c in cols)
+        keys = np.ravel_multi_index(cols, self.dims) if len(cols[0]) else cols[0]
+        self.order = np.argsort(keys, kind="stable")
+        self.keys = keys[self.order]
+
+    def __call__(self, rank: np.ndarray, tensor: np.ndarray, b0: np.ndarray,
+                 b1: np.ndarray) -> np.ndarray:
+        q = [np.asarray(x, dtype=np.int64) for x in (rank, tensor, b0, b1)]
+        ok = np.logical_and.reduce([(x >= 0) & (x < d) for x, d in zip(q, self.dims)])
+        key = np.ravel_multi_index([np.where(ok, x, 0) for x in q], self.dims)
+        at = np.searchsorted(self.keys, key, side="right") - 1
+        found = ok & (at >= 0) & (self.keys[at.clip(min=0)] == key) if len(self.keys) else \
+            np.zeros(len(key), dtype=bool)
+        return np.where(found, self.order[at.clip(min=0)] if len(self.keys) else -1, -1)
+
+
 class Out:
     """Rows of writes and copies, turned into columns at the end."""
 
@@ -90,6 +114,17 @@ class Out:
         self.pool1: list[tuple[int, int, int, int]] = []
         """(copy, write, rank, element size): a PACK into pool 1 and the write of it, whose
         offsets count from the pool's start (`Staging`)."""
+        none = np.zeros((0, 8), dtype=np.int64)
+        self.pre_writes, self.pre_strided = none, np.zeros((0, 11), dtype=np.int64)
+        self.pre_copies = np.zeros((0, len(Out.C)), dtype=np.int64)
+        self.pre_explain = np.zeros((0, 6), dtype=np.int64)
+        """Rows (as above) that come before those of the lists, made as columns
+        (`gather_direct.py`)."""
+
+    def last(self) -> tuple[int, int]:
+        """Row numbers of the last copy and the last write (of one row) so far."""
+        return len(self.pre_copies) + len(self.copies) - 1, \
+            len(self.pre_writes) + len(self.writes) - 1
 
     def copy(self, row: tuple[int, ...]) -> None:
         """A copy: its Python ints in `Out.C` order."""
@@ -106,13 +141,16 @@ class Out:
 
 def explain_rows(out: Out) -> np.ndarray:
     """(tensor, owner, staging region, target rank, target region, bytes) per fan-out."""
-    return np.array(out.explain, dtype=np.int64).reshape(-1, 6)
+    return np.concatenate([out.pre_explain, np.array(out.explain, dtype=np.int64).reshape(-1, 6)])
 
 
 def lowered(out: Out, alloc: Staging, stages: int) -> Lowered:
-    w = np.concatenate([np.array(out.writes, dtype=np.int64).reshape(-1, 8),
-                        _expand(np.array(out.strided, dtype=np.int64).reshape(-1, 11))])
-    c = np.array(out.copies, dtype=np.int64).reshape(-1, len(Out.C))
+    strided = np.concatenate([out.pre_strided,
+                              np.array(out.strided, dtype=np.int64).reshape(-1, 11)])
+    w = np.concatenate([out.pre_writes, np.array(out.writes, dtype=np.int64).reshape(-1, 8),
+                        _expand(strided)])
+    c = np.concatenate([out.pre_copies,
+                        np.array(out.copies, dtype=np.int64).reshape(-1, len(Out.C))])
     if out.pool1:  # pool 1 starts where pool 0 ends on its rank
         ci, wi, rank, es = np.array(out.pool1, dtype=np.int64).T
         c[ci, Out.C.index("dst_offset")] += alloc.pool1[rank] // es
