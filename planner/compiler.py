@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -91,7 +92,8 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     sets, the fingerprint) is taken right after assign, and the chunks are dropped once
     lowered; what they need of the target pieces (the coverage table, the tensors blobs)
     before lower, and all but the gathered ones are dropped once lowered: memory holds
-    one pass's columns, not every pass's."""
+    one pass's columns, not every pass's. The fingerprint's digest of the piece tables
+    runs on a second thread from assign to the end of lower (blake2b releases the GIL)."""
     step, opts, names = progress or _quiet, cfg.options, tuple(t.name for t in spec.tensors)
     topo = build_topology(cfg.cluster, src_layout.world, dst_layout.world)
     step("intersect")
@@ -112,7 +114,8 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     explain = spilled(explain)  # read again only when the plan is written
     regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
                            tensor_regions(dst_layout))  # staging is added once lowered
-    fp = fingerprint(spec, src, routes.direct, regions, topo, cfg)
+    side = ThreadPoolExecutor(1)  # hashing releases the GIL: the digest runs beside lower
+    fp_job = side.submit(fingerprint, spec, src, routes.direct, regions, topo, cfg)
     coverage = coverage_table(dst_layout, src_layout.world, routes.targets)
     blobs = rank_tensor_blobs(spec, (src, routes.targets), (src_layout, dst_layout))
     step("lower")
@@ -121,6 +124,8 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     direct = lower(chunks, choice, src, routes.direct, staging_ids, opts, names, bytes_in,
                    topo)
     del chunks, choice  # the largest columns: nothing later reads them
+    fp = fp_job.result()  # before the target pieces it reads are dropped
+    side.shutdown()
     routes = gathered_only(routes)  # the target pieces go, but those gather reads
     step("gather")
     more = gather(spec, src, routes, staging_ids, opts, topo, direct.stages,

@@ -112,32 +112,33 @@ def write_plan(path: str, plan: Plan, key: bytes | None = None) -> int:
     table columns left in the plan's arrays, `_parts`: memory holds only the small packed
     parts, not the plan's bytes twice), which gives every blob's length, and a digest is 32
     bytes whatever it holds. So the blobs are written once, straight after a head of that
-    length (digested on a second thread while written), then the head in front of them;
-    the file is `encode_plan`'s bytes."""
+    length (digested on a second thread while packed and written), then the head in front
+    of them; the file is `encode_plan`'s bytes."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    blobs = [(name, _parts(obj)) for name, obj in _blob_objects(plan)]
     index: dict[str, list[Any]] = {}
     offset = 0
-    for name, parts in blobs:
-        n = sum(len(part) for part in parts)
-        index[name] = [offset, n, bytes(32)]  # a digest's length, its bytes come later
-        offset += n
-    at = len(_head(plan, key, index))
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.seek(at)
-        with ThreadPoolExecutor(1) as pool:
-            for name, parts in blobs:
-                digest = pool.submit(_digest_parts, parts)
+    with ThreadPoolExecutor(1) as pool:  # each blob digested while the next is packed
+        blobs = []
+        for name, obj in _blob_objects(plan):
+            parts = _parts(obj)
+            n = sum(len(part) for part in parts)
+            index[name] = [offset, n, bytes(32)]  # a digest's length; its bytes come later
+            offset += n
+            blobs.append((name, parts, pool.submit(_digest_parts, parts)))
+        at = len(_head(plan, key, index))
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.seek(at)
+            for name, parts, digest in blobs:
                 for part in parts:
                     f.write(part)
                 index[name][2] = digest.result()
-        head = _head(plan, key, index)
-        if len(head) != at:  # cannot happen: msgpack sizes a 32-byte bin the same way
-            raise OSError(f"write_plan: the head is {len(head)} bytes, not {at}")
-        f.seek(0)
-        f.write(head)
+            head = _head(plan, key, index)
+            if len(head) != at:  # cannot happen: msgpack sizes a 32-byte bin the same way
+                raise OSError(f"write_plan: the head is {len(head)} bytes, not {at}")
+            f.seek(0)
+            f.write(head)
     os.replace(tmp, path)
     return len(head) + offset
