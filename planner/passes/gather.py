@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.passes import gather_rows
 from planner.passes.gather_direct import add_direct
 from planner.passes.gather_out import Out, Rows, ScaleRows, Staging, align, explain_rows, lowered
 from planner.passes.intersect import PieceTable, intersect, take
@@ -169,6 +170,9 @@ class _Gatherer:
         self.sbox_l = self.chunks.sbox.tolist()
         self.holder_rows: dict[int, tuple[list[tuple[int, int]], tuple[int, ...]]] = {}
         self.by_parts = self._by_parts().tolist()
+        one = np.diff(self.chunks.holder_ptr)[self.chunks.sbox] == 1
+        self.multi = (np.bincount(self.chunks.dst, weights=~one, minlength=len(self.tboxes))
+                      > 0).tolist()  # boxes with a chunk that several ranks hold
         self.scale_tensor = np.full(len(self.names), -1, dtype=np.int64)
         self.scale_tensor[list(self.scale_id)] = list(self.scale_id.values())
         # the scale piece of each target row: same rank, scale tensor, offsets / 128
@@ -179,11 +183,10 @@ class _Gatherer:
         self.out = Out()
         self.alloc = Staging(world, opts.staging_bytes)
         self.stg = n_regions.tolist()
-        self.host, self.nic = np.asarray(topo.host).tolist(), np.asarray(topo.nic).tolist()
-        # NIC loads as a list of Python ints: read and added to one at a time
-        load = np.zeros(max(self.nic) + 1 if world else 0, dtype=np.int64)
-        load[:len(sent)] += sent.astype(np.int64)
-        self.load = load.tolist()
+        self.host_a, self.nic_a = np.asarray(topo.host), np.asarray(topo.nic)
+        self.host, self.nic = self.host_a.tolist(), self.nic_a.tolist()
+        self.load = np.zeros(max(self.nic) + 1 if world else 0, dtype=np.int64)
+        self.load[:len(sent)] += sent.astype(np.int64)
         self.owner_only = np.zeros(world, dtype=np.int64)
         self.unit_max = 0
         self.rounds: dict[int, int] = {}  # owner -> first round that may still have room
@@ -220,15 +223,17 @@ class _Gatherer:
             read = (src.region[h], src.base[h] + box.t0 * src.a0[h] + box.t1 * src.a1[h],
                     (src.a0[h], src.a1[h]))
             f_off = self._convert(box, slot, *read)
-        else:
+        elif not gather_rows.gather_parts(self, box, slot):
             for c, h in zip(box.chunks, box.rows):
                 c0, c1 = self.chunks_l.off0[c], self.chunks_l.off1[c]
                 into = slot.g_off // box.es + (c0 - box.t0) * box.n1 + (c1 - box.t1)
                 self._gather_part(box, slot, c, h, into, box.n1)
+        if not (box.parts or box.direct):
             f_off = self._convert(box, slot, self.stg[box.owner], slot.g_off // box.es,
                                   (box.n1, 1))
-        for i in to:
-            self._fan_out(box, slot, f_off, i)
+        if not gather_rows.fan_out(self, box, slot, f_off, to):
+            for i in to:
+                self._fan_out(box, slot, f_off, i)
 
     def result(self) -> Gathered:
         return Gathered(lowered(self.out, self.alloc, self.max_stage + 1),
@@ -243,22 +248,23 @@ class _Gatherer:
         load, nic, cl = self.load, self.nic, self.chunks_l
         tensor, t0, t1, n0, n1 = self.tboxes_l[t]
         cs = range(self.chunk_ptr_l[t], self.chunk_ptr_l[t + 1])
-        cands = [self._holders(c) for c in cs]
-        held: dict[int, int] = {}
-        for c, (_, ranks) in zip(cs, cands):
-            size = cl.size0[c] * cl.size1[c]
-            for r in ranks:
-                held[r] = held.get(r, 0) + size
-        owner = next(iter(held)) if len(held) == 1 else \
-            min(held, key=lambda r: (-held[r], load[nic[r]], r))
-        rows = []
-        for hs, _ in cands:
-            if len(hs) == 1:
-                rows.append(hs[0][0])
-                continue
-            mine = next((h for h, r in hs if r == owner), None)
-            rows.append(mine if mine is not None else
-                        min(hs, key=lambda hr: (load[nic[hr[1]]], hr[1]))[0])
+        one = gather_rows.owner(self, t)  # as columns, where each chunk has one holder
+        if one is not None:
+            owner, rows, n_held = one
+        else:
+            cands = [self._holders(c) for c in cs]
+            held: dict[int, int] = {}
+            for c, (_, ranks) in zip(cs, cands):
+                size = cl.size0[c] * cl.size1[c]
+                for r in ranks:
+                    held[r] = held.get(r, 0) + size
+            owner = next(iter(held)) if len(held) == 1 else \
+                min(held, key=lambda r: (-held[r], load[nic[r]], r))
+            rows, n_held = [], len(held)
+            for hs, _ in cands:
+                mine = next((h for h, r in hs if r == owner), None)
+                rows.append(mine if mine is not None else
+                            min(hs, key=lambda hr: (load[nic[hr[1]]], hr[1]))[0])
         sl = self.src_l
         out_code = self.w_l.dtype[int(self.first[t])]
         src_code = sl.dtype[rows[0]]
@@ -270,7 +276,7 @@ class _Gatherer:
         g_bytes = 0 if direct else \
             sum(align(cl.size0[c] * cl.size1[c] * es) for c in others) \
             if parts else align(n0 * n1 * es)
-        return _Box(tensor, t0, t1, n0, n1, cs, tuple(rows), owner, len(held) == 1,
+        return _Box(tensor, t0, t1, n0, n1, cs, tuple(rows), owner, n_held == 1,
                     src_code, out_code, es, int(ITEM[out_code]), quant,
                     not quant and out_code != src_code, direct, parts, g_bytes)
 

@@ -59,12 +59,10 @@ def add_direct(g: _Gatherer, order: np.ndarray) -> int:
     numel = n0 * n1
     s_off = start + _align(numel)
     # the NIC loads and bounds `_account` keeps
-    remote = np.bincount(box, weights=np.asarray(g.host)[w.rank[i]]
-                         != np.asarray(g.host)[owner[box]], minlength=n).astype(np.int64)
+    remote = np.bincount(box, weights=g.host_a[w.rank[i]] != g.host_a[owner[box]],
+                         minlength=n).astype(np.int64)
     remote *= numel
-    load = np.array(g.load, dtype=np.int64)
-    np.add.at(load, np.asarray(g.nic)[owner], remote)
-    g.load = load.tolist()
+    np.add.at(g.load, g.nic_a[owner], remote)
     np.add.at(g.owner_only, owner, remote)
     g.unit_max = max(g.unit_max, int((numel * n_to[:n]).max()))
     g.max_stage = max(g.max_stage, int(convert.max()))
@@ -72,9 +70,9 @@ def add_direct(g: _Gatherer, order: np.ndarray) -> int:
     code = src.dtype[h].astype(np.int64)
     read = src.base[h] + t0 * src.a0[h] + t1 * src.a1[h]
     ones = np.ones(n, dtype=np.int64)
-    g.out.pre_copies = np.stack([owner, ones * QUANT, convert, src.region[h], code, read,
+    g.out.copies.extend(np.stack([owner, ones * QUANT, convert, src.region[h], code, read,
                                  src.a0[h], src.a1[h], ones, stg, ones * FP8_CODE, start,
-                                 n1, ones, ones, n0, n1, ones, s_off // 4], axis=1)
+                                 n1, ones, ones, n0, n1, ones, s_off // 4], axis=1))
     # per target: the values, then the scales (`Out.runs` rows: several writes or one)
     d_rank, d_reg = w.rank[i], w.region[i]
     o, st, cv, b0, b1 = owner[box], stg[box], convert[box], t0[box], t1[box]
@@ -86,13 +84,8 @@ def add_direct(g: _Gatherer, order: np.ndarray) -> int:
     sd = s.base[j] + (b0 // BLOCK) * s.a0[j] + (b1 // BLOCK) * s.a1[j]
     scales = np.stack([o, st, s_off[box], d_rank, s.region[j], sd * 4, rb, cb * 4, cb * 4,
                        s.a0[j] * 4, cv], axis=1)
-    runs = np.stack([values, scales], axis=1).reshape(-1, 11)
-    single = (runs[:, 6] == 1) | ((runs[:, 8] == runs[:, 7]) & (runs[:, 9] == runs[:, 7]))
-    one_w = runs[single]
-    g.out.pre_writes = np.concatenate([one_w[:, :6], one_w[:, 6:7] * one_w[:, 7:8],
-                                       one_w[:, 10:]], axis=1)
-    g.out.pre_strided = runs[~single]
-    g.out.pre_explain = np.stack([tensor[box], o, st, d_rank, d_reg, numel[box]], axis=1)
+    g.out.run_rows(np.stack([values, scales], axis=1).reshape(-1, 11))
+    g.out.explain.extend(np.stack([tensor[box], o, st, d_rank, d_reg, numel[box]], axis=1))
     return n
 
 
@@ -100,7 +93,7 @@ def _rounds(g: _Gatherer, owners: list[int], needs: list[int]) -> tuple[np.ndarr
                                                                         np.ndarray]:
     """Each box's byte offset and round in its owner's staging (`_Gatherer._place`: the
     owner's first round from the last it used whose two stages have room)."""
-    used, peak, rounds = g.alloc.used, g.alloc._peak, g.rounds
+    used, peak, rounds = g.alloc.used, g.alloc.peak0, g.rounds
     cap, base = g.alloc.caps[0], g.base
     starts, ks = [], []
     for owner, need in zip(owners, needs):
@@ -113,8 +106,8 @@ def _rounds(g: _Gatherer, owners: list[int], needs: list[int]) -> tuple[np.ndarr
             k += 1
         rounds[owner] = k
         used[a] = used[b] = start + need
-        if start + need > peak[owner][0]:
-            peak[owner][0] = start + need
+        if start + need > peak[owner]:
+            peak[owner] = start + need
         starts.append(start)
         ks.append(k)
     return np.array(starts, dtype=np.int64), np.array(ks, dtype=np.int64)

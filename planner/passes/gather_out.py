@@ -25,13 +25,27 @@ class Staging:
 
     def __init__(self, world: int, budget: int) -> None:
         self.used: dict[tuple[int, int, int], int] = {}
+        """Pool 0: the end used so far, by (rank, stage, 0)."""
+        self.used1: dict[int, np.ndarray] = {}
+        """Pool 1: the end used so far on every rank, by stage (`pool1_used`)."""
         split = (budget - budget // 4) // ALIGN * ALIGN
         self.caps = (split, budget - split)
-        self._peak = [[0, 0] for _ in range(world)]  # lists: read and set one at a time
+        self.world = world
+        self.peak0 = [0] * world  # a list: read and set one at a time
+        self.peak1 = np.zeros(world, dtype=np.int64)
+
+    def pool1_used(self, stage: int) -> np.ndarray:
+        """Pool 1's end on every rank in `stage` (the array itself: to read and set)."""
+        used = self.used1.get(stage)
+        if used is None:
+            used = self.used1[stage] = np.zeros(self.world, dtype=np.int64)
+        return used
 
     def _start(self, rank: int, stages: tuple[int, ...], pool: int) -> int:
+        if pool:
+            return max(int(self.pool1_used(s)[rank]) for s in stages)
         get = self.used.get
-        return max([get((rank, s, pool), 0) for s in stages])
+        return max([get((rank, s, 0), 0) for s in stages])
 
     def fits(self, rank: int, stages: tuple[int, ...], nbytes: int, pool: int = 0) -> bool:
         return self._start(rank, stages, pool) + align(nbytes) <= self.caps[pool]
@@ -41,17 +55,21 @@ class Staging:
         `rank`."""
         start = self._start(rank, stages, pool)
         end = start + align(nbytes)
+        if pool:
+            for s in stages:
+                self.pool1_used(s)[rank] = end
+            self.peak1[rank] = max(int(self.peak1[rank]), end)
+            return start
         for s in stages:
-            self.used[(rank, s, pool)] = end
-        peak = self._peak[rank]
-        if end > peak[pool]:
-            peak[pool] = end
+            self.used[(rank, s, 0)] = end
+        if end > self.peak0[rank]:
+            self.peak0[rank] = end
         return start
 
     @property
     def peak(self) -> np.ndarray:
         """Per rank and pool: the bytes used at the peak."""
-        return np.array(self._peak, dtype=np.int64).reshape(-1, 2)
+        return np.stack([np.array(self.peak0, dtype=np.int64), self.peak1], axis=1)
 
     @property
     def pool1(self) -> np.ndarray:
@@ -97,6 +115,37 @@ class ScaleRows:
         return np.where(found, self.order[at.clip(min=0)] if len(self.keys) else -1, -1)
 
 
+class Block:
+    """Rows of one integer table, appended one at a time (tuples of Python ints) or as
+    arrays, in order; `array()` gives them all."""
+
+    def __init__(self, width: int) -> None:
+        self.width, self.n = width, 0
+        self.blocks: list[np.ndarray] = []
+        self.tail: list[tuple[int, ...]] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def append(self, row: tuple[int, ...]) -> None:
+        self.tail.append(row)
+        self.n += 1
+
+    def extend(self, rows: np.ndarray) -> None:
+        self._seal()
+        self.blocks.append(rows)
+        self.n += len(rows)
+
+    def array(self) -> np.ndarray:
+        self._seal()
+        return np.concatenate([np.zeros((0, self.width), dtype=np.int64), *self.blocks])
+
+    def _seal(self) -> None:
+        if self.tail:
+            self.blocks.append(np.array(self.tail, dtype=np.int64).reshape(-1, self.width))
+            self.tail = []
+
+
 class Out:
     """Rows of writes and copies, turned into columns at the end."""
 
@@ -105,26 +154,19 @@ class Out:
     C = ("rank", *(n for n, _ in COPY_COLUMNS))
 
     def __init__(self) -> None:
-        self.writes: list[tuple[int, ...]] = []
-        self.strided: list[tuple[int, ...]] = []
+        self.writes = Block(8)
+        self.strided = Block(11)
         """Runs of several writes: (*src, *dst, rows, row_bytes, src_stride, dst_stride,
         stage), expanded into rows at the end (`lowered`), after `writes`."""
-        self.copies: list[tuple[int, ...]] = []
-        self.explain: list[tuple[int, int, int, int, int, int]] = []
-        self.pool1: list[tuple[int, int, int, int]] = []
+        self.copies = Block(len(Out.C))
+        self.explain = Block(6)
+        self.pool1 = Block(4)
         """(copy, write, rank, element size): a PACK into pool 1 and the write of it, whose
         offsets count from the pool's start (`Staging`)."""
-        none = np.zeros((0, 8), dtype=np.int64)
-        self.pre_writes, self.pre_strided = none, np.zeros((0, 11), dtype=np.int64)
-        self.pre_copies = np.zeros((0, len(Out.C)), dtype=np.int64)
-        self.pre_explain = np.zeros((0, 6), dtype=np.int64)
-        """Rows (as above) that come before those of the lists, made as columns
-        (`gather_direct.py`)."""
 
     def last(self) -> tuple[int, int]:
         """Row numbers of the last copy and the last write (of one row) so far."""
-        return len(self.pre_copies) + len(self.copies) - 1, \
-            len(self.pre_writes) + len(self.writes) - 1
+        return len(self.copies) - 1, len(self.writes) - 1
 
     def copy(self, row: tuple[int, ...]) -> None:
         """A copy: its Python ints in `Out.C` order."""
@@ -138,21 +180,27 @@ class Out:
         else:
             self.strided.append((*src, *dst, rows, row_bytes, src_stride, dst_stride, stage))
 
+    def run_rows(self, runs: np.ndarray) -> np.ndarray:
+        """`runs` as columns (`strided`'s): each one write or several, as `runs` makes;
+        returns which are one write."""
+        one = (runs[:, 6] == 1) | ((runs[:, 8] == runs[:, 7]) & (runs[:, 9] == runs[:, 7]))
+        w = runs[one]
+        self.writes.extend(np.concatenate([w[:, :6], w[:, 6:7] * w[:, 7:8], w[:, 10:]],
+                                          axis=1))
+        self.strided.extend(runs[~one])
+        return one
+
 
 def explain_rows(out: Out) -> np.ndarray:
     """(tensor, owner, staging region, target rank, target region, bytes) per fan-out."""
-    return np.concatenate([out.pre_explain, np.array(out.explain, dtype=np.int64).reshape(-1, 6)])
+    return out.explain.array()
 
 
 def lowered(out: Out, alloc: Staging, stages: int) -> Lowered:
-    strided = np.concatenate([out.pre_strided,
-                              np.array(out.strided, dtype=np.int64).reshape(-1, 11)])
-    w = np.concatenate([out.pre_writes, np.array(out.writes, dtype=np.int64).reshape(-1, 8),
-                        _expand(strided)])
-    c = np.concatenate([out.pre_copies,
-                        np.array(out.copies, dtype=np.int64).reshape(-1, len(Out.C))])
-    if out.pool1:  # pool 1 starts where pool 0 ends on its rank
-        ci, wi, rank, es = np.array(out.pool1, dtype=np.int64).T
+    w = np.concatenate([out.writes.array(), _expand(out.strided.array())])
+    c = out.copies.array()
+    if len(out.pool1):  # pool 1 starts where pool 0 ends on its rank
+        ci, wi, rank, es = out.pool1.array().T
         c[ci, Out.C.index("dst_offset")] += alloc.pool1[rank] // es
         w[wi, Out.W.index("src_offset")] += alloc.pool1[rank]
     copies = {name: c[:, i] for i, name in enumerate(Out.C)}
