@@ -11,9 +11,11 @@ layouts, topology, options) goes into its fingerprint; nothing that varies betwe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -65,7 +67,28 @@ Progress = Callable[[str], None]
 
 
 def compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None = None) -> Plan:
-    """Compile a checked config and its model spec into a plan."""
+    """Compile a checked config and its model spec into a plan. Python's cycle collector is
+    paused meanwhile (`_no_cycle_collection`)."""
+    with _no_cycle_collection():
+        return _compile_config(cfg, spec, progress)
+
+
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Pause the cyclic garbage collector (if on), and restart it after. The compiler's data
+    are numpy columns and frozen layout objects, freed by reference counting; a compile
+    leaves a few hundred objects in cycles (Kimi-K2 x4 FP8: 335), while the collector's
+    passes over the layouts' million small objects took ~1 s of a Kimi-K2 compile."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None) -> Plan:
     if progress is not None:
         progress("layouts")
     hf = model_hf(cfg) if uses_trace(spec, cfg.target) else None
