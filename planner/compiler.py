@@ -115,8 +115,9 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     sets, the fingerprint) is taken right after assign, and the chunks are dropped once
     lowered; what they need of the target pieces (the coverage table, the tensors blobs)
     before lower, and all but the gathered ones are dropped once lowered: memory holds
-    one pass's columns, not every pass's. The fingerprint's digest of the piece tables
-    runs on a second thread from assign to the end of lower (blake2b releases the GIL)."""
+    one pass's columns, not every pass's. The fingerprint's digest of the piece tables,
+    the coverage table and the tensors blobs are made on a second thread from assign to
+    the end of lower (blake2b and numpy's sorts release the GIL)."""
     step, opts, names = progress or _quiet, cfg.options, tuple(t.name for t in spec.tensors)
     topo = build_topology(cfg.cluster, src_layout.world, dst_layout.world)
     step("intersect")
@@ -137,17 +138,19 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     explain = spilled(explain)  # read again only when the plan is written
     regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
                            tensor_regions(dst_layout))  # staging is added once lowered
-    side = ThreadPoolExecutor(1)  # hashing releases the GIL: the digest runs beside lower
+    side = ThreadPoolExecutor(1)  # hashing and sorts release the GIL: these run beside lower
     fp_job = side.submit(fingerprint, spec, src, routes.direct, regions, topo, cfg)
-    coverage = coverage_table(dst_layout, src_layout.world, routes.targets)
-    blobs = rank_tensor_blobs(spec, (src, routes.targets), (src_layout, dst_layout))
+    coverage_job = side.submit(coverage_table, dst_layout, src_layout.world, routes.targets)
+    blobs_job = side.submit(rank_tensor_blobs, spec, (src, routes.targets),
+                            (src_layout, dst_layout))
     step("lower")
     staging_ids = _staging_ids(src_layout, dst_layout)
     bytes_in = _bytes_in(routes.targets, topo.world)
     direct = lower(chunks, choice, src, routes.direct, staging_ids, opts, names, bytes_in,
                    topo)
     del chunks, choice  # the largest columns: nothing later reads them
-    fp = fp_job.result()  # before the target pieces it reads are dropped
+    # before the target pieces they read are dropped
+    fp, coverage, blobs = fp_job.result(), coverage_job.result(), blobs_job.result()
     side.shutdown()
     routes = gathered_only(routes)  # the target pieces go, but those gather reads
     step("gather")
