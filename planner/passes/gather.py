@@ -29,6 +29,9 @@ Rounds: the owner's buffers of one round fit `staging_bytes`; round k gathers in
 `base + 2k` and converts and sends in stage `base + 2k + 1`, so the gather has landed
 (DONE) before it is read, and the next round's gather into the same staging waits for
 the owner's ACK.
+The boxes QUANT reads in place come first and are done as columns all at once
+(`gather_direct.py`); each other box's owner, parts and fan-out are columns where they can
+be (`gather_rows.py`), else row by row below.
 """
 
 from __future__ import annotations
