@@ -37,6 +37,7 @@ be (`gather_rows.py`), else row by row below.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -54,6 +55,7 @@ from schemas.protocol import FP8_BLOCK as BLOCK
 from schemas.protocol import ITEM, scale_blocks, scale_stride
 
 FP8_CODE = DTYPE_CODES.index("float8_e4m3fn")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,14 +160,16 @@ class _Gatherer:
         self.scale_id = {i: index[n + "_scale_inv"] for i, n in enumerate(self.names)
                          if n + "_scale_inv" in index}
         self.src, self.n_regions, self.opts, self.base = src, n_regions, opts, base
-        self.w = take(routes.targets, routes.gathered)
-        self.s = take(routes.targets, routes.scales)
+        # int64 columns (a table's may be int32): the column paths make byte offsets
+        self.w = _wide(take(routes.targets, routes.gathered))
+        self.s = _wide(take(routes.targets, routes.scales))
         keys = np.stack([self.w.tensor, self.w.off0, self.w.off1, self.w.size0, self.w.size1],
                         axis=1)
         self.tboxes, self.first, tb_of = np.unique(keys, axis=0, return_index=True,
                                                    return_inverse=True)
         tb_of = tb_of.reshape(-1)
-        self.chunks = intersect(spec, src, take(self.w, self.first))
+        self.tboxes = self.tboxes.astype(np.int64)
+        self.chunks = _wide(intersect(spec, src, take(self.w, self.first)))
         # The columns read one row at a time, as lists (a numpy scalar costs ~10x more).
         geo = ("rank", "region", "base", "a0", "a1", "dtype")
         self.src_l, self.w_l, self.s_l = (Rows(t, geo) for t in (src, self.w, self.s))
@@ -241,6 +245,10 @@ class _Gatherer:
     def result(self) -> Gathered:
         return Gathered(lowered(self.out, self.alloc, self.max_stage + 1),
                         explain_rows(self.out), self.owner_only, self.unit_max)
+
+    def src_rows(self, rows: np.ndarray) -> PieceTable:
+        """Rows `rows` of the source piece table, with int64 columns."""
+        return _wide(take(self.src, rows))
 
     def _targets(self, t: int) -> np.ndarray:
         return self.targets_of[self.target_ptr[t]:self.target_ptr[t + 1]]
@@ -427,3 +435,8 @@ class _Gatherer:
         sd = s.base[j] + (b.t0 // BLOCK) * s.a0[j] + (b.t1 // BLOCK) * s.a1[j]
         self.out.runs(slot.convert, (owner, stg, slot.s_off), (d_rank, s.region[j], sd * 4),
                       rb, cb * 4, cb * 4, s.a0[j] * 4)
+
+
+def _wide(t: T) -> T:
+    """A table (`PieceTable`, `Chunks`) with its columns as int64."""
+    return type(t)(*(getattr(t, f).astype(np.int64, copy=False) for f in t.__slots__))

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 def add_direct(g: _Gatherer, order: np.ndarray) -> int:
     """Do the leading boxes of `order` that QUANT reads in place; returns how many."""
-    ch, src, w, s = g.chunks, g.src, g.w, g.s
+    ch, w, s = g.chunks, g.w, g.s
     t = order
     c = g.chunk_ptr[t].clip(max=max(len(ch) - 1, 0))
     sb = ch.sbox[c] if len(ch) else np.zeros(len(t), dtype=np.int64)
@@ -52,7 +52,8 @@ def add_direct(g: _Gatherer, order: np.ndarray) -> int:
     t, c, h, tensor, t0, t1, n0, n1, need = (x[:n] for x in (t, c, h, tensor, t0, t1, n0,
                                                                n1, need))
     box, i, j = box[keep], i[keep], j[keep]
-    owner = src.rank[h].astype(np.int64)
+    src = g.src_rows(h)
+    owner = src.rank
     stg = g.n_regions[owner].astype(np.int64)
     start, k = _rounds(g, owner.tolist(), need.tolist())
     convert = g.base + 2 * k + 1
@@ -67,11 +68,11 @@ def add_direct(g: _Gatherer, order: np.ndarray) -> int:
     g.unit_max = max(g.unit_max, int((numel * n_to[:n]).max()))
     g.max_stage = max(g.max_stage, int(convert.max()))
     # one QUANT a box, read in place
-    code = src.dtype[h].astype(np.int64)
-    read = src.base[h] + t0 * src.a0[h] + t1 * src.a1[h]
+    code = src.dtype
+    read = src.base + t0 * src.a0 + t1 * src.a1
     ones = np.ones(n, dtype=np.int64)
-    g.out.copies.extend(np.stack([owner, ones * QUANT, convert, src.region[h], code, read,
-                                 src.a0[h], src.a1[h], ones, stg, ones * FP8_CODE, start,
+    g.out.copies.extend(np.stack([owner, ones * QUANT, convert, src.region, code, read,
+                                 src.a0, src.a1, ones, stg, ones * FP8_CODE, start,
                                  n1, ones, ones, n0, n1, ones, s_off // 4], axis=1))
     # per target: the values, then the scales (`Out.runs` rows: several writes or one)
     d_rank, d_reg = w.rank[i], w.region[i]

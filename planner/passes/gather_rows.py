@@ -40,11 +40,11 @@ def owner(g: _Gatherer, t: int) -> tuple[int, list[int], int] | None:
 
 def gather_parts(g: _Gatherer, b: _Box, slot: _Slot) -> bool:
     """`_gather_part` of every chunk of `b` into the owner's staging, as columns."""
-    ch, src, lo, hi = g.chunks, g.src, b.chunks.start, b.chunks.stop
+    ch, lo, hi = g.chunks, b.chunks.start, b.chunks.stop
     h = np.array(b.rows, dtype=np.int64)
+    src = g.src_rows(h)
     c0, c1, m0, m1 = ch.off0[lo:hi], ch.off1[lo:hi], ch.size0[lo:hi], ch.size1[lo:hi]
-    a0, a1 = src.a0[h].astype(np.int64), src.a1[h].astype(np.int64)
-    region, hr = src.region[h].astype(np.int64), src.rank[h].astype(np.int64)
+    a0, a1, region, hr = src.a0, src.a1, src.region, src.rank
     es, o, n1 = b.es, b.owner, b.n1
     own = hr == o
     rows_ok = (a1 == 1) | (m1 == 1)  # a column is one strided run
@@ -68,7 +68,7 @@ def gather_parts(g: _Gatherer, b: _Box, slot: _Slot) -> bool:
     off[np.flatnonzero(want)[fit]] = at[fit]
     far = ~own & (g.host_a[hr] != g.host[o])  # its NIC sends the part
     np.add.at(g.load, g.nic_a[hr[far]], nbytes[far])
-    start = src.base[h] + c0 * a0 + c1 * a1
+    start = src.base + c0 * a0 + c1 * a1
     into = slot.g_off // es + (c0 - b.t0) * n1 + (c1 - b.t1)
     stg, stg_h = g.stg[o], g.n_regions[hr].astype(np.int64)
     one = np.ones(len(h), dtype=np.int64)
