@@ -1,8 +1,8 @@
 """Writing a plan file (`schemas/plan.py` has the format and the reading half).
 
 `encode_plan` gives the file's bytes; `write_plan` writes the same bytes without holding
-them: each blob goes to an unnamed spill file as it is packed, then the head (which
-indexes the blobs) is written and the spill copied after it.
+them: the blobs are packed as parts that leave table columns in place, written after room
+for the head (whose length their lengths give), then the head (which indexes them).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Iterator
-from typing import Any, BinaryIO
+from typing import Any
 
 import msgpack
 
@@ -108,57 +108,37 @@ def write_plan(path: str, plan: Plan, key: bytes | None = None) -> int:
     """Write `plan` to `path` atomically (temp file + rename); returns the size in bytes.
 
     The header indexes the blobs (offsets, lengths, digests), so it is known only once all
-    are packed; they are not held meanwhile: each is written to an unnamed spill file as it
-    is packed (its table columns straight from their arrays, `_parts`; digested on a second
-    thread while written), then the head is written and the spill copied after it (in the
-    kernel where it can). Memory holds one blob's small parts, not the plan's bytes twice;
-    the file is `encode_plan`'s bytes."""
+    are digested; its length is known before: the blobs are packed first as parts (their
+    table columns left in the plan's arrays, `_parts`: memory holds only the small packed
+    parts, not the plan's bytes twice), which gives every blob's length, and a digest is 32
+    bytes whatever it holds. So the blobs are written once, straight after a head of that
+    length (digested on a second thread while packed and written), then the head in front
+    of them; the file is `encode_plan`'s bytes."""
     import os
-    import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
     index: dict[str, list[Any]] = {}
     offset = 0
-    with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))) as spill:
-        with ThreadPoolExecutor(1) as pool:
-            for name, obj in _blob_objects(plan):
-                parts = _parts(obj)
-                digest = pool.submit(_digest_parts, parts)
-                for part in parts:
-                    spill.write(part)
-                n = sum(len(part) for part in parts)
-                del parts, obj
-                index[name] = [offset, n, digest.result()]
-                offset += n
-        head = _head(plan, key, index)
-        spill.flush()
+    with ThreadPoolExecutor(1) as pool:  # each blob digested while the next is packed
+        blobs = []
+        for name, obj in _blob_objects(plan):
+            parts = _parts(obj)
+            n = sum(len(part) for part in parts)
+            index[name] = [offset, n, bytes(32)]  # a digest's length; its bytes come later
+            offset += n
+            blobs.append((name, parts, pool.submit(_digest_parts, parts)))
+        at = len(_head(plan, key, index))
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "wb") as f:
+            f.seek(at)
+            for name, parts, digest in blobs:
+                for part in parts:
+                    f.write(part)
+                index[name][2] = digest.result()
+            head = _head(plan, key, index)
+            if len(head) != at:  # cannot happen: msgpack sizes a 32-byte bin the same way
+                raise OSError(f"write_plan: the head is {len(head)} bytes, not {at}")
+            f.seek(0)
             f.write(head)
-            f.flush()
-            spill.seek(0)
-            _copy(spill, f, offset)
-        os.replace(tmp, path)
+    os.replace(tmp, path)
     return len(head) + offset
-
-
-def _copy(src: BinaryIO, dst: BinaryIO, n: int) -> None:
-    """`n` bytes from the position of `src` to the end of `dst` (both flushed files)."""
-    import os
-    import shutil
-
-    done = 0
-    try:
-        while done < n:
-            got = os.copy_file_range(src.fileno(), dst.fileno(), n - done)
-            if got == 0:
-                break
-            done += got
-    except (AttributeError, OSError):
-        if done:
-            raise
-        src.seek(0)
-        shutil.copyfileobj(src, dst, 16 << 20)
-        return
-    if done != n:
-        raise OSError(f"write_plan: copied {done} of {n} bytes of the plan's blobs")

@@ -107,8 +107,8 @@ def layout(spec: ModelSpec, cfg: SourceConfig) -> Layout:
     check(spec, cfg)
     params = hf_params(spec, cfg)
     tp, dp = cfg.tp, cfg.dp
-    shards = {(t, d): tuple(_local(p, cfg, t, d) for p in params)
-              for t in range(tp) for d in range(dp)}
+    cols = [[_locals(p, cfg, t) for p in params] for t in range(tp)]  # [t][param][d]
+    shards = {(t, d): tuple(col[d] for col in cols[t]) for t in range(tp) for d in range(dp)}
     ranks = tuple(RankLayout(rank=rank, replica=rank // (tp * dp),
                              tensors=shards[rank % tp, (rank // tp) % dp])
                   for rank in range(cfg.world))
@@ -199,6 +199,29 @@ def _fused(d: ModelDims, layer: str, down: bool, dtype: str) -> _Param:
     pieces = [Piece(f"{logical}{x}.{down_name}.weight", (0, 0), (h, i), (x, 0, 0))
               for x in range(e)]
     return _Param(prefix + "down_proj", (e, h, i), dtype, tuple(pieces), None)
+
+
+def _locals(p: _Param, cfg: SourceConfig, t: int) -> list[PhysicalTensor]:
+    """`_local` of TP rank t and every FSDP rank d (a buffer's one tensor for all; a plain
+    parameter's boxes made in one go)."""
+    if p.buffer:
+        return [_local(p, cfg, t, 0)] * cfg.dp
+    if not p.plain:
+        return [_local(p, cfg, t, d) for d in range(cfg.dp)]
+    lo, hi = [0] * len(p.shape), list(p.shape)
+    if cfg.tp > 1 and p.tp_dim is not None:
+        lo[p.tp_dim], hi[p.tp_dim] = chunk(p.shape[p.tp_dim], cfg.tp, t)
+    n, first = hi[0] - lo[0], lo[0]
+    c = -(-n // cfg.dp)
+    rest_lo, rest = tuple(lo[1:]), tuple(y - x for x, y in zip(lo[1:], hi[1:]))
+    at, name, tensor, dtype = (0,) * len(p.shape), p.name, p.pieces[0].tensor, p.dtype
+    out = []
+    for d in range(cfg.dp):
+        a = min(d * c, n)
+        shape = (min(a + c, n) - a, *rest)
+        pieces = (Piece(tensor, (first + a, *rest_lo), shape, at),) if all(shape) else ()
+        out.append(PhysicalTensor(name, shape, dtype, pieces))
+    return out
 
 
 def _local(p: _Param, cfg: SourceConfig, t: int, d: int) -> PhysicalTensor:

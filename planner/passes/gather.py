@@ -29,15 +29,21 @@ Rounds: the owner's buffers of one round fit `staging_bytes`; round k gathers in
 `base + 2k` and converts and sends in stage `base + 2k + 1`, so the gather has landed
 (DONE) before it is read, and the next round's gather into the same staging waits for
 the owner's ACK.
+The boxes QUANT reads in place come first and are done as columns all at once
+(`gather_direct.py`); each other box's owner, parts and fan-out are columns where they can
+be (`gather_rows.py`), else row by row below.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
-from planner.passes.gather_out import Out, Rows, Staging, align, explain_rows, lowered
+from planner.passes import gather_rows
+from planner.passes.gather_direct import add_direct
+from planner.passes.gather_out import Out, Rows, ScaleRows, Staging, align, explain_rows, lowered
 from planner.passes.intersect import PieceTable, intersect, take
 from planner.passes.lower import ALIGN, Lowered
 from planner.passes.route import Routes
@@ -49,6 +55,7 @@ from schemas.protocol import FP8_BLOCK as BLOCK
 from schemas.protocol import ITEM, scale_blocks, scale_stride
 
 FP8_CODE = DTYPE_CODES.index("float8_e4m3fn")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +72,7 @@ class Gathered:
     """The largest fan-out (bytes) one owner took as a whole (the balance granularity)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Box:
     """One target box of the gather path and what was decided for it."""
 
@@ -112,7 +119,7 @@ class _Box:
         return self.g_bytes + self.f_bytes + (align(nscale * 4) if self.quant else 0)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Slot:
     """Where and when a box lives in its owner's staging."""
 
@@ -136,7 +143,8 @@ def gather(spec: ModelSpec, src: PieceTable, routes: Routes, n_regions: np.ndarr
     if len(routes.gathered) == 0:
         return Gathered(None, explain_rows(Out()), np.zeros(len(n_regions), np.int64), 0)
     g = _Gatherer(spec, src, routes, n_regions, opts, topo, base, sent)
-    for t in g.order():
+    order = g.order()
+    for t in order[add_direct(g, np.array(order, dtype=np.int64)):]:
         g.add(t)
     return g.result()
 
@@ -152,35 +160,46 @@ class _Gatherer:
         self.scale_id = {i: index[n + "_scale_inv"] for i, n in enumerate(self.names)
                          if n + "_scale_inv" in index}
         self.src, self.n_regions, self.opts, self.base = src, n_regions, opts, base
-        self.w = take(routes.targets, routes.gathered)
-        self.s = take(routes.targets, routes.scales)
+        # int64 columns (a table's may be int32): the column paths make byte offsets
+        self.w = _wide(take(routes.targets, routes.gathered))
+        self.s = _wide(take(routes.targets, routes.scales))
         keys = np.stack([self.w.tensor, self.w.off0, self.w.off1, self.w.size0, self.w.size1],
                         axis=1)
         self.tboxes, self.first, tb_of = np.unique(keys, axis=0, return_index=True,
                                                    return_inverse=True)
         tb_of = tb_of.reshape(-1)
-        self.chunks = intersect(spec, src, take(self.w, self.first))
+        self.tboxes = self.tboxes.astype(np.int64)
+        self.chunks = _wide(intersect(spec, src, take(self.w, self.first)))
         # The columns read one row at a time, as lists (a numpy scalar costs ~10x more).
         geo = ("rank", "region", "base", "a0", "a1", "dtype")
         self.src_l, self.w_l, self.s_l = (Rows(t, geo) for t in (src, self.w, self.s))
         self.chunks_l = Rows(self.chunks, ("off0", "off1", "size0", "size1"))
         self.sbox_l = self.chunks.sbox.tolist()
-        self.holder_rows: dict[int, list[tuple[int, int]]] = {}
-        # Scale piece of every target weight row: same rank, scale tensor, offsets / 128.
-        self.s_key = {(int(r), int(t), int(a), int(b)): i for i, (r, t, a, b) in
-                      enumerate(zip(self.s.rank, self.s.tensor, self.s.off0, self.s.off1))}
+        self.holder_rows: dict[int, tuple[list[tuple[int, int]], tuple[int, ...]]] = {}
+        self.by_parts = self._by_parts().tolist()
+        one = np.diff(self.chunks.holder_ptr)[self.chunks.sbox] == 1
+        self.multi = (np.bincount(self.chunks.dst, weights=~one, minlength=len(self.tboxes))
+                      > 0).tolist()  # boxes with a chunk that several ranks hold
+        self.scale_tensor = np.full(len(self.names), -1, dtype=np.int64)
+        self.scale_tensor[list(self.scale_id)] = list(self.scale_id.values())
+        # the scale piece of each target row: same rank, scale tensor, offsets / 128
+        self.scale_j = ScaleRows(self.s)(self.w.rank, self.scale_tensor[self.w.tensor],
+                                         self.w.off0 // BLOCK, self.w.off1 // BLOCK)
+        self.scale_j_l = self.scale_j.tolist()
         world = len(n_regions)
         self.out = Out()
         self.alloc = Staging(world, opts.staging_bytes)
-        self.host, self.nic = np.asarray(topo.host), np.asarray(topo.nic)
-        self.nic_l = self.nic.tolist()
-        self.load = np.zeros(int(self.nic.max()) + 1 if world else 0, dtype=np.int64)
+        self.stg = n_regions.tolist()
+        self.host_a, self.nic_a = np.asarray(topo.host), np.asarray(topo.nic)
+        self.host, self.nic = self.host_a.tolist(), self.nic_a.tolist()
+        self.load = np.zeros(max(self.nic) + 1 if world else 0, dtype=np.int64)
         self.load[:len(sent)] += sent.astype(np.int64)
         self.owner_only = np.zeros(world, dtype=np.int64)
         self.unit_max = 0
         self.rounds: dict[int, int] = {}  # owner -> first round that may still have room
         self.max_stage = base - 1
         self.chunk_ptr = np.searchsorted(self.chunks.dst, np.arange(len(self.tboxes) + 1))
+        self.chunk_ptr_l, self.tboxes_l = self.chunk_ptr.tolist(), self.tboxes.tolist()
         self.targets_of = np.argsort(tb_of, kind="stable")
         self.target_ptr = np.searchsorted(tb_of[self.targets_of],
                                           np.arange(len(self.tboxes) + 1))
@@ -201,8 +220,8 @@ class _Gatherer:
         """Gather, convert and fan out target box `t`."""
         box = self._choose(t)
         slot = self._place(box)
-        to = self._targets(t)
-        self._account(box, slot, self.w.rank[to])
+        to = self._targets(t).tolist()
+        self._account(box, slot, to)
         if box.parts:
             f_off = self._quant_parts(box, slot)
         elif box.direct:
@@ -211,19 +230,25 @@ class _Gatherer:
             read = (src.region[h], src.base[h] + box.t0 * src.a0[h] + box.t1 * src.a1[h],
                     (src.a0[h], src.a1[h]))
             f_off = self._convert(box, slot, *read)
-        else:
+        elif not gather_rows.gather_parts(self, box, slot):
             for c, h in zip(box.chunks, box.rows):
                 c0, c1 = self.chunks_l.off0[c], self.chunks_l.off1[c]
                 into = slot.g_off // box.es + (c0 - box.t0) * box.n1 + (c1 - box.t1)
                 self._gather_part(box, slot, c, h, into, box.n1)
-            f_off = self._convert(box, slot, int(self.n_regions[box.owner]),
-                                  slot.g_off // box.es, (box.n1, 1))
-        for i in to.tolist():
-            self._fan_out(box, slot, f_off, i)
+        if not (box.parts or box.direct):
+            f_off = self._convert(box, slot, self.stg[box.owner], slot.g_off // box.es,
+                                  (box.n1, 1))
+        if not gather_rows.fan_out(self, box, slot, f_off, to):
+            for i in to:
+                self._fan_out(box, slot, f_off, i)
 
     def result(self) -> Gathered:
         return Gathered(lowered(self.out, self.alloc, self.max_stage + 1),
                         explain_rows(self.out), self.owner_only, self.unit_max)
+
+    def src_rows(self, rows: np.ndarray) -> PieceTable:
+        """Rows `rows` of the source piece table, with int64 columns."""
+        return _wide(take(self.src, rows))
 
     def _targets(self, t: int) -> np.ndarray:
         return self.targets_of[self.target_ptr[t]:self.target_ptr[t + 1]]
@@ -231,62 +256,68 @@ class _Gatherer:
     def _choose(self, t: int) -> _Box:
         """The owner (holds most of the box; ties: the least loaded NIC, then the lowest
         rank) and the source piece of each chunk (the owner's, else the least loaded)."""
-        load, nic, cl = self.load, self.nic_l, self.chunks_l
-        tensor, t0, t1, n0, n1 = (int(x) for x in self.tboxes[t])
-        cs = range(self.chunk_ptr[t], self.chunk_ptr[t + 1])
-        cands = [self._holders(c) for c in cs]
-        held: dict[int, int] = {}
-        for c, hs in zip(cs, cands):
-            for r in {r for _, r in hs}:
-                held[r] = held.get(r, 0) + cl.size0[c] * cl.size1[c]
-        owner = min(held, key=lambda r: (-held[r], load[nic[r]], r))
-        rows = []
-        for hs in cands:
-            mine = next((h for h, r in hs if r == owner), None)
-            rows.append(mine if mine is not None else
-                        min(hs, key=lambda hr: (load[nic[hr[1]]], hr[1]))[0])
+        load, nic, cl = self.load, self.nic, self.chunks_l
+        tensor, t0, t1, n0, n1 = self.tboxes_l[t]
+        cs = range(self.chunk_ptr_l[t], self.chunk_ptr_l[t + 1])
+        one = gather_rows.owner(self, t)  # as columns, where each chunk has one holder
+        if one is not None:
+            owner, rows, n_held = one
+        else:
+            cands = [self._holders(c) for c in cs]
+            held: dict[int, int] = {}
+            for c, (_, ranks) in zip(cs, cands):
+                size = cl.size0[c] * cl.size1[c]
+                for r in ranks:
+                    held[r] = held.get(r, 0) + size
+            owner = next(iter(held)) if len(held) == 1 else \
+                min(held, key=lambda r: (-held[r], load[nic[r]], r))
+            rows, n_held = [], len(held)
+            for hs, _ in cands:
+                mine = next((h for h, r in hs if r == owner), None)
+                rows.append(mine if mine is not None else
+                            min(hs, key=lambda hr: (load[nic[hr[1]]], hr[1]))[0])
         sl = self.src_l
         out_code = self.w_l.dtype[int(self.first[t])]
         src_code = sl.dtype[rows[0]]
         es = int(ITEM[src_code])
         quant = out_code == FP8_CODE
         direct = quant and len(rows) == 1 and sl.rank[rows[0]] == owner
-        parts = quant and not direct and self._by_parts(t)
+        parts = quant and not direct and self.by_parts[t]
         others = [c for c, h in zip(cs, rows) if sl.rank[h] != owner]
         g_bytes = 0 if direct else \
             sum(align(cl.size0[c] * cl.size1[c] * es) for c in others) \
             if parts else align(n0 * n1 * es)
-        return _Box(tensor, t0, t1, n0, n1, cs, tuple(rows), owner, len(held) == 1,
+        return _Box(tensor, t0, t1, n0, n1, cs, tuple(rows), owner, n_held == 1,
                     src_code, out_code, es, int(ITEM[out_code]), quant,
                     not quant and out_code != src_code, direct, parts, g_bytes)
 
-    def _holders(self, c: int) -> list[tuple[int, int]]:
+    def _holders(self, c: int) -> tuple[list[tuple[int, int]], tuple[int, ...]]:
         """(source piece row, its rank) of every holder of chunk `c`'s source box, in the
-        chunk table's order (once per source box)."""
+        chunk table's order, and those ranks once each (once per source box)."""
         sb = self.sbox_l[c]
         hs = self.holder_rows.get(sb)
         if hs is None:
             ptr, rank = self.chunks.holder_ptr, self.src_l.rank
-            hs = self.holder_rows[sb] = [
-                (h, rank[h]) for h in self.chunks.holders[ptr[sb]:ptr[sb + 1]].tolist()]
+            rows = [(h, rank[h]) for h in self.chunks.holders[ptr[sb]:ptr[sb + 1]].tolist()]
+            hs = self.holder_rows[sb] = (rows, tuple(set(r for _, r in rows)))
         return hs
 
-    def _by_parts(self, t: int) -> bool:
-        """Box `t` is cut into block-aligned parts (each starts on the box's 128-grid and
-        ends on it or at the box's edge), not all of them whole rows."""
-        ch = self.chunks
-        cs = slice(self.chunk_ptr[t], self.chunk_ptr[t + 1])
-        _, t0, t1, n0, n1 = (int(x) for x in self.tboxes[t])
-        r0, r1 = ch.off0[cs] - t0, ch.off1[cs] - t1
-        m0, m1 = ch.size0[cs], ch.size1[cs]
+    def _by_parts(self) -> np.ndarray:
+        """Per box: it is cut into block-aligned parts (each starts on the box's 128-grid
+        and ends on it or at the box's edge), not all of them whole rows."""
+        ch, tb = self.chunks, self.tboxes[self.chunks.dst]
+        r0, r1 = ch.off0 - tb[:, 1], ch.off1 - tb[:, 2]
+        m0, m1, n0, n1 = ch.size0, ch.size1, tb[:, 3], tb[:, 4]
         aligned = (r0 % BLOCK == 0) & (r1 % BLOCK == 0) \
             & ((m0 % BLOCK == 0) | (r0 + m0 == n0)) & ((m1 % BLOCK == 0) | (r1 + m1 == n1))
-        return bool(aligned.all() and (m1 < n1).any())
+        n = len(self.tboxes)
+        return (np.bincount(ch.dst, weights=~aligned, minlength=n) == 0) \
+            & (np.bincount(ch.dst, weights=m1 < n1, minlength=n) > 0)
 
     def _place(self, b: _Box) -> _Slot:
         """The owner's first round whose two stages both have room for the box."""
         need = b.need
-        if not self.alloc.fits(-1, (0,), need):
+        if align(need) > self.alloc.caps[0]:
             raise ConfigError(
                 f"options.staging_bytes: {self.opts.staging_bytes} is too small to gather "
                 f"{self.names[b.tensor]} rows {b.t0}..{b.t0 + b.n0} cols {b.t1}..{b.t1 + b.n1}"
@@ -300,9 +331,10 @@ class _Gatherer:
         g_off = self.alloc.take(b.owner, stages, need)
         return _Slot(*stages, g_off, g_off + b.g_bytes, g_off + b.g_bytes + b.f_bytes)
 
-    def _account(self, b: _Box, slot: _Slot, to: np.ndarray) -> None:
+    def _account(self, b: _Box, slot: _Slot, to: list[int]) -> None:
         """The fan-out's bytes on the owner's NIC (NVLink loads none), and the bounds."""
-        remote = b.numel * b.es_d * int((self.host[to] != self.host[b.owner]).sum())
+        host, rank, home = self.host, self.w_l.rank, self.host[b.owner]
+        remote = b.numel * b.es_d * sum(host[rank[i]] != home for i in to)
         self.load[self.nic[b.owner]] += remote
         self.unit_max = max(self.unit_max, b.numel * b.es_d * len(to))
         if b.sole:
@@ -313,7 +345,7 @@ class _Gatherer:
         """QUANT box `b` part by part (`_Box.parts`): the owner's parts read in place, the
         others' from where they land whole in its staging; returns the e4m3 box's offset."""
         src, chunks, at = self.src_l, self.chunks_l, slot.g_off
-        stg = int(self.n_regions[b.owner])
+        stg = self.stg[b.owner]
         for c, h in zip(b.chunks, b.rows):
             c0, c1 = chunks.off0[c], chunks.off1[c]
             m0, m1 = chunks.size0[c], chunks.size1[c]
@@ -332,37 +364,32 @@ class _Gatherer:
         """Chunk `c` from source piece `h` into the owner's staging at element `into`, in
         rows `stride` apart: a PACK on the owner, or a PACK on its holder then one write,
         or one write per row (one in all where both sides are dense)."""
-        src, chunks, owner, es = self.src_l, self.chunks_l, b.owner, b.es
-        stg = int(self.n_regions[owner])
+        src, chunks, owner, es, code = self.src_l, self.chunks_l, b.owner, b.es, b.src_code
+        stg = self.stg[owner]
         c0, c1 = chunks.off0[c], chunks.off1[c]
         m0, m1 = chunks.size0[c], chunks.size1[c]
-        start = src.base[h] + c0 * src.a0[h] + c1 * src.a1[h]
+        a0, a1, region = src.a0[h], src.a1[h], src.region[h]
+        start = src.base[h] + c0 * a0 + c1 * a1
         hr = src.rank[h]
         if hr != owner and self.host[hr] != self.host[owner]:  # its NIC sends the part
             self.load[self.nic[hr]] += m0 * m1 * es
-        pack = dict(kind=PACK, stage=slot.gather, src_region=src.region[h],
-                    src_dtype=b.src_code, src_offset=start, src_stride0=src.a0[h],
-                    src_stride1=src.a1[h], src_stride2=1, dst_dtype=b.src_code,
-                    dst_stride0=m1, dst_stride1=1, dst_stride2=1, size0=m0, size1=m1,
-                    size2=1, aux_offset=0)
-        rows_ok = src.a1[h] == 1 or m1 == 1  # a column is one strided run
-        dense = rows_ok and (m0 == 1 or src.a0[h] == m1)
+        rows_ok = a1 == 1 or m1 == 1  # a column is one strided run
+        dense = rows_ok and (m0 == 1 or a0 == m1)
         if hr == owner:  # own part: straight into the gather buffer
-            self.out.copy(rank=owner, dst_region=stg, dst_offset=into,
-                          **{**pack, "dst_stride0": stride})
+            self.out.copy((owner, PACK, slot.gather, region, code, start, a0, a1, 1, stg, code,
+                           into, stride, 1, 1, m0, m1, 1, 0))
         elif not dense and (m1 == stride or m0 == 1) \
                 and self.alloc.fits(hr, (slot.gather,), m0 * m1 * es, 1):
             # strided on its holder: pack there, then one write
             off = self.alloc.take(hr, (slot.gather,), m0 * m1 * es, 1)
-            self.out.copy(rank=hr, dst_region=int(self.n_regions[hr]), dst_offset=off // es,
-                          **pack)
-            self.out.runs(slot.gather, (hr, int(self.n_regions[hr]), off),
-                          (owner, stg, into * es), 1, m0 * m1 * es, 0, 0)
-            self.out.pool1.append((len(self.out.copies) - 1, len(self.out.writes) - 1, hr, es))
+            self.out.copy((hr, PACK, slot.gather, region, code, start, a0, a1, 1,
+                           self.stg[hr], code, off // es, m1, 1, 1, m0, m1, 1, 0))
+            self.out.runs(slot.gather, (hr, self.stg[hr], off), (owner, stg, into * es), 1,
+                          m0 * m1 * es, 0, 0)
+            self.out.pool1.append((*self.out.last(), hr, es))
         elif rows_ok:
-            self.out.runs(slot.gather, (hr, src.region[h], start * es),
-                          (owner, stg, into * es), m0, m1 * es, src.a0[h] * es,
-                          stride * es)
+            self.out.runs(slot.gather, (hr, region, start * es), (owner, stg, into * es), m0,
+                          m1 * es, a0 * es, stride * es)
         else:
             raise ConfigError(f"gather: {self.names[b.tensor]} is stored transposed on "
                               f"source rank {hr}; a gather needs rows")
@@ -378,19 +405,16 @@ class _Gatherer:
             return slot.g_off  # the gathered box is already the target's bytes
         r0, r1, m0, m1 = part or (0, 0, b.n0, b.n1)
         scales = slot.s_off // 4 + (r0 // BLOCK) * scale_stride(b.n1) + r1 // BLOCK
-        self.out.copy(rank=b.owner, kind=QUANT if b.quant else PACK, stage=slot.convert,
-                      src_region=region, src_dtype=b.src_code, src_offset=offset,
-                      src_stride0=strides[0], src_stride1=strides[1], src_stride2=1,
-                      dst_region=int(self.n_regions[b.owner]), dst_dtype=b.out_code,
-                      dst_offset=slot.f_off // b.es_d + r0 * b.n1 + r1, dst_stride0=b.n1,
-                      dst_stride1=1, dst_stride2=1, size0=m0, size1=m1, size2=1,
-                      aux_offset=scales if b.quant else 0)
+        self.out.copy((b.owner, QUANT if b.quant else PACK, slot.convert, region, b.src_code,
+                       offset, strides[0], strides[1], 1, self.stg[b.owner], b.out_code,
+                       slot.f_off // b.es_d + r0 * b.n1 + r1, b.n1, 1, 1, m0, m1, 1,
+                       scales if b.quant else 0))
         return slot.f_off
 
     def _fan_out(self, b: _Box, slot: _Slot, f_off: int, i: int) -> None:
         """The converted box (and its FP8 scales) to the target piece row `i`."""
         w, owner, es_d, n0, n1 = self.w_l, b.owner, b.es_d, b.n0, b.n1
-        stg = int(self.n_regions[owner])
+        stg = self.stg[owner]
         d_rank, d_reg = w.rank[i], w.region[i]
         if w.a1[i] != 1 and n1 > 1:  # a column lands as one strided run
             raise ConfigError(f"gather: {self.names[b.tensor]} is transposed on target rank "
@@ -402,8 +426,8 @@ class _Gatherer:
         if not b.quant:
             return
         rb, cb = -(-n0 // BLOCK), -(-n1 // BLOCK)
-        j = self.s_key.get((d_rank, self.scale_id[b.tensor], b.t0 // BLOCK, b.t1 // BLOCK))
-        if j is None:
+        j = self.scale_j_l[i]
+        if j < 0:
             raise ValueError(f"gather: target rank {d_rank} has no scale piece for "
                              f"{self.names[b.tensor]} block ({b.t0 // BLOCK}, "
                              f"{b.t1 // BLOCK})")
@@ -411,3 +435,8 @@ class _Gatherer:
         sd = s.base[j] + (b.t0 // BLOCK) * s.a0[j] + (b.t1 // BLOCK) * s.a1[j]
         self.out.runs(slot.convert, (owner, stg, slot.s_off), (d_rank, s.region[j], sd * 4),
                       rb, cb * 4, cb * 4, s.a0[j] * 4)
+
+
+def _wide(t: T) -> T:
+    """A table (`PieceTable`, `Chunks`) with its columns as int64."""
+    return type(t)(*(getattr(t, f).astype(np.int64, copy=False) for f in t.__slots__))

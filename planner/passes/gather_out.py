@@ -5,8 +5,6 @@ row."""
 
 from __future__ import annotations
 
-from operator import itemgetter
-
 import numpy as np
 
 from planner.passes.lower import ALIGN, Lowered
@@ -27,12 +25,27 @@ class Staging:
 
     def __init__(self, world: int, budget: int) -> None:
         self.used: dict[tuple[int, int, int], int] = {}
+        """Pool 0: the end used so far, by (rank, stage, 0)."""
+        self.used1: dict[int, np.ndarray] = {}
+        """Pool 1: the end used so far on every rank, by stage (`pool1_used`)."""
         split = (budget - budget // 4) // ALIGN * ALIGN
         self.caps = (split, budget - split)
-        self.peak = np.zeros((world, 2), dtype=np.int64)
+        self.world = world
+        self.peak0 = [0] * world  # a list: read and set one at a time
+        self.peak1 = np.zeros(world, dtype=np.int64)
+
+    def pool1_used(self, stage: int) -> np.ndarray:
+        """Pool 1's end on every rank in `stage` (the array itself: to read and set)."""
+        used = self.used1.get(stage)
+        if used is None:
+            used = self.used1[stage] = np.zeros(self.world, dtype=np.int64)
+        return used
 
     def _start(self, rank: int, stages: tuple[int, ...], pool: int) -> int:
-        return max(self.used.get((rank, s, pool), 0) for s in stages)
+        if pool:
+            return max(int(self.pool1_used(s)[rank]) for s in stages)
+        get = self.used.get
+        return max([get((rank, s, 0), 0) for s in stages])
 
     def fits(self, rank: int, stages: tuple[int, ...], nbytes: int, pool: int = 0) -> bool:
         return self._start(rank, stages, pool) + align(nbytes) <= self.caps[pool]
@@ -41,10 +54,22 @@ class Staging:
         """Offset (from the pool's start) of `nbytes` live in every stage of `stages` on
         `rank`."""
         start = self._start(rank, stages, pool)
+        end = start + align(nbytes)
+        if pool:
+            for s in stages:
+                self.pool1_used(s)[rank] = end
+            self.peak1[rank] = max(int(self.peak1[rank]), end)
+            return start
         for s in stages:
-            self.used[(rank, s, pool)] = start + align(nbytes)
-        self.peak[rank, pool] = max(self.peak[rank, pool], start + align(nbytes))
+            self.used[(rank, s, 0)] = end
+        if end > self.peak0[rank]:
+            self.peak0[rank] = end
         return start
+
+    @property
+    def peak(self) -> np.ndarray:
+        """Per rank and pool: the bytes used at the peak."""
+        return np.stack([np.array(self.peak0, dtype=np.int64), self.peak1], axis=1)
 
     @property
     def pool1(self) -> np.ndarray:
@@ -66,6 +91,61 @@ class Rows:
             setattr(self, c, getattr(table, c).tolist())
 
 
+class ScaleRows:
+    """The row of a table of FP8 scale pieces by (rank, scale tensor, block row, block
+    column), i.e. its (rank, tensor, off0, off1): where keys repeat, the last such row;
+    -1 where none."""
+
+    def __init__(self, s: object) -> None:
+        cols = [np.asarray(getattr(s, c), dtype=np.int64) for c in ("rank", "tensor", "off0",
+                                                                     "off1")]
+        self.dims = tuple(int(c.max()) + 1 if len(c) else 1 for c in cols)
+        keys = np.ravel_multi_index(cols, self.dims) if len(cols[0]) else cols[0]
+        self.order = np.argsort(keys, kind="stable")
+        self.keys = keys[self.order]
+
+    def __call__(self, rank: np.ndarray, tensor: np.ndarray, b0: np.ndarray,
+                 b1: np.ndarray) -> np.ndarray:
+        q = [np.asarray(x, dtype=np.int64) for x in (rank, tensor, b0, b1)]
+        ok = np.logical_and.reduce([(x >= 0) & (x < d) for x, d in zip(q, self.dims)])
+        key = np.ravel_multi_index([np.where(ok, x, 0) for x in q], self.dims)
+        at = np.searchsorted(self.keys, key, side="right") - 1
+        found = ok & (at >= 0) & (self.keys[at.clip(min=0)] == key) if len(self.keys) else \
+            np.zeros(len(key), dtype=bool)
+        return np.where(found, self.order[at.clip(min=0)] if len(self.keys) else -1, -1)
+
+
+class Block:
+    """Rows of one integer table, appended one at a time (tuples of Python ints) or as
+    arrays, in order; `array()` gives them all."""
+
+    def __init__(self, width: int) -> None:
+        self.width, self.n = width, 0
+        self.blocks: list[np.ndarray] = []
+        self.tail: list[tuple[int, ...]] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def append(self, row: tuple[int, ...]) -> None:
+        self.tail.append(row)
+        self.n += 1
+
+    def extend(self, rows: np.ndarray) -> None:
+        self._seal()
+        self.blocks.append(rows)
+        self.n += len(rows)
+
+    def array(self) -> np.ndarray:
+        self._seal()
+        return np.concatenate([np.zeros((0, self.width), dtype=np.int64), *self.blocks])
+
+    def _seal(self) -> None:
+        if self.tail:
+            self.blocks.append(np.array(self.tail, dtype=np.int64).reshape(-1, self.width))
+            self.tail = []
+
+
 class Out:
     """Rows of writes and copies, turned into columns at the end."""
 
@@ -74,41 +154,53 @@ class Out:
     C = ("rank", *(n for n, _ in COPY_COLUMNS))
 
     def __init__(self) -> None:
-        self.writes: list[tuple[int, ...]] = []
-        self.strided: list[np.ndarray] = []
-        self.copies: list[tuple[int, ...]] = []
-        self.explain: list[tuple[int, int, int, int, int, int]] = []
-        self.pool1: list[tuple[int, int, int, int]] = []
+        self.writes = Block(8)
+        self.strided = Block(11)
+        """Runs of several writes: (*src, *dst, rows, row_bytes, src_stride, dst_stride,
+        stage), expanded into rows at the end (`lowered`), after `writes`."""
+        self.copies = Block(len(Out.C))
+        self.explain = Block(6)
+        self.pool1 = Block(4)
         """(copy, write, rank, element size): a PACK into pool 1 and the write of it, whose
         offsets count from the pool's start (`Staging`)."""
 
-    def copy(self, **cols: int) -> None:
-        self.copies.append(tuple(map(int, _copy_row(cols))))
+    def last(self) -> tuple[int, int]:
+        """Row numbers of the last copy and the last write (of one row) so far."""
+        return len(self.copies) - 1, len(self.writes) - 1
+
+    def copy(self, row: tuple[int, ...]) -> None:
+        """A copy: its Python ints in `Out.C` order."""
+        self.copies.append(row)
 
     def runs(self, stage: int, src: tuple[int, int, int], dst: tuple[int, int, int],
              rows: int, row_bytes: int, src_stride: int, dst_stride: int) -> None:
         """`rows` writes of `row_bytes` (byte strides), or one when both sides are dense."""
         if rows == 1 or (src_stride == row_bytes and dst_stride == row_bytes):
             self.writes.append((*src, *dst, rows * row_bytes, stage))
-            return
-        k = np.arange(rows, dtype=np.int64)
-        one = np.ones(rows, dtype=np.int64)
-        self.strided.append(np.stack([one * src[0], one * src[1], src[2] + k * src_stride,
-                                      one * dst[0], one * dst[1], dst[2] + k * dst_stride,
-                                      one * row_bytes, one * stage], axis=1))
+        else:
+            self.strided.append((*src, *dst, rows, row_bytes, src_stride, dst_stride, stage))
 
+    def run_rows(self, runs: np.ndarray) -> np.ndarray:
+        """`runs` as columns (`strided`'s): each one write or several, as `runs` makes;
+        returns which are one write."""
+        one = (runs[:, 6] == 1) | ((runs[:, 8] == runs[:, 7]) & (runs[:, 9] == runs[:, 7]))
+        w = runs[one]
+        self.writes.extend(np.concatenate([w[:, :6], w[:, 6:7] * w[:, 7:8], w[:, 10:]],
+                                          axis=1))
+        self.strided.extend(runs[~one])
+        return one
 
 
 def explain_rows(out: Out) -> np.ndarray:
     """(tensor, owner, staging region, target rank, target region, bytes) per fan-out."""
-    return np.array(out.explain, dtype=np.int64).reshape(-1, 6)
+    return out.explain.array()
 
 
 def lowered(out: Out, alloc: Staging, stages: int) -> Lowered:
-    w = np.concatenate([np.array(out.writes, dtype=np.int64).reshape(-1, 8), *out.strided])
-    c = np.array(out.copies, dtype=np.int64).reshape(-1, len(Out.C))
-    if out.pool1:  # pool 1 starts where pool 0 ends on its rank
-        ci, wi, rank, es = np.array(out.pool1, dtype=np.int64).T
+    w = np.concatenate([out.writes.array(), _expand(out.strided.array())])
+    c = out.copies.array()
+    if len(out.pool1):  # pool 1 starts where pool 0 ends on its rank
+        ci, wi, rank, es = out.pool1.array().T
         c[ci, Out.C.index("dst_offset")] += alloc.pool1[rank] // es
         w[wi, Out.W.index("src_offset")] += alloc.pool1[rank]
     copies = {name: c[:, i] for i, name in enumerate(Out.C)}
@@ -116,5 +208,14 @@ def lowered(out: Out, alloc: Staging, stages: int) -> Lowered:
                    stages=stages)
 
 
-_copy_row = itemgetter(*Out.C)
-"""A copy's columns in `Out.C` order, from its keyword arguments."""
+def _expand(runs: np.ndarray) -> np.ndarray:
+    """Runs (`Out.strided`) as their writes (`Out.W` columns), run by run, row by row."""
+    rows = runs[:, 6]
+    run = np.repeat(np.arange(len(runs)), rows)
+    k = np.arange(len(run), dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)
+    out = np.empty((len(run), 8), dtype=np.int64)
+    for j, c in enumerate((0, 1, 2, 3, 4, 5, 7, 10)):
+        out[:, j] = runs[run, c]
+    out[:, 2] += k * runs[run, 8]
+    out[:, 5] += k * runs[run, 9]
+    return out

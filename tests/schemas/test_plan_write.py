@@ -1,4 +1,4 @@
-"""`write_plan` streams blobs through a spill file: its file is `encode_plan`'s bytes, and
+"""`write_plan` writes the blobs after room for the head: its file is `encode_plan`'s bytes, and
 `_parts` (tables' column bytes left in place) joins to msgpack's own packing."""
 
 from __future__ import annotations
@@ -28,4 +28,4 @@ def test_written_file_is_the_encoded_plan(tmp_path) -> None:
     size = write_plan(str(path), plan, b"k" * 32)
     data = path.read_bytes()
     assert size == len(data) and data == encode_plan(plan, b"k" * 32)
-    assert [p.name for p in tmp_path.iterdir()] == ["p.rplan"]  # no spill left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["p.rplan"]  # no temporary file left behind

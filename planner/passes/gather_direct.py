@@ -1,0 +1,123 @@
+"""The gather pass's boxes QUANT reads in place, as columns (`gather.py`, `add_direct`).
+
+A target box that one source rank holds whole, in one piece, and that the targets take in
+FP8 needs no gather: its owner is that rank, one QUANT reads the piece in place into the
+owner's staging, and the owner writes the e4m3 box and its scales to every target rank
+holding it. `order` puts those boxes first (only one source can own them), so they are
+done here for the whole prefix of such boxes at once: the same rows, in the same order,
+as `_Gatherer.add` box by box. Only the staging rounds are chosen box by box (each owner's
+next-fit, a few integer operations a box); the copies, writes, scales and NIC loads are
+columns. A box this cannot do (staging too small, a transposed target, no scale piece)
+ends the prefix: `add` does it, and raises.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from planner.passes.lower import ALIGN
+from schemas.plan import QUANT
+from schemas.protocol import FP8_BLOCK as BLOCK
+from schemas.protocol import FP8_CODE, scale_blocks
+
+if TYPE_CHECKING:
+    from planner.passes.gather import _Gatherer
+
+
+def add_direct(g: _Gatherer, order: np.ndarray) -> int:
+    """Do the leading boxes of `order` that QUANT reads in place; returns how many."""
+    ch, w, s = g.chunks, g.w, g.s
+    t = order
+    c = g.chunk_ptr[t].clip(max=max(len(ch) - 1, 0))
+    sb = ch.sbox[c] if len(ch) else np.zeros(len(t), dtype=np.int64)
+    one = (np.diff(g.chunk_ptr)[t] == 1) & (np.diff(ch.holder_ptr)[sb] == 1) \
+        & (w.dtype[g.first[t]] == FP8_CODE)
+    h = ch.holders[ch.holder_ptr[sb]].astype(np.int64)
+    tensor, t0, t1, n0, n1 = (g.tboxes[t, k] for k in range(5))
+    need = _align(n0 * n1) + _align(scale_blocks(n0, n1) * 4)
+    one &= need <= g.alloc.caps[0]
+    # the targets of each box, in `add`'s order
+    n_to = g.target_ptr[t + 1] - g.target_ptr[t]
+    box = np.repeat(np.arange(len(t)), n_to)
+    i = g.targets_of[np.repeat(g.target_ptr[t], n_to) + _within(n_to)]
+    j = g.scale_j[i]
+    bad = ((w.a1[i] != 1) & (n1[box] > 1)) | (j < 0)
+    one &= np.bincount(box, weights=bad, minlength=len(t)) == 0
+    n = int(np.argmin(one)) if not one.all() else len(t)
+    if n == 0:
+        return 0
+    keep = box < n
+    t, c, h, tensor, t0, t1, n0, n1, need = (x[:n] for x in (t, c, h, tensor, t0, t1, n0,
+                                                               n1, need))
+    box, i, j = box[keep], i[keep], j[keep]
+    src = g.src_rows(h)
+    owner = src.rank
+    stg = g.n_regions[owner].astype(np.int64)
+    start, k = _rounds(g, owner.tolist(), need.tolist())
+    convert = g.base + 2 * k + 1
+    numel = n0 * n1
+    s_off = start + _align(numel)
+    # the NIC loads and bounds `_account` keeps
+    remote = np.bincount(box, weights=g.host_a[w.rank[i]] != g.host_a[owner[box]],
+                         minlength=n).astype(np.int64)
+    remote *= numel
+    np.add.at(g.load, g.nic_a[owner], remote)
+    np.add.at(g.owner_only, owner, remote)
+    g.unit_max = max(g.unit_max, int((numel * n_to[:n]).max()))
+    g.max_stage = max(g.max_stage, int(convert.max()))
+    # one QUANT a box, read in place
+    code = src.dtype
+    read = src.base + t0 * src.a0 + t1 * src.a1
+    ones = np.ones(n, dtype=np.int64)
+    g.out.copies.extend(np.stack([owner, ones * QUANT, convert, src.region, code, read,
+                                 src.a0, src.a1, ones, stg, ones * FP8_CODE, start,
+                                 n1, ones, ones, n0, n1, ones, s_off // 4], axis=1))
+    # per target: the values, then the scales (`Out.runs` rows: several writes or one)
+    d_rank, d_reg = w.rank[i], w.region[i]
+    o, st, cv, b0, b1 = owner[box], stg[box], convert[box], t0[box], t1[box]
+    m0, m1 = n0[box], n1[box]
+    rb, cb = -(-m0 // BLOCK), -(-m1 // BLOCK)
+    values = np.stack([o, st, start[box], d_rank, d_reg,
+                       w.base[i] + b0 * w.a0[i] + b1 * w.a1[i], m0, m1, m1, w.a0[i], cv],
+                      axis=1)
+    sd = s.base[j] + (b0 // BLOCK) * s.a0[j] + (b1 // BLOCK) * s.a1[j]
+    scales = np.stack([o, st, s_off[box], d_rank, s.region[j], sd * 4, rb, cb * 4, cb * 4,
+                       s.a0[j] * 4, cv], axis=1)
+    g.out.run_rows(np.stack([values, scales], axis=1).reshape(-1, 11))
+    g.out.explain.extend(np.stack([tensor[box], o, st, d_rank, d_reg, numel[box]], axis=1))
+    return n
+
+
+def _rounds(g: _Gatherer, owners: list[int], needs: list[int]) -> tuple[np.ndarray,
+                                                                        np.ndarray]:
+    """Each box's byte offset and round in its owner's staging (`_Gatherer._place`: the
+    owner's first round from the last it used whose two stages have room)."""
+    used, peak, rounds = g.alloc.used, g.alloc.peak0, g.rounds
+    cap, base = g.alloc.caps[0], g.base
+    starts, ks = [], []
+    for owner, need in zip(owners, needs):
+        k = rounds.get(owner, 0)
+        while True:
+            a, b = (owner, base + 2 * k, 0), (owner, base + 2 * k + 1, 0)
+            start = max(used.get(a, 0), used.get(b, 0))
+            if start + need <= cap:
+                break
+            k += 1
+        rounds[owner] = k
+        used[a] = used[b] = start + need
+        if start + need > peak[owner]:
+            peak[owner] = start + need
+        starts.append(start)
+        ks.append(k)
+    return np.array(starts, dtype=np.int64), np.array(ks, dtype=np.int64)
+
+
+def _align(n: np.ndarray) -> np.ndarray:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _within(counts: np.ndarray) -> np.ndarray:
+    """0..count-1 for each count, concatenated."""
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
