@@ -108,8 +108,10 @@ def raw_cuda_ipc(plan: executor.Executor, x: torch.Tensor, steps: int) -> list[f
             with torch.cuda.stream(stream):
                 dst.copy_(x)
         else:  # a peer on another GPU mapped by the transport itself: the same one copy
-            assert not t.rt.memcpy_async(dst.data_ptr(), x.data_ptr(), x.numel(),
-                                         t.rt.D2D, stream.cuda_stream)
+            err = t.rt.memcpy_async(dst.data_ptr(), x.data_ptr(), x.numel(), t.rt.D2D,
+                                    stream.cuda_stream)
+            if err:
+                raise RuntimeError(f"the raw baseline's cudaMemcpyAsync failed (CUDA error {err})")
         stream.synchronize()
         raw.append(time.perf_counter() - t0)
     return raw[1:]

@@ -163,7 +163,7 @@ class CudaIpcTransport:
         self.kernel = CopyKernel.load(device) if opts.copy_kernel and self.rt else None
         """The batched copy kernel (`copy_kernel.py`), or None: copy engines only."""
         self.opened: dict[int, list[int]] = {}
-        """Peer -> the bases this rank opened itself (`PeerRegion`s), one per open."""
+        """Peer -> the bases this rank opened itself (`PeerRegion`s), one per distinct handle."""
         self.counters: dict[int, list[tuple[bytes, int, int]]] = {}
         """Peer -> torch's IPC reference counters of the regions opened here (released at
         close, as torch's own import does when its storage dies: until then the peer's
@@ -202,31 +202,36 @@ class CudaIpcTransport:
         if self.rt is None or self.kernel is None or not fields or None in raws or \
                 any(int(f[0]) == self.device.index for f in fields):
             return False
-        bases: list[int] = []
+        by_handle: dict[bytes, int] = {}  # regions of one allocation share its handle
         try:
             with torch.cuda.device(self.device):
                 for h in raws:
-                    bases.append(self.rt.open_handle(h))  # type: ignore[arg-type]
+                    if h not in by_handle:
+                        by_handle[h] = self.rt.open_handle(h)  # type: ignore[index]
         except RuntimeError as e:
-            self.opened[peer] = bases
-            self._close_peer(peer)
+            self._close_bases(list(by_handle.values()))
             warnings.warn(f"rank {self.rank}: could not map peer {peer}'s memory on "
                           f"{self.device} ({e}); its batches go to the copy engines",
                           stacklevel=3)
             return False
-        self.opened[peer] = bases
+        bases = [by_handle[h] for h in raws]  # type: ignore[index]
+        self.opened[peer] = list(by_handle.values())
         self.counters[peer] = [(bytes(f[4]), int(f[5]), int(f[0])) for f in fields]
         self.peers[peer] = [PeerRegion(b + int(f[3]) + int(f[8]), int(f[9]), int(f[0]))
                             for b, f in zip(bases, fields)]  # type: ignore[misc]
         self.peer_segments[peer] = bases
         return True
 
-    def _close_peer(self, peer: int) -> None:
-        bases = self.opened.pop(peer, [])
+    def _close_bases(self, bases: list[int]) -> None:
+        """Close mappings this rank opened (one per distinct handle)."""
         if bases and self.rt is not None:
             with torch.cuda.device(self.device):
                 for base in bases:
                     self.rt.ipc_close(base)
+
+    def _close_peer(self, peer: int) -> None:
+        bases = self.opened.pop(peer, [])
+        self._close_bases(bases)
         if bases:
             self.peers.pop(peer, None)
         for handle, offset, device in self.counters.pop(peer, []):
@@ -421,7 +426,9 @@ class CudaIpcTransport:
 
     def stats(self) -> dict[str, int]:
         return {"device_copies": self.ncopies, "raw_copies": int(self.rt is not None),
-                "kernel_batches": self.kernel_batches, "peers_mapped_here": len(self.opened)}
+                "kernel_batches": self.kernel_batches, "peers_mapped_here": len(self.opened),
+                "handles_opened_here": sum(map(len, self.opened.values())),
+                "regions_mapped_here": sum(len(self.peers.get(p, ())) for p in self.opened)}
 
     def close(self) -> None:
         for stream in self.streams:

@@ -35,3 +35,11 @@ def test_four_processes_over_cuda_ipc(tmp_path, kernel):
     for f in done:
         assert f.returncode == 0, f"rank {f.rank} failed:\n{f.output[-3000:]}"
         assert f"rank {f.rank} step 3: ok" in f.output
+    stats = {f.rank: json.loads(f.output.split(f"rank {f.rank} stats ", 1)[1].splitlines()[0])
+             for f in done}
+    if gpus > 1 and kernel:  # rank 1 (cuda:1) writes rank 2 (cuda:0): mapped by rank 1 itself
+        s = stats[1]
+        assert s["peers_mapped_here"] == 1 and s["kernel_batches"] > 0, s
+        # rank 2's three small regions share one allocation of the caching allocator: one
+        # open of its handle, not one per region
+        assert s["regions_mapped_here"] == 3 and s["handles_opened_here"] < 3, s
