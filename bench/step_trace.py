@@ -64,6 +64,7 @@ def attach(ex: Any) -> list[list[tuple[str, float]]]:
 
 
 def save(folder: str, rank: int, steps: list[list[tuple[str, float]]]) -> None:
+    os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
         json.dump(steps, f)
 

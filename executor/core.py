@@ -112,6 +112,7 @@ class Executor(Signalling):
         self.bytes_per_step = int(plan.writes["nbytes"].sum())
         self.received_per_step = received_bytes(header, self.rank)
         self.waited = 0.0  # seconds of this step spent waiting (waits.py)
+        self.queued = True  # kernels on the current stream not yet synced (waits.py)
         self.step_records = step_records
         """Publish each step's record (where a restarted peer joins, recovery.py); off
         where no process can join: `run_all_local` holds every rank for one call."""
@@ -291,6 +292,7 @@ class Executor(Signalling):
                 self._prepack(nxt, timeout)
                 nxt = -1
             self.window.post(entry, s, timeout)
+            self.queued = self.queued or self.one_stream  # `local`: on the current stream
         if nxt >= 0:
             self._prepack(nxt, timeout)
         self.window.close(s)
@@ -301,6 +303,7 @@ class Executor(Signalling):
     def _pack(self, s: int) -> None:
         for op in self.stages[s].packs:
             op()
+        self.queued = self.queued or bool(self.stages[s].packs)
 
     def _prepack(self, s: int, timeout_s: float) -> None:
         """Stage `s`'s packs, early: `schemas.protocol` made them safe against what stages
@@ -317,6 +320,7 @@ class Executor(Signalling):
         self._wait(st.after, timeout_s)
         for op in st.unpacks:
             op()
+        self.queued = self.queued or bool(st.unpacks)
         if st.unpacks and not self.one_stream:
             self._sync()  # ACK frees staging the unpacks read; and the weights are whole
         self._signal(st.ack_to, s, ACK)

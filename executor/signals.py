@@ -183,6 +183,10 @@ class Inbox:
         return missing
 
     def drop_before(self, step: int) -> None:
-        self.arrived = {k for k in self.arrived if k[0] >= step}
-        self.aborted = {s: a for s, a in self.aborted.items() if a[0] >= step}
-        self.held = deque(((i, d, k) for i, d, k in self.held if k[0] >= step), maxlen=_HELD)
+        if self.arrived:  # each is nearly always empty between steps: nothing to rebuild
+            self.arrived = {k for k in self.arrived if k[0] >= step}
+        if self.aborted:
+            self.aborted = {s: a for s, a in self.aborted.items() if a[0] >= step}
+        if self.held:
+            self.held = deque(((i, d, k) for i, d, k in self.held if k[0] >= step),
+                              maxlen=_HELD)

@@ -46,6 +46,8 @@ class Signalling:
     device: torch.device
     waited: float
     """Seconds of this step spent waiting (signals, landed writes, own kernels)."""
+    queued: bool
+    """This rank queued kernels or copies on its current stream since its last `_sync`."""
 
     def _take(self, waits: list[tuple[int, int, int]]) -> bool:
         """Whether every signal of `waits` has arrived (they are consumed if so)."""
@@ -58,11 +60,14 @@ class Signalling:
     def _sync(self) -> None:
         """Wait for the packs/unpacks queued on this rank's current CUDA stream (async
         kernels; a peer must not read or overwrite their staging before they finish).
-        Only that stream: a transport's copies of earlier writes may still be running."""
-        if self.device.type == "cuda":
+        Only that stream: a transport's copies of earlier writes may still be running.
+        Nothing to do when this rank queued nothing there since its last sync (`queued`):
+        a target whose weights arrive by a peer's writes alone, a source without packs."""
+        if self.device.type == "cuda" and self.queued:
             t0 = time.perf_counter()
             torch.cuda.current_stream(self.device).synchronize()
             self.waited += time.perf_counter() - t0
+        self.queued = False
 
     def _msg(self, peer: int, stage: int, kind: int) -> bytes:
         self.seq += 1
@@ -91,15 +96,17 @@ class Signalling:
             self.waited += time.perf_counter() - t0
 
     def _poll_until(self, keys: list[signals.Key], backoff: Backoff, timeout_s: float) -> None:
+        self.inbox.add(self.transport.poll(), self.step)
+        missing, polled = keys, True  # signals may also have arrived before this wait
         while True:
-            self.inbox.add(self.transport.poll(), self.step)
-            if self.inbox.foreign:  # a restarted peer already signals: import it now
-                recovery.refresh_peers(self)
-            missing = self.inbox.take(keys)
-            if not missing:
-                return
-            if (aborted := self.inbox.abort_of(self.step, missing)) is not None:
-                raise PeerAbortError(self.rank, aborted[0], aborted[1], self.step)
+            if polled:
+                if self.inbox.foreign:  # a restarted peer already signals: import it now
+                    recovery.refresh_peers(self)
+                missing = self.inbox.take(keys)
+                if not missing:
+                    return
+                if (aborted := self.inbox.abort_of(self.step, missing)) is not None:
+                    raise PeerAbortError(self.rank, aborted[0], aborted[1], self.step)
             if self.blame.expired():
                 _, stage, kind, peer = missing[0]
                 culprit = self.blame.culprit(peer)
@@ -110,4 +117,7 @@ class Signalling:
                             "heartbeat stopped)")
                 raise PeerTimeoutError(self.rank, culprit, what, timeout_s)
             backoff.pause()  # spins briefly, then naps a share of the wait (spin.py)
+            msgs = self.transport.poll()
+            if polled := bool(msgs):  # nothing new: nothing to match again
+                self.inbox.add(msgs, self.step)
 
