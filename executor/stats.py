@@ -22,6 +22,8 @@ class RunStats:
     waited: float = 0.0
     """Seconds of `seconds` spent waiting: for peers' signals, for writes to land, for this
     rank's own queued kernels. The rest is host work (`host_seconds`)."""
+    graphed: bool = False
+    """`run_all_local`: the step was one launch of the whole step's CUDA graph."""
 
     @property
     def host_seconds(self) -> float:

@@ -28,6 +28,10 @@ _POOLS: dict[int, object] = {}
 """Device index -> the memory pool its captured graphs share."""
 
 
+_ORDER: list[Replay] | None = None
+"""While `recording`: every replay, in the order it ran."""
+
+
 class Replay:
     """One captured graph, replayed on the current stream; holds what the graph reads."""
 
@@ -38,6 +42,19 @@ class Replay:
 
     def __call__(self) -> None:
         self.graph.replay()
+        if _ORDER is not None:
+            _ORDER.append(self)
+
+
+@contextmanager
+def recording() -> Iterator[list[Replay]]:
+    """The replays that run inside the block, in order (one thread's: `run_all_local`)."""
+    global _ORDER
+    _ORDER = order = []
+    try:
+        yield order
+    finally:
+        _ORDER = None
 
 
 @contextmanager

@@ -65,6 +65,10 @@ class LocalOptions:
     copy_kernel: bool = True
     """On a GPU, a batch's copies as one kernel (`copy_kernel.py`) instead of torch's
     `_foreach_copy_` and slice copies."""
+    step_graph: bool = True
+    """`run_all_local` on one GPU: from the second step on, the whole step (every rank's
+    packs, writes and unpacks, in the order the first step ran them) is one CUDA graph
+    launch, without the host protocol (`world.py`)."""
 
 
 OPTIONS: dict[str, type] = {"nixl": NixlOptions, "cuda_ipc": CudaIpcOptions,

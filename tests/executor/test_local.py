@@ -41,6 +41,22 @@ def test_two_by_two_is_bit_exact(tmp_path):
         assert stats.bytes == 2 * 4 * 8 + 2 * 16 and stats.complete
 
 
+def test_each_step_moves_that_steps_weights_on_cpu(tmp_path):
+    path = save(str(tmp_path / "p.rplan"), two_by_two())
+    tensors = two_by_two_tensors(0)
+
+    def refill(step: int) -> None:
+        for rank, named in two_by_two_tensors(step).items():
+            for k, t in named.items():
+                tensors[rank][k].copy_(t)  # the targets' are zeros
+
+    stats = executor.run_all_local(path, tensors, steps=3, before_step=refill)
+    assert stats.step == 3 and not stats.graphed  # no step graph on a CPU
+    for rank, named in two_by_two_expected(3).items():
+        for name, t in named.items():
+            assert torch.equal(tensors[rank][name], t), (rank, name)
+
+
 def test_cast_rounds_to_nearest_even(tmp_path):
     ranks = two_by_two()
     tensors = two_by_two_tensors(0)
@@ -118,6 +134,30 @@ def test_two_by_two_on_gpu(tmp_path):
                for r, named in two_by_two_tensors(3).items()}
     executor.run_all_local(path, tensors)
     for rank, named in two_by_two_expected(3).items():
+        for name, t in named.items():
+            assert torch.equal(tensors[rank][name].cpu(), t), (rank, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("step_graph", [True, False], ids=["step-graph", "host-protocol"])
+def test_later_steps_move_new_weights(tmp_path, step_graph):
+    """From step 2 on a GPU world runs as one graph of the whole step (packs, writes and
+    unpacks of both sources): each step must move that step's weights, not replay the
+    first step's bytes. Targets are zeroed before every step so nothing stale can pass."""
+    path = save(str(tmp_path / "p.rplan"), two_by_two())
+    tensors = {r: {k: t.cuda() for k, t in named.items()}
+               for r, named in two_by_two_tensors(0).items()}
+
+    def refill(step: int) -> None:
+        for rank, named in two_by_two_tensors(step).items():
+            for k, t in named.items():
+                tensors[rank][k].copy_(t.cuda())  # the targets' are zeros
+
+    stats = executor.run_all_local(path, tensors, steps=4, before_step=refill,
+                                   transport_options={"step_graph": step_graph})
+    assert stats.graphed is step_graph
+    for rank, named in two_by_two_expected(4).items():
         for name, t in named.items():
             assert torch.equal(tensors[rank][name].cpu(), t), (rank, name)
 
