@@ -128,11 +128,12 @@ class Inbox:
 
     def add(self, msgs: list[tuple[str, bytes]], step: int) -> None:
         """Take the messages a transport polled: (transport-level sender, message)."""
+        prefix = _MAGIC + self.tag
         for sender_id, m in msgs:
-            if len(m) != SIZE or m[:4] != _MAGIC or m[4:12] != self.tag:
+            if len(m) != SIZE or m[:12] != prefix:
                 continue  # not ours, or another plan's (refused at connect)
-            inc, to, *rest, seq = _BODY.unpack(m[12:12 + _BODY.size])
-            key: Key = tuple(rest)  # type: ignore[assignment]
+            inc, to, step_, stage, kind, sender, seq = _BODY.unpack_from(m, 12)
+            key: Key = (step_, stage, kind, sender)
             if not verify(self.keys, m):
                 self._refuse(f"forged: kind {key[2]} from 'rank {key[3]}' (step {key[0]}, "
                              f"stage {key[1]}) does not carry the job secret's MAC")

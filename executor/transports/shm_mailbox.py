@@ -59,6 +59,7 @@ class ShmMailbox:
         self.token = secrets.token_hex(8)
         self.out: dict[int, _Ring] = {}
         self.inbox: dict[int, _Ring] = {}
+        self.ids: dict[int, str] = {}  # peer -> its `peer_id`
 
     def export(self) -> dict[str, str]:
         return {"token": self.token, "host": os.uname().nodename}
@@ -76,6 +77,7 @@ class ShmMailbox:
             if old is not None:
                 old.close()
         t = desc["token"]
+        self.ids[peer] = self.peer_id(peer)
         self.out[peer] = _Ring(self._path(self.rank, self.token, peer, t))
         self.inbox[peer] = _Ring(self._path(peer, t, self.rank, self.token))
 
@@ -109,7 +111,7 @@ class ShmMailbox:
             while seq < head:
                 at = 64 + (seq % SLOTS) * _SLOT
                 n = _LEN.unpack_from(ring.map, at)[0]
-                msgs.append((f"shm:{peer}", ring.map[at + 8:at + 8 + min(n, PAYLOAD)]))
+                msgs.append((self.ids[peer], ring.map[at + 8:at + 8 + min(n, PAYLOAD)]))
                 seq += 1
             ring.tail.value = seq
         return msgs

@@ -99,7 +99,7 @@ def test_wait_without_signal_is_a_deadlock(tmp_path):
                                       1: {"x": torch.zeros(8, dtype=torch.uint8)}})
 
 
-def test_quant_into_staging_then_write_matches_the_reference(tmp_path):
+def _quant_plan(tmp_path) -> str:
     # source 0 holds "w" bf16 [200, 300] (2 x 3 blocks of 128, partial at the edges). QUANT
     # puts its 60000 e4m3 values at staging byte 0 and its 2 x 3 fp32 scales at staging
     # float 15000 (byte 60000); two writes send them to target 1's "w" (e4m3 [200, 300])
@@ -115,11 +115,16 @@ def test_quant_into_staging_then_write_matches_the_reference(tmp_path):
                     copies=[q], signals=[(0, 1, DONE)], waits=[(0, 1, READY)],
                     peer_regions={1: (60000, 24)})
     tgt = rank_plan(1, "target", [tw, ts], signals=[(0, 0, READY)], waits=[(0, 0, DONE)])
+    return save(str(tmp_path / "p.rplan"), [src, tgt])
+
+
+def test_quant_into_staging_then_write_matches_the_reference(tmp_path):
+    path = _quant_plan(tmp_path)
     x = torch.randn(200, 300).to(torch.bfloat16)
     x[:128, :128] = 0  # an all-zero block takes the 1e-4 floor
     out = {"w": torch.zeros(200, 300, dtype=torch.float8_e4m3fn),
            "w_scale_inv": torch.zeros(2, 3)}
-    executor.run_all_local(save(str(tmp_path / "p.rplan"), [src, tgt]), {0: {"w": x}, 1: out})
+    executor.run_all_local(path, {0: {"w": x}, 1: out})
     fp8mod = pytest.importorskip("planner.fp8")
     want_q, want_s = fp8mod.quantize_block128(x)
     assert torch.equal(out["w_scale_inv"], want_s)
@@ -160,6 +165,25 @@ def test_later_steps_move_new_weights(tmp_path, step_graph):
     for rank, named in two_by_two_expected(4).items():
         for name, t in named.items():
             assert torch.equal(tensors[rank][name].cpu(), t), (rank, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_step_graph_quantizes_each_steps_weights(tmp_path):
+    """QUANT (FP8 block scales into staging, then writes) inside the whole-step graph: the
+    last of three steps' weights, each step's different, bit-exact against the reference."""
+    fp8mod = pytest.importorskip("planner.fp8")
+    path = _quant_plan(tmp_path)
+    xs = [torch.randn(200, 300).to(torch.bfloat16) * (k + 1) for k in range(3)]
+    w = xs[0].cuda()
+    out = {"w": torch.zeros(200, 300, dtype=torch.float8_e4m3fn, device="cuda"),
+           "w_scale_inv": torch.zeros(2, 3, device="cuda")}
+    stats = executor.run_all_local(path, {0: {"w": w}, 1: out}, steps=3,
+                                   before_step=lambda k: w.copy_(xs[k - 1].cuda()))
+    assert stats.graphed
+    want_q, want_s = fp8mod.quantize_block128(xs[2])
+    assert torch.equal(out["w_scale_inv"].cpu(), want_s)
+    assert torch.equal(out["w"].view(torch.uint8).cpu(), want_q.view(torch.uint8))
 
 
 @pytest.mark.gpu
