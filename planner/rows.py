@@ -4,7 +4,8 @@ without numpy's structured or multi-pass sorts.
 numpy's row-wise unique views each row as one opaque item and sorts those (25 s of the
 DeepSeek-V3 published compile's 160 s went to such sorts). Here every column is replaced
 by its rank among the column's distinct values, and the ranks are combined into one int64
-key column by column in mixed radix (re-ranked whenever the next column would overflow);
+key column by column in mixed radix (re-ranked whenever the next column would overflow:
+by a table of the values present while their range is small, not a sort);
 the key's order is the rows' lexicographic order, so the results equal numpy's: the
 unique rows in sorted order, the index of each one's first occurrence, and the inverse.
 """
@@ -18,16 +19,32 @@ import numpy as np
 _LIMIT = np.iinfo(np.int64).max
 
 
-def _codes(col: np.ndarray) -> tuple[np.ndarray, int]:
-    """Order-preserving codes in [0, m): the value less the column's minimum when the range
-    is small, else its rank among the column's distinct values."""
-    col = np.asarray(col).reshape(-1)
-    if len(col) and col.dtype.kind in "iub":
-        lo, hi = int(col.min()), int(col.max())
-        if hi - lo < max(len(col), 1 << 16):
-            return col.astype(np.int64) - lo, hi - lo + 1
+def _range(col: np.ndarray) -> tuple[int, int] | None:
+    """(minimum, number of values from it to the maximum) of an integer column, else None."""
+    if not len(col) or col.dtype.kind not in "iub":
+        return None
+    lo = int(col.min())
+    return lo, int(col.max()) - lo + 1
+
+
+def _ranks(col: np.ndarray) -> tuple[np.ndarray, int]:
+    """Each value's rank among the column's distinct values, and their number (a sort)."""
     values, codes = np.unique(col, return_inverse=True)
     return codes.astype(np.int64).reshape(-1), len(values)
+
+
+def _compact(key: np.ndarray, span: int) -> tuple[np.ndarray, int]:
+    """`key` (in [0, span)) as ranks among its distinct values: by a table of the values
+    present when `span` is at most twice the rows (or 2^17; no sort), else `_ranks`."""
+    if span > max(2 * len(key), 1 << 17):
+        return _ranks(key)
+    seen = np.zeros(span, dtype=bool)
+    seen[key] = True
+    rank = np.cumsum(seen, dtype=np.int32 if span < 1 << 31 else np.int64)
+    del seen
+    m = int(rank[-1])
+    rank -= 1
+    return rank[key].astype(np.int64), m
 
 
 def row_keys(a: np.ndarray) -> np.ndarray:
@@ -40,16 +57,42 @@ def row_keys(a: np.ndarray) -> np.ndarray:
 
 
 def column_keys(cols: Sequence[np.ndarray]) -> np.ndarray:
-    """`row_keys(np.stack(cols, axis=1))`, without making the stacked copy."""
+    """`row_keys(np.stack(cols, axis=1))`, without making the stacked copy. Each column is
+    coded by its value less its minimum where its range is small (else ranked: a sort) and
+    the codes combined in mixed radix; the key so far is compacted to ranks of its distinct
+    values (`_compact`, by a table while its range is small) where the columns left would
+    overflow it. A wide last column (byte offsets) is taken by value when it fits after
+    that compaction: no sort."""
+    cols = [np.asarray(c).reshape(-1) for c in cols]
     if not cols or len(cols[0]) == 0:
         return np.zeros(len(cols[0]) if cols else 0, dtype=np.int64)
-    key, span = _codes(cols[0])
-    for col in cols[1:]:
-        codes, m = _codes(col)
-        if span > _LIMIT // max(m, 1):
-            key, span = _codes(key)
-        key = key * m + codes
-        span = span * m
+    n = len(cols[0])
+    small, table = max(n, 1 << 16), max(2 * n, 1 << 17)
+    ranges = [_range(c) for c in cols]
+    rest = [1] * (len(cols) + 1)  # an upper bound of the span of columns i.. (capped)
+    for i in range(len(cols) - 1, -1, -1):
+        r = ranges[i]
+        m = r[1] if r is not None and (r[1] < small or i == len(cols) - 1) else n
+        rest[i] = min(rest[i + 1] * m, _LIMIT + 1)
+    key, span = np.zeros(0, dtype=np.int64), 1
+    for i, (col, r) in enumerate(zip(cols, ranges)):
+        last = i == len(cols) - 1
+        wide = r is None or r[1] >= small
+        if i and last and r is not None and wide and span > _LIMIT // r[1]:
+            key, span = _compact(key, span)  # the column's values may then fit as they are
+        if wide and not (last and r is not None and span <= _LIMIT // r[1]):
+            codes, m = _ranks(col)
+        else:
+            assert r is not None
+            codes, m = np.subtract(col, r[0], dtype=np.int64), r[1]
+        if i == 0:
+            key, span = codes, m
+            continue
+        if span > _LIMIT // m or (span <= table < span * m and span * rest[i] > _LIMIT):
+            key, span = _compact(key, span)  # now: later it may need a sort
+        key *= m
+        key += codes
+        span *= m
     return key
 
 

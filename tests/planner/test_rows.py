@@ -40,3 +40,20 @@ def test_wide_distinct_columns_rerank_instead_of_overflowing() -> None:
               elements=st.one_of(st.integers(0, 3), ints)))
 def test_lexorder_equals_lexsort(keys: np.ndarray) -> None:
     assert np.array_equal(lexorder(*keys), np.lexsort(keys))
+
+
+def test_compacted_keys_and_a_wide_last_column_keep_lexsort_order() -> None:
+    """Narrow columns whose spans multiply past int64 (compacted by a table of the values
+    present), then a wide last column (byte offsets: taken by value): `np.lexsort`'s order."""
+    rng = np.random.default_rng(2)
+    n = 200_000
+    cols = [rng.integers(0, m, n) for m in (256, 45, 256, 181, 845, 30_000, 70_000)]
+    cols.append(rng.integers(-2 ** 40, 2 ** 40, n))
+    cols[-1][::3] = cols[-1][1::3][:len(cols[-1][::3])]  # equal offsets too
+    for k in (len(cols), 4, 2):
+        keys = cols[:k][::-1]
+        assert np.array_equal(lexorder(*keys), np.lexsort(keys))
+        a = np.stack(cols[:k], axis=1)
+        want = np.unique(a, axis=0, return_index=True, return_inverse=True)
+        got = unique_rows(a, return_index=True, return_inverse=True)
+        assert all(np.array_equal(g, w.reshape(g.shape)) for g, w in zip(got, want))
