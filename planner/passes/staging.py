@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.passes.budget import ALIGN
+from planner.rows import lexorder
 from schemas.config import ConfigError, Options
 from schemas.protocol import SLOTS
 
@@ -35,16 +36,18 @@ def staging_order(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
     if len(si) == 0:
         return si
     s, d = src_rank[si], dst_rank[si]
-    pair = np.lexsort((np.arange(len(si)), d, s))
+    pair = lexorder(d, s)  # stable: ties in chunk order
     nb = nbytes[si][pair]
     new = np.ones(len(si), dtype=bool)
-    new[1:] = (s[pair][1:] != s[pair][:-1]) | (d[pair][1:] != d[pair][:-1])
+    sp, dp = s[pair], d[pair]
+    new[1:] = (sp[1:] != sp[:-1]) | (dp[1:] != dp[:-1])
+    del sp, dp
     start = np.maximum.accumulate(np.where(new, np.arange(len(si)), 0))
     before = np.cumsum(nb) - nb
     quantum = np.empty(len(si), dtype=np.int64)
     quantum[pair] = (before - before[start]) // QUANTUM
     rot = (d + s) % max(world, 1)
-    return si[np.lexsort((np.arange(len(si)), s, rot, quantum))]
+    return si[lexorder(s, rot, quantum)]
 
 
 def place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
