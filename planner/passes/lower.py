@@ -115,12 +115,19 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     budget is the cap; a target's is sized from the cost model: `bytes_in` it receives in
     the whole plan, its link at `topo.nic_gbps`). Chunks are classified `BLOCK` at a time;
     `balance` takes a second look at the staged ones over NVLink; those left are placed and
-    lowered together, and the direct writes made after them, a block at a time (the staged
-    chunks' temporaries and the direct writes are never held together)."""
+    lowered together, and the direct writes made after them, a block at a time, straight
+    into the plan's columns (the staged chunks' temporaries and the direct writes are never
+    held together; each chunk's geometry is made once to classify it, and once more, less
+    what a direct write does not read, to write it)."""
     blocks = [slice(lo, lo + BLOCK) for lo in range(0, len(chunks), BLOCK)]
-    si = np.concatenate([b.start + np.nonzero(_staged_mask(_shape(chunks, choice, src, dst, b),
-                                                            opts))[0] for b in blocks]) \
-        if blocks else np.zeros(0, np.int64)
+    staged_at = np.zeros(len(chunks), dtype=bool)  # classified once, a block at a time
+    n_direct = 0  # direct writes of the blocks
+    for b in blocks:
+        g = _shape(chunks, choice, src, dst, b)
+        staged_at[b] = mask = _staged_mask(g, opts)
+        n_direct += int(_rows_per_write(g["s0"], g["s1"], g["s_a0"], g["d_a0"])[~mask].sum())
+        del g, mask
+    si = np.flatnonzero(staged_at)
     si, moved = _second_look(chunks, choice, src, dst, si, blocks, opts, topo)
     sources, nic_gbps = topo.sources, topo.nic_gbps
     first = int(len(si) < len(chunks))  # any direct chunk: see `_staged`
@@ -128,14 +135,23 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
         chunks, choice, src, dst, si, first, n_regions, opts, tensor_names, sources,
         bytes_in, nic_gbps)
     del si
-    direct = [_direct(chunks, choice, src, dst, opts, b) for b in blocks] + [moved]
-    n_direct = sum(len(d["w_nbytes"]) for d in direct)
+    n_direct += len(moved["w_nbytes"])
     at = direct_stage(copies["kind"], stages) if n_direct else 0
-    direct.append({"w_stage": np.full(n_direct, at, np.int32)})
     stages = max(stages, at + 1)
-    out = {k: np.concatenate([d.pop(k) for d in direct if k in d] + [staged.pop(k)],
-                             dtype=np.int32 if k in NARROW else np.int64)
-           for k in Lowered.__slots__ if k.startswith("w_")}  # one column at a time
+    total = n_direct + len(staged["w_nbytes"])
+    out = {k: np.empty(total, dtype=np.int32 if k in NARROW else np.int64)
+           for k in Lowered.__slots__ if k.startswith("w_")}  # written in place, in order:
+    end = 0  # the blocks' direct writes, those `_second_look` moved, the staged chunks'
+    for b in blocks:
+        end = _direct_into(out, end, chunks, choice, src, dst,
+                           b.start + np.flatnonzero(~staged_at[b]))
+    del staged_at
+    for part in (moved, staged):
+        n = len(part["w_nbytes"])
+        for k in list(part):
+            out[k][end:end + n] = part.pop(k)
+        end += n
+    out["w_stage"][:n_direct] = at
     return Lowered(**out, copies=copies, staging=staging, stages=stages, slotted=slotted)
 
 
@@ -164,6 +180,32 @@ def _staged_mask(g: dict[str, np.ndarray], opts: Options) -> np.ndarray:
     staged[some] = (w_us + g["pack"][some] * pack_us + g["unpack"][some] * pack_us
                     < g["s0"][some] * w_us)
     return staged
+
+
+def _rows_per_write(s0: np.ndarray, s1: np.ndarray, s_a0: np.ndarray, d_a0: np.ndarray
+                    ) -> np.ndarray:
+    """Direct writes of each chunk (of `_shape`'s 2-d boxes): one, when both sides are
+    contiguous (or it is one row), else one per row."""
+    return np.where((s_a0 == s1) & (d_a0 == s1) | (s0 == 1), 1, s0)
+
+
+def _direct_into(out: dict[str, np.ndarray], at: int, chunks: Chunks, choice: np.ndarray,
+                 src: PieceTable, dst: PieceTable, rows: np.ndarray) -> int:
+    """Write the direct writes of chunks `rows` (not staged: unit inner strides on both
+    sides and no cast, so one element size) into the columns `out` from row `at`; returns
+    the row after them. Only the geometry that `_writes` reads is made."""
+    sr, dr = choice[rows], chunks.dst[rows]
+    s0, s1 = chunks.size0[rows], chunks.size1[rows]
+    col = s1 == 1  # read `n x 1` as `1 x n`
+    es = element_size(dst.dtype[dr])
+    g = {"s0": np.where(col, 1, s0), "s1": np.where(col, s0, s1), "s_a0": src.a0[sr],
+         "d_a0": dst.a0[dr], "s_code": dst.dtype[dr], "es_d": es}
+    del sr, dr, s0, s1, col
+    writes = _writes(chunks, choice, src, dst, g, np.arange(len(rows)), rows)
+    n = len(writes["w_nbytes"])
+    for k, v in writes.items():
+        out[k][at:at + n] = v
+    return at + n
 
 
 def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
@@ -195,7 +237,7 @@ def _writes(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable
         "w_dst_offset": (_start(dst, chunks.dst, chunks, at) + k * g["d_a0"][idx])
         * g["es_d"][idx],
         "w_nbytes": np.repeat(np.where(whole, s0 * s1, s1) * g["es_d"][di], r)}
-    return {k: v.astype(np.int32) if k in NARROW else v for k, v in writes.items()}
+    return writes  # ranks and regions in the tables' dtype: `lower` puts them in int32
 
 
 def _second_look(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
