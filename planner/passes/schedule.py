@@ -115,10 +115,13 @@ def signal_rows(s: np.ndarray, d: np.ndarray, st: np.ndarray, staged: np.ndarray
     slotted, a SLOT_ACK of stage s-SLOTS (s >= SLOTS) (hand-built plans in the tests derive
     theirs here)."""
     slot = np.zeros(len(s), dtype=bool) if slot is None else np.asarray(slot, dtype=bool)
+    # the distinct writes' (s, d, st, staged, slot) in one sort; each set below from those
+    u = _unique_rows(s, d, st, np.asarray(staged, dtype=bool), slot)
+    s, d, st, staged, slot = u.T
     kind = np.where(slot, SLOT_ACK, ACK)
     pairs = _unique_rows(s, d)
     done = _unique_rows(s, d, st)
-    into_staging = staged & (sent_stage(kind, st) >= 0)
+    into_staging = (staged != 0) & (sent_stage(kind, st) >= 0)
     ack = _unique_rows(s[into_staging], d[into_staging], st[into_staging], kind[into_staging])
     zeros = np.zeros(len(pairs), dtype=np.int64)
     sent = [
