@@ -35,8 +35,8 @@ def _ranks(col: np.ndarray) -> tuple[np.ndarray, int]:
 
 def _compact(key: np.ndarray, span: int) -> tuple[np.ndarray, int]:
     """`key` (in [0, span)) as ranks among its distinct values: by a table of the values
-    present when `span` is at most twice the rows (or 2^17; no sort), else `_ranks`."""
-    if span > max(2 * len(key), 1 << 17):
+    present when `span` is at most four times the rows (or 2^17; no sort), else `_ranks`."""
+    if span > max(4 * len(key), 1 << 17):
         return _ranks(key)
     seen = np.zeros(span, dtype=bool)
     seen[key] = True
@@ -67,7 +67,7 @@ def column_keys(cols: Sequence[np.ndarray]) -> np.ndarray:
     if not cols or len(cols[0]) == 0:
         return np.zeros(len(cols[0]) if cols else 0, dtype=np.int64)
     n = len(cols[0])
-    small, table = max(n, 1 << 16), max(2 * n, 1 << 17)
+    small, table = max(n, 1 << 16), max(4 * n, 1 << 17)
     ranges = [_range(c) for c in cols]
     rest = [1] * (len(cols) + 1)  # an upper bound of the span of columns i.. (capped)
     for i in range(len(cols) - 1, -1, -1):
