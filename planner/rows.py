@@ -80,18 +80,24 @@ def column_keys(cols: Sequence[np.ndarray]) -> np.ndarray:
         wide = r is None or r[1] >= small
         if i and last and r is not None and wide and span > _LIMIT // r[1]:
             key, span = _compact(key, span)  # the column's values may then fit as they are
+        lo = 0  # codes: the column less `lo` (in place, no copy), or its ranks
         if wide and not (last and r is not None and span <= _LIMIT // r[1]):
             codes, m = _ranks(col)
         else:
             assert r is not None
-            codes, m = np.subtract(col, r[0], dtype=np.int64), r[1]
+            (lo, m), codes = r, col if col.dtype.itemsize < 8 else col.astype(np.int64)
         if i == 0:
-            key, span = codes, m
+            key, span = codes.astype(np.int64, copy=codes is col), m
+            key -= lo
             continue
         if span > _LIMIT // m or (span <= table < span * m and span * rest[i] > _LIMIT):
             key, span = _compact(key, span)  # now: later it may need a sort
         key *= m
+        if lo > 0:  # (in the order that keeps every partial sum within int64)
+            key -= lo
         key += codes
+        if lo < 0:
+            key -= lo
         span *= m
     return key
 
