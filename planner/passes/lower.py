@@ -335,7 +335,7 @@ def _copies(p: np.ndarray, u: np.ndarray, stage: np.ndarray, s_soff: np.ndarray,
     """PACK copies (on sources) then UNPACK copies (on targets) of the staged chunks (every
     column is over the staged chunks in placement order; `p`, `u`: packed, unpacked)."""
     p, u = np.nonzero(p)[0], np.nonzero(u)[0]
-    one_p, one_u = np.ones(len(p), np.int64), np.ones(len(u), np.int64)
+    one_p, one_u = np.ones(len(p), np.int32), np.ones(len(u), np.int32)
     cols = {  # each column's (packs, unpacks), made one column at a time
         "rank": lambda: (src_rank[p], dst_rank[u]),
         "kind": lambda: (np.full(len(p), PACK), np.full(len(u), UNPACK)),
@@ -355,10 +355,19 @@ def _copies(p: np.ndarray, u: np.ndarray, stage: np.ndarray, s_soff: np.ndarray,
         "size0": lambda: (s0[p], s0[u]),
         "size1": lambda: (s1[p], s1[u]),
         "size2": lambda: (one_p, one_u),
-        "aux_offset": lambda: (np.zeros(len(p) + len(u), dtype=np.int64),),
+        "aux_offset": lambda: (np.zeros(len(p) + len(u), dtype=np.int32),),
     }
-    return {k: _narrow(np.concatenate(f(), dtype=_COPY_DTYPES.get(k, np.int64),
-                                      casting="unsafe")) for k, f in cols.items()}
+    return {k: _column(f(), _COPY_DTYPES.get(k, np.dtype(np.int64))) for k, f in cols.items()}
+
+
+def _column(parts: tuple[np.ndarray, ...], dt: np.dtype) -> np.ndarray:
+    """The copy column of `parts` (packs', unpacks') in `dt`, but an int64 one as int32
+    where its values fit (`_narrow`; parts all of at most 32-bit ints fit as they are)."""
+    if dt == np.int64 and sum(map(len, parts)) and all(
+            x.dtype.kind in "iu" and x.dtype.itemsize <= 4 and x.dtype != np.uint32
+            for x in parts):
+        return np.concatenate(parts, dtype=np.int32, casting="unsafe")
+    return _narrow(np.concatenate(parts, dtype=dt, casting="unsafe"))
 
 
 def _narrow(col: np.ndarray) -> np.ndarray:
