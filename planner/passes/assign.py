@@ -26,9 +26,12 @@ from planner.topology import Topology
 def split_rows(chunks: Chunks, dst: PieceTable, max_write_bytes: int) -> Chunks:
     """Cut chunks along dim 0 so that each holds at most `max_write_bytes` (>= one row)."""
     row_bytes = chunks.size1 * element_size(dst.dtype[chunks.dst])
+    if len(chunks) == 0 or chunks.size0.min() >= 1 and (
+            (chunks.size0 * row_bytes <= max_write_bytes) | (chunks.size0 == 1)).all():
+        return chunks  # nothing to cut (every chunk within one part; no division)
     rows_per = np.maximum(1, max_write_bytes // row_bytes)
     parts = -(-chunks.size0 // rows_per)
-    if len(parts) == 0 or parts.max() == 1:  # nothing to cut
+    if parts.max() == 1:  # nothing to cut
         return chunks
     idx = np.repeat(np.arange(len(chunks)), parts)
     first = np.repeat(np.cumsum(parts) - parts, parts)
