@@ -20,7 +20,7 @@ import networkx as nx
 import numpy as np
 
 from planner.passes.lower import Lowered
-from planner.rows import lexorder, unique_rows
+from planner.rows import distinct_rows, lexorder
 from planner.topology import Topology
 from schemas.plan import ACK, DONE, READY, SLOT_ACK
 from schemas.protocol import sent_stage, wait_stage
@@ -95,7 +95,7 @@ def schedule(low: Lowered, topo: Topology, max_write_bytes: int,
 def _unique_rows(*cols: np.ndarray) -> np.ndarray:
     if len(cols[0]) == 0:
         return np.zeros((0, len(cols)), dtype=np.int64)
-    return unique_rows(np.stack(cols, axis=1))
+    return distinct_rows(cols)  # = unique_rows(np.stack(cols, axis=1))
 
 
 def _signals(low: Lowered, n_regions: np.ndarray, sources: int
