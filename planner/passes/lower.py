@@ -201,7 +201,7 @@ def _direct_into(out: dict[str, np.ndarray], at: int, chunks: Chunks, choice: np
     g = {"s0": np.where(col, 1, s0), "s1": np.where(col, s0, s1), "s_a0": src.a0[sr],
          "d_a0": dst.a0[dr], "s_code": dst.dtype[dr], "es_d": es}
     del sr, dr, s0, s1, col
-    writes = _writes(chunks, choice, src, dst, g, np.arange(len(rows)), rows)
+    writes = _writes(chunks, choice, src, dst, g, None, rows)
     n = len(writes["w_nbytes"])
     for k, v in writes.items():
         out[k][at:at + n] = v
@@ -218,25 +218,29 @@ def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable
 
 
 def _writes(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
-            g: dict[str, np.ndarray], di: np.ndarray, ids: np.ndarray
+            g: dict[str, np.ndarray], di: np.ndarray | None, ids: np.ndarray
             ) -> dict[str, np.ndarray]:
-    """Direct writes of the chunks `ids[di]` (`g`: `_shape` of `ids`): one per row, or the
-    whole box when both sides are contiguous."""
-    s0, s1 = g["s0"][di], g["s1"][di]
-    whole = (g["s_a0"][di] == s1) & (g["d_a0"][di] == s1) | (s0 == 1)
+    """Direct writes of the chunks `ids[di]` (`g`: `_shape` of `ids`; `di` None: all of
+    them): one per row, or the whole box when both sides are contiguous."""
+    sel = slice(None) if di is None else di  # (a slice takes views, not copies)
+    s0, s1 = g["s0"][sel], g["s1"][sel]
+    whole = (g["s_a0"][sel] == s1) & (g["d_a0"][sel] == s1) | (s0 == 1)
     r = np.where(whole, 1, s0)
-    idx = np.repeat(di, r)
-    k = np.arange(len(idx)) - np.repeat(np.cumsum(r) - r, r)
+    one = bool((r == 1).all())  # one write per chunk: no row expansion
+    idx = sel if one else np.repeat(np.arange(len(ids)) if di is None else di, r)
     at = ids[idx]  # chunk index
     sr, dr = choice[at], chunks.dst[at]
+    s_off, d_off = _start(src, choice, chunks, at), _start(dst, chunks.dst, chunks, at)
+    if not one:  # row k of a chunk: k strides on
+        k = np.arange(len(at)) - np.repeat(np.cumsum(r) - r, r)
+        s_off, d_off = s_off + k * g["s_a0"][idx], d_off + k * g["d_a0"][idx]
+    nbytes = np.where(whole, s0 * s1, s1) * g["es_d"][sel]
     writes = {
         "w_src_rank": src.rank[sr], "w_src_region": src.region[sr],
-        "w_src_offset": (_start(src, choice, chunks, at) + k * g["s_a0"][idx])
-        * element_size(g["s_code"][idx]),
+        "w_src_offset": s_off * element_size(g["s_code"][idx]),
         "w_dst_rank": dst.rank[dr], "w_dst_region": dst.region[dr],
-        "w_dst_offset": (_start(dst, chunks.dst, chunks, at) + k * g["d_a0"][idx])
-        * g["es_d"][idx],
-        "w_nbytes": np.repeat(np.where(whole, s0 * s1, s1) * g["es_d"][di], r)}
+        "w_dst_offset": d_off * g["es_d"][idx],
+        "w_nbytes": nbytes if one else np.repeat(nbytes, r)}
     return writes  # ranks and regions in the tables' dtype: `lower` puts them in int32
 
 
