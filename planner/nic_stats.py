@@ -67,9 +67,12 @@ def egress_sets(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology
     set_of = np.array([keys.setdefault(tuple(sorted(set(nic[rs].tolist()))), len(keys))
                        for rs in np.split(holder_rank, np.diff(ptr)[:-1].cumsum())]
                       if n_sbox else [], dtype=np.int64)
-    near = np.unique(sbox_of_holder * hosts + host[holder_rank])
-    dst_host = host[dst.rank[chunks.dst]]
-    remote = ~np.isin(chunks.sbox * hosts + dst_host, near)  # no holder on the target host
+    near = np.zeros(n_sbox * hosts, dtype=bool)  # (source box, host): a holder there
+    near[sbox_of_holder * hosts + host[holder_rank]] = True
+    at = np.multiply(chunks.sbox, hosts, dtype=np.int64)
+    at += host[dst.rank[chunks.dst]]
+    remote = ~near[at]  # no holder on the target host
+    del at
     per_id = np.bincount(set_of[chunks.sbox[remote]], minlength=len(keys),
                          weights=chunk_bytes(chunks, dst)[remote].astype(np.float64))
     return {k: float(per_id[i]) for k, i in keys.items() if per_id[i] > 0}

@@ -4,7 +4,8 @@ without numpy's structured or multi-pass sorts.
 numpy's row-wise unique views each row as one opaque item and sorts those (25 s of the
 DeepSeek-V3 published compile's 160 s went to such sorts). Here every column is replaced
 by its rank among the column's distinct values, and the ranks are combined into one int64
-key column by column in mixed radix (re-ranked whenever the next column would overflow);
+key column by column in mixed radix (re-ranked whenever the next column would overflow:
+by a table of the values present while their range is small, not a sort);
 the key's order is the rows' lexicographic order, so the results equal numpy's: the
 unique rows in sorted order, the index of each one's first occurrence, and the inverse.
 """
@@ -18,16 +19,32 @@ import numpy as np
 _LIMIT = np.iinfo(np.int64).max
 
 
-def _codes(col: np.ndarray) -> tuple[np.ndarray, int]:
-    """Order-preserving codes in [0, m): the value less the column's minimum when the range
-    is small, else its rank among the column's distinct values."""
-    col = np.asarray(col).reshape(-1)
-    if len(col) and col.dtype.kind in "iub":
-        lo, hi = int(col.min()), int(col.max())
-        if hi - lo < max(len(col), 1 << 16):
-            return col.astype(np.int64) - lo, hi - lo + 1
+def _range(col: np.ndarray) -> tuple[int, int] | None:
+    """(minimum, number of values from it to the maximum) of an integer column, else None."""
+    if not len(col) or col.dtype.kind not in "iub":
+        return None
+    lo = int(col.min())
+    return lo, int(col.max()) - lo + 1
+
+
+def _ranks(col: np.ndarray) -> tuple[np.ndarray, int]:
+    """Each value's rank among the column's distinct values, and their number (a sort)."""
     values, codes = np.unique(col, return_inverse=True)
     return codes.astype(np.int64).reshape(-1), len(values)
+
+
+def _compact(key: np.ndarray, span: int) -> tuple[np.ndarray, int]:
+    """`key` (in [0, span)) as ranks among its distinct values: by a table of the values
+    present when `span` is at most four times the rows (or 2^17; no sort), else `_ranks`."""
+    if span > max(4 * len(key), 1 << 17):
+        return _ranks(key)
+    seen = np.zeros(span, dtype=bool)
+    seen[key] = True
+    rank = np.cumsum(seen, dtype=np.int32 if span < 1 << 31 else np.int64)
+    del seen
+    m = int(rank[-1])
+    rank -= 1
+    return rank[key].astype(np.int64), m
 
 
 def row_keys(a: np.ndarray) -> np.ndarray:
@@ -40,16 +57,48 @@ def row_keys(a: np.ndarray) -> np.ndarray:
 
 
 def column_keys(cols: Sequence[np.ndarray]) -> np.ndarray:
-    """`row_keys(np.stack(cols, axis=1))`, without making the stacked copy."""
+    """`row_keys(np.stack(cols, axis=1))`, without making the stacked copy. Each column is
+    coded by its value less its minimum where its range is small (else ranked: a sort) and
+    the codes combined in mixed radix; the key so far is compacted to ranks of its distinct
+    values (`_compact`, by a table while its range is small) where the columns left would
+    overflow it. A wide last column (byte offsets) is taken by value when it fits after
+    that compaction: no sort."""
+    cols = [np.asarray(c).reshape(-1) for c in cols]
     if not cols or len(cols[0]) == 0:
         return np.zeros(len(cols[0]) if cols else 0, dtype=np.int64)
-    key, span = _codes(cols[0])
-    for col in cols[1:]:
-        codes, m = _codes(col)
-        if span > _LIMIT // max(m, 1):
-            key, span = _codes(key)
-        key = key * m + codes
-        span = span * m
+    n = len(cols[0])
+    small, table = max(n, 1 << 16), max(4 * n, 1 << 17)
+    ranges = [_range(c) for c in cols]
+    rest = [1] * (len(cols) + 1)  # an upper bound of the span of columns i.. (capped)
+    for i in range(len(cols) - 1, -1, -1):
+        r = ranges[i]
+        m = r[1] if r is not None and (r[1] < small or i == len(cols) - 1) else n
+        rest[i] = min(rest[i + 1] * m, _LIMIT + 1)
+    key, span = np.zeros(0, dtype=np.int64), 1
+    for i, (col, r) in enumerate(zip(cols, ranges)):
+        last = i == len(cols) - 1
+        wide = r is None or r[1] >= small
+        if i and last and r is not None and wide and span > _LIMIT // r[1]:
+            key, span = _compact(key, span)  # the column's values may then fit as they are
+        lo = 0  # codes: the column less `lo` (in place, no copy), or its ranks
+        if wide and not (last and r is not None and span <= _LIMIT // r[1]):
+            codes, m = _ranks(col)
+        else:
+            assert r is not None
+            (lo, m), codes = r, col if col.dtype.itemsize < 8 else col.astype(np.int64)
+        if i == 0:
+            key, span = codes.astype(np.int64, copy=codes is col), m
+            key -= lo
+            continue
+        if span > _LIMIT // m or (span <= table < span * m and span * rest[i] > _LIMIT):
+            key, span = _compact(key, span)  # now: later it may need a sort
+        key *= m
+        if lo > 0:  # (in the order that keeps every partial sum within int64)
+            key -= lo
+        key += codes
+        if lo < 0:
+            key -= lo
+        span *= m
     return key
 
 
@@ -75,6 +124,8 @@ def unique_rows(a: np.ndarray, return_index: bool = False,
     a = np.asarray(a)
     if a.ndim != 2:
         raise ValueError("unique_rows takes a 2-d array")
+    if not return_index and not return_inverse:
+        return distinct_rows([a[:, j] for j in range(a.shape[1])]).astype(a.dtype, copy=False)
     _, first, inverse = np.unique(row_keys(a), return_index=True, return_inverse=True)
     out = [a[first]]
     if return_index:
@@ -82,3 +133,43 @@ def unique_rows(a: np.ndarray, return_index: bool = False,
     if return_inverse:
         out.append(inverse.reshape(-1))
     return out[0] if len(out) == 1 else tuple(out)
+
+
+def distinct_rows(cols: Sequence[np.ndarray]) -> np.ndarray:
+    """`unique_rows(np.stack(cols, axis=1))`: the distinct rows, sorted, as a 2-d array of
+    the columns' common dtype, without the stacked copy; and where the columns' ranges
+    multiply to at most four times the rows, without a sort: the rows' keys in mixed radix
+    mark a table of the keys present, whose marks, in order, decode to the rows."""
+    cols = [np.asarray(c).reshape(-1) for c in cols]
+    dt = np.result_type(*cols) if cols else np.dtype(np.int64)
+    n = len(cols[0]) if cols else 0
+    ranges = [_range(c) for c in cols]
+    if n == 0 or not cols or any(r is None for r in ranges):
+        if n == 0 or not cols:
+            return np.zeros((0, len(cols)), dtype=dt)
+        _, first = np.unique(column_keys(cols), return_index=True)
+        return np.stack([c[first] for c in cols], axis=1).astype(dt)
+    span = 1
+    for _, m in ranges:  # (all integer columns: `_range` is None otherwise)
+        span = min(span * m, _LIMIT)
+    if span > max(4 * n, 1 << 17):
+        _, first = np.unique(column_keys(cols), return_index=True)
+        return np.stack([c[first] for c in cols], axis=1).astype(dt)
+    key = np.zeros(n, dtype=np.int64)
+    for c, (lo, m) in zip(cols, ranges):
+        key *= m
+        if lo > 0:  # (in the order that keeps every partial sum within int64)
+            key -= lo
+        key += c if c.dtype.kind != "u" or c.dtype.itemsize < 8 else c.astype(np.int64)
+        if lo < 0:
+            key -= lo
+    seen = np.zeros(span, dtype=bool)
+    seen[key] = True
+    del key
+    at = np.flatnonzero(seen)
+    out = np.empty((len(at), len(cols)), dtype=dt)
+    for j in range(len(cols) - 1, -1, -1):
+        lo, m = ranges[j]
+        at, code = np.divmod(at, m)
+        out[:, j] = code + lo
+    return out

@@ -26,9 +26,12 @@ from planner.topology import Topology
 def split_rows(chunks: Chunks, dst: PieceTable, max_write_bytes: int) -> Chunks:
     """Cut chunks along dim 0 so that each holds at most `max_write_bytes` (>= one row)."""
     row_bytes = chunks.size1 * element_size(dst.dtype[chunks.dst])
+    if len(chunks) == 0 or chunks.size0.min() >= 1 and (
+            (chunks.size0 * row_bytes <= max_write_bytes) | (chunks.size0 == 1)).all():
+        return chunks  # nothing to cut (every chunk within one part; no division)
     rows_per = np.maximum(1, max_write_bytes // row_bytes)
     parts = -(-chunks.size0 // rows_per)
-    if len(parts) == 0 or parts.max() == 1:  # nothing to cut
+    if parts.max() == 1:  # nothing to cut
         return chunks
     idx = np.repeat(np.arange(len(chunks)), parts)
     first = np.repeat(np.cumsum(parts) - parts, parts)
@@ -72,26 +75,39 @@ def assign(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology) -> 
     pick = np.argsort(-nbytes, kind="stable")
     order, nbytes = multi[pick], nbytes[pick]
     load = load_a.tolist()
-    cand_cache: dict[int, list[tuple[int, int, int, int]]] = {}
+    # per (source box, target host): the candidates' load keys and holders, by rank (stable:
+    # the first of the least loaded is then the lowest rank, as `min` by (load, rank) picks)
+    cand_cache: dict[int, tuple[list[int], list[int]]] = {}
+    hosts = int(host.max()) + 1
     src_ranks, host_l, nic_l = src.rank.tolist(), host.tolist(), nic.tolist()
     nvk = nvlink_key.tolist()
     dst_host = host[dst.rank[chunks.dst[order]]]
     for i, sb, dh, nb in zip(order.tolist(), chunks.sbox[order].tolist(), dst_host.tolist(),
                              nbytes.tolist()):
-        cands = cand_cache.get(sb)
+        cands = cand_cache.get(sb * hosts + dh)
         if cands is None:
-            cands = [(src_ranks[h], host_l[src_ranks[h]], nic_l[src_ranks[h]], h)
-                     for h in holders[ptr[sb]:ptr[sb + 1]].tolist()]
-            cand_cache[sb] = cands
-        same = [c for c in cands if c[1] == dh]
-        if same:
-            best = min(same, key=lambda c: (load[nvk[c[0]]], c[0]))
-            load[nvk[best[0]]] += nb
+            cands = cand_cache[sb * hosts + dh] = _candidates(
+                holders[ptr[sb]:ptr[sb + 1]].tolist(), dh, src_ranks, host_l, nic_l, nvk)
+        keys, rows = cands
+        if len(keys) == 1:
+            k = 0
         else:
-            best = min(cands, key=lambda c: (load[c[2]], c[0]))
-            load[best[2]] += nb
-        choice[i] = best[3]
+            loads = [load[x] for x in keys]
+            k = loads.index(min(loads))
+        load[keys[k]] += nb
+        choice[i] = rows[k]
     return choice
+
+
+def _candidates(rows: list[int], dh: int, src_ranks: list[int], host: list[int],
+                nic: list[int], nvk: list[int]) -> tuple[list[int], list[int]]:
+    """The candidates of a chunk whose target is on host `dh`, among the source rows `rows`
+    holding its box: those on `dh` if any (their NVLink keys), else all (their NICs); as
+    (load keys, rows), ordered by rank."""
+    same = [h for h in rows if host[src_ranks[h]] == dh]
+    rows = sorted(same or rows, key=lambda h: src_ranks[h])
+    keys = [nvk[src_ranks[h]] if same else nic[src_ranks[h]] for h in rows]
+    return keys, rows
 
 
 def _nbytes(chunks: Chunks, dst: PieceTable, rows: np.ndarray) -> np.ndarray:

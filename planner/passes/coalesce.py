@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 
 from planner.passes.lower import Lowered
-from planner.rows import lexorder
+from planner.rows import column_keys, lexorder
 
 _KEYS = ("w_src_rank", "w_stage", "w_dst_rank", "w_src_region", "w_dst_region")
 
@@ -26,10 +26,9 @@ def coalesce(low: Lowered, max_write_bytes: int) -> Lowered:
         return low
     same = np.ones(n, dtype=bool)
     same[0] = False
-    for k in _KEYS:
-        col = getattr(low, k)[order]
-        same[1:] &= col[1:] == col[:-1]
-    del col
+    keys = column_keys([getattr(low, k) for k in _KEYS])[order]  # equal keys: equal rows
+    np.equal(keys[1:], keys[:-1], out=same[1:])
+    del keys
     nbytes = low.w_nbytes[order]
     for k in ("w_src_offset", "w_dst_offset"):
         off = getattr(low, k)[order]

@@ -259,22 +259,41 @@ def explain_table(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarr
     keys = [np.asarray(c, dtype=np.int32) for c in  # as in the table
             (tensor, src_rank, src_region, dst_rank, dst_region)]
     key = column_keys(keys)
-    start = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
-    run_bytes = np.add.reduceat(np.asarray(nbytes, dtype=np.int64), start)
-    run_boxes = np.diff(np.append(start, len(key)).astype(np.int32 if len(key) < 1 << 31 else
-                                                           np.int64)) if boxes is None else \
-        np.add.reduceat(np.asarray(boxes, dtype=np.int64), start)
-    key = key[start]
+    start = _starts(key)
+    nbytes = np.asarray(nbytes, dtype=np.int64)
+    if start is None:  # no two consecutive rows alike (every chunk whole): no runs to sum
+        run_bytes = nbytes
+        run_boxes = np.ones(len(key), np.int32 if len(key) < 1 << 31 else np.int64) \
+            if boxes is None else np.asarray(boxes, dtype=np.int64)
+    else:
+        run_bytes = np.add.reduceat(nbytes, start)
+        run_boxes = np.diff(np.append(start, len(key)).astype(
+            np.int32 if len(key) < 1 << 31 else np.int64)) if boxes is None else \
+            np.add.reduceat(np.asarray(boxes, dtype=np.int64), start)
+        key = key[start]
+    del nbytes
     order = np.argsort(key)  # equal keys are equal rows: any order among them
     key = key[order]
-    first = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
+    first = _starts(key)
     del key
-    rows = start[order[first]]
-    total = np.add.reduceat(run_bytes[order], first)
-    count = np.add.reduceat(run_boxes[order], first)
+    if first is None:  # every row distinct: nothing to sum
+        rows = order if start is None else start[order]
+        total, count = run_bytes[order], run_boxes[order]
+    else:
+        rows = order[first] if start is None else start[order[first]]
+        total = np.add.reduceat(run_bytes[order], first)
+        count = np.add.reduceat(run_boxes[order], first)
     del run_bytes, run_boxes, order, start
     return Table.build(EXPLAIN_COLUMNS, **{name: k[rows] for (name, _), k in zip(
         EXPLAIN_COLUMNS, keys)}, nbytes=total, boxes=count)
+
+
+def _starts(key: np.ndarray) -> np.ndarray | None:
+    """Where each run of equal consecutive keys starts; None when every run is one key."""
+    new = key[1:] != key[:-1]
+    if new.all():
+        return None
+    return np.flatnonzero(np.concatenate([[True], new]))
 
 
 def spilled(table: Table) -> Table:

@@ -115,12 +115,19 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     budget is the cap; a target's is sized from the cost model: `bytes_in` it receives in
     the whole plan, its link at `topo.nic_gbps`). Chunks are classified `BLOCK` at a time;
     `balance` takes a second look at the staged ones over NVLink; those left are placed and
-    lowered together, and the direct writes made after them, a block at a time (the staged
-    chunks' temporaries and the direct writes are never held together)."""
+    lowered together, and the direct writes made after them, a block at a time, straight
+    into the plan's columns (the staged chunks' temporaries and the direct writes are never
+    held together; each chunk's geometry is made once to classify it, and once more, less
+    what a direct write does not read, to write it)."""
     blocks = [slice(lo, lo + BLOCK) for lo in range(0, len(chunks), BLOCK)]
-    si = np.concatenate([b.start + np.nonzero(_staged_mask(_shape(chunks, choice, src, dst, b),
-                                                            opts))[0] for b in blocks]) \
-        if blocks else np.zeros(0, np.int64)
+    staged_at = np.zeros(len(chunks), dtype=bool)  # classified once, a block at a time
+    n_direct = 0  # direct writes of the blocks
+    for b in blocks:
+        g = _shape(chunks, choice, src, dst, b)
+        staged_at[b] = mask = _staged_mask(g, opts)
+        n_direct += int(_rows_per_write(g["s0"], g["s1"], g["s_a0"], g["d_a0"])[~mask].sum())
+        del g, mask
+    si = np.flatnonzero(staged_at)
     si, moved = _second_look(chunks, choice, src, dst, si, blocks, opts, topo)
     sources, nic_gbps = topo.sources, topo.nic_gbps
     first = int(len(si) < len(chunks))  # any direct chunk: see `_staged`
@@ -128,14 +135,23 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
         chunks, choice, src, dst, si, first, n_regions, opts, tensor_names, sources,
         bytes_in, nic_gbps)
     del si
-    direct = [_direct(chunks, choice, src, dst, opts, b) for b in blocks] + [moved]
-    n_direct = sum(len(d["w_nbytes"]) for d in direct)
+    n_direct += len(moved["w_nbytes"])
     at = direct_stage(copies["kind"], stages) if n_direct else 0
-    direct.append({"w_stage": np.full(n_direct, at, np.int32)})
     stages = max(stages, at + 1)
-    out = {k: np.concatenate([d.pop(k) for d in direct if k in d] + [staged.pop(k)],
-                             dtype=np.int32 if k in NARROW else np.int64)
-           for k in Lowered.__slots__ if k.startswith("w_")}  # one column at a time
+    total = n_direct + len(staged["w_nbytes"])
+    out = {k: np.empty(total, dtype=np.int32 if k in NARROW else np.int64)
+           for k in Lowered.__slots__ if k.startswith("w_")}  # written in place, in order:
+    end = 0  # the blocks' direct writes, those `_second_look` moved, the staged chunks'
+    for b in blocks:
+        end = _direct_into(out, end, chunks, choice, src, dst,
+                           b.start + np.flatnonzero(~staged_at[b]))
+    del staged_at
+    for part in (moved, staged):
+        n = len(part["w_nbytes"])
+        for k in list(part):
+            out[k][end:end + n] = part.pop(k)
+        end += n
+    out["w_stage"][:n_direct] = at
     return Lowered(**out, copies=copies, staging=staging, stages=stages, slotted=slotted)
 
 
@@ -166,6 +182,32 @@ def _staged_mask(g: dict[str, np.ndarray], opts: Options) -> np.ndarray:
     return staged
 
 
+def _rows_per_write(s0: np.ndarray, s1: np.ndarray, s_a0: np.ndarray, d_a0: np.ndarray
+                    ) -> np.ndarray:
+    """Direct writes of each chunk (of `_shape`'s 2-d boxes): one, when both sides are
+    contiguous (or it is one row), else one per row."""
+    return np.where((s_a0 == s1) & (d_a0 == s1) | (s0 == 1), 1, s0)
+
+
+def _direct_into(out: dict[str, np.ndarray], at: int, chunks: Chunks, choice: np.ndarray,
+                 src: PieceTable, dst: PieceTable, rows: np.ndarray) -> int:
+    """Write the direct writes of chunks `rows` (not staged: unit inner strides on both
+    sides and no cast, so one element size) into the columns `out` from row `at`; returns
+    the row after them. Only the geometry that `_writes` reads is made."""
+    sr, dr = choice[rows], chunks.dst[rows]
+    s0, s1 = chunks.size0[rows], chunks.size1[rows]
+    col = s1 == 1  # read `n x 1` as `1 x n`
+    es = element_size(dst.dtype[dr])
+    g = {"s0": np.where(col, 1, s0), "s1": np.where(col, s0, s1), "s_a0": src.a0[sr],
+         "d_a0": dst.a0[dr], "s_code": dst.dtype[dr], "es_d": es}
+    del sr, dr, s0, s1, col
+    writes = _writes(chunks, choice, src, dst, g, None, rows)
+    n = len(writes["w_nbytes"])
+    for k, v in writes.items():
+        out[k][at:at + n] = v
+    return at + n
+
+
 def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
             opts: Options, b: slice) -> dict[str, np.ndarray]:
     """The direct writes of the chunks in block `b` that are not staged (one per row, or
@@ -176,26 +218,30 @@ def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable
 
 
 def _writes(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
-            g: dict[str, np.ndarray], di: np.ndarray, ids: np.ndarray
+            g: dict[str, np.ndarray], di: np.ndarray | None, ids: np.ndarray
             ) -> dict[str, np.ndarray]:
-    """Direct writes of the chunks `ids[di]` (`g`: `_shape` of `ids`): one per row, or the
-    whole box when both sides are contiguous."""
-    s0, s1 = g["s0"][di], g["s1"][di]
-    whole = (g["s_a0"][di] == s1) & (g["d_a0"][di] == s1) | (s0 == 1)
+    """Direct writes of the chunks `ids[di]` (`g`: `_shape` of `ids`; `di` None: all of
+    them): one per row, or the whole box when both sides are contiguous."""
+    sel = slice(None) if di is None else di  # (a slice takes views, not copies)
+    s0, s1 = g["s0"][sel], g["s1"][sel]
+    whole = (g["s_a0"][sel] == s1) & (g["d_a0"][sel] == s1) | (s0 == 1)
     r = np.where(whole, 1, s0)
-    idx = np.repeat(di, r)
-    k = np.arange(len(idx)) - np.repeat(np.cumsum(r) - r, r)
+    one = bool((r == 1).all())  # one write per chunk: no row expansion
+    idx = sel if one else np.repeat(np.arange(len(ids)) if di is None else di, r)
     at = ids[idx]  # chunk index
     sr, dr = choice[at], chunks.dst[at]
+    s_off, d_off = _start(src, choice, chunks, at), _start(dst, chunks.dst, chunks, at)
+    if not one:  # row k of a chunk: k strides on
+        k = np.arange(len(at)) - np.repeat(np.cumsum(r) - r, r)
+        s_off, d_off = s_off + k * g["s_a0"][idx], d_off + k * g["d_a0"][idx]
+    nbytes = np.where(whole, s0 * s1, s1) * g["es_d"][sel]
     writes = {
         "w_src_rank": src.rank[sr], "w_src_region": src.region[sr],
-        "w_src_offset": (_start(src, choice, chunks, at) + k * g["s_a0"][idx])
-        * element_size(g["s_code"][idx]),
+        "w_src_offset": s_off * element_size(g["s_code"][idx]),
         "w_dst_rank": dst.rank[dr], "w_dst_region": dst.region[dr],
-        "w_dst_offset": (_start(dst, chunks.dst, chunks, at) + k * g["d_a0"][idx])
-        * g["es_d"][idx],
-        "w_nbytes": np.repeat(np.where(whole, s0 * s1, s1) * g["es_d"][di], r)}
-    return {k: v.astype(np.int32) if k in NARROW else v for k, v in writes.items()}
+        "w_dst_offset": d_off * g["es_d"][idx],
+        "w_nbytes": nbytes if one else np.repeat(nbytes, r)}
+    return writes  # ranks and regions in the tables' dtype: `lower` puts them in int32
 
 
 def _second_look(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
@@ -293,7 +339,7 @@ def _copies(p: np.ndarray, u: np.ndarray, stage: np.ndarray, s_soff: np.ndarray,
     """PACK copies (on sources) then UNPACK copies (on targets) of the staged chunks (every
     column is over the staged chunks in placement order; `p`, `u`: packed, unpacked)."""
     p, u = np.nonzero(p)[0], np.nonzero(u)[0]
-    one_p, one_u = np.ones(len(p), np.int64), np.ones(len(u), np.int64)
+    one_p, one_u = np.ones(len(p), np.int32), np.ones(len(u), np.int32)
     cols = {  # each column's (packs, unpacks), made one column at a time
         "rank": lambda: (src_rank[p], dst_rank[u]),
         "kind": lambda: (np.full(len(p), PACK), np.full(len(u), UNPACK)),
@@ -313,10 +359,19 @@ def _copies(p: np.ndarray, u: np.ndarray, stage: np.ndarray, s_soff: np.ndarray,
         "size0": lambda: (s0[p], s0[u]),
         "size1": lambda: (s1[p], s1[u]),
         "size2": lambda: (one_p, one_u),
-        "aux_offset": lambda: (np.zeros(len(p) + len(u), dtype=np.int64),),
+        "aux_offset": lambda: (np.zeros(len(p) + len(u), dtype=np.int32),),
     }
-    return {k: _narrow(np.concatenate(f(), dtype=_COPY_DTYPES.get(k, np.int64),
-                                      casting="unsafe")) for k, f in cols.items()}
+    return {k: _column(f(), _COPY_DTYPES.get(k, np.dtype(np.int64))) for k, f in cols.items()}
+
+
+def _column(parts: tuple[np.ndarray, ...], dt: np.dtype) -> np.ndarray:
+    """The copy column of `parts` (packs', unpacks') in `dt`, but an int64 one as int32
+    where its values fit (`_narrow`; parts all of at most 32-bit ints fit as they are)."""
+    if dt == np.int64 and sum(map(len, parts)) and all(
+            x.dtype.kind in "iu" and x.dtype.itemsize <= 4 and x.dtype != np.uint32
+            for x in parts):
+        return np.concatenate(parts, dtype=np.int32, casting="unsafe")
+    return _narrow(np.concatenate(parts, dtype=dt, casting="unsafe"))
 
 
 def _narrow(col: np.ndarray) -> np.ndarray:

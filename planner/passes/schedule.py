@@ -20,7 +20,7 @@ import networkx as nx
 import numpy as np
 
 from planner.passes.lower import Lowered
-from planner.rows import lexorder, unique_rows
+from planner.rows import distinct_rows, lexorder
 from planner.topology import Topology
 from schemas.plan import ACK, DONE, READY, SLOT_ACK
 from schemas.protocol import sent_stage, wait_stage
@@ -95,7 +95,7 @@ def schedule(low: Lowered, topo: Topology, max_write_bytes: int,
 def _unique_rows(*cols: np.ndarray) -> np.ndarray:
     if len(cols[0]) == 0:
         return np.zeros((0, len(cols)), dtype=np.int64)
-    return unique_rows(np.stack(cols, axis=1))
+    return distinct_rows(cols)  # = unique_rows(np.stack(cols, axis=1))
 
 
 def _signals(low: Lowered, n_regions: np.ndarray, sources: int
@@ -115,10 +115,13 @@ def signal_rows(s: np.ndarray, d: np.ndarray, st: np.ndarray, staged: np.ndarray
     slotted, a SLOT_ACK of stage s-SLOTS (s >= SLOTS) (hand-built plans in the tests derive
     theirs here)."""
     slot = np.zeros(len(s), dtype=bool) if slot is None else np.asarray(slot, dtype=bool)
+    # the distinct writes' (s, d, st, staged, slot) in one sort; each set below from those
+    u = _unique_rows(s, d, st, np.asarray(staged, dtype=bool), slot)
+    s, d, st, staged, slot = u.T
     kind = np.where(slot, SLOT_ACK, ACK)
     pairs = _unique_rows(s, d)
     done = _unique_rows(s, d, st)
-    into_staging = staged & (sent_stage(kind, st) >= 0)
+    into_staging = (staged != 0) & (sent_stage(kind, st) >= 0)
     ack = _unique_rows(s[into_staging], d[into_staging], st[into_staging], kind[into_staging])
     zeros = np.zeros(len(pairs), dtype=np.int64)
     sent = [

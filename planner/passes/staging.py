@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.passes.budget import ALIGN
+from planner.rows import lexorder
 from schemas.config import ConfigError, Options
 from schemas.protocol import SLOTS
 
@@ -35,16 +36,18 @@ def staging_order(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
     if len(si) == 0:
         return si
     s, d = src_rank[si], dst_rank[si]
-    pair = np.lexsort((np.arange(len(si)), d, s))
+    pair = lexorder(d, s)  # stable: ties in chunk order
     nb = nbytes[si][pair]
     new = np.ones(len(si), dtype=bool)
-    new[1:] = (s[pair][1:] != s[pair][:-1]) | (d[pair][1:] != d[pair][:-1])
+    sp, dp = s[pair], d[pair]
+    new[1:] = (sp[1:] != sp[:-1]) | (dp[1:] != dp[:-1])
+    del sp, dp
     start = np.maximum.accumulate(np.where(new, np.arange(len(si)), 0))
     before = np.cumsum(nb) - nb
     quantum = np.empty(len(si), dtype=np.int64)
     quantum[pair] = (before - before[start]) // QUANTUM
     rot = (d + s) % max(world, 1)
-    return si[np.lexsort((np.arange(len(si)), s, rot, quantum))]
+    return si[lexorder(s, rot, quantum)]
 
 
 def place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
@@ -91,7 +94,10 @@ def place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
                          kind="stable")
     use_chunk, use_rank = use_chunk[by_rank], use_rank[by_rank]
     use_nb = nb[use_chunk]
-    before = np.cumsum(-(-use_nb // ALIGN) * ALIGN) - -(-use_nb // ALIGN) * ALIGN
+    aligned = -(-use_nb // ALIGN) * ALIGN
+    before = np.cumsum(aligned)
+    before -= aligned
+    del aligned
     stage_of, start_of = _next_fit(use_chunk, use_rank, use_nb, before, cap, p & u, world,
                                    first)
     off = before - before[start_of]
@@ -105,8 +111,11 @@ def place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
     d_off[use_chunk[~is_src]] = off[~is_src]
     slot = stage % SLOTS if slots else np.zeros(n, dtype=np.int64)
     base, staging = slot_bases(use_rank, slot[use_chunk], off + use_nb, world)
-    s_off = np.where(p, s_off + base[sr, slot], s_off)
-    d_off = np.where(u, d_off + base[dr, slot], d_off)
+    for off_, used, rank in ((s_off, p, sr), (d_off, u, dr)):  # in place, where used
+        if used.all():
+            off_ += base[rank, slot]
+        elif used.any():
+            off_[used] += base[rank[used], slot[used]]
     return stage, s_off, d_off, staging, slots
 
 
