@@ -135,8 +135,9 @@ def _map_large_arrays() -> None:
 
 
 _M_MMAP_THRESHOLD = -3
-_THRESHOLD = 4 << 20
 """glibc's `mallopt` parameter (malloc.h); setting it turns the dynamic threshold off."""
+_THRESHOLD = 4 << 20
+"""Bytes from which an allocation is mapped on its own (`_map_large_arrays`)."""
 
 
 def _check_output(path: str) -> None:

@@ -92,14 +92,20 @@ def column_keys(cols: Sequence[np.ndarray]) -> np.ndarray:
             continue
         if span > _LIMIT // m or (span <= table < span * m and span * rest[i] > _LIMIT):
             key, span = _compact(key, span)  # now: later it may need a sort
-        key *= m
-        if lo > 0:  # (in the order that keeps every partial sum within int64)
-            key -= lo
-        key += codes
-        if lo < 0:
-            key -= lo
+        _append(key, codes, lo, m)
         span *= m
     return key
+
+
+def _append(key: np.ndarray, codes: np.ndarray, lo: int, m: int) -> None:
+    """`key = key * m + (codes - lo)` in place, in the order that keeps every partial sum
+    within int64."""
+    key *= m
+    if lo > 0:
+        key -= lo
+    key += codes
+    if lo < 0:
+        key -= lo
 
 
 def unique_columns(cols: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -143,26 +149,19 @@ def distinct_rows(cols: Sequence[np.ndarray]) -> np.ndarray:
     cols = [np.asarray(c).reshape(-1) for c in cols]
     dt = np.result_type(*cols) if cols else np.dtype(np.int64)
     n = len(cols[0]) if cols else 0
+    if n == 0:
+        return np.zeros((0, len(cols)), dtype=dt)
     ranges = [_range(c) for c in cols]
-    if n == 0 or not cols or any(r is None for r in ranges):
-        if n == 0 or not cols:
-            return np.zeros((0, len(cols)), dtype=dt)
-        _, first = np.unique(column_keys(cols), return_index=True)
-        return np.stack([c[first] for c in cols], axis=1).astype(dt)
     span = 1
-    for _, m in ranges:  # (all integer columns: `_range` is None otherwise)
-        span = min(span * m, _LIMIT)
+    for r in ranges:  # `_range` is None for a column that is not integers
+        span = _LIMIT if r is None else min(span * r[1], _LIMIT)
     if span > max(4 * n, 1 << 17):
         _, first = np.unique(column_keys(cols), return_index=True)
         return np.stack([c[first] for c in cols], axis=1).astype(dt)
     key = np.zeros(n, dtype=np.int64)
-    for c, (lo, m) in zip(cols, ranges):
-        key *= m
-        if lo > 0:  # (in the order that keeps every partial sum within int64)
-            key -= lo
-        key += c if c.dtype.kind != "u" or c.dtype.itemsize < 8 else c.astype(np.int64)
-        if lo < 0:
-            key -= lo
+    for c, (lo, m) in zip(cols, ranges):  # type: ignore[misc]
+        _append(key, c if c.dtype.kind != "u" or c.dtype.itemsize < 8 else c.astype(np.int64),
+                lo, m)
     seen = np.zeros(span, dtype=bool)
     seen[key] = True
     del key

@@ -224,8 +224,8 @@ def _writes(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable
     them): one per row, or the whole box when both sides are contiguous."""
     sel = slice(None) if di is None else di  # (a slice takes views, not copies)
     s0, s1 = g["s0"][sel], g["s1"][sel]
-    whole = (g["s_a0"][sel] == s1) & (g["d_a0"][sel] == s1) | (s0 == 1)
-    r = np.where(whole, 1, s0)
+    r = _rows_per_write(s0, s1, g["s_a0"][sel], g["d_a0"][sel])
+    whole = r == 1  # (a chunk of rows that are not whole has more than one row)
     one = bool((r == 1).all())  # one write per chunk: no row expansion
     idx = sel if one else np.repeat(np.arange(len(ids)) if di is None else di, r)
     at = ids[idx]  # chunk index
