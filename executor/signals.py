@@ -72,6 +72,7 @@ class Inbox:
     def __init__(self, tag: bytes, incarnation: int = 0, rank: int = -1,
                  keys: Keys | None = None) -> None:
         self.tag, self.incarnation, self.rank = tag, incarnation, rank
+        self.prefix = _MAGIC + tag  # what every message of this plan starts with
         self.keys = keys or Keys(None, None, None)
         self.arrived: set[Key] = set()
         self.incarnations: dict[int, int] = {}
@@ -128,9 +129,8 @@ class Inbox:
 
     def add(self, msgs: list[tuple[str, bytes]], step: int) -> None:
         """Take the messages a transport polled: (transport-level sender, message)."""
-        prefix = _MAGIC + self.tag
         for sender_id, m in msgs:
-            if len(m) != SIZE or m[:12] != prefix:
+            if len(m) != SIZE or m[:12] != self.prefix:
                 continue  # not ours, or another plan's (refused at connect)
             inc, to, step_, stage, kind, sender, seq = _BODY.unpack_from(m, 12)
             key: Key = (step_, stage, kind, sender)

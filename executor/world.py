@@ -65,7 +65,7 @@ def run_all_local(plan_path: str, tensors_by_rank: dict[int, dict[str, torch.Ten
             ex.close()
     seconds, waited = (seconds, waited) if steps else (0.0, 0.0)
     return RunStats(-1, steps, total, received, seconds, True, min(waited, seconds),
-                    graphed=steps > 1 and replay is not None)
+                    graphed=replay is not None)
 
 
 def _graphed(exs: list[Executor]) -> bool:
