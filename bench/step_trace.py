@@ -1,9 +1,10 @@
 """Where a step's time goes between two processes (`BENCH_TRACE=DIR` on executor_bench).
 
 Each rank records, per step, when it started, got each wait's signals, sent each signal,
-posted its batches, first saw them landed, and ended (`time.perf_counter`: CLOCK_MONOTONIC,
-one clock for every process of a host), and writes them to `DIR/rank{r}.json`; `report`
-prints each event's median offset from the source's step start, both ranks on one axis.
+handed a DONE to the GPU (`cuda_ipc`'s device signals), posted its batches, first saw them
+landed, and ended (`time.perf_counter`: CLOCK_MONOTONIC, one clock for every process of a
+host), and writes them to `DIR/rank{r}.json`; `report` prints each event's median offset
+from the source's step start, both ranks on one axis.
 Bench tooling only: it wraps one executor's methods on the instance.
 """
 
@@ -19,10 +20,10 @@ from executor.waits import _KIND_NAMES
 
 
 def attach(ex: Any) -> list[list[tuple[str, float]]]:
-    """Record `ex`'s steps from now on (wraps `run`, `_wait`, `_signal` and its transport's
-    `post` and `done`); the list fills as it runs."""
+    """Record `ex`'s steps from now on (wraps `run`, `_wait`, `_signal`, `_hand_off` and its
+    transport's `post` and `done`); the list fills as it runs."""
     steps: list[list[tuple[str, float]]] = []
-    run, wait, signal = ex.run, ex._wait, ex._signal
+    run, wait, signal, hand_off = ex.run, ex._wait, ex._signal, ex._hand_off
     post, done = ex.transport.post, ex.transport.done
     landed: set[int] = set()
 
@@ -47,6 +48,12 @@ def attach(ex: Any) -> list[list[tuple[str, float]]]:
         if peers:
             mark("sent " + _KIND_NAMES[kind].split()[0])
 
+    def t_hand_off(stage: int, entries: list[Any]) -> frozenset[int]:
+        handed = hand_off(stage, entries)
+        if handed:
+            mark("handed DONE to the GPU")
+        return handed
+
     def t_post(handle: Any) -> None:
         post(handle)
         mark("posted")
@@ -58,7 +65,7 @@ def attach(ex: Any) -> list[list[tuple[str, float]]]:
             mark("landed")
         return ok
 
-    ex.run, ex._wait, ex._signal = t_run, t_wait, t_signal
+    ex.run, ex._wait, ex._signal, ex._hand_off = t_run, t_wait, t_signal, t_hand_off
     ex.transport.post, ex.transport.done = t_post, t_done
     return steps
 

@@ -93,8 +93,9 @@ class Executor(Signalling):
         self.inbox = signals.Inbox(self.tag, self.incarnation, self.rank, self.keys)
         self.world = header.world
         self.blame = Blame(self.control, self.world, self.rank, self.live_lease)
-        self.window = Window(self.rank, self.transport, self.max_inflight,
-                             lambda s: self._signal(self.stages[s].done_to, s, DONE))
+        hand_off = getattr(self.transport, "notify_landed", None)
+        self.window = Window(self.rank, self.transport, self.max_inflight, self._landed,
+                             None if hand_off is None else lambda s, e: self._hand_off(s, e))
         self.stages: list[Stage] = []
         self.overlap: Overlap | None = None
         self.prepacked: list[bool] = []  # stage s packs during stage s-1's writes
@@ -299,6 +300,25 @@ class Executor(Signalling):
         self.window.reap_landed()
         if not self.carries[s]:
             self.window.drain(timeout)  # the next stage starts with nothing in flight
+
+    def _landed(self, s: int, handed: frozenset[int]) -> None:
+        """Stage `s`'s writes have landed: DONE to the peers not handed to the device."""
+        peers = self.stages[s].done_to
+        self._signal([p for p in peers if p not in handed] if handed else peers, s, DONE)
+
+    def _hand_off(self, s: int, entries: list[Prepared]) -> frozenset[int]:
+        """Stage `s`'s writes are posted, `entries` still in flight: the peers whose DONE the
+        transport sends from the device once those have landed (`notify_landed`)."""
+        handles = [e.handle for e in entries]
+        handed = set()
+        for peer in self.stages[s].done_to:
+            try:
+                if self.transport.notify_landed(handles, peer,  # type: ignore[attr-defined]
+                                                self._msg(peer, s, DONE)):
+                    handed.add(peer)
+            except Exception as e:  # noqa: BLE001 - transports raise their own types
+                raise PeerLostError(self.rank, peer, f"send DONE of stage {s}", e) from e
+        return frozenset(handed)
 
     def _pack(self, s: int) -> None:
         for op in self.stages[s].packs:

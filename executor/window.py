@@ -5,7 +5,10 @@ batch at the head does not hold the others back). A stage's writes are *closed* 
 batches are posted; its DONE goes out (`on_landed(stage)`) when the last of them has
 landed, which may be after the next stage's first batches were posted: a rank whose
 stage has nothing left to receive does not wait for its slowest write before it starts
-the next stage (the executor decides when that is allowed, `core.py`).
+the next stage (the executor decides when that is allowed, `core.py`). Where the
+transport can send a notification from the device once batches have landed, the DONE is
+handed to it when the stage closes (`hand_off(stage, batches in flight)` names the peers it
+took); `on_landed(stage, those peers)` sends it to the others.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ Entry = Prepared
 
 class Window:
     def __init__(self, rank: int, transport: Any, limit: int,
-                 on_landed: Callable[[int], None]) -> None:
+                 on_landed: Callable[[int, frozenset[int]], None],
+                 hand_off: Callable[[int, list[Entry]], frozenset[int]] | None = None) -> None:
         self.rank, self.transport, self.limit = rank, transport, max(1, limit)
-        self.on_landed = on_landed
+        self.on_landed, self.hand_off = on_landed, hand_off
+        self.handed: dict[int, frozenset[int]] = {}  # stage -> peers whose DONE the device sends
         self.inflight: deque[tuple[Entry, int]] = deque()
         self.left: dict[int, int] = {}  # stage -> its batches not yet reaped
         self.closed: set[int] = set()
@@ -53,6 +58,8 @@ class Window:
         self.closed.add(stage)
         if not self.left.get(stage):
             self._finish(stage)
+        elif self.hand_off is not None:
+            self.handed[stage] = self.hand_off(stage, [e for e, s in self.inflight if s == stage])
 
     def reap_landed(self) -> int:
         """Reap every batch that has landed, without waiting; how many."""
@@ -83,6 +90,7 @@ class Window:
         self.inflight.clear()
         self.left.clear()
         self.closed.clear()
+        self.handed.clear()
         return entries
 
     def _done(self, entry: Entry, stage: int) -> bool:
@@ -112,4 +120,4 @@ class Window:
     def _finish(self, stage: int) -> None:
         self.left.pop(stage, None)
         self.closed.discard(stage)
-        self.on_landed(stage)
+        self.on_landed(stage, self.handed.pop(stage, frozenset()))

@@ -26,7 +26,10 @@ event has. A post is a few runtime calls on raw handles made at prepare (record 
 the caller's stream, make the copy stream wait for it, launch the graph, record the landed
 event: ~1 us each), not torch's Python stream objects (~100 us a batch). Notifications go
 through shared memory (`shm_mailbox.py`: the ranks share a host), not the rendezvous store
-(a TCP round trip per poll).
+(a TCP round trip per poll). A stage's DONE can leave from the GPU (`notify_landed`): the
+message is staged in the peer's ring (pinned and mapped for the GPU once) and a stream write
+on `signal_stream`, queued behind the batches' landed events, publishes it: the peer sees
+DONE as soon as the copies have landed, not after this host noticed them and wrote it.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch
 
 from .base import Store, WriteBatch
 from .copy_kernel import CopyKernel, batch_copies
-from .cuda_runtime import NOT_READY, Runtime, current_raw_stream
+from .cuda_runtime import NOT_READY, Runtime, StreamWrites, current_raw_stream
 from .graphs import capturing
 from .options import CudaIpcOptions
 from .shm_mailbox import ShmMailbox
@@ -169,6 +172,12 @@ class CudaIpcTransport:
         close, as torch's own import does when its storage dies: until then the peer's
         torch keeps each exported block alive)."""
         self.kernel_batches = 0
+        self.writes = StreamWrites.load() if self.rt is not None and opts.device_signals \
+            else None
+        """The driver's stream writes (DONE published by the GPU), or None: by the host."""
+        self.signal_stream = torch.cuda.Stream(device) if self.writes is not None else None
+        self.ring_ptrs: dict[int, int] = {}  # peer -> its ring's head as the GPU addresses it
+        self.device_signals = 0  # notifications the GPU published
 
     def register(self, regions: list[torch.Tensor]) -> None:
         self.regions = regions
@@ -180,6 +189,8 @@ class CudaIpcTransport:
 
     def import_peer(self, peer: int, desc: dict[str, Any]) -> None:
         self._close_peer(peer)
+        self._settle_signals()  # no stream write may still target a ring being replaced
+        self.ring_ptrs.pop(peer, None)
         self.mailbox.import_peer(peer, desc["mailbox"])
         if self._open_here(peer, desc["regions"]):
             return
@@ -414,6 +425,59 @@ class CudaIpcTransport:
     def notify(self, peer: int, msg: bytes) -> None:
         self.mailbox.notify(peer, msg)
 
+    def notify_landed(self, handles: list[_Posted], peer: int, msg: bytes) -> bool:
+        """Send `msg` to `peer` from the GPU once every batch of `handles` has landed (each
+        posted by `post`, not yet known landed here); False where this cannot be done (then
+        the caller notifies from the host once `done` says they landed)."""
+        rt, writes = self.rt, self.writes
+        if rt is None or writes is None or self.signal_stream is None or \
+                not all(h.fast_posted for h in handles):
+            return False
+        head = self._ring_ptr(peer)
+        if head is None:
+            return False
+        stream = self.signal_stream.cuda_stream
+        bad = 0
+        for h in handles:
+            bad = bad or rt.wait_event(stream, h.fast.done, 0)  # type: ignore[union-attr]
+        if bad:
+            rt.last_error()
+            return False  # nothing staged yet: the host sends it
+        value = self.mailbox.stage(peer, msg)
+        bad = writes.write64(stream, head, value)
+        if bad:  # staged but not queued: publish it from the host once the copies landed
+            warnings.warn(f"rank {self.rank}: cuStreamWriteValue64 failed (CUDA driver error "
+                          f"{bad}); DONE goes from the host from now on", stacklevel=2)
+            self.writes = None
+            self.signal_stream.synchronize()
+            self.mailbox.out[peer].head.value = value
+        else:
+            self.device_signals += 1
+        return True
+
+    def _ring_ptr(self, peer: int) -> int | None:
+        """The GPU's address of the head of this rank's ring to `peer`, pinned and mapped
+        once (None where that fails: DONE then goes from the host)."""
+        ptr = self.ring_ptrs.get(peer)
+        if ptr is None and self.rt is not None:
+            address, nbytes = self.mailbox.ring_memory(peer)
+            try:
+                with torch.cuda.device(self.device):
+                    ptr = self.rt.map_host(address, nbytes)
+            except RuntimeError as e:
+                warnings.warn(f"rank {self.rank}: could not map the notification ring to peer "
+                              f"{peer} for the GPU ({e}); DONE goes from the host", stacklevel=3)
+                self.writes = None
+                return None
+            rt = self.rt
+            self.mailbox.on_close(peer, lambda: rt.unmap_host(address))
+            self.ring_ptrs[peer] = ptr
+        return ptr
+
+    def _settle_signals(self) -> None:
+        if self.signal_stream is not None:
+            self.signal_stream.synchronize()
+
     def poll(self) -> list[tuple[str, bytes]]:
         return self.mailbox.poll()
 
@@ -428,11 +492,13 @@ class CudaIpcTransport:
         return {"device_copies": self.ncopies, "raw_copies": int(self.rt is not None),
                 "kernel_batches": self.kernel_batches, "peers_mapped_here": len(self.opened),
                 "handles_opened_here": sum(map(len, self.opened.values())),
-                "regions_mapped_here": sum(len(self.peers.get(p, ())) for p in self.opened)}
+                "regions_mapped_here": sum(len(self.peers.get(p, ())) for p in self.opened),
+                "device_signals": self.device_signals}
 
     def close(self) -> None:
         for stream in self.streams:
             stream.synchronize()
+        self._settle_signals()
         for peer in list(self.opened):
             self._close_peer(peer)
         self.peers.clear()

@@ -2,7 +2,14 @@
 
 The libcudart that torch loaded (never a second copy of the runtime): `cudaMemcpyAsync`,
 events and graph launches, ~1 us each where torch's Python stream objects cost
-~100 us a batch; torch's current stream as a raw `cudaStream_t`.
+~100 us a batch; torch's current stream as a raw `cudaStream_t`; host memory pinned and
+mapped for the GPU, and the driver's stream writes (`StreamWrites`), with which the GPU
+publishes a notification in shared memory once the copies before it have landed.
+
+The calls keep the GIL (`ctypes.PyDLL`, not `CDLL`): they queue work and return within
+microseconds, and a call that let the GIL go handed it to any waiting thread of the process
+(the step publisher, the lease heartbeat), whose return took an OS wake-up of ~10-50 us
+on the step's path.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ class Runtime:
 
     D2D = 3  # cudaMemcpyDeviceToDevice: what torch's peer copy_ calls once P2P is enabled
     LAZY_PEER = 1  # cudaIpcMemLazyEnablePeerAccess
+    HOST_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
@@ -45,6 +53,13 @@ class Runtime:
         self.ipc_open.restype = i
         self.ipc_close = lib.cudaIpcCloseMemHandle
         self.ipc_close.argtypes, self.ipc_close.restype = [vp], i
+        self.host_register = lib.cudaHostRegister
+        self.host_register.argtypes, self.host_register.restype = [vp, sz, ctypes.c_uint], i
+        self.host_unregister = lib.cudaHostUnregister
+        self.host_unregister.argtypes, self.host_unregister.restype = [vp], i
+        self.host_device_ptr = lib.cudaHostGetDevicePointer
+        self.host_device_ptr.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_uint]
+        self.host_device_ptr.restype = i
 
     def open_handle(self, handle: bytes) -> int:
         """Map a peer's allocation (a raw 64-byte IPC handle) into the current device's
@@ -58,6 +73,25 @@ class Runtime:
             raise RuntimeError(f"cudaIpcOpenMemHandle failed (CUDA error {code})")
         return int(ptr.value)
 
+    def map_host(self, address: int, nbytes: int) -> int:
+        """Pin `nbytes` of host memory at `address` (whole pages, e.g. a shared-memory file's
+        mapping) and map it for the GPU; its device address. `unmap_host` undoes it."""
+        code = self.host_register(address, nbytes, self.HOST_MAPPED)
+        if code:
+            self.last_error()
+            raise RuntimeError(f"cudaHostRegister failed (CUDA error {code})")
+        ptr = ctypes.c_void_p()
+        code = self.host_device_ptr(ctypes.byref(ptr), address, 0)
+        if code or not ptr.value:
+            self.last_error()
+            self.host_unregister(address)
+            raise RuntimeError(f"cudaHostGetDevicePointer failed (CUDA error {code})")
+        return int(ptr.value)
+
+    def unmap_host(self, address: int) -> None:
+        if self.host_unregister(address):
+            self.last_error()  # clear it: torch would report it later
+
     @staticmethod
     def load() -> Runtime | None:
         paths = []
@@ -68,9 +102,36 @@ class Runtime:
             pass
         for path in dict.fromkeys(paths):  # never a second copy of the runtime
             try:
-                return Runtime(ctypes.CDLL(path))
+                return Runtime(ctypes.PyDLL(path))
             except (OSError, AttributeError):
                 continue
+        return None
+
+
+class StreamWrites:
+    """`cuStreamWriteValue64` of the driver torch's runtime loaded: a stream operation that
+    writes 8 bytes once the work queued before it on the stream is done, after a memory
+    fence (the GPU publishes a value without the host). ~1 us of host; capturable."""
+
+    def __init__(self, fn: Callable[..., int]) -> None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        self.fn = fn
+
+    def write64(self, stream: int, device_address: int, value: int) -> int:
+        """Queue the write on `stream`; the CUDA driver's error code (0: queued)."""
+        return self.fn(stream, device_address, value, 0)  # 0: with the fence before it
+
+    @staticmethod
+    def load() -> StreamWrites | None:
+        try:
+            lib = ctypes.PyDLL("libcuda.so.1")  # the one the runtime loaded (dlopen: same)
+        except OSError:
+            return None
+        for name in ("cuStreamWriteValue64_v2", "cuStreamWriteValue64"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                return StreamWrites(fn)
         return None
 
 

@@ -52,6 +52,9 @@ class CudaIpcOptions:
     """The same for a peer on another GPU (the kernel writes over NVLink). Two NV18 H100s,
     executor / raw copy, kernel against engines: 64 x 16 MiB 0.88 / 0.84, 64 x 64 MiB
     0.89 / 0.93 (BENCHMARKS.md, issue 21)."""
+    device_signals: bool = True
+    """A stage's DONE published by the GPU once its copies have landed (a stream write into
+    the peer's shared-memory ring), not by this host after it saw them land."""
 
 
 @dataclass(frozen=True, slots=True)

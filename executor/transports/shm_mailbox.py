@@ -9,7 +9,14 @@ through ctypes, ordered on x86-64). A message takes microseconds, where a TCPSto
 trip takes ~100 us and a polling nap more: what the `cuda_ipc` transport's READY/DONE/ACK
 handshakes cost per stage. Both sides create the file if it is not there yet (whoever
 comes first) and unlink it at `close()`; a crashed process leaves its files behind
-(128 KiB each).
+(132 KiB each).
+
+A message can also be *staged* (`stage`): written into its slot, but published by whoever
+later writes the returned value into the ring's head, i.e. the GPU, once the copies the
+message announces have landed (`cuda_ipc`'s DONE without a host in between; the file is
+whole pages so that the sender can pin and map it for the GPU, `ring_memory`). Staged
+messages must be published in the order they were staged; a `notify` to that peer waits
+until they are (a ring has one writer at a time).
 """
 
 from __future__ import annotations
@@ -20,12 +27,13 @@ import os
 import secrets
 import struct
 import time
+from collections.abc import Callable
 
 _LEN = struct.Struct("<Q")
 SLOTS = 1024
 PAYLOAD = 120
 _SLOT = 8 + PAYLOAD
-_SIZE = 64 + SLOTS * _SLOT
+_SIZE = -(-(64 + SLOTS * _SLOT) // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages (pinnable)
 DIR = "/dev/shm"
 
 
@@ -39,10 +47,19 @@ class _Ring:
         finally:
             os.close(fd)
         self.path = path
-        self.head = ctypes.c_uint64.from_buffer(self.map, 0)  # messages written
+        self.head = ctypes.c_uint64.from_buffer(self.map, 0)  # messages published
         self.tail = ctypes.c_uint64.from_buffer(self.map, 8)  # messages read
+        self.sent = self.head.value  # messages written by this process (staged ones too)
+        first = ctypes.c_char.from_buffer(self.map)
+        self.address = ctypes.addressof(first)  # of the mapping (head at offset 0)
+        del first  # an exported buffer would keep `close` from unmapping
+        self.unpin: Callable[[], None] | None = None
+        """Undoes the sender's pinning of this ring for the GPU (`ring_memory`), if any."""
 
     def close(self) -> None:
+        if self.unpin is not None:
+            self.unpin()
+            self.unpin = None
         del self.head, self.tail
         self.map.close()
         try:
@@ -82,22 +99,48 @@ class ShmMailbox:
         self.inbox[peer] = _Ring(self._path(peer, t, self.rank, self.token))
 
     def notify(self, peer: int, msg: bytes) -> None:
+        ring = self._write(peer, msg, staged=False)
+        ring.head.value = ring.sent  # publish after the message (x86-64 keeps stores in order)
+
+    def stage(self, peer: int, msg: bytes) -> int:
+        """Write `msg` into `peer`'s ring without publishing it; the value whose write into
+        the ring's head (offset 0 of `ring_memory`) publishes it and every message staged
+        before it."""
+        return self._write(peer, msg, staged=True).sent
+
+    def ring_memory(self, peer: int) -> tuple[int, int]:
+        """(address, bytes) of the mapping of the ring this rank writes to `peer`."""
+        return self.out[peer].address, _SIZE
+
+    def on_close(self, peer: int, unpin: Callable[[], None]) -> None:
+        """Call `unpin` before the ring to `peer` is unmapped (at close or re-import)."""
+        self.out[peer].unpin = unpin
+
+    def _write(self, peer: int, msg: bytes, staged: bool) -> _Ring:
         if len(msg) > PAYLOAD:
             raise ValueError(f"rank {self.rank}: a notification of {len(msg)} bytes; at most "
                              f"{PAYLOAD} fit a shared-memory slot")
         ring = self.out[peer]
-        seq = ring.head.value
+        seq = ring.sent
+        if not staged and ring.head.value != seq:
+            self._wait(lambda: ring.head.value == seq,
+                       f"the notifications staged for peer rank {peer} were not published "
+                       "(the copies they follow have not landed)")
         if seq - ring.tail.value >= SLOTS:  # full: the peer has not read for a while
-            deadline = time.monotonic() + self.timeout_s
-            while seq - ring.tail.value >= SLOTS:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank {self.rank}: peer rank {peer} left {SLOTS} "
-                                       "notifications unread")
-                time.sleep(1e-4)
+            self._wait(lambda: seq - ring.tail.value < SLOTS,
+                       f"peer rank {peer} left {SLOTS} notifications unread")
         at = 64 + (seq % SLOTS) * _SLOT
         _LEN.pack_into(ring.map, at, len(msg))
         ring.map[at + 8:at + 8 + len(msg)] = msg
-        ring.head.value = seq + 1  # publish after the message (x86-64 keeps stores in order)
+        ring.sent = seq + 1
+        return ring
+
+    def _wait(self, until: Callable[[], bool], why: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not until():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: {why} for {self.timeout_s:g} s")
+            time.sleep(1e-5)
 
     def peer_id(self, peer: int) -> str:
         return f"shm:{peer}"  # the ring only that peer's process (its token) writes

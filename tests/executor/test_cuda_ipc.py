@@ -1,5 +1,6 @@
 """The executor over CUDA IPC: 4 processes on one GPU (IPC handles work across processes
-of one device too), the 2 x 2 example, several steps, bit-exact. Run on the device:
+of one device too), the 2 x 2 example, several steps, bit-exact, with DONE sent by the GPU
+(`device_signals`) and by the host. Run on the device:
 `pytest -m gpu tests/executor/test_cuda_ipc.py`."""
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kernel", [True, False], ids=["copy-kernel", "copy-engines"])
 def test_four_processes_over_cuda_ipc(tmp_path, kernel):
+    # the copy kernel's run sends DONE from the GPU (device_signals), the engines' from the host
 
     path = save(str(tmp_path / "p.rplan"), two_by_two())
     store, port = master_store(60)  # noqa: F841 (alive while the ranks run)
     gpus = torch.cuda.device_count()
     done = spawn_ranks(lambda r: [sys.executable, WORKER, path, str(r), f"127.0.0.1:{port}",
                                   "3", "cuda_ipc", f"cuda:{r % gpus}", "90",
-                                  json.dumps({"copy_kernel": kernel})], 4,
+                                  json.dumps({"copy_kernel": kernel, "device_signals": kernel})], 4,
                        env=root_env(RDMA_PLAN_SECRET=secrets.token_hex(32)),
                        timeout=240)
     for f in done:
@@ -37,6 +39,8 @@ def test_four_processes_over_cuda_ipc(tmp_path, kernel):
         assert f"rank {f.rank} step 3: ok" in f.output
     stats = {f.rank: json.loads(f.output.split(f"rank {f.rank} stats ", 1)[1].splitlines()[0])
              for f in done}
+    sent = sum(s["device_signals"] for s in stats.values())
+    assert (sent > 0) == kernel, stats  # the GPU published DONEs, and only where asked to
     if gpus > 1 and kernel:  # rank 1 (cuda:1) writes rank 2 (cuda:0): mapped by rank 1 itself
         s = stats[1]
         assert s["peers_mapped_here"] == 1 and s["kernel_batches"] > 0, s

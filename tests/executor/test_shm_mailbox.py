@@ -1,10 +1,13 @@
 """Shared-memory notifications (`cuda_ipc`'s mailbox) between two real processes: every
 message arrives once, in order, across ring wrap-arounds and a full ring (the sender waits
 for the reader); both directions at once; files are gone after close; a peer on another
-host is refused by name."""
+host is refused by name; a staged message is seen only once its head is written (what the
+GPU does for `cuda_ipc`'s DONE)."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import multiprocessing as mp
 import os
 
@@ -67,3 +70,30 @@ def test_a_peer_on_another_host_is_refused():
         box.import_peer(4, box.export())
         box.notify(4, b"x" * 121)
     box.close()
+
+
+def test_a_staged_message_waits_for_whoever_publishes_it():
+    # what cuda_ipc's GPU does with a stream write into the head, here a plain store
+    a, b = ShmMailbox(0, "s", timeout_s=0.05), ShmMailbox(1, "s")
+    a.import_peer(1, b.export())
+    b.import_peer(0, a.export())
+    unpinned: list[int] = []
+    try:
+        address, nbytes = a.ring_memory(1)
+        assert nbytes % mmap.PAGESIZE == 0 and address % mmap.PAGESIZE == 0  # pinnable
+        a.on_close(1, lambda: unpinned.append(1))
+        a.notify(1, b"first")
+        assert a.stage(1, b"done-0") == 2 and a.stage(1, b"done-1") == 3
+        assert [m for _, m in b.poll()] == [b"first"]  # staged ones are not visible yet
+        with pytest.raises(TimeoutError, match="staged for peer rank 1 were not published"):
+            a.notify(1, b"too early")  # one writer per ring: it would overwrite their slots
+        head = ctypes.c_uint64.from_address(address)
+        head.value = 2
+        assert [m for _, m in b.poll()] == [b"done-0"]
+        head.value = 3
+        a.notify(1, b"after")
+        assert [m for _, m in b.poll()] == [b"done-1", b"after"]
+    finally:
+        a.close()
+        b.close()
+    assert unpinned == [1]  # before the ring was unmapped

@@ -28,7 +28,7 @@ class Slow:
 
 def _window(polls: dict[str, int], limit: int) -> tuple[Window, Slow, list]:
     t, events = Slow(polls), []
-    w = Window(0, t, limit, lambda s: events.append(("DONE", s, list(t.posted),
+    w = Window(0, t, limit, lambda s, _: events.append(("DONE", s, list(t.posted),
                                                       dict(t.asked))))
     return w, t, events
 
