@@ -128,7 +128,7 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
         n_direct += int(_rows_per_write(g["s0"], g["s1"], g["s_a0"], g["d_a0"])[~mask].sum())
         del g, mask
     si = np.flatnonzero(staged_at)
-    si, moved = _second_look(chunks, choice, src, dst, si, blocks, opts, topo)
+    si, moved = _second_look(chunks, choice, src, dst, si, blocks, staged_at, opts, topo)
     sources, nic_gbps = topo.sources, topo.nic_gbps
     first = int(len(si) < len(chunks))  # any direct chunk: see `_staged`
     staged, copies, staging, stages, slotted = _staged(
@@ -208,13 +208,16 @@ def _direct_into(out: dict[str, np.ndarray], at: int, chunks: Chunks, choice: np
     return at + n
 
 
-def _direct(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
-            opts: Options, b: slice) -> dict[str, np.ndarray]:
-    """The direct writes of the chunks in block `b` that are not staged (one per row, or
-    the whole box when both sides are contiguous)."""
-    g = _shape(chunks, choice, src, dst, b)
-    ids = np.arange(b.start or 0, min(b.stop or len(chunks), len(chunks)))
-    return _writes(chunks, choice, src, dst, g, np.nonzero(~_staged_mask(g, opts))[0], ids)
+def _direct_load(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
+                 rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Source rank, target rank, bytes and number of direct writes of each chunk of `rows`
+    (not staged), for the link load: what `_writes` would make, without making them."""
+    sr, dr = choice[rows], chunks.dst[rows]
+    s0, s1 = chunks.size0[rows], chunks.size1[rows]
+    col = s1 == 1  # read `n x 1` as `1 x n`
+    s0, s1 = np.where(col, 1, s0), np.where(col, s0, s1)
+    writes = _rows_per_write(s0, s1, src.a0[sr], dst.a0[dr])
+    return src.rank[sr], dst.rank[dr], s0 * s1 * element_size(dst.dtype[dr]), writes
 
 
 def _writes(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
@@ -245,11 +248,11 @@ def _writes(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable
 
 
 def _second_look(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
-                 si: np.ndarray, blocks: list[slice], opts: Options,
+                 si: np.ndarray, blocks: list[slice], staged_at: np.ndarray, opts: Options,
                  topo: Topology) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """The staged chunks `si` that stay staged, and the direct writes of those that
-    `balance.direct_after_all` moves (the other chunks' direct writes, made a block at a
-    time, count towards the links only where a staged chunk crosses NVLink)."""
+    `balance.direct_after_all` moves (the other chunks' direct writes, `~staged_at`, count
+    towards the links, a block at a time, only where a staged chunk crosses NVLink)."""
     host, world = np.asarray(topo.host, dtype=np.int32), topo.world
     s_rank, d_rank = src.rank[choice[si]], dst.rank[chunks.dst[si]]
     nvlink = host[s_rank] == host[d_rank]
@@ -268,13 +271,14 @@ def _second_look(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: Piece
               / (opts.pack_gbps * 1e9 / 8))
     # each rank's NVLink traffic: its bytes at its rate, its writes at NVLINK_WRITE_S each
     link_s = np.zeros(world)
-    direct = (_direct(chunks, choice, src, dst, opts, b) for b in blocks)
-    for a, z, n in [(d["w_src_rank"], d["w_dst_rank"], d["w_nbytes"]) for d in direct] + \
-            [(s_rank, d_rank, nb)]:
-        nv = host[a] == host[z]
+    direct = (_direct_load(chunks, choice, src, dst, b.start + np.flatnonzero(~staged_at[b]))
+              for b in blocks)
+    for a, z, n, w in [*direct, (s_rank, d_rank, nb, np.ones(len(si), dtype=np.int64))]:
+        nv = host[a] == host[z]  # (sums of whole bytes and writes: exact in float64)
         for r in (a[nv], z[nv]):
             link_s += np.bincount(r, weights=n[nv], minlength=world) / (
-                topo.nvlink_gbps * 1e9 / 8) + np.bincount(r, minlength=world) * NVLINK_WRITE_S
+                topo.nvlink_gbps * 1e9 / 8) + np.bincount(r, weights=w[nv],
+                                                          minlength=world) * NVLINK_WRITE_S
     one = np.flatnonzero(p ^ u)  # a pack or an unpack, not both
     pk = p[one]
     move = direct_after_all(

@@ -74,3 +74,26 @@ def test_a_batch_that_never_lands_times_out_naming_its_peer():
         w.drain(timeout_s=0.05)
     assert e.value.peer == 5 and "stage 2" in str(e.value)
     assert [x.handle for x in w.abandon()] == ["a"] and len(w) == 0
+
+
+def test_a_stage_done_is_handed_off_with_the_batches_still_in_flight():
+    # a transport that sends DONE from the device (cuda_ipc) gets the stage's batches in
+    # flight when the stage closes; the host then sends DONE only to the peers it did not take
+    t, events, handed = Slow({"a": 5, "b": 0, "c": 0}), [], []
+
+    def hand_off(stage: int, entries: list[Prepared]) -> frozenset[int]:
+        handed.append((stage, [e.handle for e in entries]))
+        return frozenset({7})
+
+    w = Window(0, t, 4, lambda s, h: events.append((s, h)), hand_off)
+    w.post(Prepared("a", 7, None), 0, 5)
+    w.post(Prepared("b", 8, None), 0, 5)
+    assert w.reap_landed() == 1  # b landed before the stage closed: not handed
+    w.close(0)
+    assert handed == [(0, ["a"])] and events == []
+    w.drain(timeout_s=5)
+    assert events == [(0, frozenset({7}))]  # DONE(0) from the host to peer 8 only
+    w.post(Prepared("c", 7, None), 1, 5)
+    w.drain(timeout_s=5)
+    w.close(1)  # everything landed already: nothing to hand off
+    assert handed == [(0, ["a"])] and events[-1] == (1, frozenset())
