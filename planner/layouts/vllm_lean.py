@@ -29,10 +29,12 @@ else: what it leaves out stays out of that process.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
+import operator
 import sys
 from types import ModuleType
 from typing import Any
@@ -65,6 +67,13 @@ STUBS = {
                      "and runs no forward)",
     "torch._dynamo.symbolic_convert": "the class `vllm.compilation.decorators` imports from "
                                       "Dynamo (see torch._dynamo)",
+    "torch.fx.experimental.symbolic_shapes": "symbolic shapes (and sympy, ~0.3 s): torch's "
+                                             "meta kernels ask it about plain ints and bools "
+                                             "only (`FAKES`), a meta trace has no symbolic "
+                                             "sizes",
+    "sympy": "symbolic algebra (~0.3 s with mpmath), imported by torch's type promotion only "
+             "to ask whether an argument is a `sympy.Basic`: none can be while sympy is not "
+             "imported (`FAKES`)",
 }
 STUB_TREES = {
     "vllm.entrypoints": "the OpenAI-compatible server and its tools",
@@ -252,12 +261,85 @@ def _disable_off(fn: Any = None, recursive: bool = True, *, reason: Any = None,
     return _same if fn is None else fn
 
 
+def _plain(*values: Any) -> None:
+    """Refuses a symbolic value (or anything but a plain int, bool or float): the real
+    `symbolic_shapes` function would treat it (the whole import does)."""
+    for v in values:
+        if type(v) not in (int, bool, float):
+            raise LeanMiss(f"a {type(v).__name__} asked of torch.fx.experimental."
+                           "symbolic_shapes, left out by the lean import of vLLM")
+
+
+def _a_bool(a: Any, *rest: Any) -> bool:
+    """`expect_true`, `guard_or_false`, `guard_or_true`, `statically_known_true`,
+    `guard_size_oblivious` of a plain bool: the bool itself, as the real ones answer."""
+    if type(a) is not bool:
+        _plain(a)
+        raise LeanMiss(f"a {type(a).__name__} where symbolic_shapes expects a bool")
+    return a
+
+
+def _hint(a: Any) -> Any:
+    """`guarding_hint_or_throw` of a plain int or bool: itself."""
+    if type(a) not in (int, bool):
+        raise LeanMiss(f"a {type(a).__name__} asked of symbolic_shapes' guarding hint")
+    return a
+
+
+def _has_hint(a: Any) -> bool:
+    _plain(a)  # no symbolic value: the real one says True
+    return True
+
+
+def _is_nested_int(s: Any) -> bool:
+    _plain(s)  # only a SymInt can be a nested int
+    return False
+
+
+def _sym_and(x: Any, *others: Any) -> Any:
+    _plain(x, *others)
+    for y in others:
+        x = operator.and_(x, y)
+    return x
+
+
+def _sym_or(x: Any, *others: Any) -> Any:
+    _plain(x, *others)
+    for y in others:
+        x = operator.or_(x, y)
+    return x
+
+
+def _sym_eq(x: Any, y: Any) -> Any:
+    if isinstance(x, (tuple, list)) and isinstance(y, (list, tuple)):
+        if len(x) != len(y):
+            return False
+        return functools.reduce(operator.and_, map(_sym_eq, x, y), True)
+    if type(x) not in (int, bool) or type(y) not in (int, bool):
+        _plain(x, y)
+        raise LeanMiss("sym_eq between other than ints, left out by the lean import")
+    return x == y
+
+
+class _NoSympyBasic:
+    """`sympy.Basic` in a process that never imports sympy: nothing is an instance of it,
+    as nothing can be of the real one."""
+
+
 FAKES: dict[str, dict[str, Any]] = {
     "torch._dynamo": {"disable": _disable_off},
+    "sympy": {"Basic": _NoSympyBasic},
+    "torch.fx.experimental.symbolic_shapes": {
+        "expect_true": _a_bool, "guard_or_false": _a_bool, "guard_or_true": _a_bool,
+        "statically_known_true": _a_bool, "guard_size_oblivious": _a_bool,
+        "guarding_hint_or_throw": _hint, "has_guarding_hint": _has_hint,
+        "is_nested_int": _is_nested_int, "sym_and": _sym_and, "sym_or": _sym_or,
+        "sym_eq": _sym_eq},
 }
 """Names a placeholder module gives that work rather than refuse: torch's own meta
 kernels (`torch._compile._disable_dynamo`, on their first call) wrap themselves in
-`torch._dynamo.disable`."""
+`torch._dynamo.disable`, and ask `symbolic_shapes` (torch 2.13's functions, written for the
+plain values they get here, the same answers; any symbolic value is refused)."""
 
 
 def _compile_hints_off() -> None:

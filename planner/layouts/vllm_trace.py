@@ -298,9 +298,10 @@ def trace_engine(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig,
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
     get_model_architecture(vcfg.model_config)  # its modules imported once, before forking
-    import torch.fx.experimental.symbolic_shapes  # noqa: F401 (torch's meta kernels import it
-    # on their first call: once here, not in every worker; Dynamo imports it, the lean
-    # import leaves Dynamo out)
+    # torch's meta kernels and its type promotion import these on their first call: once
+    # here, not in every worker (the lean import gives the few names a trace asks of them)
+    import sympy  # noqa: F401
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         keep: list[Any] = []
         return [encode_rank(trace_rank(checkpoint, vcfg, cfg, r, keep)) for r in ranks]

@@ -114,6 +114,43 @@ def test_dynamos_disable_gives_back_the_function() -> None:
     assert disable(f, True, wrapping=False) is f and disable()(f) is f
 
 
+SHAPES = vllm_lean.FAKES["torch.fx.experimental.symbolic_shapes"]
+PLAIN = [((True,), "bools"), ((False,), "bools"), ((3,), "ints"), ((0,), "ints"),
+         ((True, False), "bools"), ((True, True, True), "bools"), ((2, 3), "ints"),
+         (((1, 2), [1, 2]), "lists"), (((1, 2), (1, 3)), "lists"), (((1,), (1, 2)), "lists")]
+"""Plain arguments, and which functions take them."""
+TAKES = {"bools": {"expect_true", "guard_or_false", "guard_or_true", "statically_known_true",
+                   "guard_size_oblivious", "guarding_hint_or_throw", "has_guarding_hint",
+                   "is_nested_int", "sym_and", "sym_or"},
+         "ints": {"guarding_hint_or_throw", "has_guarding_hint", "is_nested_int", "sym_eq"},
+         "lists": {"sym_eq"}}
+
+
+def test_symbolic_shapes_fakes_answer_as_torchs_for_plain_values() -> None:
+    real = pytest.importorskip("torch.fx.experimental.symbolic_shapes")
+    if not vllm_lean.supported():
+        pytest.skip("torch is not the version the fakes were written from")
+    for args, kind in PLAIN:
+        for name in TAKES[kind]:
+            n = {"sym_eq": 2, "sym_and": None, "sym_or": None}.get(name, 1)
+            if n is not None and len(args) != n:
+                continue
+            assert SHAPES[name](*args) == getattr(real, name)(*args), (name, args)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_symbolic_shapes_fakes_refuse_anything_else(name: str) -> None:
+    torch = pytest.importorskip("torch")
+    odd = torch.empty(0)  # not a plain int or bool (as a SymInt or SymBool is not)
+    with pytest.raises(vllm_lean.LeanMiss):
+        SHAPES[name](*([odd, odd] if name == "sym_eq" else [odd]))
+
+
+def test_sympy_basic_is_a_class_of_nothing() -> None:
+    basic = vllm_lean.FAKES["sympy"]["Basic"]
+    assert not any(isinstance(x, basic) for x in (1, 1.5, True, "x", None, object()))
+
+
 @pytest.mark.parametrize("loaded", ["vllm", "torch._inductor", "torch._dynamo",
                                     "transformers.models.auto.modeling_auto"])
 def test_install_declines_when_it_comes_too_late(loaded: str,
