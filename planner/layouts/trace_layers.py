@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
 
 from planner.layouts.base import Piece
 
@@ -75,7 +74,15 @@ def representatives(classes: Sequence[Sequence[int]]) -> set[int]:
 
 
 def _renamed(pieces: Sequence[Piece], src: int, dst: int) -> list[Piece]:
-    return [replace(p, tensor=relayer(p.tensor, src, dst)) for p in pieces]
+    """`pieces` with their tensors' layer `src` renamed `dst` (each name renamed once)."""
+    names: dict[str, str] = {}
+    out = []
+    for p in pieces:
+        name = names.get(p.tensor)
+        if name is None:
+            name = names[p.tensor] = relayer(p.tensor, src, dst)
+        out.append(Piece(name, p.offsets, p.sizes, p.at, p.dims))
+    return out
 
 
 def extrapolate(classes: Sequence[Sequence[int]], params: Sequence[str],
