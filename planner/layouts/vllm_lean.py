@@ -71,6 +71,9 @@ STUBS = {
                                              "meta kernels ask it about plain ints and bools "
                                              "only (`FAKES`), a meta trace has no symbolic "
                                              "sizes",
+    "integrations.vllm": "rdma-plan's own vLLM plugin (the `rdma_plan` weight-transfer "
+                         "backend, with the executor and the plan format): vLLM loads it with "
+                         "its general plugins; it registers no model, layer or loader (`FAKES`)",
     "sympy": "symbolic algebra (~0.3 s with mpmath), imported by torch's type promotion only "
              "to ask whether an argument is a `sympy.Basic`: none can be while sympy is not "
              "imported (`FAKES`)",
@@ -221,7 +224,24 @@ def _fetch_all_from_the_end(module: ModuleType) -> None:
     module.fetch__all__ = fetch__all__
 
 
-PATCHES = {"transformers.utils.import_utils": _fetch_all_from_the_end}
+EXPERT_MAP_UNLOGGED = "(not built by the lean import)"
+
+
+def _expert_map_unlogged(module: ModuleType) -> None:
+    """vLLM's `ExpertMapManager.get_compressed_map_string` (every local expert's global
+    index as text, two `.item()` calls each, built for every MoE layer of every traced rank;
+    its only caller passes it to an `info_once` log line, and the tracer logs errors only)
+    answering `EXPERT_MAP_UNLOGGED` (tests/planner/layouts/test_vllm_lean.py checks that
+    the installed vLLM has no other caller)."""
+    module.ExpertMapManager.get_compressed_map_string = _unlogged
+
+
+def _unlogged(self: Any) -> str:
+    return EXPERT_MAP_UNLOGGED
+
+
+PATCHES = {"transformers.utils.import_utils": _fetch_all_from_the_end,
+           "vllm.model_executor.layers.fused_moe.expert_map_manager": _expert_map_unlogged}
 """Module -> what is changed in it once it has run: a faster function answering as its own."""
 
 
@@ -326,8 +346,13 @@ class _NoSympyBasic:
     as nothing can be of the real one."""
 
 
+def _nothing() -> None:
+    return None
+
+
 FAKES: dict[str, dict[str, Any]] = {
     "torch._dynamo": {"disable": _disable_off},
+    "integrations.vllm": {"register": _nothing},
     "sympy": {"Basic": _NoSympyBasic},
     "torch.fx.experimental.symbolic_shapes": {
         "expect_true": _a_bool, "guard_or_false": _a_bool, "guard_or_true": _a_bool,

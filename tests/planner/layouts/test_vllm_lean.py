@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -199,6 +200,22 @@ def test_transformers_fetch_all_answers_as_its_own_for_every_installed_file() ->
     files = [p.read_text(encoding="utf-8") for p in root.rglob("*.py")]
     assert len(files) > 1000
     assert [module.fetch__all__(t) for t in files] == [whole(t) for t in files]
+
+
+def test_the_expert_map_string_only_feeds_a_log_line() -> None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not vllm_lean.supported():
+        pytest.skip("vLLM is not installed, or not the version the lean import is for")
+    root = Path(spec.origin).parent
+    uses = [(p.name, line.strip()) for p in root.rglob("*.py")
+            for line in p.read_text(encoding="utf-8").splitlines()
+            if "get_compressed_map_string" in line]
+    assert uses == [("expert_map_manager.py", "self.get_compressed_map_string(),"),
+                    ("expert_map_manager.py", "def get_compressed_map_string(self) -> str:")]
+    text = (root / "model_executor/layers/fused_moe/expert_map_manager.py").read_text()
+    call = text.index("self.get_compressed_map_string(),")
+    head = text[text.rindex("logger.info_once(", 0, call):call]  # an argument of that call
+    assert head.count("(") - head.count(")") == 1, head
 
 
 def test_a_patched_module_runs_then_is_patched(tmp_path: Path,
