@@ -45,9 +45,10 @@ Signatures = dict[int, list[Entry]]
 def signatures(entries: Iterable[Entry]) -> Signatures:
     out: Signatures = {}
     for name, shape, dtype in entries:
-        layer = layer_of(name)
-        if layer is not None:
-            out.setdefault(layer, []).append((relayer(name, layer, -1), shape, dtype))
+        m = LAYER.search(name)  # once a name: `layer_of`, then `relayer` to -1
+        if m is not None:
+            out.setdefault(int(m.group(1)), []).append(
+                (name[:m.start(1)] + "-1" + name[m.end(1):], shape, dtype))
     return out
 
 
