@@ -123,16 +123,22 @@ class Recorder(TorchFunctionMode):
     def _taint(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """A new tensor computed from checkpoint data is tainted (views share storage).
         Fast path first: most calls return no tensor (`dim`, `item`, `size`)."""
-        outs = [out] if isinstance(out, torch.Tensor) else (
-            [o for o in out if isinstance(o, torch.Tensor)] if isinstance(out, (tuple, list))
-            else [])
-        if not outs:
+        if isinstance(out, torch.Tensor):
+            outs: Any = (out,)
+        elif isinstance(out, (tuple, list)):
+            outs = [o for o in out if isinstance(o, torch.Tensor)]
+            if not outs:
+                return
+        else:
             return
-        ins = [_key(a) for a in _tensors((args, kwargs)) if a.is_meta]  # stand-ins are meta
-        if not ins:
-            return
-        why = next((self.tainted[k] for k in ins if k in self.tainted), None)
-        src = next((self.sources[k].name for k in ins if k in self.sources), None)
+        why = src = None  # the first tainted input's reason, the first stand-in's name
+        for a in _tensors((args, kwargs)):
+            if a.is_meta:  # stand-ins are meta
+                k = _key(a)
+                if why is None:
+                    why = self.tainted.get(k)
+                if src is None and k in self.sources:
+                    src = self.sources[k].name
         if why is None and src is None:
             return
         for o in outs:
