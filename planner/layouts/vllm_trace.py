@@ -292,11 +292,11 @@ def _load(model: Any, named: list[tuple[str, torch.Tensor]],
 
 
 def trace_engine(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig,
-                 workers: int | None = None) -> list[list[Any]]:
+                 workers: int | None = None) -> list[bytes]:
     """Every rank of one engine, in engine rank order `(d * pp + p) * tp + t`, as
-    `traced.encode_rank` rows (unchecked: the caller decodes them, `traced.decode_rank`),
-    traced by up to `workers` forked processes (default: one per CPU core)."""
-    from planner.layouts.traced import encode_rank
+    msgpack bytes of its `traced.encode_rank` rows (unchecked: the caller decodes them,
+    `traced.decode_rank`; packed once, by the process that traced the rank, and passed on
+    as they are), traced by up to `workers` forked processes (default: one per CPU core)."""
 
     vcfg, checkpoint = engine_config(hf, cfg), _checkpoint(spec, cfg.dtype)
     ranks = [(d, p, t) for d in range(cfg.dp) for p in range(cfg.pp) for t in range(cfg.tp)]
@@ -310,7 +310,7 @@ def trace_engine(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig,
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         keep: list[Any] = []
-        return [encode_rank(trace_rank(checkpoint, vcfg, cfg, r, keep)) for r in ranks]
+        return [_packed(trace_rank(checkpoint, vcfg, cfg, r, keep)) for r in ranks]
     ctx = multiprocessing.get_context("fork")
     pipes, procs = [], []
     for w in range(workers):
@@ -331,16 +331,23 @@ def trace_engine(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig,
     return [parts[i % workers][i // workers] for i in range(len(ranks))]
 
 
-def _worker(send: Any, checkpoint: Checkpoint, vcfg: Any, cfg: TargetConfig,
-            ranks: list[tuple[int, int, int]]) -> None:
-    """A forked tracer: sends its ranks as msgpack rows, or `{"error": line}`."""
+def _packed(tensors: list[PhysicalTensor]) -> bytes:
+    """One rank as msgpack bytes of its `traced.encode_rank` rows."""
     import msgpack
 
     from planner.layouts.traced import encode_rank
 
+    return msgpack.packb(encode_rank(tensors))
+
+
+def _worker(send: Any, checkpoint: Checkpoint, vcfg: Any, cfg: TargetConfig,
+            ranks: list[tuple[int, int, int]]) -> None:
+    """A forked tracer: sends its ranks (`_packed`), or `{"error": line}`."""
+    import msgpack
+
     keep: list[Any] = []
     try:
-        out: Any = {"ranks": [encode_rank(trace_rank(checkpoint, vcfg, cfg, r, keep))
+        out: Any = {"ranks": [_packed(trace_rank(checkpoint, vcfg, cfg, r, keep))
                               for r in ranks]}
     except ConfigError as e:
         out = {"error": str(e)}
@@ -351,8 +358,8 @@ def _worker(send: Any, checkpoint: Checkpoint, vcfg: Any, cfg: TargetConfig,
     send.close()
 
 
-def _receive(recv: Any, n: int) -> list[Any]:
-    """One worker's `n` ranks' rows (decoded and checked by the caller)."""
+def _receive(recv: Any, n: int) -> list[bytes]:
+    """One worker's `n` ranks (`_packed`; decoded and checked by the caller)."""
     import msgpack
 
     try:
@@ -366,6 +373,6 @@ def _receive(recv: Any, n: int) -> list[Any]:
     if isinstance(raw, dict) and "error" in raw:
         raise TraceError(str(raw["error"])[:4000])
     if not isinstance(raw, dict) or not isinstance(raw.get("ranks"), list) or len(
-            raw["ranks"]) != n:
+            raw["ranks"]) != n or not all(isinstance(r, bytes) for r in raw["ranks"]):
         raise TraceError("target.layout: traced: a tracing process sent a bad answer")
     return raw["ranks"]
