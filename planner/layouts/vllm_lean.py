@@ -3,8 +3,10 @@
 Importing what a trace needs of vLLM 0.33 costs ~4 s on one core, most of it modules a
 trace never runs: Inductor and Dynamo (pulled in by `vllm.env_override`, by
 `torch._inductor.custom_graph_pass`'s package, by `vllm.compilation.decorators` and by
-module-level `@torch.compile`), the OpenAI server's types, structured output, the
-multimodal media decoders, KV-transfer connectors, `transformers`' auto-model factory.
+module-level `@torch.compile`), torch's symbolic shapes and sympy (which torch's meta
+kernels import on their first call), the OpenAI server's types, structured output, the
+multimodal media decoders, KV-transfer connectors, `transformers`' auto-model factory,
+rdma-plan's own vLLM plugin.
 `install` puts a meta-path finder in front of the import system of the calling process
 that
 
@@ -12,7 +14,8 @@ that
 - gives a placeholder module for each module in `STUBS` (its real submodules still
   import; the few names in `FAKES` work) and for every module under a prefix in
   `STUB_TREES`,
-- changes a module in `PATCHES` once it has run (a faster function answering as its own),
+- changes a module in `PATCHES` once it has run (a faster function answering as its own,
+  or a fixed answer where only a log line reads it),
 
 and makes `torch.compile` hand back the function it is given (a trace runs no forward;
 vLLM decorates functions with it at import). A placeholder module has every public name,
@@ -242,7 +245,8 @@ def _unlogged(self: Any) -> str:
 
 PATCHES = {"transformers.utils.import_utils": _fetch_all_from_the_end,
            "vllm.model_executor.layers.fused_moe.expert_map_manager": _expert_map_unlogged}
-"""Module -> what is changed in it once it has run: a faster function answering as its own."""
+"""Module -> what is changed in it once it has run: a faster function answering as its own,
+or one whose answer only a log line reads."""
 
 
 def supported() -> bool:
