@@ -37,6 +37,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
+import inspect
 import operator
 import sys
 from types import ModuleType
@@ -227,6 +228,20 @@ def _fetch_all_from_the_end(module: ModuleType) -> None:
     module.fetch__all__ = fetch__all__
 
 
+def _source_without_lines(module: ModuleType) -> None:
+    """torch's `_library.utils.get_source` (the "file:line" that registered an op's fake
+    kernel, kept for torch's error messages; torch and vLLM register hundreds at import)
+    with `inspect.getframeinfo(frame, context=0)`: the same file and line, without reading
+    the file's source for context lines it drops."""
+
+    def get_source(stacklevel: int) -> str:
+        frame = inspect.getframeinfo(sys._getframe(stacklevel), context=0)
+        return f"{frame.filename}:{frame.lineno}"
+
+    get_source.whole = module.get_source  # type: ignore[attr-defined]
+    module.get_source = get_source
+
+
 EXPERT_MAP_UNLOGGED = "(not built by the lean import)"
 
 
@@ -244,6 +259,7 @@ def _unlogged(self: Any) -> str:
 
 
 PATCHES = {"transformers.utils.import_utils": _fetch_all_from_the_end,
+           "torch._library.utils": _source_without_lines,
            "vllm.model_executor.layers.fused_moe.expert_map_manager": _expert_map_unlogged}
 """Module -> what is changed in it once it has run: a faster function answering as its own,
 or one whose answer only a log line reads."""

@@ -202,6 +202,24 @@ def test_transformers_fetch_all_answers_as_its_own_for_every_installed_file() ->
     assert [module.fetch__all__(t) for t in files] == [whole(t) for t in files]
 
 
+def test_torchs_get_source_without_lines_names_the_same_file_and_line() -> None:
+    utils = pytest.importorskip("torch._library.utils")
+    module = ModuleType("utils")
+    module.get_source = getattr(utils.get_source, "whole", utils.get_source)  # type: ignore[attr-defined]
+    vllm_lean._source_without_lines(module)
+    fast, whole = module.get_source, module.get_source.whole  # type: ignore[attr-defined]
+
+    def caller(level: int) -> tuple[str, str]:
+        return fast(level), whole(level)
+
+    assert fast(1) == whole(1) and fast(2) == whole(2)  # this line, then pytest's
+    here = sys._getframe().f_lineno
+    lines = {1: caller.__code__.co_firstlineno + 1, 2: here + 3}  # caller's line, then this
+    for level in (1, 2):
+        a, b = caller(level)
+        assert a == b == f"{__file__}:{lines[level]}"
+
+
 def test_the_expert_map_string_only_feeds_a_log_line() -> None:
     spec = importlib.util.find_spec("vllm")
     if spec is None or not vllm_lean.supported():
