@@ -310,9 +310,10 @@ def _plain(*values: Any) -> None:
                            "symbolic_shapes, left out by the lean import of vLLM")
 
 
-def _a_bool(a: Any, *rest: Any) -> bool:
-    """`expect_true`, `guard_or_false`, `guard_or_true`, `statically_known_true`,
-    `guard_size_oblivious` of a plain bool: the bool itself, as the real ones answer."""
+def _a_bool(a: Any, skip: int = 0) -> bool:
+    """`expect_true` (`skip` names the frame of a symbolic value's guard), `guard_or_false`,
+    `guard_or_true`, `statically_known_true`, `guard_size_oblivious` of a plain bool: the
+    bool itself, as the real ones answer."""
     if type(a) is not bool:
         _plain(a)
         raise LeanMiss(f"a {type(a).__name__} where symbolic_shapes expects a bool")
