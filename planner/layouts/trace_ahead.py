@@ -12,7 +12,7 @@ out refuses any use, so a trace needing it fails rather than answering otherwise
 tracer that fails is followed by one importing vLLM whole (lean and whole traces are compared
 by tests/oracles/test_vllm_trace_lean.py). The tracer's answer is checked like a cache file
 (`traced.decode_rank`); what it traced is what `traced.layout` traces in this process (the
-same `traced._trace_rows`), so the plan is the same bytes. Without `fork` (or on a cache
+same `traced._trace_packed`), so the plan is the same bytes. Without `fork` (or on a cache
 hit) nothing starts early: `result` builds the layout then, as `build_layout` would.
 
 For a family with hand-written rules, the trace is expected to equal them (a test checks
@@ -61,7 +61,7 @@ class Pending:
                  cfg: TargetConfig | None = None) -> None:
         self._build, self._then = build, then
         self._proc: Any = None
-        self._rows: Callable[[], list[Any]] | None = None  # the tracer's answer, undecoded
+        self._rows: Callable[[], list[bytes]] | None = None  # the tracer's answer, packed
         self._rules, self._cfg = rules, cfg
         self._guess: tuple[Layout, Layout] | None = None  # the rules' layout, and `then` of it
         self._confirmed = False
@@ -93,10 +93,10 @@ class Pending:
         rules, cfg = self._guess[0], self._cfg
         assert cfg is not None
         engine = [r.tensors for r in rules.ranks[:cfg.engine_world]]
-        want = [msgpack.packb(traced.encode_rank(tensors)) for tensors in engine]  # compact,
-        rows = self._rows()  # and made before the wait
-        self._confirmed = (len(rows) == len(want) and rules == traced.replicated(engine, cfg)
-                           and all(msgpack.packb(row) == w for row, w in zip(rows, want)))
+        want = [msgpack.packb(traced.encode_rank(tensors)) for tensors in engine]  # made
+        same = rules == traced.replicated(engine, cfg)  # before the wait
+        rows = self._rows()  # each rank's rows as msgpack bytes, as the tracer packed them
+        self._confirmed = same and rows == want
         return self._confirmed
 
     def cancel(self) -> None:
@@ -143,9 +143,9 @@ def begin(spec: ModelSpec, cfg: TargetConfig, hf: dict[str, Any], folder: str | 
     hand_written = spec.dims.model_type in traced.HAND_WRITTEN
     pending = Pending(lambda: _decoded(answer(), spec, cfg), then,
                       rules if hand_written else None, cfg)
-    rows: list[list[Any]] = []
+    rows: list[list[bytes]] = []
 
-    def answer() -> list[Any]:
+    def answer() -> list[bytes]:
         if not rows:
             rows.append(_join(pending, start, recv, cfg.engine_world))
         return rows[0]
@@ -172,8 +172,8 @@ def _fork(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig, path: str, key
 
 
 def _join(pending: Pending, start: Callable[[bool], tuple[Any, Any]], recv: Any,
-          world: int) -> list[Any]:
-    """The tracer's `world` ranks, undecoded; then the tracer is reaped (it only writes the
+          world: int) -> list[bytes]:
+    """The tracer's `world` ranks, packed; then the tracer is reaped (it only writes the
     cache file after answering). A lean tracer that failed is followed by one importing
     vLLM whole (its failure may be the lean import's)."""
     rows = _receive(recv, world)
@@ -190,18 +190,19 @@ def _join(pending: Pending, start: Callable[[bool], tuple[Any, Any]], recv: Any,
     return rows
 
 
-def _decoded(rows: list[Any], spec: ModelSpec, cfg: TargetConfig) -> Layout:
+def _decoded(rows: list[bytes], spec: ModelSpec, cfg: TargetConfig) -> Layout:
     """The tracer's ranks decoded and checked (as `traced.read_cache` does), replicated."""
     try:
         with traced.gc_paused():
-            engine = [traced.decode_rank(rank, spec) for rank in rows]
-    except (ValueError, TypeError, KeyError, IndexError) as e:
+            engine = [traced.decode_rank(msgpack.unpackb(rank, strict_map_key=True), spec)
+                      for rank in rows]
+    except (ValueError, TypeError, KeyError, IndexError, msgpack.StackError) as e:
         raise TraceError(f"target.layout: traced: the tracing process sent a bad answer ({e})"
                          ) from None
     return traced.replicated(engine, cfg)
 
 
-def _receive(recv: Any, world: int) -> list[Any] | str | None:
+def _receive(recv: Any, world: int) -> list[bytes] | str | None:
     """`_answer` to what the tracer sends on `recv` (then closed)."""
     try:
         with traced.gc_paused():
@@ -213,9 +214,10 @@ def _receive(recv: Any, world: int) -> list[Any] | str | None:
         recv.close()
 
 
-def _answer(data: bytes, world: int) -> list[Any] | str | None:
-    """The tracer's `world` ranks as it sent them (`traced.encode_rank` rows, unchecked),
-    the one-line error it sent or that its answer earns, or None: a lean tracer failed."""
+def _answer(data: bytes, world: int) -> list[bytes] | str | None:
+    """The tracer's `world` ranks as it sent them (each rank's `traced.encode_rank` rows as
+    msgpack bytes, unchecked), the one-line error it sent or that its answer earns, or
+    None: a lean tracer failed."""
     try:
         raw = msgpack.unpackb(data, strict_map_key=True)
         if isinstance(raw, dict) and raw.get("lean") is True:
@@ -223,7 +225,8 @@ def _answer(data: bytes, world: int) -> list[Any] | str | None:
         if isinstance(raw, dict) and "error" in raw:
             return str(raw["error"])[:4000]
         ranks = raw["ranks"]
-        if not isinstance(ranks, list) or len(ranks) != world:
+        if not isinstance(ranks, list) or len(ranks) != world or not all(
+                isinstance(r, bytes) for r in ranks):
             raise ValueError(f"not {world} ranks")
         return ranks
     except (ValueError, TypeError, KeyError, IndexError) as e:
@@ -241,7 +244,7 @@ def _tracer(send: Any, spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig, p
             from planner.layouts import vllm_lean
 
             lean = vllm_lean.install()
-        out: dict[str, Any] = {"ranks": traced._trace_rows(spec, hf, cfg)}
+        out: dict[str, Any] = {"ranks": traced._trace_packed(spec, hf, cfg)}
     except ConfigError as e:
         out = {"error": str(e)}
     except Exception as e:  # noqa: BLE001 (a failure of vLLM or torch: named in one line)

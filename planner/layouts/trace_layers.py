@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
 
 from planner.layouts.base import Piece
 
@@ -46,9 +45,10 @@ Signatures = dict[int, list[Entry]]
 def signatures(entries: Iterable[Entry]) -> Signatures:
     out: Signatures = {}
     for name, shape, dtype in entries:
-        layer = layer_of(name)
-        if layer is not None:
-            out.setdefault(layer, []).append((relayer(name, layer, -1), shape, dtype))
+        m = LAYER.search(name)  # once a name: `layer_of`, then `relayer` to -1
+        if m is not None:
+            out.setdefault(int(m.group(1)), []).append(
+                (name[:m.start(1)] + "-1" + name[m.end(1):], shape, dtype))
     return out
 
 
@@ -75,7 +75,15 @@ def representatives(classes: Sequence[Sequence[int]]) -> set[int]:
 
 
 def _renamed(pieces: Sequence[Piece], src: int, dst: int) -> list[Piece]:
-    return [replace(p, tensor=relayer(p.tensor, src, dst)) for p in pieces]
+    """`pieces` with their tensors' layer `src` renamed `dst` (each name renamed once)."""
+    names: dict[str, str] = {}
+    out = []
+    for p in pieces:
+        name = names.get(p.tensor)
+        if name is None:
+            name = names[p.tensor] = relayer(p.tensor, src, dst)
+        out.append(Piece(name, p.offsets, p.sizes, p.at, p.dims))
+    return out
 
 
 def extrapolate(classes: Sequence[Sequence[int]], params: Sequence[str],

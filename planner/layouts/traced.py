@@ -116,14 +116,14 @@ def engine_ranks(spec: ModelSpec, cfg: TargetConfig, hf: dict[str, Any],
     if cached is not None:
         return cached
     engine = [tuple(r) for r in _trace(spec, hf, replace(cfg, replicas=1))]
-    cache_quietly(path, key, [encode_rank(rank) for rank in engine])
+    cache_quietly(path, key, [msgpack.packb(encode_rank(rank)) for rank in engine])
     return engine
 
 
-def cache_quietly(path: str, key: str, ranks: list[Any]) -> None:
-    """`write_rows`; a read-only or full disk costs the next compile a trace, no more."""
+def cache_quietly(path: str, key: str, ranks: list[bytes]) -> None:
+    """`write_packed`; a read-only or full disk costs the next compile a trace, no more."""
     try:
-        write_rows(path, key, ranks)
+        write_packed(path, key, ranks)
     except OSError as e:
         print(f"rdma-plan: traced layout not cached ({e}); set RDMA_PLAN_CACHE to a writable "
               "folder", file=sys.stderr)
@@ -136,10 +136,17 @@ def _trace(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list[list[
 
 
 def _trace_rows(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list[list[Any]]:
-    """Import torch and vLLM and trace one engine (`encode_rank` rows, unchecked), with the
-    cyclic garbage collector paused: importing vLLM allocates ~1.5M objects, and collecting
-    them over and over while they are all still alive took ~1.5 s of a ~5.6 s import here
-    (and more while building models)."""
+    """One engine's `encode_rank` rows, unchecked (`_trace_packed`, unpacked)."""
+    with gc_paused():
+        return [msgpack.unpackb(rank, strict_map_key=True)
+                for rank in _trace_packed(spec, hf, cfg)]
+
+
+def _trace_packed(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list[bytes]:
+    """Import torch and vLLM and trace one engine (each rank's `encode_rank` rows as msgpack
+    bytes, unchecked), with the cyclic garbage collector paused: importing vLLM allocates
+    ~1.5M objects, and collecting them over and over while they are all still alive took
+    ~1.5 s of a ~5.6 s import here (and more while building models)."""
     with gc_paused():
         try:
             from planner.layouts import vllm_trace
@@ -189,12 +196,25 @@ def write_cache(path: str, key: str, engine: Sequence[Sequence[PhysicalTensor]])
 
 
 def write_rows(path: str, key: str, ranks: list[Any]) -> None:
-    """Write one engine's ranks as `encode_rank`'s rows, atomically (a temporary file
-    renamed), so a reader never sees half a file."""
+    """Write one engine's ranks as `encode_rank`'s rows (`write_packed`)."""
+    write_packed(path, key, [msgpack.packb(rank) for rank in ranks])
+
+
+def write_packed(path: str, key: str, ranks: list[bytes]) -> None:
+    """Write one engine's ranks, each `encode_rank`'s rows as msgpack bytes, atomically (a
+    temporary file renamed), so a reader never sees half a file. The file is the bytes of
+    `msgpack.packb({"format": FORMAT, "key": key, "ranks": rows})`: a map's and an array's
+    msgpack are their header and their items' msgpack, one after another."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    packer = msgpack.Packer()
+    head = b"".join((packer.pack_map_header(3), packer.pack("format"), packer.pack(FORMAT),
+                     packer.pack("key"), packer.pack(key), packer.pack("ranks"),
+                     packer.pack_array_header(len(ranks))))
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
-        f.write(msgpack.packb({"format": FORMAT, "key": key, "ranks": ranks}))
+        f.write(head)
+        for rank in ranks:
+            f.write(rank)
     os.replace(tmp, path)
 
 

@@ -3,8 +3,10 @@
 Importing what a trace needs of vLLM 0.33 costs ~4 s on one core, most of it modules a
 trace never runs: Inductor and Dynamo (pulled in by `vllm.env_override`, by
 `torch._inductor.custom_graph_pass`'s package, by `vllm.compilation.decorators` and by
-module-level `@torch.compile`), the OpenAI server's types, structured output, the
-multimodal media decoders, KV-transfer connectors, `transformers`' auto-model factory.
+module-level `@torch.compile`), torch's symbolic shapes and sympy (which torch's meta
+kernels import on their first call), the OpenAI server's types, structured output, the
+multimodal media decoders, KV-transfer connectors, `transformers`' auto-model factory,
+rdma-plan's own vLLM plugin.
 `install` puts a meta-path finder in front of the import system of the calling process
 that
 
@@ -12,7 +14,8 @@ that
 - gives a placeholder module for each module in `STUBS` (its real submodules still
   import; the few names in `FAKES` work) and for every module under a prefix in
   `STUB_TREES`,
-- changes a module in `PATCHES` once it has run (a faster function answering as its own),
+- changes a module in `PATCHES` once it has run (a faster function answering as its own,
+  or a fixed answer where only a log line reads it),
 
 and makes `torch.compile` hand back the function it is given (a trace runs no forward;
 vLLM decorates functions with it at import). A placeholder module has every public name,
@@ -29,10 +32,13 @@ else: what it leaves out stays out of that process.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
+import inspect
+import operator
 import sys
 from types import ModuleType
 from typing import Any
@@ -65,6 +71,16 @@ STUBS = {
                      "and runs no forward)",
     "torch._dynamo.symbolic_convert": "the class `vllm.compilation.decorators` imports from "
                                       "Dynamo (see torch._dynamo)",
+    "torch.fx.experimental.symbolic_shapes": "symbolic shapes (and sympy, ~0.3 s): torch's "
+                                             "meta kernels ask it about plain ints and bools "
+                                             "only (`FAKES`), a meta trace has no symbolic "
+                                             "sizes",
+    "integrations.vllm": "rdma-plan's own vLLM plugin (the `rdma_plan` weight-transfer "
+                         "backend, with the executor and the plan format): vLLM loads it with "
+                         "its general plugins; it registers no model, layer or loader (`FAKES`)",
+    "sympy": "symbolic algebra (~0.3 s with mpmath), imported by torch's type promotion only "
+             "to ask whether an argument is a `sympy.Basic`: none can be while sympy is not "
+             "imported (`FAKES`)",
 }
 STUB_TREES = {
     "vllm.entrypoints": "the OpenAI-compatible server and its tools",
@@ -212,8 +228,41 @@ def _fetch_all_from_the_end(module: ModuleType) -> None:
     module.fetch__all__ = fetch__all__
 
 
-PATCHES = {"transformers.utils.import_utils": _fetch_all_from_the_end}
-"""Module -> what is changed in it once it has run: a faster function answering as its own."""
+def _source_without_lines(module: ModuleType) -> None:
+    """torch's `_library.utils.get_source` (the "file:line" that registered an op's fake
+    kernel, kept for torch's error messages; torch and vLLM register hundreds at import)
+    with `inspect.getframeinfo(frame, context=0)`: the same file and line, without reading
+    the file's source for context lines it drops."""
+
+    def get_source(stacklevel: int) -> str:
+        frame = inspect.getframeinfo(sys._getframe(stacklevel), context=0)
+        return f"{frame.filename}:{frame.lineno}"
+
+    get_source.whole = module.get_source  # type: ignore[attr-defined]
+    module.get_source = get_source
+
+
+EXPERT_MAP_UNLOGGED = "(not built by the lean import)"
+
+
+def _expert_map_unlogged(module: ModuleType) -> None:
+    """vLLM's `ExpertMapManager.get_compressed_map_string` (every local expert's global
+    index as text, two `.item()` calls each, built for every MoE layer of every traced rank;
+    its only caller passes it to an `info_once` log line, and the tracer logs errors only)
+    answering `EXPERT_MAP_UNLOGGED` (tests/planner/layouts/test_vllm_lean.py checks that
+    the installed vLLM has no other caller)."""
+    module.ExpertMapManager.get_compressed_map_string = _unlogged
+
+
+def _unlogged(self: Any) -> str:
+    return EXPERT_MAP_UNLOGGED
+
+
+PATCHES = {"transformers.utils.import_utils": _fetch_all_from_the_end,
+           "torch._library.utils": _source_without_lines,
+           "vllm.model_executor.layers.fused_moe.expert_map_manager": _expert_map_unlogged}
+"""Module -> what is changed in it once it has run: a faster function answering as its own,
+or one whose answer only a log line reads."""
 
 
 def supported() -> bool:
@@ -252,12 +301,91 @@ def _disable_off(fn: Any = None, recursive: bool = True, *, reason: Any = None,
     return _same if fn is None else fn
 
 
+def _plain(*values: Any) -> None:
+    """Refuses a symbolic value (or anything but a plain int, bool or float): the real
+    `symbolic_shapes` function would treat it (the whole import does)."""
+    for v in values:
+        if type(v) not in (int, bool, float):
+            raise LeanMiss(f"a {type(v).__name__} asked of torch.fx.experimental."
+                           "symbolic_shapes, left out by the lean import of vLLM")
+
+
+def _a_bool(a: Any, skip: int = 0) -> bool:
+    """`expect_true` (`skip` names the frame of a symbolic value's guard), `guard_or_false`,
+    `guard_or_true`, `statically_known_true`, `guard_size_oblivious` of a plain bool: the
+    bool itself, as the real ones answer."""
+    if type(a) is not bool:
+        _plain(a)
+        raise LeanMiss(f"a {type(a).__name__} where symbolic_shapes expects a bool")
+    return a
+
+
+def _hint(a: Any) -> Any:
+    """`guarding_hint_or_throw` of a plain int or bool: itself."""
+    if type(a) not in (int, bool):
+        raise LeanMiss(f"a {type(a).__name__} asked of symbolic_shapes' guarding hint")
+    return a
+
+
+def _has_hint(a: Any) -> bool:
+    _plain(a)  # no symbolic value: the real one says True
+    return True
+
+
+def _is_nested_int(s: Any) -> bool:
+    _plain(s)  # only a SymInt can be a nested int
+    return False
+
+
+def _sym_and(x: Any, *others: Any) -> Any:
+    _plain(x, *others)
+    for y in others:
+        x = operator.and_(x, y)
+    return x
+
+
+def _sym_or(x: Any, *others: Any) -> Any:
+    _plain(x, *others)
+    for y in others:
+        x = operator.or_(x, y)
+    return x
+
+
+def _sym_eq(x: Any, y: Any) -> Any:
+    if isinstance(x, (tuple, list)) and isinstance(y, (list, tuple)):
+        if len(x) != len(y):
+            return False
+        return functools.reduce(operator.and_, map(_sym_eq, x, y), True)
+    if type(x) not in (int, bool) or type(y) not in (int, bool):
+        _plain(x, y)
+        raise LeanMiss("sym_eq between other than ints, left out by the lean import")
+    return x == y
+
+
+class _NoSympyBasic:
+    """`sympy.Basic` in a process that never imports sympy: nothing is an instance of it,
+    as nothing can be of the real one."""
+
+
+def _nothing() -> None:
+    return None
+
+
 FAKES: dict[str, dict[str, Any]] = {
     "torch._dynamo": {"disable": _disable_off},
+    "integrations.vllm": {"register": _nothing},
+    "sympy": {"Basic": _NoSympyBasic},
+    "torch.fx.experimental.symbolic_shapes": {
+        "expect_true": _a_bool, "guard_or_false": _a_bool, "guard_or_true": _a_bool,
+        "statically_known_true": _a_bool, "guard_size_oblivious": _a_bool,
+        "guarding_hint_or_throw": _hint, "has_guarding_hint": _has_hint,
+        "is_nested_int": _is_nested_int, "sym_and": _sym_and, "sym_or": _sym_or,
+        "sym_eq": _sym_eq},
 }
 """Names a placeholder module gives that work rather than refuse: torch's own meta
 kernels (`torch._compile._disable_dynamo`, on their first call) wrap themselves in
-`torch._dynamo.disable`."""
+`torch._dynamo.disable`, and ask `symbolic_shapes` (torch 2.13's functions, written for the
+plain values they get here, the same answers; any symbolic value is refused)."""
 
 
 def _compile_hints_off() -> None:

@@ -123,16 +123,22 @@ class Recorder(TorchFunctionMode):
     def _taint(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """A new tensor computed from checkpoint data is tainted (views share storage).
         Fast path first: most calls return no tensor (`dim`, `item`, `size`)."""
-        outs = [out] if isinstance(out, torch.Tensor) else (
-            [o for o in out if isinstance(o, torch.Tensor)] if isinstance(out, (tuple, list))
-            else [])
-        if not outs:
+        if isinstance(out, torch.Tensor):
+            outs: Any = (out,)
+        elif isinstance(out, (tuple, list)):
+            outs = [o for o in out if isinstance(o, torch.Tensor)]
+            if not outs:
+                return
+        else:
             return
-        ins = [_key(a) for a in _tensors((args, kwargs)) if a.is_meta]  # stand-ins are meta
-        if not ins:
-            return
-        why = next((self.tainted[k] for k in ins if k in self.tainted), None)
-        src = next((self.sources[k].name for k in ins if k in self.sources), None)
+        why = src = None  # the first tainted input's reason, the first stand-in's name
+        for a in _tensors((args, kwargs)):
+            if a.is_meta:  # stand-ins are meta
+                k = _key(a)
+                if why is None:
+                    why = self.tainted.get(k)
+                if src is None and k in self.sources:
+                    src = self.sources[k].name
         if why is None and src is None:
             return
         for o in outs:
@@ -286,11 +292,11 @@ def _load(model: Any, named: list[tuple[str, torch.Tensor]],
 
 
 def trace_engine(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig,
-                 workers: int | None = None) -> list[list[Any]]:
+                 workers: int | None = None) -> list[bytes]:
     """Every rank of one engine, in engine rank order `(d * pp + p) * tp + t`, as
-    `traced.encode_rank` rows (unchecked: the caller decodes them, `traced.decode_rank`),
-    traced by up to `workers` forked processes (default: one per CPU core)."""
-    from planner.layouts.traced import encode_rank
+    msgpack bytes of its `traced.encode_rank` rows (unchecked: the caller decodes them,
+    `traced.decode_rank`; packed once, by the process that traced the rank, and passed on
+    as they are), traced by up to `workers` forked processes (default: one per CPU core)."""
 
     vcfg, checkpoint = engine_config(hf, cfg), _checkpoint(spec, cfg.dtype)
     ranks = [(d, p, t) for d in range(cfg.dp) for p in range(cfg.pp) for t in range(cfg.tp)]
@@ -298,12 +304,13 @@ def trace_engine(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig,
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
     get_model_architecture(vcfg.model_config)  # its modules imported once, before forking
-    import torch.fx.experimental.symbolic_shapes  # noqa: F401 (torch's meta kernels import it
-    # on their first call: once here, not in every worker; Dynamo imports it, the lean
-    # import leaves Dynamo out)
+    # torch's meta kernels and its type promotion import these on their first call: once
+    # here, not in every worker (the lean import gives the few names a trace asks of them)
+    import sympy  # noqa: F401
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         keep: list[Any] = []
-        return [encode_rank(trace_rank(checkpoint, vcfg, cfg, r, keep)) for r in ranks]
+        return [_packed(trace_rank(checkpoint, vcfg, cfg, r, keep)) for r in ranks]
     ctx = multiprocessing.get_context("fork")
     pipes, procs = [], []
     for w in range(workers):
@@ -324,16 +331,23 @@ def trace_engine(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig,
     return [parts[i % workers][i // workers] for i in range(len(ranks))]
 
 
-def _worker(send: Any, checkpoint: Checkpoint, vcfg: Any, cfg: TargetConfig,
-            ranks: list[tuple[int, int, int]]) -> None:
-    """A forked tracer: sends its ranks as msgpack rows, or `{"error": line}`."""
+def _packed(tensors: list[PhysicalTensor]) -> bytes:
+    """One rank as msgpack bytes of its `traced.encode_rank` rows."""
     import msgpack
 
     from planner.layouts.traced import encode_rank
 
+    return msgpack.packb(encode_rank(tensors))
+
+
+def _worker(send: Any, checkpoint: Checkpoint, vcfg: Any, cfg: TargetConfig,
+            ranks: list[tuple[int, int, int]]) -> None:
+    """A forked tracer: sends its ranks (`_packed`), or `{"error": line}`."""
+    import msgpack
+
     keep: list[Any] = []
     try:
-        out: Any = {"ranks": [encode_rank(trace_rank(checkpoint, vcfg, cfg, r, keep))
+        out: Any = {"ranks": [_packed(trace_rank(checkpoint, vcfg, cfg, r, keep))
                               for r in ranks]}
     except ConfigError as e:
         out = {"error": str(e)}
@@ -344,8 +358,8 @@ def _worker(send: Any, checkpoint: Checkpoint, vcfg: Any, cfg: TargetConfig,
     send.close()
 
 
-def _receive(recv: Any, n: int) -> list[Any]:
-    """One worker's `n` ranks' rows (decoded and checked by the caller)."""
+def _receive(recv: Any, n: int) -> list[bytes]:
+    """One worker's `n` ranks (`_packed`; decoded and checked by the caller)."""
     import msgpack
 
     try:
@@ -359,6 +373,6 @@ def _receive(recv: Any, n: int) -> list[Any]:
     if isinstance(raw, dict) and "error" in raw:
         raise TraceError(str(raw["error"])[:4000])
     if not isinstance(raw, dict) or not isinstance(raw.get("ranks"), list) or len(
-            raw["ranks"]) != n:
+            raw["ranks"]) != n or not all(isinstance(r, bytes) for r in raw["ranks"]):
         raise TraceError("target.layout: traced: a tracing process sent a bad answer")
     return raw["ranks"]

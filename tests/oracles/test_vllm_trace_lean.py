@@ -67,7 +67,8 @@ def test_lean_traces_equal_whole_ones(tmp_path: Path) -> None:
     lean = json.loads(out.read_text())
     assert lean["lean"] is True
     used = set(lean["used"])
-    assert {"vllm.env_override", "torch._inductor", "torch._dynamo"} <= used, used
+    assert {"vllm.env_override", "torch._inductor", "torch._dynamo",
+            "torch.fx.experimental.symbolic_shapes", "sympy"} <= used, used
     for name, hf, kw in CASES:
         whole = json.loads(json.dumps(trace_rows(hf, kw)))  # as the lean rows came: JSON
         got = lean["rows"][name]

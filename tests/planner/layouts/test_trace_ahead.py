@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from planner.fp8 import quantize_layout
@@ -48,8 +49,12 @@ def engine(cfg: TargetConfig) -> list:
 
 def stub(monkeypatch: pytest.MonkeyPatch, trace: Callable[..., list]) -> None:
     """The tracer's trace: `trace`'s engine, encoded as vLLM's tracing workers send it."""
-    monkeypatch.setattr(traced, "_trace_rows", lambda *a: [traced.encode_rank(rank)
-                                                          for rank in trace(*a)])
+    monkeypatch.setattr(traced, "_trace_packed", lambda *a: packed(trace(*a)))
+
+
+def packed(engine: list) -> list[bytes]:
+    """Ranks as the tracer sends them: each rank's `encode_rank` rows, packed."""
+    return [msgpack.packb(traced.encode_rank(rank)) for rank in engine]
 
 
 def test_the_forked_trace_is_the_layout_and_is_cached(tmp_path: Path,
@@ -231,8 +236,8 @@ def test_the_rules_are_a_guess_the_trace_confirms_or_refutes(
         assert pending.confirms(guess) is same
         got = pending.result()
     assert (got is guess) is same
-    want = vllm.layout(SPEC, cfg) if same else trace_ahead._decoded(
-        [traced.encode_rank(r) for r in swapped(cfg)], SPEC, cfg)
+    want = vllm.layout(SPEC, cfg) if same else trace_ahead._decoded(packed(swapped(cfg)),
+                                                                    SPEC, cfg)
     assert got == want and pending._proc is None
     assert pending.confirms(vllm.layout(SPEC, cfg)) is False  # not the object it gave
 
@@ -292,8 +297,8 @@ def test_a_compile_keeps_the_guessed_plan_only_if_the_trace_confirms_it(
     got = encode_plan(compile_config(cfg, spec, on_plan=lambda p: seen.append(encode_plan(p))))
     assert guessed == [same]
     assert seen[-1] == got and len(seen) == (1 if same else 2)  # a refuted guess's plan first
-    dst = trace_ahead._decoded([traced.encode_rank(r) for r in (
-        engine_of(spec, cfg.target) if same else swapped_of(spec, cfg.target))], spec, cfg.target)
+    dst = trace_ahead._decoded(packed(
+        engine_of(spec, cfg.target) if same else swapped_of(spec, cfg.target)), spec, cfg.target)
     src = build_layout(spec, cfg.source)
     assert got == encode_plan(compile_layouts(cfg, spec, src, dst))  # the traced layout's plan
     rules = build_layout(spec, dataclasses.replace(cfg.target, layout="rules"))

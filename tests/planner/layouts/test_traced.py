@@ -119,6 +119,16 @@ def test_the_undamaged_cache_decodes_piece_for_piece(tmp_path: Path) -> None:
     assert isinstance(got[0][0].pieces[0], Piece)
 
 
+def test_a_cache_file_is_the_msgpack_of_its_map(tmp_path: Path) -> None:
+    cfg = target()
+    path = cached(tmp_path, cfg)
+    rows = [traced.encode_rank(r.tensors)
+            for r in vllm.layout(SPEC, dataclasses.replace(cfg, replicas=1)).ranks]
+    key = traced.cache_key(HF, cfg)  # written from each rank's packed rows, as one map
+    assert path.read_bytes() == msgpack.packb({"format": traced.FORMAT, "key": key,
+                                               "ranks": rows})
+
+
 def test_settings_the_loader_does_not_write_are_refused(tmp_path: Path) -> None:
     spec = spec_from_hf(qwen3(), mtp=False)
     with pytest.raises(ConfigError, match="target.w13_order: 'w3w1' is not what vLLM"):

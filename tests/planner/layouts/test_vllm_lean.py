@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -114,6 +115,43 @@ def test_dynamos_disable_gives_back_the_function() -> None:
     assert disable(f, True, wrapping=False) is f and disable()(f) is f
 
 
+SHAPES = vllm_lean.FAKES["torch.fx.experimental.symbolic_shapes"]
+PLAIN = [((True,), "bools"), ((False,), "bools"), ((3,), "ints"), ((0,), "ints"),
+         ((True, False), "bools"), ((True, True, True), "bools"), ((2, 3), "ints"),
+         (((1, 2), [1, 2]), "lists"), (((1, 2), (1, 3)), "lists"), (((1,), (1, 2)), "lists")]
+"""Plain arguments, and which functions take them."""
+TAKES = {"bools": {"expect_true", "guard_or_false", "guard_or_true", "statically_known_true",
+                   "guard_size_oblivious", "guarding_hint_or_throw", "has_guarding_hint",
+                   "is_nested_int", "sym_and", "sym_or"},
+         "ints": {"guarding_hint_or_throw", "has_guarding_hint", "is_nested_int", "sym_eq"},
+         "lists": {"sym_eq"}}
+
+
+def test_symbolic_shapes_fakes_answer_as_torchs_for_plain_values() -> None:
+    real = pytest.importorskip("torch.fx.experimental.symbolic_shapes")
+    if not vllm_lean.supported():
+        pytest.skip("torch is not the version the fakes were written from")
+    for args, kind in PLAIN:
+        for name in TAKES[kind]:
+            n = {"sym_eq": 2, "sym_and": None, "sym_or": None}.get(name, 1)
+            if n is not None and len(args) != n:
+                continue
+            assert SHAPES[name](*args) == getattr(real, name)(*args), (name, args)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_symbolic_shapes_fakes_refuse_anything_else(name: str) -> None:
+    torch = pytest.importorskip("torch")
+    odd = torch.empty(0)  # not a plain int or bool (as a SymInt or SymBool is not)
+    with pytest.raises(vllm_lean.LeanMiss):
+        SHAPES[name](*([odd, odd] if name == "sym_eq" else [odd]))
+
+
+def test_sympy_basic_is_a_class_of_nothing() -> None:
+    basic = vllm_lean.FAKES["sympy"]["Basic"]
+    assert not any(isinstance(x, basic) for x in (1, 1.5, True, "x", None, object()))
+
+
 @pytest.mark.parametrize("loaded", ["vllm", "torch._inductor", "torch._dynamo",
                                     "transformers.models.auto.modeling_auto"])
 def test_install_declines_when_it_comes_too_late(loaded: str,
@@ -162,6 +200,40 @@ def test_transformers_fetch_all_answers_as_its_own_for_every_installed_file() ->
     files = [p.read_text(encoding="utf-8") for p in root.rglob("*.py")]
     assert len(files) > 1000
     assert [module.fetch__all__(t) for t in files] == [whole(t) for t in files]
+
+
+def test_torchs_get_source_without_lines_names_the_same_file_and_line() -> None:
+    utils = pytest.importorskip("torch._library.utils")
+    module = ModuleType("utils")
+    module.get_source = getattr(utils.get_source, "whole", utils.get_source)  # type: ignore[attr-defined]
+    vllm_lean._source_without_lines(module)
+    fast, whole = module.get_source, module.get_source.whole  # type: ignore[attr-defined]
+
+    def caller(level: int) -> tuple[str, str]:
+        return fast(level), whole(level)
+
+    assert fast(1) == whole(1) and fast(2) == whole(2)  # this line, then pytest's
+    here = sys._getframe().f_lineno
+    lines = {1: caller.__code__.co_firstlineno + 1, 2: here + 3}  # caller's line, then this
+    for level in (1, 2):
+        a, b = caller(level)
+        assert a == b == f"{__file__}:{lines[level]}"
+
+
+def test_the_expert_map_string_only_feeds_a_log_line() -> None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not vllm_lean.supported():
+        pytest.skip("vLLM is not installed, or not the version the lean import is for")
+    root = Path(spec.origin).parent
+    uses = [(p.name, line.strip()) for p in root.rglob("*.py")
+            for line in p.read_text(encoding="utf-8").splitlines()
+            if "get_compressed_map_string" in line]
+    assert uses == [("expert_map_manager.py", "self.get_compressed_map_string(),"),
+                    ("expert_map_manager.py", "def get_compressed_map_string(self) -> str:")]
+    text = (root / "model_executor/layers/fused_moe/expert_map_manager.py").read_text()
+    call = text.index("self.get_compressed_map_string(),")
+    head = text[text.rindex("logger.info_once(", 0, call):call]  # an argument of that call
+    assert head.count("(") - head.count(")") == 1, head
 
 
 def test_a_patched_module_runs_then_is_patched(tmp_path: Path,
