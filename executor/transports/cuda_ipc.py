@@ -26,10 +26,8 @@ event has. A post is a few runtime calls on raw handles made at prepare (record 
 the caller's stream, make the copy stream wait for it, launch the graph, record the landed
 event: ~1 us each), not torch's Python stream objects (~100 us a batch). Notifications go
 through shared memory (`shm_mailbox.py`: the ranks share a host), not the rendezvous store
-(a TCP round trip per poll). A stage's DONE can leave from the GPU (`notify_landed`): the
-message is staged in the peer's ring (pinned and mapped for the GPU once) and a stream write
-on `signal_stream`, queued behind the batches' landed events, publishes it: the peer sees
-DONE as soon as the copies have landed, not after this host noticed them and wrote it.
+(a TCP round trip per poll). A stage's DONE can leave from the GPU (`notify_landed`,
+`ipc_signals.py`). Region handles and peer mappings: `ipc_regions.py`.
 """
 
 from __future__ import annotations
@@ -42,57 +40,13 @@ import torch
 
 from .base import Store, WriteBatch
 from .copy_kernel import CopyKernel, batch_copies
-from .cuda_runtime import NOT_READY, Runtime, StreamWrites, current_raw_stream
+from .cuda_runtime import NOT_READY, Runtime, current_raw_stream
 from .graphs import capturing
+from .ipc_regions import PeerRegion, export_region, import_region, raw_handle, segment
+from .ipc_signals import DeviceSignals
 from .options import CudaIpcOptions
 from .shm_mailbox import ShmMailbox
 from .torch_copy import Op, prepare_copies
-
-
-def _export_region(t: torch.Tensor) -> list[Any]:
-    storage = t.untyped_storage()
-    (device, handle, size, offset, ref_handle, ref_offset, event_handle,
-     event_sync) = storage._share_cuda_()
-    return [int(device), bytes(handle), int(size), int(offset), bytes(ref_handle),
-            int(ref_offset), bytes(event_handle or b""), bool(event_sync),
-            int(t.storage_offset()), int(t.numel())]
-
-
-def _import_region(fields: list[Any]) -> torch.Tensor:
-    device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync, \
-        storage_offset, numel = fields
-    storage = torch.UntypedStorage._new_shared_cuda(
-        device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync)
-    t = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
-    return t.set_(storage, storage_offset, (numel,), (1,))
-
-
-def _raw_handle(handle: bytes) -> bytes | None:
-    """The 64-byte `cudaIpcMemHandle_t` in torch's shareable handle (a version byte, the
-    type `c` of a cudaMalloc block, the handle; or the bare handle of older torch), or None
-    (an expandable segment's handle: only torch opens those)."""
-    if len(handle) == 64:
-        return handle
-    return handle[2:] if len(handle) == 66 and handle[1:2] == b"c" else None
-
-
-class PeerRegion:
-    """A region of a peer on another GPU, mapped into this rank's device context by
-    `cudaIpcOpenMemHandle` (not by torch): its address, size and owner device."""
-
-    __slots__ = ("ptr", "nbytes", "device")
-
-    def __init__(self, ptr: int, nbytes: int, device: int) -> None:
-        self.ptr, self.nbytes, self.device = ptr, nbytes, device
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-
-def _segment(t: torch.Tensor, offset: int) -> int:
-    """Base address of the cudaMalloc allocation holding `t`'s storage (`offset`: the
-    storage's offset in it, as `_share_cuda_()` gives it)."""
-    return t.untyped_storage().data_ptr() - offset
 
 
 class _Fast:
@@ -172,30 +126,27 @@ class CudaIpcTransport:
         close, as torch's own import does when its storage dies: until then the peer's
         torch keeps each exported block alive)."""
         self.kernel_batches = 0
-        self.writes = StreamWrites.load() if self.rt is not None and opts.device_signals \
-            else None
-        """The driver's stream writes (DONE published by the GPU), or None: by the host."""
-        self.signal_stream = torch.cuda.Stream(device) if self.writes is not None else None
-        self.ring_ptrs: dict[int, int] = {}  # peer -> its ring's head as the GPU addresses it
-        self.device_signals = 0  # notifications the GPU published
+        self.signals = DeviceSignals.load(rank, device, self.rt, self.mailbox) \
+            if self.rt is not None and opts.device_signals else None
+        """DONE published by the GPU (`ipc_signals.py`), or None: by the host."""
 
     def register(self, regions: list[torch.Tensor]) -> None:
         self.regions = regions
 
     def export(self) -> dict[str, Any]:
-        fields = [_export_region(r) for r in self.regions]
-        self.segments = [_segment(r, f[3]) for r, f in zip(self.regions, fields)]
+        fields = [export_region(r) for r in self.regions]
+        self.segments = [segment(r, f[3]) for r, f in zip(self.regions, fields)]
         return {"regions": fields, "mailbox": self.mailbox.export()}
 
     def import_peer(self, peer: int, desc: dict[str, Any]) -> None:
         self._close_peer(peer)
-        self._settle_signals()  # no stream write may still target a ring being replaced
-        self.ring_ptrs.pop(peer, None)
+        if self.signals is not None:  # no stream write may still target a ring replaced
+            self.signals.forget(peer)
         self.mailbox.import_peer(peer, desc["mailbox"])
         if self._open_here(peer, desc["regions"]):
             return
-        self.peers[peer] = [_import_region(f) for f in desc["regions"]]
-        self.peer_segments[peer] = [_segment(r, f[3]) for r, f in
+        self.peers[peer] = [import_region(f) for f in desc["regions"]]
+        self.peer_segments[peer] = [segment(r, f[3]) for r, f in
                                     zip(self.peers[peer], desc["regions"])]
         regs = self.peers[peer]
         if regs and regs[0].device != self.device:  # torch enables peer access both ways
@@ -209,7 +160,7 @@ class CudaIpcTransport:
         """Open the regions of a peer on another GPU in this device's context (for the copy
         kernel); False where that does not apply (same GPU, no kernel, no runtime, handles
         only torch opens) or fails: torch opens them then, for the copy engines."""
-        raws = [_raw_handle(bytes(f[1])) for f in fields]
+        raws = [raw_handle(bytes(f[1])) for f in fields]
         if self.rt is None or self.kernel is None or not fields or None in raws or \
                 any(int(f[0]) == self.device.index for f in fields):
             return False
@@ -429,54 +380,11 @@ class CudaIpcTransport:
         """Send `msg` to `peer` from the GPU once every batch of `handles` has landed (each
         posted by `post`, not yet known landed here); False where this cannot be done (then
         the caller notifies from the host once `done` says they landed)."""
-        rt, writes = self.rt, self.writes
-        if rt is None or writes is None or self.signal_stream is None or \
+        if self.rt is None or self.signals is None or \
                 not all(h.fast_posted for h in handles):
             return False
-        head = self._ring_ptr(peer)
-        if head is None:
-            return False
-        stream = self.signal_stream.cuda_stream
-        bad = 0
-        for h in handles:
-            bad = bad or rt.wait_event(stream, h.fast.done, 0)  # type: ignore[union-attr]
-        if bad:
-            rt.last_error()
-            return False  # nothing staged yet: the host sends it
-        value = self.mailbox.stage(peer, msg)
-        bad = writes.write64(stream, head, value)
-        if bad:  # staged but not queued: publish it from the host once the copies landed
-            warnings.warn(f"rank {self.rank}: cuStreamWriteValue64 failed (CUDA driver error "
-                          f"{bad}); DONE goes from the host from now on", stacklevel=2)
-            self.writes = None
-            self.signal_stream.synchronize()
-            self.mailbox.out[peer].head.value = value
-        else:
-            self.device_signals += 1
-        return True
-
-    def _ring_ptr(self, peer: int) -> int | None:
-        """The GPU's address of the head of this rank's ring to `peer`, pinned and mapped
-        once (None where that fails: DONE then goes from the host)."""
-        ptr = self.ring_ptrs.get(peer)
-        if ptr is None and self.rt is not None:
-            address, nbytes = self.mailbox.ring_memory(peer)
-            try:
-                with torch.cuda.device(self.device):
-                    ptr = self.rt.map_host(address, nbytes)
-            except RuntimeError as e:
-                warnings.warn(f"rank {self.rank}: could not map the notification ring to peer "
-                              f"{peer} for the GPU ({e}); DONE goes from the host", stacklevel=3)
-                self.writes = None
-                return None
-            rt = self.rt
-            self.mailbox.on_close(peer, lambda: rt.unmap_host(address))
-            self.ring_ptrs[peer] = ptr
-        return ptr
-
-    def _settle_signals(self) -> None:
-        if self.signal_stream is not None:
-            self.signal_stream.synchronize()
+        return self.signals.after([h.fast.done for h in handles],  # type: ignore[union-attr]
+                                  peer, msg)
 
     def poll(self) -> list[tuple[str, bytes]]:
         return self.mailbox.poll()
@@ -493,12 +401,13 @@ class CudaIpcTransport:
                 "kernel_batches": self.kernel_batches, "peers_mapped_here": len(self.opened),
                 "handles_opened_here": sum(map(len, self.opened.values())),
                 "regions_mapped_here": sum(len(self.peers.get(p, ())) for p in self.opened),
-                "device_signals": self.device_signals}
+                "device_signals": self.signals.sent if self.signals is not None else 0}
 
     def close(self) -> None:
         for stream in self.streams:
             stream.synchronize()
-        self._settle_signals()
+        if self.signals is not None:
+            self.signals.settle()
         for peer in list(self.opened):
             self._close_peer(peer)
         self.peers.clear()

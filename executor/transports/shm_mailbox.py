@@ -108,6 +108,10 @@ class ShmMailbox:
         before it."""
         return self._write(peer, msg, staged=True).sent
 
+    def publish(self, peer: int, value: int) -> None:
+        """Publish the staged messages to `peer` up to `value` (`stage`'s) from the host."""
+        self.out[peer].head.value = value
+
     def ring_memory(self, peer: int) -> tuple[int, int]:
         """(address, bytes) of the mapping of the ring this rank writes to `peer`."""
         return self.out[peer].address, _SIZE

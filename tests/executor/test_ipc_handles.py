@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from executor.transports.cuda_ipc import _raw_handle
 from executor.transports.cuda_runtime import IpcMemHandle
+from executor.transports.ipc_regions import raw_handle
 
 
 def test_the_handle_passed_by_value_keeps_every_byte_nuls_included():
@@ -17,8 +17,8 @@ def test_the_handle_passed_by_value_keeps_every_byte_nuls_included():
 
 def test_torch_handles_are_read_by_their_type_byte():
     h = os.urandom(64)
-    assert _raw_handle(h) == h  # a bare cudaIpcMemHandle_t (older torch)
+    assert raw_handle(h) == h  # a bare cudaIpcMemHandle_t (older torch)
     for version in (2, 3):  # torch <= 2.12 and 2.13: version, type 'c', the handle
-        assert _raw_handle(bytes([version]) + b"c" + h) == h
-    assert _raw_handle(bytes([2]) + b"e" + h) is None  # an expandable segment: torch's only
-    assert _raw_handle(h[:40]) is None
+        assert raw_handle(bytes([version]) + b"c" + h) == h
+    assert raw_handle(bytes([2]) + b"e" + h) is None  # an expandable segment: torch's only
+    assert raw_handle(h[:40]) is None
