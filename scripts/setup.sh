@@ -27,5 +27,7 @@ if [ "${1:-}" = "--test" ]; then
   fi
   # SGLang 0.5.23 in a private folder (its own triton); fast when already installed.
   PYTHON=python3 bash tests/oracles/install_sglang.sh > /dev/null
+  # Every oracle imported for real, each in a fresh interpreter: a missing package fails here.
+  python3 -m tests.support.oracles
 fi
 python3 -c "import torch, nixl; print('setup: ok (torch', torch.__version__ + ')')"

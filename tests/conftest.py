@@ -7,7 +7,9 @@
     oracle     real vLLM / Megatron-Core / FSDP2 / SGLang code on CPU (tests/oracles/)
     gpu        needs CUDA GPUs (run on the device machine)
 
-`pytest -m unit` is the quick loop; `pytest -m "not gpu"` what CI runs. A test module can
+`pytest -m unit` is the quick loop. Plain `pytest` leaves out the deep profile (`deep`: live
+engines, the full fuzz, the blame matrix), unless a `-m` expression is given or a deep test's
+file or id is named on the command line; `pytest -m deep` runs it (CI runs both). A test module can
 claim a group itself with `pytestmark = pytest.mark.processes` (or any other group).
 tests/README.md describes the layout.
 """
@@ -39,8 +41,30 @@ def group_of(item: pytest.Item) -> str:
     return _BY_DIR.get(where, "unit")
 
 
+def _named(config: pytest.Config, item: pytest.Item) -> bool:
+    """Whether the command line names this test's file or id (not only a folder above it)."""
+    for arg in config.args:
+        path, _, rest = arg.partition("::")
+        if (config.invocation_params.dir / path).resolve() != item.path.resolve():
+            continue
+        if not rest or item.nodeid.split("::", 1)[1].startswith(rest):
+            return True
+    return False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         g = group_of(item)
         if item.get_closest_marker(g) is None:
             item.add_marker(getattr(pytest.mark, g))
+    if config.option.markexpr:
+        return
+    keep, deep = [], []
+    for item in items:
+        if item.get_closest_marker("deep") is not None and not _named(config, item):
+            deep.append(item)
+        else:
+            keep.append(item)
+    if deep:
+        config.hook.pytest_deselected(items=deep)
+        items[:] = keep

@@ -18,15 +18,13 @@ import pytest
 import yaml
 
 from planner.compiler import compile_file
-from tests.oracles import sglang_env
 from tests.oracles.launch import free_port, launch
+from tests.support import oracles
 from tests.support.sglang_models import deepseek_v3
 
 pytestmark = [pytest.mark.oracle, pytest.mark.deep]
 pytest.importorskip("nixl")
-if not sglang_env.available():
-    pytest.skip(f"SGLang is not installed in {sglang_env.SITE} "
-                "(tests/oracles/install_sglang.sh)", allow_module_level=True)
+oracles.require("sglang")
 
 
 def compiled(tmp_path) -> tuple[dict, str]:

@@ -12,7 +12,6 @@ vLLM's own reference bit for bit (a fresh model that loaded the version's checkp
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import secrets
@@ -23,10 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import oracles
+
 pytestmark = [pytest.mark.oracle, pytest.mark.deep]
-if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") is None:
-    pytest.skip("vllm and nixl are needed (tests/oracles/install_vllm.sh)",
-                allow_module_level=True)
+oracles.require("vllm")
+pytest.importorskip("nixl")
 
 
 from tests.integrations import vllm_cases as vc  # noqa: E402

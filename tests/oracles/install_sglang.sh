@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Install SGLang 0.5.23 for the CPU oracle into a private folder (see sglang_env.py):
-#   SITE = $RDMA_PLAN_SGLANG_SITE or ~/.cache/rdma-plan/sglang-0.5.23
+#   SITE = $RDMA_PLAN_SGLANG_SITE, else $RDMA_PLAN_CACHE/sglang-0.5.23 (default cache
+#   ~/.cache/rdma-plan)
 # with --no-deps, so that torch (2.13.0+cpu), transformers and vLLM's packages are never
 # replaced and triton never reaches the other tests. Idempotent: a complete SITE (marker
 # file written last) returns at once.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 python="${PYTHON:-python3}"
-site="${RDMA_PLAN_SGLANG_SITE:-$HOME/.cache/rdma-plan/sglang-0.5.23}"
+site="${RDMA_PLAN_SGLANG_SITE:-${RDMA_PLAN_CACHE:-$HOME/.cache/rdma-plan}/sglang-0.5.23}"
 req="$here/requirements-sglang.txt"
 marker="$site/.rdma-plan-installed"
 if [ -f "$marker" ] && cmp -s "$marker" "$req"; then

@@ -33,9 +33,11 @@ import types
 from typing import Any
 
 VERSION = "0.5.23"
-SITE = os.environ.get("RDMA_PLAN_SGLANG_SITE",
-                      os.path.expanduser(f"~/.cache/rdma-plan/sglang-{VERSION}"))
-"""Where install_sglang.sh puts SGLang and its extra packages."""
+SITE = os.environ.get("RDMA_PLAN_SGLANG_SITE") or os.path.join(
+    os.environ.get("RDMA_PLAN_CACHE") or os.path.expanduser("~/.cache/rdma-plan"),
+    f"sglang-{VERSION}")
+"""Where install_sglang.sh puts SGLang and its extra packages ($RDMA_PLAN_SGLANG_SITE, else
+sglang-VERSION in $RDMA_PLAN_CACHE, default ~/.cache/rdma-plan)."""
 
 
 def available() -> bool:

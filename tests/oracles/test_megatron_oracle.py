@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("megatron.core")
-pytest.importorskip("transformers")
+from tests.support import oracles  # noqa: E402
+
+oracles.require("megatron")
+oracles.require("transformers")
 
 from tests.oracles.launch import launch  # noqa: E402
 from tests.support.models import deepseek_v3  # noqa: E402

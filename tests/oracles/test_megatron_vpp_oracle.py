@@ -11,6 +11,7 @@ import pytest
 
 from planner.layouts.megatron import chunk_layers
 from schemas.config import ConfigError, SourceConfig
+from tests.support import oracles
 
 DENSE = dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_attention_heads=8,
              num_key_value_heads=2, head_dim=8, num_hidden_layers=4, vocab_size=100,
@@ -49,8 +50,8 @@ def test_chunk_layers_refuses(layers, kw, message):
                  dict(pp=2, vpp=2, pp_first_stage_layers=2), 2, id="pp2-vpp2-uneven-tied"),
 ])
 def test_vpp_matches_real_megatron(hf, source, world):
-    pytest.importorskip("megatron.core")
-    pytest.importorskip("transformers")
+    oracles.require("megatron")
+    oracles.require("transformers")
     from tests.oracles.launch import launch
 
     launch("megatron_vpp_worker.py", world, {"hf": hf, "source": source}, timeout=300)

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.oracles import sglang_env
 from tests.oracles.launch import launch
+from tests.support import oracles
 from tests.support.sglang_models import BASE, deepseek_v3
 
 pytestmark = pytest.mark.oracle
-if not sglang_env.available():
-    pytest.skip(f"SGLang is not installed in {sglang_env.SITE} "
-                "(tests/oracles/install_sglang.sh)", allow_module_level=True)
+oracles.require("sglang")
 
 
 def qwen3(**kw: object) -> dict:

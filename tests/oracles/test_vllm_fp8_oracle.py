@@ -40,7 +40,6 @@ are the only names allowed on vLLM's side alone.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -48,10 +47,10 @@ import pytest
 import torch
 
 from tests.oracles.launch import launch
+from tests.support import oracles
 
 pytestmark = pytest.mark.oracle
-if importlib.util.find_spec("vllm") is None:  # importorskip without the 20 s import
-    pytest.skip("vllm is not installed (tests/oracles/install_vllm.sh)", allow_module_level=True)
+oracles.require("vllm")  # without the 20 s import
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 

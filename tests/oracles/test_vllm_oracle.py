@@ -8,16 +8,14 @@ Install vLLM with `tests/oracles/install_vllm.sh` (no CUDA, torch untouched).
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from tests.oracles.launch import launch
+from tests.support import oracles
 from tests.support.engine_models import gemma3
 
 pytestmark = pytest.mark.oracle
-if importlib.util.find_spec("vllm") is None:  # importorskip without the 20 s import
-    pytest.skip("vllm is not installed (tests/oracles/install_vllm.sh)", allow_module_level=True)
+oracles.require("vllm")  # without the 20 s import
 
 BASE = dict(hidden_act="silu", max_position_embeddings=256, rms_norm_eps=1e-6,
             rope_theta=10000.0, torch_dtype="float32", num_hidden_layers=2, hidden_size=128,

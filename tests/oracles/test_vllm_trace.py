@@ -8,7 +8,6 @@ vLLM's parallel state faked per rank, so no process group is needed.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +16,11 @@ import pytest
 from planner.layouts import traced, vllm, vllm_trace  # noqa: F401 (sets VLLM_TARGET_DEVICE)
 from planner.spec import spec_from_hf
 from schemas.config import ConfigError, TargetConfig
+from tests.support import oracles
 from tests.support.engine_models import deepseek_v3, llama, qwen2, qwen3, qwen3_moe
 
 pytestmark = pytest.mark.oracle
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed (tests/oracles/install_vllm.sh)", allow_module_level=True)
+oracles.require("vllm")
 
 CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "llama tp2": (llama(), dict(tp=2)),

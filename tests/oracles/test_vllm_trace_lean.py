@@ -13,7 +13,6 @@ ones in this process.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -25,12 +24,12 @@ import pytest
 
 from planner.layouts import vllm_lean
 from planner.spec import read_hf_config
+from tests.support import oracles
 from tests.support.engine_models import deepseek_v3, llama, qwen2, qwen3, qwen3_moe
 from tests.support.lean_trace import trace_rows
 
 pytestmark = pytest.mark.oracle
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed (tests/oracles/install_vllm.sh)", allow_module_level=True)
+oracles.require("vllm")
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "plans" / "models"

@@ -10,7 +10,6 @@ CI time. Gemma-3-1B has no hand-written rules: its vLLM layout is traced (needs 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from planner.spec import load_spec
 from planner.validate import validate
 from planner.verify import verify_plan
 from schemas.config import load_config
+from tests.support import oracles
 
 ROOT = Path(__file__).resolve().parents[2]
 UNVERIFIABLE = {"gpt-oss-120b_fsdp2-16_vllm-tp4-ep-x8.yaml"}
@@ -42,11 +42,11 @@ def test_family_plan_compiles_and_verifies(name: str) -> None:
     assert logical <= plan.header.stats.bytes < 1.01 * logical
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="tracing needs vLLM")
 def test_a_family_without_rules_compiles_traced_and_verifies(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """gemma3_text: spec from transformers, the vLLM layout traced (target.layout: auto)
     into an empty cache, one trace for 8 replicas."""
+    oracles.require("vllm")  # tracing needs vLLM
     monkeypatch.setenv("RDMA_PLAN_CACHE", str(tmp_path))
     cfg = load_config(str(ROOT / "plans" / "gemma-3-1b_fsdp2-8_vllm-tp1-x8.yaml"))
     spec = load_spec(cfg.model_config_path)
