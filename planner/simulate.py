@@ -22,7 +22,7 @@ The model (at batch granularity; a batch is one flow):
   headers; CX-7 class NICs process over 200 M messages/s) or `NVLINK_WRITE_S` per write
   over NVLink (between two GPUs `cuda_ipc` copies a batch with one kernel writing over
   NVLink: under ~25 ns a write on two H100s; the copy engines it used before cost ~3.5 us,
-  BENCHMARKS.md "Issue 21: two GPUs").
+  docs/benchmarks-history.md "Issue 21: two GPUs").
   Until 2026-11-22 every write paid `write_overhead_us` of link time; that made 800 KB
   RDMA writes 12% slower than line rate.
 - Packs (and QUANTs) and unpacks of a stage run one after another on their rank: bytes

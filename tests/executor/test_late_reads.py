@@ -4,9 +4,10 @@ copied only when the transport is polled for it the `LAG`-th time, long after `p
 Every rank runs in its own thread over an in-process fabric. The plan (fp32 sources
 through a small staging budget: 44 stages, packs run early, writes in flight across
 stage boundaries) must still land bit-exactly: no early pack may overwrite staging that
-a posted write has not read yet. This caught the GPU race of BENCHMARKS.md "GPU refit"
-on CPU (staging in halves: packs of stage s+1 overwrote what stage s-1's carried writes
-still had to read); `test_the_check_catches_a_race` shows it still would."""
+a posted write has not read yet. This caught the GPU race of docs/benchmarks-history.md
+"4x H200, 14:24 UTC" on CPU (staging in halves: packs of stage s+1 overwrote what stage
+s-1's carried writes still had to read); `test_the_check_catches_a_race` shows it still
+would."""
 
 from __future__ import annotations
 
