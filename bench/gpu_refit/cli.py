@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-mib", type=int, default=1024)
     p.add_argument("--floor-mib", type=int, default=4096, help="peer-copy buffer size")
     p.add_argument("--max-write-mib", type=int, default=0, help="compile option override")
+    p.add_argument("--staging-mib", type=int, default=0,
+                   help="compile option override: options.staging_bytes in MiB")
     p.add_argument("--fp8-cpu-check", type=int, default=1 << 27,
                    help="FP8 targets: elements per rank checked against the reference "
                    "quantizer on the CPU; the rest against it on the GPU")
@@ -131,7 +133,7 @@ def compile_plans(args: argparse.Namespace, setup: Setup) -> tuple[list[str], di
     work = tempfile.mkdtemp(prefix="gpu-refit-plans-")
     plans, compile_info = [], {}
     for model in args.models:
-        cfg = setup.config(model, args.max_write_mib)
+        cfg = setup.config(model, args.max_write_mib, args.staging_mib)
         spec = load_spec(cfg.model_config_path)
         validate(cfg, spec)
         t0 = time.perf_counter()

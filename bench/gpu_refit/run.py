@@ -46,7 +46,7 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
 
     torch, dist, args, rank = ctx.torch, ctx.dist, ctx.args, ctx.rank
     setup = ctx.setup
-    cfg = setup.config(model, args.max_write_mib)
+    cfg = setup.config(model, args.max_write_mib, args.staging_mib)
     spec = load_spec(cfg.model_config_path)
     src, dst = build_layout(spec, cfg.source), build_layout(spec, cfg.target)
     assert (src.world, dst.world) == (len(setup.trainers), len(setup.targets)), \

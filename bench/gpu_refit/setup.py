@@ -63,13 +63,16 @@ class Setup:
         return Setup(dict(placement="colocated", hosts=1, gpus_per_host=2, nics_per_host=2,
                           source_gpus_per_host=1), cases, 2, (0,), (1,))
 
-    def config(self, model: str, max_write_mib: int | None = None):
+    def config(self, model: str, max_write_mib: int | None = None,
+               staging_mib: int | None = None):
         """The compile config of `model` on this setup (`schemas.config.Config`)."""
         from schemas.config import config_from_dict
 
         source, target = self.cases[model]
         data = {"model": {"config": f"{model.split(':')[0]}/config.json"}, "source": source,
                 "target": target, "cluster": self.cluster}
-        if max_write_mib:
-            data["options"] = {"max_write_bytes": max_write_mib << 20}
+        options = {**({"max_write_bytes": max_write_mib << 20} if max_write_mib else {}),
+                   **({"staging_bytes": staging_mib << 20} if staging_mib else {})}
+        if options:
+            data["options"] = options
         return config_from_dict(data, base_dir=MODELS_DIR)
