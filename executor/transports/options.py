@@ -28,7 +28,7 @@ class NixlOptions:
     sgl: bool = True
     """A batch's writes as one scatter-gather put (NIXL_UCX_SGL_ENABLE): over CUDA IPC one
     `cuMemcpyBatchAsync` and one event per batch instead of a copy and an event per write.
-    4 H200s, Qwen3-8B / Qwen3-30B-A3B: 1.17x / 1.27x the floor without, 1.07x / 1.05x
+    4 H200s, Qwen3-8B / Qwen3-30B-A3B: 1.18x / 1.26x the floor without, 1.06x / 1.05x
     with (BENCHMARKS.md, issue 37)."""
 
 
