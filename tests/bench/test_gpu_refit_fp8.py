@@ -4,6 +4,7 @@ or scale fails it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bench.gpu_refit.weights import check_targets, generate
@@ -13,6 +14,8 @@ from planner.materialize import DTYPES
 from planner.spec import spec_from_hf
 from schemas.plan import write_plan
 from tests.support.synthetic import FP8_HF, fp8_config, fused_col_split, row_split
+
+pytestmark = pytest.mark.slow  # ~20 s quiet: a compile and a 7-rank FP8 run on the CPU
 
 
 def test_fp8_check_passes_the_executor_and_catches_a_flip(tmp_path) -> None:
