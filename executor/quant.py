@@ -42,8 +42,12 @@ def quantize_into(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor,
 
 
 def prepare_quants(copies: Table, rows: np.ndarray, regions: list[torch.Tensor]) -> list[Op]:
-    """One op per QUANT row, with its views and scratch built now, not per step."""
-    ops = []
+    """On a GPU, one kernel for the rows it takes (`quant_kernel.py`); one op per other
+    QUANT row, with its views and scratch built now, not per step."""
+    from .quant_kernel import prepare
+
+    kernel, rows = prepare(copies, rows, regions)
+    ops = [kernel] if kernel is not None else []
     for i in rows.tolist():
         m, n = int(copies["size0"][i]), int(copies["size1"][i])
         src = typed(regions[int(copies["src_region"][i])],

@@ -21,6 +21,12 @@ deterministic hash of (logical tensor, element index)), ranks 2-3 the inference 
   (c) the floor: the most bytes any inference GPU receives / the GPU0 -> GPU2 peer-copy
       bandwidth measured in the same run (`dst.copy_(src)` of a 4 GiB buffer).
 
+`MODEL:fp8` (e.g. `qwen3-8b:fp8`) has block-FP8 inference weights (`target.dtype:
+fp8_block128`): the trainers quantize in the transfer, every FP8 piece is checked against
+the reference quantizer (on the CPU for the first `--fp8-cpu-check` elements of a rank, on
+the GPU after), the NCCL baseline is skipped, and the report gives its time over the bf16
+model's. `nixl-nosgl` posts a put per write (NIXL's scatter-gather off), for comparison.
+
 A step's time is max(end over ranks) - min(start over ranks) after a barrier (CLOCK_MONOTONIC
 is shared by the processes of one host). After (a) and after (b) every inference tensor is
 compared bit-exactly with the reference, generated independently from the target layout's

@@ -27,16 +27,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--transports", help="comma-separated executor transports; "
                    "cuda_ipc:N uses N copy streams (default executor.transports.cuda_ipc."
                    "STREAMS), cuda_ipc-raw posts copies one by one (no CUDA graphs), "
-                   "cuda_ipc-engines keeps the copy engines (no copy kernel); a "
+                   "cuda_ipc-engines keeps the copy engines (no copy kernel); nixl-nosgl posts "
+                   "a put per write (no scatter-gather); a "
                    "suffix @M keeps M batches in flight (default 8)")
     p.add_argument("--gpus", type=int, default=4, help="4 (2 trainers, 2 inference) or 2")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--no-baseline", action="store_true", help="skip the NCCL baseline")
     p.add_argument("--baseline-steps", type=int, default=0, help="default: --steps")
     p.add_argument("--part-steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bucket-mib", type=int, default=1024)
     p.add_argument("--floor-mib", type=int, default=4096, help="peer-copy buffer size")
     p.add_argument("--max-write-mib", type=int, default=0, help="compile option override")
+    p.add_argument("--staging-mib", type=int, default=0,
+                   help="compile option override: options.staging_bytes in MiB")
+    p.add_argument("--fp8-cpu-check", type=int, default=1 << 27,
+                   help="FP8 targets: elements per rank checked against the reference "
+                   "quantizer on the CPU; the rest against it on the GPU")
     p.add_argument("--exec-timeout", type=float, default=120.0)
     p.add_argument("--profile", action="store_true", help="torch profiler tables (GPU)")
     p.add_argument("--copy-microbench", action="store_true",
@@ -126,7 +133,7 @@ def compile_plans(args: argparse.Namespace, setup: Setup) -> tuple[list[str], di
     work = tempfile.mkdtemp(prefix="gpu-refit-plans-")
     plans, compile_info = [], {}
     for model in args.models:
-        cfg = setup.config(model, args.max_write_mib)
+        cfg = setup.config(model, args.max_write_mib, args.staging_mib)
         spec = load_spec(cfg.model_config_path)
         validate(cfg, spec)
         t0 = time.perf_counter()

@@ -46,6 +46,13 @@ def table(results: dict) -> tuple[list[list[str]], list[str]]:
                          f"{med / floor_s:.2f}" if floor_s else "",
                          f"{base / med:.1f}x" if base else "",
                          "yes" if r.get("bit_exact") else "NO"])
+        bf16 = next((b for b in results["models"] if m["model"].endswith(":fp8")
+                     and b["model"] == m["model"][:-len(":fp8")]), None)
+        for name, r in m["methods"].items() if bf16 else ():
+            b = bf16["methods"].get(name, {})
+            if "median" in r and "median" in b:
+                notes.append(f"{m['model']}: {name} takes {r['median'] / b['median']:.2f}x "
+                             f"the time of {bf16['model']} (bf16 targets)")
         for name, r in m.get("baseline_parts", {}).items():
             notes.append(f"{m['model']}: baseline {name}: {r['median']:.4f} s "
                          f"[{r['min']:.4f}-{r['max']:.4f}]")
@@ -79,7 +86,7 @@ def render_md(results: dict) -> str:
            "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     if notes:
-        out += ["", "Baseline parts (each alone, same buckets):", ""]
+        out += ["", "Baseline parts (each alone, same buckets) and FP8 / bf16 times:", ""]
         out += [f"- {n}" for n in notes]
     for line in results.get("notes", []):
         out += ["", line]

@@ -16,8 +16,9 @@ from bench.gpu_refit.weights import check_generator, check_targets, generate
 def transport_variant(entry: str) -> tuple[str, dict, int]:
     """A `--transports` entry -> (transport, its options, batches in flight):
     `cuda_ipc:N` uses N copy streams, `cuda_ipc-raw` posts copies one by one (no CUDA
-    graphs), `cuda_ipc-engines` keeps the copy engines (no copy kernel), a suffix `@M`
-    keeps M batches in flight (default 8)."""
+    graphs), `cuda_ipc-engines` keeps the copy engines (no copy kernel); `nixl-nosgl`
+    posts a put per write (no scatter-gather); a suffix `@M` keeps M batches in flight
+    (default 8)."""
     tr, _, inflight = entry.partition("@")
     kind, _, streams = tr.partition(":")
     options: dict = {}
@@ -25,6 +26,9 @@ def transport_variant(entry: str) -> tuple[str, dict, int]:
         options = cuda_ipc_options(int(streams or 4), graphs=not kind.endswith("-raw"),
                                    kernel=not kind.endswith("-engines"))
         kind = "cuda_ipc"
+    elif kind.startswith("nixl"):
+        options = {"sgl": not kind.endswith("-nosgl")}
+        kind = "nixl"
     return kind, options, int(inflight or 8)
 
 
@@ -42,14 +46,15 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
 
     torch, dist, args, rank = ctx.torch, ctx.dist, ctx.args, ctx.rank
     setup = ctx.setup
-    cfg = setup.config(model, args.max_write_mib)
+    cfg = setup.config(model, args.max_write_mib, args.staging_mib)
     spec = load_spec(cfg.model_config_path)
     src, dst = build_layout(spec, cfg.source), build_layout(spec, cfg.target)
     assert (src.world, dst.world) == (len(setup.trainers), len(setup.targets)), \
         (src.world, dst.world)
     is_src = rank in setup.trainers
     rl = src.ranks[rank] if is_src else dst.ranks[rank - len(setup.trainers)]
-    if not ctx.gpu and rank in (0, setup.targets[0]):
+    fp8 = cfg.target.dtype == "fp8_block128"
+    if not ctx.gpu and rank in (0, *(() if fp8 else (setup.targets[0],))):
         layout, local = (src, 0) if rank == 0 else (dst, 0)
         bad = check_generator(spec, layout, local, seed=5)
         print(f"[rank {rank}] generator vs materialize: "
@@ -72,12 +77,19 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
         ctx.barrier()
 
     def verify(label: str, seed: int) -> bool:
-        bad = check_targets(tensors, rl, spec, seed) if not is_src else []
+        counts = {"cpu_budget": args.fp8_cpu_check}
+        bad = check_targets(tensors, rl, spec, seed, counts) if not is_src else []
         allbad = ctx.gather(bad)
         ok = not any(allbad)
+        checked = ctx.gather({k: counts.get(k, 0) for k in ("cpu", "gpu")})
+        if fp8:
+            out.setdefault("fp8_checked", {})[label] = checked
         if rank == 0:
+            where = (f" (FP8 elements against the reference quantizer, per rank, on CPU / "
+                     f"GPU: {[(c['cpu'], c['gpu']) for c in checked]})" if fp8 else "")
             print(f"[{model}] {label}: inference tensors bit-exact: "
-                  f"{'yes' if ok else 'NO ' + str([b[:3] for b in allbad])}", flush=True)
+                  f"{'yes' if ok else 'NO ' + str([b[:3] for b in allbad])}{where}",
+                  flush=True)
         return ok
 
     fresh(seed)
@@ -96,6 +108,8 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
         try:  # a fresh key prefix per load: never meet a closed executor's descriptors
             store = dist.PrefixStore(f"rplan-{ctx.runs}-{model}-{tr}", ctx.store)
             kind, options, inflight = transport_variant(tr)
+            if kind == "nixl":  # read when the agent's UCX backend is created
+                os.environ["NIXL_UCX_SGL_ENABLE"] = "1" if options.get("sgl", True) else "0"
             ex = executor.load(plan_path, rank=rank, tensors=tensors, transport=kind,
                                rendezvous=store, timeout_s=args.exec_timeout,
                                max_inflight=inflight,
@@ -144,7 +158,7 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
 
     for tr in transports:
         rdma_plan(tr)
-    if baseline:
+    if baseline and not fp8:  # the NCCL baseline moves bf16 (no quantizer)
         seed += 1
         fresh(seed)
         run_baseline(ctx, model, spec, src, dst, tensors, out, verify, seed)
@@ -175,7 +189,7 @@ def worker(args) -> int:
         for model, plan in zip(args.models, args.plans):
             out = {"model": model, "methods": {}}
             results["models"].append(out)
-            run_model(ctx, model, plan, out, save, args.transports[:1])
+            run_model(ctx, model, plan, out, save, args.transports[:1], not args.no_baseline)
         # other transports (e.g. nixl) after every model's main results: a hang costs less
         for out, plan in zip(results["models"], args.plans):
             if args.transports[1:]:

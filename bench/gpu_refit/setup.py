@@ -17,6 +17,11 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
                 "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+def fp8(case: tuple[dict, dict]) -> tuple[dict, dict]:
+    """`case` with block-FP8 inference weights."""
+    return case[0], {**case[1], "dtype": "fp8_block128"}
+
+
 def now() -> float:
     return time.clock_gettime(time.CLOCK_MONOTONIC)
 
@@ -42,26 +47,32 @@ class Setup:
         (vLLM TP 2). 2 GPUs: one trainer (GPU 0) and one inference GPU (GPU 1), TP 1 on both
         sides (a "MODEL:fp32" case keeps fp32 weights on the trainer: every chunk is cast,
         so packed into staging, which exercises early packs and writes in flight across
-        stages)."""
+        stages). Any "MODEL:fp8" case has block-FP8 inference weights (`target.dtype:
+        fp8_block128`): the bf16 sources quantize into staging before the writes."""
         if n == 4:  # DENSE is plans/qwen3-8b_megatron-tp2_vllm-tp2.yaml
             cases = {"qwen3-8b": DENSE, "qwen3-30b-a3b": MOE, "tiny-qwen3": DENSE,
                      "tiny-qwen3-moe": MOE}
+            cases.update({f"{m}:fp8": fp8(c) for m, c in cases.items()})
             return Setup(dict(placement="colocated", hosts=1, gpus_per_host=4, nics_per_host=4,
                               source_gpus_per_host=2), cases, 4, (0, 1), (2, 3))
         if n != 2:
             raise SystemExit(f"--gpus {n}: 4 (the issue's setup) or 2")
         fp32 = ({**ONE_TO_ONE[0], "dtype": "float32"}, ONE_TO_ONE[1])
-        cases = {**{m: ONE_TO_ONE for m in MODELS}, **{f"{m}:fp32": fp32 for m in MODELS}}
+        cases = {**{m: ONE_TO_ONE for m in MODELS}, **{f"{m}:fp32": fp32 for m in MODELS},
+                 **{f"{m}:fp8": fp8(ONE_TO_ONE) for m in MODELS}}
         return Setup(dict(placement="colocated", hosts=1, gpus_per_host=2, nics_per_host=2,
                           source_gpus_per_host=1), cases, 2, (0,), (1,))
 
-    def config(self, model: str, max_write_mib: int | None = None):
+    def config(self, model: str, max_write_mib: int | None = None,
+               staging_mib: int | None = None):
         """The compile config of `model` on this setup (`schemas.config.Config`)."""
         from schemas.config import config_from_dict
 
         source, target = self.cases[model]
         data = {"model": {"config": f"{model.split(':')[0]}/config.json"}, "source": source,
                 "target": target, "cluster": self.cluster}
-        if max_write_mib:
-            data["options"] = {"max_write_bytes": max_write_mib << 20}
+        options = {**({"max_write_bytes": max_write_mib << 20} if max_write_mib else {}),
+                   **({"staging_bytes": staging_mib << 20} if staging_mib else {})}
+        if options:
+            data["options"] = options
         return config_from_dict(data, base_dir=MODELS_DIR)

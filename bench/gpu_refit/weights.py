@@ -64,13 +64,23 @@ def generate(tensors: dict, rank_layout, spec, seed: int) -> None:
         fill_pieces(t, pt, spec, seed)
 
 
-def check_targets(tensors: dict, rank_layout, spec, seed: int) -> list[str]:
-    """Names of the tensors that differ (bit-exactly) from the reference."""
+def check_targets(tensors: dict, rank_layout, spec, seed: int,
+                  fp8_counts: dict | None = None) -> list[str]:
+    """Names of the tensors that differ (bit-exactly) from the reference. Block-FP8 tensors
+    (and their `_scale_inv` siblings) are held to the reference quantizer
+    (`check_fp8`); `fp8_counts` collects how many of their elements were checked where."""
     import torch
 
     bad = []
+    counts = fp8_counts if fp8_counts is not None else {}
     for pt in rank_layout.tensors:
         t = tensors[pt.name]
+        if pt.dtype == "float8_e4m3fn":
+            scale = tensors[pt.name + "_scale_inv"]
+            bad += [pt.name] if check_fp8(t, scale, pt, spec, seed, counts) else []
+            continue
+        if pt.name.endswith("_scale_inv") and pt.name[:-len("_scale_inv")] in tensors:
+            continue  # checked with its weight
         want = torch.zeros_like(t)
         fill_pieces(want, pt, spec, seed)
         if not torch.equal(t.view(torch.int16) if t.dtype == torch.bfloat16 else t,
@@ -94,3 +104,44 @@ def check_generator(spec, layout, local: int, seed: int) -> list[str]:
             for pt in layout.ranks[local].tensors}
     generate(mine, layout.ranks[local], spec, seed)
     return [n for n in ref if not torch.equal(ref[n], mine[n])]
+
+
+def check_fp8(t, scale, pt, spec, seed: int, counts: dict) -> bool:
+    """Whether a block-FP8 target tensor `t` (and its scales `scale`) differs from the
+    reference quantizer (`planner.testing.quantize_block128`, vLLM's
+    `per_block_cast_to_fp8`) applied to the bf16 logical box of each piece. Pieces are
+    128-block-aligned (`planner.fp8`), so a piece's blocks are the logical tensor's.
+    The reference runs on the CPU for the first `counts["cpu_budget"]` elements of the rank
+    (default 2^27) and on this GPU after that (tests/planner/test_fp8_gpu.py holds the two
+    equal bit for bit)."""
+    import torch
+
+    from planner.materialize import piece_view
+    from planner.testing import quantize_block128
+
+    by = spec.by_name
+    spieces = list(scale_pieces(pt, spec))
+    differs = False
+    for piece, sp in zip(pt.pieces, spieces):
+        box = logical_values(by[piece.tensor].shape, piece.offsets, piece.sizes,
+                             tensor_key(piece.tensor, seed), t.device, torch.bfloat16)
+        cpu = counts.get("cpu", 0) + box.numel() <= counts.get("cpu_budget", 1 << 27)
+        q_ref, s_ref = quantize_block128(box.cpu() if cpu else box)
+        key = "cpu" if cpu else "gpu"
+        counts[key] = counts.get(key, 0) + box.numel()
+        q = piece_view(t, piece)
+        s = piece_view(scale, sp)
+        if cpu:
+            q, s = q.cpu(), s.cpu()
+        if not (torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+                and torch.equal(s.view(torch.int32), s_ref.view(torch.int32))):
+            differs = True
+        del box, q_ref, s_ref
+    return differs
+
+
+def scale_pieces(pt, spec):
+    """The pieces of the `_scale_inv` sibling of FP8 tensor `pt`, in `pt`'s piece order."""
+    from planner.fp8 import _scale_tensor
+
+    return _scale_tensor(pt, spec.by_name).pieces

@@ -3,6 +3,12 @@
 Memory is registered before the agent metadata is exported. Each batch becomes one
 prepared NIXL transfer (`prep_xfer_dlist` for both sides + `make_prepped_xfer`) at
 connect time; a step re-posts it with `transfer()`. Notifications are NIXL notifs.
+
+The per-write cost (issue 37): NIXL's UCX backend posts a prepared transfer as one put per
+descriptor; over CUDA IPC each put is a `cuMemcpyDtoDAsync` plus an event recorded and
+polled, all on the one stream UCX keeps for that peer GPU. With `sgl` (the default) the
+backend posts a batch as one scatter-gather put, which UCX's CUDA IPC transport issues as
+one `cuMemcpyBatchAsync` with one event. More UCX workers (own streams) changed nothing.
 A restarted peer is imported again (`import_peer` replaces the old remote agent) after the
 executor released the handles that named it (`release`).
 """
@@ -26,6 +32,8 @@ class NixlTransport:
         opts = options or NixlOptions()
         self.rank = rank
         self.name = f"{namespace}-r{rank}-{os.getpid()}-{id(self):x}"
+        if opts.sgl:  # read when the UCX backend is created; a caller's setting wins
+            os.environ.setdefault("NIXL_UCX_SGL_ENABLE", "1")
         self.agent = nixl_agent(self.name, nixl_agent_config(
             enable_prog_thread=opts.progress_thread, backends=list(opts.backends)))
         self.peers: dict[int, tuple[str, list[int], int]] = {}  # name, addrs, device id

@@ -1,0 +1,50 @@
+"""The GPU refit benchmark's FP8 check (`bench.gpu_refit.weights.check_fp8`) on CPU: a
+block-FP8 plan run with the benchmark's generated weights passes it, and a flipped FP8 byte
+or scale fails it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.gpu_refit.weights import check_targets, generate
+from planner.compiler import compile_layouts
+from planner.fp8 import quantize_layout, with_scales
+from planner.materialize import DTYPES
+from planner.spec import spec_from_hf
+from schemas.plan import write_plan
+from tests.support.synthetic import FP8_HF, fp8_config, fused_col_split, row_split
+
+pytestmark = pytest.mark.slow  # ~20 s quiet: a compile and a 7-rank FP8 run on the CPU
+
+
+def test_fp8_check_passes_the_executor_and_catches_a_flip(tmp_path) -> None:
+    import executor
+
+    spec = spec_from_hf(FP8_HF)
+    src, dst = row_split(spec, 3), quantize_layout(fused_col_split(spec, 2, 2), spec)
+    path = str(tmp_path / "p.rplan")
+    write_plan(path, compile_layouts(fp8_config(), with_scales(spec), src, dst))
+    tensors = {}
+    for rl in src.ranks:
+        tensors[rl.rank] = {pt.name: torch.empty(pt.shape, dtype=DTYPES[pt.dtype])
+                            for pt in rl.tensors}
+        generate(tensors[rl.rank], rl, spec, seed=3)
+    n = len(src.ranks)
+    for rl in dst.ranks:
+        tensors[n + rl.rank] = {pt.name: torch.zeros(pt.shape, dtype=DTYPES[pt.dtype])
+                                for pt in rl.tensors}
+    executor.run_all_local(path, tensors)
+    counts = {"cpu_budget": 1 << 14}  # some pieces on the "CPU" path, the rest not
+    for rl in dst.ranks:
+        assert check_targets(tensors[n + rl.rank], rl, spec, 3, counts) == []
+    assert counts["cpu"] > 0 and counts["gpu"] > 0
+    rl = dst.ranks[1]
+    mine = tensors[n + 1]
+    name = next(pt.name for pt in rl.tensors if pt.dtype == "float8_e4m3fn")
+    for victim in (name, name + "_scale_inv"):
+        raw = mine[victim].view(torch.uint8).view(-1)
+        raw[0] ^= 1
+        assert check_targets(mine, rl, spec, 3) == [name], victim
+        raw[0] ^= 1
+    assert check_targets(mine, rl, spec, 4) != []  # another seed's weights differ
