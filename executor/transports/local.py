@@ -5,12 +5,18 @@ Writes are torch copies between the ranks' regions, prepared once per batch
 where it builds. Every rank queues its kernels and copies on the one current stream, in
 program order: on a GPU a batch's copies are one CUDA graph, a stage's batches one batch
 per destination, and nothing waits for a kernel before a signal (`one_stream`).
+
+Signals go through the receiving rank's mailbox (`local_mailbox.py`: exactly once under any
+interleaving). `Fabric(shared=True)` lets the ranks run as processes: build, register and
+connect every rank in one process, then fork one process per rank; regions move to shared
+memory at `register` and the mailboxes live in shared memory (CPU tensors only; the store
+stays per process after the fork, so a failed step is not recovered across processes).
 """
 
 from __future__ import annotations
 
 import os
-from collections import defaultdict
+import threading
 from typing import Any
 
 import torch
@@ -18,19 +24,32 @@ import torch
 from .base import WriteBatch
 from .copy_kernel import CopyKernel, batch_copies
 from .graphs import as_graph
+from .local_mailbox import Mailbox, SharedMailbox
 from .options import LocalOptions
 from .torch_copy import Op, prepare_copies
 
 
 class Fabric:
-    """The shared registry of an in-process world: regions, mailboxes and a key/value store."""
+    """The shared registry of an in-process world: regions, mailboxes and a key/value store.
+    `shared`: ranks may be forked into processes after `connect` (see the module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
+        self.shared = shared
         self.regions: dict[tuple[str, int], list[torch.Tensor]] = {}
-        self.mailboxes: dict[tuple[str, int], list[tuple[str, bytes]]] = defaultdict(list)
+        self.mailboxes: dict[tuple[str, int], Mailbox | SharedMailbox] = {}
         self.kv: dict[str, bytes] = {}
         self.secret = os.urandom(32)
         """The job secret of this in-process world (it never leaves the process)."""
+        self._lock = threading.Lock()
+
+    def mailbox(self, namespace: str, rank: int) -> Mailbox | SharedMailbox:
+        """Rank `rank`'s mailbox, made on first use (by its sender or by itself)."""
+        with self._lock:
+            box = self.mailboxes.get((namespace, rank))
+            if box is None:
+                box = SharedMailbox() if self.shared else Mailbox()
+                self.mailboxes[(namespace, rank)] = box
+            return box
 
     def set(self, key: str, value: bytes) -> None:
         self.kv[key] = value
@@ -53,9 +72,18 @@ class LocalTransport:
         self.options = options or LocalOptions()
         self.peers: dict[int, list[torch.Tensor]] = {}
         self.regions: list[torch.Tensor] = []
+        self.inbox = self.fabric.mailbox(namespace, rank)
+        self.outboxes: dict[int, Mailbox | SharedMailbox] = {}
         self.fuse_batches = self.graph_ops = False  # on a GPU: see the module doc
 
     def register(self, regions: list[torch.Tensor]) -> None:
+        if self.fabric.shared:  # peers forked later write into them
+            for r in regions:
+                if r.is_cuda:
+                    raise ValueError(f"rank {self.rank}: a shared Fabric (ranks forked into "
+                                     f"processes) needs CPU tensors, not {r.device}; use "
+                                     "'cuda_ipc' or 'nixl' for GPU ranks in processes")
+                r.share_memory_()
         self.regions = regions
         self.fabric.regions[(self.ns, self.rank)] = regions
         self.fuse_batches = self.graph_ops = bool(regions) and regions[0].is_cuda
@@ -65,6 +93,7 @@ class LocalTransport:
 
     def import_peer(self, peer: int, desc: dict[str, Any]) -> None:
         self.peers[peer] = self.fabric.regions[(self.ns, int(desc["rank"]))]
+        self.outboxes[peer] = self.fabric.mailbox(self.ns, int(desc["rank"]))
 
     def prepare(self, batch: WriteBatch) -> list[Op]:
         ops = self._kernel_ops(batch) if self.graph_ops else None
@@ -95,7 +124,8 @@ class LocalTransport:
         return True
 
     def notify(self, peer: int, msg: bytes) -> None:
-        self.fabric.mailboxes[(self.ns, peer)].append((f"local:{self.rank}", msg))
+        box = self.outboxes.get(peer)
+        (self.fabric.mailbox(self.ns, peer) if box is None else box).put(self.rank, msg)
 
     def peer_id(self, peer: int) -> str:
         return f"local:{peer}"
@@ -107,9 +137,7 @@ class LocalTransport:
         return {}
 
     def poll(self) -> list[tuple[str, bytes]]:
-        box = self.fabric.mailboxes[(self.ns, self.rank)]
-        msgs, box[:] = list(box), []
-        return msgs
+        return [(f"local:{sender}", msg) for sender, msg in self.inbox.take()]
 
     def close(self) -> None:
         self.fabric.regions.pop((self.ns, self.rank), None)
