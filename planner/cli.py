@@ -217,9 +217,11 @@ def _cmd_tensors(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from planner.progress import Progress
     from planner.verify import verify_file
 
-    violations = verify_file(args.plan)
+    with Progress("verify") as progress:
+        violations = verify_file(args.plan, progress)
     if violations:
         print(f"rdma-plan: verify: {len(violations)} violation(s); first: {violations[0]}",
               file=sys.stderr)
