@@ -27,10 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import networkx as nx
 import numpy as np
 
-from planner.passes.lower import ALIGN
 from planner.planfile import PlanFile, PlanRanks, ticker
 from planner.verify_rank import (
     MAX_RUNS,  # noqa: F401 (part of verify's face)
@@ -43,7 +41,7 @@ from planner.verify_rank import (
     rank_dataflow,
     rank_egress,
     rank_sizes,
-    staging_use,
+    rank_staging_fit,
 )
 from schemas.header import PlanHeader
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, UNPACK, Plan, RankPlan
@@ -91,7 +89,9 @@ class _Survey:
         self.bounds: dict[int, str] = {}
         self.incoming: dict[int, list[Incoming]] = {}
         self.sent: list[np.ndarray] = []
-        self.waited: list[np.ndarray] = []
+        self.waited: dict[int, np.ndarray] = {}
+        self.checked: set[int] = set()
+        self.late: list[str] = []
         self.pairs: list[np.ndarray] = []
         self.egress: dict[str, int] = {}
         self.size_msgs: list[str] = []
@@ -112,13 +112,26 @@ class _Survey:
             self.egress[rp.nics[0]] = self.egress.get(rp.nics[0], 0) + rank_egress(rp)
         s, g = rp.signals, rp.waits
         self.sent.append(_key(np.full(len(s), rp.rank), s["stage"], s["peer"], s["kind"], w))
-        self.waited.append(_key(np.full(len(g), rp.rank), g["stage"], g["peer"], g["kind"], w))
+        self.waited[rp.rank] = _key(np.full(len(g), rp.rank), g["stage"], g["peer"], g["kind"],
+                                    w)
         self.pairs.append(np.unique(_key(np.full(len(rp.writes), rp.rank), write_stages(rp),
                                          rp.writes["dst_rank"], 0, w)))
         for peer, part in outgoing(rp).items():
+            if peer in self.checked:
+                self.late.append(f"rank {rp.rank} writes into rank {peer}, which waits for no "
+                                 f"DONE from rank {rp.rank}")
             self.incoming.setdefault(peer, []).append(part)
         if staging_index(rp) >= 0 or (rp.copies["kind"] == UNPACK).any():
             self.second.append(rp.rank)
+
+    def ready(self, rp: RankPlan) -> bool:
+        """Whether every rank that may write into `rp` (those it waits for a DONE from) has
+        been read: its checks against what lands in it can run now. A write from a rank read
+        later is then a violation of its own (`late`)."""
+        g = rp.waits
+        writers = g["peer"][g["kind"] == DONE]
+        return rp.rank not in self.bounds and bool((writers < rp.rank).all()) \
+            and all(int(p) in self.sizes for p in np.unique(writers).tolist())
 
     def bounds_msgs(self) -> list[str]:
         """Each rank's first bounds violation, or else its `peer_regions` (what its executor
@@ -137,30 +150,7 @@ class _Survey:
         return out
 
 
-def _staging_fit(rp: RankPlan, inc: Incoming) -> list[str]:
-    """No rank's staging exceeds what its ops use at peak: it ends at the last staging byte
-    they touch (rounded up to `ALIGN`), and it is at most the bytes the `SLOTS` stages
-    that use the most touch (a stage's use: from its first to its last byte; the rotation
-    keeps up to `SLOTS` stages' staging live at once), plus `ALIGN` per slot."""
-    stage, lo, hi = staging_use(rp, inc)
-    have = rp.regions[-1].nbytes
-    keep = hi > lo
-    stage, lo, hi = stage[keep], lo[keep], hi[keep]
-    end = -(-int(hi.max(initial=0)) // ALIGN) * ALIGN
-    first = np.full(int(stage.max(initial=-1)) + 1, np.iinfo(np.int64).max)
-    last = np.zeros(len(first), dtype=np.int64)
-    np.minimum.at(first, stage, lo)
-    np.maximum.at(last, stage, hi)
-    span = np.sort(np.where(last > 0, last - first, 0))[::-1]
-    peak = int(span[:SLOTS].sum()) + SLOTS * ALIGN
-    if have > min(end, peak):
-        return [f"rank {rp.rank}: staging of {have} bytes exceeds what its ops use at peak "
-                f"(they touch bytes up to {end}; its {SLOTS} busiest stages "
-                f"{peak - SLOTS * ALIGN})"]
-    return []
-
-
-def _acks(rp: RankPlan, inc: Incoming, waited: np.ndarray, world: int
+def _acks(rp: RankPlan, inc: Incoming, waited: dict[int, np.ndarray], world: int
           ) -> list[tuple[int, int, str]]:
     """Writes into `rp`'s staging after stage 0 whose writer waits for no ACK of the stage
     before touch no byte `rp` may still read (SLOT_ACK: in the stages it does not cover)."""
@@ -173,6 +163,7 @@ def _acks(rp: RankPlan, inc: Incoming, waited: np.ndarray, world: int
     inv = inv.reshape(-1)
     g_src, g_st = groups[:, 0], groups[:, 1]
     me = np.full(len(groups), rp.rank)
+    waited = _keys([waited.get(int(p), np.zeros(0, np.int64)) for p in np.unique(g_src)])
     acked = np.isin(_key(g_src, g_st, me, ACK, world), waited)
     slot = np.isin(_key(g_src, g_st, me, SLOT_ACK, world), waited)
     if acked.all():
@@ -200,6 +191,30 @@ def _acks(rp: RankPlan, inc: Incoming, waited: np.ndarray, world: int
     return out
 
 
+def acyclic(n: int, u: np.ndarray, v: np.ndarray) -> bool:
+    """Whether the graph of `n` nodes and edges `u -> v` has no cycle (Kahn's algorithm, one
+    numpy step per level; an edge naming no node is a cycle: the DAG is malformed)."""
+    u, v = u.astype(np.int64), v.astype(np.int64)
+    if len(u) and (min(u.min(), v.min()) < 0 or max(u.max(), v.max()) >= n):
+        return False
+    order = np.argsort(u, kind="stable")
+    v = v[order]
+    start = np.searchsorted(u[order], np.arange(n + 1))
+    indeg = np.bincount(v, minlength=n)
+    frontier = np.flatnonzero(indeg == 0)
+    seen = 0
+    while len(frontier):
+        seen += len(frontier)
+        lo, hi = start[frontier], start[frontier + 1]
+        count = hi - lo
+        idx = np.repeat(lo - np.cumsum(count) + count, count) + np.arange(int(count.sum()))
+        succ = v[idx]
+        before = indeg[succ] > 0
+        np.subtract.at(indeg, succ, 1)
+        frontier = np.unique(succ[before & (indeg[succ] == 0)])
+    return seen == n
+
+
 def _keys(parts: list[np.ndarray]) -> np.ndarray:
     return np.unique(np.concatenate([np.zeros(0, np.int64), *parts]))
 
@@ -208,13 +223,10 @@ def _order(survey: _Survey, nodes_edges: tuple, acks: list[tuple[int, int, str]]
            ) -> list[str]:
     out = []
     nodes, edges = nodes_edges
-    g = nx.DiGraph()
-    g.add_nodes_from(range(len(nodes)))
-    g.add_edges_from(zip(edges["u"].tolist(), edges["v"].tolist()))
-    if not nx.is_directed_acyclic_graph(g):
+    if not acyclic(len(nodes), edges["u"], edges["v"]):
         out.append("the stage DAG has a cycle")
     w = survey.world
-    sent, waited = _keys(survey.sent), _keys(survey.waited)
+    sent, waited = _keys(survey.sent), _keys(list(survey.waited.values()))
     for keys, other, fn, what in ((waited, sent, sent_stage, "w"), (sent, waited, wait_stage,
                                                                      "s")):
         if not len(keys) or len(out) >= 5:
@@ -240,7 +252,7 @@ def _order(survey: _Survey, nodes_edges: tuple, acks: list[tuple[int, int, str]]
     for i in np.flatnonzero(~(done & ready))[:5].tolist():
         out.append(f"rank {int(r[i])} writes to rank {int(p[i])} in stage {int(s[i])} without "
                    "READY and DONE signals")
-    out += [m for _, _, m in sorted(acks)]
+    out += survey.late[:5] + [m for _, _, m in sorted(acks)]
     return out[:5]
 
 
@@ -259,44 +271,62 @@ def _balance(header: PlanHeader, egress: dict[str, int], replicated: bool | None
     return []
 
 
+class _Results:
+    """What the checks against the writes that land in a rank found, rank by rank."""
+
+    def __init__(self) -> None:
+        self.coverage: list[str] = []
+        self.staging_fit: list[str] = []
+        self.dataflow: list[str] = []
+        self.written: dict[tuple[int, int], int] = {}
+        self.acks: list[tuple[int, int, str]] = []
+
+    def add(self, rp: RankPlan, survey: _Survey) -> None:
+        r = rp.rank
+        inc = concat(survey.incoming.pop(r, []))
+        sg = staging_index(rp)
+        msgs, wr = rank_coverage(rp, inc, sg)
+        self.coverage += msgs
+        self.written.update({(r, reg): n for reg, n in wr.items()})
+        if sg >= 0:
+            self.staging_fit += rank_staging_fit(rp, inc)
+        self.dataflow += rank_dataflow(rp, inc)
+        self.acks += _acks(rp, inc, survey.waited, survey.world)
+
+
 def check(src: PlanRanks, progress: Progress | None = None, stop_on_bounds: bool = True,
           replicated: bool | None = None) -> dict[str, list[str]]:
-    """Every check's violations (`CHECKS`), reading `src` one rank at a time: pass 1 runs
-    each rank's own checks and keeps what its peers need (`_Survey`); pass 2 decodes each
-    rank with staging or unpacks again, with the writes that land in it. With
-    `stop_on_bounds`, nothing past the bounds proof runs on a plan that fails it."""
-    out = {name: [] for name in CHECKS}
+    """Every check's violations (`CHECKS`), reading `src` one rank at a time: each rank's
+    own checks, and what its peers need is kept (`_Survey`); a rank whose writers have all
+    been read is also checked against the writes that land in it (`_Results`), the others
+    (a rank written by a later one) are read again at the end. With `stop_on_bounds`,
+    nothing past the bounds proof is reported for a plan that fails it."""
+    out: dict[str, list[str]] = {name: [] for name in CHECKS}
     world, header = src.world, src.header
-    survey = _Survey(world)
-    tick = ticker(progress, "ranks (pass 1 of 2)", world)
+    survey, res = _Survey(world), _Results()
+    tick = ticker(progress, "ranks", world)
     for r in range(world):
-        survey.add(src.rank(r), header)
+        rp = src.rank(r)
+        survey.add(rp, header)
+        if survey.second and survey.second[-1] == r or r in survey.incoming:
+            if survey.ready(rp):
+                res.add(rp, survey)
+                survey.checked.add(r)
+        del rp
         tick(r)
     out["bounds"] = survey.bounds_msgs()
     if out["bounds"] and stop_on_bounds:
         return out
+    todo = [r for r in sorted(set(survey.second) | set(survey.incoming))
+            if r not in survey.checked and r not in survey.bounds]
+    tick = ticker(progress, "ranks written by later ranks", len(todo))
+    for i, r in enumerate(todo):
+        res.add(src.rank(r), survey)
+        tick(i)
     out["sizes"] = survey.size_msgs
     out["balance"] = _balance(header, survey.egress, replicated)
-    waited = _keys(survey.waited)
-    written: dict[tuple[int, int], int] = {}
-    acks: list[tuple[int, int, str]] = []
-    todo = sorted(set(survey.second) | set(survey.incoming))
-    tick = ticker(progress, "ranks (pass 2 of 2)", len(todo))
-    for i, r in enumerate(todo):
-        if r in survey.bounds:
-            continue
-        rp = src.rank(r)
-        inc = concat(survey.incoming.pop(r, []))
-        sg = staging_index(rp)
-        msgs, wr = rank_coverage(rp, inc, sg)
-        out["coverage"] += msgs
-        written.update({(r, reg): n for reg, n in wr.items()})
-        if sg >= 0:
-            out["staging_fit"] += _staging_fit(rp, inc)
-        out["dataflow"] += rank_dataflow(rp, inc)
-        acks += _acks(rp, inc, waited, world)
-        tick(i)
-    out["dataflow"] = out["dataflow"][:5]
+    out["coverage"], out["staging_fit"] = res.coverage, res.staging_fit
+    out["dataflow"] = res.dataflow[:5]
     nodes, edges, cov = src.dag()
     for rank, reg, nbytes in zip(cov["rank"].tolist(), cov["region"].tolist(),
                                  cov["nbytes"].tolist()):
@@ -304,12 +334,12 @@ def check(src: PlanRanks, progress: Progress | None = None, stop_on_bounds: bool
             out["coverage"].append(f"coverage names region {reg} of rank {rank}, which does "
                                    "not exist")
             continue
-        got = written.get((rank, reg), 0)
+        got = res.written.get((rank, reg), 0)
         if got != nbytes:
             name = survey.names[rank][reg]
             out["coverage"].append(f"rank {rank} {name}: {got} bytes written per run, but it "
                                    f"holds {nbytes} logical bytes")
-    out["order"] = _order(survey, (nodes, edges), acks)
+    out["order"] = _order(survey, (nodes, edges), res.acks)
     return out
 
 

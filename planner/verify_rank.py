@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.passes.lower import ALIGN
 from schemas.bounds import violations
 from schemas.plan import PACK, QUANT, STAGING, UNPACK, PlanFormatError, RankPlan
 from schemas.protocol import (
     ITEM,
     SCALE_BYTES,
+    SLOTS,
     copy_extents,
     copy_footprint,
     overlaps,
@@ -320,3 +322,26 @@ def staging_use(rp: RankPlan, inc: Incoming) -> tuple[np.ndarray, np.ndarray, np
         parts.append((rp.copies["stage"][rows[m]].astype(np.int64), lo[m], hi[m]))
     return tuple(np.concatenate([p[i] for p in parts]).astype(np.int64)  # type: ignore
                  for i in range(3))
+
+
+def rank_staging_fit(rp: RankPlan, inc: Incoming) -> list[str]:
+    """No rank's staging exceeds what its ops use at peak: it ends at the last staging byte
+    they touch (rounded up to `ALIGN`), and it is at most the bytes the `SLOTS` stages
+    that use the most touch (a stage's use: from its first to its last byte; the rotation
+    keeps up to `SLOTS` stages' staging live at once), plus `ALIGN` per slot."""
+    stage, lo, hi = staging_use(rp, inc)
+    have = rp.regions[-1].nbytes
+    keep = hi > lo
+    stage, lo, hi = stage[keep], lo[keep], hi[keep]
+    end = -(-int(hi.max(initial=0)) // ALIGN) * ALIGN
+    first = np.full(int(stage.max(initial=-1)) + 1, np.iinfo(np.int64).max)
+    last = np.zeros(len(first), dtype=np.int64)
+    np.minimum.at(first, stage, lo)
+    np.maximum.at(last, stage, hi)
+    span = np.sort(np.where(last > 0, last - first, 0))[::-1]
+    peak = int(span[:SLOTS].sum()) + SLOTS * ALIGN
+    if have > min(end, peak):
+        return [f"rank {rp.rank}: staging of {have} bytes exceeds what its ops use at peak "
+                f"(they touch bytes up to {end}; its {SLOTS} busiest stages "
+                f"{peak - SLOTS * ALIGN})"]
+    return []

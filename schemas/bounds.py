@@ -138,19 +138,24 @@ def _writes(rp: RankPlan, sizes: np.ndarray, peers: dict[int, dict[int, int]]
     known = np.isin(w["dst_rank"], np.array(sorted(peers), dtype=np.int64))
     yield _first(rp, "write", ~known, "writes to a rank missing from peer_regions", w)
     reg, lo, hi = write_footprint(rp, "dst")
-    for peer, psizes in peers.items():
-        sel = w["dst_rank"] == peer
-        if not sel.any():
-            continue
-        regs = np.array(sorted(psizes), dtype=np.int64)
-        ps = np.array([psizes[r] for r in regs.tolist()] + [0], dtype=np.int64)
-        at = np.minimum(np.searchsorted(regs, reg), len(regs))
-        listed = (at < len(regs)) & (regs[np.minimum(at, max(len(regs) - 1, 0))] == reg) \
-            if len(regs) else np.zeros(len(reg), dtype=bool)
-        yield _first(rp, "write", sel & ~listed,
-                     f"names a dst region of rank {peer} that peer_regions does not list", w)
-        yield _first(rp, "write", sel & (hi > ps[np.where(listed, at, len(regs))]),
-                     f"writes past the end of its dst region on rank {peer}", w)
+    # every (peer, region) that `peers` lists, as one sorted key; each write looks its own up
+    width = MAX_OPS + 1
+    pairs = sorted((p, r, n) for p, rs in peers.items() for r, n in rs.items()
+                   if 0 <= p < (1 << 30) and 0 <= r <= MAX_OPS)
+    keys = np.array([p * width + r for p, r, _ in pairs], dtype=np.int64)
+    ps = np.array([n for _, _, n in pairs] + [0], dtype=np.int64)
+    mine = known & (reg >= 0) & (reg <= MAX_OPS)
+    wkey = np.where(mine, w["dst_rank"].astype(np.int64) * width + np.clip(reg, 0, MAX_OPS), -1)
+    at = np.minimum(np.searchsorted(keys, wkey), len(keys))
+    listed = mine & (at < len(keys)) & (keys[np.minimum(at, max(len(keys) - 1, 0))] == wkey) \
+        if len(keys) else np.zeros(len(reg), dtype=bool)
+    unlisted = known & ~listed
+    peer = int(w["dst_rank"][np.argmax(unlisted)]) if unlisted.any() else -1
+    yield _first(rp, "write", unlisted,
+                 f"names a dst region of rank {peer} that peer_regions does not list", w)
+    past = listed & (hi > ps[np.where(listed, at, len(keys))])
+    peer = int(w["dst_rank"][np.argmax(past)]) if past.any() else -1
+    yield _first(rp, "write", past, f"writes past the end of its dst region on rank {peer}", w)
 
 
 def _batches(rp: RankPlan) -> Iterator[str | None]:

@@ -207,7 +207,14 @@ def _no_ext(code: int, data: bytes) -> Any:
 
 
 def _unpack(data: bytes, what: str) -> Any:
-    """Plain msgpack data only: extension types (and timestamps) are refused."""
+    """Plain msgpack data only: extension types (and timestamps) are refused. Data with no
+    extension value at all (every plan) passes a C-level `max_ext_len=0` decode and skips
+    the walk below (a rank blob of DeepSeek-V3's plan: 45 ms of its 70 ms decode)."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext,
+                               max_ext_len=0)
+    except Exception:  # an extension value, or corrupt: the full decode says which
+        pass
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext)
     except PlanFormatError as e:
