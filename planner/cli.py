@@ -169,13 +169,17 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from planner.inspect import inspect_text
     from schemas.plan import load_plan
 
-    load_plan(args.plan)  # the checks the executor and verify apply; refuse what they refuse
     if args.ranks:
         from planner.tensors_cmd import ranks_text
 
+        load_plan(args.plan)  # the checks the executor and verify apply; refuse what they do
         print(ranks_text(args.plan))
         return 0
-    print(inspect_text(args.plan, args.json))
+    from planner.progress import Progress
+
+    with Progress("inspect") as progress:  # checks what load_plan checks, one rank at a time
+        text = inspect_text(args.plan, args.json, progress)
+    print(text)
     if args.plot:
         from planner.plot import plot_plan
         from schemas.plan import read_header
