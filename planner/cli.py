@@ -191,10 +191,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    from planner.progress import Progress
     from planner.simflow import summary_text
     from planner.simulate import simulate
 
-    res = simulate(args.plan, inflight=args.inflight)
+    with Progress("simulate") as progress:
+        res = simulate(args.plan, inflight=args.inflight, progress=progress)
     if args.plot:
         from planner.plot import plot_simulation
 
