@@ -20,7 +20,6 @@ from schemas.protocol import (
     ITEM,
     SCALE_BYTES,
     SLOTS,
-    copy_extents,
     copy_footprint,
     overlaps,
     prepacked,
@@ -140,10 +139,12 @@ def copy_runs(rp: RankPlan, rows: np.ndarray, side: str
     if (key[:, :3] == 0).any():  # an empty box touches nothing
         keep = (key[:, :3] > 0).all(axis=1)
         rows, key = rows[keep], key[keep]
-    shapes, inv = np.unique(key, axis=0, return_inverse=True)
-    inv = inv.reshape(-1)
-    order = np.argsort(inv, kind="stable")
-    cuts = np.searchsorted(inv[order], np.arange(len(shapes) + 1))
+    order = np.lexsort(key.T[::-1])  # by box shape (a row-wise unique, without its cost)
+    key = key[order]
+    new = np.ones(len(key), dtype=bool)
+    new[1:] = (key[1:] != key[:-1]).any(axis=1)
+    cuts = np.append(np.flatnonzero(new), len(key))
+    shapes = key[new]
     es = ITEM[np.clip(c[f"{side}_dtype"][rows].astype(np.int64), 0, len(ITEM) - 1)]
     off = c[f"{side}_offset"][rows].astype(np.int64)
     out_r, out_lo, out_hi = [], [], []
@@ -239,29 +240,31 @@ def first_overlap(lo: np.ndarray, hi: np.ndarray) -> int | None:
 def rank_coverage(rp: RankPlan, inc: Incoming, staging: int
                   ) -> tuple[list[str], dict[int, int]]:
     """Writes and unpacks into `rp` never overlap (staging: per stage); and bytes written
-    per run into each of its regions (region -> bytes), for the coverage table."""
-    out, written = [], {}
+    per run into each of its regions (region -> bytes), for the coverage table. One sort
+    by (region, stage, start) groups them all."""
     u_rows, u_lo, u_hi = copy_runs(rp, np.flatnonzero(rp.copies["kind"] == UNPACK), "dst")
-    u_reg = rp.copies["dst_region"][u_rows].astype(np.int64)
     stage = np.where(inc.region == staging, inc.stage, -1) if staging >= 0 else \
         np.full(len(inc.region), -1, np.int64)
-    regions = sorted(set(np.unique(inc.region).tolist()) | set(np.unique(u_reg).tolist()))
-    for reg in regions:
-        m = inc.region == reg
-        for s in sorted(set(np.unique(stage[m]).tolist()) | ({-1} if (u_reg == reg).any()
-                                                             else set())):
-            sel = m & (stage == s)
-            lo, hi = inc.lo[sel], inc.hi[sel]
-            if s == -1:
-                lo, hi = np.concatenate([lo, u_lo[u_reg == reg]]), \
-                    np.concatenate([hi, u_hi[u_reg == reg]])
-                written[reg] = int((hi - lo).sum())
-            at = first_overlap(lo, hi)
-            if at is not None:
-                name = rp.regions[reg].name if 0 <= reg < len(rp.regions) else str(reg)
-                out.append(f"rank {rp.rank} {name}: writes overlap at byte {at}"
-                           + (f" in stage {s}" if s >= 0 else ""))
-    return out, written
+    reg = np.concatenate([inc.region, rp.copies["dst_region"][u_rows].astype(np.int64)])
+    st = np.concatenate([stage, np.full(len(u_rows), -1, np.int64)])
+    lo, hi = np.concatenate([inc.lo, u_lo]), np.concatenate([inc.hi, u_hi])
+    order = np.lexsort((lo, st, reg))
+    reg, st, lo, hi = reg[order], st[order], lo[order], hi[order]
+    new = np.ones(len(reg), dtype=bool)
+    new[1:] = (reg[1:] != reg[:-1]) | (st[1:] != st[:-1])
+    group = np.cumsum(new) - 1
+    bad = np.flatnonzero(~new[1:] & (lo[1:] < hi[:-1])) + 1
+    out = []
+    _, first = np.unique(group[bad], return_index=True)
+    for i in bad[first].tolist():
+        r, s = int(reg[i]), int(st[i])
+        name = rp.regions[r].name if 0 <= r < len(rp.regions) else str(r)
+        out.append(f"rank {rp.rank} {name}: writes overlap at byte {int(lo[i])}"
+                   + (f" in stage {s}" if s >= 0 else ""))
+    whole = st == -1
+    regs, at = np.unique(reg[whole], return_index=True)
+    sums = np.add.reduceat(hi[whole] - lo[whole], at) if len(at) else at
+    return out, dict(zip(regs.tolist(), sums.tolist()))
 
 
 def landed(inc: Incoming, staging: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -295,11 +298,15 @@ def rank_dataflow(rp: RankPlan, inc: Incoming) -> list[str]:
                 out.append(f"rank {rp.rank}: write {int(sel[np.argmax(bad)])} (stage {s}) "
                            "reads staging bytes that no pack of its stage fills")
     c = rp.copies
-    for s in np.flatnonzero(prepacked(rp)).tolist():  # packs while writes may still land
-        mine = np.flatnonzero(np.isin(c["kind"], (PACK, QUANT)) & (c["stage"] == s))
-        if overlaps(copy_extents(rp, "dst", mine), land.get(s - 1, EMPTY)):
-            out.append(f"rank {rp.rank}: stage {s} packs early (schemas/protocol.py) into "
-                       f"staging bytes that writes of stage {s - 1} land in")
+    early = np.flatnonzero(prepacked(rp))
+    if len(early):  # packs while writes may still land
+        rows = np.flatnonzero(np.isin(c["kind"], (PACK, QUANT)) & np.isin(c["stage"], early))
+        rows, _, lo, hi = copy_footprint(rp, "dst", rows)  # a QUANT's rows twice
+        extents = by_stage(c["stage"][rows].astype(np.int64), lo, hi)
+        for s in early.tolist():
+            if overlaps(extents.get(s, EMPTY), land.get(s - 1, EMPTY)):
+                out.append(f"rank {rp.rank}: stage {s} packs early (schemas/protocol.py) into "
+                           f"staging bytes that writes of stage {s - 1} land in")
     if sg >= 0:
         for s, (lo, hi) in sorted(copy_bytes(rp, UNPACK, "src", sg).items()):
             if outside(lo, hi, *land.get(s, EMPTY)).any():
