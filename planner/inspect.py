@@ -97,10 +97,8 @@ def checked_header(path: str, why: dict[int, str] | None = None,
             if why is not None:
                 why[r] = staging_why(rp, header)
             tick(r)
-        decode_explain(src.blob("explain"), path)
         src.dag()
-        for name in extra:
-            src.blob(name)
+        src.check_rest()
     return header
 
 

@@ -19,6 +19,7 @@ from schemas.plan import (
     Plan,
     RankPlan,
     Table,
+    decode_explain,
     read_blob,
     read_header,
 )
@@ -38,6 +39,9 @@ class PlanRanks:
     def dag(self) -> tuple[Table, Table, Table]:
         """The stage DAG's nodes and edges, and the coverage table."""
         return self.plan.dag_nodes, self.plan.dag_edges, self.plan.coverage
+
+    def check_rest(self) -> None:
+        """Check the blobs other than the ranks and the DAG (in memory: nothing to check)."""
 
     def close(self) -> None:
         pass
@@ -87,6 +91,14 @@ class PlanFile(PlanRanks):
                     Table.from_msgpack(COVERAGE_COLUMNS, dag["coverage"], "coverage"))
         except (KeyError, TypeError) as e:
             raise PlanFormatError(f"{self.path}: dag blob is malformed ({e})") from None
+
+    def check_rest(self) -> None:
+        """The explain blob and any further blobs, checksummed and decoded, as `load_plan`
+        does (one at a time, nothing kept)."""
+        decode_explain(self.blob("explain"), self.path)
+        for name in self.header.blobs:
+            if not name.startswith("rank/") and name not in ("explain", "dag"):
+                self.blob(name)
 
     def close(self) -> None:
         self.f.close()

@@ -87,6 +87,8 @@ def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
         PlanFile(str(path_or_plan))
     with src:
         ranks = load_checked(src, progress)
+        src.dag()
+        src.check_rest()
         if progress is not None:
             progress("simulating")
         return _Sim(src, ranks, inflight, in_order).run(t_wall)

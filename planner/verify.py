@@ -328,6 +328,7 @@ def check(src: PlanRanks, progress: Progress | None = None, stop_on_bounds: bool
     out["coverage"], out["staging_fit"] = res.coverage, res.staging_fit
     out["dataflow"] = res.dataflow[:5]
     nodes, edges, cov = src.dag()
+    src.check_rest()
     for rank, reg, nbytes in zip(cov["rank"].tolist(), cov["region"].tolist(),
                                  cov["nbytes"].tolist()):
         if not (0 <= rank < world and reg in survey.sizes.get(rank, {})):

@@ -11,6 +11,7 @@ bytes. Values are range-checked before any arithmetic, so nothing overflows int6
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from itertools import chain
 
 import numpy as np
 
@@ -140,10 +141,17 @@ def _writes(rp: RankPlan, sizes: np.ndarray, peers: dict[int, dict[int, int]]
     reg, lo, hi = write_footprint(rp, "dst")
     # every (peer, region) that `peers` lists, as one sorted key; each write looks its own up
     width = MAX_OPS + 1
-    pairs = sorted((p, r, n) for p, rs in peers.items() for r, n in rs.items()
-                   if 0 <= p < (1 << 30) and 0 <= r <= MAX_OPS)
-    keys = np.array([p * width + r for p, r, _ in pairs], dtype=np.int64)
-    ps = np.array([n for _, _, n in pairs] + [0], dtype=np.int64)
+    listed_peers = [(p, rs) for p, rs in peers.items() if 0 <= p < (1 << 30)]
+    count = np.array([len(rs) for _, rs in listed_peers], dtype=np.int64)
+    p_col = np.repeat(np.array([p for p, _ in listed_peers], dtype=np.int64), count)
+    r_col = np.fromiter(chain.from_iterable(rs.keys() for _, rs in listed_peers), np.int64,
+                        int(count.sum()))
+    n_col = np.fromiter(chain.from_iterable(rs.values() for _, rs in listed_peers), np.int64,
+                        int(count.sum()))
+    ok = (r_col >= 0) & (r_col <= MAX_OPS)
+    keys = p_col[ok] * width + r_col[ok]
+    by_key = np.argsort(keys, kind="stable")
+    keys, ps = keys[by_key], np.append(n_col[ok][by_key], 0)
     mine = known & (reg >= 0) & (reg <= MAX_OPS)
     wkey = np.where(mine, w["dst_rank"].astype(np.int64) * width + np.clip(reg, 0, MAX_OPS), -1)
     at = np.minimum(np.searchsorted(keys, wkey), len(keys))
