@@ -33,6 +33,7 @@ from planner.planfile import PlanFile, PlanRanks, ticker
 from planner.verify_rank import (
     MAX_RUNS,  # noqa: F401 (part of verify's face)
     Incoming,
+    acyclic,
     concat,
     copy_runs,  # noqa: F401
     outgoing,
@@ -189,30 +190,6 @@ def _acks(rp: RankPlan, inc: Incoming, waited: dict[int, np.ndarray], world: int
                         f"stage {s} bytes that rank {rp.rank} may still read in stages "
                         f"{freed + 1}..{s - 1} (it waits for no ACK of stage s-1)"))
     return out
-
-
-def acyclic(n: int, u: np.ndarray, v: np.ndarray) -> bool:
-    """Whether the graph of `n` nodes and edges `u -> v` has no cycle (Kahn's algorithm, one
-    numpy step per level; an edge naming no node is a cycle: the DAG is malformed)."""
-    u, v = u.astype(np.int64), v.astype(np.int64)
-    if len(u) and (min(u.min(), v.min()) < 0 or max(u.max(), v.max()) >= n):
-        return False
-    order = np.argsort(u, kind="stable")
-    v = v[order]
-    start = np.searchsorted(u[order], np.arange(n + 1))
-    indeg = np.bincount(v, minlength=n)
-    frontier = np.flatnonzero(indeg == 0)
-    seen = 0
-    while len(frontier):
-        seen += len(frontier)
-        lo, hi = start[frontier], start[frontier + 1]
-        count = hi - lo
-        idx = np.repeat(lo - np.cumsum(count) + count, count) + np.arange(int(count.sum()))
-        succ = v[idx]
-        before = indeg[succ] > 0
-        np.subtract.at(indeg, succ, 1)
-        frontier = np.unique(succ[before & (indeg[succ] == 0)])
-    return seen == n
 
 
 def _keys(parts: list[np.ndarray]) -> np.ndarray:

@@ -352,3 +352,27 @@ def rank_staging_fit(rp: RankPlan, inc: Incoming) -> list[str]:
                 f"(they touch bytes up to {end}; its {SLOTS} busiest stages "
                 f"{peak - SLOTS * ALIGN})"]
     return []
+
+
+def acyclic(n: int, u: np.ndarray, v: np.ndarray) -> bool:
+    """Whether the graph of `n` nodes and edges `u -> v` has no cycle (Kahn's algorithm, one
+    numpy step per level; an edge naming no node is a cycle: the DAG is malformed)."""
+    u, v = u.astype(np.int64), v.astype(np.int64)
+    if len(u) and (min(u.min(), v.min()) < 0 or max(u.max(), v.max()) >= n):
+        return False
+    order = np.argsort(u, kind="stable")
+    v = v[order]
+    start = np.searchsorted(u[order], np.arange(n + 1))
+    indeg = np.bincount(v, minlength=n)
+    frontier = np.flatnonzero(indeg == 0)
+    seen = 0
+    while len(frontier):
+        seen += len(frontier)
+        lo, hi = start[frontier], start[frontier + 1]
+        count = hi - lo
+        idx = np.repeat(lo - np.cumsum(count) + count, count) + np.arange(int(count.sum()))
+        succ = v[idx]
+        before = indeg[succ] > 0
+        np.subtract.at(indeg, succ, 1)
+        frontier = np.unique(succ[before & (indeg[succ] == 0)])
+    return seen == n

@@ -95,14 +95,11 @@ def _int(x: Any) -> int:
 
 
 def _int_pairs(s: Any) -> tuple[tuple[int, int], ...]:
-    """A list of [int, int] pairs (what `_int` accepts), checked by C-level passes (a rank of
-    DeepSeek-V3's plan lists ~1,300 (region, size) pairs of its peers)."""
-    if not isinstance(s, list) or not set(map(type, s)) <= {list} or \
-            not set(map(len, s)) <= {2}:
+    """A list of [int, int] pairs (as `_int` accepts them), checked by C-level passes."""
+    if not isinstance(s, list) or not set(map(type, s)) <= {list} or set(map(len, s)) - {2}:
         raise ValueError(f"{str(s)[:40]!r} is not a list of integer pairs")
     flat = list(chain.from_iterable(s))
-    if not set(map(type, flat)) <= {int} or \
-            (flat and not (-(1 << 62) <= min(flat) and max(flat) <= 1 << 62)):
+    if set(map(type, flat)) - {int} or flat and not -(1 << 62) <= min(flat) <= max(flat) <= 1 << 62:
         raise ValueError(f"{str(s)[:40]!r} is not a list of integer pairs in range")
     return tuple(zip(flat[::2], flat[1::2]))
 
@@ -221,8 +218,7 @@ def _no_ext(code: int, data: bytes) -> Any:
 
 def _unpack(data: bytes, what: str) -> Any:
     """Plain msgpack data only: extension types (and timestamps) are refused. Data with no
-    extension value at all (every plan) passes a C-level `max_ext_len=0` decode and skips
-    the walk below (a rank blob of DeepSeek-V3's plan: 45 ms of its 70 ms decode)."""
+    extension value passes a C-level `max_ext_len=0` decode and skips the walk below."""
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext,
                                max_ext_len=0)
