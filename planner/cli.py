@@ -169,13 +169,17 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from planner.inspect import inspect_text
     from schemas.plan import load_plan
 
-    load_plan(args.plan)  # the checks the executor and verify apply; refuse what they refuse
     if args.ranks:
         from planner.tensors_cmd import ranks_text
 
+        load_plan(args.plan)  # the checks the executor and verify apply; refuse what they do
         print(ranks_text(args.plan))
         return 0
-    print(inspect_text(args.plan, args.json))
+    from planner.progress import Progress
+
+    with Progress("inspect") as progress:  # checks what load_plan checks, one rank at a time
+        text = inspect_text(args.plan, args.json, progress)
+    print(text)
     if args.plot:
         from planner.plot import plot_plan
         from schemas.plan import read_header
@@ -187,10 +191,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    from planner.progress import Progress
     from planner.simflow import summary_text
     from planner.simulate import simulate
 
-    res = simulate(args.plan, inflight=args.inflight)
+    with Progress("simulate") as progress:
+        res = simulate(args.plan, inflight=args.inflight, progress=progress)
     if args.plot:
         from planner.plot import plot_simulation
 
@@ -217,9 +223,11 @@ def _cmd_tensors(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from planner.progress import Progress
     from planner.verify import verify_file
 
-    violations = verify_file(args.plan)
+    with Progress("verify") as progress:
+        violations = verify_file(args.plan, progress)
     if violations:
         print(f"rdma-plan: verify: {len(violations)} violation(s); first: {violations[0]}",
               file=sys.stderr)

@@ -9,6 +9,7 @@ rank blob the header lists, intact (checksummed, decodable) and within the bound
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -71,12 +72,16 @@ def summary(header: PlanHeader) -> dict[str, Any]:
     }
 
 
-def checked_header(path: str, why: dict[int, str] | None = None) -> PlanHeader:
-    """The header of the plan at `path`, once every rank blob it lists is intact and within
-    bounds (what `load_plan` and the executor check), else `PlanFormatError`. `why`, when
-    given, gets each rank's `staging_why` from the same read."""
-    with open(path, "rb") as f:
-        header, start = read_header(f, path)
+def checked_header(path: str, why: dict[int, str] | None = None,
+                   progress: Callable[[str], None] | None = None) -> PlanHeader:
+    """The header of the plan at `path`, once every blob it lists is intact (checksummed,
+    decodable: what `load_plan` checks) and every rank within bounds (what the executor
+    checks), else `PlanFormatError`; read one rank at a time. `why`, when given, gets each
+    rank's `staging_why` from the same read."""
+    from planner.planfile import PlanFile, ticker
+
+    with PlanFile(path) as src:
+        header = src.header
         needed = [*(f"rank/{r}" for r in range(header.world)), "explain", "dag"]
         extra = [n for n in header.blobs if n.startswith("tensors/")]
         if sorted(header.blobs) != sorted(needed + extra) or \
@@ -84,14 +89,16 @@ def checked_header(path: str, why: dict[int, str] | None = None) -> PlanHeader:
             raise PlanFormatError(f"{path}: the header's blob index does not list exactly "
                                   f"{header.world} rank blobs, explain, dag and tensors blobs; "
                                   "the file is corrupt")
+        tick = ticker(progress, "ranks", header.world)
         for r in range(header.world):
-            rp = RankPlan.decode(read_blob(f, header, start, f"rank/{r}", path))
+            rp = src.rank(r)
             for msg in violations(rp, header.world):
                 raise PlanFormatError(f"{path}: {msg}")
             if why is not None:
                 why[r] = staging_why(rp, header)
-        for name in ("explain", "dag"):
-            read_blob(f, header, start, name, path)
+            tick(r)
+        src.dag()
+        src.check_rest()
     return header
 
 
@@ -141,9 +148,10 @@ def _staging_use(rp: RankPlan, names: list[str]) -> str:
     return f"stage {stage}: {best[3]} {names[tensor]}"
 
 
-def inspect_text(path: str, as_json: bool = False) -> str:
+def inspect_text(path: str, as_json: bool = False,
+                 progress: Callable[[str], None] | None = None) -> str:
     why: dict[int, str] = {}
-    header = checked_header(path, why)
+    header = checked_header(path, why, progress)
     s = summary(header)
     for r, row in enumerate(s["ranks"]):
         row["staging_why"] = why.get(r, "")

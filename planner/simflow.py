@@ -8,16 +8,18 @@ sharing of NIC and NVLink directions between flows (`maxmin`). Outputs: the resu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from planner.planfile import PlanRanks, ticker
 from planner.rows import unique_rows
 from schemas.bounds import order_violations
 from schemas.header import PlanHeader
-from schemas.plan import COPY_GROUP_KEY, QUANT, Plan, PlanFormatError, RankPlan, load_plan
-from schemas.protocol import ITEM
+from schemas.plan import COPY_GROUP_KEY, PACK, QUANT, UNPACK, PlanFormatError, RankPlan
+from schemas.protocol import ITEM, Overlap, carries
 
 NIC, NVLINK = 0, 1
 """Channels of a source rank (the values of `batches.nic`)."""
@@ -51,22 +53,53 @@ class Batches:
     writes: np.ndarray
 
 
-def load_checked(path_or_plan: str | Plan) -> tuple[PlanHeader, tuple[RankPlan, ...]]:
-    """The plan's header and ranks, each rank's order within bounds (`schemas.bounds`:
-    stages, peers, batches and signals in range, so the simulation terminates)."""
-    plan = path_or_plan if isinstance(path_or_plan, Plan) else load_plan(str(path_or_plan))
-    for rp in plan.ranks:
-        for msg in order_violations(rp, len(plan.ranks)):
+@dataclass(slots=True)
+class SimRank:
+    """What the simulation keeps of one rank (its columns are dropped once read)."""
+
+    rank: int
+    stages: int
+    batches: Batches
+    pack_s: np.ndarray
+    unpack_s: np.ndarray
+    overlap: Overlap
+    carries: list[bool]
+    sends: list[list[tuple[int, int]]]
+    waits: list[list[tuple[int, int]]]
+
+
+def sim_rank(rp: RankPlan, header: PlanHeader) -> SimRank:
+    opts = header.options
+    pbps, pov = opts.pack_gbps * 1e9 / 8, opts.pack_overhead_us * 1e-6
+    return SimRank(rp.rank, rp.stages, batch_columns((rp,)),
+                   copy_seconds(rp, (PACK, QUANT), pbps, pov),
+                   copy_seconds(rp, (UNPACK,), pbps, pov), Overlap(rp), carries(rp).tolist(),
+                   by_stage(rp.signals, rp.stages), by_stage(rp.waits, rp.stages))
+
+
+def load_checked(src: PlanRanks, progress: Callable[[str], None] | None = None
+                 ) -> list[SimRank]:
+    """Every rank of `src` as the simulation needs it, read one at a time, each rank's order
+    within bounds (`schemas.bounds`: stages, peers, batches and signals in range, so the
+    simulation terminates)."""
+    world, header = src.world, src.header
+    if len(header.ranks) != world:
+        raise PlanFormatError(f"simulate: the header lists {len(header.ranks)} ranks, "
+                              f"the plan has {world}; the file is corrupt")
+    out, cells = [], 0
+    tick = ticker(progress, "reading ranks", world)
+    for r in range(world):
+        rp = src.rank(r)
+        for msg in order_violations(rp, world):
             raise PlanFormatError(f"simulate: {msg}")
-    cells = len(plan.ranks) * max((rp.stages for rp in plan.ranks), default=0)
-    if cells > MAX_CELLS:
-        raise PlanFormatError(f"simulate: {len(plan.ranks)} ranks x their stages is {cells:,} "
-                              f"(rank, stage) queues, more than {MAX_CELLS:,}; the plan is "
-                              "corrupt or too large to simulate")
-    if len(plan.header.ranks) != len(plan.ranks):
-        raise PlanFormatError(f"simulate: the header lists {len(plan.header.ranks)} ranks, "
-                              f"the plan has {len(plan.ranks)}; the file is corrupt")
-    return plan.header, plan.ranks
+        cells = max(cells, world * rp.stages)
+        if cells > MAX_CELLS:
+            raise PlanFormatError(f"simulate: {world} ranks x their stages is {cells:,} "
+                                  f"(rank, stage) queues, more than {MAX_CELLS:,}; the plan is "
+                                  "corrupt or too large to simulate")
+        out.append(sim_rank(rp, header))
+        tick(r)
+    return out
 
 
 def nic_order(name: str) -> tuple[int, str]:
@@ -89,6 +122,10 @@ def batch_columns(ranks: tuple[RankPlan, ...]) -> Batches:
         cols["dst"].append(w["dst_rank"][start].astype(np.int64))  # a batch has one target
         cols["nbytes"].append((csum[stop] - csum[start]).astype(np.float64))
         cols["writes"].append(stop - start)
+    return concat_batches(cols)
+
+
+def concat_batches(cols: dict[str, list[np.ndarray]]) -> Batches:
     return Batches(**{k: (np.concatenate(v) if v else np.zeros(0, dtype=np.int64))
                        for k, v in cols.items()})
 

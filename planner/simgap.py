@@ -64,7 +64,7 @@ def explain_gap(sim: Any, res: dict[str, Any]) -> dict[str, Any]:
     largest = max(causes, key=causes.get)
     out |= {"busy_fraction": busy / est, "causes": causes, "largest": largest,
             "worst_boundary": (max(by_stage, key=by_stage.get) if by_stage else None),
-            "tail": _tail(sim, res, sim.ranks)}
+            "tail": _tail(sim, res)}
     out["suggest"] = _suggest(sim, out)
     return out
 
@@ -84,7 +84,7 @@ def res_busy(res: dict[str, Any], sim: Any, worst: int) -> float:
     return total
 
 
-def _tail(sim: Any, res: dict[str, Any], ranks: tuple[RankPlan, ...]) -> dict[str, Any]:
+def _tail(sim: Any, res: dict[str, Any]) -> dict[str, Any]:
     """The rank that finishes last, its last landed batch and the tensor it writes most."""
     from planner.simflow import resource_name
 
@@ -97,17 +97,18 @@ def _tail(sim: Any, res: dict[str, Any], ranks: tuple[RankPlan, ...]) -> dict[st
     g = int(mine[np.argmax(sim.end[mine])])
     src = int(sim.b.rank[g])
     first = int(np.searchsorted(sim.b.rank, src))  # batches are in (rank, plan order)
-    rp = ranks[src]
+    rp = sim.src.rank(src)  # the two ranks it names, read again (`planner.planfile`)
     lo, hi = int(rp.batches["start"][g - first]), int(rp.batches["stop"][g - first])
     dst = int(sim.b.dst[g])
     w = rp.writes
     regions = w["dst_region"][lo:hi]
     weight = np.bincount(regions, weights=w["nbytes"][lo:hi].astype(np.float64))
-    names = [reg.name for reg in ranks[dst].regions]
+    target = sim.src.rank(dst)
+    names = [reg.name for reg in target.regions]
     top = int(np.argmax(weight)) if len(weight) else -1
     tensor = names[top] if 0 <= top < len(names) else None
     if tensor is not None and tensor.startswith("__"):  # staging: where its unpacks go
-        tensor = _unpacked_into(ranks[dst], top, int(sim.b.stage[g])) or tensor
+        tensor = _unpacked_into(target, top, int(sim.b.stage[g])) or tensor
     return out | {"batch": {"source": src, "target": dst, "stage": int(sim.b.stage[g]),
                             "bytes": int(sim.b.nbytes[g]), "writes": hi - lo,
                             "start_s": float(sim.start[g]), "end_s": float(sim.end[g]),

@@ -41,44 +41,35 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from planner.planfile import PlanFile, PlanRanks
 from planner.simflow import (
     INFLIGHT,
     NIC,
     NIC_WRITE_S,
     NVLINK_WRITE_S,
-    batch_columns,
-    by_stage,
-    copy_seconds,
+    Batches,
+    SimRank,
+    concat_batches,
     load_checked,
     maxmin,
     nic_order,
     result,
 )
 from planner.simgap import explain_gap
-from schemas.header import PlanHeader
-from schemas.plan import (
-    ACK,
-    DONE,
-    PACK,
-    QUANT,
-    READY,
-    SLOT_ACK,
-    UNPACK,
-    Plan,
-    PlanFormatError,
-    RankPlan,
-)
-from schemas.protocol import Overlap, carries, sent_stage
+from schemas.plan import ACK, DONE, READY, SLOT_ACK, Plan, PlanFormatError
+from schemas.protocol import sent_stage
 
 _WAIT_IN, _PACK, _WRITE, _SEND_DONE, _WAIT_DONE, _UNPACK, _SEND_ACK = range(7)
 
 
 def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
-             in_order: bool = False) -> dict[str, Any]:
+             in_order: bool = False, progress: Callable[[str], None] | None = None
+             ) -> dict[str, Any]:
     """Simulate a plan (a path or a `Plan`) on the cluster its header records.
 
     `inflight`: batches a rank keeps posted and not yet reaped (the executor's
@@ -92,17 +83,26 @@ def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
     rank's window) of every batch.
     """
     t_wall = time.perf_counter()
-    header, ranks = load_checked(path_or_plan)
-    return _Sim(header, ranks, inflight, in_order).run(t_wall)
+    src = PlanRanks(path_or_plan) if isinstance(path_or_plan, Plan) else \
+        PlanFile(str(path_or_plan))
+    with src:
+        ranks = load_checked(src, progress)
+        src.dag()
+        src.check_rest()
+        if progress is not None:
+            progress("simulating")
+        return _Sim(src, ranks, inflight, in_order).run(t_wall)
 
 
 class _Sim:
-    """The simulation state; `run` drives it from t=0 to the last rank's finish."""
+    """The simulation state; `run` drives it from t=0 to the last rank's finish. `src` is
+    read again only for the two ranks the gap report names (`planner.simgap`)."""
 
-    def __init__(self, header: PlanHeader, ranks: tuple[RankPlan, ...],
+    def __init__(self, src: PlanRanks, ranks: list[SimRank],
                  inflight: int, in_order: bool) -> None:
+        header = src.header
         opts = header.options
-        self.header, self.ranks = header, ranks
+        self.header, self.src = header, src
         self.inflight = max(1, inflight)
         self.in_order = in_order
         self.world = len(ranks)
@@ -116,7 +116,8 @@ class _Sim:
         self.nv_bps = header.nvlink_gbps * 1e9 / 8
         # resources: NIC egress [0, n), NIC ingress [n, 2n), NVLink out [2n, 2n+w), in
         self.cap = np.concatenate([np.full(2 * n_nic, self.nic_bps), np.full(2 * w, self.nv_bps)])
-        b = batch_columns(ranks)
+        b = concat_batches({k: [getattr(sr.batches, k) for sr in ranks]
+                            for k in Batches.__slots__})
         self.b = b
         nic = b.chan == NIC
         self.eres = np.where(nic, self.rank_nic[b.rank], 2 * n_nic + b.rank)
@@ -125,21 +126,20 @@ class _Sim:
         per_write = np.where(nic, NIC_WRITE_S, NVLINK_WRITE_S)
         self.size = b.nbytes + (self.lat + b.writes * per_write) * bps
         # queue (rank, stage) -> a slice of `qorder` (plan order within it)
-        self.stages = [rp.stages for rp in ranks]
+        self.stages = [sr.stages for sr in ranks]
         smax = max(self.stages, default=1)
         key = b.rank * smax + b.stage
         self.qorder = np.argsort(key, kind="stable")
         bounds = np.searchsorted(key[self.qorder], np.arange(w * smax + 1))
         self.qbounds, self.smax = bounds.tolist(), smax
-        pbps, pov = opts.pack_gbps * 1e9 / 8, opts.pack_overhead_us * 1e-6
-        self.pack_s = [copy_seconds(rp, (PACK, QUANT), pbps, pov) for rp in ranks]
-        self.unpack_s = [copy_seconds(rp, (UNPACK,), pbps, pov) for rp in ranks]
-        self.overlap = [Overlap(rp) for rp in ranks]
+        self.pack_s = [sr.pack_s for sr in ranks]
+        self.unpack_s = [sr.unpack_s for sr in ranks]
+        self.overlap = [sr.overlap for sr in ranks]
         self.prepacked = [ov.prepacked.tolist() for ov in self.overlap]
-        self.carries = [carries(rp).tolist() for rp in ranks]  # as the executor's
+        self.carries = [sr.carries for sr in ranks]  # as the executor's
         self.packs_end = [0.0] * self.world  # when a prepacked stage's packs finish
-        self.sends = [by_stage(rp.signals, rp.stages) for rp in ranks]
-        self.waits = [by_stage(rp.waits, rp.stages) for rp in ranks]
+        self.sends = [sr.sends for sr in ranks]
+        self.waits = [sr.waits for sr in ranks]
 
     # ------------------------------------------------------------ rank state machine
 

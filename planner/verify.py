@@ -25,213 +25,338 @@ Each check returns violation messages; `verify_plan` gives them all, in that ord
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 
-import networkx as nx
 import numpy as np
 
-from planner.passes.lower import ALIGN
-from schemas.bounds import violations
-from schemas.header import PlanHeader
-from schemas.plan import (
-    ACK,
-    DONE,
-    PACK,
-    QUANT,
-    READY,
-    SLOT_ACK,
-    STAGING,
-    UNPACK,
-    Plan,
-    PlanFormatError,
-    RankPlan,
-    load_plan,
+from planner.planfile import PlanFile, PlanRanks, ticker
+from planner.verify_rank import (
+    MAX_RUNS,  # noqa: F401 (part of verify's face)
+    Incoming,
+    acyclic,
+    concat,
+    copy_runs,  # noqa: F401
+    outgoing,
+    rank_bounds,
+    rank_coverage,
+    rank_dataflow,
+    rank_egress,
+    rank_sizes,
+    rank_staging_fit,
 )
+from schemas.header import PlanHeader
+from schemas.plan import ACK, DONE, READY, SLOT_ACK, UNPACK, Plan, RankPlan
 from schemas.protocol import (
-    ITEM,
-    SCALE_BYTES,
+    MAX_STAGES,
     SLOTS,
     copy_extents,
-    copy_footprint,
     overlaps,
-    prepacked,
-    quant_scales,
     sent_stage,
     staging_index,
     wait_stage,
-    write_footprint,
     write_stages,
 )
 
-MAX_RUNS = 1 << 24
-"""Contiguous runs of one copy's box that `copy_runs` lists (a compiled copy has at most a
-box's rows)."""
+CHECKS = ("bounds", "coverage", "sizes", "staging_fit", "order", "dataflow", "balance")
+Progress = Callable[[str], None]
+_OFF = 2 * SLOTS
+_NS = MAX_STAGES + 2 * _OFF
+
+
+def _key(r: np.ndarray, s: np.ndarray, p: np.ndarray, k: np.ndarray, world: int) -> np.ndarray:
+    """(rank, stage, peer, kind) as one int64 that sorts as the tuple does."""
+    s = np.clip(np.asarray(s, np.int64) + _OFF, 0, _NS - 1)
+    return ((np.asarray(r, np.int64) * _NS + s) * max(world, 1)
+            + np.clip(np.asarray(p, np.int64), 0, max(world, 1) - 1)) * 4 \
+        + np.clip(np.asarray(k, np.int64), 0, 3)
+
+
+def _unkey(key: int, world: int) -> tuple[int, int, int, int]:
+    key, k = divmod(int(key), 4)
+    key, p = divmod(key, max(world, 1))
+    r, s = divmod(key, _NS)
+    return r, s - _OFF, p, k
+
+
+class _Survey:
+    """What pass 1 keeps of every rank: region sizes, signals, and the writes into each
+    rank (`Incoming`); everything else is checked while the rank is decoded."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.sizes: dict[int, dict[int, int]] = {}
+        self.names: dict[int, tuple[str, ...]] = {}
+        self.peer_regions: dict[int, tuple] = {}
+        self.bounds: dict[int, str] = {}
+        self.incoming: dict[int, list[Incoming]] = {}
+        self.sent: list[np.ndarray] = []
+        self.waited: dict[int, np.ndarray] = {}
+        self.checked: set[int] = set()
+        self.late: list[str] = []
+        self.pairs: list[np.ndarray] = []
+        self.egress: dict[str, int] = {}
+        self.size_msgs: list[str] = []
+        self.second: list[int] = []
+
+    def add(self, rp: RankPlan, header: PlanHeader) -> None:
+        w = self.world
+        self.sizes[rp.rank] = {i: r.nbytes for i, r in enumerate(rp.regions)}
+        self.names[rp.rank] = tuple(r.name for r in rp.regions)
+        self.peer_regions[rp.rank] = rp.peer_regions
+        msg = rank_bounds(rp, w)
+        if msg is not None:
+            self.bounds[rp.rank] = msg
+            return  # its columns may be anything: nothing more is read from them
+        opts = header.options
+        self.size_msgs += rank_sizes(rp, opts.max_write_bytes, opts.staging_bytes)
+        if rp.role == "source" and rp.nics:
+            self.egress[rp.nics[0]] = self.egress.get(rp.nics[0], 0) + rank_egress(rp)
+        s, g = rp.signals, rp.waits
+        self.sent.append(_key(np.full(len(s), rp.rank), s["stage"], s["peer"], s["kind"], w))
+        self.waited[rp.rank] = _key(np.full(len(g), rp.rank), g["stage"], g["peer"], g["kind"],
+                                    w)
+        self.pairs.append(np.unique(_key(np.full(len(rp.writes), rp.rank), write_stages(rp),
+                                         rp.writes["dst_rank"], 0, w)))
+        for peer, part in outgoing(rp).items():
+            if peer in self.checked:
+                self.late.append(f"rank {rp.rank} writes into rank {peer}, which waits for no "
+                                 f"DONE from rank {rp.rank}")
+            self.incoming.setdefault(peer, []).append(part)
+        if staging_index(rp) >= 0 or (rp.copies["kind"] == UNPACK).any():
+            self.second.append(rp.rank)
+
+    def ready(self, rp: RankPlan) -> bool:
+        """Whether every rank that may write into `rp` (those it waits for a DONE from) has
+        been read: its checks against what lands in it can run now. A write from a rank read
+        later is then a violation of its own (`late`)."""
+        g = rp.waits
+        writers = g["peer"][g["kind"] == DONE]
+        return rp.rank not in self.bounds and bool((writers < rp.rank).all()) \
+            and all(int(p) in self.sizes for p in np.unique(writers).tolist())
+
+    def bounds_msgs(self) -> list[str]:
+        """Each rank's first bounds violation, or else its `peer_regions` (what its executor
+        checks peers against at connect) not equal to the peers' real regions."""
+        out = []
+        for r in sorted(self.sizes):
+            msg = self.bounds.get(r)
+            if msg is None:
+                wrong = [(p, reg) for p, regs in self.peer_regions[r] for reg, n in regs
+                         if self.sizes.get(p, {}).get(reg) != n]
+                if wrong:
+                    msg = (f"rank {r}: peer_regions gives rank {wrong[0][0]} region "
+                           f"{wrong[0][1]} a size that rank does not have")
+            if msg is not None:
+                out.append(msg)
+        return out
+
+
+def _acks(rp: RankPlan, inc: Incoming, waited: dict[int, np.ndarray], world: int
+          ) -> list[tuple[int, int, str]]:
+    """Writes into `rp`'s staging after stage 0 whose writer waits for no ACK of the stage
+    before touch no byte `rp` may still read (SLOT_ACK: in the stages it does not cover)."""
+    sg = staging_index(rp)
+    m = (inc.region == sg) & (inc.stage > 0) if sg >= 0 else np.zeros(0, bool)
+    if not m.any():
+        return []
+    src, st, lo, hi = inc.src[m], inc.stage[m], inc.lo[m], inc.hi[m]
+    groups, inv = np.unique(np.stack([src, st], axis=1), axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    g_src, g_st = groups[:, 0], groups[:, 1]
+    me = np.full(len(groups), rp.rank)
+    waited = _keys([waited.get(int(p), np.zeros(0, np.int64)) for p in np.unique(g_src)])
+    acked = np.isin(_key(g_src, g_st, me, ACK, world), waited)
+    slot = np.isin(_key(g_src, g_st, me, SLOT_ACK, world), waited)
+    if acked.all():
+        return []
+    w, c = rp.writes, rp.copies
+    wst = write_stages(rp)
+    mw = w["src_region"] == sg
+    mc = np.flatnonzero(c["src_region"] == sg)
+    c_lo, c_hi = copy_extents(rp, "src", mc)
+    r_st = np.concatenate([wst[mw], c["stage"][mc].astype(np.int64)])
+    r_lo = np.concatenate([w["src_offset"][mw].astype(np.int64), c_lo])
+    r_hi = np.concatenate([w["src_offset"][mw] + w["nbytes"][mw], c_hi])
+    order = np.argsort(r_st, kind="stable")
+    r_st, r_lo, r_hi = r_st[order], r_lo[order], r_hi[order]
+    out = []
+    for g in np.flatnonzero(~acked).tolist():
+        s, writer = int(g_st[g]), int(g_src[g])
+        freed = s - SLOTS if slot[g] else -1
+        a, b = np.searchsorted(r_st, [freed + 1, s])
+        sel = inv == g
+        if overlaps((lo[sel], hi[sel]), (r_lo[a:b], r_hi[a:b])):
+            out.append((writer, s, f"rank {writer} writes into rank {rp.rank}'s staging in "
+                        f"stage {s} bytes that rank {rp.rank} may still read in stages "
+                        f"{freed + 1}..{s - 1} (it waits for no ACK of stage s-1)"))
+    return out
+
+
+def _keys(parts: list[np.ndarray]) -> np.ndarray:
+    return np.unique(np.concatenate([np.zeros(0, np.int64), *parts]))
+
+
+def _order(survey: _Survey, nodes_edges: tuple, acks: list[tuple[int, int, str]]
+           ) -> list[str]:
+    out = []
+    nodes, edges = nodes_edges
+    if not acyclic(len(nodes), edges["u"], edges["v"]):
+        out.append("the stage DAG has a cycle")
+    w = survey.world
+    sent, waited = _keys(survey.sent), _keys(list(survey.waited.values()))
+    for keys, other, fn, what in ((waited, sent, sent_stage, "w"), (sent, waited, wait_stage,
+                                                                     "s")):
+        if not len(keys) or len(out) >= 5:
+            continue
+        key, k = np.divmod(keys, 4)
+        key, p = np.divmod(key, max(w, 1))
+        r, s = np.divmod(key, _NS)
+        s = s - _OFF
+        missing = np.flatnonzero(~np.isin(_key(p, fn(k, s), r, k, w), other))
+        for i in missing[:5].tolist():
+            rr, ss, pp, kk = _unkey(keys[i], w)
+            out.append(f"rank {rr} waits for signal kind {kk} from rank {pp} in stage {ss}, "
+                       "which is never sent" if what == "w" else
+                       f"rank {rr} sends signal kind {kk} to rank {pp} in stage {ss}, which "
+                       "nobody waits for")
+    pairs = _keys(survey.pairs)
+    key, _ = np.divmod(pairs, 4)
+    key, p = np.divmod(key, max(w, 1))
+    r, s = np.divmod(key, _NS)
+    s = s - _OFF
+    done = np.isin(_key(r, s, p, DONE, w), sent)
+    ready = np.isin(_key(p, 0, r, READY, w), sent)
+    for i in np.flatnonzero(~(done & ready))[:5].tolist():
+        out.append(f"rank {int(r[i])} writes to rank {int(p[i])} in stage {int(s[i])} without "
+                   "READY and DONE signals")
+    out += survey.late[:5] + [m for _, _, m in sorted(acks)]
+    return out[:5]
+
+
+def _balance(header: PlanHeader, egress: dict[str, int], replicated: bool | None) -> list[str]:
+    if not (header.source_replicated if replicated is None else replicated):
+        return []
+    if len(egress) < 2:
+        return []
+    slack = max(header.options.max_write_bytes, header.model.longest_row_bytes,
+                header.stats.gather_unit_max)
+    mean = sum(egress.values()) / len(egress)
+    name, most = max(egress.items(), key=lambda kv: kv[1])
+    if most > mean + slack:
+        return [f"NIC {name} sends {most} bytes, more than the mean {mean:.0f} over "
+                f"{len(egress)} source NICs plus one unit ({slack} bytes)"]
+    return []
+
+
+class _Results:
+    """What the checks against the writes that land in a rank found, rank by rank."""
+
+    def __init__(self) -> None:
+        self.coverage: list[str] = []
+        self.staging_fit: list[str] = []
+        self.dataflow: list[str] = []
+        self.written: dict[tuple[int, int], int] = {}
+        self.acks: list[tuple[int, int, str]] = []
+
+    def add(self, rp: RankPlan, survey: _Survey) -> None:
+        r = rp.rank
+        inc = concat(survey.incoming.pop(r, []))
+        sg = staging_index(rp)
+        msgs, wr = rank_coverage(rp, inc, sg)
+        self.coverage += msgs
+        self.written.update({(r, reg): n for reg, n in wr.items()})
+        if sg >= 0:
+            self.staging_fit += rank_staging_fit(rp, inc)
+        self.dataflow += rank_dataflow(rp, inc)
+        self.acks += _acks(rp, inc, survey.waited, survey.world)
+
+
+def check(src: PlanRanks, progress: Progress | None = None, stop_on_bounds: bool = True,
+          replicated: bool | None = None) -> dict[str, list[str]]:
+    """Every check's violations (`CHECKS`), reading `src` one rank at a time: each rank's
+    own checks, and what its peers need is kept (`_Survey`); a rank whose writers have all
+    been read is also checked against the writes that land in it (`_Results`), the others
+    (a rank written by a later one) are read again at the end. With `stop_on_bounds`,
+    nothing past the bounds proof is reported for a plan that fails it."""
+    out: dict[str, list[str]] = {name: [] for name in CHECKS}
+    world, header = src.world, src.header
+    survey, res = _Survey(world), _Results()
+    tick = ticker(progress, "ranks", world)
+    for r in range(world):
+        rp = src.rank(r)
+        survey.add(rp, header)
+        if survey.second and survey.second[-1] == r or r in survey.incoming:
+            if survey.ready(rp):
+                res.add(rp, survey)
+                survey.checked.add(r)
+        del rp
+        tick(r)
+    out["bounds"] = survey.bounds_msgs()
+    if out["bounds"] and stop_on_bounds:
+        return out
+    todo = [r for r in sorted(set(survey.second) | set(survey.incoming))
+            if r not in survey.checked and r not in survey.bounds]
+    tick = ticker(progress, "ranks written by later ranks", len(todo))
+    for i, r in enumerate(todo):
+        res.add(src.rank(r), survey)
+        tick(i)
+    out["sizes"] = survey.size_msgs
+    out["balance"] = _balance(header, survey.egress, replicated)
+    out["coverage"], out["staging_fit"] = res.coverage, res.staging_fit
+    out["dataflow"] = res.dataflow[:5]
+    nodes, edges, cov = src.dag()
+    src.check_rest()
+    for rank, reg, nbytes in zip(cov["rank"].tolist(), cov["region"].tolist(),
+                                 cov["nbytes"].tolist()):
+        if not (0 <= rank < world and reg in survey.sizes.get(rank, {})):
+            out["coverage"].append(f"coverage names region {reg} of rank {rank}, which does "
+                                   "not exist")
+            continue
+        got = res.written.get((rank, reg), 0)
+        if got != nbytes:
+            name = survey.names[rank][reg]
+            out["coverage"].append(f"rank {rank} {name}: {got} bytes written per run, but it "
+                                   f"holds {nbytes} logical bytes")
+    out["order"] = _order(survey, (nodes, edges), res.acks)
+    return out
+
+
+def _one(plan: Plan, name: str) -> list[str]:
+    return check(PlanRanks(plan), stop_on_bounds=False)[name]
 
 
 def bounds(plan: Plan) -> list[str]:
     """The bounds proof (`schemas.bounds`, the executor's own load-time check) of every rank,
-    against the regions its peers really have; and every rank's `peer_regions` (what its
-    executor checks peers against at connect) equal to those regions."""
-    out: list[str] = []
-    world = len(plan.ranks)
-    sizes = {rp.rank: {i: r.nbytes for i, r in enumerate(rp.regions)} for rp in plan.ranks}
-    for rp in plan.ranks:
-        msg = next(violations(rp, world, sizes), None)
-        if msg is None:
-            wrong = [(p, r) for p, regs in rp.peer_regions for r, n in regs
-                     if sizes.get(p, {}).get(r) != n]
-            if wrong:
-                msg = (f"rank {rp.rank}: peer_regions gives rank {wrong[0][0]} region "
-                       f"{wrong[0][1]} a size that rank does not have")
-        if msg is not None:
-            out.append(msg)
-    return out
+    and every rank's `peer_regions` equal to the regions its peers really have."""
+    return check(PlanRanks(plan))["bounds"]
 
 
-def copy_runs(c, i: int, side: str, es: int) -> tuple[np.ndarray, np.ndarray]:
-    """Byte intervals `[start, end)` that copy `i` of table `c` touches on one side
-    (`es`: element size there), one per contiguous run of its strided box."""
-    dims = [(int(c[f"size{d}"][i]), int(c[f"{side}_stride{d}"][i])) for d in range(3)]
-    dims = [(n, st) for n, st in dims if n > 1]
-    run = 1
-    while dims and dims[-1][1] == run:
-        run *= dims.pop()[0]
-    if math.prod(n for n, _ in dims) > MAX_RUNS:
-        raise PlanFormatError(f"copy {i} is cut into {math.prod(n for n, _ in dims):,} runs, "
-                              f"more than verify checks ({MAX_RUNS:,}); the plan is corrupt")
-    start = np.array([int(c[f"{side}_offset"][i])], dtype=np.int64)
-    for n, st in dims:
-        start = (start[:, None] + np.arange(n, dtype=np.int64) * st).reshape(-1)
-    return start * es, (start + run) * es
+def coverage(plan: Plan) -> list[str]:
+    return _one(plan, "coverage")
 
 
-def _union(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Disjoint sorted intervals covering the same bytes as `[lo, hi)`."""
-    if len(lo) == 0:
-        return lo, hi
-    order = np.argsort(lo, kind="stable")
-    lo, hi = lo[order], np.maximum.accumulate(hi[order])
-    new = np.ones(len(lo), dtype=bool)
-    new[1:] = lo[1:] > hi[:-1]
-    starts = np.flatnonzero(new)
-    ends = np.append(starts[1:], len(lo)) - 1
-    return lo[starts], hi[ends]
+def sizes(plan: Plan) -> list[str]:
+    return _one(plan, "sizes")
 
 
-def _outside(lo: np.ndarray, hi: np.ndarray, w_lo: np.ndarray, w_hi: np.ndarray) -> np.ndarray:
-    """Which read intervals `[lo, hi)` are not inside the written bytes `[w_lo, w_hi)`."""
-    u_lo, u_hi = _union(w_lo, w_hi)
-    k = np.searchsorted(u_lo, lo, side="right") - 1
-    inside = (k >= 0) & (u_hi[np.maximum(k, 0)] >= hi) if len(u_lo) else np.zeros(len(lo), bool)
-    return ~inside & (hi > lo)
+def staging_fit(plan: Plan) -> list[str]:
+    return _one(plan, "staging_fit")
 
 
-def _copy_bytes(rp: RankPlan, kind: int, side: str, region: int
-                ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """stage -> byte intervals that copies of `kind` touch in `region` on `side`."""
-    c = rp.copies
-    acc: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
-    for i in np.flatnonzero((c["kind"] == kind) & (c[f"{side}_region"] == region)).tolist():
-        es = int(ITEM[c[f"{side}_dtype"][i]])
-        acc.setdefault(int(c["stage"][i]), []).append(copy_runs(c, i, side, es))
-    return {s: (np.concatenate([p[0] for p in v]), np.concatenate([p[1] for p in v]))
-            for s, v in acc.items()}
-
-
-def _quant_bytes(rp: RankPlan, region: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """stage -> byte intervals QUANT copies write in `region`: each row of their e4m3 box
-    and of their scales (`schemas.protocol.quant_scales`)."""
-    c = rp.copies
-    rows = np.flatnonzero((c["kind"] == QUANT) & (c["dst_region"] == region))
-    a, rb, cb, st = quant_scales(rp, rows)
-    m, n = c["size0"][rows].astype(np.int64), c["size1"][rows].astype(np.int64)
-    if int(m.sum() + rb.sum()) > MAX_RUNS:
-        raise PlanFormatError(f"rank {rp.rank}: its QUANTs write over {MAX_RUNS:,} rows; the "
-                              "plan is corrupt")
-    acc: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
-    for j, i in enumerate(rows.tolist()):
-        e4m3 = int(c["dst_offset"][i]) + np.arange(m[j], dtype=np.int64) * int(c["dst_stride0"][i])
-        scale = (a[j] + np.arange(rb[j], dtype=np.int64) * st[j]) * SCALE_BYTES
-        acc.setdefault(int(c["stage"][i]), []).append(
-            (np.concatenate([e4m3, scale]),
-             np.concatenate([e4m3 + n[j], scale + cb[j] * SCALE_BYTES])))
-    return {s: _cat(*v) for s, v in acc.items()}
-
-
-def _cat(*parts: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    return (np.concatenate([np.zeros(0, np.int64), *(p[0] for p in parts)]).astype(np.int64),
-            np.concatenate([np.zeros(0, np.int64), *(p[1] for p in parts)]).astype(np.int64))
+def order(plan: Plan) -> list[str]:
+    return _one(plan, "order")
 
 
 def dataflow(plan: Plan) -> list[str]:
-    """Staging a write reads holds data: filled by this stage's packs or QUANTs, or by the
-    previous stage's packs and landed writes (a gather: its DONE is awaited first)."""
-    out: list[str] = []
-    empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
-    landed: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = {}
-    for rp in plan.ranks:
-        w, stage = rp.writes, write_stages(rp)
-        for peer in np.unique(w["dst_rank"]).tolist():
-            sg = staging_index(plan.ranks[peer])
-            m = (w["dst_rank"] == peer) & (w["dst_region"] == sg)
-            for s in np.unique(stage[m]).tolist():
-                sel = m & (stage == s)
-                lo = w["dst_offset"][sel].astype(np.int64)
-                landed.setdefault((peer, s), []).append((lo, lo + w["nbytes"][sel]))
-    for rp in plan.ranks:
-        w, stage = rp.writes, write_stages(rp)
-        sg = staging_index(rp)
-        if sg < 0:
-            continue
-        packed = _copy_bytes(rp, PACK, "dst", sg)
-        for s, (lo, hi) in packed.items():
-            order_ = np.argsort(lo, kind="stable")
-            if len(lo) > 1 and (lo[order_][1:] < hi[order_][:-1]).any():
-                out.append(f"rank {rp.rank}: packs of stage {s} overlap in staging")
-        quant = _quant_bytes(rp, sg)
-        m = w["src_region"] == sg
-        for s in np.unique(stage[m]).tolist():
-            sel = np.flatnonzero(m & (stage == s))
-            lo = w["src_offset"][sel].astype(np.int64)
-            filled = _cat(packed.get(s, empty), quant.get(s, empty), packed.get(s - 1, empty),
-                          *landed.get((rp.rank, s - 1), []))
-            bad = _outside(lo, lo + w["nbytes"][sel], *filled)
-            if bad.any():
-                out.append(f"rank {rp.rank}: write {int(sel[np.argmax(bad)])} (stage {s}) "
-                           "reads staging bytes that no pack of its stage fills")
-    for rp in plan.ranks:  # a prepacked stage packs while peers' writes may still land
-        sg = staging_index(rp)
-        for s in np.flatnonzero(prepacked(rp)).tolist():
-            mine = np.flatnonzero(np.isin(rp.copies["kind"], (PACK, QUANT))
-                                  & (rp.copies["stage"] == s))
-            if overlaps(copy_extents(rp, "dst", mine), _cat(*landed.get((rp.rank, s - 1), []))):
-                out.append(f"rank {rp.rank}: stage {s} packs early (schemas/protocol.py) into "
-                           f"staging bytes that writes of stage {s - 1} land in")
-    for rp in plan.ranks:
-        sg = staging_index(rp)
-        if sg < 0:
-            continue
-        for s, (lo, hi) in sorted(_copy_bytes(rp, UNPACK, "src", sg).items()):
-            parts = landed.get((rp.rank, s), [])
-            w_lo = np.concatenate([p[0] for p in parts]) if parts else empty[0]
-            w_hi = np.concatenate([p[1] for p in parts]) if parts else empty[1]
-            if _outside(lo, hi, w_lo, w_hi).any():
-                out.append(f"rank {rp.rank}: an unpack of stage {s} reads staging bytes that "
-                           "no write of its stage fills")
-    return out[:5]
+    return _one(plan, "dataflow")
 
 
 def nic_egress(plan: Plan) -> dict[str, int]:
     """Bytes each source NIC sends per run (remote writes; NVLink batches excluded)."""
     out: dict[str, int] = {}
     for rp in plan.ranks:
-        if rp.role != "source" or not rp.nics:
-            continue
-        b = rp.batches
-        sent = 0
-        for i in np.flatnonzero(b["nic"] == 0).tolist():
-            sent += int(rp.writes["nbytes"][b["start"][i]:b["stop"][i]].sum())
-        out[rp.nics[0]] = out.get(rp.nics[0], 0) + sent
+        if rp.role == "source" and rp.nics:
+            out[rp.nics[0]] = out.get(rp.nics[0], 0) + rank_egress(rp)
     return out
 
 
@@ -247,195 +372,21 @@ def balance(plan: Plan, replicated: bool | None = None) -> list[str]:
     longer: `split_rows` never cuts a row); a box that takes the gather pass goes to its
     least-loaded owner as one unit of its whole fan-out (`stats.gather_unit_max`). The
     slack allowed is the larger unit."""
-    if not (fully_replicated(plan.header) if replicated is None else replicated):
-        return []
-    egress = nic_egress(plan)
-    if len(egress) < 2:
-        return []
-    slack = max(plan.header.options.max_write_bytes, plan.header.model.longest_row_bytes,
-                plan.header.stats.gather_unit_max)
-    mean = sum(egress.values()) / len(egress)
-    name, most = max(egress.items(), key=lambda kv: kv[1])
-    if most > mean + slack:
-        return [f"NIC {name} sends {most} bytes, more than the mean {mean:.0f} over "
-                f"{len(egress)} source NICs plus one unit ({slack} bytes)"]
-    return []
+    return _balance(plan.header, nic_egress(plan), replicated)
 
 
-def _intervals(plan: Plan) -> dict[tuple[int, int, int], list[tuple[np.ndarray, np.ndarray]]]:
-    """(dst rank, region, stage or -1) -> list of (start, end) byte arrays written there."""
-    acc: dict[tuple[int, int, int], list] = {}
-    for rp in plan.ranks:
-        w, stage = rp.writes, write_stages(rp)
-        for peer in np.unique(w["dst_rank"]).tolist():
-            m = w["dst_rank"] == peer
-            staging = staging_index(plan.ranks[peer])
-            is_staging = staging >= 0
-            for reg in np.unique(w["dst_region"][m]).tolist():
-                mm = m & (w["dst_region"] == reg)
-                st = stage[mm] if is_staging and reg == staging else np.full(mm.sum(), -1)
-                for s in np.unique(st).tolist():
-                    sel = np.nonzero(mm)[0][st == s]
-                    acc.setdefault((peer, reg, s), []).append(
-                        (w["dst_offset"][sel], w["dst_offset"][sel] + w["nbytes"][sel]))
-        c = rp.copies
-        for i in np.nonzero(c["kind"] == UNPACK)[0].tolist():
-            acc.setdefault((rp.rank, int(c["dst_region"][i]), -1), []).append(
-                copy_runs(c, i, "dst", int(ITEM[c["dst_dtype"][i]])))
-    return acc
-
-
-def coverage(plan: Plan) -> list[str]:
-    out = []
-    written: dict[tuple[int, int], int] = {}
-    for (rank, reg, stage), parts in sorted(_intervals(plan).items()):
-        lo = np.concatenate([p[0] for p in parts])
-        hi = np.concatenate([p[1] for p in parts])
-        order = np.argsort(lo, kind="stable")
-        lo, hi = lo[order], hi[order]
-        if len(lo) > 1 and (lo[1:] < hi[:-1]).any():
-            i = int(np.argmax(lo[1:] < hi[:-1]))
-            name = plan.ranks[rank].regions[reg].name
-            out.append(f"rank {rank} {name}: writes overlap at byte {lo[i + 1]}"
-                       + (f" in stage {stage}" if stage >= 0 else ""))
-        if stage == -1:
-            written[(rank, reg)] = int((hi - lo).sum())
-    cov = plan.coverage
-    for rank, reg, nbytes in zip(cov["rank"].tolist(), cov["region"].tolist(),
-                                 cov["nbytes"].tolist()):
-        if not (0 <= rank < len(plan.ranks) and 0 <= reg < len(plan.ranks[rank].regions)):
-            out.append(f"coverage names region {reg} of rank {rank}, which does not exist")
-            continue
-        got = written.get((rank, reg), 0)
-        if got != nbytes:
-            name = plan.ranks[rank].regions[reg].name
-            out.append(f"rank {rank} {name}: {got} bytes written per run, but it holds "
-                       f"{nbytes} logical bytes")
-    return out
-
-
-def sizes(plan: Plan) -> list[str]:
-    opts = plan.header.options
-    max_w, budget = opts.max_write_bytes, opts.staging_bytes
-    out = []
-    for rp in plan.ranks:
-        if max_w and len(rp.writes) and rp.writes["nbytes"].max() > max_w:
-            out.append(f"rank {rp.rank}: a write of {rp.writes['nbytes'].max()} bytes exceeds "
-                       f"max_write_bytes={max_w}")
-        for r in rp.regions:
-            if r.name == STAGING and budget is not None and r.nbytes > budget:
-                out.append(f"rank {rp.rank}: staging of {r.nbytes} bytes exceeds "
-                           f"staging_bytes={budget}")
-    return out
-
-
-def staging_use(plan: Plan) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Per rank with staging: (stage, lo, hi) of every staging byte interval its ops touch:
-    its writes' sources, peers' writes into it, and both sides of its copies."""
-    acc: dict[int, list[tuple[np.ndarray, ...]]] = {}
-    peer_sg = np.array([staging_index(p) for p in plan.ranks], dtype=np.int64)
-    for rp in plan.ranks:
-        sg, stage = staging_index(rp), write_stages(rp)
-        reg, lo, hi = write_footprint(rp, "src")
-        acc.setdefault(rp.rank, []).append((stage[reg == sg], lo[reg == sg], hi[reg == sg]))
-        reg, lo, hi = write_footprint(rp, "dst")
-        into = reg == peer_sg[rp.writes["dst_rank"]]
-        for peer in np.unique(rp.writes["dst_rank"][into]).tolist():
-            m = into & (rp.writes["dst_rank"] == peer)
-            acc.setdefault(peer, []).append((stage[m], lo[m], hi[m]))
-        for side in ("src", "dst"):
-            rows, reg, lo, hi = copy_footprint(rp, side)
-            m = reg == sg
-            acc[rp.rank].append((rp.copies["stage"][rows[m]].astype(np.int64), lo[m], hi[m]))
-    return {r: tuple(np.concatenate([p[i] for p in parts]).astype(np.int64) for i in range(3))
-            for r, parts in acc.items() if staging_index(plan.ranks[r]) >= 0}
-
-
-def staging_fit(plan: Plan) -> list[str]:
-    """No rank's staging exceeds what its ops use at peak: it ends at the last staging byte
-    they touch (rounded up to `ALIGN`), and it is at most the bytes the `SLOTS` stages
-    that use the most touch (a stage's use: from its first to its last byte; the rotation
-    keeps up to `SLOTS` stages' staging live at once), plus `ALIGN` per slot."""
-    out = []
-    for r, (stage, lo, hi) in staging_use(plan).items():
-        have = plan.ranks[r].regions[-1].nbytes
-        keep = hi > lo
-        stage, lo, hi = stage[keep], lo[keep], hi[keep]
-        end = -(-int(hi.max(initial=0)) // ALIGN) * ALIGN
-        first = np.full(int(stage.max(initial=-1)) + 1, np.iinfo(np.int64).max)
-        last = np.zeros(len(first), dtype=np.int64)
-        np.minimum.at(first, stage, lo)
-        np.maximum.at(last, stage, hi)
-        span = np.sort(np.where(last > 0, last - first, 0))[::-1]
-        peak = int(span[:SLOTS].sum()) + SLOTS * ALIGN
-        if have > min(end, peak):
-            out.append(f"rank {r}: staging of {have} bytes exceeds what its ops use at peak "
-                       f"(they touch bytes up to {end}; its {SLOTS} busiest stages "
-                       f"{peak - SLOTS * ALIGN})")
-    return out
-
-
-def order(plan: Plan) -> list[str]:
-    out = []
-    g = nx.DiGraph()
-    g.add_nodes_from(range(len(plan.dag_nodes)))
-    g.add_edges_from(zip(plan.dag_edges["u"].tolist(), plan.dag_edges["v"].tolist()))
-    if not nx.is_directed_acyclic_graph(g):
-        out.append("the stage DAG has a cycle")
-    sent = {(rp.rank, int(s), int(p), int(k)) for rp in plan.ranks
-            for s, p, k in zip(rp.signals["stage"], rp.signals["peer"], rp.signals["kind"])}
-    waited = {(rp.rank, int(s), int(p), int(k)) for rp in plan.ranks
-              for s, p, k in zip(rp.waits["stage"], rp.waits["peer"], rp.waits["kind"])}
-    for r, s, p, k in sorted(waited):
-        if (p, sent_stage(k, s), r, k) not in sent:
-            out.append(f"rank {r} waits for signal kind {k} from rank {p} in stage {s}, "
-                       "which is never sent")
-    for r, s, p, k in sorted(sent):
-        if (p, wait_stage(k, s), r, k) not in waited:
-            out.append(f"rank {r} sends signal kind {k} to rank {p} in stage {s}, which "
-                       "nobody waits for")
-    for rp in plan.ranks:
-        stage = write_stages(rp)
-        pairs = set(zip(stage.tolist(), rp.writes["dst_rank"].tolist()))
-        for s, p in sorted(pairs):
-            if (rp.rank, s, p, DONE) not in sent or (p, 0, rp.rank, READY) not in sent:
-                out.append(f"rank {rp.rank} writes to rank {p} in stage {s} without READY "
-                           "and DONE signals")
-            staging = staging_index(plan.ranks[p])
-            into = (rp.writes["dst_rank"] == p) & (rp.writes["dst_region"] == staging) & \
-                (stage == s)
-            if not (s > 0 and staging >= 0 and into.any()) or (rp.rank, s, p, ACK) in waited:
-                continue
-            freed = s - SLOTS if (rp.rank, s, p, SLOT_ACK) in waited else -1
-            lo, hi = write_footprint(rp, "dst")[1:]
-            if overlaps((lo[into], hi[into]), _staging_reads(plan.ranks[p], freed + 1, s)):
-                out.append(f"rank {rp.rank} writes into rank {p}'s staging in stage {s} "
-                           f"bytes that rank {p} may still read in stages {freed + 1}..{s - 1}"
-                           " (it waits for no ACK of stage s-1)")
-    return out[:5]
-
-
-def _staging_reads(rp: RankPlan, first: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-    """Staging bytes rank `rp` reads in stages `first` .. `stop - 1`: the sources of its
-    writes and copies (what a SLOT_ACK of stage `first - 1` does not yet free)."""
-    sg = staging_index(rp)
-    w, c = rp.writes, rp.copies
-    st = write_stages(rp)
-    mw = (w["src_region"] == sg) & (st >= first) & (st < stop)
-    mc = np.flatnonzero((c["src_region"] == sg) & (c["stage"] >= first) & (c["stage"] < stop))
-    _, lo, hi = write_footprint(rp, "src")
-    c_lo, c_hi = copy_extents(rp, "src", mc)
-    return np.concatenate([lo[mw], c_lo]), np.concatenate([hi[mw], c_hi])
+def _report(res: dict[str, list[str]]) -> list[str]:
+    if res["bounds"]:
+        return res["bounds"]
+    return [m for name in CHECKS[1:] for m in res[name]]
 
 
 def verify_plan(plan: Plan) -> list[str]:
     """All violations, in check order (bounds first: later checks assume them)."""
-    problems = bounds(plan)
-    if problems:
-        return problems
-    return coverage(plan) + sizes(plan) + staging_fit(plan) + order(plan) + dataflow(plan) \
-        + balance(plan)
+    return _report(check(PlanRanks(plan)))
 
 
-def verify_file(path: str) -> list[str]:
-    return verify_plan(load_plan(path))
+def verify_file(path: str, progress: Progress | None = None) -> list[str]:
+    """`verify_plan` of the plan at `path`, holding one rank's part at a time."""
+    with PlanFile(path) as src:
+        return _report(check(src, progress))

@@ -11,6 +11,7 @@ bytes. Values are range-checked before any arithmetic, so nothing overflows int6
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from itertools import chain
 
 import numpy as np
 
@@ -138,19 +139,31 @@ def _writes(rp: RankPlan, sizes: np.ndarray, peers: dict[int, dict[int, int]]
     known = np.isin(w["dst_rank"], np.array(sorted(peers), dtype=np.int64))
     yield _first(rp, "write", ~known, "writes to a rank missing from peer_regions", w)
     reg, lo, hi = write_footprint(rp, "dst")
-    for peer, psizes in peers.items():
-        sel = w["dst_rank"] == peer
-        if not sel.any():
-            continue
-        regs = np.array(sorted(psizes), dtype=np.int64)
-        ps = np.array([psizes[r] for r in regs.tolist()] + [0], dtype=np.int64)
-        at = np.minimum(np.searchsorted(regs, reg), len(regs))
-        listed = (at < len(regs)) & (regs[np.minimum(at, max(len(regs) - 1, 0))] == reg) \
-            if len(regs) else np.zeros(len(reg), dtype=bool)
-        yield _first(rp, "write", sel & ~listed,
-                     f"names a dst region of rank {peer} that peer_regions does not list", w)
-        yield _first(rp, "write", sel & (hi > ps[np.where(listed, at, len(regs))]),
-                     f"writes past the end of its dst region on rank {peer}", w)
+    # every (peer, region) that `peers` lists, as one sorted key; each write looks its own up
+    width = MAX_OPS + 1
+    listed_peers = [(p, rs) for p, rs in peers.items() if 0 <= p < (1 << 30)]
+    count = np.array([len(rs) for _, rs in listed_peers], dtype=np.int64)
+    p_col = np.repeat(np.array([p for p, _ in listed_peers], dtype=np.int64), count)
+    r_col = np.fromiter(chain.from_iterable(rs.keys() for _, rs in listed_peers), np.int64,
+                        int(count.sum()))
+    n_col = np.fromiter(chain.from_iterable(rs.values() for _, rs in listed_peers), np.int64,
+                        int(count.sum()))
+    ok = (r_col >= 0) & (r_col <= MAX_OPS)
+    keys = p_col[ok] * width + r_col[ok]
+    by_key = np.argsort(keys, kind="stable")
+    keys, ps = keys[by_key], np.append(n_col[ok][by_key], 0)
+    mine = known & (reg >= 0) & (reg <= MAX_OPS)
+    wkey = np.where(mine, w["dst_rank"].astype(np.int64) * width + np.clip(reg, 0, MAX_OPS), -1)
+    at = np.minimum(np.searchsorted(keys, wkey), len(keys))
+    listed = mine & (at < len(keys)) & (keys[np.minimum(at, max(len(keys) - 1, 0))] == wkey) \
+        if len(keys) else np.zeros(len(reg), dtype=bool)
+    unlisted = known & ~listed
+    peer = int(w["dst_rank"][np.argmax(unlisted)]) if unlisted.any() else -1
+    yield _first(rp, "write", unlisted,
+                 f"names a dst region of rank {peer} that peer_regions does not list", w)
+    past = listed & (hi > ps[np.where(listed, at, len(keys))])
+    peer = int(w["dst_rank"][np.argmax(past)]) if past.any() else -1
+    yield _first(rp, "write", past, f"writes past the end of its dst region on rank {peer}", w)
 
 
 def _batches(rp: RankPlan) -> Iterator[str | None]:

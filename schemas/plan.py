@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, BinaryIO
 
 import msgpack
@@ -93,6 +94,16 @@ def _int(x: Any) -> int:
     return x
 
 
+def _int_pairs(s: Any) -> tuple[tuple[int, int], ...]:
+    """A list of [int, int] pairs (as `_int` accepts them), checked by C-level passes."""
+    if not isinstance(s, list) or not set(map(type, s)) <= {list} or set(map(len, s)) - {2}:
+        raise ValueError(f"{str(s)[:40]!r} is not a list of integer pairs")
+    flat = list(chain.from_iterable(s))
+    if set(map(type, flat)) - {int} or flat and not -(1 << 62) <= min(flat) <= max(flat) <= 1 << 62:
+        raise ValueError(f"{str(s)[:40]!r} is not a list of integer pairs in range")
+    return tuple(zip(flat[::2], flat[1::2]))
+
+
 @dataclass(frozen=True, slots=True)
 class Region:
     name: str
@@ -162,8 +173,7 @@ class RankPlan:
                 copies=Table.from_msgpack(COPY_COLUMNS, raw["copies"], what + ".copies"),
                 signals=Table.from_msgpack(SIGNAL_COLUMNS, raw["signals"], what + ".signals"),
                 waits=Table.from_msgpack(SIGNAL_COLUMNS, raw["waits"], what + ".waits"),
-                peer_regions=tuple((_int(p), tuple((_int(r), _int(n)) for r, n in s))
-                                   for p, s in raw["peer_regions"]),
+                peer_regions=tuple((_int(p), _int_pairs(s)) for p, s in raw["peer_regions"]),
                 stages=_int(raw["stages"]),
             )
         except PlanFormatError:
@@ -207,7 +217,13 @@ def _no_ext(code: int, data: bytes) -> Any:
 
 
 def _unpack(data: bytes, what: str) -> Any:
-    """Plain msgpack data only: extension types (and timestamps) are refused."""
+    """Plain msgpack data only: extension types (and timestamps) are refused. Data with no
+    extension value passes a C-level `max_ext_len=0` decode and skips the walk below."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext,
+                               max_ext_len=0)
+    except Exception:  # an extension value, or corrupt: the full decode says which
+        pass
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext)
     except PlanFormatError as e:

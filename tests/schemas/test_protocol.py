@@ -62,7 +62,11 @@ def test_the_simulator_carries_where_the_executor_does(plans, name):
     # Both take the rule from schemas.protocol.carries; for the same rank plans they hold
     # the same per-stage decisions, and the rule is not trivial on these plans.
     plan = load_plan(plans[name])
-    sim = _Sim(plan.header, plan.ranks, 8, False)
+    from planner.planfile import PlanRanks
+    from planner.simflow import load_checked
+
+    src = PlanRanks(plan)
+    sim = _Sim(src, load_checked(src), 8, False)
     exs = _executors(plan, fuzz._World(plan, name == "fp8"))
     for rp, ex in zip(plan.ranks, exs):
         assert ex.carries == sim.carries[rp.rank] == carries(rp).tolist()

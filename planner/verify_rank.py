@@ -1,0 +1,378 @@
+"""`verify`'s checks of one rank's decoded part (`planner/verify.py` runs them rank by rank).
+
+Each function takes one `RankPlan` and, where a check needs its peers, a small summary of
+what they do to it (`Incoming`: the writes that land in this rank, five columns per write),
+never the whole plan: `verify` holds one rank's columns at a time, plus those summaries.
+The executor can run the checks that need no peer (`rank_bounds`, `rank_sizes`) at load.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.passes.lower import ALIGN
+from schemas.bounds import violations
+from schemas.plan import PACK, QUANT, STAGING, UNPACK, PlanFormatError, RankPlan
+from schemas.protocol import (
+    ITEM,
+    SCALE_BYTES,
+    SLOTS,
+    copy_footprint,
+    overlaps,
+    prepacked,
+    quant_scales,
+    staging_index,
+    write_footprint,
+    write_stages,
+)
+
+MAX_RUNS = 1 << 24
+"""Contiguous runs of one copy's box that `copy_runs` lists (a compiled copy has at most a
+box's rows)."""
+EMPTY = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """The writes of all peers that land in one rank, in source-rank order."""
+
+    src: np.ndarray
+    region: np.ndarray
+    stage: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+
+    @staticmethod
+    def empty() -> Incoming:
+        z = np.zeros(0, np.int64)
+        return Incoming(z, z, z, z, z)
+
+
+def outgoing(rp: RankPlan) -> dict[int, Incoming]:
+    """What `rp`'s writes do to each peer (dst rank -> its `Incoming` part)."""
+    w, stage = rp.writes, write_stages(rp)
+    dst = w["dst_rank"].astype(np.int64)
+    order = np.argsort(dst, kind="stable")
+    peers, first = np.unique(dst[order], return_index=True)
+    bounds_ = np.append(first, len(order))
+    out = {}
+    for j, p in enumerate(peers.tolist()):
+        sel = order[bounds_[j]:bounds_[j + 1]]
+        lo = w["dst_offset"][sel].astype(np.int64)
+        out[p] = Incoming(np.full(len(sel), rp.rank, np.int64),
+                          w["dst_region"][sel].astype(np.int64), stage[sel], lo,
+                          lo + w["nbytes"][sel])
+    return out
+
+
+def concat(parts: list[Incoming]) -> Incoming:
+    if not parts:
+        return Incoming.empty()
+    return Incoming(*(np.concatenate([getattr(p, f) for p in parts])
+                      for f in ("src", "region", "stage", "lo", "hi")))
+
+
+# ---------------------------------------------------------------- checks of one rank alone
+
+def rank_bounds(rp: RankPlan, world: int | None) -> str | None:
+    """The executor's load-time bounds proof (`schemas.bounds`) against the rank's own
+    `peer_regions`; `verify` then checks those against the peers' real regions."""
+    return next(violations(rp, world), None)
+
+
+def rank_sizes(rp: RankPlan, max_write: int | None, budget: int | None) -> list[str]:
+    """No write above `max_write_bytes`, no staging above `staging_bytes`."""
+    out = []
+    if max_write and len(rp.writes) and rp.writes["nbytes"].max() > max_write:
+        out.append(f"rank {rp.rank}: a write of {rp.writes['nbytes'].max()} bytes exceeds "
+                   f"max_write_bytes={max_write}")
+    for r in rp.regions:
+        if r.name == STAGING and budget is not None and r.nbytes > budget:
+            out.append(f"rank {rp.rank}: staging of {r.nbytes} bytes exceeds "
+                       f"staging_bytes={budget}")
+    return out
+
+
+def rank_egress(rp: RankPlan) -> int:
+    """Bytes the rank's first NIC sends per run (its remote batches: `nic == 0`)."""
+    b = rp.batches
+    if rp.role != "source" or not rp.nics or not len(b):
+        return 0
+    cs = np.concatenate([[0], np.cumsum(rp.writes["nbytes"], dtype=np.int64)])
+    m = b["nic"] == 0
+    return int((cs[b["stop"][m]] - cs[b["start"][m]]).sum())
+
+
+# ---------------------------------------------------------------- byte intervals
+
+def _pattern(sizes: tuple[int, ...], strides: tuple[int, ...]) -> tuple[np.ndarray, int]:
+    """Start offsets (elements) of the contiguous runs of one box, and the run length. The
+    box is a set of elements: its dims are taken by stride, smallest first, and merged
+    while each steps exactly over the run so far (a transposed box is one run)."""
+    dims = sorted(((n, st) for n, st in zip(sizes, strides) if n > 1), key=lambda d: d[1])
+    run = 1
+    while dims and dims[0][1] == run:
+        run *= dims.pop(0)[0]
+    count = math.prod(n for n, _ in dims)
+    if count > MAX_RUNS:
+        raise PlanFormatError(f"a copy is cut into {count:,} runs, more than verify checks "
+                              f"({MAX_RUNS:,}); the plan is corrupt")
+    start = np.zeros(1, dtype=np.int64)
+    for n, st in dims:
+        start = (start[:, None] + np.arange(n, dtype=np.int64) * st).reshape(-1)
+    return start, run
+
+
+def copy_runs(rp: RankPlan, rows: np.ndarray, side: str
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row, lo, hi): byte intervals `[lo, hi)` that copies `rows` touch on `side`, one per
+    contiguous run of their strided boxes; copies of one box shape share one pattern."""
+    c = rp.copies
+    rows = np.asarray(rows, dtype=np.int64)
+    if not len(rows):
+        return rows, *EMPTY
+    key = np.stack([c[f"size{d}"][rows] for d in range(3)]
+                   + [c[f"{side}_stride{d}"][rows] for d in range(3)], axis=1).astype(np.int64)
+    if (key[:, :3] == 0).any():  # an empty box touches nothing
+        keep = (key[:, :3] > 0).all(axis=1)
+        rows, key = rows[keep], key[keep]
+    order = np.lexsort(key.T[::-1])  # by box shape (a row-wise unique, without its cost)
+    key = key[order]
+    new = np.ones(len(key), dtype=bool)
+    new[1:] = (key[1:] != key[:-1]).any(axis=1)
+    cuts = np.append(np.flatnonzero(new), len(key))
+    shapes = key[new]
+    es = ITEM[np.clip(c[f"{side}_dtype"][rows].astype(np.int64), 0, len(ITEM) - 1)]
+    off = c[f"{side}_offset"][rows].astype(np.int64)
+    out_r, out_lo, out_hi = [], [], []
+    for g, shape in enumerate(shapes.tolist()):
+        members = order[cuts[g]:cuts[g + 1]]
+        start, run = _pattern(tuple(shape[:3]), tuple(shape[3:]))
+        lo = (off[members, None] + start[None, :]) * es[members, None]
+        out_r.append(np.repeat(rows[members], len(start)))
+        out_lo.append(lo.reshape(-1))
+        out_hi.append((lo + run * es[members, None]).reshape(-1))
+    return np.concatenate(out_r), np.concatenate(out_lo), np.concatenate(out_hi)
+
+
+def union(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint sorted intervals covering the same bytes as `[lo, hi)`."""
+    if len(lo) == 0:
+        return lo, hi
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], np.maximum.accumulate(hi[order])
+    new = np.ones(len(lo), dtype=bool)
+    new[1:] = lo[1:] > hi[:-1]
+    starts = np.flatnonzero(new)
+    ends = np.append(starts[1:], len(lo)) - 1
+    return lo[starts], hi[ends]
+
+
+def outside(lo: np.ndarray, hi: np.ndarray, w_lo: np.ndarray, w_hi: np.ndarray) -> np.ndarray:
+    """Which read intervals `[lo, hi)` are not inside the written bytes `[w_lo, w_hi)`."""
+    u_lo, u_hi = union(w_lo, w_hi)
+    k = np.searchsorted(u_lo, lo, side="right") - 1
+    inside = (k >= 0) & (u_hi[np.maximum(k, 0)] >= hi) if len(u_lo) else np.zeros(len(lo), bool)
+    return ~inside & (hi > lo)
+
+
+def by_stage(stage: np.ndarray, lo: np.ndarray, hi: np.ndarray
+             ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    order = np.argsort(stage, kind="stable")
+    stages, first = np.unique(stage[order], return_index=True)
+    cut = np.append(first, len(order))
+    return {int(s): (lo[order[cut[j]:cut[j + 1]]], hi[order[cut[j]:cut[j + 1]]])
+            for j, s in enumerate(stages.tolist())}
+
+
+def copy_bytes(rp: RankPlan, kind: int, side: str, region: int
+               ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """stage -> byte intervals that copies of `kind` touch in `region` on `side`."""
+    c = rp.copies
+    rows, lo, hi = copy_runs(rp, np.flatnonzero((c["kind"] == kind)
+                                                & (c[f"{side}_region"] == region)), side)
+    return by_stage(c["stage"][rows].astype(np.int64), lo, hi)
+
+
+def quant_bytes(rp: RankPlan, region: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """stage -> byte intervals QUANT copies write in `region`: each row of their e4m3 box
+    and of their scales (`schemas.protocol.quant_scales`)."""
+    c = rp.copies
+    rows = np.flatnonzero((c["kind"] == QUANT) & (c["dst_region"] == region))
+    a, rb, cb, st = quant_scales(rp, rows)
+    m, n = c["size0"][rows].astype(np.int64), c["size1"][rows].astype(np.int64)
+    if int(m.sum() + rb.sum()) > MAX_RUNS * 4:
+        raise PlanFormatError(f"rank {rp.rank}: its QUANTs write over {MAX_RUNS * 4:,} rows; "
+                              "the plan is corrupt")
+    # one interval per e4m3 row, then one per scale row, each tagged with its copy's stage
+    rep = np.repeat(np.arange(len(rows)), m)
+    k = np.arange(len(rep)) - np.repeat(np.cumsum(m) - m, m)
+    e_lo = c["dst_offset"][rows].astype(np.int64)[rep] + k * c["dst_stride0"][rows][rep]
+    rep2 = np.repeat(np.arange(len(rows)), rb)
+    k2 = np.arange(len(rep2)) - np.repeat(np.cumsum(rb) - rb, rb)
+    s_lo = (a[rep2] + k2 * st[rep2]) * SCALE_BYTES
+    stage = c["stage"][rows].astype(np.int64)
+    return by_stage(np.concatenate([stage[rep], stage[rep2]]),
+                    np.concatenate([e_lo, s_lo]),
+                    np.concatenate([e_lo + n[rep], s_lo + cb[rep2] * SCALE_BYTES]))
+
+
+def cat(*parts: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    return (np.concatenate([EMPTY[0], *(p[0] for p in parts)]).astype(np.int64),
+            np.concatenate([EMPTY[1], *(p[1] for p in parts)]).astype(np.int64))
+
+
+def first_overlap(lo: np.ndarray, hi: np.ndarray) -> int | None:
+    """A byte where two intervals of `[lo, hi)` overlap, or None."""
+    if len(lo) < 2:
+        return None
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], hi[order]
+    bad = lo[1:] < hi[:-1]
+    return int(lo[int(np.argmax(bad)) + 1]) if bad.any() else None
+
+
+# ---------------------------------------------------------------- checks with the peers' part
+
+def rank_coverage(rp: RankPlan, inc: Incoming, staging: int
+                  ) -> tuple[list[str], dict[int, int]]:
+    """Writes and unpacks into `rp` never overlap (staging: per stage); and bytes written
+    per run into each of its regions (region -> bytes), for the coverage table. One sort
+    by (region, stage, start) groups them all."""
+    u_rows, u_lo, u_hi = copy_runs(rp, np.flatnonzero(rp.copies["kind"] == UNPACK), "dst")
+    stage = np.where(inc.region == staging, inc.stage, -1) if staging >= 0 else \
+        np.full(len(inc.region), -1, np.int64)
+    reg = np.concatenate([inc.region, rp.copies["dst_region"][u_rows].astype(np.int64)])
+    st = np.concatenate([stage, np.full(len(u_rows), -1, np.int64)])
+    lo, hi = np.concatenate([inc.lo, u_lo]), np.concatenate([inc.hi, u_hi])
+    order = np.lexsort((lo, st, reg))
+    reg, st, lo, hi = reg[order], st[order], lo[order], hi[order]
+    new = np.ones(len(reg), dtype=bool)
+    new[1:] = (reg[1:] != reg[:-1]) | (st[1:] != st[:-1])
+    group = np.cumsum(new) - 1
+    bad = np.flatnonzero(~new[1:] & (lo[1:] < hi[:-1])) + 1
+    out = []
+    _, first = np.unique(group[bad], return_index=True)
+    for i in bad[first].tolist():
+        r, s = int(reg[i]), int(st[i])
+        name = rp.regions[r].name if 0 <= r < len(rp.regions) else str(r)
+        out.append(f"rank {rp.rank} {name}: writes overlap at byte {int(lo[i])}"
+                   + (f" in stage {s}" if s >= 0 else ""))
+    whole = st == -1
+    regs, at = np.unique(reg[whole], return_index=True)
+    sums = np.add.reduceat(hi[whole] - lo[whole], at) if len(at) else at
+    return out, dict(zip(regs.tolist(), sums.tolist()))
+
+
+def landed(inc: Incoming, staging: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """stage -> bytes peers' writes land in the rank's staging."""
+    m = inc.region == staging
+    return by_stage(inc.stage[m], inc.lo[m], inc.hi[m])
+
+
+def rank_dataflow(rp: RankPlan, inc: Incoming) -> list[str]:
+    """Staging a write reads holds data: filled by this stage's packs or QUANTs, or by the
+    previous stage's packs and landed writes (a gather: its DONE is awaited first); early
+    packs never overwrite what the previous stage's writes land in; unpacks read landed
+    bytes."""
+    out: list[str] = []
+    sg = staging_index(rp)
+    land = landed(inc, sg) if sg >= 0 else {}
+    if sg >= 0:
+        w, stage = rp.writes, write_stages(rp)
+        packed = copy_bytes(rp, PACK, "dst", sg)
+        for s, (lo, hi) in packed.items():
+            if first_overlap(lo, hi) is not None:
+                out.append(f"rank {rp.rank}: packs of stage {s} overlap in staging")
+        quant = quant_bytes(rp, sg)
+        m = w["src_region"] == sg
+        for s, (sel, _) in by_stage(stage[m], np.flatnonzero(m), np.flatnonzero(m)).items():
+            lo = w["src_offset"][sel].astype(np.int64)
+            filled = cat(packed.get(s, EMPTY), quant.get(s, EMPTY), packed.get(s - 1, EMPTY),
+                         land.get(s - 1, EMPTY))
+            bad = outside(lo, lo + w["nbytes"][sel], *filled)
+            if bad.any():
+                out.append(f"rank {rp.rank}: write {int(sel[np.argmax(bad)])} (stage {s}) "
+                           "reads staging bytes that no pack of its stage fills")
+    c = rp.copies
+    early = np.flatnonzero(prepacked(rp))
+    if len(early):  # packs while writes may still land
+        rows = np.flatnonzero(np.isin(c["kind"], (PACK, QUANT)) & np.isin(c["stage"], early))
+        rows, _, lo, hi = copy_footprint(rp, "dst", rows)  # a QUANT's rows twice
+        extents = by_stage(c["stage"][rows].astype(np.int64), lo, hi)
+        for s in early.tolist():
+            if overlaps(extents.get(s, EMPTY), land.get(s - 1, EMPTY)):
+                out.append(f"rank {rp.rank}: stage {s} packs early (schemas/protocol.py) into "
+                           f"staging bytes that writes of stage {s - 1} land in")
+    if sg >= 0:
+        for s, (lo, hi) in sorted(copy_bytes(rp, UNPACK, "src", sg).items()):
+            if outside(lo, hi, *land.get(s, EMPTY)).any():
+                out.append(f"rank {rp.rank}: an unpack of stage {s} reads staging bytes that "
+                           "no write of its stage fills")
+    return out
+
+
+def staging_use(rp: RankPlan, inc: Incoming) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(stage, lo, hi) of every staging byte interval the rank's ops touch: its writes'
+    sources, peers' writes into it, and both sides of its copies."""
+    sg, stage = staging_index(rp), write_stages(rp)
+    reg, lo, hi = write_footprint(rp, "src")
+    parts = [(stage[reg == sg], lo[reg == sg], hi[reg == sg])]
+    m = inc.region == sg
+    parts.append((inc.stage[m], inc.lo[m], inc.hi[m]))
+    for side in ("src", "dst"):
+        rows, reg, lo, hi = copy_footprint(rp, side)
+        m = reg == sg
+        parts.append((rp.copies["stage"][rows[m]].astype(np.int64), lo[m], hi[m]))
+    return tuple(np.concatenate([p[i] for p in parts]).astype(np.int64)  # type: ignore
+                 for i in range(3))
+
+
+def rank_staging_fit(rp: RankPlan, inc: Incoming) -> list[str]:
+    """No rank's staging exceeds what its ops use at peak: it ends at the last staging byte
+    they touch (rounded up to `ALIGN`), and it is at most the bytes the `SLOTS` stages
+    that use the most touch (a stage's use: from its first to its last byte; the rotation
+    keeps up to `SLOTS` stages' staging live at once), plus `ALIGN` per slot."""
+    stage, lo, hi = staging_use(rp, inc)
+    have = rp.regions[-1].nbytes
+    keep = hi > lo
+    stage, lo, hi = stage[keep], lo[keep], hi[keep]
+    end = -(-int(hi.max(initial=0)) // ALIGN) * ALIGN
+    first = np.full(int(stage.max(initial=-1)) + 1, np.iinfo(np.int64).max)
+    last = np.zeros(len(first), dtype=np.int64)
+    np.minimum.at(first, stage, lo)
+    np.maximum.at(last, stage, hi)
+    span = np.sort(np.where(last > 0, last - first, 0))[::-1]
+    peak = int(span[:SLOTS].sum()) + SLOTS * ALIGN
+    if have > min(end, peak):
+        return [f"rank {rp.rank}: staging of {have} bytes exceeds what its ops use at peak "
+                f"(they touch bytes up to {end}; its {SLOTS} busiest stages "
+                f"{peak - SLOTS * ALIGN})"]
+    return []
+
+
+def acyclic(n: int, u: np.ndarray, v: np.ndarray) -> bool:
+    """Whether the graph of `n` nodes and edges `u -> v` has no cycle (Kahn's algorithm, one
+    numpy step per level; an edge naming no node is a cycle: the DAG is malformed)."""
+    u, v = u.astype(np.int64), v.astype(np.int64)
+    if len(u) and (min(u.min(), v.min()) < 0 or max(u.max(), v.max()) >= n):
+        return False
+    order = np.argsort(u, kind="stable")
+    v = v[order]
+    start = np.searchsorted(u[order], np.arange(n + 1))
+    indeg = np.bincount(v, minlength=n)
+    frontier = np.flatnonzero(indeg == 0)
+    seen = 0
+    while len(frontier):
+        seen += len(frontier)
+        lo, hi = start[frontier], start[frontier + 1]
+        count = hi - lo
+        idx = np.repeat(lo - np.cumsum(count) + count, count) + np.arange(int(count.sum()))
+        succ = v[idx]
+        before = indeg[succ] > 0
+        np.subtract.at(indeg, succ, 1)
+        frontier = np.unique(succ[before & (indeg[succ] == 0)])
+    return seen == n
