@@ -14,7 +14,7 @@ import time
 from bench.gpu_refit.report import device_name, render_md, render_text, write_md
 from bench.gpu_refit.run import worker
 from bench.gpu_refit.setup import NO_MULTICAST, Setup
-from tests.support.procs import free_port, root_env, spawn_ranks
+from harness.launch import free_port, root_env, spawn_ranks
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -36,8 +36,8 @@ def cuda_ipc_options(streams: int, graphs: bool, kernel: bool = True) -> dict:
 def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
               transports: list[str], baseline: bool = True) -> dict:
     import executor
+    from harness.weights import DTYPES
     from planner.layouts import build_layout
-    from planner.materialize import DTYPES
     from planner.spec import load_spec
 
     torch, dist, args, rank = ctx.torch, ctx.dist, ctx.args, ctx.rank

@@ -39,7 +39,7 @@ def logical_values(shape, offsets, sizes, key: int, device, dtype):
 
 def fill_pieces(t, pt, spec, seed: int, chunk_elems: int = 1 << 27) -> None:
     """Write the logical values of every piece of physical tensor `pt` into `t`."""
-    from planner.materialize import piece_view
+    from harness.weights import piece_view
 
     by = spec.by_name
     for piece in pt.pieces:
@@ -81,10 +81,10 @@ def check_targets(tensors: dict, rank_layout, spec, seed: int) -> list[str]:
 
 
 def check_generator(spec, layout, local: int, seed: int) -> list[str]:
-    """Dry run: the generator agrees with `planner.materialize` from full logical tensors."""
+    """Dry run: the generator agrees with `harness.weights` from full logical tensors."""
     import torch
 
-    from planner.materialize import DTYPES, materialize
+    from harness.weights import DTYPES, materialize
 
     full = {t.name: logical_values(t.shape, (0,) * len(t.shape), t.shape,
                                    tensor_key(t.name, seed), "cpu", DTYPES[t.dtype])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import os
 
-from tests.support.procs import ROOT
+from harness.launch import ROOT
 
 EXECUTOR = os.path.join(ROOT, "executor")
 

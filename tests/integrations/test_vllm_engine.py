@@ -29,8 +29,8 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
                 allow_module_level=True)
 
 
+from harness.launch import master_store  # noqa: E402
 from tests.integrations import vllm_cases as vc  # noqa: E402
-from tests.support.procs import master_store  # noqa: E402
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent

@@ -57,8 +57,8 @@ KEEP: list[object] = []
 
 
 def run_case(case: dict, rank: int) -> list[str]:
+    from harness.weights import materialize, random_full_tensors
     from planner.layouts import sglang as sglang_layout
-    from planner.materialize import materialize, random_full_tensors
     from planner.spec import spec_from_hf
     from schemas.config import TargetConfig
 

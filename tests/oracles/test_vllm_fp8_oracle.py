@@ -55,8 +55,13 @@ if importlib.util.find_spec("vllm") is None:  # importorskip without the 20 s im
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from planner.fp8 import quantize_block128, quantize_full  # noqa: E402
-from planner.materialize import DTYPES, materialize, random_full_tensors  # noqa: E402
+from harness.weights import (  # noqa: E402  # noqa: E402
+    DTYPES,
+    materialize,
+    quantize_block128,
+    quantize_full,
+    random_full_tensors,
+)
 from planner.spec import spec_from_hf  # noqa: E402
 
 FP8_BLOCK = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.weights import materialize, random_full_tensors
 from planner.compiler import compile_layouts
-from planner.materialize import materialize, random_full_tensors
 from planner.spec import spec_from_hf
 from planner.verify import verify_plan
 from schemas.plan import encode_plan, load_plan, write_plan

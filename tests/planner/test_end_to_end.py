@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 
+from harness.weights import materialize, random_full_tensors
 from planner.compiler import compile_config
 from planner.layouts import build_layout
-from planner.materialize import materialize, random_full_tensors
 from planner.validate import validate
 from planner.verify import verify_plan
 from schemas.config import config_from_dict

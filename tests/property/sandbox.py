@@ -89,7 +89,7 @@ def _serve_one(plan_path: str, case_path: str) -> dict[str, Any]:
 
     with open(case_path, encoding="utf-8") as f:
         case = case_from_json(f.read())
-    from planner.materialize import materialize
+    from harness.weights import materialize
 
     plain = materialize(case.src, harness.labels(case))
     plain.update(harness.filled(case, harness.SENTINEL))

@@ -15,8 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from planner.fp8 import quantize_full
-from planner.materialize import DTYPES
+from harness.weights import DTYPES, quantize_full
 from tests.property import harness
 from tests.property.strategies import Case, cases
 

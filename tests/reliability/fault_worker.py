@@ -65,8 +65,8 @@ def main() -> int:
     import torch.distributed as dist
 
     import executor
+    from harness.weights import materialize, random_full_tensors
     from planner.layouts import build_layout
-    from planner.materialize import materialize, random_full_tensors
     from planner.validate import load
 
     store = dist.TCPStore("127.0.0.1", a.port, is_master=False, wait_for_workers=False,
