@@ -53,8 +53,8 @@ from schemas.plan import (  # noqa: E402
     Region,
     Table,
     load_rank,
-    write_plan,
 )
+from schemas.plan_write import write_plan  # noqa: E402
 
 
 def make_plan(path: str, writes: int, chunk: int, per_batch: int = 8) -> int:

@@ -30,7 +30,7 @@ import math
 import networkx as nx
 import numpy as np
 
-from planner.passes.lower import ALIGN
+from planner.passes.budget import ALIGN
 from schemas.bounds import violations
 from schemas.header import PlanHeader
 from schemas.plan import (

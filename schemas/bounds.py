@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from schemas.header import MAX_STAGES
 from schemas.plan import (
     DTYPE_CODES,
     PACK,
@@ -27,7 +28,6 @@ from schemas.protocol import (
     FP8_BLOCK,
     FP8_CODE,
     MAX_OPS,
-    MAX_STAGES,
     MAX_VALUE,
     copy_footprint,
     copy_value_problems,

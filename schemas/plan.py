@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 import msgpack
 
-from .header import PlanFormatError, PlanHeader
+from .header import MAX_STAGES, MAX_WORLD, PlanFormatError, PlanHeader
 from .table import Table
 
 MAGIC = b"RDMAPLAN"
@@ -280,8 +280,6 @@ def read_header(f: BinaryIO, path: str = "plan", key: bytes | None = None
                 ) -> tuple[PlanHeader, int]:
     """The checked, typed header of an open plan file, and where its blobs start. With
     `key`, the plan must be signed with it (`schemas/integrity.py`)."""
-    from .protocol import MAX_STAGES, MAX_WORLD
-
     digest, raw, start = _read_raw_header(f, path)
     if key is not None:
         from .integrity import check_signature
@@ -379,5 +377,3 @@ def decode_explain(ex: Any, path: str = "plan") -> tuple[tuple[str, ...], Table]
     return tuple(ex["tensors"]), Table.from_msgpack(EXPLAIN_COLUMNS, ex.get("table"),
                                                     "explain")
 
-
-from .plan_write import encode_plan, write_plan  # noqa: E402,F401 (the codec's writing half)

@@ -121,7 +121,7 @@ def compile_plans(args: argparse.Namespace, setup: Setup) -> tuple[list[str], di
     from planner.compiler import compile_config
     from planner.spec import load_spec
     from planner.validate import validate
-    from schemas.plan import write_plan
+    from schemas.plan_write import write_plan
 
     work = tempfile.mkdtemp(prefix="gpu-refit-plans-")
     plans, compile_info = [], {}

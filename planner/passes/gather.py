@@ -42,10 +42,11 @@ from typing import TypeVar
 import numpy as np
 
 from planner.passes import gather_rows
+from planner.passes.budget import ALIGN
 from planner.passes.gather_direct import add_direct
 from planner.passes.gather_out import Out, Rows, ScaleRows, Staging, align, explain_rows, lowered
 from planner.passes.intersect import PieceTable, intersect, take
-from planner.passes.lower import ALIGN, Lowered
+from planner.passes.lower import Lowered
 from planner.passes.route import Routes
 from planner.spec import ModelSpec
 from planner.topology import Topology

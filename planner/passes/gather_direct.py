@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from planner.passes.lower import ALIGN
+from planner.passes.budget import ALIGN
 from schemas.plan import QUANT
 from schemas.protocol import FP8_BLOCK as BLOCK
 from schemas.protocol import FP8_CODE, scale_blocks

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from planner.passes.lower import ALIGN
+from planner.passes.budget import ALIGN
 from schemas.plan import PACK
 from schemas.protocol import FP8_BLOCK as BLOCK
 

@@ -66,7 +66,7 @@ def checkpoint(hf: dict, seed: int) -> dict[str, torch.Tensor]:
 
 
 def plan_config(hf: dict, source: dict, tp: int, ep: bool, folder: str) -> Any:
-    from schemas.config import config_from_dict
+    from schemas.config_load import config_from_dict
 
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf, f)

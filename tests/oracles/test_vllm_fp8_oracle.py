@@ -173,8 +173,8 @@ def run_plan(tmp_path: Path, model: str, source: dict, tp: int) -> dict[int, dic
     from planner.spec import load_spec
     from planner.validate import validate
     from planner.verify import verify_plan
-    from schemas.config import config_from_dict
-    from schemas.plan import write_plan
+    from schemas.config_load import config_from_dict
+    from schemas.plan_write import write_plan
 
     (tmp_path / "config.json").write_text(json.dumps(MODELS[model]))
     cfg = config_from_dict({"model": {"config": "config.json"}, "source": source,

@@ -159,8 +159,8 @@ def test_fsdp2_to_traced_vllm_end_to_end_bit_exact(model: str, target_kw: dict, 
     from planner.layouts import build_layout
     from planner.spec import load_spec
     from planner.validate import validate
-    from schemas.config import config_from_dict
-    from schemas.plan import write_plan
+    from schemas.config_load import config_from_dict
+    from schemas.plan_write import write_plan
 
     monkeypatch.setenv("RDMA_PLAN_CACHE", str(tmp_path / "cache"))
     cfg = config_from_dict({"model": {"config": f"{model}/config.json"},

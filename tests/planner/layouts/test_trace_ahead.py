@@ -280,7 +280,7 @@ def test_a_compile_keeps_the_guessed_plan_only_if_the_trace_confirms_it(
         same: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from planner.compiler import compile_config, compile_layouts
     from planner.validate import load
-    from schemas.plan import encode_plan
+    from schemas.plan_write import encode_plan
 
     monkeypatch.setenv("RDMA_PLAN_CACHE", str(tmp_path))
     conf = tmp_path / "c.yaml"
