@@ -39,6 +39,7 @@ from .auth import keys_from
 from .bind import bind
 from .blame import Blame
 from .check import check_against_header, check_rank_plan, check_staging
+from .cleanup import best_effort
 from .control import Control
 from .errors import PeerLostError, PeerMismatchError
 from .rendezvous import open_store
@@ -175,7 +176,7 @@ class Executor(Signalling):
         self.control.accept_gen(peer, rec)
         try:
             self.transport.import_peer(peer, info["desc"])
-        except Exception as e:  # noqa: BLE001 - e.g. NIXL cannot reach a dead process
+        except Exception as e:  # e.g. NIXL cannot reach a dead process
             raise PeerLostError(self.rank, peer, "import its published descriptors", e) from e
         self.inbox.set_incarnation(peer, rec.inc, self.transport.peer_id(peer))
 
@@ -240,26 +241,21 @@ class Executor(Signalling):
         self.failed, self.complete = True, False
         self.pending += self.window.abandon()  # settled before the next step posts again
         if lost is not None:
-            for peer in self.peers:
-                try:
-                    self.transport.notify(peer, self._msg(peer, lost, signals.ABORT))
-                except Exception:  # noqa: BLE001 - best effort; their timeouts still hold
-                    pass
-        try:
-            self.control.publish_step(self.step + 1)
-        except Exception:  # noqa: BLE001 - the store may be gone too; the timeout was raised
-            pass
+            for peer in self.peers:  # best effort: their timeouts still hold
+                best_effort(f"ABORT to rank {peer}", lambda p=peer: self.transport.notify(
+                    p, self._msg(p, lost, signals.ABORT)))
+        # the store may be gone too; the timeout was raised
+        best_effort("publishing the step", self.control.publish_step, self.step + 1)
 
     def end_step(self, t0: float) -> RunStats:
         self._sync()  # unpacks are queued: the weights are whole after this
         self.complete = True
         self.last_complete_step = self.step
         seconds = time.perf_counter() - t0
-        try:  # where a restarted peer joins (recovery.py)
-            if self.step_records:
-                self.control.publish_step(self.step + 1, later=True)
-        except Exception:  # noqa: BLE001 - the store may be gone; the weights are whole
-            pass
+        if self.step_records:  # where a restarted peer joins (recovery.py); the store may
+            # be gone, and the weights are whole
+            best_effort("publishing the step", lambda: self.control.publish_step(
+                self.step + 1, later=True))
         waited = self.waited + self.window.waited
         return RunStats(self.rank, self.step, self.bytes_per_step, self.received_per_step,
                         seconds, True, min(waited, seconds))
@@ -316,7 +312,7 @@ class Executor(Signalling):
                 if self.transport.notify_landed(handles, peer,  # type: ignore[attr-defined]
                                                 self._msg(peer, s, DONE)):
                     handed.add(peer)
-            except Exception as e:  # noqa: BLE001 - transports raise their own types
+            except Exception as e:  # transports raise their own types
                 raise PeerLostError(self.rank, peer, f"send DONE of stage {s}", e) from e
         return frozenset(handed)
 

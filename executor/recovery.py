@@ -35,6 +35,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from .cleanup import best_effort
 from .errors import ForgedRecordError, PeerMismatchError
 
 if TYPE_CHECKING:
@@ -48,10 +49,11 @@ def recover(ex: Executor) -> None:
     """Before a step that follows a failure (steps 2-4 of the module doc)."""
     settle_pending(ex)
     refresh_peers(ex)
-    try:  # a failed step is run again only if no peer has started it
-        ex.step = max(ex.last_complete_step, peers_next_step(ex) - 1)
-    except Exception:  # noqa: BLE001 - the store may be gone; keep our own count
-        pass
+    # a failed step is run again only if no peer has started it; the store may be gone:
+    # then keep our own count
+    nxt = best_effort("reading the peers' next step", peers_next_step, ex)
+    if nxt is not None:
+        ex.step = max(ex.last_complete_step, nxt - 1)
     ex.failed = False
 
 
@@ -98,7 +100,9 @@ def refresh_peers(ex: Executor) -> None:
         except ForgedRecordError as e:
             log.warning("rank %d: %s; keeping the imported peer", ex.rank, e)
             continue
-        except Exception:  # noqa: BLE001 - the store may be gone: nothing to re-import
+        except Exception as e:  # noqa: BLE001 - the store may be gone: nothing to re-import
+            log.info("rank %d: reading rank %d's record failed, no peer re-imported: %s: %s",
+                     ex.rank, peer, type(e).__name__, e)
             return
         if got is None or got[0].inc == ex.inbox.incarnations.get(peer):
             continue

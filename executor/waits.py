@@ -79,7 +79,7 @@ class Signalling:
         for peer in peers:
             try:
                 self.transport.notify(peer, self._msg(peer, stage, kind))
-            except Exception as e:  # noqa: BLE001 - transports raise their own types
+            except Exception as e:  # transports raise their own types
                 raise PeerLostError(self.rank, peer, f"send {_KIND_NAMES[kind]} of stage "
                                     f"{stage}", e) from e
 

@@ -212,7 +212,7 @@ def _unpack(data: bytes, what: str) -> Any:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext)
     except PlanFormatError as e:
         raise PlanFormatError(f"{what}: {e}") from None
-    except Exception as e:  # msgpack raises several types for corrupt input
+    except Exception as e:  # noqa: BLE001 - msgpack raises several types for corrupt input
         raise PlanFormatError(f"{what}: not valid msgpack ({type(e).__name__})") from None
     todo = [obj]
     while todo:  # msgpack decodes ext type -1 (timestamp) without calling ext_hook

@@ -100,7 +100,7 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
                                rendezvous=store, timeout_s=args.exec_timeout,
                                max_inflight=inflight,
                                **({"transport_options": options} if options else {}))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - printed, and the rank reports it
             traceback.print_exc()
             err = f"rank {rank}: {type(e).__name__}: {e}"
         load_s = now() - t0

@@ -27,6 +27,7 @@ the plan is compiled from it. The trace itself is never skipped.
 from __future__ import annotations
 
 import gc
+import logging
 import multiprocessing
 import os
 import signal
@@ -41,6 +42,8 @@ from planner.layouts.base import Layout
 from planner.layouts.trace_geometry import TraceError
 from planner.spec import ModelSpec
 from schemas.config import ConfigError, TargetConfig
+
+log = logging.getLogger("planner")
 
 Then = Callable[[Layout], Layout]
 
@@ -80,7 +83,9 @@ class Pending:
         try:
             rules = self._rules()
             self._guess = (rules, self._then(rules))
-        except Exception:  # noqa: BLE001 (rules that cannot build it: no guess, the trace decides)
+        except Exception as e:  # noqa: BLE001 - rules that cannot build it: the trace decides
+            log.info("no hand-written guess to compare with the trace: %s: %s",
+                     type(e).__name__, e)
             return None
         return self._guess[1]
 

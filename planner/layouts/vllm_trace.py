@@ -77,7 +77,7 @@ def engine_config(hf: dict[str, Any], cfg: TargetConfig) -> Any:
                               pipeline_parallel_size=cfg.pp, data_parallel_size=cfg.dp,
                               enable_expert_parallel=cfg.ep, enforce_eager=True,
                               max_model_len=128).create_engine_config()
-        except Exception as e:  # vLLM's own config check (pydantic, ValueError)
+        except Exception as e:  # noqa: BLE001 - vLLM's own config check (pydantic, ValueError)
             lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [repr(e)]
             why = next((ln for ln in lines if ln.startswith("Value error,")), lines[0])
             why = why.removeprefix("Value error,").split(" [type=")[0].strip()

@@ -95,7 +95,7 @@ def main() -> None:
     for case in arg["cases"]:
         try:
             errors += run_case(case, rank)
-        except Exception as e:  # report it with the other cases' results
+        except Exception as e:  # noqa: BLE001 - report it with the other cases' results
             errors.append(f"{case['name']} rank {rank}: {type(e).__name__}: {e}")
         print(f"rank {rank}: {case['name']} done", flush=True)
     if errors:

@@ -2,7 +2,7 @@
 
 For a small Qwen3 and a small DeepSeek-V3 (MLA, MoE; every dim a multiple of 128 except
 `kv_a_proj_with_mqa`'s 192 rows, a partial edge block):
-1. random bf16 HF tensors are quantized with our reference `planner.fp8.quantize_full`
+1. random bf16 HF tensors are quantized with our reference `harness.weights.quantize_full`
    into an HF-style block-FP8 checkpoint (`model.safetensors`: `weight` e4m3 and
    `weight_scale_inv` float32 per 128x128 block, as DeepSeek-V3 / Qwen3-FP8 ship), next
    to a `config.json` with `quantization_config: {quant_method: fp8, fmt: e4m3,
