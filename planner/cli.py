@@ -187,7 +187,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from planner.simflow import summary_text
+    from planner.simgap import summary_text
     from planner.simulate import simulate
 
     res = simulate(args.plan, inflight=args.inflight)

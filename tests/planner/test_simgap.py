@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from planner.compiler import compile_config
-from planner.simflow import summary_text
+from planner.simgap import summary_text
 from planner.simulate import simulate
 from planner.spec import load_spec
 from planner.validate import validate
