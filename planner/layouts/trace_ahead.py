@@ -7,7 +7,7 @@ its piece table need nothing of the trace. So `begin` forks a tracer (it imports
 the engine with its own workers, sends the ranks as `traced.encode_rank` rows, then writes
 the cache file) and `Pending.result` joins it. This process never imports torch or vLLM, so
 the rest of the compile does not pay for their ~1.5M objects in every garbage collection.
-The tracer imports vLLM lean (`vllm_lean`, unless RDMA_PLAN_TRACE_LEAN=0): what that leaves
+The tracer imports vLLM lean (`vllm_lean`) with RDMA_PLAN_TRACE_LEAN=1: what that leaves
 out refuses any use, so a trace needing it fails rather than answering otherwise, and a lean
 tracer that fails is followed by one importing vLLM whole (lean and whole traces are compared
 by tests/oracles/test_vllm_trace_lean.py). The tracer's answer is checked like a cache file
@@ -160,9 +160,9 @@ def begin(spec: ModelSpec, cfg: TargetConfig, hf: dict[str, Any], folder: str | 
 
 
 def lean_wanted() -> bool:
-    """Whether the tracer tries the lean import of vLLM first (`vllm_lean`); set
-    RDMA_PLAN_TRACE_LEAN=0 to import vLLM whole."""
-    return os.environ.get("RDMA_PLAN_TRACE_LEAN", "1") != "0"
+    """Whether the tracer tries the lean import of vLLM first (`vllm_lean`): opt-in, with
+    RDMA_PLAN_TRACE_LEAN=1; else vLLM is imported whole."""
+    return os.environ.get("RDMA_PLAN_TRACE_LEAN", "0") == "1"
 
 
 def _fork(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig, path: str, key: str,
@@ -249,6 +249,8 @@ def _tracer(send: Any, spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig, p
             from planner.layouts import vllm_lean
 
             lean = vllm_lean.install()
+        else:
+            log.info("the tracer imports vLLM whole (RDMA_PLAN_TRACE_LEAN=1: lean)")
         out: dict[str, Any] = {"ranks": traced._trace_packed(spec, hf, cfg)}
     except ConfigError as e:
         out = {"error": str(e)}
