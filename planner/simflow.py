@@ -197,7 +197,7 @@ def result(sim: Any, busy: np.ndarray, events: int, wall: float) -> dict[str, An
         "nvlink_max_out_bytes": int(load[nv:nv + sim.world].max(initial=0)),
         "nvlink_max_in_bytes": int(load[nv + sim.world:].max(initial=0)),
         "rank_finish_s": [float(x) for x in sim.finish],
-        "inflight": sim.inflight, "in_order": sim.in_order, "events": events,
+        "inflight": sim.inflight, "events": events,
         "sim_seconds": round(wall, 3),
         "timeline": {"start": sim.start, "end": sim.end, "rank": b.rank,
                      "chan": b.chan, "dst": b.dst, "bytes": b.nbytes,
