@@ -39,6 +39,7 @@ sys.path.insert(0, ROOT)
 
 import executor  # noqa: E402
 from bench import step_trace  # noqa: E402
+from harness.launch import free_port, root_env, spawn_ranks  # noqa: E402
 from schemas.header import PlanHeader  # noqa: E402
 from schemas.plan import (  # noqa: E402
     BATCH_COLUMNS,
@@ -52,9 +53,8 @@ from schemas.plan import (  # noqa: E402
     Region,
     Table,
     load_rank,
-    write_plan,
 )
-from tests.support.procs import free_port, root_env, spawn_ranks  # noqa: E402
+from schemas.plan_write import write_plan  # noqa: E402
 
 
 def make_plan(path: str, writes: int, chunk: int, per_batch: int = 8) -> int:

@@ -6,10 +6,10 @@
 Compiles of one config, each in a fresh process (as `rdma-plan compile` runs), in N rounds
 (default 3), the modes interleaved within a round so that a busy machine weighs on all of
 them alike: `target.layout: rules`; `traced` with an empty cache, vLLM imported lean in the
-forked tracer (`planner/layouts/vllm_lean.py`, the default) and imported whole
-(`RDMA_PLAN_TRACE_LEAN=0`); `traced` again (the cache hit). Prints every run's seconds, the
-median, the median's ratio to the rules median, the CPU seconds of the compile's process
-tree (its tracers included), the tracers forked (`lean`, `whole`, or
+forked tracer (`planner/layouts/vllm_lean.py`, `RDMA_PLAN_TRACE_LEAN=1`) and imported
+whole (the default, `RDMA_PLAN_TRACE_LEAN=0`); `traced` again (the cache hit). Prints every
+run's seconds, the median, the median's ratio to the rules median, the CPU seconds of the
+compile's process tree (its tracers included), the tracers forked (`lean`, `whole`, or
 `lean, then whole` after a failed lean one), whether the compiling process imported torch
 (never: a tracer does) and whether the plans' fingerprints agree (they must: a trace of a
 hand-written family equals its rules), and checks that the traced plans are the same bytes

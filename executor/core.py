@@ -34,13 +34,15 @@ from schemas.integrity import rank_digest
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, RankPlan, load_rank
 from schemas.protocol import Overlap, carries
 
-from . import recovery, signals
+from . import signals
 from .auth import keys_from
 from .bind import bind
 from .blame import Blame
 from .check import check_against_header, check_rank_plan, check_staging
+from .cleanup import best_effort
 from .control import Control
 from .errors import PeerLostError, PeerMismatchError
+from .recovery import Recovery
 from .rendezvous import open_store
 from .stages import Stage, prepare_stage
 from .stats import RunStats, received_bytes
@@ -105,11 +107,10 @@ class Executor(Signalling):
         self.failed = False  # the last step raised: the next one recovers first
         self.last_complete_step = 0
         self.seq = 0  # signals sent by this process (each one's sequence number)
-        self.pending: list[Prepared] = []  # batches in flight when a step failed
         self.register_calls = 0  # transport registrations (once per process, ever)
-        self.reimports = 0  # peers re-imported after they restarted
-        self.reprepared = 0  # batches released and prepared again after a failed step
         self.rejoined = False
+        self.recovery = Recovery(self.rank, self.control, self.transport, self.inbox, timeout_s,
+                                 self.check_peer, self.import_peer, self._batches_to)
         self.bytes_per_step = int(plan.writes["nbytes"].sum())
         self.received_per_step = received_bytes(header, self.rank)
         self.waited = 0.0  # seconds of this step spent waiting (waits.py)
@@ -160,8 +161,9 @@ class Executor(Signalling):
             rec, info = self.control.peer_info(peer)  # type: ignore[misc]
             self.import_peer(peer, rec, info)
         self.peers = peers
+        self.recovery.connected(peers)
         if self.rejoined:  # a restarted rank joins at its peers' step (recovery.py)
-            self.step = max(self.step, recovery.join_step(self) - 1)
+            self.step = max(self.step, self.recovery.join_step() - 1)
             self.control.publish_step(self.step + 1)
         self.stages = [prepare_stage(p, s, self.regions, self.transport)
                        for s in range(p.stages)]
@@ -171,15 +173,21 @@ class Executor(Signalling):
 
     def import_peer(self, peer: int, rec: Any, info: dict[str, Any]) -> None:
         """Check `peer`'s record and make it writable (at connect, and again on restart)."""
-        self._check_peer(peer, info)
+        self.check_peer(peer, info)
         self.control.accept_gen(peer, rec)
         try:
             self.transport.import_peer(peer, info["desc"])
-        except Exception as e:  # noqa: BLE001 - e.g. NIXL cannot reach a dead process
+        except Exception as e:  # e.g. NIXL cannot reach a dead process
             raise PeerLostError(self.rank, peer, "import its published descriptors", e) from e
         self.inbox.set_incarnation(peer, rec.inc, self.transport.peer_id(peer))
 
-    def _check_peer(self, peer: int, info: dict[str, Any]) -> None:
+    def _batches_to(self, peer: int) -> list[Prepared]:
+        """Every prepared write batch to `peer` (re-prepared when it restarts)."""
+        return [e for st in self.stages for e in st.batches if e.peer == peer]
+
+    def check_peer(self, peer: int, info: dict[str, Any]) -> None:
+        """Refuse `peer`'s published record unless it loaded this plan with the sizes this
+        rank's plan expects (`PeerMismatchError`)."""
         expected = dict(self.plan.peer_regions)
         if info["fingerprint"] != self.fingerprint:
             raise PeerMismatchError(
@@ -226,7 +234,8 @@ class Executor(Signalling):
         self.control.check()  # a newer process took this rank over: LeaseLostError
         self.complete = False
         if self.failed or self.inbox.foreign:
-            recovery.recover(self)
+            self.step = self.recovery.recover(self.step, self.last_complete_step)
+            self.failed = False
         self.step = self.step + 1 if step is None else step
         self.waited = self.window.waited = 0.0
         self.inbox.drop_before(self.step)
@@ -238,28 +247,23 @@ class Executor(Signalling):
         are void; the others stop waiting for this one), publish the step so that a
         restarted peer can join."""
         self.failed, self.complete = True, False
-        self.pending += self.window.abandon()  # settled before the next step posts again
+        self.recovery.failed(self.window.abandon())  # settled before the next step posts
         if lost is not None:
-            for peer in self.peers:
-                try:
-                    self.transport.notify(peer, self._msg(peer, lost, signals.ABORT))
-                except Exception:  # noqa: BLE001 - best effort; their timeouts still hold
-                    pass
-        try:
-            self.control.publish_step(self.step + 1)
-        except Exception:  # noqa: BLE001 - the store may be gone too; the timeout was raised
-            pass
+            for peer in self.peers:  # best effort: their timeouts still hold
+                best_effort(f"ABORT to rank {peer}", lambda p=peer: self.transport.notify(
+                    p, self._msg(p, lost, signals.ABORT)))
+        # the store may be gone too; the timeout was raised
+        best_effort("publishing the step", self.control.publish_step, self.step + 1)
 
     def end_step(self, t0: float) -> RunStats:
         self._sync()  # unpacks are queued: the weights are whole after this
         self.complete = True
         self.last_complete_step = self.step
         seconds = time.perf_counter() - t0
-        try:  # where a restarted peer joins (recovery.py)
-            if self.step_records:
-                self.control.publish_step(self.step + 1, later=True)
-        except Exception:  # noqa: BLE001 - the store may be gone; the weights are whole
-            pass
+        if self.step_records:  # where a restarted peer joins (recovery.py); the store may
+            # be gone, and the weights are whole
+            best_effort("publishing the step", lambda: self.control.publish_step(
+                self.step + 1, later=True))
         waited = self.waited + self.window.waited
         return RunStats(self.rank, self.step, self.bytes_per_step, self.received_per_step,
                         seconds, True, min(waited, seconds))
@@ -316,7 +320,7 @@ class Executor(Signalling):
                 if self.transport.notify_landed(handles, peer,  # type: ignore[attr-defined]
                                                 self._msg(peer, s, DONE)):
                     handed.add(peer)
-            except Exception as e:  # noqa: BLE001 - transports raise their own types
+            except Exception as e:  # transports raise their own types
                 raise PeerLostError(self.rank, peer, f"send DONE of stage {s}", e) from e
         return frozenset(handed)
 

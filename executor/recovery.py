@@ -33,92 +33,121 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from .cleanup import best_effort
 from .errors import ForgedRecordError, PeerMismatchError
 
 if TYPE_CHECKING:
-    from .core import Executor
-    from .transports.base import Prepared
+    from .control import Control
+    from .signals import Inbox
+    from .transports.base import Prepared, Transport
 
 log = logging.getLogger("executor")
 
 
-def recover(ex: Executor) -> None:
-    """Before a step that follows a failure (steps 2-4 of the module doc)."""
-    settle_pending(ex)
-    refresh_peers(ex)
-    try:  # a failed step is run again only if no peer has started it
-        ex.step = max(ex.last_complete_step, peers_next_step(ex) - 1)
-    except Exception:  # noqa: BLE001 - the store may be gone; keep our own count
-        pass
-    ex.failed = False
+class Recovery:
+    """The executor's part that recovers after a failed step (steps 2-4 of the module doc).
+    It owns the batches in flight when a step failed (`pending`) and what recovery did
+    (`reimports`, `reprepared`); it reads the executor's peers' records through `control`,
+    checks one with `check_peer`, imports it with `import_peer`, and finds the prepared
+    batches to a peer with `batches_to`."""
 
+    def __init__(self, rank: int, control: Control, transport: Transport, inbox: Inbox,
+                 timeout_s: float, check_peer: Callable[[int, dict], None],
+                 import_peer: Callable[[int, Any, dict], None],
+                 batches_to: Callable[[int], list[Prepared]]) -> None:
+        self.rank, self.control, self.transport, self.inbox = rank, control, transport, inbox
+        self.timeout_s = timeout_s
+        self.check_peer, self.import_peer, self.batches_to = check_peer, import_peer, batches_to
+        self.peers: list[int] = []
+        self.pending: list[Prepared] = []
+        """Batches in flight when a step failed (settled before the next step posts)."""
+        self.reimports = 0
+        """Peers re-imported after they restarted."""
+        self.reprepared = 0
+        """Batches released and prepared again after a failed step."""
 
-def peers_next_step(ex: Executor) -> int:
-    """The largest step the peers run next or are inside now, per the store (0 if none
-    published): where a survivor, imported by its peers, can take part."""
-    steps = [ex.control.peer_step(peer) for peer in ex.peers]
-    return max([0, *(s[0] for s in steps if s is not None)])
+    def connected(self, peers: list[int]) -> None:
+        """The peers imported at connect (those whose records recovery reads)."""
+        self.peers = list(peers)
 
+    def failed(self, in_flight: list[Prepared]) -> None:
+        """A step failed with `in_flight` batches still posted: settle them before the next."""
+        self.pending += in_flight
 
-def join_step(ex: Executor) -> int:
-    """Where a restarted rank joins: the largest step its peers run next, past any step a
-    peer is inside now (that step waits for the dead process, to which its READYs went, and
-    ends, failed or not, without this one)."""
-    steps = [ex.control.peer_step(peer) for peer in ex.peers]
-    return max([0, *(s[0] + s[1] for s in steps if s is not None)])
+    def recover(self, step: int, last_complete_step: int) -> int:
+        """Before a step that follows a failure: settle the batches in flight, re-import
+        restarted peers, and the step number to continue from (a failed step is run again
+        only if no peer has started it; `step` when the store cannot say)."""
+        self.settle_pending()
+        self.refresh_peers()
+        nxt = best_effort("reading the peers' next step", self.peers_next_step)
+        return step if nxt is None else max(last_complete_step, nxt - 1)
 
+    def peers_next_step(self) -> int:
+        """The largest step the peers run next or are inside now, per the store (0 if none
+        published): where a survivor, imported by its peers, can take part."""
+        steps = [self.control.peer_step(peer) for peer in self.peers]
+        return max([0, *(s[0] for s in steps if s is not None)])
 
-def settle_pending(ex: Executor) -> None:
-    """Batches in flight when a step failed: done, or released and prepared again."""
-    deadline = time.monotonic() + min(ex.timeout_s, 1.0)
-    for entry in ex.pending:
-        while True:
-            try:
-                if ex.transport.done(entry.handle):
+    def join_step(self) -> int:
+        """Where a restarted rank joins: the largest step its peers run next, past any step a
+        peer is inside now (that step waits for the dead process, to which its READYs went,
+        and ends, failed or not, without this one)."""
+        steps = [self.control.peer_step(peer) for peer in self.peers]
+        return max([0, *(s[0] + s[1] for s in steps if s is not None)])
+
+    def settle_pending(self) -> None:
+        """Batches in flight when a step failed: done, or released and prepared again."""
+        deadline = time.monotonic() + min(self.timeout_s, 1.0)
+        for entry in self.pending:
+            while True:
+                try:
+                    if self.transport.done(entry.handle):
+                        break
+                    failed = False
+                except Exception:  # noqa: BLE001 - a failed batch: prepare it again
+                    failed = True
+                if failed or time.monotonic() >= deadline:
+                    self.reprepared += 1
+                    self.transport.release(entry.handle)
+                    entry.handle = self.transport.prepare(entry.batch)
                     break
-                failed = False
-            except Exception:  # noqa: BLE001 - a failed batch: prepare it again
-                failed = True
-            if failed or time.monotonic() >= deadline:
-                ex.reprepared += 1
-                ex.transport.release(entry.handle)
-                entry.handle = ex.transport.prepare(entry.batch)
-                break
-            time.sleep(1e-3)
-    ex.pending = []
+                time.sleep(1e-3)
+        self.pending = []
 
+    def refresh_peers(self) -> None:
+        """Re-import every peer whose published incarnation changed (it restarted)."""
+        for peer in self.peers:
+            try:
+                got = self.control.peer_info(peer, wait=False)
+            except ForgedRecordError as e:
+                log.warning("rank %d: %s; keeping the imported peer", self.rank, e)
+                continue
+            except Exception as e:  # noqa: BLE001 - the store may be gone: nothing to re-import
+                log.info("rank %d: reading rank %d's record failed, no peer re-imported: "
+                         "%s: %s", self.rank, peer, type(e).__name__, e)
+                return
+            if got is None or got[0].inc == self.inbox.incarnations.get(peer):
+                continue
+            rec, info = got
+            try:
+                self.check_peer(peer, info)
+                self.control.accept_gen(peer, rec)
+            except (ForgedRecordError, PeerMismatchError) as e:
+                log.warning("rank %d: %s; keeping the imported peer", self.rank, e)
+                continue
+            self._reimport(peer, rec, info)
+        self.inbox.foreign = False
 
-def refresh_peers(ex: Executor) -> None:
-    """Re-import every peer whose published incarnation changed (it restarted)."""
-    for peer in ex.peers:
-        try:
-            got = ex.control.peer_info(peer, wait=False)
-        except ForgedRecordError as e:
-            log.warning("rank %d: %s; keeping the imported peer", ex.rank, e)
-            continue
-        except Exception:  # noqa: BLE001 - the store may be gone: nothing to re-import
-            return
-        if got is None or got[0].inc == ex.inbox.incarnations.get(peer):
-            continue
-        rec, info = got
-        try:
-            ex._check_peer(peer, info)
-            ex.control.accept_gen(peer, rec)
-        except (ForgedRecordError, PeerMismatchError) as e:
-            log.warning("rank %d: %s; keeping the imported peer", ex.rank, e)
-            continue
-        _reimport(ex, peer, rec, info)
-    ex.inbox.foreign = False
-
-
-def _reimport(ex: Executor, peer: int, rec: object, info: dict) -> None:
-    entries: list[Prepared] = [e for st in ex.stages for e in st.batches if e.peer == peer]
-    for e in entries:
-        ex.transport.release(e.handle)
-        e.handle = None
-    ex.import_peer(peer, rec, info)
-    for e in entries:
-        e.handle = ex.transport.prepare(e.batch)
-    ex.reimports += 1
+    def _reimport(self, peer: int, rec: object, info: dict) -> None:
+        entries = self.batches_to(peer)
+        for e in entries:
+            self.transport.release(e.handle)
+            e.handle = None
+        self.import_peer(peer, rec, info)
+        for e in entries:
+            e.handle = self.transport.prepare(e.batch)
+        self.reimports += 1

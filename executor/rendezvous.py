@@ -20,6 +20,7 @@ import threading
 from datetime import timedelta
 from typing import Any
 
+from .cleanup import best_effort
 from .errors import RendezvousError
 from .transports.base import Store
 
@@ -47,10 +48,9 @@ def open_store(rendezvous: object, rank: int, timeout_s: float) -> Store:
             raise ValueError(f"rendezvous {rendezvous!r} is not 'host:port'")
         return TorchStore(_tcp_store(dist, host, int(port), rank, timeout_s))
     if type(rendezvous).__module__.startswith("torch"):
-        try:  # a connection of our own: the caller may block theirs (store.wait), and the
-            rendezvous = rendezvous.clone()  # lease's heartbeat must not wait behind it
-        except Exception:  # noqa: BLE001 - a store that cannot clone: share it
-            pass
+        # a connection of our own: the caller may block theirs (store.wait), and the
+        # lease's heartbeat must not wait behind it; a store that cannot clone is shared
+        rendezvous = best_effort("cloning the store", rendezvous.clone, default=rendezvous)
         return TorchStore(rendezvous)
     if hasattr(rendezvous, "check"):
         return TorchStore(rendezvous)  # its get blocks: ask check() first

@@ -5,7 +5,7 @@ polls the transport into the inbox until every awaited signal of this step arriv
 aborts the step (`PeerAbortError`) or the wait times out (`PeerTimeoutError`, blaming the
 rank `blame.py` finds); `_take` is the non-blocking form; `_sync` waits for this rank's own
 queued copy kernels. A restarted peer's signals make the wait re-import it at once
-(`recovery.refresh_peers`).
+(`Recovery.refresh_peers`).
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import torch
 
 from schemas.plan import ACK, DONE, READY, SLOT_ACK
 
-from . import recovery, signals
+from . import signals
 from .errors import PeerAbortError, PeerLostError, PeerTimeoutError
 from .spin import Backoff
 
 if TYPE_CHECKING:
     from .auth import Keys
     from .blame import Blame
+    from .recovery import Recovery
     from .transports.base import Transport
 
 _KIND_NAMES = {READY: "READY", DONE: "DONE (its writes landed)",
@@ -43,6 +44,7 @@ class Signalling:
     inbox: signals.Inbox
     transport: Transport
     blame: Blame
+    recovery: Recovery
     device: torch.device
     waited: float
     """Seconds of this step spent waiting (signals, landed writes, own kernels)."""
@@ -79,7 +81,7 @@ class Signalling:
         for peer in peers:
             try:
                 self.transport.notify(peer, self._msg(peer, stage, kind))
-            except Exception as e:  # noqa: BLE001 - transports raise their own types
+            except Exception as e:  # transports raise their own types
                 raise PeerLostError(self.rank, peer, f"send {_KIND_NAMES[kind]} of stage "
                                     f"{stage}", e) from e
 
@@ -101,7 +103,7 @@ class Signalling:
         while True:
             if polled:
                 if self.inbox.foreign:  # a restarted peer already signals: import it now
-                    recovery.refresh_peers(self)
+                    self.recovery.refresh_peers()
                 missing = self.inbox.take(keys)
                 if not missing:
                     return

@@ -47,7 +47,7 @@ class Window:
         self.left[stage] = self.left.get(stage, 0) + 1
         try:
             self.transport.post(entry.handle)
-        except Exception as e:  # noqa: BLE001 - transports raise their own types
+        except Exception as e:  # transports raise their own types
             self.inflight.append((entry, stage))  # may be half-posted: settle it too
             raise PeerLostError(self.rank, entry.peer, f"post the writes of stage {stage}",
                                 e) from e
@@ -96,7 +96,7 @@ class Window:
     def _done(self, entry: Entry, stage: int) -> bool:
         try:
             return bool(self.transport.done(entry.handle))
-        except Exception as e:  # noqa: BLE001 - transports raise their own types
+        except Exception as e:  # transports raise their own types
             raise PeerLostError(self.rank, entry.peer, f"complete the writes of stage {stage}",
                                 e) from e
 

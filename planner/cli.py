@@ -192,7 +192,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from planner.progress import Progress
-    from planner.simflow import summary_text
+    from planner.simgap import summary_text
     from planner.simulate import simulate
 
     with Progress("simulate") as progress:

@@ -60,7 +60,8 @@ from planner.spec import ModelSpec
 from planner.topology import build_topology
 from schemas.config import Config
 from schemas.integrity import plan_key
-from schemas.plan import Plan, Region, write_plan
+from schemas.plan import Plan, Region
+from schemas.plan_write import write_plan
 
 VERSION = "rdma-plan 0.1.0"
 

@@ -14,15 +14,13 @@ Two pieces, all data (no torch: the compiler imports this module):
   ConfigError names the tensor and the key to change.
 
 The quantizer itself (vLLM's `per_block_cast_to_fp8` formula) has one home, the executor
-(`executor/quant.py`), which runs it on the sources; the test references built on it
-(`quantize_block128`, `quantize_full`) are in `planner.testing` and still importable from
-here for the tests that import them so.
+(`executor/quant.py`), which runs it on the sources; the references built on it
+(`quantize_block128`, `quantize_full`) are in `harness.weights`.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 
@@ -134,11 +132,3 @@ def quantize_layout(layout: Layout, spec: ModelSpec) -> Layout:
                   for r in layout.ranks)
     return replace(layout, ranks=ranks)
 
-
-def __getattr__(name: str) -> Any:
-    """`quantize_block128` and `quantize_full` live in `planner.testing` (they need torch)."""
-    if name in ("quantize_block128", "quantize_full"):
-        from planner import testing
-
-        return getattr(testing, name)
-    raise AttributeError(f"module 'planner.fp8' has no attribute {name!r}")

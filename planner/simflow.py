@@ -3,7 +3,7 @@
 Inputs: the plan checked for order bounds (`load_checked`), every batch as columns
 (`batch_columns`), the time of a stage's packs or unpacks (`copy_seconds`), and max-min fair
 sharing of NIC and NVLink directions between flows (`maxmin`). Outputs: the result dict
-(`result`) and the three lines `rdma-plan simulate` prints (`summary_text`).
+(`result`; `planner/simgap.py` turns it into the lines `rdma-plan simulate` prints).
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def result(sim: Any, busy: np.ndarray, events: int, wall: float) -> dict[str, An
         "nvlink_max_out_bytes": int(load[nv:nv + sim.world].max(initial=0)),
         "nvlink_max_in_bytes": int(load[nv + sim.world:].max(initial=0)),
         "rank_finish_s": [float(x) for x in sim.finish],
-        "inflight": sim.inflight, "in_order": sim.in_order, "events": events,
+        "inflight": sim.inflight, "events": events,
         "sim_seconds": round(wall, 3),
         "timeline": {"start": sim.start, "end": sim.end, "rank": b.rank,
                      "chan": b.chan, "dst": b.dst, "bytes": b.nbytes,
@@ -248,17 +248,3 @@ def resource_name(sim: Any, i: int) -> str:
         return f"{sim.nic_names[i % n]} {'egress' if i < n else 'ingress'}"
     i -= 2 * n
     return f"rank {i % sim.world} NVLink {'out' if i < sim.world else 'in'}"
-
-
-def summary_text(res: dict[str, Any]) -> str:
-    """Three lines a person reads: estimated time, floor, ratio and the bottleneck; then
-    what the gap to the floor is made of (`planner.simgap`)."""
-    from planner.simgap import gap_text
-
-    return "\n".join([
-        f"estimated {res['estimated_s'] * 1e3:.1f} ms  floor {res['floor_s'] * 1e3:.1f} ms  "
-        f"ratio {res['ratio']:.3f}",
-        f"bottleneck {res['bottleneck']}; {res['bytes'] / 1e9:.3f} GB in {res['batches']:,} "
-        f"batches ({res['writes']:,} writes), {res['stages']} stages",
-        f"simulated {res['events']:,} events in {res['sim_seconds']:.2f} s",
-    ] + ([gap_text(res["gap"])] if gap_text(res.get("gap", {})) else []))

@@ -1,4 +1,5 @@
-"""Why a simulated plan is slower than its floor (`rdma-plan simulate` prints it).
+"""Why a simulated plan is slower than its floor, and the lines `rdma-plan simulate` prints
+(`summary_text`).
 
 The floor is the busiest resource (a NIC direction, or a rank's NVLink direction) moving
 its bytes at full rate; the estimate exceeds it by the time that resource is idle before
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from planner.simflow import resource_name
 from schemas.plan import RankPlan
 
 
@@ -34,8 +36,6 @@ def explain_gap(sim: Any, res: dict[str, Any]) -> dict[str, Any]:
     """The gap between `res`'s estimate and floor (on its bottleneck resource), split by
     cause (seconds), with the largest cause, the tail's batch and tensor, and a
     suggestion."""
-    from planner.simflow import resource_name
-
     est, worst = res["estimated_s"], res["bottleneck_index"]
     on = np.flatnonzero((sim.eres == worst) | (sim.ires == worst))
     out: dict[str, Any] = {"resource": resource_name(sim, worst), "gap_s": est - res["floor_s"]}
@@ -86,8 +86,6 @@ def res_busy(res: dict[str, Any], sim: Any, worst: int) -> float:
 
 def _tail(sim: Any, res: dict[str, Any]) -> dict[str, Any]:
     """The rank that finishes last, its last landed batch and the tensor it writes most."""
-    from planner.simflow import resource_name
-
     finish = np.asarray(res["rank_finish_s"])
     r = int(np.argmax(finish))
     mine = np.flatnonzero((sim.b.rank == r) | (sim.b.dst == r))
@@ -191,3 +189,15 @@ def gap_text(g: dict[str, Any]) -> str:
     if g.get("suggest"):
         lines.append(f"suggest: {g['suggest']}")
     return "\n".join(lines)
+
+
+def summary_text(res: dict[str, Any]) -> str:
+    """Three lines a person reads: estimated time, floor, ratio and the bottleneck; then
+    what the gap to the floor is made of (`gap_text`)."""
+    return "\n".join([
+        f"estimated {res['estimated_s'] * 1e3:.1f} ms  floor {res['floor_s'] * 1e3:.1f} ms  "
+        f"ratio {res['ratio']:.3f}",
+        f"bottleneck {res['bottleneck']}; {res['bytes'] / 1e9:.3f} GB in {res['batches']:,} "
+        f"batches ({res['writes']:,} writes), {res['stages']} stages",
+        f"simulated {res['events']:,} events in {res['sim_seconds']:.2f} s",
+    ] + ([gap_text(res["gap"])] if gap_text(res.get("gap", {})) else []))

@@ -21,16 +21,12 @@ The model (at batch granularity; a batch is one flow):
   `NIC_WRITE_S` per write on a NIC (each RDMA write costs the NIC a work request and
   headers; CX-7 class NICs process over 200 M messages/s) or `NVLINK_WRITE_S` per write
   over NVLink (between two GPUs `cuda_ipc` copies a batch with one kernel writing over
-  NVLink: under ~25 ns a write on two H100s; the copy engines it used before cost ~3.5 us,
-  docs/benchmarks-history.md "Issue 21: two GPUs").
-  Until 2026-11-22 every write paid `write_overhead_us` of link time; that made 800 KB
-  RDMA writes 12% slower than line rate.
+  NVLink; the constants' figures are in BENCHMARKS.md).
 - Packs (and QUANTs) and unpacks of a stage run one after another on their rank: bytes
   (of the wider dtype side) at `pack_gbps`, plus `pack_overhead_us` per executor op (a
-  QUANT, or a group of packs the executor runs as one vectorised op). A
-  prepacked stage's packs (`schemas.protocol`) start when the previous stage posts its
-  writes and overlap them (GPU copy kernels beside the NIC's DMA); the stage waits only
-  for what is left of them.
+  QUANT, or a group of packs the executor runs as one vectorised op). A prepacked stage's
+  packs (`schemas.protocol`) start when the previous stage posts its writes and overlap
+  them (GPU copy kernels beside the NIC's DMA); the stage waits only for what is left.
 - The transfer ends when the last rank finishes its last stage (the completion barrier).
 
 `floor_s` is independent of the schedule: the most bytes through one NIC direction (or one
@@ -68,14 +64,12 @@ _WAIT_IN, _PACK, _WRITE, _SEND_DONE, _WAIT_DONE, _UNPACK, _SEND_ACK = range(7)
 
 
 def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
-             in_order: bool = False, progress: Callable[[str], None] | None = None
+             progress: Callable[[str], None] | None = None
              ) -> dict[str, Any]:
     """Simulate a plan (a path or a `Plan`) on the cluster its header records.
 
     `inflight`: batches a rank keeps posted and not yet reaped (the executor's
-    `max_inflight`); 1 sends one batch at a time. `in_order`: a rank reaps its oldest
-    batch first, so a long batch at the head holds the window (the executor until
-    2026-11-22); False (the executor now): any landed batch frees its place.
+    `max_inflight`); 1 sends one batch at a time. Any landed batch frees its place.
 
     Returns `estimated_s`, `floor_s`, `ratio`, `bottleneck`, per-NIC bytes and busy time
     (`nics`), NVLink totals, per-rank finish times, and `timeline`: numpy columns
@@ -91,7 +85,7 @@ def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
         src.check_rest()
         if progress is not None:
             progress("simulating")
-        return _Sim(src, ranks, inflight, in_order).run(t_wall)
+        return _Sim(src, ranks, inflight).run(t_wall)
 
 
 class _Sim:
@@ -99,12 +93,11 @@ class _Sim:
     read again only for the two ranks the gap report names (`planner.simgap`)."""
 
     def __init__(self, src: PlanRanks, ranks: list[SimRank],
-                 inflight: int, in_order: bool) -> None:
+                 inflight: int) -> None:
         header = src.header
         opts = header.options
         self.header, self.src = header, src
         self.inflight = max(1, inflight)
-        self.in_order = in_order
         self.world = len(ranks)
         self.lat = opts.write_overhead_us * 1e-6
         nic_names = sorted({r.nic for r in header.ranks}, key=nic_order)
@@ -286,19 +279,14 @@ class _Sim:
 
     def _end_flow(self, slot: int, t: float) -> None:
         g = int(self.flow_gid[slot])
-        self.end[g], self.landed[g] = t, True
+        self.end[g] = t
         self.active[slot] = False
         self.dirty = True
         r = slot // self.inflight
         self.free_slots[r].append(slot)
         win = self.window[r]
-        if self.in_order:  # the executor reaps the oldest batch first
-            while win[0] < win[1] and self.landed[self.qorder[win[0]]]:
-                win[0] += 1
-                win[3] -= 1
-        else:  # any landed batch frees its place in the window
-            win[0] += 1
-            win[3] -= 1
+        win[0] += 1  # any landed batch frees its place in the window
+        win[3] -= 1
         s = int(self.b.stage[g])
         self.unlanded[r][s] -= 1
         if not self.unlanded[r][s] and s in self.deferred[r]:  # a carried stage has landed
@@ -348,7 +336,6 @@ class _Sim:
         self.hold = [0.0] * w  # a rank posts its carried stage's batches from then on
         self.packs_after = [-1] * w  # a stage whose early packs wait for older writes
         self.free_slots = [list(range(r * k + k - 1, r * k - 1, -1)) for r in range(w)]
-        self.landed = np.zeros(nb, dtype=bool)
         self.active = np.zeros(w * k, dtype=bool)
         self.rem = np.zeros(w * k)
         self.rate = np.zeros(w * k)

@@ -20,7 +20,7 @@ from schemas.config import Config, ConfigError, SourceConfig, TargetConfig, rais
 
 def load(config_path: str) -> tuple[Config, ModelSpec]:
     """Read a YAML config and its model's config.json, and check them together."""
-    from schemas.config import load_config
+    from schemas.config_load import load_config
 
     cfg = load_config(config_path)
     spec = load_spec(cfg.model_config_path, cfg.model.num_layers, cfg.model.overrides,

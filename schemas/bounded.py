@@ -17,6 +17,8 @@ import os
 import stat
 from typing import Any
 
+from .errors import ConfigError
+
 MAX_FILE_BYTES = 1 << 20
 """Largest config file read (HF config.json files and our YAMLs are a few KB)."""
 MAX_DEPTH = 32
@@ -25,7 +27,6 @@ MAX_NODES = 100_000
 """Most YAML nodes, aliases expanded."""
 MAX_SCALAR = 4096
 """Longest YAML scalar (a path, a number); Python refuses ints of more than 4300 digits."""
-
 
 def short(value: object, limit: int = 80) -> str:
     """`repr(value)`, cut to `limit` characters: an error line stays one short line."""
@@ -36,8 +37,6 @@ def short(value: object, limit: int = 80) -> str:
 def read_text(path: str, key: str, what: str) -> str:
     """The text of the regular file `path`, at most `MAX_FILE_BYTES`; else a ConfigError
     naming `key` (the config key that gave the path) and `what` the file should be."""
-    from .config import ConfigError
-
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
@@ -73,8 +72,6 @@ def _where(event: Any) -> str:
 def check_yaml_events(text: str, path: str) -> None:
     """Walk the YAML event stream once and refuse documents beyond the bounds above."""
     import yaml
-
-    from .config import ConfigError
 
     def fail(event: Any, problem: str, fix: str) -> None:
         raise ConfigError(f"config file: {path!r}{_where(event)}: {problem}; {fix}")

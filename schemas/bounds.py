@@ -15,6 +15,7 @@ from itertools import chain
 
 import numpy as np
 
+from schemas.header import MAX_STAGES
 from schemas.plan import (
     DTYPE_CODES,
     PACK,
@@ -28,7 +29,6 @@ from schemas.protocol import (
     FP8_BLOCK,
     FP8_CODE,
     MAX_OPS,
-    MAX_STAGES,
     MAX_VALUE,
     copy_footprint,
     copy_value_problems,

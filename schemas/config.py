@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .bounded import short
-from .errors import UserError
+from .errors import ConfigError
 
 DTYPES = ("bfloat16", "float16", "float32")
 MAX_INT = 1 << 53
@@ -32,10 +32,6 @@ MAX_PER_HOST = 1024
 """Most GPUs or NICs in one host."""
 MAX_ERRORS = 10
 """Most errors of one file reported (a file of 10,000 unknown keys prints 11 lines)."""
-
-
-class ConfigError(UserError):
-    """A config value a user got wrong. The message names the key, the value and the fix."""
 
 
 class ConfigErrors(ConfigError):
@@ -345,10 +341,3 @@ class Config:
 _SECTIONS = {"model": ModelConfig, "source": SourceConfig, "target": TargetConfig,
              "cluster": ClusterConfig, "options": Options}
 
-
-# Loading from plain data (YAML) lives in `schemas/config_load.py`; its two entry points
-# are part of this module's interface.
-from .config_load import config_from_dict, load_config  # noqa: E402
-
-__all__ = ["ClusterConfig", "Config", "ConfigError", "ConfigErrors", "ModelConfig", "Options",
-           "SourceConfig", "TargetConfig", "config_from_dict", "load_config", "raise_all"]

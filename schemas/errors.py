@@ -10,3 +10,7 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """Bad input: the message names the key or tensor, the value and the fix, in one line."""
+
+
+class ConfigError(UserError):
+    """A config value a user got wrong. The message names the key, the value and the fix."""

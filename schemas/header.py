@@ -16,20 +16,18 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from schemas.config import (
-    ClusterConfig,
-    ConfigError,
-    Options,
-    SourceConfig,
-    TargetConfig,
-    config_from_dict,
-)
+from schemas.config import ClusterConfig, ConfigError, Options, SourceConfig, TargetConfig
+from schemas.config_load import config_from_dict
 
 from .errors import UserError
 
 Plain = None | bool | int | float | str | bytes | list["Plain"] | dict[str, "Plain"]
 """Plain msgpack data (what another module describes and owns)."""
 _MAX = 1 << 62
+MAX_WORLD = 1 << 16
+"""Ranks in one plan (real plans: hundreds); `read_header` refuses a header over it."""
+MAX_STAGES = 1 << 14
+"""Stages in one plan: every rank walks every stage every step."""
 
 
 class PlanFormatError(UserError):

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 import msgpack
 
-from .header import PlanFormatError, PlanHeader
+from .header import MAX_STAGES, MAX_WORLD, PlanFormatError, PlanHeader
 from .table import Table
 
 MAGIC = b"RDMAPLAN"
@@ -222,13 +222,13 @@ def _unpack(data: bytes, what: str) -> Any:
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext,
                                max_ext_len=0)
-    except Exception:  # an extension value, or corrupt: the full decode says which
-        pass
+    except (ValueError, TypeError, PlanFormatError):  # an extension, or corrupt: see below
+        pass  # the full decode below says which
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext)
     except PlanFormatError as e:
         raise PlanFormatError(f"{what}: {e}") from None
-    except Exception as e:  # msgpack raises several types for corrupt input
+    except Exception as e:  # noqa: BLE001 - msgpack raises several types for corrupt input
         raise PlanFormatError(f"{what}: not valid msgpack ({type(e).__name__})") from None
     todo = [obj]
     while todo:  # msgpack decodes ext type -1 (timestamp) without calling ext_hook
@@ -296,8 +296,6 @@ def read_header(f: BinaryIO, path: str = "plan", key: bytes | None = None
                 ) -> tuple[PlanHeader, int]:
     """The checked, typed header of an open plan file, and where its blobs start. With
     `key`, the plan must be signed with it (`schemas/integrity.py`)."""
-    from .protocol import MAX_STAGES, MAX_WORLD
-
     digest, raw, start = _read_raw_header(f, path)
     if key is not None:
         from .integrity import check_signature
@@ -395,5 +393,3 @@ def decode_explain(ex: Any, path: str = "plan") -> tuple[tuple[str, ...], Table]
     return tuple(ex["tensors"]), Table.from_msgpack(EXPLAIN_COLUMNS, ex.get("table"),
                                                     "explain")
 
-
-from .plan_write import encode_plan, write_plan  # noqa: E402,F401 (the codec's writing half)

@@ -44,8 +44,9 @@ The rules, each with its one home here:
   scales: how many (`scale_blocks`) and where (`quant_scales`, `scale_stride`).
 - Footprints (`write_footprint`, `copy_footprint`): the bytes every op kind touches in its
   regions, the one bounds proof of the executor's load-time check and of `verify`.
-- Limits (`MAX_WORLD`, `MAX_STAGES`, `MAX_OPS`): what a plan can make a process allocate or
-  loop over, checked before anything is allocated.
+- Limits (`MAX_OPS`, `MAX_VALUE`; a header's `MAX_WORLD`, `MAX_STAGES` are in
+  `schemas/header.py`): what a plan can make a process allocate or loop over, checked
+  before anything is allocated.
 
 Early packs. A source's stage s runs its PACK and QUANT copies, then posts its writes; a
 stage `s >= 1` is *prepacked* instead (its copies run while the writes of stage `s - 1`
@@ -91,10 +92,6 @@ SLOTS = 3
 a third of the rank's budget, `planner/passes/budget.py`); the early-pack rule checks the
 `SLOTS - 1` stages before s."""
 
-MAX_WORLD = 1 << 16
-"""Ranks in one plan (real plans: hundreds)."""
-MAX_STAGES = 1 << 14
-"""Stages in one plan: every rank walks every stage every step."""
 MAX_OPS = 1 << 26
 """Rows of one table of one rank (writes, batches, copies, signals, waits)."""
 MAX_VALUE = 1 << 60

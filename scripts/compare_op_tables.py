@@ -102,7 +102,7 @@ def plan_digests(path: str) -> tuple[dict[str, dict[str, str]], str]:
             try:
                 out[f"rank/{r}"] = _rank_digests_typed(path, r) if reader != "fallback" \
                     else _rank_digests_raw(raw.blob(f"rank/{r}"))
-            except Exception:  # an older format: walk the container instead
+            except Exception:  # noqa: BLE001 - an older format: walk the container instead
                 reader = "fallback"
                 out[f"rank/{r}"] = _rank_digests_raw(raw.blob(f"rank/{r}"))
         for name in ("explain", "dag"):

@@ -36,8 +36,8 @@ class Rank:
     def __init__(self, config: str, rank: int, steps: int) -> None:
         import torch
 
+        from harness.weights import materialize, random_full_tensors
         from planner.layouts import build_layout
-        from planner.materialize import materialize, random_full_tensors
         from planner.validate import load
 
         cfg, spec = load(config)
@@ -238,7 +238,7 @@ def processes(args: argparse.Namespace, plan: str, world: int) -> tuple[list[dic
     """One process per rank, over NIXL; the job secret drawn here, handed to every rank."""
     import secrets
 
-    from tests.support.procs import free_port, root_env, spawn_ranks
+    from harness.launch import free_port, root_env, spawn_ranks
 
     cmd = [sys.executable, os.path.abspath(__file__), "--config", args.config, "--plan", plan,
            "--port", str(free_port()), "--steps", str(args.steps), "--transport",

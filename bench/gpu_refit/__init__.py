@@ -33,7 +33,7 @@ compared bit-exactly with the reference, generated independently from the target
 pieces (padding zero); the sources get new values (another seed) before each method so a
 stale result cannot pass. `--cpu-dry-run`: tiny models, gloo instead of NCCL, `nixl`
 (UCX, DRAM) instead of `cuda_ipc`; it also checks the generator against
-`planner.materialize`.
+`harness.weights`.
 
 Modules: `setup` (who runs where: the `Setup` dataclass), `weights` (the deterministic
 generator and the bit-exact check), `ctx` (the worker's process groups, barriers and

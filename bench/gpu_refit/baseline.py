@@ -65,7 +65,7 @@ class Baseline:
                  device, trainers_group, bcast_group, dist, setup: Setup) -> None:
         import torch
 
-        from planner.materialize import DTYPES, logical_box, piece_view
+        from harness.weights import DTYPES, logical_box, piece_view
 
         self.rank, self.dist = rank, dist
         trainers = setup.trainers

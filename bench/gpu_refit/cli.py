@@ -14,7 +14,7 @@ import time
 from bench.gpu_refit.report import device_name, render_md, render_text, write_md
 from bench.gpu_refit.run import worker
 from bench.gpu_refit.setup import NO_MULTICAST, Setup
-from tests.support.procs import free_port, root_env, spawn_ranks
+from harness.launch import free_port, root_env, spawn_ranks
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -128,7 +128,7 @@ def compile_plans(args: argparse.Namespace, setup: Setup) -> tuple[list[str], di
     from planner.compiler import compile_config
     from planner.spec import load_spec
     from planner.validate import validate
-    from schemas.plan import write_plan
+    from schemas.plan_write import write_plan
 
     work = tempfile.mkdtemp(prefix="gpu-refit-plans-")
     plans, compile_info = [], {}

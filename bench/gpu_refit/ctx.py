@@ -68,7 +68,7 @@ class Ctx:
                 try:
                     step()
                     self.sync()
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - printed, and the rank reports it
                     traceback.print_exc()
                     error = f"rank {self.rank}: {type(e).__name__}: {e}"
 
@@ -108,7 +108,7 @@ class Ctx:
                 try:
                     step()
                     self.sync()
-                except Exception:
+                except Exception:  # noqa: BLE001 - printed, and the rank reports it
                     traceback.print_exc()
                     failed = True
         if on:

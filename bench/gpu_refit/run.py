@@ -40,8 +40,8 @@ def cuda_ipc_options(streams: int, graphs: bool, kernel: bool = True) -> dict:
 def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
               transports: list[str], baseline: bool = True) -> dict:
     import executor
+    from harness.weights import DTYPES
     from planner.layouts import build_layout
-    from planner.materialize import DTYPES
     from planner.spec import load_spec
 
     torch, dist, args, rank = ctx.torch, ctx.dist, ctx.args, ctx.rank
@@ -114,7 +114,7 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
                                rendezvous=store, timeout_s=args.exec_timeout,
                                max_inflight=inflight,
                                **({"transport_options": options} if options else {}))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - printed, and the rank reports it
             traceback.print_exc()
             err = f"rank {rank}: {type(e).__name__}: {e}"
         load_s = now() - t0

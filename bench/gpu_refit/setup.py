@@ -66,7 +66,7 @@ class Setup:
     def config(self, model: str, max_write_mib: int | None = None,
                staging_mib: int | None = None):
         """The compile config of `model` on this setup (`schemas.config.Config`)."""
-        from schemas.config import config_from_dict
+        from schemas.config_load import config_from_dict
 
         source, target = self.cases[model]
         data = {"model": {"config": f"{model.split(':')[0]}/config.json"}, "source": source,

@@ -39,7 +39,7 @@ def logical_values(shape, offsets, sizes, key: int, device, dtype):
 
 def fill_pieces(t, pt, spec, seed: int, chunk_elems: int = 1 << 27) -> None:
     """Write the logical values of every piece of physical tensor `pt` into `t`."""
-    from planner.materialize import piece_view
+    from harness.weights import piece_view
 
     by = spec.by_name
     for piece in pt.pieces:
@@ -91,10 +91,10 @@ def check_targets(tensors: dict, rank_layout, spec, seed: int,
 
 
 def check_generator(spec, layout, local: int, seed: int) -> list[str]:
-    """Dry run: the generator agrees with `planner.materialize` from full logical tensors."""
+    """Dry run: the generator agrees with `harness.weights` from full logical tensors."""
     import torch
 
-    from planner.materialize import DTYPES, materialize
+    from harness.weights import DTYPES, materialize
 
     full = {t.name: logical_values(t.shape, (0,) * len(t.shape), t.shape,
                                    tensor_key(t.name, seed), "cpu", DTYPES[t.dtype])
@@ -108,7 +108,7 @@ def check_generator(spec, layout, local: int, seed: int) -> list[str]:
 
 def check_fp8(t, scale, pt, spec, seed: int, counts: dict) -> bool:
     """Whether a block-FP8 target tensor `t` (and its scales `scale`) differs from the
-    reference quantizer (`planner.testing.quantize_block128`, vLLM's
+    reference quantizer (`harness.weights.quantize_block128`, vLLM's
     `per_block_cast_to_fp8`) applied to the bf16 logical box of each piece. Pieces are
     128-block-aligned (`planner.fp8`), so a piece's blocks are the logical tensor's.
     The reference runs on the CPU for the first `counts["cpu_budget"]` elements of the rank
@@ -116,8 +116,7 @@ def check_fp8(t, scale, pt, spec, seed: int, counts: dict) -> bool:
     equal bit for bit)."""
     import torch
 
-    from planner.materialize import piece_view
-    from planner.testing import quantize_block128
+    from harness.weights import piece_view, quantize_block128
 
     by = spec.by_name
     spieces = list(scale_pieces(pt, spec))

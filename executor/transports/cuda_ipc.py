@@ -1,33 +1,25 @@
 """CUDA IPC transport: GPUs of one host, peer copies over NVLink/PCIe.
 
-Each rank exports a CUDA IPC handle per region once (`UntypedStorage._share_cuda_()`); its
-fields travel as msgpack (bytes and ints), never pickle. A peer opens them with
-`UntypedStorage._new_shared_cuda(...)`. A stage's writes to one peer are one batch
-(`fuse_batches`), prepared once into raw (dst, src, nbytes) pointer triples, writes
-adjacent in memory on both sides (inside one allocation each) merged into one. By default
-a batch is one launch of the copy kernel (`copy_kernel.py`: the SMs, no per-copy cost),
-captured as a CUDA graph. For a peer on another GPU the kernel needs the peer's memory
-mapped in this rank's own device context: torch maps it in the owner device's context,
-where a kernel of this device faulted (CUDA error 700 on two NVLinked H100s, peer access
-on or not), and the driver lets a process open a peer's handle in one context only. So
-such a peer's handles are opened here with `cudaIpcOpenMemHandle`, this device current
-(`PeerRegion`: raw addresses, as NCCL maps its peers), not through torch. Batches with
-`copy_kernel: false`, or where the kernel cannot be built, or of large writes, go to the
-copy engines: the triples split into
-up to `CudaIpcOptions.streams` branches of near-equal bytes that run side by side (several
-copy engines). A batch of small copies is captured once as one CUDA graph of those branches
-and replayed: one launch per stage and peer; one of large copies is posted as one
-`cudaMemcpyAsync` (device to device, peer access enabled as torch does) per triple, called
-through ctypes on the libcudart that torch loaded (about 3 us each: torch's cross-device
-`copy_` costs ~12 us of host time per write). Without that library, or if the raw call
-fails, the batch runs as torch copies (`torch_copy.py`). Posts queue after the caller's
-current stream (`ordered_posts`: packs need no host wait); a batch has landed when its CUDA
-event has. A post is a few runtime calls on raw handles made at prepare (record an event on
-the caller's stream, make the copy stream wait for it, launch the graph, record the landed
-event: ~1 us each), not torch's Python stream objects (~100 us a batch). Notifications go
-through shared memory (`shm_mailbox.py`: the ranks share a host), not the rendezvous store
-(a TCP round trip per poll). A stage's DONE can leave from the GPU (`notify_landed`,
-`ipc_signals.py`). Region handles and peer mappings: `ipc_regions.py`.
+Each rank exports a CUDA IPC handle per region once (`ipc_regions.IpcHandle`, msgpack on
+the wire, never pickle); a peer opens it with `UntypedStorage._new_shared_cuda(...)`. A
+stage's writes to one peer are one batch (`fuse_batches`), prepared once into raw (dst, src,
+nbytes) pointer triples, writes adjacent in memory on both sides merged into one. By
+default a batch is one launch of the copy kernel (`copy_kernel.py`, on the SMs), captured as
+a CUDA graph. A kernel of this device cannot write memory torch mapped in the owner
+device's context, and the driver opens a peer's handle in one context per process: so a
+peer on another GPU has its handles opened here with `cudaIpcOpenMemHandle`, this device
+current (`PeerRegion`: raw addresses, as NCCL maps its peers). Batches with `copy_kernel:
+false`, where the kernel cannot be built, or of large writes go to the copy engines: the
+triples split into up to `CudaIpcOptions.streams` branches of near-equal bytes that run side
+by side; a batch of small copies is captured once as one CUDA graph of those branches, one
+of large copies is posted as one `cudaMemcpyAsync` per triple through ctypes on the
+libcudart torch loaded; without that library, or if the raw call fails, the batch runs as
+torch copies (`torch_copy.py`). Posts queue after the caller's current stream
+(`ordered_posts`: packs need no host wait); a batch has landed when its CUDA event has. A
+post is runtime calls on raw handles made at prepare, not torch's stream objects.
+Notifications go through shared memory (`shm_mailbox.py`), not the rendezvous store; a
+stage's DONE can leave from the GPU (`notify_landed`, `ipc_signals.py`). What each path
+costs: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -42,44 +34,12 @@ from .base import Store, WriteBatch
 from .copy_kernel import CopyKernel, batch_copies
 from .cuda_runtime import NOT_READY, Runtime, current_raw_stream
 from .graphs import capturing
-from .ipc_regions import PeerRegion, export_region, import_region, raw_handle, segment
+from .ipc_posted import FastPost, Posted
+from .ipc_regions import IpcHandle, PeerRegion, export_region, import_region, raw_handle, segment
 from .ipc_signals import DeviceSignals
 from .options import CudaIpcOptions
 from .shm_mailbox import ShmMailbox
-from .torch_copy import Op, prepare_copies
-
-
-class _Fast:
-    """A batch's raw handles for posting through the runtime (no torch stream objects per
-    step): events `ready` (the caller's queued work), one per side branch, and `done`."""
-
-    __slots__ = ("events", "ready", "sides", "done", "stream", "side_streams", "graph_exec")
-
-    def __init__(self, stream: torch.cuda.Stream, sides: list[torch.cuda.Stream],
-                 graph_exec: int) -> None:
-        self.events = [torch.cuda.Event() for _ in range(2 + len(sides))]
-        for e in self.events:  # a torch event makes its CUDA event when first recorded
-            e.record(stream)
-        raw = [e.cuda_event for e in self.events]
-        self.ready, self.done, self.sides = raw[0], raw[1], raw[2:]
-        self.stream, self.side_streams = stream.cuda_stream, [s.cuda_stream for s in sides]
-        self.graph_exec = graph_exec
-
-
-class _Posted:
-    __slots__ = ("batch", "ops", "raw", "stream", "event", "posted", "graph", "order", "sides",
-                 "fast", "fast_posted", "table")
-
-    def __init__(self, batch: WriteBatch, ops: list[Op] | None, stream: torch.cuda.Stream,
-                 raw: list[tuple[int, int, int]] | None = None) -> None:
-        self.batch, self.ops, self.raw, self.stream = batch, ops, raw, stream
-        self.event, self.posted = torch.cuda.Event(), False
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.order: list[tuple[int, int, int, int]] = []  # (dst, src, n, raw stream): posts
-        self.sides: list[torch.cuda.Stream] = []  # the streams beside `stream` it uses
-        self.fast: _Fast | None = None
-        self.fast_posted = False
-        self.table: torch.Tensor | None = None  # the copy kernel's pieces (its graph reads it)
+from .torch_copy import prepare_copies
 
 
 def branches(raw: list[tuple[int, int, int]], k: int) -> list[list[tuple[int, int, int]]]:
@@ -134,20 +94,22 @@ class CudaIpcTransport:
         self.regions = regions
 
     def export(self) -> dict[str, Any]:
-        fields = [export_region(r) for r in self.regions]
-        self.segments = [segment(r, f[3]) for r, f in zip(self.regions, fields)]
-        return {"regions": fields, "mailbox": self.mailbox.export()}
+        handles = [export_region(r) for r in self.regions]
+        self.segments = [segment(r, h.offset) for r, h in zip(self.regions, handles)]
+        return {"regions": [h.to_wire() for h in handles], "mailbox": self.mailbox.export()}
 
     def import_peer(self, peer: int, desc: dict[str, Any]) -> None:
         self._close_peer(peer)
         if self.signals is not None:  # no stream write may still target a ring replaced
             self.signals.forget(peer)
+        handles = [IpcHandle.from_wire(f, f"rank {peer}'s region {i}")
+                   for i, f in enumerate(desc["regions"])]
         self.mailbox.import_peer(peer, desc["mailbox"])
-        if self._open_here(peer, desc["regions"]):
+        if self._open_here(peer, handles):
             return
-        self.peers[peer] = [import_region(f) for f in desc["regions"]]
-        self.peer_segments[peer] = [segment(r, f[3]) for r, f in
-                                    zip(self.peers[peer], desc["regions"])]
+        self.peers[peer] = [import_region(h) for h in handles]
+        self.peer_segments[peer] = [segment(r, h.offset) for r, h in
+                                    zip(self.peers[peer], handles)]
         regs = self.peers[peer]
         if regs and regs[0].device != self.device:  # torch enables peer access both ways
             a = torch.zeros(1, dtype=torch.uint8, device=self.device)
@@ -156,13 +118,13 @@ class CudaIpcTransport:
             a.copy_(b)
             torch.cuda.synchronize(regs[0].device)
 
-    def _open_here(self, peer: int, fields: list[list[Any]]) -> bool:
+    def _open_here(self, peer: int, handles: list[IpcHandle]) -> bool:
         """Open the regions of a peer on another GPU in this device's context (for the copy
         kernel); False where that does not apply (same GPU, no kernel, no runtime, handles
         only torch opens) or fails: torch opens them then, for the copy engines."""
-        raws = [raw_handle(bytes(f[1])) for f in fields]
-        if self.rt is None or self.kernel is None or not fields or None in raws or \
-                any(int(f[0]) == self.device.index for f in fields):
+        raws = [raw_handle(h.handle) for h in handles]
+        if self.rt is None or self.kernel is None or not handles or None in raws or \
+                any(h.device == self.device.index for h in handles):
             return False
         by_handle: dict[bytes, int] = {}  # regions of one allocation share its handle
         try:
@@ -178,9 +140,9 @@ class CudaIpcTransport:
             return False
         bases = [by_handle[h] for h in raws]  # type: ignore[index]
         self.opened[peer] = list(by_handle.values())
-        self.counters[peer] = [(bytes(f[4]), int(f[5]), int(f[0])) for f in fields]
-        self.peers[peer] = [PeerRegion(b + int(f[3]) + int(f[8]), int(f[9]), int(f[0]))
-                            for b, f in zip(bases, fields)]  # type: ignore[misc]
+        self.counters[peer] = [(h.ref_handle, h.ref_offset, h.device) for h in handles]
+        self.peers[peer] = [PeerRegion(b + h.offset + h.storage_offset, h.numel, h.device)
+                            for b, h in zip(bases, handles)]  # type: ignore[misc]
         self.peer_segments[peer] = bases
         return True
 
@@ -211,11 +173,11 @@ class CudaIpcTransport:
                                "no torch path for it (set copy_kernel: false to use torch's)")
         return self.peers[peer]
 
-    def prepare(self, batch: WriteBatch) -> _Posted:
+    def prepare(self, batch: WriteBatch) -> Posted:
         stream = self.streams[self.prepared % len(self.streams)]
         self.prepared += 1
         if self.rt is None:
-            return _Posted(batch, prepare_copies(self.regions, self._torch_peer(batch.peer),
+            return Posted(batch, prepare_copies(self.regions, self._torch_peer(batch.peer),
                                                  batch), stream)
         if len(self.segments) != len(self.regions):
             self.export()
@@ -223,7 +185,7 @@ class CudaIpcTransport:
                                np.array(self.segments, dtype=np.int64),
                                np.array(self.peer_segments[batch.peer], dtype=np.int64))
         self.ncopies += len(n)
-        handle = _Posted(batch, None, stream, list(zip(d.tolist(), s.tolist(), n.tolist())))
+        handle = Posted(batch, None, stream, list(zip(d.tolist(), s.tolist(), n.tolist())))
         o = self.options
         here = batch.peer in self.opened  # on another GPU, mapped in this context
         limit = o.peer_kernel_max_mean_bytes if here else o.kernel_max_mean_bytes
@@ -239,10 +201,10 @@ class CudaIpcTransport:
             self._plan_posts(handle)
         if self.current_raw is not None:
             graph_exec = handle.graph.raw_cuda_graph_exec() if handle.graph is not None else 0
-            handle.fast = _Fast(stream, handle.sides, graph_exec)
+            handle.fast = FastPost(stream, handle.sides, graph_exec)
         return handle
 
-    def _plan_posts(self, handle: _Posted) -> None:
+    def _plan_posts(self, handle: Posted) -> None:
         """The copies' post order, once: in turn across the branches, so that every copy
         engine starts after one post (branch 0 on the handle's stream)."""
         parts = branches(handle.raw or [], len(self.streams))
@@ -293,7 +255,7 @@ class CudaIpcTransport:
             if fn(d, s, n, kind, stream):
                 raise RuntimeError(f"cudaMemcpyAsync error {self.rt.last_error()}")  # type: ignore[union-attr]
 
-    def post(self, handle: _Posted) -> None:
+    def post(self, handle: Posted) -> None:
         handle.fast_posted = False
         if handle.fast is not None and self.rt is not None and self.current_raw is not None \
                 and self._post_fast(handle):
@@ -315,7 +277,7 @@ class CudaIpcTransport:
         handle.event.record(stream)
         handle.posted = True
 
-    def _post_raw(self, handle: _Posted) -> None:
+    def _post_raw(self, handle: Posted) -> None:
         """The copies one `cudaMemcpyAsync` each, spread over the copy streams (joined back
         into the handle's stream, whose event says when all have landed)."""
         for side in handle.sides:
@@ -332,7 +294,7 @@ class CudaIpcTransport:
         for side in handle.sides:
             handle.stream.wait_stream(side)
 
-    def _post_fast(self, handle: _Posted) -> bool:
+    def _post_fast(self, handle: Posted) -> bool:
         """The post as a few runtime calls on raw handles (~1 us each: torch's stream
         context managers and `wait_stream` cost ~100 us a batch); False if one failed (it
         is then posted the torch way, whole: idempotent)."""
@@ -359,13 +321,13 @@ class CudaIpcTransport:
             return False
         return True
 
-    def _as_torch(self, handle: _Posted) -> None:
+    def _as_torch(self, handle: Posted) -> None:
         """Turn a raw batch into torch copies (after a raw call failed)."""
         handle.ops = prepare_copies(self.regions, self._torch_peer(handle.batch.peer),
                                     handle.batch)
         handle.raw, handle.graph, handle.order = None, None, []
 
-    def done(self, handle: _Posted) -> bool:
+    def done(self, handle: Posted) -> bool:
         if handle.fast_posted and self.rt is not None:
             code = self.rt.event_query(handle.fast.done)  # type: ignore[union-attr]
             if code and code != NOT_READY:
@@ -376,7 +338,7 @@ class CudaIpcTransport:
     def notify(self, peer: int, msg: bytes) -> None:
         self.mailbox.notify(peer, msg)
 
-    def notify_landed(self, handles: list[_Posted], peer: int, msg: bytes) -> bool:
+    def notify_landed(self, handles: list[Posted], peer: int, msg: bytes) -> bool:
         """Send `msg` to `peer` from the GPU once every batch of `handles` has landed (each
         posted by `post`, not yet known landed here); False where this cannot be done (then
         the caller notifies from the host once `done` says they landed)."""
@@ -392,7 +354,7 @@ class CudaIpcTransport:
     def peer_id(self, peer: int) -> str:
         return self.mailbox.peer_id(peer)
 
-    def release(self, handle: _Posted) -> None:
+    def release(self, handle: Posted) -> None:
         handle.graph, handle.fast = None, None  # the raw graph exec dies with the graph
         handle.table = None
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cleanup import best_effort
 from .base import WriteBatch
 from .options import NixlOptions
 
@@ -57,10 +58,9 @@ class NixlTransport:
     def import_peer(self, peer: int, desc: dict[str, Any]) -> None:
         old = self.peers.pop(peer, None)
         if old is not None:  # a restarted peer: forget the dead process's agent
-            try:
-                self.agent.remove_remote_agent(old[0])
-            except Exception:  # noqa: BLE001 - NIXL may have dropped it already
-                pass
+            # NIXL may have dropped it already
+            best_effort(f"forgetting rank {peer}'s old agent", self.agent.remove_remote_agent,
+                        old[0])
         name = self.agent.add_remote_agent(desc["agent"])
         self.peers[peer] = (name if isinstance(name, str) else name.decode(),
                             list(desc["addrs"]), int(desc["dev"]))

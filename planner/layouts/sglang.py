@@ -34,7 +34,8 @@ from typing import Any
 from planner.layouts import rules
 from planner.layouts.base import Layout, PhysicalTensor, RankLayout
 from planner.layouts.rules import divisors, fail
-from planner.layouts.vllm import Names, Shard, Split, build, check_common
+from planner.layouts.vllm import build, check_common
+from planner.layouts.vllm_rank import Names, Shard, Split
 from planner.spec import ModelSpec
 from schemas.config import TargetConfig
 

@@ -7,7 +7,7 @@ its piece table need nothing of the trace. So `begin` forks a tracer (it imports
 the engine with its own workers, sends the ranks as `traced.encode_rank` rows, then writes
 the cache file) and `Pending.result` joins it. This process never imports torch or vLLM, so
 the rest of the compile does not pay for their ~1.5M objects in every garbage collection.
-The tracer imports vLLM lean (`vllm_lean`, unless RDMA_PLAN_TRACE_LEAN=0): what that leaves
+The tracer imports vLLM lean (`vllm_lean`) with RDMA_PLAN_TRACE_LEAN=1: what that leaves
 out refuses any use, so a trace needing it fails rather than answering otherwise, and a lean
 tracer that fails is followed by one importing vLLM whole (lean and whole traces are compared
 by tests/oracles/test_vllm_trace_lean.py). The tracer's answer is checked like a cache file
@@ -27,6 +27,7 @@ the plan is compiled from it. The trace itself is never skipped.
 from __future__ import annotations
 
 import gc
+import logging
 import multiprocessing
 import os
 import signal
@@ -41,6 +42,8 @@ from planner.layouts.base import Layout
 from planner.layouts.trace_geometry import TraceError
 from planner.spec import ModelSpec
 from schemas.config import ConfigError, TargetConfig
+
+log = logging.getLogger("planner")
 
 Then = Callable[[Layout], Layout]
 
@@ -80,7 +83,9 @@ class Pending:
         try:
             rules = self._rules()
             self._guess = (rules, self._then(rules))
-        except Exception:  # noqa: BLE001 (rules that cannot build it: no guess, the trace decides)
+        except Exception as e:  # noqa: BLE001 - rules that cannot build it: the trace decides
+            log.info("no hand-written guess to compare with the trace: %s: %s",
+                     type(e).__name__, e)
             return None
         return self._guess[1]
 
@@ -155,9 +160,9 @@ def begin(spec: ModelSpec, cfg: TargetConfig, hf: dict[str, Any], folder: str | 
 
 
 def lean_wanted() -> bool:
-    """Whether the tracer tries the lean import of vLLM first (`vllm_lean`); set
-    RDMA_PLAN_TRACE_LEAN=0 to import vLLM whole."""
-    return os.environ.get("RDMA_PLAN_TRACE_LEAN", "1") != "0"
+    """Whether the tracer tries the lean import of vLLM first (`vllm_lean`): opt-in, with
+    RDMA_PLAN_TRACE_LEAN=1; else vLLM is imported whole."""
+    return os.environ.get("RDMA_PLAN_TRACE_LEAN", "0") == "1"
 
 
 def _fork(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig, path: str, key: str,
@@ -244,6 +249,8 @@ def _tracer(send: Any, spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig, p
             from planner.layouts import vllm_lean
 
             lean = vllm_lean.install()
+        else:
+            log.info("the tracer imports vLLM whole (RDMA_PLAN_TRACE_LEAN=1: lean)")
         out: dict[str, Any] = {"ranks": traced._trace_packed(spec, hf, cfg)}
     except ConfigError as e:
         out = {"error": str(e)}

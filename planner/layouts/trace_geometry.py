@@ -4,14 +4,16 @@ where in a parameter, from the two views' sizes, strides and storage offsets.
 `planner/layouts/vllm_trace.py` sees `param_view.copy_(checkpoint_view)` with both views
 into contiguous storages (a checkpoint stand-in, a parameter). A view is a box exactly
 when each of its dims of extent > 1 runs along one distinct dim of its base (same stride);
-`piece` turns the pair into a layout `Piece` (`planner/layouts/base.py`).
+`piece` turns the pair into a layout `Piece` (`planner/layouts/base.py`). A traced rank
+travels (from a tracing worker, into the cache) as `encode_rank`'s plain rows.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
-from planner.layouts.base import Piece
+from planner.layouts.base import PhysicalTensor, Piece
 from schemas.config import ConfigError
 
 
@@ -87,3 +89,10 @@ def piece(name: str, lshape: tuple[int, ...], src: View, dst: View,
                              f"{pshape} with fewer dims; a traced layout takes only boxes")
     return Piece(name, tuple(unravel(src.offset, lshape)), tuple(sizes),
                  tuple(unravel(dst.offset, pshape)), dims)
+
+
+def encode_rank(tensors: Sequence[PhysicalTensor]) -> list[Any]:
+    """One rank as plain msgpack-able rows (the cache's, and the tracing workers')."""
+    return [[t.name, list(t.shape), t.dtype,
+             [[p.tensor, list(p.offsets), list(p.sizes), list(p.at),
+               None if p.dims is None else list(p.dims)] for p in t.pieces]] for t in tensors]

@@ -29,6 +29,7 @@ from typing import Any
 import msgpack
 
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
+from planner.layouts.trace_geometry import encode_rank
 from planner.spec import SUPPORTED_MODEL_TYPES, ModelSpec
 from schemas.config import Config, ConfigError, TargetConfig
 
@@ -173,13 +174,6 @@ def gc_paused() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------- the cache file
-
-
-def encode_rank(tensors: Sequence[PhysicalTensor]) -> list[Any]:
-    """One rank as plain msgpack-able rows (the cache's, and the tracing workers')."""
-    return [[t.name, list(t.shape), t.dtype,
-             [[p.tensor, list(p.offsets), list(p.sizes), list(p.at),
-               None if p.dims is None else list(p.dims)] for p in t.pieces]] for t in tensors]
 
 
 def decode_rank(rows: Any, spec: ModelSpec) -> tuple[PhysicalTensor, ...]:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 from planner.layouts.base import PhysicalTensor, Piece
 from planner.layouts.rules import divisors, fail
-from planner.layouts.vllm import _Builder
+from planner.layouts.vllm_rank import RankBuilder
 from planner.spec import ModelSpec
 from schemas.config import TargetConfig
 
@@ -37,7 +37,7 @@ def check(spec: ModelSpec, cfg: TargetConfig) -> None:
              f"among {divisors(spec.dims.num_experts)}")
 
 
-class GptOssBuilder(_Builder):
+class GptOssBuilder(RankBuilder):
     def attention(self, i: int) -> Iterator[PhysicalTensor]:
         p, phys, a = f"model.layers.{i}.self_attn.", f"model.layers.{i}.attn.", self.s.attn
         per = self.d.heads // a.size

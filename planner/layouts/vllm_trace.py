@@ -28,9 +28,9 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from planner.layouts import trace_layers  # noqa: E402
 from planner.layouts.base import PhysicalTensor, Piece  # noqa: E402
-from planner.layouts.trace_geometry import TraceError, View, piece  # noqa: E402
+from planner.layouts.trace_geometry import TraceError, View, encode_rank, piece  # noqa: E402
 from planner.layouts.vllm_groups import fake_parallel_state  # noqa: E402
-from planner.spec import ModelSpec  # noqa: E402
+from planner.spec import SUPPORTED_MODEL_TYPES, ModelSpec  # noqa: E402
 from schemas.config import ConfigError, TargetConfig  # noqa: E402
 
 COPIES = {torch.Tensor.copy_}
@@ -54,14 +54,8 @@ def check_known(hf: dict[str, Any]) -> None:
            f"neither transformers {transformers.__version__} nor vLLM {vllm.__version__} "
            "knows it")
     raise TraceError(f"model.config: model_type {model_type!r}: {who}; supported: the "
-                     f"hand-written families ({', '.join(_hand_written())}) and, traced, any "
+                     f"hand-written families ({', '.join(SUPPORTED_MODEL_TYPES)}) and, traced, any "
                      f"of vLLM's {len(served)} causal LMs: {', '.join(served)}")
-
-
-def _hand_written() -> tuple[str, ...]:
-    from planner.layouts.traced import HAND_WRITTEN
-
-    return HAND_WRITTEN
 
 
 def engine_config(hf: dict[str, Any], cfg: TargetConfig) -> Any:
@@ -77,7 +71,7 @@ def engine_config(hf: dict[str, Any], cfg: TargetConfig) -> Any:
                               pipeline_parallel_size=cfg.pp, data_parallel_size=cfg.dp,
                               enable_expert_parallel=cfg.ep, enforce_eager=True,
                               max_model_len=128).create_engine_config()
-        except Exception as e:  # vLLM's own config check (pydantic, ValueError)
+        except Exception as e:  # noqa: BLE001 - vLLM's own config check (pydantic, ValueError)
             lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [repr(e)]
             why = next((ln for ln in lines if ln.startswith("Value error,")), lines[0])
             why = why.removeprefix("Value error,").split(" [type=")[0].strip()
@@ -334,8 +328,6 @@ def trace_engine(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig,
 def _packed(tensors: list[PhysicalTensor]) -> bytes:
     """One rank as msgpack bytes of its `traced.encode_rank` rows."""
     import msgpack
-
-    from planner.layouts.traced import encode_rank
 
     return msgpack.packb(encode_rank(tensors))
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from planner.models import dense
-from planner.spec import LogicalTensor, ModelDims, require
+from planner.models.base import LogicalTensor, ModelDims, require
 
 
 def dims(hf: dict[str, Any]) -> ModelDims:

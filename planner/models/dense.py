@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from planner.spec import LogicalTensor, ModelDims, require
+from planner.models.base import LogicalTensor, ModelDims, require
 
 
 def dims(hf: dict[str, Any]) -> ModelDims:

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from planner.models import deepseek_v3, dense
-from planner.spec import LogicalTensor, ModelDims, require
+from planner.models.base import LogicalTensor, ModelDims, require
 
 
 def dims(hf: dict[str, Any]) -> ModelDims:

@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from planner.models import dense
-from planner.spec import LogicalTensor, ModelDims, as_2d, require
+from planner.models.base import LogicalTensor, ModelDims, as_2d, require
 
 
 def dims(hf: dict[str, Any]) -> ModelDims:

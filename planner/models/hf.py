@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from planner.spec import LogicalTensor, ModelDims, as_2d
+from planner.models.base import LogicalTensor, ModelDims, as_2d
 from schemas.config import ConfigError
 
 NOT_FOR_TRANSFORMERS = ("auto_map", "quantization_config", "architectures",

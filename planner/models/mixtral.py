@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from planner.models import dense
-from planner.spec import LogicalTensor, ModelDims, require
+from planner.models.base import LogicalTensor, ModelDims, require
 
 EXPERT_NAMES = ("w1", "w3", "w2")
 

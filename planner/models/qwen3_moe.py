@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from planner.models import dense
-from planner.spec import LogicalTensor, ModelDims, require
+from planner.models.base import LogicalTensor, ModelDims, require
 from schemas.config import ConfigError
 
 

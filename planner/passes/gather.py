@@ -42,17 +42,19 @@ from typing import TypeVar
 import numpy as np
 
 from planner.passes import gather_rows
+from planner.passes.budget import ALIGN
+from planner.passes.gather_box import Box, Slot, pick_owner
 from planner.passes.gather_direct import add_direct
 from planner.passes.gather_out import Out, Rows, ScaleRows, Staging, align, explain_rows, lowered
 from planner.passes.intersect import PieceTable, intersect, take
-from planner.passes.lower import ALIGN, Lowered
+from planner.passes.lower import Lowered
 from planner.passes.route import Routes
 from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import ConfigError, Options
 from schemas.plan import DTYPE_CODES, PACK, QUANT
 from schemas.protocol import FP8_BLOCK as BLOCK
-from schemas.protocol import ITEM, scale_blocks, scale_stride
+from schemas.protocol import ITEM, scale_stride
 
 FP8_CODE = DTYPE_CODES.index("float8_e4m3fn")
 T = TypeVar("T")
@@ -72,69 +74,6 @@ class Gathered:
     """The largest fan-out (bytes) one owner took as a whole (the balance granularity)."""
 
 
-@dataclass(slots=True)
-class _Box:
-    """One target box of the gather path and what was decided for it."""
-
-    tensor: int
-    t0: int
-    t1: int
-    n0: int
-    n1: int
-    chunks: range
-    """Its chunks (rows of the chunk table), each fed by one source piece."""
-    rows: tuple[int, ...]
-    """The source piece row that sends each chunk."""
-    owner: int
-    """The source rank that gathers, converts and fans the box out."""
-    sole: bool
-    """Only `owner` holds any of it."""
-    src_code: int
-    out_code: int
-    es: int
-    """Element size at the sources."""
-    es_d: int
-    """Element size at the targets."""
-    quant: bool
-    cast: bool
-    direct: bool
-    """QUANT reads the owner's piece in place (an FP8 box it holds whole, in one piece)."""
-    parts: bool
-    """QUANT part by part: the other holders' parts land whole in the owner's staging."""
-    g_bytes: int
-    """Staging of the gathered box (or of the other holders' parts)."""
-
-    @property
-    def numel(self) -> int:
-        return self.n0 * self.n1
-
-    @property
-    def f_bytes(self) -> int:
-        return align(self.numel) if self.quant else \
-            align(self.numel * self.es_d) if self.cast else 0
-
-    @property
-    def need(self) -> int:
-        nscale = scale_blocks(self.n0, self.n1)
-        return self.g_bytes + self.f_bytes + (align(nscale * 4) if self.quant else 0)
-
-
-@dataclass(slots=True)
-class _Slot:
-    """Where and when a box lives in its owner's staging."""
-
-    gather: int
-    """Stage of the gather (its parts land)."""
-    convert: int
-    """Stage of the conversion and the fan-out."""
-    g_off: int
-    """Byte offset of the gathered box."""
-    f_off: int
-    """Byte offset of the converted box (QUANT or cast)."""
-    s_off: int
-    """Byte offset of the FP8 scales."""
-
-
 def gather(spec: ModelSpec, src: PieceTable, routes: Routes, n_regions: np.ndarray,
            opts: Options, topo: Topology, base: int, sent: np.ndarray) -> Gathered:
     """Gathers, conversions (QUANT or cast) and fan-out writes of the target rows
@@ -142,14 +81,14 @@ def gather(spec: ModelSpec, src: PieceTable, routes: Routes, n_regions: np.ndarr
     other hosts (owners are balanced on top of it)."""
     if len(routes.gathered) == 0:
         return Gathered(None, explain_rows(Out()), np.zeros(len(n_regions), np.int64), 0)
-    g = _Gatherer(spec, src, routes, n_regions, opts, topo, base, sent)
+    g = Gatherer(spec, src, routes, n_regions, opts, topo, base, sent)
     order = g.order()
     for t in order[add_direct(g, np.array(order, dtype=np.int64)):]:
         g.add(t)
     return g.result()
 
 
-class _Gatherer:
+class Gatherer:
     """The pass's state across boxes: staging, NIC loads, owner rounds and the output."""
 
     def __init__(self, spec: ModelSpec, src: PieceTable, routes: Routes,
@@ -253,9 +192,9 @@ class _Gatherer:
     def _targets(self, t: int) -> np.ndarray:
         return self.targets_of[self.target_ptr[t]:self.target_ptr[t + 1]]
 
-    def _choose(self, t: int) -> _Box:
-        """The owner (holds most of the box; ties: the least loaded NIC, then the lowest
-        rank) and the source piece of each chunk (the owner's, else the least loaded)."""
+    def _choose(self, t: int) -> Box:
+        """The owner (`pick_owner`) and the source piece of each chunk (the owner's, else
+        the least loaded)."""
         load, nic, cl = self.load, self.nic, self.chunks_l
         tensor, t0, t1, n0, n1 = self.tboxes_l[t]
         cs = range(self.chunk_ptr_l[t], self.chunk_ptr_l[t + 1])
@@ -269,8 +208,9 @@ class _Gatherer:
                 size = cl.size0[c] * cl.size1[c]
                 for r in ranks:
                     held[r] = held.get(r, 0) + size
-            owner = next(iter(held)) if len(held) == 1 else \
-                min(held, key=lambda r: (-held[r], load[nic[r]], r))
+            owner = next(iter(held)) if len(held) == 1 else pick_owner(
+                np.fromiter(held, np.int64, len(held)),
+                np.fromiter(held.values(), np.int64, len(held)), load, self.nic_a)
             rows, n_held = [], len(held)
             for hs, _ in cands:
                 mine = next((h for h, r in hs if r == owner), None)
@@ -287,7 +227,7 @@ class _Gatherer:
         g_bytes = 0 if direct else \
             sum(align(cl.size0[c] * cl.size1[c] * es) for c in others) \
             if parts else align(n0 * n1 * es)
-        return _Box(tensor, t0, t1, n0, n1, cs, tuple(rows), owner, n_held == 1,
+        return Box(tensor, t0, t1, n0, n1, cs, tuple(rows), owner, n_held == 1,
                     src_code, out_code, es, int(ITEM[out_code]), quant,
                     not quant and out_code != src_code, direct, parts, g_bytes)
 
@@ -314,7 +254,7 @@ class _Gatherer:
         return (np.bincount(ch.dst, weights=~aligned, minlength=n) == 0) \
             & (np.bincount(ch.dst, weights=m1 < n1, minlength=n) > 0)
 
-    def _place(self, b: _Box) -> _Slot:
+    def _place(self, b: Box) -> Slot:
         """The owner's first round whose two stages both have room for the box."""
         need = b.need
         if align(need) > self.alloc.caps[0]:
@@ -329,9 +269,9 @@ class _Gatherer:
         self.rounds[b.owner] = k
         stages = (self.base + 2 * k, self.base + 2 * k + 1)
         g_off = self.alloc.take(b.owner, stages, need)
-        return _Slot(*stages, g_off, g_off + b.g_bytes, g_off + b.g_bytes + b.f_bytes)
+        return Slot(*stages, g_off, g_off + b.g_bytes, g_off + b.g_bytes + b.f_bytes)
 
-    def _account(self, b: _Box, slot: _Slot, to: list[int]) -> None:
+    def _account(self, b: Box, slot: Slot, to: list[int]) -> None:
         """The fan-out's bytes on the owner's NIC (NVLink loads none), and the bounds."""
         host, rank, home = self.host, self.w_l.rank, self.host[b.owner]
         remote = b.numel * b.es_d * sum(host[rank[i]] != home for i in to)
@@ -341,8 +281,8 @@ class _Gatherer:
             self.owner_only[b.owner] += remote
         self.max_stage = max(self.max_stage, slot.convert)
 
-    def _quant_parts(self, b: _Box, slot: _Slot) -> int:
-        """QUANT box `b` part by part (`_Box.parts`): the owner's parts read in place, the
+    def _quant_parts(self, b: Box, slot: Slot) -> int:
+        """QUANT box `b` part by part (`Box.parts`): the owner's parts read in place, the
         others' from where they land whole in its staging; returns the e4m3 box's offset."""
         src, chunks, at = self.src_l, self.chunks_l, slot.g_off
         stg = self.stg[b.owner]
@@ -359,7 +299,7 @@ class _Gatherer:
             self._convert(b, slot, *read, part=(c0 - b.t0, c1 - b.t1, m0, m1))
         return slot.f_off
 
-    def _gather_part(self, b: _Box, slot: _Slot, c: int, h: int, into: int,
+    def _gather_part(self, b: Box, slot: Slot, c: int, h: int, into: int,
                      stride: int) -> None:
         """Chunk `c` from source piece `h` into the owner's staging at element `into`, in
         rows `stride` apart: a PACK on the owner, or a PACK on its holder then one write,
@@ -394,7 +334,7 @@ class _Gatherer:
             raise ConfigError(f"gather: {self.names[b.tensor]} is stored transposed on "
                               f"source rank {hr}; a gather needs rows")
 
-    def _convert(self, b: _Box, slot: _Slot, region: int, offset: int,
+    def _convert(self, b: Box, slot: Slot, region: int, offset: int,
                  strides: tuple[int, int], part: tuple[int, int, int, int] | None = None
                  ) -> int:
         """QUANT (FP8) or a casting PACK of the box (or of its block-aligned `part`: rows
@@ -411,7 +351,7 @@ class _Gatherer:
                        scales if b.quant else 0))
         return slot.f_off
 
-    def _fan_out(self, b: _Box, slot: _Slot, f_off: int, i: int) -> None:
+    def _fan_out(self, b: Box, slot: Slot, f_off: int, i: int) -> None:
         """The converted box (and its FP8 scales) to the target piece row `i`."""
         w, owner, es_d, n0, n1 = self.w_l, b.owner, b.es_d, b.n0, b.n1
         stg = self.stg[owner]

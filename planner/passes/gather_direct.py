@@ -5,7 +5,7 @@ FP8 needs no gather: its owner is that rank, one QUANT reads the piece in place 
 owner's staging, and the owner writes the e4m3 box and its scales to every target rank
 holding it. `order` puts those boxes first (only one source can own them), so they are
 done here for the whole prefix of such boxes at once: the same rows, in the same order,
-as `_Gatherer.add` box by box. Only the staging rounds are chosen box by box (each owner's
+as `Gatherer.add` box by box. Only the staging rounds are chosen box by box (each owner's
 next-fit, a few integer operations a box); the copies, writes, scales and NIC loads are
 columns. A box this cannot do (staging too small, a transposed target, no scale piece)
 ends the prefix: `add` does it, and raises.
@@ -13,20 +13,16 @@ ends the prefix: `add` does it, and raises.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from planner.passes.lower import ALIGN
+from planner.passes.budget import ALIGN
+from planner.passes.gather_box import GatherState
 from schemas.plan import QUANT
 from schemas.protocol import FP8_BLOCK as BLOCK
 from schemas.protocol import FP8_CODE, scale_blocks
 
-if TYPE_CHECKING:
-    from planner.passes.gather import _Gatherer
 
-
-def add_direct(g: _Gatherer, order: np.ndarray) -> int:
+def add_direct(g: GatherState, order: np.ndarray) -> int:
     """Do the leading boxes of `order` that QUANT reads in place; returns how many."""
     ch, w, s = g.chunks, g.w, g.s
     t = order
@@ -90,9 +86,9 @@ def add_direct(g: _Gatherer, order: np.ndarray) -> int:
     return n
 
 
-def _rounds(g: _Gatherer, owners: list[int], needs: list[int]) -> tuple[np.ndarray,
+def _rounds(g: GatherState, owners: list[int], needs: list[int]) -> tuple[np.ndarray,
                                                                         np.ndarray]:
-    """Each box's byte offset and round in its owner's staging (`_Gatherer._place`: the
+    """Each box's byte offset and round in its owner's staging (`Gatherer._place`: the
     owner's first round from the last it used whose two stages have room)."""
     used, peak, rounds = g.alloc.used, g.alloc.peak0, g.rounds
     cap, base = g.alloc.caps[0], g.base

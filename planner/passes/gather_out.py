@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.passes.lower import ALIGN, Lowered
+from planner.passes.budget import ALIGN
+from planner.passes.lower import Lowered
 from schemas.plan import COPY_COLUMNS
 
 

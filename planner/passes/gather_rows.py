@@ -1,4 +1,4 @@
-"""One gathered box's chunks and fan-out as columns (`gather.py`'s `_Gatherer.add`).
+"""One gathered box's chunks and fan-out as columns (`gather.py`'s `Gatherer.add`).
 
 The same rows, in the same order, as `add`'s row-by-row path (`_choose`, `_gather_part`,
 `_fan_out`), for the boxes they fit: every chunk of the box has one holder (`owner`), no
@@ -10,21 +10,17 @@ where the box does not fit, before changing anything; `add` then takes the row p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from planner.passes.lower import ALIGN
+from planner.passes.budget import ALIGN
+from planner.passes.gather_box import Box, GatherState, Slot, pick_owner
 from schemas.plan import PACK
 from schemas.protocol import FP8_BLOCK as BLOCK
 
-if TYPE_CHECKING:
-    from planner.passes.gather import _Box, _Gatherer, _Slot
 
-
-def owner(g: _Gatherer, t: int) -> tuple[int, list[int], int] | None:
-    """Box `t`'s owner (holds most of it; ties: the least loaded NIC, then the lowest
-    rank), the source piece row of each chunk, and how many ranks hold any of it."""
+def owner(g: GatherState, t: int) -> tuple[int, list[int], int] | None:
+    """Box `t`'s owner (`pick_owner`), the source piece row of each chunk, and how many
+    ranks hold any of it."""
     if g.multi[t]:
         return None
     ch, lo, hi = g.chunks, g.chunk_ptr_l[t], g.chunk_ptr_l[t + 1]
@@ -32,13 +28,10 @@ def owner(g: _Gatherer, t: int) -> tuple[int, list[int], int] | None:
     ranks, at = np.unique(g.src.rank[h], return_inverse=True)
     held = np.zeros(len(ranks), dtype=np.int64)
     np.add.at(held, at.reshape(-1), ch.size0[lo:hi] * ch.size1[lo:hi])
-    best = ranks[held == held.max()]
-    if len(best) > 1:
-        best = best[np.lexsort((best, g.load[g.nic_a[best]]))]
-    return int(best[0]), h.tolist(), len(ranks)
+    return pick_owner(ranks, held, g.load, g.nic_a), h.tolist(), len(ranks)
 
 
-def gather_parts(g: _Gatherer, b: _Box, slot: _Slot) -> bool:
+def gather_parts(g: GatherState, b: Box, slot: Slot) -> bool:
     """`_gather_part` of every chunk of `b` into the owner's staging, as columns."""
     ch, lo, hi = g.chunks, b.chunks.start, b.chunks.stop
     h = np.array(b.rows, dtype=np.int64)
@@ -93,7 +86,7 @@ def gather_parts(g: _Gatherer, b: _Box, slot: _Slot) -> bool:
     return True
 
 
-def fan_out(g: _Gatherer, b: _Box, slot: _Slot, f_off: int, to: list[int]) -> bool:
+def fan_out(g: GatherState, b: Box, slot: Slot, f_off: int, to: list[int]) -> bool:
     """`_fan_out` to every target row `to`, as columns: the values, then the scales."""
     w, i = g.w, np.array(to, dtype=np.int64)
     if ((w.a1[i] != 1) & (b.n1 > 1)).any() or (b.quant and (g.scale_j[i] < 0).any()):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.passes.balance import direct_after_all
-from planner.passes.budget import ALIGN, budgets  # noqa: F401 (ALIGN: re-exported)
+from planner.passes.budget import budgets
 from planner.passes.intersect import Chunks, PieceTable, element_size
 from planner.passes.staging import place_staging, staging_order
 from planner.rows import unique_rows

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from bench.gpu_refit.weights import check_targets, generate
+from harness.weights import DTYPES
 from planner.compiler import compile_layouts
 from planner.fp8 import quantize_layout, with_scales
-from planner.materialize import DTYPES
 from planner.spec import spec_from_hf
-from schemas.plan import write_plan
+from schemas.plan_write import write_plan
 from tests.support.synthetic import FP8_HF, fp8_config, fused_col_split, row_split
 
 pytestmark = pytest.mark.slow  # ~20 s quiet: a compile and a 7-rank FP8 run on the CPU

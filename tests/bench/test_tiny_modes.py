@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.support.procs import ROOT, root_env
+from harness.launch import ROOT, root_env
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
+from harness.launch import master_store, root_env, spawn_ranks
 from tests.support.plans import save, two_by_two
-from tests.support.procs import master_store, root_env, spawn_ranks
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 

@@ -22,3 +22,21 @@ def test_torch_handles_are_read_by_their_type_byte():
         assert raw_handle(bytes([version]) + b"c" + h) == h
     assert raw_handle(bytes([2]) + b"e" + h) is None  # an expandable segment: torch's only
     assert raw_handle(h[:40]) is None
+
+
+def test_an_ipc_handle_travels_as_its_fields_and_a_malformed_one_is_one_line():
+    from executor.transports.ipc_regions import IpcHandle
+
+    h = IpcHandle(1, bytes([3]) + b"c" + os.urandom(64), 1 << 20, 512, b"ref", 7, b"", False,
+                  64, 4096)
+    wire = h.to_wire()
+    assert len(wire) == 10 and wire[3] == 512 and wire[8] == 64
+    assert IpcHandle.from_wire(wire) == h
+    for bad in ([1, 2], wire[:9], [*wire[:7], 1, *wire[8:]], [*wire[:2], "x", *wire[3:]], None):
+        try:
+            IpcHandle.from_wire(bad, "rank 3's region 0")
+        except ValueError as e:
+            assert str(e).startswith("rank 3's region 0: a CUDA IPC handle is 10 fields")
+            assert "\n" not in str(e)
+        else:
+            raise AssertionError(f"accepted {bad!r}")

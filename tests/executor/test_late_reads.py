@@ -19,11 +19,11 @@ import torch
 import executor
 from executor.core import Executor
 from executor.transports.local import Fabric, LocalTransport
+from harness.weights import materialize, random_full_tensors
 from planner.compiler import compile_config
 from planner.layouts import build_layout
-from planner.materialize import materialize, random_full_tensors
 from planner.validate import load
-from schemas.plan import write_plan
+from schemas.plan_write import write_plan
 from schemas.protocol import Overlap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -125,7 +125,7 @@ def test_quant_into_staging_then_write_matches_the_reference(tmp_path):
     out = {"w": torch.zeros(200, 300, dtype=torch.float8_e4m3fn),
            "w_scale_inv": torch.zeros(2, 3)}
     executor.run_all_local(path, {0: {"w": x}, 1: out})
-    fp8mod = pytest.importorskip("planner.fp8")
+    fp8mod = pytest.importorskip("harness.weights")
     want_q, want_s = fp8mod.quantize_block128(x)
     assert torch.equal(out["w_scale_inv"], want_s)
     assert torch.equal(out["w"].view(torch.uint8), want_q.view(torch.uint8))
@@ -172,7 +172,7 @@ def test_later_steps_move_new_weights(tmp_path, step_graph):
 def test_step_graph_quantizes_each_steps_weights(tmp_path):
     """QUANT (FP8 block scales into staging, then writes) inside the whole-step graph: the
     last of three steps' weights, each step's different, bit-exact against the reference."""
-    fp8mod = pytest.importorskip("planner.fp8")
+    fp8mod = pytest.importorskip("harness.weights")
     path = _quant_plan(tmp_path)
     xs = [torch.randn(200, 300).to(torch.bfloat16) * (k + 1) for k in range(3)]
     w = xs[0].cuda()

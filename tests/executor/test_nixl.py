@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from harness.launch import master_store, root_env, spawn_ranks
 from tests.support.plans import save, two_by_two
-from tests.support.procs import master_store, root_env, spawn_ranks
 
 pytest.importorskip("nixl")
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from planner.testing import quantize_block128
+from harness.weights import quantize_block128
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

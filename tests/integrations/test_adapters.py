@@ -18,12 +18,12 @@ import sys
 import pytest
 import yaml
 
+from harness.launch import master_store
 from planner.compiler import compile_config
 from planner.validate import load
-from schemas.plan import write_plan
+from schemas.plan_write import write_plan
 from tests.oracles.launch import free_port
 from tests.support.models import deepseek_v3, qwen3, qwen3_moe
-from tests.support.procs import master_store
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.oracle

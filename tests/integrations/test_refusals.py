@@ -11,15 +11,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from harness.weights import DTYPES
 from integrations import ModelMismatchError, fsdp2, megatron
 from planner.compiler import compile_config
 from planner.layouts import build_layout
-from planner.materialize import DTYPES
 from planner.spec import spec_from_hf
 from planner.validate import validate
-from schemas.config import SourceConfig, config_from_dict
+from schemas.config import SourceConfig
+from schemas.config_load import config_from_dict
 from schemas.identity import IdentityError
-from schemas.plan import write_plan
+from schemas.plan_write import write_plan
 from tests.support.models import qwen3, qwen3_moe
 
 

@@ -29,8 +29,8 @@ oracles.require("vllm")
 pytest.importorskip("nixl")
 
 
+from harness.launch import master_store  # noqa: E402
 from tests.integrations import vllm_cases as vc  # noqa: E402
-from tests.support.procs import master_store  # noqa: E402
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -65,7 +65,7 @@ def compile_case(tmp: Path, name: str, hf: dict, source: dict, ep: bool) -> str:
     from planner.compiler import compile_config
     from planner.spec import load_spec
     from planner.validate import validate
-    from schemas.plan import write_plan
+    from schemas.plan_write import write_plan
 
     folder = tmp / name
     folder.mkdir()

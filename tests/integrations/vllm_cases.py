@@ -47,7 +47,7 @@ DEEPSEEK_FP8 = BASE | MLA | dict(hidden_size=256, vocab_size=300, num_attention_
 
 def full_tensors(hf: dict, seed: int) -> dict[str, torch.Tensor]:
     """The HF checkpoint (bf16) of version `seed`."""
-    from planner.materialize import random_full_tensors
+    from harness.weights import random_full_tensors
     from planner.spec import spec_from_hf
 
     return random_full_tensors(spec_from_hf(hf, mtp=False), seed=seed)
@@ -56,7 +56,7 @@ def full_tensors(hf: dict, seed: int) -> dict[str, torch.Tensor]:
 def checkpoint(hf: dict, seed: int) -> dict[str, torch.Tensor]:
     """What vLLM loads for version `seed`: bf16, or block-FP8 (`weight` e4m3 +
     `weight_scale_inv`) where the config says so."""
-    from planner.fp8 import quantize_full
+    from harness.weights import quantize_full
     from planner.spec import spec_from_hf
 
     full = full_tensors(hf, seed)
@@ -66,7 +66,7 @@ def checkpoint(hf: dict, seed: int) -> dict[str, torch.Tensor]:
 
 
 def plan_config(hf: dict, source: dict, tp: int, ep: bool, folder: str) -> Any:
-    from schemas.config import config_from_dict
+    from schemas.config_load import config_from_dict
 
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf, f)
@@ -78,8 +78,8 @@ def plan_config(hf: dict, source: dict, tp: int, ep: bool, folder: str) -> Any:
 
 def source_tensors(case: dict, rank: int, seed: int) -> dict[str, torch.Tensor]:
     """Trainer rank `rank`'s tensors of version `seed` (the plan's source layout)."""
+    from harness.weights import materialize
     from planner.layouts import build_layout
-    from planner.materialize import materialize
     from planner.spec import spec_from_hf
     from schemas.config import SourceConfig
 

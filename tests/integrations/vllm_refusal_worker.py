@@ -62,9 +62,9 @@ def moe_checks(cfg) -> None:  # noqa: ANN001
         convert_to_unquantized_kernel_format,
     )
 
+    from harness.weights import materialize
     from integrations import vllm_checks as checks
     from planner.layouts import vllm as layout
-    from planner.materialize import materialize
     from planner.spec import spec_from_hf
     from schemas.config import TargetConfig
 

@@ -20,8 +20,8 @@ os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from harness.launch import free_port  # noqa: E402
 from tests.integrations import vllm_cases  # noqa: E402
-from tests.support.procs import free_port  # noqa: E402
 
 
 def run_case(case: dict, rank: int, store, start: int) -> None:  # noqa: ANN001

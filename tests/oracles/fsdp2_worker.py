@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
+from harness.weights import materialize, random_full_tensors  # noqa: E402
 from planner.layouts import fsdp2  # noqa: E402
-from planner.materialize import materialize, random_full_tensors  # noqa: E402
 from planner.spec import spec_from_hf  # noqa: E402
 from schemas.config import SourceConfig  # noqa: E402
 

@@ -8,7 +8,7 @@ import secrets
 import sys
 from typing import Any
 
-from tests.support.procs import free_port, spawn_ranks
+from harness.launch import free_port, spawn_ranks
 
 
 def launch(script: str, world: int, arg: dict[str, Any], timeout: float = 150.0) -> None:

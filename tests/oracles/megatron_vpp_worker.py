@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
+from harness.weights import materialize, random_full_tensors  # noqa: E402
 from planner.layouts import megatron  # noqa: E402
-from planner.materialize import materialize, random_full_tensors  # noqa: E402
 from planner.spec import spec_from_hf  # noqa: E402
 from schemas.config import SourceConfig  # noqa: E402
 from tests.support.megatron import build, hf_logits, patch_cuda  # noqa: E402

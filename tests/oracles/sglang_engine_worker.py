@@ -75,10 +75,10 @@ def bind_keys(arg: dict) -> dict:
 
 
 def trainer(arg: dict) -> None:
+    from harness.weights import materialize, random_full_tensors
     from integrations.sglang import TornUpdateError
     from integrations.sglang_engine import update
     from planner.layouts import build_layout
-    from planner.materialize import materialize, random_full_tensors
     from planner.validate import load
 
     ctl = control(arg, True)
@@ -179,8 +179,8 @@ def engine_rank(arg: dict, rank: int, world: int) -> None:
     from sglang.srt.model_loader.loader import DefaultModelLoader
     from sglang.srt.plugins.hook_registry import HookRegistry
 
+    from harness.weights import random_full_tensors
     from integrations.sglang_engine import ENV, rank_state, register
-    from planner.materialize import random_full_tensors
     from planner.spec import spec_from_hf
 
     if arg["bind"] == "env":

@@ -28,8 +28,8 @@ from tests.oracles import sglang_env  # noqa: E402
 
 
 def trainer(arg: dict) -> None:
+    from harness.weights import materialize, random_full_tensors
     from planner.layouts import build_layout
-    from planner.materialize import materialize, random_full_tensors
     from planner.validate import load
 
     cfg, spec = load(arg["config"])
@@ -95,8 +95,8 @@ def engine_rank(arg: dict, rank: int, world: int) -> None:
     from sglang.srt.model_loader.loader import DefaultModelLoader
     from sglang.srt.runtime_context import get_parallel
 
+    from harness.weights import random_full_tensors
     from integrations.sglang import SGLangTarget
-    from planner.materialize import random_full_tensors
     from planner.spec import spec_from_hf
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(arg["port"]))

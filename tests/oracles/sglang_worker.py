@@ -57,8 +57,8 @@ KEEP: list[object] = []
 
 
 def run_case(case: dict, rank: int) -> list[str]:
+    from harness.weights import materialize, random_full_tensors
     from planner.layouts import sglang as sglang_layout
-    from planner.materialize import materialize, random_full_tensors
     from planner.spec import spec_from_hf
     from schemas.config import TargetConfig
 
@@ -95,7 +95,7 @@ def main() -> None:
     for case in arg["cases"]:
         try:
             errors += run_case(case, rank)
-        except Exception as e:  # report it with the other cases' results
+        except Exception as e:  # noqa: BLE001 - report it with the other cases' results
             errors.append(f"{case['name']} rank {rank}: {type(e).__name__}: {e}")
         print(f"rank {rank}: {case['name']} done", flush=True)
     if errors:

@@ -2,7 +2,7 @@
 
 For a small Qwen3 and a small DeepSeek-V3 (MLA, MoE; every dim a multiple of 128 except
 `kv_a_proj_with_mqa`'s 192 rows, a partial edge block):
-1. random bf16 HF tensors are quantized with our reference `planner.fp8.quantize_full`
+1. random bf16 HF tensors are quantized with our reference `harness.weights.quantize_full`
    into an HF-style block-FP8 checkpoint (`model.safetensors`: `weight` e4m3 and
    `weight_scale_inv` float32 per 128x128 block, as DeepSeek-V3 / Qwen3-FP8 ship), next
    to a `config.json` with `quantization_config: {quant_method: fp8, fmt: e4m3,
@@ -54,8 +54,13 @@ oracles.require("vllm")  # without the 20 s import
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from planner.fp8 import quantize_block128, quantize_full  # noqa: E402
-from planner.materialize import DTYPES, materialize, random_full_tensors  # noqa: E402
+from harness.weights import (  # noqa: E402  # noqa: E402
+    DTYPES,
+    materialize,
+    quantize_block128,
+    quantize_full,
+    random_full_tensors,
+)
 from planner.spec import spec_from_hf  # noqa: E402
 
 FP8_BLOCK = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
@@ -167,8 +172,8 @@ def run_plan(tmp_path: Path, model: str, source: dict, tp: int) -> dict[int, dic
     from planner.spec import load_spec
     from planner.validate import validate
     from planner.verify import verify_plan
-    from schemas.config import config_from_dict
-    from schemas.plan import write_plan
+    from schemas.config_load import config_from_dict
+    from schemas.plan_write import write_plan
 
     (tmp_path / "config.json").write_text(json.dumps(MODELS[model]))
     cfg = config_from_dict({"model": {"config": "config.json"}, "source": source,

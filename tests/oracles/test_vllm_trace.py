@@ -153,13 +153,13 @@ def test_fsdp2_to_traced_vllm_end_to_end_bit_exact(model: str, target_kw: dict, 
     import torch
 
     import executor
+    from harness.weights import materialize, random_full_tensors
     from planner.compiler import compile_config
     from planner.layouts import build_layout
-    from planner.materialize import materialize, random_full_tensors
     from planner.spec import load_spec
     from planner.validate import validate
-    from schemas.config import config_from_dict
-    from schemas.plan import write_plan
+    from schemas.config_load import config_from_dict
+    from schemas.plan_write import write_plan
 
     monkeypatch.setenv("RDMA_PLAN_CACHE", str(tmp_path / "cache"))
     cfg = config_from_dict({"model": {"config": f"{model}/config.json"},

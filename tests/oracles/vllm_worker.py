@@ -72,8 +72,8 @@ def run_case(case: dict, rank: int) -> list[str]:
     from vllm.distributed import destroy_model_parallel, initialize_model_parallel
     from vllm.model_executor.model_loader import get_model
 
+    from harness.weights import materialize, random_full_tensors
     from planner.layouts import vllm as vllm_layout
-    from planner.materialize import materialize, random_full_tensors
     from planner.spec import spec_from_hf
     from schemas.config import TargetConfig
 

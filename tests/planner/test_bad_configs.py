@@ -312,7 +312,7 @@ def test_demo_config_is_valid() -> None:
     ("colocated", 2, 6),
 ])
 def test_needed_hosts(placement: str, src_per_host: int | None, expected: int) -> None:
-    from schemas.config import config_from_dict
+    from schemas.config_load import config_from_dict
 
     cluster = {"placement": placement, "gpus_per_host": 8}
     if src_per_host is not None:

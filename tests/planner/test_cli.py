@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from planner.cli import main
-from schemas.plan import encode_plan, load_plan
+from schemas.plan import load_plan
+from schemas.plan_write import encode_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "plans" / "models" / "tiny-qwen3" / "config.json"

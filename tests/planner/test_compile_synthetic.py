@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.weights import materialize, random_full_tensors
 from planner.compiler import compile_layouts
-from planner.materialize import materialize, random_full_tensors
 from planner.spec import spec_from_hf
 from planner.verify import verify_plan
-from schemas.plan import encode_plan, load_plan, write_plan
+from schemas.plan import load_plan
+from schemas.plan_write import encode_plan, write_plan
 from tests.support.synthetic import SMALL_HF as HF
 from tests.support.synthetic import fused_col_split, row_split
 from tests.support.synthetic import small_config as _config

@@ -13,13 +13,13 @@ import os
 import pytest
 import torch
 
+from harness.weights import materialize, random_full_tensors
 from planner.compiler import compile_config
 from planner.layouts import build_layout
-from planner.materialize import materialize, random_full_tensors
 from planner.validate import validate
 from planner.verify import verify_plan
-from schemas.config import config_from_dict
-from schemas.plan import encode_plan, write_plan
+from schemas.config_load import config_from_dict
+from schemas.plan_write import encode_plan, write_plan
 
 MODELS = os.path.join(os.path.dirname(__file__), "..", "..", "plans", "models")
 DENSE, MOE, MLA = "tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3"

@@ -18,7 +18,7 @@ from planner.compiler import compile_config
 from planner.spec import load_spec
 from planner.validate import validate
 from planner.verify import verify_plan
-from schemas.config import load_config
+from schemas.config_load import load_config
 from tests.support import oracles
 
 ROOT = Path(__file__).resolve().parents[2]

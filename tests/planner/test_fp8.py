@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.weights import materialize, quantize_block128, quantize_full, random_full_tensors
 from planner.compiler import compile_layouts
-from planner.fp8 import quantize_block128, quantize_full, quantize_layout, with_scales
-from planner.materialize import materialize, random_full_tensors
+from planner.fp8 import quantize_layout, with_scales
 from planner.spec import spec_from_hf
-from schemas.plan import write_plan
+from schemas.plan_write import write_plan
 from tests.support.synthetic import FP8_HF as HF
 from tests.support.synthetic import fp8_config as _config
 from tests.support.synthetic import fused_col_split, row_split
@@ -115,7 +115,7 @@ def test_fp8_real_layouts_bit_exact(tmp_path, hf, source, target):
     from planner.spec import load_spec
     from planner.validate import validate
     from planner.verify import verify_plan
-    from schemas.config import config_from_dict
+    from schemas.config_load import config_from_dict
 
     (tmp_path / "config.json").write_text(json.dumps(hf))
     cfg = config_from_dict({"model": {"config": "config.json"}, "source": source,
@@ -151,7 +151,7 @@ def test_fp8_column_parts_are_gathered_whole(tmp_path):
 
     from planner.compiler import compile_config
     from planner.spec import load_spec
-    from schemas.config import config_from_dict
+    from schemas.config_load import config_from_dict
     from schemas.plan import QUANT
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN))

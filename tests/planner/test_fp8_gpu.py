@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.weights import materialize, quantize_full, random_full_tensors
 from planner.compiler import compile_layouts
-from planner.fp8 import quantize_full, quantize_layout, with_scales
-from planner.materialize import materialize, random_full_tensors
+from planner.fp8 import quantize_layout, with_scales
 from planner.spec import spec_from_hf
-from schemas.plan import write_plan
+from schemas.plan_write import write_plan
 from tests.support.synthetic import FP8_HF as HF
 from tests.support.synthetic import fp8_config as _config
 from tests.support.synthetic import fused_col_split, row_split

@@ -3,7 +3,7 @@ a machine without it, and does not pay torch's import time (12-37 s on a loaded 
 
 A fresh process installs a meta-path finder that makes `import torch` fail, then imports
 the compiler and runs every plan command on plans/demo.yaml. The check can fail: the same
-process with `planner.testing` (the torch-based test references) imported must refuse.
+process with `harness.weights` (the torch-based test references) imported must refuse.
 """
 
 from __future__ import annotations
@@ -84,5 +84,5 @@ print("ok without torch")
 
 
 def test_the_blocker_does_block(tmp_path: Path) -> None:
-    run = _run("import planner.testing\n", tmp_path)
+    run = _run("import harness.weights\n", tmp_path)
     assert run.returncode != 0 and "torch is blocked in this test" in run.stderr

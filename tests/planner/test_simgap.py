@@ -12,11 +12,11 @@ import pytest
 import yaml
 
 from planner.compiler import compile_config
-from planner.simflow import summary_text
+from planner.simgap import summary_text
 from planner.simulate import simulate
 from planner.spec import load_spec
 from planner.validate import validate
-from schemas.config import config_from_dict
+from schemas.config_load import config_from_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ROOT / "plans" / "llama-3.1-8b_megatron-tp4pp2dp2_vllm-tp2x4.yaml"

@@ -167,16 +167,14 @@ def test_batches_in_flight_overlap_targets():
     assert res["floor_s"] == pytest.approx(0.04)
 
 
-def test_in_order_reaping_holds_the_window_behind_a_slow_head():
+def test_a_landed_batch_frees_its_place_behind_a_slow_head():
     # X sends A (1 GB -> T1), B (0.1 GB -> T2), C (1 GB -> T3) with 2 in flight; D also
-    # sends 1 GB -> T1, so A crawls at 25 GB/s. B lands at 4 ms. In order (the executor's
-    # deque until 2026-11-22), C waits for A: A ends at 40 ms, C at 40 + 20 = 60 ms. Any
-    # order (the executor's window now, the default): C starts at 4 ms beside A (25 GB/s
-    # each), has 0.1 GB left when A ends at 40 ms: 42 ms = the floor (X's egress carries
-    # 2.1 GB).
+    # sends 1 GB -> T1, so A crawls at 25 GB/s. B lands at 4 ms and frees its place (were
+    # the oldest batch reaped first, C would wait for A: 60 ms): C starts at 4 ms beside A
+    # (25 GB/s each), has 0.1 GB left when A ends at 40 ms: 42 ms = the floor (X's egress
+    # carries 2.1 GB).
     plan = plan_of([src(0, 0, (0, 0, 2, GB, 1), (0, 0, 3, GB // 10, 1), (0, 0, 4, GB, 1)),
                   src(1, 0, (0, 0, 2, GB, 1)), tgt(2, 0), tgt(3, 0), tgt(4, 0)])
-    assert simulate(plan, inflight=2, in_order=True)["estimated_s"] == pytest.approx(0.06)
     res = simulate(plan, inflight=2)
     assert res["estimated_s"] == pytest.approx(0.042)
     assert res["floor_s"] == pytest.approx(0.042)

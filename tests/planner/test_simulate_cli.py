@@ -12,7 +12,7 @@ from planner.cli import main
 from planner.compiler import compile_layouts
 from planner.spec import spec_from_hf
 from schemas.config import ClusterConfig, Config, ModelConfig, Options, SourceConfig, TargetConfig
-from schemas.plan import write_plan
+from schemas.plan_write import write_plan
 from tests.support.synthetic import fused_col_split, row_split
 
 HF = dict(model_type="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,

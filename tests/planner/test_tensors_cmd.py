@@ -13,8 +13,9 @@ from planner.compiler import compile_config
 from planner.layouts import build_layout
 from planner.spec import spec_from_hf
 from planner.validate import validate
-from schemas.config import config_from_dict
-from schemas.plan import PlanFormatError, encode_plan, load_plan, write_plan
+from schemas.config_load import config_from_dict
+from schemas.plan import PlanFormatError, load_plan
+from schemas.plan_write import encode_plan, write_plan
 from schemas.tensors import rank_tensors
 from tests.support.models import deepseek_v3
 

@@ -17,8 +17,8 @@ from schemas.config import (
     ModelConfig,
     SourceConfig,
     TargetConfig,
-    config_from_dict,
 )
+from schemas.config_load import config_from_dict
 
 MODELS = Path(__file__).resolve().parents[2] / "plans" / "models"
 

@@ -26,8 +26,8 @@ from typing import Any
 from planner.compiler import compile_layouts
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
 from planner.spec import spec_from_hf
-from schemas.config import config_from_dict
-from schemas.plan import write_plan
+from schemas.config_load import config_from_dict
+from schemas.plan_write import write_plan
 from tests.property.strategies import Case, full_spec
 
 _SECTIONS = ("model", "source", "target", "cluster", "options")

@@ -65,7 +65,7 @@ def base_plans(folder: str) -> dict[str, str]:
         SourceConfig,
         TargetConfig,
     )
-    from schemas.plan import write_plan
+    from schemas.plan_write import write_plan
     from tests.support.synthetic import fused_col_split, row_split
 
     spec = spec_from_hf(HF)
@@ -256,7 +256,7 @@ def _raw_mutation(rng: random.Random, data: bytes) -> tuple[str, bytes]:
 
 def mutant(rng: random.Random, data: bytes, plan: Any) -> tuple[str, str, bytes]:
     """(kind, what, bytes) of one mutant of the plan file `data` (decoded: `plan`)."""
-    from schemas.plan import encode_plan
+    from schemas.plan_write import encode_plan
 
     kind = rng.choices(["raw", "op", "msgpack"], weights=[2, 5, 3])[0]
     if kind == "raw":

@@ -21,10 +21,11 @@ import torch
 from hypothesis import assume
 
 import executor
+from harness.weights import DTYPES, materialize
 from planner.compiler import compile_layouts
-from planner.materialize import DTYPES, materialize
 from schemas.config import ConfigError
-from schemas.plan import ITEMSIZE, STAGING, UNPACK, Plan, write_plan
+from schemas.plan import ITEMSIZE, STAGING, UNPACK, Plan
+from schemas.plan_write import write_plan
 from tests.property.strategies import Case
 
 SENTINEL = -1.0

@@ -17,7 +17,8 @@ from collections.abc import Callable
 import numpy as np
 from hypothesis import strategies as st
 
-from schemas.plan import Plan, RankPlan, Region, Table, encode_plan
+from schemas.plan import Plan, RankPlan, Region, Table
+from schemas.plan_write import encode_plan
 
 TABLES = ("writes", "batches", "copies", "signals", "waits")
 Mutation = tuple[str, Callable[[bytes, Plan], bytes]]

@@ -89,7 +89,7 @@ def _serve_one(plan_path: str, case_path: str) -> dict[str, Any]:
 
     with open(case_path, encoding="utf-8") as f:
         case = case_from_json(f.read())
-    from planner.materialize import materialize
+    from harness.weights import materialize
 
     plain = materialize(case.src, harness.labels(case))
     plain.update(harness.filled(case, harness.SENTINEL))
@@ -103,7 +103,7 @@ def _serve_one(plan_path: str, case_path: str) -> dict[str, Any]:
     answer: dict[str, Any] = {"outcome": "ok"}
     try:
         executor.run_all_local(plan_path, tensors)
-    except BaseException as e:  # noqa: B036 - the parent classifies every outcome
+    except BaseException as e:  # noqa: B036, BLE001 - the parent classifies every outcome
         tb = traceback.extract_tb(e.__traceback__)
         answer = {"outcome": "error", "types": [c.__name__ for c in type(e).__mro__],
                   "message": str(e)[:500],

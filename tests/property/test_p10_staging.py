@@ -22,7 +22,7 @@ from tests.property import harness
 from tests.property.strategies import Case, cases
 
 ALIGN = 64
-"""Staging offsets the compiler aligns (`planner.passes.lower.ALIGN`)."""
+"""Staging offsets the compiler aligns (`planner.passes.budget.ALIGN`)."""
 
 
 def _box(rp: RankPlan, i: int, side: str) -> list[tuple[int, int]]:

@@ -17,7 +17,8 @@ import pytest
 from hypothesis import given, settings
 
 from planner.compiler import compile_layouts
-from schemas.plan import encode_plan, load_plan, write_plan
+from schemas.plan import load_plan
+from schemas.plan_write import encode_plan, write_plan
 from tests.property import harness
 from tests.property.case_io import CheckoutChanged, case_from_json, case_json, compile_elsewhere
 from tests.property.strategies import Case, cases

@@ -6,7 +6,7 @@ The logical tensors are random float32 values with low bits set (`bf16` cannot h
 a missed or doubled rounding shows). A source holds them rounded to its dtype; the
 expected target is `materialize` of those source values (so a bf16 source feeding an fp32
 target expects the bf16 values), with padding left at `SENTINEL`. Block-FP8 targets
-expect `planner.fp8.quantize_full` of the source values (e4m3 weights and their scales).
+expect `harness.weights.quantize_full` of the source values (e4m3 weights and their scales).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from planner.fp8 import quantize_full
-from planner.materialize import DTYPES
+from harness.weights import DTYPES, quantize_full
 from tests.property import harness
 from tests.property.strategies import Case, cases
 

@@ -19,7 +19,8 @@ import tempfile
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from schemas.plan import encode_plan, load_plan, write_plan
+from schemas.plan import load_plan
+from schemas.plan_write import encode_plan, write_plan
 from tests.property import harness
 from tests.property.case_io import case_json
 from tests.property.mutate import raw_mutation, semantic_mutation

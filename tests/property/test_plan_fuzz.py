@@ -176,7 +176,8 @@ def test_the_fuzz_sees_a_write_outside_its_region(monkeypatch, tmp_path) -> None
     import numpy as np
 
     import executor.check
-    from schemas.plan import Table, write_plan
+    from schemas.plan import Table
+    from schemas.plan_write import write_plan
 
     bases = fuzz.base_plans(str(tmp_path))
     plan = load_plan(bases["cast"])

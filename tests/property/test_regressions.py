@@ -22,7 +22,7 @@ from tests.support.synthetic import tiny_config as config
 def _mutated_plan(tmp_path, change) -> tuple[str, str]:
     import dataclasses
 
-    from schemas.plan import encode_plan
+    from schemas.plan_write import encode_plan
     from tests.property.case_io import case_json
     from tests.property.strategies import Case
 

@@ -65,8 +65,8 @@ def main() -> int:
     import torch.distributed as dist
 
     import executor
+    from harness.weights import materialize, random_full_tensors
     from planner.layouts import build_layout
-    from planner.materialize import materialize, random_full_tensors
     from planner.validate import load
 
     store = dist.TCPStore("127.0.0.1", a.port, is_master=False, wait_for_workers=False,
@@ -134,8 +134,9 @@ def main() -> int:
             res.update(ok=False, error=type(e).__name__, peer=getattr(e, "peer", None),
                        msg=str(e))
         res.update(complete=plan.complete, seconds=time.monotonic() - t0, rss=rss_bytes(),
-                   fds=open_fds(), registers=plan.register_calls, reimports=plan.reimports,
-                   reprepared=plan.reprepared, leaked=plan.transport.stats().get("leaked", 0),
+                   fds=open_fds(), registers=plan.register_calls,
+                   reimports=plan.recovery.reimports, reprepared=plan.recovery.reprepared,
+                   leaked=plan.transport.stats().get("leaked", 0),
                    exec_step=plan.step, refused=plan.inbox.refused,
                    last_refused=plan.inbox.last_refused, refused_records=plan.control.refused,
                    republished=plan.control.republished)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from tests.support.procs import master_store
+from harness.launch import master_store
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -134,7 +134,7 @@ def test_restarted_target_is_reimported_and_stale_signals_never_count():
     t_old.ready(0)
     out, errs = _both(s, t_new)
     assert not errs, errs
-    assert s.reimports == 1 and s.register_calls == 1 and t_new.complete
+    assert s.recovery.reimports == 1 and s.register_calls == 1 and t_new.complete
     assert out[0].step == out[1].step == 3
     assert torch.equal(new_x, src_t["x"]) and torch.equal(t_old.regions[0], old_x)
     src_t["x"].add_(1)

@@ -9,7 +9,8 @@ from planner.compiler import compile_config
 from planner.layouts import fsdp2, megatron, sglang, vllm
 from planner.spec import spec_from_hf
 from planner.validate import validate
-from schemas.config import SourceConfig, TargetConfig, config_from_dict
+from schemas.config import SourceConfig, TargetConfig
+from schemas.config_load import config_from_dict
 from schemas.identity import (
     IdentityError,
     check_against_plan,
@@ -18,7 +19,8 @@ from schemas.identity import (
     describe,
     find_rank,
 )
-from schemas.plan import read_header, write_plan
+from schemas.plan import read_header
+from schemas.plan_write import write_plan
 from tests.support.models import qwen3
 
 MEGA = {"framework": "megatron", "tp": 0, "pp": 0, "vpp": 1, "dp": 0, "ep": 0, "etp": 0,

@@ -9,8 +9,8 @@ import numpy as np
 
 from planner.compiler import compile_config
 from planner.validate import load
-from schemas.plan import _pack, encode_plan, write_plan
-from schemas.plan_write import _parts
+from schemas.plan import _pack
+from schemas.plan_write import _parts, encode_plan, write_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -24,16 +24,8 @@ from executor.quant import prepare_quants
 from executor.transports.local import Fabric
 from planner.simulate import _Sim
 from schemas.bounds import violations
-from schemas.plan import (
-    COPY_COLUMNS,
-    QUANT,
-    UNPACK,
-    PlanFormatError,
-    Table,
-    load_plan,
-    load_rank,
-    write_plan,
-)
+from schemas.plan import COPY_COLUMNS, QUANT, UNPACK, PlanFormatError, Table, load_plan, load_rank
+from schemas.plan_write import write_plan
 from schemas.protocol import FP8_BLOCK, carries, copy_footprint, scale_blocks
 from tests.property import fuzz
 from tests.support.plans import rank_plan

@@ -32,8 +32,8 @@ from schemas.plan import (
     RankPlan,
     Region,
     Table,
-    write_plan,
 )
+from schemas.plan_write import write_plan
 
 BF16, F32 = DTYPE_CODES.index("bfloat16"), DTYPE_CODES.index("float32")
 _SIZE = {"uint8": 1, "bfloat16": 2, "float16": 2, "float32": 4}

@@ -168,6 +168,7 @@ def lean_stub(monkeypatch: pytest.MonkeyPatch, lean_fails: bool, whole_fails: bo
     """A tracer whose `install` says it imported lean (noted in its environment, which a
     tracer forked after it does not share) and whose trace fails lean or whole as told."""
     monkeypatch.delenv("LEAN_TEST", raising=False)
+    monkeypatch.setenv("RDMA_PLAN_TRACE_LEAN", "1")  # opt-in
     monkeypatch.setattr(vllm_lean, "install", lambda: os.environ.setdefault("LEAN_TEST", "1"))
 
     def trace(spec: object, hf: object, c: TargetConfig) -> list:
@@ -280,7 +281,7 @@ def test_a_compile_keeps_the_guessed_plan_only_if_the_trace_confirms_it(
         same: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from planner.compiler import compile_config, compile_layouts
     from planner.validate import load
-    from schemas.plan import encode_plan
+    from schemas.plan_write import encode_plan
 
     monkeypatch.setenv("RDMA_PLAN_CACHE", str(tmp_path))
     conf = tmp_path / "c.yaml"

@@ -1,7 +1,7 @@
 """Processes on this machine: a free TCP port, and ranks started and awaited together.
 
-Used by the tests that run ranks as separate processes, by the benchmarks and by
-`scripts/demo.py`: one way to start a world of ranks, one way to time it out.
+The one way to start a world of ranks and time it out: used by `scripts/demo.py`, the
+benchmarks and the tests that run ranks as separate processes.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-"""The repository root (on `PYTHONPATH` of every spawned rank)."""
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The directory that holds the packages (the repository root in a checkout; on `PYTHONPATH`
+of every spawned rank)."""
 
 
 def master_store(timeout_s: float = 30.0) -> tuple[Any, int]:

@@ -1,11 +1,12 @@
-"""Test references that need torch: physical tensors built from logical ones, and FP8.
+"""Synthetic weights (need torch): physical tensors built from logical ones, and FP8.
 
-Tests, the demo and the benchmarks use these as the expected values: `materialize` builds
+The demo, the benchmarks and the tests use these as the weights they move and as the
+expected values: `materialize` builds
 the source tensors a trainer would hold and the target tensors an engine must end up with
 (padding, elements no piece covers, is zero); `random_full_tensors` draws logical tensors;
 `quantize_block128` / `quantize_full` give the FP8 form of logical tensors with the
 executor's quantizer (`executor.quant.quantize_into`, vLLM's formula: one home, the code
-that runs on the sources). The compiler never imports this module (it is torch-free).
+that runs on the sources). The compiler never imports this package (it is torch-free).
 """
 
 from __future__ import annotations
