@@ -16,8 +16,7 @@ import signal
 import time
 
 import pytest
-
-from harness import ROOT, World, check_recovery
+from fault_world import ROOT, World, check_recovery
 
 pytest.importorskip("nixl")
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from harness import ROOT, World
+from fault_world import ROOT, World
 
 pytest.importorskip("nixl")
 
