@@ -44,10 +44,9 @@ from planner.verify_rank import (
     rank_sizes,
     rank_staging_fit,
 )
-from schemas.header import PlanHeader
+from schemas.header import MAX_STAGES, PlanHeader
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, UNPACK, Plan, RankPlan
 from schemas.protocol import (
-    MAX_STAGES,
     SLOTS,
     copy_extents,
     overlaps,
