@@ -93,6 +93,15 @@ def _int(x: Any) -> int:
     return x
 
 
+def _part_identity(raw: Any) -> dict[str, Any] | None:
+    """A part's recorded identity, as a plain map (checked where it is compared)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError(f"identity {str(raw)[:40]!r} is not a map")
+    return dict(raw)
+
+
 @dataclass(frozen=True, slots=True)
 class Region:
     name: str
@@ -134,9 +143,14 @@ class RankPlan:
     peer it writes into (only those: a rank need not know the rest of a peer)."""
     stages: int
     """Number of stages (every rank walks all of them)."""
+    identity: dict[str, Any] | None = None
+    """The rank's identity (`schemas/identity.py`) inside its own part, covered by the part's
+    digest: a part moved to another rank's slot is refused (`identity.check_part`). None in
+    plans written before it was recorded (and plans without identities)."""
 
     def encode(self) -> dict[str, Any]:
-        return {
+        extra = {} if self.identity is None else {"identity": dict(self.identity)}
+        return {**extra,
             "rank": self.rank, "role": self.role, "host": self.host, "gpu": self.gpu,
             "nics": list(self.nics),
             "regions": [[r.name, r.dtype, list(r.shape), r.nbytes] for r in self.regions],
@@ -165,6 +179,7 @@ class RankPlan:
                 peer_regions=tuple((_int(p), tuple((_int(r), _int(n)) for r, n in s))
                                    for p, s in raw["peer_regions"]),
                 stages=_int(raw["stages"]),
+                identity=_part_identity(raw.get("identity")),
             )
         except PlanFormatError:
             raise

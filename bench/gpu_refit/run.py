@@ -98,7 +98,7 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
             kind, options, inflight = transport_variant(tr)
             ex = executor.load(plan_path, rank=rank, tensors=tensors, transport=kind,
                                rendezvous=store, timeout_s=args.exec_timeout,
-                               max_inflight=inflight,
+                               max_inflight=inflight, no_identity=True,
                                **({"transport_options": options} if options else {}))
         except Exception as e:
             traceback.print_exc()

@@ -95,7 +95,8 @@ def trainer(arg: dict) -> None:
     bind = threading.Thread(target=lambda: answers.append(call(*first)))
     bind.start()
     plan = executor.load(arg["plan"], 0, tensors, transport="nixl",
-                         rendezvous=f"127.0.0.1:{arg['store']}", timeout_s=900)
+                         rendezvous=f"127.0.0.1:{arg['store']}", timeout_s=900,
+                         no_identity=True)  # the test's one source rank
     bind.join()
     if arg["bind"] == "rpc":
         assert answers[0]["success"], answers

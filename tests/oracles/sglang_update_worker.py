@@ -37,7 +37,8 @@ def trainer(arg: dict) -> None:
     tensors = {n: t.clone() for n, t in
                materialize(lay, random_full_tensors(spec, seed=100), ranks=[0])[0].items()}
     plan = executor.load(arg["plan"], 0, tensors, transport="nixl",  # engines build slowly
-                         rendezvous=f"127.0.0.1:{arg['store']}", timeout_s=900)
+                         rendezvous=f"127.0.0.1:{arg['store']}", timeout_s=900,
+                         no_identity=True)  # the test's one source rank
     plan.timeout_s = 120.0
     engines = [f"{r}" for r in range(1, arg["world"])]
     for step in range(1, arg["steps"] + 1):
