@@ -191,7 +191,8 @@ def test_sglang_target_refuses_swapped_parts_and_unsigned(tmp_path, monkeypatch)
 ])
 def test_adapter_swaps_are_refused(tmp_path, role, source):
     """Real Megatron-Core (TP2 over gloo, CPU) and FSDP2 (`fully_shard`, dp 2) processes:
-    each binds through its adapter, then tries the other rank's plan rank (with and without
+    each binds through its adapter (Megatron started with ETP=1 for a dense model, which the
+    plan records as etp = tp rank), then tries the other rank's plan rank (with and without
     its identity) and its own rank of a file whose two source parts were swapped: every load
     is refused, naming both identities, and the job's store holds no lease or rank record."""
     pytest.importorskip("nixl")
@@ -207,7 +208,8 @@ def test_adapter_swaps_are_refused(tmp_path, role, source):
     store, port = master_store(60)
     base = {"plan": plan, "swapped": swapped, "config": config, "hf": hf, "swap": True,
             "swap_to": [1, 0], "store": f"127.0.0.1:{port}", "gloo_port": free_port(),
-            "steps": 0, "sources": 2, "role": role, "float16_module": True}
+            "steps": 0, "sources": 2, "role": role, "float16_module": True,
+            "etp": 1}  # Megatron started with ETP=1 for the dense model (issue 34's papercut)
     env = {**os.environ, "RDMA_PLAN_SECRET": secrets.token_hex(32), "PYTHONPATH": ROOT,
            "NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"),

@@ -99,7 +99,7 @@ def megatron_source(arg: dict) -> None:
         patch_mla()
     ps.initialize_model_parallel(src.tp, src.pp, virtual_pipeline_model_parallel_size=(
         src.vpp if src.vpp > 1 else None), expert_model_parallel_size=src.ep,
-        expert_tensor_parallel_size=src.expert_tp)
+        expert_tensor_parallel_size=arg.get("etp", src.expert_tp))  # etp 1: dense too
     with contextlib.suppress(Exception):
         model_parallel_cuda_manual_seed(0)
     p, rank = ps.get_pipeline_model_parallel_rank(), dist.get_rank()
