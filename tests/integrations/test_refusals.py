@@ -145,3 +145,20 @@ def test_megatron_dense_model_with_etp1_binds(tmp_path):
     path = _plan(tmp_path, moe, hf=qwen3_moe)
     with pytest.raises(IdentityError, match="no source rank has the identity"):
         megatron.bind(path, chunks(moe, 1, hf=qwen3_moe), state(tp=1, etp=0))
+
+
+def test_megatron_mixed_precision_dtype_hint(tmp_path):
+    # issue 34: fp32 norms beside bf16 linears (mixed precision without Float16Module) were
+    # told "compile with source.dtype: float32, or pass the bfloat16 tensors" for each norm,
+    # and recompiling for float32 then refuses every linear. One dtype must be bound.
+    path = _plan(tmp_path, {"framework": "megatron"})
+    model = chunks({"framework": "megatron"}, 0)
+    for name, p in model[0].named_parameters():
+        if "norm" in name:
+            p.data = p.data.float()
+    with pytest.raises(ModelMismatchError) as e:
+        megatron.bind(path, model, state())
+    msg = str(e.value)
+    assert "the model mixes dtypes (" in msg and "float32" in msg and "bfloat16" in msg
+    assert "compile with source.dtype: float32" not in msg
+    assert "Float16Module" in msg and "\n" not in msg
