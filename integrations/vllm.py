@@ -49,6 +49,7 @@ import executor
 from executor import trust
 from executor.errors import PeerMismatchError, PeerTimeoutError
 from integrations import vllm_checks as checks
+from integrations import vllm_content as content
 from schemas.header import PlanHeader
 from schemas.identity import find_rank
 from schemas.integrity import plan_key as read_key
@@ -96,7 +97,7 @@ def pointers(model: torch.nn.Module) -> dict[str, int]:
     out = {n: t.data_ptr() for n, t in live_tensors(model).items()}
     for prefix, m in checks.mla_modules(model).items():
         out |= {f"{prefix}.{a}": getattr(m, a).data_ptr() for a in ("W_UK_T", "W_UV")}
-    return out
+    return out | content.host_pointers(model)  # host copies of scales: new storage is stale
 
 
 class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPlanUpdateInfo]):
@@ -195,14 +196,23 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         version = weight_version if weight_version is not None else self.pending_version
         if self.failure is not None or not self.received:
             raise self._torn(version)
+        mla = checks.mla_modules(self.model)
         with torch.no_grad():
+            before = content.mla_inputs(mla, [name for name, _ in self.refresh])
             for _, refresh in self.refresh:
                 refresh()
+            content.refresh_host_scales(self.model)
         self.refreshes += len(self.refresh)
         moved = [n for n, p in pointers(self.model).items() if self.ptrs.get(n) != p]
         if moved:
             raise RuntimeError(f"rdma_plan: {len(moved)} tensor(s) moved during the update "
                                f"(first {moved[0]}); CUDA graphs captured on them are stale")
+        with torch.no_grad():
+            wrong = content.check(self.model, mla, before, self.model_config.dtype)
+        if wrong:
+            raise TornUpdateError(f"rdma_plan: update {version!r} not committed: {len(wrong)} "
+                                  f"tensor(s) the engine reads disagree with the written "
+                                  f"weights; first: {wrong[0]}")
         self.weight_version, self.received = version, False
 
     def shutdown(self) -> None:
