@@ -150,7 +150,7 @@ class RankPlan:
 
     def encode(self) -> dict[str, Any]:
         extra = {} if self.identity is None else {"identity": dict(self.identity)}
-        return {**extra,
+        return {
             "rank": self.rank, "role": self.role, "host": self.host, "gpu": self.gpu,
             "nics": list(self.nics),
             "regions": [[r.name, r.dtype, list(r.shape), r.nbytes] for r in self.regions],
@@ -158,7 +158,7 @@ class RankPlan:
             "copies": self.copies.views(), "signals": self.signals.views(),
             "waits": self.waits.views(),
             "peer_regions": [[p, [list(rs) for rs in s]] for p, s in self.peer_regions],
-            "stages": self.stages,
+            "stages": self.stages, **extra,
         }
 
     @staticmethod
