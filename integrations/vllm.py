@@ -19,9 +19,14 @@ each worker after `load_model`, i.e. after the first post-load processing):
 
 Trainer side (`RdmaPlanTrainerEngine`, via `WeightTransferTrainerFactory.trainer_init` on every
 trainer rank): binds this rank's tensors from a `WeightSource` (its `iter_local()`, else
-`iter_full()`), and `send_weights()` drives start/update/finish through the
+`iter_full()`) under the plan rank of its `identity` (a swapped rank or a part of the file
+compiled for another rank is refused before the workers are asked to load; no identity is
+refused unless `no_identity=True`), and `send_weights()` drives start/update/finish through the
 `VLLMWeightSyncClient` on the sender (trainer rank 0) while every trainer rank runs the plan's
 source side. A source that yields new tensors each round is copied into the bound ones.
+
+Both sides take `plan_key` (the path of the plan's signing key); with a job secret set
+(`RDMA_PLAN_SECRET`) a load without it is refused unless `allow_unsigned=True` (logged).
 
 `register()` adds both under `rdma_plan` (idempotent); vLLM calls it in every process through
 the `vllm.general_plugins` entry point once rdma-plan is installed.
