@@ -25,10 +25,8 @@ refused unless `no_identity=True`), and `send_weights()` drives start/update/fin
 `VLLMWeightSyncClient` on the sender (trainer rank 0) while every trainer rank runs the plan's
 source side. A source that yields new tensors each round is copied into the bound ones.
 
-Both sides take `plan_key` (the path of the plan's signing key); with a job secret set
-(`RDMA_PLAN_SECRET`) a load without it is refused unless `allow_unsigned=True` (logged).
-
-`register()` adds both under `rdma_plan` (idempotent); vLLM calls it in every process through
+Both sides take `plan_key`; under a job secret a load without it is refused unless
+`allow_unsigned=True` (logged). `register()` adds both under `rdma_plan` (idempotent); vLLM calls it in every process through
 the `vllm.general_plugins` entry point once rdma-plan is installed.
 """
 
