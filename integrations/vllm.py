@@ -26,8 +26,8 @@ refused unless `no_identity=True`), and `send_weights()` drives start/update/fin
 source side. A source that yields new tensors each round is copied into the bound ones.
 
 Both sides take `plan_key`; under a job secret a load without it is refused unless
-`allow_unsigned=True` (logged). `register()` adds both under `rdma_plan` (idempotent); vLLM calls it in every process through
-the `vllm.general_plugins` entry point once rdma-plan is installed.
+`allow_unsigned=True` (logged). `register()` adds both under `rdma_plan` (idempotent);
+vLLM calls it in every process (`vllm.general_plugins` entry point).
 """
 
 from __future__ import annotations
