@@ -115,7 +115,7 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         self.plan_rank = -1
         self.identity: dict[str, int | str] = {}
         self.refresh: list[tuple[str, Callable[[], None]]] = []
-        self.ptrs: dict[str, int] = {}
+        self.ptrs, self.host = {}, []  # data_ptrs, host scale copies kept at init
         self.weight_version: str | None = None
         """The last committed version (None before the first complete update)."""
         self.pending_version: str | None = None
@@ -141,7 +141,7 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
                                   rendezvous=init_info.rendezvous,
                                   timeout_s=init_info.timeout_s, plan_key=init_info.plan_key,
                                   identity=checks.plan_identity(header, self.identity))
-        self.ptrs = pointers(self.model)
+        self.ptrs, self.host = pointers(self.model), content.keep_host_scales(self.model)
 
     def _plan_rank(self, path: str, plan_key: str | None = None) -> tuple[PlanHeader, Any]:
         """Read the header, derive and check this worker's plan rank; its part of the plan."""
@@ -204,10 +204,10 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
             before = content.mla_inputs(mla, [name for name, _ in self.refresh])
             for _, refresh in self.refresh:
                 refresh()
+            content.restore_host_scales(self.host)
             content.refresh_host_scales(self.model)
         self.refreshes += len(self.refresh)
-        moved = [n for n, p in pointers(self.model).items() if self.ptrs.get(n) != p]
-        if moved:
+        if moved := [n for n, p in pointers(self.model).items() if self.ptrs.get(n) != p]:
             raise RuntimeError(f"rdma_plan: {len(moved)} tensor(s) moved during the update "
                                f"(first {moved[0]}); CUDA graphs captured on them are stale")
         with torch.no_grad():

@@ -13,8 +13,9 @@ host-side copy that kept stale values or got new storage. So, at every finish:
   `_v_scale_float`) hold the values of the device scales (`_k_scale`, `_v_scale`) the plan
   writes or vLLM loaded; `refresh_host_scales` brings them up to date in place first.
 
-`integrations/vllm.py`'s `pointers` also lists the host copies, so one that got new
-storage (vLLM's `.to("cpu")` path) is refused like a moved weight.
+`integrations/vllm.py`'s `pointers` also lists the host copies: the ones a refresh replaced
+(MLA's post-load processing makes new ones) are copied back into the storage kept at init
+(`restore_host_scales`); one that moved otherwise is refused like a moved weight.
 """
 
 from __future__ import annotations
@@ -53,6 +54,25 @@ def host_scale_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 def host_pointers(model: torch.nn.Module) -> dict[str, int]:
     return {f"{n}.{cpu}": getattr(m, cpu).data_ptr() for n, m in host_scale_layers(model).items()
             for _, cpu, _ in HOST_SCALES if isinstance(getattr(m, cpu, None), torch.Tensor)}
+
+
+def keep_host_scales(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Any]]:
+    """The host scale copies as they are now (at init: the storage kernels were set up with)."""
+    return [(m, cpu, getattr(m, cpu)) for m in host_scale_layers(model).values()
+            for _, cpu, _ in HOST_SCALES if isinstance(getattr(m, cpu, None), torch.Tensor)]
+
+
+def restore_host_scales(kept: list[tuple[torch.nn.Module, str, Any]]) -> int:
+    """vLLM's MLA post-load processing makes new host copies (`.to("cpu")`): copy their
+    values into the kept storage and put it back, so nothing moved. Returns how many."""
+    n = 0
+    for m, attr, orig in kept:
+        cur = getattr(m, attr)
+        if cur is not orig:
+            orig.copy_(cur.detach().reshape(orig.shape).to(orig.dtype))
+            setattr(m, attr, orig)
+            n += 1
+    return n
 
 
 def refresh_host_scales(model: torch.nn.Module) -> int:

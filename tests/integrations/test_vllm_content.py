@@ -46,6 +46,14 @@ def test_host_scale_copies_are_checked_and_refreshed_in_place():
     assert content.check(model, {}, {}, torch.bfloat16) == []
     assert model.attn._k_scale_cpu.data_ptr() == ptr and model.attn._k_scale_float == 0.5
     assert set(content.host_pointers(model)) == {"attn._k_scale_cpu", "attn._v_scale_cpu"}
+    # vLLM's post-load processing makes a new host copy (kv_cache.py: `.to("cpu")`): its
+    # value goes back into the storage kept at init, which is put back
+    kept = content.keep_host_scales(model)
+    with torch.no_grad():
+        model.attn._k_scale.fill_(0.25)
+    model.attn._k_scale_cpu = model.attn._k_scale.detach().to("cpu", copy=True)
+    assert content.restore_host_scales(kept) == 1
+    assert model.attn._k_scale_cpu.data_ptr() == ptr and model.attn._k_scale_cpu.item() == 0.25
 
 
 def test_mla_derived_tensors_are_recomputed_from_the_written_kv_b_proj():
