@@ -20,9 +20,11 @@ from .errors import (
                      PeerTimeoutError,
                      PlanBoundsError,
 )
+from .rendezvous import connect_store
 from .world import PlanDeadlockError, run_all_local
 
 __all__ = ["BindError", "Executor", "ForgedRecordError", "IdentityError", "LeaseHeldError",
            "LeaseLostError", "NoSecretError", "PeerAbortError", "PeerLostError",
            "PeerMismatchError", "PeerTimeoutError", "PlanBoundsError", "PlanDeadlockError",
+           "connect_store",
            "RunStats", "load", "run", "run_all_local"]

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from schemas.header import PlanHeader
-from schemas.identity import check_against_plan
 from schemas.integrity import plan_key as read_key
 from schemas.integrity import rank_digest
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, RankPlan, load_rank
@@ -48,6 +47,7 @@ from .stages import Stage, prepare_stage
 from .stats import RunStats, received_bytes
 from .transports import make_transport
 from .transports.base import Prepared
+from .trust import check_identity
 from .waits import Signalling
 from .window import Window
 
@@ -126,9 +126,12 @@ class Executor(Signalling):
              **options: Any) -> Executor:
         """Read rank `rank` of the plan at `path`, bind `tensors`, register and connect.
         `plan_key`: the plan must be signed with this key (bytes, or a key file's path).
-        `identity` (`schemas/identity.py`): refused unless it is the plan's for `rank`."""
+        `identity` (`schemas/identity.py`): refused unless it is the plan's for `rank` and
+        the rank's part was compiled for it; None is refused unless `no_identity=True`
+        (`trust.py`)."""
+        no_identity = bool(options.pop("no_identity", False))
         header, plan = load_rank(path, rank, None if plan_key is None else read_key(plan_key))
-        check_against_plan(header, rank, identity, path)  # before anything is registered
+        check_identity(header, plan.identity, rank, identity, no_identity, path)  # first
         ex = Executor(header, plan, tensors, transport, rendezvous, timeout_s, max_inflight,
                       **options)
         ex.register()
@@ -370,8 +373,9 @@ def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str 
     """Load rank `rank` of a plan, bind `tensors`, register once and connect to the peers.
 
     `plan_key`: refuse a plan not signed with this key. `identity` (this process's
-    coordinates, `schemas/identity.py`): a plan rank with other coordinates is refused
-    (`IdentityError`, naming both) before registration.
+    coordinates, `schemas/identity.py`): a plan rank with other coordinates, or whose part
+    was compiled for other coordinates, is refused (`IdentityError`, naming both) before
+    registration; without one the load is refused unless `no_identity=True` (logged).
     Keyword options: `secret` (the job secret, else `RDMA_PLAN_SECRET`), `insecure=True`
     (run without one; logs a warning), `transport_options` (a dict of the transport's
     options dataclass, e.g. `{"streams": 2}` for cuda_ipc)."""

@@ -8,6 +8,8 @@ key is there. A torch store is cloned (`Store.clone()`, its own connection): the
 block its own connection (`store.wait`) while the lease's heartbeat must go on. Everything
 read from a store is checked (`control.py`) before it is used.
 
+`connect_store("host:port")` is a client of a store the launcher already hosts (what a
+trainer under torchrun passes: its rank 0 must not try to host a second one there).
 A `"host:port"` store is made within `timeout_s` or refused in one line
 (`RendezvousError`): torch's `TCPStore` client waits forever, whatever its timeout, on a
 port where another service (a gloo or NCCL listener) accepts and never answers, and its
@@ -77,13 +79,32 @@ def _tcp_store(dist: Any, host: str, port: int, rank: int, timeout_s: float) -> 
     thread.start()
     thread.join(timeout_s + 5.0)
     got = made[0] if made else None
-    where = f"rendezvous {host}:{port} (rank {rank}"
+    where = f"rendezvous {host}:{port} ({f'rank {rank}' if rank >= 0 else 'client'}"
     if got is None:
         raise RendezvousError(
             f"{where}): nothing there answered as a TCPStore within {timeout_s:g} s; another "
             "service may hold that port: give every rank a free port for the rendezvous")
     if isinstance(got, Exception):
-        what = "host" if rank == 0 else "reach"
-        raise RendezvousError(f"{where}) could not {what} the store: {str(got).splitlines()[0]}"
-                              "; pick a free port (rank 0 hosts the store there)") from got
+        first = str(got).splitlines()[0]
+        if rank != 0:
+            raise RendezvousError(f"{where}) could not reach the store: {first}; start the "
+                                  "store first (rank 0 or the launcher hosts it)") from got
+        raise RendezvousError(
+            f"{where}) could not host the store: {first}; if the launcher (or another "
+            "process) already hosts a store there, pass a client of it instead: "
+            f"rendezvous=executor.connect_store('{host}:{port}'); otherwise give every rank a "
+            "host:port nobody listens on") from got
     return got
+
+
+def connect_store(address: str, timeout_s: float = 60.0) -> Any:
+    """A client of the TCPStore someone else hosts at `"host:port"` (the launcher, a
+    trainer's `torch.distributed` store): pass it as `rendezvous=` on every rank, so no
+    rank tries to host a store where one already runs. Refused in one line within
+    `timeout_s` (`RendezvousError`) when nothing there answers."""
+    import torch.distributed as dist
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"rendezvous {address!r} is not 'host:port'")
+    return _tcp_store(dist, host, int(port), -1, timeout_s)

@@ -48,7 +48,7 @@ def match(expected: RankTensors, live: dict[str, torch.Tensor], path: str,
     """The live tensors the plan's rank binds; `ModelMismatchError` listing every mismatch
     (missing names, unexpected parameters, shapes, dtypes, non-contiguous storage), with
     the framework's `hint` about the config key to change."""
-    out, problems = {}, []
+    out, problems, wrong_dtype = {}, [], []
     missing = [t.name for t in expected.tensors if t.name not in live]
     names = {t.name for t in expected.tensors}
     extra = [n for n in live if n not in names and not ignore_extra(n)]
@@ -60,8 +60,8 @@ def match(expected: RankTensors, live: dict[str, torch.Tensor], path: str,
         if tuple(x.shape) != t.shape:
             problems.append(f"{t.name}: shape {tuple(x.shape)}, the plan has {t.shape}")
         elif dtype != t.dtype:
-            problems.append(f"{t.name}: dtype {dtype}, the plan has {t.dtype} (compile with "
-                            f"source.dtype: {dtype}, or pass the {t.dtype} tensors)")
+            problems.append(f"{t.name}: dtype {dtype}, the plan has {t.dtype}")
+            wrong_dtype.append(t.dtype)
         elif not x.is_contiguous():
             problems.append(f"{t.name}: not contiguous (strides {tuple(x.stride())}); the "
                             "plan writes raw bytes: pass contiguous storage")
@@ -73,13 +73,38 @@ def match(expected: RankTensors, live: dict[str, torch.Tensor], path: str,
         problems.append(f"{len(extra)} model tensor(s) are not in the plan (they would not be "
                         f"transferred), e.g. {', '.join(extra[:3])}")
     if problems:
-        fix = hint(missing, extra)
+        fix = "; ".join(f for f in (dtype_fix(wrong_dtype, live, expected), hint(missing, extra))
+                        if f)
         raise ModelMismatchError(
             f"{path}: plan rank {expected.rank} ({_ident(expected)}) does not match this "
             f"model: {len(problems)} problem(s); {'; '.join(problems[:8])}"
             f"{'; ' + fix if fix else ''}. Compile the plan for this model's layout "
             f"(`rdma-plan tensors {path} --rank {expected.rank}` lists what it expects)")
     return out
+
+
+def dtype_fix(wrong: list[str], live: dict[str, torch.Tensor], expected: RankTensors) -> str:
+    """The one fix for dtype mismatches: recompile for the model's dtype when the model has
+    one; when it mixes dtypes (fp32 norms beside bf16 linears, as mixed precision without
+    `Float16Module` leaves them), no `source.dtype` fits: cast the model to one dtype."""
+    if not wrong:
+        return ""
+    have: dict[str, int] = {}
+    for t in expected.tensors:
+        x = live.get(t.name)
+        if x is not None:
+            d = _DTYPES.get(x.dtype, str(x.dtype).replace("torch.", ""))
+            have[d] = have.get(d, 0) + 1
+    plan = sorted(set(wrong))
+    if len(have) == 1:
+        (d,) = have
+        return f"compile with source.dtype: {d}, or pass the {'/'.join(plan)} tensors"
+    mix = ", ".join(f"{n} {d}" for d, n in sorted(have.items(), key=lambda kv: -kv[1]))
+    return (f"the model mixes dtypes ({mix}) and a plan has one source dtype, so no "
+            f"source.dtype fits: bind parameters of one dtype (the plan's {'/'.join(plan)}: "
+            "cast the model, e.g. Megatron's Float16Module with bf16=True as mixed-precision "
+            "training does), or cast every parameter to one dtype and compile with that "
+            "source.dtype")
 
 
 def _ident(rt: RankTensors) -> str:

@@ -20,7 +20,9 @@ What it does:
   bound storage is the one the router keeps using.
 - refusals (`ModelMismatchError`, every problem at once, with the config key to change):
   Transformer Engine vs local names, grouped vs sequential experts, layers per stage or
-  chunk, shapes, dtypes; an identity no plan rank has (`IdentityError`).
+  chunk, shapes, dtypes; an identity no plan rank has (`IdentityError`). A rank that holds
+  no expert tensors (a dense model) is found by its `tp, pp, vpp, dp` alone: Megatron's
+  expert coordinates (ETP=1 set for a dense model, say) select nothing there.
 
 With `overlap_param_gather`, Megatron's bf16 parameters are all-gathered lazily at the next
 forward: finish that gather (e.g. `model_chunk.start_param_sync(force_sync=True)`) before
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 
 from schemas.header import PlanHeader
-from schemas.identity import find_rank
+from schemas.identity import IdentityError, find_rank
 from schemas.plan import read_header
 from schemas.tensors import rank_tensors
 
@@ -107,12 +109,33 @@ def bind(plan_path: str, model: Any, parallel_state: Any = None) -> Binding:
                                  "the whole list of model chunks")
     with open(plan_path, "rb") as f:
         header, _ = read_header(f, plan_path)
-    rank = find_rank(header, ident, plan_path)
+    try:
+        rank = find_rank(header, ident, plan_path)
+    except IdentityError:
+        rank = _rank_without_experts(header, ident, plan_path)
+        ident = dict(header.identities[rank])  # the expert coordinates select nothing here
     expected = rank_tensors(plan_path, rank)
     live, buffers = live_tensors(chunks)
     tensors = match(expected, live, plan_path, hint=lambda m, e: _hint(m, e, header),
                     ignore_extra=lambda n: n in buffers or ".mtp." in f".{n}")
     return Binding(rank=rank, identity=ident, tensors=tensors)
+
+
+_GRID = ("tp", "pp", "vpp", "dp")
+"""The coordinates that place a Megatron rank (`rank = tp + TP*(dp + DP*pp)`); `ep, etp,
+edp` follow from them and the expert sizes, and matter only where a rank holds experts."""
+
+
+def _rank_without_experts(header: PlanHeader, ident: dict, path: str) -> int:
+    """The plan rank with this process's TP/PP/VPP/DP coordinates when it holds no expert
+    tensors (a dense model, e.g. run with ETP=1 or EP>1 set for a dense model); otherwise
+    the identity error for the full coordinates."""
+    same = [r for r, i in enumerate(header.identities[:header.sources])
+            if all(i.get(k) == ident[k] for k in _GRID)]
+    if len(same) == 1 and not any(".experts." in f".{t.name}" for t in
+                                  rank_tensors(path, same[0]).tensors):
+        return same[0]
+    return int(find_rank(header, ident, path))  # raises, naming the plan's parallel config
 
 
 def _hint(missing: list[str], extra: list[str], header: PlanHeader) -> str:

@@ -38,8 +38,10 @@ from typing import Any
 import torch
 
 import executor
+from executor import trust
 from schemas.errors import UserError
 from schemas.header import PlanHeader
+from schemas.integrity import plan_key as read_key
 from schemas.plan import read_header
 
 
@@ -105,9 +107,12 @@ class SGLangTarget:
                  replica: int = 0, dp_rank: int = 0, transport: str = "nixl",
                  rendezvous: object = None, timeout_s: float = 60.0,
                  commit_version: Callable[[str], None] | None = None,
-                 parallel: Any = None):
+                 parallel: Any = None, plan_key: str | bytes | None = None,
+                 allow_unsigned: bool = False):
+        trust.signing(plan_key, allow_unsigned, where=f"SGLang target ({plan_path})")
+        key = None if plan_key is None else read_key(plan_key)
         with open(plan_path, "rb") as f:
-            header = read_header(f, plan_path)[0]
+            header = read_header(f, plan_path, key)[0]
         engine = header.target.engine if header.target is not None else None
         if engine != "sglang":
             raise UserError(f"{plan_path}: target.engine is {engine!r}, not 'sglang'; "
@@ -120,7 +125,7 @@ class SGLangTarget:
         self.tensors = {n: p.data for n, p in model.named_parameters()}
         self.plan = executor.load(plan_path, self.rank, self.tensors, transport=transport,
                                   rendezvous=rendezvous, timeout_s=timeout_s,
-                                  identity=self.identity)
+                                  identity=self.identity, plan_key=plan_key)
         self.version: str | None = None
         self.open = False
 

@@ -94,8 +94,11 @@ def rank_state(scheduler: Any) -> EngineRank | None:
 
 
 def rdma_plan_init(scheduler: Any, plan: str, rendezvous: str = "", transport: str = "nixl",
-                   timeout_s: float = 60.0, replica: int = 0) -> None:
-    """Bind this scheduler's target model to its plan rank (a `Scheduler` method)."""
+                   timeout_s: float = 60.0, replica: int = 0, plan_key: str | None = None,
+                   allow_unsigned: bool = False) -> None:
+    """Bind this scheduler's target model to its plan rank (a `Scheduler` method).
+    `plan_key`: path of the plan's signing key (with a job secret set, required unless
+    `allow_unsigned`)."""
     from sglang.srt.runtime_context import get_parallel
 
     if rank_state(scheduler) is not None:
@@ -106,7 +109,8 @@ def rdma_plan_init(scheduler: Any, plan: str, rendezvous: str = "", transport: s
     target = SGLangTarget(runner.model, plan, updater=runner.weight_updater,
                           replica=int(replica), dp_rank=int(parallel.dp_rank or 0),
                           transport=transport, rendezvous=rendezvous or None,
-                          timeout_s=float(timeout_s), parallel=parallel)
+                          timeout_s=float(timeout_s), parallel=parallel,
+                          plan_key=plan_key, allow_unsigned=bool(allow_unsigned))
     scheduler.rdma_plan = EngineRank(target)
 
 

@@ -19,12 +19,15 @@ each worker after `load_model`, i.e. after the first post-load processing):
 
 Trainer side (`RdmaPlanTrainerEngine`, via `WeightTransferTrainerFactory.trainer_init` on every
 trainer rank): binds this rank's tensors from a `WeightSource` (its `iter_local()`, else
-`iter_full()`), and `send_weights()` drives start/update/finish through the
+`iter_full()`) under the plan rank of its `identity` (a swapped rank or a part of the file
+compiled for another rank is refused before the workers are asked to load; no identity is
+refused unless `no_identity=True`), and `send_weights()` drives start/update/finish through the
 `VLLMWeightSyncClient` on the sender (trainer rank 0) while every trainer rank runs the plan's
 source side. A source that yields new tensors each round is copied into the bound ones.
 
-`register()` adds both under `rdma_plan` (idempotent); vLLM calls it in every process through
-the `vllm.general_plugins` entry point once rdma-plan is installed.
+Both sides take `plan_key`; under a job secret a load without it is refused unless
+`allow_unsigned=True` (logged). `register()` adds both under `rdma_plan` (idempotent);
+vLLM calls it in every process (`vllm.general_plugins` entry point).
 """
 
 from __future__ import annotations
@@ -46,10 +49,14 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 import executor
+from executor import trust
 from executor.errors import PeerMismatchError, PeerTimeoutError
 from integrations import vllm_checks as checks
+from integrations import vllm_content as content
 from schemas.header import PlanHeader
-from schemas.plan import load_rank
+from schemas.identity import find_rank
+from schemas.integrity import plan_key as read_key
+from schemas.plan import load_rank, read_header
 
 BACKEND = "rdma_plan"
 
@@ -68,6 +75,11 @@ class RdmaPlanInitInfo(WeightTransferInitInfo):
     """Executor transport: nixl, uccl, cuda_ipc or local."""
     timeout_s: float = 60.0
     """A peer that does not answer within this many seconds fails the update."""
+    plan_key: str | None = None
+    """Path of the key the plan was signed with (`rdma-plan compile --sign-key`), readable
+    by every worker; with a job secret set, required unless `allow_unsigned`."""
+    allow_unsigned: bool = False
+    """Load the plan without checking a signature although a job secret is set (logged)."""
 
 
 @dataclass
@@ -88,7 +100,7 @@ def pointers(model: torch.nn.Module) -> dict[str, int]:
     out = {n: t.data_ptr() for n, t in live_tensors(model).items()}
     for prefix, m in checks.mla_modules(model).items():
         out |= {f"{prefix}.{a}": getattr(m, a).data_ptr() for a in ("W_UK_T", "W_UV")}
-    return out
+    return out | content.host_pointers(model)  # host copies of scales: new storage is stale
 
 
 class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPlanUpdateInfo]):
@@ -103,7 +115,7 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         self.plan_rank = -1
         self.identity: dict[str, int | str] = {}
         self.refresh: list[tuple[str, Callable[[], None]]] = []
-        self.ptrs: dict[str, int] = {}
+        self.ptrs, self.host = {}, []  # data_ptrs, host scale copies kept at init
         self.weight_version: str | None = None
         """The last committed version (None before the first complete update)."""
         self.pending_version: str | None = None
@@ -115,7 +127,9 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         if self.plan is not None:
             raise RuntimeError("rdma_plan: init_transfer_engine called twice; call shutdown "
                                "first to load another plan")
-        header, rank_plan = self._plan_rank(init_info.plan)
+        trust.signing(init_info.plan_key, init_info.allow_unsigned,
+                      where=f"rdma_plan worker ({init_info.plan})")
+        header, rank_plan = self._plan_rank(init_info.plan, init_info.plan_key)
         tensors = live_tensors(self.model)
         checks.check_tensors(self.model, list(rank_plan.regions), tensors)
         entries = header.derived
@@ -125,13 +139,13 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         self.plan = executor.load(init_info.plan, self.plan_rank, tensors,
                                   transport=init_info.transport,
                                   rendezvous=init_info.rendezvous,
-                                  timeout_s=init_info.timeout_s,
+                                  timeout_s=init_info.timeout_s, plan_key=init_info.plan_key,
                                   identity=checks.plan_identity(header, self.identity))
-        self.ptrs = pointers(self.model)
+        self.ptrs, self.host = pointers(self.model), content.keep_host_scales(self.model)
 
-    def _plan_rank(self, path: str) -> tuple[PlanHeader, Any]:
+    def _plan_rank(self, path: str, plan_key: str | None = None) -> tuple[PlanHeader, Any]:
         """Read the header, derive and check this worker's plan rank; its part of the plan."""
-        header, _ = load_rank(path, 0)
+        header, _ = load_rank(path, 0, None if plan_key is None else read_key(plan_key))
         engine = header.target.engine if header.target is not None else None
         if engine != "vllm":
             raise checks.EngineMismatchError(
@@ -185,14 +199,23 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         version = weight_version if weight_version is not None else self.pending_version
         if self.failure is not None or not self.received:
             raise self._torn(version)
+        mla = checks.mla_modules(self.model)
         with torch.no_grad():
+            before = content.mla_inputs(mla, [name for name, _ in self.refresh])
             for _, refresh in self.refresh:
                 refresh()
+            content.restore_host_scales(self.host)
+            content.refresh_host_scales(self.model)
         self.refreshes += len(self.refresh)
-        moved = [n for n, p in pointers(self.model).items() if self.ptrs.get(n) != p]
-        if moved:
+        if moved := [n for n, p in pointers(self.model).items() if self.ptrs.get(n) != p]:
             raise RuntimeError(f"rdma_plan: {len(moved)} tensor(s) moved during the update "
                                f"(first {moved[0]}); CUDA graphs captured on them are stale")
+        with torch.no_grad():
+            wrong = content.check(self.model, mla, before, self.model_config.dtype)
+        if wrong:
+            raise TornUpdateError(f"rdma_plan: update {version!r} not committed: {len(wrong)} "
+                                  f"tensor(s) the engine reads disagree with the written "
+                                  f"weights; first: {wrong[0]}")
         self.weight_version, self.received = version, False
 
     def shutdown(self) -> None:
@@ -211,11 +234,35 @@ class RdmaPlanTrainerInitInfo(TrainerInitInfo):
     transport: str = "nixl"
     timeout_s: float = 60.0
     plan_rank: int | None = None
-    """This trainer rank's plan rank (default: `rank`; sources are plan ranks 0..S-1)."""
+    """This trainer rank's plan rank (default: the plan rank whose identity is `identity`)."""
+    identity: dict[str, int | str] | None = None
+    """This trainer rank's coordinates from its framework (`integrations.megatron.identity()`,
+    `integrations.fsdp2.identity(model)`, or a bind's `b.identity`): the plan rank is the
+    one with this identity, and a part compiled for another is refused before anything is
+    registered. Without it the load is refused unless `no_identity=True` (logged)."""
+    no_identity: bool = False
+    """Trust `plan_rank` (or `rank`) without an identity (logged)."""
+    plan_key: str | None = None
+    """Path of the plan's signing key, on the trainer and (the same path) on every worker;
+    with a job secret set, required unless `allow_unsigned`."""
+    allow_unsigned: bool = False
+    """Load without checking the plan's signature although a job secret is set (logged)."""
 
     def worker_info(self) -> dict[str, Any]:
         return {"plan": self.plan, "rendezvous": self.rendezvous,
-                "transport": self.transport, "timeout_s": self.timeout_s}
+                "transport": self.transport, "timeout_s": self.timeout_s,
+                "plan_key": self.plan_key, "allow_unsigned": self.allow_unsigned}
+
+    def load_rank(self) -> int:
+        """The plan rank this trainer rank loads: `plan_rank`, else the one whose identity
+        is `identity`, else `rank` (only with `no_identity`: `executor.load` refuses it)."""
+        if self.plan_rank is not None:
+            return self.plan_rank
+        if self.identity is not None:
+            with open(self.plan, "rb") as f:
+                header = read_header(f, self.plan)[0]
+            return int(find_rank(header, self.identity, self.plan))
+        return self.rank
 
 
 class _Background:
@@ -273,14 +320,24 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
         eng = cls(client=client, source=source, is_sender=init_info.is_sender,
                   rank=init_info.rank)
         eng.timeout_s = 2 * init_info.timeout_s + 30
+        trust.signing(init_info.plan_key, init_info.allow_unsigned,
+                      where=f"rdma_plan trainer rank {init_info.rank} ({init_info.plan})")
+        rank = init_info.load_rank()
+        # refused here, before the workers are asked to load (nothing registered anywhere)
+        header, part = load_rank(init_info.plan, rank, None if init_info.plan_key is None
+                                 else read_key(init_info.plan_key))
+        trust.check_identity(header, part.identity, rank, init_info.identity,
+                             init_info.no_identity, init_info.plan)
         eng.bound = source_tensors(source)
-        rank = init_info.rank if init_info.plan_rank is None else init_info.plan_rank
 
         def load() -> None:
             eng.plan = executor.load(init_info.plan, rank, eng.bound,
                                      transport=init_info.transport,
                                      rendezvous=init_info.rendezvous,
-                                     timeout_s=init_info.timeout_s)
+                                     timeout_s=init_info.timeout_s,
+                                     plan_key=init_info.plan_key,
+                                     identity=init_info.identity,
+                                     no_identity=init_info.no_identity)
         if eng.is_sender:  # the workers load while this rank does (both wait for peers)
             with _Background(eng.timeout_s, client.init_weight_transfer_engine,
                              init_info.worker_info()):

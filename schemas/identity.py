@@ -175,3 +175,22 @@ def find_rank(header: PlanHeader, identity: Any, path: str = "plan",
     raise IdentityError(f"{path}: no {side} rank has the identity {describe(mine)}; the plan "
                         f"was compiled for {side} {conf}: recompile it for this job's "
                         "parallel layout")
+
+
+def check_part(header: PlanHeader, part_identity: Any, rank: int, path: str = "plan") -> None:
+    """Refuse a part (`rank/<r>` blob) whose own recorded identity differs from the header's
+    identity of `rank`: the part of another rank moved into this slot (its digest valid).
+    The part's identity is covered by its digest, which peers compare at connect, so a rank
+    whose identity passed `check_against_plan` runs the part compiled for that identity."""
+    if part_identity is None:  # a plan written before parts carried their identity
+        return
+    mine = check_identity(part_identity, f"{path} rank/{rank} identity")
+    want = plan_identity(header, rank, path)
+    if mine == want:
+        return
+    other = find_rank(header, mine, path, strict=False)
+    was = f" (the part of plan rank {other})" if other is not None else ""
+    raise IdentityError(f"{path}: the part of plan rank {rank} was compiled for "
+                        f"{describe(mine)}{was} but the header gives rank {rank} "
+                        f"{describe(want) if want else 'no identity'}; parts of the file were "
+                        "swapped or edited: recompile the plan (and sign it: --sign-key)")

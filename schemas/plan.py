@@ -104,6 +104,15 @@ def _int_pairs(s: Any) -> tuple[tuple[int, int], ...]:
     return tuple(zip(flat[::2], flat[1::2]))
 
 
+def _part_identity(raw: Any) -> dict[str, Any] | None:
+    """A part's recorded identity, as a plain map (checked where it is compared)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError(f"identity {str(raw)[:40]!r} is not a map")
+    return dict(raw)
+
+
 @dataclass(frozen=True, slots=True)
 class Region:
     name: str
@@ -145,8 +154,13 @@ class RankPlan:
     peer it writes into (only those: a rank need not know the rest of a peer)."""
     stages: int
     """Number of stages (every rank walks all of them)."""
+    identity: dict[str, Any] | None = None
+    """The rank's identity (`schemas/identity.py`) inside its own part, covered by the part's
+    digest: a part moved to another rank's slot is refused (`identity.check_part`). None in
+    plans written before it was recorded (and plans without identities)."""
 
     def encode(self) -> dict[str, Any]:
+        extra = {} if self.identity is None else {"identity": dict(self.identity)}
         return {
             "rank": self.rank, "role": self.role, "host": self.host, "gpu": self.gpu,
             "nics": list(self.nics),
@@ -155,7 +169,7 @@ class RankPlan:
             "copies": self.copies.views(), "signals": self.signals.views(),
             "waits": self.waits.views(),
             "peer_regions": [[p, [list(rs) for rs in s]] for p, s in self.peer_regions],
-            "stages": self.stages,
+            "stages": self.stages, **extra,
         }
 
     @staticmethod
@@ -175,6 +189,7 @@ class RankPlan:
                 waits=Table.from_msgpack(SIGNAL_COLUMNS, raw["waits"], what + ".waits"),
                 peer_regions=tuple((_int(p), _int_pairs(s)) for p, s in raw["peer_regions"]),
                 stages=_int(raw["stages"]),
+                identity=_part_identity(raw.get("identity")),
             )
         except PlanFormatError:
             raise

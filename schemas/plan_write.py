@@ -58,8 +58,12 @@ def _blobs(plan: Plan) -> Iterator[tuple[str, bytes]]:
 def _blob_objects(plan: Plan) -> Iterator[tuple[str, Any]]:
     """Every blob of the plan file as the object msgpack packs, in file order (each made
     when asked for)."""
+    ids = plan.header.identities
     for r in plan.ranks:
-        yield f"rank/{r.rank}", r.encode()
+        enc = r.encode()  # each part carries its rank's identity (schemas/identity.py)
+        if "identity" not in enc and 0 <= r.rank < len(ids):
+            enc["identity"] = dict(ids[r.rank])
+        yield f"rank/{r.rank}", enc
     yield "explain", {"tensors": list(plan.tensors), "table": plan.explain.views()}
     yield "dag", {"nodes": plan.dag_nodes.views(), "edges": plan.dag_edges.views(),
                   "coverage": plan.coverage.views()}

@@ -113,7 +113,8 @@ def worker(args: argparse.Namespace) -> int:
 
     me = Rank(args.config, args.worker, args.steps)
     plan = executor.load(args.plan, rank=me.rank, tensors=me.tensors, transport=args.transport,
-                         rendezvous=f"127.0.0.1:{args.port}", timeout_s=args.timeout_s)
+                         rendezvous=f"127.0.0.1:{args.port}", timeout_s=args.timeout_s,
+                         no_identity=True)  # the demo starts plan rank r as worker r
     for step in range(args.steps):
         me.before(step)
         try:

@@ -112,7 +112,7 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
                 os.environ["NIXL_UCX_SGL_ENABLE"] = "1" if options.get("sgl", True) else "0"
             ex = executor.load(plan_path, rank=rank, tensors=tensors, transport=kind,
                                rendezvous=store, timeout_s=args.exec_timeout,
-                               max_inflight=inflight,
+                               max_inflight=inflight, no_identity=True,
                                **({"transport_options": options} if options else {}))
         except Exception as e:  # noqa: BLE001 - printed, and the rank reports it
             traceback.print_exc()

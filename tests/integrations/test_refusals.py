@@ -133,3 +133,33 @@ def test_fsdp2_plain_module_and_dtype(tmp_path):
                     for t in lay.ranks[0].tensors})
     with pytest.raises(ModelMismatchError, match="compile with source.dtype: bfloat16"):
         fsdp2.bind(path, model)
+
+
+def test_megatron_dense_model_with_etp1_binds(tmp_path):
+    # issue 34: Megatron run with expert_tensor_parallel_size=1 on a dense model reports
+    # etp=0 on every TP rank; the plan records etp = the TP rank. No expert tensor: bound.
+    path = _plan(tmp_path, {"framework": "megatron", "tp": 2})
+    b = megatron.bind(path, chunks({"framework": "megatron", "tp": 2}, 1), state(tp=1, etp=0))
+    assert b.rank == 1 and b.identity["etp"] == 1 and b.identity["tp"] == 1
+    # with experts the expert coordinates decide: still refused, naming the config
+    moe = {"framework": "megatron", "tp": 2, "expert_layout": "sequential"}
+    path = _plan(tmp_path, moe, hf=qwen3_moe)
+    with pytest.raises(IdentityError, match="no source rank has the identity"):
+        megatron.bind(path, chunks(moe, 1, hf=qwen3_moe), state(tp=1, etp=0))
+
+
+def test_megatron_mixed_precision_dtype_hint(tmp_path):
+    # issue 34: fp32 norms beside bf16 linears (mixed precision without Float16Module) were
+    # told "compile with source.dtype: float32, or pass the bfloat16 tensors" for each norm,
+    # and recompiling for float32 then refuses every linear. One dtype must be bound.
+    path = _plan(tmp_path, {"framework": "megatron"})
+    model = chunks({"framework": "megatron"}, 0)
+    for name, p in model[0].named_parameters():
+        if "norm" in name:
+            p.data = p.data.float()
+    with pytest.raises(ModelMismatchError) as e:
+        megatron.bind(path, model, state())
+    msg = str(e.value)
+    assert "the model mixes dtypes (" in msg and "float32" in msg and "bfloat16" in msg
+    assert "compile with source.dtype: float32" not in msg
+    assert "Float16Module" in msg and "\n" not in msg

@@ -73,7 +73,9 @@ def compile_case(tmp: Path, name: str, hf: dict, source: dict, ep: bool) -> str:
     spec = load_spec(cfg.model_config_path)
     validate(cfg, spec)
     path = str(folder / "plan.rplan")
-    write_plan(path, compile_config(cfg, spec))
+    key = folder / "plan.key"  # signed: trainers and workers load it with plan_key
+    key.write_bytes(os.urandom(32))
+    write_plan(path, compile_config(cfg, spec), key=key.read_bytes())
     return path
 
 

@@ -36,7 +36,10 @@ def run_case(case: dict, rank: int, store, start: int) -> None:  # noqa: ANN001
         store.set(f"{name}/rdzv", str(free_port()).encode())  # was taken by vLLM's own
     port = int(store.get(f"{name}/rdzv"))  # stores by the time a later case ran
     info = RdmaPlanTrainerInitInfo(rank=rank, plan=case["plan"],
-                                   rendezvous=f"127.0.0.1:{port}", timeout_s=case["timeout_s"])
+                                   rendezvous=f"127.0.0.1:{port}", timeout_s=case["timeout_s"],
+                                   identity=vllm_cases.source_identity(case, rank),
+                                   plan_key=os.path.join(os.path.dirname(case["plan"]),
+                                                         "plan.key"))
     for w in range(case["workers"]):  # the plan's load timeout starts once vLLM is up
         store.get(f"{name}/built/{w}")
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)

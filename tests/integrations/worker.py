@@ -50,7 +50,28 @@ def _store(arg: dict) -> dist.TCPStore:
                          timeout=timedelta(seconds=120))
 
 
+def _refused(arg: dict, tensors: dict[str, torch.Tensor], rank: int, ident: dict) -> None:
+    """`arg["swap"]`: the ways a rank can be mixed up, each must raise `IdentityError`
+    before anything is registered: the plan rank of the other TP rank (the launcher's order)
+    with and without this process's identity, and this rank in a plan file whose two
+    source parts were swapped (`arg["swapped"]`)."""
+    other = arg["swap_to"][rank]
+    tries = [(arg["plan"], other, {"identity": ident}), (arg["plan"], other, {}),
+             (arg["swapped"], rank, {"identity": ident})]
+    for path, r, kw in tries:
+        try:
+            executor.load(path, rank=r, tensors=tensors, transport="nixl",
+                          rendezvous=_store(arg), timeout_s=120, **kw)
+        except executor.IdentityError as e:
+            print(f"refused rank {r}: {e}", flush=True)
+            continue
+        raise AssertionError(f"plan rank {r} of {path} loaded ({kw})")
+
+
 def _run_source(arg: dict, tensors: dict[str, torch.Tensor], rank: int, ident: dict) -> None:
+    if arg.get("swap"):
+        _refused(arg, tensors, rank, ident)
+        return
     ex = executor.load(arg["plan"], rank=rank, tensors=tensors, identity=ident,
                        transport="nixl", rendezvous=_store(arg), timeout_s=120)
     for step in range(arg["steps"]):
@@ -78,7 +99,7 @@ def megatron_source(arg: dict) -> None:
         patch_mla()
     ps.initialize_model_parallel(src.tp, src.pp, virtual_pipeline_model_parallel_size=(
         src.vpp if src.vpp > 1 else None), expert_model_parallel_size=src.ep,
-        expert_tensor_parallel_size=src.expert_tp)
+        expert_tensor_parallel_size=arg.get("etp", src.expert_tp))  # etp 1: dense too
     with contextlib.suppress(Exception):
         model_parallel_cuda_manual_seed(0)
     p, rank = ps.get_pipeline_model_parallel_rank(), dist.get_rank()

@@ -37,7 +37,8 @@ def trainer(arg: dict) -> None:
     tensors = {n: t.clone() for n, t in
                materialize(lay, random_full_tensors(spec, seed=100), ranks=[0])[0].items()}
     plan = executor.load(arg["plan"], 0, tensors, transport="nixl",  # engines build slowly
-                         rendezvous=f"127.0.0.1:{arg['store']}", timeout_s=900)
+                         rendezvous=f"127.0.0.1:{arg['store']}", timeout_s=900,
+                         no_identity=True)  # the test's one source rank
     plan.timeout_s = 120.0
     engines = [f"{r}" for r in range(1, arg["world"])]
     for step in range(1, arg["steps"] + 1):
@@ -119,7 +120,8 @@ def engine_rank(arg: dict, rank: int, world: int) -> None:
     versions: list[str] = []
     target = SGLangTarget(live, arg["plan"], updater=updater, parallel=get_parallel(),
                           rendezvous=f"127.0.0.1:{arg['store']}", timeout_s=900,
-                          commit_version=versions.append)
+                          commit_version=versions.append,
+                          allow_unsigned=True)  # the test's plan is unsigned (logged)
     target.plan.timeout_s = 120.0
     ptrs = {n: t.data_ptr() for n, t in state(live).items()}
     assert target.derived and all(f"{e['module']}.{w}" in ptrs

@@ -333,3 +333,27 @@ def test_docs_list_every_key() -> None:
     missing = [f"{sec}.{f.name}" for sec, cls in _SECTIONS.items() for f in fields(cls)
                if f"`{sec}.{f.name}`" not in doc]
     assert missing == []
+
+
+def test_docs_list_every_allowed_value() -> None:
+    """Each key's row in docs/config.md lists every value its `Literal` type allows (issue
+    34: `target.dtype: fp8_block128` was missing)."""
+    import typing
+    from dataclasses import fields
+
+    from schemas.config import _SECTIONS
+
+    rows = {line.split("|")[1].strip(): line for line in
+            (ROOT / "docs" / "config.md").read_text().splitlines()
+            if line.startswith("| `")}
+    missing = []
+    for sec, cls in _SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            kind = hints[f.name]
+            if typing.get_origin(kind) is not typing.Literal:
+                continue
+            row = rows.get(f"`{sec}.{f.name}`", "")
+            missing += [f"{sec}.{f.name}: {v}" for v in typing.get_args(kind)
+                        if isinstance(v, str) and f"`{v}`" not in row]
+    assert missing == []

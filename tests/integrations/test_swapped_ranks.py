@@ -1,0 +1,234 @@
+"""Swapped ranks and swapped plan parts are refused before anything is registered, on every
+path: generic `executor.load`, the vLLM trainer path (`RdmaPlanTrainerEngine.trainer_init`,
+real vLLM classes), the SGLang target (`SGLangTarget`), and, with real Megatron-Core and
+FSDP2 processes, the adapters (`test_adapter_swaps_are_refused`).
+
+"Before anything is registered": the loads get no rendezvous (a load past the checks
+fails on that instead) or, in the processes, the job's store holds no lease or rank record
+afterwards; the vLLM client is never asked to start the workers' load."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import executor
+from planner.compiler import compile_config
+from planner.spec import spec_from_hf
+from planner.validate import validate
+from schemas.config import config_from_dict
+from schemas.identity import IdentityError, describe
+from schemas.plan import read_header, write_plan
+from schemas.tensors import rank_tensors
+from tests.integrations.test_refusals import module, state
+from tests.support.models import qwen3
+from tests.support.swap import swap_parts
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def _plan(tmp_path, source: dict, target: dict, name: str = "p.rplan") -> str:
+    spec = spec_from_hf(qwen3(num_hidden_layers=2))
+    cfg = config_from_dict({"model": {"config": "x"}, "source": source, "target": target})
+    validate(cfg, spec)
+    path = str(tmp_path / name)
+    write_plan(path, compile_config(cfg, spec))
+    return path
+
+
+def _ids(path: str) -> list[dict]:
+    with open(path, "rb") as f:
+        return list(read_header(f, path)[0].identities)
+
+
+def _zeros(path: str, rank: int) -> dict[str, torch.Tensor]:
+    return {t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype))
+            for t in rank_tensors(path, rank).tensors}
+
+
+MEGA_TP2 = {"framework": "megatron", "tp": 2}
+
+
+def test_generic_load_without_identity_is_refused_unless_opted_out(tmp_path, caplog):
+    path = _plan(tmp_path, MEGA_TP2, {"engine": "vllm", "tp": 1})
+    ids = _ids(path)
+    with pytest.raises(IdentityError) as e:
+        executor.load(path, rank=1, tensors=_zeros(path, 1), transport="nixl")
+    msg = str(e.value)
+    assert "without identity=" in msg and describe(ids[1]) in msg and "no_identity=True" in msg
+    # the opt-out passes the check (and then needs the rendezvous), with a warning
+    with caplog.at_level(logging.WARNING, logger="executor"), \
+            pytest.raises(ValueError, match="needs rendezvous"):
+        executor.load(path, rank=1, tensors=_zeros(path, 1), transport="nixl",
+                      no_identity=True, insecure=True)
+    assert any("no_identity=True" in r.getMessage() for r in caplog.records)
+
+
+def test_generic_swapped_parts_are_refused_naming_both(tmp_path):
+    path = _plan(tmp_path, MEGA_TP2, {"engine": "vllm", "tp": 2})
+    ids = _ids(path)
+    for a, b in ((0, 1), (2, 3)):  # the two source (Megatron TP) and two target (vLLM TP) ranks
+        swapped = swap_parts(path, a, b, str(tmp_path / f"swapped{a}.rplan"))
+        for rank, other in ((a, b), (b, a)):
+            with pytest.raises(IdentityError) as e:
+                executor.load(swapped, rank=rank, tensors=_zeros(path, rank),
+                              identity=ids[rank], transport="nixl")
+            msg = str(e.value)
+            assert f"the part of plan rank {rank} was compiled for {describe(ids[other])}" \
+                in msg and f"the part of plan rank {other})" in msg, msg
+            assert describe(ids[rank]) in msg and "\n" not in msg
+    # the unswapped file passes both checks and stops at the missing rendezvous
+    with pytest.raises(ValueError, match="needs rendezvous"):
+        executor.load(path, rank=0, tensors=_zeros(path, 0), identity=ids[0], transport="nixl",
+                      insecure=True)
+
+
+class Client:
+    """A stand-in for vLLM's weight-sync client: records the calls the trainer makes."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def init_weight_transfer_engine(self, info: dict) -> None:
+        self.calls.append("init")
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start")
+
+    def update_weights(self, info: dict) -> None:
+        self.calls.append("update")
+
+    def finish_weight_update(self, version: str | None = None) -> None:
+        self.calls.append("finish")
+
+
+def test_vllm_trainer_path_refuses_swaps_before_the_engine_loads(tmp_path, monkeypatch):
+    base = pytest.importorskip("vllm.distributed.weight_transfer.base")
+    ModuleSource = base.ModuleSource
+
+    from integrations import megatron
+    from integrations.vllm import RdmaPlanTrainerEngine, RdmaPlanTrainerInitInfo
+
+    monkeypatch.delenv("RDMA_PLAN_SECRET", raising=False)
+    path = _plan(tmp_path, MEGA_TP2, {"engine": "vllm", "tp": 1})
+    ids = _ids(path)
+    tp1 = megatron.identity(state(tp=1, etp=1))  # this trainer process is Megatron TP rank 1
+    assert tp1 == ids[1]
+    source = ModuleSource(module(_zeros(path, 1)))
+
+    def init(**kw) -> tuple[Client, str]:
+        client = Client()
+        info = RdmaPlanTrainerInitInfo(path if "plan" not in kw else kw.pop("plan"),
+                                       "127.0.0.1:1", rank=0, **kw)
+        with pytest.raises(IdentityError) as e:
+            RdmaPlanTrainerEngine.trainer_init(info, client=client, source=source)
+        assert client.calls == [], "the workers were asked to load"
+        return client, str(e.value)
+
+    # TP rank 1 started as trainer rank 0 (the launcher's order): plan rank 0 is TP 0
+    _, msg = init(plan_rank=0, identity=tp1)
+    assert describe(tp1) in msg and describe(ids[0]) in msg
+    # no identity: refused unless opted out
+    _, msg = init()
+    assert "without identity=" in msg
+    # the plan rank derived from the identity, but the file's parts swapped
+    swapped = swap_parts(path, 0, 1, str(tmp_path / "swapped.rplan"))
+    _, msg = init(plan=swapped, identity=tp1)
+    assert "the part of plan rank 1 was compiled for" in msg and describe(ids[0]) in msg
+    # with a job secret, an unsigned load needs allow_unsigned (or plan_key)
+    monkeypatch.setenv("RDMA_PLAN_SECRET", secrets.token_hex(32))
+    _, msg = init(identity=tp1)
+    assert "a job secret is set but no plan_key" in msg and "allow_unsigned=True" in msg
+    info = RdmaPlanTrainerInitInfo(path, "127.0.0.1:1", rank=1, identity=tp1)
+    assert info.load_rank() == 1  # the rank follows the identity, not the trainer rank
+    assert info.worker_info()["plan_key"] is None
+
+
+def test_sglang_target_refuses_swapped_parts_and_unsigned(tmp_path, monkeypatch):
+    from integrations.sglang import SGLangTarget
+
+    monkeypatch.delenv("RDMA_PLAN_SECRET", raising=False)
+    path = _plan(tmp_path, {"framework": "fsdp2", "dp": 1}, {"engine": "sglang", "tp": 2})
+    ids = _ids(path)
+    model = module(_zeros(path, 1))  # SGLang TP rank 0 = plan rank 1
+    par = SimpleNamespace(tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, moe_ep_rank=0,
+                          attn_dp_size=1)
+    swapped = swap_parts(path, 1, 2, str(tmp_path / "swapped.rplan"))
+    with pytest.raises(IdentityError) as e:
+        SGLangTarget(model, swapped, updater=None, transport="nixl", parallel=par)
+    msg = str(e.value)
+    assert "the part of plan rank 1 was compiled for" in msg and describe(ids[2]) in msg
+    monkeypatch.setenv("RDMA_PLAN_SECRET", secrets.token_hex(32))
+    with pytest.raises(IdentityError, match="a job secret is set but no plan_key"):
+        SGLangTarget(model, path, updater=None, transport="nixl", parallel=par)
+    # signed with a key: plan_key passes the signing check (then needs the rendezvous)
+    key = tmp_path / "plan.key"
+    key.write_bytes(secrets.token_bytes(32))
+    signed = str(tmp_path / "signed.rplan")
+    spec = spec_from_hf(qwen3(num_hidden_layers=2))
+    cfg = config_from_dict({"model": {"config": "x"}, "source": {"framework": "fsdp2", "dp": 1},
+                            "target": {"engine": "sglang", "tp": 2}})
+    write_plan(signed, compile_config(cfg, spec), key=key.read_bytes())
+    with pytest.raises(ValueError, match="needs rendezvous"):
+        SGLangTarget(model, signed, updater=None, transport="nixl", parallel=par,
+                     plan_key=str(key))
+
+
+@pytest.mark.oracle
+@pytest.mark.deep
+@pytest.mark.parametrize("role, source", [
+    pytest.param("megatron", MEGA_TP2, id="megatron-tp2"),
+    pytest.param("fsdp2", {"framework": "fsdp2", "dp": 2, "dtype": "float32"}, id="fsdp2-dp2"),
+])
+def test_adapter_swaps_are_refused(tmp_path, role, source):
+    """Real Megatron-Core (TP2 over gloo, CPU) and FSDP2 (`fully_shard`, dp 2) processes:
+    each binds through its adapter (Megatron started with ETP=1 for a dense model, which the
+    plan records as etp = tp rank), then tries the other rank's plan rank (with and without
+    its identity) and its own rank of a file whose two source parts were swapped: every load
+    is refused, naming both identities, and the job's store holds no lease or rank record."""
+    pytest.importorskip("nixl")
+    pytest.importorskip("megatron.core" if role == "megatron" else "transformers")
+    from tests.integrations.test_adapters import compile_plan
+    from tests.oracles.launch import free_port
+    from tests.support.procs import master_store
+
+    hf = qwen3(num_hidden_layers=2)
+    config, plan = compile_plan(str(tmp_path), hf, source, {"engine": "vllm", "tp": 1})
+    swapped = swap_parts(plan, 0, 1, str(tmp_path / "swapped.rplan"))
+    ids = _ids(plan)
+    store, port = master_store(60)
+    base = {"plan": plan, "swapped": swapped, "config": config, "hf": hf, "swap": True,
+            "swap_to": [1, 0], "store": f"127.0.0.1:{port}", "gloo_port": free_port(),
+            "steps": 0, "sources": 2, "role": role, "float16_module": True,
+            "etp": 1}  # Megatron started with ETP=1 for the dense model (issue 34's papercut)
+    env = {**os.environ, "RDMA_PLAN_SECRET": secrets.token_hex(32), "PYTHONPATH": ROOT,
+           "NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"),
+                               json.dumps({**base, "index": i})], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=400)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"{role} {i} failed:\n{out[-4000:]}"
+        lines = [ln for ln in out.splitlines() if ln.startswith("refused")]
+        assert len(lines) == 3, out[-4000:]
+        mine, other = describe(ids[i]), describe(ids[1 - i])
+        assert mine in lines[0] and other in lines[0]  # this process vs the rank it took
+        assert "without identity=" in lines[1]
+        assert "was compiled for " + other in lines[2] and mine in lines[2]
+    keys = [f"rplan/{k}/{r}" for k in ("lease", "rank") for r in range(3)]
+    assert not any(store.check([k]) for k in keys), "a rank registered before the refusal"
