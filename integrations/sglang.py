@@ -40,7 +40,7 @@ import torch
 import executor
 from schemas.errors import UserError
 from schemas.header import PlanHeader
-from schemas.plan import read_header
+from schemas.plan import open_plan, read_header
 
 
 class TornUpdateError(RuntimeError):
@@ -106,7 +106,7 @@ class SGLangTarget:
                  rendezvous: object = None, timeout_s: float = 60.0,
                  commit_version: Callable[[str], None] | None = None,
                  parallel: Any = None):
-        with open(plan_path, "rb") as f:
+        with open_plan(plan_path) as f:
             header = read_header(f, plan_path)[0]
         engine = header.target.engine if header.target is not None else None
         if engine != "sglang":

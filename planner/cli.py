@@ -178,9 +178,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(inspect_text(args.plan, args.json))
     if args.plot:
         from planner.plot import plot_plan
-        from schemas.plan import read_header
+        from schemas.plan import open_plan, read_header
 
-        with open(args.plan, "rb") as f:
+        with open_plan(args.plan) as f:
             header, _ = read_header(f, args.plan)
         print(f"wrote {plot_plan(header, args.plot)}", file=sys.stderr)
     return 0
@@ -303,6 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = None
     try:
         args = parser.parse_args(argv)
+        _no_nul(args)
         if args.command == "spec" and args.num_layers is not None and args.num_layers < 1:
             raise ConfigError(f"--num-layers: {args.num_layers} must be a positive integer")
         return _run(args)
@@ -316,6 +317,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for err in errors:
             print(f"rdma-plan: error: {_one_line(err)}", file=sys.stderr)
         return 2
+
+
+def _no_nul(args: argparse.Namespace) -> None:
+    """A NUL byte cannot be in a path (the OS refuses it): say which argument has one."""
+    for name, value in sorted(vars(args).items()):
+        if isinstance(value, str) and "\0" in value:
+            raise _UsageError(f"argument {name}: {value!r} has a NUL byte in it; give a path "
+                              "(or value) without one")
 
 
 def _run(args: argparse.Namespace) -> int:

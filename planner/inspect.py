@@ -23,6 +23,7 @@ from schemas.plan import (
     PlanFormatError,
     RankPlan,
     decode_explain,
+    open_plan,
     read_blob,
     read_header,
 )
@@ -75,7 +76,7 @@ def checked_header(path: str, why: dict[int, str] | None = None) -> PlanHeader:
     """The header of the plan at `path`, once every rank blob it lists is intact and within
     bounds (what `load_plan` and the executor check), else `PlanFormatError`. `why`, when
     given, gets each rank's `staging_why` from the same read."""
-    with open(path, "rb") as f:
+    with open_plan(path) as f:
         header, start = read_header(f, path)
         needed = [*(f"rank/{r}" for r in range(header.world)), "explain", "dag"]
         extra = [n for n in header.blobs if n.startswith("tensors/")]
@@ -188,7 +189,7 @@ def inspect_text(path: str, as_json: bool = False) -> str:
 def explain_text(path: str, tensor: str, as_json: bool = False) -> str:
     """How the logical (HF checkpoint) tensor `tensor` moves: who sends which bytes to whom,
     and, for gathered boxes, which source ranks hold it before the gather."""
-    with open(path, "rb") as f:
+    with open_plan(path) as f:
         header, start = read_header(f, path)
         names, t = decode_explain(read_blob(f, header, start, "explain", path), path)
         if tensor not in names:

@@ -5,6 +5,7 @@ One implementation serves the CLI and the property suite:
 - `coverage`: every logical byte of every target region is written exactly once per run
   (by a write or an unpack), nothing outside it, and no two writes overlap in a
   destination (staging: per stage);
+- `roles`: each op writes only the memory its role may (`schemas/rankcheck.py`);
 - `sizes`: no write above `max_write_bytes`, staging within `staging_bytes`;
 - `staging_fit`: no rank's staging exceeds what its ops use at peak (the budget is a cap);
 - `order`: the stage DAG is acyclic; every wait has its signal and vice versa; every
@@ -31,6 +32,7 @@ import networkx as nx
 import numpy as np
 
 from planner.passes.lower import ALIGN
+from schemas import rankcheck
 from schemas.bounds import violations
 from schemas.header import PlanHeader
 from schemas.plan import (
@@ -316,17 +318,16 @@ def coverage(plan: Plan) -> list[str]:
 
 def sizes(plan: Plan) -> list[str]:
     opts = plan.header.options
-    max_w, budget = opts.max_write_bytes, opts.staging_bytes
-    out = []
-    for rp in plan.ranks:
-        if max_w and len(rp.writes) and rp.writes["nbytes"].max() > max_w:
-            out.append(f"rank {rp.rank}: a write of {rp.writes['nbytes'].max()} bytes exceeds "
-                       f"max_write_bytes={max_w}")
-        for r in rp.regions:
-            if r.name == STAGING and budget is not None and r.nbytes > budget:
-                out.append(f"rank {rp.rank}: staging of {r.nbytes} bytes exceeds "
-                           f"staging_bytes={budget}")
-    return out
+    return [m for rp in plan.ranks
+            for m in rankcheck.sizes(rp, opts.max_write_bytes, opts.staging_bytes)]
+
+
+def roles(plan: Plan) -> list[str]:
+    """Each op writes only what its role may (`schemas.rankcheck.roles`, exact here: every
+    rank's role and staging index are known)."""
+    kinds = [rp.role for rp in plan.ranks]
+    staging = {rp.rank: staging_index(rp) for rp in plan.ranks}
+    return [m for rp in plan.ranks for m in rankcheck.roles(rp, kinds, staging)][:5]
 
 
 def staging_use(plan: Plan) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -433,7 +434,7 @@ def verify_plan(plan: Plan) -> list[str]:
     problems = bounds(plan)
     if problems:
         return problems
-    return coverage(plan) + sizes(plan) + staging_fit(plan) + order(plan) + dataflow(plan) \
+    return roles(plan) + coverage(plan) + sizes(plan) + staging_fit(plan) + order(plan) + dataflow(plan) \
         + balance(plan)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .identity import plan_identity
-from .plan import STAGING, PlanFormatError, RankPlan, Table, read_blob, read_header
+from .plan import STAGING, PlanFormatError, RankPlan, Table, open_plan, read_blob, read_header
 
 PIECE_COLUMNS = (("region", "<i4"), ("tensor", "<i4"), ("off0", "<i8"), ("off1", "<i8"),
                  ("size0", "<i8"), ("size1", "<i8"), ("start", "<i8"), ("stride0", "<i8"),
@@ -106,7 +106,7 @@ def _blob(f: Any, header: Any, start: int, rank: int, path: str) -> dict:
 
 def rank_tensors(path: str, rank: int) -> RankTensors:
     """The tensors rank `rank` of the plan at `path` binds, with their pieces."""
-    with open(path, "rb") as f:
+    with open_plan(path) as f:
         header, start = read_header(f, path)
         if f"rank/{rank}" not in header.blobs:
             raise PlanFormatError(f"{path}: plan has no rank {rank} (it has "
