@@ -105,8 +105,9 @@ def staging_why(rp: RankPlan, header: PlanHeader | None = None) -> str:
     if STAGING not in names:
         return ""
     what = _staging_use(rp, names)
-    if header is None or not what:
-        return what
+    if header is None or not what or not 0 <= rp.rank < min(len(header.ranks),
+                                                             len(header.rank_stats)):
+        return what  # (a hand-built header may list no ranks)
     return f"{what}; {_budget_why(rp, header, names.index(STAGING))}"
 
 

@@ -63,6 +63,13 @@ def load_checked(path_or_plan: str | Plan) -> tuple[PlanHeader, tuple[RankPlan, 
         raise PlanFormatError(f"simulate: {len(plan.ranks)} ranks x their stages is {cells:,} "
                               f"(rank, stage) queues, more than {MAX_CELLS:,}; the plan is "
                               "corrupt or too large to simulate")
+    from schemas.config import MAX_GBPS
+
+    for name, gbps in (("nvlink_gbps", plan.header.nvlink_gbps),
+                       *((f"nics[{i}].gbps", n.gbps) for i, n in enumerate(plan.header.nics))):
+        if not 0 < gbps <= MAX_GBPS:  # (NaN fails too)
+            raise PlanFormatError(f"simulate: the header's {name} is {gbps!r}, not a bandwidth "
+                                  f"in (0, {MAX_GBPS:g}] Gb/s; the file is corrupt")
     if len(plan.header.ranks) != len(plan.ranks):
         raise PlanFormatError(f"simulate: the header lists {len(plan.header.ranks)} ranks, "
                               f"the plan has {len(plan.ranks)}; the file is corrupt")

@@ -119,8 +119,8 @@ def _staging_plan(path: str, staging: int, budget: int) -> str:
     st = dataclasses.replace(region(STAGING, "uint8", (staging,)), nbytes=staging)
     src = rank_plan(0, "source", [x, st])
     tgt = rank_plan(1, "target", [x])
-    from schemas.header import PlanHeader
     from schemas.config import Options
+    from schemas.header import PlanHeader
 
     header = PlanHeader(fingerprint="big-staging", world=2,
                         options=Options(staging_bytes=budget))
