@@ -6,7 +6,8 @@ traceback):
 
 - `<ns>/rank/<r>`: the rank's descriptors (fingerprint, region sizes, the transport's
   `export()`), encrypted under the job secret;
-- `<ns>/step/<r>`: the step the rank runs next (an int in [0, 2^62)); within a step's
+- `<ns>/step/<r>`: the step the rank runs next (an int in [0, 2^62)), taken only from the
+  process that holds the rank's lease (a dead process's record replayed is ignored); within a step's
   path a publisher thread writes it (`publish_step(later=True)`: no store round trip on
   the step's critical path), `STEP_DELAY_S` after it is asked to, the newest record
   then pending (its Python work, sealing, takes the GIL from the step: on one H100 two
@@ -246,6 +247,12 @@ class Control:
         key = self.key("step", peer)
         rec = self._read(key, peer)
         if rec is None:
+            return None
+        lease = self._read(self.key("lease", peer), peer)
+        if lease is not None and (rec.inc, rec.gen) != (lease.inc, lease.gen):
+            log.warning("store record %r: written by process %#x (generation %d), not by the "
+                        "rank's lease holder %#x (generation %d): a replay of another "
+                        "process's record (ignored)", key, rec.inc, rec.gen, lease.inc, lease.gen)
             return None
         body = rec.body if isinstance(rec.body, dict) else {}
         nxt, running = body.get("next"), body.get("running", False)
