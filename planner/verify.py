@@ -42,7 +42,6 @@ from schemas.plan import (
     QUANT,
     READY,
     SLOT_ACK,
-    STAGING,
     UNPACK,
     Plan,
     PlanFormatError,
@@ -434,8 +433,8 @@ def verify_plan(plan: Plan) -> list[str]:
     problems = bounds(plan)
     if problems:
         return problems
-    return roles(plan) + coverage(plan) + sizes(plan) + staging_fit(plan) + order(plan) + dataflow(plan) \
-        + balance(plan)
+    return roles(plan) + coverage(plan) + sizes(plan) + staging_fit(plan) + order(plan) \
+        + dataflow(plan) + balance(plan)
 
 
 def verify_file(path: str) -> list[str]:
