@@ -5,9 +5,8 @@ itself waiting for a dead rank Q. Naming P then blames a live rank (before this 
 of 15 reports did). So a wait that is about to time out reads every rank's lease
 (`control.py`) twice, at least `LEASE_S` apart: a rank with no lease sealed in between
 (`control.fresh`: a replayed old record is none) is dead or stopped. The culprit is P if P
-is one of those, else the first such rank,
-else P (alive but not answering: slow, or its network is). Without heartbeats (the `local`
-transport, one process) the culprit is P.
+is one of those, else the first such rank, else P (alive but not answering: slow, or its
+network is). Without heartbeats (the `local` transport, one process) the culprit is P.
 """
 
 from __future__ import annotations
