@@ -16,13 +16,26 @@ import numpy as np
 from schemas.bounds import violations
 from schemas.header import PlanHeader
 from schemas.plan import STAGING, RankPlan
+from schemas.rankcheck import rank_violations
 
 from .errors import PlanBoundsError
+
+MAX_STAGING_BYTES = 4 << 30
+"""Most staging a rank allocates unless the caller allows more (`Executor(...,
+max_staging_bytes=)`): a plan's own cap (`options.staging_bytes`) is the plan's word, and
+an unsigned plan's word is anyone's."""
 
 
 def check_rank_plan(rp: RankPlan, world: int | None = None) -> None:
     """Raise `PlanBoundsError` unless every op of `rp` is inside its regions."""
     for msg in violations(rp, world):
+        raise PlanBoundsError(msg)
+
+
+def check_rank_verify(rp: RankPlan, header: PlanHeader) -> None:
+    """Raise `PlanBoundsError` on the first per-rank check of `verify` that `rp` fails
+    (`schemas.rankcheck`: roles, sizes, signals); run after `check_rank_plan`."""
+    for msg in rank_violations(rp, header):
         raise PlanBoundsError(msg)
 
 
@@ -69,12 +82,25 @@ def free_bytes(device: Any) -> int:
         return 1 << 62
 
 
-def check_staging(rp: RankPlan, tensors: dict[str, Any]) -> None:
-    """Raise `PlanBoundsError` when the plan's staging would not fit in the memory of the
-    tensors' device (checked before `bind` allocates it)."""
+def check_staging(rp: RankPlan, tensors: dict[str, Any], header: PlanHeader | None = None,
+                  cap: int | None = None) -> None:
+    """Raise `PlanBoundsError` when the plan's staging is over the plan's own cap
+    (`header.options.staging_bytes`), over `cap` (default `MAX_STAGING_BYTES`), or would not
+    fit in the memory of the tensors' device (checked before `bind` allocates it)."""
     need = sum(r.nbytes for r in rp.regions if r.name == STAGING)
     if not need:
         return
+    budget = None if header is None else header.options.staging_bytes
+    if budget is not None and need > budget:
+        raise PlanBoundsError(f"rank {rp.rank}: the plan asks for {need:,} bytes of staging, "
+                              f"over its own options.staging_bytes={budget:,}; the plan is "
+                              "corrupt or was tampered with: recompile it")
+    cap = MAX_STAGING_BYTES if cap is None else cap
+    if need > cap:
+        raise PlanBoundsError(f"rank {rp.rank}: the plan asks for {need:,} bytes of staging, "
+                              f"over this process's cap of {cap:,}; recompile with a smaller "
+                              "options.staging_bytes, or allow more with "
+                              "Executor(..., max_staging_bytes=N)")
     device = next((t.device for r in rp.regions if r.name != STAGING
                    and hasattr(t := tensors.get(r.name), "device")), "cpu")
     have = free_bytes(device)

@@ -6,13 +6,22 @@ traceback):
 
 - `<ns>/rank/<r>`: the rank's descriptors (fingerprint, region sizes, the transport's
   `export()`), encrypted under the job secret;
-- `<ns>/step/<r>`: the step the rank runs next (an int in [0, 2^62)); within a step's
+- `<ns>/step/<r>`: the step the rank runs next (an int in [0, 2^62)), taken only from the
+  process that holds the rank's lease (a dead process's record replayed is ignored); within a step's
   path a publisher thread writes it (`publish_step(later=True)`: no store round trip on
   the step's critical path), `STEP_DELAY_S` after it is asked to, the newest record
   then pending (its Python work, sealing, takes the GIL from the step: on one H100 two
   records a step cost 0.63 -> 0.80 of a 0.25 ms step); elsewhere the caller does;
 - `<ns>/lease/<r>`: the lease: the holding process's incarnation, its generation (one more
-  than the process it replaced) and a heartbeat counter.
+  than the process it replaced), a heartbeat counter and the wall-clock time of the beat
+  (`at`), all under the MAC.
+
+Freshness: a lease record is evidence of life only if it was sealed after the reader began
+to watch (`fresh`: its `at` is later than the reader's clock then, less `SKEW_S`). A stray
+that read the store cannot make such a record (the MAC covers `at`); replaying the records
+of a dead process, in any order, shows times from before it died, so it can neither block
+the restart of that rank (`claim`) nor make survivors blame another rank (`blame.py`). The
+job's hosts' clocks must agree within `SKEW_S` (NTP keeps them within milliseconds).
 
 One rank, one process. `claim()` reads the lease: if none (or garbage) the rank is free; if
 its heartbeat moves during `LEASE_S`, a live process holds the rank and `LeaseHeldError`
@@ -47,6 +56,9 @@ STEP_DELAY_S = 2e-3
 takes seconds to come up; records of fast steps coalesce)."""
 LEASE_S = 1.5
 """A lease whose heartbeat does not move for this long is taken over."""
+SKEW_S = 0.25
+"""How far the job's hosts' clocks may disagree: a lease sealed this long before a reader
+began to watch still counts as fresh."""
 MAX_STEP = 1 << 62
 MAX_REGIONS = 1 << 16
 
@@ -96,7 +108,7 @@ class Control:
         if old is not None and live_check:
             self._wait_gone(key, old)
         self.gen = old.gen + 1 if old is not None else 1
-        self._put(key, {"beat": 0})
+        self._put(key, {"beat": 0, "at": time.time()})
         if heartbeat:
             # stop beating before the interpreter (or the store rank 0 hosts) is torn down
             atexit.register(self.close)
@@ -118,15 +130,19 @@ class Control:
             return None
 
     def _wait_gone(self, key: str, old: Record) -> None:
-        """Raise `LeaseHeldError` if the lease's holder still beats within `LEASE_S`."""
-        first = self.get(key)
+        """Raise `LeaseHeldError` if a new lease record sealed after this call began (less
+        `SKEW_S`) shows up within `LEASE_S`: its holder beats. Records sealed before (a
+        replay) are no evidence, however often they change."""
+        since, first = time.time(), self.get(key)
         deadline = time.monotonic() + LEASE_S
         while time.monotonic() < deadline:
             time.sleep(BEAT_S / 2)
-            if self.get(key) != first:
+            raw = self.get(key)
+            cur = None if raw == first else self._read(key, self.rank)
+            if cur is not None and fresh(cur, since):  # a new record, and a recent one
                 raise LeaseHeldError(
-                    f"rank {self.rank} is held by a live process (incarnation {old.inc:#x}, "
-                    f"generation {old.gen}): one rank, one process; stop that process (or "
+                    f"rank {self.rank} is held by a live process (incarnation {cur.inc:#x}, "
+                    f"generation {cur.gen}): one rank, one process; stop that process (or "
                     "wait until it is gone) before starting another for this rank")
 
     def _heartbeat(self) -> None:
@@ -149,7 +165,7 @@ class Control:
             log.error(self.lost)
             return False
         self.beat += 1
-        self._put(key, {"beat": self.beat})
+        self._put(key, {"beat": self.beat, "at": time.time()})
         self._heal()
         return True
 
@@ -232,6 +248,12 @@ class Control:
         rec = self._read(key, peer)
         if rec is None:
             return None
+        lease = self._read(self.key("lease", peer), peer)
+        if lease is not None and (rec.inc, rec.gen) != (lease.inc, lease.gen):
+            log.warning("store record %r: written by process %#x (generation %d), not by the "
+                        "rank's lease holder %#x (generation %d): a replay of another "
+                        "process's record (ignored)", key, rec.inc, rec.gen, lease.inc, lease.gen)
+            return None
         body = rec.body if isinstance(rec.body, dict) else {}
         nxt, running = body.get("next"), body.get("running", False)
         if type(nxt) is not int or not 0 <= nxt < MAX_STEP or nxt != rec.step \
@@ -278,6 +300,18 @@ class Control:
                 f"the imported {have}: a replay of a dead process's record (refused)",
                 key=self.key("rank", peer))
         self.peer_gens[peer] = rec.gen
+
+
+def lease_time(rec: Record) -> float | None:
+    """When the lease record was sealed (its `at`), or None where it has no valid one."""
+    at = rec.body.get("at") if isinstance(rec.body, dict) else None
+    return float(at) if type(at) in (int, float) and at == at else None
+
+
+def fresh(rec: Record, since: float) -> bool:
+    """Whether the lease record was sealed after wall-clock time `since` (less `SKEW_S`)."""
+    at = lease_time(rec)
+    return at is not None and at > since - SKEW_S
 
 
 def _check_info(key: str, rec: Record) -> dict[str, Any]:

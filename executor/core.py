@@ -37,7 +37,7 @@ from . import signals
 from .auth import keys_from
 from .bind import bind
 from .blame import Blame
-from .check import check_against_header, check_rank_plan, check_staging
+from .check import check_against_header, check_rank_plan, check_rank_verify, check_staging
 from .cleanup import best_effort
 from .control import Control
 from .errors import PeerLostError, PeerMismatchError
@@ -58,10 +58,11 @@ class Executor(Signalling):
                  rendezvous: object = None, timeout_s: float = 60.0, max_inflight: int = 8,
                  *, secret: bytes | str | None = None, insecure: bool = False,
                  transport_options: dict[str, Any] | None = None,
-                 step_records: bool = True) -> None:
+                 step_records: bool = True, max_staging_bytes: int | None = None) -> None:
         check_rank_plan(plan)
+        check_rank_verify(plan, header)  # what verify refuses on this rank's part alone
         check_against_header(plan, header)
-        check_staging(plan, tensors)  # before bind allocates it
+        check_staging(plan, tensors, header, max_staging_bytes)  # before bind allocates it
         self.plan, self.rank, self.timeout_s = plan, plan.rank, timeout_s
         self.header = header  # peers' blob digests (schemas/integrity.py)
         self.max_inflight = max(1, max_inflight)

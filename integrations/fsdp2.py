@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from schemas.identity import find_rank
-from schemas.plan import read_header
+from schemas.plan import open_plan, read_header
 from schemas.tensors import BoundTensor, rank_tensors
 
 from . import Binding, ModelMismatchError, match
@@ -60,7 +60,7 @@ def identity(model: torch.nn.Module | None = None, mesh: Any = None) -> dict[str
 def bind(plan_path: str, model: torch.nn.Module, mesh: Any = None) -> Binding:
     """Plan rank, identity and the `to_local()` shards this FSDP2 rank binds."""
     ident = identity(model, mesh)
-    with open(plan_path, "rb") as f:
+    with open_plan(plan_path) as f:
         header, _ = read_header(f, plan_path)
     rank = find_rank(header, ident, plan_path)
     expected = rank_tensors(plan_path, rank)

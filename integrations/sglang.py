@@ -42,7 +42,7 @@ from executor import trust
 from schemas.errors import UserError
 from schemas.header import PlanHeader
 from schemas.integrity import plan_key as read_key
-from schemas.plan import read_header
+from schemas.plan import open_plan, read_header
 
 
 class TornUpdateError(RuntimeError):
@@ -111,7 +111,7 @@ class SGLangTarget:
                  allow_unsigned: bool = False):
         trust.signing(plan_key, allow_unsigned, where=f"SGLang target ({plan_path})")
         key = None if plan_key is None else read_key(plan_key)
-        with open(plan_path, "rb") as f:
+        with open_plan(plan_path) as f:
             header = read_header(f, plan_path, key)[0]
         engine = header.target.engine if header.target is not None else None
         if engine != "sglang":

@@ -24,6 +24,7 @@ from schemas.plan import (
     PlanFormatError,
     RankPlan,
     decode_explain,
+    open_plan,
     read_blob,
     read_header,
 )
@@ -111,8 +112,9 @@ def staging_why(rp: RankPlan, header: PlanHeader | None = None) -> str:
     if STAGING not in names:
         return ""
     what = _staging_use(rp, names)
-    if header is None or not what:
-        return what
+    if header is None or not what or not 0 <= rp.rank < min(len(header.ranks),
+                                                             len(header.rank_stats)):
+        return what  # (a hand-built header may list no ranks)
     return f"{what}; {_budget_why(rp, header, names.index(STAGING))}"
 
 
@@ -196,7 +198,7 @@ def inspect_text(path: str, as_json: bool = False,
 def explain_text(path: str, tensor: str, as_json: bool = False) -> str:
     """How the logical (HF checkpoint) tensor `tensor` moves: who sends which bytes to whom,
     and, for gathered boxes, which source ranks hold it before the gather."""
-    with open(path, "rb") as f:
+    with open_plan(path) as f:
         header, start = read_header(f, path)
         names, t = decode_explain(read_blob(f, header, start, "explain", path), path)
         if tensor not in names:

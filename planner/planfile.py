@@ -20,6 +20,7 @@ from schemas.plan import (
     RankPlan,
     Table,
     decode_explain,
+    open_plan,
     read_blob,
     read_header,
 )
@@ -58,7 +59,7 @@ class PlanFile(PlanRanks):
 
     def __init__(self, path: str, key: bytes | None = None) -> None:
         self.path = path
-        self.f: BinaryIO = open(path, "rb")
+        self.f: BinaryIO = open_plan(path)  # a regular file only
         try:
             self.header, self.start = read_header(self.f, path, key)
             world = self.header.world

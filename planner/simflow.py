@@ -86,6 +86,13 @@ def load_checked(src: PlanRanks, progress: Callable[[str], None] | None = None
     if len(header.ranks) != world:
         raise PlanFormatError(f"simulate: the header lists {len(header.ranks)} ranks, "
                               f"the plan has {world}; the file is corrupt")
+    from schemas.config import MAX_GBPS
+
+    for name, gbps in (("nvlink_gbps", header.nvlink_gbps),
+                       *((f"nics[{i}].gbps", n.gbps) for i, n in enumerate(header.nics))):
+        if not 0 < gbps <= MAX_GBPS:  # (NaN fails too)
+            raise PlanFormatError(f"simulate: the header's {name} is {gbps!r}, not a bandwidth "
+                                  f"in (0, {MAX_GBPS:g}] Gb/s; the file is corrupt")
     out, cells = [], 0
     tick = ticker(progress, "reading ranks", world)
     for r in range(world):

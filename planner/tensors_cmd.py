@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from schemas.identity import KEYS, check_identities
-from schemas.plan import read_header
+from schemas.plan import open_plan, read_header
 from schemas.tensors import Piece, rank_tensors
 
 
@@ -38,7 +38,7 @@ def tensors_text(path: str, rank: int, as_json: bool = False) -> str:
 
 def ranks_text(path: str) -> str:
     """Every rank's role, host, GPU and identity coordinates, one line each."""
-    with open(path, "rb") as f:
+    with open_plan(path) as f:
         header, _ = read_header(f, path)
     world, sources = header.world, header.sources
     if not header.identities:

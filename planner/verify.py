@@ -34,6 +34,7 @@ from planner.verify_rank import (
     MAX_RUNS,  # noqa: F401 (part of verify's face)
     Incoming,
     acyclic,
+    balance_msgs,
     concat,
     copy_runs,  # noqa: F401
     outgoing,
@@ -44,6 +45,7 @@ from planner.verify_rank import (
     rank_sizes,
     rank_staging_fit,
 )
+from schemas import rankcheck
 from schemas.header import MAX_STAGES, PlanHeader
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, UNPACK, Plan, RankPlan
 from schemas.protocol import (
@@ -56,7 +58,7 @@ from schemas.protocol import (
     write_stages,
 )
 
-CHECKS = ("bounds", "coverage", "sizes", "staging_fit", "order", "dataflow", "balance")
+CHECKS = ("bounds", "roles", "coverage", "sizes", "staging_fit", "order", "dataflow", "balance")
 Progress = Callable[[str], None]
 _OFF = 2 * SLOTS
 _NS = MAX_STAGES + 2 * _OFF
@@ -95,6 +97,7 @@ class _Survey:
         self.pairs: list[np.ndarray] = []
         self.egress: dict[str, int] = {}
         self.size_msgs: list[str] = []
+        self.role_msgs: list[str] = []
         self.second: list[int] = []
 
     def add(self, rp: RankPlan, header: PlanHeader) -> None:
@@ -108,6 +111,7 @@ class _Survey:
             return  # its columns may be anything: nothing more is read from them
         opts = header.options
         self.size_msgs += rank_sizes(rp, opts.max_write_bytes, opts.staging_bytes)
+        self.role_msgs += rankcheck.roles(rp)  # writes into sources: `_Results.add`, exact
         if rp.role == "source" and rp.nics:
             self.egress[rp.nics[0]] = self.egress.get(rp.nics[0], 0) + rank_egress(rp)
         s, g = rp.signals, rp.waits
@@ -232,21 +236,6 @@ def _order(survey: _Survey, nodes_edges: tuple, acks: list[tuple[int, int, str]]
     return out[:5]
 
 
-def _balance(header: PlanHeader, egress: dict[str, int], replicated: bool | None) -> list[str]:
-    if not (header.source_replicated if replicated is None else replicated):
-        return []
-    if len(egress) < 2:
-        return []
-    slack = max(header.options.max_write_bytes, header.model.longest_row_bytes,
-                header.stats.gather_unit_max)
-    mean = sum(egress.values()) / len(egress)
-    name, most = max(egress.items(), key=lambda kv: kv[1])
-    if most > mean + slack:
-        return [f"NIC {name} sends {most} bytes, more than the mean {mean:.0f} over "
-                f"{len(egress)} source NICs plus one unit ({slack} bytes)"]
-    return []
-
-
 class _Results:
     """What the checks against the writes that land in a rank found, rank by rank."""
 
@@ -256,6 +245,7 @@ class _Results:
         self.dataflow: list[str] = []
         self.written: dict[tuple[int, int], int] = {}
         self.acks: list[tuple[int, int, str]] = []
+        self.roles: list[str] = []
 
     def add(self, rp: RankPlan, survey: _Survey) -> None:
         r = rp.rank
@@ -268,6 +258,11 @@ class _Results:
             self.staging_fit += rank_staging_fit(rp, inc)
         self.dataflow += rank_dataflow(rp, inc)
         self.acks += _acks(rp, inc, survey.waited, survey.world)
+        if rp.role == "source" and (inc.region != sg).any():
+            i = int(np.argmax(inc.region != sg))
+            self.roles.append(f"rank {int(inc.src[i])} writes region {int(inc.region[i])} of "
+                              f"source rank {r}, which is not that rank's staging; a source's "
+                              f"weights are never written ({rankcheck.FIX})")
 
 
 def check(src: PlanRanks, progress: Progress | None = None, stop_on_bounds: bool = True,
@@ -300,7 +295,8 @@ def check(src: PlanRanks, progress: Progress | None = None, stop_on_bounds: bool
         res.add(src.rank(r), survey)
         tick(i)
     out["sizes"] = survey.size_msgs
-    out["balance"] = _balance(header, survey.egress, replicated)
+    out["roles"] = (survey.role_msgs + res.roles)[:5]
+    out["balance"] = balance_msgs(header, survey.egress, replicated)
     out["coverage"], out["staging_fit"] = res.coverage, res.staging_fit
     out["dataflow"] = res.dataflow[:5]
     nodes, edges, cov = src.dag()
@@ -322,6 +318,12 @@ def check(src: PlanRanks, progress: Progress | None = None, stop_on_bounds: bool
 
 def _one(plan: Plan, name: str) -> list[str]:
     return check(PlanRanks(plan), stop_on_bounds=False)[name]
+
+
+def roles(plan: Plan) -> list[str]:
+    """Each op writes only what its role may (`schemas.rankcheck.roles`; writes into a
+    source exact here: every rank's staging index is known)."""
+    return _one(plan, "roles")
 
 
 def bounds(plan: Plan) -> list[str]:
@@ -371,7 +373,7 @@ def balance(plan: Plan, replicated: bool | None = None) -> list[str]:
     longer: `split_rows` never cuts a row); a box that takes the gather pass goes to its
     least-loaded owner as one unit of its whole fan-out (`stats.gather_unit_max`). The
     slack allowed is the larger unit."""
-    return _balance(plan.header, nic_egress(plan), replicated)
+    return balance_msgs(plan.header, nic_egress(plan), replicated)
 
 
 def _report(res: dict[str, list[str]]) -> list[str]:

@@ -15,6 +15,7 @@ import numpy as np
 
 from planner.passes.budget import ALIGN
 from schemas.bounds import violations
+from schemas.header import PlanHeader
 from schemas.plan import PACK, QUANT, STAGING, UNPACK, PlanFormatError, RankPlan
 from schemas.protocol import (
     ITEM,
@@ -376,3 +377,20 @@ def acyclic(n: int, u: np.ndarray, v: np.ndarray) -> bool:
         np.subtract.at(indeg, succ, 1)
         frontier = np.unique(succ[before & (indeg[succ] == 0)])
     return seen == n
+
+
+def balance_msgs(header: PlanHeader, egress: dict[str, int], replicated: bool | None
+                 ) -> list[str]:
+    """No source NIC sends more than the mean plus one unit (a replicated source only)."""
+    if not (header.source_replicated if replicated is None else replicated):
+        return []
+    if len(egress) < 2:
+        return []
+    slack = max(header.options.max_write_bytes, header.model.longest_row_bytes,
+                header.stats.gather_unit_max)
+    mean = sum(egress.values()) / len(egress)
+    name, most = max(egress.items(), key=lambda kv: kv[1])
+    if most > mean + slack:
+        return [f"NIC {name} sends {most} bytes, more than the mean {mean:.0f} over "
+                f"{len(egress)} source NICs plus one unit ({slack} bytes)"]
+    return []

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Any
+from typing import Any, BinaryIO
 
 from .errors import ConfigError
 
@@ -34,9 +34,48 @@ def short(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 5] + "...>"
 
 
+KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+         (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+         (stat.S_ISSOCK, "a socket"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: str | os.PathLike[str], label: str, fix: str,
+                 error: type[Exception]) -> BinaryIO:
+    """`path` opened for reading in binary, only if it is a regular file (symlinks
+    followed): a FIFO, a device, a socket or a folder is refused at once (opened without
+    blocking, checked on the open descriptor), as is a NUL byte in the path. Errors are
+    `error("{label}: {path!r} ...; {fix}")`, one line."""
+    name = os.fspath(path)
+    if isinstance(name, bytes):
+        name = name.decode("utf-8", "replace")
+    if "\0" in name:
+        raise error(f"{label}: {short(name)} has a NUL byte in it; {fix}")
+    try:
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise error(f"{label}: {short(name)} does not exist; {fix}") from None
+    except OSError as e:
+        raise error(f"{label}: {short(name)} cannot be opened ({e.strerror}); {fix}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise error(f"{label}: {short(name)} is {_kind(mode)}, not a regular file; {fix}")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_text(path: str, key: str, what: str) -> str:
     """The text of the regular file `path`, at most `MAX_FILE_BYTES`; else a ConfigError
     naming `key` (the config key that gave the path) and `what` the file should be."""
+    if "\0" in str(path):
+        raise ConfigError(f"{key}: {short(path)} has a NUL byte in it; give the path to {what}")
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):

@@ -75,9 +75,17 @@ def _positive(section: str, name: str, value: int | None) -> None:
         _fail(f"{section}.{name}", value, "must be a positive integer (>= 1)")
 
 
+MAX_GBPS = 1e6
+"""Fastest link a config (or a plan's header) may claim, in Gb/s (1 Pb/s: past any NIC or
+NVLink; larger values only overflow the cost model)."""
+MAX_OVERHEAD_US = 1e6
+"""Largest fixed cost of one op the cost model takes, in microseconds (1 s)."""
+
+
 def _bandwidth(key: str, value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        _fail(key, value, "must be a positive bandwidth (a finite number > 0)")
+    if not (math.isfinite(value) and 0 < value <= MAX_GBPS):
+        _fail(key, value, f"must be a positive bandwidth in Gb/s (a number > 0, at most "
+              f"{MAX_GBPS:g})")
 
 
 def _world(keys: str, world: int) -> None:
@@ -312,8 +320,9 @@ class Options:
         _bandwidth("options.pack_gbps", self.pack_gbps)
         for name in ("write_overhead_us", "pack_overhead_us"):
             value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                _fail(f"options.{name}", value, "must be a finite number >= 0")
+            if not (math.isfinite(value) and 0 <= value <= MAX_OVERHEAD_US):
+                _fail(f"options.{name}", value, f"must be a number of microseconds in [0, "
+                      f"{MAX_OVERHEAD_US:g}]")
 
 
 @dataclass(frozen=True, slots=True)

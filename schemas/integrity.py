@@ -35,13 +35,15 @@ def rank_digest(header: PlanHeader, rank: int) -> bytes:
 def plan_key(key: bytes | str | os.PathLike[str]) -> bytes:
     """A signing key: the bytes themselves, or the contents of the file at a path."""
     if isinstance(key, (str, os.PathLike)):
+        from .bounded import open_regular
+
+        fix = "give the key file the plan was signed with (e.g. head -c 32 /dev/urandom > plan.key)"
         try:
-            with open(key, "rb") as f:
+            with open_regular(key, "plan key file", fix, PlanFormatError) as f:
                 data = f.read(MAX_KEY_BYTES + 1)
         except OSError as e:
             raise PlanFormatError(f"plan key file {str(key)!r}: cannot be read "
-                                  f"({e.strerror}); give the file the plan was signed with") \
-                from None
+                                  f"({e.strerror}); {fix}") from None
         key = data.strip() if data.strip() else data
     if not isinstance(key, bytes) or not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
         size = len(key) if isinstance(key, bytes) else type(key).__name__

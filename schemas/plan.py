@@ -18,6 +18,7 @@ What a rank does with its part, stage by stage, and every rule about it: `schema
 from __future__ import annotations
 
 import hashlib
+import io
 import struct
 from dataclasses import dataclass, field
 from itertools import chain
@@ -262,19 +263,57 @@ def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=32).digest()
 
 
-def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
-    try:  # never ask for more than the file holds (an absurd size must not allocate)
-        import os
+MAX_HEADER_BYTES = 64 << 20
+"""Largest plan header read (a world of 65,536 ranks indexes its blobs in a few MB)."""
+CHUNK = 16 << 20
+"""Bytes read at a time: a declared size is never allocated before its bytes are there."""
 
-        left = os.fstat(f.fileno()).st_size - f.tell()
-    except (AttributeError, OSError, ValueError):
-        left = n
-    if n > left:
-        raise PlanFormatError(f"{what}: file is truncated (wanted {n} bytes, got {left})")
-    data = f.read(n)
-    if len(data) != n:
-        raise PlanFormatError(f"{what}: file is truncated (wanted {n} bytes, got {len(data)})")
-    return data
+
+def _stored(f: BinaryIO, start: int, n: int) -> int:
+    """Bytes of `[start, start + n)` the file really holds before its first hole (a sparse
+    file reads zeros there without storing them: its size is no proof of its bytes)."""
+    import os
+
+    try:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        if start + n > size:
+            return max(0, size - start)
+        raw = os.lseek(fd, 0, os.SEEK_CUR)
+        try:
+            hole = os.lseek(fd, start, os.SEEK_HOLE)
+        finally:
+            os.lseek(fd, raw, os.SEEK_SET)  # where the buffered reader left it
+        return min(n, max(0, hole - start))
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return n
+
+
+def _read_exact(f: BinaryIO, n: int, what: str, digest: bytes | None = None) -> bytes:
+    """`n` bytes from `f`, refused before anything is allocated unless the file holds them
+    (no hole, not past its end), read `CHUNK` at a time; with `digest`, their blake2b-256
+    computed as they arrive and compared at the end."""
+    at = f.tell()
+    have = _stored(f, at, n)
+    if have < n:
+        raise PlanFormatError(f"{what}: declares {n:,} bytes at offset {at:,} but the file "
+                              f"holds {have:,} there (truncated, or sparse: a hole reads as "
+                              "zeros); the file is corrupt")
+    h = hashlib.blake2b(digest_size=32) if digest is not None else None
+    parts = []
+    left = n
+    while left:
+        part = f.read(min(left, CHUNK))
+        if not part:
+            raise PlanFormatError(f"{what}: file is truncated (wanted {n} bytes, got "
+                                  f"{n - left})")
+        if h is not None:
+            h.update(part)
+        parts.append(part)
+        left -= len(part)
+    if h is not None and h.digest() != digest:
+        raise PlanFormatError(f"{what}: checksum mismatch; the file is corrupt")
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def read_raw_header(f: BinaryIO, path: str = "plan") -> tuple[dict[str, Any], int]:
@@ -296,8 +335,9 @@ def _read_raw_header(f: BinaryIO, path: str) -> tuple[bytes, dict[str, Any], int
     if version != FORMAT_VERSION:
         raise PlanFormatError(f"{path}: plan format version {version} is not supported (this "
                               f"build reads version {FORMAT_VERSION}); recompile the plan")
-    if hlen > (1 << 31):
-        raise PlanFormatError(f"{path}: header length {hlen} is implausible; file is corrupt")
+    if hlen > MAX_HEADER_BYTES:
+        raise PlanFormatError(f"{path}: header length {hlen:,} is over the {MAX_HEADER_BYTES:,}"
+                              " bytes a plan header may have; the file is corrupt")
     header_bytes = _read_exact(f, hlen, path)
     if _read_exact(f, 32, path) != _digest(header_bytes):
         raise PlanFormatError(f"{path}: header checksum mismatch; the file is corrupt")
@@ -345,16 +385,23 @@ def read_blob(f: BinaryIO, header: PlanHeader, start: int, name: str,
     if entry is None:
         raise PlanFormatError(f"{path}: has no blob {name!r}")
     f.seek(start + entry.offset)
-    data = _read_exact(f, entry.length, f"{path} blob {name!r}")
-    if _digest(data) != entry.digest:
-        raise PlanFormatError(f"{path}: checksum mismatch in blob {name!r}; the file is corrupt")
+    data = _read_exact(f, entry.length, f"{path} blob {name!r}", entry.digest)
     return _unpack(data, f"{path} blob {name!r}")
+
+
+def open_plan(path: str) -> BinaryIO:
+    """The plan file at `path`, opened for reading: a regular file only (a FIFO, a device
+    or a folder is refused at once, never read), no NUL byte in the path."""
+    from .bounded import open_regular
+
+    return open_regular(path, "plan", "give the path of a plan file (rdma-plan compile "
+                        "writes one)", PlanFormatError)
 
 
 def load_rank(path: str, rank: int, key: bytes | None = None) -> tuple[PlanHeader, RankPlan]:
     """Header and one rank's part, without decoding the other ranks (`key`: see
     `read_header`)."""
-    with open(path, "rb") as f:
+    with open_plan(path) as f:
         header, start = read_header(f, path, key)
         if f"rank/{rank}" not in header.blobs:
             raise PlanFormatError(f"{path}: plan has no rank {rank} (it has {header.world} "
@@ -368,7 +415,7 @@ def load_rank(path: str, rank: int, key: bytes | None = None) -> tuple[PlanHeade
 
 def load_plan(path: str, key: bytes | None = None) -> Plan:
     """The whole plan (tools, tests, verify)."""
-    with open(path, "rb") as f:
+    with open_plan(path) as f:
         header, start = read_header(f, path, key)
         world = header.world
         names = [n for n in header.blobs if n.startswith("rank/")]

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .identity import plan_identity
-from .plan import STAGING, PlanFormatError, RankPlan, Table, read_blob, read_header
+from .plan import STAGING, PlanFormatError, RankPlan, Table, _int, open_plan, read_blob, read_header
 
 PIECE_COLUMNS = (("region", "<i4"), ("tensor", "<i4"), ("off0", "<i8"), ("off1", "<i8"),
                  ("size0", "<i8"), ("size1", "<i8"), ("start", "<i8"), ("stride0", "<i8"),
@@ -106,7 +106,7 @@ def _blob(f: Any, header: Any, start: int, rank: int, path: str) -> dict:
 
 def rank_tensors(path: str, rank: int) -> RankTensors:
     """The tensors rank `rank` of the plan at `path` binds, with their pieces."""
-    with open(path, "rb") as f:
+    with open_plan(path) as f:
         header, start = read_header(f, path)
         if f"rank/{rank}" not in header.blobs:
             raise PlanFormatError(f"{path}: plan has no rank {rank} (it has "
@@ -124,10 +124,10 @@ def _decode(raw: dict, rp: RankPlan, path: str) -> tuple[BoundTensor, ...]:
     what = f"{path} tensors/{rp.rank}"
     try:
         names = [str(n) for n in raw["names"]]
-        shapes = [tuple(int(x) for x in s) for s in raw["shapes"]]
+        shapes = [tuple(_int(x) for x in s) for s in raw["shapes"]]
         flags = np.frombuffer(raw["buffer"], dtype=np.uint8)
         table = Table.from_msgpack(PIECE_COLUMNS, raw["pieces"], what)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise PlanFormatError(f"{what}: malformed ({type(e).__name__}: {e})") from None
     regions = [r for r in rp.regions if r.name != STAGING]
     if len(flags) != len(regions) or len(names) != len(shapes):

@@ -247,3 +247,56 @@ def test_a_rendezvous_port_held_by_another_service_is_refused_in_time():
         assert time.monotonic() - t0 < 15
         with pytest.raises(RendezvousError, match=f"127.0.0.1:{port} .*could not host"):
             open_store(f"127.0.0.1:{port}", 0, 1.0)  # rank 0 cannot host on a taken port
+
+
+def _replayer(store: Dict, key: str, values: list[bytes], stop) -> None:
+    """A stray without the secret: writes captured (validly sealed) old records back."""
+    i = 0
+    while not stop.is_set():
+        store.set(key, values[i % len(values)])
+        i += 1
+        time.sleep(0.02)
+
+
+def test_replayed_leases_block_no_restart_and_steer_no_blame():
+    """Issue 35: a dead process's lease records, captured while it beat and replayed in a
+    loop (each one different, each validly sealed), are no evidence of life: a new process
+    takes the rank, and blame names the dead rank, not a live one."""
+    import threading
+
+    from executor.blame import Blame
+
+    store = Dict()
+    dead = Control(store, KEYS, "rplan", 2, 100, timeout_s=5)
+    live = Control(store, KEYS, "rplan", 1, 50, timeout_s=5)
+    assert not dead.claim() and not live.claim()
+    captured: list[bytes] = []
+    t_end = time.monotonic() + 1.2
+    while time.monotonic() < t_end:  # the stray reads the store while rank 2 is alive
+        v = store.get("rplan/lease/2")
+        if v not in captured:
+            captured.append(v)
+        time.sleep(0.02)
+    assert len(captured) >= 3
+    dead.stop.set()  # rank 2 dies
+    dead.thread.join(2)
+    time.sleep(0.5)  # (a restart, a timeout: seconds after the death; > 2 x SKEW_S)
+    stop = threading.Event()
+    stray = threading.Thread(target=_replayer, args=(store, "rplan/lease/2", captured, stop),
+                             daemon=True)
+    stray.start()
+    try:
+        watcher = Control(store, KEYS, "rplan", 0, 7, timeout_s=5)
+        blame = Blame(watcher, 3, 0)
+        blame.start(0.0)  # a wait that times out now: snapshot, then a lease period later
+        blame.expired()
+        time.sleep(control.LEASE_S + 0.1)
+        assert blame.culprit(1) == 2  # rank 1 (alive) is waited on; rank 2 is the dead one
+        new = Control(store, KEYS, "rplan", 2, 300, timeout_s=5)
+        assert new.claim()  # not LeaseHeldError: the replay is not a heartbeat
+        assert new.gen == 2
+        new.close()
+    finally:
+        stop.set()
+        stray.join(2)
+        live.close()

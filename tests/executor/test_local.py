@@ -91,6 +91,7 @@ def test_hundred_thousand_writes_run_in_seconds(tmp_path):
 def test_wait_without_signal_is_a_deadlock(tmp_path):
     x = region("x", "uint8", (8,))
     src = rank_plan(0, "source", [x], [(0, 1, 0, 0, 0, 0, 8)], peer_regions={1: (8,)},
+                    signals=[(0, 1, DONE)],
                     waits=[(0, 1, READY)])  # the target never sends READY
     tgt = rank_plan(1, "target", [x])
     path = save(str(tmp_path / "p.rplan"), [src, tgt])

@@ -385,10 +385,12 @@ class Worker:
         from planner.simulate import simulate
         from planner.verify import verify_file
 
+        found: list[str] = []
         for name, fn in (("inspect", lambda: inspect_text(path)),
-                         ("verify", lambda: verify_file(path)),
+                         ("verify", lambda: found.extend(verify_file(path))),
                          ("simulate", lambda: simulate(path))):
             ans[name] = _outcome(fn)
+        ans["violation"] = found[0] if found else None  # verify's first, if it read the plan
         return ans
 
     def _mixed(self, path: str, plan: Any, world: _World, want: dict[int, Any],

@@ -12,6 +12,9 @@ Modes:
   descriptors (sealed under a key of its own: a hijack attempt), and move rank 1's record to
   rank 0's key.
 - `garbage`: random bytes, an oversized step and a truncated record into the store.
+- `replay --ranks R,... --capture S`: read those ranks' lease records for S seconds (every
+  value they take: sealed with the secret, so valid), then write them back, cycling through
+  them every 30 ms, until the test says stop (a replay: no secret needed).
 
 Prints one JSON line of what it did. Never waits more than a few seconds.
 """
@@ -31,7 +34,7 @@ sys.path.insert(0, ROOT)
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["forge", "records", "garbage"])
+    p.add_argument("mode", choices=["forge", "records", "garbage", "replay"])
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--plan", required=True)
     p.add_argument("--target", default="2", help="ranks, comma-separated")
@@ -39,6 +42,7 @@ def main() -> int:
     p.add_argument("--step", type=int, default=1)
     p.add_argument("--secret", default="")
     p.add_argument("--ranks", default="0")
+    p.add_argument("--capture", type=float, default=2.0)
     p.add_argument("--spoof", action="store_true",
                    help="forge: one agent per claimed rank, named like that rank's agent")
     a = p.parse_args()
@@ -50,6 +54,8 @@ def main() -> int:
                           timeout=timedelta(seconds=10))
     if a.mode == "garbage":
         return _garbage(store)
+    if a.mode == "replay":
+        return _replay(store, [int(r) for r in a.ranks.split(",")], a.capture)
     from nixl import nixl_agent, nixl_agent_config
 
     agent = nixl_agent(f"stray-{os.getpid()}", nixl_agent_config(enable_prog_thread=False,
@@ -110,6 +116,27 @@ def _records(store, agent, ranks: list[int]) -> int:
         store.set(key, seal(mine, key, r, 2**63, 99, 0, info))
     store.set("rplan/rank/0", store.get("rplan/rank/1"))  # a real record, moved
     print(json.dumps({"forged": ranks, "moved": "rplan/rank/1 -> rplan/rank/0"}), flush=True)
+    return 0
+
+
+def _replay(store, ranks: list[int], capture_s: float) -> int:
+    seen: dict[int, list[bytes]] = {r: [] for r in ranks}
+    end = time.monotonic() + capture_s
+    while time.monotonic() < end:
+        for r in ranks:
+            if store.check([f"rplan/lease/{r}"]):
+                v = store.get(f"rplan/lease/{r}")
+                if v not in seen[r]:
+                    seen[r].append(v)
+        time.sleep(0.01)
+    print(json.dumps({"captured": {r: len(v) for r, v in seen.items()}}), flush=True)
+    i, end = 0, time.monotonic() + 120
+    while time.monotonic() < end and not store.check(["stray/stop"]):
+        for r, values in seen.items():
+            if values:
+                store.set(f"rplan/lease/{r}", values[i % len(values)])
+        i += 1
+        time.sleep(0.03)
     return 0
 
 

@@ -1,0 +1,132 @@
+"""The per-rank checks of `verify` that need one rank's plan and the header only: the
+executor runs them at load (`executor/check.py`), `rdma-plan verify` runs them on every
+rank (`planner/verify.py`), so a plan `verify` refuses for one of these reasons never runs.
+
+- `roles`: each op writes only the memory its role may. A source's copies (PACK, QUANT)
+  write only its staging; a target's copies (UNPACK) write its own tensors, never its
+  staging; a write into a source peer lands only in that peer's staging (a gather), never
+  in its registered weights. (The kinds each role runs, and every op inside its regions:
+  `schemas.bounds`.)
+- `sizes`: no write above `options.max_write_bytes`, staging within `options.staging_bytes`.
+- `signals`: a rank that writes to a peer in stage s sends that peer DONE in stage s and
+  waits for its READY (stage 0): writes never land unannounced or into a busy target.
+
+What verify checks that is not here, and why: `coverage` (every logical byte written once)
+and `dataflow`/`staging_fit` need the writes of every peer into this rank; `order` pairs
+signals across ranks and walks the stage DAG; `balance` sums the NICs of every source. Each
+needs the other ranks' blobs: a rank reads only its own (a world of thousands of ranks, each
+reading every blob, is quadratic). Those plans are caught where the plan is signed (the key
+holder ran `verify`) or, for a tampered unsigned plan, not at all: `docs/reliability.md`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from .header import PlanHeader
+from .plan import DONE, PACK, QUANT, READY, STAGING, UNPACK, RankPlan
+from .protocol import staging_index, wait_stage, write_stages
+
+FIX = "the plan is corrupt or was tampered with: recompile it"
+
+
+def peer_roles(header: PlanHeader) -> list[str] | None:
+    """The role of every rank per the header (None where the header does not say)."""
+    if header.world and len(header.ranks) == header.world:
+        return [r.role for r in header.ranks]
+    if header.world and header.sources:
+        return ["source" if r < header.sources else "target" for r in range(header.world)]
+    return None
+
+
+def header_staging(header: PlanHeader) -> list[int] | None:
+    """Staging bytes of every rank per the header (None where the header does not say)."""
+    if header.world and len(header.rank_stats) == header.world:
+        return [s.staging for s in header.rank_stats]
+    return None
+
+
+def roles(rp: RankPlan, roles_: Sequence[str] | None = None,
+          peer_staging: dict[int, int] | None = None,
+          staging_bytes: Sequence[int] | None = None) -> Iterator[str]:
+    """Messages of the role checks `rp` fails. `roles_`: every rank's role; `peer_staging`:
+    the staging region index of each peer (-1: none), where known (verify); else
+    `staging_bytes`: each rank's staging size (the header's `rank_stats`), which a write into
+    a source peer's region must match (the executor at load; exact again at connect)."""
+    c, sg, where = rp.copies, staging_index(rp), f"rank {rp.rank}"
+    packs = np.isin(c["kind"], (PACK, QUANT))
+    bad = np.flatnonzero(packs & (c["dst_region"] != sg))
+    if len(bad):
+        i = int(bad[0])
+        yield (f"{where}: copy {i} (a PACK or QUANT) writes region {int(c['dst_region'][i])}"
+               f"{_name(rp, int(c['dst_region'][i]))}, not its staging; a source's copies "
+               f"write only staging, never its weights ({len(bad)} such copies); {FIX}")
+    bad = np.flatnonzero((c["kind"] == UNPACK) & (c["dst_region"] == sg))
+    if len(bad):
+        yield (f"{where}: copy {int(bad[0])} (an UNPACK) writes into its own staging; an "
+               f"unpack writes the target's tensors ({len(bad)} such copies); {FIX}")
+    if roles_ is None:
+        return
+    w = rp.writes
+    for peer in np.unique(w["dst_rank"]).tolist():
+        if not 0 <= peer < len(roles_) or roles_[peer] != "source":
+            continue
+        sel = np.flatnonzero(w["dst_rank"] == peer)
+        regs = w["dst_region"][sel]
+        if peer_staging is not None:
+            bad = sel[regs != peer_staging.get(peer, -1)]
+        elif staging_bytes is not None and 0 <= peer < len(staging_bytes):
+            size = dict(dict(rp.peer_regions).get(peer, ()))
+            want = staging_bytes[peer]
+            bad = sel[[not want or size.get(int(r)) != want for r in regs.tolist()]]
+        else:
+            continue
+        if len(bad):
+            i = int(bad[0])
+            yield (f"{where}: write {i} lands in region {int(w['dst_region'][i])} of source "
+                   f"rank {peer}, which is not that rank's staging; a source's weights are "
+                   f"never written ({len(bad)} such writes); {FIX}")
+
+
+def _name(rp: RankPlan, region: int) -> str:
+    return f" ({rp.regions[region].name})" if 0 <= region < len(rp.regions) else ""
+
+
+def sizes(rp: RankPlan, max_write_bytes: int, staging_bytes: int | None) -> Iterator[str]:
+    """Writes within `max_write_bytes` (0: no cap), staging within `staging_bytes`."""
+    w = rp.writes
+    if max_write_bytes and len(w) and int(w["nbytes"].max()) > max_write_bytes:
+        yield (f"rank {rp.rank}: a write of {int(w['nbytes'].max())} bytes exceeds "
+               f"max_write_bytes={max_write_bytes}")
+    for r in rp.regions:
+        if r.name == STAGING and staging_bytes is not None and r.nbytes > staging_bytes:
+            yield (f"rank {rp.rank}: staging of {r.nbytes} bytes exceeds "
+                   f"staging_bytes={staging_bytes}")
+
+
+def signals(rp: RankPlan) -> Iterator[str]:
+    """Every (stage, peer) this rank writes to has its DONE sent and the peer's READY
+    awaited."""
+    w = rp.writes
+    if not len(w):
+        return
+    pairs = np.unique(np.stack([write_stages(rp), w["dst_rank"].astype(np.int64)]), axis=1)
+    sent = set(zip(rp.signals["stage"].tolist(), rp.signals["peer"].tolist(),
+                   rp.signals["kind"].tolist()))
+    waited = set(zip(rp.waits["stage"].tolist(), rp.waits["peer"].tolist(),
+                     rp.waits["kind"].tolist()))
+    ready = int(wait_stage(READY, 0))
+    for s, p in pairs.T.tolist():
+        if (s, p, DONE) not in sent or (ready, p, READY) not in waited:
+            yield (f"rank {rp.rank} writes to rank {p} in stage {s} without READY and DONE "
+                   f"signals; {FIX}")
+            return
+
+
+def rank_violations(rp: RankPlan, header: PlanHeader) -> Iterator[str]:
+    """Every check above, as the executor runs them at load (after `schemas.bounds`)."""
+    yield from roles(rp, peer_roles(header), None, header_staging(header))
+    yield from sizes(rp, header.options.max_write_bytes, header.options.staging_bytes)
+    yield from signals(rp)
