@@ -130,7 +130,7 @@ class Shards:
         return None
 
 
-def expected_digests(config: str, plan_rank: int,
+def expected_digests(config: str, model_config: str, plan_rank: int,
                      shards: dict[str, torch.Tensor]) -> dict[str, str]:
     """sha256 of every tensor the engine must hold, keyed as vLLM's weight checker keys them
     (`dp0:pp0:pcp0:tp{t}:{name}`): the trainer's shards are gathered to rank 0, put back
@@ -147,7 +147,7 @@ def expected_digests(config: str, plan_rank: int,
     if dist.get_rank() != 0:
         return {}
     cfg = load_config(config)
-    with open(cfg.model.config) as f:
+    with open(model_config) as f:
         hf = json.load(f)
     spec = spec_from_hf(hf, mtp=False)
     full = {t.name: torch.zeros(t.shape, dtype=torch.float32) for t in spec.tensors}
@@ -250,7 +250,8 @@ def main() -> int:
         if rank == 0:
             post(args.url, "resume")
         t3 = time.perf_counter()
-        want = expected_digests(args.config, binding.rank, binding.tensors)
+        want = expected_digests(args.config, os.path.join(args.model, "config.json"),
+                                binding.rank, binding.tensors)
         mine = trainer_logprobs(model, probe, args.variant)  # a collective: every rank
         if rank != 0:
             continue
