@@ -111,6 +111,17 @@ def megatron_forward(model: torch.nn.Module, ids: torch.Tensor,
     return torch.cat(parts, -1)
 
 
+def sum_qk_norm_grads(model: torch.nn.Module) -> None:
+    """Megatron's `finalize_model_grads` rule for q/k layernorms under TP (without its DDP
+    wrapper): each TP rank holds the whole weight but sees only its heads, so the gradients
+    are summed over the TP group; without it the replicas drift apart rank by rank."""
+    from megatron.core import parallel_state as ps
+
+    for name, p in model.named_parameters():
+        if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+            dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+
+
 class Shards:
     """A vLLM `WeightSource` over this rank's bound shards (the live storage; the optimizer
     updates it in place, so each round sends the current values without a copy)."""
@@ -232,10 +243,12 @@ def main() -> int:
                 g = torch.Generator().manual_seed(1000 + step)
                 batch = torch.randint(0, vocab, (4, 33), generator=g)
                 loss_t = megatron_forward(model, batch[:, :-1], batch[:, 1:]).mean()
+                loss_t.backward()
+                sum_qk_norm_grads(model)
             else:  # data parallel: each rank its own batch
                 batch = torch.randint(0, vocab, (4, 32), generator=gen)
                 loss_t = model(batch, labels=batch).loss
-            loss_t.backward()
+                loss_t.backward()
             opt.step()
             opt.zero_grad()
             loss = loss_t.item()
