@@ -47,7 +47,7 @@ def test_rl_loop_live_vllm_tp2(variant: str, tmp_path: pytest.TempPathFactory) -
                        timeout=1800)
     out = r.stdout + r.stderr
     steps = [m for line in r.stdout.splitlines() if (m := STEP.match(line.strip()))]
-    sys.stdout.write(r.stdout[-4000:])
+    sys.stdout.write("".join(m.group(0) + "\n" for m in steps))  # the figures, with -s
     assert r.returncode == 0, out[-6000:]
     assert [m.group(1) for m in steps] == ["step-0", "step-1", "step-2", "step-3"], out[-6000:]
     previous = "None"
