@@ -88,7 +88,7 @@ def main() -> int:
     # job; trainer ranks and vLLM workers inherit it)
     os.environ.setdefault("RDMA_PLAN_SECRET", secrets.token_hex(32))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # still stop the server
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_TARGET_DEVICE="cpu",
+    env = dict(os.environ, PYTHONPATH=REPO, VLLM_SERVER_DEV_MODE="1", VLLM_TARGET_DEVICE="cpu",
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"))
     # = `vllm serve MODEL ...`; vllm-cpu 0.32.0's `vllm` script fails at start (it asks
@@ -99,7 +99,7 @@ def main() -> int:
          "--dtype", "float32", "--load-format", "dummy", "--max-model-len", "256",
          "--max-num-seqs", "4", "--enforce-eager",  # no torch.compile warm-up: minutes on CPU
          "--weight-transfer-config", '{"backend": "rdma_plan"}'],
-        env=env, start_new_session=True)
+        env=env, cwd=REPO, start_new_session=True)  # this checkout's rdma-plan
     try:
         t0 = time.monotonic()
         wait_healthy(url, server, args.startup_timeout)
