@@ -35,13 +35,20 @@ def unpack(model: torch.nn.Module, regions: list[Any]) -> list[tuple[str, Callab
     for name, m in model.named_modules():
         r = planned.get(f"{name}.weight" if name else "weight")
         w = getattr(m, "weight", None)
-        if r is None or not hasattr(m, "cpu_linear") or not isinstance(w, torch.Tensor):
+        if r is None or not packed(m) or not isinstance(w, torch.Tensor):
             continue
         if w.numel() == 0 and r.dtype in DTYPES:
             m.weight = torch.nn.Parameter(torch.zeros(tuple(r.shape), dtype=DTYPES[r.dtype]),
                                           requires_grad=False)
         out.append((name, lambda m=m: repack(m)))
     return out
+
+
+def packed(layer: torch.nn.Module) -> bool:
+    """Whether the layer's CPU GEMM computes with a copy of its own: the packed kernels'
+    `cpu_linear` closes over it (handler, packed weight); the plain `F.linear` fallback
+    (no vLLM `_C` kernels, e.g. the PyPI vllm wheel on CPU) closes over nothing."""
+    return bool(getattr(getattr(layer, "cpu_linear", None), "__closure__", None))
 
 
 def repack(layer: torch.nn.Module) -> None:
