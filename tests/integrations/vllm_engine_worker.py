@@ -85,8 +85,8 @@ def reference(case: dict, rank: int, seed: int) -> torch.nn.Module:
 
 
 def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from integrations.vllm import live_tensors
     from integrations.vllm_checks import mla_modules
+    from integrations.vllm_content import live_tensors
 
     out = dict(live_tensors(model))
     for prefix, m in mla_modules(model).items():
@@ -115,7 +115,7 @@ class Shim:
     order and session rules, plus the test's `check` and `skip_refresh`."""
 
     def __init__(self, case: dict, rank: int, cfg, model, engine) -> None:  # noqa: ANN001
-        from integrations.vllm import pointers
+        from integrations.vllm_content import pointers
 
         self.case, self.rank, self.cfg, self.model, self.engine = case, rank, cfg, model, engine
         self.active, self.ptrs, self.saved = False, {}, None

@@ -105,7 +105,7 @@ def moe_checks(cfg) -> None:  # noqa: ANN001
 
 def dense_checks(cfg) -> None:  # noqa: ANN001
     from integrations import vllm_checks as checks
-    from integrations.vllm import live_tensors
+    from integrations.vllm_content import live_tensors
     from schemas.plan import Region
 
     hf = DENSE_MLA

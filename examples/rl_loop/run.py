@@ -1,0 +1,128 @@
+"""An RL loop with a live vLLM engine refitted through rdma-plan after every training step.
+
+    bash scripts/setup.sh --test                                   # once: makes the live venv
+    ~/.cache/rdma-plan/live-venv/bin/python examples/rl_loop/run.py --steps 3
+
+1. writes the tiny model folder vLLM serves (`model/config.json` and a word-level tokenizer
+   built locally: no download), and compiles the plan (`fsdp2.yaml`);
+2. starts `vllm serve` on it: TP 2, fp32, dummy weights, `--weight-transfer-config
+   '{"backend": "rdma_plan"}'` (the backend comes in through vLLM's `vllm.general_plugins`
+   entry point), `VLLM_SERVER_DEV_MODE=1` for the RL routes (pause, resume, weight sync,
+   weight checker);
+3. runs the trainer ranks under torchrun (`train.py`), which refit the engine after every
+   step and check it; exits non-zero when any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_model(folder: str) -> None:
+    """config.json and a word-level tokenizer of `vocab_size` tokens `t0 t1 ...`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    shutil.copy(os.path.join(HERE, "model", "config.json"), folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0",
+                   "bos_token": "t1", "eos_token": "t2", "model_max_length": 512}, f)
+
+
+def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if server.poll() is not None:
+            raise SystemExit(f"run.py: vllm serve exited with code {server.returncode} before "
+                             "it was up; its log is above")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5):
+                return
+        except OSError:
+            time.sleep(1)
+    raise SystemExit(f"run.py: vllm serve was not up within {timeout_s:g} s")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variant", choices=["fsdp2", "megatron"], default="fsdp2")
+    ap.add_argument("--steps", type=int, default=3, help="training steps (K)")
+    ap.add_argument("--workdir", help="where the model folder and plan go (default: a temp dir)")
+    ap.add_argument("--startup-timeout", type=float, default=900)
+    args = ap.parse_args()
+    work = args.workdir or tempfile.mkdtemp(prefix="rl-loop-")
+    model = os.path.join(work, "model")
+    os.makedirs(model, exist_ok=True)
+    write_model(model)
+    config = os.path.join(HERE, f"{args.variant}.yaml")
+    plan = os.path.join(work, f"{args.variant}.rplan")
+    key = os.path.join(work, "plan.key")  # the plan is signed; every loader checks it
+    with open(key, "wb") as f:
+        f.write(secrets.token_bytes(32))
+    subprocess.run([sys.executable, "-m", "planner", "compile", config, "-o", plan,
+                    "--sign-key", key], check=True, cwd=REPO)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # the job secret every plan rank authenticates its control messages with (drawn once per
+    # job; trainer ranks and vLLM workers inherit it)
+    os.environ.setdefault("RDMA_PLAN_SECRET", secrets.token_hex(32))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # still stop the server
+    env = dict(os.environ, PYTHONPATH=REPO, VLLM_SERVER_DEV_MODE="1", VLLM_TARGET_DEVICE="cpu",
+               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+               VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"))
+    # = `vllm serve MODEL ...`; vllm-cpu 0.32.0's `vllm` script fails at start (it asks
+    # importlib.metadata for a distribution named "vllm"), so its module is run instead
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+         "--port", str(port), "--tensor-parallel-size", "2",
+         "--dtype", "float32", "--load-format", "dummy", "--max-model-len", "256",
+         "--max-num-seqs", "4", "--enforce-eager",  # no torch.compile warm-up: minutes on CPU
+         "--weight-transfer-config", '{"backend": "rdma_plan"}'],
+        env=env, cwd=REPO, start_new_session=True)  # this checkout's rdma-plan
+    try:
+        t0 = time.monotonic()
+        wait_healthy(url, server, args.startup_timeout)
+        print(f"run.py: vllm serve up in {time.monotonic() - t0:.0f} s at {url}", flush=True)
+        trainer = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--master-port", str(free_port()), os.path.join(HERE, "train.py"),
+             "--variant", args.variant, "--plan", plan, "--plan-key", key, "--config", config,
+             "--model", model, "--url", url,
+             "--rendezvous", f"127.0.0.1:{free_port()}", "--steps", str(args.steps)],
+            env=dict(os.environ, PYTHONPATH=REPO, VLLM_TARGET_DEVICE="cpu",
+                     OMP_NUM_THREADS="1"), cwd=REPO)
+        return trainer.returncode
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

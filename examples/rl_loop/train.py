@@ -1,0 +1,303 @@
+"""Trainer ranks of the RL loop (run under torchrun by `run.py`; one process per rank).
+
+Each rank builds the tiny Qwen3 (transformers, fp32, random init with one seed), shards it
+(FSDP2: `fully_shard` over a 2-rank `dp_shard` mesh; Megatron-Core: a GPTModel with tensor
+parallelism 2), binds its shards to the compiled plan (`integrations.fsdp2.bind` /
+`integrations.megatron.bind`) and hands them to vLLM's trainer factory as a `WeightSource`
+(`RdmaPlanTrainerInitInfo`; rank 0 drives the engine with vLLM's `HTTPVLLMWeightSyncClient`).
+Then step 0 (the initial weights) and K training steps (AdamW on next-token loss); after each:
+pause the engine, send the weights (start, update, finish through vLLM's API), resume,
+generate, and check:
+  - the engine's prompt logprobs of fixed token ids equal this trainer's own forward
+    (max |delta logprob| printed, fp32 tolerance);
+  - the engine's weight version is the step's and advanced;
+  - the engine holds the trainer's bytes: vLLM's own per-tensor sha256
+    (`/weight_checker`, `compute_weight_checksums` on every worker) equals the sha256 of
+    the tensors the plan's target layout builds from the trainer's gathered weights.
+Prints the engine's pause (generation stopped: pause, transfer, resume) and the transfer
+(start/update/finish) time per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+import urllib.request
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def post(url: str, path: str, body: dict | None = None, timeout: float = 300) -> Any:
+    req = urllib.request.Request(f"{url}/{path}", data=json.dumps(body or {}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        data = r.read()
+    return json.loads(data) if data else None
+
+
+def get(url: str, path: str) -> Any:
+    with urllib.request.urlopen(f"{url}/{path}", timeout=60) as r:
+        return json.loads(r.read())
+
+
+def build_fsdp2(model_dir: str) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)  # every rank starts from the same weights
+    cfg = AutoConfig.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def build_megatron(model_dir: str) -> torch.nn.Module:
+    """A Megatron-Core GPTModel (local layers, no Transformer Engine) with TP over all ranks;
+    on CPU: four CUDA assumptions of Megatron-Core 0.16.1 patched out (no GPU here)."""
+    import contextlib
+
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import TransformerConfig
+
+    torch.cuda.current_device = lambda: "cpu"  # RoPE
+    mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    ps.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf = json.load(f)
+    torch.manual_seed(0)  # every TP rank draws the same full weights and keeps its part
+    tc = TransformerConfig(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_query_groups=hf["num_key_value_heads"], kv_channels=hf["head_dim"],
+        ffn_hidden_size=hf["intermediate_size"], normalization="RMSNorm",
+        layernorm_epsilon=hf["rms_norm_eps"], gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=dist.get_world_size(), use_cpu_initialization=True,
+        params_dtype=torch.float32, init_method_std=0.02, bias_activation_fusion=False,
+        masked_softmax_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, bias_dropout_fusion=False)
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    return GPTModel(tc, spec, vocab_size=hf["vocab_size"], max_sequence_length=256,
+                    share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                    rotary_base=hf["rope_theta"])
+
+
+def megatron_forward(model: torch.nn.Module, ids: torch.Tensor,
+                     labels: torch.Tensor | None = None) -> torch.Tensor:
+    """Loss per token (with labels) or the full logits gathered over the TP group."""
+    from megatron.core import parallel_state as ps
+
+    s = ids.shape[1]
+    pos = torch.arange(s).expand_as(ids)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    out = model(ids, pos, mask, labels=labels)
+    if labels is not None:
+        return out
+    parts = [torch.empty_like(out) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, -1)
+
+
+def sum_qk_norm_grads(model: torch.nn.Module) -> None:
+    """Megatron's `finalize_model_grads` rule for q/k layernorms under TP (without its DDP
+    wrapper): each TP rank holds the whole weight but sees only its heads, so the gradients
+    are summed over the TP group; without it the replicas drift apart rank by rank."""
+    from megatron.core import parallel_state as ps
+
+    for name, p in model.named_parameters():
+        if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+            dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+
+
+class Shards:
+    """A vLLM `WeightSource` over this rank's bound shards (the live storage; the optimizer
+    updates it in place, so each round sends the current values without a copy)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def metadata(self) -> list[Any]:
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
+
+    def __iter__(self):  # noqa: ANN204 - vLLM 0.32's WeightSource protocol
+        return iter(self.tensors.items())
+
+    def held_names(self) -> None:
+        return None
+
+
+def expected_digests(config: str, model_config: str, plan_rank: int,
+                     shards: dict[str, torch.Tensor]) -> dict[str, str]:
+    """sha256 of every tensor the engine must hold, keyed as vLLM's weight checker keys them
+    (`dp0:pp0:pcp0:tp{t}:{name}`): the trainer's shards are gathered to rank 0, put back
+    into full logical tensors with the source layout, and laid out with the target's."""
+    from planner.testing import logical_box, materialize, piece_view
+
+    from planner.layouts import build_layout
+    from planner.spec import spec_from_hf
+    from schemas.config_load import load_config
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (plan_rank, {n: t.detach().clone()
+                                                  for n, t in shards.items()}))
+    parts = dict(gathered)
+    if dist.get_rank() != 0:
+        return {}
+    cfg = load_config(config)
+    with open(model_config) as f:
+        hf = json.load(f)
+    spec = spec_from_hf(hf, mtp=False)
+    full = {t.name: torch.zeros(t.shape, dtype=torch.float32) for t in spec.tensors}
+    for rl in build_layout(spec, cfg.source, hf).ranks:
+        for pt in rl.tensors:
+            for piece in pt.pieces:
+                logical_box(full[piece.tensor], piece).copy_(
+                    piece_view(parts[rl.rank][pt.name], piece))
+    out = {}
+    for r, tensors in materialize(build_layout(spec, cfg.target, hf), full).items():
+        for name, t in tensors.items():
+            digest = hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy())
+            out[f"dp0:pp0:pcp0:tp{r}:{name}"] = digest.hexdigest()
+    return out
+
+
+def trainer_logprobs(model: torch.nn.Module, ids: list[int], variant: str) -> torch.Tensor:
+    with torch.no_grad():
+        if variant == "megatron":
+            logits = megatron_forward(model, torch.tensor([ids]))[0].float()
+        else:
+            logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    return lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def engine_logprobs(url: str, model_dir: str, ids: list[int]) -> tuple[torch.Tensor, list]:
+    out = post(url, "v1/completions", {"model": model_dir, "prompt": ids, "max_tokens": 4,
+                                       "temperature": 0, "prompt_logprobs": 0,
+                                       "return_token_ids": True})
+    choice = out["choices"][0]
+    lps = []
+    for i, d in enumerate(choice["prompt_logprobs"][1:], start=1):
+        lps.append(d[str(ids[i])]["logprob"])
+    return torch.tensor(lps, dtype=torch.float32), choice.get("token_ids")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variant", choices=["fsdp2", "megatron"], default="fsdp2")
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--plan-key", required=True, help="the key the plan is signed with")
+    ap.add_argument("--config", required=True, help="the plan's YAML config")
+    ap.add_argument("--model", required=True, help="the model folder vLLM serves")
+    ap.add_argument("--url", required=True, help="the vLLM server, http://host:port")
+    ap.add_argument("--rendezvous", required=True, help="host:port rank 0 hosts the plan on")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--tolerance", type=float, default=1e-3)
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    import integrations.fsdp2
+    import integrations.megatron
+    from integrations.vllm import RdmaPlanTrainerInitInfo, register
+
+    register()
+    if args.variant == "megatron":
+        model = build_megatron(args.model)
+        binding = integrations.megatron.bind(args.plan, [model])
+    else:
+        model = build_fsdp2(args.model)
+        binding = integrations.fsdp2.bind(args.plan, model)
+    client = HTTPVLLMWeightSyncClient(args.url)
+    # the plan rank is the one compiled for this rank's framework coordinates (a part
+    # compiled for another rank is refused before anything is registered)
+    info = RdmaPlanTrainerInitInfo(rank=rank, plan=args.plan, rendezvous=args.rendezvous,
+                                   identity=binding.identity, plan_key=args.plan_key)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client,
+                                                       source=Shards(binding.tensors))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with open(os.path.join(args.model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    probe = [(i * 37 + 11) % vocab for i in range(24)]  # the fixed token ids checked
+    gen = torch.Generator().manual_seed(1234 + rank)
+    version, failures = None, 0
+    for step in range(args.steps + 1):
+        loss = float("nan")
+        if step > 0:  # one optimizer step on this rank's batch (FSDP2 averages the grads)
+            if args.variant == "megatron":  # TP ranks share the batch
+                g = torch.Generator().manual_seed(1000 + step)
+                batch = torch.randint(0, vocab, (4, 33), generator=g)
+                loss_t = megatron_forward(model, batch[:, :-1], batch[:, 1:]).mean()
+                loss_t.backward()
+                sum_qk_norm_grads(model)
+            else:  # data parallel: each rank its own batch
+                batch = torch.randint(0, vocab, (4, 32), generator=gen)
+                loss_t = model(batch, labels=batch).loss
+                loss_t.backward()
+            opt.step()
+            opt.zero_grad()
+            loss = loss_t.item()
+        label = f"step-{step}"
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            post(args.url, "pause?mode=wait")
+        t1 = time.perf_counter()
+        engine.send_weights(weight_version=label)
+        t2 = time.perf_counter()
+        if rank == 0:
+            post(args.url, "resume")
+        t3 = time.perf_counter()
+        want = expected_digests(args.config, os.path.join(args.model, "config.json"),
+                                binding.rank, binding.tensors)
+        mine = trainer_logprobs(model, probe, args.variant)  # a collective: every rank
+        if rank != 0:
+            continue
+        theirs, generated = engine_logprobs(args.url, args.model, probe)
+        delta = (mine - theirs).abs().max().item()
+        got_version = get(args.url, "weight_info")["weight_version"]
+        sums = post(args.url, "weight_checker", {"action": "checksum"})["checksums"]
+        wrong = [k for k, v in want.items() if sums.get(k) != v]
+        ok = (delta <= args.tolerance and got_version == label and got_version != version
+              and not wrong and len(want) > 0)
+        failures += not ok
+        print(f"{label}: loss {loss:.4f}  max|delta logprob| {delta:.2e}  version "
+              f"{version} -> {got_version}  bytes {len(want) - len(wrong)}/{len(want)} "
+              f"tensors equal  pause {1e3 * (t3 - t0):.1f} ms (pause call "
+              f"{1e3 * (t1 - t0):.1f}, transfer {1e3 * (t2 - t1):.1f}, resume "
+              f"{1e3 * (t3 - t2):.1f})  generated {generated}  {'OK' if ok else 'FAIL'}",
+              flush=True)
+        if wrong:
+            print(f"  engine tensors that differ from the trainer's: {wrong[:5]}", flush=True)
+        version = got_version
+    engine.shutdown()
+    ok_all = torch.tensor([failures])
+    dist.broadcast(ok_all, 0)
+    dist.destroy_process_group()
+    if rank == 0:
+        print("RL loop: " + ("all steps OK" if failures == 0 else f"{failures} step(s) FAILED"),
+              flush=True)
+    return int(ok_all.item() != 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
