@@ -5,11 +5,11 @@ host a second one there (EADDRINUSE); the error says to pass a client of it, and
 from __future__ import annotations
 
 import pytest
-from tests.support.procs import master_store
 
 import executor
 from executor.errors import RendezvousError
 from executor.rendezvous import open_store
+from harness.launch import master_store
 
 
 def test_rank0_on_the_launchers_store_is_told_to_pass_a_client():

@@ -24,9 +24,10 @@ import executor
 from planner.compiler import compile_config
 from planner.spec import spec_from_hf
 from planner.validate import validate
-from schemas.config import config_from_dict
+from schemas.config_load import config_from_dict
 from schemas.identity import IdentityError, describe
-from schemas.plan import read_header, write_plan
+from schemas.plan import read_header
+from schemas.plan_write import write_plan
 from schemas.tensors import rank_tensors
 from tests.integrations.test_refusals import module, state
 from tests.support.models import qwen3
@@ -197,9 +198,9 @@ def test_adapter_swaps_are_refused(tmp_path, role, source):
     is refused, naming both identities, and the job's store holds no lease or rank record."""
     pytest.importorskip("nixl")
     pytest.importorskip("megatron.core" if role == "megatron" else "transformers")
+    from harness.launch import master_store
     from tests.integrations.test_adapters import compile_plan
     from tests.oracles.launch import free_port
-    from tests.support.procs import master_store
 
     hf = qwen3(num_hidden_layers=2)
     config, plan = compile_plan(str(tmp_path), hf, source, {"engine": "vllm", "tp": 1})

@@ -95,8 +95,8 @@ def test_vllm_model_on_cpu_through_the_shipped_helpers(tmp_path):
     from planner.compiler import compile_config
     from planner.spec import spec_from_hf
     from planner.validate import validate
-    from schemas.config import config_from_dict
-    from schemas.plan import write_plan
+    from schemas.config_load import config_from_dict
+    from schemas.plan_write import write_plan
     from tests.support.models import qwen3
 
     hf = qwen3(num_hidden_layers=2)

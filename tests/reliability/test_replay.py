@@ -12,8 +12,7 @@ import os
 import signal
 
 import pytest
-
-from harness import ROOT, World, check_recovery
+from fault_world import ROOT, World, check_recovery
 
 pytest.importorskip("nixl")
 

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from schemas.bounds import violations
-from schemas.plan import DTYPE_CODES, PACK, STAGING, Plan, Table, load_plan, write_plan
+from schemas.plan import DTYPE_CODES, PACK, STAGING, Plan, Table, load_plan
+from schemas.plan_write import write_plan
 from tests.property import fuzz
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from schemas.plan import load_plan, write_plan
+from schemas.plan import load_plan
+from schemas.plan_write import write_plan
 
 
 def swap_parts(path: str, a: int, b: int, out: str) -> str:
