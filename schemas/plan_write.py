@@ -14,7 +14,8 @@ from typing import Any
 
 import msgpack
 
-from .plan import FORMAT_VERSION, MAGIC, Plan, _digest, _pack
+from .plan import FORMAT_VERSION, MAGIC, Plan
+from .plan_codec import _digest, _pack
 
 
 def encode_plan(plan: Plan, key: bytes | None = None) -> bytes:

@@ -147,7 +147,6 @@ def expected_digests(config: str, model_config: str, plan_rank: int,
     (`dp0:pp0:pcp0:tp{t}:{name}`): the trainer's shards are gathered to rank 0, put back
     into full logical tensors with the source layout, and laid out with the target's."""
     from harness.weights import logical_box, materialize, piece_view
-
     from planner.layouts import build_layout
     from planner.spec import spec_from_hf
     from schemas.config_load import load_config

@@ -9,7 +9,7 @@ import numpy as np
 
 from planner.compiler import compile_config
 from planner.validate import load
-from schemas.plan import _pack
+from schemas.plan_codec import _pack
 from schemas.plan_write import _parts, encode_plan, write_plan
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -58,7 +58,7 @@ def test_the_simulator_carries_where_the_executor_does(plans, name):
     from planner.simflow import load_checked
 
     src = PlanRanks(plan)
-    sim = _Sim(src, load_checked(src), 8, False)
+    sim = _Sim(src, load_checked(src), 8)
     exs = _executors(plan, fuzz._World(plan, name == "fp8"))
     for rp, ex in zip(plan.ranks, exs):
         assert ex.carries == sim.carries[rp.rank] == carries(rp).tolist()

@@ -1,0 +1,109 @@
+"""The plan file's codec, beneath `schemas.plan`: plain msgpack in and out (no extension
+type, no timestamp: loading a plan runs no code), blake2b-256 digests, and reads within
+bounds (a declared size is never allocated before the file is shown to hold its bytes, and
+is read `CHUNK` at a time with its digest computed as it arrives)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from typing import Any, BinaryIO
+
+import msgpack
+
+from .header import PlanFormatError
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+_PLAIN = (dict, list, str, bytes, int, float, bool, type(None))
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise PlanFormatError(f"msgpack extension type {code} is not allowed in a plan")
+
+
+def _unpack(data: bytes, what: str) -> Any:
+    """Plain msgpack data only: extension types (and timestamps) are refused. Data with no
+    extension value passes a C-level `max_ext_len=0` decode and skips the walk below."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext,
+                               max_ext_len=0)
+    except (ValueError, TypeError, PlanFormatError):  # an extension, or corrupt: see below
+        pass  # the full decode below says which
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext)
+    except PlanFormatError as e:
+        raise PlanFormatError(f"{what}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - msgpack raises several types for corrupt input
+        raise PlanFormatError(f"{what}: not valid msgpack ({type(e).__name__})") from None
+    todo = [obj]
+    while todo:  # msgpack decodes ext type -1 (timestamp) without calling ext_hook
+        o = todo.pop()
+        if not isinstance(o, _PLAIN):
+            raise PlanFormatError(f"{what}: a {type(o).__name__} value is not allowed in a plan "
+                                  "(plain msgpack only)")
+        if isinstance(o, dict):
+            todo.extend(o.values())
+        elif isinstance(o, list):
+            todo.extend(o)
+    return obj
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=32).digest()
+
+
+MAX_HEADER_BYTES = 64 << 20
+"""Largest plan header read (a world of 65,536 ranks indexes its blobs in a few MB)."""
+CHUNK = 16 << 20
+"""Bytes read at a time: a declared size is never allocated before its bytes are there."""
+
+
+def _stored(f: BinaryIO, start: int, n: int) -> int:
+    """Bytes of `[start, start + n)` the file really holds before its first hole (a sparse
+    file reads zeros there without storing them: its size is no proof of its bytes)."""
+    import os
+
+    try:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        if start + n > size:
+            return max(0, size - start)
+        raw = os.lseek(fd, 0, os.SEEK_CUR)
+        try:
+            hole = os.lseek(fd, start, os.SEEK_HOLE)
+        finally:
+            os.lseek(fd, raw, os.SEEK_SET)  # where the buffered reader left it
+        return min(n, max(0, hole - start))
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return n
+
+
+def _read_exact(f: BinaryIO, n: int, what: str, digest: bytes | None = None) -> bytes:
+    """`n` bytes from `f`, refused before anything is allocated unless the file holds them
+    (no hole, not past its end), read `CHUNK` at a time; with `digest`, their blake2b-256
+    computed as they arrive and compared at the end."""
+    at = f.tell()
+    have = _stored(f, at, n)
+    if have < n:
+        raise PlanFormatError(f"{what}: declares {n:,} bytes at offset {at:,} but the file "
+                              f"holds {have:,} there (truncated, or sparse: a hole reads as "
+                              "zeros); the file is corrupt")
+    h = hashlib.blake2b(digest_size=32) if digest is not None else None
+    parts = []
+    left = n
+    while left:
+        part = f.read(min(left, CHUNK))
+        if not part:
+            raise PlanFormatError(f"{what}: file is truncated (wanted {n} bytes, got "
+                                  f"{n - left})")
+        if h is not None:
+            h.update(part)
+        parts.append(part)
+        left -= len(part)
+    if h is not None and h.digest() != digest:
+        raise PlanFormatError(f"{what}: checksum mismatch; the file is corrupt")
+    return parts[0] if len(parts) == 1 else b"".join(parts)
