@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 MODULE = '''
 from tests.support import oracles
+oracles.EXACT.add("pytest")
 oracles.ORACLES["ghost"] = oracles.Oracle({module!r}, "import {module}", pinned={pinned!r})
 oracles.require("ghost")
 
@@ -52,6 +53,8 @@ def test_a_wrong_pinned_version_counts_as_missing(tmp_path: Path) -> None:
     assert rc != 0 and "pytest==0.0.1 (found" in out, out
     rc, out = run(tmp_path, ci=True, module="pytest")
     assert rc == 0, out
+    rc, out = run(tmp_path, ci=True, module="pytest", pinned="no-such-dist==1.0")
+    assert rc != 0 and "no-such-dist==1.0 (found none)" in out, out
 
 
 def test_pins_read_a_requirements_file() -> None:

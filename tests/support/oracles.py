@@ -9,7 +9,8 @@ transformers on CPU. `scripts/setup.sh --test` installs them, pinned
   fail a user who followed the README.
 
 `require(name)` is cheap (no import of the oracle: vLLM's takes ~20 s, SGLang's ~30 s): the
-package is findable and every pinned distribution is installed at its pinned version.
+package is findable, every pinned distribution is installed, and the frameworks themselves
+(`EXACT`) at their pinned versions.
 `python3 -m tests.support.oracles` (the last step of `setup.sh --test`) imports each oracle
 for real, each in its own process, and exits 1 naming the first error of each that fails.
 """
@@ -78,6 +79,12 @@ def _installed(site: str) -> dict[str, str]:
             if d.metadata["Name"]}
 
 
+EXACT = {"vllm", "transformers", "megatron-core", "sglang", "triton", "torch"}
+"""Pins that must match exactly: the frameworks the oracles compare with. Every other pinned
+distribution must be present; a newer helper package (`packaging`, `idna`) that another
+install step brought is not a missing install step."""
+
+
 @cache
 def missing(name: str) -> tuple[str, ...]:
     """What of oracle `name` is not installed as pinned (empty when all is there)."""
@@ -97,8 +104,9 @@ def missing(name: str) -> tuple[str, ...]:
         if site:  # the private folder sees the interpreter's packages too
             have = _installed("") | have
         for dist, version in want.items():
-            if have.get(dist) != version:
-                out.append(f"{dist}=={version} (found {have.get(dist, 'none')})")
+            got = have.get(dist)
+            if got is None or (dist in EXACT and got != version):
+                out.append(f"{dist}=={version} (found {got or 'none'})")
     return tuple(out)
 
 
