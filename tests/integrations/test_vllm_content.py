@@ -82,36 +82,3 @@ def test_checksum_sees_a_permutation():
 
 
 @pytest.mark.oracle
-@pytest.mark.deep
-def test_vllm_model_on_cpu_through_the_shipped_helpers(tmp_path):
-    """Issue 34: building a vLLM model on CPU needed patches that lived in test code.
-    `integrations.vllm_cpu` alone builds a tiny Qwen3 and its `rdma_plan` engine, and the
-    engine's init checks accept a plan compiled for it."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from planner.compiler import compile_config
-    from planner.spec import spec_from_hf
-    from planner.validate import validate
-    from schemas.config_load import config_from_dict
-    from schemas.plan_write import write_plan
-    from tests.support.models import qwen3
-
-    hf = qwen3(num_hidden_layers=2)
-    (tmp_path / "config.json").write_text(json.dumps(hf))
-    spec = spec_from_hf(hf)
-    cfg = config_from_dict({"model": {"config": "x"}, "source": {"framework": "fsdp2"},
-                            "target": {"engine": "vllm", "tp": 1}})
-    validate(cfg, spec)
-    plan = str(tmp_path / "p.rplan")
-    write_plan(plan, compile_config(cfg, spec))
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR",
-           "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, os.path.join(here, "vllm_cpu_worker.py"),
-                          json.dumps({"model": str(tmp_path), "plan": plan})], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    assert "built Qwen3ForCausalLM, plan rank 1" in out.stdout, out.stdout[-2000:]
