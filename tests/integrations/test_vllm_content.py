@@ -79,6 +79,3 @@ def test_checksum_sees_a_permutation():
     x = torch.arange(64, dtype=torch.bfloat16).reshape(8, 8)
     assert content.checksum(x) == content.checksum(x.clone())
     assert content.checksum(x) != content.checksum(x.t().contiguous())
-
-
-@pytest.mark.oracle
