@@ -16,13 +16,11 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 
 from harness.launch import master_store
-from planner.compiler import compile_config
 from planner.validate import load
-from schemas.plan_write import write_plan
 from tests.oracles.launch import free_port
+from tests.support.integration import compile_plan
 from tests.support.models import deepseek_v3, qwen3, qwen3_moe
 
 pytest.importorskip("nixl")
@@ -30,20 +28,6 @@ pytestmark = pytest.mark.oracle
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-
-
-def compile_plan(tmp, hf: dict, source: dict, target: dict) -> tuple[str, str]:
-    """(config path, plan path) of a small plan compiled in `tmp`."""
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(hf, f)
-    config = os.path.join(tmp, "c.yaml")
-    with open(config, "w") as f:
-        yaml.safe_dump({"model": {"config": "config.json", "mtp": False}, "source": source,
-                        "target": target}, f)
-    cfg, spec = load(config)
-    plan = os.path.join(tmp, "p.rplan")
-    write_plan(plan, compile_config(cfg, spec))
-    return config, plan
 
 
 def run_job(tmp, role: str, hf: dict, source: dict, target: dict, extra: dict | None = None

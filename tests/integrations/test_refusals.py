@@ -6,8 +6,6 @@ exercised by test_adapters.py)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -21,6 +19,7 @@ from schemas.config import SourceConfig
 from schemas.config_load import config_from_dict
 from schemas.identity import IdentityError
 from schemas.plan_write import write_plan
+from tests.support.integration import module, state
 from tests.support.models import qwen3, qwen3_moe
 
 
@@ -34,20 +33,6 @@ def _plan(tmp_path, source: dict, layers: int = 4, hf=qwen3) -> str:
     return path
 
 
-def module(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A module tree whose `named_parameters()` are `tensors` (dotted names)."""
-    root = torch.nn.Module()
-    for name, t in tensors.items():
-        m = root
-        *path, leaf = name.split(".")
-        for part in path:
-            if not hasattr(m, part):
-                m.add_module(part, torch.nn.Module())
-            m = getattr(m, part)
-        m.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
-    return root
-
-
 def chunks(source: dict, rank: int, layers: int = 4, dtype: str | None = None,
            hf=qwen3) -> list:
     """The chunks of a Megatron rank as our layout names them (zeros)."""
@@ -58,14 +43,6 @@ def chunks(source: dict, rank: int, layers: int = 4, dtype: str | None = None,
         v, name = (int(t.name[5]), t.name[7:]) if cfg.vpp > 1 else (0, t.name)
         per.setdefault(v, {})[name] = torch.zeros(t.shape, dtype=DTYPES[dtype or t.dtype])
     return [module(per[v]) for v in sorted(per)]
-
-
-def state(tp=0, pp=0, dp=0, ep=0, etp=0, edp=0, vpp=None):
-    return SimpleNamespace(
-        get_tensor_model_parallel_rank=lambda: tp, get_pipeline_model_parallel_rank=lambda: pp,
-        get_data_parallel_rank=lambda: dp, get_expert_model_parallel_rank=lambda: ep,
-        get_expert_tensor_parallel_rank=lambda: etp, get_expert_data_parallel_rank=lambda: edp,
-        get_virtual_pipeline_model_parallel_world_size=lambda: vpp)
 
 
 MEGA = {"framework": "megatron", "tp": 2, "pp": 2, "vpp": 2}

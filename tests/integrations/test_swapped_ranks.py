@@ -29,7 +29,7 @@ from schemas.identity import IdentityError, describe
 from schemas.plan import read_header
 from schemas.plan_write import write_plan
 from schemas.tensors import rank_tensors
-from tests.integrations.test_refusals import module, state
+from tests.support.integration import module, state
 from tests.support.models import qwen3
 from tests.support.swap import swap_parts
 
@@ -199,8 +199,8 @@ def test_adapter_swaps_are_refused(tmp_path, role, source):
     pytest.importorskip("nixl")
     pytest.importorskip("megatron.core" if role == "megatron" else "transformers")
     from harness.launch import master_store
-    from tests.integrations.test_adapters import compile_plan
     from tests.oracles.launch import free_port
+    from tests.support.integration import compile_plan
 
     hf = qwen3(num_hidden_layers=2)
     config, plan = compile_plan(str(tmp_path), hf, source, {"engine": "vllm", "tp": 1})
