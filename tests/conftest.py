@@ -16,7 +16,14 @@ tests/README.md describes the layout.
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# vLLM resolves its platform once, on first use, and a test module's import may be that use:
+# with no GPU and no VLLM_TARGET_DEVICE it settles on a platform with no device, which every
+# vLLM-on-CPU test then trips over ("Device string must not be empty"). Set before collection.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 GROUPS = ("unit", "processes", "property", "oracle", "gpu")
 _BY_DIR = {"property": "property", "oracles": "oracle", "reliability": "processes",

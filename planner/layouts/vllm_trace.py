@@ -58,10 +58,24 @@ def check_known(hf: dict[str, Any]) -> None:
                      f"of vLLM's {len(served)} causal LMs: {', '.join(served)}")
 
 
+def _check_platform() -> None:
+    """vLLM settles its platform once, on first use, and many of its modules keep that
+    object: if it was settled before this module set VLLM_TARGET_DEVICE=cpu (an earlier
+    import touched it on a box with no GPU), it has no device and vLLM's engine check fails
+    with a line that blames the target. Say what happened instead."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.device_type:
+        raise TraceError("target: vLLM settled on a platform with no device before rdma-plan "
+                         "could set VLLM_TARGET_DEVICE=cpu; set VLLM_TARGET_DEVICE=cpu (or "
+                         "import planner.layouts.vllm_trace) before vLLM is first imported")
+
+
 def engine_config(hf: dict[str, Any], cfg: TargetConfig) -> Any:
     """vLLM's `VllmConfig` for one engine of `cfg` (vLLM's own checks run here)."""
     from vllm.engine.arg_utils import EngineArgs
 
+    _check_platform()
     with tempfile.TemporaryDirectory(prefix="rdma-plan-trace-") as folder:
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(hf, f)
