@@ -26,8 +26,8 @@ sys.path.insert(0, ROOT)
 
 def long_run(steps: int = 1000, check_every: int = 100, tls: str | None = None,
              config: str | None = None, timeout_s: float = 10.0) -> dict:
+    from harness.world import World
     from planner.compiler import compile_file
-    from tests.reliability.fault_world import World
 
     config = config or os.path.join(ROOT, "plans", "demo.yaml")
     out = tempfile.mkdtemp(prefix="rdma-plan-long-")

@@ -20,12 +20,10 @@ returns None and the per-box path runs.
 
 from __future__ import annotations
 
-import threading
-import warnings
-
 import numpy as np
 import torch
 
+from executor.nvrtc import RuntimeKernel
 from schemas.plan import DTYPE_CODES, Table
 from schemas.protocol import FP8_BLOCK as BLOCK
 from schemas.protocol import scale_stride
@@ -186,37 +184,11 @@ def vector_kind(table: np.ndarray) -> np.ndarray:
     return np.where(vec, 2, t[:, 9])
 
 
-class QuantKernel:
+class QuantKernel(RuntimeKernel):
     """The compiled kernel of one device; `op` turns a stage's QUANT rows into one launch."""
 
-    _cache: dict[int, QuantKernel | None] = {}
-    _lock = threading.Lock()
-
-    def __init__(self, fn: object, device: torch.device) -> None:
-        self.fn, self.device = fn, device
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.max_blocks = sms * BLOCKS_PER_SM
-
-    @classmethod
-    def load(cls, device: torch.device) -> QuantKernel | None:
-        index = torch.device(device).index or 0
-        with cls._lock:
-            if index not in cls._cache:
-                cls._cache[index] = cls._build(torch.device("cuda", index))
-            return cls._cache[index]
-
-    @classmethod
-    def _build(cls, device: torch.device) -> QuantKernel | None:
-        compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
-        if compile_kernel is None:
-            return None
-        try:
-            with torch.cuda.device(device):
-                return cls(compile_kernel(SOURCE, "rplan_quant"), device)
-        except Exception as e:  # noqa: BLE001 - no NVRTC: the per-box path
-            warnings.warn(f"{device}: the FP8 quantizer kernel could not be built ({e}); "
-                          "QUANT ops run box by box", stacklevel=3)
-            return None
+    SOURCE, NAME, BLOCKS_PER_SM = SOURCE, "rplan_quant", BLOCKS_PER_SM
+    FALLBACK = "QUANT ops run box by box"
 
     def op(self, table: np.ndarray):
         """One op quantizing every box of `table` (capturable in a CUDA graph)."""

@@ -19,12 +19,10 @@ weight update on an inference engine; `copy_kernel: false` keeps them free.
 
 from __future__ import annotations
 
-import threading
-import warnings
-
 import numpy as np
 import torch
 
+from ..nvrtc import RuntimeKernel
 from .base import WriteBatch
 
 CHUNK = 1 << 18
@@ -120,38 +118,11 @@ def piece_table(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray,
     return out
 
 
-class CopyKernel:
+class CopyKernel(RuntimeKernel):
     """The compiled kernel of one device; `launch` queues a table's copies on a stream."""
 
-    _cache: dict[int, CopyKernel | None] = {}
-    _lock = threading.Lock()
-
-    def __init__(self, fn: object, device: torch.device) -> None:
-        self.fn, self.device = fn, device
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.max_blocks = sms * BLOCKS_PER_SM
-
-    @classmethod
-    def load(cls, device: torch.device) -> CopyKernel | None:
-        """The kernel for `device` (built once per process), or None where it cannot be."""
-        index = torch.device(device).index or 0
-        with cls._lock:
-            if index not in cls._cache:
-                cls._cache[index] = cls._build(torch.device("cuda", index))
-            return cls._cache[index]
-
-    @classmethod
-    def _build(cls, device: torch.device) -> CopyKernel | None:
-        compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
-        if compile_kernel is None:
-            return None
-        try:
-            with torch.cuda.device(device):
-                return cls(compile_kernel(SOURCE, "rplan_copy"), device)
-        except Exception as e:  # noqa: BLE001 - no NVRTC, no driver entry: copy engines
-            warnings.warn(f"{device}: the batched copy kernel could not be built ({e}); "
-                          "copies go through the copy engines", stacklevel=3)
-            return None
+    SOURCE, NAME, BLOCKS_PER_SM = SOURCE, "rplan_copy", BLOCKS_PER_SM
+    FALLBACK = "copies go through the copy engines"
 
     def table(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> torch.Tensor:
         """The device table of a batch's writes (keep it alive while the kernel may run)."""

@@ -16,7 +16,8 @@ import signal
 import time
 
 import pytest
-from fault_world import ROOT, World, check_recovery
+
+from harness.world import ROOT, World, check_recovery
 
 pytest.importorskip("nixl")
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from fault_world import ROOT, World
+
+from harness.world import ROOT, World
 
 pytest.importorskip("nixl")
 

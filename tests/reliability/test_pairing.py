@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 import yaml
-from fault_world import ROOT, World
 
 from executor import BindError, Executor
 from executor.transports.local import Fabric
+from harness.world import ROOT, World
 from schemas.plan import load_rank
 
 DEMO = os.path.join(ROOT, "plans", "demo.yaml")

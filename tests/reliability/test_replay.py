@@ -12,7 +12,8 @@ import os
 import signal
 
 import pytest
-from fault_world import ROOT, World, check_recovery
+
+from harness.world import ROOT, World, check_recovery
 
 pytest.importorskip("nixl")
 

@@ -1,7 +1,7 @@
 """One rank of plans/demo.yaml (or another config) as its own process, driven step by step
 by a parent through the rendezvous store (tests/reliability/test_faults.py, bench/long_run.py).
 
-    python fault_worker.py --config C --plan P --rank R --port PORT --steps N
+    python -m harness.world_worker --config C --plan P --rank R --port PORT --steps N
         [--start K] [--timeout S] [--die K:MODE] [--check-every M] [--life NAME]
 
 For each step k in K..N the rank waits for the key `go/<k>`, then: sources write the
@@ -26,7 +26,7 @@ import sys
 import time
 from datetime import timedelta
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
@@ -54,7 +54,7 @@ def main() -> int:
     p.add_argument("--insecure", action="store_true", help="run without a job secret")
     p.add_argument("--leak", action="store_true",
                    help="test only: publish this rank's plain descriptors at leak/<rank> (an "
-                        "attacker who already holds them, tests/reliability/stray.py)")
+                        "attacker who already holds them, harness/stray.py)")
     p.add_argument("--bump", action="store_true",
                    help="step k's weights = fixed ones + k %% 97, in place (cheap; long runs)")
     a = p.parse_args()

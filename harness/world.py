@@ -1,4 +1,5 @@
-"""Drive fault_worker.py processes step by step through a store hosted here.
+"""A fault drill: drive `world_worker.py` processes (a rank each, faults on demand) step by
+step through a store hosted here; `stray.py` is the hostile process without the secret.
 
 Every wait is bounded; `close()` kills what is still running (by pid, this harness's own
 children only).
@@ -16,8 +17,8 @@ import time
 from harness.launch import master_store
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-WORKER = os.path.join(HERE, "fault_worker.py")
+ROOT = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "world_worker.py")
 STRAY = os.path.join(HERE, "stray.py")
 
 
@@ -70,7 +71,7 @@ class World:
         return {r: self.get(f"res/{k}/{r}", timeout_s) for r in ranks}
 
     def stray(self, mode: str, *args: str) -> dict:
-        """Run tests/reliability/stray.py (a hostile process without the job secret) until it
+        """Run harness/stray.py (a hostile process without the job secret) until it
         has done its deed; a `forge` stray stays (progressing its sends) until `strays_stop`."""
         env = {k: v for k, v in self.env.items() if k != "RDMA_PLAN_SECRET"}
         self.store.delete_key("stray/stop")
