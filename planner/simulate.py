@@ -52,11 +52,11 @@ from planner.simflow import (
     SimRank,
     concat_batches,
     load_checked,
-    maxmin,
     nic_order,
     result,
 )
 from planner.simgap import explain_gap
+from planner.simrates import RateCache
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, Plan, PlanFormatError
 from schemas.protocol import sent_stage
 
@@ -85,7 +85,7 @@ def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
         src.check_rest()
         if progress is not None:
             progress("simulating")
-        return _Sim(src, ranks, inflight).run(t_wall)
+        return _Sim(src, ranks, inflight).run(t_wall, progress)
 
 
 class _Sim:
@@ -270,6 +270,7 @@ class _Sim:
             slot = self.free_slots[r].pop()
             self.flow_gid[slot], self.rem[slot], self.active[slot] = g, self.size[g], True
             self.f_eres[slot], self.f_ires[slot] = self.eres[g], self.ires[g]
+            self.rates.on(int(self.fkey[g]))
             self.start[g], self.lane[g] = t, slot % self.inflight
             win[1] += 1
             win[3] += 1
@@ -280,6 +281,8 @@ class _Sim:
     def _end_flow(self, slot: int, t: float) -> None:
         g = int(self.flow_gid[slot])
         self.end[g] = t
+        self.rates.off(int(self.fkey[g]))
+        self.landed += 1
         self.active[slot] = False
         self.dirty = True
         r = slot // self.inflight
@@ -307,18 +310,6 @@ class _Sim:
 
     # ------------------------------------------------------------ the event loop
 
-    def _rates(self, act: np.ndarray) -> None:
-        """Rates of the active flows; reused when the same (egress, ingress) pairs are on."""
-        key = self.f_eres[act] * len(self.cap) + self.f_ires[act]
-        order = np.argsort(key, kind="stable")
-        key = key[order]
-        if self.last_key is not None and np.array_equal(key, self.last_key):
-            self.rate[act[order]] = self.last_rate
-            return
-        rate = maxmin(self.f_eres[act], self.f_ires[act], self.cap)
-        self.rate[act] = rate
-        self.last_key, self.last_rate = key, rate[order]
-
     def _reset(self) -> None:
         """The state of every rank, window and flow at t=0."""
         w, nb = self.world, len(self.b.rank)
@@ -345,20 +336,23 @@ class _Sim:
         self.start, self.end = np.zeros(nb), np.zeros(nb)
         self.lane = np.zeros(nb, dtype=np.int64)
         self.dirty = False
-        self.last_key: np.ndarray | None = None
-        self.last_rate = np.zeros(0)
+        self.fkey = self.eres * len(self.cap) + self.ires  # a batch's (egress, ingress) pair
+        self.rates, self.landed = RateCache(len(self.cap)), 0
 
-    def run(self, t_wall: float) -> dict[str, Any]:
+    def run(self, t_wall: float, progress: Callable[[str], None] | None = None
+            ) -> dict[str, Any]:
         self._reset()
-        w = self.world
+        w, nb = self.world, len(self.b.rank)
         busy = np.zeros(len(self.cap))
         t, events = 0.0, 0
+        step = max(1, nb // 10)
+        report = step if progress is not None else nb + 1
         for r in range(w):
             self._advance(r, 0.0)
         while True:
             act = np.nonzero(self.active)[0]
             if self.dirty and len(act):
-                self._rates(act)
+                self.rate[act] = self.rates.rates(self.f_eres[act], self.f_ires[act], self.cap)
                 self.dirty = False
             t_timer = self.heap[0][0] if self.heap else np.inf
             if len(act):
@@ -385,6 +379,10 @@ class _Sim:
             t += dt
             for slot in done.tolist():
                 self._end_flow(slot, t)
+            if self.landed >= report:
+                report += step
+                progress(f"simulating: {self.landed:,}/{nb:,} batches landed, "  # type: ignore[misc]
+                         f"at {t * 1e3:.1f} ms simulated")
             while self.heap and self.heap[0][0] <= t:
                 _, _, r = heapq.heappop(self.heap)
                 if r < 0:

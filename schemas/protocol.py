@@ -326,23 +326,26 @@ class Overlap:
         if sg < 0 or rp.stages < 2 or not len(c):
             return
         w, w_stage = rp.writes, write_stages(rp)
-        ok = (w_stage >= 0) & (w_stage < rp.stages) & (w["src_region"] == sg)
+        ok = np.flatnonzero((w_stage >= 0) & (w_stage < rp.stages) & (w["src_region"] == sg))
         unp = np.flatnonzero((c["kind"] == UNPACK) & (c["src_region"] == sg)
                              & (c["stage"] >= 0) & (c["stage"] < rp.stages))
         u_lo, u_hi = copy_extents(rp, "src", unp)
-        for st in np.unique(np.concatenate([w_stage[ok], c["stage"][unp]])).tolist():
-            sel, us = np.flatnonzero(ok & (w_stage == st)), c["stage"][unp] == st
-            lo = w["src_offset"][sel].astype(np.int64)
-            self.reads[st] = (np.concatenate([lo, u_lo[us]]),
-                              np.concatenate([lo + w["nbytes"][sel], u_hi[us]]))
+        lo = w["src_offset"][ok].astype(np.int64)
+        wr = _by_stage(w_stage[ok], lo, lo + w["nbytes"][ok])  # one sort, not a mask a stage
+        un = _by_stage(c["stage"][unp], u_lo, u_hi)
+        for st in sorted(wr.keys() | un.keys()):
+            (lo, hi), (ulo, uhi) = wr.get(st, empty), un.get(st, empty)
+            self.reads[st] = (np.concatenate([lo, ulo]), np.concatenate([hi, uhi]))
         packing = (c["kind"] == PACK) | (c["kind"] == QUANT)
-        for st in np.unique(c["stage"][packing]).tolist():
-            if st < 1 or st >= rp.stages:
+        rows = np.flatnonzero(packing & (c["stage"] >= 1) & (c["stage"] < rp.stages))
+        out, _, lo, hi = copy_footprint(rp, "dst", rows)  # a QUANT's scales after the rows
+        packs = _by_stage(c["stage"][out], lo, hi)
+        bad = np.zeros(rp.stages, dtype=bool)  # rule 1 (and a pack into a tensor is never early)
+        bad[c["stage"][rows[(c["src_region"][rows] == sg) | (c["dst_region"][rows] != sg)]]] = True
+        for st in sorted(packs):
+            self.packs[st] = packs[st]
+            if bad[st]:
                 continue
-            mine = np.flatnonzero(packing & (c["stage"] == st))
-            self.packs[st] = copy_extents(rp, "dst", mine)
-            if (c["src_region"][mine] == sg).any() or (c["dst_region"][mine] != sg).any():
-                continue  # rule 1 (and a pack into a tensor is never early)
             if any(overlaps(self.packs[st], self.reads[k])
                    for k in range(max(st - SLOTS + 1, 0), st)):
                 continue  # rule 2
@@ -353,6 +356,17 @@ class Overlap:
         that the early packs of stage `s` write: they must land first."""
         return sorted(k for k in inflight
                       if k <= s - SLOTS and overlaps(self.packs[s], self.reads[k]))
+
+
+def _by_stage(stage: np.ndarray, lo: np.ndarray, hi: np.ndarray
+              ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Intervals `[lo, hi)` grouped by `stage`, each group in its original order."""
+    order = np.argsort(stage, kind="stable")
+    stage, lo, hi = stage[order], lo[order], hi[order]
+    keys, starts = np.unique(stage, return_index=True)
+    ends = np.append(starts[1:], len(stage))
+    return {int(k): (lo[a:b], hi[a:b]) for k, a, b in zip(keys.tolist(), starts.tolist(),
+                                                          ends.tolist())}
 
 
 def prepacked(rp: RankPlan) -> np.ndarray:
