@@ -48,6 +48,47 @@ def group_of(item: pytest.Item) -> str:
     return _BY_DIR.get(where, "unit")
 
 
+# The default run's budget is 10 minutes on a quiet 2-core box (issue 32): these cases, the
+# slowest of a `--durations` run there (each 15-105 s), run in the deep profile instead. Each
+# kind they cover keeps a case in the default run (vLLM oracle TP 1, Megatron and FSDP2
+# oracles' smaller meshes, the NIXL demo over cma, a restart after a kill, ...). A node id
+# prefix: a whole test (all its parameters), one case, or a whole module.
+DEEP_FOR_TIME = (
+    "tests/oracles/test_vllm_oracle.py::test_vllm_matches_layout[2]",
+    "tests/oracles/test_vllm_oracle.py::test_vllm_matches_layout[3]",
+    "tests/oracles/test_vllm_oracle.py::test_vllm_matches_layout[4]",
+    "tests/oracles/test_sglang_oracle.py::test_sglang_matches_layout[4]",
+    "tests/oracles/test_vllm_trace_lean.py::",
+    "tests/oracles/test_megatron_oracle.py::test_megatron_matches_real_model[moe-tp2-ep2-etp2]",
+    "tests/oracles/test_megatron_oracle.py::test_megatron_matches_real_model[dense-tp4-ng2]",
+    "tests/oracles/test_megatron_oracle.py::test_megatron_matches_real_model[moe-ep2]",
+    "tests/oracles/test_megatron_oracle.py::test_megatron_matches_real_model[tied-pp2]",
+    "tests/oracles/test_megatron_oracle.py::test_megatron_matches_real_model[glm4_moe-tp2-ep2]",
+    "tests/oracles/test_megatron_vpp_oracle.py::test_vpp_matches_real_megatron[tp2-pp2-vpp2]",
+    "tests/oracles/test_fsdp2_oracle.py::test_fsdp2_matches_real_dtensors[dense-tp2-dp2]",
+    "tests/oracles/test_fsdp2_oracle.py::test_fsdp2_matches_real_dtensors[gpt_oss-dp3]",
+    "tests/oracles/test_fsdp2_oracle.py::test_fsdp2_matches_real_dtensors[moe-dp3]",
+    "tests/oracles/test_fsdp2_oracle.py::test_fsdp2_matches_real_dtensors[glm4_moe-dp3]",
+    "tests/oracles/test_fsdp2_oracle.py::test_fsdp2_matches_real_dtensors[mixtral-dp2]",
+    "tests/integrations/test_adapters.py::test_fsdp2_adapter_bit_exact[hsdp-2x2]",
+    "tests/integrations/test_adapters.py::test_fsdp2_adapter_bit_exact[fsdp2-dp3-empty-shard]",
+    "tests/integrations/test_adapters.py::test_megatron_adapter_bit_exact[deepseek-ep2-etp1-dp2-bf16]",
+    "tests/integrations/test_adapters.py::test_megatron_adapter_bit_exact[tp2-pp2-vpp2-bf16]",
+    "tests/scripts/test_demo.py::test_demo_runs_bit_exact_over_nixl[plans/demo.yaml-tcp-2]",
+    "tests/scripts/test_demo.py::test_demo_runs_bit_exact_over_nixl[tests/configs/staged-fp32.yaml-tcp-3]",
+    "tests/scripts/test_demo.py::test_demo_runs_bit_exact_over_nixl[plans/demo-moe.yaml-None-2]",
+    "tests/reliability/test_faults.py::test_source_killed_mid_run_then_restarted",
+    "tests/reliability/test_faults.py::test_target_killed_mid_run_then_restarted",
+    "tests/reliability/test_blame.py::test_survivors_name_the_lost_rank[0-stop-mid]",
+    "tests/reliability/test_blame.py::test_survivors_name_the_lost_rank[2-stop-between]",
+    "tests/reliability/test_attacks.py::",
+    "tests/reliability/test_pairing.py::",
+    "tests/reliability/test_long_run.py::",
+    "tests/executor/test_nixl.py::test_four_processes_bit_exact_each_step[tcp]",
+    "tests/test_oracle_install.py::test_a_wrong_pinned_version_counts_as_missing",
+)
+
+
 def _named(config: pytest.Config, item: pytest.Item) -> bool:
     """Whether the command line names this test's file or id (not only a folder above it)."""
     for arg in config.args:
@@ -64,6 +105,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         g = group_of(item)
         if item.get_closest_marker(g) is None:
             item.add_marker(getattr(pytest.mark, g))
+        if item.nodeid.startswith(DEEP_FOR_TIME):
+            item.add_marker(pytest.mark.deep)
     if config.option.markexpr:
         return
     keep, deep = [], []

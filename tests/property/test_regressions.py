@@ -47,7 +47,7 @@ def _mutated_plan(tmp_path, change) -> tuple[str, str]:
 def _sandboxed(path: str, case_path: str) -> dict:
     from tests.property.sandbox import Sandbox
 
-    box = Sandbox(timeout_s=8.0)
+    box = Sandbox(timeout_s=30.0)  # a load of 8 on 2 cores starts a process in ~8 s
     try:
         return box.run(path, case_path)
     finally:
