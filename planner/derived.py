@@ -15,9 +15,10 @@ plan rank (sources: `[]`), each a list of refresh entries:
      "reads": [str, ...],   # the rank's plan tensors (regions) the derived state reads
      "writes": [str, ...]}  # the derived tensors (attributes of the engine's module)
 
-SGLang's rule (`mla_split`: `w_kc`/`w_vc` copies of `kv_b_proj`, in every dtype) lives in
-`planner/layouts/sglang.py: derived_rank`. Rules for vLLM 0.33 (checked against vLLM's own
-post-load state on CPU, tests/integrations/test_vllm_engine.py):
+Each engine's rules live in its layout module's `derived_rank`: SGLang's (`mla_split`:
+`w_kc`/`w_vc` copies of `kv_b_proj`, in every dtype) in `planner/layouts/sglang.py`; vLLM
+0.33's in `planner/layouts/vllm.py` (checked against vLLM's own post-load state on CPU,
+tests/integrations/test_vllm_engine.py):
 
 - `mla_absorb`: MLA's `W_UK_T` `[heads, nope, kv_lora]` and `W_UV` `[heads, kv_lora, v]`
   are re-derived from `kv_b_proj` by `MLAAttention.process_weights_after_loading`. With an
@@ -36,32 +37,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from planner.layouts import sglang
-from planner.layouts.base import Layout, RankLayout
+from planner import frameworks
+from planner.layouts.base import Layout
 from schemas.config import TargetConfig
-
-KV_B = ".kv_b_proj.weight"
-
-
-def _vllm_rank(rank: RankLayout) -> list[dict[str, Any]]:
-    dtypes = {t.name: t.dtype for t in rank.tensors}
-    out = []
-    for name, dtype in dtypes.items():
-        if name.endswith(KV_B) and dtype.startswith("float8"):
-            module = name.removesuffix(KV_B)
-            reads = [name] + [n for n in (name + "_scale_inv",) if n in dtypes]
-            out.append({"rule": "mla_absorb", "engine": "vllm", "module": module,
-                        "reads": reads, "writes": ["W_UK_T", "W_UV"]})
-    return out
-
-
-RULES = {"vllm": _vllm_rank, "sglang": sglang.derived_rank}
-"""Per engine: a target rank's layout -> its refresh entries."""
 
 
 def derived(dst: Layout, sources: int, target: TargetConfig) -> list[list[dict[str, Any]]]:
     """The header's `derived` list: `[]` for each source rank, then each target rank's
-    refresh entries (plan rank = `sources + target rank`)."""
-    rule = RULES.get(target.engine)
-    per_target = [rule(r) if rule else [] for r in dst.ranks]
-    return [[] for _ in range(sources)] + per_target
+    refresh entries (plan rank = `sources + target rank`), from the engine's
+    `derived(rank_layout)` (`planner/frameworks.py`)."""
+    rule = frameworks.of(target).derived
+    return [[] for _ in range(sources)] + [rule(r) for r in dst.ranks]

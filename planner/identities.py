@@ -2,7 +2,7 @@
 
 Two things the compiler knows and stores (readers never re-derive them):
 - `identities` (header key, `schemas/identity.py`): every plan rank's coordinates in its
-  framework's terms, from the layout modules' `identity(cfg, rank)`;
+  framework's terms, from each framework's `identity(cfg, rank)` (`planner/frameworks.py`);
 - `tensors/<rank>` blobs (`schemas/tensors.py`): the tensors each rank binds and the pieces
   of logical tensors they hold, from the piece tables the compiler already built.
 """
@@ -14,6 +14,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from planner.frameworks import FRAMEWORKS
 from planner.layouts.base import Layout
 from planner.passes.intersect import PieceTable
 from planner.spec import ModelSpec
@@ -22,23 +23,16 @@ from schemas.identity import HEADER_KEY
 from schemas.tensors import encode_rank_tensors
 
 
-def _identity_fn(framework: str):
-    from planner.layouts import fsdp2, megatron, sglang, vllm
-
-    return {"megatron": megatron.identity, "fsdp2": fsdp2.identity, "vllm": vllm.identity,
-            "sglang": sglang.identity}.get(framework)
-
-
 def rank_identities(cfg: Config, src: Layout, dst: Layout) -> dict[str, Any]:
     """`{"identities": [...]}` (one per plan rank) when both layouts are the ones `cfg`
     describes; `{}` for hand-built layouts (tests), which have no framework coordinates."""
     out = []
     for layout, side, name in ((src, cfg.source, cfg.source.framework),
                                (dst, cfg.target, cfg.target.engine)):
-        fn = _identity_fn(layout.framework)
-        if fn is None or layout.framework != name or layout.world != side.world:
+        fw = FRAMEWORKS.get(layout.framework)
+        if fw is None or layout.framework != name or layout.world != side.world:
             return {}
-        out += [fn(side, r) for r in range(layout.world)]
+        out += [fw.identity(side, r) for r in range(layout.world)]
     return {HEADER_KEY: out}
 
 

@@ -2,17 +2,18 @@
 
 `schemas.config` checks each section alone. The rules that need the model spec live in
 each layout module's `check(spec, cfg)` (`planner/layouts/{megatron,fsdp2,vllm,sglang}.py`,
-the only home of each rule); the rule that world sizes fit `cluster.hosts` lives in
-`planner.topology.build_topology`. `validate` runs them all and reports every error it
-finds, not only the first (`schemas.config.ConfigErrors`). One rule is its own here: a
-dense model takes no expert keys (the layouts would ignore them; a user meant something).
+the only home of each rule, reached through `planner/frameworks.py`); the rule that world
+sizes fit `cluster.hosts` lives in `planner.topology.build_topology`. `validate` runs them
+all and reports every error it finds, not only the first (`schemas.config.ConfigErrors`).
+One rule is its own here: a dense model takes no expert keys (the layouts would ignore
+them; a user meant something).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from planner.layouts import traced
+from planner import frameworks
 from planner.spec import ModelSpec, load_spec
 from planner.topology import build_topology
 from schemas.config import Config, ConfigError, SourceConfig, TargetConfig, raise_all
@@ -31,20 +32,9 @@ def load(config_path: str) -> tuple[Config, ModelSpec]:
 
 def layout_check(side: SourceConfig | TargetConfig,
                  spec: ModelSpec) -> Callable[[ModelSpec, object], None]:
-    """The `check(spec, cfg)` of the layout module that builds `side` (for a vLLM target
-    traced from the engine's loader, `planner.layouts.traced.check`)."""
-    if isinstance(side, SourceConfig):
-        if side.framework == "megatron":
-            from planner.layouts.megatron import check
-        else:
-            from planner.layouts.fsdp2 import check
-    elif side.engine == "vllm" and traced.uses_trace(spec, side):
-        check = traced.check
-    elif side.engine == "vllm":
-        from planner.layouts.vllm import check
-    else:
-        from planner.layouts.sglang import check
-    return check  # type: ignore[return-value]
+    """The `check(spec, cfg)` of the framework or engine that builds `side`
+    (`planner/frameworks.py`; a traced vLLM target runs `planner.layouts.traced.check`)."""
+    return frameworks.of(side).check
 
 
 def validate(config: Config, spec: ModelSpec) -> None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
 from planner.spec import ModelSpec
-from schemas.config import ConfigError, SourceConfig, TargetConfig
+from schemas.config import SourceConfig, TargetConfig
 
 if TYPE_CHECKING:
     from planner.layouts.trace_ahead import Pending
@@ -17,30 +17,16 @@ __all__ = ["Layout", "PhysicalTensor", "Piece", "RankLayout", "build_layout", "s
 
 def build_layout(spec: ModelSpec, side: SourceConfig | TargetConfig,
                  hf: dict[str, Any] | None = None) -> Layout:
-    """The layout of one side: dispatches on `framework` / `engine`. A vLLM layout traced
-    from the engine's loader (`planner/layouts/traced.py`) needs the model's HF config."""
+    """The layout of one side, from its framework's or engine's `layout`
+    (`planner/frameworks.py`). A vLLM layout traced from the engine's loader
+    (`planner/layouts/traced.py`) needs the model's HF config `hf`."""
     if isinstance(side, TargetConfig) and side.dtype == "fp8_block128":
         from planner.fp8 import quantize_layout
 
         return quantize_layout(build_layout(spec, replace(side, dtype="bfloat16"), hf), spec)
-    if isinstance(side, SourceConfig):
-        if side.framework == "megatron":
-            from planner.layouts import megatron as mod
-        else:
-            from planner.layouts import fsdp2 as mod
-    elif side.engine == "vllm":
-        from planner.layouts import traced
+    from planner import frameworks
 
-        if traced.uses_trace(spec, side):
-            if hf is None:
-                raise ConfigError(f"target.layout: {side.layout} (model_type "
-                                  f"{spec.dims.model_type!r}) traces vLLM's loader, which "
-                                  "needs the model's HF config; compile from a config file")
-            return traced.layout(spec, side, hf)
-        from planner.layouts import vllm as mod
-    else:
-        from planner.layouts import sglang as mod
-    return mod.layout(spec, side)
+    return frameworks.of(side).layout(spec, side, hf)
 
 
 def start_layout(spec: ModelSpec, side: TargetConfig, hf: dict[str, Any] | None = None
@@ -48,10 +34,11 @@ def start_layout(spec: ModelSpec, side: TargetConfig, hf: dict[str, Any] | None 
     """`build_layout(spec, side, hf)`, begun: a traced vLLM target that is not cached starts
     tracing now in a forked process (`planner/layouts/trace_ahead.py`); any other layout is
     built when `result()` is called. Use it as a context manager (leaving it stops a tracer)."""
-    from planner.layouts import trace_ahead, traced
+    from planner import frameworks
+    from planner.layouts import trace_ahead
 
     bf16 = replace(side, dtype="bfloat16") if side.dtype == "fp8_block128" else side
-    if hf is None or side.engine != "vllm" or not traced.uses_trace(spec, bf16):
+    if hf is None or not frameworks.of(side).traces(spec, bf16):
         return trace_ahead.Pending(lambda: build_layout(spec, side, hf))
     if bf16 is side:
         return trace_ahead.begin(spec, side, hf)

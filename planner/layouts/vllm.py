@@ -21,11 +21,13 @@ Per rank (TP size `tp`, TP rank `t`):
   on the first stage, norm and lm_head on the last (tied: embedding on the last too).
   vLLM's Qwen3-MoE keeps embedding, norm and lm_head on every stage (no PPMissingLayer).
 
-This module cuts the engine (`shard`, `layout`, `identity`); `vllm_rank.py` lists one rank's
-tensors from its `Shard`.
+This module cuts the engine (`shard`, `layout`, `identity`) and lists what vLLM derives
+(`derived_rank`); `vllm_rank.py` lists one rank's tensors from its `Shard`.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from planner.layouts import rules
 from planner.layouts.base import Layout, RankLayout
@@ -119,3 +121,21 @@ def identity(cfg: TargetConfig, rank: int) -> dict[str, int | str]:
     t, rest = local % cfg.tp, local // cfg.tp
     return {"framework": "vllm", "replica": replica, "dp": rest // cfg.pp, "tp": t,
             "pp": rest % cfg.pp, "ep": (rest // cfg.pp) * cfg.tp + t if cfg.ep else 0}
+
+
+KV_B = ".kv_b_proj.weight"
+
+
+def derived_rank(rank: RankLayout) -> list[dict[str, Any]]:
+    """What vLLM derives from one target rank's transferred bytes as copies (refresh
+    entries of the header key `derived`; rules and format in `planner/derived.py`): MLA's
+    `W_UK_T`/`W_UV` where `kv_b_proj` is block-FP8 (`mla_absorb`)."""
+    dtypes = {t.name: t.dtype for t in rank.tensors}
+    out = []
+    for name, dtype in dtypes.items():
+        if name.endswith(KV_B) and dtype.startswith("float8"):
+            module = name.removesuffix(KV_B)
+            reads = [name] + [n for n in (name + "_scale_inv",) if n in dtypes]
+            out.append({"rule": "mla_absorb", "engine": "vllm", "module": module,
+                        "reads": reads, "writes": ["W_UK_T", "W_UV"]})
+    return out

@@ -1,0 +1,95 @@
+"""The framework registry: what the compiler knows of each training framework and engine.
+
+One frozen `Framework` record per value of `source.framework` / `target.engine`, each made
+of its layout module's functions (`planner/layouts/{megatron,fsdp2,vllm,sglang}.py`, the
+only home of each rule):
+
+- `check(spec, cfg)`: the rules that need the model spec (`ConfigError` on the first);
+- `layout(spec, cfg, hf)`: every rank's physical tensors (`hf`, the model's HF config, is
+  read only by a vLLM layout traced from the engine's loader, `planner/layouts/traced.py`);
+- `identity(cfg, rank)`: a rank's coordinates in the framework's terms (`schemas/identity.py`);
+- `derived(rank_layout)`: the refresh entries of a target rank (`planner/derived.py`);
+  sources derive nothing.
+
+Callers (`planner.validate`, `planner.layouts.build_layout`, `planner.identities`,
+`planner.derived`) dispatch through `get`; none names a framework.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from planner.layouts import fsdp2, megatron, sglang, traced, vllm
+from planner.layouts.base import Layout, RankLayout
+from planner.spec import ModelSpec
+from schemas.config import ConfigError, SourceConfig, TargetConfig
+
+
+@dataclass(frozen=True)
+class Framework:
+    """One framework's or engine's compiler functions (see the module docstring)."""
+
+    name: str
+    side: Literal["source", "target"]
+    check: Callable[[ModelSpec, Any], None]
+    layout: Callable[[ModelSpec, Any, dict[str, Any] | None], Layout]
+    identity: Callable[[Any, int], dict[str, int | str]]
+    derived: Callable[[RankLayout], list[dict[str, Any]]]
+    traces: Callable[[ModelSpec, Any], bool]
+    """Whether `layout` traces the engine's loader (and so needs `hf`; `trace_ahead`)."""
+
+
+def _nothing(rank: RankLayout) -> list[dict[str, Any]]:
+    return []
+
+
+def _never(spec: ModelSpec, cfg: Any) -> bool:
+    return False
+
+
+def _vllm_check(spec: ModelSpec, cfg: TargetConfig) -> None:
+    (traced.check if traced.uses_trace(spec, cfg) else vllm.check)(spec, cfg)
+
+
+def _vllm_layout(spec: ModelSpec, cfg: TargetConfig, hf: dict[str, Any] | None) -> Layout:
+    if not traced.uses_trace(spec, cfg):
+        return vllm.layout(spec, cfg)
+    if hf is None:
+        raise ConfigError(f"target.layout: {cfg.layout} (model_type {spec.dims.model_type!r}) "
+                          "traces vLLM's loader, which needs the model's HF config; compile "
+                          "from a config file")
+    return traced.layout(spec, cfg, hf)
+
+
+FRAMEWORKS: dict[str, Framework] = {
+    "megatron": Framework("megatron", "source", megatron.check,
+                          lambda spec, cfg, hf: megatron.layout(spec, cfg), megatron.identity,
+                          _nothing, _never),
+    "fsdp2": Framework("fsdp2", "source", fsdp2.check,
+                       lambda spec, cfg, hf: fsdp2.layout(spec, cfg), fsdp2.identity,
+                       _nothing, _never),
+    "vllm": Framework("vllm", "target", _vllm_check, _vllm_layout, vllm.identity,
+                      vllm.derived_rank, traced.uses_trace),
+    "sglang": Framework("sglang", "target", sglang.check,
+                        lambda spec, cfg, hf: sglang.layout(spec, cfg), sglang.identity,
+                        sglang.derived_rank, _never),
+}
+"""Every framework (sources) and engine (targets) the compiler builds, by name."""
+
+
+def get(name: str, key: str = "framework", side: str | None = None) -> Framework:
+    """The record of `name` (on `side`, "source" or "target", if given), or `ConfigError`
+    in one line naming `key`, the value and the allowed ones."""
+    allowed = [n for n, fw in FRAMEWORKS.items() if side in (None, fw.side)]
+    if not isinstance(name, str) or name not in allowed:
+        raise ConfigError(f"{key}: {name!r} is not one of {', '.join(allowed)}")
+    return FRAMEWORKS[name]
+
+
+def of(side: SourceConfig | TargetConfig) -> Framework:
+    """The record of a config side: `source.framework` or `target.engine`."""
+    if isinstance(side, SourceConfig):
+        return get(side.framework, "source.framework", "source")
+    return get(side.engine, "target.engine", "target")

@@ -1,0 +1,87 @@
+"""The framework registry (planner/frameworks.py): one complete record per framework and
+engine the schemas allow, each caller dispatching through it, a one-line refusal otherwise."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+from planner import frameworks
+from planner.derived import derived
+from planner.identities import rank_identities
+from planner.layouts import build_layout
+from planner.spec import spec_from_hf
+from planner.validate import layout_check
+from schemas.config import (ClusterConfig, Config, ConfigError, ModelConfig, Options,
+                            SourceConfig, TargetConfig)
+from schemas.identity import KEYS, SOURCES, TARGETS, check_identity
+
+QWEN3 = dict(model_type="qwen3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=128, intermediate_size=512, vocab_size=101, num_hidden_layers=2,
+             tie_word_embeddings=False)
+MLA = dict(model_type="deepseek_v3", hidden_size=256, vocab_size=300, num_hidden_layers=1,
+           num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=128,
+           qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=256,
+           moe_intermediate_size=256, n_routed_experts=4, n_shared_experts=1,
+           num_experts_per_tok=2, first_k_dense_replace=1, tie_word_embeddings=False)
+
+
+def _allowed(cls: type, field: str) -> tuple[str, ...]:
+    return typing.get_args(typing.get_type_hints(cls)[field])
+
+
+def test_every_allowed_framework_and_engine_has_a_complete_record() -> None:
+    sources, targets = _allowed(SourceConfig, "framework"), _allowed(TargetConfig, "engine")
+    assert set(sources) == set(SOURCES) and set(targets) == set(TARGETS)
+    assert set(frameworks.FRAMEWORKS) == set(sources) | set(targets) == set(KEYS)
+    for name, fw in frameworks.FRAMEWORKS.items():
+        assert fw.name == name
+        assert fw.side == ("source" if name in sources else "target")
+        for part in ("check", "layout", "identity", "derived", "traces"):
+            assert callable(getattr(fw, part)), f"{name}.{part}"
+
+
+@pytest.mark.parametrize("side", [SourceConfig("megatron", tp=2, pp=2),
+                                  SourceConfig("fsdp2", tp=2, dp=2),
+                                  TargetConfig("vllm", tp=2, replicas=2),
+                                  TargetConfig("sglang", tp=2, pp=2)])
+def test_each_record_builds_checks_and_identifies_its_ranks(
+        side: SourceConfig | TargetConfig) -> None:
+    spec = spec_from_hf(QWEN3, mtp=False)
+    fw = frameworks.of(side)
+    assert layout_check(side, spec) is fw.check
+    fw.check(spec, side)
+    layout = build_layout(spec, side)
+    assert layout.framework == fw.name and layout.world == side.world
+    idents = [check_identity(fw.identity(side, r)) for r in range(layout.world)]
+    assert {i["framework"] for i in idents} == {fw.name}
+    assert len({tuple(sorted(i.items())) for i in idents}) == layout.world  # all distinct
+    assert all(fw.derived(r) == [] for r in layout.ranks)  # bf16 Qwen3: nothing derived
+
+
+def test_identities_and_derived_come_from_the_records() -> None:
+    spec = spec_from_hf(MLA, mtp=False)
+    cfg = Config(model=ModelConfig("unused"), source=SourceConfig("fsdp2", dp=2),
+                 target=TargetConfig("sglang", tp=2), cluster=ClusterConfig(gpus_per_host=8),
+                 options=Options())
+    src, dst = build_layout(spec, cfg.source), build_layout(spec, cfg.target)
+    idents = rank_identities(cfg, src, dst)["identities"]
+    assert idents == ([frameworks.get("fsdp2").identity(cfg.source, r) for r in range(2)]
+                      + [frameworks.get("sglang").identity(cfg.target, r) for r in range(2)])
+    d = derived(dst, 2, cfg.target)
+    assert d[:2] == [[], []] and all(e and e[0]["engine"] == "sglang" for e in d[2:])
+
+
+@pytest.mark.parametrize("name, key, side, allowed", [
+    ("deepspeed", "source.framework", "source", "megatron, fsdp2"),
+    ("vllm", "source.framework", "source", "megatron, fsdp2"),
+    ("trtllm", "target.engine", "target", "vllm, sglang"),
+    ("trtllm", "framework", None, "megatron, fsdp2, vllm, sglang"),
+    (None, "target.engine", "target", "vllm, sglang"),
+])
+def test_an_unknown_name_is_refused_in_one_line(name: object, key: str, side: str | None,
+                                                allowed: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        frameworks.get(name, key, side)  # type: ignore[arg-type]
+    assert str(e.value) == f"{key}: {name!r} is not one of {allowed}"
