@@ -41,6 +41,7 @@ import executor
 from executor import trust
 from schemas.errors import UserError
 from schemas.header import PlanHeader
+from schemas.identity import find_rank
 from schemas.integrity import plan_key as read_key
 from schemas.plan import open_plan, read_header
 
@@ -64,21 +65,11 @@ def identity(replica: int = 0, dp_rank: int = 0, parallel: Any = None) -> dict[s
             "ep": int(parallel.moe_ep_rank), "attn_tp": int(parallel.attn_tp_rank)}
 
 
-def plan_rank(header: PlanHeader, ident: dict[str, int | str]) -> int:
-    """The plan rank of an engine rank: sources first, then replica, engine (DP without DP
-    attention), PP, TP: `planner.layouts.sglang.layout`'s order."""
-    t = header.target
-    tp, pp = int(t.tp), int(t.pp)
-    engines = 1 if t.dp_attention else int(t.dp)
-    engine = 0 if t.dp_attention else int(ident["dp"])
-    if not 0 <= engine < engines:
-        raise UserError(f"dp_rank: {engine} is not an engine of this plan (target.dp="
-                        f"{t.dp}, dp_attention={t.dp_attention}); pass 0..{engines - 1}")
-    if not 0 <= int(ident["replica"]) < int(t.replicas):
-        raise UserError(f"replica: {ident['replica']} is not in this plan (target.replicas="
-                        f"{t.replicas}); pass 0..{int(t.replicas) - 1}")
-    local = (engine * pp + int(ident["pp"])) * tp + int(ident["tp"])
-    return int(header.sources) + int(ident["replica"]) * engines * pp * tp + local
+def plan_rank(header: PlanHeader, ident: dict[str, int | str], path: str = "plan") -> int:
+    """The plan rank of an engine rank: the one whose recorded identity equals `ident`
+    (`schemas.identity.find_rank`, which refuses an identity no rank holds, naming it and
+    the plan's target config)."""
+    return int(find_rank(header, ident, path))
 
 
 def derived_of(header: PlanHeader, rank: int) -> list[dict[str, Any]]:
@@ -119,7 +110,7 @@ class SGLangTarget:
                             "compile the plan with target.engine: sglang")
         self.model, self.updater, self.commit_version = model, updater, commit_version
         self.identity = identity(replica, dp_rank, parallel)
-        self.rank = plan_rank(header, self.identity)
+        self.rank = plan_rank(header, self.identity, plan_path)
         self.derived = derived_of(header, self.rank)
         check_derived(model, self.derived)
         self.tensors = {n: p.data for n, p in model.named_parameters()}

@@ -5,7 +5,8 @@ Worker side (`RdmaPlanWeightTransferEngine`, built by vLLM's `WeightTransferEngi
 each worker after `load_model`, i.e. after the first post-load processing):
 
 1. `init_transfer_engine({"plan", "rendezvous", ...})`: the worker's identity from vLLM's own
-   objects picks and checks its plan rank (`integrations/vllm_checks.py`); the live
+   objects finds its plan rank, the one the plan records that identity for
+   (`integrations/vllm_checks.py`, `schemas.identity.find_rank`); the live
    parameters are checked against the plan (refused, naming the layer and the backend, where
    vLLM re-laid them out), bound, registered once and connected to the peers.
 2. `start_weight_update()`: a new update; nothing is registered or re-laid out.
@@ -140,13 +141,8 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
             raise checks.EngineMismatchError(
                 f"{path}: target.engine {engine!r}; compile the plan with target.engine: vllm")
         identity = checks.worker_identity(self.vllm_config)
-        self.plan_rank = header.sources + int(identity["index"])
-        if self.plan_rank >= header.world:
-            raise checks.EngineMismatchError(
-                f"vLLM worker {identity['index']}: the plan has {header.targets} target "
-                "ranks; compile it for this many engines and replicas")
         identity["ep"] = checks.check_experts(self.model, header, identity)
-        checks.check_identity(header, self.plan_rank, identity)
+        self.plan_rank = checks.find_plan_rank(header, identity, path)
         checks.check_vocab_rows(self.model, header, identity)
         self.identity = identity
         return load_rank(path, self.plan_rank)

@@ -1,13 +1,11 @@
 """A vLLM worker in the plan's terms: its identity, and whether its runtime tensors are the
 ones the plan writes (checked at `init_transfer_engine`, before anything is registered).
 
-- Identity from vLLM's own objects: the global worker index
-  `parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank`
-  picks the plan rank; TP/PP ranks come from the model-parallel groups (vLLM's grid is
-  `rank = (pp*PCP + pcp)*TP + tp`), expert placement from each MoE layer's
-  `moe_config.moe_parallel_config` (the process-wide EP group can disagree), vocab rows from
-  `VocabParallelEmbedding.shard_indices`. Each is compared with what the plan's target
-  layout says for that rank (`planner/layouts/vllm.py`).
+- Identity from vLLM's own objects: the DP index and the TP/PP ranks in the model-parallel
+  groups (vLLM's grid is `rank = (pp*PCP + pcp)*TP + tp`), expert placement from each MoE
+  layer's `moe_config.moe_parallel_config` (the process-wide EP group can disagree). The
+  plan rank is the one whose recorded identity equals it (`schemas.identity.find_rank`);
+  vocab rows (`VocabParallelEmbedding.shard_indices`) are compared with the plan's.
 - Runtime layouts: a tensor the plan writes must still be the live storage the engine
   computes with after its post-load processing (PWAL). Refused, naming the layer and the
   backend: a parameter PWAL removed or reshaped (CPU GEMM packing, AMX MLA), an MoE backend
@@ -24,6 +22,7 @@ import torch
 
 from schemas.errors import UserError
 from schemas.header import PlanHeader
+from schemas.identity import find_rank
 from schemas.plan import STAGING
 
 
@@ -54,43 +53,31 @@ def worker_identity(vllm_config: Any) -> dict[str, int | str]:
             "tp_size": pc.tensor_parallel_size, "pp_size": pc.pipeline_parallel_size}
 
 
-def expected_identity(header: PlanHeader, plan_rank: int) -> dict[str, int | str]:
-    """The coordinates the plan's vLLM layout gives plan rank `plan_rank`."""
-    t = header.target
-    tp, pp, dp = int(t.tp), int(t.pp), int(t.dp)
-    i = plan_rank - header.sources
-    local = i % (tp * pp * dp)
-    d, p = local // (pp * tp), (local // tp) % pp
-    return {"framework": "vllm", "index": i, "replica": i // (tp * pp * dp), "dp": d,
-            "tp": local % tp, "pp": p, "ep": d * tp + local % tp if t.ep else 0,
-            "tp_size": tp, "pp_size": pp}
-
-
 def plan_identity(header: PlanHeader, identity: dict[str, int | str]) -> dict[str, int | str]:
     """This worker's identity in the plan's terms (`schemas/identity.py`: replica, dp, tp,
-    pp, ep), which `executor.load(identity=...)` compares with the plan's record."""
+    pp, ep): vLLM's global DP index is `replica * target.dp + dp`."""
     engine_dp = int(header.target.dp)
     return {"framework": "vllm", "replica": int(identity["dp"]) // engine_dp,
             "dp": int(identity["dp"]) % engine_dp, "tp": int(identity["tp"]),
             "pp": int(identity["pp"]), "ep": int(identity["ep"])}
 
 
-def check_identity(header: PlanHeader, plan_rank: int,
-                   identity: dict[str, int | str]) -> None:
-    """Refuse a worker whose coordinates differ from the plan's for `plan_rank`, in vLLM's
-    own terms (worker index, TP/PP sizes); `executor.load` then compares `plan_identity`
-    with the plan's recorded identity before registering."""
-    want = expected_identity(header, plan_rank)
-    engine_dp = int(header.target.dp)
-    got = {**identity, "replica": int(identity["dp"]) // engine_dp,
-           "dp": int(identity["dp"]) % engine_dp}
-    wrong = [f"{k} {got.get(k)} (plan {v})" for k, v in want.items() if got.get(k) != v]
+def find_plan_rank(header: PlanHeader, identity: dict[str, int | str],
+                   path: str = "plan") -> int:
+    """This worker's plan rank: the one whose recorded identity equals `plan_identity`
+    (`schemas.identity.find_rank`, which refuses an identity no rank holds, naming it).
+    Refuses first a worker whose engine's TP/PP sizes differ from the plan's, which the
+    coordinates alone need not show."""
+    t = header.target
+    wrong = [f"{k} {identity[k]} (plan {v})" for k, v in (("tp_size", int(t.tp)),
+                                                          ("pp_size", int(t.pp)))
+             if int(identity[k]) != v]
     if wrong:
         raise EngineMismatchError(
-            f"vLLM worker {identity['index']} is not plan rank {plan_rank}: "
-            f"{', '.join(wrong)}; start vLLM with the parallel sizes the plan was compiled for "
-            f"(target tp {want['tp_size']}, pp {want['pp_size']}, dp {engine_dp}, ep "
-            f"{header.target.ep}) or compile a plan for this engine")
+            f"vLLM worker {identity['index']}: {', '.join(wrong)}; start vLLM with the "
+            f"parallel sizes the plan was compiled for (target tp {t.tp}, pp {t.pp}, dp "
+            f"{t.dp}, ep {t.ep}) or compile a plan for this engine")
+    return int(find_rank(header, plan_identity(header, identity), path))
 
 
 def moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

@@ -1,4 +1,5 @@
-"""integrations/sglang.py without SGLang: identity, plan rank, derived entries, refusals."""
+"""integrations/sglang.py without SGLang: identity, derived entries, refusals (the plan rank:
+tests/integrations/test_adapter_plan_rank.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from integrations.sglang import check_derived, derived_of, identity, plan_rank
+from integrations.sglang import check_derived, derived_of, identity
 from schemas.errors import UserError
 
 
@@ -26,22 +27,6 @@ def test_identity_from_sglang_parallel_state() -> None:
                      "ep": 3, "attn_tp": 1}
     # separate DP engines: dp is the engine's DP index
     assert identity(0, dp_rank=1, parallel=parallel(0))["dp"] == 1
-
-
-def test_plan_rank_follows_the_layout_order() -> None:
-    # 4 sources; targets: 2 replicas of (dp 2 engines x pp 2 x tp 2) = 8 ranks each
-    header = SimpleNamespace(sources=4, target=SimpleNamespace(
-        tp=2, pp=2, dp=2, dp_attention=False, replicas=2))
-    ident = identity(replica=1, dp_rank=1, parallel=parallel(1, pp=1))
-    assert plan_rank(header, ident) == 4 + 8 + (1 * 2 + 1) * 2 + 1
-    with pytest.raises(UserError, match=r"^dp_rank: 2 is not an engine"):
-        plan_rank(header, identity(0, dp_rank=2, parallel=parallel(0)))
-    with pytest.raises(UserError, match=r"^replica: 2 is not in this plan"):
-        plan_rank(header, identity(2, parallel=parallel(0)))
-    # DP attention: one engine of tp ranks per replica
-    header.target = SimpleNamespace(tp=4, pp=1, dp=2, dp_attention=True, replicas=1)
-    ident = identity(0, parallel=parallel(3, attn_tp=1, attn_dp=1, attn_dp_size=2))
-    assert plan_rank(header, ident) == 4 + 3
 
 
 def test_derived_entries_and_check() -> None:

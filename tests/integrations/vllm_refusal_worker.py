@@ -98,7 +98,7 @@ def moe_checks(cfg) -> None:  # noqa: ANN001
     print(refused(checks.check_experts, model, header(hf, w13_order="w3w1"), ident,
                   match=(name, "AITER", "repacked")), flush=True)
     # identity: the plan was compiled for TP 2
-    print(refused(checks.check_identity, header(hf, tp=2), 1, {**ident, "ep": 0,
+    print(refused(checks.find_plan_rank, header(hf, tp=2), {**ident, "ep": 0,
                   "tp_size": 1, "pp_size": 1}, match=("tp_size 1 (plan 2)",)), flush=True)
     print("ok moe refusals", flush=True)
 
