@@ -13,8 +13,15 @@ from planner.identities import rank_identities
 from planner.layouts import build_layout
 from planner.spec import spec_from_hf
 from planner.validate import layout_check
-from schemas.config import (ClusterConfig, Config, ConfigError, ModelConfig, Options,
-                            SourceConfig, TargetConfig)
+from schemas.config import (
+    ClusterConfig,
+    Config,
+    ConfigError,
+    ModelConfig,
+    Options,
+    SourceConfig,
+    TargetConfig,
+)
 from schemas.identity import KEYS, SOURCES, TARGETS, check_identity
 
 QWEN3 = dict(model_type="qwen3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
