@@ -1,11 +1,11 @@
 """A stage's QUANT ops on a GPU as one kernel: every 128x128 block of every box in one launch.
 
-`quant.quantize_into` is a dozen torch kernels per box; a stage of Qwen3-30B-A3B's FP8 plan
-holds ~10,000 boxes (one per expert weight), so the per-box path ran ~120,000 small kernels
-a step and an FP8 refit took 5.5x the bf16 time on 4 H200s (issue 37; 0.87x with this
-kernel). Here a CUDA block quantizes 128x128 blocks of the boxes, a run of them in op order
+`quant.quantize_into` is a dozen torch kernels per box, and a stage of an MoE's FP8 plan
+holds ~10,000 boxes (one per expert weight): the per-box path launches ~120,000 small
+kernels a step (the refit's figures with and without this kernel: BENCHMARKS.md, "GPU
+refit"). Here a CUDA block quantizes 128x128 blocks of the boxes, a run of them in op order
 (one search for its first op), where aligned reading 16 bytes of bf16 and writing 8 of e4m3
-at a time (1.9 TB/s on one H100, 0.7 element by element), with the formula of `quant.py`,
+at a time, with the formula of `quant.py`,
 step by step as the CPU reference does it:
 `amax = max(|x|)` in float32, `scale = max(amax, 1e-4) / 448` and `inv = 1 / scale`
 correctly rounded (`__fdiv_rn`), `q = x * inv` (`__fmul_rn`), and e4m3 by torch's own

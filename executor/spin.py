@@ -20,10 +20,10 @@ import time
 
 SPIN_S = float(os.environ.get("RDMA_PLAN_SPIN_S", "2e-3"))
 """Seconds a wait polls without sleeping (`RDMA_PLAN_SPIN_S` sets it for a process). A
-nap, however short, was noticed ~50 us late on the GPU hosts (the core sleeps deeper than
-the timer asks): 2 ms against 0.2 ms took two NVLinked H100s' 64 x 4 MiB step (0.9 ms)
-from 0.76-0.84 to 0.84-0.87 of a raw copy (BENCHMARKS.md, issue 21). Waits of whole
-weight updates last seconds: 2 ms of spinning each is nothing to them."""
+nap, however short, is noticed tens of microseconds late on the GPU hosts (the core sleeps
+deeper than the timer asks), a visible share of a sub-millisecond step (BENCHMARKS.md,
+"Executor against a raw copy on GPU"). Waits of whole weight updates last seconds: 2 ms
+of spinning each is nothing to them."""
 NAP_MIN_S = 1e-5
 NAP_MAX_S = 2e-4
 NAP_SHARE = 1 / 64

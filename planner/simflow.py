@@ -27,12 +27,11 @@ NIC_WRITE_S = 10e-9
 """Link time of one RDMA write beyond its bytes (work request fetch and headers)."""
 NVLINK_WRITE_S = 20e-9
 """Link time of one peer write beyond its bytes, between two GPUs: `cuda_ipc` copies a
-batch with one kernel that writes over NVLink (`executor/transports/cuda_ipc.py`). On two
-NVLinked H100s (`bench/executor_bench.py`, 2026-11-26) 1024 and 4096 writes of 1 MiB took
-3.1 and 12.0 ms, as long as 64 writes of 16 and 64 MiB (3.1 and 12.1 ms): under ~25 ns a
-write. The copy engines, which batches of writes averaging 32 MiB or more still take, cost
-~3.5 us a write (6.4 and 25.5 ms for the 1 MiB rows); at that size it is under 1% of a
-write's bytes."""
+batch with one kernel that writes over NVLink (`executor/transports/cuda_ipc.py`), where
+thousands of 1 MiB writes take as long as a few large ones of the same bytes
+(`bench/executor_bench.py`; BENCHMARKS.md, "Microbenchmarks on GPUs"). The copy engines,
+which batches of writes averaging 32 MiB or more still take, cost microseconds a write:
+at that size a small share of a write's bytes."""
 INFLIGHT = 8
 """Batches a rank keeps in flight by default (`executor` `max_inflight`)."""
 MAX_LEVELS = 8

@@ -2,8 +2,8 @@
 
 A message is delivered exactly once under any interleaving of its senders and its reader:
 `put` appends under the mailbox's lock, `take` swaps the whole contents out under the same
-lock. (Before issue 39 the reader copied the list and then cleared it, two steps: a message
-appended between them was lost, and its wait timed out although every byte had landed.)
+lock. (A reader that copied the list and then cleared it, two steps, would lose a message
+appended between them: its wait would time out although every byte had landed.)
 
 `Mailbox` serves ranks that are threads of one process. `SharedMailbox` serves ranks that
 are processes forked after `connect` (`Fabric(shared=True)`): a ring of `SLOTS` messages

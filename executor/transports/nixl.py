@@ -4,7 +4,7 @@ Memory is registered before the agent metadata is exported. Each batch becomes o
 prepared NIXL transfer (`prep_xfer_dlist` for both sides + `make_prepped_xfer`) at
 connect time; a step re-posts it with `transfer()`. Notifications are NIXL notifs.
 
-The per-write cost (issue 37): NIXL's UCX backend posts a prepared transfer as one put per
+The per-write cost: NIXL's UCX backend posts a prepared transfer as one put per
 descriptor; over CUDA IPC each put is a `cuMemcpyDtoDAsync` plus an event recorded and
 polled, all on the one stream UCX keeps for that peer GPU. With `sgl` (the default) the
 backend posts a batch as one scatter-gather put, which UCX's CUDA IPC transport issues as

@@ -27,9 +27,8 @@ class NixlOptions:
     """NIXL's progress thread (spins ~30% of a core while idle); off: `done()` polls."""
     sgl: bool = True
     """A batch's writes as one scatter-gather put (NIXL_UCX_SGL_ENABLE): over CUDA IPC one
-    `cuMemcpyBatchAsync` and one event per batch instead of a copy and an event per write.
-    4 H200s, Qwen3-8B / Qwen3-30B-A3B: 1.18x / 1.26x the floor without, 1.06x / 1.05x
-    with (BENCHMARKS.md, issue 37)."""
+    `cuMemcpyBatchAsync` and one event per batch instead of a copy and an event per write
+    (both measured: BENCHMARKS.md, "GPU refit", the `nixl` and `nixl-nosgl` rows)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +53,8 @@ class CudaIpcOptions:
     """Batches into a peer on this GPU whose copies average this or more go through the
     copy engines."""
     peer_kernel_max_mean_bytes: int = 32 << 20
-    """The same for a peer on another GPU (the kernel writes over NVLink). Two NV18 H100s,
-    executor / raw copy, kernel against engines: 64 x 16 MiB 0.88 / 0.84, 64 x 64 MiB
-    0.89 / 0.93 (BENCHMARKS.md, issue 21)."""
+    """The same for a peer on another GPU (the kernel writes over NVLink); where
+    the engines overtake the kernel: BENCHMARKS.md, "Executor against a raw copy on GPU"."""
     device_signals: bool = True
     """A stage's DONE published by the GPU once its copies have landed (a stream write into
     the peer's shared-memory ring), not by this host after it saw them land."""

@@ -10,7 +10,7 @@ things that price cannot see:
   its copies take longer than its link, they are what the transfer waits for;
 - over NVLink a row costs a peer copy `NVLINK_WRITE_S` of link time (`planner/simflow.py`),
   not a NIC work request and its posting: ~20 ns where one kernel copies a batch (what
-  `cuda_ipc` does between two GPUs since 2026-11-26), 3.5 us through the copy engines.
+  `cuda_ipc` does between two GPUs), 3.5 us through the copy engines.
 
 So where a rank's copies outlast its NVLink traffic, whole copy ops move to direct row
 writes, the dearest op per row first, while the copies left still take at least as long as

@@ -1,4 +1,4 @@
-"""Each rank's staging budget, chosen from the cost model (issue 19).
+"""Each rank's staging budget, chosen from the cost model.
 
 `options.staging_bytes` is a cap: no rank stages more. Below it the compiler picks, per rank:
 - a source rank (trainer: its memory is free at refit time) may use all of the cap. Every
