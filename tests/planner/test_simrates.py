@@ -14,6 +14,7 @@ import planner.simulate as sim_mod
 from planner.simflow import maxmin
 from planner.simrates import RateCache, maxmin_fast
 from planner.simulate import simulate
+from tests.support.synthetic import fsdp2_to_vllm_plan
 
 
 def _bits(a: np.ndarray) -> list[int]:
@@ -106,37 +107,11 @@ class _ReferenceRates:
         return rate
 
 
-def _compiled(opts: dict, placement: str):
-    from planner.compiler import compile_layouts
-    from planner.spec import spec_from_hf
-    from schemas.config import (
-        ClusterConfig,
-        Config,
-        ModelConfig,
-        Options,
-        SourceConfig,
-        TargetConfig,
-    )
-    from tests.support.synthetic import fused_col_split, row_split
-
-    hf = dict(model_type="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, intermediate_size=96, vocab_size=101, num_hidden_layers=2,
-              tie_word_embeddings=False)
-    spec = spec_from_hf(hf)
-    extra = {"source_gpus_per_host": 2} if placement == "colocated" else {}
-    cfg = Config(model=ModelConfig("unused"), source=SourceConfig("fsdp2", dp=3),
-                 target=TargetConfig("vllm", tp=2, replicas=2),
-                 cluster=ClusterConfig(gpus_per_host=4, nics_per_host=2, placement=placement,
-                                       **extra),
-                 options=Options(**opts))
-    return compile_layouts(cfg, spec, row_split(spec, 3), fused_col_split(spec, 2, 2))
-
-
 @pytest.mark.parametrize("opts", [{}, {"staging_bytes": 8192, "max_write_bytes": 4096}])
 @pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
 @pytest.mark.parametrize("inflight", [1, 3, 8])
 def test_simulation_is_the_reference_bit_for_bit(opts, placement, inflight, monkeypatch):
-    plan = _compiled(opts, placement)
+    plan = fsdp2_to_vllm_plan(opts, placement)
     fast = simulate(plan, inflight=inflight)
     monkeypatch.setattr(sim_mod, "RateCache", _ReferenceRates)
     ref = simulate(plan, inflight=inflight)
@@ -148,7 +123,7 @@ def test_simulation_is_the_reference_bit_for_bit(opts, placement, inflight, monk
 
 
 def test_simulate_reports_batches_landed():
-    plan = _compiled({"staging_bytes": 8192, "max_write_bytes": 4096}, "disaggregated")
+    plan = fsdp2_to_vllm_plan({"staging_bytes": 8192, "max_write_bytes": 4096}, "disaggregated")
     lines: list[str] = []
     res = simulate(plan, progress=lines.append)
     counts = [int(x.split()[1].split("/")[0].replace(",", "")) for x in lines

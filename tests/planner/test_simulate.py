@@ -120,29 +120,9 @@ def _independent_floor(plan: Plan) -> float:
                                   {"write_overhead_us": 0.0}])
 @pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
 def test_compiled_plans_never_beat_the_floor(opts, placement):
-    from planner.compiler import compile_layouts
-    from planner.spec import spec_from_hf
-    from schemas.config import (
-        ClusterConfig,
-        Config,
-        ModelConfig,
-        Options,
-        SourceConfig,
-        TargetConfig,
-    )
-    from tests.support.synthetic import fused_col_split, row_split
+    from tests.support.synthetic import fsdp2_to_vllm_plan
 
-    hf = dict(model_type="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, intermediate_size=96, vocab_size=101, num_hidden_layers=2,
-              tie_word_embeddings=False)
-    spec = spec_from_hf(hf)
-    extra = {"source_gpus_per_host": 2} if placement == "colocated" else {}
-    cfg = Config(model=ModelConfig("unused"), source=SourceConfig("fsdp2", dp=3),
-                 target=TargetConfig("vllm", tp=2, replicas=2),
-                 cluster=ClusterConfig(gpus_per_host=4, nics_per_host=2, placement=placement,
-                                       **extra),
-                 options=Options(**opts))
-    plan = compile_layouts(cfg, spec, row_split(spec, 3), fused_col_split(spec, 2, 2))
+    plan = fsdp2_to_vllm_plan(opts, placement)
     res = simulate(plan)
     floor = _independent_floor(plan)
     assert res["floor_s"] == pytest.approx(floor)

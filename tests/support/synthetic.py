@@ -117,3 +117,22 @@ def tiny_config(**opts: int) -> Config:
                   target=TargetConfig("vllm"),
                   cluster=ClusterConfig(gpus_per_host=1, nics_per_host=1),
                   options=Options(**opts))
+
+
+def fsdp2_to_vllm_plan(opts: dict, placement: str):
+    """A compiled plan of a tiny Qwen3: FSDP2 dp 3 into 2 vLLM TP 2 engines, 4 GPUs and 2 NICs
+    a host, `placement` colocated (2 source GPUs a host) or disaggregated, `opts` its options."""
+    from planner.compiler import compile_layouts
+    from planner.spec import spec_from_hf
+
+    hf = dict(model_type="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, intermediate_size=96, vocab_size=101, num_hidden_layers=2,
+              tie_word_embeddings=False)
+    spec = spec_from_hf(hf)
+    extra = {"source_gpus_per_host": 2} if placement == "colocated" else {}
+    cfg = Config(model=ModelConfig("unused"), source=SourceConfig("fsdp2", dp=3),
+                 target=TargetConfig("vllm", tp=2, replicas=2),
+                 cluster=ClusterConfig(gpus_per_host=4, nics_per_host=2, placement=placement,
+                                       **extra),
+                 options=Options(**opts))
+    return compile_layouts(cfg, spec, row_split(spec, 3), fused_col_split(spec, 2, 2))
