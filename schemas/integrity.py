@@ -8,7 +8,9 @@
   header map without `signature`, msgpack) in the header. The header holds every blob's
   digest, so the signature covers the whole plan. `executor.load(..., plan_key=...)` refuses
   an unsigned or wrongly signed plan. A key is bytes, or the path of a file holding them
-  (at least 16 bytes; e.g. `head -c 32 /dev/urandom > plan.key`).
+  (at least 16 bytes; e.g. `head -c 32 /dev/urandom > plan.key`). A file's bytes are the key
+  verbatim, whitespace and newlines included, so signing with the bytes and loading with the
+  file agree whatever the bytes are.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def plan_key(key: bytes | str | os.PathLike[str]) -> bytes:
         except OSError as e:
             raise PlanFormatError(f"plan key file {str(key)!r}: cannot be read "
                                   f"({e.strerror}); {fix}") from None
-        key = data.strip() if data.strip() else data
+        key = data  # verbatim: a file holding the bytes a caller signed with is that key
     if not isinstance(key, bytes) or not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
         size = len(key) if isinstance(key, bytes) else type(key).__name__
         raise PlanFormatError(f"plan key: {size} bytes; a key is {MIN_KEY_BYTES} to "
