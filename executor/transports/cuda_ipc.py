@@ -85,15 +85,9 @@ class CudaIpcTransport:
         """The caller's current stream as a raw handle (posts through the runtime), or None."""
         self.kernel = CopyKernel.load(device) if opts.copy_kernel and self.rt else None
         """The batched copy kernel (`copy_kernel.py`), or None: copy engines only."""
-        self.ladder = Ladder(rank, opts.copy_kernel)
+        self.ladder = Ladder.at_start(rank, opts.copy_kernel, self.rt is not None,
+                                      self.current_raw is not None, self.kernel is not None)
         """The posting mode (`ladder.mode`), whether the kernel is used, and why not."""
-        if self.rt is None:
-            self.ladder.degrade("runtime", "no libcudart in this process", warn=False)
-        if self.current_raw is None:
-            self.ladder.degrade("fast_post", "this torch has no raw stream or graph handles",
-                                warn=False)
-        if self.kernel is None:
-            self.ladder.degrade("copy_kernel", "it does not build on this device", warn=False)
         self.opened: dict[int, list[int]] = {}
         """Peer -> the bases this rank opened itself (`PeerRegion`s), one per distinct handle."""
         self.counters: dict[int, list[tuple[bytes, int, int]]] = {}

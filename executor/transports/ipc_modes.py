@@ -41,6 +41,21 @@ class Ladder:
         self._kernel = kernel
         self.degraded: list[tuple[str, str]] = []
 
+    @staticmethod
+    def at_start(rank: int, copy_kernel: bool, runtime: bool, raw_posts: bool,
+                 kernel_built: bool) -> Ladder:
+        """The ladder of a transport just built (`copy_kernel`: asked for), down from the top
+        past what this process lacks: recorded in `degraded`, not warned."""
+        ladder = Ladder(rank, copy_kernel)
+        if not runtime:
+            ladder.degrade("runtime", "no libcudart in this process", warn=False)
+        if not raw_posts:
+            ladder.degrade("fast_post", "this torch has no raw stream or graph handles",
+                           warn=False)
+        if not kernel_built:
+            ladder.degrade("copy_kernel", "it does not build on this device", warn=False)
+        return ladder
+
     @property
     def kernel(self) -> bool:
         """Batches prepared now may be one launch of the copy kernel (it needs the runtime)."""

@@ -48,6 +48,23 @@ def test_the_runtime_going_takes_the_kernel_with_it_and_start_is_quiet():
     assert not off.degrade("copy_kernel", "not asked", warn=False) and off.degraded == []
 
 
+def test_a_transport_starts_below_the_top_where_its_process_lacks_something():
+    full = Ladder.at_start(0, copy_kernel=True, runtime=True, raw_posts=True, kernel_built=True)
+    assert full.mode is Mode.FAST and full.kernel and full.degraded == []
+    old_torch = Ladder.at_start(0, True, runtime=True, raw_posts=False, kernel_built=True)
+    assert old_torch.mode is Mode.RUNTIME and old_torch.kernel
+    assert [w for w, _ in old_torch.degraded] == ["fast_post"]
+    no_nvrtc = Ladder.at_start(0, True, runtime=True, raw_posts=True, kernel_built=False)
+    assert no_nvrtc.mode is Mode.FAST and not no_nvrtc.kernel
+    assert [w for w, _ in no_nvrtc.degraded] == ["copy_kernel"]
+    bare = Ladder.at_start(0, True, runtime=False, raw_posts=False, kernel_built=False)
+    assert bare.mode is Mode.TORCH and not bare.kernel
+    assert bare.degraded == [("runtime", "no libcudart in this process")]
+    unasked = Ladder.at_start(0, copy_kernel=False, runtime=True, raw_posts=True,
+                              kernel_built=False)  # copy_kernel: false
+    assert unasked.mode is Mode.FAST and not unasked.kernel and unasked.degraded == []
+
+
 def test_an_unknown_step_is_refused_naming_the_known_ones():
     with pytest.raises(ValueError, match="cannot turn off 'graphs'; it turns off one of "
                                          "copy_kernel, fast_post, runtime"):
