@@ -85,9 +85,9 @@ class Executor(Signalling):
         self.keys = keys_from(secret, insecure, self.rank)
         self.store = open_store(rendezvous, self.rank, timeout_s)
         self.transport = make(self.rank, self.namespace, self.store, device)
-        self.ordered_posts = bool(getattr(self.transport, "ordered_posts", False))
+        self.ordered_posts = self.transport.capabilities.ordered_posts
         """Posted writes run after the kernels queued before them on the current stream."""
-        self.one_stream = bool(getattr(self.transport, "one_stream", False))
+        self.one_stream = self.transport.capabilities.one_stream
         """Every rank's kernels and copies queue on one stream of one process (`local`)."""
         self.incarnation = int.from_bytes(os.urandom(8), "little")
         self.control = Control(self.store, self.keys, self.namespace, self.rank,
@@ -96,9 +96,9 @@ class Executor(Signalling):
         self.inbox = signals.Inbox(self.tag, self.incarnation, self.rank, self.keys)
         self.world = header.world
         self.blame = Blame(self.control, self.world, self.rank, self.live_lease)
-        hand_off = getattr(self.transport, "notify_landed", None)
+        hand_off = self.transport.capabilities.notify_landed
         self.window = Window(self.rank, self.transport, self.max_inflight, self._landed,
-                             None if hand_off is None else lambda s, e: self._hand_off(s, e))
+                             (lambda s, e: self._hand_off(s, e)) if hand_off else None)
         self.stages: list[Stage] = []
         self.overlap: Overlap | None = None
         self.prepacked: list[bool] = []  # stage s packs during stage s-1's writes

@@ -56,14 +56,14 @@ def prepare_stage(plan: RankPlan, s: int, regions: list[torch.Tensor],
         c, np.flatnonzero((c["stage"] == s) & (c["kind"] == QUANT)), regions)
     st.unpacks = prepare_copies(
         c, np.flatnonzero((c["stage"] == s) & (c["kind"] == UNPACK)), regions)
-    if getattr(transport, "graph_ops", False) and regions:  # one launch each (graphs.py)
+    if transport.capabilities.graph_ops and regions:  # one launch each (graphs.py)
         dev = regions[0].device
         st.packs = as_graph(st.packs, dev, f"rank {p.rank} stage {s} packs")
         st.unpacks = as_graph(st.unpacks, dev, f"rank {p.rank} stage {s} unpacks")
     w, b = p.writes, p.batches
     batches = [np.arange(int(b["start"][i]), int(b["stop"][i]))
                for i in np.flatnonzero(b["stage"] == s)]
-    if getattr(transport, "fuse_batches", False) and batches:  # one batch per peer
+    if transport.capabilities.fuse_batches and batches:  # one batch per peer
         batches = [np.concatenate(batches)]
     for rows in batches:
         dst = w["dst_rank"][rows]

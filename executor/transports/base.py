@@ -48,7 +48,33 @@ class Store(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a transport promises beyond the calls of `Transport`; the executor reads these
+    and nothing else about it. The defaults are the conservative behaviour: a transport that
+    declares nothing gets host waits before its posts and one batch per plan batch."""
+
+    ordered_posts: bool = False
+    """A posted batch runs after the kernels queued before it on the caller's current stream:
+    the executor posts a stage's writes right after its packs, without waiting for them on
+    the host."""
+    one_stream: bool = False
+    """Every rank's kernels and copies queue on one stream of one process, in program order
+    (`local`): nothing waits for a kernel before a signal."""
+    graph_ops: bool = False
+    """The executor captures a stage's packs and unpacks as one CUDA graph each."""
+    fuse_batches: bool = False
+    """A stage's batches become one batch per destination peer (one post each)."""
+    notify_landed: bool = False
+    """The transport has `notify_landed(handles, peer, msg) -> bool`: it sends `msg` to
+    `peer` from the device once the posted batches `handles` have landed, or returns False
+    (then the executor sends it from the host once `done` says they landed)."""
+
+
 class Transport(Protocol):
+    capabilities: Capabilities
+    """What it promises beyond these calls (may change at `register`, never after)."""
+
     def register(self, regions: list[torch.Tensor]) -> None:
         """Register this rank's flat uint8 regions (once, before `export`)."""
         ...

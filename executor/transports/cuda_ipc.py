@@ -14,7 +14,9 @@ triples split into up to `CudaIpcOptions.streams` branches of near-equal bytes t
 by side; a batch of small copies is captured once as one CUDA graph of those branches, one
 of large copies is posted as one `cudaMemcpyAsync` per triple through ctypes on the
 libcudart torch loaded; without that library, or if the raw call fails, the batch runs as
-torch copies (`torch_copy.py`). Posts queue after the caller's current stream
+torch copies (`torch_copy.py`). Which of these a post takes is one field, the posting mode
+(`ipc_modes.Mode`); a failure moves it down through `ipc_modes.Ladder.degrade`, which
+records why (`degraded`). Posts queue after the caller's current stream
 (`ordered_posts`: packs need no host wait); a batch has landed when its CUDA event has. A
 post is runtime calls on raw handles made at prepare, not torch's stream objects.
 Notifications go through shared memory (`shm_mailbox.py`), not the rendezvous store; a
@@ -25,15 +27,17 @@ costs: BENCHMARKS.md.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from .base import Store, WriteBatch
+from .base import Capabilities, Store, WriteBatch
 from .copy_kernel import CopyKernel, batch_copies
 from .cuda_runtime import NOT_READY, Runtime, current_raw_stream
 from .graphs import capturing
+from .ipc_modes import Ladder, Mode
 from .ipc_posted import FastPost, Posted
 from .ipc_regions import IpcHandle, PeerRegion, export_region, import_region, raw_handle, segment
 from .ipc_signals import DeviceSignals
@@ -55,8 +59,10 @@ def branches(raw: list[tuple[int, int, int]], k: int) -> list[list[tuple[int, in
 
 
 class CudaIpcTransport:
-    fuse_batches = ordered_posts = True
-    """A stage's writes to one peer are one batch, posted after the caller's queued kernels."""
+    capabilities = Capabilities(ordered_posts=True, graph_ops=True, fuse_batches=True,
+                                notify_landed=True)
+    """A stage's writes to one peer are one batch, posted after the caller's queued kernels;
+    its DONE may leave from the GPU; `graph_ops` as `CudaIpcOptions.graphs` says."""
 
     def __init__(self, rank: int, namespace: str, store: Store, device: torch.device,
                  options: CudaIpcOptions | None = None) -> None:
@@ -65,7 +71,7 @@ class CudaIpcTransport:
                              f"{device}; use 'nixl' or 'local' for CPU tensors")
         self.rank, self.ns, self.store, self.device = rank, namespace, store, device
         self.options = opts = options or CudaIpcOptions()
-        self.graph_ops = opts.graphs
+        self.capabilities = replace(CudaIpcTransport.capabilities, graph_ops=opts.graphs)
         self.streams = [torch.cuda.Stream(device) for _ in range(max(1, opts.streams))]
         self.prepared = 0
         self.peers: dict[int, list[torch.Tensor]] = {}
@@ -79,6 +85,9 @@ class CudaIpcTransport:
         """The caller's current stream as a raw handle (posts through the runtime), or None."""
         self.kernel = CopyKernel.load(device) if opts.copy_kernel and self.rt else None
         """The batched copy kernel (`copy_kernel.py`), or None: copy engines only."""
+        self.ladder = Ladder.at_start(rank, opts.copy_kernel, self.rt is not None,
+                                      self.current_raw is not None, self.kernel is not None)
+        """The posting mode (`ladder.mode`), whether the kernel is used, and why not."""
         self.opened: dict[int, list[int]] = {}
         """Peer -> the bases this rank opened itself (`PeerRegion`s), one per distinct handle."""
         self.counters: dict[int, list[tuple[bytes, int, int]]] = {}
@@ -96,14 +105,24 @@ class CudaIpcTransport:
     def export(self) -> dict[str, Any]:
         handles = [export_region(r) for r in self.regions]
         self.segments = [segment(r, h.offset) for r, h in zip(self.regions, handles)]
-        return {"regions": [h.to_wire() for h in handles], "mailbox": self.mailbox.export()}
+        return {"regions": [h.to_msgpack() for h in handles], "mailbox": self.mailbox.export()}
+
+    @property
+    def degraded(self) -> list[tuple[str, str]]:
+        """(what was turned off, why), in order: at start and after a failed call."""
+        return list(self.ladder.degraded)
 
     def import_peer(self, peer: int, desc: dict[str, Any]) -> None:
+        regions = desc.get("regions") if isinstance(desc, dict) else None
+        if not isinstance(regions, list):
+            raise ValueError(f"rank {peer}'s cuda_ipc descriptor has no list of 'regions' "
+                             f"(got {type(regions).__name__}); the peer must run the same "
+                             "rdma-plan version")
+        handles = [IpcHandle.from_msgpack(f, f"rank {peer}'s region {i}")
+                   for i, f in enumerate(regions)]  # every field checked before any use
         self._close_peer(peer)
         if self.signals is not None:  # no stream write may still target a ring replaced
             self.signals.forget(peer)
-        handles = [IpcHandle.from_wire(f, f"rank {peer}'s region {i}")
-                   for i, f in enumerate(desc["regions"])]
         self.mailbox.import_peer(peer, desc["mailbox"])
         if self._open_here(peer, handles):
             return
@@ -123,7 +142,7 @@ class CudaIpcTransport:
         kernel); False where that does not apply (same GPU, no kernel, no runtime, handles
         only torch opens) or fails: torch opens them then, for the copy engines."""
         raws = [raw_handle(h.handle) for h in handles]
-        if self.rt is None or self.kernel is None or not handles or None in raws or \
+        if not self.ladder.kernel or not handles or None in raws or \
                 any(h.device == self.device.index for h in handles):
             return False
         by_handle: dict[bytes, int] = {}  # regions of one allocation share its handle
@@ -148,7 +167,7 @@ class CudaIpcTransport:
 
     def _close_bases(self, bases: list[int]) -> None:
         """Close mappings this rank opened (one per distinct handle)."""
-        if bases and self.rt is not None:
+        if bases and self.ladder.mode >= Mode.RUNTIME:
             with torch.cuda.device(self.device):
                 for base in bases:
                     self.rt.ipc_close(base)
@@ -176,7 +195,7 @@ class CudaIpcTransport:
     def prepare(self, batch: WriteBatch) -> Posted:
         stream = self.streams[self.prepared % len(self.streams)]
         self.prepared += 1
-        if self.rt is None:
+        if self.ladder.mode is Mode.TORCH:
             return Posted(batch, prepare_copies(self.regions, self._torch_peer(batch.peer),
                                                  batch), stream)
         if len(self.segments) != len(self.regions):
@@ -189,9 +208,9 @@ class CudaIpcTransport:
         o = self.options
         here = batch.peer in self.opened  # on another GPU, mapped in this context
         limit = o.peer_kernel_max_mean_bytes if here else o.kernel_max_mean_bytes
-        if self.kernel is not None and len(n) and int(n.sum()) < limit * len(n) and \
+        if self.ladder.kernel and len(n) and int(n.sum()) < limit * len(n) and \
                 (here or all(r.device == self.device for r in self.peers[batch.peer])):
-            handle.table = self.kernel.table(d, s, n)
+            handle.table = self.kernel.table(d, s, n)  # type: ignore[union-attr]
             handle.graph = self._capture_kernel(handle.table)
             self.kernel_batches += handle.graph is not None
         if handle.graph is None and o.graphs and len(n) >= o.graph_min_copies and \
@@ -199,7 +218,7 @@ class CudaIpcTransport:
             handle.graph = self._capture(handle.raw)
         if handle.graph is None:
             self._plan_posts(handle)
-        if self.current_raw is not None:
+        if self.ladder.mode is Mode.FAST:
             graph_exec = handle.graph.raw_cuda_graph_exec() if handle.graph is not None else 0
             handle.fast = FastPost(stream, handle.sides, graph_exec)
         return handle
@@ -242,10 +261,8 @@ class CudaIpcTransport:
             with capturing(self.device, graph):
                 self.kernel.launch(table)  # type: ignore[union-attr]
         except Exception as e:  # noqa: BLE001 - the copy engines instead
-            warnings.warn(f"rank {self.rank}: cuda_ipc could not capture its copy kernel ({e}); "
-                          "the copy engines take its batches", stacklevel=2)
+            self.ladder.degrade("copy_kernel", f"capturing it as a CUDA graph failed: {e}")
             torch.cuda.synchronize(self.device)
-            self.kernel = None
             return None
         return graph
 
@@ -257,15 +274,15 @@ class CudaIpcTransport:
 
     def post(self, handle: Posted) -> None:
         handle.fast_posted = False
-        if handle.fast is not None and self.rt is not None and self.current_raw is not None \
-                and self._post_fast(handle):
+        if self.ladder.mode is Mode.FAST and handle.fast is not None and \
+                self._post_fast(handle):
             handle.posted = handle.fast_posted = True
             return
         stream = handle.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        if handle.raw is not None and self.rt is None:  # the raw path failed before
+        if handle.raw is not None and self.ladder.mode is Mode.TORCH:  # the raw path failed
             self._as_torch(handle)
-        if handle.graph is not None and self.rt is not None:
+        if handle.graph is not None and self.ladder.mode >= Mode.RUNTIME:
             with torch.cuda.stream(stream):
                 handle.graph.replay()
         elif handle.raw is not None:
@@ -286,9 +303,7 @@ class CudaIpcTransport:
         for d, s, n, stream in handle.order:
             if fn(d, s, n, kind, stream):
                 code = self.rt.last_error()  # type: ignore[union-attr] # clear it for torch
-                warnings.warn(f"rank {self.rank}: cudaMemcpyAsync failed (error {code}); "
-                              "cuda_ipc falls back to torch copies", stacklevel=3)
-                self.rt = None
+                self.ladder.degrade("runtime", f"cudaMemcpyAsync failed (error {code})")
                 self._as_torch(handle)  # the whole batch again: idempotent
                 break
         for side in handle.sides:
@@ -299,7 +314,7 @@ class CudaIpcTransport:
         context managers and `wait_stream` cost ~100 us a batch); False if one failed (it
         is then posted the torch way, whole: idempotent)."""
         rt, f = self.rt, handle.fast
-        assert rt is not None and f is not None and self.current_raw is not None
+        assert rt is not None and f is not None and self.current_raw is not None  # Mode.FAST
         cur = self.current_raw(self.device.index)
         bad = rt.event_record(f.ready, cur) or rt.wait_event(f.stream, f.ready, 0)
         if not bad and f.graph_exec:
@@ -315,9 +330,7 @@ class CudaIpcTransport:
         bad = bad or rt.event_record(f.done, f.stream)
         if bad:
             code = rt.last_error()  # clear it: torch would report it later
-            warnings.warn(f"rank {self.rank}: a CUDA runtime call failed (error {bad}, "
-                          f"{code}); cuda_ipc posts through torch from now on", stacklevel=3)
-            self.current_raw = None
+            self.ladder.degrade("fast_post", f"a CUDA runtime call failed (error {bad}, {code})")
             return False
         return True
 
@@ -328,7 +341,7 @@ class CudaIpcTransport:
         handle.raw, handle.graph, handle.order = None, None, []
 
     def done(self, handle: Posted) -> bool:
-        if handle.fast_posted and self.rt is not None:
+        if handle.fast_posted and self.ladder.mode >= Mode.RUNTIME:
             code = self.rt.event_query(handle.fast.done)  # type: ignore[union-attr]
             if code and code != NOT_READY:
                 raise RuntimeError(f"rank {self.rank}: CUDA error {code} in a batch's copies")
@@ -342,7 +355,7 @@ class CudaIpcTransport:
         """Send `msg` to `peer` from the GPU once every batch of `handles` has landed (each
         posted by `post`, not yet known landed here); False where this cannot be done (then
         the caller notifies from the host once `done` says they landed)."""
-        if self.rt is None or self.signals is None or \
+        if self.ladder.mode is Mode.TORCH or self.signals is None or \
                 not all(h.fast_posted for h in handles):
             return False
         return self.signals.after([h.fast.done for h in handles],  # type: ignore[union-attr]
@@ -359,7 +372,9 @@ class CudaIpcTransport:
         handle.table = None
 
     def stats(self) -> dict[str, int]:
-        return {"device_copies": self.ncopies, "raw_copies": int(self.rt is not None),
+        mode = self.ladder.mode
+        return {"device_copies": self.ncopies, "raw_copies": int(mode >= Mode.RUNTIME),
+                "posting_mode": int(mode), "degraded": len(self.ladder.degraded),
                 "kernel_batches": self.kernel_batches, "peers_mapped_here": len(self.opened),
                 "handles_opened_here": sum(map(len, self.opened.values())),
                 "regions_mapped_here": sum(len(self.peers.get(p, ())) for p in self.opened),

@@ -1,51 +1,105 @@
 """What `cuda_ipc` exchanges about memory: a region's CUDA IPC handle (`IpcHandle`, on the
-wire as msgpack fields, never pickle), torch's import of them, the raw handle inside
-torch's, and `PeerRegion`, a peer's region mapped by `cuda_ipc` itself
-(`cudaIpcOpenMemHandle` in the writer's own device context, raw addresses, as NCCL maps its
-peers)."""
+wire as a msgpack map of named fields, every one checked before use, never pickle), torch's
+import of them, the raw handle inside torch's, and `PeerRegion`, a peer's region mapped by
+`cuda_ipc` itself (`cudaIpcOpenMemHandle` in the writer's own device context, raw addresses,
+as NCCL maps its peers)."""
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
+
+MAX_HANDLE_BYTES = 1 << 20
+"""The largest opaque handle accepted from a peer (torch's handle of an expandable segment
+grows with the segment's pages; a cudaMalloc block's is 66 bytes)."""
+MAX_REF_BYTES = 4096
+"""The largest reference-counter name accepted from a peer (torch's is a shared-memory
+file name)."""
+EVENT_HANDLE_BYTES = 64
+"""`cudaIpcEventHandle_t`: torch's event handle, or empty where there is none."""
+INT64_MAX = (1 << 63) - 1
+MAX_DEVICE = 1023
 
 
 @dataclass(frozen=True)
 class IpcHandle:
     """One region as a peer opens it: torch's shareable CUDA handle of the region's storage
     (`UntypedStorage._share_cuda_()`: the first eight fields) and the region's place in that
-    storage. On the wire: these fields in this order, as a msgpack list."""
+    storage. On the wire: a msgpack map of these fields by name (`to_msgpack`); a peer's map
+    is checked field by field before anything opens it (`from_msgpack`)."""
 
     device: int
+    """The CUDA device the region lives on (its index on this host)."""
     handle: bytes
     """torch's shareable handle (`raw_handle` finds the CUDA one inside)."""
     size: int
+    """The storage's size in bytes."""
     offset: int
     """The storage's byte offset in its cudaMalloc allocation."""
     ref_handle: bytes
+    """torch's reference counter of the exported block (a shared-memory file name)."""
     ref_offset: int
+    """This storage's slot in that counter."""
     event_handle: bytes
+    """torch's CUDA IPC event handle (64 bytes, or empty)."""
     event_sync: bool
+    """Whether the importer waits on that event before it uses the memory."""
     storage_offset: int
     """The region's first element in the storage (bytes: regions are uint8)."""
     numel: int
+    """The region's length in bytes."""
 
-    def to_wire(self) -> list[Any]:
-        return list(astuple(self))
+    def to_msgpack(self) -> dict[str, Any]:
+        """The handle as a msgpack map (field name -> value)."""
+        return asdict(self)
 
     @staticmethod
-    def from_wire(f: Any, where: str = "region") -> IpcHandle:
-        """The handle of a peer's record; a ValueError naming `where` when malformed."""
-        kinds = [(x.name, bytes if x.type in ("bytes", bytes) else
-                  bool if x.type in ("bool", bool) else int) for x in fields(IpcHandle)]
-        if not isinstance(f, (list, tuple)) or len(f) != len(kinds) or not all(
-                isinstance(v, k) and (k is bool or not isinstance(v, bool))
-                for v, (_, k) in zip(f, kinds)):
-            raise ValueError(f"{where}: a CUDA IPC handle is {len(kinds)} fields "
-                             f"({', '.join(n for n, _ in kinds)}); got {str(f)[:80]}")
-        return IpcHandle(*f)
+    def from_msgpack(m: Any, where: str = "region") -> IpcHandle:
+        """The handle of a peer's map, every field checked (type, size, range): a ValueError
+        of one line naming `where`, the field and its value otherwise."""
+        names = [f.name for f in fields(IpcHandle)]
+        if not isinstance(m, dict) or set(m) != set(names):
+            got = sorted(map(str, m)) if isinstance(m, dict) else type(m).__name__
+            raise ValueError(f"{where}: a CUDA IPC handle is a map of the fields "
+                             f"{', '.join(names)}; got {str(got)[:120]} (the peer must run "
+                             "the same rdma-plan version)")
+        for name in names:
+            _check(where, name, m[name])
+        if m["event_sync"] and len(m["event_handle"]) != EVENT_HANDLE_BYTES:
+            _refuse(where, "event_handle", m["event_handle"],
+                    f"with event_sync it must be {EVENT_HANDLE_BYTES} bytes")
+        if m["storage_offset"] + m["numel"] > m["size"]:
+            _refuse(where, "numel", m["numel"], f"the region (from storage_offset "
+                    f"{m['storage_offset']}) must end within the storage's {m['size']} bytes")
+        return IpcHandle(**{n: m[n] for n in names})
+
+
+def _check(where: str, name: str, v: Any) -> None:
+    """One field of a peer's handle: its type, then its size or range."""
+    if name in ("handle", "ref_handle", "event_handle"):
+        if not isinstance(v, bytes):
+            _refuse(where, name, v, "it must be bytes")
+        if name == "handle" and not 0 < len(v) <= MAX_HANDLE_BYTES:
+            _refuse(where, name, v, f"it must be 1 to {MAX_HANDLE_BYTES} bytes")
+        if name == "ref_handle" and not 0 < len(v) <= MAX_REF_BYTES:
+            _refuse(where, name, v, f"it must be 1 to {MAX_REF_BYTES} bytes")
+        if name == "event_handle" and len(v) not in (0, EVENT_HANDLE_BYTES):
+            _refuse(where, name, v, f"it must be empty or {EVENT_HANDLE_BYTES} bytes")
+    elif name == "event_sync":
+        if not isinstance(v, bool):
+            _refuse(where, name, v, "it must be true or false")
+    elif not isinstance(v, int) or isinstance(v, bool):
+        _refuse(where, name, v, "it must be an integer")
+    elif not 0 <= v <= (MAX_DEVICE if name == "device" else INT64_MAX):
+        _refuse(where, name, v, f"it must be 0 to {MAX_DEVICE if name == 'device' else INT64_MAX}")
+
+
+def _refuse(where: str, name: str, v: Any, rule: str) -> None:
+    shown = f"{len(v)} bytes" if isinstance(v, bytes) else repr(v)[:60]
+    raise ValueError(f"{where}: CUDA IPC handle field {name!r} is {shown}: {rule} (the peer "
+                     "must export it with the same rdma-plan version)")
 
 
 def export_region(t: torch.Tensor) -> IpcHandle:

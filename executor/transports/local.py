@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from .base import WriteBatch
+from .base import Capabilities, WriteBatch
 from .copy_kernel import CopyKernel, batch_copies
 from .graphs import as_graph
 from .local_mailbox import Mailbox, SharedMailbox
@@ -63,8 +64,9 @@ FABRIC = Fabric()
 
 
 class LocalTransport:
-    ordered_posts = one_stream = True
-    """Copies run on the caller's current stream, in the order they are posted."""
+    capabilities = Capabilities(ordered_posts=True, one_stream=True)
+    """Copies run on the caller's current stream, in the order they are posted; on a GPU
+    (known at `register`) also `graph_ops` and `fuse_batches` (see the module doc)."""
 
     def __init__(self, rank: int, namespace: str, fabric: Fabric | None = None,
                  options: LocalOptions | None = None) -> None:
@@ -74,7 +76,6 @@ class LocalTransport:
         self.regions: list[torch.Tensor] = []
         self.inbox = self.fabric.mailbox(namespace, rank)
         self.outboxes: dict[int, Mailbox | SharedMailbox] = {}
-        self.fuse_batches = self.graph_ops = False  # on a GPU: see the module doc
 
     def register(self, regions: list[torch.Tensor]) -> None:
         if self.fabric.shared:  # peers forked later write into them
@@ -86,7 +87,8 @@ class LocalTransport:
                 r.share_memory_()
         self.regions = regions
         self.fabric.regions[(self.ns, self.rank)] = regions
-        self.fuse_batches = self.graph_ops = bool(regions) and regions[0].is_cuda
+        gpu = bool(regions) and regions[0].is_cuda
+        self.capabilities = replace(type(self).capabilities, graph_ops=gpu, fuse_batches=gpu)
 
     def export(self) -> dict[str, Any]:
         return {"rank": self.rank}
@@ -96,10 +98,11 @@ class LocalTransport:
         self.outboxes[peer] = self.fabric.mailbox(self.ns, int(desc["rank"]))
 
     def prepare(self, batch: WriteBatch) -> list[Op]:
-        ops = self._kernel_ops(batch) if self.graph_ops else None
+        gpu = self.capabilities.graph_ops
+        ops = self._kernel_ops(batch) if gpu else None
         if ops is None:
             ops = prepare_copies(self.regions, self.peers[batch.peer], batch)
-        if self.graph_ops:
+        if gpu:
             ops = as_graph(ops, self.regions[0].device, f"rank {self.rank} writes")
         return ops
 

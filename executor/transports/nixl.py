@@ -22,11 +22,14 @@ import numpy as np
 import torch
 
 from ..cleanup import best_effort
-from .base import WriteBatch
+from .base import Capabilities, WriteBatch
 from .options import NixlOptions
 
 
 class NixlTransport:
+    capabilities = Capabilities()
+    """None: a post does not wait for the caller's stream (the executor syncs before it)."""
+
     def __init__(self, rank: int, namespace: str, options: NixlOptions | None = None) -> None:
         from nixl import nixl_agent, nixl_agent_config
 

@@ -22,7 +22,7 @@ from typing import Any
 import msgpack
 import torch
 
-from .base import Store, StoreMailbox, WriteBatch
+from .base import Capabilities, Store, StoreMailbox, WriteBatch
 
 _TURN_TIMEOUT_S = 300.0
 
@@ -38,6 +38,9 @@ class _Batch:
 
 
 class UcclTransport:
+    capabilities = Capabilities()
+    """None: a post does not wait for the caller's stream (the executor syncs before it)."""
+
     def __init__(self, rank: int, namespace: str, store: Store, device: torch.device,
                  num_cpus: int = 4) -> None:
         from uccl import p2p

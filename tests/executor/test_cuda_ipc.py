@@ -39,6 +39,11 @@ def test_four_processes_over_cuda_ipc(tmp_path, kernel):
         assert f"rank {f.rank} step 3: ok" in f.output
     stats = {f.rank: json.loads(f.output.split(f"rank {f.rank} stats ", 1)[1].splitlines()[0])
              for f in done}
+    # the best path throughout: posts through raw runtime calls, nothing fell back (a
+    # fallback is recorded with its reason in `CudaIpcTransport.degraded`)
+    for f in done:
+        s = stats[f.rank]
+        assert s["posting_mode"] == 2 and s["degraded"] == 0, (s, f.output[-2000:])
     sent = sum(s["device_signals"] for s in stats.values())
     assert (sent > 0) == kernel, stats  # the GPU published DONEs, and only where asked to
     if gpus > 1 and kernel:  # rank 1 (cuda:1) writes rank 2 (cuda:0): mapped by rank 1 itself

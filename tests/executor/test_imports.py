@@ -37,7 +37,7 @@ def test_executor_imports_no_planner_networkx_yaml_or_pickle():
 def test_transports_do_not_import_each_other():
     # helpers, not transports
     allowed = {".base", ".torch_copy", ".shm_mailbox", ".options", ".graphs", ".copy_kernel",
-               ".cuda_runtime", ".ipc_regions", ".ipc_signals", ".ipc_posted",
+               ".cuda_runtime", ".ipc_regions", ".ipc_signals", ".ipc_posted", ".ipc_modes",
                ".local_mailbox", "..cleanup", "..nvrtc"}
     for f in os.listdir(os.path.join(EXECUTOR, "transports")):
         if f.endswith(".py") and f != "__init__.py":  # the registry names them all

@@ -42,6 +42,7 @@ def main(path: str, rank: int, rendezvous: str, steps: int, transport: str = "ni
         status = 3
     if transport == "cuda_ipc":  # which paths it took (test_cuda_ipc.py reads them)
         print(f"rank {rank} stats {json.dumps(plan.transport.stats())}", flush=True)
+        print(f"rank {rank} degraded {plan.transport.degraded}", flush=True)  # why, if any
     store.set(f"exit/{rank}", b"1")
     store.wait([f"exit/{r}" for r in range(4)], timedelta(seconds=90))
     time.sleep(0.2)
