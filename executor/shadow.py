@@ -106,7 +106,8 @@ class Shadow:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None
+        """An update was started and `finish` has not ended it yet."""
+        return self._thread is not None and not self._abandoned
 
     def start(self, step: int | None = None) -> None:
         """Begin this rank's part of the next step on a background thread; returns at once."""
