@@ -42,22 +42,16 @@ from typing import Any
 
 import torch
 
-from schemas.plan import STAGING, RankPlan
+from schemas.shadow import shadow_bytes as shadow_extra_bytes
 
 from .core import Executor, RunStats
 from .stats import ShadowStats
 
+__all__ = ["Shadow", "TornUpdateError", "shadow_extra_bytes"]
+
 
 class TornUpdateError(RuntimeError):
     """The shadow step did not complete: live weights untouched, no version committed."""
-
-
-def shadow_extra_bytes(plan: RankPlan) -> int:
-    """Extra memory a full shadow costs on `plan`'s rank: its bound weight bytes (0 on a
-    source, which keeps no shadow)."""
-    if plan.role != "target":
-        return 0
-    return sum(r.nbytes for r in plan.regions if r.name != STAGING)
 
 
 class Shadow:
