@@ -291,6 +291,7 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
         self.bound: dict[str, torch.Tensor] = {}
         self.timeout_s = 60.0
         self.updates = 0
+        self.shadow = False  # the workers run in shadow mode (vllm_shadow.py)
 
     @classmethod
     def trainer_init(cls, init_info: RdmaPlanTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -300,7 +301,7 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
                              "this rank's plan tensors)")
         eng = cls(client=client, source=source, is_sender=init_info.is_sender,
                   rank=init_info.rank)
-        eng.timeout_s = 2 * init_info.timeout_s + 30
+        eng.timeout_s, eng.shadow = 2 * init_info.timeout_s + 30, init_info.shadow
         trust.signing(init_info.plan_key, init_info.allow_unsigned,
                       where=f"rdma_plan trainer rank {init_info.rank} ({init_info.plan})")
         rank = init_info.load_rank()
@@ -357,7 +358,14 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
         if rpc.error is not None:  # vLLM ended the session: nothing to finish or commit
             raise TornUpdateError(f"rdma_plan: update {weight_version!r} did not complete on "
                                   f"the engine and was not committed: {rpc.error}") from lost
-        self.client.finish_weight_update(weight_version)
+        try:
+            self.client.finish_weight_update(weight_version)
+        except Exception as e:
+            if not self.shadow:
+                raise
+            vllm_shadow.close_torn(self.client)  # nothing switched: the engine serves on
+            raise TornUpdateError(f"rdma_plan: update {weight_version!r} did not complete on "
+                                  f"the engine and was not committed: {e}") from lost or e
         if lost is not None:
             raise lost
 

@@ -14,11 +14,14 @@ live weights:
 
 A torn transfer (a source died, a DONE never came) raises `TornUpdateError` from
 `finish_weight_update`: nothing was switched, the live weights keep serving the committed
-version, and the next update starts clean. Per update the worker records `ShadowUpdate`
-(`engine.shadow_updates`): the transfer seconds (start to the last DONE) and the pause
-(`finish_weight_update` called to the version committed: the wait for a late DONE, the
-switch copies, the refresh, the checks). Extra memory: the written tensors' bytes once more
-(`engine.shadow.extra_bytes`).
+version, and the next update starts clean. vLLM 0.33's `Worker` keeps the update session
+open when `finish_weight_update` raised, so the trainer engine then calls it once more
+without a version (`close_torn`): that call closes the session and commits nothing.
+
+Per update the worker records `ShadowUpdate` (`engine.shadow_updates`): the transfer
+seconds (start to the last DONE) and the pause (`finish_weight_update` called to the
+version committed: the wait for a late DONE, the switch copies, the refresh, the checks).
+Extra memory: the written tensors' bytes once more (`engine.shadow.extra_bytes`).
 """
 
 from __future__ import annotations
@@ -44,13 +47,20 @@ class ShadowUpdate:
     """`finish_weight_update` called to the version committed (what the engine pauses)."""
 
 
+def close_torn(client: Any) -> None:
+    """After a torn shadow update: vLLM's `Worker` keeps the session open when
+    `finish_weight_update` raised; a second call without a version closes it on every
+    worker, switching and committing nothing."""
+    client.finish_weight_update(None)
+
+
 def make(engine: Any, tensors: dict[str, torch.Tensor], rank_plan: Any
          ) -> dict[str, torch.Tensor]:
     """Set `engine.shadow`, a shadow of the tensors the plan writes on this rank (the others
     are not bound), and `engine.shadow_updates`; the tensors the executor binds."""
     engine.shadow = Shadow({r.name: tensors[r.name] for r in rank_plan.regions
                             if r.name in tensors})
-    engine.shadow_updates = []
+    engine.shadow_updates, engine.torn_open = [], False
     return engine.shadow.tensors
 
 
@@ -66,14 +76,17 @@ def finish(engine: Any, version: str | None, torn: type[Exception]) -> None:
     """`finish_weight_update` in shadow mode: last DONE, switch, refresh and commit."""
     t0 = time.perf_counter()
     shadow: Shadow = engine.shadow
+    if not shadow.running and engine.torn_open:  # the trainer closes a torn session
+        engine.torn_open = False
+        return
     if not shadow.running:
-        raise torn(f"rdma_plan: update {version!r} was not started on vLLM worker "
-                   f"{engine.identity.get('index')} (update_weights did not run); version "
+        raise torn(f"rdma_plan: vLLM worker {engine.identity.get('index')}: update "
+                   f"{version!r} was not started (update_weights did not run); version "
                    f"{engine.weight_version!r} stays")
     try:
         shadow.finish(2 * engine.plan.timeout_s + 30)
     except ShadowTornError as e:
-        engine.failure = e
+        engine.failure, engine.torn_open = e, True
         raise torn(f"rdma_plan: vLLM worker {engine.identity.get('index')} (plan rank "
                    f"{engine.plan_rank}) did not receive update {version!r} completely; "
                    f"nothing was switched: the live weights keep serving version "
