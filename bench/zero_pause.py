@@ -18,6 +18,9 @@ of a [B, D] activation through its live weights. Per model, in one run:
 - `paused refit`: the same plan run into the live tensors with the engine stopped (the
   engine pauses for the whole transfer).
 
+`--slow-source-ms X` starts the sources X ms late in each shadow step: the transfer grows
+by X, the engine decodes through it, and the pause must stay what the switch costs.
+
 Bit-exact after each switch (the live tensors equal the sources' bytes) or it exits 1.
 All ranks share one device and one stream here: the sources' writes are local copies
 that compete with the decode for memory bandwidth, which a NIC or NVLink write does not.
@@ -106,9 +109,13 @@ class World:
         for ex in self.exs.values():
             ex.connect()
 
-    def run(self, ranks: list[int], step: int) -> list[threading.Thread]:
-        threads = [threading.Thread(target=self.exs[r].run, args=(step,), daemon=True)
-                   for r in ranks]
+    def run(self, ranks: list[int], step: int, delay_s: float = 0.0
+            ) -> list[threading.Thread]:
+        """Each rank's step on a thread of its own, after `delay_s` (a slow source)."""
+        def go(r: int) -> None:
+            time.sleep(delay_s)
+            self.exs[r].run(step)
+        threads = [threading.Thread(target=go, args=(r,), daemon=True) for r in ranks]
         for th in threads:
             th.start()
         return threads
@@ -189,7 +196,7 @@ def bench_model(d: int, k: int, args: argparse.Namespace, device: torch.device) 
         t0 = time.perf_counter()
         for t in tgts:
             shadows[t].start(step)
-        threads = shadowed.run(list(range(S)), step)
+        threads = shadowed.run(list(range(S)), step, args.slow_source_ms / 1e3)
         during = []
         while any(th.is_alive() for th in threads) or any(
                 s._thread is not None and s._thread.is_alive() for s in shadows.values()):
@@ -235,7 +242,8 @@ def bench_model(d: int, k: int, args: argparse.Namespace, device: torch.device) 
 def table(results: list[dict], args: argparse.Namespace, device: torch.device) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     lines = [f"zero_pause: {args.sources} sources -> {args.targets} targets, local transport, "
-             f"{name}, batch {args.batch}, medians of {args.steps} steps",
+             f"{name}, batch {args.batch}, medians of {args.steps} steps, sources "
+             f"{args.slow_source_ms:g} ms late",
              "| model (DxK) | MiB/target | decode ms | decode during ms | steps during | "
              "transfer ms | pause ms | floor ms | pause/floor | paused refit ms |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -257,6 +265,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--slow-source-ms", type=float, default=0.0,
+                    help="the sources start each shadow step this late (a longer transfer: "
+                    "the pause must not grow)")
     ap.add_argument("--tiny", action="store_true", help="CPU, 128x4 and 256x4, 3 steps")
     args = ap.parse_args()
     if args.tiny:
