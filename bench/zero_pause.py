@@ -281,6 +281,8 @@ def main() -> None:
     except (ValueError, AssertionError):
         sys.exit(f"zero_pause: --models {args.models!r}: give DxK pairs, e.g. 2048x8,4096x16")
     device = torch.device(args.device)
+    if device.type == "cpu":  # one thread: the decode and the copies share a busy box
+        torch.set_num_threads(1)
     results = [bench_model(d, k, args, device) for d, k in models]
     print(table(results, args, device))
 
