@@ -97,6 +97,7 @@ class Shadow:
         self.executor = ex
         if ex.device.type == "cuda" and not ex.one_stream:
             self._stream = torch.cuda.Stream(ex.device)
+            self._stream.wait_stream(torch.cuda.current_stream(ex.device))  # the clones
 
     @property
     def running(self) -> bool:
@@ -185,7 +186,7 @@ class Shadow:
 
     def join(self) -> None:
         """Wait for a straggling thread of a torn update (bounded by the executor's
-        timeout); `start()` refuses to run while one is alive."""
+        timeout); `start()` calls it first."""
         if self._thread is not None:
             self._thread.join()
             self._thread, self._abandoned = None, False
