@@ -21,10 +21,13 @@ from .errors import (
                      PlanBoundsError,
 )
 from .rendezvous import connect_store
+from .shadow import Shadow, TornUpdateError, shadow_extra_bytes
+from .stats import ShadowStats
 from .world import PlanDeadlockError, run_all_local
 
 __all__ = ["BindError", "Executor", "ForgedRecordError", "IdentityError", "LeaseHeldError",
            "LeaseLostError", "NoSecretError", "PeerAbortError", "PeerLostError",
            "PeerMismatchError", "PeerTimeoutError", "PlanBoundsError", "PlanDeadlockError",
            "connect_store",
-           "RunStats", "load", "run", "run_all_local"]
+           "RunStats", "Shadow", "ShadowStats", "TornUpdateError", "load", "run", "run_all_local",
+           "shadow_extra_bytes"]

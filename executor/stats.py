@@ -45,3 +45,20 @@ def received_bytes(header: PlanHeader, rank: int) -> int:
     """Bytes the plan writes into `rank` per step (the header's rank stats), or 0."""
     rows = header.rank_stats
     return max(0, rows[rank].bytes_in) if 0 <= rank < len(rows) else 0
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowStats:
+    """One update through a shadow (`executor/shadow.py`)."""
+
+    step: int
+    version: int
+    """Updates switched into the live tensors so far, this one included."""
+    transfer_s: float
+    """`start()` to the step's last DONE (and its unpacks) on this rank."""
+    pause_s: float
+    """The switch: shadow -> live copies (what the engine pauses for)."""
+    extra_bytes: int
+    """Memory the shadow costs on this rank (the target's weight bytes)."""
+    run: RunStats
+    """The executor's stats of the step."""

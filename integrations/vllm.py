@@ -17,7 +17,8 @@ each worker after `load_model`, i.e. after the first post-load processing):
    every tensor kept its `data_ptr`, and commits the version. After a torn update (a peer
    died mid-update) `update_weights` raises `TornUpdateError` (vLLM's worker then ends the
    session, and the client never sets the version), `finish_weight_update` raises it too and
-   commits nothing; the next complete update recovers bit-exactly.
+   commits nothing; the next complete update recovers bit-exactly. `shadow=True`: see
+   `vllm_shadow.py` (step 3 returns at once, step 4 switches the shadow in).
 
 Trainer side (`RdmaPlanTrainerEngine`, via `WeightTransferTrainerFactory.trainer_init` on every
 trainer rank): binds this rank's tensors from a `WeightSource` (its `iter_local()`, else
@@ -34,7 +35,6 @@ vLLM calls it in every process (`vllm.general_plugins` entry point).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -55,7 +55,8 @@ from executor import trust
 from executor.errors import PeerMismatchError, PeerTimeoutError
 from integrations import vllm_checks as checks
 from integrations import vllm_content as content
-from integrations import vllm_cpu_gemm
+from integrations import vllm_cpu_gemm, vllm_shadow
+from integrations.vllm_background import Background as _Background
 from schemas.header import PlanHeader
 from schemas.identity import find_rank
 from schemas.integrity import plan_key as read_key
@@ -83,6 +84,8 @@ class RdmaPlanInitInfo(WeightTransferInitInfo):
     by every worker; with a job secret set, required unless `allow_unsigned`."""
     allow_unsigned: bool = False
     """Load the plan without checking a signature although a job secret is set (logged)."""
+    shadow: bool = False
+    """Zero-pause refit: the writes land in a shadow while the engine serves (vllm_shadow)."""
 
 
 @dataclass
@@ -110,6 +113,7 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         self.failure: BaseException | None = None
         self.received = False
         self.refreshes = 0  # derived-state refreshes run, over all updates
+        self.shadow: executor.Shadow | None = None  # shadow mode (vllm_shadow.make)
 
     def init_transfer_engine(self, init_info: RdmaPlanInitInfo) -> None:
         if self.plan is not None:
@@ -126,7 +130,8 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         self.refresh = checks.refreshers(self.model, entries, self.model_config.dtype)
         self.refresh += cpu_gemms
         checks.zero_vocab_padding(self.model)
-        self.plan = executor.load(init_info.plan, self.plan_rank, tensors,
+        bound = vllm_shadow.make(self, tensors, rank_plan) if init_info.shadow else tensors
+        self.plan = executor.load(init_info.plan, self.plan_rank, bound,
                                   transport=init_info.transport,
                                   rendezvous=init_info.rendezvous,
                                   timeout_s=init_info.timeout_s, plan_key=init_info.plan_key,
@@ -162,6 +167,8 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         """This rank's part of the plan; a peer lost mid-update raises `TornUpdateError`
         (vLLM then ends the session; `finish_weight_update` would refuse to commit too)."""
         assert self.plan is not None, "start_weight_update checks this"
+        if self.shadow is not None:  # returns at once; finish_weight_update waits
+            return vllm_shadow.start(self, update_info.version)
         self.pending_version = update_info.version
         try:
             executor.run(self.plan)
@@ -182,8 +189,14 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Refresh the plan's derived tensors in place and commit the version, or raise."""
         version = weight_version if weight_version is not None else self.pending_version
+        if self.shadow is not None:
+            return vllm_shadow.finish(self, version, TornUpdateError)
         if self.failure is not None or not self.received:
             raise self._torn(version)
+        self.commit(version)
+
+    def commit(self, version: str | None) -> None:
+        """Refresh the derived tensors, check, commit `version` (every byte has landed)."""
         mla = checks.mla_modules(self.model)
         with torch.no_grad():
             before = content.mla_inputs(mla, [name for name, _ in self.refresh])
@@ -204,6 +217,8 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         self.weight_version, self.received = version, False
 
     def shutdown(self) -> None:
+        if self.shadow is not None:
+            self.shadow.join()  # its thread uses the executor
         if self.plan is not None:
             self.plan.close()
             self.plan = None
@@ -232,9 +247,11 @@ class RdmaPlanTrainerInitInfo(TrainerInitInfo):
     with a job secret set, required unless `allow_unsigned`."""
     allow_unsigned: bool = False
     """Load without checking the plan's signature although a job secret is set (logged)."""
+    shadow: bool = False
+    """The workers' shadow mode (`RdmaPlanInitInfo.shadow`)."""
 
     def worker_info(self) -> dict[str, Any]:
-        return {"plan": self.plan, "rendezvous": self.rendezvous,
+        return {"plan": self.plan, "rendezvous": self.rendezvous, "shadow": self.shadow,
                 "transport": self.transport, "timeout_s": self.timeout_s,
                 "plan_key": self.plan_key, "allow_unsigned": self.allow_unsigned}
 
@@ -248,35 +265,6 @@ class RdmaPlanTrainerInitInfo(TrainerInitInfo):
                 header = read_header(f, self.plan)[0]
             return int(find_rank(header, self.identity, self.plan))
         return self.rank
-
-
-class _Background:
-    """Run `fn(*args)` on a thread for the duration of a `with` block; its error is kept in
-    `error` (and re-raised at the end of the block unless `reraise=False`)."""
-
-    def __init__(self, timeout_s: float, fn: Callable[..., None], *args: Any,
-                 reraise: bool = True) -> None:
-        self.timeout_s, self.reraise = timeout_s, reraise
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True)
-
-    def _run(self, fn: Callable[..., None], *args: Any) -> None:
-        try:
-            fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            self.error = e
-
-    def __enter__(self) -> _Background:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.thread.join(self.timeout_s)
-        if self.thread.is_alive():
-            raise TimeoutError(f"rdma_plan: the vLLM client call did not return within "
-                               f"{self.timeout_s:g} s; check that the engine is running")
-        if self.error is not None and self.reraise and exc[0] is None:
-            raise self.error
 
 
 def source_tensors(source: WeightSource) -> dict[str, torch.Tensor]:
@@ -303,6 +291,7 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
         self.bound: dict[str, torch.Tensor] = {}
         self.timeout_s = 60.0
         self.updates = 0
+        self.shadow = False  # the workers run in shadow mode (vllm_shadow.py)
 
     @classmethod
     def trainer_init(cls, init_info: RdmaPlanTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -312,7 +301,7 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
                              "this rank's plan tensors)")
         eng = cls(client=client, source=source, is_sender=init_info.is_sender,
                   rank=init_info.rank)
-        eng.timeout_s = 2 * init_info.timeout_s + 30
+        eng.timeout_s, eng.shadow = 2 * init_info.timeout_s + 30, init_info.shadow
         trust.signing(init_info.plan_key, init_info.allow_unsigned,
                       where=f"rdma_plan trainer rank {init_info.rank} ({init_info.plan})")
         rank = init_info.load_rank()
@@ -369,7 +358,14 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
         if rpc.error is not None:  # vLLM ended the session: nothing to finish or commit
             raise TornUpdateError(f"rdma_plan: update {weight_version!r} did not complete on "
                                   f"the engine and was not committed: {rpc.error}") from lost
-        self.client.finish_weight_update(weight_version)
+        try:
+            self.client.finish_weight_update(weight_version)
+        except Exception as e:
+            if not self.shadow:
+                raise
+            vllm_shadow.close_torn(self.client)  # nothing switched: the engine serves on
+            raise TornUpdateError(f"rdma_plan: update {weight_version!r} did not complete on "
+                                  f"the engine and was not committed: {e}") from lost or e
         if lost is not None:
             raise lost
 

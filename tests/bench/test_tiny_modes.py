@@ -29,7 +29,8 @@ def test_every_benchmark_has_a_tiny_mode_here() -> None:
                      if n.endswith(".py") or os.path.isdir(os.path.join(ROOT, "bench", n))
                      and not n.startswith("__"))
     assert scripts == ["compile_scale.py", "defaults.py", "executor_bench.py", "gpu_refit",
-                       "long_run.py", "published.py", "step_trace.py", "traced_compile.py"]
+                       "long_run.py", "published.py", "step_trace.py", "traced_compile.py",
+                       "zero_pause.py"]
 
 
 def test_compile_scale_tiny() -> None:
@@ -83,3 +84,14 @@ def test_gpu_refit_tiny_on_cpu() -> None:
     out = _run("-m", "bench.gpu_refit", "--tiny")
     assert "rdma-plan (nixl)" in out and "NCCL baseline" in out
     assert "all methods bit-exact: yes" in out
+
+
+def test_zero_pause_tiny() -> None:
+    # exits 1 unless the live tensors are bit-exact (and unmoved) after every switch and
+    # after the paused refit; one row per model
+    out = _run("bench/zero_pause.py", "--tiny")
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 1")
+            or line.startswith("| 2")]
+    assert [r[0] for r in rows] == ["| 128x4", "| 256x4"], out
+    for r in rows:
+        assert float(r[6]) > 0 and float(r[7]) > 0 and float(r[9].rstrip(" |")) > 0, r

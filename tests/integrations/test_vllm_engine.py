@@ -50,6 +50,7 @@ CASES = [  # name, HF config, source, target ep, steps
     ("deepseek_v3-tp2", vc.DEEPSEEK, FSDP2_DP2, False, steps(6)),
     ("deepseek_v3-fp8-tp2", vc.DEEPSEEK_FP8, MEGATRON_TP2, False,
      steps(7, 8, 9, 10, v10=dict(skip_refresh=True))),
+    ("qwen3-shadow-tp2", vc.QWEN3, MEGATRON_TP2, False, steps(31, 32), True),
 ]
 
 
@@ -80,11 +81,11 @@ def compile_case(tmp: Path, name: str, hf: dict, source: dict, ep: bool) -> str:
 
 
 def case_dict(tmp: Path, name: str, hf: dict, source: dict, ep: bool, st: list[dict],
-              timeout_s: float = 60.0) -> dict:
+              shadow: bool = False, timeout_s: float = 60.0) -> dict:
     plan = compile_case(tmp, name, hf, source, ep)
     return dict(name=name, hf=hf, source=source, tp=2, ep=ep, folder=str(tmp / name),
                 plan=plan, steps=st, timeout_s=timeout_s, trainers=2,
-                workers=2)
+                workers=2, shadow=shadow)
 
 
 class Procs:
@@ -124,6 +125,9 @@ class Procs:
     def check(self, case: str, rank: int, label: str) -> dict:
         return json.loads(self.store.get(f"{case}/check/{rank}/{label}"))
 
+    def during(self, case: str, rank: int, label: str) -> dict:
+        return json.loads(self.store.get(f"{case}/during/{rank}/{label}"))
+
     def sent(self, case: str, label: str) -> dict:
         return json.loads(self.store.get(f"{case}/send/{label}"))
 
@@ -147,7 +151,7 @@ def finish(procs: Procs, timeout: float) -> None:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Procs, list[dict]]:
     tmp = tmp_path_factory.mktemp("vllm-engine")
-    cases = [case_dict(tmp, *c) for c in CASES]
+    cases = [case_dict(tmp, *c) for c in CASES]  # the 6th: shadow mode
     procs = start(tmp, cases)
     try:
         finish(procs, 900)
@@ -185,6 +189,24 @@ def test_send_weights_bit_exact(run: tuple[Procs, list[dict]], index: int) -> No
         assert c["derived"] == (2 if fp8 else 0), where  # W_UK_T/W_UV of both MLA layers
 
 
+def test_shadow_keeps_serving_the_previous_version_until_finish(
+        run: tuple[Procs, list[dict]]) -> None:
+    """Shadow mode (`integrations/vllm_shadow.py`): after `update_weights` returned, every
+    tensor the engine reads still equals the previous version bit for bit (v32: vLLM's
+    reference of v31; v31: the state before the update); after finish, the new version
+    (`test_send_weights_bit_exact` checks that), every data_ptr kept. Each update records
+    its transfer and pause on the worker."""
+    procs, _ = run
+    for rank in range(2):
+        for label in ("v31", "v32"):
+            d = procs.during("qwen3-shadow-tp2", rank, label)
+            assert d["compared"] > 10 and d["errors"] == [], (label, d["errors"][:10])
+        c = procs.check("qwen3-shadow-tp2", rank, "v32")
+        ups = c["shadow"]
+        assert [u["version"] for u in ups] == ["v31", "v32"], ups
+        assert all(u["transfer_s"] > 0 and u["pause_s"] >= u["switch_s"] > 0 for u in ups)
+
+
 def test_fp8_refresh_is_needed(run: tuple[Procs, list[dict]]) -> None:
     """Negative control: the same update without the derived-state refresh leaves exactly
     the MLA W_UK_T/W_UV stale (the comparison fails), everything else equal."""
@@ -198,13 +220,15 @@ def test_fp8_refresh_is_needed(run: tuple[Procs, list[dict]]) -> None:
             c["errors"]
 
 
-def test_source_killed_mid_update(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shadow", [False, True], ids=["paused", "shadow"])
+def test_source_killed_mid_update(tmp_path: Path, shadow: bool) -> None:
     """Trainer rank 1 dies at v2 after the sender started the update: the workers' update
     raises, finish refuses, no version is committed (v1 stays); the rank restarts and v3 is
-    bit-exact."""
+    bit-exact. Shadow mode: nothing was switched, so the live weights are v1 bit for bit."""
     st = [dict(label="v21", seed=21), dict(label="v22", seed=22, die=1, check_seed=21),
           dict(label="v23", seed=23)]
-    case = case_dict(tmp_path, "qwen3-kill", vc.QWEN3, MEGATRON_TP2, False, st, timeout_s=30)
+    case = case_dict(tmp_path, "qwen3-kill", vc.QWEN3, MEGATRON_TP2, False, st, shadow,
+                     timeout_s=30)
     procs = start(tmp_path, [case])
     try:
         assert procs.wait("trainer1", 400) == 17
@@ -220,7 +244,11 @@ def test_source_killed_mid_update(tmp_path: Path) -> None:
         c = procs.check("qwen3-kill", rank, "v22")
         assert c["weight_version"] == "v21"
         assert c["finish"].startswith("rdma_plan: vLLM worker") and "v21' stays" in c["finish"]
-        assert c["errors"], "a torn update must leave some weights different from v21"
+        if shadow:  # v21 kept serving, untouched; the transfer ran into the shadow only
+            assert c["errors"] == [] and c["moved"] == [], c["errors"][:10]
+            assert procs.during("qwen3-kill", rank, "v22")["errors"] == []
+        else:
+            assert c["errors"], "a torn update must leave some weights different from v21"
         c = procs.check("qwen3-kill", rank, "v23")
         assert c["errors"] == [] and c["moved"] == [] and c["weight_version"] == "v23"
     assert procs.sent("qwen3-kill", "v23") == {"result": "ok", "client_version": "v23"}

@@ -119,6 +119,7 @@ class Shim:
 
         self.case, self.rank, self.cfg, self.model, self.engine = case, rank, cfg, model, engine
         self.active, self.ptrs, self.saved = False, {}, None
+        self.expect: tuple[str, int | None] | None = None  # shadow mode: (label, seed)
         self.pointers = pointers
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
@@ -135,11 +136,25 @@ class Shim:
     def update_weights(self, update_info: dict) -> None:
         if not self.active:
             raise RuntimeError("start_weight_update must be called before update_weights.")
+        before = None
+        if self.expect is not None and self.expect[1] is None:  # no reference: the state
+            before = {n: t.clone() for n, t in state(self.model).items()}  # before it
         try:
             self.engine.update_weights(update_info)
         except BaseException:
             self.active = False
             raise
+        if self.expect is not None:  # shadow mode: returned while the bytes land elsewhere
+            label, seed = self.expect
+            want = before if seed is None else state(reference(self.case, self.rank, seed))
+            out = {"errors": compare(state(self.model), want), "compared": len(want)}
+            store.set(f"{self.case['name']}/during/{self.rank}/{label}", json.dumps(out))
+            self.expect = None
+
+    def expect_live(self, label: str, seed: int | None) -> None:
+        """Shadow mode: after the next `update_weights` returns, the live weights must still
+        be version `seed` (None: what they were before the call)."""
+        self.expect = (label, seed)
 
     def finish_weight_update(self) -> None:
         if not self.active:
@@ -156,9 +171,12 @@ class Shim:
             self.engine.refresh, self.saved = self.saved, None
 
     def check(self, label: str, seed: int, torn: bool = False) -> None:
+        from dataclasses import asdict
+
         from integrations.vllm import TornUpdateError
 
         out = {"weight_version": self.engine.weight_version,
+               "shadow": [asdict(u) for u in getattr(self.engine, "shadow_updates", [])],
                "refreshes": self.engine.refreshes, "derived": len(self.engine.refresh),
                "moved": [n for n, p in self.pointers(self.model).items()
                          if self.ptrs.get(n) != p]}

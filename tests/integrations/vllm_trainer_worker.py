@@ -38,12 +38,13 @@ def run_case(case: dict, rank: int, store, start: int) -> None:  # noqa: ANN001
     info = RdmaPlanTrainerInitInfo(rank=rank, plan=case["plan"],
                                    rendezvous=f"127.0.0.1:{port}", timeout_s=case["timeout_s"],
                                    identity=vllm_cases.source_identity(case, rank),
+                                   shadow=case.get("shadow", False),
                                    plan_key=os.path.join(os.path.dirname(case["plan"]),
                                                          "plan.key"))
     for w in range(case["workers"]):  # the plan's load timeout starts once vLLM is up
         store.get(f"{name}/built/{w}")
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
-    for step in steps[start:]:
+    for i, step in enumerate(steps[start:], start):
         label = step["label"]
         source.tensors = vllm_cases.source_tensors(case, rank, step["seed"])  # new storage
         if rank != 0:
@@ -53,6 +54,9 @@ def run_case(case: dict, rank: int, store, start: int) -> None:  # noqa: ANN001
             for r in range(1, trainers):
                 store.get(f"{name}/ready/{r}/{label}")
             client.call("skip_refresh", skip=bool(step.get("skip_refresh")))
+            if case.get("shadow"):  # what the live weights must hold until finish
+                client.call("expect_live", label=label,
+                            seed=steps[i - 1]["seed"] if i else None)
             store.set(f"{name}/go/{label}", b"1")
         if step.get("die") == rank:
             os._exit(17)

@@ -1,0 +1,291 @@
+"""Zero-pause refit (issue 36) on a stand-in engine: a decode loop reading the target tensors.
+
+    python bench/zero_pause.py [--models 2048x8,4096x16] [--sources 2] [--targets 2]
+                               [--steps 5] [--device cuda]
+    python bench/zero_pause.py --tiny     # CPU, float32, seconds
+
+One process, the `local` transport (every rank in this process, one device). A model
+`DxK` is K weights [D, D] per target rank (bf16 on a GPU), sent whole by the sources
+(tensor i from source i % S). Each target rank is an "engine": its decode step is K matmuls
+of a [B, D] activation through its live weights. Per model, in one run:
+
+- `decode` undisturbed: median step time with no transfer;
+- `during`: median step time while the shadow transfer runs (the engine keeps decoding;
+  `steps during` is how many it finished meanwhile), and the transfer's seconds;
+- `pause`: the switch (shadow -> live copies, every data_ptr kept), the largest over the
+  target ranks, beside its floor (a target rank's bytes over this device's measured local
+  copy bandwidth: one `copy_` of that many bytes);
+- `paused refit`: the same plan run into the live tensors with the engine stopped (the
+  engine pauses for the whole transfer).
+
+`--slow-source-ms X` starts the sources X ms late in each shadow step: the transfer grows
+by X, the engine decodes through it, and the pause must stay what the switch costs.
+
+Bit-exact after each switch (the live tensors equal the sources' bytes) or it exits 1.
+All ranks share one device and one stream here: the sources' writes are local copies
+that compete with the decode for memory bandwidth, which a NIC or NVLink write does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from executor import Executor, Shadow  # noqa: E402
+from executor.transports.local import Fabric  # noqa: E402
+from schemas.header import PlanHeader  # noqa: E402
+from schemas.plan import (  # noqa: E402
+    BATCH_COLUMNS,
+    COPY_COLUMNS,
+    DONE,
+    READY,
+    SIGNAL_COLUMNS,
+    WRITE_COLUMNS,
+    Plan,
+    RankPlan,
+    Region,
+    Table,
+    load_plan,
+)
+from schemas.plan_write import write_plan  # noqa: E402
+
+SIZE = {"bfloat16": 2, "float32": 4}
+
+
+def make_plan(path: str, d: int, k: int, sources: int, targets: int, dtype: str) -> None:
+    """Sources 0..S-1, targets S..S+T-1; target t's "w{i}" [d, d] comes whole from source
+    i % S (its region "t{t}.w{i}")."""
+    n = d * d * SIZE[dtype]
+
+    def sig(rows: list[tuple[int, int]]) -> Table:
+        return Table.build(SIGNAL_COLUMNS, stage=[0] * len(rows), peer=[p for p, _ in rows],
+                           kind=[kind for _, kind in rows])
+    empty = Table.empty
+    tgts = range(sources, sources + targets)
+    ranks = []
+    for s in range(sources):
+        mine = [(t, i) for t in tgts for i in range(k) if i % sources == s]
+        regions = tuple(Region(f"t{t}.w{i}", dtype, (d, d), n) for t, i in mine)
+        w = Table.build(WRITE_COLUMNS, dst_rank=[t for t, _ in mine],
+                        src_region=list(range(len(mine))), src_offset=[0] * len(mine),
+                        dst_region=[i for _, i in mine], dst_offset=[0] * len(mine),
+                        nbytes=[n] * len(mine))
+        b = Table.build(BATCH_COLUMNS, stage=[0], nic=[0], start=[0], stop=[len(mine)])
+        ranks.append(RankPlan(s, "source", 0, 0, ("lo",), regions, w, b, empty(COPY_COLUMNS),
+                              sig([(t, DONE) for t in tgts]), sig([(t, READY) for t in tgts]),
+                              tuple((t, tuple((i, n) for i in range(k))) for t in tgts), 1))
+    for t in tgts:
+        ranks.append(RankPlan(t, "target", 0, 1, ("lo",),
+                              tuple(Region(f"w{i}", dtype, (d, d), n) for i in range(k)),
+                              empty(WRITE_COLUMNS), empty(BATCH_COLUMNS), empty(COPY_COLUMNS),
+                              sig([(s, READY) for s in range(sources)]),
+                              sig([(s, DONE) for s in range(sources)]), (), 1))
+    write_plan(path, Plan(PlanHeader(fingerprint=f"zero-pause-{d}x{k}", world=len(ranks)),
+                          tuple(ranks)))
+
+
+class World:
+    """Executors of every rank over one `Fabric`; targets bound to `bind[t]`."""
+
+    def __init__(self, path: str, src: dict[int, dict[str, torch.Tensor]],
+                 bind: dict[int, dict[str, torch.Tensor]]) -> None:
+        plan = load_plan(path)
+        fabric = Fabric()
+        self.exs = {rp.rank: Executor(plan.header, rp, src.get(rp.rank) or bind[rp.rank],
+                                      "local", fabric, step_records=False, timeout_s=600)
+                    for rp in plan.ranks}
+        for ex in self.exs.values():
+            ex.register()
+        for ex in self.exs.values():
+            ex.connect()
+
+    def run(self, ranks: list[int], step: int, delay_s: float = 0.0
+            ) -> list[threading.Thread]:
+        """Each rank's step on a thread of its own, after `delay_s` (a slow source)."""
+        def go(r: int) -> None:
+            time.sleep(delay_s)
+            self.exs[r].run(step)
+        threads = [threading.Thread(target=go, args=(r,), daemon=True) for r in ranks]
+        for th in threads:
+            th.start()
+        return threads
+
+    def close(self) -> None:
+        for ex in self.exs.values():
+            ex.close()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode(xs: dict[int, torch.Tensor], live: dict[int, dict[str, torch.Tensor]],
+           device: torch.device) -> float:
+    """One decode step of every target rank; its seconds."""
+    t0 = time.perf_counter()
+    for t, x in xs.items():
+        for w in live[t].values():
+            x = torch.tanh(x @ w)
+        xs[t] = x
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def copy_bandwidth(nbytes: int, device: torch.device) -> float:
+    """Bytes per second of one local `copy_` of `nbytes` (median of 5)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync(device)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)
+
+
+def bench_model(d: int, k: int, args: argparse.Namespace, device: torch.device) -> dict:
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    tdt = getattr(torch, dtype)
+    S, T = args.sources, args.targets
+    tgts = list(range(S, S + T))
+    path = os.path.join(tempfile.mkdtemp(prefix="zero-pause-"), "p.rplan")
+    make_plan(path, d, k, S, T, dtype)
+    plan = load_plan(path)
+    src = {rp.rank: {r.name: torch.zeros(d, d, dtype=tdt, device=device)
+                     for r in rp.regions} for rp in plan.ranks if rp.role == "source"}
+    scale = d ** -0.5
+
+    def fill(step: int) -> None:
+        g = torch.Generator(device=device).manual_seed(step)
+        for named in src.values():
+            for t in named.values():
+                t.copy_(torch.randn(d, d, generator=g, device=device, dtype=torch.float32)
+                        .mul_(scale))
+
+    def want(t: int, i: int) -> torch.Tensor:
+        return src[i % S][f"t{t}.w{i}"]
+
+    live = {t: {f"w{i}": torch.zeros(d, d, dtype=tdt, device=device) for i in range(k)}
+            for t in tgts}
+    ptrs = {(t, n): x.data_ptr() for t in tgts for n, x in live[t].items()}
+    shadows = {t: Shadow(live[t]) for t in tgts}
+    shadowed = World(path, src, {t: shadows[t].tensors for t in tgts})
+    for t in tgts:
+        shadows[t].attach(shadowed.exs[t])
+    xs = {t: torch.randn(args.batch, d, dtype=tdt, device=device) for t in tgts}
+    rows: dict[str, list[float]] = {"undisturbed": [], "during": [], "transfer": [],
+                                    "pause": [], "paused": [], "n_during": []}
+    for step in range(1, args.steps + 2):  # step 1 warms up
+        fill(step)
+        sync(device)
+        rows["undisturbed"] += [decode(xs, live, device) for _ in range(3)]
+        t0 = time.perf_counter()
+        for t in tgts:
+            shadows[t].start(step)
+        threads = shadowed.run(list(range(S)), step, args.slow_source_ms / 1e3)
+        during = []
+        while any(th.is_alive() for th in threads) or any(
+                s._thread is not None and s._thread.is_alive() for s in shadows.values()):
+            during.append(decode(xs, live, device))
+        for t in tgts:
+            shadows[t].finish(600)
+        for th in threads:
+            th.join()
+        transfer = time.perf_counter() - t0
+        pause = max(shadows[t].switch() for t in tgts)
+        bad = [f"t{t}.w{i}" for t in tgts for i in range(k)
+               if not torch.equal(live[t][f"w{i}"], want(t, i))]
+        moved = [n for n, p in ptrs.items() if live[n[0]][n[1]].data_ptr() != p]
+        if bad or moved:
+            sys.exit(f"zero_pause {d}x{k} step {step}: not bit-exact after the switch "
+                     f"({bad[:3]}) or moved ({moved[:3]})")
+        if step > 1:
+            rows["during"] += during
+            rows["n_during"].append(len(during))
+            rows["transfer"].append(transfer)
+            rows["pause"].append(pause)
+    shadowed.close()
+    paused = World(path, src, live)  # the ordinary refit: the engine stops for all of it
+    for step in range(1, args.steps + 2):
+        fill(100 + step)
+        sync(device)
+        t0 = time.perf_counter()
+        for th in paused.run(list(paused.exs), step):
+            th.join()
+        sync(device)
+        if step > 1:
+            rows["paused"].append(time.perf_counter() - t0)
+    ok = all(torch.equal(live[t][f"w{i}"], want(t, i)) for t in tgts for i in range(k))
+    paused.close()
+    if not ok:
+        sys.exit(f"zero_pause {d}x{k}: the paused refit is not bit-exact")
+    nbytes = k * d * d * SIZE[dtype]
+    floor = nbytes / copy_bandwidth(nbytes, device)
+    med = {key: statistics.median(v) if v else float("nan") for key, v in rows.items()}
+    return dict(model=f"{d}x{k}", mib=nbytes / 2**20, **med, floor=floor)
+
+
+def table(results: list[dict], args: argparse.Namespace, device: torch.device) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    lines = [f"zero_pause: {args.sources} sources -> {args.targets} targets, local transport, "
+             f"{name}, batch {args.batch}, medians of {args.steps} steps, sources "
+             f"{args.slow_source_ms:g} ms late",
+             "| model (DxK) | MiB/target | decode ms | decode during ms | steps during | "
+             "transfer ms | pause ms | floor ms | pause/floor | paused refit ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(
+            f"| {r['model']} | {r['mib']:.1f} | {1e3 * r['undisturbed']:.3f} | "
+            f"{1e3 * r['during']:.3f} | {r['n_during']:.0f} | {1e3 * r['transfer']:.2f} | "
+            f"{1e3 * r['pause']:.3f} | {1e3 * r['floor']:.3f} | "
+            f"{r['pause'] / r['floor']:.2f} | {1e3 * r['paused']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="2048x8,4096x16,8192x16",
+                    help="comma-separated DxK: K weights [D, D] per target rank")
+    ap.add_argument("--sources", type=int, default=2)
+    ap.add_argument("--targets", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--slow-source-ms", type=float, default=0.0,
+                    help="the sources start each shadow step this late (a longer transfer: "
+                    "the pause must not grow)")
+    ap.add_argument("--tiny", action="store_true", help="CPU, 128x4 and 256x4, 3 steps")
+    args = ap.parse_args()
+    if args.tiny:
+        args.models, args.steps, args.device = "128x4,256x4", 3, "cpu"
+    if args.sources < 1 or args.targets < 1:
+        sys.exit(f"zero_pause: --sources {args.sources} --targets {args.targets}: each must "
+                 "be at least 1")
+    try:
+        models = [tuple(int(v) for v in m.split("x")) for m in args.models.split(",")]
+        assert all(len(m) == 2 and m[0] > 0 and m[1] > 0 for m in models)
+    except (ValueError, AssertionError):
+        sys.exit(f"zero_pause: --models {args.models!r}: give DxK pairs, e.g. 2048x8,4096x16")
+    device = torch.device(args.device)
+    if device.type == "cpu":  # one thread: the decode and the copies share a busy box
+        torch.set_num_threads(1)
+    results = [bench_model(d, k, args, device) for d, k in models]
+    print(table(results, args, device))
+
+
+if __name__ == "__main__":
+    main()
