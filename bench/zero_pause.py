@@ -258,7 +258,7 @@ def table(results: list[dict], args: argparse.Namespace, device: torch.device) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="2048x8,4096x16,8192x16",
+    ap.add_argument("--models", default="2048x8,4096x16,4096x64",
                     help="comma-separated DxK: K weights [D, D] per target rank")
     ap.add_argument("--sources", type=int, default=2)
     ap.add_argument("--targets", type=int, default=2)
