@@ -112,8 +112,7 @@ class Executor:
         self.rejoined = False
         self.recovery = Recovery(self.rank, self.control, self.transport, self.inbox, timeout_s,
                                  self.check_peer, self.import_peer, self.batches_to)
-        self.signals = Signals(Sender(self.rank, self.tag, self.incarnation, self.keys,
-                                      timeout_s, device),
+        self.signals = Signals(Sender(self.rank, self.tag, self.incarnation, self.keys, device),
                                self.transport, self.inbox, self.blame,
                                self.recovery.refresh_peers)
         self.bytes_per_step = int(plan.writes["nbytes"].sum())
@@ -292,7 +291,7 @@ class Executor:
             self.window.drain(timeout)  # a wait, or packs that may touch their staging
             early = False
         if not early:
-            self.signals.wait(st.before, timeout_s)
+            self.signals.wait(st.before, timeout)
         if not self.prepacked[s]:  # else they ran while stage s-1's writes were in flight
             self._pack(s)
         if st.packs and not self.ordered_posts:
@@ -347,7 +346,7 @@ class Executor:
     def recv_half(self, s: int, timeout_s: float | None = None) -> None:
         """Steps 5-7 of stage `s`: wait DONE, unpacks, ACK."""
         st = self.stages[s]
-        self.signals.wait(st.after, timeout_s)
+        self.signals.wait(st.after, self.timeout_s if timeout_s is None else timeout_s)
         for op in st.unpacks:
             op()
         self.signals.mark_queued(bool(st.unpacks))

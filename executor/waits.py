@@ -43,8 +43,6 @@ class Sender:
     incarnation: int
     """This process's random id (`recovery.py`)."""
     keys: Keys
-    timeout_s: float
-    """How long a wait without its own timeout waits."""
     device: torch.device
     """Where this rank's packs and unpacks queue their kernels."""
 
@@ -115,12 +113,12 @@ class Signals:
                 raise PeerLostError(self.me.rank, peer, f"send {_KIND_NAMES[kind]} of stage "
                                     f"{stage}", e) from e
 
-    def wait(self, waits: list[tuple[int, int, int]], timeout_s: float | None) -> None:
-        """Until every signal of `waits` (stage, kind, peer) of this step arrived."""
+    def wait(self, waits: list[tuple[int, int, int]], timeout_s: float) -> None:
+        """Until every signal of `waits` (stage, kind, peer) of this step arrived, or
+        `timeout_s` passed."""
         if not waits:
             return
         keys = [signals.expected(self.step, s, kind, peer) for s, kind, peer in waits]
-        timeout_s = self.me.timeout_s if timeout_s is None else timeout_s
         self.blame.start(timeout_s)
         backoff, t0 = Backoff(), time.perf_counter()
         try:
