@@ -20,10 +20,11 @@ from executor.waits import _KIND_NAMES
 
 
 def attach(ex: Any) -> list[list[tuple[str, float]]]:
-    """Record `ex`'s steps from now on (wraps `run`, `_wait`, `_signal`, `_hand_off` and its
-    transport's `post` and `done`); the list fills as it runs."""
+    """Record `ex`'s steps from now on (wraps `run`, `_hand_off`, its signals' `wait` and
+    `send` and its transport's `post` and `done`); the list fills as it runs."""
     steps: list[list[tuple[str, float]]] = []
-    run, wait, signal, hand_off = ex.run, ex._wait, ex._signal, ex._hand_off
+    run, hand_off = ex.run, ex._hand_off
+    wait, signal = ex.signals.wait, ex.signals.send
     post, done = ex.transport.post, ex.transport.done
     landed: set[int] = set()
 
@@ -65,7 +66,8 @@ def attach(ex: Any) -> list[list[tuple[str, float]]]:
             mark("landed")
         return ok
 
-    ex.run, ex._wait, ex._signal, ex._hand_off = t_run, t_wait, t_signal, t_hand_off
+    ex.run, ex._hand_off = t_run, t_hand_off
+    ex.signals.wait, ex.signals.send = t_wait, t_signal
     ex.transport.post, ex.transport.done = t_post, t_done
     return steps
 

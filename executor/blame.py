@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 from .auth import Record
+from .cleanup import best_effort
 from .control import BEAT_S, LEASE_S, Control, fresh
 
 
@@ -58,8 +59,6 @@ class Blame:
         for r in range(self.world) if ranks is None else ranks:
             if r == self.rank:
                 continue
-            try:
-                out[r] = self.control._read(self.control.key("lease", r), r)
-            except Exception:  # noqa: BLE001 - the store may be gone: no evidence
-                out[r] = None
+            # the store may be gone: no evidence
+            out[r] = best_effort(f"reading rank {r}'s lease", self.control.lease, r)
         return out

@@ -18,6 +18,7 @@ from schemas.header import PlanHeader
 from schemas.plan import STAGING, RankPlan
 from schemas.rankcheck import rank_violations
 
+from .cleanup import best_effort
 from .errors import PlanBoundsError
 
 MAX_STAGING_BYTES = 4 << 30
@@ -69,13 +70,9 @@ def free_bytes(device: Any) -> int:
         import torch
 
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    got = best_effort("reading MemAvailable from /proc/meminfo", _meminfo_available)
+    if got is not None:
+        return got
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
@@ -108,3 +105,12 @@ def check_staging(rp: RankPlan, tensors: dict[str, Any], header: PlanHeader | No
         raise PlanBoundsError(f"rank {rp.rank}: the plan asks for {need:,} bytes of staging, "
                               f"more than the {have:,} bytes free on {device}; recompile with "
                               "a smaller options.staging_bytes (or free memory)")
+
+
+def _meminfo_available() -> int | None:
+    """Linux `MemAvailable` in bytes (None where /proc/meminfo does not list it)."""
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None

@@ -129,6 +129,10 @@ class Control:
                 log.warning("%s (ignored)", e)
             return None
 
+    def lease(self, rank: int) -> Record | None:
+        """Rank `rank`'s lease record, or None (absent, or refused with a warning)."""
+        return self._read(self.key("lease", rank), rank)
+
     def _wait_gone(self, key: str, old: Record) -> None:
         """Raise `LeaseHeldError` if a new lease record sealed after this call began (less
         `SKEW_S`) shows up within `LEASE_S`: its holder beats. Records sealed before (a

@@ -8,9 +8,10 @@ needs (copy views, prepared write batches, signal lists) is built at `connect()`
 only replays it.
 
 Beside the interpreter: `control.py` (the rank's sealed store records and its lease),
-`auth.py` (the job secret), `signals.py` (MACed signals, the inbox), `waits.py` (sending
-and awaiting them: the `Signalling` half of `Executor`), `recovery.py` (what the next
-`run()` does after a failed one), `window.py` (writes in flight).
+`auth.py` (the job secret), `signals.py` (MACed signals, the inbox), and the parts the
+executor holds, each owning its state: `waits.py` (`Signals`: sending and awaiting them),
+`recovery.py` (`Recovery`: what the next `run()` does after a failed one), `window.py`
+(`Window`: writes in flight).
 
 A step that cannot finish raises within `timeout_s` (plus the time to tell a dead rank from
 a blocked one): `PeerTimeoutError`, `PeerLostError` (the transport reported the peer gone)
@@ -48,11 +49,11 @@ from .stats import RunStats, received_bytes
 from .transports import make_transport
 from .transports.base import Prepared
 from .trust import check_identity
-from .waits import Signalling
+from .waits import Sender, Signals
 from .window import Window
 
 
-class Executor(Signalling):
+class Executor:
     def __init__(self, header: PlanHeader, plan: RankPlan,
                  tensors: dict[str, torch.Tensor], transport: str = "nixl",
                  rendezvous: object = None, timeout_s: float = 60.0, max_inflight: int = 8,
@@ -107,15 +108,15 @@ class Executor(Signalling):
         self.step, self.complete, self.registered = 0, False, False
         self.failed = False  # the last step raised: the next one recovers first
         self.last_complete_step = 0
-        self.seq = 0  # signals sent by this process (each one's sequence number)
         self.register_calls = 0  # transport registrations (once per process, ever)
         self.rejoined = False
         self.recovery = Recovery(self.rank, self.control, self.transport, self.inbox, timeout_s,
-                                 self.check_peer, self.import_peer, self._batches_to)
+                                 self.check_peer, self.import_peer, self.batches_to)
+        self.signals = Signals(Sender(self.rank, self.tag, self.incarnation, self.keys, device),
+                               self.transport, self.inbox, self.blame,
+                               self.recovery.refresh_peers)
         self.bytes_per_step = int(plan.writes["nbytes"].sum())
         self.received_per_step = received_bytes(header, self.rank)
-        self.waited = 0.0  # seconds of this step spent waiting (waits.py)
-        self.queued = True  # kernels on the current stream not yet synced (waits.py)
         self.step_records = step_records
         """Publish each step's record (where a restarted peer joins, recovery.py); off
         where no process can join: `run_all_local` holds every rank for one call."""
@@ -185,7 +186,7 @@ class Executor(Signalling):
             raise PeerLostError(self.rank, peer, "import its published descriptors", e) from e
         self.inbox.set_incarnation(peer, rec.inc, self.transport.peer_id(peer))
 
-    def _batches_to(self, peer: int) -> list[Prepared]:
+    def batches_to(self, peer: int) -> list[Prepared]:
         """Every prepared write batch to `peer` (re-prepared when it restarts)."""
         return [e for st in self.stages for e in st.batches if e.peer == peer]
 
@@ -241,8 +242,8 @@ class Executor(Signalling):
             self.step = self.recovery.recover(self.step, self.last_complete_step)
             self.failed = False
         self.step = self.step + 1 if step is None else step
-        self.waited = self.window.waited = 0.0
-        self.inbox.drop_before(self.step)
+        self.signals.begin(self.step)
+        self.window.begin()
         if self.step_records:  # where peers join (recovery.py); by the publisher thread
             self.control.publish_step(self.step, running=True, later=True)
 
@@ -255,12 +256,12 @@ class Executor(Signalling):
         if lost is not None:
             for peer in self.peers:  # best effort: their timeouts still hold
                 best_effort(f"ABORT to rank {peer}", lambda p=peer: self.transport.notify(
-                    p, self._msg(p, lost, signals.ABORT)))
+                    p, self.signals.msg(p, lost, signals.ABORT)))
         # the store may be gone too; the timeout was raised
         best_effort("publishing the step", self.control.publish_step, self.step + 1)
 
     def end_step(self, t0: float) -> RunStats:
-        self._sync()  # unpacks are queued: the weights are whole after this
+        self.signals.sync()  # unpacks are queued: the weights are whole after this
         self.complete = True
         self.last_complete_step = self.step
         seconds = time.perf_counter() - t0
@@ -268,13 +269,13 @@ class Executor(Signalling):
             # be gone, and the weights are whole
             best_effort("publishing the step", lambda: self.control.publish_step(
                 self.step + 1, later=True))
-        waited = self.waited + self.window.waited
+        waited = self.signals.waited + self.window.waited
         return RunStats(self.rank, self.step, self.bytes_per_step, self.received_per_step,
                         seconds, True, min(waited, seconds))
 
     def ready(self, s: int) -> None:
         """Step 1, first half: send this stage's READY signals."""
-        self._signal(self.stages[s].ready_to, s, READY)
+        self.signals.send(self.stages[s].ready_to, s, READY)
 
     def send_half(self, s: int, timeout_s: float | None = None) -> None:
         """Steps 1-4 of stage `s` after `ready`: wait READY/ACK, packs, writes, DONE.
@@ -286,22 +287,22 @@ class Executor(Signalling):
         st = self.stages[s]
         timeout = self.timeout_s if timeout_s is None else timeout_s
         early = len(self.window) > 0  # writes of stage s-1 still in flight
-        if early and not (self._take(st.before) and (self.prepacked[s] or not st.packs)):
+        if early and not (self.signals.take(st.before) and (self.prepacked[s] or not st.packs)):
             self.window.drain(timeout)  # a wait, or packs that may touch their staging
             early = False
         if not early:
-            self._wait(st.before, timeout_s)
+            self.signals.wait(st.before, timeout)
         if not self.prepacked[s]:  # else they ran while stage s-1's writes were in flight
             self._pack(s)
         if st.packs and not self.ordered_posts:
-            self._sync()  # writes read what the packs wrote: their kernels must be done
+            self.signals.sync()  # writes read what the packs wrote: their kernels must be done
         nxt = s + 1 if s + 1 < len(self.stages) and self.prepacked[s + 1] else -1
         for i, entry in enumerate(st.batches):
             if i == self.max_inflight and nxt >= 0:
                 self._prepack(nxt, timeout)
                 nxt = -1
             self.window.post(entry, s, timeout)
-            self.queued = self.queued or self.one_stream  # `local`: on the current stream
+            self.signals.mark_queued(self.one_stream)  # `local`: on the current stream
         if nxt >= 0:
             self._prepack(nxt, timeout)
         self.window.close(s)
@@ -312,7 +313,7 @@ class Executor(Signalling):
     def _landed(self, s: int, handed: frozenset[int]) -> None:
         """Stage `s`'s writes have landed: DONE to the peers not handed to the device."""
         peers = self.stages[s].done_to
-        self._signal([p for p in peers if p not in handed] if handed else peers, s, DONE)
+        self.signals.send([p for p in peers if p not in handed] if handed else peers, s, DONE)
 
     def _hand_off(self, s: int, entries: list[Prepared]) -> frozenset[int]:
         """Stage `s`'s writes are posted, `entries` still in flight: the peers whose DONE the
@@ -322,7 +323,7 @@ class Executor(Signalling):
         for peer in self.stages[s].done_to:
             try:
                 if self.transport.notify_landed(handles, peer,  # type: ignore[attr-defined]
-                                                self._msg(peer, s, DONE)):
+                                                self.signals.msg(peer, s, DONE)):
                     handed.add(peer)
             except Exception as e:  # transports raise their own types
                 raise PeerLostError(self.rank, peer, f"send DONE of stage {s}", e) from e
@@ -331,7 +332,7 @@ class Executor(Signalling):
     def _pack(self, s: int) -> None:
         for op in self.stages[s].packs:
             op()
-        self.queued = self.queued or bool(self.stages[s].packs)
+        self.signals.mark_queued(bool(self.stages[s].packs))
 
     def _prepack(self, s: int, timeout_s: float) -> None:
         """Stage `s`'s packs, early: `schemas.protocol` made them safe against what stages
@@ -345,14 +346,14 @@ class Executor(Signalling):
     def recv_half(self, s: int, timeout_s: float | None = None) -> None:
         """Steps 5-7 of stage `s`: wait DONE, unpacks, ACK."""
         st = self.stages[s]
-        self._wait(st.after, timeout_s)
+        self.signals.wait(st.after, self.timeout_s if timeout_s is None else timeout_s)
         for op in st.unpacks:
             op()
-        self.queued = self.queued or bool(st.unpacks)
+        self.signals.mark_queued(bool(st.unpacks))
         if st.unpacks and not self.one_stream:
-            self._sync()  # ACK frees staging the unpacks read; and the weights are whole
-        self._signal(st.ack_to, s, ACK)
-        self._signal(st.slot_ack_to, s, SLOT_ACK)
+            self.signals.sync()  # ACK frees staging the unpacks read; and the weights are whole
+        self.signals.send(st.ack_to, s, ACK)
+        self.signals.send(st.slot_ack_to, s, SLOT_ACK)
 
     def close(self) -> None:
         self.control.close()

@@ -103,14 +103,12 @@ class Recovery:
         """Batches in flight when a step failed: done, or released and prepared again."""
         deadline = time.monotonic() + min(self.timeout_s, 1.0)
         for entry in self.pending:
-            while True:
-                try:
-                    if self.transport.done(entry.handle):
-                        break
-                    failed = False
-                except Exception:  # noqa: BLE001 - a failed batch: prepare it again
-                    failed = True
-                if failed or time.monotonic() >= deadline:
+            while True:  # a batch whose `done` raises failed: prepare it again
+                done = best_effort(f"polling a batch to rank {entry.peer} left in flight",
+                                   self.transport.done, entry.handle)
+                if done:
+                    break
+                if done is None or time.monotonic() >= deadline:
                     self.reprepared += 1
                     self.transport.release(entry.handle)
                     entry.handle = self.transport.prepare(entry.batch)
@@ -140,7 +138,7 @@ class Recovery:
                 log.warning("rank %d: %s; keeping the imported peer", self.rank, e)
                 continue
             self._reimport(peer, rec, info)
-        self.inbox.foreign = False
+        self.inbox.clear_foreign()
 
     def _reimport(self, peer: int, rec: object, info: dict) -> None:
         entries = self.batches_to(peer)

@@ -104,6 +104,11 @@ class Inbox:
                 keep.append((inc, sid, key))
         self.held = keep
 
+    def clear_foreign(self) -> None:
+        """Every peer whose other incarnation signalled has been looked at (re-imported, or
+        its record refused): `foreign` is clear until another such message arrives."""
+        self.foreign = False
+
     def _from(self, peer: int, sender_id: str) -> bool:
         want = self.senders.get(peer, "")
         return not want or not sender_id or sender_id == want

@@ -1,16 +1,19 @@
-"""Signals between ranks, as the executor sends and awaits them (a mixin of `Executor`).
+"""Signals between ranks, as the executor sends and awaits them: `Signals`, a part the
+executor holds.
 
-`_signal` sends one kind of signal of a stage to peers (MACed, `signals.encode`); `_wait`
-polls the transport into the inbox until every awaited signal of this step arrived, a peer
-aborts the step (`PeerAbortError`) or the wait times out (`PeerTimeoutError`, blaming the
-rank `blame.py` finds); `_take` is the non-blocking form; `_sync` waits for this rank's own
-queued copy kernels. A restarted peer's signals make the wait re-import it at once
-(`Recovery.refresh_peers`).
+`send` sends one kind of signal of a stage to peers (MACed, `signals.encode`); `wait` polls
+the transport into the inbox until every awaited signal of this step arrived, a peer aborts
+the step (`PeerAbortError`) or the wait times out (`PeerTimeoutError`, blaming the rank
+`blame.py` finds); `take` is the non-blocking form; `sync` waits for this rank's own queued
+copy kernels. A restarted peer's signals make the wait call `on_foreign` at once (the
+executor passes `Recovery.refresh_peers`, which re-imports it).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,34 +27,55 @@ from .spin import Backoff
 if TYPE_CHECKING:
     from .auth import Keys
     from .blame import Blame
-    from .recovery import Recovery
     from .transports.base import Transport
 
 _KIND_NAMES = {READY: "READY", DONE: "DONE (its writes landed)",
                ACK: "ACK (its staging is free)", SLOT_ACK: "SLOT_ACK (its staging slot is free)"}
 
 
-class Signalling:
-    """The signal half of `Executor` (its attributes are set by `Executor.__init__`)."""
+@dataclass(frozen=True)
+class Sender:
+    """Who this rank is, as its signals say (fixed for the executor's life)."""
 
     rank: int
-    step: int
-    seq: int
-    incarnation: int
-    timeout_s: float
     tag: bytes
+    """The plan's fingerprint tag (`signals.fingerprint_tag`)."""
+    incarnation: int
+    """This process's random id (`recovery.py`)."""
     keys: Keys
-    inbox: signals.Inbox
-    transport: Transport
-    blame: Blame
-    recovery: Recovery
     device: torch.device
-    waited: float
-    """Seconds of this step spent waiting (signals, landed writes, own kernels)."""
-    queued: bool
-    """This rank queued kernels or copies on its current stream since its last `_sync`."""
+    """Where this rank's packs and unpacks queue their kernels."""
 
-    def _take(self, waits: list[tuple[int, int, int]]) -> bool:
+
+class Signals:
+    """This rank's signals of the current step. It owns the step it signals for (`begin`),
+    its message counter (`seq`), the seconds this step spent waiting (`waited`) and whether
+    kernels are queued on the current stream (`queued`); it reads the transport, the
+    `inbox` and `blame` it is given."""
+
+    def __init__(self, me: Sender, transport: Transport, inbox: signals.Inbox, blame: Blame,
+                 on_foreign: Callable[[], None]) -> None:
+        self.me, self.transport, self.inbox, self.blame = me, transport, inbox, blame
+        self.on_foreign = on_foreign
+        self.step = 0
+        """The step whose signals are sent and awaited."""
+        self.seq = 0
+        """Signals sent by this process (each one's sequence number)."""
+        self.waited = 0.0
+        """Seconds of this step spent waiting (signals, own kernels)."""
+        self.queued = True
+        """This rank queued kernels or copies on its current stream since its last `sync`."""
+
+    def begin(self, step: int) -> None:
+        """Step `step` starts: its signals from now on; older ones are dropped."""
+        self.step, self.waited = step, 0.0
+        self.inbox.drop_before(step)
+
+    def mark_queued(self, queued: bool = True) -> None:
+        """This rank queued kernels or copies on its current stream (when `queued`)."""
+        self.queued = self.queued or queued
+
+    def take(self, waits: list[tuple[int, int, int]]) -> bool:
         """Whether every signal of `waits` has arrived (they are consumed if so)."""
         if not waits:
             return True
@@ -59,37 +83,42 @@ class Signalling:
         return not self.inbox.take([signals.expected(self.step, s, kind, peer)
                                     for s, kind, peer in waits])
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         """Wait for the packs/unpacks queued on this rank's current CUDA stream (async
         kernels; a peer must not read or overwrite their staging before they finish).
         Only that stream: a transport's copies of earlier writes may still be running.
         Nothing to do when this rank queued nothing there since its last sync (`queued`):
         a target whose weights arrive by a peer's writes alone, a source without packs."""
-        if self.device.type == "cuda" and self.queued:
+        device = self.me.device
+        if device.type == "cuda" and self.queued:
             t0 = time.perf_counter()
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.current_stream(device).synchronize()
             self.waited += time.perf_counter() - t0
         self.queued = False
 
-    def _msg(self, peer: int, stage: int, kind: int) -> bytes:
+    def msg(self, peer: int, stage: int, kind: int) -> bytes:
+        """The next signal of this step to `peer` (`stage`, `kind`), sealed."""
+        me = self.me
         self.seq += 1
-        return signals.encode(self.keys, self.tag, self.incarnation,
+        return signals.encode(me.keys, me.tag, me.incarnation,
                               self.inbox.incarnations.get(peer, 0), self.step, stage, kind,
-                              self.rank, self.seq)
+                              me.rank, self.seq)
 
-    def _signal(self, peers: list[int], stage: int, kind: int) -> None:
+    def send(self, peers: list[int], stage: int, kind: int) -> None:
+        """Send `kind` of `stage` to each of `peers` (`PeerLostError` if one cannot be)."""
         for peer in peers:
             try:
-                self.transport.notify(peer, self._msg(peer, stage, kind))
+                self.transport.notify(peer, self.msg(peer, stage, kind))
             except Exception as e:  # transports raise their own types
-                raise PeerLostError(self.rank, peer, f"send {_KIND_NAMES[kind]} of stage "
+                raise PeerLostError(self.me.rank, peer, f"send {_KIND_NAMES[kind]} of stage "
                                     f"{stage}", e) from e
 
-    def _wait(self, waits: list[tuple[int, int, int]], timeout_s: float | None) -> None:
+    def wait(self, waits: list[tuple[int, int, int]], timeout_s: float) -> None:
+        """Until every signal of `waits` (stage, kind, peer) of this step arrived, or
+        `timeout_s` passed."""
         if not waits:
             return
         keys = [signals.expected(self.step, s, kind, peer) for s, kind, peer in waits]
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         self.blame.start(timeout_s)
         backoff, t0 = Backoff(), time.perf_counter()
         try:
@@ -98,28 +127,28 @@ class Signalling:
             self.waited += time.perf_counter() - t0
 
     def _poll_until(self, keys: list[signals.Key], backoff: Backoff, timeout_s: float) -> None:
-        self.inbox.add(self.transport.poll(), self.step)
+        rank, step = self.me.rank, self.step
+        self.inbox.add(self.transport.poll(), step)
         missing, polled = keys, True  # signals may also have arrived before this wait
         while True:
             if polled:
                 if self.inbox.foreign:  # a restarted peer already signals: import it now
-                    self.recovery.refresh_peers()
+                    self.on_foreign()
                 missing = self.inbox.take(keys)
                 if not missing:
                     return
-                if (aborted := self.inbox.abort_of(self.step, missing)) is not None:
-                    raise PeerAbortError(self.rank, aborted[0], aborted[1], self.step)
+                if (aborted := self.inbox.abort_of(step, missing)) is not None:
+                    raise PeerAbortError(rank, aborted[0], aborted[1], step)
             if self.blame.expired():
                 _, stage, kind, peer = missing[0]
                 culprit = self.blame.culprit(peer)
-                what = f"send {_KIND_NAMES[kind]} of stage {stage}, step {self.step}"
+                what = f"send {_KIND_NAMES[kind]} of stage {stage}, step {step}"
                 if culprit != peer:
-                    what = (f"take part in step {self.step} (rank {peer}, which this rank "
+                    what = (f"take part in step {step} (rank {peer}, which this rank "
                             f"waits for, is alive and waits itself; rank {culprit}'s "
                             "heartbeat stopped)")
-                raise PeerTimeoutError(self.rank, culprit, what, timeout_s)
+                raise PeerTimeoutError(rank, culprit, what, timeout_s)
             backoff.pause()  # spins briefly, then naps a share of the wait (spin.py)
             msgs = self.transport.poll()
             if polled := bool(msgs):  # nothing new: nothing to match again
-                self.inbox.add(msgs, self.step)
-
+                self.inbox.add(msgs, step)

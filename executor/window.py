@@ -35,7 +35,12 @@ class Window:
         self.inflight: deque[tuple[Entry, int]] = deque()
         self.left: dict[int, int] = {}  # stage -> its batches not yet reaped
         self.closed: set[int] = set()
-        self.waited = 0.0  # seconds spent waiting for batches to land (the executor resets it)
+        self.waited = 0.0
+        """Seconds of this step spent waiting for batches to land."""
+
+    def begin(self) -> None:
+        """A step starts: its waiting counts from zero."""
+        self.waited = 0.0
 
     def __len__(self) -> int:
         return len(self.inflight)

@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..cleanup import best_effort
+
 
 class IpcMemHandle(ctypes.Structure):
     """`cudaIpcMemHandle_t`: 64 opaque bytes, passed by value."""
@@ -94,12 +96,7 @@ class Runtime:
 
     @staticmethod
     def load() -> Runtime | None:
-        paths = []
-        try:
-            with open("/proc/self/maps") as f:
-                paths = [ln.split()[-1] for ln in f if "libcudart.so" in ln]
-        except OSError:
-            pass
+        paths = best_effort("reading /proc/self/maps", _loaded_cudart, default=[])
         for path in dict.fromkeys(paths):  # never a second copy of the runtime
             try:
                 return Runtime(ctypes.PyDLL(path))
@@ -150,3 +147,9 @@ def load_cudart() -> Runtime | None:
 
 
 NOT_READY = 600  # cudaErrorNotReady: what cudaEventQuery says of work still running
+
+
+def _loaded_cudart() -> list[str]:
+    """Paths of the CUDA runtime libraries this process has mapped."""
+    with open("/proc/self/maps") as f:
+        return [ln.split()[-1] for ln in f if "libcudart.so" in ln]

@@ -93,10 +93,9 @@ class NixlTransport:
         if handle is None:
             return
         lh, rh, xfer = self.handles.pop(id(handle))
-        for h in (xfer, lh, rh):
-            try:
-                h.release()
-            except Exception:  # noqa: BLE001 - in flight to a dead peer: leave it to UCX
+        for h in (xfer, lh, rh):  # in flight to a dead peer: leave it to UCX
+            if not best_effort("releasing a NIXL handle", lambda h=h: h.release() or True,
+                               default=False):
                 self.leaked += 1
 
     def post(self, handle: Any) -> None:

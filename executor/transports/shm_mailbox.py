@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import pathlib
 import secrets
 import struct
 import time
@@ -62,10 +63,7 @@ class _Ring:
             self.unpin = None
         del self.head, self.tail
         self.map.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        pathlib.Path(self.path).unlink(missing_ok=True)  # the other side may have unlinked it
 
 
 class ShmMailbox:

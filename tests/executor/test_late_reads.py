@@ -65,7 +65,8 @@ def _run(path: str, tensors: dict[int, dict[str, torch.Tensor]], steps: int,
     exs = []
     for rp in plan.ranks:
         ex = Executor(plan.header, rp, tensors[rp.rank], "local", fabric, timeout_s=30)
-        ex.transport = ex.window.transport = LateReads(rp.rank, ex.namespace, fabric)
+        ex.transport = ex.window.transport = ex.signals.transport = LateReads(
+            rp.rank, ex.namespace, fabric)
         exs.append(ex)
     errors: list[BaseException] = []
     gate = threading.Barrier(len(exs))
