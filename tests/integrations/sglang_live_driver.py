@@ -6,14 +6,15 @@ plugin by its entry point, `SGLANG_PLUGINS=rdma_plan`), binds with
 `engine.collective_rpc("rdma_plan_init", ...)` while the trainer's source rank (this
 process, one FSDP2 rank holding the full HF tensors) runs `executor.load` over NIXL, then
 per step: new trainer weights, `integrations.sglang_engine.update(call, send, version)`
-with `call` going to the engine's own tokenizer-manager methods (the ones SGLang's HTTP
-endpoints call), and checks:
+with `call = in_process(engine)` (the engine's own methods that SGLang's HTTP endpoints of
+the same names run), and checks:
 - every HF tensor read back through SGLang's own `Engine.get_weights_by_name` equals the
   trainer's bytes (float32: the list SGLang returns holds every value exactly);
 - the engine's prompt logprobs of fixed token ids equal a reference forward of
   transformers' `LlamaForCausalLM` on the trainer's tensors (within fp32 tolerance), and
   changed from the previous version's;
-- greedy generation runs after each update and the engine reports the new weight_version.
+- the engine's greedy tokens (4 after the prompt) equal transformers' greedy tokens;
+- the engine reports the new weight_version and stamps it on its outputs.
 Figures (pause, transfer per update) go to `out` as JSON.
 
 The only thing not installed as a user would have it: `torchvision` and `setproctitle`
@@ -46,35 +47,6 @@ import torch  # noqa: E402
 PROMPT = [5, 17, 99, 312, 7, 64, 1001, 250, 3, 42]
 
 
-def engine_call(engine):  # noqa: ANN001, ANN201
-    """`integrations.sglang_engine.Call` for an in-process Engine: the tokenizer manager's
-    methods that SGLang's HTTP endpoints of the same names run."""
-    from sglang.srt.managers import io_struct as io
-
-    tm = engine.tokenizer_manager
-
-    def run(coro):  # noqa: ANN001, ANN202
-        return engine.loop.run_until_complete(coro)
-
-    def call(endpoint: str, body: dict) -> dict:
-        if endpoint == "pause_generation":
-            run(tm.pause_generation(io.PauseGenerationReqInput(**body)))
-        elif endpoint == "continue_generation":
-            run(tm.continue_generation(io.ContinueGenerationReqInput(**body)))
-        elif endpoint == "update_weight_version":
-            run(tm.update_weight_version(io.UpdateWeightVersionReqInput(**body)))
-        elif endpoint == "begin_weight_update":
-            ok, msg = engine.begin_weight_update()[:2]
-            return {"success": ok, "message": msg}
-        elif endpoint == "end_weight_update":
-            ok, msg = engine.end_weight_update()[:2]
-            return {"success": ok, "message": msg}
-        else:
-            raise ValueError(f"engine_call: unknown endpoint {endpoint!r}")
-        return {"success": True, "message": ""}
-    return call
-
-
 def engine_logprobs(engine) -> tuple[list[float], list[int], dict]:  # noqa: ANN001
     out = engine.generate(input_ids=PROMPT, return_logprob=True, logprob_start_len=0,
                           sampling_params={"max_new_tokens": 4, "temperature": 0.0})
@@ -82,18 +54,22 @@ def engine_logprobs(engine) -> tuple[list[float], list[int], dict]:  # noqa: ANN
     return [float(x[0]) for x in lp[1:]], out["output_ids"], out["meta_info"]
 
 
-def reference_logprobs(hf: dict, tensors: dict[str, torch.Tensor]) -> list[float]:
+def reference(hf: dict, tensors: dict[str, torch.Tensor], new: int
+              ) -> tuple[list[float], list[int]]:
+    """transformers' `LlamaForCausalLM` on the trainer's tensors: the prompt logprobs and
+    `new` greedy tokens (argmax of a full forward per token)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(**{k: v for k, v in hf.items() if k not in ("architectures",)})
     model = LlamaForCausalLM(cfg).eval()
-    missing, unexpected = model.load_state_dict(
-        {n: t for n, t in tensors.items()}, strict=False)
+    missing, unexpected = model.load_state_dict(dict(tensors), strict=False)
     assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    ids = list(PROMPT)
     with torch.no_grad():
-        logits = model(torch.tensor([PROMPT])).logits[0].float()
-    lp = torch.log_softmax(logits, -1)
-    return [float(lp[i, PROMPT[i + 1]]) for i in range(len(PROMPT) - 1)]
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        for _ in range(new):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return [float(lp[i, PROMPT[i + 1]]) for i in range(len(PROMPT) - 1)], ids[len(PROMPT):]
 
 
 def engine_differs(engine, tensors: dict[str, torch.Tensor], tp: int) -> list[str]:  # noqa: ANN001
@@ -121,7 +97,7 @@ def main() -> None:
 
     import executor
     from harness.weights import random_full_tensors
-    from integrations.sglang_engine import update
+    from integrations.sglang_engine import in_process, update
     from planner.spec import spec_from_hf
 
     arg = json.loads(sys.argv[1])
@@ -162,7 +138,7 @@ def main() -> None:
         plan.timeout_s = 120.0
         before, ids, _ = engine_logprobs(engine)  # dummy (random) startup weights
         print(f"driver: bound; dummy-weight greedy tokens {ids}", flush=True)
-        call, timed, sent = engine_call(engine), {}, []
+        call, timed, sent = in_process(engine), {}, []
 
         def timed_call(endpoint: str, body: dict) -> dict:
             timed[endpoint] = time.perf_counter()
@@ -184,7 +160,7 @@ def main() -> None:
             bad = engine_differs(engine, tensors, tp)
             assert not bad, f"step {step}: engine differs from the trainer in {bad}"
             lps, ids, meta = engine_logprobs(engine)
-            ref = reference_logprobs(hf, tensors)
+            ref, greedy = reference(hf, tensors, len(ids))
             delta = max(abs(a - b) for a, b in zip(lps, ref, strict=True))
             moved = max(abs(a - b) for a, b in zip(lps, before, strict=True))
             # the version the engine reports, and the one it stamps on its outputs
@@ -194,6 +170,7 @@ def main() -> None:
                   f"version {version!r}, greedy {ids}, pause {pause_s * 1e3:.1f} ms, "
                   f"transfer {sent[0] * 1e3:.1f} ms", flush=True)
             assert delta < 1e-3, f"step {step}: logprobs differ from the reference by {delta}"
+            assert ids == greedy, f"step {step}: greedy tokens {ids}, transformers' {greedy}"
             assert moved > 1e-2, f"step {step}: logprobs did not change ({moved})"
             assert version == (f"v{step}",) * 2, f"step {step}: weight_version {version!r}"
             figures["steps"].append({"step": step, "pause_s": pause_s,

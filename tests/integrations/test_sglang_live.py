@@ -57,6 +57,7 @@ def test_live_sglang_engine_refit_bit_exact_and_logprobs(tmp_path, tp: int) -> N
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "driver:" in ln
              or "Error" in ln]
     assert proc.returncode == 0, "\n".join(lines[-20:]) + "\n" + proc.stderr[-3000:]
+    print("\n".join(ln for ln in lines if "driver:" in ln))  # figures, shown with -s
     figures = json.loads(out.read_text())
     assert figures["tp"] == tp and [s["step"] for s in figures["steps"]] == [1, 2]
     assert all(s["max_delta_logprob"] < 1e-3 for s in figures["steps"])
