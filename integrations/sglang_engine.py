@@ -18,13 +18,16 @@ scheduler; `register` adds one scheduler method and four hooks, through SGLang's
   on any rank is refused before SGLang's end runs: `success=False` naming the ranks, the
   session stays open (the next `begin_weight_update` re-arms the receive: a retry),
   nothing is committed. A whole step runs SGLang's end, whose post-load processing
-  refreshes the derived tensors (DeepSeek `w_kc`/`w_vc`) in place.
+  refreshes the derived tensors (DeepSeek `w_kc`/`w_vc`) in place, then flushes SGLang's
+  prefix cache (SGLang's session end keeps the KV the old weights computed; its own
+  `update_weights_from_*` flush it): refused while requests run (`success=False`).
 - `update_weight_version` and `continue_generation` (scheduler) are skipped while the
   weights are torn: the label stamped on outputs keeps the last whole version and the
   engine stays paused; `status(scheduler)["torn"]` says why.
 
 The trainer drives an update with `update(call, send, version)`; `call` posts one of
-SGLang's HTTP endpoints (`http(url)`), `send` runs the sources' `executor.run(plan)`.
+SGLang's HTTP endpoints (`http(url)`) or calls an in-process `sglang.Engine`
+(`in_process(engine)`), `send` runs the sources' `executor.run(plan)`.
 """
 
 from __future__ import annotations
@@ -172,6 +175,15 @@ def end_hook(original: Callable, manager: Any, recv_req: Any) -> Any:
     out = original(manager, recv_req)
     if out.success:
         state.torn = None
+        # SGLang's session end keeps the prefix (radix) KV cache that the old weights
+        # computed: a cached prompt would decode with stale keys and values. Flush it, as
+        # SGLang's own update_weights_from_* calls do (flush_cache=True).
+        if not manager.flush_cache():
+            return EndWeightUpdateReqOutput(success=False, message=(
+                "rdma-plan: the weights were updated, but SGLang's prefix cache (computed "
+                "with the old weights) was not flushed because requests are still running "
+                "or queued; finish or abort them, call /flush_cache, then "
+                "update_weight_version and continue_generation"))
     return out
 
 
@@ -243,6 +255,32 @@ def http(url: str, timeout_s: float = 600.0) -> Call:
             if e.code != 400:
                 raise
             return json.loads(e.read() or b"{}")
+    return call
+
+
+def in_process(engine: Any) -> Call:
+    """`Call` for an in-process `sglang.Engine`: the engine's and its tokenizer manager's
+    methods that SGLang's HTTP endpoints of the same names run. Call it from the thread
+    that created the engine (its ZMQ sockets belong to that thread)."""
+    from sglang.srt.managers import io_struct as io
+
+    tm = engine.tokenizer_manager
+    forwarded = {"pause_generation": (tm.pause_generation, io.PauseGenerationReqInput),
+                 "continue_generation": (tm.continue_generation,
+                                         io.ContinueGenerationReqInput),
+                 "update_weight_version": (tm.update_weight_version,
+                                           io.UpdateWeightVersionReqInput)}
+
+    def call(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+        if endpoint in ("begin_weight_update", "end_weight_update"):
+            ok, message = getattr(engine, endpoint)(**body)[:2]
+            return {"success": bool(ok), "message": message}
+        if endpoint not in forwarded:
+            raise UserError(f"in_process: endpoint {endpoint!r} is not one update() "
+                            f"posts; use one of {sorted(forwarded)} or begin/end_weight_update")
+        method, request = forwarded[endpoint]
+        engine.loop.run_until_complete(method(request(**body)))
+        return {"success": True, "message": ""}
     return call
 
 

@@ -1,0 +1,189 @@
+"""A live `sglang.Engine` (SGLang 0.5.23, CPU) refitted through the rdma-plan plugin.
+
+Run as a script (argv[1] is JSON: {"hf", "plan", "store", "tp", "steps", "out"}). It does
+what a user does: `sglang.Engine(...)` in this process (its scheduler processes load the
+plugin by its entry point, `SGLANG_PLUGINS=rdma_plan`), binds with
+`engine.collective_rpc("rdma_plan_init", ...)` while the trainer's source rank (this
+process, one FSDP2 rank holding the full HF tensors) runs `executor.load` over NIXL, then
+per step: new trainer weights, `integrations.sglang_engine.update(call, send, version)`
+with `call = in_process(engine)` (the engine's own methods that SGLang's HTTP endpoints of
+the same names run), and checks:
+- every HF tensor read back through SGLang's own `Engine.get_weights_by_name` equals the
+  trainer's bytes (float32: the list SGLang returns holds every value exactly);
+- the engine's prompt logprobs of fixed token ids equal a reference forward of
+  transformers' `LlamaForCausalLM` on the trainer's tensors (within fp32 tolerance), and
+  changed from the previous version's;
+- the engine's greedy tokens (4 after the prompt) equal transformers' greedy tokens;
+- the engine reports the new weight_version and stamps it on its outputs.
+Figures (pause, transfer per update) go to `out` as JSON.
+
+The only thing not installed as a user would have it: `torchvision` and `setproctitle`
+(SGLang imports both; a user installs them, the test's `--no-deps` SGLang folder lacks
+them) are stubbed by `sglang_env.prepare()` at import of this module, which SGLang's spawned
+scheduler processes re-run (multiprocessing re-imports the main script in each child).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, ROOT)
+os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+os.environ.setdefault("SGLANG_PLUGINS", "rdma_plan")
+
+from tests.oracles import sglang_env  # noqa: E402
+
+sglang_env.prepare()
+
+import torch  # noqa: E402
+
+PROMPT = [5, 17, 99, 312, 7, 64, 1001, 250, 3, 42]
+
+
+def engine_logprobs(engine) -> tuple[list[float], list[int], dict]:  # noqa: ANN001
+    out = engine.generate(input_ids=PROMPT, return_logprob=True, logprob_start_len=0,
+                          sampling_params={"max_new_tokens": 4, "temperature": 0.0})
+    lp = out["meta_info"]["input_token_logprobs"]
+    return [float(x[0]) for x in lp[1:]], out["output_ids"], out["meta_info"]
+
+
+def reference(hf: dict, tensors: dict[str, torch.Tensor], new: int
+              ) -> tuple[list[float], list[int]]:
+    """transformers' `LlamaForCausalLM` on the trainer's tensors: the prompt logprobs and
+    `new` greedy tokens (argmax of a full forward per token)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{k: v for k, v in hf.items() if k not in ("architectures",)})
+    model = LlamaForCausalLM(cfg).eval()
+    missing, unexpected = model.load_state_dict(dict(tensors), strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    ids = list(PROMPT)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        for _ in range(new):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return [float(lp[i, PROMPT[i + 1]]) for i in range(len(PROMPT) - 1)], ids[len(PROMPT):]
+
+
+def engine_differs(engine, tensors: dict[str, torch.Tensor], tp: int) -> list[str]:  # noqa: ANN001
+    """The HF tensors whose bytes SGLang's `get_weights_by_name` does not give back. It
+    answers TP rank 0's part: at TP 1 the whole tensor (the embedding and head with the
+    rows SGLang pads the vocabulary with: 1100 -> 1152, not compared); at TP > 1 the
+    first rows of a column-parallel tensor (q, k, v, gate, up, the vocabulary), the
+    all-gathered row-parallel ones (o_proj, down_proj) and the replicated norms whole."""
+    bad = []
+    for n, t in tensors.items():
+        got = engine.get_weights_by_name(n, truncate_size=1 << 30)
+        got = torch.tensor(got, dtype=torch.float64) if got is not None else None
+        if got is not None and got.dim() == t.dim() and got.shape[1:] == t.shape[1:]:
+            if "embed" in n or "lm_head" in n:
+                got = got[:min(t.shape[0], got.shape[0])]
+            if tp > 1 and got.shape[0] < t.shape[0]:
+                t = t[:got.shape[0]]
+        if got is None or got.shape != t.shape or not torch.equal(got, t.double()):
+            bad.append(n)
+    return bad
+
+
+def main() -> None:
+    import sglang
+
+    import executor
+    from harness.weights import random_full_tensors
+    from integrations.sglang_engine import in_process, update
+    from planner.spec import spec_from_hf
+
+    arg = json.loads(sys.argv[1])
+    hf, tp = arg["hf"], int(arg["tp"])
+    folder = tempfile.mkdtemp(prefix="sglang-live-")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf, f)
+    spec = spec_from_hf(hf, mtp=False)
+    # the job secret: every rank (the scheduler processes inherit it) authenticates with it
+    os.environ.setdefault("RDMA_PLAN_SECRET", secrets.token_hex(32))
+    t0 = time.perf_counter()
+    engine = sglang.Engine(model_path=folder, device="cpu", tp_size=tp, dtype="float32",
+                           load_format="dummy", skip_tokenizer_init=True,
+                           disable_cuda_graph=True, max_total_tokens=1024,
+                           max_running_requests=4, random_seed=0, log_level="error")
+    print(f"driver: engine up in {time.perf_counter() - t0:.1f} s", flush=True)
+    figures: dict = {"tp": tp, "engine_start_s": time.perf_counter() - t0, "steps": []}
+    try:
+        tensors = {n: t.clone() for n, t in random_full_tensors(spec, seed=100).items()}
+        rendezvous = f"127.0.0.1:{arg['store']}"
+        loaded: list = []
+
+        def load() -> None:  # the trainer's rank; rendezvous with the engine's binding
+            try:
+                loaded.append(executor.load(arg["plan"], 0, tensors, transport="nixl",
+                                            rendezvous=rendezvous, timeout_s=300,
+                                            no_identity=True))  # the test's one source rank
+            except BaseException as e:  # noqa: BLE001
+                loaded.append(e)
+        thread = threading.Thread(target=load)
+        thread.start()
+        # the engine's ZMQ sockets belong to this thread: the RPC goes from here
+        engine.collective_rpc("rdma_plan_init", plan=arg["plan"], rendezvous=rendezvous,
+                              timeout_s=300.0, allow_unsigned=True)  # the plan is unsigned
+        thread.join()
+        plan = loaded[0]
+        assert not isinstance(plan, BaseException), plan
+        plan.timeout_s = 120.0
+        before, ids, _ = engine_logprobs(engine)  # dummy (random) startup weights
+        print(f"driver: bound; dummy-weight greedy tokens {ids}", flush=True)
+        call, timed, sent = in_process(engine), {}, []
+
+        def timed_call(endpoint: str, body: dict) -> dict:
+            timed[endpoint] = time.perf_counter()
+            return call(endpoint, body)
+
+        for step in range(1, int(arg["steps"]) + 1):
+            for n, t in random_full_tensors(spec, seed=100 + step).items():
+                tensors[n].copy_(t)
+            sent.clear()
+
+            def send() -> None:
+                s = time.perf_counter()
+                executor.run(plan)
+                sent.append(time.perf_counter() - s)
+            s = time.perf_counter()
+            update(timed_call, send, f"v{step}")
+            done = time.perf_counter()
+            pause_s = done - timed["pause_generation"]
+            bad = engine_differs(engine, tensors, tp)
+            assert not bad, f"step {step}: engine differs from the trainer in {bad}"
+            lps, ids, meta = engine_logprobs(engine)
+            ref, greedy = reference(hf, tensors, len(ids))
+            delta = max(abs(a - b) for a, b in zip(lps, ref, strict=True))
+            moved = max(abs(a - b) for a, b in zip(lps, before, strict=True))
+            # the version the engine reports, and the one it stamps on its outputs
+            version = (engine.get_model_info()["weight_version"], meta.get("weight_version"))
+            print(f"driver: step {step}: {len(tensors)} tensors bit-exact, max |delta "
+                  f"logprob| vs transformers {delta:.2e}, vs previous version {moved:.2e}, "
+                  f"version {version!r}, greedy {ids}, pause {pause_s * 1e3:.1f} ms, "
+                  f"transfer {sent[0] * 1e3:.1f} ms", flush=True)
+            assert delta < 1e-3, f"step {step}: logprobs differ from the reference by {delta}"
+            assert ids == greedy, f"step {step}: greedy tokens {ids}, transformers' {greedy}"
+            assert moved > 1e-2, f"step {step}: logprobs did not change ({moved})"
+            assert version == (f"v{step}",) * 2, f"step {step}: weight_version {version!r}"
+            figures["steps"].append({"step": step, "pause_s": pause_s,
+                                     "transfer_s": sent[0], "update_s": done - s,
+                                     "max_delta_logprob": delta})
+            before = lps
+        plan.close()
+    finally:
+        engine.shutdown()
+    with open(arg["out"], "w") as f:
+        json.dump(figures, f)
+    print("driver: ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
