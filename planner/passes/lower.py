@@ -118,26 +118,18 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     at = direct_stage(st.copies["kind"], st.stages) if n_direct else 0
     stages = max(st.stages, at + 1)
     total = n_direct + len(st.writes)
-    out = {k: np.empty(total, dtype=np.int32 if k in NARROW else np.int64)
-           for k in Lowered.__slots__ if k.startswith("w_")}  # written in place, in order:
-    end = 0  # the blocks' direct writes, those `_second_look` moved, the staged chunks'
-    for b in blocks:
+    out = Writes(**{k[2:]: np.empty(total, dtype=np.int32 if k in NARROW else np.int64)
+                    for k in Lowered.__slots__ if k.startswith("w_")})  # written in place,
+    end = 0  # in order: the blocks' direct writes, those `_second_look` moved, the staged
+    for b in blocks:  # chunks'
         end = _direct_into(out, end, c, b.start + np.flatnonzero(~staged_at[b]))
     del staged_at
     for part in (moved, st.writes):
-        end = _put(out, end, part)
+        end = out.put(end, part)
     del moved
-    out["w_stage"][:n_direct] = at
-    return Lowered(**out, copies=st.copies, staging=st.staging, stages=stages,
+    out.stage[:n_direct] = at
+    return Lowered(**out.columns(), copies=st.copies, staging=st.staging, stages=stages,
                    slotted=st.slotted)
-
-
-def _put(out: dict[str, np.ndarray], at: int, part: Writes) -> int:
-    """Put the columns of `part` into `out` from row `at`; returns the row after them."""
-    n = len(part)
-    for k, v in part.columns().items():
-        out[k][at:at + n] = v
-    return at + n
 
 
 def direct_stage(kinds: np.ndarray, stages: int) -> int:
@@ -167,10 +159,10 @@ def _staged_mask(g: Geometry, opts: Options) -> np.ndarray:
     return staged
 
 
-def _direct_into(out: dict[str, np.ndarray], at: int, c: Chosen, rows: np.ndarray) -> int:
+def _direct_into(out: Writes, at: int, c: Chosen, rows: np.ndarray) -> int:
     """Write the direct writes of chunks `rows` (not staged) into the columns `out` from
     row `at`; returns the row after them. Only the geometry that `writes` reads is made."""
-    return _put(out, at, writes(c, direct_rows(c, rows), None, rows))
+    return out.put(at, writes(c, direct_rows(c, rows), None, rows))
 
 
 def _direct_load(c: Chosen, rows: np.ndarray

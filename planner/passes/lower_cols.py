@@ -134,6 +134,15 @@ class Writes:
         return {f"w_{f.name}": v for f in dataclasses.fields(self)
                 if (v := getattr(self, f.name)) is not None}
 
+    def put(self, at: int, part: Writes) -> int:
+        """Copy the columns `part` has into these, from row `at`; returns the row after
+        them."""
+        n = len(part)
+        for f in dataclasses.fields(self):
+            if (v := getattr(part, f.name)) is not None:
+                getattr(self, f.name)[at:at + n] = v
+        return at + n
+
 
 def writes(c: Chosen, g: Rows, di: np.ndarray | None, ids: np.ndarray) -> Writes:
     """Direct writes of the chunks `ids[di]` (`g`: the `Rows` of `ids`; `di` None: all of
