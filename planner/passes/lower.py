@@ -18,6 +18,7 @@ staged chunks are placed in stages so that no rank's staging exceeds its budget
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -246,11 +247,14 @@ def _staged(c: Chosen, si: np.ndarray, first: int, n_regions: np.ndarray, opts: 
         tensor_names, world, first)
     stages = int(stage.max()) + 1 if len(stage) else 1
     # One write per chunk (in placement order, which `stage`, `s_soff` and `d_soff`
-    # follow), from staging (if packed) into staging (if unpacked); the geometry made
-    # again in that order (the unordered one dropped first).
+    # follow), from staging (if packed) into staging (if unpacked).
+    cols = {f.name: getattr(g, f.name) for f in dataclasses.fields(Geometry)}
     del g, nbytes, pack, unpack
+    for k in cols:  # one column at a time: the unordered one goes as the next is made
+        cols[k] = cols[k][order]
+    g = Geometry(**cols)
+    del cols
     si = si[order]
-    g = shape(c, si)
     at = Placed(stage=stage, s_soff=s_soff, d_soff=d_soff, src_rank=src_rank[order],
                 dst_rank=dst_rank[order], s_region=c.src.region[c.choice[si]],
                 d_region=c.dst.region[c.chunks.dst[si]], s_start=c.start(si, source=True),
