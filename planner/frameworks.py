@@ -9,10 +9,12 @@ only home of each rule):
   read only by a vLLM layout traced from the engine's loader, `planner/layouts/traced.py`);
 - `identity(cfg, rank)`: a rank's coordinates in the framework's terms (`schemas/identity.py`);
 - `derived(rank_layout)`: the refresh entries of a target rank (`planner/derived.py`);
-  sources derive nothing.
+  sources derive nothing;
+- `replicated(cfg)`: whether every rank of a source holds the whole model (the header's
+  `source_replicated`, `planner/passes/emit.py`); targets are never asked.
 
 Callers (`planner.validate`, `planner.layouts.build_layout`, `planner.identities`,
-`planner.derived`) dispatch through `get`; none names a framework.
+`planner.derived`, `planner.passes.emit`) dispatch through `get`; none names a framework.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class Framework:
     derived: Callable[[RankLayout], list[dict[str, Any]]]
     traces: Callable[[ModelSpec, Any], bool]
     """Whether `layout` traces the engine's loader (and so needs `hf`; `trace_ahead`)."""
+    replicated: Callable[[Any], bool]
+    """Whether every rank holds the whole model (a source's fact; false for targets)."""
 
 
 def _nothing(rank: RankLayout) -> list[dict[str, Any]]:
@@ -46,6 +50,10 @@ def _nothing(rank: RankLayout) -> list[dict[str, Any]]:
 
 
 def _never(spec: ModelSpec, cfg: Any) -> bool:
+    return False
+
+
+def _target(cfg: Any) -> bool:
     return False
 
 
@@ -66,15 +74,15 @@ def _vllm_layout(spec: ModelSpec, cfg: TargetConfig, hf: dict[str, Any] | None) 
 FRAMEWORKS: dict[str, Framework] = {
     "megatron": Framework("megatron", "source", megatron.check,
                           lambda spec, cfg, hf: megatron.layout(spec, cfg), megatron.identity,
-                          _nothing, _never),
+                          _nothing, _never, megatron.replicated),
     "fsdp2": Framework("fsdp2", "source", fsdp2.check,
                        lambda spec, cfg, hf: fsdp2.layout(spec, cfg), fsdp2.identity,
-                       _nothing, _never),
+                       _nothing, _never, fsdp2.replicated),
     "vllm": Framework("vllm", "target", _vllm_check, _vllm_layout, vllm.identity,
-                      vllm.derived_rank, traced.uses_trace),
+                      vllm.derived_rank, traced.uses_trace, _target),
     "sglang": Framework("sglang", "target", sglang.check,
                         lambda spec, cfg, hf: sglang.layout(spec, cfg), sglang.identity,
-                        sglang.derived_rank, _never),
+                        sglang.derived_rank, _never, _target),
 }
 """Every framework (sources) and engine (targets) the compiler builds, by name."""
 

@@ -1,9 +1,10 @@
 """The simulator's inputs and outputs (`planner/simulate.py` runs the model in between).
 
 Inputs: the plan checked for order bounds (`load_checked`), every batch as columns
-(`batch_columns`), the time of a stage's packs or unpacks (`copy_seconds`), and max-min fair
-sharing of NIC and NVLink directions between flows (`maxmin`). Outputs: the result dict
-(`result`; `planner/simgap.py` turns it into the lines `rdma-plan simulate` prints).
+(`batch_columns`) and the time of a stage's packs or unpacks (`copy_seconds`); max-min fair
+sharing of NIC and NVLink directions between flows is `planner.simrates.maxmin`. Outputs:
+the result dict (`result`; `planner/simgap.py` turns it into the lines `rdma-plan simulate`
+prints).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ at that size a small share of a write's bytes."""
 INFLIGHT = 8
 """Batches a rank keeps in flight by default (`executor` `max_inflight`)."""
 MAX_LEVELS = 8
-"""Progressive-filling levels computed exactly (see `maxmin`)."""
+"""Progressive-filling levels computed exactly (see `planner.simrates.maxmin`)."""
 MAX_CELLS = 1 << 26
 """(rank, stage) queues the simulation indexes (ranks x stages)."""
 
@@ -159,52 +160,6 @@ def copy_seconds(rp: RankPlan, kinds: tuple[int, ...], pack_bps: float,
         ops = unique_rows(key)
         np.add.at(out, ops[:, 0], overhead_s)
     return out
-
-
-def maxmin(eres: np.ndarray, ires: np.ndarray, cap: np.ndarray,
-            max_levels: int = MAX_LEVELS) -> np.ndarray:
-    """Max-min fair rates of flows that each use resources `eres[f]` and `ires[f]`.
-
-    Progressive filling: raise every unfrozen flow's rate until a resource saturates,
-    freeze the flows through it, repeat. After `max_levels` levels, flows still unfrozen
-    get the fair share of their tighter resource's leftover, twice: a feasible allocation
-    a little below max-min (exact when there are at most `max_levels` bottleneck levels).
-    """
-    res, inv = np.unique(np.concatenate([eres, ires]), return_inverse=True)
-    f, n = len(eres), len(res)
-    e, i = inv[:f], inv[f:]
-    left = cap[res].astype(np.float64)
-    rate = np.zeros(f)
-    idx, level = np.arange(f), 0.0  # unfrozen flows, all at rate `level`
-    for _ in range(max_levels):
-        ee, ii = e[idx], i[idx]
-        cnt = np.bincount(ee, minlength=n) + np.bincount(ii, minlength=n)
-        used = np.nonzero(cnt)[0]
-        share = left[used] / cnt[used]
-        d = share.min()
-        level += d
-        left[used] -= d * cnt[used]
-        full = np.zeros(n, dtype=bool)
-        full[used[share <= d * (1 + 1e-9)]] = True
-        frozen = full[ee] | full[ii]
-        rate[idx[frozen]] = level
-        idx = idx[~frozen]
-        if len(idx) == 0:
-            return rate
-    rate[idx] = level
-    free = np.zeros(f, dtype=bool)
-    free[idx] = True
-    for _ in range(2):
-        idx = np.nonzero(free)[0]
-        cnt = np.bincount(e[idx], minlength=n) + np.bincount(i[idx], minlength=n)
-        share = left / np.maximum(cnt, 1)
-        add = np.minimum(share[e[idx]], share[i[idx]])
-        rate[idx] += add
-        left -= (np.bincount(e[idx], weights=add, minlength=n) +
-                 np.bincount(i[idx], weights=add, minlength=n))
-        full = left <= 1e-9 * cap[res]
-        free[idx] = ~(full[e[idx]] | full[i[idx]])
-    return rate
 
 
 def by_stage(t: Any, stages: int) -> list[list[tuple[int, int]]]:

@@ -1,13 +1,13 @@
-"""Max-min fair rates for `simulate`'s event loop: `planner.simflow.maxmin`, faster, with
-the same result bit for bit (`tests/planner/test_simrates.py` checks it against `maxmin`).
+"""Max-min fair rates for `simulate`'s event loop (`maxmin`), and the cache that reuses them
+while the same (egress, ingress) pairs are on (`RateCache`).
 
 `simulate` recomputes the rates of the active flows whenever the set of flows changes:
-about once per batch, 207k times for DeepSeek-V3's published plan (2,048 flows each).
-`maxmin` first numbers the resources in use (`np.unique`, a sort: a fifth of its time);
-`maxmin_fast` indexes `cap`'s resources directly instead. Every value it computes for a
-resource in use is the same float operation on the same operands as in `maxmin` (counts
-are the same integers, sums run in the same flow order), and resources not in use are
-never read, so the rates are identical.
+about once per batch, 207k times for DeepSeek-V3's published plan (2,048 flows each), so
+`maxmin` indexes `cap`'s resources directly rather than numbering the resources in use.
+The straightforward form that numbers them first (`np.unique`) is the reference in
+`tests/support/maxmin_ref.py`; `tests/planner/test_simrates.py` checks that both give the
+same rates bit for bit on random flows (every value computed for a resource in use is the
+same float operation on the same operands, and resources not in use are never read).
 """
 
 from __future__ import annotations
@@ -17,10 +17,16 @@ import numpy as np
 from planner.simflow import MAX_LEVELS
 
 
-def maxmin_fast(eres: np.ndarray, ires: np.ndarray, cap: np.ndarray,
-                max_levels: int = MAX_LEVELS) -> np.ndarray:
-    """`planner.simflow.maxmin(eres, ires, cap, max_levels)`: max-min fair rates of flows
-    that each use resources `eres[f]` and `ires[f]` (indices into `cap`)."""
+def maxmin(eres: np.ndarray, ires: np.ndarray, cap: np.ndarray,
+           max_levels: int = MAX_LEVELS) -> np.ndarray:
+    """Max-min fair rates of flows that each use resources `eres[f]` and `ires[f]`
+    (indices into `cap`).
+
+    Progressive filling: raise every unfrozen flow's rate until a resource saturates,
+    freeze the flows through it, repeat. After `max_levels` levels, flows still unfrozen
+    get the fair share of their tighter resource's leftover, twice: a feasible allocation
+    a little below max-min (exact when there are at most `max_levels` bottleneck levels).
+    """
     f, n = len(eres), len(cap)
     left = cap.astype(np.float64)
     rate = np.zeros(f)
@@ -80,7 +86,7 @@ class RateCache:
 
     def rates(self, eres: np.ndarray, ires: np.ndarray, cap: np.ndarray) -> np.ndarray:
         """The rates of flows (`eres`, `ires`): those of the last computation where the
-        pairs are the same, else `maxmin_fast`'s."""
+        pairs are the same, else `maxmin`'s."""
         key = eres * self.n + ires
         sig = (len(key), self.sum, self.sq)
         if sig == self.last_sig:  # perhaps the same pairs: compare them
@@ -90,6 +96,6 @@ class RateCache:
                 out = np.empty(len(key))
                 out[order] = self.last_rate[last]
                 return out
-        rate = maxmin_fast(eres, ires, cap)
+        rate = maxmin(eres, ires, cap)
         self.last_sig, self.last_key, self.last_rate = sig, key, rate
         return rate

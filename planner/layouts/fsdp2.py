@@ -251,6 +251,12 @@ def identity(cfg: SourceConfig, rank: int) -> dict[str, int | str]:
             "dp_shard": (rank // tp) % dp, "tp": rank % tp}
 
 
+def replicated(cfg: SourceConfig) -> bool:
+    """Whether every rank holds the whole model: no TP and no sharding (`dp` 1; any number
+    of replicas)."""
+    return cfg.tp * cfg.dp == 1
+
+
 def restrict(pieces: Sequence[Piece], lo: Sequence[int], hi: Sequence[int]
              ) -> tuple[Piece, ...]:
     """The parts of `pieces` inside the physical region `[lo, hi)`, re-based to `lo`."""

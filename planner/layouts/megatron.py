@@ -121,6 +121,11 @@ def identity(cfg: SourceConfig, rank: int) -> dict[str, int | str]:
             "dp": s // tp, "ep": (s // etp) % ep, "etp": s % etp, "edp": s // (etp * ep)}
 
 
+def replicated(cfg: SourceConfig) -> bool:
+    """Whether every rank holds the whole model (no TP, PP, EP or expert TP: pure DP)."""
+    return cfg.tp * cfg.pp * cfg.ep * cfg.expert_tp == 1
+
+
 def padded_vocab(vocab: int, cfg: SourceConfig) -> int:
     if cfg.vocab_padding == "none":
         return vocab  # check() requires vocab % tp == 0

@@ -18,6 +18,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from planner import frameworks
 from planner.layouts.base import Layout
 from planner.passes.intersect import PieceTable
 from planner.passes.lower import Lowered
@@ -90,10 +91,9 @@ def _table(schema, rows: np.ndarray, names: tuple[str, ...]) -> Table:
 
 
 def source_replicated(src: SourceConfig) -> bool:
-    """Whether every source rank holds the whole model (pure data parallelism)."""
-    if src.framework == "fsdp2":
-        return src.tp * src.dp == 1
-    return src.tp * src.pp * src.ep * src.expert_tp == 1
+    """Whether every source rank holds the whole model (pure data parallelism): the
+    framework's own rule (`planner.frameworks`)."""
+    return frameworks.of(src).replicated(src)
 
 
 def longest_row_bytes(spec: ModelSpec) -> int:

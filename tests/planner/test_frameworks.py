@@ -11,6 +11,7 @@ from planner import frameworks
 from planner.derived import derived
 from planner.identities import rank_identities
 from planner.layouts import build_layout
+from planner.passes.emit import source_replicated
 from planner.spec import spec_from_hf
 from planner.validate import layout_check
 from schemas.config import (
@@ -92,3 +93,19 @@ def test_an_unknown_name_is_refused_in_one_line(name: object, key: str, side: st
     with pytest.raises(ConfigError) as e:
         frameworks.get(name, key, side)  # type: ignore[arg-type]
     assert str(e.value) == f"{key}: {name!r} is not one of {allowed}"
+
+
+@pytest.mark.parametrize("side", [
+    SourceConfig("megatron"), SourceConfig("megatron", dp=4), SourceConfig("megatron", tp=2),
+    SourceConfig("megatron", pp=2), SourceConfig("megatron", ep=2, dp=2),
+    SourceConfig("megatron", tp=2, etp=1, ep=2), SourceConfig("fsdp2"),
+    SourceConfig("fsdp2", dp=2), SourceConfig("fsdp2", tp=2),
+    SourceConfig("fsdp2", dp=1, dp_replicate=3)])
+def test_replicated_says_whether_every_rank_holds_the_whole_model(side: SourceConfig) -> None:
+    spec = spec_from_hf(dict(MLA, num_hidden_layers=2), mtp=False)
+    layout = build_layout(spec, side)
+    total = sum(t.numel for t in spec.tensors)
+    whole = all(sum(p.numel for t in r.tensors for p in t.pieces) >= total
+                for r in layout.ranks)
+    assert frameworks.of(side).replicated(side) is whole
+    assert source_replicated(side) is whole

@@ -1,7 +1,8 @@
-"""`planner.simrates`: the simulator's faster max-min rates are `maxmin`'s bit for bit, its
-rate cache reuses rates only for the same pairs, and a whole simulation gives the same
-timeline with them as with the straightforward reference (`maxmin` on every change, the
-cache compared by sorted keys). `simulate` reports progress while it runs."""
+"""`planner.simrates`: the simulator's max-min rates are the straightforward reference's
+(`tests/support/maxmin_ref.py`) bit for bit, its rate cache reuses rates only for the same
+pairs, and a whole simulation gives the same timeline with them as with the reference
+(`maxmin_reference` on every change, the cache compared by sorted keys). `simulate`
+reports progress while it runs."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import planner.simulate as sim_mod
-from planner.simflow import maxmin
-from planner.simrates import RateCache, maxmin_fast
+from planner.simrates import RateCache, maxmin
 from planner.simulate import simulate
+from tests.support.maxmin_ref import maxmin_reference
 from tests.support.synthetic import fsdp2_to_vllm_plan
 
 
@@ -35,20 +36,20 @@ def _flows(draw):
 
 @settings(max_examples=300, deadline=None)
 @given(_flows())
-def test_maxmin_fast_is_maxmin_bit_for_bit(case):
+def test_maxmin_is_the_reference_bit_for_bit(case):
     e, i, cap, levels = case
-    assert _bits(maxmin_fast(e, i, cap, levels)) == _bits(maxmin(e, i, cap, levels))
+    assert _bits(maxmin(e, i, cap, levels)) == _bits(maxmin_reference(e, i, cap, levels))
 
 
-def test_maxmin_fast_past_max_levels():
+def test_maxmin_past_max_levels():
     # ten targets, each with a distinct number of sources: ten bottleneck levels, so the
     # closing rounds run too
     e = np.arange(55, dtype=np.int64)
     i = np.repeat(np.arange(10), np.arange(1, 11)) + 55
     cap = np.linspace(1.0, 3.0, 65)
-    out = maxmin_fast(e, i, cap)
+    out = maxmin(e, i, cap)
     assert len(set(out.tolist())) > 8
-    assert _bits(out) == _bits(maxmin(e, i, cap))
+    assert _bits(out) == _bits(maxmin_reference(e, i, cap))
 
 
 def test_rate_cache_reuses_rates_only_for_the_same_pairs():
@@ -59,7 +60,7 @@ def test_rate_cache_reuses_rates_only_for_the_same_pairs():
     for k in (e * n + i).tolist():
         cache.on(k)
     first = cache.rates(e, i, cap)
-    assert _bits(first) == _bits(maxmin(e, i, cap))
+    assert _bits(first) == _bits(maxmin_reference(e, i, cap))
     # the same pairs in another order: the same rates, moved with their flows
     perm = np.array([2, 0, 1])
     assert _bits(cache.rates(e[perm], i[perm], cap)) == _bits(first[perm])
@@ -77,12 +78,12 @@ def test_rate_cache_reuses_rates_only_for_the_same_pairs():
     for k in b_e.tolist():
         cache2.on(k)
     assert (cache2.sum, cache2.sq) == (12, 62)
-    assert _bits(cache2.rates(b_e, a_i, cap2)) == _bits(maxmin(b_e, a_i, cap2))
+    assert _bits(cache2.rates(b_e, a_i, cap2)) == _bits(maxmin_reference(b_e, a_i, cap2))
 
 
 class _ReferenceRates:
-    """The rates as `simulate` computed them before `planner.simrates`: `maxmin` on every
-    change, reused when the sorted pair keys equal the last computation's."""
+    """The rates as `simulate` computed them before `planner.simrates`: `maxmin_reference`
+    on every change, reused when the sorted pair keys equal the last computation's."""
 
     def __init__(self, n_res: int) -> None:
         self.n = n_res
@@ -102,7 +103,7 @@ class _ReferenceRates:
             out = np.empty(len(key))
             out[order] = self.last_rate
             return out
-        rate = maxmin(eres, ires, cap)
+        rate = maxmin_reference(eres, ires, cap)
         self.last_key, self.last_rate = key[order], rate[order]
         return rate
 

@@ -1,0 +1,238 @@
+"""The typed columns `lower` passes between its steps (`planner/passes/lower.py`).
+
+- `Chosen`: the chunks with their chosen source rows and both sides' piece tables: what
+  every step reads;
+- `Rows`, `Geometry`: chunks as 2-d boxes `s0 x s1` (a box `n x 1` read as `1 x n`), with
+  strides, dtype codes and copy needs (`shape`); `Rows` is the part a direct write reads;
+- `Writes`: byte writes as columns (`writes` makes the direct ones);
+- `Placed`: the staged chunks in placement order, with their stage and staging offsets;
+  `copies` makes their PACK and UNPACK copy columns from it and their `Geometry`.
+
+Each container is a frozen record of numpy columns of one length (one row per chunk, or
+per write), as `schemas.Table` is for the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.passes.intersect import Chunks, PieceTable, element_size
+from schemas.plan import COPY_COLUMNS, PACK, UNPACK
+
+Index = np.ndarray | slice
+"""Which chunks: an index array, or a slice (a block of the chunk table)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Chosen:
+    """Chunks (`chunks.dst`: their target piece rows) and the source piece row chosen for
+    each (`choice`), with the source and target piece tables."""
+
+    chunks: Chunks
+    choice: np.ndarray
+    src: PieceTable
+    dst: PieceTable
+
+    def start(self, which: Index, source: bool) -> np.ndarray:
+        """Element offset of the first element of chunks `which` on the source side (or
+        the target side)."""
+        t, rows = (self.src, self.choice) if source else (self.dst, self.chunks.dst)
+        r, c = rows[which], self.chunks
+        return t.base[r] + c.off0[which] * t.a0[r] + c.off1[which] * t.a1[r]
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """What a direct write reads of its chunks: the 2-d boxes' sizes (`s0` rows of `s1`),
+    the row strides, the source dtype code and the target element size."""
+
+    s0: np.ndarray
+    s1: np.ndarray
+    s_a0: np.ndarray
+    d_a0: np.ndarray
+    s_code: np.ndarray
+    es_d: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry(Rows):
+    """`Rows` plus the inner strides, the target dtype code, the bytes, whether each side is
+    contiguous, whether the chunk is packed or unpacked if staged, and whether it must be
+    (no direct write can do it: a cast or a strided row)."""
+
+    s_a1: np.ndarray
+    d_a1: np.ndarray
+    d_code: np.ndarray
+    nbytes: np.ndarray
+    s_contig: np.ndarray
+    d_contig: np.ndarray
+    pack: np.ndarray
+    unpack: np.ndarray
+    staged: np.ndarray
+
+
+def shape(c: Chosen, which: Index) -> Geometry:
+    """The `Geometry` of chunks `which`."""
+    sr, dr = c.choice[which], c.chunks.dst[which]
+    s0, s1 = c.chunks.size0[which], c.chunks.size1[which]
+    col = s1 == 1  # read `n x 1` as `1 x n`
+    s_a0, d_a0 = c.src.a0[sr], c.dst.a0[dr]
+    s_a1, d_a1 = np.where(col, s_a0, c.src.a1[sr]), np.where(col, d_a0, c.dst.a1[dr])
+    s0, s1 = np.where(col, 1, s0), np.where(col, s0, s1)
+    s_code, d_code = c.src.dtype[sr], c.dst.dtype[dr]
+    es_d = element_size(d_code)
+    one_row = s0 == 1
+    s_contig = (s_a1 == 1) & (one_row | (s_a0 == s1))
+    d_contig = (d_a1 == 1) & (one_row | (d_a0 == s1))
+    cast = s_code != d_code
+    return Geometry(s0=s0, s1=s1, s_a0=s_a0, d_a0=d_a0, s_code=s_code, es_d=es_d,
+                    s_a1=s_a1, d_a1=d_a1, d_code=d_code, nbytes=s0 * s1 * es_d,
+                    s_contig=s_contig, d_contig=d_contig, pack=cast | ~s_contig,
+                    unpack=~d_contig, staged=cast | (s_a1 != 1) | (d_a1 != 1))
+
+
+def direct_rows(c: Chosen, which: np.ndarray) -> Rows:
+    """The `Rows` of chunks `which` that are not staged (unit inner strides on both sides
+    and no cast, so one element size): only what a direct write reads."""
+    sr, dr = c.choice[which], c.chunks.dst[which]
+    s0, s1 = c.chunks.size0[which], c.chunks.size1[which]
+    col = s1 == 1  # read `n x 1` as `1 x n`
+    code = c.dst.dtype[dr]
+    return Rows(s0=np.where(col, 1, s0), s1=np.where(col, s0, s1), s_a0=c.src.a0[sr],
+                d_a0=c.dst.a0[dr], s_code=code, es_d=element_size(code))
+
+
+def rows_per_write(s0: np.ndarray, s1: np.ndarray, s_a0: np.ndarray, d_a0: np.ndarray
+                   ) -> np.ndarray:
+    """Direct writes of each chunk (of `shape`'s 2-d boxes): one, when both sides are
+    contiguous (or it is one row), else one per row."""
+    return np.where((s_a0 == s1) & (d_a0 == s1) | (s0 == 1), 1, s0)
+
+
+@dataclass(frozen=True, slots=True)
+class Writes:
+    """Byte writes as columns: from (rank, region, byte offset) to (rank, region, byte
+    offset), `nbytes` each, in `stage` (None: not decided yet)."""
+
+    src_rank: np.ndarray
+    src_region: np.ndarray
+    src_offset: np.ndarray
+    dst_rank: np.ndarray
+    dst_region: np.ndarray
+    dst_offset: np.ndarray
+    nbytes: np.ndarray
+    stage: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """The columns by `Lowered`'s names (`w_` and the field), those that are set."""
+        return {f"w_{f.name}": v for f in dataclasses.fields(self)
+                if (v := getattr(self, f.name)) is not None}
+
+    def put(self, at: int, part: Writes) -> int:
+        """Copy the columns `part` has into these, from row `at`; returns the row after
+        them."""
+        n = len(part)
+        for f in dataclasses.fields(self):
+            if (v := getattr(part, f.name)) is not None:
+                getattr(self, f.name)[at:at + n] = v
+        return at + n
+
+
+def writes(c: Chosen, g: Rows, di: np.ndarray | None, ids: np.ndarray) -> Writes:
+    """Direct writes of the chunks `ids[di]` (`g`: the `Rows` of `ids`; `di` None: all of
+    them): one per row, or the whole box when both sides are contiguous. Ranks and regions
+    in the piece tables' dtype."""
+    sel = slice(None) if di is None else di  # (a slice takes views, not copies)
+    s0, s1 = g.s0[sel], g.s1[sel]
+    r = rows_per_write(s0, s1, g.s_a0[sel], g.d_a0[sel])
+    whole = r == 1  # (a chunk of rows that are not whole has more than one row)
+    one = bool((r == 1).all())  # one write per chunk: no row expansion
+    idx = sel if one else np.repeat(np.arange(len(ids)) if di is None else di, r)
+    at = ids[idx]  # chunk index
+    sr, dr = c.choice[at], c.chunks.dst[at]
+    s_off, d_off = c.start(at, source=True), c.start(at, source=False)
+    if not one:  # row k of a chunk: k strides on
+        k = np.arange(len(at)) - np.repeat(np.cumsum(r) - r, r)
+        s_off, d_off = s_off + k * g.s_a0[idx], d_off + k * g.d_a0[idx]
+    nbytes = np.where(whole, s0 * s1, s1) * g.es_d[sel]
+    return Writes(src_rank=c.src.rank[sr], src_region=c.src.region[sr],
+                  src_offset=s_off * element_size(g.s_code[idx]), dst_rank=c.dst.rank[dr],
+                  dst_region=c.dst.region[dr], dst_offset=d_off * g.es_d[idx],
+                  nbytes=nbytes if one else np.repeat(nbytes, r))
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """The staged chunks in placement order: each one's stage, its byte offset in the
+    source's staging (`s_soff`, where packed) and the target's (`d_soff`, where unpacked),
+    its ranks and tensor regions, and its first element on each side (`s_start`,
+    `d_start`)."""
+
+    stage: np.ndarray
+    s_soff: np.ndarray
+    d_soff: np.ndarray
+    src_rank: np.ndarray
+    dst_rank: np.ndarray
+    s_region: np.ndarray
+    d_region: np.ndarray
+    s_start: np.ndarray
+    d_start: np.ndarray
+
+
+def copies(g: Geometry, at: Placed, n_regions: np.ndarray) -> dict[str, np.ndarray]:
+    """PACK copies (on sources) then UNPACK copies (on targets) of the staged chunks (`g`
+    and `at` over them in placement order; `n_regions[rank]`: the rank's staging region):
+    `schemas.plan.COPY_COLUMNS` plus `rank`, int64 columns as int32 where they fit."""
+    p, u = np.nonzero(g.pack)[0], np.nonzero(g.unpack)[0]
+    one_p, one_u = np.ones(len(p), np.int32), np.ones(len(u), np.int32)
+    es_d, s1 = g.es_d, g.s1
+    cols = {  # each column's (packs, unpacks), made one column at a time
+        "rank": lambda: (at.src_rank[p], at.dst_rank[u]),
+        "kind": lambda: (np.full(len(p), PACK), np.full(len(u), UNPACK)),
+        "stage": lambda: (at.stage[p], at.stage[u]),
+        "src_region": lambda: (at.s_region[p], n_regions[at.dst_rank[u]]),
+        "src_dtype": lambda: (g.s_code[p], g.d_code[u]),
+        "src_offset": lambda: (at.s_start[p], at.d_soff[u] // es_d[u]),
+        "src_stride0": lambda: (g.s_a0[p], s1[u]),
+        "src_stride1": lambda: (g.s_a1[p], one_u),
+        "src_stride2": lambda: (one_p, one_u),
+        "dst_region": lambda: (n_regions[at.src_rank[p]], at.d_region[u]),
+        "dst_dtype": lambda: (g.d_code[p], g.d_code[u]),
+        "dst_offset": lambda: (at.s_soff[p] // es_d[p], at.d_start[u]),
+        "dst_stride0": lambda: (s1[p], g.d_a0[u]),
+        "dst_stride1": lambda: (one_p, g.d_a1[u]),
+        "dst_stride2": lambda: (one_p, one_u),
+        "size0": lambda: (g.s0[p], g.s0[u]),
+        "size1": lambda: (s1[p], s1[u]),
+        "size2": lambda: (one_p, one_u),
+        "aux_offset": lambda: (np.zeros(len(p) + len(u), dtype=np.int32),),
+    }
+    return {k: _column(f(), _COPY_DTYPES.get(k, np.dtype(np.int64))) for k, f in cols.items()}
+
+
+def _column(parts: tuple[np.ndarray, ...], dt: np.dtype) -> np.ndarray:
+    """The copy column of `parts` (packs', unpacks') in `dt`, but an int64 one as int32
+    where its values fit (`_narrow`; parts all of at most 32-bit ints fit as they are)."""
+    if dt == np.int64 and sum(map(len, parts)) and all(
+            x.dtype.kind in "iu" and x.dtype.itemsize <= 4 and x.dtype != np.uint32
+            for x in parts):
+        return np.concatenate(parts, dtype=np.int32, casting="unsafe")
+    return _narrow(np.concatenate(parts, dtype=dt, casting="unsafe"))
+
+
+def _narrow(col: np.ndarray) -> np.ndarray:
+    """An int64 copy column as int32 when its values fit (`emit` casts it back)."""
+    if col.dtype != np.int64 or len(col) == 0 or col.min() < -(1 << 31) or \
+            col.max() >= 1 << 31:
+        return col
+    return col.astype(np.int32)
+
+
+_COPY_DTYPES = {"rank": np.dtype(np.int32), **{n: np.dtype(d) for n, d in COPY_COLUMNS}}
+"""Copy columns as the plan holds them (narrow: kinds, dtypes, stages, regions, ranks)."""
