@@ -12,11 +12,23 @@
 copy of `live`, so bytes the plan does not write keep their value) and registered once: the
 executor binds it, never `live`.
 
-**Switch.** Local copies `live[name].copy_(shadow[name])`: every live `data_ptr` stays, so CUDA
+**Switch.** Local copies into the live tensors: every live `data_ptr` stays, so CUDA
 graphs captured on the weights stay valid and nothing the engine derived from the addresses
-(prepacked handles, views) moves. Pointer swaps would be cheaper but break every captured
+(prepacked handles, views) moves. A plan compiled with `target.shadow: full` carries the
+switch as ops (`schemas/shadow.py`, checked at load): `switch` copies exactly the bytes the
+plan writes, chunk (layer) by chunk, and leaves bytes no op writes (padding) as the engine
+holds them (`ShadowStats.switched_bytes`); a plan without the section is switched tensor
+by tensor. Pointer swaps would be cheaper but break every captured
 graph; a GPU copies its own memory at ~1.4 TB/s, so the copy is a small fraction of any
 transfer. The pause is what the copy costs (`ShadowStats.pause_s`).
+
+**Bounded shadow** (`target.shadow: {budget_bytes: N}`): the plan states its chunks (each
+at most N bytes of one buffer, layer by layer), but its writes still address the tensors,
+so `attach` refuses it (one line): running it needs writes re-addressed into the buffer, a
+schedule cut at chunk edges and a wait for each chunk's switch (docs/architecture.md,
+"Bounded shadow"). Whatever runs it has a mixed-version window: while chunks are switched
+one by one, layers already switched serve N+1 and the rest N, so an engine must pause
+across the whole bounded refit unless the caller accepts that mix.
 
 **Why a thread is safe.** `start()` runs the executor's ordinary `run()` on one background
 thread. The writes are one-sided: peers write the shadow's registered memory, the engine's
