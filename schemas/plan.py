@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 from .header import MAX_STAGES, MAX_WORLD, PlanFormatError, PlanHeader
 from .plan_codec import MAX_HEADER_BYTES, _digest, _read_exact, _unpack
-from .shadow import ShadowPart
+from .shadow_part import ShadowPart
 from .table import Table
 
 MAGIC = b"RDMAPLAN"

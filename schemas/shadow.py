@@ -24,72 +24,19 @@ the peers' parts: `planner/verify_shadow.py` (verify only, like `coverage`).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .header import PlanFormatError
-from .table import Table
+from .plan import STAGING, UNPACK, RankPlan
+from .protocol import copy_extents
+from .shadow_part import FIX, SHADOW_REGION_COLUMNS, SWITCH_COLUMNS, ShadowPart
 
-if TYPE_CHECKING:
-    from .plan import RankPlan
-
-SHADOW_REGION_COLUMNS = (("region", "<i4"), ("offset", "<i8"), ("nbytes", "<i8"))
-"""Bytes `[offset, offset + nbytes)` of a bound region that the plan writes."""
-SWITCH_COLUMNS = (("chunk", "<i4"), ("region", "<i4"), ("offset", "<i8"), ("nbytes", "<i8"),
-                  ("shadow_offset", "<i8"))
-"""One switch op: copy `nbytes` bytes from the shadow (at `shadow_offset`) to the live
-`region` at `offset`, in `chunk`."""
-FIX = "the plan is corrupt or was tampered with: recompile it"
-
-
-@dataclass(frozen=True, slots=True)
-class ShadowPart:
-    budget: int
-    """0: a full shadow; else the bytes of a bounded shadow's one buffer."""
-    regions: Table
-    """`SHADOW_REGION_COLUMNS`."""
-    switch: Table
-    """`SWITCH_COLUMNS`, in chunk order."""
-
-    @property
-    def chunks(self) -> int:
-        return int(self.switch["chunk"].max()) + 1 if len(self.switch) else 0
-
-    @property
-    def written_bytes(self) -> int:
-        """Bytes the plan writes on this rank (what a switch copies)."""
-        return int(self.regions["nbytes"].sum())
-
-    @property
-    def budget_used(self) -> int:
-        """A bounded shadow's buffer as its chunks use it (the most any chunk reaches)."""
-        s = self.switch
-        return int((s["shadow_offset"] + s["nbytes"]).max()) if len(s) else 0
-
-    def encode(self) -> dict[str, Any]:
-        return {"budget": self.budget, "regions": self.regions.views(),
-                "switch": self.switch.views()}
-
-    @staticmethod
-    def decode(raw: Any, what: str) -> ShadowPart:
-        if not isinstance(raw, dict) or set(raw) != {"budget", "regions", "switch"}:
-            raise PlanFormatError(f"{what}.shadow: is not a map of budget, regions, switch; {FIX}")
-        b = raw["budget"]
-        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= 1 << 62:
-            raise PlanFormatError(f"{what}.shadow.budget = {str(b)[:40]!r} is not a byte count; "
-                                  f"{FIX}")
-        return ShadowPart(b, Table.from_msgpack(SHADOW_REGION_COLUMNS, raw["regions"],
-                                                what + ".shadow.regions"),
-                          Table.from_msgpack(SWITCH_COLUMNS, raw["switch"],
-                                             what + ".shadow.switch"))
+__all__ = ["FIX", "SHADOW_REGION_COLUMNS", "SWITCH_COLUMNS", "ShadowPart", "bounded_bytes",
+           "shadow_bytes", "shadow_violations"]
 
 
 def _inside(rp: RankPlan, region: np.ndarray, lo: np.ndarray, n: np.ndarray, what: str
             ) -> Iterator[str]:
-    from .plan import STAGING
-
     names = [r.name for r in rp.regions]
     sizes = np.array([r.nbytes for r in rp.regions] + [0], dtype=np.int64)
     reg = region.astype(np.int64)
@@ -167,9 +114,6 @@ def _bounded(rp: RankPlan, sh: ShadowPart, chunk: np.ndarray) -> Iterator[str]:
 def _unpacks_inside(rp: RankPlan, lo: np.ndarray, hi: np.ndarray) -> Iterator[str]:
     """The rank's UNPACKs write only inside its shadow regions (their hull: exact cover is
     verify's, which enumerates every run)."""
-    from .plan import UNPACK
-    from .protocol import copy_extents
-
     c = rp.copies
     rows = np.flatnonzero(c["kind"] == UNPACK)
     if not len(rows):
@@ -200,8 +144,6 @@ def _same_bytes(lo: np.ndarray, hi: np.ndarray, s_lo: np.ndarray, s_hi: np.ndarr
 def shadow_bytes(plan: RankPlan) -> int:
     """Extra memory a full shadow costs on `plan`'s rank: the bytes of the tensors it binds
     (a target's weights once more); 0 on a source, which keeps no shadow."""
-    from .plan import STAGING
-
     if plan.role != "target":
         return 0
     return sum(r.nbytes for r in plan.regions if r.name != STAGING)
