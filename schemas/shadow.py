@@ -47,12 +47,12 @@ def _inside(rp: RankPlan, region: np.ndarray, lo: np.ndarray, n: np.ndarray, wha
                f"not have; {FIX}")
         return
     stag = np.array([names[r] == STAGING for r in reg.tolist()], dtype=bool)
-    bad = stag | (n <= 0) | (lo < 0) | (lo + n > sizes[reg])
+    bad = stag | (n <= 0) | (lo < 0) | (lo + n > sizes[reg]) | (sizes[reg] >= 1 << 48)
     if bad.any():
         i = int(np.argmax(bad))
         yield (f"rank {rp.rank}: shadow {what} {i} ({names[reg[i]]}, bytes {int(lo[i])}+"
                f"{int(n[i])}) is outside the region's {int(sizes[reg[i]])} bytes (or empty, or"
-               f" in staging); {FIX}")
+               f" in staging, or a region of 2**48 bytes or more); {FIX}")
 
 
 def shadow_violations(rp: RankPlan) -> Iterator[str]:
@@ -63,12 +63,16 @@ def shadow_violations(rp: RankPlan) -> Iterator[str]:
     if rp.role != "target":
         yield f"rank {rp.rank}: a {rp.role} carries a shadow section (targets only); {FIX}"
         return
+    if len(rp.regions) >= 1 << 15:  # (region, byte) is one int64 key below
+        yield (f"rank {rp.rank}: a shadow section on a rank of {len(rp.regions)} regions (at "
+               f"most 32767); compile without target.shadow")
+        return
     g, s = sh.regions, sh.switch
     for msg in (*_inside(rp, g["region"], g["offset"], g["nbytes"], "region"),
                 *_inside(rp, s["region"], s["offset"], s["nbytes"], "switch op")):
         yield msg
         return
-    key = g["region"].astype(np.int64) * (1 << 48)  # region ids < 2**14, bytes < 2**48
+    key = g["region"].astype(np.int64) * (1 << 48)  # region ids < 2**15, bytes < 2**48
     lo, hi = key + g["offset"], key + g["offset"] + g["nbytes"]
     if len(lo) > 1 and (lo[1:] < hi[:-1]).any():
         yield f"rank {rp.rank}: shadow regions overlap or are out of order; {FIX}"

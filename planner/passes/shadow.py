@@ -19,6 +19,7 @@ import numpy as np
 
 from planner.verify_rank import concat, outgoing
 from planner.verify_shadow import written
+from schemas.config import ConfigError
 from schemas.plan import Plan, RankPlan
 from schemas.shadow import SHADOW_REGION_COLUMNS, SWITCH_COLUMNS, ShadowPart
 from schemas.table import Table
@@ -47,6 +48,10 @@ def with_shadow(plan: Plan, budget: int) -> Plan:
 
 
 def shadow_part(rp: RankPlan, inc, budget: int) -> ShadowPart:
+    if len(rp.regions) >= 1 << 15:
+        raise ConfigError(f"target.shadow: target rank {rp.rank} binds {len(rp.regions)} "
+                          "tensors, more than a shadow section covers (32767); remove "
+                          "target.shadow")
     region, off, n = written(rp, inc)
     layer = np.array([layer_of(rp.regions[r].name) for r in region.tolist()], dtype=np.int64)
     order = np.lexsort((off, region, layer))  # layer by layer, then region, offset

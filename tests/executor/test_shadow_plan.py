@@ -114,3 +114,24 @@ def test_a_bounded_section_is_refused_by_shadow_in_one_line(tmp_path):
         shadow.attach(ex)
     assert "bounded shadow (65,536 bytes" in str(e.value) and "\n" not in str(e.value)
     ex.close()
+
+
+def test_a_tampered_section_in_a_file_is_refused_by_the_loader_before_binding(tmp_path):
+    import dataclasses
+
+    from executor.errors import PlanBoundsError
+    from tests.planner.test_shadow_section import _broken
+
+    plan = _compile(CASES[0], "full")
+    t = next(rp for rp in plan.ranks if rp.role == "target")
+    _, _, dst_l = _layouts(CASES[0])
+    live = materialize(dst_l, random_full_tensors(_layouts(CASES[0])[0], seed=1))[0]
+    for what in ("overlap", "gap", "chunk order"):
+        bad = _broken(t)[what]
+        path = str(tmp_path / f"{what}.rplan")
+        write_plan(path, dataclasses.replace(plan, ranks=tuple(
+            bad if r.rank == t.rank else r for r in plan.ranks)))
+        with pytest.raises(PlanBoundsError) as e:
+            Executor.load(path, t.rank, live, transport="local", rendezvous=Fabric(),
+                          no_identity=True)
+        assert "shadow" in str(e.value) and "\n" not in str(e.value), what
