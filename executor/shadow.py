@@ -12,11 +12,23 @@
 copy of `live`, so bytes the plan does not write keep their value) and registered once: the
 executor binds it, never `live`.
 
-**Switch.** Local copies `live[name].copy_(shadow[name])`: every live `data_ptr` stays, so CUDA
+**Switch.** Local copies into the live tensors: every live `data_ptr` stays, so CUDA
 graphs captured on the weights stay valid and nothing the engine derived from the addresses
-(prepacked handles, views) moves. Pointer swaps would be cheaper but break every captured
+(prepacked handles, views) moves. A plan compiled with `target.shadow: full` carries the
+switch as ops (`schemas/shadow.py`, checked at load): `switch` copies exactly the bytes the
+plan writes, chunk (layer) by chunk, and leaves bytes no op writes (padding) as the engine
+holds them (`ShadowStats.switched_bytes`); a plan without the section is switched tensor
+by tensor. Pointer swaps would be cheaper but break every captured
 graph; a GPU copies its own memory at ~1.4 TB/s, so the copy is a small fraction of any
 transfer. The pause is what the copy costs (`ShadowStats.pause_s`).
+
+**Bounded shadow** (`target.shadow: {budget_bytes: N}`): the plan states its chunks (each
+at most N bytes of one buffer, layer by layer), but its writes still address the tensors,
+so `attach` refuses it (one line): running it needs writes re-addressed into the buffer, a
+schedule cut at chunk edges and a wait for each chunk's switch (docs/architecture.md,
+"Bounded shadow"). Whatever runs it has a mixed-version window: while chunks are switched
+one by one, layers already switched serve N+1 and the rest N, so an engine must pause
+across the whole bounded refit unless the caller accepts that mix.
 
 **Why a thread is safe.** `start()` runs the executor's ordinary `run()` on one background
 thread. The writes are one-sided: peers write the shadow's registered memory, the engine's
@@ -42,12 +54,13 @@ from typing import Any
 
 import torch
 
+from schemas.plan import RankPlan
 from schemas.shadow import shadow_bytes as shadow_extra_bytes
 
 from .core import Executor, RunStats
 from .stats import ShadowStats
 
-__all__ = ["Shadow", "TornUpdateError", "shadow_extra_bytes"]
+__all__ = ["Shadow", "TornUpdateError", "shadow_extra_bytes", "switch_ops"]
 
 
 class TornUpdateError(RuntimeError):
@@ -78,6 +91,9 @@ class Shadow:
         self._ready = False  # a complete step waits in the shadow for `switch`
         self._abandoned = False  # finish() gave up on the running thread
         self._stream: Any = None
+        self.ops: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        """The plan's switch as (live bytes, shadow bytes) views per chunk; None: whole
+        tensors (a plan compiled without `target.shadow`)."""
 
     @classmethod
     def load(cls, path: str, rank: int, live: dict[str, torch.Tensor], **load_options: Any
@@ -89,11 +105,13 @@ class Shadow:
         return shadow
 
     def attach(self, ex: Executor) -> None:
-        """Use `ex`, loaded on `self.tensors` (not on `live`), for every update."""
+        """Use `ex`, loaded on `self.tensors` (not on `live`), for every update. A plan
+        compiled with `target.shadow: full` drives the switch by its ops (`switch_ops`)."""
         live = {t.data_ptr() for t in self.live.values()}
         if any(r.data_ptr() in live for r in ex.regions):
             raise ValueError(f"Shadow: rank {ex.rank}'s executor is not bound to the shadow "
                              "tensors; load it on `shadow.tensors` (or use Shadow.load)")
+        self.ops = switch_ops(ex.plan, self.live, self.tensors)
         self.executor = ex
         if ex.device.type == "cuda" and not ex.one_stream:
             self._stream = torch.cuda.Stream(ex.device)
@@ -171,8 +189,12 @@ class Shadow:
                                "finish() that returned")
         t0 = time.perf_counter()
         with torch.no_grad():
-            for name, t in self.live.items():
-                t.copy_(self.tensors[name])
+            if self.ops is None:  # no section in the plan: whole tensors
+                for name, t in self.live.items():
+                    t.copy_(self.tensors[name])
+            for chunk in self.ops or ():  # the plan's switch: its bytes, chunk by chunk
+                for dst, src in chunk:
+                    dst.copy_(src)
             devices = {t.device for t in self.live.values() if t.device.type == "cuda"}
             for d in devices:
                 torch.cuda.current_stream(d).synchronize()
@@ -181,8 +203,16 @@ class Shadow:
         self.version += 1
         assert self._stats is not None
         self.last = ShadowStats(self._stats.step, self.version, self._t1 - self._t0, pause,
-                                self.extra_bytes, self._stats)
+                                self.extra_bytes, self._stats, self.switched_bytes)
         return pause
+
+    @property
+    def switched_bytes(self) -> int:
+        """Bytes one switch copies: what the plan writes (with its switch ops), else every
+        live byte."""
+        if self.ops is None:
+            return self.extra_bytes
+        return sum(d.numel() for chunk in self.ops for d, _ in chunk)
 
     def join(self) -> None:
         """Wait for a straggling thread of a torn update (bounded by the executor's
@@ -196,3 +226,36 @@ class Shadow:
         if self.executor is not None:
             self.executor.close()
             self.executor = None
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def switch_ops(plan: RankPlan, live: dict[str, torch.Tensor], shadow: dict[str, torch.Tensor]
+               ) -> list[list[tuple[torch.Tensor, torch.Tensor]]] | None:
+    """The switch ops of `plan`'s shadow section (`schemas/shadow.py`, checked at load) as
+    (live bytes, shadow bytes) views, one list per chunk; None without a section. A bounded
+    section is refused: see the module docstring."""
+    sh = plan.shadow
+    if sh is None:
+        return None
+    if sh.budget:
+        raise ValueError(
+            f"Shadow: rank {plan.rank}'s plan carries a bounded shadow ({sh.budget:,} bytes, "
+            f"{sh.chunks} chunks); its writes would have to land in that one buffer, and "
+            "this plan's writes address the tensors (docs/architecture.md, 'Bounded "
+            "shadow'); compile with `target.shadow: full` for `Shadow`")
+    names = [r.name for r in plan.regions]
+    out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(sh.chunks)]
+    s = sh.switch
+    for c, r, o, n in zip(s["chunk"].tolist(), s["region"].tolist(), s["offset"].tolist(),
+                          s["nbytes"].tolist()):
+        name = names[r]
+        if name not in live or not live[name].is_contiguous() \
+                or not shadow[name].is_contiguous():
+            raise ValueError(f"Shadow: rank {plan.rank}: the plan switches {name!r}, which is "
+                             "not a contiguous tensor of `live`; pass the engine's bound "
+                             "tensors as {name: tensor}")
+        out[c].append((_bytes(live[name])[o:o + n], _bytes(shadow[name])[o:o + n]))
+    return out

@@ -62,3 +62,6 @@ class ShadowStats:
     """Memory the shadow costs on this rank (the target's weight bytes)."""
     run: RunStats
     """The executor's stats of the step."""
+    switched_bytes: int = 0
+    """Bytes the switch copied: the plan's switch ops (`target.shadow: full`), else every
+    shadow byte."""

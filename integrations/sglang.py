@@ -99,7 +99,7 @@ class SGLangTarget:
                  rendezvous: object = None, timeout_s: float = 60.0,
                  commit_version: Callable[[str], None] | None = None,
                  parallel: Any = None, plan_key: str | bytes | None = None,
-                 allow_unsigned: bool = False):
+                 allow_unsigned: bool = False, shadow: bool = False):
         trust.signing(plan_key, allow_unsigned, where=f"SGLang target ({plan_path})")
         key = None if plan_key is None else read_key(plan_key)
         with open_plan(plan_path) as f:
@@ -114,9 +114,14 @@ class SGLangTarget:
         self.derived = derived_of(header, self.rank)
         check_derived(model, self.derived)
         self.tensors = {n: p.data for n, p in model.named_parameters()}
-        self.plan = executor.load(plan_path, self.rank, self.tensors, transport=transport,
+        self.shadow = executor.Shadow(self.tensors) if shadow else None
+        """Shadow mode (`sglang_engine`): the plan writes this copy while SGLang serves."""
+        bound = self.tensors if self.shadow is None else self.shadow.tensors
+        self.plan = executor.load(plan_path, self.rank, bound, transport=transport,
                                   rendezvous=rendezvous, timeout_s=timeout_s,
                                   identity=self.identity, plan_key=plan_key)
+        if self.shadow is not None:
+            self.shadow.attach(self.plan)
         self.version: str | None = None
         self.open = False
 

@@ -25,7 +25,26 @@ scheduler; `register` adds one scheduler method and four hooks, through SGLang's
   weights are torn: the label stamped on outputs keeps the last whole version and the
   engine stays paused; `status(scheduler)["torn"]` says why.
 
-The trainer drives an update with `update(call, send, version)`; `call` posts one of
+**Shadow mode** (`rdma_plan_init(..., shadow=True)`, a plan compiled with `target.shadow:
+full` so the switch copies the plan's bytes only): the rank binds an `executor.Shadow` of
+its parameters. `Scheduler.rdma_plan_shadow_start` (reach it with
+`engine.collective_rpc("rdma_plan_shadow_start")`; SGLang's scheduler runs RPCs between
+batches, so generation goes on) starts the receive into the shadow; the engine serves the
+live weights meanwhile. With generation paused, `begin_weight_update` waits for the last
+DONE, all TP ranks agree, then SGLang's own begin (`restore_weights_before_loading`: the
+plan's bytes are the loaded form) and the switch, shadow -> live in place; `end_weight_update`
+runs SGLang's post-processing and flushes the prefix cache. A torn transfer on any rank:
+begin refused, nothing switched, the engine resumes on its last version. What SGLang
+0.5.23 lacks for more: (1) no HTTP endpoint runs a plugin's scheduler method while it
+serves (`Engine.collective_rpc` is in-process only; `begin_weight_update`, the one update
+call over HTTP, restores packed weights on the live model at once, so it must run paused):
+over HTTP the receive cannot be started without pausing, only from an in-process
+`sglang.Engine` (or a channel of the plugin's own); (2) its post-load processing
+(`post_load_weights`, `postprocess_weights`) and the restore run inside the pause, on the
+live weights: the pause is the switch plus those, not the switch alone.
+
+The trainer drives an update with `update(call, send, version)` (shadow mode:
+`integrations.sglang_shadow.update_shadow(call, start, send, version)`); `call` posts one of
 SGLang's HTTP endpoints (`http(url)`) or calls an in-process `sglang.Engine`
 (`in_process(engine)`), `send` runs the sources' `executor.run(plan)`.
 """
@@ -46,6 +65,7 @@ import torch
 
 import executor
 from integrations.sglang import SGLangTarget, TornUpdateError
+from integrations.sglang_shadow import rdma_plan_shadow_start, shadow_begin
 from schemas.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -65,6 +85,9 @@ class EngineRank:
     torn: str | None = None
     """Why the weights are not whole (None when they are): generation must not resume."""
     steps: list[executor.RunStats] = field(default_factory=list)
+    shadow_updates: list[executor.ShadowStats] = field(default_factory=list)
+    """Shadow mode: per switched update, its transfer and pause (the switch) seconds."""
+    finish_timeout_s: float | None = None
 
     def receive(self) -> None:
         try:
@@ -98,10 +121,10 @@ def rank_state(scheduler: Any) -> EngineRank | None:
 
 def rdma_plan_init(scheduler: Any, plan: str, rendezvous: str = "", transport: str = "nixl",
                    timeout_s: float = 60.0, replica: int = 0, plan_key: str | None = None,
-                   allow_unsigned: bool = False) -> None:
+                   allow_unsigned: bool = False, shadow: bool = False) -> None:
     """Bind this scheduler's target model to its plan rank (a `Scheduler` method).
     `plan_key`: path of the plan's signing key (with a job secret set, required unless
-    `allow_unsigned`)."""
+    `allow_unsigned`). `shadow`: shadow mode (the module docstring)."""
     from sglang.srt.runtime_context import get_parallel
 
     if rank_state(scheduler) is not None:
@@ -113,7 +136,8 @@ def rdma_plan_init(scheduler: Any, plan: str, rendezvous: str = "", transport: s
                           replica=int(replica), dp_rank=int(parallel.dp_rank or 0),
                           transport=transport, rendezvous=rendezvous or None,
                           timeout_s=float(timeout_s), parallel=parallel,
-                          plan_key=plan_key, allow_unsigned=bool(allow_unsigned))
+                          plan_key=plan_key, allow_unsigned=bool(allow_unsigned),
+                          shadow=bool(shadow))
     scheduler.rdma_plan = EngineRank(target)
 
 
@@ -142,6 +166,8 @@ def begin_hook(original: Callable, manager: Any, recv_req: Any) -> Any:
     if not scheduler._engine_paused:
         return BeginWeightUpdateReqOutput(success=False, message=(
             "rdma-plan: generation is running; call pause_generation first"))
+    if state.target.shadow is not None:
+        return shadow_begin(original, manager, recv_req, state)
     if manager._session is not None and state.thread is None and state.torn:
         state.start()  # retry of a refused (torn) update: the session is still open
         return BeginWeightUpdateReqOutput(success=True, message="rdma-plan: receive re-armed")
@@ -160,7 +186,8 @@ def end_hook(original: Callable, manager: Any, recv_req: Any) -> Any:
     if state.thread is None:  # no receive armed: refused before, or none was started
         if state.torn:
             return EndWeightUpdateReqOutput(success=False, message=f"rdma-plan: {state.torn}")
-        return original(manager, recv_req)
+        out = original(manager, recv_req)
+        return _flushed(manager, out) if state.target.shadow is not None else out
     why = state.finish()
     flag = torch.tensor([0 if why else 1, state.target.rank], dtype=torch.int64)
     flags = [torch.zeros_like(flag) for _ in range(manager.tp_cpu_group.size())]
@@ -175,15 +202,21 @@ def end_hook(original: Callable, manager: Any, recv_req: Any) -> Any:
     out = original(manager, recv_req)
     if out.success:
         state.torn = None
-        # SGLang's session end keeps the prefix (radix) KV cache that the old weights
-        # computed: a cached prompt would decode with stale keys and values. Flush it, as
-        # SGLang's own update_weights_from_* calls do (flush_cache=True).
-        if not manager.flush_cache():
-            return EndWeightUpdateReqOutput(success=False, message=(
-                "rdma-plan: the weights were updated, but SGLang's prefix cache (computed "
-                "with the old weights) was not flushed because requests are still running "
-                "or queued; finish or abort them, call /flush_cache, then "
-                "update_weight_version and continue_generation"))
+    return _flushed(manager, out)
+
+
+def _flushed(manager: Any, out: Any) -> Any:
+    """After SGLang's end: its session end keeps the prefix (radix) KV cache that the old
+    weights computed, so a cached prompt would decode with stale keys and values. Flush it,
+    as SGLang's own update_weights_from_* calls do (flush_cache=True)."""
+    from sglang.srt.managers.io_struct import EndWeightUpdateReqOutput
+
+    if out.success and not manager.flush_cache():
+        return EndWeightUpdateReqOutput(success=False, message=(
+            "rdma-plan: the weights were updated, but SGLang's prefix cache (computed "
+            "with the old weights) was not flushed because requests are still running "
+            "or queued; finish or abort them, call /flush_cache, then "
+            "update_weight_version and continue_generation"))
     return out
 
 
@@ -213,7 +246,10 @@ def status(scheduler: Any) -> dict[str, Any]:
     if state is None:
         return {"bound": False}
     return {"bound": True, "rank": state.target.rank, "steps": len(state.steps),
-            "receiving": state.thread is not None, "torn": state.torn}
+            "receiving": state.thread is not None, "torn": state.torn,
+            "shadow": [{"step": u.step, "version": u.version, "transfer_s": u.transfer_s,
+                        "pause_s": u.pause_s, "switched_bytes": u.switched_bytes}
+                       for u in state.shadow_updates]}
 
 
 HOOKS = {
@@ -232,6 +268,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     Scheduler.rdma_plan_init = rdma_plan_init
+    Scheduler.rdma_plan_shadow_start = rdma_plan_shadow_start
     for path, hook in HOOKS.items():
         HookRegistry.register(path, hook, HookType.AROUND)
 
@@ -303,3 +340,4 @@ def update(call: Call, send: Callable[[], object], version: str,
                               f"engine stays paused, version not set to {version!r}")
     call("update_weight_version", {"new_version": version, "abort_all_requests": False})
     call("continue_generation", {"torch_empty_cache": empty_cache})
+

@@ -56,6 +56,7 @@ from planner.passes.intersect import (
 from planner.passes.lower import lower, merge
 from planner.passes.route import gathered_only, route
 from planner.passes.schedule import schedule
+from planner.passes.shadow import with_shadow
 from planner.spec import ModelSpec
 from planner.topology import build_topology
 from schemas.config import Config
@@ -204,6 +205,9 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     del more
     step("emit")
     plan = emit(header, low, sched, topo, regions, explain, names, coverage)
+    if cfg.target.shadow is not None:  # only when asked: other plans keep their bytes
+        step("shadow")
+        plan = with_shadow(plan, cfg.target.shadow.budget_bytes)
     return dataclasses.replace(plan, extra_blobs=(*plan.extra_blobs, *blobs))
 
 

@@ -28,7 +28,7 @@ from schemas.plan import (
     read_blob,
     read_header,
 )
-from schemas.shadow import shadow_bytes
+from schemas.shadow import bounded_bytes, shadow_bytes
 
 
 def _gb(n: float) -> str:
@@ -76,11 +76,13 @@ def summary(header: PlanHeader) -> dict[str, Any]:
 
 def checked_header(path: str, why: dict[int, str] | None = None,
                    progress: Callable[[str], None] | None = None,
-                   shadow: dict[int, int] | None = None) -> PlanHeader:
+                   shadow: dict[int, int] | None = None,
+                   bounded: dict[int, int | None] | None = None) -> PlanHeader:
     """The header of the plan at `path`, once every blob it lists is intact (checksummed,
     decodable: what `load_plan` checks) and every rank within bounds (what the executor
     checks), else `PlanFormatError`; read one rank at a time. `why`, when given, gets each
-    rank's `staging_why` from the same read; `shadow`, each rank's full-shadow bytes."""
+    rank's `staging_why` from the same read; `shadow`, each rank's full-shadow bytes;
+    `bounded`, its bounded shadow's bytes (None: not compiled with one)."""
     from planner.planfile import PlanFile, ticker
 
     with PlanFile(path) as src:
@@ -101,6 +103,8 @@ def checked_header(path: str, why: dict[int, str] | None = None,
                 why[r] = staging_why(rp, header)
             if shadow is not None:
                 shadow[r] = shadow_bytes(rp)
+            if bounded is not None:
+                bounded[r] = bounded_bytes(rp)
             tick(r)
         src.dag()
         src.check_rest()
@@ -158,11 +162,14 @@ def inspect_text(path: str, as_json: bool = False,
                  progress: Callable[[str], None] | None = None) -> str:
     why: dict[int, str] = {}
     shadow: dict[int, int] = {}
-    header = checked_header(path, why, progress, shadow)
+    bounded: dict[int, int | None] = {}
+    header = checked_header(path, why, progress, shadow, bounded)
     s = summary(header)
     for r, row in enumerate(s["ranks"]):
         row["staging_why"] = why.get(r, "")
         row["shadow"] = shadow.get(r, 0)  # zero-pause refit's full shadow (executor/shadow.py)
+        row["extra_memory"] = {"paused": 0, "full_shadow": row["shadow"],
+                               "bounded_shadow": bounded.get(r)}  # None: not compiled
     if as_json:
         return json.dumps(s, indent=1)
     src, tgt = header.source, header.target
@@ -183,9 +190,9 @@ def inspect_text(path: str, as_json: bool = False,
         f"floor {s['floor_s'] * 1e3:.3f} ms: a lower bound, not an estimate (the busiest NIC "
         "or NVLink moving its bytes at full bandwidth; no latency, packing or contention; "
         "`rdma-plan simulate` estimates the time)",
-        f"zero-pause refit (full shadow, executor/shadow.py): + "
-        f"{max([0, *shadow.values()]) / 2**20:.1f} MiB on the largest target rank (column "
-        "shadow); the paused refit: 0",
+        f"extra memory per target rank (largest): paused refit 0; full shadow (executor/"
+        f"shadow.py) + {max([0, *shadow.values()]) / 2**20:.1f} MiB (column shadow); "
+        + _bounded_line(header, bounded),
         "", f"{'nic':<14}{'bytes out':>16}{'bytes in':>16}",
     ]
     nics = s["nics"]
@@ -194,14 +201,29 @@ def inspect_text(path: str, as_json: bool = False,
     if len(nics) > len(shown):
         lines.append(f"... ({len(nics) - len(shown)} more NICs; --json lists all)")
     lines += ["", f"{'rank':>5} {'role':<7}{'writes':>9}{'bytes out':>16}{'bytes in':>16}"
-              f"{'packs':>7}{'unpacks':>8}{'staging':>12}{'shadow':>16}  staging for"]
+              f"{'packs':>7}{'unpacks':>8}{'staging':>12}{'shadow':>16}{'bounded':>12}"
+              "  staging for"]
     ranks = s["ranks"] if len(s["ranks"]) <= 32 else s["ranks"][:16] + s["ranks"][-16:]
     lines += [f"{r['rank']:>5} {r['role']:<7}{r['writes']:>9}{r['bytes_out']:>16,}"
               f"{r['bytes_in']:>16,}{r['packs']:>7}{r['unpacks']:>8}{r['staging']:>12,}"
-              f"{r['shadow']:>16,}  {r['staging_why']}".rstrip() for r in ranks]
+              f"{r['shadow']:>16,}{_opt(r['extra_memory']['bounded_shadow']):>12}  "
+              f"{r['staging_why']}".rstrip() for r in ranks]
     if len(s["ranks"]) > len(ranks):
         lines.append(f"... ({len(s['ranks']) - len(ranks)} more ranks; --json lists all)")
     return "\n".join(lines)
+
+
+def _opt(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def _bounded_line(header: PlanHeader, bounded: dict[int, int | None]) -> str:
+    sh = None if header.target is None else header.target.shadow
+    if sh is None or not sh.budget_bytes:
+        return "bounded shadow: not compiled (target.shadow: {budget_bytes: N})"
+    used = max([0, *(b for b in bounded.values() if b is not None)])
+    return (f"bounded shadow + {used / 2**20:.1f} MiB used of its {sh.budget_bytes / 2**20:.1f}"
+            " MiB budget (column bounded)")
 
 
 def explain_text(path: str, tensor: str, as_json: bool = False) -> str:

@@ -17,6 +17,8 @@ One implementation serves the CLI and the property suite:
   land before DONE, unpacks run after it); packs of one stage never overlap; a stage
   that packs early (`schemas/protocol.py`) packs into no byte a peer writes in the
   previous stage;
+- `shadow` (plans compiled with `target.shadow`): each section's rules (`schemas/shadow.py`)
+  and its regions exactly the bytes the plan writes into the rank;
 - `balance`: where every source rank holds the whole model (pure data parallelism), the
   busiest source NIC sends at most the mean over source NICs plus one chunk
   (`planner/passes/assign.py`), in bytes of remote (non-NVLink) writes.
@@ -45,6 +47,7 @@ from planner.verify_rank import (
     rank_sizes,
     rank_staging_fit,
 )
+from planner.verify_shadow import rank_shadow
 from schemas import rankcheck
 from schemas.header import MAX_STAGES, PlanHeader
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, UNPACK, Plan, RankPlan
@@ -58,7 +61,8 @@ from schemas.protocol import (
     write_stages,
 )
 
-CHECKS = ("bounds", "roles", "coverage", "sizes", "staging_fit", "order", "dataflow", "balance")
+CHECKS = ("bounds", "roles", "coverage", "sizes", "staging_fit", "order", "dataflow", "balance",
+          "shadow")
 Progress = Callable[[str], None]
 _OFF = 2 * SLOTS
 _NS = MAX_STAGES + 2 * _OFF
@@ -125,7 +129,7 @@ class _Survey:
                 self.late.append(f"rank {rp.rank} writes into rank {peer}, which waits for no "
                                  f"DONE from rank {rp.rank}")
             self.incoming.setdefault(peer, []).append(part)
-        if staging_index(rp) >= 0 or (rp.copies["kind"] == UNPACK).any():
+        if staging_index(rp) >= 0 or (rp.copies["kind"] == UNPACK).any() or rp.shadow:
             self.second.append(rp.rank)
 
     def ready(self, rp: RankPlan) -> bool:
@@ -246,6 +250,7 @@ class _Results:
         self.written: dict[tuple[int, int], int] = {}
         self.acks: list[tuple[int, int, str]] = []
         self.roles: list[str] = []
+        self.shadow: list[str] = []
 
     def add(self, rp: RankPlan, survey: _Survey) -> None:
         r = rp.rank
@@ -257,6 +262,7 @@ class _Results:
         if sg >= 0:
             self.staging_fit += rank_staging_fit(rp, inc)
         self.dataflow += rank_dataflow(rp, inc)
+        self.shadow += rank_shadow(rp, inc)  # the section's rules; its bytes against inc
         self.acks += _acks(rp, inc, survey.waited, survey.world)
         if rp.role == "source" and (inc.region != sg).any():
             i = int(np.argmax(inc.region != sg))
@@ -299,6 +305,7 @@ def check(src: PlanRanks, progress: Progress | None = None, stop_on_bounds: bool
     out["balance"] = balance_msgs(header, survey.egress, replicated)
     out["coverage"], out["staging_fit"] = res.coverage, res.staging_fit
     out["dataflow"] = res.dataflow[:5]
+    out["shadow"] = res.shadow[:5]
     nodes, edges, cov = src.dag()
     src.check_rest()
     for rank, reg, nbytes in zip(cov["rank"].tolist(), cov["region"].tolist(),

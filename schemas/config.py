@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from .bounded import short
 from .errors import ConfigError
@@ -181,6 +181,31 @@ class SourceConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ShadowConfig:
+    """`target.shadow` once read: `full` is `budget_bytes == 0`."""
+
+    budget_bytes: int = 0
+    """0: a full shadow (the written tensors once more); else a bounded shadow's bytes."""
+
+
+def _shadow(value: Any) -> ShadowConfig | None:
+    """`target.shadow`: absent, `full`, or `{budget_bytes: N}` (N >= 4096)."""
+    if value is None or isinstance(value, ShadowConfig):
+        return value
+    if value == "full":
+        return ShadowConfig(0)
+    if isinstance(value, dict) and set(value) == {"budget_bytes"}:
+        n = value["budget_bytes"]
+        if not isinstance(n, bool) and isinstance(n, int) and 4096 <= n <= MAX_INT:
+            return ShadowConfig(n)
+        _fail("target.shadow.budget_bytes", n, f"must be an integer of bytes in [4096, "
+              f"{MAX_INT}]")
+    _fail("target.shadow", value, "is not supported; use `full` or `{budget_bytes: N}` (or "
+          "leave it out: the paused refit)")
+    return None
+
+
+@dataclass(frozen=True, slots=True)
 class TargetConfig:
     engine: Literal["vllm", "sglang"]
     """The inference engine whose shards are written: `vllm` or `sglang`."""
@@ -209,8 +234,15 @@ class TargetConfig:
     `traced` (vLLM 0.33's own `load_weights` recorded on the meta device, cached under
     ~/.cache/rdma-plan; needs torch and vLLM on a cache miss), or `auto` (rules for the
     model types they cover, traced for any other)."""
+    shadow: Any = None
+    """Zero-pause refit (`executor/shadow.py`): the plan carries each target rank's shadow
+    section (`schemas/shadow.py`: the bytes it writes, the switch as ops in chunks). `full`:
+    a shadow of the written tensors; `{budget_bytes: N}`: a bounded shadow whose chunks
+    (layer by layer where the names allow) each fit N bytes. Absent: no section (the paused
+    refit; the plan is the one compiled before the key existed). Read as a `ShadowConfig`."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "shadow", _shadow(self.shadow))
         if self.engine not in ("vllm", "sglang"):
             _fail("target.engine", self.engine, "is not supported; use vllm or sglang")
         for name in ("tp", "dp", "pp", "replicas"):

@@ -149,6 +149,10 @@ class PlanHeader:
         cfg = {k: None if v is None else dataclasses.asdict(v) for k, v in
                (("source", self.source), ("target", self.target), ("cluster", self.cluster),
                 ("options", self.options))}
+        if cfg["target"] is not None:  # no key unless set: such plans keep their bytes
+            sh = cfg["target"].pop("shadow")
+            if sh is not None:
+                cfg["target"]["shadow"] = "full" if not sh["budget_bytes"] else sh
         return {
             "fingerprint": self.fingerprint, "world": self.world, "sources": self.sources,
             "targets": self.targets, "replicas": self.replicas, "stages": self.stages,

@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 
 from .header import MAX_STAGES, MAX_WORLD, PlanFormatError, PlanHeader
 from .plan_codec import MAX_HEADER_BYTES, _digest, _read_exact, _unpack
+from .shadow_part import ShadowPart
 from .table import Table
 
 MAGIC = b"RDMAPLAN"
@@ -157,8 +158,14 @@ class RankPlan:
     digest: a part moved to another rank's slot is refused (`identity.check_part`). None in
     plans written before it was recorded (and plans without identities)."""
 
+    shadow: ShadowPart | None = None
+    """A target's shadow section (`schemas/shadow.py`), only in plans compiled with
+    `target.shadow`; absent (no key in the part) otherwise."""
+
     def encode(self) -> dict[str, Any]:
         extra = {} if self.identity is None else {"identity": dict(self.identity)}
+        if self.shadow is not None:
+            extra["shadow"] = self.shadow.encode()
         return {
             "rank": self.rank, "role": self.role, "host": self.host, "gpu": self.gpu,
             "nics": list(self.nics),
@@ -188,6 +195,8 @@ class RankPlan:
                 peer_regions=tuple((_int(p), _int_pairs(s)) for p, s in raw["peer_regions"]),
                 stages=_int(raw["stages"]),
                 identity=_part_identity(raw.get("identity")),
+                shadow=None if raw.get("shadow") is None else
+                ShadowPart.decode(raw["shadow"], what),
             )
         except PlanFormatError:
             raise

@@ -28,6 +28,7 @@ import numpy as np
 from .header import PlanHeader
 from .plan import DONE, PACK, QUANT, READY, STAGING, UNPACK, RankPlan
 from .protocol import staging_index, wait_stage, write_stages
+from .shadow import shadow_violations
 
 FIX = "the plan is corrupt or was tampered with: recompile it"
 
@@ -130,3 +131,4 @@ def rank_violations(rp: RankPlan, header: PlanHeader) -> Iterator[str]:
     yield from roles(rp, peer_roles(header), None, header_staging(header))
     yield from sizes(rp, header.options.max_write_bytes, header.options.staging_bytes)
     yield from signals(rp)
+    yield from shadow_violations(rp)  # a section's own rules (schemas/shadow.py)
