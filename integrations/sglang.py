@@ -39,16 +39,18 @@ import torch
 
 import executor
 from executor import trust
+from harness.weights import tensor_sha256
 from schemas.errors import UserError
 from schemas.header import PlanHeader
 from schemas.identity import find_rank
 from schemas.integrity import plan_key as read_key
-from schemas.plan import open_plan, read_header
+from schemas.plan import STAGING, open_plan, read_header
 
 
-class TornUpdateError(RuntimeError):
+class TornUpdateError(executor.TornUpdateError):
     """The plan did not complete on this rank: the weights are not whole; nothing committed.
-    (An operational failure, a peer lost mid-update, not bad input: no `UserError`.)"""
+    (An operational failure, a peer lost mid-update, not bad input: no `UserError`; an
+    `executor.TornUpdateError`.)"""
 
 
 def identity(replica: int = 0, dp_rank: int = 0, parallel: Any = None) -> dict[str, int | str]:
@@ -119,6 +121,16 @@ class SGLangTarget:
                                   identity=self.identity, plan_key=plan_key)
         self.version: str | None = None
         self.open = False
+
+    def written(self) -> list[str]:
+        """The names of the tensors the plan writes on this rank (its regions)."""
+        return [r.name for r in self.plan.plan.regions if r.name != STAGING]
+
+    def digests(self) -> dict[str, str]:
+        """sha256 of the bytes of every tensor the plan writes on this rank, as the engine
+        holds them now (`harness.weights.tensor_sha256`; compare with `layout_digests` of
+        the plan's target layout built from the trainer's tensors)."""
+        return {n: tensor_sha256(self.tensors[n]) for n in self.written()}
 
     def weight_info(self) -> dict[str, tuple[int, int, int]]:
         """SGLang's remote-instance registration map of the bound tensors."""

@@ -20,10 +20,17 @@ scheduler; `register` adds one scheduler method and four hooks, through SGLang's
   nothing is committed. A whole step runs SGLang's end, whose post-load processing
   refreshes the derived tensors (DeepSeek `w_kc`/`w_vc`) in place, then flushes SGLang's
   prefix cache (SGLang's session end keeps the KV the old weights computed; its own
-  `update_weights_from_*` flush it): refused while requests run (`success=False`).
+  `update_weights_from_*` flush it). SGLang refuses the flush while requests run or are
+  held in place by the pause: then the answer is `success=False` with `NOT_FLUSHED`
+  (weights written, cache not flushed), and the trainer's `update` raises
+  `CacheNotFlushedError` (not `TornUpdateError`: the weights are whole).
 - `update_weight_version` and `continue_generation` (scheduler) are skipped while the
   weights are torn: the label stamped on outputs keeps the last whole version and the
   engine stays paused; `status(scheduler)["torn"]` says why.
+- `Scheduler.rdma_plan_digests(out)`: each TP rank writes the sha256 of every tensor the
+  plan writes on it, as it holds them, to `out/rank<plan rank>.json`; `engine_digests`
+  reaches it through `engine.collective_rpc` (SGLang's RPC answers no values) and reads
+  the files: compare with `harness.weights.layout_digests` of the plan's target layout.
 
 The trainer drives an update with `update(call, send, version)`; `call` posts one of
 SGLang's HTTP endpoints (`http(url)`) or calls an in-process `sglang.Engine`
@@ -48,11 +55,30 @@ import executor
 from integrations.sglang import SGLangTarget, TornUpdateError
 from schemas.errors import UserError
 
+__all__ = ["CacheNotFlushedError", "TornUpdateError", "engine_digests", "finish_unflushed",
+           "http", "in_process", "register", "update"]
+
 log = logging.getLogger(__name__)
 ENV = "RDMA_PLAN_SGLANG"
 """JSON of `rdma_plan_init`'s keys, read by a server started without the RPC."""
 JOIN_MARGIN_S = 30.0
 """How long `end_weight_update` waits for the receive beyond the plan's own timeout."""
+NOT_FLUSHED = "rdma-plan: weights written, prefix cache not flushed"
+"""How `end_weight_update`'s answer starts when the weights are whole but SGLang refused
+to flush its prefix cache (requests still running or held in place by the pause)."""
+
+
+class CacheNotFlushedError(RuntimeError):
+    """The update's weights were written whole on every rank (SGLang's post-load ran), but
+    SGLang refused to flush its prefix cache because requests were running or held in place
+    by the pause; the version was not committed and the engine stays paused. Not a torn
+    update: do not resend. `finish_unflushed(call, version)` completes it (retracts the
+    held requests, flushes, commits the version, resumes); next time pause with
+    `pause_mode="retract"` (or "abort"), or drain the requests before `update`."""
+
+    def __init__(self, message: str, version: str) -> None:
+        super().__init__(message)
+        self.version = version
 
 
 @dataclass
@@ -179,11 +205,11 @@ def end_hook(original: Callable, manager: Any, recv_req: Any) -> Any:
         # computed: a cached prompt would decode with stale keys and values. Flush it, as
         # SGLang's own update_weights_from_* calls do (flush_cache=True).
         if not manager.flush_cache():
+            log.error("rdma-plan: %s (requests running or held in place)", NOT_FLUSHED)
             return EndWeightUpdateReqOutput(success=False, message=(
-                "rdma-plan: the weights were updated, but SGLang's prefix cache (computed "
-                "with the old weights) was not flushed because requests are still running "
-                "or queued; finish or abort them, call /flush_cache, then "
-                "update_weight_version and continue_generation"))
+                f"{NOT_FLUSHED}: the update's weights are whole on every rank and SGLang's "
+                "post-load ran, but its prefix cache (computed with the old weights) was "
+                "not flushed because requests are running or held in place by the pause"))
     return out
 
 
@@ -216,6 +242,22 @@ def status(scheduler: Any) -> dict[str, Any]:
             "receiving": state.thread is not None, "torn": state.torn}
 
 
+def rdma_plan_digests(scheduler: Any, out: str) -> None:
+    """Write this TP rank's digests (`SGLangTarget.digests`: sha256 of every tensor the plan
+    writes here, as held now) to `out/rank<plan rank>.json` (a `Scheduler` method, for
+    `collective_rpc`: every TP rank runs it)."""
+    state = rank_state(scheduler)
+    if state is None:
+        raise UserError("rdma_plan_digests: this engine is not bound; call rdma_plan_init "
+                        "first")
+    target = state.target
+    body = {"rank": target.rank, "identity": target.identity, "digests": target.digests()}
+    path = os.path.join(out, f"rank{target.rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(body, f)
+    os.replace(path + ".tmp", path)
+
+
 HOOKS = {
     "sglang.srt.managers.scheduler_components.weight_updater."
     "SchedulerWeightUpdaterManager.begin_weight_update": begin_hook,
@@ -232,6 +274,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     Scheduler.rdma_plan_init = rdma_plan_init
+    Scheduler.rdma_plan_digests = rdma_plan_digests
     for path, hook in HOOKS.items():
         HookRegistry.register(path, hook, HookType.AROUND)
 
@@ -250,12 +293,20 @@ def http(url: str, timeout_s: float = 600.0) -> Call:
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                return json.loads(r.read() or b"{}")
+                return _answer(r.read(), True)
         except urllib.error.HTTPError as e:
             if e.code != 400:
                 raise
-            return json.loads(e.read() or b"{}")
+            return _answer(e.read(), False)
     return call
+
+
+def _answer(body: bytes, ok: bool) -> dict[str, Any]:
+    """A JSON answer, or a text one (`/flush_cache`) as {"success", "message"}."""
+    try:
+        return json.loads(body or b"{}")
+    except ValueError:
+        return {"success": ok, "message": body.decode(errors="replace").strip()}
 
 
 def in_process(engine: Any) -> Call:
@@ -275,21 +326,46 @@ def in_process(engine: Any) -> Call:
         if endpoint in ("begin_weight_update", "end_weight_update"):
             ok, message = getattr(engine, endpoint)(**body)[:2]
             return {"success": bool(ok), "message": message}
+        if endpoint == "flush_cache":
+            out = engine.flush_cache()
+            return {"success": bool(out.success), "message": out.message}
         if endpoint not in forwarded:
             raise UserError(f"in_process: endpoint {endpoint!r} is not one update() "
-                            f"posts; use one of {sorted(forwarded)} or begin/end_weight_update")
+                            f"posts; use one of {sorted(forwarded)}, flush_cache or "
+                            "begin/end_weight_update")
         method, request = forwarded[endpoint]
         engine.loop.run_until_complete(method(request(**body)))
         return {"success": True, "message": ""}
     return call
 
 
+def engine_digests(engine: Any, folder: str) -> dict[int, dict[str, str]]:
+    """{plan rank: {tensor: sha256}} of every TP rank of an in-process `sglang.Engine`, each
+    computed by that rank on its own bound tensors (`rdma_plan_digests` through
+    `engine.collective_rpc`; `folder`: a directory the engine's processes can write)."""
+    for name in os.listdir(folder):
+        if name.startswith("rank") and name.endswith(".json"):
+            os.remove(os.path.join(folder, name))
+    engine.collective_rpc("rdma_plan_digests", out=folder)
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("rank") and name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                body = json.load(f)
+            out[int(body["rank"])] = body["digests"]
+    return out
+
+
 def update(call: Call, send: Callable[[], object], version: str,
-           empty_cache: bool = True) -> None:
-    """One update of one engine: pause, begin, the sources' `send()`, end (refused when
-    torn: raises `TornUpdateError`, the engine stays paused with its old version; call
-    `update` again), then the version and resume."""
-    call("pause_generation", {"mode": "in_place"})
+           empty_cache: bool = True, pause_mode: str = "in_place") -> None:
+    """One update of one engine: pause (`pause_mode`: SGLang's "in_place", "retract" or
+    "abort"), begin, the sources' `send()`, end (refused when torn: raises
+    `TornUpdateError`, the engine stays paused with its old version; call `update` again),
+    then the version and resume. With "in_place" and requests in flight, SGLang cannot
+    flush its prefix cache: `CacheNotFlushedError` (weights whole, version not committed,
+    engine paused); "retract" moves the requests back to the queue so the flush succeeds
+    (they recompute with the new weights)."""
+    call("pause_generation", {"mode": pause_mode})
     begun = call("begin_weight_update", {})
     if not begun.get("success"):
         raise TornUpdateError(f"begin_weight_update refused: {begun.get('message')}")
@@ -298,8 +374,33 @@ def update(call: Call, send: Callable[[], object], version: str,
     except Exception as e:  # noqa: BLE001  (the engine's end decides and says why)
         log.error("rdma-plan: send failed: %s", e)
     ended = call("end_weight_update", {})
+    message = str(ended.get("message") or "")
+    if not ended.get("success") and message.startswith(NOT_FLUSHED):
+        raise CacheNotFlushedError(
+            f"{message}; version {version!r} was not committed and the engine stays paused. "
+            f"Do not resend: finish_unflushed(call, {version!r}) retracts the held requests "
+            "(they recompute with the new weights), flushes the cache, commits the version "
+            "and resumes; next time pause with pause_mode='retract' (or 'abort') or drain "
+            "requests before update", version)
     if not ended.get("success"):
         raise TornUpdateError(f"end_weight_update refused: {ended.get('message')}; the "
                               f"engine stays paused, version not set to {version!r}")
+    call("update_weight_version", {"new_version": version, "abort_all_requests": False})
+    call("continue_generation", {"torch_empty_cache": empty_cache})
+
+
+def finish_unflushed(call: Call, version: str, empty_cache: bool = True) -> None:
+    """Complete an update that raised `CacheNotFlushedError`: pause with "retract" (the
+    requests held in place go back to the queue, their old-weight KV freed), flush the
+    prefix cache, commit `version`, resume. Raises `CacheNotFlushedError` again if SGLang
+    still refuses the flush (e.g. a PD-decode request holds transferred KV)."""
+    call("pause_generation", {"mode": "retract"})
+    flushed = call("flush_cache", {})
+    if not flushed.get("success"):
+        raise CacheNotFlushedError(f"{NOT_FLUSHED}: flush_cache refused after retracting "
+                                   f"the requests ({flushed.get('message')}); version "
+                                   f"{version!r} not committed, the engine stays paused: "
+                                   "abort the remaining requests and call this again",
+                                   version)
     call("update_weight_version", {"new_version": version, "abort_all_requests": False})
     call("continue_generation", {"torch_empty_cache": empty_cache})
