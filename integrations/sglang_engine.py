@@ -28,7 +28,7 @@ scheduler; `register` adds one scheduler method and four hooks, through SGLang's
   weights are torn: the label stamped on outputs keeps the last whole version and the
   engine stays paused; `status(scheduler)["torn"]` says why.
 - `Scheduler.rdma_plan_digests(out)`: each TP rank writes the sha256 of every tensor the
-  plan writes on it, as it holds them, to `out/rank<plan rank>.json`; `engine_digests`
+  plan writes on it, as it holds them, to `out/rank<target rank>.json`; `engine_digests`
   reaches it through `engine.collective_rpc` (SGLang's RPC answers no values) and reads
   the files: compare with `harness.weights.layout_digests` of the plan's target layout.
 
@@ -54,9 +54,6 @@ import torch
 import executor
 from integrations.sglang import SGLangTarget, TornUpdateError
 from schemas.errors import UserError
-
-__all__ = ["CacheNotFlushedError", "TornUpdateError", "engine_digests", "finish_unflushed",
-           "http", "in_process", "register", "update"]
 
 log = logging.getLogger(__name__)
 ENV = "RDMA_PLAN_SGLANG"
@@ -243,19 +240,13 @@ def status(scheduler: Any) -> dict[str, Any]:
 
 
 def rdma_plan_digests(scheduler: Any, out: str) -> None:
-    """Write this TP rank's digests (`SGLangTarget.digests`: sha256 of every tensor the plan
-    writes here, as held now) to `out/rank<plan rank>.json` (a `Scheduler` method, for
+    """`SGLangTarget.write_digests(out)` on this TP rank (a `Scheduler` method, for
     `collective_rpc`: every TP rank runs it)."""
     state = rank_state(scheduler)
     if state is None:
         raise UserError("rdma_plan_digests: this engine is not bound; call rdma_plan_init "
                         "first")
-    target = state.target
-    body = {"rank": target.rank, "identity": target.identity, "digests": target.digests()}
-    path = os.path.join(out, f"rank{target.rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(body, f)
-    os.replace(path + ".tmp", path)
+    state.target.write_digests(out)
 
 
 HOOKS = {
@@ -340,7 +331,8 @@ def in_process(engine: Any) -> Call:
 
 
 def engine_digests(engine: Any, folder: str) -> dict[int, dict[str, str]]:
-    """{plan rank: {tensor: sha256}} of every TP rank of an in-process `sglang.Engine`, each
+    """{target rank: {tensor: sha256}} of every TP rank of an in-process `sglang.Engine`
+    (keyed as `harness.weights.layout_digests` of the plan's target layout keys them), each
     computed by that rank on its own bound tensors (`rdma_plan_digests` through
     `engine.collective_rpc`; `folder`: a directory the engine's processes can write)."""
     for name in os.listdir(folder):
