@@ -9,9 +9,14 @@ end, version, continue) through the engine's own methods, and checks that every 
 read back by SGLang's `Engine.get_weights_by_name` equals the trainer's bytes, that the
 engine's prompt logprobs equal transformers' forward on the trainer's tensors (fp32) and
 moved from the previous version's, and that the engine reports and stamps the new
-weight_version. Each case takes ~3 minutes on a 2-core box (the engine's start, mostly
-imports). At TP 2 SGLang's read-back gives TP rank 0's rows of column-parallel tensors and
-the all-gathered row-parallel ones (the driver says which); the logprobs cover both ranks.
+weight_version; and every TP rank's own shard, byte for byte: each rank's sha256 of every
+tensor the plan writes there (the plugin's `rdma_plan_digests` through `collective_rpc`)
+equals the digest of the plan's target layout built from the trainer's tensors (at TP 2
+this is what checks rank 1's split rows; SGLang's read-back gives TP rank 0's rows of
+column-parallel tensors). Then an update ended while a request runs: `CacheNotFlushedError`
+(not `TornUpdateError`), the new bytes on every rank, the version unchanged,
+`finish_unflushed` completes it; and `pause_mode="retract"` with a request running
+succeeds. Each case takes ~3-6 minutes on a 2-core box (the engine's start, mostly imports).
 """
 
 from __future__ import annotations
