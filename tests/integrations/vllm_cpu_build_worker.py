@@ -1,10 +1,10 @@
 """Build a real vLLM 0.33 model on CPU with `integrations.vllm_cpu_build`, as a user would.
 
-argv[1] is JSON: {"port", "hf", "folder", "patch"}. With "patch" true: `patch_cpu()`,
-`init_distributed`, `engine_config`, `build_model` (dummy weights, vLLM's post-load run),
-then `load_weights` of random HF tensors and every `named_parameters()` entry compared
-bit for bit with our vLLM layout of the same tensors (`materialize`); prints one JSON line.
-With "patch" false the same build without `patch_cpu()`: prints the error it ends with.
+argv[1] is JSON: {"port", "hf", "folder"}. First the control: the same build without
+`patch_cpu()` (its error is reported). Then `patch_cpu()`, `init_distributed`,
+`engine_config`, `build_model` (dummy weights, vLLM's post-load run), `load_weights` of random
+HF tensors and every `named_parameters()` entry compared bit for bit with our vLLM layout of
+the same tensors (`materialize`); prints one JSON line.
 """
 
 from __future__ import annotations
@@ -29,15 +29,16 @@ def main() -> None:
     from planner.spec import spec_from_hf
     from schemas.config import TargetConfig
 
-    if arg["patch"]:
-        cpu.patch_cpu()
     cpu.init_distributed(world_size=1, rank=0, port=arg["port"])
     cfg = cpu.engine_config(arg["folder"], tp=1, dtype="float32")
     try:
-        model = cpu.build_model(cfg)
-    except Exception as e:  # noqa: BLE001  (the unpatched control reports it)
-        print("RESULT " + json.dumps({"built": False, "error": f"{type(e).__name__}: {e}"}))
-        return
+        cpu.build_model(cfg)
+        control = "built without the patches"
+    except Exception as e:  # noqa: BLE001  (the control's expected failure, reported)
+        control = f"{type(e).__name__}: {e}"
+    cpu.patch_cpu()
+    cfg = cpu.engine_config(arg["folder"], tp=1, dtype="float32")  # fresh: layer names
+    model = cpu.build_model(cfg)
     spec = spec_from_hf(arg["hf"], mtp=False)
     full = random_full_tensors(spec, seed=3)
     with set_current_vllm_config(cfg), torch.no_grad():
@@ -48,7 +49,7 @@ def main() -> None:
     got = {n: p.detach() for n, p in model.named_parameters()}
     wrong = sorted(n for n in want if n not in got or got[n].shape != want[n].shape
                    or not torch.equal(got[n], want[n]))
-    print("RESULT " + json.dumps({"built": True, "type": type(model).__name__,
+    print("RESULT " + json.dumps({"control": control, "type": type(model).__name__,
                                   "compared": len(want), "names_equal": list(got) == list(want),
                                   "wrong": wrong}))
 
