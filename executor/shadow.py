@@ -64,7 +64,9 @@ __all__ = ["Shadow", "TornUpdateError", "shadow_extra_bytes", "switch_ops"]
 
 
 class TornUpdateError(RuntimeError):
-    """The shadow step did not complete: live weights untouched, no version committed."""
+    """An update did not complete and no version was committed (here: the shadow step did
+    not complete, the live weights are untouched). The base of the integrations' own
+    `TornUpdateError`s (vLLM, SGLang), so `except executor.TornUpdateError` catches all."""
 
 
 class Shadow:

@@ -11,6 +11,8 @@ that runs on the sources). The compiler never imports this package (it is torch-
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from planner.fp8 import BLOCK, SCALE_SUFFIX, is_quantized
@@ -57,6 +59,33 @@ def materialize(layout: Layout, full: dict[str, torch.Tensor],
             tensors[pt.name] = t
         out[rl.rank] = tensors
     return out
+
+
+def assemble(layout: Layout, parts: dict[int, dict[str, torch.Tensor]],
+             full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `materialize`: copy every piece of `parts` ({rank: {native name:
+    tensor}}, e.g. a trainer's gathered shards under its source layout) into `full`
+    logical tensors (filled in place and returned)."""
+    for rl in layout.ranks:
+        for pt in rl.tensors:
+            for piece in pt.pieces:
+                logical_box(full[piece.tensor], piece).copy_(
+                    piece_view(parts[rl.rank][pt.name], piece))
+    return full
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 (hex) of a tensor's bytes in row-major order (vLLM's weight checker's digest;
+    the engine-side digests of `integrations.sglang` use it too)."""
+    raw = t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
+    return hashlib.sha256(raw).hexdigest()
+
+
+def layout_digests(layout: Layout, full: dict[str, torch.Tensor]) -> dict[int, dict[str, str]]:
+    """{rank: {native name: sha256}} of every tensor `layout` builds from `full` logical
+    tensors: what an engine laid out that way must hold, byte for byte."""
+    return {r: {n: tensor_sha256(t) for n, t in tensors.items()}
+            for r, tensors in materialize(layout, full).items()}
 
 
 def random_full_tensors(spec: ModelSpec, seed: int = 0,

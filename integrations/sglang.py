@@ -32,6 +32,8 @@ the bound tensors; the pointers never change across updates.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -39,16 +41,18 @@ import torch
 
 import executor
 from executor import trust
+from harness.weights import tensor_sha256
 from schemas.errors import UserError
 from schemas.header import PlanHeader
 from schemas.identity import find_rank
 from schemas.integrity import plan_key as read_key
-from schemas.plan import open_plan, read_header
+from schemas.plan import STAGING, open_plan, read_header
 
 
-class TornUpdateError(RuntimeError):
+class TornUpdateError(executor.TornUpdateError):
     """The plan did not complete on this rank: the weights are not whole; nothing committed.
-    (An operational failure, a peer lost mid-update, not bad input: no `UserError`.)"""
+    (An operational failure, a peer lost mid-update, not bad input: no `UserError`; an
+    `executor.TornUpdateError`.)"""
 
 
 def identity(replica: int = 0, dp_rank: int = 0, parallel: Any = None) -> dict[str, int | str]:
@@ -111,6 +115,8 @@ class SGLangTarget:
         self.model, self.updater, self.commit_version = model, updater, commit_version
         self.identity = identity(replica, dp_rank, parallel)
         self.rank = plan_rank(header, self.identity, plan_path)
+        self.target_rank = self.rank - int(header.sources)
+        """This rank in the plan's target layout (plan rank = sources + target rank)."""
         self.derived = derived_of(header, self.rank)
         check_derived(model, self.derived)
         self.tensors = {n: p.data for n, p in model.named_parameters()}
@@ -124,6 +130,27 @@ class SGLangTarget:
             self.shadow.attach(self.plan)
         self.version: str | None = None
         self.open = False
+
+    def written(self) -> list[str]:
+        """The names of the tensors the plan writes on this rank (its regions)."""
+        return [r.name for r in self.plan.plan.regions if r.name != STAGING]
+
+    def digests(self) -> dict[str, str]:
+        """sha256 of the bytes of every tensor the plan writes on this rank, as the engine
+        holds them now (`harness.weights.tensor_sha256`; compare with `layout_digests` of
+        the plan's target layout built from the trainer's tensors)."""
+        return {n: tensor_sha256(self.tensors[n]) for n in self.written()}
+
+    def write_digests(self, out: str) -> str:
+        """Write `digests()` with this rank's target rank, plan rank and identity as JSON to
+        `out/rank<target rank>.json` (atomically); returns the path."""
+        body = {"rank": self.target_rank, "plan_rank": self.rank, "identity": self.identity,
+                "digests": self.digests()}
+        path = os.path.join(out, f"rank{self.target_rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(body, f)
+        os.replace(path + ".tmp", path)
+        return path
 
     def weight_info(self) -> dict[str, tuple[int, int, int]]:
         """SGLang's remote-instance registration map of the bound tensors."""

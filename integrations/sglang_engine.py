@@ -20,10 +20,17 @@ scheduler; `register` adds one scheduler method and four hooks, through SGLang's
   nothing is committed. A whole step runs SGLang's end, whose post-load processing
   refreshes the derived tensors (DeepSeek `w_kc`/`w_vc`) in place, then flushes SGLang's
   prefix cache (SGLang's session end keeps the KV the old weights computed; its own
-  `update_weights_from_*` flush it): refused while requests run (`success=False`).
+  `update_weights_from_*` flush it). SGLang refuses the flush while requests run or are
+  held in place by the pause: then the answer is `success=False` with `NOT_FLUSHED`
+  (weights written, cache not flushed), and the trainer's `update` raises
+  `CacheNotFlushedError` (not `TornUpdateError`: the weights are whole).
 - `update_weight_version` and `continue_generation` (scheduler) are skipped while the
   weights are torn: the label stamped on outputs keeps the last whole version and the
   engine stays paused; `status(scheduler)["torn"]` says why.
+- `Scheduler.rdma_plan_digests(out)`: each TP rank writes the sha256 of every tensor the
+  plan writes on it, as it holds them, to `out/rank<target rank>.json`; `engine_digests`
+  reaches it through `engine.collective_rpc` (SGLang's RPC answers no values) and reads
+  the files: compare with `harness.weights.layout_digests` of the plan's target layout.
 
 **Shadow mode** (`rdma_plan_init(..., shadow=True)`, a plan compiled with `target.shadow:
 full` so the switch copies the plan's bytes only): the rank binds an `executor.Shadow` of
@@ -55,8 +62,6 @@ import json
 import logging
 import os
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,8 +69,18 @@ from typing import Any
 import torch
 
 import executor
-from integrations.sglang import SGLangTarget, TornUpdateError
+from integrations.sglang import SGLangTarget
 from integrations.sglang_shadow import rdma_plan_shadow_start, shadow_begin
+from integrations.sglang_trainer import (  # noqa: F401 - the trainer's side, re-exported
+    NOT_FLUSHED,
+    CacheNotFlushedError,
+    Call,
+    engine_digests,
+    finish_unflushed,
+    http,
+    in_process,
+    update,
+)
 from schemas.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -73,8 +88,6 @@ ENV = "RDMA_PLAN_SGLANG"
 """JSON of `rdma_plan_init`'s keys, read by a server started without the RPC."""
 JOIN_MARGIN_S = 30.0
 """How long `end_weight_update` waits for the receive beyond the plan's own timeout."""
-
-
 @dataclass
 class EngineRank:
     """The rdma-plan state of one scheduler process (attribute `rdma_plan` of it)."""
@@ -212,11 +225,11 @@ def _flushed(manager: Any, out: Any) -> Any:
     from sglang.srt.managers.io_struct import EndWeightUpdateReqOutput
 
     if out.success and not manager.flush_cache():
+        log.error("rdma-plan: %s (requests running or held in place)", NOT_FLUSHED)
         return EndWeightUpdateReqOutput(success=False, message=(
-            "rdma-plan: the weights were updated, but SGLang's prefix cache (computed "
-            "with the old weights) was not flushed because requests are still running "
-            "or queued; finish or abort them, call /flush_cache, then "
-            "update_weight_version and continue_generation"))
+            f"{NOT_FLUSHED}: the update's weights are whole on every rank and SGLang's "
+            "post-load ran, but its prefix cache (computed with the old weights) was "
+            "not flushed because requests are running or held in place by the pause"))
     return out
 
 
@@ -252,6 +265,16 @@ def status(scheduler: Any) -> dict[str, Any]:
                        for u in state.shadow_updates]}
 
 
+def rdma_plan_digests(scheduler: Any, out: str) -> None:
+    """`SGLangTarget.write_digests(out)` on this TP rank (a `Scheduler` method, for
+    `collective_rpc`: every TP rank runs it)."""
+    state = rank_state(scheduler)
+    if state is None:
+        raise UserError("rdma_plan_digests: this engine is not bound; call rdma_plan_init "
+                        "first")
+    state.target.write_digests(out)
+
+
 HOOKS = {
     "sglang.srt.managers.scheduler_components.weight_updater."
     "SchedulerWeightUpdaterManager.begin_weight_update": begin_hook,
@@ -269,75 +292,6 @@ def register() -> None:
 
     Scheduler.rdma_plan_init = rdma_plan_init
     Scheduler.rdma_plan_shadow_start = rdma_plan_shadow_start
+    Scheduler.rdma_plan_digests = rdma_plan_digests
     for path, hook in HOOKS.items():
         HookRegistry.register(path, hook, HookType.AROUND)
-
-
-# ---- the trainer's side -------------------------------------------------------------
-
-Call = Callable[[str, dict[str, Any]], dict[str, Any]]
-"""Posts one SGLang endpoint with a JSON body, returns the JSON answer (also on HTTP 400)."""
-
-
-def http(url: str, timeout_s: float = 600.0) -> Call:
-    """`Call` over an SGLang server's HTTP API at `url` (e.g. http://host:30000)."""
-    def call(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
-        req = urllib.request.Request(f"{url.rstrip('/')}/{endpoint}",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                return json.loads(r.read() or b"{}")
-        except urllib.error.HTTPError as e:
-            if e.code != 400:
-                raise
-            return json.loads(e.read() or b"{}")
-    return call
-
-
-def in_process(engine: Any) -> Call:
-    """`Call` for an in-process `sglang.Engine`: the engine's and its tokenizer manager's
-    methods that SGLang's HTTP endpoints of the same names run. Call it from the thread
-    that created the engine (its ZMQ sockets belong to that thread)."""
-    from sglang.srt.managers import io_struct as io
-
-    tm = engine.tokenizer_manager
-    forwarded = {"pause_generation": (tm.pause_generation, io.PauseGenerationReqInput),
-                 "continue_generation": (tm.continue_generation,
-                                         io.ContinueGenerationReqInput),
-                 "update_weight_version": (tm.update_weight_version,
-                                           io.UpdateWeightVersionReqInput)}
-
-    def call(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
-        if endpoint in ("begin_weight_update", "end_weight_update"):
-            ok, message = getattr(engine, endpoint)(**body)[:2]
-            return {"success": bool(ok), "message": message}
-        if endpoint not in forwarded:
-            raise UserError(f"in_process: endpoint {endpoint!r} is not one update() "
-                            f"posts; use one of {sorted(forwarded)} or begin/end_weight_update")
-        method, request = forwarded[endpoint]
-        engine.loop.run_until_complete(method(request(**body)))
-        return {"success": True, "message": ""}
-    return call
-
-
-def update(call: Call, send: Callable[[], object], version: str,
-           empty_cache: bool = True) -> None:
-    """One update of one engine: pause, begin, the sources' `send()`, end (refused when
-    torn: raises `TornUpdateError`, the engine stays paused with its old version; call
-    `update` again), then the version and resume."""
-    call("pause_generation", {"mode": "in_place"})
-    begun = call("begin_weight_update", {})
-    if not begun.get("success"):
-        raise TornUpdateError(f"begin_weight_update refused: {begun.get('message')}")
-    try:
-        send()
-    except Exception as e:  # noqa: BLE001  (the engine's end decides and says why)
-        log.error("rdma-plan: send failed: %s", e)
-    ended = call("end_weight_update", {})
-    if not ended.get("success"):
-        raise TornUpdateError(f"end_weight_update refused: {ended.get('message')}; the "
-                              f"engine stays paused, version not set to {version!r}")
-    call("update_weight_version", {"new_version": version, "abort_all_requests": False})
-    call("continue_generation", {"torch_empty_cache": empty_cache})
-

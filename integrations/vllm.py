@@ -65,8 +65,9 @@ from schemas.plan import load_rank, read_header
 BACKEND = "rdma_plan"
 
 
-class TornUpdateError(RuntimeError):
-    """An update did not complete: the weights are partly written and no version committed."""
+class TornUpdateError(executor.TornUpdateError):
+    """An update did not complete: the weights are partly written and no version committed
+    (an `executor.TornUpdateError`)."""
 
 
 @dataclass

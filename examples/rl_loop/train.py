@@ -21,7 +21,6 @@ Prints the engine's pause (generation stopped: pause, transfer, resume) and the 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import time
@@ -145,8 +144,9 @@ def expected_digests(config: str, model_config: str, plan_rank: int,
                      shards: dict[str, torch.Tensor]) -> dict[str, str]:
     """sha256 of every tensor the engine must hold, keyed as vLLM's weight checker keys them
     (`dp0:pp0:pcp0:tp{t}:{name}`): the trainer's shards are gathered to rank 0, put back
-    into full logical tensors with the source layout, and laid out with the target's."""
-    from harness.weights import logical_box, materialize, piece_view
+    into full logical tensors with the source layout, and laid out with the target's
+    (`harness.weights.assemble`, `layout_digests`)."""
+    from harness.weights import assemble, layout_digests
     from planner.layouts import build_layout
     from planner.spec import spec_from_hf
     from schemas.config_load import load_config
@@ -162,17 +162,10 @@ def expected_digests(config: str, model_config: str, plan_rank: int,
         hf = json.load(f)
     spec = spec_from_hf(hf, mtp=False)
     full = {t.name: torch.zeros(t.shape, dtype=torch.float32) for t in spec.tensors}
-    for rl in build_layout(spec, cfg.source, hf).ranks:
-        for pt in rl.tensors:
-            for piece in pt.pieces:
-                logical_box(full[piece.tensor], piece).copy_(
-                    piece_view(parts[rl.rank][pt.name], piece))
-    out = {}
-    for r, tensors in materialize(build_layout(spec, cfg.target, hf), full).items():
-        for name, t in tensors.items():
-            digest = hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy())
-            out[f"dp0:pp0:pcp0:tp{r}:{name}"] = digest.hexdigest()
-    return out
+    assemble(build_layout(spec, cfg.source, hf), parts, full)
+    return {f"dp0:pp0:pcp0:tp{r}:{name}": digest
+            for r, sums in layout_digests(build_layout(spec, cfg.target, hf), full).items()
+            for name, digest in sums.items()}
 
 
 def trainer_logprobs(model: torch.nn.Module, ids: list[int], variant: str) -> torch.Tensor:

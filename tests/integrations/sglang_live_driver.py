@@ -1,6 +1,6 @@
 """A live `sglang.Engine` (SGLang 0.5.23, CPU) refitted through the rdma-plan plugin.
 
-Run as a script (argv[1] is JSON: {"hf", "plan", "store", "tp", "steps", "out"}). It does
+Run as a script (argv[1] is JSON: {"hf", "config", "plan", "store", "tp", "steps", "out"}). It does
 what a user does: `sglang.Engine(...)` in this process (its scheduler processes load the
 plugin by its entry point, `SGLANG_PLUGINS=rdma_plan`), binds with
 `engine.collective_rpc("rdma_plan_init", ...)` while the trainer's source rank (this
@@ -10,12 +10,21 @@ with `call = in_process(engine)` (the engine's own methods that SGLang's HTTP en
 the same names run), and checks:
 - every HF tensor read back through SGLang's own `Engine.get_weights_by_name` equals the
   trainer's bytes (float32: the list SGLang returns holds every value exactly);
+- every TP rank's own shard, byte for byte: the sha256 of each tensor the plan writes on
+  that rank, computed by the rank itself (`engine_digests`: the plugin's
+  `rdma_plan_digests` through `engine.collective_rpc`), equals the sha256 of the tensor the
+  plan's target layout builds from the trainer's tensors (`harness.weights.layout_digests`);
+  before the first update (random startup weights) they differ;
 - the engine's prompt logprobs of fixed token ids equal a reference forward of
   transformers' `LlamaForCausalLM` on the trainer's tensors (within fp32 tolerance), and
   changed from the previous version's;
 - the engine's greedy tokens (4 after the prompt) equal transformers' greedy tokens;
 - the engine reports the new weight_version and stamps it on its outputs.
-Figures (pause, transfer per update) go to `out` as JSON.
+Then, with a long request running (held in place by the pause): `update` raises
+`CacheNotFlushedError` (not `TornUpdateError`); every rank holds the new bytes; the version
+stays; `finish_unflushed` completes it (logprobs checked). Last, `update(...,
+pause_mode="retract")` with a request running succeeds. Figures (pause, transfer per update)
+go to `out` as JSON.
 
 The only thing not installed as a user would have it: `torchvision` and `setproctitle`
 (SGLang imports both; a user installs them, the test's `--no-deps` SGLang folder lacks
@@ -25,6 +34,7 @@ scheduler processes re-run (multiprocessing re-imports the main script in each c
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -92,13 +102,46 @@ def engine_differs(engine, tensors: dict[str, torch.Tensor], tp: int) -> list[st
     return bad
 
 
+def long_request(engine):  # noqa: ANN001, ANN201 (an asyncio task on the engine's loop)
+    """A request that runs for seconds (ignore_eos), started on the engine's loop and given
+    a second to reach the scheduler's running batch."""
+    task = engine.loop.create_task(engine.async_generate(
+        input_ids=PROMPT[:4], sampling_params={"max_new_tokens": 900, "temperature": 0.0,
+                                               "ignore_eos": True}))
+    engine.loop.run_until_complete(asyncio.sleep(1.0))
+    assert not task.done(), "the long request ended before the update began"
+    return task
+
+
+def check_ranks(engine, folder: str, want: dict, tp: int, label: str) -> int:  # noqa: ANN001
+    """Every TP rank's own digests equal `want` ({target rank: {name: sha256}})."""
+    from integrations.sglang_engine import engine_digests
+
+    got = engine_digests(engine, folder)
+    assert sorted(got) == list(range(tp)), f"{label}: digests from target ranks {sorted(got)}"
+    for r in range(tp):
+        bad = sorted(n for n in want[r] if got[r].get(n) != want[r][n])
+        assert got[r].keys() == want[r].keys() and not bad, \
+            f"{label}: plan rank {r}: {len(bad)} tensor(s) differ from the trainer's: {bad[:4]}"
+    return sum(len(w) for w in want.values())
+
+
 def main() -> None:
     import sglang
 
     import executor
-    from harness.weights import random_full_tensors
-    from integrations.sglang_engine import in_process, update
+    from harness.weights import layout_digests, random_full_tensors
+    from integrations.sglang_engine import (
+        CacheNotFlushedError,
+        TornUpdateError,
+        engine_digests,
+        finish_unflushed,
+        in_process,
+        update,
+    )
+    from planner.layouts import build_layout
     from planner.spec import spec_from_hf
+    from schemas.config_load import load_config
 
     arg = json.loads(sys.argv[1])
     hf, tp = arg["hf"], int(arg["tp"])
@@ -106,6 +149,8 @@ def main() -> None:
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf, f)
     spec = spec_from_hf(hf, mtp=False)
+    target = build_layout(spec, load_config(arg["config"]).target, hf)
+    sums = tempfile.mkdtemp(prefix="sglang-digests-")
     # the job secret: every rank (the scheduler processes inherit it) authenticates with it
     os.environ.setdefault("RDMA_PLAN_SECRET", secrets.token_hex(32))
     t0 = time.perf_counter()
@@ -138,6 +183,13 @@ def main() -> None:
         plan.timeout_s = 120.0
         before, ids, _ = engine_logprobs(engine)  # dummy (random) startup weights
         print(f"driver: bound; dummy-weight greedy tokens {ids}", flush=True)
+        # the negative control: the startup weights are not the trainer's, rank by rank
+        want = layout_digests(target, tensors)
+        got = engine_digests(engine, sums)
+        same = sum(got[r].get(n) == d for r in want for n, d in want[r].items())
+        assert sorted(got) == list(range(tp)) and same == 0, (sorted(got), same)
+        print(f"driver: startup weights: 0 of {sum(map(len, want.values()))} rank shards "
+              "equal the trainer's (the digest check can fail)", flush=True)
         call, timed, sent = in_process(engine), {}, []
 
         def timed_call(endpoint: str, body: dict) -> dict:
@@ -159,13 +211,16 @@ def main() -> None:
             pause_s = done - timed["pause_generation"]
             bad = engine_differs(engine, tensors, tp)
             assert not bad, f"step {step}: engine differs from the trainer in {bad}"
+            shards = check_ranks(engine, sums, layout_digests(target, tensors), tp,
+                                 f"step {step}")
             lps, ids, meta = engine_logprobs(engine)
             ref, greedy = reference(hf, tensors, len(ids))
             delta = max(abs(a - b) for a, b in zip(lps, ref, strict=True))
             moved = max(abs(a - b) for a, b in zip(lps, before, strict=True))
             # the version the engine reports, and the one it stamps on its outputs
             version = (engine.get_model_info()["weight_version"], meta.get("weight_version"))
-            print(f"driver: step {step}: {len(tensors)} tensors bit-exact, max |delta "
+            print(f"driver: step {step}: {len(tensors)} tensors bit-exact, {shards} rank "
+                  f"shards' sha256 equal the trainer's on {tp} rank(s), max |delta "
                   f"logprob| vs transformers {delta:.2e}, vs previous version {moved:.2e}, "
                   f"version {version!r}, greedy {ids}, pause {pause_s * 1e3:.1f} ms, "
                   f"transfer {sent[0] * 1e3:.1f} ms", flush=True)
@@ -177,6 +232,56 @@ def main() -> None:
                                      "transfer_s": sent[0], "update_s": done - s,
                                      "max_delta_logprob": delta})
             before = lps
+        steps = int(arg["steps"])
+
+        def new_weights(seed: int) -> None:
+            for n, t in random_full_tensors(spec, seed=seed).items():
+                tensors[n].copy_(t)
+
+        # an update ended while a request runs (held in place by the pause)
+        new_weights(200)
+        task = long_request(engine)
+        try:
+            update(call, lambda: executor.run(plan), "held")
+            raise AssertionError("update returned although a request was running")
+        except TornUpdateError as e:
+            raise AssertionError(f"a whole update reported as torn: {e}") from e
+        except CacheNotFlushedError as e:
+            error = str(e)
+        old = engine.get_model_info()["weight_version"]
+        shards = check_ranks(engine, sums, layout_digests(target, tensors), tp, "held")
+        assert old == f"v{steps}", f"version moved to {old!r} without a flushed cache"
+        assert "weights written, prefix cache not flushed" in error and "'held'" in error \
+            and "not committed" in error and "retract" in error, error
+        print(f"driver: held request: CacheNotFlushedError ({error[:160]}...); {shards} "
+              f"shards equal the trainer's, version stays {old!r}", flush=True)
+        finish_unflushed(call, "held")
+        lps, ids, meta = engine_logprobs(engine)
+        ref, greedy = reference(hf, tensors, len(ids))
+        delta = max(abs(a - b) for a, b in zip(lps, ref, strict=True))
+        version = (engine.get_model_info()["weight_version"], meta.get("weight_version"))
+        assert delta < 1e-3 and ids == greedy and version == ("held",) * 2, \
+            (delta, ids, greedy, version)
+        engine.tokenizer_manager.abort_request(abort_all=True)
+        engine.loop.run_until_complete(task)
+        print(f"driver: finish_unflushed: version {version!r}, max |delta logprob| "
+              f"{delta:.2e}", flush=True)
+        # the same with pause_mode="retract": the running request goes back to the queue
+        new_weights(300)
+        task = long_request(engine)
+        update(call, lambda: executor.run(plan), "retracted", pause_mode="retract")
+        shards = check_ranks(engine, sums, layout_digests(target, tensors), tp, "retract")
+        lps, ids, meta = engine_logprobs(engine)
+        ref, greedy = reference(hf, tensors, len(ids))
+        delta = max(abs(a - b) for a, b in zip(lps, ref, strict=True))
+        version = (engine.get_model_info()["weight_version"], meta.get("weight_version"))
+        assert delta < 1e-3 and ids == greedy and version == ("retracted",) * 2, \
+            (delta, ids, greedy, version)
+        engine.tokenizer_manager.abort_request(abort_all=True)
+        engine.loop.run_until_complete(task)
+        print(f"driver: pause_mode='retract' with a request running: {shards} shards equal, "
+              f"version {version!r}, max |delta logprob| {delta:.2e}", flush=True)
+        figures["held"] = {"error": error, "retract_delta": delta}
         plan.close()
     finally:
         engine.shutdown()

@@ -9,9 +9,14 @@ end, version, continue) through the engine's own methods, and checks that every 
 read back by SGLang's `Engine.get_weights_by_name` equals the trainer's bytes, that the
 engine's prompt logprobs equal transformers' forward on the trainer's tensors (fp32) and
 moved from the previous version's, and that the engine reports and stamps the new
-weight_version. Each case takes ~3 minutes on a 2-core box (the engine's start, mostly
-imports). At TP 2 SGLang's read-back gives TP rank 0's rows of column-parallel tensors and
-the all-gathered row-parallel ones (the driver says which); the logprobs cover both ranks.
+weight_version; and every TP rank's own shard, byte for byte: each rank's sha256 of every
+tensor the plan writes there (the plugin's `rdma_plan_digests` through `collective_rpc`)
+equals the digest of the plan's target layout built from the trainer's tensors (at TP 2
+this is what checks rank 1's split rows; SGLang's read-back gives TP rank 0's rows of
+column-parallel tensors). Then an update ended while a request runs: `CacheNotFlushedError`
+(not `TornUpdateError`), the new bytes on every rank, the version unchanged,
+`finish_unflushed` completes it; and `pause_mode="retract"` with a request running
+succeeds. Each case takes ~3-6 minutes on a 2-core box (the engine's start, mostly imports).
 """
 
 from __future__ import annotations
@@ -37,7 +42,11 @@ DRIVER = os.path.join(os.path.dirname(__file__), "sglang_live_driver.py")
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_live_sglang_engine_refit_bit_exact_and_logprobs(tmp_path, tp: int) -> None:
-    hf = engine_models.llama(num_hidden_layers=2)  # SGLang's Llama has get_weights_by_name
+    # SGLang's Llama has get_weights_by_name. Vocab 1152 (64 * 18): no padding rows, which
+    # the plan does not write (random at start), so every rank's whole-tensor digest is
+    # comparable; context 1024 for the long request that runs across an update
+    hf = engine_models.llama(num_hidden_layers=2, vocab_size=1152,
+                             max_position_embeddings=1024)
     (tmp_path / "config.json").write_text(json.dumps(hf))
     config = {"model": {"config": "config.json"},
               "source": {"framework": "fsdp2", "dp": 1, "dtype": "float32"},
@@ -47,8 +56,8 @@ def test_live_sglang_engine_refit_bit_exact_and_logprobs(tmp_path, tp: int) -> N
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(config))
     compile_file(str(tmp_path / "plan.yaml"), str(tmp_path / "plan.rplan"))
     out = tmp_path / "figures.json"
-    arg = {"hf": hf, "plan": str(tmp_path / "plan.rplan"), "store": free_port(), "tp": tp,
-           "steps": 2, "out": str(out)}
+    arg = {"hf": hf, "config": str(tmp_path / "plan.yaml"), "plan": str(tmp_path / "plan.rplan"),
+           "store": free_port(), "tp": tp, "steps": 2, "out": str(out)}
     env = {k: v for k, v in os.environ.items() if k != "RDMA_PLAN_SECRET"}
     if tp > 1:  # one NUMA node: SGLang's CPU backend binds each TP rank's OpenMP threads
         env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r) for r in range(tp))
@@ -61,3 +70,6 @@ def test_live_sglang_engine_refit_bit_exact_and_logprobs(tmp_path, tp: int) -> N
     figures = json.loads(out.read_text())
     assert figures["tp"] == tp and [s["step"] for s in figures["steps"]] == [1, 2]
     assert all(s["max_delta_logprob"] < 1e-3 for s in figures["steps"])
+    # an update ended while a request ran: its own error, not TornUpdateError
+    assert "weights written, prefix cache not flushed" in figures["held"]["error"]
+    assert figures["held"]["retract_delta"] < 1e-3

@@ -13,9 +13,10 @@ methods of vLLM's `Worker` (gpu_worker.py), until "done".
 the same config that loaded the version's checkpoint through `load_weights` and then ran
 PWAL; and every `data_ptr` with the one before the first update.
 
-Neutralised on CPU (LAYOUTS.md): `torch.accelerator.empty_cache`; the kernel steps of PWAL
-that need `vllm._C` or a GPU kernel: the CPU MoE experts' prepack and the block-FP8 linear
-kernel (they re-lay weights out for a kernel; MLA's W_UK_T/W_UV step runs for real).
+Neutralised on CPU by `integrations.vllm_cpu_build.patch_cpu` (LAYOUTS.md):
+`torch.accelerator.empty_cache`; the kernel steps of PWAL that need `vllm._C` or a GPU
+kernel: the CPU MoE experts' prepack and the block-FP8 linear kernel (they re-lay weights
+out for a kernel; MLA's W_UK_T/W_UV step runs for real).
 """
 
 from __future__ import annotations
@@ -32,35 +33,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import torch  # noqa: E402
 
+from integrations import vllm_cpu_build  # noqa: E402
+from integrations.vllm_cpu_build import KEEP  # noqa: E402, F401  (the refusal worker's)
 from tests.integrations import vllm_cases  # noqa: E402
-
-KEEP: list[object] = []  # vLLM caches per-model state by id(model): keep models alive
-
-
-def neutralise() -> None:
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    from vllm.model_executor.layers.quantization import fp8
-
-    torch.accelerator.empty_cache = lambda: None
-    CPUUnquantizedExperts.process_weights_after_loading = lambda self, layer: None
-    fp8.init_fp8_linear_kernel = lambda **kw: None
-    fp8.Fp8LinearMethod.process_weights_after_loading = lambda self, layer: None
 
 
 def engine_config(case: dict, rank: int):  # noqa: ANN201 (vLLM's type)
     from vllm.config import WeightTransferConfig
-    from vllm.engine.arg_utils import EngineArgs
 
     folder = tempfile.mkdtemp(prefix="vllm-engine-")
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(case["hf"], f)
-    cfg = EngineArgs(model=folder, skip_tokenizer_init=True, dtype="bfloat16",
-                     load_format="dummy", tensor_parallel_size=case["tp"],
-                     enable_expert_parallel=case["ep"], enforce_eager=True, max_model_len=128,
-                     weight_transfer_config=WeightTransferConfig(backend="rdma_plan"),
-                     ).create_engine_config()
-    cfg.parallel_config.rank = rank  # what vLLM's WorkerBase sets
-    return cfg
+    return vllm_cpu_build.engine_config(
+        folder, case["tp"], ep=case["ep"], rank=rank,
+        weight_transfer_config=WeightTransferConfig(backend="rdma_plan"))
 
 
 def reference(case: dict, rank: int, seed: int) -> torch.nn.Module:
@@ -234,19 +220,13 @@ def main() -> None:
     global store
     arg = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment
-
     from integrations.vllm import register
 
-    neutralise()
+    vllm_cpu_build.patch_cpu()
     register()
     register()  # idempotent (vLLM's registry raises on duplicates)
     store = vllm_cases.open_control(arg["control"])
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
-                                     distributed_init_method=f"tcp://127.0.0.1:{arg['gloo']}",
-                                     backend="gloo")
+    vllm_cpu_build.init_distributed(world, rank, arg["gloo"])
     for case in arg["cases"]:
         serve(case, rank)
         print(f"worker {rank}: {case['name']} done", flush=True)

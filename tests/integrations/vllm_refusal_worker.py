@@ -21,8 +21,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import torch  # noqa: E402
 
+from integrations.vllm_cpu_build import KEEP, init_distributed, patch_cpu  # noqa: E402
 from tests.integrations import vllm_cases as vc  # noqa: E402
-from tests.integrations.vllm_engine_worker import KEEP, engine_config, neutralise  # noqa: E402
+from tests.integrations.vllm_engine_worker import engine_config  # noqa: E402
 
 
 def refused(fn, *args, match: tuple[str, ...]) -> str:  # noqa: ANN001
@@ -182,19 +183,12 @@ def plugin_checks() -> None:
 
 def main() -> None:
     arg = json.loads(sys.argv[1])
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (
-        destroy_model_parallel,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import destroy_model_parallel, initialize_model_parallel
 
-    neutralise()
+    patch_cpu()
     plugin_checks()
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"tcp://127.0.0.1:{arg['port']}",
-                                     backend="gloo")
+    init_distributed(1, 0, arg["port"])
     for check, hf in ((moe_checks, vc.QWEN3_MOE), (dense_checks, DENSE_MLA)):
         cfg = engine_config(dict(name="x", hf=hf, tp=1, ep=False), 0)
         with set_current_vllm_config(cfg):

@@ -32,12 +32,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from tests.oracles.vllm_worker import neutralise_cpu_gaps  # noqa: E402
 
 
-def neutralise_fp8_kernel() -> None:
-    from vllm.model_executor.layers.quantization import fp8
-
-    fp8.init_fp8_linear_kernel = lambda **kw: None
-
-
 def run_case(case: dict, rank: int, out: str) -> None:
     from safetensors.torch import save_file
     from vllm.config import set_current_vllm_config
@@ -76,8 +70,7 @@ def main() -> None:
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment
 
-    neutralise_cpu_gaps()
-    neutralise_fp8_kernel()
+    neutralise_cpu_gaps()  # init_fp8_linear_kernel too (integrations.vllm_cpu_build)
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
                                      distributed_init_method=f"tcp://127.0.0.1:{arg['port']}",

@@ -24,11 +24,12 @@ import torch  # noqa: E402
 
 
 def neutralise_cpu_gaps() -> None:
-    """The two spots that need CUDA or `vllm._C` on this path (see LAYOUTS.md)."""
-    from vllm.model_executor.model_loader import base_loader
+    """The spots that need CUDA or `vllm._C` on this path (see LAYOUTS.md), and vLLM's
+    post-load processing: the tensors as `load_weights` left them
+    (`integrations.vllm_cpu_build.patch_cpu(post_load=False)`)."""
+    from integrations.vllm_cpu_build import patch_cpu
 
-    torch.accelerator.empty_cache = lambda: None
-    base_loader.process_weights_after_loading = lambda *a, **k: None
+    patch_cpu(post_load=False)
 
 
 def engine_config(hf: dict, tp: int, pp: int, ep: bool):  # noqa: ANN201 (vLLM's type)
