@@ -69,7 +69,7 @@ from typing import Any
 import torch
 
 import executor
-from integrations.sglang import SGLangTarget
+from integrations.sglang import SGLangTarget, TornUpdateError  # noqa: F401 - re-exported
 from integrations.sglang_shadow import rdma_plan_shadow_start, shadow_begin
 from integrations.sglang_trainer import (  # noqa: F401 - the trainer's side, re-exported
     NOT_FLUSHED,
