@@ -80,9 +80,7 @@ def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
     src = PlanRanks(path_or_plan) if isinstance(path_or_plan, Plan) else \
         PlanFile(str(path_or_plan))
     with src:
-        ranks = load_checked(src, progress)
-        src.dag()
-        src.check_rest()
+        ranks = load_checked(src, progress)  # and the other blobs, as `load_plan` checks
         if progress is not None:
             progress("simulating")
         return _Sim(src, ranks, inflight).run(t_wall, progress)
