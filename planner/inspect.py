@@ -106,10 +106,8 @@ def checked_header(path: str, why: dict[int, str] | None = None,
             if bounded is not None:
                 bounded[r] = bounded_bytes(rp)
             tick(r)
-        if progress is not None:  # the explain blob is a third of a large plan
-            progress("checking the dag and explain blobs")
         src.dag()
-        src.check_rest()
+        src.check_rest(progress)
     return header
 
 

@@ -306,10 +306,8 @@ def check(src: PlanRanks, progress: Progress | None = None, stop_on_bounds: bool
     out["coverage"], out["staging_fit"] = res.coverage, res.staging_fit
     out["dataflow"] = res.dataflow[:5]
     out["shadow"] = res.shadow[:5]
-    if progress is not None:  # the explain blob is a third of a large plan
-        progress("checking the dag and explain blobs, coverage, order")
     nodes, edges, cov = src.dag()
-    src.check_rest()
+    src.check_rest(progress)
     for rank, reg, nbytes in zip(cov["rank"].tolist(), cov["region"].tolist(),
                                  cov["nbytes"].tolist()):
         if not (0 <= rank < world and reg in survey.sizes.get(rank, {})):

@@ -1,5 +1,5 @@
 """`verify`, `inspect` and `simulate` report progress through the whole read of a plan:
-the ranks, then the check of the dag and explain blobs (a third of a large plan's bytes,
+the ranks, then the check of the explain blob (a third of a large plan's bytes,
 seconds at DeepSeek-V3 scale), and `simulate` its batches landed."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from planner.verify import verify_file
 from schemas.plan_write import write_plan
 from tests.support.synthetic import fsdp2_to_vllm_plan
 
-BLOBS = "checking the dag and explain blobs"
+BLOBS = "checking the explain blob"
 
 
 def _steps(tool, path: str) -> list[str]:
