@@ -107,7 +107,7 @@ def checked_header(path: str, why: dict[int, str] | None = None,
                 bounded[r] = bounded_bytes(rp)
             tick(r)
         src.dag()
-        src.check_rest()
+        src.check_rest(progress)
     return header
 
 

@@ -41,7 +41,7 @@ class PlanRanks:
         """The stage DAG's nodes and edges, and the coverage table."""
         return self.plan.dag_nodes, self.plan.dag_edges, self.plan.coverage
 
-    def check_rest(self) -> None:
+    def check_rest(self, progress: Callable[[str], None] | None = None) -> None:
         """Check the blobs other than the ranks and the DAG (in memory: nothing to check)."""
 
     def close(self) -> None:
@@ -93,9 +93,12 @@ class PlanFile(PlanRanks):
         except (KeyError, TypeError) as e:
             raise PlanFormatError(f"{self.path}: dag blob is malformed ({e})") from None
 
-    def check_rest(self) -> None:
+    def check_rest(self, progress: Callable[[str], None] | None = None) -> None:
         """The explain blob and any further blobs, checksummed and decoded, as `load_plan`
-        does (one at a time, nothing kept)."""
+        does (one at a time, nothing kept). The explain blob is a third of a large plan's
+        bytes (seconds at DeepSeek-V3 scale): a step of its own for `progress`."""
+        if progress is not None:
+            progress("checking the explain blob")
         decode_explain(self.blob("explain"), self.path)
         for name in self.header.blobs:
             if not name.startswith("rank/") and name not in ("explain", "dag"):

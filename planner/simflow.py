@@ -81,7 +81,8 @@ def load_checked(src: PlanRanks, progress: Callable[[str], None] | None = None
                  ) -> list[SimRank]:
     """Every rank of `src` as the simulation needs it, read one at a time, each rank's order
     within bounds (`schemas.bounds`: stages, peers, batches and signals in range, so the
-    simulation terminates)."""
+    simulation terminates); then the plan's other blobs, checksummed and decoded as
+    `load_plan` does (`PlanFile.check_rest`)."""
     world, header = src.world, src.header
     if len(header.ranks) != world:
         raise PlanFormatError(f"simulate: the header lists {len(header.ranks)} ranks, "
@@ -106,6 +107,8 @@ def load_checked(src: PlanRanks, progress: Callable[[str], None] | None = None
                                   "corrupt or too large to simulate")
         out.append(sim_rank(rp, header))
         tick(r)
+    src.dag()
+    src.check_rest(progress)
     return out
 
 

@@ -80,9 +80,7 @@ def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
     src = PlanRanks(path_or_plan) if isinstance(path_or_plan, Plan) else \
         PlanFile(str(path_or_plan))
     with src:
-        ranks = load_checked(src, progress)
-        src.dag()
-        src.check_rest()
+        ranks = load_checked(src, progress)  # and the other blobs, as `load_plan` checks
         if progress is not None:
             progress("simulating")
         return _Sim(src, ranks, inflight).run(t_wall, progress)
@@ -118,6 +116,9 @@ class _Sim:
         bps = np.where(nic, self.nic_bps, self.nv_bps)
         per_write = np.where(nic, NIC_WRITE_S, NVLINK_WRITE_S)
         self.size = b.nbytes + (self.lat + b.writes * per_write) * bps
+        # flows (`f_eres`, `f_ires`) number only the resources some batch uses (`ccap`)
+        self.res_used, inv = np.unique(np.r_[self.eres, self.ires], return_inverse=True)
+        self.ceres, self.cires, self.ccap = np.split(inv, 2) + [self.cap[self.res_used]]
         # queue (rank, stage) -> a slice of `qorder` (plan order within it)
         self.stages = [sr.stages for sr in ranks]
         smax = max(self.stages, default=1)
@@ -166,7 +167,6 @@ class _Sim:
                 self._send(r, s, t, DONE if ph == _SEND_DONE else ACK)
                 if ph == _SEND_ACK:
                     self._send(r, s, t, SLOT_ACK)
-                if ph == _SEND_ACK:
                     self.stage[r], self.phase[r] = s + 1, _WAIT_IN
                 else:
                     self.phase[r] += 1
@@ -269,7 +269,7 @@ class _Sim:
             g = int(self.qorder[win[1]])
             slot = self.free_slots[r].pop()
             self.flow_gid[slot], self.rem[slot], self.active[slot] = g, self.size[g], True
-            self.f_eres[slot], self.f_ires[slot] = self.eres[g], self.ires[g]
+            self.f_eres[slot], self.f_ires[slot] = self.ceres[g], self.cires[g]
             self.rates.on(int(self.fkey[g]))
             self.start[g], self.lane[g] = t, slot % self.inflight
             win[1] += 1
@@ -329,37 +329,38 @@ class _Sim:
         self.free_slots = [list(range(r * k + k - 1, r * k - 1, -1)) for r in range(w)]
         self.active = np.zeros(w * k, dtype=bool)
         self.rem = np.zeros(w * k)
-        self.rate = np.zeros(w * k)
         self.flow_gid = np.zeros(w * k, dtype=np.int64)
         self.f_eres = np.zeros(w * k, dtype=np.int64)
         self.f_ires = np.zeros(w * k, dtype=np.int64)
         self.start, self.end = np.zeros(nb), np.zeros(nb)
         self.lane = np.zeros(nb, dtype=np.int64)
         self.dirty = False
-        self.fkey = self.eres * len(self.cap) + self.ires  # a batch's (egress, ingress) pair
-        self.rates, self.landed = RateCache(len(self.cap)), 0
+        self.fkey = self.ceres * len(self.ccap) + self.cires  # a batch's (egress, ingress)
+        self.rates, self.landed = RateCache(len(self.ccap)), 0
 
     def run(self, t_wall: float, progress: Callable[[str], None] | None = None
             ) -> dict[str, Any]:
         self._reset()
         w, nb = self.world, len(self.b.rank)
-        busy = np.zeros(len(self.cap))
+        busy = np.zeros(len(self.ccap))
         t, events = 0.0, 0
         step = max(1, nb // 10)
         report = step if progress is not None else nb + 1
         for r in range(w):
             self._advance(r, 0.0)
-        while True:
-            act = np.nonzero(self.active)[0]
-            if self.dirty and len(act):
-                self.rate[act] = self.rates.rates(self.f_eres[act], self.f_ires[act], self.cap)
+        act, r_act, rem = np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0)
+        while True:  # the active flows' slots, rates and bytes left change only when dirty
+            if self.dirty:
+                act = np.flatnonzero(self.active)
+                r_act = (self.rates.rates(self.f_eres[act], self.f_ires[act], self.ccap)
+                         if len(act) else np.zeros(0))
+                rem = self.rem[act]
+                used = np.zeros(len(self.ccap), dtype=bool)  # resources some flow uses
+                used[self.f_eres[act]] = used[self.f_ires[act]] = True
                 self.dirty = False
             t_timer = self.heap[0][0] if self.heap else np.inf
-            if len(act):
-                ttf = self.rem[act] / self.rate[act]
-                dt_flow = ttf.min()
-            else:
-                dt_flow = np.inf
+            ttf = rem / r_act
+            dt_flow = ttf.min() if len(act) else np.inf
             if t_timer == np.inf and dt_flow == np.inf:
                 break
             events += 1
@@ -371,11 +372,9 @@ class _Sim:
                 done = act[near]
                 dt = ttf[near].max()
             if len(act) and dt > 0:
-                self.rem[act] -= self.rate[act] * dt
-                used = np.zeros(len(self.cap), dtype=bool)
-                used[self.f_eres[act]] = True
-                used[self.f_ires[act]] = True
-                busy[used] += dt
+                rem -= r_act * dt
+                self.rem[act] = rem
+                np.add(busy, dt, out=busy, where=used)
             t += dt
             for slot in done.tolist():
                 self._end_flow(slot, t)
@@ -393,6 +392,7 @@ class _Sim:
         if stuck:
             raise PlanFormatError(f"simulate: ranks {stuck[:8]} never finish (a wait that no rank "
                              "signals); the plan is inconsistent: run `rdma-plan verify`")
+        busy = np.bincount(self.res_used, busy, len(self.cap))  # by resource index again
         res = result(self, busy, events, time.perf_counter() - t_wall)
         res["gap"] = explain_gap(self, res)
         return res

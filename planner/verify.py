@@ -307,7 +307,7 @@ def check(src: PlanRanks, progress: Progress | None = None, stop_on_bounds: bool
     out["dataflow"] = res.dataflow[:5]
     out["shadow"] = res.shadow[:5]
     nodes, edges, cov = src.dag()
-    src.check_rest()
+    src.check_rest(progress)
     for rank, reg, nbytes in zip(cov["rank"].tolist(), cov["region"].tolist(),
                                  cov["nbytes"].tolist()):
         if not (0 <= rank < world and reg in survey.sizes.get(rank, {})):
