@@ -42,6 +42,7 @@ from .check import check_against_header, check_rank_plan, check_rank_verify, che
 from .cleanup import best_effort
 from .control import Control
 from .errors import PeerLostError, PeerMismatchError
+from .pipeline import SHARES, groups
 from .recovery import Recovery
 from .rendezvous import open_store
 from .stages import Stage, prepare_stage
@@ -59,7 +60,8 @@ class Executor:
                  rendezvous: object = None, timeout_s: float = 60.0, max_inflight: int = 8,
                  *, secret: bytes | str | None = None, insecure: bool = False,
                  transport_options: dict[str, Any] | None = None,
-                 step_records: bool = True, max_staging_bytes: int | None = None) -> None:
+                 step_records: bool = True, max_staging_bytes: int | None = None,
+                 pack_groups: int | None = None) -> None:
         check_rank_plan(plan)
         check_rank_verify(plan, header)  # what verify refuses on this rank's part alone
         check_against_header(plan, header)
@@ -67,6 +69,8 @@ class Executor:
         self.plan, self.rank, self.timeout_s = plan, plan.rank, timeout_s
         self.header = header  # peers' blob digests (schemas/integrity.py)
         self.max_inflight = max(1, max_inflight)
+        # a stage's packs in up to this many groups, each one's writes right after it
+        self.pack_groups = len(SHARES) if pack_groups is None else max(0, pack_groups)
         self.fingerprint = header.fingerprint
         self.tag = signals.fingerprint_tag(self.fingerprint)
         self.namespace = "rplan"  # not per plan: a peer on another plan must be told so
@@ -170,7 +174,8 @@ class Executor:
         if self.rejoined:  # a restarted rank joins at its peers' step (recovery.py)
             self.step = max(self.step, self.recovery.join_step() - 1)
             self.control.publish_step(self.step + 1)
-        self.stages = [prepare_stage(p, s, self.regions, self.transport)
+        self.stages = [prepare_stage(p, s, self.regions, self.transport,
+                                     groups(p, s, self.pack_groups, self.max_inflight))
                        for s in range(p.stages)]
         self.overlap = Overlap(p)
         self.prepacked = self.overlap.prepacked.tolist()
@@ -292,17 +297,22 @@ class Executor:
             early = False
         if not early:
             self.signals.wait(st.before, timeout)
-        if not self.prepacked[s]:  # else they ran while stage s-1's writes were in flight
-            self._pack(s)
-        if st.packs and not self.ordered_posts:
-            self.signals.sync()  # writes read what the packs wrote: their kernels must be done
         nxt = s + 1 if s + 1 < len(self.stages) and self.prepacked[s + 1] else -1
-        for i, entry in enumerate(st.batches):
-            if i == self.max_inflight and nxt >= 0:
-                self._prepack(nxt, timeout)
-                nxt = -1
-            self.window.post(entry, s, timeout)
-            self.signals.mark_queued(self.one_stream)  # `local`: on the current stream
+        # the packs (none if prepacked) then the writes; or group by group (`pipeline.py`)
+        whole = not st.pipeline or self.prepacked[s]
+        for ops, entries in [([] if self.prepacked[s] else st.packs, st.batches)] if whole \
+                else st.pipeline:
+            for op in ops:
+                op()
+            self.signals.mark_queued(bool(ops))
+            if st.packs and not self.ordered_posts:
+                self.signals.sync()  # writes read what the packs wrote: their kernels are done
+            for i, entry in enumerate(entries):
+                if i == self.max_inflight and nxt >= 0 and whole:
+                    self._prepack(nxt, timeout)
+                    nxt = -1
+                self.window.post(entry, s, timeout)
+                self.signals.mark_queued(self.one_stream)  # `local`: on the current stream
         if nxt >= 0:
             self._prepack(nxt, timeout)
         self.window.close(s)

@@ -1,0 +1,109 @@
+"""`executor/pipeline.py`: a stage's packs in groups, each write after every group that
+writes a byte it reads; checked against a brute-force footprint test on compiled FP8 plans,
+and bit-exact end to end (the local transport runs the groups)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from executor.pipeline import SHARES, groups, split
+from planner.compiler import compile_layouts
+from planner.fp8 import quantize_layout, with_scales
+from planner.spec import spec_from_hf
+from schemas.plan import COPY_COLUMNS, PACK, QUANT
+from schemas.protocol import copy_footprint
+from schemas.table import Table
+from tests.support.synthetic import FP8_HF, fp8_config, fused_col_split, row_split
+
+
+@pytest.fixture(scope="module")
+def plan():
+    spec = spec_from_hf(FP8_HF)
+    src, dst = row_split(spec, 3), quantize_layout(fused_col_split(spec, 2, 2), spec)
+    return compile_layouts(fp8_config(), with_scales(spec), src, dst)
+
+
+def stage_rows(rp, s):
+    c, b = rp.copies, rp.batches
+    packing = np.flatnonzero((c["stage"] == s) & ((c["kind"] == PACK) | (c["kind"] == QUANT)))
+    writes = np.concatenate([np.arange(int(b["start"][i]), int(b["stop"][i]))
+                             for i in np.flatnonzero(b["stage"] == s)] or [np.zeros(0, int)])
+    return packing, writes
+
+
+def brute_dep(rp, group_rows, writes):
+    """Per write, the last group writing a byte it reads (-1: none), one pair at a time."""
+    w = rp.writes
+    dep = np.full(len(writes), -1)
+    for g, rows in enumerate(group_rows):
+        _, reg, lo, hi = copy_footprint(rp, "dst", rows)
+        for k, i in enumerate(writes.tolist()):
+            a = int(w["src_offset"][i])
+            b = a + int(w["nbytes"][i])
+            same = reg == int(w["src_region"][i])
+            if ((lo[same] < b) & (hi[same] > a) & (b > a)).any():
+                dep[k] = g
+    return dep
+
+
+def test_groups_cover_the_copies_and_every_write_follows_what_it_reads(plan):
+    pipelined = 0
+    for rp in plan.ranks:
+        for s in range(rp.stages):
+            packing, writes = stage_rows(rp, s)
+            for n in range(1, len(SHARES) + 1):
+                cut = split(rp, packing, writes, n)
+                if cut is None:
+                    continue
+                pipelined += 1
+                group_rows, dep = cut
+                assert 1 <= len(group_rows) <= n
+                assert all(len(g) for g in group_rows)
+                together = np.sort(np.concatenate(group_rows))
+                assert np.array_equal(together, np.unique(packing))
+                np.testing.assert_array_equal(dep, brute_dep(rp, group_rows, writes))
+    assert pipelined  # the FP8 plan has stages that quantize into staging and write it
+
+
+def test_a_wrong_dependency_would_be_caught(plan):
+    """The brute-force check can fail: moving a dependent write one group earlier differs."""
+    for rp in plan.ranks:
+        for s in range(rp.stages):
+            packing, writes = stage_rows(rp, s)
+            cut = split(rp, packing, writes, 2)
+            if cut is not None and (cut[1] >= 0).any():
+                group_rows, dep = cut
+                bad = dep.copy()
+                bad[np.argmax(dep)] -= 1
+                assert not np.array_equal(bad, brute_dep(rp, group_rows, writes))
+                return
+    pytest.fail("no pipelined stage")
+
+
+def test_a_stage_whose_copies_read_each_other_stays_whole(plan):
+    """Two copies where the second reads what the first writes: never split."""
+    for rp in plan.ranks:
+        for s in range(rp.stages):
+            packing, writes = stage_rows(rp, s)
+            if split(rp, packing, writes) is None:
+                continue
+            c = rp.copies
+            q, other = packing[0], packing[1]
+            cols = {k: c[k].copy() for k, _ in COPY_COLUMNS}
+            for k in ("region", "offset", "dtype"):  # `other` reads exactly what `q` writes
+                cols[f"src_{k}"][other] = c[f"dst_{k}"][q]
+            bad = replace(rp, copies=Table.build(COPY_COLUMNS, **cols))
+            assert split(bad, packing, writes) is None
+            return
+    pytest.fail("no pipelined stage")
+
+
+def test_group_count_fits_the_write_window(plan):
+    rp = next(r for r in plan.ranks if len(r.writes))
+    s = int(rp.batches["stage"][0])
+    assert groups(rp, s, 0, 8) == 0
+    assert 1 <= groups(rp, s, 4, 8) <= 4
+    assert groups(rp, s, 4, 1) == 1
