@@ -22,13 +22,14 @@ def transport_variant(entry: str) -> tuple[str, dict, int]:
     `@M` keeps M batches in flight (default 8)."""
     tr, _, inflight = entry.partition("@")
     kind, _, streams = tr.partition(":")
+    kind = kind.removesuffix("-whole")  # the executor's option (`rdma_plan`)
     options: dict = {}
     if kind.startswith("cuda_ipc"):  # variants, for comparisons in one run
         options = cuda_ipc_options(int(streams or 4), graphs=not kind.endswith("-raw"),
                                    kernel=not kind.endswith("-engines"))
         kind = "cuda_ipc"
     elif kind.startswith("nixl"):
-        options = {"sgl": not kind.removesuffix("-whole").endswith("-nosgl")}
+        options = {"sgl": not kind.endswith("-nosgl")}
         kind = "nixl"
     return kind, options, int(inflight or 8)
 
