@@ -79,7 +79,8 @@ def prepare_stage(plan: RankPlan, s: int, regions: list[torch.Tensor],
     dep_of[np.concatenate(batches)] = dep
     for g in range(-1, len(groups_rows)):
         ops = _packs(c, groups_rows[g], regions, graphs, p.rank, s) if g >= 0 else []
-        entries = _prepare([r[dep_of[r] == g] for r in batches], w, transport)
+        entries = _prepare([r[dep_of[r] == g] for r in batches], w, transport,
+                           beside=g < len(groups_rows) - 1)
         st.pipeline.append((ops, entries))
         st.packs += ops
         st.batches += entries
@@ -94,14 +95,16 @@ def _packs(c, rows: np.ndarray, regions: list[torch.Tensor], graphs: bool, rank:
     return as_graph(ops, regions[0].device, f"rank {rank} stage {s} packs") if graphs else ops
 
 
-def _prepare(batches: list[np.ndarray], w, transport: Transport) -> list[Prepared]:
-    """One prepared batch per plan batch (of write rows) and destination peer."""
+def _prepare(batches: list[np.ndarray], w, transport: Transport, beside: bool = False
+             ) -> list[Prepared]:
+    """One prepared batch per plan batch (of write rows) and destination peer; `beside`:
+    posted while a pack group runs (`WriteBatch.beside_packs`)."""
     out = []
     for rows in batches:
         dst = w["dst_rank"][rows]
         for peer in dict.fromkeys(dst.tolist()):
             r = rows[dst == peer]
             batch = WriteBatch(peer, *(w[k][r].astype(np.int64) for k in (
-                "src_region", "src_offset", "dst_region", "dst_offset", "nbytes")))
+                "src_region", "src_offset", "dst_region", "dst_offset", "nbytes")), beside)
             out.append(Prepared(transport.prepare(batch), peer, batch))
     return out
