@@ -69,7 +69,6 @@ class Executor:
         self.plan, self.rank, self.timeout_s = plan, plan.rank, timeout_s
         self.header = header  # peers' blob digests (schemas/integrity.py)
         self.max_inflight = max(1, max_inflight)
-        # a stage's packs in up to this many groups, each one's writes right after it
         self.pack_groups = len(SHARES) if pack_groups is None else max(0, pack_groups)
         self.fingerprint = header.fingerprint
         self.tag = signals.fingerprint_tag(self.fingerprint)
@@ -390,7 +389,8 @@ def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str 
     registration; without one the load is refused unless `no_identity=True` (logged).
     Keyword options: `secret` (the job secret, else `RDMA_PLAN_SECRET`), `insecure=True`
     (run without one; logs a warning), `transport_options` (a dict of the transport's
-    options dataclass, e.g. `{"streams": 2}` for cuda_ipc)."""
+    options dataclass, e.g. `{"streams": 2}` for cuda_ipc), `pack_groups` (a stage's packs
+    in up to this many groups, each one's writes right after it, `pipeline.py`; 0: whole)."""
     return Executor.load(path, rank, tensors, transport, rendezvous, timeout_s, max_inflight,
                          plan_key, identity, **options)
 

@@ -107,3 +107,32 @@ def test_group_count_fits_the_write_window(plan):
     assert groups(rp, s, 0, 8) == 0
     assert 1 <= groups(rp, s, 4, 8) <= 4
     assert groups(rp, s, 4, 1) == 1
+
+
+@pytest.mark.deep  # 7 NIXL processes on the CPU: ~1 minute on a quiet 2-core box
+def test_fp8_over_nixl_in_groups_is_bit_exact(tmp_path, plan):
+    """NIXL posts wait on the host for each group's copies (no `ordered_posts`): the
+    grouped stages of the FP8 plan still land bit-exact against the reference quantizer."""
+    pytest.importorskip("nixl")
+    import os
+    import secrets
+    import sys
+
+    from harness.launch import master_store, root_env, spawn_ranks
+    from schemas.plan_write import write_plan
+
+    path = str(tmp_path / "p.rplan")
+    write_plan(path, plan)
+    world = len(plan.ranks)
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp8_worker.py")
+    store, port = master_store(60)  # noqa: F841 (alive while the ranks run)
+    done = spawn_ranks(lambda r: [sys.executable, worker, path, str(r), f"127.0.0.1:{port}",
+                                  str(world), "4"], world,
+                       env=root_env(NIXL_LOG_LEVEL="WARN",
+                                    RDMA_PLAN_SECRET=secrets.token_hex(32)), timeout=300)
+    for f in done:
+        assert f.returncode == 0, f"rank {f.rank} failed:\n{f.output[-3000:]}"
+    outs = "".join(f.output for f in done)
+    assert outs.count("bit-exact") == world - 3
+    grouped = [int(line.split()[-1]) for line in outs.splitlines() if " pipelined " in line]
+    assert len(grouped) == 3 and sum(grouped) > 0
