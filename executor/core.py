@@ -42,7 +42,7 @@ from .check import check_against_header, check_rank_plan, check_rank_verify, che
 from .cleanup import best_effort
 from .control import Control
 from .errors import PeerLostError, PeerMismatchError
-from .pipeline import SHARES, groups
+from .pipeline import SHARES, groups, link
 from .recovery import Recovery
 from .rendezvous import open_store
 from .stages import Stage, prepare_stage
@@ -176,6 +176,7 @@ class Executor:
         self.stages = [prepare_stage(p, s, self.regions, self.transport,
                                      groups(p, s, self.pack_groups, self.max_inflight))
                        for s in range(p.stages)]
+        link(p, self.stages)  # what each pack group waits for
         self.overlap = Overlap(p)
         self.prepacked = self.overlap.prepacked.tolist()
         self.carries = carries(p).tolist()  # stage s may end with its writes in flight
@@ -286,21 +287,21 @@ class Executor:
 
         The packs of the next stage run here too, once the first writes are posted, where
         `schemas.protocol` allows it. When nothing arrives for this rank in stage `s`, its
-        last writes may still be in flight when the next stage starts (`window.py`): their
-        DONE goes out as they land."""
+        last writes may be in flight when the next stage starts (`window.py`; a grouped
+        stage's packs wait only for those that read what they write): DONE when landed."""
         st = self.stages[s]
         timeout = self.timeout_s if timeout_s is None else timeout_s
         early = len(self.window) > 0  # writes of stage s-1 still in flight
-        if early and not (self.signals.take(st.before) and (self.prepacked[s] or not st.packs)):
+        if early and not (self.signals.take(st.before)
+                          and (self.prepacked[s] or not st.packs or st.pipeline)):
             self.window.drain(timeout)  # a wait, or packs that may touch their staging
             early = False
-        if not early:
-            self.signals.wait(st.before, timeout)
+        self.signals.wait([] if early else st.before, timeout)
         nxt = s + 1 if s + 1 < len(self.stages) and self.prepacked[s + 1] else -1
-        # the packs (none if prepacked) then the writes; or group by group (`pipeline.py`)
-        whole = not st.pipeline or self.prepacked[s]
-        for ops, entries in [([] if self.prepacked[s] else st.packs, st.batches)] if whole \
-                else st.pipeline:
+        whole = not st.pipeline or self.prepacked[s]  # else group by group (`pipeline.py`)
+        for g, (ops, entries) in enumerate(
+                [([] if self.prepacked[s] else st.packs, st.batches)] if whole else st.pipeline):
+            self.window.drain_ids(frozenset() if whole else st.blocked[g], timeout)
             for op in ops:
                 op()
             self.signals.mark_queued(bool(ops))
@@ -389,8 +390,7 @@ def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str 
     registration; without one the load is refused unless `no_identity=True` (logged).
     Keyword options: `secret` (the job secret, else `RDMA_PLAN_SECRET`), `insecure=True`
     (run without one; logs a warning), `transport_options` (a dict of the transport's
-    options dataclass, e.g. `{"streams": 2}` for cuda_ipc), `pack_groups` (a stage's packs
-    in up to this many groups, each one's writes right after it, `pipeline.py`; 0: whole)."""
+    options dataclass, e.g. `{"streams": 2}` for cuda_ipc), `pack_groups` (`pipeline.py`)."""
     return Executor.load(path, rank, tensors, transport, rendezvous, timeout_s, max_inflight,
                          plan_key, identity, **options)
 

@@ -13,6 +13,11 @@ The plan does not change: this only orders, within one stage of one rank, what t
 executor already ran in that stage, and it keeps every write after every copy that writes
 what it reads (byte intervals of `schemas.protocol.copy_footprint`, the same proof as
 `verify`'s). A stage whose copies read what its other copies write is left whole.
+
+A grouped stage does not wait for all of the previous stages' writes still in flight before
+its first group (as a whole stage's packs must, `core.py`): each group waits only for the
+batches in flight that read a byte it writes (`link`: `Stage.blocked`), so the first group
+quantizes while the previous stage's last writes land.
 """
 
 from __future__ import annotations
@@ -37,6 +42,39 @@ def groups(plan: RankPlan, s: int, want: int, window: int) -> int:
     peers = len(np.unique(np.concatenate([dst[int(b["start"][i]):int(b["stop"][i])]
                                           for i in rows])))
     return max(1, min(want, window // max(1, peers) - 1))
+
+
+def region_base(plan: RankPlan) -> np.ndarray:
+    """Where each region starts in one address space of the rank's regions (bytes)."""
+    base = np.zeros(len(plan.regions) + 1, dtype=np.int64)
+    base[1:] = np.cumsum([r.nbytes for r in plan.regions])
+    return base
+
+
+def link(plan: RankPlan, stages: list) -> None:
+    """Set `blocked` of every grouped stage: per group of its `pipeline`, the ids of the
+    prepared batches (of this or an earlier stage, posted before the group) that read a
+    byte the group's copies write; the group runs once none of them is in flight."""
+    base = region_base(plan)
+    order = [e for st in stages for _, es in (st.pipeline or [([], st.batches)]) for e in es]
+    if not order:
+        return
+    lo = np.concatenate([base[e.batch.src_region] + e.batch.src_offset for e in order])
+    hi = lo + np.concatenate([e.batch.nbytes for e in order])
+    owner = np.repeat(np.arange(len(order)), [len(e.batch.nbytes) for e in order])
+    ids = np.array([id(e) for e in order], dtype=object)
+    before = 0  # writes posted before the current entry
+    for st in stages:
+        st.blocked = []
+        for k, (_, entries) in enumerate(st.pipeline or [([], st.batches)]):
+            if st.pipeline and k > 0:
+                _, reg, glo, ghi = copy_footprint(plan, "dst", st.group_rows[k - 1])
+                glo, ghi = _merged(base[reg] + glo, base[reg] + ghi)
+                hit = _hits(glo, ghi, lo[:before], hi[:before])
+                st.blocked.append(frozenset(ids[np.unique(owner[:before][hit])].tolist()))
+            elif st.pipeline:
+                st.blocked.append(frozenset())
+            before += sum(len(e.batch.nbytes) for e in entries)
 
 
 def _merged(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -77,8 +115,7 @@ def split(plan: RankPlan, rows: np.ndarray, writes: np.ndarray, groups: int = le
     c = plan.copies
     if not np.isin(c["kind"][rows], (PACK, QUANT)).all():
         return None
-    base = np.zeros(len(plan.regions) + 1, dtype=np.int64)  # one address space of regions
-    base[1:] = np.cumsum([r.nbytes for r in plan.regions])
+    base = region_base(plan)  # one address space of the rank's regions
     d_row, d_reg, d_lo, d_hi = copy_footprint(plan, "dst", rows)
     _, s_reg, s_lo, s_hi = copy_footprint(plan, "src", rows)
     d_lo, d_hi = base[d_reg] + d_lo, base[d_reg] + d_hi

@@ -39,6 +39,11 @@ class Stage:
     pipeline: list[tuple[list[Op], list[Prepared]]] = field(default_factory=list)
     """Where the packs run in groups (`pipeline.py`): (a group's ops, the writes posted
     right after them), in order; `packs` and `batches` are then these, concatenated."""
+    group_rows: list[np.ndarray] = field(default_factory=list)
+    """The copy rows of each group of `pipeline` (after its first entry: writes only)."""
+    blocked: list[frozenset[int]] = field(default_factory=list)
+    """Per entry of `pipeline`: ids of earlier batches that must land before its copies
+    run (`pipeline.link`)."""
 
 
 def prepare_stage(plan: RankPlan, s: int, regions: list[torch.Tensor],
@@ -75,6 +80,7 @@ def prepare_stage(plan: RankPlan, s: int, regions: list[torch.Tensor],
         st.batches = _prepare(batches, w, transport)
         return st
     groups_rows, dep = cut
+    st.group_rows = groups_rows
     dep_of = np.full(len(w), -1, dtype=np.int64)
     dep_of[np.concatenate(batches)] = dep
     for g in range(-1, len(groups_rows)):
