@@ -42,6 +42,7 @@ from .check import check_against_header, check_rank_plan, check_rank_verify, che
 from .cleanup import best_effort
 from .control import Control
 from .errors import PeerLostError, PeerMismatchError
+from .pipeline import SHARES, groups, link
 from .recovery import Recovery
 from .rendezvous import open_store
 from .stages import Stage, prepare_stage
@@ -59,7 +60,8 @@ class Executor:
                  rendezvous: object = None, timeout_s: float = 60.0, max_inflight: int = 8,
                  *, secret: bytes | str | None = None, insecure: bool = False,
                  transport_options: dict[str, Any] | None = None,
-                 step_records: bool = True, max_staging_bytes: int | None = None) -> None:
+                 step_records: bool = True, max_staging_bytes: int | None = None,
+                 pack_groups: int | None = None) -> None:
         check_rank_plan(plan)
         check_rank_verify(plan, header)  # what verify refuses on this rank's part alone
         check_against_header(plan, header)
@@ -67,6 +69,7 @@ class Executor:
         self.plan, self.rank, self.timeout_s = plan, plan.rank, timeout_s
         self.header = header  # peers' blob digests (schemas/integrity.py)
         self.max_inflight = max(1, max_inflight)
+        self.pack_groups = len(SHARES) if pack_groups is None else max(0, pack_groups)
         self.fingerprint = header.fingerprint
         self.tag = signals.fingerprint_tag(self.fingerprint)
         self.namespace = "rplan"  # not per plan: a peer on another plan must be told so
@@ -170,8 +173,10 @@ class Executor:
         if self.rejoined:  # a restarted rank joins at its peers' step (recovery.py)
             self.step = max(self.step, self.recovery.join_step() - 1)
             self.control.publish_step(self.step + 1)
-        self.stages = [prepare_stage(p, s, self.regions, self.transport)
+        self.stages = [prepare_stage(p, s, self.regions, self.transport,
+                                     groups(p, s, self.pack_groups, self.max_inflight))
                        for s in range(p.stages)]
+        link(p, self.stages)  # what each pack group waits for
         self.overlap = Overlap(p)
         self.prepacked = self.overlap.prepacked.tolist()
         self.carries = carries(p).tolist()  # stage s may end with its writes in flight
@@ -282,27 +287,32 @@ class Executor:
 
         The packs of the next stage run here too, once the first writes are posted, where
         `schemas.protocol` allows it. When nothing arrives for this rank in stage `s`, its
-        last writes may still be in flight when the next stage starts (`window.py`): their
-        DONE goes out as they land."""
+        last writes may be in flight when the next stage starts (`window.py`; a grouped
+        stage's packs wait only for those that read what they write): DONE when landed."""
         st = self.stages[s]
         timeout = self.timeout_s if timeout_s is None else timeout_s
         early = len(self.window) > 0  # writes of stage s-1 still in flight
-        if early and not (self.signals.take(st.before) and (self.prepacked[s] or not st.packs)):
+        if early and not (self.signals.take(st.before)
+                          and (self.prepacked[s] or not st.packs or st.pipeline)):
             self.window.drain(timeout)  # a wait, or packs that may touch their staging
             early = False
-        if not early:
-            self.signals.wait(st.before, timeout)
-        if not self.prepacked[s]:  # else they ran while stage s-1's writes were in flight
-            self._pack(s)
-        if st.packs and not self.ordered_posts:
-            self.signals.sync()  # writes read what the packs wrote: their kernels must be done
+        self.signals.wait([] if early else st.before, timeout)
         nxt = s + 1 if s + 1 < len(self.stages) and self.prepacked[s + 1] else -1
-        for i, entry in enumerate(st.batches):
-            if i == self.max_inflight and nxt >= 0:
-                self._prepack(nxt, timeout)
-                nxt = -1
-            self.window.post(entry, s, timeout)
-            self.signals.mark_queued(self.one_stream)  # `local`: on the current stream
+        whole = not st.pipeline or self.prepacked[s]  # else group by group (`pipeline.py`)
+        for g, (ops, entries) in enumerate(
+                [([] if self.prepacked[s] else st.packs, st.batches)] if whole else st.pipeline):
+            self.window.drain_ids(frozenset() if whole else st.blocked[g], timeout)
+            for op in ops:
+                op()
+            self.signals.mark_queued(bool(ops))
+            if st.packs and not self.ordered_posts:
+                self.signals.sync()  # writes read what the packs wrote: their kernels are done
+            for i, entry in enumerate(entries):
+                if i == self.max_inflight and nxt >= 0 and whole:
+                    self._prepack(nxt, timeout)
+                    nxt = -1
+                self.window.post(entry, s, timeout)
+                self.signals.mark_queued(self.one_stream)  # `local`: on the current stream
         if nxt >= 0:
             self._prepack(nxt, timeout)
         self.window.close(s)
@@ -380,7 +390,7 @@ def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str 
     registration; without one the load is refused unless `no_identity=True` (logged).
     Keyword options: `secret` (the job secret, else `RDMA_PLAN_SECRET`), `insecure=True`
     (run without one; logs a warning), `transport_options` (a dict of the transport's
-    options dataclass, e.g. `{"streams": 2}` for cuda_ipc)."""
+    options dataclass, e.g. `{"streams": 2}` for cuda_ipc), `pack_groups` (`pipeline.py`)."""
     return Executor.load(path, rank, tensors, transport, rendezvous, timeout_s, max_inflight,
                          plan_key, identity, **options)
 

@@ -89,6 +89,11 @@ class Window:
         while any(s == stage for _, s in self.inflight):
             self._reap(timeout_s)
 
+    def drain_ids(self, ids: frozenset[int], timeout_s: float) -> None:
+        """Wait until no batch whose `id` is in `ids` is in flight."""
+        while ids and any(id(e) in ids for e, _ in self.inflight):
+            self._reap(timeout_s)
+
     def abandon(self) -> list[Entry]:
         """The batches still in flight (after a failure): the caller settles them."""
         entries = [e for e, _ in self.inflight]

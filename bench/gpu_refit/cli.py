@@ -28,7 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "cuda_ipc:N uses N copy streams (default executor.transports.cuda_ipc."
                    "STREAMS), cuda_ipc-raw posts copies one by one (no CUDA graphs), "
                    "cuda_ipc-engines keeps the copy engines (no copy kernel); nixl-nosgl posts "
-                   "a put per write (no scatter-gather); a "
+                   "a put per write (no scatter-gather); -whole runs a stage's packs whole before "
+                   "its writes (no pack groups); a "
                    "suffix @M keeps M batches in flight (default 8)")
     p.add_argument("--gpus", type=int, default=4, help="4 (2 trainers, 2 inference) or 2")
     p.add_argument("--steps", type=int, default=20)

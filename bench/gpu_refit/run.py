@@ -17,10 +17,12 @@ def transport_variant(entry: str) -> tuple[str, dict, int]:
     """A `--transports` entry -> (transport, its options, batches in flight):
     `cuda_ipc:N` uses N copy streams, `cuda_ipc-raw` posts copies one by one (no CUDA
     graphs), `cuda_ipc-engines` keeps the copy engines (no copy kernel); `nixl-nosgl`
-    posts a put per write (no scatter-gather); a suffix `@M` keeps M batches in flight
-    (default 8)."""
+    posts a put per write (no scatter-gather); `-whole` (any transport) runs a stage's
+    packs whole before its writes (`pack_groups=0`, no `executor/pipeline.py`); a suffix
+    `@M` keeps M batches in flight (default 8)."""
     tr, _, inflight = entry.partition("@")
     kind, _, streams = tr.partition(":")
+    kind = kind.removesuffix("-whole")  # the executor's option (`rdma_plan`)
     options: dict = {}
     if kind.startswith("cuda_ipc"):  # variants, for comparisons in one run
         options = cuda_ipc_options(int(streams or 4), graphs=not kind.endswith("-raw"),
@@ -110,9 +112,11 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
             kind, options, inflight = transport_variant(tr)
             if kind == "nixl":  # read when the agent's UCX backend is created
                 os.environ["NIXL_UCX_SGL_ENABLE"] = "1" if options.get("sgl", True) else "0"
+            whole = tr.partition("@")[0].partition(":")[0].endswith("-whole")
             ex = executor.load(plan_path, rank=rank, tensors=tensors, transport=kind,
                                rendezvous=store, timeout_s=args.exec_timeout,
                                max_inflight=inflight, no_identity=True,
+                               pack_groups=0 if whole else None,
                                **({"transport_options": options} if options else {}))
         except Exception as e:  # noqa: BLE001 - printed, and the rank reports it
             traceback.print_exc()

@@ -26,6 +26,9 @@ class WriteBatch:
     dst_region: np.ndarray
     dst_offset: np.ndarray
     nbytes: np.ndarray
+    beside_packs: bool = False
+    """Posted while the rank's next pack group runs on its SMs (`executor/pipeline.py`): a
+    transport that can copy on the SMs or on the copy engines may leave the SMs to it."""
 
 
 @dataclass(slots=True)

@@ -208,6 +208,8 @@ class CudaIpcTransport:
         o = self.options
         here = batch.peer in self.opened  # on another GPU, mapped in this context
         limit = o.peer_kernel_max_mean_bytes if here else o.kernel_max_mean_bytes
+        if batch.beside_packs:  # the SMs run the next pack group meanwhile
+            limit = min(limit, o.beside_packs_max_mean_bytes)
         if self.ladder.kernel and len(n) and int(n.sum()) < limit * len(n) and \
                 (here or all(r.device == self.device for r in self.peers[batch.peer])):
             handle.table = self.kernel.table(d, s, n)  # type: ignore[union-attr]

@@ -55,6 +55,10 @@ class CudaIpcOptions:
     peer_kernel_max_mean_bytes: int = 32 << 20
     """The same for a peer on another GPU (the kernel writes over NVLink); where
     the engines overtake the kernel: BENCHMARKS.md, "Executor against a raw copy on GPU"."""
+    beside_packs_max_mean_bytes: int = 4 << 20
+    """The same for a batch posted while the next pack group runs (`beside_packs`): its
+    copies share the SMs with the FP8 quantizer there, so from this mean size on they go
+    to the engines (FP8 Qwen3-8B on 4 H200s: BENCHMARKS.md, "Issue 37: GPU rows")."""
     device_signals: bool = True
     """A stage's DONE published by the GPU once its copies have landed (a stream write into
     the peer's shared-memory ring), not by this host after it saw them land."""
