@@ -24,9 +24,19 @@ Trainer side (`RdmaPlanTrainerEngine`, via `WeightTransferTrainerFactory.trainer
 trainer rank): binds this rank's tensors from a `WeightSource` (its `iter_local()`, else
 `iter_full()`) under the plan rank of its `identity` (a swapped rank or a part of the file
 compiled for another rank is refused before the workers are asked to load; no identity is
-refused unless `no_identity=True`), and `send_weights()` drives start/update/finish through the
+refused unless `no_identity=True`), and an update in two phases, through the
 `VLLMWeightSyncClient` on the sender (trainer rank 0) while every trainer rank runs the plan's
-source side. A source that yields new tensors each round is copied into the bound ones.
+source side:
+
+- `start_send(version)`, every rank: the round's source tensors (a source that yields new
+  tensors each round is copied into the bound ones); the sender opens the engine's update
+  (`start_weight_update`, `update_weights`); every rank runs its writes and returns when
+  they are done. In shadow mode the engine keeps serving version N meanwhile.
+- `finish_send(version)`, the sender (a no-op elsewhere): `finish_weight_update`, the switch
+  and commit in shadow mode. A torn update raises `TornUpdateError`, the session closed and
+  nothing switched (shadow: version N keeps serving; the next update starts clean).
+- `send_weights(version)` = both (pause, send_weights, resume). In shadow mode pause only
+  around `finish_send`: start_send, pause, finish_send, resume (`rl_loop/train.py --shadow`).
 
 Both sides take `plan_key`; under a job secret a load without it is refused unless
 `allow_unsigned=True` (logged). `register()` adds both under `rdma_plan` (idempotent);
@@ -35,13 +45,14 @@ vLLM calls it in every process (`vllm.general_plugins` entry point).
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import (
-    TrainerInitInfo,
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
     WeightSource,
@@ -57,12 +68,10 @@ from integrations import vllm_checks as checks
 from integrations import vllm_content as content
 from integrations import vllm_cpu_gemm, vllm_shadow
 from integrations.vllm_background import Background as _Background
+from integrations.vllm_trainer_info import BACKEND, RdmaPlanTrainerInitInfo, source_tensors
 from schemas.header import PlanHeader
-from schemas.identity import find_rank
 from schemas.integrity import plan_key as read_key
-from schemas.plan import load_rank, read_header
-
-BACKEND = "rdma_plan"
+from schemas.plan import load_rank
 
 
 class TornUpdateError(executor.TornUpdateError):
@@ -93,6 +102,8 @@ class RdmaPlanInitInfo(WeightTransferInitInfo):
 class RdmaPlanUpdateInfo(WeightTransferUpdateInfo):
     version: str | None = None
     """The weight version this update carries; committed by `finish_weight_update`."""
+    landed: bool = False
+    """Shadow mode: wait for every worker's last DONE and agree (`vllm_shadow.landed`)."""
 
 
 class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPlanUpdateInfo]):
@@ -114,6 +125,8 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         self.failure: BaseException | None = None
         self.received = False
         self.refreshes = 0  # derived-state refreshes run, over all updates
+        self.refresh_s = 0.0  # the last commit's refresh (on vllm-cpu: the CPU GEMM repack)
+        self.receive_s = 0.0  # paused mode: the last update_weights (this rank's receive)
         self.shadow: executor.Shadow | None = None  # shadow mode (vllm_shadow.make)
 
     def init_transfer_engine(self, init_info: RdmaPlanInitInfo) -> None:
@@ -168,15 +181,18 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         """This rank's part of the plan; a peer lost mid-update raises `TornUpdateError`
         (vLLM then ends the session; `finish_weight_update` would refuse to commit too)."""
         assert self.plan is not None, "start_weight_update checks this"
+        if self.shadow is not None and update_info.landed:  # finish_send, engine paused
+            return vllm_shadow.landed(self, update_info.version, TornUpdateError)
         if self.shadow is not None:  # returns at once; finish_weight_update waits
             return vllm_shadow.start(self, update_info.version)
         self.pending_version = update_info.version
+        t0 = time.perf_counter()
         try:
             executor.run(self.plan)
         except (PeerTimeoutError, PeerMismatchError) as e:
             self.failure = e
             raise self._torn(update_info.version) from e
-        self.received = self.plan.complete
+        self.received, self.receive_s = self.plan.complete, time.perf_counter() - t0
 
     def _torn(self, version: str | None) -> TornUpdateError:
         cause = self.failure or "update_weights did not run"
@@ -194,11 +210,15 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
             return vllm_shadow.finish(self, version, TornUpdateError)
         if self.failure is not None or not self.received:
             raise self._torn(version)
+        t0 = time.perf_counter()
         self.commit(version)
+        vllm_shadow.log(self, version, transfer_s=self.receive_s,
+                        finish_s=time.perf_counter() - t0)
 
     def commit(self, version: str | None) -> None:
         """Refresh the derived tensors, check, commit `version` (every byte has landed)."""
         mla = checks.mla_modules(self.model)
+        t0 = time.perf_counter()
         with torch.no_grad():
             before = content.mla_inputs(mla, [name for name, _ in self.refresh])
             for _, refresh in self.refresh:
@@ -206,6 +226,7 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
             content.restore_host_scales(self.host)
             content.refresh_host_scales(self.model)
         self.refreshes += len(self.refresh)
+        self.refresh_s = time.perf_counter() - t0
         if moved := [n for n, p in content.pointers(self.model).items() if self.ptrs.get(n) != p]:
             raise RuntimeError(f"rdma_plan: {len(moved)} tensor(s) moved during the update "
                                f"(first {moved[0]}); CUDA graphs captured on them are stale")
@@ -220,62 +241,10 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
     def shutdown(self) -> None:
         if self.shadow is not None:
             self.shadow.join()  # its thread uses the executor
+            self.shadow = None  # a later init_transfer_engine chooses its mode again
         if self.plan is not None:
             self.plan.close()
             self.plan = None
-
-
-@dataclass
-class RdmaPlanTrainerInitInfo(TrainerInitInfo):
-    backend: ClassVar[str] = BACKEND
-    plan: str
-    """Path of the compiled plan file (the same file the workers load)."""
-    rendezvous: str
-    """`host:port` of the plan's store; plan rank 0 (the sender) hosts it."""
-    transport: str = "nixl"
-    timeout_s: float = 60.0
-    plan_rank: int | None = None
-    """This trainer rank's plan rank (default: the plan rank whose identity is `identity`)."""
-    identity: dict[str, int | str] | None = None
-    """This trainer rank's coordinates from its framework (`integrations.megatron.identity()`,
-    `integrations.fsdp2.identity(model)`, or a bind's `b.identity`): the plan rank is the
-    one with this identity, and a part compiled for another is refused before anything is
-    registered. Without it the load is refused unless `no_identity=True` (logged)."""
-    no_identity: bool = False
-    """Trust `plan_rank` (or `rank`) without an identity (logged)."""
-    plan_key: str | None = None
-    """Path of the plan's signing key, on the trainer and (the same path) on every worker;
-    with a job secret set, required unless `allow_unsigned`."""
-    allow_unsigned: bool = False
-    """Load without checking the plan's signature although a job secret is set (logged)."""
-    shadow: bool = False
-    """The workers' shadow mode (`RdmaPlanInitInfo.shadow`)."""
-
-    def worker_info(self) -> dict[str, Any]:
-        return {"plan": self.plan, "rendezvous": self.rendezvous, "shadow": self.shadow,
-                "transport": self.transport, "timeout_s": self.timeout_s,
-                "plan_key": self.plan_key, "allow_unsigned": self.allow_unsigned}
-
-    def load_rank(self) -> int:
-        """The plan rank this trainer rank loads: `plan_rank`, else the one whose identity
-        is `identity`, else `rank` (only with `no_identity`: `executor.load` refuses it)."""
-        if self.plan_rank is not None:
-            return self.plan_rank
-        if self.identity is not None:
-            with open(self.plan, "rb") as f:
-                header = read_header(f, self.plan)[0]
-            return int(find_rank(header, self.identity, self.plan))
-        return self.rank
-
-
-def source_tensors(source: WeightSource) -> dict[str, torch.Tensor]:
-    """This rank's tensors from `source`: `iter_local()` where implemented, else `iter_full()`
-    (vLLM 0.33); vLLM 0.32's `WeightSource` has neither: iterating it yields them."""
-    if not hasattr(source, "implements_iter_local"):  # vLLM 0.32
-        it = iter(source)
-    else:
-        it = source.iter_local() if source.implements_iter_local() else source.iter_full()
-    return {name: t.detach() for name, t in it}
 
 
 class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]):
@@ -293,6 +262,9 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
         self.timeout_s = 60.0
         self.updates = 0
         self.shadow = False  # the workers run in shadow mode (vllm_shadow.py)
+        self.open = False  # the sender opened an update that finish_send has not closed
+        self.version: str | None = None  # the open update's version
+        self.lost: BaseException | None = None  # a peer lost during start_send's writes
 
     @classmethod
     def trainer_init(cls, init_info: RdmaPlanTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -340,35 +312,74 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
             if t.data_ptr() != b.data_ptr():
                 b.copy_(t)
 
-    def send_weights(self, weight_version: str | None = None) -> None:
-        """One update: every rank runs its part; the sender drives the engine around it."""
+    def write(self) -> None:
+        """This rank's part of the plan (its writes); returns when they are done. A subclass
+        may wrap it (the RL example's `--throttle-ms`: a slow source)."""
         assert self.plan is not None, "trainer_init sets it"
+        executor.run(self.plan)
+
+    def start_send(self, weight_version: str | None = None) -> None:
+        """Phase 1 of an update, on every rank: this round's source tensors into the bound
+        ones, then this rank's writes (returns when they are done). The sender first opens
+        the engine's update (`start_weight_update`, `update_weights`): in shadow mode the
+        workers return at once and the engine keeps serving version N while the bytes land.
+        Raises `TornUpdateError` where the engine already ended the update (nothing to
+        finish); a peer lost on the sender is raised by `finish_send`, which closes it."""
+        if self.open:
+            raise RuntimeError("rdma_plan: start_send called while an update is open; call "
+                               "finish_send first")
         self._copy_round()
         self.updates += 1
+        self.version, self.lost = weight_version, None
         if not self.is_sender:
-            executor.run(self.plan)
+            self.write()  # a lost peer raises here (PeerTimeoutError)
             return
         self.client.start_weight_update()
-        lost: BaseException | None = None
+        self.open = True
         with _Background(self.timeout_s, self.client.update_weights,
                          {"version": weight_version}, reraise=False) as rpc:
             try:
-                executor.run(self.plan)
-            except PeerTimeoutError as e:  # the workers saw it too: their update raised
-                lost = e
+                self.write()
+            except PeerTimeoutError as e:  # paused mode: the workers saw it too
+                self.lost = e
         if rpc.error is not None:  # vLLM ended the session: nothing to finish or commit
+            self.open = False
             raise TornUpdateError(f"rdma_plan: update {weight_version!r} did not complete on "
-                                  f"the engine and was not committed: {rpc.error}") from lost
-        try:
-            self.client.finish_weight_update(weight_version)
-        except Exception as e:
-            if not self.shadow:
-                raise
-            vllm_shadow.close_torn(self.client)  # nothing switched: the engine serves on
-            raise TornUpdateError(f"rdma_plan: update {weight_version!r} did not complete on "
-                                  f"the engine and was not committed: {e}") from lost or e
+                                  f"the engine and was not committed: {rpc.error}"
+                                  ) from self.lost
+
+    def finish_send(self, weight_version: str | None = None) -> None:
+        """Phase 2, on the sender (a no-op on the other ranks): `finish_weight_update` of the
+        update `start_send` opened (`weight_version`, if given, must be the same). In shadow
+        mode the engine waits for the last DONE, switches and commits: pause it around this
+        call only. A torn update (a DONE never came) raises `TornUpdateError`; the session is
+        closed, nothing switched: version N keeps serving and the next update starts clean."""
+        if not self.is_sender:
+            return
+        if not self.open:
+            raise RuntimeError("rdma_plan: finish_send without an open update; call "
+                               "start_send first")
+        version, lost = self.version, self.lost
+        if weight_version is not None and weight_version != version:
+            raise ValueError(f"rdma_plan: finish_send({weight_version!r}) but the open update "
+                             f"is {version!r}; pass the version given to start_send")
+        self.open = False
+        if self.shadow:  # every worker waits for its last DONE; they agree (vllm_shadow)
+            try:
+                self.client.update_weights({"version": version, "landed": True})
+            except Exception as e:  # noqa: BLE001 - any client error: not committed
+                with contextlib.suppress(Exception):  # the raising worker's session ended
+                    self.client.finish_weight_update(None)  # the others': switch nothing
+                raise TornUpdateError(f"rdma_plan: update {version!r} did not complete on "
+                                      f"the engine and was not committed: {e}") from lost or e
+        self.client.finish_weight_update(version)
         if lost is not None:
             raise lost
+
+    def send_weights(self, weight_version: str | None = None) -> None:
+        """One update: `start_send` then `finish_send` (the engine paused around both)."""
+        self.start_send(weight_version)
+        self.finish_send(weight_version)
 
     def shutdown(self) -> None:
         if self.plan is not None:

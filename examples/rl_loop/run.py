@@ -11,6 +11,12 @@
    weight checker);
 3. runs the trainer ranks under torchrun (`train.py`), which refit the engine after every
    step and check it; exits non-zero when any check failed.
+
+`--shadow`: the zero-pause refit (the engine keeps serving while the weights land; paused
+only around the switch). `--throttle-ms X [--throttle-steps 2,4]`: a slow source (the
+trainer ranks start their writes X ms late). `--stall-step K --timeout-s T`: a torn transfer
+at step K (trainer rank 1 stalls past the plan's timeout T; version K-1 must keep serving;
+shadow runs only). `--compare`: the paused refit, then the shadow one, on one engine.
 """
 
 from __future__ import annotations
@@ -73,6 +79,17 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3, help="training steps (K)")
     ap.add_argument("--workdir", help="where the model folder and plan go (default: a temp dir)")
     ap.add_argument("--startup-timeout", type=float, default=900)
+    ap.add_argument("--shadow", action="store_true",
+                    help="zero-pause refit: the engine serves during the transfer, paused "
+                         "only around the switch (train.py --shadow)")
+    ap.add_argument("--compare", action="store_true",
+                    help="the paused refit, then the shadow one, on the same engine")
+    ap.add_argument("--throttle-ms", type=float, default=0.0,
+                    help="a slow source: every trainer rank starts its writes this late")
+    ap.add_argument("--throttle-steps", default="", help="the steps it applies to (e.g. 2,4)")
+    ap.add_argument("--stall-step", type=int, default=-1,
+                    help="a torn transfer at this step: trainer rank 1 stalls past the timeout")
+    ap.add_argument("--timeout-s", type=float, default=60.0, help="the plan's peer timeout")
     args = ap.parse_args()
     work = args.workdir or tempfile.mkdtemp(prefix="rl-loop-")
     model = os.path.join(work, "model")
@@ -107,15 +124,24 @@ def main() -> int:
         t0 = time.monotonic()
         wait_healthy(url, server, args.startup_timeout)
         print(f"run.py: vllm serve up in {time.monotonic() - t0:.0f} s at {url}", flush=True)
-        trainer = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-             "--master-port", str(free_port()), os.path.join(HERE, "train.py"),
-             "--variant", args.variant, "--plan", plan, "--plan-key", key, "--config", config,
-             "--model", model, "--url", url,
-             "--rendezvous", f"127.0.0.1:{free_port()}", "--steps", str(args.steps)],
-            env=dict(os.environ, PYTHONPATH=REPO, VLLM_TARGET_DEVICE="cpu",
-                     OMP_NUM_THREADS="1"), cwd=REPO)
-        return trainer.returncode
+        modes = ["paused", "shadow"] if args.compare else ["shadow" if args.shadow else "paused"]
+        code = 0
+        for mode in modes:  # one engine: each trainer run releases its connection at the end
+            print(f"run.py: {mode} refit", flush=True)
+            shadow = mode == "shadow"
+            trainer = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                 "--master-port", str(free_port()), os.path.join(HERE, "train.py"),
+                 "--variant", args.variant, "--plan", plan, "--plan-key", key,
+                 "--config", config, "--model", model, "--url", url,
+                 "--rendezvous", f"127.0.0.1:{free_port()}", "--steps", str(args.steps),
+                 "--throttle-ms", str(args.throttle_ms), "--throttle-steps", args.throttle_steps,
+                 "--stall-step", str(args.stall_step if shadow else -1),
+                 "--timeout-s", str(args.timeout_s)] + ["--shadow"] * shadow,
+                env=dict(os.environ, PYTHONPATH=REPO, VLLM_TARGET_DEVICE="cpu",
+                         OMP_NUM_THREADS="1"), cwd=REPO)
+            code = code or trainer.returncode
+        return code
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:

@@ -16,6 +16,16 @@ generate, and check:
     the tensors the plan's target layout builds from the trainer's gathered weights.
 Prints the engine's pause (generation stopped: pause, transfer, resume) and the transfer
 (start/update/finish) time per step.
+
+`--shadow` (zero-pause refit, `RdmaPlanTrainerInitInfo(shadow=True)`; `refit.py`): each rank
+`start_send`s while the engine keeps serving, then rank 0 pauses the engine, `finish_send`s
+(the engine switches the shadow in and commits) and resumes: the pause is the switch, not the
+transfer. Both modes run client threads on rank 0 (`serving.py`) sending completions
+throughout; per step also checked: every request answered before the pause took effect saw
+version N (its probe logprobs equal N's), every one sent after it saw N+1, none a mix; in
+shadow mode the engine generated tokens during the transfer (vLLM's own counter).
+`--throttle-ms` (a slow source) and `--stall-step` (a torn transfer: rank 1 stalls past the
+plan's timeout; version N must keep serving: its version, logprobs and bytes) test both.
 """
 
 from __future__ import annotations
@@ -29,14 +39,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-
-def post(url: str, path: str, body: dict | None = None, timeout: float = 300) -> Any:
-    req = urllib.request.Request(f"{url}/{path}", data=json.dumps(body or {}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        data = r.read()
-    return json.loads(data) if data else None
+from refit import paced_engine, refit
+from serving import Client, post, probe_logprobs, sort_requests
 
 
 def get(url: str, path: str) -> Any:
@@ -183,13 +187,10 @@ def engine_logprobs(url: str, model_dir: str, ids: list[int]) -> tuple[torch.Ten
                                        "temperature": 0, "prompt_logprobs": 0,
                                        "return_token_ids": True})
     choice = out["choices"][0]
-    lps = []
-    for i, d in enumerate(choice["prompt_logprobs"][1:], start=1):
-        lps.append(d[str(ids[i])]["logprob"])
-    return torch.tensor(lps, dtype=torch.float32), choice.get("token_ids")
+    return probe_logprobs(choice, ids), choice.get("token_ids")
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variant", choices=["fsdp2", "megatron"], default="fsdp2")
     ap.add_argument("--plan", required=True)
@@ -200,7 +201,24 @@ def main() -> int:
     ap.add_argument("--rendezvous", required=True, help="host:port rank 0 hosts the plan on")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tolerance", type=float, default=1e-3)
-    args = ap.parse_args()
+    ap.add_argument("--shadow", action="store_true",
+                    help="zero-pause refit: start_send while the engine serves, pause only "
+                         "around finish_send")
+    ap.add_argument("--throttle-ms", type=float, default=0.0,
+                    help="a slow source: every rank starts its writes this late")
+    ap.add_argument("--throttle-steps", default="",
+                    help="the steps --throttle-ms applies to, e.g. 2,4 (default: all)")
+    ap.add_argument("--stall-step", type=int, default=-1,
+                    help="a torn transfer: at this step trainer rank 1 stalls past the "
+                         "plan's timeout (its DONE never comes in time); version N must stay")
+    ap.add_argument("--timeout-s", type=float, default=60.0, help="the plan's peer timeout")
+    ap.add_argument("--clients", type=int, default=2,
+                    help="client threads sending completions throughout (0: none)")
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -210,7 +228,7 @@ def main() -> int:
 
     import integrations.fsdp2
     import integrations.megatron
-    from integrations.vllm import RdmaPlanTrainerInitInfo, register
+    from integrations.vllm import RdmaPlanTrainerInitInfo, TornUpdateError, register
 
     register()
     if args.variant == "megatron":
@@ -223,15 +241,25 @@ def main() -> int:
     # the plan rank is the one compiled for this rank's framework coordinates (a part
     # compiled for another rank is refused before anything is registered)
     info = RdmaPlanTrainerInitInfo(rank=rank, plan=args.plan, rendezvous=args.rendezvous,
-                                   identity=binding.identity, plan_key=args.plan_key)
-    engine = WeightTransferTrainerFactory.trainer_init(info, client=client,
-                                                       source=Shards(binding.tensors))
+                                   identity=binding.identity, plan_key=args.plan_key,
+                                   shadow=args.shadow, timeout_s=args.timeout_s)
+    steps = [int(x) for x in args.throttle_steps.split(",") if x] or range(args.steps + 1)
+    delays = {k: args.throttle_ms / 1e3 for k in steps} if args.throttle_ms else {}
+    if args.stall_step >= 0 and rank == 1:
+        delays[args.stall_step] = args.timeout_s + 5
+    factory = paced_engine(delays) if delays else WeightTransferTrainerFactory
+    engine = factory.trainer_init(info, client=client, source=Shards(binding.tensors))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     with open(os.path.join(args.model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     probe = [(i * 37 + 11) % vocab for i in range(24)]  # the fixed token ids checked
     gen = torch.Generator().manual_seed(1234 + rank)
-    version, failures = None, 0
+    version, failures, want, old = None, 0, {}, None
+    serving = None
+    if rank == 0:
+        old = engine_logprobs(args.url, args.model, probe)[0]  # version N before step 0
+        if args.clients:
+            serving = Client(args.url, args.model, probe, threads=args.clients).start()
     for step in range(args.steps + 1):
         loss = float("nan")
         if step > 0:  # one optimizer step on this rank's batch (FSDP2 averages the grads)
@@ -249,39 +277,61 @@ def main() -> int:
             opt.zero_grad()
             loss = loss_t.item()
         label = f"step-{step}"
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            post(args.url, "pause?mode=wait")
-        t1 = time.perf_counter()
-        engine.send_weights(weight_version=label)
-        t2 = time.perf_counter()
-        if rank == 0:
-            post(args.url, "resume")
-        t3 = time.perf_counter()
+        engine.step = step
+        t, torn = refit(engine, args, label, rank, TornUpdateError)
+        previous = want
         want = expected_digests(args.config, os.path.join(args.model, "config.json"),
                                 binding.rank, binding.tensors)
         mine = trainer_logprobs(model, probe, args.variant)  # a collective: every rank
         if rank != 0:
             continue
         theirs, generated = engine_logprobs(args.url, args.model, probe)
-        delta = (mine - theirs).abs().max().item()
         got_version = get(args.url, "weight_info")["weight_version"]
         sums = post(args.url, "weight_checker", {"action": "checksum"})["checksums"]
-        wrong = [k for k, v in want.items() if sums.get(k) != v]
-        ok = (delta <= args.tolerance and got_version == label and got_version != version
-              and not wrong and len(want) > 0)
+        seen = serving.between(t["start"], time.perf_counter()) if serving else []
+        requests = sort_requests(seen, t["paused"], old, None if torn else theirs,
+                                 args.tolerance)
+        if t["tokens"] < 0:  # paused: the tokens of requests answered during the transfer
+            t["tokens"] = sum(r.tokens for r in seen if t["paused"] < r.done < t["finished"])
+        timing = (f"pause {1e3 * (t['resumed'] - t['pause']):.1f} ms (pause call "
+                  f"{1e3 * (t['paused'] - t['pause']):.1f}, finish "
+                  f"{1e3 * (t['finished'] - t['paused']):.1f}, resume "
+                  f"{1e3 * (t['resumed'] - t['finished']):.1f})  transfer "
+                  f"{1e3 * t['transfer']:.1f} ms  tokens during transfer {t['tokens']:.0f}  "
+                  f"{requests}")
+        if torn:  # version N must still serve: its version, logprobs and bytes
+            delta = (old - theirs).abs().max().item()
+            wrong = [k for k, v in previous.items() if sums.get(k) != v]
+            ok = (delta <= args.tolerance and got_version == version and not wrong
+                  and not requests.wrong and len(previous) > 0)
+            print(f"{label}: TORN ({torn})  kept version {version} -> {got_version}  "
+                  f"max|delta logprob| to N {delta:.2e}, to the trainer's N+1 "
+                  f"{(mine - theirs).abs().max().item():.2e}  bytes "
+                  f"{len(previous) - len(wrong)}/{len(previous)} tensors equal N's  {timing}  "
+                  f"{'OK' if ok else 'FAIL'}", flush=True)
+            want = previous
+        else:
+            delta = (mine - theirs).abs().max().item()
+            wrong = [k for k, v in want.items() if sums.get(k) != v]
+            during = t["tokens"] > 0 if args.shadow and serving else True
+            ok = (delta <= args.tolerance and got_version == label and got_version != version
+                  and not wrong and len(want) > 0 and not requests.wrong and during)
+            print(f"{label}: loss {loss:.4f}  max|delta logprob| {delta:.2e}  version "
+                  f"{version} -> {got_version}  bytes {len(want) - len(wrong)}/{len(want)} "
+                  f"tensors equal  {timing}  N vs N+1 {(old - theirs).abs().max().item():.2e}"
+                  f"  generated {generated}  {'OK' if ok else 'FAIL'}", flush=True)
+            version, old = got_version, theirs
         failures += not ok
-        print(f"{label}: loss {loss:.4f}  max|delta logprob| {delta:.2e}  version "
-              f"{version} -> {got_version}  bytes {len(want) - len(wrong)}/{len(want)} "
-              f"tensors equal  pause {1e3 * (t3 - t0):.1f} ms (pause call "
-              f"{1e3 * (t1 - t0):.1f}, transfer {1e3 * (t2 - t1):.1f}, resume "
-              f"{1e3 * (t3 - t2):.1f})  generated {generated}  {'OK' if ok else 'FAIL'}",
-              flush=True)
-        if wrong:
-            print(f"  engine tensors that differ from the trainer's: {wrong[:5]}", flush=True)
-        version = got_version
+        for line in (wrong[:5] and [f"tensors that differ: {wrong[:5]}"]) + requests.wrong[:5]:
+            print(f"  {line}", flush=True)
+    if serving is not None:
+        serving.stop()
+        failures += bool(serving.errors)
+        if serving.errors:
+            print(f"  {len(serving.errors)} client request(s) failed: {serving.errors[:3]}")
     engine.shutdown()
+    if rank == 0:  # release the engine's side too: another trainer run may connect next
+        client.shutdown_weight_transfer_engine()
     ok_all = torch.tensor([failures])
     dist.broadcast(ok_all, 0)
     dist.destroy_process_group()
