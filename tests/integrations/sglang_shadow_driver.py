@@ -80,7 +80,12 @@ def main() -> None:
             seen: dict = {"requests": 0, "tokens": 0, "max_diff": 0.0, "sent": []}
 
             def source(seen: dict = seen) -> None:
-                time.sleep(delay)  # a slow source: the update stays in flight meanwhile
+                # a slow source: the update stays in flight meanwhile, at least `delay` and
+                # until the engine served two requests (one takes seconds on a loaded box)
+                start, cap = time.monotonic(), time.monotonic() + delay + 300
+                while ((time.monotonic() - start < delay or seen["requests"] < 2)
+                       and time.monotonic() < cap):
+                    time.sleep(0.01)
                 s = time.perf_counter()
                 executor.run(plan)
                 seen["sent"].append(time.perf_counter() - s)
