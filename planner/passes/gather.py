@@ -127,7 +127,7 @@ class Gatherer:
         self.scale_j_l = self.scale_j.tolist()
         world = len(n_regions)
         self.out = Out()
-        self.alloc = Staging(world, opts.staging_bytes)
+        self.alloc = Staging(world, opts.staging_bytes, self._halves(opts.staging_bytes))
         self.stg = n_regions.tolist()
         self.host_a, self.nic_a = np.asarray(topo.host), np.asarray(topo.nic)
         self.host, self.nic = self.host_a.tolist(), self.nic_a.tolist()
@@ -142,6 +142,21 @@ class Gatherer:
         self.targets_of = np.argsort(tb_of, kind="stable")
         self.target_ptr = np.searchsorted(tb_of[self.targets_of],
                                           np.arange(len(self.tboxes) + 1))
+
+    def _halves(self, budget: int) -> bool:
+        """Whether each pool is split in halves, even and odd rounds apart (`Staging`): where
+        every box's staging fits half of pool 0 (at most: the whole box in the source dtype,
+        its conversion and its scales), so no box needs the whole pool."""
+        if not len(self.tboxes):
+            return False
+        n0, n1 = self.tboxes[:, 3], self.tboxes[:, 4]
+        out = self.w.dtype[self.first]
+        es = int(ITEM[np.unique(self.src.dtype)].max()) if len(self.src) else 4
+        quant = out == FP8_CODE
+        need = _align(n0 * n1 * es) + _align(n0 * n1 * ITEM[out]) \
+            + np.where(quant, _align(-(-n0 // BLOCK) * -(-n1 // BLOCK) * 4), 0)
+        half = (budget - budget // 4) // ALIGN * ALIGN // 2 // ALIGN * ALIGN
+        return bool(need.max() <= half)
 
     def order(self) -> list[int]:
         """Boxes only one source can own first, then the rest largest first (list
@@ -182,7 +197,8 @@ class Gatherer:
                 self._fan_out(box, slot, f_off, i)
 
     def result(self) -> Gathered:
-        return Gathered(lowered(self.out, self.alloc, self.max_stage + 1),
+        return Gathered(lowered(self.out, self.alloc, self.max_stage + 1, self.base,
+                                self.n_regions),
                         explain_rows(self.out), self.owner_only, self.unit_max)
 
     def src_rows(self, rows: np.ndarray) -> PieceTable:
@@ -375,6 +391,10 @@ class Gatherer:
         sd = s.base[j] + (b.t0 // BLOCK) * s.a0[j] + (b.t1 // BLOCK) * s.a1[j]
         self.out.runs(slot.convert, (owner, stg, slot.s_off), (d_rank, s.region[j], sd * 4),
                       rb, cb * 4, cb * 4, s.a0[j] * 4)
+
+
+def _align(n: np.ndarray) -> np.ndarray:
+    return -(-n // ALIGN) * ALIGN
 
 
 def _wide(t: T) -> T:
