@@ -9,7 +9,7 @@ import numpy as np
 
 from planner.passes.budget import ALIGN
 from planner.passes.lower import Lowered
-from schemas.plan import COPY_COLUMNS, QUANT
+from schemas.plan import COPY_COLUMNS, DTYPE_CODES, QUANT
 from schemas.protocol import FP8_BLOCK, ITEM, SCALE_BYTES, scale_stride
 
 
@@ -88,6 +88,27 @@ class Staging:
     def staging(self) -> np.ndarray:
         """Per rank: the staging bytes both pools use at their peaks."""
         return self.peak.sum(axis=1)
+
+
+def halves_fit(tboxes: np.ndarray, out_codes: np.ndarray, src_codes: np.ndarray,
+               budget: int) -> bool:
+    """Whether each pool may be split in halves (`Staging`): every target box `tboxes`
+    (tensor, off0, off1, size0, size1; `out_codes`: its target dtype) fits half of pool 0
+    at most as a whole box in the widest source dtype (`src_codes`), its conversion and
+    its FP8 scales, so that no box needs the whole pool."""
+    if not len(tboxes):
+        return False
+    n0, n1 = tboxes[:, 3], tboxes[:, 4]
+    es = int(ITEM[np.unique(src_codes)].max()) if len(src_codes) else 4
+    quant = out_codes == DTYPE_CODES.index("float8_e4m3fn")
+    need = _align(n0 * n1 * es) + _align(n0 * n1 * ITEM[out_codes]) \
+        + np.where(quant, _align(-(-n0 // FP8_BLOCK) * -(-n1 // FP8_BLOCK) * SCALE_BYTES), 0)
+    half = (budget - budget // 4) // ALIGN * ALIGN // 2 // ALIGN * ALIGN
+    return bool(need.max() <= half)
+
+
+def _align(n: np.ndarray) -> np.ndarray:
+    return -(-n // ALIGN) * ALIGN
 
 
 class Rows:
