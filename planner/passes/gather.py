@@ -32,9 +32,8 @@ the owner's ACK. Where every box fits half a pool, each pool is split in halves,
 rounds in one and odd rounds in the other (`gather_out.Staging`, `gather_out.lowered`):
 a round's gather packs then touch nothing the round before reads, so they run while that
 round's fan-out is written (`schemas.protocol`'s early packs) instead of at the stage
-boundary, and a round holds half as much, which also evens the owners' fan-out per round
-(issue 37: the FSDP2 -> SGLang DP-attention config from 1.29x its floor to 1.05x, the
-Llama-3.1-70B FP8 plan from 0.62x its bf16 time to 0.59x).
+boundary, and a round holds half as much, which evens the owners' fan-out per round
+(issue 37). Only where whole pools would take more than one round (`halves_fit`).
 The boxes QUANT reads in place come first and are done as columns all at once
 (`gather_direct.py`); each other box's owner, parts and fan-out are columns where they can
 be (`gather_rows.py`), else row by row below.
@@ -142,8 +141,9 @@ class Gatherer:
         self.scale_j_l = self.scale_j.tolist()
         world = len(n_regions)
         self.out = Out()
+        owners = len(np.unique(src.rank[self.chunks.holders])) if len(self.chunks) else 0
         self.alloc = Staging(world, opts.staging_bytes, halves_fit(
-            self.tboxes, self.w.dtype[self.first], src.dtype, opts.staging_bytes))
+            self.tboxes, self.w.dtype[self.first], src.dtype, opts.staging_bytes, owners))
         self.stg = n_regions.tolist()
         self.host_a, self.nic_a = np.asarray(topo.host), np.asarray(topo.nic)
         self.host, self.nic = self.host_a.tolist(), self.nic_a.tolist()

@@ -91,20 +91,23 @@ class Staging:
 
 
 def halves_fit(tboxes: np.ndarray, out_codes: np.ndarray, src_codes: np.ndarray,
-               budget: int) -> bool:
-    """Whether each pool may be split in halves (`Staging`): every target box `tboxes`
-    (tensor, off0, off1, size0, size1; `out_codes`: its target dtype) fits half of pool 0
-    at most as a whole box in the widest source dtype (`src_codes`), its conversion and
-    its FP8 scales, so that no box needs the whole pool."""
-    if not len(tboxes):
+               budget: int, owners: int) -> bool:
+    """Whether each pool is split in halves (`Staging`): where the boxes need more than one
+    round of whole pools (their staging, at most each whole box in the widest source dtype
+    `src_codes`, its conversion to `out_codes` and its FP8 scales, spread over `owners`
+    ranks, exceeds pool 0: with one round there is no next round to overlap, and halves
+    would only add one), and every box fits half of pool 0."""
+    if not len(tboxes) or owners < 1:
         return False
     n0, n1 = tboxes[:, 3], tboxes[:, 4]
     es = int(ITEM[np.unique(src_codes)].max()) if len(src_codes) else 4
     quant = out_codes == DTYPE_CODES.index("float8_e4m3fn")
-    need = _align(n0 * n1 * es) + _align(n0 * n1 * ITEM[out_codes]) \
+    out_es = np.where(ITEM[out_codes] != es, ITEM[out_codes], 0)
+    need = _align(n0 * n1 * es) + _align(n0 * n1 * out_es) \
         + np.where(quant, _align(-(-n0 // FP8_BLOCK) * -(-n1 // FP8_BLOCK) * SCALE_BYTES), 0)
-    half = (budget - budget // 4) // ALIGN * ALIGN // 2 // ALIGN * ALIGN
-    return bool(need.max() <= half)
+    pool0 = (budget - budget // 4) // ALIGN * ALIGN
+    half = pool0 // 2 // ALIGN * ALIGN
+    return bool(need.max() <= half and need.sum() > owners * pool0)
 
 
 def _align(n: np.ndarray) -> np.ndarray:
