@@ -90,13 +90,24 @@ class Staging:
         return self.peak.sum(axis=1)
 
 
+FEW_BOXES = 10
+"""Boxes (at most) of a round of whole pools below which halves even the owners' fan-out."""
+PACK_SHARE = 0.05
+"""Share of the fan-out time above which the gathers' pack launches are worth overlapping."""
+
+
 def halves_fit(tboxes: np.ndarray, out_codes: np.ndarray, src_codes: np.ndarray,
-               budget: int, owners: int) -> bool:
-    """Whether each pool is split in halves (`Staging`): where the boxes need more than one
-    round of whole pools (their staging, at most each whole box in the widest source dtype
-    `src_codes`, its conversion to `out_codes` and its FP8 scales, spread over `owners`
-    ranks, exceeds pool 0: with one round there is no next round to overlap, and halves
-    would only add one), and every box fits half of pool 0."""
+               budget: int, owners: int, pack_overhead_s: float, nic_bps: float) -> bool:
+    """Whether each pool is split in halves (`Staging`), from the cost model. Each box
+    `tboxes` (tensor, off0, off1, size0, size1) needs at most its whole box in the widest
+    source dtype `src_codes`, its conversion to `out_codes` and its FP8 scales. Halves
+    where every box fits half of pool 0, the boxes need more than one round of whole
+    pools spread over `owners` ranks (with one round there is nothing to overlap), and
+    either a whole-pool round holds few boxes (`FEW_BOXES`: one box more or less is a
+    large share of a round, which waits for its fullest owner) or the gathers' pack
+    launches (one a box at least, `pack_overhead_s` each) are over `PACK_SHARE` of the
+    time to send the boxes' bytes at `nic_bps` (bytes/s): then overlapping them with the
+    round before pays for the extra rounds' boundaries."""
     if not len(tboxes) or owners < 1:
         return False
     n0, n1 = tboxes[:, 3], tboxes[:, 4]
@@ -107,7 +118,11 @@ def halves_fit(tboxes: np.ndarray, out_codes: np.ndarray, src_codes: np.ndarray,
         + np.where(quant, _align(-(-n0 // FP8_BLOCK) * -(-n1 // FP8_BLOCK) * SCALE_BYTES), 0)
     pool0 = (budget - budget // 4) // ALIGN * ALIGN
     half = pool0 // 2 // ALIGN * ALIGN
-    return bool(need.max() <= half and need.sum() > owners * pool0)
+    if need.max() > half or need.sum() <= owners * pool0:
+        return False
+    few = pool0 < FEW_BOXES * need.mean()
+    packs = len(need) * pack_overhead_s > PACK_SHARE * (n0 * n1).sum() * es / nic_bps
+    return bool(few or packs)
 
 
 def _align(n: np.ndarray) -> np.ndarray:
