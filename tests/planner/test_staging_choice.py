@@ -102,3 +102,30 @@ def test_gather_rounds_in_alternate_halves_are_bit_exact(tmp_path, monkeypatch):
     for r, want in materialize(dst, full).items():
         for name, w in want.items():
             assert torch.equal(tensors[src.world + r][name], w), (r, name)
+
+
+def test_halves_only_where_the_cost_model_says_they_pay():
+    import numpy as np
+
+    from planner.passes.gather_out import halves_fit
+    from schemas.plan import DTYPE_CODES
+
+    bf16, fp8 = DTYPE_CODES.index("bfloat16"), DTYPE_CODES.index("float8_e4m3fn")
+    gib, nic = 1 << 30, 50e9  # a 1 GiB cap (pool 0: 768 MiB), 400 Gb/s
+
+    def boxes(n, rows, cols):
+        return np.array([[0, 0, 0, rows, cols]] * n, dtype=np.int64)
+
+    def fit(tb, out, owners=4):
+        return halves_fit(tb, np.full(len(tb), out), np.array([bf16]), gib, owners, 10e-6, nic)
+
+    # Llama-3.1-70B-like FP8 boxes (7168 x 8192: ~176 MB of staging each): 4 a round
+    assert fit(boxes(64, 7168, 8192), fp8)
+    # one round of whole pools: nothing to overlap
+    assert not fit(boxes(8, 7168, 8192), fp8)
+    # a box over half of pool 0 (~500 MB): whole pools
+    assert not fit(boxes(64, 16384, 16384), fp8)
+    # Kimi-K2-like: ~12 boxes of ~66 MB a round, few pack launches against their bytes
+    assert not fit(boxes(2000, 3072, 7168), fp8)
+    # FSDP2 fine-cut: thousands of sub-MB boxes, pack launches ~10x the share
+    assert fit(boxes(20000, 192, 2048), bf16)
