@@ -28,7 +28,12 @@ of one gather. For each target box:
 Rounds: the owner's buffers of one round fit `staging_bytes`; round k gathers in stage
 `base + 2k` and converts and sends in stage `base + 2k + 1`, so the gather has landed
 (DONE) before it is read, and the next round's gather into the same staging waits for
-the owner's ACK.
+the owner's ACK. Where every box fits half a pool, each pool is split in halves, even
+rounds in one and odd rounds in the other (`gather_out.Staging`, `gather_out.lowered`):
+a round's gather packs then touch nothing the round before reads, so they run while that
+round's fan-out is written (`schemas.protocol`'s early packs) instead of at the stage
+boundary, and a round holds half as much, which evens the owners' fan-out per round
+(issue 37). Only where the cost model says it pays (`gather_out.halves_fit`).
 The boxes QUANT reads in place come first and are done as columns all at once
 (`gather_direct.py`); each other box's owner, parts and fan-out are columns where they can
 be (`gather_rows.py`), else row by row below.
@@ -45,7 +50,16 @@ from planner.passes import gather_rows
 from planner.passes.budget import ALIGN
 from planner.passes.gather_box import Box, Slot, pick_owner
 from planner.passes.gather_direct import add_direct
-from planner.passes.gather_out import Out, Rows, ScaleRows, Staging, align, explain_rows, lowered
+from planner.passes.gather_out import (
+    Out,
+    Rows,
+    ScaleRows,
+    Staging,
+    align,
+    explain_rows,
+    halves_fit,
+    lowered,
+)
 from planner.passes.intersect import PieceTable, intersect, take
 from planner.passes.lower import Lowered
 from planner.passes.route import Routes
@@ -127,7 +141,10 @@ class Gatherer:
         self.scale_j_l = self.scale_j.tolist()
         world = len(n_regions)
         self.out = Out()
-        self.alloc = Staging(world, opts.staging_bytes)
+        owners = len(np.unique(src.rank[self.chunks.holders])) if len(self.chunks) else 0
+        self.alloc = Staging(world, opts.staging_bytes, halves_fit(
+            self.tboxes, self.w.dtype[self.first], src.dtype, opts.staging_bytes, owners,
+            opts.pack_overhead_us * 1e-6, topo.nic_gbps * 1e9 / 8))
         self.stg = n_regions.tolist()
         self.host_a, self.nic_a = np.asarray(topo.host), np.asarray(topo.nic)
         self.host, self.nic = self.host_a.tolist(), self.nic_a.tolist()
@@ -182,7 +199,8 @@ class Gatherer:
                 self._fan_out(box, slot, f_off, i)
 
     def result(self) -> Gathered:
-        return Gathered(lowered(self.out, self.alloc, self.max_stage + 1),
+        return Gathered(lowered(self.out, self.alloc, self.max_stage + 1, self.base,
+                                self.n_regions),
                         explain_rows(self.out), self.owner_only, self.unit_max)
 
     def src_rows(self, rows: np.ndarray) -> PieceTable:

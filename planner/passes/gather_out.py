@@ -9,7 +9,8 @@ import numpy as np
 
 from planner.passes.budget import ALIGN
 from planner.passes.lower import Lowered
-from schemas.plan import COPY_COLUMNS
+from schemas.plan import COPY_COLUMNS, DTYPE_CODES, QUANT
+from schemas.protocol import FP8_BLOCK, ITEM, SCALE_BYTES, scale_stride
 
 
 def align(n: int) -> int:
@@ -24,13 +25,19 @@ class Staging:
     as large as its peak; pool 1 starts where pool 0 ends on that rank (`pool1`), known
     once every box is placed, so `take` gives pool-1 offsets from the pool's start."""
 
-    def __init__(self, world: int, budget: int) -> None:
+    def __init__(self, world: int, budget: int, halves: bool = False) -> None:
         self.used: dict[tuple[int, int, int], int] = {}
         """Pool 0: the end used so far, by (rank, stage, 0)."""
         self.used1: dict[int, np.ndarray] = {}
         """Pool 1: the end used so far on every rank, by stage (`pool1_used`)."""
         split = (budget - budget // 4) // ALIGN * ALIGN
         self.caps = (split, budget - split)
+        self.halves = halves
+        """Each pool in two halves, even rounds in one, odd rounds in the other
+        (`lowered` places them): a round's gather never touches what the round before it
+        reads, so its packs run while that round's fan-out is written."""
+        if halves:
+            self.caps = (split // 2 // ALIGN * ALIGN, (budget - split) // 2 // ALIGN * ALIGN)
         self.world = world
         self.peak0 = [0] * world  # a list: read and set one at a time
         self.peak1 = np.zeros(world, dtype=np.int64)
@@ -81,6 +88,45 @@ class Staging:
     def staging(self) -> np.ndarray:
         """Per rank: the staging bytes both pools use at their peaks."""
         return self.peak.sum(axis=1)
+
+
+FEW_BOXES = 10
+"""Boxes (at most) of a round of whole pools below which halves even the owners' fan-out."""
+PACK_SHARE = 0.05
+"""Share of the fan-out time above which the gathers' pack launches are worth overlapping."""
+
+
+def halves_fit(tboxes: np.ndarray, out_codes: np.ndarray, src_codes: np.ndarray,
+               budget: int, owners: int, pack_overhead_s: float, nic_bps: float) -> bool:
+    """Whether each pool is split in halves (`Staging`), from the cost model. Each box
+    `tboxes` (tensor, off0, off1, size0, size1) needs at most its whole box in the widest
+    source dtype `src_codes`, its conversion to `out_codes` and its FP8 scales. Halves
+    where every box fits half of pool 0, the boxes need more than one round of whole
+    pools spread over `owners` ranks (with one round there is nothing to overlap), and
+    either a whole-pool round holds few boxes (`FEW_BOXES`: one box more or less is a
+    large share of a round, which waits for its fullest owner) or the gathers' pack
+    launches (one a box at least, `pack_overhead_s` each) are over `PACK_SHARE` of the
+    time to send the boxes' bytes at `nic_bps` (bytes/s): then overlapping them with the
+    round before pays for the extra rounds' boundaries."""
+    if not len(tboxes) or owners < 1:
+        return False
+    n0, n1 = tboxes[:, 3], tboxes[:, 4]
+    es = int(ITEM[np.unique(src_codes)].max()) if len(src_codes) else 4
+    quant = out_codes == DTYPE_CODES.index("float8_e4m3fn")
+    out_es = np.where(ITEM[out_codes] != es, ITEM[out_codes], 0)
+    need = _align(n0 * n1 * es) + _align(n0 * n1 * out_es) \
+        + np.where(quant, _align(-(-n0 // FP8_BLOCK) * -(-n1 // FP8_BLOCK) * SCALE_BYTES), 0)
+    pool0 = (budget - budget // 4) // ALIGN * ALIGN
+    half = pool0 // 2 // ALIGN * ALIGN
+    if need.max() > half or need.sum() <= owners * pool0:
+        return False
+    few = pool0 < FEW_BOXES * need.mean()
+    packs = len(need) * pack_overhead_s > PACK_SHARE * (n0 * n1).sum() * es / nic_bps
+    return bool(few or packs)
+
+
+def _align(n: np.ndarray) -> np.ndarray:
+    return -(-n // ALIGN) * ALIGN
 
 
 class Rows:
@@ -197,16 +243,96 @@ def explain_rows(out: Out) -> np.ndarray:
     return out.explain.array()
 
 
-def lowered(out: Out, alloc: Staging, stages: int) -> Lowered:
+def lowered(out: Out, alloc: Staging, stages: int, base: int = 0,
+            n_regions: np.ndarray | None = None) -> Lowered:
+    """The gather's columns; with `alloc.halves`, each round's staging offsets moved into
+    its half of each pool (`_halves`; `base`: the first gather stage, `n_regions`: each
+    rank's staging region)."""
     w = np.concatenate([out.writes.array(), _expand(out.strided.array())])
     c = out.copies.array()
-    if len(out.pool1):  # pool 1 starts where pool 0 ends on its rank
-        ci, wi, rank, es = out.pool1.array().T
-        c[ci, Out.C.index("dst_offset")] += alloc.pool1[rank] // es
-        w[wi, Out.W.index("src_offset")] += alloc.pool1[rank]
+    if alloc.halves and n_regions is not None:
+        staging = _halves(out, alloc, w, c, base, np.asarray(n_regions, dtype=np.int64))
+    else:
+        staging = alloc.staging
+        if len(out.pool1):  # pool 1 starts where pool 0 ends on its rank
+            ci, wi, rank, es = out.pool1.array().T
+            c[ci, Out.C.index("dst_offset")] += alloc.pool1[rank] // es
+            w[wi, Out.W.index("src_offset")] += alloc.pool1[rank]
     copies = {name: c[:, i] for i, name in enumerate(Out.C)}
-    return Lowered(*(w[:, i] for i in range(8)), copies=copies, staging=alloc.staging,
+    return Lowered(*(w[:, i] for i in range(8)), copies=copies, staging=staging,
                    stages=stages)
+
+
+def _halves(out: Out, alloc: Staging, w: np.ndarray, c: np.ndarray, base: int,
+            stg: np.ndarray) -> np.ndarray:
+    """Place each round's staging in its half of each pool, in place in `w` and `c`, and
+    return each rank's staging bytes. A rank's staging is [pool 0 even | pool 0 odd |
+    pool 1 even | pool 1 odd], each part as large as the most its rounds use there
+    (aligned; the last part ends at its last byte). Round k is stages `base + 2k` (gather)
+    and `base + 2k + 1` (convert, fan out); until here every offset counts from its
+    pool's start."""
+    W, C = Out.W.index, Out.C.index
+    world = len(stg)
+    w_odd = (((w[:, W("stage")] - base) // 2) % 2).astype(np.int64)
+    c_odd = (((c[:, C("stage")] - base) // 2) % 2).astype(np.int64)
+    w_p1, c_p1 = np.zeros(len(w), bool), np.zeros(len(c), bool)
+    if len(out.pool1):
+        ci, wi, _, _ = out.pool1.array().T
+        c_p1[ci], w_p1[wi] = True, True
+    w_src = w[:, W("src_region")] == stg[w[:, W("src_rank")]]
+    w_dst = w[:, W("dst_region")] == stg[w[:, W("dst_rank")]]
+    c_rank = c[:, C("rank")]
+    c_src = c[:, C("src_region")] == stg[c_rank]
+    c_dst = c[:, C("dst_region")] == stg[c_rank]
+    # the end (bytes from its pool's start) of every write and copy into staging, by
+    # (rank, part): part = 2 * pool + odd
+    end = np.zeros((world, 4), dtype=np.int64)
+    m = w_dst
+    np.maximum.at(end, (w[m, W("dst_rank")], w_odd[m]),
+                  w[m, W("dst_offset")] + w[m, W("nbytes")])
+    m = w_src & w_p1
+    np.maximum.at(end, (w[m, W("src_rank")], 2 + w_odd[m]),
+                  w[m, W("src_offset")] + w[m, W("nbytes")])
+    m = np.flatnonzero(c_dst)
+    np.maximum.at(end, (c_rank[m], 2 * c_p1[m] + c_odd[m]), _copy_ends(c, m))
+    size = -(-end // ALIGN) * ALIGN
+    start = np.cumsum(size, axis=1) - size  # where each part starts
+    last = np.where(end > 0, start + end, 0).max(axis=1)
+    # move every staging offset to its part
+    m = w_src
+    part = 2 * w_p1[m] + w_odd[m]
+    w[m, W("src_offset")] += start[w[m, W("src_rank")], part]
+    m = w_dst
+    w[m, W("dst_offset")] += start[w[m, W("dst_rank")], w_odd[m]]
+    m = np.flatnonzero(c_src)  # reads of staging: pool 0 (what was gathered)
+    c[m, C("src_offset")] += start[c_rank[m], c_odd[m]] // ITEM[c[m, C("src_dtype")]]
+    m = np.flatnonzero(c_dst)
+    at = start[c_rank[m], 2 * c_p1[m] + c_odd[m]]
+    c[m, C("dst_offset")] += at // ITEM[c[m, C("dst_dtype")]]
+    q = c[m, C("kind")] == QUANT
+    c[m[q], C("aux_offset")] += at[q] // SCALE_BYTES
+    return last
+
+
+def _copy_ends(c: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The end (byte after the last) of what copies `rows` write, their scales included
+    (`schemas.protocol.copy_footprint`'s dst rule)."""
+    C = Out.C.index
+    quant = c[rows, C("kind")] == QUANT
+    item = ITEM[c[rows, C("dst_dtype")]]
+    sizes = [c[rows, C(f"size{d}")] for d in range(3)]
+    strides = [c[rows, C(f"dst_stride{d}")] for d in range(3)]
+    sizes[2] = np.where(quant, 1, sizes[2])
+    strides[1] = np.where(quant, 1, strides[1])
+    last = c[rows, C("dst_offset")].copy()
+    for n, st in zip(sizes, strides):
+        last += (n - 1) * st
+    end = (last + 1) * item
+    n0, n1 = sizes[0], sizes[1]
+    rb, cb = -(-n0 // FP8_BLOCK), -(-n1 // FP8_BLOCK)
+    a = c[rows, C("aux_offset")]
+    s_end = (a + (rb - 1) * scale_stride(c[rows, C("dst_stride0")]) + cb) * SCALE_BYTES
+    return np.where(quant, np.maximum(end, s_end), end)
 
 
 def _expand(runs: np.ndarray) -> np.ndarray:

@@ -40,6 +40,9 @@ def test_reference_quantizer_matches_the_formula():
 @pytest.mark.parametrize("kind,opts", [
     ("rows", {}), ("cols", {}), ("aligned", {}),
     ("rows", {"staging_bytes": 300_000}),   # several gather/quantize rounds per owner
+    # rounds in alternate halves of each pool (issue 37): odd rounds moved to their half
+    ("rows", {"staging_bytes": 1_000_000}), ("cols", {"staging_bytes": 1_000_000}),
+    ("aligned", {"staging_bytes": 1_000_000}),
 ])
 def test_fp8_plan_is_bit_exact(tmp_path, kind, opts):
     executor = pytest.importorskip("executor")
