@@ -17,8 +17,8 @@ each worker after `load_model`, i.e. after the first post-load processing):
    every tensor kept its `data_ptr`, and commits the version. After a torn update (a peer
    died mid-update) `update_weights` raises `TornUpdateError` (vLLM's worker then ends the
    session, and the client never sets the version), `finish_weight_update` raises it too and
-   commits nothing; the next complete update recovers bit-exactly. `shadow=True`: see
-   `vllm_shadow.py` (step 3 returns at once, step 4 switches the shadow in).
+   commits nothing; the next complete update recovers bit-exactly (on a live TP > 1 server
+   every worker raises, vLLM's replies fall out of step: restart it; not so `shadow=True`).
 
 Trainer side (`RdmaPlanTrainerEngine`, via `WeightTransferTrainerFactory.trainer_init` on every
 trainer rank): binds this rank's tensors from a `WeightSource` (its `iter_local()`, else
