@@ -34,6 +34,7 @@ Extra memory: the written tensors' bytes once more (`engine.shadow.extra_bytes`)
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -180,7 +181,11 @@ def log(engine: Any, version: str | None, *, transfer_s: float, finish_s: float,
     mode = "shadow" if engine.shadow is not None else "paused"
     parts = "" if wait_s is None else (f"wait for last DONE {1e3 * wait_s:.1f} ms, switch "
                                        f"copies {1e3 * (switch_s or 0.0):.2f} ms, ")
-    LOG.info("rdma_plan worker %s: committed %r (%s): transfer %.1f ms; finish %.1f ms (%s"
-             "refresh %.1f ms: %d layer(s), CPU GEMM repack included)",
-             engine.identity.get("index"), version, mode, 1e3 * transfer_s, 1e3 * finish_s,
-             parts, 1e3 * engine.refresh_s, len(engine.refresh))
+    line = (f"rdma_plan worker {engine.identity.get('index')}: committed {version!r} ({mode}): "
+            f"transfer {1e3 * transfer_s:.1f} ms; finish {1e3 * finish_s:.1f} ms ({parts}"
+            f"refresh {1e3 * engine.refresh_s:.1f} ms: {len(engine.refresh)} layer(s), CPU "
+            "GEMM repack included)")
+    if LOG.isEnabledFor(logging.INFO) and not LOG.disabled and LOG.hasHandlers():
+        LOG.info(line)
+    else:  # vLLM's logging not set up in this process: the line still reaches stderr
+        print(line, file=sys.stderr, flush=True)
