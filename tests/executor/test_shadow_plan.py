@@ -18,7 +18,7 @@ from planner.layouts import build_layout
 from planner.spec import load_spec
 from schemas.plan import load_plan
 from schemas.plan_write import write_plan
-from tests.planner.test_shadow_section import CASES, MODELS, _compile
+from tests.support.shadow_plans import CASES, MODELS, _broken, _compile
 
 
 def _layouts(case):
@@ -120,7 +120,6 @@ def test_a_tampered_section_in_a_file_is_refused_by_the_loader_before_binding(tm
     import dataclasses
 
     from executor.errors import PlanBoundsError
-    from tests.planner.test_shadow_section import _broken
 
     plan = _compile(CASES[0], "full")
     t = next(rp for rp in plan.ranks if rp.role == "target")

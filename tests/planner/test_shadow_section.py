@@ -5,42 +5,22 @@ by the executor's checks when it breaks a rule, and absent (plans byte-identical
 from __future__ import annotations
 
 import dataclasses
-import os
 import resource
 import time
 
 import numpy as np
 import pytest
 
-from planner.compiler import compile_config
 from planner.passes.shadow import layer_of
-from planner.spec import load_spec
-from planner.validate import validate
 from planner.verify import verify_plan
 from schemas.config import ConfigError
 from schemas.config_load import config_from_dict
-from schemas.plan import STAGING, Plan, RankPlan
+from schemas.plan import RankPlan
 from schemas.plan_write import encode_plan
 from schemas.rankcheck import rank_violations
 from schemas.shadow import SWITCH_COLUMNS, ShadowPart
 from schemas.table import Table
-
-MODELS = os.path.join(os.path.dirname(__file__), "..", "..", "plans", "models")
-# tiny Qwen3 (direct writes), tiny gpt-oss (transposed experts: UNPACKs on the targets)
-CASES = [("tiny-qwen3", dict(framework="megatron", tp=2), dict(engine="vllm", tp=1,
-                                                                replicas=2)),
-         ("tiny-gpt-oss", dict(framework="fsdp2", dp=2), dict(engine="vllm", tp=2))]
-
-
-def _compile(case, shadow=None) -> Plan:
-    model, source, target = case
-    target = dict(target, **({} if shadow is None else {"shadow": shadow}))
-    cfg = config_from_dict({"model": {"config": f"{model}/config.json"}, "source": source,
-                            "target": target, "cluster": {"gpus_per_host": 8}},
-                           base_dir=MODELS)
-    spec = load_spec(cfg.model_config_path)
-    validate(cfg, spec)
-    return compile_config(cfg, spec)
+from tests.support.shadow_plans import CASES, _broken, _compile
 
 
 def _part(rp: RankPlan) -> dict:
@@ -100,31 +80,6 @@ def test_bounded_section_chunks_fit_the_budget_in_layer_order(case):
         assert sh.chunks >= -(-sh.written_bytes // budget)
         layers = [layer_of(rp.regions[r].name) for r in s["region"].tolist()]
         assert layers == sorted(layers)
-
-
-def _with(rp: RankPlan, **cols) -> RankPlan:
-    s = rp.shadow.switch
-    new = {n: np.array(cols.get(n, s[n])) for n, _ in SWITCH_COLUMNS}
-    return dataclasses.replace(rp, shadow=dataclasses.replace(
-        rp.shadow, switch=Table.build(SWITCH_COLUMNS, **new)))
-
-
-def _broken(rp: RankPlan) -> dict[str, RankPlan]:
-    s = rp.shadow.switch
-    n = len(s)
-    last = n - 1
-    chunk = s["chunk"].copy()
-    chunk[0], chunk[last] = chunk[last], chunk[0]
-    nb = s["nbytes"].copy()
-    nb[0] += 1  # overlaps the next op or runs past the region
-    off = s["offset"].copy()
-    off[1] += 8  # leaves bytes no op copies
-    reg = s["region"].copy()
-    reg[0] = len(rp.regions) - 1 if rp.regions[-1].name == STAGING else 10_000
-    return {"chunk order": _with(rp, chunk=chunk), "overlap": _with(rp, nbytes=nb),
-            "gap": _with(rp, offset=off), "region": _with(rp, region=reg),
-            "dropped op": _with(rp, **{k: s[k][1:] for k, _ in SWITCH_COLUMNS}),
-            "on a source": rp}
 
 
 def test_a_broken_switch_is_refused_by_the_loaders_check_and_by_verify():
