@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from schemas.intervals import union
 from schemas.plan import PACK, QUANT, RankPlan
 from schemas.protocol import copy_footprint
 
@@ -78,18 +79,9 @@ def link(plan: RankPlan, stages: list) -> None:
 
 
 def _merged(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The union of intervals `[lo, hi)`, as sorted disjoint intervals."""
+    """The union of the non-empty intervals `[lo, hi)`, as sorted disjoint intervals."""
     keep = hi > lo
-    lo, hi = lo[keep], hi[keep]
-    if not len(lo):
-        return lo, hi
-    order = np.argsort(lo, kind="stable")
-    lo, hi = lo[order], np.maximum.accumulate(hi[order])
-    new = np.ones(len(lo), dtype=bool)
-    new[1:] = lo[1:] > hi[:-1]
-    starts = np.flatnonzero(new)
-    ends = np.append(starts[1:], len(lo)) - 1
-    return lo[starts], hi[ends]
+    return union(lo[keep], hi[keep])
 
 
 def _hits(lo: np.ndarray, hi: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -16,6 +16,7 @@ import numpy as np
 from planner.passes.budget import ALIGN
 from schemas.bounds import violations
 from schemas.header import PlanHeader
+from schemas.intervals import union
 from schemas.plan import PACK, QUANT, STAGING, UNPACK, PlanFormatError, RankPlan
 from schemas.protocol import (
     ITEM,
@@ -157,19 +158,6 @@ def copy_runs(rp: RankPlan, rows: np.ndarray, side: str
         out_lo.append(lo.reshape(-1))
         out_hi.append((lo + run * es[members, None]).reshape(-1))
     return np.concatenate(out_r), np.concatenate(out_lo), np.concatenate(out_hi)
-
-
-def union(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Disjoint sorted intervals covering the same bytes as `[lo, hi)`."""
-    if len(lo) == 0:
-        return lo, hi
-    order = np.argsort(lo, kind="stable")
-    lo, hi = lo[order], np.maximum.accumulate(hi[order])
-    new = np.ones(len(lo), dtype=bool)
-    new[1:] = lo[1:] > hi[:-1]
-    starts = np.flatnonzero(new)
-    ends = np.append(starts[1:], len(lo)) - 1
-    return lo[starts], hi[ends]
 
 
 def outside(lo: np.ndarray, hi: np.ndarray, w_lo: np.ndarray, w_hi: np.ndarray) -> np.ndarray:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.verify_rank import Incoming, copy_runs, union
+from planner.verify_rank import Incoming, copy_runs
+from schemas.intervals import union
 from schemas.plan import UNPACK, RankPlan
 from schemas.protocol import staging_index
 from schemas.shadow import shadow_violations
