@@ -95,11 +95,18 @@ def chunk_rendezvous(rendezvous: object, k: int, rank: int = 0, timeout_s: float
     return dist.PrefixStore(f"rplan-chunk{k}/", rendezvous)
 
 
-def _load(path: str, k: int, rank: int, key: bytes | None, identity: dict | None,
-          no_identity: bool) -> tuple[int, int, Any, RankPlan]:
-    budget, n, header, rp = load_chunk_rank(path, k, rank, key)
-    check_identity(header, rp.identity, rank, identity, no_identity, f"{path} chunk {k}")
-    return budget, n, header, rp
+def _parts(path: str, rank: int, plan_key: bytes | str | None, identity: dict | None,
+           no_identity: bool) -> tuple[int, list[tuple[Any, RankPlan]]]:
+    """The budget and rank `rank`'s part of every chunk, all read and checked before any
+    executor is made (a broken chunk k is refused before chunk 0 connects)."""
+    key = None if plan_key is None else read_key(plan_key)
+    budget, n, header, rp = load_chunk_rank(path, 0, rank, key)
+    parts = [(header, rp)]
+    for k in range(1, n):
+        parts.append(load_chunk_rank(path, k, rank, key)[2:])
+    for k, (header, rp) in enumerate(parts):
+        check_identity(header, rp.identity, rank, identity, no_identity, f"{path} chunk {k}")
+    return budget, parts
 
 
 def load_chunks(path: str, rank: int, tensors: dict[str, torch.Tensor],
@@ -108,19 +115,16 @@ def load_chunks(path: str, rank: int, tensors: dict[str, torch.Tensor],
                 **options: Any) -> list[Executor]:
     """A source rank's executors of a bounded plan, one per chunk, each bound to `tensors`,
     registered and connected (every rank loads the chunks in the same order)."""
-    key = None if plan_key is None else read_key(plan_key)
     no_identity = bool(options.pop("no_identity", False))
+    _, parts = _parts(path, rank, plan_key, identity, no_identity)
     out: list[Executor] = []
-    k, n = 0, 1
-    while k < n:
-        _, n, header, rp = _load(path, k, rank, key, identity, no_identity)
+    for k, (header, rp) in enumerate(parts):
         ex = Executor(header, rp, tensors, transport, chunk_rendezvous(rendezvous, k, rank,
                                                                       timeout_s),
                       timeout_s, **options)
         ex.register()
         ex.connect()
         out.append(ex)
-        k += 1
     return out
 
 
@@ -173,13 +177,10 @@ class BoundedShadow:
              plan_key: bytes | str | None = None, identity: dict | None = None,
              **options: Any) -> BoundedShadow:
         """Load every chunk of rank `rank` (register, connect: all ranks in the same order)."""
-        key = None if plan_key is None else read_key(plan_key)
         no_identity = bool(options.pop("no_identity", False))
-        budget, n, header, rp = _load(path, 0, rank, key, identity, no_identity)
+        budget, parts = _parts(path, rank, plan_key, identity, no_identity)
         self = cls(live, budget)
-        for k in range(n):
-            if k:
-                _, _, header, rp = _load(path, k, rank, key, identity, no_identity)
+        for k, (header, rp) in enumerate(parts):
             ex = Executor(header, rp, self.views(rp), transport,
                           chunk_rendezvous(rendezvous, k, rank, timeout_s), timeout_s,
                           **options)

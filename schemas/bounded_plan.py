@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass
 
 from .header import PlanFormatError, PlanHeader
-from .plan import STAGING, Plan, RankPlan, load_rank_from, read_plan_from
+from .plan import STAGING, Plan, RankPlan, load_rank_from, open_plan, read_plan_from
 from .plan_codec import _digest, _pack, _read_exact, _unpack
 
 MAGIC = b"RPLANBND"
@@ -42,7 +42,7 @@ class BoundedIndex:
 
 def is_bounded(path: str) -> bool:
     """Whether the file at `path` starts like a bounded-shadow plan."""
-    with open(path, "rb") as f:
+    with open_plan(path) as f:  # a regular file only (a FIFO is refused, never read)
         return f.read(len(MAGIC)) == MAGIC
 
 
@@ -104,7 +104,7 @@ def _chunk_file(f: io.BufferedIOBase, idx: BoundedIndex, k: int, path: str) -> i
 def load_chunk_rank(path: str, k: int, rank: int, key: bytes | None = None
                     ) -> tuple[int, int, PlanHeader, RankPlan]:
     """(budget, chunks, header, rank part) of chunk `k`, checked against the index."""
-    with open(path, "rb") as f:
+    with open_plan(path) as f:
         idx = read_index(f, path)
         what = f"{path} chunk {k}"
         header, rp = load_rank_from(_chunk_file(f, idx, k, path), what, rank, key)
@@ -114,7 +114,7 @@ def load_chunk_rank(path: str, k: int, rank: int, key: bytes | None = None
 
 def load_bounded(path: str, key: bytes | None = None) -> tuple[int, list[Plan]]:
     """The budget and every chunk plan (tools, tests, verify)."""
-    with open(path, "rb") as f:
+    with open_plan(path) as f:
         idx = read_index(f, path)
         plans = [read_plan_from(_chunk_file(f, idx, k, path), f"{path} chunk {k}", key)
                  for k in range(len(idx.chunks))]
