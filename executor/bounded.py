@@ -242,12 +242,13 @@ class BoundedShadow:
                     raise RuntimeError("the step did not complete")
             except Exception as e:  # noqa: BLE001 - raised as the torn refit it is
                 self.last = st
+                done = (f"chunks 0..{k - 1} were switched (version N+1), chunk {k} and after "
+                        "keep version N: the live tensors hold a mix" if k else
+                        "no chunk was switched: the live tensors keep version N")
                 raise TornUpdateError(
                     f"BoundedShadow: rank {ex.rank}: chunk {k} of {len(self.chunks)} did not "
-                    f"complete ({e}); chunks 0..{k - 1} were switched (version N+1), chunk "
-                    f"{k} and after keep version N: the live tensors hold a mix, version "
-                    f"{self.version} stays committed; keep the engine paused and run() again"
-                ) from e
+                    f"complete ({e}); {done}; version {self.version} stays committed; keep "
+                    "the engine paused and run() again (it starts at chunk 0)") from e
             t1 = time.perf_counter()
             if before_switch is not None:
                 before_switch(k)
