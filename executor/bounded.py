@@ -60,7 +60,7 @@ from .trust import check_identity
 
 __all__ = ["BoundedShadow", "BoundedStats", "chunk_rendezvous", "load_chunks", "run_chunks"]
 
-_CHILDREN: dict[int, Any] = {}
+_CHILDREN: dict[int, Any] = {}  # 'host:port' -> this process's one client of it
 _LOCK = threading.Lock()
 
 
@@ -72,8 +72,8 @@ def chunk_rendezvous(rendezvous: object, k: int, rank: int = 0, timeout_s: float
     from .transports.local import FABRIC, Fabric
     rendezvous = FABRIC if rendezvous is None else rendezvous
     if isinstance(rendezvous, Fabric):
-        with _LOCK:
-            kids = _CHILDREN.setdefault(id(rendezvous), (rendezvous, {}))[1]
+        with _LOCK:  # kept on the parent: they live and go with it
+            kids = rendezvous.__dict__.setdefault("chunk_fabrics", {})
             if k not in kids:
                 kids[k] = Fabric(shared=rendezvous.shared)
                 kids[k].secret = rendezvous.secret

@@ -64,3 +64,17 @@ def test_verify_passes_the_compiled_chunks_and_refuses_broken_ones(tmp_path: Pat
     with pytest.raises((PlanFormatError, PlanBoundsError)):
         BoundedShadow.load(str(flipped), t, {}, "local", Fabric(), timeout_s=2,
                            no_identity=True)
+
+
+def test_compile_refuses_a_budget_below_the_largest_tensor_in_one_line(tmp_path: Path,
+                                                                       capsys) -> None:
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "plans" / "demo.yaml").read_text().replace(
+        "  replicas: 2\n", "  replicas: 2\n  shadow: {budget_bytes: 65536}\n")
+    cfg = tmp_path / "demo.yaml"
+    cfg.write_text(text.replace("models/", str(root / "plans" / "models") + "/"))
+    out = tmp_path / "p.rplan"
+    assert main(["compile", str(cfg), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "budget_bytes = 65536" in err and "raise it to at least" in err
+    assert not out.exists()
