@@ -78,3 +78,19 @@ def test_compile_refuses_a_budget_below_the_largest_tensor_in_one_line(tmp_path:
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "budget_bytes = 65536" in err and "raise it to at least" in err
     assert not out.exists()
+
+
+def test_a_signed_bounded_plan_loads_with_its_key_only_and_plain_load_points_to_bounded(
+        tmp_path: Path) -> None:
+    import executor
+    path = str(tmp_path / "p.rplan")
+    plans = compile_bounded_file(CASES[0], BUDGET, str(tmp_path / "unsigned.rplan"))
+    write_bounded(path, plans, BUDGET, b"k" * 32)
+    assert len(load_bounded(path, b"k" * 32)[1]) == len(plans)
+    with pytest.raises(PlanFormatError, match="signature does not match"):
+        load_bounded(path, b"x" * 32)
+    with pytest.raises(PlanFormatError, match="is not signed"):
+        load_bounded(str(tmp_path / "unsigned.rplan"), b"k" * 32)
+    with pytest.raises(PlanFormatError, match="is a bounded-shadow plan") as e:
+        executor.load(path, 2, {}, "local", Fabric(), no_identity=True)
+    assert "\n" not in str(e.value)
