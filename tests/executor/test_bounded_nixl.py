@@ -12,6 +12,8 @@ import pytest
 
 from tests.support.shadow_plans import CASES, compile_bounded_file
 
+pytestmark = pytest.mark.processes  # ranks as separate processes (tests/conftest.py)
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bounded_worker.py")
 
 

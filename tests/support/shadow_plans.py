@@ -1,6 +1,8 @@
 """Tiny plans compiled with a shadow section (`target.shadow`) and broken copies of one
 rank's section, shared by tests/planner/test_shadow_section.py and
-tests/executor/test_shadow_plan.py."""
+tests/executor/test_shadow_plan.py; the bounded shadow's chunk plans written to a file
+(`compile_bounded_file`) and the cases' layouts, for tests/executor/test_bounded*.py and
+tests/planner/test_bounded_plan.py."""
 
 from __future__ import annotations
 
