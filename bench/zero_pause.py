@@ -18,6 +18,11 @@ of a [B, D] activation through its live weights. Per model, in one run:
 - `paused refit`: the same plan run into the live tensors with the engine stopped (the
   engine pauses for the whole transfer).
 
+`--bounded C`: a second table, the same models through a bounded shadow of C chunks
+(`executor/bounded.py`): the whole refit (the pause of an engine kept paused across it) and
+the largest switch of one chunk (the pause per chunk of an engine that accepts serving
+layers at N+1 beside layers at N), beside the full shadow's pause and the paused refit.
+
 `--slow-source-ms X` starts the sources X ms late in each shadow step: the transfer grows
 by X, the engine decodes through it, and the pause must stay what the switch costs.
 
@@ -62,10 +67,12 @@ from schemas.plan_write import write_plan  # noqa: E402
 SIZE = {"bfloat16": 2, "float32": 4}
 
 
-def make_plan(path: str, d: int, k: int, sources: int, targets: int, dtype: str) -> None:
+def make_plan(path: str | None, d: int, k: int, sources: int, targets: int, dtype: str,
+              only: range | None = None) -> Plan:
     """Sources 0..S-1, targets S..S+T-1; target t's "w{i}" [d, d] comes whole from source
-    i % S (its region "t{t}.w{i}")."""
+    i % S (its region "t{t}.w{i}"); `only`: those weights only (a bounded shadow's chunk)."""
     n = d * d * SIZE[dtype]
+    only = range(k) if only is None else only
 
     def sig(rows: list[tuple[int, int]]) -> Table:
         return Table.build(SIGNAL_COLUMNS, stage=[0] * len(rows), peer=[p for p, _ in rows],
@@ -74,24 +81,29 @@ def make_plan(path: str, d: int, k: int, sources: int, targets: int, dtype: str)
     tgts = range(sources, sources + targets)
     ranks = []
     for s in range(sources):
-        mine = [(t, i) for t in tgts for i in range(k) if i % sources == s]
+        mine = [(t, i) for t in tgts for i in only if i % sources == s]
         regions = tuple(Region(f"t{t}.w{i}", dtype, (d, d), n) for t, i in mine)
         w = Table.build(WRITE_COLUMNS, dst_rank=[t for t, _ in mine],
                         src_region=list(range(len(mine))), src_offset=[0] * len(mine),
-                        dst_region=[i for _, i in mine], dst_offset=[0] * len(mine),
+                        dst_region=[i - only[0] for _, i in mine],
+                        dst_offset=[0] * len(mine),
                         nbytes=[n] * len(mine))
         b = Table.build(BATCH_COLUMNS, stage=[0], nic=[0], start=[0], stop=[len(mine)])
         ranks.append(RankPlan(s, "source", 0, 0, ("lo",), regions, w, b, empty(COPY_COLUMNS),
                               sig([(t, DONE) for t in tgts]), sig([(t, READY) for t in tgts]),
-                              tuple((t, tuple((i, n) for i in range(k))) for t in tgts), 1))
+                              tuple((t, tuple((i, n) for i in range(len(only)))) for t in tgts),
+                              1))
     for t in tgts:
         ranks.append(RankPlan(t, "target", 0, 1, ("lo",),
-                              tuple(Region(f"w{i}", dtype, (d, d), n) for i in range(k)),
+                              tuple(Region(f"w{i}", dtype, (d, d), n) for i in only),
                               empty(WRITE_COLUMNS), empty(BATCH_COLUMNS), empty(COPY_COLUMNS),
                               sig([(s, READY) for s in range(sources)]),
                               sig([(s, DONE) for s in range(sources)]), (), 1))
-    write_plan(path, Plan(PlanHeader(fingerprint=f"zero-pause-{d}x{k}", world=len(ranks)),
-                          tuple(ranks)))
+    plan = Plan(PlanHeader(fingerprint=f"zero-pause-{d}x{k}-{only[0]}", world=len(ranks)),
+                tuple(ranks))
+    if path is not None:
+        write_plan(path, plan)
+    return plan
 
 
 class World:
@@ -239,6 +251,81 @@ def bench_model(d: int, k: int, args: argparse.Namespace, device: torch.device) 
     return dict(model=f"{d}x{k}", mib=nbytes / 2**20, **med, floor=floor)
 
 
+def bench_bounded(d: int, k: int, args: argparse.Namespace, device: torch.device) -> dict:
+    """The same model through a bounded shadow (`executor/bounded.py`): `--bounded C`
+    chunks of ceil(K/C) weights, one buffer of that many bytes per target. The engine is
+    stopped for the whole refit (its pause: `refit`), or, accepting the mixed versions,
+    only for each chunk's switch (`switch`, the largest per step)."""
+    from executor.bounded import BoundedShadow, load_chunks, run_chunks
+    from planner.passes.bounded import with_bounded
+    from schemas.bounded_plan import write_bounded
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    tdt, S, T = getattr(torch, dtype), args.sources, args.targets
+    per = -(-k // args.bounded)
+    budget = per * d * d * SIZE[dtype]
+    path = os.path.join(tempfile.mkdtemp(prefix="zero-pause-b-"), "p.rplan")
+    plans = [with_bounded(make_plan(None, d, k, S, T, dtype, range(c, min(k, c + per))),
+                          budget) for c in range(0, k, per)]
+    write_bounded(path, plans, budget)
+    src = {s: {f"t{t}.w{i}": torch.zeros(d, d, dtype=tdt, device=device)
+               for t in range(S, S + T) for i in range(k) if i % S == s} for s in range(S)}
+    live = {t: {f"w{i}": torch.zeros(d, d, dtype=tdt, device=device) for i in range(k)}
+            for t in range(S, S + T)}
+    fabric, out = Fabric(), {}
+
+    def load(r: int) -> None:
+        kw = dict(timeout_s=600, step_records=False, no_identity=True)
+        out[r] = (load_chunks(path, r, src[r], "local", fabric, **kw) if r < S else
+                  BoundedShadow.load(path, r, live[r], "local", fabric, **kw))
+    _join([threading.Thread(target=load, args=(r,)) for r in range(S + T)])
+    rows: dict[str, list[float]] = {"refit": [], "switch": []}
+    for step in range(1, args.steps + 2):
+        g = torch.Generator(device=device).manual_seed(200 + step)
+        for named in src.values():
+            for x in named.values():
+                x.copy_(torch.randn(d, d, generator=g, device=device).mul_(d ** -0.5))
+        sync(device)
+        stats: dict[int, object] = {}
+
+        def target(r: int, step: int = step, stats: dict = stats) -> None:
+            stats[r] = out[r].run(step)
+        t0 = time.perf_counter()
+        _join([threading.Thread(target=run_chunks, args=(out[r], step)) for r in range(S)]
+              + [threading.Thread(target=target, args=(r,)) for r in range(S, S + T)])
+        refit = time.perf_counter() - t0
+        if not all(torch.equal(live[t][f"w{i}"], src[i % S][f"t{t}.w{i}"])
+                   for t in live for i in range(k)) or len(stats) != T:
+            sys.exit(f"zero_pause bounded {d}x{k} step {step}: not bit-exact")
+        if step > 1:
+            rows["refit"].append(refit)
+            rows["switch"].append(max(max(st.switch_s) for st in stats.values()))
+    for r in range(S + T):
+        for ex in (out[r] if r < S else out[r].chunks):
+            ex.close()
+    return dict(model=f"{d}x{k}", budget_mib=budget / 2**20, chunks=len(plans),
+                **{key: statistics.median(v) for key, v in rows.items()})
+
+
+def _join(threads: list[threading.Thread]) -> None:
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
+def bounded_table(results: list[dict], full: list[dict]) -> str:
+    lines = ["bounded shadow (executor/bounded.py): the engine paused for the whole refit "
+             "(refit ms), or, accepting layers at N+1 beside layers at N, per chunk switch",
+             "| model (bounded) | budget MiB | chunks | refit ms (paused throughout) | "
+             "switch per chunk ms (largest) | full shadow pause ms | paused refit ms |",
+             "|---|---|---|---|---|---|---|"]
+    for r, f in zip(results, full):
+        lines.append(f"| bounded {r['model']} | {r['budget_mib']:.2f} | {r['chunks']} | "
+                     f"{1e3 * r['refit']:.2f} | {1e3 * r['switch']:.3f} | "
+                     f"{1e3 * f['pause']:.3f} | {1e3 * f['paused']:.2f} |")
+    return "\n".join(lines)
+
+
 def table(results: list[dict], args: argparse.Namespace, device: torch.device) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     lines = [f"zero_pause: {args.sources} sources -> {args.targets} targets, local transport, "
@@ -268,10 +355,14 @@ def main() -> None:
     ap.add_argument("--slow-source-ms", type=float, default=0.0,
                     help="the sources start each shadow step this late (a longer transfer: "
                     "the pause must not grow)")
-    ap.add_argument("--tiny", action="store_true", help="CPU, 128x4 and 256x4, 3 steps")
+    ap.add_argument("--bounded", type=int, default=0, metavar="C",
+                    help="also run each model through a bounded shadow of C chunks")
+    ap.add_argument("--tiny", action="store_true", help="CPU, 128x4 and 256x4, 3 steps, "
+                    "bounded in 2 chunks")
     args = ap.parse_args()
     if args.tiny:
         args.models, args.steps, args.device = "128x4,256x4", 3, "cpu"
+        args.bounded = args.bounded or 2
     if args.sources < 1 or args.targets < 1:
         sys.exit(f"zero_pause: --sources {args.sources} --targets {args.targets}: each must "
                  "be at least 1")
@@ -285,6 +376,8 @@ def main() -> None:
         torch.set_num_threads(1)
     results = [bench_model(d, k, args, device) for d, k in models]
     print(table(results, args, device))
+    if args.bounded > 0:
+        print(bounded_table([bench_bounded(d, k, args, device) for d, k in models], results))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 
 from schemas.identity import IdentityError
 
+from .bounded import BoundedShadow, BoundedStats, load_chunks, run_chunks
 from .core import Executor, RunStats, load, run
 from .errors import (
                      BindError,
@@ -25,9 +26,10 @@ from .shadow import Shadow, TornUpdateError, shadow_extra_bytes
 from .stats import ShadowStats
 from .world import PlanDeadlockError, run_all_local
 
-__all__ = ["BindError", "Executor", "ForgedRecordError", "IdentityError", "LeaseHeldError",
+__all__ = ["BindError", "BoundedShadow", "BoundedStats", "Executor", "ForgedRecordError",
+           "IdentityError", "LeaseHeldError",
            "LeaseLostError", "NoSecretError", "PeerAbortError", "PeerLostError",
            "PeerMismatchError", "PeerTimeoutError", "PlanBoundsError", "PlanDeadlockError",
            "connect_store",
            "RunStats", "Shadow", "ShadowStats", "TornUpdateError", "load", "run", "run_all_local",
-           "shadow_extra_bytes"]
+           "shadow_extra_bytes", "load_chunks", "run_chunks"]

@@ -22,13 +22,13 @@ by tensor. Pointer swaps would be cheaper but break every captured
 graph; a GPU copies its own memory at ~1.4 TB/s, so the copy is a small fraction of any
 transfer. The pause is what the copy costs (`ShadowStats.pause_s`).
 
-**Bounded shadow** (`target.shadow: {budget_bytes: N}`): the plan states its chunks (each
-at most N bytes of one buffer, layer by layer), but its writes still address the tensors,
-so `attach` refuses it (one line): running it needs writes re-addressed into the buffer, a
-schedule cut at chunk edges and a wait for each chunk's switch (docs/architecture.md,
-"Bounded shadow"). Whatever runs it has a mixed-version window: while chunks are switched
-one by one, layers already switched serve N+1 and the rest N, so an engine must pause
-across the whole bounded refit unless the caller accepts that mix.
+**Bounded shadow** (`target.shadow: {budget_bytes: N}`): runs in `executor/bounded.py`
+(`BoundedShadow`), from the chunk plans `rdma-plan compile` writes for it. A single plan
+carrying a bounded section (`compile_config`: the chunk map `inspect` used to read) writes
+the tensors, not one buffer, so `attach` refuses it here (one line). Its mixed-version
+window: while chunks are switched one by one, layers already switched serve N+1 and the
+rest N, so an engine must pause across the whole bounded refit unless the caller accepts
+that mix.
 
 **Why a thread is safe.** `start()` runs the executor's ordinary `run()` on one background
 thread. The writes are one-sided: peers write the shadow's registered memory, the engine's
@@ -245,9 +245,10 @@ def switch_ops(plan: RankPlan, live: dict[str, torch.Tensor], shadow: dict[str, 
     if sh.budget:
         raise ValueError(
             f"Shadow: rank {plan.rank}'s plan carries a bounded shadow ({sh.budget:,} bytes, "
-            f"{sh.chunks} chunks); its writes would have to land in that one buffer, and "
-            "this plan's writes address the tensors (docs/architecture.md, 'Bounded "
-            "shadow'); compile with `target.shadow: full` for `Shadow`")
+            f"{sh.chunks} chunks) whose writes address the tensors; a bounded refit runs "
+            "from the chunk plans `rdma-plan compile` writes for it, with "
+            "executor.BoundedShadow (docs/architecture.md, 'Bounded shadow'); compile with "
+            "`target.shadow: full` for `Shadow`")
     names = [r.name for r in plan.regions]
     out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(sh.chunks)]
     s = sh.switch

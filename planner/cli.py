@@ -101,7 +101,12 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     _map_large_arrays()
     try:
         with Progress("compile") as progress:
-            stats = compile_to(cfg, spec, args.output, progress, sign_key=args.sign_key)
+            if cfg.target.shadow is not None and cfg.target.shadow.budget_bytes:
+                from planner.bounded_cmd import compile_bounded_to
+                stats = compile_bounded_to(cfg, spec, args.output, progress,
+                                           sign_key=args.sign_key)
+            else:
+                stats = compile_to(cfg, spec, args.output, progress, sign_key=args.sign_key)
     finally:
         _remove_temp(args.output)
     if "egress_bound_max_over_mean" in stats:  # max/mean is never below 1 (planner.inspect)
@@ -163,8 +168,13 @@ def _fmt(value: object) -> str:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from planner.inspect import inspect_text
+    from schemas.bounded_plan import is_bounded
     from schemas.plan import load_plan
 
+    if is_bounded(args.plan):  # a bounded shadow's chunk plans (planner/bounded_cmd.py)
+        from planner.bounded_cmd import inspect_bounded
+        print(inspect_bounded(args.plan, args.json))
+        return 0
     if args.ranks:
         from planner.tensors_cmd import ranks_text
 
@@ -221,9 +231,14 @@ def _cmd_tensors(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from planner.progress import Progress
     from planner.verify import verify_file
+    from schemas.bounded_plan import is_bounded
 
-    with Progress("verify") as progress:
-        violations = verify_file(args.plan, progress)
+    if is_bounded(args.plan):  # every chunk plan, then the file's own rules
+        from planner.bounded_cmd import verify_bounded
+        violations = verify_bounded(args.plan)
+    else:
+        with Progress("verify") as progress:
+            violations = verify_file(args.plan, progress)
     if violations:
         print(f"rdma-plan: verify: {len(violations)} violation(s); first: {violations[0]}",
               file=sys.stderr)

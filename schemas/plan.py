@@ -237,6 +237,10 @@ _HEADERS: dict[bytes, PlanHeader] = {}
 
 def _read_raw_header(f: BinaryIO, path: str) -> tuple[bytes, dict[str, Any], int]:
     magic = f.read(len(MAGIC))
+    if magic == b"RPLANBND":  # schemas/bounded_plan.py
+        raise PlanFormatError(f"{path}: is a bounded-shadow plan (chunk plans, target.shadow: "
+                              "{budget_bytes: N}); run it with executor.BoundedShadow.load on "
+                              "a target and executor.load_chunks on a source")
     if magic != MAGIC:
         raise PlanFormatError(f"{path}: not an rdma-plan file (bad magic); compile one with "
                               "`rdma-plan compile`")
@@ -311,49 +315,60 @@ def load_rank(path: str, rank: int, key: bytes | None = None) -> tuple[PlanHeade
     """Header and one rank's part, without decoding the other ranks (`key`: see
     `read_header`)."""
     with open_plan(path) as f:
-        header, start = read_header(f, path, key)
-        if f"rank/{rank}" not in header.blobs:
-            raise PlanFormatError(f"{path}: plan has no rank {rank} (it has {header.world} "
-                                  "ranks)")
-        rp = RankPlan.decode(read_blob(f, header, start, f"rank/{rank}", path))
-        if rp.rank != rank:
-            raise PlanFormatError(f"{path}: blob rank/{rank} holds the plan of rank {rp.rank};"
-                                  " the file is corrupt")
-        return header, rp
+        return load_rank_from(f, path, rank, key)
+
+
+def load_rank_from(f: BinaryIO, path: str, rank: int, key: bytes | None = None
+                   ) -> tuple[PlanHeader, RankPlan]:
+    """`load_rank` of an open plan file (`path` names it in errors)."""
+    header, start = read_header(f, path, key)
+    if f"rank/{rank}" not in header.blobs:
+        raise PlanFormatError(f"{path}: plan has no rank {rank} (it has {header.world} "
+                              "ranks)")
+    rp = RankPlan.decode(read_blob(f, header, start, f"rank/{rank}", path))
+    if rp.rank != rank:
+        raise PlanFormatError(f"{path}: blob rank/{rank} holds the plan of rank {rp.rank};"
+                              " the file is corrupt")
+    return header, rp
 
 
 def load_plan(path: str, key: bytes | None = None) -> Plan:
     """The whole plan (tools, tests, verify)."""
     with open_plan(path) as f:
-        header, start = read_header(f, path, key)
-        world = header.world
-        names = [n for n in header.blobs if n.startswith("rank/")]
-        if len(names) != world or \
-                set(names) != {f"rank/{r}" for r in range(world)}:  # (len first: world=2**31)
-            # every rank's plan, no more (a missing rank would leave its peers waiting)
-            raise PlanFormatError(f"{path}: the header says world={world} but the file "
-                                  f"holds {len(names)} rank blobs; the file is corrupt")
-        names = [f"rank/{r}" for r in range(world)]
-        ranks = tuple(RankPlan.decode(read_blob(f, header, start, n, path)) for n in names)
-        for n, rp in zip(names, ranks):
-            if f"rank/{rp.rank}" != n:
-                raise PlanFormatError(f"{path}: blob {n} holds the plan of rank {rp.rank}; "
-                                      "the file is corrupt")
-        ex = read_blob(f, header, start, "explain", path)
-        dag = read_blob(f, header, start, "dag", path)
-        tensors, explain = decode_explain(ex, path)
-        if not isinstance(dag, dict):
-            raise PlanFormatError(f"{path}: dag blob is malformed")
-        try:
-            nodes = Table.from_msgpack(DAG_NODE_COLUMNS, dag["nodes"], "dag.nodes")
-            edges = Table.from_msgpack(DAG_EDGE_COLUMNS, dag["edges"], "dag.edges")
-            coverage = Table.from_msgpack(COVERAGE_COLUMNS, dag["coverage"], "coverage")
-        except (KeyError, TypeError) as e:
-            raise PlanFormatError(f"{path}: dag blob is malformed ({e})") from None
-        extra = tuple((n, read_blob(f, header, start, n, path)) for n in header.blobs
-                      if not n.startswith("rank/") and n not in ("explain", "dag"))
+        return read_plan_from(f, path, key)
+
+
+def read_plan_from(f: BinaryIO, path: str, key: bytes | None = None) -> Plan:
+    """`load_plan` of an open plan file (`path` names it in errors)."""
+    header, start = read_header(f, path, key)
+    world = header.world
+    names = [n for n in header.blobs if n.startswith("rank/")]
+    if len(names) != world or \
+            set(names) != {f"rank/{r}" for r in range(world)}:  # (len first: world=2**31)
+        # every rank's plan, no more (a missing rank would leave its peers waiting)
+        raise PlanFormatError(f"{path}: the header says world={world} but the file "
+                              f"holds {len(names)} rank blobs; the file is corrupt")
+    names = [f"rank/{r}" for r in range(world)]
+    ranks = tuple(RankPlan.decode(read_blob(f, header, start, n, path)) for n in names)
+    for n, rp in zip(names, ranks):
+        if f"rank/{rp.rank}" != n:
+            raise PlanFormatError(f"{path}: blob {n} holds the plan of rank {rp.rank}; "
+                                  "the file is corrupt")
+    ex = read_blob(f, header, start, "explain", path)
+    dag = read_blob(f, header, start, "dag", path)
+    tensors, explain = decode_explain(ex, path)
+    if not isinstance(dag, dict):
+        raise PlanFormatError(f"{path}: dag blob is malformed")
+    try:
+        nodes = Table.from_msgpack(DAG_NODE_COLUMNS, dag["nodes"], "dag.nodes")
+        edges = Table.from_msgpack(DAG_EDGE_COLUMNS, dag["edges"], "dag.edges")
+        coverage = Table.from_msgpack(COVERAGE_COLUMNS, dag["coverage"], "coverage")
+    except (KeyError, TypeError) as e:
+        raise PlanFormatError(f"{path}: dag blob is malformed ({e})") from None
+    extra = tuple((n, read_blob(f, header, start, n, path)) for n in header.blobs
+                  if not n.startswith("rank/") and n not in ("explain", "dag"))
     return Plan(header=header, ranks=ranks, explain=explain, tensors=tensors,
-                dag_nodes=nodes, dag_edges=edges, coverage=coverage, extra_blobs=extra)
+            dag_nodes=nodes, dag_edges=edges, coverage=coverage, extra_blobs=extra)
 
 
 def decode_explain(ex: Any, path: str = "plan") -> tuple[tuple[str, ...], Table]:

@@ -36,34 +36,34 @@ def test_inspect_shows_each_ranks_full_shadow_bytes(tmp_path: Path,
 
 def test_inspect_shows_each_modes_extra_memory_per_rank(tmp_path: Path,
                                                         capsys: pytest.CaptureFixture) -> None:
-    # paused 0; full shadow: the bound weights; bounded: what its chunks use of the budget
-    # (a plan compiled without a bounded section: None, "-")
-    budget = 96 << 10
+    # paused 0; full shadow: the bound weights; bounded: the budget N (the one buffer every
+    # chunk lands in, executor/bounded.py); a plan compiled without one: None, "-"
+    budget = 1 << 20
     text = (ROOT / "plans" / "demo.yaml").read_text().replace(
         "  replicas: 2\n", f"  replicas: 2\n  shadow: {{budget_bytes: {budget}}}\n")
     cfg = tmp_path / "demo.yaml"
     cfg.write_text(text.replace("models/", str(ROOT / "plans" / "models") + "/"))
     plain, bounded = str(tmp_path / "plain.rplan"), str(tmp_path / "bounded.rplan")
     compile_file(str(ROOT / "plans" / "demo.yaml"), plain)
-    compile_file(str(cfg), bounded)
-    for path, is_bounded in ((plain, False), (bounded, True)):
-        assert main(["inspect", path, "--json"]) == 0
-        ranks = json.loads(capsys.readouterr().out)["ranks"]
-        assert main(["inspect", path]) == 0
-        out = capsys.readouterr().out
-        for r in ranks:
-            mem = r["extra_memory"]
-            rp = load_rank(path, r["rank"])[1]
-            assert mem["paused"] == 0 and mem["full_shadow"] == r["shadow"]
-            if r["role"] == "source":
-                assert mem["bounded_shadow"] == 0
-                continue
-            if not is_bounded:
-                assert mem["bounded_shadow"] is None and rp.shadow is None
-                assert f"{r['shadow']:>16,}{'-':>12}" in out
-                continue
-            s = rp.shadow.switch
-            used = int((s["shadow_offset"] + s["nbytes"]).max())
-            assert mem["bounded_shadow"] == used and 0 < used <= budget < mem["full_shadow"]
-            assert f"{r['shadow']:>16,}{used:>12,}" in out
-        assert ("MiB budget (column bounded)" in out) == is_bounded
+    assert main(["compile", str(cfg), "-o", bounded]) == 0
+    capsys.readouterr()
+    assert main(["inspect", plain, "--json"]) == 0
+    ranks = json.loads(capsys.readouterr().out)["ranks"]
+    assert main(["inspect", plain]) == 0
+    out = capsys.readouterr().out
+    for r in ranks:
+        mem = r["extra_memory"]
+        assert mem["paused"] == 0 and mem["full_shadow"] == r["shadow"]
+        if r["role"] == "target":
+            assert mem["bounded_shadow"] is None and f"{r['shadow']:>16,}{'-':>12}" in out
+    full = {r["rank"]: r["shadow"] for r in ranks}
+    assert main(["inspect", bounded, "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["bounded_budget"] == budget and len(s["chunks"]) >= 2
+    for r in s["ranks"]:
+        mem = r["extra_memory"]
+        want = budget if r["role"] == "target" else 0
+        assert mem == {"paused": 0, "full_shadow": full[r["rank"]], "bounded_shadow": want}
+    assert main(["inspect", bounded]) == 0
+    out = capsys.readouterr().out
+    assert f"bounded shadow + {budget / 2**20:.1f} MiB" in out and "mixed-version" in out

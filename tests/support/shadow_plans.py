@@ -1,6 +1,8 @@
 """Tiny plans compiled with a shadow section (`target.shadow`) and broken copies of one
 rank's section, shared by tests/planner/test_shadow_section.py and
-tests/executor/test_shadow_plan.py."""
+tests/executor/test_shadow_plan.py; the bounded shadow's chunk plans written to a file
+(`compile_bounded_file`) and the cases' layouts, for tests/executor/test_bounded*.py and
+tests/planner/test_bounded_plan.py."""
 
 from __future__ import annotations
 
@@ -58,3 +60,29 @@ def _broken(rp: RankPlan) -> dict[str, RankPlan]:
             "gap": _with(rp, offset=off), "region": _with(rp, region=reg),
             "dropped op": _with(rp, **{k: s[k][1:] for k, _ in SWITCH_COLUMNS}),
             "on a source": rp}
+
+
+def layouts(case):
+    """(spec, source layout, target layout) of a case."""
+    from planner.layouts import build_layout
+    model, source, target = case
+    cfg = config_from_dict({"model": {"config": f"{model}/config.json"}, "source": source,
+                            "target": target, "cluster": {"gpus_per_host": 8}},
+                           base_dir=MODELS)
+    spec = load_spec(cfg.model_config_path)
+    return spec, build_layout(spec, cfg.source), build_layout(spec, cfg.target)
+
+
+def compile_bounded_file(case, budget: int, path: str) -> list[Plan]:
+    """The chunk plans of a bounded shadow of `budget` bytes, written to `path`."""
+    from planner.passes.bounded import compile_bounded_config
+    from schemas.bounded_plan import write_bounded
+    model, source, target = case
+    cfg = config_from_dict({"model": {"config": f"{model}/config.json"}, "source": source,
+                            "target": dict(target, shadow={"budget_bytes": budget}),
+                            "cluster": {"gpus_per_host": 8}}, base_dir=MODELS)
+    spec = load_spec(cfg.model_config_path)
+    validate(cfg, spec)
+    plans = compile_bounded_config(cfg, spec)
+    write_bounded(path, plans, budget)
+    return plans
