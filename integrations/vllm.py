@@ -344,8 +344,7 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
             if not self.shadow:  # close the others' (the raising worker's own call fails)
                 with contextlib.suppress(Exception):
                     self.client.finish_weight_update(None)
-            raise TornUpdateError(f"rdma_plan: update {weight_version!r} did not complete on "
-                                  f"the engine and was not committed: {rpc.error}"
+            raise TornUpdateError(vllm_torn.refused(weight_version, rpc.error, self.shadow)
                                   ) from self.lost
 
     def finish_send(self, weight_version: str | None = None) -> None:

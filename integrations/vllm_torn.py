@@ -92,3 +92,13 @@ def message(engine: Any, version: str | None) -> str:
             f"committed: version {engine.weight_version!r} stays committed but its weights "
             f"hold part of {version!r}; do not resume generation on this engine until the "
             "next complete update (send the weights again once the peer is back)")
+
+
+def refused(version: str | None, error: BaseException, shadow: bool) -> str:
+    """The trainer's one error for an update the engine refused in `update_weights`."""
+    what = ("nothing was switched: version N keeps serving" if shadow else
+            "the live weights hold the part of it that landed: keep the engine paused and "
+            "send the weights again (the next complete update is bit-exact)")
+    return (f"rdma_plan: update {version!r} did not complete on the engine and was not "
+            f"committed ({error}); {what}; the vLLM workers' log names the torn worker(s) "
+            "and why")
