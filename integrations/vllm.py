@@ -181,8 +181,8 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: RdmaPlanUpdateInfo) -> None:
-        """This rank's part of the plan; a peer lost mid-update raises `TornUpdateError`
-        (vLLM then ends the session; `finish_weight_update` would refuse to commit too)."""
+        """This rank's part of the plan; a torn update is agreed by the workers and raised
+        as `TornUpdateError` by the last one only (`vllm_torn.paused`), and finish refuses."""
         assert self.plan is not None, "start_weight_update checks this"
         if self.shadow is not None and update_info.landed:  # finish_send, engine paused
             return vllm_shadow.landed(self, update_info.version, TornUpdateError)
