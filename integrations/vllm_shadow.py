@@ -13,15 +13,15 @@ live weights:
   the commit.
 
 The trainer engine's `finish_send` first sends `update_weights({"landed": True})`
-(`landed`): every worker waits for its last DONE and the workers agree (a MIN over vLLM's
-world group) whether every one is complete. A torn transfer (a source died, a DONE never
-came) then switches nothing anywhere: the live weights keep serving the committed version,
-only the worker vLLM reads last raises `TornUpdateError` (one failure per call keeps vLLM's
-`MultiprocExecutor` reply queues in step: it stops reading at the first failure), and the
-trainer's `finish_weight_update` without a version closes the other workers' sessions; the
-next update starts clean. Without the `landed` call, `finish_weight_update` waits itself
-and raises on every worker whose transfer is torn (vLLM keeps those sessions open: a second
-call without a version closes them).
+(`landed`): every worker waits for its last DONE and the workers agree (`vllm_torn.agree`,
+an all-gather over vLLM's world group) whether every one is complete. A torn transfer (a
+source died, a DONE never came) then switches nothing anywhere: the live weights keep
+serving the committed version, only the worker vLLM reads last raises `TornUpdateError` (one
+failure per call keeps vLLM's `MultiprocExecutor` reply queues in step: it stops reading at
+the first failure), and the trainer's `finish_weight_update` without a version closes the
+other workers' sessions; the next update starts clean. Without the `landed` call,
+`finish_weight_update` waits itself and raises on every worker whose transfer is torn (vLLM
+keeps those sessions open: a second call without a version closes them).
 
 Per update the worker records `ShadowUpdate` (`engine.shadow_updates`): the transfer
 seconds (start to the last DONE) and the pause (`finish_weight_update` called to the
@@ -43,6 +43,7 @@ import torch
 
 from executor import Shadow
 from executor import TornUpdateError as ShadowTornError
+from integrations.vllm_torn import agree
 
 LOG = logging.getLogger("vllm.rdma_plan")
 
@@ -80,23 +81,6 @@ def start(engine: Any, version: str | None) -> None:
     engine.shadow.start()
 
 
-def agree(ok: bool) -> tuple[bool, bool]:
-    """(every worker of this engine has its update complete, this worker's reply is the one
-    vLLM reads last): a MIN over vLLM's world group (its gloo `cpu_group`); alone: (ok,
-    True)."""
-    from vllm.distributed import parallel_state as ps
-
-    try:
-        group = ps.get_world_group()
-    except AssertionError:  # no distributed environment: one worker
-        return ok, True
-    if group.world_size == 1:
-        return ok, True
-    flag = torch.tensor([int(ok)], dtype=torch.int32)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
-    return bool(flag.item()), group.rank_in_group == group.world_size - 1
-
-
 def landed(engine: Any, version: str | None, torn: type[Exception]) -> None:
     """`update_weights({"landed": True})`, the trainer's `finish_send` with the engine paused:
     wait for this rank's last DONE, then agree with the engine's other workers (`agree`). All
@@ -115,23 +99,20 @@ def landed(engine: Any, version: str | None, torn: type[Exception]) -> None:
         except ShadowTornError as e:
             engine.failure, ok = e, False
     engine.wait_s = time.perf_counter() - t0
-    every, last = agree(ok)
+    every, last, causes = agree(ok, "" if ok else str(engine.failure or "not started"))
     engine.landed = every
     if every:
         return
     if ok:
         shadow.discard()  # complete here, torn on another worker: the same N everywhere
     LOG.warning("rdma_plan worker %s: update %r torn (%s): nothing switches, version %r "
-                "keeps serving", engine.identity.get("index"), version,
-                engine.failure or "another worker's transfer did not complete",
+                "keeps serving", engine.identity.get("index"), version, "; ".join(causes),
                 engine.weight_version)
     if last:
         engine.landed = None  # vLLM ends this worker's session now
-        raise torn(f"rdma_plan: update {version!r} did not reach every vLLM worker (worker "
-                   f"{engine.identity.get('index')}, plan rank {engine.plan_rank}: "
-                   f"{engine.failure or 'complete here, torn on another worker'}); nothing "
-                   f"was switched: the live weights keep serving version "
-                   f"{engine.weight_version!r}")
+        raise torn(f"rdma_plan: update {version!r} did not reach every vLLM worker "
+                   f"({'; '.join(causes)}); nothing was switched: the live weights keep "
+                   f"serving version {engine.weight_version!r}")
 
 
 def finish(engine: Any, version: str | None, torn: type[Exception]) -> None:

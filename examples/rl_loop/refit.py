@@ -29,10 +29,12 @@ def refit(engine: object, args: argparse.Namespace, label: str, rank: int,
           torn_error: type[Exception]) -> tuple[dict[str, float], str]:
     """One refit; the times on rank 0 and why it was torn ("" when it was not).
 
-    Paused: pause, start_send + finish_send, resume. Shadow: start_send while the engine
-    serves, every rank's writes done (barrier), pause, finish_send, resume. `tokens` (shadow):
-    vLLM's generation counter over the transfer (start to every rank's writes done); the
-    paused refit reads nothing inside its pause (train.py counts the requests answered)."""
+    Paused: pause, start_send + finish_send, resume; torn (`--stall-step`): the engine stays
+    paused and every rank sends again (the live weights hold part of N+1). Shadow:
+    start_send while the engine serves, every rank's writes done (barrier), pause,
+    finish_send, resume. `tokens` (shadow): vLLM's generation counter over the transfer
+    (start to every rank's writes done); the paused refit reads nothing inside its pause
+    (train.py counts the requests answered)."""
     from executor.errors import PeerMismatchError, PeerTimeoutError
 
     lead, t = rank == 0, {}
@@ -56,6 +58,18 @@ def refit(engine: object, args: argparse.Namespace, label: str, rank: int,
         send("start_send")
         if not torn:
             send("finish_send")
+        flags = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, torn)
+        if any(flags):  # the live weights hold part of N+1: send again before resuming
+            t["resent"], torn = "; ".join(f for f in flags if f), ""
+            if lead:  # what the paused engine holds now (vLLM's sha256 of each tensor)
+                t["torn_sums"] = post(args.url, "weight_checker",
+                                      {"action": "checksum"})["checksums"]
+            engine.step = -1  # the retry is not slowed (`paced_engine`)
+            dist.barrier()
+            send("start_send")
+            if not torn:
+                send("finish_send")
         t["finished"] = time.perf_counter()
         t["transfer"] = t["finished"] - t["paused"]
         t["tokens"] = -1.0  # not read inside the pause: train.py counts answered requests

@@ -15,8 +15,9 @@
 `--shadow`: the zero-pause refit (the engine keeps serving while the weights land; paused
 only around the switch). `--throttle-ms X [--throttle-steps 2,4]`: a slow source (the
 trainer ranks start their writes X ms late). `--stall-step K --timeout-s T`: a torn transfer
-at step K (trainer rank 1 stalls past the plan's timeout T; version K-1 must keep serving;
-shadow runs only). `--compare`: the paused refit, then the shadow one, on one engine.
+at step K (trainer rank 1 stalls past the plan's timeout T; shadow: version K-1 must keep
+serving; paused: the engine stays paused and the trainer sends step K again). `--compare`:
+the paused refit, then the shadow one, on one engine.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def main() -> int:
                  "--config", config, "--model", model, "--url", url,
                  "--rendezvous", f"127.0.0.1:{free_port()}", "--steps", str(args.steps),
                  "--throttle-ms", str(args.throttle_ms), "--throttle-steps", args.throttle_steps,
-                 "--stall-step", str(args.stall_step if shadow else -1),
+                 "--stall-step", str(args.stall_step),
                  "--timeout-s", str(args.timeout_s)] + ["--shadow"] * shadow,
                 env=dict(os.environ, PYTHONPATH=REPO, VLLM_TARGET_DEVICE="cpu",
                          OMP_NUM_THREADS="1"), cwd=REPO)

@@ -25,7 +25,9 @@ throughout; per step also checked: every request answered before the pause took 
 version N (its probe logprobs equal N's), every one sent after it saw N+1, none a mix; in
 shadow mode the engine generated tokens during the transfer (vLLM's own counter).
 `--throttle-ms` (a slow source) and `--stall-step` (a torn transfer: rank 1 stalls past the
-plan's timeout; version N must keep serving: its version, logprobs and bytes) test both.
+plan's timeout; shadow: version N must keep serving, its version, logprobs and bytes; paused:
+the live weights hold part of N+1, so the engine stays paused and every rank sends again, then
+N+1 is checked as any step) test both.
 """
 
 from __future__ import annotations
@@ -299,6 +301,13 @@ def main() -> int:
                   f"{1e3 * (t['resumed'] - t['finished']):.1f})  transfer "
                   f"{1e3 * t['transfer']:.1f} ms  tokens during transfer {t['tokens']:.0f}  "
                   f"{requests}")
+        if t.get("resent"):  # paused and torn: sent again before the engine resumed
+            held = t["torn_sums"]
+            old_n = sum(held.get(k) == v for k, v in previous.items())
+            new_n = sum(held.get(k) == v for k, v in want.items())
+            print(f"{label}: paused refit TORN ({t['resent']}); while torn the engine held "
+                  f"{old_n}/{len(previous)} tensors equal N's, {new_n} equal N+1's; it stayed "
+                  "paused and the trainer sent it again", flush=True)
         if torn:  # version N must still serve: its version, logprobs and bytes
             delta = (old - theirs).abs().max().item()
             wrong = [k for k, v in previous.items() if sums.get(k) != v]

@@ -113,6 +113,65 @@ def long_request(engine):  # noqa: ANN001, ANN201 (an asyncio task on the engine
     return task
 
 
+def served(engine, hf: dict, tensors: dict[str, torch.Tensor]  # noqa: ANN001
+           ) -> tuple[list[float], list[int], list[int], float, tuple]:
+    """What the engine serves against transformers on `tensors`: its prompt logprobs, its
+    greedy tokens, transformers' greedy tokens, max |delta logprob|, and (the version the
+    engine reports, the one it stamps on its outputs)."""
+    lps, ids, meta = engine_logprobs(engine)
+    ref, greedy = reference(hf, tensors, len(ids))
+    delta = max(abs(a - b) for a, b in zip(lps, ref, strict=True))
+    version = (engine.get_model_info()["weight_version"], meta.get("weight_version"))
+    return lps, ids, greedy, delta, version
+
+
+def serves(engine, hf: dict, tensors: dict[str, torch.Tensor], label: str,  # noqa: ANN001
+           task) -> tuple[float, tuple]:  # noqa: ANN001
+    """The engine serves `tensors` as version `label` (its prompt logprobs and greedy tokens
+    against transformers', the version it reports and stamps); then the long request `task`
+    is aborted and awaited. Returns max |delta logprob| and the versions."""
+    _, ids, greedy, delta, version = served(engine, hf, tensors)
+    assert delta < 1e-3 and ids == greedy and version == (label,) * 2, \
+        (label, delta, ids, greedy, version)
+    engine.tokenizer_manager.abort_request(abort_all=True)
+    engine.loop.run_until_complete(task)
+    return delta, version
+
+
+def bind(engine, arg: dict, tensors: dict[str, torch.Tensor], **init: object):  # noqa: ANN001, ANN201
+    """The trainer's source rank (this process: `executor.load` on a thread) and the engine's
+    binding (`rdma_plan_init` through `collective_rpc`, keyword `init` added) rendezvous; the
+    source's `Executor`, its peer timeout then 120 s."""
+    import executor
+
+    rendezvous, loaded = f"127.0.0.1:{arg['store']}", []
+
+    def load() -> None:
+        try:
+            loaded.append(executor.load(arg["plan"], 0, tensors, transport="nixl",
+                                        rendezvous=rendezvous, timeout_s=300,
+                                        no_identity=True))  # the test's one source rank
+        except BaseException as e:  # noqa: BLE001
+            loaded.append(e)
+    thread = threading.Thread(target=load)
+    thread.start()
+    # the engine's ZMQ sockets belong to this thread: the RPC goes from here
+    engine.collective_rpc("rdma_plan_init", plan=arg["plan"], rendezvous=rendezvous,
+                          timeout_s=300.0, allow_unsigned=True, **init)  # unsigned plan
+    thread.join()
+    plan = loaded[0]
+    assert not isinstance(plan, BaseException), plan
+    plan.timeout_s = 120.0
+    return plan
+
+
+def report(out: str, figures: dict) -> None:
+    """The driver's figures to `out` (JSON), and its last line."""
+    with open(out, "w") as f:
+        json.dump(figures, f)
+    print("driver: ok", flush=True)
+
+
 def check_ranks(engine, folder: str, want: dict, tp: int, label: str) -> int:  # noqa: ANN001
     """Every TP rank's own digests equal `want` ({target rank: {name: sha256}})."""
     from integrations.sglang_engine import engine_digests
@@ -162,25 +221,7 @@ def main() -> None:
     figures: dict = {"tp": tp, "engine_start_s": time.perf_counter() - t0, "steps": []}
     try:
         tensors = {n: t.clone() for n, t in random_full_tensors(spec, seed=100).items()}
-        rendezvous = f"127.0.0.1:{arg['store']}"
-        loaded: list = []
-
-        def load() -> None:  # the trainer's rank; rendezvous with the engine's binding
-            try:
-                loaded.append(executor.load(arg["plan"], 0, tensors, transport="nixl",
-                                            rendezvous=rendezvous, timeout_s=300,
-                                            no_identity=True))  # the test's one source rank
-            except BaseException as e:  # noqa: BLE001
-                loaded.append(e)
-        thread = threading.Thread(target=load)
-        thread.start()
-        # the engine's ZMQ sockets belong to this thread: the RPC goes from here
-        engine.collective_rpc("rdma_plan_init", plan=arg["plan"], rendezvous=rendezvous,
-                              timeout_s=300.0, allow_unsigned=True)  # the plan is unsigned
-        thread.join()
-        plan = loaded[0]
-        assert not isinstance(plan, BaseException), plan
-        plan.timeout_s = 120.0
+        plan = bind(engine, arg, tensors)
         before, ids, _ = engine_logprobs(engine)  # dummy (random) startup weights
         print(f"driver: bound; dummy-weight greedy tokens {ids}", flush=True)
         # the negative control: the startup weights are not the trainer's, rank by rank
@@ -213,12 +254,8 @@ def main() -> None:
             assert not bad, f"step {step}: engine differs from the trainer in {bad}"
             shards = check_ranks(engine, sums, layout_digests(target, tensors), tp,
                                  f"step {step}")
-            lps, ids, meta = engine_logprobs(engine)
-            ref, greedy = reference(hf, tensors, len(ids))
-            delta = max(abs(a - b) for a, b in zip(lps, ref, strict=True))
+            lps, ids, greedy, delta, version = served(engine, hf, tensors)
             moved = max(abs(a - b) for a, b in zip(lps, before, strict=True))
-            # the version the engine reports, and the one it stamps on its outputs
-            version = (engine.get_model_info()["weight_version"], meta.get("weight_version"))
             print(f"driver: step {step}: {len(tensors)} tensors bit-exact, {shards} rank "
                   f"shards' sha256 equal the trainer's on {tp} rank(s), max |delta "
                   f"logprob| vs transformers {delta:.2e}, vs previous version {moved:.2e}, "
@@ -256,14 +293,7 @@ def main() -> None:
         print(f"driver: held request: CacheNotFlushedError ({error[:160]}...); {shards} "
               f"shards equal the trainer's, version stays {old!r}", flush=True)
         finish_unflushed(call, "held")
-        lps, ids, meta = engine_logprobs(engine)
-        ref, greedy = reference(hf, tensors, len(ids))
-        delta = max(abs(a - b) for a, b in zip(lps, ref, strict=True))
-        version = (engine.get_model_info()["weight_version"], meta.get("weight_version"))
-        assert delta < 1e-3 and ids == greedy and version == ("held",) * 2, \
-            (delta, ids, greedy, version)
-        engine.tokenizer_manager.abort_request(abort_all=True)
-        engine.loop.run_until_complete(task)
+        delta, version = serves(engine, hf, tensors, "held", task)
         print(f"driver: finish_unflushed: version {version!r}, max |delta logprob| "
               f"{delta:.2e}", flush=True)
         # the same with pause_mode="retract": the running request goes back to the queue
@@ -271,23 +301,14 @@ def main() -> None:
         task = long_request(engine)
         update(call, lambda: executor.run(plan), "retracted", pause_mode="retract")
         shards = check_ranks(engine, sums, layout_digests(target, tensors), tp, "retract")
-        lps, ids, meta = engine_logprobs(engine)
-        ref, greedy = reference(hf, tensors, len(ids))
-        delta = max(abs(a - b) for a, b in zip(lps, ref, strict=True))
-        version = (engine.get_model_info()["weight_version"], meta.get("weight_version"))
-        assert delta < 1e-3 and ids == greedy and version == ("retracted",) * 2, \
-            (delta, ids, greedy, version)
-        engine.tokenizer_manager.abort_request(abort_all=True)
-        engine.loop.run_until_complete(task)
+        delta, version = serves(engine, hf, tensors, "retracted", task)
         print(f"driver: pause_mode='retract' with a request running: {shards} shards equal, "
               f"version {version!r}, max |delta logprob| {delta:.2e}", flush=True)
         figures["held"] = {"error": error, "retract_delta": delta}
         plan.close()
     finally:
         engine.shutdown()
-    with open(arg["out"], "w") as f:
-        json.dump(figures, f)
-    print("driver: ok", flush=True)
+    report(arg["out"], figures)
 
 
 if __name__ == "__main__":

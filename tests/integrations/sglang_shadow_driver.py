@@ -54,24 +54,7 @@ def main() -> None:
     figures: dict = {"tp": tp, "delay_s": delay, "steps": []}
     try:
         tensors = {n: t.clone() for n, t in random_full_tensors(spec, seed=100).items()}
-        rendezvous = f"127.0.0.1:{arg['store']}"
-        loaded: list = []
-
-        def load() -> None:
-            try:
-                loaded.append(executor.load(arg["plan"], 0, tensors, transport="nixl",
-                                            rendezvous=rendezvous, timeout_s=300,
-                                            no_identity=True))
-            except BaseException as e:  # noqa: BLE001
-                loaded.append(e)
-        thread = threading.Thread(target=load)
-        thread.start()
-        engine.collective_rpc("rdma_plan_init", plan=arg["plan"], rendezvous=rendezvous,
-                              timeout_s=300.0, allow_unsigned=True, shadow=True)
-        thread.join()
-        plan = loaded[0]
-        assert not isinstance(plan, BaseException), plan
-        plan.timeout_s = 120.0
+        plan = live.bind(engine, arg, tensors, shadow=True)
         before = live.engine_logprobs(engine)[0]
         call = in_process(engine)
         for step in range(1, int(arg["steps"]) + 1):
@@ -111,10 +94,7 @@ def main() -> None:
             assert len(seen["sent"]) == 1 and seen["requests"] >= 2, seen
             bad = live.engine_differs(engine, tensors, tp)
             assert not bad, f"step {step}: engine differs from the trainer in {bad}"
-            lps, ids, meta = live.engine_logprobs(engine)
-            ref, greedy = live.reference(hf, tensors, len(ids))
-            delta = max(abs(a - b) for a, b in zip(lps, ref, strict=True))
-            version = (engine.get_model_info()["weight_version"], meta.get("weight_version"))
+            lps, ids, greedy, delta, version = live.served(engine, hf, tensors)
             print(f"driver: step {step}: {seen['requests']} requests ({seen['tokens']} tokens)"
                   f" served during the update, all on the previous version; after the switch "
                   f"bit-exact, |delta logprob| {delta:.2e}, version {version!r}, pause "
@@ -140,9 +120,7 @@ def main() -> None:
         print("driver: after the torn update the engine serves the last version", flush=True)
     finally:
         engine.shutdown()
-    with open(arg["out"], "w") as f:
-        json.dump(figures, f)
-    print("driver: ok", flush=True)
+    live.report(arg["out"], figures)
 
 
 if __name__ == "__main__":

@@ -222,9 +222,13 @@ def test_fp8_refresh_is_needed(run: tuple[Procs, list[dict]]) -> None:
 
 @pytest.mark.parametrize("shadow", [False, True], ids=["paused", "shadow"])
 def test_source_killed_mid_update(tmp_path: Path, shadow: bool) -> None:
-    """Trainer rank 1 dies at v2 after the sender started the update: the workers' update
-    raises, finish refuses, no version is committed (v1 stays); the rank restarts and v3 is
-    bit-exact. Shadow mode: nothing was switched, so the live weights are v1 bit for bit."""
+    """Trainer rank 1 dies at v22 after the sender started the update: the workers agree it
+    is torn and exactly one of them raises, the last one (the client reads the replies as
+    vLLM's `collective_rpc` does, stopping at the first failure: a second raising worker
+    would put every later reply out of step), the trainer closes the other's session, finish
+    refuses, no version is committed (v21 stays); the rank restarts and v23 is bit-exact on
+    the same workers. Paused mode: the live weights hold the part of v22 that landed (not
+    v21). Shadow mode: nothing was switched, so the live weights are v21 bit for bit."""
     st = [dict(label="v21", seed=21), dict(label="v22", seed=22, die=1, check_seed=21),
           dict(label="v23", seed=23)]
     case = case_dict(tmp_path, "qwen3-kill", vc.QWEN3, MEGATRON_TP2, False, st, shadow,
@@ -240,9 +244,13 @@ def test_source_killed_mid_update(tmp_path: Path, shadow: bool) -> None:
         procs.close()
     torn = procs.sent("qwen3-kill", "v22")
     assert torn["client_version"] == "v21" and torn["result"].startswith("TornUpdateError")
+    assert torn["result"].count("did not reach every vLLM worker") == 1, torn["result"]
     for rank in range(2):
         c = procs.check("qwen3-kill", rank, "v22")
         assert c["weight_version"] == "v21"
+        # worker 1 (read last) raised the update once and had no session left to finish
+        assert c["raised"] == (["update_weights", "finish_weight_update"] if rank else []), \
+            (rank, c["raised"])
         assert c["finish"].startswith("rdma_plan: vLLM worker") and "v21' stays" in c["finish"]
         if shadow:  # v21 kept serving, untouched; the transfer ran into the shadow only
             assert c["errors"] == [] and c["moved"] == [], c["errors"][:10]
@@ -251,6 +259,7 @@ def test_source_killed_mid_update(tmp_path: Path, shadow: bool) -> None:
             assert c["errors"], "a torn update must leave some weights different from v21"
         c = procs.check("qwen3-kill", rank, "v23")
         assert c["errors"] == [] and c["moved"] == [] and c["weight_version"] == "v23"
+        assert c["raised"] == [], c["raised"]
     assert procs.sent("qwen3-kill", "v23") == {"result": "ok", "client_version": "v23"}
 
 

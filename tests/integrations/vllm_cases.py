@@ -105,12 +105,16 @@ def open_control(port: int) -> Any:
 
 
 class StoreClient:
-    """A `VLLMWeightSyncClient` over the test's store: each call runs on every worker (vLLM's
-    `collective_rpc`) and raises if any worker raised; `finish_weight_update` sets the
+    """A `VLLMWeightSyncClient` over the test's store: each call runs on every worker and
+    reads the replies as vLLM's `MultiprocExecutor.collective_rpc` does: one queue per
+    worker, in rank order, stopping at the first failed reply (the later workers' replies of
+    that call stay queued and are what the next call reads from them: a failure raised by
+    several workers puts the engine's replies out of step). `finish_weight_update` sets the
     version only when every worker finished (as `LLM.finish_weight_update` does)."""
 
     def __init__(self, store: Any, case: str, workers: int) -> None:
         self.store, self.case, self.workers, self.seq = store, case, workers, 0
+        self.read = [0] * workers  # the next reply each worker's queue gives
         self.weight_version: str | None = None
 
     def call(self, method: str, **kwargs: Any) -> None:
@@ -118,10 +122,11 @@ class StoreClient:
         msg = json.dumps({"method": method, "kwargs": kwargs})
         for w in range(self.workers):
             self.store.set(f"{self.case}/rpc/{w}/{seq}", msg)
-        errors = [json.loads(self.store.get(f"{self.case}/reply/{w}/{seq}"))["error"]
-                  for w in range(self.workers)]
-        if any(errors):
-            raise RuntimeError(f"{method}: " + " | ".join(e for e in errors if e))
+        for w in range(self.workers):
+            reply = json.loads(self.store.get(f"{self.case}/reply/{w}/{self.read[w]}"))
+            self.read[w] += 1
+            if reply["error"]:
+                raise RuntimeError(f"{method}: {reply['error']}")
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.call("init_weight_transfer_engine", init_info=init_info)

@@ -106,6 +106,7 @@ class Shim:
         self.case, self.rank, self.cfg, self.model, self.engine = case, rank, cfg, model, engine
         self.active, self.ptrs, self.saved = False, {}, None
         self.expect: tuple[str, int | None] | None = None  # shadow mode: (label, seed)
+        self.raised: list[str] = []  # the calls that raised here since the last check
         self.pointers = pointers
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
@@ -164,6 +165,7 @@ class Shim:
         out = {"weight_version": self.engine.weight_version,
                "shadow": [asdict(u) for u in getattr(self.engine, "shadow_updates", [])],
                "refreshes": self.engine.refreshes, "derived": len(self.engine.refresh),
+               "raised": self.raised,
                "moved": [n for n, p in self.pointers(self.model).items()
                          if self.ptrs.get(n) != p]}
         if torn:  # a caller that ignores the update's error: finish must refuse too
@@ -172,6 +174,7 @@ class Shim:
                 out["finish"] = "returned"
             except TornUpdateError as e:
                 out["finish"] = str(e)
+        self.raised = []
         ref = reference(self.case, self.rank, seed)
         out["errors"] = compare(state(self.model), state(ref))
         out["compared"] = len(state(ref))
@@ -208,6 +211,7 @@ def serve(case: dict, rank: int) -> None:
                     err = ""
                 except Exception as e:  # noqa: BLE001 - sent back to the client
                     err = f"worker {rank} {type(e).__name__}: {e}"
+                    shim.raised.append(msg["method"])
                     if msg["method"] == "check":
                         err += traceback.format_exc()
                 store.set(f"{case['name']}/reply/{rank}/{seq}", json.dumps({"error": err}))

@@ -43,3 +43,41 @@ def test_rl_loop_live_vllm_tp2(variant: str, tmp_path: pytest.TempPathFactory) -
         assert verdict == "OK"
         previous = after
     assert "RL loop: all steps OK" in r.stdout
+
+
+RESENT = re.compile(r"^(step-\d+): paused refit TORN \((.*)\); while torn the engine held "
+                    r"(\d+)/(\d+) tensors equal N's, (\d+) equal N\+1's; it stayed paused")
+
+
+def test_rl_loop_paused_torn_live_vllm_tp2(tmp_path: pytest.TempPathFactory) -> None:
+    """A torn paused refit on the live TP 2 server (issue 36): at step 2 trainer rank 1
+    stalls past the plan's 20 s timeout. The vLLM workers agree the update is torn and one of
+    them raises: the sender gets exactly one `TornUpdateError` and vLLM's replies stay in
+    step (before, both workers raised and the server needed a restart). While torn the
+    paused engine holds part of step-2 (not every tensor equals step-1's); it stays paused,
+    the trainer sends step-2 again on the same server, and step-2 and step-3 are then
+    bit-exact with the trainer's logprobs and versions."""
+    py = live_python()
+    r = subprocess.run([py, "examples/rl_loop/run.py", "--steps", "3", "--stall-step", "2",
+                        "--timeout-s", "20", "--workdir", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=1800)
+    out = r.stdout + r.stderr
+    lines = [line.strip() for line in r.stdout.splitlines()]
+    steps = [m for line in lines if (m := STEP.match(line))]
+    resent = [m for line in lines if (m := RESENT.match(line))]
+    sys.stdout.write("".join(m.group(0) + "\n" for m in steps + resent))  # with -s
+    assert r.returncode == 0, out[-8000:]
+    assert [m.group(1) for m in steps] == ["step-0", "step-1", "step-2", "step-3"], out[-8000:]
+    previous = "None"
+    for m in steps:
+        label, delta, before, after, equal, total, verdict = m.groups()
+        assert float(delta) <= 1e-3 and equal == total and int(total) > 0, m.group(0)
+        assert before == previous and after == label and verdict == "OK", m.group(0)
+        previous = after
+    assert [m.group(1) for m in resent] == ["step-2"], out[-8000:]
+    _, why, old, total, _new = resent[0].groups()
+    assert int(old) < int(total), f"while torn every tensor still equalled step-1's: {why}"
+    raised = [line for line in lines if line.startswith("step-2: rank 0 start_send:")]
+    assert len(raised) == 1 and "did not complete on the engine and was not committed" in \
+        raised[0], raised
+    assert "RL loop: all steps OK" in r.stdout
