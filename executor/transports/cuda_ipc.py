@@ -276,10 +276,12 @@ class CudaIpcTransport:
 
     def post(self, handle: Posted) -> None:
         handle.fast_posted = False
-        if self.ladder.mode is Mode.FAST and handle.fast is not None and \
-                self._post_fast(handle):
-            handle.posted = handle.fast_posted = True
-            return
+        if self.ladder.mode is Mode.FAST and handle.fast is not None:
+            with self.rt.on(self.device.index):  # type: ignore[union-attr] # Mode.FAST has rt
+                fast = self._post_fast(handle)
+            if fast:
+                handle.posted = handle.fast_posted = True
+                return
         stream = handle.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         if handle.raw is not None and self.ladder.mode is Mode.TORCH:  # the raw path failed
