@@ -144,7 +144,8 @@ class Gatherer:
         owners = len(np.unique(src.rank[self.chunks.holders])) if len(self.chunks) else 0
         self.alloc = Staging(world, opts.staging_bytes, halves_fit(
             self.tboxes, self.w.dtype[self.first], src.dtype, opts.staging_bytes, owners,
-            opts.pack_overhead_us * 1e-6, topo.nic_gbps * 1e9 / 8))
+            opts.pack_overhead_us * 1e-6, topo.nic_gbps * 1e9 / 8, opts.pack_gbps * 1e9 / 8,
+            (topo.nvlink_gbps if len(set(topo.host)) == 1 else topo.nic_gbps) * 1e9 / 8))
         self.stg = n_regions.tolist()
         self.host_a, self.nic_a = np.asarray(topo.host), np.asarray(topo.nic)
         self.host, self.nic = self.host_a.tolist(), self.nic_a.tolist()
