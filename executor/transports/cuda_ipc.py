@@ -213,7 +213,8 @@ class CudaIpcTransport:
         if self.ladder.kernel and len(n) and int(n.sum()) < limit * len(n) and \
                 (here or all(r.device == self.device for r in self.peers[batch.peer])):
             handle.table = self.kernel.table(d, s, n)  # type: ignore[union-attr]
-            handle.graph = self._capture_kernel(handle.table)
+            handle.graph = self._capture_kernel(
+                handle.table, o.beside_packs_kernel_share if batch.beside_packs else 1.0)
             self.kernel_batches += handle.graph is not None
         if handle.graph is None and o.graphs and len(n) >= o.graph_min_copies and \
                 int(n.sum()) < o.graph_max_mean_bytes * len(n):
@@ -256,12 +257,13 @@ class CudaIpcTransport:
             return None
         return graph
 
-    def _capture_kernel(self, table: torch.Tensor) -> torch.cuda.CUDAGraph | None:
-        """One launch of the copy kernel over `table` as a CUDA graph, or None."""
+    def _capture_kernel(self, table: torch.Tensor, share: float) -> torch.cuda.CUDAGraph | None:
+        """One launch of the copy kernel over `table` (a grid of `share` of the device) as
+        a CUDA graph, or None."""
         graph = torch.cuda.CUDAGraph()
         try:
             with capturing(self.device, graph):
-                self.kernel.launch(table)  # type: ignore[union-attr]
+                self.kernel.launch(table, share)  # type: ignore[union-attr]
         except Exception as e:  # noqa: BLE001 - the copy engines instead
             self.ladder.degrade("copy_kernel", f"capturing it as a CUDA graph failed: {e}")
             torch.cuda.synchronize(self.device)
