@@ -33,7 +33,9 @@ rounds in one and odd rounds in the other (`gather_out.Staging`, `gather_out.low
 a round's gather packs then touch nothing the round before reads, so they run while that
 round's fan-out is written (`schemas.protocol`'s early packs) instead of at the stage
 boundary, and a round holds half as much, which evens the owners' fan-out per round
-(issue 37). Only where the cost model says it pays (`gather_out.halves_fit`).
+(issue 37). Only where the cost model says it pays (`gather_out.halves_fit`), which
+includes FP8 on NVLink: the in-place QUANTs of round k+1 then run early (prepacked) while
+round k's fan-out is written, instead of waiting for it to free their staging.
 The boxes QUANT reads in place come first and are done as columns all at once
 (`gather_direct.py`); each other box's owner, parts and fan-out are columns where they can
 be (`gather_rows.py`), else row by row below.
