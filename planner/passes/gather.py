@@ -33,12 +33,9 @@ rounds in one and odd rounds in the other (`gather_out.Staging`, `gather_out.low
 a round's gather packs then touch nothing the round before reads, so they run while that
 round's fan-out is written (`schemas.protocol`'s early packs) instead of at the stage
 boundary, and a round holds half as much, which evens the owners' fan-out per round
-(issue 37). Only where the cost model says it pays (`gather_out.halves_fit`), which
-includes FP8 on NVLink: the in-place QUANTs of round k+1 then run early (prepacked) while
-round k's fan-out is written, instead of waiting for it to free their staging.
-The boxes QUANT reads in place come first and are done as columns all at once
-(`gather_direct.py`); each other box's owner, parts and fan-out are columns where they can
-be (`gather_rows.py`), else row by row below.
+(issue 37). Only where the cost model says it pays (`gather_out.halves_fit`; FP8 on NVLink).
+The boxes QUANT reads in place come first, as columns (`gather_direct.py`); each other box's
+owner, parts and fan-out are columns where they can be (`gather_rows.py`), else rows below.
 """
 
 from __future__ import annotations
@@ -144,10 +141,10 @@ class Gatherer:
         world = len(n_regions)
         self.out = Out()
         owners = len(np.unique(src.rank[self.chunks.holders])) if len(self.chunks) else 0
+        fan = (topo.nvlink_gbps if len(set(topo.host)) == 1 else topo.nic_gbps) * 1e9 / 8
         self.alloc = Staging(world, opts.staging_bytes, halves_fit(
             self.tboxes, self.w.dtype[self.first], src.dtype, opts.staging_bytes, owners,
-            opts.pack_overhead_us * 1e-6, topo.nic_gbps * 1e9 / 8, opts.pack_gbps * 1e9 / 8,
-            (topo.nvlink_gbps if len(set(topo.host)) == 1 else topo.nic_gbps) * 1e9 / 8))
+            opts.pack_overhead_us * 1e-6, topo.nic_gbps * 1e9 / 8, opts.pack_gbps * 1e9 / 8, fan))
         self.stg = n_regions.tolist()
         self.host_a, self.nic_a = np.asarray(topo.host), np.asarray(topo.nic)
         self.host, self.nic = self.host_a.tolist(), self.nic_a.tolist()
@@ -202,9 +199,9 @@ class Gatherer:
                 self._fan_out(box, slot, f_off, i)
 
     def result(self) -> Gathered:
-        return Gathered(lowered(self.out, self.alloc, self.max_stage + 1, self.base,
-                                self.n_regions),
-                        explain_rows(self.out), self.owner_only, self.unit_max)
+        out, n = self.out, self.max_stage + 1
+        return Gathered(lowered(out, self.alloc, n, self.base, self.n_regions),
+                        explain_rows(out), self.owner_only, self.unit_max)
 
     def src_rows(self, rows: np.ndarray) -> PieceTable:
         """Rows `rows` of the source piece table, with int64 columns."""
