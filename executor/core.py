@@ -42,7 +42,7 @@ from .check import check_against_header, check_rank_plan, check_rank_verify, che
 from .cleanup import best_effort
 from .control import Control
 from .errors import PeerLostError, PeerMismatchError
-from .pipeline import SHARES, groups, link
+from .pipeline import SHARES, beside_quants, groups, link
 from .recovery import Recovery
 from .rendezvous import open_store
 from .stages import Stage, prepare_stage
@@ -173,12 +173,12 @@ class Executor:
         if self.rejoined:  # a restarted rank joins at its peers' step (recovery.py)
             self.step = max(self.step, self.recovery.join_step() - 1)
             self.control.publish_step(self.step + 1)
-        self.stages = [prepare_stage(p, s, self.regions, self.transport,
-                                     groups(p, s, self.pack_groups, self.max_inflight))
-                       for s in range(p.stages)]
-        link(p, self.stages)  # what each pack group waits for
         self.overlap = Overlap(p)
         self.prepacked = self.overlap.prepacked.tolist()
+        beside = beside_quants(p, self.prepacked)  # writes that run beside early QUANTs
+        self.stages = [prepare_stage(p, s, self.regions, self.transport, groups(
+            p, s, self.pack_groups, self.max_inflight), beside[s]) for s in range(p.stages)]
+        link(p, self.stages)  # what each pack group waits for
         self.carries = carries(p).tolist()  # stage s may end with its writes in flight
 
     def import_peer(self, peer: int, rec: Any, info: dict[str, Any]) -> None:

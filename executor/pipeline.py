@@ -45,6 +45,26 @@ def groups(plan: RankPlan, s: int, want: int, window: int) -> int:
     return max(1, min(want, window // max(1, peers) - 1))
 
 
+def beside_quants(plan: RankPlan, prepacked: list[bool]) -> list[bool]:
+    """Per stage: its writes may still be in flight while a later stage's QUANTs run early
+    (`schemas.protocol` early packs): stage s's packs run during stage s-1, beside the
+    writes of s-1 and, where s-2 carried its writes over (nothing arrives for the rank
+    there), of s-2. Such writes are `WriteBatch.beside_packs`: a transport that can leave
+    the SMs to the quantizer (cuda_ipc: the copy engines, where the copies are large
+    enough) does; on the copy kernel the quantizer would wait for every SM it holds
+    (issue 37: FP8 on GPUs, staging halves alternating between rounds)."""
+    c = plan.copies
+    quant = np.zeros(plan.stages, dtype=bool)
+    st = c["stage"][c["kind"] == QUANT].astype(np.int64)
+    quant[st[(st >= 0) & (st < plan.stages)]] = True
+    out = [False] * plan.stages
+    for s in np.flatnonzero(quant & np.asarray(prepacked, dtype=bool)).tolist():
+        for k in (s - 1, s - 2):
+            if k >= 0:
+                out[k] = True
+    return out
+
+
 def region_base(plan: RankPlan) -> np.ndarray:
     """Where each region starts in one address space of the rank's regions (bytes)."""
     base = np.zeros(len(plan.regions) + 1, dtype=np.int64)

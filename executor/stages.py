@@ -47,10 +47,12 @@ class Stage:
 
 
 def prepare_stage(plan: RankPlan, s: int, regions: list[torch.Tensor],
-                  transport: Transport, groups: int = 0) -> Stage:
+                  transport: Transport, groups: int = 0, beside: bool = False) -> Stage:
     """Stage `s` of `plan`: its signals, waits, copy views and prepared write batches;
     `groups` > 0: its packs in up to that many groups, each followed by the writes that
-    read what it wrote (`pipeline.py`), where the stage allows it."""
+    read what it wrote (`pipeline.py`), where the stage allows it; `beside`: every write
+    batch of the stage runs beside a later stage's early QUANTs (`pipeline.beside_quants`),
+    so all of them are `WriteBatch.beside_packs`."""
     p, st = plan, Stage()
     for table, sent in ((p.signals, True), (p.waits, False)):
         rows = np.flatnonzero(table["stage"] == s)
@@ -77,7 +79,7 @@ def prepare_stage(plan: RankPlan, s: int, regions: list[torch.Tensor],
     if transport.capabilities.fuse_batches and batches:  # one batch per peer
         batches = [np.concatenate(batches)]
     if cut is None:
-        st.batches = _prepare(batches, w, transport)
+        st.batches = _prepare(batches, w, transport, beside)
         return st
     groups_rows, dep = cut
     st.group_rows = groups_rows
@@ -86,7 +88,7 @@ def prepare_stage(plan: RankPlan, s: int, regions: list[torch.Tensor],
     for g in range(-1, len(groups_rows)):
         ops = _packs(c, groups_rows[g], regions, graphs, p.rank, s) if g >= 0 else []
         entries = _prepare([r[dep_of[r] == g] for r in batches], w, transport,
-                           beside=g < len(groups_rows) - 1)
+                           beside=beside or g < len(groups_rows) - 1)
         st.pipeline.append((ops, entries))
         st.packs += ops
         st.batches += entries

@@ -19,8 +19,10 @@ def transport_variant(entry: str) -> tuple[str, dict, int]:
     graphs), `cuda_ipc-engines` keeps the copy engines (no copy kernel); `nixl-nosgl`
     posts a put per write (no scatter-gather); `-whole` (any transport) runs a stage's
     packs whole before its writes (`pack_groups=0`, no `executor/pipeline.py`); a suffix
-    `@M` keeps M batches in flight (default 8)."""
+    `@M` keeps M batches in flight (default 8); `+NAME=VALUE` (repeatable, before `@`)
+    sets one more transport option (e.g. `cuda_ipc+beside_packs_kernel_share=0.5`)."""
     tr, _, inflight = entry.partition("@")
+    tr, *extra = tr.split("+")
     kind, _, streams = tr.partition(":")
     kind = kind.removesuffix("-whole")  # the executor's option (`rdma_plan`)
     options: dict = {}
@@ -31,6 +33,9 @@ def transport_variant(entry: str) -> tuple[str, dict, int]:
     elif kind.startswith("nixl"):
         options = {"sgl": not kind.endswith("-nosgl")}
         kind = "nixl"
+    for item in extra:
+        name, _, value = item.partition("=")
+        options[name] = float(value) if "." in value else int(value)
     return kind, options, int(inflight or 8)
 
 
@@ -112,7 +117,7 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
             kind, options, inflight = transport_variant(tr)
             if kind == "nixl":  # read when the agent's UCX backend is created
                 os.environ["NIXL_UCX_SGL_ENABLE"] = "1" if options.get("sgl", True) else "0"
-            whole = tr.partition("@")[0].partition(":")[0].endswith("-whole")
+            whole = tr.partition("@")[0].partition("+")[0].partition(":")[0].endswith("-whole")
             ex = executor.load(plan_path, rank=rank, tensors=tensors, transport=kind,
                                rendezvous=store, timeout_s=args.exec_timeout,
                                max_inflight=inflight, no_identity=True,

@@ -129,9 +129,11 @@ class CopyKernel(RuntimeKernel):
         rows = piece_table(dst, src, nbytes)
         return torch.from_numpy(rows).to(self.device)
 
-    def launch(self, table: torch.Tensor) -> None:
-        """Queue the copies of `table` on the current stream (capturable in a graph)."""
+    def launch(self, table: torch.Tensor, share: float = 1.0) -> None:
+        """Queue the copies of `table` on the current stream (capturable in a graph), on a
+        grid of `share` of the blocks that fill the device (at least one a piece's worth)."""
         pieces = table.shape[0]
+        blocks = max(1, int(self.max_blocks * min(max(share, 0.0), 1.0)))
         if pieces:
-            self.fn(grid=(min(pieces, self.max_blocks), 1, 1), block=(THREADS, 1, 1),  # type: ignore[operator]
+            self.fn(grid=(min(pieces, blocks), 1, 1), block=(THREADS, 1, 1),  # type: ignore[operator]
                     args=[table, pieces])

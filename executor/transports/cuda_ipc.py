@@ -213,7 +213,8 @@ class CudaIpcTransport:
         if self.ladder.kernel and len(n) and int(n.sum()) < limit * len(n) and \
                 (here or all(r.device == self.device for r in self.peers[batch.peer])):
             handle.table = self.kernel.table(d, s, n)  # type: ignore[union-attr]
-            handle.graph = self._capture_kernel(handle.table)
+            handle.graph = self._capture_kernel(
+                handle.table, o.beside_packs_kernel_share if batch.beside_packs else 1.0)
             self.kernel_batches += handle.graph is not None
         if handle.graph is None and o.graphs and len(n) >= o.graph_min_copies and \
                 int(n.sum()) < o.graph_max_mean_bytes * len(n):
@@ -256,12 +257,13 @@ class CudaIpcTransport:
             return None
         return graph
 
-    def _capture_kernel(self, table: torch.Tensor) -> torch.cuda.CUDAGraph | None:
-        """One launch of the copy kernel over `table` as a CUDA graph, or None."""
+    def _capture_kernel(self, table: torch.Tensor, share: float) -> torch.cuda.CUDAGraph | None:
+        """One launch of the copy kernel over `table` (a grid of `share` of the device) as
+        a CUDA graph, or None."""
         graph = torch.cuda.CUDAGraph()
         try:
             with capturing(self.device, graph):
-                self.kernel.launch(table)  # type: ignore[union-attr]
+                self.kernel.launch(table, share)  # type: ignore[union-attr]
         except Exception as e:  # noqa: BLE001 - the copy engines instead
             self.ladder.degrade("copy_kernel", f"capturing it as a CUDA graph failed: {e}")
             torch.cuda.synchronize(self.device)
@@ -276,10 +278,12 @@ class CudaIpcTransport:
 
     def post(self, handle: Posted) -> None:
         handle.fast_posted = False
-        if self.ladder.mode is Mode.FAST and handle.fast is not None and \
-                self._post_fast(handle):
-            handle.posted = handle.fast_posted = True
-            return
+        if self.ladder.mode is Mode.FAST and handle.fast is not None:
+            with self.rt.on(self.device.index):  # type: ignore[union-attr] # Mode.FAST has rt
+                fast = self._post_fast(handle)
+            if fast:
+                handle.posted = handle.fast_posted = True
+                return
         stream = handle.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         if handle.raw is not None and self.ladder.mode is Mode.TORCH:  # the raw path failed

@@ -14,8 +14,9 @@ on the step's path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -62,6 +63,27 @@ class Runtime:
         self.host_device_ptr = lib.cudaHostGetDevicePointer
         self.host_device_ptr.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_uint]
         self.host_device_ptr.restype = i
+        self._get_device, self.set_device = lib.cudaGetDevice, lib.cudaSetDevice
+        self._get_device.argtypes, self._get_device.restype = [ctypes.POINTER(i)], i
+        self.set_device.argtypes, self.set_device.restype = [i], i
+
+    def device(self) -> int:
+        """The calling thread's current device (-1 if the runtime cannot say)."""
+        d = ctypes.c_int(-1)
+        return d.value if not self._get_device(ctypes.byref(d)) else -1
+
+    @contextlib.contextmanager
+    def on(self, index: int) -> Iterator[None]:
+        """Device `index` current in this thread for the block (raw calls on stream 0, the
+        legacy default stream, act on the CURRENT device's), the caller's put back after."""
+        prev = self.device()
+        if prev != index:
+            self.set_device(index)
+        try:
+            yield
+        finally:
+            if prev != index and prev >= 0:
+                self.set_device(prev)
 
     def open_handle(self, handle: bytes) -> int:
         """Map a peer's allocation (a raw 64-byte IPC handle) into the current device's

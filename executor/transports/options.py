@@ -59,6 +59,10 @@ class CudaIpcOptions:
     """The same for a batch posted while the next pack group runs (`beside_packs`): its
     copies share the SMs with the FP8 quantizer there, so from this mean size on they go
     to the engines (FP8 Qwen3-8B on 4 H200s: BENCHMARKS.md, "Issue 37: GPU rows")."""
+    beside_packs_kernel_share: float = 1.0
+    """The share of the device's blocks the copy kernel's grid takes for a `beside_packs`
+    batch that stays on it (under `beside_packs_max_mean_bytes`): below 1, the FP8
+    quantizer running meanwhile finds room on every SM (issue 37)."""
     device_signals: bool = True
     """A stage's DONE published by the GPU once its copies have landed (a stream write into
     the peer's shared-memory ring), not by this host after it saw them land."""

@@ -14,12 +14,12 @@ of one gather. For each target box:
   the box's fan-out to targets on other hosts as one unit);
 - if the owner holds an FP8 box whole in one piece, QUANT reads it in place;
 - an FP8 box whose source parts are block-aligned and not all whole rows (a column split:
-  Megatron TP 4 halves of a vLLM TP 2 row-parallel weight) is quantized part by part:
-  QUANT reads the owner's own parts in place and each other part from the owner's
-  staging, where it lands whole (one write: the holder sends it as it is, or PACKs it
-  first); each QUANT puts its values and scales where the whole box's would go
-  (`schemas.protocol.quant_scales`). Gathered as rows of the whole box, each part would
-  take one write per row;
+  Megatron TP 4 halves of a vLLM TP 2 row-parallel weight), or all whole rows on the owner
+  (Megatron's per-group q/k/v rows), is quantized part by part: QUANT reads the owner's
+  parts in place and each other part from the owner's staging, where it lands whole (one
+  write: the holder sends it as it is, or PACKs it first); each QUANT puts its values and
+  scales where the whole box's would go (`schemas.protocol.quant_scales`). Gathered as
+  rows of the whole box, a column part would take one write per row;
 - otherwise the box is first gathered into the owner's staging: the owner PACKs its own
   parts, the other holders write theirs (source -> source writes); QUANT (FP8) writes the
   e4m3 box and its scales into the owner's staging, or a PACK casts the gathered box to
@@ -33,10 +33,9 @@ rounds in one and odd rounds in the other (`gather_out.Staging`, `gather_out.low
 a round's gather packs then touch nothing the round before reads, so they run while that
 round's fan-out is written (`schemas.protocol`'s early packs) instead of at the stage
 boundary, and a round holds half as much, which evens the owners' fan-out per round
-(issue 37). Only where the cost model says it pays (`gather_out.halves_fit`).
-The boxes QUANT reads in place come first and are done as columns all at once
-(`gather_direct.py`); each other box's owner, parts and fan-out are columns where they can
-be (`gather_rows.py`), else row by row below.
+(issue 37). Only where the cost model says it pays (`gather_out.halves_fit`; FP8 on NVLink).
+The boxes QUANT reads in place come first, as columns (`gather_direct.py`); each other box's
+owner, parts and fan-out are columns where they can be (`gather_rows.py`), else rows below.
 """
 
 from __future__ import annotations
@@ -129,7 +128,7 @@ class Gatherer:
         self.chunks_l = Rows(self.chunks, ("off0", "off1", "size0", "size1"))
         self.sbox_l = self.chunks.sbox.tolist()
         self.holder_rows: dict[int, tuple[list[tuple[int, int]], tuple[int, ...]]] = {}
-        self.by_parts = self._by_parts().tolist()
+        self.by_parts, self.aligned = (a.tolist() for a in self._by_parts())
         one = np.diff(self.chunks.holder_ptr)[self.chunks.sbox] == 1
         self.multi = (np.bincount(self.chunks.dst, weights=~one, minlength=len(self.tboxes))
                       > 0).tolist()  # boxes with a chunk that several ranks hold
@@ -142,9 +141,10 @@ class Gatherer:
         world = len(n_regions)
         self.out = Out()
         owners = len(np.unique(src.rank[self.chunks.holders])) if len(self.chunks) else 0
+        fan = (topo.nvlink_gbps if len(set(topo.host)) == 1 else topo.nic_gbps) * 1e9 / 8
         self.alloc = Staging(world, opts.staging_bytes, halves_fit(
             self.tboxes, self.w.dtype[self.first], src.dtype, opts.staging_bytes, owners,
-            opts.pack_overhead_us * 1e-6, topo.nic_gbps * 1e9 / 8))
+            opts.pack_overhead_us * 1e-6, topo.nic_gbps * 1e9 / 8, opts.pack_gbps * 1e9 / 8, fan))
         self.stg = n_regions.tolist()
         self.host_a, self.nic_a = np.asarray(topo.host), np.asarray(topo.nic)
         self.host, self.nic = self.host_a.tolist(), self.nic_a.tolist()
@@ -199,9 +199,9 @@ class Gatherer:
                 self._fan_out(box, slot, f_off, i)
 
     def result(self) -> Gathered:
-        return Gathered(lowered(self.out, self.alloc, self.max_stage + 1, self.base,
-                                self.n_regions),
-                        explain_rows(self.out), self.owner_only, self.unit_max)
+        out, n = self.out, self.max_stage + 1
+        return Gathered(lowered(out, self.alloc, n, self.base, self.n_regions),
+                        explain_rows(out), self.owner_only, self.unit_max)
 
     def src_rows(self, rows: np.ndarray) -> PieceTable:
         """Rows `rows` of the source piece table, with int64 columns."""
@@ -235,15 +235,14 @@ class Gatherer:
                 rows.append(mine if mine is not None else
                             min(hs, key=lambda hr: (load[nic[hr[1]]], hr[1]))[0])
         sl = self.src_l
-        out_code = self.w_l.dtype[int(self.first[t])]
-        src_code = sl.dtype[rows[0]]
+        out_code, src_code = self.w_l.dtype[int(self.first[t])], sl.dtype[rows[0]]
         es = int(ITEM[src_code])
         quant = out_code == FP8_CODE
         direct = quant and len(rows) == 1 and sl.rank[rows[0]] == owner
-        parts = quant and not direct and self.by_parts[t]
+        parts = quant and not direct and (self.by_parts[t] or self.aligned[t] and all(
+            sl.rank[h] == owner for h in rows))  # or whole-row parts, all the owner's
         others = [c for c, h in zip(cs, rows) if sl.rank[h] != owner]
-        g_bytes = 0 if direct else \
-            sum(align(cl.size0[c] * cl.size1[c] * es) for c in others) \
+        g_bytes = 0 if direct else sum(align(cl.size0[c] * cl.size1[c] * es) for c in others) \
             if parts else align(n0 * n1 * es)
         return Box(tensor, t0, t1, n0, n1, cs, tuple(rows), owner, n_held == 1,
                     src_code, out_code, es, int(ITEM[out_code]), quant,
@@ -260,17 +259,18 @@ class Gatherer:
             hs = self.holder_rows[sb] = (rows, tuple(set(r for _, r in rows)))
         return hs
 
-    def _by_parts(self) -> np.ndarray:
+    def _by_parts(self) -> tuple[np.ndarray, np.ndarray]:
         """Per box: it is cut into block-aligned parts (each starts on the box's 128-grid
-        and ends on it or at the box's edge), not all of them whole rows."""
+        and ends on it or at the box's edge), not all of them whole rows; and the first
+        condition alone (whole-row parts all on the owner: no gather, QUANTs run early)."""
         ch, tb = self.chunks, self.tboxes[self.chunks.dst]
         r0, r1 = ch.off0 - tb[:, 1], ch.off1 - tb[:, 2]
         m0, m1, n0, n1 = ch.size0, ch.size1, tb[:, 3], tb[:, 4]
         aligned = (r0 % BLOCK == 0) & (r1 % BLOCK == 0) \
             & ((m0 % BLOCK == 0) | (r0 + m0 == n0)) & ((m1 % BLOCK == 0) | (r1 + m1 == n1))
         n = len(self.tboxes)
-        return (np.bincount(ch.dst, weights=~aligned, minlength=n) == 0) \
-            & (np.bincount(ch.dst, weights=m1 < n1, minlength=n) > 0)
+        ok = np.bincount(ch.dst, weights=~aligned, minlength=n) == 0
+        return ok & (np.bincount(ch.dst, weights=m1 < n1, minlength=n) > 0), ok
 
     def _place(self, b: Box) -> Slot:
         """The owner's first round whose two stages both have room for the box."""

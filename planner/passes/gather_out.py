@@ -97,7 +97,8 @@ PACK_SHARE = 0.05
 
 
 def halves_fit(tboxes: np.ndarray, out_codes: np.ndarray, src_codes: np.ndarray,
-               budget: int, owners: int, pack_overhead_s: float, nic_bps: float) -> bool:
+               budget: int, owners: int, pack_overhead_s: float, nic_bps: float,
+               convert_bps: float = 0.0, fan_out_bps: float = 0.0) -> bool:
     """Whether each pool is split in halves (`Staging`), from the cost model. Each box
     `tboxes` (tensor, off0, off1, size0, size1) needs at most its whole box in the widest
     source dtype `src_codes`, its conversion to `out_codes` and its FP8 scales. Halves
@@ -107,7 +108,11 @@ def halves_fit(tboxes: np.ndarray, out_codes: np.ndarray, src_codes: np.ndarray,
     large share of a round, which waits for its fullest owner) or the gathers' pack
     launches (one a box at least, `pack_overhead_s` each) are over `PACK_SHARE` of the
     time to send the boxes' bytes at `nic_bps` (bytes/s): then overlapping them with the
-    round before pays for the extra rounds' boundaries."""
+    round before pays for the extra rounds' boundaries; or converting the boxes (QUANT or a
+    casting PACK: their source bytes at `convert_bps`) takes longer than sending what they
+    become at `fan_out_bps` (NVLink, where every rank shares one host): then a round that
+    waits for the round before's fan-out to free its staging runs its conversions apart
+    from any write, and halves let them run beside it (FP8 on NVLink: issue 37)."""
     if not len(tboxes) or owners < 1:
         return False
     n0, n1 = tboxes[:, 3], tboxes[:, 4]
@@ -122,7 +127,11 @@ def halves_fit(tboxes: np.ndarray, out_codes: np.ndarray, src_codes: np.ndarray,
         return False
     few = pool0 < FEW_BOXES * need.mean()
     packs = len(need) * pack_overhead_s > PACK_SHARE * (n0 * n1).sum() * es / nic_bps
-    return bool(few or packs)
+    conv = out_es > 0
+    converts = bool(conv.any()) and convert_bps > 0 and fan_out_bps > 0 and \
+        (n0 * n1)[conv].sum() * es / convert_bps > (n0 * n1 * ITEM[out_codes])[conv].sum() \
+        / fan_out_bps
+    return bool(few or packs or converts)
 
 
 def _align(n: np.ndarray) -> np.ndarray:

@@ -4,6 +4,7 @@ or scale fails it."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,3 +49,47 @@ def test_fp8_check_passes_the_executor_and_catches_a_flip(tmp_path) -> None:
         assert check_targets(mine, rl, spec, 3) == [name], victim
         raw[0] ^= 1
     assert check_targets(mine, rl, spec, 4) != []  # another seed's weights differ
+
+
+def test_megatron_qkv_rows_quantized_in_place_part_by_part_are_bit_exact(tmp_path) -> None:
+    """Megatron keeps q, k and v rows per KV group ([q_g; k_g; v_g]), so a vLLM q box is
+    several block-aligned whole-row parts of one source: QUANTed in place part by part (no
+    gather into staging, so the QUANTs may run early), bit-exact against the reference
+    quantizer (two groups, head_dim 128: q parts of 256 rows)."""
+    import executor
+    from planner.layouts import build_layout
+    from schemas.config import ClusterConfig, Config, ModelConfig, SourceConfig, TargetConfig
+    from schemas.plan import QUANT
+    from schemas.protocol import Overlap, staging_index
+
+    hf = {**FP8_HF, "num_attention_heads": 4, "num_key_value_heads": 2}
+    spec = spec_from_hf(hf)
+    cfg = Config(model=ModelConfig("unused"), source=SourceConfig("megatron"),
+                 target=TargetConfig("vllm", dtype="fp8_block128"),
+                 cluster=ClusterConfig(placement="colocated", gpus_per_host=2, nics_per_host=2))
+    src = build_layout(spec, cfg.source)
+    dst = build_layout(spec, cfg.target)
+    plan = compile_layouts(cfg, with_scales(spec), src, dst)
+    rp = plan.ranks[0]
+    c, sg = rp.copies, staging_index(rp)
+    q = c["kind"] == QUANT
+    assert not (q & (c["src_region"] == sg)).any()  # every QUANT reads a tensor in place
+    assert q.sum() > len([t for t in spec.tensors if len(t.shape) == 2
+                          and "norm" not in t.name and "embed" not in t.name
+                          and "lm_head" not in t.name])  # some box in several parts
+    assert Overlap(rp).prepacked[np.unique(c["stage"][q])].all() \
+        or len(np.unique(c["stage"][q])) == 1
+    path = str(tmp_path / "p.rplan")
+    write_plan(path, plan)
+    tensors = {}
+    for rl in src.ranks:
+        tensors[rl.rank] = {pt.name: torch.empty(pt.shape, dtype=DTYPES[pt.dtype])
+                            for pt in rl.tensors}
+        generate(tensors[rl.rank], rl, spec, seed=5)
+    n = len(src.ranks)
+    for rl in dst.ranks:
+        tensors[n + rl.rank] = {pt.name: torch.zeros(pt.shape, dtype=DTYPES[pt.dtype])
+                                for pt in rl.tensors}
+    executor.run_all_local(path, tensors)
+    for rl in dst.ranks:
+        assert check_targets(tensors[n + rl.rank], rl, spec, 5, {"cpu_budget": 1 << 30}) == []

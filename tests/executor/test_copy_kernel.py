@@ -53,8 +53,9 @@ def test_pieces_move_the_bytes_a_plain_copy_would():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("graph", [False, True])
-def test_kernel_copies_bit_exact(graph):
+@pytest.mark.parametrize("graph,share", [(False, 1.0), (True, 1.0), (True, 0.25), (False, 0.0)])
+def test_kernel_copies_bit_exact(graph, share):
+    # share: the grid's share of the device (`beside_packs_kernel_share`); 0: one block
     dev = torch.device("cuda", 0)
     kernel = CopyKernel.load(dev)
     assert kernel is not None, "the copy kernel did not build (NVRTC?)"
@@ -73,10 +74,10 @@ def test_kernel_copies_bit_exact(graph):
     if graph:
         cg = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cg):
-            kernel.launch(table)
+            kernel.launch(table, share)
         cg.replay()
     else:
-        kernel.launch(table)
+        kernel.launch(table, share)
     want = torch.zeros_like(dst)
     for do, so, size in cases:
         want[do:do + size] = src[so:so + size]

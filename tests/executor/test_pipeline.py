@@ -211,3 +211,34 @@ def test_fp8_in_groups_with_reused_staging_is_bit_exact_locally(reused, tmp_path
     executor.run_all_local(path, tensors)
     for rl in dst.ranks:
         assert check_targets(tensors[n + rl.rank], rl, spec, 5) == []
+
+
+def test_writes_in_flight_beside_early_quants_are_beside_packs(reused):
+    """`beside_quants`: the stages whose writes may be in flight while a later stage's
+    QUANTs run early (stage s's during stage s-1: the writes of s-1 and s-2), against the
+    rule written out per stage; `prepare_stage(beside=True)` makes every batch of a stage
+    `beside_packs`, grouped or not (else only the groups before the last are)."""
+    import torch
+
+    from executor.pipeline import beside_quants
+    from executor.stages import prepare_stage
+
+    rp = reused.ranks[0]
+    quant = set(rp.copies["stage"][rp.copies["kind"] == QUANT].tolist())
+    for pre in ([False] * rp.stages, [s in quant for s in range(rp.stages)],
+                [s % 4 == 2 for s in range(rp.stages)]):
+        got = beside_quants(rp, pre)
+        want = [any(k < rp.stages and pre[k] and k in quant for k in (s + 1, s + 2))
+                for s in range(rp.stages)]
+        assert got == want
+    assert any(beside_quants(rp, [s in quant for s in range(rp.stages)]))
+    regions = [torch.zeros(r.nbytes, dtype=torch.uint8) for r in rp.regions]
+    grouped = next(s for s in range(rp.stages)
+                   if prepare_stage(rp, s, regions, _Handles(), groups(rp, s, 4, 8)).pipeline)
+    for beside in (False, True):
+        st = prepare_stage(rp, grouped, regions, _Handles(), groups(rp, grouped, 4, 8), beside)
+        last = st.pipeline[-1][1]
+        assert last and all(e.batch.beside_packs == beside for e in last)
+        assert all(e.batch.beside_packs for _, es in st.pipeline[:-1] for e in es)
+        whole = prepare_stage(rp, grouped, regions, _Handles(), 0, beside)
+        assert whole.batches and all(e.batch.beside_packs == beside for e in whole.batches)

@@ -129,3 +129,67 @@ def test_halves_only_where_the_cost_model_says_they_pay():
     assert not fit(boxes(2000, 3072, 7168), fp8)
     # FSDP2 fine-cut: thousands of sub-MB boxes, pack launches ~10x the share
     assert fit(boxes(20000, 192, 2048), bf16)
+
+
+def test_halves_where_converting_the_boxes_outlasts_sending_them():
+    import numpy as np
+
+    from planner.passes.gather_out import halves_fit
+    from schemas.plan import DTYPE_CODES
+
+    bf16, fp8 = DTYPE_CODES.index("bfloat16"), DTYPE_CODES.index("float8_e4m3fn")
+    gib, nic, nvlink, pack = 1 << 30, 50e9, 450e9, 250e9  # the default cost model's rates
+    # Qwen3-8B-like FP8 boxes (MLP 12288 x 4096 halves, ~150 MB of staging each): ~5 a
+    # round of whole pools over 2 owners, few pack launches for their bytes
+    tb = np.array([[0, 0, 0, 6144, 4096]] * 72, dtype=np.int64)
+
+    def fit(out, fan_out_bps, convert_bps=pack):
+        return halves_fit(tb, np.full(len(tb), out), np.array([bf16]), gib, 2, 10e-6, nic,
+                          convert_bps, fan_out_bps)
+
+    assert not fit(fp8, 0.0)  # the NIC-only criteria: whole pools
+    # on NVLink the QUANTs (2 bytes read a value at 250 GB/s) outlast the fan-out (1 byte at
+    # 450 GB/s): halves, so that a round's QUANTs run beside the round before's writes
+    assert fit(fp8, nvlink)
+    assert not fit(fp8, nic)  # over a NIC the fan-out outlasts the QUANTs
+    assert not fit(bf16, nvlink)  # nothing to convert
+    assert not fit(fp8, nvlink, convert_bps=4 * nvlink)  # a converter faster than the link
+
+
+def test_fp8_rounds_on_one_host_alternate_halves_and_quantize_early():
+    """The benchmark's Qwen3-8B FP8 plan (Megatron TP 2 -> vLLM TP 2 on 4 GPUs of one host):
+    consecutive rounds of in-place QUANTs write disjoint halves of staging, so each is
+    prepacked (`schemas.protocol` early packs) beside the round before's writes. Main before
+    this (675ff22's parent): 13 stages, one 744 MiB pool reused by every round, and only the
+    first QUANT stage early."""
+    import numpy as np
+
+    from bench.gpu_refit.setup import Setup
+    from planner.spec import load_spec
+    from schemas.plan import QUANT
+    from schemas.protocol import Overlap, staging_index
+
+    cfg = Setup.for_gpus(4).config("qwen3-8b:fp8")
+    plan = compile_config(cfg, load_spec(cfg.model_config_path))
+    for rp in plan.ranks[:2]:  # the trainers
+        c, sg = rp.copies, staging_index(rp)
+        direct = sorted(set(c["stage"][(c["kind"] == QUANT) & (c["src_region"] != sg)].tolist())
+                        - set(c["stage"][(c["kind"] == QUANT) & (c["src_region"] == sg)].tolist()))
+        assert len(direct) >= 6, direct
+        pre = Overlap(rp).prepacked
+        assert pre[direct].all(), (direct, np.flatnonzero(pre))
+        q = (c["kind"] == QUANT)
+        for a, b in zip(direct, direct[1:]):
+            lo_a, hi_a = _dst_span(rp, q & (c["stage"] == a))
+            lo_b, hi_b = _dst_span(rp, q & (c["stage"] == b))
+            assert hi_a <= lo_b or hi_b <= lo_a, (a, b, (lo_a, hi_a), (lo_b, hi_b))
+
+
+def _dst_span(rp, mask) -> tuple[int, int]:
+    """The lowest and highest staging byte the QUANT rows `mask` write (values and scales)."""
+    import numpy as np
+
+    from schemas.protocol import copy_footprint
+
+    _, _, lo, hi = copy_footprint(rp, "dst", np.flatnonzero(mask))
+    return int(lo.min()), int(hi.max())
