@@ -3,11 +3,13 @@
 client threads keep sending completions; `examples/rl_loop/run.py --shadow` exactly as a user
 runs it, checking what it printed per step:
 
-- steps 0, 1, 3, 4: the engine generated tokens during the transfer (vLLM's own counter),
-  every request answered before the pause saw version N and every one sent after it N+1 (their
-  probe logprobs; none a mix), the logprobs equal the trainer's, the version advanced, vLLM's
-  sha256 of every written tensor equals the trainer's bytes; each vLLM worker logged the commit
-  (transfer, switch copies, CPU GEMM repack);
+- steps 0, 1, 3, 4: the engine generated tokens during the transfer of steps 1 and 3, whose
+  sources start 1.5 s late (`--throttle-ms`; an unthrottled transfer on a loaded 2-core box can
+  end before the engine's next token: counted, not asserted), every request answered before
+  the pause saw version N and every one sent after it N+1 (their probe logprobs; none a mix),
+  the logprobs equal the trainer's, the version advanced, vLLM's sha256 of every written
+  tensor equals the trainer's bytes; each vLLM worker logged the commit (transfer, switch
+  copies, CPU GEMM repack);
 - step 2 is torn: trainer rank 1 stalls past the plan's 20 s timeout, its DONE never comes;
   the engine keeps version step-1 (its version, its logprobs, its bytes), no worker commits
   step-2, and step 3 then refits cleanly.
@@ -42,7 +44,8 @@ COMMIT = re.compile(r"rdma_plan worker (\d+): committed '(step-\d+)' \(shadow\):
 def test_rl_loop_shadow_live_vllm_tp2(tmp_path: pytest.TempPathFactory) -> None:
     py = live_python()
     r = subprocess.run([py, "examples/rl_loop/run.py", "--shadow", "--steps", "4",
-                        "--stall-step", "2", "--timeout-s", "20", "--workdir", str(tmp_path)],
+                        "--stall-step", "2", "--timeout-s", "20", "--throttle-ms", "1500",
+                        "--throttle-steps", "1,3", "--workdir", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=2400)
     out = r.stdout + r.stderr
     lines = [line.strip() for line in r.stdout.splitlines()]
@@ -59,7 +62,8 @@ def test_rl_loop_shadow_live_vllm_tp2(tmp_path: pytest.TempPathFactory) -> None:
         assert float(delta) <= 1e-3, f"{label}: max |delta logprob| {delta}"
         assert before == previous and after == label, f"{label}: version {before} -> {after}"
         assert equal == total and int(total) > 0, f"{label}: {equal}/{total} tensors equal"
-        assert int(tokens) > 0, f"{label}: no token generated during the transfer"
+        if label in ("step-1", "step-3"):  # throttled: the engine serves through 1.5 s of it
+            assert int(tokens) > 0, f"{label}: no token generated during the transfer"
         assert wrong == "0", f"{label}: {wrong} request(s) saw neither N nor N+1 alone"
         assert int(new) > 0, f"{label}: no request sent after the pause was checked"
         assert float(n_vs_n1) > 1e-3, f"{label}: N and N+1 indistinguishable ({n_vs_n1})"
