@@ -14,7 +14,10 @@ The model (at batch granularity; a batch is one flow):
   the target's NIC (`cluster.nic_gbps`, shared by all GPUs that NIC serves), or the
   source's and target's NVLink (`nvlink_gbps`, per GPU). Active flows share resources
   max-min fairly (progressive filling, exact up to `MAX_LEVELS` bottleneck levels),
-  recomputed whenever the set of flows changes.
+  recomputed whenever the set of flows changes. The coarse model (`model`; plans over
+  `EXACT_MAX_BATCHES` batches by default) lands the flows that end within a quantum of the
+  first one together, at the last one's end: one rate computation per group; a flow lands
+  at most a quantum late, its share idle meanwhile (`simgap`'s "coarse model" cause).
 - A batch's size is its bytes plus link time for its latency and its writes: once
   `write_overhead_us` (posting and completion: the writes of a batch are posted together
   and pipelined by the NIC, so the latency is paid per batch, not per write), plus
