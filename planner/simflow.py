@@ -39,7 +39,7 @@ MAX_LEVELS = 8
 """Progressive-filling levels computed exactly (see `planner.simrates.maxmin`)."""
 EXACT_MAX_BATCHES = 20_000
 """`simulate`'s "auto" model is exact up to this many batches (seconds of CPU), coarse above."""
-COARSE_TOL = 0.05
+COARSE_TOL = 0.2
 """The coarse model's quantum as a fraction of a batch's median time at full rate."""
 COARSE_STATED = 0.005
 """How far the coarse model's estimate is from the exact one's, as `simulate` states it: on
@@ -126,8 +126,10 @@ def choose_quantum(model: str, full_rate_s: np.ndarray) -> float:
     batch's time alone on its path). 0 is the exact model: every landing is an event and
     rates are recomputed after it. The coarse model lands every flow that ends within the
     quantum (`COARSE_TOL` of the median batch's time at full rate) of the first one together,
-    at the last one's end, with one rate computation for the group: a flow lands at most a
-    quantum late, and its share of its resources idles meanwhile (pessimistic)."""
+    with one rate computation for the group, when the group has moved its bytes in all (the
+    rate-weighted mean of their ends, `planner.simulate`): a flow lands at most a quantum
+    early (its last bytes skipped) or late (its share idle meanwhile); the two offset each
+    other, so the estimate's error is far below a quantum per batch (`COARSE_STATED`)."""
     if model not in ("auto", "exact", "coarse"):
         raise ValueError(f"simulate: model {model!r} is not one of auto, exact, coarse")
     if model == "exact" or (model == "auto" and len(full_rate_s) <= EXACT_MAX_BATCHES):

@@ -16,8 +16,9 @@ The model (at batch granularity; a batch is one flow):
   max-min fairly (progressive filling, exact up to `MAX_LEVELS` bottleneck levels),
   recomputed whenever the set of flows changes. The coarse model (`model`; plans over
   `EXACT_MAX_BATCHES` batches by default) lands the flows that end within a quantum of the
-  first one together, at the last one's end: one rate computation per group; a flow lands
-  at most a quantum late, its share idle meanwhile (`simgap`'s "coarse model" cause).
+  first one together, when the group has moved its bytes in all (the rate-weighted mean of
+  their ends): one rate computation per group; a flow lands at most a quantum early or late
+  (`simgap`'s "coarse model" cause: the shares that idled less the bytes skipped).
 - A batch's size is its bytes plus link time for its latency and its writes: once
   `write_overhead_us` (posting and completion: the writes of a batch are posted together
   and pipelined by the NIC, so the latency is paid per batch, not per write), plus
@@ -357,7 +358,10 @@ class _Sim:
                                   min(dt_flow + self.quantum, t_timer - t))
                 done = act[near]
                 dt = ttf[near].max()
-                if self.quantum:  # the early ones' shares idle until `dt`: the model's slack
+                if self.quantum:  # the group lands when it has moved its bytes in all; the
+                    # early ones' shares idled until then, the late ones' last bytes are
+                    # skipped: the model's slack (signed)
+                    dt = min(max(rem[near].sum() / r_act[near].sum(), dt_flow), dt)
                     idle = (dt - ttf[near]) * r_act[near]
                     slack += (np.bincount(self.f_eres[done], idle, len(slack))
                               + np.bincount(self.f_ires[done], idle, len(slack)))

@@ -96,7 +96,7 @@ def test_the_gap_report_separates_the_coarse_models_slack(plans):
         exact, coarse = simulate(path, model="exact"), simulate(path, model="coarse")
         assert "coarse model" not in exact["gap"].get("causes", {})
         c = coarse["gap"]["causes"]
-        assert c["coarse model"] >= 0 and c["shared below its rate"] >= -1e-12
+        assert c["coarse model"] != 0.0  # groups landed off their flows' own ends
         # the coarse model's busy time below the full rate is split, not grown
         below = c["per-write costs"] + c["shared below its rate"] + c["coarse model"]
         busy = coarse["gap"]["busy_fraction"] * coarse["estimated_s"]
