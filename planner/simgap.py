@@ -209,7 +209,7 @@ def model_text(res: dict[str, Any]) -> str:
     return (f"coarse model ({res['batches']:,} batches): landings within "
             f"{res['quantum_s'] * 1e6:.1f} us of the first land together at their mean; within "
             f"{COARSE_STATED:.1%} of the exact model's estimate on every shipped plan both ran; "
-            "--exact for the exact model (minutes at this size)")
+            "--exact runs the exact one (an event per landing)")
 
 
 def summary_text(res: dict[str, Any]) -> str:
