@@ -146,6 +146,8 @@ class _Sim:
         self.packs_end = [0.0] * self.world  # when a prepacked stage's packs finish
         self.sends = [sr.sends for sr in ranks]
         self.waits = [sr.waits for sr in ranks]
+        self.quantum = 0.0  # the exact model (`simulate` sets the model's)
+        self.slack = np.zeros(len(self.cap))  # the coarse model's, by resource (`run`)
 
     # ------------------------------------------------------------ rank state machine
 
@@ -352,8 +354,8 @@ class _Sim:
             if t_timer - t <= dt_flow:
                 dt = max(t_timer - t, 0.0)
                 done = act[:0]
-            else:  # flows ending within a hair of the first end together (never earlier);
-                # the coarse model: also those within `quantum` of it (before any timer)
+            else:  # exact: flows ending within a hair of the first end land together (never
+                # earlier); coarse: also those within `quantum` of it (before any timer)
                 near = ttf <= max(dt_flow * (1 + 1e-9) + 1e-12,
                                   min(dt_flow + self.quantum, t_timer - t))
                 done = act[near]
