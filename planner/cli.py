@@ -202,7 +202,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from planner.simulate import simulate
 
     with Progress("simulate") as progress:
-        res = simulate(args.plan, inflight=args.inflight, progress=progress)
+        res = simulate(args.plan, inflight=args.inflight, progress=progress,
+                       model="exact" if args.exact else "coarse" if args.coarse else "auto")
     if args.plot:
         from planner.plot import plot_simulation
 
@@ -300,6 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "timeline of batches (needs matplotlib)")
     sp.add_argument("--inflight", type=_positive_int, default=8, metavar="N",
                     help="batches a rank keeps in flight (the executor's max_inflight)")
+    model = sp.add_mutually_exclusive_group()
+    model.add_argument("--exact", action="store_true", help="the exact model at any size "
+                       "(every landing an event; minutes above ~100,000 batches); by default "
+                       "plans over 20,000 batches run the coarse model, which says so")
+    model.add_argument("--coarse", action="store_true", help="the coarse model at any size "
+                       "(landings within a quantum land together)")
 
     sp = add("explain", _cmd_explain, "show how one logical tensor moves in a plan: which "
              "source ranks hold it, gathers, and every write into the targets")

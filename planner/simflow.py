@@ -37,6 +37,15 @@ INFLIGHT = 8
 """Batches a rank keeps in flight by default (`executor` `max_inflight`)."""
 MAX_LEVELS = 8
 """Progressive-filling levels computed exactly (see `planner.simrates.maxmin`)."""
+EXACT_MAX_BATCHES = 20_000
+"""`simulate`'s "auto" model is exact up to this many batches (seconds of CPU), coarse above."""
+COARSE_TOL = 0.2
+"""The coarse model's quantum as a fraction of a batch's median time at full rate."""
+COARSE_STATED = 0.005
+"""How far the coarse model's estimate is from the exact one's, as `simulate` states it: on
+every shipped plan where both ran, measured (BENCHMARKS.md, "Issue 37: simulate at
+DeepSeek-V3 scale (branch h37s)"); `tests/planner/test_simcoarse.py` holds compiled plans
+to it."""
 MAX_CELLS = 1 << 26
 """(rank, stage) queues the simulation indexes (ranks x stages)."""
 
@@ -110,6 +119,51 @@ def load_checked(src: PlanRanks, progress: Callable[[str], None] | None = None
     src.dag()
     src.check_rest(progress)
     return out
+
+
+def choose_quantum(model: str, full_rate_s: np.ndarray) -> float:
+    """The landing quantum of `model` ("exact", "coarse" or "auto"; `full_rate_s`: each
+    batch's time alone on its path). 0 is the exact model: every landing is an event and
+    rates are recomputed after it. The coarse model lands every flow that ends within the
+    quantum (`COARSE_TOL` of the median batch's time at full rate) of the first one together,
+    with one rate computation for the group, when the group has moved its bytes in all (the
+    rate-weighted mean of their ends, `planner.simulate`): a flow lands at most a quantum
+    early (its last bytes skipped) or late (its share idle meanwhile); the two offset each
+    other, so the estimate's error is far below a quantum per batch (`COARSE_STATED`)."""
+    if model not in ("auto", "exact", "coarse"):
+        raise ValueError(f"simulate: model {model!r} is not one of auto, exact, coarse")
+    if model == "exact" or (model == "auto" and len(full_rate_s) <= EXACT_MAX_BATCHES):
+        return 0.0
+    return float(COARSE_TOL * np.median(full_rate_s)) if len(full_rate_s) else 0.0
+
+
+def initial_state(sim: Any) -> None:
+    """The state of every rank, window and flow of `planner.simulate._Sim` at t=0 (but
+    its `RateCache`)."""
+    w, nb, k = sim.world, len(sim.b.rank), sim.inflight
+    sim.stage, sim.phase = [0] * w, [0] * w  # stage 0, waiting for READY/ACK (_WAIT_IN)
+    sim.finish = [0.0] * w
+    sim.heap = []  # (time, seq, rank) timers
+    sim.seq = 0
+    sim.arrival = {}  # (from, to, kind, stage) -> when a signal arrives
+    sim.waiters = {}  # the same key -> ranks waiting for it
+    sim.wait_t, sim.missing = [0.0] * w, [0] * w
+    sim.window = [[0, 0, 0, 0] for _ in range(w)]
+    sim.unlanded = [{} for _ in range(w)]  # stage -> batches
+    sim.deferred = [set() for _ in range(w)]  # DONE sent when landed
+    sim.hold = [0.0] * w  # a rank posts its carried stage's batches from then on
+    sim.packs_after = [-1] * w  # a stage whose early packs wait for older writes
+    sim.free_slots = [list(range(r * k + k - 1, r * k - 1, -1)) for r in range(w)]
+    sim.active = np.zeros(w * k, dtype=bool)
+    sim.rem = np.zeros(w * k)
+    sim.flow_gid = np.zeros(w * k, dtype=np.int64)
+    sim.f_eres = np.zeros(w * k, dtype=np.int64)
+    sim.f_ires = np.zeros(w * k, dtype=np.int64)
+    sim.start, sim.end = np.zeros(nb), np.zeros(nb)
+    sim.lane = np.zeros(nb, dtype=np.int64)
+    sim.dirty = False
+    sim.fkey = sim.ceres * len(sim.ccap) + sim.cires  # a batch's (egress, ingress)
+    sim.landed = 0
 
 
 def nic_order(name: str) -> tuple[int, str]:
@@ -199,6 +253,7 @@ def result(sim: Any, busy: np.ndarray, events: int, wall: float) -> dict[str, An
         "nvlink_max_in_bytes": int(load[nv + sim.world:].max(initial=0)),
         "rank_finish_s": [float(x) for x in sim.finish],
         "inflight": sim.inflight, "events": events,
+        "model": "coarse" if sim.quantum else "exact", "quantum_s": sim.quantum,
         "sim_seconds": round(wall, 3),
         "timeline": {"start": sim.start, "end": sim.end, "rank": b.rank,
                      "chan": b.chan, "dst": b.dst, "bytes": b.nbytes,

@@ -16,7 +16,11 @@ by where it falls on the busiest resource's timeline:
 - **per-write costs**: link time it spends on batch latency and per-write costs (an RDMA
   work request, an NVLink peer copy's fixed cost), as the simulator charges them;
 - **shared below its rate**: the rest of the time it is busy but moves less than its rate
-  (its flows share their other end with other flows).
+  (its flows share their other end with other flows);
+- **coarse model** (only where `simulate` ran its coarse model; signed): the time its
+  flows' shares idled because a flow that had ended waited for its group to land, less the
+  time of the bytes skipped where a group landed before a flow's last bytes (the model's
+  own error, out of "shared below its rate"; the exact model has none).
 
 It names the largest cause with its stage, the batch and tensor behind the tail, and the
 option that changes it. Inputs are the simulation's own columns (`planner/simulate.py`).
@@ -57,7 +61,12 @@ def explain_gap(sim: Any, res: dict[str, Any]) -> dict[str, Any]:
     costs = float(((sim.size[on] - sim.b.nbytes[on]) / sim.cap[worst]).sum())
     below = max(busy - res["floor_s"], 0.0)
     costs = min(costs, below)
-    causes = {"per-write costs": costs, "shared below its rate": below - costs,
+    coarse = {}  # the coarse model's own slack (`simulate`): shares idle until a group
+    # lands, less the bytes skipped where it lands early (signed)
+    if res.get("model") == "coarse":
+        coarse = {"coarse model": min(float(sim.slack[worst] / sim.cap[worst]), below - costs)}
+    causes = {"per-write costs": costs,
+              "shared below its rate": below - costs - sum(coarse.values()), **coarse,
               "head": float(start[0]), "stage boundaries": float(idle[boundary].sum()),
               "within stages": float(idle[~boundary].sum()),
               "tail": float(max(est - reach[-1], 0.0))}
@@ -174,7 +183,8 @@ def gap_text(g: dict[str, Any]) -> str:
     if not g.get("causes") or g["gap_s"] <= 0:
         return ""
     c = g["causes"]
-    parts = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in c.items() if v > 0)
+    parts = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in c.items()
+                      if v > 0 or (k == "coarse model" and v))
     lines = [f"gap {g['gap_s'] * 1e3:.2f} ms: {g['resource']} busy "
              f"{g['busy_fraction'] * 100:.0f}% of the transfer; made of: {parts}"]
     if g["largest"] == "stage boundaries" and g.get("worst_boundary") is not None:
@@ -191,6 +201,17 @@ def gap_text(g: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def model_text(res: dict[str, Any]) -> str:
+    """The line that says the estimate is the coarse model's, how far it may be off, and how
+    to get the exact one."""
+    from planner.simflow import COARSE_STATED
+
+    return (f"coarse model ({res['batches']:,} batches): landings within "
+            f"{res['quantum_s'] * 1e6:.1f} us of the first land together at their mean; within "
+            f"{COARSE_STATED:.1%} of the exact model's estimate on every shipped plan both ran; "
+            "--exact runs the exact one (an event per landing)")
+
+
 def summary_text(res: dict[str, Any]) -> str:
     """Three lines a person reads: estimated time, floor, ratio and the bottleneck; then
     what the gap to the floor is made of (`gap_text`)."""
@@ -200,4 +221,5 @@ def summary_text(res: dict[str, Any]) -> str:
         f"bottleneck {res['bottleneck']}; {res['bytes'] / 1e9:.3f} GB in {res['batches']:,} "
         f"batches ({res['writes']:,} writes), {res['stages']} stages",
         f"simulated {res['events']:,} events in {res['sim_seconds']:.2f} s",
-    ] + ([gap_text(res["gap"])] if gap_text(res.get("gap", {})) else []))
+    ] + ([model_text(res)] if res.get("model") == "coarse" else [])
+      + ([gap_text(res["gap"])] if gap_text(res.get("gap", {})) else []))

@@ -14,7 +14,11 @@ The model (at batch granularity; a batch is one flow):
   the target's NIC (`cluster.nic_gbps`, shared by all GPUs that NIC serves), or the
   source's and target's NVLink (`nvlink_gbps`, per GPU). Active flows share resources
   max-min fairly (progressive filling, exact up to `MAX_LEVELS` bottleneck levels),
-  recomputed whenever the set of flows changes.
+  recomputed whenever the set of flows changes. The coarse model (`model`; plans over
+  `EXACT_MAX_BATCHES` batches by default) lands the flows that end within a quantum of the
+  first one together, when the group has moved its bytes in all (the rate-weighted mean of
+  their ends): one rate computation per group; a flow lands at most a quantum early or late
+  (`simgap`'s "coarse model" cause: the shares that idled less the bytes skipped).
 - A batch's size is its bytes plus link time for its latency and its writes: once
   `write_overhead_us` (posting and completion: the writes of a batch are posted together
   and pipelined by the NIC, so the latency is paid per batch, not per write), plus
@@ -50,7 +54,9 @@ from planner.simflow import (
     NVLINK_WRITE_S,
     Batches,
     SimRank,
+    choose_quantum,
     concat_batches,
+    initial_state,
     load_checked,
     nic_order,
     result,
@@ -64,12 +70,15 @@ _WAIT_IN, _PACK, _WRITE, _SEND_DONE, _WAIT_DONE, _UNPACK, _SEND_ACK = range(7)
 
 
 def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
-             progress: Callable[[str], None] | None = None
+             progress: Callable[[str], None] | None = None, model: str = "auto"
              ) -> dict[str, Any]:
     """Simulate a plan (a path or a `Plan`) on the cluster its header records.
 
     `inflight`: batches a rank keeps posted and not yet reaped (the executor's
     `max_inflight`); 1 sends one batch at a time. Any landed batch frees its place.
+    `model`: "exact" (every landing is an event), "coarse" (landings within a quantum
+    land together, `planner.simflow.choose_quantum`), or "auto": exact up to
+    `EXACT_MAX_BATCHES` batches, coarse above.
 
     Returns `estimated_s`, `floor_s`, `ratio`, `bottleneck`, per-NIC bytes and busy time
     (`nics`), NVLink totals, per-rank finish times, and `timeline`: numpy columns
@@ -83,7 +92,10 @@ def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
         ranks = load_checked(src, progress)  # and the other blobs, as `load_plan` checks
         if progress is not None:
             progress("simulating")
-        return _Sim(src, ranks, inflight).run(t_wall, progress)
+        sim = _Sim(src, ranks, inflight)
+        sim.quantum = choose_quantum(model, sim.size / np.minimum(sim.cap[sim.eres],
+                                                                  sim.cap[sim.ires]))
+        return sim.run(t_wall, progress)
 
 
 class _Sim:
@@ -134,6 +146,8 @@ class _Sim:
         self.packs_end = [0.0] * self.world  # when a prepacked stage's packs finish
         self.sends = [sr.sends for sr in ranks]
         self.waits = [sr.waits for sr in ranks]
+        self.quantum = 0.0  # the exact model (`simulate` sets the model's)
+        self.slack = np.zeros(len(self.cap))  # the coarse model's, by resource (`run`)
 
     # ------------------------------------------------------------ rank state machine
 
@@ -310,39 +324,12 @@ class _Sim:
 
     # ------------------------------------------------------------ the event loop
 
-    def _reset(self) -> None:
-        """The state of every rank, window and flow at t=0."""
-        w, nb = self.world, len(self.b.rank)
-        self.stage, self.phase = [0] * w, [_WAIT_IN] * w
-        self.finish = [0.0] * w
-        self.heap: list[tuple[float, int, int]] = []
-        self.seq = 0
-        self.arrival: dict[tuple[int, int, int, int], float] = {}
-        self.waiters: dict[tuple[int, int, int, int], list[int]] = {}
-        self.wait_t, self.missing = [0.0] * w, [0] * w
-        k = self.inflight
-        self.window: list[list[int]] = [[0, 0, 0, 0] for _ in range(w)]
-        self.unlanded: list[dict[int, int]] = [{} for _ in range(w)]  # stage -> batches
-        self.deferred: list[set[int]] = [set() for _ in range(w)]  # DONE sent when landed
-        self.hold = [0.0] * w  # a rank posts its carried stage's batches from then on
-        self.packs_after = [-1] * w  # a stage whose early packs wait for older writes
-        self.free_slots = [list(range(r * k + k - 1, r * k - 1, -1)) for r in range(w)]
-        self.active = np.zeros(w * k, dtype=bool)
-        self.rem = np.zeros(w * k)
-        self.flow_gid = np.zeros(w * k, dtype=np.int64)
-        self.f_eres = np.zeros(w * k, dtype=np.int64)
-        self.f_ires = np.zeros(w * k, dtype=np.int64)
-        self.start, self.end = np.zeros(nb), np.zeros(nb)
-        self.lane = np.zeros(nb, dtype=np.int64)
-        self.dirty = False
-        self.fkey = self.ceres * len(self.ccap) + self.cires  # a batch's (egress, ingress)
-        self.rates, self.landed = RateCache(len(self.ccap)), 0
-
     def run(self, t_wall: float, progress: Callable[[str], None] | None = None
             ) -> dict[str, Any]:
-        self._reset()
+        initial_state(self)
+        self.rates = RateCache(len(self.ccap))  # (tests replace it by a reference)
         w, nb = self.world, len(self.b.rank)
-        busy = np.zeros(len(self.ccap))
+        busy, slack = np.zeros(len(self.ccap)), np.zeros(len(self.ccap))
         t, events = 0.0, 0
         step = max(1, nb // 10)
         report = step if progress is not None else nb + 1
@@ -367,10 +354,19 @@ class _Sim:
             if t_timer - t <= dt_flow:
                 dt = max(t_timer - t, 0.0)
                 done = act[:0]
-            else:  # flows ending within a hair of the first end together (never earlier)
-                near = ttf <= dt_flow * (1 + 1e-9) + 1e-12
+            else:  # exact: flows ending within a hair of the first end land together (never
+                # earlier); coarse: also those within `quantum` of it (before any timer)
+                near = ttf <= max(dt_flow * (1 + 1e-9) + 1e-12,
+                                  min(dt_flow + self.quantum, t_timer - t))
                 done = act[near]
                 dt = ttf[near].max()
+                if self.quantum:  # the group lands when it has moved its bytes in all; the
+                    # early ones' shares idled until then, the late ones' last bytes are
+                    # skipped: the model's slack (signed)
+                    dt = min(max(rem[near].sum() / r_act[near].sum(), dt_flow), dt)
+                    idle = (dt - ttf[near]) * r_act[near]
+                    slack += (np.bincount(self.f_eres[done], idle, len(slack))
+                              + np.bincount(self.f_ires[done], idle, len(slack)))
             if len(act) and dt > 0:
                 rem -= r_act * dt
                 self.rem[act] = rem
@@ -393,6 +389,7 @@ class _Sim:
             raise PlanFormatError(f"simulate: ranks {stuck[:8]} never finish (a wait that no rank "
                              "signals); the plan is inconsistent: run `rdma-plan verify`")
         busy = np.bincount(self.res_used, busy, len(self.cap))  # by resource index again
+        self.slack = np.bincount(self.res_used, slack, len(self.cap))  # bytes
         res = result(self, busy, events, time.perf_counter() - t_wall)
         res["gap"] = explain_gap(self, res)
         return res
