@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -114,7 +115,8 @@ class World:
         plan = load_plan(path)
         fabric = Fabric()
         self.exs = {rp.rank: Executor(plan.header, rp, src.get(rp.rank) or bind[rp.rank],
-                                      "local", fabric, step_records=False, timeout_s=600)
+                                      "local", fabric, step_records=False,
+                                      timeout_s=TIMEOUT_S)
                     for rp in plan.ranks}
         for ex in self.exs.values():
             ex.register()
@@ -127,7 +129,8 @@ class World:
         def go(r: int) -> None:
             time.sleep(delay_s)
             self.exs[r].run(step)
-        threads = [threading.Thread(target=go, args=(r,), daemon=True) for r in ranks]
+        threads = [threading.Thread(target=_guarded(go, f"rank {r} step {step}"), args=(r,),
+                                    daemon=True) for r in ranks]
         for th in threads:
             th.start()
         return threads
@@ -214,9 +217,8 @@ def bench_model(d: int, k: int, args: argparse.Namespace, device: torch.device) 
                 s._thread is not None and s._thread.is_alive() for s in shadows.values()):
             during.append(decode(xs, live, device))
         for t in tgts:
-            shadows[t].finish(600)
-        for th in threads:
-            th.join()
+            shadows[t].finish(TIMEOUT_S)
+        _join(threads, start=False)
         transfer = time.perf_counter() - t0
         pause = max(shadows[t].switch() for t in tgts)
         bad = [f"t{t}.w{i}" for t in tgts for i in range(k)
@@ -236,8 +238,7 @@ def bench_model(d: int, k: int, args: argparse.Namespace, device: torch.device) 
         fill(100 + step)
         sync(device)
         t0 = time.perf_counter()
-        for th in paused.run(list(paused.exs), step):
-            th.join()
+        _join(paused.run(list(paused.exs), step), start=False)
         sync(device)
         if step > 1:
             rows["paused"].append(time.perf_counter() - t0)
@@ -274,10 +275,11 @@ def bench_bounded(d: int, k: int, args: argparse.Namespace, device: torch.device
     fabric, out = Fabric(), {}
 
     def load(r: int) -> None:
-        kw = dict(timeout_s=600, step_records=False, no_identity=True)
+        kw = dict(timeout_s=TIMEOUT_S, step_records=False, no_identity=True)
         out[r] = (load_chunks(path, r, src[r], "local", fabric, **kw) if r < S else
                   BoundedShadow.load(path, r, live[r], "local", fabric, **kw))
-    _join([threading.Thread(target=load, args=(r,)) for r in range(S + T)])
+    _join([threading.Thread(target=_guarded(load, f"bounded load of rank {r}"), args=(r,))
+           for r in range(S + T)])
     rows: dict[str, list[float]] = {"refit": [], "switch": []}
     for step in range(1, args.steps + 2):
         g = torch.Generator(device=device).manual_seed(200 + step)
@@ -290,8 +292,10 @@ def bench_bounded(d: int, k: int, args: argparse.Namespace, device: torch.device
         def target(r: int, step: int = step, stats: dict = stats) -> None:
             stats[r] = out[r].run(step)
         t0 = time.perf_counter()
-        _join([threading.Thread(target=run_chunks, args=(out[r], step)) for r in range(S)]
-              + [threading.Thread(target=target, args=(r,)) for r in range(S, S + T)])
+        _join([threading.Thread(target=_guarded(run_chunks, f"bounded source {r} step {step}"),
+                                args=(out[r], step)) for r in range(S)]
+              + [threading.Thread(target=_guarded(target, f"bounded target {r} step {step}"),
+                                  args=(r,)) for r in range(S, S + T)])
         refit = time.perf_counter() - t0
         if not all(torch.equal(live[t][f"w{i}"], src[i % S][f"t{t}.w{i}"])
                    for t in live for i in range(k)) or len(stats) != T:
@@ -306,11 +310,32 @@ def bench_bounded(d: int, k: int, args: argparse.Namespace, device: torch.device
                 **{key: statistics.median(v) for key, v in rows.items()})
 
 
-def _join(threads: list[threading.Thread]) -> None:
-    for th in threads:
-        th.start()
+ERRORS: list[str] = []
+"""What a rank's thread raised: `_join` ends the run with it in one line (a thread's
+exception would otherwise vanish, and its peers wait out their timeout)."""
+TIMEOUT_S = 120.0
+"""Every executor's timeout here (`--timeout-s`): a rank that fails ends the run this soon."""
+
+
+def _guarded(fn: Callable[..., object], what: str) -> Callable[..., None]:
+    def go(*a: object) -> None:
+        try:
+            fn(*a)
+        except BaseException as e:  # noqa: BLE001 - reported by _join, in one line
+            first = str(e).splitlines()[0] if str(e) else ""
+            ERRORS.append(f"{what}: {type(e).__name__}: {first}")
+    return go
+
+
+def _join(threads: list[threading.Thread], start: bool = True) -> None:
+    if start:
+        for th in threads:
+            th.start()
     for th in threads:
         th.join()
+    if ERRORS:
+        sys.exit(f"zero_pause: {ERRORS[0]}" + (f" (and {len(ERRORS) - 1} more)"
+                                               if len(ERRORS) > 1 else ""))
 
 
 def bounded_table(results: list[dict], full: list[dict]) -> str:
@@ -344,6 +369,7 @@ def table(results: list[dict], args: argparse.Namespace, device: torch.device) -
 
 
 def main() -> None:
+    global TIMEOUT_S
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="2048x8,4096x16,4096x64",
                     help="comma-separated DxK: K weights [D, D] per target rank")
@@ -355,11 +381,14 @@ def main() -> None:
     ap.add_argument("--slow-source-ms", type=float, default=0.0,
                     help="the sources start each shadow step this late (a longer transfer: "
                     "the pause must not grow)")
+    ap.add_argument("--timeout-s", type=float, default=TIMEOUT_S,
+                    help="every executor's timeout: a failing rank ends the run this soon")
     ap.add_argument("--bounded", type=int, default=0, metavar="C",
                     help="also run each model through a bounded shadow of C chunks")
     ap.add_argument("--tiny", action="store_true", help="CPU, 128x4 and 256x4, 3 steps, "
                     "bounded in 2 chunks")
     args = ap.parse_args()
+    TIMEOUT_S = args.timeout_s
     if args.tiny:
         args.models, args.steps, args.device = "128x4,256x4", 3, "cpu"
         args.bounded = args.bounded or 2
