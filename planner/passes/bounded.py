@@ -21,9 +21,8 @@ import dataclasses
 import numpy as np
 
 from planner.passes.emit import tensor_regions
-from planner.passes.shadow import layer_of
+from planner.passes.shadow import layer_of, with_shadow
 from planner.spec import ModelSpec
-from planner.verify_rank import concat, outgoing
 from planner.verify_shadow import written
 from schemas.bounded_plan import ALIGN, bases
 from schemas.config import Config, ConfigError
@@ -101,14 +100,7 @@ def compile_bounded(cfg: Config, spec: ModelSpec, src_layout, dst_layout) -> lis
 def with_bounded(plan: Plan, budget: int) -> Plan:
     """`plan` (one chunk) with a bounded shadow section on every target rank: one chunk,
     each written run at `base(its tensor) + offset` of the buffer."""
-    incoming: dict[int, list] = {}
-    for rp in plan.ranks:
-        for peer, part in outgoing(rp).items():
-            incoming.setdefault(peer, []).append(part)
-    ranks = tuple(rp if rp.role != "target" else dataclasses.replace(
-        rp, shadow=bounded_part(rp, concat(incoming.pop(rp.rank, [])), budget))
-        for rp in plan.ranks)
-    return dataclasses.replace(plan, ranks=ranks)
+    return with_shadow(plan, budget, bounded_part)
 
 
 def bounded_part(rp: RankPlan, inc, budget: int) -> ShadowPart:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 
 import numpy as np
 
@@ -35,14 +36,16 @@ def layer_of(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def with_shadow(plan: Plan, budget: int) -> Plan:
-    """`plan` with a shadow section on every target rank (`budget`: 0 full, else bytes)."""
+def with_shadow(plan: Plan, budget: int, make: Callable | None = None) -> Plan:
+    """`plan` with a shadow section on every target rank (`budget`: 0 full, else bytes);
+    `make(rank plan, its incoming writes, budget)` makes it (default `shadow_part`)."""
+    make = shadow_part if make is None else make
     incoming: dict[int, list] = {}
     for rp in plan.ranks:
         for peer, part in outgoing(rp).items():
             incoming.setdefault(peer, []).append(part)
     ranks = tuple(rp if rp.role != "target" else dataclasses.replace(
-        rp, shadow=shadow_part(rp, concat(incoming.pop(rp.rank, [])), budget))
+        rp, shadow=make(rp, concat(incoming.pop(rp.rank, [])), budget))
         for rp in plan.ranks)
     return dataclasses.replace(plan, ranks=ranks)
 

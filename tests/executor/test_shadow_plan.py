@@ -14,21 +14,10 @@ import torch
 from executor import Executor, Shadow
 from executor.transports.local import Fabric
 from harness.weights import materialize, random_full_tensors
-from planner.layouts import build_layout
-from planner.spec import load_spec
 from schemas.plan import load_plan
 from schemas.plan_write import write_plan
-from tests.support.shadow_plans import CASES, MODELS, _broken, _compile
-
-
-def _layouts(case):
-    from schemas.config_load import config_from_dict
-    model, source, target = case
-    cfg = config_from_dict({"model": {"config": f"{model}/config.json"}, "source": source,
-                            "target": target, "cluster": {"gpus_per_host": 8}},
-                           base_dir=MODELS)
-    spec = load_spec(cfg.model_config_path)
-    return spec, build_layout(spec, cfg.source), build_layout(spec, cfg.target)
+from tests.support.shadow_plans import CASES, _broken, _compile
+from tests.support.shadow_plans import layouts as _layouts
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
