@@ -56,6 +56,7 @@ from schemas.plan import STAGING, RankPlan
 from .bind import torch_dtype
 from .core import Executor, RunStats
 from .shadow import TornUpdateError
+from .switch import SwitchCopies
 from .trust import check_identity
 
 __all__ = ["BoundedShadow", "BoundedStats", "chunk_rendezvous", "load_chunks", "run_chunks"]
@@ -166,6 +167,7 @@ class BoundedShadow:
         self.chunks: list[Executor] = []
         self.ops: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         """Per chunk: its switch as (live bytes, buffer bytes) views."""
+        self.copies: SwitchCopies | None = None
         self.version = 0
         self.switched = 0
         """Chunks of the current (or last) refit switched into the live tensors."""
@@ -223,6 +225,7 @@ class BoundedShadow:
                         self.buffer[so:so + n]))
         self.chunks.append(ex)
         self.ops.append(ops)
+        self.copies = None  # built at the first run, over every chunk's ops
 
     def run(self, step: int | None = None,
             before_switch: Callable[[int], None] | None = None) -> BoundedStats:
@@ -234,6 +237,8 @@ class BoundedShadow:
         st = BoundedStats(step if step is not None else self.chunks[0].step + 1, self.version,
                           extra_bytes=self.extra_bytes)
         self.switched = 0
+        if self.copies is None:  # one launch per chunk on a GPU (executor/switch.py)
+            self.copies = SwitchCopies(self.ops)
         for k, ex in enumerate(self.chunks):
             t0 = time.perf_counter()
             try:
@@ -253,11 +258,8 @@ class BoundedShadow:
             if before_switch is not None:
                 before_switch(k)
             t2 = time.perf_counter()
-            with torch.no_grad():
-                for dst, src in self.ops[k]:
-                    dst.copy_(src)
-                if self.buffer.device.type == "cuda":
-                    torch.cuda.current_stream(self.buffer.device).synchronize()
+            self.copies.copy(k)
+            self.copies.sync()
             st.transfer_s.append(t1 - t0)
             st.switch_s.append(time.perf_counter() - t2)
             st.switched_bytes.append(sum(d.numel() for d, _ in self.ops[k]))

@@ -18,9 +18,10 @@ graphs captured on the weights stay valid and nothing the engine derived from th
 switch as ops (`schemas/shadow.py`, checked at load): `switch` copies exactly the bytes the
 plan writes, chunk (layer) by chunk, and leaves bytes no op writes (padding) as the engine
 holds them (`ShadowStats.switched_bytes`); a plan without the section is switched tensor
-by tensor. Pointer swaps would be cheaper but break every captured
-graph; a GPU copies its own memory at ~1.4 TB/s, so the copy is a small fraction of any
-transfer. The pause is what the copy costs (`ShadowStats.pause_s`).
+by tensor. On a GPU each chunk's copies are one kernel launch (`executor/switch.py`: the
+launches of one `copy_` per tensor cost 3.4x the copy at 64 MiB). Pointer swaps would be
+cheaper but break every captured graph; a GPU copies its own memory at ~1.4 TB/s, so the
+copy is a small fraction of any transfer. The pause is what the copy costs (`ShadowStats.pause_s`).
 
 **Bounded shadow** (`target.shadow: {budget_bytes: N}`): runs in `executor/bounded.py`
 (`BoundedShadow`), from the chunk plans `rdma-plan compile` writes for it. A single plan
@@ -59,6 +60,7 @@ from schemas.shadow import shadow_bytes as shadow_extra_bytes
 
 from .core import Executor, RunStats
 from .stats import ShadowStats
+from .switch import SwitchCopies
 
 __all__ = ["Shadow", "TornUpdateError", "shadow_extra_bytes", "switch_ops"]
 
@@ -96,6 +98,8 @@ class Shadow:
         self.ops: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         """The plan's switch as (live bytes, shadow bytes) views per chunk; None: whole
         tensors (a plan compiled without `target.shadow`)."""
+        self.copies: SwitchCopies | None = None
+        """The switch's copies (one launch per chunk on a GPU: `executor/switch.py`)."""
 
     @classmethod
     def load(cls, path: str, rank: int, live: dict[str, torch.Tensor], **load_options: Any
@@ -114,6 +118,8 @@ class Shadow:
             raise ValueError(f"Shadow: rank {ex.rank}'s executor is not bound to the shadow "
                              "tensors; load it on `shadow.tensors` (or use Shadow.load)")
         self.ops = switch_ops(ex.plan, self.live, self.tensors)
+        whole = [[(t, self.tensors[n]) for n, t in self.live.items()]]
+        self.copies = SwitchCopies(whole if self.ops is None else self.ops)
         self.executor = ex
         if ex.device.type == "cuda" and not ex.one_stream:
             self._stream = torch.cuda.Stream(ex.device)
@@ -189,17 +195,11 @@ class Shadow:
         if self._thread is not None or not self._ready:
             raise RuntimeError("Shadow: switch() needs a complete update: start(), then a "
                                "finish() that returned")
+        assert self.copies is not None
         t0 = time.perf_counter()
-        with torch.no_grad():
-            if self.ops is None:  # no section in the plan: whole tensors
-                for name, t in self.live.items():
-                    t.copy_(self.tensors[name])
-            for chunk in self.ops or ():  # the plan's switch: its bytes, chunk by chunk
-                for dst, src in chunk:
-                    dst.copy_(src)
-            devices = {t.device for t in self.live.values() if t.device.type == "cuda"}
-            for d in devices:
-                torch.cuda.current_stream(d).synchronize()
+        for k in range(len(self.copies.chunks)):  # whole tensors, or the plan's chunks
+            self.copies.copy(k)
+        self.copies.sync()
         pause = time.perf_counter() - t0
         self._ready = False
         self.version += 1

@@ -1,0 +1,73 @@
+"""A shadow's switch (`executor/switch.py`): the copies of each chunk, one kernel launch on a
+GPU (`pytest -m gpu`), one `_foreach_copy_` elsewhere; bit-exact, only the named bytes,
+every destination's `data_ptr` kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from executor.switch import MIN_PIECE, SwitchCopies, piece_bytes
+from executor.transports.copy_kernel import CHUNK
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 1 << 34), st.integers(1, 4096))
+def test_piece_is_a_multiple_of_16_between_the_bounds(total, blocks):
+    p = piece_bytes(total, blocks)
+    assert p % 16 == 0 and MIN_PIECE <= p <= CHUNK
+
+
+def _case(device: torch.device) -> tuple[list, torch.Tensor, torch.Tensor, list[int]]:
+    """Two chunks of byte ranges (some at odd offsets and lengths) of two flat buffers."""
+    g = torch.Generator().manual_seed(5)
+    live = torch.zeros(3 << 20, dtype=torch.uint8).to(device)
+    shadow = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g).to(device)
+    ranges = [[(0, 1 << 20), (1 << 20 | 3, 77_777)], [(2 << 20 | 1, 5), (2 << 20 | 64, 900_001)]]
+    chunks = [[(live[o:o + n], shadow[o:o + n]) for o, n in chunk] for chunk in ranges]
+    return chunks, live, shadow, [o for chunk in ranges for o, _ in chunk]
+
+
+def _check(sw: SwitchCopies, chunks: list, live: torch.Tensor, shadow: torch.Tensor) -> None:
+    ptr = live.data_ptr()
+    for k in range(len(chunks)):
+        sw.copy(k)
+        sw.sync()
+        want = torch.zeros_like(live)
+        for j in range(k + 1):
+            for d, s in chunks[j]:
+                off = d.data_ptr() - ptr
+                want[off:off + d.numel()] = s
+        assert torch.equal(live, want), f"after chunk {k}: other bytes or a wrong copy"
+    assert live.data_ptr() == ptr
+
+
+def test_cpu_switch_copies_each_chunk_and_only_its_bytes():
+    chunks, live, shadow, _ = _case(torch.device("cpu"))
+    sw = SwitchCopies(chunks)
+    assert not sw.one_launch
+    _check(sw, chunks, live, shadow)
+
+
+def test_non_contiguous_pairs_take_foreach_copy():
+    live, shadow = torch.zeros(64, 32).t(), torch.randn(32, 64)
+    sw = SwitchCopies([[(live, shadow)]])
+    sw.copy(0)
+    assert torch.equal(live, shadow) and not sw.one_launch
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_switch_is_one_launch_bit_exact_and_in_place():
+    chunks, live, shadow, _ = _case(torch.device("cuda", 0))
+    sw = SwitchCopies(chunks)
+    assert sw.one_launch, "the copy kernel did not build (NVRTC?)"
+    _check(sw, chunks, live, shadow)
+    # a non-contiguous pair on the GPU falls back to _foreach_copy_, still right
+    a, b = torch.zeros(64, 32, device="cuda").t(), torch.randn(32, 64, device="cuda")
+    fb = SwitchCopies([[(a, b)]])
+    fb.copy(0)
+    fb.sync()
+    assert torch.equal(a, b) and not fb.one_launch
