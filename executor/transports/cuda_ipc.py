@@ -36,7 +36,7 @@ import torch
 from .base import Capabilities, Store, WriteBatch
 from .copy_kernel import CopyKernel, batch_copies
 from .cuda_runtime import NOT_READY, Runtime, current_raw_stream
-from .graphs import capturing
+from .graphs import capturing, device_sync
 from .ipc_modes import Ladder, Mode
 from .ipc_posted import FastPost, Posted
 from .ipc_regions import IpcHandle, PeerRegion, export_region, import_region, raw_handle, segment
@@ -135,7 +135,7 @@ class CudaIpcTransport:
             b = torch.zeros(1, dtype=torch.uint8, device=regs[0].device)
             b.copy_(a)  # this device may now access the peer's (what the raw copies need)
             a.copy_(b)
-            torch.cuda.synchronize(regs[0].device)
+            device_sync(regs[0].device)
 
     def _open_here(self, peer: int, handles: list[IpcHandle]) -> bool:
         """Open the regions of a peer on another GPU in this device's context (for the copy
@@ -253,7 +253,7 @@ class CudaIpcTransport:
         except Exception as e:  # noqa: BLE001 - any capture failure: post copies instead
             warnings.warn(f"rank {self.rank}: cuda_ipc could not capture a batch as a CUDA "
                           f"graph ({e}); it posts its copies one by one", stacklevel=2)
-            torch.cuda.synchronize(self.device)
+            device_sync(self.device)
             return None
         return graph
 
@@ -266,7 +266,7 @@ class CudaIpcTransport:
                 self.kernel.launch(table, share)  # type: ignore[union-attr]
         except Exception as e:  # noqa: BLE001 - the copy engines instead
             self.ladder.degrade("copy_kernel", f"capturing it as a CUDA graph failed: {e}")
-            torch.cuda.synchronize(self.device)
+            device_sync(self.device)
             return None
         return graph
 

@@ -17,6 +17,7 @@ graphs one at a time on the caller's stream.
 from __future__ import annotations
 
 import gc
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,6 +27,18 @@ import torch
 Op = Callable[[], None]
 _POOLS: dict[int, object] = {}
 """Device index -> the memory pool its captured graphs share."""
+_LOCK = threading.RLock()
+"""Held for a capture and for `device_sync`: executors of one process on threads of their
+own (a bounded shadow's chunks, `bench/zero_pause.py`'s ranks) capture one at a time (two
+captures into one pool fail: "already recording to mempool_id") and never synchronize the
+whole device while another thread captures (CUDA refuses it: "operation not permitted when
+stream is capturing", seen on one H200)."""
+
+
+def device_sync(device: torch.device) -> None:
+    """`torch.cuda.synchronize(device)`, never while this process captures a graph."""
+    with _LOCK:
+        torch.cuda.synchronize(device)
 
 
 _ORDER: list[Replay] | None = None
@@ -66,6 +79,7 @@ def capturing(device: torch.device, graph: torch.cuda.CUDAGraph,
     executor closed earlier, destroys it mid-capture; seen on one H100 as every later
     capture failing). On failure the device's shared pool is dropped: torch leaves a failed
     capture's pool recording, and every later capture into it fails."""
+    _LOCK.acquire()
     enabled = gc.isenabled()
     gc.disable()  # torch.cuda.graph still collects once, before the capture begins
     try:
@@ -78,6 +92,7 @@ def capturing(device: torch.device, graph: torch.cuda.CUDAGraph,
     finally:
         if enabled:
             gc.enable()
+        _LOCK.release()
 
 
 def as_graph(ops: list[Op], device: torch.device, what: str) -> list[Op]:
@@ -95,6 +110,6 @@ def as_graph(ops: list[Op], device: torch.device, what: str) -> list[Op]:
     except Exception as e:  # noqa: BLE001 - any capture failure: run the ops one by one
         warnings.warn(f"{what}: could not capture {len(ops)} op(s) as a CUDA graph ({e}); "
                       "they run one by one", stacklevel=2)
-        torch.cuda.synchronize(device)
+        device_sync(device)
         return ops
     return [Replay(graph, ops)]

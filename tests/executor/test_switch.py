@@ -1,6 +1,6 @@
-"""A shadow's switch (`executor/switch.py`): the copies of each chunk, one kernel launch on a
-GPU (`pytest -m gpu`), one `_foreach_copy_` elsewhere; bit-exact, only the named bytes,
-every destination's `data_ptr` kept."""
+"""A shadow's switch (`executor/switch.py`): the copies of each chunk, one launch on a GPU (a
+graph of `copy_`s, or the copy kernel for many; `pytest -m gpu`), eager `copy_`s
+elsewhere; bit-exact, only the named bytes, every destination's `data_ptr` kept."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor.switch import MIN_PIECE, SwitchCopies, piece_bytes
+from executor.switch import MANY, MIN_PIECE, SwitchCopies, piece_bytes
 from executor.transports.copy_kernel import CHUNK
 
 
@@ -23,9 +23,10 @@ def test_piece_is_a_multiple_of_16_between_the_bounds(total, blocks):
 def _case(device: torch.device) -> tuple[list, torch.Tensor, torch.Tensor, list[int]]:
     """Two chunks of byte ranges (some at odd offsets and lengths) of two flat buffers."""
     g = torch.Generator().manual_seed(5)
-    live = torch.zeros(3 << 20, dtype=torch.uint8).to(device)
-    shadow = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g).to(device)
-    ranges = [[(0, 1 << 20), (1 << 20 | 3, 77_777)], [(2 << 20 | 1, 5), (2 << 20 | 64, 900_001)]]
+    live = torch.zeros(5 << 20, dtype=torch.uint8).to(device)
+    shadow = torch.randint(0, 256, (5 << 20,), dtype=torch.uint8, generator=g).to(device)
+    ranges = [[(0, 1 << 20), (1 << 20 | 3, 77_777)], [(2 << 20 | 1, 5), (2 << 20 | 64, 900_001)],
+              [((3 << 20) + 3 + 4096 * i, 1 + 13 * i) for i in range(MANY + 1)]]
     chunks = [[(live[o:o + n], shadow[o:o + n]) for o, n in chunk] for chunk in ranges]
     return chunks, live, shadow, [o for chunk in ranges for o, _ in chunk]
 
@@ -47,11 +48,11 @@ def _check(sw: SwitchCopies, chunks: list, live: torch.Tensor, shadow: torch.Ten
 def test_cpu_switch_copies_each_chunk_and_only_its_bytes():
     chunks, live, shadow, _ = _case(torch.device("cpu"))
     sw = SwitchCopies(chunks)
-    assert not sw.one_launch
+    assert not sw.one_launch and sw.kind == ["eager"] * 3
     _check(sw, chunks, live, shadow)
 
 
-def test_non_contiguous_pairs_take_foreach_copy():
+def test_non_contiguous_pairs_are_copied_eagerly():
     live, shadow = torch.zeros(64, 32).t(), torch.randn(32, 64)
     sw = SwitchCopies([[(live, shadow)]])
     sw.copy(0)
@@ -63,9 +64,10 @@ def test_non_contiguous_pairs_take_foreach_copy():
 def test_gpu_switch_is_one_launch_bit_exact_and_in_place():
     chunks, live, shadow, _ = _case(torch.device("cuda", 0))
     sw = SwitchCopies(chunks)
-    assert sw.one_launch, "the copy kernel did not build (NVRTC?)"
+    assert sw.kind == ["graph", "graph", "kernel"], sw.kind  # few copies; many: the kernel
+    assert sw.one_launch
     _check(sw, chunks, live, shadow)
-    # a non-contiguous pair on the GPU falls back to _foreach_copy_, still right
+    # a non-contiguous pair on the GPU falls back to eager copies, still right
     a, b = torch.zeros(64, 32, device="cuda").t(), torch.randn(32, 64, device="cuda")
     fb = SwitchCopies([[(a, b)]])
     fb.copy(0)
