@@ -54,7 +54,9 @@ def add_direct(g: GatherState, order: np.ndarray) -> int:
     start, k = _rounds(g, owner.tolist(), need.tolist())
     convert = g.base + 2 * k + 1
     numel = n0 * n1
-    s_off = start + _align(numel)
+    fi = g.targets_of[g.target_ptr[t]]  # each box's first target: where it lands there
+    at = np.stack([w.rank[fi], w.region[fi], w.base[fi] + t0 * w.a0[fi] + t1 * w.a1[fi]])
+    start, s_off = values_first(owner, k, at, start, _align(numel), need - _align(numel))
     # the NIC loads and bounds `_account` keeps
     remote = np.bincount(box, weights=g.host_a[w.rank[i]] != g.host_a[owner[box]],
                          minlength=n).astype(np.int64)
@@ -108,6 +110,38 @@ def _rounds(g: GatherState, owners: list[int], needs: list[int]) -> tuple[np.nda
         starts.append(start)
         ks.append(k)
     return np.array(starts, dtype=np.int64), np.array(ks, dtype=np.int64)
+
+
+def values_first(owner: np.ndarray, k: np.ndarray, where: np.ndarray, start: np.ndarray,
+                 v_bytes: np.ndarray, s_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each box's e4m3 offset and scales offset in its owner's staging, where the boxes of
+    one (owner, round `k`), laid one after another from `start` as [values, scales] pairs
+    (`v_bytes`, `s_bytes` each, aligned), are laid out instead as every box's values, then
+    every box's scales, each in the order of `where` (per box: where its first target
+    takes it, as rank, region, element): the same bytes of the round, so that boxes
+    adjacent in a target tensor (an MoE's experts) are adjacent in staging too, and
+    `coalesce` merges their writes (and their scales') into a few large ones instead of
+    two a box (0.75 MiB on average on Qwen3-30B-A3B, where w1, w3 and w2 boxes of an
+    expert alternate; issue 37)."""
+    n = len(start)
+    if not n:
+        return start, start + v_bytes
+    order = np.lexsort((np.arange(n), *where[::-1], k, owner))  # (owner, round), targets
+    key_o, key_k = owner[order], k[order]
+    new = np.ones(n, dtype=bool)
+    new[1:] = (key_o[1:] != key_o[:-1]) | (key_k[1:] != key_k[:-1])
+    grp = np.cumsum(new) - 1
+    first = np.flatnonzero(new)
+    lo = np.minimum.reduceat(start[order], first)  # bump allocation: where the group starts
+    v, s = v_bytes[order], s_bytes[order]
+    v_end, s_end = np.cumsum(v), np.cumsum(s)
+    v_before = v_end - v - (v_end - v)[first][grp]  # values of the group's earlier boxes
+    s_before = s_end - s - (s_end - s)[first][grp]
+    v_total = np.add.reduceat(v, first)
+    out_v, out_s = np.empty_like(start), np.empty_like(start)
+    out_v[order] = lo[grp] + v_before
+    out_s[order] = lo[grp] + v_total[grp] + s_before
+    return out_v, out_s
 
 
 def _align(n: np.ndarray) -> np.ndarray:
