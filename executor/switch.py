@@ -5,13 +5,14 @@ As eager `copy_` calls each pays the host's launch cost (10-20 us), so a 64 MiB 
 8 tensors spent 3.4-3.8x the time one copy of its bytes takes (issue 36's GPU figures, one
 H200). On a GPU each chunk is built once, at attach, into one launch on the caller's
 current stream (the engine's: its next decode step is ordered after it):
-- up to `MANY` copies: their `copy_`s captured as one CUDA graph (`transports/graphs.py`),
-  replayed: torch's copy kernel, at the device's local copy bandwidth;
+- up to `MANY` copies: captured as one CUDA graph (`transports/graphs.py`) and replayed:
+  one `_foreach_copy_` of those below 16 MiB, a `copy_` of each larger one
+  (`transports/torch_copy.pair_copies`), at the device's local copy bandwidth;
 - more (a plan's switch ops of many small byte ranges): one launch of the batched copy
   kernel (`transports/copy_kernel.py`) over a piece table, pieces cut so the grid fills
   the device (one `copy_` node per range would cost more than its bytes). On one H200 that
   kernel moved 512 MiB at half `copy_`'s rate, so it is not the choice for few large ones.
-Elsewhere (CPU; a capture that fails) the chunk is its `copy_`s one by one. Every live
+Elsewhere (CPU; a capture that fails) the same ops run eagerly. Every live
 `data_ptr` stays either way.
 """
 
@@ -23,7 +24,8 @@ import numpy as np
 import torch
 
 from .transports.copy_kernel import CHUNK, CopyKernel, piece_table
-from .transports.graphs import as_graph
+from .transports.graphs import Replay, as_graph
+from .transports.torch_copy import pair_copies
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 MIN_PIECE = 1 << 15
@@ -48,21 +50,21 @@ class SwitchCopies:
         devices = {t.device for p in pairs for t in p}
         self.devices = [d for d in devices if d.type == "cuda"]
         one = self.devices[0] if len(devices) == 1 and self.devices else None
-        self.launch: list[list[Callable[[], None]] | None] = []
-        """Per chunk: its one launch on a GPU (a graph's replay, or the kernel's), else
-        None (eager `copy_`s)."""
+        self.launch: list[list[Callable[[], None]]] = []
+        """Per chunk: its ops: on a GPU one launch (a graph's replay, or the kernel's)."""
         self.kind: list[str] = []
-        """Per chunk: `graph`, `kernel` or `eager`."""
+        """Per chunk: `graph`, `kernel` or `eager` (CPU, a failed capture, or empty)."""
         self._tables: list[torch.Tensor] = []  # the kernel reads them: keep them alive
         for k, chunk in enumerate(chunks):
-            ops, kind = None, "eager"
+            ops, kind = pair_copies(chunk), "eager"
             if one is not None and chunk:
+                fast = None
                 if len(chunk) > MANY and all(_flat(d, s) for d, s in chunk):
-                    ops, kind = self._kernel(one, chunk), "kernel"
-                if ops is None:
-                    ops = as_graph([_copy(d, s) for d, s in chunk], one, f"{what} chunk {k}")
-                    kind = "graph" if len(ops) == 1 else "eager"
-                    ops = ops if len(ops) == 1 else None
+                    fast, kind = self._kernel(one, chunk), "kernel"
+                if fast is None:
+                    fast = as_graph(ops, one, f"{what} chunk {k}")
+                    kind = "graph" if isinstance(fast[0], Replay) else "eager"
+                ops = fast
             self.launch.append(ops)
             self.kind.append(kind)
 
@@ -70,7 +72,7 @@ class SwitchCopies:
     def one_launch(self) -> bool:
         """True where every non-empty chunk is one launch."""
         return bool(self.devices) and all(
-            ops is not None for ops, c in zip(self.launch, self.chunks) if c)
+            kind != "eager" for kind, c in zip(self.kind, self.chunks) if c)
 
     def _kernel(self, device: torch.device, chunk: list[Pair]
                 ) -> list[Callable[[], None]] | None:
@@ -91,26 +93,13 @@ class SwitchCopies:
 
     def copy(self, k: int) -> None:
         """Queue chunk k's copies (on the current stream where on a GPU)."""
-        ops = self.launch[k]
-        with torch.no_grad():
-            if ops is not None:
-                for op in ops:
-                    op()
-            else:
-                for d, s in self.chunks[k]:
-                    d.copy_(s)
+        for op in self.launch[k]:
+            op()
 
     def sync(self) -> None:
         """Wait until the queued copies are done (the engine may read the live tensors)."""
         for d in self.devices:
             torch.cuda.current_stream(d).synchronize()
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
-    def op() -> None:
-        with torch.no_grad():  # a live parameter may require grad
-            dst.copy_(src)
-    return op
 
 
 def _flat(dst: torch.Tensor, src: torch.Tensor) -> bool:

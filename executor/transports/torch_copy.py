@@ -50,6 +50,29 @@ def _row_copy(dst: torch.Tensor, src: torch.Tensor, do: np.ndarray, so: np.ndarr
     return op
 
 
+def pair_copies(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Op]:
+    """(dst, src) copies of any dtype and strides as ops, under `no_grad` (a live parameter
+    may require grad), the policy of `prepare_copies`' slices: on a GPU those below 16 MiB
+    in one `_foreach_copy_` (a shadow's switch: `executor/switch.py`), each other one
+    `copy_`."""
+    few = [(d, s) for d, s in pairs if d.is_cuda and d.numel() * d.element_size() < _HUGE]
+    rest = [(d, s) for d, s in pairs if not (d.is_cuda and d.numel() * d.element_size() < _HUGE)]
+    ops: list[Op] = []
+    if few:
+        dst, src = [d for d, _ in few], [s for _, s in few]
+
+        def together() -> None:
+            with torch.no_grad():
+                torch._foreach_copy_(dst, src)
+        ops.append(together)
+    for d, s in rest:
+        def one(d: torch.Tensor = d, s: torch.Tensor = s) -> None:
+            with torch.no_grad():
+                d.copy_(s)
+        ops.append(one)
+    return ops
+
+
 def prepare_copies(src_regions: list[torch.Tensor], dst_regions: list[torch.Tensor],
                    batch: WriteBatch) -> list[Op]:
     """The ops that perform `batch` from `src_regions` into `dst_regions` (flat uint8)."""
