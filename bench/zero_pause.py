@@ -14,8 +14,7 @@ of a [B, D] activation through its live weights. Per model, in one run:
   `steps during` is how many it finished meanwhile), and the transfer's seconds;
 - `pause`: the switch (shadow -> live copies, every data_ptr kept), the largest over the
   target ranks, beside its floor (a target rank's bytes over this device's measured local
-  copy bandwidth: one `copy_` of that many bytes, host-timed like the pause), and the
-  switch's GPU time (CUDA events around it: what it delays the engine's next step by);
+  copy bandwidth: one `copy_` of that many bytes);
 - `paused refit`: the same plan run into the live tensors with the engine stopped (the
   engine pauses for the whole transfer).
 
@@ -104,40 +103,19 @@ def decode(xs: dict[int, torch.Tensor], live: dict[int, dict[str, torch.Tensor]]
     return time.perf_counter() - t0
 
 
-def switch(shadow: Shadow, device: torch.device) -> tuple[float, float]:
-    """`shadow.switch()`: its seconds (host, to the copies done) and on a GPU the seconds
-    between CUDA events around it (the host's: NaN)."""
-    if device.type != "cuda":
-        return shadow.switch(), float("nan")
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    pause = shadow.switch()
-    b.record()
-    b.synchronize()
-    return pause, a.elapsed_time(b) / 1e3
-
-
-def copy_bandwidth(nbytes: int, device: torch.device) -> tuple[float, float]:
-    """Bytes per second of one local `copy_` of `nbytes` (median of 5): host-timed to the
-    copy done, and on a GPU between CUDA events (else NaN)."""
+def copy_bandwidth(nbytes: int, device: torch.device) -> float:
+    """Bytes per second of one local `copy_` of `nbytes` (median of 5)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
     sync(device)
-    host, gpu = [], []
+    times = []
     for _ in range(5):
         t0 = time.perf_counter()
         b.copy_(a)
         sync(device)
-        host.append(time.perf_counter() - t0)
-        if device.type == "cuda":
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            b.copy_(a)
-            e1.record()
-            e1.synchronize()
-            gpu.append(e0.elapsed_time(e1) / 1e3)
-    return nbytes / statistics.median(host), nbytes / statistics.median(gpu or [float("nan")])
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)
 
 
 def bench_model(d: int, k: int, args: argparse.Namespace, device: torch.device) -> dict:
@@ -171,7 +149,7 @@ def bench_model(d: int, k: int, args: argparse.Namespace, device: torch.device) 
         shadows[t].attach(shadowed.exs[t])
     xs = {t: torch.randn(args.batch, d, dtype=tdt, device=device) for t in tgts}
     rows: dict[str, list[float]] = {"undisturbed": [], "during": [], "transfer": [],
-                                    "pause": [], "paused": [], "n_during": [], "gpu": []}
+                                    "pause": [], "paused": [], "n_during": []}
     for step in range(1, args.steps + 2):  # step 1 warms up
         fill(step)
         sync(device)
@@ -188,7 +166,7 @@ def bench_model(d: int, k: int, args: argparse.Namespace, device: torch.device) 
             shadows[t].finish(TIMEOUT_S)
         _join(threads, start=False)
         transfer = time.perf_counter() - t0
-        pause, gpu = (max(v) for v in zip(*(switch(shadows[t], device) for t in tgts)))
+        pause = max(shadows[t].switch() for t in tgts)
         bad = [f"t{t}.w{i}" for t in tgts for i in range(k)
                if not torch.equal(live[t][f"w{i}"], want(t, i))]
         moved = [n for n, p in ptrs.items() if live[n[0]][n[1]].data_ptr() != p]
@@ -200,7 +178,6 @@ def bench_model(d: int, k: int, args: argparse.Namespace, device: torch.device) 
             rows["n_during"].append(len(during))
             rows["transfer"].append(transfer)
             rows["pause"].append(pause)
-            rows["gpu"].append(gpu)
     shadowed.close()
     paused = World(path, src, live)  # the ordinary refit: the engine stops for all of it
     for step in range(1, args.steps + 2):
@@ -216,10 +193,9 @@ def bench_model(d: int, k: int, args: argparse.Namespace, device: torch.device) 
     if not ok:
         sys.exit(f"zero_pause {d}x{k}: the paused refit is not bit-exact")
     nbytes = k * d * d * SIZE[dtype]
-    host_bw, gpu_bw = copy_bandwidth(nbytes, device)
+    floor = nbytes / copy_bandwidth(nbytes, device)
     med = {key: statistics.median(v) if v else float("nan") for key, v in rows.items()}
-    return dict(model=f"{d}x{k}", mib=nbytes / 2**20, **med, floor=nbytes / host_bw,
-                floor_gpu=nbytes / gpu_bw)
+    return dict(model=f"{d}x{k}", mib=nbytes / 2**20, **med, floor=floor)
 
 
 def bench_bounded(d: int, k: int, args: argparse.Namespace, device: torch.device) -> dict:
@@ -327,17 +303,14 @@ def table(results: list[dict], args: argparse.Namespace, device: torch.device) -
              f"{name}, batch {args.batch}, medians of {args.steps} steps, sources "
              f"{args.slow_source_ms:g} ms late",
              "| model (DxK) | MiB/target | decode ms | decode during ms | steps during | "
-             "transfer ms | pause ms | floor ms | pause/floor | switch GPU ms | floor GPU ms "
-             "| GPU switch/floor | paused refit ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "transfer ms | pause ms | floor ms | pause/floor | paused refit ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(
             f"| {r['model']} | {r['mib']:.1f} | {1e3 * r['undisturbed']:.3f} | "
             f"{1e3 * r['during']:.3f} | {r['n_during']:.0f} | {1e3 * r['transfer']:.2f} | "
             f"{1e3 * r['pause']:.3f} | {1e3 * r['floor']:.3f} | "
-            f"{r['pause'] / r['floor']:.2f} | {1e3 * r['gpu']:.3f} | "
-            f"{1e3 * r['floor_gpu']:.3f} | {r['gpu'] / r['floor_gpu']:.2f} | "
-            f"{1e3 * r['paused']:.2f} |")
+            f"{r['pause'] / r['floor']:.2f} | {1e3 * r['paused']:.2f} |")
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ As eager `copy_` calls each pays the host's launch cost (10-20 us), so a 64 MiB 
 H200). On a GPU each chunk is built once, at attach, into one launch on the caller's
 current stream (the engine's: its next decode step is ordered after it):
 - up to `MANY` copies: captured as one CUDA graph (`transports/graphs.py`) and replayed:
-  one `_foreach_copy_` of those below 16 MiB, a `copy_` of each larger one
+  one `_foreach_copy_` of those below `FEW_BELOW`, a `copy_` of each larger one
   (`transports/torch_copy.pair_copies`), at the device's local copy bandwidth;
 - more (a plan's switch ops of many small byte ranges): one launch of the batched copy
   kernel (`transports/copy_kernel.py`) over a piece table, pieces cut so the grid fills
@@ -30,6 +30,10 @@ from .transports.torch_copy import pair_copies
 Pair = tuple[torch.Tensor, torch.Tensor]
 MIN_PIECE = 1 << 15
 """Smallest piece (bytes) when cutting a switch to fill the grid."""
+FEW_BELOW = 1 << 20
+"""Copies below this many bytes go together in one `_foreach_copy_` node of a chunk's
+graph; each larger one is a `copy_` node (8 x 8 MiB: a graph of 8 `copy_`s took 55.6 us to
+the copies done on one H200, one of a `_foreach_copy_` 59.7 us)."""
 MANY = 256
 """More copies than this in a chunk: the copy kernel instead of a graph of `copy_`s."""
 
@@ -56,7 +60,7 @@ class SwitchCopies:
         """Per chunk: `graph`, `kernel` or `eager` (CPU, a failed capture, or empty)."""
         self._tables: list[torch.Tensor] = []  # the kernel reads them: keep them alive
         for k, chunk in enumerate(chunks):
-            ops, kind = pair_copies(chunk), "eager"
+            ops, kind = pair_copies(chunk, FEW_BELOW), "eager"
             if one is not None and chunk:
                 fast = None
                 if len(chunk) > MANY and all(_flat(d, s) for d, s in chunk):

@@ -50,13 +50,16 @@ def _row_copy(dst: torch.Tensor, src: torch.Tensor, do: np.ndarray, so: np.ndarr
     return op
 
 
-def pair_copies(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Op]:
+def pair_copies(pairs: list[tuple[torch.Tensor, torch.Tensor]], few_below: int = _HUGE
+                ) -> list[Op]:
     """(dst, src) copies of any dtype and strides as ops, under `no_grad` (a live parameter
-    may require grad), the policy of `prepare_copies`' slices: on a GPU those below 16 MiB
-    in one `_foreach_copy_` (a shadow's switch: `executor/switch.py`), each other one
-    `copy_`."""
-    few = [(d, s) for d, s in pairs if d.is_cuda and d.numel() * d.element_size() < _HUGE]
-    rest = [(d, s) for d, s in pairs if not (d.is_cuda and d.numel() * d.element_size() < _HUGE)]
+    may require grad), the policy of `prepare_copies`' slices: on a GPU those below
+    `few_below` bytes in one `_foreach_copy_` (a shadow's switch: `executor/switch.py`),
+    each other one `copy_`."""
+    def small(d: torch.Tensor) -> bool:
+        return d.is_cuda and d.numel() * d.element_size() < few_below
+    few = [(d, s) for d, s in pairs if small(d)]
+    rest = [(d, s) for d, s in pairs if not small(d)]
     ops: list[Op] = []
     if few:
         dst, src = [d for d, _ in few], [s for _, s in few]
