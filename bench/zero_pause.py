@@ -27,6 +27,7 @@ layers at N+1 beside layers at N), beside the full shadow's pause and the paused
 by X, the engine decodes through it, and the pause must stay what the switch costs.
 
 Bit-exact after each switch (the live tensors equal the sources' bytes) or it exits 1.
+Ranks wait without spinning here unless RDMA_PLAN_SPIN_S is set (see the import block).
 All ranks share one device and one stream here: the sources' writes are local copies
 that compete with the decode for memory bandwidth, which a NIC or NVLink write does not.
 """
@@ -46,6 +47,13 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# Every rank is a thread of this one process here: a wait's first 2 ms of spinning
+# (executor/spin.py) holds the GIL the other ranks and the decode need, which processes of
+# their own do not share (on one H200 it made the paused refit 3.7x slower, 10.4 ms -> 2.85
+# ms, and a bounded chunk's switch ~5 ms). So ranks nap from the start, unless the caller
+# sets RDMA_PLAN_SPIN_S. (Run as a script only: an importer keeps its own.)
+if __name__ == "__main__":
+    os.environ.setdefault("RDMA_PLAN_SPIN_S", "0")
 
 from bench.zero_pause_plan import SIZE, make_plan  # noqa: E402
 from executor import Executor, Shadow  # noqa: E402
