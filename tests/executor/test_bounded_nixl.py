@@ -17,7 +17,7 @@ pytestmark = pytest.mark.processes  # ranks as separate processes (tests/conftes
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bounded_worker.py")
 
 
-@pytest.mark.deep
+@pytest.mark.extended
 def test_four_nixl_processes_bounded_refit_bit_exact_torn_chunk_then_whole(tmp_path):
     pytest.importorskip("nixl")
     from harness.launch import master_store, root_env, spawn_ranks

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -11,6 +9,7 @@ import torch
 import executor
 from executor import PlanDeadlockError
 from schemas.plan import QUANT
+from tests.support.clock import cpu_seconds
 from tests.support.plans import (
     BF16,
     DONE,
@@ -79,9 +78,9 @@ def test_hundred_thousand_writes_run_in_seconds(tmp_path):
     path = save(str(tmp_path / "p.rplan"), [src, tgt])
     data = torch.randint(0, 256, (n * 16,), dtype=torch.uint8)
     out = torch.zeros_like(data)
-    t0 = time.perf_counter()
+    t0 = cpu_seconds()
     stats = executor.run_all_local(path, {0: {"x": data}, 1: {"x": out}}, steps=2)
-    assert time.perf_counter() - t0 < 10
+    assert cpu_seconds() - t0 < 10  # bounded work (CPU seconds of all threads), not a timing
     inv = torch.from_numpy(np.argsort(perm))
     assert torch.equal(out.view(n, 16)[torch.from_numpy(perm)], data.view(n, 16))
     assert torch.equal(out.view(n, 16), data.view(n, 16)[inv])

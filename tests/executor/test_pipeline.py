@@ -117,7 +117,7 @@ def test_group_count_fits_the_write_window(plan):
     assert groups(rp, s, 4, 1) == 1
 
 
-@pytest.mark.deep  # 7 NIXL processes on the CPU: ~1 minute on a quiet 2-core box
+@pytest.mark.extended  # 7 NIXL processes on the CPU: ~1 minute on a quiet 2-core box
 def test_fp8_over_nixl_in_groups_is_bit_exact(tmp_path, reused):
     """NIXL posts wait on the host for each group's copies (no `ordered_posts`): the
     grouped stages of the FP8 plan still land bit-exact against the reference quantizer."""

@@ -155,7 +155,7 @@ def test_shadow_refuses_misuse_with_one_line():
     assert s.extra_bytes == 16 and s.tensors["w"].data_ptr() != live["w"].data_ptr()
 
 
-@pytest.mark.deep
+@pytest.mark.extended
 def test_four_nixl_processes_live_keeps_n_until_switch_and_survives_a_silent_source(tmp_path):
     pytest.importorskip("nixl")
     from harness.launch import master_store, root_env, spawn_ranks

@@ -33,7 +33,7 @@ from planner.compiler import compile_file
 from tests.oracles.launch import free_port
 from tests.support import engine_models, oracles
 
-pytestmark = [pytest.mark.oracle, pytest.mark.deep]
+pytestmark = [pytest.mark.oracle, pytest.mark.extended]
 pytest.importorskip("nixl")
 oracles.require("sglang")
 

@@ -22,7 +22,7 @@ from tests.oracles.launch import free_port, launch
 from tests.support import oracles
 from tests.support.sglang_models import deepseek_v3
 
-pytestmark = [pytest.mark.oracle, pytest.mark.deep]
+pytestmark = [pytest.mark.oracle, pytest.mark.extended]
 pytest.importorskip("nixl")
 oracles.require("sglang")
 
@@ -45,7 +45,7 @@ def test_update_live_engine_bit_exact_with_derived_refresh(tmp_path) -> None:
     hf, plan = compiled(tmp_path)
     launch("sglang_update_worker.py", 3,
            {"config": str(tmp_path / "plan.yaml"), "plan": plan, "hf": hf,
-            "store": free_port(), "steps": 4, "torn": 3, "world": 3}, timeout=1200.0)
+            "store": free_port(), "steps": 4, "torn": 3, "world": 3}, quiet_s=120.0)
 
 
 @pytest.mark.parametrize("bind", ["rpc", "env"])
@@ -61,4 +61,4 @@ def test_update_through_sglang_scheduler_calls(tmp_path, bind: str) -> None:
     launch("sglang_engine_worker.py", 3,
            {"config": str(tmp_path / "plan.yaml"), "plan": plan, "hf": hf,
             "store": free_port(), "ctl": free_port(), "steps": 4, "torn": 3, "world": 3,
-            "bind": bind}, timeout=1200.0)
+            "bind": bind}, quiet_s=120.0)

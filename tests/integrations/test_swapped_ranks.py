@@ -185,7 +185,7 @@ def test_sglang_target_refuses_swapped_parts_and_unsigned(tmp_path, monkeypatch)
 
 
 @pytest.mark.oracle
-@pytest.mark.deep
+@pytest.mark.extended
 @pytest.mark.parametrize("role, source", [
     pytest.param("megatron", MEGA_TP2, id="megatron-tp2"),
     pytest.param("fsdp2", {"framework": "fsdp2", "dp": 2, "dtype": "float32"}, id="fsdp2-dp2"),

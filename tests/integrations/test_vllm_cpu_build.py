@@ -15,7 +15,7 @@ import pytest
 from tests.oracles.launch import free_port
 from tests.support import engine_models, oracles
 
-pytestmark = [pytest.mark.oracle, pytest.mark.deep]  # one vLLM process, ~1-3 minutes
+pytestmark = [pytest.mark.oracle, pytest.mark.extended]  # one vLLM process, ~1-3 minutes
 oracles.require("vllm")
 
 WORKER = os.path.join(os.path.dirname(__file__), "vllm_cpu_build_worker.py")

@@ -18,7 +18,7 @@ import pytest
 
 from tests.support.live import ROOT, live_python
 
-pytestmark = [pytest.mark.deep, pytest.mark.oracle, pytest.mark.slow]
+pytestmark = [pytest.mark.extended, pytest.mark.oracle, pytest.mark.slow]
 
 
 LINE = re.compile(r"^LLM refit: loss \S+  bytes (\d+)/(\d+) tensors equal \(before: (\d+)\)  "

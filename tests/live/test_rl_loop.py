@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.live import ROOT, live_python
 
-pytestmark = [pytest.mark.deep, pytest.mark.oracle, pytest.mark.slow]
+pytestmark = [pytest.mark.extended, pytest.mark.oracle, pytest.mark.slow]
 
 STEP = re.compile(r"^(step-\d+): loss \S+  max\|delta logprob\| (\S+)  version (\S+) -> (\S+)"
                   r"  bytes (\d+)/(\d+) tensors equal  pause .* (OK|FAIL)$")

@@ -9,11 +9,14 @@ import sys
 from typing import Any
 
 from harness.launch import free_port, spawn_ranks
+from tests.support.clock import guard_s, no_answer
 
 
-def launch(script: str, world: int, arg: dict[str, Any], timeout: float = 150.0) -> None:
+def launch(script: str, world: int, arg: dict[str, Any], quiet_s: float = 60.0) -> None:
     """Start `world` ranks of `script` (argv[1] = JSON `arg` + port); fail with their output
-    unless every rank exits 0 within `timeout` seconds (stragglers are killed)."""
+    unless every rank exits 0. `quiet_s` is about what the launch takes on a quiet box; a
+    launch without an answer within `guard_s(quiet_s)` (10x) is a hang (stragglers killed)."""
+    timeout = guard_s(quiet_s)
     arg = {**arg, "port": free_port()}
     path = os.path.join(os.path.dirname(__file__), script)
     env = {**os.environ, "RDMA_PLAN_SECRET": secrets.token_hex(32),
@@ -22,7 +25,7 @@ def launch(script: str, world: int, arg: dict[str, Any], timeout: float = 150.0)
     done = spawn_ranks(lambda r: [sys.executable, path, json.dumps(arg)], world,
                        env=lambda r: {**env, "RANK": str(r)}, timeout=timeout)
     if any(f.timed_out for f in done):
-        raise AssertionError(f"{script} {arg}: timed out after {timeout} s")
+        raise AssertionError(no_answer(f"{script} {arg}", timeout))
     if any(f.returncode for f in done):
         tails = "\n".join(f"--- rank {f.rank} (exit {f.returncode})\n{f.output[-4000:]}"
                           for f in done if f.returncode)

@@ -54,4 +54,4 @@ def test_vpp_matches_real_megatron(hf, source, world):
     oracles.require("transformers")
     from tests.oracles.launch import launch
 
-    launch("megatron_vpp_worker.py", world, {"hf": hf, "source": source}, timeout=300)
+    launch("megatron_vpp_worker.py", world, {"hf": hf, "source": source}, quiet_s=60)

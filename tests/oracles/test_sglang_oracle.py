@@ -64,4 +64,4 @@ LAUNCHES = {
 
 @pytest.mark.parametrize("world", sorted(LAUNCHES))
 def test_sglang_matches_layout(world: int) -> None:
-    launch("sglang_worker.py", world, {"cases": LAUNCHES[world]}, timeout=600.0)
+    launch("sglang_worker.py", world, {"cases": LAUNCHES[world]}, quiet_s=120.0)

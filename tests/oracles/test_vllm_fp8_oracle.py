@@ -137,7 +137,7 @@ def vllm_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = root / "out"
     out.mkdir()
     launch("vllm_fp8_worker.py", 2, {"out": str(out), "quant": str(root / "quant_in.safetensors"),
-                                     "cases": cases}, timeout=300.0)
+                                     "cases": cases}, quiet_s=90.0)
     return out
 
 

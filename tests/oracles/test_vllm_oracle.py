@@ -127,4 +127,4 @@ LAUNCHES = {
 
 @pytest.mark.parametrize("world", sorted(LAUNCHES))
 def test_vllm_matches_layout(world: int) -> None:
-    launch("vllm_worker.py", world, {"cases": LAUNCHES[world]}, timeout=240.0)
+    launch("vllm_worker.py", world, {"cases": LAUNCHES[world]}, quiet_s=60.0)

@@ -30,7 +30,7 @@ def _simulated(name: str) -> dict:
     return simulate(compile_config(cfg, spec))
 
 
-@pytest.mark.deep  # ~40-80 s to compile on a 2-core box (780k writes)
+@pytest.mark.extended  # ~40-80 s to compile on a 2-core box (780k writes)
 def test_fsdp2_to_sglang_dp_attention_across_hosts_within_goal():
     res = _simulated("qwen3-30b-a3b_fsdp2-16_sglang-tp4dp4-dpattn-x4.yaml")
     assert res["ratio"] <= GOAL, (res["ratio"], res["stages"], res["gap"]["causes"])

@@ -36,7 +36,7 @@ _CAPPED = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({cap},
 
 
 def _param(path: Path) -> object:
-    marks = [] if path.name in QUICK else [pytest.mark.deep]
+    marks = [] if path.name in QUICK else [pytest.mark.extended]
     if path.name in TRACED:
         marks.append(pytest.mark.skipif(
             __import__("importlib.util").util.find_spec("vllm") is None,

@@ -17,6 +17,7 @@ import signal
 import pytest
 
 from harness.world import ROOT, World, check_recovery
+from tests.support.clock import within_guard
 
 pytest.importorskip("nixl")
 
@@ -38,7 +39,7 @@ FAST = {(2, "stop", "between"), (0, "stop", "mid")}
 
 
 @pytest.mark.parametrize("victim, sig, when", [
-    c if c in FAST else pytest.param(*c, marks=pytest.mark.deep) for c in CASES])
+    c if c in FAST else pytest.param(*c, marks=pytest.mark.extended) for c in CASES])
 def test_survivors_name_the_lost_rank(plan, victim, sig, when):
     w = World(CONFIG, plan, 4, steps=4, timeout_s=3.0)
     try:
@@ -59,7 +60,8 @@ def test_survivors_name_the_lost_rank(plan, victim, sig, when):
             assert any(not r["ok"] for r in res.values()), res  # after its DONE: nobody)
         for r in alive:
             if not res[r]["ok"]:
-                assert res[r]["seconds"] < 3.0 + 4.0, res[r]  # timeout + telling who is dead
+                # the timeout, then telling who is dead (under a second quiet): a guard
+                within_guard(res[r]["seconds"] - 3.0, 1.0, f"rank {r} telling who is dead")
         check_recovery(w, victim, 2, res, dead=sig == "kill")
     finally:
         w.close()

@@ -17,6 +17,7 @@ import os
 import pytest
 
 from harness.world import ROOT, World
+from tests.support.clock import within_guard
 
 pytest.importorskip("nixl")
 
@@ -50,7 +51,8 @@ def _recover(w: World, victim: int, survivors_raise: list[int], k_fail: int) -> 
                                                      "PeerAbortError"), got
         assert got["peer"] == victim, got
         assert f"rank {victim}" in got["msg"], got  # named as lost, or as the one a peer lost
-        assert got["seconds"] < TIMEOUT_S + 4.0, got  # the timeout + telling who is dead
+        # the timeout, then telling who is dead (under a second on a quiet box): a guard
+        within_guard(got["seconds"] - TIMEOUT_S, 1.0, f"rank {r} telling who is dead")
         assert not got["complete"], got
     for r in alive:  # whoever raised names the dead rank
         assert res[r]["ok"] or res[r]["peer"] == victim, res[r]

@@ -230,7 +230,7 @@ def _as_processes(world: _World, steps: int, seed: int) -> list[str]:
             ex.close()
 
 
-@pytest.mark.deep
+@pytest.mark.extended
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("ranks_as", ["threads", "processes"])
 def test_every_step_is_bit_exact_under_random_pauses_and_a_busy_cpu(tmp_path, config,

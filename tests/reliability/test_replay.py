@@ -29,7 +29,7 @@ def plan(tmp_path_factory):
     return path
 
 
-@pytest.mark.deep
+@pytest.mark.extended
 @pytest.mark.parametrize("victim", [2, 0], ids=["target", "source"])
 def test_replayed_leases_block_no_restart_and_steer_no_blame(plan, victim):
     w = World(CONFIG, plan, 4, steps=4, timeout_s=3.0)

@@ -24,6 +24,7 @@ from planner.layouts import build_layout, start_layout, trace_ahead, traced, vll
 from planner.layouts.base import Piece
 from planner.spec import spec_from_hf
 from schemas.config import ConfigError, TargetConfig
+from tests.support.clock import within_guard
 from tests.support.models import qwen3_moe
 
 HF = qwen3_moe(num_hidden_layers=2)
@@ -145,7 +146,8 @@ def test_leaving_early_stops_the_tracer(tmp_path: Path,
         with trace_ahead.begin(SPEC, target(), HF, str(tmp_path)) as pending:
             proc = pending._proc
             raise ValueError("the source side failed")
-    assert not proc.is_alive() and time.monotonic() - t < 30
+    assert not proc.is_alive()
+    within_guard(time.monotonic() - t, 3.0, "stopping the tracer (asleep for 600 s)")
 
 
 def test_settings_the_loader_does_not_write_are_refused_before_forking(
