@@ -14,7 +14,7 @@ from executor.auth import MAX_RECORD, keys_from, open_record, seal
 from executor.control import Control
 from executor.errors import ForgedRecordError, LeaseHeldError, LeaseLostError, NoSecretError
 from executor.rendezvous import open_store
-from tests.support.clock import within_guard
+from tests.support.clock import guard_s, within_guard
 
 KEYS = keys_from("s" * 64)
 INFO = {"fingerprint": "fp", "sizes": [8, 16], "desc": {"agent": b"UCX worker address + rkeys"}}
@@ -252,6 +252,14 @@ def test_a_rendezvous_port_held_by_another_service_is_refused_in_time():
         within_guard(time.monotonic() - t0, 1.5, "open_store with a 1 s timeout")
         with pytest.raises(RendezvousError, match=f"127.0.0.1:{port} .*could not host"):
             open_store(f"127.0.0.1:{port}", 0, 1.0)  # rank 0 cannot host on a taken port
+    # The client `open_store` gave up on is still in its thread: with the listener closed it
+    # fails (torch logs the reset and its retries) and ends. Awaited here, so what it logs
+    # stays in this test's captured output, not at the end of a passing run.
+    import threading
+
+    for t in threading.enumerate():
+        if t.name.startswith("rplan-store-"):
+            t.join(guard_s(3.0))
 
 
 def _replayer(store: Dict, key: str, values: list[bytes], stop) -> None:
