@@ -3,26 +3,23 @@
 Each rank exports a CUDA IPC handle per region once (`ipc_regions.IpcHandle`, msgpack on
 the wire, never pickle); a peer opens it with `UntypedStorage._new_shared_cuda(...)`. A
 stage's writes to one peer are one batch (`fuse_batches`), prepared once into raw (dst, src,
-nbytes) pointer triples, writes adjacent in memory on both sides merged into one. By
-default a batch is one launch of the copy kernel (`copy_kernel.py`, on the SMs), captured as
-a CUDA graph. A kernel of this device cannot write memory torch mapped in the owner
-device's context, and the driver opens a peer's handle in one context per process: so a
-peer on another GPU has its handles opened here with `cudaIpcOpenMemHandle`, this device
-current (`PeerRegion`: raw addresses, as NCCL maps its peers). Batches with `copy_kernel:
-false`, where the kernel cannot be built, or of large writes go to the copy engines (a batch
-into a peer on another GPU: one `cuMemcpyBatchAsync`, where the driver has it): the
-triples split into up to `CudaIpcOptions.streams` branches of near-equal bytes that run side
-by side; a batch of small copies is captured once as one CUDA graph of those branches, one
-of large copies is posted as one `cudaMemcpyAsync` per triple through ctypes on the
-libcudart torch loaded; without that library, or if the raw call fails, the batch runs as
-torch copies (`torch_copy.py`). Which of these a post takes is one field, the posting mode
-(`ipc_modes.Mode`); a failure moves it down through `ipc_modes.Ladder.degrade`, which
-records why (`degraded`). Posts queue after the caller's current stream
-(`ordered_posts`: packs need no host wait); a batch has landed when its CUDA event has. A
-post is runtime calls on raw handles made at prepare, not torch's stream objects.
-Notifications go through shared memory (`shm_mailbox.py`), not the rendezvous store; a
-stage's DONE can leave from the GPU (`notify_landed`, `ipc_signals.py`). What each path
-costs: BENCHMARKS.md.
+nbytes) pointer triples, writes adjacent in memory on both sides merged into one. A batch
+into a peer on another GPU is one `cuMemcpyBatchAsync` on the copy engines (`memcpy_batch`,
+on that peer's stream); a peer's handles are opened here with `cudaIpcOpenMemHandle`, this
+device current (`PeerRegion`: raw addresses, as NCCL maps its peers). Other batches are one
+launch of the copy kernel (`copy_kernel.py`, on the SMs; a kernel of this device cannot
+write memory torch mapped in the owner device's context), captured as a CUDA graph. With
+`copy_kernel: false`, where neither exists, or for large writes, the triples split into up
+to `CudaIpcOptions.streams` branches of near-equal bytes on the copy engines: a batch of
+small copies as one CUDA graph of those branches, one of large copies as one
+`cudaMemcpyAsync` per triple through ctypes on the libcudart torch loaded; without that
+library, or if the raw call fails, as torch copies (`torch_copy.py`). Which of these a post
+takes is one field, the posting mode (`ipc_modes.Mode`); a failure moves it down through
+`ipc_modes.Ladder.degrade`, which records why (`degraded`). Posts queue after the caller's
+current stream (`ordered_posts`: packs need no host wait); a batch has landed when its CUDA
+event has. A post is runtime calls on raw handles made at prepare. Notifications go through
+shared memory (`shm_mailbox.py`); a stage's DONE can leave from the GPU (`notify_landed`,
+`ipc_signals.py`). What each path costs: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -205,6 +202,9 @@ class CudaIpcTransport:
             limit = min(limit, o.beside_packs_max_mean_bytes)
         if self.batch_api is not None and self.ladder.mode is Mode.FAST and len(n) and (here or any(
                 r.device != self.device for r in self.peers[batch.peer])):  # copy engines, SMs free
+            if o.peer_streams:  # one stream a peer: its batches land in order
+                handle.stream = stream = self.streams[sorted(self.peers).index(
+                    batch.peer) % len(self.streams)]
             handle.batched = self.batch_api.prepare(d.tolist(), s.tolist(), n.tolist(),
                                                     o.memcpy_batch_first, o.memcpy_batch_most)
             self._plan_posts(handle)  # the posts the batch falls back to

@@ -73,6 +73,11 @@ class CudaIpcOptions:
     last (the link starts after a few copies are queued, not after the whole batch)."""
     memcpy_batch_most: int = 128
     """The most copies one such call queues."""
+    peer_streams: bool = True
+    """Such batches into one peer go on one copy stream (peers take the streams in turn),
+    so they land in the order posted: a stage's early QUANTs that wait for an older stage's
+    writes to land (staging halves) then start as the next stage's writes begin, not when
+    batches running side by side on the link all end."""
     device_signals: bool = True
     """A stage's DONE published by the GPU once its copies have landed (a stream write into
     the peer's shared-memory ring), not by this host after it saw them land."""
