@@ -5,10 +5,10 @@ the wire, never pickle); a peer opens it with `UntypedStorage._new_shared_cuda(.
 stage's writes to one peer are one batch (`fuse_batches`), prepared once into raw (dst, src,
 nbytes) pointer triples, writes adjacent in memory on both sides merged into one. A batch
 into a peer on another GPU is one `cuMemcpyBatchAsync` on the copy engines (`memcpy_batch`,
-on that peer's stream); a peer's handles are opened here with `cudaIpcOpenMemHandle`, this
-device current (`PeerRegion`: raw addresses, as NCCL maps its peers). Other batches are one
-launch of the copy kernel (`copy_kernel.py`, on the SMs; a kernel of this device cannot
-write memory torch mapped in the owner device's context), captured as a CUDA graph. With
+on that peer's stream). Other batches are one launch of the copy kernel (`copy_kernel.py`,
+on the SMs), captured as a CUDA graph; a kernel of this device cannot write memory torch
+mapped in the owner device's context, so with the kernel on, a peer on another GPU has its
+handles opened here (`cudaIpcOpenMemHandle`, `PeerRegion`, as NCCL maps its peers). With
 `copy_kernel: false`, where neither exists, or for large writes, the triples split into up
 to `CudaIpcOptions.streams` branches of near-equal bytes on the copy engines: a batch of
 small copies as one CUDA graph of those branches, one of large copies as one
