@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import traceback
 from datetime import timedelta
@@ -119,4 +121,11 @@ class Ctx:
                                             max_name_column_width=60)
             print(f"\n=== profile {label} rank {self.rank} ({steps} steps) ===\n{table}\n"
                   f"{cpu}", flush=True)
+            if self.args.out:  # the GPU timeline: (name, start us, duration us) per op
+                ops = [(e.name, e.time_range.start, e.time_range.end - e.time_range.start)
+                       for e in prof.events() if e.device_type.name == "CUDA"]
+                name = "".join(c if c.isalnum() else "_" for c in label)
+                with open(os.path.join(self.args.out, f"gpu_{name}_rank{self.rank}.json"),
+                          "w") as f:
+                    json.dump(ops, f)
         self.barrier()

@@ -20,7 +20,8 @@ def transport_variant(entry: str) -> tuple[str, dict, int]:
     posts a put per write (no scatter-gather); `-whole` (any transport) runs a stage's
     packs whole before its writes (`pack_groups=0`, no `executor/pipeline.py`); a suffix
     `@M` keeps M batches in flight (default 8); `+NAME=VALUE` (repeatable, before `@`)
-    sets one more transport option (e.g. `cuda_ipc+beside_packs_kernel_share=0.5`)."""
+    sets one more transport option (e.g. `cuda_ipc+beside_packs_kernel_share=0.5`,
+    `cuda_ipc+memcpy_batch=false`)."""
     tr, _, inflight = entry.partition("@")
     tr, *extra = tr.split("+")
     kind, _, streams = tr.partition(":")
@@ -35,7 +36,8 @@ def transport_variant(entry: str) -> tuple[str, dict, int]:
         kind = "nixl"
     for item in extra:
         name, _, value = item.partition("=")
-        options[name] = float(value) if "." in value else int(value)
+        options[name] = (value == "true" if value in ("true", "false") else
+                         float(value) if "." in value else int(value))
     return kind, options, int(inflight or 8)
 
 

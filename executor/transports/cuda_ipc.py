@@ -3,25 +3,23 @@
 Each rank exports a CUDA IPC handle per region once (`ipc_regions.IpcHandle`, msgpack on
 the wire, never pickle); a peer opens it with `UntypedStorage._new_shared_cuda(...)`. A
 stage's writes to one peer are one batch (`fuse_batches`), prepared once into raw (dst, src,
-nbytes) pointer triples, writes adjacent in memory on both sides merged into one. By
-default a batch is one launch of the copy kernel (`copy_kernel.py`, on the SMs), captured as
-a CUDA graph. A kernel of this device cannot write memory torch mapped in the owner
-device's context, and the driver opens a peer's handle in one context per process: so a
-peer on another GPU has its handles opened here with `cudaIpcOpenMemHandle`, this device
-current (`PeerRegion`: raw addresses, as NCCL maps its peers). Batches with `copy_kernel:
-false`, where the kernel cannot be built, or of large writes go to the copy engines: the
-triples split into up to `CudaIpcOptions.streams` branches of near-equal bytes that run side
-by side; a batch of small copies is captured once as one CUDA graph of those branches, one
-of large copies is posted as one `cudaMemcpyAsync` per triple through ctypes on the
-libcudart torch loaded; without that library, or if the raw call fails, the batch runs as
-torch copies (`torch_copy.py`). Which of these a post takes is one field, the posting mode
-(`ipc_modes.Mode`); a failure moves it down through `ipc_modes.Ladder.degrade`, which
-records why (`degraded`). Posts queue after the caller's current stream
-(`ordered_posts`: packs need no host wait); a batch has landed when its CUDA event has. A
-post is runtime calls on raw handles made at prepare, not torch's stream objects.
-Notifications go through shared memory (`shm_mailbox.py`), not the rendezvous store; a
-stage's DONE can leave from the GPU (`notify_landed`, `ipc_signals.py`). What each path
-costs: BENCHMARKS.md.
+nbytes) pointer triples, writes adjacent in memory on both sides merged into one. A batch
+into a peer on another GPU is one `cuMemcpyBatchAsync` on the copy engines (`memcpy_batch`,
+on that peer's stream). Other batches are one launch of the copy kernel (`copy_kernel.py`,
+on the SMs), captured as a CUDA graph; a kernel of this device cannot write memory torch
+mapped in the owner device's context, so with the kernel on, a peer on another GPU has its
+handles opened here (`cudaIpcOpenMemHandle`, `PeerRegion`, as NCCL maps its peers). With
+`copy_kernel: false`, where neither exists, or for large writes, the triples split into up
+to `CudaIpcOptions.streams` branches of near-equal bytes on the copy engines: a batch of
+small copies as one CUDA graph of those branches, one of large copies as one
+`cudaMemcpyAsync` per triple through ctypes on the libcudart torch loaded; without that
+library, or if the raw call fails, as torch copies (`torch_copy.py`). Which of these a post
+takes is one field, the posting mode (`ipc_modes.Mode`); a failure moves it down through
+`ipc_modes.Ladder.degrade`, which records why (`degraded`). Posts queue after the caller's
+current stream (`ordered_posts`: packs need no host wait); a batch has landed when its CUDA
+event has. A post is runtime calls on raw handles made at prepare. Notifications go through
+shared memory (`shm_mailbox.py`); a stage's DONE can leave from the GPU (`notify_landed`,
+`ipc_signals.py`). What each path costs: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -35,27 +33,15 @@ import torch
 
 from .base import Capabilities, Store, WriteBatch
 from .copy_kernel import CopyKernel, batch_copies
-from .cuda_runtime import NOT_READY, Runtime, current_raw_stream
+from .cuda_runtime import NOT_READY, BatchCopies, Runtime, current_raw_stream
 from .graphs import capturing, device_sync
 from .ipc_modes import Ladder, Mode
-from .ipc_posted import FastPost, Posted
+from .ipc_posted import FastPost, Posted, branches
 from .ipc_regions import IpcHandle, PeerRegion, export_region, import_region, raw_handle, segment
 from .ipc_signals import DeviceSignals
 from .options import CudaIpcOptions
 from .shm_mailbox import ShmMailbox
 from .torch_copy import prepare_copies
-
-
-def branches(raw: list[tuple[int, int, int]], k: int) -> list[list[tuple[int, int, int]]]:
-    """`raw` split into at most `k` lists of near-equal bytes (largest copies first, each to
-    the lightest list; copies of one list run one after another, lists side by side)."""
-    parts: list[list[tuple[int, int, int]]] = [[] for _ in range(max(1, min(k, len(raw))))]
-    load = [0] * len(parts)
-    for i in sorted(range(len(raw)), key=lambda i: (-raw[i][2], i)):
-        j = load.index(min(load))
-        parts[j].append(raw[i])
-        load[j] += raw[i][2]
-    return [p for p in parts if p]
 
 
 class CudaIpcTransport:
@@ -95,6 +81,10 @@ class CudaIpcTransport:
         close, as torch's own import does when its storage dies: until then the peer's
         torch keeps each exported block alive)."""
         self.kernel_batches = 0
+        self.batch_api = BatchCopies.load() if self.rt is not None and opts.memcpy_batch \
+            else None
+        """`cuMemcpyBatchAsync` for batches into a peer on another GPU, or None."""
+        self.api_batches = 0
         self.signals = DeviceSignals.load(rank, device, self.rt, self.mailbox) \
             if self.rt is not None and opts.device_signals else None
         """DONE published by the GPU (`ipc_signals.py`), or None: by the host."""
@@ -210,6 +200,16 @@ class CudaIpcTransport:
         limit = o.peer_kernel_max_mean_bytes if here else o.kernel_max_mean_bytes
         if batch.beside_packs:  # the SMs run the next pack group meanwhile
             limit = min(limit, o.beside_packs_max_mean_bytes)
+        if self.batch_api is not None and self.ladder.mode is Mode.FAST and len(n) and (here or any(
+                r.device != self.device for r in self.peers[batch.peer])):  # copy engines, SMs free
+            if o.peer_streams:  # one stream a peer: its batches land in order
+                handle.stream = stream = self.streams[sorted(self.peers).index(
+                    batch.peer) % len(self.streams)]
+            handle.batched = self.batch_api.prepare(d.tolist(), s.tolist(), n.tolist(),
+                                                    o.memcpy_batch_first, o.memcpy_batch_most)
+            self._plan_posts(handle)  # the posts the batch falls back to
+            handle.fast, self.api_batches = FastPost(stream, [], 0), self.api_batches + 1
+            return handle
         if self.ladder.kernel and len(n) and int(n.sum()) < limit * len(n) and \
                 (here or all(r.device == self.device for r in self.peers[batch.peer])):
             handle.table = self.kernel.table(d, s, n)  # type: ignore[union-attr]
@@ -325,6 +325,8 @@ class CudaIpcTransport:
         bad = rt.event_record(f.ready, cur) or rt.wait_event(f.stream, f.ready, 0)
         if not bad and f.graph_exec:
             bad = rt.graph_launch(f.graph_exec, f.stream)
+        elif not bad and handle.batched is not None:
+            bad = self.batch_api.post(handle.batched, f.stream)  # type: ignore[union-attr]
         elif not bad:
             fn, kind = rt.memcpy_async, Runtime.D2D
             for side in f.side_streams:
@@ -375,13 +377,14 @@ class CudaIpcTransport:
 
     def release(self, handle: Posted) -> None:
         handle.graph, handle.fast = None, None  # the raw graph exec dies with the graph
-        handle.table = None
+        handle.table = handle.batched = None
 
     def stats(self) -> dict[str, int]:
         mode = self.ladder.mode
         return {"device_copies": self.ncopies, "raw_copies": int(mode >= Mode.RUNTIME),
                 "posting_mode": int(mode), "degraded": len(self.ladder.degraded),
-                "kernel_batches": self.kernel_batches, "peers_mapped_here": len(self.opened),
+                "kernel_batches": self.kernel_batches, "batch_api_batches": self.api_batches,
+                "peers_mapped_here": len(self.opened),
                 "handles_opened_here": sum(map(len, self.opened.values())),
                 "regions_mapped_here": sum(len(self.peers.get(p, ())) for p in self.opened),
                 "device_signals": self.signals.sent if self.signals is not None else 0}

@@ -175,3 +175,71 @@ def _loaded_cudart() -> list[str]:
     """Paths of the CUDA runtime libraries this process has mapped."""
     with open("/proc/self/maps") as f:
         return [ln.split()[-1] for ln in f if "libcudart.so" in ln]
+
+
+class MemcpyAttributes(ctypes.Structure):
+    """`CUmemcpyAttributes`: the source access order, two location hints (type, id) and
+    flags. Only the order is set (in stream order); the hints stay unset, as UCX's CUDA IPC
+    transport leaves them for its scatter-gather puts."""
+
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_type", ctypes.c_int),
+                ("src_id", ctypes.c_int), ("dst_type", ctypes.c_int), ("dst_id", ctypes.c_int),
+                ("flags", ctypes.c_uint)]
+
+
+class BatchCopies:
+    """`cuMemcpyBatchAsync` of the driver torch's runtime loaded: many copies queued in one
+    call, which the driver hands to the copy engines as one batch (no SMs; far less per
+    copy than one `cudaMemcpyAsync` each). CUDA 13's `_v2` entry point, else 12.8's, which
+    takes one more argument (the index of a copy that failed)."""
+
+    STREAM_ORDER = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+
+    def __init__(self, fn: Callable[..., int], with_fail_index: bool) -> None:
+        p = ctypes.c_void_p
+        fn.argtypes = [p, p, p, ctypes.c_size_t, p, p, ctypes.c_size_t] + \
+            ([p] if with_fail_index else []) + [p]
+        fn.restype = ctypes.c_int
+        self.fn, self.with_fail_index = fn, with_fail_index
+        self.attrs = MemcpyAttributes(src_access_order=self.STREAM_ORDER)
+        self.attrs_idx = ctypes.c_size_t(0)
+        self.fail_index = ctypes.c_size_t(0)
+
+    def prepare(self, dst: list[int], src: list[int], nbytes: list[int], first: int = 4,
+                most: int = 128) -> list[tuple]:
+        """A batch's copies as the arrays the calls read (keep them alive as long as the
+        batch may be posted): `first` copies in the first call, each next call twice the
+        last, at most `most`. The driver queues a call's copies only when it returns, after
+        ~0.5 us of host time per copy, so one call of a thousand copies would leave the
+        link idle for half a millisecond; in growing calls the copies start after the first
+        few are queued, and the host stays ahead of the link."""
+        calls, i, k = [], 0, max(1, first)
+        while i < len(nbytes):
+            j = min(len(nbytes), i + k)
+            n = j - i
+            calls.append(((ctypes.c_uint64 * n)(*dst[i:j]), (ctypes.c_uint64 * n)(*src[i:j]),
+                          (ctypes.c_size_t * n)(*nbytes[i:j]), n))
+            i, k = j, min(2 * k, max(most, first))
+        return calls
+
+    def post(self, prepared: list[tuple], stream: int) -> int:
+        """Queue the copies of `prepared` on `stream`; the driver's error code (0: queued)."""
+        extra = (ctypes.byref(self.fail_index),) if self.with_fail_index else ()
+        attrs, idx = ctypes.byref(self.attrs), ctypes.byref(self.attrs_idx)
+        for d, s, n, count in prepared:
+            code = self.fn(d, s, n, count, attrs, idx, 1, *extra, stream)
+            if code:
+                return code
+        return 0
+
+    @staticmethod
+    def load() -> BatchCopies | None:
+        try:
+            lib = ctypes.PyDLL("libcuda.so.1")
+        except OSError:
+            return None
+        fn = getattr(lib, "cuMemcpyBatchAsync_v2", None)
+        if fn is not None:
+            return BatchCopies(fn, with_fail_index=False)
+        fn = getattr(lib, "cuMemcpyBatchAsync", None)
+        return BatchCopies(fn, with_fail_index=True) if fn is not None else None

@@ -9,6 +9,18 @@ from .base import WriteBatch
 from .torch_copy import Op
 
 
+def branches(raw: list[tuple[int, int, int]], k: int) -> list[list[tuple[int, int, int]]]:
+    """`raw` split into at most `k` lists of near-equal bytes (largest copies first, each to
+    the lightest list; copies of one list run one after another, lists side by side)."""
+    parts: list[list[tuple[int, int, int]]] = [[] for _ in range(max(1, min(k, len(raw))))]
+    load = [0] * len(parts)
+    for i in sorted(range(len(raw)), key=lambda i: (-raw[i][2], i)):
+        j = load.index(min(load))
+        parts[j].append(raw[i])
+        load[j] += raw[i][2]
+    return [p for p in parts if p]
+
+
 class FastPost:
     """A batch's raw handles for posting through the runtime (no torch stream objects per
     step): events `ready` (the caller's queued work), one per side branch, and `done`."""
@@ -31,7 +43,7 @@ class Posted:
     CUDA graph or copy-kernel table, its posting order and its raw handles (`FastPost`)."""
 
     __slots__ = ("batch", "ops", "raw", "stream", "event", "posted", "graph", "order", "sides",
-                 "fast", "fast_posted", "table")
+                 "fast", "fast_posted", "table", "batched")
 
     def __init__(self, batch: WriteBatch, ops: list[Op] | None, stream: torch.cuda.Stream,
                  raw: list[tuple[int, int, int]] | None = None) -> None:
@@ -43,3 +55,4 @@ class Posted:
         self.fast: FastPost | None = None
         self.fast_posted = False
         self.table: torch.Tensor | None = None  # the copy kernel's pieces (its graph reads it)
+        self.batched: list[tuple] | None = None  # its `cuMemcpyBatchAsync` arrays (`BatchCopies`)

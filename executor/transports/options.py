@@ -63,6 +63,21 @@ class CudaIpcOptions:
     """The share of the device's blocks the copy kernel's grid takes for a `beside_packs`
     batch that stays on it (under `beside_packs_max_mean_bytes`): below 1, the FP8
     quantizer running meanwhile finds room on every SM (issue 37)."""
+    memcpy_batch: bool = True
+    """A batch into a peer on another GPU as one `cuMemcpyBatchAsync` (the driver's batched
+    copies, on the copy engines) where the driver has it, instead of the copy kernel or a
+    CUDA graph of copies: NVLink at the copy engines' rate with no per-copy cost, and the
+    SMs free for the FP8 quantizer meanwhile."""
+    memcpy_batch_first: int = 4
+    """Copies in a batch's first `cuMemcpyBatchAsync` call; each next call queues twice the
+    last (the link starts after a few copies are queued, not after the whole batch)."""
+    memcpy_batch_most: int = 128
+    """The most copies one such call queues."""
+    peer_streams: bool = True
+    """Such batches into one peer go on one copy stream (peers take the streams in turn),
+    so they land in the order posted: a stage's early QUANTs that wait for an older stage's
+    writes to land (staging halves) then start as the next stage's writes begin, not when
+    batches running side by side on the link all end."""
     device_signals: bool = True
     """A stage's DONE published by the GPU once its copies have landed (a stream write into
     the peer's shared-memory ring), not by this host after it saw them land."""

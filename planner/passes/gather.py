@@ -138,8 +138,7 @@ class Gatherer:
         self.scale_j = ScaleRows(self.s)(self.w.rank, self.scale_tensor[self.w.tensor],
                                          self.w.off0 // BLOCK, self.w.off1 // BLOCK)
         self.scale_j_l = self.scale_j.tolist()
-        world = len(n_regions)
-        self.out = Out()
+        world, self.out = len(n_regions), Out()
         owners = len(np.unique(src.rank[self.chunks.holders])) if len(self.chunks) else 0
         fan = (topo.nvlink_gbps if len(set(topo.host)) == 1 else topo.nic_gbps) * 1e9 / 8
         self.alloc = Staging(world, opts.staging_bytes, halves_fit(
@@ -150,7 +149,7 @@ class Gatherer:
         self.host, self.nic = self.host_a.tolist(), self.nic_a.tolist()
         self.load = np.zeros(max(self.nic) + 1 if world else 0, dtype=np.int64)
         self.load[:len(sent)] += sent.astype(np.int64)
-        self.owner_only = np.zeros(world, dtype=np.int64)
+        self.owner_only, self.fanout = (np.zeros(world, dtype=np.int64) for _ in range(2))
         self.unit_max = 0
         self.rounds: dict[int, int] = {}  # owner -> first round that may still have room
         self.max_stage = base - 1
@@ -228,7 +227,7 @@ class Gatherer:
                     held[r] = held.get(r, 0) + size
             owner = next(iter(held)) if len(held) == 1 else pick_owner(
                 np.fromiter(held, np.int64, len(held)),
-                np.fromiter(held.values(), np.int64, len(held)), load, self.nic_a)
+                np.fromiter(held.values(), np.int64, len(held)), load, self.nic_a, self.fanout)
             rows, n_held = [], len(held)
             for hs, _ in cands:
                 mine = next((h for h, r in hs if r == owner), None)
@@ -294,7 +293,8 @@ class Gatherer:
         host, rank, home = self.host, self.w_l.rank, self.host[b.owner]
         remote = b.numel * b.es_d * sum(host[rank[i]] != home for i in to)
         self.load[self.nic[b.owner]] += remote
-        self.unit_max = max(self.unit_max, b.numel * b.es_d * len(to))
+        self.fanout[b.owner] += (unit := b.numel * b.es_d * len(to))
+        self.unit_max = max(self.unit_max, unit)
         if b.sole:
             self.owner_only[b.owner] += remote
         self.max_stage = max(self.max_stage, slot.convert)

@@ -15,13 +15,17 @@ from planner.passes.intersect import Chunks, PieceTable
 from schemas.protocol import scale_blocks
 
 
-def pick_owner(ranks: np.ndarray, held: np.ndarray, load: np.ndarray, nic: np.ndarray) -> int:
+def pick_owner(ranks: np.ndarray, held: np.ndarray, load: np.ndarray, nic: np.ndarray,
+               fanout: np.ndarray | None = None) -> int:
     """The owner of a box among `ranks`, `held[i]` of its elements on `ranks[i]`: the rank
     holding most; ties: the one whose NIC has sent the fewest bytes so far (`load[nic[r]]`),
-    then the lowest rank."""
+    then the one that has fanned out the fewest bytes so far over any link (`fanout[r]`:
+    on one host, where NICs carry none, replicated boxes would all fall to the lowest rank,
+    whose copy engines then send more than the others'), then the lowest rank."""
     best = ranks[held == held.max()]
     if len(best) > 1:
-        best = best[np.lexsort((best, load[nic[best]]))]
+        spread = fanout[best] if fanout is not None else np.zeros(len(best), dtype=np.int64)
+        best = best[np.lexsort((best, spread, load[nic[best]]))]
     return int(best[0])
 
 
@@ -119,6 +123,8 @@ class GatherState(Protocol):
     nic_a: np.ndarray
     load: np.ndarray
     """Bytes each NIC sends to other hosts so far."""
+    fanout: np.ndarray
+    """Bytes each source rank's fan-outs send so far, over any link (the owners' tie-break)."""
     out: Out
     alloc: Staging
     rounds: dict[int, int]

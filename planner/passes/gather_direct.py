@@ -63,6 +63,7 @@ def add_direct(g: GatherState, order: np.ndarray) -> int:
     remote *= numel
     np.add.at(g.load, g.nic_a[owner], remote)
     np.add.at(g.owner_only, owner, remote)
+    np.add.at(g.fanout, owner, numel * n_to[:n])
     g.unit_max = max(g.unit_max, int((numel * n_to[:n]).max()))
     g.max_stage = max(g.max_stage, int(convert.max()))
     # one QUANT a box, read in place

@@ -28,7 +28,7 @@ def owner(g: GatherState, t: int) -> tuple[int, list[int], int] | None:
     ranks, at = np.unique(g.src.rank[h], return_inverse=True)
     held = np.zeros(len(ranks), dtype=np.int64)
     np.add.at(held, at.reshape(-1), ch.size0[lo:hi] * ch.size1[lo:hi])
-    return pick_owner(ranks, held, g.load, g.nic_a), h.tolist(), len(ranks)
+    return pick_owner(ranks, held, g.load, g.nic_a, g.fanout), h.tolist(), len(ranks)
 
 
 def gather_parts(g: GatherState, b: Box, slot: Slot) -> bool:

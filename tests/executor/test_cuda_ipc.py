@@ -50,7 +50,9 @@ def test_four_processes_over_cuda_ipc(tmp_path, kernel):
         # its own (2 GPUs: rank 2 on cuda:0; 4 GPUs: both) it maps itself
         s = stats[1]
         other = [p for p in (2, 3) if p % gpus != 1 % gpus]
-        assert s["peers_mapped_here"] == len(other) and s["kernel_batches"] > 0, s
+        # (its batches into them: one cuMemcpyBatchAsync each where the driver has it)
+        assert s["peers_mapped_here"] == len(other), s
+        assert s["kernel_batches"] + s["batch_api_batches"] > 0, s
         # rank 2's three small regions share one allocation of the caching allocator: one
         # open of its handle, not one per region (rank 3 has one region)
         regions = sum({2: 3, 3: 1}[p] for p in other)
