@@ -66,13 +66,31 @@ def raise_all(errors: list[ConfigError]) -> None:
         raise ConfigErrors(flat, more)
 
 
+class OwnValueError(ConfigError):
+    """A key's own value is wrong, whatever the other keys say (a size below 1, a bandwidth
+    out of range): reported even beside another key's type error."""
+
+
+def _each(*checks: Any) -> None:
+    """Run every check (a callable raising `ConfigError`) and report all that fail: one
+    section's independent mistakes each get their line."""
+    errors: list[ConfigError] = []
+    for check in checks:
+        try:
+            check()
+        except ConfigError as e:
+            errors.append(e)
+    raise_all(errors)
+
+
 def _fail(key: str, value: object, fix: str) -> None:
     raise ConfigError(f"{key}: {short(value)} {fix}")
 
 
 def _positive(section: str, name: str, value: int | None) -> None:
     if value is not None and value < 1:
-        _fail(f"{section}.{name}", value, "must be a positive integer (>= 1)")
+        raise OwnValueError(f"{section}.{name}: {short(value)} must be a positive integer "
+                            "(>= 1)")
 
 
 MAX_GBPS = 1e6
@@ -150,12 +168,10 @@ class SourceConfig:
     """fsdp2: experts as transformers 5.x fused `experts.gate_up_proj [E,2I,H]` params."""
 
     def __post_init__(self) -> None:
-        if self.framework not in ("megatron", "fsdp2"):
-            _fail("source.framework", self.framework, "is not supported; use megatron or fsdp2")
-        for name in ("tp", "pp", "vpp", "dp", "dp_replicate", "ep", "etp"):
-            _positive("source", name, getattr(self, name))
-        for name in ("pp_first_stage_layers", "pp_last_stage_layers"):
-            _positive("source", name, getattr(self, name))
+        _each(self._framework_check,
+              *(lambda n=name: _positive("source", n, getattr(self, n))
+                for name in ("tp", "pp", "vpp", "dp", "dp_replicate", "ep", "etp",
+                             "pp_first_stage_layers", "pp_last_stage_layers")))
         if self.dtype not in DTYPES:
             _fail("source.dtype", self.dtype, f"is not supported; use one of {', '.join(DTYPES)}")
         if self.framework == "fsdp2":
@@ -168,6 +184,10 @@ class SourceConfig:
                   "is fsdp2-only (HSDP); use source.dp for Megatron data parallel")
         _world("source.tp * source.dp * source.dp_replicate" if self.framework == "fsdp2"
                else "source.tp * source.pp * source.dp", self.world)
+
+    def _framework_check(self) -> None:
+        if self.framework not in ("megatron", "fsdp2"):
+            _fail("source.framework", self.framework, "is not supported; use megatron or fsdp2")
 
     @property
     def expert_tp(self) -> int:
@@ -242,11 +262,15 @@ class TargetConfig:
     refit; the plan is the one compiled before the key existed). Read as a `ShadowConfig`."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shadow", _shadow(self.shadow))
+        _each(lambda: object.__setattr__(self, "shadow", _shadow(self.shadow)),
+              self._engine_checks,
+              *(lambda n=name: _positive("target", n, getattr(self, n))
+                for name in ("tp", "dp", "pp", "replicas")))
+        _world("target.tp * target.dp * target.pp * target.replicas", self.world)
+
+    def _engine_checks(self) -> None:
         if self.engine not in ("vllm", "sglang"):
             _fail("target.engine", self.engine, "is not supported; use vllm or sglang")
-        for name in ("tp", "dp", "pp", "replicas"):
-            _positive("target", name, getattr(self, name))
         if self.dtype not in (*DTYPES, "fp8_block128"):
             _fail("target.dtype", self.dtype,
                   f"is not supported; use one of {', '.join(DTYPES)}, fp8_block128")
@@ -260,7 +284,6 @@ class TargetConfig:
             _fail("target.layout", self.layout, "is not supported; use auto, rules or traced")
         if self.layout == "traced" and self.engine != "vllm":
             _fail("target.layout", self.layout, "is vllm-only; remove it for sglang")
-        _world("target.tp * target.dp * target.pp * target.replicas", self.world)
 
     @property
     def engine_world(self) -> int:
