@@ -110,7 +110,6 @@ def why(rows: list[dict], limit: int = 8) -> list[str]:
 
 def worker(args: argparse.Namespace) -> int:
     import executor
-
     from schemas.plan import open_plan, read_header
 
     me = Rank(args.config, args.worker, args.steps)

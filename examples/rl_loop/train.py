@@ -5,9 +5,9 @@ Each rank builds the tiny Qwen3 (transformers, fp32, random init with one seed),
 parallelism 2), binds its shards to the compiled plan (`integrations.fsdp2.bind` /
 `integrations.megatron.bind`) and hands them to vLLM's trainer factory as a `WeightSource`
 (`RdmaPlanTrainerInitInfo`; rank 0 drives the engine with vLLM's `HTTPVLLMWeightSyncClient`).
-Then step 0 (the initial weights) and K training steps (AdamW on next-token loss); after each:
-pause the engine, send the weights (start, update, finish through vLLM's API), resume,
-generate, and check:
+Then the initial sync (step-0: the initial weights, no training) and K training steps (AdamW
+on next-token loss); after each: pause the engine, send the weights (start, update, finish
+through vLLM's API), resume, generate, and check:
   - the engine's prompt logprobs of fixed token ids equal this trainer's own forward
     (max |delta logprob| printed, fp32 tolerance);
   - the engine's weight version is the step's and advanced;
@@ -325,7 +325,8 @@ def main() -> int:
             during = t["tokens"] > 0 if args.shadow and serving else True
             ok = (delta <= args.tolerance and got_version == label and got_version != version
                   and not wrong and len(want) > 0 and not requests.wrong and during)
-            print(f"{label}: loss {loss:.4f}  max|delta logprob| {delta:.2e}  version "
+            what = "initial sync" if step == 0 else f"loss {loss:.4f}"  # 0: no training
+            print(f"{label}: {what}  max|delta logprob| {delta:.2e}  version "
                   f"{version} -> {got_version}  bytes {len(want) - len(wrong)}/{len(want)} "
                   f"tensors equal  {timing}  N vs N+1 {(old - theirs).abs().max().item():.2e}"
                   f"  generated {generated}  {'OK' if ok else 'FAIL'}", flush=True)
