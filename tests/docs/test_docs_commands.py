@@ -6,8 +6,9 @@ files, `export`, `scripts/live-python --where`) run for real, page by page in on
 folder that sees the repository's `plans/`, `scripts/` and `examples/`, each block's
 commands in order, exactly as written: a command that fails fails the test with its output.
 The costly ones (`COSTLY`: setup, the demo, pytest, the live RL loop, an SGLang server, a CI
-rehearsal) have tests of their own; here every repository path they name must exist. A
-command in neither list fails the test: a new page's commands get classified, not skipped.
+rehearsal) have tests of their own; here every repository path they name must exist.
+`TEMPLATE` commands need the reader's cluster (an engine on their model and GPUs). A command
+in none of the lists fails the test: a new page's commands get classified, not skipped.
 The model x layout table of docs/models.md is checked against the layouts' own lists.
 """
 
@@ -28,6 +29,10 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PAGES = [p for p in PAGES if p.name != "benchmarks-history.md"]  # a dated record, not usage
 
 CHEAP = ("rdma-plan ", "head -c 32 /dev/urandom > ", "export ", "scripts/live-python --where")
+TEMPLATE = ("VLLM_SERVER_DEV_MODE=1 vllm serve /models/my-model ",)
+"""A command for the reader's own cluster (their model path, their GPUs): shown as the shape of
+what `examples/rl_loop/run.py` runs on CPU (`vllm.entrypoints.openai.api_server`, the same
+arguments); not run here."""
 COSTLY = ("bash scripts/setup.sh", "python3 scripts/demo.py", "python3 -m pytest",
           "scripts/live-python examples/rl_loop/", "python3 -m sglang.launch_server",
           "mkdir -p /tmp/snap && git archive HEAD")
@@ -62,6 +67,8 @@ def bash_commands(page: Path) -> list[list[str]]:
 def _kind(command: str) -> str:
     if command.startswith(CHEAP):
         return "cheap"
+    if command.startswith(TEMPLATE):
+        return "template"
     if command.startswith(COSTLY) or command.removeprefix("bash ").startswith(COSTLY):
         return "costly"
     return "unknown"
@@ -157,7 +164,8 @@ def test_the_models_table_matches_the_layouts() -> None:
     rows = {}
     for line in (ROOT / "docs/models.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 5 and re.fullmatch(r"`[a-z0-9_]+`", cells[0]) and cells[1] != "Megatron-Core":
+        if len(cells) == 5 and re.fullmatch(r"`[a-z0-9_]+`", cells[0]) and \
+                cells[1] != "Megatron-Core":
             rows[cells[0].strip("`")] = cells[1:]
     assert sorted(rows) == sorted(SUPPORTED_MODEL_TYPES)
     for family, (mcore, fsdp2, vl, sgl) in rows.items():
