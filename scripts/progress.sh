@@ -1,6 +1,7 @@
 # Progress lines for the setup scripts (sourced: `. scripts/progress.sh NAME`):
 #   step "what"   prints `NAME: [12 s] what` and remembers it;
-#   a background ticker prints `NAME: [52 s] still what` every 20 s while a step runs;
+#   a background ticker prints `NAME: [52 s] still at what` every 20 s while a step runs
+#   ($RDMA_PLAN_PROGRESS_EVERY seconds, if set);
 #   done_in       prints `NAME: done in 3 min 12 s` and stops the ticker.
 # The ticker is stopped on exit, whatever the exit. A script run by another that already
 # ticks (setup_live.sh under setup.sh) reports its steps through the outer ticker.
@@ -16,7 +17,7 @@ else
 fi
 _progress_tick() {
   local t0=$1
-  while sleep 20; do
+  while sleep "${RDMA_PLAN_PROGRESS_EVERY:-20}"; do
     [ -s "$RDMA_PLAN_PROGRESS_STATE" ] || continue
     echo "$_progress_name: [$((SECONDS - t0)) s] still at $(cat "$RDMA_PLAN_PROGRESS_STATE")"
   done
