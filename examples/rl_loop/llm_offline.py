@@ -39,7 +39,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [HERE, REPO]  # train.py's pieces; this checkout's rdma-plan
-from run import free_port, write_model  # noqa: E402
+from run import compile_plan, free_port, write_model  # noqa: E402
 from train import Shards, build_fsdp2, expected_digests, trainer_logprobs  # noqa: E402
 
 
@@ -150,8 +150,9 @@ def main() -> int:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     if args.trainer_rank != 0:  # the second trainer process
         return trainer(args, args.trainer_rank)
-    if not args.verbose:  # read by vLLM at import, here and in its workers
+    if not args.verbose:  # read at import, here and in vLLM's workers and trainer rank 1
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     temporary = args.workdir is None
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="llm-offline-")
     failed = 1
@@ -175,8 +176,7 @@ def refit_once(args: argparse.Namespace) -> int:
     args.plan_key = os.path.join(args.workdir, "plan.key")
     with open(args.plan_key, "wb") as f:
         f.write(secrets.token_bytes(32))
-    subprocess.run([sys.executable, "-m", "planner", "compile", args.config, "-o", args.plan,
-                    "--sign-key", args.plan_key], check=True, cwd=REPO)
+    compile_plan(args.config, args.plan, args.plan_key, "llm_offline.py")
     # the job secret (inherited by vLLM's workers and trainer rank 1) and this checkout's
     # rdma-plan on every process's path
     os.environ.setdefault("RDMA_PLAN_SECRET", secrets.token_hex(32))

@@ -21,9 +21,9 @@ the paused refit, then the shadow one, on one engine.
 
 Output: this script's and the trainer's own lines (docs/rl-loop.md explains each field); the
 engine's log goes to `vllm-serve.log` in the work folder (named at start; `--verbose` prints
-it here instead, and vLLM's INFO lines in the trainer ranks). The work folder is a temporary
-one unless `--workdir` is given, removed at the end of a run that passed and kept (and named)
-after one that failed.
+it here instead, and vLLM's and NIXL's log lines in the trainer ranks). The work folder is a
+temporary one unless `--workdir` is given, removed at the end of a run that passed and kept
+(and named) after one that failed.
 """
 
 from __future__ import annotations
@@ -64,6 +64,19 @@ def write_model(folder: str) -> None:
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0",
                    "bos_token": "t1", "eos_token": "t2", "model_max_length": 512}, f)
+
+
+def compile_plan(config: str, plan: str, key: str, who: str) -> None:
+    """`rdma-plan compile CONFIG -o PLAN --sign-key KEY`, summed up in one line (its own
+    output only when it fails)."""
+    r = subprocess.run([sys.executable, "-m", "planner", "compile", config, "-o", plan,
+                        "--sign-key", key], cwd=REPO, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.stderr.write(r.stdout + r.stderr)
+        raise SystemExit(f"{who}: rdma-plan compile {config} failed (exit {r.returncode})")
+    stats = dict(kv.split("=", 1) for kv in r.stdout.split(": ", 1)[-1].split())
+    print(f"{who}: compiled {os.path.relpath(config, REPO)} -> {plan} ({stats['writes']} "
+          f"writes, {stats['bytes']} bytes, signed)", flush=True)
 
 
 def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float, log: str) -> None:
@@ -122,8 +135,7 @@ def run(args: argparse.Namespace, work: str) -> int:
     key = os.path.join(work, "plan.key")  # the plan is signed; every loader checks it
     with open(key, "wb") as f:
         f.write(secrets.token_bytes(32))
-    subprocess.run([sys.executable, "-m", "planner", "compile", config, "-o", plan,
-                    "--sign-key", key], check=True, cwd=REPO)
+    compile_plan(config, plan, key, "run.py")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     # the job secret every plan rank authenticates its control messages with (drawn once per
@@ -148,7 +160,9 @@ def run(args: argparse.Namespace, work: str) -> int:
          "--weight-transfer-config", '{"backend": "rdma_plan"}'],
         env=env, cwd=REPO, start_new_session=True,  # this checkout's rdma-plan
         stdout=log, stderr=subprocess.STDOUT if log is not None else None)
-    quiet = {} if args.verbose else {"VLLM_LOGGING_LEVEL": "WARNING"}
+    # the trainer ranks' library lines (vLLM's platform notes, NIXL's agent lines) only with
+    # --verbose: by default the console holds this script's and the trainer's own lines
+    quiet = {} if args.verbose else {"VLLM_LOGGING_LEVEL": "ERROR", "NIXL_LOG_LEVEL": "WARN"}
     try:
         t0 = time.monotonic()
         wait_healthy(url, server, args.startup_timeout, log_path if log else "above")
