@@ -40,7 +40,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [HERE, REPO]  # train.py's pieces; this checkout's rdma-plan
 from run import compile_plan, free_port, write_model  # noqa: E402
-from train import Shards, build_fsdp2, expected_digests, trainer_logprobs  # noqa: E402
+from train import (  # noqa: E402
+    Shards,
+    build_fsdp2,
+    early_vllm_log_level,
+    expected_digests,
+    trainer_logprobs,
+)
 
 
 class LLMClient:
@@ -148,11 +154,14 @@ def main() -> int:
         ap.add_argument(internal, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    if args.trainer_rank != 0:  # the second trainer process
+    if args.trainer_rank != 0:  # the second trainer process (this one's environment)
+        early_vllm_log_level()
         return trainer(args, args.trainer_rank)
     if not args.verbose:  # read at import, here and in vLLM's workers and trainer rank 1
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning")  # trainer rank 1
+        early_vllm_log_level()
     temporary = args.workdir is None
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="llm-offline-")
     failed = 1

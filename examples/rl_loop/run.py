@@ -162,7 +162,8 @@ def run(args: argparse.Namespace, work: str) -> int:
         stdout=log, stderr=subprocess.STDOUT if log is not None else None)
     # the trainer ranks' library lines (vLLM's platform notes, NIXL's agent lines) only with
     # --verbose: by default the console holds this script's and the trainer's own lines
-    quiet = {} if args.verbose else {"VLLM_LOGGING_LEVEL": "ERROR", "NIXL_LOG_LEVEL": "WARN"}
+    quiet = {} if args.verbose else {"VLLM_LOGGING_LEVEL": "ERROR", "NIXL_LOG_LEVEL": "WARN",
+                                     "PYTHONWARNINGS": "ignore::UserWarning"}  # Megatron's
     try:
         t0 = time.monotonic()
         wait_healthy(url, server, args.startup_timeout, log_path if log else "above")

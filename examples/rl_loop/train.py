@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 import urllib.request
@@ -43,6 +44,15 @@ import torch
 import torch.distributed as dist
 from refit import paced_engine, refit
 from serving import Client, post, probe_logprobs, sort_requests
+
+
+def early_vllm_log_level() -> None:
+    """`VLLM_LOGGING_LEVEL` for the lines vLLM logs while it is imported, before its own
+    logging is set up (they would go through Python's last-resort handler whatever the
+    variable says: "Triton is installed, but doesn't include CPU backend")."""
+    level = os.environ.get("VLLM_LOGGING_LEVEL")
+    if level:
+        logging.getLogger("vllm").setLevel(level.upper())
 
 
 def get(url: str, path: str) -> Any:
@@ -222,6 +232,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    early_vllm_log_level()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
 
