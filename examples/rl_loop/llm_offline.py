@@ -17,7 +17,7 @@ resume: the offline engine generates only when called. Checks, printed on one li
     builds from the trainer's gathered weights (all differ before the refit: dummy weights);
   - the engine's prompt logprobs of fixed token ids equal the trainer's forward (fp32);
   - the engine's weight version is the refit's.
-Exits non-zero when a check failed. vLLM logs at WARNING (`--verbose`: INFO); the work folder
+Exits non-zero when a check failed. vLLM logs errors only (`--verbose`: INFO); the work folder
 is a temporary one unless `--workdir` is given, removed at the end of a run that passed.
 """
 
@@ -158,7 +158,7 @@ def main() -> int:
         early_vllm_log_level()
         return trainer(args, args.trainer_rank)
     if not args.verbose:  # read at import, here and in vLLM's workers and trainer rank 1
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning")  # trainer rank 1
         early_vllm_log_level()
