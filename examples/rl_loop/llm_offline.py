@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [HERE, REPO]  # train.py's pieces; this checkout's rdma-plan
-from run import compile_plan, free_port, write_model  # noqa: E402
+from run import QUIET, compile_plan, free_port, write_model  # noqa: E402
 from train import (  # noqa: E402
     Shards,
     build_fsdp2,
@@ -158,9 +159,9 @@ def main() -> int:
         early_vllm_log_level()
         return trainer(args, args.trainer_rank)
     if not args.verbose:  # read at import, here and in vLLM's workers and trainer rank 1
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-        os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning")  # trainer rank 1
+        for k, v in QUIET.items():
+            os.environ.setdefault(k, v)
+        warnings.simplefilter("ignore")  # PYTHONWARNINGS, for this process
         early_vllm_log_level()
     temporary = args.workdir is None
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="llm-offline-")

@@ -66,6 +66,12 @@ def write_model(folder: str) -> None:
                    "bos_token": "t1", "eos_token": "t2", "model_max_length": 512}, f)
 
 
+QUIET = {"VLLM_LOGGING_LEVEL": "ERROR", "NIXL_LOG_LEVEL": "WARN", "PYTHONWARNINGS": "ignore",
+         "TORCH_CPP_LOG_LEVEL": "ERROR"}
+"""The trainer ranks' environment without `--verbose`: vLLM's and torch's errors only, NIXL's
+warnings and errors, no Python warnings (Megatron's fallbacks, torch's deprecations)."""
+
+
 def compile_plan(config: str, plan: str, key: str, who: str) -> None:
     """`rdma-plan compile CONFIG -o PLAN --sign-key KEY`, summed up in one line (its own
     output only when it fails)."""
@@ -162,8 +168,7 @@ def run(args: argparse.Namespace, work: str) -> int:
         stdout=log, stderr=subprocess.STDOUT if log is not None else None)
     # the trainer ranks' library lines (vLLM's platform notes, NIXL's agent lines) only with
     # --verbose: by default the console holds this script's and the trainer's own lines
-    quiet = {} if args.verbose else {"VLLM_LOGGING_LEVEL": "ERROR", "NIXL_LOG_LEVEL": "WARN",
-                                     "PYTHONWARNINGS": "ignore::UserWarning"}  # Megatron's
+    quiet = {} if args.verbose else QUIET
     try:
         t0 = time.monotonic()
         wait_healthy(url, server, args.startup_timeout, log_path if log else "above")
