@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .bounded import short
-from .errors import ConfigError
+from .errors import (  # noqa: F401 - ConfigErrors, raise_all, MAX_ERRORS: re-exported
+    MAX_ERRORS,
+    ConfigError,
+    ConfigErrors,
+    OwnValueError,
+    check_each,
+    raise_all,
+)
 
 DTYPES = ("bfloat16", "float16", "float32")
 MAX_INT = 1 << 53
@@ -30,59 +37,6 @@ MAX_LAYERS = 1024
 """Most decoder layers (`model.num_layers`, the config.json's `num_hidden_layers`)."""
 MAX_PER_HOST = 1024
 """Most GPUs or NICs in one host."""
-MAX_ERRORS = 10
-"""Most errors of one file reported (a file of 10,000 unknown keys prints 11 lines)."""
-
-
-class ConfigErrors(ConfigError):
-    """Several independent config errors of one file, reported together (one line each)."""
-
-    def __init__(self, errors: list[ConfigError], more: int = 0) -> None:
-        self.errors = tuple(errors)
-        """The errors reported (at most `MAX_ERRORS`), then one line counting the rest."""
-        self.more = more
-        """Errors found beyond those listed."""
-        if more:
-            self.errors += (ConfigError(f"... and {more} more errors; fix these first"),)
-        super().__init__("; ".join(str(e) for e in self.errors))
-
-
-def raise_all(errors: list[ConfigError]) -> None:
-    """Raise nothing, the one error, or all of them (at most `MAX_ERRORS`) as
-    `ConfigErrors`."""
-    flat: list[ConfigError] = []
-    more = 0
-    for e in errors:
-        if isinstance(e, ConfigErrors):
-            flat += e.errors[:len(e.errors) - (1 if e.more else 0)]
-            more += e.more
-        else:
-            flat.append(e)
-    more += max(0, len(flat) - MAX_ERRORS)
-    flat = flat[:MAX_ERRORS]
-    if len(flat) == 1 and not more:
-        raise flat[0]
-    if flat:
-        raise ConfigErrors(flat, more)
-
-
-class OwnValueError(ConfigError):
-    """A key's own value is wrong, whatever the other keys say (a size below 1, a bandwidth
-    out of range): reported even beside another key's type error."""
-
-
-def _each(*checks: Any) -> None:
-    """Run every check (a callable raising `ConfigError`) and report all that fail: one
-    section's independent mistakes each get their line."""
-    errors: list[ConfigError] = []
-    for check in checks:
-        try:
-            check()
-        except ConfigError as e:
-            errors.append(e)
-    raise_all(errors)
-
-
 def _fail(key: str, value: object, fix: str) -> None:
     raise ConfigError(f"{key}: {short(value)} {fix}")
 
@@ -168,7 +122,7 @@ class SourceConfig:
     """fsdp2: experts as transformers 5.x fused `experts.gate_up_proj [E,2I,H]` params."""
 
     def __post_init__(self) -> None:
-        _each(self._framework_check,
+        check_each(self._framework_check,
               *(lambda n=name: _positive("source", n, getattr(self, n))
                 for name in ("tp", "pp", "vpp", "dp", "dp_replicate", "ep", "etp",
                              "pp_first_stage_layers", "pp_last_stage_layers")))
@@ -262,7 +216,7 @@ class TargetConfig:
     refit; the plan is the one compiled before the key existed). Read as a `ShadowConfig`."""
 
     def __post_init__(self) -> None:
-        _each(lambda: object.__setattr__(self, "shadow", _shadow(self.shadow)),
+        check_each(lambda: object.__setattr__(self, "shadow", _shadow(self.shadow)),
               self._engine_checks,
               *(lambda n=name: _positive("target", n, getattr(self, n))
                 for name in ("tp", "dp", "pp", "replicas")))
