@@ -183,16 +183,19 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     from planner.progress import Progress
 
+    traffic: list | None = [] if args.plot else None  # who writes to whom, for the picture
     with Progress("inspect") as progress:  # checks what load_plan checks, one rank at a time
-        text = inspect_text(args.plan, args.json, progress)
+        text = inspect_text(args.plan, args.json, progress, traffic)
     print(text)
     if args.plot:
-        from planner.plot import plot_plan
+        from planner.plot import plot_plan, plot_traffic, traffic_path
         from schemas.plan import open_plan, read_header
 
         with open_plan(args.plan) as f:
             header, _ = read_header(f, args.plan)
         print(f"wrote {plot_plan(header, args.plot)}", file=sys.stderr)
+        print(f"wrote {plot_traffic(header, traffic or [], traffic_path(args.plot))}",
+              file=sys.stderr)
     return 0
 
 
@@ -281,8 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("inspect", _cmd_inspect, "summarise a plan file")
     sp.add_argument("plan")
     sp.add_argument("--json", action="store_true", help="print JSON instead of text")
-    sp.add_argument("--plot", metavar="FILE.png", help="also draw bytes per rank and per NIC "
-                    "(needs matplotlib)")
+    sp.add_argument("--plot", metavar="FILE.png", help="also draw bytes per rank and per NIC, "
+                    "and who writes how many bytes to whom (FILE-traffic.png; needs "
+                    "matplotlib)")
     sp.add_argument("--ranks", action="store_true", help="print every rank's identity "
                     "(framework coordinates) instead")
 

@@ -77,12 +77,15 @@ def summary(header: PlanHeader) -> dict[str, Any]:
 def checked_header(path: str, why: dict[int, str] | None = None,
                    progress: Callable[[str], None] | None = None,
                    shadow: dict[int, int] | None = None,
-                   bounded: dict[int, int | None] | None = None) -> PlanHeader:
+                   bounded: dict[int, int | None] | None = None,
+                   traffic: list[tuple[np.ndarray, np.ndarray]] | None = None
+                   ) -> PlanHeader:
     """The header of the plan at `path`, once every blob it lists is intact (checksummed,
     decodable: what `load_plan` checks) and every rank within bounds (what the executor
     checks), else `PlanFormatError`; read one rank at a time. `why`, when given, gets each
     rank's `staging_why` from the same read; `shadow`, each rank's full-shadow bytes;
-    `bounded`, its bounded shadow's bytes (None: not compiled with one)."""
+    `bounded`, its bounded shadow's bytes (None: not compiled with one); `traffic`, each
+    rank's bytes written to every rank (`traffic_row`)."""
     from planner.planfile import PlanFile, ticker
 
     with PlanFile(path) as src:
@@ -105,10 +108,38 @@ def checked_header(path: str, why: dict[int, str] | None = None,
                 shadow[r] = shadow_bytes(rp)
             if bounded is not None:
                 bounded[r] = bounded_bytes(rp)
+            if traffic is not None:
+                traffic.append(traffic_row(rp, header, r))
             tick(r)
         src.dag()
         src.check_rest(progress)
     return header
+
+
+MATRIX_CELLS = 256
+"""Most rows (and columns) of the traffic matrix; larger worlds are binned into groups of
+consecutive ranks."""
+
+
+def matrix_group(world: int) -> int:
+    """Ranks per row of the traffic matrix (1 up to `MATRIX_CELLS` ranks)."""
+    return -(-world // MATRIX_CELLS)
+
+
+def traffic_row(rp: RankPlan, header: PlanHeader, rank: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes `rank` (its plan `rp`) writes into each group of ranks (`matrix_group`) in the
+    whole plan: over NVLink (the target on its host) and over NICs (another host)."""
+    world = header.world
+    g = matrix_group(world)
+    w = rp.writes
+    host = np.array([r.host for r in header.ranks], dtype=np.int64)
+    dst = w["dst_rank"].astype(np.int64)
+    same = host[dst] == host[rank] if len(host) == world else np.ones(len(dst), bool)
+    size = w["nbytes"].astype(np.float64)
+    n = -(-world // g)
+    return (np.bincount(dst[same] // g, weights=size[same], minlength=n),
+            np.bincount(dst[~same] // g, weights=size[~same], minlength=n))
 
 
 def staging_why(rp: RankPlan, header: PlanHeader | None = None) -> str:
@@ -159,11 +190,14 @@ def _staging_use(rp: RankPlan, names: list[str]) -> str:
 
 
 def inspect_text(path: str, as_json: bool = False,
-                 progress: Callable[[str], None] | None = None) -> str:
+                 progress: Callable[[str], None] | None = None,
+                 traffic: list[tuple[np.ndarray, np.ndarray]] | None = None) -> str:
+    """The summary, per-NIC and per-rank tables (or JSON); `traffic`, when given, gets each
+    rank's bytes written to every rank group from the same read (`traffic_row`)."""
     why: dict[int, str] = {}
     shadow: dict[int, int] = {}
     bounded: dict[int, int | None] = {}
-    header = checked_header(path, why, progress, shadow, bounded)
+    header = checked_header(path, why, progress, shadow, bounded, traffic)
     s = summary(header)
     for r, row in enumerate(s["ranks"]):
         row["staging_why"] = why.get(r, "")
@@ -175,10 +209,12 @@ def inspect_text(path: str, as_json: bool = False,
     src, tgt = header.source, header.target
     sides = "source ? -> target ?" if src is None or tgt is None else (
         f"source {src.framework} tp{src.tp} pp{src.pp} dp{src.dp} ep{src.ep} {src.dtype} -> "
-        f"target {tgt.engine} tp{tgt.tp} dp{tgt.dp} ep={tgt.ep} x{tgt.replicas} {tgt.dtype}")
+        f"target {tgt.engine} tp{tgt.tp} dp{tgt.dp}"
+        f"{' expert-parallel' if tgt.ep else ''}, {_count(tgt.replicas, 'replica')}, "
+        f"{tgt.dtype}")
     lines = [
         f"plan {path}  fingerprint {s['fingerprint']}  ({s['created_by']})",
-        f"model {s['model']} ({header.model.total_params / 1e9:.2f}B params); {sides}",
+        f"model {s['model']} ({params_text(header.model.total_params)} params); {sides}",
         f"ranks {s['sources']} source + {s['targets']} target; stages {s['stages']}; "
         f"ops {s['ops']} ({s['writes']} writes, {s['packs']} packs, {s['unpacks']} unpacks)",
         f"bytes {_gb(s['bytes'])} (over NICs {_gb(s['remote_bytes'])}, NVLink "
@@ -192,25 +228,62 @@ def inspect_text(path: str, as_json: bool = False,
         "`rdma-plan simulate` estimates the time)",
         f"extra memory per target rank (largest): paused refit 0; full shadow (executor/"
         f"shadow.py) + {max([0, *shadow.values()]) / 2**20:.1f} MiB (column shadow); "
-        + _bounded_line(header, bounded),
-        "", f"{'nic':<14}{'bytes out':>16}{'bytes in':>16}",
+        + _bounded_line(header, bounded), "",
     ]
     nics = s["nics"]
-    shown = nics if len(nics) <= 32 else nics[:16] + nics[-16:]
-    lines += [f"{n['name']:<14}{n['bytes_out']:>16,}{n['bytes_in']:>16,}" for n in shown]
-    if len(nics) > len(shown):
-        lines.append(f"... ({len(nics) - len(shown)} more NICs; --json lists all)")
-    lines += ["", f"{'rank':>5} {'role':<7}{'writes':>9}{'bytes out':>16}{'bytes in':>16}"
-              f"{'packs':>7}{'unpacks':>8}{'staging':>12}{'shadow':>16}{'bounded':>12}"
-              "  staging for"]
-    ranks = s["ranks"] if len(s["ranks"]) <= 32 else s["ranks"][:16] + s["ranks"][-16:]
-    lines += [f"{r['rank']:>5} {r['role']:<7}{r['writes']:>9}{r['bytes_out']:>16,}"
-              f"{r['bytes_in']:>16,}{r['packs']:>7}{r['unpacks']:>8}{r['staging']:>12,}"
-              f"{r['shadow']:>16,}{_opt(r['extra_memory']['bounded_shadow']):>12}  "
-              f"{r['staging_why']}".rstrip() for r in ranks]
-    if len(s["ranks"]) > len(ranks):
-        lines.append(f"... ({len(s['ranks']) - len(ranks)} more ranks; --json lists all)")
+    if not any(n["bytes_out"] or n["bytes_in"] for n in nics):
+        lines.append(f"nics: none carries a byte: every write stays on its host (NVLink, "
+                     f"{_gb(s['nvlink_bytes'])})")
+    else:
+        lines += _table(["nic", "bytes out", "bytes in"],
+                        [[n["name"], f"{n['bytes_out']:,}", f"{n['bytes_in']:,}"] for n in nics],
+                        "NICs")
+    lines.append("")
+    head = ["rank", "role", "writes", "bytes out", "bytes in", "packs", "unpacks", "staging",
+            "shadow", "bounded", "staging for"]
+    rows = [[str(r["rank"]), r["role"], f"{r['writes']:,}", f"{r['bytes_out']:,}",
+             f"{r['bytes_in']:,}", f"{r['packs']:,}", f"{r['unpacks']:,}",
+             f"{r['staging']:,}", f"{r['shadow']:,}",
+             _opt(r["extra_memory"]["bounded_shadow"]), r["staging_why"]] for r in s["ranks"]]
+    lines += _table(head, rows, "ranks", left=frozenset({1, 10}))
     return "\n".join(lines)
+
+
+SHOWN = 16
+"""Rows shown at each end of a long table (the rest: `--json`)."""
+
+
+def _table(head: list[str], rows: list[list[str]], what: str,
+           left: frozenset[int] = frozenset({0})) -> list[str]:
+    """`rows` under `head`, each column as wide as its widest cell (numbers right-aligned,
+    columns `left` left-aligned, two spaces apart); over 2 * SHOWN rows, the first and last
+    SHOWN with one line between them naming the rows left out."""
+    cut = len(rows) > 2 * SHOWN
+    shown = rows[:SHOWN] + rows[-SHOWN:] if cut else rows
+    widths = [max(len(r[i]) for r in [head, *shown]) for i in range(len(head))]
+
+    def line(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    out = [line(head), *map(line, shown[:SHOWN] if cut else shown)]
+    if cut:
+        out.append(f"... {what} {rows[SHOWN][0]} to {rows[-SHOWN - 1][0]} left out "
+                   f"({len(rows) - 2 * SHOWN} rows; --json lists all)")
+        out += map(line, shown[SHOWN:])
+    return out
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def params_text(n: int) -> str:
+    """A parameter count as people say it: 7.62B, 40.5M, 12.3K."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}" if n < 100 * size else f"{n / size:.0f}{unit}"
+    return str(n)
 
 
 def _opt(n: int | None) -> str:
@@ -233,9 +306,7 @@ def explain_text(path: str, tensor: str, as_json: bool = False) -> str:
         header, start = read_header(f, path)
         names, t = decode_explain(read_blob(f, header, start, "explain", path), path)
         if tensor not in names:
-            import difflib
-
-            close = difflib.get_close_matches(tensor, names, 3, cutoff=0.5)
+            close = close_names(tensor, names)
             hint = f"; did you mean {', '.join(close)}?" if close else \
                 "; `rdma-plan spec` lists the names"
             raise PlanFormatError(f"explain: {tensor!r} is not a tensor of this plan's model: "
@@ -263,6 +334,22 @@ def explain_text(path: str, tensor: str, as_json: bool = False) -> str:
            "source_ranks_sending": senders, "source_ranks_holding": holders,
            "gathered_on": gathered, "writes": rows}
     return json.dumps(out, indent=1) if as_json else _explain_lines(out)
+
+
+def close_names(name: str, names: list[str], n: int = 3) -> list[str]:
+    """The names `name` most likely meant: those holding all its dotted parts in order
+    (`model.layers.0.q_proj.weight` -> `model.layers.0.self_attn.q_proj.weight`), shortest
+    first; else the closest spellings."""
+    import difflib
+
+    parts = name.split(".")
+
+    def holds(candidate: str) -> bool:
+        it = iter(candidate.split("."))
+        return all(p in it for p in parts)
+
+    within = sorted((c for c in names if holds(c)), key=lambda c: (len(c), c))
+    return within[:n] or difflib.get_close_matches(name, names, n, cutoff=0.5)
 
 
 def _explain_lines(e: dict[str, Any]) -> str:

@@ -7,6 +7,7 @@ their hosts (colocated, NVLink only) says so in its NIC panel instead of drawing
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -60,8 +61,8 @@ def plot_plan(header: PlanHeader, path: str) -> str:
     _bars(ax1, [f"{i}{roles[i]}" for i in range(len(sent))],
           {"sent": sent / 1e9, "received": recv / 1e9}, "GB",
           f"bytes per rank ({header.sources} sources 's', {header.targets} targets 't')")
-    title = (f"bytes per NIC ({nics[0].gbps if nics else '?'} Gb/s each); floor "
-             f"{header.stats.floor_s * 1e3:.1f} ms")
+    title = (f"bytes per NIC ({nics[0].gbps if nics else '?'} Gb/s each); the plan's floor "
+             f"(busiest NIC or NVLink at full bandwidth) {header.stats.floor_s * 1e3:.3g} ms")
     rows = [{"bytes_out": n.bytes_out, "bytes_in": n.bytes_in} for n in nics]
     if _nic_bytes(rows):
         _bars(ax2, [n.name for n in nics],
@@ -74,6 +75,76 @@ def plot_plan(header: PlanHeader, path: str) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def traffic_path(path: str) -> str:
+    """Where `inspect --plot FILE.png` draws the traffic matrix: FILE-traffic.png."""
+    root, ext = os.path.splitext(path)
+    return f"{root}-traffic{ext or '.png'}"
+
+
+def plot_traffic(header: PlanHeader, rows: list[tuple[np.ndarray, np.ndarray]],
+                 path: str) -> str:
+    """Who writes how many bytes to whom: one row per writing rank, one column per receiving
+    rank (groups of consecutive ranks above `planner.inspect.MATRIX_CELLS`), NVLink writes
+    (same host) and NIC writes (across hosts) side by side, colour on one log scale shared by
+    both; writes `path`."""
+    from matplotlib.colors import LogNorm
+
+    from planner.inspect import matrix_group
+
+    plt = _pyplot()
+    g = matrix_group(header.world)
+    n = len(rows[0][0]) if rows else 0
+    mats = []
+    for part in (0, 1):
+        m = np.zeros((n, n))
+        for r, pair in enumerate(rows):
+            m[r // g] += pair[part]
+        mats.append(m)
+    top = max((float(m.max()) for m in mats), default=0.0)
+    low = min((float(m[m > 0].min()) for m in mats if (m > 0).any()), default=1.0)
+    norm = LogNorm(vmin=low, vmax=max(top, low * 10))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 6.2), constrained_layout=True)
+    unit = "rank" if g == 1 else f"group of {g} ranks"
+    src_edge = header.sources / g - 0.5
+    image = None
+    for ax, m, name in zip(axes, mats, ("over NVLink (same host)", "over NICs (across hosts)")):
+        total = m.sum()
+        shown = np.ma.masked_equal(m, 0)
+        image = ax.imshow(shown, norm=norm, cmap="viridis", interpolation="nearest",
+                          aspect="auto")
+        ax.set_facecolor("#f2f2f2")
+        for edge in (ax.axhline, ax.axvline):
+            edge(src_edge, color="red", lw=0.8, ls="--")
+        ax.set_title(f"{name}: {total / 1e9:.3f} GB", fontsize=10)
+        ax.set_xlabel(f"receiving {unit} (sources left of the red line, targets right)")
+        ax.set_ylabel(f"writing {unit}")
+        if not total:
+            ax.text(0.5, 0.5, "no writes", ha="center", va="center", transform=ax.transAxes,
+                    fontsize=12)
+        if n <= 16:
+            ax.set_xticks(range(n))
+            ax.set_yticks(range(n))
+        if n <= 8:  # room to write each cell's bytes in it
+            for i, j in zip(*np.nonzero(m)):
+                ax.text(j, i, _short_bytes(m[i, j]), ha="center", va="center", fontsize=8,
+                        color="white" if m[i, j] < (low * top) ** 0.5 else "black")
+    if image is not None:
+        fig.colorbar(image, ax=axes, label="bytes written in one refit (log scale)",
+                     shrink=0.9)
+    fig.suptitle(f"{header.model.model_type}: who writes to whom, {header.sources} source "
+                 f"and {header.targets} target ranks; grey: no bytes", fontsize=11)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _short_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 def plot_simulation(res: dict[str, Any], path: str, title: str = "") -> str:

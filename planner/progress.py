@@ -6,7 +6,8 @@
 On a terminal, one line is rewritten in place (`compile: lower  12.3 s`) and ticks every
 half second; it is erased at the end of a compile that took under `delay` seconds.
 Elsewhere (logs, CI), nothing is printed until `delay` seconds have passed, then one line
-per pass. No dependency.
+per pass, and a line every `heartbeat` seconds while one pass runs on (`compile: still
+lower (at 40.0 s)`): a long compile is never silent. No dependency.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ class Progress:
 
     def __init__(self, what: str = "compile", stream: TextIO | None = None,
                  delay: float = 2.0, tty: bool | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 heartbeat: float = 10.0) -> None:
         self.what = what
         self.stream = stream if stream is not None else sys.stderr
         self.delay = delay
@@ -32,6 +34,9 @@ class Progress:
         self.clock = clock
         self.t0 = clock()
         self.step = "start"
+        self.heartbeat = heartbeat
+        self.last_line = self.t0
+        """When the last line was printed off a terminal (the heartbeat's clock)."""
         self.shown = False
         self._width = 0
         self._lock = threading.Lock()
@@ -48,14 +53,26 @@ class Progress:
                 self._line()
             elif self.elapsed() >= self.delay:
                 self._print(f"{self.what}: {step} (at {self.elapsed():.1f} s)\n")
-        if self.tty and self._ticker is None:
+                self.last_line = self.clock()
+        if self._ticker is None:
             self._ticker = threading.Thread(target=self._tick, daemon=True)
             self._ticker.start()
 
     def _tick(self) -> None:
-        while not self._stop.wait(0.5):
+        while not self._stop.wait(0.5 if self.tty else 1.0):
             with self._lock:
-                self._line()
+                if self.tty:
+                    self._line()
+                else:
+                    self.beat()
+
+    def beat(self) -> None:
+        """Off a terminal: one line when a pass has run `heartbeat` seconds since the last
+        line (past the `delay`)."""
+        now = self.clock()
+        if now - self.t0 >= self.delay and now - self.last_line >= self.heartbeat:
+            self._print(f"{self.what}: still {self.step} (at {now - self.t0:.1f} s)\n")
+            self.last_line = now
 
     def _line(self) -> None:
         text = f"{self.what}: {self.step}  {self.elapsed():.1f} s"

@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .bounded import short
-from .errors import ConfigError
+from .errors import (  # noqa: F401 - ConfigErrors, raise_all, MAX_ERRORS: re-exported
+    MAX_ERRORS,
+    ConfigError,
+    ConfigErrors,
+    OwnValueError,
+    check_each,
+    raise_all,
+)
 
 DTYPES = ("bfloat16", "float16", "float32")
 MAX_INT = 1 << 53
@@ -30,49 +37,14 @@ MAX_LAYERS = 1024
 """Most decoder layers (`model.num_layers`, the config.json's `num_hidden_layers`)."""
 MAX_PER_HOST = 1024
 """Most GPUs or NICs in one host."""
-MAX_ERRORS = 10
-"""Most errors of one file reported (a file of 10,000 unknown keys prints 11 lines)."""
-
-
-class ConfigErrors(ConfigError):
-    """Several independent config errors of one file, reported together (one line each)."""
-
-    def __init__(self, errors: list[ConfigError], more: int = 0) -> None:
-        self.errors = tuple(errors)
-        """The errors reported (at most `MAX_ERRORS`), then one line counting the rest."""
-        self.more = more
-        """Errors found beyond those listed."""
-        if more:
-            self.errors += (ConfigError(f"... and {more} more errors; fix these first"),)
-        super().__init__("; ".join(str(e) for e in self.errors))
-
-
-def raise_all(errors: list[ConfigError]) -> None:
-    """Raise nothing, the one error, or all of them (at most `MAX_ERRORS`) as
-    `ConfigErrors`."""
-    flat: list[ConfigError] = []
-    more = 0
-    for e in errors:
-        if isinstance(e, ConfigErrors):
-            flat += e.errors[:len(e.errors) - (1 if e.more else 0)]
-            more += e.more
-        else:
-            flat.append(e)
-    more += max(0, len(flat) - MAX_ERRORS)
-    flat = flat[:MAX_ERRORS]
-    if len(flat) == 1 and not more:
-        raise flat[0]
-    if flat:
-        raise ConfigErrors(flat, more)
-
-
 def _fail(key: str, value: object, fix: str) -> None:
     raise ConfigError(f"{key}: {short(value)} {fix}")
 
 
 def _positive(section: str, name: str, value: int | None) -> None:
     if value is not None and value < 1:
-        _fail(f"{section}.{name}", value, "must be a positive integer (>= 1)")
+        raise OwnValueError(f"{section}.{name}: {short(value)} must be a positive integer "
+                            "(>= 1)")
 
 
 MAX_GBPS = 1e6
@@ -150,12 +122,10 @@ class SourceConfig:
     """fsdp2: experts as transformers 5.x fused `experts.gate_up_proj [E,2I,H]` params."""
 
     def __post_init__(self) -> None:
-        if self.framework not in ("megatron", "fsdp2"):
-            _fail("source.framework", self.framework, "is not supported; use megatron or fsdp2")
-        for name in ("tp", "pp", "vpp", "dp", "dp_replicate", "ep", "etp"):
-            _positive("source", name, getattr(self, name))
-        for name in ("pp_first_stage_layers", "pp_last_stage_layers"):
-            _positive("source", name, getattr(self, name))
+        check_each(self._framework_check,
+              *(lambda n=name: _positive("source", n, getattr(self, n))
+                for name in ("tp", "pp", "vpp", "dp", "dp_replicate", "ep", "etp",
+                             "pp_first_stage_layers", "pp_last_stage_layers")))
         if self.dtype not in DTYPES:
             _fail("source.dtype", self.dtype, f"is not supported; use one of {', '.join(DTYPES)}")
         if self.framework == "fsdp2":
@@ -168,6 +138,10 @@ class SourceConfig:
                   "is fsdp2-only (HSDP); use source.dp for Megatron data parallel")
         _world("source.tp * source.dp * source.dp_replicate" if self.framework == "fsdp2"
                else "source.tp * source.pp * source.dp", self.world)
+
+    def _framework_check(self) -> None:
+        if self.framework not in ("megatron", "fsdp2"):
+            _fail("source.framework", self.framework, "is not supported; use megatron or fsdp2")
 
     @property
     def expert_tp(self) -> int:
@@ -242,11 +216,15 @@ class TargetConfig:
     refit; the plan is the one compiled before the key existed). Read as a `ShadowConfig`."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shadow", _shadow(self.shadow))
+        check_each(lambda: object.__setattr__(self, "shadow", _shadow(self.shadow)),
+              self._engine_checks,
+              *(lambda n=name: _positive("target", n, getattr(self, n))
+                for name in ("tp", "dp", "pp", "replicas")))
+        _world("target.tp * target.dp * target.pp * target.replicas", self.world)
+
+    def _engine_checks(self) -> None:
         if self.engine not in ("vllm", "sglang"):
             _fail("target.engine", self.engine, "is not supported; use vllm or sglang")
-        for name in ("tp", "dp", "pp", "replicas"):
-            _positive("target", name, getattr(self, name))
         if self.dtype not in (*DTYPES, "fp8_block128"):
             _fail("target.dtype", self.dtype,
                   f"is not supported; use one of {', '.join(DTYPES)}, fp8_block128")
@@ -260,7 +238,6 @@ class TargetConfig:
             _fail("target.layout", self.layout, "is not supported; use auto, rules or traced")
         if self.layout == "traced" and self.engine != "vllm":
             _fail("target.layout", self.layout, "is vllm-only; remove it for sglang")
-        _world("target.tp * target.dp * target.pp * target.replicas", self.world)
 
     @property
     def engine_world(self) -> int:

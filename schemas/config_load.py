@@ -17,7 +17,16 @@ from dataclasses import MISSING, fields
 from typing import Any, Literal
 
 from .bounded import short
-from .config import _SECTIONS, MAX_INT, Config, ConfigError, _fail, raise_all
+from .config import (
+    _SECTIONS,
+    MAX_INT,
+    Config,
+    ConfigError,
+    ConfigErrors,
+    OwnValueError,
+    _fail,
+    raise_all,
+)
 
 
 def _type_name(tp: Any) -> str:
@@ -115,8 +124,29 @@ def _section(name: str, cls: type, data: Any) -> Any:
     for f in known.values():
         if f.default is MISSING and f.default_factory is MISSING and f.name not in data:
             errors.append(ConfigError(f"{name}.{f.name}: missing; this key is required"))
+    if errors:
+        errors += _own_value_errors(cls, kwargs, hints)
     raise_all(errors)
     return cls(**kwargs)
+
+
+def _own_value_errors(cls: type, kwargs: dict[str, Any], hints: dict[str, Any]
+                      ) -> list[ConfigError]:
+    """The errors a section's keys that did read would get on their own values
+    (`OwnValueError`: `tp: 0` beside `engine: vlm`), its missing or mistyped required keys
+    filled with a stand-in that is never reported."""
+    stand_in = {f.name: typing.get_args(hints[f.name])[0] for f in fields(cls)
+                if f.default is MISSING and f.default_factory is MISSING
+                and f.name not in kwargs and typing.get_origin(hints[f.name]) is Literal}
+    try:
+        cls(**kwargs, **stand_in)
+    except ConfigErrors as e:
+        return [x for x in e.errors if isinstance(x, OwnValueError)]
+    except OwnValueError as e:
+        return [e]
+    except (ConfigError, TypeError):
+        return []
+    return []
 
 
 def config_from_dict(data: Any, base_dir: str = ".") -> Config:

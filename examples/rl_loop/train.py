@@ -5,9 +5,9 @@ Each rank builds the tiny Qwen3 (transformers, fp32, random init with one seed),
 parallelism 2), binds its shards to the compiled plan (`integrations.fsdp2.bind` /
 `integrations.megatron.bind`) and hands them to vLLM's trainer factory as a `WeightSource`
 (`RdmaPlanTrainerInitInfo`; rank 0 drives the engine with vLLM's `HTTPVLLMWeightSyncClient`).
-Then step 0 (the initial weights) and K training steps (AdamW on next-token loss); after each:
-pause the engine, send the weights (start, update, finish through vLLM's API), resume,
-generate, and check:
+Then the initial sync (step-0: the initial weights, no training) and K training steps (AdamW
+on next-token loss); after each: pause the engine, send the weights (start, update, finish
+through vLLM's API), resume, generate, and check:
   - the engine's prompt logprobs of fixed token ids equal this trainer's own forward
     (max |delta logprob| printed, fp32 tolerance);
   - the engine's weight version is the step's and advanced;
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 import urllib.request
@@ -43,6 +44,15 @@ import torch
 import torch.distributed as dist
 from refit import paced_engine, refit
 from serving import Client, post, probe_logprobs, sort_requests
+
+
+def early_vllm_log_level() -> None:
+    """`VLLM_LOGGING_LEVEL` for the lines vLLM logs while it is imported, before its own
+    logging is set up (they would go through Python's last-resort handler whatever the
+    variable says: "Triton is installed, but doesn't include CPU backend")."""
+    level = os.environ.get("VLLM_LOGGING_LEVEL")
+    if level:
+        logging.getLogger("vllm").setLevel(level.upper())
 
 
 def get(url: str, path: str) -> Any:
@@ -222,6 +232,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    early_vllm_log_level()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
 
@@ -325,7 +336,8 @@ def main() -> int:
             during = t["tokens"] > 0 if args.shadow and serving else True
             ok = (delta <= args.tolerance and got_version == label and got_version != version
                   and not wrong and len(want) > 0 and not requests.wrong and during)
-            print(f"{label}: loss {loss:.4f}  max|delta logprob| {delta:.2e}  version "
+            what = "initial sync" if step == 0 else f"loss {loss:.4f}"  # 0: no training
+            print(f"{label}: {what}  max|delta logprob| {delta:.2e}  version "
                   f"{version} -> {got_version}  bytes {len(want) - len(wrong)}/{len(want)} "
                   f"tensors equal  {timing}  N vs N+1 {(old - theirs).abs().max().item():.2e}"
                   f"  generated {generated}  {'OK' if ok else 'FAIL'}", flush=True)

@@ -9,6 +9,7 @@ equals the trainer's bytes. Skips when the live venv is absent; fails instead un
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -19,16 +20,17 @@ from tests.support.live import ROOT, live_python
 
 pytestmark = [pytest.mark.extended, pytest.mark.oracle, pytest.mark.slow]
 
-STEP = re.compile(r"^(step-\d+): loss \S+  max\|delta logprob\| (\S+)  version (\S+) -> (\S+)"
-                  r"  bytes (\d+)/(\d+) tensors equal  pause .* (OK|FAIL)$")
+STEP = re.compile(r"^(step-\d+): (?:initial sync|loss \S+)  max\|delta logprob\| (\S+)  "
+                  r"version (\S+) -> (\S+)  bytes (\d+)/(\d+) tensors equal  pause .* (OK|FAIL)$")
 
 
 @pytest.mark.parametrize("variant", ["fsdp2", "megatron"])
 def test_rl_loop_live_vllm_tp2(variant: str, tmp_path: pytest.TempPathFactory) -> None:
+    # as the README runs it: no --workdir (a temporary one, under TMPDIR here)
     py = live_python()
-    r = subprocess.run([py, "examples/rl_loop/run.py", "--variant", variant, "--steps", "3",
-                        "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=1800)
+    r = subprocess.run([py, "examples/rl_loop/run.py", "--variant", variant, "--steps", "3"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1800,
+                       env=dict(os.environ, TMPDIR=str(tmp_path)))
     out = r.stdout + r.stderr
     steps = [m for line in r.stdout.splitlines() if (m := STEP.match(line.strip()))]
     sys.stdout.write("".join(m.group(0) + "\n" for m in steps))  # the figures, with -s
@@ -43,6 +45,13 @@ def test_rl_loop_live_vllm_tp2(variant: str, tmp_path: pytest.TempPathFactory) -
         assert verdict == "OK"
         previous = after
     assert "RL loop: all steps OK" in r.stdout
+    # quiet by default: the engine's log in a file it named, then removed with the work
+    # folder; no error or leak report at shutdown, no folder left behind
+    assert "vllm-serve.log (--verbose shows it here)" in r.stdout
+    assert "POST /v1/completions" not in out and " INFO " not in out, out[-6000:]
+    for bad in ("EngineDeadError", "Traceback", "leaked"):
+        assert bad not in out, out[-6000:]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("rl-loop-")]
 
 
 RESENT = re.compile(r"^(step-\d+): paused refit TORN \((.*)\); while torn the engine held "

@@ -31,7 +31,8 @@ from tests.support.live import ROOT, live_python
 pytestmark = [pytest.mark.extended, pytest.mark.oracle, pytest.mark.slow]
 
 STEP = re.compile(
-    r"^(step-\d+): loss \S+  max\|delta logprob\| (\S+)  version (\S+) -> (\S+)  bytes (\d+)/"
+    r"^(step-\d+): (?:initial sync|loss \S+)  max\|delta logprob\| (\S+)  version (\S+) -> "
+    r"(\S+)  bytes (\d+)/"
     r"(\d+) tensors equal  pause (\S+) ms .* transfer (\S+) ms  tokens during transfer (\d+)  "
     r"requests N (\d+), N\+1 (\d+), either (\d+), wrong (\d+)  N vs N\+1 (\S+)  .* (OK|FAIL)$")
 TORN = re.compile(r"^(step-\d+): TORN \(.*\)  kept version (\S+) -> (\S+)  max\|delta logprob\| "
@@ -45,7 +46,8 @@ def test_rl_loop_shadow_live_vllm_tp2(tmp_path: pytest.TempPathFactory) -> None:
     py = live_python()
     r = subprocess.run([py, "examples/rl_loop/run.py", "--shadow", "--steps", "4",
                         "--stall-step", "2", "--timeout-s", "20", "--throttle-ms", "1500",
-                        "--throttle-steps", "1,3", "--workdir", str(tmp_path)],
+                        "--throttle-steps", "1,3", "--workdir", str(tmp_path),
+                        "--verbose"],  # the engine's log here: its commit lines
                        cwd=ROOT, capture_output=True, text=True, timeout=2400)
     out = r.stdout + r.stderr
     lines = [line.strip() for line in r.stdout.splitlines()]

@@ -142,6 +142,10 @@ def test_explain_takes_checkpoint_names_and_suggests(demo: str,
     assert main(["explain", demo, "model.layers.0.self_attn.q_prj.weight"]) == 2
     (line,) = _err_lines(capsys)
     assert "did you mean model.layers.0.self_attn.q_proj.weight" in line
+    # a part of the name left out: the names holding every part given, in order
+    assert main(["explain", demo, "model.layers.0.q_proj.weight"]) == 2
+    (line,) = _err_lines(capsys)
+    assert line.endswith("did you mean model.layers.0.self_attn.q_proj.weight?")
 
 
 def test_explain_shows_gathers(fsdp16: str, capsys: pytest.CaptureFixture) -> None:
@@ -243,12 +247,53 @@ def test_colocated_plots_say_there_is_no_nic_traffic(demo: str, tmp_path: Path,
     figs = _figures(monkeypatch)
     assert main(["inspect", demo, "--plot", str(tmp_path / "i.png")]) == 0
     assert main(["simulate", demo, "--plot", str(tmp_path / "s.png")]) == 0
-    inspect_nics, sim_nics = figs[0].axes[1], figs[1].axes[0]
+    inspect_nics, sim_nics = figs[0].axes[1], figs[2].axes[0]  # figs[1]: the traffic matrix
     for ax in (inspect_nics, sim_nics):
         assert not ax.axison and not ax.patches  # no empty bars
         assert any("no NIC traffic" in t.get_text() for t in ax.texts)
-    ticks = figs[1].axes[1].get_yticks()  # the timeline's source ranks
+    ticks = figs[2].axes[1].get_yticks()  # the timeline's source ranks
     assert len(ticks) and all(float(t).is_integer() for t in ticks)
+
+
+@pytest.mark.parametrize("which", ["demo", "fsdp16"])
+def test_the_traffic_matrix_adds_up_to_the_plans_bytes(which: str, request: pytest.FixtureRequest,
+                                                       tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # inspect --plot FILE.png also draws FILE-traffic.png: who writes how many bytes to
+    # whom, NVLink (same host) and NICs (across hosts) apart; each panel's cells add up to
+    # the header's own totals, and only source ranks write to targets or to staging.
+    plan = request.getfixturevalue(which)
+    figs = _figures(monkeypatch)
+    assert main(["inspect", plan, "--plot", str(tmp_path / "i.png")]) == 0
+    assert (tmp_path / "i-traffic.png").stat().st_size > 0
+    header = load_plan(plan).header
+    nvlink, nic = (ax.images[0].get_array().filled(0) for ax in figs[1].axes[:2])
+    assert nvlink.sum() == header.stats.nvlink_bytes
+    assert nic.sum() == header.stats.remote_bytes
+    assert nvlink.shape == nic.shape == (header.world, header.world)
+    assert not (nvlink + nic)[header.sources:].any()  # targets write nothing
+
+
+# ---------------------------------------------------------------- inspect tables
+
+def test_long_tables_name_the_rows_left_out_where_they_are() -> None:
+    from planner.inspect import SHOWN, _table
+
+    rows = [[str(r), f"{r * 10**9:,}"] for r in range(600)]
+    lines = _table(["rank", "staging"], rows, "ranks")
+    assert lines[SHOWN + 1] == "... ranks 16 to 583 left out (568 rows; --json lists all)"
+    assert lines[SHOWN].split()[0] == "15" and lines[SHOWN + 2].split()[0] == "584"
+    # the widest number (13 characters and more) keeps two spaces from its neighbour
+    assert lines[-1] == "599   599,000,000,000" and lines[0] == "rank          staging"
+
+
+def test_inspect_of_a_plan_without_nic_traffic_says_so(demo: str,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    assert main(["inspect", demo]) == 0
+    out = capsys.readouterr().out
+    assert "nics: none carries a byte: every write stays on its host (NVLink" in out
+    assert "bytes out       bytes in" not in out.split("rank  role")[0]
+    assert "ep=" not in out and "2 replicas" in out and "(2.74M params)" in out
 
 
 # ---------------------------------------------------------------- bugs print as bugs

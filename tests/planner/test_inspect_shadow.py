@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,19 @@ from planner.compiler import compile_file
 from schemas.plan import STAGING, load_rank
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def rank_row(text: str, rank: int) -> dict[str, str]:
+    """Rank `rank`'s row of inspect's rank table, by column name (columns are two or more
+    spaces apart)."""
+    lines = text.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.lstrip().startswith("rank  role"))
+    head = re.split(r"\s{2,}", lines[i].strip())
+    for line in lines[i + 1:]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells[0] == str(rank):
+            return dict(zip(head, cells))
+    raise AssertionError(f"no row for rank {rank} in:\n{text}")
 
 
 def test_inspect_shows_each_ranks_full_shadow_bytes(tmp_path: Path,
@@ -29,7 +43,8 @@ def test_inspect_shows_each_ranks_full_shadow_bytes(tmp_path: Path,
         rp = load_rank(plan, r["rank"])[1]
         weights = sum(g.nbytes for g in rp.regions if g.name != STAGING)
         assert r["shadow"] == weights > 0
-        assert f"{r['staging']:>12,}{weights:>16,}" in text
+        row = rank_row(text, r["rank"])
+        assert (row["staging"], row["shadow"]) == (f"{r['staging']:,}", f"{weights:,}")
     largest = max(r["shadow"] for r in targets) / 2**20
     assert f"full shadow (executor/shadow.py) + {largest:.1f} MiB" in text
 
@@ -55,7 +70,9 @@ def test_inspect_shows_each_modes_extra_memory_per_rank(tmp_path: Path,
         mem = r["extra_memory"]
         assert mem["paused"] == 0 and mem["full_shadow"] == r["shadow"]
         if r["role"] == "target":
-            assert mem["bounded_shadow"] is None and f"{r['shadow']:>16,}{'-':>12}" in out
+            row = rank_row(out, r["rank"])
+            assert mem["bounded_shadow"] is None
+            assert (row["shadow"], row["bounded"]) == (f"{r['shadow']:,}", "-")
     full = {r["rank"]: r["shadow"] for r in ranks}
     assert main(["inspect", bounded, "--json"]) == 0
     s = json.loads(capsys.readouterr().out)

@@ -57,3 +57,29 @@ def test_terminal_line_after_a_slow_compile_ends_with_done():
     clock.t = 12.0
     p.close()
     assert out.getvalue().rstrip().endswith("compile: done in 12.0 s")
+
+
+def test_a_long_pass_off_a_terminal_prints_a_line_every_heartbeat():
+    out, clock = io.StringIO(), Clock()
+    p = Progress("compile", stream=out, tty=False, clock=clock, heartbeat=10.0)
+    p("layouts")
+    clock.t = 2.5
+    p("lower")
+    for t in (5.0, 12.4, 12.6, 20.0, 23.0):  # the ticker's calls, at these times
+        clock.t = t
+        p.beat()
+    clock.t = 24.0
+    p.close()
+    assert out.getvalue().splitlines() == [
+        "compile: lower (at 2.5 s)", "compile: still lower (at 12.6 s)",
+        "compile: still lower (at 23.0 s)", "compile: done in 24.0 s"]
+
+
+def test_a_quick_pass_prints_no_heartbeat():
+    out, clock = io.StringIO(), Clock()
+    p = Progress("compile", stream=out, tty=False, clock=clock, heartbeat=10.0)
+    p("layouts")
+    clock.t = 1.5
+    p.beat()  # before the delay: nothing
+    p.close()
+    assert out.getvalue() == ""

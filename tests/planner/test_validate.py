@@ -139,3 +139,21 @@ def test_every_section_error_is_reported() -> None:
                           "target": {"engine": "vlm"}, "optons": {}})
     keys = sorted(str(e).split(":")[0] for e in err.value.errors)
     assert keys == ["model.num_layers", "optons", "source.tp", "source.tpp", "target.engine"]
+
+
+@pytest.mark.parametrize("section, keys", [
+    # a mistyped value beside a size of 0: both, not the second only once the first is fixed
+    ({"target": {"engine": "vlm", "tp": 0}}, ["target.engine", "target.tp"]),
+    ({"target": {"engine": "vllm", "tp": 0, "dp": 0, "replicas": 0}},
+     ["target.dp", "target.replicas", "target.tp"]),
+    ({"source": {"framework": "megatorn", "tp": 0, "pp": 0}},
+     ["source.framework", "source.pp", "source.tp"]),
+    # a stand-in for the missing engine is never reported: only what the file says
+    ({"target": {"tp": 0}}, ["target.engine", "target.tp"]),
+], ids=["engine-and-tp", "three-sizes", "framework-and-sizes", "missing-engine"])
+def test_every_mistake_within_a_section_is_reported(section: dict, keys: list[str]) -> None:
+    data = {"model": {"config": "x"}, "source": {"framework": "megatron"},
+            "target": {"engine": "vllm"}, **section}
+    with pytest.raises(ConfigErrors) as err:
+        config_from_dict(data)
+    assert sorted(str(e).split(":")[0] for e in err.value.errors) == keys
