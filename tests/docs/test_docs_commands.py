@@ -34,6 +34,7 @@ TEMPLATE = ("VLLM_SERVER_DEV_MODE=1 vllm serve /models/my-model ",)
 what `examples/rl_loop/run.py` runs on CPU (`vllm.entrypoints.openai.api_server`, the same
 arguments); not run here."""
 COSTLY = ("bash scripts/setup.sh", "python3 scripts/demo.py", "python3 -m pytest",
+          "bash scripts/test_under_load.sh",
           "scripts/live-python examples/rl_loop/", "python3 -m sglang.launch_server",
           "mkdir -p /tmp/snap && git archive HEAD")
 
