@@ -47,8 +47,9 @@ from .recovery import Recovery
 from .rendezvous import open_store
 from .stages import Stage, prepare_stage
 from .stats import RunStats, received_bytes
-from .transports import graphs, make_transport
+from .transports import make_transport
 from .transports.base import Prepared
+from .transports.graphs import device_sync
 from .trust import check_identity
 from .waits import Sender, Signals
 from .window import Window
@@ -377,7 +378,7 @@ class Executor:
         self.control.close()
         try:
             if self.device.type == "cuda":  # nothing of this rank's may still run on the GPU
-                graphs.device_sync(self.device)
+                device_sync(self.device)
             for st in self.stages:  # its CUDA graphs go now, not whenever the GC finds them
                 for entry in st.batches:
                     self.transport.release(entry.handle)

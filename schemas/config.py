@@ -6,7 +6,7 @@ Checks of one section live in its `__post_init__` (with the bounds: positive siz
 numbers, at most `MAX_RANKS` ranks a side); checks against the model (tp against the
 model's heads) live in each layout module's `check(spec, cfg)` and the cluster's host count
 in `planner.topology`, which `planner/validate.py` runs. Reading YAML is
-`schemas/config_load.py` (re-exported here).
+`schemas/config_load.py` (`load_config`, `config_from_dict`).
 
 Every error is a `ConfigError` naming the full key, the bad value and the fix.
 """
