@@ -6,7 +6,7 @@
 Each config compiles in a fresh subprocess (one process, as `rdma-plan compile` runs),
 so peak RSS is that compile's alone. Then one rank's part is loaded from the plan file
 (`schemas.plan.load_rank`, what `executor.load` reads) for a few ranks: median time.
-Goals (issue 4): under 60 s and 8 GiB per compile; under 100 ms per rank load.
+Goals: under 60 s and 8 GiB per compile; under 100 ms per rank load.
 `--write` appends the table to BENCHMARKS.md with the command and the machine.
 """
 

@@ -1,4 +1,4 @@
-"""Every example config at default options: simulated time against the floor (issue 19).
+"""Every example config at default options: simulated time against the floor.
 
     python3 bench/defaults.py [SUBSTRING ...] [--save rows.jsonl] [--record]
     python3 bench/defaults.py --tiny     # plans/demo.yaml only (the test suite's)

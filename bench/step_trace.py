@@ -16,7 +16,7 @@ import statistics
 import time
 from typing import Any
 
-from executor.waits import _KIND_NAMES
+from executor.waits import KIND_NAMES
 
 
 def attach(ex: Any) -> list[list[tuple[str, float]]]:
@@ -42,12 +42,12 @@ def attach(ex: Any) -> list[list[tuple[str, float]]]:
     def t_wait(waits: list[tuple[int, int, int]], timeout_s: Any) -> None:
         wait(waits, timeout_s)
         if waits:
-            mark("got " + "+".join(sorted({_KIND_NAMES[k].split()[0] for _, k, _ in waits})))
+            mark("got " + "+".join(sorted({KIND_NAMES[k].split()[0] for _, k, _ in waits})))
 
     def t_signal(peers: list[int], stage: int, kind: int) -> None:
         signal(peers, stage, kind)
         if peers:
-            mark("sent " + _KIND_NAMES[kind].split()[0])
+            mark("sent " + KIND_NAMES[kind].split()[0])
 
     def t_hand_off(stage: int, entries: list[Any]) -> frozenset[int]:
         handed = hand_off(stage, entries)

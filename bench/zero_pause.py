@@ -1,4 +1,4 @@
-"""Zero-pause refit (issue 36) on a stand-in engine: a decode loop reading the target tensors.
+"""Zero-pause refit on a stand-in engine: a decode loop reading the target tensors.
 
     python bench/zero_pause.py [--models 2048x8,4096x16] [--sources 2] [--targets 2]
                                [--steps 5] [--device cuda]

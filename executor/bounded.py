@@ -73,22 +73,17 @@ def chunk_rendezvous(rendezvous: object, k: int, rank: int = 0, timeout_s: float
     from .transports.local import FABRIC, Fabric
     rendezvous = FABRIC if rendezvous is None else rendezvous
     if isinstance(rendezvous, Fabric):
-        with _LOCK:  # kept on the parent: they live and go with it
-            kids = rendezvous.__dict__.setdefault("chunk_fabrics", {})
-            if k not in kids:
-                kids[k] = Fabric(shared=rendezvous.shared)
-                kids[k].secret = rendezvous.secret
-            return kids[k]
+        return rendezvous.child(k)  # kept on the parent: they live and go with it
     import torch.distributed as dist
     if isinstance(rendezvous, str):
-        from .rendezvous import _tcp_store
+        from .rendezvous import tcp_store
         host, _, port = rendezvous.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"rendezvous {rendezvous!r} is not 'host:port'")
         with _LOCK:
             key = hash((rendezvous, rank))
             if key not in _CHILDREN:
-                _CHILDREN[key] = _tcp_store(dist, host, int(port), rank, timeout_s)
+                _CHILDREN[key] = tcp_store(dist, host, int(port), rank, timeout_s)
             rendezvous = _CHILDREN[key]
     if not isinstance(rendezvous, dist.Store):
         raise ValueError(f"a bounded shadow needs rendezvous as a local Fabric, a torch Store "

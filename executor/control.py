@@ -10,8 +10,8 @@ traceback):
   process that holds the rank's lease (a dead process's record replayed is ignored); within a step's
   path a publisher thread writes it (`publish_step(later=True)`: no store round trip on
   the step's critical path), `STEP_DELAY_S` after it is asked to, the newest record
-  then pending (its Python work, sealing, takes the GIL from the step: on one H100 two
-  records a step cost 0.63 -> 0.80 of a 0.25 ms step); elsewhere the caller does;
+  then pending (its Python work, sealing, takes the GIL from the step, a visible share of
+  a sub-millisecond step); elsewhere the caller does;
 - `<ns>/lease/<r>`: the lease: the holding process's incarnation, its generation (one more
   than the process it replaced), a heartbeat counter and the wall-clock time of the beat
   (`at`), all under the MAC.

@@ -32,7 +32,7 @@ from schemas.header import PlanHeader
 from schemas.integrity import plan_key as read_key
 from schemas.integrity import rank_digest
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, RankPlan, load_rank
-from schemas.protocol import Overlap, carries
+from schemas.protocol import INFLIGHT, Overlap, carries
 
 from . import signals
 from .auth import keys_from
@@ -47,8 +47,9 @@ from .recovery import Recovery
 from .rendezvous import open_store
 from .stages import Stage, prepare_stage
 from .stats import RunStats, received_bytes
-from .transports import graphs, make_transport
+from .transports import make_transport
 from .transports.base import Prepared
+from .transports.graphs import device_sync
 from .trust import check_identity
 from .waits import Sender, Signals
 from .window import Window
@@ -57,8 +58,9 @@ from .window import Window
 class Executor:
     def __init__(self, header: PlanHeader, plan: RankPlan,
                  tensors: dict[str, torch.Tensor], transport: str = "nixl",
-                 rendezvous: object = None, timeout_s: float = 60.0, max_inflight: int = 8,
-                 *, secret: bytes | str | None = None, insecure: bool = False,
+                 rendezvous: object = None, timeout_s: float = 60.0,
+                 max_inflight: int = INFLIGHT, *, secret: bytes | str | None = None,
+                 insecure: bool = False,
                  transport_options: dict[str, Any] | None = None,
                  step_records: bool = True, max_staging_bytes: int | None = None,
                  pack_groups: int | None = None) -> None:
@@ -126,14 +128,21 @@ class Executor:
 
     @staticmethod
     def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str = "nixl",
-             rendezvous: object = None, timeout_s: float = 60.0, max_inflight: int = 8,
-             plan_key: bytes | str | None = None, identity: dict | None = None,
+             rendezvous: object = None, timeout_s: float = 60.0,
+             max_inflight: int = INFLIGHT, plan_key: bytes | str | None = None,
+             identity: dict | None = None,
              **options: Any) -> Executor:
-        """Read rank `rank` of the plan at `path`, bind `tensors`, register and connect.
-        `plan_key`: the plan must be signed with this key (bytes, or a key file's path).
-        `identity` (`schemas/identity.py`): refused unless it is the plan's for `rank` and
-        the rank's part was compiled for it; None is refused unless `no_identity=True`
-        (`trust.py`)."""
+        """Load rank `rank` of a plan, bind `tensors`, register once and connect to the peers
+        (`executor.load` is this function).
+
+        `plan_key`: refuse a plan not signed with this key (bytes, or a key file's path).
+        `identity` (this process's coordinates, `schemas/identity.py`): a plan rank with
+        other coordinates, or whose part was compiled for other coordinates, is refused
+        (`IdentityError`, naming both) before registration; without one the load is refused
+        unless `no_identity=True` (logged; `trust.py`). Keyword options: `secret` (the job
+        secret, else `RDMA_PLAN_SECRET`), `insecure=True` (run without one; logs a warning),
+        `transport_options` (a dict of the transport's options dataclass, e.g.
+        `{"streams": 2}` for cuda_ipc), `pack_groups` (`pipeline.py`)."""
         no_identity = bool(options.pop("no_identity", False))
         header, plan = load_rank(path, rank, None if plan_key is None else read_key(plan_key))
         check_identity(header, plan.identity, rank, identity, no_identity, path)  # first
@@ -369,7 +378,7 @@ class Executor:
         self.control.close()
         try:
             if self.device.type == "cuda":  # nothing of this rank's may still run on the GPU
-                graphs.device_sync(self.device)
+                device_sync(self.device)
             for st in self.stages:  # its CUDA graphs go now, not whenever the GC finds them
                 for entry in st.batches:
                     self.transport.release(entry.handle)
@@ -378,21 +387,7 @@ class Executor:
             self.transport.close()
 
 
-def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str = "nixl",
-         rendezvous: object = None, timeout_s: float = 60.0, max_inflight: int = 8,
-         plan_key: bytes | str | None = None, identity: dict | None = None,
-         **options: Any) -> Executor:
-    """Load rank `rank` of a plan, bind `tensors`, register once and connect to the peers.
-
-    `plan_key`: refuse a plan not signed with this key. `identity` (this process's
-    coordinates, `schemas/identity.py`): a plan rank with other coordinates, or whose part
-    was compiled for other coordinates, is refused (`IdentityError`, naming both) before
-    registration; without one the load is refused unless `no_identity=True` (logged).
-    Keyword options: `secret` (the job secret, else `RDMA_PLAN_SECRET`), `insecure=True`
-    (run without one; logs a warning), `transport_options` (a dict of the transport's
-    options dataclass, e.g. `{"streams": 2}` for cuda_ipc), `pack_groups` (`pipeline.py`)."""
-    return Executor.load(path, rank, tensors, transport, rendezvous, timeout_s, max_inflight,
-                         plan_key, identity, **options)
+load = Executor.load
 
 
 def run(plan: Executor, step: int | None = None) -> RunStats:

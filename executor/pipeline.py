@@ -1,8 +1,8 @@
-"""A stage's packs in groups, each group's writes posted right after it (issue 37).
+"""A stage's packs in groups, each group's writes posted right after it.
 
 A stage that packs or quantizes into staging and then writes what it packed would run all
-of its copies before its first write: on a GPU the whole QUANT pass of a stage (a third of
-the FP8 refit's time, BENCHMARKS.md "Issue 37: GPU rows") before a byte moves. Here the
+of its copies before its first write: on a GPU the whole QUANT pass of a stage (a large
+share of an FP8 refit's time) before a byte moves. Here the
 stage's PACK/QUANT copies are cut into groups in the order of the staging bytes they write
 (growing: the first group is small, so the writes start early), and every write of the
 stage goes out right after the last group that writes a byte it reads; writes that read
@@ -52,7 +52,7 @@ def beside_quants(plan: RankPlan, prepacked: list[bool]) -> list[bool]:
     there), of s-2. Such writes are `WriteBatch.beside_packs`: a transport that can leave
     the SMs to the quantizer (cuda_ipc: the copy engines, where the copies are large
     enough) does; on the copy kernel the quantizer would wait for every SM it holds
-    (issue 37: FP8 on GPUs, staging halves alternating between rounds)."""
+    (FP8 on GPUs, staging halves alternating between rounds)."""
     c = plan.copies
     quant = np.zeros(plan.stages, dtype=bool)
     st = c["stage"][c["kind"] == QUANT].astype(np.int64)

@@ -2,8 +2,7 @@
 
 `quant.quantize_into` is a dozen torch kernels per box, and a stage of an MoE's FP8 plan
 holds ~10,000 boxes (one per expert weight): the per-box path launches ~120,000 small
-kernels a step (the refit's figures with and without this kernel: BENCHMARKS.md, "GPU
-refit"). Here a CUDA block quantizes 128x128 blocks of the boxes, a run of them in op order
+kernels a step. Here a CUDA block quantizes 128x128 blocks of the boxes, a run of them in op order
 (one search for its first op), where aligned reading 16 bytes of bf16 and writing 8 of e4m3
 at a time, with the formula of `quant.py`,
 step by step as the CPU reference does it:

@@ -48,7 +48,7 @@ def open_store(rendezvous: object, rank: int, timeout_s: float) -> Store:
         host, _, port = rendezvous.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"rendezvous {rendezvous!r} is not 'host:port'")
-        return TorchStore(_tcp_store(dist, host, int(port), rank, timeout_s))
+        return TorchStore(tcp_store(dist, host, int(port), rank, timeout_s))
     if type(rendezvous).__module__.startswith("torch"):
         # a connection of our own: the caller may block theirs (store.wait), and the
         # lease's heartbeat must not wait behind it; a store that cannot clone is shared
@@ -63,7 +63,7 @@ def open_store(rendezvous: object, rank: int, timeout_s: float) -> Store:
     return rendezvous  # type: ignore[return-value]
 
 
-def _tcp_store(dist: Any, host: str, port: int, rank: int, timeout_s: float) -> Any:
+def tcp_store(dist: Any, host: str, port: int, rank: int, timeout_s: float) -> Any:
     """A TCPStore at host:port (hosted by rank 0), made in a thread that is given up on after
     `timeout_s` (torch's client never returns from a listener that does not answer)."""
     made: list[Any] = []
@@ -107,4 +107,4 @@ def connect_store(address: str, timeout_s: float = 60.0) -> Any:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"rendezvous {address!r} is not 'host:port'")
-    return _tcp_store(dist, host, int(port), -1, timeout_s)
+    return tcp_store(dist, host, int(port), -1, timeout_s)

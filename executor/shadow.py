@@ -19,9 +19,10 @@ switch as ops (`schemas/shadow.py`, checked at load): `switch` copies exactly th
 plan writes, chunk (layer) by chunk, and leaves bytes no op writes (padding) as the engine
 holds them (`ShadowStats.switched_bytes`); a plan without the section is switched tensor
 by tensor. On a GPU each chunk's copies are one kernel launch (`executor/switch.py`: the
-launches of one `copy_` per tensor cost 3.4x the copy at 64 MiB). Pointer swaps would be
-cheaper but break every captured graph; a GPU copies its own memory at ~1.4 TB/s, so the
-copy is a small fraction of any transfer. The pause is what the copy costs (`ShadowStats.pause_s`).
+launches of one `copy_` per tensor cost several times the copy). Pointer swaps would be
+cheaper but break every captured graph; a GPU copies its own memory far faster than any
+link delivers it, so the copy is a small fraction of any transfer. The pause is what the
+copy costs (`ShadowStats.pause_s`).
 
 **Bounded shadow** (`target.shadow: {budget_bytes: N}`): runs in `executor/bounded.py`
 (`BoundedShadow`), from the chunk plans `rdma-plan compile` writes for it. A single plan

@@ -6,8 +6,8 @@ a `time.sleep` costs 50-100 us of the kernel's default timer slack, more than a 
 `NAP_SHARE` of the time it has waited so far (between `NAP_MIN_S` and `NAP_MAX_S`): a wait
 that ends after 4 ms is noticed at most ~60 us late, one for a slow peer costs no core.
 The first nap of a thread sets its timer slack to 1 us (Linux `prctl`), so a nap lasts
-what it asks for (a fixed 200 us nap had made a 1 GiB step on one H100 ~0.4 ms late:
-the source noticed its landed copies late, the target the DONE). The time a step spends
+what it asks for (with the default slack a nap overshoots by tens of microseconds: the
+source notices its landed copies late, the target the DONE). The time a step spends
 in waits is counted (`waited`), so a benchmark can tell host work from waiting.
 """
 
@@ -21,9 +21,8 @@ import time
 SPIN_S = float(os.environ.get("RDMA_PLAN_SPIN_S", "2e-3"))
 """Seconds a wait polls without sleeping (`RDMA_PLAN_SPIN_S` sets it for a process). A
 nap, however short, is noticed tens of microseconds late on the GPU hosts (the core sleeps
-deeper than the timer asks), a visible share of a sub-millisecond step (BENCHMARKS.md,
-"Executor against a raw copy on GPU"). Waits of whole weight updates last seconds: 2 ms
-of spinning each is nothing to them."""
+deeper than the timer asks), a visible share of a sub-millisecond step. Waits of whole
+weight updates last seconds: 2 ms of spinning each is nothing to them."""
 NAP_MIN_S = 1e-5
 NAP_MAX_S = 2e-4
 NAP_SHARE = 1 / 64

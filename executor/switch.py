@@ -1,17 +1,17 @@
 """A shadow's switch: one chunk's shadow -> live copies as ONE launch on a GPU.
 
 A switch is many copies (one per tensor, or per byte range the plan's switch ops name).
-As eager `copy_` calls each pays the host's launch cost (10-20 us), so a 64 MiB target of
-8 tensors spent 3.4-3.8x the time one copy of its bytes takes (issue 36's GPU figures, one
-H200). On a GPU each chunk is built once, at attach, into one launch on the caller's
-current stream (the engine's: its next decode step is ordered after it):
+As eager `copy_` calls each pays the host's launch cost, so a switch of a few MiB per tensor
+takes several times one copy of its bytes (BENCHMARKS.md has the figures). On a GPU each
+chunk is built once, at attach, into one launch on the caller's current stream (the
+engine's: its next decode step is ordered after it):
 - up to `MANY` copies: captured as one CUDA graph (`transports/graphs.py`) and replayed:
   one `_foreach_copy_` of those below `FEW_BELOW`, a `copy_` of each larger one
   (`transports/torch_copy.pair_copies`), at the device's local copy bandwidth;
 - more (a plan's switch ops of many small byte ranges): one launch of the batched copy
   kernel (`transports/copy_kernel.py`) over a piece table, pieces cut so the grid fills
-  the device (one `copy_` node per range would cost more than its bytes). On one H200 that
-  kernel moved 512 MiB at half `copy_`'s rate, so it is not the choice for few large ones.
+  the device (one `copy_` node per range would cost more than its bytes). The kernel moves
+  large ranges slower than `copy_` does, so it is not the choice for few large ones.
 Elsewhere (CPU; a capture that fails) the same ops run eagerly. Every live
 `data_ptr` stays either way.
 """
@@ -32,8 +32,8 @@ MIN_PIECE = 1 << 15
 """Smallest piece (bytes) when cutting a switch to fill the grid."""
 FEW_BELOW = 1 << 20
 """Copies below this many bytes go together in one `_foreach_copy_` node of a chunk's
-graph; each larger one is a `copy_` node (8 x 8 MiB: a graph of 8 `copy_`s took 55.6 us to
-the copies done on one H200, one of a `_foreach_copy_` 59.7 us)."""
+graph; each larger one is a `copy_` node (at that size a graph of `copy_`s is no slower
+than one `_foreach_copy_` of them)."""
 MANY = 256
 """More copies than this in a chunk: the copy kernel instead of a graph of `copy_`s."""
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .blame import Blame
     from .transports.base import Transport
 
-_KIND_NAMES = {READY: "READY", DONE: "DONE (its writes landed)",
+KIND_NAMES = {READY: "READY", DONE: "DONE (its writes landed)",
                ACK: "ACK (its staging is free)", SLOT_ACK: "SLOT_ACK (its staging slot is free)"}
 
 
@@ -110,7 +110,7 @@ class Signals:
             try:
                 self.transport.notify(peer, self.msg(peer, stage, kind))
             except Exception as e:  # transports raise their own types
-                raise PeerLostError(self.me.rank, peer, f"send {_KIND_NAMES[kind]} of stage "
+                raise PeerLostError(self.me.rank, peer, f"send {KIND_NAMES[kind]} of stage "
                                     f"{stage}", e) from e
 
     def wait(self, waits: list[tuple[int, int, int]], timeout_s: float) -> None:
@@ -142,7 +142,7 @@ class Signals:
             if self.blame.expired():
                 _, stage, kind, peer = missing[0]
                 culprit = self.blame.culprit(peer)
-                what = f"send {_KIND_NAMES[kind]} of stage {stage}, step {step}"
+                what = f"send {KIND_NAMES[kind]} of stage {stage}, step {step}"
                 if culprit != peer:
                     what = (f"take part in step {step} (rank {peer}, which this rank "
                             f"waits for, is alive and waits itself; rank {culprit}'s "

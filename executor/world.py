@@ -1,6 +1,8 @@
 """Every rank of a plan in this process, over the `local` transport, in lockstep.
 
-For tests and the compiler's end-to-end checks. Ranks advance stage by stage together:
+A plan's whole world on one machine, with no rendezvous and no job secret to hand out: the
+end-to-end check of a compiled plan and the `local` benchmarks. Ranks advance stage by
+stage together:
 all send READY, then all run steps 1-4, then all run steps 5-7. A wait that is not
 satisfied at that point can never be (signals only come from earlier steps of the
 protocol), so it is reported as a plan deadlock instead of hanging.

@@ -11,10 +11,9 @@ that runs on the sources). The compiler never imports this package (it is torch-
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
+from integrations import tensor_sha256
 from planner.fp8 import BLOCK, SCALE_SUFFIX, is_quantized
 from planner.layouts.base import Layout, Piece
 from planner.spec import ModelSpec
@@ -72,13 +71,6 @@ def assemble(layout: Layout, parts: dict[int, dict[str, torch.Tensor]],
                 logical_box(full[piece.tensor], piece).copy_(
                     piece_view(parts[rl.rank][pt.name], piece))
     return full
-
-
-def tensor_sha256(t: torch.Tensor) -> str:
-    """sha256 (hex) of a tensor's bytes in row-major order (vLLM's weight checker's digest;
-    the engine-side digests of `integrations.sglang` use it too)."""
-    raw = t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
-    return hashlib.sha256(raw).hexdigest()
 
 
 def layout_digests(layout: Layout, full: dict[str, torch.Tensor]) -> dict[int, dict[str, str]]:

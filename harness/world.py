@@ -1,5 +1,5 @@
 """A fault drill: drive `world_worker.py` processes (a rank each, faults on demand) step by
-step through a store hosted here; `stray.py` is the hostile process without the secret.
+step through a store hosted here.
 
 Every wait is bounded; `close()` kills what is still running (by pid, this harness's own
 children only).
@@ -19,7 +19,6 @@ from harness.launch import master_store
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "world_worker.py")
-STRAY = os.path.join(HERE, "stray.py")
 
 
 class World:
@@ -37,7 +36,6 @@ class World:
             self.env["UCX_TLS"] = tls
         self.procs: dict[tuple[int, str], subprocess.Popen] = {}
         self.logs: dict[tuple[int, str], str] = {}
-        self.strays: list[subprocess.Popen] = []
 
     def spawn(self, rank: int, life: str = "a", start: int = 1, die: str = "") -> None:
         config, plan = self.plans.get(rank, (self.config, self.plan))
@@ -71,25 +69,6 @@ class World:
         self.store.set(f"go/{k}", b"1")
         return {r: self.get(f"res/{k}/{r}", timeout_s) for r in ranks}
 
-    def stray(self, mode: str, *args: str) -> dict:
-        """Run harness/stray.py (a hostile process without the job secret) until it
-        has done its deed; a `forge` stray stays (progressing its sends) until `strays_stop`."""
-        env = {k: v for k, v in self.env.items() if k != "RDMA_PLAN_SECRET"}
-        self.store.delete_key("stray/stop")
-        proc = subprocess.Popen([sys.executable, STRAY, mode, "--port", str(self.port),
-                                 "--plan", self.plan, *args], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True)
-        self.strays.append(proc)
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        assert line.startswith("{"), f"stray {mode} failed (exit {proc.wait(timeout=30)})"
-        return json.loads(line)
-
-    def strays_stop(self) -> None:
-        self.store.set("stray/stop", b"1")
-        for proc in self.strays:
-            proc.wait(timeout=30)
-        self.strays = []
-
     def signal(self, rank: int, sig: int, life: str = "a") -> None:
         os.kill(self.procs[(rank, life)].pid, sig)
 
@@ -105,7 +84,6 @@ class World:
         return "\n".join(out)
 
     def close(self) -> None:
-        self.strays_stop()
         for p in self.procs.values():  # stopped ones never exit on their own
             if p.poll() is None and _stopped(p.pid):
                 p.kill()

@@ -54,7 +54,7 @@ def main() -> int:
     p.add_argument("--insecure", action="store_true", help="run without a job secret")
     p.add_argument("--leak", action="store_true",
                    help="test only: publish this rank's plain descriptors at leak/<rank> (an "
-                        "attacker who already holds them, harness/stray.py)")
+                        "attacker who already holds them, tests/support/stray.py)")
     p.add_argument("--bump", action="store_true",
                    help="step k's weights = fixed ones + k %% 97, in place (cheap; long runs)")
     a = p.parse_args()
@@ -66,7 +66,7 @@ def main() -> int:
 
     import executor
     from harness.weights import materialize, random_full_tensors
-    from planner.layouts import build_layout
+    from planner.frameworks import build_layout
     from planner.validate import load
 
     store = dist.TCPStore("127.0.0.1", a.port, is_master=False, wait_for_workers=False,

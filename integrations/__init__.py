@@ -13,6 +13,7 @@ Adapters read plans through `schemas` only (never planner internals).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ import torch
 from schemas.errors import UserError
 from schemas.tensors import RankTensors
 
-__all__ = ["Binding", "ModelMismatchError", "match"]
+__all__ = ["Binding", "ModelMismatchError", "match", "tensor_sha256"]
 
 
 class ModelMismatchError(UserError):
@@ -36,6 +37,14 @@ class Binding:
     """This process's coordinates; pass it to `executor.load(identity=...)`."""
     tensors: dict[str, torch.Tensor]
     """Exactly the tensors the plan's rank binds, by native name (the live storage)."""
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 (hex) of a tensor's bytes in row-major order (vLLM's weight checker's digest;
+    the engine-side digests of `integrations.sglang`; `harness.weights.layout_digests`, what
+    an engine laid out by a layout must hold)."""
+    raw = t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
+    return hashlib.sha256(raw).hexdigest()
 
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",

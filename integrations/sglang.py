@@ -41,7 +41,7 @@ import torch
 
 import executor
 from executor import trust
-from harness.weights import tensor_sha256
+from integrations import tensor_sha256
 from schemas.errors import UserError
 from schemas.header import PlanHeader
 from schemas.identity import find_rank
@@ -137,7 +137,7 @@ class SGLangTarget:
 
     def digests(self) -> dict[str, str]:
         """sha256 of the bytes of every tensor the plan writes on this rank, as the engine
-        holds them now (`harness.weights.tensor_sha256`; compare with `layout_digests` of
+        holds them now (`integrations.tensor_sha256`; compare with `layout_digests` of
         the plan's target layout built from the trainer's tensors)."""
         return {n: tensor_sha256(self.tensors[n]) for n in self.written()}
 

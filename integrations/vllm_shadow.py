@@ -1,4 +1,4 @@
-"""Shadow mode of the vLLM worker engine (`RdmaPlanInitInfo(shadow=True)`; issue 36).
+"""Shadow mode of the vLLM worker engine (`RdmaPlanInitInfo(shadow=True)`).
 
 The plan's writes land in a shadow of the tensors it writes (`executor.Shadow`, allocated
 and registered once at `init_transfer_engine`) while the engine keeps generating from the

@@ -1,4 +1,4 @@
-"""A torn update on a vLLM engine of several workers: the workers agree, one raises (issue 36).
+"""A torn update on a vLLM engine of several workers: the workers agree, one raises.
 
 vLLM's `MultiprocExecutor.collective_rpc` reads the workers' replies in rank order and
 stops at the first failed one: a failure raised by several workers leaves the later

@@ -1,21 +1,27 @@
 """`rdma-plan compile / verify / inspect` of a bounded-shadow plan (`schemas/bounded_plan.py`).
 
-`compile` of a config with `target.shadow: {budget_bytes: N}` writes the chunk plans
-(`planner/passes/bounded.py`); `verify` runs every check of `planner/verify.py` on each
-chunk plan, then the file's own rules (every chunk has the same ranks and roles; no target
-tensor is in two chunks; each chunk lands at most N bytes on a target); `inspect` shows the
-budget, the chunks (their tensors' layers, bytes per target rank) and each rank's extra
-memory: N on a target (the buffer), 0 on a source.
+`compile` of a config with `target.shadow: {budget_bytes: N}` compiles each chunk of
+`planner/passes/bounded.py` like any plan (`compile_bounded`) and writes the chunk plans;
+`verify` runs every check of `planner/verify.py` on each chunk plan, then the file's own
+rules (every chunk has the same ranks and roles; no target tensor is in two chunks; each
+chunk lands at most N bytes on a target); `inspect` shows the budget, the chunks (their
+tensors' layers, bytes per target rank) and each rank's extra memory: N on a target (the
+buffer), 0 on a source.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 from typing import Any
 
-from planner.passes.bounded import compile_bounded_config
+from planner.compiler import compile_layouts, no_cycle_collection
+from planner.fp8 import with_scales
+from planner.frameworks import build_layout
+from planner.passes.bounded import chunk_names, with_bounded
+from planner.passes.emit import tensor_regions
 from planner.passes.shadow import layer_of
 from planner.spec import ModelSpec
 from schemas.bounded_plan import load_bounded, write_bounded
@@ -26,6 +32,31 @@ from schemas.plan import STAGING, Plan
 MIXED = ("mixed-version window: while chunks are switched one by one, the layers already "
          "switched serve version N+1 and the rest version N; keep the engine paused across the "
          "whole bounded refit unless you accept that mix")
+
+
+def compile_bounded(cfg: Config, spec: ModelSpec, src_layout, dst_layout) -> list[Plan]:
+    """The chunk plans of a bounded shadow (`cfg.target.shadow.budget_bytes` > 0), in the
+    order they run."""
+    assert cfg.target.shadow is not None and cfg.target.shadow.budget_bytes > 0
+    budget = cfg.target.shadow.budget_bytes
+    plain = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, shadow=None))
+    plans = []
+    for names in chunk_names(tensor_regions(dst_layout), budget):
+        keep = set(names)
+        sub = dataclasses.replace(dst_layout, ranks=tuple(
+            dataclasses.replace(rl, tensors=tuple(t for t in rl.tensors if t.name in keep))
+            for rl in dst_layout.ranks))
+        plans.append(with_bounded(compile_layouts(plain, spec, src_layout, sub), budget))
+    return plans
+
+
+def compile_bounded_config(cfg: Config, spec: ModelSpec) -> list[Plan]:
+    """`compile_bounded` of a checked config (layouts built from its rules, not traced)."""
+    with no_cycle_collection():
+        src, dst = build_layout(spec, cfg.source), build_layout(spec, cfg.target)
+        if cfg.target.dtype == "fp8_block128":
+            spec = with_scales(spec)
+        return compile_bounded(cfg, spec, src, dst)
 
 
 def compile_bounded_to(cfg: Config, spec: ModelSpec, out_path: str, progress=None,

@@ -18,8 +18,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 from planner.spec import ModelSpec, load_spec
-from schemas.config import ConfigError, ConfigErrors
-from schemas.errors import UserError
+from schemas.errors import ConfigError, ConfigErrors, UserError
+from schemas.protocol import INFLIGHT
 
 MAX_LINE = 400
 """Longest error line printed (a hostile value must not print megabytes)."""
@@ -120,13 +120,11 @@ def _map_large_arrays() -> None:
     """Have glibc map every allocation of 4 MiB or more on its own and unmap it when freed.
     The compiler's columns are large, short-lived numpy arrays: with glibc's default
     (a threshold that rises to 32 MiB as such blocks are freed) most of them land on the
-    heap, whose holes are kept, not returned (0.3 GB of DeepSeek-V3's published compile's
-    peak RSS; 2.22 GB at 8 MiB). 4 MiB is where numpy asks for transparent huge pages
-    (`madvise`): a mapped array is then faulted in 2 MiB at a time, while those below stay
-    on the heap and reuse its pages (at 1 MiB every array of 1-4 MiB was mapped, faulted 4 KiB
-    at a time and its pages zeroed afresh: DeepSeek-V3 took 1.24M minor faults, 10.5 s of
-    system time; 0.84M and 8.4 s at 4 MiB, its peak RSS no higher). Elsewhere (no glibc)
-    nothing changes."""
+    heap, whose holes are kept, not returned, and count in the compile's peak RSS. 4 MiB is
+    where numpy asks for transparent huge pages (`madvise`): a mapped array is then faulted
+    in 2 MiB at a time, while those below stay on the heap and reuse its pages (a lower
+    threshold maps arrays that are faulted 4 KiB at a time, their pages zeroed afresh: more
+    system time, no lower peak). Elsewhere (no glibc) nothing changes."""
     try:
         import ctypes
 
@@ -303,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "ratio, per-NIC bytes and busy time) instead of text")
     sp.add_argument("--plot", metavar="FILE.png", help="also draw per-NIC load and the "
                     "timeline of batches (needs matplotlib)")
-    sp.add_argument("--inflight", type=_positive_int, default=8, metavar="N",
+    sp.add_argument("--inflight", type=_positive_int, default=INFLIGHT, metavar="N",
                     help="batches a rank keeps in flight (the executor's max_inflight)")
     model = sp.add_mutually_exclusive_group()
     model.add_argument("--exact", action="store_true", help="the exact model at any size "

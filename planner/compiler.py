@@ -24,8 +24,8 @@ import numpy as np
 
 from planner.derived import derived
 from planner.fp8 import with_scales
+from planner.frameworks import build_layout, start_layout
 from planner.identities import rank_identities, rank_tensor_blobs
-from planner.layouts import build_layout, start_layout
 from planner.layouts.base import Layout
 from planner.layouts.traced import model_hf, uses_trace
 from planner.nic_stats import egress_bound, egress_sets, nic_stats, remote_egress
@@ -78,17 +78,17 @@ def compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None = Non
     (`planner/layouts/trace_ahead.py`). `on_plan` is called with each plan as soon as it
     is compiled (a guessed one before the trace confirms it, so that writing it overlaps
     the trace): the last call's plan is the one returned. Python's cycle collector is
-    paused meanwhile (`_no_cycle_collection`)."""
-    with _no_cycle_collection():
+    paused meanwhile (`no_cycle_collection`)."""
+    with no_cycle_collection():
         return _compile_config(cfg, spec, progress, on_plan or _ignore)
 
 
 @contextlib.contextmanager
-def _no_cycle_collection() -> Iterator[None]:
+def no_cycle_collection() -> Iterator[None]:
     """Pause the cyclic garbage collector (if on), and restart it after. The compiler's data
     are numpy columns and frozen layout objects, freed by reference counting; a compile
-    leaves a few hundred objects in cycles (Kimi-K2 x4 FP8: 335), while the collector's
-    passes over the layouts' million small objects took ~1 s of a Kimi-K2 compile."""
+    leaves only a few hundred objects in cycles, while the collector's passes over a large
+    model's layouts (millions of small objects) cost a visible share of the compile."""
     was = gc.isenabled()
     gc.disable()
     try:

@@ -69,7 +69,7 @@ def _dims(c: PieceColumns) -> set[int]:
     return set(c.dims if c.dims is not None else range(p - k, p))
 
 
-def _scale_tensor(pt: PhysicalTensor, spec_by_name: dict[str, LogicalTensor]
+def scale_tensor(pt: PhysicalTensor, spec_by_name: dict[str, LogicalTensor]
                   ) -> PhysicalTensor:
     dims = {d for p in pt.pieces for d in p.phys_dims()}
     shape = tuple(-(-s // BLOCK) if d in dims else s for d, s in enumerate(pt.shape))
@@ -91,7 +91,7 @@ def _scale_tensor(pt: PhysicalTensor, spec_by_name: dict[str, LogicalTensor]
 
 def _scale_columns(pt: PhysicalTensor, c: PieceColumns, shape: tuple[int, ...],
                    spec_by_name: dict[str, LogicalTensor]) -> PhysicalTensor:
-    """`_scale_tensor` of a tensor whose pieces are columns, column by column."""
+    """`scale_tensor` of a tensor whose pieces are columns, column by column."""
     k = c.offsets.shape[1]
     dims = list(c.dims if c.dims is not None else range(c.at.shape[1] - k, c.at.shape[1]))
     full = np.array([spec_by_name[n].shape for n in c.names], dtype=np.int64).reshape(len(c), k)
@@ -99,7 +99,7 @@ def _scale_columns(pt: PhysicalTensor, c: PieceColumns, shape: tuple[int, ...],
     ok = ((off % BLOCK == 0) & ((size % BLOCK == 0) | (off + size == full))).all(axis=1)
     ok &= (at[:, dims] % BLOCK == 0).all(axis=1)
     if not ok.all():
-        _scale_tensor(replace(pt, pieces=(c[int(np.argmin(ok))],)), spec_by_name)  # raises
+        scale_tensor(replace(pt, pieces=(c[int(np.argmin(ok))],)), spec_by_name)  # raises
     scaled = at.copy()
     scaled[:, dims] //= BLOCK
     return PhysicalTensor(pt.name + SCALE_SUFFIX, shape, "float32", PieceColumns(
@@ -124,7 +124,7 @@ def quantize_layout(layout: Layout, spec: ModelSpec) -> Layout:
                               for d, s in enumerate(pt.shape))
                 cache[id(pt)] = (replace(pt, dtype=FP8), _scale_columns(pt, c, shape, by_name))
             else:
-                cache[id(pt)] = (replace(pt, dtype=FP8), _scale_tensor(pt, by_name))
+                cache[id(pt)] = (replace(pt, dtype=FP8), scale_tensor(pt, by_name))
         return cache[id(pt)]
 
     ranks = tuple(RankLayout(r.rank, r.replica,

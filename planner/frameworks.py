@@ -13,17 +13,18 @@ only home of each rule):
 - `replicated(cfg)`: whether every rank of a source holds the whole model (the header's
   `source_replicated`, `planner/passes/emit.py`); targets are never asked.
 
-Callers (`planner.validate`, `planner.layouts.build_layout`, `planner.identities`,
+Callers (`planner.validate`, `build_layout` and `start_layout` below, `planner.identities`,
 `planner.derived`, `planner.passes.emit`) dispatch through `get`; none names a framework.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from planner.layouts import fsdp2, megatron, sglang, traced, vllm
+from planner.fp8 import quantize_layout
+from planner.layouts import fsdp2, megatron, sglang, trace_ahead, traced, vllm
 from planner.layouts.base import Layout, RankLayout
 from planner.spec import ModelSpec
 from schemas.config import ConfigError, SourceConfig, TargetConfig
@@ -101,3 +102,26 @@ def of(side: SourceConfig | TargetConfig) -> Framework:
     if isinstance(side, SourceConfig):
         return get(side.framework, "source.framework", "source")
     return get(side.engine, "target.engine", "target")
+
+
+def build_layout(spec: ModelSpec, side: SourceConfig | TargetConfig,
+                 hf: dict[str, Any] | None = None) -> Layout:
+    """Pass 2 (`layouts`): the layout of one side, every rank's physical tensors, from its
+    framework's or engine's `layout`. A vLLM layout traced from the engine's loader
+    (`planner/layouts/traced.py`) needs the model's HF config `hf`."""
+    if isinstance(side, TargetConfig) and side.dtype == "fp8_block128":
+        return quantize_layout(build_layout(spec, replace(side, dtype="bfloat16"), hf), spec)
+    return of(side).layout(spec, side, hf)
+
+
+def start_layout(spec: ModelSpec, side: TargetConfig, hf: dict[str, Any] | None = None
+                 ) -> trace_ahead.Pending:
+    """`build_layout(spec, side, hf)`, begun: a traced vLLM target that is not cached starts
+    tracing now in a forked process (`planner/layouts/trace_ahead.py`); any other layout is
+    built when `result()` is called. Use it as a context manager (leaving it stops a tracer)."""
+    bf16 = replace(side, dtype="bfloat16") if side.dtype == "fp8_block128" else side
+    if hf is None or not of(side).traces(spec, bf16):
+        return trace_ahead.Pending(lambda: build_layout(spec, side, hf))
+    if bf16 is side:
+        return trace_ahead.begin(spec, side, hf)
+    return trace_ahead.begin(spec, bf16, hf, then=lambda layout: quantize_layout(layout, spec))

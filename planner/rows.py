@@ -1,8 +1,8 @@
 """`unique_rows` and `lexorder`: `np.unique(a, axis=0)` and `np.lexsort` for integer tables,
 without numpy's structured or multi-pass sorts.
 
-numpy's row-wise unique views each row as one opaque item and sorts those (25 s of the
-DeepSeek-V3 published compile's 160 s went to such sorts). Here every column is replaced
+numpy's row-wise unique views each row as one opaque item and sorts those (slow on the
+compiler's tables of millions of rows). Here every column is replaced
 by its rank among the column's distinct values, and the ranks are combined into one int64
 key column by column in mixed radix (re-ranked whenever the next column would overflow:
 by a table of the values present while their range is small, not a sort);

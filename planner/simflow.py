@@ -33,8 +33,6 @@ thousands of 1 MiB writes take as long as a few large ones of the same bytes
 (`bench/executor_bench.py`; BENCHMARKS.md, "Microbenchmarks on GPUs"). The copy engines,
 which batches of writes averaging 32 MiB or more still take, cost microseconds a write:
 at that size a small share of a write's bytes."""
-INFLIGHT = 8
-"""Batches a rank keeps in flight by default (`executor` `max_inflight`)."""
 MAX_LEVELS = 8
 """Progressive-filling levels computed exactly (see `planner.simrates.maxmin`)."""
 EXACT_MAX_BATCHES = 20_000
@@ -42,10 +40,9 @@ EXACT_MAX_BATCHES = 20_000
 COARSE_TOL = 0.2
 """The coarse model's quantum as a fraction of a batch's median time at full rate."""
 COARSE_STATED = 0.005
-"""How far the coarse model's estimate is from the exact one's, as `simulate` states it: on
-every shipped plan where both ran, measured (BENCHMARKS.md, "Issue 37: simulate at
-DeepSeek-V3 scale (branch h37s)"); `tests/planner/test_simcoarse.py` holds compiled plans
-to it."""
+"""How far the coarse model's estimate may be from the exact one's, as `simulate` states it
+(a fraction of the exact estimate); `tests/planner/test_simcoarse.py` holds compiled plans
+to it, and BENCHMARKS.md has the shipped plans' gaps."""
 MAX_CELLS = 1 << 26
 """(rank, stage) queues the simulation indexes (ranks x stages)."""
 

@@ -48,7 +48,6 @@ import numpy as np
 
 from planner.planfile import PlanFile, PlanRanks
 from planner.simflow import (
-    INFLIGHT,
     NIC,
     NIC_WRITE_S,
     NVLINK_WRITE_S,
@@ -64,7 +63,7 @@ from planner.simflow import (
 from planner.simgap import explain_gap
 from planner.simrates import RateCache
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, Plan, PlanFormatError
-from schemas.protocol import sent_stage
+from schemas.protocol import INFLIGHT, sent_stage
 
 _WAIT_IN, _PACK, _WRITE, _SEND_DONE, _WAIT_DONE, _UNPACK, _SEND_ACK = range(7)
 

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from planner.models import deepseek_v3, dense, glm4_moe, gpt_oss, mixtral, qwen3_moe
 from planner.models.base import LogicalTensor, ModelDims
 from schemas.config import ConfigError
 
@@ -43,16 +44,13 @@ class ModelSpec:
         return sum(t.numel for t in self.tensors if t.mtp)
 
 
-def _families() -> dict[str, Any]:
-    from planner.models import deepseek_v3, dense, glm4_moe, gpt_oss, mixtral, qwen3_moe
-
-    return {"llama": dense, "qwen2": dense, "qwen3": dense, "qwen3_moe": qwen3_moe,
-            "deepseek_v3": deepseek_v3, "kimi_k2": deepseek_v3, "mixtral": mixtral,
-            "glm4_moe": glm4_moe, "gpt_oss": gpt_oss}
-
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2",
-                         "mixtral", "glm4_moe", "gpt_oss")
+FAMILIES: dict[str, Any] = {
+    "llama": dense, "qwen2": dense, "qwen3": dense, "qwen3_moe": qwen3_moe,
+    "deepseek_v3": deepseek_v3, "kimi_k2": deepseek_v3, "mixtral": mixtral,
+    "glm4_moe": glm4_moe, "gpt_oss": gpt_oss}
+"""The hand-written model families: `model_type` -> its module in `planner/models/`."""
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+"""The model types with hand-written rules (any other is read through transformers)."""
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
@@ -99,7 +97,7 @@ def spec_from_hf(hf: dict[str, Any], num_layers: int | None = None,
             raise ConfigError(f"model.num_layers: {num_layers} must be 1..{MAX_LAYERS}")
         hf["num_hidden_layers"] = num_layers
     model_type = hf.get("model_type")
-    family = _families().get(model_type)
+    family = FAMILIES.get(model_type)
     hand_written = family is not None
     if not hand_written:
         family = _from_transformers(model_type)

@@ -4,7 +4,7 @@
 each layout module's `check(spec, cfg)` (`planner/layouts/{megatron,fsdp2,vllm,sglang}.py`,
 the only home of each rule, reached through `planner/frameworks.py`); the rule that world
 sizes fit `cluster.hosts` lives in `planner.topology.build_topology`. `validate` runs them
-all and reports every error it finds, not only the first (`schemas.config.ConfigErrors`).
+all and reports every error it finds, not only the first (`schemas.errors.ConfigErrors`).
 One rule is its own here: a dense model takes no expert keys (the layouts would ignore
 them; a user meant something).
 """
@@ -16,7 +16,8 @@ from collections.abc import Callable
 from planner import frameworks
 from planner.spec import ModelSpec, load_spec
 from planner.topology import build_topology
-from schemas.config import Config, ConfigError, SourceConfig, TargetConfig, raise_all
+from schemas.config import Config, SourceConfig, TargetConfig
+from schemas.errors import ConfigError, raise_all
 
 
 def load(config_path: str) -> tuple[Config, ModelSpec]:

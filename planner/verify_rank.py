@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.passes.budget import ALIGN
 from schemas.bounds import violations
 from schemas.header import PlanHeader
 from schemas.intervals import union
 from schemas.plan import PACK, QUANT, STAGING, UNPACK, PlanFormatError, RankPlan
 from schemas.protocol import (
+    ALIGN,
     ITEM,
     SCALE_BYTES,
     SLOTS,

@@ -23,11 +23,10 @@ from dataclasses import dataclass
 
 from .header import PlanFormatError, PlanHeader
 from .plan import STAGING, Plan, RankPlan, load_rank_from, open_plan, read_plan_from
-from .plan_codec import _digest, _pack, _read_exact, _unpack
+from .plan_codec import checksum, pack, read_exact, unpack
+from .protocol import ALIGN
 
 MAGIC = b"RPLANBND"
-ALIGN = 64
-"""Each tensor of a chunk starts at a multiple of this many bytes of the buffer."""
 MAX_INDEX = 1 << 24
 MAX_CHUNKS = 1 << 16
 FIX = "the plan is corrupt or was tampered with: recompile it"
@@ -52,9 +51,9 @@ def encode_bounded(plans: list[Plan], budget: int, key: bytes | None = None) -> 
     blobs = [encode_plan(p, key) for p in plans]
     at, index = 0, []
     for b in blobs:
-        index.append([at, len(b), _digest(b)])
+        index.append([at, len(b), checksum(b)])
         at += len(b)
-    head = _pack({"budget": budget, "chunks": index})
+    head = pack({"budget": budget, "chunks": index})
     return MAGIC + struct.pack("<Q", len(head)) + head + b"".join(blobs)
 
 
@@ -69,10 +68,10 @@ def read_index(f: io.BufferedIOBase, path: str) -> BoundedIndex:
     magic = f.read(len(MAGIC))
     if magic != MAGIC:
         raise PlanFormatError(f"{path}: not a bounded-shadow plan (no {MAGIC!r} at its start)")
-    (n,) = struct.unpack("<Q", _read_exact(f, 8, f"{path} index length"))
+    (n,) = struct.unpack("<Q", read_exact(f, 8, f"{path} index length"))
     if not 0 < n <= MAX_INDEX:
         raise PlanFormatError(f"{path}: bounded index of {n} bytes (at most {MAX_INDEX}); {FIX}")
-    raw = _unpack(_read_exact(f, n, f"{path} bounded index"), f"{path} bounded index")
+    raw = unpack(read_exact(f, n, f"{path} bounded index"), f"{path} bounded index")
     if not isinstance(raw, dict) or set(raw) != {"budget", "chunks"}:
         raise PlanFormatError(f"{path}: bounded index is not a map of budget, chunks; {FIX}")
     b, ch = raw["budget"], raw["chunks"]
@@ -98,7 +97,7 @@ def _chunk_file(f: io.BufferedIOBase, idx: BoundedIndex, k: int, path: str) -> i
                               f"{len(idx.chunks)})")
     off, n, digest = idx.chunks[k]
     f.seek(idx.start + off)
-    return io.BytesIO(_read_exact(f, n, f"{path} chunk {k}", digest))
+    return io.BytesIO(read_exact(f, n, f"{path} chunk {k}", digest))
 
 
 def load_chunk_rank(path: str, k: int, rank: int, key: bytes | None = None

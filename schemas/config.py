@@ -6,7 +6,7 @@ Checks of one section live in its `__post_init__` (with the bounds: positive siz
 numbers, at most `MAX_RANKS` ranks a side); checks against the model (tp against the
 model's heads) live in each layout module's `check(spec, cfg)` and the cluster's host count
 in `planner.topology`, which `planner/validate.py` runs. Reading YAML is
-`schemas/config_load.py` (re-exported here).
+`schemas/config_load.py` (`load_config`, `config_from_dict`).
 
 Every error is a `ConfigError` naming the full key, the bad value and the fix.
 """
@@ -19,14 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .bounded import short
-from .errors import (  # noqa: F401 - ConfigErrors, raise_all, MAX_ERRORS: re-exported
-    MAX_ERRORS,
-    ConfigError,
-    ConfigErrors,
-    OwnValueError,
-    check_each,
-    raise_all,
-)
+from .errors import ConfigError, OwnValueError, check_each
 
 DTYPES = ("bfloat16", "float16", "float32")
 MAX_INT = 1 << 53
@@ -37,7 +30,7 @@ MAX_LAYERS = 1024
 """Most decoder layers (`model.num_layers`, the config.json's `num_hidden_layers`)."""
 MAX_PER_HOST = 1024
 """Most GPUs or NICs in one host."""
-def _fail(key: str, value: object, fix: str) -> None:
+def fail(key: str, value: object, fix: str) -> None:
     raise ConfigError(f"{key}: {short(value)} {fix}")
 
 
@@ -56,7 +49,7 @@ MAX_OVERHEAD_US = 1e6
 
 def _bandwidth(key: str, value: float) -> None:
     if not (math.isfinite(value) and 0 < value <= MAX_GBPS):
-        _fail(key, value, f"must be a positive bandwidth in Gb/s (a number > 0, at most "
+        fail(key, value, f"must be a positive bandwidth in Gb/s (a number > 0, at most "
               f"{MAX_GBPS:g})")
 
 
@@ -79,10 +72,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not self.config:
-            _fail("model.config", self.config, "must be the path to a HF config.json")
+            fail("model.config", self.config, "must be the path to a HF config.json")
         _positive("model", "num_layers", self.num_layers)
         if self.num_layers is not None and self.num_layers > MAX_LAYERS:
-            _fail("model.num_layers", self.num_layers, f"is more than {MAX_LAYERS} layers; "
+            fail("model.num_layers", self.num_layers, f"is more than {MAX_LAYERS} layers; "
                   "use the model's real layer count")
 
 
@@ -127,21 +120,21 @@ class SourceConfig:
                 for name in ("tp", "pp", "vpp", "dp", "dp_replicate", "ep", "etp",
                              "pp_first_stage_layers", "pp_last_stage_layers")))
         if self.dtype not in DTYPES:
-            _fail("source.dtype", self.dtype, f"is not supported; use one of {', '.join(DTYPES)}")
+            fail("source.dtype", self.dtype, f"is not supported; use one of {', '.join(DTYPES)}")
         if self.framework == "fsdp2":
             for name in ("pp", "vpp", "ep", "etp"):
                 value = getattr(self, name)
                 if value not in (None, 1):
-                    _fail(f"source.{name}", value, "is megatron-only; remove it for fsdp2")
+                    fail(f"source.{name}", value, "is megatron-only; remove it for fsdp2")
         elif self.dp_replicate != 1:
-            _fail("source.dp_replicate", self.dp_replicate,
+            fail("source.dp_replicate", self.dp_replicate,
                   "is fsdp2-only (HSDP); use source.dp for Megatron data parallel")
         _world("source.tp * source.dp * source.dp_replicate" if self.framework == "fsdp2"
                else "source.tp * source.pp * source.dp", self.world)
 
     def _framework_check(self) -> None:
         if self.framework not in ("megatron", "fsdp2"):
-            _fail("source.framework", self.framework, "is not supported; use megatron or fsdp2")
+            fail("source.framework", self.framework, "is not supported; use megatron or fsdp2")
 
     @property
     def expert_tp(self) -> int:
@@ -172,9 +165,9 @@ def _shadow(value: Any) -> ShadowConfig | None:
         n = value["budget_bytes"]
         if not isinstance(n, bool) and isinstance(n, int) and 4096 <= n <= MAX_INT:
             return ShadowConfig(n)
-        _fail("target.shadow.budget_bytes", n, f"must be an integer of bytes in [4096, "
+        fail("target.shadow.budget_bytes", n, f"must be an integer of bytes in [4096, "
               f"{MAX_INT}]")
-    _fail("target.shadow", value, "is not supported; use `full` or `{budget_bytes: N}` (or "
+    fail("target.shadow", value, "is not supported; use `full` or `{budget_bytes: N}` (or "
           "leave it out: the paused refit)")
     return None
 
@@ -224,20 +217,20 @@ class TargetConfig:
 
     def _engine_checks(self) -> None:
         if self.engine not in ("vllm", "sglang"):
-            _fail("target.engine", self.engine, "is not supported; use vllm or sglang")
+            fail("target.engine", self.engine, "is not supported; use vllm or sglang")
         if self.dtype not in (*DTYPES, "fp8_block128"):
-            _fail("target.dtype", self.dtype,
+            fail("target.dtype", self.dtype,
                   f"is not supported; use one of {', '.join(DTYPES)}, fp8_block128")
         if self.dp_attention and self.engine != "sglang":
-            _fail("target.dp_attention", True, "is sglang-only; remove it for vllm")
+            fail("target.dp_attention", True, "is sglang-only; remove it for vllm")
         if self.w13_order not in ("w1w3", "w3w1"):
-            _fail("target.w13_order", self.w13_order, "is not supported; use w1w3 or w3w1")
+            fail("target.w13_order", self.w13_order, "is not supported; use w1w3 or w3w1")
         if self.w13_order != "w1w3" and self.engine != "vllm":
-            _fail("target.w13_order", self.w13_order, "is vllm-only; remove it")
+            fail("target.w13_order", self.w13_order, "is vllm-only; remove it")
         if self.layout not in ("auto", "rules", "traced"):
-            _fail("target.layout", self.layout, "is not supported; use auto, rules or traced")
+            fail("target.layout", self.layout, "is not supported; use auto, rules or traced")
         if self.layout == "traced" and self.engine != "vllm":
-            _fail("target.layout", self.layout, "is vllm-only; remove it for sglang")
+            fail("target.layout", self.layout, "is vllm-only; remove it for sglang")
 
     @property
     def engine_world(self) -> int:
@@ -276,32 +269,32 @@ class ClusterConfig:
             _positive("cluster", name, getattr(self, name))
         for name in ("gpus_per_host", "nics_per_host"):
             if getattr(self, name) > MAX_PER_HOST:
-                _fail(f"cluster.{name}", getattr(self, name),
+                fail(f"cluster.{name}", getattr(self, name),
                       f"is more than {MAX_PER_HOST} per host; give the real count")
         for name in ("nic_gbps", "nvlink_gbps"):
             _bandwidth(f"cluster.{name}", getattr(self, name))
         if self.placement not in ("disaggregated", "colocated"):
-            _fail("cluster.placement", self.placement, "must be disaggregated or colocated")
+            fail("cluster.placement", self.placement, "must be disaggregated or colocated")
         if self.gpus_per_host % self.nics_per_host and self.nic_gpus is None:
-            _fail("cluster.nics_per_host", self.nics_per_host,
+            fail("cluster.nics_per_host", self.nics_per_host,
                   f"must divide gpus_per_host={self.gpus_per_host}, or give cluster.nic_gpus")
         if self.placement == "colocated" and self.gpus_per_host < 2:
-            _fail("cluster.gpus_per_host", self.gpus_per_host, "must be at least 2 with "
+            fail("cluster.gpus_per_host", self.gpus_per_host, "must be at least 2 with "
                   "placement: colocated (source and target GPUs share each host)")
         if self.source_gpus_per_host is not None:
             if self.placement != "colocated":
-                _fail("cluster.source_gpus_per_host", self.source_gpus_per_host,
+                fail("cluster.source_gpus_per_host", self.source_gpus_per_host,
                       "is only used with placement: colocated; remove it")
             if self.source_gpus_per_host >= self.gpus_per_host:
-                _fail("cluster.source_gpus_per_host", self.source_gpus_per_host,
+                fail("cluster.source_gpus_per_host", self.source_gpus_per_host,
                       f"must leave target GPUs: use fewer than gpus_per_host={self.gpus_per_host}")
         if self.nic_gpus is not None:
             if len(self.nic_gpus) != self.nics_per_host:
-                _fail("cluster.nic_gpus", self.nic_gpus,
+                fail("cluster.nic_gpus", self.nic_gpus,
                       f"must list one GPU list for each of the {self.nics_per_host} NICs")
             seen = sorted(g for gpus in self.nic_gpus for g in gpus)
             if seen != list(range(self.gpus_per_host)):
-                _fail("cluster.nic_gpus", self.nic_gpus,
+                fail("cluster.nic_gpus", self.nic_gpus,
                       f"must give every GPU 0..{self.gpus_per_host - 1} exactly one NIC")
 
 
@@ -323,14 +316,14 @@ class Options:
 
     def __post_init__(self) -> None:
         if self.max_write_bytes < 4096:
-            _fail("options.max_write_bytes", self.max_write_bytes, "must be at least 4096")
+            fail("options.max_write_bytes", self.max_write_bytes, "must be at least 4096")
         if self.staging_bytes < 0:
-            _fail("options.staging_bytes", self.staging_bytes, "must be >= 0 (0 disables staging)")
+            fail("options.staging_bytes", self.staging_bytes, "must be >= 0 (0 disables staging)")
         _bandwidth("options.pack_gbps", self.pack_gbps)
         for name in ("write_overhead_us", "pack_overhead_us"):
             value = getattr(self, name)
             if not (math.isfinite(value) and 0 <= value <= MAX_OVERHEAD_US):
-                _fail(f"options.{name}", value, f"must be a number of microseconds in [0, "
+                fail(f"options.{name}", value, f"must be a number of microseconds in [0, "
                       f"{MAX_OVERHEAD_US:g}]")
 
 
@@ -356,6 +349,6 @@ class Config:
 
 # ---------------------------------------------------------------- loading from plain data
 
-_SECTIONS = {"model": ModelConfig, "source": SourceConfig, "target": TargetConfig,
+SECTIONS = {"model": ModelConfig, "source": SourceConfig, "target": TargetConfig,
              "cluster": ClusterConfig, "options": Options}
 

@@ -17,16 +17,8 @@ from dataclasses import MISSING, fields
 from typing import Any, Literal
 
 from .bounded import short
-from .config import (
-    _SECTIONS,
-    MAX_INT,
-    Config,
-    ConfigError,
-    ConfigErrors,
-    OwnValueError,
-    _fail,
-    raise_all,
-)
+from .config import MAX_INT, SECTIONS, Config, fail
+from .errors import ConfigError, ConfigErrors, OwnValueError, raise_all
 
 
 def _type_name(tp: Any) -> str:
@@ -50,52 +42,52 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
                 return _coerce(key, value, arg)
             except ConfigError as e:
                 errors.append(str(e))
-        _fail(key, value, "has the wrong type: expected " +
+        fail(key, value, "has the wrong type: expected " +
               " or ".join(_type_name(a) for a in args))
     if origin is Literal:
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], 1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            _fail(key, value, f"is not one of {', '.join(map(repr, args))}{hint}")
+            fail(key, value, f"is not one of {', '.join(map(repr, args))}{hint}")
         return value
     if origin is tuple:
         pairs = bool(args) and typing.get_origin(args[0]) is tuple and \
             typing.get_args(args[0])[-1] is not Ellipsis  # tuple[tuple[str, X], ...]
         if pairs:
             if not isinstance(value, dict):
-                _fail(key, value, "has the wrong type: expected a mapping (key: value)")
+                fail(key, value, "has the wrong type: expected a mapping (key: value)")
             return tuple((str(k), v) for k, v in value.items())
         if not isinstance(value, (list, tuple)):
-            _fail(key, value, "has the wrong type: expected a list")
+            fail(key, value, "has the wrong type: expected a list")
         item = args[0] if args else Any
         return tuple(_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value))
     if tp is Any:
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            _fail(key, value, "has the wrong type: expected true or false")
+            fail(key, value, "has the wrong type: expected true or false")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            _fail(key, value, "has the wrong type: expected an integer")
+            fail(key, value, "has the wrong type: expected an integer")
         if abs(value) > MAX_INT:
-            _fail(key, value, f"is too large; use at most {MAX_INT} (2**53)")
+            fail(key, value, f"is too large; use at most {MAX_INT} (2**53)")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            _fail(key, value, "has the wrong type: expected a number")
+            fail(key, value, "has the wrong type: expected a number")
         if isinstance(value, int) and abs(value) > MAX_INT:
-            _fail(key, value, f"is too large; use at most {MAX_INT} (2**53)")
+            fail(key, value, f"is too large; use at most {MAX_INT} (2**53)")
         if not math.isfinite(value):
-            _fail(key, value, "must be a finite number (not .nan or .inf)")
+            fail(key, value, "must be a finite number (not .nan or .inf)")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            _fail(key, value, "has the wrong type: expected a string")
+            fail(key, value, "has the wrong type: expected a string")
         return value
     if isinstance(value, tp):
         return value
-    _fail(key, value, f"has the wrong type: expected {_type_name(tp)}")
+    fail(key, value, f"has the wrong type: expected {_type_name(tp)}")
 
 
 def _label(key: object) -> str:
@@ -107,7 +99,7 @@ def _section(name: str, cls: type, data: Any) -> Any:
     if data is None:  # `options:` with nothing under it
         data = {}
     if not isinstance(data, dict):
-        _fail(name, data, "must be a mapping of keys to values")
+        fail(name, data, "must be a mapping of keys to values")
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in fields(cls)}
     kwargs, errors = {}, []
@@ -156,15 +148,15 @@ def config_from_dict(data: Any, base_dir: str = ".") -> Config:
                           "a mapping with model, source, target, cluster, options")
     errors: list[ConfigError] = []
     for key in data:
-        if key not in _SECTIONS:
-            close = difflib.get_close_matches(str(key), list(_SECTIONS), 1)
-            hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(_SECTIONS)}"
+        if key not in SECTIONS:
+            close = difflib.get_close_matches(str(key), list(SECTIONS), 1)
+            hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(SECTIONS)}"
             errors.append(ConfigError(f"{_label(key)}: unknown section; {hint}"))
     for key in ("model", "source", "target"):
         if key not in data:
             errors.append(ConfigError(f"{key}: missing; the config needs a {key} section"))
     built = {}
-    for name, cls in _SECTIONS.items():
+    for name, cls in SECTIONS.items():
         if name in data:
             try:
                 built[name] = _section(name, cls, data[name])

@@ -23,7 +23,7 @@ from itertools import chain
 from typing import Any, BinaryIO
 
 from .header import MAX_STAGES, MAX_WORLD, PlanFormatError, PlanHeader
-from .plan_codec import MAX_HEADER_BYTES, _digest, _read_exact, _unpack
+from .plan_codec import MAX_HEADER_BYTES, checksum, read_exact, unpack
 from .shadow_part import ShadowPart
 from .table import Table
 
@@ -86,7 +86,7 @@ DAG_EDGE_COLUMNS = (("u", "<i8"), ("v", "<i8"))
 """An edge of the stage DAG: node `u` happens before node `v`."""
 
 
-def _int(x: Any) -> int:
+def plan_int(x: Any) -> int:
     """A plan integer: a msgpack int (not a float, not a bool) within +-2**62."""
     if isinstance(x, bool) or not isinstance(x, int) or not -(1 << 62) <= x <= 1 << 62:
         raise ValueError(f"{str(x)[:40]!r} is not an integer in range")
@@ -94,7 +94,7 @@ def _int(x: Any) -> int:
 
 
 def _int_pairs(s: Any) -> tuple[tuple[int, int], ...]:
-    """A list of [int, int] pairs (as `_int` accepts them), checked by C-level passes."""
+    """A list of [int, int] pairs (as `plan_int` accepts them), checked by C-level passes."""
     if not isinstance(s, list) or not set(map(type, s)) <= {list} or set(map(len, s)) - {2}:
         raise ValueError(f"{str(s)[:40]!r} is not a list of integer pairs")
     flat = list(chain.from_iterable(s))
@@ -181,19 +181,19 @@ class RankPlan:
     def decode(raw: Any) -> RankPlan:
         try:
             what = f"rank/{raw['rank']}"
-            regions = tuple(Region(str(n), str(d), tuple(_int(x) for x in s), _int(b))
+            regions = tuple(Region(str(n), str(d), tuple(plan_int(x) for x in s), plan_int(b))
                             for n, d, s, b in raw["regions"])
             return RankPlan(
-                rank=_int(raw["rank"]), role=str(raw["role"]), host=_int(raw["host"]),
-                gpu=_int(raw["gpu"]), nics=tuple(str(n) for n in raw["nics"]),
+                rank=plan_int(raw["rank"]), role=str(raw["role"]), host=plan_int(raw["host"]),
+                gpu=plan_int(raw["gpu"]), nics=tuple(str(n) for n in raw["nics"]),
                 regions=regions,
                 writes=Table.from_msgpack(WRITE_COLUMNS, raw["writes"], what + ".writes"),
                 batches=Table.from_msgpack(BATCH_COLUMNS, raw["batches"], what + ".batches"),
                 copies=Table.from_msgpack(COPY_COLUMNS, raw["copies"], what + ".copies"),
                 signals=Table.from_msgpack(SIGNAL_COLUMNS, raw["signals"], what + ".signals"),
                 waits=Table.from_msgpack(SIGNAL_COLUMNS, raw["waits"], what + ".waits"),
-                peer_regions=tuple((_int(p), _int_pairs(s)) for p, s in raw["peer_regions"]),
-                stages=_int(raw["stages"]),
+                peer_regions=tuple((plan_int(p), _int_pairs(s)) for p, s in raw["peer_regions"]),
+                stages=plan_int(raw["stages"]),
                 identity=_part_identity(raw.get("identity")),
                 shadow=None if raw.get("shadow") is None else
                 ShadowPart.decode(raw["shadow"], what),
@@ -244,20 +244,20 @@ def _read_raw_header(f: BinaryIO, path: str) -> tuple[bytes, dict[str, Any], int
     if magic != MAGIC:
         raise PlanFormatError(f"{path}: not an rdma-plan file (bad magic); compile one with "
                               "`rdma-plan compile`")
-    version, hlen = struct.unpack("<IQ", _read_exact(f, 12, path))
+    version, hlen = struct.unpack("<IQ", read_exact(f, 12, path))
     if version != FORMAT_VERSION:
         raise PlanFormatError(f"{path}: plan format version {version} is not supported (this "
                               f"build reads version {FORMAT_VERSION}); recompile the plan")
     if hlen > MAX_HEADER_BYTES:
         raise PlanFormatError(f"{path}: header length {hlen:,} is over the {MAX_HEADER_BYTES:,}"
                               " bytes a plan header may have; the file is corrupt")
-    header_bytes = _read_exact(f, hlen, path)
-    if _read_exact(f, 32, path) != _digest(header_bytes):
+    header_bytes = read_exact(f, hlen, path)
+    if read_exact(f, 32, path) != checksum(header_bytes):
         raise PlanFormatError(f"{path}: header checksum mismatch; the file is corrupt")
-    header = _unpack(header_bytes, f"{path} header")
+    header = unpack(header_bytes, f"{path} header")
     if not isinstance(header, dict) or not isinstance(header.get("blobs"), dict):
         raise PlanFormatError(f"{path}: header is malformed")
-    return _digest(header_bytes), header, len(MAGIC) + 12 + hlen + 32
+    return checksum(header_bytes), header, len(MAGIC) + 12 + hlen + 32
 
 
 def read_header(f: BinaryIO, path: str = "plan", key: bytes | None = None
@@ -298,8 +298,8 @@ def read_blob(f: BinaryIO, header: PlanHeader, start: int, name: str,
     if entry is None:
         raise PlanFormatError(f"{path}: has no blob {name!r}")
     f.seek(start + entry.offset)
-    data = _read_exact(f, entry.length, f"{path} blob {name!r}", entry.digest)
-    return _unpack(data, f"{path} blob {name!r}")
+    data = read_exact(f, entry.length, f"{path} blob {name!r}", entry.digest)
+    return unpack(data, f"{path} blob {name!r}")
 
 
 def open_plan(path: str) -> BinaryIO:

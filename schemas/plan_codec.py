@@ -14,7 +14,7 @@ import msgpack
 from .header import PlanFormatError
 
 
-def _pack(obj: Any) -> bytes:
+def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
@@ -25,7 +25,7 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise PlanFormatError(f"msgpack extension type {code} is not allowed in a plan")
 
 
-def _unpack(data: bytes, what: str) -> Any:
+def unpack(data: bytes, what: str) -> Any:
     """Plain msgpack data only: extension types (and timestamps) are refused. Data with no
     extension value passes a C-level `max_ext_len=0` decode and skips the walk below."""
     try:
@@ -52,7 +52,7 @@ def _unpack(data: bytes, what: str) -> Any:
     return obj
 
 
-def _digest(data: bytes) -> bytes:
+def checksum(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=32).digest()
 
 
@@ -82,7 +82,7 @@ def _stored(f: BinaryIO, start: int, n: int) -> int:
         return n
 
 
-def _read_exact(f: BinaryIO, n: int, what: str, digest: bytes | None = None) -> bytes:
+def read_exact(f: BinaryIO, n: int, what: str, digest: bytes | None = None) -> bytes:
     """`n` bytes from `f`, refused before anything is allocated unless the file holds them
     (no hole, not past its end), read `CHUNK` at a time; with `digest`, their blake2b-256
     computed as they arrive and compared at the end."""

@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 
 from .plan import FORMAT_VERSION, MAGIC, Plan
-from .plan_codec import _digest, _pack
+from .plan_codec import checksum, pack
 
 
 def encode_plan(plan: Plan, key: bytes | None = None) -> bytes:
@@ -31,7 +31,7 @@ def _encode_parts(plan: Plan, key: bytes | None) -> list[bytes]:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(1) as pool:
-        blobs = [(name, data, pool.submit(_digest, data)) for name, data in _blobs(plan)]
+        blobs = [(name, data, pool.submit(checksum, data)) for name, data in _blobs(plan)]
         index, offset = {}, 0
         for name, data, digest in blobs:
             index[name] = [offset, len(data), digest.result()]
@@ -45,15 +45,15 @@ def _head(plan: Plan, key: bytes | None, index: dict[str, list[Any]]) -> bytes:
     if key is not None:
         from .integrity import signature
 
-        raw["signature"] = signature(key, _pack(raw))
-    header = _pack(raw)
-    return MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)) + header + _digest(header)
+        raw["signature"] = signature(key, pack(raw))
+    header = pack(raw)
+    return MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)) + header + checksum(header)
 
 
 def _blobs(plan: Plan) -> Iterator[tuple[str, bytes]]:
     """Every blob of the plan file, packed, in file order."""
     for name, obj in _blob_objects(plan):
-        yield name, _pack(obj)
+        yield name, pack(obj)
 
 
 def _blob_objects(plan: Plan) -> Iterator[tuple[str, Any]]:
@@ -72,14 +72,14 @@ def _blob_objects(plan: Plan) -> Iterator[tuple[str, Any]]:
 
 
 def _parts(obj: Any) -> list[bytes | memoryview]:
-    """`_pack(obj)` as parts whose concatenation is those bytes, a table's column bytes left
+    """`pack(obj)` as parts whose concatenation is those bytes, a table's column bytes left
     in place (not copied into one buffer, whose growth would hold them two or three times):
     a map is its header and its keys' and values' parts, a list of memoryviews (a table) its
     header and each column's bin header and bytes; anything else is packed whole."""
     if isinstance(obj, dict):
         out: list[bytes | memoryview] = [_PACKER.pack_map_header(len(obj))]
         for k, v in obj.items():
-            out.append(_pack(k))
+            out.append(pack(k))
             out += _parts(v)
         return out
     if isinstance(obj, list) and obj and all(isinstance(v, memoryview) for v in obj):
@@ -87,7 +87,7 @@ def _parts(obj: Any) -> list[bytes | memoryview]:
         for v in obj:
             out += [_bin_header(v.nbytes), v]
         return out
-    return [_pack(obj)]
+    return [pack(obj)]
 
 
 _PACKER = msgpack.Packer(use_bin_type=True)

@@ -91,6 +91,15 @@ SLOTS = 3
 """The compiler gives stage s the slot `s % SLOTS` of the rank's staging (each slot at most
 a third of the rank's budget, `planner/passes/budget.py`); the early-pack rule checks the
 `SLOTS - 1` stages before s."""
+ALIGN = 64
+"""Byte alignment of every offset the compiler places in a buffer: staging slots and the
+pools and runs in them (`planner/passes/budget.py`, `staging.py`, `gather*.py`), a shadow
+section's chunks, and a bounded shadow's tensors in its N-byte buffer
+(`schemas.bounded_plan.bases`)."""
+INFLIGHT = 8
+"""Batches a rank keeps posted and not yet landed, by default: the executor's
+`max_inflight`, the simulator's `inflight` (`rdma-plan simulate --inflight`), and the write
+window a target's staging is sized to keep full (`planner/passes/budget.py`)."""
 
 MAX_OPS = 1 << 26
 """Rows of one table of one rank (writes, batches, copies, signals, waits)."""

@@ -27,7 +27,16 @@ from typing import Any
 import numpy as np
 
 from .identity import plan_identity
-from .plan import STAGING, PlanFormatError, RankPlan, Table, _int, open_plan, read_blob, read_header
+from .plan import (
+    STAGING,
+    PlanFormatError,
+    RankPlan,
+    Table,
+    open_plan,
+    plan_int,
+    read_blob,
+    read_header,
+)
 
 PIECE_COLUMNS = (("region", "<i4"), ("tensor", "<i4"), ("off0", "<i8"), ("off1", "<i8"),
                  ("size0", "<i8"), ("size1", "<i8"), ("start", "<i8"), ("stride0", "<i8"),
@@ -124,7 +133,7 @@ def _decode(raw: dict, rp: RankPlan, path: str) -> tuple[BoundTensor, ...]:
     what = f"{path} tensors/{rp.rank}"
     try:
         names = [str(n) for n in raw["names"]]
-        shapes = [tuple(_int(x) for x in s) for s in raw["shapes"]]
+        shapes = [tuple(plan_int(x) for x in s) for s in raw["shapes"]]
         flags = np.frombuffer(raw["buffer"], dtype=np.uint8)
         table = Table.from_msgpack(PIECE_COLUMNS, raw["pieces"], what)
     except (KeyError, TypeError, ValueError, OverflowError) as e:

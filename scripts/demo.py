@@ -37,7 +37,7 @@ class Rank:
         import torch
 
         from harness.weights import materialize, random_full_tensors
-        from planner.layouts import build_layout
+        from planner.frameworks import build_layout
         from planner.validate import load
 
         cfg, spec = load(config)

@@ -2,7 +2,7 @@
 
     python scripts/probe_stream_ops.py [--devices 0,1] [--rounds 2000]
 
-The design that issue 21 asks for puts the signals between ranks on the GPUs: a stream
+The design with the signals between ranks on the GPUs: a stream
 waits until a flag reaches a value (`cuStreamWaitValue64`) and sets one after its copies
 (`cuStreamWriteValue64`), so no host takes part in a step. This measures what that costs
 with the flags in a shared-memory page both processes register with the driver: (1) the

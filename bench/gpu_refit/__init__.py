@@ -1,4 +1,4 @@
-"""GPU benchmark: refit time of rdma-plan vs NCCL broadcast vs the NVLink floor (issue 7).
+"""GPU benchmark: refit time of rdma-plan vs NCCL broadcast vs the NVLink floor.
 
     PYTHONUNBUFFERED=1 python3 -m bench.gpu_refit [--models qwen3-8b,qwen3-30b-a3b]
         [--transports cuda_ipc[,nixl]] [--steps 20] [--warmup 3] [--out DIR]

@@ -50,7 +50,7 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
               transports: list[str], baseline: bool = True) -> dict:
     import executor
     from harness.weights import DTYPES
-    from planner.layouts import build_layout
+    from planner.frameworks import build_layout
     from planner.spec import load_spec
 
     torch, dist, args, rank = ctx.torch, ctx.dist, ctx.args, ctx.rank

@@ -141,6 +141,6 @@ def check_fp8(t, scale, pt, spec, seed: int, counts: dict) -> bool:
 
 def scale_pieces(pt, spec):
     """The pieces of the `_scale_inv` sibling of FP8 tensor `pt`, in `pt`'s piece order."""
-    from planner.fp8 import _scale_tensor
+    from planner.fp8 import scale_tensor
 
-    return _scale_tensor(pt, spec.by_name).pieces
+    return scale_tensor(pt, spec.by_name).pieces

@@ -163,7 +163,7 @@ def expected_digests(config: str, model_config: str, plan_rank: int,
     into full logical tensors with the source layout, and laid out with the target's
     (`harness.weights.assemble`, `layout_digests`)."""
     from harness.weights import assemble, layout_digests
-    from planner.layouts import build_layout
+    from planner.frameworks import build_layout
     from planner.spec import spec_from_hf
     from schemas.config_load import load_config
 

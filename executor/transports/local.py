@@ -41,6 +41,8 @@ class Fabric:
         self.kv: dict[str, bytes] = {}
         self.secret = os.urandom(32)
         """The job secret of this in-process world (it never leaves the process)."""
+        self.children: dict[int, Fabric] = {}
+        """`child(key)`'s fabrics, kept with this one."""
         self._lock = threading.Lock()
 
     def mailbox(self, namespace: str, rank: int) -> Mailbox | SharedMailbox:
@@ -51,6 +53,16 @@ class Fabric:
                 box = SharedMailbox() if self.shared else Mailbox()
                 self.mailboxes[(namespace, rank)] = box
             return box
+
+    def child(self, key: int) -> Fabric:
+        """A fabric of its own for `key` (a bounded shadow's chunk k), made on first use with
+        this one's `shared` and job secret: its ranks meet only each other's."""
+        with self._lock:
+            kid = self.children.get(key)
+            if kid is None:
+                kid = self.children[key] = Fabric(shared=self.shared)
+                kid.secret = self.secret
+            return kid
 
     def set(self, key: str, value: bytes) -> None:
         self.kv[key] = value

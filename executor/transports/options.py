@@ -28,7 +28,7 @@ class NixlOptions:
     sgl: bool = True
     """A batch's writes as one scatter-gather put (NIXL_UCX_SGL_ENABLE): over CUDA IPC one
     `cuMemcpyBatchAsync` and one event per batch instead of a copy and an event per write
-    (both measured: BENCHMARKS.md, "GPU refit", the `nixl` and `nixl-nosgl` rows)."""
+    (BENCHMARKS.md, "GPU refit", compares both)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,12 +38,12 @@ class CudaIpcOptions:
     at once (one stream's peer copies run one after another)."""
     graphs: bool = True
     """Capture a batch of several small copies once into a CUDA graph and replay it (one
-    launch instead of a `cudaMemcpyAsync` per copy, ~7 us of host time each)."""
+    launch instead of a `cudaMemcpyAsync` per copy, each a few microseconds of host time)."""
     graph_min_copies: int = 2
     """Batches of fewer copies are posted copy by copy."""
     graph_max_mean_bytes: int = 16 << 20
-    """Batches whose copies average this or more are posted copy by copy (graph launches
-    were slower there: fp32 -> bf16 Qwen3-8B, 64 MB in 1-4 copies, 1.20x -> 1.27x)."""
+    """Batches whose copies average this or more are posted copy by copy (for a few large
+    copies a graph launch saves no host time and costs some)."""
     copy_kernel: bool = True
     """A batch's copies as one kernel on the SMs (`copy_kernel.py`) instead of the copy
     engines, where its copies average under `kernel_max_mean_bytes` (a peer on another
@@ -58,11 +58,11 @@ class CudaIpcOptions:
     beside_packs_max_mean_bytes: int = 4 << 20
     """The same for a batch posted while the next pack group runs (`beside_packs`): its
     copies share the SMs with the FP8 quantizer there, so from this mean size on they go
-    to the engines (FP8 Qwen3-8B on 4 H200s: BENCHMARKS.md, "Issue 37: GPU rows")."""
+    to the engines."""
     beside_packs_kernel_share: float = 1.0
     """The share of the device's blocks the copy kernel's grid takes for a `beside_packs`
     batch that stays on it (under `beside_packs_max_mean_bytes`): below 1, the FP8
-    quantizer running meanwhile finds room on every SM (issue 37)."""
+    quantizer running meanwhile finds room on every SM."""
     memcpy_batch: bool = True
     """A batch into a peer on another GPU as one `cuMemcpyBatchAsync` (the driver's batched
     copies, on the copy engines) where the driver has it, instead of the copy kernel or a

@@ -36,7 +36,7 @@ from planner.layouts import rules
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
 from planner.layouts.shards import chunk, whole
 from planner.spec import LogicalTensor, ModelDims, ModelSpec
-from schemas.config import SourceConfig
+from schemas.config import SourceConfig, fail
 
 _COLWISE = re.compile(r"\.(q_proj|k_proj|v_proj|q_b_proj|kv_b_proj|gate_proj|up_proj|w1|w3)\.")
 _ROWWISE = re.compile(r"\.(o_proj|down_proj|w2)\.weight$")
@@ -90,14 +90,14 @@ def check(spec: ModelSpec, cfg: SourceConfig) -> None:
         return
     rules.divides("source.tp", tp, d.heads, "num_attention_heads")
     if not d.mla and d.kv_heads % tp:
-        rules.fail("source.tp", tp, f"must divide num_key_value_heads={d.kv_heads} (FSDP2+TP "
+        fail("source.tp", tp, f"must divide num_key_value_heads={d.kv_heads} (FSDP2+TP "
                    "cuts k_proj/v_proj by rows, no KV-head replication); use one of "
                    f"{rules.divisors(d.kv_heads)}")
     if d.model_type == "gpt_oss":
-        rules.fail("source.tp", tp, "has no TP plan for gpt-oss's fused experts (gate and up "
+        fail("source.tp", tp, "has no TP plan for gpt-oss's fused experts (gate and up "
                    "interleaved in gate_up_proj); use source.tp: 1")
     if cfg.fused_experts and d.moe_layers:
-        rules.fail("source.fused_experts", True, f"cannot be combined with source.tp={tp} (a "
+        fail("source.fused_experts", True, f"cannot be combined with source.tp={tp} (a "
                    "colwise cut of gate_up_proj mixes gate and up); use tp 1 or "
                    "checkpoint-named experts")
 

@@ -38,7 +38,7 @@ from planner.layouts import rules
 from planner.layouts.base import Layout, PhysicalTensor, RankLayout
 from planner.layouts.shards import box, cut_rows, even, physical, whole
 from planner.spec import LogicalTensor, ModelDims, ModelSpec
-from schemas.config import ConfigError, SourceConfig
+from schemas.config import ConfigError, SourceConfig, fail
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "glm4_moe")
 """The model_types these rules cover (others: specs from transformers, no rules)."""
@@ -140,11 +140,11 @@ def check(spec: ModelSpec, cfg: SourceConfig) -> None:
     rules.attention_tp("source.tp", tp, tp, d)
     qkv_rows = (d.heads + 2 * d.kv_heads) * d.head_dim
     if not d.mla and qkv_rows % tp:
-        rules.fail("source.tp", tp, f"must divide linear_qkv's {qkv_rows} rows; use one of "
+        fail("source.tp", tp, f"must divide linear_qkv's {qkv_rows} rows; use one of "
                    f"{rules.divisors(qkv_rows)}")
     rules.mlp_tp("source.tp", tp, d)
     if cfg.vocab_padding == "none" and d.vocab % tp:
-        rules.fail("source.tp", tp, f"must divide vocab_size={d.vocab} when "
+        fail("source.tp", tp, f"must divide vocab_size={d.vocab} when "
                    "source.vocab_padding is none; set source.vocab_padding: megatron")
     if d.mla and not cfg.transformer_engine:
         _check_mla_local_spec(d, tp)
@@ -155,7 +155,7 @@ def check(spec: ModelSpec, cfg: SourceConfig) -> None:
         rules.divides("source.etp" if cfg.etp is not None else "source.tp", etp,
                       d.moe_intermediate, "moe_intermediate_size")
     if (tp * cfg.dp) % (etp * ep):
-        rules.fail("source.ep", ep, f"times expert tp {etp} must divide source.tp * "
+        fail("source.ep", ep, f"times expert tp {etp} must divide source.tp * "
                    f"source.dp = {tp * cfg.dp} (Megatron's expert grid etp*ep*edp = tp*dp); "
                    "change source.ep, source.etp or source.dp")
 
@@ -163,12 +163,12 @@ def check(spec: ModelSpec, cfg: SourceConfig) -> None:
 def _check_mla_local_spec(d: ModelDims, tp: int) -> None:
     """The local spec splits the MLA down projections' rows over tp (TE replicates them)."""
     if d.q_lora_rank and d.q_lora_rank % tp:
-        rules.fail("source.tp", tp, f"must divide q_lora_rank={d.q_lora_rank} (Megatron's "
+        fail("source.tp", tp, f"must divide q_lora_rank={d.q_lora_rank} (Megatron's "
                    "local spec splits linear_q_down_proj); set source.transformer_engine: "
                    f"true or use one of {rules.divisors(d.q_lora_rank)}")
     kv_rows = d.kv_lora_rank + d.qk_rope_head_dim
     if kv_rows % tp:
-        rules.fail("source.tp", tp, f"must divide kv_lora_rank + qk_rope_head_dim={kv_rows} "
+        fail("source.tp", tp, f"must divide kv_lora_rank + qk_rope_head_dim={kv_rows} "
                    "(Megatron's local spec splits linear_kv_down_proj); set "
                    f"source.transformer_engine: true or use one of {rules.divisors(kv_rows)}")
 

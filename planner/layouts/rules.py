@@ -2,18 +2,14 @@
 
 The rules themselves live in each layout module's `check(spec, cfg)` (the only place a
 framework's constraint is written); this module only holds the helpers they share, so
-every message lists the valid choices the same way.
+every message lists the valid choices the same way (each raised by `schemas.config.fail`,
+the one wording of a config error: key, value, fix).
 """
 
 from __future__ import annotations
 
 from planner.spec import ModelDims
-from schemas.bounded import short
-from schemas.config import ConfigError
-
-
-def fail(key: str, value: object, fix: str) -> None:
-    raise ConfigError(f"{key}: {short(value)} {fix}")
+from schemas.config import fail
 
 
 def divisors(n: int, limit: int = 64) -> str:

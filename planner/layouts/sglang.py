@@ -33,11 +33,11 @@ from typing import Any
 
 from planner.layouts import rules
 from planner.layouts.base import Layout, PhysicalTensor, RankLayout
-from planner.layouts.rules import divisors, fail
+from planner.layouts.rules import divisors
 from planner.layouts.vllm import build, check_common
 from planner.layouts.vllm_rank import Names, Shard, Split
 from planner.spec import ModelSpec
-from schemas.config import TargetConfig
+from schemas.config import TargetConfig, fail
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2")
 """The model_types these rules cover (others: specs from transformers, no rules)."""

@@ -12,7 +12,7 @@ out refuses any use, so a trace needing it fails rather than answering otherwise
 tracer that fails is followed by one importing vLLM whole (lean and whole traces are compared
 by tests/oracles/test_vllm_trace_lean.py). The tracer's answer is checked like a cache file
 (`traced.decode_rank`); what it traced is what `traced.layout` traces in this process (the
-same `traced._trace_packed`), so the plan is the same bytes. Without `fork` (or on a cache
+same `traced.trace_packed`), so the plan is the same bytes. Without `fork` (or on a cache
 hit) nothing starts early: `result` builds the layout then, as `build_layout` would.
 
 For a family with hand-written rules, the trace is expected to equal them (a test checks
@@ -251,7 +251,7 @@ def _tracer(send: Any, spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig, p
             lean = vllm_lean.install()
         else:
             log.info("the tracer imports vLLM whole (RDMA_PLAN_TRACE_LEAN=1: lean)")
-        out: dict[str, Any] = {"ranks": traced._trace_packed(spec, hf, cfg)}
+        out: dict[str, Any] = {"ranks": traced.trace_packed(spec, hf, cfg)}
     except ConfigError as e:
         out = {"error": str(e)}
     except Exception as e:  # noqa: BLE001 (a failure of vLLM or torch: named in one line)

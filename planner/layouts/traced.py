@@ -137,13 +137,13 @@ def _trace(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list[list[
 
 
 def _trace_rows(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list[list[Any]]:
-    """One engine's `encode_rank` rows, unchecked (`_trace_packed`, unpacked)."""
+    """One engine's `encode_rank` rows, unchecked (`trace_packed`, unpacked)."""
     with gc_paused():
         return [msgpack.unpackb(rank, strict_map_key=True)
-                for rank in _trace_packed(spec, hf, cfg)]
+                for rank in trace_packed(spec, hf, cfg)]
 
 
-def _trace_packed(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list[bytes]:
+def trace_packed(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list[bytes]:
     """Import torch and vLLM and trace one engine (each rank's `encode_rank` rows as msgpack
     bytes, unchecked), with the cyclic garbage collector paused: importing vLLM allocates
     ~1.5M objects, and collecting them over and over while they are all still alive took

@@ -31,12 +31,11 @@ from typing import Any
 
 from planner.layouts import rules
 from planner.layouts.base import Layout, RankLayout
-from planner.layouts.rules import fail
 from planner.layouts.vllm_gpt_oss import GptOssBuilder
 from planner.layouts.vllm_gpt_oss import check as gpt_oss_check
 from planner.layouts.vllm_rank import VOCAB_PAD, Names, RankBuilder, Shard, Split, padded_vocab
 from planner.spec import SUPPORTED_MODEL_TYPES, ModelSpec
-from schemas.config import TargetConfig
+from schemas.config import TargetConfig, fail
 
 FAMILIES = SUPPORTED_MODEL_TYPES
 """The model_types these rules cover (others: specs from transformers, no rules)."""

@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from planner.layouts.base import PhysicalTensor, Piece
-from planner.layouts.rules import divisors, fail
+from planner.layouts.rules import divisors
 from planner.layouts.vllm_rank import RankBuilder
 from planner.spec import ModelSpec
-from schemas.config import TargetConfig
+from schemas.config import TargetConfig, fail
 
 TRANSPOSED = (2, 1)
 """One expert's logical `[a, b]` rows land as physical `[., b, a]`."""

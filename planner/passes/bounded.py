@@ -1,32 +1,29 @@
 """A bounded shadow (`target.shadow: {budget_bytes: N}`) as a sequence of chunk plans.
 
-The target's tensors are cut into chunks, layer by layer (`layer_of`: the non-layer
-tensors, embedding, head, final norm, form one group before layer 0): a chunk is a set of
-WHOLE target tensors whose bytes, each at an `ALIGN`-aligned offset, fit `N` on every target
-rank; a layer that does not fit one chunk is cut between its tensors, and a tensor larger
-than `N` is refused (one line, naming it). Each chunk is compiled like any plan
-(`compile_layouts`), with the target layout restricted to the chunk's tensors: its writes
-and UNPACKs address those tensors only. On every target rank the chunk plan carries a
-shadow section with `budget` N and one chunk whose ops read `shadow_offset = base(tensor) +
-offset`: the executor (`executor/bounded.py`) binds the chunk's tensors as views of ONE
-buffer of N bytes at those bases, so that buffer is where the chunk's bytes land (no stage
-of it lands more than N bytes on a target), and the switch copies them into the live
-tensors. The chunk plans travel in one file (`schemas/bounded_plan.py`).
+The target's tensors are cut into chunks, layer by layer (`layer_of`: the non-layer tensors,
+embedding, head, final norm, form one group before layer 0): a chunk is a set of WHOLE
+target tensors whose bytes, each at an `ALIGN`-aligned offset, fit `N` on every target rank;
+a layer that does not fit one chunk is cut between its tensors, and a tensor larger than `N`
+is refused (one line, naming it). Each chunk is compiled like any plan (`compile_layouts`,
+driven by `planner/bounded_cmd.py`), with the target layout restricted to the chunk's
+tensors: its writes and UNPACKs address those tensors only. On every target rank the chunk
+plan carries a shadow section with `budget` N and one chunk whose ops read `shadow_offset =
+base(tensor) + offset`: the executor (`executor/bounded.py`) binds the chunk's tensors as
+views of ONE buffer of N bytes at those bases, so that buffer is where the chunk's bytes
+land (no stage of it lands more than N bytes on a target), and the switch copies them into
+the live tensors. The chunk plans travel in one file (`schemas/bounded_plan.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
-from planner.passes.emit import tensor_regions
 from planner.passes.shadow import layer_of, with_shadow
-from planner.spec import ModelSpec
 from planner.verify_shadow import written
-from schemas.bounded_plan import ALIGN, bases
-from schemas.config import Config, ConfigError
+from schemas.bounded_plan import bases
+from schemas.config import ConfigError
 from schemas.plan import Plan, RankPlan, Region
+from schemas.protocol import ALIGN
 from schemas.shadow import SHADOW_REGION_COLUMNS, SWITCH_COLUMNS, ShadowPart
 from schemas.table import Table
 
@@ -79,24 +76,6 @@ def chunk_names(regions: list[tuple[Region, ...]], budget: int) -> list[list[str
     return chunks
 
 
-def compile_bounded(cfg: Config, spec: ModelSpec, src_layout, dst_layout) -> list[Plan]:
-    """The chunk plans of a bounded shadow (`cfg.target.shadow.budget_bytes` > 0), in the
-    order they run."""
-    from planner.compiler import compile_layouts
-
-    assert cfg.target.shadow is not None and cfg.target.shadow.budget_bytes > 0
-    budget = cfg.target.shadow.budget_bytes
-    plain = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, shadow=None))
-    plans = []
-    for names in chunk_names(tensor_regions(dst_layout), budget):
-        keep = set(names)
-        sub = dataclasses.replace(dst_layout, ranks=tuple(
-            dataclasses.replace(rl, tensors=tuple(t for t in rl.tensors if t.name in keep))
-            for rl in dst_layout.ranks))
-        plans.append(with_bounded(compile_layouts(plain, spec, src_layout, sub), budget))
-    return plans
-
-
 def with_bounded(plan: Plan, budget: int) -> Plan:
     """`plan` (one chunk) with a bounded shadow section on every target rank: one chunk,
     each written run at `base(its tensor) + offset` of the buffer."""
@@ -111,16 +90,3 @@ def bounded_part(rp: RankPlan, inc, budget: int) -> ShadowPart:
                                           nbytes=n),
                       Table.build(SWITCH_COLUMNS, chunk=z, region=region, offset=off,
                                   nbytes=n, shadow_offset=base[region] + off))
-
-
-def compile_bounded_config(cfg: Config, spec: ModelSpec) -> list[Plan]:
-    """`compile_bounded` of a checked config (layouts built from its rules, not traced)."""
-    from planner.compiler import _no_cycle_collection
-    from planner.fp8 import with_scales
-    from planner.layouts import build_layout
-
-    with _no_cycle_collection():
-        src, dst = build_layout(spec, cfg.source), build_layout(spec, cfg.target)
-        if cfg.target.dtype == "fp8_block128":
-            spec = with_scales(spec)
-        return compile_bounded(cfg, spec, src, dst)

@@ -4,18 +4,17 @@
 - a source rank (trainer: its memory is free at refit time) may use all of the cap. Every
   stage boundary is a sync point of the whole plan (DONE, ACK; a stage ends on its most
   loaded pair), so a source stages as much per stage as the cap allows, and the fewer
-  stages the closer the plan is to its floor (published DeepSeek-V3: 177 stages at 256 MiB,
-  1.39x the floor; ~1.06x at 1 GiB). Staging is sized to need (`lower.slot_bases`), so a
+  stages the closer the plan is to its floor. Staging is sized to need (`lower.slot_bases`), so a
   source that packs little allocates little;
 - a target rank (inference: its memory serves KV cache) gets the least that keeps the
   write window full: a source keeps `INFLIGHT` writes in flight, and while a target
   unpacks one slot those writes must land in its other `SLOTS - 1` slots, so a slot holds
   `WINDOW_WRITES` of the largest staged write into the target, and no more. With fewer
-  (gpt-oss-120b's transposed experts: 2 unpacked writes of 33 MB per slot at 256 MiB)
-  the target's ingress idles at every boundary (1.17x the floor; 1.02x at 4 per slot).
+  (a few large unpacked writes per slot, as gpt-oss's transposed experts make) the
+  target's ingress idles at every boundary.
   A slot also holds enough that the target's stage boundaries (each a DONE, an unpack
   launch and an ACK: `boundary_s`) cost at most `BOUNDARY_SHARE` of its ingress time: a
-  target that receives little (the demo: 1.6 MB unpacked) keeps it all in one stage.
+  target that receives little keeps it all in one stage.
   A target that unpacks nothing gets no staging: it takes direct writes.
 `budget_why` words the choice for `rdma-plan inspect`.
 """
@@ -24,13 +23,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.simflow import INFLIGHT
 from schemas.config import Options
-from schemas.protocol import SLOTS
+from schemas.protocol import ALIGN, INFLIGHT, SLOTS
 
-ALIGN = 64
-"""Staging offsets are aligned to this many bytes (the one definition; `lower` places
-staging with it)."""
 WINDOW_WRITES = -(-INFLIGHT // (SLOTS - 1))
 """Staged writes a target's slot holds: the write window spread over the slots not being
 unpacked."""

@@ -32,8 +32,8 @@ the owner's ACK. Where every box fits half a pool, each pool is split in halves,
 rounds in one and odd rounds in the other (`gather_out.Staging`, `gather_out.lowered`):
 a round's gather packs then touch nothing the round before reads, so they run while that
 round's fan-out is written (`schemas.protocol`'s early packs) instead of at the stage
-boundary, and a round holds half as much, which evens the owners' fan-out per round
-(issue 37). Only where the cost model says it pays (`gather_out.halves_fit`; FP8 on NVLink).
+boundary, and a round holds half as much, which evens the owners' fan-out per round.
+Only where the cost model says it pays (`gather_out.halves_fit`; FP8 on NVLink).
 The boxes QUANT reads in place come first, as columns (`gather_direct.py`); each other box's
 owner, parts and fan-out are columns where they can be (`gather_rows.py`), else rows below.
 """
@@ -46,7 +46,6 @@ from typing import TypeVar
 import numpy as np
 
 from planner.passes import gather_rows
-from planner.passes.budget import ALIGN
 from planner.passes.gather_box import Box, Slot, pick_owner
 from planner.passes.gather_direct import add_direct
 from planner.passes.gather_out import (
@@ -66,8 +65,8 @@ from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import ConfigError, Options
 from schemas.plan import DTYPE_CODES, PACK, QUANT
+from schemas.protocol import ALIGN, ITEM, scale_stride
 from schemas.protocol import FP8_BLOCK as BLOCK
-from schemas.protocol import ITEM, scale_stride
 
 FP8_CODE = DTYPE_CODES.index("float8_e4m3fn")
 T = TypeVar("T")

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.passes.budget import ALIGN
 from planner.passes.gather_box import GatherState
 from schemas.plan import QUANT
+from schemas.protocol import ALIGN, FP8_CODE, scale_blocks
 from schemas.protocol import FP8_BLOCK as BLOCK
-from schemas.protocol import FP8_CODE, scale_blocks
 
 
 def add_direct(g: GatherState, order: np.ndarray) -> int:
@@ -122,8 +121,7 @@ def values_first(owner: np.ndarray, k: np.ndarray, where: np.ndarray, start: np.
     takes it, as rank, region, element): the same bytes of the round, so that boxes
     adjacent in a target tensor (an MoE's experts) are adjacent in staging too, and
     `coalesce` merges their writes (and their scales') into a few large ones instead of
-    two a box (0.75 MiB on average on Qwen3-30B-A3B, where w1, w3 and w2 boxes of an
-    expert alternate; issue 37)."""
+    two small ones a box (where the w1, w3 and w2 boxes of an expert alternate)."""
     n = len(start)
     if not n:
         return start, start + v_bytes

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.passes.budget import ALIGN
 from planner.passes.lower import Lowered
 from schemas.plan import COPY_COLUMNS, DTYPE_CODES, QUANT
-from schemas.protocol import FP8_BLOCK, ITEM, SCALE_BYTES, scale_stride
+from schemas.protocol import ALIGN, FP8_BLOCK, ITEM, SCALE_BYTES, scale_stride
 
 
 def align(n: int) -> int:
@@ -112,7 +111,7 @@ def halves_fit(tboxes: np.ndarray, out_codes: np.ndarray, src_codes: np.ndarray,
     casting PACK: their source bytes at `convert_bps`) takes longer than sending what they
     become at `fan_out_bps` (NVLink, where every rank shares one host): then a round that
     waits for the round before's fan-out to free its staging runs its conversions apart
-    from any write, and halves let them run beside it (FP8 on NVLink: issue 37)."""
+    from any write, and halves let them run beside it (FP8 on NVLink)."""
     if not len(tboxes) or owners < 1:
         return False
     n0, n1 = tboxes[:, 3], tboxes[:, 4]

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.passes.budget import ALIGN
 from planner.passes.gather_box import Box, GatherState, Slot, pick_owner
 from schemas.plan import PACK
+from schemas.protocol import ALIGN
 from schemas.protocol import FP8_BLOCK as BLOCK
 
 

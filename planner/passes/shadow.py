@@ -22,11 +22,10 @@ from planner.verify_rank import concat, outgoing
 from planner.verify_shadow import written
 from schemas.config import ConfigError
 from schemas.plan import Plan, RankPlan
+from schemas.protocol import ALIGN
 from schemas.shadow import SHADOW_REGION_COLUMNS, SWITCH_COLUMNS, ShadowPart
 from schemas.table import Table
 
-ALIGN = 64
-"""A bounded shadow's ops start at multiples of this many bytes of its buffer."""
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.passes.budget import ALIGN
 from planner.rows import lexorder
 from schemas.config import ConfigError, Options
-from schemas.protocol import SLOTS
+from schemas.protocol import ALIGN, SLOTS
 
 QUANTUM = 64 << 20
 """Bytes of one (source, target) pair that go into staging before the next target's turn."""

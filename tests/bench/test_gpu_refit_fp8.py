@@ -57,7 +57,7 @@ def test_megatron_qkv_rows_quantized_in_place_part_by_part_are_bit_exact(tmp_pat
     gather into staging, so the QUANTs may run early), bit-exact against the reference
     quantizer (two groups, head_dim 128: q parts of 256 rows)."""
     import executor
-    from planner.layouts import build_layout
+    from planner.frameworks import build_layout
     from schemas.config import ClusterConfig, Config, ModelConfig, SourceConfig, TargetConfig
     from schemas.plan import QUANT
     from schemas.protocol import Overlap, staging_index

@@ -21,7 +21,7 @@ from executor.core import Executor
 from executor.transports.local import Fabric, LocalTransport
 from harness.weights import materialize, random_full_tensors
 from planner.compiler import compile_config
-from planner.layouts import build_layout
+from planner.frameworks import build_layout
 from planner.validate import load
 from schemas.plan_write import write_plan
 from schemas.protocol import Overlap

@@ -198,7 +198,7 @@ def main() -> None:
         in_process,
         update,
     )
-    from planner.layouts import build_layout
+    from planner.frameworks import build_layout
     from planner.spec import spec_from_hf
     from schemas.config_load import load_config
 

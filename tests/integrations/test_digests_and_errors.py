@@ -22,9 +22,9 @@ from harness.weights import (
     layout_digests,
     materialize,
     random_full_tensors,
-    tensor_sha256,
 )
-from planner.layouts import build_layout
+from integrations import tensor_sha256
+from planner.frameworks import build_layout
 from planner.spec import spec_from_hf
 from schemas.config import SourceConfig, TargetConfig
 from tests.support import engine_models

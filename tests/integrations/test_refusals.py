@@ -12,7 +12,7 @@ import torch
 from harness.weights import DTYPES
 from integrations import ModelMismatchError, fsdp2, megatron
 from planner.compiler import compile_config
-from planner.layouts import build_layout
+from planner.frameworks import build_layout
 from planner.spec import spec_from_hf
 from planner.validate import validate
 from schemas.config import SourceConfig

@@ -1,4 +1,4 @@
-"""`integrations.vllm_cpu_build` builds a real vLLM 0.33 model on CPU (the PyPI wheel, no
+"""`tests.support.vllm_cpu_build` builds a real vLLM 0.33 model on CPU (the PyPI wheel, no
 `vllm._C`): a Qwen3-MoE (the CPU MoE experts' prepack is one of the patched steps), loaded
 through vLLM's own `load_weights`, equal bit for bit to our vLLM layout; without the
 helper's patches the same build fails (the control: the patches are needed)."""

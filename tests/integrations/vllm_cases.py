@@ -79,7 +79,7 @@ def plan_config(hf: dict, source: dict, tp: int, ep: bool, folder: str) -> Any:
 def source_tensors(case: dict, rank: int, seed: int) -> dict[str, torch.Tensor]:
     """Trainer rank `rank`'s tensors of version `seed` (the plan's source layout)."""
     from harness.weights import materialize
-    from planner.layouts import build_layout
+    from planner.frameworks import build_layout
     from planner.spec import spec_from_hf
     from schemas.config import SourceConfig
 

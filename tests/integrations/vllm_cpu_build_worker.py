@@ -1,4 +1,4 @@
-"""Build a real vLLM 0.33 model on CPU with `integrations.vllm_cpu_build`, as a user would.
+"""Build a real vLLM 0.33 model on CPU with `tests.support.vllm_cpu_build`.
 
 argv[1] is JSON: {"port", "hf", "folder"}. First the control: the same build without
 `patch_cpu()` (its error is reported). Then `patch_cpu()`, `init_distributed`,
@@ -24,10 +24,10 @@ def main() -> None:
     from vllm.config import set_current_vllm_config
 
     from harness.weights import materialize, random_full_tensors
-    from integrations import vllm_cpu_build as cpu
     from planner.layouts import vllm as vllm_layout
     from planner.spec import spec_from_hf
     from schemas.config import TargetConfig
+    from tests.support import vllm_cpu_build as cpu
 
     cpu.init_distributed(world_size=1, rank=0, port=arg["port"])
     cfg = cpu.engine_config(arg["folder"], tp=1, dtype="float32")

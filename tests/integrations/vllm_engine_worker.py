@@ -13,7 +13,7 @@ methods of vLLM's `Worker` (gpu_worker.py), until "done".
 the same config that loaded the version's checkpoint through `load_weights` and then ran
 PWAL; and every `data_ptr` with the one before the first update.
 
-Neutralised on CPU by `integrations.vllm_cpu_build.patch_cpu` (LAYOUTS.md):
+Neutralised on CPU by `tests.support.vllm_cpu_build.patch_cpu` (LAYOUTS.md):
 `torch.accelerator.empty_cache`; the kernel steps of PWAL that need `vllm._C` or a GPU
 kernel: the CPU MoE experts' prepack and the block-FP8 linear kernel (they re-lay weights
 out for a kernel; MLA's W_UK_T/W_UV step runs for real).
@@ -33,9 +33,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import torch  # noqa: E402
 
-from integrations import vllm_cpu_build  # noqa: E402
-from integrations.vllm_cpu_build import KEEP  # noqa: E402, F401  (the refusal worker's)
 from tests.integrations import vllm_cases  # noqa: E402
+from tests.support import vllm_cpu_build  # noqa: E402
+from tests.support.vllm_cpu_build import KEEP  # noqa: E402, F401  (the refusal worker's)
 
 
 def engine_config(case: dict, rank: int):  # noqa: ANN201 (vLLM's type)

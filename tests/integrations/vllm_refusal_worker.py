@@ -21,9 +21,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import torch  # noqa: E402
 
-from integrations.vllm_cpu_build import KEEP, init_distributed, patch_cpu  # noqa: E402
 from tests.integrations import vllm_cases as vc  # noqa: E402
 from tests.integrations.vllm_engine_worker import engine_config  # noqa: E402
+from tests.support.vllm_cpu_build import KEEP, init_distributed, patch_cpu  # noqa: E402
 
 
 def refused(fn, *args, match: tuple[str, ...]) -> str:  # noqa: ANN001

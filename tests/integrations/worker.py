@@ -30,7 +30,8 @@ sys.path.insert(0, ROOT)
 
 import executor  # noqa: E402
 from harness.weights import materialize, random_full_tensors  # noqa: E402
-from planner.layouts import build_layout, megatron  # noqa: E402
+from planner.frameworks import build_layout  # noqa: E402
+from planner.layouts import megatron  # noqa: E402
 from planner.validate import load  # noqa: E402
 from schemas.tensors import rank_tensors  # noqa: E402
 

@@ -79,7 +79,7 @@ def trainer(arg: dict) -> None:
     from harness.weights import materialize, random_full_tensors
     from integrations.sglang import TornUpdateError
     from integrations.sglang_engine import update
-    from planner.layouts import build_layout
+    from planner.frameworks import build_layout
     from planner.validate import load
 
     ctl = control(arg, True)

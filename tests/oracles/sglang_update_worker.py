@@ -29,7 +29,7 @@ from tests.oracles import sglang_env  # noqa: E402
 
 def trainer(arg: dict) -> None:
     from harness.weights import materialize, random_full_tensors
-    from planner.layouts import build_layout
+    from planner.frameworks import build_layout
     from planner.validate import load
 
     cfg, spec = load(arg["config"])

@@ -168,7 +168,7 @@ def run_plan(tmp_path: Path, model: str, source: dict, tp: int) -> dict[int, dic
     """Compile and run the FP8 plan; every target rank's tensors after the transfer."""
     import executor
     from planner.compiler import compile_config
-    from planner.layouts import build_layout
+    from planner.frameworks import build_layout
     from planner.spec import load_spec
     from planner.validate import validate
     from planner.verify import verify_plan

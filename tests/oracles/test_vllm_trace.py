@@ -179,7 +179,7 @@ def test_fsdp2_to_traced_vllm_end_to_end_bit_exact(model: str, target_kw: dict, 
     import executor
     from harness.weights import materialize, random_full_tensors
     from planner.compiler import compile_config
-    from planner.layouts import build_layout
+    from planner.frameworks import build_layout
     from planner.spec import load_spec
     from planner.validate import validate
     from schemas.config_load import config_from_dict

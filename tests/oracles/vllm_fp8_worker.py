@@ -70,7 +70,7 @@ def main() -> None:
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment
 
-    neutralise_cpu_gaps()  # init_fp8_linear_kernel too (integrations.vllm_cpu_build)
+    neutralise_cpu_gaps()  # init_fp8_linear_kernel too (tests.support.vllm_cpu_build)
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
                                      distributed_init_method=f"tcp://127.0.0.1:{arg['port']}",

@@ -26,8 +26,8 @@ import torch  # noqa: E402
 def neutralise_cpu_gaps() -> None:
     """The spots that need CUDA or `vllm._C` on this path (see LAYOUTS.md), and vLLM's
     post-load processing: the tensors as `load_weights` left them
-    (`integrations.vllm_cpu_build.patch_cpu(post_load=False)`)."""
-    from integrations.vllm_cpu_build import patch_cpu
+    (`tests.support.vllm_cpu_build.patch_cpu(post_load=False)`)."""
+    from tests.support.vllm_cpu_build import patch_cpu
 
     patch_cpu(post_load=False)
 

@@ -329,10 +329,10 @@ def test_needed_hosts(placement: str, src_per_host: int | None, expected: int) -
 def test_docs_list_every_key() -> None:
     from dataclasses import fields
 
-    from schemas.config import _SECTIONS
+    from schemas.config import SECTIONS
 
     doc = (ROOT / "docs" / "config.md").read_text()
-    missing = [f"{sec}.{f.name}" for sec, cls in _SECTIONS.items() for f in fields(cls)
+    missing = [f"{sec}.{f.name}" for sec, cls in SECTIONS.items() for f in fields(cls)
                if f"`{sec}.{f.name}`" not in doc]
     assert missing == []
 
@@ -343,13 +343,13 @@ def test_docs_list_every_allowed_value() -> None:
     import typing
     from dataclasses import fields
 
-    from schemas.config import _SECTIONS
+    from schemas.config import SECTIONS
 
     rows = {line.split("|")[1].strip(): line for line in
             (ROOT / "docs" / "config.md").read_text().splitlines()
             if line.startswith("| `")}
     missing = []
-    for sec, cls in _SECTIONS.items():
+    for sec, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
         for f in fields(cls):
             kind = hints[f.name]

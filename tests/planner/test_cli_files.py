@@ -126,7 +126,7 @@ def _header_edit(base: str, path: str, edit) -> str:
     head = msgpack.packb(raw, use_bin_type=True)
     with open(path, "wb") as f:
         f.write(P.MAGIC + struct.pack("<IQ", P.FORMAT_VERSION, len(head)) + head
-                + P._digest(head) + data[start:])
+                + P.checksum(head) + data[start:])
     return path
 
 
@@ -177,9 +177,9 @@ def _tensors_inf(base: str, path: str) -> str:
     body = bytearray(data[start:])
     end = len(body)
     body += new
-    raw["blobs"]["tensors/0"] = [end, len(new), P._digest(new)]
+    raw["blobs"]["tensors/0"] = [end, len(new), P.checksum(new)]
     head = msgpack.packb(raw, use_bin_type=True)
     with open(path, "wb") as f:
         f.write(P.MAGIC + struct.pack("<IQ", P.FORMAT_VERSION, len(head)) + head
-                + P._digest(head) + bytes(body))
+                + P.checksum(head) + bytes(body))
     return path

@@ -15,7 +15,7 @@ import torch
 
 from harness.weights import materialize, random_full_tensors
 from planner.compiler import compile_config
-from planner.layouts import build_layout
+from planner.frameworks import build_layout
 from planner.validate import validate
 from planner.verify import verify_plan
 from schemas.config_load import config_from_dict

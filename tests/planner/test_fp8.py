@@ -114,7 +114,7 @@ def test_fp8_real_layouts_bit_exact(tmp_path, hf, source, target):
 
     import executor
     from planner.compiler import compile_config
-    from planner.layouts import build_layout
+    from planner.frameworks import build_layout
     from planner.spec import load_spec
     from planner.validate import validate
     from planner.verify import verify_plan

@@ -9,8 +9,8 @@ import pytest
 
 from planner import frameworks
 from planner.derived import derived
+from planner.frameworks import build_layout
 from planner.identities import rank_identities
-from planner.layouts import build_layout
 from planner.passes.emit import source_replicated
 from planner.spec import spec_from_hf
 from planner.validate import layout_check

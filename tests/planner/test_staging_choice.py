@@ -66,7 +66,7 @@ def test_gather_rounds_in_alternate_halves_are_bit_exact(tmp_path, monkeypatch):
     import executor
     import planner.passes.gather_out as gather_out
     from harness.weights import materialize, random_full_tensors
-    from planner.layouts import build_layout
+    from planner.frameworks import build_layout
     from planner.spec import load_spec
     from planner.verify import verify_plan
     from schemas.config_load import config_from_dict

@@ -10,7 +10,7 @@ import pytest
 
 from planner.cli import main
 from planner.compiler import compile_config
-from planner.layouts import build_layout
+from planner.frameworks import build_layout
 from planner.spec import spec_from_hf
 from planner.validate import validate
 from schemas.config_load import config_from_dict

@@ -10,15 +10,9 @@ import pytest
 from planner.spec import load_spec, spec_from_hf
 from planner.topology import build_topology
 from planner.validate import validate
-from schemas.config import (
-    Config,
-    ConfigError,
-    ConfigErrors,
-    ModelConfig,
-    SourceConfig,
-    TargetConfig,
-)
+from schemas.config import Config, ModelConfig, SourceConfig, TargetConfig
 from schemas.config_load import config_from_dict
+from schemas.errors import ConfigError, ConfigErrors
 
 MODELS = Path(__file__).resolve().parents[2] / "plans" / "models"
 
@@ -105,7 +99,7 @@ _QWEN3_MOE = dict(model_type="qwen3_moe", hidden_size=16, num_attention_heads=2,
 ], ids=["fsdp2-tp-over-kv-heads", "fsdp2-fused-experts-tp", "vllm-ep-more-ranks-than-experts"])
 def test_validate_agrees_with_the_layouts(side: SourceConfig | TargetConfig, kv_heads: int,
                                          message: str) -> None:
-    from planner.layouts import build_layout
+    from planner.frameworks import build_layout
 
     spec = spec_from_hf({**_QWEN3_MOE, "num_key_value_heads": kv_heads})
     src = side if isinstance(side, SourceConfig) else SourceConfig("fsdp2")

@@ -222,13 +222,13 @@ def _msgpack_mutation(rng: random.Random, data: bytes) -> tuple[str, bytes]:
     index, body, offset = {}, b"", 0
     for n in header.get("blobs", {}) if isinstance(header.get("blobs"), dict) else blobs:
         b = blobs.get(n, b"")
-        index[n] = [offset, len(b), P._digest(b)]
+        index[n] = [offset, len(b), P.checksum(b)]
         body += b
         offset += len(b)
     if isinstance(header.get("blobs"), dict):
         header["blobs"] = index
     hb = msgpack.packb(header, use_bin_type=True)
-    return what, (P.MAGIC + struct.pack("<IQ", P.FORMAT_VERSION, len(hb)) + hb + P._digest(hb)
+    return what, (P.MAGIC + struct.pack("<IQ", P.FORMAT_VERSION, len(hb)) + hb + P.checksum(hb)
                   + body)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from planner.layouts import build_layout
+from planner.frameworks import build_layout
 from planner.layouts.base import Layout
 from planner.spec import ModelSpec, spec_from_hf
 from planner.validate import validate

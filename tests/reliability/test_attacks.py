@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from harness.world import ROOT, World, check_recovery
+from harness.world import ROOT, check_recovery
+from tests.support.strays import StrayWorld
 
 pytest.importorskip("nixl")
 
@@ -36,7 +37,7 @@ def plan(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world(plan):
-    w = World(CONFIG, plan, 4, steps=30, timeout_s=3.0, extra=("--leak",))
+    w = StrayWorld(CONFIG, plan, 4, steps=30, timeout_s=3.0, extra=("--leak",))
     w.k = 0  # type: ignore[attr-defined]  # the last step run
     try:
         for r in RANKS:
@@ -49,7 +50,7 @@ def world(plan):
         w.close()
 
 
-def _honest(w: World) -> dict:
+def _honest(w: StrayWorld) -> dict:
     """The next step, honest: every rank completes, both targets bit-exact."""
     w.k += 1
     k = w.k
@@ -127,7 +128,7 @@ def test_recovery_after_garbage_kills_and_restarts(world):
     check_recovery(world, 3, world.k, res)
 
 
-def _sealed_by(w: World, key: str, rank: int, within_s: float = 10.0) -> None:
+def _sealed_by(w: StrayWorld, key: str, rank: int, within_s: float = 10.0) -> None:
     """The store value at `key` is (again, within `within_s`: the owner's heartbeat
     rewrites it every 0.25 s) a record of rank `rank` under the job's secret."""
     import time
@@ -151,7 +152,7 @@ def _sealed_by(w: World, key: str, rank: int, within_s: float = 10.0) -> None:
 def test_without_a_secret_the_forged_done_succeeds(plan):
     # the control: the same forgery against a job run with insecure=True ends a target's
     # step on the forged DONE, with stale weights (what the secret prevents above)
-    w = World(CONFIG, plan, 4, steps=6, timeout_s=3.0, extra=("--leak", "--insecure"))
+    w = StrayWorld(CONFIG, plan, 4, steps=6, timeout_s=3.0, extra=("--leak", "--insecure"))
     w.k = 0  # type: ignore[attr-defined]
     try:
         for r in RANKS:

@@ -33,7 +33,7 @@ from executor.core import Executor
 from executor.transports.local import Fabric
 from harness.weights import materialize, random_full_tensors
 from planner.compiler import compile_file
-from planner.layouts import build_layout
+from planner.frameworks import build_layout
 from planner.validate import load
 from schemas.plan import load_plan
 

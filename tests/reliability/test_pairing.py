@@ -38,7 +38,7 @@ def _compile(config: str, out: str) -> str:
 
 
 def _tensors(config: str, rank: int) -> dict[str, torch.Tensor]:
-    from planner.layouts import build_layout
+    from planner.frameworks import build_layout
     from planner.validate import load
 
     cfg, spec = load(config)

@@ -13,7 +13,8 @@ import signal
 
 import pytest
 
-from harness.world import ROOT, World, check_recovery
+from harness.world import ROOT, check_recovery
+from tests.support.strays import StrayWorld
 
 pytest.importorskip("nixl")
 
@@ -32,7 +33,7 @@ def plan(tmp_path_factory):
 @pytest.mark.extended
 @pytest.mark.parametrize("victim", [2, 0], ids=["target", "source"])
 def test_replayed_leases_block_no_restart_and_steer_no_blame(plan, victim):
-    w = World(CONFIG, plan, 4, steps=4, timeout_s=3.0)
+    w = StrayWorld(CONFIG, plan, 4, steps=4, timeout_s=3.0)
     try:
         for r in range(4):
             w.spawn(r)

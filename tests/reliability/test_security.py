@@ -78,7 +78,7 @@ def _with_header(good: Path, out: Path, edit) -> Path:
     edit(header)
     hb = msgpack.packb(header, use_bin_type=True)
     out.write_bytes(P.MAGIC + struct.pack("<IQ", P.FORMAT_VERSION, len(hb)) + hb
-                    + P._digest(hb) + raw[start:])
+                    + P.checksum(hb) + raw[start:])
     return out
 
 
@@ -90,13 +90,13 @@ def _with_blob(good: Path, out: Path, name: str, blob: bytes) -> Path:
     body, index, offset = b"", {}, 0
     for n, (off, length, _) in sorted(header["blobs"].items(), key=lambda kv: kv[1][0]):
         data = blob if n == name else raw[start + off:start + off + length]
-        index[n] = [offset, len(data), P._digest(data)]
+        index[n] = [offset, len(data), P.checksum(data)]
         body += data
         offset += len(data)
     header["blobs"] = index
     hb = msgpack.packb(header, use_bin_type=True)
     out.write_bytes(P.MAGIC + struct.pack("<IQ", P.FORMAT_VERSION, len(hb)) + hb
-                    + P._digest(hb) + body)
+                    + P.checksum(hb) + body)
     return out
 
 

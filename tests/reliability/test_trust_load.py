@@ -197,7 +197,7 @@ def _sparse_plan(base: str, path: str, blob_bytes: int) -> str:
     head = msgpack.packb(raw, use_bin_type=True)
     with open(path, "wb") as f:
         f.write(P.MAGIC + struct.pack("<IQ", P.FORMAT_VERSION, len(head)) + head
-                + P._digest(head) + data[start:start + end])
+                + P.checksum(head) + data[start:start + end])
         f.truncate(len(P.MAGIC) + 12 + len(head) + 32 + end + blob_bytes)
     return path
 

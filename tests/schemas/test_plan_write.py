@@ -9,7 +9,7 @@ import numpy as np
 
 from planner.compiler import compile_config
 from planner.validate import load
-from schemas.plan_codec import _pack
+from schemas.plan_codec import pack
 from schemas.plan_write import _parts, encode_plan, write_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,7 +19,7 @@ def test_parts_join_to_msgpack() -> None:
     for n in (0, 1, 255, 256, 65535, 65536, 70000):
         col = memoryview(np.arange(n, dtype=np.uint8))
         for obj in ({"t": [col, col], "n": 3, "rows": [[1, "x"]], "e": []}, [col], {}):
-            assert b"".join(bytes(p) for p in _parts(obj)) == _pack(obj)
+            assert b"".join(bytes(p) for p in _parts(obj)) == pack(obj)
 
 
 def test_written_file_is_the_encoded_plan(tmp_path) -> None:

@@ -64,7 +64,7 @@ def _broken(rp: RankPlan) -> dict[str, RankPlan]:
 
 def layouts(case):
     """(spec, source layout, target layout) of a case."""
-    from planner.layouts import build_layout
+    from planner.frameworks import build_layout
     model, source, target = case
     cfg = config_from_dict({"model": {"config": f"{model}/config.json"}, "source": source,
                             "target": target, "cluster": {"gpus_per_host": 8}},
@@ -75,7 +75,7 @@ def layouts(case):
 
 def compile_bounded_file(case, budget: int, path: str) -> list[Plan]:
     """The chunk plans of a bounded shadow of `budget` bytes, written to `path`."""
-    from planner.passes.bounded import compile_bounded_config
+    from planner.bounded_cmd import compile_bounded_config
     from schemas.bounded_plan import write_bounded
     model, source, target = case
     cfg = config_from_dict({"model": {"config": f"{model}/config.json"}, "source": source,

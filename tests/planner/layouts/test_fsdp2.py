@@ -6,7 +6,7 @@ A piece is written (logical tensor, logical offsets, sizes, position in the phys
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.layouts import fsdp2
@@ -105,6 +105,7 @@ _TP_REPLICATED = ("norm.weight", "layernorm.weight", "mlp.gate.weight", "q_a_pro
                   "kv_a_proj_with_mqa.weight")
 
 
+@settings(deadline=None)  # a loaded machine: no wall-time assertion
 @given(st.data())
 def test_every_element_once_per_replica(data):
     """Per replica (HSDP `dp_replicate` index), each logical element is held exactly m

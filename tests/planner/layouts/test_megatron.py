@@ -7,7 +7,7 @@ A piece is written (logical tensor, logical offsets, sizes, position in the phys
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.layouts import megatron
@@ -210,6 +210,7 @@ def configs(draw: st.DrawFn, spec: ModelSpec) -> SourceConfig:
                expert_layout=draw(st.sampled_from(["grouped", "sequential"])))
 
 
+@settings(deadline=None)  # a loaded machine: no wall-time assertion
 @given(st.data())
 def test_every_element_once_per_replica(data):
     """Per replica, each logical element (padding excluded) is held exactly m times.

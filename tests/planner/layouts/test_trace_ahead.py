@@ -20,7 +20,8 @@ import msgpack
 import pytest
 
 from planner.fp8 import quantize_layout
-from planner.layouts import build_layout, start_layout, trace_ahead, traced, vllm, vllm_lean
+from planner.frameworks import build_layout, start_layout
+from planner.layouts import trace_ahead, traced, vllm, vllm_lean
 from planner.layouts.base import Piece
 from planner.spec import spec_from_hf
 from schemas.config import ConfigError, TargetConfig
@@ -50,7 +51,7 @@ def engine(cfg: TargetConfig) -> list:
 
 def stub(monkeypatch: pytest.MonkeyPatch, trace: Callable[..., list]) -> None:
     """The tracer's trace: `trace`'s engine, encoded as vLLM's tracing workers send it."""
-    monkeypatch.setattr(traced, "_trace_packed", lambda *a: packed(trace(*a)))
+    monkeypatch.setattr(traced, "trace_packed", lambda *a: packed(trace(*a)))
 
 
 def packed(engine: list) -> list[bytes]:

@@ -49,7 +49,7 @@ def test_moe_expert_writes_merge_and_stay_bit_exact(tmp_path):
     import executor
     from harness.weights import materialize, quantize_full, random_full_tensors
     from planner.compiler import compile_config
-    from planner.layouts import build_layout
+    from planner.frameworks import build_layout
     from planner.spec import load_spec
     from planner.validate import validate
     from planner.verify import verify_plan

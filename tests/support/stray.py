@@ -1,4 +1,5 @@
-"""A hostile process on the job's network (tests/reliability/test_attacks.py).
+"""A hostile process on the job's network, without the job secret (`tests/support/strays.py`
+runs it for tests/reliability/test_attacks.py and test_replay.py).
 
     python stray.py --port PORT --plan PLAN MODE [options]
 
@@ -28,7 +29,7 @@ import sys
 import time
 from datetime import timedelta
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 
