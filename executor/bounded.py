@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from schemas.bounded_plan import bases, check_chunk_rank, load_chunk_rank
+from schemas.bounded_plan import bases, check_chunk_rank, load_rank_chunks
 from schemas.integrity import plan_key as read_key
 from schemas.plan import STAGING, RankPlan
 
@@ -101,10 +101,7 @@ def _parts(path: str, rank: int, plan_key: bytes | str | None, identity: dict | 
     """The budget and rank `rank`'s part of every chunk, all read and checked before any
     executor is made (a broken chunk k is refused before chunk 0 connects)."""
     key = None if plan_key is None else read_key(plan_key)
-    budget, n, header, rp = load_chunk_rank(path, 0, rank, key)
-    parts = [(header, rp)]
-    for k in range(1, n):
-        parts.append(load_chunk_rank(path, k, rank, key)[2:])
+    budget, parts = load_rank_chunks(path, rank, key)
     for k, (header, rp) in enumerate(parts):
         check_identity(header, rp.identity, rank, identity, no_identity, f"{path} chunk {k}")
     return budget, parts
