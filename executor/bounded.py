@@ -53,7 +53,7 @@ from schemas.bounded_plan import bases, check_chunk_rank, load_rank_chunks
 from schemas.integrity import plan_key as read_key
 from schemas.plan import STAGING, RankPlan
 
-from .bind import torch_dtype
+from .bind import bind, torch_dtype
 from .core import Executor, RunStats
 from .shadow import TornUpdateError
 from .switch import SwitchCopies
@@ -179,6 +179,8 @@ class BoundedShadow:
         no_identity = bool(options.pop("no_identity", False))
         budget, parts = _parts(path, rank, plan_key, identity, no_identity)
         self = cls(live, budget)
+        for _, rp in parts:  # every chunk's tensors against `live`, before any connects
+            self.bind_live(rp)
         for k, (header, rp) in enumerate(parts):
             ex = Executor(header, rp, self.views(rp), transport,
                           chunk_rendezvous(rendezvous, k, rank, timeout_s), timeout_s,
@@ -195,9 +197,16 @@ class BoundedShadow:
         return {g.name: self.buffer[b:b + g.nbytes].view(torch_dtype(g.dtype)).view(g.shape)
                 for b, g in zip(bases(rp), rp.regions) if g.name != STAGING}
 
+    def bind_live(self, rp: RankPlan) -> None:
+        """Raise `BindError` unless `live` holds every tensor of chunk `rp` as the plan
+        states it (name, shape, dtype, contiguity, bytes): the check `load` makes of the
+        tensors it binds, here of the tensors the switch writes."""
+        bind(rp.rank, tuple(g for g in rp.regions if g.name != STAGING), self.live)
+
     def attach(self, ex: Executor) -> None:
         """Add the next chunk's executor (bound to `views(ex.plan)`)."""
         plan = ex.plan
+        self.bind_live(plan)
         sh = plan.shadow
         if sh is None or sh.budget != self.budget:
             raise ValueError(f"BoundedShadow: rank {plan.rank}'s chunk plan is not a bounded "
