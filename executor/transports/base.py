@@ -155,3 +155,19 @@ class StoreMailbox:
                 seq += 1
             self.received[peer] = seq
         return msgs
+
+
+def check_peer_desc(transport: Any, peer: int, desc: Any,
+                    peer_regions: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]) -> None:
+    """The transport's own check of `peer`'s descriptor against the plan's (region, bytes)
+    of that peer (`peer_regions`: the rank plan's), where the transport has one (a
+    `check_desc` on its class), before `import_peer` uses anything of the descriptor:
+    `PeerMismatchError` naming the peer otherwise."""
+    check = getattr(type(transport), "check_desc", None)
+    if check is None:
+        return
+    try:
+        check(peer, desc, dict(peer_regions).get(peer, ()))
+    except ValueError as e:
+        from ..errors import PeerMismatchError
+        raise PeerMismatchError(str(e), peer=peer) from None
