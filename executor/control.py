@@ -52,6 +52,7 @@ import time
 from typing import Any
 
 from .auth import Keys, Record, open_record, seal
+from .cleanup import best_effort
 from .errors import ForgedRecordError, LeaseHeldError, LeaseLostError, PeerTimeoutError
 from .transports.base import Store
 
@@ -149,10 +150,8 @@ class Control:
         rank record (the newest generation read), whichever was sealed later; None if
         neither is there (or valid)."""
         if rank not in self.tokens or self.tokens[rank][0] < self.gen_of(rank):
-            try:
-                self.peer_info(rank, wait=False)  # reads the token (peer_info caches it)
-            except ForgedRecordError:
-                pass
+            # reads the token (peer_info caches it); a refused record leaves the one cached
+            best_effort(f"reading rank {rank}'s record", self.peer_info, rank, False)
         recs = [self.lease(rank)]
         if rank in self.tokens:
             recs.append(self._read(self.key(f"beat/{self.tokens[rank][1]}", rank), rank))
