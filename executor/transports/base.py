@@ -14,6 +14,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from .ipc_regions import check_cuda_desc
+
 
 @dataclass(frozen=True, slots=True)
 class WriteBatch:
@@ -159,15 +161,9 @@ class StoreMailbox:
 
 def check_peer_desc(transport: Any, peer: int, desc: Any,
                     peer_regions: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]) -> None:
-    """The transport's own check of `peer`'s descriptor against the plan's (region, bytes)
-    of that peer (`peer_regions`: the rank plan's), where the transport has one (a
-    `check_desc` on its class), before `import_peer` uses anything of the descriptor:
-    `PeerMismatchError` naming the peer otherwise."""
-    check = getattr(type(transport), "check_desc", None)
-    if check is None:
-        return
-    try:
-        check(peer, desc, dict(peer_regions).get(peer, ()))
-    except ValueError as e:
-        from ..errors import PeerMismatchError
-        raise PeerMismatchError(str(e), peer=peer) from None
+    """`peer`'s descriptor against the plan's (region, bytes) of that peer (`peer_regions`:
+    the rank plan's), before `import_peer` uses anything of it, where the transport maps the
+    peer's memory from handles that state sizes and offsets (`cuda_ipc`:
+    `ipc_regions.check_cuda_desc`): a ValueError of one line naming the peer otherwise."""
+    if type(transport).__module__ == f"{__package__}.cuda_ipc":
+        check_cuda_desc(peer, desc, dict(peer_regions).get(peer, ()))

@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import ipc_regions
 from .base import Capabilities, Store, WriteBatch
 from .copy_kernel import CopyKernel, batch_copies
 from .cuda_runtime import NOT_READY, Runtime, current_raw_stream
@@ -64,7 +63,6 @@ class CudaIpcTransport:
                                 notify_landed=True)
     """A stage's writes to one peer are one batch, posted after the caller's queued kernels;
     its DONE may leave from the GPU; `graph_ops` as `CudaIpcOptions.graphs` says."""
-    check_desc = staticmethod(ipc_regions.check_cuda_desc)  # handles vs the plan, first
 
     def __init__(self, rank: int, namespace: str, store: Store, device: torch.device,
                  options: CudaIpcOptions | None = None) -> None:
