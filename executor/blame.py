@@ -6,7 +6,10 @@ of 15 reports did). So a wait that is about to time out reads every rank's lease
 (`control.py`) twice, at least `LEASE_S` apart: a rank with no lease sealed in between
 (`control.fresh`: a replayed old record is none) is dead or stopped. The culprit is P if P
 is one of those, else the first such rank, else P (alive but not answering: slow, or its
-network is). Without heartbeats (the `local` transport, one process) the culprit is P.
+network is). Without heartbeats (the `local` transport, one process) the culprit is P. A
+rank's lease is read as `control.alive_record`: its lease key or its beat key (named only
+in its encrypted record), whichever is newer, so a stray replaying old records over a live
+rank's lease key does not make it look dead.
 """
 
 from __future__ import annotations
@@ -60,5 +63,5 @@ class Blame:
             if r == self.rank:
                 continue
             # the store may be gone: no evidence
-            out[r] = best_effort(f"reading rank {r}'s lease", self.control.lease, r)
+            out[r] = best_effort(f"reading rank {r}'s lease", self.control.alive_record, r)
         return out

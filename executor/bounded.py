@@ -33,7 +33,11 @@ timeout), `run` raises `TornUpdateError`, and stops: chunks 0..k-1 were switched
 N+1), chunk k and after keep version N in the live tensors (chunk k's bytes in the buffer
 are never copied); `switched` says how many, the version is not committed, and the next
 `run` starts again at chunk 0 (every chunk rewritten). The engine must stay paused (it
-holds a mix) until a complete `run`.
+holds a mix) until a complete `run`. A chunk that fails gives the step up in every other
+chunk of its rank (`give_up`: the later ones ABORT it to their peers at once, instead of
+those waiting out their timeouts, and all are marked failed), and every chunk of a refit
+runs the step number chunk 0 runs (its recovery joins the step the peers run): a late
+writer tears the refits it misses and the next one completes, on every rank.
 
 **Memory.** `extra_bytes`: the buffer, N bytes (`rdma-plan inspect` shows it per rank),
 plus each chunk plan's own staging where it has one (as any plan's).
@@ -49,11 +53,12 @@ from typing import Any
 
 import torch
 
-from schemas.bounded_plan import bases, check_chunk_rank, load_chunk_rank
+from schemas.bounded_plan import bases, check_chunk_rank, load_rank_chunks
 from schemas.integrity import plan_key as read_key
 from schemas.plan import STAGING, RankPlan
 
-from .bind import torch_dtype
+from .bind import bind, torch_dtype
+from .cleanup import best_effort
 from .core import Executor, RunStats
 from .shadow import TornUpdateError
 from .switch import SwitchCopies
@@ -96,10 +101,7 @@ def _parts(path: str, rank: int, plan_key: bytes | str | None, identity: dict | 
     """The budget and rank `rank`'s part of every chunk, all read and checked before any
     executor is made (a broken chunk k is refused before chunk 0 connects)."""
     key = None if plan_key is None else read_key(plan_key)
-    budget, n, header, rp = load_chunk_rank(path, 0, rank, key)
-    parts = [(header, rp)]
-    for k in range(1, n):
-        parts.append(load_chunk_rank(path, k, rank, key)[2:])
+    budget, parts = load_rank_chunks(path, rank, key)
     for k, (header, rp) in enumerate(parts):
         check_identity(header, rp.identity, rank, identity, no_identity, f"{path} chunk {k}")
     return budget, parts
@@ -126,8 +128,33 @@ def load_chunks(path: str, rank: int, tensors: dict[str, torch.Tensor],
 
 def run_chunks(chunks: list[Executor], step: int | None = None) -> list[RunStats]:
     """A source's step of a bounded plan: chunk 0, 1, ... in order (each waits for its
-    targets' READY, sent only once they switched the chunk before)."""
-    return [ex.run(step) for ex in chunks]
+    targets' READY, sent only once they switched the chunk before), every chunk under one
+    step number: `step`, else the one chunk 0 runs (after a failed refit its recovery joins
+    the peers' step). A chunk that fails gives the step up in the others (`give_up`)."""
+    out = []
+    for k, ex in enumerate(chunks):
+        try:
+            out.append(ex.run(step))
+        except Exception as e:
+            give_up(chunks, k, ex.step, getattr(e, "peer", None))
+            raise
+        step = ex.step
+    return out
+
+
+def give_up(chunks: list[Executor], k: int, step: int, lost: int | None) -> None:
+    """After chunk k failed step `step`: the chunks after it give the step up at once,
+    telling their peers (ABORT: they stop waiting for this rank there now, not at their
+    timeout), and every chunk is marked failed, so the next refit's chunk 0 recovers to
+    the step its peers run (a late rank catches up instead of staying a step behind)."""
+    for j, ex in enumerate(chunks):
+        def fail(ex: Executor = ex, later: bool = j > k) -> None:
+            if later:
+                ex.begin_step(step)
+                ex.fail(ex.rank if lost is None else lost)
+            elif not ex.failed:
+                ex.fail()
+        best_effort(f"rank {ex.rank}: giving up step {step} in chunk {j}", fail)
 
 
 @dataclass
@@ -177,6 +204,8 @@ class BoundedShadow:
         no_identity = bool(options.pop("no_identity", False))
         budget, parts = _parts(path, rank, plan_key, identity, no_identity)
         self = cls(live, budget)
+        for _, rp in parts:  # every chunk's tensors against `live`, before any connects
+            self.bind_live(rp)
         for k, (header, rp) in enumerate(parts):
             ex = Executor(header, rp, self.views(rp), transport,
                           chunk_rendezvous(rendezvous, k, rank, timeout_s), timeout_s,
@@ -193,9 +222,16 @@ class BoundedShadow:
         return {g.name: self.buffer[b:b + g.nbytes].view(torch_dtype(g.dtype)).view(g.shape)
                 for b, g in zip(bases(rp), rp.regions) if g.name != STAGING}
 
+    def bind_live(self, rp: RankPlan) -> None:
+        """Raise `BindError` unless `live` holds every tensor of chunk `rp` as the plan
+        states it (name, shape, dtype, contiguity, bytes): the check `load` makes of the
+        tensors it binds, here of the tensors the switch writes."""
+        bind(rp.rank, tuple(g for g in rp.regions if g.name != STAGING), self.live)
+
     def attach(self, ex: Executor) -> None:
         """Add the next chunk's executor (bound to `views(ex.plan)`)."""
         plan = ex.plan
+        self.bind_live(plan)
         sh = plan.shadow
         if sh is None or sh.budget != self.budget:
             raise ValueError(f"BoundedShadow: rank {plan.rank}'s chunk plan is not a bounded "
@@ -229,7 +265,7 @@ class BoundedShadow:
         `TornUpdateError` when a chunk does not complete (`switched` chunks were)."""
         if not self.chunks:
             raise RuntimeError("BoundedShadow: no chunk loaded (use BoundedShadow.load)")
-        st = BoundedStats(step if step is not None else self.chunks[0].step + 1, self.version,
+        st = BoundedStats(-1 if step is None else step, self.version,
                           extra_bytes=self.extra_bytes)
         self.switched = 0
         if self.copies is None:  # one launch per chunk on a GPU (executor/switch.py)
@@ -240,7 +276,9 @@ class BoundedShadow:
                 stats = ex.run(step)
                 if not stats.complete:
                     raise RuntimeError("the step did not complete")
+                step = st.step = ex.step  # chunk 0 chose it where none was given
             except Exception as e:  # noqa: BLE001 - raised as the torn refit it is
+                give_up(self.chunks, k, ex.step, getattr(e, "peer", None))
                 self.last = st
                 done = (f"chunks 0..{k - 1} were switched (version N+1), chunk {k} and after "
                         "keep version N: the live tensors hold a mix" if k else

@@ -15,6 +15,11 @@ traceback):
 - `<ns>/lease/<r>`: the lease: the holding process's incarnation, its generation (one more
   than the process it replaced), a heartbeat counter and the wall-clock time of the beat
   (`at`), all under the MAC.
+- `<ns>/beat/<token>/<r>`: the same beat again, under a key of a random token the process
+  draws at start and names only inside its encrypted `rank` record: a stray without the
+  secret cannot know the key, so it cannot replay old records over it. Readers that hold
+  the secret take a rank's newest of the two (`alive_record`): a live rank whose lease key
+  a stray keeps overwriting with replays still shows fresh beats.
 
 Freshness: a lease record is evidence of life only if it was sealed after the reader began
 to watch (`fresh`: its `at` is later than the reader's clock then, less `SKEW_S`). A stray
@@ -41,11 +46,13 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 from typing import Any
 
 from .auth import Keys, Record, open_record, seal
+from .cleanup import best_effort
 from .errors import ForgedRecordError, LeaseHeldError, LeaseLostError, PeerTimeoutError
 from .transports.base import Store
 
@@ -84,6 +91,10 @@ class Control:
         self.step_pending: tuple[int, bool, int] | None = None  # (step, running, epoch)
         self.step_epoch = 0  # bumped by every synchronous publish: older pendings are void
         self.step_thread: threading.Thread | None = None
+        self.token = os.urandom(8).hex()
+        """This process's beat key token (named only in its encrypted rank record)."""
+        self.tokens: dict[int, tuple[int, str]] = {}
+        """Peer -> (generation, beat token) of the newest rank record read of it."""
 
     def key(self, kind: str, rank: int) -> str:
         return f"{self.ns}/{kind}/{rank}"
@@ -109,6 +120,7 @@ class Control:
             self._wait_gone(key, old)
         self.gen = old.gen + 1 if old is not None else 1
         self._put(key, {"beat": 0, "at": time.time()})
+        self._put(self.key(f"beat/{self.token}", self.rank), {"beat": 0, "at": time.time()})
         if heartbeat:
             # stop beating before the interpreter (or the store rank 0 hosts) is torn down
             atexit.register(self.close)
@@ -132,6 +144,24 @@ class Control:
     def lease(self, rank: int) -> Record | None:
         """Rank `rank`'s lease record, or None (absent, or refused with a warning)."""
         return self._read(self.key("lease", rank), rank)
+
+    def alive_record(self, rank: int) -> Record | None:
+        """Rank `rank`'s newest beat: its lease record or its beat under the token of its
+        rank record (the newest generation read), whichever was sealed later; None if
+        neither is there (or valid)."""
+        if rank not in self.tokens or self.tokens[rank][0] < self.gen_of(rank):
+            # reads the token (peer_info caches it); a refused record leaves the one cached
+            best_effort(f"reading rank {rank}'s record", self.peer_info, rank, False)
+        recs = [self.lease(rank)]
+        if rank in self.tokens:
+            recs.append(self._read(self.key(f"beat/{self.tokens[rank][1]}", rank), rank))
+        return max((r for r in recs if r is not None), key=lambda r: lease_time(r) or 0.0,
+                   default=None)
+
+    def gen_of(self, rank: int) -> int:
+        """The generation of rank `rank`'s lease record now (0: none)."""
+        rec = self.lease(rank)
+        return 0 if rec is None else rec.gen
 
     def _wait_gone(self, key: str, old: Record) -> None:
         """Raise `LeaseHeldError` if a new lease record sealed after this call began (less
@@ -170,6 +200,8 @@ class Control:
             return False
         self.beat += 1
         self._put(key, {"beat": self.beat, "at": time.time()})
+        self._put(self.key(f"beat/{self.token}", self.rank), {"beat": self.beat,
+                                                              "at": time.time()})
         self._heal()
         return True
 
@@ -200,7 +232,7 @@ class Control:
     # ------------------------------------------------------------------ records
 
     def publish_rank(self, info: dict[str, Any]) -> None:
-        self._put(self.key("rank", self.rank), info, encrypt=True)
+        self._put(self.key("rank", self.rank), dict(info, beat=self.token), encrypt=True)
 
     def publish_step(self, step: int, running: bool = False, later: bool = False) -> None:
         """Publish where a restarted peer joins: `step` is the next step this rank runs, or
@@ -279,7 +311,12 @@ class Control:
             if raw is not None:
                 try:
                     rec = open_record(self.keys, key, raw, peer)
-                    return rec, _check_info(key, rec)
+                    info = _check_info(key, rec)
+                    tok = info.get("beat")
+                    if isinstance(tok, str) and len(tok) == 16 and \
+                            rec.gen >= self.tokens.get(peer, (0, ""))[0]:
+                        self.tokens[peer] = (rec.gen, tok)
+                    return rec, info
                 except ForgedRecordError as e:
                     self.refused += 1
                     if not wait or time.monotonic() > deadline:

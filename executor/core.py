@@ -48,7 +48,7 @@ from .rendezvous import open_store
 from .stages import Stage, prepare_stage
 from .stats import RunStats, received_bytes
 from .transports import make_transport
-from .transports.base import Prepared
+from .transports.base import Prepared, check_peer_desc
 from .transports.graphs import device_sync
 from .trust import check_identity
 from .waits import Sender, Signals
@@ -68,8 +68,7 @@ class Executor:
         check_rank_verify(plan, header)  # what verify refuses on this rank's part alone
         check_against_header(plan, header)
         check_staging(plan, tensors, header, max_staging_bytes)  # before bind allocates it
-        self.plan, self.rank, self.timeout_s = plan, plan.rank, timeout_s
-        self.header = header  # peers' blob digests (schemas/integrity.py)
+        self.plan, self.rank, self.timeout_s, self.header = plan, plan.rank, timeout_s, header
         self.max_inflight = max(1, max_inflight)
         self.pack_groups = len(SHARES) if pack_groups is None else max(0, pack_groups)
         self.fingerprint = header.fingerprint
@@ -194,6 +193,7 @@ class Executor:
         """Check `peer`'s record and make it writable (at connect, and again on restart)."""
         self.check_peer(peer, info)
         self.control.accept_gen(peer, rec)
+        check_peer_desc(self.transport, peer, info["desc"], self.plan.peer_regions)
         try:
             self.transport.import_peer(peer, info["desc"])
         except Exception as e:  # e.g. NIXL cannot reach a dead process

@@ -3,10 +3,11 @@
 `compile` of a config with `target.shadow: {budget_bytes: N}` compiles each chunk of
 `planner/passes/bounded.py` like any plan (`compile_bounded`) and writes the chunk plans;
 `verify` runs every check of `planner/verify.py` on each chunk plan, then the file's own
-rules (every chunk has the same ranks and roles; no target tensor is in two chunks; each
-chunk lands at most N bytes on a target); `inspect` shows the budget, the chunks (their
-tensors' layers, bytes per target rank) and each rank's extra memory: N on a target (the
-buffer), 0 on a source.
+rules (every chunk has the same ranks and roles; each target rank's chunks hold each tensor
+of the index's set for that rank in exactly one chunk, so with each chunk's coverage every
+target byte is written exactly once; each chunk lands at most N bytes on a target);
+`inspect` shows the budget, the chunks (their tensors' layers, bytes per target rank) and
+each rank's extra memory: N on a target (the buffer), 0 on a source.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from planner.passes.bounded import chunk_names, with_bounded
 from planner.passes.emit import tensor_regions
 from planner.passes.shadow import layer_of
 from planner.spec import ModelSpec
-from schemas.bounded_plan import load_bounded, write_bounded
+from schemas.bounded_plan import load_bounded, load_bounded_index, set_violations, write_bounded
 from schemas.config import Config
 from schemas.integrity import plan_key
 from schemas.plan import STAGING, Plan
@@ -90,20 +91,20 @@ def verify_bounded(path: str) -> list[str]:
     """Every chunk plan's violations (`verify_plan`, prefixed `chunk k:`), then the file's."""
     from planner.verify import verify_plan
 
-    budget, plans = load_bounded(path)
+    idx, budget, plans = load_bounded_index(path)
     out = [f"chunk {k}: {m}" for k, p in enumerate(plans) for m in verify_plan(p)]
     roles = [tuple(rp.role for rp in p.ranks) for p in plans]
     if len(set(roles)) > 1:
         out.append("the chunk plans have different ranks or roles; recompile the plan")
         return out
-    seen: dict[tuple[int, str], int] = {}
+    targets = sorted(_targets(plans[0]))
+    for r in targets:
+        out += set_violations(r, [p.ranks[r] for p in plans], idx.targets.get(r))
+    if set(idx.targets) != set(targets):
+        out.append(f"the bounded index states the tensors of target ranks "
+                   f"{sorted(idx.targets)}, the chunks have targets {targets}; recompile the plan")
     for k, p in enumerate(plans):
-        for r, names in _targets(p).items():
-            for n in names:
-                if (r, n) in seen:
-                    out.append(f"chunk {k}: target rank {r}'s {n} is also in chunk "
-                               f"{seen[(r, n)]}; recompile the plan")
-                seen[(r, n)] = k
+        for r in _targets(p):
             landed = sum(g.nbytes for g in p.ranks[r].regions if g.name != STAGING)
             if landed > budget:
                 out.append(f"chunk {k}: lands {landed} bytes on target rank {r}, more than the "

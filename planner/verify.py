@@ -115,7 +115,7 @@ class _Survey:
             return  # its columns may be anything: nothing more is read from them
         opts = header.options
         self.size_msgs += rank_sizes(rp, opts.max_write_bytes, opts.staging_bytes)
-        self.role_msgs += rankcheck.roles(rp)  # writes into sources: `_Results.add`, exact
+        self.role_msgs += [*rankcheck.regions(rp), *rankcheck.roles(rp)]  # sources: _Results
         if rp.role == "source" and rp.nics:
             self.egress[rp.nics[0]] = self.egress.get(rp.nics[0], 0) + rank_egress(rp)
         s, g = rp.signals, rp.waits

@@ -4,10 +4,17 @@ Layout (integers little-endian):
 
     b"RPLANBND" | u64 index length | index (msgpack) | chunk 0 | chunk 1 | ...
 
-The index is `{"budget": N, "chunks": [[offset, length, blake2b], ...]}` (offsets from the
-end of the index); each chunk is a whole ordinary plan file (`schemas/plan.py`: its own
-header, digests and, when signed, signature), compiled by `planner/passes/bounded.py`, run
-in index order by `executor/bounded.py`. Every target rank of every chunk carries a shadow
+The index is `{"budget": N, "chunks": [[offset, length, blake2b], ...], "targets": [[rank,
+tensors, bytes, blake2b], ...], "signature": HMAC}` (offsets from the end of the index);
+each chunk is a whole ordinary plan file (`schemas/plan.py`: its own header, digests and,
+when signed, signature), compiled by `planner/passes/bounded.py`, run in index order by
+`executor/bounded.py`. `targets` states, per target rank, the whole set of tensors the
+chunks write together (count, bytes, digest of the sorted names and sizes): a rank's chunks
+hold each of them in exactly one chunk (`set_violations`, run by `verify` on every rank and
+by the loader on its own). A signed file's index carries `signature` (HMAC-SHA256 of the
+index without it, `schemas/integrity.py`), so the chunk count, their order, their digests
+and the target sets are the signer's: a dropped, duplicated or reordered chunk is refused
+at load with the key. Every target rank of every chunk carries a shadow
 section of budget N (`schemas/shadow.py`): the rules the loader and `verify` run on any
 plan, plus here: each chunk's budget is the index's, its section has one chunk, and each of
 its tensors sits whole inside the buffer at the place `bases` gives it (the rank's tensors
@@ -17,11 +24,15 @@ switch ops read. msgpack only.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import io
 import struct
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from .header import PlanFormatError, PlanHeader
+from .integrity import signature
 from .plan import STAGING, Plan, RankPlan, load_rank_from, open_plan, read_plan_from
 from .plan_codec import checksum, pack, read_exact, unpack
 from .protocol import ALIGN
@@ -37,6 +48,47 @@ class BoundedIndex:
     budget: int
     chunks: tuple[tuple[int, int, bytes], ...]
     start: int
+    targets: dict[int, tuple[int, int, bytes]]
+    """Target rank -> (tensors, bytes, digest) of the whole set its chunks write."""
+
+
+def target_set(names: Iterable[tuple[str, int]]) -> tuple[int, int, bytes]:
+    """(count, bytes, blake2b of the sorted `name\\0nbytes` lines) of a set of tensors."""
+    items = sorted(set(names))
+    h = hashlib.blake2b(digest_size=32)
+    for n, b in items:
+        h.update(f"{n}\0{b}\n".encode())
+    return len(items), sum(b for _, b in items), h.digest()
+
+
+def _rank_tensors(rp: RankPlan) -> list[tuple[str, int]]:
+    return [(g.name, g.nbytes) for g in rp.regions if g.name != STAGING]
+
+
+def set_violations(rank: int, parts: list[RankPlan], want: tuple[int, int, bytes] | None
+                   ) -> Iterator[str]:
+    """A target rank's chunk parts (in index order) against the index's `targets` entry:
+    no tensor in two chunks, and together exactly the stated set (nothing dropped)."""
+    seen: dict[str, int] = {}
+    for k, rp in enumerate(parts):
+        for n, _ in _rank_tensors(rp):
+            if n in seen:
+                yield (f"chunk {k}: target rank {rank}'s {n} is also in chunk {seen[n]}; a "
+                       f"tensor is written by exactly one chunk; {FIX}")
+                return
+            seen[n] = k
+    if want is None:
+        yield f"target rank {rank} has no entry in the bounded index's targets; {FIX}"
+        return
+    got = target_set(t for rp in parts for t in _rank_tensors(rp))
+    if got != want:
+        yield (f"target rank {rank}: its {len(parts)} chunks hold {got[0]} tensors ({got[1]} "
+               f"bytes), the bounded index states {want[0]} ({want[1]} bytes): a chunk was "
+               f"dropped, added or changed; {FIX}")
+
+
+def _signed(index: dict) -> bytes:
+    return pack({k: v for k, v in index.items() if k != "signature"})
 
 
 def is_bounded(path: str) -> bool:
@@ -53,7 +105,16 @@ def encode_bounded(plans: list[Plan], budget: int, key: bytes | None = None) -> 
     for b in blobs:
         index.append([at, len(b), checksum(b)])
         at += len(b)
-    head = pack({"budget": budget, "chunks": index})
+    sets: dict[int, set[tuple[str, int]]] = {}
+    for p in plans:
+        for rp in p.ranks:
+            if rp.role == "target":
+                sets.setdefault(rp.rank, set()).update(_rank_tensors(rp))
+    head_map = {"budget": budget, "chunks": index,
+                "targets": [[r, *target_set(v)] for r, v in sorted(sets.items())]}
+    if key is not None:
+        head_map["signature"] = signature(key, _signed(head_map))
+    head = pack(head_map)
     return MAGIC + struct.pack("<Q", len(head)) + head + b"".join(blobs)
 
 
@@ -64,7 +125,8 @@ def write_bounded(path: str, plans: list[Plan], budget: int, key: bytes | None =
     return len(data)
 
 
-def read_index(f: io.BufferedIOBase, path: str) -> BoundedIndex:
+def read_index(f: io.BufferedIOBase, path: str, key: bytes | None = None) -> BoundedIndex:
+    """The index, checked; with `key`, its signature too (before any chunk is read)."""
     magic = f.read(len(MAGIC))
     if magic != MAGIC:
         raise PlanFormatError(f"{path}: not a bounded-shadow plan (no {MAGIC!r} at its start)")
@@ -72,8 +134,22 @@ def read_index(f: io.BufferedIOBase, path: str) -> BoundedIndex:
     if not 0 < n <= MAX_INDEX:
         raise PlanFormatError(f"{path}: bounded index of {n} bytes (at most {MAX_INDEX}); {FIX}")
     raw = unpack(read_exact(f, n, f"{path} bounded index"), f"{path} bounded index")
-    if not isinstance(raw, dict) or set(raw) != {"budget", "chunks"}:
-        raise PlanFormatError(f"{path}: bounded index is not a map of budget, chunks; {FIX}")
+    if not isinstance(raw, dict) or not {"budget", "chunks", "targets"} <= set(raw) <= {
+            "budget", "chunks", "targets", "signature"}:
+        raise PlanFormatError(f"{path}: bounded index is not a map of budget, chunks, "
+                              f"targets (and signature); {FIX}")
+    if key is not None:
+        sig = raw.get("signature")
+        if not sig:
+            raise PlanFormatError(f"{path}: the bounded plan's index is not signed, but a plan "
+                                  "key was given; compile it with `rdma-plan compile "
+                                  "--sign-key FILE`")
+        if not isinstance(sig, bytes) or not hmac.compare_digest(
+                sig, signature(key, _signed(raw))):
+            raise PlanFormatError(f"{path}: the signature does not match the bounded plan's "
+                                  "index (chunk count, order, digests, targets): chunks were "
+                                  "dropped, duplicated or reordered after signing, or it was "
+                                  "signed with another key; recompile and sign it")
     b, ch = raw["budget"], raw["chunks"]
     if isinstance(b, bool) or not isinstance(b, int) or not 0 < b < 1 << 62:
         raise PlanFormatError(f"{path}: bounded budget = {str(b)[:40]!r}; {FIX}")
@@ -88,7 +164,17 @@ def read_index(f: io.BufferedIOBase, path: str) -> BoundedIndex:
             raise PlanFormatError(f"{path}: bounded chunk {i}'s index entry is malformed; {FIX}")
         chunks.append((c[0], c[1], c[2]))
         at += c[1]
-    return BoundedIndex(b, tuple(chunks), len(MAGIC) + 8 + n)
+    tg, targets = raw["targets"], {}
+    if not isinstance(tg, list) or len(tg) > MAX_CHUNKS * 16:
+        raise PlanFormatError(f"{path}: bounded targets are not a list; {FIX}")
+    for i, t in enumerate(tg):
+        ok = (isinstance(t, list) and len(t) == 4 and all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62 for x in t[:3])
+            and isinstance(t[3], bytes) and t[0] not in targets)
+        if not ok:
+            raise PlanFormatError(f"{path}: bounded targets entry {i} is malformed; {FIX}")
+        targets[t[0]] = (t[1], t[2], t[3])
+    return BoundedIndex(b, tuple(chunks), len(MAGIC) + 8 + n, targets)
 
 
 def _chunk_file(f: io.BufferedIOBase, idx: BoundedIndex, k: int, path: str) -> io.BytesIO:
@@ -100,27 +186,44 @@ def _chunk_file(f: io.BufferedIOBase, idx: BoundedIndex, k: int, path: str) -> i
     return io.BytesIO(read_exact(f, n, f"{path} chunk {k}", digest))
 
 
-def load_chunk_rank(path: str, k: int, rank: int, key: bytes | None = None
-                    ) -> tuple[int, int, PlanHeader, RankPlan]:
-    """(budget, chunks, header, rank part) of chunk `k`, checked against the index."""
+def load_rank_chunks(path: str, rank: int, key: bytes | None = None
+                     ) -> tuple[int, list[tuple[PlanHeader, RankPlan]]]:
+    """(budget, [(header, rank part)] of every chunk in index order): the index (with `key`
+    its signature), each chunk against its digest, its rank part against the budget, and a
+    target's parts together against the index's set (`set_violations`)."""
     with open_plan(path) as f:
-        idx = read_index(f, path)
-        what = f"{path} chunk {k}"
-        header, rp = load_rank_from(_chunk_file(f, idx, k, path), what, rank, key)
-    check_chunk_rank(rp, idx.budget, what)
-    return idx.budget, len(idx.chunks), header, rp
+        idx = read_index(f, path, key)
+        parts = []
+        for k in range(len(idx.chunks)):
+            what = f"{path} chunk {k}"
+            header, rp = load_rank_from(_chunk_file(f, idx, k, path), what, rank, key)
+            check_chunk_rank(rp, idx.budget, what)
+            parts.append((header, rp))
+    if len({rp.role for _, rp in parts}) > 1:
+        raise PlanFormatError(f"{path}: rank {rank} is a source in some chunks and a target "
+                              f"in others; {FIX}")
+    if parts and parts[0][1].role == "target":
+        for msg in set_violations(rank, [rp for _, rp in parts], idx.targets.get(rank)):
+            raise PlanFormatError(f"{path}: {msg}")
+    return idx.budget, parts
 
 
 def load_bounded(path: str, key: bytes | None = None) -> tuple[int, list[Plan]]:
     """The budget and every chunk plan (tools, tests, verify)."""
+    return load_bounded_index(path, key)[1:]
+
+
+def load_bounded_index(path: str, key: bytes | None = None
+                       ) -> tuple[BoundedIndex, int, list[Plan]]:
+    """The index, the budget and every chunk plan (verify checks the index's sets)."""
     with open_plan(path) as f:
-        idx = read_index(f, path)
+        idx = read_index(f, path, key)
         plans = [read_plan_from(_chunk_file(f, idx, k, path), f"{path} chunk {k}", key)
                  for k in range(len(idx.chunks))]
     for k, p in enumerate(plans):
         for rp in p.ranks:
             check_chunk_rank(rp, idx.budget, f"{path} chunk {k}")
-    return idx.budget, plans
+    return idx, idx.budget, plans
 
 
 def bases(rp: RankPlan) -> list[int]:

@@ -17,8 +17,14 @@ The rules (`shadow_violations`, run by the executor's loader and by `rdma-plan v
 section only on a target; every op inside its region (and, bounded, inside the budget);
 the regions disjoint and sorted; the switch covers every byte of the regions exactly once
 and nothing else; chunks numbered 0.. in order, none empty; the target's UNPACKs write only
-inside the regions. That the regions are exactly what the peers write into the rank needs
-the peers' parts: `planner/verify_shadow.py` (verify only, like `coverage`).
+inside the regions. Bounds on the tables, from what they describe (checked first, in time
+and memory linear in the tables, so a plan past them is refused before the executor makes
+anything per op): at most `MAX_RUNS` runs, coalesced (no two touch: the compiler merges
+them); the switch ops coalesced as compiled (no two ops of one chunk touch; at most one op
+per run plus one per chunk boundary); at most one chunk per region (a full shadow: one per
+layer) plus, bounded, one per `budget` bytes the switch copies. That the regions are
+exactly what the peers write into the rank needs the peers' parts:
+`planner/verify_shadow.py` (verify only, like `coverage`).
 """
 
 from __future__ import annotations
@@ -31,8 +37,14 @@ from .plan import STAGING, UNPACK, RankPlan
 from .protocol import copy_extents
 from .shadow_part import FIX, SHADOW_REGION_COLUMNS, SWITCH_COLUMNS, ShadowPart
 
-__all__ = ["FIX", "SHADOW_REGION_COLUMNS", "SWITCH_COLUMNS", "ShadowPart", "bounded_bytes",
-           "shadow_bytes", "shadow_violations"]
+MAX_RUNS = 1 << 18
+"""Most byte runs a shadow section lists on one rank (each is one switch op the executor
+holds views of; a compiled section has about one per bound tensor)."""
+ALIGN = 64
+"""A bounded chunk's ops start at multiples of this many bytes of the buffer."""
+
+__all__ = ["FIX", "MAX_RUNS", "SHADOW_REGION_COLUMNS", "SWITCH_COLUMNS", "ShadowPart",
+           "bounded_bytes", "shadow_bytes", "shadow_violations"]
 
 
 def _inside(rp: RankPlan, region: np.ndarray, lo: np.ndarray, n: np.ndarray, what: str
@@ -68,6 +80,10 @@ def shadow_violations(rp: RankPlan) -> Iterator[str]:
                f"most 32767); compile without target.shadow")
         return
     g, s = sh.regions, sh.switch
+    if len(g) > MAX_RUNS or len(s) > 2 * MAX_RUNS:
+        yield (f"rank {rp.rank}: a shadow section of {len(g):,} runs and {len(s):,} switch ops "
+               f"(at most {MAX_RUNS:,} runs, each one op plus one per chunk); {FIX}")
+        return
     for msg in (*_inside(rp, g["region"], g["offset"], g["nbytes"], "region"),
                 *_inside(rp, s["region"], s["offset"], s["nbytes"], "switch op")):
         yield msg
@@ -77,10 +93,17 @@ def shadow_violations(rp: RankPlan) -> Iterator[str]:
     if len(lo) > 1 and (lo[1:] < hi[:-1]).any():
         yield f"rank {rp.rank}: shadow regions overlap or are out of order; {FIX}"
         return
+    if len(lo) > 1 and (lo[1:] == hi[:-1]).any():
+        yield (f"rank {rp.rank}: shadow regions {int(np.argmax(lo[1:] == hi[:-1]))} and the "
+               f"next touch (runs are coalesced when compiled); {FIX}")
+        return
     chunk = s["chunk"].astype(np.int64)
     if len(chunk) and (chunk[0] != 0 or (np.diff(chunk) < 0).any()
                        or (np.diff(chunk) > 1).any()):
         yield f"rank {rp.rank}: shadow switch chunks are not numbered 0, 1, ... in order; {FIX}"
+        return
+    for msg in _counts(rp, sh, chunk, len(g)):
+        yield msg
         return
     # the switch covers the regions' bytes exactly once: sorted, its ops tile them
     skey = s["region"].astype(np.int64) * (1 << 48) + s["offset"]
@@ -88,6 +111,12 @@ def shadow_violations(rp: RankPlan) -> Iterator[str]:
     s_lo, s_hi = skey[order], skey[order] + s["nbytes"][order]
     if len(s_lo) > 1 and (s_lo[1:] < s_hi[:-1]).any():
         yield f"rank {rp.rank}: two shadow switch ops copy the same byte; {FIX}"
+        return
+    c = chunk[order]
+    if len(s_lo) > 1 and ((s_lo[1:] == s_hi[:-1]) & (c[1:] == c[:-1])).any():
+        yield (f"rank {rp.rank}: two shadow switch ops of chunk "
+               f"{int(c[1:][np.argmax((s_lo[1:] == s_hi[:-1]) & (c[1:] == c[:-1]))])} copy "
+               f"touching bytes (switch ops are coalesced when compiled); {FIX}")
         return
     if not _same_bytes(lo, hi, s_lo, s_hi):
         yield (f"rank {rp.rank}: the shadow switch ops do not cover exactly the shadow regions"
@@ -99,6 +128,23 @@ def shadow_violations(rp: RankPlan) -> Iterator[str]:
     for msg in (*(_bounded(rp, sh, chunk) if sh.budget else ()), *_unpacks_inside(rp, lo, hi)):
         yield msg
         return
+
+
+def _counts(rp: RankPlan, sh: ShadowPart, chunk: np.ndarray, runs: int) -> Iterator[str]:
+    """The switch's size from what it describes: chunks at most one per region (layer), plus
+    one per `budget` bytes where bounded; ops at most one per run plus one per chunk."""
+    s = sh.switch
+    chunks = int(chunk[-1]) + 1 if len(chunk) else 0
+    most = len(rp.regions)
+    if sh.budget:
+        most += -(-(int(s["nbytes"].sum()) + ALIGN * len(s)) // sh.budget)
+    if chunks > most:
+        yield (f"rank {rp.rank}: a shadow switch of {chunks:,} chunks for {len(rp.regions)} "
+               f"regions (at most {most:,}); {FIX}")
+    elif len(s) > runs + max(chunks - 1, 0):
+        yield (f"rank {rp.rank}: {len(s):,} shadow switch ops for {runs:,} runs in {chunks:,} "
+               f"chunks (at most one op per run plus one per chunk boundary: ops are coalesced "
+               f"when compiled); {FIX}")
 
 
 def _bounded(rp: RankPlan, sh: ShadowPart, chunk: np.ndarray) -> Iterator[str]:

@@ -14,6 +14,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from .ipc_regions import check_cuda_desc
+
 
 @dataclass(frozen=True, slots=True)
 class WriteBatch:
@@ -155,3 +157,13 @@ class StoreMailbox:
                 seq += 1
             self.received[peer] = seq
         return msgs
+
+
+def check_peer_desc(transport: Any, peer: int, desc: Any,
+                    peer_regions: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]) -> None:
+    """`peer`'s descriptor against the plan's (region, bytes) of that peer (`peer_regions`:
+    the rank plan's), before `import_peer` uses anything of it, where the transport maps the
+    peer's memory from handles that state sizes and offsets (`cuda_ipc`:
+    `ipc_regions.check_cuda_desc`): a ValueError of one line naming the peer otherwise."""
+    if type(transport).__module__ == f"{__package__}.cuda_ipc":
+        check_cuda_desc(peer, desc, dict(peer_regions).get(peer, ()))

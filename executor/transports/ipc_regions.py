@@ -6,6 +6,7 @@ as NCCL maps its peers)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -74,6 +75,48 @@ class IpcHandle:
             _refuse(where, "numel", m["numel"], f"the region (from storage_offset "
                     f"{m['storage_offset']}) must end within the storage's {m['size']} bytes")
         return IpcHandle(**{n: m[n] for n in names})
+
+
+def check_desc(peer: int, desc: Any, sizes: Iterable[tuple[int, int]],
+               device_bytes: Callable[[int], int | None] | None = None) -> None:
+    """A peer's `cuda_ipc` descriptor against the plan's regions of that peer (`sizes`:
+    (region, bytes), the plan's `peer_regions`), before any pointer of it is made: every
+    field checked (`IpcHandle.from_msgpack`), each region the plan names present with
+    exactly the plan's bytes (`numel`), and its storage inside an allocation the device can
+    hold (`offset + size` within `device_bytes(device)`: the device's memory). A ValueError
+    of one line naming the peer, the region, the field and the fix otherwise."""
+    regions = desc.get("regions") if isinstance(desc, dict) else None
+    if not isinstance(regions, list):
+        raise ValueError(f"rank {peer}'s cuda_ipc descriptor has no list of 'regions' "
+                         f"(got {type(regions).__name__}); the peer must run the same "
+                         "rdma-plan version")
+    handles = [IpcHandle.from_msgpack(f, f"rank {peer}'s region {i}")
+               for i, f in enumerate(regions)]
+    for r, n in sizes:
+        where = f"rank {peer}'s region {r}"
+        if not 0 <= r < len(handles):
+            raise ValueError(f"{where}: the peer exported {len(handles)} region handles, the "
+                             f"plan writes region {r}; bind the tensors the plan was compiled "
+                             "for on that rank")
+        if handles[r].numel != n:
+            _refuse(where, "numel", handles[r].numel, f"the plan's region is {n} bytes")
+    for i, h in enumerate(handles):
+        cap = None if device_bytes is None else device_bytes(h.device)
+        if cap is not None and h.offset + h.size > cap:
+            _refuse(f"rank {peer}'s region {i}", "offset", h.offset,
+                    f"with size {h.size} it ends past the {cap} bytes of device {h.device}")
+
+
+def device_memory(device: int) -> int | None:
+    """The memory of CUDA device `device` in bytes (None where there is no such device)."""
+    if not torch.cuda.is_available() or not 0 <= device < torch.cuda.device_count():
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+def check_cuda_desc(peer: int, desc: Any, sizes: Iterable[tuple[int, int]]) -> None:
+    """`check_desc` against the memory of this host's devices (`CudaIpcTransport`)."""
+    check_desc(peer, desc, sizes, device_memory)
 
 
 def _check(where: str, name: str, v: Any) -> None:
