@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from planner.inspect_placement import placement_lines, placement_summary
 from schemas.bounds import violations
 from schemas.header import PlanHeader
 from schemas.plan import (
@@ -165,6 +166,7 @@ def inspect_text(path: str, as_json: bool = False,
     bounded: dict[int, int | None] = {}
     header = checked_header(path, why, progress, shadow, bounded)
     s = summary(header)
+    s["placement"] = placement_summary(path, header)  # None: no target.placement
     for r, row in enumerate(s["ranks"]):
         row["staging_why"] = why.get(r, "")
         row["shadow"] = shadow.get(r, 0)  # zero-pause refit's full shadow (executor/shadow.py)
@@ -210,7 +212,7 @@ def inspect_text(path: str, as_json: bool = False,
               f"{r['staging_why']}".rstrip() for r in ranks]
     if len(s["ranks"]) > len(ranks):
         lines.append(f"... ({len(s['ranks']) - len(ranks)} more ranks; --json lists all)")
-    return "\n".join(lines)
+    return "\n".join(lines + placement_lines(s["placement"]))
 
 
 def _opt(n: int | None) -> str:

@@ -22,6 +22,7 @@ from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas import placement as placement_mod
 from schemas.config import Config
+from schemas.header import PlanHeader
 from schemas.plan import Region
 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(.+)\.experts\.(\d+)\.([^.]+)\.weight$")
@@ -77,3 +78,12 @@ def plan_fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable,
     unnamed = dataclasses.replace(dst, tensor=ids.canonical(dst.tensor).astype(dst.tensor.dtype))
     base = fingerprint(spec, src, unnamed, regions, topo, cfg)
     return placement_mod.fingerprint(base, placement), base
+
+
+def ep_rank(header: PlanHeader, rank: int) -> int:
+    """Plan rank `rank`'s EP rank (which slots it holds), from its recorded identity: vLLM's
+    `ep`; SGLang's EP spans its TP group."""
+    ident = header.identities[rank] if header.identities else {}
+    if header.target is not None and header.target.engine == "sglang":
+        return int(ident.get("tp", 0))
+    return int(ident.get("ep", 0))

@@ -32,7 +32,7 @@ import numpy as np
 
 from planner.layouts.vllm_rank import eplb_layers
 from planner.passes.schedule import MAX_BATCH_WRITES
-from planner.placement import ExpertIds
+from planner.placement import ExpertIds, ep_rank
 from planner.spec import ModelSpec
 from schemas import placement as placement_mod
 from schemas.errors import UserError
@@ -83,13 +83,13 @@ def replan(plan: Plan, spec: ModelSpec, new: Placement) -> Plan:
     moved_set = {(int(l_), int(s)) for l_, s in moved}
     hit = [s for s in slots if any((s.moe, g) in moved_set
                                    for g in range(s.first, s.first + s.count))]
-    src = _SourceTensors(plan, h.sources, spec, ids)
+    src, hits = _SourceTensors(plan, h.sources, spec, ids), _Hits(hit)
     ranks = list(plan.ranks)
     for r in range(h.sources):
-        ranks[r] = _replan_source(plan.ranks[r], hit, old, new, src, ids,
+        ranks[r] = _replan_source(plan.ranks[r], hits, old, new, src, ids,
                                   h.options.max_write_bytes, h.sources, h.targets)
     _no_copies(plan, hit, h.sources)
-    explain = _explain(plan.explain, hit, old, new, src, ids)
+    explain = _explain(plan.explain, hits, old, new, src, ids, h.sources)
     blobs = _target_blobs(plan, hit, old, new, spec, ids, h.sources)
     header = dataclasses.replace(h, placement=new,
                                  target=dataclasses.replace(h.target, placement=new),
@@ -101,20 +101,13 @@ def replan(plan: Plan, spec: ModelSpec, new: Placement) -> Plan:
 def _slot_regions(plan: Plan, h: PlanHeader, moe_layers: tuple[int, ...]) -> Iterator[_Slots]:
     moe = {layer: i for i, layer in enumerate(moe_layers)}
     for rp in plan.ranks[h.sources:]:
-        ep = _ep_rank(h, rp.rank)
+        ep = ep_rank(h, rp.rank)
         for i, reg in enumerate(rp.regions):
             m = _SLOT_TENSOR.match(reg.name)
             if m is None or int(m[1]) not in moe or len(reg.shape) != 3 or not reg.shape[0]:
                 continue
             n = reg.shape[0]
             yield _Slots(rp.rank, i, moe[int(m[1])], ep * n, n, reg.nbytes // n)
-
-
-def _ep_rank(h: PlanHeader, rank: int) -> int:
-    ident = h.identities[rank] if h.identities else {}
-    if h.target is not None and h.target.engine == "sglang":
-        return int(ident.get("tp", 0))
-    return int(ident.get("ep", 0))
 
 
 class _SourceTensors:
@@ -132,7 +125,7 @@ class _SourceTensors:
         if rank not in self._cache:
             blob = _resolve(self.blobs, rank)
             t = Table.from_msgpack(PIECE_COLUMNS, blob["pieces"], f"tensors/{rank}")
-            gid = np.array([self.index[n] for n in blob["names"]], np.int64)[t["tensor"]]
+            gid = _spec_ids(blob["names"], self.spec, self.index)[t["tensor"]]
             n = len(self.spec.tensors)
             region = np.full(n, -1, np.int64)
             expert = self.ids.layer[gid] >= 0
@@ -148,8 +141,20 @@ class _SourceTensors:
             self._cache[rank] = (region, geom)
         return self._cache[rank]
 
-    def region_of(self, rank: int, gid: np.ndarray) -> np.ndarray:
-        return self.of(rank)[0][gid]
+    def regions(self, rank: np.ndarray, gid: np.ndarray) -> np.ndarray:
+        """The region of spec tensor `gid[i]` on source rank `rank[i]`."""
+        out = np.empty(len(rank), np.int64)
+        for r in np.unique(rank).tolist():
+            m = rank == r
+            out[m] = self.of(r)[0][gid[m]]
+        return out
+
+
+def _spec_ids(names: list[str], spec: ModelSpec, index: dict[str, int]) -> np.ndarray:
+    """Spec ids of a blob's names (sorted by id: `identities._blob`; all of them: arange)."""
+    if len(names) == len(spec.tensors):
+        return np.arange(len(names), dtype=np.int64)
+    return np.array([index[n] for n in names], np.int64)
 
 
 def _resolve(blobs: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -159,55 +164,63 @@ def _resolve(blobs: dict[str, Any], rank: int) -> dict[str, Any]:
     return blob
 
 
-def _replan_source(rp: RankPlan, hit: list[_Slots], old: Placement, new: Placement,
+class _Hits:
+    """The hit target regions as columns, looked up by (plan rank, region)."""
+
+    def __init__(self, hit: list[_Slots]) -> None:
+        key = np.array([s.rank << 32 | s.region for s in hit], np.int64)
+        self.rank, self.region = key >> 32, key & 0xFFFFFFFF  # by hit index
+        self.order = np.argsort(key)
+        self.key = key[self.order]
+        self.moe, self.first, self.count, self.slot_bytes = (
+            np.array([getattr(s, f) for s in hit], np.int64)
+            for f in ("moe", "first", "count", "slot_bytes"))
+
+    def find(self, rank: np.ndarray, region: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows whose (rank, region) is hit, the hit index of each)."""
+        key = rank.astype(np.int64) << 32 | region.astype(np.int64)
+        pos = np.minimum(np.searchsorted(self.key, key), max(len(self.key) - 1, 0))
+        rows = np.flatnonzero(self.key[pos] == key) if len(self.key) else pos[:0]
+        return rows, self.order[pos[rows]]
+
+
+def _replan_source(rp: RankPlan, hits: _Hits, old: Placement, new: Placement,
                    src: _SourceTensors, ids: ExpertIds, max_write_bytes: int, sources: int,
                    targets: int) -> RankPlan:
     w = rp.writes
-    if not len(w) or not hit:
+    if not len(w) or not len(hits.key):
         return rp
-    dst_rank, dst_region = w["dst_rank"], w["dst_region"]
-    by_key = {(s.rank, s.region): s for s in hit}
-    keys = np.unique(dst_rank.astype(np.int64) << 32 | dst_region.astype(np.int64))
-    mine = [by_key[(int(k >> 32), int(k & 0xFFFFFFFF))] for k in keys.tolist()
-            if (int(k >> 32), int(k & 0xFFFFFFFF)) in by_key]
-    if not mine:
+    rows, h = hits.find(w["dst_rank"], w["dst_region"])
+    g = hits.first[h] + w["dst_offset"][rows] // hits.slot_bytes[h]
+    layer = hits.moe[h]
+    was, now = old.table[layer, g], new.table[layer, g]
+    move = was != now
+    rows, was, now, layer = rows[move], was[move], now[move], layer[move]
+    if not len(rows):
         return rp
     src_region = w["src_region"].astype(np.int64)
+    if rp.regions[-1].name == STAGING and (src_region[rows] == len(rp.regions) - 1).any():
+        raise NotIncremental(f"replan: source rank {rp.rank} sends moved expert slots through "
+                             "staging (packed or gathered); compile the new placement in full")
     region_of, geom = src.of(rp.rank)
-    gid_of_region = np.full(max(len(rp.regions), 1), -1, np.int64)
+    gid_of_region = np.full(len(rp.regions), -1, np.int64)
     held = np.flatnonzero(region_of >= 0)
     gid_of_region[region_of[held]] = held
-    new_region = src_region.copy()
+    gid = gid_of_region[src_region[rows]]
+    if (gid < 0).any() or (ids.expert[gid] != was).any() or (ids.layer[gid] != layer).any():
+        raise NotIncremental(f"replan: source rank {rp.rank} writes expert slots from tensors "
+                             "other than the placement's experts; compile the new placement "
+                             "in full")
+    to = ids.ids[layer, now, ids.weight[gid]]
+    reg = region_of[to]
+    if (reg < 0).any() or (geom[to] != geom[gid]).any():
+        raise NotIncremental(f"replan: source rank {rp.rank} does not hold every expert of a "
+                             "MoE layer with the same cut (experts placed on EP ranks?); "
+                             "compile the new placement in full")
+    src_region[rows] = reg
     touched = np.zeros(len(w), bool)
-    for s in mine:
-        rows = np.flatnonzero((dst_rank == s.rank) & (dst_region == s.region))
-        local = w["dst_offset"][rows] // s.slot_bytes
-        g = s.first + local
-        was, now = old.table[s.moe, g], new.table[s.moe, g]
-        move = was != now
-        rows, was, now = rows[move], was[move], now[move]
-        if not len(rows):
-            continue
-        if (src_region[rows] >= len(gid_of_region) - 1).any() and rp.regions[-1].name == STAGING:
-            raise NotIncremental(f"replan: source rank {rp.rank} sends MoE layer {s.moe}'s "
-                                 "slots through staging (packed or gathered); compile the new "
-                                 "placement in full")
-        gid = gid_of_region[src_region[rows]]
-        if (gid < 0).any() or (ids.expert[gid] != was).any() or (ids.layer[gid] != s.moe).any():
-            raise NotIncremental(f"replan: source rank {rp.rank} writes MoE layer {s.moe}'s "
-                                 "slots from tensors other than the placement's experts; "
-                                 "compile the new placement in full")
-        to = ids.ids[s.moe, now, ids.weight[gid]]
-        reg = region_of[to]
-        if (reg < 0).any() or (geom[to] != geom[gid]).any():
-            raise NotIncremental(f"replan: source rank {rp.rank} does not hold every expert of "
-                                 f"MoE layer {s.moe} with the same cut (experts placed on EP "
-                                 "ranks?); compile the new placement in full")
-        new_region[rows] = reg
-        touched[rows] = True
-    if not touched.any():
-        return rp
-    return _reorder(rp, new_region, touched, max_write_bytes, sources, targets)
+    touched[rows] = True
+    return _reorder(rp, src_region, touched, max_write_bytes, sources, targets)
 
 
 def _stage_of_rows(rp: RankPlan) -> np.ndarray:
@@ -290,46 +303,55 @@ def _no_copies(plan: Plan, hit: list[_Slots], sources: int) -> None:
                                  "new placement in full")
 
 
-def _explain(table: Table, hit: list[_Slots], old: Placement, new: Placement,
-             src: _SourceTensors, ids: ExpertIds) -> Table:
+def _explain(table: Table, hits: _Hits, old: Placement, new: Placement,
+             src: _SourceTensors, ids: ExpertIds, sources: int) -> Table:
     """The explain table with the rows into each hit target tensor made again from the new
-    slot contents: per source row, a slot's share times the slots holding that expert."""
+    slot contents: per (source rank, weight) a slot's share, the same for every expert,
+    times the slots of the tensor holding each expert."""
     if not len(table):
         return table
     col = {name: table[name].astype(np.int64) for name, _ in EXPLAIN_COLUMNS}
+    rows, h = hits.find(col["dst_rank"], col["dst_region"])
+    n_hit, n_exp = len(hits.key), ids.ids.shape[1]
+    hh = np.repeat(np.arange(n_hit), hits.count)
+    g = hits.first[hh] + np.arange(len(hh)) - np.repeat(np.cumsum(hits.count) - hits.count,
+                                                          hits.count)
+    before, after = (np.bincount(hh * n_exp + p.table[hits.moe[hh], g],
+                                 minlength=n_hit * n_exp).reshape(n_hit, n_exp)
+                     for p in (old, new))
+    t = col["tensor"][rows]
+    e, wt = ids.expert[t], ids.weight[t]
+    if (e < 0).any() or (ids.layer[t] != hits.moe[h]).any():
+        raise NotIncremental("replan: a stacked expert tensor is fed other tensors; compile "
+                             "the new placement in full")
+    n = before[h, e]
+    per_bytes, per_boxes = col["nbytes"][rows] // n, col["boxes"][rows] // n
+    # one template row per (hit, source rank, weight): a slot's bytes and boxes from it
+    key = np.stack([h, col["src_rank"][rows], wt, per_bytes, per_boxes], 1)
+    tmpl = np.unique(key, axis=0)
+    if len(np.unique(tmpl[:, :3], axis=0)) != len(tmpl) or \
+            ((col["nbytes"][rows] % n) | (col["boxes"][rows] % n)).any():
+        raise NotIncremental("replan: the slots of one target tensor are fed unevenly by its "
+                             "experts; compile the new placement in full")
+    th, pe = np.nonzero(after)  # (hit, expert) pairs of the new placement, hit-major
+    t_start = np.searchsorted(tmpl[:, 0], np.arange(n_hit))
+    t_count = np.bincount(tmpl[:, 0], minlength=n_hit)
+    p_start = np.searchsorted(th, np.arange(n_hit))
+    p_count = np.bincount(th, minlength=n_hit)
+    each = t_count * p_count
+    hx = np.repeat(np.arange(n_hit), each)
+    k = np.arange(len(hx)) - np.repeat(np.cumsum(each) - each, each)
+    ti = t_start[hx] + k // np.maximum(p_count[hx], 1)
+    pi = p_start[hx] + k % np.maximum(p_count[hx], 1)
+    ex, cnt = pe[pi], after[th[pi], pe[pi]]
+    s_rank = tmpl[ti, 1]
+    gid = ids.ids[hits.moe[hx], ex, tmpl[ti, 2]]
+    reg = src.regions(s_rank, gid)
+    extra = np.stack([gid, s_rank, reg, hits.rank[hx], hits.region[hx], tmpl[ti, 3] * cnt,
+                      tmpl[ti, 4] * cnt], 1)
     drop = np.zeros(len(table), bool)
-    add: list[np.ndarray] = []
-    for s in hit:
-        rows = np.flatnonzero((col["dst_rank"] == s.rank) & (col["dst_region"] == s.region))
-        drop[rows] = True
-        before = np.bincount(old.table[s.moe, s.first:s.first + s.count],
-                             minlength=ids.ids.shape[1])
-        after = np.bincount(new.table[s.moe, s.first:s.first + s.count],
-                            minlength=ids.ids.shape[1])
-        t = col["tensor"][rows]
-        e, wt = ids.expert[t], ids.weight[t]
-        if (e < 0).any() or (ids.layer[t] != s.moe).any():
-            raise NotIncremental(f"replan: target rank {s.rank}'s stacked experts of MoE layer "
-                                 f"{s.moe} hold other tensors; compile the new placement in full")
-        n = before[e]
-        if ((col["nbytes"][rows] % n) | (col["boxes"][rows] % n)).any():
-            raise NotIncremental("replan: the slots of one expert are fed unevenly; compile "
-                                 "the new placement in full")
-        e0 = e[0]
-        tmpl = rows[e == e0]
-        per_bytes = col["nbytes"][tmpl] // before[e0]
-        per_boxes = col["boxes"][tmpl] // before[e0]
-        s_rank, w0 = col["src_rank"][tmpl], ids.weight[col["tensor"][tmpl]]
-        for ex in np.flatnonzero(after).tolist():
-            gid = ids.ids[s.moe, ex, w0]
-            reg = np.array([src.region_of(int(r), np.array([g]))[0]
-                            for r, g in zip(s_rank.tolist(), gid.tolist())], np.int64)
-            add.append(np.stack([gid, s_rank, reg, np.full(len(gid), s.rank),
-                                 np.full(len(gid), s.region), per_bytes * after[ex],
-                                 per_boxes * after[ex]], 1))
-        del wt
-    extra = np.concatenate(add) if add else np.zeros((0, 7), np.int64)
-    affected = np.union1d(np.unique(col["tensor"][drop]), np.unique(extra[:, 0]))
+    drop[rows] = True
+    affected = np.union1d(np.unique(t), np.unique(extra[:, 0]))
     keep_mask = ~np.isin(col["tensor"], affected)
     moved_rows = np.flatnonzero(~keep_mask & ~drop)
     block = np.concatenate([np.stack([col[n][moved_rows] for n, _ in EXPLAIN_COLUMNS], 1),
@@ -357,9 +379,10 @@ def _target_blobs(plan: Plan, hit: list[_Slots], old: Placement, new: Placement,
             blob = _patched(blob, plan.ranks[r], by_rank[r], old, new, spec, ids, index)
         content[r] = blob
     first: dict[bytes, int] = {}
-    for name, _ in plan.extra_blobs:
+    shapes = {_shape(c) for c in content.values()}  # a source blob can equal a target one
+    for name, _ in plan.extra_blobs:  # only if alike in shape: the others are not packed
         r = int(name.split("/")[1])
-        if r < sources:
+        if r < sources and _shape(_resolve(blobs, r)) in shapes:
             first.setdefault(msgpack.packb(_resolve(blobs, r), use_bin_type=True), r)
     out = []
     for name, blob in plan.extra_blobs:
@@ -370,6 +393,10 @@ def _target_blobs(plan: Plan, hit: list[_Slots], old: Placement, new: Placement,
             blob = c if same == r else {"same_as": same}
         out.append((name, blob))
     return tuple(out)
+
+
+def _shape(blob: dict[str, Any]) -> tuple[int, int, int]:
+    return len(blob["names"]), len(blob["buffer"]), len(blob["pieces"][0])
 
 
 def _patched(blob: dict[str, Any], rp: RankPlan, slots: list[_Slots], old: Placement,
