@@ -252,3 +252,22 @@ def test_placement_file_json_and_msgpack(tmp_path):
         config_from_dict({"model": {"config": "m"}, "source": {"framework": "fsdp2"},
                           "target": {"engine": "vllm", "placement": "nope.json"}},
                          base_dir=str(tmp_path))
+
+
+def test_inspect_shows_the_placement_and_expert_bytes(tmp_path):
+    from planner.inspect import inspect_text
+
+    model, source, target, slots = CASES[0]
+    _, spec = _cfg(model, source, target)
+    table = _random_table(spec, slots, 6)
+    plan = compile_config(*_cfg(model, source, target, table))
+    path = str(tmp_path / "p.rplan")
+    write_plan(path, plan)
+    text = inspect_text(path)
+    assert f"expert placement {Placement(table).digest()}" in text
+    assert "slot -> expert " + " ".join(map(str, table[0])) in text
+    per = slots // 2
+    slot = 2 * 3 * spec.dims.moe_intermediate * spec.dims.hidden  # bf16 w13 + w2 of a slot
+    assert text.count(f"{len(eplb_layers(spec.dims)) * per * slot:,}") == 2  # both ranks
+    data = json.loads(inspect_text(path, as_json=True))["placement"]
+    assert data["table"] == table.tolist() and data["redundant"] == slots - 8
