@@ -245,19 +245,13 @@ class TargetConfig:
     (layer by layer where the names allow) each fit N bytes. Absent: no section (the paused
     refit; the plan is the one compiled before the key existed). Read as a `ShadowConfig`."""
     placement: Any = None
-    """EP engines with EPLB: the expert placement the plan writes (`schemas/placement.py`):
-    per MoE layer, the logical expert of each physical slot, redundant replicas included.
-    A path (JSON or msgpack, relative to the config's folder) or the inline map
-    `{physical_to_logical_map: [[...], ...]}`. Absent: the engine's default placement
-    (no redundant experts; the plan is the one compiled before the key existed)."""
+    """EPLB: per MoE layer, the logical expert of each physical slot (`schemas/placement.py`):
+    a JSON/msgpack file's path or `{physical_to_logical_map: [[...]]}`. Absent: default."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shadow", _shadow(self.shadow))
         if self.placement is not None and not isinstance(self.placement, (str, Placement)):
             object.__setattr__(self, "placement", placement_from_plain(self.placement))
-        elif isinstance(self.placement, str) and not self.placement:
-            _fail("target.placement", "", "is empty; give a placement file's path or leave "
-                  "the key out")
         if self.engine not in ("vllm", "sglang"):
             _fail("target.engine", self.engine, "is not supported; use vllm or sglang")
         for name in ("tp", "dp", "pp", "replicas"):
@@ -388,8 +382,7 @@ class Config:
     """Folder relative paths are resolved against (the YAML file's folder; not a YAML key)."""
 
     def __post_init__(self) -> None:
-        path = self.target.placement
-        if isinstance(path, str):  # a file beside the config: read and checked here
+        if isinstance(path := self.target.placement, str):  # a file beside the config
             placement = load_placement(os.path.normpath(os.path.join(self.base_dir, path)))
             object.__setattr__(self, "target", _replace(self.target, placement=placement))
 
