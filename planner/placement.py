@@ -28,6 +28,9 @@ from schemas.plan import Region
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(.+)\.experts\.(\d+)\.([^.]+)\.weight$")
 
 
+_KEPT: list[tuple[ModelSpec, ExpertIds]] = []
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertIds:
     """Spec tensor ids of the routed experts: `ids[l, e, w]` is the id of MoE layer `l`'s
@@ -38,9 +41,22 @@ class ExpertIds:
     layer: np.ndarray
     expert: np.ndarray
     weight: np.ndarray
+    index: dict[str, int]
+    """Spec id of each logical tensor name."""
 
     @staticmethod
     def of(spec: ModelSpec) -> ExpertIds:
+        """The ids of `spec` (the last few specs' kept: a replan per placement change)."""
+        for kept, ids in _KEPT:
+            if kept is spec:
+                return ids
+        ids = ExpertIds._of(spec)
+        _KEPT.append((spec, ids))
+        del _KEPT[:-2]
+        return ids
+
+    @staticmethod
+    def _of(spec: ModelSpec) -> ExpertIds:
         d = spec.dims
         moe = {layer: i for i, layer in enumerate(eplb_layers(d))}
         weights = {w: i for i, w in enumerate(d.expert_names)}
@@ -55,7 +71,8 @@ class ExpertIds:
             lw = (moe[int(m[1])], int(m[3]), weights[m[4]])
             layer[i], expert[i], weight[i] = lw
             ids[lw] = i
-        return ExpertIds(ids, layer, expert, weight)
+        return ExpertIds(ids, layer, expert, weight,
+                         {t.name: i for i, t in enumerate(spec.tensors)})
 
     def canonical(self, tensor: np.ndarray) -> np.ndarray:
         """`tensor` ids with every expert's replaced by expert 0's of its layer and weight."""

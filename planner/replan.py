@@ -10,8 +10,7 @@ full compile of the new placement gives, byte for byte, by editing the previous 
   layer with the same cut, one piece per tensor, on one holder, and no pack, unpack or quant
   touches an expert); the writes of each (source, stage, target) group are put back in the
   order `coalesce` and `schedule` give (source region, target region, source offset), in
-  the same table positions when the group's batches keep their sizes, else the source
-  rank's writes and batches are laid out again as `schedule` lays them;
+  the same table positions (the group's batches keep their cuts: else `NotIncremental`);
 - the explain rows of the moved slots' target tensors, the target ranks' `tensors/<rank>`
   blobs, the header's placement and its fingerprint (`planner/placement.py`).
 
@@ -41,7 +40,7 @@ from planner.replan_tables import (
 from planner.spec import ModelSpec
 from schemas import placement as placement_mod
 from schemas.placement import Placement
-from schemas.plan import BATCH_COLUMNS, STAGING, WRITE_COLUMNS, Plan, RankPlan
+from schemas.plan import STAGING, WRITE_COLUMNS, Plan, RankPlan
 from schemas.table import Table
 
 __all__ = ["NotIncremental", "replan"]
@@ -123,10 +122,7 @@ def _replan_source(rp: RankPlan, hits: Hits, old: Placement, new: Placement,
 
 def _stage_of_rows(rp: RankPlan) -> np.ndarray:
     b = rp.batches
-    stage = np.empty(len(rp.writes), np.int64)
-    for st, a, z in zip(b["stage"].tolist(), b["start"].tolist(), b["stop"].tolist()):
-        stage[a:z] = st
-    return stage
+    return np.repeat(b["stage"].astype(np.int64), b["stop"] - b["start"])
 
 
 def _rounds(nbytes: np.ndarray, max_write_bytes: int) -> np.ndarray:
@@ -138,13 +134,13 @@ def _rounds(nbytes: np.ndarray, max_write_bytes: int) -> np.ndarray:
 def _reorder(rp: RankPlan, src_region: np.ndarray, touched: np.ndarray,
              max_write_bytes: int, sources: int, targets: int) -> RankPlan:
     """`rp` with `src_region`, each (stage, target) group holding a touched write put back
-    in the compiler's order: in place when the group's rounds are unchanged, else the whole
-    rank laid out again."""
+    in the compiler's order, in the same table positions: its rounds (`schedule`'s batch
+    cuts) unchanged, else `NotIncremental`."""
     w = rp.writes
-    cols = {name: w[name].astype(np.int64) for name, _ in WRITE_COLUMNS}
+    cols = {name: w[name] for name, _ in WRITE_COLUMNS}
     cols["src_region"] = src_region
     stage = _stage_of_rows(rp)
-    gkey = stage << 32 | cols["dst_rank"]
+    gkey = stage << 32 | cols["dst_rank"].astype(np.int64)
     order = np.argsort(gkey, kind="stable")  # table order kept within each group
     cut = np.flatnonzero(np.diff(gkey[order])) + 1
     groups = np.split(order, cut)
@@ -156,39 +152,13 @@ def _reorder(rp: RankPlan, src_region: np.ndarray, touched: np.ndarray,
                         cols["dst_region"][rows], cols["src_region"][rows]))
         if not np.array_equal(_rounds(cols["nbytes"][rows][o], max_write_bytes),
                               _rounds(cols["nbytes"][rows], max_write_bytes)):
-            return _relayout(rp, cols, stage, max_write_bytes, sources, targets)
+            raise NotIncremental(f"replan: source rank {rp.rank}'s batches to target rank "
+                                 f"{int(cols['dst_rank'][rows[0]]) - sources} change their "
+                                 "cut (writes of unequal sizes reordered); compile the new "
+                                 "placement in full")
         perm[rows] = rows[o]
     writes = Table.build(WRITE_COLUMNS, **{name: cols[name][perm] for name, _ in WRITE_COLUMNS})
     return dataclasses.replace(rp, writes=writes)
-
-
-def _relayout(rp: RankPlan, cols: dict[str, np.ndarray], stage: np.ndarray,
-              max_write_bytes: int, sources: int, targets: int) -> RankPlan:
-    """One source rank's writes and batches as `coalesce` and `schedule` order them: groups
-    (stage, target) in the compiler's order, rounds, then (stage, round, rotation)."""
-    nic_of = {}
-    b = rp.batches
-    for st, nic, a in zip(b["stage"].tolist(), b["nic"].tolist(), b["start"].tolist()):
-        nic_of[(st, int(cols["dst_rank"][a]))] = nic
-    o = np.lexsort((cols["dst_offset"], cols["src_offset"], cols["dst_region"],
-                    cols["src_region"], cols["dst_rank"], stage))
-    st, dst, nb = stage[o], cols["dst_rank"][o], cols["nbytes"][o]
-    start = np.flatnonzero(np.concatenate([[True], (st[1:] != st[:-1]) | (dst[1:] != dst[:-1])]))
-    rnd = np.concatenate([_rounds(part, max_write_bytes) for part in np.split(nb, start[1:])])
-    rot = (dst - sources + rp.rank) % max(targets, 1)
-    final = o[np.lexsort((rot, rnd, st))]
-    rnd_at = np.empty(len(o), np.int64)
-    rnd_at[o] = rnd
-    fs, fd, fr = stage[final], cols["dst_rank"][final], rnd_at[final]
-    new_batch = np.concatenate([[True], (fs[1:] != fs[:-1]) | (fd[1:] != fd[:-1])
-                                | (fr[1:] != fr[:-1])])
-    bstart = np.flatnonzero(new_batch)
-    bstop = np.append(bstart[1:], len(final))
-    batches = Table.build(BATCH_COLUMNS, stage=fs[bstart],
-                          nic=[nic_of[(int(s), int(t))] for s, t in zip(fs[bstart], fd[bstart])],
-                          start=bstart, stop=bstop)
-    writes = Table.build(WRITE_COLUMNS, **{name: cols[name][final] for name, _ in WRITE_COLUMNS})
-    return dataclasses.replace(rp, writes=writes, batches=batches)
 
 
 def _no_copies(plan: Plan, hit: list[Slots], sources: int) -> None:

@@ -14,6 +14,7 @@ import msgpack
 import numpy as np
 
 from planner.placement import ExpertIds, ep_rank
+from planner.rows import unique_rows
 from planner.spec import ModelSpec
 from schemas.errors import UserError
 from schemas.header import PlanHeader
@@ -62,7 +63,7 @@ class SourceTensors:
     def __init__(self, plan: Plan, sources: int, spec: ModelSpec, ids: ExpertIds) -> None:
         self.blobs = dict(plan.extra_blobs)
         self.plan, self.spec, self.ids = plan, spec, ids
-        self.index = {t.name: i for i, t in enumerate(spec.tensors)}
+        self.index = ids.index
         self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def of(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -75,7 +76,7 @@ class SourceTensors:
             region = np.full(n, -1, np.int64)
             expert = self.ids.layer[gid] >= 0
             g, reg = gid[expert], t["region"][expert].astype(np.int64)
-            if len(np.unique(g)) != len(g) or len(np.unique(reg)) != len(reg):
+            if len(g) and (np.bincount(g).max() > 1 or np.bincount(reg).max() > 1):
                 raise NotIncremental(f"replan: source rank {rank} holds an expert in several "
                                      "pieces or several experts in one tensor; compile the "
                                      "new placement in full")
@@ -136,7 +137,7 @@ def explain(table: Table, hits: Hits, old: Placement, new: Placement,
     times the slots of the tensor holding each expert."""
     if not len(table):
         return table
-    col = {name: table[name].astype(np.int64) for name, _ in EXPLAIN_COLUMNS}
+    col = {name: table[name] for name, _ in EXPLAIN_COLUMNS}
     rows, h = hits.find(col["dst_rank"], col["dst_region"])
     n_hit, n_exp = len(hits.key), ids.ids.shape[1]
     hh = np.repeat(np.arange(n_hit), hits.count)
@@ -145,18 +146,19 @@ def explain(table: Table, hits: Hits, old: Placement, new: Placement,
     before, after = (np.bincount(hh * n_exp + p.table[hits.moe[hh], g],
                                  minlength=n_hit * n_exp).reshape(n_hit, n_exp)
                      for p in (old, new))
-    t = col["tensor"][rows]
+    t = col["tensor"][rows].astype(np.int64)
     e, wt = ids.expert[t], ids.weight[t]
     if (e < 0).any() or (ids.layer[t] != hits.moe[h]).any():
         raise NotIncremental("replan: a stacked expert tensor is fed other tensors; compile "
                              "the new placement in full")
     n = before[h, e]
-    per_bytes, per_boxes = col["nbytes"][rows] // n, col["boxes"][rows] // n
+    nbytes, boxes = col["nbytes"][rows].astype(np.int64), col["boxes"][rows].astype(np.int64)
+    per_bytes, per_boxes = nbytes // n, boxes // n
     # one template row per (hit, source rank, weight): a slot's bytes and boxes from it
-    key = np.stack([h, col["src_rank"][rows], wt, per_bytes, per_boxes], 1)
-    tmpl = np.unique(key, axis=0)
-    if len(np.unique(tmpl[:, :3], axis=0)) != len(tmpl) or \
-            ((col["nbytes"][rows] % n) | (col["boxes"][rows] % n)).any():
+    tmpl = unique_rows(np.stack([h, col["src_rank"][rows].astype(np.int64), wt, per_bytes,
+                                 per_boxes], 1))
+    if len(tmpl) > 1 and ((np.diff(tmpl[:, 0]) == 0) & (np.diff(tmpl[:, 1]) == 0)
+                          & (np.diff(tmpl[:, 2]) == 0)).any() or ((nbytes % n) | (boxes % n)).any():
         raise NotIncremental("replan: the slots of one target tensor are fed unevenly by its "
                              "experts; compile the new placement in full")
     th, pe = np.nonzero(after)  # (hit, expert) pairs of the new placement, hit-major
@@ -183,9 +185,16 @@ def explain(table: Table, hits: Hits, old: Placement, new: Placement,
     block = np.concatenate([np.stack([col[n][moved_rows] for n, _ in EXPLAIN_COLUMNS], 1),
                             extra])
     block = block[np.lexsort(block[:, 4::-1].T)]
-    kept = {n: col[n][keep_mask] for n, _ in EXPLAIN_COLUMNS}
-    at = np.searchsorted(kept["tensor"], block[:, 0])
-    out = {n: np.insert(kept[n], at, block[:, i]) for i, (n, _) in enumerate(EXPLAIN_COLUMNS)}
+    kept = np.flatnonzero(keep_mask)
+    at = np.searchsorted(col["tensor"][kept], block[:, 0]) + np.arange(len(block))
+    place = np.ones(len(kept) + len(block), bool)
+    place[at] = False
+    out = {}
+    for i, (name, dt) in enumerate(EXPLAIN_COLUMNS):
+        c = np.empty(len(place), dt)
+        c[place] = col[name][kept]
+        c[at] = block[:, i]
+        out[name] = c
     return Table.build(EXPLAIN_COLUMNS, **out)
 
 
@@ -194,7 +203,7 @@ def target_blobs(plan: Plan, hit: list[Slots], old: Placement, new: Placement,
     """Every `tensors/<rank>` blob, the hit target ranks' made again (names and pieces of
     the moved slots), target blobs equal to an earlier rank's as `same_as` it."""
     blobs = dict(plan.extra_blobs)
-    index = {t.name: i for i, t in enumerate(spec.tensors)}
+    index = ids.index
     by_rank: dict[int, list[Slots]] = {}
     for s in hit:
         by_rank.setdefault(s.rank, []).append(s)
