@@ -41,7 +41,7 @@ import torch
 
 import executor
 from executor import trust
-from integrations import tensor_sha256
+from integrations import placement_check, tensor_sha256
 from schemas.errors import UserError
 from schemas.header import PlanHeader
 from schemas.identity import find_rank
@@ -118,6 +118,7 @@ class SGLangTarget:
         self.target_rank = self.rank - int(header.sources)
         """This rank in the plan's target layout (plan rank = sources + target rank)."""
         self.derived = derived_of(header, self.rank)
+        self.placement = header.placement  # checked against SGLang's at each begin()
         check_derived(model, self.derived)
         self.tensors = {n: p.data for n, p in model.named_parameters()}
         self.shadow = executor.Shadow(self.tensors) if shadow else None
@@ -158,6 +159,7 @@ class SGLangTarget:
 
     def begin(self) -> None:
         """SGLang's `begin_weight_update` on this rank (undoes in-place weight packing)."""
+        placement_check.at_begin(self)  # the engine's experts where the plan writes them
         self.updater.begin_weight_update()
         self.open = True
 

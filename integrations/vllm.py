@@ -65,9 +65,9 @@ from vllm.distributed.weight_transfer.base import (
 import executor
 from executor import trust
 from executor.errors import PeerTimeoutError
+from integrations import placement_check, vllm_cpu_gemm, vllm_shadow, vllm_torn
 from integrations import vllm_checks as checks
 from integrations import vllm_content as content
-from integrations import vllm_cpu_gemm, vllm_shadow, vllm_torn
 from integrations.vllm_background import Background as _Background
 from integrations.vllm_trainer_info import BACKEND, RdmaPlanTrainerInitInfo, source_tensors
 from schemas.header import PlanHeader
@@ -165,6 +165,7 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         identity["ep"] = checks.check_experts(self.model, header, identity)
         self.plan_rank = checks.find_plan_rank(header, identity, path)
         checks.check_vocab_rows(self.model, header, identity)
+        self.placement = header.placement  # checked against the engine's at each update
         self.identity = identity
         return load_rank(path, self.plan_rank)
 
@@ -172,8 +173,8 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         if self.plan is None:
             raise RuntimeError("rdma_plan: call init_weight_transfer_engine before "
                                "start_weight_update")
-        self.pending_version, self.failure, self.received = None, None, False
-        self.torn_open = False
+        self.pending_version, self.failure, self.received, self.torn_open = None, None, False, False
+        placement_check.at_update(self)  # the engine's experts where the plan writes them
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """`receive_weights` without the base class's `torch.accelerator.synchronize()`: the

@@ -36,7 +36,6 @@ from planner.passes.emit import (
     emit,
     explain_table,
     explain_with,
-    fingerprint,
     plan_header,
     rank_regions,
     spilled,
@@ -57,6 +56,7 @@ from planner.passes.lower import lower, merge
 from planner.passes.route import gathered_only, route
 from planner.passes.schedule import schedule
 from planner.passes.shadow import with_shadow
+from planner.placement import plan_fingerprint
 from planner.spec import ModelSpec
 from planner.topology import build_topology
 from schemas.config import Config
@@ -173,7 +173,7 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
                            tensor_regions(dst_layout))  # staging is added once lowered
     side = ThreadPoolExecutor(1)  # hashing and sorts release the GIL: these run beside lower
-    fp_job = side.submit(fingerprint, spec, src, routes.direct, regions, topo, cfg)
+    fp_job = side.submit(plan_fingerprint, spec, src, routes.direct, regions, topo, cfg)
     coverage_job = side.submit(coverage_table, dst_layout, src_layout.world, routes.targets)
     blobs_job = side.submit(rank_tensor_blobs, spec, (src, routes.targets),
                             (src_layout, dst_layout))
@@ -184,7 +184,7 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
                    topo)
     del chunks, choice  # the largest columns: nothing later reads them
     # before the target pieces they read are dropped
-    fp, coverage, blobs = fp_job.result(), coverage_job.result(), blobs_job.result()
+    (fp, fp_base), coverage, blobs = fp_job.result(), coverage_job.result(), blobs_job.result()
     side.shutdown()
     routes = gathered_only(routes)  # the target pieces go, but those gather reads
     step("gather")
@@ -198,8 +198,8 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     nics = nic_stats(topo, low, egress_bound(sets, topo, more.owner_only))
     header = plan_header(cfg, spec, topo, dst_layout.replicas, low, nics, n_chunks,
                          more.unit_max, fp, VERSION)
-    header = dataclasses.replace(header, identities=tuple(rank_identities(
-        cfg, src_layout, dst_layout).get("identities", ())), derived=tuple(
+    header = dataclasses.replace(header, placement_base=fp_base, identities=tuple(
+        rank_identities(cfg, src_layout, dst_layout).get("identities", ())), derived=tuple(
         tuple(d) for d in derived(dst_layout, src_layout.world, cfg.target)))
     explain = explain_with(explain, more.explain)
     del more

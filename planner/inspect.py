@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from planner.inspect_placement import placement_lines, placement_summary
 from schemas.bounds import violations
 from schemas.header import PlanHeader
 from schemas.plan import (
@@ -199,6 +200,7 @@ def inspect_text(path: str, as_json: bool = False,
     bounded: dict[int, int | None] = {}
     header = checked_header(path, why, progress, shadow, bounded, traffic)
     s = summary(header)
+    s["placement"] = placement_summary(path, header)  # None: no target.placement
     for r, row in enumerate(s["ranks"]):
         row["staging_why"] = why.get(r, "")
         row["shadow"] = shadow.get(r, 0)  # zero-pause refit's full shadow (executor/shadow.py)
@@ -246,7 +248,7 @@ def inspect_text(path: str, as_json: bool = False,
              f"{r['staging']:,}", f"{r['shadow']:,}",
              _opt(r["extra_memory"]["bounded_shadow"]), r["staging_why"]] for r in s["ranks"]]
     lines += _table(head, rows, "ranks", left=frozenset({1, 10}))
-    return "\n".join(lines)
+    return "\n".join(lines + placement_lines(s["placement"]))
 
 
 SHOWN = 16

@@ -16,10 +16,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from dataclasses import replace as _replace
 from typing import Any, Literal
 
 from .bounded import short
 from .errors import ConfigError, OwnValueError, check_each
+from .placement import Placement
+from .placement import from_plain as placement_from_plain
+from .placement import load as load_placement
 
 DTYPES = ("bfloat16", "float16", "float32")
 MAX_INT = 1 << 53
@@ -207,12 +211,17 @@ class TargetConfig:
     a shadow of the written tensors; `{budget_bytes: N}`: a bounded shadow whose chunks
     (layer by layer where the names allow) each fit N bytes. Absent: no section (the paused
     refit; the plan is the one compiled before the key existed). Read as a `ShadowConfig`."""
+    placement: Any = None
+    """EPLB: per MoE layer, the logical expert of each physical slot (`schemas/placement.py`):
+    a JSON/msgpack file's path or `{physical_to_logical_map: [[...]]}`. Absent: default."""
 
     def __post_init__(self) -> None:
         check_each(lambda: object.__setattr__(self, "shadow", _shadow(self.shadow)),
               self._engine_checks,
               *(lambda n=name: _positive("target", n, getattr(self, n))
                 for name in ("tp", "dp", "pp", "replicas")))
+        if self.placement is not None and not isinstance(self.placement, (str, Placement)):
+            object.__setattr__(self, "placement", placement_from_plain(self.placement))
         _world("target.tp * target.dp * target.pp * target.replicas", self.world)
 
     def _engine_checks(self) -> None:
@@ -341,6 +350,11 @@ class Config:
     """Compiler options."""
     base_dir: str = "."
     """Folder relative paths are resolved against (the YAML file's folder; not a YAML key)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(path := self.target.placement, str):  # a file beside the config
+            placement = load_placement(os.path.normpath(os.path.join(self.base_dir, path)))
+            object.__setattr__(self, "target", _replace(self.target, placement=placement))
 
     @property
     def model_config_path(self) -> str:

@@ -20,6 +20,7 @@ from schemas.config import ClusterConfig, ConfigError, Options, SourceConfig, Ta
 from schemas.config_load import config_from_dict
 
 from .errors import UserError
+from .placement import Placement, decode_placement, encode_placement
 
 Plain = None | bool | int | float | str | bytes | list["Plain"] | dict[str, "Plain"]
 """Plain msgpack data (what another module describes and owns)."""
@@ -139,6 +140,13 @@ class PlanHeader:
     derived: tuple[tuple[dict[str, Plain], ...], ...] = ()
     """Per plan rank, the derived tensors it refreshes after a step (owned by the module that
     compiles them); empty when none."""
+    placement: Placement | None = None
+    """The expert placement (EPLB) the target layout was built from, recorded whole with its
+    digest (`schemas/placement.py`); None when the engine's default placement was assumed.
+    A backend compares it with the engine's at each update."""
+    placement_base: str = ""
+    """With a placement: the fingerprint of everything but it (`placement.fingerprint`), so a
+    replan for a new placement (`planner/replan.py`) gives the fingerprint a full compile does."""
     blobs: Mapping[str, BlobEntry] = field(default_factory=lambda: MappingProxyType({}))
     """Where every blob is (`rank/<r>`, `explain`, `dag`); set by the codec."""
     signature: bytes = b""
@@ -150,11 +158,14 @@ class PlanHeader:
                (("source", self.source), ("target", self.target), ("cluster", self.cluster),
                 ("options", self.options))}
         if cfg["target"] is not None:  # no key unless set: such plans keep their bytes
+            cfg["target"].pop("placement")  # recorded whole below, under its own key
             sh = cfg["target"].pop("shadow")
             if sh is not None:
                 cfg["target"]["shadow"] = "full" if not sh["budget_bytes"] else sh
+        extra = {} if self.placement is None else {"placement": encode_placement(
+            self.placement, self.placement_base)}
         return {
-            "fingerprint": self.fingerprint, "world": self.world, "sources": self.sources,
+            **extra, "fingerprint": self.fingerprint, "world": self.world, "sources": self.sources,
             "targets": self.targets, "replicas": self.replicas, "stages": self.stages,
             "created_by": self.created_by, "model": dataclasses.asdict(self.model), **cfg,
             "nvlink_gbps": self.nvlink_gbps,
@@ -182,6 +193,8 @@ class PlanHeader:
             source_replicated=r.bool("source_replicated"),
             identities=_identities(raw.get("identities", []), what),
             derived=_derived(raw.get("derived", []), what),
+            **dict(zip(("placement", "placement_base"), decode_placement(
+                raw.get("placement"), what, PlanFormatError))),
             blobs=_blobs(raw.get("blobs", {}), what), signature=r.bytes("signature"))
         if len(h.fingerprint) > 64:
             raise PlanFormatError(f"{what}: fingerprint of {len(h.fingerprint)} characters (the "

@@ -63,7 +63,7 @@ def check(spec: ModelSpec, cfg: TargetConfig) -> None:
              "(attention TP = tp/dp); pick a divisor of tp")
     check_common(spec, cfg, attn_tp(cfg), 1 if cfg.ep else cfg.tp, cfg.tp if cfg.ep else 1)
     d = spec.dims
-    if cfg.ep and d.moe_layers and d.num_experts % cfg.tp:
+    if cfg.ep and d.moe_layers and d.num_experts % cfg.tp and cfg.placement is None:
         fail("target.tp", cfg.tp, f"must divide the {d.num_experts} experts with target.ep "
              f"(SGLang places experts evenly over ep_size = tp); use one of "
              f"{divisors(d.num_experts)}")

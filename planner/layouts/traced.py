@@ -51,6 +51,10 @@ def check(spec: ModelSpec, cfg: TargetConfig) -> None:
     trace runs them and a refusal is one line naming `target` (`vllm_trace.engine_config`);
     a cached trace was built under the same parallel config. What is checked here is only
     what the trace cannot express."""
+    if cfg.placement is not None:
+        raise ConfigError("target.placement: an expert placement is laid out by the hand-"
+                          f"written rules only, not by a trace (target.layout {cfg.layout!r}, "
+                          f"model_type {spec.dims.model_type!r}); use target.layout: rules")
     if cfg.w13_order != "w1w3" or cfg.expert_names != "routed_experts":
         key, value = (("target.w13_order", cfg.w13_order) if cfg.w13_order != "w1w3"
                       else ("target.expert_names", cfg.expert_names))

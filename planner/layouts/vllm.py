@@ -33,7 +33,15 @@ from planner.layouts import rules
 from planner.layouts.base import Layout, RankLayout
 from planner.layouts.vllm_gpt_oss import GptOssBuilder
 from planner.layouts.vllm_gpt_oss import check as gpt_oss_check
-from planner.layouts.vllm_rank import VOCAB_PAD, Names, RankBuilder, Shard, Split, padded_vocab
+from planner.layouts.vllm_rank import (
+    VOCAB_PAD,
+    Names,
+    RankBuilder,
+    Shard,
+    Split,
+    eplb_layers,
+    padded_vocab,
+)
 from planner.spec import SUPPORTED_MODEL_TYPES, ModelSpec
 from schemas.config import TargetConfig, fail
 
@@ -65,9 +73,26 @@ def check_common(spec: ModelSpec, cfg: TargetConfig, attn_tp: int, moe_tp: int,
         fail("target.tp", cfg.tp, f"{times}(the expert TP without target.ep, {moe_tp}) must "
              f"divide moe_intermediate_size={d.moe_intermediate}; use one of "
              f"{rules.divisors(d.moe_intermediate)} or set target.ep: true")
-    if d.moe_layers and ep_size > d.num_experts:
+    if cfg.placement is not None:
+        check_placement(spec, cfg, ep_size)
+    elif d.moe_layers and ep_size > d.num_experts:
         fail("target.ep", cfg.ep, f"spreads {d.num_experts} experts over {ep_size} ranks, "
              "leaving some empty; use fewer ranks or disable target.ep")
+
+
+def check_placement(spec: ModelSpec, cfg: TargetConfig, ep_size: int) -> None:
+    """`target.placement` (EPLB) needs an MoE model under expert parallelism, and a table of
+    one row per MoE layer whose physical slots split evenly over the EP ranks."""
+    d = spec.dims
+    if not d.moe_layers:
+        fail("target.placement", "(a table)", "is for MoE models; remove it")
+    if not cfg.ep:
+        fail("target.placement", "(a table)", "places experts over EP ranks; set "
+             "target.ep: true (EPLB needs expert parallelism) or remove it")
+    if cfg.placement.physical // ep_size == 0:
+        fail("target.placement", f"{cfg.placement.physical} physical experts",
+             f"leave EP ranks empty over {ep_size}; give at least one slot a rank")
+    cfg.placement.check(d.num_experts, len(eplb_layers(d)), ep_size)
 
 
 def check(spec: ModelSpec, cfg: TargetConfig) -> None:

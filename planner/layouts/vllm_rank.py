@@ -12,8 +12,10 @@ from functools import lru_cache
 import numpy as np
 
 from planner.layouts.base import PhysicalTensor, Piece, PieceColumns
+from planner.models.base import ModelDims
 from planner.spec import LogicalTensor, ModelSpec
 from schemas.config import TargetConfig
+from schemas.placement import Placement
 
 VOCAB_PAD = 64
 """vLLM and SGLang pad the vocab of `embed_tokens`/`lm_head` to a multiple of this."""
@@ -76,10 +78,28 @@ def expert_range(num_experts: int, ep: Split) -> range:
 
 
 @lru_cache(maxsize=1024)
-def _expert_names(prefix: str, local: range, weights: tuple[str, ...]) -> tuple[str, ...]:
+def _expert_names(prefix: str, local: range | tuple[int, ...],
+                  weights: tuple[str, ...]) -> tuple[str, ...]:
     """`{prefix}{e}.{w}` for each expert e of `local`, each weight w: one tuple shared by
     every rank holding those experts (the piece table looks its names up once)."""
     return tuple(f"{prefix}{e}.{w}" for e in local for w in weights)
+
+
+def eplb_layers(d: ModelDims) -> tuple[int, ...]:
+    """The MoE layers an expert placement has a row for, in order: the decoder's (an MTP
+    layer is not loaded by the engine and has no row in its EPLB maps)."""
+    return tuple(i for i in d.moe_layers if i < d.num_layers)
+
+
+def local_experts(spec_layers: tuple[int, ...], layer: int, num_experts: int, ep: Split,
+                  placement: Placement | None) -> range | tuple[int, ...]:
+    """The logical expert of each local physical slot of MoE layer `layer` on EP rank
+    `ep.rank`: with an expert placement (EPLB) row `moe index` of its table over the rank's
+    even share of slots (redundant replicas included), else vLLM's "linear" placement."""
+    if placement is None:
+        return expert_range(num_experts, ep)
+    row = placement.table[spec_layers.index(layer)]
+    return tuple(row[placement.slots(ep.size, ep.rank)].tolist())
 
 
 class RankBuilder:
@@ -182,7 +202,9 @@ class RankBuilder:
         """Stacked routed experts of layer prefix `p`, as columns (`PieceColumns`)."""
         d, m = self.d, self.s.moe_tp
         k, h = d.moe_intermediate // m.size, d.hidden
-        local = expert_range(d.num_experts, self.s.ep)
+        layer = int(p.split(".")[2])
+        local = local_experts(eplb_layers(d), layer, d.num_experts, self.s.ep,
+                              self.cfg.placement)
         n = len(local)
         gate, up = (0, k) if self.cfg.w13_order == "w1w3" else (k, 0)  # w3w1: FlashInfer
         g, u, dn = (f"{name}.weight" for name in d.expert_names)

@@ -129,7 +129,7 @@ def plan_header(cfg: Config, spec: ModelSpec, topo: Topology, replicas: int, low
         model=ModelInfo(spec.dims.model_type, spec.dims.num_layers, spec.total_params,
                         len(spec.tensors), longest_row_bytes(spec), spec.dims.vocab),
         source=cfg.source, target=cfg.target, cluster=cfg.cluster, options=cfg.options,
-        nvlink_gbps=topo.nvlink_gbps,
+        nvlink_gbps=topo.nvlink_gbps, placement=cfg.target.placement,
         ranks=tuple(RankRow("source" if r < topo.sources else "target", topo.host[r],
                             topo.gpu[r], topo.nic_name(topo.nic[r])) for r in range(topo.world)),
         rank_stats=rank_stats(low, topo.world),

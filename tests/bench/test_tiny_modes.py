@@ -30,13 +30,19 @@ def test_every_benchmark_has_a_tiny_mode_here() -> None:
                      if n.endswith(".py") or os.path.isdir(os.path.join(ROOT, "bench", n))
                      and not n.startswith("__"))
     assert scripts == ["compile_scale.py", "defaults.py", "executor_bench.py", "gpu_refit",
-                       "long_run.py", "published.py", "step_trace.py", "traced_compile.py",
-                       "zero_pause.py", "zero_pause_plan.py"]
+                       "long_run.py", "published.py", "replan.py", "step_trace.py",
+                       "traced_compile.py", "zero_pause.py", "zero_pause_plan.py"]
 
 
 def test_compile_scale_tiny() -> None:
     out = _run("bench/compile_scale.py", "--tiny")
     assert "| demo.yaml | 4 |" in out
+
+
+def test_replan_tiny() -> None:
+    out = _run("bench/replan.py", "--tiny")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "%" in line]
+    assert len(rows) == 3 and all(r.endswith("| True |") for r in rows)
 
 
 def test_traced_compile_tiny() -> None:

@@ -1,0 +1,106 @@
+"""What the planner knows about an expert placement beyond its table (`schemas/placement.py`):
+which logical tensors are experts (`ExpertIds`), and the fingerprint of a placement plan.
+
+A placement plan's fingerprint is `schemas.placement.fingerprint(base, placement)`, where
+`base` is the ordinary fingerprint (`passes/emit.fingerprint`) of the plan with every expert
+piece of the target named as expert 0 of its layer and weight: everything the plan depends
+on but the placement, the same for every placement of the same slot count. The header keeps
+`base`, so a replan (`planner/replan.py`) gives the fingerprint a full compile gives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+from planner.layouts.vllm_rank import eplb_layers
+from planner.passes.emit import fingerprint
+from planner.passes.intersect import PieceTable
+from planner.spec import ModelSpec
+from planner.topology import Topology
+from schemas import placement as placement_mod
+from schemas.config import Config
+from schemas.header import PlanHeader
+from schemas.plan import Region
+
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(.+)\.experts\.(\d+)\.([^.]+)\.weight$")
+
+
+_KEPT: list[tuple[ModelSpec, ExpertIds]] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertIds:
+    """Spec tensor ids of the routed experts: `ids[l, e, w]` is the id of MoE layer `l`'s
+    expert `e`, weight `w` (`dims.expert_names` order); `layer`, `expert`, `weight` map an
+    id back (-1: not an expert)."""
+
+    ids: np.ndarray
+    layer: np.ndarray
+    expert: np.ndarray
+    weight: np.ndarray
+    index: dict[str, int]
+    """Spec id of each logical tensor name."""
+
+    @staticmethod
+    def of(spec: ModelSpec) -> ExpertIds:
+        """The ids of `spec` (the last few specs' kept: a replan per placement change)."""
+        for kept, ids in _KEPT:
+            if kept is spec:
+                return ids
+        ids = ExpertIds._of(spec)
+        _KEPT.append((spec, ids))
+        del _KEPT[:-2]
+        return ids
+
+    @staticmethod
+    def _of(spec: ModelSpec) -> ExpertIds:
+        d = spec.dims
+        moe = {layer: i for i, layer in enumerate(eplb_layers(d))}
+        weights = {w: i for i, w in enumerate(d.expert_names)}
+        n = len(spec.tensors)
+        layer, expert, weight = (np.full(n, -1, np.int64) for _ in range(3))
+        ids = np.full((len(moe), max(d.num_experts, 1), len(weights)), -1, np.int64)
+        for i, t in enumerate(spec.tensors):
+            m = _EXPERT.match(t.name)
+            if m is None or int(m[1]) not in moe or m[4] not in weights \
+                    or int(m[3]) >= d.num_experts:
+                continue
+            lw = (moe[int(m[1])], int(m[3]), weights[m[4]])
+            layer[i], expert[i], weight[i] = lw
+            ids[lw] = i
+        return ExpertIds(ids, layer, expert, weight,
+                         {t.name: i for i, t in enumerate(spec.tensors)})
+
+    def canonical(self, tensor: np.ndarray) -> np.ndarray:
+        """`tensor` ids with every expert's replaced by expert 0's of its layer and weight."""
+        out = np.asarray(tensor).astype(np.int64, copy=True)
+        hit = self.layer[out] >= 0
+        t = out[hit]
+        out[hit] = self.ids[self.layer[t], 0, self.weight[t]]
+        return out
+
+
+def plan_fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable,
+                     regions: list[tuple[Region, ...]], topo: Topology, cfg: Config
+                     ) -> tuple[str, str]:
+    """(fingerprint, base): the ordinary fingerprint and "" without a placement; with one,
+    the base over the target pieces with the experts unnamed, and the fingerprint of both."""
+    placement = cfg.target.placement
+    if placement is None:
+        return fingerprint(spec, src, dst, regions, topo, cfg), ""
+    ids = ExpertIds.of(spec)
+    unnamed = dataclasses.replace(dst, tensor=ids.canonical(dst.tensor).astype(dst.tensor.dtype))
+    base = fingerprint(spec, src, unnamed, regions, topo, cfg)
+    return placement_mod.fingerprint(base, placement), base
+
+
+def ep_rank(header: PlanHeader, rank: int) -> int:
+    """Plan rank `rank`'s EP rank (which slots it holds), from its recorded identity: vLLM's
+    `ep`; SGLang's EP spans its TP group."""
+    ident = header.identities[rank] if header.identities else {}
+    if header.target is not None and header.target.engine == "sglang":
+        return int(ident.get("tp", 0))
+    return int(ident.get("ep", 0))

@@ -1,0 +1,172 @@
+"""Replan for a new expert placement: the previous plan edited where experts moved.
+
+When an engine's EPLB moves experts (`schemas/placement.py`), only the writes into the moved
+physical slots change: the target tensors, their regions and sizes stay (the slot count is
+fixed), so every rank keeps its registered memory. `replan(plan, spec, new)` gives the plan a
+full compile of the new placement gives, byte for byte, by editing the previous one:
+
+- each write into a moved slot reads the new logical expert's source tensor instead of the
+  old one's (same source rank, same offsets and length: the source holds every expert of a
+  layer with the same cut, one piece per tensor, on one holder, and no pack, unpack or quant
+  touches an expert); the writes of each (source, stage, target) group are put back in the
+  order `coalesce` and `schedule` give (source region, target region, source offset), in
+  the same table positions (the group's batches keep their cuts: else `NotIncremental`);
+- the explain rows of the moved slots' target tensors, the target ranks' `tensors/<rank>`
+  blobs, the header's placement and its fingerprint (`planner/placement.py`).
+
+A source where that does not hold (experts on EP ranks: a moved expert's bytes come from
+another rank, so its writes join another rank's batches and the schedule changes) is refused
+with one line (`NotIncremental`): compile the new placement in full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from planner.layouts.vllm_rank import eplb_layers
+from planner.passes.schedule import MAX_BATCH_WRITES
+from planner.placement import ExpertIds
+from planner.replan_tables import (
+    Hits,
+    NotIncremental,
+    Slots,
+    SourceTensors,
+    explain,
+    slot_regions,
+    target_blobs,
+)
+from planner.spec import ModelSpec
+from schemas import placement as placement_mod
+from schemas.placement import Placement
+from schemas.plan import STAGING, WRITE_COLUMNS, Plan, RankPlan
+from schemas.table import Table
+
+__all__ = ["NotIncremental", "replan"]
+
+
+def replan(plan: Plan, spec: ModelSpec, new: Placement) -> Plan:
+    """The plan for placement `new`, from `plan` (compiled, or replanned, for another
+    placement of the same slot count); raises `NotIncremental` (one line) when only a full
+    compile can give it, `ConfigError` when `new` does not fit the model or the EP size."""
+    h = plan.header
+    old = h.placement
+    if old is None or h.target is None:
+        raise NotIncremental("replan: the plan records no expert placement (target.placement "
+                             "was not set); compile it with one")
+    d = spec.dims
+    slots = list(slot_regions(plan, h, eplb_layers(d)))
+    ep = old.physical // max(1, slots[0].count) if slots else 1
+    new.check(d.num_experts, len(eplb_layers(d)), ep)
+    moved = old.moved(new)
+    if len(moved) == 0:
+        return plan
+    ids = ExpertIds.of(spec)
+    moved_set = {(int(l_), int(s)) for l_, s in moved}
+    hit = [s for s in slots if any((s.moe, g) in moved_set
+                                   for g in range(s.first, s.first + s.count))]
+    src, hits = SourceTensors(plan, h.sources, spec, ids), Hits(hit)
+    ranks = list(plan.ranks)
+    for r in range(h.sources):
+        ranks[r] = _replan_source(plan.ranks[r], hits, old, new, src, ids,
+                                  h.options.max_write_bytes, h.sources, h.targets)
+    _no_copies(plan, hit, h.sources)
+    table = explain(plan.explain, hits, old, new, src, ids, h.sources)
+    blobs = target_blobs(plan, hit, old, new, spec, ids, h.sources)
+    header = dataclasses.replace(h, placement=new,
+                                 target=dataclasses.replace(h.target, placement=new),
+                                 fingerprint=placement_mod.fingerprint(h.placement_base, new))
+    return dataclasses.replace(plan, header=header, ranks=tuple(ranks), explain=table,
+                               extra_blobs=blobs)
+
+
+def _replan_source(rp: RankPlan, hits: Hits, old: Placement, new: Placement,
+                   src: SourceTensors, ids: ExpertIds, max_write_bytes: int, sources: int,
+                   targets: int) -> RankPlan:
+    w = rp.writes
+    if not len(w) or not len(hits.key):
+        return rp
+    rows, h = hits.find(w["dst_rank"], w["dst_region"])
+    g = hits.first[h] + w["dst_offset"][rows] // hits.slot_bytes[h]
+    layer = hits.moe[h]
+    was, now = old.table[layer, g], new.table[layer, g]
+    move = was != now
+    rows, was, now, layer = rows[move], was[move], now[move], layer[move]
+    if not len(rows):
+        return rp
+    src_region = w["src_region"].astype(np.int64)
+    if rp.regions[-1].name == STAGING and (src_region[rows] == len(rp.regions) - 1).any():
+        raise NotIncremental(f"replan: source rank {rp.rank} sends moved expert slots through "
+                             "staging (packed or gathered); compile the new placement in full")
+    region_of, geom = src.of(rp.rank)
+    gid_of_region = np.full(len(rp.regions), -1, np.int64)
+    held = np.flatnonzero(region_of >= 0)
+    gid_of_region[region_of[held]] = held
+    gid = gid_of_region[src_region[rows]]
+    if (gid < 0).any() or (ids.expert[gid] != was).any() or (ids.layer[gid] != layer).any():
+        raise NotIncremental(f"replan: source rank {rp.rank} writes expert slots from tensors "
+                             "other than the placement's experts; compile the new placement "
+                             "in full")
+    to = ids.ids[layer, now, ids.weight[gid]]
+    reg = region_of[to]
+    if (reg < 0).any() or (geom[to] != geom[gid]).any():
+        raise NotIncremental(f"replan: source rank {rp.rank} does not hold every expert of a "
+                             "MoE layer with the same cut (experts placed on EP ranks?); "
+                             "compile the new placement in full")
+    src_region[rows] = reg
+    touched = np.zeros(len(w), bool)
+    touched[rows] = True
+    return _reorder(rp, src_region, touched, max_write_bytes, sources, targets)
+
+
+def _stage_of_rows(rp: RankPlan) -> np.ndarray:
+    b = rp.batches
+    return np.repeat(b["stage"].astype(np.int64), b["stop"] - b["start"])
+
+
+def _rounds(nbytes: np.ndarray, max_write_bytes: int) -> np.ndarray:
+    """`schedule`'s round of each write of one (source, stage, target) group, in order."""
+    before = np.cumsum(nbytes) - nbytes
+    return np.maximum(before // max_write_bytes, np.arange(len(nbytes)) // MAX_BATCH_WRITES)
+
+
+def _reorder(rp: RankPlan, src_region: np.ndarray, touched: np.ndarray,
+             max_write_bytes: int, sources: int, targets: int) -> RankPlan:
+    """`rp` with `src_region`, each (stage, target) group holding a touched write put back
+    in the compiler's order, in the same table positions: its rounds (`schedule`'s batch
+    cuts) unchanged, else `NotIncremental`."""
+    w = rp.writes
+    cols = {name: w[name] for name, _ in WRITE_COLUMNS}
+    cols["src_region"] = src_region
+    stage = _stage_of_rows(rp)
+    gkey = stage << 32 | cols["dst_rank"].astype(np.int64)
+    order = np.argsort(gkey, kind="stable")  # table order kept within each group
+    cut = np.flatnonzero(np.diff(gkey[order])) + 1
+    groups = np.split(order, cut)
+    perm = np.arange(len(w))
+    for rows in groups:
+        if not touched[rows].any():
+            continue
+        o = np.lexsort((cols["dst_offset"][rows], cols["src_offset"][rows],
+                        cols["dst_region"][rows], cols["src_region"][rows]))
+        if not np.array_equal(_rounds(cols["nbytes"][rows][o], max_write_bytes),
+                              _rounds(cols["nbytes"][rows], max_write_bytes)):
+            raise NotIncremental(f"replan: source rank {rp.rank}'s batches to target rank "
+                                 f"{int(cols['dst_rank'][rows[0]]) - sources} change their "
+                                 "cut (writes of unequal sizes reordered); compile the new "
+                                 "placement in full")
+        perm[rows] = rows[o]
+    writes = Table.build(WRITE_COLUMNS, **{name: cols[name][perm] for name, _ in WRITE_COLUMNS})
+    return dataclasses.replace(rp, writes=writes)
+
+
+def _no_copies(plan: Plan, hit: list[Slots], sources: int) -> None:
+    """No unpack writes a moved slot's target tensor (its bytes come by direct writes)."""
+    for s in hit:
+        c = plan.ranks[s.rank].copies
+        if len(c) and (c["dst_region"] == s.region).any():
+            raise NotIncremental(f"replan: target rank {s.rank - sources} unpacks into a "
+                                 f"stacked expert tensor of MoE layer {s.moe}; compile the "
+                                 "new placement in full")
+

@@ -1,0 +1,256 @@
+"""The replan's indexes and its rewrite of the plan's descriptive parts (`planner/replan.py`
+edits the writes): the hit target tensors (`Slots`, `Hits`), each source rank's expert
+tensors (`SourceTensors`), the explain rows into the hit tensors (`explain`) and the target
+ranks' `tensors/<rank>` blobs (`target_blobs`), each as a full compile gives them."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from planner.placement import ExpertIds, ep_rank
+from planner.rows import unique_rows
+from planner.spec import ModelSpec
+from schemas.errors import UserError
+from schemas.header import PlanHeader
+from schemas.placement import Placement
+from schemas.plan import EXPLAIN_COLUMNS, Plan, RankPlan
+from schemas.table import Table
+from schemas.tensors import PIECE_COLUMNS, encode_rank_tensors
+
+_SLOT_TENSOR = re.compile(
+    r"^model\.layers\.(\d+)\..*experts\.(?:routed_experts\.)?(w13|w2)_weight$")
+
+
+class NotIncremental(UserError):
+    """This plan cannot be edited for the new placement; compile it in full."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Slots:
+    """One target region of stacked experts (w13 or w2 of one MoE layer on one rank)."""
+
+    rank: int
+    region: int
+    moe: int
+    first: int
+    """Global physical slot of its local slot 0."""
+    count: int
+    slot_bytes: int
+
+
+def slot_regions(plan: Plan, h: PlanHeader, moe_layers: tuple[int, ...]) -> Iterator[Slots]:
+    moe = {layer: i for i, layer in enumerate(moe_layers)}
+    for rp in plan.ranks[h.sources:]:
+        ep = ep_rank(h, rp.rank)
+        for i, reg in enumerate(rp.regions):
+            m = _SLOT_TENSOR.match(reg.name)
+            if m is None or int(m[1]) not in moe or len(reg.shape) != 3 or not reg.shape[0]:
+                continue
+            n = reg.shape[0]
+            yield Slots(rp.rank, i, moe[int(m[1])], ep * n, n, reg.nbytes // n)
+
+
+class SourceTensors:
+    """Per source rank, from its `tensors/<rank>` blob: the region holding each logical
+    tensor (-1: none) and that piece's geometry, for the expert tensors."""
+
+    def __init__(self, plan: Plan, sources: int, spec: ModelSpec, ids: ExpertIds) -> None:
+        self.blobs = dict(plan.extra_blobs)
+        self.plan, self.spec, self.ids = plan, spec, ids
+        self.index = ids.index
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def of(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """(region of each spec tensor id, geometry rows `[n, 7]` of its piece)."""
+        if rank not in self._cache:
+            blob = resolve(self.blobs, rank)
+            t = Table.from_msgpack(PIECE_COLUMNS, blob["pieces"], f"tensors/{rank}")
+            gid = spec_ids(blob["names"], self.spec, self.index)[t["tensor"]]
+            n = len(self.spec.tensors)
+            region = np.full(n, -1, np.int64)
+            expert = self.ids.layer[gid] >= 0
+            g, reg = gid[expert], t["region"][expert].astype(np.int64)
+            if len(g) and (np.bincount(g).max() > 1 or np.bincount(reg).max() > 1):
+                raise NotIncremental(f"replan: source rank {rank} holds an expert in several "
+                                     "pieces or several experts in one tensor; compile the "
+                                     "new placement in full")
+            region[g] = reg
+            geom = np.zeros((n, 7), np.int64)
+            geom[g] = np.stack([t[c][expert] for c in ("off0", "off1", "size0", "size1",
+                                                         "start", "stride0", "stride1")], 1)
+            self._cache[rank] = (region, geom)
+        return self._cache[rank]
+
+    def regions(self, rank: np.ndarray, gid: np.ndarray) -> np.ndarray:
+        """The region of spec tensor `gid[i]` on source rank `rank[i]`."""
+        out = np.empty(len(rank), np.int64)
+        for r in np.unique(rank).tolist():
+            m = rank == r
+            out[m] = self.of(r)[0][gid[m]]
+        return out
+
+
+def spec_ids(names: list[str], spec: ModelSpec, index: dict[str, int]) -> np.ndarray:
+    """Spec ids of a blob's names (sorted by id: `identities._blob`; all of them: arange)."""
+    if len(names) == len(spec.tensors):
+        return np.arange(len(names), dtype=np.int64)
+    return np.array([index[n] for n in names], np.int64)
+
+
+def resolve(blobs: dict[str, Any], rank: int) -> dict[str, Any]:
+    blob = blobs[f"tensors/{rank}"]
+    if "same_as" in blob:
+        blob = blobs[f"tensors/{blob['same_as']}"]
+    return blob
+
+
+class Hits:
+    """The hit target regions as columns, looked up by (plan rank, region)."""
+
+    def __init__(self, hit: list[Slots]) -> None:
+        key = np.array([s.rank << 32 | s.region for s in hit], np.int64)
+        self.rank, self.region = key >> 32, key & 0xFFFFFFFF  # by hit index
+        self.order = np.argsort(key)
+        self.key = key[self.order]
+        self.moe, self.first, self.count, self.slot_bytes = (
+            np.array([getattr(s, f) for s in hit], np.int64)
+            for f in ("moe", "first", "count", "slot_bytes"))
+
+    def find(self, rank: np.ndarray, region: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows whose (rank, region) is hit, the hit index of each)."""
+        key = rank.astype(np.int64) << 32 | region.astype(np.int64)
+        pos = np.minimum(np.searchsorted(self.key, key), max(len(self.key) - 1, 0))
+        rows = np.flatnonzero(self.key[pos] == key) if len(self.key) else pos[:0]
+        return rows, self.order[pos[rows]]
+
+
+def explain(table: Table, hits: Hits, old: Placement, new: Placement,
+             src: SourceTensors, ids: ExpertIds, sources: int) -> Table:
+    """The explain table with the rows into each hit target tensor made again from the new
+    slot contents: per (source rank, weight) a slot's share, the same for every expert,
+    times the slots of the tensor holding each expert."""
+    if not len(table):
+        return table
+    col = {name: table[name] for name, _ in EXPLAIN_COLUMNS}
+    rows, h = hits.find(col["dst_rank"], col["dst_region"])
+    n_hit, n_exp = len(hits.key), ids.ids.shape[1]
+    hh = np.repeat(np.arange(n_hit), hits.count)
+    g = hits.first[hh] + np.arange(len(hh)) - np.repeat(np.cumsum(hits.count) - hits.count,
+                                                          hits.count)
+    before, after = (np.bincount(hh * n_exp + p.table[hits.moe[hh], g],
+                                 minlength=n_hit * n_exp).reshape(n_hit, n_exp)
+                     for p in (old, new))
+    t = col["tensor"][rows].astype(np.int64)
+    e, wt = ids.expert[t], ids.weight[t]
+    if (e < 0).any() or (ids.layer[t] != hits.moe[h]).any():
+        raise NotIncremental("replan: a stacked expert tensor is fed other tensors; compile "
+                             "the new placement in full")
+    n = before[h, e]
+    nbytes, boxes = col["nbytes"][rows].astype(np.int64), col["boxes"][rows].astype(np.int64)
+    per_bytes, per_boxes = nbytes // n, boxes // n
+    # one template row per (hit, source rank, weight): a slot's bytes and boxes from it
+    tmpl = unique_rows(np.stack([h, col["src_rank"][rows].astype(np.int64), wt, per_bytes,
+                                 per_boxes], 1))
+    if len(tmpl) > 1 and ((np.diff(tmpl[:, 0]) == 0) & (np.diff(tmpl[:, 1]) == 0)
+                          & (np.diff(tmpl[:, 2]) == 0)).any() or ((nbytes % n) | (boxes % n)).any():
+        raise NotIncremental("replan: the slots of one target tensor are fed unevenly by its "
+                             "experts; compile the new placement in full")
+    th, pe = np.nonzero(after)  # (hit, expert) pairs of the new placement, hit-major
+    t_start = np.searchsorted(tmpl[:, 0], np.arange(n_hit))
+    t_count = np.bincount(tmpl[:, 0], minlength=n_hit)
+    p_start = np.searchsorted(th, np.arange(n_hit))
+    p_count = np.bincount(th, minlength=n_hit)
+    each = t_count * p_count
+    hx = np.repeat(np.arange(n_hit), each)
+    k = np.arange(len(hx)) - np.repeat(np.cumsum(each) - each, each)
+    ti = t_start[hx] + k // np.maximum(p_count[hx], 1)
+    pi = p_start[hx] + k % np.maximum(p_count[hx], 1)
+    ex, cnt = pe[pi], after[th[pi], pe[pi]]
+    s_rank = tmpl[ti, 1]
+    gid = ids.ids[hits.moe[hx], ex, tmpl[ti, 2]]
+    reg = src.regions(s_rank, gid)
+    extra = np.stack([gid, s_rank, reg, hits.rank[hx], hits.region[hx], tmpl[ti, 3] * cnt,
+                      tmpl[ti, 4] * cnt], 1)
+    drop = np.zeros(len(table), bool)
+    drop[rows] = True
+    affected = np.union1d(np.unique(t), np.unique(extra[:, 0]))
+    keep_mask = ~np.isin(col["tensor"], affected)
+    moved_rows = np.flatnonzero(~keep_mask & ~drop)
+    block = np.concatenate([np.stack([col[n][moved_rows] for n, _ in EXPLAIN_COLUMNS], 1),
+                            extra])
+    block = block[np.lexsort(block[:, 4::-1].T)]
+    kept = np.flatnonzero(keep_mask)
+    at = np.searchsorted(col["tensor"][kept], block[:, 0]) + np.arange(len(block))
+    place = np.ones(len(kept) + len(block), bool)
+    place[at] = False
+    out = {}
+    for i, (name, dt) in enumerate(EXPLAIN_COLUMNS):
+        c = np.empty(len(place), dt)
+        c[place] = col[name][kept]
+        c[at] = block[:, i]
+        out[name] = c
+    return Table.build(EXPLAIN_COLUMNS, **out)
+
+
+def target_blobs(plan: Plan, hit: list[Slots], old: Placement, new: Placement,
+                  spec: ModelSpec, ids: ExpertIds, sources: int) -> tuple[tuple[str, Any], ...]:
+    """Every `tensors/<rank>` blob, the hit target ranks' made again (names and pieces of
+    the moved slots), target blobs equal to an earlier rank's as `same_as` it."""
+    blobs = dict(plan.extra_blobs)
+    index = ids.index
+    by_rank: dict[int, list[Slots]] = {}
+    for s in hit:
+        by_rank.setdefault(s.rank, []).append(s)
+    content: dict[int, dict[str, Any]] = {}
+    for r in range(sources, len(plan.ranks)):
+        blob = resolve(blobs, r)
+        if r in by_rank:
+            blob = _patched(blob, plan.ranks[r], by_rank[r], old, new, spec, ids, index)
+        content[r] = blob
+    first: dict[bytes, int] = {}
+    shapes = {_shape(c) for c in content.values()}  # a source blob can equal a target one
+    for name, _ in plan.extra_blobs:  # only if alike in shape: the others are not packed
+        r = int(name.split("/")[1])
+        if r < sources and _shape(resolve(blobs, r)) in shapes:
+            first.setdefault(msgpack.packb(resolve(blobs, r), use_bin_type=True), r)
+    out = []
+    for name, blob in plan.extra_blobs:
+        r = int(name.split("/")[1])
+        if r >= sources:
+            c = content[r]
+            same = first.setdefault(msgpack.packb(c, use_bin_type=True), r)
+            blob = c if same == r else {"same_as": same}
+        out.append((name, blob))
+    return tuple(out)
+
+
+def _shape(blob: dict[str, Any]) -> tuple[int, int, int]:
+    return len(blob["names"]), len(blob["buffer"]), len(blob["pieces"][0])
+
+
+def _patched(blob: dict[str, Any], rp: RankPlan, slots: list[Slots], old: Placement,
+             new: Placement, spec: ModelSpec, ids: ExpertIds, index: dict[str, int]
+             ) -> dict[str, Any]:
+    t = Table.from_msgpack(PIECE_COLUMNS, blob["pieces"], f"tensors/{rp.rank}")
+    cols = {name: t[name].copy() for name, _ in PIECE_COLUMNS}
+    gid = np.array([index[n] for n in blob["names"]], np.int64)[cols["tensor"]]
+    for s in slots:
+        rows = np.flatnonzero(cols["region"] == s.region)
+        numel = int(np.prod(rp.regions[s.region].shape[1:]))
+        g = s.first + cols["start"][rows] // numel
+        now = new.table[s.moe, g]
+        if (ids.expert[gid[rows]] != old.table[s.moe, g]).any():
+            raise NotIncremental(f"replan: target rank {rp.rank}'s tensors do not match the "
+                                 "plan's placement; the plan is corrupt: recompile it")
+        gid[rows] = ids.ids[s.moe, now, ids.weight[gid[rows]]]
+    uniq, local = np.unique(gid, return_inverse=True)
+    cols["tensor"] = local.reshape(-1)
+    logical = [spec.tensors[i] for i in uniq.tolist()]
+    return encode_rank_tensors(cols, np.frombuffer(blob["buffer"], np.uint8),
+                               [x.name for x in logical], [x.shape for x in logical])

@@ -1,0 +1,273 @@
+"""Plans that follow an expert placement (EPLB): layout, header, replan, refusals.
+
+The placement (`target.placement`) names the logical expert of every physical slot; a plan
+compiled for it must write every replica (checked by running the plan locally and comparing
+each slot with the logical expert's own weights, not with the layout's materialization), and
+a replan for a new placement must be the bytes a full compile of it gives.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from harness.weights import materialize, random_full_tensors
+from planner.compiler import compile_config
+from planner.frameworks import build_layout
+from planner.layouts.vllm_rank import eplb_layers
+from planner.replan import NotIncremental, replan
+from planner.spec import load_spec
+from planner.validate import validate
+from planner.verify import verify_plan
+from schemas.config import ConfigError
+from schemas.config_load import config_from_dict
+from schemas.header import PlanFormatError, PlanHeader
+from schemas.placement import Placement, load
+from schemas.plan_write import encode_plan, write_plan
+
+MODELS = os.path.join(os.path.dirname(__file__), "..", "..", "plans", "models")
+MOE, MLA = "tiny-qwen3-moe", "tiny-deepseek-v3"
+
+
+def _cfg(model: str, source: dict, target: dict, table=None, options=None):
+    target = dict(target)
+    if table is not None:
+        target["placement"] = {"physical_to_logical_map": table if isinstance(table, list)
+                               else np.asarray(table).tolist()}
+    cfg = config_from_dict({"model": {"config": f"{model}/config.json"}, "source": source,
+                            "target": target, "cluster": {"gpus_per_host": 8},
+                            "options": options or {}}, base_dir=MODELS)
+    spec = load_spec(cfg.model_config_path)
+    validate(cfg, spec)
+    return cfg, spec
+
+
+def _random_table(spec, slots: int, seed: int) -> np.ndarray:
+    """Every logical expert once, the rest hot experts again, shuffled per layer."""
+    d, rng = spec.dims, np.random.default_rng(seed)
+    rows = []
+    for _ in eplb_layers(d):
+        extra = rng.choice(d.num_experts, slots - d.num_experts)
+        rows.append(rng.permutation(np.concatenate([np.arange(d.num_experts), extra])))
+    return np.array(rows)
+
+
+def _slot_weights(spec, full, layer: int, expert: int, w13_order: str = "w1w3"):
+    g, u, dn = (f"model.layers.{layer}.mlp.experts.{expert}.{w}.weight"
+                for w in spec.dims.expert_names)
+    return torch.cat([full[g], full[u]]), full[dn]
+
+
+CASES = [  # model, source, target, physical slots
+    (MOE, dict(framework="fsdp2", dp=2), dict(engine="vllm", tp=2, ep=True), 10),
+    (MOE, dict(framework="fsdp2", dp=2), dict(engine="vllm", tp=2, dp=2, ep=True), 12),
+    (MOE, dict(framework="fsdp2", dp=3), dict(engine="vllm", tp=1, dp=2, ep=True), 12),
+    (MOE, dict(framework="megatron", tp=2, ep=2, dp=2), dict(engine="vllm", tp=2, ep=True), 10),
+    (MOE, dict(framework="fsdp2", dp=2), dict(engine="sglang", tp=2, ep=True), 12),
+    (MLA, dict(framework="fsdp2", dp=2), dict(engine="vllm", tp=2, ep=True), 12),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]['framework']}-"
+                         f"{c[2]['engine']}-tp{c[2]['tp']}-dp{c[2].get('dp', 1)}-P{c[3]}")
+def test_every_physical_replica_is_written(case, tmp_path):
+    import executor
+
+    model, source, target, slots = case
+    _, spec = _cfg(model, source, target)
+    table = _random_table(spec, slots, seed=3)
+    cfg, spec = _cfg(model, source, target, table)
+    plan = compile_config(cfg, spec)
+    assert verify_plan(plan) == []
+    assert plan.header.placement == Placement(table)
+    path = str(tmp_path / "p.rplan")
+    write_plan(path, plan)
+    full = random_full_tensors(spec, seed=11)
+    src, dst = build_layout(spec, cfg.source), build_layout(spec, cfg.target)
+    tensors = materialize(src, full)
+    for r, t in materialize(dst, {k: torch.zeros_like(v) for k, v in full.items()}).items():
+        tensors[src.world + r] = t
+    executor.run_all_local(path, tensors)
+    ep = cfg.target.tp * (cfg.target.dp if target["engine"] == "vllm" else 1)
+    per = slots // ep
+    written = 0
+    for r in range(dst.world):
+        got = tensors[src.world + r]
+        ep_rank = plan.header.identities[src.world + r]["ep" if target["engine"] == "vllm"
+                                                        else "tp"]
+        for m, layer in enumerate(eplb_layers(spec.dims)):
+            w13 = next(v for k, v in got.items()
+                       if k.startswith(f"model.layers.{layer}.") and k.endswith("w13_weight"))
+            w2 = next(v for k, v in got.items()
+                      if k.startswith(f"model.layers.{layer}.") and k.endswith("w2_weight"))
+            assert w13.shape[0] == per
+            for j in range(per):
+                e = int(table[m, ep_rank * per + j])
+                want13, want2 = _slot_weights(spec, full, layer, e)
+                assert torch.equal(w13[j], want13.to(w13.dtype)), (r, layer, j, e)
+                assert torch.equal(w2[j], want2.to(w2.dtype)), (r, layer, j, e)
+                written += 1
+    assert written == slots * len(eplb_layers(spec.dims)) * (dst.world // ep)
+
+
+REPLAN = [c for c in CASES if c[1]["framework"] == "fsdp2"]
+DIRECT = {"write_overhead_us": 0.0}
+"""Writes cost no more than their bytes: every expert slot is written directly (else a box
+held by several replicas may be gathered on one rank first, and which ones depends on the
+placement: `route`'s fine-cut boxes)."""
+
+
+@pytest.mark.parametrize("case", REPLAN, ids=lambda c: f"{c[0]}-{c[2]['engine']}-P{c[3]}")
+@pytest.mark.parametrize("seed", [1, 2])
+def test_replan_is_the_full_compile(case, seed):
+    model, source, target, slots = case
+    _, spec = _cfg(model, source, target)
+    a = _random_table(spec, slots, seed=seed)
+    plan_a = compile_config(*_cfg(model, source, target, a, DIRECT))
+    b = a.copy()
+    b[0] = np.roll(b[0], 1)  # layer 0: every slot moves
+    b[-1, :2] = b[-1, 1::-1] if b[-1, 0] != b[-1, 1] else b[-1, :2]
+    b[-1, -1] = b[-1, -2]  # adjacent replicas on one rank (if that expert stays elsewhere)
+    if np.bincount(b[-1], minlength=spec.dims.num_experts).min() == 0:
+        b[-1] = a[-1]
+    cfg_b, spec_b = _cfg(model, source, target, b, DIRECT)
+    full_b = encode_plan(compile_config(cfg_b, spec_b))
+    got = replan(plan_a, spec, Placement(b))
+    assert encode_plan(got) == full_b
+    assert got.header.fingerprint != plan_a.header.fingerprint
+    # no memory registered again: every rank binds the same regions, writes the same peers
+    for ra, rb in zip(plan_a.ranks, got.ranks):
+        assert ra.regions == rb.regions and ra.peer_regions == rb.peer_regions
+    # only writes into moved slots changed
+    moved = Placement(a).moved(Placement(b))
+    assert len(moved)
+    back = replan(got, spec, Placement(a))
+    assert encode_plan(back) == encode_plan(plan_a)
+
+
+def test_replan_refuses_gathered_experts():
+    model, source, target, slots = CASES[0]
+    _, spec = _cfg(model, source, target)
+    a = _random_table(spec, slots, seed=2)  # expert 4 thrice in layer 3: gathered
+    plan = compile_config(*_cfg(model, source, target, a))
+    assert plan.header.stats.packs
+    b = a.copy()
+    b[3] = np.roll(b[3], 1)
+    with pytest.raises(NotIncremental, match="through staging.*compile the new placement"):
+        replan(plan, spec, Placement(b))
+
+
+def test_replan_refuses_experts_on_ep_ranks():
+    model, source, target, slots = CASES[2]
+    _, spec = _cfg(model, source, target)
+    a = _random_table(spec, slots, seed=5)
+    plan = compile_config(*_cfg(model, source, target, a))
+    b = a.copy()
+    b[0] = np.roll(b[0], 3)
+    with pytest.raises(NotIncremental) as e:
+        replan(plan, spec, Placement(b))
+    assert "compile the new placement in full" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_replan_refuses_another_slot_count():
+    model, source, target, slots = CASES[0]
+    _, spec = _cfg(model, source, target)
+    plan = compile_config(*_cfg(model, source, target, _random_table(spec, slots, 1)))
+    with pytest.raises(ConfigError, match="slot count changed"):
+        replan(plan, spec, Placement(_random_table(spec, slots + 2, 1)))
+
+
+def test_header_records_the_placement_and_refuses_a_forged_one():
+    model, source, target, slots = CASES[0]
+    _, spec = _cfg(model, source, target)
+    table = _random_table(spec, slots, 4)
+    cfg, spec = _cfg(model, source, target, table)
+    plan = compile_config(cfg, spec)
+    raw = plan.header.encode()
+    assert raw["placement"]["digest"] == Placement(table).digest()
+    assert "placement" not in raw["target"]
+    back = PlanHeader.decode(raw)
+    assert back.placement == Placement(table) and back.placement_base
+    forged = copy.deepcopy(raw)
+    t = np.frombuffer(forged["placement"]["table"], "<i4").copy()
+    t[0], t[1] = t[1], t[0]
+    forged["placement"]["table"] = t.tobytes()
+    if t[0] != t[1]:
+        with pytest.raises(PlanFormatError, match="placement digest"):
+            PlanHeader.decode(forged)
+    # without a placement the plan has no such key (older plans keep their bytes)
+    cfg0, spec0 = _cfg(model, source, target)
+    assert "placement" not in compile_config(cfg0, spec0).header.encode()
+
+
+BAD = [
+    ([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1]] * 3, "3 rows for a model of 4 MoE layers"),
+    ([[0, 1, 2, 3, 4, 5, 6, 9, 0, 1]] * 4, "holds expert 9, outside 0..7"),
+    ([[0, 1, 2, 3, 4, 5, 6, 6, 0, 1]] * 4, "has no slot for expert 7"),
+    ([[0, 1, 2, 3, 4, 5, 6, 7, 0]] * 4, "do not split evenly over 2 EP ranks"),
+    ([[0, 1, 2, 3, 4, 5, 6]] * 4, "7 physical experts for 8 logical"),
+    ([[0, 1], [0, 1, 2]], "rows of unequal"),
+    ([0, 1], "is not a table"),
+    ([[0, 1.5]], "not a small integer"),
+]
+
+
+@pytest.mark.parametrize("table,message", BAD, ids=[m for _, m in BAD])
+def test_bad_placement_is_one_line(table, message):
+    with pytest.raises(ConfigError) as e:
+        _cfg(MOE, dict(framework="fsdp2", dp=2), dict(engine="vllm", tp=2, ep=True), table)
+    text = str(e.value)
+    assert message in text and "target.placement" in text and "\n" not in text
+
+
+def test_placement_needs_expert_parallelism():
+    with pytest.raises(ConfigError, match="target.placement.*target.ep: true"):
+        _cfg(MOE, dict(framework="fsdp2", dp=2), dict(engine="vllm", tp=2),
+             [list(range(8))] * 4)
+
+
+def test_placement_file_json_and_msgpack(tmp_path):
+    import msgpack
+
+    table = [[1, 0, 2, 3, 4, 5, 6, 7, 1, 1]] * 4
+    (tmp_path / "p.json").write_text(json.dumps({"physical_to_logical_map": table}))
+    (tmp_path / "p.msgpack").write_bytes(msgpack.packb({"physical_to_logical_map": table}))
+    assert load(str(tmp_path / "p.json")) == load(str(tmp_path / "p.msgpack")) \
+        == Placement(np.array(table))
+    (tmp_path / "bad").write_bytes(b"\xc1garbage")
+    with pytest.raises(ConfigError, match="neither JSON nor msgpack"):
+        load(str(tmp_path / "bad"))
+    cfg = config_from_dict({"model": {"config": "m/config.json"},
+                            "source": {"framework": "fsdp2"},
+                            "target": {"engine": "vllm", "ep": True, "placement": "p.json"}},
+                           base_dir=str(tmp_path))
+    assert cfg.target.placement == Placement(np.array(table))
+    with pytest.raises(ConfigError, match="does not exist"):
+        config_from_dict({"model": {"config": "m"}, "source": {"framework": "fsdp2"},
+                          "target": {"engine": "vllm", "placement": "nope.json"}},
+                         base_dir=str(tmp_path))
+
+
+def test_inspect_shows_the_placement_and_expert_bytes(tmp_path):
+    from planner.inspect import inspect_text
+
+    model, source, target, slots = CASES[0]
+    _, spec = _cfg(model, source, target)
+    table = _random_table(spec, slots, 6)
+    plan = compile_config(*_cfg(model, source, target, table))
+    path = str(tmp_path / "p.rplan")
+    write_plan(path, plan)
+    text = inspect_text(path)
+    assert f"expert placement {Placement(table).digest()}" in text
+    assert "slot -> expert " + " ".join(map(str, table[0])) in text
+    per = slots // 2
+    slot = 2 * 3 * spec.dims.moe_intermediate * spec.dims.hidden  # bf16 w13 + w2 of a slot
+    assert text.count(f"{len(eplb_layers(spec.dims)) * per * slot:,}") == 2  # both ranks
+    data = json.loads(inspect_text(path, as_json=True))["placement"]
+    assert data["table"] == table.tolist() and data["redundant"] == slots - 8
