@@ -29,4 +29,4 @@ QWEN3_MOE = dict(hidden_act="silu", max_position_embeddings=256, rms_norm_eps=1e
 
 
 def test_vllm_eplb_rearrangement_equals_the_replanned_refit() -> None:
-    launch("vllm_eplb_worker.py", 2, {"hf": QWEN3_MOE, "redundant": 2}, timeout=300)
+    launch("vllm_eplb_worker.py", 2, {"hf": QWEN3_MOE, "redundant": 2}, quiet_s=60.0)

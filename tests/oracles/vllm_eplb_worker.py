@@ -117,7 +117,7 @@ def main() -> None:
 
     from harness.weights import random_full_tensors
     from integrations import placement_check
-    from integrations import vllm_cpu_build as cpu
+    from tests.support import vllm_cpu_build as cpu
     from planner.layouts.vllm_rank import eplb_layers
     from planner.spec import spec_from_hf
     from schemas.placement import Placement
