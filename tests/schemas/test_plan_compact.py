@@ -193,3 +193,14 @@ def test_a_version_2_plan_is_still_read(tmp_path: Path) -> None:
                     + plain[start:])
     with pytest.raises(P.PlanFormatError, match="version 1 is not supported"):
         P.load_rank(str(old), 0)
+
+
+def test_a_rank_decodes_only_its_own_part(tmp_path: Path) -> None:
+    """A bomb in rank 1's blob does not stop rank 0 from loading: a rank reads, inflates and
+    checks its own blob only; rank 1 (and a whole-plan read) refuse it."""
+    plan = _demo()
+    path = _with_blob(plan, tmp_path, "rank/1", _frame(1 << 40, zlib.compress(bytes(1 << 16))))
+    assert P.load_rank(str(path), 0)[1].rank == 0
+    for read in (lambda: P.load_rank(str(path), 1), lambda: P.load_plan(str(path))):
+        with pytest.raises(P.PlanFormatError, match="rank/1.*at most"):
+            read()
