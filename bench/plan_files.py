@@ -4,6 +4,7 @@
     python bench/plan_files.py kimi deepseek        # configs whose file name contains one
     python bench/plan_files.py --tree DIR           # run another checkout's code (a `before`)
     python bench/plan_files.py --save rows.jsonl    # keep each row as a JSON line
+    python bench/plan_files.py --compare before.jsonl after.jsonl   # side by side
 
 Each step is its own process (`python -m planner ...`, or a one-rank load), run one at a
 time, and measured by `os.wait4`: its CPU seconds (user + system, not wall time: the box
@@ -116,14 +117,49 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def _cell(x: dict[str, Any] | None, s: str) -> str:
+    if x is None or s not in x:
+        return "-"
+    c = f"{x[s]['cpu_s']:.1f} / {x[s]['rss_mib']:,}"
+    if "inner_s" in x[s]:
+        c += f" (load+check alone {x[s]['inner_s']:.2f} s)"
+    return c + ("" if x[s]["rc"] == 0 else f" (exit {x[s]['rc']})")
+
+
+def compare(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
+    """One row per config and step: before -> after (CPU s, peak MiB), plan bytes first."""
+    old = {r["config"]: r for r in before}
+    out = ["| config | step | before: CPU s / peak MiB | after: CPU s / peak MiB |",
+           "| --- | --- | --- | --- |"]
+    for r in after:
+        b = old.get(r["config"])
+        name = os.path.basename(r["config"])
+        out.append(f"| {name} | plan bytes | {b['plan_bytes']:,} | {r['plan_bytes']:,} "
+                   f"({b['plan_bytes'] / r['plan_bytes']:.1f}x smaller) |" if b else
+                   f"| {name} | plan bytes | - | {r['plan_bytes']:,} |")
+        for s in STEPS:
+            if s in r:
+                out.append(f"| {name} | {s} | {_cell(b, s)} | {_cell(r, s)} |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("only", nargs="*", help="configs whose file name contains one of these")
     ap.add_argument("--tree", default=ROOT, help="the checkout whose code runs (default: this)")
     ap.add_argument("--save", help="append each row as a JSON line to this file")
     ap.add_argument("--load", help="print the table of rows saved with --save, run nothing")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                    help="print two --save files side by side, run nothing")
     ap.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "plan_files.log"))
     a = ap.parse_args(argv)
+    if a.compare:
+        rows = []
+        for name in a.compare:
+            with open(name, encoding="utf-8") as f:
+                rows.append([json.loads(line) for line in f if line.strip()])
+        print(compare(*rows))
+        return 0
     if a.load:
         with open(a.load, encoding="utf-8") as f:
             print(table([json.loads(line) for line in f if line.strip()]))
