@@ -167,16 +167,20 @@ def _fmt(value: object) -> str:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from planner.inspect import inspect_text
     from schemas.bounded_plan import is_bounded
-    from schemas.plan import load_plan
 
     if is_bounded(args.plan):  # a bounded shadow's chunk plans (planner/bounded_cmd.py)
         from planner.bounded_cmd import inspect_bounded
         print(inspect_bounded(args.plan, args.json))
         return 0
     if args.ranks:
+        from planner.planfile import PlanFile
+        from planner.progress import Progress
         from planner.tensors_cmd import ranks_text
 
-        load_plan(args.plan)  # the checks the executor and verify apply; refuse what they do
+        # load_plan's checks (the executor and verify refuse what they refuse), one blob at
+        # a time: memory holds one blob, not the plan
+        with Progress("inspect") as progress, PlanFile(args.plan) as plan:
+            plan.check_all(progress)
         print(ranks_text(args.plan))
         return 0
     from planner.progress import Progress

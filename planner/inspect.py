@@ -379,10 +379,8 @@ def _rank_list(ranks: list[int], limit: int = 8) -> str:
 def _source_holders(path: str, header: PlanHeader, tensor: str) -> list[int] | None:
     """The source ranks that hold a piece of `tensor` (their `tensors/<rank>` blobs); None
     when the plan does not list its ranks' tensors."""
-    from schemas.tensors import rank_tensors
+    from schemas.tensors import holders
 
     if any(f"tensors/{r}" not in header.blobs for r in range(header.sources)):
         return None
-    base = tensor.removesuffix("_scale_inv")
-    return [r for r in range(header.sources)
-            if any(p.tensor == base for t in rank_tensors(path, r).tensors for p in t.pieces)]
+    return holders(path, tensor.removesuffix("_scale_inv"))

@@ -104,6 +104,16 @@ class PlanFile(PlanRanks):
             if not name.startswith("rank/") and name not in ("explain", "dag"):
                 self.blob(name)
 
+    def check_all(self, progress: Callable[[str], None] | None = None) -> None:
+        """What `load_plan` checks of the file, one blob at a time, nothing kept: every
+        rank's part decoded, the DAG, the explain blob and the rest (`check_rest`)."""
+        tick = ticker(progress, "ranks", self.world)
+        for r in range(self.world):
+            self.rank(r)
+            tick(r)
+        self.dag()
+        self.check_rest(progress)
+
     def close(self) -> None:
         self.f.close()
 

@@ -12,6 +12,12 @@ for every rank (its `RankPlan`), and `explain` (per logical tensor: who feeds wh
 rank reads the header and its own blob only. Columnar arrays travel as raw little-endian
 bytes. msgpack only: loading a plan can never run code.
 
+A blob is stored compact (`schemas/plan_codec.py`: `FRAME`, its decoded size, a zlib stream
+of its msgpack bytes; the default) or plain (its msgpack bytes). The index's length and
+digest are those of the stored bytes, so the digests peers compare and the signature cover
+the compact form; a rank inflates its own blob only, its decoded size bounded by its stored
+size before anything is decoded.
+
 What a rank does with its part, stage by stage, and every rule about it: `schemas/protocol.py`.
 """
 
@@ -23,13 +29,16 @@ from itertools import chain
 from typing import Any, BinaryIO
 
 from .header import MAX_STAGES, MAX_WORLD, PlanFormatError, PlanHeader
-from .plan_codec import MAX_HEADER_BYTES, checksum, read_exact, unpack
+from .plan_codec import MAX_HEADER_BYTES, checksum, inflate, read_exact, unpack
 from .shadow_part import ShadowPart
 from .table import Table
 
 MAGIC = b"RDMAPLAN"
-FORMAT_VERSION = 2
-"""2: the typed header (`PlanHeader`), per-rank digests compared at connect, signing."""
+FORMAT_VERSION = 3
+"""2: the typed header (`PlanHeader`), per-rank digests compared at connect, signing.
+3: blobs may be compact (zlib, `schemas/plan_codec.py`)."""
+READ_VERSIONS = (2, 3)
+"""Versions this build reads: a version 2 file is a version 3 file whose blobs are all plain."""
 STAGING = "__staging__"
 """Name of the staging region; when present it is the last region of a rank."""
 
@@ -245,9 +254,10 @@ def _read_raw_header(f: BinaryIO, path: str) -> tuple[bytes, dict[str, Any], int
         raise PlanFormatError(f"{path}: not an rdma-plan file (bad magic); compile one with "
                               "`rdma-plan compile`")
     version, hlen = struct.unpack("<IQ", read_exact(f, 12, path))
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise PlanFormatError(f"{path}: plan format version {version} is not supported (this "
-                              f"build reads version {FORMAT_VERSION}); recompile the plan")
+                              f"build reads versions {', '.join(map(str, READ_VERSIONS))}); "
+                              "recompile the plan")
     if hlen > MAX_HEADER_BYTES:
         raise PlanFormatError(f"{path}: header length {hlen:,} is over the {MAX_HEADER_BYTES:,}"
                               " bytes a plan header may have; the file is corrupt")
@@ -298,8 +308,8 @@ def read_blob(f: BinaryIO, header: PlanHeader, start: int, name: str,
     if entry is None:
         raise PlanFormatError(f"{path}: has no blob {name!r}")
     f.seek(start + entry.offset)
-    data = read_exact(f, entry.length, f"{path} blob {name!r}", entry.digest)
-    return unpack(data, f"{path} blob {name!r}")
+    what = f"{path} blob {name!r}"
+    return unpack(inflate(read_exact(f, entry.length, what, entry.digest), what), what)
 
 
 def open_plan(path: str) -> BinaryIO:

@@ -1,12 +1,16 @@
 """The plan file's codec, beneath `schemas.plan`: plain msgpack in and out (no extension
-type, no timestamp: loading a plan runs no code), blake2b-256 digests, and reads within
+type, no timestamp: loading a plan runs no code), blake2b-256 digests, reads within
 bounds (a declared size is never allocated before the file is shown to hold its bytes, and
-is read `CHUNK` at a time with its digest computed as it arrives)."""
+is read `CHUNK` at a time with its digest computed as it arrives), and the compact form of
+a blob (`deflate`/`inflate`: zlib, its decoded size declared and bounded by its stored
+size)."""
 
 from __future__ import annotations
 
 import hashlib
 import io
+import struct
+import zlib
 from typing import Any, BinaryIO
 
 import msgpack
@@ -107,3 +111,63 @@ def read_exact(f: BinaryIO, n: int, what: str, digest: bytes | None = None) -> b
     if h is not None and h.digest() != digest:
         raise PlanFormatError(f"{what}: checksum mismatch; the file is corrupt")
     return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+FRAME = b"\xc1Z"
+"""The start of a compact blob: 0xC1, the one byte msgpack never uses (so no plain blob
+starts with it), then the codec, `Z` (zlib); a u64 decoded size follows, then the stream."""
+FRAME_HEAD = len(FRAME) + 8
+LEVEL = 1
+"""zlib's level: op tables are runs of equal strides, which its fastest level already shrinks
+20-50x; decoding costs the same at any level."""
+MAX_RATIO = 1032
+"""Deflate's largest expansion (a 258-byte match per 2 bits, plus block headers): a stream of
+`n` bytes cannot decode to more than `MAX_RATIO * n + 64`."""
+MAX_DECODED = 1 << 36
+"""Largest decoded blob (64 GiB): far above any real plan's blobs (hundreds of MB)."""
+
+
+def deflate(parts: list[bytes | memoryview]) -> bytes:
+    """The compact blob of the bytes `parts` join to (compressed part by part: they are never
+    joined), framed: `FRAME`, the decoded size, the zlib stream."""
+    z = zlib.compressobj(LEVEL)
+    out = [b""]
+    n = 0
+    for part in parts:
+        n += len(part)
+        out.append(z.compress(part))
+    out.append(z.flush())
+    out[0] = FRAME + struct.pack("<Q", n)
+    return b"".join(out)
+
+
+def inflate(data: bytes, what: str) -> bytes:
+    """A blob's msgpack bytes: a plain blob as it is, a compact one (`FRAME`) decoded. The
+    declared size is checked against what the stream's own size allows (deflate expands at
+    most `MAX_RATIO` times) and `MAX_DECODED` before anything is decoded, and at most that
+    many bytes (plus one) are ever produced: a stream that decodes to more or less, or that
+    has bytes after its end, is refused."""
+    if data[:1] != FRAME[:1]:
+        return data
+    if data[:2] != FRAME or len(data) < FRAME_HEAD:
+        raise PlanFormatError(f"{what}: unknown blob codec {data[:2]!r} (this build reads "
+                              f"zlib, {FRAME!r}); the file is corrupt or from a newer version")
+    (n,) = struct.unpack_from("<Q", data, len(FRAME))
+    stored = len(data) - FRAME_HEAD
+    if n > MAX_RATIO * stored + 64 or n > MAX_DECODED:
+        raise PlanFormatError(f"{what}: declares {n:,} decoded bytes from a {stored:,}-byte "
+                              f"stream (at most {min(MAX_RATIO * stored + 64, MAX_DECODED):,});"
+                              " the file is corrupt")
+    z = zlib.decompressobj()
+    try:
+        out = z.decompress(memoryview(data)[FRAME_HEAD:], n + 1)
+    except zlib.error as e:
+        raise PlanFormatError(f"{what}: compact blob does not decode ({e}); the file is "
+                              "corrupt") from None
+    if len(out) != n or not z.eof or z.unconsumed_tail or z.unused_data:
+        raise PlanFormatError(f"{what}: compact blob decodes to {len(out):,}"
+                              f"{'+' if z.unconsumed_tail else ''} bytes"
+                              f"{'' if z.eof else ' (its stream does not end)'}"
+                              f"{' and has bytes after its end' if z.unused_data else ''}, "
+                              f"not the {n:,} it declares; the file is corrupt")
+    return out

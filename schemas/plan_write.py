@@ -1,42 +1,78 @@
 """Writing a plan file (`schemas/plan.py` has the format and the reading half).
 
 `encode_plan` gives the file's bytes; `write_plan` writes the same bytes without holding
-them: the blobs are packed as parts that leave table columns in place, written after room
-for the head (whose length their lengths give), then the head (which indexes them).
+the plain ones: the blobs are packed as parts that leave table columns in place, each
+compressed (the compact form, the default) and digested, then the head (which indexes
+them) is written, then the blobs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 import msgpack
 
 from .plan import FORMAT_VERSION, MAGIC, Plan
-from .plan_codec import checksum, pack
+from .plan_codec import checksum, deflate, pack
 
 
-def encode_plan(plan: Plan, key: bytes | None = None) -> bytes:
+def encode_plan(plan: Plan, key: bytes | None = None, compact: bool = True) -> bytes:
     """The bytes of a plan file; deterministic for equal plans. With `key`, the header
-    carries an HMAC-SHA256 `signature` over everything (`schemas/integrity.py`)."""
-    return b"".join(_encode_parts(plan, key))
+    carries an HMAC-SHA256 `signature` over everything (`schemas/integrity.py`). `compact`:
+    every blob stored compact (`schemas/plan_codec.py`), else plain."""
+    index, blobs = _stored_blobs(plan, compact)
+    return b"".join([_head(plan, key, index)] + [p for parts in blobs for p in parts])
 
 
-def _encode_parts(plan: Plan, key: bytes | None) -> list[bytes]:
-    """The plan file as its parts in order: the head (magic, version, header, digest), then
-    every blob. Each blob is digested on a second thread while the next is packed (blake2b
-    releases the GIL)."""
+def _stored_blobs(plan: Plan, compact: bool
+                  ) -> tuple[dict[str, list[Any]], list[list[bytes | memoryview]]]:
+    """The blob index (offset, length, digest of every blob as stored) and each blob's stored
+    bytes as parts. Every blob is packed as parts that leave table columns in the plan's
+    arrays (`_parts`), then compressed (`compact`) and digested on a second thread while the
+    next is packed (zlib and blake2b release the GIL): memory holds the compact blobs, not
+    the plan's bytes again."""
     from concurrent.futures import ThreadPoolExecutor
 
+    store = _compact if compact else _plain
+    index: dict[str, list[Any]] = {}
+    blobs: list[list[bytes | memoryview]] = []
+    pending: deque[tuple[str, Any]] = deque()
+
+    def take() -> None:
+        name, future = pending.popleft()
+        parts, n, digest = future.result()
+        index[name] = [_end(index), n, digest]
+        blobs.append(parts)
+
     with ThreadPoolExecutor(1) as pool:
-        blobs = [(name, data, pool.submit(checksum, data)) for name, data in _blobs(plan)]
-        index, offset = {}, 0
-        for name, data, digest in blobs:
-            index[name] = [offset, len(data), digest.result()]
-            offset += len(data)
-    return [_head(plan, key, index)] + [data for _, data, _ in blobs]
+        for name, obj in _blob_objects(plan):
+            pending.append((name, pool.submit(store, _parts(obj))))
+            if len(pending) > 2:  # at most three blobs packed ahead of the one written
+                take()
+        while pending:
+            take()
+    return index, blobs
+
+
+def _end(index: dict[str, list[Any]]) -> int:
+    """Where the next blob goes: after the last one indexed."""
+    if not index:
+        return 0
+    last = next(reversed(index.values()))
+    return last[0] + last[1]
+
+
+def _compact(parts: list[bytes | memoryview]) -> tuple[list[bytes | memoryview], int, bytes]:
+    data = deflate(parts)
+    return [data], len(data), checksum(data)
+
+
+def _plain(parts: list[bytes | memoryview]) -> tuple[list[bytes | memoryview], int, bytes]:
+    return parts, sum(len(p) for p in parts), _digest_parts(parts)
 
 
 def _head(plan: Plan, key: bytes | None, index: dict[str, list[Any]]) -> bytes:
@@ -48,12 +84,6 @@ def _head(plan: Plan, key: bytes | None, index: dict[str, list[Any]]) -> bytes:
         raw["signature"] = signature(key, pack(raw))
     header = pack(raw)
     return MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)) + header + checksum(header)
-
-
-def _blobs(plan: Plan) -> Iterator[tuple[str, bytes]]:
-    """Every blob of the plan file, packed, in file order."""
-    for name, obj in _blob_objects(plan):
-        yield name, pack(obj)
 
 
 def _blob_objects(plan: Plan) -> Iterator[tuple[str, Any]]:
@@ -109,41 +139,22 @@ def _digest_parts(parts: list[bytes | memoryview]) -> bytes:
     return h.digest()
 
 
-def write_plan(path: str, plan: Plan, key: bytes | None = None) -> int:
+def write_plan(path: str, plan: Plan, key: bytes | None = None, compact: bool = True) -> int:
     """Write `plan` to `path` atomically (temp file + rename); returns the size in bytes.
 
-    The header indexes the blobs (offsets, lengths, digests), so it is known only once all
-    are digested; its length is known before: the blobs are packed first as parts (their
-    table columns left in the plan's arrays, `_parts`: memory holds only the small packed
-    parts, not the plan's bytes twice), which gives every blob's length, and a digest is 32
-    bytes whatever it holds. So the blobs are written once, straight after a head of that
-    length (digested on a second thread while packed and written), then the head in front
-    of them; the file is `encode_plan`'s bytes."""
+    The header indexes the blobs (offsets, lengths, digests of the bytes stored), so the
+    blobs are made first (`_stored_blobs`: compact ones are held, plain ones as parts left in
+    the plan's arrays), then the head and the blobs written in order; the file is
+    `encode_plan`'s bytes."""
     import os
-    from concurrent.futures import ThreadPoolExecutor
 
-    index: dict[str, list[Any]] = {}
-    offset = 0
-    with ThreadPoolExecutor(1) as pool:  # each blob digested while the next is packed
-        blobs = []
-        for name, obj in _blob_objects(plan):
-            parts = _parts(obj)
-            n = sum(len(part) for part in parts)
-            index[name] = [offset, n, bytes(32)]  # a digest's length; its bytes come later
-            offset += n
-            blobs.append((name, parts, pool.submit(_digest_parts, parts)))
-        at = len(_head(plan, key, index))
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.seek(at)
-            for name, parts, digest in blobs:
-                for part in parts:
-                    f.write(part)
-                index[name][2] = digest.result()
-            head = _head(plan, key, index)
-            if len(head) != at:  # cannot happen: msgpack sizes a 32-byte bin the same way
-                raise OSError(f"write_plan: the head is {len(head)} bytes, not {at}")
-            f.seek(0)
-            f.write(head)
+    index, blobs = _stored_blobs(plan, compact)
+    head = _head(plan, key, index)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(head)
+        for parts in blobs:
+            for part in parts:
+                f.write(part)
     os.replace(tmp, path)
-    return len(head) + offset
+    return len(head) + sum(n for _, n, _ in index.values())

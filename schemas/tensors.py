@@ -129,6 +129,42 @@ def rank_tensors(path: str, rank: int) -> RankTensors:
                        tensors=_decode(raw, rp, path))
 
 
+def holders(path: str, tensor: str) -> list[int]:
+    """The source ranks whose tensors hold a piece of logical tensor `tensor`: each source's
+    blob read once (a blob shared through `same_as` decoded once), its piece table's `tensor`
+    column compared as a column (no piece built)."""
+    out: list[int] = []
+    seen: dict[int, bool] = {}
+    with open_plan(path) as f:
+        header, start = read_header(f, path)
+        for r in range(header.sources):
+            raw = read_blob(f, header, start, f"tensors/{r}", path)
+            other = raw.get("same_as") if isinstance(raw, dict) else None
+            if isinstance(other, int) and not isinstance(other, bool) and other in seen:
+                hit = seen[other]
+            else:
+                hit = _holds(_blob(f, header, start, r, path), tensor, f"{path} tensors/{r}")
+            seen[r] = hit
+            if hit:
+                out.append(r)
+    return out
+
+
+def _holds(raw: dict, tensor: str, what: str) -> bool:
+    try:
+        names = raw["names"]
+        table = Table.from_msgpack(PIECE_COLUMNS, raw["pieces"], what)
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise TypeError("names is not a list of strings")
+    except (KeyError, TypeError) as e:
+        raise PlanFormatError(f"{what}: malformed ({type(e).__name__}: {e})") from None
+    col = table["tensor"]
+    if len(col) and not 0 <= int(col.min()) <= int(col.max()) < len(names):
+        raise PlanFormatError(f"{what}: a piece names tensor {int(col.max())} of {len(names)};"
+                              " corrupt")
+    return tensor in names and bool((col == names.index(tensor)).any())
+
+
 def _decode(raw: dict, rp: RankPlan, path: str) -> tuple[BoundTensor, ...]:
     what = f"{path} tensors/{rp.rank}"
     try:

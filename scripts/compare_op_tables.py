@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass
 
 import msgpack
@@ -66,7 +67,10 @@ class _RawPlan:
     def blob(self, name: str) -> object:
         offset, length = self.blobs[name][:2]
         self.f.seek(self.start + offset)
-        return msgpack.unpackb(self.f.read(length), raw=False, strict_map_key=False)
+        data = self.f.read(length)
+        if data[:2] == b"\xc1Z":  # a compact blob (format 3): a u64 size, then a zlib stream
+            data = zlib.decompress(data[10:])
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
     def world(self) -> int:
         return sum(1 for n in self.blobs if n.startswith("rank/"))

@@ -164,8 +164,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.nodeid.startswith(EXTENDED):
             item.add_marker(pytest.mark.extended)
         if item.nodeid.startswith(DEEP):
-            item.add_marker(pytest.mark.extended)
             item.add_marker(pytest.mark.deep)
+        if item.get_closest_marker("deep") is not None:  # deep is a part of extended
+            item.add_marker(pytest.mark.extended)
     if config.option.markexpr:
         return
     keep, left = [], []

@@ -117,10 +117,10 @@ def main() -> None:
 
     from harness.weights import random_full_tensors
     from integrations import placement_check
-    from tests.support import vllm_cpu_build as cpu
     from planner.layouts.vllm_rank import eplb_layers
     from planner.spec import spec_from_hf
     from schemas.placement import Placement
+    from tests.support import vllm_cpu_build as cpu
 
     cpu.patch_cpu(post_load=False)
     torch.accelerator.current_stream = lambda *a, **k: type(  # no accelerator: nothing to sync

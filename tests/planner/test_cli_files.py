@@ -167,11 +167,12 @@ def _tensors_inf(base: str, path: str) -> str:
     import msgpack
 
     from schemas import plan as P
+    from schemas.plan_codec import inflate
 
     data = open(base, "rb").read()
     raw, start = P.read_raw_header(io.BytesIO(data))
     off, n, _ = raw["blobs"]["tensors/0"]
-    blob = msgpack.unpackb(data[start + off:start + off + n], raw=False)
+    blob = msgpack.unpackb(inflate(data[start + off:start + off + n], "tensors/0"), raw=False)
     blob["shapes"][0][0] = float("inf")
     new = msgpack.packb(blob, use_bin_type=True)
     body = bytearray(data[start:])

@@ -99,3 +99,18 @@ def test_replicas_share_one_blob(compiled):
     assert all("names" in blobs[f"tensors/{r}"] for r in range(8))
     assert blobs["tensors/10"] == {"same_as": 8} and blobs["tensors/11"] == {"same_as": 9}
     assert rank_tensors(path, 10).tensors == rank_tensors(path, 8).tensors
+
+
+def test_holders_are_the_ranks_whose_pieces_name_the_tensor(compiled):
+    """`holders` (explain's list, read as columns) against every source's decoded pieces,
+    for every logical tensor and one the plan does not have."""
+    from schemas.tensors import holders
+
+    path, cfg, spec = compiled
+    sources = range(load_plan(path).header.sources)
+    pieces = {r: {p.tensor for t in rank_tensors(path, r).tensors for p in t.pieces}
+              for r in sources}
+    names = [t.name for t in spec.tensors] + ["model.no_such.weight"]
+    for name in names:
+        assert holders(path, name) == [r for r in sources if name in pieces[r]], name
+    assert any(holders(path, n) for n in names) and not holders(path, names[-1])

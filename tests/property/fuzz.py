@@ -195,13 +195,15 @@ def _msgpack_mutation(rng: random.Random, data: bytes) -> tuple[str, bytes]:
     import io
 
     from schemas import plan as P
+    from schemas.plan_codec import FRAME, deflate, inflate
 
     f = io.BytesIO(data)
     header, start = P.read_raw_header(f)
     blobs = {n: data[start + o:start + o + n_] for n, (o, n_, _) in header["blobs"].items()}
     name = rng.choice(["header"] * 2 + sorted(blobs))
+    compact = blobs.get(name, b"")[:2] == FRAME  # a compact blob is mutated inside its stream
     obj = copy.deepcopy(header) if name == "header" else msgpack.unpackb(
-        blobs[name], raw=False, strict_map_key=False)
+        inflate(blobs[name], name), raw=False, strict_map_key=False)
     paths = [p for p in _paths(obj) if p and not (name == "header" and p[0] == "blobs")]
     path = rng.choice(paths)
     parent = obj
@@ -216,6 +218,8 @@ def _msgpack_mutation(rng: random.Random, data: bytes) -> tuple[str, bytes]:
         what = f"{name}{list(path)} = {str(v)[:30]}"
     if name != "header":
         blobs[name] = msgpack.packb(obj, use_bin_type=True)
+        if compact:
+            blobs[name] = deflate([blobs[name]])
         header = {**header}
     else:
         header = obj
@@ -246,7 +250,7 @@ def _raw_mutation(rng: random.Random, data: bytes) -> tuple[str, bytes]:
     if kind == "append":
         return "append", data + bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
     if kind == "version":
-        v = rng.choice([0, 1, 3, 2**32 - 1])
+        v = rng.choice([0, 1, 4, 2**32 - 1])
         return f"version {v}", data[:8] + struct.pack("<I", v) + data[12:]
     if kind == "header_len":
         n = rng.choice([0, 1, len(data), 2**31, 2**64 - 1, rng.randrange(len(data))])

@@ -1,5 +1,5 @@
-"""`write_plan` writes the blobs after room for the head: its file is `encode_plan`'s bytes, and
-`_parts` (tables' column bytes left in place) joins to msgpack's own packing."""
+"""`write_plan`'s file is `encode_plan`'s bytes (compact and plain), and `_parts` (tables'
+column bytes left in place) joins to msgpack's own packing."""
 
 from __future__ import annotations
 
@@ -29,3 +29,6 @@ def test_written_file_is_the_encoded_plan(tmp_path) -> None:
     data = path.read_bytes()
     assert size == len(data) and data == encode_plan(plan, b"k" * 32)
     assert [p.name for p in tmp_path.iterdir()] == ["p.rplan"]  # no temporary file left behind
+    size = write_plan(str(path), plan, b"k" * 32, compact=False)
+    assert path.read_bytes() == encode_plan(plan, b"k" * 32, compact=False)
+    assert size == path.stat().st_size > len(data)
