@@ -5,6 +5,7 @@
     python bench/plan_files.py --tree DIR           # run another checkout's code (a `before`)
     python bench/plan_files.py --save rows.jsonl    # keep each row as a JSON line
     python bench/plan_files.py --compare before.jsonl after.jsonl   # side by side
+    python bench/plan_files.py --tiny               # plans/demo.yaml only (seconds; the suite)
 
 Each step is its own process (`python -m planner ...`, or a one-rank load), run one at a
 time, and measured by `os.wait4`: its CPU seconds (user + system, not wall time: the box
@@ -152,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
                     help="print two --save files side by side, run nothing")
     ap.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "plan_files.log"))
+    ap.add_argument("--tiny", action="store_true",
+                    help="plans/demo.yaml only, every step (seconds: the test suite runs it)")
     a = ap.parse_args(argv)
     if a.compare:
         rows = []
@@ -166,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     configs = sorted(glob.glob(os.path.join(ROOT, "plans/published/*.yaml")))
     configs = [c for c in configs if not a.only or any(s in os.path.basename(c) for s in a.only)]
+    if a.tiny:
+        configs = [os.path.join(ROOT, "plans", "demo.yaml")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for config in configs:

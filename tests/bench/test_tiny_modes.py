@@ -4,6 +4,7 @@ types, in a fresh process; each must exit 0 and print its result table."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -30,8 +31,18 @@ def test_every_benchmark_has_a_tiny_mode_here() -> None:
                      if n.endswith(".py") or os.path.isdir(os.path.join(ROOT, "bench", n))
                      and not n.startswith("__"))
     assert scripts == ["compile_scale.py", "defaults.py", "executor_bench.py", "gpu_refit",
-                       "long_run.py", "published.py", "replan.py", "step_trace.py",
-                       "traced_compile.py", "zero_pause.py", "zero_pause_plan.py"]
+                       "long_run.py", "plan_files.py", "published.py", "replan.py",
+                       "step_trace.py", "traced_compile.py", "zero_pause.py",
+                       "zero_pause_plan.py"]
+
+
+def test_plan_files_tiny(tmp_path) -> None:
+    out = _run("bench/plan_files.py", "--tiny", "--log", str(tmp_path / "log"))
+    row = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    steps = ("compile", "load1", "inspect", "ranks", "verify", "simulate", "explain")
+    assert all(row[k]["rc"] == 0 and row[k]["cpu_s"] > 0 for k in steps), row
+    assert row["plan_bytes"] > 0 and row["load1"]["writes"] > 0, row
+    assert "| demo.yaml |" in out
 
 
 def test_compile_scale_tiny() -> None:
