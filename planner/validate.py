@@ -17,7 +17,7 @@ from planner import frameworks
 from planner.spec import ModelSpec, load_spec
 from planner.topology import build_topology
 from schemas.config import Config, SourceConfig, TargetConfig
-from schemas.errors import ConfigError, raise_all
+from schemas.errors import ConfigError, check_each
 
 
 def load(config_path: str) -> tuple[Config, ModelSpec]:
@@ -40,18 +40,11 @@ def layout_check(side: SourceConfig | TargetConfig,
 
 def validate(config: Config, spec: ModelSpec) -> None:
     """Raise `ConfigError` (`ConfigErrors` for several) on every rule `config` breaks."""
-    errors: list[ConfigError] = []
-    checks = (lambda: _no_experts_on_dense_model(config, spec),
-              lambda: layout_check(config.source, spec)(spec, config.source),
-              lambda: layout_check(config.target, spec)(spec, config.target),
-              lambda: build_topology(config.cluster, config.source.world,
-                                     config.target.world))
-    for check in checks:
-        try:
-            check()
-        except ConfigError as e:
-            errors.append(e)
-    raise_all(errors)
+    check_each(lambda: _no_experts_on_dense_model(config, spec),
+               lambda: layout_check(config.source, spec)(spec, config.source),
+               lambda: layout_check(config.target, spec)(spec, config.target),
+               lambda: build_topology(config.cluster, config.source.world,
+                                      config.target.world))
 
 
 def _no_experts_on_dense_model(config: Config, spec: ModelSpec) -> None:

@@ -37,7 +37,15 @@ from .cuda_runtime import NOT_READY, BatchCopies, Runtime, current_raw_stream
 from .graphs import capturing, device_sync
 from .ipc_modes import Ladder, Mode
 from .ipc_posted import FastPost, Posted, branches
-from .ipc_regions import IpcHandle, PeerRegion, export_region, import_region, raw_handle, segment
+from .ipc_regions import (
+    IpcHandle,
+    PeerRegion,
+    export_region,
+    import_region,
+    peer_handles,
+    raw_handle,
+    segment,
+)
 from .ipc_signals import DeviceSignals
 from .options import CudaIpcOptions
 from .shm_mailbox import ShmMailbox
@@ -103,13 +111,7 @@ class CudaIpcTransport:
         return list(self.ladder.degraded)
 
     def import_peer(self, peer: int, desc: dict[str, Any]) -> None:
-        regions = desc.get("regions") if isinstance(desc, dict) else None
-        if not isinstance(regions, list):
-            raise ValueError(f"rank {peer}'s cuda_ipc descriptor has no list of 'regions' "
-                             f"(got {type(regions).__name__}); the peer must run the same "
-                             "rdma-plan version")
-        handles = [IpcHandle.from_msgpack(f, f"rank {peer}'s region {i}")
-                   for i, f in enumerate(regions)]  # every field checked before any use
+        handles = peer_handles(peer, desc)  # every field checked before any use
         self._close_peer(peer)
         if self.signals is not None:  # no stream write may still target a ring replaced
             self.signals.forget(peer)

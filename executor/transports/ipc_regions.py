@@ -77,6 +77,18 @@ class IpcHandle:
         return IpcHandle(**{n: m[n] for n in names})
 
 
+def peer_handles(peer: int, desc: Any) -> list[IpcHandle]:
+    """The region handles of a peer's `cuda_ipc` descriptor, every field checked
+    (`IpcHandle.from_msgpack`) before any is used; a ValueError of one line otherwise."""
+    regions = desc.get("regions") if isinstance(desc, dict) else None
+    if not isinstance(regions, list):
+        raise ValueError(f"rank {peer}'s cuda_ipc descriptor has no list of 'regions' "
+                         f"(got {type(regions).__name__}); the peer must run the same "
+                         "rdma-plan version")
+    return [IpcHandle.from_msgpack(f, f"rank {peer}'s region {i}")
+            for i, f in enumerate(regions)]
+
+
 def check_desc(peer: int, desc: Any, sizes: Iterable[tuple[int, int]],
                device_bytes: Callable[[int], int | None] | None = None) -> None:
     """A peer's `cuda_ipc` descriptor against the plan's regions of that peer (`sizes`:
@@ -85,13 +97,7 @@ def check_desc(peer: int, desc: Any, sizes: Iterable[tuple[int, int]],
     exactly the plan's bytes (`numel`), and its storage inside an allocation the device can
     hold (`offset + size` within `device_bytes(device)`: the device's memory). A ValueError
     of one line naming the peer, the region, the field and the fix otherwise."""
-    regions = desc.get("regions") if isinstance(desc, dict) else None
-    if not isinstance(regions, list):
-        raise ValueError(f"rank {peer}'s cuda_ipc descriptor has no list of 'regions' "
-                         f"(got {type(regions).__name__}); the peer must run the same "
-                         "rdma-plan version")
-    handles = [IpcHandle.from_msgpack(f, f"rank {peer}'s region {i}")
-               for i, f in enumerate(regions)]
+    handles = peer_handles(peer, desc)
     for r, n in sizes:
         where = f"rank {peer}'s region {r}"
         if not 0 <= r < len(handles):
