@@ -12,9 +12,6 @@ rank (`planner/verify.py`), so a plan `verify` refuses for one of these reasons 
   waits for its READY (stage 0): writes never land unannounced or into a busy target.
 - `regions`: every region of the rank has its own name (two regions of one name would bind
   one tensor twice), one staging at most, and last.
-- `packs`: the rank's own PACKs of one stage never overlap in its staging (the rule of
-  `verify`'s `dataflow` that needs no peer; here by the boxes' extents, which are their
-  bytes for the dense boxes packs write).
 - `shadow`: a shadow section's own rules (`schemas/shadow.py`).
 `RULES` names them; with `schemas.bounds` they are every rule of `verify` that one rank's
 part decides (tests/schemas/test_rank_rules.py breaks each and shows load refuses it).
@@ -35,11 +32,11 @@ import numpy as np
 
 from .header import PlanHeader
 from .plan import DONE, PACK, QUANT, READY, STAGING, UNPACK, RankPlan
-from .protocol import copy_footprint, staging_index, wait_stage, write_stages
+from .protocol import staging_index, wait_stage, write_stages
 from .shadow import shadow_violations
 
 FIX = "the plan is corrupt or was tampered with: recompile it"
-RULES = ("roles", "sizes", "signals", "regions", "packs", "shadow")
+RULES = ("roles", "sizes", "signals", "regions", "shadow")
 
 
 def peer_roles(header: PlanHeader) -> list[str] | None:
@@ -148,36 +145,10 @@ def regions(rp: RankPlan) -> Iterator[str]:
         yield f"rank {rp.rank}: its staging region is not its last region; {FIX}"
 
 
-def packs(rp: RankPlan) -> Iterator[str]:
-    """No two PACKs of one stage write a common byte of the rank's staging (the extent of
-    each box: after `schemas.bounds`, whose value checks keep it exact int64)."""
-    c, sg = rp.copies, staging_index(rp)
-    rows = np.flatnonzero((c["kind"] == PACK) & (c["dst_region"] == sg)) if sg >= 0 else []
-    if len(rows) < 2:
-        return
-    rows, _, lo, hi = copy_footprint(rp, "dst", rows)
-    stage = c["stage"][rows].astype(np.int64)
-    keep = hi > lo
-    stage, lo, hi, rows = stage[keep], lo[keep], hi[keep], rows[keep]
-    order = np.lexsort((lo, stage))
-    stage, lo, hi, rows = stage[order], lo[order], hi[order], rows[order]
-    cuts = np.flatnonzero(np.r_[True, stage[1:] != stage[:-1], True])
-    run_end = np.concatenate([np.maximum.accumulate(hi[a:b])  # per stage (<= MAX_STAGES)
-                              for a, b in zip(cuts[:-1], cuts[1:])])
-    same = stage[1:] == stage[:-1]
-    bad = np.flatnonzero(same & (lo[1:] < run_end[:-1]))
-    if len(bad):
-        i = int(bad[0]) + 1
-        yield (f"rank {rp.rank}: PACK {int(rows[i])} (stage {int(stage[i])}) writes staging "
-               f"byte {int(lo[i])}, which another PACK of its stage writes too ({len(bad)} "
-               f"such); {FIX}")
-
-
 def rank_violations(rp: RankPlan, header: PlanHeader) -> Iterator[str]:
     """Every check above, as the executor runs them at load (after `schemas.bounds`)."""
     yield from regions(rp)
     yield from roles(rp, peer_roles(header), None, header_staging(header))
     yield from sizes(rp, header.options.max_write_bytes, header.options.staging_bytes)
     yield from signals(rp)
-    yield from packs(rp)
     yield from shadow_violations(rp)  # a section's own rules (schemas/shadow.py)

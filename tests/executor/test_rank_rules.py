@@ -48,7 +48,7 @@ def _mutants(plan: Plan, shadowed: Plan) -> dict[str, tuple[Plan, int]]:
     w = src.writes
     out["bounds"] = (_rank(plan, 0, writes=_table(w, WRITE_COLUMNS, dst_offset=np.r_[
         w["dst_offset"][:-1], 1 << 40])), 0)
-    r, (a, b) = _packer(plan)
+    r, (a, _) = _packer(plan)
     rp = plan.ranks[r]
     c = rp.copies
     out["roles"] = (_rank(plan, r, copies=_table(c, COPY_COLUMNS, dst_region=np.where(
@@ -63,8 +63,6 @@ def _mutants(plan: Plan, shadowed: Plan) -> dict[str, tuple[Plan, int]]:
     regs = list(rp.regions)
     regs[1] = dataclasses.replace(regs[1], name=regs[0].name)
     out["regions"] = (_rank(plan, r, regions=tuple(regs)), r)
-    out["packs"] = (_rank(plan, r, copies=_table(c, COPY_COLUMNS, dst_offset=np.where(
-        np.arange(len(c)) == b, c["dst_offset"][a], c["dst_offset"]))), r)
     t = next(rp.rank for rp in shadowed.ranks if rp.role == "target")
     out["shadow"] = (_rank(shadowed, t, shadow=_broken(shadowed.ranks[t])["overlap"].shadow), t)
     return out
