@@ -12,56 +12,11 @@ import pytest
 import torch
 
 from executor import TornUpdateError
-from executor.bounded import BoundedShadow, load_chunks, run_chunks
-from executor.transports.local import Fabric
-from harness.weights import materialize, random_full_tensors
+from executor.bounded import run_chunks
 from schemas.bounded_plan import load_bounded
 from schemas.config import ConfigError
-from tests.support.shadow_plans import CASES, compile_bounded_file, layouts
-
-BUDGET = 1 << 20
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
-class World:
-    """Sources and targets of a bounded plan in one process; sources start with `new`."""
-
-    def __init__(self, case, path: str, timeout_s: float = 20.0) -> None:
-        self.spec, src_l, self.dst_l = layouts(case)
-        self.n_src = src_l.world
-        self.src = materialize(src_l, random_full_tensors(self.spec, seed=2))
-        self.live = {self.n_src + r: t for r, t in materialize(
-            self.dst_l, random_full_tensors(self.spec, seed=1)).items()}
-        self.old = {r: {k: v.clone() for k, v in t.items()} for r, t in self.live.items()}
-        self.want = {self.n_src + r: t for r, t in materialize(
-            self.dst_l, random_full_tensors(self.spec, seed=2)).items()}
-        fabric = Fabric()
-        out: dict[int, object] = {}
-
-        def load(r: int) -> None:  # every rank loads chunk k before any connects chunk k+1
-            if r < self.n_src:
-                out[r] = load_chunks(path, r, self.src[r], "local", fabric, timeout_s=timeout_s,
-                                     no_identity=True)
-            else:
-                out[r] = BoundedShadow.load(path, r, self.live[r], "local", fabric,
-                                            timeout_s=timeout_s, no_identity=True)
-        ts = [threading.Thread(target=load, args=(r,)) for r in range(self.n_src + len(self.live))]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(60)
-        self.sources = {r: out[r] for r in range(self.n_src)}
-        self.targets = {r: out[r] for r in self.live}
-
-    def close(self) -> None:
-        for chunks in self.sources.values():
-            for ex in chunks:
-                ex.close()
-        for s in self.targets.values():
-            s.close()
+from tests.support.bounded_world import BUDGET, World, as_bytes, padding_only
+from tests.support.shadow_plans import CASES, compile_bounded_file
 
 
 def _threads(fns: dict[int, object]) -> tuple[dict[int, object], dict[int, BaseException]]:
@@ -104,18 +59,11 @@ def test_bounded_refit_is_bit_exact_in_place_chunk_by_chunk_within_the_budget(ca
             assert sum(g.nbytes for g in rp.regions if g.name != "__staging__") <= BUDGET
         for k, v in w.live[r].items():
             assert v.data_ptr() == ptrs[(r, k)]
-            assert torch.equal(_bytes(v), _bytes(w.want[r][k])) or _padding_only(
+            assert torch.equal(as_bytes(v), as_bytes(w.want[r][k])) or padding_only(
                 v, w.want[r][k], w.old[r][k]), (r, k)
         assert sum(st.switched_bytes) == sum(
             int(p.coverage["nbytes"][p.coverage["rank"] == r].sum()) for p in plans)
     w.close()
-
-
-def _padding_only(got, want, old) -> bool:
-    """Bytes that differ from N+1 are bytes no op writes (vocab padding), kept from N."""
-    g, n, o = _bytes(got), _bytes(want), _bytes(old)
-    diff = g != n
-    return bool(diff.any()) and torch.equal(g[diff], o[diff])
 
 
 def test_sources_running_ahead_wait_for_the_switch_before_reusing_the_buffer(tmp_path):
@@ -147,7 +95,7 @@ def test_sources_running_ahead_wait_for_the_switch_before_reusing_the_buffer(tmp
         th.join(60)
     assert not changed and all(alive[:-1]) and st.version == 1
     for k, v in w.live[t].items():
-        assert torch.equal(_bytes(v), _bytes(w.want[t][k])) or _padding_only(
+        assert torch.equal(as_bytes(v), as_bytes(w.want[t][k])) or padding_only(
             v, w.want[t][k], w.old[t][k]), k
     w.close()
 
@@ -169,7 +117,7 @@ def test_a_torn_chunk_leaves_earlier_chunks_at_n_plus_1_the_rest_at_n_then_a_who
         for k, v in w.live[r].items():
             chunk = next(i for i, n in enumerate(names) if k in n)
             if chunk < torn:  # switched: version N+1
-                assert torch.equal(v, w.want[r][k]) or _padding_only(
+                assert torch.equal(v, w.want[r][k]) or padding_only(
                     v, w.want[r][k], w.old[r][k]), k
             else:  # chunk 2 and after: version N, untouched
                 assert torch.equal(v, w.old[r][k]), k
@@ -184,7 +132,7 @@ def test_a_torn_chunk_leaves_earlier_chunks_at_n_plus_1_the_rest_at_n_then_a_who
     for r, s in w.targets.items():
         assert s.version == 1 and s.switched == len(plans)
         for k, v in w.live[r].items():
-            got, want = _bytes(v), _bytes(w.want[r][k])
+            got, want = as_bytes(v), as_bytes(w.want[r][k])
             assert torch.equal(got[want != 0], want[want != 0]), k
     w.close()
 

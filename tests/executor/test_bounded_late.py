@@ -13,7 +13,7 @@ import time
 import torch
 
 from executor.bounded import run_chunks
-from tests.executor.test_bounded import BUDGET, World, _bytes, _padding_only
+from tests.support.bounded_world import BUDGET, World, as_bytes, padding_only
 from tests.support.shadow_plans import CASES, compile_bounded_file
 
 TIMEOUT_S = 2.0
@@ -67,6 +67,6 @@ def test_a_late_writer_tears_one_refit_and_the_next_completes(tmp_path) -> None:
     for r in w.targets:
         assert w.targets[r].version == 1
         for k, v in w.live[r].items():
-            assert torch.equal(_bytes(v), _bytes(w.want[r][k])) or _padding_only(
+            assert torch.equal(as_bytes(v), as_bytes(w.want[r][k])) or padding_only(
                 v, w.want[r][k], w.old[r][k]), (r, k)
     w.close()

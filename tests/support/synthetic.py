@@ -136,3 +136,11 @@ def fsdp2_to_vllm_plan(opts: dict, placement: str):
                                        **extra),
                  options=Options(**opts))
     return compile_layouts(cfg, spec, row_split(spec, 3), fused_col_split(spec, 2, 2))
+
+
+MOE_GATHER = dict(model_type="qwen3_moe", hidden_size=512, num_attention_heads=4,
+           num_key_value_heads=1, head_dim=128, intermediate_size=512,
+           moe_intermediate_size=512, num_experts=8, num_experts_per_tok=2,
+           decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, vocab_size=300,
+           num_hidden_layers=2, tie_word_embeddings=False, torch_dtype="bfloat16")
+"""A small Qwen3-MoE whose experts the FP8 gather path stages (the gather tests' model)."""

@@ -14,12 +14,7 @@ import torch
 
 from planner.passes.gather_direct import values_first
 from schemas.plan import QUANT
-
-MOE = dict(model_type="qwen3_moe", hidden_size=512, num_attention_heads=4,
-           num_key_value_heads=1, head_dim=128, intermediate_size=512,
-           moe_intermediate_size=512, num_experts=8, num_experts_per_tok=2,
-           decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, vocab_size=300,
-           num_hidden_layers=2, tie_word_embeddings=False, torch_dtype="bfloat16")
+from tests.support.synthetic import MOE_GATHER as MOE
 
 
 def test_values_first_lays_each_round_out_as_values_then_scales():

@@ -13,7 +13,7 @@ import json
 import numpy as np
 
 from planner.passes.gather_box import pick_owner
-from tests.planner.passes.test_gather_direct import MOE
+from tests.support.synthetic import MOE_GATHER as MOE
 
 
 def test_ties_go_to_the_owner_that_fanned_out_least():
