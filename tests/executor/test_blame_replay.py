@@ -13,20 +13,10 @@ from executor import control
 from executor.auth import keys_from
 from executor.blame import Blame
 from executor.control import Control
+from tests.support.stores import Dict
 
 KEYS = keys_from("s" * 64)
 INFO = {"fingerprint": "fp", "sizes": [8], "desc": {}}
-
-
-class Dict:
-    def __init__(self) -> None:
-        self.kv: dict[str, bytes] = {}
-
-    def set(self, key: str, value: bytes) -> None:
-        self.kv[key] = value
-
-    def get(self, key: str) -> bytes | None:
-        return self.kv.get(key)
 
 
 def _replay(store: Dict, key: str, values: list[bytes], stop: threading.Event) -> None:

@@ -15,20 +15,10 @@ from executor.control import Control
 from executor.errors import ForgedRecordError, LeaseHeldError, LeaseLostError, NoSecretError
 from executor.rendezvous import open_store
 from tests.support.clock import guard_s, within_guard
+from tests.support.stores import Dict
 
 KEYS = keys_from("s" * 64)
 INFO = {"fingerprint": "fp", "sizes": [8, 16], "desc": {"agent": b"UCX worker address + rkeys"}}
-
-
-class Dict:
-    def __init__(self) -> None:
-        self.kv: dict[str, bytes] = {}
-
-    def set(self, key: str, value: bytes) -> None:
-        self.kv[key] = value
-
-    def get(self, key: str) -> bytes | None:
-        return self.kv.get(key)
 
 
 def test_a_record_opens_only_under_the_job_secret_at_its_key_for_its_rank():

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from planner.verify import acyclic
+from tests.support.shipped import CONFIGS, shipped_param
 
 ROOT = Path(__file__).resolve().parents[2]
 CAP = 2 << 30
@@ -27,24 +28,12 @@ QUICK = {"demo.yaml", "demo-moe.yaml", "qwen3-8b_megatron-tp2_vllm-tp2.yaml",
          "qwen3-4b_dp8_to_vllm-tp8.yaml", "qwen3-4b_pp2dp4_to_vllm-tp4dp2.yaml",
          "gpt-oss-120b_fsdp2-16_vllm-tp4-ep-x8.yaml"}
 """Configs that compile in a few seconds (the rest are in the deep profile)."""
-TRACED = {"gemma-3-1b_fsdp2-8_vllm-tp1-x8.yaml"}
-"""Configs whose target layout is traced (needs vLLM)."""
-CONFIGS = sorted([*ROOT.glob("plans/*.yaml"), *ROOT.glob("plans/published/*.yaml")])
 
 _CAPPED = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({cap}, {cap})); "
            "from planner.cli import main; sys.exit(main(['verify', {path!r}]))")
 
 
-def _param(path: Path) -> object:
-    marks = [] if path.name in QUICK else [pytest.mark.extended]
-    if path.name in TRACED:
-        marks.append(pytest.mark.skipif(
-            __import__("importlib.util").util.find_spec("vllm") is None,
-            reason="tracing needs vLLM"))
-    return pytest.param(path, id=path.name, marks=marks)
-
-
-@pytest.mark.parametrize("config", [_param(p) for p in CONFIGS])
+@pytest.mark.parametrize("config", [shipped_param(p, QUICK) for p in CONFIGS])
 def test_shipped_config_verifies_under_a_memory_cap(config: Path, tmp_path: Path) -> None:
     plan = tmp_path / "p.rplan"
     subprocess.run([sys.executable, "-m", "planner", "compile", str(config), "-o", str(plan)],

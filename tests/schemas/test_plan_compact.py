@@ -19,6 +19,7 @@ from schemas import plan as P
 from schemas.integrity import rank_digest
 from schemas.plan_codec import FRAME, MAX_RATIO, checksum, deflate, inflate, pack
 from schemas.plan_write import encode_plan, write_plan
+from tests.support.shipped import CONFIGS, shipped_param
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = {"demo.yaml", "demo-moe.yaml", "qwen3-8b_megatron-tp2_vllm-tp2.yaml",
@@ -28,18 +29,7 @@ QUICK = {"demo.yaml", "demo-moe.yaml", "qwen3-8b_megatron-tp2_vllm-tp2.yaml",
          "qwen3-4b_dp8_to_vllm-tp8.yaml", "qwen3-4b_pp2dp4_to_vllm-tp4dp2.yaml"}
 """Configs that compile in a few seconds (the rest, up to DeepSeek-V3's 8 M writes, are in
 the opt-in profile, `-m extended`)."""
-TRACED = {"gemma-3-1b_fsdp2-8_vllm-tp1-x8.yaml"}
-CONFIGS = sorted([*ROOT.glob("plans/*.yaml"), *ROOT.glob("plans/published/*.yaml")])
 RANK_TABLES = ("writes", "batches", "copies", "signals", "waits")
-
-
-def _param(path: Path) -> object:
-    marks = [] if path.name in QUICK else [pytest.mark.extended]
-    if path.name in TRACED:
-        marks.append(pytest.mark.skipif(
-            __import__("importlib.util").util.find_spec("vllm") is None,
-            reason="tracing needs vLLM"))
-    return pytest.param(path, id=path.name, marks=marks)
 
 
 def _same_rank(a: P.RankPlan, b: P.RankPlan, what: str) -> None:
@@ -61,7 +51,7 @@ def _blob(path: Path, name: str) -> object:
         return P.read_blob(f, header, start, name, str(path))
 
 
-@pytest.mark.parametrize("config", [_param(p) for p in CONFIGS])
+@pytest.mark.parametrize("config", [shipped_param(p, QUICK) for p in CONFIGS])
 def test_both_forms_of_a_shipped_plan_decode_alike(config: Path, tmp_path: Path) -> None:
     plan = compile_config(*load(str(config)))
     compact, plain = tmp_path / "c.rplan", tmp_path / "p.rplan"
