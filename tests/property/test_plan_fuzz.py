@@ -13,7 +13,7 @@ bounded time per mutant),
 `plan_key` refuses every mutant, and where one rank holds the mutant and the others the
 base plan, the ranks refuse each other or the data is right.
 
-Profiles: 300 mutants in the README's test command; 600 others (the next seed) in the deep
+Profiles: 150 mutants in the README's test command; 600 others (the next seed) in the deep
 profile (`pytest -m deep`, which `.ci/run` runs after it); `RPLAN_FUZZ_MUTANTS` (default
 3000) in the opt-in profile (`pytest -m extended`), with `RPLAN_FUZZ_SEED` (default 0); e.g.
 `RPLAN_FUZZ_MUTANTS=20000 RPLAN_FUZZ_SEED=7 pytest tests/property/test_plan_fuzz.py` for a
@@ -39,7 +39,7 @@ from tests.property import fuzz
 from tests.support.clock import guard_s, no_answer
 
 MUTANTS = int(os.environ.get("RPLAN_FUZZ_MUTANTS", "3000"))
-QUICK = min(MUTANTS, 300)
+QUICK = min(MUTANTS, 150)
 DEEP = min(MUTANTS, 600)
 """The deep profile's size: every kind of mutant (raw bytes, ops, msgpack fields) a hundred
 times or more, a fifth of the opt-in run's."""
