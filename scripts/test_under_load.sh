@@ -10,8 +10,11 @@ n="${LOAD_PROCS:-6}"
 hogs=()
 stop_hogs() { [ ${#hogs[@]} -gt 0 ] && kill "${hogs[@]}" 2>/dev/null; hogs=(); }
 trap stop_hogs EXIT
+# Each load process in a session of its own: where the kernel groups CPU time by session
+# (sched_autogroup), hogs in pytest's own session would only slow pytest; in sessions of their
+# own they load the whole box, as N busy neighbours would.
 for _ in $(seq "$n"); do
-  bash -c 'while :; do :; done' &
+  setsid bash -c 'while :; do :; done' &
   hogs+=($!)
 done
 echo "test_under_load: $n CPU-bound processes started on $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)"
