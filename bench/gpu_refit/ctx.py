@@ -134,12 +134,13 @@ class Ctx:
         return dict(_stats(times), start_skew_us=statistics.median(skews) * 1e6)
 
     def profile(self, step, label: str, steps: int = 3) -> None:
-        """Profile `steps` steps on ranks 0 and 2; print the top ops."""
+        """Profile `steps` steps on every trainer rank and the first target; print the top
+        ops."""
         if not self.args.profile or not self.gpu:
             return
         from torch.profiler import ProfilerActivity, profile
 
-        on = self.rank in (0, self.setup.targets[0])
+        on = self.rank in (*self.setup.trainers, self.setup.targets[0])
         self.barrier()
         if on:
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
