@@ -12,9 +12,9 @@ traceback):
   the step's critical path), `STEP_DELAY_S` after it is asked to, the newest record
   then pending (its Python work, sealing, takes the GIL from the step, a visible share of
   a sub-millisecond step); while steps follow one another it naps `STEP_DELAY_S` between
-  writes and a publish only leaves its record (waking a waiting thread cost a step ~5-10
-  us each time: a futex call and the GIL handed over and back), and only a publish that
-  finds it idle wakes it; elsewhere the caller does;
+  writes and a publish only leaves its record (waking a waiting thread costs the step a
+  futex call and the GIL handed over and back), and only a publish that finds it idle
+  wakes it; elsewhere the caller does;
 - `<ns>/lease/<r>`: the lease: the holding process's incarnation, its generation (one more
   than the process it replaced), a heartbeat counter and the wall-clock time of the beat
   (`at`), all under the MAC.
