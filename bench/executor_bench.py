@@ -127,7 +127,8 @@ def worker(path: str, rank: int, port: int, steps: int, transport: str, device: 
     x = _data(n, rank, device)
     plan = executor.load(path, rank, {"x": x}, transport=transport, rendezvous=store,
                          timeout_s=120, transport_options=json.loads(options) or None,
-                         no_identity=True)
+                         no_identity=True,
+                         step_records=os.environ.get("BENCH_STEP_RECORDS", "1") != "0")
     prof = cProfile.Profile() if os.environ.get("BENCH_PROFILE") else None
     runs = [executor.run(plan)]  # warm-up
     trace = step_trace.attach(plan) if os.environ.get("BENCH_TRACE") else None

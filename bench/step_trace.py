@@ -20,8 +20,9 @@ from executor.waits import KIND_NAMES
 
 
 def attach(ex: Any) -> list[list[tuple[str, float]]]:
-    """Record `ex`'s steps from now on (wraps `run`, `_hand_off`, its signals' `wait` and
-    `send` and its transport's `post` and `done`); the list fills as it runs."""
+    """Record `ex`'s steps from now on (wraps `run`, `begin_step`, `end_step`, `_hand_off`,
+    its signals' `wait`, `send` and `sync` and its transport's `post` and `done`); the list
+    fills as it runs."""
     steps: list[list[tuple[str, float]]] = []
     run, hand_off = ex.run, ex._hand_off
     wait, signal = ex.signals.wait, ex.signals.send
@@ -66,7 +67,27 @@ def attach(ex: Any) -> list[list[tuple[str, float]]]:
             mark("landed")
         return ok
 
+    def after(obj: Any, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def wrapped(*a: Any, **k: Any) -> Any:
+            out = fn(*a, **k)
+            mark(label)
+            return out
+        setattr(obj, name, wrapped)
+
+    def before(obj: Any, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def wrapped(*a: Any, **k: Any) -> Any:
+            mark(label)
+            return fn(*a, **k)
+        setattr(obj, name, wrapped)
+
     ex.run, ex._hand_off = t_run, t_hand_off
+    after(ex, "begin_step", "begun")
+    before(ex, "end_step", "ending")
+    after(ex.signals, "sync", "synced")
     ex.signals.wait, ex.signals.send = t_wait, t_signal
     ex.transport.post, ex.transport.done = t_post, t_done
     return steps

@@ -11,7 +11,10 @@ traceback):
   path a publisher thread writes it (`publish_step(later=True)`: no store round trip on
   the step's critical path), `STEP_DELAY_S` after it is asked to, the newest record
   then pending (its Python work, sealing, takes the GIL from the step, a visible share of
-  a sub-millisecond step); elsewhere the caller does;
+  a sub-millisecond step); while steps follow one another it naps `STEP_DELAY_S` between
+  writes and a publish only leaves its record (waking a waiting thread costs the step a
+  futex call and the GIL handed over and back), and only a publish that finds it idle
+  wakes it; elsewhere the caller does;
 - `<ns>/lease/<r>`: the lease: the holding process's incarnation, its generation (one more
   than the process it replaced), a heartbeat counter and the wall-clock time of the beat
   (`at`), all under the MAC.
@@ -91,6 +94,8 @@ class Control:
         self.step_pending: tuple[int, bool, int] | None = None  # (step, running, epoch)
         self.step_epoch = 0  # bumped by every synchronous publish: older pendings are void
         self.step_thread: threading.Thread | None = None
+        self.step_idle = True
+        """The publisher waits for a record with nothing pending (a publish must wake it)."""
         self.token = os.urandom(8).hex()
         """This process's beat key token (named only in its encrypted rank record)."""
         self.tokens: dict[int, tuple[int, str]] = {}
@@ -240,10 +245,9 @@ class Control:
         the publisher thread (a store round trip off the step's path; a newer publish
         replaces one not written yet, and a synchronous one voids it)."""
         if later and self.thread is not None and not self.stop.is_set():
-            with self.step_cv:  # wake the publisher only if it has nothing: a wake-up takes
-                idle = self.step_pending is None  # the GIL from the step too
-                self.step_pending = (int(step), bool(running), self.step_epoch)
-                if idle:
+            with self.step_cv:  # wake the publisher only if it is idle: a wake-up costs
+                self.step_pending = (int(step), bool(running), self.step_epoch)  # the step
+                if self.step_idle:  # a futex call and the GIL handed over and back
                     self.step_cv.notify()
             if self.step_thread is None:
                 self.step_thread = threading.Thread(target=self._publisher, daemon=True,
@@ -261,10 +265,16 @@ class Control:
     def _publisher(self) -> None:
         while True:
             with self.step_cv:
-                while self.step_pending is None and not self.stop.is_set():
-                    self.step_cv.wait(BEAT_S)
-                if not self.stop.is_set():  # newer records of fast steps replace this one
+                if self.step_pending is None and not self.stop.is_set():
+                    # a nap no publish ends: while steps follow one another, each publish
+                    # only leaves its record here for the next write
                     self.step_cv.wait_for(self.stop.is_set, STEP_DELAY_S)
+                while self.step_pending is None and not self.stop.is_set():
+                    self.step_idle = True  # idle: the next publish wakes this thread
+                    self.step_cv.wait(BEAT_S)
+                woken, self.step_idle = self.step_idle, False
+                if woken and not self.stop.is_set():  # newer records of fast steps replace
+                    self.step_cv.wait_for(self.stop.is_set, STEP_DELAY_S)  # this one
                 got, self.step_pending = self.step_pending, None
             if got is None:
                 if self.stop.is_set():

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import statistics
+import time
 import traceback
 from datetime import timedelta
 
@@ -44,6 +46,44 @@ class Ctx:
         self.trainers = dist.new_group(list(setup.trainers), timeout=limit)
         self.bcast = dist.new_group([0, *setup.targets], timeout=limit)
         self.runs = 0
+        self.line, self.crossed = self._start_line(args.port), 0
+
+    def _start_line(self, port: int):
+        """One int64 slot per rank in a shared-memory file (every rank is on this host):
+        `start` has each rank write its count there and spin until every slot has it, so
+        ranks leave within microseconds of each other (a gloo barrier lets them go tens
+        to hundreds of microseconds apart, and a timed step runs from the first rank's
+        start); None where /dev/shm is not there (the barrier alone then)."""
+        import numpy as np
+
+        path = f"/dev/shm/rplan-bench-{port}"
+        size = 8 * self.setup.world
+        try:
+            if self.rank == 0:
+                with open(path, "wb") as f:
+                    f.write(bytes(size))
+            self.dist.barrier(group=self.cpu_group)
+            with open(path, "r+b") as f:
+                mem = mmap.mmap(f.fileno(), size)
+            self.dist.barrier(group=self.cpu_group)
+            if self.rank == 0:
+                os.unlink(path)
+        except OSError:
+            return None
+        return np.frombuffer(mem, dtype=np.int64)
+
+    def start(self) -> None:
+        """Leave together: after `barrier`, every rank spins at the start line."""
+        self.barrier()
+        if self.line is None:
+            return
+        self.crossed += 1
+        self.line[self.rank] = self.crossed
+        deadline = time.monotonic() + max(180.0, 3 * self.args.exec_timeout)
+        while int(self.line.min()) < self.crossed:
+            if time.monotonic() > deadline:
+                raise StepError(f"rank {self.rank}: the other ranks did not reach the start "
+                                "line")
 
     def sync(self) -> None:
         if self.gpu:
@@ -75,11 +115,11 @@ class Ctx:
                     error = f"rank {self.rank}: {type(e).__name__}: {e}"
 
         for _ in range(warmup):
-            self.barrier()
+            self.start()
             one()
         starts, ends = [], []
         for _ in range(steps):
-            self.barrier()
+            self.start()
             t0 = now()
             one()
             starts.append(t0)
@@ -90,15 +130,17 @@ class Ctx:
         if errors:
             raise StepError(errors[0])
         times = [max(e[1][i] for e in allr) - min(e[0][i] for e in allr) for i in range(steps)]
-        return _stats(times)
+        skews = [max(e[0][i] for e in allr) - min(e[0][i] for e in allr) for i in range(steps)]
+        return dict(_stats(times), start_skew_us=statistics.median(skews) * 1e6)
 
     def profile(self, step, label: str, steps: int = 3) -> None:
-        """Profile `steps` steps on ranks 0 and 2; print the top ops."""
+        """Profile `steps` steps on every trainer rank and the first target; print the top
+        ops."""
         if not self.args.profile or not self.gpu:
             return
         from torch.profiler import ProfilerActivity, profile
 
-        on = self.rank in (0, self.setup.targets[0])
+        on = self.rank in (*self.setup.trainers, self.setup.targets[0])
         self.barrier()
         if on:
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])

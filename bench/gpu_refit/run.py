@@ -146,6 +146,9 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
 
             res = ctx.timed(step, args.warmup, args.steps)
             res["load_s"] = load_s
+            if rank == 0:
+                print(f"[{model}] {label}: median {res['median']:.4f} s, the ranks' starts "
+                      f"{res['start_skew_us']:.1f} us apart (median)", flush=True)
             res["bit_exact"] = verify(label, seed)
             if not ctx.gpu and rank == setup.targets[0] and res["bit_exact"]:  # the check can fail
                 t = next(iter(tensors.values()))

@@ -49,9 +49,10 @@ class CudaIpcOptions:
     engines, where its copies average under `kernel_max_mean_bytes` (a peer on another
     GPU: `peer_kernel_max_mean_bytes`); false keeps the SMs free for compute running
     beside the transfer."""
-    kernel_max_mean_bytes: int = 1 << 40
+    kernel_max_mean_bytes: int = 32 << 20
     """Batches into a peer on this GPU whose copies average this or more go through the
-    copy engines."""
+    copy engines: there the engines overtake the kernel on one GPU (BENCHMARKS.md,
+    "Executor")."""
     peer_kernel_max_mean_bytes: int = 32 << 20
     """The same for a peer on another GPU (the kernel writes over NVLink); where
     the engines overtake the kernel: BENCHMARKS.md, "Executor against a raw copy on GPU"."""
