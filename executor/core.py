@@ -137,8 +137,17 @@ class Executor:
         `no_identity=True` (logged; `trust.py`)."""
         o = LoadOptions.of(options, fields)
         header, plan = load_rank(path, rank, None if o.plan_key is None else read_key(o.plan_key))
-        check_identity(header, plan.identity, rank, o.identity, o.no_identity, path)  # first
-        ex = Executor(header, plan, tensors, o)
+        return Executor.load_part(header, plan, tensors, o, path)
+
+    @staticmethod
+    def load_part(header: PlanHeader, plan: RankPlan, tensors: dict[str, torch.Tensor],
+                  options: LoadOptions, path: str = "plan") -> Executor:
+        """`load` of a rank's part its caller has read (`schemas.plan.read_rank`, under the
+        header's signature where `options.plan_key` asked for one): identity first, then
+        bind, register and connect."""
+        check_identity(header, plan.identity, plan.rank, options.identity,
+                       options.no_identity, path)  # first
+        ex = Executor(header, plan, tensors, options)
         ex.register()
         ex.connect()
         return ex
