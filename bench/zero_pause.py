@@ -69,7 +69,7 @@ class World:
         plan = load_plan(path)
         fabric = Fabric()
         self.exs = {rp.rank: Executor(plan.header, rp, src.get(rp.rank) or bind[rp.rank],
-                                      "local", fabric, step_records=False,
+                                      transport="local", rendezvous=fabric, step_records=False,
                                       timeout_s=TIMEOUT_S)
                     for rp in plan.ranks}
         for ex in self.exs.values():
@@ -230,8 +230,9 @@ def bench_bounded(d: int, k: int, args: argparse.Namespace, device: torch.device
 
     def load(r: int) -> None:
         kw = dict(timeout_s=TIMEOUT_S, step_records=False, no_identity=True)
-        out[r] = (load_chunks(path, r, src[r], "local", fabric, **kw) if r < S else
-                  BoundedShadow.load(path, r, live[r], "local", fabric, **kw))
+        out[r] = (load_chunks(path, r, src[r], transport="local", rendezvous=fabric,
+                              **kw) if r < S else
+                  BoundedShadow.load(path, r, live[r], transport="local", rendezvous=fabric, **kw))
     _join([threading.Thread(target=_guarded(load, f"bounded load of rank {r}"), args=(r,))
            for r in range(S + T)])
     rows: dict[str, list[float]] = {"refit": [], "switch": []}

@@ -1,35 +1,39 @@
 """The executor: replays a compiled plan every RL step with one-sided writes.
 
     plan = executor.load("plan.rplan", rank, dict(model.named_parameters()),
-                         transport="nixl", rendezvous="host:port")
+                         transport="nixl", rendezvous="host:port")   # or LoadOptions(...)
     stats = executor.run(plan)
 """
 
 from schemas.identity import IdentityError
+from schemas.shadow import shadow_bytes as shadow_extra_bytes
 
 from .bounded import BoundedShadow, BoundedStats, load_chunks, run_chunks
-from .core import Executor, RunStats, load, run
+from .core import Executor, load, run
 from .errors import (
-                     BindError,
-                     ForgedRecordError,
-                     LeaseHeldError,
-                     LeaseLostError,
-                     NoSecretError,
-                     PeerAbortError,
-                     PeerLostError,
-                     PeerMismatchError,
-                     PeerTimeoutError,
-                     PlanBoundsError,
+    BindError,
+    ForgedRecordError,
+    LeaseHeldError,
+    LeaseLostError,
+    NoSecretError,
+    PeerAbortError,
+    PeerLostError,
+    PeerMismatchError,
+    PeerTimeoutError,
+    PlanBoundsError,
+    PlanDeadlockError,
+    TornUpdateError,
+    TransportOptionError,
 )
+from .options import LoadOptions
 from .rendezvous import connect_store
-from .shadow import Shadow, TornUpdateError, shadow_extra_bytes
-from .stats import ShadowStats
-from .world import PlanDeadlockError, run_all_local
+from .shadow import Shadow
+from .stats import RunStats, ShadowStats
+from .world import run_all_local
 
 __all__ = ["BindError", "BoundedShadow", "BoundedStats", "Executor", "ForgedRecordError",
-           "IdentityError", "LeaseHeldError",
-           "LeaseLostError", "NoSecretError", "PeerAbortError", "PeerLostError",
-           "PeerMismatchError", "PeerTimeoutError", "PlanBoundsError", "PlanDeadlockError",
-           "connect_store",
-           "RunStats", "Shadow", "ShadowStats", "TornUpdateError", "load", "run", "run_all_local",
-           "shadow_extra_bytes", "load_chunks", "run_chunks"]
+           "IdentityError", "LeaseHeldError", "LeaseLostError", "LoadOptions", "NoSecretError",
+           "PeerAbortError", "PeerLostError", "PeerMismatchError", "PeerTimeoutError",
+           "PlanBoundsError", "PlanDeadlockError", "RunStats", "Shadow", "ShadowStats",
+           "TornUpdateError", "TransportOptionError", "connect_store", "load", "load_chunks",
+           "run", "run_all_local", "run_chunks", "shadow_extra_bytes"]

@@ -1,8 +1,8 @@
 """A bounded shadow: the refit streams through one buffer of N bytes, chunk by chunk.
 
-    target:  shadow = BoundedShadow.load(path, rank, live, transport, rendezvous, ...)
+    target:  shadow = BoundedShadow.load(path, rank, live, transport=..., rendezvous=...)
              stats = shadow.run(step)        # chunk k: transfer into the buffer, switch
-    source:  chunks = load_chunks(path, rank, tensors, transport, rendezvous, ...)
+    source:  chunks = load_chunks(path, rank, tensors, transport=..., rendezvous=...)
              run_chunks(chunks, step)
 
 The plan file (`schemas/bounded_plan.py`, compiled with `target.shadow: {budget_bytes: N}`
@@ -45,6 +45,7 @@ plus each chunk plan's own staging where it has one (as any plan's).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -59,8 +60,10 @@ from schemas.plan import STAGING, RankPlan
 
 from .bind import bind, torch_dtype
 from .cleanup import best_effort
-from .core import Executor, RunStats
-from .shadow import TornUpdateError
+from .core import Executor
+from .errors import TornUpdateError
+from .options import LoadOptions
+from .stats import RunStats
 from .switch import SwitchCopies
 from .trust import check_identity
 
@@ -96,30 +99,32 @@ def chunk_rendezvous(rendezvous: object, k: int, rank: int = 0, timeout_s: float
     return dist.PrefixStore(f"rplan-chunk{k}/", rendezvous)
 
 
-def _parts(path: str, rank: int, plan_key: bytes | str | None, identity: dict | None,
-           no_identity: bool) -> tuple[int, list[tuple[Any, RankPlan]]]:
+def _parts(path: str, rank: int, o: LoadOptions) -> tuple[int, list[tuple[Any, RankPlan]]]:
     """The budget and rank `rank`'s part of every chunk, all read and checked before any
     executor is made (a broken chunk k is refused before chunk 0 connects)."""
-    key = None if plan_key is None else read_key(plan_key)
+    key = None if o.plan_key is None else read_key(o.plan_key)
     budget, parts = load_rank_chunks(path, rank, key)
     for k, (header, rp) in enumerate(parts):
-        check_identity(header, rp.identity, rank, identity, no_identity, f"{path} chunk {k}")
+        check_identity(header, rp.identity, rank, o.identity, o.no_identity,
+                       f"{path} chunk {k}")
     return budget, parts
 
 
+def chunk_options(o: LoadOptions, k: int, rank: int) -> LoadOptions:
+    """`o` for chunk k's executor: its rendezvous namespace (`chunk_rendezvous`)."""
+    return dataclasses.replace(o, rendezvous=chunk_rendezvous(o.rendezvous, k, rank,
+                                                              o.timeout_s))
+
+
 def load_chunks(path: str, rank: int, tensors: dict[str, torch.Tensor],
-                transport: str = "nixl", rendezvous: object = None, timeout_s: float = 60.0,
-                plan_key: bytes | str | None = None, identity: dict | None = None,
-                **options: Any) -> list[Executor]:
+                options: LoadOptions | None = None, **fields: Any) -> list[Executor]:
     """A source rank's executors of a bounded plan, one per chunk, each bound to `tensors`,
     registered and connected (every rank loads the chunks in the same order)."""
-    no_identity = bool(options.pop("no_identity", False))
-    _, parts = _parts(path, rank, plan_key, identity, no_identity)
+    o = LoadOptions.of(options, fields)
+    _, parts = _parts(path, rank, o)
     out: list[Executor] = []
     for k, (header, rp) in enumerate(parts):
-        ex = Executor(header, rp, tensors, transport, chunk_rendezvous(rendezvous, k, rank,
-                                                                      timeout_s),
-                      timeout_s, **options)
+        ex = Executor(header, rp, tensors, chunk_options(o, k, rank))
         ex.register()
         ex.connect()
         out.append(ex)
@@ -196,20 +201,16 @@ class BoundedShadow:
         self.last: BoundedStats | None = None
 
     @classmethod
-    def load(cls, path: str, rank: int, live: dict[str, torch.Tensor], transport: str = "nixl",
-             rendezvous: object = None, timeout_s: float = 60.0,
-             plan_key: bytes | str | None = None, identity: dict | None = None,
-             **options: Any) -> BoundedShadow:
+    def load(cls, path: str, rank: int, live: dict[str, torch.Tensor],
+             options: LoadOptions | None = None, **fields: Any) -> BoundedShadow:
         """Load every chunk of rank `rank` (register, connect: all ranks in the same order)."""
-        no_identity = bool(options.pop("no_identity", False))
-        budget, parts = _parts(path, rank, plan_key, identity, no_identity)
+        o = LoadOptions.of(options, fields)
+        budget, parts = _parts(path, rank, o)
         self = cls(live, budget)
         for _, rp in parts:  # every chunk's tensors against `live`, before any connects
             self.bind_live(rp)
         for k, (header, rp) in enumerate(parts):
-            ex = Executor(header, rp, self.views(rp), transport,
-                          chunk_rendezvous(rendezvous, k, rank, timeout_s), timeout_s,
-                          **options)
+            ex = Executor(header, rp, self.views(rp), chunk_options(o, k, rank))
             ex.register()
             ex.connect()
             self.attach(ex)

@@ -32,7 +32,7 @@ from schemas.header import PlanHeader
 from schemas.integrity import plan_key as read_key
 from schemas.integrity import rank_digest
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, RankPlan, load_rank
-from schemas.protocol import INFLIGHT, Overlap, carries
+from schemas.protocol import Overlap, carries
 
 from . import signals
 from .auth import keys_from
@@ -42,6 +42,8 @@ from .check import check_against_header, check_rank_plan, check_rank_verify, che
 from .cleanup import best_effort
 from .control import Control
 from .errors import PeerLostError, PeerMismatchError
+from .gpu.graphs import device_sync
+from .options import LoadOptions
 from .pipeline import SHARES, beside_quants, groups, link
 from .recovery import Recovery
 from .rendezvous import open_store
@@ -49,7 +51,6 @@ from .stages import Stage, prepare_stage
 from .stats import RunStats, received_bytes
 from .transports import make_transport
 from .transports.base import Prepared, check_peer_desc
-from .transports.graphs import device_sync
 from .trust import check_identity
 from .waits import Sender, Signals
 from .window import Window
@@ -57,24 +58,25 @@ from .window import Window
 
 class Executor:
     def __init__(self, header: PlanHeader, plan: RankPlan,
-                 tensors: dict[str, torch.Tensor], transport: str = "nixl",
-                 rendezvous: object = None, timeout_s: float = 60.0,
-                 max_inflight: int = INFLIGHT, *, secret: bytes | str | None = None,
-                 insecure: bool = False,
-                 transport_options: dict[str, Any] | None = None,
-                 step_records: bool = True, max_staging_bytes: int | None = None,
-                 pack_groups: int | None = None) -> None:
+                 tensors: dict[str, torch.Tensor], options: LoadOptions | None = None,
+                 **fields: Any) -> None:
+        """Rank `plan.rank`'s executor, bound to `tensors` (not yet registered or
+        connected: `load` does both). `options`/`fields`: `LoadOptions` (its `plan_key`,
+        `identity` and `no_identity` are `load`'s to check, before this)."""
+        o = self.options = LoadOptions.of(options, fields)
+        transport, rendezvous, timeout_s = o.transport, o.rendezvous, o.timeout_s
+        secret, insecure = o.secret, o.insecure
         check_rank_plan(plan)
         check_rank_verify(plan, header)  # what verify refuses on this rank's part alone
         check_against_header(plan, header)
-        check_staging(plan, tensors, header, max_staging_bytes)  # before bind allocates it
+        check_staging(plan, tensors, header, o.max_staging_bytes)  # before bind allocates it
         self.plan, self.rank, self.timeout_s, self.header = plan, plan.rank, timeout_s, header
-        self.max_inflight = max(1, max_inflight)
-        self.pack_groups = len(SHARES) if pack_groups is None else max(0, pack_groups)
+        self.max_inflight = max(1, o.max_inflight)
+        self.pack_groups = len(SHARES) if o.pack_groups is None else max(0, o.pack_groups)
         self.fingerprint = header.fingerprint
         self.tag = signals.fingerprint_tag(self.fingerprint)
         self.namespace = "rplan"  # not per plan: a peer on another plan must be told so
-        make = make_transport(transport, transport_options)  # names checked before anything
+        make = make_transport(transport, o.transport_options)  # names checked before anything
         self.regions = bind(plan.rank, plan.regions, tensors)
         self.device = device = self.regions[0].device if self.regions else torch.device("cpu")
         if transport == "local":
@@ -121,32 +123,31 @@ class Executor:
                                self.recovery.refresh_peers)
         self.bytes_per_step = int(plan.writes["nbytes"].sum())
         self.received_per_step = received_bytes(header, self.rank)
-        self.step_records = step_records
-        """Publish each step's record (where a restarted peer joins, recovery.py); off
-        where no process can join: `run_all_local` holds every rank for one call."""
+        self.step_records = o.step_records
+        """Publish each step's record (`LoadOptions.step_records`)."""
 
     @staticmethod
-    def load(path: str, rank: int, tensors: dict[str, torch.Tensor], transport: str = "nixl",
-             rendezvous: object = None, timeout_s: float = 60.0,
-             max_inflight: int = INFLIGHT, plan_key: bytes | str | None = None,
-             identity: dict | None = None,
-             **options: Any) -> Executor:
+    def load(path: str, rank: int, tensors: dict[str, torch.Tensor],
+             options: LoadOptions | None = None, **fields: Any) -> Executor:
         """Load rank `rank` of a plan, bind `tensors`, register once and connect to the peers
-        (`executor.load` is this function).
+        (`executor.load` is this function). `options` (`LoadOptions`), or its fields as
+        keywords: the plan is refused unless signed with `plan_key`, and a plan rank whose
+        coordinates (or its part's) differ from `identity` is refused (`IdentityError`,
+        naming both) before registration; without an identity the load is refused unless
+        `no_identity=True` (logged; `trust.py`)."""
+        o = LoadOptions.of(options, fields)
+        header, plan = load_rank(path, rank, None if o.plan_key is None else read_key(o.plan_key))
+        return Executor.load_part(header, plan, tensors, o, path)
 
-        `plan_key`: refuse a plan not signed with this key (bytes, or a key file's path).
-        `identity` (this process's coordinates, `schemas/identity.py`): a plan rank with
-        other coordinates, or whose part was compiled for other coordinates, is refused
-        (`IdentityError`, naming both) before registration; without one the load is refused
-        unless `no_identity=True` (logged; `trust.py`). Keyword options: `secret` (the job
-        secret, else `RDMA_PLAN_SECRET`), `insecure=True` (run without one; logs a warning),
-        `transport_options` (a dict of the transport's options dataclass, e.g.
-        `{"streams": 2}` for cuda_ipc), `pack_groups` (`pipeline.py`)."""
-        no_identity = bool(options.pop("no_identity", False))
-        header, plan = load_rank(path, rank, None if plan_key is None else read_key(plan_key))
-        check_identity(header, plan.identity, rank, identity, no_identity, path)  # first
-        ex = Executor(header, plan, tensors, transport, rendezvous, timeout_s, max_inflight,
-                      **options)
+    @staticmethod
+    def load_part(header: PlanHeader, plan: RankPlan, tensors: dict[str, torch.Tensor],
+                  options: LoadOptions, path: str = "plan") -> Executor:
+        """`load` of a rank's part its caller has read (`schemas.plan.read_rank`, under the
+        header's signature where `options.plan_key` asked for one): identity first, then
+        bind, register and connect."""
+        check_identity(header, plan.identity, plan.rank, options.identity,
+                       options.no_identity, path)  # first
+        ex = Executor(header, plan, tensors, options)
         ex.register()
         ex.connect()
         return ex
@@ -341,8 +342,7 @@ class Executor:
         handed = set()
         for peer in self.stages[s].done_to:
             try:
-                if self.transport.notify_landed(handles, peer,  # type: ignore[attr-defined]
-                                                self.signals.msg(peer, s, DONE)):
+                if self.transport.notify_landed(handles, peer, self.signals.msg(peer, s, DONE)):
                     handed.add(peer)
             except Exception as e:  # transports raise their own types
                 raise PeerLostError(self.rank, peer, f"send DONE of stage {s}", e) from e

@@ -77,3 +77,17 @@ class LeaseLostError(RuntimeError):
 class RendezvousError(UserError, RuntimeError):
     """The rendezvous store could not be hosted or reached (names the address and the fix)."""
 
+
+class TransportOptionError(UserError):
+    """An unknown transport, or an option it does not have or of the wrong type."""
+
+
+class PlanDeadlockError(UserError, RuntimeError):
+    """A rank waits for a signal that no earlier step of the protocol sends."""
+
+
+class TornUpdateError(RuntimeError):
+    """An update did not complete and no version was committed (here: the shadow step did
+    not complete, the live weights are untouched). The base of the integrations' own
+    `TornUpdateError`s (vLLM, SGLang), so `except executor.TornUpdateError` catches all."""
+

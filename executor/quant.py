@@ -44,7 +44,7 @@ def quantize_into(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor,
 def prepare_quants(copies: Table, rows: np.ndarray, regions: list[torch.Tensor]) -> list[Op]:
     """On a GPU, one kernel for the rows it takes (`quant_kernel.py`); one op per other
     QUANT row, with its views and scratch built now, not per step."""
-    from .quant_kernel import prepare
+    from .gpu.quant_kernel import prepare
 
     kernel, rows = prepare(copies, rows, regions)
     ops = [kernel] if kernel is not None else []

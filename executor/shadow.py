@@ -8,7 +8,7 @@
     pause_s = shadow.switch()                  # between two engine steps: shadow -> live
 
 **Memory.** A full shadow costs the target's weight bytes once more (`extra_bytes`,
-`shadow_extra_bytes(rank_plan)` for `rdma-plan inspect`). The shadow is allocated once (a
+`schemas.shadow.shadow_bytes(rank_plan)` for `rdma-plan inspect`). The shadow is allocated once (a
 copy of `live`, so bytes the plan does not write keep their value) and registered once: the
 executor binds it, never `live`.
 
@@ -57,19 +57,12 @@ from typing import Any
 import torch
 
 from schemas.plan import RankPlan
-from schemas.shadow import shadow_bytes as shadow_extra_bytes
 
-from .core import Executor, RunStats
-from .stats import ShadowStats
+from .core import Executor
+from .errors import TornUpdateError
+from .options import LoadOptions
+from .stats import RunStats, ShadowStats
 from .switch import SwitchCopies
-
-__all__ = ["Shadow", "TornUpdateError", "shadow_extra_bytes", "switch_ops"]
-
-
-class TornUpdateError(RuntimeError):
-    """An update did not complete and no version was committed (here: the shadow step did
-    not complete, the live weights are untouched). The base of the integrations' own
-    `TornUpdateError`s (vLLM, SGLang), so `except executor.TornUpdateError` catches all."""
 
 
 class Shadow:
@@ -103,12 +96,12 @@ class Shadow:
         """The switch's copies (one launch per chunk on a GPU: `executor/switch.py`)."""
 
     @classmethod
-    def load(cls, path: str, rank: int, live: dict[str, torch.Tensor], **load_options: Any
-             ) -> Shadow:
-        """`executor.load(path, rank, <the shadow>, **load_options)` around a new shadow."""
-        from .core import load
+    def load(cls, path: str, rank: int, live: dict[str, torch.Tensor],
+             options: LoadOptions | None = None, **fields: Any) -> Shadow:
+        """`executor.load(path, rank, <the shadow>, options, **fields)` around a new
+        shadow."""
         shadow = cls(live)
-        shadow.attach(load(path, rank, shadow.tensors, **load_options))
+        shadow.attach(Executor.load(path, rank, shadow.tensors, options, **fields))
         return shadow
 
     def attach(self, ex: Executor) -> None:

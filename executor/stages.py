@@ -17,10 +17,10 @@ import torch
 from schemas.plan import ACK, DONE, PACK, QUANT, READY, SLOT_ACK, UNPACK, RankPlan
 
 from .copies import Op, prepare_copies
+from .gpu.graphs import as_graph
 from .pipeline import split
 from .quant import prepare_quants
 from .transports.base import Prepared, Transport, WriteBatch
-from .transports.graphs import as_graph
 
 
 @dataclass(slots=True)

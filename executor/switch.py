@@ -5,11 +5,11 @@ As eager `copy_` calls each pays the host's launch cost, so a switch of a few Mi
 takes several times one copy of its bytes (BENCHMARKS.md has the figures). On a GPU each
 chunk is built once, at attach, into one launch on the caller's current stream (the
 engine's: its next decode step is ordered after it):
-- up to `MANY` copies: captured as one CUDA graph (`transports/graphs.py`) and replayed:
+- up to `MANY` copies: captured as one CUDA graph (`gpu/graphs.py`) and replayed:
   one `_foreach_copy_` of those below `FEW_BELOW`, a `copy_` of each larger one
   (`transports/torch_copy.pair_copies`), at the device's local copy bandwidth;
 - more (a plan's switch ops of many small byte ranges): one launch of the batched copy
-  kernel (`transports/copy_kernel.py`) over a piece table, pieces cut so the grid fills
+  kernel (`gpu/copy_kernel.py`) over a piece table, pieces cut so the grid fills
   the device (one `copy_` node per range would cost more than its bytes). The kernel moves
   large ranges slower than `copy_` does, so it is not the choice for few large ones.
 Elsewhere (CPU; a capture that fails) the same ops run eagerly. Every live
@@ -23,8 +23,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .transports.copy_kernel import CHUNK, CopyKernel, piece_table
-from .transports.graphs import Replay, as_graph
+from .gpu.copy_kernel import CHUNK, CopyKernel, piece_table
+from .gpu.graphs import Replay, as_graph
 from .transports.torch_copy import pair_copies
 
 Pair = tuple[torch.Tensor, torch.Tensor]

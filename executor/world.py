@@ -16,17 +16,13 @@ from typing import Any
 
 import torch
 
-from schemas.errors import UserError
 from schemas.plan import load_plan
 
-from .core import Executor, RunStats
-from .errors import PeerTimeoutError
-from .transports.graphs import Replay, as_graph, recording
+from .core import Executor
+from .errors import PeerTimeoutError, PlanDeadlockError
+from .gpu.graphs import Replay, as_graph, recording
+from .stats import RunStats
 from .transports.local import Fabric
-
-
-class PlanDeadlockError(UserError, RuntimeError):
-    """A rank waits for a signal that no earlier step of the protocol sends."""
 
 
 def run_all_local(plan_path: str, tensors_by_rank: dict[int, dict[str, torch.Tensor]],
@@ -37,7 +33,8 @@ def run_all_local(plan_path: str, tensors_by_rank: dict[int, dict[str, torch.Ten
     before step k (1, 2, ...): e.g. new source weights, queued on the current stream."""
     plan = load_plan(plan_path)
     fabric = Fabric()
-    exs = [Executor(plan.header, rp, tensors_by_rank.get(rp.rank, {}), "local", fabric,
+    exs = [Executor(plan.header, rp, tensors_by_rank.get(rp.rank, {}), transport="local",
+                    rendezvous=fabric,
                     transport_options=transport_options, step_records=False)
            for rp in plan.ranks]  # no process can join a world that lives for this call
     for ex in exs:

@@ -19,14 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from schemas.errors import UserError
 from schemas.tensors import RankTensors
 
+from .errors import ModelMismatchError
+
 __all__ = ["Binding", "ModelMismatchError", "match", "tensor_sha256"]
-
-
-class ModelMismatchError(UserError):
-    """The live model and the plan disagree (names, shapes, dtypes, layers per stage)."""
 
 
 @dataclass(frozen=True)

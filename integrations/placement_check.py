@@ -17,12 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from schemas.errors import UserError
+from integrations.errors import PlacementMismatchError
 from schemas.placement import Placement
-
-
-class PlacementMismatchError(UserError):
-    """The engine's experts sit elsewhere than the plan was compiled for."""
 
 
 def _layer_state(module: torch.nn.Module) -> Any | None:
@@ -93,18 +89,18 @@ def sglang_metadata() -> Any | None:
     return get_global_expert_location_metadata()
 
 
-def at_begin(target: Any) -> None:
-    """SGLang's target at `begin`: the engine's placement against the plan's
-    (`target.placement`), before any write."""
-    plan, meta = target.placement, sglang_metadata()
+def at_begin(plan: Placement | None, rank: int) -> None:
+    """SGLang's target (plan rank `rank`) at `begin`: the engine's placement against the
+    plan's (`plan`: the header's `placement`), before any write."""
+    meta = sglang_metadata()
     rows = plan.layers if plan is not None else getattr(meta, "num_layers", 0)
-    check(sglang_placement(meta, rows), plan, f"SGLang target (plan rank {target.rank})")
+    check(sglang_placement(meta, rows), plan, f"SGLang target (plan rank {rank})")
 
 
-def at_update(backend: Any) -> None:
+def at_update(model: torch.nn.Module, plan: Placement | None) -> None:
     """vLLM's `rdma_plan` backend at `start_weight_update`: its model's placement against
-    the plan's (`backend.model`, `backend.placement`), before any write."""
-    check(vllm_placement(backend.model), backend.placement, "rdma_plan")
+    the plan's (`plan`: the header's `placement`), before any write."""
+    check(vllm_placement(model), plan, "rdma_plan")
 
 
 def check(engine: Placement | None, plan: Placement | None, where: str) -> None:

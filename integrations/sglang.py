@@ -34,25 +34,21 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 import executor
-from executor import trust
 from integrations import placement_check, tensor_sha256
+from integrations.engine_core import EngineCore
+from integrations.errors import TornUpdateError
 from schemas.errors import UserError
 from schemas.header import PlanHeader
 from schemas.identity import find_rank
-from schemas.integrity import plan_key as read_key
-from schemas.plan import STAGING, open_plan, read_header
-
-
-class TornUpdateError(executor.TornUpdateError):
-    """The plan did not complete on this rank: the weights are not whole; nothing committed.
-    (An operational failure, a peer lost mid-update, not bad input: no `UserError`; an
-    `executor.TornUpdateError`.)"""
 
 
 def identity(replica: int = 0, dp_rank: int = 0, parallel: Any = None) -> dict[str, int | str]:
@@ -95,8 +91,10 @@ def check_derived(model: torch.nn.Module, entries: list[dict[str, Any]]) -> None
                         "was compiled for another model or SGLang version: recompile it")
 
 
-class SGLangTarget:
-    """One SGLang engine rank bound to its plan rank (see the module docstring)."""
+class SGLangTarget(EngineCore):
+    """One SGLang engine rank bound to its plan rank (see the module docstring): the
+    engine core (`engine_core.py`) with SGLang's identity, derived-state check and
+    weight-update calls."""
 
     def __init__(self, model: torch.nn.Module, plan_path: str, *, updater: Any,
                  replica: int = 0, dp_rank: int = 0, transport: str = "nixl",
@@ -104,37 +102,20 @@ class SGLangTarget:
                  commit_version: Callable[[str], None] | None = None,
                  parallel: Any = None, plan_key: str | bytes | None = None,
                  allow_unsigned: bool = False, shadow: bool = False):
-        trust.signing(plan_key, allow_unsigned, where=f"SGLang target ({plan_path})")
-        key = None if plan_key is None else read_key(plan_key)
-        with open_plan(plan_path) as f:
-            header = read_header(f, plan_path, key)[0]
-        engine = header.target.engine if header.target is not None else None
-        if engine != "sglang":
-            raise UserError(f"{plan_path}: target.engine is {engine!r}, not 'sglang'; "
-                            "compile the plan with target.engine: sglang")
+        super().__init__(plan_path, "sglang", lambda _: identity(replica, dp_rank, parallel),
+                         plan_key=plan_key, allow_unsigned=allow_unsigned,
+                         where=f"SGLang target ({plan_path})")
         self.model, self.updater, self.commit_version = model, updater, commit_version
-        self.identity = identity(replica, dp_rank, parallel)
-        self.rank = plan_rank(header, self.identity, plan_path)
-        self.target_rank = self.rank - int(header.sources)
+        self.target_rank = self.rank - int(self.header.sources)
         """This rank in the plan's target layout (plan rank = sources + target rank)."""
-        self.derived = derived_of(header, self.rank)
-        self.placement = header.placement  # checked against SGLang's at each begin()
+        self.derived = derived_of(self.header, self.rank)
         check_derived(model, self.derived)
         self.tensors = {n: p.data for n, p in model.named_parameters()}
-        self.shadow = executor.Shadow(self.tensors) if shadow else None
-        """Shadow mode (`sglang_engine`): the plan writes this copy while SGLang serves."""
-        bound = self.tensors if self.shadow is None else self.shadow.tensors
-        self.plan = executor.load(plan_path, self.rank, bound, transport=transport,
-                                  rendezvous=rendezvous, timeout_s=timeout_s,
-                                  identity=self.identity, plan_key=plan_key)
-        if self.shadow is not None:
-            self.shadow.attach(self.plan)
-        self.version: str | None = None
+        """The live parameters; shadow mode (`sglang_engine`): the plan writes a shadow of
+        them while SGLang serves."""
         self.open = False
-
-    def written(self) -> list[str]:
-        """The names of the tensors the plan writes on this rank (its regions)."""
-        return [r.name for r in self.plan.plan.regions if r.name != STAGING]
+        self.load(self.tensors, shadow=self.tensors if shadow else None, transport=transport,
+                  rendezvous=rendezvous, timeout_s=timeout_s)
 
     def digests(self) -> dict[str, str]:
         """sha256 of the bytes of every tensor the plan writes on this rank, as the engine
@@ -159,7 +140,7 @@ class SGLangTarget:
 
     def begin(self) -> None:
         """SGLang's `begin_weight_update` on this rank (undoes in-place weight packing)."""
-        placement_check.at_begin(self)  # the engine's experts where the plan writes them
+        placement_check.at_begin(self.placement, self.rank)  # the experts where it writes
         self.updater.begin_weight_update()
         self.open = True
 
@@ -167,6 +148,7 @@ class SGLangTarget:
         """This rank's part of one plan step; raises (naming the peer) if a peer is gone."""
         if not self.open:
             raise UserError("receive: no weight update is open; call begin() first")
+        assert self.plan is not None, "loaded in __init__"
         return executor.run(self.plan)
 
     def end(self, version: str) -> None:
@@ -175,16 +157,93 @@ class SGLangTarget:
         leaves the session open and the version unchanged (run the next update)."""
         if not self.open:
             raise UserError("end: no weight update is open; call begin() first")
-        if not self.plan.complete:
+        if self.plan is None or not self.plan.complete:
             raise TornUpdateError(f"plan rank {self.rank}: the last update did not complete "
                                   "(a peer failed mid-step); the weights are not whole, "
                                   f"version stays {self.version!r}: do not resume generation; "
                                   "run receive() again, then end()")
         self.updater.end_weight_update(run_post_load=True)
         self.open = False
-        self.version = version
+        self.commit(version)
         if self.commit_version is not None:
             self.commit_version(version)
 
-    def close(self) -> None:
-        self.plan.close()
+
+JOIN_MARGIN_S = 30.0
+"""How long `end_weight_update` waits for the receive beyond the plan's own timeout."""
+
+
+@dataclass
+class EngineRank:
+    """The rdma-plan state of one bound scheduler process (`rank_state`): its target and
+    the update the plugin's hooks run on it."""
+
+    target: SGLangTarget
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    torn: str | None = None
+    """Why the weights are not whole (None when they are): generation must not resume."""
+    steps: list[executor.RunStats] = field(default_factory=list)
+    shadow_updates: list[executor.ShadowStats] = field(default_factory=list)
+    """Shadow mode: per switched update, its transfer and pause (the switch) seconds."""
+    finish_timeout_s: float | None = None
+
+    def receive(self) -> None:
+        try:
+            self.steps.append(executor.run(self._plan()))
+        except BaseException as e:  # noqa: BLE001  (reported by end_weight_update)
+            self.error = e
+
+    def _plan(self) -> executor.Executor:
+        assert self.target.plan is not None, "SGLangTarget loads it"
+        return self.target.plan
+
+    def start(self) -> None:
+        self.error = None
+        self.torn = "a weight update is in progress"
+        self.thread = threading.Thread(target=self.receive, name="rdma-plan-receive",
+                                       daemon=True)
+        self.thread.start()
+
+    def finish(self) -> str | None:
+        """Wait for the receive; None when this rank's step is whole, else why not."""
+        thread, self.thread = self.thread, None
+        assert thread is not None
+        thread.join(self._plan().timeout_s + JOIN_MARGIN_S)
+        if thread.is_alive():
+            self.thread = thread
+            return "the receive is still running"
+        if self.error is not None:
+            return f"{type(self.error).__name__}: {self.error}"
+        return None if self._plan().complete else "the plan step did not complete"
+
+
+@dataclass
+class SchedulerState:
+    """What the plugin knows of one SGLang scheduler: its bound rank, and what its hooks
+    saw of SGLang's public calls (so nothing reads SGLang's private fields)."""
+
+    rank: EngineRank | None = None
+    """Set by `rdma_plan_init` (None: not bound)."""
+    paused: bool = False
+    """`pause_generation` ran and `continue_generation` has not since."""
+    session: bool = False
+    """SGLang's weight-update session is open: its `begin_weight_update` succeeded and no
+    `end_weight_update` has since."""
+
+
+_SCHEDULERS: weakref.WeakKeyDictionary[Any, SchedulerState] = weakref.WeakKeyDictionary()
+
+
+def scheduler_state(scheduler: Any) -> SchedulerState:
+    """The plugin's state of `scheduler` (made at its first use)."""
+    state = _SCHEDULERS.get(scheduler)
+    if state is None:
+        state = _SCHEDULERS[scheduler] = SchedulerState()
+    return state
+
+
+def rank_state(scheduler: Any) -> EngineRank | None:
+    """The bound rank of `scheduler` (None: `rdma_plan_init` has not run there)."""
+    state = _SCHEDULERS.get(scheduler)
+    return None if state is None else state.rank

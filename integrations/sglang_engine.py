@@ -2,7 +2,7 @@
 
 An SGLang general plugin (entry point group `sglang.srt.plugins`, name `rdma_plan`:
 `register`). SGLang runs `load_plugins()` in every scheduler process before it builds the
-scheduler; `register` adds one scheduler method and four hooks, through SGLang's
+scheduler; `register` adds three scheduler methods and five hooks, through SGLang's
 `HookRegistry` (AROUND hooks; nothing in SGLang is edited):
 
 - `Scheduler.rdma_plan_init(plan, rendezvous, transport, timeout_s, replica)`: bind this
@@ -61,75 +61,19 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-import executor
-from integrations.sglang import SGLangTarget, TornUpdateError  # noqa: F401 - re-exported
+from integrations.sglang import EngineRank, SGLangTarget, rank_state, scheduler_state
 from integrations.sglang_shadow import rdma_plan_shadow_start, shadow_begin
-from integrations.sglang_trainer import (  # noqa: F401 - the trainer's side, re-exported
-    NOT_FLUSHED,
-    CacheNotFlushedError,
-    Call,
-    engine_digests,
-    finish_unflushed,
-    http,
-    in_process,
-    update,
-)
+from integrations.sglang_trainer import NOT_FLUSHED
 from schemas.errors import UserError
 
 log = logging.getLogger(__name__)
 ENV = "RDMA_PLAN_SGLANG"
 """JSON of `rdma_plan_init`'s keys, read by a server started without the RPC."""
-JOIN_MARGIN_S = 30.0
-"""How long `end_weight_update` waits for the receive beyond the plan's own timeout."""
-@dataclass
-class EngineRank:
-    """The rdma-plan state of one scheduler process (attribute `rdma_plan` of it)."""
-
-    target: SGLangTarget
-    thread: threading.Thread | None = None
-    error: BaseException | None = None
-    torn: str | None = None
-    """Why the weights are not whole (None when they are): generation must not resume."""
-    steps: list[executor.RunStats] = field(default_factory=list)
-    shadow_updates: list[executor.ShadowStats] = field(default_factory=list)
-    """Shadow mode: per switched update, its transfer and pause (the switch) seconds."""
-    finish_timeout_s: float | None = None
-
-    def receive(self) -> None:
-        try:
-            self.steps.append(executor.run(self.target.plan))
-        except BaseException as e:  # noqa: BLE001  (reported by end_weight_update)
-            self.error = e
-
-    def start(self) -> None:
-        self.error = None
-        self.torn = "a weight update is in progress"
-        self.thread = threading.Thread(target=self.receive, name="rdma-plan-receive",
-                                       daemon=True)
-        self.thread.start()
-
-    def finish(self) -> str | None:
-        """Wait for the receive; None when this rank's step is whole, else why not."""
-        thread, self.thread = self.thread, None
-        assert thread is not None
-        thread.join(self.target.plan.timeout_s + JOIN_MARGIN_S)
-        if thread.is_alive():
-            self.thread = thread
-            return "the receive is still running"
-        if self.error is not None:
-            return f"{type(self.error).__name__}: {self.error}"
-        return None if self.target.plan.complete else "the plan step did not complete"
-
-
-def rank_state(scheduler: Any) -> EngineRank | None:
-    return scheduler.__dict__.get("rdma_plan")
 
 
 def rdma_plan_init(scheduler: Any, plan: str, rendezvous: str = "", transport: str = "nixl",
@@ -151,7 +95,7 @@ def rdma_plan_init(scheduler: Any, plan: str, rendezvous: str = "", transport: s
                           timeout_s=float(timeout_s), parallel=parallel,
                           plan_key=plan_key, allow_unsigned=bool(allow_unsigned),
                           shadow=bool(shadow))
-    scheduler.rdma_plan = EngineRank(target)
+    scheduler_state(scheduler).rank = EngineRank(target)
 
 
 def _bound(scheduler: Any) -> EngineRank | None:
@@ -174,32 +118,42 @@ def begin_hook(original: Callable, manager: Any, recv_req: Any) -> Any:
     except Exception as e:  # noqa: BLE001  (an answer, not a crashed scheduler loop)
         return BeginWeightUpdateReqOutput(success=False, message=f"rdma-plan: binding "
                                           f"{ENV} failed: {type(e).__name__}: {e}")
+    plugin = scheduler_state(scheduler)
     if state is None:
-        return original(manager, recv_req)
-    if not scheduler._engine_paused:
+        return _session(plugin, original(manager, recv_req), True)
+    if not plugin.paused:
         return BeginWeightUpdateReqOutput(success=False, message=(
             "rdma-plan: generation is running; call pause_generation first"))
     if state.target.shadow is not None:
-        return shadow_begin(original, manager, recv_req, state)
-    if manager._session is not None and state.thread is None and state.torn:
+        return _session(plugin, shadow_begin(original, manager, recv_req, state), True)
+    if plugin.session and state.thread is None and state.torn:
         state.start()  # retry of a refused (torn) update: the session is still open
         return BeginWeightUpdateReqOutput(success=True, message="rdma-plan: receive re-armed")
-    out = original(manager, recv_req)
+    out = _session(plugin, original(manager, recv_req), True)
     if out.success:
         state.start()
+    return out
+
+
+def _session(plugin: Any, out: Any, opened: bool) -> Any:
+    """SGLang's answer `out` to begin (`opened`) or end: its session is open after a begin
+    that succeeded, closed after an end that did."""
+    if out.success:
+        plugin.session = opened
     return out
 
 
 def end_hook(original: Callable, manager: Any, recv_req: Any) -> Any:
     from sglang.srt.managers.io_struct import EndWeightUpdateReqOutput
 
-    state = rank_state(manager.scheduler)
-    if state is None or manager._session is None:
-        return original(manager, recv_req)
+    plugin = scheduler_state(manager.scheduler)
+    state = plugin.rank
+    if state is None or not plugin.session:
+        return _session(plugin, original(manager, recv_req), False)
     if state.thread is None:  # no receive armed: refused before, or none was started
         if state.torn:
             return EndWeightUpdateReqOutput(success=False, message=f"rdma-plan: {state.torn}")
-        out = original(manager, recv_req)
+        out = _session(plugin, original(manager, recv_req), False)
         return _flushed(manager, out) if state.target.shadow is not None else out
     why = state.finish()
     flag = torch.tensor([0 if why else 1, state.target.rank], dtype=torch.int64)
@@ -212,7 +166,7 @@ def end_hook(original: Callable, manager: Any, recv_req: Any) -> Any:
                       + "; the weights are not whole: begin_weight_update and send again")
         log.error("rdma-plan: end_weight_update refused: %s", state.torn)
         return EndWeightUpdateReqOutput(success=False, message=f"rdma-plan: {state.torn}")
-    out = original(manager, recv_req)
+    out = _session(plugin, original(manager, recv_req), False)
     if out.success:
         state.torn = None
     return _flushed(manager, out)
@@ -233,13 +187,22 @@ def _flushed(manager: Any, out: Any) -> Any:
     return out
 
 
+def pause_hook(original: Callable, scheduler: Any, recv_req: Any) -> Any:
+    """SGLang's `pause_generation`, then this rank knows the engine is paused."""
+    out = original(scheduler, recv_req)
+    scheduler_state(scheduler).paused = True
+    return out
+
+
 def continue_hook(original: Callable, scheduler: Any, recv_req: Any) -> Any:
     state = rank_state(scheduler)
     if state is not None and state.torn:
         log.error("rdma-plan: continue_generation skipped (the engine stays paused): %s",
                   state.torn)
         return None
-    return original(scheduler, recv_req)
+    out = original(scheduler, recv_req)
+    scheduler_state(scheduler).paused = False
+    return out
 
 
 def version_hook(original: Callable, scheduler: Any, recv_req: Any) -> Any:
@@ -280,6 +243,7 @@ HOOKS = {
     "SchedulerWeightUpdaterManager.begin_weight_update": begin_hook,
     "sglang.srt.managers.scheduler_components.weight_updater."
     "SchedulerWeightUpdaterManager.end_weight_update": end_hook,
+    "sglang.srt.managers.scheduler.Scheduler.pause_generation": pause_hook,
     "sglang.srt.managers.scheduler.Scheduler.continue_generation": continue_hook,
     "sglang.srt.managers.scheduler.Scheduler.handle_update_weight_version": version_hook,
 }

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-import executor
-from integrations.sglang import TornUpdateError
+from integrations.errors import TornUpdateError
+from integrations.sglang import EngineRank, rank_state
 from schemas.errors import UserError
 
 log = logging.getLogger("integrations.sglang_engine")
@@ -24,37 +24,32 @@ def rdma_plan_shadow_start(scheduler: Any, finish_timeout_s: float | None = None
     scheduler keeps serving (a `Scheduler` method: `engine.collective_rpc(
     "rdma_plan_shadow_start")`). `finish_timeout_s`: how long `begin_weight_update` then
     waits for the last DONE (None: the plan's timeout)."""
-    state = scheduler.__dict__.get("rdma_plan")
+    state = rank_state(scheduler)
     if state is None or state.target.shadow is None:
         raise UserError("rdma_plan_shadow_start: this engine is not bound in shadow mode; "
                         "call rdma_plan_init(..., shadow=True) first")
     state.finish_timeout_s = finish_timeout_s
-    state.target.shadow.start()
+    state.target.start()
 
 
-def shadow_begin(original: Callable, manager: Any, recv_req: Any, state: Any) -> Any:
+def shadow_begin(original: Callable, manager: Any, recv_req: Any, state: EngineRank) -> Any:
     """Shadow mode's `begin_weight_update` (generation paused): wait for the last DONE into
     the shadow; all TP ranks agree (a torn rank on any: none switches, the live weights keep
     the last version, generation may resume); SGLang's begin (restores packed weights), then
     the switch, shadow -> live in place. SGLang's end then post-processes them."""
     from sglang.srt.managers.io_struct import BeginWeightUpdateReqOutput
 
-    shadow = state.target.shadow
-    why = None
-    if not shadow.running:
-        why = "no shadow update was started (rdma_plan_shadow_start)"
-    else:
-        try:
-            shadow.finish(state.finish_timeout_s)
-        except executor.TornUpdateError as e:
-            why = str(e)
-    flag = torch.tensor([0 if why else 1, state.target.rank], dtype=torch.int64)
+    target = state.target
+    assert target.shadow is not None, "bound with shadow=True"
+    why = target.wait(state.finish_timeout_s) if target.shadow.running else \
+        "no shadow update was started (rdma_plan_shadow_start)"
+    flag = torch.tensor([0 if why else 1, target.rank], dtype=torch.int64)
     flags = [torch.zeros_like(flag) for _ in range(manager.tp_cpu_group.size())]
     torch.distributed.all_gather(flags, flag, group=manager.tp_cpu_group)
     torn = [int(f[1]) for f in flags if not int(f[0])]
     if torn:
         if not why:
-            shadow.discard()
+            target.discard()
         msg = (f"rdma-plan: the shadow update did not complete on plan rank(s) {torn}"
                + (f" (this rank: {why})" if why else "") + "; nothing was switched: the "
                "engine keeps its last version, continue_generation resumes it")
@@ -62,11 +57,11 @@ def shadow_begin(original: Callable, manager: Any, recv_req: Any, state: Any) ->
         return BeginWeightUpdateReqOutput(success=False, message=msg)
     out = original(manager, recv_req)
     if out.success:
-        shadow.switch()
-        assert shadow.last is not None
-        state.shadow_updates.append(shadow.last)
+        target.switch()
+        assert target.shadow.last is not None
+        state.shadow_updates.append(target.shadow.last)
     else:
-        shadow.discard()
+        target.discard()
     return out
 
 

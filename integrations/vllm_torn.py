@@ -29,6 +29,9 @@ from typing import Any
 
 import torch
 
+from integrations.engine_core import EngineCore
+from integrations.errors import TornUpdateError
+
 LOG = logging.getLogger("vllm.rdma_plan")
 
 
@@ -50,50 +53,50 @@ def agree(ok: bool, cause: str = "") -> tuple[bool, bool, list[str]]:
     return not torn, group.rank_in_group == group.world_size - 1, torn
 
 
-def paused(engine: Any, ok: bool, version: str | None, torn: type[Exception]) -> None:
-    """After this worker's `executor.run` (paused mode): agree with the other workers. All
-    complete: `finish_weight_update` commits. Else only the last worker raises `torn` (one
-    error for the caller); on the others the session stays open for `close`."""
-    cause = "" if ok else str(engine.failure or "did not complete")
+def paused(core: EngineCore, label: str, ok: bool, version: str | None) -> None:
+    """After this worker's receive (paused mode): agree with the other workers. All
+    complete: `finish_weight_update` commits. Else only the last worker raises
+    `TornUpdateError` (one error for the caller); on the others the session stays open for
+    `close`."""
+    cause = "" if ok else str(core.failure or "did not complete")
     every, last, causes = agree(ok, cause)
-    engine.received = every
+    core.received = every
     if every:
         return
-    if engine.failure is None:
-        engine.failure = RuntimeError("complete here, torn on another worker")
-    engine.torn_open = not last  # vLLM ends the raising worker's session itself
-    LOG.warning("rdma_plan worker %s: update %r torn (%s): not committed; the live weights "
-                "hold part of it, send it again before generating", engine.identity.get("index"),
+    if core.failure is None:
+        core.failure = RuntimeError("complete here, torn on another worker")
+    core.torn_open = not last  # vLLM ends the raising worker's session itself
+    LOG.warning("rdma_plan %s: update %r torn (%s): not committed; the live weights "
+                "hold part of it, send it again before generating", label,
                 version, "; ".join(causes))
     if last:
-        raise torn(f"rdma_plan: update {version!r} did not reach every vLLM worker "
-                   f"({'; '.join(causes)}); not committed: the engine's version stays "
-                   f"{engine.weight_version!r} but its weights hold the part of {version!r} "
-                   "that landed (paused mode writes the live tensors): do not resume "
-                   "generation before the next complete update (send the weights again)")
+        raise TornUpdateError(
+            f"rdma_plan: update {version!r} did not reach every vLLM worker "
+            f"({'; '.join(causes)}); not committed: the engine's version stays "
+            f"{core.version!r} but its weights hold the part of {version!r} "
+            "that landed (paused mode writes the live tensors): do not resume "
+            "generation before the next complete update (send the weights again)")
 
 
-def close(engine: Any, version: str | None) -> bool:
+def close(core: EngineCore, label: str, version: str | None) -> bool:
     """`finish_weight_update` after an agreed torn update on a worker whose session vLLM
     kept open: close it, commit nothing. Returns whether it did."""
-    if not engine.torn_open:
+    if not core.torn_open:
         return False
-    engine.torn_open = False
-    LOG.warning("rdma_plan worker %s: session of torn update %r closed; nothing committed "
-                "(version %r)", engine.identity.get("index"), version, engine.weight_version)
+    core.torn_open = False
+    LOG.warning("rdma_plan %s: session of torn update %r closed; nothing committed "
+                "(version %r)", label, version, core.version)
     return True
 
 
-def message(engine: Any, version: str | None) -> str:
+def message(core: EngineCore, label: str, version: str | None) -> str:
     """Why `finish_weight_update` refuses to commit `version` (paused mode)."""
-    cause = engine.failure or "update_weights did not run"
-    return (f"rdma_plan: vLLM worker {engine.identity.get('index')} (plan rank "
-            f"{engine.plan_rank}) did not receive update {version!r} completely: {cause}. Not "
-            f"committed: version {engine.weight_version!r} stays committed but its weights "
-            f"hold part of {version!r}; do not resume generation on this engine until the "
-            "next complete update (send the weights again once the peer is back)")
-
-
+    cause = core.failure or "update_weights did not run"
+    return (f"rdma_plan: vLLM {label} (plan rank {core.rank}) did not receive update {version!r} "
+            f"completely: {cause}. Not committed: version {core.version!r} stays committed "
+            f"but its weights hold part of {version!r}; do not resume generation on this "
+            "engine until the next complete update (send the weights again once the peer "
+            "is back)")
 def refused(version: str | None, error: BaseException, shadow: bool) -> str:
     """The trainer's one error for an update the engine refused in `update_weights`."""
     what = ("nothing was switched: version N keeps serving" if shadow else

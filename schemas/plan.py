@@ -332,6 +332,13 @@ def load_rank_from(f: BinaryIO, path: str, rank: int, key: bytes | None = None
                    ) -> tuple[PlanHeader, RankPlan]:
     """`load_rank` of an open plan file (`path` names it in errors)."""
     header, start = read_header(f, path, key)
+    return header, read_rank(f, header, start, rank, path)
+
+
+def read_rank(f: BinaryIO, header: PlanHeader, start: int, rank: int,
+              path: str = "plan") -> RankPlan:
+    """One rank's part of an open plan file whose header (`read_header`: `header`, `start`)
+    was read: for a reader that needs the header to know which rank it is."""
     if f"rank/{rank}" not in header.blobs:
         raise PlanFormatError(f"{path}: plan has no rank {rank} (it has {header.world} "
                               "ranks)")
@@ -339,7 +346,7 @@ def load_rank_from(f: BinaryIO, path: str, rank: int, key: bytes | None = None
     if rp.rank != rank:
         raise PlanFormatError(f"{path}: blob rank/{rank} holds the plan of rank {rp.rank};"
                               " the file is corrupt")
-    return header, rp
+    return rp
 
 
 def load_plan(path: str, key: bytes | None = None) -> Plan:

@@ -151,7 +151,7 @@ def in_process(args: argparse.Namespace, plan: str, world: int) -> tuple[list[di
     t0 = time.perf_counter()
     pf, fabric = load_plan(plan), Fabric()
     ranks = [Rank(args.config, r, args.steps) for r in range(world)]
-    exs = [Executor(pf.header, pf.ranks[r], ranks[r].tensors, "local", fabric,
+    exs = [Executor(pf.header, pf.ranks[r], ranks[r].tensors, transport="local", rendezvous=fabric,
                     timeout_s=args.timeout_s)
            for r in range(world)]
     for ex in exs:

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from executor.transports.copy_kernel import SOURCE, CopyKernel, piece_table  # noqa: E402
+from executor.gpu.copy_kernel import SOURCE, CopyKernel, piece_table  # noqa: E402
+from executor.gpu.cuda_runtime import load_cudart  # noqa: E402
 from executor.transports.cuda_ipc import branches
-from executor.transports.cuda_runtime import load_cudart  # noqa: E402
 
 
 def timed(fn, reps: int = 20) -> float:

@@ -11,7 +11,7 @@ from bench.gpu_refit.setup import now
 def cudart():
     """`cudaMemcpyAsync` of the libcudart that torch loaded (the executor's one loader), or
     None."""
-    from executor.transports.cuda_runtime import load_cudart
+    from executor.gpu.cuda_runtime import load_cudart
 
     rt = load_cudart()
     return rt.memcpy_async if rt is not None else None

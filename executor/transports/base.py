@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ..gpu.copy_kernel import coalesce
 from .ipc_regions import check_cuda_desc
 
 
@@ -108,6 +109,12 @@ class Transport(Protocol):
         """Send a short message to `peer`, ordered after writes already completed."""
         ...
 
+    def notify_landed(self, handles: list[Any], peer: int, msg: bytes) -> bool:
+        """Send `msg` to `peer` from the device once the posted batches `handles` have
+        landed; False where it cannot (then the executor sends it from the host once `done`
+        says they landed). Called only where `capabilities.notify_landed` says so."""
+        ...
+
     def poll(self) -> list[tuple[str, bytes]]:
         """(sender, message) pairs that arrived since the last poll (never blocks). `sender`
         is the transport-level identity of the process that sent it (e.g. its NIXL agent
@@ -167,3 +174,21 @@ def check_peer_desc(transport: Any, peer: int, desc: Any,
     `ipc_regions.check_cuda_desc`): a ValueError of one line naming the peer otherwise."""
     if type(transport).__module__ == f"{__package__}.cuda_ipc":
         check_cuda_desc(peer, desc, dict(peer_regions).get(peer, ()))
+
+
+def batch_copies(src_regions: list[torch.Tensor], dst_regions: list[torch.Tensor],
+                 batch: WriteBatch, src_alloc: np.ndarray | None = None,
+                 dst_alloc: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A batch's non-empty writes as raw (dst, src, nbytes) int64 arrays, merged where
+    adjacent on both sides (`coalesce`); `*_alloc`: each region's allocation base, for the
+    copy engines (a copy must stay inside one), None for the kernel (it may span them)."""
+    keep = batch.nbytes > 0
+    sr, dr = batch.src_region[keep], batch.dst_region[keep]
+    src = np.array([r.data_ptr() for r in src_regions], dtype=np.int64)
+    dst = np.array([r.data_ptr() for r in dst_regions], dtype=np.int64)
+    none = np.zeros(len(sr), dtype=np.int64)
+    return coalesce(dst[dr] + batch.dst_offset[keep], src[sr] + batch.src_offset[keep],
+                    batch.nbytes[keep].astype(np.int64),
+                    none if dst_alloc is None else dst_alloc[dr],
+                    none if src_alloc is None else src_alloc[sr])

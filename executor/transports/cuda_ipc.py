@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Capabilities, Store, WriteBatch
-from .copy_kernel import CopyKernel, batch_copies
-from .cuda_runtime import NOT_READY, BatchCopies, Runtime, current_raw_stream
-from .graphs import capturing, device_sync
+from ..gpu.copy_kernel import CopyKernel
+from ..gpu.cuda_runtime import NOT_READY, BatchCopies, Runtime, current_raw_stream
+from ..gpu.graphs import capturing, device_sync
+from .base import Capabilities, Store, WriteBatch, batch_copies
 from .ipc_modes import Ladder, Mode
 from .ipc_posted import FastPost, Posted, branches
 from .ipc_regions import (

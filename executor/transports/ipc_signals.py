@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from .cuda_runtime import Runtime, StreamWrites
+from ..gpu.cuda_runtime import Runtime, StreamWrites
 from .shm_mailbox import ShmMailbox
 
 

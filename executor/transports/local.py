@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from .base import Capabilities, WriteBatch
-from .copy_kernel import CopyKernel, batch_copies
-from .graphs import as_graph
+from ..gpu.copy_kernel import CopyKernel
+from ..gpu.graphs import as_graph
+from .base import Capabilities, WriteBatch, batch_copies
 from .local_mailbox import Mailbox, SharedMailbox
 from .options import LocalOptions
 from .torch_copy import Op, prepare_copies
@@ -141,6 +141,9 @@ class LocalTransport:
     def notify(self, peer: int, msg: bytes) -> None:
         box = self.outboxes.get(peer)
         (self.fabric.mailbox(self.ns, peer) if box is None else box).put(self.rank, msg)
+
+    def notify_landed(self, handles: list[Any], peer: int, msg: bytes) -> bool:
+        return False  # no device-side notification: the executor sends it from the host
 
     def peer_id(self, peer: int) -> str:
         return f"local:{peer}"

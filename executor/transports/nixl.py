@@ -113,6 +113,9 @@ class NixlTransport:
     def notify(self, peer: int, msg: bytes) -> None:
         self.agent.send_notif(self.peers[peer][0], msg)
 
+    def notify_landed(self, handles: list[Any], peer: int, msg: bytes) -> bool:
+        return False  # no device-side notification: the executor sends it from the host
+
     def peer_id(self, peer: int) -> str:
         return self.peers[peer][0] if peer in self.peers else ""
 

@@ -1,5 +1,7 @@
 """Each transport's typed options (`executor.load(..., transport_options={...})`).
 
+Which class belongs to which transport is `transports.TRANSPORTS`' to say (the one table).
+
 Frozen dataclasses with a docstring under every field; `parse` checks the caller's dict
 against the transport's dataclass and names the key, the value and the allowed ones. No
 torch and no transport library is imported here, so a bad name or option is reported before
@@ -12,11 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.errors import UserError
-
-
-class TransportOptionError(UserError):
-    """An unknown transport, or an option it does not have or of the wrong type."""
+from ..errors import TransportOptionError
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,16 +99,8 @@ class LocalOptions:
     launch, without the host protocol (`world.py`)."""
 
 
-OPTIONS: dict[str, type] = {"nixl": NixlOptions, "cuda_ipc": CudaIpcOptions,
-                            "uccl": UcclOptions, "local": LocalOptions}
-
-
-def parse(kind: str, options: dict[str, Any] | None) -> Any:
-    """The options dataclass of transport `kind` from a dict (None: the defaults)."""
-    if kind not in OPTIONS:
-        raise TransportOptionError(f"transport {kind!r} is unknown; use one of "
-                                   f"{', '.join(repr(k) for k in OPTIONS)}")
-    cls = OPTIONS[kind]
+def parse(kind: str, cls: type, options: dict[str, Any] | None) -> Any:
+    """The options dataclass `cls` of transport `kind` from a dict (None: the defaults)."""
     if options is None:
         return cls()
     if not isinstance(options, dict):

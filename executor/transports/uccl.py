@@ -151,6 +151,9 @@ class UcclTransport:
     def notify(self, peer: int, msg: bytes) -> None:
         self.mailbox.notify(peer, msg)
 
+    def notify_landed(self, handles: list[Any], peer: int, msg: bytes) -> bool:
+        return False  # no device-side notification: the executor sends it from the host
+
     def peer_id(self, peer: int) -> str:
         return self.mailbox.peer_id(peer)
 

@@ -48,7 +48,7 @@ def _same(got: torch.Tensor, want: torch.Tensor, old: torch.Tensor) -> bool:
 def target(rank: int, path: str, store: dist.TCPStore) -> int:
     live = {k: v.clone() for k, v in version(0, rank).items()}
     ptrs = {k: v.data_ptr() for k, v in live.items()}
-    shadow = BoundedShadow.load(path, rank, live, "nixl", store, timeout_s=90,
+    shadow = BoundedShadow.load(path, rank, live, transport="nixl", rendezvous=store, timeout_s=90,
                                 no_identity=True)
     chunk_of = {g.name: k for k, ex in enumerate(shadow.chunks) for g in ex.plan.regions}
     for ex in shadow.chunks:
@@ -90,7 +90,8 @@ def _report(rank: int, step: int, ok: bool, what: str) -> bool:
 
 def source(rank: int, path: str, store: dist.TCPStore) -> int:
     tensors = {k: v.clone() for k, v in version(1, rank).items()}
-    chunks = load_chunks(path, rank, tensors, "nixl", store, timeout_s=90, no_identity=True)
+    chunks = load_chunks(path, rank, tensors, transport="nixl", rendezvous=store, timeout_s=90,
+                         no_identity=True)
     for ex in chunks:
         ex.timeout_s = 12.0
     _barrier(store, "loaded", rank)

@@ -44,7 +44,8 @@ def test_a_live_tensor_unlike_the_plan_is_refused_naming_it(plan, how: str) -> N
     bad = dict(live, **{name: _same_bytes(live[name], how)})
     assert bad[name].numel() * bad[name].element_size() == live[name].numel() * 2
     with pytest.raises(BindError) as e:
-        BoundedShadow.load(path, rank, bad, "local", Fabric(), timeout_s=2, no_identity=True)
+        BoundedShadow.load(path, rank, bad, transport="local", rendezvous=Fabric(), timeout_s=2,
+                           no_identity=True)
     assert name in str(e.value) and {"dtype": "dtype float32 != plan bfloat16",
                                      "shape": "shape", "contiguity": "not contiguous"}[how] \
         in str(e.value)

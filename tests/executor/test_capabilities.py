@@ -56,7 +56,8 @@ def test_a_transport_declaring_nothing_runs_bit_exact(tmp_path, monkeypatch):
     monkeypatch.setattr(local, "LocalTransport", Plain)  # what make_transport builds
     path = save(str(tmp_path / "p.rplan"), two_by_two())
     plan = load_plan(path)
-    ex = Executor(plan.header, plan.ranks[0], two_by_two_tensors(5)[0], "local", local.Fabric(),
+    ex = Executor(plan.header, plan.ranks[0], two_by_two_tensors(5)[0], transport="local",
+                  rendezvous=local.Fabric(),
                   step_records=False)
     try:
         assert isinstance(ex.transport, Plain)
@@ -70,3 +71,23 @@ def test_a_transport_declaring_nothing_runs_bit_exact(tmp_path, monkeypatch):
     for rank, named in two_by_two_expected(5).items():
         for name, t in named.items():
             assert torch.equal(tensors[rank][name], t), (rank, name)
+
+
+def test_every_transport_has_every_method_of_the_protocol():
+    """The `Transport` Protocol declares every call the executor makes (`notify_landed`
+    included), and every transport of the table implements each one."""
+    called = {m for m in vars(Transport) if not m.startswith("_") and callable(vars(Transport)[m])}
+    assert {"notify_landed", "register", "export", "import_peer", "prepare", "post", "done",
+            "notify", "poll", "peer_id", "release", "stats", "close"} <= called
+    for c in _transport_classes():
+        missing = [m for m in called if not callable(getattr(c, m, None))]
+        assert not missing, (c.__name__, missing)
+
+
+def test_the_table_names_every_transport_module():
+    """One table (`transports.TRANSPORTS`): each kind's options dataclass and constructor;
+    every transport module is reachable from it."""
+    mods = {info.name for info in pkgutil.iter_modules(transports.__path__)}
+    assert set(transports.TRANSPORTS) == {"nixl", "cuda_ipc", "uccl", "local"} <= mods
+    for kind, entry in transports.TRANSPORTS.items():
+        assert entry.options().__class__ is entry.options, kind  # defaults construct

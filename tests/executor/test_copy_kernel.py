@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor.transports.copy_kernel import CopyKernel, piece_table
+from executor.gpu.copy_kernel import CopyKernel, piece_table
 
 
 @settings(max_examples=200, deadline=None)
@@ -86,8 +86,7 @@ def test_kernel_copies_bit_exact(graph, share):
 
 
 def test_batch_copies_merge_adjacent_writes_only_within_an_allocation():
-    from executor.transports.base import WriteBatch
-    from executor.transports.copy_kernel import batch_copies
+    from executor.transports.base import WriteBatch, batch_copies
     src = [torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)]
     dst = [torch.zeros(64, dtype=torch.uint8)]
     a = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731

@@ -40,7 +40,8 @@ HEADER = PlanHeader(fingerprint="fp-a", world=4)
 def _pair(src, tgt, tensors, headers=(HEADER, HEADER), timeout_s=1.0):
     """Source and target executors sharing one in-process fabric, registered and connected."""
     fabric = Fabric()
-    exs = [Executor(h, rp, tensors[rp.rank], "local", fabric, timeout_s=timeout_s)
+    exs = [Executor(h, rp, tensors[rp.rank], transport="local", rendezvous=fabric,
+                    timeout_s=timeout_s)
            for h, rp in zip(headers, (src, tgt))]
     for ex in exs:
         ex.register()
@@ -70,17 +71,18 @@ def test_bind_lists_every_problem():
     tensors["b"] = torch.zeros(6, 4).t()  # right shape, not contiguous
     tensors["unused"] = torch.zeros(3)  # extra names are fine
     with pytest.raises(BindError) as e:
-        Executor(HEADER, two_by_two()[0], tensors, "local", Fabric())
+        Executor(HEADER, two_by_two()[0], tensors, transport="local", rendezvous=Fabric())
     msg = str(e.value)
     assert "2 tensor(s)" in msg and "w: dtype float32 != plan bfloat16" in msg
     assert "b: not contiguous" in msg and "unused" not in msg
     tensors = {"w": torch.zeros(3, 8, dtype=torch.bfloat16)}
     with pytest.raises(BindError, match=r"w: shape \[3, 8\] != plan \[2, 8\][\s\S]*b: missing"):
-        Executor(HEADER, two_by_two()[0], tensors, "local", Fabric())
+        Executor(HEADER, two_by_two()[0], tensors, transport="local", rendezvous=Fabric())
 
 
 def test_staging_is_allocated_by_the_executor():
-    ex = Executor(HEADER, two_by_two()[0], two_by_two_tensors(0)[0], "local", Fabric())
+    ex = Executor(HEADER, two_by_two()[0], two_by_two_tensors(0)[0], transport="local",
+                  rendezvous=Fabric())
     assert ex.plan.regions[-1].name == STAGING and ex.regions[-1].numel() == 16
 
 
@@ -94,7 +96,7 @@ def test_out_of_bounds_write_is_rejected_before_posting(plan_args, why):
     src, tgt = _simple(**plan_args)
     fabric = Fabric()
     with pytest.raises(PlanBoundsError, match=why):
-        Executor(HEADER, src, _u8()[0], "local", fabric)
+        Executor(HEADER, src, _u8()[0], transport="local", rendezvous=fabric)
     assert not fabric.regions and not fabric.kv  # nothing registered, nothing published
 
 
@@ -106,10 +108,11 @@ def test_copy_stride_overflow_is_rejected():
         c = copy(PACK, 0, (0, F32, 1, (stride, 1, 0)), (1, BF16, 0, (4, 1, 0)), (2, 4, 1))
         rp = rank_plan(0, "source", [b, st], copies=[c])
         if ok:
-            Executor(HEADER, rp, {"b": torch.zeros(4, 6)}, "local", Fabric())
+            Executor(HEADER, rp, {"b": torch.zeros(4, 6)}, transport="local", rendezvous=Fabric())
         else:
             with pytest.raises(PlanBoundsError, match="past the end of its src region"):
-                Executor(HEADER, rp, {"b": torch.zeros(4, 6)}, "local", Fabric())
+                Executor(HEADER, rp, {"b": torch.zeros(4, 6)}, transport="local",
+                         rendezvous=Fabric())
 
 
 def test_peer_with_another_plan_or_other_sizes_is_refused():
@@ -156,7 +159,7 @@ def test_target_that_never_runs_times_out_on_the_source():
 
 def test_peer_that_never_loads_times_out_at_connect():
     src, _ = _simple()
-    ex = Executor(HEADER, src, _u8()[0], "local", Fabric(), timeout_s=0.2)
+    ex = Executor(HEADER, src, _u8()[0], transport="local", rendezvous=Fabric(), timeout_s=0.2)
     ex.register()
     with pytest.raises(PeerTimeoutError, match="peer rank 1 did not publish its regions"):
         ex.connect()
@@ -168,8 +171,10 @@ def test_rank_plans_that_disagree_with_the_header_are_refused():
     src, _ = _simple()
     with pytest.raises(PlanBoundsError, match="has 2 stage.*header says 1"):
         Executor(dataclasses.replace(HEADER, stages=1), dataclasses.replace(src, stages=2),
-                 _u8()[0], "local", Fabric())
+                 _u8()[0], transport="local", rendezvous=Fabric())
     with pytest.raises(PlanBoundsError, match="stages is 1099511627776 \\(at most"):
-        Executor(HEADER, dataclasses.replace(src, stages=2**40), _u8()[0], "local", Fabric())
+        Executor(HEADER, dataclasses.replace(src, stages=2**40), _u8()[0], transport="local",
+                 rendezvous=Fabric())
     with pytest.raises(PlanBoundsError, match="names rank 1, outside the plan's world of 1"):
-        Executor(dataclasses.replace(HEADER, world=1), src, _u8()[0], "local", Fabric())
+        Executor(dataclasses.replace(HEADER, world=1), src, _u8()[0], transport="local",
+                 rendezvous=Fabric())

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from executor import Executor
+from executor.errors import TransportOptionError
 from executor.transports.local import Fabric
-from executor.transports.options import CudaIpcOptions, TransportOptionError
+from executor.transports.options import CudaIpcOptions
 from schemas.header import PlanHeader, RankStats
 from tests.support.plans import DONE, READY, rank_plan, region
 
@@ -26,12 +27,13 @@ def test_an_unknown_transport_is_reported_before_binding_or_rendezvous():
     x = region("x", "uint8", (8,))
     plan = rank_plan(0, "source", [x])
     with pytest.raises(TransportOptionError, match="transport 'nixx' is unknown; use one of"):
-        Executor(PlanHeader(fingerprint="f", world=1), plan, {}, "nixx")  # no tensors, no store
+        # no tensors, no store
+        Executor(PlanHeader(fingerprint="f", world=1), plan, {}, transport="nixx")
     with pytest.raises(TransportOptionError, match=r"transport_options\['stream'\].*streams"):
-        Executor(PlanHeader(fingerprint="f", world=1), plan, {}, "cuda_ipc",
+        Executor(PlanHeader(fingerprint="f", world=1), plan, {}, transport="cuda_ipc",
                  transport_options={"stream": 2})
     with pytest.raises(TransportOptionError, match="= 0: expected a positive int"):
-        Executor(PlanHeader(fingerprint="f", world=1), plan, {}, "cuda_ipc",
+        Executor(PlanHeader(fingerprint="f", world=1), plan, {}, transport="cuda_ipc",
                  transport_options={"streams": 0})
 
 
@@ -40,7 +42,8 @@ def test_cuda_ipc_options_are_typed_not_module_globals():
 
     assert not hasattr(cuda_ipc, "STREAMS") and not hasattr(cuda_ipc, "GRAPHS")
     from executor.transports.options import parse
-    assert parse("cuda_ipc", {"streams": 2, "graphs": False}) == CudaIpcOptions(2, False)
+    got = parse("cuda_ipc", CudaIpcOptions, {"streams": 2, "graphs": False})
+    assert got == CudaIpcOptions(2, False)
 
 
 def test_run_stats_say_gbytes_and_targets_report_received_bytes():
@@ -51,7 +54,8 @@ def test_run_stats_say_gbytes_and_targets_report_received_bytes():
     header = PlanHeader(fingerprint="f", world=2, rank_stats=(RankStats(1, 8, 0, 0, 0, 0),
                                                            RankStats(0, 0, 8, 0, 0, 0)))
     fabric = Fabric()
-    exs = [Executor(header, rp, {"x": torch.arange(8, dtype=torch.uint8)}, "local", fabric)
+    exs = [Executor(header, rp, {"x": torch.arange(8, dtype=torch.uint8)}, transport="local",
+                    rendezvous=fabric)
            for rp in (src, tgt)]
     for ex in exs:
         ex.register()

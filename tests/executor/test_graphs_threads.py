@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from executor.transports.graphs import Replay, as_graph, device_sync
+from executor.gpu.graphs import Replay, as_graph, device_sync
 
 
 @pytest.mark.gpu

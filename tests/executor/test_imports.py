@@ -36,11 +36,24 @@ def test_executor_imports_no_planner_networkx_yaml_or_pickle():
 
 def test_transports_do_not_import_each_other():
     # helpers, not transports
-    allowed = {".base", ".torch_copy", ".shm_mailbox", ".options", ".graphs", ".copy_kernel",
-               ".cuda_runtime", ".ipc_regions", ".ipc_signals", ".ipc_posted", ".ipc_modes",
-               ".local_mailbox", "..cleanup", "..nvrtc"}
+    allowed = {".base", ".torch_copy", ".shm_mailbox", ".options", ".ipc_regions",
+               ".ipc_signals", ".ipc_posted", ".ipc_modes", ".local_mailbox", "..cleanup",
+               "..errors", "..gpu.graphs", "..gpu.copy_kernel", "..gpu.cuda_runtime"}
     for f in os.listdir(os.path.join(EXECUTOR, "transports")):
         if f.endswith(".py") and f != "__init__.py":  # the registry names them all
             rel = {n for n in _imports(os.path.join(EXECUTOR, "transports", f))
                    if n.startswith(".")}
             assert rel <= allowed, (f, rel - allowed)
+
+
+def test_gpu_primitives_import_nothing_above_them():
+    """executor/gpu/ sits below the interpreter and the transports: it imports only its own
+    modules (and the one logging helper, `cleanup.best_effort`)."""
+    gpu = os.path.join(EXECUTOR, "gpu")
+    for f in os.listdir(gpu):
+        if f.endswith(".py"):
+            rel = {n for n in _imports(os.path.join(gpu, f)) if n.startswith(".")}
+            house = {n for n in _imports(os.path.join(gpu, f))
+                     if n.split(".")[0] in {"executor", "integrations", "harness"}}
+            assert not house, (f, house)
+            assert all(n == "..cleanup" or not n.startswith("..") for n in rel), (f, rel)

@@ -9,7 +9,7 @@ import ctypes
 
 import pytest
 
-from executor.transports.cuda_runtime import BatchCopies
+from executor.gpu.cuda_runtime import BatchCopies
 
 
 class Recorder:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from executor.transports.cuda_runtime import IpcMemHandle
+from executor.gpu.cuda_runtime import IpcMemHandle
 from executor.transports.ipc_regions import raw_handle
 
 

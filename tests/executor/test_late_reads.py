@@ -64,7 +64,8 @@ def _run(path: str, tensors: dict[int, dict[str, torch.Tensor]], steps: int,
     fabric = Fabric()
     exs = []
     for rp in plan.ranks:
-        ex = Executor(plan.header, rp, tensors[rp.rank], "local", fabric, timeout_s=30)
+        ex = Executor(plan.header, rp, tensors[rp.rank], transport="local", rendezvous=fabric,
+                      timeout_s=30)
         ex.transport = ex.window.transport = ex.signals.transport = LateReads(
             rp.rank, ex.namespace, fabric)
         exs.append(ex)

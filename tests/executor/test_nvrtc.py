@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from executor.quant_kernel import QuantKernel
-from executor.transports.copy_kernel import CopyKernel
+from executor.gpu.copy_kernel import CopyKernel
+from executor.gpu.quant_kernel import QuantKernel
 
 
 def test_each_kernel_keeps_its_own_cache() -> None:

@@ -29,7 +29,7 @@ def _boxes() -> list[torch.Tensor]:
 
 
 def test_kernel_matches_the_cpu_reference() -> None:
-    from executor.quant_kernel import BLOCK, COLS, SRC_KINDS, QuantKernel, vector_kind
+    from executor.gpu.quant_kernel import BLOCK, COLS, SRC_KINDS, QuantKernel, vector_kind
 
     kernel = QuantKernel.load(torch.device("cuda"))
     assert kernel is not None, "NVRTC could not build the kernel"

@@ -76,7 +76,7 @@ def plans() -> tuple[Plan, Plan]:
 def _load(plan: Plan, r: int) -> None:
     """The executor's load of rank `r` up to binding (no tensors given: a plan it accepts
     stops at the bind)."""
-    Executor(plan.header, plan.ranks[r], {}, "local", Fabric(), timeout_s=2)
+    Executor(plan.header, plan.ranks[r], {}, transport="local", rendezvous=Fabric(), timeout_s=2)
 
 
 def test_the_compiled_plans_pass_verify_and_every_rank_loads_up_to_its_tensors(plans) -> None:

@@ -26,9 +26,10 @@ def _world(tmp_path, timeout_s: float = 1.5):
     src = two_by_two_tensors(0)
     live = {t: {k: torch.full_like(v, 7.0) for k, v in src[t].items()} for t in (2, 3)}
     shadows = {t: Shadow(live[t]) for t in (2, 3)}
-    sources = [Executor(plan.header, plan.ranks[r], src[r], "local", fabric,
+    sources = [Executor(plan.header, plan.ranks[r], src[r], transport="local", rendezvous=fabric,
                         timeout_s=timeout_s) for r in (0, 1)]
-    targets = [Executor(plan.header, plan.ranks[t], shadows[t].tensors, "local", fabric,
+    targets = [Executor(plan.header, plan.ranks[t], shadows[t].tensors, transport="local",
+                        rendezvous=fabric,
                         timeout_s=timeout_s) for t in (2, 3)]
     for ex in sources + targets:
         ex.register()

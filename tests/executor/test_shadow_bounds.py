@@ -61,7 +61,7 @@ def _split(rp, ops: int | None, per_chunk: bool = False, gaps: bool = False):
 def _load(plan: Plan, rp) -> None:
     ranks = tuple(rp if p.rank == rp.rank else p for p in plan.ranks)
     plan = dataclasses.replace(plan, ranks=ranks)
-    Executor(plan.header, rp, {}, "local", Fabric(), timeout_s=2)
+    Executor(plan.header, rp, {}, transport="local", rendezvous=Fabric(), timeout_s=2)
 
 
 def test_the_compiled_section_passes(plan: Plan) -> None:

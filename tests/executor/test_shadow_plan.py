@@ -40,9 +40,11 @@ def test_switch_by_the_plans_ops_is_bit_exact_in_place_and_touches_only_written_
             v.view(-1)[-1:] = 3.0 if v.is_floating_point() else 3
     kept = {r: {k: v.clone() for k, v in t.items()} for r, t in live.items()}
     ptrs = {(r, k): v.data_ptr() for r, t in live.items() for k, v in t.items()}
-    sources = [Executor(plan.header, plan.ranks[r], src[r], "local", fabric, timeout_s=20)
+    sources = [Executor(plan.header, plan.ranks[r], src[r], transport="local", rendezvous=fabric,
+                        timeout_s=20)
                for r in range(n_src)]
-    targets = [Executor(plan.header, plan.ranks[r], shadows[r].tensors, "local", fabric,
+    targets = [Executor(plan.header, plan.ranks[r], shadows[r].tensors, transport="local",
+                        rendezvous=fabric,
                         timeout_s=20) for r in live]
     for ex in sources + targets:
         ex.register()
@@ -98,7 +100,8 @@ def test_a_bounded_section_is_refused_by_shadow_in_one_line(tmp_path):
     t = src_l.world
     live = materialize(dst_l, random_full_tensors(_layouts(CASES[0])[0], seed=1))[0]
     shadow = Shadow(live)
-    ex = Executor(plan.header, plan.ranks[t], shadow.tensors, "local", Fabric(), timeout_s=2)
+    ex = Executor(plan.header, plan.ranks[t], shadow.tensors, transport="local",
+                  rendezvous=Fabric(), timeout_s=2)
     with pytest.raises(ValueError) as e:
         shadow.attach(ex)
     assert "bounded shadow (65,536 bytes" in str(e.value) and "\n" not in str(e.value)

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from executor.gpu.copy_kernel import CHUNK
 from executor.switch import MANY, MIN_PIECE, SwitchCopies, piece_bytes
-from executor.transports.copy_kernel import CHUNK
 
 
 @settings(max_examples=100, deadline=None)

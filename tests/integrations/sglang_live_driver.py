@@ -174,7 +174,7 @@ def report(out: str, figures: dict) -> None:
 
 def check_ranks(engine, folder: str, want: dict, tp: int, label: str) -> int:  # noqa: ANN001
     """Every TP rank's own digests equal `want` ({target rank: {name: sha256}})."""
-    from integrations.sglang_engine import engine_digests
+    from integrations.sglang_trainer import engine_digests
 
     got = engine_digests(engine, folder)
     assert sorted(got) == list(range(tp)), f"{label}: digests from target ranks {sorted(got)}"
@@ -190,9 +190,8 @@ def main() -> None:
 
     import executor
     from harness.weights import layout_digests, random_full_tensors
-    from integrations.sglang_engine import (
-        CacheNotFlushedError,
-        TornUpdateError,
+    from integrations.errors import CacheNotFlushedError, TornUpdateError
+    from integrations.sglang_trainer import (
         engine_digests,
         finish_unflushed,
         in_process,

@@ -35,9 +35,9 @@ def main() -> None:
 
     import executor
     from harness.weights import random_full_tensors
-    from integrations.sglang import TornUpdateError
-    from integrations.sglang_engine import in_process
+    from integrations.errors import TornUpdateError
     from integrations.sglang_shadow import update_shadow
+    from integrations.sglang_trainer import in_process
     from planner.spec import spec_from_hf
 
     arg = json.loads(sys.argv[1])

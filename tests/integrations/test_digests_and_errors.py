@@ -4,9 +4,9 @@
   layout back to full logical tensors; what the RL loop's `expected_digests` does), and
   `layout_digests` moves with every byte: one element changed in a full tensor changes the
   digest of exactly the target ranks that hold it.
-- One `TornUpdateError` hierarchy: `except executor.TornUpdateError` catches vLLM's and
-  SGLang's.
-- `integrations.sglang_engine.update` reports an end refused for an unflushed cache as
+- One `TornUpdateError` (`integrations.errors`), raised by vLLM's backend and SGLang's
+  plugin alike, an `executor.TornUpdateError`.
+- `integrations.sglang_trainer.update` reports an end refused for an unflushed cache as
   `CacheNotFlushedError` (weights whole, not torn) and a torn end as `TornUpdateError`;
   the live engine case is tests/integrations/test_sglang_live.py (deep).
 """
@@ -56,14 +56,17 @@ def test_assemble_inverts_materialize_and_digests_follow_every_byte(source) -> N
 
 
 def test_one_torn_update_hierarchy() -> None:
-    from integrations import sglang, sglang_engine
+    from integrations import errors, sglang, sglang_shadow, sglang_trainer
 
+    modules = [sglang, sglang_shadow, sglang_trainer]
     vllm = pytest.importorskip("integrations.vllm")
-    for cls in (vllm.TornUpdateError, sglang.TornUpdateError):
-        with pytest.raises(executor.TornUpdateError):
-            raise cls("torn")
-    assert sglang_engine.TornUpdateError is sglang.TornUpdateError
-    assert not issubclass(sglang_engine.CacheNotFlushedError, executor.TornUpdateError)
+    modules += [vllm, pytest.importorskip("integrations.vllm_shadow"),
+                pytest.importorskip("integrations.vllm_torn")]
+    for mod in modules:  # the one class, raised everywhere
+        assert mod.TornUpdateError is errors.TornUpdateError, mod.__name__
+    with pytest.raises(executor.TornUpdateError):
+        raise errors.TornUpdateError("torn")
+    assert not issubclass(errors.CacheNotFlushedError, executor.TornUpdateError)
 
 
 def scripted(end: dict) -> tuple[list[str], object]:
@@ -77,7 +80,8 @@ def scripted(end: dict) -> tuple[list[str], object]:
 
 
 def test_update_names_an_unflushed_cache_and_a_torn_end_apart() -> None:
-    from integrations.sglang_engine import NOT_FLUSHED, CacheNotFlushedError, update
+    from integrations.errors import CacheNotFlushedError
+    from integrations.sglang_trainer import NOT_FLUSHED, update
 
     posted, call = scripted({"success": False, "message": f"{NOT_FLUSHED}: requests run"})
     with pytest.raises(CacheNotFlushedError, match="'v7' was not committed") as e:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from integrations import placement_check as pc
+from integrations.errors import PlacementMismatchError
 from schemas.placement import Placement
 
 
@@ -20,7 +21,7 @@ def _table(seed: int) -> np.ndarray:
 def test_same_placement_passes_another_is_refused_in_one_line() -> None:
     a, b = Placement(_table(1)), Placement(_table(2))
     pc.check(a, a, "rdma_plan")
-    with pytest.raises(pc.PlacementMismatchError) as e:
+    with pytest.raises(PlacementMismatchError) as e:
         pc.check(b, a, "rdma_plan")
     layer, slot = (int(x) for x in np.argwhere(b.table != a.table)[0])
     line = str(e.value)
@@ -31,13 +32,13 @@ def test_same_placement_passes_another_is_refused_in_one_line() -> None:
 
 def test_plan_without_placement_on_a_moved_engine_is_refused() -> None:
     moved = Placement(np.array([np.roll(np.arange(8), 1)] * 4))
-    with pytest.raises(pc.PlacementMismatchError, match="default placement"):
+    with pytest.raises(PlacementMismatchError, match="default placement"):
         pc.check(moved, None, "rdma_plan")
     pc.check(Placement(np.array([np.arange(8)] * 4)), None, "rdma_plan")  # trivial: fine
     pc.check(None, None, "rdma_plan")
-    with pytest.raises(pc.PlacementMismatchError, match="without EPLB"):
+    with pytest.raises(PlacementMismatchError, match="without EPLB"):
         pc.check(None, moved, "rdma_plan")
-    with pytest.raises(pc.PlacementMismatchError, match="4 MoE layers x 10"):
+    with pytest.raises(PlacementMismatchError, match="4 MoE layers x 10"):
         pc.check(Placement(_table(1)), moved, "rdma_plan")
 
 

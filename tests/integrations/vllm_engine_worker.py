@@ -160,7 +160,7 @@ class Shim:
     def check(self, label: str, seed: int, torn: bool = False) -> None:
         from dataclasses import asdict
 
-        from integrations.vllm import TornUpdateError
+        from integrations.errors import TornUpdateError
 
         out = {"weight_version": self.engine.weight_version,
                "shadow": [asdict(u) for u in getattr(self.engine, "shadow_updates", [])],

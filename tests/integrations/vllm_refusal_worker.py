@@ -27,7 +27,7 @@ from tests.support.vllm_cpu_build import KEEP, init_distributed, patch_cpu  # no
 
 
 def refused(fn, *args, match: tuple[str, ...]) -> str:  # noqa: ANN001
-    from integrations.vllm_checks import EngineMismatchError
+    from integrations.errors import EngineMismatchError
 
     try:
         fn(*args)

@@ -20,7 +20,7 @@ tokenizer manager's fan-out (ZMQ, then SGLang's broadcast to TP ranks) is a TCPS
 the trainer posts each request once, every rank dispatches it, the trainer merges the
 answers like `FanOutCommunicator.merge_results` (success only if every rank succeeded).
 
-Every step the trainer runs `integrations.sglang_engine.update` (pause, begin, send, end,
+Every step the trainer runs `integrations.sglang_trainer.update` (pause, begin, send, end,
 version, continue); every engine rank checks after it: every parameter and `w_kc`/`w_vc`
 equal SGLang's own reference bit-exactly, `data_ptr`s unchanged, the scheduler's
 `weight_version` is the step's, generation resumed. At step `torn` the trainer never
@@ -77,8 +77,8 @@ def bind_keys(arg: dict) -> dict:
 
 def trainer(arg: dict) -> None:
     from harness.weights import materialize, random_full_tensors
-    from integrations.sglang import TornUpdateError
-    from integrations.sglang_engine import update
+    from integrations.errors import TornUpdateError
+    from integrations.sglang_trainer import update
     from planner.frameworks import build_layout
     from planner.validate import load
 

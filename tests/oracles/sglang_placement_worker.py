@@ -19,6 +19,7 @@ def main() -> None:
     from sglang.srt.eplb import expert_location as el
 
     from integrations import placement_check
+    from integrations.errors import PlacementMismatchError
     from schemas.placement import Placement
 
     rng = np.random.default_rng(4)
@@ -37,24 +38,21 @@ def main() -> None:
         ep_size=2, logical_to_rank_dispatch_physical_map=None)
     el.set_global_expert_location_metadata(meta)
 
-    class Target:  # what `SGLangTarget.begin` hands `at_begin`: its plan's placement, rank
-        def __init__(self, placement: Placement | None) -> None:
-            self.placement, self.rank = placement, 3
-
-    placement_check.at_begin(Target(Placement(table)))
+    # what `SGLangTarget.begin` checks: its plan's placement, on plan rank 3
+    placement_check.at_begin(Placement(table), 3)
     other = table.copy()
     other[1] = np.roll(other[1], 1)
     try:
-        placement_check.at_begin(Target(Placement(other)))
-    except placement_check.PlacementMismatchError as e:
+        placement_check.at_begin(Placement(other), 3)
+    except PlacementMismatchError as e:
         line = str(e)
         assert "\n" not in line and "MoE layer 1 physical expert" in line, line
         print("refused:", line)
     else:
         sys.exit("a plan for another placement was not refused")
     try:
-        placement_check.at_begin(Target(None))
-    except placement_check.PlacementMismatchError as e:
+        placement_check.at_begin(None, 3)
+    except PlacementMismatchError as e:
         print("refused:", e)
     else:
         sys.exit("a plan for the default placement was not refused on a replicated engine")

@@ -72,7 +72,7 @@ def differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
 
 def torn_step(target, versions: list[str], step: int, rank: int) -> None:  # noqa: ANN001
     """The trainer never sends: receive() times out, end() refuses, the version stays."""
-    from integrations.sglang import TornUpdateError
+    from integrations.errors import TornUpdateError
 
     target.plan.timeout_s = 5.0
     try:

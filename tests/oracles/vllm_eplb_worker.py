@@ -117,6 +117,7 @@ def main() -> None:
 
     from harness.weights import random_full_tensors
     from integrations import placement_check
+    from integrations.errors import PlacementMismatchError
     from planner.layouts.vllm_rank import eplb_layers
     from planner.spec import spec_from_hf
     from schemas.placement import Placement
@@ -180,15 +181,12 @@ def main() -> None:
         if engine != Placement(b):
             errors.append("the model's EPLB maps do not read back as placement B")
 
-        class Backend:  # what `start_weight_update` hands `at_update`: model and plan
-            def __init__(self, placement: Placement) -> None:
-                self.model, self.placement = model, placement
-
-        placement_check.at_update(Backend(plan_b.header.placement))
+        # what `start_weight_update` checks: the model against the plan's placement
+        placement_check.at_update(model, plan_b.header.placement)
         try:
-            placement_check.at_update(Backend(plan_a.header.placement))
+            placement_check.at_update(model, plan_a.header.placement)
             errors.append("plan A was not refused on the engine in placement B")
-        except placement_check.PlacementMismatchError as e:
+        except PlacementMismatchError as e:
             line = str(e)
             if "\n" in line or "MoE layer" not in line or "logical expert" not in line:
                 errors.append(f"refusal is not one line naming layer and expert: {line!r}")

@@ -67,9 +67,11 @@ def test_a_signed_chunked_plan_refuses_a_changed_chunk_list_at_load_with_the_key
              "swap chunks 0 and 1": [1, 0, *range(2, n)]}[how]
     bad = _relaid(path, tmp_path / "bad.rplan", order)
     t = _target(plans)
-    for load in (lambda: BoundedShadow.load(bad, t, {}, "local", Fabric(), timeout_s=2,
+    for load in (lambda: BoundedShadow.load(bad, t, {}, transport="local", rendezvous=Fabric(),
+                                            timeout_s=2,
                                             plan_key=KEY, no_identity=True),
-                 lambda: load_chunks(bad, 0, {}, "local", Fabric(), timeout_s=2,
+                 lambda: load_chunks(bad, 0, {}, transport="local", rendezvous=Fabric(),
+                                     timeout_s=2,
                                      plan_key=KEY, no_identity=True),
                  lambda: load_bounded(bad, KEY)):
         with pytest.raises(PlanFormatError, match="signature does not match the bounded") as e:
@@ -100,13 +102,15 @@ def test_without_a_key_a_rank_refuses_a_duplicated_or_dropped_chunk_and_verify_s
     n, t = len(plans), _target(plans)
     dup = _relaid(path, tmp_path / "dup.rplan", [0, 1, 1, *range(2, n)])
     with pytest.raises(PlanFormatError, match="is also in chunk 1") as e:
-        BoundedShadow.load(dup, t, {}, "local", Fabric(), timeout_s=2, no_identity=True)
+        BoundedShadow.load(dup, t, {}, transport="local", rendezvous=Fabric(), timeout_s=2,
+                           no_identity=True)
     assert "\n" not in str(e.value)
     assert main(["verify", dup]) == 1
     assert "is also in chunk 1" in capsys.readouterr().err
     drop = _relaid(path, tmp_path / "drop.rplan", [0, *range(2, n)])
     with pytest.raises(PlanFormatError, match="the bounded index states") as e:
-        BoundedShadow.load(drop, t, {}, "local", Fabric(), timeout_s=2, no_identity=True)
+        BoundedShadow.load(drop, t, {}, transport="local", rendezvous=Fabric(), timeout_s=2,
+                           no_identity=True)
     assert "\n" not in str(e.value) and f"target rank {t}" in str(e.value)
     assert main(["verify", drop]) == 1
     assert "a chunk was dropped" in capsys.readouterr().err

@@ -62,7 +62,7 @@ def test_verify_passes_the_compiled_chunks_and_refuses_broken_ones(tmp_path: Pat
     assert main(["verify", str(flipped)]) == 2
     assert "\n" not in capsys.readouterr().err.strip()
     with pytest.raises((PlanFormatError, PlanBoundsError)):
-        BoundedShadow.load(str(flipped), t, {}, "local", Fabric(), timeout_s=2,
+        BoundedShadow.load(str(flipped), t, {}, transport="local", rendezvous=Fabric(), timeout_s=2,
                            no_identity=True)
 
 
@@ -92,5 +92,5 @@ def test_a_signed_bounded_plan_loads_with_its_key_only_and_plain_load_points_to_
     with pytest.raises(PlanFormatError, match="is not signed"):
         load_bounded(str(tmp_path / "unsigned.rplan"), b"k" * 32)
     with pytest.raises(PlanFormatError, match="is a bounded-shadow plan") as e:
-        executor.load(path, 2, {}, "local", Fabric(), no_identity=True)
+        executor.load(path, 2, {}, transport="local", rendezvous=Fabric(), no_identity=True)
     assert "\n" not in str(e.value)

@@ -421,7 +421,8 @@ class Worker:
             mine = load_rank(path, r)
             fabric = Fabric()
             exs = [Executor(*(mine if q.rank == r else (plan.header, q)),
-                            world.tensors.get(q.rank, {}), "local", fabric, timeout_s=0.0)
+                            world.tensors.get(q.rank, {}), transport="local",
+                            rendezvous=fabric, timeout_s=0.0)
                    for q in plan.ranks]
             for ex in exs:
                 ex.register()

@@ -121,7 +121,8 @@ def _spinning(n: int) -> Iterator[None]:
 
 
 def _executors(world: _World, fabric: Fabric, seed: int) -> list[Executor]:
-    exs = [Executor(world.plan.header, rp, world.tensors[rp.rank], "local", fabric,
+    exs = [Executor(world.plan.header, rp, world.tensors[rp.rank], transport="local",
+                    rendezvous=fabric,
                     timeout_s=TIMEOUT_S) for rp in world.plan.ranks]
     for ex in exs:
         ex.register()

@@ -66,7 +66,7 @@ def test_plan_for_another_model_or_layout_is_refused_at_bind(tmp_path, edits, ra
     header, rp = load_rank(other, rank)
     fabric = Fabric()
     with pytest.raises(BindError) as e:
-        Executor(header, rp, _tensors(DEMO, rank), "local", fabric)
+        Executor(header, rp, _tensors(DEMO, rank), transport="local", rendezvous=fabric)
     msg = str(e.value)
     for pattern in expect:
         assert re.search(pattern, msg), msg

@@ -109,8 +109,9 @@ def test_restarted_target_is_reimported_and_stale_signals_never_count():
     fabric = Fabric()
     src_t = {"x": torch.arange(8, dtype=torch.uint8)}
     src, tgt = _plans()
-    s = Executor(HEADER, src, src_t, "local", fabric, timeout_s=2.0)
-    t_old = Executor(HEADER, tgt, {"x": torch.zeros(8, dtype=torch.uint8)}, "local", fabric,
+    s = Executor(HEADER, src, src_t, transport="local", rendezvous=fabric, timeout_s=2.0)
+    t_old = Executor(HEADER, tgt, {"x": torch.zeros(8, dtype=torch.uint8)}, transport="local",
+                     rendezvous=fabric,
                      timeout_s=2.0)
     for ex in (s, t_old):
         ex.register()
@@ -125,7 +126,7 @@ def test_restarted_target_is_reimported_and_stale_signals_never_count():
     s.run()  # lands in t_old: the source cannot know yet
     src_t["x"].add_(1)
     new_x = torch.zeros(8, dtype=torch.uint8)
-    t_new = Executor(HEADER, tgt, {"x": new_x}, "local", fabric, timeout_s=2.0)
+    t_new = Executor(HEADER, tgt, {"x": new_x}, transport="local", rendezvous=fabric, timeout_s=2.0)
     t_new.register()
     t_new.connect()
     assert t_new.rejoined and t_new.step == 2  # joins at the source's next step (3)
@@ -149,8 +150,8 @@ def test_a_rank_that_failed_a_step_alone_runs_it_again_with_its_peers():
     src_t = {"x": torch.arange(8, dtype=torch.uint8)}
     src, tgt = _plans()
     x = torch.zeros(8, dtype=torch.uint8)
-    s = Executor(HEADER, src, src_t, "local", fabric, timeout_s=1.0)
-    t = Executor(HEADER, tgt, {"x": x}, "local", fabric, timeout_s=1.0)
+    s = Executor(HEADER, src, src_t, transport="local", rendezvous=fabric, timeout_s=1.0)
+    t = Executor(HEADER, tgt, {"x": x}, transport="local", rendezvous=fabric, timeout_s=1.0)
     for ex in (s, t):
         ex.register()
     for ex in (s, t):
@@ -191,8 +192,10 @@ def test_a_source_restarted_while_its_target_is_inside_a_step_joins_the_next_one
     fabric = Fabric()
     data = [torch.arange(4, dtype=torch.uint8) + 4 * r for r in (0, 1)]
     x = torch.zeros(8, dtype=torch.uint8)
-    ranks = [Executor(header, srcs[r], {"x": data[r]}, "local", fabric, timeout_s=1.5)
-             for r in (0, 1)] + [Executor(header, tgt, {"x": x}, "local", fabric,
+    ranks = [Executor(header, srcs[r], {"x": data[r]}, transport="local", rendezvous=fabric,
+                      timeout_s=1.5)
+             for r in (0, 1)] + [Executor(header, tgt, {"x": x}, transport="local",
+                                          rendezvous=fabric,
                                           timeout_s=1.5)]
     for ex in ranks:
         ex.register()
@@ -220,7 +223,8 @@ def test_a_source_restarted_while_its_target_is_inside_a_step_joins_the_next_one
     stuck.start()  # step 2 without source 1 (dead)
     while ranks[0].control.peer_step(2) != (2, True):
         time.sleep(1e-3)
-    new = Executor(header, srcs[1], {"x": data[1]}, "local", fabric, timeout_s=1.5)
+    new = Executor(header, srcs[1], {"x": data[1]}, transport="local", rendezvous=fabric,
+                   timeout_s=1.5)
     new.register()
     new.connect()
     assert new.rejoined and new.step == 2  # joins at step 3

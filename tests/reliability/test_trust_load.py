@@ -140,7 +140,8 @@ executor.check.free_bytes = lambda device: 1 << 44  # a machine with the memory 
 from executor.transports.local import Fabric
 t0 = time.process_time()  # CPU seconds: bounded work, not wall time
 try:
-    Executor.load(sys.argv[1], 0, {"x": torch.zeros(8, dtype=torch.uint8)}, "local", Fabric(),
+    Executor.load(sys.argv[1], 0, {"x": torch.zeros(8, dtype=torch.uint8)}, transport="local",
+                  rendezvous=Fabric(),
                   no_identity=True)
     out = {"refused": None}
 except Exception as e:

@@ -40,7 +40,7 @@ def plans(tmp_path_factory) -> dict[str, str]:
 
 def _executors(plan, world) -> list[Executor]:
     fabric = Fabric()
-    exs = [Executor(plan.header, rp, world.tensors[rp.rank], "local", fabric)
+    exs = [Executor(plan.header, rp, world.tensors[rp.rank], transport="local", rendezvous=fabric)
            for rp in plan.ranks]
     for ex in exs:
         ex.register()
@@ -174,7 +174,8 @@ def test_ranks_holding_different_plans_refuse_each_other(plans, tmp_path):
     world = fuzz._World(plan, False)
     fabric = Fabric()
     exs = [Executor(*(load_rank(path, 1) if q.rank == 1 else (plan.header, q)),
-                    world.tensors[q.rank], "local", fabric) for q in plan.ranks]
+                    world.tensors[q.rank], transport="local", rendezvous=fabric)
+           for q in plan.ranks]
     for ex in exs:
         ex.register()
     with pytest.raises(PeerMismatchError, match="peer rank 1 holds a different plan") as e:

@@ -36,10 +36,12 @@ class World:
 
         def load(r: int) -> None:  # every rank loads chunk k before any connects chunk k+1
             if r < self.n_src:
-                out[r] = load_chunks(path, r, self.src[r], "local", fabric, timeout_s=timeout_s,
+                out[r] = load_chunks(path, r, self.src[r], transport="local", rendezvous=fabric,
+                                     timeout_s=timeout_s,
                                      no_identity=True)
             else:
-                out[r] = BoundedShadow.load(path, r, self.live[r], "local", fabric,
+                out[r] = BoundedShadow.load(path, r, self.live[r], transport="local",
+                                            rendezvous=fabric,
                                             timeout_s=timeout_s, no_identity=True)
         ts = [threading.Thread(target=load, args=(r,)) for r in range(self.n_src + len(self.live))]
         for t in ts:

@@ -22,8 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..nvrtc import RuntimeKernel
-from .base import WriteBatch
+from .nvrtc import RuntimeKernel
 
 CHUNK = 1 << 18
 """Bytes per piece: a block's unit of work (many pieces per block keep the SMs even)."""
@@ -80,24 +79,6 @@ def coalesce(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, dst_alloc: np
         (src_alloc[1:] != src_alloc[:-1]) | (dst_alloc[1:] != dst_alloc[:-1])
     first = np.flatnonzero(np.concatenate([[True], cut]))
     return dst[first], src[first], np.add.reduceat(nbytes, first)
-
-
-def batch_copies(src_regions: list[torch.Tensor], dst_regions: list[torch.Tensor],
-                 batch: WriteBatch, src_alloc: np.ndarray | None = None,
-                 dst_alloc: np.ndarray | None = None
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A batch's non-empty writes as raw (dst, src, nbytes) int64 arrays, merged where
-    adjacent on both sides (`coalesce`); `*_alloc`: each region's allocation base, for the
-    copy engines (a copy must stay inside one), None for the kernel (it may span them)."""
-    keep = batch.nbytes > 0
-    sr, dr = batch.src_region[keep], batch.dst_region[keep]
-    src = np.array([r.data_ptr() for r in src_regions], dtype=np.int64)
-    dst = np.array([r.data_ptr() for r in dst_regions], dtype=np.int64)
-    none = np.zeros(len(sr), dtype=np.int64)
-    return coalesce(dst[dr] + batch.dst_offset[keep], src[sr] + batch.src_offset[keep],
-                    batch.nbytes[keep].astype(np.int64),
-                    none if dst_alloc is None else dst_alloc[dr],
-                    none if src_alloc is None else src_alloc[sr])
 
 
 def piece_table(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray,

@@ -22,10 +22,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from executor.nvrtc import RuntimeKernel
 from schemas.plan import DTYPE_CODES, Table
 from schemas.protocol import FP8_BLOCK as BLOCK
 from schemas.protocol import scale_stride
+
+from .nvrtc import RuntimeKernel
 
 THREADS = 256
 BLOCKS_PER_SM = 8
