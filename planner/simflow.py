@@ -24,15 +24,6 @@ from schemas.protocol import ITEM, Overlap, carries
 
 NIC, NVLINK = 0, 1
 """Channels of a source rank (the values of `batches.nic`)."""
-NIC_WRITE_S = 10e-9
-"""Link time of one RDMA write beyond its bytes (work request fetch and headers)."""
-NVLINK_WRITE_S = 20e-9
-"""Link time of one peer write beyond its bytes, between two GPUs: `cuda_ipc` copies a
-batch with one kernel that writes over NVLink (`executor/transports/cuda_ipc.py`), where
-thousands of 1 MiB writes take as long as a few large ones of the same bytes
-(`bench/executor_bench.py`; BENCHMARKS.md, "Microbenchmarks on GPUs"). The copy engines,
-which batches of writes averaging 32 MiB or more still take, cost microseconds a write:
-at that size a small share of a write's bytes."""
 MAX_LEVELS = 8
 """Progressive-filling levels computed exactly (see `planner.simrates.maxmin`)."""
 EXACT_MAX_BATCHES = 20_000

@@ -49,8 +49,6 @@ import numpy as np
 from planner.planfile import PlanFile, PlanRanks
 from planner.simflow import (
     NIC,
-    NIC_WRITE_S,
-    NVLINK_WRITE_S,
     Batches,
     SimRank,
     choose_quantum,
@@ -62,6 +60,7 @@ from planner.simflow import (
 )
 from planner.simgap import explain_gap
 from planner.simrates import RateCache
+from planner.topology import NIC_WRITE_S, NVLINK_WRITE_S
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, Plan, PlanFormatError
 from schemas.protocol import INFLIGHT, sent_stage
 

@@ -33,13 +33,8 @@ import numpy as np
 
 from planner.planfile import PlanFile, PlanRanks, ticker
 from planner.verify_rank import (
-    MAX_RUNS,  # noqa: F401 (part of verify's face)
-    Incoming,
     acyclic,
     balance_msgs,
-    concat,
-    copy_runs,  # noqa: F401
-    outgoing,
     rank_bounds,
     rank_coverage,
     rank_dataflow,
@@ -48,6 +43,7 @@ from planner.verify_rank import (
     rank_staging_fit,
 )
 from planner.verify_shadow import rank_shadow
+from planner.writes import Incoming, concat, outgoing
 from schemas import rankcheck
 from schemas.header import MAX_STAGES, PlanHeader
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, UNPACK, Plan, RankPlan

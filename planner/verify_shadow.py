@@ -1,39 +1,16 @@
-"""What the plan writes into a target rank, as the shadow section states it (`schemas/shadow.py`).
+"""`verify`'s `shadow` check: a target rank's shadow section (`schemas/shadow.py`) against
+what the plan writes into the rank.
 
-`written` is the one definition of "the byte ranges the plan writes" on a rank: the peers'
-writes that land in its bound tensors and its own UNPACKs into them, one run per contiguous
-byte run, merged. The compiler's shadow pass (`planner/passes/shadow.py`) states it in the
-plan; `rdma-plan verify` (`shadow` check) recomputes it from the peers' parts and compares,
-after the rank-local rules the executor also runs at load (`schemas.shadow`).
+After the rank-local rules the executor also runs at load (`schemas.shadow`), the section's
+regions are compared with `planner.writes.written` recomputed from the peers' parts: the
+same definition the compiler's shadow passes stated in the plan.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
-from planner.verify_rank import Incoming, copy_runs
-from schemas.intervals import union
-from schemas.plan import UNPACK, RankPlan
-from schemas.protocol import staging_index
+from planner.writes import Incoming, written
+from schemas.plan import RankPlan
 from schemas.shadow import shadow_violations
-
-REGION_SHIFT = 48
-"""Intervals of all regions sorted as one key: region << 48 | byte (a region < 2**48 B)."""
-
-
-def written(rp: RankPlan, inc: Incoming) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(region, offset, nbytes): the disjoint byte runs of `rp`'s bound tensors that the
-    plan writes (`inc`: the peers' writes into `rp`), sorted by (region, offset)."""
-    sg = staging_index(rp)
-    keep = inc.region != sg
-    rows, u_lo, u_hi = copy_runs(rp, np.flatnonzero(rp.copies["kind"] == UNPACK), "dst")
-    u_reg = rp.copies["dst_region"][rows].astype(np.int64)
-    u_keep = u_reg != sg
-    reg = np.concatenate([inc.region[keep], u_reg[u_keep]]).astype(np.int64) << REGION_SHIFT
-    lo, hi = union(np.concatenate([inc.lo[keep], u_lo[u_keep]]) + reg,
-                   np.concatenate([inc.hi[keep], u_hi[u_keep]]) + reg)
-    region = lo >> REGION_SHIFT
-    return region, lo - (region << REGION_SHIFT), hi - lo
 
 
 def rank_shadow(rp: RankPlan, inc: Incoming) -> list[str]:

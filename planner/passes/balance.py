@@ -8,7 +8,7 @@ things that price cannot see:
   one op per rank and region), beside its writes: its packs during the previous stage's
   writes, its unpacks during the writes of the next stage (`lower.direct_stage`). Where
   its copies take longer than its link, they are what the transfer waits for;
-- over NVLink a row costs a peer copy `NVLINK_WRITE_S` of link time (`planner/simflow.py`),
+- over NVLink a row costs a peer copy `NVLINK_WRITE_S` of link time (`planner/topology.py`),
   not a NIC work request and its posting: ~20 ns where one kernel copies a batch (what
   `cuda_ipc` does between two GPUs), 3.5 us through the copy engines.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.rows import unique_rows
-from planner.simflow import NVLINK_WRITE_S
+from planner.topology import NVLINK_WRITE_S
 from schemas.config import Options
 
 

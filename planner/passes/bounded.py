@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.passes.shadow import layer_of, with_shadow
-from planner.verify_shadow import written
+from planner.writes import written
 from schemas.bounded_plan import bases
 from schemas.config import ConfigError
 from schemas.plan import Plan, RankPlan, Region

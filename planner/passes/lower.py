@@ -39,8 +39,7 @@ from planner.passes.lower_cols import (
 )
 from planner.passes.staging import place_staging, staging_order
 from planner.rows import unique_rows
-from planner.simflow import NVLINK_WRITE_S
-from planner.topology import Topology
+from planner.topology import NVLINK_WRITE_S, Topology
 from schemas.config import Options
 from schemas.plan import PACK, UNPACK
 

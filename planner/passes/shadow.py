@@ -1,7 +1,7 @@
 """Pass (after `emit`, only with `target.shadow`): each target rank's shadow section.
 
 The section (`schemas/shadow.py`) states what the plan writes on the rank (`planner.
-verify_shadow.written`) and the switch as ops: shadow -> live copies grouped into chunks,
+writes.written`) and the switch as ops: shadow -> live copies grouped into chunks,
 layer by layer (a tensor named `...layers.<i>....` belongs to layer i; the others, such as
 the embedding and the head, form one group before layer 0). A full shadow (`budget_bytes`
 0) switches a layer per chunk, each op at its own offset of the region's shadow; a bounded
@@ -18,8 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from planner.verify_rank import concat, outgoing
-from planner.verify_shadow import written
+from planner.writes import concat, outgoing, written
 from schemas.config import ConfigError
 from schemas.plan import Plan, RankPlan
 from schemas.protocol import ALIGN
