@@ -6,7 +6,7 @@
              run_chunks(chunks, step)
 
 The plan file (`schemas/bounded_plan.py`, compiled with `target.shadow: {budget_bytes: N}`
-by `planner/passes/bounded.py`) holds one ordinary plan per chunk: a chunk is a set of whole
+by `planner/passes/chunked.py`) holds one ordinary plan per chunk: a chunk is a set of whole
 target tensors, layer by layer, that fit N bytes. Each rank loads one `Executor` per chunk
 (own rendezvous namespace: `chunk_rendezvous`). On a target, chunk k's executor binds the
 chunk's tensors as views of ONE buffer of N bytes, at the offsets the plan's switch ops

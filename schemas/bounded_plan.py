@@ -7,7 +7,7 @@ Layout (integers little-endian):
 The index is `{"budget": N, "chunks": [[offset, length, blake2b], ...], "targets": [[rank,
 tensors, bytes, blake2b], ...], "signature": HMAC}` (offsets from the end of the index);
 each chunk is a whole ordinary plan file (`schemas/plan.py`: its own header, digests and,
-when signed, signature), compiled by `planner/passes/bounded.py`, run in index order by
+when signed, signature), compiled by `planner/passes/chunked.py`, run in index order by
 `executor/bounded.py`. `targets` states, per target rank, the whole set of tensors the
 chunks write together (count, bytes, digest of the sorted names and sizes): a rank's chunks
 hold each of them in exactly one chunk (`set_violations`, run by `verify` on every rank and

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from planner.passes.shadow import layer_of
-from planner.verify import verify_plan
+from planner.tools.verify import verify_plan
 from schemas.config import ConfigError
 from schemas.config_load import config_from_dict
 from schemas.plan import RankPlan

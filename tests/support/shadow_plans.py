@@ -75,7 +75,6 @@ def layouts(case):
 
 def compile_bounded_file(case, budget: int, path: str) -> list[Plan]:
     """The chunk plans of a bounded shadow of `budget` bytes, written to `path`."""
-    from planner.bounded_cmd import compile_bounded_config
     from schemas.bounded_plan import write_bounded
     model, source, target = case
     cfg = config_from_dict({"model": {"config": f"{model}/config.json"}, "source": source,
@@ -83,6 +82,6 @@ def compile_bounded_file(case, budget: int, path: str) -> list[Plan]:
                             "cluster": {"gpus_per_host": 8}}, base_dir=MODELS)
     spec = load_spec(cfg.model_config_path)
     validate(cfg, spec)
-    plans = compile_bounded_config(cfg, spec)
+    plans = compile_config(cfg, spec)
     write_bounded(path, plans, budget)
     return plans

@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from planner.planfile import PlanFile, PlanRanks, ticker
-from planner.verify_rank import (
+from planner.tools.planfile import PlanFile, PlanRanks, ticker
+from planner.tools.verify_rank import (
     acyclic,
     balance_msgs,
     rank_bounds,
@@ -42,7 +42,7 @@ from planner.verify_rank import (
     rank_sizes,
     rank_staging_fit,
 )
-from planner.verify_shadow import rank_shadow
+from planner.tools.verify_shadow import rank_shadow
 from planner.writes import Incoming, concat, outgoing
 from schemas import rankcheck
 from schemas.header import MAX_STAGES, PlanHeader

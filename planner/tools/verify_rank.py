@@ -1,4 +1,4 @@
-"""`verify`'s checks of one rank's decoded part (`planner/verify.py` runs them rank by rank).
+"""`verify`'s checks of one rank's decoded part (`planner/tools/verify.py` runs them rank by rank).
 
 Each function takes one `RankPlan` and, where a check needs its peers, a small summary of
 what they do to it (`Incoming`: the writes that land in this rank, five columns per write),
