@@ -36,7 +36,7 @@ LAYERS: dict[str, set[str]] = {
 """Each shipped top-level package -> the packages it may import."""
 PACKAGES = tuple(LAYERS)
 INNER: dict[str, set[str]] = {
-    "planner.layouts": {"planner.spec", "planner.models"},
+    "planner.layouts": {"planner.spec", "planner.models", "planner.errors"},
     "planner.passes": {"planner.layouts", "planner.spec", "planner.models", "planner.fp8",
                        "planner.frameworks", "planner.rows", "planner.topology",
                        "planner.writes"},

@@ -37,9 +37,9 @@ from typing import Any
 
 import msgpack
 
+from planner.errors import TraceError
 from planner.layouts import traced
 from planner.layouts.base import Layout
-from planner.layouts.trace_geometry import TraceError
 from planner.spec import ModelSpec
 from schemas.config import ConfigError, TargetConfig
 

@@ -42,7 +42,8 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from planner.layouts.vllm_lean_fakes import FAKES, LeanMiss, compile_hints_off
+from planner.errors import LeanMiss
+from planner.layouts.vllm_lean_fakes import FAKES, compile_hints_off
 
 log = logging.getLogger("planner")
 

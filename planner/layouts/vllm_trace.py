@@ -26,9 +26,10 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
+from planner.errors import TraceError  # noqa: E402
 from planner.layouts import trace_layers  # noqa: E402
 from planner.layouts.base import PhysicalTensor, Piece  # noqa: E402
-from planner.layouts.trace_geometry import TraceError, View, encode_rank, piece  # noqa: E402
+from planner.layouts.trace_geometry import View, encode_rank, piece  # noqa: E402
 from planner.layouts.vllm_groups import fake_parallel_state  # noqa: E402
 from planner.spec import SUPPORTED_MODEL_TYPES, ModelSpec  # noqa: E402
 from schemas.config import ConfigError, TargetConfig  # noqa: E402

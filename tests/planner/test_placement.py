@@ -18,9 +18,10 @@ import torch
 
 from harness.weights import materialize, random_full_tensors
 from planner.compiler import compile_config
+from planner.errors import NotIncremental
 from planner.frameworks import build_layout
 from planner.layouts.vllm_rank import eplb_layers
-from planner.replan import NotIncremental, replan
+from planner.replan import replan
 from planner.spec import load_spec
 from planner.tools.verify import verify_plan
 from planner.validate import validate
