@@ -161,9 +161,9 @@ def _fmt(value: object) -> str:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from planner.tools.inspect import inspect_text
-    from schemas.bounded_plan import is_bounded
+    from schemas.chunked_plan import is_chunked
 
-    if is_bounded(args.plan):  # a bounded shadow's chunk plans
+    if is_chunked(args.plan):  # a bounded shadow's chunk plans
         from planner.tools.inspect_chunked import inspect_chunked
         print(inspect_chunked(args.plan, args.json))
         return 0
@@ -232,9 +232,9 @@ def _cmd_tensors(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from planner.progress import Progress
     from planner.tools.verify import verify_file
-    from schemas.bounded_plan import is_bounded
+    from schemas.chunked_plan import is_chunked
 
-    if is_bounded(args.plan):  # every chunk plan, then the file's own rules
+    if is_chunked(args.plan):  # every chunk plan, then the file's own rules
         from planner.tools.verify_chunked import verify_chunked
         violations = verify_chunked(args.plan)
     else:

@@ -1,35 +1,37 @@
 """The compiler: a config -> a plan, through the passes, each a pure function.
 
-`compile_to` (what `rdma-plan compile` runs) loads nothing itself: it takes a checked config
-and its model spec, and writes what `compile_config` returns. `compile_config` builds both
-sides' layouts (pass 0), then runs `compile_layouts`, the passes 1-12, on them:
+`compile_to` (what `rdma-plan compile` runs) takes a config and its model spec, both checked
+(`planner.validate.load`: pass 1), and writes what `compile_config` returns.
+`compile_config` builds both sides' layouts (pass 2) and runs `compile_layouts`, passes
+3-13, on them, one numbered step each:
 
- 0. layouts: every rank's physical tensors, both sides (`planner/frameworks.py`,
-    `planner/layouts/`; a vLLM target traced from the engine's loader where the model has
-    no hand-written rules, begun first and run while the source is built)
- 1. topology: where every plan rank sits, its NIC and NVLink (`planner/topology.py`)
- 2. piece tables: every piece of both sides as columns (`passes/intersect.py`)
- 3. route: which target boxes go direct, which are gathered first (`passes/route.py`)
- 4. intersect: target pieces x source pieces, the direct path's chunks, rows split to
+ 1. spec: HF `config.json` -> the logical tensors (`planner/spec.py`, `planner/models/`)
+ 2. layouts: every rank's physical tensors, both sides (`planner/frameworks.py`,
+    `planner/layouts/`; a vLLM target traced from the engine's loader begun first, run
+    while the source is built)
+ 3. topology and piece tables: where every plan rank sits (`planner/topology.py`), every
+    piece of both sides as columns (`passes/intersect.py`)
+ 4. route: which target boxes go direct, which are gathered first (`passes/route.py`)
+ 5. intersect: target pieces x source pieces, the direct path's chunks, rows split to
     `max_write_bytes` (`passes/intersect.py`, `passes/assign.py`)
- 5. assign: the source replica of every chunk (`passes/assign.py`)
- 6. lower: the direct path's byte runs, packs and unpacks through staging
+ 6. assign: the source replica of every chunk (`passes/assign.py`)
+ 7. lower: the direct path's byte runs, packs and unpacks through staging
     (`passes/lower.py`)
- 7. gather: the gather path, QUANTs for FP8 and fine-cut boxes (`passes/gather.py`)
- 8. merge and coalesce: both paths as one set of ops, adjacent writes joined
+ 8. gather: the gather path, QUANTs for FP8 and fine-cut boxes (`passes/gather.py`)
+ 9. merge and coalesce: both paths as one set of ops, adjacent writes joined
     (`passes/lower.py`, `passes/coalesce.py`)
- 9. schedule: batches, signals and the stage DAG (`passes/schedule.py`)
-10. header: staging regions, NIC stats, the fingerprint, identities, derived state
+10. schedule: batches, signals and the stage DAG (`passes/schedule.py`)
+11. header: staging regions, NIC stats, the fingerprint, identities, derived state
     (`planner/nic_stats.py`, `passes/emit.py`, `planner/identities.py`, `planner/derived.py`)
-11. emit: each rank's blob, its tables in scheduled order (`passes/emit.py`)
-12. shadow, only with `target.shadow`: each target rank's shadow section
+12. emit: each rank's blob, its tables in scheduled order (`passes/emit.py`)
+13. shadow, only with `target.shadow`: each target rank's shadow section
     (`passes/shadow.py`)
 
 A chunked config (`target.shadow: {budget_bytes: N}`, N > 0) takes one more step on the
 same layouts, `compile_chunks`: the target's tensors cut into chunks of at most N bytes
-(`passes/chunked.py`), passes 1-11 run on each chunk's part of the target layout, and each
+(`passes/chunked.py`), passes 3-12 run on each chunk's part of the target layout, and each
 chunk plan given its bounded shadow section; `compile_to` writes the chunk plans in one
-file (`schemas/bounded_plan.py`). Everything the plan depends on (spec, both layouts,
+file (`schemas/chunked_plan.py`). Everything the plan depends on (spec, both layouts,
 topology, options) goes into its fingerprint; nothing that varies between runs (time,
 paths) goes into the file, so compiling the same config twice gives the same bytes.
 """
@@ -85,7 +87,7 @@ from planner.passes.shadow import with_shadow
 from planner.placement import plan_fingerprint
 from planner.spec import ModelSpec
 from planner.topology import build_topology
-from schemas.bounded_plan import write_bounded
+from schemas.chunked_plan import write_chunked
 from schemas.config import Config
 from schemas.integrity import plan_key
 from schemas.plan import Plan, Region
@@ -198,8 +200,8 @@ def _compile_guessed(cfg: Config, spec: ModelSpec, src_layout: Layout, guess: La
 def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout: Layout,
                     progress: Progress | None = None, src: PieceTable | None = None,
                     src_regions: list[tuple[Region, ...]] | None = None) -> Plan:
-    """Compile two given layouts (the rest of `cfg`: cluster, options) through the passes
-    1-12 of the module docstring, one numbered step each. `src`, `src_regions`: the
+    """Compile two given layouts (the rest of `cfg`: cluster, options) through passes 3-13 of
+    the module docstring, one numbered step each. `src`, `src_regions`: the
     source's piece table and tensor regions, when already built (while a target is traced).
     Memory holds one pass's columns, not every pass's: what later steps need of the chunks
     (their explain rows, the egress bound's holder sets, the fingerprint) is taken right
@@ -209,20 +211,19 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     coverage table and the tensors blobs are made on a second thread from assign to the end
     of lower (blake2b and numpy's sorts release the GIL)."""
     step, opts, names = progress or _quiet, cfg.options, tuple(t.name for t in spec.tensors)
-    # 1. topology
+    # 3. topology and piece tables
     topo = build_topology(cfg.cluster, src_layout.world, dst_layout.world)
-    # 2. piece tables
     step("intersect")
     src = piece_table(src_layout, spec, 0) if src is None else src
     dst, dst_boxes = table_and_boxes(dst_layout, spec, src_layout.world)
-    # 3. route
+    # 4. route
     routes = route(spec, src, dst, opts, topo, dst_boxes)
     del dst, dst_boxes  # in `routes`, and dropped with it
-    # 4. intersect
+    # 5. intersect
     chunks = split_rows(intersect(spec, src, routes.direct, routes.direct_boxes), routes.direct,
                         opts.max_write_bytes)
     routes = dataclasses.replace(routes, direct_boxes=None)  # read by intersect only
-    # 5. assign
+    # 6. assign
     step("assign")
     choice = assign(chunks, src, routes.direct, topo)
     n_chunks, sets = len(chunks), egress_sets(chunks, src, routes.direct, topo)
@@ -238,7 +239,7 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     coverage_job = side.submit(coverage_table, dst_layout, src_layout.world, routes.targets)
     blobs_job = side.submit(rank_tensor_blobs, spec, (src, routes.targets),
                             (src_layout, dst_layout))
-    # 6. lower
+    # 7. lower
     step("lower")
     staging_ids = _staging_ids(src_layout, dst_layout)
     bytes_in = _bytes_in(routes.targets, topo.world)
@@ -249,17 +250,17 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     (fp, fp_base), coverage, blobs = fp_job.result(), coverage_job.result(), blobs_job.result()
     side.shutdown()
     routes = gathered_only(routes)  # the target pieces go, but those gather reads
-    # 7. gather
+    # 8. gather
     step("gather")
     more = gather(spec, src, routes, staging_ids, opts, topo, direct.stages,
                   remote_egress(topo, direct))
-    # 8. merge and coalesce
+    # 9. merge and coalesce
     low = coalesce(merge(direct, more.lowered), opts.max_write_bytes)
     del direct
-    # 9. schedule
+    # 10. schedule
     step("schedule")
     sched = schedule(low, topo, opts.max_write_bytes, staging_ids)
-    # 10. header
+    # 11. header
     regions = with_staging(regions, low.staging)
     nics = nic_stats(topo, low, egress_bound(sets, topo, more.owner_only))
     header = plan_header(cfg, spec, topo, dst_layout.replicas, low, nics, n_chunks,
@@ -269,10 +270,10 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
         tuple(d) for d in derived(dst_layout, src_layout.world, cfg.target)))
     explain = explain_with(explain, more.explain)
     del more
-    # 11. emit
+    # 12. emit
     step("emit")
     plan = emit(header, low, sched, topo, regions, explain, names, coverage)
-    # 12. shadow
+    # 13. shadow
     if cfg.target.shadow is not None:  # only when asked: other plans keep their bytes
         step("shadow")
         plan = with_shadow(plan, cfg.target.shadow.budget_bytes)
@@ -312,7 +313,7 @@ def compile_file(config_path: str, out_path: str, progress=None,
 def compile_to(cfg: Config, spec: ModelSpec, out_path: str, progress=None,
                t0: float | None = None, sign_key: str | bytes | None = None) -> dict[str, Any]:
     """Compile a loaded, checked config (`planner.validate.load`) and write the plan, or the
-    chunk plans of a chunked config in one file (`schemas/bounded_plan.py`), signed with
+    chunk plans of a chunked config in one file (`schemas/chunked_plan.py`), signed with
     `sign_key` when given. Returns the header's stats (a chunked plan's: its budget, its
     chunks and their bytes) with the file's size, the seconds taken and the fingerprint."""
     t0 = time.perf_counter() if t0 is None else t0
@@ -323,7 +324,7 @@ def compile_to(cfg: Config, spec: ModelSpec, out_path: str, progress=None,
         if isinstance(out, Plan):
             sizes.append(write_plan(tmp, out, key))
         else:
-            sizes.append(write_bounded(tmp, out, chunk_budget(cfg), key))
+            sizes.append(write_chunked(tmp, out, chunk_budget(cfg), key))
 
     try:  # written as soon as compiled (`compile_config`), in place once it is the plan
         out = compile_config(cfg, spec, progress, write)

@@ -11,7 +11,7 @@ the chunk plan carries a shadow section with `budget` N and one chunk whose ops 
 `shadow_offset = base(tensor) + offset`: the executor (`executor/bounded.py`) binds the
 chunk's tensors as views of ONE buffer of N bytes at those bases, so that buffer is where
 the chunk's bytes land (no stage of it lands more than N bytes on a target), and the switch
-copies them into the live tensors. The chunk plans travel in one file (`schemas/bounded_plan.py`).
+copies them into the live tensors. The chunk plans travel in one file (`schemas/chunked_plan.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 from planner.layouts.base import Layout
 from planner.passes.shadow import layer_of, with_shadow
 from planner.writes import written
-from schemas.bounded_plan import bases
+from schemas.chunked_plan import bases
 from schemas.config import ConfigError
 from schemas.plan import Plan, RankPlan, Region
 from schemas.protocol import ALIGN

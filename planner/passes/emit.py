@@ -1,4 +1,4 @@
-"""Pass 8 (`emit`): the plan (schemas) from the scheduled writes and copies.
+"""Passes 11 and 12 (header, `emit`): the plan (schemas) from the scheduled writes and copies.
 
 Per rank: its regions (physical tensors in layout order, then staging), the writes it
 issues in scheduled order, batches, copies, signals, waits and the sizes of the peer

@@ -1,4 +1,4 @@
-"""Pass 5b (`gather`): target boxes gathered onto one source, then fanned out.
+"""Pass 8 (`gather`): target boxes gathered onto one source, then fanned out.
 
 Two kinds of target box take this path instead of `lower`'s direct one:
 - block-FP8 weights (`target.dtype: fp8_block128`): a 128x128 block must be quantized by

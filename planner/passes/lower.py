@@ -1,4 +1,4 @@
-"""Pass 5 (`lower`): chunks with a chosen source -> byte-level writes, packs and unpacks.
+"""Pass 7 (`lower`): chunks with a chosen source -> byte-level writes, packs and unpacks.
 
 Each chunk is a 2-d box `size0 x size1` that starts at element `start` with strides
 `(a0, a1)` on each side (a box with size1 == 1 is re-read as `1 x size0`, so columns of

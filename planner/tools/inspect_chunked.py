@@ -1,5 +1,5 @@
 """`rdma-plan inspect` of a chunked plan: a bounded shadow's chunk plans in one file
-(`schemas/bounded_plan.py`).
+(`schemas/chunked_plan.py`).
 
 Shows the budget, the chunks (their tensors' layers, bytes per target rank) and each rank's
 extra memory: N on a target (the buffer), 0 on a source.
@@ -12,7 +12,7 @@ from typing import Any
 
 from planner.passes.shadow import layer_of
 from planner.tools.verify_chunked import chunk_targets
-from schemas.bounded_plan import load_bounded
+from schemas.chunked_plan import load_chunked
 from schemas.plan import STAGING
 
 MIXED = ("mixed-version window: while chunks are switched one by one, the layers already "
@@ -22,7 +22,7 @@ MIXED = ("mixed-version window: while chunks are switched one by one, the layers
 
 def chunked_summary(path: str) -> dict[str, Any]:
     """The budget, each chunk's tensors, layers and bytes, and each rank's extra memory."""
-    budget, plans = load_bounded(path)
+    budget, plans = load_chunked(path)
     chunks = []
     for p in plans:
         names = sorted(set().union(*chunk_targets(p).values()))

@@ -1,5 +1,5 @@
 """`rdma-plan verify` of a chunked plan: a bounded shadow's chunk plans in one file
-(`schemas/bounded_plan.py`).
+(`schemas/chunked_plan.py`).
 
 Every check of `planner/tools/verify.py` runs on each chunk plan, then the file's own rules:
 every chunk has the same ranks and roles; each target rank's chunks hold each tensor of the
@@ -10,7 +10,7 @@ byte is written exactly once; each chunk lands at most N bytes on a target.
 from __future__ import annotations
 
 from planner.tools.verify import verify_plan
-from schemas.bounded_plan import load_bounded_index, set_violations
+from schemas.chunked_plan import load_chunked_index, set_violations
 from schemas.plan import STAGING, Plan
 
 
@@ -22,7 +22,7 @@ def chunk_targets(p: Plan) -> dict[int, set[str]]:
 
 def verify_chunked(path: str) -> list[str]:
     """Every chunk plan's violations (`verify_plan`, prefixed `chunk k:`), then the file's."""
-    idx, budget, plans = load_bounded_index(path)
+    idx, budget, plans = load_chunked_index(path)
     out = [f"chunk {k}: {m}" for k, p in enumerate(plans) for m in verify_plan(p)]
     roles = [tuple(rp.role for rp in p.ranks) for p in plans]
     if len(set(roles)) > 1:
