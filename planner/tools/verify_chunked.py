@@ -32,7 +32,7 @@ def verify_chunked(path: str) -> list[str]:
     for r in targets:
         out += set_violations(r, [p.ranks[r] for p in plans], idx.targets.get(r))
     if set(idx.targets) != set(targets):
-        out.append(f"the bounded index states the tensors of target ranks "
+        out.append(f"the chunk index states the tensors of target ranks "
                    f"{sorted(idx.targets)}, the chunks have targets {targets}; recompile the plan")
     for k, p in enumerate(plans):
         for r in chunk_targets(p):
