@@ -142,8 +142,10 @@ def _compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None,
             spec = with_scales(spec)
         src = piece_table(src_layout, spec, 0)  # while the target is traced
         src_regions = tensor_regions(src_layout)
-        guess = None if chunk_budget(cfg) else target.guess()  # the hand-written layout the
-        if guess is not None:  # trace should equal, if any
+        # the hand-written layout the trace should equal, if any (chunks are cut from the
+        # layout the trace gives)
+        guess = None if chunk_budget(cfg) else target.guess()
+        if guess is not None:
             plan = _compile_guessed(cfg, spec, src_layout, guess, progress, src, src_regions)
             if not isinstance(plan, BaseException):
                 on_plan(plan)
