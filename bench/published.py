@@ -9,7 +9,7 @@
 
 Each config is compiled by the real CLI (`python -m planner compile`) in its own process,
 so the compile time and peak RSS are that process's; then the plan is simulated here
-(`planner.simulate`). A config's published time is read from its `# published_s:` line.
+(`planner.tools.simulate`). A config's published time is read from its `# published_s:` line.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from planner.simulate import simulate  # noqa: E402
+from planner.tools.simulate import simulate  # noqa: E402
 
 HEADING = "## Published setups (simulated)"
 GOAL_RATIO = 1.15
@@ -171,7 +171,7 @@ def section(rows: list[dict[str, Any]], command: str) -> str:
         " of each `plans/published/*.yaml`). Simulated: `rdma-plan simulate` (flow-level, "
         "batches share NIC/NVLink bandwidth max-min fairly, the executor's stage protocol "
         "with its overlaps: packs early, 8 batches in flight across stage boundaries, "
-        "signals and the completion barrier; `planner/simulate.py` lists the model). Floor: "
+        "signals and the completion barrier; `planner/tools/simulate.py` lists the model). Floor: "
         "the busiest NIC direction (or NVLink) at full bandwidth. Cluster: 8 GPUs and 8 x "
         "400 Gb/s NICs per host, disaggregated. Every config sets 1 GiB of staging.",
         "", table(rows), "",

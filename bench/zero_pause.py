@@ -212,16 +212,16 @@ def bench_bounded(d: int, k: int, args: argparse.Namespace, device: torch.device
     stopped for the whole refit (its pause: `refit`), or, accepting the mixed versions,
     only for each chunk's switch (`switch`, the largest per step)."""
     from executor.bounded import BoundedShadow, load_chunks, run_chunks
-    from planner.passes.bounded import with_bounded
-    from schemas.bounded_plan import write_bounded
+    from planner.passes.chunked import with_chunk_shadow
+    from schemas.chunked_plan import write_chunked
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     tdt, S, T = getattr(torch, dtype), args.sources, args.targets
     per = -(-k // args.bounded)
     budget = per * d * d * SIZE[dtype]
     path = os.path.join(tempfile.mkdtemp(prefix="zero-pause-b-"), "p.rplan")
-    plans = [with_bounded(make_plan(None, d, k, S, T, dtype, range(c, min(k, c + per))),
+    plans = [with_chunk_shadow(make_plan(None, d, k, S, T, dtype, range(c, min(k, c + per))),
                           budget) for c in range(0, k, per)]
-    write_bounded(path, plans, budget)
+    write_chunked(path, plans, budget)
     src = {s: {f"t{t}.w{i}": torch.zeros(d, d, dtype=tdt, device=device)
                for t in range(S, S + T) for i in range(k) if i % S == s} for s in range(S)}
     live = {t: {f"w{i}": torch.zeros(d, d, dtype=tdt, device=device) for i in range(k)}

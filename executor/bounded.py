@@ -5,12 +5,12 @@
     source:  chunks = load_chunks(path, rank, tensors, transport=..., rendezvous=...)
              run_chunks(chunks, step)
 
-The plan file (`schemas/bounded_plan.py`, compiled with `target.shadow: {budget_bytes: N}`
-by `planner/passes/bounded.py`) holds one ordinary plan per chunk: a chunk is a set of whole
+The plan file (`schemas/chunked_plan.py`, compiled with `target.shadow: {budget_bytes: N}`
+by `planner/passes/chunked.py`) holds one ordinary plan per chunk: a chunk is a set of whole
 target tensors, layer by layer, that fit N bytes. Each rank loads one `Executor` per chunk
 (own rendezvous namespace: `chunk_rendezvous`). On a target, chunk k's executor binds the
 chunk's tensors as views of ONE buffer of N bytes, at the offsets the plan's switch ops
-state (`schemas.bounded_plan.bases`): whatever the chunk's writes and UNPACKs land, they land there.
+state (`schemas.chunked_plan.bases`): whatever the chunk's writes and UNPACKs land, they land there.
 `run(step)` then, for k = 0, 1, ...: runs chunk k's step (its last DONE), and switches it:
 local copies of the written bytes from the buffer into the live tensors (every live
 `data_ptr` stays, as with the full shadow).
@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from schemas.bounded_plan import bases, check_chunk_rank, load_rank_chunks
+from schemas.chunked_plan import bases, check_chunk_rank, load_rank_chunks
 from schemas.integrity import plan_key as read_key
 from schemas.plan import STAGING, RankPlan
 

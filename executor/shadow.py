@@ -25,9 +25,9 @@ link delivers it, so the copy is a small fraction of any transfer. The pause is 
 copy costs (`ShadowStats.pause_s`).
 
 **Bounded shadow** (`target.shadow: {budget_bytes: N}`): runs in `executor/bounded.py`
-(`BoundedShadow`), from the chunk plans `rdma-plan compile` writes for it. A single plan
-carrying a bounded section (`compile_config`: the chunk map `inspect` used to read) writes
-the tensors, not one buffer, so `attach` refuses it here (one line). Its mixed-version
+(`BoundedShadow`), from the chunk plans `rdma-plan compile` writes for it. A chunk plan
+carrying a bounded section writes its tensors as views of one buffer, which only
+`BoundedShadow` binds, so `attach` refuses it here (one line). Its mixed-version
 window: while chunks are switched one by one, layers already switched serve N+1 and the
 rest N, so an engine must pause across the whole bounded refit unless the caller accepts
 that mix.

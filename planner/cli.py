@@ -101,15 +101,10 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     _map_large_arrays()
     try:
         with Progress("compile") as progress:
-            if cfg.target.shadow is not None and cfg.target.shadow.budget_bytes:
-                from planner.bounded_cmd import compile_bounded_to
-                stats = compile_bounded_to(cfg, spec, args.output, progress,
-                                           sign_key=args.sign_key)
-            else:
-                stats = compile_to(cfg, spec, args.output, progress, sign_key=args.sign_key)
+            stats = compile_to(cfg, spec, args.output, progress, sign_key=args.sign_key)
     finally:
         _remove_temp(args.output)
-    if "egress_bound_max_over_mean" in stats:  # max/mean is never below 1 (planner.inspect)
+    if "egress_bound_max_over_mean" in stats:  # max/mean is never below 1 (planner.tools.inspect)
         stats["egress_bound_max_over_mean"] = max(1.0, stats["egress_bound_max_over_mean"])
     summary = "  ".join(f"{k}={_fmt(v)}" for k, v in stats.items())
     print(f"wrote {args.output}: {summary}")
@@ -165,17 +160,17 @@ def _fmt(value: object) -> str:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from planner.inspect import inspect_text
-    from schemas.bounded_plan import is_bounded
+    from planner.tools.inspect import inspect_text
+    from schemas.chunked_plan import is_chunked
 
-    if is_bounded(args.plan):  # a bounded shadow's chunk plans (planner/bounded_cmd.py)
-        from planner.bounded_cmd import inspect_bounded
-        print(inspect_bounded(args.plan, args.json))
+    if is_chunked(args.plan):  # a bounded shadow's chunk plans
+        from planner.tools.inspect_chunked import inspect_chunked
+        print(inspect_chunked(args.plan, args.json))
         return 0
     if args.ranks:
-        from planner.planfile import PlanFile
         from planner.progress import Progress
-        from planner.tensors_cmd import ranks_text
+        from planner.tools.planfile import PlanFile
+        from planner.tools.tensors import ranks_text
 
         # load_plan's checks (the executor and verify refuse what they refuse), one blob at
         # a time: memory holds one blob, not the plan
@@ -190,7 +185,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         text = inspect_text(args.plan, args.json, progress, traffic)
     print(text)
     if args.plot:
-        from planner.plot import plot_plan, plot_traffic, traffic_path
+        from planner.tools.plot import plot_plan, plot_traffic, traffic_path
         from schemas.plan import open_plan, read_header
 
         with open_plan(args.plan) as f:
@@ -203,14 +198,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from planner.progress import Progress
-    from planner.simgap import summary_text
-    from planner.simulate import simulate
+    from planner.tools.simgap import summary_text
+    from planner.tools.simulate import simulate
 
     with Progress("simulate") as progress:
         res = simulate(args.plan, inflight=args.inflight, progress=progress,
                        model="exact" if args.exact else "coarse" if args.coarse else "auto")
     if args.plot:
-        from planner.plot import plot_simulation
+        from planner.tools.plot import plot_simulation
 
         print(f"wrote {plot_simulation(res, args.plot)}", file=sys.stderr)
     if args.json:
@@ -221,14 +216,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    from planner.inspect import explain_text
+    from planner.tools.inspect import explain_text
 
     print(explain_text(args.plan, args.tensor, args.json))
     return 0
 
 
 def _cmd_tensors(args: argparse.Namespace) -> int:
-    from planner.tensors_cmd import tensors_text
+    from planner.tools.tensors import tensors_text
 
     print(tensors_text(args.plan, args.rank, args.json))
     return 0
@@ -236,12 +231,12 @@ def _cmd_tensors(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from planner.progress import Progress
-    from planner.verify import verify_file
-    from schemas.bounded_plan import is_bounded
+    from planner.tools.verify import verify_file
+    from schemas.chunked_plan import is_chunked
 
-    if is_bounded(args.plan):  # every chunk plan, then the file's own rules
-        from planner.bounded_cmd import verify_bounded
-        violations = verify_bounded(args.plan)
+    if is_chunked(args.plan):  # every chunk plan, then the file's own rules
+        from planner.tools.verify_chunked import verify_chunked
+        violations = verify_chunked(args.plan)
     else:
         with Progress("verify") as progress:
             violations = verify_file(args.plan, progress)

@@ -1,12 +1,39 @@
 """The compiler: a config -> a plan, through the passes, each a pure function.
 
-    layouts -> topology -> piece tables -> route -> intersect -> split rows -> assign
-      -> lower -> gather -> merge -> coalesce -> schedule -> NIC stats -> header -> emit
+`compile_to` (what `rdma-plan compile` runs) takes a config and its model spec, both checked
+(`planner.validate.load`: pass 1), and writes what `compile_config` returns.
+`compile_config` builds both sides' layouts (pass 2) and runs `compile_layouts`, passes
+3-13, on them, one numbered step each:
 
-`compile_layouts` is that line, one pass per line; each pass lives in its own module
-(`planner/passes/`, `planner/nic_stats.py`). Everything the plan depends on (spec, both
-layouts, topology, options) goes into its fingerprint; nothing that varies between runs
-(time, paths) goes into the file, so compiling the same config twice gives the same bytes.
+ 1. spec: HF `config.json` -> the logical tensors (`planner/spec.py`, `planner/models/`)
+ 2. layouts: every rank's physical tensors, both sides (`planner/frameworks.py`,
+    `planner/layouts/`; a vLLM target traced from the engine's loader begun first, run
+    while the source is built)
+ 3. topology and piece tables: where every plan rank sits (`planner/topology.py`), every
+    piece of both sides as columns (`passes/intersect.py`)
+ 4. route: which target boxes go direct, which are gathered first (`passes/route.py`)
+ 5. intersect: target pieces x source pieces, the direct path's chunks, rows split to
+    `max_write_bytes` (`passes/intersect.py`, `passes/assign.py`)
+ 6. assign: the source replica of every chunk (`passes/assign.py`)
+ 7. lower: the direct path's byte runs, packs and unpacks through staging
+    (`passes/lower.py`)
+ 8. gather: the gather path, QUANTs for FP8 and fine-cut boxes (`passes/gather.py`)
+ 9. merge and coalesce: both paths as one set of ops, adjacent writes joined
+    (`passes/lower.py`, `passes/coalesce.py`)
+10. schedule: batches, signals and the stage DAG (`passes/schedule.py`)
+11. header: staging regions, NIC stats, the fingerprint, identities, derived state
+    (`planner/nic_stats.py`, `passes/emit.py`, `planner/identities.py`, `planner/derived.py`)
+12. emit: each rank's blob, its tables in scheduled order (`passes/emit.py`)
+13. shadow, only with `target.shadow`: each target rank's shadow section
+    (`passes/shadow.py`)
+
+A chunked config (`target.shadow: {budget_bytes: N}`, N > 0) takes one more step on the
+same layouts, `compile_chunks`: the target's tensors cut into chunks of at most N bytes
+(`passes/chunked.py`), passes 3-12 run on each chunk's part of the target layout, and each
+chunk plan given its bounded shadow section; `compile_to` writes the chunk plans in one
+file (`schemas/chunked_plan.py`). Everything the plan depends on (spec, both layouts,
+topology, options) goes into its fingerprint; nothing that varies between runs (time,
+paths) goes into the file, so compiling the same config twice gives the same bytes.
 """
 
 from __future__ import annotations
@@ -30,6 +57,7 @@ from planner.layouts.base import Layout
 from planner.layouts.traced import model_hf, uses_trace
 from planner.nic_stats import egress_bound, egress_sets, nic_stats, remote_egress
 from planner.passes.assign import assign, split_rows
+from planner.passes.chunked import chunk_names, only_tensors, with_chunk_shadow
 from planner.passes.coalesce import coalesce
 from planner.passes.emit import (
     coverage_table,
@@ -59,6 +87,7 @@ from planner.passes.shadow import with_shadow
 from planner.placement import plan_fingerprint
 from planner.spec import ModelSpec
 from planner.topology import build_topology
+from schemas.chunked_plan import write_chunked
 from schemas.config import Config
 from schemas.integrity import plan_key
 from schemas.plan import Plan, Region
@@ -67,11 +96,15 @@ from schemas.plan_write import write_plan
 VERSION = "rdma-plan 0.1.0"
 
 Progress = Callable[[str], None]
+Compiled = Plan | list[Plan]
+"""A plan, or a chunked config's chunk plans in the order they run."""
 
 
 def compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None = None,
-                   on_plan: Callable[[Plan], None] | None = None) -> Plan:
-    """Compile a checked config and its model spec into a plan. A target traced from vLLM
+                   on_plan: Callable[[Compiled], None] | None = None) -> Compiled:
+    """Compile a checked config and its model spec into a plan, or, for a chunked config
+    (`target.shadow: {budget_bytes: N}`, N > 0), into the chunk plans of a bounded shadow in
+    the order they run (`compile_chunks`), from the same layouts. A target traced from vLLM
     for a family with hand-written rules is compiled with the rules' layout while the trace
     runs; that plan is kept only if the trace equals the rules piece for piece (the plan of
     equal layouts is the same bytes), else the traced layout is compiled
@@ -99,7 +132,7 @@ def no_cycle_collection() -> Iterator[None]:
 
 
 def _compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None,
-                    on_plan: Callable[[Plan], None]) -> Plan:
+                    on_plan: Callable[[Compiled], None]) -> Compiled:
     if progress is not None:
         progress("layouts")
     hf = model_hf(cfg) if uses_trace(spec, cfg.target) else None
@@ -109,7 +142,9 @@ def _compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None,
             spec = with_scales(spec)
         src = piece_table(src_layout, spec, 0)  # while the target is traced
         src_regions = tensor_regions(src_layout)
-        guess = target.guess()  # the hand-written layout the trace should equal, if any
+        # the hand-written layout the trace should equal, if any (chunks are cut from the
+        # layout the trace gives)
+        guess = None if chunk_budget(cfg) else target.guess()
         if guess is not None:
             plan = _compile_guessed(cfg, spec, src_layout, guess, progress, src, src_regions)
             if not isinstance(plan, BaseException):
@@ -120,9 +155,37 @@ def _compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None,
                 return plan
             src = src_regions = None  # the traced layout differs: compile it from scratch
         dst_layout = target.result()
+    if chunk_budget(cfg):
+        plans = compile_chunks(cfg, spec, src_layout, dst_layout, progress)
+        on_plan(plans)
+        return plans
     plan = compile_layouts(cfg, spec, src_layout, dst_layout, progress, src, src_regions)
     on_plan(plan)
     return plan
+
+
+def chunk_budget(cfg: Config) -> int:
+    """The bytes of a bounded shadow's buffer (`target.shadow.budget_bytes`), or 0: the
+    config compiles to chunk plans when it is not 0."""
+    return 0 if cfg.target.shadow is None else cfg.target.shadow.budget_bytes
+
+
+def compile_chunks(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout: Layout,
+                   progress: Progress | None = None) -> list[Plan]:
+    """The chunk plans of a bounded shadow, in the order they run: the target's tensors cut
+    into chunks that fit the budget (`planner/passes/chunked.py`), each chunk compiled by
+    `compile_layouts` with the target layout restricted to its tensors, then given its
+    bounded shadow section."""
+    budget = chunk_budget(cfg)
+    plain = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, shadow=None))
+    chunks = chunk_names(tensor_regions(dst_layout), budget)
+    plans = []
+    for k, names in enumerate(chunks):
+        if progress is not None:
+            progress(f"chunk {k + 1} of {len(chunks)}")
+        plan = compile_layouts(plain, spec, src_layout, only_tensors(dst_layout, names))
+        plans.append(with_chunk_shadow(plan, budget))
+    return plans
 
 
 def _compile_guessed(cfg: Config, spec: ModelSpec, src_layout: Layout, guess: Layout,
@@ -139,29 +202,30 @@ def _compile_guessed(cfg: Config, spec: ModelSpec, src_layout: Layout, guess: La
 def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout: Layout,
                     progress: Progress | None = None, src: PieceTable | None = None,
                     src_regions: list[tuple[Region, ...]] | None = None) -> Plan:
-    """Compile two given layouts (the rest of `cfg`: cluster, options), one pass a line:
-    topology, piece tables and tensor regions (`src`, `src_regions`: the source's, when
-    already built: while a target is traced), route (direct or
-    gather path), intersect and split rows, assign, lower (direct path), gather (FP8 and
-    fine-cut boxes), merge and coalesce, schedule, regions, NIC stats, header (the
-    fingerprint covers the direct path's target pieces, as it always has), explain, emit.
-    What later steps need of the chunks (their explain rows, the egress bound's holder
-    sets, the fingerprint) is taken right after assign, and the chunks are dropped once
-    lowered; what they need of the target pieces (the coverage table, the tensors blobs)
-    before lower, and all but the gathered ones are dropped once lowered: memory holds
-    one pass's columns, not every pass's. The fingerprint's digest of the piece tables,
-    the coverage table and the tensors blobs are made on a second thread from assign to
-    the end of lower (blake2b and numpy's sorts release the GIL)."""
+    """Compile two given layouts (the rest of `cfg`: cluster, options) through passes 3-13 of
+    the module docstring, one numbered step each. `src`, `src_regions`: the
+    source's piece table and tensor regions, when already built (while a target is traced).
+    Memory holds one pass's columns, not every pass's: what later steps need of the chunks
+    (their explain rows, the egress bound's holder sets, the fingerprint) is taken right
+    after assign, and the chunks are dropped once lowered; what they need of the target
+    pieces (the coverage table, the tensors blobs) before lower, and all but the gathered
+    ones are dropped once lowered. The fingerprint's digest of the piece tables, the
+    coverage table and the tensors blobs are made on a second thread from assign to the end
+    of lower (blake2b and numpy's sorts release the GIL)."""
     step, opts, names = progress or _quiet, cfg.options, tuple(t.name for t in spec.tensors)
+    # 3. topology and piece tables
     topo = build_topology(cfg.cluster, src_layout.world, dst_layout.world)
     step("intersect")
     src = piece_table(src_layout, spec, 0) if src is None else src
     dst, dst_boxes = table_and_boxes(dst_layout, spec, src_layout.world)
+    # 4. route
     routes = route(spec, src, dst, opts, topo, dst_boxes)
     del dst, dst_boxes  # in `routes`, and dropped with it
+    # 5. intersect
     chunks = split_rows(intersect(spec, src, routes.direct, routes.direct_boxes), routes.direct,
                         opts.max_write_bytes)
     routes = dataclasses.replace(routes, direct_boxes=None)  # read by intersect only
+    # 6. assign
     step("assign")
     choice = assign(chunks, src, routes.direct, topo)
     n_chunks, sets = len(chunks), egress_sets(chunks, src, routes.direct, topo)
@@ -177,6 +241,7 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     coverage_job = side.submit(coverage_table, dst_layout, src_layout.world, routes.targets)
     blobs_job = side.submit(rank_tensor_blobs, spec, (src, routes.targets),
                             (src_layout, dst_layout))
+    # 7. lower
     step("lower")
     staging_ids = _staging_ids(src_layout, dst_layout)
     bytes_in = _bytes_in(routes.targets, topo.world)
@@ -187,13 +252,17 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     (fp, fp_base), coverage, blobs = fp_job.result(), coverage_job.result(), blobs_job.result()
     side.shutdown()
     routes = gathered_only(routes)  # the target pieces go, but those gather reads
+    # 8. gather
     step("gather")
     more = gather(spec, src, routes, staging_ids, opts, topo, direct.stages,
                   remote_egress(topo, direct))
+    # 9. merge and coalesce
     low = coalesce(merge(direct, more.lowered), opts.max_write_bytes)
     del direct
+    # 10. schedule
     step("schedule")
     sched = schedule(low, topo, opts.max_write_bytes, staging_ids)
+    # 11. header
     regions = with_staging(regions, low.staging)
     nics = nic_stats(topo, low, egress_bound(sets, topo, more.owner_only))
     header = plan_header(cfg, spec, topo, dst_layout.replicas, low, nics, n_chunks,
@@ -203,8 +272,10 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
         tuple(d) for d in derived(dst_layout, src_layout.world, cfg.target)))
     explain = explain_with(explain, more.explain)
     del more
+    # 12. emit
     step("emit")
     plan = emit(header, low, sched, topo, regions, explain, names, coverage)
+    # 13. shadow
     if cfg.target.shadow is not None:  # only when asked: other plans keep their bytes
         step("shadow")
         plan = with_shadow(plan, cfg.target.shadow.budget_bytes)
@@ -243,22 +314,32 @@ def compile_file(config_path: str, out_path: str, progress=None,
 
 def compile_to(cfg: Config, spec: ModelSpec, out_path: str, progress=None,
                t0: float | None = None, sign_key: str | bytes | None = None) -> dict[str, Any]:
-    """Compile a loaded, checked config (`planner.validate.load`) and write the plan (signed
-    with `sign_key` when given). Returns the header's stats with the plan's size, the seconds
-    taken and its fingerprint."""
+    """Compile a loaded, checked config (`planner.validate.load`) and write the plan, or the
+    chunk plans of a chunked config in one file (`schemas/chunked_plan.py`), signed with
+    `sign_key` when given. Returns the header's stats (a chunked plan's: its budget, its
+    chunks and their bytes) with the file's size, the seconds taken and the fingerprint."""
     t0 = time.perf_counter() if t0 is None else t0
     key = None if sign_key is None else plan_key(sign_key)  # a bad key fails first
     tmp, sizes = f"{out_path}.{os.getpid()}.compiling", []
+
+    def write(out: Compiled) -> None:
+        if isinstance(out, Plan):
+            sizes.append(write_plan(tmp, out, key))
+        else:
+            sizes.append(write_chunked(tmp, out, chunk_budget(cfg), key))
+
     try:  # written as soon as compiled (`compile_config`), in place once it is the plan
-        plan = compile_config(cfg, spec, progress,
-                              lambda p: sizes.append(write_plan(tmp, p, key)))
+        out = compile_config(cfg, spec, progress, write)
         os.replace(tmp, out_path)
     finally:  # nothing left behind on failure: ours, nor `write_plan`'s own PATH.tmpPID
         for left in (tmp, f"{tmp}.tmp{os.getpid()}"):
             if os.path.exists(left):
                 os.remove(left)
-    size = sizes[-1]
-    stats = dataclasses.asdict(plan.header.stats)
-    stats.update(plan_bytes=size, seconds=round(time.perf_counter() - t0, 3),
-                 fingerprint=plan.header.fingerprint)
+    size, seconds = sizes[-1], round(time.perf_counter() - t0, 3)
+    if not isinstance(out, Plan):
+        return {"bounded_budget": chunk_budget(cfg), "chunks": len(out),
+                "bytes": sum(p.header.stats.bytes for p in out), "plan_bytes": size,
+                "seconds": seconds}
+    stats = dataclasses.asdict(out.header.stats)
+    stats.update(plan_bytes=size, seconds=seconds, fingerprint=out.header.fingerprint)
     return stats

@@ -25,12 +25,12 @@ import dataclasses
 
 import numpy as np
 
+from planner.errors import NotIncremental
 from planner.layouts.vllm_rank import eplb_layers
 from planner.passes.schedule import MAX_BATCH_WRITES
 from planner.placement import ExpertIds
 from planner.replan_tables import (
     Hits,
-    NotIncremental,
     Slots,
     SourceTensors,
     explain,
@@ -42,8 +42,6 @@ from schemas import placement as placement_mod
 from schemas.placement import Placement
 from schemas.plan import STAGING, WRITE_COLUMNS, Plan, RankPlan
 from schemas.table import Table
-
-__all__ = ["NotIncremental", "replan"]
 
 
 def replan(plan: Plan, spec: ModelSpec, new: Placement) -> Plan:

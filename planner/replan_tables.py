@@ -13,10 +13,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from planner.errors import NotIncremental
 from planner.placement import ExpertIds, ep_rank
 from planner.rows import unique_rows
 from planner.spec import ModelSpec
-from schemas.errors import UserError
 from schemas.header import PlanHeader
 from schemas.placement import Placement
 from schemas.plan import EXPLAIN_COLUMNS, Plan, RankPlan
@@ -25,10 +25,6 @@ from schemas.tensors import PIECE_COLUMNS, encode_rank_tensors
 
 _SLOT_TENSOR = re.compile(
     r"^model\.layers\.(\d+)\..*experts\.(?:routed_experts\.)?(w13|w2)_weight$")
-
-
-class NotIncremental(UserError):
-    """This plan cannot be edited for the new placement; compile it in full."""
 
 
 @dataclasses.dataclass(frozen=True)

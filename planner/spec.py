@@ -54,9 +54,9 @@ SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
-    """Read a HF config.json (a regular file of at most `schemas.bounded.MAX_FILE_BYTES`),
+    """Read a HF config.json (a regular file of at most `schemas.safe_read.MAX_FILE_BYTES`),
     with clear errors for a missing, oversized or broken file."""
-    from schemas.bounded import read_text, short
+    from schemas.safe_read import read_text, short
 
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
@@ -156,8 +156,8 @@ MAX_TENSORS = 1_000_000
 
 
 def _check_int_keys(hf: dict[str, Any], overrides: dict[str, Any]) -> None:
-    from schemas.bounded import short
     from schemas.config import MAX_LAYERS
+    from schemas.safe_read import short
 
     for key in INT_KEYS:
         value = hf.get(key)

@@ -3,7 +3,8 @@
 disaggregated: source rank i on host i // g, GPU i % g; target j on the hosts after them.
 colocated: every host gives its first `source_gpus_per_host` GPUs (default g/2) to sources
 and the rest to targets. A GPU uses the NIC that serves it; writes between two GPUs of one
-host go over NVLink and load no NIC.
+host go over NVLink and load no NIC. A write costs its link a fixed time beyond its bytes
+(`NIC_WRITE_S`, `NVLINK_WRITE_S`): the compiler balances by it, the simulator charges it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schemas.config import ClusterConfig, ConfigError
+
+NIC_WRITE_S = 10e-9
+"""Link time of one RDMA write beyond its bytes (work request fetch and headers)."""
+NVLINK_WRITE_S = 20e-9
+"""Link time of one peer write beyond its bytes, between two GPUs: `cuda_ipc` copies a
+batch with one kernel that writes over NVLink (`executor/transports/cuda_ipc.py`), where
+thousands of 1 MiB writes take as long as a few large ones of the same bytes
+(`bench/executor_bench.py`; BENCHMARKS.md, "Microbenchmarks on GPUs"). The copy engines,
+which batches of writes averaging 32 MiB or more still take, cost microseconds a write:
+at that size a small share of a write's bytes."""
 
 
 @dataclass(frozen=True, slots=True)

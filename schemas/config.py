@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from dataclasses import replace as _replace
 from typing import Any, Literal
 
-from .bounded import short
 from .errors import ConfigError, OwnValueError, check_each
 from .placement import Placement
 from .placement import from_plain as placement_from_plain
 from .placement import load as load_placement
+from .safe_read import short
 
 DTYPES = ("bfloat16", "float16", "float32")
 MAX_INT = 1 << 53

@@ -1,4 +1,4 @@
-"""Loading a config from plain data: YAML (bounded, `schemas.bounded`) -> `schemas.config`.
+"""Loading a config from plain data: YAML (bounded, `schemas.safe_read`) -> `schemas.config`.
 
 Every key is checked against the annotation of its field (`_coerce`): wrong types, unknown
 keys (with a "did you mean"), values outside `Literal`s, integers beyond 2**53, NaN and
@@ -16,9 +16,9 @@ import typing
 from dataclasses import MISSING, fields
 from typing import Any, Literal
 
-from .bounded import short
 from .config import MAX_INT, SECTIONS, Config, fail
 from .errors import ConfigError, ConfigErrors, OwnValueError, raise_all
+from .safe_read import short
 
 
 def _type_name(tp: Any) -> str:
@@ -167,11 +167,11 @@ def config_from_dict(data: Any, base_dir: str = ".") -> Config:
 
 
 def load_config(path: str) -> Config:
-    """Read a YAML config (bounded: `schemas.bounded`) with `yaml.safe_load` and check each
+    """Read a YAML config (bounded: `schemas.safe_read`) with `yaml.safe_load` and check each
     section; every error of every section is reported (`ConfigErrors`)."""
     import yaml
 
-    from .bounded import check_yaml_events, read_text
+    from .safe_read import check_yaml_events, read_text
 
     text = read_text(path, "config file", "a YAML config")
     try:

@@ -37,7 +37,7 @@ def rank_digest(header: PlanHeader, rank: int) -> bytes:
 def plan_key(key: bytes | str | os.PathLike[str]) -> bytes:
     """A signing key: the bytes themselves, or the contents of the file at a path."""
     if isinstance(key, (str, os.PathLike)):
-        from .bounded import open_regular
+        from .safe_read import open_regular
 
         fix = "give the key file the plan was signed with (e.g. head -c 32 /dev/urandom > plan.key)"
         try:

@@ -25,8 +25,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from .bounded import open_regular, short
 from .errors import ConfigError
+from .safe_read import open_regular, short
 
 KEY = "physical_to_logical_map"
 """The table's key in a placement file (vLLM's and SGLang's attribute name)."""

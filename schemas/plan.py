@@ -246,7 +246,7 @@ _HEADERS: dict[bytes, PlanHeader] = {}
 
 def _read_raw_header(f: BinaryIO, path: str) -> tuple[bytes, dict[str, Any], int]:
     magic = f.read(len(MAGIC))
-    if magic == b"RPLANBND":  # schemas/bounded_plan.py
+    if magic == b"RPLANBND":  # schemas/chunked_plan.py
         raise PlanFormatError(f"{path}: is a bounded-shadow plan (chunk plans, target.shadow: "
                               "{budget_bytes: N}); run it with executor.BoundedShadow.load on "
                               "a target and executor.load_chunks on a source")
@@ -315,7 +315,7 @@ def read_blob(f: BinaryIO, header: PlanHeader, start: int, name: str,
 def open_plan(path: str) -> BinaryIO:
     """The plan file at `path`, opened for reading: a regular file only (a FIFO, a device
     or a folder is refused at once, never read), no NUL byte in the path."""
-    from .bounded import open_regular
+    from .safe_read import open_regular
 
     return open_regular(path, "plan", "give the path of a plan file (rdma-plan compile "
                         "writes one)", PlanFormatError)

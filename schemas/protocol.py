@@ -95,7 +95,7 @@ ALIGN = 64
 """Byte alignment of every offset the compiler places in a buffer: staging slots and the
 pools and runs in them (`planner/passes/budget.py`, `staging.py`, `gather*.py`), a shadow
 section's chunks, and a bounded shadow's tensors in its N-byte buffer
-(`schemas.bounded_plan.bases`)."""
+(`schemas.chunked_plan.bases`)."""
 INFLIGHT = 8
 """Batches a rank keeps posted and not yet landed, by default: the executor's
 `max_inflight`, the simulator's `inflight` (`rdma-plan simulate --inflight`), and the write

@@ -1,6 +1,6 @@
 """The per-rank checks of `verify` that need one rank's plan and the header only: the
 executor runs them at load (`executor/check.py`), `rdma-plan verify` runs them on every
-rank (`planner/verify.py`), so a plan `verify` refuses for one of these reasons never runs.
+rank (`planner/tools/verify.py`), so a plan `verify` refuses for one of these reasons never runs.
 
 - `roles`: each op writes only the memory its role may. A source's copies (PACK, QUANT)
   write only its staging; a target's copies (UNPACK) write its own tensors, never its

@@ -24,7 +24,7 @@ them); the switch ops coalesced as compiled (no two ops of one chunk touch; at m
 per run plus one per chunk boundary); at most one chunk per region (a full shadow: one per
 layer) plus, bounded, one per `budget` bytes the switch copies. That the regions are
 exactly what the peers write into the rank needs the peers' parts:
-`planner/verify_shadow.py` (verify only, like `coverage`).
+`planner/tools/verify_shadow.py` (verify only, like `coverage`).
 """
 
 from __future__ import annotations

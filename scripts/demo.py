@@ -205,7 +205,7 @@ def main() -> int:
         return worker(args)
 
     from planner.compiler import compile_file
-    from planner.inspect import inspect_text
+    from planner.tools.inspect import inspect_text
 
     out = tempfile.mkdtemp(prefix="rdma-plan-demo-")
     plan = os.path.join(out, "demo.rplan")

@@ -5,7 +5,11 @@
   module-level or inside a function, ``TYPE_CHECKING`` included);
 - layering: a top-level package imports only the packages below it (``LAYERS``): ``schemas``
   nothing, ``planner`` and ``executor`` ``schemas`` only, ``integrations`` ``schemas`` and
-  ``executor``, ``harness`` (the kit scripts and benchmarks share) any of them;
+  ``executor``, ``harness`` (the kit scripts and benchmarks share) any of them; inside the
+  planner, a subpackage imports only the parts of the planner ``INNER`` gives it (the
+  layouts are a leaf: the model spec only; the compiler's passes and the plan tools sit
+  beside each other, neither importing the other's driver) and is imported only by those
+  ``USERS`` names (the plan tools by the command line alone);
 - no module imports another module's private (underscore) names, or reads one off a module
   it imported: a name shared across modules is public in its owner;
 - no shipped module imports ``tests``;
@@ -31,6 +35,18 @@ LAYERS: dict[str, set[str]] = {
 }
 """Each shipped top-level package -> the packages it may import."""
 PACKAGES = tuple(LAYERS)
+INNER: dict[str, set[str]] = {
+    "planner.layouts": {"planner.spec", "planner.models", "planner.errors"},
+    "planner.passes": {"planner.layouts", "planner.spec", "planner.models", "planner.fp8",
+                       "planner.frameworks", "planner.rows", "planner.topology",
+                       "planner.writes"},
+    "planner.tools": {"planner.passes", "planner.placement", "planner.rows", "planner.topology",
+                      "planner.writes"},
+}
+"""A planner subpackage -> the other parts of the planner (children of ``planner``) it may
+import."""
+USERS: dict[str, set[str]] = {"planner.tools": {"planner.cli"}}
+"""A planner subpackage -> the only other parts of the planner that may import it."""
 
 
 def _files() -> dict[str, Path]:
@@ -195,6 +211,43 @@ def test_layers() -> None:
     bad = [f"{a} imports {b}" for a, targets in sorted(graph.items()) for b in sorted(targets)
            if (top := b.split(".")[0]) != a.split(".")[0] and top not in LAYERS[a.split(".")[0]]]
     assert not bad, "imports against the layers (LAYERS):\n" + "\n".join(bad)
+
+
+def _part(module: str) -> str:
+    """The child of ``planner`` that ``module`` is in (``planner.tools.verify`` ->
+    ``planner.tools``), or the top-level package for any other module."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "planner" and len(parts) > 1 else parts[0]
+
+
+def inner_violations(graph: dict[str, set[str]]) -> list[str]:
+    """The imports between parts of the planner against ``INNER`` and ``USERS``."""
+    bad = []
+    for a, targets in sorted(graph.items()):
+        for b in sorted(targets):
+            pa, pb = _part(a), _part(b)
+            if pa == pb or not pb.startswith("planner."):
+                continue
+            if pa in INNER and pb not in INNER[pa]:
+                bad.append(f"{a} imports {b} ({pa} may import {sorted(INNER[pa])})")
+            if pb in USERS and pa not in USERS[pb]:
+                bad.append(f"{a} imports {b} ({pb} is imported by {sorted(USERS[pb])} only)")
+    return bad
+
+
+def test_inner_finder() -> None:
+    g = {"planner.layouts.vllm": {"planner.frameworks", "planner.spec"},
+         "planner.passes.shadow": {"planner.tools.verify", "planner.writes"},
+         "planner.cli": {"planner.tools.verify"}, "planner.tools.verify": {"planner.writes"}}
+    assert [line.split(" (")[0] for line in inner_violations(g)] == [
+        "planner.layouts.vllm imports planner.frameworks",
+        "planner.passes.shadow imports planner.tools.verify",
+        "planner.passes.shadow imports planner.tools.verify"]
+
+
+def test_planner_layers() -> None:
+    bad = inner_violations(_graph()[0])
+    assert not bad, "imports against the planner's layers (INNER, USERS):\n" + "\n".join(bad)
 
 
 def _private(attr: str) -> bool:

@@ -1,12 +1,13 @@
 """Trace ahead: a traced target layout that is not cached is traced in a forked process
 started when the compile starts, while this process builds the source side.
 
-Tracing imports torch and vLLM (~4 s on one core, the larger part of a trace) and builds
+Tracing imports torch and vLLM (the larger part of a trace) and builds
 every engine rank's model; none of it needs the source layout, and the source layout and
 its piece table need nothing of the trace. So `begin` forks a tracer (it imports vLLM, traces
 the engine with its own workers, sends the ranks as `traced.encode_rank` rows, then writes
 the cache file) and `Pending.result` joins it. This process never imports torch or vLLM, so
-the rest of the compile does not pay for their ~1.5M objects in every garbage collection.
+the rest of the compile does not pay for their millions of objects in every garbage
+collection.
 The tracer imports vLLM lean (`vllm_lean`) with RDMA_PLAN_TRACE_LEAN=1: what that leaves
 out refuses any use, so a trace needing it fails rather than answering otherwise, and a lean
 tracer that fails is followed by one importing vLLM whole (lean and whole traces are compared
@@ -37,9 +38,9 @@ from typing import Any
 
 import msgpack
 
+from planner.errors import TraceError
 from planner.layouts import traced
 from planner.layouts.base import Layout
-from planner.layouts.trace_geometry import TraceError
 from planner.spec import ModelSpec
 from schemas.config import ConfigError, TargetConfig
 

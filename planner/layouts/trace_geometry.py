@@ -13,12 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from planner.errors import TraceError
 from planner.layouts.base import PhysicalTensor, Piece
-from schemas.config import ConfigError
-
-
-class TraceError(ConfigError):
-    """vLLM's loader does something a traced layout cannot express."""
 
 
 class View(NamedTuple):

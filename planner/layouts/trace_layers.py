@@ -1,7 +1,7 @@
 """Trace a few layers, not all of them: decoder layers that look alike on a rank load alike.
 
-A trace offers vLLM's `load_weights` every checkpoint tensor (Qwen3-235B: 36,096 expert
-tensors per rank, ~3 s a rank). Layers whose checkpoint tensors *and* whose parameters on
+A trace offers vLLM's `load_weights` every checkpoint tensor (a large MoE has tens of
+thousands of expert tensors per rank). Layers whose checkpoint tensors *and* whose parameters on
 this rank have the same names (less the layer index), shapes and dtypes form a class
 (`layer_classes`): all MoE layers of a stage, the dense first layers, the layers of
 another PP stage (no parameters here). Only a few members of each class are traced, the

@@ -6,7 +6,7 @@ records its `load_weights` (`planner/layouts/vllm_trace.py`, which imports torch
 Replicas reuse the engine's trace. A trace is cached under `~/.cache/rdma-plan/traced/`
 (or `$RDMA_PLAN_CACHE`), keyed by the model config (with overrides), the vLLM version and
 the engine's parallel config; a cache hit needs neither torch nor vLLM. A cache file is
-read like any other input: bounded, type-checked, every piece inside its logical tensor
+read like any other input: size-limited, type-checked, every piece inside its logical tensor
 and its parameter; one that fails is traced again and replaced.
 
 Cache file (msgpack map): `format` (1), `key`, `ranks`: per engine rank, a list of
@@ -150,8 +150,8 @@ def _trace_rows(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list[
 def trace_packed(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list[bytes]:
     """Import torch and vLLM and trace one engine (each rank's `encode_rank` rows as msgpack
     bytes, unchecked), with the cyclic garbage collector paused: importing vLLM allocates
-    ~1.5M objects, and collecting them over and over while they are all still alive took
-    ~1.5 s of a ~5.6 s import here (and more while building models)."""
+    millions of objects, and collecting them over and over while they are all still alive
+    is a large share of the import (and of building the models)."""
     with gc_paused():
         try:
             from planner.layouts import vllm_trace

@@ -1,6 +1,6 @@
 """A lean import of vLLM for the forked tracer (`planner/layouts/trace_ahead.py`) only.
 
-Importing what a trace needs of vLLM 0.33 costs ~4 s on one core, most of it modules a
+Importing what a trace needs of vLLM 0.33 costs seconds, most of it in modules a
 trace never runs: Inductor and Dynamo (pulled in by `vllm.env_override`, by
 `torch._inductor.custom_graph_pass`'s package, by `vllm.compilation.decorators` and by
 module-level `@torch.compile`), torch's symbolic shapes and sympy (which torch's meta
@@ -42,7 +42,8 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from planner.layouts.vllm_lean_fakes import FAKES, LeanMiss, compile_hints_off
+from planner.errors import LeanMiss
+from planner.layouts.vllm_lean_fakes import FAKES, compile_hints_off
 
 log = logging.getLogger("planner")
 
@@ -74,14 +75,14 @@ STUBS = {
                      "and runs no forward)",
     "torch._dynamo.symbolic_convert": "the class `vllm.compilation.decorators` imports from "
                                       "Dynamo (see torch._dynamo)",
-    "torch.fx.experimental.symbolic_shapes": "symbolic shapes (and sympy, ~0.3 s): torch's "
+    "torch.fx.experimental.symbolic_shapes": "symbolic shapes (and sympy): torch's "
                                              "meta kernels ask it about plain ints and bools "
                                              "only (`FAKES`), a meta trace has no symbolic "
                                              "sizes",
     "integrations.vllm": "rdma-plan's own vLLM plugin (the `rdma_plan` weight-transfer "
                          "backend, with the executor and the plan format): vLLM loads it with "
                          "its general plugins; it registers no model, layer or loader (`FAKES`)",
-    "sympy": "symbolic algebra (~0.3 s with mpmath), imported by torch's type promotion only "
+    "sympy": "symbolic algebra (with mpmath), imported by torch's type promotion only "
              "to ask whether an argument is a `sympy.Basic`: none can be while sympy is not "
              "imported (`FAKES`)",
 }

@@ -10,9 +10,7 @@ import functools
 import operator
 from typing import Any
 
-
-class LeanMiss(RuntimeError):
-    """The trace used something the lean import left out."""
+from planner.errors import LeanMiss
 
 
 def _same(fn: Any) -> Any:

@@ -26,9 +26,10 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
+from planner.errors import TraceError  # noqa: E402
 from planner.layouts import trace_layers  # noqa: E402
 from planner.layouts.base import PhysicalTensor, Piece  # noqa: E402
-from planner.layouts.trace_geometry import TraceError, View, encode_rank, piece  # noqa: E402
+from planner.layouts.trace_geometry import View, encode_rank, piece  # noqa: E402
 from planner.layouts.vllm_groups import fake_parallel_state  # noqa: E402
 from planner.spec import SUPPORTED_MODEL_TYPES, ModelSpec  # noqa: E402
 from schemas.config import ConfigError, TargetConfig  # noqa: E402
@@ -265,7 +266,8 @@ def _build(vcfg: Any, cfg: TargetConfig, rank: tuple[int, int, int],
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     # `record_metadata_for_reloading` keeps a meta copy of every layer for vLLM's
-    # layerwise reload (torchao models only), ~1/5 of a rank here: a trace never reloads
+    # layerwise reload (torchao models only), a large share of a rank's trace: a trace
+    # never reloads
     with fake_parallel_state(cfg, *rank), set_current_vllm_config(vcfg), \
             set_default_torch_dtype(vcfg.model_config.dtype), \
             mock.patch.object(utils, "record_metadata_for_reloading", _nothing):

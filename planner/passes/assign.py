@@ -1,4 +1,4 @@
-"""Pass 4 (`assign`): pick the source replica of every chunk.
+"""Pass 6 (`assign`): pick the source replica of every chunk.
 
 Chunks are first cut along dim 0 so none exceeds `max_write_bytes` (in target bytes):
 that bounds the granularity of the balance. Then, in decreasing size (ties: chunk

@@ -8,16 +8,16 @@ things that price cannot see:
   one op per rank and region), beside its writes: its packs during the previous stage's
   writes, its unpacks during the writes of the next stage (`lower.direct_stage`). Where
   its copies take longer than its link, they are what the transfer waits for;
-- over NVLink a row costs a peer copy `NVLINK_WRITE_S` of link time (`planner/simflow.py`),
-  not a NIC work request and its posting: ~20 ns where one kernel copies a batch (what
-  `cuda_ipc` does between two GPUs), 3.5 us through the copy engines.
+- over NVLink a row costs a peer copy `NVLINK_WRITE_S` of link time (`planner/topology.py`),
+  not a NIC work request and its posting: tens of nanoseconds where one kernel copies a
+  batch (what `cuda_ipc` does between two GPUs), microseconds through the copy engines.
 
 So where a rank's copies outlast its NVLink traffic, whole copy ops move to direct row
 writes, the dearest op per row first, while the copies left still take at least as long as
-the links the rows pass through (both ends of each row). With rows at the kernel's ~20 ns,
-small plans meet this (the demo's targets unpack 8 tensors of half rows: 86 us of copies
-against 14 us of NVLink); at the copy engines' 3.5 us a row none do; a plan of real size
-has links busy for milliseconds and keeps its copies either way. Chunks over a NIC, or that
+the links the rows pass through (both ends of each row). With rows at the kernel's cost,
+small plans meet this (a demo whose targets unpack tensors of half rows); at the copy
+engines' a row none do; a plan of real size has links busy for milliseconds and keeps its
+copies either way. Chunks over a NIC, or that
 need a cast, a pack and an unpack both, or a strided row, stay staged.
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.rows import unique_rows
-from planner.simflow import NVLINK_WRITE_S
+from planner.topology import NVLINK_WRITE_S
 from schemas.config import Options
 
 

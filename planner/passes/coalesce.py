@@ -1,4 +1,4 @@
-"""Pass 6 (`coalesce`): merge writes that are adjacent on both sides; split at the max size.
+"""Pass 9 (`coalesce`): merge writes that are adjacent on both sides; split at the max size.
 
 Two writes merge only when they go from the same source region to the same target region
 in the same stage and the second starts exactly where the first ends on both sides.

@@ -1,4 +1,4 @@
-"""Pass 8 (`emit`): the plan (schemas) from the scheduled writes and copies.
+"""Passes 11 and 12 (header, `emit`): the plan (schemas) from the scheduled writes and copies.
 
 Per rank: its regions (physical tensors in layout order, then staging), the writes it
 issues in scheduled order, batches, copies, signals, waits and the sizes of the peer
@@ -300,7 +300,7 @@ def spilled(table: Table) -> Table:
     """`table` with its columns written to an unnamed temporary file and mapped back
     read-only: the same table, whose bytes are in the page cache instead of this process
     until read (the compiler holds the explain table from assign to the plan's writing;
-    DeepSeek-V3's is 0.42 GB)."""
+    a large model's is hundreds of MB)."""
     import mmap
     import tempfile
 

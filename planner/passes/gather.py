@@ -1,4 +1,4 @@
-"""Pass 5b (`gather`): target boxes gathered onto one source, then fanned out.
+"""Pass 8 (`gather`): target boxes gathered onto one source, then fanned out.
 
 Two kinds of target box take this path instead of `lower`'s direct one:
 - block-FP8 weights (`target.dtype: fp8_block128`): a 128x128 block must be quantized by
@@ -121,7 +121,7 @@ class Gatherer:
         tb_of = tb_of.reshape(-1)
         self.tboxes = self.tboxes.astype(np.int64)
         self.chunks = _wide(intersect(spec, src, take(self.w, self.first)))
-        # The columns read one row at a time, as lists (a numpy scalar costs ~10x more).
+        # The columns read one row at a time, as lists (a numpy scalar costs far more).
         geo = ("rank", "region", "base", "a0", "a1", "dtype")
         self.src_l, self.w_l, self.s_l = (Rows(t, geo) for t in (src, self.w, self.s))
         self.chunks_l = Rows(self.chunks, ("off0", "off1", "size0", "size1"))

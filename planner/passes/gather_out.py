@@ -139,7 +139,7 @@ def _align(n: np.ndarray) -> np.ndarray:
 
 class Rows:
     """Some columns of a table as Python lists, for reads of one row at a time (a numpy
-    scalar costs ~10x more)."""
+    scalar costs far more)."""
 
     def __init__(self, table: object, columns: tuple[str, ...]) -> None:
         for c in columns:

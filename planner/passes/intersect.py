@@ -1,4 +1,5 @@
-"""Pass 3 (`intersect`): target pieces x source pieces over the same logical boxes.
+"""Passes 3 and 5 (piece tables, `intersect`): target pieces x source pieces over the same
+logical boxes.
 
 Every piece becomes a row of columnar arrays (`PieceTable`): its logical box, and the
 affine map from logical index to element offset in its physical tensor:

@@ -1,4 +1,4 @@
-"""Pass 5 (`lower`): chunks with a chosen source -> byte-level writes, packs and unpacks.
+"""Pass 7 (`lower`): chunks with a chosen source -> byte-level writes, packs and unpacks.
 
 Each chunk is a 2-d box `size0 x size1` that starts at element `start` with strides
 `(a0, a1)` on each side (a box with size1 == 1 is re-read as `1 x size0`, so columns of
@@ -39,8 +39,7 @@ from planner.passes.lower_cols import (
 )
 from planner.passes.staging import place_staging, staging_order
 from planner.rows import unique_rows
-from planner.simflow import NVLINK_WRITE_S
-from planner.topology import Topology
+from planner.topology import NVLINK_WRITE_S, Topology
 from schemas.config import Options
 from schemas.plan import PACK, UNPACK
 

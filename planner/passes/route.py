@@ -1,4 +1,4 @@
-"""Pass 3b (`route`): which target pieces take the direct path, which the gather path.
+"""Pass 4 (`route`): which target pieces take the direct path, which the gather path.
 
 The direct path (`intersect` -> `assign` -> `lower`) writes every chunk of a target box
 from the source replica `assign` picks. Two kinds of target box take `gather` instead:

@@ -1,4 +1,4 @@
-"""Pass 7 (`schedule`): per-NIC batches in an incast-avoiding order, signals, the DAG.
+"""Pass 10 (`schedule`): per-NIC batches in an incast-avoiding order, signals, the DAG.
 
 Within a stage, a source's writes to one target are cut into batches of at most
 `max_write_bytes` (and 1024 writes). Batches go out in rounds: round k holds every

@@ -1,13 +1,13 @@
-"""Pass (after `emit`, only with `target.shadow`): each target rank's shadow section.
+"""Pass 13 (after `emit`, only with `target.shadow`): each target rank's shadow section.
 
 The section (`schemas/shadow.py`) states what the plan writes on the rank (`planner.
-verify_shadow.written`) and the switch as ops: shadow -> live copies grouped into chunks,
-layer by layer (a tensor named `...layers.<i>....` belongs to layer i; the others, such as
-the embedding and the head, form one group before layer 0). A full shadow (`budget_bytes`
-0) switches a layer per chunk, each op at its own offset of the region's shadow; a bounded
-shadow packs whole layers into chunks of at most the budget (a layer larger than the budget
-is cut at the budget), each chunk's ops at `ALIGN`-aligned offsets of one buffer. The pass
-reads the lowered plan only: sources' parts, and targets' ops, are left as they are.
+writes.written`) and the switch as ops: shadow -> live copies grouped into chunks, layer by
+layer (a tensor named `...layers.<i>....` belongs to layer i; the others, such as the
+embedding and the head, form one group before layer 0). A full shadow (`budget_bytes` 0)
+switches a layer per chunk, each op at its own offset of the region's shadow. A bounded
+shadow is compiled as chunk plans (`planner/passes/chunked.py`), each given its section by
+`with_shadow` and its own `make`. The pass reads the lowered plan only: sources' parts, and
+targets' ops, are left as they are.
 """
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from planner.verify_rank import concat, outgoing
-from planner.verify_shadow import written
+from planner.writes import concat, outgoing, written
 from schemas.config import ConfigError
 from schemas.plan import Plan, RankPlan
-from schemas.protocol import ALIGN
 from schemas.shadow import SHADOW_REGION_COLUMNS, SWITCH_COLUMNS, ShadowPart
 from schemas.table import Table
 
@@ -50,6 +48,9 @@ def with_shadow(plan: Plan, budget: int, make: Callable | None = None) -> Plan:
 
 
 def shadow_part(rp: RankPlan, inc, budget: int) -> ShadowPart:
+    """A full shadow's section (`budget` 0): one chunk per layer, each op at its own offset
+    of its region's shadow."""
+    assert budget == 0, "a bounded shadow is compiled as chunk plans (compile_chunks)"
     if len(rp.regions) >= 1 << 15:
         raise ConfigError(f"target.shadow: target rank {rp.rank} binds {len(rp.regions)} "
                           "tensors, more than a shadow section covers (32767); remove "
@@ -57,8 +58,8 @@ def shadow_part(rp: RankPlan, inc, budget: int) -> ShadowPart:
     region, off, n = written(rp, inc)
     layer = np.array([layer_of(rp.regions[r].name) for r in region.tolist()], dtype=np.int64)
     order = np.lexsort((off, region, layer))  # layer by layer, then region, offset
-    ops = _chunks(layer[order].tolist(), region[order].tolist(), off[order].tolist(),
-                  n[order].tolist(), budget)
+    ops = _layer_chunks(layer[order].tolist(), region[order].tolist(), off[order].tolist(),
+                        n[order].tolist())
     cols = np.array(ops, dtype=np.int64).reshape(-1, 5).T
     return ShadowPart(budget, Table.build(SHADOW_REGION_COLUMNS, region=region, offset=off,
                                           nbytes=n),
@@ -66,32 +67,11 @@ def shadow_part(rp: RankPlan, inc, budget: int) -> ShadowPart:
                           ("chunk", "region", "offset", "nbytes", "shadow_offset"), cols))))
 
 
-def _chunks(layer: list[int], region: list[int], off: list[int], n: list[int], budget: int
-            ) -> list[tuple[int, int, int, int, int]]:
-    """(chunk, region, offset, nbytes, shadow_offset) ops of runs given layer by layer."""
-    ops: list[tuple[int, int, int, int, int]] = []
+def _layer_chunks(layer: list[int], region: list[int], off: list[int], n: list[int]
+                  ) -> list[tuple[int, int, int, int, int]]:
+    """(chunk, region, offset, nbytes, shadow_offset) ops of runs given layer by layer: one
+    chunk per layer, the shadow mirroring each region."""
     if not layer:
-        return ops
-    if budget == 0:  # a full shadow: one chunk per layer, the shadow mirrors each region
-        ids = np.cumsum(np.r_[0, np.diff(layer) != 0]).tolist()
-        return list(zip(ids, region, off, n, off))
-    group_bytes: dict[int, int] = {}
-    for g, b in zip(layer, n):
-        group_bytes[g] = group_bytes.get(g, 0) + b
-    chunk, used, prev = 0, 0, None
-    for g, r, o, b in zip(layer, region, off, n):
-        if g != prev and used and _up(used) + group_bytes[g] > budget:
-            chunk, used = chunk + 1, 0  # a layer that fits a chunk starts one of its own
-        prev = g
-        while b > 0:
-            at = _up(used)
-            if at >= budget:
-                chunk, used, at = chunk + 1, 0, 0
-            take = min(b, budget - at)
-            ops.append((chunk, r, o, take, at))
-            used, o, b = at + take, o + take, b - take
-    return ops
-
-
-def _up(x: int) -> int:
-    return -(-x // ALIGN) * ALIGN
+        return []
+    ids = np.cumsum(np.r_[0, np.diff(layer) != 0]).tolist()
+    return list(zip(ids, region, off, n, off))

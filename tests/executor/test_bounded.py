@@ -13,10 +13,10 @@ import torch
 
 from executor import TornUpdateError
 from executor.bounded import run_chunks
-from schemas.bounded_plan import load_bounded
+from schemas.chunked_plan import load_chunked
 from schemas.config import ConfigError
 from tests.support.bounded_world import BUDGET, World, as_bytes, padding_only
-from tests.support.shadow_plans import CASES, compile_bounded_file
+from tests.support.shadow_plans import CASES, compile_chunked_file
 
 
 def _threads(fns: dict[int, object]) -> tuple[dict[int, object], dict[int, BaseException]]:
@@ -40,8 +40,8 @@ def _threads(fns: dict[int, object]) -> tuple[dict[int, object], dict[int, BaseE
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bounded_refit_is_bit_exact_in_place_chunk_by_chunk_within_the_budget(case, tmp_path):
     path = str(tmp_path / "p.rplan")
-    plans = compile_bounded_file(case, BUDGET, path)
-    budget, loaded = load_bounded(path)
+    plans = compile_chunked_file(case, BUDGET, path)
+    budget, loaded = load_chunked(path)
     assert budget == BUDGET and len(loaded) == len(plans) >= 3
     w = World(case, path)
     ptrs = {(r, k): v.data_ptr() for r, t in w.live.items() for k, v in t.items()}
@@ -70,7 +70,7 @@ def test_sources_running_ahead_wait_for_the_switch_before_reusing_the_buffer(tmp
     """The sources run every chunk at once; the target holds each chunk 0.3 s before its
     switch: the buffer must not change meanwhile (chunk k+1's writes wait for its READY)."""
     path = str(tmp_path / "p.rplan")
-    compile_bounded_file(CASES[0], BUDGET, path)
+    compile_chunked_file(CASES[0], BUDGET, path)
     w = World(CASES[0], path)
     t = min(w.targets)
     changed: list[int] = []
@@ -103,7 +103,7 @@ def test_sources_running_ahead_wait_for_the_switch_before_reusing_the_buffer(tmp
 def test_a_torn_chunk_leaves_earlier_chunks_at_n_plus_1_the_rest_at_n_then_a_whole_rerun(
         tmp_path):
     path = str(tmp_path / "p.rplan")
-    plans = compile_bounded_file(CASES[0], BUDGET, path)
+    plans = compile_chunked_file(CASES[0], BUDGET, path)
     torn = 2
     w = World(CASES[0], path, timeout_s=2.0)
     names = [{g.name for g in p.ranks[min(w.targets)].regions} for p in plans]
@@ -139,7 +139,7 @@ def test_a_torn_chunk_leaves_earlier_chunks_at_n_plus_1_the_rest_at_n_then_a_who
 
 def test_a_budget_smaller_than_the_largest_tensor_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError) as e:
-        compile_bounded_file(CASES[0], 1 << 16, str(tmp_path / "p.rplan"))
+        compile_chunked_file(CASES[0], 1 << 16, str(tmp_path / "p.rplan"))
     msg = str(e.value)
     assert "\n" not in msg and "model.embed_tokens.weight" in msg and "65536" in msg
     assert "raise it to at least 524288" in msg

@@ -11,7 +11,7 @@ from executor.bounded import BoundedShadow
 from executor.errors import BindError
 from executor.transports.local import Fabric
 from harness.weights import materialize, random_full_tensors
-from tests.support.shadow_plans import CASES, compile_bounded_file, layouts
+from tests.support.shadow_plans import CASES, compile_chunked_file, layouts
 
 BUDGET = 1 << 20
 
@@ -19,7 +19,7 @@ BUDGET = 1 << 20
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("bb") / "p.rplan")
-    compile_bounded_file(CASES[0], BUDGET, path)
+    compile_chunked_file(CASES[0], BUDGET, path)
     spec, src, dst = layouts(CASES[0])
     live = materialize(dst, random_full_tensors(spec, seed=1))[0]
     return path, src.world, live

@@ -14,7 +14,7 @@ import torch
 
 from executor.bounded import run_chunks
 from tests.support.bounded_world import BUDGET, World, as_bytes, padding_only
-from tests.support.shadow_plans import CASES, compile_bounded_file
+from tests.support.shadow_plans import CASES, compile_chunked_file
 
 TIMEOUT_S = 2.0
 LATE = 1  # the chunk the late source starts late
@@ -22,7 +22,7 @@ LATE = 1  # the chunk the late source starts late
 
 def test_a_late_writer_tears_one_refit_and_the_next_completes(tmp_path) -> None:
     path = str(tmp_path / "p.rplan")
-    compile_bounded_file(CASES[0], BUDGET, path)
+    compile_chunked_file(CASES[0], BUDGET, path)
     w = World(CASES[0], path, timeout_s=TIMEOUT_S)
     ok: dict[int, int] = {}  # rank -> the attempt (1, 2, ...) that completed
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.support.shadow_plans import CASES, compile_bounded_file
+from tests.support.shadow_plans import CASES, compile_chunked_file
 
 pytestmark = pytest.mark.processes  # ranks as separate processes (tests/conftest.py)
 
@@ -22,7 +22,7 @@ def test_four_nixl_processes_bounded_refit_bit_exact_torn_chunk_then_whole(tmp_p
     pytest.importorskip("nixl")
     from harness.launch import master_store, root_env, spawn_ranks
     path = str(tmp_path / "p.rplan")
-    assert len(compile_bounded_file(CASES[1], 2 << 20, path)) == 3
+    assert len(compile_chunked_file(CASES[1], 2 << 20, path)) == 3
     store, port = master_store(30)  # noqa: F841 (alive while the ranks run)
     env = root_env(NIXL_LOG_LEVEL="WARN", RDMA_PLAN_SECRET=secrets.token_hex(32))
     done = spawn_ranks(lambda r: [sys.executable, WORKER, path, str(r), f"127.0.0.1:{port}"],

@@ -14,7 +14,7 @@ import pytest
 from executor.core import Executor
 from executor.errors import BindError, PlanBoundsError
 from executor.transports.local import Fabric
-from planner.verify import verify_plan
+from planner.tools.verify import verify_plan
 from schemas import rankcheck
 from schemas.plan import COPY_COLUMNS, DONE, PACK, SIGNAL_COLUMNS, WRITE_COLUMNS, Plan
 from schemas.table import Table

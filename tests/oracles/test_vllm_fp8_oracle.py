@@ -170,8 +170,8 @@ def run_plan(tmp_path: Path, model: str, source: dict, tp: int) -> dict[int, dic
     from planner.compiler import compile_config
     from planner.frameworks import build_layout
     from planner.spec import load_spec
+    from planner.tools.verify import verify_plan
     from planner.validate import validate
-    from planner.verify import verify_plan
     from schemas.config_load import config_from_dict
     from schemas.plan_write import write_plan
 

@@ -15,9 +15,9 @@ import pytest
 from executor.bounded import BoundedShadow, load_chunks
 from executor.transports.local import Fabric
 from planner.cli import main
-from schemas.bounded_plan import MAGIC, load_bounded, write_bounded
+from schemas.chunked_plan import MAGIC, load_chunked, write_chunked
 from schemas.header import PlanFormatError
-from tests.support.shadow_plans import CASES, compile_bounded_file
+from tests.support.shadow_plans import CASES, compile_chunked_file
 
 BUDGET = 1 << 20
 KEY = b"k" * 32
@@ -26,9 +26,9 @@ KEY = b"k" * 32
 @pytest.fixture(scope="module")
 def signed(tmp_path_factory) -> tuple[str, list]:
     d = tmp_path_factory.mktemp("bounded")
-    plans = compile_bounded_file(CASES[0], BUDGET, str(d / "unsigned.rplan"))
+    plans = compile_chunked_file(CASES[0], BUDGET, str(d / "unsigned.rplan"))
     path = str(d / "signed.rplan")
-    write_bounded(path, plans, BUDGET, KEY)
+    write_chunked(path, plans, BUDGET, KEY)
     return path, plans
 
 
@@ -73,12 +73,12 @@ def test_a_signed_chunked_plan_refuses_a_changed_chunk_list_at_load_with_the_key
                  lambda: load_chunks(bad, 0, {}, transport="local", rendezvous=Fabric(),
                                      timeout_s=2,
                                      plan_key=KEY, no_identity=True),
-                 lambda: load_bounded(bad, KEY)):
-        with pytest.raises(PlanFormatError, match="signature does not match the bounded") as e:
+                 lambda: load_chunked(bad, KEY)):
+        with pytest.raises(PlanFormatError, match="signature does not match the chunked") as e:
             load()
         assert "\n" not in str(e.value)
     # the untouched file loads with the key
-    assert len(load_bounded(path, KEY)[1]) == n
+    assert len(load_chunked(path, KEY)[1]) == n
 
 
 def test_an_index_without_its_signature_is_refused_with_the_key(signed, tmp_path: Path
@@ -93,7 +93,7 @@ def test_an_index_without_its_signature_is_refused_with_the_key(signed, tmp_path
     bad = tmp_path / "nosig.rplan"
     bad.write_bytes(MAGIC + struct.pack("<Q", len(head)) + head + data[len(MAGIC) + 8 + n:])
     with pytest.raises(PlanFormatError, match="index is not signed"):
-        load_bounded(str(bad), KEY)
+        load_chunked(str(bad), KEY)
 
 
 def test_without_a_key_a_rank_refuses_a_duplicated_or_dropped_chunk_and_verify_says_which(
@@ -108,7 +108,7 @@ def test_without_a_key_a_rank_refuses_a_duplicated_or_dropped_chunk_and_verify_s
     assert main(["verify", dup]) == 1
     assert "is also in chunk 1" in capsys.readouterr().err
     drop = _relaid(path, tmp_path / "drop.rplan", [0, *range(2, n)])
-    with pytest.raises(PlanFormatError, match="the bounded index states") as e:
+    with pytest.raises(PlanFormatError, match="the chunk index states") as e:
         BoundedShadow.load(drop, t, {}, transport="local", rendezvous=Fabric(), timeout_s=2,
                            no_identity=True)
     assert "\n" not in str(e.value) and f"target rank {t}" in str(e.value)

@@ -1,4 +1,4 @@
-"""A bounded-shadow plan file (`schemas/bounded_plan.py`): `rdma-plan verify` passes the
+"""A bounded-shadow plan file (`schemas/chunked_plan.py`): `rdma-plan verify` passes the
 compiled chunk plans and refuses broken ones; the executor's loader refuses them too."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from executor.bounded import BoundedShadow
 from executor.errors import PlanBoundsError
 from executor.transports.local import Fabric
 from planner.cli import main
-from schemas.bounded_plan import load_bounded, write_bounded
+from schemas.chunked_plan import load_chunked, write_chunked
 from schemas.header import PlanFormatError
 from schemas.shadow import SWITCH_COLUMNS
 from schemas.table import Table
-from tests.support.shadow_plans import CASES, compile_bounded_file
+from tests.support.shadow_plans import CASES, compile_chunked_file
 
 BUDGET = 1 << 20
 
@@ -34,9 +34,9 @@ def _moved(rp, delta: int):
 def test_verify_passes_the_compiled_chunks_and_refuses_broken_ones(tmp_path: Path,
                                                                    capsys) -> None:
     path = str(tmp_path / "p.rplan")
-    plans = compile_bounded_file(CASES[1], BUDGET, path)
+    plans = compile_chunked_file(CASES[1], BUDGET, path)
     assert main(["verify", path]) == 0
-    assert load_bounded(path)[1][2].ranks[2].shadow.budget == BUDGET
+    assert load_chunked(path)[1][2].ranks[2].shadow.budget == BUDGET
     capsys.readouterr()
     t = next(rp.rank for rp in plans[1].ranks if rp.role == "target")
     # a chunk whose switch reads its tensors elsewhere in the buffer than they were bound
@@ -44,14 +44,14 @@ def test_verify_passes_the_compiled_chunks_and_refuses_broken_ones(tmp_path: Pat
     bad[1] = dataclasses.replace(plans[1], ranks=tuple(
         _moved(rp, 64) if rp.rank == t else rp for rp in plans[1].ranks))
     moved = str(tmp_path / "moved.rplan")
-    write_bounded(moved, bad, BUDGET)
+    write_chunked(moved, bad, BUDGET)
     with pytest.raises(PlanFormatError, match="chunk 1: target rank .* not 0"):
-        load_bounded(moved)
+        load_chunked(moved)
     assert main(["verify", moved]) == 2
     assert "not 0" in capsys.readouterr().err
     # the same tensor in two chunks
     twice = str(tmp_path / "twice.rplan")
-    write_bounded(twice, [plans[1], *plans[1:]], BUDGET)
+    write_chunked(twice, [plans[1], *plans[1:]], BUDGET)
     assert main(["verify", twice]) == 1
     assert "is also in chunk 0" in capsys.readouterr().err
     # a flipped byte in a chunk: its digest in the index
@@ -84,13 +84,13 @@ def test_a_signed_bounded_plan_loads_with_its_key_only_and_plain_load_points_to_
         tmp_path: Path) -> None:
     import executor
     path = str(tmp_path / "p.rplan")
-    plans = compile_bounded_file(CASES[0], BUDGET, str(tmp_path / "unsigned.rplan"))
-    write_bounded(path, plans, BUDGET, b"k" * 32)
-    assert len(load_bounded(path, b"k" * 32)[1]) == len(plans)
+    plans = compile_chunked_file(CASES[0], BUDGET, str(tmp_path / "unsigned.rplan"))
+    write_chunked(path, plans, BUDGET, b"k" * 32)
+    assert len(load_chunked(path, b"k" * 32)[1]) == len(plans)
     with pytest.raises(PlanFormatError, match="signature does not match"):
-        load_bounded(path, b"x" * 32)
+        load_chunked(path, b"x" * 32)
     with pytest.raises(PlanFormatError, match="is not signed"):
-        load_bounded(str(tmp_path / "unsigned.rplan"), b"k" * 32)
+        load_chunked(str(tmp_path / "unsigned.rplan"), b"k" * 32)
     with pytest.raises(PlanFormatError, match="is a bounded-shadow plan") as e:
         executor.load(path, 2, {}, transport="local", rendezvous=Fabric(), no_identity=True)
     assert "\n" not in str(e.value)

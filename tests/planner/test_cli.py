@@ -277,7 +277,7 @@ def test_the_traffic_matrix_adds_up_to_the_plans_bytes(which: str, request: pyte
 # ---------------------------------------------------------------- inspect tables
 
 def test_long_tables_name_the_rows_left_out_where_they_are() -> None:
-    from planner.inspect import SHOWN, _table
+    from planner.tools.inspect import SHOWN, _table
 
     rows = [[str(r), f"{r * 10**9:,}"] for r in range(600)]
     lines = _table(["rank", "staging"], rows, "ranks")

@@ -10,7 +10,7 @@ import torch
 from harness.weights import materialize, random_full_tensors
 from planner.compiler import compile_layouts
 from planner.spec import spec_from_hf
-from planner.verify import verify_plan
+from planner.tools.verify import verify_plan
 from schemas.plan import load_plan
 from schemas.plan_write import encode_plan, write_plan
 from tests.support.synthetic import SMALL_HF as HF

@@ -16,8 +16,8 @@ import torch
 from harness.weights import materialize, random_full_tensors
 from planner.compiler import compile_config
 from planner.frameworks import build_layout
+from planner.tools.verify import verify_plan
 from planner.validate import validate
-from planner.verify import verify_plan
 from schemas.config_load import config_from_dict
 from schemas.plan_write import encode_plan, write_plan
 

@@ -16,8 +16,8 @@ import pytest
 
 from planner.compiler import compile_config
 from planner.spec import load_spec
+from planner.tools.verify import verify_plan
 from planner.validate import validate
-from planner.verify import verify_plan
 from schemas.config_load import load_config
 from tests.support import oracles
 

@@ -116,8 +116,8 @@ def test_fp8_real_layouts_bit_exact(tmp_path, hf, source, target):
     from planner.compiler import compile_config
     from planner.frameworks import build_layout
     from planner.spec import load_spec
+    from planner.tools.verify import verify_plan
     from planner.validate import validate
-    from planner.verify import verify_plan
     from schemas.config_load import config_from_dict
 
     (tmp_path / "config.json").write_text(json.dumps(hf))
@@ -181,7 +181,7 @@ def test_fp8_llama_plan_simulates_at_most_0_6x_its_bf16_plan(tmp_path):
     from pathlib import Path
 
     from planner.compiler import compile_file
-    from planner.simulate import simulate
+    from planner.tools.simulate import simulate
 
     plans = Path(__file__).resolve().parents[2] / "plans"
     est = {}

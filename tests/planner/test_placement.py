@@ -18,12 +18,13 @@ import torch
 
 from harness.weights import materialize, random_full_tensors
 from planner.compiler import compile_config
+from planner.errors import NotIncremental
 from planner.frameworks import build_layout
 from planner.layouts.vllm_rank import eplb_layers
-from planner.replan import NotIncremental, replan
+from planner.replan import replan
 from planner.spec import load_spec
+from planner.tools.verify import verify_plan
 from planner.validate import validate
-from planner.verify import verify_plan
 from schemas.config import ConfigError
 from schemas.config_load import config_from_dict
 from schemas.header import PlanFormatError, PlanHeader
@@ -255,7 +256,7 @@ def test_placement_file_json_and_msgpack(tmp_path):
 
 
 def test_inspect_shows_the_placement_and_expert_bytes(tmp_path):
-    from planner.inspect import inspect_text
+    from planner.tools.inspect import inspect_text
 
     model, source, target, slots = CASES[0]
     _, spec = _cfg(model, source, target)

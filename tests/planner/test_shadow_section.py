@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from planner.passes.shadow import layer_of
-from planner.verify import verify_plan
+from planner.tools.verify import verify_plan
 from schemas.config import ConfigError
 from schemas.config_load import config_from_dict
 from schemas.plan import RankPlan
@@ -59,27 +59,32 @@ def test_full_section_states_exactly_the_written_bytes_and_leaves_the_rest(case)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_bounded_section_chunks_fit_the_budget_in_layer_order(case):
-    budget = 64 << 10
-    plan = _compile(case, {"budget_bytes": budget})
-    assert verify_plan(plan) == []
-    assert plan.header.encode()["target"]["shadow"] == {"budget_bytes": budget}
-    for rp in plan.ranks:
-        if rp.role != "target":
-            continue
-        sh = rp.shadow
-        s = sh.switch
-        assert sh.budget == budget and 0 < sh.budget_used <= budget
-        end = s["shadow_offset"] + s["nbytes"]
-        for c in range(sh.chunks):
-            m = s["chunk"] == c
-            assert m.any() and int(end[m].max()) <= budget
-            o = np.argsort(s["shadow_offset"][m])  # a chunk's ops share no byte of the buffer
-            assert (s["shadow_offset"][m][o][1:] >= end[m][o][:-1]).all()
-        assert int(s["nbytes"].sum()) == sh.written_bytes
-        assert sh.chunks >= -(-sh.written_bytes // budget)
-        layers = [layer_of(rp.regions[r].name) for r in s["region"].tolist()]
-        assert layers == sorted(layers)
+def test_chunk_plans_fit_the_budget_in_layer_order(case):
+    """A bounded shadow compiles to chunk plans (the same step as `rdma-plan compile`): each
+    verifies, each target section is one chunk inside the budget, its ops sharing no byte of
+    the buffer, and the chunks take the layers in order."""
+    budget = 1 << 20
+    plans = _compile(case, {"budget_bytes": budget})
+    assert isinstance(plans, list) and len(plans) > 1
+    last_layer = -1
+    for plan in plans:
+        assert verify_plan(plan) == []
+        assert "shadow" not in plan.header.encode()["target"]  # a chunk is a plain plan
+        layers = set()
+        for rp in plan.ranks:
+            if rp.role != "target":
+                continue
+            sh = rp.shadow
+            s = sh.switch
+            assert sh.budget == budget and sh.chunks == 1 and 0 < sh.budget_used <= budget
+            end = s["shadow_offset"] + s["nbytes"]
+            assert int(end.max()) <= budget
+            o = np.argsort(s["shadow_offset"])  # the chunk's ops share no byte of the buffer
+            assert (s["shadow_offset"][o][1:] >= end[o][:-1]).all()
+            assert int(s["nbytes"].sum()) == sh.written_bytes
+            layers |= {layer_of(rp.regions[r].name) for r in s["region"].tolist()}
+        assert min(layers) >= last_layer  # layer by layer
+        last_layer = max(layers)
 
 
 def test_a_broken_switch_is_refused_by_the_loaders_check_and_by_verify():

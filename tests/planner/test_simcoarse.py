@@ -1,5 +1,5 @@
 """`simulate`'s coarse model (landings within a quantum land together, one rate computation
-for the group; `planner.simflow.choose_quantum`): its estimate within the tolerance it
+for the group; `planner.tools.simflow.choose_quantum`): its estimate within the tolerance it
 states (`COARSE_STATED`) of the exact model's on plans compiled from shipped configs, with
 fewer events; the same tolerance fails when the quantum is ten times larger (the check is
 sensitive); deterministic; progress lines; the "auto" model exact on small plans and coarse
@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import planner.simflow as simflow
+import planner.tools.simflow as simflow
 from planner.cli import main
-from planner.simulate import simulate
+from planner.tools.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ["plans/qwen3-8b_megatron-tp4pp2_vllm-tp2x4.yaml",

@@ -1,4 +1,4 @@
-"""`planner/simgap.py`: the gap between a simulated plan and its floor, by cause.
+"""`planner/tools/simgap.py`: the gap between a simulated plan and its floor, by cause.
 
 The causes partition the gap (an identity the split must keep); on Llama-3.1-8B Megatron
 TP4 PP2 DP2 -> 4 x vLLM TP2 at default options the transfer ends in the last of 32 stages
@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from planner.compiler import compile_config
-from planner.simgap import summary_text
-from planner.simulate import simulate
 from planner.spec import load_spec
+from planner.tools.simgap import summary_text
+from planner.tools.simulate import simulate
 from planner.validate import validate
 from schemas.config_load import config_from_dict
 

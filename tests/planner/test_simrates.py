@@ -1,4 +1,4 @@
-"""`planner.simrates`: the simulator's max-min rates are the straightforward reference's
+"""`planner.tools.simrates`: the simulator's max-min rates are the straightforward reference's
 (`tests/support/maxmin_ref.py`) bit for bit, its rate cache reuses rates only for the same
 pairs, and a whole simulation gives the same timeline with them as with the reference
 (`maxmin_reference` on every change, the cache compared by sorted keys). `simulate`
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import planner.simulate as sim_mod
-from planner.simrates import RateCache, maxmin
-from planner.simulate import simulate
+import planner.tools.simulate as sim_mod
+from planner.tools.simrates import RateCache, maxmin
+from planner.tools.simulate import simulate
 from tests.support.maxmin_ref import maxmin_reference
 from tests.support.synthetic import fsdp2_to_vllm_plan
 
@@ -82,7 +82,7 @@ def test_rate_cache_reuses_rates_only_for_the_same_pairs():
 
 
 class _ReferenceRates:
-    """The rates as `simulate` computed them before `planner.simrates`: `maxmin_reference`
+    """The rates as `simulate` computed them before `planner.tools.simrates`: `maxmin_reference`
     on every change, reused when the sorted pair keys equal the last computation's."""
 
     def __init__(self, n_res: int) -> None:

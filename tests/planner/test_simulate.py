@@ -11,7 +11,8 @@ import dataclasses
 
 import pytest
 
-from planner.simulate import NIC_WRITE_S, NVLINK_WRITE_S, simulate
+from planner.tools.simulate import simulate
+from planner.topology import NIC_WRITE_S, NVLINK_WRITE_S
 from schemas.plan import DONE, PACK, READY, SIGNAL_COLUMNS, UNPACK, Plan, RankPlan, Table
 from tests.support.plans import GB, NIC_BPS, NV_BPS, plan_of, src, tgt
 

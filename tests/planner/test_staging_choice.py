@@ -16,7 +16,7 @@ import os
 import pytest
 
 from planner.compiler import compile_config
-from planner.simulate import simulate
+from planner.tools.simulate import simulate
 from planner.validate import load
 
 HERE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "layout_classes")
@@ -68,7 +68,7 @@ def test_gather_rounds_in_alternate_halves_are_bit_exact(tmp_path, monkeypatch):
     from harness.weights import materialize, random_full_tensors
     from planner.frameworks import build_layout
     from planner.spec import load_spec
-    from planner.verify import verify_plan
+    from planner.tools.verify import verify_plan
     from schemas.config_load import config_from_dict
     from schemas.plan_write import write_plan
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planner.inspect import inspect_text
-from planner.simulate import simulate
-from planner.verify import verify_file
+from planner.tools.inspect import inspect_text
+from planner.tools.simulate import simulate
+from planner.tools.verify import verify_file
 from schemas.plan_write import write_plan
 from tests.support.synthetic import fsdp2_to_vllm_plan
 

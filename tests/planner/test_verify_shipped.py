@@ -16,7 +16,7 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from planner.verify import acyclic
+from planner.tools.verify_rank import acyclic
 from tests.support.shipped import CONFIGS, shipped_param
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -385,9 +385,9 @@ class Worker:
         else:  # run_all_local reads it with load_plan first: it touches no tensor
             ans.update(run=loads, guards_ok=True, sources_ok=True, correct=False)
         ans["mixed"] = self._mixed(path, plan, world, want, roles) if ans["run"]["ok"] else None
-        from planner.inspect import inspect_text
-        from planner.simulate import simulate
-        from planner.verify import verify_file
+        from planner.tools.inspect import inspect_text
+        from planner.tools.simulate import simulate
+        from planner.tools.verify import verify_file
 
         found: list[str] = []
         for name, fn in (("inspect", lambda: inspect_text(path)),

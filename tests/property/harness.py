@@ -8,7 +8,7 @@ Target tensors start filled with `SENTINEL` (no label has it): after a run, an e
 piece covers must hold its own label and every padding element must still be `SENTINEL`.
 
 `write_counts` re-reads the plan's writes and unpacks in plain numpy, without
-`planner.verify`, and counts how often each target byte is written per run.
+`planner.tools.verify`, and counts how often each target byte is written per run.
 """
 
 from __future__ import annotations

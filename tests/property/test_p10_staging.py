@@ -1,7 +1,7 @@
 """Property 10: no rank's staging exceeds what its ops use at peak (`options.staging_bytes`
 is a cap, not an allocation).
 
-What a rank's ops use, re-read from its plan here without `planner.verify`: every staging
+What a rank's ops use, re-read from its plan here without `planner.tools.verify`: every staging
 byte its writes read, its peers' writes land in, and its copies read or write (a QUANT's
 e4m3 rows and its scales, `schemas.protocol.quant_scales`), per stage. Its staging must end
 at the last of those bytes (rounded up to the compiler's 64-byte alignment), and be at

@@ -1,7 +1,7 @@
 """Property 1: every logical element of every target replica is written exactly once per
 run, and no two writes overlap in a destination.
 
-Checked twice: by `planner.verify.coverage` (what `rdma-plan verify` runs), and
+Checked twice: by `planner.tools.verify.coverage` (what `rdma-plan verify` runs), and
 independently of verify.py by `harness.write_counts`, which counts every byte the plan's
 writes and unpacks touch and compares with the bytes the target layout's pieces cover
 (1 on a piece, 0 on padding). Execution with labels (`test_p2_labels.py`) checks the same

@@ -1,6 +1,6 @@
 """Property 3: every op is inside its regions' bounds; staging never exceeds the budget.
 
-Checked by `planner.verify.bounds` and `verify.sizes` (the staging part), by the
+Checked by `planner.tools.verify.bounds` and `verify.sizes` (the staging part), by the
 executor's own load-time check (`executor.check.check_rank_plan`, a second
 implementation), and directly: every staging region is at most `options.staging_bytes`.
 """

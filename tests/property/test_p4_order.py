@@ -1,7 +1,7 @@
 """Property 4: the DAG is acyclic; each write comes after the packs (and casts) it needs
 and before its notification; unpacks come after the writes they read.
 
-Checked by `planner.verify.order` (acyclic stage DAG; every wait matched by a signal and
+Checked by `planner.tools.verify.order` (acyclic stage DAG; every wait matched by a signal and
 vice versa; READY before and DONE after every (source, target, stage) with writes; ACK
 before reusing a target's staging) and `verify.dataflow` (every staging byte a write reads
 is packed in the write's stage; every staging byte an unpack reads is written in the

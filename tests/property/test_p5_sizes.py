@@ -2,7 +2,7 @@
 ranges.
 
 On compiled plans: every write is 1..max_write_bytes bytes (read off the plan directly,
-and through `planner.verify.sizes`). On the `coalesce` pass itself, with random writes:
+and through `planner.tools.verify.sizes`). On the `coalesce` pass itself, with random writes:
 the output moves exactly the same (source byte -> destination byte) pairs per (source
 rank, stage, target rank, source region, target region) as the input, so a merge across
 a gap on either side (which would move bytes nobody asked for, or skip some) fails; and

@@ -1,4 +1,4 @@
-"""`planner.verify` can fail: each check reports a fault planted in a good plan.
+"""`planner.tools.verify` can fail: each check reports a fault planted in a good plan.
 
 The plan: the small qwen3 of tests/planner/test_compile_synthetic.py, a 4-way fused
 column split in float32 (sources) -> a 2-way fused column split x 2 replicas in bf16

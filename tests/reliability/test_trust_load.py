@@ -72,7 +72,7 @@ def test_a_pack_into_a_source_weight_is_refused_at_load(bases, tmp_path) -> None
     assert name in ans["run"]["msg"]
     assert ans["sources_ok"] and ans["guards_ok"]
     assert ans["verify"]["ok"]  # verify reads it (and finds violations: below)
-    from planner.verify import verify_plan
+    from planner.tools.verify import verify_plan
 
     assert any("not its staging" in m for m in verify_plan(plan))
 
@@ -105,7 +105,7 @@ def _small_writes(plan: Plan) -> Plan:
 
 @pytest.mark.parametrize("mutate", [_drop_done, _small_writes], ids=["no-DONE", "max-write"])
 def test_a_plan_verify_rejects_is_refused_at_load(bases, tmp_path, mutate) -> None:
-    from planner.verify import verify_plan
+    from planner.tools.verify import verify_plan
 
     plan = mutate(load_plan(bases["cast"]))
     assert verify_plan(plan), "the mutant must be one verify rejects"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from planner.simulate import simulate
-from planner.verify import verify_plan
+from planner.tools.simulate import simulate
+from planner.tools.verify import verify_plan
 from schemas.plan import (
     BATCH_COLUMNS,
     COPY_COLUMNS,

@@ -22,7 +22,7 @@ from executor.core import Executor
 from executor.errors import PeerMismatchError, PlanBoundsError
 from executor.quant import prepare_quants
 from executor.transports.local import Fabric
-from planner.simulate import _Sim
+from planner.tools.simulate import _Sim
 from schemas.bounds import violations
 from schemas.plan import COPY_COLUMNS, QUANT, UNPACK, PlanFormatError, Table, load_plan, load_rank
 from schemas.plan_write import write_plan
@@ -54,8 +54,8 @@ def test_the_simulator_carries_where_the_executor_does(plans, name):
     # Both take the rule from schemas.protocol.carries; for the same rank plans they hold
     # the same per-stage decisions, and the rule is not trivial on these plans.
     plan = load_plan(plans[name])
-    from planner.planfile import PlanRanks
-    from planner.simflow import load_checked
+    from planner.tools.planfile import PlanRanks
+    from planner.tools.simflow import load_checked
 
     src = PlanRanks(plan)
     sim = _Sim(src, load_checked(src), 8)

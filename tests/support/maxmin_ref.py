@@ -1,4 +1,4 @@
-"""The reference max-min fair rates: `planner.simrates.maxmin` written the straightforward way
+"""The reference max-min fair rates: `planner.tools.simrates.maxmin` written the straightforward way
 (number the resources in use with `np.unique`, then fill progressively). The simulator runs
 the production form; `tests/planner/test_simrates.py` checks both give the same rates bit
 for bit."""
@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.simflow import MAX_LEVELS
+from planner.tools.simflow import MAX_LEVELS
 
 
 def maxmin_reference(eres: np.ndarray, ires: np.ndarray, cap: np.ndarray,
                      max_levels: int = MAX_LEVELS) -> np.ndarray:
     """Max-min fair rates of flows that each use resources `eres[f]` and `ires[f]`
-    (`planner.simrates.maxmin`'s contract)."""
+    (`planner.tools.simrates.maxmin`'s contract)."""
     res, inv = np.unique(np.concatenate([eres, ires]), return_inverse=True)
     f, n = len(eres), len(res)
     e, i = inv[:f], inv[f:]

@@ -1,7 +1,7 @@
 """Tiny plans compiled with a shadow section (`target.shadow`) and broken copies of one
 rank's section, shared by tests/planner/test_shadow_section.py and
 tests/executor/test_shadow_plan.py; the bounded shadow's chunk plans written to a file
-(`compile_bounded_file`) and the cases' layouts, for tests/executor/test_bounded*.py and
+(`compile_chunked_file`) and the cases' layouts, for tests/executor/test_bounded*.py and
 tests/planner/test_bounded_plan.py."""
 
 from __future__ import annotations
@@ -73,16 +73,15 @@ def layouts(case):
     return spec, build_layout(spec, cfg.source), build_layout(spec, cfg.target)
 
 
-def compile_bounded_file(case, budget: int, path: str) -> list[Plan]:
+def compile_chunked_file(case, budget: int, path: str) -> list[Plan]:
     """The chunk plans of a bounded shadow of `budget` bytes, written to `path`."""
-    from planner.bounded_cmd import compile_bounded_config
-    from schemas.bounded_plan import write_bounded
+    from schemas.chunked_plan import write_chunked
     model, source, target = case
     cfg = config_from_dict({"model": {"config": f"{model}/config.json"}, "source": source,
                             "target": dict(target, shadow={"budget_bytes": budget}),
                             "cluster": {"gpus_per_host": 8}}, base_dir=MODELS)
     spec = load_spec(cfg.model_config_path)
     validate(cfg, spec)
-    plans = compile_bounded_config(cfg, spec)
-    write_bounded(path, plans, budget)
+    plans = compile_config(cfg, spec)
+    write_chunked(path, plans, budget)
     return plans

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from planner.errors import TraceError
 from planner.layouts.base import Piece
-from planner.layouts.trace_geometry import TraceError, View, piece
+from planner.layouts.trace_geometry import View, piece
 
 
 def test_row_slice_into_a_fused_tensor() -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from planner.passes.balance import direct_after_all
-from planner.simflow import NVLINK_WRITE_S
+from planner.topology import NVLINK_WRITE_S
 from schemas.config import Options
 
 OPTS = Options()

@@ -9,7 +9,7 @@ import pytest
 from planner.compiler import compile_layouts
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
 from planner.spec import ModelSpec, spec_from_hf
-from planner.verify import verify_plan
+from planner.tools.verify import verify_plan
 from schemas.config import ClusterConfig, Config, ModelConfig, Options, SourceConfig, TargetConfig
 from tests.support.synthetic import TINY, whole_tensors
 

@@ -46,8 +46,8 @@ def test_moe_expert_writes_merge_and_stay_bit_exact(tmp_path):
     from planner.compiler import compile_config
     from planner.frameworks import build_layout
     from planner.spec import load_spec
+    from planner.tools.verify import verify_plan
     from planner.validate import validate
-    from planner.verify import verify_plan
     from schemas.config_load import config_from_dict
     from schemas.plan_write import write_plan
 

@@ -30,8 +30,8 @@ def test_ties_go_to_the_owner_that_fanned_out_least():
 def test_replicated_fp8_boxes_are_shared_by_the_data_parallel_sources(tmp_path):
     from planner.compiler import compile_config
     from planner.spec import load_spec
+    from planner.tools.verify import verify_plan
     from planner.validate import validate
-    from planner.verify import verify_plan
     from schemas.config_load import config_from_dict
 
     (tmp_path / "config.json").write_text(json.dumps(MOE))

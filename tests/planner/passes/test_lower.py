@@ -10,7 +10,7 @@ import numpy as np
 from planner.compiler import compile_file, compile_layouts
 from planner.passes.lower import direct_stage
 from planner.spec import spec_from_hf
-from planner.verify import verify_plan
+from planner.tools.verify import verify_plan
 from schemas.plan import PACK, QUANT, STAGING, UNPACK, load_plan
 from schemas.protocol import staging_index, write_stages
 from tests.support.synthetic import (

@@ -86,12 +86,12 @@ def traffic_path(path: str) -> str:
 def plot_traffic(header: PlanHeader, rows: list[tuple[np.ndarray, np.ndarray]],
                  path: str) -> str:
     """Who writes how many bytes to whom: one row per writing rank, one column per receiving
-    rank (groups of consecutive ranks above `planner.inspect.MATRIX_CELLS`), NVLink writes
+    rank (groups of consecutive ranks above `planner.tools.inspect.MATRIX_CELLS`), NVLink writes
     (same host) and NIC writes (across hosts) side by side, colour on one log scale shared by
     both; writes `path`."""
     from matplotlib.colors import LogNorm
 
-    from planner.inspect import matrix_group
+    from planner.tools.inspect import matrix_group
 
     plt = _pyplot()
     g = matrix_group(header.world)

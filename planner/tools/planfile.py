@@ -1,5 +1,5 @@
 """A plan read one rank at a time: what `verify`, `inspect` and `simulate` hold of a large
-plan (DeepSeek-V3's published plan is 1.36 GB; one rank's part is a few MB).
+plan (a large model's plan is over a GB; one rank's part is a few MB).
 
 `PlanFile(path)` checks what `load_plan` checks of the file as a whole (header, checksum,
 one blob per rank) at open; `rank(r)` decodes and checksums one rank's blob. `PlanRanks`

@@ -1,26 +1,29 @@
-"""A bounded shadow (`target.shadow: {budget_bytes: N}`) as a sequence of chunk plans.
+"""Pass (chunked plans, `target.shadow: {budget_bytes: N}`): the chunks of a bounded shadow.
 
 The target's tensors are cut into chunks, layer by layer (`layer_of`: the non-layer tensors,
 embedding, head, final norm, form one group before layer 0): a chunk is a set of WHOLE
 target tensors whose bytes, each at an `ALIGN`-aligned offset, fit `N` on every target rank;
 a layer that does not fit one chunk is cut between its tensors, and a tensor larger than `N`
-is refused (one line, naming it). Each chunk is compiled like any plan (`compile_layouts`,
-driven by `planner/bounded_cmd.py`), with the target layout restricted to the chunk's
-tensors: its writes and UNPACKs address those tensors only. On every target rank the chunk
-plan carries a shadow section with `budget` N and one chunk whose ops read `shadow_offset =
-base(tensor) + offset`: the executor (`executor/bounded.py`) binds the chunk's tensors as
-views of ONE buffer of N bytes at those bases, so that buffer is where the chunk's bytes
-land (no stage of it lands more than N bytes on a target), and the switch copies them into
-the live tensors. The chunk plans travel in one file (`schemas/bounded_plan.py`).
+is refused (one line, naming it). The compiler (`planner.compiler.compile_chunks`) compiles
+each chunk like any plan, with the target layout restricted to the chunk's tensors
+(`only_tensors`): its writes and UNPACKs address those tensors only. On every target rank
+the chunk plan carries a shadow section with `budget` N and one chunk whose ops read
+`shadow_offset = base(tensor) + offset`: the executor (`executor/bounded.py`) binds the
+chunk's tensors as views of ONE buffer of N bytes at those bases, so that buffer is where
+the chunk's bytes land (no stage of it lands more than N bytes on a target), and the switch
+copies them into the live tensors. The chunk plans travel in one file (`schemas/chunked_plan.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from planner.layouts.base import Layout
 from planner.passes.shadow import layer_of, with_shadow
-from planner.verify_shadow import written
-from schemas.bounded_plan import bases
+from planner.writes import written
+from schemas.chunked_plan import bases
 from schemas.config import ConfigError
 from schemas.plan import Plan, RankPlan, Region
 from schemas.protocol import ALIGN
@@ -76,13 +79,21 @@ def chunk_names(regions: list[tuple[Region, ...]], budget: int) -> list[list[str
     return chunks
 
 
-def with_bounded(plan: Plan, budget: int) -> Plan:
+def only_tensors(layout: Layout, names: list[str]) -> Layout:
+    """`layout` with each rank's tensors restricted to `names` (one chunk's)."""
+    keep = set(names)
+    return dataclasses.replace(layout, ranks=tuple(
+        dataclasses.replace(rl, tensors=tuple(t for t in rl.tensors if t.name in keep))
+        for rl in layout.ranks))
+
+
+def with_chunk_shadow(plan: Plan, budget: int) -> Plan:
     """`plan` (one chunk) with a bounded shadow section on every target rank: one chunk,
     each written run at `base(its tensor) + offset` of the buffer."""
-    return with_shadow(plan, budget, bounded_part)
+    return with_shadow(plan, budget, chunk_part)
 
 
-def bounded_part(rp: RankPlan, inc, budget: int) -> ShadowPart:
+def chunk_part(rp: RankPlan, inc, budget: int) -> ShadowPart:
     region, off, n = written(rp, inc)
     base = np.array(bases(rp) or [0], dtype=np.int64)
     z = np.zeros(len(region), dtype=np.int64)

@@ -23,7 +23,7 @@ def placement_summary(path: str, header: PlanHeader) -> dict[str, Any] | None:
     p = header.placement
     if p is None:
         return None
-    from planner.planfile import PlanFile
+    from planner.tools.planfile import PlanFile
 
     ranks = []
     with PlanFile(path) as f:

@@ -46,11 +46,9 @@ from typing import Any
 
 import numpy as np
 
-from planner.planfile import PlanFile, PlanRanks
-from planner.simflow import (
+from planner.tools.planfile import PlanFile, PlanRanks
+from planner.tools.simflow import (
     NIC,
-    NIC_WRITE_S,
-    NVLINK_WRITE_S,
     Batches,
     SimRank,
     choose_quantum,
@@ -60,8 +58,9 @@ from planner.simflow import (
     nic_order,
     result,
 )
-from planner.simgap import explain_gap
-from planner.simrates import RateCache
+from planner.tools.simgap import explain_gap
+from planner.tools.simrates import RateCache
+from planner.topology import NIC_WRITE_S, NVLINK_WRITE_S
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, Plan, PlanFormatError
 from schemas.protocol import INFLIGHT, sent_stage
 
@@ -76,7 +75,7 @@ def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
     `inflight`: batches a rank keeps posted and not yet reaped (the executor's
     `max_inflight`); 1 sends one batch at a time. Any landed batch frees its place.
     `model`: "exact" (every landing is an event), "coarse" (landings within a quantum
-    land together, `planner.simflow.choose_quantum`), or "auto": exact up to
+    land together, `planner.tools.simflow.choose_quantum`), or "auto": exact up to
     `EXACT_MAX_BATCHES` batches, coarse above.
 
     Returns `estimated_s`, `floor_s`, `ratio`, `bottleneck`, per-NIC bytes and busy time
@@ -99,7 +98,7 @@ def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
 
 class _Sim:
     """The simulation state; `run` drives it from t=0 to the last rank's finish. `src` is
-    read again only for the two ranks the gap report names (`planner.simgap`)."""
+    read again only for the two ranks the gap report names (`planner.tools.simgap`)."""
 
     def __init__(self, src: PlanRanks, ranks: list[SimRank],
                  inflight: int) -> None:

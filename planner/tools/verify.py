@@ -31,15 +31,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from planner.planfile import PlanFile, PlanRanks, ticker
-from planner.verify_rank import (
-    MAX_RUNS,  # noqa: F401 (part of verify's face)
-    Incoming,
+from planner.tools.planfile import PlanFile, PlanRanks, ticker
+from planner.tools.verify_rank import (
     acyclic,
     balance_msgs,
-    concat,
-    copy_runs,  # noqa: F401
-    outgoing,
     rank_bounds,
     rank_coverage,
     rank_dataflow,
@@ -47,7 +42,8 @@ from planner.verify_rank import (
     rank_sizes,
     rank_staging_fit,
 )
-from planner.verify_shadow import rank_shadow
+from planner.tools.verify_shadow import rank_shadow
+from planner.writes import Incoming, concat, outgoing
 from schemas import rankcheck
 from schemas.header import MAX_STAGES, PlanHeader
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, UNPACK, Plan, RankPlan

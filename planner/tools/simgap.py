@@ -23,7 +23,7 @@ by where it falls on the busiest resource's timeline:
   own error, out of "shared below its rate"; the exact model has none).
 
 It names the largest cause with its stage, the batch and tensor behind the tail, and the
-option that changes it. Inputs are the simulation's own columns (`planner/simulate.py`).
+option that changes it. Inputs are the simulation's own columns (`planner/tools/simulate.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.simflow import resource_name
+from planner.tools.simflow import resource_name
 from schemas.plan import RankPlan
 
 
@@ -104,7 +104,7 @@ def _tail(sim: Any, res: dict[str, Any]) -> dict[str, Any]:
     g = int(mine[np.argmax(sim.end[mine])])
     src = int(sim.b.rank[g])
     first = int(np.searchsorted(sim.b.rank, src))  # batches are in (rank, plan order)
-    rp = sim.src.rank(src)  # the two ranks it names, read again (`planner.planfile`)
+    rp = sim.src.rank(src)  # the two ranks it names, read again (`planner.tools.planfile`)
     lo, hi = int(rp.batches["start"][g - first]), int(rp.batches["stop"][g - first])
     dst = int(sim.b.dst[g])
     w = rp.writes
@@ -204,7 +204,7 @@ def gap_text(g: dict[str, Any]) -> str:
 def model_text(res: dict[str, Any]) -> str:
     """The line that says the estimate is the coarse model's, how far it may be off, and how
     to get the exact one."""
-    from planner.simflow import COARSE_STATED
+    from planner.tools.simflow import COARSE_STATED
 
     return (f"coarse model ({res['batches']:,} batches): landings within "
             f"{res['quantum_s'] * 1e6:.1f} us of the first land together at their mean; within "

@@ -1,9 +1,9 @@
-"""The simulator's inputs and outputs (`planner/simulate.py` runs the model in between).
+"""The simulator's inputs and outputs (`planner/tools/simulate.py` runs the model in between).
 
 Inputs: the plan checked for order bounds (`load_checked`), every batch as columns
 (`batch_columns`) and the time of a stage's packs or unpacks (`copy_seconds`); max-min fair
-sharing of NIC and NVLink directions between flows is `planner.simrates.maxmin`. Outputs:
-the result dict (`result`; `planner/simgap.py` turns it into the lines `rdma-plan simulate`
+sharing of NIC and NVLink directions between flows is `planner.tools.simrates.maxmin`. Outputs:
+the result dict (`result`; `planner/tools/simgap.py` turns it into the lines `rdma-plan simulate`
 prints).
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from planner.planfile import PlanRanks, ticker
 from planner.rows import unique_rows
+from planner.tools.planfile import PlanRanks, ticker
 from schemas.bounds import order_violations
 from schemas.header import PlanHeader
 from schemas.plan import COPY_GROUP_KEY, PACK, QUANT, UNPACK, PlanFormatError, RankPlan
@@ -24,17 +24,8 @@ from schemas.protocol import ITEM, Overlap, carries
 
 NIC, NVLINK = 0, 1
 """Channels of a source rank (the values of `batches.nic`)."""
-NIC_WRITE_S = 10e-9
-"""Link time of one RDMA write beyond its bytes (work request fetch and headers)."""
-NVLINK_WRITE_S = 20e-9
-"""Link time of one peer write beyond its bytes, between two GPUs: `cuda_ipc` copies a
-batch with one kernel that writes over NVLink (`executor/transports/cuda_ipc.py`), where
-thousands of 1 MiB writes take as long as a few large ones of the same bytes
-(`bench/executor_bench.py`; BENCHMARKS.md, "Microbenchmarks on GPUs"). The copy engines,
-which batches of writes averaging 32 MiB or more still take, cost microseconds a write:
-at that size a small share of a write's bytes."""
 MAX_LEVELS = 8
-"""Progressive-filling levels computed exactly (see `planner.simrates.maxmin`)."""
+"""Progressive-filling levels computed exactly (see `planner.tools.simrates.maxmin`)."""
 EXACT_MAX_BATCHES = 20_000
 """`simulate`'s "auto" model is exact up to this many batches (seconds of CPU), coarse above."""
 COARSE_TOL = 0.2
@@ -124,7 +115,7 @@ def choose_quantum(model: str, full_rate_s: np.ndarray) -> float:
     rates are recomputed after it. The coarse model lands every flow that ends within the
     quantum (`COARSE_TOL` of the median batch's time at full rate) of the first one together,
     with one rate computation for the group, when the group has moved its bytes in all (the
-    rate-weighted mean of their ends, `planner.simulate`): a flow lands at most a quantum
+    rate-weighted mean of their ends, `planner.tools.simulate`): a flow lands at most a quantum
     early (its last bytes skipped) or late (its share idle meanwhile); the two offset each
     other, so the estimate's error is far below a quantum per batch (`COARSE_STATED`)."""
     if model not in ("auto", "exact", "coarse"):
@@ -135,7 +126,7 @@ def choose_quantum(model: str, full_rate_s: np.ndarray) -> float:
 
 
 def initial_state(sim: Any) -> None:
-    """The state of every rank, window and flow of `planner.simulate._Sim` at t=0 (but
+    """The state of every rank, window and flow of `planner.tools.simulate._Sim` at t=0 (but
     its `RateCache`)."""
     w, nb, k = sim.world, len(sim.b.rank), sim.inflight
     sim.stage, sim.phase = [0] * w, [0] * w  # stage 0, waiting for READY/ACK (_WAIT_IN)
@@ -225,7 +216,7 @@ def by_stage(t: Any, stages: int) -> list[list[tuple[int, int]]]:
 
 
 def result(sim: Any, busy: np.ndarray, events: int, wall: float) -> dict[str, Any]:
-    """The result dict of a finished simulation `sim` (see `planner.simulate.simulate`)."""
+    """The result dict of a finished simulation `sim` (see `planner.tools.simulate.simulate`)."""
     b, n_nic = sim.b, len(sim.nic_names)
     load = np.bincount(sim.eres, weights=b.nbytes, minlength=len(sim.cap))
     load += np.bincount(sim.ires, weights=b.nbytes, minlength=len(sim.cap))

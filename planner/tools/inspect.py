@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.inspect_placement import placement_lines, placement_summary
+from planner.tools.inspect_placement import placement_lines, placement_summary
 from schemas.bounds import violations
 from schemas.header import PlanHeader
 from schemas.plan import (
@@ -87,7 +87,7 @@ def checked_header(path: str, why: dict[int, str] | None = None,
     rank's `staging_why` from the same read; `shadow`, each rank's full-shadow bytes;
     `bounded`, its bounded shadow's bytes (None: not compiled with one); `traffic`, each
     rank's bytes written to every rank (`traffic_row`)."""
-    from planner.planfile import PlanFile, ticker
+    from planner.tools.planfile import PlanFile, ticker
 
     with PlanFile(path) as src:
         header = src.header

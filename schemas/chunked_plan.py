@@ -1,4 +1,5 @@
-"""The bounded-shadow plan file (`.rplan`, `target.shadow: {budget_bytes: N}`): chunk plans.
+"""The chunked plan file (`.rplan`): a bounded shadow's chunk plans (`target.shadow:
+{budget_bytes: N}`).
 
 Layout (integers little-endian):
 
@@ -7,7 +8,7 @@ Layout (integers little-endian):
 The index is `{"budget": N, "chunks": [[offset, length, blake2b], ...], "targets": [[rank,
 tensors, bytes, blake2b], ...], "signature": HMAC}` (offsets from the end of the index);
 each chunk is a whole ordinary plan file (`schemas/plan.py`: its own header, digests and,
-when signed, signature), compiled by `planner/passes/bounded.py`, run in index order by
+when signed, signature), compiled by `planner/passes/chunked.py`, run in index order by
 `executor/bounded.py`. `targets` states, per target rank, the whole set of tensors the
 chunks write together (count, bytes, digest of the sorted names and sizes): a rank's chunks
 hold each of them in exactly one chunk (`set_violations`, run by `verify` on every rank and
@@ -44,7 +45,7 @@ FIX = "the plan is corrupt or was tampered with: recompile it"
 
 
 @dataclass(frozen=True, slots=True)
-class BoundedIndex:
+class ChunkedIndex:
     budget: int
     chunks: tuple[tuple[int, int, bytes], ...]
     start: int
@@ -78,12 +79,12 @@ def set_violations(rank: int, parts: list[RankPlan], want: tuple[int, int, bytes
                 return
             seen[n] = k
     if want is None:
-        yield f"target rank {rank} has no entry in the bounded index's targets; {FIX}"
+        yield f"target rank {rank} has no entry in the chunk index's targets; {FIX}"
         return
     got = target_set(t for rp in parts for t in _rank_tensors(rp))
     if got != want:
         yield (f"target rank {rank}: its {len(parts)} chunks hold {got[0]} tensors ({got[1]} "
-               f"bytes), the bounded index states {want[0]} ({want[1]} bytes): a chunk was "
+               f"bytes), the chunk index states {want[0]} ({want[1]} bytes): a chunk was "
                f"dropped, added or changed; {FIX}")
 
 
@@ -91,13 +92,13 @@ def _signed(index: dict) -> bytes:
     return pack({k: v for k, v in index.items() if k != "signature"})
 
 
-def is_bounded(path: str) -> bool:
+def is_chunked(path: str) -> bool:
     """Whether the file at `path` starts like a bounded-shadow plan."""
     with open_plan(path) as f:  # a regular file only (a FIFO is refused, never read)
         return f.read(len(MAGIC)) == MAGIC
 
 
-def encode_bounded(plans: list[Plan], budget: int, key: bytes | None = None) -> bytes:
+def encode_chunked(plans: list[Plan], budget: int, key: bytes | None = None) -> bytes:
     from .plan_write import encode_plan
 
     blobs = [encode_plan(p, key) for p in plans]
@@ -118,35 +119,35 @@ def encode_bounded(plans: list[Plan], budget: int, key: bytes | None = None) -> 
     return MAGIC + struct.pack("<Q", len(head)) + head + b"".join(blobs)
 
 
-def write_bounded(path: str, plans: list[Plan], budget: int, key: bytes | None = None) -> int:
-    data = encode_bounded(plans, budget, key)
+def write_chunked(path: str, plans: list[Plan], budget: int, key: bytes | None = None) -> int:
+    data = encode_chunked(plans, budget, key)
     with open(path, "wb") as f:
         f.write(data)
     return len(data)
 
 
-def read_index(f: io.BufferedIOBase, path: str, key: bytes | None = None) -> BoundedIndex:
+def read_index(f: io.BufferedIOBase, path: str, key: bytes | None = None) -> ChunkedIndex:
     """The index, checked; with `key`, its signature too (before any chunk is read)."""
     magic = f.read(len(MAGIC))
     if magic != MAGIC:
         raise PlanFormatError(f"{path}: not a bounded-shadow plan (no {MAGIC!r} at its start)")
     (n,) = struct.unpack("<Q", read_exact(f, 8, f"{path} index length"))
     if not 0 < n <= MAX_INDEX:
-        raise PlanFormatError(f"{path}: bounded index of {n} bytes (at most {MAX_INDEX}); {FIX}")
-    raw = unpack(read_exact(f, n, f"{path} bounded index"), f"{path} bounded index")
+        raise PlanFormatError(f"{path}: chunk index of {n} bytes (at most {MAX_INDEX}); {FIX}")
+    raw = unpack(read_exact(f, n, f"{path} chunk index"), f"{path} chunk index")
     if not isinstance(raw, dict) or not {"budget", "chunks", "targets"} <= set(raw) <= {
             "budget", "chunks", "targets", "signature"}:
-        raise PlanFormatError(f"{path}: bounded index is not a map of budget, chunks, "
+        raise PlanFormatError(f"{path}: chunk index is not a map of budget, chunks, "
                               f"targets (and signature); {FIX}")
     if key is not None:
         sig = raw.get("signature")
         if not sig:
-            raise PlanFormatError(f"{path}: the bounded plan's index is not signed, but a plan "
+            raise PlanFormatError(f"{path}: the chunked plan's index is not signed, but a plan "
                                   "key was given; compile it with `rdma-plan compile "
                                   "--sign-key FILE`")
         if not isinstance(sig, bytes) or not hmac.compare_digest(
                 sig, signature(key, _signed(raw))):
-            raise PlanFormatError(f"{path}: the signature does not match the bounded plan's "
+            raise PlanFormatError(f"{path}: the signature does not match the chunked plan's "
                                   "index (chunk count, order, digests, targets): chunks were "
                                   "dropped, duplicated or reordered after signing, or it was "
                                   "signed with another key; recompile and sign it")
@@ -154,32 +155,32 @@ def read_index(f: io.BufferedIOBase, path: str, key: bytes | None = None) -> Bou
     if isinstance(b, bool) or not isinstance(b, int) or not 0 < b < 1 << 62:
         raise PlanFormatError(f"{path}: bounded budget = {str(b)[:40]!r}; {FIX}")
     if not isinstance(ch, list) or not 0 < len(ch) <= MAX_CHUNKS:
-        raise PlanFormatError(f"{path}: bounded chunks are not a list of 1..{MAX_CHUNKS}; {FIX}")
+        raise PlanFormatError(f"{path}: chunks are not a list of 1..{MAX_CHUNKS}; {FIX}")
     chunks, at = [], 0
     for i, c in enumerate(ch):
         ok = (isinstance(c, list) and len(c) == 3 and all(
             isinstance(x, int) and not isinstance(x, bool) for x in c[:2])
             and isinstance(c[2], bytes) and c[0] == at and c[1] > 0)
         if not ok:
-            raise PlanFormatError(f"{path}: bounded chunk {i}'s index entry is malformed; {FIX}")
+            raise PlanFormatError(f"{path}: chunk {i}'s index entry is malformed; {FIX}")
         chunks.append((c[0], c[1], c[2]))
         at += c[1]
     tg, targets = raw["targets"], {}
     if not isinstance(tg, list) or len(tg) > MAX_CHUNKS * 16:
-        raise PlanFormatError(f"{path}: bounded targets are not a list; {FIX}")
+        raise PlanFormatError(f"{path}: the index's targets are not a list; {FIX}")
     for i, t in enumerate(tg):
         ok = (isinstance(t, list) and len(t) == 4 and all(
             isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62 for x in t[:3])
             and isinstance(t[3], bytes) and t[0] not in targets)
         if not ok:
-            raise PlanFormatError(f"{path}: bounded targets entry {i} is malformed; {FIX}")
+            raise PlanFormatError(f"{path}: the index's targets entry {i} is malformed; {FIX}")
         targets[t[0]] = (t[1], t[2], t[3])
-    return BoundedIndex(b, tuple(chunks), len(MAGIC) + 8 + n, targets)
+    return ChunkedIndex(b, tuple(chunks), len(MAGIC) + 8 + n, targets)
 
 
-def _chunk_file(f: io.BufferedIOBase, idx: BoundedIndex, k: int, path: str) -> io.BytesIO:
+def _chunk_file(f: io.BufferedIOBase, idx: ChunkedIndex, k: int, path: str) -> io.BytesIO:
     if not 0 <= k < len(idx.chunks):
-        raise PlanFormatError(f"{path}: bounded plan has no chunk {k} (it has "
+        raise PlanFormatError(f"{path}: chunked plan has no chunk {k} (it has "
                               f"{len(idx.chunks)})")
     off, n, digest = idx.chunks[k]
     f.seek(idx.start + off)
@@ -208,13 +209,13 @@ def load_rank_chunks(path: str, rank: int, key: bytes | None = None
     return idx.budget, parts
 
 
-def load_bounded(path: str, key: bytes | None = None) -> tuple[int, list[Plan]]:
+def load_chunked(path: str, key: bytes | None = None) -> tuple[int, list[Plan]]:
     """The budget and every chunk plan (tools, tests, verify)."""
-    return load_bounded_index(path, key)[1:]
+    return load_chunked_index(path, key)[1:]
 
 
-def load_bounded_index(path: str, key: bytes | None = None
-                       ) -> tuple[BoundedIndex, int, list[Plan]]:
+def load_chunked_index(path: str, key: bytes | None = None
+                       ) -> tuple[ChunkedIndex, int, list[Plan]]:
     """The index, the budget and every chunk plan (verify checks the index's sets)."""
     with open_plan(path) as f:
         idx = read_index(f, path, key)

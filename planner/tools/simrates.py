@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.simflow import MAX_LEVELS
+from planner.tools.simflow import MAX_LEVELS
 
 
 def maxmin(eres: np.ndarray, ires: np.ndarray, cap: np.ndarray,
