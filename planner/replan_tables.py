@@ -44,11 +44,31 @@ class Slots:
     slot_bytes: int
 
 
-def slot_regions(plan: Plan, h: PlanHeader, moe_layers: tuple[int, ...]) -> Iterator[Slots]:
+_SLOTS_KEPT: list[tuple[tuple[Any, ...], tuple[Any, ...], list[Slots]]] = []
+
+
+def slot_regions(plan: Plan, h: PlanHeader, moe_layers: tuple[int, ...]) -> list[Slots]:
+    """Every target region of stacked experts (the last few plans' kept, by the identity
+    of their target regions: a replan keeps them, so the next replan finds them)."""
+    key = (h.identities, *(rp.regions for rp in plan.ranks[h.sources:]))
+    alike = (moe_layers, h.target.engine if h.target is not None else None)
+    for kept, kept_alike, slots in _SLOTS_KEPT:
+        if kept_alike == alike and len(kept) == len(key) and all(
+                a is b for a, b in zip(kept, key)):
+            return slots
+    slots = list(_slot_regions(plan, h, moe_layers))
+    _SLOTS_KEPT.append((key, alike, slots))
+    del _SLOTS_KEPT[:-2]
+    return slots
+
+
+def _slot_regions(plan: Plan, h: PlanHeader, moe_layers: tuple[int, ...]) -> Iterator[Slots]:
     moe = {layer: i for i, layer in enumerate(moe_layers)}
     for rp in plan.ranks[h.sources:]:
         ep = ep_rank(h, rp.rank)
         for i, reg in enumerate(rp.regions):
+            if not reg.name.endswith("_weight"):
+                continue
             m = _SLOT_TENSOR.match(reg.name)
             if m is None or int(m[1]) not in moe or len(reg.shape) != 3 or not reg.shape[0]:
                 continue
@@ -114,20 +134,24 @@ class Hits:
     """The hit target regions as columns, looked up by (plan rank, region)."""
 
     def __init__(self, hit: list[Slots]) -> None:
-        key = np.array([s.rank << 32 | s.region for s in hit], np.int64)
-        self.rank, self.region = key >> 32, key & 0xFFFFFFFF  # by hit index
-        self.order = np.argsort(key)
-        self.key = key[self.order]
-        self.moe, self.first, self.count, self.slot_bytes = (
+        self.rank, self.region, self.moe, self.first, self.count, self.slot_bytes = (
             np.array([getattr(s, f) for s in hit], np.int64)
-            for f in ("moe", "first", "count", "slot_bytes"))
+            for f in ("rank", "region", "moe", "first", "count", "slot_bytes"))
+        self.key = self.rank << 32 | self.region
+        width = int(self.region.max()) + 1 if len(hit) else 0
+        self.index = np.full((int(self.rank.max()) + 1 if len(hit) else 0, width), -1,
+                             np.int64)  # (rank, region) -> hit index, -1: not hit
+        self.index[self.rank, self.region] = np.arange(len(hit))
 
     def find(self, rank: np.ndarray, region: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows whose (rank, region) is hit, the hit index of each)."""
-        key = rank.astype(np.int64) << 32 | region.astype(np.int64)
-        pos = np.minimum(np.searchsorted(self.key, key), max(len(self.key) - 1, 0))
-        rows = np.flatnonzero(self.key[pos] == key) if len(self.key) else pos[:0]
-        return rows, self.order[pos[rows]]
+        n, width = self.index.shape
+        inside = (rank < n) & (region < width)
+        flat = self.index.reshape(-1)
+        at = np.where(inside, rank.astype(np.int64) * width + region, 0)
+        h = np.where(inside, flat[at] if flat.size else -1, -1)
+        rows = np.flatnonzero(h >= 0)
+        return rows, h[rows]
 
 
 def explain(table: Table, hits: Hits, old: Placement, new: Placement,
