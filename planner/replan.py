@@ -63,9 +63,13 @@ def replan(plan: Plan, spec: ModelSpec, new: Placement) -> Plan:
     if len(moved) == 0:
         return plan
     ids = ExpertIds.of(spec)
-    moved_set = {(int(l_), int(s)) for l_, s in moved}
-    hit = [s for s in slots if any((s.moe, g) in moved_set
-                                   for g in range(s.first, s.first + s.count))]
+    change = np.zeros(old.table.shape, bool)
+    change[moved[:, 0], moved[:, 1]] = True
+    run = np.concatenate([np.zeros((len(change), 1), np.int64), np.cumsum(change, 1)], 1)
+    moe, first, count = (np.array([getattr(s, f) for s in slots], np.int64)
+                         for f in ("moe", "first", "count"))
+    any_moved = run[moe, first + count] > run[moe, first]  # a slot of the tensor moved
+    hit = [slots[i] for i in np.flatnonzero(any_moved).tolist()]
     src, hits = SourceTensors(plan, h.sources, spec, ids), Hits(hit)
     ranks = list(plan.ranks)
     for r in range(h.sources):
@@ -99,10 +103,7 @@ def _replan_source(rp: RankPlan, hits: Hits, old: Placement, new: Placement,
     if rp.regions[-1].name == STAGING and (src_region[rows] == len(rp.regions) - 1).any():
         raise NotIncremental(f"replan: source rank {rp.rank} sends moved expert slots through "
                              "staging (packed or gathered); compile the new placement in full")
-    region_of, geom = src.of(rp.rank)
-    gid_of_region = np.full(len(rp.regions), -1, np.int64)
-    held = np.flatnonzero(region_of >= 0)
-    gid_of_region[region_of[held]] = held
+    region_of, gid_of_region = src.of(rp.rank)
     gid = gid_of_region[src_region[rows]]
     if (gid < 0).any() or (ids.expert[gid] != was).any() or (ids.layer[gid] != layer).any():
         raise NotIncremental(f"replan: source rank {rp.rank} writes expert slots from tensors "
@@ -110,7 +111,7 @@ def _replan_source(rp: RankPlan, hits: Hits, old: Placement, new: Placement,
                              "in full")
     to = ids.ids[layer, now, ids.weight[gid]]
     reg = region_of[to]
-    if (reg < 0).any() or (geom[to] != geom[gid]).any():
+    if (reg < 0).any() or (src.geometry(rp.rank, to) != src.geometry(rp.rank, gid)).any():
         raise NotIncremental(f"replan: source rank {rp.rank} does not hold every expert of a "
                              "MoE layer with the same cut (experts placed on EP ranks?); "
                              "compile the new placement in full")

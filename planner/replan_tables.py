@@ -10,7 +10,6 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from planner.placement import ExpertIds, ep_rank
@@ -78,33 +77,46 @@ def _slot_regions(plan: Plan, h: PlanHeader, moe_layers: tuple[int, ...]) -> Ite
 
 class SourceTensors:
     """Per source rank, from its `tensors/<rank>` blob: the region holding each logical
-    tensor (-1: none) and that piece's geometry, for the expert tensors."""
+    tensor (-1: none) and, asked for, the geometry of that piece, for the expert tensors."""
+
+    _GEOMETRY = ("off0", "off1", "size0", "size1", "start", "stride0", "stride1")
 
     def __init__(self, plan: Plan, sources: int, spec: ModelSpec, ids: ExpertIds) -> None:
         self.blobs = dict(plan.extra_blobs)
         self.plan, self.spec, self.ids = plan, spec, ids
         self.index = ids.index
-        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, Table]] = {}
 
     def of(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
-        """(region of each spec tensor id, geometry rows `[n, 7]` of its piece)."""
+        """(region of each spec tensor id, spec tensor id of each region (-1: none))."""
+        region, gid_of_region, _, _ = self._of(rank)
+        return region, gid_of_region
+
+    def geometry(self, rank: int, gid: np.ndarray) -> np.ndarray:
+        """`[len(gid), 7]`: where the piece of spec tensor `gid[i]` sits in its tensor."""
+        _, _, row, t = self._of(rank)
+        return np.stack([t[c][row[gid]] for c in self._GEOMETRY], 1)
+
+    def _of(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Table]:
         if rank not in self._cache:
             blob = resolve(self.blobs, rank)
             t = Table.from_msgpack(PIECE_COLUMNS, blob["pieces"], f"tensors/{rank}")
             gid = spec_ids(blob["names"], self.spec, self.index)[t["tensor"]]
             n = len(self.spec.tensors)
-            region = np.full(n, -1, np.int64)
-            expert = self.ids.layer[gid] >= 0
+            expert = np.flatnonzero(self.ids.layer[gid] >= 0)
             g, reg = gid[expert], t["region"][expert].astype(np.int64)
             if len(g) and (np.bincount(g).max() > 1 or np.bincount(reg).max() > 1):
                 raise NotIncremental(f"replan: source rank {rank} holds an expert in several "
                                      "pieces or several experts in one tensor; compile the "
                                      "new placement in full")
+            region = np.full(n, -1, np.int64)
             region[g] = reg
-            geom = np.zeros((n, 7), np.int64)
-            geom[g] = np.stack([t[c][expert] for c in ("off0", "off1", "size0", "size1",
-                                                         "start", "stride0", "stride1")], 1)
-            self._cache[rank] = (region, geom)
+            row = np.zeros(n, np.int64)  # the piece of each expert tensor
+            row[g] = expert
+            nreg = len(self.plan.ranks[rank].regions)
+            gid_of_region = np.full(nreg, -1, np.int64)
+            gid_of_region[reg[reg < nreg]] = g[reg < nreg]
+            self._cache[rank] = (region, gid_of_region, row, t)
         return self._cache[rank]
 
     def regions(self, rank: np.ndarray, gid: np.ndarray) -> np.ndarray:
@@ -112,7 +124,7 @@ class SourceTensors:
         out = np.empty(len(rank), np.int64)
         for r in np.unique(rank).tolist():
             m = rank == r
-            out[m] = self.of(r)[0][gid[m]]
+            out[m] = self._of(r)[0][gid[m]]
         return out
 
 
@@ -158,19 +170,33 @@ def explain(table: Table, hits: Hits, old: Placement, new: Placement,
              src: SourceTensors, ids: ExpertIds, sources: int) -> Table:
     """The explain table with the rows into each hit target tensor made again from the new
     slot contents: per (source rank, weight) a slot's share, the same for every expert,
-    times the slots of the tensor holding each expert."""
+    times the slots of the tensor holding each expert. Only the rows of the experts in a
+    hit tensor's slots, before or after, are read (the table is sorted by tensor)."""
     if not len(table):
         return table
     col = {name: table[name] for name, _ in EXPLAIN_COLUMNS}
-    rows, h = hits.find(col["dst_rank"], col["dst_region"])
+    tensor = col["tensor"]
     n_hit, n_exp = len(hits.key), ids.ids.shape[1]
     hh = np.repeat(np.arange(n_hit), hits.count)
     g = hits.first[hh] + np.arange(len(hh)) - np.repeat(np.cumsum(hits.count) - hits.count,
                                                           hits.count)
-    before, after = (np.bincount(hh * n_exp + p.table[hits.moe[hh], g],
-                                 minlength=n_hit * n_exp).reshape(n_hit, n_exp)
-                     for p in (old, new))
-    t = col["tensor"][rows].astype(np.int64)
+    was, now = old.table[hits.moe[hh], g], new.table[hits.moe[hh], g]
+    before, after = (np.bincount(hh * n_exp + e, minlength=n_hit * n_exp).reshape(n_hit, n_exp)
+                     for e in (was, now))
+    pairs = np.unique(np.concatenate([hits.moe[hh] * n_exp + was, hits.moe[hh] * n_exp + now]))
+    affected = ids.ids.reshape(-1, ids.ids.shape[2])[pairs].reshape(-1)
+    affected = np.unique(affected[affected >= 0])
+    lo = np.searchsorted(tensor, affected, "left")
+    span = np.searchsorted(tensor, affected, "right") - lo
+    span_start = np.cumsum(span) - span
+    within = np.repeat(lo - span_start, span) + np.arange(int(span.sum()))  # their rows
+    sub, h = hits.find(col["dst_rank"][within], col["dst_region"][within])
+    rows = within[sub]
+    fed = np.bincount(h, weights=col["nbytes"][rows], minlength=n_hit)
+    if (fed != hits.slot_bytes * hits.count).any():
+        raise NotIncremental("replan: a stacked expert tensor is fed other tensors; compile "
+                             "the new placement in full")
+    t = tensor[rows].astype(np.int64)
     e, wt = ids.expert[t], ids.weight[t]
     if (e < 0).any() or (ids.layer[t] != hits.moe[h]).any():
         raise NotIncremental("replan: a stacked expert tensor is fed other tensors; compile "
@@ -201,22 +227,22 @@ def explain(table: Table, hits: Hits, old: Placement, new: Placement,
     reg = src.regions(s_rank, gid)
     extra = np.stack([gid, s_rank, reg, hits.rank[hx], hits.region[hx], tmpl[ti, 3] * cnt,
                       tmpl[ti, 4] * cnt], 1)
-    drop = np.zeros(len(table), bool)
-    drop[rows] = True
-    affected = np.union1d(np.unique(t), np.unique(extra[:, 0]))
-    keep_mask = ~np.isin(col["tensor"], affected)
-    moved_rows = np.flatnonzero(~keep_mask & ~drop)
-    block = np.concatenate([np.stack([col[n][moved_rows] for n, _ in EXPLAIN_COLUMNS], 1),
-                            extra])
+    other = np.ones(len(within), bool)
+    other[sub] = False
+    other = within[other]  # the affected tensors' rows into other tensors: kept as they are
+    block = np.concatenate([np.stack([col[c][other] for c, _ in EXPLAIN_COLUMNS], 1), extra])
     block = block[np.lexsort(block[:, 4::-1].T)]
-    kept = np.flatnonzero(keep_mask)
-    at = np.searchsorted(col["tensor"][kept], block[:, 0]) + np.arange(len(block))
-    place = np.ones(len(kept) + len(block), bool)
+    # each affected tensor's rows (span) give way to its block rows, in place
+    at = (lo - span_start)[np.searchsorted(affected, block[:, 0])] + np.arange(len(block))
+    size = len(table) - len(within) + len(block)
+    place = np.ones(size, bool)
     place[at] = False
+    keep = np.ones(len(table), bool)
+    keep[within] = False
     out = {}
     for i, (name, dt) in enumerate(EXPLAIN_COLUMNS):
-        c = np.empty(len(place), dt)
-        c[place] = col[name][kept]
+        c = np.empty(size, dt)
+        c[place] = col[name][keep]
         c[at] = block[:, i]
         out[name] = c
     return Table.build(EXPLAIN_COLUMNS, **out)
@@ -227,7 +253,6 @@ def target_blobs(plan: Plan, hit: list[Slots], old: Placement, new: Placement,
     """Every `tensors/<rank>` blob, the hit target ranks' made again (names and pieces of
     the moved slots), target blobs equal to an earlier rank's as `same_as` it."""
     blobs = dict(plan.extra_blobs)
-    index = ids.index
     by_rank: dict[int, list[Slots]] = {}
     for s in hit:
         by_rank.setdefault(s.rank, []).append(s)
@@ -235,20 +260,30 @@ def target_blobs(plan: Plan, hit: list[Slots], old: Placement, new: Placement,
     for r in range(sources, len(plan.ranks)):
         blob = resolve(blobs, r)
         if r in by_rank:
-            blob = _patched(blob, plan.ranks[r], by_rank[r], old, new, spec, ids, index)
+            blob = _patched(blob, plan.ranks[r], by_rank[r], old, new, spec, ids)
         content[r] = blob
-    first: dict[bytes, int] = {}
+    first: dict[Any, list[tuple[dict[str, Any], int]]] = {}
+
+    def earlier(blob: dict[str, Any], r: int) -> int:
+        """The first rank seen with content equal to `blob` (`r` if none)."""
+        alike = first.setdefault(_key(blob), [])
+        for other, at in alike:
+            if other is blob or _equal(other, blob):
+                return at
+        alike.append((blob, r))
+        return r
+
     shapes = {_shape(c) for c in content.values()}  # a source blob can equal a target one
-    for name, _ in plan.extra_blobs:  # only if alike in shape: the others are not packed
+    for name, _ in plan.extra_blobs:  # only if alike in shape: the others are not compared
         r = int(name.split("/")[1])
         if r < sources and _shape(resolve(blobs, r)) in shapes:
-            first.setdefault(msgpack.packb(resolve(blobs, r), use_bin_type=True), r)
+            earlier(resolve(blobs, r), r)
     out = []
     for name, blob in plan.extra_blobs:
         r = int(name.split("/")[1])
         if r >= sources:
             c = content[r]
-            same = first.setdefault(msgpack.packb(c, use_bin_type=True), r)
+            same = earlier(c, r)
             blob = c if same == r else {"same_as": same}
         out.append((name, blob))
     return tuple(out)
@@ -258,12 +293,44 @@ def _shape(blob: dict[str, Any]) -> tuple[int, int, int]:
     return len(blob["names"]), len(blob["buffer"]), len(blob["pieces"][0])
 
 
+def _key(blob: dict[str, Any]) -> tuple[Any, ...]:
+    """A blob's content hashed cheaply (equal content, equal key): its piece columns and
+    buffer; blobs of equal keys are then compared whole."""
+    return (_shape(blob), blob["buffer"], *blob["pieces"])
+
+
+def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two blobs pack to the same bytes (shapes as lists or tuples alike)."""
+    return (a.keys() == b.keys() and a["names"] == b["names"] and a["buffer"] == b["buffer"]
+            and a["pieces"] == b["pieces"] and len(a["shapes"]) == len(b["shapes"])
+            and all(tuple(x) == tuple(y) for x, y in zip(a["shapes"], b["shapes"])))
+
+
+_NAME_IDS: dict[int, tuple[list[str], np.ndarray]] = {}
+"""Spec ids of a blob's names, by the names list's identity (kept with it): the blobs a
+replan makes are read by the next one."""
+
+
+def _name_ids(names: list[str], index: dict[str, int]) -> np.ndarray:
+    kept = _NAME_IDS.get(id(names))
+    if kept is not None and kept[0] is names:
+        return kept[1]
+    ids = np.fromiter((index[n] for n in names), np.int64, len(names))
+    _remember(names, ids)
+    return ids
+
+
+def _remember(names: list[str], ids: np.ndarray) -> None:
+    if len(_NAME_IDS) >= 128:
+        _NAME_IDS.pop(next(iter(_NAME_IDS)))
+    _NAME_IDS[id(names)] = (names, ids)
+
+
 def _patched(blob: dict[str, Any], rp: RankPlan, slots: list[Slots], old: Placement,
-             new: Placement, spec: ModelSpec, ids: ExpertIds, index: dict[str, int]
-             ) -> dict[str, Any]:
+             new: Placement, spec: ModelSpec, ids: ExpertIds) -> dict[str, Any]:
     t = Table.from_msgpack(PIECE_COLUMNS, blob["pieces"], f"tensors/{rp.rank}")
-    cols = {name: t[name].copy() for name, _ in PIECE_COLUMNS}
-    gid = np.array([index[n] for n in blob["names"]], np.int64)[cols["tensor"]]
+    cols = {name: t[name] for name, _ in PIECE_COLUMNS}
+    gid = _name_ids(blob["names"], ids.index)[cols["tensor"]]
     for s in slots:
         rows = np.flatnonzero(cols["region"] == s.region)
         numel = int(np.prod(rp.regions[s.region].shape[1:]))
@@ -275,6 +342,23 @@ def _patched(blob: dict[str, Any], rp: RankPlan, slots: list[Slots], old: Placem
         gid[rows] = ids.ids[s.moe, now, ids.weight[gid[rows]]]
     uniq, local = np.unique(gid, return_inverse=True)
     cols["tensor"] = local.reshape(-1)
-    logical = [spec.tensors[i] for i in uniq.tolist()]
-    return encode_rank_tensors(cols, np.frombuffer(blob["buffer"], np.uint8),
-                               [x.name for x in logical], [x.shape for x in logical])
+    names, shapes = _names_shapes(spec)
+    listed = uniq.tolist()
+    out = encode_rank_tensors(cols, np.frombuffer(blob["buffer"], np.uint8),
+                              [names[i] for i in listed], [shapes[i] for i in listed])
+    _remember(out["names"], uniq)
+    return out
+
+
+_SPEC_NAMES: list[tuple[ModelSpec, tuple[list[str], list[tuple[int, ...]]]]] = []
+
+
+def _names_shapes(spec: ModelSpec) -> tuple[list[str], list[tuple[int, ...]]]:
+    """Every spec tensor's name and shape, by id (the last few specs' kept)."""
+    for kept, lists in _SPEC_NAMES:
+        if kept is spec:
+            return lists
+    lists = ([t.name for t in spec.tensors], [t.shape for t in spec.tensors])
+    _SPEC_NAMES.append((spec, lists))
+    del _SPEC_NAMES[:-2]
+    return lists
