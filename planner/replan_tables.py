@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from planner.placement import ExpertIds, ep_rank
-from planner.rows import unique_rows
+from planner.rows import lexorder, unique_rows
 from planner.spec import ModelSpec
 from schemas.errors import UserError
 from schemas.header import PlanHeader
@@ -121,11 +121,11 @@ class SourceTensors:
 
     def regions(self, rank: np.ndarray, gid: np.ndarray) -> np.ndarray:
         """The region of spec tensor `gid[i]` on source rank `rank[i]`."""
-        out = np.empty(len(rank), np.int64)
-        for r in np.unique(rank).tolist():
-            m = rank == r
-            out[m] = self._of(r)[0][gid[m]]
-        return out
+        if not len(rank):
+            return np.zeros(0, np.int64)
+        ranks = np.unique(rank)
+        table = np.stack([self._of(r)[0] for r in ranks.tolist()])
+        return table[np.searchsorted(ranks, rank), gid]
 
 
 def spec_ids(names: list[str], spec: ModelSpec, index: dict[str, int]) -> np.ndarray:
@@ -226,25 +226,36 @@ def explain(table: Table, hits: Hits, old: Placement, new: Placement,
     gid = ids.ids[hits.moe[hx], ex, tmpl[ti, 2]]
     reg = src.regions(s_rank, gid)
     extra = np.stack([gid, s_rank, reg, hits.rank[hx], hits.region[hx], tmpl[ti, 3] * cnt,
-                      tmpl[ti, 4] * cnt], 1)
+                      tmpl[ti, 4] * cnt])
     other = np.ones(len(within), bool)
     other[sub] = False
     other = within[other]  # the affected tensors' rows into other tensors: kept as they are
-    block = np.concatenate([np.stack([col[c][other] for c, _ in EXPLAIN_COLUMNS], 1), extra])
-    block = block[np.lexsort(block[:, 4::-1].T)]
-    # each affected tensor's rows (span) give way to its block rows, in place
-    at = (lo - span_start)[np.searchsorted(affected, block[:, 0])] + np.arange(len(block))
-    size = len(table) - len(within) + len(block)
-    place = np.ones(size, bool)
-    place[at] = False
-    keep = np.ones(len(table), bool)
-    keep[within] = False
+    block = np.concatenate([np.stack([col[c][other] for c, _ in EXPLAIN_COLUMNS]), extra], 1)
+    block = block[:, lexorder(*block[4::-1])]
+    return _spliced(table, col, lo, lo + span, affected, block)
+
+
+def _spliced(table: Table, col: dict[str, np.ndarray], lo: np.ndarray, hi: np.ndarray,
+             affected: np.ndarray, block: np.ndarray) -> Table:
+    """`table` with the rows `[lo[j], hi[j])` of each tensor `affected[j]` (sorted, as the
+    table is) replaced by `block`'s rows of that tensor (`block`: columns x rows, sorted)."""
+    b_lo = np.searchsorted(block[0], affected, "left")
+    b_hi = np.searchsorted(block[0], affected, "right")
+    # runs of affected tensors with no kept row between them are spliced as one
+    start = np.ones(len(affected), bool)
+    start[1:] = lo[1:] != hi[:-1]
+    first, last = np.flatnonzero(start), np.append(np.flatnonzero(start)[1:], len(start)) - 1
+    keep_lo = np.append(0, hi[last]).tolist()
+    keep_hi = np.append(lo[first], len(table)).tolist()
+    blk_lo, blk_hi = b_lo[first].tolist(), b_hi[last].tolist()
     out = {}
     for i, (name, dt) in enumerate(EXPLAIN_COLUMNS):
-        c = np.empty(size, dt)
-        c[place] = col[name][keep]
-        c[at] = block[:, i]
-        out[name] = c
+        c, bc = col[name], block[i].astype(dt)
+        parts = [c[keep_lo[0]:keep_hi[0]]]
+        for k in range(len(blk_lo)):
+            parts.append(bc[blk_lo[k]:blk_hi[k]])
+            parts.append(c[keep_lo[k + 1]:keep_hi[k + 1]])
+        out[name] = np.concatenate(parts)
     return Table.build(EXPLAIN_COLUMNS, **out)
 
 
@@ -331,15 +342,20 @@ def _patched(blob: dict[str, Any], rp: RankPlan, slots: list[Slots], old: Placem
     t = Table.from_msgpack(PIECE_COLUMNS, blob["pieces"], f"tensors/{rp.rank}")
     cols = {name: t[name] for name, _ in PIECE_COLUMNS}
     gid = _name_ids(blob["names"], ids.index)[cols["tensor"]]
-    for s in slots:
-        rows = np.flatnonzero(cols["region"] == s.region)
-        numel = int(np.prod(rp.regions[s.region].shape[1:]))
-        g = s.first + cols["start"][rows] // numel
-        now = new.table[s.moe, g]
-        if (ids.expert[gid[rows]] != old.table[s.moe, g]).any():
-            raise NotIncremental(f"replan: target rank {rp.rank}'s tensors do not match the "
-                                 "plan's placement; the plan is corrupt: recompile it")
-        gid[rows] = ids.ids[s.moe, now, ids.weight[gid[rows]]]
+    slot_of = np.full(len(rp.regions), -1, np.int64)  # region -> its index in `slots`
+    slot_of[[s.region for s in slots]] = np.arange(len(slots))
+    region = cols["region"].astype(np.int64)
+    k = slot_of[np.where(region < len(slot_of), region, 0)]
+    rows = np.flatnonzero((k >= 0) & (region < len(slot_of)))
+    k = k[rows]
+    moe, first = (np.array([getattr(s, f) for s in slots], np.int64) for f in ("moe", "first"))
+    numel = np.array([int(np.prod(rp.regions[s.region].shape[1:])) for s in slots], np.int64)
+    g = first[k] + cols["start"][rows] // numel[k]
+    layer = moe[k]
+    if (ids.expert[gid[rows]] != old.table[layer, g]).any():
+        raise NotIncremental(f"replan: target rank {rp.rank}'s tensors do not match the "
+                             "plan's placement; the plan is corrupt: recompile it")
+    gid[rows] = ids.ids[layer, new.table[layer, g], ids.weight[gid[rows]]]
     uniq, local = np.unique(gid, return_inverse=True)
     cols["tensor"] = local.reshape(-1)
     names, shapes = _names_shapes(spec)
