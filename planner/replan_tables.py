@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from planner.placement import ExpertIds, ep_rank
-from planner.rows import lexorder, unique_rows
+from planner.rows import lexorder
 from planner.spec import ModelSpec
 from schemas.errors import UserError
 from schemas.header import PlanHeader
@@ -205,10 +205,14 @@ def explain(table: Table, hits: Hits, old: Placement, new: Placement,
     nbytes, boxes = col["nbytes"][rows].astype(np.int64), col["boxes"][rows].astype(np.int64)
     per_bytes, per_boxes = nbytes // n, boxes // n
     # one template row per (hit, source rank, weight): a slot's bytes and boxes from it
-    tmpl = unique_rows(np.stack([h, col["src_rank"][rows].astype(np.int64), wt, per_bytes,
-                                 per_boxes], 1))
-    if len(tmpl) > 1 and ((np.diff(tmpl[:, 0]) == 0) & (np.diff(tmpl[:, 1]) == 0)
-                          & (np.diff(tmpl[:, 2]) == 0)).any() or ((nbytes % n) | (boxes % n)).any():
+    s_col = col["src_rank"][rows].astype(np.int64)
+    n_src, n_w = int(s_col.max()) + 1 if len(s_col) else 1, ids.ids.shape[2]
+    _, first, inverse = np.unique((h * n_src + s_col) * n_w + wt, return_index=True,
+                                  return_inverse=True)
+    tmpl = np.stack([h[first], s_col[first], wt[first], per_bytes[first], per_boxes[first]], 1)
+    inverse = inverse.reshape(-1)
+    if ((tmpl[inverse, 3] != per_bytes) | (tmpl[inverse, 4] != per_boxes)).any() or (
+            (nbytes % n) | (boxes % n)).any():
         raise NotIncremental("replan: the slots of one target tensor are fed unevenly by its "
                              "experts; compile the new placement in full")
     th, pe = np.nonzero(after)  # (hit, expert) pairs of the new placement, hit-major
@@ -231,8 +235,27 @@ def explain(table: Table, hits: Hits, old: Placement, new: Placement,
     other[sub] = False
     other = within[other]  # the affected tensors' rows into other tensors: kept as they are
     block = np.concatenate([np.stack([col[c][other] for c, _ in EXPLAIN_COLUMNS]), extra], 1)
-    block = block[:, lexorder(*block[4::-1])]
-    return _spliced(table, col, lo, lo + span, affected, block)
+    return _spliced(table, col, lo, lo + span, affected, block[:, _block_order(block, len(other))])
+
+
+def _block_order(block: np.ndarray, sorted_first: int) -> np.ndarray:
+    """The order of `block`'s rows by (tensor, src_rank, src_region, dst_rank, dst_region),
+    its first `sorted_first` rows in that order already: the others sorted and merged in
+    by one combined key where it fits in 63 bits."""
+    keys = block[:5]
+    bits = [int(k.max()).bit_length() if k.size else 0 for k in keys]
+    if not block.shape[1] or sum(bits) > 63 or (keys.min() < 0 if keys.size else False):
+        return lexorder(*block[4::-1])
+    key = keys[0].copy()
+    for k, b in zip(keys[1:], bits[1:]):
+        key <<= b
+        key |= k
+    head, tail = key[:sorted_first], key[sorted_first:]
+    if (np.diff(head) <= 0).any():
+        return lexorder(*block[4::-1])
+    order = np.argsort(tail, kind="stable") + sorted_first
+    at = np.searchsorted(head, key[order], "right")
+    return np.insert(np.arange(sorted_first), at, order)
 
 
 def _spliced(table: Table, col: dict[str, np.ndarray], lo: np.ndarray, hi: np.ndarray,
