@@ -105,10 +105,23 @@ class SourceTensors:
             n = len(self.spec.tensors)
             expert = np.flatnonzero(self.ids.layer[gid] >= 0)
             g, reg = gid[expert], t["region"][expert].astype(np.int64)
+            held = np.unique(self.ids.layer[g] * self.ids.ids.shape[1] + self.ids.expert[g])
+            if len(held) < self.ids.ids.shape[0] * self.ids.ids.shape[1]:
+                raise NotIncremental(
+                    f"replan: source rank {rank} holds {len(held)} of the "
+                    f"{self.ids.ids.shape[0] * self.ids.ids.shape[1]} (MoE layer, expert) "
+                    "pairs (experts on EP ranks, e.g. Megatron EP): a moved slot's bytes then "
+                    "come from another source rank, so its writes leave one rank's batches "
+                    "and signals for another's, and `assign` (which balances every chunk's "
+                    "source over the NICs) and the staging layout of both ranks change with "
+                    "them; only a full compile gives those: compile the new placement in full")
             if len(g) and (np.bincount(g).max() > 1 or np.bincount(reg).max() > 1):
                 raise NotIncremental(f"replan: source rank {rank} holds an expert in several "
-                                     "pieces or several experts in one tensor; compile the "
-                                     "new placement in full")
+                                     "pieces or several experts (or weights) in one tensor "
+                                     "(a grouped or fused expert tensor): a moved slot's "
+                                     "bytes then sit at other offsets of that tensor, which "
+                                     "changes the writes' cut and order; compile the new "
+                                     "placement in full")
             region = np.full(n, -1, np.int64)
             region[g] = reg
             row = np.zeros(n, np.int64)  # the piece of each expert tensor
