@@ -31,6 +31,7 @@ import torch
 from schemas.header import PlanHeader
 from schemas.integrity import plan_key as read_key
 from schemas.integrity import rank_digest
+from schemas.placement import Placement
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, RankPlan, load_rank
 from schemas.protocol import Overlap, carries
 
@@ -41,10 +42,11 @@ from .blame import Blame
 from .check import check_against_header, check_rank_plan, check_rank_verify, check_staging
 from .cleanup import best_effort
 from .control import Control
-from .errors import PeerLostError, PeerMismatchError
+from .errors import PeerLostError, PeerMismatchError, PeerTimeoutError, PlanSwitchError
 from .gpu.graphs import device_sync
 from .options import LoadOptions
 from .pipeline import SHARES, beside_quants, groups, link
+from .plan_switch import refusal
 from .recovery import Recovery
 from .rendezvous import open_store
 from .stages import Stage, prepare_stage
@@ -115,6 +117,8 @@ class Executor:
         self.failed = False  # the last step raised: the next one recovers first
         self.last_complete_step = 0
         self.register_calls = 0  # transport registrations (once per process, ever)
+        self.imported: dict[int, Any] = {}  # peer -> the descriptors imported for it
+        self.switches = 0  # plans switched to in place (`switch_plan`)
         self.rejoined = False
         self.recovery = Recovery(self.rank, self.control, self.transport, self.inbox, timeout_s,
                                  self.check_peer, self.import_peer, self.batches_to)
@@ -182,6 +186,11 @@ class Executor:
         if self.rejoined:  # a restarted rank joins at its peers' step (recovery.py)
             self.step = max(self.step, self.recovery.join_step() - 1)
             self.control.publish_step(self.step + 1)
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """Every stage's ops, prepared from the plan (at connect, and at a plan switch)."""
+        p = self.plan
         self.overlap = Overlap(p)
         self.prepacked = self.overlap.prepacked.tolist()
         beside = beside_quants(p, self.prepacked)  # writes that run beside early QUANTs
@@ -195,6 +204,7 @@ class Executor:
         self.check_peer(peer, info)
         self.control.accept_gen(peer, rec)
         check_peer_desc(self.transport, peer, info["desc"], self.plan.peer_regions)
+        self.imported[peer] = info["desc"]
         try:
             self.transport.import_peer(peer, info["desc"])
         except Exception as e:  # e.g. NIXL cannot reach a dead process
@@ -229,6 +239,82 @@ class Executor:
                 f"rank {self.rank}: peer rank {peer} exported region {r} of {got} bytes, "
                 f"the plan expects {n} ({len(wrong)} region(s) differ); bind the tensors "
                 "the plan was compiled for on that rank", peer=peer)
+
+    def switch(self, path: str, plan_key: bytes | str | None = None,
+               identity: dict | None = None, no_identity: bool = False,
+               placement: Placement | None = None) -> None:
+        """`switch_plan` to this rank's part of the plan file `path` (checked as `load`
+        checks it: signature, identity)."""
+        header, plan = load_rank(path, self.rank, None if plan_key is None else read_key(plan_key))
+        check_identity(header, plan.identity, self.rank, identity, no_identity, path)
+        self.switch_plan(header, plan, placement)
+
+    def switch_plan(self, header: PlanHeader, plan: RankPlan,
+                    placement: Placement | None = None) -> None:
+        """Between steps: run `plan` (this rank's part of the same job's plan for another
+        expert placement, e.g. `planner.replan`'s) from the next step on, keeping the bound
+        tensors, their registration, the transport and the imported peers.
+
+        Refused before anything changes (`PlanSwitchError`, one line) where the new part
+        needs other regions or peers (load it then), and where `placement` (the engine's
+        current one) is given and the plan was compiled for another. Every peer switches
+        too: this rank publishes its record for the new plan and waits (up to `timeout_s`)
+        for each peer's, checked as at connect (same plan, its own part's digest, the same
+        region sizes and descriptors). Signals carry the plan's tag, so a peer still on the
+        old plan never satisfies a wait of the new one."""
+        if self.failed or not self.registered or self.overlap is None:
+            raise PlanSwitchError(f"rank {self.rank}: switch plans between completed steps "
+                                  "(after connect, not after a failed step: run it again "
+                                  "first)")
+        why = refusal(self.header, self.plan, header, plan, self.peers)
+        if why is None and placement is not None and header.placement != placement:
+            why = (f"rank {self.rank}: the new plan was compiled for placement "
+                   f"{header.placement.digest()[:16] if header.placement else 'none'}, the "
+                   f"engine holds {placement.digest()[:16]}; replan for the engine's "
+                   "placement")
+        if why is not None:
+            raise PlanSwitchError(why)
+        check_rank_plan(plan)
+        check_rank_verify(plan, header)
+        check_against_header(plan, header)
+        self.window.drain(self.timeout_s)  # nothing of the old plan's batches in flight
+        if self.device.type == "cuda":
+            device_sync(self.device)
+        for st in self.stages:
+            for entry in st.batches:
+                self.transport.release(entry.handle)
+        self.plan, self.header, self.fingerprint = plan, header, header.fingerprint
+        self.tag = signals.fingerprint_tag(self.fingerprint)
+        self.inbox.retag(self.tag)
+        self.signals.retag(self.tag)
+        self.bytes_per_step = int(plan.writes["nbytes"].sum())
+        self.received_per_step = received_bytes(header, self.rank)
+        self._prepare()
+        self.switches += 1
+        self.control.publish_rank({"fingerprint": self.fingerprint,
+                                   "sizes": [r.nbytes for r in plan.regions],
+                                   "desc": self.transport.export(),
+                                   "digest": rank_digest(header, self.rank)})
+        for peer in self.peers:
+            self._await_switch(peer)
+
+    def _await_switch(self, peer: int) -> None:
+        """Wait for `peer`'s record of the plan this rank switched to, and check it."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            rec, info = self.control.peer_info(peer)  # type: ignore[misc]
+            if info["fingerprint"] == self.fingerprint:
+                break
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(self.rank, peer, "switch to the new plan "
+                                       f"{self.fingerprint[:16]!r}", self.timeout_s)
+            time.sleep(0.01)
+        self.check_peer(peer, info)
+        self.control.accept_gen(peer, rec)
+        if info["desc"] != self.imported.get(peer):
+            raise PeerMismatchError(f"rank {self.rank}: peer rank {peer} switched plans with "
+                                    "other memory descriptors (it registered again or "
+                                    "restarted); load the new plan on every rank", peer=peer)
 
     # ------------------------------------------------------------------ every step
 

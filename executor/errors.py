@@ -91,3 +91,7 @@ class TornUpdateError(RuntimeError):
     not complete, the live weights are untouched). The base of the integrations' own
     `TornUpdateError`s (vLLM, SGLang), so `except executor.TornUpdateError` catches all."""
 
+
+
+class PlanSwitchError(UserError):
+    """The new plan needs other memory, peers or job than the loaded one: load it instead."""

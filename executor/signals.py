@@ -90,6 +90,10 @@ class Inbox:
         self.refused = 0
         self.last_refused = ""
 
+    def retag(self, tag: bytes) -> None:
+        """The rank switched plans between steps: only the new plan's messages count."""
+        self.tag, self.prefix = tag, _MAGIC + tag
+
     def set_incarnation(self, peer: int, incarnation: int, sender_id: str = "") -> None:
         """`peer` is now the process `incarnation` (transport identity `sender_id`): admit
         its held messages that came from that identity."""

@@ -11,6 +11,7 @@ executor passes `Recovery.refresh_peers`, which re-imports it).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -95,6 +96,10 @@ class Signals:
             torch.cuda.current_stream(device).synchronize()
             self.waited += time.perf_counter() - t0
         self.queued = False
+
+    def retag(self, tag: bytes) -> None:
+        """The rank switched plans between steps: its signals carry the new plan's tag."""
+        self.me = dataclasses.replace(self.me, tag=tag)
 
     def msg(self, peer: int, stage: int, kind: int) -> bytes:
         """The next signal of this step to `peer` (`stage`, `kind`), sealed."""

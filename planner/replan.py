@@ -54,16 +54,20 @@ def replan(plan: Plan, spec: ModelSpec, new: Placement) -> Plan:
         raise NotIncremental("replan: the plan records no expert placement (target.placement "
                              "was not set); compile it with one")
     d = spec.dims
-    slots = list(slot_regions(plan, h, eplb_layers(d)))
+    slots = slot_regions(plan, h, eplb_layers(d))
     ep = old.physical // max(1, slots[0].count) if slots else 1
     new.check(d.num_experts, len(eplb_layers(d)), ep)
     moved = old.moved(new)
     if len(moved) == 0:
         return plan
     ids = ExpertIds.of(spec)
-    moved_set = {(int(l_), int(s)) for l_, s in moved}
-    hit = [s for s in slots if any((s.moe, g) in moved_set
-                                   for g in range(s.first, s.first + s.count))]
+    change = np.zeros(old.table.shape, bool)
+    change[moved[:, 0], moved[:, 1]] = True
+    run = np.concatenate([np.zeros((len(change), 1), np.int64), np.cumsum(change, 1)], 1)
+    moe, first, count = (np.array([getattr(s, f) for s in slots], np.int64)
+                         for f in ("moe", "first", "count"))
+    any_moved = run[moe, first + count] > run[moe, first]  # a slot of the tensor moved
+    hit = [slots[i] for i in np.flatnonzero(any_moved).tolist()]
     src, hits = SourceTensors(plan, h.sources, spec, ids), Hits(hit)
     ranks = list(plan.ranks)
     for r in range(h.sources):
@@ -97,10 +101,7 @@ def _replan_source(rp: RankPlan, hits: Hits, old: Placement, new: Placement,
     if rp.regions[-1].name == STAGING and (src_region[rows] == len(rp.regions) - 1).any():
         raise NotIncremental(f"replan: source rank {rp.rank} sends moved expert slots through "
                              "staging (packed or gathered); compile the new placement in full")
-    region_of, geom = src.of(rp.rank)
-    gid_of_region = np.full(len(rp.regions), -1, np.int64)
-    held = np.flatnonzero(region_of >= 0)
-    gid_of_region[region_of[held]] = held
+    region_of, gid_of_region = src.of(rp.rank)
     gid = gid_of_region[src_region[rows]]
     if (gid < 0).any() or (ids.expert[gid] != was).any() or (ids.layer[gid] != layer).any():
         raise NotIncremental(f"replan: source rank {rp.rank} writes expert slots from tensors "
@@ -108,7 +109,7 @@ def _replan_source(rp: RankPlan, hits: Hits, old: Placement, new: Placement,
                              "in full")
     to = ids.ids[layer, now, ids.weight[gid]]
     reg = region_of[to]
-    if (reg < 0).any() or (geom[to] != geom[gid]).any():
+    if (reg < 0).any() or (src.geometry(rp.rank, to) != src.geometry(rp.rank, gid)).any():
         raise NotIncremental(f"replan: source rank {rp.rank} does not hold every expert of a "
                              "MoE layer with the same cut (experts placed on EP ranks?); "
                              "compile the new placement in full")
@@ -123,39 +124,128 @@ def _stage_of_rows(rp: RankPlan) -> np.ndarray:
     return np.repeat(b["stage"].astype(np.int64), b["stop"] - b["start"])
 
 
-def _rounds(nbytes: np.ndarray, max_write_bytes: int) -> np.ndarray:
-    """`schedule`'s round of each write of one (source, stage, target) group, in order."""
-    before = np.cumsum(nbytes) - nbytes
-    return np.maximum(before // max_write_bytes, np.arange(len(nbytes)) // MAX_BATCH_WRITES)
+def _rounds(nbytes: np.ndarray, first: np.ndarray, max_write_bytes: int) -> np.ndarray:
+    """`schedule`'s round of each write, for writes laid out group after group (`first`:
+    whether a write begins its (source, stage, target) group), in order."""
+    n = len(nbytes)
+    start = np.flatnonzero(first)
+    size = np.diff(np.append(start, n))
+    cs = np.cumsum(nbytes)
+    base = np.repeat(cs[start] - nbytes[start], size)
+    pos = np.arange(n) - np.repeat(start, size)
+    return np.maximum((cs - nbytes - base) // max_write_bytes, pos // MAX_BATCH_WRITES)
 
 
 def _reorder(rp: RankPlan, src_region: np.ndarray, touched: np.ndarray,
              max_write_bytes: int, sources: int, targets: int) -> RankPlan:
     """`rp` with `src_region`, each (stage, target) group holding a touched write put back
     in the compiler's order, in the same table positions: its rounds (`schedule`'s batch
+    cuts) unchanged, else `NotIncremental`.
+
+    The order is one int64 key where the group and the four sort columns fit in it: the
+    untouched writes of a touched group are in it already (in table order), so only the
+    touched ones are sorted and merged in; else (or where the plan is not in that order)
+    each touched group is sorted whole."""
+    w = rp.writes
+    group = _stage_of_rows(rp) * (sources + targets) + w["dst_rank"]
+    key = _sort_key(group, src_region, w)
+    if key is None:
+        return _reorder_sorted(rp, src_region, touched, max_write_bytes, sources)
+    small = np.uint16 if group.max() < 1 << 16 else np.int64
+    at = np.argsort(group.astype(small), kind="stable")  # each group's positions, in order
+    hit = np.zeros(int(group.max()) + 1, bool)
+    hit[group[touched]] = True
+    at = at[hit[group[at]]]  # the touched groups'
+    keep = at[~touched[at]]
+    k_keep = key[keep]
+    if (np.diff(k_keep) <= 0).any():  # not in the compiler's order, or equal keys
+        return _reorder_sorted(rp, src_region, touched, max_write_bytes, sources)
+    moved = np.flatnonzero(touched)
+    moved = moved[np.argsort(key[moved])]
+    k_moved = key[moved]
+    ins = np.searchsorted(k_keep, k_moved)
+    tie = (np.diff(k_moved) == 0).any() or (
+        len(k_keep) > 0 and (k_keep[np.minimum(ins, len(k_keep) - 1)] == k_moved).any())
+    if tie:  # two writes of one source and target bytes: the table order decides
+        return _reorder_sorted(rp, src_region, touched, max_write_bytes, sources)
+    got = np.insert(keep, ins, moved)  # the rows in key order: what each position takes
+    return _placed(rp, src_region, at, got, group, max_write_bytes, sources)
+
+
+def _sort_key(group: np.ndarray, src_region: np.ndarray, w: Table) -> np.ndarray | None:
+    """(group, src_region, dst_region, src_offset, dst_offset) as one int64 per write, in
+    that order, or None where it does not fit in 63 bits."""
+    cols = [group.astype(np.int64), src_region.astype(np.int64),
+            w["dst_region"].astype(np.int64), w["src_offset"], w["dst_offset"]]
+    if not len(group) or min(int(c.min()) for c in cols) < 0:
+        return None if len(group) else np.zeros(0, np.int64)
+    bits = [int(c.max()).bit_length() for c in cols]
+    if sum(bits) > 63:
+        return None
+    key = cols[0]
+    for c, b in zip(cols[1:], bits[1:]):
+        key = (key << b) | c
+    return key
+
+
+def _placed(rp: RankPlan, src_region: np.ndarray, at: np.ndarray, got: np.ndarray,
+            group: np.ndarray, max_write_bytes: int, sources: int) -> RankPlan:
+    """`rp`'s writes with row `got[i]` at position `at[i]` (every group's positions in
+    table order, group after group; `got` the same rows in the compiler's order), the
+    rounds checked where a write of another size took a position."""
+    w = rp.writes
+    nbytes = w["nbytes"]
+    change = at != got
+    if (nbytes[at[change]] != nbytes[got[change]]).any():
+        first = np.ones(len(at), bool)
+        first[1:] = group[at[1:]] != group[at[:-1]]
+        bad = _rounds(nbytes[got], first, max_write_bytes) != _rounds(nbytes[at], first,
+                                                                      max_write_bytes)
+        if bad.any():
+            dst = int(w["dst_rank"][at[np.argmax(bad)]])
+            raise NotIncremental(f"replan: source rank {rp.rank}'s batches to target rank "
+                                 f"{dst - sources} change their cut (writes of unequal sizes "
+                                 "reordered); compile the new placement in full")
+    at, got = at[change], got[change]
+    cols = {}
+    for name, dt in WRITE_COLUMNS:
+        col = src_region if name == "src_region" else w[name]
+        if len(at) or name == "src_region":
+            c = np.array(col, dtype=dt)
+            c[at] = col[got]
+            col = c
+        cols[name] = col
+    return dataclasses.replace(rp, writes=Table.build(WRITE_COLUMNS, **cols))
+
+
+def _reorder_sorted(rp: RankPlan, src_region: np.ndarray, touched: np.ndarray,
+                    max_write_bytes: int, sources: int) -> RankPlan:
+    """`rp` with `src_region`, each (stage, target) group holding a touched write put back
+    in the compiler's order, in the same table positions: its rounds (`schedule`'s batch
     cuts) unchanged, else `NotIncremental`."""
     w = rp.writes
-    cols = {name: w[name] for name, _ in WRITE_COLUMNS}
-    cols["src_region"] = src_region
-    stage = _stage_of_rows(rp)
-    gkey = stage << 32 | cols["dst_rank"].astype(np.int64)
-    order = np.argsort(gkey, kind="stable")  # table order kept within each group
-    cut = np.flatnonzero(np.diff(gkey[order])) + 1
-    groups = np.split(order, cut)
-    perm = np.arange(len(w))
-    for rows in groups:
-        if not touched[rows].any():
-            continue
-        o = np.lexsort((cols["dst_offset"][rows], cols["src_offset"][rows],
-                        cols["dst_region"][rows], cols["src_region"][rows]))
-        if not np.array_equal(_rounds(cols["nbytes"][rows][o], max_write_bytes),
-                              _rounds(cols["nbytes"][rows], max_write_bytes)):
-            raise NotIncremental(f"replan: source rank {rp.rank}'s batches to target rank "
-                                 f"{int(cols['dst_rank'][rows[0]]) - sources} change their "
-                                 "cut (writes of unequal sizes reordered); compile the new "
-                                 "placement in full")
-        perm[rows] = rows[o]
-    writes = Table.build(WRITE_COLUMNS, **{name: cols[name][perm] for name, _ in WRITE_COLUMNS})
+    gkey = _stage_of_rows(rp) << 32 | w["dst_rank"].astype(np.int64)
+    rows = np.flatnonzero(np.isin(gkey, np.unique(gkey[touched])))  # table order
+    key = gkey[rows]
+    at = rows[np.argsort(key, kind="stable")]  # each group's positions, group by group
+    got = rows[np.lexsort((w["dst_offset"][rows], w["src_offset"][rows],
+                           w["dst_region"][rows], src_region[rows], key))]
+    first = np.ones(len(at), bool)
+    first[1:] = gkey[at[1:]] != gkey[at[:-1]]
+    nbytes = w["nbytes"]
+    bad = _rounds(nbytes[got], first, max_write_bytes) != _rounds(nbytes[at], first,
+                                                                  max_write_bytes)
+    if bad.any():
+        dst = int(w["dst_rank"][at[np.argmax(bad)]])
+        raise NotIncremental(f"replan: source rank {rp.rank}'s batches to target rank "
+                             f"{dst - sources} change their cut (writes of unequal sizes "
+                             "reordered); compile the new placement in full")
+    cols = {}
+    for name, _ in WRITE_COLUMNS:
+        c = (src_region if name == "src_region" else w[name]).copy()
+        c[at] = c[got]
+        cols[name] = c
+    writes = Table.build(WRITE_COLUMNS, **cols)
     return dataclasses.replace(rp, writes=writes)
 
 

@@ -10,12 +10,11 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from planner.errors import NotIncremental
 from planner.placement import ExpertIds, ep_rank
-from planner.rows import unique_rows
+from planner.rows import lexorder
 from planner.spec import ModelSpec
 from schemas.header import PlanHeader
 from schemas.placement import Placement
@@ -40,11 +39,31 @@ class Slots:
     slot_bytes: int
 
 
-def slot_regions(plan: Plan, h: PlanHeader, moe_layers: tuple[int, ...]) -> Iterator[Slots]:
+_SLOTS_KEPT: list[tuple[tuple[Any, ...], tuple[Any, ...], list[Slots]]] = []
+
+
+def slot_regions(plan: Plan, h: PlanHeader, moe_layers: tuple[int, ...]) -> list[Slots]:
+    """Every target region of stacked experts (the last few plans' kept, by the identity
+    of their target regions: a replan keeps them, so the next replan finds them)."""
+    key = (h.identities, *(rp.regions for rp in plan.ranks[h.sources:]))
+    alike = (moe_layers, h.target.engine if h.target is not None else None)
+    for kept, kept_alike, slots in _SLOTS_KEPT:
+        if kept_alike == alike and len(kept) == len(key) and all(
+                a is b for a, b in zip(kept, key)):
+            return slots
+    slots = list(_slot_regions(plan, h, moe_layers))
+    _SLOTS_KEPT.append((key, alike, slots))
+    del _SLOTS_KEPT[:-2]
+    return slots
+
+
+def _slot_regions(plan: Plan, h: PlanHeader, moe_layers: tuple[int, ...]) -> Iterator[Slots]:
     moe = {layer: i for i, layer in enumerate(moe_layers)}
     for rp in plan.ranks[h.sources:]:
         ep = ep_rank(h, rp.rank)
         for i, reg in enumerate(rp.regions):
+            if not reg.name.endswith("_weight"):
+                continue
             m = _SLOT_TENSOR.match(reg.name)
             if m is None or int(m[1]) not in moe or len(reg.shape) != 3 or not reg.shape[0]:
                 continue
@@ -54,42 +73,68 @@ def slot_regions(plan: Plan, h: PlanHeader, moe_layers: tuple[int, ...]) -> Iter
 
 class SourceTensors:
     """Per source rank, from its `tensors/<rank>` blob: the region holding each logical
-    tensor (-1: none) and that piece's geometry, for the expert tensors."""
+    tensor (-1: none) and, asked for, the geometry of that piece, for the expert tensors."""
+
+    _GEOMETRY = ("off0", "off1", "size0", "size1", "start", "stride0", "stride1")
 
     def __init__(self, plan: Plan, sources: int, spec: ModelSpec, ids: ExpertIds) -> None:
         self.blobs = dict(plan.extra_blobs)
         self.plan, self.spec, self.ids = plan, spec, ids
         self.index = ids.index
-        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, Table]] = {}
 
     def of(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
-        """(region of each spec tensor id, geometry rows `[n, 7]` of its piece)."""
+        """(region of each spec tensor id, spec tensor id of each region (-1: none))."""
+        region, gid_of_region, _, _ = self._of(rank)
+        return region, gid_of_region
+
+    def geometry(self, rank: int, gid: np.ndarray) -> np.ndarray:
+        """`[len(gid), 7]`: where the piece of spec tensor `gid[i]` sits in its tensor."""
+        _, _, row, t = self._of(rank)
+        return np.stack([t[c][row[gid]] for c in self._GEOMETRY], 1)
+
+    def _of(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Table]:
         if rank not in self._cache:
             blob = resolve(self.blobs, rank)
             t = Table.from_msgpack(PIECE_COLUMNS, blob["pieces"], f"tensors/{rank}")
             gid = spec_ids(blob["names"], self.spec, self.index)[t["tensor"]]
             n = len(self.spec.tensors)
-            region = np.full(n, -1, np.int64)
-            expert = self.ids.layer[gid] >= 0
+            expert = np.flatnonzero(self.ids.layer[gid] >= 0)
             g, reg = gid[expert], t["region"][expert].astype(np.int64)
+            held = np.unique(self.ids.layer[g] * self.ids.ids.shape[1] + self.ids.expert[g])
+            if len(held) < self.ids.ids.shape[0] * self.ids.ids.shape[1]:
+                raise NotIncremental(
+                    f"replan: source rank {rank} holds {len(held)} of the "
+                    f"{self.ids.ids.shape[0] * self.ids.ids.shape[1]} (MoE layer, expert) "
+                    "pairs (experts on EP ranks, e.g. Megatron EP): a moved slot's bytes then "
+                    "come from another source rank, so its writes leave one rank's batches "
+                    "and signals for another's, and `assign` (which balances every chunk's "
+                    "source over the NICs) and the staging layout of both ranks change with "
+                    "them; only a full compile gives those: compile the new placement in full")
             if len(g) and (np.bincount(g).max() > 1 or np.bincount(reg).max() > 1):
                 raise NotIncremental(f"replan: source rank {rank} holds an expert in several "
-                                     "pieces or several experts in one tensor; compile the "
-                                     "new placement in full")
+                                     "pieces or several experts (or weights) in one tensor "
+                                     "(a grouped or fused expert tensor): a moved slot's "
+                                     "bytes then sit at other offsets of that tensor, which "
+                                     "changes the writes' cut and order; compile the new "
+                                     "placement in full")
+            region = np.full(n, -1, np.int64)
             region[g] = reg
-            geom = np.zeros((n, 7), np.int64)
-            geom[g] = np.stack([t[c][expert] for c in ("off0", "off1", "size0", "size1",
-                                                         "start", "stride0", "stride1")], 1)
-            self._cache[rank] = (region, geom)
+            row = np.zeros(n, np.int64)  # the piece of each expert tensor
+            row[g] = expert
+            nreg = len(self.plan.ranks[rank].regions)
+            gid_of_region = np.full(nreg, -1, np.int64)
+            gid_of_region[reg[reg < nreg]] = g[reg < nreg]
+            self._cache[rank] = (region, gid_of_region, row, t)
         return self._cache[rank]
 
     def regions(self, rank: np.ndarray, gid: np.ndarray) -> np.ndarray:
         """The region of spec tensor `gid[i]` on source rank `rank[i]`."""
-        out = np.empty(len(rank), np.int64)
-        for r in np.unique(rank).tolist():
-            m = rank == r
-            out[m] = self.of(r)[0][gid[m]]
-        return out
+        if not len(rank):
+            return np.zeros(0, np.int64)
+        ranks = np.unique(rank)
+        table = np.stack([self._of(r)[0] for r in ranks.tolist()])
+        return table[np.searchsorted(ranks, rank), gid]
 
 
 def spec_ids(names: list[str], spec: ModelSpec, index: dict[str, int]) -> np.ndarray:
@@ -110,39 +155,57 @@ class Hits:
     """The hit target regions as columns, looked up by (plan rank, region)."""
 
     def __init__(self, hit: list[Slots]) -> None:
-        key = np.array([s.rank << 32 | s.region for s in hit], np.int64)
-        self.rank, self.region = key >> 32, key & 0xFFFFFFFF  # by hit index
-        self.order = np.argsort(key)
-        self.key = key[self.order]
-        self.moe, self.first, self.count, self.slot_bytes = (
+        self.rank, self.region, self.moe, self.first, self.count, self.slot_bytes = (
             np.array([getattr(s, f) for s in hit], np.int64)
-            for f in ("moe", "first", "count", "slot_bytes"))
+            for f in ("rank", "region", "moe", "first", "count", "slot_bytes"))
+        self.key = self.rank << 32 | self.region
+        width = int(self.region.max()) + 1 if len(hit) else 0
+        self.index = np.full((int(self.rank.max()) + 1 if len(hit) else 0, width), -1,
+                             np.int64)  # (rank, region) -> hit index, -1: not hit
+        self.index[self.rank, self.region] = np.arange(len(hit))
 
     def find(self, rank: np.ndarray, region: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows whose (rank, region) is hit, the hit index of each)."""
-        key = rank.astype(np.int64) << 32 | region.astype(np.int64)
-        pos = np.minimum(np.searchsorted(self.key, key), max(len(self.key) - 1, 0))
-        rows = np.flatnonzero(self.key[pos] == key) if len(self.key) else pos[:0]
-        return rows, self.order[pos[rows]]
+        n, width = self.index.shape
+        inside = (rank < n) & (region < width)
+        flat = self.index.reshape(-1)
+        at = np.where(inside, rank.astype(np.int64) * width + region, 0)
+        h = np.where(inside, flat[at] if flat.size else -1, -1)
+        rows = np.flatnonzero(h >= 0)
+        return rows, h[rows]
 
 
 def explain(table: Table, hits: Hits, old: Placement, new: Placement,
              src: SourceTensors, ids: ExpertIds, sources: int) -> Table:
     """The explain table with the rows into each hit target tensor made again from the new
     slot contents: per (source rank, weight) a slot's share, the same for every expert,
-    times the slots of the tensor holding each expert."""
+    times the slots of the tensor holding each expert. Only the rows of the experts in a
+    hit tensor's slots, before or after, are read (the table is sorted by tensor)."""
     if not len(table):
         return table
     col = {name: table[name] for name, _ in EXPLAIN_COLUMNS}
-    rows, h = hits.find(col["dst_rank"], col["dst_region"])
+    tensor = col["tensor"]
     n_hit, n_exp = len(hits.key), ids.ids.shape[1]
     hh = np.repeat(np.arange(n_hit), hits.count)
     g = hits.first[hh] + np.arange(len(hh)) - np.repeat(np.cumsum(hits.count) - hits.count,
                                                           hits.count)
-    before, after = (np.bincount(hh * n_exp + p.table[hits.moe[hh], g],
-                                 minlength=n_hit * n_exp).reshape(n_hit, n_exp)
-                     for p in (old, new))
-    t = col["tensor"][rows].astype(np.int64)
+    was, now = old.table[hits.moe[hh], g], new.table[hits.moe[hh], g]
+    before, after = (np.bincount(hh * n_exp + e, minlength=n_hit * n_exp).reshape(n_hit, n_exp)
+                     for e in (was, now))
+    pairs = np.unique(np.concatenate([hits.moe[hh] * n_exp + was, hits.moe[hh] * n_exp + now]))
+    affected = ids.ids.reshape(-1, ids.ids.shape[2])[pairs].reshape(-1)
+    affected = np.unique(affected[affected >= 0])
+    lo = np.searchsorted(tensor, affected, "left")
+    span = np.searchsorted(tensor, affected, "right") - lo
+    span_start = np.cumsum(span) - span
+    within = np.repeat(lo - span_start, span) + np.arange(int(span.sum()))  # their rows
+    sub, h = hits.find(col["dst_rank"][within], col["dst_region"][within])
+    rows = within[sub]
+    fed = np.bincount(h, weights=col["nbytes"][rows], minlength=n_hit)
+    if (fed != hits.slot_bytes * hits.count).any():
+        raise NotIncremental("replan: a stacked expert tensor is fed other tensors; compile "
+                             "the new placement in full")
+    t = tensor[rows].astype(np.int64)
     e, wt = ids.expert[t], ids.weight[t]
     if (e < 0).any() or (ids.layer[t] != hits.moe[h]).any():
         raise NotIncremental("replan: a stacked expert tensor is fed other tensors; compile "
@@ -151,10 +214,14 @@ def explain(table: Table, hits: Hits, old: Placement, new: Placement,
     nbytes, boxes = col["nbytes"][rows].astype(np.int64), col["boxes"][rows].astype(np.int64)
     per_bytes, per_boxes = nbytes // n, boxes // n
     # one template row per (hit, source rank, weight): a slot's bytes and boxes from it
-    tmpl = unique_rows(np.stack([h, col["src_rank"][rows].astype(np.int64), wt, per_bytes,
-                                 per_boxes], 1))
-    if len(tmpl) > 1 and ((np.diff(tmpl[:, 0]) == 0) & (np.diff(tmpl[:, 1]) == 0)
-                          & (np.diff(tmpl[:, 2]) == 0)).any() or ((nbytes % n) | (boxes % n)).any():
+    s_col = col["src_rank"][rows].astype(np.int64)
+    n_src, n_w = int(s_col.max()) + 1 if len(s_col) else 1, ids.ids.shape[2]
+    _, first, inverse = np.unique((h * n_src + s_col) * n_w + wt, return_index=True,
+                                  return_inverse=True)
+    tmpl = np.stack([h[first], s_col[first], wt[first], per_bytes[first], per_boxes[first]], 1)
+    inverse = inverse.reshape(-1)
+    if ((tmpl[inverse, 3] != per_bytes) | (tmpl[inverse, 4] != per_boxes)).any() or (
+            (nbytes % n) | (boxes % n)).any():
         raise NotIncremental("replan: the slots of one target tensor are fed unevenly by its "
                              "experts; compile the new placement in full")
     th, pe = np.nonzero(after)  # (hit, expert) pairs of the new placement, hit-major
@@ -172,25 +239,55 @@ def explain(table: Table, hits: Hits, old: Placement, new: Placement,
     gid = ids.ids[hits.moe[hx], ex, tmpl[ti, 2]]
     reg = src.regions(s_rank, gid)
     extra = np.stack([gid, s_rank, reg, hits.rank[hx], hits.region[hx], tmpl[ti, 3] * cnt,
-                      tmpl[ti, 4] * cnt], 1)
-    drop = np.zeros(len(table), bool)
-    drop[rows] = True
-    affected = np.union1d(np.unique(t), np.unique(extra[:, 0]))
-    keep_mask = ~np.isin(col["tensor"], affected)
-    moved_rows = np.flatnonzero(~keep_mask & ~drop)
-    block = np.concatenate([np.stack([col[n][moved_rows] for n, _ in EXPLAIN_COLUMNS], 1),
-                            extra])
-    block = block[np.lexsort(block[:, 4::-1].T)]
-    kept = np.flatnonzero(keep_mask)
-    at = np.searchsorted(col["tensor"][kept], block[:, 0]) + np.arange(len(block))
-    place = np.ones(len(kept) + len(block), bool)
-    place[at] = False
+                      tmpl[ti, 4] * cnt])
+    other = np.ones(len(within), bool)
+    other[sub] = False
+    other = within[other]  # the affected tensors' rows into other tensors: kept as they are
+    block = np.concatenate([np.stack([col[c][other] for c, _ in EXPLAIN_COLUMNS]), extra], 1)
+    return _spliced(table, col, lo, lo + span, affected, block[:, _block_order(block, len(other))])
+
+
+def _block_order(block: np.ndarray, sorted_first: int) -> np.ndarray:
+    """The order of `block`'s rows by (tensor, src_rank, src_region, dst_rank, dst_region),
+    its first `sorted_first` rows in that order already: the others sorted and merged in
+    by one combined key where it fits in 63 bits."""
+    keys = block[:5]
+    bits = [int(k.max()).bit_length() if k.size else 0 for k in keys]
+    if not block.shape[1] or sum(bits) > 63 or (keys.min() < 0 if keys.size else False):
+        return lexorder(*block[4::-1])
+    key = keys[0].copy()
+    for k, b in zip(keys[1:], bits[1:]):
+        key <<= b
+        key |= k
+    head, tail = key[:sorted_first], key[sorted_first:]
+    if (np.diff(head) <= 0).any():
+        return lexorder(*block[4::-1])
+    order = np.argsort(tail, kind="stable") + sorted_first
+    at = np.searchsorted(head, key[order], "right")
+    return np.insert(np.arange(sorted_first), at, order)
+
+
+def _spliced(table: Table, col: dict[str, np.ndarray], lo: np.ndarray, hi: np.ndarray,
+             affected: np.ndarray, block: np.ndarray) -> Table:
+    """`table` with the rows `[lo[j], hi[j])` of each tensor `affected[j]` (sorted, as the
+    table is) replaced by `block`'s rows of that tensor (`block`: columns x rows, sorted)."""
+    b_lo = np.searchsorted(block[0], affected, "left")
+    b_hi = np.searchsorted(block[0], affected, "right")
+    # runs of affected tensors with no kept row between them are spliced as one
+    start = np.ones(len(affected), bool)
+    start[1:] = lo[1:] != hi[:-1]
+    first, last = np.flatnonzero(start), np.append(np.flatnonzero(start)[1:], len(start)) - 1
+    keep_lo = np.append(0, hi[last]).tolist()
+    keep_hi = np.append(lo[first], len(table)).tolist()
+    blk_lo, blk_hi = b_lo[first].tolist(), b_hi[last].tolist()
     out = {}
     for i, (name, dt) in enumerate(EXPLAIN_COLUMNS):
-        c = np.empty(len(place), dt)
-        c[place] = col[name][kept]
-        c[at] = block[:, i]
-        out[name] = c
+        c, bc = col[name], block[i].astype(dt)
+        parts = [c[keep_lo[0]:keep_hi[0]]]
+        for k in range(len(blk_lo)):
+            parts.append(bc[blk_lo[k]:blk_hi[k]])
+            parts.append(c[keep_lo[k + 1]:keep_hi[k + 1]])
+        out[name] = np.concatenate(parts)
     return Table.build(EXPLAIN_COLUMNS, **out)
 
 
@@ -199,7 +296,6 @@ def target_blobs(plan: Plan, hit: list[Slots], old: Placement, new: Placement,
     """Every `tensors/<rank>` blob, the hit target ranks' made again (names and pieces of
     the moved slots), target blobs equal to an earlier rank's as `same_as` it."""
     blobs = dict(plan.extra_blobs)
-    index = ids.index
     by_rank: dict[int, list[Slots]] = {}
     for s in hit:
         by_rank.setdefault(s.rank, []).append(s)
@@ -207,20 +303,30 @@ def target_blobs(plan: Plan, hit: list[Slots], old: Placement, new: Placement,
     for r in range(sources, len(plan.ranks)):
         blob = resolve(blobs, r)
         if r in by_rank:
-            blob = _patched(blob, plan.ranks[r], by_rank[r], old, new, spec, ids, index)
+            blob = _patched(blob, plan.ranks[r], by_rank[r], old, new, spec, ids)
         content[r] = blob
-    first: dict[bytes, int] = {}
+    first: dict[Any, list[tuple[dict[str, Any], int]]] = {}
+
+    def earlier(blob: dict[str, Any], r: int) -> int:
+        """The first rank seen with content equal to `blob` (`r` if none)."""
+        alike = first.setdefault(_key(blob), [])
+        for other, at in alike:
+            if other is blob or _equal(other, blob):
+                return at
+        alike.append((blob, r))
+        return r
+
     shapes = {_shape(c) for c in content.values()}  # a source blob can equal a target one
-    for name, _ in plan.extra_blobs:  # only if alike in shape: the others are not packed
+    for name, _ in plan.extra_blobs:  # only if alike in shape: the others are not compared
         r = int(name.split("/")[1])
         if r < sources and _shape(resolve(blobs, r)) in shapes:
-            first.setdefault(msgpack.packb(resolve(blobs, r), use_bin_type=True), r)
+            earlier(resolve(blobs, r), r)
     out = []
     for name, blob in plan.extra_blobs:
         r = int(name.split("/")[1])
         if r >= sources:
             c = content[r]
-            same = first.setdefault(msgpack.packb(c, use_bin_type=True), r)
+            same = earlier(c, r)
             blob = c if same == r else {"same_as": same}
         out.append((name, blob))
     return tuple(out)
@@ -230,23 +336,77 @@ def _shape(blob: dict[str, Any]) -> tuple[int, int, int]:
     return len(blob["names"]), len(blob["buffer"]), len(blob["pieces"][0])
 
 
+def _key(blob: dict[str, Any]) -> tuple[Any, ...]:
+    """A blob's content hashed cheaply (equal content, equal key): its piece columns and
+    buffer; blobs of equal keys are then compared whole."""
+    return (_shape(blob), blob["buffer"], *blob["pieces"])
+
+
+def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two blobs pack to the same bytes (shapes as lists or tuples alike)."""
+    return (a.keys() == b.keys() and a["names"] == b["names"] and a["buffer"] == b["buffer"]
+            and a["pieces"] == b["pieces"] and len(a["shapes"]) == len(b["shapes"])
+            and all(tuple(x) == tuple(y) for x, y in zip(a["shapes"], b["shapes"])))
+
+
+_NAME_IDS: dict[int, tuple[list[str], np.ndarray]] = {}
+"""Spec ids of a blob's names, by the names list's identity (kept with it): the blobs a
+replan makes are read by the next one."""
+
+
+def _name_ids(names: list[str], index: dict[str, int]) -> np.ndarray:
+    kept = _NAME_IDS.get(id(names))
+    if kept is not None and kept[0] is names:
+        return kept[1]
+    ids = np.fromiter((index[n] for n in names), np.int64, len(names))
+    _remember(names, ids)
+    return ids
+
+
+def _remember(names: list[str], ids: np.ndarray) -> None:
+    if len(_NAME_IDS) >= 128:
+        _NAME_IDS.pop(next(iter(_NAME_IDS)))
+    _NAME_IDS[id(names)] = (names, ids)
+
+
 def _patched(blob: dict[str, Any], rp: RankPlan, slots: list[Slots], old: Placement,
-             new: Placement, spec: ModelSpec, ids: ExpertIds, index: dict[str, int]
-             ) -> dict[str, Any]:
+             new: Placement, spec: ModelSpec, ids: ExpertIds) -> dict[str, Any]:
     t = Table.from_msgpack(PIECE_COLUMNS, blob["pieces"], f"tensors/{rp.rank}")
-    cols = {name: t[name].copy() for name, _ in PIECE_COLUMNS}
-    gid = np.array([index[n] for n in blob["names"]], np.int64)[cols["tensor"]]
-    for s in slots:
-        rows = np.flatnonzero(cols["region"] == s.region)
-        numel = int(np.prod(rp.regions[s.region].shape[1:]))
-        g = s.first + cols["start"][rows] // numel
-        now = new.table[s.moe, g]
-        if (ids.expert[gid[rows]] != old.table[s.moe, g]).any():
-            raise NotIncremental(f"replan: target rank {rp.rank}'s tensors do not match the "
-                                 "plan's placement; the plan is corrupt: recompile it")
-        gid[rows] = ids.ids[s.moe, now, ids.weight[gid[rows]]]
+    cols = {name: t[name] for name, _ in PIECE_COLUMNS}
+    gid = _name_ids(blob["names"], ids.index)[cols["tensor"]]
+    slot_of = np.full(len(rp.regions), -1, np.int64)  # region -> its index in `slots`
+    slot_of[[s.region for s in slots]] = np.arange(len(slots))
+    region = cols["region"].astype(np.int64)
+    k = slot_of[np.where(region < len(slot_of), region, 0)]
+    rows = np.flatnonzero((k >= 0) & (region < len(slot_of)))
+    k = k[rows]
+    moe, first = (np.array([getattr(s, f) for s in slots], np.int64) for f in ("moe", "first"))
+    numel = np.array([int(np.prod(rp.regions[s.region].shape[1:])) for s in slots], np.int64)
+    g = first[k] + cols["start"][rows] // numel[k]
+    layer = moe[k]
+    if (ids.expert[gid[rows]] != old.table[layer, g]).any():
+        raise NotIncremental(f"replan: target rank {rp.rank}'s tensors do not match the "
+                             "plan's placement; the plan is corrupt: recompile it")
+    gid[rows] = ids.ids[layer, new.table[layer, g], ids.weight[gid[rows]]]
     uniq, local = np.unique(gid, return_inverse=True)
     cols["tensor"] = local.reshape(-1)
-    logical = [spec.tensors[i] for i in uniq.tolist()]
-    return encode_rank_tensors(cols, np.frombuffer(blob["buffer"], np.uint8),
-                               [x.name for x in logical], [x.shape for x in logical])
+    names, shapes = _names_shapes(spec)
+    listed = uniq.tolist()
+    out = encode_rank_tensors(cols, np.frombuffer(blob["buffer"], np.uint8),
+                              [names[i] for i in listed], [shapes[i] for i in listed])
+    _remember(out["names"], uniq)
+    return out
+
+
+_SPEC_NAMES: list[tuple[ModelSpec, tuple[list[str], list[tuple[int, ...]]]]] = []
+
+
+def _names_shapes(spec: ModelSpec) -> tuple[list[str], list[tuple[int, ...]]]:
+    """Every spec tensor's name and shape, by id (the last few specs' kept)."""
+    for kept, lists in _SPEC_NAMES:
+        if kept is spec:
+            return lists
+    lists = ([t.name for t in spec.tensors], [t.shape for t in spec.tensors])
+    _SPEC_NAMES.append((spec, lists))
+    del _SPEC_NAMES[:-2]
+    return lists

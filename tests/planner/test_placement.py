@@ -176,6 +176,22 @@ def test_replan_refuses_experts_on_ep_ranks():
     assert "\n" not in str(e.value)
 
 
+def test_replan_refuses_megatron_ep_sources_saying_why():
+    model, source, target, slots = CASES[3]  # Megatron EP 2: each rank holds half the experts
+    _, spec = _cfg(model, source, target)
+    a = _random_table(spec, slots, seed=1)
+    plan = compile_config(*_cfg(model, source, target, a, DIRECT))
+    b = a.copy()
+    b[0] = np.roll(b[0], 1)
+    with pytest.raises(NotIncremental) as e:
+        replan(plan, spec, Placement(b))
+    line = str(e.value)
+    pairs = len(eplb_layers(spec.dims)) * spec.dims.num_experts
+    assert "\n" not in line and f"source rank 0 holds {pairs // 2} of the {pairs} " in line
+    assert "experts on EP ranks" in line and "assign" in line
+    assert line.endswith("compile the new placement in full")
+
+
 def test_replan_refuses_another_slot_count():
     model, source, target, slots = CASES[0]
     _, spec = _cfg(model, source, target)

@@ -1,0 +1,77 @@
+"""Switching plans at a step boundary (an expert placement change) without registering the
+memory again: 4 processes over NIXL, step 1 with plan A, step 2 with plan B (replanned),
+bit for bit; a plan for other memory or another placement refused in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import sys
+
+import numpy as np
+import pytest
+
+from executor.plan_switch import refusal
+from harness.launch import master_store, root_env, spawn_ranks
+from planner.compiler import compile_config
+from planner.replan import replan
+from schemas.placement import Placement
+from schemas.plan import Region
+from schemas.plan_write import write_plan
+from tests.support.placement_plans import config, tables
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "switch_worker.py")
+
+
+def _plans(folder: str):  # noqa: ANN202
+    a, b = tables(seed=4)
+    plan_a = compile_config(*config(a))
+    plan_b = replan(plan_a, config(a)[1], Placement(b))
+    write_plan(os.path.join(folder, "a.rplan"), plan_a)
+    write_plan(os.path.join(folder, "b.rplan"), plan_b)
+    np.savez(os.path.join(folder, "tables.npz"), a=a, b=b)
+    return plan_a, plan_b
+
+
+def test_switch_at_a_step_boundary_is_bit_exact_without_registering_again(tmp_path):
+    pytest.importorskip("nixl")
+    plan_a, plan_b = _plans(str(tmp_path))
+    moved = [r for r in range(plan_a.header.sources)
+             if not np.array_equal(plan_a.ranks[r].writes["src_region"],
+                                   plan_b.ranks[r].writes["src_region"])]
+    assert moved, "placement B moves no write: the test would show nothing"
+    store, port = master_store(60)  # noqa: F841 (alive while the ranks run)
+    env = root_env(NIXL_LOG_LEVEL="WARN", RDMA_PLAN_SECRET=secrets.token_hex(32))
+    done = spawn_ranks(lambda r: [sys.executable, WORKER, str(tmp_path), str(r),
+                                  f"127.0.0.1:{port}"], 4, env=env, timeout=300)
+    for f in done:
+        assert f.returncode == 0, f"rank {f.rank} failed:\n{f.output[-3000:]}"
+        assert f"rank {f.rank}: ok" in f.output
+        assert (f"rank {f.rank}: registrations after load 0, register_calls 1, switches 1, "
+                f"fingerprint {plan_b.header.fingerprint[:16]}") in f.output
+    for f in done[2:]:  # the engine's placement is B: plan A refused, in one line
+        line = next(x for x in f.output.splitlines() if x.startswith(f"rank {f.rank} refused"))
+        assert "compiled for placement" in line and "replan" in line
+
+
+def test_a_plan_for_other_memory_or_peers_is_refused_in_one_line(tmp_path):
+    plan_a, plan_b = _plans(str(tmp_path))
+    h, rank = plan_a.header, plan_a.ranks[2]
+    assert refusal(h, rank, plan_b.header, plan_b.ranks[2], [0, 1, 3]) is None
+    bigger = dataclasses.replace(rank, regions=(
+        Region(rank.regions[0].name, rank.regions[0].dtype, rank.regions[0].shape,
+               rank.regions[0].nbytes + 2), *rank.regions[1:]))
+    other = [
+        (plan_b.ranks[3], "the new part is rank 3"),
+        (bigger, "region 0 differs"),
+    ]
+    for part, words in other:
+        why = refusal(h, rank, plan_b.header, part, [0, 1, 3])
+        assert why is not None and words in why and "\n" not in why
+        assert "load the new plan instead" in why
+    why = refusal(h, plan_a.ranks[0], plan_b.header, plan_b.ranks[0], [])
+    assert why is not None and "not connected" in why
+    unrelated = dataclasses.replace(plan_b.header, placement_base="0" * 64)
+    why = refusal(h, rank, unrelated, plan_b.ranks[2], [0, 1, 3])
+    assert why is not None and "not the loaded one for another expert placement" in why
