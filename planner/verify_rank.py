@@ -8,7 +8,6 @@ The executor can run the checks that need no peer (`rank_bounds`, `rank_sizes`) 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +18,6 @@ from schemas.intervals import union
 from schemas.plan import PACK, QUANT, STAGING, UNPACK, PlanFormatError, RankPlan
 from schemas.protocol import (
     ALIGN,
-    ITEM,
     SCALE_BYTES,
     SLOTS,
     copy_footprint,
@@ -30,11 +28,9 @@ from schemas.protocol import (
     write_footprint,
     write_stages,
 )
+from schemas.runs import EMPTY, MAX_COPY_RUNS, copy_runs, first_overlap
 
-MAX_RUNS = 1 << 24
-"""Contiguous runs of one copy's box that `copy_runs` lists (a compiled copy has at most a
-box's rows)."""
-EMPTY = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+MAX_RUNS = MAX_COPY_RUNS
 
 
 @dataclass(frozen=True)
@@ -110,56 +106,6 @@ def rank_egress(rp: RankPlan) -> int:
 
 # ---------------------------------------------------------------- byte intervals
 
-def _pattern(sizes: tuple[int, ...], strides: tuple[int, ...]) -> tuple[np.ndarray, int]:
-    """Start offsets (elements) of the contiguous runs of one box, and the run length. The
-    box is a set of elements: its dims are taken by stride, smallest first, and merged
-    while each steps exactly over the run so far (a transposed box is one run)."""
-    dims = sorted(((n, st) for n, st in zip(sizes, strides) if n > 1), key=lambda d: d[1])
-    run = 1
-    while dims and dims[0][1] == run:
-        run *= dims.pop(0)[0]
-    count = math.prod(n for n, _ in dims)
-    if count > MAX_RUNS:
-        raise PlanFormatError(f"a copy is cut into {count:,} runs, more than verify checks "
-                              f"({MAX_RUNS:,}); the plan is corrupt")
-    start = np.zeros(1, dtype=np.int64)
-    for n, st in dims:
-        start = (start[:, None] + np.arange(n, dtype=np.int64) * st).reshape(-1)
-    return start, run
-
-
-def copy_runs(rp: RankPlan, rows: np.ndarray, side: str
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(row, lo, hi): byte intervals `[lo, hi)` that copies `rows` touch on `side`, one per
-    contiguous run of their strided boxes; copies of one box shape share one pattern."""
-    c = rp.copies
-    rows = np.asarray(rows, dtype=np.int64)
-    if not len(rows):
-        return rows, *EMPTY
-    key = np.stack([c[f"size{d}"][rows] for d in range(3)]
-                   + [c[f"{side}_stride{d}"][rows] for d in range(3)], axis=1).astype(np.int64)
-    if (key[:, :3] == 0).any():  # an empty box touches nothing
-        keep = (key[:, :3] > 0).all(axis=1)
-        rows, key = rows[keep], key[keep]
-    order = np.lexsort(key.T[::-1])  # by box shape (a row-wise unique, without its cost)
-    key = key[order]
-    new = np.ones(len(key), dtype=bool)
-    new[1:] = (key[1:] != key[:-1]).any(axis=1)
-    cuts = np.append(np.flatnonzero(new), len(key))
-    shapes = key[new]
-    es = ITEM[np.clip(c[f"{side}_dtype"][rows].astype(np.int64), 0, len(ITEM) - 1)]
-    off = c[f"{side}_offset"][rows].astype(np.int64)
-    out_r, out_lo, out_hi = [], [], []
-    for g, shape in enumerate(shapes.tolist()):
-        members = order[cuts[g]:cuts[g + 1]]
-        start, run = _pattern(tuple(shape[:3]), tuple(shape[3:]))
-        lo = (off[members, None] + start[None, :]) * es[members, None]
-        out_r.append(np.repeat(rows[members], len(start)))
-        out_lo.append(lo.reshape(-1))
-        out_hi.append((lo + run * es[members, None]).reshape(-1))
-    return np.concatenate(out_r), np.concatenate(out_lo), np.concatenate(out_hi)
-
-
 def outside(lo: np.ndarray, hi: np.ndarray, w_lo: np.ndarray, w_hi: np.ndarray) -> np.ndarray:
     """Which read intervals `[lo, hi)` are not inside the written bytes `[w_lo, w_hi)`."""
     u_lo, u_hi = union(w_lo, w_hi)
@@ -212,16 +158,6 @@ def quant_bytes(rp: RankPlan, region: int) -> dict[int, tuple[np.ndarray, np.nda
 def cat(*parts: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return (np.concatenate([EMPTY[0], *(p[0] for p in parts)]).astype(np.int64),
             np.concatenate([EMPTY[1], *(p[1] for p in parts)]).astype(np.int64))
-
-
-def first_overlap(lo: np.ndarray, hi: np.ndarray) -> int | None:
-    """A byte where two intervals of `[lo, hi)` overlap, or None."""
-    if len(lo) < 2:
-        return None
-    order = np.argsort(lo, kind="stable")
-    lo, hi = lo[order], hi[order]
-    bad = lo[1:] < hi[:-1]
-    return int(lo[int(np.argmax(bad)) + 1]) if bad.any() else None
 
 
 # ---------------------------------------------------------------- checks with the peers' part

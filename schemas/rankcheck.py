@@ -12,6 +12,11 @@ rank (`planner/verify.py`), so a plan `verify` refuses for one of these reasons 
   waits for its READY (stage 0): writes never land unannounced or into a busy target.
 - `regions`: every region of the rank has its own name (two regions of one name would bind
   one tensor twice), one staging at most, and last.
+- `packs`: the rank's own PACKs of one stage never write a common byte of its staging (the
+  rule of `verify`'s `dataflow` that needs no peer), decided on the bytes of their strided
+  boxes (`schemas/runs.py`), not their extents: packs that interleave (even and odd rows of
+  one block) without sharing a byte are valid. Only packs whose extents overlap are cut into
+  runs, at most `MAX_PACK_RUNS` of them (a compiled pack writes dense staging: one run).
 - `shadow`: a shadow section's own rules (`schemas/shadow.py`).
 `RULES` names them; with `schemas.bounds` they are every rule of `verify` that one rank's
 part decides (tests/schemas/test_rank_rules.py breaks each and shows load refuses it).
@@ -32,11 +37,14 @@ import numpy as np
 
 from .header import PlanHeader
 from .plan import DONE, PACK, QUANT, READY, STAGING, UNPACK, RankPlan
-from .protocol import staging_index, wait_stage, write_stages
+from .protocol import copy_footprint, staging_index, wait_stage, write_stages
+from .runs import copy_runs, total_runs
 from .shadow import shadow_violations
 
 FIX = "the plan is corrupt or was tampered with: recompile it"
-RULES = ("roles", "sizes", "signals", "regions", "shadow")
+RULES = ("roles", "sizes", "signals", "regions", "packs", "shadow")
+MAX_PACK_RUNS = 1 << 22
+"""Runs of the PACKs with overlapping extents that `packs` lists (load time and memory)."""
 
 
 def peer_roles(header: PlanHeader) -> list[str] | None:
@@ -145,10 +153,51 @@ def regions(rp: RankPlan) -> Iterator[str]:
         yield f"rank {rp.rank}: its staging region is not its last region; {FIX}"
 
 
+def packs(rp: RankPlan) -> Iterator[str]:
+    """No two PACKs of one stage write a common byte of the rank's staging: the packs whose
+    extents overlap another's of their stage (after `schemas.bounds`, whose value checks keep
+    the extents exact int64) are cut into their runs, which must not overlap."""
+    c, sg = rp.copies, staging_index(rp)
+    rows = np.flatnonzero((c["kind"] == PACK) & (c["dst_region"] == sg)) if sg >= 0 else []
+    if len(rows) < 2:
+        return
+    rows, _, lo, hi = copy_footprint(rp, "dst", rows)
+    stage = c["stage"][rows].astype(np.int64)
+    keep = hi > lo
+    stage, lo, hi, rows = stage[keep], lo[keep], hi[keep], rows[keep]
+    order = np.lexsort((lo, stage))
+    stage, lo, hi, rows = stage[order], lo[order], hi[order], rows[order]
+    cuts = np.flatnonzero(np.r_[True, stage[1:] != stage[:-1], True])
+    reach = np.concatenate([np.maximum.accumulate(hi[a:b])  # per stage (<= MAX_STAGES)
+                            for a, b in zip(cuts[:-1], cuts[1:])])
+    joins = np.r_[False, (stage[1:] == stage[:-1]) & (lo[1:] < reach[:-1])]
+    if not joins.any():
+        return  # no two extents meet: no common byte
+    cluster = np.cumsum(~joins)  # packs whose extents chain into one another, per stage
+    size = np.bincount(cluster)
+    cand = rows[size[cluster] > 1]
+    n = total_runs(rp, cand, "dst")
+    if n > MAX_PACK_RUNS:
+        yield (f"rank {rp.rank}: {len(cand)} PACKs whose extents in staging overlap are cut "
+               f"into {n:,} runs, more than load checks ({MAX_PACK_RUNS:,}); a compiled "
+               f"PACK writes dense staging; {FIX}")
+        return
+    r, lo, hi = copy_runs(rp, cand, "dst")
+    st = c["stage"][r].astype(np.int64)
+    order = np.lexsort((lo, st))
+    r, lo, hi, st = r[order], lo[order], hi[order], st[order]
+    bad = np.flatnonzero((st[1:] == st[:-1]) & (lo[1:] < hi[:-1]))
+    if len(bad):
+        i = int(bad[0]) + 1
+        yield (f"rank {rp.rank}: PACK {int(r[i])} (stage {int(st[i])}) writes staging byte "
+               f"{int(lo[i])}, which PACK {int(r[i - 1])} of its stage writes too; {FIX}")
+
+
 def rank_violations(rp: RankPlan, header: PlanHeader) -> Iterator[str]:
     """Every check above, as the executor runs them at load (after `schemas.bounds`)."""
     yield from regions(rp)
     yield from roles(rp, peer_roles(header), None, header_staging(header))
     yield from sizes(rp, header.options.max_write_bytes, header.options.staging_bytes)
     yield from signals(rp)
+    yield from packs(rp)
     yield from shadow_violations(rp)  # a section's own rules (schemas/shadow.py)
