@@ -16,7 +16,10 @@ rank (`planner/verify.py`), so a plan `verify` refuses for one of these reasons 
   rule of `verify`'s `dataflow` that needs no peer), decided on the bytes of their strided
   boxes (`schemas/runs.py`), not their extents: packs that interleave (even and odd rows of
   one block) without sharing a byte are valid. Only packs whose extents overlap are cut into
-  runs, at most `MAX_PACK_RUNS` of them (a compiled pack writes dense staging: one run).
+  runs, at most `MAX_CHECK_RUNS` of them (a compiled pack writes dense staging: one run).
+- `unpacks`: the rank's own UNPACKs never write a common byte of its tensors (the part of
+  `verify`'s `coverage` that needs no peer: a tensor byte is written once a run), by the
+  same runs.
 - `shadow`: a shadow section's own rules (`schemas/shadow.py`).
 `RULES` names them; with `schemas.bounds` they are every rule of `verify` that one rank's
 part decides (tests/schemas/test_rank_rules.py breaks each and shows load refuses it).
@@ -42,9 +45,10 @@ from .runs import copy_runs, total_runs
 from .shadow import shadow_violations
 
 FIX = "the plan is corrupt or was tampered with: recompile it"
-RULES = ("roles", "sizes", "signals", "regions", "packs", "shadow")
-MAX_PACK_RUNS = 1 << 22
-"""Runs of the PACKs with overlapping extents that `packs` lists (load time and memory)."""
+RULES = ("roles", "sizes", "signals", "regions", "packs", "unpacks", "shadow")
+MAX_CHECK_RUNS = 1 << 22
+"""Runs of the copies with overlapping extents that `packs` and `unpacks` list (load time
+and memory)."""
 
 
 def peer_roles(header: PlanHeader) -> list[str] | None:
@@ -154,43 +158,58 @@ def regions(rp: RankPlan) -> Iterator[str]:
 
 
 def packs(rp: RankPlan) -> Iterator[str]:
-    """No two PACKs of one stage write a common byte of the rank's staging: the packs whose
-    extents overlap another's of their stage (after `schemas.bounds`, whose value checks keep
-    the extents exact int64) are cut into their runs, which must not overlap."""
+    """No two PACKs of one stage write a common byte of the rank's staging."""
     c, sg = rp.copies, staging_index(rp)
     rows = np.flatnonzero((c["kind"] == PACK) & (c["dst_region"] == sg)) if sg >= 0 else []
+    yield from _apart(rp, np.asarray(rows, np.int64), "stage", "PACK", "of its stage")
+
+
+def unpacks(rp: RankPlan) -> Iterator[str]:
+    """No two UNPACKs of the rank write a common byte of one of its tensors (in any stage:
+    a tensor byte is written once per run)."""
+    c = rp.copies
+    rows = np.flatnonzero(c["kind"] == UNPACK)
+    yield from _apart(rp, rows, "dst_region", "UNPACK", "into its region")
+
+
+def _apart(rp: RankPlan, rows: np.ndarray, by: str, kind: str, where: str
+           ) -> Iterator[str]:
+    """No two copies `rows` (PACKs or UNPACKs) with one value of column `by` write a common
+    dst byte: the copies whose extents
+    overlap another's of their group (after `schemas.bounds`, whose value checks keep the
+    extents exact int64) are cut into their runs, which must not overlap."""
     if len(rows) < 2:
         return
-    rows, _, lo, hi = copy_footprint(rp, "dst", rows)
-    stage = c["stage"][rows].astype(np.int64)
+    col = rp.copies[by]
+    rows, _, lo, hi = copy_footprint(rp, "dst", rows)  # one interval a row (no QUANT)
+    group = col[rows].astype(np.int64)
     keep = hi > lo
-    stage, lo, hi, rows = stage[keep], lo[keep], hi[keep], rows[keep]
-    order = np.lexsort((lo, stage))
-    stage, lo, hi, rows = stage[order], lo[order], hi[order], rows[order]
-    cuts = np.flatnonzero(np.r_[True, stage[1:] != stage[:-1], True])
-    reach = np.concatenate([np.maximum.accumulate(hi[a:b])  # per stage (<= MAX_STAGES)
+    group, lo, hi, rows = group[keep], lo[keep], hi[keep], rows[keep]
+    order = np.lexsort((lo, group))
+    group, lo, hi, rows = group[order], lo[order], hi[order], rows[order]
+    cuts = np.flatnonzero(np.r_[True, group[1:] != group[:-1], True])
+    reach = np.concatenate([np.maximum.accumulate(hi[a:b])  # per group
                             for a, b in zip(cuts[:-1], cuts[1:])])
-    joins = np.r_[False, (stage[1:] == stage[:-1]) & (lo[1:] < reach[:-1])]
+    joins = np.r_[False, (group[1:] == group[:-1]) & (lo[1:] < reach[:-1])]
     if not joins.any():
         return  # no two extents meet: no common byte
-    cluster = np.cumsum(~joins)  # packs whose extents chain into one another, per stage
-    size = np.bincount(cluster)
-    cand = rows[size[cluster] > 1]
+    cluster = np.cumsum(~joins)  # copies whose extents chain into one another, per group
+    cand = rows[np.bincount(cluster)[cluster] > 1]
     n = total_runs(rp, cand, "dst")
-    if n > MAX_PACK_RUNS:
-        yield (f"rank {rp.rank}: {len(cand)} PACKs whose extents in staging overlap are cut "
-               f"into {n:,} runs, more than load checks ({MAX_PACK_RUNS:,}); a compiled "
-               f"PACK writes dense staging; {FIX}")
+    if n > MAX_CHECK_RUNS:
+        yield (f"rank {rp.rank}: {len(cand)} {kind}s whose extents overlap are cut into "
+               f"{n:,} runs, more than load checks ({MAX_CHECK_RUNS:,}); {FIX}")
         return
     r, lo, hi = copy_runs(rp, cand, "dst")
-    st = c["stage"][r].astype(np.int64)
-    order = np.lexsort((lo, st))
-    r, lo, hi, st = r[order], lo[order], hi[order], st[order]
-    bad = np.flatnonzero((st[1:] == st[:-1]) & (lo[1:] < hi[:-1]))
+    g = col[r].astype(np.int64)
+    order = np.lexsort((lo, g))
+    r, lo, hi, g = r[order], lo[order], hi[order], g[order]
+    bad = np.flatnonzero((g[1:] == g[:-1]) & (lo[1:] < hi[:-1]))
     if len(bad):
         i = int(bad[0]) + 1
-        yield (f"rank {rp.rank}: PACK {int(r[i])} (stage {int(st[i])}) writes staging byte "
-               f"{int(lo[i])}, which PACK {int(r[i - 1])} of its stage writes too; {FIX}")
+        yield (f"rank {rp.rank}: {kind} {int(r[i])} ({by.replace('dst_', '')} {int(g[i])}) "
+               f"writes byte {int(lo[i])}, which {kind} {int(r[i - 1])} {where} writes too; "
+               f"{FIX}")
 
 
 def rank_violations(rp: RankPlan, header: PlanHeader) -> Iterator[str]:
@@ -200,4 +219,5 @@ def rank_violations(rp: RankPlan, header: PlanHeader) -> Iterator[str]:
     yield from sizes(rp, header.options.max_write_bytes, header.options.staging_bytes)
     yield from signals(rp)
     yield from packs(rp)
+    yield from unpacks(rp)
     yield from shadow_violations(rp)  # a section's own rules (schemas/shadow.py)

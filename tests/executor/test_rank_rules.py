@@ -16,7 +16,15 @@ from executor.errors import BindError, PlanBoundsError
 from executor.transports.local import Fabric
 from planner.verify import verify_plan
 from schemas import rankcheck
-from schemas.plan import COPY_COLUMNS, DONE, PACK, SIGNAL_COLUMNS, WRITE_COLUMNS, Plan
+from schemas.plan import (
+    COPY_COLUMNS,
+    DONE,
+    PACK,
+    SIGNAL_COLUMNS,
+    UNPACK,
+    WRITE_COLUMNS,
+    Plan,
+)
 from schemas.table import Table
 from tests.support.shadow_plans import CASES, _broken, _compile
 
@@ -66,6 +74,14 @@ def _mutants(plan: Plan, shadowed: Plan) -> dict[str, tuple[Plan, int]]:
     regs[1] = dataclasses.replace(regs[1], name=regs[0].name)
     out["regions"] = (_rank(plan, r, regions=tuple(regs)), r)
     t = next(rp.rank for rp in shadowed.ranks if rp.role == "target")
+    u = plan.ranks[t].copies
+    shape = ("size0", "size1", "size2", "dst_stride0", "dst_stride1", "dst_stride2")
+    rows = np.flatnonzero(u["kind"] == UNPACK)
+    a, b = next((i, j) for i in rows for j in rows  # two of one box shape
+                if i < j and all(u[n][i] == u[n][j] for n in shape))
+    pick = np.arange(len(u)) == b  # b writes a's bytes too
+    out["unpacks"] = (_rank(plan, t, copies=_table(u, COPY_COLUMNS, **{
+        n: np.where(pick, u[n][a], u[n]) for n in ("dst_region", "dst_offset")})), t)
     out["shadow"] = (_rank(shadowed, t, shadow=_broken(shadowed.ranks[t])["overlap"].shadow), t)
     return out
 
@@ -97,6 +113,8 @@ def test_a_plan_breaking_a_rank_local_rule_is_refused_by_verify_and_by_load(plan
     with pytest.raises(PlanBoundsError) as e:
         _load(plan, r)
     assert "\n" not in str(e.value) and f"rank {r}" in str(e.value)
+    if rule in ("packs", "unpacks"):  # refused by that rule, not another
+        assert f"{rule[:-1].upper()} " in str(e.value), e.value
 
 
 def test_packs_are_judged_by_their_bytes_not_their_extents(plans) -> None:
@@ -130,6 +148,6 @@ def test_packs_are_judged_by_their_bytes_not_their_extents(plans) -> None:
     with pytest.raises(BindError):  # every check passed: it stops at the missing tensors
         _load(apart, r)
     (msg,) = rankcheck.packs(shared.ranks[r])
-    assert f"writes staging byte {2 * (base + half - 1)}" in msg, msg  # bf16: 2 bytes
+    assert f"writes byte {2 * (base + half - 1)}" in msg, msg  # bf16: 2 bytes
     with pytest.raises(PlanBoundsError, match=f"rank {r}: PACK"):
         _load(shared, r)

@@ -326,12 +326,11 @@ def test_vllm_trainer_ranks_handed_each_others_identity_write_nothing(tmp_path, 
     store, port = master_store(60)
     base = {"plan": plan, "config": config, "hf": hf, "store": f"127.0.0.1:{port}",
             "gloo_port": free_port(), "steps": 0, "sources": 2, "float16_module": True,
-            "etp": 1, "timeout_s": 60, "rendezvous": f"127.0.0.1:{free_port()}",
+            "etp": 1, "timeout_s": 300, "rendezvous": f"127.0.0.1:{free_port()}",
             "vllm_swap": [{"rank": 1, "identity": ids[1]}, {"rank": 0, "identity": ids[0]}]}
     env = {**os.environ, "PYTHONPATH": ROOT, "NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1",
            "PYTHONWARNINGS": "ignore", "VLLM_TARGET_DEVICE": "cpu",
-           "VLLM_LOGGING_LEVEL": "ERROR"}
-    env.pop("RDMA_PLAN_SECRET", None)
+           "VLLM_LOGGING_LEVEL": "ERROR", "RDMA_PLAN_SECRET": secrets.token_hex(32)}
 
     def spawn(r: str, index: int) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"),
@@ -340,13 +339,14 @@ def test_vllm_trainer_ranks_handed_each_others_identity_write_nothing(tmp_path, 
 
     procs = [spawn(role, 0), spawn(role, 1), spawn("target", 0)]
     try:
-        outs = [p.communicate(timeout=400)[0] for p in procs[:2]]
+        outs = [p.communicate(timeout=900)[0] for p in procs[:2]]
         store.set("sources_done", "1")
         outs.append(procs[2].communicate(timeout=120)[0])
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    assert "target untouched: 0 of" in outs[2], (outs[2][-3000:], outs[0][-2000:])
     for i in range(2):
         assert procs[i].returncode == 0, f"{role} {i} failed:\n{outs[i][-4000:]}"
         lines = [ln for ln in outs[i].splitlines() if ln.startswith(("refused", "accepted"))]
@@ -360,4 +360,3 @@ def test_vllm_trainer_ranks_handed_each_others_identity_write_nothing(tmp_path, 
             assert "pass binding=integrations.fsdp2.bind" in lines[0], lines[0]
         assert other in lines[1] and mine in lines[1] and f"plan rank {i}" in lines[1]
         assert other in lines[2] and mine in lines[2]
-    assert "target untouched: 0 of" in outs[2], outs[2][-3000:]

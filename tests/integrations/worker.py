@@ -112,7 +112,8 @@ def _vllm_swapped(arg: dict, b) -> None:  # noqa: ANN001 - an integrations.Bindi
     for what, kw, source in tries:
         client = _Client()
         info = RdmaPlanTrainerInitInfo(plan=arg["plan"], rendezvous=arg["rendezvous"],
-                                       rank=index, timeout_s=arg["timeout_s"], **kw)
+                                       rank=index, timeout_s=arg["timeout_s"],
+                                       allow_unsigned=True, **kw)  # the test's plan: unsigned
         try:
             eng = RdmaPlanTrainerEngine.trainer_init(info, client=client, source=source)
         except executor.IdentityError as e:
@@ -219,7 +220,9 @@ def _untouched(arg: dict, tensors: dict[str, torch.Tensor]) -> None:
     import threading
 
     def watch() -> None:
-        _store(arg).get("sources_done")
+        store = _store(arg)
+        while not store.check(["sources_done"]):  # the sources' imports may take minutes
+            time.sleep(0.5)
         written = [n for n, t in tensors.items() if bool(t.any())]
         print(f"target {'written' if written else 'untouched'}: {len(written)} of "
               f"{len(tensors)} tensors changed {written[:3]}", flush=True)
