@@ -16,7 +16,7 @@ rank (`planner/verify.py`), so a plan `verify` refuses for one of these reasons 
   rule of `verify`'s `dataflow` that needs no peer), decided on the bytes of their strided
   boxes (`schemas/runs.py`), not their extents: packs that interleave (even and odd rows of
   one block) without sharing a byte are valid. Only packs whose extents overlap are cut into
-  runs, at most `MAX_CHECK_RUNS` of them (a compiled pack writes dense staging: one run).
+  runs, `MAX_CHECK_RUNS` at a time (a compiled pack writes dense staging: one run).
 - `unpacks`: the rank's own UNPACKs never write a common byte of its tensors (the part of
   `verify`'s `coverage` that needs no peer: a tensor byte is written once a run), by the
   same runs.
@@ -41,14 +41,15 @@ import numpy as np
 from .header import PlanHeader
 from .plan import DONE, PACK, QUANT, READY, STAGING, UNPACK, RankPlan
 from .protocol import copy_footprint, staging_index, wait_stage, write_stages
-from .runs import copy_runs, total_runs
+from .runs import copy_runs, row_runs
 from .shadow import shadow_violations
 
 FIX = "the plan is corrupt or was tampered with: recompile it"
 RULES = ("roles", "sizes", "signals", "regions", "packs", "unpacks", "shadow")
 MAX_CHECK_RUNS = 1 << 22
-"""Runs of the copies with overlapping extents that `packs` and `unpacks` list (load time
-and memory)."""
+"""Runs that `packs` and `unpacks` list at a time (memory): copies whose extents chain into
+one another (a cluster, byte-disjoint from the others) are cut into runs a few clusters at a
+time; one cluster past it (a tensor of over 4 M rows cut across) is refused."""
 
 
 def peer_roles(header: PlanHeader) -> list[str] | None:
@@ -175,9 +176,9 @@ def unpacks(rp: RankPlan) -> Iterator[str]:
 def _apart(rp: RankPlan, rows: np.ndarray, by: str, kind: str, where: str
            ) -> Iterator[str]:
     """No two copies `rows` (PACKs or UNPACKs) with one value of column `by` write a common
-    dst byte: the copies whose extents
-    overlap another's of their group (after `schemas.bounds`, whose value checks keep the
-    extents exact int64) are cut into their runs, which must not overlap."""
+    dst byte: the copies whose extents overlap another's of their group (after
+    `schemas.bounds`, whose value checks keep the extents exact int64) are cut into their
+    runs, which must not overlap."""
     if len(rows) < 2:
         return
     col = rp.copies[by]
@@ -194,22 +195,43 @@ def _apart(rp: RankPlan, rows: np.ndarray, by: str, kind: str, where: str
     if not joins.any():
         return  # no two extents meet: no common byte
     cluster = np.cumsum(~joins)  # copies whose extents chain into one another, per group
-    cand = rows[np.bincount(cluster)[cluster] > 1]
-    n = total_runs(rp, cand, "dst")
-    if n > MAX_CHECK_RUNS:
-        yield (f"rank {rp.rank}: {len(cand)} {kind}s whose extents overlap are cut into "
-               f"{n:,} runs, more than load checks ({MAX_CHECK_RUNS:,}); {FIX}")
+    many = np.bincount(cluster)[cluster] > 1
+    cand, cluster = rows[many], cluster[many]  # by cluster (sorted), byte-disjoint clusters
+    n = row_runs(rp, cand, "dst")
+    ends = np.flatnonzero(np.r_[cluster[1:] != cluster[:-1], True]) + 1
+    sizes = np.add.reduceat(n, np.r_[0, ends[:-1]])
+    if int(sizes.max()) > MAX_CHECK_RUNS:
+        yield (f"rank {rp.rank}: {kind}s whose extents overlap are cut into "
+               f"{int(sizes.max()):,} runs in one place, more than load checks at once "
+               f"({MAX_CHECK_RUNS:,}); {FIX}")
         return
-    r, lo, hi = copy_runs(rp, cand, "dst")
+    start = 0
+    while start < len(cand):  # whole clusters, at most MAX_CHECK_RUNS runs at a time
+        total = np.cumsum(n[start:])
+        stop = ends[np.searchsorted(ends, start + int(np.searchsorted(
+            total, MAX_CHECK_RUNS, side="right")), side="right") - 1]
+        stop = max(stop, int(ends[np.searchsorted(ends, start, side="right")]))
+        msg = _overlap(rp, cand[start:stop], col, kind, where, by)
+        if msg:
+            yield msg
+            return
+        start = stop
+
+
+def _overlap(rp: RankPlan, rows: np.ndarray, col: np.ndarray, kind: str, where: str,
+             by: str) -> str | None:
+    """The first byte two of `rows` with one value of `col` both write, as a message."""
+    r, lo, hi = copy_runs(rp, rows, "dst")
     g = col[r].astype(np.int64)
     order = np.lexsort((lo, g))
     r, lo, hi, g = r[order], lo[order], hi[order], g[order]
     bad = np.flatnonzero((g[1:] == g[:-1]) & (lo[1:] < hi[:-1]))
-    if len(bad):
-        i = int(bad[0]) + 1
-        yield (f"rank {rp.rank}: {kind} {int(r[i])} ({by.replace('dst_', '')} {int(g[i])}) "
-               f"writes byte {int(lo[i])}, which {kind} {int(r[i - 1])} {where} writes too; "
-               f"{FIX}")
+    if not len(bad):
+        return None
+    i = int(bad[0]) + 1
+    return (f"rank {rp.rank}: {kind} {int(r[i])} ({by.replace('dst_', '')} {int(g[i])}) "
+            f"writes byte {int(lo[i])}, which {kind} {int(r[i - 1])} {where} writes too; "
+            f"{FIX}")
 
 
 def rank_violations(rp: RankPlan, header: PlanHeader) -> Iterator[str]:

@@ -67,14 +67,27 @@ def _shapes(rp: RankPlan, rows: np.ndarray, side: str
     return rows, order, np.append(np.flatnonzero(new), len(key)), key[new]
 
 
+def row_runs(rp: RankPlan, rows: np.ndarray, side: str) -> np.ndarray:
+    """How many runs `copy_runs` lists for each of `rows` (0 for an empty box), counted per
+    box shape without listing them."""
+    rows = np.asarray(rows, dtype=np.int64)
+    out = np.zeros(len(rows), dtype=np.int64)
+    if not len(rows):
+        return out
+    if len(np.unique(rows)) != len(rows):
+        raise ValueError("row_runs: rows must be distinct")
+    kept, order, cuts, shapes = _shapes(rp, rows, side)
+    counts = np.zeros(len(kept), dtype=np.int64)
+    for g, s in enumerate(shapes.tolist()):
+        counts[order[cuts[g]:cuts[g + 1]]] = run_count(tuple(s[:3]), tuple(s[3:]))
+    by = np.argsort(rows, kind="stable")
+    out[by[np.searchsorted(rows, kept, sorter=by)]] = counts
+    return out
+
+
 def total_runs(rp: RankPlan, rows: np.ndarray, side: str) -> int:
     """How many runs `copy_runs(rp, rows, side)` lists, counted per box shape."""
-    rows = np.asarray(rows, dtype=np.int64)
-    if not len(rows):
-        return 0
-    rows, _, cuts, shapes = _shapes(rp, rows, side)
-    return sum(run_count(tuple(s[:3]), tuple(s[3:])) * int(cuts[g + 1] - cuts[g])
-               for g, s in enumerate(shapes.tolist()))
+    return int(row_runs(rp, rows, side).sum())
 
 
 def copy_runs(rp: RankPlan, rows: np.ndarray, side: str
