@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from schemas.header import PlanHeader
 from schemas.tensors import RankTensors
 
 from .errors import ModelMismatchError
@@ -34,6 +35,13 @@ class Binding:
     """This process's coordinates; pass it to `executor.load(identity=...)`."""
     tensors: dict[str, torch.Tensor]
     """Exactly the tensors the plan's rank binds, by native name (the live storage)."""
+    live: Callable[[PlanHeader, str], tuple[int, dict[str, int | str]]] | None = field(
+        default=None, repr=False, compare=False)
+    """Re-reads the framework's live state (Megatron's `parallel_state`, the DTensors'
+    meshes): (the plan rank it selects in a plan, its identity). The trainer paths
+    (`integrations.trainer`) hold `rank` and `identity` to it before anything is written,
+    so a binding whose identity was replaced, or one made by hand, cannot drift from the
+    process it runs in."""
 
 
 def tensor_sha256(t: torch.Tensor) -> str:

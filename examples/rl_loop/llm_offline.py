@@ -42,7 +42,6 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [HERE, REPO]  # train.py's pieces; this checkout's rdma-plan
 from run import QUIET, compile_plan, free_port, write_model  # noqa: E402
 from train import (  # noqa: E402
-    Shards,
     build_fsdp2,
     early_vllm_log_level,
     expected_digests,
@@ -106,9 +105,8 @@ def trainer(args: argparse.Namespace, rank: int, llm: Any = None) -> int:
     model = build_fsdp2(model_dir)
     binding = integrations.fsdp2.bind(args.plan, model)
     info = RdmaPlanTrainerInitInfo(rank=rank, plan=args.plan, rendezvous=args.rendezvous,
-                                   identity=binding.identity, plan_key=args.plan_key)
-    engine = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm),
-                                                       source=Shards(binding.tensors))
+                                   binding=binding, plan_key=args.plan_key)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     vocab = model.config.vocab_size
     batch = torch.randint(0, vocab, (4, 32), generator=torch.Generator().manual_seed(7 + rank))

@@ -3,8 +3,9 @@
 Each rank builds the tiny Qwen3 (transformers, fp32, random init with one seed), shards it
 (FSDP2: `fully_shard` over a 2-rank `dp_shard` mesh; Megatron-Core: a GPTModel with tensor
 parallelism 2), binds its shards to the compiled plan (`integrations.fsdp2.bind` /
-`integrations.megatron.bind`) and hands them to vLLM's trainer factory as a `WeightSource`
-(`RdmaPlanTrainerInitInfo`; rank 0 drives the engine with vLLM's `HTTPVLLMWeightSyncClient`).
+`integrations.megatron.bind`) and hands that binding (plan rank, identity and the live shards)
+to vLLM's trainer factory (`RdmaPlanTrainerInitInfo(binding=...)`; rank 0 drives the engine
+with vLLM's `HTTPVLLMWeightSyncClient`).
 Then the initial sync (step-0: the initial weights, no training) and K training steps (AdamW
 on next-token loss); after each: pause the engine, send the weights (start, update, finish
 through vLLM's API), resume, generate, and check:
@@ -137,25 +138,6 @@ def sum_qk_norm_grads(model: torch.nn.Module) -> None:
             dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
 
 
-class Shards:
-    """A vLLM `WeightSource` over this rank's bound shards (the live storage; the optimizer
-    updates it in place, so each round sends the current values without a copy)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def metadata(self) -> list[Any]:
-        from vllm.distributed.weight_transfer.base import ParamMeta
-
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
-
-    def __iter__(self):  # noqa: ANN204 - vLLM 0.32's WeightSource protocol
-        return iter(self.tensors.items())
-
-    def held_names(self) -> None:
-        return None
-
-
 def expected_digests(config: str, model_config: str, plan_rank: int,
                      shards: dict[str, torch.Tensor]) -> dict[str, str]:
     """sha256 of every tensor the engine must hold, keyed as vLLM's weight checker keys them
@@ -251,17 +233,18 @@ def main() -> int:
         model = build_fsdp2(args.model)
         binding = integrations.fsdp2.bind(args.plan, model)
     client = HTTPVLLMWeightSyncClient(args.url)
-    # the plan rank is the one compiled for this rank's framework coordinates (a part
-    # compiled for another rank is refused before anything is registered)
+    # the binding: plan rank, identity and the live shards, derived together from the
+    # framework (read again at trainer_init; a part compiled for another rank is refused
+    # before anything is registered)
     info = RdmaPlanTrainerInitInfo(rank=rank, plan=args.plan, rendezvous=args.rendezvous,
-                                   identity=binding.identity, plan_key=args.plan_key,
+                                   binding=binding, plan_key=args.plan_key,
                                    shadow=args.shadow, timeout_s=args.timeout_s)
     steps = [int(x) for x in args.throttle_steps.split(",") if x] or range(args.steps + 1)
     delays = {k: args.throttle_ms / 1e3 for k in steps} if args.throttle_ms else {}
     if args.stall_step >= 0 and rank == 1:
         delays[args.stall_step] = args.timeout_s + 5
     factory = paced_engine(delays) if delays else WeightTransferTrainerFactory
-    engine = factory.trainer_init(info, client=client, source=Shards(binding.tensors))
+    engine = factory.trainer_init(info, client=client)  # sends the binding's tensors
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     with open(os.path.join(args.model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.writes import EMPTY, MAX_RUNS, Incoming, copy_runs
+from planner.writes import Incoming
 from schemas.bounds import violations
 from schemas.header import PlanHeader
 from schemas.intervals import union
@@ -27,6 +27,9 @@ from schemas.protocol import (
     write_footprint,
     write_stages,
 )
+from schemas.runs import EMPTY, MAX_COPY_RUNS, copy_runs, first_overlap
+
+MAX_RUNS = MAX_COPY_RUNS
 
 # ---------------------------------------------------------------- checks of one rank alone
 
@@ -113,16 +116,6 @@ def quant_bytes(rp: RankPlan, region: int) -> dict[int, tuple[np.ndarray, np.nda
 def cat(*parts: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return (np.concatenate([EMPTY[0], *(p[0] for p in parts)]).astype(np.int64),
             np.concatenate([EMPTY[1], *(p[1] for p in parts)]).astype(np.int64))
-
-
-def first_overlap(lo: np.ndarray, hi: np.ndarray) -> int | None:
-    """A byte where two intervals of `[lo, hi)` overlap, or None."""
-    if len(lo) < 2:
-        return None
-    order = np.argsort(lo, kind="stable")
-    lo, hi = lo[order], hi[order]
-    bad = lo[1:] < hi[:-1]
-    return int(lo[int(np.argmax(bad)) + 1]) if bad.any() else None
 
 
 # ---------------------------------------------------------------- checks with the peers' part

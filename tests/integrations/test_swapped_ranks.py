@@ -154,6 +154,69 @@ def test_vllm_trainer_path_refuses_swaps_before_the_engine_loads(tmp_path, monke
     assert info.worker_info()["plan_key"] is None
 
 
+def test_trainer_paths_take_the_adapters_binding_held_to_the_live_state(tmp_path,
+                                                                        monkeypatch):
+    """The vLLM trainer path and the SGLang trainer side (`load_source`) take the binding
+    `integrations.megatron.bind` returns (here over a stand-in `parallel_state` of TP rank 1,
+    which the binding reads again): the binding loads past every identity check; the same
+    binding with the other rank's identity, a binding made by hand and a bare `identity=`
+    (no live framework to hold them to) are refused in one line before the vLLM client is
+    called or anything registered."""
+    import dataclasses
+
+    pytest.importorskip("vllm.distributed.weight_transfer.base")
+    from integrations import Binding, megatron
+    from integrations.sglang_trainer import load_source
+    from integrations.vllm import RdmaPlanTrainerEngine, RdmaPlanTrainerInitInfo
+
+    monkeypatch.delenv("RDMA_PLAN_SECRET", raising=False)
+    path = _plan(tmp_path, MEGA_TP2, {"engine": "vllm", "tp": 1})
+    ids = _ids(path)
+    b = megatron.bind(path, module(_zeros(path, 1)), parallel_state=state(tp=1, etp=1))
+    assert (b.rank, b.identity) == (1, ids[1])
+    swapped = dataclasses.replace(b, rank=0, identity=ids[0])
+    by_hand = Binding(rank=1, identity=ids[1], tensors=b.tensors)
+
+    def vllm(**kw) -> str:
+        client = Client()
+        info = RdmaPlanTrainerInitInfo(path, "127.0.0.1:1", rank=1, timeout_s=1, **kw)
+        with pytest.raises(IdentityError) as e:
+            RdmaPlanTrainerEngine.trainer_init(info, client=client)
+        assert client.calls == [] and "\n" not in str(e.value)
+        return str(e.value)
+
+    def sglang(binding: Binding) -> str:
+        with pytest.raises(IdentityError) as e:
+            load_source(path, binding, rendezvous="127.0.0.1:1", timeout_s=1, insecure=True)
+        return str(e.value)
+
+    for msg in (vllm(binding=swapped), sglang(swapped)):
+        assert f"handed plan rank 0 ({describe(ids[0])})" in msg, msg
+        assert f"live framework state is {describe(ids[1])}, plan rank 1" in msg, msg
+    msg = vllm(binding=b, identity=ids[0])
+    assert describe(ids[0]) in msg and describe(ids[1]) in msg and "binding alone" in msg
+    for msg in (vllm(binding=by_hand), sglang(by_hand), vllm(identity=ids[1])):
+        assert "cannot be held to a live megatron" in msg and "binding=" in msg, msg
+    # the binding passes every identity check and stops at the store nobody hosts
+    for load in (lambda: RdmaPlanTrainerEngine.trainer_init(RdmaPlanTrainerInitInfo(
+            path, "127.0.0.1:1", rank=1, timeout_s=1, binding=b), client=Client()),
+                 lambda: load_source(path, b, rendezvous="127.0.0.1:1", timeout_s=1,
+                                     insecure=True)):
+        with pytest.raises(Exception) as e:
+            load()
+        assert not isinstance(e.value, IdentityError), e.value
+    with pytest.raises(ValueError, match="leave the source out"):
+        RdmaPlanTrainerEngine.trainer_init(RdmaPlanTrainerInitInfo(
+            path, "127.0.0.1:1", rank=1, binding=b), client=Client(),
+            source=base_source(b.tensors))
+
+
+def base_source(tensors: dict[str, torch.Tensor]):  # noqa: ANN201 - a vLLM WeightSource
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    return ModuleSource(module(tensors))
+
+
 def test_sglang_target_refuses_swapped_parts_and_unsigned(tmp_path, monkeypatch):
     from integrations.sglang import SGLangTarget
 
@@ -233,3 +296,67 @@ def test_adapter_swaps_are_refused(tmp_path, role, source):
         assert "was compiled for " + other in lines[2] and mine in lines[2]
     keys = [f"rplan/{k}/{r}" for k in ("lease", "rank") for r in range(3)]
     assert not any(store.check([k]) for k in keys), "a rank registered before the refusal"
+
+
+@pytest.mark.oracle
+@pytest.mark.extended
+@pytest.mark.parametrize("role, source", [
+    pytest.param("megatron", MEGA_TP2, id="megatron-tp2"),
+    pytest.param("fsdp2", {"framework": "fsdp2", "dp": 2, "dtype": "float32"}, id="fsdp2-dp2"),
+])
+def test_vllm_trainer_ranks_handed_each_others_identity_write_nothing(tmp_path, role, source):
+    """Two live trainer ranks (real Megatron-Core TP2 over gloo, real FSDP2 `fully_shard`
+    dp 2) on the vLLM trainer path (`RdmaPlanTrainerEngine.trainer_init`), each handed the
+    other's identity as a launcher's bug would: as `identity=` beside its own tensors, as
+    its adapter's binding with the identity and rank replaced, and beside its own binding.
+    Every try is refused in one line naming the identity before the vLLM client is asked
+    for anything, and the plan's target rank (a third process, its tensors zero, loading
+    with the plan's store) is never written. Were a try accepted, its rank would send its
+    own shard as the other's and the target would report the bytes written."""
+    pytest.importorskip("nixl")
+    pytest.importorskip("vllm.distributed.weight_transfer.base")
+    pytest.importorskip("megatron.core" if role == "megatron" else "transformers")
+    from harness.launch import master_store
+    from tests.oracles.launch import free_port
+    from tests.support.integration import compile_plan
+
+    hf = qwen3(num_hidden_layers=2)
+    config, plan = compile_plan(str(tmp_path), hf, source, {"engine": "vllm", "tp": 1})
+    ids = _ids(plan)
+    store, port = master_store(60)
+    base = {"plan": plan, "config": config, "hf": hf, "store": f"127.0.0.1:{port}",
+            "gloo_port": free_port(), "steps": 0, "sources": 2, "float16_module": True,
+            "etp": 1, "timeout_s": 300, "rendezvous": f"127.0.0.1:{free_port()}",
+            "vllm_swap": [{"rank": 1, "identity": ids[1]}, {"rank": 0, "identity": ids[0]}]}
+    env = {**os.environ, "PYTHONPATH": ROOT, "NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore", "VLLM_TARGET_DEVICE": "cpu",
+           "VLLM_LOGGING_LEVEL": "ERROR", "RDMA_PLAN_SECRET": secrets.token_hex(32)}
+
+    def spawn(r: str, index: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"),
+                                 json.dumps({**base, "role": r, "index": index})], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    procs = [spawn(role, 0), spawn(role, 1), spawn("target", 0)]
+    try:
+        outs = [p.communicate(timeout=900)[0] for p in procs[:2]]
+        store.set("sources_done", "1")
+        outs.append(procs[2].communicate(timeout=120)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert "target untouched: 0 of" in outs[2], (outs[2][-3000:], outs[0][-2000:])
+    for i in range(2):
+        assert procs[i].returncode == 0, f"{role} {i} failed:\n{outs[i][-4000:]}"
+        lines = [ln for ln in outs[i].splitlines() if ln.startswith(("refused", "accepted"))]
+        assert [ln.split(":")[0] for ln in lines] == [
+            "refused identity=", "refused binding", "refused binding+identity="], outs[i][-3000:]
+        mine, other = describe(ids[i]), describe(ids[1 - i])
+        assert other in lines[0], lines[0]
+        if role == "megatron":  # Megatron's parallel_state says who this process is
+            assert f"plan rank {1 - i}" in lines[0] and f"plan rank {i}" in lines[0]
+        else:  # an FSDP2 identity is read from the parameters' meshes: only a binding has them
+            assert "pass binding=integrations.fsdp2.bind" in lines[0], lines[0]
+        assert other in lines[1] and mine in lines[1] and f"plan rank {i}" in lines[1]
+        assert other in lines[2] and mine in lines[2]

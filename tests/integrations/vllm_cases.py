@@ -87,16 +87,6 @@ def source_tensors(case: dict, rank: int, seed: int) -> dict[str, torch.Tensor]:
     return materialize(layout, full_tensors(case["hf"], seed), ranks=[rank])[rank]
 
 
-def source_identity(case: dict, rank: int) -> dict[str, Any]:
-    """Trainer rank `rank`'s coordinates, as its framework reports them: the source
-    layout's identity rule for the case's config (what an adapter would derive)."""
-    from planner.layouts import fsdp2, megatron
-    from schemas.config import SourceConfig
-
-    cfg = SourceConfig(**case["source"])
-    return {"megatron": megatron.identity, "fsdp2": fsdp2.identity}[cfg.framework](cfg, rank)
-
-
 def open_control(port: int) -> Any:
     import torch.distributed as dist
 

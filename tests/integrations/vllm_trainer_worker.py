@@ -37,7 +37,7 @@ def run_case(case: dict, rank: int, store, start: int) -> None:  # noqa: ANN001
     port = int(store.get(f"{name}/rdzv"))  # stores by the time a later case ran
     info = RdmaPlanTrainerInitInfo(rank=rank, plan=case["plan"],
                                    rendezvous=f"127.0.0.1:{port}", timeout_s=case["timeout_s"],
-                                   identity=vllm_cases.source_identity(case, rank),
+                                   plan_rank=rank, no_identity=True,  # no framework here
                                    shadow=case.get("shadow", False),
                                    plan_key=os.path.join(os.path.dirname(case["plan"]),
                                                          "plan.key"))

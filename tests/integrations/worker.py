@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,63 @@ def _refused(arg: dict, tensors: dict[str, torch.Tensor], rank: int, ident: dict
             print(f"refused rank {r}: {e}", flush=True)
             continue
         raise AssertionError(f"plan rank {r} of {path} loaded ({kw})")
+
+
+class _Client:
+    """vLLM's weight-sync client as the sender drives it; the test's target process runs
+    the plan's target rank itself, so each call is only recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def init_weight_transfer_engine(self, info: dict) -> None:
+        self.calls.append("init")
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start")
+
+    def update_weights(self, info: dict) -> None:
+        self.calls.append("update")
+
+    def finish_weight_update(self, version: str | None = None) -> None:
+        self.calls.append("finish")
+
+
+def _vllm_swapped(arg: dict, b) -> None:  # noqa: ANN001 - an integrations.Binding
+    """`arg["vllm_swap"]`: this live trainer rank on the vLLM trainer path
+    (`RdmaPlanTrainerEngine.trainer_init`) handed the other rank's identity, as a launcher's
+    bug would: as `identity=` beside its own tensors, as its binding with the identity (and
+    rank) replaced, and beside its own binding. Each must be refused before the client is
+    asked for anything; a load that is accepted sends its tensors to the target (one step)."""
+    import dataclasses
+
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from integrations.vllm import RdmaPlanTrainerEngine, RdmaPlanTrainerInitInfo
+    from tests.support.integration import module
+
+    other = arg["vllm_swap"][b.rank]
+    index = arg["index"]
+    tries = [("identity=", {"identity": other["identity"]}, ModuleSource(module(b.tensors))),
+             ("binding", {"binding": dataclasses.replace(b, identity=other["identity"],
+                                                         rank=other["rank"])}, None),
+             ("binding+identity=", {"binding": b, "identity": other["identity"]}, None)]
+    for what, kw, source in tries:
+        client = _Client()
+        info = RdmaPlanTrainerInitInfo(plan=arg["plan"], rendezvous=arg["rendezvous"],
+                                       rank=index, timeout_s=arg["timeout_s"],
+                                       allow_unsigned=True, **kw)  # the test's plan: unsigned
+        try:
+            eng = RdmaPlanTrainerEngine.trainer_init(info, client=client, source=source)
+        except executor.IdentityError as e:
+            assert client.calls == [], f"{what}: the client was called: {client.calls}"
+            print(f"refused {what}: {e}", flush=True)
+            continue
+        print(f"accepted {what}", flush=True)
+        eng.send_weights("v1")  # the bytes the swapped rank sends land in the target
+        print(f"sent {what}", flush=True)
+        eng.shutdown()
+        return
 
 
 def _run_source(arg: dict, tensors: dict[str, torch.Tensor], rank: int, ident: dict) -> None:
@@ -123,6 +181,8 @@ def megatron_source(arg: dict) -> None:
         chunks = [Float16Module(c.config, c) for c in chunks]
     b = integrations.megatron.bind(arg["plan"], chunks)
     assert b.rank == rank, f"Megatron rank {rank} got plan rank {b.rank}"
+    if arg.get("vllm_swap"):
+        return _vllm_swapped(arg, b)
     _run_source(arg, b.tensors, b.rank, b.identity)
 
 
@@ -148,7 +208,26 @@ def fsdp2_source(arg: dict) -> None:
     fully_shard(model, mesh=mesh)
     b = integrations.fsdp2.bind(arg["plan"], model)
     assert b.rank == dist.get_rank(), f"rank {dist.get_rank()} got plan rank {b.rank}"
+    if arg.get("vllm_swap"):
+        return _vllm_swapped(arg, b)
     _run_source(arg, b.tensors, b.rank, b.identity)
+
+
+def _untouched(arg: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """`arg["rendezvous"]`: the plan's own store, which a trainer rank hosts; once the test
+    sets `sources_done` in its store, report whether anything was written (every tensor is
+    still zero) and exit, whether or not the load ever got its peers."""
+    import threading
+
+    def watch() -> None:
+        store = _store(arg)
+        while not store.check(["sources_done"]):  # the sources' imports may take minutes
+            time.sleep(0.5)
+        written = [n for n, t in tensors.items() if bool(t.any())]
+        print(f"target {'written' if written else 'untouched'}: {len(written)} of "
+              f"{len(tensors)} tensors changed {written[:3]}", flush=True)
+        os._exit(0)
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def target(arg: dict) -> None:
@@ -156,6 +235,17 @@ def target(arg: dict) -> None:
     rank = arg["index"] + cfg.source.world
     rt = rank_tensors(arg["plan"], rank)
     tensors = {t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for t in rt.tensors}
+    if arg.get("rendezvous"):  # the vLLM trainer path's store: a step, or nothing written
+        _untouched(arg, tensors)
+        try:
+            executor.run(executor.load(arg["plan"], rank=rank, tensors=tensors,
+                                       identity=rt.identity, transport="nixl",
+                                       rendezvous=arg["rendezvous"],
+                                       timeout_s=arg["timeout_s"]))
+        except Exception as e:  # noqa: BLE001 - no peer came: reported, the watcher decides
+            print(f"target: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        while True:  # the watcher reports and exits once the sources are done
+            time.sleep(1)
     layout = build_layout(spec, cfg.target)
     assert [(t.name, t.shape) for t in rt.tensors] == \
         [(t.name, t.shape) for t in layout.ranks[arg["index"]].tensors]
