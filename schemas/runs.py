@@ -1,5 +1,5 @@
 """The exact bytes of copies' strided boxes, as contiguous runs: what `verify` checks byte by
-byte (`planner/verify_rank.py`: coverage, dataflow, the shadow's regions) and what the
+byte (`planner/tools/verify_rank.py`: coverage, dataflow, the shadow's regions) and what the
 executor's load checks for a rank's own PACKs (`schemas/rankcheck.py`: `packs`).
 
 A box's extent (`schemas.protocol.copy_footprint`) holds every byte it touches, but two

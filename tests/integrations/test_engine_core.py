@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import executor
-import schemas.bounded
+import schemas.safe_read
 from executor.transports.local import Fabric
 from harness.weights import materialize, random_full_tensors
 from integrations.engine_core import EngineCore
@@ -77,12 +77,12 @@ def _bind(world, monkeypatch, shadow: bool):
     path, ids, spec, layouts = world
     monkeypatch.delenv("RDMA_PLAN_SECRET", raising=False)
     opens: list[str] = []
-    real = schemas.bounded.open_regular
+    real = schemas.safe_read.open_regular
 
     def counted(p, *a, **k):  # every plan file open goes through it (schemas.plan.open_plan)
         opens.append(p)
         return real(p, *a, **k)
-    monkeypatch.setattr(schemas.bounded, "open_regular", counted)
+    monkeypatch.setattr(schemas.safe_read, "open_regular", counted)
     src, live_n = _versions(spec, layouts, seed=1)
     live = {t: {n: v.clone() for n, v in ts.items()} for t, ts in live_n.items()}
     fabric = Fabric()
