@@ -44,15 +44,15 @@ def outgoing(rp: RankPlan) -> dict[int, Incoming]:
     dst = w["dst_rank"].astype(np.int64)
     order = np.argsort(dst, kind="stable")
     peers, first = np.unique(dst[order], return_index=True)
-    bounds_ = np.append(first, len(order))
-    out = {}
-    for j, p in enumerate(peers.tolist()):
-        sel = order[bounds_[j]:bounds_[j + 1]]
-        lo = w["dst_offset"][sel].astype(np.int64)
-        out[p] = Incoming(np.full(len(sel), rp.rank, np.int64),
-                          w["dst_region"][sel].astype(np.int64), stage[sel], lo,
-                          lo + w["nbytes"][sel])
-    return out
+    cut = np.append(first, len(order)).tolist()
+    # every column sorted by peer once; each peer's part is views of them
+    src = np.full(len(order), rp.rank, np.int64)
+    region = w["dst_region"][order].astype(np.int64)
+    lo = w["dst_offset"][order].astype(np.int64)
+    hi = lo + w["nbytes"][order]
+    stage = stage[order]
+    return {p: Incoming(src[a:b], region[a:b], stage[a:b], lo[a:b], hi[a:b])
+            for p, a, b in zip(peers.tolist(), cut, cut[1:])}
 
 
 def concat(parts: list[Incoming]) -> Incoming:

@@ -117,10 +117,24 @@ def _limits(rp: RankPlan, world: int | None) -> Iterator[str]:
                    f"(nbytes,); it is region {i} of {n}, {r.dtype} {list(r.shape)}")
         if not 0 <= r.nbytes <= MAX_VALUE:
             yield f"{where}: region {i} ({r.name}) has {r.nbytes} bytes"
+    if _peer_regions_ok(rp, world):
+        return
     for peer, regs in rp.peer_regions:
         if peer == rp.rank or peer < 0 or (world is not None and peer >= world) or \
                 any(not 0 <= r <= MAX_OPS or not 0 <= b <= MAX_VALUE for r, b in regs):
             yield f"{where}: peer_regions entry of rank {peer} is invalid ({regs[:4]})"
+
+
+def _peer_regions_ok(rp: RankPlan, world: int | None) -> bool:
+    """Every `peer_regions` entry valid, by whole-list passes (the per-entry loop of
+    `_limits` names the bad ones)."""
+    peers = [p for p, _ in rp.peer_regions]
+    regs = [r for _, rs in rp.peer_regions for r, _ in rs]
+    sizes = [b for _, rs in rp.peer_regions for _, b in rs]
+    top = world - 1 if world is not None else max(peers, default=0)
+    return rp.rank not in peers and all(0 <= min(x, default=0) and max(x, default=0) <= hi
+                                        for x, hi in ((peers, top), (regs, MAX_OPS),
+                                                      (sizes, MAX_VALUE)))
 
 
 def _writes(rp: RankPlan, sizes: np.ndarray, peers: dict[int, dict[int, int]]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, islice
 from typing import Any, BinaryIO
 
 from .header import MAX_STAGES, MAX_WORLD, PlanFormatError, PlanHeader
@@ -102,14 +102,44 @@ def plan_int(x: Any) -> int:
     return x
 
 
-def _int_pairs(s: Any) -> tuple[tuple[int, int], ...]:
-    """A list of [int, int] pairs (as `plan_int` accepts them), checked by C-level passes."""
-    if not isinstance(s, list) or not set(map(type, s)) <= {list} or set(map(len, s)) - {2}:
-        raise ValueError(f"{str(s)[:40]!r} is not a list of integer pairs")
-    flat = list(chain.from_iterable(s))
+def _ints_in_range(flat: list[Any], what: Any) -> None:
+    """Every item a plan integer (`plan_int`), by C-level passes over the list."""
     if set(map(type, flat)) - {int} or flat and not -(1 << 62) <= min(flat) <= max(flat) <= 1 << 62:
-        raise ValueError(f"{str(s)[:40]!r} is not a list of integer pairs in range")
-    return tuple(zip(flat[::2], flat[1::2]))
+        raise ValueError(f"{str(what)[:40]!r} holds a value that is not an integer in range")
+
+
+def _lists(s: Any, n: int | None = None) -> None:
+    """`s` a list of lists (each of `n` items, where given)."""
+    if not isinstance(s, list) or set(map(type, s)) - {list} or \
+            n is not None and set(map(len, s)) - {n}:
+        raise ValueError(f"{str(s)[:40]!r} is not a list of {n or ''} lists")
+
+
+def _regions(raw: Any) -> tuple[Region, ...]:
+    """The regions of a part, `[name, dtype, shape, nbytes]` each, checked a column at a
+    time (a part of a large model lists thousands)."""
+    _lists(raw, 4)
+    if not raw:
+        return ()
+    names, dtypes, shapes, nbytes = zip(*raw)
+    _lists(list(shapes))
+    _ints_in_range([*chain.from_iterable(shapes), *nbytes], raw)
+    return tuple(map(Region, map(str, names), map(str, dtypes), map(tuple, shapes), nbytes))
+
+
+def _peer_regions(raw: Any) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
+    """`[[peer, [[region, nbytes], ...]], ...]`, checked a column at a time."""
+    _lists(raw, 2)
+    if not raw:
+        return ()
+    peers, pairs = zip(*raw)
+    _lists(list(pairs))
+    inner = list(chain.from_iterable(pairs))
+    _lists(inner, 2)
+    flat = list(chain.from_iterable(inner))
+    _ints_in_range([*peers, *flat], raw)
+    it = zip(flat[::2], flat[1::2])
+    return tuple((p, tuple(islice(it, len(s)))) for p, s in zip(peers, pairs))
 
 
 def _part_identity(raw: Any) -> dict[str, Any] | None:
@@ -190,8 +220,7 @@ class RankPlan:
     def decode(raw: Any) -> RankPlan:
         try:
             what = f"rank/{raw['rank']}"
-            regions = tuple(Region(str(n), str(d), tuple(plan_int(x) for x in s), plan_int(b))
-                            for n, d, s, b in raw["regions"])
+            regions = _regions(raw["regions"])
             return RankPlan(
                 rank=plan_int(raw["rank"]), role=str(raw["role"]), host=plan_int(raw["host"]),
                 gpu=plan_int(raw["gpu"]), nics=tuple(str(n) for n in raw["nics"]),
@@ -201,7 +230,7 @@ class RankPlan:
                 copies=Table.from_msgpack(COPY_COLUMNS, raw["copies"], what + ".copies"),
                 signals=Table.from_msgpack(SIGNAL_COLUMNS, raw["signals"], what + ".signals"),
                 waits=Table.from_msgpack(SIGNAL_COLUMNS, raw["waits"], what + ".waits"),
-                peer_regions=tuple((plan_int(p), _int_pairs(s)) for p, s in raw["peer_regions"]),
+                peer_regions=_peer_regions(raw["peer_regions"]),
                 stages=plan_int(raw["stages"]),
                 identity=_part_identity(raw.get("identity")),
                 shadow=None if raw.get("shadow") is None else

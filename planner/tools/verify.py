@@ -87,7 +87,7 @@ class _Survey:
         self.world = world
         self.sizes: dict[int, dict[int, int]] = {}
         self.names: dict[int, tuple[str, ...]] = {}
-        self.peer_regions: dict[int, tuple] = {}
+        self.peer_regions: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.bounds: dict[int, str] = {}
         self.incoming: dict[int, list[Incoming]] = {}
         self.sent: list[np.ndarray] = []
@@ -104,7 +104,12 @@ class _Survey:
         w = self.world
         self.sizes[rp.rank] = {i: r.nbytes for i, r in enumerate(rp.regions)}
         self.names[rp.rank] = tuple(r.name for r in rp.regions)
-        self.peer_regions[rp.rank] = rp.peer_regions
+        pr = rp.peer_regions  # as (peer, region, bytes) columns
+        count = [len(regs) for _, regs in pr]
+        flat = np.array([x for _, regs in pr for pair in regs for x in pair],
+                        np.int64).reshape(-1, 2)
+        self.peer_regions[rp.rank] = (np.repeat(np.array([p for p, _ in pr], np.int64), count),
+                                      flat[:, 0], flat[:, 1])
         msg = rank_bounds(rp, w)
         if msg is not None:
             self.bounds[rp.rank] = msg
@@ -116,8 +121,8 @@ class _Survey:
             self.egress[rp.nics[0]] = self.egress.get(rp.nics[0], 0) + rank_egress(rp)
         s, g = rp.signals, rp.waits
         self.sent.append(_key(np.full(len(s), rp.rank), s["stage"], s["peer"], s["kind"], w))
-        self.waited[rp.rank] = _key(np.full(len(g), rp.rank), g["stage"], g["peer"], g["kind"],
-                                    w)
+        self.waited[rp.rank] = np.sort(_key(np.full(len(g), rp.rank), g["stage"], g["peer"],
+                                            g["kind"], w))
         self.pairs.append(np.unique(_key(np.full(len(rp.writes), rp.rank), write_stages(rp),
                                          rp.writes["dst_rank"], 0, w)))
         for peer, part in outgoing(rp).items():
@@ -141,14 +146,25 @@ class _Survey:
         """Each rank's first bounds violation, or else its `peer_regions` (what its executor
         checks peers against at connect) not equal to the peers' real regions."""
         out = []
-        for r in sorted(self.sizes):
+        ranks = sorted(self.sizes)
+        # every rank's region sizes as one column; rank p's regions from first[p]
+        count = np.zeros(self.world + 1, np.int64)
+        count[ranks] = [len(self.sizes[r]) for r in ranks]
+        first = np.concatenate([[0], np.cumsum(count)])
+        have = np.array([n for r in ranks for n in self.sizes[r].values()], np.int64)
+        for r in ranks:
             msg = self.bounds.get(r)
             if msg is None:
-                wrong = [(p, reg) for p, regs in self.peer_regions[r] for reg, n in regs
-                         if self.sizes.get(p, {}).get(reg) != n]
-                if wrong:
-                    msg = (f"rank {r}: peer_regions gives rank {wrong[0][0]} region "
-                           f"{wrong[0][1]} a size that rank does not have")
+                p, reg, n = self.peer_regions[r]
+                pc = np.clip(p, 0, self.world)
+                known = (p >= 0) & (p < self.world) & (reg >= 0) & (reg < count[pc])
+                at = np.where(known, first[pc] + np.where(known, reg, 0), 0)
+                wrong = ~known | (have[np.minimum(at, max(len(have) - 1, 0))] != n) \
+                    if len(have) else np.ones(len(p), bool)
+                if wrong.any():
+                    i = int(np.argmax(wrong))
+                    msg = (f"rank {r}: peer_regions gives rank {int(p[i])} region "
+                           f"{int(reg[i])} a size that rank does not have")
             if msg is not None:
                 out.append(msg)
         return out
@@ -163,13 +179,18 @@ def _acks(rp: RankPlan, inc: Incoming, waited: dict[int, np.ndarray], world: int
     if not m.any():
         return []
     src, st, lo, hi = inc.src[m], inc.stage[m], inc.lo[m], inc.hi[m]
-    groups, inv = np.unique(np.stack([src, st], axis=1), axis=0, return_inverse=True)
+    pair = src * _NS + np.clip(st + _OFF, 0, _NS - 1)
+    keys, inv = np.unique(pair, return_inverse=True)
     inv = inv.reshape(-1)
-    g_src, g_st = groups[:, 0], groups[:, 1]
-    me = np.full(len(groups), rp.rank)
-    waited = _keys([waited.get(int(p), np.zeros(0, np.int64)) for p in np.unique(g_src)])
-    acked = np.isin(_key(g_src, g_st, me, ACK, world), waited)
-    slot = np.isin(_key(g_src, g_st, me, SLOT_ACK, world), waited)
+    g_src, g_st = keys // _NS, keys % _NS - _OFF
+    me = np.full(len(keys), rp.rank)
+    # each writer's waits are sorted and its keys lead with its rank: in writer order,
+    # they concatenate to one sorted array
+    peers = np.unique(g_src).tolist()
+    waited = np.concatenate([np.zeros(0, np.int64),
+                             *(waited.get(int(p), np.zeros(0, np.int64)) for p in peers)])
+    acked = _member(_key(g_src, g_st, me, ACK, world), waited)
+    slot = _member(_key(g_src, g_st, me, SLOT_ACK, world), waited)
     if acked.all():
         return []
     w, c = rp.writes, rp.copies
@@ -193,6 +214,14 @@ def _acks(rp: RankPlan, inc: Incoming, waited: dict[int, np.ndarray], world: int
                         f"stage {s} bytes that rank {rp.rank} may still read in stages "
                         f"{freed + 1}..{s - 1} (it waits for no ACK of stage s-1)"))
     return out
+
+
+def _member(q: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Which of `q` are in the sorted array `keys`."""
+    if not len(keys):
+        return np.zeros(len(q), bool)
+    i = np.minimum(np.searchsorted(keys, q), len(keys) - 1)
+    return keys[i] == q
 
 
 def _keys(parts: list[np.ndarray]) -> np.ndarray:

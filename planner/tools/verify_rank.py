@@ -100,17 +100,28 @@ def quant_bytes(rp: RankPlan, region: int) -> dict[int, tuple[np.ndarray, np.nda
     if int(m.sum() + rb.sum()) > MAX_RUNS * 4:
         raise PlanFormatError(f"rank {rp.rank}: its QUANTs write over {MAX_RUNS * 4:,} rows; "
                               "the plan is corrupt")
-    # one interval per e4m3 row, then one per scale row, each tagged with its copy's stage
-    rep = np.repeat(np.arange(len(rows)), m)
-    k = np.arange(len(rep)) - np.repeat(np.cumsum(m) - m, m)
-    e_lo = c["dst_offset"][rows].astype(np.int64)[rep] + k * c["dst_stride0"][rows][rep]
-    rep2 = np.repeat(np.arange(len(rows)), rb)
-    k2 = np.arange(len(rep2)) - np.repeat(np.cumsum(rb) - rb, rb)
-    s_lo = (a[rep2] + k2 * st[rep2]) * SCALE_BYTES
+    # one interval per e4m3 row, then one per scale row, each tagged with its copy's stage;
+    # a box whose rows follow one another (stride = row length) is one interval
+    e_lo, e_hi, e_rep = _row_runs(c["dst_offset"][rows].astype(np.int64), m, n,
+                                  c["dst_stride0"][rows].astype(np.int64))
+    s_lo, s_hi, s_rep = _row_runs(a, rb, cb, st)
     stage = c["stage"][rows].astype(np.int64)
-    return by_stage(np.concatenate([stage[rep], stage[rep2]]),
-                    np.concatenate([e_lo, s_lo]),
-                    np.concatenate([e_lo + n[rep], s_lo + cb[rep2] * SCALE_BYTES]))
+    return by_stage(np.concatenate([stage[e_rep], stage[s_rep]]),
+                    np.concatenate([e_lo, s_lo * SCALE_BYTES]),
+                    np.concatenate([e_hi, s_hi * SCALE_BYTES]))
+
+
+def _row_runs(off: np.ndarray, rows: np.ndarray, width: np.ndarray, stride: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(lo, hi, box) of the rows of boxes (`rows` rows of `width` elements, `stride` apart,
+    from `off`): one interval per row, or per box where its rows are adjacent."""
+    whole = (stride == width) | (rows <= 1)
+    count = np.where(whole, np.minimum(rows, 1), rows)
+    length = np.where(whole, rows * width, width)
+    rep = np.repeat(np.arange(len(off)), count)
+    k = np.arange(len(rep)) - np.repeat(np.cumsum(count) - count, count)
+    lo = off[rep] + k * stride[rep]
+    return lo, lo + length[rep], rep
 
 
 def cat(*parts: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
