@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given
 
-from planner import verify
+from planner.tools import verify
 from schemas.plan import QUANT, Plan, RankPlan
 from schemas.protocol import ITEM, SCALE_BYTES, SLOTS, quant_scales, staging_index, write_stages
 from tests.property import harness

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given
 
-from planner import verify
+from planner.tools import verify
 from tests.property import harness
 from tests.property.strategies import Case, cases
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import given
 
 from executor.check import check_rank_plan
-from planner import verify
+from planner.tools import verify
 from schemas.plan import STAGING
 from tests.property import harness
 from tests.property.strategies import Case, cases

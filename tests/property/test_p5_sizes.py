@@ -15,9 +15,9 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from planner import verify
 from planner.passes.coalesce import coalesce
 from planner.passes.lower import Lowered
+from planner.tools import verify
 from schemas.plan import COPY_COLUMNS
 from tests.property import harness
 from tests.property.strategies import Case, cases

@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given
 
-from planner import verify
 from planner.passes.assign import assign, split_rows
 from planner.passes.intersect import element_size, intersect, piece_table
+from planner.tools import verify
 from planner.topology import build_topology
 from tests.property import harness
 from tests.property.strategies import Case, cases, synthetic_cases

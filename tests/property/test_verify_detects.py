@@ -13,9 +13,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from planner import verify
 from planner.compiler import compile_layouts
 from planner.spec import spec_from_hf
+from planner.tools import verify
 from schemas.config import ClusterConfig, Config, ModelConfig, Options, SourceConfig, TargetConfig
 from schemas.plan import ACK, DONE, PACK, STAGING, Plan, RankPlan, Table
 from tests.support.synthetic import SMALL_HF as HF

@@ -134,7 +134,7 @@ def test_gathered_boxes_are_balanced_over_nics_not_ranks() -> None:
     # gathered, each by one owner as one unit (3 x 512 bytes). Owners were balanced over
     # source *ranks*, so NIC h0/nic0 sent 2/3 of everything: ~14 KB above the mean, past
     # the one-unit slack (max_write_bytes 4096) that `verify.balance` allows.
-    from planner import verify
+    from planner.tools import verify
 
     hf = {**TINY, "hidden_size": 16, "head_dim": 16, "intermediate_size": 16,
           "vocab_size": 16, "num_hidden_layers": 8}
