@@ -137,11 +137,16 @@ DEEP = (
     "tests/executor/test_bounded_nixl.py::",
     # the plan fuzz at the deep size
     "tests/property/test_plan_fuzz.py::test_plan_fuzz[deep]",
-    # real vLLM's FP8 loading (its quantizer on CPU, TP 2) against an FP8 plan: one launch
-    # the module's cases share
+    # real vLLM's FP8 loading (its quantizer on CPU) against FP8 plans: one launch the
+    # module's cases share
     "tests/oracles/test_vllm_fp8_oracle.py::test_plan_matches_vllm_fp8_loading[qwen3-fsdp2-to-vllm-tp2]",
+    "tests/oracles/test_vllm_fp8_oracle.py::test_plan_matches_vllm_fp8_loading[qwen3-megatron-to-vllm-tp1]",
+    "tests/oracles/test_vllm_fp8_oracle.py::test_plan_matches_vllm_fp8_loading[deepseek_v3-",
     "tests/oracles/test_vllm_fp8_oracle.py::test_differences_catch_one_ulp_and_one_byte",
     "tests/oracles/test_vllm_fp8_oracle.py::test_reference_quantizer_matches_vllm_on_cpu",
+    "tests/oracles/test_vllm_fp8_oracle.py::test_cuda_form_of_vllm_quantizer",
+    # real vLLM's EPLB rearrangement against a replanned refit
+    "tests/oracles/test_vllm_eplb_oracle.py::",
     # the executor benchmark's tiny mode over NIXL processes and the local transport
     "tests/bench/test_tiny_modes.py::test_executor_bench_tiny_nixl_and_local",
 )
