@@ -199,13 +199,7 @@ def _placed(rp: RankPlan, src_region: np.ndarray, at: np.ndarray, got: np.ndarra
     if (nbytes[at[change]] != nbytes[got[change]]).any():
         first = np.ones(len(at), bool)
         first[1:] = group[at[1:]] != group[at[:-1]]
-        bad = _rounds(nbytes[got], first, max_write_bytes) != _rounds(nbytes[at], first,
-                                                                      max_write_bytes)
-        if bad.any():
-            dst = int(w["dst_rank"][at[np.argmax(bad)]])
-            raise NotIncremental(f"replan: source rank {rp.rank}'s batches to target rank "
-                                 f"{dst - sources} change their cut (writes of unequal sizes "
-                                 "reordered); compile the new placement in full")
+        _same_cuts(rp, at, got, first, max_write_bytes, sources)
     at, got = at[change], got[change]
     cols = {}
     for name, dt in WRITE_COLUMNS:
@@ -216,6 +210,20 @@ def _placed(rp: RankPlan, src_region: np.ndarray, at: np.ndarray, got: np.ndarra
             col = c
         cols[name] = col
     return dataclasses.replace(rp, writes=Table.build(WRITE_COLUMNS, **cols))
+
+
+def _same_cuts(rp: RankPlan, at: np.ndarray, got: np.ndarray, first: np.ndarray,
+               max_write_bytes: int, sources: int) -> None:
+    """`NotIncremental` unless the writes `got` put at positions `at` (`first`: where a
+    (stage, target) group starts) keep `schedule`'s batch cuts (`_rounds`)."""
+    nbytes = rp.writes["nbytes"]
+    bad = _rounds(nbytes[got], first, max_write_bytes) != _rounds(nbytes[at], first,
+                                                                  max_write_bytes)
+    if bad.any():
+        dst = int(rp.writes["dst_rank"][at[np.argmax(bad)]])
+        raise NotIncremental(f"replan: source rank {rp.rank}'s batches to target rank "
+                             f"{dst - sources} change their cut (writes of unequal sizes "
+                             "reordered); compile the new placement in full")
 
 
 def _reorder_sorted(rp: RankPlan, src_region: np.ndarray, touched: np.ndarray,
@@ -232,14 +240,7 @@ def _reorder_sorted(rp: RankPlan, src_region: np.ndarray, touched: np.ndarray,
                            w["dst_region"][rows], src_region[rows], key))]
     first = np.ones(len(at), bool)
     first[1:] = gkey[at[1:]] != gkey[at[:-1]]
-    nbytes = w["nbytes"]
-    bad = _rounds(nbytes[got], first, max_write_bytes) != _rounds(nbytes[at], first,
-                                                                  max_write_bytes)
-    if bad.any():
-        dst = int(w["dst_rank"][at[np.argmax(bad)]])
-        raise NotIncremental(f"replan: source rank {rp.rank}'s batches to target rank "
-                             f"{dst - sources} change their cut (writes of unequal sizes "
-                             "reordered); compile the new placement in full")
+    _same_cuts(rp, at, got, first, max_write_bytes, sources)
     cols = {}
     for name, _ in WRITE_COLUMNS:
         c = (src_region if name == "src_region" else w[name]).copy()
