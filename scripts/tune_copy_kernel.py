@@ -5,8 +5,7 @@
 For each row (writes x MiB, chunk i to slot (i * 7) % writes of another buffer on the same
 GPU, as `bench/executor_bench.py` does) it times, with CUDA events over graph replays, one
 `copy_` of all the bytes, the copy engines (4 branches, one `cudaMemcpyAsync` per write, as
-`cuda_ipc` captures them), the copies as `cuMemcpyBatchAsync` calls (as `cuda_ipc` posts a
-batch into another GPU) and the kernel at several launch shapes and builds (4 or 8 loads in
+`cuda_ipc` captures them) and the kernel at several launch shapes and builds (4 or 8 loads in
 flight per thread, plain or streaming loads), checks each result bit-exact, and prints the
 ratio to the one copy. `--quick`: fewer launch shapes.
 """
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from executor.gpu.copy_kernel import SOURCE, CopyKernel, piece_table  # noqa: E402
-from executor.gpu.cuda_runtime import BatchCopies, load_cudart  # noqa: E402
+from executor.gpu.cuda_runtime import load_cudart  # noqa: E402
 from executor.transports.cuda_ipc import branches
 
 
@@ -45,21 +44,6 @@ def timed(fn, reps: int = 20) -> float:
     return statistics.median(out)
 
 
-def timed_eager(fn, reps: int = 20) -> float:
-    """As `timed`, the calls made on the host each time (posts that a graph cannot hold)."""
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
-
-
 def engines(rt, raw: list[tuple[int, int, int]]) -> None:
     """The copies as 4 branches of `cudaMemcpyAsync`s (what `cuda_ipc` captures)."""
     main_s = torch.cuda.current_stream()
@@ -69,13 +53,6 @@ def engines(rt, raw: list[tuple[int, int, int]]) -> None:
         for dd, ss, nn in part:
             rt.memcpy_async(dd, ss, nn, 3, side.cuda_stream)
         main_s.wait_stream(side)
-
-
-def batched(api: BatchCopies, prepared: list[tuple]) -> None:
-    """The copies as growing `cuMemcpyBatchAsync` calls on the current stream."""
-    code = api.post(prepared, torch.cuda.current_stream().cuda_stream)
-    if code:
-        raise RuntimeError(f"cuMemcpyBatchAsync failed (CUDA error {code})")
 
 
 BUILDS = {"plain": [], "streaming": ["-DRPLAN_STREAMING=1"], "unroll8": ["-DRPLAN_UNROLL=8"],
@@ -100,7 +77,6 @@ def main() -> None:
                 SOURCE, "rplan_copy", nvcc_options=opts)
         except Exception as e:  # noqa: BLE001
             print(f"{name} variant did not build:", e)
-    api = BatchCopies.load()
     chunks = (1 << 18, 1 << 20) if a.quick else (1 << 16, 1 << 18, 1 << 20)
     shapes = [(2, 512), (4, 512)] if a.quick else [(b, t) for b in (1, 2, 4, 8)
                                                    for t in (256, 512)]
@@ -126,16 +102,6 @@ def main() -> None:
         raw = list(zip(d.tolist(), s.tolist(), sizes.tolist()))
         results.append(("engines, 4 branches", timed(partial(engines, rt, raw)),
                         torch.equal(dst, want)))
-        if api is not None:
-            for first in (4, 100000):
-                dst.zero_()
-                prepared = api.prepare(d.tolist(), s.tolist(), sizes.tolist(), first)
-                try:
-                    t = timed_eager(partial(batched, api, prepared))
-                except RuntimeError as e:  # refused on this device: say so, go on
-                    print(f"| {row} | engines, batch API first {first} | failed: {e} |")
-                    continue
-                results.append((f"engines, batch API first {first}", t, torch.equal(dst, want)))
         for name, fn in kernels.items():
             for chunk in chunks:
                 table = torch.from_numpy(piece_table(d, s, sizes, chunk)).to(dev)

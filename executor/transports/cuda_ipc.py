@@ -202,10 +202,8 @@ class CudaIpcTransport:
         limit = o.peer_kernel_max_mean_bytes if here else o.kernel_max_mean_bytes
         if batch.beside_packs:  # the SMs run the next pack group meanwhile
             limit = min(limit, o.beside_packs_max_mean_bytes)
-        if self.batch_api is not None and self.ladder.mode is Mode.FAST and len(n) and (
-                here or o.local_memcpy_batch or any(r.device != self.device
-                                                    for r in self.peers[batch.peer])):
-            # the copy engines, SMs free
+        if self.batch_api is not None and self.ladder.mode is Mode.FAST and len(n) and (here or any(
+                r.device != self.device for r in self.peers[batch.peer])):  # copy engines, SMs free
             if o.peer_streams:  # one stream a peer: its batches land in order
                 handle.stream = stream = self.streams[sorted(self.peers).index(
                     batch.peer) % len(self.streams)]

@@ -67,10 +67,6 @@ class CudaIpcOptions:
     copies, on the copy engines) where the driver has it, instead of the copy kernel or a
     CUDA graph of copies: NVLink at the copy engines' rate with no per-copy cost, and the
     SMs free for the FP8 quantizer meanwhile."""
-    local_memcpy_batch: bool = False
-    """Also a batch into a peer on this GPU as one `cuMemcpyBatchAsync` (the copy engines of
-    one device) instead of the copy kernel: the SMs stay free; off by default, where the
-    kernel is faster (BENCHMARKS.md, "Executor")."""
     memcpy_batch_first: int = 4
     """Copies in a batch's first `cuMemcpyBatchAsync` call; each next call queues twice the
     last (the link starts after a few copies are queued, not after the whole batch)."""
