@@ -124,6 +124,7 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
             ex = executor.load(plan_path, rank=rank, tensors=tensors, transport=kind,
                                rendezvous=store, timeout_s=args.exec_timeout,
                                max_inflight=inflight, no_identity=True,
+                               step_records=os.environ.get("BENCH_STEP_RECORDS", "1") != "0",
                                pack_groups=0 if whole else None,
                                **({"transport_options": options} if options else {}))
         except Exception as e:  # noqa: BLE001 - printed, and the rank reports it
