@@ -398,13 +398,15 @@ class Executor:
         """Stages `a` to `b-1`, where this rank only awaits DONEs (`_quiet`) and has nothing
         in flight: what their `ready`, `send_half` and `recv_half` would do. Where every one
         of those DONEs is in already (a target's last stages, whose writes landed while it
-        waited for an earlier stage's), they are taken at once; else stage by stage, each
-        wait with its own timeout."""
+        waited for an earlier stage's), they are taken at once; else the first stage's is
+        awaited (with its own timeout, as `recv_half` does) and the rest looked at again."""
         waits = [w for s in range(a, b) for w in self.stages[s].after]
-        if not waits or self.signals.take_all(waits):
-            return
         for s in range(a, b):
-            self.signals.wait(self.stages[s].after, self.timeout_s)
+            if not waits or self.signals.take_all(waits):
+                return
+            after = self.stages[s].after
+            self.signals.wait(after, self.timeout_s)
+            waits = waits[len(after):]
 
     def ready(self, s: int) -> None:
         """Step 1, first half: send this stage's READY signals."""
