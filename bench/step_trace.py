@@ -1,10 +1,12 @@
-"""Where a step's time goes between two processes (`BENCH_TRACE=DIR` on executor_bench).
+"""Where a step's time goes between processes (`BENCH_TRACE=DIR` on executor_bench and on
+`bench.gpu_refit`).
 
 Each rank records, per step, when it started, got each wait's signals, sent each signal,
 handed a DONE to the GPU (`cuda_ipc`'s device signals), posted its batches, first saw them
 landed, and ended (`time.perf_counter`: CLOCK_MONOTONIC, one clock for every process of a
 host), and writes them to `DIR/rank{r}.json`; `report` prints each event's median offset
-from the source's step start, both ranks on one axis.
+from the source's step start, both ranks on one axis; `report_ranks` every rank's first and
+last time of each event, from the step's first start on any rank (many ranks, many batches).
 Bench tooling only: it wraps one executor's methods on the instance.
 """
 
@@ -93,6 +95,12 @@ def attach(ex: Any) -> list[list[tuple[str, float]]]:
     return steps
 
 
+def mark(steps: list[list[tuple[str, float]]], name: str) -> None:
+    """Record `name` now in the current step of `steps` (what `attach` returned)."""
+    if steps:
+        steps[-1].append((name, time.perf_counter()))
+
+
 def save(folder: str, rank: int, steps: list[list[tuple[str, float]]]) -> None:
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
@@ -114,4 +122,41 @@ def report(folder: str, source: int = 0, target: int = 1) -> str:
                 offsets.setdefault(f"{k:02d} {event}", []).append((t - t0) * 1e6)
         for key in sorted(offsets):
             lines.append(f"| {name} | {key[3:]} | {statistics.median(offsets[key]):.1f} |")
+    return "\n".join(lines)
+
+
+def report_ranks(folder: str, ranks: list[int], skip: int = 0) -> str:
+    """Per rank, the median offset (us) of the first and the last time of each event in a
+    step from that step's first start on any rank; steps `skip` on (after warm-up)."""
+    traces = {}
+    for r in ranks:
+        with open(os.path.join(folder, f"rank{r}.json")) as f:
+            traces[r] = json.load(f)[skip:]
+    steps = min(len(t) for t in traces.values())
+    ends = [max(t[i][-1][1] for t in traces.values()) - min(t[i][0][1] for t in traces.values())
+            for i in range(steps)]
+    lines = [f"{steps} steps, first start to last event: median "
+             f"{statistics.median(ends) * 1e6:.1f} us" if steps else "no steps",
+             "| rank | event | count | first us | last us |", "| --- | --- | ---: | ---: | ---: |"]
+    for r, trace in traces.items():
+        seen: dict[str, tuple[list[float], list[float], int]] = {}
+        for i in range(steps):
+            t0 = min(t[i][0][1] for t in traces.values())
+            first: dict[str, float] = {}
+            last: dict[str, float] = {}
+            count: dict[str, int] = {}
+            for event, t in trace[i]:
+                first.setdefault(event, t - t0)
+                last[event] = t - t0
+                count[event] = count.get(event, 0) + 1
+            for event in first:
+                a, b, _ = seen.setdefault(event, ([], [], 0))
+                a.append(first[event])
+                b.append(last[event])
+                seen[event] = (a, b, count[event])
+        order = sorted(seen, key=lambda e: statistics.median(seen[e][0]))
+        for event in order:
+            a, b, k = seen[event]
+            lines.append(f"| {r} | {event} | {k} | {statistics.median(a) * 1e6:.1f} | "
+                         f"{statistics.median(b) * 1e6:.1f} |")
     return "\n".join(lines)

@@ -112,6 +112,7 @@ class Executor:
         self.overlap: Overlap | None = None
         self.prepacked: list[bool] = []  # stage s packs during stage s-1's writes
         self.carries: list[bool] = []  # stage s may end with its writes in flight
+        self.quiet: list[bool] = []  # stage s only awaits DONEs (`_quiet`)
         self.peers: list[int] = []
         self.step, self.complete, self.registered = 0, False, False
         self.failed = False  # the last step raised: the next one recovers first
@@ -198,6 +199,16 @@ class Executor:
             p, s, self.pack_groups, self.max_inflight), beside[s]) for s in range(p.stages)]
         link(p, self.stages)  # what each pack group waits for
         self.carries = carries(p).tolist()  # stage s may end with its writes in flight
+        self.quiet = [self._quiet(s) for s in range(p.stages)]
+
+    def _quiet(self, s: int) -> bool:
+        """Whether this rank does nothing in stage `s` but await DONEs: no signal sent, no
+        READY/ACK awaited, no pack, write or unpack, and stage s+1's packs not run early
+        from it (a target between the stages it receives in, say)."""
+        st, nxt = self.stages[s], s + 1
+        return not (st.ready_to or st.before or st.packs or st.batches or st.pipeline
+                    or st.done_to or st.unpacks or st.ack_to or st.slot_ack_to
+                    or self.prepacked[s] or (nxt < len(self.stages) and self.prepacked[nxt]))
 
     def import_peer(self, peer: int, rec: Any, info: dict[str, Any]) -> None:
         """Check `peer`'s record and make it writable (at connect, and again on restart)."""
@@ -327,10 +338,19 @@ class Executor:
         t0 = time.perf_counter()
         self.begin_step(step)
         try:
-            for s in range(len(self.stages)):
+            s, n = 0, len(self.stages)
+            while s < n:
+                if self.quiet[s] and not len(self.window):
+                    e = s + 1
+                    while e < n and self.quiet[e]:
+                        e += 1
+                    self.await_quiet(s, e)
+                    s = e
+                    continue
                 self.ready(s)
                 self.send_half(s)
                 self.recv_half(s)
+                s += 1
         except BaseException as e:
             self.fail(getattr(e, "peer", None))
             raise
@@ -373,6 +393,20 @@ class Executor:
         waited = self.signals.waited + self.window.waited
         return RunStats(self.rank, self.step, self.bytes_per_step, self.received_per_step,
                         seconds, True, min(waited, seconds))
+
+    def await_quiet(self, a: int, b: int) -> None:
+        """Stages `a` to `b-1`, where this rank only awaits DONEs (`_quiet`) and has nothing
+        in flight: what their `ready`, `send_half` and `recv_half` would do. Where every one
+        of those DONEs is in already (a target's last stages, whose writes landed while it
+        waited for an earlier stage's), they are taken at once; else the first stage's is
+        awaited (with its own timeout, as `recv_half` does) and the rest looked at again."""
+        waits = [w for s in range(a, b) for w in self.stages[s].after]
+        for s in range(a, b):
+            if not waits or self.signals.take_all(waits):
+                return
+            after = self.stages[s].after
+            self.signals.wait(after, self.timeout_s)
+            waits = waits[len(after):]
 
     def ready(self, s: int) -> None:
         """Step 1, first half: send this stage's READY signals."""

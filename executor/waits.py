@@ -84,6 +84,15 @@ class Signals:
         return not self.inbox.take([signals.expected(self.step, s, kind, peer)
                                     for s, kind, peer in waits])
 
+    def take_all(self, waits: list[tuple[int, int, int]]) -> bool:
+        """Whether every signal of `waits` has arrived, after one poll (consumed if so);
+        False too where a restarted peer signals (`wait` imports it first)."""
+        self.inbox.add(self.transport.poll(), self.step)
+        if self.inbox.foreign:
+            return False
+        return not self.inbox.take([signals.expected(self.step, s, kind, peer)
+                                    for s, kind, peer in waits])
+
     def sync(self) -> None:
         """Wait for the packs/unpacks queued on this rank's current CUDA stream (async
         kernels; a peer must not read or overwrite their staging before they finish).

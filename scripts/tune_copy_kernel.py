@@ -1,12 +1,13 @@
 """Tune the batched copy kernel on a GPU (a tool, not a benchmark: it picks constants).
 
-    python scripts/tune_copy_kernel.py [--rows 64x4,64x16,64x64,1024x1,4096x1]
+    python scripts/tune_copy_kernel.py [--rows 64x4,64x16,64x64,1024x1,4096x1] [--quick]
 
 For each row (writes x MiB, chunk i to slot (i * 7) % writes of another buffer on the same
 GPU, as `bench/executor_bench.py` does) it times, with CUDA events over graph replays, one
 `copy_` of all the bytes, the copy engines (4 branches, one `cudaMemcpyAsync` per write, as
-`cuda_ipc` captures them) and the kernel at several launch shapes, checks each result
-bit-exact, and prints the ratio to the one copy.
+`cuda_ipc` captures them) and the kernel at several launch shapes and builds (4 or 8 loads in
+flight per thread, plain or streaming loads), checks each result bit-exact, and prints the
+ratio to the one copy. `--quick`: fewer launch shapes.
 """
 
 from __future__ import annotations
@@ -54,20 +55,31 @@ def engines(rt, raw: list[tuple[int, int, int]]) -> None:
         main_s.wait_stream(side)
 
 
+BUILDS = {"plain": [], "streaming": ["-DRPLAN_STREAMING=1"], "unroll8": ["-DRPLAN_UNROLL=8"],
+          "unroll8 streaming": ["-DRPLAN_UNROLL=8", "-DRPLAN_STREAMING=1"]}
+"""Kernel builds tried: name -> NVRTC options."""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="64x4,64x16,64x64,1024x1,4096x1")
+    ap.add_argument("--quick", action="store_true",
+                    help="chunks 256K and 1M, 2 and 4 blocks per SM, 512 threads only")
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
     rt = load_cudart()
     base = CopyKernel.load(dev)
     assert base is not None
-    kernels = {"plain": base.fn}
-    try:
-        kernels["streaming"] = torch.cuda._compile_kernel(SOURCE, "rplan_copy",
-                                                          nvcc_options=["-DRPLAN_STREAMING=1"])
-    except Exception as e:  # noqa: BLE001
-        print("streaming variant did not build:", e)
+    kernels = {}
+    for name, opts in BUILDS.items():
+        try:
+            kernels[name] = base.fn if not opts else torch.cuda._compile_kernel(
+                SOURCE, "rplan_copy", nvcc_options=opts)
+        except Exception as e:  # noqa: BLE001
+            print(f"{name} variant did not build:", e)
+    chunks = (1 << 18, 1 << 20) if a.quick else (1 << 16, 1 << 18, 1 << 20)
+    shapes = [(2, 512), (4, 512)] if a.quick else [(b, t) for b in (1, 2, 4, 8)
+                                                   for t in (256, 512)]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"{torch.cuda.get_device_name(dev)}, {sms} SMs, torch {torch.__version__}")
     print("| row | variant | s | GB/s | x one copy_ | exact |")
@@ -91,16 +103,15 @@ def main() -> None:
         results.append(("engines, 4 branches", timed(partial(engines, rt, raw)),
                         torch.equal(dst, want)))
         for name, fn in kernels.items():
-            for chunk in (1 << 16, 1 << 18, 1 << 20):
+            for chunk in chunks:
                 table = torch.from_numpy(piece_table(d, s, sizes, chunk)).to(dev)
-                for bps in (1, 2, 4, 8):
-                    for threads in (256, 512):
-                        grid = min(len(table), sms * bps)
-                        dst.zero_()
-                        t = timed(partial(fn, grid=(grid, 1, 1), block=(threads, 1, 1),
-                                          args=[table, len(table)]))
-                        results.append((f"kernel {name} chunk {chunk >> 10}K {bps}/SM "
-                                        f"{threads} thr", t, torch.equal(dst, want)))
+                for bps, threads in shapes:
+                    grid = min(len(table), sms * bps)
+                    dst.zero_()
+                    t = timed(partial(fn, grid=(grid, 1, 1), block=(threads, 1, 1),
+                                      args=[table, len(table)]))
+                    results.append((f"kernel {name} chunk {chunk >> 10}K {bps}/SM "
+                                    f"{threads} thr", t, torch.equal(dst, want)))
         for label, t, ok in results:
             print(f"| {row} | {label} | {t:.6f} | {n / t / 1e9:.0f} | {one / t:.2f} | "
                   f"{'-' if ok is None else ('yes' if ok else 'NO')} |", flush=True)

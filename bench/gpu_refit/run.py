@@ -6,6 +6,7 @@ import json
 import os
 import traceback
 
+from bench import step_trace
 from bench.gpu_refit.baseline import run_baseline
 from bench.gpu_refit.ctx import Ctx, StepError
 from bench.gpu_refit.floor import measure_floor
@@ -123,6 +124,7 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
             ex = executor.load(plan_path, rank=rank, tensors=tensors, transport=kind,
                                rendezvous=store, timeout_s=args.exec_timeout,
                                max_inflight=inflight, no_identity=True,
+                               step_records=os.environ.get("BENCH_STEP_RECORDS", "1") != "0",
                                pack_groups=0 if whole else None,
                                **({"transport_options": options} if options else {}))
         except Exception as e:  # noqa: BLE001 - printed, and the rank reports it
@@ -138,13 +140,27 @@ def run_model(ctx: Ctx, model: str, plan_path: str, out: dict, save,
             return
         try:
             last = {}
+            folder = os.environ.get("BENCH_TRACE")  # each rank's host events of each step
+            trace = step_trace.attach(ex) if folder else None
 
             def step(ex=ex, last=last):
                 if args.inject_failure and rank == 1 and ex.step == 0:  # test of StepError
                     raise RuntimeError("injected failure")
                 last["stats"] = executor.run(ex)
+                if trace is not None:  # the step's end as timed: after this rank's sync
+                    ctx.sync()
+                    step_trace.mark(trace, "timed end (synced)")
 
             res = ctx.timed(step, args.warmup, args.steps)
+            if trace is not None:
+                where = os.path.join(folder, "".join(
+                    c if c.isalnum() else "_" for c in f"{model}_{tr}"))
+                step_trace.save(where, rank, trace)
+                ctx.barrier()
+                if rank == 0:
+                    table = step_trace.report_ranks(where, list(range(setup.world)),
+                                                    args.warmup)
+                    print(f"[{model}] {label}: host events (BENCH_TRACE)\n{table}", flush=True)
             res["load_s"] = load_s
             if rank == 0:
                 print(f"[{model}] {label}: median {res['median']:.4f} s, the ranks' starts "

@@ -37,6 +37,9 @@ SOURCE = r"""
 #define LOAD4(p) (*(p))
 #define STORE4(p, v) (*(p) = (v))
 #endif
+#ifndef RPLAN_UNROLL
+#define RPLAN_UNROLL 4
+#endif
 extern "C" __global__ void __launch_bounds__(512) rplan_copy(
     const long long* __restrict__ table, int pieces) {
   const long long t = threadIdx.x, bd = blockDim.x;
@@ -54,11 +57,12 @@ extern "C" __global__ void __launch_bounds__(512) rplan_copy(
     uint4* d4 = (uint4*)(dst + head);
     const uint4* s4 = (const uint4*)(src + head);
     long long i = t;
-    for (; i + 3 * bd < body; i += 4 * bd) {
-      const uint4 a = LOAD4(s4 + i), b = LOAD4(s4 + i + bd);
-      const uint4 e = LOAD4(s4 + i + 2 * bd), f = LOAD4(s4 + i + 3 * bd);
-      STORE4(d4 + i, a); STORE4(d4 + i + bd, b);
-      STORE4(d4 + i + 2 * bd, e); STORE4(d4 + i + 3 * bd, f);
+    for (; i + (RPLAN_UNROLL - 1) * bd < body; i += RPLAN_UNROLL * bd) {
+      uint4 v[RPLAN_UNROLL];
+#pragma unroll
+      for (int u = 0; u < RPLAN_UNROLL; ++u) v[u] = LOAD4(s4 + i + u * bd);
+#pragma unroll
+      for (int u = 0; u < RPLAN_UNROLL; ++u) STORE4(d4 + i + u * bd, v[u]);
     }
     for (; i < body; i += bd) STORE4(d4 + i, LOAD4(s4 + i));
     for (long long j = head + (body << 4) + t; j < n; j += bd) dst[j] = src[j];
