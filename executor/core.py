@@ -119,6 +119,7 @@ class Executor:
         self.last_complete_step = 0
         self.register_calls = 0  # transport registrations (once per process, ever)
         self.imported: dict[int, Any] = {}  # peer -> the descriptors imported for it
+        self.exported: dict[str, Any] = {}  # this rank's, published at registration
         self.switches = 0  # plans switched to in place (`switch_plan`)
         self.rejoined = False
         self.recovery = Recovery(self.rank, self.control, self.transport, self.inbox, timeout_s,
@@ -166,10 +167,11 @@ class Executor:
         self.rejoined = self.control.claim(heartbeat=self.live_lease, live_check=self.live_lease)
         self.transport.register(self.regions)
         self.register_calls += 1
+        self.exported = self.transport.export()
         self.control.publish_step(self.step + 1)
         self.control.publish_rank({"fingerprint": self.fingerprint,
                                    "sizes": [r.nbytes for r in self.plan.regions],
-                                   "desc": self.transport.export(),
+                                   "desc": self.exported,
                                    "digest": rank_digest(self.header, self.rank)})
         self.registered = True
 
@@ -304,7 +306,8 @@ class Executor:
         self.switches += 1
         self.control.publish_rank({"fingerprint": self.fingerprint,
                                    "sizes": [r.nbytes for r in plan.regions],
-                                   "desc": self.transport.export(),
+                                   "desc": self.exported,  # not exported again: CUDA IPC
+                                   # would hand out new handles, which peers refuse
                                    "digest": rank_digest(header, self.rank)})
         for peer in self.peers:
             self._await_switch(peer)

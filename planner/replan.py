@@ -148,21 +148,23 @@ def _reorder(rp: RankPlan, src_region: np.ndarray, touched: np.ndarray,
     each touched group is sorted whole."""
     w = rp.writes
     group = _stage_of_rows(rp) * (sources + targets) + w["dst_rank"]
-    key = _sort_key(group, src_region, w)
-    if key is None:
-        return _reorder_sorted(rp, src_region, touched, max_write_bytes, sources)
-    small = np.uint16 if group.max() < 1 << 16 else np.int64
-    at = np.argsort(group.astype(small), kind="stable")  # each group's positions, in order
     hit = np.zeros(int(group.max()) + 1, bool)
     hit[group[touched]] = True
-    at = at[hit[group[at]]]  # the touched groups'
-    keep = at[~touched[at]]
-    k_keep = key[keep]
+    at = np.flatnonzero(hit[group])  # the touched groups' positions
+    g_at = group[at]
+    small = np.uint16 if g_at.max() < 1 << 16 else np.int64
+    at = at[np.argsort(g_at.astype(small), kind="stable")]  # group by group, in order
+    key = _sort_key(group[at], src_region[at], *(w[c][at] for c in (
+        "dst_region", "src_offset", "dst_offset")))  # of each position in `at`
+    if key is None:
+        return _reorder_sorted(rp, src_region, touched, max_write_bytes, sources)
+    t_at = touched[at]
+    keep, k_keep = at[~t_at], key[~t_at]
     if (np.diff(k_keep) <= 0).any():  # not in the compiler's order, or equal keys
         return _reorder_sorted(rp, src_region, touched, max_write_bytes, sources)
-    moved = np.flatnonzero(touched)
-    moved = moved[np.argsort(key[moved])]
-    k_moved = key[moved]
+    mine = np.flatnonzero(t_at)
+    mine = mine[np.argsort(key[mine])]
+    moved, k_moved = at[mine], key[mine]
     ins = np.searchsorted(k_keep, k_moved)
     tie = (np.diff(k_moved) == 0).any() or (
         len(k_keep) > 0 and (k_keep[np.minimum(ins, len(k_keep) - 1)] == k_moved).any())
@@ -172,19 +174,19 @@ def _reorder(rp: RankPlan, src_region: np.ndarray, touched: np.ndarray,
     return _placed(rp, src_region, at, got, group, max_write_bytes, sources)
 
 
-def _sort_key(group: np.ndarray, src_region: np.ndarray, w: Table) -> np.ndarray | None:
-    """(group, src_region, dst_region, src_offset, dst_offset) as one int64 per write, in
-    that order, or None where it does not fit in 63 bits."""
-    cols = [group.astype(np.int64), src_region.astype(np.int64),
-            w["dst_region"].astype(np.int64), w["src_offset"], w["dst_offset"]]
-    if not len(group) or min(int(c.min()) for c in cols) < 0:
-        return None if len(group) else np.zeros(0, np.int64)
+def _sort_key(*cols: np.ndarray) -> np.ndarray | None:
+    """(group, src_region, dst_region, src_offset, dst_offset) of some writes as one int64
+    per write, in that order, or None where it does not fit in 63 bits."""
+    cols = tuple(c.astype(np.int64, copy=False) for c in cols)
+    if not len(cols[0]) or min(int(c.min()) for c in cols) < 0:
+        return None if len(cols[0]) else np.zeros(0, np.int64)
     bits = [int(c.max()).bit_length() for c in cols]
     if sum(bits) > 63:
         return None
-    key = cols[0]
+    key = cols[0].copy()
     for c, b in zip(cols[1:], bits[1:]):
-        key = (key << b) | c
+        key <<= b
+        key |= c
     return key
 
 

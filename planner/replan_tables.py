@@ -6,6 +6,7 @@ ranks' `tensors/<rank>` blobs (`target_blobs`), each as a full compile gives the
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -71,6 +72,13 @@ def _slot_regions(plan: Plan, h: PlanHeader, moe_layers: tuple[int, ...]) -> Ite
             yield Slots(rp.rank, i, moe[int(m[1])], ep * n, n, reg.nbytes // n)
 
 
+_SOURCES_KEEP = 64
+_SOURCES_KEPT: list[tuple[dict[str, Any], ModelSpec, int, tuple[Any, ...]]] = []
+"""`SourceTensors`' indexes of the last few source blobs, by the blob's identity (a replan
+passes the source ranks' blobs on as they are, so the next replan finds them; ranks whose
+blob is `same_as` another's share one)."""
+
+
 class SourceTensors:
     """Per source rank, from its `tensors/<rank>` blob: the region holding each logical
     tensor (-1: none) and, asked for, the geometry of that piece, for the expert tensors."""
@@ -96,6 +104,11 @@ class SourceTensors:
     def _of(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Table]:
         if rank not in self._cache:
             blob = resolve(self.blobs, rank)
+            nreg = len(self.plan.ranks[rank].regions)
+            for kept, kept_spec, kept_nreg, value in _SOURCES_KEPT:
+                if kept is blob and kept_spec is self.spec and kept_nreg == nreg:
+                    self._cache[rank] = value
+                    return value
             t = Table.from_msgpack(PIECE_COLUMNS, blob["pieces"], f"tensors/{rank}")
             gid = spec_ids(blob["names"], self.spec, self.index)[t["tensor"]]
             n = len(self.spec.tensors)
@@ -122,10 +135,11 @@ class SourceTensors:
             region[g] = reg
             row = np.zeros(n, np.int64)  # the piece of each expert tensor
             row[g] = expert
-            nreg = len(self.plan.ranks[rank].regions)
             gid_of_region = np.full(nreg, -1, np.int64)
             gid_of_region[reg[reg < nreg]] = g[reg < nreg]
             self._cache[rank] = (region, gid_of_region, row, t)
+            _SOURCES_KEPT.append((blob, self.spec, nreg, self._cache[rank]))
+            del _SOURCES_KEPT[:-_SOURCES_KEEP]
         return self._cache[rank]
 
     def regions(self, rank: np.ndarray, gid: np.ndarray) -> np.ndarray:
@@ -179,8 +193,9 @@ def explain(table: Table, hits: Hits, old: Placement, new: Placement,
              src: SourceTensors, ids: ExpertIds, sources: int) -> Table:
     """The explain table with the rows into each hit target tensor made again from the new
     slot contents: per (source rank, weight) a slot's share, the same for every expert,
-    times the slots of the tensor holding each expert. Only the rows of the experts in a
-    hit tensor's slots, before or after, are read (the table is sorted by tensor)."""
+    times the slots of the tensor holding each expert. Only the rows of the experts whose
+    count of slots in some hit tensor changed are read and made again (the table is sorted
+    by tensor); every other expert's rows stay as they are."""
     if not len(table):
         return table
     col = {name: table[name] for name, _ in EXPLAIN_COLUMNS}
@@ -192,8 +207,12 @@ def explain(table: Table, hits: Hits, old: Placement, new: Placement,
     was, now = old.table[hits.moe[hh], g], new.table[hits.moe[hh], g]
     before, after = (np.bincount(hh * n_exp + e, minlength=n_hit * n_exp).reshape(n_hit, n_exp)
                      for e in (was, now))
-    pairs = np.unique(np.concatenate([hits.moe[hh] * n_exp + was, hits.moe[hh] * n_exp + now]))
-    affected = ids.ids.reshape(-1, ids.ids.shape[2])[pairs].reshape(-1)
+    ch, ce = np.nonzero(before != after)
+    changed = np.zeros(ids.ids.shape[:2], bool)  # (MoE layer, expert) whose rows change
+    changed[hits.moe[ch], ce] = True
+    mask = changed[hits.moe]  # per hit tensor, the experts made again
+    before, after = before * mask, after * mask
+    affected = ids.ids[changed].reshape(-1)
     affected = np.unique(affected[affected >= 0])
     lo = np.searchsorted(tensor, affected, "left")
     span = np.searchsorted(tensor, affected, "right") - lo
@@ -202,7 +221,7 @@ def explain(table: Table, hits: Hits, old: Placement, new: Placement,
     sub, h = hits.find(col["dst_rank"][within], col["dst_region"][within])
     rows = within[sub]
     fed = np.bincount(h, weights=col["nbytes"][rows], minlength=n_hit)
-    if (fed != hits.slot_bytes * hits.count).any():
+    if (fed != hits.slot_bytes * before.sum(1)).any():
         raise NotIncremental("replan: a stacked expert tensor is fed other tensors; compile "
                              "the new placement in full")
     t = tensor[rows].astype(np.int64)
@@ -270,24 +289,34 @@ def _block_order(block: np.ndarray, sorted_first: int) -> np.ndarray:
 def _spliced(table: Table, col: dict[str, np.ndarray], lo: np.ndarray, hi: np.ndarray,
              affected: np.ndarray, block: np.ndarray) -> Table:
     """`table` with the rows `[lo[j], hi[j])` of each tensor `affected[j]` (sorted, as the
-    table is) replaced by `block`'s rows of that tensor (`block`: columns x rows, sorted)."""
+    table is) replaced by `block`'s rows of that tensor (`block`: columns x rows, sorted).
+
+    Where every tensor keeps its row count (most placement changes), the table is copied
+    and the block written over those rows; else each output row's source (a kept row, or
+    a block row) is one index, built from the runs, and every column taken through it."""
     b_lo = np.searchsorted(block[0], affected, "left")
     b_hi = np.searchsorted(block[0], affected, "right")
-    # runs of affected tensors with no kept row between them are spliced as one
-    start = np.ones(len(affected), bool)
-    start[1:] = lo[1:] != hi[:-1]
-    first, last = np.flatnonzero(start), np.append(np.flatnonzero(start)[1:], len(start)) - 1
-    keep_lo = np.append(0, hi[last]).tolist()
-    keep_hi = np.append(lo[first], len(table)).tolist()
-    blk_lo, blk_hi = b_lo[first].tolist(), b_hi[last].tolist()
+    span, b_len = hi - lo, b_hi - b_lo
+    n = len(table)
     out = {}
+    if np.array_equal(span, b_len):
+        at = np.repeat(lo - np.cumsum(span) + span, span) + np.arange(int(span.sum()))
+        for i, (name, dt) in enumerate(EXPLAIN_COLUMNS):
+            c = np.array(col[name], dtype=dt)
+            c[at] = block[i]
+            out[name] = c
+        return Table.build(EXPLAIN_COLUMNS, **out)
+    # runs, in output order: the kept rows before each affected tensor, then its block rows
+    keep_lo = np.append(0, hi)
+    keep_len = np.append(lo, n) - keep_lo
+    starts = np.empty(2 * len(affected) + 1, np.int64)
+    lens = np.empty(2 * len(affected) + 1, np.int64)
+    starts[0::2], lens[0::2] = keep_lo, keep_len
+    starts[1::2], lens[1::2] = n + b_lo, b_len  # block rows after the table's
+    total = int(lens.sum())
+    at = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(total)
     for i, (name, dt) in enumerate(EXPLAIN_COLUMNS):
-        c, bc = col[name], block[i].astype(dt)
-        parts = [c[keep_lo[0]:keep_hi[0]]]
-        for k in range(len(blk_lo)):
-            parts.append(bc[blk_lo[k]:blk_hi[k]])
-            parts.append(c[keep_lo[k + 1]:keep_hi[k + 1]])
-        out[name] = np.concatenate(parts)
+        out[name] = np.concatenate([col[name], block[i].astype(dt)])[at]
     return Table.build(EXPLAIN_COLUMNS, **out)
 
 
@@ -381,7 +410,7 @@ def _patched(blob: dict[str, Any], rp: RankPlan, slots: list[Slots], old: Placem
     rows = np.flatnonzero((k >= 0) & (region < len(slot_of)))
     k = k[rows]
     moe, first = (np.array([getattr(s, f) for s in slots], np.int64) for f in ("moe", "first"))
-    numel = np.array([int(np.prod(rp.regions[s.region].shape[1:])) for s in slots], np.int64)
+    numel = np.array([math.prod(rp.regions[s.region].shape[1:]) for s in slots], np.int64)
     g = first[k] + cols["start"][rows] // numel[k]
     layer = moe[k]
     if (ids.expert[gid[rows]] != old.table[layer, g]).any():

@@ -1,17 +1,20 @@
 """One rank of the placement plans (tests/support/placement_plans.py) as its own process
-(spawned by test_plan_switch.py): step 1 with plan A, the placement changes, step 2 with
-plan B, switched to in place.
+(spawned by test_plan_switch.py and test_plan_switch_cuda_ipc.py): step 1 with plan A, the
+placement changes, steps 2 and 3 with plan B, switched to in place.
 
-    python switch_worker.py FOLDER RANK HOST:PORT
+    python switch_worker.py FOLDER RANK HOST:PORT [TRANSPORT [DEVICE]]
 
-FOLDER holds a.rplan, b.rplan and tables.npz (placements a and b). Sources hold step k's
-weights (seed k) before step k; targets check after each step, bit for bit, that they hold
-what the engine's layout for that step's placement holds. Prints `rank R: ok` with the
-transport registrations counted after load (0 expected), and exits non-zero otherwise.
+FOLDER holds a.rplan, b.rplan and tables.npz (placements a and b, and the config's dp and
+tp). Sources hold step k's weights (seed k) before step k; targets check after each step,
+bit for bit, that they hold what the engine's layout for that step's placement holds.
+Prints `rank R: ok` with what the transport was asked after load: registrations, exports of
+its regions and peer imports (0, 0 and 0 expected), and exits non-zero otherwise. TRANSPORT
+defaults to nixl and DEVICE to cpu (cuda_ipc: the tensors live on DEVICE, e.g. cuda:0).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -27,37 +30,42 @@ from schemas.placement import Placement
 from tests.support.placement_plans import config, rank_tensors
 
 
-def main(folder: str, rank: int, rendezvous: str) -> int:
+def main(folder: str, rank: int, rendezvous: str, transport: str = "nixl",
+         device: str = "cpu") -> int:
     host, port = rendezvous.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                           timeout=timedelta(seconds=90))
     t = np.load(os.path.join(folder, "tables.npz"))
-    (cfg_a, spec), (cfg_b, _) = config(t["a"]), config(t["b"])
-    sources = 2
+    dp, tp = int(t["dp"]), int(t["tp"])
+    (cfg_a, spec), (cfg_b, _) = config(t["a"], dp, tp), config(t["b"], dp, tp)
+    sources, world = dp, dp + tp
     source = rank < sources
     tensors = rank_tensors(cfg_a, spec, rank, seed=1)
     if not source:
         tensors = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    tensors = {k: v.to(device) for k, v in tensors.items()}
     ptrs = {k: v.data_ptr() for k, v in tensors.items()}
-    ex = executor.load(os.path.join(folder, "a.rplan"), rank, tensors, transport="nixl",
+    ex = executor.load(os.path.join(folder, "a.rplan"), rank, tensors, transport=transport,
                        rendezvous=store, timeout_s=90, no_identity=True)
-    registered = []
-    register = ex.transport.register
-    ex.transport.register = lambda regions: (registered.append(1), register(regions))[1]
+    asked = {"register": 0, "export": 0, "import_peer": 0}
+    for name in asked:  # what registering again would call on the transport
+        _count(ex.transport, name, asked)
+    before = ex.transport.stats()
     bad = []
 
-    def check(step: int, cfg) -> None:  # noqa: ANN001
+    def refit(step: int, cfg) -> None:  # noqa: ANN001
+        if source:  # the trainer's weights of this step
+            for k, v in rank_tensors(cfg, spec, rank, seed=step).items():
+                tensors[k].copy_(v)
+        executor.run(ex, step)
         if source:
             return
         want = rank_tensors(cfg, spec, rank, seed=step)
-        bad.extend(f"step {step} {k}" for k, v in want.items() if not torch.equal(tensors[k], v))
+        bad.extend(f"step {step} {k}" for k, v in want.items()
+                   if not torch.equal(tensors[k].cpu(), v))
 
-    executor.run(ex, 1)
-    check(1, cfg_a)
-    if source:  # the trainer's next weights
-        for k, v in rank_tensors(cfg_a, spec, rank, seed=2).items():
-            tensors[k].copy_(v)
-    else:  # the engine's placement changed (EPLB): plan A is stale for it
+    refit(1, cfg_a)
+    if not source:  # the engine's placement changed (EPLB): plan A is stale for it
         try:
             ex.switch(os.path.join(folder, "a.rplan"), no_identity=True,
                       placement=Placement(t["b"]))
@@ -66,15 +74,19 @@ def main(folder: str, rank: int, rendezvous: str) -> int:
             print(f"rank {rank} refused: {e}", flush=True)
     ex.switch(os.path.join(folder, "b.rplan"), no_identity=True,
               placement=None if source else Placement(t["b"]))
-    executor.run(ex, 2)
-    check(2, cfg_b)
+    refit(2, cfg_b)
+    refit(3, cfg_b)
     if {k: v.data_ptr() for k, v in tensors.items()} != ptrs:
         bad.append("a tensor moved")
-    print(f"rank {rank}: registrations after load {len(registered)}, register_calls "
+    print(f"rank {rank}: registrations after load {asked['register']}, exports "
+          f"{asked['export']}, peer imports {asked['import_peer']}, register_calls "
           f"{ex.register_calls}, switches {ex.switches}, fingerprint {ex.fingerprint[:16]}",
           flush=True)
+    if transport == "cuda_ipc":  # peers' handles opened at connect, none since
+        print(f"rank {rank} stats before {json.dumps(before)} after "
+              f"{json.dumps(ex.transport.stats())}", flush=True)
     store.set(f"exit/{rank}", b"1")
-    store.wait([f"exit/{r}" for r in range(4)], timedelta(seconds=90))
+    store.wait([f"exit/{r}" for r in range(world)], timedelta(seconds=90))
     time.sleep(0.2)
     ex.close()
     if bad:
@@ -84,5 +96,16 @@ def main(folder: str, rank: int, rendezvous: str) -> int:
     return 0
 
 
+def _count(transport: object, name: str, asked: dict[str, int]) -> None:
+    """Count the calls of `transport.name` in `asked[name]`."""
+    f = getattr(transport, name)
+
+    def counted(*a: object) -> object:
+        asked[name] += 1
+        return f(*a)
+
+    setattr(transport, name, counted)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *sys.argv[4:]))

@@ -1,6 +1,7 @@
 """Switching plans at a step boundary (an expert placement change) without registering the
-memory again: 4 processes over NIXL, step 1 with plan A, step 2 with plan B (replanned),
-bit for bit; a plan for other memory or another placement refused in one line."""
+memory again: 4 processes over NIXL, step 1 with plan A, steps 2 and 3 with plan B
+(replanned), bit for bit; a plan for other memory or another placement refused in one line.
+The same over CUDA IPC on a GPU: test_plan_switch_cuda_ipc.py."""
 
 from __future__ import annotations
 
@@ -14,29 +15,15 @@ import pytest
 
 from executor.plan_switch import refusal
 from harness.launch import master_store, root_env, spawn_ranks
-from planner.compiler import compile_config
-from planner.replan import replan
-from schemas.placement import Placement
 from schemas.plan import Region
-from schemas.plan_write import write_plan
-from tests.support.placement_plans import config, tables
+from tests.support.placement_plans import write_plans
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "switch_worker.py")
 
 
-def _plans(folder: str):  # noqa: ANN202
-    a, b = tables(seed=4)
-    plan_a = compile_config(*config(a))
-    plan_b = replan(plan_a, config(a)[1], Placement(b))
-    write_plan(os.path.join(folder, "a.rplan"), plan_a)
-    write_plan(os.path.join(folder, "b.rplan"), plan_b)
-    np.savez(os.path.join(folder, "tables.npz"), a=a, b=b)
-    return plan_a, plan_b
-
-
 def test_switch_at_a_step_boundary_is_bit_exact_without_registering_again(tmp_path):
     pytest.importorskip("nixl")
-    plan_a, plan_b = _plans(str(tmp_path))
+    plan_a, plan_b = write_plans(str(tmp_path))
     moved = [r for r in range(plan_a.header.sources)
              if not np.array_equal(plan_a.ranks[r].writes["src_region"],
                                    plan_b.ranks[r].writes["src_region"])]
@@ -48,15 +35,16 @@ def test_switch_at_a_step_boundary_is_bit_exact_without_registering_again(tmp_pa
     for f in done:
         assert f.returncode == 0, f"rank {f.rank} failed:\n{f.output[-3000:]}"
         assert f"rank {f.rank}: ok" in f.output
-        assert (f"rank {f.rank}: registrations after load 0, register_calls 1, switches 1, "
-                f"fingerprint {plan_b.header.fingerprint[:16]}") in f.output
+        assert (f"rank {f.rank}: registrations after load 0, exports 0, peer imports 0, "
+                f"register_calls 1, switches 1, fingerprint {plan_b.header.fingerprint[:16]}"
+                ) in f.output
     for f in done[2:]:  # the engine's placement is B: plan A refused, in one line
         line = next(x for x in f.output.splitlines() if x.startswith(f"rank {f.rank} refused"))
         assert "compiled for placement" in line and "replan" in line
 
 
 def test_a_plan_for_other_memory_or_peers_is_refused_in_one_line(tmp_path):
-    plan_a, plan_b = _plans(str(tmp_path))
+    plan_a, plan_b = write_plans(str(tmp_path))
     h, rank = plan_a.header, plan_a.ranks[2]
     assert refusal(h, rank, plan_b.header, plan_b.ranks[2], [0, 1, 3]) is None
     bigger = dataclasses.replace(rank, regions=(

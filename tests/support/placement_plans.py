@@ -1,5 +1,6 @@
 """Plans for an expert placement (EPLB) on the tiny Qwen3-MoE: FSDP2 dp 2 -> vLLM TP 2 with
-expert parallelism, 10 physical slots for 8 experts; the tensors each rank binds."""
+expert parallelism (or another dp and TP: 1 and 1, two ranks), 10 physical slots for 8
+experts; the tensors each rank binds."""
 
 from __future__ import annotations
 
@@ -10,24 +11,30 @@ import numpy as np
 import torch
 
 from harness.weights import materialize, random_full_tensors
+from planner.compiler import compile_config
 from planner.frameworks import build_layout
 from planner.layouts.vllm_rank import eplb_layers
+from planner.replan import replan
 from planner.spec import ModelSpec, load_spec
 from planner.validate import validate
 from schemas.config import Config
 from schemas.config_load import config_from_dict
+from schemas.placement import Placement
+from schemas.plan import Plan
+from schemas.plan_write import write_plan
 
 MODELS = os.path.join(os.path.dirname(__file__), "..", "..", "plans", "models")
 SLOTS = 10
 
 
-def config(table: np.ndarray | None) -> tuple[Config, ModelSpec]:
-    """The config (with `table` as `target.placement`; None: none) and the spec."""
-    target: dict[str, Any] = {"engine": "vllm", "tp": 2, "ep": True}
+def config(table: np.ndarray | None, dp: int = 2, tp: int = 2) -> tuple[Config, ModelSpec]:
+    """The config (with `table` as `target.placement`; None: none; FSDP2 `dp` sources, a
+    vLLM engine of TP `tp` with expert parallelism) and the spec."""
+    target: dict[str, Any] = {"engine": "vllm", "tp": tp, "ep": True}
     if table is not None:
         target["placement"] = {"physical_to_logical_map": np.asarray(table).tolist()}
     cfg = config_from_dict({"model": {"config": "tiny-qwen3-moe/config.json"},
-                            "source": {"framework": "fsdp2", "dp": 2}, "target": target,
+                            "source": {"framework": "fsdp2", "dp": dp}, "target": target,
                             "cluster": {"gpus_per_host": 8},
                             "options": {"write_overhead_us": 0.0}}, base_dir=MODELS)
     spec = load_spec(cfg.model_config_path)
@@ -59,3 +66,17 @@ def rank_tensors(cfg: Config, spec: ModelSpec, rank: int, seed: int) -> dict[str
         return materialize(src, full, [rank])[rank]
     r = rank - src.world
     return materialize(build_layout(spec, cfg.target), full, [r])[r]
+
+
+def write_plans(folder: str, dp: int = 2, tp: int = 2) -> tuple[Plan, Plan]:
+    """Plans A and B of `tables(seed=4)` (B replanned from A) for FSDP2 dp `dp` -> vLLM TP
+    `tp`, written under `folder` as a.rplan and b.rplan, with tables.npz (the placements,
+    dp and tp: what tests/executor/switch_worker.py reads)."""
+    a, b = tables(seed=4)
+    cfg, spec = config(a, dp, tp)
+    plan_a = compile_config(cfg, spec)
+    plan_b = replan(plan_a, spec, Placement(b))
+    write_plan(os.path.join(folder, "a.rplan"), plan_a)
+    write_plan(os.path.join(folder, "b.rplan"), plan_b)
+    np.savez(os.path.join(folder, "tables.npz"), a=a, b=b, dp=dp, tp=tp)
+    return plan_a, plan_b
