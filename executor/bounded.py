@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from schemas.chunked_plan import bases, check_chunk_rank, load_rank_chunks
+from schemas.header import PlanHeader
 from schemas.integrity import plan_key as read_key
 from schemas.plan import STAGING, RankPlan
 
@@ -99,15 +100,19 @@ def chunk_rendezvous(rendezvous: object, k: int, rank: int = 0, timeout_s: float
     return dist.PrefixStore(f"rplan-chunk{k}/", rendezvous)
 
 
-def _parts(path: str, rank: int, o: LoadOptions) -> tuple[int, list[tuple[Any, RankPlan]]]:
+def _parts(path: str, rank: int, o: LoadOptions
+           ) -> tuple[int, list[tuple[PlanHeader, RankPlan]]]:
     """The budget and rank `rank`'s part of every chunk, all read and checked before any
     executor is made (a broken chunk k is refused before chunk 0 connects)."""
-    key = None if o.plan_key is None else read_key(o.plan_key)
-    budget, parts = load_rank_chunks(path, rank, key)
+    return load_rank_chunks(path, rank, None if o.plan_key is None else read_key(o.plan_key))
+
+
+def check_identities(parts: list[tuple[PlanHeader, RankPlan]], o: LoadOptions, path: str
+                     ) -> None:
+    """Each chunk's part against `o.identity` (`trust.check_identity`), before any binds."""
     for k, (header, rp) in enumerate(parts):
-        check_identity(header, rp.identity, rank, o.identity, o.no_identity,
+        check_identity(header, rp.identity, rp.rank, o.identity, o.no_identity,
                        f"{path} chunk {k}")
-    return budget, parts
 
 
 def chunk_options(o: LoadOptions, k: int, rank: int) -> LoadOptions:
@@ -122,6 +127,7 @@ def load_chunks(path: str, rank: int, tensors: dict[str, torch.Tensor],
     registered and connected (every rank loads the chunks in the same order)."""
     o = LoadOptions.of(options, fields)
     _, parts = _parts(path, rank, o)
+    check_identities(parts, o, path)
     out: list[Executor] = []
     for k, (header, rp) in enumerate(parts):
         ex = Executor(header, rp, tensors, chunk_options(o, k, rank))
@@ -206,11 +212,21 @@ class BoundedShadow:
         """Load every chunk of rank `rank` (register, connect: all ranks in the same order)."""
         o = LoadOptions.of(options, fields)
         budget, parts = _parts(path, rank, o)
+        return cls.load_parts(budget, parts, live, o, path)
+
+    @classmethod
+    def load_parts(cls, budget: int, parts: list[tuple[PlanHeader, RankPlan]],
+                   live: dict[str, torch.Tensor], options: LoadOptions, path: str = "plan"
+                   ) -> BoundedShadow:
+        """`load` of the parts its caller has read (`schemas.chunked_plan.read_rank_chunks`:
+        the engine core reads the plan file once): identities, every chunk's tensors
+        against `live`, then each chunk's executor registered and connected in order."""
+        check_identities(parts, options, path)
         self = cls(live, budget)
         for _, rp in parts:  # every chunk's tensors against `live`, before any connects
             self.bind_live(rp)
         for k, (header, rp) in enumerate(parts):
-            ex = Executor(header, rp, self.views(rp), chunk_options(o, k, rank))
+            ex = Executor(header, rp, self.views(rp), chunk_options(options, k, rp.rank))
             ex.register()
             ex.connect()
             self.attach(ex)

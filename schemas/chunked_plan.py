@@ -29,12 +29,13 @@ import hashlib
 import hmac
 import io
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from .header import PlanFormatError, PlanHeader
 from .integrity import signature
-from .plan import STAGING, Plan, RankPlan, load_rank_from, open_plan, read_plan_from
+from .plan import STAGING, Plan, RankPlan, open_plan, read_header, read_plan_from, read_rank
 from .plan_codec import checksum, pack, read_exact, unpack
 from .protocol import ALIGN
 
@@ -187,19 +188,42 @@ def _chunk_file(f: io.BufferedIOBase, idx: ChunkedIndex, k: int, path: str) -> i
     return io.BytesIO(read_exact(f, n, f"{path} chunk {k}", digest))
 
 
+def starts_chunked(f: BinaryIO) -> bool:
+    """Whether the open file `f` starts like a chunked plan (it is left at its start)."""
+    magic = f.read(len(MAGIC))
+    f.seek(0)
+    return magic == MAGIC
+
+
 def load_rank_chunks(path: str, rank: int, key: bytes | None = None
                      ) -> tuple[int, list[tuple[PlanHeader, RankPlan]]]:
-    """(budget, [(header, rank part)] of every chunk in index order): the index (with `key`
-    its signature), each chunk against its digest, its rank part against the budget, and a
-    target's parts together against the index's set (`set_violations`)."""
+    """(budget, [(header, rank part)] of every chunk in index order): `read_rank_chunks` of
+    the file at `path`."""
     with open_plan(path) as f:
-        idx = read_index(f, path, key)
-        parts = []
-        for k in range(len(idx.chunks)):
-            what = f"{path} chunk {k}"
-            header, rp = load_rank_from(_chunk_file(f, idx, k, path), what, rank, key)
-            check_chunk_rank(rp, idx.budget, what)
-            parts.append((header, rp))
+        return read_rank_chunks(f, path, lambda _: rank, key)
+
+
+def read_rank_chunks(f: BinaryIO, path: str, rank_of: Callable[[PlanHeader], int],
+                     key: bytes | None = None
+                     ) -> tuple[int, list[tuple[PlanHeader, RankPlan]]]:
+    """(budget, [(header, rank part)] of every chunk in index order) of an open chunked
+    plan file: the index (with `key` its signature), each chunk against its digest, the
+    rank's part of each against the budget, and a target's parts together against the
+    index's set (`set_violations`). `rank_of(header)`, called once with chunk 0's header,
+    names the rank (an engine derives it from the header); its part is read from every
+    chunk."""
+    idx = read_index(f, path, key)
+    parts: list[tuple[PlanHeader, RankPlan]] = []
+    rank = -1
+    for k in range(len(idx.chunks)):
+        what = f"{path} chunk {k}"
+        chunk = _chunk_file(f, idx, k, path)
+        header, start = read_header(chunk, what, key)
+        if k == 0:
+            rank = rank_of(header)
+        rp = read_rank(chunk, header, start, rank, what)
+        check_chunk_rank(rp, idx.budget, what)
+        parts.append((header, rp))
     if len({rp.role for _, rp in parts}) > 1:
         raise PlanFormatError(f"{path}: rank {rank} is a source in some chunks and a target "
                               f"in others; {FIX}")
