@@ -5,9 +5,6 @@
     stats = executor.run(plan)
 """
 
-from schemas.identity import IdentityError
-from schemas.shadow import shadow_bytes as shadow_extra_bytes
-
 from .bounded import BoundedShadow, BoundedStats, load_chunks, run_chunks
 from .core import Executor, load, run
 from .errors import (
@@ -32,8 +29,8 @@ from .stats import RunStats, ShadowStats
 from .world import run_all_local
 
 __all__ = ["BindError", "BoundedShadow", "BoundedStats", "Executor", "ForgedRecordError",
-           "IdentityError", "LeaseHeldError", "LeaseLostError", "LoadOptions", "NoSecretError",
+           "LeaseHeldError", "LeaseLostError", "LoadOptions", "NoSecretError",
            "PeerAbortError", "PeerLostError", "PeerMismatchError", "PeerTimeoutError",
            "PlanBoundsError", "PlanDeadlockError", "RunStats", "Shadow", "ShadowStats",
            "TornUpdateError", "TransportOptionError", "connect_store", "load", "load_chunks",
-           "run", "run_all_local", "run_chunks", "shadow_extra_bytes"]
+           "run", "run_all_local", "run_chunks"]

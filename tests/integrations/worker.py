@@ -34,6 +34,7 @@ from harness.weights import materialize, random_full_tensors  # noqa: E402
 from planner.frameworks import build_layout  # noqa: E402
 from planner.layouts import megatron  # noqa: E402
 from planner.validate import load  # noqa: E402
+from schemas.identity import IdentityError  # noqa: E402
 from schemas.tensors import rank_tensors  # noqa: E402
 
 
@@ -64,7 +65,7 @@ def _refused(arg: dict, tensors: dict[str, torch.Tensor], rank: int, ident: dict
         try:
             executor.load(path, rank=r, tensors=tensors, transport="nixl",
                           rendezvous=_store(arg), timeout_s=120, **kw)
-        except executor.IdentityError as e:
+        except IdentityError as e:
             print(f"refused rank {r}: {e}", flush=True)
             continue
         raise AssertionError(f"plan rank {r} of {path} loaded ({kw})")
@@ -116,7 +117,7 @@ def _vllm_swapped(arg: dict, b) -> None:  # noqa: ANN001 - an integrations.Bindi
                                        allow_unsigned=True, **kw)  # the test's plan: unsigned
         try:
             eng = RdmaPlanTrainerEngine.trainer_init(info, client=client, source=source)
-        except executor.IdentityError as e:
+        except IdentityError as e:
             assert client.calls == [], f"{what}: the client was called: {client.calls}"
             print(f"refused {what}: {e}", flush=True)
             continue
