@@ -5,7 +5,7 @@
     stats = executor.run(plan)
 """
 
-from .bounded import BoundedShadow, BoundedStats, load_chunks, run_chunks
+from .chunked import ChunkedShadow, ChunkedStats, load_chunks, run_chunks
 from .core import Executor, load, run
 from .errors import (
     BindError,
@@ -28,7 +28,7 @@ from .shadow import Shadow
 from .stats import RunStats, ShadowStats
 from .world import run_all_local
 
-__all__ = ["BindError", "BoundedShadow", "BoundedStats", "Executor", "ForgedRecordError",
+__all__ = ["BindError", "ChunkedShadow", "ChunkedStats", "Executor", "ForgedRecordError",
            "LeaseHeldError", "LeaseLostError", "LoadOptions", "NoSecretError",
            "PeerAbortError", "PeerLostError", "PeerMismatchError", "PeerTimeoutError",
            "PlanBoundsError", "PlanDeadlockError", "RunStats", "Shadow", "ShadowStats",

@@ -14,7 +14,7 @@ One `EngineCore` per engine rank (a vLLM worker, an SGLang TP rank), in this ord
    (`schemas.chunked_plan.read_rank_chunks`); `parts` holds them in order.
 2. **Bind.** `load(tensors, shadow)`, one of three modes: the executor binds the engine's
    live tensors (paused), or an `executor.Shadow` of them (shadow: `shadow` names the
-   tensors the shadow copies), or, for a chunked plan, an `executor.BoundedShadow` of them
+   tensors the shadow copies), or, for a chunked plan, an `executor.ChunkedShadow` of them
    (chunked: one buffer of N bytes, one executor per chunk); each registers once and
    connects, the identity checked against every part before anything is registered.
 3. **Receive.** Paused: `run_step()` runs this rank's step into the live tensors; whether it
@@ -100,7 +100,7 @@ class EngineCore:
         """The expert placement the plan writes (checked against the engine's per update)."""
         self.plan: executor.Executor | None = None
         self.shadow: executor.Shadow | None = None
-        self.chunked: executor.BoundedShadow | None = None
+        self.chunked: executor.ChunkedShadow | None = None
         """Chunked mode: the buffer and one executor per chunk (`load`)."""
         self.version: str | None = None
         """The last committed version (None before the first complete update)."""
@@ -136,9 +136,9 @@ class EngineCore:
 
     def load(self, tensors: dict[str, torch.Tensor], *, shadow: dict[str, torch.Tensor] | None
              = None, transport: str = "nixl", rendezvous: object = None,
-             timeout_s: float = 60.0) -> executor.Executor | executor.BoundedShadow:
+             timeout_s: float = 60.0) -> executor.Executor | executor.ChunkedShadow:
         """Bind `tensors` (or, given `shadow`, an `executor.Shadow` of those live tensors;
-        for a chunked plan, an `executor.BoundedShadow` of them), register once and connect
+        for a chunked plan, an `executor.ChunkedShadow` of them), register once and connect
         to the peers."""
         opts = LoadOptions(transport=transport, rendezvous=rendezvous, timeout_s=timeout_s,
                            plan_key=self.plan_key, identity=self.identity)
@@ -148,7 +148,7 @@ class EngineCore:
                                  f"{self.budget}-byte buffer: load it without a shadow and "
                                  "receive it paused (run_step), or compile with "
                                  "target.shadow: full for the shadow mode")
-            self.chunked = executor.BoundedShadow.load_parts(self.budget, self.parts, tensors,
+            self.chunked = executor.ChunkedShadow.load_parts(self.budget, self.parts, tensors,
                                                              opts, self.path)
             return self.chunked
         if shadow is not None:

@@ -22,7 +22,7 @@ import executor
 import schemas.chunked_plan
 import schemas.plan
 import schemas.safe_read
-from executor.bounded import load_chunks
+from executor.chunked import load_chunks
 from executor.transports.local import Fabric
 from harness.weights import materialize, random_full_tensors
 from planner.compiler import compile_to
@@ -122,7 +122,7 @@ def test_load_chunks_reads_each_chunk_once(tmp_path, monkeypatch):
         if r == 0:
             return load_chunks(path, 0, tensors[0], transport="local", rendezvous=fabric,
                                no_identity=True, timeout_s=20)
-        return executor.BoundedShadow.load(path, r, tensors[r], transport="local",
+        return executor.ChunkedShadow.load(path, r, tensors[r], transport="local",
                                            rendezvous=fabric, no_identity=True,
                                            timeout_s=20)
     counts, loaded = _traced_loads(load, len(tensors))

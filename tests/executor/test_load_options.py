@@ -11,14 +11,14 @@ import pytest
 import torch
 
 import executor
-from executor import BoundedShadow, Executor, LoadOptions, Shadow, load_chunks
+from executor import ChunkedShadow, Executor, LoadOptions, Shadow, load_chunks
 from executor.transports.local import Fabric
 from schemas.plan import load_plan
 from tests.support.plans import save, two_by_two, two_by_two_expected, two_by_two_tensors
 
 
 def test_every_load_has_the_one_signature():
-    loads = [executor.load, Executor.load, Shadow.load, BoundedShadow.load, load_chunks]
+    loads = [executor.load, Executor.load, Shadow.load, ChunkedShadow.load, load_chunks]
     for fn in loads:
         params = list(inspect.signature(fn).parameters.values())
         assert [p.name for p in params[-2:]] == ["options", "fields"], fn

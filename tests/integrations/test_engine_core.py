@@ -22,7 +22,7 @@ import torch
 
 import executor
 import schemas.safe_read
-from executor.bounded import load_chunks, run_chunks
+from executor.chunked import load_chunks, run_chunks
 from executor.transports.local import Fabric
 from harness.weights import materialize, random_full_tensors
 from integrations.engine_core import EngineCore
