@@ -13,7 +13,6 @@ each chunk's header and the rank's part of it once.
 from __future__ import annotations
 
 import sys
-import threading
 from collections import Counter
 from collections.abc import Callable
 from types import CodeType
@@ -32,6 +31,7 @@ from planner.validate import validate
 from schemas.config_load import config_from_dict
 from schemas.header import PlanHeader
 from tests.support.models import qwen3
+from tests.support.threads import together
 
 HF = qwen3(num_hidden_layers=2)
 SOURCE = {"framework": "fsdp2", "dp": 1, "dtype": "float32"}
@@ -66,28 +66,17 @@ def _traced_loads(load: Callable[[int], object], ranks: int
                   ) -> tuple[dict[int, Counter], list[object]]:
     """`load(rank)` for every rank on its own thread; per rank, the traced calls made."""
     counts: dict[int, Counter] = {r: Counter() for r in range(ranks)}
-    out: list[object] = [None] * ranks
-    errors: list[BaseException] = []
 
-    def run(rank: int) -> None:
+    def traced(rank: int) -> object:
         def profile(frame, event, _arg):  # noqa: ANN001 - sys.setprofile's signature
             if event == "call" and (name := TRACED.get(frame.f_code)) is not None:
                 counts[rank][name] += 1
-        sys.setprofile(profile)
+        sys.setprofile(profile)  # this thread's only
         try:
-            out[rank] = load(rank)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
+            return load(rank)
         finally:
             sys.setprofile(None)
-    ts = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return counts, out
+    return counts, together(lambda r=r: traced(r) for r in range(ranks))
 
 
 def _check(counts: Counter, parts: int, rank: int) -> None:

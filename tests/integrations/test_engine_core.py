@@ -15,8 +15,6 @@ plan (FSDP2 -> SGLang TP 2) with every rank in one process (`local`):
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -36,6 +34,7 @@ from schemas.config_load import config_from_dict
 from schemas.plan import STAGING, open_plan, read_header
 from schemas.plan_write import write_plan
 from tests.support.models import qwen3
+from tests.support.threads import together
 
 HF = qwen3(num_hidden_layers=2)
 SOURCE = {"framework": "fsdp2", "dp": 1, "dtype": "float32"}
@@ -60,23 +59,6 @@ def _versions(spec, layouts, seed: int):
     src = materialize(layouts[0], full)
     want = materialize(layouts[1], full)  # by target rank
     return src, want
-
-
-def _all(fns) -> None:
-    errors: list[BaseException] = []
-
-    def guarded(fn) -> None:
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-    ts = [threading.Thread(target=guarded, args=(fn,)) for fn in fns]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 def _count_opens(monkeypatch) -> list[str]:
@@ -113,7 +95,7 @@ def _bind(world, monkeypatch, shadow: bool):
         core.load(live[t], shadow=live[t] if shadow else None, transport="local",
                   rendezvous=fabric, timeout_s=20)
         out[t] = core
-    _all([source] + [lambda t=t: target(t) for t in (0, 1)])
+    together([source] + [lambda t=t: target(t) for t in (0, 1)])
     return out, live, opens
 
 
@@ -156,7 +138,7 @@ def test_paused_and_shadow_receive_write_every_byte(world, monkeypatch, shadow):
                 c.switch()
         else:
             ok: dict[int, bool] = {}
-            _all([lambda: executor.run(out["src"])] +
+            together([lambda: executor.run(out["src"])] +
                  [lambda t=t: ok.__setitem__(t, cores[t].run_step()) for t in (0, 1)])
             assert ok == {0: True, 1: True}
         for t, c in enumerate(cores):
@@ -229,7 +211,7 @@ def _bind_chunked(chunked_world, monkeypatch, timeout_s: float = 20):
         core = EngineCore(path, "sglang", lambda header, t=t: ids[1 + t])
         core.load(live[t], transport="local", rendezvous=fabric, timeout_s=timeout_s)
         out[t] = core
-    _all([source] + [lambda t=t: target(t) for t in (0, 1)])
+    together([source] + [lambda t=t: target(t) for t in (0, 1)])
     return out, live, opens
 
 
@@ -263,7 +245,7 @@ def test_a_chunked_plan_is_read_once_and_received_chunk_by_chunk(chunked_world, 
         ok: dict[int, bool] = {}
         for c in cores:
             c.begin("v2")
-        _all([lambda: run_chunks(out["src"])] +
+        together([lambda: run_chunks(out["src"])] +
              [lambda t=t: ok.__setitem__(t, cores[t].run_step()) for t in (0, 1)])
         assert ok == {0: True, 1: True}, [c.failure for c in cores]
         for t, c in enumerate(cores):
@@ -287,7 +269,7 @@ def test_a_chunk_that_never_lands_tears_the_update_with_the_mix_named(chunked_wo
         ok: dict[int, bool] = {}
         for c in cores:
             c.begin("v2")
-        _all([lambda: out["src"][0].run()] +
+        together([lambda: out["src"][0].run()] +
              [lambda t=t: ok.__setitem__(t, cores[t].run_step()) for t in (0, 1)])
         assert ok == {0: False, 1: False}
         for c in cores:
