@@ -36,6 +36,7 @@ from planner.layouts import megatron  # noqa: E402
 from planner.validate import load  # noqa: E402
 from schemas.identity import IdentityError  # noqa: E402
 from schemas.tensors import rank_tensors  # noqa: E402
+from tests.support.integration import RecordingClient  # noqa: E402
 
 
 def _full(spec, step: int) -> dict[str, torch.Tensor]:
@@ -71,26 +72,6 @@ def _refused(arg: dict, tensors: dict[str, torch.Tensor], rank: int, ident: dict
         raise AssertionError(f"plan rank {r} of {path} loaded ({kw})")
 
 
-class _Client:
-    """vLLM's weight-sync client as the sender drives it; the test's target process runs
-    the plan's target rank itself, so each call is only recorded."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def init_weight_transfer_engine(self, info: dict) -> None:
-        self.calls.append("init")
-
-    def start_weight_update(self) -> None:
-        self.calls.append("start")
-
-    def update_weights(self, info: dict) -> None:
-        self.calls.append("update")
-
-    def finish_weight_update(self, version: str | None = None) -> None:
-        self.calls.append("finish")
-
-
 def _vllm_swapped(arg: dict, b) -> None:  # noqa: ANN001 - an integrations.Binding
     """`arg["vllm_swap"]`: this live trainer rank on the vLLM trainer path
     (`RdmaPlanTrainerEngine.trainer_init`) handed the other rank's identity, as a launcher's
@@ -111,7 +92,7 @@ def _vllm_swapped(arg: dict, b) -> None:  # noqa: ANN001 - an integrations.Bindi
                                                          rank=other["rank"])}, None),
              ("binding+identity=", {"binding": b, "identity": other["identity"]}, None)]
     for what, kw, source in tries:
-        client = _Client()
+        client = RecordingClient()
         info = RdmaPlanTrainerInitInfo(plan=arg["plan"], rendezvous=arg["rendezvous"],
                                        rank=index, timeout_s=arg["timeout_s"],
                                        allow_unsigned=True, **kw)  # the test's plan: unsigned
