@@ -18,8 +18,8 @@ of a [B, D] activation through its live weights. Per model, in one run:
 - `paused refit`: the same plan run into the live tensors with the engine stopped (the
   engine pauses for the whole transfer).
 
-`--bounded C`: a second table, the same models through a bounded shadow of C chunks
-(`executor/bounded.py`): the whole refit (the pause of an engine kept paused across it) and
+`--chunked C`: a second table, the same models through a chunked shadow of C chunks
+(`executor/chunked.py`): the whole refit (the pause of an engine kept paused across it) and
 the largest switch of one chunk (the pause per chunk of an engine that accepts serving
 layers at N+1 beside layers at N), beside the full shadow's pause and the paused refit.
 
@@ -50,7 +50,7 @@ sys.path.insert(0, ROOT)
 # Every rank is a thread of this one process here: a wait's first 2 ms of spinning
 # (executor/spin.py) holds the GIL the other ranks and the decode need, which processes of
 # their own do not share (on one H200 it made the paused refit 3.7x slower, 10.4 ms -> 2.85
-# ms, and a bounded chunk's switch ~5 ms). So ranks nap from the start, unless the caller
+# ms, and a chunked shadow's chunk's switch ~5 ms). So ranks nap from the start, unless the caller
 # sets RDMA_PLAN_SPIN_S. (Run as a script only: an importer keeps its own.)
 if __name__ == "__main__":
     os.environ.setdefault("RDMA_PLAN_SPIN_S", "0")
@@ -206,17 +206,17 @@ def bench_model(d: int, k: int, args: argparse.Namespace, device: torch.device) 
     return dict(model=f"{d}x{k}", mib=nbytes / 2**20, **med, floor=floor)
 
 
-def bench_bounded(d: int, k: int, args: argparse.Namespace, device: torch.device) -> dict:
-    """The same model through a bounded shadow (`executor/bounded.py`): `--bounded C`
+def bench_chunked(d: int, k: int, args: argparse.Namespace, device: torch.device) -> dict:
+    """The same model through a chunked shadow (`executor/chunked.py`): `--chunked C`
     chunks of ceil(K/C) weights, one buffer of that many bytes per target. The engine is
     stopped for the whole refit (its pause: `refit`), or, accepting the mixed versions,
     only for each chunk's switch (`switch`, the largest per step)."""
-    from executor.bounded import BoundedShadow, load_chunks, run_chunks
+    from executor.chunked import ChunkedShadow, load_chunks, run_chunks
     from planner.passes.chunked import with_chunk_shadow
     from schemas.chunked_plan import write_chunked
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     tdt, S, T = getattr(torch, dtype), args.sources, args.targets
-    per = -(-k // args.bounded)
+    per = -(-k // args.chunked)
     budget = per * d * d * SIZE[dtype]
     path = os.path.join(tempfile.mkdtemp(prefix="zero-pause-b-"), "p.rplan")
     plans = [with_chunk_shadow(make_plan(None, d, k, S, T, dtype, range(c, min(k, c + per))),
@@ -232,8 +232,8 @@ def bench_bounded(d: int, k: int, args: argparse.Namespace, device: torch.device
         kw = dict(timeout_s=TIMEOUT_S, step_records=False, no_identity=True)
         out[r] = (load_chunks(path, r, src[r], transport="local", rendezvous=fabric,
                               **kw) if r < S else
-                  BoundedShadow.load(path, r, live[r], transport="local", rendezvous=fabric, **kw))
-    _join([threading.Thread(target=_guarded(load, f"bounded load of rank {r}"), args=(r,))
+                  ChunkedShadow.load(path, r, live[r], transport="local", rendezvous=fabric, **kw))
+    _join([threading.Thread(target=_guarded(load, f"chunked load of rank {r}"), args=(r,))
            for r in range(S + T)])
     rows: dict[str, list[float]] = {"refit": [], "switch": []}
     for step in range(1, args.steps + 2):
@@ -247,14 +247,14 @@ def bench_bounded(d: int, k: int, args: argparse.Namespace, device: torch.device
         def target(r: int, step: int = step, stats: dict = stats) -> None:
             stats[r] = out[r].run(step)
         t0 = time.perf_counter()
-        _join([threading.Thread(target=_guarded(run_chunks, f"bounded source {r} step {step}"),
+        _join([threading.Thread(target=_guarded(run_chunks, f"chunked source {r} step {step}"),
                                 args=(out[r], step)) for r in range(S)]
-              + [threading.Thread(target=_guarded(target, f"bounded target {r} step {step}"),
+              + [threading.Thread(target=_guarded(target, f"chunked target {r} step {step}"),
                                   args=(r,)) for r in range(S, S + T)])
         refit = time.perf_counter() - t0
         if not all(torch.equal(live[t][f"w{i}"], src[i % S][f"t{t}.w{i}"])
                    for t in live for i in range(k)) or len(stats) != T:
-            sys.exit(f"zero_pause bounded {d}x{k} step {step}: not bit-exact")
+            sys.exit(f"zero_pause chunked {d}x{k} step {step}: not bit-exact")
         if step > 1:
             rows["refit"].append(refit)
             rows["switch"].append(max(max(st.switch_s) for st in stats.values()))
@@ -293,14 +293,14 @@ def _join(threads: list[threading.Thread], start: bool = True) -> None:
                                                if len(ERRORS) > 1 else ""))
 
 
-def bounded_table(results: list[dict], full: list[dict]) -> str:
-    lines = ["bounded shadow (executor/bounded.py): the engine paused for the whole refit "
+def chunked_table(results: list[dict], full: list[dict]) -> str:
+    lines = ["chunked shadow (executor/chunked.py): the engine paused for the whole refit "
              "(refit ms), or, accepting layers at N+1 beside layers at N, per chunk switch",
-             "| model (bounded) | budget MiB | chunks | refit ms (paused throughout) | "
+             "| model (chunked) | budget MiB | chunks | refit ms (paused throughout) | "
              "switch per chunk ms (largest) | full shadow pause ms | paused refit ms |",
              "|---|---|---|---|---|---|---|"]
     for r, f in zip(results, full):
-        lines.append(f"| bounded {r['model']} | {r['budget_mib']:.2f} | {r['chunks']} | "
+        lines.append(f"| chunked {r['model']} | {r['budget_mib']:.2f} | {r['chunks']} | "
                      f"{1e3 * r['refit']:.2f} | {1e3 * r['switch']:.3f} | "
                      f"{1e3 * f['pause']:.3f} | {1e3 * f['paused']:.2f} |")
     return "\n".join(lines)
@@ -338,15 +338,15 @@ def main() -> None:
                     "the pause must not grow)")
     ap.add_argument("--timeout-s", type=float, default=TIMEOUT_S,
                     help="every executor's timeout: a failing rank ends the run this soon")
-    ap.add_argument("--bounded", type=int, default=0, metavar="C",
-                    help="also run each model through a bounded shadow of C chunks")
+    ap.add_argument("--chunked", type=int, default=0, metavar="C",
+                    help="also run each model through a chunked shadow of C chunks")
     ap.add_argument("--tiny", action="store_true", help="CPU, 128x4 and 256x4, 3 steps, "
-                    "bounded in 2 chunks")
+                    "chunked in 2 chunks")
     args = ap.parse_args()
     TIMEOUT_S = args.timeout_s
     if args.tiny:
         args.models, args.steps, args.device = "128x4,256x4", 3, "cpu"
-        args.bounded = args.bounded or 2
+        args.chunked = args.chunked or 2
     if args.sources < 1 or args.targets < 1:
         sys.exit(f"zero_pause: --sources {args.sources} --targets {args.targets}: each must "
                  "be at least 1")
@@ -360,8 +360,8 @@ def main() -> None:
         torch.set_num_threads(1)
     results = [bench_model(d, k, args, device) for d, k in models]
     print(table(results, args, device))
-    if args.bounded > 0:
-        print(bounded_table([bench_bounded(d, k, args, device) for d, k in models], results))
+    if args.chunked > 0:
+        print(chunked_table([bench_chunked(d, k, args, device) for d, k in models], results))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ SIZE = {"bfloat16": 2, "float32": 4}
 def make_plan(path: str | None, d: int, k: int, sources: int, targets: int, dtype: str,
               only: range | None = None) -> Plan:
     """Sources 0..S-1, targets S..S+T-1; target t's "w{i}" [d, d] comes whole from source
-    i % S (its region "t{t}.w{i}"); `only`: those weights only (a bounded shadow's chunk)."""
+    i % S (its region "t{t}.w{i}"); `only`: those weights only (a chunked shadow's chunk)."""
     n = d * d * SIZE[dtype]
     only = range(k) if only is None else only
 

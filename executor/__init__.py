@@ -5,10 +5,7 @@
     stats = executor.run(plan)
 """
 
-from schemas.identity import IdentityError
-from schemas.shadow import shadow_bytes as shadow_extra_bytes
-
-from .bounded import BoundedShadow, BoundedStats, load_chunks, run_chunks
+from .chunked import ChunkedShadow, ChunkedStats, load_chunks, run_chunks
 from .core import Executor, load, run
 from .errors import (
     BindError,
@@ -31,9 +28,9 @@ from .shadow import Shadow
 from .stats import RunStats, ShadowStats
 from .world import run_all_local
 
-__all__ = ["BindError", "BoundedShadow", "BoundedStats", "Executor", "ForgedRecordError",
-           "IdentityError", "LeaseHeldError", "LeaseLostError", "LoadOptions", "NoSecretError",
+__all__ = ["BindError", "ChunkedShadow", "ChunkedStats", "Executor", "ForgedRecordError",
+           "LeaseHeldError", "LeaseLostError", "LoadOptions", "NoSecretError",
            "PeerAbortError", "PeerLostError", "PeerMismatchError", "PeerTimeoutError",
            "PlanBoundsError", "PlanDeadlockError", "RunStats", "Shadow", "ShadowStats",
            "TornUpdateError", "TransportOptionError", "connect_store", "load", "load_chunks",
-           "run", "run_all_local", "run_chunks", "shadow_extra_bytes"]
+           "run", "run_all_local", "run_chunks"]

@@ -44,9 +44,9 @@ ENV = "RDMA_PLAN_SECRET"
 MIN_SECRET = 16
 MAX_RECORD = 16 << 20
 """Bytes: a store value larger than this is refused before it is decoded. A rank's
-descriptor record grows with its regions: over `cuda_ipc` ~220 bytes each, 2.35 MB for a
-Qwen3-30B-A3B source holding its 10k expert tensors (1 MiB refused it), and a rank has at
-most `control.MAX_REGIONS` (65,536) regions."""
+descriptor record grows with its regions (over `cuda_ipc`, a source holding an MoE's
+expert tensors one by one publishes megabytes: BENCHMARKS.md), and a rank has at most
+`control.MAX_REGIONS` (65,536) regions."""
 SIG_MAC = 16
 _U64 = (1 << 64) - 1
 
@@ -93,8 +93,7 @@ def keys_from(secret: bytes | str | None, insecure: bool = False, rank: int = -1
 
 def _stream(key: bytes, nonce: bytes, data: bytes) -> bytes:
     """XOR `data` with keyed-BLAKE2b(key, nonce || counter) blocks of 64 bytes (its own
-    inverse; a 2.35 MB record in ~0.1 s, where HMAC-SHA256 blocks XORed byte by byte in
-    Python took seconds)."""
+    inverse; far faster in Python than HMAC-SHA256 blocks XORed byte by byte)."""
     if not data:
         return b""
     mac = hashlib.blake2b(key=key, digest_size=64)
@@ -188,8 +187,9 @@ def open_record(keys: Keys, key: str, raw: object, rank: int, encrypted: bool = 
 
 @functools.lru_cache(maxsize=16)
 def _signal_mac(key: bytes) -> Any:
-    """Keyed BLAKE2b of `key`, 16-byte digests, made once (each MAC copies it: ~1 us, where
-    an HMAC-SHA256 took ~7 us, four times per stage on a step's path)."""
+    """Keyed BLAKE2b of `key`, 16-byte digests, made once (each MAC copies it: several
+    times cheaper than an HMAC-SHA256, and a MAC is made four times per stage on a step's
+    path)."""
     return hashlib.blake2b(key=key, digest_size=SIG_MAC)
 
 

@@ -1,5 +1,5 @@
 """What `load` takes besides the plan, the rank and the tensors: one typed record, shared by
-every way a plan is loaded (`executor.load`, `Shadow.load`, `BoundedShadow.load`,
+every way a plan is loaded (`executor.load`, `Shadow.load`, `ChunkedShadow.load`,
 `load_chunks`) and by `Executor` itself.
 
     executor.load(path, rank, tensors, LoadOptions(transport="nixl", rendezvous="h:29500"))

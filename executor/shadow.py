@@ -24,12 +24,12 @@ cheaper but break every captured graph; a GPU copies its own memory far faster t
 link delivers it, so the copy is a small fraction of any transfer. The pause is what the
 copy costs (`ShadowStats.pause_s`).
 
-**Bounded shadow** (`target.shadow: {budget_bytes: N}`): runs in `executor/bounded.py`
-(`BoundedShadow`), from the chunk plans `rdma-plan compile` writes for it. A chunk plan
-carrying a bounded section writes its tensors as views of one buffer, which only
-`BoundedShadow` binds, so `attach` refuses it here (one line). Its mixed-version
+**Chunked shadow** (`target.shadow: {budget_bytes: N}`): runs in `executor/chunked.py`
+(`ChunkedShadow`), from the chunk plans `rdma-plan compile` writes for it. A chunk plan
+carrying a chunked section writes its tensors as views of one buffer, which only
+`ChunkedShadow` binds, so `attach` refuses it here (one line). Its mixed-version
 window: while chunks are switched one by one, layers already switched serve N+1 and the
-rest N, so an engine must pause across the whole bounded refit unless the caller accepts
+rest N, so an engine must pause across the whole chunked refit unless the caller accepts
 that mix.
 
 **Why a thread is safe.** `start()` runs the executor's ordinary `run()` on one background
@@ -231,17 +231,17 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def switch_ops(plan: RankPlan, live: dict[str, torch.Tensor], shadow: dict[str, torch.Tensor]
                ) -> list[list[tuple[torch.Tensor, torch.Tensor]]] | None:
     """The switch ops of `plan`'s shadow section (`schemas/shadow.py`, checked at load) as
-    (live bytes, shadow bytes) views, one list per chunk; None without a section. A bounded
+    (live bytes, shadow bytes) views, one list per chunk; None without a section. A chunked
     section is refused: see the module docstring."""
     sh = plan.shadow
     if sh is None:
         return None
     if sh.budget:
         raise ValueError(
-            f"Shadow: rank {plan.rank}'s plan carries a bounded shadow ({sh.budget:,} bytes, "
-            f"{sh.chunks} chunks) whose writes address the tensors; a bounded refit runs "
+            f"Shadow: rank {plan.rank}'s plan carries a chunked shadow ({sh.budget:,} bytes, "
+            f"{sh.chunks} chunks) whose writes address the tensors; a chunked refit runs "
             "from the chunk plans `rdma-plan compile` writes for it, with "
-            "executor.BoundedShadow (docs/architecture.md, 'Bounded shadow'); compile with "
+            "executor.ChunkedShadow (docs/architecture.md, 'Chunked shadow'); compile with "
             "`target.shadow: full` for `Shadow`")
     names = [r.name for r in plan.regions]
     out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(sh.chunks)]

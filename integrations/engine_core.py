@@ -8,16 +8,24 @@ One `EngineCore` per engine rank (a vLLM worker, an SGLang TP rank), in this ord
    engine's; the adapter's `locate(header)` derives the rank's identity from the engine's
    own parallel state (and makes its own checks against the header), the plan rank is the
    one recorded for that identity (`schemas.identity.find_rank`), and its part is read
-   from the same file (`schemas.plan.read_rank`).
-2. **Bind.** `load(tensors, shadow)`: the executor binds the engine's live tensors (paused
-   mode) or an `executor.Shadow` of them (shadow mode: `shadow` names the tensors the
-   shadow copies), registers once and connects (`Executor.load_part`, the identity checked
-   against the part before anything is registered).
+   from the same file (`schemas.plan.read_rank`). A chunked plan (`schemas/chunked_plan.py`,
+   compiled with `target.shadow: {budget_bytes: N}`) is read the same way from the same
+   open file: chunk 0's header locates the rank, and its part of every chunk is read
+   (`schemas.chunked_plan.read_rank_chunks`); `parts` holds them in order.
+2. **Bind.** `load(tensors, shadow)`, one of three modes: the executor binds the engine's
+   live tensors (paused), or an `executor.Shadow` of them (shadow: `shadow` names the
+   tensors the shadow copies), or, for a chunked plan, an `executor.ChunkedShadow` of them
+   (chunked: one buffer of N bytes, one executor per chunk); each registers once and
+   connects, the identity checked against every part before anything is registered.
 3. **Receive.** Paused: `run_step()` runs this rank's step into the live tensors; whether it
-   completed, and why not (`failure`). Shadow: `start()` runs it on a thread into the
-   shadow while the engine serves; `wait(timeout_s)` waits for the last DONE (None, or why
-   the update is torn); `switch()` copies shadow -> live in place, `discard()` drops a
-   complete shadow step that another rank tore.
+   completed, and why not (`failure`). Chunked: `run_step()` too, with the engine paused
+   across it: each chunk lands in the buffer and is switched into the live tensors before
+   the next (until it returns the live tensors hold a mix of versions; a torn chunk leaves
+   that mix, `failure` says which chunks were switched, and the next `run_step` starts
+   again at chunk 0). Shadow: `start()` runs it on a thread into the shadow while the
+   engine serves; `wait(timeout_s)` waits for the last DONE (None, or why the update is
+   torn); `switch()` copies shadow -> live in place, `discard()` drops a complete shadow
+   step that another rank tore.
 4. **Refresh, check, commit or tear**: the engine's own (vLLM: `vllm_checks.refreshers`,
    `vllm_content.check`; SGLang: its `end_weight_update` post-load), then `commit(version)`,
    or a `TornUpdateError` with nothing committed. The update's state (`pending`,
@@ -36,10 +44,11 @@ import torch
 import executor
 from executor import LoadOptions, trust
 from integrations.errors import EngineMismatchError
+from schemas.chunked_plan import read_rank_chunks, starts_chunked
 from schemas.header import PlanHeader
 from schemas.identity import find_rank
 from schemas.integrity import plan_key as read_key
-from schemas.plan import STAGING, RankPlan, open_plan, read_header, read_rank
+from schemas.plan import STAGING, RankPlan, Region, open_plan, read_header, read_rank
 
 Locate = Callable[[PlanHeader], dict[str, int | str]]
 """The adapter's identity of this engine rank in the plan's terms, from the engine's own
@@ -54,30 +63,45 @@ class EngineCore:
                  where: str = "") -> None:
         trust.signing(plan_key, allow_unsigned, where=where or f"{engine} target ({path})")
         key = None if plan_key is None else read_key(plan_key)
-        with open_plan(path) as f:
-            header, start = read_header(f, path, key)
+        found: list[dict[str, int | str]] = []
+
+        def rank_of(header: PlanHeader) -> int:
             got = header.target.engine if header.target is not None else None
             if got != engine:
                 raise EngineMismatchError(f"{path}: target.engine is {got!r}, not {engine!r}; "
                                           f"compile the plan with target.engine: {engine}")
-            identity = locate(header)
-            rank = int(find_rank(header, identity, path))
-            part = read_rank(f, header, start, rank, path)
+            found.append(locate(header))
+            return int(find_rank(header, found[0], path))
+        with open_plan(path) as f:
+            budget: int | None = None
+            if starts_chunked(f):
+                budget, parts = read_rank_chunks(f, path, rank_of, key)
+            else:
+                header, start = read_header(f, path, key)
+                parts = [(header, read_rank(f, header, start, rank_of(header), path))]
+        self.budget = budget
+        """A chunked plan's buffer, in bytes (None: the plan is not chunked)."""
         self.path, self.plan_key, self.engine = path, plan_key, engine
-        self.header: PlanHeader = header
-        self.part: RankPlan = part
-        self.rank = rank
+        self.parts: list[tuple[PlanHeader, RankPlan]] = parts
+        """This rank's part of the plan with its header: one, or one per chunk in order."""
+        self.header: PlanHeader = parts[0][0]
+        """The plan's header (a chunked plan's chunks share its engine, ranks, identities)."""
+        self.rank = parts[0][1].rank
         """This engine rank's plan rank."""
-        self.identity = identity
+        self.identity = found[0]
         """Its coordinates in the plan's terms (`schemas/identity.py`)."""
-        per_rank = header.derived
-        self.derived: list[dict[str, Any]] = list(per_rank[rank]) if rank < len(per_rank) \
-            else []
-        """The header's derived-state entries of this rank (the engine refreshes them)."""
-        self.placement = header.placement
+        self.derived: list[dict[str, Any]] = []
+        """The headers' derived-state entries of this rank (the engine refreshes them)."""
+        for h, _ in parts:
+            for e in (h.derived[self.rank] if self.rank < len(h.derived) else ()):
+                if e not in self.derived:
+                    self.derived.append(dict(e))
+        self.placement = self.header.placement
         """The expert placement the plan writes (checked against the engine's per update)."""
         self.plan: executor.Executor | None = None
         self.shadow: executor.Shadow | None = None
+        self.chunked: executor.ChunkedShadow | None = None
+        """Chunked mode: the buffer and one executor per chunk (`load`)."""
         self.version: str | None = None
         """The last committed version (None before the first complete update)."""
         self.pending: str | None = None
@@ -93,22 +117,45 @@ class EngineCore:
         self.wait_s = 0.0
         """Shadow mode: the last wait for the last DONE."""
 
+    @property
+    def part(self) -> RankPlan:
+        """This rank's part of an ordinary plan (a chunked plan has one per chunk: `parts`)."""
+        if self.budget is not None:
+            raise ValueError(f"{self.path}: a chunked plan has one part per chunk; read "
+                             "EngineCore.parts or regions()")
+        return self.parts[0][1]
+
+    def regions(self) -> list[Region]:
+        """The tensors the plan writes on this rank, staging left out: each chunk's in
+        order for a chunked plan."""
+        return [g for _, rp in self.parts for g in rp.regions if g.name != STAGING]
+
     def written(self) -> list[str]:
         """The names of the tensors the plan writes on this rank (its regions)."""
-        return [r.name for r in self.part.regions if r.name != STAGING]
+        return [g.name for g in self.regions()]
 
     def load(self, tensors: dict[str, torch.Tensor], *, shadow: dict[str, torch.Tensor] | None
              = None, transport: str = "nixl", rendezvous: object = None,
-             timeout_s: float = 60.0) -> executor.Executor:
-        """Bind `tensors` (or, given `shadow`, an `executor.Shadow` of those live tensors),
-        register once and connect to the peers."""
+             timeout_s: float = 60.0) -> executor.Executor | executor.ChunkedShadow:
+        """Bind `tensors` (or, given `shadow`, an `executor.Shadow` of those live tensors;
+        for a chunked plan, an `executor.ChunkedShadow` of them), register once and connect
+        to the peers."""
+        opts = LoadOptions(transport=transport, rendezvous=rendezvous, timeout_s=timeout_s,
+                           plan_key=self.plan_key, identity=self.identity)
+        if self.budget is not None:
+            if shadow is not None:
+                raise ValueError(f"{self.path}: a chunked plan streams through its own "
+                                 f"{self.budget}-byte buffer: load it without a shadow and "
+                                 "receive it paused (run_step), or compile with "
+                                 "target.shadow: full for the shadow mode")
+            self.chunked = executor.ChunkedShadow.load_parts(self.budget, self.parts, tensors,
+                                                             opts, self.path)
+            return self.chunked
         if shadow is not None:
             self.shadow = executor.Shadow(shadow)
             tensors = self.shadow.tensors
-        opts = LoadOptions(transport=transport, rendezvous=rendezvous, timeout_s=timeout_s,
-                           plan_key=self.plan_key, identity=self.identity)
-        self.plan = executor.Executor.load_part(self.header, self.part, tensors, opts,
-                                                self.path)
+        header, part = self.parts[0]
+        self.plan = executor.Executor.load_part(header, part, tensors, opts, self.path)
         if self.shadow is not None:
             self.shadow.attach(self.plan)
         return self.plan
@@ -119,8 +166,16 @@ class EngineCore:
         self.landed = None
 
     def run_step(self) -> bool:
-        """Paused mode: this rank's step into the live tensors; whether it completed (else
+        """Paused mode: this rank's step into the live tensors; chunked mode: every chunk's
+        step, each switched into the live tensors before the next lands (keep the engine
+        paused: until it returns they hold a mix of versions). Whether it completed (else
         the error is `failure`)."""
+        if self.chunked is not None:
+            try:
+                self.chunked.run()
+            except Exception as e:  # noqa: BLE001 - kept: the engine agrees and reports it
+                self.failure = e
+            return self.failure is None
         assert self.plan is not None, "load() first"
         try:
             executor.run(self.plan)
@@ -161,6 +216,9 @@ class EngineCore:
         self.version, self.received = version, False
 
     def close(self) -> None:
+        if self.chunked is not None:
+            self.chunked.close()
+            self.chunked = None
         if self.shadow is not None:
             self.shadow.join()  # its thread uses the executor
             self.shadow = None

@@ -105,10 +105,15 @@ class SGLangTarget(EngineCore):
         super().__init__(plan_path, "sglang", lambda _: identity(replica, dp_rank, parallel),
                          plan_key=plan_key, allow_unsigned=allow_unsigned,
                          where=f"SGLang target ({plan_path})")
+        if self.budget is not None:  # its receive thread runs one executor (EngineRank)
+            raise UserError(f"{plan_path}: a chunked plan (target.shadow: {{budget_bytes: "
+                            f"{self.budget}}}) is not received by the SGLang plugin; compile "
+                            "it with target.shadow: full (shadow mode) or without "
+                            "target.shadow (paused)")
         self.model, self.updater, self.commit_version = model, updater, commit_version
         self.target_rank = self.rank - int(self.header.sources)
         """This rank in the plan's target layout (plan rank = sources + target rank)."""
-        self.derived = derived_of(self.header, self.rank)
+        self.derived = [e for e in self.derived if e.get("engine") == "sglang"]
         check_derived(model, self.derived)
         self.tensors = {n: p.data for n, p in model.named_parameters()}
         """The live parameters; shadow mode (`sglang_engine`): the plan writes a shadow of

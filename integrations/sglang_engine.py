@@ -2,10 +2,13 @@
 
 An SGLang general plugin (entry point group `sglang.srt.plugins`, name `rdma_plan`:
 `register`). SGLang runs `load_plugins()` in every scheduler process before it builds the
-scheduler; `register` adds three scheduler methods and five hooks, through SGLang's
-`HookRegistry` (AROUND hooks; nothing in SGLang is edited):
+scheduler; `register` adds six hooks through SGLang's `HookRegistry` (AROUND hooks;
+nothing in SGLang is edited, nothing is set on its classes). One is on the scheduler's
+`handle_rpc_request`, where `Engine.collective_rpc` lands on every TP rank: it answers the
+plugin's three methods (`METHODS`) by name, as SGLang answers its own, and passes every
+other request to SGLang's handler:
 
-- `Scheduler.rdma_plan_init(plan, rendezvous, transport, timeout_s, replica)`: bind this
+- `rdma_plan_init(plan, rendezvous, transport, timeout_s, replica)`: bind this
   TP rank's live parameters to its plan rank and register them once (`SGLangTarget`).
   Reach it with `engine.collective_rpc("rdma_plan_init", plan=...)` (SGLang broadcasts an
   RPC to every TP rank and runs it there), or set `RDMA_PLAN_SGLANG` to the same keys as
@@ -27,14 +30,14 @@ scheduler; `register` adds three scheduler methods and five hooks, through SGLan
 - `update_weight_version` and `continue_generation` (scheduler) are skipped while the
   weights are torn: the label stamped on outputs keeps the last whole version and the
   engine stays paused; `status(scheduler)["torn"]` says why.
-- `Scheduler.rdma_plan_digests(out)`: each TP rank writes the sha256 of every tensor the
+- `rdma_plan_digests(out)`: each TP rank writes the sha256 of every tensor the
   plan writes on it, as it holds them, to `out/rank<target rank>.json`; `engine_digests`
   reaches it through `engine.collective_rpc` (SGLang's RPC answers no values) and reads
   the files: compare with `harness.weights.layout_digests` of the plan's target layout.
 
 **Shadow mode** (`rdma_plan_init(..., shadow=True)`, a plan compiled with `target.shadow:
 full` so the switch copies the plan's bytes only): the rank binds an `executor.Shadow` of
-its parameters. `Scheduler.rdma_plan_shadow_start` (reach it with
+its parameters. `rdma_plan_shadow_start` (reach it with
 `engine.collective_rpc("rdma_plan_shadow_start")`; SGLang's scheduler runs RPCs between
 batches, so generation goes on) starts the receive into the shadow; the engine serves the
 live weights meanwhile. With generation paused, `begin_weight_update` waits for the last
@@ -79,7 +82,7 @@ ENV = "RDMA_PLAN_SGLANG"
 def rdma_plan_init(scheduler: Any, plan: str, rendezvous: str = "", transport: str = "nixl",
                    timeout_s: float = 60.0, replica: int = 0, plan_key: str | None = None,
                    allow_unsigned: bool = False, shadow: bool = False) -> None:
-    """Bind this scheduler's target model to its plan rank (a `Scheduler` method).
+    """Bind this scheduler's target model to its plan rank (an RPC method, `METHODS`).
     `plan_key`: path of the plan's signing key (with a job secret set, required unless
     `allow_unsigned`). `shadow`: shadow mode (the module docstring)."""
     from sglang.srt.runtime_context import get_parallel
@@ -229,8 +232,8 @@ def status(scheduler: Any) -> dict[str, Any]:
 
 
 def rdma_plan_digests(scheduler: Any, out: str) -> None:
-    """`SGLangTarget.write_digests(out)` on this TP rank (a `Scheduler` method, for
-    `collective_rpc`: every TP rank runs it)."""
+    """`SGLangTarget.write_digests(out)` on this TP rank (an RPC method, `METHODS`,
+    for `collective_rpc`: every TP rank runs it)."""
     state = rank_state(scheduler)
     if state is None:
         raise UserError("rdma_plan_digests: this engine is not bound; call rdma_plan_init "
@@ -238,7 +241,37 @@ def rdma_plan_digests(scheduler: Any, out: str) -> None:
     state.target.write_digests(out)
 
 
+METHODS: dict[str, Callable[..., None]] = {
+    "rdma_plan_init": rdma_plan_init,
+    "rdma_plan_shadow_start": rdma_plan_shadow_start,
+    "rdma_plan_digests": rdma_plan_digests,
+}
+"""The plugin's scheduler methods by RPC name (`rpc_hook` runs them)."""
+
+
+def rpc_hook(original: Callable, scheduler: Any, recv_req: Any) -> Any:
+    """SGLang's `handle_rpc_request` (what `Engine.collective_rpc` reaches on every TP
+    rank), answering the plugin's own methods (`METHODS`) as SGLang answers its own: the
+    method with the request's parameters, its error logged and answered as
+    `success=False`, then the TP ranks' barrier SGLang's handler ends with; any other
+    method goes to SGLang's handler."""
+    from sglang.srt.managers.io_struct import RpcReqOutput
+
+    method = METHODS.get(recv_req.method)
+    if method is None:
+        return original(scheduler, recv_req)
+    error: Exception | None = None
+    try:
+        method(scheduler, **(recv_req.parameters or {}))
+    except Exception as e:  # noqa: BLE001  (answered, as SGLang answers its own methods)
+        error = e
+        log.error("rdma-plan: rpc %s failed: %s", recv_req.method, e)
+    torch.distributed.barrier(group=scheduler.tp_group.cpu_group)
+    return RpcReqOutput(success=error is None, message="" if error is None else str(error))
+
+
 HOOKS = {
+    "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request": rpc_hook,
     "sglang.srt.managers.scheduler_components.weight_updater."
     "SchedulerWeightUpdaterManager.begin_weight_update": begin_hook,
     "sglang.srt.managers.scheduler_components.weight_updater."
@@ -250,12 +283,9 @@ HOOKS = {
 
 
 def register() -> None:
-    """The plugin's entry point: SGLang calls it in every process, then applies hooks."""
-    from sglang.srt.managers.scheduler import Scheduler
+    """The plugin's entry point: SGLang calls it in every process, then applies hooks.
+    Everything goes through SGLang's `HookRegistry`; nothing is set on its classes."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    Scheduler.rdma_plan_init = rdma_plan_init
-    Scheduler.rdma_plan_shadow_start = rdma_plan_shadow_start
-    Scheduler.rdma_plan_digests = rdma_plan_digests
     for path, hook in HOOKS.items():
         HookRegistry.register(path, hook, HookType.AROUND)

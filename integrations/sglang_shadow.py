@@ -21,7 +21,7 @@ log = logging.getLogger("integrations.sglang_engine")
 
 def rdma_plan_shadow_start(scheduler: Any, finish_timeout_s: float | None = None) -> None:
     """Shadow mode: start this rank's part of the next step into the shadow and return; the
-    scheduler keeps serving (a `Scheduler` method: `engine.collective_rpc(
+    scheduler keeps serving (an RPC method of the plugin: `engine.collective_rpc(
     "rdma_plan_shadow_start")`). `finish_timeout_s`: how long `begin_weight_update` then
     waits for the last DONE (None: the plan's timeout)."""
     state = rank_state(scheduler)

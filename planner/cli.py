@@ -163,7 +163,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from planner.tools.inspect import inspect_text
     from schemas.chunked_plan import is_chunked
 
-    if is_chunked(args.plan):  # a bounded shadow's chunk plans
+    if is_chunked(args.plan):  # a chunked shadow's chunk plans
         from planner.tools.inspect_chunked import inspect_chunked
         print(inspect_chunked(args.plan, args.json))
         return 0

@@ -30,7 +30,7 @@
 A chunked config (`target.shadow: {budget_bytes: N}`, N > 0) takes one more step on the
 same layouts, `compile_chunks`: the target's tensors cut into chunks of at most N bytes
 (`passes/chunked.py`), passes 3-12 run on each chunk's part of the target layout, and each
-chunk plan given its bounded shadow section; `compile_to` writes the chunk plans in one
+chunk plan given its chunked shadow section; `compile_to` writes the chunk plans in one
 file (`schemas/chunked_plan.py`). Everything the plan depends on (spec, both layouts,
 topology, options) goes into its fingerprint; nothing that varies between runs (time,
 paths) goes into the file, so compiling the same config twice gives the same bytes.
@@ -103,7 +103,7 @@ Compiled = Plan | list[Plan]
 def compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None = None,
                    on_plan: Callable[[Compiled], None] | None = None) -> Compiled:
     """Compile a checked config and its model spec into a plan, or, for a chunked config
-    (`target.shadow: {budget_bytes: N}`, N > 0), into the chunk plans of a bounded shadow in
+    (`target.shadow: {budget_bytes: N}`, N > 0), into the chunk plans of a chunked shadow in
     the order they run (`compile_chunks`), from the same layouts. A target traced from vLLM
     for a family with hand-written rules is compiled with the rules' layout while the trace
     runs; that plan is kept only if the trace equals the rules piece for piece (the plan of
@@ -165,17 +165,17 @@ def _compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None,
 
 
 def chunk_budget(cfg: Config) -> int:
-    """The bytes of a bounded shadow's buffer (`target.shadow.budget_bytes`), or 0: the
+    """The bytes of a chunked shadow's buffer (`target.shadow.budget_bytes`), or 0: the
     config compiles to chunk plans when it is not 0."""
     return 0 if cfg.target.shadow is None else cfg.target.shadow.budget_bytes
 
 
 def compile_chunks(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout: Layout,
                    progress: Progress | None = None) -> list[Plan]:
-    """The chunk plans of a bounded shadow, in the order they run: the target's tensors cut
+    """The chunk plans of a chunked shadow, in the order they run: the target's tensors cut
     into chunks that fit the budget (`planner/passes/chunked.py`), each chunk compiled by
     `compile_layouts` with the target layout restricted to its tensors, then given its
-    bounded shadow section."""
+    chunked shadow section."""
     budget = chunk_budget(cfg)
     plain = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, shadow=None))
     chunks = chunk_names(tensor_regions(dst_layout), budget)
@@ -337,7 +337,7 @@ def compile_to(cfg: Config, spec: ModelSpec, out_path: str, progress=None,
                 os.remove(left)
     size, seconds = sizes[-1], round(time.perf_counter() - t0, 3)
     if not isinstance(out, Plan):
-        return {"bounded_budget": chunk_budget(cfg), "chunks": len(out),
+        return {"chunked_budget": chunk_budget(cfg), "chunks": len(out),
                 "bytes": sum(p.header.stats.bytes for p in out), "plan_bytes": size,
                 "seconds": seconds}
     stats = dataclasses.asdict(out.header.stats)

@@ -1,4 +1,4 @@
-"""The chunked plan file (`.rplan`): a bounded shadow's chunk plans (`target.shadow:
+"""The chunked plan file (`.rplan`): a chunked shadow's chunk plans (`target.shadow:
 {budget_bytes: N}`).
 
 Layout (integers little-endian):
@@ -9,7 +9,7 @@ The index is `{"budget": N, "chunks": [[offset, length, blake2b], ...], "targets
 tensors, bytes, blake2b], ...], "signature": HMAC}` (offsets from the end of the index);
 each chunk is a whole ordinary plan file (`schemas/plan.py`: its own header, digests and,
 when signed, signature), compiled by `planner/passes/chunked.py`, run in index order by
-`executor/bounded.py`. `targets` states, per target rank, the whole set of tensors the
+`executor/chunked.py`. `targets` states, per target rank, the whole set of tensors the
 chunks write together (count, bytes, digest of the sorted names and sizes): a rank's chunks
 hold each of them in exactly one chunk (`set_violations`, run by `verify` on every rank and
 by the loader on its own). A signed file's index carries `signature` (HMAC-SHA256 of the
@@ -29,12 +29,13 @@ import hashlib
 import hmac
 import io
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from .header import PlanFormatError, PlanHeader
 from .integrity import signature
-from .plan import STAGING, Plan, RankPlan, load_rank_from, open_plan, read_plan_from
+from .plan import STAGING, Plan, RankPlan, open_plan, read_header, read_plan_from, read_rank
 from .plan_codec import checksum, pack, read_exact, unpack
 from .protocol import ALIGN
 
@@ -93,7 +94,7 @@ def _signed(index: dict) -> bytes:
 
 
 def is_chunked(path: str) -> bool:
-    """Whether the file at `path` starts like a bounded-shadow plan."""
+    """Whether the file at `path` starts like a chunked plan."""
     with open_plan(path) as f:  # a regular file only (a FIFO is refused, never read)
         return f.read(len(MAGIC)) == MAGIC
 
@@ -130,7 +131,7 @@ def read_index(f: io.BufferedIOBase, path: str, key: bytes | None = None) -> Chu
     """The index, checked; with `key`, its signature too (before any chunk is read)."""
     magic = f.read(len(MAGIC))
     if magic != MAGIC:
-        raise PlanFormatError(f"{path}: not a bounded-shadow plan (no {MAGIC!r} at its start)")
+        raise PlanFormatError(f"{path}: not a chunked plan (no {MAGIC!r} at its start)")
     (n,) = struct.unpack("<Q", read_exact(f, 8, f"{path} index length"))
     if not 0 < n <= MAX_INDEX:
         raise PlanFormatError(f"{path}: chunk index of {n} bytes (at most {MAX_INDEX}); {FIX}")
@@ -153,7 +154,7 @@ def read_index(f: io.BufferedIOBase, path: str, key: bytes | None = None) -> Chu
                                   "signed with another key; recompile and sign it")
     b, ch = raw["budget"], raw["chunks"]
     if isinstance(b, bool) or not isinstance(b, int) or not 0 < b < 1 << 62:
-        raise PlanFormatError(f"{path}: bounded budget = {str(b)[:40]!r}; {FIX}")
+        raise PlanFormatError(f"{path}: chunk budget = {str(b)[:40]!r}; {FIX}")
     if not isinstance(ch, list) or not 0 < len(ch) <= MAX_CHUNKS:
         raise PlanFormatError(f"{path}: chunks are not a list of 1..{MAX_CHUNKS}; {FIX}")
     chunks, at = [], 0
@@ -187,19 +188,42 @@ def _chunk_file(f: io.BufferedIOBase, idx: ChunkedIndex, k: int, path: str) -> i
     return io.BytesIO(read_exact(f, n, f"{path} chunk {k}", digest))
 
 
+def starts_chunked(f: BinaryIO) -> bool:
+    """Whether the open file `f` starts like a chunked plan (it is left at its start)."""
+    magic = f.read(len(MAGIC))
+    f.seek(0)
+    return magic == MAGIC
+
+
 def load_rank_chunks(path: str, rank: int, key: bytes | None = None
                      ) -> tuple[int, list[tuple[PlanHeader, RankPlan]]]:
-    """(budget, [(header, rank part)] of every chunk in index order): the index (with `key`
-    its signature), each chunk against its digest, its rank part against the budget, and a
-    target's parts together against the index's set (`set_violations`)."""
+    """(budget, [(header, rank part)] of every chunk in index order): `read_rank_chunks` of
+    the file at `path`."""
     with open_plan(path) as f:
-        idx = read_index(f, path, key)
-        parts = []
-        for k in range(len(idx.chunks)):
-            what = f"{path} chunk {k}"
-            header, rp = load_rank_from(_chunk_file(f, idx, k, path), what, rank, key)
-            check_chunk_rank(rp, idx.budget, what)
-            parts.append((header, rp))
+        return read_rank_chunks(f, path, lambda _: rank, key)
+
+
+def read_rank_chunks(f: BinaryIO, path: str, rank_of: Callable[[PlanHeader], int],
+                     key: bytes | None = None
+                     ) -> tuple[int, list[tuple[PlanHeader, RankPlan]]]:
+    """(budget, [(header, rank part)] of every chunk in index order) of an open chunked
+    plan file: the index (with `key` its signature), each chunk against its digest, the
+    rank's part of each against the budget, and a target's parts together against the
+    index's set (`set_violations`). `rank_of(header)`, called once with chunk 0's header,
+    names the rank (an engine derives it from the header); its part is read from every
+    chunk."""
+    idx = read_index(f, path, key)
+    parts: list[tuple[PlanHeader, RankPlan]] = []
+    rank = -1
+    for k in range(len(idx.chunks)):
+        what = f"{path} chunk {k}"
+        chunk = _chunk_file(f, idx, k, path)
+        header, start = read_header(chunk, what, key)
+        if k == 0:
+            rank = rank_of(header)
+        rp = read_rank(chunk, header, start, rank, what)
+        check_chunk_rank(rp, idx.budget, what)
+        parts.append((header, rp))
     if len({rp.role for _, rp in parts}) > 1:
         raise PlanFormatError(f"{path}: rank {rank} is a source in some chunks and a target "
                               f"in others; {FIX}")
@@ -250,7 +274,7 @@ def tensor_bases(rp: RankPlan) -> dict[int, int]:
     for r, o, so in zip(s["region"].tolist(), s["offset"].tolist(),
                         s["shadow_offset"].tolist()):
         if out.setdefault(r, so - o) != so - o:
-            raise PlanFormatError(f"rank {rp.rank}: bounded switch ops put region {r} at two "
+            raise PlanFormatError(f"rank {rp.rank}: chunked switch ops put region {r} at two "
                                   f"bases; {FIX}")
     return out
 
@@ -264,7 +288,7 @@ def check_chunk_rank(rp: RankPlan, budget: int, what: str) -> None:
         return
     sh = rp.shadow
     if sh is None or sh.budget != budget or sh.chunks > 1:
-        raise PlanFormatError(f"{what}: target rank {rp.rank} has no bounded section of the "
+        raise PlanFormatError(f"{what}: target rank {rp.rank} has no chunked section of the "
                               f"file's budget {budget} in one chunk; {FIX}")
     want = bases(rp)
     for r, b in tensor_bases(rp).items():

@@ -156,7 +156,7 @@ class ShadowConfig:
     """`target.shadow` once read: `full` is `budget_bytes == 0`."""
 
     budget_bytes: int = 0
-    """0: a full shadow (the written tensors once more); else a bounded shadow's bytes."""
+    """0: a full shadow (the written tensors once more); else a chunked shadow's bytes."""
 
 
 def _shadow(value: Any) -> ShadowConfig | None:
@@ -208,7 +208,7 @@ class TargetConfig:
     shadow: Any = None
     """Zero-pause refit (`executor/shadow.py`): the plan carries each target rank's shadow
     section (`schemas/shadow.py`: the bytes it writes, the switch as ops in chunks). `full`:
-    a shadow of the written tensors; `{budget_bytes: N}`: a bounded shadow whose chunks
+    a shadow of the written tensors; `{budget_bytes: N}`: a chunked shadow whose chunks
     (layer by layer where the names allow) each fit N bytes. Absent: no section (the paused
     refit; the plan is the one compiled before the key existed). Read as a `ShadowConfig`."""
     placement: Any = None

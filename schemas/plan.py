@@ -276,8 +276,8 @@ _HEADERS: dict[bytes, PlanHeader] = {}
 def _read_raw_header(f: BinaryIO, path: str) -> tuple[bytes, dict[str, Any], int]:
     magic = f.read(len(MAGIC))
     if magic == b"RPLANBND":  # schemas/chunked_plan.py
-        raise PlanFormatError(f"{path}: is a bounded-shadow plan (chunk plans, target.shadow: "
-                              "{budget_bytes: N}); run it with executor.BoundedShadow.load on "
+        raise PlanFormatError(f"{path}: is a chunked plan (chunk plans, target.shadow: "
+                              "{budget_bytes: N}); run it with executor.ChunkedShadow.load on "
                               "a target and executor.load_chunks on a source")
     if magic != MAGIC:
         raise PlanFormatError(f"{path}: not an rdma-plan file (bad magic); compile one with "

@@ -119,7 +119,7 @@ starts with it), then the codec, `Z` (zlib); a u64 decoded size follows, then th
 FRAME_HEAD = len(FRAME) + 8
 LEVEL = 1
 """zlib's level: op tables are runs of equal strides, which its fastest level already shrinks
-20-50x; decoding costs the same at any level."""
+many times over; decoding costs the same at any level."""
 MAX_RATIO = 1032
 """Deflate's largest expansion (a 258-byte match per 2 bits, plus block headers): a stream of
 `n` bytes cannot decode to more than `MAX_RATIO * n + 64`."""

@@ -94,7 +94,7 @@ a third of the rank's budget, `planner/passes/budget.py`); the early-pack rule c
 ALIGN = 64
 """Byte alignment of every offset the compiler places in a buffer: staging slots and the
 pools and runs in them (`planner/passes/budget.py`, `staging.py`, `gather*.py`), a shadow
-section's chunks, and a bounded shadow's tensors in its N-byte buffer
+section's chunks, and a chunked shadow's tensors in its N-byte buffer
 (`schemas.chunked_plan.bases`)."""
 INFLIGHT = 8
 """Batches a rank keeps posted and not yet landed, by default: the executor's

@@ -10,11 +10,11 @@ byte the plan compiled before the section existed. Per target rank (`RankPlan.sh
   at `offset` of `region` each, read at `shadow_offset` of the shadow, grouped into `chunk`s
   0, 1, ... (ops in chunk order), layer by layer where the tensor names allow;
 - `budget`: 0 for a full shadow (the shadow mirrors each region: `shadow_offset ==
-  offset`), else the byte budget of a bounded shadow: each chunk's ops read disjoint ranges
+  offset`), else the byte budget of a chunked shadow: each chunk's ops read disjoint ranges
   of one buffer of `budget` bytes (chunk k+1 reuses it after chunk k is switched).
 
 The rules (`shadow_violations`, run by the executor's loader and by `rdma-plan verify`): a
-section only on a target; every op inside its region (and, bounded, inside the budget);
+section only on a target; every op inside its region (and, chunked, inside the budget);
 the regions disjoint and sorted; the switch covers every byte of the regions exactly once
 and nothing else; chunks numbered 0.. in order, none empty; the target's UNPACKs write only
 inside the regions. Bounds on the tables, from what they describe (checked first, in time
@@ -22,7 +22,7 @@ and memory linear in the tables, so a plan past them is refused before the execu
 anything per op): at most `MAX_RUNS` runs, coalesced (no two touch: the compiler merges
 them); the switch ops coalesced as compiled (no two ops of one chunk touch; at most one op
 per run plus one per chunk boundary); at most one chunk per region (a full shadow: one per
-layer) plus, bounded, one per `budget` bytes the switch copies. That the regions are
+layer) plus, chunked, one per `budget` bytes the switch copies. That the regions are
 exactly what the peers write into the rank needs the peers' parts:
 `planner/tools/verify_shadow.py` (verify only, like `coverage`).
 """
@@ -41,10 +41,10 @@ MAX_RUNS = 1 << 18
 """Most byte runs a shadow section lists on one rank (each is one switch op the executor
 holds views of; a compiled section has about one per bound tensor)."""
 ALIGN = 64
-"""A bounded chunk's ops start at multiples of this many bytes of the buffer."""
+"""A chunked shadow's chunk's ops start at multiples of this many bytes of the buffer."""
 
 __all__ = ["FIX", "MAX_RUNS", "SHADOW_REGION_COLUMNS", "SWITCH_COLUMNS", "ShadowPart",
-           "bounded_bytes", "shadow_bytes", "shadow_violations"]
+           "chunked_bytes", "shadow_bytes", "shadow_violations"]
 
 
 def _inside(rp: RankPlan, region: np.ndarray, lo: np.ndarray, n: np.ndarray, what: str
@@ -125,14 +125,14 @@ def shadow_violations(rp: RankPlan) -> Iterator[str]:
     if sh.budget == 0 and (s["shadow_offset"] != s["offset"]).any():
         yield f"rank {rp.rank}: a full shadow's switch op reads another offset; {FIX}"
         return
-    for msg in (*(_bounded(rp, sh, chunk) if sh.budget else ()), *_unpacks_inside(rp, lo, hi)):
+    for msg in (*(_chunked(rp, sh, chunk) if sh.budget else ()), *_unpacks_inside(rp, lo, hi)):
         yield msg
         return
 
 
 def _counts(rp: RankPlan, sh: ShadowPart, chunk: np.ndarray, runs: int) -> Iterator[str]:
     """The switch's size from what it describes: chunks at most one per region (layer), plus
-    one per `budget` bytes where bounded; ops at most one per run plus one per chunk."""
+    one per `budget` bytes where chunked; ops at most one per run plus one per chunk."""
     s = sh.switch
     chunks = int(chunk[-1]) + 1 if len(chunk) else 0
     most = len(rp.regions)
@@ -147,18 +147,18 @@ def _counts(rp: RankPlan, sh: ShadowPart, chunk: np.ndarray, runs: int) -> Itera
                f"when compiled); {FIX}")
 
 
-def _bounded(rp: RankPlan, sh: ShadowPart, chunk: np.ndarray) -> Iterator[str]:
+def _chunked(rp: RankPlan, sh: ShadowPart, chunk: np.ndarray) -> Iterator[str]:
     s = sh.switch
     so, n = s["shadow_offset"].astype(np.int64), s["nbytes"].astype(np.int64)
     if ((so < 0) | (so + n > sh.budget)).any():
         i = int(np.argmax((so < 0) | (so + n > sh.budget)))
-        yield (f"rank {rp.rank}: bounded shadow switch op {i} reads bytes {int(so[i])}+"
+        yield (f"rank {rp.rank}: chunked shadow switch op {i} reads bytes {int(so[i])}+"
                f"{int(n[i])}, outside the {sh.budget}-byte budget; {FIX}")
         return
     order = np.lexsort((so, chunk))
     c, a, b = chunk[order], so[order], so[order] + n[order]
     if len(c) > 1 and ((c[1:] == c[:-1]) & (a[1:] < b[:-1])).any():
-        yield f"rank {rp.rank}: two switch ops of one bounded shadow chunk share bytes; {FIX}"
+        yield f"rank {rp.rank}: two switch ops of one chunked shadow chunk share bytes; {FIX}"
 
 
 def _unpacks_inside(rp: RankPlan, lo: np.ndarray, hi: np.ndarray) -> Iterator[str]:
@@ -199,9 +199,9 @@ def shadow_bytes(plan: RankPlan) -> int:
     return sum(r.nbytes for r in plan.regions if r.name != STAGING)
 
 
-def bounded_bytes(plan: RankPlan) -> int | None:
-    """A bounded shadow's extra memory on `plan`'s rank (the budget its chunks use), 0 on a
-    source, None where the plan was not compiled with a bounded shadow."""
+def chunked_bytes(plan: RankPlan) -> int | None:
+    """A chunked shadow's extra memory on `plan`'s rank (the budget its chunks use), 0 on a
+    source, None where the plan was not compiled with a chunked shadow."""
     if plan.role != "target":
         return 0
     sh = plan.shadow

@@ -21,7 +21,7 @@ FIX = "the plan is corrupt or was tampered with: recompile it"
 @dataclass(frozen=True, slots=True)
 class ShadowPart:
     budget: int
-    """0: a full shadow; else the bytes of a bounded shadow's one buffer."""
+    """0: a full shadow; else the bytes of a chunked shadow's one buffer."""
     regions: Table
     """`SHADOW_REGION_COLUMNS`."""
     switch: Table
@@ -38,7 +38,7 @@ class ShadowPart:
 
     @property
     def budget_used(self) -> int:
-        """A bounded shadow's buffer as its chunks use it (the most any chunk reaches)."""
+        """A chunked shadow's buffer as its chunks use it (the most any chunk reaches)."""
         s = self.switch
         return int((s["shadow_offset"] + s["nbytes"]).max()) if len(s) else 0
 

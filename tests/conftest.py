@@ -133,8 +133,8 @@ DEEP = (
     "tests/reliability/test_faults.py::test_target_killed_mid_run_then_restarted[None]",
     "tests/reliability/test_attacks.py::test_forged_done_is_refused",
     "tests/reliability/test_attacks.py::test_a_second_process_for_a_live_rank_is_refused",
-    # the bounded shadow across NIXL processes (a torn chunk, then whole)
-    "tests/executor/test_bounded_nixl.py::",
+    # the chunked shadow across NIXL processes (a torn chunk, then whole)
+    "tests/executor/test_chunked_nixl.py::",
     # the plan fuzz at the deep size
     "tests/property/test_plan_fuzz.py::test_plan_fuzz[deep]",
     # real vLLM's FP8 loading (its quantizer on CPU) against FP8 plans: one launch the

@@ -1,14 +1,15 @@
 """One kernel for a batch of byte copies: every write of a batch in one launch, on the SMs.
 
-A copy engine pays ~1.7 us per copy (~0.4 us with four engines side by side), so a batch
-of 1024 writes of 1 MiB runs at half the speed of one copy of the same bytes however it is
-posted. This kernel reads a table of (dst, src, nbytes) pieces of at most `CHUNK` bytes
-(every write cut into such pieces, at 16-byte multiples of its start) and each block copies
-pieces in turn, 16 bytes per load where both sides are 16-byte aligned alike (the plan's
-offsets nearly always are), bytes otherwise. It writes to this device's memory (a
-process's own or another's opened through CUDA IPC) and to another GPU's memory mapped in
-this device's context (`cuda_ipc` opens a peer's handles there itself: memory that torch
-opened in the owner device's context faulted, CUDA error 700 on two NVLinked H100s).
+A copy engine pays a fixed cost per copy (less with four engines side by side), so a batch
+of many 1 MiB writes runs well below the speed of one copy of the same bytes however it is
+posted (BENCHMARKS.md). This kernel reads a table of (dst, src, nbytes) pieces of at most
+`CHUNK` bytes (every write cut into such pieces, at 16-byte multiples of its start) and
+each block copies pieces in turn, 16 bytes per load where both sides are 16-byte aligned
+alike (the plan's offsets nearly always are), bytes otherwise. It writes to this device's
+memory (a process's own or another's opened through CUDA IPC) and to another GPU's memory
+mapped in this device's context (`cuda_ipc` opens a peer's handles there itself: memory
+that torch opened in the owner device's context faulted, CUDA error 700 on two NVLinked
+H100s).
 
 It is built at run time with NVRTC through `torch.cuda._compile_kernel` (no compiler
 needed at install) once per process and device, and captured in the batch's CUDA graph, so

@@ -1,15 +1,15 @@
 """The CUDA runtime through ctypes: the calls `cuda_ipc` makes on raw handles.
 
 The libcudart that torch loaded (never a second copy of the runtime): `cudaMemcpyAsync`,
-events and graph launches, ~1 us each where torch's Python stream objects cost
-~100 us a batch; torch's current stream as a raw `cudaStream_t`; host memory pinned and
-mapped for the GPU, and the driver's stream writes (`StreamWrites`), with which the GPU
-publishes a notification in shared memory once the copies before it have landed.
+events and graph launches, each far cheaper than torch's Python stream objects a batch;
+torch's current stream as a raw `cudaStream_t`; host memory pinned and mapped for the GPU,
+and the driver's stream writes (`StreamWrites`), with which the GPU publishes a
+notification in shared memory once the copies before it have landed.
 
 The calls keep the GIL (`ctypes.PyDLL`, not `CDLL`): they queue work and return within
 microseconds, and a call that let the GIL go handed it to any waiting thread of the process
-(the step publisher, the lease heartbeat), whose return took an OS wake-up of ~10-50 us
-on the step's path.
+(the step publisher, the lease heartbeat), whose return took an OS wake-up on the step's
+path.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class Runtime:
 class StreamWrites:
     """`cuStreamWriteValue64` of the driver torch's runtime loaded: a stream operation that
     writes 8 bytes once the work queued before it on the stream is done, after a memory
-    fence (the GPU publishes a value without the host). ~1 us of host; capturable."""
+    fence (the GPU publishes a value without the host). Little host time; capturable."""
 
     def __init__(self, fn: Callable[..., int]) -> None:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
@@ -210,8 +210,8 @@ class BatchCopies:
         """A batch's copies as the arrays the calls read (keep them alive as long as the
         batch may be posted): `first` copies in the first call, each next call twice the
         last, at most `most`. The driver queues a call's copies only when it returns, after
-        ~0.5 us of host time per copy, so one call of a thousand copies would leave the
-        link idle for half a millisecond; in growing calls the copies start after the first
+        some host time per copy, so one call of a thousand copies would leave the link
+        idle a thousand times that; in growing calls the copies start after the first
         few are queued, and the host stays ahead of the link."""
         calls, i, k = [], 0, max(1, first)
         while i < len(nbytes):

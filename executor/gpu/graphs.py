@@ -29,7 +29,7 @@ _POOLS: dict[int, object] = {}
 """Device index -> the memory pool its captured graphs share."""
 _LOCK = threading.RLock()
 """Held for a capture and for `device_sync`: executors of one process on threads of their
-own (a bounded shadow's chunks, `bench/zero_pause.py`'s ranks) capture one at a time (two
+own (a chunked shadow's chunks, `bench/zero_pause.py`'s ranks) capture one at a time (two
 captures into one pool fail: "already recording to mempool_id") and never synchronize the
 whole device while another thread captures (CUDA refuses it: "operation not permitted when
 stream is capturing", seen on one H200)."""

@@ -318,9 +318,9 @@ class CudaIpcTransport:
             handle.stream.wait_stream(side)
 
     def _post_fast(self, handle: Posted) -> bool:
-        """The post as a few runtime calls on raw handles (~1 us each: torch's stream
-        context managers and `wait_stream` cost ~100 us a batch); False if one failed (it
-        is then posted the torch way, whole: idempotent)."""
+        """The post as a few runtime calls on raw handles (cheap host calls, where torch's
+        stream context managers and `wait_stream` cost far more a batch); False if one
+        failed (it is then posted the torch way, whole: idempotent)."""
         rt, f = self.rt, handle.fast
         assert rt is not None and f is not None and self.current_raw is not None  # Mode.FAST
         cur = self.current_raw(self.device.index)

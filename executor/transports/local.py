@@ -55,7 +55,7 @@ class Fabric:
             return box
 
     def child(self, key: int) -> Fabric:
-        """A fabric of its own for `key` (a bounded shadow's chunk k), made on first use with
+        """A fabric of its own for `key` (a chunked shadow's chunk k), made on first use with
         this one's `shared` and job secret: its ranks meet only each other's."""
         with self._lock:
             kid = self.children.get(key)

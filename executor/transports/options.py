@@ -22,7 +22,7 @@ class NixlOptions:
     backends: tuple[str, ...] = ("UCX",)
     """NIXL backends to create (UCX: RDMA, TCP, shared memory, CUDA IPC)."""
     progress_thread: bool = False
-    """NIXL's progress thread (spins ~30% of a core while idle); off: `done()` polls."""
+    """NIXL's progress thread (it spins a share of a core while idle); off: `done()` polls."""
     sgl: bool = True
     """A batch's writes as one scatter-gather put (NIXL_UCX_SGL_ENABLE): over CUDA IPC one
     `cuMemcpyBatchAsync` and one event per batch instead of a copy and an event per write

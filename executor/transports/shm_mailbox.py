@@ -6,7 +6,7 @@ restarted process never reads an old mailbox): a single-producer single-consumer
 sequence numbers in the first 16 bytes. The sender writes the message, then its sequence
 number; the receiver reads the sequence number, then the messages (8-byte aligned stores
 through ctypes, ordered on x86-64). A message takes microseconds, where a TCPStore round
-trip takes ~100 us and a polling nap more: what the `cuda_ipc` transport's READY/DONE/ACK
+trip and a polling nap take far longer: what the `cuda_ipc` transport's READY/DONE/ACK
 handshakes cost per stage. Both sides create the file if it is not there yet (whoever
 comes first) and unlink it at `close()`; a crashed process leaves its files behind
 (132 KiB each).

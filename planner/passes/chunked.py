@@ -1,4 +1,4 @@
-"""Pass (chunked plans, `target.shadow: {budget_bytes: N}`): the chunks of a bounded shadow.
+"""Pass (chunked plans, `target.shadow: {budget_bytes: N}`): the chunks of a chunked shadow.
 
 The target's tensors are cut into chunks, layer by layer (`layer_of`: the non-layer tensors,
 embedding, head, final norm, form one group before layer 0): a chunk is a set of WHOLE
@@ -8,7 +8,7 @@ is refused (one line, naming it). The compiler (`planner.compiler.compile_chunks
 each chunk like any plan, with the target layout restricted to the chunk's tensors
 (`only_tensors`): its writes and UNPACKs address those tensors only. On every target rank
 the chunk plan carries a shadow section with `budget` N and one chunk whose ops read
-`shadow_offset = base(tensor) + offset`: the executor (`executor/bounded.py`) binds the
+`shadow_offset = base(tensor) + offset`: the executor (`executor/chunked.py`) binds the
 chunk's tensors as views of ONE buffer of N bytes at those bases, so that buffer is where
 the chunk's bytes land (no stage of it lands more than N bytes on a target), and the switch
 copies them into the live tensors. The chunk plans travel in one file (`schemas/chunked_plan.py`).
@@ -48,7 +48,7 @@ def chunk_names(regions: list[tuple[Region, ...]], budget: int) -> list[list[str
         b = max(biggest[1])
         raise ConfigError(f"target.shadow.budget_bytes = {budget} is smaller than target "
                           f"tensor {biggest[0]!r} ({b} bytes on target rank "
-                          f"{biggest[1].index(b)}); a bounded shadow moves whole tensors: "
+                          f"{biggest[1].index(b)}); a chunked shadow moves whole tensors: "
                           f"raise it to at least {_up(b)}")
     layers: dict[int, list[str]] = {}
     for name in size:  # first-seen order: each rank's named_parameters() order
@@ -88,7 +88,7 @@ def only_tensors(layout: Layout, names: list[str]) -> Layout:
 
 
 def with_chunk_shadow(plan: Plan, budget: int) -> Plan:
-    """`plan` (one chunk) with a bounded shadow section on every target rank: one chunk,
+    """`plan` (one chunk) with a chunked shadow section on every target rank: one chunk,
     each written run at `base(its tensor) + offset` of the buffer."""
     return with_shadow(plan, budget, chunk_part)
 

@@ -4,7 +4,7 @@ The section (`schemas/shadow.py`) states what the plan writes on the rank (`plan
 writes.written`) and the switch as ops: shadow -> live copies grouped into chunks, layer by
 layer (a tensor named `...layers.<i>....` belongs to layer i; the others, such as the
 embedding and the head, form one group before layer 0). A full shadow (`budget_bytes` 0)
-switches a layer per chunk, each op at its own offset of the region's shadow. A bounded
+switches a layer per chunk, each op at its own offset of the region's shadow. A chunked
 shadow is compiled as chunk plans (`planner/passes/chunked.py`), each given its section by
 `with_shadow` and its own `make`. The pass reads the lowered plan only: sources' parts, and
 targets' ops, are left as they are.
@@ -50,7 +50,7 @@ def with_shadow(plan: Plan, budget: int, make: Callable | None = None) -> Plan:
 def shadow_part(rp: RankPlan, inc, budget: int) -> ShadowPart:
     """A full shadow's section (`budget` 0): one chunk per layer, each op at its own offset
     of its region's shadow."""
-    assert budget == 0, "a bounded shadow is compiled as chunk plans (compile_chunks)"
+    assert budget == 0, "a chunked shadow is compiled as chunk plans (compile_chunks)"
     if len(rp.regions) >= 1 << 15:
         raise ConfigError(f"target.shadow: target rank {rp.rank} binds {len(rp.regions)} "
                           "tensors, more than a shadow section covers (32767); remove "

@@ -29,7 +29,7 @@ from schemas.plan import (
     read_blob,
     read_header,
 )
-from schemas.shadow import bounded_bytes, shadow_bytes
+from schemas.shadow import chunked_bytes, shadow_bytes
 
 
 def _gb(n: float) -> str:
@@ -78,14 +78,14 @@ def summary(header: PlanHeader) -> dict[str, Any]:
 def checked_header(path: str, why: dict[int, str] | None = None,
                    progress: Callable[[str], None] | None = None,
                    shadow: dict[int, int] | None = None,
-                   bounded: dict[int, int | None] | None = None,
+                   chunked: dict[int, int | None] | None = None,
                    traffic: list[tuple[np.ndarray, np.ndarray]] | None = None
                    ) -> PlanHeader:
     """The header of the plan at `path`, once every blob it lists is intact (checksummed,
     decodable: what `load_plan` checks) and every rank within bounds (what the executor
     checks), else `PlanFormatError`; read one rank at a time. `why`, when given, gets each
     rank's `staging_why` from the same read; `shadow`, each rank's full-shadow bytes;
-    `bounded`, its bounded shadow's bytes (None: not compiled with one); `traffic`, each
+    `chunked`, its chunked shadow's bytes (None: not compiled with one); `traffic`, each
     rank's bytes written to every rank (`traffic_row`)."""
     from planner.tools.planfile import PlanFile, ticker
 
@@ -107,8 +107,8 @@ def checked_header(path: str, why: dict[int, str] | None = None,
                 why[r] = staging_why(rp, header)
             if shadow is not None:
                 shadow[r] = shadow_bytes(rp)
-            if bounded is not None:
-                bounded[r] = bounded_bytes(rp)
+            if chunked is not None:
+                chunked[r] = chunked_bytes(rp)
             if traffic is not None:
                 traffic.append(traffic_row(rp, header, r))
             tick(r)
@@ -197,15 +197,15 @@ def inspect_text(path: str, as_json: bool = False,
     rank's bytes written to every rank group from the same read (`traffic_row`)."""
     why: dict[int, str] = {}
     shadow: dict[int, int] = {}
-    bounded: dict[int, int | None] = {}
-    header = checked_header(path, why, progress, shadow, bounded, traffic)
+    chunked: dict[int, int | None] = {}
+    header = checked_header(path, why, progress, shadow, chunked, traffic)
     s = summary(header)
     s["placement"] = placement_summary(path, header)  # None: no target.placement
     for r, row in enumerate(s["ranks"]):
         row["staging_why"] = why.get(r, "")
         row["shadow"] = shadow.get(r, 0)  # zero-pause refit's full shadow (executor/shadow.py)
         row["extra_memory"] = {"paused": 0, "full_shadow": row["shadow"],
-                               "bounded_shadow": bounded.get(r)}  # None: not compiled
+                               "chunked_shadow": chunked.get(r)}  # None: not compiled
     if as_json:
         return json.dumps(s, indent=1)
     src, tgt = header.source, header.target
@@ -230,7 +230,7 @@ def inspect_text(path: str, as_json: bool = False,
         "`rdma-plan simulate` estimates the time)",
         f"extra memory per target rank (largest): paused refit 0; full shadow (executor/"
         f"shadow.py) + {max([0, *shadow.values()]) / 2**20:.1f} MiB (column shadow); "
-        + _bounded_line(header, bounded), "",
+        + _chunked_line(header, chunked), "",
     ]
     nics = s["nics"]
     if not any(n["bytes_out"] or n["bytes_in"] for n in nics):
@@ -242,11 +242,11 @@ def inspect_text(path: str, as_json: bool = False,
                         "NICs")
     lines.append("")
     head = ["rank", "role", "writes", "bytes out", "bytes in", "packs", "unpacks", "staging",
-            "shadow", "bounded", "staging for"]
+            "shadow", "chunked", "staging for"]
     rows = [[str(r["rank"]), r["role"], f"{r['writes']:,}", f"{r['bytes_out']:,}",
              f"{r['bytes_in']:,}", f"{r['packs']:,}", f"{r['unpacks']:,}",
              f"{r['staging']:,}", f"{r['shadow']:,}",
-             _opt(r["extra_memory"]["bounded_shadow"]), r["staging_why"]] for r in s["ranks"]]
+             _opt(r["extra_memory"]["chunked_shadow"]), r["staging_why"]] for r in s["ranks"]]
     lines += _table(head, rows, "ranks", left=frozenset({1, 10}))
     return "\n".join(lines + placement_lines(s["placement"]))
 
@@ -292,13 +292,13 @@ def _opt(n: int | None) -> str:
     return "-" if n is None else f"{n:,}"
 
 
-def _bounded_line(header: PlanHeader, bounded: dict[int, int | None]) -> str:
+def _chunked_line(header: PlanHeader, chunked: dict[int, int | None]) -> str:
     sh = None if header.target is None else header.target.shadow
     if sh is None or not sh.budget_bytes:
-        return "bounded shadow: not compiled (target.shadow: {budget_bytes: N})"
-    used = max([0, *(b for b in bounded.values() if b is not None)])
-    return (f"bounded shadow + {used / 2**20:.1f} MiB used of its {sh.budget_bytes / 2**20:.1f}"
-            " MiB budget (column bounded)")
+        return "chunked shadow: not compiled (target.shadow: {budget_bytes: N})"
+    used = max([0, *(b for b in chunked.values() if b is not None)])
+    return (f"chunked shadow + {used / 2**20:.1f} MiB used of its {sh.budget_bytes / 2**20:.1f}"
+            " MiB budget (column chunked)")
 
 
 def explain_text(path: str, tensor: str, as_json: bool = False) -> str:

@@ -19,6 +19,14 @@ TOO_MANY_LABELS = 48
 """Above this many bars, axis ticks are thinned."""
 
 
+def _save(plt: Any, fig: Any, title: str, path: str) -> str:
+    """A figure's title, written to `path` as PNG and closed; returns `path`."""
+    fig.suptitle(title, fontsize=11)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _pyplot() -> Any:
     try:
         import matplotlib
@@ -70,11 +78,8 @@ def plot_plan(header: PlanHeader, path: str) -> str:
                "in": np.array([n.bytes_in for n in nics]) / 1e9}, "GB", title)
     else:
         _no_nic_traffic(ax2, header.stats.nvlink_bytes, title)
-    fig.suptitle(f"{header.model.model_type}: {header.stats.bytes / 1e9:.2f} GB, "
-                 f"{header.stats.writes:,} writes", fontsize=11)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, f"{header.model.model_type}: {header.stats.bytes / 1e9:.2f} GB, "
+                 f"{header.stats.writes:,} writes", path)
 
 
 def traffic_path(path: str) -> str:
@@ -133,11 +138,8 @@ def plot_traffic(header: PlanHeader, rows: list[tuple[np.ndarray, np.ndarray]],
     if image is not None:
         fig.colorbar(image, ax=axes, label="bytes written in one refit (log scale)",
                      shrink=0.9)
-    fig.suptitle(f"{header.model.model_type}: who writes to whom, {header.sources} source "
-                 f"and {header.targets} target ranks; grey: no bytes", fontsize=11)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, f"{header.model.model_type}: who writes to whom, {header.sources} "
+                 f"source and {header.targets} target ranks; grey: no bytes", path)
 
 
 def _short_bytes(n: float) -> str:
@@ -160,12 +162,9 @@ def plot_simulation(res: dict[str, Any], path: str, title: str = "") -> str:
     else:
         _nic_load(ax1, nics, gbps, est)
     _timeline(plt, ax2, res)
-    fig.suptitle(title or f"simulated {res['estimated_s'] * 1e3:.1f} ms, floor "
+    return _save(plt, fig, title or f"simulated {res['estimated_s'] * 1e3:.1f} ms, floor "
                  f"{res['floor_s'] * 1e3:.1f} ms, ratio {res['ratio']:.3f}; bottleneck "
-                 f"{res['bottleneck']}", fontsize=11)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+                 f"{res['bottleneck']}", path)
 
 
 def _nic_bytes(nics: list[dict[str, Any]]) -> int:

@@ -1,4 +1,4 @@
-"""`rdma-plan verify` of a chunked plan: a bounded shadow's chunk plans in one file
+"""`rdma-plan verify` of a chunked plan: a chunked shadow's chunk plans in one file
 (`schemas/chunked_plan.py`).
 
 Every check of `planner/tools/verify.py` runs on each chunk plan, then the file's own rules:

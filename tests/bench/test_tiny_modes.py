@@ -113,8 +113,8 @@ def test_zero_pause_tiny() -> None:
     assert [r[0] for r in rows] == ["| 128x4", "| 256x4"], out
     for r in rows:
         assert float(r[6]) > 0 and float(r[7]) > 0 and float(r[9].rstrip(" |")) > 0, r
-    # the bounded shadow's table (bit-exact or exit 1): 2 chunks per model, a pause per chunk
-    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| bounded ")]
-    assert [r[0] for r in rows] == ["| bounded 128x4", "| bounded 256x4"], out
+    # the chunked shadow's table (bit-exact or exit 1): 2 chunks per model, a pause per chunk
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| chunked ")]
+    assert [r[0] for r in rows] == ["| chunked 128x4", "| chunked 256x4"], out
     for r in rows:
         assert r[2] == "2" and float(r[3]) > 0 and float(r[4]) > 0, r

@@ -1,5 +1,5 @@
 """CUDA graph captures from several threads of one process (`transports/graphs.py`): the
-executors of a bounded shadow's chunks, or of `bench/zero_pause.py`'s ranks, prepare on
+executors of a chunked shadow's chunks, or of `bench/zero_pause.py`'s ranks, prepare on
 threads of their own. Each capture must succeed (one at a time, never beside another
 thread's whole-device synchronize) and replay what eager ops write (`pytest -m gpu`; on
 one H200 the unguarded captures failed: "already recording to mempool_id", "operation not

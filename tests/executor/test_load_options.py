@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import threading
 
 import pytest
 import torch
 
 import executor
-from executor import BoundedShadow, Executor, LoadOptions, Shadow, load_chunks
+from executor import ChunkedShadow, Executor, LoadOptions, Shadow, load_chunks
 from executor.transports.local import Fabric
 from schemas.plan import load_plan
 from tests.support.plans import save, two_by_two, two_by_two_expected, two_by_two_tensors
+from tests.support.threads import together
 
 
 def test_every_load_has_the_one_signature():
-    loads = [executor.load, Executor.load, Shadow.load, BoundedShadow.load, load_chunks]
+    loads = [executor.load, Executor.load, Shadow.load, ChunkedShadow.load, load_chunks]
     for fn in loads:
         params = list(inspect.signature(fn).parameters.values())
         assert [p.name for p in params[-2:]] == ["options", "fields"], fn
@@ -60,32 +60,14 @@ def _load_and_run(path: str, ranks: list[int], how: str) -> None:
     def load(rank: int) -> None:
         exs[rank] = (Executor.load(path, rank, tensors[rank], LoadOptions(**opts))
                      if how == "record" else Executor.load(path, rank, tensors[rank], **opts))
-    _all(load, ranks)
+    together(lambda r=r: load(r) for r in ranks)
     try:
         assert all(ex.max_inflight == 2 and ex.pack_groups == 0 and ex.timeout_s == 5.0
                    and not ex.step_records for ex in exs.values())
-        _all(lambda r: exs[r].run(), list(exs))
+        together(lambda ex=ex: ex.run() for ex in exs.values())
         for rank, named in two_by_two_expected(3).items():
             for name, t in named.items():
                 assert torch.equal(tensors[rank][name], t), (how, rank, name)
     finally:
         for ex in exs.values():
             ex.close()
-
-
-def _all(fn, ranks: list[int]) -> None:
-    """`fn(rank)` for every rank at once (a rank's load waits for its peers' records)."""
-    errors: list[BaseException] = []
-
-    def guarded(r: int) -> None:
-        try:
-            fn(r)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-    ts = [threading.Thread(target=guarded, args=(r,)) for r in ranks]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    if errors:
-        raise errors[0]

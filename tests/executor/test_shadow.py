@@ -12,9 +12,10 @@ import threading
 import pytest
 import torch
 
-from executor import Executor, Shadow, TornUpdateError, shadow_extra_bytes
+from executor import Executor, Shadow, TornUpdateError
 from executor.transports.local import Fabric
 from schemas.plan import load_plan
+from schemas.shadow import shadow_bytes
 from tests.support.plans import save, two_by_two, two_by_two_expected, two_by_two_tensors
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shadow_worker.py")
@@ -88,8 +89,8 @@ def test_live_keeps_version_n_until_switch_then_equals_n_plus_1_in_place(tmp_pat
         old = {t: {k: v.clone() for k, v in live[t].items()} for t in (2, 3)}
         last = shadows[2].last
         assert last is not None and last.version == step and last.transfer_s > 0
-    assert shadows[2].extra_bytes == shadow_extra_bytes(plan.ranks[2]) == 2 * 32
-    assert shadow_extra_bytes(plan.ranks[0]) == 0
+    assert shadows[2].extra_bytes == shadow_bytes(plan.ranks[2]) == 2 * 32
+    assert shadow_bytes(plan.ranks[0]) == 0
 
 
 def test_source_that_never_sends_is_a_torn_update_and_the_next_one_is_whole(tmp_path):

@@ -92,7 +92,7 @@ def test_switch_by_the_plans_ops_is_bit_exact_in_place_and_touches_only_written_
         s.close()
 
 
-def test_a_bounded_section_is_refused_by_shadow_in_one_line(tmp_path):
+def test_a_chunked_section_is_refused_by_shadow_in_one_line(tmp_path):
     path = str(tmp_path / "p.rplan")
     write_plan(path, _compile(CASES[0], {"budget_bytes": 1 << 20})[0])  # one chunk plan
     plan = load_plan(path)
@@ -104,7 +104,7 @@ def test_a_bounded_section_is_refused_by_shadow_in_one_line(tmp_path):
                   rendezvous=Fabric(), timeout_s=2)
     with pytest.raises(ValueError) as e:
         shadow.attach(ex)
-    assert "bounded shadow (1,048,576 bytes" in str(e.value) and "\n" not in str(e.value)
+    assert "chunked shadow (1,048,576 bytes" in str(e.value) and "\n" not in str(e.value)
     ex.close()
 
 

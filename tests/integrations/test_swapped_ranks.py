@@ -29,7 +29,7 @@ from schemas.identity import IdentityError, describe
 from schemas.plan import read_header
 from schemas.plan_write import write_plan
 from schemas.tensors import rank_tensors
-from tests.support.integration import module, state
+from tests.support.integration import RecordingClient, module, state
 from tests.support.models import qwen3
 from tests.support.swap import swap_parts
 
@@ -93,25 +93,6 @@ def test_generic_swapped_parts_are_refused_naming_both(tmp_path):
                       insecure=True)
 
 
-class Client:
-    """A stand-in for vLLM's weight-sync client: records the calls the trainer makes."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def init_weight_transfer_engine(self, info: dict) -> None:
-        self.calls.append("init")
-
-    def start_weight_update(self) -> None:
-        self.calls.append("start")
-
-    def update_weights(self, info: dict) -> None:
-        self.calls.append("update")
-
-    def finish_weight_update(self, version: str | None = None) -> None:
-        self.calls.append("finish")
-
-
 def test_vllm_trainer_path_refuses_swaps_before_the_engine_loads(tmp_path, monkeypatch):
     base = pytest.importorskip("vllm.distributed.weight_transfer.base")
     ModuleSource = base.ModuleSource
@@ -126,8 +107,8 @@ def test_vllm_trainer_path_refuses_swaps_before_the_engine_loads(tmp_path, monke
     assert tp1 == ids[1]
     source = ModuleSource(module(_zeros(path, 1)))
 
-    def init(**kw) -> tuple[Client, str]:
-        client = Client()
+    def init(**kw) -> tuple[RecordingClient, str]:
+        client = RecordingClient()
         info = RdmaPlanTrainerInitInfo(path if "plan" not in kw else kw.pop("plan"),
                                        "127.0.0.1:1", rank=0, **kw)
         with pytest.raises(IdentityError) as e:
@@ -178,7 +159,7 @@ def test_trainer_paths_take_the_adapters_binding_held_to_the_live_state(tmp_path
     by_hand = Binding(rank=1, identity=ids[1], tensors=b.tensors)
 
     def vllm(**kw) -> str:
-        client = Client()
+        client = RecordingClient()
         info = RdmaPlanTrainerInitInfo(path, "127.0.0.1:1", rank=1, timeout_s=1, **kw)
         with pytest.raises(IdentityError) as e:
             RdmaPlanTrainerEngine.trainer_init(info, client=client)
@@ -199,7 +180,7 @@ def test_trainer_paths_take_the_adapters_binding_held_to_the_live_state(tmp_path
         assert "cannot be held to a live megatron" in msg and "binding=" in msg, msg
     # the binding passes every identity check and stops at the store nobody hosts
     for load in (lambda: RdmaPlanTrainerEngine.trainer_init(RdmaPlanTrainerInitInfo(
-            path, "127.0.0.1:1", rank=1, timeout_s=1, binding=b), client=Client()),
+            path, "127.0.0.1:1", rank=1, timeout_s=1, binding=b), client=RecordingClient()),
                  lambda: load_source(path, b, rendezvous="127.0.0.1:1", timeout_s=1,
                                      insecure=True)):
         with pytest.raises(Exception) as e:
@@ -207,7 +188,7 @@ def test_trainer_paths_take_the_adapters_binding_held_to_the_live_state(tmp_path
         assert not isinstance(e.value, IdentityError), e.value
     with pytest.raises(ValueError, match="leave the source out"):
         RdmaPlanTrainerEngine.trainer_init(RdmaPlanTrainerInitInfo(
-            path, "127.0.0.1:1", rank=1, binding=b), client=Client(),
+            path, "127.0.0.1:1", rank=1, binding=b), client=RecordingClient(),
             source=base_source(b.tensors))
 
 

@@ -34,7 +34,9 @@ from harness.weights import materialize, random_full_tensors  # noqa: E402
 from planner.frameworks import build_layout  # noqa: E402
 from planner.layouts import megatron  # noqa: E402
 from planner.validate import load  # noqa: E402
+from schemas.identity import IdentityError  # noqa: E402
 from schemas.tensors import rank_tensors  # noqa: E402
+from tests.support.integration import RecordingClient  # noqa: E402
 
 
 def _full(spec, step: int) -> dict[str, torch.Tensor]:
@@ -64,30 +66,10 @@ def _refused(arg: dict, tensors: dict[str, torch.Tensor], rank: int, ident: dict
         try:
             executor.load(path, rank=r, tensors=tensors, transport="nixl",
                           rendezvous=_store(arg), timeout_s=120, **kw)
-        except executor.IdentityError as e:
+        except IdentityError as e:
             print(f"refused rank {r}: {e}", flush=True)
             continue
         raise AssertionError(f"plan rank {r} of {path} loaded ({kw})")
-
-
-class _Client:
-    """vLLM's weight-sync client as the sender drives it; the test's target process runs
-    the plan's target rank itself, so each call is only recorded."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def init_weight_transfer_engine(self, info: dict) -> None:
-        self.calls.append("init")
-
-    def start_weight_update(self) -> None:
-        self.calls.append("start")
-
-    def update_weights(self, info: dict) -> None:
-        self.calls.append("update")
-
-    def finish_weight_update(self, version: str | None = None) -> None:
-        self.calls.append("finish")
 
 
 def _vllm_swapped(arg: dict, b) -> None:  # noqa: ANN001 - an integrations.Binding
@@ -110,13 +92,13 @@ def _vllm_swapped(arg: dict, b) -> None:  # noqa: ANN001 - an integrations.Bindi
                                                          rank=other["rank"])}, None),
              ("binding+identity=", {"binding": b, "identity": other["identity"]}, None)]
     for what, kw, source in tries:
-        client = _Client()
+        client = RecordingClient()
         info = RdmaPlanTrainerInitInfo(plan=arg["plan"], rendezvous=arg["rendezvous"],
                                        rank=index, timeout_s=arg["timeout_s"],
                                        allow_unsigned=True, **kw)  # the test's plan: unsigned
         try:
             eng = RdmaPlanTrainerEngine.trainer_init(info, client=client, source=source)
-        except executor.IdentityError as e:
+        except IdentityError as e:
             assert client.calls == [], f"{what}: the client was called: {client.calls}"
             print(f"refused {what}: {e}", flush=True)
             continue

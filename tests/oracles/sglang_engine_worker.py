@@ -3,7 +3,7 @@ RANKs 1.. are the TP ranks of a real SGLang 0.5.23 engine on CPU driven through 
 own scheduler handlers with the rdma-plan plugin (`integrations.sglang_engine`).
 
 argv[1] is JSON: {"port", "store", "ctl", "plan", "hf", "steps", "torn", "world", "bind"};
-`bind` is "rpc" (`Scheduler.rdma_plan_init` through `handle_rpc_request`, as
+`bind` is "rpc" (`rdma_plan_init` through `handle_rpc_request`, the plugin's hook, as
 `Engine.collective_rpc` sends it) or "env" (`RDMA_PLAN_SGLANG`, bound by the first
 `begin_weight_update`, as for an HTTP server).
 

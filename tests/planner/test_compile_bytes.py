@@ -1,6 +1,6 @@
 """`rdma-plan compile` writes the same bytes it wrote when `compile_bytes.json` was made: every
-shipped config (plans/*.yaml, plans/published/*.yaml), and shadow and chunked (bounded
-shadow) variants of small ones, chunked plans signed and not. A change to the compiler that
+shipped config (plans/*.yaml, plans/published/*.yaml), and shadow (full) and chunked
+variants of small ones, chunked plans signed and not. A change to the compiler that
 should leave plans as they are (a refactor, a speed-up) keeps this test green; one that
 changes plans on purpose regenerates the digests, and says so in its commit:
 

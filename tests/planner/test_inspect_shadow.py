@@ -51,16 +51,16 @@ def test_inspect_shows_each_ranks_full_shadow_bytes(tmp_path: Path,
 
 def test_inspect_shows_each_modes_extra_memory_per_rank(tmp_path: Path,
                                                         capsys: pytest.CaptureFixture) -> None:
-    # paused 0; full shadow: the bound weights; bounded: the budget N (the one buffer every
-    # chunk lands in, executor/bounded.py); a plan compiled without one: None, "-"
+    # paused 0; full shadow: the bound weights; chunked: the budget N (the one buffer every
+    # chunk lands in, executor/chunked.py); a plan compiled without one: None, "-"
     budget = 1 << 20
     text = (ROOT / "plans" / "demo.yaml").read_text().replace(
         "  replicas: 2\n", f"  replicas: 2\n  shadow: {{budget_bytes: {budget}}}\n")
     cfg = tmp_path / "demo.yaml"
     cfg.write_text(text.replace("models/", str(ROOT / "plans" / "models") + "/"))
-    plain, bounded = str(tmp_path / "plain.rplan"), str(tmp_path / "bounded.rplan")
+    plain, chunked = str(tmp_path / "plain.rplan"), str(tmp_path / "chunked.rplan")
     compile_file(str(ROOT / "plans" / "demo.yaml"), plain)
-    assert main(["compile", str(cfg), "-o", bounded]) == 0
+    assert main(["compile", str(cfg), "-o", chunked]) == 0
     capsys.readouterr()
     assert main(["inspect", plain, "--json"]) == 0
     ranks = json.loads(capsys.readouterr().out)["ranks"]
@@ -71,16 +71,16 @@ def test_inspect_shows_each_modes_extra_memory_per_rank(tmp_path: Path,
         assert mem["paused"] == 0 and mem["full_shadow"] == r["shadow"]
         if r["role"] == "target":
             row = rank_row(out, r["rank"])
-            assert mem["bounded_shadow"] is None
-            assert (row["shadow"], row["bounded"]) == (f"{r['shadow']:,}", "-")
+            assert mem["chunked_shadow"] is None
+            assert (row["shadow"], row["chunked"]) == (f"{r['shadow']:,}", "-")
     full = {r["rank"]: r["shadow"] for r in ranks}
-    assert main(["inspect", bounded, "--json"]) == 0
+    assert main(["inspect", chunked, "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
-    assert s["bounded_budget"] == budget and len(s["chunks"]) >= 2
+    assert s["chunked_budget"] == budget and len(s["chunks"]) >= 2
     for r in s["ranks"]:
         mem = r["extra_memory"]
         want = budget if r["role"] == "target" else 0
-        assert mem == {"paused": 0, "full_shadow": full[r["rank"]], "bounded_shadow": want}
-    assert main(["inspect", bounded]) == 0
+        assert mem == {"paused": 0, "full_shadow": full[r["rank"]], "chunked_shadow": want}
+    assert main(["inspect", chunked]) == 0
     out = capsys.readouterr().out
-    assert f"bounded shadow + {budget / 2**20:.1f} MiB" in out and "mixed-version" in out
+    assert f"chunked shadow + {budget / 2**20:.1f} MiB" in out and "mixed-version" in out

@@ -60,7 +60,7 @@ def test_full_section_states_exactly_the_written_bytes_and_leaves_the_rest(case)
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_chunk_plans_fit_the_budget_in_layer_order(case):
-    """A bounded shadow compiles to chunk plans (the same step as `rdma-plan compile`): each
+    """A chunked shadow compiles to chunk plans (the same step as `rdma-plan compile`): each
     verifies, each target section is one chunk inside the budget, its ops sharing no byte of
     the buffer, and the chunks take the layers in order."""
     budget = 1 << 20

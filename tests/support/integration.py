@@ -1,5 +1,6 @@
 """Shared by the integration tests: a module tree of given parameters, a stand-in for
-Megatron's `parallel_state`, and a small plan compiled from an HF config."""
+Megatron's `parallel_state`, a small plan compiled from an HF config, and a stand-in for
+vLLM's weight-sync client that records the trainer's calls."""
 
 from __future__ import annotations
 
@@ -49,3 +50,23 @@ def compile_plan(tmp, hf: dict, source: dict, target: dict) -> tuple[str, str]:
     plan = os.path.join(tmp, "p.rplan")
     write_plan(plan, compile_config(cfg, spec))
     return config, plan
+
+
+class RecordingClient:
+    """A stand-in for vLLM's weight-sync client as the trainer sender drives it: each call
+    is only recorded (the test's own target process runs the plan's target rank)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def init_weight_transfer_engine(self, info: dict) -> None:
+        self.calls.append("init")
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start")
+
+    def update_weights(self, info: dict) -> None:
+        self.calls.append("update")
+
+    def finish_weight_update(self, version: str | None = None) -> None:
+        self.calls.append("finish")

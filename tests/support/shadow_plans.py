@@ -1,8 +1,8 @@
 """Tiny plans compiled with a shadow section (`target.shadow`) and broken copies of one
 rank's section, shared by tests/planner/test_shadow_section.py and
-tests/executor/test_shadow_plan.py; the bounded shadow's chunk plans written to a file
-(`compile_chunked_file`) and the cases' layouts, for tests/executor/test_bounded*.py and
-tests/planner/test_bounded_plan.py."""
+tests/executor/test_shadow_plan.py; the chunked shadow's chunk plans written to a file
+(`compile_chunked_file`) and the cases' layouts, for tests/executor/test_chunked*.py and
+tests/planner/test_chunked_plan.py."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def layouts(case):
 
 
 def compile_chunked_file(case, budget: int, path: str) -> list[Plan]:
-    """The chunk plans of a bounded shadow of `budget` bytes, written to `path`."""
+    """The chunk plans of a chunked shadow of `budget` bytes, written to `path`."""
     from schemas.chunked_plan import write_chunked
     model, source, target = case
     cfg = config_from_dict({"model": {"config": f"{model}/config.json"}, "source": source,

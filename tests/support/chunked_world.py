@@ -1,5 +1,5 @@
-"""A bounded-shadow plan's sources and targets in one process (`World`), shared by the bounded
-shadow's tests (tests/executor/test_bounded*.py)."""
+"""A chunked plan's sources and targets in one process (`World`), shared by the chunked
+shadow's tests (tests/executor/test_chunked*.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from executor.bounded import BoundedShadow, load_chunks
+from executor.chunked import ChunkedShadow, load_chunks
 from executor.transports.local import Fabric
 from harness.weights import materialize, random_full_tensors
 from tests.support.shadow_plans import layouts
@@ -20,7 +20,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class World:
-    """Sources and targets of a bounded plan in one process; sources start with `new`."""
+    """Sources and targets of a chunked plan in one process; sources start with `new`."""
 
     def __init__(self, case, path: str, timeout_s: float = 20.0) -> None:
         self.spec, src_l, self.dst_l = layouts(case)
@@ -40,7 +40,7 @@ class World:
                                      timeout_s=timeout_s,
                                      no_identity=True)
             else:
-                out[r] = BoundedShadow.load(path, r, self.live[r], transport="local",
+                out[r] = ChunkedShadow.load(path, r, self.live[r], transport="local",
                                             rendezvous=fabric,
                                             timeout_s=timeout_s, no_identity=True)
         ts = [threading.Thread(target=load, args=(r,)) for r in range(self.n_src + len(self.live))]

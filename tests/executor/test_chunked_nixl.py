@@ -1,4 +1,4 @@
-"""Bounded shadow over NIXL between four processes (`bounded_worker.py`): the tiny gpt-oss,
+"""Chunked shadow over NIXL between four processes (`chunked_worker.py`): the tiny gpt-oss,
 FSDP2 -> vLLM TP 2 (UNPACKs on the targets), through one 2 MiB buffer per target in 3
 chunks: bit-exact, then a torn chunk (what it leaves), then whole again."""
 
@@ -14,11 +14,11 @@ from tests.support.shadow_plans import CASES, compile_chunked_file
 
 pytestmark = pytest.mark.processes  # ranks as separate processes (tests/conftest.py)
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bounded_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chunked_worker.py")
 
 
 @pytest.mark.extended
-def test_four_nixl_processes_bounded_refit_bit_exact_torn_chunk_then_whole(tmp_path):
+def test_four_nixl_processes_chunked_refit_bit_exact_torn_chunk_then_whole(tmp_path):
     pytest.importorskip("nixl")
     from harness.launch import master_store, root_env, spawn_ranks
     path = str(tmp_path / "p.rplan")

@@ -1,4 +1,4 @@
-"""`BoundedShadow` binds the live tensors as `load` and `Shadow` do: name, shape, dtype and
+"""`ChunkedShadow` binds the live tensors as `load` and `Shadow` do: name, shape, dtype and
 contiguity against the plan, every chunk, before any chunk connects (a live tensor of the
 right byte size but another dtype or shape is refused, naming it)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.bounded import BoundedShadow
+from executor.chunked import ChunkedShadow
 from executor.errors import BindError
 from executor.transports.local import Fabric
 from harness.weights import materialize, random_full_tensors
@@ -44,7 +44,7 @@ def test_a_live_tensor_unlike_the_plan_is_refused_naming_it(plan, how: str) -> N
     bad = dict(live, **{name: _same_bytes(live[name], how)})
     assert bad[name].numel() * bad[name].element_size() == live[name].numel() * 2
     with pytest.raises(BindError) as e:
-        BoundedShadow.load(path, rank, bad, transport="local", rendezvous=Fabric(), timeout_s=2,
+        ChunkedShadow.load(path, rank, bad, transport="local", rendezvous=Fabric(), timeout_s=2,
                            no_identity=True)
     assert name in str(e.value) and {"dtype": "dtype float32 != plan bfloat16",
                                      "shape": "shape", "contiguity": "not contiguous"}[how] \

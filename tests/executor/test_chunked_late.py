@@ -1,4 +1,4 @@
-"""A bounded shadow recovers from a late writer within its timeout plus one step: a source
+"""A chunked shadow recovers from a late writer within its timeout plus one step: a source
 that starts chunk 1 of a refit 1.5 timeouts late tears that refit, and every rank then
 completes the refit after (bit-exact), each rank calling `run()` with no step number. A
 chunk that fails gives the step up in the other chunks of its rank (ABORT to their peers,
@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from executor.bounded import run_chunks
-from tests.support.bounded_world import BUDGET, World, as_bytes, padding_only
+from executor.chunked import run_chunks
+from tests.support.chunked_world import BUDGET, World, as_bytes, padding_only
 from tests.support.shadow_plans import CASES, compile_chunked_file
 
 TIMEOUT_S = 2.0

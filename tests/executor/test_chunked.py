@@ -1,4 +1,4 @@
-"""Bounded shadow (`executor/bounded.py`): the refit streams through one buffer of N bytes,
+"""Chunked shadow (`executor/chunked.py`): the refit streams through one buffer of N bytes,
 chunk by chunk (whole target tensors, layer by layer), each chunk switched into the live
 tensors before the next lands. Compiled plans of the tiny Qwen3 and the tiny gpt-oss
 (UNPACKs on the targets), every rank in one process (`local`)."""
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from executor import TornUpdateError
-from executor.bounded import run_chunks
+from executor.chunked import run_chunks
 from schemas.chunked_plan import load_chunked
 from schemas.config import ConfigError
-from tests.support.bounded_world import BUDGET, World, as_bytes, padding_only
+from tests.support.chunked_world import BUDGET, World, as_bytes, padding_only
 from tests.support.shadow_plans import CASES, compile_chunked_file
 
 
@@ -38,7 +38,7 @@ def _threads(fns: dict[int, object]) -> tuple[dict[int, object], dict[int, BaseE
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_bounded_refit_is_bit_exact_in_place_chunk_by_chunk_within_the_budget(case, tmp_path):
+def test_chunked_refit_is_bit_exact_in_place_chunk_by_chunk_within_the_budget(case, tmp_path):
     path = str(tmp_path / "p.rplan")
     plans = compile_chunked_file(case, BUDGET, path)
     budget, loaded = load_chunked(path)

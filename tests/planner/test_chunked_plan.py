@@ -1,4 +1,4 @@
-"""A bounded-shadow plan file (`schemas/chunked_plan.py`): `rdma-plan verify` passes the
+"""A chunked plan file (`schemas/chunked_plan.py`): `rdma-plan verify` passes the
 compiled chunk plans and refuses broken ones; the executor's loader refuses them too."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from executor.bounded import BoundedShadow
+from executor.chunked import ChunkedShadow
 from executor.errors import PlanBoundsError
 from executor.transports.local import Fabric
 from planner.cli import main
@@ -23,7 +23,7 @@ BUDGET = 1 << 20
 
 
 def _moved(rp, delta: int):
-    """`rp` with its bounded switch ops reading `delta` bytes further into the buffer."""
+    """`rp` with its chunked switch ops reading `delta` bytes further into the buffer."""
     s = rp.shadow.switch
     cols = {n: np.array(s[n]) for n, _ in SWITCH_COLUMNS}
     cols["shadow_offset"] = cols["shadow_offset"] + delta
@@ -62,7 +62,7 @@ def test_verify_passes_the_compiled_chunks_and_refuses_broken_ones(tmp_path: Pat
     assert main(["verify", str(flipped)]) == 2
     assert "\n" not in capsys.readouterr().err.strip()
     with pytest.raises((PlanFormatError, PlanBoundsError)):
-        BoundedShadow.load(str(flipped), t, {}, transport="local", rendezvous=Fabric(), timeout_s=2,
+        ChunkedShadow.load(str(flipped), t, {}, transport="local", rendezvous=Fabric(), timeout_s=2,
                            no_identity=True)
 
 
@@ -80,7 +80,7 @@ def test_compile_refuses_a_budget_below_the_largest_tensor_in_one_line(tmp_path:
     assert not out.exists()
 
 
-def test_a_signed_bounded_plan_loads_with_its_key_only_and_plain_load_points_to_bounded(
+def test_a_signed_chunked_plan_loads_with_its_key_only_and_plain_load_points_to_chunked(
         tmp_path: Path) -> None:
     import executor
     path = str(tmp_path / "p.rplan")
@@ -91,6 +91,6 @@ def test_a_signed_bounded_plan_loads_with_its_key_only_and_plain_load_points_to_
         load_chunked(path, b"x" * 32)
     with pytest.raises(PlanFormatError, match="is not signed"):
         load_chunked(str(tmp_path / "unsigned.rplan"), b"k" * 32)
-    with pytest.raises(PlanFormatError, match="is a bounded-shadow plan") as e:
+    with pytest.raises(PlanFormatError, match="is a chunked plan") as e:
         executor.load(path, 2, {}, transport="local", rendezvous=Fabric(), no_identity=True)
     assert "\n" not in str(e.value)

@@ -1,6 +1,6 @@
-"""A bounded shadow: the refit streams through one buffer of N bytes, chunk by chunk.
+"""A chunked shadow: the refit streams through one buffer of N bytes, chunk by chunk.
 
-    target:  shadow = BoundedShadow.load(path, rank, live, transport=..., rendezvous=...)
+    target:  shadow = ChunkedShadow.load(path, rank, live, transport=..., rendezvous=...)
              stats = shadow.run(step)        # chunk k: transfer into the buffer, switch
     source:  chunks = load_chunks(path, rank, tensors, transport=..., rendezvous=...)
              run_chunks(chunks, step)
@@ -19,13 +19,13 @@ local copies of the written bytes from the buffer into the live tensors (every l
 (`schemas/protocol.py`), and the target sends chunk k+1's READY when it starts chunk k+1's
 step, which `run` does only after chunk k's switch returned: so no source overwrites the
 buffer before the target switched the chunk it holds. Sources may run ahead (they block in
-chunk k+1 on READY): tests/executor/test_bounded.py checks both.
+chunk k+1 on READY): tests/executor/test_chunked.py checks both.
 
 **Mixed-version window.** While `run` goes chunk by chunk, the tensors of chunks already
 switched hold version N+1 and the others N. An engine reading them between two switches
 serves a MIX of versions: keep it paused across the whole `run(step)` (the pause is then
-the whole bounded refit, transfer included), unless the caller accepts that mix (then
-each chunk's switch is a pause of its own: `BoundedStats.switch_s`). `before_switch(k)`
+the whole chunked refit, transfer included), unless the caller accepts that mix (then
+each chunk's switch is a pause of its own: `ChunkedStats.switch_s`). `before_switch(k)`
 is called before chunk k's switch (the engine may wait for a step boundary there).
 
 **Torn chunk.** A source that never sends chunk k: chunk k's step fails (the executor's
@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from schemas.chunked_plan import bases, check_chunk_rank, load_rank_chunks
+from schemas.header import PlanHeader
 from schemas.integrity import plan_key as read_key
 from schemas.plan import STAGING, RankPlan
 
@@ -67,7 +68,7 @@ from .stats import RunStats
 from .switch import SwitchCopies
 from .trust import check_identity
 
-__all__ = ["BoundedShadow", "BoundedStats", "chunk_rendezvous", "load_chunks", "run_chunks"]
+__all__ = ["ChunkedShadow", "ChunkedStats", "chunk_rendezvous", "load_chunks", "run_chunks"]
 
 _CHILDREN: dict[int, Any] = {}  # 'host:port' -> this process's one client of it
 _LOCK = threading.Lock()
@@ -94,20 +95,24 @@ def chunk_rendezvous(rendezvous: object, k: int, rank: int = 0, timeout_s: float
                 _CHILDREN[key] = tcp_store(dist, host, int(port), rank, timeout_s)
             rendezvous = _CHILDREN[key]
     if not isinstance(rendezvous, dist.Store):
-        raise ValueError(f"a bounded shadow needs rendezvous as a local Fabric, a torch Store "
+        raise ValueError(f"a chunked shadow needs rendezvous as a local Fabric, a torch Store "
                          f"or 'host:port', not {type(rendezvous).__name__}")
     return dist.PrefixStore(f"rplan-chunk{k}/", rendezvous)
 
 
-def _parts(path: str, rank: int, o: LoadOptions) -> tuple[int, list[tuple[Any, RankPlan]]]:
+def _parts(path: str, rank: int, o: LoadOptions
+           ) -> tuple[int, list[tuple[PlanHeader, RankPlan]]]:
     """The budget and rank `rank`'s part of every chunk, all read and checked before any
     executor is made (a broken chunk k is refused before chunk 0 connects)."""
-    key = None if o.plan_key is None else read_key(o.plan_key)
-    budget, parts = load_rank_chunks(path, rank, key)
+    return load_rank_chunks(path, rank, None if o.plan_key is None else read_key(o.plan_key))
+
+
+def check_identities(parts: list[tuple[PlanHeader, RankPlan]], o: LoadOptions, path: str
+                     ) -> None:
+    """Each chunk's part against `o.identity` (`trust.check_identity`), before any binds."""
     for k, (header, rp) in enumerate(parts):
-        check_identity(header, rp.identity, rank, o.identity, o.no_identity,
+        check_identity(header, rp.identity, rp.rank, o.identity, o.no_identity,
                        f"{path} chunk {k}")
-    return budget, parts
 
 
 def chunk_options(o: LoadOptions, k: int, rank: int) -> LoadOptions:
@@ -118,10 +123,11 @@ def chunk_options(o: LoadOptions, k: int, rank: int) -> LoadOptions:
 
 def load_chunks(path: str, rank: int, tensors: dict[str, torch.Tensor],
                 options: LoadOptions | None = None, **fields: Any) -> list[Executor]:
-    """A source rank's executors of a bounded plan, one per chunk, each bound to `tensors`,
+    """A source rank's executors of a chunked plan, one per chunk, each bound to `tensors`,
     registered and connected (every rank loads the chunks in the same order)."""
     o = LoadOptions.of(options, fields)
     _, parts = _parts(path, rank, o)
+    check_identities(parts, o, path)
     out: list[Executor] = []
     for k, (header, rp) in enumerate(parts):
         ex = Executor(header, rp, tensors, chunk_options(o, k, rank))
@@ -132,7 +138,7 @@ def load_chunks(path: str, rank: int, tensors: dict[str, torch.Tensor],
 
 
 def run_chunks(chunks: list[Executor], step: int | None = None) -> list[RunStats]:
-    """A source's step of a bounded plan: chunk 0, 1, ... in order (each waits for its
+    """A source's step of a chunked plan: chunk 0, 1, ... in order (each waits for its
     targets' READY, sent only once they switched the chunk before), every chunk under one
     step number: `step`, else the one chunk 0 runs (after a failed refit its recovery joins
     the peers' step). A chunk that fails gives the step up in the others (`give_up`)."""
@@ -163,8 +169,8 @@ def give_up(chunks: list[Executor], k: int, step: int, lost: int | None) -> None
 
 
 @dataclass
-class BoundedStats:
-    """One bounded refit on a target rank (`BoundedShadow.run`)."""
+class ChunkedStats:
+    """One chunked refit on a target rank (`ChunkedShadow.run`)."""
 
     step: int
     version: int
@@ -178,13 +184,13 @@ class BoundedStats:
     """The buffer: N bytes."""
 
 
-class BoundedShadow:
-    """A target rank's bounded shadow: one buffer of `budget` bytes, one executor per chunk."""
+class ChunkedShadow:
+    """A target rank's chunked shadow: one buffer of `budget` bytes, one executor per chunk."""
 
     def __init__(self, live: dict[str, torch.Tensor], budget: int) -> None:
         bad = [n for n, t in live.items() if not isinstance(t, torch.Tensor)]
         if bad:
-            raise TypeError(f"BoundedShadow: live[{bad[0]!r}] is {type(live[bad[0]]).__name__}"
+            raise TypeError(f"ChunkedShadow: live[{bad[0]!r}] is {type(live[bad[0]]).__name__}"
                             ", not a tensor; pass the engine's weights as {name: tensor}")
         self.live, self.budget = live, budget
         device = next(iter(live.values())).device if live else torch.device("cpu")
@@ -198,19 +204,29 @@ class BoundedShadow:
         self.version = 0
         self.switched = 0
         """Chunks of the current (or last) refit switched into the live tensors."""
-        self.last: BoundedStats | None = None
+        self.last: ChunkedStats | None = None
 
     @classmethod
     def load(cls, path: str, rank: int, live: dict[str, torch.Tensor],
-             options: LoadOptions | None = None, **fields: Any) -> BoundedShadow:
+             options: LoadOptions | None = None, **fields: Any) -> ChunkedShadow:
         """Load every chunk of rank `rank` (register, connect: all ranks in the same order)."""
         o = LoadOptions.of(options, fields)
         budget, parts = _parts(path, rank, o)
+        return cls.load_parts(budget, parts, live, o, path)
+
+    @classmethod
+    def load_parts(cls, budget: int, parts: list[tuple[PlanHeader, RankPlan]],
+                   live: dict[str, torch.Tensor], options: LoadOptions, path: str = "plan"
+                   ) -> ChunkedShadow:
+        """`load` of the parts its caller has read (`schemas.chunked_plan.read_rank_chunks`:
+        the engine core reads the plan file once): identities, every chunk's tensors
+        against `live`, then each chunk's executor registered and connected in order."""
+        check_identities(parts, options, path)
         self = cls(live, budget)
         for _, rp in parts:  # every chunk's tensors against `live`, before any connects
             self.bind_live(rp)
         for k, (header, rp) in enumerate(parts):
-            ex = Executor(header, rp, self.views(rp), chunk_options(o, k, rank))
+            ex = Executor(header, rp, self.views(rp), chunk_options(options, k, rp.rank))
             ex.register()
             ex.connect()
             self.attach(ex)
@@ -235,14 +251,14 @@ class BoundedShadow:
         self.bind_live(plan)
         sh = plan.shadow
         if sh is None or sh.budget != self.budget:
-            raise ValueError(f"BoundedShadow: rank {plan.rank}'s chunk plan is not a bounded "
+            raise ValueError(f"ChunkedShadow: rank {plan.rank}'s chunk plan is not a chunked "
                              f"shadow of {self.budget} bytes; compile with target.shadow: "
                              f"{{budget_bytes: {self.budget}}}")
         base = self.buffer.data_ptr()
         if any(not base <= r.data_ptr() < base + self.budget for r, g in
                zip(ex.regions, plan.regions) if g.name != STAGING):
-            raise ValueError(f"BoundedShadow: rank {plan.rank}: chunk {len(self.chunks)}'s "
-                             "executor is not bound to the buffer; use BoundedShadow.load")
+            raise ValueError(f"ChunkedShadow: rank {plan.rank}: chunk {len(self.chunks)}'s "
+                             "executor is not bound to the buffer; use ChunkedShadow.load")
         names = [g.name for g in plan.regions]
         ops = []
         s = sh.switch
@@ -250,7 +266,7 @@ class BoundedShadow:
                                s["nbytes"].tolist(), s["shadow_offset"].tolist()):
             t = self.live.get(names[r])
             if t is None or not t.is_contiguous() or t.numel() * t.element_size() < o + n:
-                raise ValueError(f"BoundedShadow: rank {plan.rank}: the plan switches "
+                raise ValueError(f"ChunkedShadow: rank {plan.rank}: the plan switches "
                                  f"{names[r]!r}, which is not a contiguous tensor of `live` "
                                  "of its size; pass the engine's bound tensors")
             ops.append((t.detach().reshape(-1).view(torch.uint8)[o:o + n],
@@ -260,13 +276,13 @@ class BoundedShadow:
         self.copies = None  # built at the first run, over every chunk's ops
 
     def run(self, step: int | None = None,
-            before_switch: Callable[[int], None] | None = None) -> BoundedStats:
-        """One bounded refit: per chunk, its transfer into the buffer then its switch. The
+            before_switch: Callable[[int], None] | None = None) -> ChunkedStats:
+        """One chunked refit: per chunk, its transfer into the buffer then its switch. The
         live tensors hold a MIX of versions until it returns (module docstring); raises
         `TornUpdateError` when a chunk does not complete (`switched` chunks were)."""
         if not self.chunks:
-            raise RuntimeError("BoundedShadow: no chunk loaded (use BoundedShadow.load)")
-        st = BoundedStats(-1 if step is None else step, self.version,
+            raise RuntimeError("ChunkedShadow: no chunk loaded (use ChunkedShadow.load)")
+        st = ChunkedStats(-1 if step is None else step, self.version,
                           extra_bytes=self.extra_bytes)
         self.switched = 0
         if self.copies is None:  # one launch per chunk on a GPU (executor/switch.py)
@@ -285,7 +301,7 @@ class BoundedShadow:
                         "keep version N: the live tensors hold a mix" if k else
                         "no chunk was switched: the live tensors keep version N")
                 raise TornUpdateError(
-                    f"BoundedShadow: rank {ex.rank}: chunk {k} of {len(self.chunks)} did not "
+                    f"ChunkedShadow: rank {ex.rank}: chunk {k} of {len(self.chunks)} did not "
                     f"complete ({e}); {done}; version {self.version} stays committed; keep "
                     "the engine paused and run() again (it starts at chunk 0)") from e
             t1 = time.perf_counter()

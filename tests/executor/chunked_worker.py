@@ -1,8 +1,8 @@
-"""One rank of a bounded-shadow refit of the tiny gpt-oss over NIXL (test_bounded_nixl.py).
+"""One rank of a chunked-shadow refit of the tiny gpt-oss over NIXL (test_chunked_nixl.py).
 
-    python bounded_worker.py PLAN RANK HOST:PORT
+    python chunked_worker.py PLAN RANK HOST:PORT
 
-Ranks 0-1: FSDP2 sources; 2-3: vLLM TP 2 targets, each through a `BoundedShadow` (UNPACKs
+Ranks 0-1: FSDP2 sources; 2-3: vLLM TP 2 targets, each through a `ChunkedShadow` (UNPACKs
 land in its buffer too). Step 1: every rank runs every chunk: the targets hold version 1,
 bit-exact, pointers kept. Step 2: source 0 sends chunk 0 only (never chunk 1): the targets'
 `run` raises `TornUpdateError` at chunk 1; chunk 0's tensors hold version 2, the others
@@ -22,7 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from executor import TornUpdateError  # noqa: E402
-from executor.bounded import BoundedShadow, load_chunks, run_chunks  # noqa: E402
+from executor.chunked import ChunkedShadow, load_chunks, run_chunks  # noqa: E402
 from harness.weights import materialize, random_full_tensors  # noqa: E402
 from tests.support.shadow_plans import CASES, layouts  # noqa: E402
 
@@ -48,7 +48,7 @@ def _same(got: torch.Tensor, want: torch.Tensor, old: torch.Tensor) -> bool:
 def target(rank: int, path: str, store: dist.TCPStore) -> int:
     live = {k: v.clone() for k, v in version(0, rank).items()}
     ptrs = {k: v.data_ptr() for k, v in live.items()}
-    shadow = BoundedShadow.load(path, rank, live, transport="nixl", rendezvous=store, timeout_s=90,
+    shadow = ChunkedShadow.load(path, rank, live, transport="nixl", rendezvous=store, timeout_s=90,
                                 no_identity=True)
     chunk_of = {g.name: k for k, ex in enumerate(shadow.chunks) for g in ex.plan.regions}
     for ex in shadow.chunks:

@@ -1,4 +1,4 @@
-"""A bounded-shadow plan file is one signed object: its index (chunk count, order, digests,
+"""A chunked plan file is one signed object: its index (chunk count, order, digests,
 and each target rank's whole tensor set) is covered by the signature, so a chunk dropped,
 duplicated or reordered after signing is refused at load with the key, in one line; a
 rank's chunks holding a tensor twice or missing one are refused at load without a key too,
@@ -12,7 +12,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from executor.bounded import BoundedShadow, load_chunks
+from executor.chunked import ChunkedShadow, load_chunks
 from executor.transports.local import Fabric
 from planner.cli import main
 from schemas.chunked_plan import MAGIC, load_chunked, write_chunked
@@ -25,7 +25,7 @@ KEY = b"k" * 32
 
 @pytest.fixture(scope="module")
 def signed(tmp_path_factory) -> tuple[str, list]:
-    d = tmp_path_factory.mktemp("bounded")
+    d = tmp_path_factory.mktemp("chunked")
     plans = compile_chunked_file(CASES[0], BUDGET, str(d / "unsigned.rplan"))
     path = str(d / "signed.rplan")
     write_chunked(path, plans, BUDGET, KEY)
@@ -67,7 +67,7 @@ def test_a_signed_chunked_plan_refuses_a_changed_chunk_list_at_load_with_the_key
              "swap chunks 0 and 1": [1, 0, *range(2, n)]}[how]
     bad = _relaid(path, tmp_path / "bad.rplan", order)
     t = _target(plans)
-    for load in (lambda: BoundedShadow.load(bad, t, {}, transport="local", rendezvous=Fabric(),
+    for load in (lambda: ChunkedShadow.load(bad, t, {}, transport="local", rendezvous=Fabric(),
                                             timeout_s=2,
                                             plan_key=KEY, no_identity=True),
                  lambda: load_chunks(bad, 0, {}, transport="local", rendezvous=Fabric(),
@@ -102,14 +102,14 @@ def test_without_a_key_a_rank_refuses_a_duplicated_or_dropped_chunk_and_verify_s
     n, t = len(plans), _target(plans)
     dup = _relaid(path, tmp_path / "dup.rplan", [0, 1, 1, *range(2, n)])
     with pytest.raises(PlanFormatError, match="is also in chunk 1") as e:
-        BoundedShadow.load(dup, t, {}, transport="local", rendezvous=Fabric(), timeout_s=2,
+        ChunkedShadow.load(dup, t, {}, transport="local", rendezvous=Fabric(), timeout_s=2,
                            no_identity=True)
     assert "\n" not in str(e.value)
     assert main(["verify", dup]) == 1
     assert "is also in chunk 1" in capsys.readouterr().err
     drop = _relaid(path, tmp_path / "drop.rplan", [0, *range(2, n)])
     with pytest.raises(PlanFormatError, match="the chunk index states") as e:
-        BoundedShadow.load(drop, t, {}, transport="local", rendezvous=Fabric(), timeout_s=2,
+        ChunkedShadow.load(drop, t, {}, transport="local", rendezvous=Fabric(), timeout_s=2,
                            no_identity=True)
     assert "\n" not in str(e.value) and f"target rank {t}" in str(e.value)
     assert main(["verify", drop]) == 1
