@@ -15,7 +15,6 @@ import numpy as np
 
 from planner.passes.intersect import Chunks, PieceTable, chunk_bytes
 from planner.passes.lower import Lowered
-from planner.rows import distinct_rows, unique_rows
 from planner.topology import Topology
 
 
@@ -64,7 +63,10 @@ def egress_sets(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology
     # each source box's set of holder NICs (once per box), and its holders' hosts
     sbox_of_holder = np.repeat(np.arange(n_sbox), np.diff(ptr))
     holder_rank = src.rank[holders[ptr[0]:ptr[-1]]] if n_sbox else np.zeros(0, np.int64)
-    keys, set_of = _nic_sets(sbox_of_holder, nic[holder_rank], n_sbox)
+    keys: dict[tuple[int, ...], int] = {}
+    set_of = np.array([keys.setdefault(tuple(sorted(set(nic[rs].tolist()))), len(keys))
+                       for rs in np.split(holder_rank, np.diff(ptr)[:-1].cumsum())]
+                      if n_sbox else [], dtype=np.int64)
     near = np.zeros(n_sbox * hosts, dtype=bool)  # (source box, host): a holder there
     near[sbox_of_holder * hosts + host[holder_rank]] = True
     at = np.multiply(chunks.sbox, hosts, dtype=np.int64)
@@ -74,25 +76,6 @@ def egress_sets(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology
     per_id = np.bincount(set_of[chunks.sbox[remote]], minlength=len(keys),
                          weights=chunk_bytes(chunks, dst)[remote].astype(np.float64))
     return {k: float(per_id[i]) for k, i in keys.items() if per_id[i] > 0}
-
-
-def _nic_sets(box: np.ndarray, nics: np.ndarray, n_box: int
-              ) -> tuple[dict[tuple[int, ...], int], np.ndarray]:
-    """The distinct sets of NICs among the boxes' holders (`box`, `nics`: one row per
-    holder, grouped by box), as {sorted NIC tuple: id}, and each box's set id. The sets are
-    found as the distinct rows of a table of each box's sorted distinct NICs, padded with
-    -1: one sort of the boxes, not a Python set per box."""
-    if n_box == 0:
-        return {}, np.zeros(0, dtype=np.int64)
-    pairs = distinct_rows([box, nics])  # sorted by box, then NIC; each NIC once per box
-    b, n = pairs[:, 0], pairs[:, 1]
-    start = np.searchsorted(b, np.arange(n_box))
-    width = int(np.bincount(b, minlength=n_box).max())
-    table = np.full((n_box, width), -1, dtype=np.int64)
-    table[b, np.arange(len(b)) - start[b]] = n
-    rows, set_of = unique_rows(table, return_inverse=True)
-    keys = {tuple(x for x in row if x >= 0): i for i, row in enumerate(rows.tolist())}
-    return keys, set_of.astype(np.int64)
 
 
 def egress_bound(per_set: dict[tuple[int, ...], float], topo: Topology,
