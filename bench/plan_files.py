@@ -6,6 +6,7 @@
     python bench/plan_files.py --save rows.jsonl    # keep each row as a JSON line
     python bench/plan_files.py --compare before.jsonl after.jsonl   # side by side
     python bench/plan_files.py --tiny               # plans/demo.yaml only (seconds; the suite)
+    python bench/plan_files.py --steps compile      # only these steps (plan bytes always)
 
 Each step is its own process (`python -m planner ...`, or a one-rank load), run one at a
 time, and measured by `os.wait4`: its CPU seconds (user + system, not wall time: the box
@@ -80,24 +81,35 @@ def _tensor(config: str, tree: str) -> str:
                 ts[0]["name"])
 
 
-def bench(config: str, tree: str, tmp: str, log: str) -> dict[str, Any]:
+def bench(config: str, tree: str, tmp: str, log: str,
+          steps: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """One config's row: `compile` (always: the plan the other steps read), then each of
+    `steps` (default: all of `STEPS`)."""
+    steps = STEPS if steps is None else steps
     plan = os.path.join(tmp, "p.rplan")
     py = sys.executable
     row: dict[str, Any] = {"config": os.path.relpath(config, ROOT), "tree": tree}
     row["compile"] = _run([py, "-m", "planner", "compile", config, "-o", plan], tree, log)
     row["plan_bytes"] = os.path.getsize(plan)
-    row["load1"] = _run([py, "-c", LOAD1, plan, plan + ".load1"], tree, log)
+    if "load1" in steps:
+        _load1(row, plan, tree, log)
+    tensor = _tensor(config, tree) if "explain" in steps else ""
+    for name, args in (("inspect", ["inspect", plan]), ("ranks", ["inspect", "--ranks", plan]),
+                       ("verify", ["verify", plan]), ("simulate", ["simulate", plan]),
+                       ("explain", ["explain", plan, tensor])):
+        if name in steps:
+            row[name] = _run([py, "-m", "planner", *args], tree, log)
+    os.unlink(plan)
+    return row
+
+
+def _load1(row: dict[str, Any], plan: str, tree: str, log: str) -> None:
+    """The `load1` step: the largest rank part loaded and checked, in its own process."""
+    row["load1"] = _run([sys.executable, "-c", LOAD1, plan, plan + ".load1"], tree, log)
     if row["load1"]["rc"] == 0:  # the load and check alone, without the interpreter's start
         with open(plan + ".load1", encoding="utf-8") as f:
             blob, writes, stored, cpu = f.read().split()
         row["load1"].update(blob=blob, writes=int(writes), stored=int(stored), inner_s=float(cpu))
-    tensor = _tensor(config, tree)
-    for name, args in (("inspect", ["inspect", plan]), ("ranks", ["inspect", "--ranks", plan]),
-                       ("verify", ["verify", plan]), ("simulate", ["simulate", plan]),
-                       ("explain", ["explain", plan, tensor])):
-        row[name] = _run([py, "-m", "planner", *args], tree, log)
-    os.unlink(plan)
-    return row
 
 
 STEPS = ("compile", "load1", "inspect", "ranks", "verify", "simulate", "explain")
@@ -108,10 +120,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     # load1's cell: its process (s / MiB), then (the load and check alone, s)
     out = [head, "|" + " --- |" * (2 + len(STEPS))]
     for r in rows:
-        cells = [f"{r[s]['cpu_s']:.1f} / {r[s]['rss_mib']}" + ("" if r[s]["rc"] == 0 else
-                                                              f" (rc {r[s]['rc']})")
-                 for s in STEPS]
-        if "inner_s" in r["load1"]:
+        cells = ["-" if s not in r else f"{r[s]['cpu_s']:.1f} / {r[s]['rss_mib']}" +
+                 ("" if r[s]["rc"] == 0 else f" (rc {r[s]['rc']})") for s in STEPS]
+        if "inner_s" in r.get("load1", {}):
             cells[1] += f" ({r['load1']['inner_s']:.2f})"
         out.append(f"| {os.path.basename(r['config'])} | {r['plan_bytes'] / 1e6:,.1f} | "
                    + " | ".join(cells) + " |")
@@ -153,9 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
                     help="print two --save files side by side, run nothing")
     ap.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "plan_files.log"))
+    ap.add_argument("--steps", type=lambda v: tuple(v.split(",")), default=STEPS,
+                    help=f"comma-separated steps to run (default: all, {','.join(STEPS)}); "
+                    "compile always runs")
     ap.add_argument("--tiny", action="store_true",
                     help="plans/demo.yaml only, every step (seconds: the test suite runs it)")
     a = ap.parse_args(argv)
+    if set(a.steps) - set(STEPS):
+        ap.error(f"--steps: {','.join(sorted(set(a.steps) - set(STEPS)))} is not a step; "
+                 f"choose from {','.join(STEPS)}")
     if a.compare:
         rows = []
         for name in a.compare:
@@ -174,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for config in configs:
-            row = bench(config, os.path.abspath(a.tree), tmp, a.log)
+            row = bench(config, os.path.abspath(a.tree), tmp, a.log, a.steps)
             rows.append(row)
             print(json.dumps(row), flush=True)
             if a.save:

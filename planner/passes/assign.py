@@ -81,12 +81,15 @@ def assign(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology) -> 
     hosts = int(host.max()) + 1
     src_ranks, host_l, nic_l = src.rank.tolist(), host.tolist(), nic.tolist()
     nvk = nvlink_key.tolist()
+    sbox = chunks.sbox[order].astype(np.int64)
     dst_host = host[dst.rank[chunks.dst[order]]]
-    for i, sb, dh, nb in zip(order.tolist(), chunks.sbox[order].tolist(), dst_host.tolist(),
-                             nbytes.tolist()):
-        cands = cand_cache.get(sb * hosts + dh)
+    picked = []
+    get, put = cand_cache.get, picked.append
+    for at, nb in zip((sbox * hosts + dst_host).tolist(), nbytes.tolist()):
+        cands = get(at)
         if cands is None:
-            cands = cand_cache[sb * hosts + dh] = _candidates(
+            sb, dh = divmod(at, hosts)
+            cands = cand_cache[at] = _candidates(
                 holders[ptr[sb]:ptr[sb + 1]].tolist(), dh, src_ranks, host_l, nic_l, nvk)
         keys, rows = cands
         if len(keys) == 1:
@@ -95,7 +98,8 @@ def assign(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology) -> 
             loads = [load[x] for x in keys]
             k = loads.index(min(loads))
         load[keys[k]] += nb
-        choice[i] = rows[k]
+        put(rows[k])
+    choice[order] = picked
     return choice
 
 
