@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, BinaryIO
 
+import numpy as np
+
 from .header import MAX_STAGES, MAX_WORLD, PlanFormatError, PlanHeader
 from .plan_codec import MAX_HEADER_BYTES, checksum, inflate, read_exact, unpack
 from .shadow_part import ShadowPart
@@ -176,6 +178,35 @@ class Region:
     """Shape the bound tensor must have."""
     nbytes: int
     """Size in bytes; every op must stay inside it."""
+
+
+@dataclass(frozen=True, slots=True)
+class RegionFacts:
+    """What the checks read of a rank's regions, as columns (`region_facts`)."""
+
+    names: tuple[str, ...]
+    nbytes: np.ndarray
+    """Each region's bytes (int64, read-only), then a 0 (an index past the last reads 0)."""
+    codes: np.ndarray
+    """Each region's dtype code (`DTYPE_CODES`; -1: another dtype), then -1."""
+
+
+_FACTS: list[tuple[tuple[Region, ...], RegionFacts]] = []
+
+
+def region_facts(regions: tuple[Region, ...]) -> RegionFacts:
+    """`regions` as columns; the same tuple (many parts decode to one: `_regions`) is read
+    once (the last few are kept, by identity: a tuple of frozen regions never changes)."""
+    for seen, facts in _FACTS:
+        if seen is regions:
+            return facts
+    code = {d: i for i, d in enumerate(DTYPE_CODES)}
+    nbytes = np.array([r.nbytes for r in regions] + [0], dtype=np.int64)
+    codes = np.array([code.get(r.dtype, -1) for r in regions] + [-1], dtype=np.int64)
+    nbytes.flags.writeable = codes.flags.writeable = False
+    facts = RegionFacts(tuple(r.name for r in regions), nbytes, codes)
+    _FACTS[:] = [(regions, facts), *_FACTS[:SEEN_REGIONS - 1]]
+    return facts
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,7 +47,7 @@ from planner.writes import Incoming, concat
 from schemas import rankcheck
 from schemas.header import MAX_STAGES, PlanHeader
 from schemas.intervals import distinct
-from schemas.plan import ACK, DONE, READY, SLOT_ACK, UNPACK, Plan, RankPlan
+from schemas.plan import ACK, DONE, READY, SLOT_ACK, UNPACK, Plan, RankPlan, region_facts
 from schemas.protocol import (
     SLOTS,
     copy_extents,
@@ -103,8 +103,9 @@ class _Survey:
 
     def add(self, rp: RankPlan, header: PlanHeader) -> None:
         w = self.world
-        self.sizes[rp.rank] = {i: r.nbytes for i, r in enumerate(rp.regions)}
-        self.names[rp.rank] = tuple(r.name for r in rp.regions)
+        facts = region_facts(rp.regions)
+        self.sizes[rp.rank] = dict(enumerate(facts.nbytes[:-1].tolist()))
+        self.names[rp.rank] = facts.names
         pr = rp.peer_regions  # as (peer, region, bytes) columns
         count = [len(regs) for _, regs in pr]
         flat = np.array([x for _, regs in pr for pair in regs for x in pair],
