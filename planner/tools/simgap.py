@@ -178,8 +178,9 @@ def _suggest(sim: Any, g: dict[str, Any]) -> str:
                 f"after the previous stage's writes (up to {packs['longest_s'] * 1e3:.2f} ms a "
                 "stage), not beside them: they pack into staging bytes that the previous "
                 f"stages still read ({_size(packs['staging_bytes'])} of staging on those "
-                f"ranks). Raise options.staging_bytes (now {_size(opts.staging_bytes)}) so "
-                "that a stage's packs fit beside what the previous ones read (they then run "
+                f"ranks). Raise options.staging_bytes (now {_size(opts.staging_bytes)}; "
+                f"twice those ranks' staging is {_size(2 * packs['staging_bytes'])}) so that "
+                "a stage's packs fit beside what the previous ones read (they then run "
                 "during their writes: schemas/protocol.py's early packs)")
     if largest == "stage boundaries" and stages > 1:
         return (f"{stages} stages: raise options.staging_bytes (now {opts.staging_bytes >> 20} "
