@@ -24,6 +24,7 @@ from schemas.plan import (
     UNPACK,
     RankPlan,
     Table,
+    region_facts,
 )
 from schemas.protocol import (
     FP8_BLOCK,
@@ -70,7 +71,7 @@ def violations(rp: RankPlan, world: int | None = None,
     for msg in _limits(rp, world):
         yield msg
         return  # later checks assume the limits
-    sizes = np.array([r.nbytes for r in rp.regions] + [0], dtype=np.int64)
+    sizes = region_facts(rp.regions).nbytes
     peers = {p: dict(rs) for p, rs in rp.peer_regions} if peer_sizes is None else peer_sizes
     for check in (_writes(rp, sizes, peers), _batches(rp), _copies(rp, sizes),
                   _signals(rp, world)):
@@ -111,7 +112,7 @@ def _limits(rp: RankPlan, world: int | None) -> Iterator[str]:
     if rp.role not in KINDS:
         yield f"{where}: role {rp.role!r} is neither 'source' nor 'target'"
     n = len(rp.regions)
-    for i, r in enumerate(rp.regions):
+    for i, r in enumerate(() if _regions_ok(rp) else rp.regions):
         if r.name == STAGING and (i != n - 1 or r.dtype != "uint8" or r.shape != (r.nbytes,)):
             yield (f"{where}: the staging region must be the last region, uint8, of shape "
                    f"(nbytes,); it is region {i} of {n}, {r.dtype} {list(r.shape)}")
@@ -123,6 +124,21 @@ def _limits(rp: RankPlan, world: int | None) -> Iterator[str]:
         if peer == rp.rank or peer < 0 or (world is not None and peer >= world) or \
                 any(not 0 <= r <= MAX_OPS or not 0 <= b <= MAX_VALUE for r, b in regs):
             yield f"{where}: peer_regions entry of rank {peer} is invalid ({regs[:4]})"
+
+
+def _regions_ok(rp: RankPlan) -> bool:
+    """Every region within the checks of `_limits`, by whole-list passes (its per-region
+    loop names the bad ones)."""
+    try:
+        facts = region_facts(rp.regions)
+    except (OverflowError, TypeError, ValueError):  # a size past int64: the loop says so
+        return False
+    names, n = facts.names, len(rp.regions)
+    return (STAGING not in names or (names.index(STAGING) == n - 1
+                                     and names.count(STAGING) == 1
+                                     and rp.regions[-1].dtype == "uint8"
+                                     and rp.regions[-1].shape == (rp.regions[-1].nbytes,))) \
+        and 0 <= int(facts.nbytes.min()) and int(facts.nbytes.max()) <= MAX_VALUE
 
 
 def _peer_regions_ok(rp: RankPlan, world: int | None) -> bool:
@@ -206,8 +222,7 @@ def _copies(rp: RankPlan, sizes: np.ndarray) -> Iterator[str | None]:
     yield _first(rp, "copy", copy_value_problems(rp),
                  "has a negative or huge offset, stride or size", c)
     staging = staging_index(rp)
-    codes = np.array([DTYPE_CODES.index(r.dtype) if r.dtype in DTYPE_CODES else -1
-                      for r in rp.regions] + [-1], dtype=np.int64)
+    codes = region_facts(rp.regions).codes
     for side in ("src", "dst"):
         reg, code = c[f"{side}_region"].astype(np.int64), c[f"{side}_dtype"].astype(np.int64)
         yield _first(rp, "copy", (reg < 0) | (reg >= nreg),

@@ -1,9 +1,20 @@
 """Byte intervals `[lo, hi)` as numpy columns: shared by `verify` (reads inside written bytes,
-the shadow section's runs) and the executor's pack pipeline (what a group's writes read)."""
+the shadow section's runs), the early-pack rule (`schemas.protocol.Overlap`) and the
+executor's pack pipeline (what a group's writes read). The `_by_group` functions answer for
+intervals of many groups (stages) at once, as if each group were asked alone."""
 
 from __future__ import annotations
 
 import numpy as np
+
+
+def distinct(a: np.ndarray) -> np.ndarray:
+    """`np.unique(a)` of a 1-d array by one sort (numpy 2's default, a hash table, is many
+    times slower on int64 columns of mostly distinct values)."""
+    a = np.sort(a)
+    keep = np.ones(len(a), dtype=bool)
+    keep[1:] = a[1:] != a[:-1]
+    return a[keep]
 
 
 def union(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -17,3 +28,62 @@ def union(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     starts = np.flatnonzero(new)
     ends = np.append(starts[1:], len(lo)) - 1
     return lo[starts], hi[ends]
+
+
+def keyed(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+          ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Intervals of many groups as one key space: each `(group, lo, hi)` of `parts` as
+    `(lo', hi')` where `x' = g * m + k`, `g` the group's place among all groups, `k` the
+    place of `x` among every end point of `parts` and `m` one more than their count. The
+    map keeps the order of the ends within a group and puts each group after the last:
+    unions, containment and overlaps of the keys are those of the intervals, group by
+    group, with no interval of one group touching another's."""
+    ends = distinct(np.concatenate([np.zeros(0, np.int64),
+                                    *(x for _, lo, hi in parts for x in (lo, hi))]))
+    groups = distinct(np.concatenate([np.zeros(0, np.int64), *(g for g, _, _ in parts)]))
+    m = len(ends) + 1
+    out = []
+    for g, lo, hi in parts:
+        base = np.searchsorted(groups, g).astype(np.int64) * m
+        out.append((base + np.searchsorted(ends, lo), base + np.searchsorted(ends, hi)))
+    return out
+
+
+def outside_by_group(r_group: np.ndarray, r_lo: np.ndarray, r_hi: np.ndarray,
+                     f_group: np.ndarray, f_lo: np.ndarray, f_hi: np.ndarray) -> np.ndarray:
+    """Which non-empty reads `[r_lo, r_hi)` are not inside the bytes that the intervals
+    `[f_lo, f_hi)` of their own group cover (one pass for every group)."""
+    (r_lo2, r_hi2), (f_lo2, f_hi2) = keyed([(r_group, r_lo, r_hi), (f_group, f_lo, f_hi)])
+    u_lo, u_hi = union(f_lo2, f_hi2)
+    if not len(u_lo):
+        return r_hi > r_lo
+    k = np.searchsorted(u_lo, r_lo2, side="right") - 1
+    inside = (k >= 0) & (u_hi[np.maximum(k, 0)] >= r_hi2)
+    return ~inside & (r_hi > r_lo)
+
+
+def overlap_by_group(a_group: np.ndarray, a_lo: np.ndarray, a_hi: np.ndarray,
+                     b_group: np.ndarray, b_lo: np.ndarray, b_hi: np.ndarray) -> np.ndarray:
+    """Which non-empty intervals `[a_lo, a_hi)` share a byte with a non-empty `[b_lo, b_hi)`
+    of their own group (one pass for every group)."""
+    keep = b_hi > b_lo
+    (a_lo2, a_hi2), (b_lo2, b_hi2) = keyed([(a_group, a_lo, a_hi),
+                                            (b_group[keep], b_lo[keep], b_hi[keep])])
+    if not len(b_lo2):
+        return np.zeros(len(a_lo), dtype=bool)
+    order = np.argsort(b_lo2, kind="stable")
+    b_lo2, reach = b_lo2[order], np.maximum.accumulate(b_hi2[order])
+    k = np.searchsorted(b_lo2, a_hi2, side="left") - 1  # the last b starting before a ends
+    return (k >= 0) & (reach[np.maximum(k, 0)] > a_lo2) & (a_hi > a_lo)
+
+
+def first_overlap_by_group(group: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """The groups in which an interval `[lo, hi)` starts before another of its group ends
+    (`schemas.runs.first_overlap` group by group), sorted."""
+    ((lo2, hi2),) = keyed([(group, lo, hi)])
+    if len(lo2) < 2:
+        return np.zeros(0, np.int64)
+    order = np.argsort(lo2, kind="stable")
+    lo2, reach = lo2[order], np.maximum.accumulate(hi2[order])
+    bad = np.flatnonzero(lo2[1:] < reach[:-1]) + 1
+    return distinct(group[order][bad])

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from itertools import chain, islice
+from itertools import chain
 from typing import Any, BinaryIO
+
+import numpy as np
 
 from .header import MAX_STAGES, MAX_WORLD, PlanFormatError, PlanHeader
 from .plan_codec import MAX_HEADER_BYTES, checksum, inflate, read_exact, unpack
@@ -115,16 +117,33 @@ def _lists(s: Any, n: int | None = None) -> None:
         raise ValueError(f"{str(s)[:40]!r} is not a list of {n or ''} lists")
 
 
+_SEEN_REGIONS: list[tuple[list[Any], tuple[Region, ...]]] = []
+"""The last few distinct region lists decoded (as read) and their regions: most parts of a
+large plan list the same regions as another part (every FSDP shard, every replica), and a
+tool reads hundreds of parts; an equal list, checked as below, is the same regions."""
+SEEN_REGIONS = 4
+
+
 def _regions(raw: Any) -> tuple[Region, ...]:
     """The regions of a part, `[name, dtype, shape, nbytes]` each, checked a column at a
-    time (a part of a large model lists thousands)."""
+    time (a part of a large model lists thousands); a list equal to one decoded lately
+    (its names and dtypes strings, its numbers ints: equal values are then the same
+    regions) gives that one's regions."""
     _lists(raw, 4)
     if not raw:
         return ()
     names, dtypes, shapes, nbytes = zip(*raw)
     _lists(list(shapes))
     _ints_in_range([*chain.from_iterable(shapes), *nbytes], raw)
-    return tuple(map(Region, map(str, names), map(str, dtypes), map(tuple, shapes), nbytes))
+    strings = not set(map(type, names + dtypes)) - {str}
+    if strings:
+        for seen, regions in _SEEN_REGIONS:
+            if seen == raw:
+                return regions
+    regions = tuple(map(Region, map(str, names), map(str, dtypes), map(tuple, shapes), nbytes))
+    if strings:
+        _SEEN_REGIONS[:] = [(raw, regions), *_SEEN_REGIONS[:SEEN_REGIONS - 1]]
+    return regions
 
 
 def _peer_regions(raw: Any) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
@@ -136,10 +155,8 @@ def _peer_regions(raw: Any) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ..
     _lists(list(pairs))
     inner = list(chain.from_iterable(pairs))
     _lists(inner, 2)
-    flat = list(chain.from_iterable(inner))
-    _ints_in_range([*peers, *flat], raw)
-    it = zip(flat[::2], flat[1::2])
-    return tuple((p, tuple(islice(it, len(s)))) for p, s in zip(peers, pairs))
+    _ints_in_range([*peers, *chain.from_iterable(inner)], raw)
+    return tuple(zip(peers, (tuple(map(tuple, s)) for s in pairs)))
 
 
 def _part_identity(raw: Any) -> dict[str, Any] | None:
@@ -161,6 +178,35 @@ class Region:
     """Shape the bound tensor must have."""
     nbytes: int
     """Size in bytes; every op must stay inside it."""
+
+
+@dataclass(frozen=True, slots=True)
+class RegionFacts:
+    """What the checks read of a rank's regions, as columns (`region_facts`)."""
+
+    names: tuple[str, ...]
+    nbytes: np.ndarray
+    """Each region's bytes (int64, read-only), then a 0 (an index past the last reads 0)."""
+    codes: np.ndarray
+    """Each region's dtype code (`DTYPE_CODES`; -1: another dtype), then -1."""
+
+
+_FACTS: list[tuple[tuple[Region, ...], RegionFacts]] = []
+
+
+def region_facts(regions: tuple[Region, ...]) -> RegionFacts:
+    """`regions` as columns; the same tuple (many parts decode to one: `_regions`) is read
+    once (the last few are kept, by identity: a tuple of frozen regions never changes)."""
+    for seen, facts in _FACTS:
+        if seen is regions:
+            return facts
+    code = {d: i for i, d in enumerate(DTYPE_CODES)}
+    nbytes = np.array([r.nbytes for r in regions] + [0], dtype=np.int64)
+    codes = np.array([code.get(r.dtype, -1) for r in regions] + [-1], dtype=np.int64)
+    nbytes.flags.writeable = codes.flags.writeable = False
+    facts = RegionFacts(tuple(r.name for r in regions), nbytes, codes)
+    _FACTS[:] = [(regions, facts), *_FACTS[:SEEN_REGIONS - 1]]
+    return facts
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from schemas.intervals import overlap_by_group
 from schemas.plan import (
     ACK,
     DONE,
@@ -339,8 +340,9 @@ class Overlap:
         unp = np.flatnonzero((c["kind"] == UNPACK) & (c["src_region"] == sg)
                              & (c["stage"] >= 0) & (c["stage"] < rp.stages))
         u_lo, u_hi = copy_extents(rp, "src", unp)
-        lo = w["src_offset"][ok].astype(np.int64)
-        wr = _by_stage(w_stage[ok], lo, lo + w["nbytes"][ok])  # one sort, not a mask a stage
+        lo_w = w["src_offset"][ok].astype(np.int64)
+        hi_w = lo_w + w["nbytes"][ok]
+        wr = _by_stage(w_stage[ok], lo_w, hi_w)  # one sort, not a mask a stage
         un = _by_stage(c["stage"][unp], u_lo, u_hi)
         for st in sorted(wr.keys() | un.keys()):
             (lo, hi), (ulo, uhi) = wr.get(st, empty), un.get(st, empty)
@@ -353,12 +355,17 @@ class Overlap:
         bad[c["stage"][rows[(c["src_region"][rows] == sg) | (c["dst_region"][rows] != sg)]]] = True
         for st in sorted(packs):
             self.packs[st] = packs[st]
-            if bad[st]:
-                continue
-            if any(overlaps(self.packs[st], self.reads[k])
-                   for k in range(max(st - SLOTS + 1, 0), st)):
-                continue  # rule 2
-            self.prepacked[st] = True
+        # rule 2, every stage at once: stage k's reads tagged with each stage k+1 ..
+        # k+SLOTS-1 whose packs they must not meet
+        r_st = np.concatenate([w_stage[ok], c["stage"][unp].astype(np.int64)])
+        r_lo, r_hi = np.concatenate([lo_w, u_lo]), np.concatenate([hi_w, u_hi])
+        lag = np.arange(1, SLOTS)
+        hit = overlap_by_group(c["stage"][out].astype(np.int64), lo, hi,
+                               (r_st[None, :] + lag[:, None]).reshape(-1),
+                               np.tile(r_lo, len(lag)), np.tile(r_hi, len(lag)))
+        bad[c["stage"][out][hit]] = True
+        packed = np.array(sorted(packs), dtype=np.int64)
+        self.prepacked[packed] = ~bad[packed]
 
     def blockers(self, s: int, inflight: set[int] | list[int]) -> list[int]:
         """Stages among `inflight` (older than the rule covers) whose writes read staging

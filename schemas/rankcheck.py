@@ -39,7 +39,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from .header import PlanHeader
-from .plan import DONE, PACK, QUANT, READY, STAGING, UNPACK, RankPlan
+from .plan import DONE, PACK, QUANT, READY, STAGING, UNPACK, RankPlan, region_facts
 from .protocol import copy_footprint, staging_index, wait_stage, write_stages
 from .runs import copy_runs, row_runs
 from .shadow import shadow_violations
@@ -147,6 +147,9 @@ def signals(rp: RankPlan) -> Iterator[str]:
 
 def regions(rp: RankPlan) -> Iterator[str]:
     """Region names unique; staging, where there is one, the last region."""
+    names = region_facts(rp.regions).names
+    if len(set(names)) == len(names) and (STAGING not in names or names[-1] == STAGING):
+        return
     seen: set[str] = set()
     for i, g in enumerate(rp.regions):
         if g.name in seen:

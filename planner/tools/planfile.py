@@ -8,14 +8,20 @@ gives a `Plan` already in memory the same face, so each tool has one implementat
 
 from __future__ import annotations
 
+import struct
+import zlib
 from collections.abc import Callable
 from typing import Any, BinaryIO
+
+import msgpack
+import numpy as np
 
 from schemas.header import PlanFormatError, PlanHeader
 from schemas.plan import (
     COVERAGE_COLUMNS,
     DAG_EDGE_COLUMNS,
     DAG_NODE_COLUMNS,
+    EXPLAIN_COLUMNS,
     Plan,
     RankPlan,
     Table,
@@ -24,6 +30,92 @@ from schemas.plan import (
     read_blob,
     read_header,
 )
+from schemas.plan_codec import CHUNK, FRAME, FRAME_HEAD, MAX_DECODED, MAX_RATIO, read_exact
+
+
+class _Unsure(Exception):
+    """The streamed check cannot vouch for the blob: the whole decode decides."""
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise _Unsure  # an extension type: the whole decode refuses it
+
+
+def explain_streamed(f: BinaryIO, header: PlanHeader, start: int, path: str) -> bool:
+    """Whether the explain blob passes what `decode_explain(read_blob(...))` checks, decided
+    holding one table column at a time (the blob decodes to hundreds of MB on a large plan):
+    its stored bytes and digest, the compact frame's bounds, the zlib stream exactly its
+    declared size, plain msgpack (no extension) of one map whose keys are strings, `tensors`
+    a list of strings and `table` the explain table's columns, whole items of one length,
+    nothing after it. False where the stream is not so (malformed or unusual): the caller
+    then decodes the blob whole, which says what is wrong."""
+    entry = header.blobs.get("explain")
+    if entry is None:
+        return False
+    f.seek(start + entry.offset)
+    what = f"{path} blob 'explain'"
+    data = read_exact(f, entry.length, what, entry.digest)
+    if data[:2] != FRAME or len(data) < FRAME_HEAD:
+        return False
+    (n,) = struct.unpack_from("<Q", data, len(FRAME))
+    if n > MAX_RATIO * (len(data) - FRAME_HEAD) + 64 or n > MAX_DECODED:
+        return False
+    z = zlib.decompressobj()
+    u = msgpack.Unpacker(raw=False, strict_map_key=True, ext_hook=_no_ext, max_ext_len=0,
+                         max_buffer_size=max(n, 1))
+    state = {"tail": memoryview(data)[FRAME_HEAD:], "made": 0}
+
+    def more() -> bool:
+        out = z.decompress(state["tail"], CHUNK)
+        state["tail"] = z.unconsumed_tail
+        state["made"] += len(out)
+        if state["made"] > n:
+            raise _Unsure
+        u.feed(out)
+        return bool(out)
+
+    def take(read: Callable[[], Any]) -> Any:
+        while True:
+            try:
+                return read()
+            except msgpack.OutOfData:
+                if not more():
+                    raise _Unsure from None
+
+    try:
+        seen: set[str] = set()
+        for _ in range(take(u.read_map_header)):
+            key = take(u.unpack)
+            if not isinstance(key, str) or key in seen:
+                raise _Unsure
+            seen.add(key)
+            if key == "table":
+                if take(u.read_array_header) != len(EXPLAIN_COLUMNS):
+                    raise _Unsure
+                rows = set()
+                for _, dt in EXPLAIN_COLUMNS:
+                    col = take(u.unpack)
+                    size = np.dtype(dt).itemsize
+                    if not isinstance(col, bytes) or len(col) % size:
+                        raise _Unsure
+                    rows.add(len(col) // size)
+                    del col
+                if len(rows) > 1:
+                    raise _Unsure
+            else:
+                value = take(u.unpack)
+                if key == "tensors" and (not isinstance(value, list)
+                                         or set(map(type, value)) - {str}):
+                    raise _Unsure
+                del value
+        while more():
+            pass
+        if not {"tensors", "table"} <= seen or state["made"] != n or not z.eof \
+                or z.unconsumed_tail or z.unused_data or u.tell() != n:
+            raise _Unsure
+    except Exception:  # noqa: BLE001 - anything unexpected: the whole decode decides
+        return False
+    return True
 
 
 class PlanRanks:
@@ -99,7 +191,8 @@ class PlanFile(PlanRanks):
         bytes (seconds at DeepSeek-V3 scale): a step of its own for `progress`."""
         if progress is not None:
             progress("checking the explain blob")
-        decode_explain(self.blob("explain"), self.path)
+        if not explain_streamed(self.f, self.header, self.start, self.path):
+            decode_explain(self.blob("explain"), self.path)
         for name in self.header.blobs:
             if not name.startswith("rank/") and name not in ("explain", "dag"):
                 self.blob(name)

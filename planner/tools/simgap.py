@@ -11,6 +11,9 @@ by where it falls on the busiest resource's timeline:
   on it (the protocol's DONE -> unpack -> ACK round trip, or packs, between stages);
 - **within stages**: between batches of one stage (the write window ran dry: the sources
   feeding it were busy elsewhere, or waited for their own packs);
+  Of it, the time the batch after the idle waited for its source's packs (or QUANTs) of
+  its stage that could not run early (`boundary_packs`: staging bytes the previous stages
+  still read) is named apart, with the option that lets them run early;
 - **tail**: after its last batch lands, until the last rank finishes (another resource's
   late batches, or unpacks);
 - **per-write costs**: link time it spends on batch latency and per-write costs (an RDMA
@@ -73,9 +76,35 @@ def explain_gap(sim: Any, res: dict[str, Any]) -> dict[str, Any]:
     largest = max(causes, key=causes.get)
     out |= {"busy_fraction": busy / est, "causes": causes, "largest": largest,
             "worst_boundary": (max(by_stage, key=by_stage.get) if by_stage else None),
+            "boundary_packs": _boundary_packs(sim, on[order][1:][boundary], reach[:-1][boundary],
+                                              start[1:][boundary]),
             "tail": _tail(sim, res)}
     out["suggest"] = _suggest(sim, out)
     return out
+
+
+def _boundary_packs(sim: Any, after: np.ndarray, idle_from: np.ndarray, idle_to: np.ndarray
+                    ) -> dict[str, Any]:
+    """Of the idle time at stage boundaries (`idle_from` -> `idle_to`, each ended by batch
+    `after`), the part during which that batch's source ran the packs (or QUANTs) of its
+    stage that did not run early (`sim.packing`): the time the resource waited for them.
+    With the ranks, their largest such stage's pack seconds and their staging bytes."""
+    packing = getattr(sim, "packing", {})
+    total, ranks, longest = 0.0, set(), 0.0
+    for g, a, z in zip(after.tolist(), idle_from.tolist(), idle_to.tolist()):
+        r, s = int(sim.b.rank[g]), int(sim.b.stage[g])
+        p = packing.get((r, s))
+        if p is None or z <= a:
+            continue
+        wait = min(z, p[1]) - max(a, p[0])
+        if wait > 0:
+            total += wait
+            ranks.add(r)
+            longest = max(longest, p[1] - p[0])
+    stats = sim.header.rank_stats
+    staging = max((stats[r].staging for r in ranks if r < len(stats)), default=0)
+    return {"seconds": total, "ranks": sorted(ranks), "longest_s": longest,
+            "staging_bytes": staging}
 
 
 def res_busy(res: dict[str, Any], sim: Any, worst: int) -> float:
@@ -140,6 +169,19 @@ def _unpacked_into(rp: RankPlan, staging: int, stage: int) -> str | None:
 def _suggest(sim: Any, g: dict[str, Any]) -> str:
     opts, stages = sim.header.options, max(sim.stages, default=0)
     largest, tail = g["largest"], g.get("tail", {})
+    packs = g.get("boundary_packs") or {}
+    if largest == "stage boundaries" and packs.get("seconds", 0.0) \
+            >= 0.5 * g["causes"]["stage boundaries"]:
+        return (f"{packs['seconds'] * 1e3:.2f} of the {g['causes']['stage boundaries'] * 1e3:.2f}"
+                f" ms at stage boundaries {g['resource']} waits for the packs or QUANTs (an "
+                f"FP8 gather's rounds) of source rank(s) {_ranks(packs['ranks'])}, which run "
+                f"after the previous stage's writes (up to {packs['longest_s'] * 1e3:.2f} ms a "
+                "stage), not beside them: they pack into staging bytes that the previous "
+                f"stages still read ({_size(packs['staging_bytes'])} of staging on those "
+                f"ranks). Raise options.staging_bytes (now {_size(opts.staging_bytes)}; "
+                f"twice those ranks' staging is {_size(2 * packs['staging_bytes'])}) so that "
+                "a stage's packs fit beside what the previous ones read (they then run "
+                "during their writes: schemas/protocol.py's early packs)")
     if largest == "stage boundaries" and stages > 1:
         return (f"{stages} stages: raise options.staging_bytes (now {opts.staging_bytes >> 20} "
                 "MiB) so that fewer, larger stages meet fewer DONE/ACK round trips (it caps "
@@ -176,6 +218,15 @@ def _suggest(sim: Any, g: dict[str, Any]) -> str:
                 f"lands after {g['resource']} went idle: lower options.max_write_bytes (now "
                 f"{opts.max_write_bytes >> 20} MiB) spreads such batches over the transfer")
     return ""
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def _ranks(ranks: list[int], limit: int = 8) -> str:
+    return ", ".join(map(str, ranks[:limit])) + (f", ... ({len(ranks)} in all)"
+                                                  if len(ranks) > limit else "")
 
 
 def gap_text(g: dict[str, Any]) -> str:

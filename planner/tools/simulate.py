@@ -142,8 +142,12 @@ class _Sim:
         self.prepacked = [ov.prepacked.tolist() for ov in self.overlap]
         self.carries = [sr.carries for sr in ranks]  # as the executor's
         self.packs_end = [0.0] * self.world  # when a prepacked stage's packs finish
+        self.packing: dict[tuple[int, int], tuple[float, float]] = {}  # (rank, stage) ->
+        # when packs that did not run early ran
         self.sends = [sr.sends for sr in ranks]
-        self.waits = [sr.waits for sr in ranks]
+        # each wait as (kind, the key of the signal it matches: from, to, kind, sent in)
+        self.waits = [[[(k, (peer, sr.rank, k, sent_stage(k, s))) for peer, k in stage]
+                       for s, stage in enumerate(sr.waits)] for sr in ranks]
         self.quantum = 0.0  # the exact model (`simulate` sets the model's)
         self.slack = np.zeros(len(self.cap))  # the coarse model's, by resource (`run`)
 
@@ -167,6 +171,8 @@ class _Sim:
                 dur = (self.pack_s if ph == _PACK else self.unpack_s)[r][s]
                 if ph == _PACK and self.prepacked[r][s]:
                     dur = self.packs_end[r] - t  # started with stage s-1's writes
+                elif ph == _PACK and dur > 0:
+                    self.packing[(r, s)] = (t, t + dur)  # packs not run early (`simgap`)
                 self.phase[r] += 1
                 if dur > 0:
                     self._timer(t + dur, r)
@@ -204,10 +210,9 @@ class _Sim:
     def _wait(self, r: int, s: int, t: float, kinds: tuple[int, ...]) -> bool:
         """Register rank `r`'s waits of stage `s`; True if it may go on at `t` at once."""
         latest, missing = t, 0
-        for peer, k in self.waits[r][s]:
+        for k, key in self.waits[r][s]:
             if k not in kinds:
                 continue
-            key = (peer, r, k, sent_stage(k, s))
             at = self.arrival.get(key)
             if at is None:
                 self.waiters.setdefault(key, []).append(r)
@@ -246,8 +251,8 @@ class _Sim:
         if (not self.carries[r][s] or self.qbounds[q + 1] == self.qbounds[q]
                 or (self.pack_s[r][s + 1] > 0 and not self.prepacked[r][s + 1])):
             return
-        for peer, k in self.waits[r][s + 1]:
-            at = self.arrival.get((peer, r, k, sent_stage(k, s + 1)))
+        for _, key in self.waits[r][s + 1]:
+            at = self.arrival.get(key)
             if at is None or at > t:
                 return
         if self.unlanded[r][s]:

@@ -43,10 +43,11 @@ from planner.tools.verify_rank import (
     rank_staging_fit,
 )
 from planner.tools.verify_shadow import rank_shadow
-from planner.writes import Incoming, concat, outgoing
+from planner.writes import Incoming, concat
 from schemas import rankcheck
 from schemas.header import MAX_STAGES, PlanHeader
-from schemas.plan import ACK, DONE, READY, SLOT_ACK, UNPACK, Plan, RankPlan
+from schemas.intervals import distinct
+from schemas.plan import ACK, DONE, READY, SLOT_ACK, UNPACK, Plan, RankPlan, region_facts
 from schemas.protocol import (
     SLOTS,
     copy_extents,
@@ -102,8 +103,9 @@ class _Survey:
 
     def add(self, rp: RankPlan, header: PlanHeader) -> None:
         w = self.world
-        self.sizes[rp.rank] = {i: r.nbytes for i, r in enumerate(rp.regions)}
-        self.names[rp.rank] = tuple(r.name for r in rp.regions)
+        facts = region_facts(rp.regions)
+        self.sizes[rp.rank] = dict(enumerate(facts.nbytes[:-1].tolist()))
+        self.names[rp.rank] = facts.names
         pr = rp.peer_regions  # as (peer, region, bytes) columns
         count = [len(regs) for _, regs in pr]
         flat = np.array([x for _, regs in pr for pair in regs for x in pair],
@@ -123,9 +125,9 @@ class _Survey:
         self.sent.append(_key(np.full(len(s), rp.rank), s["stage"], s["peer"], s["kind"], w))
         self.waited[rp.rank] = np.sort(_key(np.full(len(g), rp.rank), g["stage"], g["peer"],
                                             g["kind"], w))
-        self.pairs.append(np.unique(_key(np.full(len(rp.writes), rp.rank), write_stages(rp),
+        self.pairs.append(distinct(_key(np.full(len(rp.writes), rp.rank), write_stages(rp),
                                          rp.writes["dst_rank"], 0, w)))
-        for peer, part in outgoing(rp).items():
+        for peer, part in outgoing_runs(rp).items():
             if peer in self.checked:
                 self.late.append(f"rank {rp.rank} writes into rank {peer}, which waits for no "
                                  f"DONE from rank {rp.rank}")
@@ -140,7 +142,7 @@ class _Survey:
         g = rp.waits
         writers = g["peer"][g["kind"] == DONE]
         return rp.rank not in self.bounds and bool((writers < rp.rank).all()) \
-            and all(int(p) in self.sizes for p in np.unique(writers).tolist())
+            and all(int(p) in self.sizes for p in distinct(writers).tolist())
 
     def bounds_msgs(self) -> list[str]:
         """Each rank's first bounds violation, or else its `peer_regions` (what its executor
@@ -170,6 +172,34 @@ class _Survey:
         return out
 
 
+def outgoing_runs(rp: RankPlan) -> dict[int, Incoming]:
+    """What `rp`'s writes do to each peer (`planner.writes.outgoing`), with the writes that
+    follow one another into a peer's region in one stage (one starts where the last ends)
+    as one run: every check of the writes that land in a rank reads their bytes, never
+    their count (their unions, overlaps and sums; a run's pieces are disjoint, so two runs
+    share a byte exactly where two writes do), and a large plan's writes into a peer are
+    mostly such runs (a tensor cut at `max_write_bytes`)."""
+    w, stage = rp.writes, write_stages(rp)
+    if not len(w):
+        return {}
+    dst, region = w["dst_rank"].astype(np.int64), w["dst_region"].astype(np.int64)
+    lo = w["dst_offset"].astype(np.int64)
+    hi = lo + w["nbytes"]
+    order = np.lexsort((lo, stage, region, dst))
+    dst, region, stage, lo, hi = dst[order], region[order], stage[order], lo[order], hi[order]
+    first = np.ones(len(dst), dtype=bool)
+    first[1:] = (dst[1:] != dst[:-1]) | (region[1:] != region[:-1]) \
+        | (stage[1:] != stage[:-1]) | (lo[1:] != hi[:-1])
+    start = np.flatnonzero(first)
+    last = np.append(start[1:], len(dst)) - 1
+    dst, region, stage, lo, hi = dst[start], region[start], stage[start], lo[start], hi[last]
+    peers, at = np.unique(dst, return_index=True)
+    cut = np.append(at, len(dst)).tolist()
+    src = np.full(len(dst), rp.rank, np.int64)
+    return {p: Incoming(src[a:b], region[a:b], stage[a:b], lo[a:b], hi[a:b])
+            for p, a, b in zip(peers.tolist(), cut, cut[1:])}
+
+
 def _acks(rp: RankPlan, inc: Incoming, waited: dict[int, np.ndarray], world: int
           ) -> list[tuple[int, int, str]]:
     """Writes into `rp`'s staging after stage 0 whose writer waits for no ACK of the stage
@@ -186,7 +216,7 @@ def _acks(rp: RankPlan, inc: Incoming, waited: dict[int, np.ndarray], world: int
     me = np.full(len(keys), rp.rank)
     # each writer's waits are sorted and its keys lead with its rank: in writer order,
     # they concatenate to one sorted array
-    peers = np.unique(g_src).tolist()
+    peers = distinct(g_src).tolist()
     waited = np.concatenate([np.zeros(0, np.int64),
                              *(waited.get(int(p), np.zeros(0, np.int64)) for p in peers)])
     acked = _member(_key(g_src, g_st, me, ACK, world), waited)
@@ -225,7 +255,7 @@ def _member(q: np.ndarray, keys: np.ndarray) -> np.ndarray:
 
 
 def _keys(parts: list[np.ndarray]) -> np.ndarray:
-    return np.unique(np.concatenate([np.zeros(0, np.int64), *parts]))
+    return distinct(np.concatenate([np.zeros(0, np.int64), *parts]))
 
 
 def _order(survey: _Survey, nodes_edges: tuple, acks: list[tuple[int, int, str]]
@@ -296,16 +326,29 @@ class _Results:
                               f"weights are never written ({rankcheck.FIX})")
 
 
+HOLD_BYTES = 256 << 20
+"""Bytes of decoded parts `check` keeps for the end (ranks written by later ranks) rather
+than reading and decoding them again."""
+
+
+def _held_bytes(rp: RankPlan) -> int:
+    return sum(a.nbytes for t in (rp.writes, rp.batches, rp.copies, rp.signals, rp.waits)
+               for a in t.columns)
+
+
 def check(src: PlanRanks, progress: Progress | None = None, stop_on_bounds: bool = True,
           replicated: bool | None = None) -> dict[str, list[str]]:
     """Every check's violations (`CHECKS`), reading `src` one rank at a time: each rank's
     own checks, and what its peers need is kept (`_Survey`); a rank whose writers have all
     been read is also checked against the writes that land in it (`_Results`), the others
-    (a rank written by a later one) are read again at the end. With `stop_on_bounds`,
+    (a rank written by a later one) at the end: kept from the first read up to
+    `HOLD_BYTES`, read again beyond. With `stop_on_bounds`,
     nothing past the bounds proof is reported for a plan that fails it."""
     out: dict[str, list[str]] = {name: [] for name in CHECKS}
     world, header = src.world, src.header
     survey, res = _Survey(world), _Results()
+    held: dict[int, RankPlan] = {}  # ranks to check at the end, kept while they fit
+    room = HOLD_BYTES
     tick = ticker(progress, "ranks", world)
     for r in range(world):
         rp = src.rank(r)
@@ -314,6 +357,10 @@ def check(src: PlanRanks, progress: Progress | None = None, stop_on_bounds: bool
             if survey.ready(rp):
                 res.add(rp, survey)
                 survey.checked.add(r)
+        if r not in survey.checked and r not in survey.bounds and _held_bytes(rp) <= room \
+                and (survey.second and survey.second[-1] == r or (rp.waits["kind"] == DONE).any()):
+            held[r] = rp
+            room -= _held_bytes(rp)
         del rp
         tick(r)
     out["bounds"] = survey.bounds_msgs()
@@ -323,8 +370,9 @@ def check(src: PlanRanks, progress: Progress | None = None, stop_on_bounds: bool
             if r not in survey.checked and r not in survey.bounds]
     tick = ticker(progress, "ranks written by later ranks", len(todo))
     for i, r in enumerate(todo):
-        res.add(src.rank(r), survey)
+        res.add(held.pop(r, None) or src.rank(r), survey)
         tick(i)
+    held.clear()
     out["sizes"] = survey.size_msgs
     out["roles"] = (survey.role_msgs + res.roles)[:5]
     out["balance"] = balance_msgs(header, survey.egress, replicated)

@@ -13,21 +13,20 @@ import numpy as np
 from planner.writes import Incoming
 from schemas.bounds import violations
 from schemas.header import PlanHeader
-from schemas.intervals import union
+from schemas.intervals import first_overlap_by_group, outside_by_group, overlap_by_group
 from schemas.plan import PACK, QUANT, STAGING, UNPACK, PlanFormatError, RankPlan
 from schemas.protocol import (
     ALIGN,
     SCALE_BYTES,
     SLOTS,
     copy_footprint,
-    overlaps,
     prepacked,
     quant_scales,
     staging_index,
     write_footprint,
     write_stages,
 )
-from schemas.runs import EMPTY, MAX_COPY_RUNS, copy_runs, first_overlap
+from schemas.runs import MAX_COPY_RUNS, copy_runs
 
 MAX_RUNS = MAX_COPY_RUNS
 
@@ -64,35 +63,9 @@ def rank_egress(rp: RankPlan) -> int:
 
 # ---------------------------------------------------------------- byte intervals
 
-def outside(lo: np.ndarray, hi: np.ndarray, w_lo: np.ndarray, w_hi: np.ndarray) -> np.ndarray:
-    """Which read intervals `[lo, hi)` are not inside the written bytes `[w_lo, w_hi)`."""
-    u_lo, u_hi = union(w_lo, w_hi)
-    k = np.searchsorted(u_lo, lo, side="right") - 1
-    inside = (k >= 0) & (u_hi[np.maximum(k, 0)] >= hi) if len(u_lo) else np.zeros(len(lo), bool)
-    return ~inside & (hi > lo)
-
-
-def by_stage(stage: np.ndarray, lo: np.ndarray, hi: np.ndarray
-             ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    order = np.argsort(stage, kind="stable")
-    stages, first = np.unique(stage[order], return_index=True)
-    cut = np.append(first, len(order))
-    return {int(s): (lo[order[cut[j]:cut[j + 1]]], hi[order[cut[j]:cut[j + 1]]])
-            for j, s in enumerate(stages.tolist())}
-
-
-def copy_bytes(rp: RankPlan, kind: int, side: str, region: int
-               ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """stage -> byte intervals that copies of `kind` touch in `region` on `side`."""
-    c = rp.copies
-    rows, lo, hi = copy_runs(rp, np.flatnonzero((c["kind"] == kind)
-                                                & (c[f"{side}_region"] == region)), side)
-    return by_stage(c["stage"][rows].astype(np.int64), lo, hi)
-
-
-def quant_bytes(rp: RankPlan, region: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """stage -> byte intervals QUANT copies write in `region`: each row of their e4m3 box
-    and of their scales (`schemas.protocol.quant_scales`)."""
+def quant_runs(rp: RankPlan, region: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(stage, lo, hi): byte intervals QUANT copies write in `region`: each row of their
+    e4m3 box and of their scales (`schemas.protocol.quant_scales`), with its copy's stage."""
     c = rp.copies
     rows = np.flatnonzero((c["kind"] == QUANT) & (c["dst_region"] == region))
     a, rb, cb, st = quant_scales(rp, rows)
@@ -106,9 +79,9 @@ def quant_bytes(rp: RankPlan, region: int) -> dict[int, tuple[np.ndarray, np.nda
                                   c["dst_stride0"][rows].astype(np.int64))
     s_lo, s_hi, s_rep = _row_runs(a, rb, cb, st)
     stage = c["stage"][rows].astype(np.int64)
-    return by_stage(np.concatenate([stage[e_rep], stage[s_rep]]),
-                    np.concatenate([e_lo, s_lo * SCALE_BYTES]),
-                    np.concatenate([e_hi, s_hi * SCALE_BYTES]))
+    return (np.concatenate([stage[e_rep], stage[s_rep]]),
+            np.concatenate([e_lo, s_lo * SCALE_BYTES]),
+            np.concatenate([e_hi, s_hi * SCALE_BYTES]))
 
 
 def _row_runs(off: np.ndarray, rows: np.ndarray, width: np.ndarray, stride: np.ndarray
@@ -122,11 +95,6 @@ def _row_runs(off: np.ndarray, rows: np.ndarray, width: np.ndarray, stride: np.n
     k = np.arange(len(rep)) - np.repeat(np.cumsum(count) - count, count)
     lo = off[rep] + k * stride[rep]
     return lo, lo + length[rep], rep
-
-
-def cat(*parts: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    return (np.concatenate([EMPTY[0], *(p[0] for p in parts)]).astype(np.int64),
-            np.concatenate([EMPTY[1], *(p[1] for p in parts)]).astype(np.int64))
 
 
 # ---------------------------------------------------------------- checks with the peers' part
@@ -161,52 +129,56 @@ def rank_coverage(rp: RankPlan, inc: Incoming, staging: int
     return out, dict(zip(regs.tolist(), sums.tolist()))
 
 
-def landed(inc: Incoming, staging: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """stage -> bytes peers' writes land in the rank's staging."""
-    m = inc.region == staging
-    return by_stage(inc.stage[m], inc.lo[m], inc.hi[m])
-
-
 def rank_dataflow(rp: RankPlan, inc: Incoming) -> list[str]:
     """Staging a write reads holds data: filled by this stage's packs or QUANTs, or by the
     previous stage's packs and landed writes (a gather: its DONE is awaited first); early
     packs never overwrite what the previous stage's writes land in; unpacks read landed
-    bytes."""
-    out: list[str] = []
+    bytes. Every stage at once: intervals are grouped by the stage they serve."""
     sg = staging_index(rp)
-    land = landed(inc, sg) if sg >= 0 else {}
-    if sg >= 0:
-        w, stage = rp.writes, write_stages(rp)
-        packed = copy_bytes(rp, PACK, "dst", sg)
-        for s, (lo, hi) in packed.items():
-            if first_overlap(lo, hi) is not None:
-                out.append(f"rank {rp.rank}: packs of stage {s} overlap in staging")
-        quant = quant_bytes(rp, sg)
-        m = w["src_region"] == sg
-        for s, (sel, _) in by_stage(stage[m], np.flatnonzero(m), np.flatnonzero(m)).items():
-            lo = w["src_offset"][sel].astype(np.int64)
-            filled = cat(packed.get(s, EMPTY), quant.get(s, EMPTY), packed.get(s - 1, EMPTY),
-                         land.get(s - 1, EMPTY))
-            bad = outside(lo, lo + w["nbytes"][sel], *filled)
-            if bad.any():
-                out.append(f"rank {rp.rank}: write {int(sel[np.argmax(bad)])} (stage {s}) "
-                           "reads staging bytes that no pack of its stage fills")
-    c = rp.copies
+    if sg < 0:
+        return []  # (nothing lands in staging, nor is read from it; no stage packs early)
+    out: list[str] = []
+    m = inc.region == sg
+    land = (inc.stage[m], inc.lo[m], inc.hi[m])
+    w, c, stage = rp.writes, rp.copies, write_stages(rp)
+    rows, p_lo, p_hi = copy_runs(rp, np.flatnonzero((c["kind"] == PACK)
+                                                    & (c["dst_region"] == sg)), "dst")
+    p_st = c["stage"][rows].astype(np.int64)
+    for s in first_overlap_by_group(p_st, p_lo, p_hi).tolist():
+        out.append(f"rank {rp.rank}: packs of stage {s} overlap in staging")
+    q_st, q_lo, q_hi = quant_runs(rp, sg)
+    sel = np.flatnonzero(w["src_region"] == sg)
+    lo = w["src_offset"][sel].astype(np.int64)
+    # stage s reads what its packs and QUANTs and stage s-1's packs and landed writes fill
+    f_st, f_lo, f_hi = cat3((p_st, p_lo, p_hi), (p_st + 1, p_lo, p_hi), (q_st, q_lo, q_hi),
+                            (land[0] + 1, land[1], land[2]))
+    bad = outside_by_group(stage[sel], lo, lo + w["nbytes"][sel], f_st, f_lo, f_hi)
+    stages, first = np.unique(stage[sel][bad], return_index=True)
+    for s, i in zip(stages.tolist(), sel[bad][first].tolist()):
+        out.append(f"rank {rp.rank}: write {i} (stage {s}) reads staging bytes that no pack "
+                   "of its stage fills")
     early = np.flatnonzero(prepacked(rp))
     if len(early):  # packs while writes may still land
         rows = np.flatnonzero(np.isin(c["kind"], (PACK, QUANT)) & np.isin(c["stage"], early))
         rows, _, lo, hi = copy_footprint(rp, "dst", rows)  # a QUANT's rows twice
-        extents = by_stage(c["stage"][rows].astype(np.int64), lo, hi)
-        for s in early.tolist():
-            if overlaps(extents.get(s, EMPTY), land.get(s - 1, EMPTY)):
-                out.append(f"rank {rp.rank}: stage {s} packs early (schemas/protocol.py) into "
-                           f"staging bytes that writes of stage {s - 1} land in")
-    if sg >= 0:
-        for s, (lo, hi) in sorted(copy_bytes(rp, UNPACK, "src", sg).items()):
-            if outside(lo, hi, *land.get(s, EMPTY)).any():
-                out.append(f"rank {rp.rank}: an unpack of stage {s} reads staging bytes that "
-                           "no write of its stage fills")
+        e_st = c["stage"][rows].astype(np.int64)
+        hit = overlap_by_group(e_st, lo, hi, land[0] + 1, land[1], land[2])
+        for s in np.unique(e_st[hit]).tolist():
+            out.append(f"rank {rp.rank}: stage {s} packs early (schemas/protocol.py) into "
+                       f"staging bytes that writes of stage {s - 1} land in")
+    rows, lo, hi = copy_runs(rp, np.flatnonzero((c["kind"] == UNPACK)
+                                                & (c["src_region"] == sg)), "src")
+    u_st = c["stage"][rows].astype(np.int64)
+    for s in np.unique(u_st[outside_by_group(u_st, lo, hi, *land)]).tolist():
+        out.append(f"rank {rp.rank}: an unpack of stage {s} reads staging bytes that no "
+                   "write of its stage fills")
     return out
+
+
+def cat3(*parts: tuple[np.ndarray, np.ndarray, np.ndarray]
+         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return tuple(np.concatenate([np.zeros(0, np.int64), *(p[i] for p in parts)]  # type: ignore
+                                ).astype(np.int64) for i in range(3))
 
 
 def staging_use(rp: RankPlan, inc: Incoming) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

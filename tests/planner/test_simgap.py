@@ -58,3 +58,29 @@ def test_the_suggestion_names_the_option_that_shortens_the_transfer() -> None:
     less = simulated(LLAMA, staging_bytes=256 << 20)  # the cap binds the targets' budget
     assert less["stages"] > res["stages"]
     assert less["estimated_s"] > res["estimated_s"]
+
+
+def test_packs_at_stage_boundaries_are_named_and_more_staging_runs_them_early():
+    """A compile whose sources cast every chunk (fp32 -> bf16: every chunk packed) under a
+    small staging cap: most of the idle at stage boundaries is the source waiting for packs
+    that write staging bytes the previous stages still read. `simulate` says so and names
+    options.staging_bytes; compiled again with twice the staging, the packs run early, that
+    wait shrinks and the estimate with it."""
+    from planner.compiler import compile_layouts
+    from planner.spec import spec_from_hf
+    from tests.support.synthetic import SMALL_HF, fused_col_split, row_split, small_config
+
+    spec = spec_from_hf(SMALL_HF)
+
+    def run(staging: int) -> dict:
+        plan = compile_layouts(small_config(staging_bytes=staging, max_write_bytes=4096), spec,
+                               row_split(spec, 3, "float32"), fused_col_split(spec, 2, 2))
+        return simulate(plan)
+
+    small, large = run(32768), run(65536)
+    g = small["gap"]
+    assert g["largest"] == "stage boundaries"
+    assert g["boundary_packs"]["seconds"] >= 0.5 * g["causes"]["stage boundaries"]
+    assert "waits for the packs" in g["suggest"] and "Raise options.staging_bytes" in g["suggest"]
+    assert large["gap"]["boundary_packs"]["seconds"] < g["boundary_packs"]["seconds"]
+    assert large["estimated_s"] < small["estimated_s"]
