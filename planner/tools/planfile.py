@@ -113,8 +113,8 @@ def explain_streamed(f: BinaryIO, header: PlanHeader, start: int, path: str) -> 
         if not {"tensors", "table"} <= seen or state["made"] != n or not z.eof \
                 or z.unconsumed_tail or z.unused_data or u.tell() != n:
             raise _Unsure
-    except Exception:  # noqa: BLE001 - anything unexpected: the whole decode decides
-        return False
+    except (_Unsure, zlib.error, ValueError, TypeError, msgpack.UnpackException):
+        return False  # malformed or unusual: the whole decode decides, and says what is wrong
     return True
 
 

@@ -60,3 +60,28 @@ def test_what_the_whole_decode_refuses_is_never_vouched_for(tmp_path, monkeypatc
     assert _check(deflate([msgpack.packb(good, use_bin_type=True)]), monkeypatch, path)
     assert not _check(deflate([msgpack.packb(good, use_bin_type=True) + b"\x00"]), monkeypatch,
                       path)
+
+
+def test_a_mutated_blob_gets_an_answer_never_an_exception(tmp_path, monkeypatch):
+    """Bytes flipped, cut or appended anywhere in a valid blob: the streamed check answers
+    True or False (the whole decode then speaks), whatever the damage."""
+    import random
+
+    path = save(str(tmp_path / "p.rplan"), two_by_two())
+    with PlanFile(path) as src:  # the written plan's own explain blob, as stored
+        entry = src.header.blobs["explain"]
+        src.f.seek(src.start + entry.offset)
+        blob = src.f.read(entry.length)
+    assert _check(blob, monkeypatch, path)
+    rng = random.Random(7)
+    for _ in range(300):
+        b = bytearray(blob)
+        kind = rng.randrange(3)
+        if kind == 0:
+            for _ in range(rng.randint(1, 4)):
+                b[rng.randrange(len(b))] = rng.randrange(256)
+        elif kind == 1:
+            del b[rng.randrange(len(b)):]
+        else:
+            b += bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
+        assert _check(bytes(b), monkeypatch, path) in (True, False)
