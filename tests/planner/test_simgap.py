@@ -77,6 +77,8 @@ def test_packs_at_stage_boundaries_are_named_and_more_staging_runs_them_early():
                                row_split(spec, 3, "float32"), fused_col_split(spec, 2, 2))
         return simulate(plan)
 
+    # The seconds below are the simulator's estimates for the plan (a model of the fabric,
+    # deterministic for a given plan): no clock is read, so a busy box cannot change them.
     small, large = run(32768), run(65536)
     g = small["gap"]
     assert g["largest"] == "stage boundaries"
