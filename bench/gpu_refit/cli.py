@@ -31,7 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "a put per write (no scatter-gather); -whole runs a stage's packs whole before "
                    "its writes (no pack groups); a "
                    "suffix @M keeps M batches in flight (default 8)")
-    p.add_argument("--gpus", type=int, default=4, help="4 (2 trainers, 2 inference) or 2")
+    p.add_argument("--gpus", type=int, default=4,
+                   help="4 (2 trainers, 2 inference), 2, or 1 (the 2-GPU ranks both on GPU 0; "
+                   "no NCCL baseline)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--no-baseline", action="store_true", help="skip the NCCL baseline")
     p.add_argument("--baseline-steps", type=int, default=0, help="default: --steps")
@@ -68,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.baseline_steps, args.floor_mib = 1, min(args.floor_mib, 8)
         args.timeout = min(args.timeout, 300.0)
     dry = args.cpu_dry_run
+    if args.gpus == 1:  # NCCL refuses two ranks on one device
+        args.no_baseline = True
     args.models = (args.models or ("tiny-qwen3,tiny-qwen3-moe" if dry else
                                    "qwen3-8b,qwen3-30b-a3b")).split(",")
     args.transports = (args.transports or ("nixl" if dry else "cuda_ipc")).split(",")

@@ -32,15 +32,17 @@ class Ctx:
         self.setup = setup
         self.gpu = not args.cpu_dry_run
         if self.gpu:
-            torch.cuda.set_device(rank)
-            self.device = torch.device("cuda", rank)
+            torch.cuda.set_device(setup.gpu(rank))
+            self.device = torch.device("cuda", setup.gpu(rank))
         else:
             self.device = torch.device("cpu")
         self.store = dist.TCPStore("127.0.0.1", args.port, setup.world, is_master=rank == 0,
                                    timeout=timedelta(seconds=120))
         limit = timedelta(seconds=max(180.0, 3 * args.exec_timeout))
-        dist.init_process_group("nccl" if self.gpu else "gloo", store=self.store, rank=rank,
-                                world_size=setup.world, timeout=limit)
+        shared = len({setup.gpu(r) for r in range(setup.world)}) < setup.world
+        dist.init_process_group("nccl" if self.gpu and not shared else "gloo",
+                                store=self.store, rank=rank, world_size=setup.world,
+                                timeout=limit)
         self.cpu_group = (dist.new_group(backend="gloo", timeout=limit) if self.gpu
                           else dist.group.WORLD)
         self.trainers = dist.new_group(list(setup.trainers), timeout=limit)

@@ -81,7 +81,7 @@ def measure_floor(ctx: Ctx) -> dict:
     """GPU0 -> GPU2 peer copy of a large buffer (rank 0's process does it alone)."""
     torch = ctx.torch
     res = None
-    target = ctx.setup.targets[0]
+    target = ctx.setup.gpu(ctx.setup.targets[0])
     if ctx.rank == 0:
         n = ctx.args.floor_mib << 20
         if ctx.gpu:

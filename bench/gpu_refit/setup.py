@@ -40,6 +40,11 @@ class Setup:
     """Ranks of the trainers (plan ranks 0..)."""
     targets: tuple[int, ...]
     """Ranks of the inference engine."""
+    gpus: tuple[int, ...] = ()
+    """Each rank's GPU index (default: its rank); `--gpus 1` puts both ranks on GPU 0."""
+
+    def gpu(self, rank: int) -> int:
+        return self.gpus[rank] if self.gpus else rank
 
     @staticmethod
     def for_gpus(n: int) -> Setup:
@@ -48,20 +53,23 @@ class Setup:
         sides (a "MODEL:fp32" case keeps fp32 weights on the trainer: every chunk is cast,
         so packed into staging, which exercises early packs and writes in flight across
         stages). Any "MODEL:fp8" case has block-FP8 inference weights (`target.dtype:
-        fp8_block128`): the bf16 sources quantize into staging before the writes."""
+        fp8_block128`): the bf16 sources quantize into staging before the writes. 1 GPU: the
+        2-GPU ranks and plans, both processes on GPU 0 (copies within one GPU; no NCCL
+        baseline: NCCL refuses two ranks on one device)."""
         if n == 4:  # DENSE is plans/qwen3-8b_megatron-tp2_vllm-tp2.yaml
             cases = {"qwen3-8b": DENSE, "qwen3-30b-a3b": MOE, "tiny-qwen3": DENSE,
                      "tiny-qwen3-moe": MOE}
             cases.update({f"{m}:fp8": fp8(c) for m, c in cases.items()})
             return Setup(dict(placement="colocated", hosts=1, gpus_per_host=4, nics_per_host=4,
                               source_gpus_per_host=2), cases, 4, (0, 1), (2, 3))
-        if n != 2:
-            raise SystemExit(f"--gpus {n}: 4 (the issue's setup) or 2")
+        if n not in (1, 2):
+            raise SystemExit(f"--gpus {n}: 4 (the issue's setup), 2, or 1 (the 2-GPU ranks "
+                             "both on GPU 0)")
         fp32 = ({**ONE_TO_ONE[0], "dtype": "float32"}, ONE_TO_ONE[1])
         cases = {**{m: ONE_TO_ONE for m in MODELS}, **{f"{m}:fp32": fp32 for m in MODELS},
                  **{f"{m}:fp8": fp8(ONE_TO_ONE) for m in MODELS}}
         return Setup(dict(placement="colocated", hosts=1, gpus_per_host=2, nics_per_host=2,
-                          source_gpus_per_host=1), cases, 2, (0,), (1,))
+                          source_gpus_per_host=1), cases, 2, (0,), (1,), (0, 0) if n == 1 else ())
 
     def config(self, model: str, max_write_mib: int | None = None,
                staging_mib: int | None = None):
