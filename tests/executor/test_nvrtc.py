@@ -10,17 +10,19 @@ import pytest
 import torch
 
 from executor.gpu.copy_kernel import CopyKernel
-from executor.gpu.quant_kernel import QuantKernel
+from executor.gpu.quant_kernel import QuantKernel, RowsQuantKernel
 
 
 def test_each_kernel_keeps_its_own_cache() -> None:
     assert CopyKernel._cache is not QuantKernel._cache
     assert CopyKernel._lock is not QuantKernel._lock
+    assert RowsQuantKernel._cache is not QuantKernel._cache
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="builds for real where CUDA is")
 @pytest.mark.parametrize("kernel,fallback", [(CopyKernel, "copy engines"),
-                                             (QuantKernel, "box by box")])
+                                             (QuantKernel, "box by box"),
+                                             (RowsQuantKernel, "element by element")])
 def test_a_kernel_that_cannot_be_built_warns_once_and_gives_none(kernel, fallback) -> None:
     kernel._cache.clear()
     if getattr(torch.cuda, "_compile_kernel", None) is None:
