@@ -40,10 +40,10 @@ from .nvrtc import RuntimeKernel
 
 THREADS = 256
 BLOCKS_PER_SM = 8
-STAGES = 3
+STAGES = 2
 """Blocks of 128x128 a CUDA block of the rows kernel holds in shared memory (32 KiB each):
 the one it quantizes and those it reads ahead."""
-ROWS_CTAS_PER_SM = 2
+ROWS_CTAS_PER_SM = 3
 """CUDA blocks of the rows kernel per SM (one wave: each takes an even share of blocks)."""
 SRC_KINDS = {"bfloat16": 0, "float32": 1}
 """Source dtypes the kernel reads, and their code in its table."""
