@@ -14,8 +14,7 @@ launch by launch (each launch's boxes read right after it: later stages reuse st
 `--before FILE`: a copy of an earlier `executor/gpu/quant_kernel.py` (its
 `SOURCE`, launched as that file did), the first kernel; then this tree's kernel, then the
 rows kernel's builds in `--variants` (STAGESxCTAS_PER_SM, `sw`: the e4m3 port for every
-value, `e`: the L2 hint evict-first on the reads). Every box's bytes are checked against
-the reference quantizer (torch, on this GPU,
+value). Every box's bytes are checked against the reference quantizer (torch, on this GPU,
 boxes with NaN or infinity left out: there the reference's amax keeps the NaN) and its
 first boxes on the CPU. The copy: one `copy_` per launch of that launch's bfloat16 bytes,
 eager. Memory traffic: bytes read + written (bfloat16 in; e4m3 and scales out).
@@ -140,12 +139,12 @@ def before_kernel(path: str, dev: torch.device) -> Before:
 
 
 def rows_variant(spec: str, dev: torch.device):
-    m = re.fullmatch(r"(\d+)x(\d+)(sw)?(e)?", spec)
-    assert m, f"--variants {spec}: STAGESxCTAS[sw][e]"
-    stages, ctas, sw, ef = int(m.group(1)), int(m.group(2)), bool(m.group(3)), bool(m.group(4))
+    m = re.fullmatch(r"(\d+)x(\d+)(sw)?", spec)
+    assert m, f"--variants {spec}: STAGESxCTAS[sw]"
+    stages, ctas, sw = int(m.group(1)), int(m.group(2)), bool(m.group(3))
 
     class V(qk.RowsQuantKernel):
-        SOURCE, BLOCKS_PER_SM = qk.rows_source(stages, ctas, not sw, ef), ctas
+        SOURCE, BLOCKS_PER_SM = qk.rows_source(stages, ctas, not sw), ctas
         SHARED = stages * qk.THREADS * 8 * 16
     k = V.load(dev)
     assert k is not None, f"variant {spec} did not build"

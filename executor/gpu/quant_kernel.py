@@ -154,8 +154,7 @@ extern "C" __global__ void __launch_bounds__(256) rplan_quant(
 """
 
 ROWS_SOURCE = E4M3 + r"""
-// RPLAN_STAGES (blocks held in shared memory), RPLAN_CTAS (CUDA blocks per SM),
-// RPLAN_EVICT_FIRST (the L2 hint on the reads): `rows_source`
+// RPLAN_STAGES (blocks held in shared memory) and RPLAN_CTAS (CUDA blocks per SM): rows_source
 
 // The op of block b, from the op `lo` of an earlier block (blocks run in op order).
 __device__ __forceinline__ const long long* op_of(const long long* __restrict__ ops, int nops,
@@ -174,22 +173,13 @@ __device__ __forceinline__ void load_block(const long long* __restrict__ ops, in
   const long long br = blk / nbc, bc = blk - br * nbc;
   const long long r0 = br * 128 + (t >> 4), c = bc * 128 + (t & 15) * 8;
   const unsigned short* src = (const unsigned short*)op[0];
-#if RPLAN_EVICT_FIRST
-  unsigned long long policy;  // each source byte is read once
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-#endif
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     const long long r = r0 + 16 * k;
     const bool in = r < m && c < n;
     const void* p = in ? (const void*)(src + r * s0 + c) : (const void*)src;
-#if RPLAN_EVICT_FIRST
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;"
-                 :: "r"(dst + 4096u * k), "l"(p), "r"(in ? 16 : 0), "l"(policy) : "memory");
-#else
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  :: "r"(dst + 4096u * k), "l"(p), "r"(in ? 16 : 0) : "memory");
-#endif
   }
 }
 
@@ -266,13 +256,11 @@ extern "C" __global__ void __launch_bounds__(256, RPLAN_CTAS) rplan_quant_rows(
 
 
 def rows_source(stages: int = STAGES, ctas_per_sm: int = ROWS_CTAS_PER_SM,
-                hw_e4m3: bool = True, evict_first: bool = False) -> str:
+                hw_e4m3: bool = True) -> str:
     """The rows kernel's source for `stages` blocks held and `ctas_per_sm` CUDA blocks per
-    SM; `hw_e4m3` False: every value through the port (the conversion's slower twin);
-    `evict_first`: the sources read with the L2 hint evict-first."""
+    SM; `hw_e4m3` False: every value through the port (the conversion's slower twin)."""
     return (f"#define RPLAN_STAGES {int(stages)}\n#define RPLAN_CTAS {int(ctas_per_sm)}\n"
-            f"#define RPLAN_HW_E4M3 {int(hw_e4m3)}\n"
-            f"#define RPLAN_EVICT_FIRST {int(evict_first)}\n" + ROWS_SOURCE)
+            f"#define RPLAN_HW_E4M3 {int(hw_e4m3)}\n" + ROWS_SOURCE)
 
 
 def op_table(copies: Table, rows: np.ndarray, regions: list[torch.Tensor]) -> np.ndarray:
