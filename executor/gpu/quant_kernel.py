@@ -6,19 +6,23 @@ kernels a step. Here a CUDA block quantizes a run of 128x128 blocks of the boxes
 order (one search for its first op), with the formula of `quant.py`, step by step as the
 CPU reference does it: `amax = max(|x|)` in float32, `scale = max(amax, 1e-4) / 448` and
 `inv = 1 / scale` correctly rounded (`__fdiv_rn`), `q = x * inv` (`__fmul_rn`), and e4m3
-as torch converts (`fp8e4m3fn_from_fp32_value`, ported below: round to nearest even,
-saturating).
+as torch converts (`fp8e4m3fn_from_fp32_value`, ported below as `fp8e4m3fn`: round to
+nearest even; from 464 up, where torch gives NaN, the port saturates to 448, a value the
+quantizer never converts: `x * inv` is at most 448 and a few ulps).
 
 Two kernels. `rplan_quant_rows` takes bfloat16 boxes of aligned rows of whole 16-byte
-groups (nearly every box of a plan): each thread copies its 8 pieces of 16 bytes of a
-block into shared memory with `cp.async`, several blocks ahead (`RPLAN_STAGES`), so the
-reads of the next blocks are in flight while it quantizes this one from its own copy; e4m3
-comes from the hardware's conversion (`cvt.rn.satfinite.e4m3x2.f32`, the same bits as
-torch's for every float32 but NaN, whose sign torch keeps: a group of four holding a NaN is
-converted again by the port), written 8 bytes at a time. `rplan_quant` takes the rest
+groups (the common case: a weight's rows, aligned): each thread copies its 8 pieces of 16
+bytes of a block into its own slots of shared memory with `cp.async`, `STAGES` - 1 blocks
+ahead, so the reads of the next blocks are in flight while it quantizes this one from
+its own copy (one barrier a block, for the amax); e4m3 comes from the hardware's
+conversion (`cvt.rn.satfinite.e4m3x2.f32`, the port's bits for every float32 that is not
+NaN; a group of four with a NaN out is converted again by the port, which keeps the NaN's
+sign), written 8 bytes at a time. One wave of CUDA blocks, each an even share of the
+blocks. Through the port for every value the kernel is bound by its arithmetic, not its
+memory (the `sw` build of scripts/quant_kernel_bench.py). `rplan_quant` takes the rest
 (float32 sources, strided or unaligned rows) element by element.
 tests/executor/test_quant_kernel.py and tests/planner/test_fp8_gpu.py hold both to the CPU
-reference bit for bit, and the conversion to torch's for every float32.
+reference bit for bit, and the rows kernel's conversion to the port for every float32.
 
 Sources of bfloat16 or float32; other dtypes keep the per-box path. Built with NVRTC
 through `torch.cuda._compile_kernel`, as the copy kernel is; where the rows kernel cannot
@@ -42,7 +46,7 @@ THREADS = 256
 BLOCKS_PER_SM = 8
 STAGES = 2
 """Blocks of 128x128 a CUDA block of the rows kernel holds in shared memory (32 KiB each):
-the one it quantizes and those it reads ahead."""
+the one it quantizes and those it reads ahead (scripts/quant_kernel_bench.py times others)."""
 ROWS_CTAS_PER_SM = 3
 """CUDA blocks of the rows kernel per SM (one wave: each takes an even share of blocks)."""
 SRC_KINDS = {"bfloat16": 0, "float32": 1}
