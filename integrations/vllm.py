@@ -81,10 +81,10 @@ from integrations.engine_core import EngineCore
 from integrations.errors import TornUpdateError
 from integrations.vllm_background import Background
 from integrations.vllm_trainer_info import BACKEND, RdmaPlanTrainerInitInfo, source_tensors
-from schemas.chunked_plan import load_rank_chunks, starts_chunked
+from schemas.chunked_plan import is_chunked, load_rank_chunks
 from schemas.header import PlanHeader
 from schemas.integrity import plan_key as read_key
-from schemas.plan import load_rank, open_plan
+from schemas.plan import load_rank
 
 
 @dataclass
@@ -296,8 +296,7 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
         rank, identity = init_info.load_identity()
         # refused here, before the workers are asked to load (nothing registered anywhere)
         key = None if init_info.plan_key is None else read_key(init_info.plan_key)
-        with open_plan(init_info.plan) as f:
-            chunked = starts_chunked(f)
+        chunked = is_chunked(init_info.plan)
         if chunked and eng.shadow:
             raise ValueError(f"{where}: {init_info.plan} is a chunked plan, received paused: "
                              "drop shadow=True, or compile with target.shadow: full for the "
