@@ -29,7 +29,8 @@ One `EngineCore` per engine rank (a vLLM worker, an SGLang TP rank), in this ord
 4. **Refresh, check, commit or tear**: the engine's own (vLLM: `vllm_checks.refreshers`,
    `vllm_content.check`; SGLang: its `end_weight_update` post-load), then `commit(version)`,
    or a `TornUpdateError` with nothing committed. The update's state (`pending`,
-   `failure`, `received`, `torn_open`, `landed`, `wait_s`) lives here, every field set in
+   `failure`, `received`, `torn_open`, `landed`, `wait_s`, the last step's `stats`; whether
+   this rank's step is `complete`) lives here, every field set in
    `__init__`, so the engine helpers (`vllm_shadow.py`, `vllm_torn.py`) read and set the
    core's fields, not the engine object's.
 """
@@ -116,6 +117,8 @@ class EngineCore:
         """Shadow mode: the agreed outcome of waiting for the last DONE (None: not asked)."""
         self.wait_s = 0.0
         """Shadow mode: the last wait for the last DONE."""
+        self.stats: executor.RunStats | executor.ChunkedStats | None = None
+        """The last step `run_step` completed on this rank (chunked: its chunks' stats)."""
 
     @property
     def part(self) -> RankPlan:
@@ -170,18 +173,32 @@ class EngineCore:
         step, each switched into the live tensors before the next lands (keep the engine
         paused: until it returns they hold a mix of versions). Whether it completed (else
         the error is `failure`)."""
-        if self.chunked is not None:
-            try:
-                self.chunked.run()
-            except Exception as e:  # noqa: BLE001 - kept: the engine agrees and reports it
-                self.failure = e
-            return self.failure is None
-        assert self.plan is not None, "load() first"
+        chunked, plan = self.chunked, self.plan
+        assert chunked is not None or plan is not None, "load() first"
         try:
-            executor.run(self.plan)
+            self.stats = chunked.run() if chunked is not None else executor.run(plan)
         except Exception as e:  # noqa: BLE001 - kept: the engine agrees and reports it
             self.failure = e
-        return self.failure is None and self.plan.complete
+        return self.complete
+
+    @property
+    def complete(self) -> bool:
+        """This rank's last step landed whole and nothing tore it (`failure`): paused, its
+        executor's step completed; chunked, every chunk was switched."""
+        if self.failure is not None:
+            return False
+        if self.chunked is not None:
+            return self.chunked.last is not None and self.chunked.switched == len(
+                self.chunked.chunks)
+        return self.plan is not None and self.plan.complete
+
+    def step_timeout_s(self) -> float:
+        """How long one `run_step` may wait on its peers before it fails: the executor's
+        timeout; a chunked plan's chunks run one after another, each with its own."""
+        if self.chunked is not None:
+            return sum(ex.timeout_s for ex in self.chunked.chunks)
+        assert self.plan is not None, "load() first"
+        return self.plan.timeout_s
 
     def start(self) -> None:
         """Shadow mode: this rank's step into the shadow, on a thread; returns at once."""

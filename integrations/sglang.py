@@ -10,7 +10,7 @@ the right; the engine's `collective_rpc` or a scheduler hook runs the right colu
 
     engine.pause_generation()
     engine.begin_weight_update()      target.begin()   WeightUpdater.begin_weight_update()
-    sources: executor.run(plan)       target.receive() executor.run(plan) on this rank
+    sources: executor.run(plan)       target.receive() EngineCore.run_step() on this rank
     engine.end_weight_update()        target.end(v)    refuses a torn update, else
                                                        WeightUpdater.end_weight_update(
                                                        run_post_load=True): SGLang's
@@ -24,6 +24,13 @@ SGLang's scheduler runs `post_load_weights` at `end_weight_update` exactly when 
 for this rank (`planner.layouts.sglang.derived`) lists what that refresh must cover; the
 target checks at bind time that SGLang's model holds those tensors, so a plan compiled for
 another model or engine version is refused before anything is registered.
+
+A chunked plan (`target.shadow: {budget_bytes: N}`) is received the same way, paused: the
+core binds a `executor.ChunkedShadow` of the live parameters and `run_step` lands each chunk
+in its N-byte buffer and switches it into them before the next (the sources send with
+`executor.run_chunks`). A chunk that never lands tears the update: the chunks before it
+hold the new weights, it and the rest the old ones, `end` refuses it naming the chunk, and
+the next `receive` starts again at chunk 0.
 
 Remote-instance memory registration: `weight_info()` returns SGLang's own
 `{name: (data_ptr, numel, element_size)}` map (`register_memory_region_v1`'s format) of
@@ -47,8 +54,6 @@ from integrations import placement_check, tensor_sha256
 from integrations.engine_core import EngineCore
 from integrations.errors import TornUpdateError
 from schemas.errors import UserError
-from schemas.header import PlanHeader
-from schemas.identity import find_rank
 
 
 def identity(replica: int = 0, dp_rank: int = 0, parallel: Any = None) -> dict[str, int | str]:
@@ -63,21 +68,6 @@ def identity(replica: int = 0, dp_rank: int = 0, parallel: Any = None) -> dict[s
     return {"framework": "sglang", "replica": replica, "dp": dp,
             "tp": int(parallel.tp_rank), "pp": int(parallel.pp_rank),
             "ep": int(parallel.moe_ep_rank), "attn_tp": int(parallel.attn_tp_rank)}
-
-
-def plan_rank(header: PlanHeader, ident: dict[str, int | str], path: str = "plan") -> int:
-    """The plan rank of an engine rank: the one whose recorded identity equals `ident`
-    (`schemas.identity.find_rank`, which refuses an identity no rank holds, naming it and
-    the plan's target config)."""
-    return int(find_rank(header, ident, path))
-
-
-def derived_of(header: PlanHeader, rank: int) -> list[dict[str, Any]]:
-    """The plan's derived-refresh entries of plan rank `rank` (header key `derived`: one
-    list per plan rank; absent or empty when nothing is derived)."""
-    per_rank = header.derived
-    entries = list(per_rank[rank]) if 0 <= rank < len(per_rank) else []
-    return [e for e in entries if e.get("engine") == "sglang"]
 
 
 def check_derived(model: torch.nn.Module, entries: list[dict[str, Any]]) -> None:
@@ -105,11 +95,6 @@ class SGLangTarget(EngineCore):
         super().__init__(plan_path, "sglang", lambda _: identity(replica, dp_rank, parallel),
                          plan_key=plan_key, allow_unsigned=allow_unsigned,
                          where=f"SGLang target ({plan_path})")
-        if self.budget is not None:  # its receive thread runs one executor (EngineRank)
-            raise UserError(f"{plan_path}: a chunked plan (target.shadow: {{budget_bytes: "
-                            f"{self.budget}}}) is not received by the SGLang plugin; compile "
-                            "it with target.shadow: full (shadow mode) or without "
-                            "target.shadow (paused)")
         self.model, self.updater, self.commit_version = model, updater, commit_version
         self.target_rank = self.rank - int(self.header.sources)
         """This rank in the plan's target layout (plan rank = sources + target rank)."""
@@ -143,18 +128,25 @@ class SGLangTarget(EngineCore):
         """SGLang's remote-instance registration map of the bound tensors."""
         return {n: (t.data_ptr(), t.numel(), t.element_size()) for n, t in self.tensors.items()}
 
-    def begin(self) -> None:
-        """SGLang's `begin_weight_update` on this rank (undoes in-place weight packing)."""
+    def begin(self, version: str | None = None) -> None:
+        """SGLang's `begin_weight_update` on this rank (undoes in-place weight packing), and
+        the core's new update."""
         placement_check.at_begin(self.placement, self.rank)  # the experts where it writes
         self.updater.begin_weight_update()
+        super().begin(version)
         self.open = True
 
-    def receive(self) -> executor.RunStats:
-        """This rank's part of one plan step; raises (naming the peer) if a peer is gone."""
+    def receive(self) -> executor.RunStats | executor.ChunkedStats:
+        """This rank's part of one plan step (a chunked plan: every chunk, each switched
+        into the live tensors before the next lands); raises what tore it (naming the peer,
+        or the chunk and which chunks were switched)."""
         if not self.open:
             raise UserError("receive: no weight update is open; call begin() first")
-        assert self.plan is not None, "loaded in __init__"
-        return executor.run(self.plan)
+        if not self.run_step():
+            raise self.failure or TornUpdateError(
+                f"plan rank {self.rank}: the plan step did not complete")
+        assert self.stats is not None
+        return self.stats
 
     def end(self, version: str) -> None:
         """SGLang's `end_weight_update` with post-load processing (derived state refreshed
@@ -162,7 +154,7 @@ class SGLangTarget(EngineCore):
         leaves the session open and the version unchanged (run the next update)."""
         if not self.open:
             raise UserError("end: no weight update is open; call begin() first")
-        if self.plan is None or not self.plan.complete:
+        if not self.complete:
             raise TornUpdateError(f"plan rank {self.rank}: the last update did not complete "
                                   "(a peer failed mid-step); the weights are not whole, "
                                   f"version stays {self.version!r}: do not resume generation; "
@@ -188,22 +180,25 @@ class EngineRank:
     error: BaseException | None = None
     torn: str | None = None
     """Why the weights are not whole (None when they are): generation must not resume."""
-    steps: list[executor.RunStats] = field(default_factory=list)
+    steps: list[executor.RunStats | executor.ChunkedStats] = field(default_factory=list)
     shadow_updates: list[executor.ShadowStats] = field(default_factory=list)
     """Shadow mode: per switched update, its transfer and pause (the switch) seconds."""
     finish_timeout_s: float | None = None
 
     def receive(self) -> None:
+        """This rank's step (every chunk of a chunked plan) through the engine core; what
+        tore it is reported by `end_weight_update`."""
         try:
-            self.steps.append(executor.run(self._plan()))
+            if self.target.run_step():
+                assert self.target.stats is not None
+                self.steps.append(self.target.stats)
+            else:
+                self.error = self.target.failure
         except BaseException as e:  # noqa: BLE001  (reported by end_weight_update)
             self.error = e
 
-    def _plan(self) -> executor.Executor:
-        assert self.target.plan is not None, "SGLangTarget loads it"
-        return self.target.plan
-
     def start(self) -> None:
+        EngineCore.begin(self.target)  # the core's update (SGLang's own begin has run)
         self.error = None
         self.torn = "a weight update is in progress"
         self.thread = threading.Thread(target=self.receive, name="rdma-plan-receive",
@@ -214,13 +209,13 @@ class EngineRank:
         """Wait for the receive; None when this rank's step is whole, else why not."""
         thread, self.thread = self.thread, None
         assert thread is not None
-        thread.join(self._plan().timeout_s + JOIN_MARGIN_S)
+        thread.join(self.target.step_timeout_s() + JOIN_MARGIN_S)
         if thread.is_alive():
             self.thread = thread
             return "the receive is still running"
         if self.error is not None:
             return f"{type(self.error).__name__}: {self.error}"
-        return None if self._plan().complete else "the plan step did not complete"
+        return None if self.target.complete else "the plan step did not complete"
 
 
 @dataclass

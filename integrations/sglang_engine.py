@@ -15,7 +15,9 @@ other request to SGLang's handler:
   JSON in the server's environment (bound at the first `begin_weight_update`).
 - `begin_weight_update` (scheduler): refused unless generation is paused; after SGLang's
   own begin, this rank starts receiving its plan step in a background thread (the
-  scheduler keeps serving control requests meanwhile).
+  scheduler keeps serving control requests meanwhile) through the engine core's
+  `run_step`: a chunked plan's every chunk, each switched into the live parameters before
+  the next lands, the engine paused throughout.
 - `end_weight_update` (scheduler): waits for the receive, then all TP ranks agree
   (a MIN all-reduce over SGLang's TP CPU group: every rank answers the same). A torn step
   on any rank is refused before SGLang's end runs: `success=False` naming the ranks, the

@@ -1,11 +1,10 @@
-"""The trainer's side of the SGLang engine plugin (`integrations/sglang_engine.py`, which
-re-exports the names below but `load_source`): `load_source(plan, binding, ...)` (a trainer
-rank's part of the plan, from the binding its adapter returned, held to the live
-framework), `Call` over
-SGLang's HTTP API (`http(url)`) or an in-process `sglang.Engine` (`in_process(engine)`),
-`update(call, send, version)` (pause, begin, the sources' writes, end, version, resume),
-`finish_unflushed` after `CacheNotFlushedError`, and `engine_digests` (each TP rank's sha256
-of the tensors the plan writes on it)."""
+"""The trainer's side of the SGLang engine plugin (`integrations/sglang_engine.py`):
+`load_source(plan, binding, ...)` (a trainer rank's part of the plan, from the binding its
+adapter returned, held to the live framework), `Call` over SGLang's HTTP API (`http(url)`)
+or an in-process `sglang.Engine` (`in_process(engine)`), `update(call, send, version)`
+(pause, begin, the sources' writes, end, version, resume), `finish_unflushed` after
+`CacheNotFlushedError`, and `engine_digests` (each TP rank's sha256 of the tensors the plan
+writes on it)."""
 
 from __future__ import annotations
 

@@ -42,6 +42,12 @@ source side:
 - `send_weights(version)` = both (pause, send_weights, resume). In shadow mode pause only
   around `finish_send`: start_send, pause, finish_send, resume (`rl_loop/train.py --shadow`).
 
+A chunked plan (`target.shadow: {budget_bytes: N}`) is received paused: each worker's
+`update_weights` runs every chunk through its `EngineCore.run_step` (each landed in the
+N-byte buffer and switched into the live parameters before the next; keep the engine paused
+across `send_weights`), and the trainer ranks send chunk by chunk (`executor.run_chunks`);
+shadow mode refuses it in one line.
+
 Both sides take `plan_key`; under a job secret a load without it is refused unless
 `allow_unsigned=True` (logged). `register()` adds both under `rdma_plan` (idempotent);
 vLLM calls it in every process (`vllm.general_plugins` entry point).
@@ -75,6 +81,7 @@ from integrations.engine_core import EngineCore
 from integrations.errors import TornUpdateError
 from integrations.vllm_background import Background
 from integrations.vllm_trainer_info import BACKEND, RdmaPlanTrainerInitInfo, source_tensors
+from schemas.chunked_plan import is_chunked, load_rank_chunks
 from schemas.header import PlanHeader
 from schemas.integrity import plan_key as read_key
 from schemas.plan import load_rank
@@ -267,6 +274,9 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
             super().__init__(client=client, source=source, is_sender=is_sender)
             self.rank = rank
         self.plan: executor.Executor | None = None
+        self.chunks: list[executor.Executor] = []
+        """A chunked plan: this rank's executor of each chunk, sent in order (`run_chunks`);
+        the workers receive it paused (`EngineCore.run_step`)."""
         self.bound: dict[str, torch.Tensor] = {}
         self.timeout_s = 60.0
         self.updates = 0
@@ -285,23 +295,33 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
         trust.signing(init_info.plan_key, init_info.allow_unsigned, where=where)
         rank, identity = init_info.load_identity()
         # refused here, before the workers are asked to load (nothing registered anywhere)
-        header, part = load_rank(init_info.plan, rank, None if init_info.plan_key is None
-                                 else read_key(init_info.plan_key))
-        trust.check_identity(header, part.identity, rank, identity,
-                             init_info.no_identity, init_info.plan)
-        trainer.check_live(header, rank, identity, init_info.plan, init_info.binding, where)
+        key = None if init_info.plan_key is None else read_key(init_info.plan_key)
+        chunked = is_chunked(init_info.plan)
+        if chunked and eng.shadow:
+            raise ValueError(f"{where}: {init_info.plan} is a chunked plan, received paused: "
+                             "drop shadow=True, or compile with target.shadow: full for the "
+                             "shadow mode")
+        parts = load_rank_chunks(init_info.plan, rank, key)[1] if chunked else \
+            [load_rank(init_info.plan, rank, key)]
+        for header, part in parts:
+            trust.check_identity(header, part.identity, rank, identity,
+                                 init_info.no_identity, init_info.plan)
+        trainer.check_live(parts[0][0], rank, identity, init_info.plan, init_info.binding,
+                           where)
         eng.bound = trainer.bound_tensors(
             init_info.binding, None if source is None else lambda: source_tensors(source),
             where)
 
         def load() -> None:
-            eng.plan = executor.load(init_info.plan, rank, eng.bound,
-                                     transport=init_info.transport,
+            o = executor.LoadOptions(transport=init_info.transport,
                                      rendezvous=init_info.rendezvous,
                                      timeout_s=init_info.timeout_s,
-                                     plan_key=init_info.plan_key,
-                                     identity=identity,
+                                     plan_key=init_info.plan_key, identity=identity,
                                      no_identity=init_info.no_identity)
+            if chunked:
+                eng.chunks = executor.load_chunks(init_info.plan, rank, eng.bound, o)
+            else:
+                eng.plan = executor.load(init_info.plan, rank, eng.bound, o)
         if eng.is_sender:  # the workers load while this rank does (both wait for peers)
             with Background(eng.timeout_s, client.init_weight_transfer_engine,
                              init_info.worker_info()):
@@ -324,8 +344,12 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
                 b.copy_(t)
 
     def write(self) -> None:
-        """This rank's part of the plan (its writes); returns when they are done. A subclass
-        may wrap it (the RL example's `--throttle-ms`: a slow source)."""
+        """This rank's part of the plan (its writes; a chunked plan's chunk by chunk); returns
+        when they are done. A subclass may wrap it (the RL example's `--throttle-ms`: a
+        slow source)."""
+        if self.chunks:
+            executor.run_chunks(self.chunks)
+            return
         assert self.plan is not None, "trainer_init sets it"
         executor.run(self.plan)
 
@@ -395,6 +419,9 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
         self.finish_send(weight_version)
 
     def shutdown(self) -> None:
+        for ex in self.chunks:
+            ex.close()
+        self.chunks = []
         if self.plan is not None:
             self.plan.close()
             self.plan = None

@@ -34,15 +34,12 @@ from collections.abc import Iterator
 import numpy as np
 
 from .plan import STAGING, UNPACK, RankPlan
-from .protocol import copy_extents
+from .protocol import ALIGN, copy_extents
 from .shadow_part import FIX, SHADOW_REGION_COLUMNS, SWITCH_COLUMNS, ShadowPart
 
 MAX_RUNS = 1 << 18
 """Most byte runs a shadow section lists on one rank (each is one switch op the executor
 holds views of; a compiled section has about one per bound tensor)."""
-ALIGN = 64
-"""A chunked shadow's chunk's ops start at multiples of this many bytes of the buffer."""
-
 __all__ = ["FIX", "MAX_RUNS", "SHADOW_REGION_COLUMNS", "SWITCH_COLUMNS", "ShadowPart",
            "chunked_bytes", "shadow_bytes", "shadow_violations"]
 

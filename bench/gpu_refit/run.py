@@ -12,6 +12,7 @@ from bench.gpu_refit.ctx import Ctx, StepError
 from bench.gpu_refit.floor import measure_floor
 from bench.gpu_refit.setup import NO_MULTICAST, Setup, now
 from bench.gpu_refit.weights import check_generator, check_targets, generate
+from schemas.protocol import INFLIGHT
 
 
 def transport_variant(entry: str) -> tuple[str, dict, int]:
@@ -39,7 +40,7 @@ def transport_variant(entry: str) -> tuple[str, dict, int]:
         name, _, value = item.partition("=")
         options[name] = (value == "true" if value in ("true", "false") else
                          float(value) if "." in value else int(value))
-    return kind, options, int(inflight or 8)
+    return kind, options, int(inflight or INFLIGHT)
 
 
 def cuda_ipc_options(streams: int, graphs: bool, kernel: bool = True) -> dict:

@@ -4,12 +4,13 @@ The model (at batch granularity; a batch is one flow):
 - Every rank walks its stages in the plan's protocol (`schemas.plan`): send READY, wait
   READY/ACK, packs, writes, DONE, wait DONE, unpacks, ACK. A signal arrives
   `write_overhead_us` after it is sent.
-- A source posts its batches in plan order, as the executor does: up to `inflight` (8)
-  batches posted and not yet landed (any landed batch frees its place); a batch goes over
-  the source's NIC (`batches.nic` 0) or NVLink (`batches.nic` 1, same-host writes). A
-  rank that receives nothing in a stage goes on to the next one when its last batches are
-  posted (if that stage's waits have arrived and its packs ran early) and sends the DONE
-  of the stage when they have landed, as the executor's window does (`executor/window.py`).
+- A source posts its batches in plan order, as the executor does: up to `inflight`
+  (`schemas.protocol.INFLIGHT` by default) batches posted and not yet landed (any landed
+  batch frees its place); a batch goes over the source's NIC (`batches.nic` 0) or NVLink
+  (`batches.nic` 1, same-host writes). A rank that receives nothing in a stage goes on to
+  the next one when its last batches are posted (if that stage's waits have arrived and its
+  packs ran early) and sends the DONE of the stage when they have landed, as the executor's
+  window does (`executor/window.py`).
 - A flow uses two resources: the egress and the ingress of its path: the source's and
   the target's NIC (`cluster.nic_gbps`, shared by all GPUs that NIC serves), or the
   source's and target's NVLink (`nvlink_gbps`, per GPU). Active flows share resources

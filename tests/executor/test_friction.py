@@ -1,4 +1,4 @@
-"""A new user's friction (issue 16), each with a test that failed before the fix: the demo's
+"""A new user's friction, each with a test that failed before the fix: the demo's
 `--transport local`, an unknown transport reported before anything else, the units of
 `RunStats` and the bytes a target receives, transport options instead of module globals."""
 

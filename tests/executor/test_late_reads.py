@@ -16,7 +16,6 @@ import threading
 
 import torch
 
-import executor
 from executor.core import Executor
 from executor.transports.local import Fabric, LocalTransport
 from harness.weights import materialize, random_full_tensors
@@ -25,6 +24,7 @@ from planner.frameworks import build_layout
 from planner.validate import load
 from schemas.plan_write import write_plan
 from schemas.protocol import Overlap
+from tests.support.threads import lockstep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "tests", "configs", "staged-fp32.yaml")
@@ -69,31 +69,11 @@ def _run(path: str, tensors: dict[int, dict[str, torch.Tensor]], steps: int,
         ex.transport = ex.window.transport = ex.signals.transport = LateReads(
             rp.rank, ex.namespace, fabric)
         exs.append(ex)
-    errors: list[BaseException] = []
-    gate = threading.Barrier(len(exs))
 
-    def rank(ex: Executor) -> None:
-        try:
-            ex.register()
-            gate.wait()
-            ex.connect()
-            for step in range(steps):
-                if ex.rank in sources:  # the training step: new weights in place
-                    for name, t in tensors[ex.rank].items():
-                        t.copy_(sources[ex.rank][step][name])
-                gate.wait()
-                executor.run(ex)
-                gate.wait()
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-            gate.abort()
-
-    threads = [threading.Thread(target=rank, args=(ex,)) for ex in exs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors[0]
+    def new_weights(ex: Executor, step: int) -> None:  # the training step: new weights in place
+        for name, t in tensors[ex.rank].items() if ex.rank in sources else ():
+            t.copy_(sources[ex.rank][step][name])
+    lockstep(exs, steps, new_weights)
 
 
 def _check(tmp_path) -> list[str]:

@@ -1,4 +1,4 @@
-"""The `local` transport's signalling (issue 39): a message is delivered exactly once
+"""The `local` transport's signalling: a message is delivered exactly once
 whatever the interleaving of its sender and the receiver's `poll`.
 
 The regression test preempts the receiver's `poll` at every bytecode boundary in turn

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import os
-import secrets
-import sys
 
 import pytest
 
-from harness.launch import master_store, root_env, spawn_ranks
+from tests.support.nixl_world import exited_0, nixl_world
 from tests.support.plans import save, two_by_two
 
 pytest.importorskip("nixl")
@@ -19,13 +17,9 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 @pytest.mark.parametrize("tls", [None, "tcp"])
 def test_four_processes_bit_exact_each_step(tmp_path, tls):
     path = save(str(tmp_path / "p.rplan"), two_by_two())
-    store, port = master_store(30)  # noqa: F841 (alive while the ranks run)
-    env = root_env(NIXL_LOG_LEVEL="WARN", RDMA_PLAN_SECRET=secrets.token_hex(32),
-                   **({"UCX_TLS": tls} if tls else {}))
-    done = spawn_ranks(lambda r: [sys.executable, WORKER, path, str(r), f"127.0.0.1:{port}",
-                                  "3"], 4, env=env, timeout=180)
+    done = nixl_world(WORKER, path, tail=lambda r: ["3"], **({"UCX_TLS": tls} if tls else {}))
+    exited_0(done)
     for f in done:
-        assert f.returncode == 0, f"rank {f.rank} failed:\n{f.output[-3000:]}"
         assert f"rank {f.rank} step 3: ok" in f.output
 
 
@@ -34,11 +28,7 @@ def test_source_that_never_runs_times_out_on_its_targets(tmp_path):
     # and must raise PeerTimeoutError naming rank 0 within their 3 s timeout. Rank 1's
     # part does not depend on rank 0, so it completes.
     path = save(str(tmp_path / "p.rplan"), two_by_two())
-    store, port = master_store(30)  # noqa: F841 (alive while the ranks run)
-    done = spawn_ranks(lambda r: [sys.executable, WORKER, path, str(r), f"127.0.0.1:{port}",
-                                  "0" if r == 0 else "1", "nixl", "cpu", "3"], 4,
-                       env=root_env(NIXL_LOG_LEVEL="WARN", RDMA_PLAN_SECRET=secrets.token_hex(32)),
-                       timeout=180)
+    done = nixl_world(WORKER, path, tail=lambda r: ["0" if r == 0 else "1", "nixl", "cpu", "3"])
     assert done[0].returncode == 0 and done[1].returncode == 0, [f.output for f in done[:2]]
     for f in done[2:]:
         assert f.returncode == 3, f.output[-2000:]

@@ -9,12 +9,10 @@ plan of `test_late_reads.py` (44 stages, writes in flight across stage boundarie
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 import torch
 
-import executor
 from executor.core import Executor
 from executor.errors import PeerTimeoutError
 from executor.transports.local import Fabric
@@ -25,6 +23,7 @@ from planner.frameworks import build_layout
 from planner.validate import load
 from schemas.plan import load_plan
 from schemas.plan_write import write_plan
+from tests.support.threads import lockstep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "tests", "configs", "staged-fp32.yaml")
@@ -56,30 +55,12 @@ def _run(path: str, spec, src, dst, timeout_s: float = 30, skip_done: int | None
         ex = exs[skip_done]
         landed = ex._landed
         ex.window.on_landed = lambda s, handed: landed(s, handed) if s == 0 else None
+
+    def new_weights(ex: Executor, step: int) -> None:
+        for name, t in tensors[ex.rank].items() if ex.rank in sources else ():
+            t.copy_(sources[ex.rank][step][name])
     errors: list[BaseException] = []
-    gate = threading.Barrier(len(exs))
-
-    def rank(ex: Executor) -> None:
-        try:
-            ex.register()
-            gate.wait()
-            ex.connect()
-            for step in range(2):
-                if ex.rank in sources:
-                    for name, t in tensors[ex.rank].items():
-                        t.copy_(sources[ex.rank][step][name])
-                gate.wait()
-                executor.run(ex)
-                gate.wait()
-        except BaseException as e:  # noqa: BLE001 - reported to the caller
-            errors.append(e)
-            gate.abort()
-
-    threads = [threading.Thread(target=rank, args=(ex,)) for ex in exs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    lockstep(exs, 2, new_weights, errors)
     want = materialize(dst, full[-1])
     bad = [f"rank {src.world + r}: {n}" for r, ts in want.items() for n, w in ts.items()
            if not torch.equal(tensors[src.world + r][n], w)]

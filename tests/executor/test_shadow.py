@@ -5,8 +5,6 @@ processes (`shadow_worker.py`)."""
 from __future__ import annotations
 
 import os
-import secrets
-import sys
 import threading
 
 import pytest
@@ -16,6 +14,7 @@ from executor import Executor, Shadow, TornUpdateError
 from executor.transports.local import Fabric
 from schemas.plan import load_plan
 from schemas.shadow import shadow_bytes
+from tests.support.nixl_world import exited_0, nixl_world
 from tests.support.plans import save, two_by_two, two_by_two_expected, two_by_two_tensors
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shadow_worker.py")
@@ -160,14 +159,9 @@ def test_shadow_refuses_misuse_with_one_line():
 @pytest.mark.extended
 def test_four_nixl_processes_live_keeps_n_until_switch_and_survives_a_silent_source(tmp_path):
     pytest.importorskip("nixl")
-    from harness.launch import master_store, root_env, spawn_ranks
     path = save(str(tmp_path / "p.rplan"), two_by_two())
-    store, port = master_store(30)  # noqa: F841 (alive while the ranks run)
-    env = root_env(NIXL_LOG_LEVEL="WARN", RDMA_PLAN_SECRET=secrets.token_hex(32))
-    done = spawn_ranks(lambda r: [sys.executable, WORKER, path, str(r), f"127.0.0.1:{port}"],
-                       4, env=env, timeout=240)
-    for f in done:
-        assert f.returncode == 0, f"rank {f.rank} failed:\n{f.output[-3000:]}"
+    done = nixl_world(WORKER, path, timeout=240)
+    exited_0(done)
     for f in done[2:]:
         out = f.output
         assert f"rank {f.rank} step 1: live kept version 0 during the transfer" in out, out

@@ -1,4 +1,4 @@
-"""A store the launcher already hosts (issue 34): rank 0 given its `"host:port"` tries to
+"""A store the launcher already hosts: rank 0 given its `"host:port"` tries to
 host a second one there (EADDRINUSE); the error says to pass a client of it, and
 `executor.connect_store` is that client."""
 

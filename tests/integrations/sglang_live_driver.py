@@ -5,7 +5,7 @@ what a user does: `sglang.Engine(...)` in this process (its scheduler processes 
 plugin by its entry point, `SGLANG_PLUGINS=rdma_plan`), binds with
 `engine.collective_rpc("rdma_plan_init", ...)` while the trainer's source rank (this
 process, one FSDP2 rank holding the full HF tensors) runs `executor.load` over NIXL, then
-per step: new trainer weights, `integrations.sglang_engine.update(call, send, version)`
+per step: new trainer weights, `integrations.sglang_trainer.update(call, send, version)`
 with `call = in_process(engine)` (the engine's own methods that SGLang's HTTP endpoints of
 the same names run), and checks:
 - every HF tensor read back through SGLang's own `Engine.get_weights_by_name` equals the

@@ -15,7 +15,7 @@ from planner.compiler import compile_config
 from planner.spec import spec_from_hf
 from schemas.config_load import config_from_dict
 from schemas.header import PlanHeader
-from schemas.identity import IdentityError
+from schemas.identity import IdentityError, find_rank
 from tests.support.models import qwen3, qwen3_moe
 
 SOURCE = {"framework": "fsdp2", "dp": 2}
@@ -88,7 +88,7 @@ def test_sglang_rank_finds_its_plan_rank_in_layout_order() -> None:
                 for tp in range(2):
                     ident = sglang.identity(replica, engine,
                                             _sglang_parallel(tp, 2, 1, False, p))
-                    rank = sglang.plan_rank(header, ident)
+                    rank = find_rank(header, ident)
                     assert rank == header.sources + replica * 8 + (engine * 2 + p) * 2 + tp
                     seen.append(rank)
     assert sorted(seen) == list(range(header.sources, header.world))
@@ -97,7 +97,7 @@ def test_sglang_rank_finds_its_plan_rank_in_layout_order() -> None:
                                                       "dp_attention": True, "ep": True})
     for tp in range(4):
         ident = sglang.identity(0, 0, _sglang_parallel(tp, 4, 2, True))
-        assert sglang.plan_rank(header, ident) == header.sources + tp
+        assert find_rank(header, ident) == header.sources + tp
 
 
 def test_sglang_rank_the_plan_does_not_hold_is_refused_naming_it() -> None:
@@ -105,8 +105,8 @@ def test_sglang_rank_the_plan_does_not_hold_is_refused_naming_it() -> None:
     with pytest.raises(IdentityError, match=r"^p.rplan: no target rank has the identity "
                        r"sglang replica=0 dp=2 tp=0 pp=0 ep=0 attn_tp=0; the plan was compiled "
                        r"for target \{'engine': 'sglang'"):
-        sglang.plan_rank(header, sglang.identity(0, dp_rank=2,
-                                                 parallel=_sglang_parallel(0, 2, 1, False)),
-                         "p.rplan")
+        find_rank(header, sglang.identity(0, dp_rank=2,
+                                          parallel=_sglang_parallel(0, 2, 1, False)),
+                  "p.rplan")
     with pytest.raises(IdentityError, match=r"identity sglang replica=1 dp=0 "):
-        sglang.plan_rank(header, sglang.identity(1, parallel=_sglang_parallel(0, 2, 1, False)))
+        find_rank(header, sglang.identity(1, parallel=_sglang_parallel(0, 2, 1, False)))

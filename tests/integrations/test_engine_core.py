@@ -9,8 +9,9 @@ plan (FSDP2 -> SGLang TP 2) with every rank in one process (`local`):
 - chunked: the same pair compiled by `compile_to` as a chunked plan is read once per engine
   rank (index, every chunk's header and part), received chunk by chunk into the live
   tensors bit for bit, a chunk that never lands tears the update naming the mix, and the
-  shadow mode is refused for it. The live engines are not exercised in this mode here:
-  these tests drive the core with the real executor (`local` transport).
+  shadow mode is refused for it (by the core, and by vLLM's trainer engine before the
+  workers load). These tests drive the core with the real executor (`local` transport); the
+  live engines receive a chunked plan in `test_sglang_update.py` and `test_vllm_engine.py`.
 """
 
 from __future__ import annotations
@@ -293,3 +294,22 @@ def test_a_chunked_plan_is_refused_in_shadow_mode_before_anything_binds(chunked_
                             "(run_step), or compile with target.shadow: full for the shadow "
                             "mode")
     assert core.chunked is None and core.plan is None
+
+
+def test_the_vllm_trainer_refuses_a_chunked_plan_in_shadow_mode_before_the_workers_load(
+        chunked_world, monkeypatch):
+    pytest.importorskip("vllm.distributed.weight_transfer.base")
+    from integrations.vllm import RdmaPlanTrainerEngine, RdmaPlanTrainerInitInfo
+    from tests.support.integration import RecordingClient
+
+    path, *_ = chunked_world
+    monkeypatch.delenv("RDMA_PLAN_SECRET", raising=False)
+    client = RecordingClient()
+    info = RdmaPlanTrainerInitInfo(path, "127.0.0.1:1", rank=0, plan_rank=0, no_identity=True,
+                                   shadow=True)
+    with pytest.raises(ValueError) as e:
+        RdmaPlanTrainerEngine.trainer_init(info, client=client)
+    assert str(e.value) == (f"{info.where()}: {path} is a chunked plan, received paused: drop "
+                            "shadow=True, or compile with target.shadow: full for the shadow "
+                            "mode")
+    assert client.calls == []

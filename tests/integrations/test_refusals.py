@@ -113,7 +113,7 @@ def test_fsdp2_plain_module_and_dtype(tmp_path):
 
 
 def test_megatron_dense_model_with_etp1_binds(tmp_path):
-    # issue 34: Megatron run with expert_tensor_parallel_size=1 on a dense model reports
+    # Megatron run with expert_tensor_parallel_size=1 on a dense model reports
     # etp=0 on every TP rank; the plan records etp = the TP rank. No expert tensor: bound.
     path = _plan(tmp_path, {"framework": "megatron", "tp": 2})
     b = megatron.bind(path, chunks({"framework": "megatron", "tp": 2}, 1), state(tp=1, etp=0))
@@ -126,7 +126,7 @@ def test_megatron_dense_model_with_etp1_binds(tmp_path):
 
 
 def test_megatron_mixed_precision_dtype_hint(tmp_path):
-    # issue 34: fp32 norms beside bf16 linears (mixed precision without Float16Module) were
+    # fp32 norms beside bf16 linears (mixed precision without Float16Module) were
     # told "compile with source.dtype: float32, or pass the bfloat16 tensors" for each norm,
     # and recompiling for float32 then refuses every linear. One dtype must be bound.
     path = _plan(tmp_path, {"framework": "megatron"})

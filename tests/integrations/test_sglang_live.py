@@ -4,7 +4,7 @@ The driver (tests/integrations/sglang_live_driver.py, a script run as a user run
 starts a real `sglang.Engine` (`device="cpu"`, `load_format="dummy"`: random startup
 weights), whose scheduler process loads the plugin by its entry point; binds it with
 `engine.collective_rpc("rdma_plan_init", ...)` against the trainer's source rank over NIXL;
-then twice: new trainer weights, `integrations.sglang_engine.update` (pause, begin, send,
+then twice: new trainer weights, `integrations.sglang_trainer.update` (pause, begin, send,
 end, version, continue) through the engine's own methods, and checks that every HF tensor
 read back by SGLang's `Engine.get_weights_by_name` equals the trainer's bytes, that the
 engine's prompt logprobs equal transformers' forward on the trainer's tensors (fp32) and

@@ -18,21 +18,25 @@ import pytest
 import yaml
 
 from planner.compiler import compile_file
+from schemas.chunked_plan import starts_chunked
 from tests.oracles.launch import free_port, launch
 from tests.support import oracles
 from tests.support.sglang_models import deepseek_v3
+
+CHUNK_BUDGET = 1 << 18
+"""Four chunks of the tiny DeepSeek-V3 on each SGLang TP rank (its largest tensor: 144 KiB)."""
 
 pytestmark = [pytest.mark.oracle, pytest.mark.extended]
 pytest.importorskip("nixl")
 oracles.require("sglang")
 
 
-def compiled(tmp_path) -> tuple[dict, str]:
+def compiled(tmp_path, **target) -> tuple[dict, str]:
     hf = deepseek_v3(torch_dtype="bfloat16")
     (tmp_path / "config.json").write_text(json.dumps(hf))
     config = {"model": {"config": "config.json"},
               "source": {"framework": "fsdp2", "dp": 1, "dtype": "bfloat16"},
-              "target": {"engine": "sglang", "tp": 2, "dtype": "bfloat16"},
+              "target": {"engine": "sglang", "tp": 2, "dtype": "bfloat16", **target},
               "cluster": {"placement": "colocated", "hosts": 1, "gpus_per_host": 3,
                           "nics_per_host": 1, "source_gpus_per_host": 1}}
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(config))
@@ -61,4 +65,21 @@ def test_update_through_sglang_scheduler_calls(tmp_path, bind: str) -> None:
     launch("sglang_engine_worker.py", 3,
            {"config": str(tmp_path / "plan.yaml"), "plan": plan, "hf": hf,
             "store": free_port(), "ctl": free_port(), "steps": 4, "torn": 3, "world": 3,
-            "bind": bind}, quiet_s=120.0)
+            "bind": bind, "chunked": False}, quiet_s=120.0)
+
+
+def test_a_chunked_plan_through_sglang_scheduler_calls(tmp_path) -> None:
+    """The same plugin and scheduler handlers with a chunked plan (a 256 KiB buffer, four
+    chunks on each rank): the engine core receives it chunk by chunk, each switched into
+    the live parameters before the next lands, bit-exact with derived refresh after each
+    whole update; in the torn one the trainer sends chunk 0 only: end_weight_update is
+    refused on every rank naming chunk 1 and the chunks switched, chunk 0's parameters hold
+    the new weights and every later chunk's the last whole version's, the version and the
+    pause stay; the next update starts again at chunk 0 and is whole."""
+    hf, plan = compiled(tmp_path, shadow={"budget_bytes": CHUNK_BUDGET})
+    with open(plan, "rb") as f:
+        assert starts_chunked(f)
+    launch("sglang_engine_worker.py", 3,
+           {"config": str(tmp_path / "plan.yaml"), "plan": plan, "hf": hf,
+            "store": free_port(), "ctl": free_port(), "steps": 3, "torn": 2, "world": 3,
+            "bind": "rpc", "chunked": True}, quiet_s=120.0)

@@ -254,7 +254,7 @@ def test_adapter_swaps_are_refused(tmp_path, role, source):
     base = {"plan": plan, "swapped": swapped, "config": config, "hf": hf, "swap": True,
             "swap_to": [1, 0], "store": f"127.0.0.1:{port}", "gloo_port": free_port(),
             "steps": 0, "sources": 2, "role": role, "float16_module": True,
-            "etp": 1}  # Megatron started with ETP=1 for the dense model (issue 34's papercut)
+            "etp": 1}  # Megatron started with ETP=1 for the dense model
     env = {**os.environ, "RDMA_PLAN_SECRET": secrets.token_hex(32), "PYTHONPATH": ROOT,
            "NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"),

@@ -1,7 +1,7 @@
 """The post-refit content check (`integrations/vllm_content.py`) on vLLM's own code: the
 scale buffers and host copies made by vLLM's `set_default_quant_scales`, and MLA's
 `W_UK_T`/`W_UV` made by vLLM's `split_kv_b_proj` from a `kv_b_proj`. Each case is one a
-shape/dtype check passes (issue 34)."""
+shape/dtype check passes."""
 
 from __future__ import annotations
 

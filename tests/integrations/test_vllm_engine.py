@@ -43,7 +43,10 @@ def steps(*seeds: int, **extra: dict) -> list[dict]:
     return [dict(label=f"v{s}", seed=s, **extra.get(f"v{s}", {})) for s in seeds]
 
 
-CASES = [  # name, HF config, source, target ep, steps
+CHUNK_BUDGET = 1 << 18
+"""A chunked plan's buffer: four chunks of the tiny Qwen3 on each vLLM worker."""
+
+CASES = [  # name, HF config, source, target ep, steps[, shadow[, chunked plan's budget]]
     ("qwen3-tp2", vc.QWEN3, MEGATRON_TP2, False, steps(1, 2, 3)),
     ("qwen3-tied-tp2", vc.QWEN3 | dict(tie_word_embeddings=True), MEGATRON_TP2, False,
      steps(4)),
@@ -52,6 +55,7 @@ CASES = [  # name, HF config, source, target ep, steps
     ("deepseek_v3-fp8-tp2", vc.DEEPSEEK_FP8, MEGATRON_TP2, False,
      steps(7, 8, 9, 10, v10=dict(skip_refresh=True))),
     ("qwen3-shadow-tp2", vc.QWEN3, MEGATRON_TP2, False, steps(31, 32), True),
+    ("qwen3-chunked-tp2", vc.QWEN3, MEGATRON_TP2, False, steps(41, 42), False, CHUNK_BUDGET),
 ]
 
 
@@ -63,30 +67,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def compile_case(tmp: Path, name: str, hf: dict, source: dict, ep: bool) -> str:
-    from planner.compiler import compile_config
+def compile_case(tmp: Path, name: str, hf: dict, source: dict, ep: bool,
+                 budget: int | None = None) -> str:
+    from planner.compiler import compile_config, compile_to
     from planner.spec import load_spec
     from planner.validate import validate
     from schemas.plan_write import write_plan
 
     folder = tmp / name
     folder.mkdir()
-    cfg = vc.plan_config(hf, source, 2, ep, str(folder))
+    cfg = vc.plan_config(hf, source, 2, ep, str(folder), budget)
     spec = load_spec(cfg.model_config_path)
     validate(cfg, spec)
     path = str(folder / "plan.rplan")
     key = folder / "plan.key"  # signed: trainers and workers load it with plan_key
     key.write_bytes(os.urandom(32))
-    write_plan(path, compile_config(cfg, spec), key=key.read_bytes())
+    if budget is not None:  # one file of chunk plans
+        compile_to(cfg, spec, path, sign_key=key.read_bytes())
+    else:
+        write_plan(path, compile_config(cfg, spec), key=key.read_bytes())
     return path
 
 
 def case_dict(tmp: Path, name: str, hf: dict, source: dict, ep: bool, st: list[dict],
-              shadow: bool = False, timeout_s: float = 60.0) -> dict:
-    plan = compile_case(tmp, name, hf, source, ep)
+              shadow: bool = False, budget: int | None = None, timeout_s: float = 60.0
+              ) -> dict:
+    plan = compile_case(tmp, name, hf, source, ep, budget)
     return dict(name=name, hf=hf, source=source, tp=2, ep=ep, folder=str(tmp / name),
                 plan=plan, steps=st, timeout_s=timeout_s, trainers=2,
-                workers=2, shadow=shadow)
+                workers=2, shadow=shadow, chunked=budget is not None)
 
 
 class Procs:
@@ -209,6 +218,8 @@ def test_send_weights_bit_exact(run: tuple[Procs, dict[str, dict]], index: int) 
         assert c["identity"]["ep"] == (rank if case["ep"] else 0)
         fp8 = "quantization_config" in case["hf"]
         assert c["derived"] == (2 if fp8 else 0), where  # W_UK_T/W_UV of both MLA layers
+        # a chunked plan: every chunk received and switched by the worker's engine core
+        assert (c["chunks"] >= 2) if case["chunked"] else c["chunks"] == 0, (where, c)
 
 
 def test_shadow_keeps_serving_the_previous_version_until_finish(

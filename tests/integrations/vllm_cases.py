@@ -65,15 +65,19 @@ def checkpoint(hf: dict, seed: int) -> dict[str, torch.Tensor]:
     return full
 
 
-def plan_config(hf: dict, source: dict, tp: int, ep: bool, folder: str) -> Any:
+def plan_config(hf: dict, source: dict, tp: int, ep: bool, folder: str,
+                budget: int | None = None) -> Any:
+    """The case's config; `budget`: a chunked plan of that buffer (`target.shadow`)."""
     from schemas.config_load import config_from_dict
 
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf, f)
     dtype = "fp8_block128" if "quantization_config" in hf else "bfloat16"
+    target = {"engine": "vllm", "tp": tp, "ep": ep, "dtype": dtype}
+    if budget is not None:
+        target["shadow"] = {"budget_bytes": budget}
     return config_from_dict({"model": {"config": "config.json"}, "source": source,
-                             "target": {"engine": "vllm", "tp": tp, "ep": ep, "dtype": dtype}},
-                            folder)
+                             "target": target}, folder)
 
 
 def source_tensors(case: dict, rank: int, seed: int) -> dict[str, torch.Tensor]:

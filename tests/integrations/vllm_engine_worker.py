@@ -162,7 +162,9 @@ class Shim:
 
         from integrations.errors import TornUpdateError
 
+        chunked = self.engine.core.chunked if self.engine.core is not None else None
         out = {"weight_version": self.engine.weight_version,
+               "chunks": 0 if chunked is None else chunked.switched,
                "shadow": [asdict(u) for u in getattr(self.engine, "shadow_updates", [])],
                "refreshes": self.engine.refreshes, "derived": len(self.engine.refresh),
                "raised": self.raised,

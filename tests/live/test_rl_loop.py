@@ -59,7 +59,7 @@ RESENT = re.compile(r"^(step-\d+): paused refit TORN \((.*)\); while torn the en
 
 
 def test_rl_loop_paused_torn_live_vllm_tp2(tmp_path: pytest.TempPathFactory) -> None:
-    """A torn paused refit on the live TP 2 server (issue 36): at step 2 trainer rank 1
+    """A torn paused refit on the live TP 2 server: at step 2 trainer rank 1
     stalls past the plan's 20 s timeout. The vLLM workers agree the update is torn and one of
     them raises: the sender gets exactly one `TornUpdateError` and vLLM's replies stay in
     step (before, both workers raised and the server needed a restart). While torn the

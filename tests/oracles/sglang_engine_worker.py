@@ -2,10 +2,13 @@
 RANKs 1.. are the TP ranks of a real SGLang 0.5.23 engine on CPU driven through SGLang's
 own scheduler handlers with the rdma-plan plugin (`integrations.sglang_engine`).
 
-argv[1] is JSON: {"port", "store", "ctl", "plan", "hf", "steps", "torn", "world", "bind"};
-`bind` is "rpc" (`rdma_plan_init` through `handle_rpc_request`, the plugin's hook, as
-`Engine.collective_rpc` sends it) or "env" (`RDMA_PLAN_SGLANG`, bound by the first
-`begin_weight_update`, as for an HTTP server).
+argv[1] is JSON: {"port", "store", "ctl", "plan", "hf", "steps", "torn", "world", "bind",
+"chunked"}; `bind` is "rpc" (`rdma_plan_init` through `handle_rpc_request`, the plugin's
+hook, as `Engine.collective_rpc` sends it) or "env" (`RDMA_PLAN_SGLANG`, bound by the first
+`begin_weight_update`, as for an HTTP server); `chunked`: the plan is a chunked plan
+(`target.shadow: {budget_bytes: N}`), the trainer sends it chunk by chunk (`run_chunks`)
+and each engine rank receives it through the engine core's `run_step` (every chunk switched
+into the live parameters before the next lands, the engine paused throughout).
 
 What is real SGLang here: the model and its loader, the parallel groups (gloo), the
 scheduler-level `SchedulerWeightUpdaterManager` (begin/end session, post-load), the
@@ -24,9 +27,12 @@ Every step the trainer runs `integrations.sglang_trainer.update` (pause, begin, 
 version, continue); every engine rank checks after it: every parameter and `w_kc`/`w_vc`
 equal SGLang's own reference bit-exactly, `data_ptr`s unchanged, the scheduler's
 `weight_version` is the step's, generation resumed. At step `torn` the trainer never
-sends: `end_weight_update` must be refused on every rank, and a careless trainer's
-`update_weight_version` + `continue_generation` must leave the version and the pause as
-they were; the next step re-arms the open session and is whole.
+sends (chunked: sends chunk 0 only, the rest never lands): `end_weight_update` must be
+refused on every rank (chunked: naming the chunk that did not land and the chunks
+switched; chunk 0's parameters hold the step's weights, every later chunk's the last whole
+version's), and a careless trainer's `update_weight_version` + `continue_generation` must
+leave the version and the pause as they were; the next step re-arms the open session and
+is whole.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch  # noqa: E402
 
 import executor  # noqa: E402
+from schemas.plan import STAGING  # noqa: E402
 from tests.oracles import sglang_env  # noqa: E402
 from tests.oracles.sglang_update_worker import differ, state  # noqa: E402
 
@@ -76,6 +83,7 @@ def bind_keys(arg: dict) -> dict:
 
 
 def trainer(arg: dict) -> None:
+    from executor.chunked import load_chunks, run_chunks
     from harness.weights import materialize, random_full_tensors
     from integrations.errors import TornUpdateError
     from integrations.sglang_trainer import update
@@ -95,16 +103,20 @@ def trainer(arg: dict) -> None:
     answers: list[dict] = []
     bind = threading.Thread(target=lambda: answers.append(call(*first)))
     bind.start()
-    plan = executor.load(arg["plan"], 0, tensors, transport="nixl",
-                         rendezvous=f"127.0.0.1:{arg['store']}", timeout_s=900,
-                         no_identity=True)  # the test's one source rank
+    load = load_chunks if arg["chunked"] else executor.load
+    plan = load(arg["plan"], 0, tensors, transport="nixl",
+                rendezvous=f"127.0.0.1:{arg['store']}", timeout_s=900,
+                no_identity=True)  # the test's one source rank
+    chunks = plan if arg["chunked"] else [plan]
+    send = (lambda: run_chunks(chunks)) if arg["chunked"] else (lambda: executor.run(plan))
     bind.join()
     if arg["bind"] == "rpc":
         assert answers[0]["success"], answers
         answers = [call("begin_weight_update", {})]
     unpaused = answers[0]  # begin is refused while generation runs
     assert not unpaused["success"] and "pause_generation" in unpaused["message"], unpaused
-    plan.timeout_s = 120.0
+    for ex in chunks:
+        ex.timeout_s = 120.0
     for step in range(1, arg["steps"] + 1):
         new = materialize(lay, random_full_tensors(spec, seed=100 + step), ranks=[0])[0]
         for n, t in tensors.items():
@@ -112,11 +124,13 @@ def trainer(arg: dict) -> None:
         torn = step == arg["torn"]
         call("timeout", {"s": 5.0 if torn else 120.0})
         try:
-            update(call, (lambda: None) if torn else (lambda: executor.run(plan)),
+            update(call, (lambda: chunks[0].run() if arg["chunked"] else None) if torn else send,
                    f"v{step}", empty_cache=False)
             assert not torn, "a torn update was accepted"
         except TornUpdateError as e:
             assert torn, e
+            assert not arg["chunked"] or (f"chunk 1 of {len(chunks)} did not complete" in str(e)
+                                          and "chunks 0..0 were switched" in str(e)), e
             print(f"trainer: step {step} refused: {e}", flush=True)
             call("update_weight_version", {"new_version": f"v{step}",
                                            "abort_all_requests": False})
@@ -125,7 +139,8 @@ def trainer(arg: dict) -> None:
         assert checked["success"], checked["message"]
         print(f"trainer: step {step} checked", flush=True)
     call("done", {})  # every engine rank has closed its plan: stop hosting the store
-    plan.close()
+    for ex in chunks:
+        ex.close()
 
 
 def scheduler_of(live: torch.nn.Module, updater: object):  # noqa: ANN201
@@ -153,24 +168,50 @@ def scheduler_of(live: torch.nn.Module, updater: object):  # noqa: ANN201
     return s
 
 
-def check(s, live, ref, ptrs, body: dict, versions: list[str]) -> str:  # noqa: ANN001
-    """'' when the engine is as step `body` requires, else what is wrong."""
+def check(s, live, ref, ptrs, body: dict, versions: list[str],  # noqa: ANN001
+          load_step) -> str:  # noqa: ANN001
+    """'' when the engine is as step `body` requires, else what is wrong (`load_step()`
+    loads the step's weights into the reference `ref`)."""
     from sglang.srt.runtime_context import get_serving
 
-    from integrations.sglang_engine import status
+    from integrations.sglang_engine import rank_state, status
 
     st, version = status(s), get_serving().weight_version
     if body["torn"]:
         if not (st["torn"] and s._engine_paused and version == versions[-1]):
             return f"torn step {body['step']}: status {st}, paused {s._engine_paused}, " \
                    f"version {version!r} (want {versions[-1]!r})"
-        return ""
+        why = torn_chunks(rank_state(s).target, live, ref, load_step)
+        return f"torn step {body['step']}: {why}" if why else ""
     versions.append(f"v{body['step']}")
     bad = differ(state(live), state(ref))
     moved = [n for n, t in state(live).items() if t.data_ptr() != ptrs[n]]
     if bad or moved or st["torn"] or s._engine_paused or version != versions[-1]:
         return f"step {body['step']}: differ {bad[:3]}, moved {moved[:3]}, status {st}, " \
                f"paused {s._engine_paused}, version {version!r}"
+    return ""
+
+
+def torn_chunks(target, live, ref, load_step) -> str:  # noqa: ANN001
+    """'' when a chunked plan's torn step (chunk 0 sent, the rest never) left chunk 0's
+    parameters at the step's weights (`load_step()` loads them into `ref`) and every later
+    chunk's at the last whole version's (what `ref` holds before), its failure naming the
+    chunk; else what is wrong. '' for an ordinary plan."""
+    if target.budget is None:
+        return ""
+    why = str(target.failure)
+    if not ("chunk 1 of" in why and "chunks 0..0 were switched" in why):
+        return f"the torn chunked step's failure does not name the chunk: {why}"
+    chunks = [[g.name for g in rp.regions if g.name != STAGING] for _, rp in target.parts]
+    later = [n for chunk in chunks[1:] for n in chunk]
+    have, old = state(live), state(ref)
+    kept = differ({n: have[n] for n in later}, {n: old[n] for n in later})
+    load_step()
+    new = state(ref)
+    switched = differ({n: have[n] for n in chunks[0]}, {n: new[n] for n in chunks[0]})
+    if kept or switched or not later or not chunks[0]:
+        return (f"later chunks not kept at the last version: {kept[:3]}; chunk 0 not at the "
+                f"step's: {switched[:3]} ({len(chunks[0])} + {len(later)} tensors)")
     return ""
 
 
@@ -221,12 +262,16 @@ def engine_rank(arg: dict, rank: int, world: int) -> None:
         if endpoint == "done":
             rank_state(s).target.close()
         elif endpoint == "timeout":
-            rank_state(s).target.plan.timeout_s = body["s"]
+            target = rank_state(s).target
+            for ex in target.chunked.chunks if target.chunked is not None else [target.plan]:
+                ex.timeout_s = body["s"]
         elif endpoint == "check":
+            def load_step(step: int = body["step"]) -> None:
+                DefaultModelLoader.load_weights_and_postprocess(ref, checkpoint(100 + step),
+                                                                cpu)
             if not body["torn"]:
-                DefaultModelLoader.load_weights_and_postprocess(
-                    ref, checkpoint(100 + body["step"]), cpu)
-            why = check(s, live, ref, ptrs, body, versions)
+                load_step()
+            why = check(s, live, ref, ptrs, body, versions, load_step)
             answer = {"success": not why, "message": f"rank {rank}: {why}" if why else ""}
         else:
             out = s._request_dispatcher(types_of[endpoint](**body))

@@ -1,5 +1,5 @@
-"""`rdma-plan` as a new user meets it: each friction item of issue 16 and the "never a
-traceback for any input file" rule of issue 15, each with a test that fails on the old CLI.
+"""`rdma-plan` as a new user meets it: each friction item a new user reported and the
+"never a traceback for any input file" rule, each with a test that fails on the old CLI.
 """
 
 from __future__ import annotations

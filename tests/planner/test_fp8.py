@@ -40,7 +40,7 @@ def test_reference_quantizer_matches_the_formula():
 @pytest.mark.parametrize("kind,opts", [
     ("rows", {}), ("cols", {}), ("aligned", {}),
     ("rows", {"staging_bytes": 300_000}),   # several gather/quantize rounds per owner
-    # rounds in alternate halves of each pool (issue 37): odd rounds moved to their half
+    # rounds in alternate halves of each pool: odd rounds moved to their half
     ("rows", {"staging_bytes": 1_000_000}), ("cols", {"staging_bytes": 1_000_000}),
     ("aligned", {"staging_bytes": 1_000_000}),
 ])

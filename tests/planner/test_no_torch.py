@@ -1,4 +1,4 @@
-"""The compiler and the CLI import no torch (issue 14 part 6): `rdma-plan compile` runs on
+"""The compiler and the CLI import no torch: `rdma-plan compile` runs on
 a machine without it, and does not pay torch's import time (12-37 s on a loaded box).
 
 A fresh process installs a meta-path finder that makes `import torch` fail, then imports

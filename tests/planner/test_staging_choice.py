@@ -3,7 +3,7 @@ independent configs of the layout classes (`tests/configs/layout_classes/`, not 
 
 Simulated time is a property of the plan alone (machine-independent), so these are
 property tests of the compiler: each compiles a config at default options (no `options`
-section) and simulates the plan. On main before issue 37's change (17e69e9) the FSDP2 ->
+section) and simulates the plan. Before commit 17e69e9 the FSDP2 ->
 SGLang DP-attention config simulated 1.291x its floor (11 stages, 101 of its 103 ms gap at
 stage boundaries) and the Llama-3.1-70B FP8 plan 0.619x its bf16 time (1.176x its floor):
 a gather round's packs could not overlap the round before it, whose staging they reused.

@@ -1,4 +1,4 @@
-"""The `local` transport under load (issue 39): every step bit-exact, no wait timed out,
+"""The `local` transport under load: every step bit-exact, no wait timed out,
 no message refused (lost or duplicated), with ranks as threads of one process and as
 processes forked after `connect` (`Fabric(shared=True)`).
 
@@ -8,7 +8,7 @@ and writes in flight across stages), `STEPS` steps each, weights changing every 
 and every poll, a random pause (none, a yield, 10 us, 100 us or 1 ms); each rank starts
 each step after a random delay; in the threads mode the interpreter switches threads
 every 50 us; and `SPINNERS` processes spin beside the ranks on the 2-core box. Before
-issue 39, a DONE sent while the receiver's poll was between copying and clearing its
+the fix, a DONE sent while the receiver's poll was between copying and clearing its
 mailbox was lost and the step timed out (2 of 40 threaded runs in the report); processes
 could not share a `local` world at all."""
 

@@ -182,7 +182,7 @@ def test_a_source_restarted_while_its_target_is_inside_a_step_joins_the_next_one
     # (the target's READY went to the dead process), so it must join at step 3, where
     # source 0 and the recovering target go. Joining at the target's published step 2 (the
     # rule before the fix) left it waiting for READYs that never came while the others
-    # ran step 3 (`test_source_killed_mid_update`, issue 17).
+    # ran step 3 (`test_source_killed_mid_update`).
     header = PlanHeader(fingerprint="fp", world=3)
     x4, x8 = region("x", "uint8", (4,)), region("x", "uint8", (8,))
     srcs = [rank_plan(r, "source", [x4], [(0, 2, 0, 0, 0, 4 * r, 4)], signals=[(0, 2, DONE)],

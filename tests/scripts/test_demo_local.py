@@ -1,9 +1,9 @@
-"""`scripts/demo.py --transport local` when a step goes wrong (issue 39): the demo says
+"""`scripts/demo.py --transport local` when a step goes wrong: the demo says
 why (which step, which rank, a timeout or the tensors that differ) and exits non-zero.
 
 Faults are injected in a real run of the demo's CLI (a child process that patches the
 executor, then calls the demo's `main`): a DONE to rank 3 is dropped in the demo's step 1
-(rank 3 times out: a lost message, what issue 39's run most likely hit), and after rank 2's
+(rank 3 times out: a lost message, what a reported run most likely hit), and after rank 2's
 step 2 one byte of its first region is flipped (a target holding wrong bytes)."""
 
 from __future__ import annotations

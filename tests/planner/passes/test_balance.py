@@ -17,7 +17,7 @@ from schemas.config import Options
 
 OPTS = Options()
 ENGINES_WRITE_S = 3.5e-6
-"""A peer write through the copy engines between two H100s (BENCHMARKS.md, issue 21)."""
+"""A peer write through the copy engines between two H100s (BENCHMARKS.md)."""
 RANK = np.array([2, 2, 2, 2])
 REGION = np.array([5, 5, 6, 6])
 ROWS = np.full(4, 256)

@@ -2,8 +2,8 @@
 
 An MoE's expert boxes of one staging round land in their owner's staging as every box's
 e4m3 values in the order the targets take them, then every box's scales, so that the
-writes of adjacent experts merge (issue 37: Qwen3-30B-A3B's 0.75 MiB writes a box, two a
-box, kept the copy kernel on the SMs beside the quantizer)."""
+writes of adjacent experts merge (apart, an MoE's small writes, two a box, kept the copy
+kernel on the SMs beside the quantizer)."""
 
 from __future__ import annotations
 
