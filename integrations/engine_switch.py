@@ -80,8 +80,6 @@ def read(core: Any, path: str, version: object, engine: EnginePlacement,
         raise PlanSwitchError(f"{where}: this engine runs {mode}; a plan switch in place is "
                               "for the paused mode: shut the transfer engine down and init "
                               "it with the new plan")
-    if core.plan is None:
-        raise PlanSwitchError(f"{where}: no plan is bound; init the transfer engine first")
     v = check_version(version, core.plan_version, path, where)
     key = None if core.plan_key is None else read_key(core.plan_key)
     with open_plan(path) as f:
@@ -106,6 +104,8 @@ def read(core: Any, path: str, version: object, engine: EnginePlacement,
     if list(map(dict, old)) != list(map(dict, new)):
         raise PlanSwitchError(f"{where}: {path} lists other derived tensors for plan rank "
                               f"{rank} than the running plan; init the transfer engine with it")
+    if core.plan is None:
+        raise PlanSwitchError(f"{where}: no plan is bound; init the transfer engine first")
     core.plan.check_switch(header, part)
     return Pending(path, v, header, part)
 

@@ -30,9 +30,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from executor.errors import PlanSwitchError
 from executor.trust import check_identity
 from integrations import engine_switch, placement_check
 from integrations.vllm_background import Background
+from integrations.vllm_torn import agree
 from schemas.integrity import plan_key as read_key
 from schemas.placement import Placement
 from schemas.plan import load_rank
@@ -74,20 +76,51 @@ def _backend(worker: Any) -> Any:
 
 def switch_worker(eng: Any, core: Any, plan: str, version: int, check_only: bool) -> str:
     """The worker side (`eng`: its `RdmaPlanWeightTransferEngine`, `core` its bound
-    `EngineCore`)."""
+    `EngineCore`). The workers agree (`vllm_torn.agree`, over vLLM's world group) after the
+    check and after the switch: a refusal or failure on any worker is raised by the worker
+    vLLM reads last only, naming every worker's reason (vLLM's `collective_rpc` stops at
+    the first failed reply, so two raising workers would leave a stale reply queued), and
+    no worker switches while another refuses. Answers the new plan's fingerprint."""
     where = f"rdma_plan worker {eng.identity.get('index')}"
-    if eng.session_open:
-        raise RuntimeError(f"{where}: {SWITCH} while a weight update is open; switch "
-                           "between updates (after finish_weight_update)")
 
     def engine(_: Placement | None) -> Placement | None:
         return placement_check.vllm_placement(eng.model)
+    cause = ""
+    try:
+        if eng.session_open:
+            raise RuntimeError(f"{where}: {SWITCH} while a weight update is open; switch "
+                               "between updates (after finish_weight_update)")
+        core.check_switch(plan, version, engine, where)
+    except Exception as e:  # noqa: BLE001 - agreed below, raised by one worker
+        cause = f"{type(e).__name__}: {e}"
+    if not _agreed(core, cause, f"{SWITCH} of {plan} refused, nothing switched"):
+        return ""
     if check_only:
-        return core.check_switch(plan, version, engine, where).header.fingerprint
-    core.switch_plan(plan, version, engine, where)
+        return core.pending_switch.header.fingerprint
+    try:
+        core.switch_plan(plan, version, engine, where)
+        cause = ""
+    except Exception as e:  # noqa: BLE001 - agreed below, raised by one worker
+        cause = f"{type(e).__name__}: {e}"
+    if not _agreed(core, cause, f"{SWITCH} of {plan} failed after every worker's check "
+                   "passed"):
+        return ""
     log.info("%s: switched to plan %s (version %d, fingerprint %s)", where, plan, version,
              core.header.fingerprint[:16])
     return core.header.fingerprint
+
+
+def _agreed(core: Any, cause: str, what: str) -> bool:
+    """Agree with the other workers: True when every one passed; else the last worker
+    raises (`PlanSwitchError`, every worker's reason) and the others answer False (their
+    pending switch dropped)."""
+    ok, last, torn = agree(not cause, cause)
+    if ok:
+        return True
+    core.pending_switch = None
+    if last:
+        raise PlanSwitchError(f"{what}: {'; '.join(torn)}")
+    return False
 
 
 def client_rpc(client: Any) -> EngineRpc | None:
