@@ -275,21 +275,7 @@ class Executor:
         for each peer's, checked as at connect (same plan, its own part's digest, the same
         region sizes and descriptors). Signals carry the plan's tag, so a peer still on the
         old plan never satisfies a wait of the new one."""
-        if self.failed or not self.registered or self.overlap is None:
-            raise PlanSwitchError(f"rank {self.rank}: switch plans between completed steps "
-                                  "(after connect, not after a failed step: run it again "
-                                  "first)")
-        why = refusal(self.header, self.plan, header, plan, self.peers)
-        if why is None and placement is not None and header.placement != placement:
-            why = (f"rank {self.rank}: the new plan was compiled for placement "
-                   f"{header.placement.digest()[:16] if header.placement else 'none'}, the "
-                   f"engine holds {placement.digest()[:16]}; replan for the engine's "
-                   "placement")
-        if why is not None:
-            raise PlanSwitchError(why)
-        check_rank_plan(plan)
-        check_rank_verify(plan, header)
-        check_against_header(plan, header)
+        self.check_switch(header, plan, placement)
         self.window.drain(self.timeout_s)  # nothing of the old plan's batches in flight
         if self.device.type == "cuda":
             device_sync(self.device)
@@ -311,6 +297,27 @@ class Executor:
                                    "digest": rank_digest(header, self.rank)})
         for peer in self.peers:
             self._await_switch(peer)
+
+    def check_switch(self, header: PlanHeader, plan: RankPlan,
+                     placement: Placement | None = None) -> None:
+        """What `switch_plan` checks before anything changes (`PlanSwitchError`, one line;
+        the part's own load checks raise theirs): callers that must agree with their peers
+        before any of them switches (an engine's workers, the trainer ranks) ask it first."""
+        if self.failed or not self.registered or self.overlap is None:
+            raise PlanSwitchError(f"rank {self.rank}: switch plans between completed steps "
+                                  "(after connect, not after a failed step: run it again "
+                                  "first)")
+        why = refusal(self.header, self.plan, header, plan, self.peers)
+        if why is None and placement is not None and header.placement != placement:
+            why = (f"rank {self.rank}: the new plan was compiled for placement "
+                   f"{header.placement.digest()[:16] if header.placement else 'none'}, the "
+                   f"engine holds {placement.digest()[:16]}; replan for the engine's "
+                   "placement")
+        if why is not None:
+            raise PlanSwitchError(why)
+        check_rank_plan(plan)
+        check_rank_verify(plan, header)
+        check_against_header(plan, header)
 
     def _await_switch(self, peer: int) -> None:
         """Wait for `peer`'s record of the plan this rank switched to, and check it."""

@@ -26,7 +26,11 @@ One `EngineCore` per engine rank (a vLLM worker, an SGLang TP rank), in this ord
    engine serves; `wait(timeout_s)` waits for the last DONE (None, or why the update is
    torn); `switch()` copies shadow -> live in place, `discard()` drops a complete shadow
    step that another rank tore.
-4. **Refresh, check, commit or tear**: the engine's own (vLLM: `vllm_checks.refreshers`,
+4. **Switch plans** (between updates, paused mode): `check_switch(path, version, engine)`
+   reads and checks this rank's part of a replanned plan (identity, version strictly newer,
+   the new plan's placement against the engine's current one, what the executor refuses)
+   and keeps it; `switch_plan` takes it (`engine_switch.py`), memory registered once.
+5. **Refresh, check, commit or tear**: the engine's own (vLLM: `vllm_checks.refreshers`,
    `vllm_content.check`; SGLang: its `end_weight_update` post-load), then `commit(version)`,
    or a `TornUpdateError` with nothing committed. The update's state (`pending`,
    `failure`, `received`, `torn_open`, `landed`, `wait_s`, the last step's `stats`; whether
@@ -44,6 +48,7 @@ import torch
 
 import executor
 from executor import LoadOptions, trust
+from integrations import engine_switch
 from integrations.errors import EngineMismatchError
 from schemas.chunked_plan import read_rank_chunks, starts_chunked
 from schemas.header import PlanHeader
@@ -119,6 +124,10 @@ class EngineCore:
         """Shadow mode: the last wait for the last DONE."""
         self.stats: executor.RunStats | executor.ChunkedStats | None = None
         """The last step `run_step` completed on this rank (chunked: its chunks' stats)."""
+        self.plan_version = 0
+        """The running plan's version: 0 for the plan bound at init, then each switch's."""
+        self.pending_switch: engine_switch.Pending | None = None
+        """A switch `check_switch` accepted and `switch_plan` has not taken yet."""
 
     @property
     def part(self) -> RankPlan:
@@ -227,6 +236,27 @@ class EngineCore:
         """Shadow mode: drop a complete step another rank tore (nothing switches)."""
         assert self.shadow is not None, "load(..., shadow=...) first"
         self.shadow.discard()
+
+    def check_switch(self, path: str, version: int, engine: engine_switch.EnginePlacement,
+                     where: str) -> engine_switch.Pending:
+        """Read and check this rank's part of the replanned plan `path` for a switch
+        (`engine_switch.read`; `engine`: the engine's current placement), keep it for
+        `switch_plan`; raises one line and changes nothing when it would be refused."""
+        self.pending_switch = None
+        self.pending_switch = engine_switch.read(self, path, version, engine, where)
+        return self.pending_switch
+
+    def switch_plan(self, path: str, version: int, engine: engine_switch.EnginePlacement,
+                    where: str) -> None:
+        """Between updates: run `path` (version `version`) from the next update on, memory
+        registered once; every peer switches too (`Executor.switch_plan` waits for them).
+        The part `check_switch` kept for the same path and version is taken, else it is
+        read and checked now."""
+        p = self.pending_switch
+        if p is None or (p.path, p.version) != (path, version):
+            p = self.check_switch(path, version, engine, where)
+        self.pending_switch = None
+        engine_switch.apply(self, p, engine, where)
 
     def commit(self, version: str | None) -> None:
         """Every byte landed and the engine refreshed and checked: `version` is committed."""

@@ -30,6 +30,10 @@ class PlacementMismatchError(UserError):
     """The engine's experts sit elsewhere than the plan was compiled for."""
 
 
+class StalePlanError(UserError):
+    """A plan switch whose version is not newer than the running plan's (stale or replayed)."""
+
+
 class CacheNotFlushedError(RuntimeError):
     """The update's weights were written whole on every rank (SGLang's post-load ran), but
     SGLang refused to flush its prefix cache because requests were running or held in place

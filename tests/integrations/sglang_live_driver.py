@@ -1,6 +1,7 @@
 """A live `sglang.Engine` (SGLang 0.5.23, CPU) refitted through the rdma-plan plugin.
 
-Run as a script (argv[1] is JSON: {"hf", "config", "plan", "store", "tp", "steps", "out"}). It does
+Run as a script (argv[1] is JSON: {"hf", "config", "plan", "store", "tp", "steps", "out",
+"switch"}). It does
 what a user does: `sglang.Engine(...)` in this process (its scheduler processes load the
 plugin by its entry point, `SGLANG_PLUGINS=rdma_plan`), binds with
 `engine.collective_rpc("rdma_plan_init", ...)` while the trainer's source rank (this
@@ -20,6 +21,8 @@ the same names run), and checks:
   changed from the previous version's;
 - the engine's greedy tokens (4 after the prompt) equal transformers' greedy tokens;
 - the engine reports the new weight_version and stamps it on its outputs.
+With `switch`, after step 1 every rank switches to a plan B by the plugin's
+`rdma_plan_switch` (`switch_plans`), so the later updates run through plan B.
 Then, with a long request running (held in place by the pause): `update` raises
 `CacheNotFlushedError` (not `TornUpdateError`); every rank holds the new bytes; the version
 stays; `finish_unflushed` completes it (logprobs checked). Last, `update(...,
@@ -165,6 +168,36 @@ def bind(engine, arg: dict, tensors: dict[str, torch.Tensor], **init: object):  
     return plan
 
 
+def switch_plans(call, plan, arg: dict) -> None:  # noqa: ANN001
+    """Every rank to plan B (the same config with smaller writes: other op tables, the same
+    memory; this engine runs no EPLB) by the plugin's `rdma_plan_switch` through
+    `in_process(engine)`'s "rpc" (`Engine.collective_rpc`), checked on every rank first;
+    then plan A as version 1 refused (stale). The later updates run through plan B."""
+    import yaml
+
+    from integrations.sglang_switch import switch
+    from planner.compiler import compile_file
+
+    folder = os.path.dirname(arg["config"])
+    with open(arg["config"]) as f:
+        cfg = yaml.safe_load(f)
+    cfg["options"] = {**cfg.get("options", {}), "max_write_bytes": 16384}  # same staging
+    with open(os.path.join(folder, "plan-b.yaml"), "w") as f:
+        yaml.safe_dump(cfg, f)
+    path_b = os.path.join(folder, "plan-b.rplan")
+    compile_file(os.path.join(folder, "plan-b.yaml"), path_b)
+    old = plan.fingerprint
+    switch(call, plan, path_b, 1, no_identity=True)  # the test's one source rank
+    assert plan.switches == 1 and plan.register_calls == 1 and plan.fingerprint != old
+    stale = call("rpc", {"method": "rdma_plan_switch",
+                         "parameters": {"plan": arg["plan"], "version": 1}})
+    assert not stale["success"] and "not newer than the running plan's 1" in \
+        stale["message"], stale
+    print(f"driver: switched every rank to plan B ({plan.fingerprint[:16]}) by "
+          f"rdma_plan_switch; plan A as version 1 refused: {stale['message'][:200]}",
+          flush=True)
+
+
 def report(out: str, figures: dict) -> None:
     """The driver's figures to `out` (JSON), and its last line."""
     with open(out, "w") as f:
@@ -268,6 +301,8 @@ def main() -> None:
                                      "transfer_s": sent[0], "update_s": done - s,
                                      "max_delta_logprob": delta})
             before = lps
+            if step == 1 and arg.get("switch"):
+                switch_plans(call, plan, arg)
         steps = int(arg["steps"])
 
         def new_weights(seed: int) -> None:

@@ -9,7 +9,10 @@ end, version, continue) through the engine's own methods, and checks that every 
 read back by SGLang's `Engine.get_weights_by_name` equals the trainer's bytes, that the
 engine's prompt logprobs equal transformers' forward on the trainer's tensors (fp32) and
 moved from the previous version's, and that the engine reports and stamps the new
-weight_version; and every TP rank's own shard, byte for byte: each rank's sha256 of every
+weight_version (after the first, every rank and the trainer switch to a plan B by the
+plugin's `rdma_plan_switch` through `Engine.collective_rpc`, checked on every rank first,
+and plan A as version 1 is then refused as stale: the second update runs through plan B);
+and every TP rank's own shard, byte for byte: each rank's sha256 of every
 tensor the plan writes there (the plugin's `rdma_plan_digests` through `collective_rpc`)
 equals the digest of the plan's target layout built from the trainer's tensors (at TP 2
 this is what checks rank 1's split rows; SGLang's read-back gives TP rank 0's rows of
@@ -57,7 +60,7 @@ def test_live_sglang_engine_refit_bit_exact_and_logprobs(tmp_path, tp: int) -> N
     compile_file(str(tmp_path / "plan.yaml"), str(tmp_path / "plan.rplan"))
     out = tmp_path / "figures.json"
     arg = {"hf": hf, "config": str(tmp_path / "plan.yaml"), "plan": str(tmp_path / "plan.rplan"),
-           "store": free_port(), "tp": tp, "steps": 2, "out": str(out)}
+           "store": free_port(), "tp": tp, "steps": 2, "out": str(out), "switch": True}
     env = {k: v for k, v in os.environ.items() if k != "RDMA_PLAN_SECRET"}
     if tp > 1:  # one NUMA node: SGLang's CPU backend binds each TP rank's OpenMP threads
         env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r) for r in range(tp))
@@ -67,6 +70,7 @@ def test_live_sglang_engine_refit_bit_exact_and_logprobs(tmp_path, tp: int) -> N
              or "Error" in ln]
     assert proc.returncode == 0, "\n".join(lines[-20:]) + "\n" + proc.stderr[-3000:]
     print("\n".join(ln for ln in lines if "driver:" in ln))  # figures, shown with -s
+    assert any("switched every rank to plan B" in ln for ln in lines), lines[-20:]
     figures = json.loads(out.read_text())
     assert figures["tp"] == tp and [s["step"] for s in figures["steps"]] == [1, 2]
     assert all(s["max_delta_logprob"] < 1e-3 for s in figures["steps"])

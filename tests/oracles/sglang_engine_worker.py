@@ -3,9 +3,9 @@ RANKs 1.. are the TP ranks of a real SGLang 0.5.23 engine on CPU driven through 
 own scheduler handlers with the rdma-plan plugin (`integrations.sglang_engine`).
 
 argv[1] is JSON: {"port", "store", "ctl", "plan", "hf", "steps", "torn", "world", "bind",
-"chunked"}; `bind` is "rpc" (`rdma_plan_init` through `handle_rpc_request`, the plugin's
-hook, as `Engine.collective_rpc` sends it) or "env" (`RDMA_PLAN_SGLANG`, bound by the first
-`begin_weight_update`, as for an HTTP server); `chunked`: the plan is a chunked plan
+"chunked", "switch"}; `bind` is "rpc" (`rdma_plan_init` through `handle_rpc_request`, the
+plugin's hook, as `Engine.collective_rpc` sends it) or "env" (`RDMA_PLAN_SGLANG`, bound by the
+first `begin_weight_update`, as for an HTTP server); `chunked`: the plan is a chunked plan
 (`target.shadow: {budget_bytes: N}`), the trainer sends it chunk by chunk (`run_chunks`)
 and each engine rank receives it through the engine core's `run_step` (every chunk switched
 into the live parameters before the next lands, the engine paused throughout).
@@ -33,6 +33,13 @@ switched; chunk 0's parameters hold the step's weights, every later chunk's the 
 version's), and a careless trainer's `update_weight_version` + `continue_generation` must
 leave the version and the pause as they were; the next step re-arms the open session and
 is whole.
+
+After step `switch` (0: none) the trainer switches every rank to plan B, the same config
+compiled with smaller writes (other op tables, the same memory: the engine runs no EPLB here,
+so no other placement), through `integrations.sglang_switch.switch`: every TP rank checks
+(`rdma_plan_switch` with `check_only`), then switches by the plugin's RPC while the trainer's
+executor does; the later steps run through plan B, bit for bit; plan A sent again as version
+1 is then refused on every rank (stale), naming the versions, the engine still on plan B.
 """
 
 from __future__ import annotations
@@ -138,9 +145,39 @@ def trainer(arg: dict) -> None:
         checked = call("check", {"step": step, "torn": torn})
         assert checked["success"], checked["message"]
         print(f"trainer: step {step} checked", flush=True)
+        if step == arg.get("switch"):
+            switch_plans(arg, call, plan)
     call("done", {})  # every engine rank has closed its plan: stop hosting the store
     for ex in chunks:
         ex.close()
+
+
+def switch_plans(arg: dict, call, plan: executor.Executor) -> None:  # noqa: ANN001
+    """Plan B compiled, every rank switched to it, plan A then refused as stale (above)."""
+    import yaml
+
+    from integrations.sglang_switch import switch
+    from planner.compiler import compile_file
+
+    with open(arg["config"]) as f:
+        cfg = yaml.safe_load(f)
+    cfg["options"] = {**cfg.get("options", {}), "max_write_bytes": 8192}
+    path_b = os.path.join(os.path.dirname(arg["plan"]), "plan-b.rplan")
+    with open(os.path.join(os.path.dirname(arg["config"]), "plan-b.yaml"), "w") as f:
+        yaml.safe_dump(cfg, f)
+    compile_file(f.name, path_b)
+    switch(call, plan, path_b, 1, no_identity=True)  # the test's one source rank
+    running = call("plan", {})["message"].split(" | ")
+    assert running == [f"{plan.fingerprint} 1"] * (arg["world"] - 1), running
+    assert plan.switches == 1 and plan.register_calls == 1, (plan.switches,
+                                                             plan.register_calls)
+    stale = call("rpc", {"method": "rdma_plan_switch",
+                         "parameters": {"plan": arg["plan"], "version": 1}})
+    assert not stale["success"], stale
+    assert stale["message"].count("not newer than the running plan's 1") == arg["world"] - 1
+    assert call("plan", {})["message"].split(" | ") == running  # still plan B
+    print(f"trainer: switched to plan B ({plan.fingerprint[:16]}); plan A as version 1 "
+          f"refused: {stale['message'].split(' | ')[0]}", flush=True)
 
 
 def scheduler_of(live: torch.nn.Module, updater: object):  # noqa: ANN201
@@ -261,6 +298,9 @@ def engine_rank(arg: dict, rank: int, world: int) -> None:
         answer = {"success": True, "message": ""}
         if endpoint == "done":
             rank_state(s).target.close()
+        elif endpoint == "plan":  # the running plan and its version (the switch's check)
+            t = rank_state(s).target
+            answer["message"] = f"{t.header.fingerprint} {t.plan_version}"
         elif endpoint == "timeout":
             target = rank_state(s).target
             for ex in target.chunked.chunks if target.chunked is not None else [target.plan]:

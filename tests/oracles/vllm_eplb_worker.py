@@ -106,6 +106,41 @@ def set_placement(model: torch.nn.Module, table: np.ndarray, experts: int) -> No
     model.set_eplb_state(load, l2p, count)
 
 
+def switch_checks(paths: list[str], plan_rank: int, model: torch.nn.Module) -> list[str]:
+    """What an engine rank's plan switch (`integrations/engine_switch.py`, the vLLM
+    backend's `rdma_plan_switch`) checks, on this model's EPLB maps after the
+    rearrangement: plan A refused in one line naming layer and expert; plan B past every
+    check up to the executor's (none is bound here: the switch itself runs in
+    tests/integrations/test_engine_switch.py and live in tests/live/test_llm_offline.py)."""
+    from executor.errors import PlanSwitchError
+    from integrations import placement_check
+    from integrations.engine_core import EngineCore
+    from integrations.errors import PlacementMismatchError
+    from schemas.identity import plan_identity
+
+    core = EngineCore(paths[0], "vllm", lambda h: plan_identity(h, plan_rank, paths[0]),
+                      allow_unsigned=True)
+    errors = []
+
+    def engine(_):  # noqa: ANN001, ANN202
+        return placement_check.vllm_placement(model)
+    try:
+        core.check_switch(paths[0], 1, engine, "rdma_plan worker")
+        errors.append("switch: plan A was not refused on the engine in placement B")
+    except PlacementMismatchError as e:
+        line = str(e)
+        if "\n" in line or "MoE layer" not in line or "logical expert" not in line:
+            errors.append(f"switch refusal is not one line naming layer and expert: {line!r}")
+        print(f"plan rank {plan_rank}: switch refused: {line}", flush=True)
+    try:
+        core.check_switch(paths[1], 1, engine, "rdma_plan worker")
+        errors.append("switch: no executor is bound, yet plan B was taken")
+    except PlanSwitchError as e:
+        if "no plan is bound" not in str(e):
+            errors.append(f"switch: plan B refused before the executor's check: {e}")
+    return errors
+
+
 def main() -> None:
     arg = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -191,6 +226,7 @@ def main() -> None:
             if "\n" in line or "MoE layer" not in line or "logical expert" not in line:
                 errors.append(f"refusal is not one line naming layer and expert: {line!r}")
             print(f"rank {rank}: refused: {line}", flush=True)
+        errors += switch_checks(paths, plan_a.header.sources + rank, model)
     if errors:
         print("\n".join(f"rank {rank}: {e}" for e in errors[:50]), flush=True)
         sys.exit(1)
