@@ -257,8 +257,10 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     more = gather(spec, src, routes, staging_ids, opts, topo, direct.stages,
                   remote_egress(topo, direct))
     # 9. merge and coalesce
-    low = coalesce(merge(direct, more.lowered), opts.max_write_bytes)
+    parts = [direct, more.lowered]  # merged column by column, each input dropped once used
     del direct
+    more = dataclasses.replace(more, lowered=None)
+    low = coalesce(merge(parts), opts.max_write_bytes)
     # 10. schedule
     step("schedule")
     sched = schedule(low, topo, opts.max_write_bytes, staging_ids)

@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 
 from planner import frameworks
-from planner.layouts.base import Layout
+from planner.layouts.base import Layout, PhysicalTensor
 from planner.passes.intersect import PieceTable
 from planner.passes.lower import Lowered
 from planner.passes.schedule import Schedule
@@ -52,17 +52,29 @@ from schemas.plan import (
 
 def tensor_regions(layout: Layout) -> list[tuple[Region, ...]]:
     """The regions of each rank's physical tensors (built once for replicas sharing them:
-    one tuple of regions for all)."""
+    one tuple of regions for all; and one region for all tensors of one name, dtype and
+    shape: a sharded model's ranks hold many alike)."""
     built: dict[int, tuple[Region, ...]] = {}
+    alike: dict[tuple[str, str, tuple[int, ...]], Region] = {}
     out = []
     for rl in layout.ranks:
         regs = built.get(id(rl.tensors))
         if regs is None:
-            regs = built[id(rl.tensors)] = tuple(
-                Region(t.name, t.dtype, t.shape, math.prod(t.shape) * ITEMSIZE[t.dtype])
-                for t in rl.tensors)
+            regs = built[id(rl.tensors)] = tuple(_region(t, alike) for t in rl.tensors)
         out.append(regs)
     return out
+
+
+def _region(t: PhysicalTensor, alike: dict[tuple[str, str, tuple[int, ...]], Region]
+            ) -> Region:
+    if type(t.shape) is not tuple:  # (a layout's own sequence: not a key)
+        return Region(t.name, t.dtype, t.shape, math.prod(t.shape) * ITEMSIZE[t.dtype])
+    key = (t.name, t.dtype, t.shape)
+    r = alike.get(key)
+    if r is None:
+        r = alike[key] = Region(t.name, t.dtype, t.shape,
+                                math.prod(t.shape) * ITEMSIZE[t.dtype])
+    return r
 
 
 def rank_regions(src: list[tuple[Region, ...]], dst: list[tuple[Region, ...]],
