@@ -232,7 +232,7 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     chunks = without_holders(chunks)  # read by assign and egress_sets only
     explain = explain_table(chunks.tensor, src.rank[choice], src.region[choice],
                             routes.direct.rank[chunks.dst], routes.direct.region[chunks.dst],
-                            chunk_bytes(chunks, routes.direct))
+                            chunk_bytes(chunks, routes.direct), replicas=dst_layout.replicas)
     explain = spilled(explain)  # read again only when the plan is written
     regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
                            tensor_regions(dst_layout))  # staging is added once lowered
