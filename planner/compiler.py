@@ -232,7 +232,7 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     chunks = without_holders(chunks)  # read by assign and egress_sets only
     explain = explain_table(chunks.tensor, src.rank[choice], src.region[choice],
                             routes.direct.rank[chunks.dst], routes.direct.region[chunks.dst],
-                            chunk_bytes(chunks, routes.direct))
+                            chunk_bytes(chunks, routes.direct), replicas=dst_layout.replicas)
     explain = spilled(explain)  # read again only when the plan is written
     regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
                            tensor_regions(dst_layout))  # staging is added once lowered
@@ -257,8 +257,10 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     more = gather(spec, src, routes, staging_ids, opts, topo, direct.stages,
                   remote_egress(topo, direct))
     # 9. merge and coalesce
-    low = coalesce(merge(direct, more.lowered), opts.max_write_bytes)
+    parts = [direct, more.lowered]  # merged column by column, each input dropped once used
     del direct
+    more = dataclasses.replace(more, lowered=None)
+    low = coalesce(merge(parts), opts.max_write_bytes)
     # 10. schedule
     step("schedule")
     sched = schedule(low, topo, opts.max_write_bytes, staging_ids)

@@ -63,10 +63,7 @@ def egress_sets(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology
     # each source box's set of holder NICs (once per box), and its holders' hosts
     sbox_of_holder = np.repeat(np.arange(n_sbox), np.diff(ptr))
     holder_rank = src.rank[holders[ptr[0]:ptr[-1]]] if n_sbox else np.zeros(0, np.int64)
-    keys: dict[tuple[int, ...], int] = {}
-    set_of = np.array([keys.setdefault(tuple(sorted(set(nic[rs].tolist()))), len(keys))
-                       for rs in np.split(holder_rank, np.diff(ptr)[:-1].cumsum())]
-                      if n_sbox else [], dtype=np.int64)
+    keys, set_of = _holder_sets(sbox_of_holder, nic[holder_rank], n_sbox)
     near = np.zeros(n_sbox * hosts, dtype=bool)  # (source box, host): a holder there
     near[sbox_of_holder * hosts + host[holder_rank]] = True
     at = np.multiply(chunks.sbox, hosts, dtype=np.int64)
@@ -76,6 +73,48 @@ def egress_sets(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology
     per_id = np.bincount(set_of[chunks.sbox[remote]], minlength=len(keys),
                          weights=chunk_bytes(chunks, dst)[remote].astype(np.float64))
     return {k: float(per_id[i]) for k, i in keys.items() if per_id[i] > 0}
+
+
+def _holder_sets(box: np.ndarray, box_nic: np.ndarray, n_box: int
+                 ) -> tuple[dict[tuple[int, ...], int], np.ndarray]:
+    """The distinct sets of NICs among the boxes' holders (`box_nic`: each holder's NIC,
+    `box`: its box, ascending), numbered in the order the boxes first hold them, and the
+    number of each box's set. Boxes whose holders share one NIC (most, in a sharded
+    source) are numbered as columns; the others' sets are made in Python."""
+    if n_box == 0:
+        return {}, np.zeros(0, dtype=np.int64)
+    order = np.lexsort((box_nic, box))
+    b, n = box[order], box_nic[order].astype(np.int64)
+    new = np.ones(len(b), dtype=bool)
+    new[1:] = (b[1:] != b[:-1]) | (n[1:] != n[:-1])
+    b, n = b[new], n[new]
+    count = np.bincount(b, minlength=n_box)
+    start = np.cumsum(count) - count
+    one = np.flatnonzero(count == 1)
+    nics, first = np.unique(n[start[one]], return_index=True)
+    found = [(int(f), (int(x),)) for f, x in zip(one[first].tolist(), nics.tolist())]
+    other = np.flatnonzero(count != 1)
+    local: dict[tuple[int, ...], int] = {}
+    other_id = []
+    ns = n.tolist()
+    for x, at, c in zip(other.tolist(), start[other].tolist(), count[other].tolist()):
+        key = tuple(ns[at:at + c])
+        k = local.get(key)
+        if k is None:
+            k = local[key] = len(local)
+            found.append((x, key))
+        other_id.append(k)
+    found.sort()  # by the first box that holds each set
+    keys = {key: k for k, (_, key) in enumerate(found)}
+    set_of = np.empty(n_box, dtype=np.int64)
+    if len(one):
+        number = np.zeros(int(nics[-1]) - int(nics[0]) + 1, dtype=np.int64)
+        number[nics - nics[0]] = [keys[(x,)] for x in nics.tolist()]
+        set_of[one] = number[n[start[one]] - nics[0]]
+    if len(other):
+        by_local = [keys[key] for key in local]
+        set_of[other] = np.asarray(by_local, dtype=np.int64)[other_id]
+    return keys, set_of
 
 
 def egress_bound(per_set: dict[tuple[int, ...], float], topo: Topology,

@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 
 from planner import frameworks
-from planner.layouts.base import Layout
+from planner.layouts.base import Layout, PhysicalTensor
 from planner.passes.intersect import PieceTable
 from planner.passes.lower import Lowered
 from planner.passes.schedule import Schedule
@@ -52,17 +52,29 @@ from schemas.plan import (
 
 def tensor_regions(layout: Layout) -> list[tuple[Region, ...]]:
     """The regions of each rank's physical tensors (built once for replicas sharing them:
-    one tuple of regions for all)."""
+    one tuple of regions for all; and one region for all tensors of one name, dtype and
+    shape: a sharded model's ranks hold many alike)."""
     built: dict[int, tuple[Region, ...]] = {}
+    alike: dict[tuple[str, str, tuple[int, ...]], Region] = {}
     out = []
     for rl in layout.ranks:
         regs = built.get(id(rl.tensors))
         if regs is None:
-            regs = built[id(rl.tensors)] = tuple(
-                Region(t.name, t.dtype, t.shape, math.prod(t.shape) * ITEMSIZE[t.dtype])
-                for t in rl.tensors)
+            regs = built[id(rl.tensors)] = tuple(_region(t, alike) for t in rl.tensors)
         out.append(regs)
     return out
+
+
+def _region(t: PhysicalTensor, alike: dict[tuple[str, str, tuple[int, ...]], Region]
+            ) -> Region:
+    if type(t.shape) is not tuple:  # (a layout's own sequence: not a key)
+        return Region(t.name, t.dtype, t.shape, math.prod(t.shape) * ITEMSIZE[t.dtype])
+    key = (t.name, t.dtype, t.shape)
+    r = alike.get(key)
+    if r is None:
+        r = alike[key] = Region(t.name, t.dtype, t.shape,
+                                math.prod(t.shape) * ITEMSIZE[t.dtype])
+    return r
 
 
 def rank_regions(src: list[tuple[Region, ...]], dst: list[tuple[Region, ...]],
@@ -250,12 +262,84 @@ def coverage_table(dst: Layout, rank_base: int, pieces: PieceTable) -> Table:
 
 def explain_table(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarray,
                   dst_rank: np.ndarray, dst_region: np.ndarray, nbytes: np.ndarray,
-                  boxes: np.ndarray | None = None) -> Table:
+                  boxes: np.ndarray | None = None, replicas: int = 1) -> Table:
     """Bytes and boxes per (tensor, source region, target region), sorted by those keys
     (`boxes`: how many boxes each row stands for; one each when not given). Runs of equal
-    consecutive rows (a chunk cut in parts) are summed before the rows are sorted."""
+    consecutive rows (a chunk cut in parts) are summed before the rows are sorted.
+
+    `replicas` > 1: the rows may be that many equal blocks, each the first with its target
+    ranks moved by a multiple of one shift (the target engine's replicas, fed alike); when
+    they are (`_replica_shift` checks it), the first block's table is made and repeated
+    for the others (`_stamped`): the same table, without sorting every block's rows."""
     if len(tensor) == 0:
         return Table.empty(EXPLAIN_COLUMNS)
+    cols = (tensor, src_rank, src_region, dst_rank, dst_region, nbytes)
+    shift = _replica_shift(cols, replicas) if boxes is None and replicas > 1 else None
+    if shift is not None:
+        n = len(tensor) // replicas
+        return _stamped(_explain(*(c[:n] for c in cols), None), replicas, shift)
+    return _explain(*cols, boxes)
+
+
+def _replica_shift(cols: tuple[np.ndarray, ...], replicas: int) -> int | None:
+    """The shift of target ranks from block to block when `cols` (explain_table's six) are
+    `replicas` blocks of equal length, every column but the target rank equal to the first
+    block's and the target rank the first block's plus `r * shift` in block r, with
+    `shift` larger than the span of the first block's target ranks (so each block's ranks
+    come after the previous one's); else None."""
+    n = len(cols[0])
+    if n % replicas:
+        return None
+    n //= replicas
+    dst = cols[3]
+    lo, hi = int(dst[:n].min()), int(dst[:n].max())
+    shift = int(dst[n]) - int(dst[0])
+    if shift <= hi - lo:
+        return None
+    first = [np.asarray(c[:n]) for c in cols]
+    for r in range(1, replicas):
+        block = slice(r * n, (r + 1) * n)
+        for k, (c, f) in enumerate(zip(cols, first)):
+            if k == 3:
+                if not np.array_equal(np.subtract(c[block], f, dtype=np.int64), np.full(
+                        n, r * shift, dtype=np.int64)):
+                    return None
+            elif not np.array_equal(c[block], f):
+                return None
+    return shift
+
+
+def _stamped(one: Table, replicas: int, shift: int) -> Table:
+    """The explain table of `replicas` blocks alike (`_replica_shift`), from the first
+    block's (`one`): each (tensor, source rank, source region) group of its rows, once per
+    block in block order, target ranks moved by `r * shift` in block r (the rows' sorted
+    order: within a group, the blocks' target ranks follow one another)."""
+    m = len(one["tensor"])
+    if m == 0:
+        return one
+    same = np.ones(m - 1, dtype=bool)
+    for name in ("tensor", "src_rank", "src_region"):
+        c = one[name]
+        same &= c[1:] == c[:-1]
+    g_start = np.flatnonzero(np.concatenate([[True], ~same]))
+    g_len = np.diff(np.append(g_start, m))
+    out_len = g_len * replicas
+    g = np.repeat(np.arange(len(g_start)), out_len)
+    q = np.arange(m * replicas, dtype=np.int64) - np.repeat(np.cumsum(out_len) - out_len,
+                                                            out_len)
+    block, i = np.divmod(q, g_len[g])
+    del q
+    i += g_start[g]
+    del g
+    cols = {name: one[name][i] for name, _ in EXPLAIN_COLUMNS}
+    cols["dst_rank"] = cols["dst_rank"] + block * shift
+    return Table.build(EXPLAIN_COLUMNS, **cols)
+
+
+def _explain(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarray,
+             dst_rank: np.ndarray, dst_region: np.ndarray, nbytes: np.ndarray,
+             boxes: np.ndarray | None) -> Table:
+    """`explain_table` of its rows, sorted."""
     keys = [np.asarray(c, dtype=np.int32) for c in  # as in the table
             (tensor, src_rank, src_region, dst_rank, dst_region)]
     key = column_keys(keys)

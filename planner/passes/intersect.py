@@ -168,6 +168,7 @@ def _rank_rows(tensors: tuple[PhysicalTensor, ...], tensor_id: dict[str, int],
     parts: list[np.ndarray] = []
     rows: list[tuple[int, ...]] = []  # of tensors of a few pieces, made in Python
     regions: list[int] = []
+    get, geometry = cache.get, cache.setdefault(_GEOMETRY, {})
 
     def flush() -> None:
         if rows:
@@ -177,11 +178,12 @@ def _rank_rows(tensors: tuple[PhysicalTensor, ...], tensor_id: dict[str, int],
             regions.clear()
 
     for region, pt in enumerate(tensors):
-        got = cache.get(id(pt))
+        got = get(id(pt))
         if got is None:
             got = cache[id(pt)] = _column_rows(pt, tensor_id, cache) \
-                if isinstance(pt.pieces, PieceColumns) else _tensor_rows(pt, tensor_id)
-        if isinstance(got, list):
+                if type(pt.pieces) is PieceColumns else \
+                _tensor_rows(pt, tensor_id, geometry)
+        if type(got) is list:
             rows += got
             regions += [region] * len(got)
         else:
@@ -191,24 +193,39 @@ def _rank_rows(tensors: tuple[PhysicalTensor, ...], tensor_id: dict[str, int],
     return np.concatenate(parts, axis=1) if parts else np.zeros((10, 0), dtype=np.int64)
 
 
+_GEOMETRY = -1
+"""`_rank_rows`' cache key of the strides and dtype code of each (shape, dtype) (an `id` is
+never negative)."""
 _CODES = {name: code for code, name in enumerate(DTYPE_CODES)}
 
 
-def _tensor_rows(pt: PhysicalTensor, tensor_id: dict[str, int]) -> list[tuple[int, ...]]:
+def _tensor_rows(pt: PhysicalTensor, tensor_id: dict[str, int],
+                 geometry: dict[tuple[tuple[int, ...], str], tuple[tuple[int, ...], int]]
+                 | None = None) -> list[tuple[int, ...]]:
     """(tensor, off0, off1, size0, size1, base, a0, a1, dtype) of each piece; 1-d (and
-    0-d) boxes as `[n, 1]`."""
-    shape, nd = pt.shape, len(pt.shape)
-    strides = [1] * nd  # row-major, in elements
-    for d in range(nd - 1, 0, -1):
-        strides[d - 1] = strides[d] * shape[d]
-    code = _CODES[pt.dtype]
+    0-d) boxes as `[n, 1]`. `geometry`: the row-major strides (in elements) and dtype code
+    of each (shape, dtype) seen, kept between calls (the ranks of a sharded model hold
+    many tensors of one shape)."""
+    key = (pt.shape, pt.dtype)
+    known = None if geometry is None else geometry.get(key)
+    if known is None:
+        shape, nd = pt.shape, len(pt.shape)
+        strides = [1] * nd
+        for d in range(nd - 1, 0, -1):
+            strides[d - 1] = strides[d] * shape[d]
+        known = (tuple(strides), _CODES[pt.dtype])
+        if geometry is not None:
+            geometry[key] = known
+    strides, code = known
     rows = []
     for p in pt.pieces:
         tid = tensor_id.get(p.tensor)
         if tid is None:
             _unknown(pt, p.tensor)
-        off, size, at, k = p.offsets, p.sizes, p.at, len(p.sizes)
-        dims = p.dims if p.dims is not None else range(len(at) - k, len(at))
+        off, size, at, dims = p.offsets, p.sizes, p.at, p.dims
+        k = len(size)
+        if dims is None:
+            dims = range(len(at) - k, len(at))
         if k >= 2:
             o0, o1, s0, s1, a0, a1 = off[0], off[1], size[0], size[1], strides[dims[0]], \
                 strides[dims[1]]

@@ -67,17 +67,27 @@ class Lowered:
     a write into it waits for the SLOT_ACK of stage s - SLOTS, not the ACK of s - 1."""
 
 
-def merge(a: Lowered, b: Lowered | None) -> Lowered:
-    """Writes and copies of both; staging per rank is the larger (their stages differ)."""
+def merge(parts: list[Lowered | None]) -> Lowered:
+    """Writes and copies of both of `parts` (the direct path's, the gather's or None);
+    staging per rank is the larger (their stages differ). The list should hold the only
+    references to them: it is emptied and each input column dropped as soon as its merged
+    column is made (the inputs and the merged table are never held whole together)."""
+    a, b = parts
+    parts.clear()
     if b is None:
+        assert a is not None
         return a
-    cat = np.concatenate
-    w = {k: cat([getattr(a, k), getattr(b, k)]) for k in Lowered.__slots__
-         if k.startswith("w_")}
-    w = {k: v.astype(np.int32) if k in NARROW else v for k, v in w.items()}
-    copies = {k: cat([a.copies[k], b.copies[k]]) for k in a.copies}
-    return Lowered(**w, copies=copies, staging=np.maximum(a.staging, b.staging),
-                   stages=max(a.stages, b.stages), slotted=a.slotted)
+    assert a is not None
+    staging, stages, slotted = np.maximum(a.staging, b.staging), max(a.stages, b.stages), \
+        a.slotted
+    keys = [k for k in Lowered.__slots__ if k.startswith("w_")]
+    wa, wb = {k: getattr(a, k) for k in keys}, {k: getattr(b, k) for k in keys}
+    ca, cb = dict(a.copies), dict(b.copies)
+    del a, b
+    w = {k: np.concatenate([wa.pop(k), wb.pop(k)], dtype=np.int32 if k in NARROW else None)
+         for k in keys}
+    copies = {k: np.concatenate([ca.pop(k), cb.pop(k)]) for k in list(ca)}
+    return Lowered(**w, copies=copies, staging=staging, stages=stages, slotted=slotted)
 
 
 BLOCK = 1 << 20

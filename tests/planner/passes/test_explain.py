@@ -34,6 +34,43 @@ def test_sums_equal_rows_in_key_order() -> None:
     assert len(explain_table(*rows[:0].T)) == 0
 
 
+def _replicated(rng: np.random.Generator, replicas: int, shift: int) -> np.ndarray:
+    """Rows of `replicas` blocks alike: one block's rows (target ranks 40..47), repeated
+    with the target ranks moved by `r * shift` in block r."""
+    n = 2000
+    one = np.stack([rng.integers(0, 9, n), rng.integers(0, 4, n), rng.integers(0, 3, n),
+                    rng.integers(40, 48, n), rng.integers(0, 2, n),
+                    rng.integers(1, 1 << 40, n)], axis=1)
+    one[100:140] = one[100]  # a run of equal rows (a chunk cut in parts)
+    blocks = [one.copy() for _ in range(replicas)]
+    for r, b in enumerate(blocks):
+        b[:, 3] += r * shift
+    return np.concatenate(blocks)
+
+
+def test_replica_blocks_give_the_table_of_all_rows(monkeypatch) -> None:
+    """Rows that are a target engine's replicas fed alike: the table made from the first
+    block alone (only its rows are sorted) and repeated is the table of all the rows; rows
+    that are not (a block differs, blocks of overlapping ranks, a length not a multiple)
+    are all sorted and summed as they are."""
+    import planner.passes.emit as emit
+
+    sorted_rows: list[int] = []
+    real = emit._explain
+    monkeypatch.setattr(emit, "_explain",
+                        lambda *c: sorted_rows.append(len(c[0])) or real(*c))
+    rng = np.random.default_rng(11)
+    rows = _replicated(rng, 4, 8)
+    assert _rows(explain_table(*rows.T, replicas=4)) == _oracle(rows)
+    assert sorted_rows == [len(rows) // 4]
+    other = rows.copy()
+    other[-3, 5] += 1  # one block's bytes differ
+    for bad in (other, _replicated(rng, 4, 5), rows[:-1]):
+        sorted_rows.clear()
+        assert _rows(explain_table(*bad.T, replicas=4)) == _oracle(bad)
+        assert sorted_rows == [len(bad)]
+
+
 def test_spilled_table_reads_the_same() -> None:
     """`spilled`: the table's columns from a mapped temporary file, equal and read-only."""
     from planner.passes.emit import spilled
