@@ -113,9 +113,9 @@ def main() -> int:
         cpu = platform.processor() or platform.machine()
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         with open(os.path.join(ROOT, "BENCHMARKS.md"), "a") as f:
-            f.write(f"\n## Example configs at default options (issue 19)\n\n`python3 "
-                    f"bench/defaults.py` on {os.cpu_count()} cores ({cpu}), Python "
-                    f"{platform.python_version()}, {when}.\n\n{text}\n")
+            f.write("\n## Example configs at default options: simulated time against the "
+                    f"floor\n\n`python3 bench/defaults.py` on {os.cpu_count()} cores ({cpu}), "
+                    f"Python {platform.python_version()}, {when}.\n\n{text}\n")
     return 0
 
 

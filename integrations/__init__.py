@@ -8,6 +8,10 @@ that rank binds (`schemas/tensors.py`), checked by name, shape, dtype and contig
     plan = executor.load("plan.rplan", rank=b.rank, tensors=b.tensors, identity=b.identity,
                          rendezvous=...)
 
+A chunked plan (`target.shadow: {budget_bytes: N}`) binds the same way (its chunks' union
+of the rank's tensors) and is sent with `executor.load_chunks(...)` and
+`executor.run_chunks(chunks)`; `integrations.trainer.load` picks one or the other.
+
 Adapters read plans through `schemas` only (never planner internals).
 """
 

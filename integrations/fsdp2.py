@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
+from schemas.chunked_plan import plan_header
 from schemas.header import PlanHeader
 from schemas.identity import find_rank
-from schemas.plan import open_plan, read_header
 from schemas.tensors import BoundTensor, rank_tensors
 
 from . import Binding, ModelMismatchError, match
@@ -61,8 +61,7 @@ def identity(model: torch.nn.Module | None = None, mesh: Any = None) -> dict[str
 def bind(plan_path: str, model: torch.nn.Module, mesh: Any = None) -> Binding:
     """Plan rank, identity and the `to_local()` shards this FSDP2 rank binds."""
     ident = identity(model, mesh)
-    with open_plan(plan_path) as f:
-        header, _ = read_header(f, plan_path)
+    header = plan_header(plan_path)
     rank = find_rank(header, ident, plan_path)
     expected = rank_tensors(plan_path, rank)
     live, buffers, problems = {}, set(), []

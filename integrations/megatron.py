@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
+from schemas.chunked_plan import plan_header
 from schemas.header import PlanHeader
 from schemas.identity import IdentityError, find_rank
-from schemas.plan import open_plan, read_header
 from schemas.tensors import rank_tensors
 
 from . import Binding, ModelMismatchError, match
@@ -107,8 +107,7 @@ def bind(plan_path: str, model: Any, parallel_state: Any = None) -> Binding:
         raise ModelMismatchError(f"model: {len(chunks)} model chunk(s) but parallel_state has "
                                  f"virtual_pipeline_model_parallel_size={ident['vpp']}; pass "
                                  "the whole list of model chunks")
-    with open_plan(plan_path) as f:
-        header, _ = read_header(f, plan_path)
+    header = plan_header(plan_path)
     rank, ident = plan_rank(header, ident, plan_path)
     expected = rank_tensors(plan_path, rank)
     live, buffers = live_tensors(chunks)

@@ -21,8 +21,6 @@ from executor import trust
 from integrations import Binding, trainer
 from integrations.errors import CacheNotFlushedError, TornUpdateError
 from schemas.errors import UserError
-from schemas.integrity import plan_key as read_key
-from schemas.plan import load_rank
 
 log = logging.getLogger(__name__)
 
@@ -33,22 +31,23 @@ to flush its prefix cache (requests still running or held in place by the pause)
 
 def load_source(plan: str, binding: Binding, *, rendezvous: str, transport: str = "nixl",
                 timeout_s: float = 60.0, plan_key: str | None = None,
-                allow_unsigned: bool = False, **options: Any) -> executor.Executor:
+                allow_unsigned: bool = False, **options: Any
+                ) -> executor.Executor | list[executor.Executor]:
     """This trainer rank's part of `plan` for an SGLang target, from the `Binding` its
     adapter returned (`integrations.megatron.bind(plan, model)`, `integrations.fsdp2.bind`):
     the framework's live state is read again and must select the binding's plan rank, its
-    identity must be the plan's for that rank and the part compiled for it (all refused in
-    one line before anything is registered); then `executor.load` with the binding's
-    tensors. Run it with `executor.run` inside `update`'s `send`."""
+    identity must be the plan's for that rank and the part compiled for it (every chunk's,
+    for a chunked plan; all refused in one line before anything is registered); then the
+    binding's tensors are loaded (`integrations.trainer.load`). Run it inside `update`'s
+    `send`: `executor.run`, or for a chunked plan (a list, one executor per chunk)
+    `executor.run_chunks`."""
     where = f"rdma_plan trainer plan rank {binding.rank} ({plan})"
     trust.signing(plan_key, allow_unsigned, where=where)
     rank, identity = trainer.plan_rank(plan, binding, None, None, binding.rank, where)
-    header, part = load_rank(plan, rank, None if plan_key is None else read_key(plan_key))
-    trust.check_identity(header, part.identity, rank, identity, False, plan)
-    trainer.check_live(header, rank, identity, plan, binding, where)
-    return executor.load(plan, rank, trainer.bound_tensors(binding, None, where),
-                         transport=transport, rendezvous=rendezvous, timeout_s=timeout_s,
-                         plan_key=plan_key, identity=identity, **options)
+    chunked, _ = trainer.checked_parts(plan, rank, identity, False, plan_key, binding, where)
+    o = executor.LoadOptions(transport=transport, rendezvous=rendezvous, timeout_s=timeout_s,
+                             plan_key=plan_key, identity=identity, **options)
+    return trainer.load(plan, rank, trainer.bound_tensors(binding, None, where), chunked, o)
 
 
 Call = Callable[[str, dict[str, Any]], dict[str, Any]]

@@ -11,6 +11,10 @@ from the tensors (a launcher's bug: two ranks each given the other's) is refused
 naming both. An identity that cannot be held to any live framework (no Megatron
 `parallel_state`, a binding made by hand) is refused too: a process without a framework
 passes `plan_rank=` with `no_identity=True`, which the executor logs.
+
+A chunked plan (`schemas/chunked_plan.py`) takes the same path: `checked_parts` reads the
+rank's part of every chunk and holds each to the identity, the live state to the rank, and
+`load` returns the chunks' executors, which `executor.run_chunks` sends in order.
 """
 
 from __future__ import annotations
@@ -20,9 +24,13 @@ from collections.abc import Callable
 
 import torch
 
+import executor
+from executor import trust
+from schemas.chunked_plan import is_chunked, load_rank_chunks, plan_header
 from schemas.header import PlanHeader
 from schemas.identity import IdentityError, describe, find_rank
-from schemas.plan import read_header
+from schemas.integrity import plan_key as read_key
+from schemas.plan import RankPlan, load_rank
 
 from . import Binding, megatron
 
@@ -48,9 +56,7 @@ def plan_rank(path: str, binding: Binding | None, identity: dict | None,
     if plan_rank is not None:
         return plan_rank, identity
     if identity is not None:
-        with open(path, "rb") as f:
-            header = read_header(f, path)[0]
-        return int(find_rank(header, identity, path)), identity
+        return int(find_rank(plan_header(path), identity, path)), identity
     return rank, None
 
 
@@ -105,3 +111,32 @@ def bound_tensors(binding: Binding | None, source_tensors: Callable[[], dict[str
         raise ValueError(f"{where}: no tensors: pass binding= (integrations.megatron/fsdp2"
                          ".bind) or a source yielding this rank's plan tensors")
     return source_tensors()
+
+
+Parts = list[tuple[PlanHeader, RankPlan]]
+
+
+def checked_parts(path: str, rank: int, identity: dict | None, no_identity: bool,
+                  plan_key: str | None, binding: Binding | None, where: str
+                  ) -> tuple[bool, Parts]:
+    """(whether the plan is chunked, rank `rank`'s part with its header: the plan's one, or
+    one per chunk in order), each part's identity held to `identity`
+    (`executor.trust.check_identity`, every chunk's) and the live framework state to the
+    rank (`check_live`): refused in one line before anything is registered."""
+    key = None if plan_key is None else read_key(plan_key)
+    chunked = is_chunked(path)
+    parts = load_rank_chunks(path, rank, key)[1] if chunked else [load_rank(path, rank, key)]
+    for k, (header, part) in enumerate(parts):
+        trust.check_identity(header, part.identity, rank, identity, no_identity,
+                             f"{path} chunk {k}" if chunked else path)
+    check_live(parts[0][0], rank, identity, path, binding, where)
+    return chunked, parts
+
+
+def load(path: str, rank: int, tensors: dict[str, torch.Tensor], chunked: bool,
+         options: executor.LoadOptions) -> executor.Executor | list[executor.Executor]:
+    """The rank's executor (`executor.run` sends a step), or for a chunked plan one per
+    chunk (`executor.run_chunks` sends a step, chunk by chunk)."""
+    if chunked:
+        return executor.load_chunks(path, rank, tensors, options)
+    return executor.load(path, rank, tensors, options)

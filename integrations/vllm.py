@@ -88,10 +88,8 @@ from integrations.engine_core import EngineCore
 from integrations.errors import TornUpdateError
 from integrations.vllm_background import Background
 from integrations.vllm_trainer_info import BACKEND, RdmaPlanTrainerInitInfo, source_tensors
-from schemas.chunked_plan import is_chunked, load_rank_chunks
+from schemas.chunked_plan import is_chunked
 from schemas.header import PlanHeader
-from schemas.integrity import plan_key as read_key
-from schemas.plan import load_rank
 
 
 @dataclass
@@ -322,19 +320,13 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
         rank, identity = init_info.load_identity()
         eng.init_info, eng.identity = init_info, identity
         # refused here, before the workers are asked to load (nothing registered anywhere)
-        key = None if init_info.plan_key is None else read_key(init_info.plan_key)
-        chunked = is_chunked(init_info.plan)
-        if chunked and eng.shadow:
+        if eng.shadow and is_chunked(init_info.plan):
             raise ValueError(f"{where}: {init_info.plan} is a chunked plan, received paused: "
                              "drop shadow=True, or compile with target.shadow: full for the "
                              "shadow mode")
-        parts = load_rank_chunks(init_info.plan, rank, key)[1] if chunked else \
-            [load_rank(init_info.plan, rank, key)]
-        for header, part in parts:
-            trust.check_identity(header, part.identity, rank, identity,
-                                 init_info.no_identity, init_info.plan)
-        trainer.check_live(parts[0][0], rank, identity, init_info.plan, init_info.binding,
-                           where)
+        chunked, _ = trainer.checked_parts(init_info.plan, rank, identity,
+                                           init_info.no_identity, init_info.plan_key,
+                                           init_info.binding, where)
         eng.bound = trainer.bound_tensors(
             init_info.binding, None if source is None else lambda: source_tensors(source),
             where)
@@ -345,10 +337,11 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
                                      timeout_s=init_info.timeout_s,
                                      plan_key=init_info.plan_key, identity=identity,
                                      no_identity=init_info.no_identity)
-            if chunked:
-                eng.chunks = executor.load_chunks(init_info.plan, rank, eng.bound, o)
+            loaded = trainer.load(init_info.plan, rank, eng.bound, chunked, o)
+            if isinstance(loaded, list):
+                eng.chunks = loaded
             else:
-                eng.plan = executor.load(init_info.plan, rank, eng.bound, o)
+                eng.plan = loaded
         if eng.is_sender:  # the workers load while this rank does (both wait for peers)
             with Background(eng.timeout_s, client.init_weight_transfer_engine,
                              init_info.worker_info()):

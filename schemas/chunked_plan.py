@@ -188,11 +188,32 @@ def _chunk_file(f: io.BufferedIOBase, idx: ChunkedIndex, k: int, path: str) -> i
     return io.BytesIO(read_exact(f, n, f"{path} chunk {k}", digest))
 
 
+def chunk_files(f: BinaryIO, path: str, key: bytes | None = None
+                ) -> Iterator[tuple[str, io.BytesIO]]:
+    """Each chunk of an open chunked plan file, in index order, as (its name `path chunk k`,
+    the ordinary plan file it is, in memory): the index (with `key` its signature) read
+    first, each chunk checked against the index's digest."""
+    idx = read_index(f, path, key)
+    for k in range(len(idx.chunks)):
+        yield f"{path} chunk {k}", _chunk_file(f, idx, k, path)
+
+
 def starts_chunked(f: BinaryIO) -> bool:
     """Whether the open file `f` starts like a chunked plan (it is left at its start)."""
     magic = f.read(len(MAGIC))
     f.seek(0)
     return magic == MAGIC
+
+
+def plan_header(path: str, key: bytes | None = None) -> PlanHeader:
+    """The header of the plan at `path`: an ordinary plan's, a chunked plan's chunk 0's (its
+    chunks share the job's ranks and identities: `schemas.tensors.rank_tensors` and the
+    loaders hold every chunk's part of a rank to them)."""
+    with open_plan(path) as f:
+        if not starts_chunked(f):
+            return read_header(f, path, key)[0]
+        what, chunk = next(chunk_files(f, path, key))
+        return read_header(chunk, what, key)[0]
 
 
 def load_rank_chunks(path: str, rank: int, key: bytes | None = None

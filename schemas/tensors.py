@@ -14,18 +14,21 @@ A piece puts elements `[off0, off0+size0) x [off1, off1+size1)` of logical tenso
 `start + i0*stride0 + i1*stride1` of region `region` (row-major, element units), i.e.
 `tensor.view(-1).as_strided((size0, size1), (stride0, stride1), start)`.
 
-`rank_tensors(path, rank)` reads the header and that rank's blobs only; it is what
-`rdma-plan tensors` prints and what `integrations/` match live models against.
+`rank_tensors(path, rank)` reads the header and that rank's blobs only (of a chunked plan,
+`schemas/chunked_plan.py`, every chunk's: the union of what the rank binds in each); it is
+what `rdma-plan tensors` prints and what `integrations/` match live models against.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .chunked_plan import chunk_files, starts_chunked
 from .identity import plan_identity
 from .plan import (
     STAGING,
@@ -67,7 +70,7 @@ class BoundTensor:
     buffer: bool
     """A module buffer (trained state that moves), not a parameter."""
     region: int
-    """Region index in the rank's plan."""
+    """Region index in the rank's plan (a chunked plan's: its place in the union)."""
     pieces: tuple[Piece, ...]
     """The logical boxes it holds; elements outside them are padding."""
 
@@ -114,19 +117,57 @@ def _blob(f: Any, header: Any, start: int, rank: int, path: str) -> dict:
 
 
 def rank_tensors(path: str, rank: int) -> RankTensors:
-    """The tensors rank `rank` of the plan at `path` binds, with their pieces."""
+    """The tensors rank `rank` of the plan at `path` binds, with their pieces; of a chunked
+    plan, every tensor the rank binds in any chunk (`merge_chunks`)."""
     with open_plan(path) as f:
-        header, start = read_header(f, path)
-        if f"rank/{rank}" not in header.blobs:
-            raise PlanFormatError(f"{path}: plan has no rank {rank} (it has "
-                                  f"{header.world} ranks)")
-        if f"tensors/{rank}" not in header.blobs:
-            raise PlanFormatError(f"{path}: the plan does not list its ranks' tensors (compiled "
-                                  "by an older rdma-plan); recompile it")
-        rp = RankPlan.decode(read_blob(f, header, start, f"rank/{rank}", path))
-        raw = _blob(f, header, start, rank, path)
+        if not starts_chunked(f):
+            return read_rank_tensors(f, rank, path)
+        parts = [read_rank_tensors(chunk, rank, what) for what, chunk in chunk_files(f, path)]
+    return merge_chunks(parts, path)
+
+
+def read_rank_tensors(f: Any, rank: int, path: str) -> RankTensors:
+    """`rank_tensors` of an open ordinary plan file."""
+    header, start = read_header(f, path)
+    if f"rank/{rank}" not in header.blobs:
+        raise PlanFormatError(f"{path}: plan has no rank {rank} (it has "
+                              f"{header.world} ranks)")
+    if f"tensors/{rank}" not in header.blobs:
+        raise PlanFormatError(f"{path}: the plan does not list its ranks' tensors (compiled "
+                              "by an older rdma-plan); recompile it")
+    rp = RankPlan.decode(read_blob(f, header, start, f"rank/{rank}", path))
+    raw = _blob(f, header, start, rank, path)
     return RankTensors(rank=rank, role=rp.role, identity=plan_identity(header, rank, path),
                        tensors=_decode(raw, rp, path))
+
+
+def merge_chunks(parts: list[RankTensors], path: str) -> RankTensors:
+    """One rank's tensors over every chunk of a chunked plan, in order of first use: each
+    chunk must record the rank's role and identity as chunk 0 does, and a tensor bound in
+    several chunks the same name, shape, dtype and kind (its pieces are their union)."""
+    first = parts[0]
+    seen: dict[str, BoundTensor] = {}
+    for k, rt in enumerate(parts):
+        if rt.role != first.role or rt.identity != first.identity:
+            raise PlanFormatError(
+                f"{path}: chunk {k} records rank {rt.rank} as {rt.role} {rt.identity}, chunk "
+                f"0 as {first.role} {first.identity}: the chunks were compiled for different "
+                "jobs; recompile the plan")
+        for t in rt.tensors:
+            had = seen.get(t.name)
+            if had is None:
+                seen[t.name] = t
+                continue
+            if (had.shape, had.dtype, had.buffer) != (t.shape, t.dtype, t.buffer):
+                raise PlanFormatError(
+                    f"{path}: chunk {k} binds rank {rt.rank}'s {t.name} as {t.dtype} "
+                    f"{list(t.shape)}, an earlier chunk as {had.dtype} {list(had.shape)}; "
+                    "recompile the plan")
+            pieces = had.pieces + tuple(p for p in t.pieces if p not in had.pieces)
+            seen[t.name] = dataclasses.replace(had, pieces=pieces)
+    tensors = tuple(dataclasses.replace(t, region=i) for i, t in enumerate(seen.values()))
+    return RankTensors(rank=first.rank, role=first.role, identity=first.identity,
+                       tensors=tensors)
 
 
 def holders(path: str, tensor: str) -> list[int]:

@@ -97,6 +97,8 @@ EXTENDED = (
     "tests/integrations/test_adapters.py::test_fsdp2_adapter_bit_exact[fsdp2-dp3-empty-shard]",
     "tests/integrations/test_adapters.py::test_megatron_adapter_bit_exact[deepseek-ep2-etp1-dp2-bf16]",
     "tests/integrations/test_adapters.py::test_megatron_adapter_bit_exact[tp2-pp2-vpp2-bf16]",
+    "tests/integrations/test_adapters.py::test_megatron_adapter_bit_exact[tp2-pp2-vpp2-bf16-chunked]",
+    "tests/integrations/test_adapters.py::test_fsdp2_adapter_bit_exact[hsdp-2x2-chunked]",
     "tests/scripts/test_demo.py::test_demo_runs_bit_exact_over_nixl[plans/demo.yaml-tcp-2]",
     "tests/scripts/test_demo.py::test_demo_runs_bit_exact_over_nixl[tests/configs/staged-fp32.yaml-tcp-3]",
     "tests/scripts/test_demo.py::test_demo_runs_bit_exact_over_nixl[plans/demo-moe.yaml-None-2]",

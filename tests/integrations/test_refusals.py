@@ -10,26 +10,34 @@ import pytest
 import torch
 
 from harness.weights import DTYPES
-from integrations import ModelMismatchError, fsdp2, megatron
+from integrations import ModelMismatchError, fsdp2, megatron, trainer
 from planner.compiler import compile_config
 from planner.frameworks import build_layout
 from planner.spec import spec_from_hf
 from planner.validate import validate
+from schemas.chunked_plan import load_chunked, write_chunked
 from schemas.config import SourceConfig
 from schemas.config_load import config_from_dict
 from schemas.identity import IdentityError
 from schemas.plan_write import write_plan
+from schemas.tensors import rank_tensors
 from tests.support.integration import module, state
 from tests.support.models import qwen3, qwen3_moe
 
 
-def _plan(tmp_path, source: dict, layers: int = 4, hf=qwen3) -> str:
+def _plan(tmp_path, source: dict, layers: int = 4, hf=qwen3, budget: int = 0) -> str:
+    """A plan for a vLLM TP 1 target; with `budget`, a chunked plan of that buffer."""
     spec = spec_from_hf(hf(num_hidden_layers=layers))
-    cfg = config_from_dict({"model": {"config": "x"}, "source": source,
-                            "target": {"engine": "vllm", "tp": 1}})
+    target = {"engine": "vllm", "tp": 1, **({"shadow": {"budget_bytes": budget}}
+                                           if budget else {})}
+    cfg = config_from_dict({"model": {"config": "x"}, "source": source, "target": target})
     validate(cfg, spec)
-    path = str(tmp_path / "p.rplan")
-    write_plan(path, compile_config(cfg, spec))
+    path = str(tmp_path / ("c.rplan" if budget else "p.rplan"))
+    compiled = compile_config(cfg, spec)
+    if budget:
+        write_chunked(path, compiled, budget)
+    else:
+        write_plan(path, compiled)
     return path
 
 
@@ -96,6 +104,42 @@ def test_megatron_wrong_chunks_or_identity(tmp_path):
     with pytest.raises(IdentityError, match="no source rank has the identity megatron tp=0 "
                        "pp=0 vpp=1"):
         megatron.bind(path, chunks(MEGA, 0)[0], state(vpp=None))
+
+
+def test_a_chunked_plan_binds_what_the_plan_does_and_refuses_another_identity(tmp_path):
+    # the same job compiled as a plan and as a chunked plan (several chunks): each adapter
+    # binds the same rank, identity and tensor storage from both; on the chunked plan an
+    # identity it does not hold is refused in one line, as on the plan
+    plain, chunked = _plan(tmp_path, MEGA), _plan(tmp_path, MEGA, budget=8 << 10)
+    assert len(load_chunked(chunked)[1]) > 1
+    for rank in range(4):
+        tp, pp = rank % 2, rank // 2
+        model = chunks(MEGA, rank)
+        a = megatron.bind(plain, model, state(tp=tp, pp=pp, vpp=2))
+        b = megatron.bind(chunked, model, state(tp=tp, pp=pp, vpp=2))
+        assert (b.rank, b.identity) == (a.rank, a.identity) == (rank, b.identity)
+        assert list(b.tensors) == list(a.tensors)
+        assert all(b.tensors[n].data_ptr() == t.data_ptr() for n, t in a.tensors.items())
+    with pytest.raises(IdentityError, match=r"^[^\n]*no source rank has the identity megatron "
+                       r"tp=0 pp=0 vpp=1[^\n]*$"):
+        megatron.bind(chunked, chunks(MEGA, 0)[0], state(vpp=None))
+    # the trainer path: `identity=` finds its rank in the chunked plan; rank 0's part of
+    # every chunk is refused for rank 1's identity, naming chunk 0, before any load
+    ident = rank_tensors(chunked, 1).identity
+    assert trainer.plan_rank(chunked, None, ident, None, 0, "trainer") == (1, ident)
+    with pytest.raises(IdentityError, match=r"^[^\n]*c\.rplan chunk 0[^\n]*$"):
+        trainer.checked_parts(chunked, 0, ident, False, None, None, "trainer")
+    source = {"framework": "fsdp2", "dtype": "float32"}
+    plain, chunked = _plan(tmp_path, source), _plan(tmp_path, source, budget=8 << 10)
+    lay = build_layout(spec_from_hf(qwen3(num_hidden_layers=4)), SourceConfig(**source))
+    model = module({t.name: torch.zeros(t.shape) for t in lay.ranks[0].tensors})
+    a, b = fsdp2.bind(plain, model), fsdp2.bind(chunked, model)
+    assert (b.rank, b.identity, list(b.tensors)) == (a.rank, a.identity, list(a.tensors))
+    # a target's tensors are split over the chunks: their union is the plan's
+    whole, split = rank_tensors(plain, 1), rank_tensors(chunked, 1)
+    assert sorted((t.name, t.shape, t.dtype) for t in split.tensors) == \
+        sorted((t.name, t.shape, t.dtype) for t in whole.tensors)
+    assert split.identity == whole.identity
 
 
 def test_fsdp2_plain_module_and_dtype(tmp_path):

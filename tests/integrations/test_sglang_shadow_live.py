@@ -1,8 +1,7 @@
 """A live `sglang.Engine` (SGLang 0.5.23, CPU, TP 1) refitted in shadow mode through the
 rdma-plan plugin (`integrations/sglang_shadow.py`): requests served while the update is in
 flight all see the previous version, the switch makes it bit-exact, a torn update leaves
-the last version serving (the driver, `sglang_shadow_driver.py`, says how). ~3 minutes on
-a 2-core box."""
+the last version serving (the driver, `sglang_shadow_driver.py`, says how)."""
 
 from __future__ import annotations
 

@@ -10,9 +10,12 @@ argv[1] = JSON {"role", "index", "plan", "config", "store", "gloo_port", "steps"
   `fully_shard` (default 1-d mesh, or an HSDP mesh), then `integrations.fsdp2.bind` and the
   executor.
 - `target`: a plain process: allocates what `schemas.tensors.rank_tensors` (the library
-  function of `rdma-plan tensors`) lists, loads with the plan's identity, and after every
-  step compares every tensor bit-exactly with the target layout built from the same
-  logical weights. Sources add 1 to every bound tensor between steps.
+  function of `rdma-plan tensors`) lists, loads with the plan's identity (a chunked plan:
+  `executor.ChunkedShadow`), and after every step compares every tensor bit-exactly with
+  the target layout built from the same logical weights. Sources add 1 to every bound
+  tensor between steps; a source of a chunked plan (`arg["chunked"]`) sends it through
+  `integrations.trainer.load` and `executor.run_chunks`, after checking that the trainer
+  path refuses the other source rank's identity on it.
 """
 
 from __future__ import annotations
@@ -109,20 +112,51 @@ def _vllm_swapped(arg: dict, b) -> None:  # noqa: ANN001 - an integrations.Bindi
         return
 
 
-def _run_source(arg: dict, tensors: dict[str, torch.Tensor], rank: int, ident: dict) -> None:
+def _chunked_refused(arg: dict, b) -> None:  # noqa: ANN001 - an integrations.Binding
+    """`arg["chunked"]`: the trainer path (`integrations.trainer.checked_parts`, what the
+    vLLM and SGLang trainer sides run) refuses this rank's chunked plan part for the other
+    source rank's identity, and the other rank's part for this identity, in one line
+    naming a chunk, before anything is registered."""
+    from integrations import trainer
+
+    other = (b.rank + 1) % arg["sources"]
+    theirs = rank_tensors(arg["plan"], other).identity
+    for rank, ident in ((b.rank, theirs), (other, b.identity)):
+        try:
+            trainer.checked_parts(arg["plan"], rank, ident, False, None, None, "trainer")
+        except IdentityError as e:
+            assert "\n" not in str(e) and " chunk " in str(e), str(e)
+            print(f"refused chunked rank {rank}: {e}", flush=True)
+            continue
+        raise AssertionError(f"chunked plan rank {rank} accepted identity {ident}")
+
+
+def _run_source(arg: dict, b) -> None:  # noqa: ANN001 - an integrations.Binding
+    """Send `arg["steps"]` steps of the bound tensors (+1 each step after the first): one
+    executor, or one per chunk of a chunked plan (`integrations.trainer.load`)."""
+    from integrations import trainer
+
+    tensors, rank, ident = b.tensors, b.rank, b.identity
     if arg.get("swap"):
         _refused(arg, tensors, rank, ident)
         return
-    ex = executor.load(arg["plan"], rank=rank, tensors=tensors, identity=ident,
-                       transport="nixl", rendezvous=_store(arg), timeout_s=120)
+    chunked, _ = trainer.checked_parts(arg["plan"], rank, ident, False, None, b, "trainer")
+    assert chunked == bool(arg.get("chunked")), f"chunked plan: {chunked}"
+    if chunked:
+        _chunked_refused(arg, b)
+    loaded = trainer.load(arg["plan"], rank, tensors, chunked, executor.LoadOptions(
+        identity=ident, transport="nixl", rendezvous=_store(arg), timeout_s=120))
     for step in range(arg["steps"]):
         if step:
             with torch.no_grad():
                 for t in tensors.values():
                     t.add_(1)
-        stats = executor.run(ex)
+        if chunked:
+            sent = sum(s.bytes for s in executor.run_chunks(loaded))
+        else:
+            sent = executor.run(loaded).bytes
         print(f"{arg['role']} {arg['index']}: plan rank {rank} step {step} sent "
-              f"{stats.bytes} bytes", flush=True)
+              f"{sent} bytes", flush=True)
 
 
 def megatron_source(arg: dict) -> None:
@@ -165,7 +199,7 @@ def megatron_source(arg: dict) -> None:
     assert b.rank == rank, f"Megatron rank {rank} got plan rank {b.rank}"
     if arg.get("vllm_swap"):
         return _vllm_swapped(arg, b)
-    _run_source(arg, b.tensors, b.rank, b.identity)
+    _run_source(arg, b)
 
 
 def fsdp2_source(arg: dict) -> None:
@@ -192,7 +226,7 @@ def fsdp2_source(arg: dict) -> None:
     assert b.rank == dist.get_rank(), f"rank {dist.get_rank()} got plan rank {b.rank}"
     if arg.get("vllm_swap"):
         return _vllm_swapped(arg, b)
-    _run_source(arg, b.tensors, b.rank, b.identity)
+    _run_source(arg, b)
 
 
 def _untouched(arg: dict, tensors: dict[str, torch.Tensor]) -> None:
@@ -229,13 +263,24 @@ def target(arg: dict) -> None:
         while True:  # the watcher reports and exits once the sources are done
             time.sleep(1)
     layout = build_layout(spec, cfg.target)
-    assert [(t.name, t.shape) for t in rt.tensors] == \
-        [(t.name, t.shape) for t in layout.ranks[arg["index"]].tensors]
-    ex = executor.load(arg["plan"], rank=rank, tensors=tensors, identity=rt.identity,
-                       transport="nixl", rendezvous=_store(arg), timeout_s=120)
+    got = [(t.name, t.shape) for t in rt.tensors]
+    want = [(t.name, t.shape) for t in layout.ranks[arg["index"]].tensors]
+    if arg.get("chunked"):  # the union of the chunks' tensors, in the order they are used
+        got, want = sorted(got), sorted(want)
+    assert got == want, f"rank_tensors {got[:3]}..., the layout {want[:3]}..."
+    o = executor.LoadOptions(identity=rt.identity, transport="nixl", rendezvous=_store(arg),
+                             timeout_s=120)
+    if arg.get("chunked"):  # every chunk through one buffer, switched into `tensors`
+        shadow = executor.ChunkedShadow.load(arg["plan"], rank, tensors, o)
+        assert len(shadow.chunks) > 1, f"{len(shadow.chunks)} chunk(s)"
+    else:
+        ex = executor.load(arg["plan"], rank, tensors, o)
     for step in range(arg["steps"]):
-        stats = executor.run(ex)
-        assert stats.complete, f"step {step} incomplete"
+        if arg.get("chunked"):
+            shadow.run()
+            assert shadow.switched == len(shadow.chunks), f"step {step}: torn"
+        else:
+            assert executor.run(ex).complete, f"step {step} incomplete"
         want = materialize(layout, _full(spec, step), ranks=[arg["index"]])[arg["index"]]
         bad = [n for n, t in tensors.items() if not torch.equal(t, want[n])]
         assert not bad, f"step {step}: {len(bad)} tensors differ, e.g. {bad[:3]}"

@@ -186,9 +186,9 @@ def test_the_egress_bound_is_never_below_one(fsdp16: str, capsys: pytest.Capture
 @pytest.mark.parametrize("world", [5, 2**31])
 def test_inspect_refuses_what_load_plan_refuses(demo: str, tmp_path: Path, world: int,
                                                 capsys: pytest.CaptureFixture) -> None:
-    # A header that claims ranks the file holds no plan for: the header itself reads fine
-    # (the old `inspect` printed it and exited 0), `load_plan` refuses it; with 2**31 ranks
-    # it did so only after building 2**31 names (> 3 GB, a minute): now at once.
+    # A header that claims ranks the file holds no plan for: the header itself reads fine,
+    # `inspect` must refuse it in one line as `load_plan` does, and with 2**31 ranks
+    # before building a name per claimed rank.
     plan = load_plan(demo)
     bad = tmp_path / "world.rplan"
     bad.write_bytes(encode_plan(dataclasses.replace(plan, header=dataclasses.replace(plan.header,

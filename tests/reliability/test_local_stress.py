@@ -7,10 +7,10 @@ and writes in flight across stages), `STEPS` steps each, weights changing every 
 (targets zeroed before each step, so a missing write shows). Around every signal sent
 and every poll, a random pause (none, a yield, 10 us, 100 us or 1 ms); each rank starts
 each step after a random delay; in the threads mode the interpreter switches threads
-every 50 us; and `SPINNERS` processes spin beside the ranks on the 2-core box. Before
-the fix, a DONE sent while the receiver's poll was between copying and clearing its
-mailbox was lost and the step timed out (2 of 40 threaded runs in the report); processes
-could not share a `local` world at all."""
+every 50 us; and `SPINNERS` processes spin beside the ranks on the 2-core box. A DONE
+sent while the receiver's poll is between copying and clearing its mailbox must not be
+lost (the step would time out), and processes forked after `connect` must share one
+`local` world."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import yaml
 
 from planner.compiler import compile_config
 from planner.validate import load
+from schemas.chunked_plan import write_chunked
 from schemas.plan_write import write_plan
 
 
@@ -39,7 +40,8 @@ def state(tp=0, pp=0, dp=0, ep=0, etp=0, edp=0, vpp=None):
 
 
 def compile_plan(tmp, hf: dict, source: dict, target: dict) -> tuple[str, str]:
-    """(config path, plan path) of a small plan compiled in `tmp`."""
+    """(config path, plan path) of a small plan compiled in `tmp` (a chunked plan when
+    `target` has `shadow: {budget_bytes: N}`)."""
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(hf, f)
     config = os.path.join(tmp, "c.yaml")
@@ -48,7 +50,11 @@ def compile_plan(tmp, hf: dict, source: dict, target: dict) -> tuple[str, str]:
                         "target": target}, f)
     cfg, spec = load(config)
     plan = os.path.join(tmp, "p.rplan")
-    write_plan(plan, compile_config(cfg, spec))
+    compiled = compile_config(cfg, spec)
+    if isinstance(compiled, list):
+        write_chunked(plan, compiled, cfg.target.shadow.budget_bytes)
+    else:
+        write_plan(plan, compiled)
     return config, plan
 
 
