@@ -17,8 +17,9 @@ import logging
 import os
 from typing import Any
 
+from schemas.errors import IdentityError
 from schemas.header import PlanHeader
-from schemas.identity import IdentityError, check_against_plan, check_part, plan_identity
+from schemas.identity import check_against_plan, check_part, plan_identity
 
 from .auth import ENV
 

@@ -38,8 +38,9 @@ from typing import Any
 import torch
 
 from schemas.chunked_plan import plan_header
+from schemas.errors import IdentityError
 from schemas.header import PlanHeader
-from schemas.identity import IdentityError, find_rank
+from schemas.identity import find_rank
 from schemas.tensors import rank_tensors
 
 from . import Binding, ModelMismatchError, match

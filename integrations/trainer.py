@@ -27,8 +27,9 @@ import torch
 import executor
 from executor import trust
 from schemas.chunked_plan import is_chunked, load_rank_chunks, plan_header
+from schemas.errors import IdentityError
 from schemas.header import PlanHeader
-from schemas.identity import IdentityError, describe, find_rank
+from schemas.identity import describe, find_rank
 from schemas.integrity import plan_key as read_key
 from schemas.plan import RankPlan, load_rank
 

@@ -33,7 +33,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from .header import PlanFormatError, PlanHeader
+from .errors import PlanFormatError
+from .header import PlanHeader
 from .integrity import signature
 from .plan import STAGING, Plan, RankPlan, open_plan, read_header, read_plan_from, read_rank
 from .plan_codec import checksum, pack, read_exact, unpack

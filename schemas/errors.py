@@ -15,6 +15,15 @@ class UserError(ValueError):
     """Bad input: the message names the key or tensor, the value and the fix, in one line."""
 
 
+class PlanFormatError(UserError):
+    """A plan file that cannot be trusted: wrong magic or version, bad checksum, truncation,
+    a malformed or out-of-range value."""
+
+
+class IdentityError(UserError):
+    """An identity is malformed, or the caller's identity differs from the plan's."""
+
+
 class ConfigError(UserError):
     """A config value a user got wrong. The message names the key, the value and the fix."""
 

@@ -19,7 +19,7 @@ from typing import Any
 from schemas.config import ClusterConfig, ConfigError, Options, SourceConfig, TargetConfig
 from schemas.config_load import config_from_dict
 
-from .errors import UserError
+from .errors import PlanFormatError
 from .placement import Placement, decode_placement, encode_placement
 
 Plain = None | bool | int | float | str | bytes | list["Plain"] | dict[str, "Plain"]
@@ -29,11 +29,6 @@ MAX_WORLD = 1 << 16
 """Ranks in one plan (real plans: hundreds); `read_header` refuses a header over it."""
 MAX_STAGES = 1 << 14
 """Stages in one plan: every rank walks every stage every step."""
-
-
-class PlanFormatError(UserError):
-    """A plan file that cannot be trusted: wrong magic or version, bad checksum, truncation,
-    a malformed or out-of-range value."""
 
 
 @dataclass(frozen=True, slots=True)

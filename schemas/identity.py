@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .header import PlanHeader
 
-from .errors import UserError
+from .errors import IdentityError
 
 KEYS: dict[str, tuple[str, ...]] = {
     "megatron": ("tp", "pp", "vpp", "dp", "ep", "etp", "edp"),
@@ -42,10 +42,6 @@ TARGETS = ("vllm", "sglang")
 HEADER_KEY = "identities"
 """The plan header key: a list with one identity per plan rank."""
 _MAX = 1 << 24  # no parallel group has this many members: a larger value is corrupt
-
-
-class IdentityError(UserError):
-    """An identity is malformed, or the caller's identity differs from the plan's."""
 
 
 def describe(identity: dict[str, Any]) -> str:

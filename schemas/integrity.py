@@ -22,7 +22,8 @@ from typing import Any
 
 import msgpack
 
-from .header import PlanFormatError, PlanHeader
+from .errors import PlanFormatError
+from .header import PlanHeader
 
 MIN_KEY_BYTES = 16
 MAX_KEY_BYTES = 1 << 16

@@ -30,7 +30,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .header import MAX_STAGES, MAX_WORLD, PlanFormatError, PlanHeader
+from .errors import PlanFormatError
+from .header import MAX_STAGES, MAX_WORLD, PlanHeader
 from .plan_codec import MAX_HEADER_BYTES, checksum, inflate, read_exact, unpack
 from .shadow_part import ShadowPart
 from .table import Table

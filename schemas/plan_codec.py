@@ -15,7 +15,7 @@ from typing import Any, BinaryIO
 
 import msgpack
 
-from .header import PlanFormatError
+from .errors import PlanFormatError
 
 
 def pack(obj: Any) -> bytes:

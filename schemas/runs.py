@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from .header import PlanFormatError
+from .errors import PlanFormatError
 from .plan import RankPlan
 from .protocol import ITEM
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .header import PlanFormatError
+from .errors import PlanFormatError
 from .table import Table
 
 SHADOW_REGION_COLUMNS = (("region", "<i4"), ("offset", "<i8"), ("nbytes", "<i8"))

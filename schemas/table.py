@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .header import PlanFormatError
+from .errors import PlanFormatError
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,17 +29,9 @@ from typing import Any
 import numpy as np
 
 from .chunked_plan import chunk_files, starts_chunked
+from .errors import PlanFormatError
 from .identity import plan_identity
-from .plan import (
-    STAGING,
-    PlanFormatError,
-    RankPlan,
-    Table,
-    open_plan,
-    plan_int,
-    read_blob,
-    read_header,
-)
+from .plan import STAGING, RankPlan, Table, open_plan, plan_int, read_blob, read_header
 
 PIECE_COLUMNS = (("region", "<i4"), ("tensor", "<i4"), ("off0", "<i8"), ("off1", "<i8"),
                  ("size0", "<i8"), ("size1", "<i8"), ("start", "<i8"), ("stride0", "<i8"),

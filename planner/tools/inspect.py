@@ -16,13 +16,13 @@ import numpy as np
 
 from planner.tools.inspect_placement import placement_lines, placement_summary
 from schemas.bounds import violations
+from schemas.errors import PlanFormatError
 from schemas.header import PlanHeader
 from schemas.plan import (
     PACK,
     QUANT,
     STAGING,
     UNPACK,
-    PlanFormatError,
     RankPlan,
     decode_explain,
     open_plan,

@@ -16,7 +16,8 @@ from typing import Any, BinaryIO
 import msgpack
 import numpy as np
 
-from schemas.header import PlanFormatError, PlanHeader
+from schemas.errors import PlanFormatError
+from schemas.header import PlanHeader
 from schemas.plan import (
     COVERAGE_COLUMNS,
     DAG_EDGE_COLUMNS,

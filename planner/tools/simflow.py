@@ -18,8 +18,9 @@ import numpy as np
 from planner.rows import unique_rows
 from planner.tools.planfile import PlanRanks, ticker
 from schemas.bounds import order_violations
+from schemas.errors import PlanFormatError
 from schemas.header import PlanHeader
-from schemas.plan import COPY_GROUP_KEY, PACK, QUANT, UNPACK, PlanFormatError, RankPlan
+from schemas.plan import COPY_GROUP_KEY, PACK, QUANT, UNPACK, RankPlan
 from schemas.protocol import ITEM, Overlap, carries
 
 NIC, NVLINK = 0, 1

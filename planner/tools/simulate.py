@@ -62,7 +62,8 @@ from planner.tools.simflow import (
 from planner.tools.simgap import explain_gap
 from planner.tools.simrates import RateCache
 from planner.topology import NIC_WRITE_S, NVLINK_WRITE_S
-from schemas.plan import ACK, DONE, READY, SLOT_ACK, Plan, PlanFormatError
+from schemas.errors import PlanFormatError
+from schemas.plan import ACK, DONE, READY, SLOT_ACK, Plan
 from schemas.protocol import INFLIGHT, sent_stage
 
 _WAIT_IN, _PACK, _WRITE, _SEND_DONE, _WAIT_DONE, _UNPACK, _SEND_ACK = range(7)

@@ -12,9 +12,10 @@ import numpy as np
 
 from planner.writes import Incoming
 from schemas.bounds import violations
+from schemas.errors import PlanFormatError
 from schemas.header import PlanHeader
 from schemas.intervals import first_overlap_by_group, outside_by_group, overlap_by_group
-from schemas.plan import PACK, QUANT, STAGING, UNPACK, PlanFormatError, RankPlan
+from schemas.plan import PACK, QUANT, STAGING, UNPACK, RankPlan
 from schemas.protocol import (
     ALIGN,
     SCALE_BYTES,

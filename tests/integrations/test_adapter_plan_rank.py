@@ -14,8 +14,9 @@ from integrations import sglang, vllm_checks
 from planner.compiler import compile_config
 from planner.spec import spec_from_hf
 from schemas.config_load import config_from_dict
+from schemas.errors import IdentityError
 from schemas.header import PlanHeader
-from schemas.identity import IdentityError, find_rank
+from schemas.identity import find_rank
 from tests.support.models import qwen3, qwen3_moe
 
 SOURCE = {"framework": "fsdp2", "dp": 2}

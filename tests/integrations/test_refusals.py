@@ -18,7 +18,7 @@ from planner.validate import validate
 from schemas.chunked_plan import load_chunked, write_chunked
 from schemas.config import SourceConfig
 from schemas.config_load import config_from_dict
-from schemas.identity import IdentityError
+from schemas.errors import IdentityError
 from schemas.plan_write import write_plan
 from schemas.tensors import rank_tensors
 from tests.support.integration import module, state

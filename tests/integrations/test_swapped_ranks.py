@@ -25,7 +25,8 @@ from planner.compiler import compile_config
 from planner.spec import spec_from_hf
 from planner.validate import validate
 from schemas.config_load import config_from_dict
-from schemas.identity import IdentityError, describe
+from schemas.errors import IdentityError
+from schemas.identity import describe
 from schemas.plan import read_header
 from schemas.plan_write import write_plan
 from schemas.tensors import rank_tensors

@@ -37,7 +37,7 @@ from harness.weights import materialize, random_full_tensors  # noqa: E402
 from planner.frameworks import build_layout  # noqa: E402
 from planner.layouts import megatron  # noqa: E402
 from planner.validate import load  # noqa: E402
-from schemas.identity import IdentityError  # noqa: E402
+from schemas.errors import IdentityError  # noqa: E402
 from schemas.tensors import rank_tensors  # noqa: E402
 from tests.support.integration import RecordingClient  # noqa: E402
 

@@ -16,7 +16,7 @@ from executor.chunked import ChunkedShadow, load_chunks
 from executor.transports.local import Fabric
 from planner.cli import main
 from schemas.chunked_plan import MAGIC, load_chunked, write_chunked
-from schemas.header import PlanFormatError
+from schemas.errors import PlanFormatError
 from tests.support.shadow_plans import CASES, compile_chunked_file
 
 BUDGET = 1 << 20

@@ -14,7 +14,7 @@ from executor.errors import PlanBoundsError
 from executor.transports.local import Fabric
 from planner.cli import main
 from schemas.chunked_plan import load_chunked, write_chunked
-from schemas.header import PlanFormatError
+from schemas.errors import PlanFormatError
 from schemas.shadow import SWITCH_COLUMNS
 from schemas.table import Table
 from tests.support.shadow_plans import CASES, compile_chunked_file

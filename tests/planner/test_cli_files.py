@@ -100,8 +100,8 @@ def test_a_nul_byte_in_a_path_is_exit_2_and_a_message(tmp_path, where, capsys) -
 
 
 def test_a_nul_byte_in_the_plan_key_path_is_refused_by_the_executor_api(tmp_path) -> None:
+    from schemas.errors import PlanFormatError
     from schemas.integrity import plan_key
-    from schemas.plan import PlanFormatError
 
     with pytest.raises(PlanFormatError, match="NUL"):
         plan_key(str(tmp_path / "k\0ey"))

@@ -27,7 +27,8 @@ from planner.tools.verify import verify_plan
 from planner.validate import validate
 from schemas.config import ConfigError
 from schemas.config_load import config_from_dict
-from schemas.header import PlanFormatError, PlanHeader
+from schemas.errors import PlanFormatError
+from schemas.header import PlanHeader
 from schemas.placement import Placement, load
 from schemas.plan_write import encode_plan, write_plan
 

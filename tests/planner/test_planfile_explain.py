@@ -11,7 +11,8 @@ import msgpack
 import pytest
 
 from planner.tools.planfile import PlanFile, explain_streamed
-from schemas.plan import EXPLAIN_COLUMNS, PlanFormatError, decode_explain
+from schemas.errors import PlanFormatError
+from schemas.plan import EXPLAIN_COLUMNS, decode_explain
 from schemas.plan_codec import FRAME, deflate
 from tests.support.plans import save, two_by_two
 

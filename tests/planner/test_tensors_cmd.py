@@ -14,7 +14,8 @@ from planner.frameworks import build_layout
 from planner.spec import spec_from_hf
 from planner.validate import validate
 from schemas.config_load import config_from_dict
-from schemas.plan import PlanFormatError, load_plan
+from schemas.errors import PlanFormatError
+from schemas.plan import load_plan
 from schemas.plan_write import encode_plan, write_plan
 from schemas.tensors import rank_tensors
 from tests.support.models import deepseek_v3

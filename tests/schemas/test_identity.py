@@ -11,8 +11,8 @@ from planner.spec import spec_from_hf
 from planner.validate import validate
 from schemas.config import SourceConfig, TargetConfig
 from schemas.config_load import config_from_dict
+from schemas.errors import IdentityError
 from schemas.identity import (
-    IdentityError,
     check_against_plan,
     check_identities,
     check_identity,

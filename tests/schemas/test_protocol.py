@@ -24,7 +24,8 @@ from executor.quant import prepare_quants
 from executor.transports.local import Fabric
 from planner.tools.simulate import _Sim
 from schemas.bounds import violations
-from schemas.plan import COPY_COLUMNS, QUANT, UNPACK, PlanFormatError, Table, load_plan, load_rank
+from schemas.errors import PlanFormatError
+from schemas.plan import COPY_COLUMNS, QUANT, UNPACK, Table, load_plan, load_rank
 from schemas.plan_write import write_plan
 from schemas.protocol import FP8_BLOCK, carries, copy_footprint, scale_blocks
 from tests.property import fuzz
