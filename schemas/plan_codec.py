@@ -65,8 +65,8 @@ def check_plain(data: bytes, what: str) -> None:
         msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext,
                         max_ext_len=0, use_list=False)
         return
-    except Exception:  # noqa: BLE001 - msgpack raises several types for corrupt input
-        pass  # `unpack` decides, and says what is wrong
+    except (ValueError, TypeError, PlanFormatError):  # what `unpack`'s own fast decode
+        pass  # hands on: `unpack` decides, and says what is wrong
     unpack(data, what)
 
 
