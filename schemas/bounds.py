@@ -39,6 +39,7 @@ from schemas.protocol import (
     write_footprint,
 )
 from schemas.protocol import KINDS as SIGNAL_KINDS
+from schemas.table import content_key, table_digest
 
 TABLES = ("writes", "batches", "copies", "signals", "waits")
 FLOAT_CODES = tuple(DTYPE_CODES.index(d) for d in ("bfloat16", "float16", "float32"))
@@ -212,7 +213,37 @@ def _batches(rp: RankPlan) -> Iterator[str | None]:
                  f"names a nic outside [0, {len(rp.nics)})", b)
 
 
+_PROVEN: dict[bytes, None] = {}
+"""Keys (`_copies_key`) of copy tables proven within bounds, each with everything of its
+rank the proof reads: a rank whose copies, regions' sizes and dtypes, staging index, role
+and stages equal an earlier rank's (every shard of one pipeline stage, every replica) has
+the same proof, run once. A table that fails is never recorded: it is proven again, and
+named, wherever it occurs."""
+PROVEN_MAX = 4096
+
+
+def _copies_key(rp: RankPlan, sizes: np.ndarray) -> bytes:
+    facts = region_facts(rp.regions)
+    return content_key(table_digest(rp.copies), sizes, facts.codes, staging_index(rp),
+                       len(rp.regions), rp.role, rp.stages)
+
+
 def _copies(rp: RankPlan, sizes: np.ndarray) -> Iterator[str | None]:
+    """`_copy_proof`, once for equal inputs (`_PROVEN`)."""
+    key = _copies_key(rp, sizes)
+    if key in _PROVEN:
+        return
+    failed = False
+    for msg in _copy_proof(rp, sizes):
+        failed = failed or msg is not None
+        yield msg
+    if not failed:
+        if len(_PROVEN) >= PROVEN_MAX:
+            _PROVEN.clear()
+        _PROVEN[key] = None
+
+
+def _copy_proof(rp: RankPlan, sizes: np.ndarray) -> Iterator[str | None]:
     c, nreg = rp.copies, len(rp.regions)
     kinds = KINDS.get(rp.role, ())
     yield _first(rp, "copy", ~np.isin(c["kind"], kinds), f"has a kind other than {kinds} "

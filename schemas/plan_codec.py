@@ -56,6 +56,20 @@ def unpack(data: bytes, what: str) -> Any:
     return obj
 
 
+def check_plain(data: bytes, what: str) -> None:
+    """What `unpack` checks of `data`, nothing kept: arrays made as tuples, which cost less
+    than lists (`use_list` changes only the container made: map keys must be strings
+    either way, so the same bytes pass), and anything the fast decode refuses handed to
+    `unpack`, which accepts exactly what it accepts and says what is wrong."""
+    try:
+        msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext,
+                        max_ext_len=0, use_list=False)
+        return
+    except (ValueError, TypeError, PlanFormatError):  # what `unpack`'s own fast decode
+        pass  # hands on: `unpack` decides, and says what is wrong
+    unpack(data, what)
+
+
 def checksum(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=32).digest()
 

@@ -78,6 +78,7 @@ from schemas.plan import (
     UNPACK,
     RankPlan,
 )
+from schemas.table import content_key, table_digest
 
 ITEM = np.array([ITEMSIZE[d] for d in DTYPE_CODES], dtype=np.int64)
 """Bytes of one element, by dtype code (`schemas.plan.DTYPE_CODES`)."""
@@ -385,6 +386,30 @@ def _by_stage(stage: np.ndarray, lo: np.ndarray, hi: np.ndarray
                                                           ends.tolist())}
 
 
+_OVERLAPS: dict[bytes, Overlap] = {}
+OVERLAPS_MAX = 256
+
+
+def overlap(rp: RankPlan) -> Overlap:
+    """`Overlap(rp)`, read-only, made once for ranks with equal inputs to it (its copies,
+    its writes' sources and stages, its stages and staging index: every shard of one
+    pipeline stage, every replica), kept by a digest of them (`schemas.table.content_key`)."""
+    sg = staging_index(rp)
+    if sg < 0 or rp.stages < 2 or not len(rp.copies):
+        return Overlap(rp)  # nothing to find: made at once
+    w = rp.writes
+    key = content_key(table_digest(rp.copies), w["src_region"], w["src_offset"], w["nbytes"],
+                      write_stages(rp), rp.stages, sg)
+    ov = _OVERLAPS.get(key)
+    if ov is None:
+        ov = Overlap(rp)
+        ov.prepacked.flags.writeable = False
+        if len(_OVERLAPS) >= OVERLAPS_MAX:
+            _OVERLAPS.clear()
+        _OVERLAPS[key] = ov
+    return ov
+
+
 def prepacked(rp: RankPlan) -> np.ndarray:
     """`out[s]`: stage s's PACK/QUANT copies run during stage s-1's writes (module doc)."""
-    return Overlap(rp).prepacked
+    return overlap(rp).prepacked

@@ -3,6 +3,8 @@ little-endian bytes in msgpack."""
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,3 +67,43 @@ class Table:
                 raise PlanFormatError(f"{what}.{name}: column bytes are malformed")
             cols[name] = np.frombuffer(b, dtype=dt)
         return Table.build(schema, **cols)
+
+
+_DIGESTS: list[tuple[Table, bytes]] = []
+"""The last few tables digested and their digests, by identity (a table's columns are
+read-only and it is frozen: the same object always has the same bytes)."""
+
+
+def table_digest(t: Table) -> bytes:
+    """SHA-256 of a table's schema and column bytes (each column's length first, so no two
+    tables share a digest but by a collision). The last few are kept by identity: a rank's
+    copies are digested once for every check that keys on them."""
+    for seen, d in _DIGESTS:
+        if seen is t:
+            return d
+    h = hashlib.sha256(repr(t.schema).encode())
+    for a in t.columns:
+        h.update(struct.pack("<Q", a.nbytes))
+        h.update(np.ascontiguousarray(a))
+    d = h.digest()
+    _DIGESTS[:] = [(t, d), *_DIGESTS[:3]]
+    return d
+
+
+def content_key(*parts: Any) -> bytes:
+    """SHA-256 of `parts`, each a numpy array (its dtype, shape and bytes), bytes, or a
+    plain value (its `repr`: ints, strings, floats, tuples of them), each tagged and
+    length-prefixed: two keys are equal only where every part is (but by a collision).
+    What a pure check of a rank's columns is keyed by, so that it runs once for equal
+    inputs (`schemas.bounds`, `schemas.protocol.overlap`)."""
+    h = hashlib.sha256()
+    for p in parts:
+        if isinstance(p, np.ndarray):
+            b = f"a{p.dtype.str}{p.shape}".encode()
+            h.update(struct.pack("<Q", len(b)) + b)
+            h.update(struct.pack("<Q", p.nbytes))
+            h.update(np.ascontiguousarray(p))
+        else:
+            b = (b"b" + p) if isinstance(p, bytes) else f"v{p!r}".encode()
+            h.update(struct.pack("<Q", len(b)) + b)
+    return h.digest()

@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from planner.placement import ep_rank
 from schemas.header import PlanHeader
 
 _SLOTS = re.compile(r"^model\.layers\.(\d+)\..*experts\.(?:routed_experts\.)?(w13|w2)_weight$")
@@ -23,6 +22,7 @@ def placement_summary(path: str, header: PlanHeader) -> dict[str, Any] | None:
     p = header.placement
     if p is None:
         return None
+    from planner.placement import ep_rank  # (the compiler's passes: only with a placement)
     from planner.tools.planfile import PlanFile
 
     ranks = []

@@ -26,6 +26,7 @@ from schemas.plan import (
     Plan,
     RankPlan,
     Table,
+    check_blob,
     decode_explain,
     open_plan,
     read_blob,
@@ -194,9 +195,9 @@ class PlanFile(PlanRanks):
             progress("checking the explain blob")
         if not explain_streamed(self.f, self.header, self.start, self.path):
             decode_explain(self.blob("explain"), self.path)
-        for name in self.header.blobs:
+        for name in self.header.blobs:  # (read_blob's checks, nothing kept)
             if not name.startswith("rank/") and name not in ("explain", "dag"):
-                self.blob(name)
+                check_blob(self.f, self.header, self.start, name, self.path)
 
     def check_all(self, progress: Callable[[str], None] | None = None) -> None:
         """What `load_plan` checks of the file, one blob at a time, nothing kept: every

@@ -21,7 +21,8 @@ from schemas.bounds import order_violations
 from schemas.errors import PlanFormatError
 from schemas.header import PlanHeader
 from schemas.plan import COPY_GROUP_KEY, PACK, QUANT, UNPACK, RankPlan
-from schemas.protocol import ITEM, Overlap, carries
+from schemas.protocol import ITEM, Overlap, carries, overlap
+from schemas.table import content_key, table_digest
 
 NIC, NVLINK = 0, 1
 """Channels of a source rank (the values of `batches.nic`)."""
@@ -71,7 +72,7 @@ def sim_rank(rp: RankPlan, header: PlanHeader) -> SimRank:
     pbps, pov = opts.pack_gbps * 1e9 / 8, opts.pack_overhead_us * 1e-6
     return SimRank(rp.rank, rp.stages, batch_columns((rp,)),
                    copy_seconds(rp, (PACK, QUANT), pbps, pov),
-                   copy_seconds(rp, (UNPACK,), pbps, pov), Overlap(rp), carries(rp).tolist(),
+                   copy_seconds(rp, (UNPACK,), pbps, pov), overlap(rp), carries(rp).tolist(),
                    by_stage(rp.signals, rp.stages), by_stage(rp.waits, rp.stages))
 
 
@@ -183,11 +184,32 @@ def concat_batches(cols: dict[str, list[np.ndarray]]) -> Batches:
                        for k, v in cols.items()})
 
 
+_SECONDS: dict[bytes, np.ndarray] = {}
+SECONDS_MAX = 1024
+
+
 def copy_seconds(rp: RankPlan, kinds: tuple[int, ...], pack_bps: float,
-                  overhead_s: float) -> np.ndarray:
+                 overhead_s: float) -> np.ndarray:
     """Seconds of the copies of `kinds` in each stage of one rank: bytes (of the wider side)
     at `pack_bps`, plus `overhead_s` per executor op (a QUANT, or a group of PACKs or
-    UNPACKs that run as one, `schemas.plan.COPY_GROUP_KEY`)."""
+    UNPACKs that run as one, `schemas.plan.COPY_GROUP_KEY`). Read-only; worked out once
+    for ranks with equal copies and stages (every shard of a pipeline stage, every
+    replica), kept by a digest of them."""
+    if not len(rp.copies):
+        return _copy_seconds(rp, kinds, pack_bps, overhead_s)
+    key = content_key(table_digest(rp.copies), rp.stages, kinds, pack_bps, overhead_s)
+    out = _SECONDS.get(key)
+    if out is None:
+        out = _copy_seconds(rp, kinds, pack_bps, overhead_s)
+        out.flags.writeable = False
+        if len(_SECONDS) >= SECONDS_MAX:
+            _SECONDS.clear()
+        _SECONDS[key] = out
+    return out
+
+
+def _copy_seconds(rp: RankPlan, kinds: tuple[int, ...], pack_bps: float,
+                  overhead_s: float) -> np.ndarray:
     c = rp.copies
     out = np.zeros(rp.stages)
     m = np.isin(c["kind"], kinds)

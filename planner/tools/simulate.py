@@ -285,11 +285,11 @@ class _Sim:
             return  # the next stage's packs are still running
         posted = win[1] == win[2]
         while win[1] < win[2] and win[3] < self.inflight:
-            g = int(self.qorder[win[1]])
+            g = self.qorder_l[win[1]]
             slot = self.free_slots[r].pop()
-            self.flow_gid[slot], self.rem[slot], self.active[slot] = g, self.size[g], True
-            self.f_eres[slot], self.f_ires[slot] = self.ceres[g], self.cires[g]
-            self.rates.on(int(self.fkey[g]))
+            self.gid_l[slot], self.rem[slot], self.active[slot] = g, self.size_l[g], True
+            self.f_eres[slot], self.f_ires[slot] = self.ceres_l[g], self.cires_l[g]
+            self.rates.on(self.fkey_l[g])
             self.start[g], self.lane[g] = t, slot % self.inflight
             win[1] += 1
             win[3] += 1
@@ -298,9 +298,9 @@ class _Sim:
             self._carry(r, t)
 
     def _end_flow(self, slot: int, t: float) -> None:
-        g = int(self.flow_gid[slot])
+        g = self.gid_l[slot]
         self.end[g] = t
-        self.rates.off(int(self.fkey[g]))
+        self.rates.off(self.fkey_l[g])
         self.landed += 1
         self.active[slot] = False
         self.dirty = True
@@ -309,7 +309,7 @@ class _Sim:
         win = self.window[r]
         win[0] += 1  # any landed batch frees its place in the window
         win[3] -= 1
-        s = int(self.b.stage[g])
+        s = self.stage_l[g]
         self.unlanded[r][s] -= 1
         if not self.unlanded[r][s] and s in self.deferred[r]:  # a carried stage has landed
             self.deferred[r].discard(s)
@@ -333,6 +333,12 @@ class _Sim:
             ) -> dict[str, Any]:
         initial_state(self)
         self.rates = RateCache(len(self.ccap))  # (tests replace it by a reference)
+        # what the per-batch steps read one value at a time, as lists (a numpy scalar read
+        # costs several times a list's; the values are the same)
+        self.qorder_l, self.size_l = self.qorder.tolist(), self.size.tolist()
+        self.ceres_l, self.cires_l = self.ceres.tolist(), self.cires.tolist()
+        self.fkey_l, self.stage_l = self.fkey.tolist(), self.b.stage.tolist()
+        self.gid_l = self.flow_gid.tolist()  # each window slot's batch
         w, nb = self.world, len(self.b.rank)
         busy, slack = np.zeros(len(self.ccap)), np.zeros(len(self.ccap))
         t, events = 0.0, 0

@@ -8,6 +8,8 @@ The executor can run the checks that need no peer (`rank_bounds`, `rank_sizes`) 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from planner.writes import Incoming
@@ -28,6 +30,7 @@ from schemas.protocol import (
     write_stages,
 )
 from schemas.runs import MAX_COPY_RUNS, copy_runs
+from schemas.table import content_key, table_digest
 
 MAX_RUNS = MAX_COPY_RUNS
 
@@ -142,12 +145,11 @@ def rank_dataflow(rp: RankPlan, inc: Incoming) -> list[str]:
     m = inc.region == sg
     land = (inc.stage[m], inc.lo[m], inc.hi[m])
     w, c, stage = rp.writes, rp.copies, write_stages(rp)
-    rows, p_lo, p_hi = copy_runs(rp, np.flatnonzero((c["kind"] == PACK)
-                                                    & (c["dst_region"] == sg)), "dst")
-    p_st = c["stage"][rows].astype(np.int64)
-    for s in first_overlap_by_group(p_st, p_lo, p_hi).tolist():
+    own = own_staging(rp, sg)
+    p_st, p_lo, p_hi = own.packs
+    for s in own.pack_overlaps:
         out.append(f"rank {rp.rank}: packs of stage {s} overlap in staging")
-    q_st, q_lo, q_hi = quant_runs(rp, sg)
+    q_st, q_lo, q_hi = own.quants
     sel = np.flatnonzero(w["src_region"] == sg)
     lo = w["src_offset"][sel].astype(np.int64)
     # stage s reads what its packs and QUANTs and stage s-1's packs and landed writes fill
@@ -167,13 +169,59 @@ def rank_dataflow(rp: RankPlan, inc: Incoming) -> list[str]:
         for s in np.unique(e_st[hit]).tolist():
             out.append(f"rank {rp.rank}: stage {s} packs early (schemas/protocol.py) into "
                        f"staging bytes that writes of stage {s - 1} land in")
-    rows, lo, hi = copy_runs(rp, np.flatnonzero((c["kind"] == UNPACK)
-                                                & (c["src_region"] == sg)), "src")
-    u_st = c["stage"][rows].astype(np.int64)
+    u_st, lo, hi = own.unpacks
     for s in np.unique(u_st[outside_by_group(u_st, lo, hi, *land)]).tolist():
         out.append(f"rank {rp.rank}: an unpack of stage {s} reads staging bytes that no "
                    "write of its stage fills")
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class OwnStaging:
+    """What `rank_dataflow` reads of a rank's own copies in its staging: (stage, lo, hi) of
+    its packs' runs, the stages whose packs overlap, its QUANTs' runs and its unpacks'
+    runs. The same for every rank with equal copies (and staging index): `own_staging`."""
+
+    packs: tuple[np.ndarray, np.ndarray, np.ndarray]
+    pack_overlaps: tuple[int, ...]
+    quants: tuple[np.ndarray, np.ndarray, np.ndarray]
+    unpacks: tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+_OWN: dict[bytes, OwnStaging] = {}
+OWN_BYTES = 128 << 20
+"""Bytes of runs `own_staging` keeps; beyond them it starts again."""
+_own_bytes = [0]
+
+
+def own_staging(rp: RankPlan, sg: int) -> OwnStaging:
+    """`OwnStaging` of `rp` (`sg`: its staging index), made once for ranks with equal copies
+    (every shard of a pipeline stage, every replica), kept by a digest of them
+    (`schemas.table.content_key`); a rank whose copies fail a check raises each time."""
+    key = content_key(table_digest(rp.copies), sg)
+    got = _OWN.get(key)
+    if got is not None:
+        return got
+    c = rp.copies
+    rows, p_lo, p_hi = copy_runs(rp, np.flatnonzero((c["kind"] == PACK)
+                                                    & (c["dst_region"] == sg)), "dst")
+    p_st = c["stage"][rows].astype(np.int64)
+    overlapping = tuple(first_overlap_by_group(p_st, p_lo, p_hi).tolist())
+    quants = quant_runs(rp, sg)
+    rows, u_lo, u_hi = copy_runs(rp, np.flatnonzero((c["kind"] == UNPACK)
+                                                    & (c["src_region"] == sg)), "src")
+    u_st = c["stage"][rows].astype(np.int64)
+    got = OwnStaging((p_st, p_lo, p_hi), overlapping, quants, (u_st, u_lo, u_hi))
+    arrays = (*got.packs, *got.quants, *got.unpacks)
+    for a in arrays:
+        a.flags.writeable = False
+    size = sum(a.nbytes for a in arrays)
+    if _own_bytes[0] + size > OWN_BYTES:
+        _OWN.clear()
+        _own_bytes[0] = 0
+    _OWN[key] = got
+    _own_bytes[0] += size
+    return got
 
 
 def cat3(*parts: tuple[np.ndarray, np.ndarray, np.ndarray]
