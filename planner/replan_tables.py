@@ -97,9 +97,9 @@ class SourceTensors:
         return region, gid_of_region
 
     def geometry(self, rank: int, gid: np.ndarray) -> np.ndarray:
-        """`[len(gid), 7]`: where the piece of spec tensor `gid[i]` sits in its tensor."""
-        _, _, row, t = self._of(rank)
-        return np.stack([t[c][row[gid]] for c in self._GEOMETRY], 1)
+        """Where the piece of spec tensor `gid[i]` sits in its tensor, as one class number
+        per tensor (equal numbers: equal offsets, sizes, start and strides)."""
+        return self._of(rank)[2][gid]
 
     def _of(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Table]:
         if rank not in self._cache:
@@ -133,11 +133,16 @@ class SourceTensors:
                                      "placement in full")
             region = np.full(n, -1, np.int64)
             region[g] = reg
-            row = np.zeros(n, np.int64)  # the piece of each expert tensor
-            row[g] = expert
+            geo = np.full(n, -1, np.int64)  # the geometry class of each expert tensor
+            if len(g):
+                cols = np.stack([t[c][expert].astype(np.int64) for c in self._GEOMETRY], 1)
+                order = np.lexsort(cols.T[::-1])
+                step = np.ones(len(order), bool)
+                step[1:] = (cols[order[1:]] != cols[order[:-1]]).any(1)
+                geo[g[order]] = np.cumsum(step)
             gid_of_region = np.full(nreg, -1, np.int64)
             gid_of_region[reg[reg < nreg]] = g[reg < nreg]
-            self._cache[rank] = (region, gid_of_region, row, t)
+            self._cache[rank] = (region, gid_of_region, geo, t)
             _SOURCES_KEPT.append((blob, self.spec, nreg, self._cache[rank]))
             del _SOURCES_KEPT[:-_SOURCES_KEEP]
         return self._cache[rank]
@@ -302,9 +307,11 @@ def _spliced(table: Table, col: dict[str, np.ndarray], lo: np.ndarray, hi: np.nd
     if np.array_equal(span, b_len):
         at = np.repeat(lo - np.cumsum(span) + span, span) + np.arange(int(span.sum()))
         for i, (name, dt) in enumerate(EXPLAIN_COLUMNS):
-            c = np.array(col[name], dtype=dt)
-            c[at] = block[i]
-            out[name] = c
+            c = col[name]
+            if i and not np.array_equal(c[at], block[i]):  # `tensor` keeps its runs
+                c = np.array(c, dtype=dt)
+                c[at] = block[i]
+            out[name] = c  # an unchanged column is the old table's (read-only) array
         return Table.build(EXPLAIN_COLUMNS, **out)
     # runs, in output order: the kept rows before each affected tensor, then its block rows
     keep_lo = np.append(0, hi)
