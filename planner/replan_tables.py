@@ -297,8 +297,10 @@ def _spliced(table: Table, col: dict[str, np.ndarray], lo: np.ndarray, hi: np.nd
     table is) replaced by `block`'s rows of that tensor (`block`: columns x rows, sorted).
 
     Where every tensor keeps its row count (most placement changes), the table is copied
-    and the block written over those rows; else each output row's source (a kept row, or
-    a block row) is one index, built from the runs, and every column taken through it."""
+    and the block written over those rows (a column they leave unchanged is kept as it
+    is); else the tensors whose row count changes cut the table into runs, each column is
+    those runs and their block rows copied in order, and the other affected tensors' block
+    rows written over their rows, shifted."""
     b_lo = np.searchsorted(block[0], affected, "left")
     b_hi = np.searchsorted(block[0], affected, "right")
     span, b_len = hi - lo, b_hi - b_lo
@@ -313,17 +315,27 @@ def _spliced(table: Table, col: dict[str, np.ndarray], lo: np.ndarray, hi: np.nd
                 c[at] = block[i]
             out[name] = c  # an unchanged column is the old table's (read-only) array
         return Table.build(EXPLAIN_COLUMNS, **out)
-    # runs, in output order: the kept rows before each affected tensor, then its block rows
-    keep_lo = np.append(0, hi)
-    keep_len = np.append(lo, n) - keep_lo
-    starts = np.empty(2 * len(affected) + 1, np.int64)
-    lens = np.empty(2 * len(affected) + 1, np.int64)
-    starts[0::2], lens[0::2] = keep_lo, keep_len
-    starts[1::2], lens[1::2] = n + b_lo, b_len  # block rows after the table's
-    total = int(lens.sum())
-    at = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(total)
+    # the tensors whose row count changes cut the table into runs, copied in output order
+    # (kept rows, then that tensor's block rows); the other affected tensors' rows are
+    # written over, at their place shifted by the row counts changed before them
+    cut = np.flatnonzero(span != b_len)
+    shift = np.zeros(len(affected), np.int64)
+    shift[cut] = b_len[cut] - span[cut]
+    shift = np.cumsum(shift) - shift  # of each affected tensor's first row
+    eq = np.flatnonzero(span == b_len)
+    at = np.repeat(lo[eq] + shift[eq] - np.cumsum(span[eq]) + span[eq], span[eq]) + np.arange(
+        int(span[eq].sum()))
+    b_at = np.repeat(b_lo[eq] - np.cumsum(span[eq]) + span[eq], span[eq]) + np.arange(
+        int(span[eq].sum()))
+    edges = np.stack([np.append(0, hi[cut]), np.append(lo[cut], n)], 1).tolist()
+    b_edges = np.stack([b_lo[cut], b_hi[cut]], 1).tolist()
     for i, (name, dt) in enumerate(EXPLAIN_COLUMNS):
-        out[name] = np.concatenate([col[name], block[i].astype(dt)])[at]
+        c, bc = col[name], block[i].astype(dt)
+        parts = [c[edges[0][0]:edges[0][1]]]
+        for (blo, bhi), (klo, khi) in zip(b_edges, edges[1:]):
+            parts += [bc[blo:bhi], c[klo:khi]]
+        out[name] = np.concatenate(parts)
+        out[name][at] = bc[b_at]
     return Table.build(EXPLAIN_COLUMNS, **out)
 
 
