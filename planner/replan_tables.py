@@ -97,9 +97,9 @@ class SourceTensors:
         return region, gid_of_region
 
     def geometry(self, rank: int, gid: np.ndarray) -> np.ndarray:
-        """`[len(gid), 7]`: where the piece of spec tensor `gid[i]` sits in its tensor."""
-        _, _, row, t = self._of(rank)
-        return np.stack([t[c][row[gid]] for c in self._GEOMETRY], 1)
+        """Where the piece of spec tensor `gid[i]` sits in its tensor, as one class number
+        per tensor (equal numbers: equal offsets, sizes, start and strides)."""
+        return self._of(rank)[2][gid]
 
     def _of(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Table]:
         if rank not in self._cache:
@@ -133,11 +133,16 @@ class SourceTensors:
                                      "placement in full")
             region = np.full(n, -1, np.int64)
             region[g] = reg
-            row = np.zeros(n, np.int64)  # the piece of each expert tensor
-            row[g] = expert
+            geo = np.full(n, -1, np.int64)  # the geometry class of each expert tensor
+            if len(g):
+                cols = np.stack([t[c][expert].astype(np.int64) for c in self._GEOMETRY], 1)
+                order = np.lexsort(cols.T[::-1])
+                step = np.ones(len(order), bool)
+                step[1:] = (cols[order[1:]] != cols[order[:-1]]).any(1)
+                geo[g[order]] = np.cumsum(step)
             gid_of_region = np.full(nreg, -1, np.int64)
             gid_of_region[reg[reg < nreg]] = g[reg < nreg]
-            self._cache[rank] = (region, gid_of_region, row, t)
+            self._cache[rank] = (region, gid_of_region, geo, t)
             _SOURCES_KEPT.append((blob, self.spec, nreg, self._cache[rank]))
             del _SOURCES_KEPT[:-_SOURCES_KEEP]
         return self._cache[rank]
@@ -292,8 +297,10 @@ def _spliced(table: Table, col: dict[str, np.ndarray], lo: np.ndarray, hi: np.nd
     table is) replaced by `block`'s rows of that tensor (`block`: columns x rows, sorted).
 
     Where every tensor keeps its row count (most placement changes), the table is copied
-    and the block written over those rows; else each output row's source (a kept row, or
-    a block row) is one index, built from the runs, and every column taken through it."""
+    and the block written over those rows (a column they leave unchanged is kept as it
+    is); else the tensors whose row count changes cut the table into runs, each column is
+    those runs and their block rows copied in order, and the other affected tensors' block
+    rows written over their rows, shifted."""
     b_lo = np.searchsorted(block[0], affected, "left")
     b_hi = np.searchsorted(block[0], affected, "right")
     span, b_len = hi - lo, b_hi - b_lo
@@ -302,21 +309,33 @@ def _spliced(table: Table, col: dict[str, np.ndarray], lo: np.ndarray, hi: np.nd
     if np.array_equal(span, b_len):
         at = np.repeat(lo - np.cumsum(span) + span, span) + np.arange(int(span.sum()))
         for i, (name, dt) in enumerate(EXPLAIN_COLUMNS):
-            c = np.array(col[name], dtype=dt)
-            c[at] = block[i]
-            out[name] = c
+            c = col[name]
+            if i and not np.array_equal(c[at], block[i]):  # `tensor` keeps its runs
+                c = np.array(c, dtype=dt)
+                c[at] = block[i]
+            out[name] = c  # an unchanged column is the old table's (read-only) array
         return Table.build(EXPLAIN_COLUMNS, **out)
-    # runs, in output order: the kept rows before each affected tensor, then its block rows
-    keep_lo = np.append(0, hi)
-    keep_len = np.append(lo, n) - keep_lo
-    starts = np.empty(2 * len(affected) + 1, np.int64)
-    lens = np.empty(2 * len(affected) + 1, np.int64)
-    starts[0::2], lens[0::2] = keep_lo, keep_len
-    starts[1::2], lens[1::2] = n + b_lo, b_len  # block rows after the table's
-    total = int(lens.sum())
-    at = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(total)
+    # the tensors whose row count changes cut the table into runs, copied in output order
+    # (kept rows, then that tensor's block rows); the other affected tensors' rows are
+    # written over, at their place shifted by the row counts changed before them
+    cut = np.flatnonzero(span != b_len)
+    shift = np.zeros(len(affected), np.int64)
+    shift[cut] = b_len[cut] - span[cut]
+    shift = np.cumsum(shift) - shift  # of each affected tensor's first row
+    eq = np.flatnonzero(span == b_len)
+    at = np.repeat(lo[eq] + shift[eq] - np.cumsum(span[eq]) + span[eq], span[eq]) + np.arange(
+        int(span[eq].sum()))
+    b_at = np.repeat(b_lo[eq] - np.cumsum(span[eq]) + span[eq], span[eq]) + np.arange(
+        int(span[eq].sum()))
+    edges = np.stack([np.append(0, hi[cut]), np.append(lo[cut], n)], 1).tolist()
+    b_edges = np.stack([b_lo[cut], b_hi[cut]], 1).tolist()
     for i, (name, dt) in enumerate(EXPLAIN_COLUMNS):
-        out[name] = np.concatenate([col[name], block[i].astype(dt)])[at]
+        c, bc = col[name], block[i].astype(dt)
+        parts = [c[edges[0][0]:edges[0][1]]]
+        for (blo, bhi), (klo, khi) in zip(b_edges, edges[1:]):
+            parts += [bc[blo:bhi], c[klo:khi]]
+        out[name] = np.concatenate(parts)
+        out[name][at] = bc[b_at]
     return Table.build(EXPLAIN_COLUMNS, **out)
 
 
