@@ -7,7 +7,8 @@
 1. NIXL (or CUDA IPC), 2 processes (rank 0 source, rank 1 target): `executor.run` (READY,
    W writes in batches of 8, DONE) vs one raw write of all the bytes between the same
    registered buffers (one NIXL descriptor; one copy into the IPC-mapped peer tensor), in
-   the same processes.
+   the same processes. Over CUDA IPC a second baseline: the same W writes (same sizes,
+   same slots) as raw copies in one CUDA graph, the faster of 1 and 4 branches.
 2. `local` transport (`run_all_local`) vs one `torch` copy of the same bytes.
 Medians over `--steps` warm steps; `--record` appends the table to BENCHMARKS.md.
 """
@@ -117,6 +118,45 @@ def raw_cuda_ipc(plan: executor.Executor, x: torch.Tensor, steps: int) -> list[f
     return raw[1:]
 
 
+def raw_cuda_ipc_writes(plan: executor.Executor, x: torch.Tensor, writes: int,
+                        steps: int) -> tuple[float, int]:
+    """The second baseline: the W writes themselves as raw copies (chunk i to slot
+    (i * 7) % W of the peer, `cudaMemcpyAsync` each) captured once in one CUDA graph, on 1
+    and on 4 parallel branches (copy engines side by side); each step one replay and a
+    sync, timed on the host as the one-copy baseline. The faster of the two shapes:
+    (median seconds, branches)."""
+    t, dst = plan.transport, plan.transport.peers[1][0]
+    n, stream = x.numel(), t.streams[0]
+    size = n // writes
+    raw = [(dst.data_ptr() + ((i * 7) % writes) * size, x.data_ptr() + i * size, size)
+           for i in range(writes)]
+    best: tuple[float, int] | None = None
+    for k in (1, 4):
+        graph, sides = torch.cuda.CUDAGraph(), [torch.cuda.Stream(x.device) for _ in range(k)]
+        with torch.cuda.graph(graph, stream=stream):
+            for side in sides:
+                side.wait_stream(stream)
+            for i, (d, s, m) in enumerate(raw):
+                err = t.rt.memcpy_async(d, s, m, t.rt.D2D, sides[i % k].cuda_stream)
+                if err:
+                    raise RuntimeError(f"the W-copies baseline's cudaMemcpyAsync failed "
+                                       f"(CUDA error {err})")
+            for side in sides:
+                stream.wait_stream(side)
+        times = []
+        for _ in range(steps + 1):
+            t0 = time.perf_counter()
+            graph.replay()
+            stream.synchronize()
+            times.append(time.perf_counter() - t0)
+        med = statistics.median(times[1:])
+        if best is None or med < best[0]:
+            best = (med, k)
+        del graph
+    assert best is not None
+    return best
+
+
 def worker(path: str, rank: int, port: int, steps: int, transport: str, device: str,
            options: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
@@ -150,10 +190,12 @@ def worker(path: str, rank: int, port: int, steps: int, transport: str, device: 
     if rank == 0:
         store.wait(["exact"])  # before the raw copies overwrite the target
         raw = (raw_nixl if transport == "nixl" else raw_cuda_ipc)(plan, x, steps)
+        many, branches = (raw_cuda_ipc_writes(plan, x, int(store.get("writes")), steps)
+                          if transport == "cuda_ipc" else (float("nan"), 0))
         times = [r.seconds for r in runs]
         host = statistics.median(r.host_seconds for r in runs)
         store.set("result", f"{statistics.median(times)} {statistics.median(raw)} "
-                            f"{host}".encode())
+                            f"{host} {many} {branches}".encode())
     else:  # UCX over TCP or shared memory needs the target to make progress too
         while not store.check(["result"]):
             plan.transport.poll()
@@ -178,8 +220,8 @@ def _permuted(n: int, writes: int, device: str) -> torch.Tensor:
     return out.view(-1)
 
 
-def bench_two_processes(path: str, steps: int, transport: str, device: str,
-                        writes: int, options: str) -> tuple[float, float, float, bool]:
+def bench_two_processes(path: str, steps: int, transport: str, device: str, writes: int,
+                        options: str) -> tuple[float, float, float, bool, float, int]:
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=120))
@@ -196,8 +238,8 @@ def bench_two_processes(path: str, steps: int, transport: str, device: str,
             raise SystemExit(f"{transport} worker {f.rank} failed with status {f.returncode}")
     if os.environ.get("BENCH_TRACE"):
         print(step_trace.report(os.environ["BENCH_TRACE"]))
-    ex, raw, host = map(float, store.get("result").decode().split())
-    return ex, raw, host, store.get("exact") == b"1"
+    ex, raw, host, many, branches = map(float, store.get("result").decode().split())
+    return ex, raw, host, store.get("exact") == b"1", many, int(branches)
 
 
 def bench_local(path: str, n: int, writes: int, steps: int, device: str,
@@ -247,11 +289,15 @@ def main() -> None:
         path = os.path.join(tmp, "bench.rplan")
         n = make_plan(path, a.writes, int(a.mib * 2**20))
         dev = "cuda:0" if a.device == "cuda" else a.device
-        rows = [(f"{a.transport} (2 processes, {a.device})", f"raw {a.transport} write",
-                 *bench_two_processes(path, a.steps, a.transport, dev, a.writes,
-                                      a.transport_options)),
-                (f"local (run_all_local, {a.device})", "torch copy_",
-                 *bench_local(path, n, a.writes, a.steps, dev, a.local_options))]
+        ex, raw, host, exact, many, branches = bench_two_processes(
+            path, a.steps, a.transport, dev, a.writes, a.transport_options)
+        name = f"{a.transport} (2 processes, {a.device})"
+        rows = [(name, f"raw {a.transport} write", ex, raw, host, exact)]
+        if branches:  # the same W writes as raw copies in one CUDA graph
+            rows.append((name, f"{a.writes} raw copies, one graph ({branches} branch"
+                               f"{'es' if branches > 1 else ''})", ex, many, host, exact))
+        rows.append((f"local (run_all_local, {a.device})", "torch copy_",
+                     *bench_local(path, n, a.writes, a.steps, dev, a.local_options)))
     gb = n / 1e9
     lines = [f"{a.writes} writes x {a.mib:g} MiB = {n / 2**20:g} MiB, median of {a.steps} "
              "warm steps",

@@ -15,6 +15,8 @@ captured in a graph and one eager.
 `--engines`: eager posts (events around the host's posts): one `cudaMemcpyAsync` a write
 on 1, 2 or 4 streams, the copy kernel, and both at once (a share of the writes on the
 engines, the rest on the kernel).
+`--graphs`: the writes as copies captured in one CUDA graph (the copy engines without
+the host's time a copy) on 1, 2, 4 and 8 branches, beside the kernel.
 `--launch`: the host time of one post of the copy kernel: a launch of its one-node CUDA
 graph, one `cuLaunchKernel` through ctypes, torch's `_CudaKernel` call.
 """
@@ -231,6 +233,38 @@ def engines(spec: str, dev: torch.device) -> None:
         show(row, writes * size, one, res)
 
 
+def graphs(spec: str, dev: torch.device) -> None:
+    """The writes as `cudaMemcpyAsync` copies captured in one CUDA graph (copy engines, no
+    host time a copy) on 1-8 parallel branches, beside one eager `copy_` and the kernel."""
+    rt, k = load_cudart(), CopyKernel.load(dev)
+    print("| row | variant | us | GB/s | x eager copy_ | exact |\n| --- | --- | ---: | ---: | "
+          "---: | --- |")
+    for row, writes, size, src, dst, want, d, s in rows(spec, dev):
+        raw = list(zip(d.tolist(), s.tolist(), [size] * writes))
+        one = eager_timed(partial(dst.copy_, src))
+        res = [("one copy_ (eager)", one, None)]
+        for nb in (1, 2, 4, 8):
+            sides = [torch.cuda.Stream(dev) for _ in range(nb)]
+
+            def post(sides=sides, raw=raw) -> None:
+                main = torch.cuda.current_stream()
+                for st in sides:
+                    st.wait_stream(main)
+                for i, (dd, ss, nn) in enumerate(raw):
+                    assert not rt.memcpy_async(dd, ss, nn, 3, sides[i % len(sides)].cuda_stream)
+                for st in sides:
+                    main.wait_stream(st)
+
+            dst.zero_()
+            res.append((f"engines, one graph, {nb} branch(es)", graph_timed(post),
+                        torch.equal(dst, want)))
+        table = torch.from_numpy(piece_table(d, s, np.full(writes, size, np.int64))).to(dev)
+        dst.zero_()
+        res.append(("kernel (graph)", graph_timed(partial(k.launch, table)),
+                    torch.equal(dst, want)))
+        show(row, writes * size, one, res)
+
+
 def launch(dev: torch.device) -> None:
     rt, k = load_cudart(), CopyKernel.load(dev)
     lib = ctypes.PyDLL("libcuda.so.1")
@@ -281,6 +315,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernels", help="rows WxM (writes x MiB), comma-separated")
     ap.add_argument("--engines", help="rows WxM")
+    ap.add_argument("--graphs", help="rows WxM: the writes as copies in one CUDA graph")
     ap.add_argument("--launch", action="store_true")
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
@@ -289,6 +324,8 @@ def main() -> None:
         kernels(a.kernels, dev)
     if a.engines:
         engines(a.engines, dev)
+    if a.graphs:
+        graphs(a.graphs, dev)
     if a.launch:
         launch(dev)
 
