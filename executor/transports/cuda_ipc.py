@@ -11,7 +11,8 @@ mapped in the owner device's context, so with the kernel on, a peer on another G
 handles opened here (`cudaIpcOpenMemHandle`, `PeerRegion`, as NCCL maps its peers). With
 `copy_kernel: false`, where neither exists, or for large writes, the triples split into up
 to `CudaIpcOptions.streams` branches of near-equal bytes on the copy engines: a batch of
-small copies as one CUDA graph of those branches, one of large copies as one
+small copies, or one into a peer on this GPU whose every copy is long
+(`engines_min_bytes`), as one CUDA graph of those branches, one of large copies as one
 `cudaMemcpyAsync` per triple through ctypes on the libcudart torch loaded; without that
 library, or if the raw call fails, as torch copies (`torch_copy.py`). Which of these a post
 takes is one field, the posting mode (`ipc_modes.Mode`); a failure moves it down through
@@ -89,6 +90,7 @@ class CudaIpcTransport:
         close, as torch's own import does when its storage dies: until then the peer's
         torch keeps each exported block alive)."""
         self.kernel_batches = 0
+        self.engine_graphs = 0  # batches posted as one CUDA graph of copy-engine copies
         self.batch_api = BatchCopies.load() if self.rt is not None and opts.memcpy_batch \
             else None
         """`cuMemcpyBatchAsync` for batches into a peer on another GPU, or None."""
@@ -212,15 +214,18 @@ class CudaIpcTransport:
             self._plan_posts(handle)  # the posts the batch falls back to
             handle.fast, self.api_batches = FastPost(stream, [], 0), self.api_batches + 1
             return handle
+        mine = all(r.device == self.device for r in self.peers[batch.peer])  # this GPU's
+        engines = mine and len(n) > 0 and int(n.min()) >= o.engines_min_bytes  # long copies
         if self.ladder.kernel and len(n) and int(n.sum()) < limit * len(n) and \
-                (here or all(r.device == self.device for r in self.peers[batch.peer])):
+                (here or mine) and not engines:
             handle.table = self.kernel.table(d, s, n)  # type: ignore[union-attr]
             handle.graph = self._capture_kernel(
                 handle.table, o.beside_packs_kernel_share if batch.beside_packs else 1.0)
             self.kernel_batches += handle.graph is not None
         if handle.graph is None and o.graphs and len(n) >= o.graph_min_copies and \
-                int(n.sum()) < o.graph_max_mean_bytes * len(n):
+                (engines or int(n.sum()) < o.graph_max_mean_bytes * len(n)):
             handle.graph = self._capture(handle.raw)
+            self.engine_graphs += handle.graph is not None
         if handle.graph is None:
             self._plan_posts(handle)
         if self.ladder.mode is Mode.FAST:
@@ -386,6 +391,7 @@ class CudaIpcTransport:
         return {"device_copies": self.ncopies, "raw_copies": int(mode >= Mode.RUNTIME),
                 "posting_mode": int(mode), "degraded": len(self.ladder.degraded),
                 "kernel_batches": self.kernel_batches, "batch_api_batches": self.api_batches,
+                "engine_graphs": self.engine_graphs,
                 "peers_mapped_here": len(self.opened),
                 "handles_opened_here": sum(map(len, self.opened.values())),
                 "regions_mapped_here": sum(len(self.peers.get(p, ())) for p in self.opened),

@@ -51,6 +51,13 @@ class CudaIpcOptions:
     """Batches into a peer on this GPU whose copies average this or more go through the
     copy engines: there the engines overtake the kernel on one GPU (BENCHMARKS.md,
     "Executor")."""
+    engines_min_bytes: int = 4 << 20
+    """Batches into a peer on this GPU whose every copy is at least this long go to the copy
+    engines as one CUDA graph of `streams` branches, whatever `kernel_max_mean_bytes` and
+    `graph_max_mean_bytes` say: copies of 4 MiB and more run there at one `copy_`'s rate,
+    where the kernel reaches ~0.93 of it. One short copy keeps the batch off this path (an
+    engine's copy costs a few microseconds however short: 1 MiB copies run at ~0.75 of the
+    rate on 8 branches); BENCHMARKS.md, "Executor"."""
     peer_kernel_max_mean_bytes: int = 32 << 20
     """The same for a peer on another GPU (the kernel writes over NVLink); where
     the engines overtake the kernel: BENCHMARKS.md, "Executor against a raw copy on GPU"."""

@@ -5,9 +5,11 @@ of one device too), the 2 x 2 example, several steps, bit-exact, with DONE sent 
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import secrets
+import subprocess
 import sys
 
 import pytest
@@ -17,6 +19,8 @@ from harness.launch import master_store, root_env, spawn_ranks
 from tests.support.plans import save, two_by_two
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__)))), "bench", "executor_bench.py")
 
 pytestmark = pytest.mark.gpu
 
@@ -57,3 +61,25 @@ def test_four_processes_over_cuda_ipc(tmp_path, kernel):
         # open of its handle, not one per region (rank 3 has one region)
         regions = sum({2: 3, 3: 1}[p] for p in other)
         assert s["regions_mapped_here"] == regions and s["handles_opened_here"] < regions, s
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mib,options,engines", [
+    (4, {}, True),  # every copy 4 MiB: the copy engines, one CUDA graph
+    (1, {}, False),  # 1 MiB copies: the copy kernel
+    (4, {"engines_min_bytes": 8 << 20}, False),  # under the option's length: the kernel
+], ids=["4MiB-engines", "1MiB-kernel", "4MiB-under-option"])
+def test_long_copies_into_this_gpu_go_to_the_copy_engines(mib, options, engines):
+    # two processes on one GPU (executor_bench: 8 writes into permuted slots, 2 steps,
+    # bit-exact or it exits non-zero); rank 0's transport says which path its batch took
+    out = subprocess.run([sys.executable, BENCH, "--transport", "cuda_ipc", "--device", "cuda",
+                          "--writes", "8", "--mib", str(mib), "--steps", "2",
+                          "--transport-options", json.dumps(options)],
+                         env=root_env(CUDA_VISIBLE_DEVICES=os.environ.get(
+                             "CUDA_VISIBLE_DEVICES", "0").split(",")[0]),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    line = out.stdout.split("transport stats: ", 1)[1].splitlines()[0]
+    s = ast.literal_eval(line)
+    assert (s["engine_graphs"], s["kernel_batches"]) == ((1, 0) if engines else (0, 1)), s
+    assert s["posting_mode"] == 2 and s["degraded"] == 0, s
