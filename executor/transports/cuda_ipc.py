@@ -374,7 +374,7 @@ class CudaIpcTransport:
                 not all(h.fast_posted for h in handles):
             return False
         return self.signals.after([h.fast.done for h in handles],  # type: ignore[union-attr]
-                                  peer, msg, [h.stream for h in handles])
+                                  peer, msg)
 
     def poll(self) -> list[tuple[str, bytes]]:
         return self.mailbox.poll()

@@ -1,14 +1,11 @@
 """A stage's DONE published by the GPU, for `cuda_ipc`.
 
 The message (MACed by the executor as any other) is staged in its slot of the peer's
-shared-memory ring (`ShmMailbox.stage`); a `cuStreamWriteValue64` writes the ring's head
-(the ring's file pinned and mapped for the GPU once, `Runtime.map_host`): on the batches'
-own stream right behind them where they all ran on one stream and every earlier DONE to
-that peer was written there too (no wait between streams on the GPU), else on a signal
-stream queued behind the batches' landed events (and behind the last write on another
-stream). Writes to one peer's ring thus run in the order they were staged. The peer sees
-DONE when the copies have landed, not after this host noticed them and wrote it; it checks
-the message like any other: the GPU only moves the head.
+shared-memory ring (`ShmMailbox.stage`); a `cuStreamWriteValue64` on a signal stream,
+queued behind the batches' landed events, writes the ring's head (the ring's file pinned
+and mapped for the GPU once, `Runtime.map_host`). The peer sees DONE when the copies have
+landed, not after this host noticed them and wrote it; it checks the message like any
+other: the GPU only moves the head.
 """
 
 from __future__ import annotations
@@ -30,11 +27,6 @@ class DeviceSignals:
         self.stream = torch.cuda.Stream(device)
         self.ring_ptrs: dict[int, int] = {}  # peer -> its ring's head as the GPU addresses it
         self.sent = 0  # notifications the GPU published
-        self.last: dict[int, torch.cuda.Stream] = {}
-        """Peer -> the stream of the last write into its ring's head (writes stay in order)."""
-        self.used: dict[int, torch.cuda.Stream] = {}  # every stream a write was queued on, by id
-        self.fence = torch.cuda.Event()  # orders the signal stream after another's write
-        self.fence.record(self.stream)  # (a torch event makes its CUDA event when recorded)
 
     @staticmethod
     def load(rank: int, device: torch.device, rt: Runtime,
@@ -43,44 +35,32 @@ class DeviceSignals:
         writes = StreamWrites.load()
         return None if writes is None else DeviceSignals(rank, device, rt, writes, mailbox)
 
-    def after(self, events: list[int], peer: int, msg: bytes,
-              streams: list[torch.cuda.Stream] | None = None) -> bool:
-        """Publish `msg` to `peer` once every CUDA event of `events` has completed (`streams`:
-        where the batches of those events ran, when known); False where that cannot be done
-        (nothing is staged then: the host sends it)."""
+    def after(self, events: list[int], peer: int, msg: bytes) -> bool:
+        """Publish `msg` to `peer` once every CUDA event of `events` has completed; False
+        where that cannot be done (nothing is staged then: the host sends it)."""
         rt, writes = self.rt, self.writes
         if writes is None:
             return False
         head = self._ring_ptr(peer)
         if head is None:
             return False
-        last = self.last.get(peer)
-        one = streams[0] if streams and all(s is streams[0] for s in streams) else None
-        if one is not None and (last is None or last is one):
-            on, bad = one, 0  # right behind the batches, in the order of this stream
-        else:
-            on = self.stream
-            bad = 0
-            if last is not None and last is not on:  # after the last write to this peer
-                bad = rt.event_record(self.fence.cuda_event, last.cuda_stream) or \
-                    rt.wait_event(on.cuda_stream, self.fence.cuda_event, 0)
-            for event in events:
-                bad = bad or rt.wait_event(on.cuda_stream, event, 0)
+        stream = self.stream.cuda_stream
+        bad = 0
+        for event in events:
+            bad = bad or rt.wait_event(stream, event, 0)
         if bad:
             rt.last_error()
             return False
-        stream = on.cuda_stream
         value = self.mailbox.stage(peer, msg)
         bad = writes.write64(stream, head, value)
         if bad:  # staged but not queued: publish it from the host once the copies landed
             warnings.warn(f"rank {self.rank}: cuStreamWriteValue64 failed (CUDA driver error "
                           f"{bad}); DONE goes from the host from now on", stacklevel=3)
             self.writes = None
-            on.synchronize()
+            self.stream.synchronize()
             self.mailbox.publish(peer, value)
         else:
             self.sent += 1
-            self.last[peer] = self.used[id(on)] = on
         return True
 
     def _ring_ptr(self, peer: int) -> int | None:
@@ -105,11 +85,8 @@ class DeviceSignals:
     def settle(self) -> None:
         """Wait for every queued stream write (before a ring may be unmapped)."""
         self.stream.synchronize()
-        for stream in self.used.values():
-            stream.synchronize()
 
     def forget(self, peer: int) -> None:
         """`peer`'s ring is about to be replaced (re-import): settle, drop its address."""
         self.settle()
         self.ring_ptrs.pop(peer, None)
-        self.last.pop(peer, None)
