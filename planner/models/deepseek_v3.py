@@ -71,7 +71,16 @@ def layer(d: ModelDims, i: int, dtype: str, mtp: bool = False) -> Iterator[Logic
     yield LogicalTensor(p + "input_layernorm.weight", (h,), dtype, i, mtp=mtp)
     yield from mla(d, p + "self_attn.", dtype, i, mtp)
     yield LogicalTensor(p + "post_attention_layernorm.weight", (h,), dtype, i, mtp=mtp)
-    if mtp or d.is_moe(i):
+    yield from mlp(d, p, dtype, i, mtp, moe=mtp or d.is_moe(i))
+
+
+def mlp(d: ModelDims, p: str, dtype: str, i: int, mtp: bool,
+        moe: bool) -> Iterator[LogicalTensor]:
+    """Layer `i`'s MLP under prefix `p`: where `moe`, routed experts behind a sigmoid router
+    with its `e_score_correction_bias` (an fp32 buffer) and the shared experts; else one
+    dense gated MLP (GLM-4.5's MoE layers are the same)."""
+    h = d.hidden
+    if moe:
         yield LogicalTensor(p + "mlp.gate.weight", (d.num_experts, h), dtype, i, mtp=mtp)
         yield LogicalTensor(p + "mlp.gate.e_score_correction_bias", (d.num_experts,),
                             "float32", i, buffer=True, mtp=mtp)

@@ -38,18 +38,7 @@ def layer(d: ModelDims, i: int, dtype: str, mtp: bool = False) -> Iterator[Logic
     for t in dense.attention(d, p + "self_attn.", dtype, i):
         yield replace(t, mtp=mtp)
     yield LogicalTensor(p + "post_attention_layernorm.weight", (h,), dtype, i, mtp=mtp)
-    if d.is_moe(i):
-        yield LogicalTensor(p + "mlp.gate.weight", (d.num_experts, h), dtype, i, mtp=mtp)
-        yield LogicalTensor(p + "mlp.gate.e_score_correction_bias", (d.num_experts,),
-                            "float32", i, buffer=True, mtp=mtp)
-        for e in range(d.num_experts):
-            yield from dense.gated_mlp(f"{p}mlp.experts.{e}.", h, d.moe_intermediate,
-                                       dtype, i, mtp)
-        if d.shared_intermediate:
-            yield from dense.gated_mlp(p + "mlp.shared_experts.", h, d.shared_intermediate,
-                                       dtype, i, mtp)
-    else:
-        yield from dense.gated_mlp(p + "mlp.", h, d.intermediate, dtype, i, mtp)
+    yield from deepseek_v3.mlp(d, p, dtype, i, mtp, moe=d.is_moe(i))
 
 
 def tensors(d: ModelDims, dtype: str) -> Iterator[LogicalTensor]:
