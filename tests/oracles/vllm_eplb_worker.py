@@ -72,16 +72,11 @@ def plans(hf: dict, a: np.ndarray, b: np.ndarray, folder: str):  # noqa: ANN201
 
 def refit(cfg, spec, path: str, full: dict, rank: int) -> dict[str, torch.Tensor]:  # noqa: ANN001
     """Target rank `rank`'s tensors after running plan `path` locally from `full`."""
-    import executor
-    from harness.weights import materialize
     from planner.frameworks import build_layout
+    from tests.support.local_refit import refit_locally
 
-    src, dst = build_layout(spec, cfg.source), build_layout(spec, cfg.target)
-    tensors = materialize(src, full)
-    for r, t in materialize(dst, {k: torch.zeros_like(v) for k, v in full.items()}).items():
-        tensors[src.world + r] = t
-    executor.run_all_local(path, tensors)
-    return tensors[src.world + rank]
+    return refit_locally(path, build_layout(spec, cfg.source), build_layout(spec, cfg.target),
+                         full)[rank]
 
 
 def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> list[str]:
