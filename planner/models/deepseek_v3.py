@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from planner.models import dense
@@ -106,11 +106,20 @@ def mtp_extras(d: ModelDims, i: int, dtype: str) -> Iterator[LogicalTensor]:
 
 
 def tensors(d: ModelDims, dtype: str) -> Iterator[LogicalTensor]:
+    return with_mtp(d, dtype, layer)
+
+
+def with_mtp(d: ModelDims, dtype: str, decoder_layer: Callable[..., Iterator[LogicalTensor]]
+             ) -> Iterator[LogicalTensor]:
+    """A checkpoint's tensors in its order: the embeddings, the decoder layers
+    (`decoder_layer(d, i, dtype)`), the head, then each MTP layer: its own tensors
+    (`mtp_extras`) and a decoder layer (`decoder_layer(..., mtp=True)`). GLM-4.5 carries the
+    same MTP module."""
     def body() -> Iterator[LogicalTensor]:
         for i in range(d.num_layers):
-            yield from layer(d, i, dtype)
+            yield from decoder_layer(d, i, dtype)
 
     yield from dense.embeddings_head(d, dtype, body())
     for i in range(d.num_layers, d.num_layers + d.mtp_layers):
         yield from mtp_extras(d, i, dtype)
-        yield from layer(d, i, dtype, mtp=True)
+        yield from decoder_layer(d, i, dtype, mtp=True)

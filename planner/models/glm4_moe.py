@@ -42,11 +42,4 @@ def layer(d: ModelDims, i: int, dtype: str, mtp: bool = False) -> Iterator[Logic
 
 
 def tensors(d: ModelDims, dtype: str) -> Iterator[LogicalTensor]:
-    def body() -> Iterator[LogicalTensor]:
-        for i in range(d.num_layers):
-            yield from layer(d, i, dtype)
-
-    yield from dense.embeddings_head(d, dtype, body())
-    for i in range(d.num_layers, d.num_layers + d.mtp_layers):
-        yield from deepseek_v3.mtp_extras(d, i, dtype)
-        yield from layer(d, i, dtype, mtp=True)
+    return deepseek_v3.with_mtp(d, dtype, layer)
