@@ -12,7 +12,6 @@ chunks in the interleaved order (stage 0 chunk 0, stage 1 chunk 0, ..., stage 0 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 
@@ -23,9 +22,8 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from harness.weights import materialize, random_full_tensors  # noqa: E402
 from planner.layouts import megatron  # noqa: E402
-from planner.spec import spec_from_hf  # noqa: E402
 from schemas.config import SourceConfig  # noqa: E402
-from tests.support.megatron import batch, build, logits_code, patch_cuda  # noqa: E402
+from tests.support.megatron import batch, build, logits_code, start  # noqa: E402
 
 
 def _forward(chunks: list, cfg: SourceConfig, rank: int, p: int, ids, pos, mask, hidden_size):
@@ -46,16 +44,10 @@ def _forward(chunks: list, cfg: SourceConfig, rank: int, p: int, ids, pos, mask,
 
 
 def main() -> int:
-    arg = json.loads(sys.argv[1])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{arg['port']}",
-                            rank=rank, world_size=world)
+    rank, hf, cfg, spec = start()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    patch_cuda()
-    hf, cfg = arg["hf"], SourceConfig(framework="megatron", **arg["source"])
-    spec = spec_from_hf(hf, mtp=False)
     ps.initialize_model_parallel(cfg.tp, cfg.pp, virtual_pipeline_model_parallel_size=cfg.vpp)
     with contextlib.suppress(Exception):
         model_parallel_cuda_manual_seed(0)

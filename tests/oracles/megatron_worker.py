@@ -12,7 +12,6 @@ the four CUDA patches for a CPU forward. Exits non-zero on a mismatch, printing 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 
@@ -23,22 +22,14 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from harness.weights import materialize, random_full_tensors  # noqa: E402
 from planner.layouts import megatron  # noqa: E402
-from planner.spec import spec_from_hf  # noqa: E402
-from schemas.config import SourceConfig  # noqa: E402
-from tests.support.megatron import batch, build, logits_code, patch_cuda, patch_mla  # noqa: E402
+from tests.support.megatron import batch, build, logits_code, patch_mla, start  # noqa: E402
 
 
 def main() -> int:
-    arg = json.loads(sys.argv[1])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{arg['port']}",
-                            rank=rank, world_size=world)
+    rank, hf, cfg, spec = start()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    patch_cuda()
-    hf, cfg = arg["hf"], SourceConfig(framework="megatron", **arg["source"])
-    spec = spec_from_hf(hf, mtp=False)
     names_only = hf["model_type"] == "deepseek_v3"
     if names_only:
         patch_mla()

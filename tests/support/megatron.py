@@ -1,16 +1,20 @@
 """Build a real Megatron-Core 0.16.1 GPTModel on CPU (local spec, gloo), for the oracles
 and the integration tests: the CUDA patches of a CPU forward (LAYOUTS.md), MLA's local-spec
-patch, and `build` (one model chunk; `vp_stage` for virtual pipeline chunks); the oracles'
-input (`batch`) and their check of the last stage's logits against the HF model's
-(`logits_code`)."""
+patch, and `build` (one model chunk; `vp_stage` for virtual pipeline chunks); an oracle
+rank's start (`start`), its input (`batch`) and its check of the last stage's logits against
+the HF model's (`logits_code`)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
+from planner.spec import ModelSpec, spec_from_hf
 from schemas.config import SourceConfig
 
 
@@ -145,6 +149,19 @@ def hf_logits(hf: dict, full: dict[str, torch.Tensor], ids: torch.Tensor) -> tor
             else:
                 p.copy_(full[name])
         return model(ids).logits.float()
+
+
+def start() -> tuple[int, dict, SourceConfig, ModelSpec]:
+    """An oracle rank's process: its JSON argument (argv[1]: "port", "hf", "source"), its
+    gloo process group (RANK and WORLD_SIZE from the environment), the CUDA patches of a CPU
+    forward; its rank, the HF config, the Megatron source config and the spec."""
+    arg = json.loads(sys.argv[1])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{arg['port']}",
+                                         rank=rank, world_size=world)
+    patch_cuda()
+    hf, cfg = arg["hf"], SourceConfig(framework="megatron", **arg["source"])
+    return rank, hf, cfg, spec_from_hf(hf, mtp=False)
 
 
 def batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
