@@ -1,5 +1,6 @@
 """A plan run in this process (`executor.run_all_local`) from full logical tensors: every
-plan rank's tensors (sources their shards, targets zeros) and the targets' after the run."""
+plan rank's tensors (sources their shards, targets zeros), the targets' after the run, and
+which of them differ, bit for bit, from what the target layout says they hold."""
 
 from __future__ import annotations
 
@@ -32,3 +33,14 @@ def refit_locally(path: str, src: Layout, dst: Layout, full: dict[str, torch.Ten
     tensors = world_tensors(src, dst, full, target_full)
     executor.run_all_local(path, tensors)
     return {r: tensors[src.world + r] for r in range(dst.world)}
+
+
+def refit_differs(path: str, src: Layout, dst: Layout, full: dict[str, torch.Tensor],
+                  target_full: dict[str, torch.Tensor] | None = None) -> list[tuple[int, str]]:
+    """`refit_locally`, then the (target rank, tensor name) of every target tensor whose bytes
+    differ from `target_full` (default `full`) as `dst` lays it out; empty when the refit
+    is bit-exact."""
+    got = refit_locally(path, src, dst, full, target_full)
+    want = materialize(dst, full if target_full is None else target_full)
+    return [(r, name) for r, ts in want.items() for name, w in ts.items()
+            if not torch.equal(got[r][name].view(torch.uint8), w.view(torch.uint8))]
