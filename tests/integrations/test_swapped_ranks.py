@@ -51,6 +51,10 @@ def _zeros(path: str, rank: int) -> dict[str, torch.Tensor]:
 
 
 MEGA_TP2 = {"framework": "megatron", "tp": 2}
+TRAINERS = [pytest.param("megatron", MEGA_TP2, id="megatron-tp2"),
+            pytest.param("fsdp2", {"framework": "fsdp2", "dp": 2, "dtype": "float32"},
+                         id="fsdp2-dp2")]
+"""The two live trainers of the swapped-identity tests: Megatron-Core TP 2 and FSDP2 dp 2."""
 
 
 def test_generic_load_without_identity_is_refused_unless_opted_out(tmp_path, caplog):
@@ -224,10 +228,7 @@ def test_sglang_target_refuses_swapped_parts_and_unsigned(tmp_path, monkeypatch)
 
 @pytest.mark.oracle
 @pytest.mark.extended
-@pytest.mark.parametrize("role, source", [
-    pytest.param("megatron", MEGA_TP2, id="megatron-tp2"),
-    pytest.param("fsdp2", {"framework": "fsdp2", "dp": 2, "dtype": "float32"}, id="fsdp2-dp2"),
-])
+@pytest.mark.parametrize("role, source", TRAINERS)
 def test_adapter_swaps_are_refused(tmp_path, role, source):
     """Real Megatron-Core (TP2 over gloo, CPU) and FSDP2 (`fully_shard`, dp 2) processes:
     each binds through its adapter (Megatron started with ETP=1 for a dense model, which the
@@ -265,10 +266,7 @@ def test_adapter_swaps_are_refused(tmp_path, role, source):
 
 @pytest.mark.oracle
 @pytest.mark.extended
-@pytest.mark.parametrize("role, source", [
-    pytest.param("megatron", MEGA_TP2, id="megatron-tp2"),
-    pytest.param("fsdp2", {"framework": "fsdp2", "dp": 2, "dtype": "float32"}, id="fsdp2-dp2"),
-])
+@pytest.mark.parametrize("role, source", TRAINERS)
 def test_vllm_trainer_ranks_handed_each_others_identity_write_nothing(tmp_path, role, source):
     """Two live trainer ranks (real Megatron-Core TP2 over gloo, real FSDP2 `fully_shard`
     dp 2) on the vLLM trainer path (`RdmaPlanTrainerEngine.trainer_init`), each handed the
