@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from executor.gpu.copy_kernel import SOURCE, CopyKernel, piece_table  # noqa: E402
 from executor.gpu.cuda_runtime import load_cudart  # noqa: E402
+from scripts.cuda_timing import eager_timed, graph_timed  # noqa: E402
 
 BULK_SOURCE = r"""
 #ifndef RPLAN_TILE
@@ -110,43 +111,6 @@ def rows(spec: str, dev: torch.device):
         s = src.data_ptr() + np.arange(writes, dtype=np.int64) * size
         d = dst.data_ptr() + (np.arange(writes, dtype=np.int64) * 7 % writes) * size
         yield row, writes, size, src, dst, want, d, s
-
-
-def graph_timed(fn, reps: int = 30, graph: bool = True) -> float:
-    """Median seconds of `fn` between two CUDA events, replayed as a graph (or eager)."""
-    run = fn
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-    run()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
-
-
-def eager_timed(fn, reps: int = 30) -> float:
-    """Median seconds between an event before and after `fn`'s eager posts (the GPU idle
-    until the first post: host time of the posts counts)."""
-    fn()
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
 
 
 def show(row: str, n: int, one: float, res: list) -> None:

@@ -39,6 +39,7 @@ from executor.gpu import quant_kernel as qk  # noqa: E402
 from executor.gpu.nvrtc import RuntimeKernel  # noqa: E402
 from executor.pipeline import SHARES, split  # noqa: E402
 from schemas.plan import PACK, QUANT, STAGING  # noqa: E402
+from scripts.cuda_timing import captured, event_seconds, graph_timed  # noqa: E402
 
 
 def plan_rank(model: str):
@@ -162,21 +163,11 @@ def attrs(fn, threads: int, shared: int) -> str:
 
 
 def timed(fn, reps: int) -> float:
-    """Median seconds of `fn` captured once as a CUDA graph, over `reps` replays."""
+    """Median seconds of `fn` captured once as a CUDA graph (after one eager run), over `reps`
+    replays (two more before them, timed and dropped)."""
     fn()
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times[2:])
+    return statistics.median(event_seconds(captured(fn), reps + 2)[2:])
 
 
 def main() -> None:
@@ -291,17 +282,7 @@ def main() -> None:
     def copies() -> None:
         for n in sizes:
             dst[:n].copy_(src[:n])
-    copies()
-    torch.cuda.synchronize()
-    ct = []
-    for _ in range(a.reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        copies()
-        e1.record()
-        e1.synchronize()
-        ct.append(e0.elapsed_time(e1) / 1e3)
-    copy_t = statistics.median(ct)
+    copy_t = graph_timed(copies, a.reps, graph=False)
     copy_rate = 2 * sum(sizes) / copy_t
     print(f"copy: {len(sizes)} copy_ of the launches' bf16 bytes ({sum(sizes) / 1e9:.2f} GB): "
           f"{copy_t * 1e3:.2f} ms, {copy_rate / 1e12:.2f} TB/s of traffic; the quantizer's "

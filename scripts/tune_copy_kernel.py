@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from functools import partial
 
@@ -24,24 +23,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from executor.gpu.copy_kernel import SOURCE, CopyKernel, piece_table  # noqa: E402
 from executor.gpu.cuda_runtime import load_cudart  # noqa: E402
-from executor.transports.cuda_ipc import branches
+from executor.transports.cuda_ipc import branches  # noqa: E402
+from scripts.cuda_timing import graph_timed  # noqa: E402
 
-
-def timed(fn, reps: int = 20) -> float:
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
+REPS = 20
+"""Timed replays of each variant (their median is its time)."""
 
 
 def engines(rt, raw: list[tuple[int, int, int]]) -> None:
@@ -95,12 +81,12 @@ def main() -> None:
         s = src.data_ptr() + np.arange(writes, dtype=np.int64) * size
         d = dst.data_ptr() + (np.arange(writes, dtype=np.int64) * 7 % writes) * size
         sizes = np.full(writes, size, dtype=np.int64)
-        one = timed(partial(dst.copy_, src))
+        one = graph_timed(partial(dst.copy_, src), REPS)
         results = [("one copy_", one, None)]
 
         dst.zero_()
         raw = list(zip(d.tolist(), s.tolist(), sizes.tolist()))
-        results.append(("engines, 4 branches", timed(partial(engines, rt, raw)),
+        results.append(("engines, 4 branches", graph_timed(partial(engines, rt, raw), REPS),
                         torch.equal(dst, want)))
         for name, fn in kernels.items():
             for chunk in chunks:
@@ -108,8 +94,8 @@ def main() -> None:
                 for bps, threads in shapes:
                     grid = min(len(table), sms * bps)
                     dst.zero_()
-                    t = timed(partial(fn, grid=(grid, 1, 1), block=(threads, 1, 1),
-                                      args=[table, len(table)]))
+                    t = graph_timed(partial(fn, grid=(grid, 1, 1), block=(threads, 1, 1),
+                                            args=[table, len(table)]), REPS)
                     results.append((f"kernel {name} chunk {chunk >> 10}K {bps}/SM "
                                     f"{threads} thr", t, torch.equal(dst, want)))
         for label, t, ok in results:

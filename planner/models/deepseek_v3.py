@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from planner.models import dense
@@ -71,7 +71,16 @@ def layer(d: ModelDims, i: int, dtype: str, mtp: bool = False) -> Iterator[Logic
     yield LogicalTensor(p + "input_layernorm.weight", (h,), dtype, i, mtp=mtp)
     yield from mla(d, p + "self_attn.", dtype, i, mtp)
     yield LogicalTensor(p + "post_attention_layernorm.weight", (h,), dtype, i, mtp=mtp)
-    if mtp or d.is_moe(i):
+    yield from mlp(d, p, dtype, i, mtp, moe=mtp or d.is_moe(i))
+
+
+def mlp(d: ModelDims, p: str, dtype: str, i: int, mtp: bool,
+        moe: bool) -> Iterator[LogicalTensor]:
+    """Layer `i`'s MLP under prefix `p`: where `moe`, routed experts behind a sigmoid router
+    with its `e_score_correction_bias` (an fp32 buffer) and the shared experts; else one
+    dense gated MLP (GLM-4.5's MoE layers are the same)."""
+    h = d.hidden
+    if moe:
         yield LogicalTensor(p + "mlp.gate.weight", (d.num_experts, h), dtype, i, mtp=mtp)
         yield LogicalTensor(p + "mlp.gate.e_score_correction_bias", (d.num_experts,),
                             "float32", i, buffer=True, mtp=mtp)
@@ -97,11 +106,20 @@ def mtp_extras(d: ModelDims, i: int, dtype: str) -> Iterator[LogicalTensor]:
 
 
 def tensors(d: ModelDims, dtype: str) -> Iterator[LogicalTensor]:
+    return with_mtp(d, dtype, layer)
+
+
+def with_mtp(d: ModelDims, dtype: str, decoder_layer: Callable[..., Iterator[LogicalTensor]]
+             ) -> Iterator[LogicalTensor]:
+    """A checkpoint's tensors in its order: the embeddings, the decoder layers
+    (`decoder_layer(d, i, dtype)`), the head, then each MTP layer: its own tensors
+    (`mtp_extras`) and a decoder layer (`decoder_layer(..., mtp=True)`). GLM-4.5 carries the
+    same MTP module."""
     def body() -> Iterator[LogicalTensor]:
         for i in range(d.num_layers):
-            yield from layer(d, i, dtype)
+            yield from decoder_layer(d, i, dtype)
 
     yield from dense.embeddings_head(d, dtype, body())
     for i in range(d.num_layers, d.num_layers + d.mtp_layers):
         yield from mtp_extras(d, i, dtype)
-        yield from layer(d, i, dtype, mtp=True)
+        yield from decoder_layer(d, i, dtype, mtp=True)

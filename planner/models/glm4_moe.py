@@ -38,26 +38,8 @@ def layer(d: ModelDims, i: int, dtype: str, mtp: bool = False) -> Iterator[Logic
     for t in dense.attention(d, p + "self_attn.", dtype, i):
         yield replace(t, mtp=mtp)
     yield LogicalTensor(p + "post_attention_layernorm.weight", (h,), dtype, i, mtp=mtp)
-    if d.is_moe(i):
-        yield LogicalTensor(p + "mlp.gate.weight", (d.num_experts, h), dtype, i, mtp=mtp)
-        yield LogicalTensor(p + "mlp.gate.e_score_correction_bias", (d.num_experts,),
-                            "float32", i, buffer=True, mtp=mtp)
-        for e in range(d.num_experts):
-            yield from dense.gated_mlp(f"{p}mlp.experts.{e}.", h, d.moe_intermediate,
-                                       dtype, i, mtp)
-        if d.shared_intermediate:
-            yield from dense.gated_mlp(p + "mlp.shared_experts.", h, d.shared_intermediate,
-                                       dtype, i, mtp)
-    else:
-        yield from dense.gated_mlp(p + "mlp.", h, d.intermediate, dtype, i, mtp)
+    yield from deepseek_v3.mlp(d, p, dtype, i, mtp, moe=d.is_moe(i))
 
 
 def tensors(d: ModelDims, dtype: str) -> Iterator[LogicalTensor]:
-    def body() -> Iterator[LogicalTensor]:
-        for i in range(d.num_layers):
-            yield from layer(d, i, dtype)
-
-    yield from dense.embeddings_head(d, dtype, body())
-    for i in range(d.num_layers, d.num_layers + d.mtp_layers):
-        yield from deepseek_v3.mtp_extras(d, i, dtype)
-        yield from layer(d, i, dtype, mtp=True)
+    return deepseek_v3.with_mtp(d, dtype, layer)

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from executor import TornUpdateError  # noqa: E402
 from executor.chunked import ChunkedShadow, load_chunks, run_chunks  # noqa: E402
 from harness.weights import materialize, random_full_tensors  # noqa: E402
+from tests.support.nixl_world import join, leave  # noqa: E402
 from tests.support.shadow_plans import CASES, layouts  # noqa: E402
 
 TORN = 1
@@ -78,7 +79,7 @@ def target(rank: int, path: str, store: dist.TCPStore) -> int:
     want = version(3, rank)
     ok &= _report(rank, 3, all(_same(live[k], want[k], v1[k]) for k in live)
                   and st.version == 2, "whole again, bit-exact")
-    _bye(store, rank)
+    leave(store, rank, 4, 120)
     shadow.close()
     return 0 if ok else 1
 
@@ -107,7 +108,7 @@ def source(rank: int, path: str, store: dist.TCPStore) -> int:
                 raise
             print(f"rank {rank} step 2: {type(e).__name__}", flush=True)
         print(f"rank {rank} step {step}: sent", flush=True)
-    _bye(store, rank)
+    leave(store, rank, 4, 120)
     for ex in chunks:
         ex.close()
     return 0
@@ -118,17 +119,8 @@ def _barrier(store: dist.TCPStore, name: str, rank: int) -> None:
     store.wait([f"{name}/{r}" for r in range(4)], timedelta(seconds=120))
 
 
-def _bye(store: dist.TCPStore, rank: int) -> None:
-    """Every rank is done before any closes (a closed peer is a lost one)."""
-    store.set(f"exit/{rank}", b"1")
-    store.wait([f"exit/{r}" for r in range(4)], timedelta(seconds=120))
-
-
 def main(path: str, rank: int, rendezvous: str) -> int:
-    host, port = rendezvous.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                          timeout=timedelta(seconds=120))
-    return (source if rank < N_SRC else target)(rank, path, store)
+    return (source if rank < N_SRC else target)(rank, path, join(rendezvous, 120))
 
 
 if __name__ == "__main__":

@@ -10,17 +10,15 @@ many of its stages run their packs in groups. Exit status 0: every check passed.
 from __future__ import annotations
 
 import sys
-import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 import executor
 from bench.gpu_refit.weights import check_targets, generate
 from harness.weights import DTYPES
 from planner.fp8 import quantize_layout
 from planner.spec import spec_from_hf
+from tests.support.nixl_world import join, leave
 from tests.support.synthetic import FP8_HF, fused_col_split, row_split
 
 
@@ -32,9 +30,7 @@ def main(path: str, rank: int, rendezvous: str, world: int, groups: int) -> int:
     tensors = {pt.name: torch.zeros(pt.shape, dtype=DTYPES[pt.dtype]) for pt in rl.tensors}
     if rank < n:
         generate(tensors, rl, spec, seed=3)
-    host, port = rendezvous.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                          timeout=timedelta(seconds=120))
+    store = join(rendezvous, 120)
     plan = executor.load(path, rank, tensors, transport="nixl", rendezvous=store,
                          timeout_s=120, no_identity=True, pack_groups=groups)
     if rank < n:
@@ -47,9 +43,7 @@ def main(path: str, rank: int, rendezvous: str, world: int, groups: int) -> int:
         print(f"rank {rank} {'bit-exact' if not bad else 'differs: ' + str(bad[:3])}",
               flush=True)
         status = 1 if bad else 0
-    store.set(f"exit/{rank}", b"1")
-    store.wait([f"exit/{r}" for r in range(world)], timedelta(seconds=120))
-    time.sleep(0.2)
+    leave(store, rank, world, 120)
     plan.close()
     return status
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import executor
+from tests.support.nixl_world import join, leave
 from tests.support.plans import two_by_two_expected, two_by_two_tensors
 
 
@@ -66,7 +67,7 @@ def target(rank: int, path: str, store: dist.TCPStore) -> int:
     shadow.start(3)
     shadow.finish(60)
     ok = _switched(rank, shadow, live, ptrs, 3)
-    _bye(store, rank)
+    leave(store, rank, 4)
     shadow.close()
     return 0 if ok else 1
 
@@ -102,22 +103,13 @@ def source(rank: int, path: str, store: dist.TCPStore) -> int:
             store.wait(["torn/2", "torn/3"], timedelta(seconds=60))
         plan.run(step)
         print(f"rank {rank} step {step}: sent", flush=True)
-    _bye(store, rank)
+    leave(store, rank, 4)
     plan.close()
     return 0
 
 
 def main(path: str, rank: int, rendezvous: str) -> int:
-    host, port = rendezvous.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                          timeout=timedelta(seconds=90))
-    return (source if rank < 2 else target)(rank, path, store)
-
-
-def _bye(store: dist.TCPStore, rank: int) -> None:
-    """Every rank is done before any closes (a closed peer is a lost one)."""
-    store.set(f"exit/{rank}", b"1")
-    store.wait([f"exit/{r}" for r in range(4)], timedelta(seconds=90))
+    return (source if rank < 2 else target)(rank, path, join(rendezvous))
 
 
 if __name__ == "__main__":

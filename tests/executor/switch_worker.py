@@ -15,43 +15,34 @@ defaults to nixl and DEVICE to cpu (cuda_ipc: the tensors live on DEVICE, e.g. c
 from __future__ import annotations
 
 import json
-import os
 import sys
-import time
-from datetime import timedelta
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 import executor
 from executor.errors import PlanSwitchError
-from schemas.placement import Placement
-from tests.support.placement_plans import config, rank_tensors
+from tests.support.nixl_world import join, leave, verdict
+from tests.support.placement_plans import rank_tensors, read_plans
 
 
 def main(folder: str, rank: int, rendezvous: str, transport: str = "nixl",
          device: str = "cpu") -> int:
-    host, port = rendezvous.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                          timeout=timedelta(seconds=90))
-    t = np.load(os.path.join(folder, "tables.npz"))
-    dp, tp = int(t["dp"]), int(t["tp"])
-    (cfg_a, spec), (cfg_b, _) = config(t["a"], dp, tp), config(t["b"], dp, tp)
-    sources, world = dp, dp + tp
-    source = rank < sources
+    store = join(rendezvous)
+    plans = read_plans(folder)
+    cfg_a, cfg_b, spec = plans.cfg_a, plans.cfg_b, plans.spec
+    source = rank < plans.sources
     tensors = rank_tensors(cfg_a, spec, rank, seed=1)
     if not source:
         tensors = {k: torch.zeros_like(v) for k, v in tensors.items()}
     tensors = {k: v.to(device) for k, v in tensors.items()}
     ptrs = {k: v.data_ptr() for k, v in tensors.items()}
-    ex = executor.load(os.path.join(folder, "a.rplan"), rank, tensors, transport=transport,
-                       rendezvous=store, timeout_s=90, no_identity=True)
+    ex = executor.load(plans.path_a, rank, tensors, transport=transport, rendezvous=store,
+                       timeout_s=90, no_identity=True)
     asked = {"register": 0, "export": 0, "import_peer": 0}
     for name in asked:  # what registering again would call on the transport
         _count(ex.transport, name, asked)
     before = ex.transport.stats()
-    bad = []
+    bad: list[str] = []
 
     def refit(step: int, cfg) -> None:  # noqa: ANN001
         if source:  # the trainer's weights of this step
@@ -67,13 +58,11 @@ def main(folder: str, rank: int, rendezvous: str, transport: str = "nixl",
     refit(1, cfg_a)
     if not source:  # the engine's placement changed (EPLB): plan A is stale for it
         try:
-            ex.switch(os.path.join(folder, "a.rplan"), no_identity=True,
-                      placement=Placement(t["b"]))
+            ex.switch(plans.path_a, no_identity=True, placement=plans.b)
             bad.append("plan A taken for placement B")
         except PlanSwitchError as e:
             print(f"rank {rank} refused: {e}", flush=True)
-    ex.switch(os.path.join(folder, "b.rplan"), no_identity=True,
-              placement=None if source else Placement(t["b"]))
+    ex.switch(plans.path_b, no_identity=True, placement=None if source else plans.b)
     refit(2, cfg_b)
     refit(3, cfg_b)
     if {k: v.data_ptr() for k, v in tensors.items()} != ptrs:
@@ -85,15 +74,9 @@ def main(folder: str, rank: int, rendezvous: str, transport: str = "nixl",
     if transport == "cuda_ipc":  # peers' handles opened at connect, none since
         print(f"rank {rank} stats before {json.dumps(before)} after "
               f"{json.dumps(ex.transport.stats())}", flush=True)
-    store.set(f"exit/{rank}", b"1")
-    store.wait([f"exit/{r}" for r in range(world)], timedelta(seconds=90))
-    time.sleep(0.2)
+    leave(store, rank, plans.world)
     ex.close()
-    if bad:
-        print(f"rank {rank}: differ: {bad[:5]}", flush=True)
-        return 1
-    print(f"rank {rank}: ok", flush=True)
-    return 0
+    return verdict(rank, bad)
 
 
 def _count(transport: object, name: str, asked: dict[str, int]) -> None:

@@ -24,6 +24,7 @@ from planner.frameworks import build_layout
 from planner.validate import load
 from schemas.plan_write import write_plan
 from schemas.protocol import Overlap
+from tests.support.local_refit import world_tensors
 from tests.support.threads import lockstep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -86,9 +87,7 @@ def _check(tmp_path) -> list[str]:
     steps = 2
     full = [random_full_tensors(spec, seed=7 + k) for k in range(steps)]
     sources = {r: [materialize(src, f, ranks=[r])[r] for f in full] for r in range(src.world)}
-    tensors = {r: {n: t.clone() for n, t in sources[r][0].items()} for r in range(src.world)}
-    for r, t in materialize(dst, {k: torch.zeros_like(v) for k, v in full[0].items()}).items():
-        tensors[src.world + r] = t
+    tensors = world_tensors(src, dst, full[0])
     _run(path, tensors, steps, sources)
     want = materialize(dst, full[-1])
     return [f"rank {src.world + r}: {n}" for r, ts in want.items() for n, w in ts.items()

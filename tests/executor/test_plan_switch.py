@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import secrets
-import sys
 
 import numpy as np
 import pytest
 
 from executor.plan_switch import refusal
-from harness.launch import master_store, root_env, spawn_ranks
 from schemas.plan import Region
+from tests.support.nixl_world import exited_0, nixl_world
 from tests.support.placement_plans import write_plans
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "switch_worker.py")
@@ -28,12 +26,9 @@ def test_switch_at_a_step_boundary_is_bit_exact_without_registering_again(tmp_pa
              if not np.array_equal(plan_a.ranks[r].writes["src_region"],
                                    plan_b.ranks[r].writes["src_region"])]
     assert moved, "placement B moves no write: the test would show nothing"
-    store, port = master_store(60)  # noqa: F841 (alive while the ranks run)
-    env = root_env(NIXL_LOG_LEVEL="WARN", RDMA_PLAN_SECRET=secrets.token_hex(32))
-    done = spawn_ranks(lambda r: [sys.executable, WORKER, str(tmp_path), str(r),
-                                  f"127.0.0.1:{port}"], 4, env=env, timeout=300)
+    done = nixl_world(WORKER, str(tmp_path), timeout=300)
+    exited_0(done)
     for f in done:
-        assert f.returncode == 0, f"rank {f.rank} failed:\n{f.output[-3000:]}"
         assert f"rank {f.rank}: ok" in f.output
         assert (f"rank {f.rank}: registrations after load 0, exports 0, peer imports 0, "
                 f"register_calls 1, switches 1, fingerprint {plan_b.header.fingerprint[:16]}"

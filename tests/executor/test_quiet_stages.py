@@ -23,6 +23,7 @@ from planner.frameworks import build_layout
 from planner.validate import load
 from schemas.plan import load_plan
 from schemas.plan_write import write_plan
+from tests.support.local_refit import world_tensors
 from tests.support.threads import lockstep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,9 +46,7 @@ def _run(path: str, spec, src, dst, timeout_s: float = 30, skip_done: int | None
     plan = load_plan(path)
     full = [random_full_tensors(spec, seed=11 + k) for k in range(2)]
     sources = {r: [materialize(src, f, ranks=[r])[r] for f in full] for r in range(src.world)}
-    tensors = {r: {n: t.clone() for n, t in sources[r][0].items()} for r in range(src.world)}
-    for r, t in materialize(dst, {k: torch.zeros_like(v) for k, v in full[0].items()}).items():
-        tensors[src.world + r] = t
+    tensors = world_tensors(src, dst, full[0])
     fabric = Fabric()
     exs = [Executor(plan.header, rp, tensors[rp.rank], transport="local", rendezvous=fabric,
                     timeout_s=timeout_s) for rp in plan.ranks]

@@ -14,21 +14,17 @@ from __future__ import annotations
 
 import json
 import sys
-import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 import executor
+from tests.support.nixl_world import join, leave
 from tests.support.plans import two_by_two_expected, two_by_two_tensors
 
 
 def main(path: str, rank: int, rendezvous: str, steps: int, transport: str = "nixl",
          device: str = "cpu", timeout_s: str = "90", options: str = "{}") -> int:
-    host, port = rendezvous.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                          timeout=timedelta(seconds=90))
+    store = join(rendezvous)
     tensors = {k: t.to(device) for k, t in two_by_two_tensors(0)[rank].items()}
     plan = executor.load(path, rank, tensors, transport=transport, rendezvous=store,
                          timeout_s=90, transport_options=json.loads(options) or None,
@@ -43,9 +39,7 @@ def main(path: str, rank: int, rendezvous: str, steps: int, transport: str = "ni
     if transport == "cuda_ipc":  # which paths it took (test_cuda_ipc.py reads them)
         print(f"rank {rank} stats {json.dumps(plan.transport.stats())}", flush=True)
         print(f"rank {rank} degraded {plan.transport.degraded}", flush=True)  # why, if any
-    store.set(f"exit/{rank}", b"1")
-    store.wait([f"exit/{r}" for r in range(4)], timedelta(seconds=90))
-    time.sleep(0.2)
+    leave(store, rank, 4)
     plan.close()
     return status
 

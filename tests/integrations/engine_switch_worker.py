@@ -18,32 +18,26 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from datetime import timedelta
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 import executor  # noqa: E402
 from integrations.engine_core import EngineCore  # noqa: E402
 from integrations.errors import PlacementMismatchError, StalePlanError  # noqa: E402
 from schemas.identity import plan_identity  # noqa: E402
-from schemas.placement import Placement  # noqa: E402
-from tests.support.placement_plans import config, rank_tensors  # noqa: E402
+from tests.support.nixl_world import join, leave, verdict  # noqa: E402
+from tests.support.placement_plans import rank_tensors, read_plans  # noqa: E402
 
 
 def main(folder: str, rank: int, rendezvous: str) -> int:
-    host, port = rendezvous.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                          timeout=timedelta(seconds=90))
-    t = np.load(os.path.join(folder, "tables.npz"))
-    dp, tp = int(t["dp"]), int(t["tp"])
-    (cfg_a, spec), (cfg_b, _) = config(t["a"], dp, tp), config(t["b"], dp, tp)
-    world, source = dp + tp, rank < dp
-    path_a, path_b = (os.path.join(folder, f"{n}.rplan") for n in "ab")
+    store = join(rendezvous)
+    plans = read_plans(folder)
+    cfg_a, cfg_b, spec = plans.cfg_a, plans.cfg_b, plans.spec
+    world, source = plans.world, rank < plans.sources
+    path_a, path_b = plans.path_a, plans.path_b
     tensors = rank_tensors(cfg_a, spec, rank, seed=1)
     bad: list[str] = []
     if source:
@@ -56,7 +50,7 @@ def main(folder: str, rank: int, rendezvous: str) -> int:
                           allow_unsigned=True)  # the test's plans are unsigned
         ex = core.load(tensors, transport="nixl", rendezvous=store, timeout_s=90)
     ptrs = {k: v.data_ptr() for k, v in tensors.items()}
-    engine = {"placement": Placement(t["a"])}  # the engine's current placement
+    engine = {"placement": plans.a}  # the engine's current placement
 
     def refit(step: int, cfg) -> None:  # noqa: ANN001
         if source:
@@ -86,7 +80,7 @@ def main(folder: str, rank: int, rendezvous: str) -> int:
 
     refit(1, cfg_a)
     if not source:
-        engine["placement"] = Placement(t["b"])  # the engine rebalanced (EPLB)
+        engine["placement"] = plans.b  # the engine rebalanced (EPLB)
         refused(path_a, 2, PlacementMismatchError)
         refused(path_b, 0, StalePlanError)
         refused(path_b, "1", StalePlanError)
@@ -97,7 +91,7 @@ def main(folder: str, rank: int, rendezvous: str) -> int:
         ex.switch(path_b, no_identity=True)
     else:
         core.switch_plan(path_b, 1, lambda _: engine["placement"], "engine rank")
-        if core.plan_version != 1 or core.placement != Placement(t["b"]):
+        if core.plan_version != 1 or core.placement != plans.b:
             bad.append(f"after the switch: version {core.plan_version}, {core.placement}")
     refit(2, cfg_b)
     refit(3, cfg_b)
@@ -108,15 +102,9 @@ def main(folder: str, rank: int, rendezvous: str) -> int:
         bad.append("a tensor moved")
     print(f"rank {rank}: register_calls {ex.register_calls}, switches {ex.switches}",
           flush=True)
-    store.set(f"exit/{rank}", b"1")
-    store.wait([f"exit/{r}" for r in range(world)], timedelta(seconds=90))
-    time.sleep(0.2)
+    leave(store, rank, world)
     ex.close()
-    if bad:
-        print(f"rank {rank}: differ: {bad[:5]}", flush=True)
-        return 1
-    print(f"rank {rank}: ok", flush=True)
-    return 0
+    return verdict(rank, bad)
 
 
 if __name__ == "__main__":

@@ -13,52 +13,30 @@ another source rank's identity, and the targets receive it chunk by chunk.
 
 from __future__ import annotations
 
-import json
-import os
-import secrets
-import subprocess
-import sys
-
 import pytest
 
 from harness.launch import master_store
 from planner.validate import load
 from tests.oracles.launch import free_port
-from tests.support.integration import compile_plan
+from tests.support.integration import compile_plan, run_workers
 from tests.support.models import deepseek_v3, qwen3, qwen3_moe
 
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.oracle
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-
-
 def run_job(tmp, role: str, hf: dict, source: dict, target: dict, extra: dict | None = None
             ) -> list[str]:
-
     config, plan = compile_plan(str(tmp), hf, source, target)
     cfg, _ = load(config)
     store, port = master_store(60)  # noqa: F841 (alive while the ranks run)
     base = {"plan": plan, "config": config, "hf": hf, "store": f"127.0.0.1:{port}",
             "gloo_port": free_port(), "steps": 2, "sources": cfg.source.world, **(extra or {})}
-    env = {**os.environ, "RDMA_PLAN_SECRET": secrets.token_hex(32),
-           "PYTHONPATH": ROOT, "NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore"}
     jobs = [{**base, "role": role, "index": i} for i in range(cfg.source.world)]
     jobs += [{**base, "role": "target", "index": i} for i in range(cfg.target.world)]
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"), json.dumps(j)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for j in jobs]
-    try:
-        outs = [p.communicate(timeout=400)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for j, p, out in zip(jobs, procs, outs):
-        assert p.returncode == 0, f"{j['role']} {j['index']} failed:\n{out[-4000:]}"
-    return outs
+    done = run_workers(jobs)
+    for j, f in zip(jobs, done):
+        assert f.returncode == 0, f"{j['role']} {j['index']} failed:\n{f.output[-4000:]}"
+    return [f.output for f in done]
 
 
 CHUNK = 8 << 10

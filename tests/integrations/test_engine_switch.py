@@ -10,12 +10,10 @@ tests/integrations/test_sglang_update.py."""
 from __future__ import annotations
 
 import os
-import secrets
-import sys
 
 import pytest
 
-from harness.launch import master_store, root_env, spawn_ranks
+from tests.support.nixl_world import exited_0, nixl_world
 from tests.support.placement_plans import write_plans
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_switch_worker.py")
@@ -24,12 +22,9 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_switch
 def test_engine_ranks_switch_to_the_replanned_plan_and_refuse_stale_ones(tmp_path):
     pytest.importorskip("nixl")
     write_plans(str(tmp_path))
-    store, port = master_store(60)  # noqa: F841 (alive while the ranks run)
-    env = root_env(NIXL_LOG_LEVEL="WARN", RDMA_PLAN_SECRET=secrets.token_hex(32))
-    done = spawn_ranks(lambda r: [sys.executable, WORKER, str(tmp_path), str(r),
-                                  f"127.0.0.1:{port}"], 4, env=env, timeout=300)
+    done = nixl_world(WORKER, str(tmp_path), timeout=300)
+    exited_0(done)
     for f in done:
-        assert f.returncode == 0, f"rank {f.rank} failed:\n{f.output[-3000:]}"
         assert f"rank {f.rank}: ok" in f.output and "register_calls 1, switches 1" in f.output
     for f in done[2:]:
         lines = [x for x in f.output.splitlines() if x.startswith(f"rank {f.rank} refused")]

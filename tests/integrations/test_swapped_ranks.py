@@ -9,12 +9,8 @@ afterwards; the vLLM client is never asked to start the workers' load."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import secrets
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -33,9 +29,6 @@ from schemas.tensors import rank_tensors
 from tests.support.integration import RecordingClient, module, state
 from tests.support.models import qwen3
 from tests.support.swap import swap_parts
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def _plan(tmp_path, source: dict, target: dict, name: str = "p.rplan") -> str:
@@ -58,6 +51,10 @@ def _zeros(path: str, rank: int) -> dict[str, torch.Tensor]:
 
 
 MEGA_TP2 = {"framework": "megatron", "tp": 2}
+TRAINERS = [pytest.param("megatron", MEGA_TP2, id="megatron-tp2"),
+            pytest.param("fsdp2", {"framework": "fsdp2", "dp": 2, "dtype": "float32"},
+                         id="fsdp2-dp2")]
+"""The two live trainers of the swapped-identity tests: Megatron-Core TP 2 and FSDP2 dp 2."""
 
 
 def test_generic_load_without_identity_is_refused_unless_opted_out(tmp_path, caplog):
@@ -231,10 +228,7 @@ def test_sglang_target_refuses_swapped_parts_and_unsigned(tmp_path, monkeypatch)
 
 @pytest.mark.oracle
 @pytest.mark.extended
-@pytest.mark.parametrize("role, source", [
-    pytest.param("megatron", MEGA_TP2, id="megatron-tp2"),
-    pytest.param("fsdp2", {"framework": "fsdp2", "dp": 2, "dtype": "float32"}, id="fsdp2-dp2"),
-])
+@pytest.mark.parametrize("role, source", TRAINERS)
 def test_adapter_swaps_are_refused(tmp_path, role, source):
     """Real Megatron-Core (TP2 over gloo, CPU) and FSDP2 (`fully_shard`, dp 2) processes:
     each binds through its adapter (Megatron started with ETP=1 for a dense model, which the
@@ -245,7 +239,7 @@ def test_adapter_swaps_are_refused(tmp_path, role, source):
     pytest.importorskip("megatron.core" if role == "megatron" else "transformers")
     from harness.launch import master_store
     from tests.oracles.launch import free_port
-    from tests.support.integration import compile_plan
+    from tests.support.integration import compile_plan, run_workers
 
     hf = qwen3(num_hidden_layers=2)
     config, plan = compile_plan(str(tmp_path), hf, source, {"engine": "vllm", "tp": 1})
@@ -256,20 +250,10 @@ def test_adapter_swaps_are_refused(tmp_path, role, source):
             "swap_to": [1, 0], "store": f"127.0.0.1:{port}", "gloo_port": free_port(),
             "steps": 0, "sources": 2, "role": role, "float16_module": True,
             "etp": 1}  # Megatron started with ETP=1 for the dense model
-    env = {**os.environ, "RDMA_PLAN_SECRET": secrets.token_hex(32), "PYTHONPATH": ROOT,
-           "NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"),
-                               json.dumps({**base, "index": i})], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=400)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"{role} {i} failed:\n{out[-4000:]}"
+    done = run_workers([{**base, "index": i} for i in range(2)])
+    for i, f in enumerate(done):
+        out = f.output
+        assert f.returncode == 0, f"{role} {i} failed:\n{out[-4000:]}"
         lines = [ln for ln in out.splitlines() if ln.startswith("refused")]
         assert len(lines) == 3, out[-4000:]
         mine, other = describe(ids[i]), describe(ids[1 - i])
@@ -282,10 +266,7 @@ def test_adapter_swaps_are_refused(tmp_path, role, source):
 
 @pytest.mark.oracle
 @pytest.mark.extended
-@pytest.mark.parametrize("role, source", [
-    pytest.param("megatron", MEGA_TP2, id="megatron-tp2"),
-    pytest.param("fsdp2", {"framework": "fsdp2", "dp": 2, "dtype": "float32"}, id="fsdp2-dp2"),
-])
+@pytest.mark.parametrize("role, source", TRAINERS)
 def test_vllm_trainer_ranks_handed_each_others_identity_write_nothing(tmp_path, role, source):
     """Two live trainer ranks (real Megatron-Core TP2 over gloo, real FSDP2 `fully_shard`
     dp 2) on the vLLM trainer path (`RdmaPlanTrainerEngine.trainer_init`), each handed the
@@ -300,7 +281,7 @@ def test_vllm_trainer_ranks_handed_each_others_identity_write_nothing(tmp_path, 
     pytest.importorskip("megatron.core" if role == "megatron" else "transformers")
     from harness.launch import master_store
     from tests.oracles.launch import free_port
-    from tests.support.integration import compile_plan
+    from tests.support.integration import compile_plan, start_worker, worker_env
 
     hf = qwen3(num_hidden_layers=2)
     config, plan = compile_plan(str(tmp_path), hf, source, {"engine": "vllm", "tp": 1})
@@ -310,16 +291,9 @@ def test_vllm_trainer_ranks_handed_each_others_identity_write_nothing(tmp_path, 
             "gloo_port": free_port(), "steps": 0, "sources": 2, "float16_module": True,
             "etp": 1, "timeout_s": 300, "rendezvous": f"127.0.0.1:{free_port()}",
             "vllm_swap": [{"rank": 1, "identity": ids[1]}, {"rank": 0, "identity": ids[0]}]}
-    env = {**os.environ, "PYTHONPATH": ROOT, "NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore", "VLLM_TARGET_DEVICE": "cpu",
-           "VLLM_LOGGING_LEVEL": "ERROR", "RDMA_PLAN_SECRET": secrets.token_hex(32)}
-
-    def spawn(r: str, index: int) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py"),
-                                 json.dumps({**base, "role": r, "index": index})], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    procs = [spawn(role, 0), spawn(role, 1), spawn("target", 0)]
+    env = worker_env(VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="ERROR")
+    procs = [start_worker({**base, "role": r, "index": i}, env)
+             for r, i in ((role, 0), (role, 1), ("target", 0))]
     try:
         outs = [p.communicate(timeout=900)[0] for p in procs[:2]]
         store.set("sources_done", "1")

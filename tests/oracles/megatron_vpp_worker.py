@@ -12,7 +12,6 @@ chunks in the interleaved order (stage 0 chunk 0, stage 1 chunk 0, ..., stage 0 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 
@@ -23,9 +22,8 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from harness.weights import materialize, random_full_tensors  # noqa: E402
 from planner.layouts import megatron  # noqa: E402
-from planner.spec import spec_from_hf  # noqa: E402
 from schemas.config import SourceConfig  # noqa: E402
-from tests.support.megatron import build, hf_logits, patch_cuda  # noqa: E402
+from tests.support.megatron import batch, build, logits_code, start  # noqa: E402
 
 
 def _forward(chunks: list, cfg: SourceConfig, rank: int, p: int, ids, pos, mask, hidden_size):
@@ -46,16 +44,10 @@ def _forward(chunks: list, cfg: SourceConfig, rank: int, p: int, ids, pos, mask,
 
 
 def main() -> int:
-    arg = json.loads(sys.argv[1])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{arg['port']}",
-                            rank=rank, world_size=world)
+    rank, hf, cfg, spec = start()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    patch_cuda()
-    hf, cfg = arg["hf"], SourceConfig(framework="megatron", **arg["source"])
-    spec = spec_from_hf(hf, mtp=False)
     ps.initialize_model_parallel(cfg.tp, cfg.pp, virtual_pipeline_model_parallel_size=cfg.vpp)
     with contextlib.suppress(Exception):
         model_parallel_cuda_manual_seed(0)
@@ -82,19 +74,11 @@ def main() -> int:
     with torch.no_grad():
         for name, t in local.items():
             params[name].copy_(t)
-        ids = torch.arange(12).reshape(2, 6) * 7 % spec.dims.vocab
-        pos = torch.arange(6).expand(2, 6)
-        mask = torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)[None, None]
+        ids, pos, mask = batch(spec.dims.vocab)
         out = _forward(chunks, cfg, rank, p, ids, pos, mask, spec.dims.hidden)
     code = 0
     if p == cfg.pp - 1:
-        parts = [torch.empty_like(out) for _ in range(cfg.tp)]
-        dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
-        logits = torch.cat(parts, -1)[..., : spec.dims.vocab]
-        if ps.get_tensor_model_parallel_rank() == 0:
-            err = (logits - hf_logits(hf, full, ids)).abs().max().item()
-            print(f"rank {rank}: max |logits - hf| = {err:.3g}", flush=True)
-            code = int(not err < 1e-4)
+        code = logits_code(out, cfg.tp, spec.dims.vocab, hf, full, ids, rank)
     dist.barrier()
     dist.destroy_process_group()
     return code

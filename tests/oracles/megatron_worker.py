@@ -12,7 +12,6 @@ the four CUDA patches for a CPU forward. Exits non-zero on a mismatch, printing 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 
@@ -23,22 +22,14 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from harness.weights import materialize, random_full_tensors  # noqa: E402
 from planner.layouts import megatron  # noqa: E402
-from planner.spec import spec_from_hf  # noqa: E402
-from schemas.config import SourceConfig  # noqa: E402
-from tests.support.megatron import build, hf_logits, patch_cuda, patch_mla  # noqa: E402
+from tests.support.megatron import batch, build, logits_code, patch_mla, start  # noqa: E402
 
 
 def main() -> int:
-    arg = json.loads(sys.argv[1])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{arg['port']}",
-                            rank=rank, world_size=world)
+    rank, hf, cfg, spec = start()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    patch_cuda()
-    hf, cfg = arg["hf"], SourceConfig(framework="megatron", **arg["source"])
-    spec = spec_from_hf(hf, mtp=False)
     names_only = hf["model_type"] == "deepseek_v3"
     if names_only:
         patch_mla()
@@ -67,9 +58,7 @@ def main() -> int:
     with torch.no_grad():
         for name, t in local.items():
             params[name].copy_(t)
-    ids = torch.arange(12).reshape(2, 6) * 7 % spec.dims.vocab
-    pos = torch.arange(6).expand(2, 6)
-    mask = torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)[None, None]
+    ids, pos, mask = batch(spec.dims.vocab)
     with torch.no_grad():
         if pp_rank > 0:
             hidden = torch.empty(6, 2, spec.dims.hidden)
@@ -78,17 +67,9 @@ def main() -> int:
         out = model(ids, pos, mask)
         if pp_rank < pp - 1:
             dist.send(out, dst=rank + cfg.tp * cfg.dp)
-    logits = None
-    if pp_rank == pp - 1:
-        parts = [torch.empty_like(out) for _ in range(cfg.tp)]
-        dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
-        logits = torch.cat(parts, -1)[..., : spec.dims.vocab]
     code = 0
-    if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
-        ref = hf_logits(hf, full, ids)
-        err = (logits - ref).abs().max().item()
-        print(f"rank {rank}: max |logits - hf| = {err:.3g}", flush=True)
-        code = int(not err < 1e-4)
+    if pp_rank == pp - 1:
+        code = logits_code(out, cfg.tp, spec.dims.vocab, hf, full, ids, rank)
     dist.barrier()
     dist.destroy_process_group()
     return code

@@ -39,8 +39,7 @@ def main() -> None:
     import torch.distributed as dist
     from sglang.srt.eplb.expert_location_updater import update_expert_weights_single_layer
 
-    import executor
-    from harness.weights import materialize, random_full_tensors
+    from harness.weights import random_full_tensors
     from planner.compiler import compile_config
     from planner.frameworks import build_layout
     from planner.layouts.vllm_rank import eplb_layers
@@ -50,6 +49,7 @@ def main() -> None:
     from schemas.config_load import config_from_dict
     from schemas.placement import Placement
     from schemas.plan_write import encode_plan, write_plan
+    from tests.support.local_refit import refit_locally
 
     arg = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -90,13 +90,9 @@ def main() -> None:
     def refit(plan) -> dict[str, torch.Tensor]:  # noqa: ANN001
         path = os.path.join(folder, f"sglang-eplb-{os.getpid()}.rplan")
         write_plan(path, plan)
-        dst = build_layout(spec, cfg_a.target)
-        tensors = materialize(src, full)
-        for r, t in materialize(dst, {k: torch.zeros_like(v) for k, v in full.items()}).items():
-            tensors[src.world + r] = t
-        executor.run_all_local(path, tensors)
+        got = refit_locally(path, src, build_layout(spec, cfg_a.target), full)[rank]
         os.remove(path)
-        return tensors[src.world + rank]
+        return got
 
     held, want = refit(plan_a), refit(plan_b)
     per = slots // world

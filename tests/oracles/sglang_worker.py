@@ -25,23 +25,7 @@ sglang_env.prepare()
 
 import torch  # noqa: E402
 
-
-def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
-    errors = [f"missing in SGLang: {n}" for n in want if n not in got]
-    errors += [f"not in our layout: {n} {tuple(got[n].shape)}" for n in got if n not in want]
-    if not errors and list(got) != list(want):
-        i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-        errors.append(f"named_parameters() order differs at {i}: SGLang "
-                      f"{list(got)[i:i + 4]}, ours {list(want)[i:i + 4]}")
-    for name in want.keys() & got.keys():
-        g, w = got[name], want[name]
-        if g.shape != w.shape or g.dtype != w.dtype:
-            errors.append(f"{name}: SGLang {tuple(g.shape)} {g.dtype}, ours "
-                          f"{tuple(w.shape)} {w.dtype}")
-        elif not torch.equal(g, w):
-            bad = (g != w).nonzero()
-            errors.append(f"{name}: {len(bad)} elements differ, first at {bad[0].tolist()}")
-    return errors
+from tests.support.engine_params import differences  # noqa: E402
 
 
 def swap_kv_heads(full: dict[str, torch.Tensor], head_dim: int) -> dict[str, torch.Tensor]:
@@ -79,7 +63,7 @@ def run_case(case: dict, rank: int) -> list[str]:
         got = {n: p.detach() for n, p in model.named_parameters()}
     finally:
         sglang_env.teardown()
-    errors = compare(got, want)
+    errors = differences(got, want, "SGLang")
     if case.get("swap_kv"):  # the negative control passes only if the oracle caught it
         caught = any("qkv_proj.weight" in e and "elements differ" in e for e in errors)
         errors = [] if caught else [f"swapped KV heads not caught: {errors[:3]}"]

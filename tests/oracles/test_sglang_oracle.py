@@ -13,26 +13,21 @@ from __future__ import annotations
 import pytest
 
 from tests.oracles.launch import launch
-from tests.support import oracles
-from tests.support.sglang_models import BASE, deepseek_v3
+from tests.support import engine_models, oracles
+from tests.support.engine_models import two_layers
+from tests.support.sglang_models import deepseek_v3
 
 pytestmark = pytest.mark.oracle
 oracles.require("sglang")
 
 
-def qwen3(**kw: object) -> dict:
-    # nh=4, ng=2: TP 4 replicates each KV head on two ranks
-    return BASE | dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"],
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                       intermediate_size=256, tie_word_embeddings=False) | kw
+qwen3 = two_layers(engine_models.qwen3)
 
 
 def qwen3_moe(**kw: object) -> dict:
-    return BASE | dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                       intermediate_size=192, moe_intermediate_size=64, num_experts=8,
-                       num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-                       mlp_only_layers=[], tie_word_embeddings=False) | kw
+    # nh=4, ng=2
+    return two_layers(engine_models.qwen3_moe)(**{"num_attention_heads": 4,
+                                                  "num_key_value_heads": 2, **kw})
 
 
 def case(name: str, hf: dict, tp: int, **kw: object) -> dict:

@@ -11,44 +11,16 @@ from __future__ import annotations
 import pytest
 
 from tests.oracles.launch import launch
-from tests.support import oracles
-from tests.support.engine_models import gemma3
+from tests.support import engine_models, oracles
+from tests.support.engine_models import gemma3, two_layers
 
 pytestmark = pytest.mark.oracle
 oracles.require("vllm")  # without the 20 s import
 
-BASE = dict(hidden_act="silu", max_position_embeddings=256, rms_norm_eps=1e-6,
-            rope_theta=10000.0, torch_dtype="float32", num_hidden_layers=2, hidden_size=128,
-            vocab_size=1100)  # 1100 pads to 1152 = 2*576 = 3*384 = 4*288
-
-
-def qwen3(**kw: object) -> dict:
-    # nh=4, ng=2: TP 4 replicates each KV head on two ranks
-    return BASE | dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"],
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                       intermediate_size=256, tie_word_embeddings=False) | kw
-
-
-def qwen3_moe(**kw: object) -> dict:
-    # nh=6, ng=1 (TP 2 and 3 both valid); E=8 (EP 3: 3, 3, 2 experts)
-    return BASE | dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
-                       num_attention_heads=6, num_key_value_heads=1, head_dim=64,
-                       intermediate_size=192, moe_intermediate_size=64, num_experts=8,
-                       num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-                       mlp_only_layers=[], tie_word_embeddings=False) | kw
-
-
-def deepseek_v3(**kw: object) -> dict:
-    # MLA with q_lora; layer 0 dense, layer 1 MoE with E=8 + 1 shared expert
-    return BASE | dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
-                       num_attention_heads=6, num_key_value_heads=6, q_lora_rank=64,
-                       kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
-                       v_head_dim=32, intermediate_size=192, moe_intermediate_size=48,
-                       n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-                       first_k_dense_replace=1, moe_layer_freq=1, n_group=1, topk_group=1,
-                       topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
-                       routed_scaling_factor=1.0, num_nextn_predict_layers=0,
-                       tie_word_embeddings=False, rope_scaling=None) | kw
+BASE = dict(engine_models.BASE, num_hidden_layers=2)
+"""The engine models' base with two layers (vocab 1100 pads to 1152 = 2*576 = 3*384 = 4*288)."""
+qwen3, qwen3_moe, deepseek_v3 = (two_layers(f) for f in (
+    engine_models.qwen3, engine_models.qwen3_moe, engine_models.deepseek_v3))
 
 
 def mixtral(**kw: object) -> dict:

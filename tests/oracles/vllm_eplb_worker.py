@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -71,16 +72,11 @@ def plans(hf: dict, a: np.ndarray, b: np.ndarray, folder: str):  # noqa: ANN201
 
 def refit(cfg, spec, path: str, full: dict, rank: int) -> dict[str, torch.Tensor]:  # noqa: ANN001
     """Target rank `rank`'s tensors after running plan `path` locally from `full`."""
-    import executor
-    from harness.weights import materialize
     from planner.frameworks import build_layout
+    from tests.support.local_refit import refit_locally
 
-    src, dst = build_layout(spec, cfg.source), build_layout(spec, cfg.target)
-    tensors = materialize(src, full)
-    for r, t in materialize(dst, {k: torch.zeros_like(v) for k, v in full.items()}).items():
-        tensors[src.world + r] = t
-    executor.run_all_local(path, tensors)
-    return tensors[src.world + rank]
+    return refit_locally(path, build_layout(spec, cfg.source), build_layout(spec, cfg.target),
+                         full)[rank]
 
 
 def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> list[str]:
@@ -106,6 +102,23 @@ def set_placement(model: torch.nn.Module, table: np.ndarray, experts: int) -> No
     model.set_eplb_state(load, l2p, count)
 
 
+def refused_in_one_line(check: Callable[[], object], what: str, said: str) -> list[str]:
+    """`check()` (plan A on the engine in placement B) must raise `PlacementMismatchError` in
+    one line naming a MoE layer and a logical expert, printed after `said`; the errors, each
+    beginning with `what`, where it does not."""
+    from integrations.errors import PlacementMismatchError
+
+    try:
+        check()
+    except PlacementMismatchError as e:
+        line = str(e)
+        print(f"{said}: {line}", flush=True)
+        if "\n" in line or "MoE layer" not in line or "logical expert" not in line:
+            return [f"{what}: the refusal is not one line naming layer and expert: {line!r}"]
+        return []
+    return [f"{what}: plan A was not refused on the engine in placement B"]
+
+
 def switch_checks(paths: list[str], plan_rank: int, model: torch.nn.Module) -> list[str]:
     """What an engine rank's plan switch (`integrations/engine_switch.py`, the vLLM
     backend's `rdma_plan_switch`) checks, on this model's EPLB maps after the
@@ -115,23 +128,16 @@ def switch_checks(paths: list[str], plan_rank: int, model: torch.nn.Module) -> l
     from executor.errors import PlanSwitchError
     from integrations import placement_check
     from integrations.engine_core import EngineCore
-    from integrations.errors import PlacementMismatchError
     from schemas.identity import plan_identity
 
     core = EngineCore(paths[0], "vllm", lambda h: plan_identity(h, plan_rank, paths[0]),
                       allow_unsigned=True)
-    errors = []
 
     def engine(_):  # noqa: ANN001, ANN202
         return placement_check.vllm_placement(model)
-    try:
-        core.check_switch(paths[0], 1, engine, "rdma_plan worker")
-        errors.append("switch: plan A was not refused on the engine in placement B")
-    except PlacementMismatchError as e:
-        line = str(e)
-        if "\n" in line or "MoE layer" not in line or "logical expert" not in line:
-            errors.append(f"switch refusal is not one line naming layer and expert: {line!r}")
-        print(f"plan rank {plan_rank}: switch refused: {line}", flush=True)
+    errors = refused_in_one_line(
+        lambda: core.check_switch(paths[0], 1, engine, "rdma_plan worker"), "switch",
+        f"plan rank {plan_rank}: switch refused")
     try:
         core.check_switch(paths[1], 1, engine, "rdma_plan worker")
         errors.append("switch: no executor is bound, yet plan B was taken")
@@ -152,7 +158,6 @@ def main() -> None:
 
     from harness.weights import random_full_tensors
     from integrations import placement_check
-    from integrations.errors import PlacementMismatchError
     from planner.layouts.vllm_rank import eplb_layers
     from planner.spec import spec_from_hf
     from schemas.placement import Placement
@@ -218,14 +223,9 @@ def main() -> None:
 
         # what `start_weight_update` checks: the model against the plan's placement
         placement_check.at_update(model, plan_b.header.placement)
-        try:
-            placement_check.at_update(model, plan_a.header.placement)
-            errors.append("plan A was not refused on the engine in placement B")
-        except PlacementMismatchError as e:
-            line = str(e)
-            if "\n" in line or "MoE layer" not in line or "logical expert" not in line:
-                errors.append(f"refusal is not one line naming layer and expert: {line!r}")
-            print(f"rank {rank}: refused: {line}", flush=True)
+        errors += refused_in_one_line(
+            lambda: placement_check.at_update(model, plan_a.header.placement),
+            "start_weight_update", f"rank {rank}: refused")
         errors += switch_checks(paths, plan_a.header.sources + rank, model)
     if errors:
         print("\n".join(f"rank {rank}: {e}" for e in errors[:50]), flush=True)

@@ -20,7 +20,7 @@ os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-import torch  # noqa: E402
+from tests.support.engine_params import differences  # noqa: E402
 
 
 def neutralise_cpu_gaps() -> None:
@@ -43,22 +43,6 @@ def engine_config(hf: dict, tp: int, pp: int, ep: bool):  # noqa: ANN201 (vLLM's
                       pipeline_parallel_size=pp,
                       enable_expert_parallel=ep, enforce_eager=True,
                       max_model_len=128).create_engine_config()
-
-
-def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
-    errors = [f"missing in vLLM: {n}" for n in want if n not in got]
-    errors += [f"not in our layout: {n} {tuple(got[n].shape)}" for n in got if n not in want]
-    if not errors and list(got) != list(want):
-        errors.append("named_parameters() order differs from the layout's tensor order")
-    for name in want.keys() & got.keys():
-        g, w = got[name], want[name]
-        if g.shape != w.shape or g.dtype != w.dtype:
-            errors.append(f"{name}: vLLM {tuple(g.shape)} {g.dtype}, ours "
-                          f"{tuple(w.shape)} {w.dtype}")
-        elif not torch.equal(g, w):
-            bad = (g != w).nonzero()
-            errors.append(f"{name}: {len(bad)} elements differ, first at {bad[0].tolist()}")
-    return errors
 
 
 KEEP: list[object] = []
@@ -103,7 +87,7 @@ def run_case(case: dict, rank: int) -> list[str]:
             got = {n: p.detach() for n, p in model.named_parameters()}
         finally:
             destroy_model_parallel()
-    return [f"{case['name']} rank {rank}: {e}" for e in compare(got, want)]
+    return [f"{case['name']} rank {rank}: {e}" for e in differences(got, want, "vLLM")]
 
 
 def main() -> None:

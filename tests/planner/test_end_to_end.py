@@ -13,13 +13,14 @@ import os
 import pytest
 import torch
 
-from harness.weights import materialize, random_full_tensors
+from harness.weights import random_full_tensors
 from planner.compiler import compile_config
 from planner.frameworks import build_layout
 from planner.tools.verify import verify_plan
 from planner.validate import validate
 from schemas.config_load import config_from_dict
 from schemas.plan_write import encode_plan, write_plan
+from tests.support.local_refit import refit_differs
 
 MODELS = os.path.join(os.path.dirname(__file__), "..", "..", "plans", "models")
 DENSE, MOE, MLA = "tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3"
@@ -71,7 +72,6 @@ def _id(case) -> str:
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_plan_reproduces_targets_bit_exactly(case, tmp_path):
-    import executor
 
     model, source, target = case
     cfg = config_from_dict({"model": {"config": f"{model}/config.json"}, "source": source,
@@ -92,14 +92,5 @@ def test_plan_reproduces_targets_bit_exactly(case, tmp_path):
         g = torch.Generator().manual_seed(8)
         full = {k: v.float() + 1e-3 * torch.randn(v.shape, generator=g)
                 for k, v in full.items()}
-    src_layout, dst_layout = build_layout(spec, cfg.source), build_layout(spec, cfg.target)
-    tensors = materialize(src_layout, full)
-    zeros = {k: torch.zeros_like(v) for k, v in full.items()}
-    for r, t in materialize(dst_layout, zeros).items():
-        tensors[src_layout.world + r] = t
-    executor.run_all_local(path, tensors)
-    expect = materialize(dst_layout, full)
-    for r, want in expect.items():
-        got = tensors[src_layout.world + r]
-        for name, w in want.items():
-            assert torch.equal(got[name], w), f"target rank {r} {name} differs"
+    src, dst = build_layout(spec, cfg.source), build_layout(spec, cfg.target)
+    assert refit_differs(path, src, dst, full) == []  # (target rank, tensor) pairs

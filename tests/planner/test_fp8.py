@@ -19,6 +19,7 @@ from planner.compiler import compile_layouts
 from planner.fp8 import quantize_layout, with_scales
 from planner.spec import spec_from_hf
 from schemas.plan_write import write_plan
+from tests.support.local_refit import refit_differs
 from tests.support.synthetic import FP8_HF as HF
 from tests.support.synthetic import fp8_config as _config
 from tests.support.synthetic import fused_col_split, row_split
@@ -112,7 +113,6 @@ LAYOUT_CASES = [
 def test_fp8_real_layouts_bit_exact(tmp_path, hf, source, target):
     import json
 
-    import executor
     from planner.compiler import compile_config
     from planner.frameworks import build_layout
     from planner.spec import load_spec
@@ -134,15 +134,7 @@ def test_fp8_real_layouts_bit_exact(tmp_path, hf, source, target):
         g = torch.Generator().manual_seed(12)
         full = {k: v.float() + 1e-3 * torch.randn(v.shape, generator=g) for k, v in full.items()}
     src, dst = build_layout(spec, cfg.source), build_layout(spec, cfg.target)
-    want = materialize(dst, quantize_full(spec, full))
-    tensors = materialize(src, full)
-    for r, t in want.items():
-        tensors[src.world + r] = {k: torch.zeros_like(v) for k, v in t.items()}
-    executor.run_all_local(path, tensors)
-    for r, tensors_r in want.items():
-        for name, w in tensors_r.items():
-            got = tensors[src.world + r][name]
-            assert torch.equal(got.view(torch.uint8), w.view(torch.uint8)), (r, name)
+    assert refit_differs(path, src, dst, full, quantize_full(spec, full)) == []
 
 
 def test_fp8_column_parts_are_gathered_whole(tmp_path):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness.weights import materialize, random_full_tensors
+from harness.weights import random_full_tensors
 from planner.compiler import compile_config
 from planner.errors import NotIncremental
 from planner.frameworks import build_layout
@@ -31,6 +31,7 @@ from schemas.errors import PlanFormatError
 from schemas.header import PlanHeader
 from schemas.placement import Placement, load
 from schemas.plan_write import encode_plan, write_plan
+from tests.support.local_refit import world_tensors
 
 MODELS = os.path.join(os.path.dirname(__file__), "..", "..", "plans", "models")
 MOE, MLA = "tiny-qwen3-moe", "tiny-deepseek-v3"
@@ -91,9 +92,7 @@ def test_every_physical_replica_is_written(case, tmp_path):
     write_plan(path, plan)
     full = random_full_tensors(spec, seed=11)
     src, dst = build_layout(spec, cfg.source), build_layout(spec, cfg.target)
-    tensors = materialize(src, full)
-    for r, t in materialize(dst, {k: torch.zeros_like(v) for k, v in full.items()}).items():
-        tensors[src.world + r] = t
+    tensors = world_tensors(src, dst, full)
     executor.run_all_local(path, tensors)
     ep = cfg.target.tp * (cfg.target.dp if target["engine"] == "vllm" else 1)
     per = slots // ep

@@ -38,16 +38,21 @@ def plan(tmp_path_factory):
 @pytest.fixture(scope="module")
 def world(plan):
     w = StrayWorld(CONFIG, plan, 4, steps=30, timeout_s=3.0, extra=("--leak",))
-    w.k = 0  # type: ignore[attr-defined]  # the last step run
     try:
-        for r in RANKS:
-            w.spawn(r)
-        for r in RANKS:
-            w.loaded(r)
-        _honest(w)
+        _start(w)
         yield w
     finally:
         w.close()
+
+
+def _start(w: StrayWorld) -> None:
+    """Every rank of `w` spawned and loaded, then one honest step."""
+    w.k = 0  # type: ignore[attr-defined]  # the last step run
+    for r in RANKS:
+        w.spawn(r)
+    for r in RANKS:
+        w.loaded(r)
+    _honest(w)
 
 
 def _honest(w: StrayWorld) -> dict:
@@ -153,13 +158,8 @@ def test_without_a_secret_the_forged_done_succeeds(plan):
     # the control: the same forgery against a job run with insecure=True ends a target's
     # step on the forged DONE, with stale weights (what the secret prevents above)
     w = StrayWorld(CONFIG, plan, 4, steps=6, timeout_s=3.0, extra=("--leak", "--insecure"))
-    w.k = 0  # type: ignore[attr-defined]
     try:
-        for r in RANKS:
-            w.spawn(r)
-        for r in RANKS:
-            w.loaded(r)
-        _honest(w)
+        _start(w)
         w.stray("forge", "--target", "2,3", "--claim", "0,1", "--step", "2", "--spoof")
         fooled = []
         for k in (2, 3, 4):

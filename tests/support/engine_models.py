@@ -4,11 +4,17 @@ every TP size); the layer counts give PP 2 an uneven split."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 BASE: dict[str, Any] = dict(hidden_act="silu", max_position_embeddings=256, rms_norm_eps=1e-6,
                             rope_theta=10000.0, torch_dtype="float32", num_hidden_layers=3,
                             hidden_size=128, vocab_size=1100)
+
+
+def two_layers(family: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """`family`'s config with two layers, unless the caller names another count."""
+    return lambda **kw: family(**{"num_hidden_layers": 2, **kw})
 
 
 def llama(**kw: Any) -> dict[str, Any]:

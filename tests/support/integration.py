@@ -1,20 +1,51 @@
 """Shared by the integration tests: a module tree of given parameters, a stand-in for
-Megatron's `parallel_state`, a small plan compiled from an HF config, and a stand-in for
-vLLM's weight-sync client that records the trainer's calls."""
+Megatron's `parallel_state`, a small plan compiled from an HF config, a stand-in for
+vLLM's weight-sync client that records the trainer's calls, and the rank processes of
+tests/integrations/worker.py (`worker_env`, `start_worker`, `run_workers`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import torch
 import yaml
 
+from harness.launch import Finished, root_env, spawn_ranks
 from planner.compiler import compile_config
 from planner.validate import load
 from schemas.chunked_plan import write_chunked
 from schemas.plan_write import write_plan
+
+WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "integrations", "worker.py")
+"""The integration tests' rank process; its one argument is its job as JSON (role, index,
+plan, config, store, ...)."""
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """A worker's environment: the repository first on `PYTHONPATH`, a fresh job secret,
+    NIXL's log quiet, one OpenMP thread, Python's warnings off, and `extra`."""
+    return root_env(RDMA_PLAN_SECRET=secrets.token_hex(32), NIXL_LOG_LEVEL="WARN",
+                    OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
+
+
+def start_worker(job: dict, env: dict[str, str]) -> subprocess.Popen:
+    """A worker process of `job`, its stdout and stderr merged into one text pipe."""
+    return subprocess.Popen([sys.executable, WORKER, json.dumps(job)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def run_workers(jobs: list[dict], timeout: float = 400.0, **env: str) -> list[Finished]:
+    """One worker a job, all at once (`worker_env(**env)`), awaited together at most
+    `timeout` seconds (`harness.launch.spawn_ranks`); each one's exit status and output, in
+    the jobs' order."""
+    return spawn_ranks(lambda r: [sys.executable, WORKER, json.dumps(jobs[r])], len(jobs),
+                       env=worker_env(**env), timeout=timeout)
 
 
 def module(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:

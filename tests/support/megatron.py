@@ -1,14 +1,20 @@
 """Build a real Megatron-Core 0.16.1 GPTModel on CPU (local spec, gloo), for the oracles
 and the integration tests: the CUDA patches of a CPU forward (LAYOUTS.md), MLA's local-spec
-patch, and `build` (one model chunk; `vp_stage` for virtual pipeline chunks)."""
+patch, and `build` (one model chunk; `vp_stage` for virtual pipeline chunks); an oracle
+rank's start (`start`), its input (`batch`) and its check of the last stage's logits against
+the HF model's (`logits_code`)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
+from planner.spec import ModelSpec, spec_from_hf
 from schemas.config import SourceConfig
 
 
@@ -143,3 +149,44 @@ def hf_logits(hf: dict, full: dict[str, torch.Tensor], ids: torch.Tensor) -> tor
             else:
                 p.copy_(full[name])
         return model(ids).logits.float()
+
+
+def start() -> tuple[int, dict, SourceConfig, ModelSpec]:
+    """An oracle rank's process: its JSON argument (argv[1]: "port", "hf", "source"), its
+    gloo process group (RANK and WORLD_SIZE from the environment), the CUDA patches of a CPU
+    forward; its rank, the HF config, the Megatron source config and the spec."""
+    arg = json.loads(sys.argv[1])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{arg['port']}",
+                                         rank=rank, world_size=world)
+    patch_cuda()
+    hf, cfg = arg["hf"], SourceConfig(framework="megatron", **arg["source"])
+    return rank, hf, cfg, spec_from_hf(hf, mtp=False)
+
+
+def batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The oracles' input: token ids [2, 6] below `vocab`, their positions, and the causal
+    mask (True above the diagonal: not attended)."""
+    ids = torch.arange(12).reshape(2, 6) * 7 % vocab
+    pos = torch.arange(6).expand(2, 6)
+    mask = torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)[None, None]
+    return ids, pos, mask
+
+
+def logits_code(out: torch.Tensor, tp: int, vocab: int, hf: dict,
+                full: dict[str, torch.Tensor], ids: torch.Tensor, rank: int) -> int:
+    """On a last pipeline stage, its output `out` (each TP rank's share of the padded vocab)
+    gathered over the TP group into the logits of the first `vocab` rows; TP rank 0 prints
+    the largest difference from the HF model's logits (weights `full`, input `ids`) and
+    gives 1 where it is not below 1e-4; 0 otherwise."""
+    from megatron.core import parallel_state as ps
+
+    parts = [torch.empty_like(out) for _ in range(tp)]
+    torch.distributed.all_gather(parts, out.contiguous(),
+                                 group=ps.get_tensor_model_parallel_group())
+    if ps.get_tensor_model_parallel_rank() != 0:
+        return 0
+    logits = torch.cat(parts, -1)[..., :vocab]
+    err = (logits - hf_logits(hf, full, ids)).abs().max().item()
+    print(f"rank {rank}: max |logits - hf| = {err:.3g}", flush=True)
+    return int(not err < 1e-4)

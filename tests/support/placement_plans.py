@@ -1,10 +1,12 @@
 """Plans for an expert placement (EPLB) on the tiny Qwen3-MoE: FSDP2 dp 2 -> vLLM TP 2 with
 expert parallelism (or another dp and TP: 1 and 1, two ranks), 10 physical slots for 8
-experts; the tensors each rank binds."""
+experts; the tensors each rank binds; the plans written to a folder and read back there by
+each rank's process (`write_plans`, `read_plans`)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -71,7 +73,7 @@ def rank_tensors(cfg: Config, spec: ModelSpec, rank: int, seed: int) -> dict[str
 def write_plans(folder: str, dp: int = 2, tp: int = 2) -> tuple[Plan, Plan]:
     """Plans A and B of `tables(seed=4)` (B replanned from A) for FSDP2 dp `dp` -> vLLM TP
     `tp`, written under `folder` as a.rplan and b.rplan, with tables.npz (the placements,
-    dp and tp: what tests/executor/switch_worker.py reads)."""
+    dp and tp: what `read_plans` gives each rank's process)."""
     a, b = tables(seed=4)
     cfg, spec = config(a, dp, tp)
     plan_a = compile_config(cfg, spec)
@@ -80,3 +82,30 @@ def write_plans(folder: str, dp: int = 2, tp: int = 2) -> tuple[Plan, Plan]:
     write_plan(os.path.join(folder, "b.rplan"), plan_b)
     np.savez(os.path.join(folder, "tables.npz"), a=a, b=b, dp=dp, tp=tp)
     return plan_a, plan_b
+
+
+@dataclass(frozen=True)
+class PlanFolder:
+    """What `write_plans` left in a folder, as a rank's process reads it back."""
+
+    path_a: str
+    path_b: str
+    a: Placement
+    """Plan A's placement (the engine's before the rebalance)."""
+    b: Placement
+    """Plan B's placement (after it)."""
+    cfg_a: Config
+    cfg_b: Config
+    spec: ModelSpec
+    sources: int
+    """The FSDP2 ranks (plan ranks 0 .. sources - 1); the engine's follow."""
+    world: int
+
+
+def read_plans(folder: str) -> PlanFolder:
+    """The plans, placements, configs and world that `write_plans` wrote under `folder`."""
+    t = np.load(os.path.join(folder, "tables.npz"))
+    dp, tp = int(t["dp"]), int(t["tp"])
+    (cfg_a, spec), (cfg_b, _) = config(t["a"], dp, tp), config(t["b"], dp, tp)
+    return PlanFolder(os.path.join(folder, "a.rplan"), os.path.join(folder, "b.rplan"),
+                      Placement(t["a"]), Placement(t["b"]), cfg_a, cfg_b, spec, dp, dp + tp)
