@@ -274,7 +274,7 @@ def _order(survey: _Survey, nodes_edges: tuple, acks: list[tuple[int, int, str]]
         key, p = np.divmod(key, max(w, 1))
         r, s = np.divmod(key, _NS)
         s = s - _OFF
-        missing = np.flatnonzero(~np.isin(_key(p, fn(k, s), r, k, w), other))
+        missing = np.flatnonzero(~_member(_key(p, fn(k, s), r, k, w), other))
         for i in missing[:5].tolist():
             rr, ss, pp, kk = _unkey(keys[i], w)
             out.append(f"rank {rr} waits for signal kind {kk} from rank {pp} in stage {ss}, "
@@ -286,8 +286,8 @@ def _order(survey: _Survey, nodes_edges: tuple, acks: list[tuple[int, int, str]]
     key, p = np.divmod(key, max(w, 1))
     r, s = np.divmod(key, _NS)
     s = s - _OFF
-    done = np.isin(_key(r, s, p, DONE, w), sent)
-    ready = np.isin(_key(p, 0, r, READY, w), sent)
+    done = _member(_key(r, s, p, DONE, w), sent)  # (`sent`, `waited`: sorted, distinct)
+    ready = _member(_key(p, 0, r, READY, w), sent)
     for i in np.flatnonzero(~(done & ready))[:5].tolist():
         out.append(f"rank {int(r[i])} writes to rank {int(p[i])} in stage {int(s[i])} without "
                    "READY and DONE signals")
