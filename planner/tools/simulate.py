@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.tools.planfile import PlanFile, PlanRanks
+from planner.tools.planfile import PlanFile, PlanRanks, gc_paused
 from planner.tools.simflow import (
     NIC,
     Batches,
@@ -89,7 +89,7 @@ def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
     t_wall = time.perf_counter()
     src = PlanRanks(path_or_plan) if isinstance(path_or_plan, Plan) else \
         PlanFile(str(path_or_plan))
-    with src:
+    with src, gc_paused():
         ranks = load_checked(src, progress)  # and the other blobs, as `load_plan` checks
         if progress is not None:
             progress("simulating")

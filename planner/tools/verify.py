@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from planner.tools.planfile import PlanFile, PlanRanks, ticker
+from planner.tools.planfile import PlanFile, PlanRanks, gc_paused, ticker
 from planner.tools.verify_rank import (
     acyclic,
     balance_msgs,
@@ -344,6 +344,12 @@ def check(src: PlanRanks, progress: Progress | None = None, stop_on_bounds: bool
     (a rank written by a later one) at the end: kept from the first read up to
     `HOLD_BYTES`, read again beyond. With `stop_on_bounds`,
     nothing past the bounds proof is reported for a plan that fails it."""
+    with gc_paused():
+        return _check(src, progress, stop_on_bounds, replicated)
+
+
+def _check(src: PlanRanks, progress: Progress | None, stop_on_bounds: bool,
+           replicated: bool | None) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {name: [] for name in CHECKS}
     world, header = src.world, src.header
     survey, res = _Survey(world), _Results()
