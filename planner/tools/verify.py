@@ -35,6 +35,7 @@ from planner.tools.planfile import PlanFile, PlanRanks, gc_paused, ticker
 from planner.tools.verify_rank import (
     acyclic,
     balance_msgs,
+    lex_order,
     rank_bounds,
     rank_coverage,
     rank_dataflow,
@@ -185,7 +186,7 @@ def outgoing_runs(rp: RankPlan) -> dict[int, Incoming]:
     dst, region = w["dst_rank"].astype(np.int64), w["dst_region"].astype(np.int64)
     lo = w["dst_offset"].astype(np.int64)
     hi = lo + w["nbytes"]
-    order = np.lexsort((lo, stage, region, dst))
+    order = lex_order(dst, region, stage, lo)
     dst, region, stage, lo, hi = dst[order], region[order], stage[order], lo[order], hi[order]
     first = np.ones(len(dst), dtype=bool)
     first[1:] = (dst[1:] != dst[:-1]) | (region[1:] != region[:-1]) \
