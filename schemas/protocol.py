@@ -78,7 +78,7 @@ from schemas.plan import (
     UNPACK,
     RankPlan,
 )
-from schemas.table import content_key, table_digest
+from schemas.table import among, content_key, table_digest
 
 ITEM = np.array([ITEMSIZE[d] for d in DTYPE_CODES], dtype=np.int64)
 """Bytes of one element, by dtype code (`schemas.plan.DTYPE_CODES`)."""
@@ -175,7 +175,7 @@ def carries(rp: RankPlan) -> np.ndarray:
         return out
     out[:-1] = True
     for table, kinds in ((rp.waits, (DONE,)), (rp.signals, ACKS)):
-        st = table["stage"][np.isin(table["kind"], kinds)]
+        st = table["stage"][among(table["kind"], kinds)]
         out[st[(st >= 0) & (st < rp.stages)]] = False
     st = rp.copies["stage"][rp.copies["kind"] == UNPACK]
     out[st[(st >= 0) & (st < rp.stages)]] = False

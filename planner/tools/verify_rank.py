@@ -30,7 +30,7 @@ from schemas.protocol import (
     write_stages,
 )
 from schemas.runs import MAX_COPY_RUNS, copy_runs
-from schemas.table import content_key, table_digest
+from schemas.table import among, content_key, table_digest
 
 MAX_RUNS = MAX_COPY_RUNS
 
@@ -180,7 +180,7 @@ def rank_dataflow(rp: RankPlan, inc: Incoming) -> list[str]:
                    "of its stage fills")
     early = np.flatnonzero(prepacked(rp))
     if len(early):  # packs while writes may still land
-        rows = np.flatnonzero(np.isin(c["kind"], (PACK, QUANT)) & np.isin(c["stage"], early))
+        rows = np.flatnonzero(among(c["kind"], (PACK, QUANT)) & np.isin(c["stage"], early))
         rows, _, lo, hi = copy_footprint(rp, "dst", rows)  # a QUANT's rows twice
         e_st = c["stage"][rows].astype(np.int64)
         hit = overlap_by_group(e_st, lo, hi, land[0] + 1, land[1], land[2])
