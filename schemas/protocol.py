@@ -78,7 +78,7 @@ from schemas.plan import (
     UNPACK,
     RankPlan,
 )
-from schemas.table import content_key, table_digest
+from schemas.table import among, content_key, table_digest
 
 ITEM = np.array([ITEMSIZE[d] for d in DTYPE_CODES], dtype=np.int64)
 """Bytes of one element, by dtype code (`schemas.plan.DTYPE_CODES`)."""
@@ -175,7 +175,7 @@ def carries(rp: RankPlan) -> np.ndarray:
         return out
     out[:-1] = True
     for table, kinds in ((rp.waits, (DONE,)), (rp.signals, ACKS)):
-        st = table["stage"][np.isin(table["kind"], kinds)]
+        st = table["stage"][among(table["kind"], kinds)]
         out[st[(st >= 0) & (st < rp.stages)]] = False
     st = rp.copies["stage"][rp.copies["kind"] == UNPACK]
     out[st[(st >= 0) & (st < rp.stages)]] = False
@@ -329,6 +329,7 @@ class Overlap:
 
     def __init__(self, rp: RankPlan) -> None:
         self.prepacked = np.zeros(rp.stages, dtype=bool)
+        self._meets: dict[tuple[int, int], bool] = {}  # (s, k) -> what `blockers` found
         empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         self.reads = [empty] * rp.stages
         self.packs = [empty] * rp.stages
@@ -371,8 +372,15 @@ class Overlap:
     def blockers(self, s: int, inflight: set[int] | list[int]) -> list[int]:
         """Stages among `inflight` (older than the rule covers) whose writes read staging
         that the early packs of stage `s` write: they must land first."""
-        return sorted(k for k in inflight
-                      if k <= s - SLOTS and overlaps(self.packs[s], self.reads[k]))
+        return sorted(k for k in inflight if k <= s - SLOTS and self._meet(s, k))
+
+    def _meet(self, s: int, k: int) -> bool:
+        """Whether stage `s`'s packs write staging that stage `k`'s writes read, found once
+        per pair (a simulation asks again for every batch that lands)."""
+        got = self._meets.get((s, k))
+        if got is None:
+            got = self._meets[(s, k)] = overlaps(self.packs[s], self.reads[k])
+        return got
 
 
 def _by_stage(stage: np.ndarray, lo: np.ndarray, hi: np.ndarray

@@ -107,3 +107,13 @@ def content_key(*parts: Any) -> bytes:
             b = (b"b" + p) if isinstance(p, bytes) else f"v{p!r}".encode()
             h.update(struct.pack("<Q", len(b)) + b)
     return h.digest()
+
+
+def among(a: np.ndarray, values: tuple[int, ...] | list[int]) -> np.ndarray:
+    """`np.isin(a, values)` for a few values (an op's kinds, dtype codes): one comparison a
+    value, without `isin`'s sorting or tables (tens of microseconds a call, on columns read
+    hundreds of times a plan)."""
+    out = np.zeros(np.shape(a), dtype=bool)
+    for v in values:
+        out |= a == v
+    return out

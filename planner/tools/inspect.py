@@ -87,9 +87,9 @@ def checked_header(path: str, why: dict[int, str] | None = None,
     rank's `staging_why` from the same read; `shadow`, each rank's full-shadow bytes;
     `chunked`, its chunked shadow's bytes (None: not compiled with one); `traffic`, each
     rank's bytes written to every rank (`traffic_row`)."""
-    from planner.tools.planfile import PlanFile, ticker
+    from planner.tools.planfile import PlanFile, gc_paused, ticker
 
-    with PlanFile(path) as src:
+    with PlanFile(path) as src, gc_paused():
         header = src.header
         needed = [*(f"rank/{r}" for r in range(header.world)), "explain", "dag"]
         extra = [n for n in header.blobs if n.startswith("tensors/")]

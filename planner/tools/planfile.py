@@ -8,9 +8,11 @@ gives a `Plan` already in memory the same face, so each tool has one implementat
 
 from __future__ import annotations
 
+import gc
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, BinaryIO
 
 import msgpack
@@ -32,7 +34,7 @@ from schemas.plan import (
     read_blob,
     read_header,
 )
-from schemas.plan_codec import CHUNK, FRAME, FRAME_HEAD, MAX_DECODED, MAX_RATIO, read_exact
+from schemas.plan_codec import FRAME, FRAME_HEAD, MAX_DECODED, MAX_RATIO, read_exact
 
 
 class _Unsure(Exception):
@@ -43,9 +45,16 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise _Unsure  # an extension type: the whole decode refuses it
 
 
+_PIECE = 256 << 10
+"""Stored bytes of the explain blob given to zlib at a time."""
+_STEP = 1 << 20
+"""Decoded bytes of the explain blob made at a time."""
+
+
 def explain_streamed(f: BinaryIO, header: PlanHeader, start: int, path: str) -> bool:
     """Whether the explain blob passes what `decode_explain(read_blob(...))` checks, decided
-    holding one table column at a time (the blob decodes to hundreds of MB on a large plan):
+    as it inflates, holding none of the table's columns (the blob decodes to hundreds of MB
+    on a large plan; a column is a msgpack bin: its length is all there is to check):
     its stored bytes and digest, the compact frame's bounds, the zlib stream exactly its
     declared size, plain msgpack (no extension) of one map whose keys are strings, `tensors`
     a list of strings and `table` the explain table's columns, whole items of one length,
@@ -65,14 +74,26 @@ def explain_streamed(f: BinaryIO, header: PlanHeader, start: int, path: str) -> 
     z = zlib.decompressobj()
     u = msgpack.Unpacker(raw=False, strict_map_key=True, ext_hook=_no_ext, max_ext_len=0,
                          max_buffer_size=max(n, 1))
-    state = {"tail": memoryview(data)[FRAME_HEAD:], "made": 0}
+    stream = memoryview(data)[FRAME_HEAD:]
+    state = {"tail": b"", "at": 0, "made": 0, "skipped": 0}
+
+    def inflate(most: int) -> bytes:
+        """Up to `most` more decoded bytes; none only at the end of the input. The stream is
+        given to zlib `_PIECE` bytes at a time: what it leaves unread is copied each call."""
+        while True:
+            if not state["tail"] and state["at"] < len(stream):
+                state["tail"] = stream[state["at"]:state["at"] + _PIECE]
+                state["at"] += _PIECE
+            out = z.decompress(state["tail"], most)
+            state["tail"] = z.unconsumed_tail
+            state["made"] += len(out)
+            if state["made"] > n:
+                raise _Unsure
+            if out or not state["tail"] and state["at"] >= len(stream):
+                return out
 
     def more() -> bool:
-        out = z.decompress(state["tail"], CHUNK)
-        state["tail"] = z.unconsumed_tail
-        state["made"] += len(out)
-        if state["made"] > n:
-            raise _Unsure
+        out = inflate(_STEP)
         u.feed(out)
         return bool(out)
 
@@ -83,6 +104,32 @@ def explain_streamed(f: BinaryIO, header: PlanHeader, start: int, path: str) -> 
             except msgpack.OutOfData:
                 if not more():
                     raise _Unsure from None
+
+    def raw(k: int) -> bytes:
+        """The next `k` bytes of the stream, as they are."""
+        got = u.read_bytes(k)
+        while len(got) < k:
+            if not more():
+                raise _Unsure
+            got += u.read_bytes(k - len(got))
+        return got
+
+    def column() -> int:
+        """The length of the bin item next in the stream (anything else: `_Unsure`), its
+        bytes passed over, never fed to `u` nor kept: a column is tens of MB."""
+        head = raw(1)[0]
+        width = {0xC4: 1, 0xC5: 2, 0xC6: 4}.get(head)
+        if width is None:
+            raise _Unsure  # not a bin: the whole decode gives no bytes for it
+        size = int.from_bytes(raw(width), "big")
+        left = size - len(u.read_bytes(size))  # what `u` already holds of it
+        state["skipped"] += left
+        while left:
+            out = inflate(min(left, _STEP))
+            if not out:
+                raise _Unsure
+            left -= len(out)
+        return size
 
     try:
         seen: set[str] = set()
@@ -96,12 +143,11 @@ def explain_streamed(f: BinaryIO, header: PlanHeader, start: int, path: str) -> 
                     raise _Unsure
                 rows = set()
                 for _, dt in EXPLAIN_COLUMNS:
-                    col = take(u.unpack)
                     size = np.dtype(dt).itemsize
-                    if not isinstance(col, bytes) or len(col) % size:
+                    length = column()
+                    if length % size:
                         raise _Unsure
-                    rows.add(len(col) // size)
-                    del col
+                    rows.add(length // size)
                 if len(rows) > 1:
                     raise _Unsure
             else:
@@ -113,7 +159,7 @@ def explain_streamed(f: BinaryIO, header: PlanHeader, start: int, path: str) -> 
         while more():
             pass
         if not {"tensors", "table"} <= seen or state["made"] != n or not z.eof \
-                or z.unconsumed_tail or z.unused_data or u.tell() != n:
+                or z.unconsumed_tail or z.unused_data or u.tell() + state["skipped"] != n:
             raise _Unsure
     except (_Unsure, zlib.error, ValueError, TypeError, msgpack.UnpackException):
         return False  # malformed or unusual: the whole decode decides, and says what is wrong
@@ -211,6 +257,21 @@ class PlanFile(PlanRanks):
 
     def close(self) -> None:
         self.f.close()
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cycle collector off meanwhile: a tool reading a large plan makes millions
+    of small objects (each rank's peer list, its signals by stage), none in a cycle, all
+    freed by their counts; the collector would walk every live one again and again (a
+    good part of `verify`'s time on a large plan). Back on after, as it was."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def ticker(progress: Callable[[str], None] | None, what: str, total: int

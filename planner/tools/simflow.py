@@ -22,7 +22,7 @@ from schemas.errors import PlanFormatError
 from schemas.header import PlanHeader
 from schemas.plan import COPY_GROUP_KEY, PACK, QUANT, UNPACK, RankPlan
 from schemas.protocol import ITEM, Overlap, carries, overlap
-from schemas.table import content_key, table_digest
+from schemas.table import among, content_key, table_digest
 
 NIC, NVLINK = 0, 1
 """Channels of a source rank (the values of `batches.nic`)."""
@@ -212,7 +212,7 @@ def _copy_seconds(rp: RankPlan, kinds: tuple[int, ...], pack_bps: float,
                   overhead_s: float) -> np.ndarray:
     c = rp.copies
     out = np.zeros(rp.stages)
-    m = np.isin(c["kind"], kinds)
+    m = among(c["kind"], kinds)
     if not m.any():
         return out
     item = np.maximum(ITEM[c["src_dtype"][m]], ITEM[c["dst_dtype"][m]])

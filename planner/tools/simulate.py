@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.tools.planfile import PlanFile, PlanRanks
+from planner.tools.planfile import PlanFile, PlanRanks, gc_paused
 from planner.tools.simflow import (
     NIC,
     Batches,
@@ -65,6 +65,7 @@ from planner.topology import NIC_WRITE_S, NVLINK_WRITE_S
 from schemas.errors import PlanFormatError
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, Plan
 from schemas.protocol import INFLIGHT, sent_stage
+from schemas.protocol import KINDS as SIGNAL_KINDS
 
 _WAIT_IN, _PACK, _WRITE, _SEND_DONE, _WAIT_DONE, _UNPACK, _SEND_ACK = range(7)
 
@@ -88,7 +89,7 @@ def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
     t_wall = time.perf_counter()
     src = PlanRanks(path_or_plan) if isinstance(path_or_plan, Plan) else \
         PlanFile(str(path_or_plan))
-    with src:
+    with src, gc_paused():
         ranks = load_checked(src, progress)  # and the other blobs, as `load_plan` checks
         if progress is not None:
             progress("simulating")
@@ -146,9 +147,13 @@ class _Sim:
         self.packs_end = [0.0] * self.world  # when a prepacked stage's packs finish
         self.packing: dict[tuple[int, int], tuple[float, float]] = {}  # (rank, stage) ->
         # when packs that did not run early ran
-        self.sends = [sr.sends for sr in ranks]
-        # each wait as (kind, the key of the signal it matches: from, to, kind, sent in)
-        self.waits = [[[(k, (peer, sr.rank, k, sent_stage(k, s))) for peer, k in stage]
+        # each stage's signals by kind, in plan order: `_send` sends one kind at a time
+        self.sends = [[{k: [p for p, kk in stage if kk == k] for k in {kk for _, kk in stage}}
+                       for stage in sr.sends] for sr in ranks]
+        # each wait as (kind, the key of the signal it matches: from, to, kind, sent in);
+        # a kind's lag once, not once a wait (`order_violations` let only known kinds in)
+        lag = {k: -sent_stage(k, 0) for k in SIGNAL_KINDS}
+        self.waits = [[[(k, (peer, sr.rank, k, s - lag[k])) for peer, k in stage]
                        for s, stage in enumerate(sr.waits)] for sr in ranks]
         self.quantum = 0.0  # the exact model (`simulate` sets the model's)
         self.slack = np.zeros(len(self.cap))  # the coarse model's, by resource (`run`)
@@ -197,11 +202,12 @@ class _Sim:
         heapq.heappush(self.heap, (at, self.seq, -1 - r if post else r))
 
     def _send(self, r: int, s: int, t: float, kind: int) -> None:
-        for peer, k in self.sends[r][s]:
-            if k != kind:
-                continue
-            key = (r, peer, k, s)
-            at = t + self.lat
+        peers = self.sends[r][s].get(kind)
+        if not peers:
+            return
+        at = t + self.lat
+        for peer in peers:
+            key = (r, peer, kind, s)
             self.arrival[key] = at
             for waiter in self.waiters.pop(key, ()):
                 self.wait_t[waiter] = max(self.wait_t[waiter], at)

@@ -31,10 +31,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from planner.tools.planfile import PlanFile, PlanRanks, ticker
+from planner.tools.planfile import PlanFile, PlanRanks, gc_paused, ticker
 from planner.tools.verify_rank import (
     acyclic,
     balance_msgs,
+    lex_order,
     rank_bounds,
     rank_coverage,
     rank_dataflow,
@@ -185,7 +186,7 @@ def outgoing_runs(rp: RankPlan) -> dict[int, Incoming]:
     dst, region = w["dst_rank"].astype(np.int64), w["dst_region"].astype(np.int64)
     lo = w["dst_offset"].astype(np.int64)
     hi = lo + w["nbytes"]
-    order = np.lexsort((lo, stage, region, dst))
+    order = lex_order(dst, region, stage, lo)
     dst, region, stage, lo, hi = dst[order], region[order], stage[order], lo[order], hi[order]
     first = np.ones(len(dst), dtype=bool)
     first[1:] = (dst[1:] != dst[:-1]) | (region[1:] != region[:-1]) \
@@ -274,7 +275,7 @@ def _order(survey: _Survey, nodes_edges: tuple, acks: list[tuple[int, int, str]]
         key, p = np.divmod(key, max(w, 1))
         r, s = np.divmod(key, _NS)
         s = s - _OFF
-        missing = np.flatnonzero(~np.isin(_key(p, fn(k, s), r, k, w), other))
+        missing = np.flatnonzero(~_member(_key(p, fn(k, s), r, k, w), other))
         for i in missing[:5].tolist():
             rr, ss, pp, kk = _unkey(keys[i], w)
             out.append(f"rank {rr} waits for signal kind {kk} from rank {pp} in stage {ss}, "
@@ -286,8 +287,8 @@ def _order(survey: _Survey, nodes_edges: tuple, acks: list[tuple[int, int, str]]
     key, p = np.divmod(key, max(w, 1))
     r, s = np.divmod(key, _NS)
     s = s - _OFF
-    done = np.isin(_key(r, s, p, DONE, w), sent)
-    ready = np.isin(_key(p, 0, r, READY, w), sent)
+    done = _member(_key(r, s, p, DONE, w), sent)  # (`sent`, `waited`: sorted, distinct)
+    ready = _member(_key(p, 0, r, READY, w), sent)
     for i in np.flatnonzero(~(done & ready))[:5].tolist():
         out.append(f"rank {int(r[i])} writes to rank {int(p[i])} in stage {int(s[i])} without "
                    "READY and DONE signals")
@@ -344,6 +345,12 @@ def check(src: PlanRanks, progress: Progress | None = None, stop_on_bounds: bool
     (a rank written by a later one) at the end: kept from the first read up to
     `HOLD_BYTES`, read again beyond. With `stop_on_bounds`,
     nothing past the bounds proof is reported for a plan that fails it."""
+    with gc_paused():
+        return _check(src, progress, stop_on_bounds, replicated)
+
+
+def _check(src: PlanRanks, progress: Progress | None, stop_on_bounds: bool,
+           replicated: bool | None) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {name: [] for name in CHECKS}
     world, header = src.world, src.header
     survey, res = _Survey(world), _Results()

@@ -30,7 +30,7 @@ from schemas.protocol import (
     write_stages,
 )
 from schemas.runs import MAX_COPY_RUNS, copy_runs
-from schemas.table import content_key, table_digest
+from schemas.table import among, content_key, table_digest
 
 MAX_RUNS = MAX_COPY_RUNS
 
@@ -101,6 +101,24 @@ def _row_runs(off: np.ndarray, rows: np.ndarray, width: np.ndarray, stride: np.n
     return lo, lo + length[rep], rep
 
 
+def lex_order(*cols: np.ndarray) -> np.ndarray:
+    """`np.lexsort` of integer columns given most significant first (`lex_order(a, b)`
+    sorts by a, then b), as one stable sort of a key packing them (each less its least
+    value) where they fit in 62 bits: the same permutation (ties are rows equal in every
+    column, kept in their order either way), and a plan's columns are mostly in order
+    already, which the stable sort runs through."""
+    cols = tuple(np.asarray(c, np.int64) for c in cols)
+    if len(cols[0]):
+        lows = [int(c.min()) for c in cols]
+        bits = [(int(c.max()) - m).bit_length() for c, m in zip(cols, lows)]
+        if sum(bits) <= 62:
+            key = cols[0] - lows[0]
+            for c, m, b in zip(cols[1:], lows[1:], bits[1:]):
+                key = (key << b) | (c - m)
+            return np.argsort(key, kind="stable")
+    return np.lexsort(cols[::-1])
+
+
 # ---------------------------------------------------------------- checks with the peers' part
 
 def rank_coverage(rp: RankPlan, inc: Incoming, staging: int
@@ -114,7 +132,7 @@ def rank_coverage(rp: RankPlan, inc: Incoming, staging: int
     reg = np.concatenate([inc.region, rp.copies["dst_region"][u_rows].astype(np.int64)])
     st = np.concatenate([stage, np.full(len(u_rows), -1, np.int64)])
     lo, hi = np.concatenate([inc.lo, u_lo]), np.concatenate([inc.hi, u_hi])
-    order = np.lexsort((lo, st, reg))
+    order = lex_order(reg, st, lo)
     reg, st, lo, hi = reg[order], st[order], lo[order], hi[order]
     new = np.ones(len(reg), dtype=bool)
     new[1:] = (reg[1:] != reg[:-1]) | (st[1:] != st[:-1])
@@ -162,7 +180,7 @@ def rank_dataflow(rp: RankPlan, inc: Incoming) -> list[str]:
                    "of its stage fills")
     early = np.flatnonzero(prepacked(rp))
     if len(early):  # packs while writes may still land
-        rows = np.flatnonzero(np.isin(c["kind"], (PACK, QUANT)) & np.isin(c["stage"], early))
+        rows = np.flatnonzero(among(c["kind"], (PACK, QUANT)) & np.isin(c["stage"], early))
         rows, _, lo, hi = copy_footprint(rp, "dst", rows)  # a QUANT's rows twice
         e_st = c["stage"][rows].astype(np.int64)
         hit = overlap_by_group(e_st, lo, hi, land[0] + 1, land[1], land[2])
@@ -231,19 +249,52 @@ def cat3(*parts: tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def staging_use(rp: RankPlan, inc: Incoming) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(stage, lo, hi) of every staging byte interval the rank's ops touch: its writes'
-    sources, peers' writes into it, and both sides of its copies."""
+    """(stage, lo, hi) of staging byte intervals the rank's ops touch: its writes' sources,
+    peers' writes into it, and both sides of its copies, these as one interval a stage
+    from the first byte they touch in it to the last (`copy_use`): each stage's first and
+    last bytes, and the last of all, are those of every interval."""
     sg, stage = staging_index(rp), write_stages(rp)
     reg, lo, hi = write_footprint(rp, "src")
     parts = [(stage[reg == sg], lo[reg == sg], hi[reg == sg])]
     m = inc.region == sg
     parts.append((inc.stage[m], inc.lo[m], inc.hi[m]))
-    for side in ("src", "dst"):
-        rows, reg, lo, hi = copy_footprint(rp, side)
-        m = reg == sg
-        parts.append((rp.copies["stage"][rows[m]].astype(np.int64), lo[m], hi[m]))
+    parts.append(copy_use(rp, sg))
     return tuple(np.concatenate([p[i] for p in parts]).astype(np.int64)  # type: ignore
                  for i in range(3))
+
+
+_USE: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+USE_MAX = 4096
+
+
+def copy_use(rp: RankPlan, sg: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(stage, lo, hi): for each stage in which the rank's copies touch bytes of its
+    staging (`sg`; either side), the first and the one past the last (empty boxes touch
+    nothing). Made once for ranks with equal copies, kept by a digest of them."""
+    key = content_key(table_digest(rp.copies), sg)
+    got = _USE.get(key)
+    if got is not None:
+        return got
+    st, lo, hi = [], [], []
+    for side in ("src", "dst"):
+        rows, reg, a, b = copy_footprint(rp, side)
+        m = (reg == sg) & (b > a)
+        st.append(rp.copies["stage"][rows[m]].astype(np.int64))
+        lo.append(a[m])
+        hi.append(b[m])
+    st_, lo_, hi_ = np.concatenate(st), np.concatenate(lo), np.concatenate(hi)
+    stages, inv = np.unique(st_, return_inverse=True)
+    first = np.full(len(stages), np.iinfo(np.int64).max)
+    last = np.zeros(len(stages), np.int64)
+    np.minimum.at(first, inv.reshape(-1), lo_)
+    np.maximum.at(last, inv.reshape(-1), hi_)
+    got = (stages.astype(np.int64), first, last)
+    for a in got:
+        a.flags.writeable = False
+    if len(_USE) >= USE_MAX:
+        _USE.clear()
+    _USE[key] = got
+    return got
 
 
 def rank_staging_fit(rp: RankPlan, inc: Incoming) -> list[str]:

@@ -1,6 +1,7 @@
 """The `_by_group` interval functions (`schemas/intervals.py`) answer for every group at once
 what asking each group alone answers: checked against byte sets, group by group, on random
-intervals (empty ones, touching ones, offsets near 2**60, groups far apart)."""
+intervals (empty ones, touching ones, offsets near 2**60, groups far apart), by both of the
+key maps beneath them (the direct one where the numbers allow, the sorted one else)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import schemas.intervals as intervals
 from schemas.intervals import first_overlap_by_group, outside_by_group, overlap_by_group
 from schemas.runs import first_overlap
 
@@ -34,6 +36,16 @@ def _cover(lo, hi) -> set[int]:
 @settings(deadline=None, max_examples=300)
 @given(st.lists(interval, max_size=14), st.lists(interval, max_size=14))
 def test_by_group_is_each_group_alone(a_items, b_items):
+    direct = intervals._direct
+    try:
+        for form in (direct, lambda parts: None):  # the direct map, then the sorted one
+            intervals._direct = form
+            _each_group_alone(a_items, b_items)
+    finally:
+        intervals._direct = direct
+
+
+def _each_group_alone(a_items, b_items):
     ag, alo, ahi = _cols(a_items)
     bg, blo, bhi = _cols(b_items)
     out = outside_by_group(ag, alo, ahi, bg, blo, bhi)
