@@ -17,7 +17,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from dataclasses import replace as _replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from .errors import ConfigError, OwnValueError, check_each
 from .placement import Placement
@@ -25,6 +25,13 @@ from .placement import from_plain as placement_from_plain
 from .placement import load as load_placement
 from .safe_read import short
 
+SourceFramework = Literal["megatron", "fsdp2"]
+"""The training frameworks whose shards a plan reads (`source.framework`): the one list of
+them, which `schemas.identity` and the compiler's registry (`planner/frameworks.py`) follow."""
+TargetEngine = Literal["vllm", "sglang"]
+"""The inference engines whose shards a plan writes (`target.engine`): the one list of them."""
+SOURCES: tuple[str, ...] = get_args(SourceFramework)
+TARGETS: tuple[str, ...] = get_args(TargetEngine)
 DTYPES = ("bfloat16", "float16", "float32")
 MAX_INT = 1 << 53
 """Largest integer any key takes (a byte count fits; 10**30 is a typo or an attack)."""
@@ -36,6 +43,11 @@ MAX_PER_HOST = 1024
 """Most GPUs or NICs in one host."""
 def fail(key: str, value: object, fix: str) -> None:
     raise ConfigError(f"{key}: {short(value)} {fix}")
+
+
+def _either(names: tuple[str, ...]) -> str:
+    """`a, b or c`."""
+    return " or ".join(filter(None, (", ".join(names[:-1]), names[-1])))
 
 
 def _positive(section: str, name: str, value: int | None) -> None:
@@ -85,7 +97,7 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class SourceConfig:
-    framework: Literal["megatron", "fsdp2"]
+    framework: SourceFramework
     """The training framework whose shards are read: `megatron` (Megatron-Core) or `fsdp2`."""
     tp: int = 1
     """Tensor-parallel size (Megatron TP; with fsdp2, the TP dim of FSDP2+TP)."""
@@ -137,8 +149,8 @@ class SourceConfig:
                else "source.tp * source.pp * source.dp", self.world)
 
     def _framework_check(self) -> None:
-        if self.framework not in ("megatron", "fsdp2"):
-            fail("source.framework", self.framework, "is not supported; use megatron or fsdp2")
+        if self.framework not in SOURCES:
+            fail("source.framework", self.framework, f"is not supported; use {_either(SOURCES)}")
 
     @property
     def expert_tp(self) -> int:
@@ -178,7 +190,7 @@ def _shadow(value: Any) -> ShadowConfig | None:
 
 @dataclass(frozen=True, slots=True)
 class TargetConfig:
-    engine: Literal["vllm", "sglang"]
+    engine: TargetEngine
     """The inference engine whose shards are written: `vllm` or `sglang`."""
     tp: int = 1
     """Tensor-parallel size of one engine."""
@@ -225,8 +237,8 @@ class TargetConfig:
         _world("target.tp * target.dp * target.pp * target.replicas", self.world)
 
     def _engine_checks(self) -> None:
-        if self.engine not in ("vllm", "sglang"):
-            fail("target.engine", self.engine, "is not supported; use vllm or sglang")
+        if self.engine not in TARGETS:
+            fail("target.engine", self.engine, f"is not supported; use {_either(TARGETS)}")
         if self.dtype not in (*DTYPES, "fp8_block128"):
             fail("target.dtype", self.dtype,
                   f"is not supported; use one of {', '.join(DTYPES)}, fp8_block128")
