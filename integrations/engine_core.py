@@ -17,16 +17,19 @@ One `EngineCore` per engine rank (a vLLM worker, an SGLang TP rank), in this ord
    tensors the shadow copies), or, for a chunked plan, an `executor.ChunkedShadow` of them
    (chunked: one buffer of N bytes, one executor per chunk); each registers once and
    connects, the identity checked against every part before anything is registered.
-3. **Receive.** Paused: `run_step()` runs this rank's step into the live tensors; whether it
-   completed, and why not (`failure`). Chunked: `run_step()` too, with the engine paused
-   across it: each chunk lands in the buffer and is switched into the live tensors before
-   the next (until it returns the live tensors hold a mix of versions; a torn chunk leaves
-   that mix, `failure` says which chunks were switched, and the next `run_step` starts
-   again at chunk 0). Shadow: `start()` runs it on a thread into the shadow while the
-   engine serves; `wait(timeout_s)` waits for the last DONE (None, or why the update is
-   torn); `switch()` copies shadow -> live in place, `discard()` drops a complete shadow
-   step that another rank tore.
-4. **Switch plans** (between updates, paused mode): `check_switch(path, version, engine)`
+3. **Receive.** `begin(version)` opens each update, before anything is written: the engine's
+   expert placement, read by the adapter's `placement` (given at init, the same reader a
+   plan switch asks), against the plan's (`placement_check.check`: one line naming the MoE
+   layer and slot), then nothing received, nothing torn. Paused: `run_step()` runs this
+   rank's step into the live tensors; whether it completed, and why not (`failure`).
+   Chunked: `run_step()` too, with the engine paused across it: each chunk lands in the
+   buffer and is switched into the live tensors before the next (until it returns the live
+   tensors hold a mix of versions; a torn chunk leaves that mix, `failure` says which chunks
+   were switched, and the next `run_step` starts again at chunk 0). Shadow: `start()` runs
+   it on a thread into the shadow while the engine serves; `wait(timeout_s)` waits for the
+   last DONE (None, or why the update is torn); `switch()` copies shadow -> live in place,
+   `discard()` drops a complete shadow step that another rank tore.
+4. **Switch plans** (between updates, paused mode): `check_switch(path, version, where)`
    reads and checks this rank's part of a replanned plan (identity, version strictly newer,
    the new plan's placement against the engine's current one, what the executor refuses)
    and keeps it; `switch_plan` takes it (`engine_switch.py`), memory registered once.
@@ -48,7 +51,7 @@ import torch
 
 import executor
 from executor import LoadOptions, trust
-from integrations import engine_switch
+from integrations import engine_switch, placement_check
 from integrations.errors import EngineMismatchError
 from schemas.chunked_plan import read_rank_chunks, starts_chunked
 from schemas.header import PlanHeader
@@ -65,9 +68,11 @@ class EngineCore:
     """One engine rank's plan: read once, bound, received into, committed or torn."""
 
     def __init__(self, path: str, engine: str, locate: Locate, *,
+                 placement: engine_switch.EnginePlacement,
                  plan_key: str | bytes | None = None, allow_unsigned: bool = False,
                  where: str = "") -> None:
-        trust.signing(plan_key, allow_unsigned, where=where or f"{engine} target ({path})")
+        where = where or f"{engine} target ({path})"
+        trust.signing(plan_key, allow_unsigned, where=where)
         key = None if plan_key is None else read_key(plan_key)
         found: list[dict[str, int | str]] = []
 
@@ -87,7 +92,10 @@ class EngineCore:
                 parts = [(header, read_rank(f, header, start, rank_of(header), path))]
         self.budget = budget
         """A chunked plan's buffer, in bytes (None: the plan is not chunked)."""
-        self.path, self.plan_key, self.engine = path, plan_key, engine
+        self.path, self.plan_key, self.engine, self.where = path, plan_key, engine, where
+        self.engine_placement = placement
+        """The adapter's reader of the engine's current expert placement (asked with a
+        plan's), checked at every `begin` and plan switch."""
         self.parts: list[tuple[PlanHeader, RankPlan]] = parts
         """This rank's part of the plan with its header: one, or one per chunk in order."""
         self.header: PlanHeader = parts[0][0]
@@ -173,7 +181,11 @@ class EngineCore:
         return self.plan
 
     def begin(self, version: str | None = None) -> None:
-        """A new update: nothing received, nothing torn."""
+        """A new update, before anything is written: the engine's expert placement against
+        the plan's (`PlacementMismatchError` in one line, nothing changed), then nothing
+        received, nothing torn."""
+        placement_check.check(self.engine_placement(self.placement), self.placement,
+                              self.where)
         self.pending, self.failure, self.received, self.torn_open = version, None, False, False
         self.landed = None
 
@@ -237,26 +249,25 @@ class EngineCore:
         assert self.shadow is not None, "load(..., shadow=...) first"
         self.shadow.discard()
 
-    def check_switch(self, path: str, version: int, engine: engine_switch.EnginePlacement,
-                     where: str) -> engine_switch.Pending:
+    def check_switch(self, path: str, version: int, where: str) -> engine_switch.Pending:
         """Read and check this rank's part of the replanned plan `path` for a switch
-        (`engine_switch.read`; `engine`: the engine's current placement), keep it for
+        (`engine_switch.read`, against the engine's current placement), keep it for
         `switch_plan`; raises one line and changes nothing when it would be refused."""
         self.pending_switch = None
-        self.pending_switch = engine_switch.read(self, path, version, engine, where)
+        self.pending_switch = engine_switch.read(self, path, version, self.engine_placement,
+                                                 where)
         return self.pending_switch
 
-    def switch_plan(self, path: str, version: int, engine: engine_switch.EnginePlacement,
-                    where: str) -> None:
+    def switch_plan(self, path: str, version: int, where: str) -> None:
         """Between updates: run `path` (version `version`) from the next update on, memory
         registered once; every peer switches too (`Executor.switch_plan` waits for them).
         The part `check_switch` kept for the same path and version is taken, else it is
         read and checked now."""
         p = self.pending_switch
         if p is None or (p.path, p.version) != (path, version):
-            p = self.check_switch(path, version, engine, where)
+            p = self.check_switch(path, version, where)
         self.pending_switch = None
-        engine_switch.apply(self, p, engine, where)
+        engine_switch.apply(self, p, self.engine_placement, where)
 
     def commit(self, version: str | None) -> None:
         """Every byte landed and the engine refreshed and checked: `version` is committed."""

@@ -5,9 +5,10 @@ vLLM (EPLB on) gives every MoE layer views of its `EplbState` maps: `logical_to_
 `MixtureOfExperts.set_eplb_state` and updated in place by each rearrangement). Their inverse
 is the layer's row of `physical_to_logical_map`: what `schemas.placement.Placement` holds.
 SGLang keeps the table itself (`ExpertLocationMetadata.physical_to_logical_map`
-`[layers, physical]`). A backend reads it at the start of each update (`check`) and refuses
-a plan compiled for another placement before anything is written: a write into a slot
-whose expert moved would land the wrong expert's weights.
+`[layers, physical]`). Each adapter gives its engine core a reader of it (`vllm_placement`,
+`sglang_current`), which the core asks at the start of each update and at a plan switch
+(`check`), refusing a plan compiled for another placement before anything is written: a
+write into a slot whose expert moved would land the wrong expert's weights.
 """
 
 from __future__ import annotations
@@ -89,18 +90,12 @@ def sglang_metadata() -> Any | None:
     return get_global_expert_location_metadata()
 
 
-def at_begin(plan: Placement | None, rank: int) -> None:
-    """SGLang's target (plan rank `rank`) at `begin`: the engine's placement against the
-    plan's (`plan`: the header's `placement`), before any write."""
+def sglang_current(plan: Placement | None) -> Placement | None:
+    """SGLang's current placement (the SGLang target's reader, `EngineCore`'s `placement`),
+    as many MoE rows as the plan's `plan` (without one: every row SGLang keeps)."""
     meta = sglang_metadata()
     rows = plan.layers if plan is not None else getattr(meta, "num_layers", 0)
-    check(sglang_placement(meta, rows), plan, f"SGLang target (plan rank {rank})")
-
-
-def at_update(model: torch.nn.Module, plan: Placement | None) -> None:
-    """vLLM's `rdma_plan` backend at `start_weight_update`: its model's placement against
-    the plan's (`plan`: the header's `placement`), before any write."""
-    check(vllm_placement(model), plan, "rdma_plan")
+    return sglang_placement(meta, rows)
 
 
 def check(engine: Placement | None, plan: Placement | None, where: str) -> None:

@@ -9,15 +9,19 @@ One update, through SGLang's own calls (trainer side on the left, each engine ra
 the right; the engine's `collective_rpc` or a scheduler hook runs the right column):
 
     engine.pause_generation()
-    engine.begin_weight_update()      target.begin()   WeightUpdater.begin_weight_update()
-    sources: executor.run(plan)       target.receive() EngineCore.run_step() on this rank
-    engine.end_weight_update()        target.end(v)    refuses a torn update, else
-                                                       WeightUpdater.end_weight_update(
-                                                       run_post_load=True): SGLang's
-                                                       post_load_weights refreshes the
-                                                       derived tensors (DeepSeek w_kc/w_vc)
-                                                       in place, then commits version v
+    engine.begin_weight_update()    target.begin_weight_update(): EngineCore.begin() (the
+                                    engine's expert placement against the plan's), then
+                                    WeightUpdater.begin_weight_update()
+    sources: executor.run(plan)     target.receive(): EngineCore.run_step() on this rank
+    engine.end_weight_update()      target.end_weight_update(v): refuses a torn update, else
+                                    WeightUpdater.end_weight_update(run_post_load=True):
+                                    SGLang's post_load_weights refreshes the derived tensors
+                                    (DeepSeek w_kc/w_vc) in place, then commits version v
     engine.update_weight_version(v); engine.continue_generation()
+
+The plugin (`sglang_engine.py`) runs the same core calls from its hooks on SGLang's own
+handlers (which call the `WeightUpdater` themselves): `begin()` before SGLang's begin, the
+receive on a thread, the checks before SGLang's end.
 
 SGLang's scheduler runs `post_load_weights` at `end_weight_update` exactly when no
 `load_weights` ran in the session: the raw-write case. The plan header's `derived` entry
@@ -93,6 +97,7 @@ class SGLangTarget(EngineCore):
                  parallel: Any = None, plan_key: str | bytes | None = None,
                  allow_unsigned: bool = False, shadow: bool = False):
         super().__init__(plan_path, "sglang", lambda _: identity(replica, dp_rank, parallel),
+                         placement=placement_check.sglang_current,
                          plan_key=plan_key, allow_unsigned=allow_unsigned,
                          where=f"SGLang target ({plan_path})")
         self.model, self.updater, self.commit_version = model, updater, commit_version
@@ -128,12 +133,11 @@ class SGLangTarget(EngineCore):
         """SGLang's remote-instance registration map of the bound tensors."""
         return {n: (t.data_ptr(), t.numel(), t.element_size()) for n, t in self.tensors.items()}
 
-    def begin(self, version: str | None = None) -> None:
-        """SGLang's `begin_weight_update` on this rank (undoes in-place weight packing), and
-        the core's new update."""
-        placement_check.at_begin(self.placement, self.rank)  # the experts where it writes
+    def begin_weight_update(self, version: str | None = None) -> None:
+        """The core's new update (the engine's expert placement checked first), then
+        SGLang's `begin_weight_update` on this rank (undoes in-place weight packing)."""
+        self.begin(version)
         self.updater.begin_weight_update()
-        super().begin(version)
         self.open = True
 
     def receive(self) -> executor.RunStats | executor.ChunkedStats:
@@ -141,24 +145,26 @@ class SGLangTarget(EngineCore):
         into the live tensors before the next lands); raises what tore it (naming the peer,
         or the chunk and which chunks were switched)."""
         if not self.open:
-            raise UserError("receive: no weight update is open; call begin() first")
+            raise UserError("receive: no weight update is open; call begin_weight_update() "
+                            "first")
         if not self.run_step():
             raise self.failure or TornUpdateError(
                 f"plan rank {self.rank}: the plan step did not complete")
         assert self.stats is not None
         return self.stats
 
-    def end(self, version: str) -> None:
+    def end_weight_update(self, version: str) -> None:
         """SGLang's `end_weight_update` with post-load processing (derived state refreshed
         in place), then commit `version`; a torn update raises `TornUpdateError` and
         leaves the session open and the version unchanged (run the next update)."""
         if not self.open:
-            raise UserError("end: no weight update is open; call begin() first")
+            raise UserError("end_weight_update: no weight update is open; call "
+                            "begin_weight_update() first")
         if not self.complete:
             raise TornUpdateError(f"plan rank {self.rank}: the last update did not complete "
                                   "(a peer failed mid-step); the weights are not whole, "
                                   f"version stays {self.version!r}: do not resume generation; "
-                                  "run receive() again, then end()")
+                                  "run receive() again, then end_weight_update()")
         self.updater.end_weight_update(run_post_load=True)
         self.open = False
         self.commit(version)
@@ -198,7 +204,7 @@ class EngineRank:
             self.error = e
 
     def start(self) -> None:
-        EngineCore.begin(self.target)  # the core's update (SGLang's own begin has run)
+        """Arm this rank's receive on a thread (the core's `begin` has run)."""
         self.error = None
         self.torn = "a weight update is in progress"
         self.thread = threading.Thread(target=self.receive, name="rdma-plan-receive",

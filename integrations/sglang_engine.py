@@ -13,11 +13,12 @@ other request to SGLang's handler:
   Reach it with `engine.collective_rpc("rdma_plan_init", plan=...)` (SGLang broadcasts an
   RPC to every TP rank and runs it there), or set `RDMA_PLAN_SGLANG` to the same keys as
   JSON in the server's environment (bound at the first `begin_weight_update`).
-- `begin_weight_update` (scheduler): refused unless generation is paused; after SGLang's
-  own begin, this rank starts receiving its plan step in a background thread (the
-  scheduler keeps serving control requests meanwhile) through the engine core's
-  `run_step`: a chunked plan's every chunk, each switched into the live parameters before
-  the next lands, the engine paused throughout.
+- `begin_weight_update` (scheduler): refused unless generation is paused, and (before
+  SGLang's own begin, by the engine core's `begin`) when SGLang's expert placement is not
+  the plan's; after SGLang's own begin, this rank starts receiving its plan step in a
+  background thread (the scheduler keeps serving control requests meanwhile) through the
+  engine core's `run_step`: a chunked plan's every chunk, each switched into the live
+  parameters before the next lands, the engine paused throughout.
 - `end_weight_update` (scheduler): waits for the receive, then all TP ranks agree
   (a MIN all-reduce over SGLang's TP CPU group: every rank answers the same). A torn step
   on any rank is refused before SGLang's end runs: `success=False` naming the ranks, the
@@ -137,6 +138,11 @@ def begin_hook(original: Callable, manager: Any, recv_req: Any) -> Any:
             "rdma-plan: generation is running; call pause_generation first"))
     if state.target.shadow is not None:
         return _session(plugin, shadow_begin(original, manager, recv_req, state), True)
+    try:  # the core's new update (the expert placement), before SGLang opens a session
+        state.target.begin()
+    except Exception as e:  # noqa: BLE001  (an answer, not a crashed scheduler loop)
+        return BeginWeightUpdateReqOutput(success=False, message=f"rdma-plan: "
+                                          f"{type(e).__name__}: {e}")
     if plugin.session and state.thread is None and state.torn:
         state.start()  # retry of a refused (torn) update: the session is still open
         return BeginWeightUpdateReqOutput(success=True, message="rdma-plan: receive re-armed")

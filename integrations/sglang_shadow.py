@@ -29,6 +29,7 @@ def rdma_plan_shadow_start(scheduler: Any, finish_timeout_s: float | None = None
         raise UserError("rdma_plan_shadow_start: this engine is not bound in shadow mode; "
                         "call rdma_plan_init(..., shadow=True) first")
     state.finish_timeout_s = finish_timeout_s
+    state.target.begin()  # the engine's expert placement against the plan's, first
     state.target.start()
 
 

@@ -25,23 +25,14 @@ from typing import Any
 import executor
 from executor.errors import PlanSwitchError
 from executor.trust import check_identity
-from integrations import placement_check
 from integrations.sglang import rank_state, scheduler_state
 from integrations.sglang_trainer import Call
 from schemas.errors import UserError
 from schemas.integrity import plan_key as read_key
-from schemas.placement import Placement
 from schemas.plan import load_rank
 
 log = logging.getLogger(__name__)
 METHOD = "rdma_plan_switch"
-
-
-def engine_placement(plan: Placement | None) -> Placement | None:
-    """SGLang's current placement, as many MoE rows as the plan's (`placement_check`)."""
-    meta = placement_check.sglang_metadata()
-    rows = plan.layers if plan is not None else getattr(meta, "num_layers", 0)
-    return placement_check.sglang_placement(meta, rows)
 
 
 def rdma_plan_switch(scheduler: Any, plan: str, version: int, check_only: bool = False) -> None:
@@ -55,9 +46,9 @@ def rdma_plan_switch(scheduler: Any, plan: str, version: int, check_only: bool =
                               f"({state.torn or 'session open'}); switch between whole "
                               "updates (after end_weight_update succeeded)")
     if check_only:
-        state.target.check_switch(plan, version, engine_placement, where)
+        state.target.check_switch(plan, version, where)
         return
-    state.target.switch_plan(plan, version, engine_placement, where)
+    state.target.switch_plan(plan, version, where)
     log.info("rdma-plan: %s switched to %s (version %d)", where, plan, version)
 
 

@@ -90,6 +90,7 @@ from integrations.vllm_background import Background
 from integrations.vllm_trainer_info import BACKEND, RdmaPlanTrainerInitInfo, source_tensors
 from schemas.chunked_plan import is_chunked
 from schemas.header import PlanHeader
+from schemas.placement import Placement
 
 
 @dataclass
@@ -152,8 +153,8 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         if self.core is not None:
             raise RuntimeError("rdma_plan: init_transfer_engine called twice; call shutdown "
                                "first to load another plan")
-        core = EngineCore(init_info.plan, "vllm", self._locate, plan_key=init_info.plan_key,
-                          allow_unsigned=init_info.allow_unsigned,
+        core = EngineCore(init_info.plan, "vllm", self._locate, placement=self._placement,
+                          plan_key=init_info.plan_key, allow_unsigned=init_info.allow_unsigned,
                           where=f"rdma_plan worker ({init_info.plan})")
         checks.check_vocab_rows(self.model, core.header, self.identity)
         regions = core.regions()
@@ -179,6 +180,10 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         self.identity = identity
         return checks.plan_identity(header, identity)
 
+    def _placement(self, plan: Placement | None) -> Placement | None:
+        """The expert placement vLLM's EPLB state holds now (None: EPLB off)."""
+        return placement_check.vllm_placement(self.model)
+
     def _core(self, call: str) -> EngineCore:
         if self.core is None:
             raise RuntimeError(f"rdma_plan: call init_weight_transfer_engine before {call}")
@@ -187,8 +192,7 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
     def start_weight_update(self) -> None:
         core = self._core("start_weight_update")
         self.session_open = True
-        core.begin()
-        placement_check.at_update(self.model, core.placement)  # the experts where it writes
+        core.begin()  # the engine's expert placement against the plan's, first
 
     def reset_weight_update_target(self) -> None:
         """vLLM's end of an update session (finish, or a failed start or update)."""

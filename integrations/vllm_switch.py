@@ -36,7 +36,6 @@ from integrations import engine_switch, placement_check
 from integrations.vllm_background import Background
 from integrations.vllm_torn import agree
 from schemas.integrity import plan_key as read_key
-from schemas.placement import Placement
 from schemas.plan import load_rank
 
 log = logging.getLogger(__name__)
@@ -82,15 +81,12 @@ def switch_worker(eng: Any, core: Any, plan: str, version: int, check_only: bool
     the first failed reply, so two raising workers would leave a stale reply queued), and
     no worker switches while another refuses. Answers the new plan's fingerprint."""
     where = f"rdma_plan worker {eng.identity.get('index')}"
-
-    def engine(_: Placement | None) -> Placement | None:
-        return placement_check.vllm_placement(eng.model)
     cause = ""
     try:
         if eng.session_open:
             raise RuntimeError(f"{where}: {SWITCH} while a weight update is open; switch "
                                "between updates (after finish_weight_update)")
-        core.check_switch(plan, version, engine, where)
+        core.check_switch(plan, version, where)
     except Exception as e:  # noqa: BLE001 - agreed below, raised by one worker
         cause = f"{type(e).__name__}: {e}"
     if not _agreed(core, cause, f"{SWITCH} of {plan} refused, nothing switched"):
@@ -98,7 +94,7 @@ def switch_worker(eng: Any, core: Any, plan: str, version: int, check_only: bool
     if check_only:
         return core.pending_switch.header.fingerprint
     try:
-        core.switch_plan(plan, version, engine, where)
+        core.switch_plan(plan, version, where)
         cause = ""
     except Exception as e:  # noqa: BLE001 - agreed below, raised by one worker
         cause = f"{type(e).__name__}: {e}"

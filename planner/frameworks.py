@@ -1,8 +1,9 @@
 """The framework registry: what the compiler knows of each training framework and engine.
 
-One frozen `Framework` record per value of `source.framework` / `target.engine`, each made
-of its layout module's functions (`planner/layouts/{megatron,fsdp2,vllm,sglang}.py`, the
-only home of each rule):
+One frozen `Framework` record per value of `source.framework` / `target.engine` (the names
+`schemas.config` lists, `SOURCES` and `TARGETS`: the registry refuses to import unless it
+covers exactly those), each made of its layout module's functions
+(`planner/layouts/{megatron,fsdp2,vllm,sglang}.py`, the only home of each rule):
 
 - `check(spec, cfg)`: the rules that need the model spec (`ConfigError` on the first);
 - `layout(spec, cfg, hf)`: every rank's physical tensors (`hf`, the model's HF config, is
@@ -27,7 +28,7 @@ from planner.fp8 import quantize_layout
 from planner.layouts import fsdp2, megatron, sglang, trace_ahead, traced, vllm
 from planner.layouts.base import Layout, RankLayout
 from planner.spec import ModelSpec
-from schemas.config import ConfigError, SourceConfig, TargetConfig
+from schemas.config import SOURCES, TARGETS, ConfigError, SourceConfig, TargetConfig
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,6 @@ class Framework:
     """One framework's or engine's compiler functions (see the module docstring)."""
 
     name: str
-    side: Literal["source", "target"]
     check: Callable[[ModelSpec, Any], None]
     layout: Callable[[ModelSpec, Any, dict[str, Any] | None], Layout]
     identity: Callable[[Any, int], dict[str, int | str]]
@@ -44,6 +44,11 @@ class Framework:
     """Whether `layout` traces the engine's loader (and so needs `hf`; `trace_ahead`)."""
     replicated: Callable[[Any], bool]
     """Whether every rank holds the whole model (a source's fact; false for targets)."""
+
+    @property
+    def side(self) -> Literal["source", "target"]:
+        """`source` for a training framework (`schemas.config.SOURCES`), else `target`."""
+        return "source" if self.name in SOURCES else "target"
 
 
 def _nothing(rank: RankLayout) -> list[dict[str, Any]]:
@@ -72,20 +77,22 @@ def _vllm_layout(spec: ModelSpec, cfg: TargetConfig, hf: dict[str, Any] | None) 
     return traced.layout(spec, cfg, hf)
 
 
-FRAMEWORKS: dict[str, Framework] = {
-    "megatron": Framework("megatron", "source", megatron.check,
-                          lambda spec, cfg, hf: megatron.layout(spec, cfg), megatron.identity,
-                          _nothing, _never, megatron.replicated),
-    "fsdp2": Framework("fsdp2", "source", fsdp2.check,
-                       lambda spec, cfg, hf: fsdp2.layout(spec, cfg), fsdp2.identity,
-                       _nothing, _never, fsdp2.replicated),
-    "vllm": Framework("vllm", "target", _vllm_check, _vllm_layout, vllm.identity,
-                      vllm.derived_rank, traced.uses_trace, _target),
-    "sglang": Framework("sglang", "target", sglang.check,
-                        lambda spec, cfg, hf: sglang.layout(spec, cfg), sglang.identity,
-                        sglang.derived_rank, _never, _target),
-}
-"""Every framework (sources) and engine (targets) the compiler builds, by name."""
+FRAMEWORKS: dict[str, Framework] = {fw.name: fw for fw in (
+    Framework("megatron", megatron.check, lambda spec, cfg, hf: megatron.layout(spec, cfg),
+              megatron.identity, _nothing, _never, megatron.replicated),
+    Framework("fsdp2", fsdp2.check, lambda spec, cfg, hf: fsdp2.layout(spec, cfg),
+              fsdp2.identity, _nothing, _never, fsdp2.replicated),
+    Framework("vllm", _vllm_check, _vllm_layout, vllm.identity, vllm.derived_rank,
+              traced.uses_trace, _target),
+    Framework("sglang", sglang.check, lambda spec, cfg, hf: sglang.layout(spec, cfg),
+              sglang.identity, sglang.derived_rank, _never, _target),
+)}
+"""Every framework (sources) and engine (targets) the compiler builds, by name, in
+`schemas.config`'s order."""
+if list(FRAMEWORKS) != [*SOURCES, *TARGETS]:
+    raise ImportError(f"planner.frameworks has records for {', '.join(FRAMEWORKS)}; "
+                      f"schemas.config's frameworks and engines are "
+                      f"{', '.join((*SOURCES, *TARGETS))}: give each one a record here")
 
 
 def get(name: str, key: str = "framework", side: str | None = None) -> Framework:

@@ -17,7 +17,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from dataclasses import replace as _replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from .errors import ConfigError, OwnValueError, check_each
 from .placement import Placement
@@ -25,7 +25,19 @@ from .placement import from_plain as placement_from_plain
 from .placement import load as load_placement
 from .safe_read import short
 
-DTYPES = ("bfloat16", "float16", "float32")
+SourceFramework = Literal["megatron", "fsdp2"]
+"""The training frameworks whose shards a plan reads (`source.framework`): the one list of
+them, which `schemas.identity` and the compiler's registry (`planner/frameworks.py`) follow."""
+TargetEngine = Literal["vllm", "sglang"]
+"""The inference engines whose shards a plan writes (`target.engine`): the one list of them."""
+SOURCES: tuple[str, ...] = get_args(SourceFramework)
+TARGETS: tuple[str, ...] = get_args(TargetEngine)
+Dtype = Literal["bfloat16", "float16", "float32"]
+"""A source's dtype (`source.dtype`); a target's (`TargetDtype`) adds block FP8."""
+TargetDtype = Literal[Dtype, "fp8_block128"]
+W13Order = Literal["w1w3", "w3w1"]
+LayoutFrom = Literal["auto", "rules", "traced"]
+DTYPES: tuple[str, ...] = get_args(Dtype)
 MAX_INT = 1 << 53
 """Largest integer any key takes (a byte count fits; 10**30 is a typo or an attack)."""
 MAX_RANKS = 16384
@@ -36,6 +48,11 @@ MAX_PER_HOST = 1024
 """Most GPUs or NICs in one host."""
 def fail(key: str, value: object, fix: str) -> None:
     raise ConfigError(f"{key}: {short(value)} {fix}")
+
+
+def _either(names: tuple[str, ...]) -> str:
+    """`a, b or c`."""
+    return " or ".join(filter(None, (", ".join(names[:-1]), names[-1])))
 
 
 def _positive(section: str, name: str, value: int | None) -> None:
@@ -85,7 +102,7 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class SourceConfig:
-    framework: Literal["megatron", "fsdp2"]
+    framework: SourceFramework
     """The training framework whose shards are read: `megatron` (Megatron-Core) or `fsdp2`."""
     tp: int = 1
     """Tensor-parallel size (Megatron TP; with fsdp2, the TP dim of FSDP2+TP)."""
@@ -99,7 +116,7 @@ class SourceConfig:
     """Expert-parallel size (megatron only)."""
     etp: int | None = None
     """Expert tensor-parallel size (megatron only); None means equal to `tp`."""
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: Dtype = "bfloat16"
     """dtype of the training weights; a cast is planned where the target dtype differs."""
     vocab_padding: Literal["megatron", "none"] = "megatron"
     """megatron: pad the vocab to a multiple of 128*tp (Megatron-LM) or not at all (Bridge)."""
@@ -137,8 +154,8 @@ class SourceConfig:
                else "source.tp * source.pp * source.dp", self.world)
 
     def _framework_check(self) -> None:
-        if self.framework not in ("megatron", "fsdp2"):
-            fail("source.framework", self.framework, "is not supported; use megatron or fsdp2")
+        if self.framework not in SOURCES:
+            fail("source.framework", self.framework, f"is not supported; use {_either(SOURCES)}")
 
     @property
     def expert_tp(self) -> int:
@@ -178,7 +195,7 @@ def _shadow(value: Any) -> ShadowConfig | None:
 
 @dataclass(frozen=True, slots=True)
 class TargetConfig:
-    engine: Literal["vllm", "sglang"]
+    engine: TargetEngine
     """The inference engine whose shards are written: `vllm` or `sglang`."""
     tp: int = 1
     """Tensor-parallel size of one engine."""
@@ -190,17 +207,17 @@ class TargetConfig:
     """Expert parallel (`enable_expert_parallel`): experts split over dp*tp ranks, MoE TP 1."""
     replicas: int = 1
     """Independent engines, each receiving the whole model."""
-    dtype: Literal["bfloat16", "float16", "float32", "fp8_block128"] = "bfloat16"
+    dtype: TargetDtype = "bfloat16"
     """dtype of the inference weights; `fp8_block128`: linear weights as e4m3 in 128x128
     blocks with float32 `weight_scale_inv` (quantized on the sources), the rest bf16."""
     expert_names: Literal["routed_experts", "experts"] = "routed_experts"
     """vllm: `experts.routed_experts.w13_weight` (0.33) or the older `experts.w13_weight`."""
     dp_attention: bool = False
     """sglang: DP attention (attention weights use attn_tp = tp/dp; world = tp)."""
-    w13_order: Literal["w1w3", "w3w1"] = "w1w3"
+    w13_order: W13Order = "w1w3"
     """vllm MoE `w13_weight` row order per expert: `w1w3` ([gate; up], the loader's and
     Triton's) or `w3w1` ([up; gate], what FlashInfer-CUTLASS keeps after loading)."""
-    layout: Literal["auto", "rules", "traced"] = "auto"
+    layout: LayoutFrom = "auto"
     """vllm: where the layout comes from: `rules` (hand-written, `planner/layouts/vllm.py`),
     `traced` (vLLM 0.33's own `load_weights` recorded on the meta device, cached under
     ~/.cache/rdma-plan; needs torch and vLLM on a cache miss), or `auto` (rules for the
@@ -225,19 +242,21 @@ class TargetConfig:
         _world("target.tp * target.dp * target.pp * target.replicas", self.world)
 
     def _engine_checks(self) -> None:
-        if self.engine not in ("vllm", "sglang"):
-            fail("target.engine", self.engine, "is not supported; use vllm or sglang")
-        if self.dtype not in (*DTYPES, "fp8_block128"):
+        if self.engine not in TARGETS:
+            fail("target.engine", self.engine, f"is not supported; use {_either(TARGETS)}")
+        if self.dtype not in get_args(TargetDtype):
             fail("target.dtype", self.dtype,
-                  f"is not supported; use one of {', '.join(DTYPES)}, fp8_block128")
+                  f"is not supported; use one of {', '.join(get_args(TargetDtype))}")
         if self.dp_attention and self.engine != "sglang":
             fail("target.dp_attention", True, "is sglang-only; remove it for vllm")
-        if self.w13_order not in ("w1w3", "w3w1"):
-            fail("target.w13_order", self.w13_order, "is not supported; use w1w3 or w3w1")
+        if self.w13_order not in get_args(W13Order):
+            fail("target.w13_order", self.w13_order,
+                 f"is not supported; use {_either(get_args(W13Order))}")
         if self.w13_order != "w1w3" and self.engine != "vllm":
             fail("target.w13_order", self.w13_order, "is vllm-only; remove it")
-        if self.layout not in ("auto", "rules", "traced"):
-            fail("target.layout", self.layout, "is not supported; use auto, rules or traced")
+        if self.layout not in get_args(LayoutFrom):
+            fail("target.layout", self.layout,
+                 f"is not supported; use {_either(get_args(LayoutFrom))}")
         if self.layout == "traced" and self.engine != "vllm":
             fail("target.layout", self.layout, "is vllm-only; remove it for sglang")
 

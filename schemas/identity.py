@@ -1,7 +1,8 @@
 """Rank identity: a rank's coordinates in its framework's own terms, stored in the plan.
 
-An identity is a flat `dict[str, int | str]`: key `framework` (one of `KEYS`) and that
-framework's integer coordinates, all of them and no others:
+An identity is a flat `dict[str, int | str]`: key `framework` (a name of
+`schemas.config.SOURCES` or `TARGETS`, which `KEYS` covers exactly) and that framework's
+integer coordinates, all of them and no others:
 
 - `megatron`: `tp, pp, dp, ep, etp, edp` are this rank's indices in Megatron-Core's
   tensor, pipeline, data, expert, expert-tensor and expert-data parallel groups
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .header import PlanHeader
 
+from .config import SOURCES, TARGETS
 from .errors import IdentityError
 
 KEYS: dict[str, tuple[str, ...]] = {
@@ -37,8 +39,10 @@ KEYS: dict[str, tuple[str, ...]] = {
     "sglang": ("replica", "dp", "tp", "pp", "ep", "attn_tp"),
 }
 """The coordinates of each framework, in display order."""
-SOURCES = ("megatron", "fsdp2")
-TARGETS = ("vllm", "sglang")
+if list(KEYS) != [*SOURCES, *TARGETS]:
+    raise ImportError(f"schemas.identity.KEYS names {', '.join(KEYS)}; schemas.config's "
+                      f"frameworks and engines are {', '.join((*SOURCES, *TARGETS))}: give each "
+                      "one its coordinates here")
 HEADER_KEY = "identities"
 """The plan header key: a list with one identity per plan rank."""
 _MAX = 1 << 24  # no parallel group has this many members: a larger value is corrupt

@@ -27,6 +27,14 @@ worker's), all agree, every rank switches (`switch_plan`, version 1) and a secon
 step is refitted through plan B with the same checks; then plan A sent again as version 1 is
 refused by the workers (stale), the engine's bytes unchanged by it:
   - `LLM switch: ...` one more line with the same checks, the refusal and the verdict.
+With `--torn-chunk`, the plan is a chunked one (`target.shadow: {budget_bytes: 1 MiB}`,
+received paused chunk by chunk) and the refit is first sent torn: every trainer rank sends
+chunk 0 only (`RdmaPlanTrainerEngine.write` wrapped), so each worker switches chunk 0 and
+gives chunk 1 up after the plan's timeout; the update must be refused naming chunk 1 and the
+chunks switched, the version unchanged, chunk 0's tensors the trainer's (vLLM's own sha256)
+and every later chunk's the engine's before; then the same refit is sent whole and checked
+as above:
+  - `LLM torn chunk: ...` one more line, before the refit's.
 Exits non-zero when a check failed. vLLM logs errors only (`--verbose`: INFO); the work folder
 is a temporary one unless `--workdir` is given, removed at the end of a run that passed.
 """
@@ -120,7 +128,8 @@ def trainer(args: argparse.Namespace, rank: int, llm: Any = None) -> int:
     model = build_fsdp2(model_dir)
     binding = integrations.fsdp2.bind(args.plan, model)
     info = RdmaPlanTrainerInitInfo(rank=rank, plan=args.plan, rendezvous=args.rendezvous,
-                                   binding=binding, plan_key=args.plan_key)
+                                   binding=binding, plan_key=args.plan_key,
+                                   timeout_s=TORN_TIMEOUT_S if args.torn_chunk else 60.0)
     engine = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     vocab = model.config.vocab_size
@@ -133,12 +142,12 @@ def trainer(args: argparse.Namespace, rank: int, llm: Any = None) -> int:
                             binding.rank, binding.tensors)
     before = engine_digests(llm) if rank == 0 else {}
     dist.barrier()
+    failed = torn_chunk(args, rank, engine, llm, want, before) if args.torn_chunk else 0
     t0 = time.perf_counter()
     engine.send_weights(weight_version="refit-1")
     ms = 1e3 * (time.perf_counter() - t0)
     probe = [(i * 37 + 11) % vocab for i in range(24)]
     mine = trainer_logprobs(model, probe, "fsdp2")  # a collective: every rank
-    failed = 0
     if rank == 0:
         after = engine_digests(llm)
         equal_before = sum(before.get(k) == v for k, v in want.items())
@@ -147,7 +156,7 @@ def trainer(args: argparse.Namespace, rank: int, llm: Any = None) -> int:
         version = llm.llm_engine.get_weight_version()
         ok = (len(want) > 0 and equal == len(want) and equal_before == 0
               and delta <= args.tolerance and version == "refit-1")
-        failed = int(not ok)
+        failed |= int(not ok)
         print(f"LLM refit: loss {loss.item():.4f}  bytes {equal}/{len(want)} tensors equal "
               f"(before: {equal_before})  max|delta logprob| {delta:.2e}  version {version}  "
               f"transfer {ms:.1f} ms  {'OK' if ok else 'FAIL'}", flush=True)
@@ -158,6 +167,67 @@ def trainer(args: argparse.Namespace, rank: int, llm: Any = None) -> int:
     dist.broadcast(verdict, 0)
     dist.destroy_process_group()
     return int(verdict.item())
+
+
+TORN_TIMEOUT_S = 30.0
+"""`--torn-chunk`: the plan's timeout, how long each worker waits for chunk 1."""
+
+
+def torn_chunk(args: argparse.Namespace, rank: int, engine: Any, llm: Any,
+               want: dict[str, str], before: dict[str, str]) -> int:
+    """The torn refit of `--torn-chunk` (the module docstring); 1 when a check failed."""
+    from integrations.errors import TornUpdateError
+    from schemas.chunked_plan import load_chunked
+    from schemas.integrity import plan_key
+    from schemas.plan import STAGING
+
+    version_before = llm.llm_engine.get_weight_version() if rank == 0 else None
+    engine.write = engine.chunks[0].run  # this rank's chunk 0 only: the rest never lands
+    try:
+        engine.send_weights(weight_version="refit-1")
+        error = "NOT REFUSED" if rank == 0 else ""  # the sender alone hears the engine
+    except TornUpdateError as e:
+        error = str(e)
+    finally:
+        del engine.write
+    dist.barrier()
+    if rank != 0:
+        return int(error != "")
+    _, chunks = load_chunked(args.plan, plan_key(args.plan_key))
+    sources = chunks[0].header.sources
+    first = {f"dp0:pp0:pcp0:tp{r - sources}:{g.name}" for r in range(sources, len(
+        chunks[0].ranks)) for g in chunks[0].ranks[r].regions if g.name != STAGING}
+    after = engine_digests(llm)
+    new = sum(after.get(k) == want[k] != before.get(k) for k in want if k in first)
+    kept = sum(after.get(k) == before.get(k) for k in want if k not in first)
+    later = len(want) - len(first & set(want))
+    named = (f"chunk 1 of {len(chunks)} did not complete" in error
+             and error.count("chunks 0..0 were switched") == 2)
+    version = llm.llm_engine.get_weight_version()
+    ok = (named and len(chunks) >= 3 and new == len(first) > 0 and kept == later > 0
+          and version == version_before)
+    print(f"LLM torn chunk: chunk 0 of {len(chunks)} sent  refused naming chunk 1 on every "
+          f"worker: {'yes' if named else 'NO'}  chunk 0 {new}/{len(first)} tensors the "
+          f"trainer's  later chunks {kept}/{later} tensors kept  version {version}  "
+          f"{'OK' if ok else 'FAIL'}", flush=True)
+    if not named:
+        print(f"llm_offline.py: the torn refit's error: {error}", flush=True)
+    return int(not ok)
+
+
+def write_chunked(args: argparse.Namespace) -> None:
+    """`--torn-chunk`'s plan: the example's config as a chunked plan of 1 MiB chunks,
+    compiled and signed like the ordinary one."""
+    import yaml
+
+    with open(args.config) as f:
+        cfg = yaml.safe_load(f)
+    cfg["model"]["config"] = os.path.join(HERE, cfg["model"]["config"])
+    cfg["target"] = {**cfg["target"], "shadow": {"budget_bytes": 1 << 20}}
+    path = os.path.join(args.workdir, "fsdp2-chunked.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    compile_plan(path, args.plan, args.plan_key, "llm_offline.py")
 
 
 def switch_and_refit(args: argparse.Namespace, rank: int, engine: Any, model: Any, opt: Any,
@@ -233,11 +303,15 @@ def main() -> int:
     ap.add_argument("--verbose", action="store_true", help="vLLM's INFO lines too")
     ap.add_argument("--switch", action="store_true",
                     help="then switch every rank to a replanned plan B and refit through it")
+    ap.add_argument("--torn-chunk", action="store_true",
+                    help="a chunked plan, its refit first sent torn (chunk 0 only)")
     ap.add_argument("--trainer-rank", type=int, default=0, help=argparse.SUPPRESS)
     for internal in ("--plan", "--plan-b", "--plan-key", "--config", "--master-port",
                      "--rendezvous"):
         ap.add_argument(internal, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.switch and args.torn_chunk:
+        ap.error("--switch and --torn-chunk: a plan switch is for ordinary plans; pick one")
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     if args.trainer_rank != 0:  # the second trainer process (this one's environment)
         early_vllm_log_level()
@@ -270,7 +344,10 @@ def refit_once(args: argparse.Namespace) -> int:
     args.plan_key = os.path.join(args.workdir, "plan.key")
     with open(args.plan_key, "wb") as f:
         f.write(secrets.token_bytes(32))
-    compile_plan(args.config, args.plan, args.plan_key, "llm_offline.py")
+    if args.torn_chunk:
+        write_chunked(args)
+    else:
+        compile_plan(args.config, args.plan, args.plan_key, "llm_offline.py")
     args.plan_b = os.path.join(args.workdir, "fsdp2-b.rplan")
     if args.switch:
         write_plan_b(args)
@@ -295,7 +372,8 @@ def refit_once(args: argparse.Namespace) -> int:
         [sys.executable, __file__, "--trainer-rank", "1", "--workdir", args.workdir,
          "--plan", args.plan, "--plan-b", args.plan_b, "--plan-key", args.plan_key,
          "--config", args.config, "--master-port", str(args.master_port), "--rendezvous",
-         args.rendezvous] + (["--switch"] if args.switch else []),
+         args.rendezvous] + (["--switch"] if args.switch else [])
+        + (["--torn-chunk"] if args.torn_chunk else []),
         env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=REPO)
     try:
         failed = trainer(args, 0, llm)

@@ -81,8 +81,10 @@ def compile_plan(config: str, plan: str, key: str, who: str) -> None:
         sys.stderr.write(r.stdout + r.stderr)
         raise SystemExit(f"{who}: rdma-plan compile {config} failed (exit {r.returncode})")
     stats = dict(kv.split("=", 1) for kv in r.stdout.split(": ", 1)[-1].split())
-    print(f"{who}: compiled {os.path.relpath(config, REPO)} -> {plan} ({stats['writes']} "
-          f"writes, {stats['bytes']} bytes, signed)", flush=True)
+    what = (f"{stats['writes']} writes" if "writes" in stats else
+            f"{stats['chunks']} chunks of {stats['chunked_budget']} bytes")
+    print(f"{who}: compiled {os.path.relpath(config, REPO)} -> {plan} ({what}, "
+          f"{stats['bytes']} bytes, signed)", flush=True)
 
 
 def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float, log: str) -> None:

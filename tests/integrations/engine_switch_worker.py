@@ -5,10 +5,11 @@ engine placement is the test's table (A, then B after the rebalance).
 
     python engine_switch_worker.py FOLDER RANK HOST:PORT
 
-Step 1 with plan A (placement A); the engine moves to placement B; each target asks its
-core to switch to plan A again (version 2: refused, the placement names layer and expert),
+Step 1 with plan A (placement A); the engine moves to placement B; each target's core
+refuses to begin an update of plan A (the placement names layer and expert) and, asked to
+switch to plan A again (version 2), refuses it the same way,
 to plan B with version 0 (refused: stale), with the live tensors and the running plan
-unchanged by either; then every rank switches to B (version 1: the sources by
+unchanged by any; then every rank switches to B (version 1: the sources by
 `Executor.switch`, the targets by `EngineCore.switch_plan`), steps 2 and 3 bit for bit;
 B again at version 1 is refused (stale). Prints `rank R refused: ...` per refusal, then
 `rank R: ok` and exits 0, or names what differs and exits 1.
@@ -44,30 +45,39 @@ def main(folder: str, rank: int, rendezvous: str) -> int:
         ex = executor.load(path_a, rank, tensors, transport="nixl", rendezvous=store,
                            timeout_s=90, no_identity=True)
         core = None
-    else:
+    engine = {"placement": plans.a}  # the engine's current placement
+    if not source:
         tensors = {k: torch.zeros_like(v) for k, v in tensors.items()}
         core = EngineCore(path_a, "vllm", lambda h: plan_identity(h, rank, path_a),
+                          placement=lambda _: engine["placement"],
                           allow_unsigned=True)  # the test's plans are unsigned
         ex = core.load(tensors, transport="nixl", rendezvous=store, timeout_s=90)
     ptrs = {k: v.data_ptr() for k, v in tensors.items()}
-    engine = {"placement": plans.a}  # the engine's current placement
 
     def refit(step: int, cfg) -> None:  # noqa: ANN001
         if source:
             for k, v in rank_tensors(cfg, spec, rank, seed=step).items():
                 tensors[k].copy_(v)
+        else:  # the engine's update begins: its placement is the running plan's
+            core.begin(f"v{step}")
         executor.run(ex, step)
         if not source:
             want = rank_tensors(cfg, spec, rank, seed=step)
             bad.extend(f"step {step} {k}" for k, v in want.items()
                        if not torch.equal(tensors[k], v))
 
-    def refused(path: str, version: object, error: type) -> None:
+    def refused(path: str | None, version: object, error: type) -> None:
+        """A switch to `path` at `version` (None: an update of the running plan) refused
+        in one line, nothing changed."""
         assert core is not None
         before = {k: v.clone() for k, v in tensors.items()}
         try:
-            core.check_switch(path, version, lambda _: engine["placement"], "engine rank")
-            bad.append(f"{os.path.basename(path)} version {version} was not refused")
+            if path is None:
+                core.begin(f"v{version}")
+            else:
+                core.check_switch(path, version, "engine rank")
+            bad.append(f"{os.path.basename(path or core.path)} version {version} was not "
+                       "refused")
         except error as e:
             line = str(e)
             print(f"rank {rank} refused: {type(e).__name__}: {line}", flush=True)
@@ -81,16 +91,17 @@ def main(folder: str, rank: int, rendezvous: str) -> int:
     refit(1, cfg_a)
     if not source:
         engine["placement"] = plans.b  # the engine rebalanced (EPLB)
+        refused(None, 2, PlacementMismatchError)
         refused(path_a, 2, PlacementMismatchError)
         refused(path_b, 0, StalePlanError)
         refused(path_b, "1", StalePlanError)
-        core.check_switch(path_b, 1, lambda _: engine["placement"], "engine rank")
+        core.check_switch(path_b, 1, "engine rank")
     store.set(f"checked/{rank}", b"1")  # every rank checked before any switches
     store.wait([f"checked/{r}" for r in range(world)], timedelta(seconds=90))
     if source:
         ex.switch(path_b, no_identity=True)
     else:
-        core.switch_plan(path_b, 1, lambda _: engine["placement"], "engine rank")
+        core.switch_plan(path_b, 1, "engine rank")
         if core.plan_version != 1 or core.placement != plans.b:
             bad.append(f"after the switch: version {core.plan_version}, {core.placement}")
     refit(2, cfg_b)

@@ -16,6 +16,7 @@ plan (FSDP2 -> SGLang TP 2) with every rank in one process (`local`):
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,6 +39,11 @@ from tests.support.models import qwen3
 from tests.support.threads import together
 
 HF = qwen3(num_hidden_layers=2)
+
+
+def no_eplb(plan: object) -> None:
+    """The engine's expert placement: none (a dense model)."""
+    return None
 SOURCE = {"framework": "fsdp2", "dp": 1, "dtype": "float32"}
 TARGET = {"engine": "sglang", "tp": 2, "dtype": "float32"}
 
@@ -91,7 +97,7 @@ def _bind(world, monkeypatch, shadow: bool):
                                    identity=ids[0], timeout_s=20)
 
     def target(t: int) -> None:
-        core = EngineCore(path, "sglang", lambda header, t=t: ids[1 + t])
+        core = EngineCore(path, "sglang", lambda header, t=t: ids[1 + t], placement=no_eplb)
         out[f"opens{t}"] = len(opens)
         core.load(live[t], shadow=live[t] if shadow else None, transport="local",
                   rendezvous=fabric, timeout_s=20)
@@ -159,7 +165,7 @@ def test_a_plan_for_another_engine_is_refused_before_anything_binds(world, monke
     monkeypatch.delenv("RDMA_PLAN_SECRET", raising=False)
     located = []
     with pytest.raises(EngineMismatchError) as e:
-        EngineCore(path, "vllm", lambda h: located.append(h) or ids[1])
+        EngineCore(path, "vllm", lambda h: located.append(h) or ids[1], placement=no_eplb)
     assert str(e.value) == (f"{path}: target.engine is 'sglang', not 'vllm'; compile the "
                             "plan with target.engine: vllm")
     assert located == []  # refused before the engine's identity is asked for
@@ -169,10 +175,35 @@ def test_the_update_state_is_declared_in_init(world, monkeypatch):
     """Every field the helpers read or set exists before any update."""
     path, ids, _, _ = world
     monkeypatch.delenv("RDMA_PLAN_SECRET", raising=False)
-    core = EngineCore(path, "sglang", lambda h: ids[1])
+    core = EngineCore(path, "sglang", lambda h: ids[1], placement=no_eplb)
     assert {"plan", "shadow", "version", "pending", "failure", "received", "torn_open",
             "landed", "wait_s", "derived", "placement"} <= set(vars(core))
     assert core.plan is None and core.version is None
+
+
+def test_begin_refuses_an_engine_whose_experts_moved_and_changes_nothing(world, monkeypatch):
+    """Every update begins with the engine's expert placement (the adapter's reader) against
+    the plan's: an engine whose experts were moved refuses a plan for the default placement
+    in one line, the open update's state untouched; the engine's default placement passes."""
+    from integrations.errors import PlacementMismatchError
+    from schemas.placement import Placement
+
+    path, ids, _, _ = world
+    monkeypatch.delenv("RDMA_PLAN_SECRET", raising=False)
+    engine = {"placement": Placement(np.array([[0, 1, 2, 3]]))}  # the default
+    core = EngineCore(path, "sglang", lambda h: ids[1], placement=lambda _: engine["placement"])
+    core.begin("v1")
+    core.failure = RuntimeError("torn")
+    engine["placement"] = Placement(np.array([[1, 0, 2, 3]]))  # slots 0 and 1 swapped
+    with pytest.raises(PlacementMismatchError) as e:
+        core.begin("v2")
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"sglang target ({path}): ")
+    assert "MoE layer 0 physical expert 0 holds logical expert 1" in line, line
+    assert core.pending == "v1" and str(core.failure) == "torn"  # nothing changed
+    engine["placement"] = Placement(np.array([[0, 1, 2, 3]]))
+    core.begin("v2")
+    assert core.pending == "v2" and core.failure is None
 
 
 # ---------------------------------------------------------------- chunked mode
@@ -209,7 +240,7 @@ def _bind_chunked(chunked_world, monkeypatch, timeout_s: float = 20):
                                  identity=ids[0], timeout_s=timeout_s)
 
     def target(t: int) -> None:
-        core = EngineCore(path, "sglang", lambda header, t=t: ids[1 + t])
+        core = EngineCore(path, "sglang", lambda header, t=t: ids[1 + t], placement=no_eplb)
         core.load(live[t], transport="local", rendezvous=fabric, timeout_s=timeout_s)
         out[t] = core
     together([source] + [lambda t=t: target(t) for t in (0, 1)])
@@ -286,7 +317,7 @@ def test_a_chunked_plan_is_refused_in_shadow_mode_before_anything_binds(chunked_
                                                                        monkeypatch):
     path, ids, *_ = chunked_world
     monkeypatch.delenv("RDMA_PLAN_SECRET", raising=False)
-    core = EngineCore(path, "sglang", lambda h: ids[1])
+    core = EngineCore(path, "sglang", lambda h: ids[1], placement=no_eplb)
     with pytest.raises(ValueError) as e:
         core.load({}, shadow={})
     assert str(e.value) == (f"{path}: a chunked plan streams through its own {BUDGET}-byte "

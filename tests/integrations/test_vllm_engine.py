@@ -45,6 +45,8 @@ def steps(*seeds: int, **extra: dict) -> list[dict]:
 
 CHUNK_BUDGET = 1 << 18
 """A chunked plan's buffer: four chunks of the tiny Qwen3 on each vLLM worker."""
+TORN_CHUNK_S = 10.0
+"""The workers' wait for a chunk the trainers never send (their executors' timeout then)."""
 
 CASES = [  # name, HF config, source, target ep, steps[, shadow[, chunked plan's budget]]
     ("qwen3-tp2", vc.QWEN3, MEGATRON_TP2, False, steps(1, 2, 3)),
@@ -55,7 +57,9 @@ CASES = [  # name, HF config, source, target ep, steps[, shadow[, chunked plan's
     ("deepseek_v3-fp8-tp2", vc.DEEPSEEK_FP8, MEGATRON_TP2, False,
      steps(7, 8, 9, 10, v10=dict(skip_refresh=True))),
     ("qwen3-shadow-tp2", vc.QWEN3, MEGATRON_TP2, False, steps(31, 32), True),
-    ("qwen3-chunked-tp2", vc.QWEN3, MEGATRON_TP2, False, steps(41, 42), False, CHUNK_BUDGET),
+    # v42: the trainers send chunk 0 only; the workers wait TORN_CHUNK_S for chunk 1
+    ("qwen3-chunked-tp2", vc.QWEN3, MEGATRON_TP2, False,
+     steps(41, 42, 43, v42=dict(torn_chunk=TORN_CHUNK_S, check_seed=41)), False, CHUNK_BUDGET),
 ]
 
 
@@ -159,7 +163,9 @@ def finish(procs: Procs, timeout: float) -> None:
 
 
 NEEDS = {"test_shadow_keeps_serving_the_previous_version_until_finish": "qwen3-shadow-tp2",
-         "test_fp8_refresh_is_needed": "deepseek_v3-fp8-tp2"}
+         "test_fp8_refresh_is_needed": "deepseek_v3-fp8-tp2",
+         "test_a_torn_chunk_is_refused_by_every_worker_then_the_next_update_is_whole":
+             "qwen3-chunked-tp2"}
 """The case each test besides `test_send_weights_bit_exact` reads."""
 
 
@@ -194,7 +200,7 @@ def run(request: pytest.FixtureRequest,
 def complete_steps(procs: Procs, case: dict) -> list[tuple[str, int, dict]]:
     out = []
     for step in case["steps"]:
-        if step.get("skip_refresh"):
+        if step.get("skip_refresh") or step.get("torn_chunk"):
             continue
         assert procs.sent(case["name"], step["label"]) == {
             "result": "ok", "client_version": step["label"]}
@@ -251,6 +257,44 @@ def test_fp8_refresh_is_needed(run: tuple[Procs, dict[str, dict]]) -> None:
         assert stale == {f"model.layers.{i}.self_attn.{m}{a}" for i in range(2)
                          for m in ("", "mla_attn.mla_attn.") for a in ("W_UK_T", "W_UV")}, \
             c["errors"]
+
+
+def test_a_torn_chunk_is_refused_by_every_worker_then_the_next_update_is_whole(
+        run: tuple[Procs, dict[str, dict]]) -> None:
+    """A chunked plan (four chunks on each worker) whose trainers send chunk 0 only at v42
+    (`torn_chunk`): each worker's engine core switches chunk 0 and gives chunk 1 up after
+    `TORN_CHUNK_S`; the workers agree it is torn, the update is refused naming chunk 1 and
+    the chunks switched, and `finish_weight_update` refuses to commit on every worker; the
+    version stays v41, chunk 0's tensors hold v42 and every later chunk's v41 bit for bit;
+    v43 starts again at chunk 0 and is whole and bit-exact
+    (`test_send_weights_bit_exact[qwen3-chunked-tp2]`)."""
+    procs, cases = run
+    name = "qwen3-chunked-tp2"
+    torn = procs.sent(name, "v42")
+    assert torn["client_version"] == "v41" and torn["result"].startswith("TornUpdateError")
+    assert torn["result"].count("did not reach every vLLM worker") == 1, torn["result"]
+    n = procs.check(name, 0, "v42")["of_chunks"]
+    assert n >= 3, n  # chunk 1 torn, chunk 2 and after never started
+    for rank in range(2):  # the one error names every worker's chunk
+        assert f"worker {rank}: ChunkedShadow: rank {2 + rank}: chunk 1 of {n} did not " \
+            "complete" in torn["result"], torn["result"]
+    assert torn["result"].count("chunks 0..0 were switched") == 2, torn["result"]
+    for rank in range(2):
+        c = procs.check(name, rank, "v42")
+        assert c["weight_version"] == "v41" and c["chunks"] == 1, c
+        assert c["finish"].startswith(f"rdma_plan: vLLM worker {rank}") and \
+            f"chunk 1 of {n} did not complete" in c["finish"] and \
+            "chunks 0..0 were switched" in c["finish"] and "'v41' stays" in c["finish"], c
+        t = c["torn_chunks"]
+        assert t["chunk0"] and t["later"], t  # both sides of the cut hold tensors
+        assert t["chunk0_not_new"] == [] and t["later_not_old"] == [], t
+        assert c["errors"] and {e.split(":")[0] for e in c["errors"]} <= set(t["chunk0"]), \
+            c["errors"]  # against v41: chunk 0 alone moved on
+        assert c["moved"] == [], c["moved"]
+    assert procs.sent(name, "v43") == {"result": "ok", "client_version": "v43"}
+    for rank in range(2):
+        c = procs.check(name, rank, "v43")
+        assert c["errors"] == [] and c["chunks"] == n and c["weight_version"] == "v43", c
 
 
 @pytest.mark.parametrize("shadow", [False, True], ids=["paused", "shadow"])

@@ -157,7 +157,15 @@ class Shim:
         elif self.saved is not None:
             self.engine.refresh, self.saved = self.saved, None
 
-    def check(self, label: str, seed: int, torn: bool = False) -> None:
+    def timeout(self, s: float) -> None:
+        """How long this worker's chunks wait for their peers (a torn chunk's wait)."""
+        for ex in self.engine.core.chunked.chunks:
+            ex.timeout_s = s
+
+    def check(self, label: str, seed: int, torn: bool = False, new_seed: int | None = None
+              ) -> None:
+        """The live weights against vLLM's reference of version `seed`; `new_seed`: a torn
+        chunked update of that version, whose chunk 0 alone was switched (`torn_chunks`)."""
         from dataclasses import asdict
 
         from integrations.errors import TornUpdateError
@@ -165,6 +173,7 @@ class Shim:
         chunked = self.engine.core.chunked if self.engine.core is not None else None
         out = {"weight_version": self.engine.weight_version,
                "chunks": 0 if chunked is None else chunked.switched,
+               "of_chunks": 0 if chunked is None else len(chunked.chunks),
                "shadow": [asdict(u) for u in getattr(self.engine, "shadow_updates", [])],
                "refreshes": self.engine.refreshes, "derived": len(self.engine.refresh),
                "raised": self.raised,
@@ -181,7 +190,25 @@ class Shim:
         out["errors"] = compare(state(self.model), state(ref))
         out["compared"] = len(state(ref))
         out["identity"] = self.engine.identity
+        if new_seed is not None:
+            out["torn_chunks"] = self.torn_chunks(state(ref), new_seed)
         store.set(f"{self.case['name']}/check/{self.rank}/{label}", json.dumps(out))
+
+    def torn_chunks(self, old: dict[str, torch.Tensor], new_seed: int) -> dict:
+        """Chunk 0's tensors and the later chunks' (the plan's regions), those of chunk 0
+        that differ from version `new_seed`, and those of the later chunks that differ from
+        `old`, the last whole version."""
+        from schemas.plan import STAGING
+
+        chunks = [[g.name for g in rp.regions if g.name != STAGING]
+                  for _, rp in self.engine.core.parts]
+        later = [n for chunk in chunks[1:] for n in chunk]
+        live, new = state(self.model), state(reference(self.case, self.rank, new_seed))
+
+        def differ(names: list[str], want: dict[str, torch.Tensor]) -> list[str]:
+            return compare({n: live[n] for n in names}, {n: want[n] for n in names})
+        return {"chunk0": chunks[0], "later": later,
+                "chunk0_not_new": differ(chunks[0], new), "later_not_old": differ(later, old)}
 
 
 store = None

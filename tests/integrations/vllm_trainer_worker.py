@@ -7,7 +7,8 @@ first step's seed) in a vLLM `WeightSource`, `WeightTransferTrainerFactory.train
 new tensors in the source and `send_weights(weight_version)`. Every rank announces
 `ready/<rank>/<label>` and waits for the sender's `go/<label>`; the sender has each worker
 `check` its weights after every step. A step with `"die": rank` exits that rank (code 17)
-instead of sending: a source killed mid-update.
+instead of sending: a source killed mid-update. A step with `"torn_chunk": s` (a chunked plan)
+has every rank send chunk 0 only, the workers waiting s seconds for chunk 1.
 """
 
 from __future__ import annotations
@@ -54,21 +55,28 @@ def run_case(case: dict, rank: int, store, start: int) -> None:  # noqa: ANN001
             for r in range(1, trainers):
                 store.get(f"{name}/ready/{r}/{label}")
             client.call("skip_refresh", skip=bool(step.get("skip_refresh")))
+            if case["chunked"]:
+                client.call("timeout", s=step.get("torn_chunk") or case["timeout_s"])
             if case.get("shadow"):  # what the live weights must hold until finish
                 client.call("expect_live", label=label,
                             seed=steps[i - 1]["seed"] if i else None)
             store.set(f"{name}/go/{label}", b"1")
         if step.get("die") == rank:
             os._exit(17)
+        if step.get("torn_chunk"):  # this rank's chunk 0 only: the rest never lands
+            engine.write = engine.chunks[0].run
         try:
             engine.send_weights(weight_version=label)
             result = "ok"
         except Exception as e:  # noqa: BLE001 - recorded for the test
             result = f"{type(e).__name__}: {e}"
+        finally:
+            vars(engine).pop("write", None)
         if rank == 0:
             client.call("skip_refresh", skip=False)
             client.call("check", label=label, seed=step.get("check_seed", step["seed"]),
-                        torn=result != "ok")
+                        torn=result != "ok",
+                        new_seed=step["seed"] if step.get("torn_chunk") else None)
             store.set(f"{name}/send/{label}", json.dumps(
                 {"result": result, "client_version": client.weight_version}))
     engine.shutdown()

@@ -73,3 +73,33 @@ def test_llm_offline_switch_to_a_replanned_plan_tp2(tmp_path: pytest.TempPathFac
     assert untouched == "unchanged" and trainer == "refused", (untouched, trainer)
     assert "not newer than the running plan's 1" in stale and "StalePlanError" in stale, stale
     assert verdict == "OK" and "LLM offline refit: OK" in r.stdout
+
+
+TORN = re.compile(r"^LLM torn chunk: chunk 0 of (\d+) sent  refused naming chunk 1 on every "
+                  r"worker: (\S+)  chunk 0 (\d+)/(\d+) tensors the trainer's  later chunks "
+                  r"(\d+)/(\d+) tensors kept  version (\S+)  (OK|FAIL)$")
+
+
+def test_llm_offline_torn_chunk_then_whole_tp2(tmp_path: pytest.TempPathFactory) -> None:
+    """`llm_offline.py --torn-chunk`: a chunked plan (1 MiB chunks) whose trainers send chunk
+    0 only: every worker switches chunk 0 and gives chunk 1 up, the update is refused naming
+    chunk 1 and the chunks switched on every worker, the version stays, vLLM's own sha256 of
+    chunk 0's tensors are the trainer's bytes and every later chunk's are the engine's
+    before; the next refit, sent whole, starts again at chunk 0 and is bit-exact, logprobs
+    equal, the version set."""
+    py = live_python()
+    r = subprocess.run([py, "examples/rl_loop/llm_offline.py", "--torn-chunk", "--workdir",
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    out = r.stdout + r.stderr
+    torn = [m for line in r.stdout.splitlines() if (m := TORN.match(line.strip()))]
+    whole = [m for line in r.stdout.splitlines() if (m := LINE.match(line.strip()))]
+    sys.stdout.write("".join(m.group(0) + "\n" for m in torn + whole))
+    assert r.returncode == 0, out[-6000:]
+    assert len(torn) == 1 and len(whole) == 1, out[-6000:]
+    chunks, named, new, first, kept, later, version, verdict = torn[0].groups()
+    assert int(chunks) >= 3 and named == "yes", (chunks, named)
+    assert new == first and int(first) > 0 and kept == later and int(later) > 0
+    assert version != "refit-1" and verdict == "OK"
+    equal, total, before, delta, version, verdict = whole[0].groups()
+    assert equal == total and int(total) > 0 and before == "0", (equal, total, before)
+    assert float(delta) <= 1e-3 and version == "refit-1" and verdict == "OK"

@@ -1,5 +1,6 @@
 """SGLang 0.5.23's own `ExpertLocationMetadata` (its EPLB table), set as the process-wide
-metadata SGLang's expert location updater keeps, read by `placement_check.at_begin`: the
+metadata SGLang's expert location updater keeps, read by `placement_check.sglang_current`
+(the SGLang target's reader, which its engine core's `begin` checks against the plan's): the
 same placement passes, another is refused in one line. Exits non-zero on a difference."""
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ def main() -> None:
         ep_size=2, logical_to_rank_dispatch_physical_map=None)
     el.set_global_expert_location_metadata(meta)
 
-    # what `SGLangTarget.begin` checks: its plan's placement, on plan rank 3
-    placement_check.at_begin(Placement(table), 3)
+    def begin(plan: Placement | None) -> None:  # what the SGLang target's core begins with
+        placement_check.check(placement_check.sglang_current(plan), plan, "SGLang target")
+
+    begin(Placement(table))
     other = table.copy()
     other[1] = np.roll(other[1], 1)
     try:
-        placement_check.at_begin(Placement(other), 3)
+        begin(Placement(other))
     except PlacementMismatchError as e:
         line = str(e)
         assert "\n" not in line and "MoE layer 1 physical expert" in line, line
@@ -51,7 +54,7 @@ def main() -> None:
     else:
         sys.exit("a plan for another placement was not refused")
     try:
-        placement_check.at_begin(None, 3)
+        begin(None)
     except PlacementMismatchError as e:
         print("refused:", e)
     else:

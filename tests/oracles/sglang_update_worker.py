@@ -3,13 +3,14 @@ full HF tensors), RANKs 1.. are a real SGLang 0.5.23 engine's TP ranks on CPU.
 
 argv[1] is JSON: {"port", "store", "plan", "hf", "steps", "torn"}. Every step the trainer
 writes the weights of seed 100+step with the plan over NIXL; each engine rank runs the
-update through `integrations.sglang.SGLangTarget` (SGLang's own `WeightUpdater`
-begin/end) and compares every parameter and the derived `w_kc`/`w_vc` bit-exactly with
-SGLang's own reference: a second model of the same rank that loaded the same checkpoint
-through SGLang's loader (`load_weights` + post-load processing). Also checked: every
-`data_ptr` unchanged over all steps; before `end()` the derived tensors are stale (the
-refresh is needed); at step `torn` the trainer skips its part, so `receive()` times out and
-`end()` must refuse (TornUpdateError) with the version unchanged; the next step is whole.
+update through `integrations.sglang.SGLangTarget` (SGLang's own `WeightUpdater` begin/end
+through `begin_weight_update`/`end_weight_update`) and compares every parameter and the
+derived `w_kc`/`w_vc` bit-exactly with SGLang's own reference: a second model of the same
+rank that loaded the same checkpoint through SGLang's loader (`load_weights` + post-load
+processing). Also checked: every `data_ptr` unchanged over all steps; before
+`end_weight_update()` the derived tensors are stale (the refresh is needed); at step `torn`
+the trainer skips its part, so `receive()` times out and `end_weight_update()` must refuse
+(TornUpdateError) with the version unchanged; the next step is whole.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
 
 
 def torn_step(target, versions: list[str], step: int, rank: int) -> None:  # noqa: ANN001
-    """The trainer never sends: receive() times out, end() refuses, the version stays."""
+    """The trainer never sends: receive() times out, end_weight_update() refuses, the
+    version stays."""
     from integrations.errors import TornUpdateError
 
     target.plan.timeout_s = 5.0
@@ -81,8 +83,8 @@ def torn_step(target, versions: list[str], step: int, rank: int) -> None:  # noq
     except executor.PeerTimeoutError:
         pass
     try:
-        target.end(f"v{step}")
-        raise AssertionError("end() accepted a torn update")
+        target.end_weight_update(f"v{step}")
+        raise AssertionError("end_weight_update() accepted a torn update")
     except TornUpdateError as e:
         print(f"rank {rank}: torn update refused: {e}", flush=True)
     assert target.version == versions[-1] == f"v{step - 1}", (target.version, versions)
@@ -128,14 +130,14 @@ def engine_rank(arg: dict, rank: int, world: int) -> None:
                                   for e in target.derived for w in e["writes"])
     for step in range(1, arg["steps"] + 1):
         DefaultModelLoader.load_weights_and_postprocess(ref, checkpoint(100 + step), cpu)
-        target.begin()
+        target.begin_weight_update()
         if step == arg["torn"]:
             torn_step(target, versions, step, rank)
             continue
         target.receive()
         stale = differ(state(live), state(ref))
         assert stale and all(n.endswith(("w_kc", "w_vc")) for n in stale), stale
-        target.end(f"v{step}")
+        target.end_weight_update(f"v{step}")
         bad = differ(state(live), state(ref))
         assert not bad, f"step {step}: differ from SGLang's reference: {bad[:5]}"
         moved = [n for n, t in state(live).items() if t.data_ptr() != ptrs[n]]

@@ -119,6 +119,17 @@ def refused_in_one_line(check: Callable[[], object], what: str, said: str) -> li
     return [f"{what}: plan A was not refused on the engine in placement B"]
 
 
+def begin_update(path: str, plan_rank: int, model: torch.nn.Module) -> None:
+    """An update of `path` begun by the vLLM backend's engine core on `model`."""
+    from integrations import placement_check
+    from integrations.engine_core import EngineCore
+    from schemas.identity import plan_identity
+
+    EngineCore(path, "vllm", lambda h: plan_identity(h, plan_rank, path),
+               placement=lambda _: placement_check.vllm_placement(model),
+               allow_unsigned=True).begin("v2")
+
+
 def switch_checks(paths: list[str], plan_rank: int, model: torch.nn.Module) -> list[str]:
     """What an engine rank's plan switch (`integrations/engine_switch.py`, the vLLM
     backend's `rdma_plan_switch`) checks, on this model's EPLB maps after the
@@ -131,15 +142,13 @@ def switch_checks(paths: list[str], plan_rank: int, model: torch.nn.Module) -> l
     from schemas.identity import plan_identity
 
     core = EngineCore(paths[0], "vllm", lambda h: plan_identity(h, plan_rank, paths[0]),
+                      placement=lambda _: placement_check.vllm_placement(model),
                       allow_unsigned=True)
-
-    def engine(_):  # noqa: ANN001, ANN202
-        return placement_check.vllm_placement(model)
     errors = refused_in_one_line(
-        lambda: core.check_switch(paths[0], 1, engine, "rdma_plan worker"), "switch",
+        lambda: core.check_switch(paths[0], 1, "rdma_plan worker"), "switch",
         f"plan rank {plan_rank}: switch refused")
     try:
-        core.check_switch(paths[1], 1, engine, "rdma_plan worker")
+        core.check_switch(paths[1], 1, "rdma_plan worker")
         errors.append("switch: no executor is bound, yet plan B was taken")
     except PlanSwitchError as e:
         if "no plan is bound" not in str(e):
@@ -221,10 +230,12 @@ def main() -> None:
         if engine != Placement(b):
             errors.append("the model's EPLB maps do not read back as placement B")
 
-        # what `start_weight_update` checks: the model against the plan's placement
-        placement_check.at_update(model, plan_b.header.placement)
+        # what `start_weight_update` checks (the engine core's `begin`): the model's
+        # placement against the plan's
+        plan_rank = plan_a.header.sources + rank
+        begin_update(paths[1], plan_rank, model)
         errors += refused_in_one_line(
-            lambda: placement_check.at_update(model, plan_a.header.placement),
+            lambda: begin_update(paths[0], plan_rank, model),
             "start_weight_update", f"rank {rank}: refused")
         errors += switch_checks(paths, plan_a.header.sources + rank, model)
     if errors:

@@ -1,8 +1,13 @@
 """The framework registry (planner/frameworks.py): one complete record per framework and
-engine the schemas allow, each caller dispatching through it, a one-line refusal otherwise."""
+engine the schemas allow (`schemas.config.SOURCES`, `TARGETS`: the one list of names, which
+`schemas.identity.KEYS` and the registry follow or refuse to import), each caller dispatching
+through it, a one-line refusal otherwise."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import typing
 
 import pytest
@@ -15,6 +20,8 @@ from planner.passes.emit import source_replicated
 from planner.spec import spec_from_hf
 from planner.validate import layout_check
 from schemas.config import (
+    SOURCES,
+    TARGETS,
     ClusterConfig,
     Config,
     ConfigError,
@@ -23,7 +30,7 @@ from schemas.config import (
     SourceConfig,
     TargetConfig,
 )
-from schemas.identity import KEYS, SOURCES, TARGETS, check_identity
+from schemas.identity import KEYS, check_identity
 
 QWEN3 = dict(model_type="qwen3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
              head_dim=128, intermediate_size=512, vocab_size=101, num_hidden_layers=2,
@@ -41,13 +48,37 @@ def _allowed(cls: type, field: str) -> tuple[str, ...]:
 
 def test_every_allowed_framework_and_engine_has_a_complete_record() -> None:
     sources, targets = _allowed(SourceConfig, "framework"), _allowed(TargetConfig, "engine")
-    assert set(sources) == set(SOURCES) and set(targets) == set(TARGETS)
-    assert set(frameworks.FRAMEWORKS) == set(sources) | set(targets) == set(KEYS)
+    assert sources == SOURCES and targets == TARGETS
+    assert list(frameworks.FRAMEWORKS) == [*sources, *targets] == list(KEYS)
     for name, fw in frameworks.FRAMEWORKS.items():
         assert fw.name == name
         assert fw.side == ("source" if name in sources else "target")
         for part in ("check", "layout", "identity", "derived", "traces"):
             assert callable(getattr(fw, part)), f"{name}.{part}"
+
+
+@pytest.mark.parametrize("module, lists", [("schemas.identity", "schemas.identity.KEYS"),
+                                           ("planner.frameworks", "planner.frameworks has")])
+@pytest.mark.parametrize("side", ["SOURCES", "TARGETS"])
+def test_a_name_added_to_the_config_alone_is_refused_at_import(module: str, lists: str,
+                                                                side: str) -> None:
+    """A framework or engine added to `schemas.config` without its identity coordinates or
+    its registry record stops the import with a line naming both lists."""
+    code = (f"import schemas.config as c; c.{side} = (*c.{side}, 'newfw'); import {module}")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: ") and lists in last and "newfw" in last, last
+
+
+def test_a_bad_name_in_a_config_is_refused_naming_the_one_list() -> None:
+    with pytest.raises(ConfigError, match=r"^source\.framework: 'deepspeed' is not supported; "
+                                          r"use megatron or fsdp2$"):
+        SourceConfig("deepspeed")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^target\.engine: 'trtllm' is not supported; "
+                                          r"use vllm or sglang$"):
+        TargetConfig("trtllm")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("side", [SourceConfig("megatron", tp=2, pp=2),

@@ -5,13 +5,12 @@ and options; its source/target sections describe the layouts). Cases come from t
 generators:
 - `synthetic_cases`: random hand-built layouts (`tests/property/layouts.py`) of any spec;
 - `framework_cases`: real framework layouts (megatron/fsdp2 -> vllm/sglang) from random
-  configs that `planner.validate.validate` accepts; frameworks whose layout module has
-  not landed are left out (see `FRAMEWORKS`).
+  configs that `planner.validate.validate` accepts, over every framework and engine
+  `schemas.config` lists.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 from hypothesis import assume
@@ -22,6 +21,9 @@ from planner.layouts.base import Layout
 from planner.spec import ModelSpec, spec_from_hf
 from planner.validate import validate
 from schemas.config import (
+    DTYPES,
+    SOURCES,
+    TARGETS,
     ClusterConfig,
     Config,
     ConfigError,
@@ -31,18 +33,6 @@ from schemas.config import (
     TargetConfig,
 )
 from tests.property.layouts import random_layout
-
-DTYPES = ("bfloat16", "float16", "float32")
-
-
-def _landed(module: str) -> bool:
-    return importlib.util.find_spec(f"planner.layouts.{module}") is not None
-
-
-SOURCES = tuple(f for f in ("megatron", "fsdp2") if _landed(f))
-TARGETS = tuple(e for e in ("vllm", "sglang") if _landed(e))
-FRAMEWORKS = bool(SOURCES and TARGETS)
-"""Framework layouts present in this tree (the suite extends itself as they land)."""
 
 
 class Case:
@@ -269,9 +259,6 @@ def full_spec(spec: ModelSpec, cfg: Config) -> ModelSpec:
 
 def cases(src_dtype: str | None = None, dst_dtype: str | None = None, fp8: bool = True
           ) -> st.SearchStrategy[Case]:
-    """Synthetic cases, and framework cases once both sides have landed (with `fp8`, some
-    targets are block-FP8)."""
-    out = synthetic_cases(src_dtype, dst_dtype)
-    if FRAMEWORKS:
-        out = st.one_of(out, framework_cases(src_dtype, dst_dtype, fp8))
-    return out
+    """Synthetic cases and framework cases (with `fp8`, some targets are block-FP8)."""
+    return st.one_of(synthetic_cases(src_dtype, dst_dtype),
+                     framework_cases(src_dtype, dst_dtype, fp8))
