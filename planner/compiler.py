@@ -66,7 +66,6 @@ from planner.passes.emit import (
     explain_with,
     plan_header,
     rank_regions,
-    spilled,
     tensor_regions,
     with_staging,
 )
@@ -232,8 +231,8 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     chunks = without_holders(chunks)  # read by assign and egress_sets only
     explain = explain_table(chunks.tensor, src.rank[choice], src.region[choice],
                             routes.direct.rank[chunks.dst], routes.direct.region[chunks.dst],
-                            chunk_bytes(chunks, routes.direct), replicas=dst_layout.replicas)
-    explain = spilled(explain)  # read again only when the plan is written
+                            chunk_bytes(chunks, routes.direct), replicas=dst_layout.replicas,
+                            spill=True)  # read again only when the plan is written
     regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
                            tensor_regions(dst_layout))  # staging is added once lowered
     side = ThreadPoolExecutor(1)  # hashing and sorts release the GIL: these run beside lower
