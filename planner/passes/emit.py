@@ -24,7 +24,7 @@ from planner.layouts.base import Layout, PhysicalTensor
 from planner.passes.intersect import PieceTable
 from planner.passes.lower import Lowered
 from planner.passes.schedule import Schedule
-from planner.rows import column_keys, lexorder, unique_rows
+from planner.rows import column_keys, lexorder, stable_argsort, unique_rows
 from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import Config, SourceConfig
@@ -371,7 +371,7 @@ def _explain(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarray,
             np.add.reduceat(np.asarray(boxes, dtype=np.int64), start)
         key = key[start]
     del nbytes
-    order = np.argsort(key)  # equal keys are equal rows: any order among them
+    order = stable_argsort(key)  # (equal keys are equal rows: any order among them)
     key = key[order]
     first = _starts(key)
     del key
