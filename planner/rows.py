@@ -150,10 +150,16 @@ def stable_argsort(key: np.ndarray, own: bool = False) -> np.ndarray:
     the least, shifted left by the bits of a row number, leaves room for the row number in
     an int64, those (key, row) pairs as one int64 each, sorted (not stably: they are all
     distinct) and masked back to the row numbers (numpy's stable sort of int64 is a merge
-    sort, several times slower than its sort on random keys); else numpy's. `own`: `key`
+    sort, several times slower than its sort on random keys); else, and where the column
+    is in long sorted runs already (which the merge sort takes whole), numpy's. `own`: `key`
     may be overwritten (its buffer becomes the result)."""
     n = len(key)
     if n < _SMALL or key.dtype.kind not in "iu" or key.dtype.itemsize > 8:
+        return np.argsort(key, kind="stable").astype(np.int64, copy=False)
+    descents = int(np.count_nonzero(key[1:] < key[:-1]))
+    if descents == 0:  # sorted already
+        return np.arange(n, dtype=np.int64)
+    if descents * _RUN < n:  # long sorted runs: numpy's merge sort takes them as they are
         return np.argsort(key, kind="stable").astype(np.int64, copy=False)
     lo, hi = int(key.min()), int(key.max())
     bits = (n - 1).bit_length()
@@ -171,6 +177,8 @@ def stable_argsort(key: np.ndarray, own: bool = False) -> np.ndarray:
 
 _SMALL = 1 << 15
 """Rows below which `stable_argsort` is numpy's (its pairs only pay on large columns)."""
+_RUN = 64
+"""Mean length of a column's sorted runs from which `stable_argsort` is numpy's."""
 
 
 def unique_rows(a: np.ndarray, return_index: bool = False,

@@ -117,3 +117,12 @@ def test_stable_argsort_and_unique_sorted_equal_numpy(n: int, lo: int, hi: int, 
     assert np.array_equal(u_values, values) and u_values.dtype == values.dtype
     assert np.array_equal(u_first, first)
     assert np.array_equal(u_inverse, inverse.reshape(-1))
+
+
+@pytest.mark.parametrize("run", [1 << 17, 1000, 70, 3])
+def test_stable_argsort_of_sorted_runs_equals_numpy(run: int) -> None:
+    """Columns sorted already, or in sorted runs long and short (numpy's merge sort, or the
+    pairs), ties included."""
+    rng = np.random.default_rng(run)
+    key = np.concatenate([np.sort(rng.integers(0, 50, run)) for _ in range((1 << 17) // run)])
+    assert np.array_equal(stable_argsort(key), np.argsort(key, kind="stable"))
