@@ -468,11 +468,14 @@ def fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable,
     h = hashlib.blake2b(digest_size=16)
     h.update(msgpack.packb([FORMAT_VERSION, [(t.name, list(t.shape), t.dtype)
                                              for t in spec.tensors]]))
+    block = np.empty(_HASHED, dtype=np.int64)  # one buffer: no fresh pages per block
     for table in (src, dst):  # (not `dataclasses.astuple`: it deep-copies every column)
         for f in dataclasses.fields(table):  # as int64, whatever the column holds
             col = getattr(table, f.name)
             for at in range(0, len(col), _HASHED):
-                h.update(np.ascontiguousarray(col[at:at + _HASHED], dtype=np.int64).data)
+                part = col[at:at + _HASHED]
+                np.copyto(block[:len(part)], part, casting="unsafe")  # (as `astype`)
+                h.update(block[:len(part)].data)
     h.update(_packed_regions(regions))
     h.update(msgpack.packb([list(topo.host), list(topo.gpu), list(topo.nic),
                             topo.nic_gbps, topo.nvlink_gbps]))
