@@ -66,7 +66,6 @@ from planner.passes.emit import (
     explain_with,
     plan_header,
     rank_regions,
-    spilled,
     tensor_regions,
     with_staging,
 )
@@ -101,7 +100,8 @@ Compiled = Plan | list[Plan]
 
 
 def compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None = None,
-                   on_plan: Callable[[Compiled], None] | None = None) -> Compiled:
+                   on_plan: Callable[[Compiled], None] | None = None, spill: bool = False
+                   ) -> Compiled:
     """Compile a checked config and its model spec into a plan, or, for a chunked config
     (`target.shadow: {budget_bytes: N}`, N > 0), into the chunk plans of a chunked shadow in
     the order they run (`compile_chunks`), from the same layouts. A target traced from vLLM
@@ -111,9 +111,11 @@ def compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None = Non
     (`planner/layouts/trace_ahead.py`). `on_plan` is called with each plan as soon as it
     is compiled (a guessed one before the trace confirms it, so that writing it overlaps
     the trace): the last call's plan is the one returned. Python's cycle collector is
-    paused meanwhile (`no_cycle_collection`)."""
+    paused meanwhile (`no_cycle_collection`). `spill`: the plans' `tensors/<rank>` blobs
+    hold their piece columns as memoryviews of a mapped temporary file, not bytes
+    (`rank_tensor_blobs`; for a caller that writes the plans and drops them)."""
     with no_cycle_collection():
-        return _compile_config(cfg, spec, progress, on_plan or _ignore)
+        return _compile_config(cfg, spec, progress, on_plan or _ignore, spill)
 
 
 @contextlib.contextmanager
@@ -132,7 +134,7 @@ def no_cycle_collection() -> Iterator[None]:
 
 
 def _compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None,
-                    on_plan: Callable[[Compiled], None]) -> Compiled:
+                    on_plan: Callable[[Compiled], None], spill: bool) -> Compiled:
     if progress is not None:
         progress("layouts")
     hf = model_hf(cfg) if uses_trace(spec, cfg.target) else None
@@ -146,7 +148,8 @@ def _compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None,
         # layout the trace gives)
         guess = None if chunk_budget(cfg) else target.guess()
         if guess is not None:
-            plan = _compile_guessed(cfg, spec, src_layout, guess, progress, src, src_regions)
+            plan = _compile_guessed(cfg, spec, src_layout, guess, progress, src, src_regions,
+                                    spill)
             if not isinstance(plan, BaseException):
                 on_plan(plan)
             if target.confirms(guess):  # the trace equals it: `plan` is the traced plan
@@ -156,10 +159,11 @@ def _compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None,
             src = src_regions = None  # the traced layout differs: compile it from scratch
         dst_layout = target.result()
     if chunk_budget(cfg):
-        plans = compile_chunks(cfg, spec, src_layout, dst_layout, progress)
+        plans = compile_chunks(cfg, spec, src_layout, dst_layout, progress, spill)
         on_plan(plans)
         return plans
-    plan = compile_layouts(cfg, spec, src_layout, dst_layout, progress, src, src_regions)
+    plan = compile_layouts(cfg, spec, src_layout, dst_layout, progress, src, src_regions,
+                           spill)
     on_plan(plan)
     return plan
 
@@ -171,7 +175,7 @@ def chunk_budget(cfg: Config) -> int:
 
 
 def compile_chunks(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout: Layout,
-                   progress: Progress | None = None) -> list[Plan]:
+                   progress: Progress | None = None, spill: bool = False) -> list[Plan]:
     """The chunk plans of a chunked shadow, in the order they run: the target's tensors cut
     into chunks that fit the budget (`planner/passes/chunked.py`), each chunk compiled by
     `compile_layouts` with the target layout restricted to its tensors, then given its
@@ -183,25 +187,28 @@ def compile_chunks(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout:
     for k, names in enumerate(chunks):
         if progress is not None:
             progress(f"chunk {k + 1} of {len(chunks)}")
-        plan = compile_layouts(plain, spec, src_layout, only_tensors(dst_layout, names))
+        plan = compile_layouts(plain, spec, src_layout, only_tensors(dst_layout, names),
+                               spill=spill)
         plans.append(with_chunk_shadow(plan, budget))
     return plans
 
 
 def _compile_guessed(cfg: Config, spec: ModelSpec, src_layout: Layout, guess: Layout,
                      progress: Progress | None, src: PieceTable,
-                     src_regions: list[tuple[Region, ...]]) -> Plan | Exception:
+                     src_regions: list[tuple[Region, ...]], spill: bool) -> Plan | Exception:
     """The plan with the target layout a trace under way is expected to equal, or its
     error (raised only if the trace confirms the guess: the same layout fails the same)."""
     try:
-        return compile_layouts(cfg, spec, src_layout, guess, progress, src, src_regions)
+        return compile_layouts(cfg, spec, src_layout, guess, progress, src, src_regions,
+                               spill)
     except Exception as e:  # noqa: BLE001 (kept for after the trace: see above)
         return e
 
 
 def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout: Layout,
                     progress: Progress | None = None, src: PieceTable | None = None,
-                    src_regions: list[tuple[Region, ...]] | None = None) -> Plan:
+                    src_regions: list[tuple[Region, ...]] | None = None, spill: bool = False
+                    ) -> Plan:
     """Compile two given layouts (the rest of `cfg`: cluster, options) through passes 3-13 of
     the module docstring, one numbered step each. `src`, `src_regions`: the
     source's piece table and tensor regions, when already built (while a target is traced).
@@ -211,7 +218,7 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     pieces (the coverage table, the tensors blobs) before lower, and all but the gathered
     ones are dropped once lowered. The fingerprint's digest of the piece tables, the
     coverage table and the tensors blobs are made on a second thread from assign to the end
-    of lower (blake2b and numpy's sorts release the GIL)."""
+    of lower (blake2b and numpy's sorts release the GIL). `spill`: `compile_config`'s."""
     step, opts, names = progress or _quiet, cfg.options, tuple(t.name for t in spec.tensors)
     # 3. topology and piece tables
     topo = build_topology(cfg.cluster, src_layout.world, dst_layout.world)
@@ -232,15 +239,15 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     chunks = without_holders(chunks)  # read by assign and egress_sets only
     explain = explain_table(chunks.tensor, src.rank[choice], src.region[choice],
                             routes.direct.rank[chunks.dst], routes.direct.region[chunks.dst],
-                            chunk_bytes(chunks, routes.direct), replicas=dst_layout.replicas)
-    explain = spilled(explain)  # read again only when the plan is written
+                            chunk_bytes(chunks, routes.direct), replicas=dst_layout.replicas,
+                            spill=True)  # read again only when the plan is written
     regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
                            tensor_regions(dst_layout))  # staging is added once lowered
     side = ThreadPoolExecutor(1)  # hashing and sorts release the GIL: these run beside lower
     fp_job = side.submit(plan_fingerprint, spec, src, routes.direct, regions, topo, cfg)
     coverage_job = side.submit(coverage_table, dst_layout, src_layout.world, routes.targets)
     blobs_job = side.submit(rank_tensor_blobs, spec, (src, routes.targets),
-                            (src_layout, dst_layout))
+                            (src_layout, dst_layout), spill)
     # 7. lower
     step("lower")
     staging_ids = _staging_ids(src_layout, dst_layout)
@@ -331,7 +338,7 @@ def compile_to(cfg: Config, spec: ModelSpec, out_path: str, progress=None,
             sizes.append(write_chunked(tmp, out, chunk_budget(cfg), key))
 
     try:  # written as soon as compiled (`compile_config`), in place once it is the plan
-        out = compile_config(cfg, spec, progress, write)
+        out = compile_config(cfg, spec, progress, write, spill=True)
         os.replace(tmp, out_path)
     finally:  # nothing left behind on failure: ours, nor `write_plan`'s own PATH.tmpPID
         for left in (tmp, f"{tmp}.tmp{os.getpid()}"):

@@ -9,6 +9,9 @@ Two things the compiler knows and stores (readers never re-derive them):
 
 from __future__ import annotations
 
+import hashlib
+import mmap
+import tempfile
 from typing import Any
 
 import msgpack
@@ -37,12 +40,20 @@ def rank_identities(cfg: Config, src: Layout, dst: Layout) -> dict[str, Any]:
 
 
 def rank_tensor_blobs(spec: ModelSpec, tables: tuple[PieceTable, PieceTable],
-                      layouts: tuple[Layout, Layout]) -> tuple[tuple[str, Any], ...]:
+                      layouts: tuple[Layout, Layout], spill: bool = False
+                      ) -> tuple[tuple[str, Any], ...]:
     """A `tensors/<rank>` blob per plan rank (replicas point at their first copy), from the
     source and target piece tables and layouts: the compiler takes them while it still
-    holds the tables and adds them to the plan at the end."""
+    holds the tables and adds them to the plan at the end. Blobs of equal content are
+    found by the blake2b-256 digest of their msgpack bytes.
+
+    `spill`: each blob's piece columns written to an unnamed temporary file as it is made
+    and given back as read-only memoryviews of it mapped (`_Spill`): msgpack packs them as
+    the same bytes, held in the page cache instead of this process until the plan is
+    written (a large model's blobs are hundreds of MB)."""
     blobs: list[tuple[str, Any]] = []
     first: dict[bytes, int] = {}
+    out = _Spill() if spill else None
     for table, layout, base in zip(tables, layouts, (0, layouts[0].world)):
         cut = np.searchsorted(table.rank, np.arange(base, base + layout.world + 1))
         alike: dict[int, list[tuple[slice, int]]] = {}  # by tensor list: (rows, first rank)
@@ -52,10 +63,49 @@ def rank_tensor_blobs(spec: ModelSpec, tables: tuple[PieceTable, PieceTable],
             same = next((f for other, f in seen if _same_rows(table, rows, other)), None)
             if same is None:  # equal content: point at the first
                 blob = _blob(spec, table, rows, rl.tensors)
-                same = first.setdefault(msgpack.packb(blob, use_bin_type=True), r)
+                same = first.setdefault(hashlib.blake2b(msgpack.packb(
+                    blob, use_bin_type=True), digest_size=32).digest(), r)
                 seen.append((rows, same))
+                if same == r and out is not None:
+                    out.add(blob)
             blobs.append((f"tensors/{r}", blob if same == r else {"same_as": same}))
+    if out is not None:
+        out.close()
     return tuple(blobs)
+
+
+class _Spill:
+    """Blobs' `pieces` columns (bytes) written to one unnamed temporary file as they come
+    (`add`), then, at `close`, each blob's columns replaced by memoryviews of the file
+    mapped read-only (the mapping outlives the file)."""
+
+    def __init__(self) -> None:
+        self.file = tempfile.TemporaryFile()
+        self.size = 0
+        self.blobs: list[tuple[dict[str, Any], list[int]]] = []
+
+    def add(self, blob: dict[str, Any]) -> None:
+        lengths = []
+        for col in blob["pieces"]:
+            self.file.write(col)
+            lengths.append(len(col))
+        self.size += sum(lengths)
+        blob["pieces"] = None  # (set again at `close`)
+        self.blobs.append((blob, lengths))
+
+    def close(self) -> None:
+        with self.file as f:
+            f.flush()
+            m = mmap.mmap(f.fileno(), self.size, access=mmap.ACCESS_READ) if self.size \
+                else b""
+        view, at = memoryview(m), 0
+        for blob, lengths in self.blobs:
+            cols = []
+            for n in lengths:
+                cols.append(view[at:at + n])
+                at += n
+            blob["pieces"] = cols
+        self.blobs.clear()
 
 
 _BLOB_COLUMNS = ("region", "tensor", "off0", "off1", "size0", "size1", "base", "a0", "a1")

@@ -29,8 +29,29 @@ def _range(col: np.ndarray) -> tuple[int, int] | None:
 
 def _ranks(col: np.ndarray) -> tuple[np.ndarray, int]:
     """Each value's rank among the column's distinct values, and their number (a sort)."""
-    values, codes = np.unique(col, return_inverse=True)
-    return codes.astype(np.int64).reshape(-1), len(values)
+    values, _, codes = unique_sorted(col)
+    return codes, len(values)
+
+
+def unique_sorted(key: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`np.unique(key, return_index=True, return_inverse=True)` of an integer column, the
+    indices as int64: its distinct values sorted, each one's first row, and each row's
+    value's index among them; by one `stable_argsort`."""
+    key = np.asarray(key).reshape(-1)
+    n = len(key)
+    if n == 0 or key.dtype.kind not in "iu":
+        values, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        return values, first.astype(np.int64), inverse.reshape(-1).astype(np.int64)
+    order = stable_argsort(key)
+    ordered = key[order]
+    new = np.empty(n, dtype=bool)
+    new[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
+    values = ordered[new]
+    del ordered
+    inverse = np.empty(n, dtype=np.int64)
+    inverse[order] = np.cumsum(new, dtype=np.int64) - 1
+    return values, order[new], inverse
 
 
 def _compact(key: np.ndarray, span: int) -> tuple[np.ndarray, int]:
@@ -112,8 +133,8 @@ def unique_columns(cols: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """`np.unique(np.stack(cols, axis=1), axis=0, return_index=True, return_inverse=True)`
     less the unique rows themselves: (index of each unique row's first occurrence, in the
     rows' sorted order; the unique row of each row)."""
-    _, first, inverse = np.unique(column_keys(cols), return_index=True, return_inverse=True)
-    return first, inverse.reshape(-1)
+    _, first, inverse = unique_sorted(column_keys(cols))
+    return first, inverse
 
 
 def lexorder(*keys: np.ndarray) -> np.ndarray:
@@ -121,7 +142,43 @@ def lexorder(*keys: np.ndarray) -> np.ndarray:
     argsort of a combined key."""
     if not keys or len(keys[0]) == 0:
         return np.zeros(len(keys[0]) if keys else 0, dtype=np.int64)
-    return np.argsort(column_keys(keys[::-1]), kind="stable")  # (no stacked copy)
+    return stable_argsort(column_keys(keys[::-1]), own=True)  # (no stacked copy)
+
+
+def stable_argsort(key: np.ndarray, own: bool = False) -> np.ndarray:
+    """`np.argsort(key, kind="stable")` of an integer column, as int64: where each key less
+    the least, shifted left by the bits of a row number, leaves room for the row number in
+    an int64, those (key, row) pairs as one int64 each, sorted (not stably: they are all
+    distinct) and masked back to the row numbers (numpy's stable sort of int64 is a merge
+    sort, several times slower than its sort on random keys); else, and where the column
+    is in long sorted runs already (which the merge sort takes whole), numpy's. `own`: `key`
+    may be overwritten (its buffer becomes the result)."""
+    n = len(key)
+    if n < _SMALL or key.dtype.kind not in "iu" or key.dtype.itemsize > 8:
+        return np.argsort(key, kind="stable").astype(np.int64, copy=False)
+    descents = int(np.count_nonzero(key[1:] < key[:-1]))
+    if descents == 0:  # sorted already
+        return np.arange(n, dtype=np.int64)
+    if descents * _RUN < n:  # long sorted runs: numpy's merge sort takes them as they are
+        return np.argsort(key, kind="stable").astype(np.int64, copy=False)
+    lo, hi = int(key.min()), int(key.max())
+    bits = (n - 1).bit_length()
+    if (hi - lo).bit_length() + bits > 63:
+        return np.argsort(key, kind="stable").astype(np.int64, copy=False)
+    pair = key if own and key.dtype == np.int64 else key.astype(np.int64)
+    if lo:
+        pair -= lo
+    pair <<= bits
+    pair |= np.arange(n, dtype=np.int64)
+    pair.sort()
+    pair &= (1 << bits) - 1
+    return pair
+
+
+_SMALL = 1 << 15
+"""Rows below which `stable_argsort` is numpy's (its pairs only pay on large columns)."""
+_RUN = 64
+"""Mean length of a column's sorted runs from which `stable_argsort` is numpy's."""
 
 
 def unique_rows(a: np.ndarray, return_index: bool = False,
@@ -132,7 +189,7 @@ def unique_rows(a: np.ndarray, return_index: bool = False,
         raise ValueError("unique_rows takes a 2-d array")
     if not return_index and not return_inverse:
         return distinct_rows([a[:, j] for j in range(a.shape[1])]).astype(a.dtype, copy=False)
-    _, first, inverse = np.unique(row_keys(a), return_index=True, return_inverse=True)
+    _, first, inverse = unique_sorted(row_keys(a))
     out = [a[first]]
     if return_index:
         out.append(first)
@@ -156,7 +213,7 @@ def distinct_rows(cols: Sequence[np.ndarray]) -> np.ndarray:
     for r in ranges:  # `_range` is None for a column that is not integers
         span = _LIMIT if r is None else min(span * r[1], _LIMIT)
     if span > max(4 * n, 1 << 17):
-        _, first = np.unique(column_keys(cols), return_index=True)
+        _, first, _ = unique_sorted(column_keys(cols))
         return np.stack([c[first] for c in cols], axis=1).astype(dt)
     key = np.zeros(n, dtype=np.int64)
     for c, (lo, m) in zip(cols, ranges):  # type: ignore[misc]

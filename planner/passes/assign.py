@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.passes.intersect import Chunks, PieceTable, element_size
+from planner.rows import stable_argsort
 from planner.topology import Topology
 
 
@@ -72,7 +73,7 @@ def assign(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology) -> 
     if len(multi) == 0:
         return choice
     nbytes = _nbytes(chunks, dst, multi)
-    pick = np.argsort(-nbytes, kind="stable")
+    pick = stable_argsort(-nbytes)
     order, nbytes = multi[pick], nbytes[pick]
     load = load_a.tolist()
     # per (source box, target host): the candidates' load keys and holders, by rank (stable:

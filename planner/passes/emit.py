@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -23,7 +24,7 @@ from planner.layouts.base import Layout, PhysicalTensor
 from planner.passes.intersect import PieceTable
 from planner.passes.lower import Lowered
 from planner.passes.schedule import Schedule
-from planner.rows import column_keys, lexorder, unique_rows
+from planner.rows import column_keys, lexorder, stable_argsort, unique_rows
 from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import Config, SourceConfig
@@ -262,7 +263,8 @@ def coverage_table(dst: Layout, rank_base: int, pieces: PieceTable) -> Table:
 
 def explain_table(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarray,
                   dst_rank: np.ndarray, dst_region: np.ndarray, nbytes: np.ndarray,
-                  boxes: np.ndarray | None = None, replicas: int = 1) -> Table:
+                  boxes: np.ndarray | None = None, replicas: int = 1, spill: bool = False
+                  ) -> Table:
     """Bytes and boxes per (tensor, source region, target region), sorted by those keys
     (`boxes`: how many boxes each row stands for; one each when not given). Runs of equal
     consecutive rows (a chunk cut in parts) are summed before the rows are sorted.
@@ -270,15 +272,23 @@ def explain_table(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarr
     `replicas` > 1: the rows may be that many equal blocks, each the first with its target
     ranks moved by a multiple of one shift (the target engine's replicas, fed alike); when
     they are (`_replica_shift` checks it), the first block's table is made and repeated
-    for the others (`_stamped`): the same table, without sorting every block's rows."""
+    for the others (`_stamped_columns`): the same table, without sorting every block's rows.
+
+    `spill`: the table `spilled`, its repeated columns made and written one at a time (the
+    whole table is never held in memory)."""
     if len(tensor) == 0:
         return Table.empty(EXPLAIN_COLUMNS)
     cols = (tensor, src_rank, src_region, dst_rank, dst_region, nbytes)
     shift = _replica_shift(cols, replicas) if boxes is None and replicas > 1 else None
     if shift is not None:
         n = len(tensor) // replicas
-        return _stamped(_explain(*(c[:n] for c in cols), None), replicas, shift)
-    return _explain(*cols, boxes)
+        one = _explain(*(c[:n] for c in cols), None)
+        if spill:
+            return _spill(EXPLAIN_COLUMNS, _stamped_columns(one, replicas, shift))
+        return Table.build(EXPLAIN_COLUMNS, **dict(zip(
+            (name for name, _ in EXPLAIN_COLUMNS), _stamped_columns(one, replicas, shift))))
+    table = _explain(*cols, boxes)
+    return spilled(table) if spill else table
 
 
 def _replica_shift(cols: tuple[np.ndarray, ...], replicas: int) -> int | None:
@@ -309,14 +319,16 @@ def _replica_shift(cols: tuple[np.ndarray, ...], replicas: int) -> int | None:
     return shift
 
 
-def _stamped(one: Table, replicas: int, shift: int) -> Table:
-    """The explain table of `replicas` blocks alike (`_replica_shift`), from the first
-    block's (`one`): each (tensor, source rank, source region) group of its rows, once per
-    block in block order, target ranks moved by `r * shift` in block r (the rows' sorted
-    order: within a group, the blocks' target ranks follow one another)."""
+def _stamped_columns(one: Table, replicas: int, shift: int) -> Iterator[np.ndarray]:
+    """The columns (`EXPLAIN_COLUMNS`' order and dtypes), made one at a time, of the explain
+    table of `replicas` blocks alike (`_replica_shift`), from the first block's (`one`):
+    each (tensor, source rank, source region) group of its rows, once per block in block
+    order, target ranks moved by `r * shift` in block r (the rows' sorted order: within a
+    group, the blocks' target ranks follow one another)."""
     m = len(one["tensor"])
     if m == 0:
-        return one
+        yield from one.columns
+        return
     same = np.ones(m - 1, dtype=bool)
     for name in ("tensor", "src_rank", "src_region"):
         c = one[name]
@@ -331,9 +343,12 @@ def _stamped(one: Table, replicas: int, shift: int) -> Table:
     del q
     i += g_start[g]
     del g
-    cols = {name: one[name][i] for name, _ in EXPLAIN_COLUMNS}
-    cols["dst_rank"] = cols["dst_rank"] + block * shift
-    return Table.build(EXPLAIN_COLUMNS, **cols)
+    for name, dt in EXPLAIN_COLUMNS:
+        col = one[name][i]
+        if name == "dst_rank":
+            col = np.asarray(col + block * shift, dtype=dt)
+            del block
+        yield col
 
 
 def _explain(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarray,
@@ -356,7 +371,7 @@ def _explain(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarray,
             np.add.reduceat(np.asarray(boxes, dtype=np.int64), start)
         key = key[start]
     del nbytes
-    order = np.argsort(key)  # equal keys are equal rows: any order among them
+    order = stable_argsort(key)  # (equal keys are equal rows: any order among them)
     key = key[order]
     first = _starts(key)
     del key
@@ -385,22 +400,38 @@ def spilled(table: Table) -> Table:
     read-only: the same table, whose bytes are in the page cache instead of this process
     until read (the compiler holds the explain table from assign to the plan's writing;
     a large model's is hundreds of MB)."""
+
+    if sum(c.nbytes for c in table.columns) == 0:
+        return table
+    return _spill(table.schema, iter(table.columns))
+
+
+def _spill(schema: tuple[tuple[str, str], ...], columns: Iterator[np.ndarray]) -> Table:
+    """`spilled` of the table of `columns` (in `schema`'s order and dtypes), each written
+    as it is made and dropped: the columns are never all held."""
     import mmap
     import tempfile
 
-    size = sum(c.nbytes for c in table.columns)
-    if size == 0:
-        return table
+    lengths = []
     with tempfile.TemporaryFile() as f:
-        for c in table.columns:
+        for (name, dt), c in zip(schema, columns):
+            c = np.ascontiguousarray(c, dtype=dt)
+            if c.ndim != 1 or (lengths and len(c) != lengths[0]):
+                raise ValueError(f"explain column {name!r} has shape {c.shape}")
             f.write(memoryview(c).cast("B"))
+            lengths.append(len(c))
+            del c
         f.flush()
+        size = sum(n * np.dtype(dt).itemsize for n, (_, dt) in zip(lengths, schema))
+        if size == 0:
+            return Table.build(schema, **{name: np.zeros(n, dt) for n, (name, dt) in zip(
+                lengths, schema)})
         m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)  # outlives the file
     cols, at = [], 0
-    for (_, dt), c in zip(table.schema, table.columns):
-        cols.append(np.frombuffer(m, dtype=dt, count=len(c), offset=at))
-        at += c.nbytes
-    return Table(table.schema, tuple(cols))
+    for n, (_, dt) in zip(lengths, schema):
+        cols.append(np.frombuffer(m, dtype=dt, count=n, offset=at))
+        at += n * np.dtype(dt).itemsize
+    return Table(schema, tuple(cols))
 
 
 def explain_with(table: Table, rows: np.ndarray) -> Table:
@@ -437,11 +468,14 @@ def fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable,
     h = hashlib.blake2b(digest_size=16)
     h.update(msgpack.packb([FORMAT_VERSION, [(t.name, list(t.shape), t.dtype)
                                              for t in spec.tensors]]))
+    block = np.empty(_HASHED, dtype=np.int64)  # one buffer: no fresh pages per block
     for table in (src, dst):  # (not `dataclasses.astuple`: it deep-copies every column)
         for f in dataclasses.fields(table):  # as int64, whatever the column holds
             col = getattr(table, f.name)
             for at in range(0, len(col), _HASHED):
-                h.update(np.ascontiguousarray(col[at:at + _HASHED], dtype=np.int64).data)
+                part = col[at:at + _HASHED]
+                np.copyto(block[:len(part)], part, casting="unsafe")  # (as `astype`)
+                h.update(block[:len(part)].data)
     h.update(_packed_regions(regions))
     h.update(msgpack.packb([list(topo.host), list(topo.gpu), list(topo.nic),
                             topo.nic_gbps, topo.nvlink_gbps]))

@@ -61,6 +61,7 @@ from planner.passes.gather_out import (
 from planner.passes.intersect import PieceTable, intersect, take
 from planner.passes.lower import Lowered
 from planner.passes.route import Routes
+from planner.rows import stable_argsort
 from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import ConfigError, Options
@@ -154,7 +155,7 @@ class Gatherer:
         self.max_stage = base - 1
         self.chunk_ptr = np.searchsorted(self.chunks.dst, np.arange(len(self.tboxes) + 1))
         self.chunk_ptr_l, self.tboxes_l = self.chunk_ptr.tolist(), self.tboxes.tolist()
-        self.targets_of = np.argsort(tb_of, kind="stable")
+        self.targets_of = stable_argsort(tb_of)
         self.target_ptr = np.searchsorted(tb_of[self.targets_of],
                                           np.arange(len(self.tboxes) + 1))
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from planner.layouts.base import Layout, PhysicalTensor, PieceColumns
-from planner.rows import unique_columns
+from planner.rows import stable_argsort, unique_columns
 from planner.spec import ModelSpec
 from schemas.plan import DTYPE_CODES
 from schemas.protocol import ITEM
@@ -324,7 +324,7 @@ def intersect(spec: ModelSpec, src: PieceTable, dst: PieceTable,
     keep = (hi0 > lo0) & (hi1 > lo1)
     tb, sb, lo0, lo1, hi0, hi1 = (x[keep] for x in (tb, sb, lo0, lo1, hi0, hi1))
     _check_coverage(spec, tboxes, tb, (hi0 - lo0) * (hi1 - lo1), dst, tbox_of)
-    holders = np.argsort(sbox_of, kind="stable").astype(_index_dtype(len(src)))
+    holders = stable_argsort(sbox_of).astype(_index_dtype(len(src)))
     holder_ptr = np.searchsorted(sbox_of[holders], np.arange(len(sboxes) + 1))
     if np.array_equal(tb, np.arange(len(tboxes))):  # one source box each: all of it (coverage)
         return Chunks(tensor=dst.tensor, off0=dst.off0, off1=dst.off1, size0=dst.size0,

@@ -130,13 +130,18 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     total = n_direct + len(st.writes)
     out = Writes(**{k[2:]: np.empty(total, dtype=np.int32 if k in NARROW else np.int64)
                     for k in Lowered.__slots__ if k.startswith("w_")})  # written in place,
-    end = 0  # in order: the blocks' direct writes, those `_second_look` moved, the staged
-    for b in blocks:  # chunks'
+    # in order: the blocks' direct writes, those `_second_look` moved, the staged chunks';
+    # the staged and moved ones put first, each dropped once put (never held beside all
+    # of `out`)
+    out.put(n_direct, st.writes)
+    st = dataclasses.replace(st, writes=None)
+    out.put(n_direct - len(moved), moved)
+    end, n_moved = 0, len(moved)
+    del moved
+    for b in blocks:
         end = _direct_into(out, end, c, b.start + np.flatnonzero(~staged_at[b]))
     del staged_at
-    for part in (moved, st.writes):
-        end = out.put(end, part)
-    del moved
+    assert end == n_direct - n_moved
     out.stage[:n_direct] = at
     return Lowered(**out.columns(), copies=st.copies, staging=st.staging, stages=stages,
                    slotted=st.slotted)
@@ -229,7 +234,8 @@ class _Staged:
     """What `_staged` makes of the staged chunks: their writes (with stages), copies,
     staging per plan rank, number of stages and slotting (`Lowered`)."""
 
-    writes: Writes
+    writes: Writes | None
+    """None once `lower` has put them into the plan's columns."""
     copies: dict[str, np.ndarray]
     staging: np.ndarray
     stages: int

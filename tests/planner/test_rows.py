@@ -1,14 +1,23 @@
 """`planner/rows.py`: `unique_rows` equals `np.unique(axis=0)` (rows, first index,
-inverse), including columns whose ranges overflow a single mixed-radix key."""
+inverse), including columns whose ranges overflow a single mixed-radix key; `stable_argsort`
+and `unique_sorted` equal numpy's stable argsort and `np.unique`."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from planner.rows import distinct_rows, lexorder, row_keys, unique_rows
+from planner.rows import (
+    distinct_rows,
+    lexorder,
+    row_keys,
+    stable_argsort,
+    unique_rows,
+    unique_sorted,
+)
 
 ints = st.integers(min_value=-(2 ** 62), max_value=2 ** 62)
 
@@ -77,3 +86,43 @@ def test_distinct_rows_by_table_and_by_sort_equal_numpy() -> None:
         got = distinct_rows(cols)
         assert got.dtype == want.dtype and np.array_equal(got, want), trial
         assert np.array_equal(unique_rows(np.stack(cols, axis=1)), want), trial
+
+
+def _keys(rng: np.random.Generator, n: int, lo: int, hi: int, dt: type) -> np.ndarray:
+    return rng.integers(lo, hi, n, dtype=np.int64).astype(dt)
+
+
+@pytest.mark.parametrize("n", [1, 1000, 40_000, 100_003])
+@pytest.mark.parametrize("lo,hi,dt", [(0, 2, np.int64), (-5, 9, np.int32), (0, 200, np.uint8),
+                                      (-(2 ** 40), 2 ** 40, np.int64),  # pairs fit
+                                      (-(2 ** 62), 2 ** 62, np.int64),  # they do not: numpy's
+                                      (0, 2 ** 63, np.uint64)])
+def test_stable_argsort_and_unique_sorted_equal_numpy(n: int, lo: int, hi: int, dt: type
+                                                      ) -> None:
+    """Above the size where the (key, row) pairs are sorted, with ties and negative keys,
+    and where the pairs would not fit (numpy's stable sort then)."""
+    rng = np.random.default_rng(n)
+    hi = min(hi, int(np.iinfo(dt).max))
+    key = _keys(rng, n, lo, hi, dt) if dt != np.uint64 else rng.integers(
+        0, 2 ** 63, n, dtype=np.uint64)
+    key[::3] = key[0]  # ties: their rows must stay in order
+    want = np.argsort(key, kind="stable")
+    got = stable_argsort(key.copy())
+    assert got.dtype == np.int64 and np.array_equal(got, want)
+    owned = key.astype(np.int64) if dt != np.uint64 else None
+    if owned is not None:
+        assert np.array_equal(stable_argsort(owned, own=True), want)
+    values, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    u_values, u_first, u_inverse = unique_sorted(key)
+    assert np.array_equal(u_values, values) and u_values.dtype == values.dtype
+    assert np.array_equal(u_first, first)
+    assert np.array_equal(u_inverse, inverse.reshape(-1))
+
+
+@pytest.mark.parametrize("run", [1 << 17, 1000, 70, 3])
+def test_stable_argsort_of_sorted_runs_equals_numpy(run: int) -> None:
+    """Columns sorted already, or in sorted runs long and short (numpy's merge sort, or the
+    pairs), ties included."""
+    rng = np.random.default_rng(run)
+    key = np.concatenate([np.sort(rng.integers(0, 50, run)) for _ in range((1 << 17) // run)])
+    assert np.array_equal(stable_argsort(key), np.argsort(key, kind="stable"))

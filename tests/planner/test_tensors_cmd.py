@@ -115,3 +115,14 @@ def test_holders_are_the_ranks_whose_pieces_name_the_tensor(compiled):
     for name in names:
         assert holders(path, name) == [r for r in sources if name in pieces[r]], name
     assert any(holders(path, n) for n in names) and not holders(path, names[-1])
+
+
+def test_spilled_blobs_write_the_same_file(compiled, tmp_path):
+    """`compile_config(spill=True)` (what `rdma-plan compile` runs): the tensors blobs' piece
+    columns are memoryviews of a mapped file, and the plan file is the same bytes."""
+    path, cfg, spec = compiled
+    plan = compile_config(cfg, spec, spill=True)
+    kept = [b for _, b in plan.extra_blobs if "pieces" in b]
+    assert kept and all(isinstance(c, memoryview) and c.readonly
+                        for b in kept for c in b["pieces"])
+    assert encode_plan(plan) == open(path, "rb").read()
