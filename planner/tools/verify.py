@@ -31,11 +31,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from planner.rows import lexorder
 from planner.tools.planfile import PlanFile, PlanRanks, gc_paused, ticker
 from planner.tools.verify_rank import (
     acyclic,
     balance_msgs,
-    lex_order,
     rank_bounds,
     rank_coverage,
     rank_dataflow,
@@ -186,7 +186,7 @@ def outgoing_runs(rp: RankPlan) -> dict[int, Incoming]:
     dst, region = w["dst_rank"].astype(np.int64), w["dst_region"].astype(np.int64)
     lo = w["dst_offset"].astype(np.int64)
     hi = lo + w["nbytes"]
-    order = lex_order(dst, region, stage, lo)
+    order = lexorder(lo, stage, region, dst)
     dst, region, stage, lo, hi = dst[order], region[order], stage[order], lo[order], hi[order]
     first = np.ones(len(dst), dtype=bool)
     first[1:] = (dst[1:] != dst[:-1]) | (region[1:] != region[:-1]) \

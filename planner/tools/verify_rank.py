@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.rows import lexorder
 from planner.writes import Incoming
 from schemas.bounds import violations
 from schemas.errors import PlanFormatError
@@ -101,24 +102,6 @@ def _row_runs(off: np.ndarray, rows: np.ndarray, width: np.ndarray, stride: np.n
     return lo, lo + length[rep], rep
 
 
-def lex_order(*cols: np.ndarray) -> np.ndarray:
-    """`np.lexsort` of integer columns given most significant first (`lex_order(a, b)`
-    sorts by a, then b), as one stable sort of a key packing them (each less its least
-    value) where they fit in 62 bits: the same permutation (ties are rows equal in every
-    column, kept in their order either way), and a plan's columns are mostly in order
-    already, which the stable sort runs through."""
-    cols = tuple(np.asarray(c, np.int64) for c in cols)
-    if len(cols[0]):
-        lows = [int(c.min()) for c in cols]
-        bits = [(int(c.max()) - m).bit_length() for c, m in zip(cols, lows)]
-        if sum(bits) <= 62:
-            key = cols[0] - lows[0]
-            for c, m, b in zip(cols[1:], lows[1:], bits[1:]):
-                key = (key << b) | (c - m)
-            return np.argsort(key, kind="stable")
-    return np.lexsort(cols[::-1])
-
-
 # ---------------------------------------------------------------- checks with the peers' part
 
 def rank_coverage(rp: RankPlan, inc: Incoming, staging: int
@@ -132,7 +115,7 @@ def rank_coverage(rp: RankPlan, inc: Incoming, staging: int
     reg = np.concatenate([inc.region, rp.copies["dst_region"][u_rows].astype(np.int64)])
     st = np.concatenate([stage, np.full(len(u_rows), -1, np.int64)])
     lo, hi = np.concatenate([inc.lo, u_lo]), np.concatenate([inc.hi, u_hi])
-    order = lex_order(reg, st, lo)
+    order = lexorder(lo, st, reg)
     reg, st, lo, hi = reg[order], st[order], lo[order], hi[order]
     new = np.ones(len(reg), dtype=bool)
     new[1:] = (reg[1:] != reg[:-1]) | (st[1:] != st[:-1])
