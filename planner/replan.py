@@ -29,11 +29,11 @@ from planner.errors import NotIncremental
 from planner.layouts.vllm_rank import eplb_layers
 from planner.passes.schedule import MAX_BATCH_WRITES
 from planner.placement import ExpertIds
+from planner.replan_explain import explain
 from planner.replan_tables import (
     Hits,
     Slots,
     SourceTensors,
-    explain,
     slot_regions,
     target_blobs,
 )
@@ -74,7 +74,7 @@ def replan(plan: Plan, spec: ModelSpec, new: Placement) -> Plan:
         ranks[r] = _replan_source(plan.ranks[r], hits, old, new, src, ids,
                                   h.options.max_write_bytes, h.sources, h.targets)
     _no_copies(plan, hit, h.sources)
-    table = explain(plan.explain, hits, old, new, src, ids, h.sources)
+    table = explain(plan.explain, slots, old, new, src, ids, h.sources)
     blobs = target_blobs(plan, hit, old, new, spec, ids, h.sources)
     header = dataclasses.replace(h, placement=new,
                                  target=dataclasses.replace(h.target, placement=new),
