@@ -88,11 +88,11 @@ class SourceTensors:
         self.blobs = dict(plan.extra_blobs)
         self.plan, self.spec, self.ids = plan, spec, ids
         self.index = ids.index
-        self._cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, Table]] = {}
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def of(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """(region of each spec tensor id, spec tensor id of each region (-1: none))."""
-        region, gid_of_region, _, _ = self._of(rank)
+        region, gid_of_region, _ = self._of(rank)
         return region, gid_of_region
 
     def geometry(self, rank: int, gid: np.ndarray) -> np.ndarray:
@@ -100,7 +100,23 @@ class SourceTensors:
         per tensor (equal numbers: equal offsets, sizes, start and strides)."""
         return self._of(rank)[2][gid]
 
-    def _of(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Table]:
+    def _classes(self, t: Table, expert: np.ndarray, g: np.ndarray) -> np.ndarray:
+        """The geometry class of each expert piece `expert` (rows of `t`; spec ids `g`):
+        its (MoE layer, weight) where every expert of each has one geometry (a moved slot
+        reads the same layer and weight), else `_classes` of the geometry columns."""
+        ids = self.ids
+        piece = np.full(len(ids.layer), -1, np.int64)
+        piece[g] = expert
+        grid = piece[ids.ids]
+        alike = bool((grid >= 0).all())
+        for c in self._GEOMETRY if alike else ():
+            v = t[c][grid]
+            alike = alike and bool((v == v[:, :1]).all())
+        if alike:
+            return ids.layer[g] * ids.ids.shape[2] + ids.weight[g]
+        return _classes([t[c][expert] for c in self._GEOMETRY])
+
+    def _of(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if rank not in self._cache:
             blob = resolve(self.blobs, rank)
             nreg = len(self.plan.ranks[rank].regions)
@@ -113,10 +129,12 @@ class SourceTensors:
             n = len(self.spec.tensors)
             expert = np.flatnonzero(self.ids.layer[gid] >= 0)
             g, reg = gid[expert], t["region"][expert].astype(np.int64)
-            held = np.unique(self.ids.layer[g] * self.ids.ids.shape[1] + self.ids.expert[g])
-            if len(held) < self.ids.ids.shape[0] * self.ids.ids.shape[1]:
+            seen = np.zeros(self.ids.ids.shape[0] * self.ids.ids.shape[1], bool)
+            seen[self.ids.layer[g] * self.ids.ids.shape[1] + self.ids.expert[g]] = True
+            held = int(np.count_nonzero(seen))
+            if held < len(seen):
                 raise NotIncremental(
-                    f"replan: source rank {rank} holds {len(held)} of the "
+                    f"replan: source rank {rank} holds {held} of the "
                     f"{self.ids.ids.shape[0] * self.ids.ids.shape[1]} (MoE layer, expert) "
                     "pairs (experts on EP ranks, e.g. Megatron EP): a moved slot's bytes then "
                     "come from another source rank, so its writes leave one rank's batches "
@@ -133,18 +151,36 @@ class SourceTensors:
             region = np.full(n, -1, np.int64)
             region[g] = reg
             geo = np.full(n, -1, np.int64)  # the geometry class of each expert tensor
-            if len(g):
-                cols = np.stack([t[c][expert].astype(np.int64) for c in self._GEOMETRY], 1)
-                order = np.lexsort(cols.T[::-1])
-                step = np.ones(len(order), bool)
-                step[1:] = (cols[order[1:]] != cols[order[:-1]]).any(1)
-                geo[g[order]] = np.cumsum(step)
+            geo[g] = self._classes(t, expert, g)
             gid_of_region = np.full(nreg, -1, np.int64)
             gid_of_region[reg[reg < nreg]] = g[reg < nreg]
-            self._cache[rank] = (region, gid_of_region, geo, t)
+            self._cache[rank] = (region, gid_of_region, geo)
             _SOURCES_KEPT.append((blob, self.spec, nreg, self._cache[rank]))
             del _SOURCES_KEPT[:-_SOURCES_KEEP]
         return self._cache[rank]
+
+
+def _classes(cols: list[np.ndarray]) -> np.ndarray:
+    """One number per row of the integer columns `cols`, equal where the rows are: each
+    row's index among the distinct values of a hash of it, checked against the columns
+    (a collision: by a lexicographic sort of the rows instead)."""
+    if not len(cols[0]):
+        return np.zeros(0, np.int64)
+    cols = [c.astype(np.int64, copy=False) for c in cols]
+    h = cols[0].copy()
+    for c in cols[1:]:
+        h *= 1_000_003  # wraps: a hash
+        h ^= c
+    _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    if not any((c[first][inverse] != c).any() for c in cols):
+        return inverse
+    order = np.lexsort(cols[::-1])
+    step = np.zeros(len(order), np.int64)
+    step[1:] = np.any([c[order[1:]] != c[order[:-1]] for c in cols], axis=0)
+    out = np.empty(len(order), np.int64)
+    out[order] = np.cumsum(step)
+    return out
 
 
 def spec_ids(names: list[str], spec: ModelSpec, index: dict[str, int]) -> np.ndarray:
