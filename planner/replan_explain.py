@@ -103,7 +103,7 @@ def _kept(table: Table, slots: list[Slots], ids: ExpertIds, old: Placement,
                                                           - every.count, every.count)
     counts = np.bincount(table["tensor"], minlength=len(ids.layer))
     starts = np.concatenate([[0], np.cumsum(counts)])
-    feeds = _feeds(table, every, kk, at, counts, old, src, ids, sources)
+    feeds = _feeds(table, every, kk, at, counts, starts, old, src, ids, sources)
     _keep(table, slots, ids, feeds, starts)
     return feeds, starts
 
@@ -134,15 +134,23 @@ def _fed_other() -> NotIncremental:
 
 
 def _feeds(table: Table, every: Hits, kk: np.ndarray, at: np.ndarray, counts: np.ndarray,
-           old: Placement, src: SourceTensors, ids: ExpertIds, sources: int) -> Feeds:
-    """`Feeds` of the explain table `table` (placement `old`), its rows checked: each row
+           starts: np.ndarray, old: Placement, src: SourceTensors, ids: ExpertIds,
+           sources: int) -> Feeds:
+    """`Feeds` of the explain table `table` (placement `old`; `counts` and `starts`: its
+    rows of each spec tensor, where they start), its rows checked: each expert tensor's row
     into a stacked tensor is one of its experts' (of that MoE layer), from a source rank,
     the source region the rank holds the expert in, and its bytes and boxes the same
     multiple of the expert's slots there for every expert of the tensor; every expert of a
-    tensor is fed by the same source ranks; the tensor is fed whole."""
+    tensor is fed by the same source ranks; the tensor is fed whole by them (so by no other
+    tensor: a plan writes each byte once)."""
     n_k, n_w, n_t = len(every.key), ids.ids.shape[2], len(ids.layer)
     before = _counts(every, kk, at, old, ids)
-    rows, k = every.find(table["dst_rank"], table["dst_region"])
+    expert = np.flatnonzero(ids.layer >= 0)  # the expert tensors' rows (sorted by tensor)
+    lo, span = starts[expert], counts[expert]
+    within = np.repeat(lo - np.cumsum(span) + span, span) + np.arange(int(span.sum()))
+    sub, k = every.find(table["dst_rank"][within], table["dst_region"][within])
+    rows = within[sub]
+    del within, sub
     t = table["tensor"][rows].astype(np.int64)
     e, w = ids.expert[t], ids.weight[t]
     if (e < 0).any() or (ids.layer[t] != every.moe[k]).any():

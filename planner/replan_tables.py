@@ -205,18 +205,19 @@ class Hits:
             np.array([getattr(s, f) for s in hit], np.int64)
             for f in ("rank", "region", "moe", "first", "count", "slot_bytes"))
         self.key = self.rank << 32 | self.region
+        n = int(self.rank.max()) + 1 if len(hit) else 0
         width = int(self.region.max()) + 1 if len(hit) else 0
-        self.index = np.full((int(self.rank.max()) + 1 if len(hit) else 0, width), -1,
-                             np.int64)  # (rank, region) -> hit index, -1: not hit
-        self.index[self.rank, self.region] = np.arange(len(hit))
+        self.index = np.full((n + 1, width + 1), -1, np.int64)  # (rank, region) -> hit
+        self.index[self.rank, self.region] = np.arange(len(hit))  # index; -1: not hit (the
+        # last row and column: every rank and region past the hit ones)
 
     def find(self, rank: np.ndarray, region: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows whose (rank, region) is hit, the hit index of each)."""
-        n, width = self.index.shape
-        inside = (rank < n) & (region < width)
-        flat = self.index.reshape(-1)
-        at = np.where(inside, rank.astype(np.int64) * width + region, 0)
-        h = np.where(inside, flat[at] if flat.size else -1, -1)
+        n, width = self.index.shape[0] - 1, self.index.shape[1] - 1
+        at = np.minimum(rank, n).astype(np.int64)
+        at *= width + 1
+        at += np.minimum(region, width)
+        h = self.index.reshape(-1)[at]
         rows = np.flatnonzero(h >= 0)
         return rows, h[rows]
 

@@ -104,7 +104,7 @@ def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
                              "compile the new placement in full")
     region = fixed.copy()
     region[follows] = reg
-    order = _lexorder([pick(groups.group), region])
+    order = _lexorder([pick(groups.group), region])[0]
     at, got = pick(groups.at), pick(rows)[order]
     _check_cuts(rp, at, got, pick(groups.first), max_write_bytes, sources)
     new_rows = rows.copy()
@@ -163,16 +163,14 @@ def _read(rp: RankPlan, every: Hits, old: Placement, src: SourceTensors, ids: Ex
     mine = np.flatnonzero(hit[group])  # the writes of the groups: table order
     g = group[mine]
     at = mine[np.argsort(g, kind="stable")]  # group by group
-    entry = mine[_lexorder([g, *(w[c][mine] for c in (
-        "dst_region", "src_offset", "dst_offset"))])]  # the rows, sorted as entries
-    del mine, g
+    order, ties = _lexorder([g, *(w[c][mine] for c in ("dst_region", "src_offset",
+                                                        "dst_offset"))])
+    entry = mine[order]  # the rows, sorted as entries
+    del mine, g, order
     eg = group[entry]
     first = np.ones(len(entry), bool)
     first[1:] = eg[1:] != eg[:-1]
-    same = ~first[1:]
-    for c in ("dst_region", "src_offset", "dst_offset"):
-        same &= w[c][entry[1:]] == w[c][entry[:-1]]
-    if same.any():
+    if ties:
         raise NotIncremental(f"replan: source rank {rp.rank} writes the same target bytes "
                              "twice in one batch group; compile the new placement in full")
     k = np.full(len(w), -1, np.int64)
@@ -209,24 +207,29 @@ def _read(rp: RankPlan, every: Hits, old: Placement, src: SourceTensors, ids: Ex
     return groups, rows_of
 
 
-def _lexorder(cols: list[np.ndarray]) -> np.ndarray:
-    """The order of rows by the non-negative integer columns `cols` (the first primary),
-    stable: one sort of an int64 of them and the row's index where it fits (a column too
-    wide replaced by its rank among its values), else a lexsort."""
+def _lexorder(cols: list[np.ndarray]) -> tuple[np.ndarray, bool]:
+    """The order of rows by the integer columns `cols` (the first primary), stable, and
+    whether two rows are equal: one sort of an int64 of them (each less its least value,
+    a column still too wide replaced by its rank among its values) and the row's index
+    where it fits, else a lexsort."""
     n = len(cols[0])
-    if min(int(c.min(initial=0)) for c in cols) < 0:
-        return np.lexsort(cols[::-1])
-    cols = list(cols)
-    bits = [int(c.max(initial=0)).bit_length() for c in cols]
+    if not n:
+        return np.zeros(0, np.int64), False
+    cols = [c.astype(np.int64) - int(c.min()) for c in cols]
+    bits = [int(c.max()).bit_length() for c in cols]
     ib = n.bit_length()
-    for j in np.argsort(bits)[::-1].tolist():  # widest first: its rank among its values
+    for j in np.argsort(bits)[::-1].tolist():  # widest first
         if sum(bits) + ib <= 63:
             break
         values = np.unique(cols[j])
         cols[j] = np.searchsorted(values, cols[j])
         bits[j] = (len(values) - 1).bit_length()
     if sum(bits) + ib > 63:
-        return np.lexsort(cols[::-1])
+        order = np.lexsort(cols[::-1])
+        same = np.ones(n - 1, bool)
+        for c in cols:
+            same &= c[order[1:]] == c[order[:-1]]
+        return order, bool(same.any())
     key = np.zeros(n, np.int64)
     for c, b in zip(cols, bits):
         key <<= b
@@ -234,8 +237,9 @@ def _lexorder(cols: list[np.ndarray]) -> np.ndarray:
     key <<= ib
     key |= np.arange(n)
     key.sort()
+    ties = bool(((key[1:] >> ib) == (key[:-1] >> ib)).any())
     key &= (1 << ib) - 1
-    return key
+    return key, ties
 
 
 def _rounds(nbytes: np.ndarray, first: np.ndarray, max_write_bytes: int) -> np.ndarray:
