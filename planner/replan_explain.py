@@ -151,9 +151,9 @@ def _feeds(table: Table, every: Hits, kk: np.ndarray, at: np.ndarray, counts: np
     sub, k = every.find(table["dst_rank"][within], table["dst_region"][within])
     rows = within[sub]
     del within, sub
-    t = table["tensor"][rows].astype(np.int64)
+    t = table["tensor"][rows]
     e, w = ids.expert[t], ids.weight[t]
-    if (e < 0).any() or (ids.layer[t] != every.moe[k]).any():
+    if (ids.layer[t] != every.moe[k]).any():
         raise _fed_other()
     s = table["src_rank"][rows].astype(np.int64)
     if len(s) and (s.min() < 0 or s.max() >= sources):
@@ -170,15 +170,12 @@ def _feeds(table: Table, every: Hits, kk: np.ndarray, at: np.ndarray, counts: np
         raise NotIncremental("replan: a stacked expert tensor is fed an expert it does not "
                              "hold: the plan is corrupt: recompile it")
     nbytes, boxes = table["nbytes"][rows], table["boxes"][rows].astype(np.int64)
-    per_bytes, per_boxes = nbytes // n, boxes // n
-    if ((nbytes - per_bytes * n) | (boxes - per_boxes * n)).any():
-        raise _uneven()
     key = (k * sources + s) * n_w + w
     size = n_k * sources * n_w
     pb, px = np.full(size, -1, np.int64), np.full(size, -1, np.int64)
-    pb[key], px[key] = per_bytes, per_boxes
-    if (pb[key] != per_bytes).any() or (px[key] != per_boxes).any():
-        raise _uneven()
+    pb[key], px[key] = nbytes // n, boxes // n
+    if (pb[key] * n != nbytes).any() or (px[key] * n != boxes).any():
+        raise _uneven()  # one slot's share is not the same for every expert (or no share)
     present = np.bincount(key, minlength=size)  # rows of each (tensor, source, weight)
     distinct = np.count_nonzero(before, axis=1)  # experts each tensor holds
     if (present.reshape(n_k, -1) % np.maximum(distinct, 1)[:, None]).any() or (
