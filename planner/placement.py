@@ -46,9 +46,11 @@ class ExpertIds:
 
     @staticmethod
     def of(spec: ModelSpec) -> ExpertIds:
-        """The ids of `spec` (the last few specs' kept: a replan per placement change)."""
-        for kept, ids in _KEPT:
+        """The ids of `spec` (the last few specs' kept, most recently used last: a replan
+        per placement change)."""
+        for i, (kept, ids) in enumerate(_KEPT):
             if kept is spec:
+                _KEPT.append(_KEPT.pop(i))
                 return ids
         ids = ExpertIds._of(spec)
         _KEPT.append((spec, ids))

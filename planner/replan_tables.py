@@ -1,7 +1,7 @@
-"""The replan's indexes and its rewrite of the plan's descriptive parts (`planner/replan.py`
-edits the writes): the hit target tensors (`Slots`, `Hits`), each source rank's expert
-tensors (`SourceTensors`), the explain rows into the hit tensors (`explain`) and the target
-ranks' `tensors/<rank>` blobs (`target_blobs`), each as a full compile gives them."""
+"""The replan's indexes and its rewrite of the target blobs (`planner/replan.py` edits the
+writes, `planner/replan_explain.py` the explain rows): the hit target tensors (`Slots`,
+`Hits`), each source rank's expert tensors (`SourceTensors`) and the target ranks'
+`tensors/<rank>` blobs (`target_blobs`), as a full compile gives them."""
 
 from __future__ import annotations
 
@@ -15,11 +15,10 @@ import numpy as np
 
 from planner.errors import NotIncremental
 from planner.placement import ExpertIds, ep_rank
-from planner.rows import lexorder
 from planner.spec import ModelSpec
 from schemas.header import PlanHeader
 from schemas.placement import Placement
-from schemas.plan import EXPLAIN_COLUMNS, Plan, RankPlan
+from schemas.plan import Plan, RankPlan
 from schemas.table import Table
 from schemas.tensors import PIECE_COLUMNS, encode_rank_tensors
 
@@ -89,11 +88,11 @@ class SourceTensors:
         self.blobs = dict(plan.extra_blobs)
         self.plan, self.spec, self.ids = plan, spec, ids
         self.index = ids.index
-        self._cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, Table]] = {}
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def of(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """(region of each spec tensor id, spec tensor id of each region (-1: none))."""
-        region, gid_of_region, _, _ = self._of(rank)
+        region, gid_of_region, _ = self._of(rank)
         return region, gid_of_region
 
     def geometry(self, rank: int, gid: np.ndarray) -> np.ndarray:
@@ -101,7 +100,23 @@ class SourceTensors:
         per tensor (equal numbers: equal offsets, sizes, start and strides)."""
         return self._of(rank)[2][gid]
 
-    def _of(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Table]:
+    def _classes(self, t: Table, expert: np.ndarray, g: np.ndarray) -> np.ndarray:
+        """The geometry class of each expert piece `expert` (rows of `t`; spec ids `g`):
+        its (MoE layer, weight) where every expert of each has one geometry (a moved slot
+        reads the same layer and weight), else `_classes` of the geometry columns."""
+        ids = self.ids
+        piece = np.full(len(ids.layer), -1, np.int64)
+        piece[g] = expert
+        grid = piece[ids.ids]
+        alike = bool((grid >= 0).all())
+        for c in self._GEOMETRY if alike else ():
+            v = t[c][grid]
+            alike = alike and bool((v == v[:, :1]).all())
+        if alike:
+            return ids.layer[g] * ids.ids.shape[2] + ids.weight[g]
+        return _classes([t[c][expert] for c in self._GEOMETRY])
+
+    def _of(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if rank not in self._cache:
             blob = resolve(self.blobs, rank)
             nreg = len(self.plan.ranks[rank].regions)
@@ -114,10 +129,12 @@ class SourceTensors:
             n = len(self.spec.tensors)
             expert = np.flatnonzero(self.ids.layer[gid] >= 0)
             g, reg = gid[expert], t["region"][expert].astype(np.int64)
-            held = np.unique(self.ids.layer[g] * self.ids.ids.shape[1] + self.ids.expert[g])
-            if len(held) < self.ids.ids.shape[0] * self.ids.ids.shape[1]:
+            seen = np.zeros(self.ids.ids.shape[0] * self.ids.ids.shape[1], bool)
+            seen[self.ids.layer[g] * self.ids.ids.shape[1] + self.ids.expert[g]] = True
+            held = int(np.count_nonzero(seen))
+            if held < len(seen):
                 raise NotIncremental(
-                    f"replan: source rank {rank} holds {len(held)} of the "
+                    f"replan: source rank {rank} holds {held} of the "
                     f"{self.ids.ids.shape[0] * self.ids.ids.shape[1]} (MoE layer, expert) "
                     "pairs (experts on EP ranks, e.g. Megatron EP): a moved slot's bytes then "
                     "come from another source rank, so its writes leave one rank's batches "
@@ -134,26 +151,36 @@ class SourceTensors:
             region = np.full(n, -1, np.int64)
             region[g] = reg
             geo = np.full(n, -1, np.int64)  # the geometry class of each expert tensor
-            if len(g):
-                cols = np.stack([t[c][expert].astype(np.int64) for c in self._GEOMETRY], 1)
-                order = np.lexsort(cols.T[::-1])
-                step = np.ones(len(order), bool)
-                step[1:] = (cols[order[1:]] != cols[order[:-1]]).any(1)
-                geo[g[order]] = np.cumsum(step)
+            geo[g] = self._classes(t, expert, g)
             gid_of_region = np.full(nreg, -1, np.int64)
             gid_of_region[reg[reg < nreg]] = g[reg < nreg]
-            self._cache[rank] = (region, gid_of_region, geo, t)
+            self._cache[rank] = (region, gid_of_region, geo)
             _SOURCES_KEPT.append((blob, self.spec, nreg, self._cache[rank]))
             del _SOURCES_KEPT[:-_SOURCES_KEEP]
         return self._cache[rank]
 
-    def regions(self, rank: np.ndarray, gid: np.ndarray) -> np.ndarray:
-        """The region of spec tensor `gid[i]` on source rank `rank[i]`."""
-        if not len(rank):
-            return np.zeros(0, np.int64)
-        ranks = np.unique(rank)
-        table = np.stack([self._of(r)[0] for r in ranks.tolist()])
-        return table[np.searchsorted(ranks, rank), gid]
+
+def _classes(cols: list[np.ndarray]) -> np.ndarray:
+    """One number per row of the integer columns `cols`, equal where the rows are: each
+    row's index among the distinct values of a hash of it, checked against the columns
+    (a collision: by a lexicographic sort of the rows instead)."""
+    if not len(cols[0]):
+        return np.zeros(0, np.int64)
+    cols = [c.astype(np.int64, copy=False) for c in cols]
+    h = cols[0].copy()
+    for c in cols[1:]:
+        h *= 1_000_003  # wraps: a hash
+        h ^= c
+    _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    if not any((c[first][inverse] != c).any() for c in cols):
+        return inverse
+    order = np.lexsort(cols[::-1])
+    step = np.zeros(len(order), np.int64)
+    step[1:] = np.any([c[order[1:]] != c[order[:-1]] for c in cols], axis=0)
+    out = np.empty(len(order), np.int64)
+    out[order] = np.cumsum(step)
+    return out
 
 
 def spec_ids(names: list[str], spec: ModelSpec, index: dict[str, int]) -> np.ndarray:
@@ -178,165 +205,21 @@ class Hits:
             np.array([getattr(s, f) for s in hit], np.int64)
             for f in ("rank", "region", "moe", "first", "count", "slot_bytes"))
         self.key = self.rank << 32 | self.region
+        n = int(self.rank.max()) + 1 if len(hit) else 0
         width = int(self.region.max()) + 1 if len(hit) else 0
-        self.index = np.full((int(self.rank.max()) + 1 if len(hit) else 0, width), -1,
-                             np.int64)  # (rank, region) -> hit index, -1: not hit
-        self.index[self.rank, self.region] = np.arange(len(hit))
+        self.index = np.full((n + 1, width + 1), -1, np.int64)  # (rank, region) -> hit
+        self.index[self.rank, self.region] = np.arange(len(hit))  # index; -1: not hit (the
+        # last row and column: every rank and region past the hit ones)
 
     def find(self, rank: np.ndarray, region: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows whose (rank, region) is hit, the hit index of each)."""
-        n, width = self.index.shape
-        inside = (rank < n) & (region < width)
-        flat = self.index.reshape(-1)
-        at = np.where(inside, rank.astype(np.int64) * width + region, 0)
-        h = np.where(inside, flat[at] if flat.size else -1, -1)
+        n, width = self.index.shape[0] - 1, self.index.shape[1] - 1
+        at = np.minimum(rank, n).astype(np.int64)
+        at *= width + 1
+        at += np.minimum(region, width)
+        h = self.index.reshape(-1)[at]
         rows = np.flatnonzero(h >= 0)
         return rows, h[rows]
-
-
-def explain(table: Table, hits: Hits, old: Placement, new: Placement,
-             src: SourceTensors, ids: ExpertIds, sources: int) -> Table:
-    """The explain table with the rows into each hit target tensor made again from the new
-    slot contents: per (source rank, weight) a slot's share, the same for every expert,
-    times the slots of the tensor holding each expert. Only the rows of the experts whose
-    count of slots in some hit tensor changed are read and made again (the table is sorted
-    by tensor); every other expert's rows stay as they are."""
-    if not len(table):
-        return table
-    col = {name: table[name] for name, _ in EXPLAIN_COLUMNS}
-    tensor = col["tensor"]
-    n_hit, n_exp = len(hits.key), ids.ids.shape[1]
-    hh = np.repeat(np.arange(n_hit), hits.count)
-    g = hits.first[hh] + np.arange(len(hh)) - np.repeat(np.cumsum(hits.count) - hits.count,
-                                                          hits.count)
-    was, now = old.table[hits.moe[hh], g], new.table[hits.moe[hh], g]
-    before, after = (np.bincount(hh * n_exp + e, minlength=n_hit * n_exp).reshape(n_hit, n_exp)
-                     for e in (was, now))
-    ch, ce = np.nonzero(before != after)
-    changed = np.zeros(ids.ids.shape[:2], bool)  # (MoE layer, expert) whose rows change
-    changed[hits.moe[ch], ce] = True
-    mask = changed[hits.moe]  # per hit tensor, the experts made again
-    before, after = before * mask, after * mask
-    affected = ids.ids[changed].reshape(-1)
-    affected = np.unique(affected[affected >= 0])
-    lo = np.searchsorted(tensor, affected, "left")
-    span = np.searchsorted(tensor, affected, "right") - lo
-    span_start = np.cumsum(span) - span
-    within = np.repeat(lo - span_start, span) + np.arange(int(span.sum()))  # their rows
-    sub, h = hits.find(col["dst_rank"][within], col["dst_region"][within])
-    rows = within[sub]
-    fed = np.bincount(h, weights=col["nbytes"][rows], minlength=n_hit)
-    if (fed != hits.slot_bytes * before.sum(1)).any():
-        raise NotIncremental("replan: a stacked expert tensor is fed other tensors; compile "
-                             "the new placement in full")
-    t = tensor[rows].astype(np.int64)
-    e, wt = ids.expert[t], ids.weight[t]
-    if (e < 0).any() or (ids.layer[t] != hits.moe[h]).any():
-        raise NotIncremental("replan: a stacked expert tensor is fed other tensors; compile "
-                             "the new placement in full")
-    n = before[h, e]
-    nbytes, boxes = col["nbytes"][rows].astype(np.int64), col["boxes"][rows].astype(np.int64)
-    per_bytes, per_boxes = nbytes // n, boxes // n
-    # one template row per (hit, source rank, weight): a slot's bytes and boxes from it
-    s_col = col["src_rank"][rows].astype(np.int64)
-    n_src, n_w = int(s_col.max()) + 1 if len(s_col) else 1, ids.ids.shape[2]
-    _, first, inverse = np.unique((h * n_src + s_col) * n_w + wt, return_index=True,
-                                  return_inverse=True)
-    tmpl = np.stack([h[first], s_col[first], wt[first], per_bytes[first], per_boxes[first]], 1)
-    inverse = inverse.reshape(-1)
-    if ((tmpl[inverse, 3] != per_bytes) | (tmpl[inverse, 4] != per_boxes)).any() or (
-            (nbytes % n) | (boxes % n)).any():
-        raise NotIncremental("replan: the slots of one target tensor are fed unevenly by its "
-                             "experts; compile the new placement in full")
-    th, pe = np.nonzero(after)  # (hit, expert) pairs of the new placement, hit-major
-    t_start = np.searchsorted(tmpl[:, 0], np.arange(n_hit))
-    t_count = np.bincount(tmpl[:, 0], minlength=n_hit)
-    p_start = np.searchsorted(th, np.arange(n_hit))
-    p_count = np.bincount(th, minlength=n_hit)
-    each = t_count * p_count
-    hx = np.repeat(np.arange(n_hit), each)
-    k = np.arange(len(hx)) - np.repeat(np.cumsum(each) - each, each)
-    ti = t_start[hx] + k // np.maximum(p_count[hx], 1)
-    pi = p_start[hx] + k % np.maximum(p_count[hx], 1)
-    ex, cnt = pe[pi], after[th[pi], pe[pi]]
-    s_rank = tmpl[ti, 1]
-    gid = ids.ids[hits.moe[hx], ex, tmpl[ti, 2]]
-    reg = src.regions(s_rank, gid)
-    extra = np.stack([gid, s_rank, reg, hits.rank[hx], hits.region[hx], tmpl[ti, 3] * cnt,
-                      tmpl[ti, 4] * cnt])
-    other = np.ones(len(within), bool)
-    other[sub] = False
-    other = within[other]  # the affected tensors' rows into other tensors: kept as they are
-    block = np.concatenate([np.stack([col[c][other] for c, _ in EXPLAIN_COLUMNS]), extra], 1)
-    return _spliced(table, col, lo, lo + span, affected, block[:, _block_order(block, len(other))])
-
-
-def _block_order(block: np.ndarray, sorted_first: int) -> np.ndarray:
-    """The order of `block`'s rows by (tensor, src_rank, src_region, dst_rank, dst_region),
-    its first `sorted_first` rows in that order already: the others sorted and merged in
-    by one combined key where it fits in 63 bits."""
-    keys = block[:5]
-    bits = [int(k.max()).bit_length() if k.size else 0 for k in keys]
-    if not block.shape[1] or sum(bits) > 63 or (keys.min() < 0 if keys.size else False):
-        return lexorder(*block[4::-1])
-    key = keys[0].copy()
-    for k, b in zip(keys[1:], bits[1:]):
-        key <<= b
-        key |= k
-    head, tail = key[:sorted_first], key[sorted_first:]
-    if (np.diff(head) <= 0).any():
-        return lexorder(*block[4::-1])
-    order = np.argsort(tail, kind="stable") + sorted_first
-    at = np.searchsorted(head, key[order], "right")
-    return np.insert(np.arange(sorted_first), at, order)
-
-
-def _spliced(table: Table, col: dict[str, np.ndarray], lo: np.ndarray, hi: np.ndarray,
-             affected: np.ndarray, block: np.ndarray) -> Table:
-    """`table` with the rows `[lo[j], hi[j])` of each tensor `affected[j]` (sorted, as the
-    table is) replaced by `block`'s rows of that tensor (`block`: columns x rows, sorted).
-
-    Where every tensor keeps its row count (most placement changes), the table is copied
-    and the block written over those rows (a column they leave unchanged is kept as it
-    is); else the tensors whose row count changes cut the table into runs, each column is
-    those runs and their block rows copied in order, and the other affected tensors' block
-    rows written over their rows, shifted."""
-    b_lo = np.searchsorted(block[0], affected, "left")
-    b_hi = np.searchsorted(block[0], affected, "right")
-    span, b_len = hi - lo, b_hi - b_lo
-    n = len(table)
-    out = {}
-    if np.array_equal(span, b_len):
-        at = np.repeat(lo - np.cumsum(span) + span, span) + np.arange(int(span.sum()))
-        for i, (name, dt) in enumerate(EXPLAIN_COLUMNS):
-            c = col[name]
-            if i and not np.array_equal(c[at], block[i]):  # `tensor` keeps its runs
-                c = np.array(c, dtype=dt)
-                c[at] = block[i]
-            out[name] = c  # an unchanged column is the old table's (read-only) array
-        return Table.build(EXPLAIN_COLUMNS, **out)
-    # the tensors whose row count changes cut the table into runs, copied in output order
-    # (kept rows, then that tensor's block rows); the other affected tensors' rows are
-    # written over, at their place shifted by the row counts changed before them
-    cut = np.flatnonzero(span != b_len)
-    shift = np.zeros(len(affected), np.int64)
-    shift[cut] = b_len[cut] - span[cut]
-    shift = np.cumsum(shift) - shift  # of each affected tensor's first row
-    eq = np.flatnonzero(span == b_len)
-    at = np.repeat(lo[eq] + shift[eq] - np.cumsum(span[eq]) + span[eq], span[eq]) + np.arange(
-        int(span[eq].sum()))
-    b_at = np.repeat(b_lo[eq] - np.cumsum(span[eq]) + span[eq], span[eq]) + np.arange(
-        int(span[eq].sum()))
-    edges = np.stack([np.append(0, hi[cut]), np.append(lo[cut], n)], 1).tolist()
-    b_edges = np.stack([b_lo[cut], b_hi[cut]], 1).tolist()
-    for i, (name, dt) in enumerate(EXPLAIN_COLUMNS):
-        c, bc = col[name], block[i].astype(dt)
-        parts = [c[edges[0][0]:edges[0][1]]]
-        for (blo, bhi), (klo, khi) in zip(b_edges, edges[1:]):
-            parts += [bc[blo:bhi], c[klo:khi]]
-        out[name] = np.concatenate(parts)
-        out[name][at] = bc[b_at]
-    return Table.build(EXPLAIN_COLUMNS, **out)
 
 
 def target_blobs(plan: Plan, hit: list[Slots], old: Placement, new: Placement,

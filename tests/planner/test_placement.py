@@ -9,6 +9,7 @@ a replan for a new placement must be the bytes a full compile of it gives.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 
@@ -149,6 +150,39 @@ def test_replan_is_the_full_compile(case, seed):
     assert len(moved)
     back = replan(got, spec, Placement(a))
     assert encode_plan(back) == encode_plan(plan_a)
+
+
+@pytest.mark.parametrize("case", REPLAN[:3:2] + REPLAN[-1:],
+                         ids=lambda c: f"{c[0]}-{c[2]['engine']}-P{c[3]}")
+@pytest.mark.parametrize("path", ["sorted", "merged"])
+def test_replan_explain_rows_sorted_or_merged_are_the_full_compile(case, path, monkeypatch):
+    """The explain rows made again another way than in order: sorted (as where the source
+    ranks feeding a weight differ from tensor to tensor), or merged with the tensors' other
+    rows (as where an expert also feeds another tensor): the same bytes."""
+    from planner import replan_explain
+
+    feeds = replan_explain._feeds
+
+    def other_way(*args, **kwargs):
+        f = feeds(*args, **kwargs)
+        return dataclasses.replace(f, sources=None) if path == "sorted" else \
+            dataclasses.replace(f, other=True)
+
+    monkeypatch.setattr(replan_explain, "_feeds", other_way)
+    monkeypatch.setattr(replan_explain, "_KEPT", [])
+    model, source, target, slots = case
+    _, spec = _cfg(model, source, target)
+    a = _random_table(spec, slots, seed=3)
+    plan_a = compile_config(*_cfg(model, source, target, a, DIRECT))
+    b = a.copy()
+    b[0] = np.roll(b[0], 1)
+    b[-1, -1] = b[-1, -2]
+    if np.bincount(b[-1], minlength=spec.dims.num_experts).min() == 0:
+        b[-1] = a[-1]
+    got = replan(plan_a, spec, Placement(b))
+    assert encode_plan(got) == encode_plan(compile_config(*_cfg(model, source, target, b,
+                                                                DIRECT)))
+    assert encode_plan(replan(got, spec, Placement(a))) == encode_plan(plan_a)
 
 
 def test_replan_refuses_gathered_experts():
