@@ -24,6 +24,7 @@ from planner.errors import NotIncremental
 from planner.passes.schedule import MAX_BATCH_WRITES
 from planner.placement import ExpertIds
 from planner.replan_tables import Hits, SourceTensors
+from planner.rows import order_and_ties
 from schemas.placement import Placement
 from schemas.plan import STAGING, WRITE_COLUMNS, RankPlan
 from schemas.table import Table
@@ -104,7 +105,7 @@ def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
                              "compile the new placement in full")
     region = fixed.copy()
     region[follows] = reg
-    order = _lexorder([pick(groups.group), region])[0]
+    order = order_and_ties([pick(groups.group), region])[0]
     at, got = pick(groups.at), pick(rows)[order]
     _check_cuts(rp, at, got, pick(groups.first), max_write_bytes, sources)
     new_rows = rows.copy()
@@ -163,7 +164,7 @@ def _read(rp: RankPlan, every: Hits, old: Placement, src: SourceTensors, ids: Ex
     mine = np.flatnonzero(hit[group])  # the writes of the groups: table order
     g = group[mine]
     at = mine[np.argsort(g, kind="stable")]  # group by group
-    order, ties = _lexorder([g, *(w[c][mine] for c in ("dst_region", "src_offset",
+    order, ties = order_and_ties([g, *(w[c][mine] for c in ("dst_region", "src_offset",
                                                         "dst_offset"))])
     entry = mine[order]  # the rows, sorted as entries
     del mine, g, order
@@ -205,41 +206,6 @@ def _read(rp: RankPlan, every: Hits, old: Placement, src: SourceTensors, ids: Ex
     groups = Groups(at, np.cumsum(first) - 1, first, fixed, slot, ids_at, geometry, why)
     rows_of = entry
     return groups, rows_of
-
-
-def _lexorder(cols: list[np.ndarray]) -> tuple[np.ndarray, bool]:
-    """The order of rows by the integer columns `cols` (the first primary), stable, and
-    whether two rows are equal: one sort of an int64 of them (each less its least value,
-    a column still too wide replaced by its rank among its values) and the row's index
-    where it fits, else a lexsort."""
-    n = len(cols[0])
-    if not n:
-        return np.zeros(0, np.int64), False
-    cols = [c.astype(np.int64) - int(c.min()) for c in cols]
-    bits = [int(c.max()).bit_length() for c in cols]
-    ib = n.bit_length()
-    for j in np.argsort(bits)[::-1].tolist():  # widest first
-        if sum(bits) + ib <= 63:
-            break
-        values = np.unique(cols[j])
-        cols[j] = np.searchsorted(values, cols[j])
-        bits[j] = (len(values) - 1).bit_length()
-    if sum(bits) + ib > 63:
-        order = np.lexsort(cols[::-1])
-        same = np.ones(n - 1, bool)
-        for c in cols:
-            same &= c[order[1:]] == c[order[:-1]]
-        return order, bool(same.any())
-    key = np.zeros(n, np.int64)
-    for c, b in zip(cols, bits):
-        key <<= b
-        key |= c
-    key <<= ib
-    key |= np.arange(n)
-    key.sort()
-    ties = bool(((key[1:] >> ib) == (key[:-1] >> ib)).any())
-    key &= (1 << ib) - 1
-    return key, ties
 
 
 def _rounds(nbytes: np.ndarray, first: np.ndarray, max_write_bytes: int) -> np.ndarray:

@@ -1,13 +1,13 @@
-"""The replan's row order (`planner/replan_writes._lexorder`): numpy's lexsort, stable, and
-whether two rows are equal, whether the columns pack into one int64 key, need their rank
-among their values to, or fall back to a lexsort."""
+"""The replan's row order (`planner.rows.order_and_ties`): numpy's lexsort, stable, and
+whether two rows are equal, whether the columns pack into one int64 key as they are, need
+their rank among their values to, or fall back to a lexsort."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from planner.replan_writes import _lexorder
+from planner.rows import order_and_ties
 
 
 @pytest.mark.parametrize("widths,distinct", [
@@ -25,7 +25,7 @@ def test_lexorder_is_lexsort(widths, distinct, seed):
         values = rng.integers(0, 1 << b, distinct, dtype=np.int64) if b else np.zeros(
             1, np.int64)
         cols.append(values[rng.integers(0, len(values), n)] + (seed << 2))
-    order, ties = _lexorder(cols)
+    order, ties = order_and_ties(cols)
     want = np.lexsort(cols[::-1])
     assert np.array_equal(order, want)
     rows = np.stack(cols, 1)[want]
@@ -34,7 +34,7 @@ def test_lexorder_is_lexsort(widths, distinct, seed):
 
 def test_lexorder_without_ties_and_empty():
     cols = [np.array([2, 1, 2, 0]), np.array([5, 9, 4, 9])]
-    order, ties = _lexorder(cols)
+    order, ties = order_and_ties(cols)
     assert order.tolist() == [3, 1, 2, 0] and not ties
-    order, ties = _lexorder([np.zeros(0, np.int64)])
+    order, ties = order_and_ties([np.zeros(0, np.int64)])
     assert len(order) == 0 and not ties
