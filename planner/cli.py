@@ -2,7 +2,8 @@
 
 Only this module reads argv and prints; each subcommand calls one library function. The
 compiler, inspector and verifier are imported inside their subcommands, so `spec` and
-config validation work on their own (and nothing imports torch). Errors a user can cause
+config validation work on their own (and nothing imports torch); the model modules are
+imported by `spec` and `compile` only, not by the tools that read a plan. Errors a user can cause
 (`schemas.errors.UserError`: a bad config, a bad plan file; a missing file) exit 2 with
 one line `rdma-plan: error: ...` per error and no traceback; any other exception is a bug
 in rdma-plan and prints as one, a plan reader's included: its checks name what is wrong in
@@ -16,10 +17,13 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from planner.spec import ModelSpec, load_spec
 from schemas.errors import ConfigError, ConfigErrors, UserError
 from schemas.protocol import INFLIGHT
+
+if TYPE_CHECKING:
+    from planner.spec import ModelSpec
 
 MAX_LINE = 400
 """Longest error line printed (a hostile value must not print megabytes)."""
@@ -83,6 +87,7 @@ def spec_json(spec: ModelSpec) -> str:
 
 
 def _cmd_spec(args: argparse.Namespace) -> int:
+    from planner.spec import load_spec  # the model modules, for this command only
     spec = load_spec(args.path, num_layers=args.num_layers)
     print(spec_json(spec) if args.json else spec_table(spec))
     return 0

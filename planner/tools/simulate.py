@@ -278,7 +278,7 @@ class _Sim:
             else:
                 self.packs_end[r] = start + self.pack_s[r][s + 2]
         win[2] = self.qbounds[q + 1]
-        self.hold[r] = start  # inf: until stage s-1's writes land (`_end_flow`)
+        self.hold[r] = start  # inf: until stage s-1's writes land (`_carried_landed`)
         if t < start < np.inf:
             self._timer(start, r, post=True)
         elif start <= t:
@@ -303,35 +303,48 @@ class _Sim:
         if win[1] == win[2] and not posted:
             self._carry(r, t)
 
-    def _end_flow(self, slot: int, t: float) -> None:
-        g = self.gid_l[slot]
-        self.end[g] = t
-        self.rates.off(self.fkey_l[g])
-        self.landed += 1
-        self.active[slot] = False
+    def _land(self, slots: list[int], t: float) -> None:
+        """The batches in window `slots` land at `t`, one after another: each frees its place
+        and its rank posts its next batch, sends a carried stage's DONE, or walks on. (The
+        per-batch lists bound once for the group.)"""
+        gid, end, off, fkey, stage = self.gid_l, self.end, self.rates.off, self.fkey_l, self.stage_l
+        active, free, window, k = self.active, self.free_slots, self.window, self.inflight
+        unlanded, deferred = self.unlanded, self.deferred
+        for slot in slots:
+            g = gid[slot]
+            end[g] = t
+            off(fkey[g])
+            active[slot] = False
+            r = slot // k
+            free[r].append(slot)
+            win = window[r]
+            win[0] += 1  # any landed batch frees its place in the window
+            win[3] -= 1
+            s = stage[g]
+            left = unlanded[r]
+            left[s] -= 1
+            if not left[s] and s in deferred[r]:
+                self._carried_landed(r, s, t)
+            if win[0] == win[2]:
+                self._advance(r, t)
+            else:
+                self._post(r, t)
+        self.landed += len(slots)
         self.dirty = True
-        r = slot // self.inflight
-        self.free_slots[r].append(slot)
-        win = self.window[r]
-        win[0] += 1  # any landed batch frees its place in the window
-        win[3] -= 1
-        s = self.stage_l[g]
-        self.unlanded[r][s] -= 1
-        if not self.unlanded[r][s] and s in self.deferred[r]:  # a carried stage has landed
-            self.deferred[r].discard(s)
-            self._send(r, s, t, DONE)
-            k = self.packs_after[r]  # early packs of stage k wait for older writes
-            inflight = [j for j, n in self.unlanded[r].items() if n]
-            if k >= 0 and not self.overlap[r].blockers(k, inflight):
-                self.packs_after[r] = -1
-                self.packs_end[r] = t + self.pack_s[r][k]
-                if self.hold[r] == np.inf:
-                    self.hold[r] = self.packs_end[r]
-                    self._timer(self.hold[r], r, post=True)
-        if win[0] == win[2]:
-            self._advance(r, t)
-        else:
-            self._post(r, t)
+
+    def _carried_landed(self, r: int, s: int, t: float) -> None:
+        """Rank `r`'s carried stage `s` has landed: its DONE goes out, and early packs that
+        waited for its writes start."""
+        self.deferred[r].discard(s)
+        self._send(r, s, t, DONE)
+        k = self.packs_after[r]  # early packs of stage k wait for older writes
+        inflight = [j for j, n in self.unlanded[r].items() if n]
+        if k >= 0 and not self.overlap[r].blockers(k, inflight):
+            self.packs_after[r] = -1
+            self.packs_end[r] = t + self.pack_s[r][k]
+            if self.hold[r] == np.inf:
+                self.hold[r] = self.packs_end[r]
+                self._timer(self.hold[r], r, post=True)
 
     # ------------------------------------------------------------ the event loop
 
@@ -389,8 +402,8 @@ class _Sim:
                 self.rem[act] = rem
                 np.add(busy, dt, out=busy, where=used)
             t += dt
-            for slot in done.tolist():
-                self._end_flow(slot, t)
+            if len(done):
+                self._land(done.tolist(), t)
             if self.landed >= report:
                 report += step
                 progress(f"simulating: {self.landed:,}/{nb:,} batches landed, "  # type: ignore[misc]
