@@ -6,7 +6,8 @@ import os
 import platform
 import subprocess
 
-SECTION = "## GPU refit (4x H200)"
+SECTION = "## GPU refit: one bench.gpu_refit call"
+"""The heading `--write-md` writes its section under (and replaces, once there)."""
 
 
 
@@ -75,6 +76,8 @@ def render_text(results: dict) -> str:
 def render_md(results: dict) -> str:
     rows, notes = table(results)
     fl = results.get("floor") or {}
+    ranks = max((len(c.get("rank_stats", [])) for c in (results.get("compile") or {}).values()),
+                default=0)
     out = [SECTION, "",
            f"Device: {results.get('device')}. Command (on the device, repo root): "
            f"`{results.get('command')}`. {results.get('date', '')}", "",
@@ -82,7 +85,7 @@ def render_md(results: dict) -> str:
            f"({fl.get('bytes', 0) / 2**30:.0f} GiB, median of 5, CUDA events). GB/s = the most "
            "bytes one inference GPU receives / seconds. Steps: "
            f"{results.get('steps')} timed after {results.get('warmup')} warm-up; a step is "
-           "max(end) - min(start) over the 4 ranks after a barrier.", "",
+           f"max(end) - min(start) over the {ranks} ranks after a barrier.", "",
            "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     if notes:
