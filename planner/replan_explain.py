@@ -173,8 +173,14 @@ def _feeds(table: Table, every: Hits, kk: np.ndarray, at: np.ndarray, counts: np
     key = (k * sources + s) * n_w + w
     size = n_k * sources * n_w
     pb, px = np.full(size, -1, np.int64), np.full(size, -1, np.int64)
-    pb[key], px[key] = nbytes // n, boxes // n
-    if (pb[key] * n != nbytes).any() or (px[key] * n != boxes).any():
+    multi = np.flatnonzero(n != 1)  # rows of experts held in several slots: divided
+    share_b, share_x = (nbytes, boxes) if not len(multi) else (nbytes.copy(), boxes.copy())
+    share_b[multi] //= n[multi]
+    share_x[multi] //= n[multi]
+    pb[key], px[key] = share_b, share_x
+    if ((pb[key] != share_b).any() or (px[key] != share_x).any()
+            or (share_b[multi] * n[multi] != nbytes[multi]).any()
+            or (share_x[multi] * n[multi] != boxes[multi]).any()):
         raise _uneven()  # one slot's share is not the same for every expert (or no share)
     present = np.bincount(key, minlength=size)  # rows of each (tensor, source, weight)
     distinct = np.count_nonzero(before, axis=1)  # experts each tensor holds

@@ -187,7 +187,7 @@ def spec_ids(names: list[str], spec: ModelSpec, index: dict[str, int]) -> np.nda
     """Spec ids of a blob's names (sorted by id: `identities._blob`; all of them: arange)."""
     if len(names) == len(spec.tensors):
         return np.arange(len(names), dtype=np.int64)
-    return np.array([index[n] for n in names], np.int64)
+    return np.fromiter(map(index.__getitem__, names), np.int64, len(names))
 
 
 def resolve(blobs: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -289,7 +289,7 @@ def _name_ids(names: list[str], index: dict[str, int]) -> np.ndarray:
     kept = _NAME_IDS.get(id(names))
     if kept is not None and kept[0] is names:
         return kept[1]
-    ids = np.fromiter((index[n] for n in names), np.int64, len(names))
+    ids = np.fromiter(map(index.__getitem__, names), np.int64, len(names))
     _remember(names, ids)
     return ids
 

@@ -163,7 +163,8 @@ def _read(rp: RankPlan, every: Hits, old: Placement, src: SourceTensors, ids: Ex
     hit[group[rows]] = True
     mine = np.flatnonzero(hit[group])  # the writes of the groups: table order
     g = group[mine]
-    at = mine[np.argsort(g, kind="stable")]  # group by group
+    at = mine if (g[1:] >= g[:-1]).all() else mine[np.argsort(g, kind="stable")]  # group
+    # by group
     order, ties = order_and_ties([g, *(w[c][mine] for c in ("dst_region", "src_offset",
                                                         "dst_offset"))])
     entry = mine[order]  # the rows, sorted as entries
@@ -192,7 +193,8 @@ def _read(rp: RankPlan, every: Hits, old: Placement, src: SourceTensors, ids: Ex
     why = np.full(len(entry), _FINE, np.int8)
     staged = len(rp.regions) - 1 if rp.regions and rp.regions[-1].name == STAGING else -1
     gon = gid[on]
-    other = (gon < 0) | (ids.expert[gon] != old.table[layer, slot_g]) | (ids.layer[gon] != layer)
+    other = (gon < 0) | (ids.expert[gon] != old.table.reshape(-1)[slot[on]]) | (
+        ids.layer[gon] != layer)
     why[np.flatnonzero(on)[other]] = _OTHER
     why[on & (src_region == staged)] = _STAGED
     follows = on & (why == _FINE)
