@@ -214,9 +214,9 @@ class Hits:
     def find(self, rank: np.ndarray, region: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows whose (rank, region) is hit, the hit index of each)."""
         n, width = self.index.shape[0] - 1, self.index.shape[1] - 1
-        at = np.minimum(rank, n).astype(np.int64)
+        at = np.minimum(rank, n, dtype=np.int64)
         at *= width + 1
-        at += np.minimum(region, width)
+        at += np.minimum(region, width, dtype=np.int64)
         h = self.index.reshape(-1)[at]
         rows = np.flatnonzero(h >= 0)
         return rows, h[rows]
