@@ -145,15 +145,10 @@ def _feeds(table: Table, every: Hits, kk: np.ndarray, at: np.ndarray, counts: np
     tensor: a plan writes each byte once)."""
     n_k, n_w, n_t = len(every.key), ids.ids.shape[2], len(ids.layer)
     before = _counts(every, kk, at, old, ids)
-    expert = np.flatnonzero(ids.layer >= 0)  # the expert tensors' rows (sorted by tensor)
-    lo, span = starts[expert], counts[expert]
-    within = np.repeat(lo - np.cumsum(span) + span, span) + np.arange(int(span.sum()))
-    sub, k = every.find(table["dst_rank"][within], table["dst_region"][within])
-    rows = within[sub]
-    del within, sub
+    rows, k = every.find(table["dst_rank"], table["dst_region"])  # into stacked tensors
     t = table["tensor"][rows]
     e, w = ids.expert[t], ids.weight[t]
-    if (ids.layer[t] != every.moe[k]).any():
+    if (ids.layer[t] != every.moe[k]).any():  # (not an expert tensor: -1)
         raise _fed_other()
     s = table["src_rank"][rows].astype(np.int64)
     if len(s) and (s.min() < 0 or s.max() >= sources):
