@@ -38,17 +38,16 @@ paths) goes into the file, so compiling the same config twice gives the same byt
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from planner.collector import gc_paused
 from planner.derived import derived
 from planner.fp8 import with_scales
 from planner.frameworks import build_layout, start_layout
@@ -111,26 +110,11 @@ def compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None = Non
     (`planner/layouts/trace_ahead.py`). `on_plan` is called with each plan as soon as it
     is compiled (a guessed one before the trace confirms it, so that writing it overlaps
     the trace): the last call's plan is the one returned. Python's cycle collector is
-    paused meanwhile (`no_cycle_collection`). `spill`: the plans' `tensors/<rank>` blobs
+    paused meanwhile (`gc_paused`). `spill`: the plans' `tensors/<rank>` blobs
     hold their piece columns as memoryviews of a mapped temporary file, not bytes
     (`rank_tensor_blobs`; for a caller that writes the plans and drops them)."""
-    with no_cycle_collection():
+    with gc_paused():
         return _compile_config(cfg, spec, progress, on_plan or _ignore, spill)
-
-
-@contextlib.contextmanager
-def no_cycle_collection() -> Iterator[None]:
-    """Pause the cyclic garbage collector (if on), and restart it after. The compiler's data
-    are numpy columns and frozen layout objects, freed by reference counting; a compile
-    leaves only a few hundred objects in cycles, while the collector's passes over a large
-    model's layouts (millions of small objects) cost a visible share of the compile."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _compile_config(cfg: Config, spec: ModelSpec, progress: Progress | None,

@@ -7,8 +7,9 @@
   nothing, ``planner`` and ``executor`` ``schemas`` only, ``integrations`` ``schemas`` and
   ``executor``, ``harness`` (the kit scripts and benchmarks share) any of them; inside the
   planner, a subpackage imports only the parts of the planner ``INNER`` gives it (the
-  layouts are a leaf: the model spec only; the compiler's passes and the plan tools sit
-  beside each other, neither importing the other's driver) and is imported only by those
+  layouts are a leaf: the model spec, its errors and the collector pause only; the
+  compiler's passes and the plan tools sit beside each other, neither importing the
+  other's driver) and is imported only by those
   ``USERS`` names (the plan tools by the command line alone);
 - no module imports another module's private (underscore) names, or reads one off a module
   it imported: a name shared across modules is public in its owner;
@@ -36,12 +37,12 @@ LAYERS: dict[str, set[str]] = {
 """Each shipped top-level package -> the packages it may import."""
 PACKAGES = tuple(LAYERS)
 INNER: dict[str, set[str]] = {
-    "planner.layouts": {"planner.spec", "planner.models", "planner.errors"},
+    "planner.layouts": {"planner.spec", "planner.models", "planner.errors", "planner.collector"},
     "planner.passes": {"planner.layouts", "planner.spec", "planner.models", "planner.fp8",
                        "planner.frameworks", "planner.rows", "planner.topology",
                        "planner.writes"},
     "planner.tools": {"planner.passes", "planner.placement", "planner.rows", "planner.topology",
-                      "planner.writes"},
+                      "planner.writes", "planner.collector"},
 }
 """A planner subpackage -> the other parts of the planner (children of ``planner``) it may
 import."""

@@ -38,6 +38,7 @@ from typing import Any
 
 import msgpack
 
+from planner.collector import gc_paused
 from planner.errors import TraceError
 from planner.layouts import traced
 from planner.layouts.base import Layout
@@ -199,7 +200,7 @@ def _join(pending: Pending, start: Callable[[bool], tuple[Any, Any]], recv: Any,
 def _decoded(rows: list[bytes], spec: ModelSpec, cfg: TargetConfig) -> Layout:
     """The tracer's ranks decoded and checked (as `traced.read_cache` does), replicated."""
     try:
-        with traced.gc_paused():
+        with gc_paused():
             engine = [traced.decode_rank(msgpack.unpackb(rank, strict_map_key=True), spec)
                       for rank in rows]
     except (ValueError, TypeError, KeyError, IndexError, msgpack.StackError) as e:
@@ -211,7 +212,7 @@ def _decoded(rows: list[bytes], spec: ModelSpec, cfg: TargetConfig) -> Layout:
 def _receive(recv: Any, world: int) -> list[bytes] | str | None:
     """`_answer` to what the tracer sends on `recv` (then closed)."""
     try:
-        with traced.gc_paused():
+        with gc_paused():
             return _answer(recv.recv_bytes(), world)
     except EOFError:
         return ("target.layout: traced: the tracing process died without an answer (out "

@@ -15,19 +15,18 @@ Cache file (msgpack map): `format` (1), `key`, `ranks`: per engine rank, a list 
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import importlib.metadata
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import msgpack
 
+from planner.collector import gc_paused
 from planner.layouts.base import Layout, PhysicalTensor, Piece, RankLayout
 from planner.layouts.trace_geometry import encode_rank
 from planner.spec import SUPPORTED_MODEL_TYPES, ModelSpec
@@ -162,19 +161,6 @@ def trace_packed(spec: ModelSpec, hf: dict[str, Any], cfg: TargetConfig) -> list
                               ) from None
         vllm_trace.check_known(hf)
         return vllm_trace.trace_engine(spec, hf, cfg)
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection inside: building many objects that all stay alive (an
-    import, a decoded trace) otherwise pays for collections that find nothing to free."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 # ---------------------------------------------------------------- the cache file

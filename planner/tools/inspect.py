@@ -87,7 +87,8 @@ def checked_header(path: str, why: dict[int, str] | None = None,
     rank's `staging_why` from the same read; `shadow`, each rank's full-shadow bytes;
     `chunked`, its chunked shadow's bytes (None: not compiled with one); `traffic`, each
     rank's bytes written to every rank (`traffic_row`)."""
-    from planner.tools.planfile import PlanFile, gc_paused, ticker
+    from planner.collector import gc_paused
+    from planner.tools.planfile import PlanFile, ticker
 
     with PlanFile(path) as src, gc_paused():
         header = src.header

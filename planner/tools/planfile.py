@@ -8,11 +8,9 @@ gives a `Plan` already in memory the same face, so each tool has one implementat
 
 from __future__ import annotations
 
-import gc
 import struct
 import zlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import msgpack
@@ -257,21 +255,6 @@ class PlanFile(PlanRanks):
 
     def close(self) -> None:
         self.f.close()
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cycle collector off meanwhile: a tool reading a large plan makes millions
-    of small objects (each rank's peer list, its signals by stage), none in a cycle, all
-    freed by their counts; the collector would walk every live one again and again (a
-    good part of `verify`'s time on a large plan). Back on after, as it was."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def ticker(progress: Callable[[str], None] | None, what: str, total: int

@@ -47,7 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from planner.tools.planfile import PlanFile, PlanRanks, gc_paused
+from planner.collector import gc_paused
+from planner.tools.planfile import PlanFile, PlanRanks
 from planner.tools.simflow import (
     NIC,
     Batches,

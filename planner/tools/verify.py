@@ -31,8 +31,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from planner.collector import gc_paused
 from planner.rows import lexorder
-from planner.tools.planfile import PlanFile, PlanRanks, gc_paused, ticker
+from planner.tools.planfile import PlanFile, PlanRanks, ticker
 from planner.tools.verify_rank import (
     acyclic,
     balance_msgs,
