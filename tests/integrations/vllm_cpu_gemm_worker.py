@@ -37,6 +37,7 @@ def main() -> None:
 
     from integrations import vllm_content as content
     from integrations import vllm_cpu_gemm
+    from integrations.engine_core import EngineCore
     from integrations.vllm import RdmaPlanWeightTransferEngine, TornUpdateError
 
     gen = torch.Generator().manual_seed(0)
@@ -50,7 +51,9 @@ def main() -> None:
     repacks = vllm_cpu_gemm.unpack(model, regions)
     eng = RdmaPlanWeightTransferEngine.__new__(RdmaPlanWeightTransferEngine)
     eng.model, eng.model_config = model, SimpleNamespace(dtype=torch.float32)
-    eng.host, eng.refreshes, eng.weight_version = [], 0, None
+    eng.host, eng.refreshes = [], 0
+    eng.core = EngineCore.__new__(EngineCore)  # no plan here: only its commit of a version
+    eng.core.version, eng.core.received = None, False
     eng.ptrs = content.pointers(model)
 
     def update(version: str, names: list[str], repack: bool) -> str:
