@@ -197,9 +197,12 @@ def engines(spec: str, dev: torch.device) -> None:
         show(row, writes * size, one, res)
 
 
-def graphs(spec: str, dev: torch.device) -> None:
+def graphs(spec: str, dev: torch.device, counts: tuple[int, ...] = (1, 2, 4, 8),
+           mix: tuple[float, ...] = ()) -> None:
     """The writes as `cudaMemcpyAsync` copies captured in one CUDA graph (copy engines, no
-    host time a copy) on 1-8 parallel branches, beside one eager `copy_` and the kernel."""
+    host time a copy) on `counts` parallel branches, beside one eager `copy_` and the
+    kernel; `mix`: shares of the writes on the engines (the most branches of `counts`)
+    while the kernel copies the rest, both in one graph."""
     rt, k = load_cudart(), CopyKernel.load(dev)
     print("| row | variant | us | GB/s | x eager copy_ | exact |\n| --- | --- | ---: | ---: | "
           "---: | --- |")
@@ -207,25 +210,36 @@ def graphs(spec: str, dev: torch.device) -> None:
         raw = list(zip(d.tolist(), s.tolist(), [size] * writes))
         one = eager_timed(partial(dst.copy_, src))
         res = [("one copy_ (eager)", one, None)]
-        for nb in (1, 2, 4, 8):
+        def post(sides: list[torch.cuda.Stream], raw: list[tuple[int, int, int]],
+                 table: torch.Tensor | None = None) -> None:
+            main = torch.cuda.current_stream()
+            for st in sides:
+                st.wait_stream(main)
+            for i, (dd, ss, nn) in enumerate(raw):
+                assert not rt.memcpy_async(dd, ss, nn, 3, sides[i % len(sides)].cuda_stream)
+            if table is not None:  # the kernel's share, on the main branch meanwhile
+                k.launch(table)
+            for st in sides:
+                main.wait_stream(st)
+
+        for nb in counts:
             sides = [torch.cuda.Stream(dev) for _ in range(nb)]
-
-            def post(sides=sides, raw=raw) -> None:
-                main = torch.cuda.current_stream()
-                for st in sides:
-                    st.wait_stream(main)
-                for i, (dd, ss, nn) in enumerate(raw):
-                    assert not rt.memcpy_async(dd, ss, nn, 3, sides[i % len(sides)].cuda_stream)
-                for st in sides:
-                    main.wait_stream(st)
-
             dst.zero_()
-            res.append((f"engines, one graph, {nb} branch(es)", graph_timed(post),
-                        torch.equal(dst, want)))
+            res.append((f"engines, one graph, {nb} branch(es)", graph_timed(
+                partial(post, sides, raw)), torch.equal(dst, want)))
         table = torch.from_numpy(piece_table(d, s, np.full(writes, size, np.int64))).to(dev)
         dst.zero_()
         res.append(("kernel (graph)", graph_timed(partial(k.launch, table)),
                     torch.equal(dst, want)))
+        for share in mix:
+            cut = int(round(writes * share))
+            rest = torch.from_numpy(piece_table(d[cut:], s[cut:], np.full(
+                writes - cut, size, np.int64))).to(dev)
+            sides = [torch.cuda.Stream(dev) for _ in range(max(counts))]
+            dst.zero_()
+            res.append((f"{share:g} engines ({len(sides)} branches) + kernel, one graph",
+                        graph_timed(partial(post, sides, raw[:cut], rest)),
+                        torch.equal(dst, want)))
         show(row, writes * size, one, res)
 
 
@@ -280,6 +294,10 @@ def main() -> None:
     ap.add_argument("--kernels", help="rows WxM (writes x MiB), comma-separated")
     ap.add_argument("--engines", help="rows WxM")
     ap.add_argument("--graphs", help="rows WxM: the writes as copies in one CUDA graph")
+    ap.add_argument("--branches", default="1,2,4,8",
+                    help="--graphs: branch counts of the engine graphs, comma-separated")
+    ap.add_argument("--mix", default="",
+                    help="--graphs: shares of the writes on the engines beside the kernel")
     ap.add_argument("--launch", action="store_true")
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
@@ -289,7 +307,8 @@ def main() -> None:
     if a.engines:
         engines(a.engines, dev)
     if a.graphs:
-        graphs(a.graphs, dev)
+        graphs(a.graphs, dev, tuple(int(b) for b in a.branches.split(",")),
+               tuple(float(m) for m in a.mix.split(",") if m))
     if a.launch:
         launch(dev)
 

@@ -9,10 +9,10 @@ on that peer's stream). Other batches are one launch of the copy kernel (`copy_k
 on the SMs), captured as a CUDA graph; a kernel of this device cannot write memory torch
 mapped in the owner device's context, so with the kernel on, a peer on another GPU has its
 handles opened here (`cudaIpcOpenMemHandle`, `PeerRegion`, as NCCL maps its peers). With
-`copy_kernel: false`, where neither exists, or for large writes, the triples split into up
-to `CudaIpcOptions.streams` branches of near-equal bytes on the copy engines: a batch of
-small copies, or one into a peer on this GPU whose every copy is long
-(`engines_min_bytes`), as one CUDA graph of those branches, one of large copies as one
+`copy_kernel: false`, where neither exists, or for large writes, the triples split into
+branches of near-equal bytes on the copy engines: a batch of small copies, or one into a
+peer on this GPU whose every copy is long (`engines_min_bytes`), as one CUDA graph of up to
+`CudaIpcOptions.graph_branches` branches, one of large copies (up to `streams` branches) as one
 `cudaMemcpyAsync` per triple through ctypes on the libcudart torch loaded; without that
 library, or if the raw call fails, as torch copies (`torch_copy.py`). Which of these a post
 takes is one field, the posting mode (`ipc_modes.Mode`); a failure moves it down through
@@ -65,6 +65,7 @@ class CudaIpcTransport:
             raise ValueError(f"rank {rank}: transport 'cuda_ipc' needs CUDA tensors, got "
                              f"{device}; use 'nixl' or 'local' for CPU tensors")
         self.rank, self.ns, self.store, self.device = rank, namespace, store, device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.options = opts = options or CudaIpcOptions()
         self.capabilities = replace(CudaIpcTransport.capabilities, graph_ops=opts.graphs)
         self.streams = [torch.cuda.Stream(device) for _ in range(max(1, opts.streams))]
@@ -244,10 +245,10 @@ class CudaIpcTransport:
                         for b, part in enumerate(parts) if i < len(part)]
 
     def _capture(self, raw: list[tuple[int, int, int]]) -> torch.cuda.CUDAGraph | None:
-        """The copies of `raw` as one CUDA graph of up to `streams` parallel branches (so
-        several copy engines work at once), or None (then they are posted one by one)."""
+        """The copies of `raw` as one CUDA graph of up to `graph_branches` parallel branches
+        (so several copy engines work at once), or None (then they are posted one by one)."""
         graph = torch.cuda.CUDAGraph()
-        sides = [torch.cuda.Stream(self.device) for _ in range(len(self.streams))]
+        sides = [torch.cuda.Stream(self.device) for _ in range(self.options.graph_branches)]
         try:
             with capturing(self.device, graph):
                 main = torch.cuda.current_stream(self.device)
@@ -286,8 +287,15 @@ class CudaIpcTransport:
     def post(self, handle: Posted) -> None:
         handle.fast_posted = False
         if self.ladder.mode is Mode.FAST and handle.fast is not None:
-            with self.rt.on(self.device.index):  # type: ignore[union-attr] # Mode.FAST has rt
+            rt, index = self.rt, self.index  # what `Runtime.on` does, without its generator
+            prev = rt.device()  # type: ignore[union-attr] # Mode.FAST has rt
+            if prev != index:
+                rt.set_device(index)  # type: ignore[union-attr]
+            try:
                 fast = self._post_fast(handle)
+            finally:
+                if prev != index and prev >= 0:
+                    rt.set_device(prev)  # type: ignore[union-attr]
             if fast:
                 handle.posted = handle.fast_posted = True
                 return
@@ -328,7 +336,7 @@ class CudaIpcTransport:
         failed (it is then posted the torch way, whole: idempotent)."""
         rt, f = self.rt, handle.fast
         assert rt is not None and f is not None and self.current_raw is not None  # Mode.FAST
-        cur = self.current_raw(self.device.index)
+        cur = self.current_raw(self.index)
         bad = rt.event_record(f.ready, cur) or rt.wait_event(f.stream, f.ready, 0)
         if not bad and f.graph_exec:
             bad = rt.graph_launch(f.graph_exec, f.stream)

@@ -37,6 +37,12 @@ class CudaIpcOptions:
     graphs: bool = True
     """Capture a batch of several small copies once into a CUDA graph and replay it (one
     launch instead of a `cudaMemcpyAsync` per copy, each a few microseconds of host time)."""
+    graph_branches: int = 16
+    """Parallel branches of a batch captured as one CUDA graph of copy-engine copies (a
+    branch's copies run one after another, the branches side by side, so several copy
+    engines work at once). On one H200 a batch of 4 MiB copies reaches one `copy_`'s rate
+    on 16 branches, not on 4, and 1 MiB copies gain too; each branch adds a little to the
+    graph's launch (BENCHMARKS.md, "Executor")."""
     graph_min_copies: int = 2
     """Batches of fewer copies are posted copy by copy."""
     graph_max_mean_bytes: int = 16 << 20

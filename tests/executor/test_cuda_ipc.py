@@ -68,7 +68,9 @@ def test_four_processes_over_cuda_ipc(tmp_path, kernel):
     (4, {}, True),  # every copy 4 MiB: the copy engines, one CUDA graph
     (1, {}, False),  # 1 MiB copies: the copy kernel
     (4, {"engines_min_bytes": 8 << 20}, False),  # under the option's length: the kernel
-], ids=["4MiB-engines", "1MiB-kernel", "4MiB-under-option"])
+    (4, {"graph_branches": 3}, True),  # uneven branches: 3, 3 and 2 copies
+    (4, {"graph_branches": 16}, True),  # more branches than copies: one copy each
+], ids=["4MiB-engines", "1MiB-kernel", "4MiB-under-option", "3-branches", "16-branches"])
 def test_long_copies_into_this_gpu_go_to_the_copy_engines(mib, options, engines):
     # two processes on one GPU (executor_bench: 8 writes into permuted slots, 2 steps,
     # bit-exact or it exits non-zero); rank 0's transport says which path its batch took
