@@ -59,7 +59,7 @@ class CudaIpcOptions:
     "Executor")."""
     engines_min_bytes: int = 4 << 20
     """Batches into a peer on this GPU whose every copy is at least this long go to the copy
-    engines as one CUDA graph of `streams` branches, whatever `kernel_max_mean_bytes` and
+    engines as one CUDA graph of `graph_branches` branches, whatever `kernel_max_mean_bytes` and
     `graph_max_mean_bytes` say: copies of 4 MiB and more run there at one `copy_`'s rate,
     where the kernel reaches ~0.93 of it. One short copy keeps the batch off this path (an
     engine's copy costs a few microseconds however short: 1 MiB copies run at ~0.75 of the
