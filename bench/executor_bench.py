@@ -58,9 +58,10 @@ from schemas.plan import (  # noqa: E402
 from schemas.plan_write import write_plan  # noqa: E402
 
 
-def make_plan(path: str, writes: int, chunk: int, per_batch: int = 8) -> int:
+def make_plan(path: str, writes: int, chunk: int, per_batch: int = 8, compact: bool = True) -> int:
     """Rank 0 "x" -> rank 1 "x": `writes` writes of `chunk` bytes, chunk i to slot
-    (i * 7) % writes (a permutation when gcd(7, writes) == 1), `per_batch` per batch."""
+    (i * 7) % writes (a permutation when gcd(7, writes) == 1), `per_batch` per batch; the
+    plan file's blobs compact (the default) or plain (`compact=False`)."""
     n = writes * chunk
     x = Region("x", "uint8", (n,), n)
     order = [(i * 7) % writes for i in range(writes)]
@@ -77,7 +78,8 @@ def make_plan(path: str, writes: int, chunk: int, per_batch: int = 8) -> int:
              RankPlan(1, "target", 0, 1, ("lo",), (x,), empty(WRITE_COLUMNS),
                       empty(BATCH_COLUMNS), empty(COPY_COLUMNS), sig(0, READY), sig(0, DONE),
                       (), 1))
-    write_plan(path, Plan(PlanHeader(fingerprint=f"bench-{writes}x{chunk}", world=2), ranks))
+    write_plan(path, Plan(PlanHeader(fingerprint=f"bench-{writes}x{chunk}", world=2), ranks),
+               compact=compact)
     return n
 
 
@@ -275,6 +277,8 @@ def main() -> None:
     ap.add_argument("--mib", type=float, default=4, help="size of one write (MiB)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--plain-plan", action="store_true",
+                    help="write the plan's blobs plain, not compact (to compare both forms' replay)")
     ap.add_argument("--transport", default="nixl", choices=["nixl", "cuda_ipc"])
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (rank 1 on cuda:1 if any)")
     ap.add_argument("--transport-options", default="{}",
@@ -288,7 +292,7 @@ def main() -> None:
         a.writes, a.mib, a.steps, a.transport, a.device = 8, 1 / 16, 2, "nixl", "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.rplan")
-        n = make_plan(path, a.writes, int(a.mib * 2**20))
+        n = make_plan(path, a.writes, int(a.mib * 2**20), compact=not a.plain_plan)
         dev = "cuda:0" if a.device == "cuda" else a.device
         ex, raw, host, exact, many, branches = bench_two_processes(
             path, a.steps, a.transport, dev, a.writes, a.transport_options)

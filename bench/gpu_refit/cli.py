@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="FP8 targets: elements per rank checked against the reference "
                    "quantizer on the CPU; the rest against it on the GPU")
     p.add_argument("--exec-timeout", type=float, default=120.0)
+    p.add_argument("--plain-plan", action="store_true",
+                   help="write the plans' blobs plain, not compact (to compare both forms' replay)")
     p.add_argument("--profile", action="store_true", help="torch profiler tables (GPU)")
     p.add_argument("--copy-microbench", action="store_true",
                    help="time 3 MiB peer copies by method (torch, foreach, cudaMemcpyAsync)")
@@ -144,7 +146,7 @@ def compile_plans(args: argparse.Namespace, setup: Setup) -> tuple[list[str], di
         t0 = time.perf_counter()
         plan = compile_config(cfg, spec)
         path = os.path.join(work, f"{model}.rplan")
-        size = write_plan(path, plan)
+        size = write_plan(path, plan, compact=not args.plain_plan)
         st = plan.header.stats
         rank_stats = [dataclasses.asdict(s) for s in plan.header.rank_stats]
         compile_info[model] = {"seconds": time.perf_counter() - t0, "plan_bytes": size,
