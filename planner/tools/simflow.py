@@ -146,13 +146,12 @@ def initial_state(sim: Any) -> None:
     sim.free_slots = [list(range(r * k + k - 1, r * k - 1, -1)) for r in range(w)]
     sim.active = np.zeros(w * k, dtype=bool)
     sim.rem = np.zeros(w * k)
-    sim.flow_gid = np.zeros(w * k, dtype=np.int64)
+    sim.gid = np.zeros(w * k, dtype=np.int64)  # each window slot's batch
     sim.f_eres = np.zeros(w * k, dtype=np.int64)
     sim.f_ires = np.zeros(w * k, dtype=np.int64)
     sim.start, sim.end = np.zeros(nb), np.zeros(nb)
     sim.lane = np.zeros(nb, dtype=np.int64)
     sim.dirty = False
-    sim.fkey = sim.ceres * len(sim.ccap) + sim.cires  # a batch's (egress, ingress)
     sim.landed = 0
 
 
