@@ -21,7 +21,8 @@ from schemas.bounds import order_violations
 from schemas.errors import PlanFormatError
 from schemas.header import PlanHeader
 from schemas.plan import COPY_GROUP_KEY, PACK, QUANT, UNPACK, RankPlan
-from schemas.protocol import ITEM, Overlap, carries, overlap
+from schemas.protocol import ITEM, Overlap, carries, overlap, sent_stage
+from schemas.protocol import KINDS as SIGNAL_KINDS
 from schemas.table import among, content_key, table_digest
 
 NIC, NVLINK = 0, 1
@@ -63,8 +64,11 @@ class SimRank:
     unpack_s: np.ndarray
     overlap: Overlap
     carries: list[bool]
-    sends: list[list[tuple[int, int]]]
-    waits: list[list[tuple[int, int]]]
+    sends: list[dict[int, list[int]]]
+    """Each stage's signals: kind -> peers, in plan order."""
+    waits: list[list[tuple[int, int, int, int]]]
+    """Each stage's waits, in plan order, as the key of the signal each matches: (from,
+    to, kind, the stage it is sent in)."""
 
 
 def sim_rank(rp: RankPlan, header: PlanHeader) -> SimRank:
@@ -73,7 +77,7 @@ def sim_rank(rp: RankPlan, header: PlanHeader) -> SimRank:
     return SimRank(rp.rank, rp.stages, batch_columns((rp,)),
                    copy_seconds(rp, (PACK, QUANT), pbps, pov),
                    copy_seconds(rp, (UNPACK,), pbps, pov), overlap(rp), carries(rp).tolist(),
-                   by_stage(rp.signals, rp.stages), by_stage(rp.waits, rp.stages))
+                   sends_by_stage(rp), waits_by_stage(rp))
 
 
 def load_checked(src: PlanRanks, progress: Callable[[str], None] | None = None
@@ -229,11 +233,26 @@ def _copy_seconds(rp: RankPlan, kinds: tuple[int, ...], pack_bps: float,
     return out
 
 
-def by_stage(t: Any, stages: int) -> list[list[tuple[int, int]]]:
-    """A signal table (`signals` or `waits`) as (peer, kind) lists per stage."""
-    out: list[list[tuple[int, int]]] = [[] for _ in range(stages)]
+def sends_by_stage(rp: RankPlan) -> list[dict[int, list[int]]]:
+    """A rank's signals as kind -> peers per stage, in plan order."""
+    out: list[dict[int, list[int]]] = [{} for _ in range(rp.stages)]
+    t = rp.signals
     for s, p, k in zip(t["stage"].tolist(), t["peer"].tolist(), t["kind"].tolist()):
-        out[s].append((p, k))
+        out[s].setdefault(k, []).append(p)
+    return out
+
+
+_LAG = {k: -sent_stage(k, 0) for k in SIGNAL_KINDS}
+"""Stages between a signal of each kind being sent and the stage that waits for it."""
+
+
+def waits_by_stage(rp: RankPlan) -> list[list[tuple[int, int, int, int]]]:
+    """A rank's waits per stage, in plan order, each as the key of the signal it matches
+    (from, to, kind, sent in) (`order_violations` let only known kinds in)."""
+    out: list[list[tuple[int, int, int, int]]] = [[] for _ in range(rp.stages)]
+    t, r, lag = rp.waits, rp.rank, _LAG
+    for s, p, k in zip(t["stage"].tolist(), t["peer"].tolist(), t["kind"].tolist()):
+        out[s].append((p, r, k, s - lag[k]))
     return out
 
 

@@ -65,8 +65,7 @@ from planner.tools.simrates import RateCache
 from planner.topology import NIC_WRITE_S, NVLINK_WRITE_S
 from schemas.errors import PlanFormatError
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, Plan
-from schemas.protocol import INFLIGHT, sent_stage
-from schemas.protocol import KINDS as SIGNAL_KINDS
+from schemas.protocol import INFLIGHT
 
 _WAIT_IN, _PACK, _WRITE, _SEND_DONE, _WAIT_DONE, _UNPACK, _SEND_ACK = range(7)
 
@@ -148,19 +147,14 @@ class _Sim:
         self.packs_end = [0.0] * self.world  # when a prepacked stage's packs finish
         self.packing: dict[tuple[int, int], tuple[float, float]] = {}  # (rank, stage) ->
         # when packs that did not run early ran
-        # each stage's signals by kind, in plan order: `_send` sends one kind at a time
-        self.sends = [[{k: [p for p, kk in stage if kk == k] for k in {kk for _, kk in stage}}
-                       for stage in sr.sends] for sr in ranks]
-        # each wait as the key of the signal it matches (from, to, kind, sent in), in plan
-        # order: all of a stage's (`_carry`), and those of each of its two waiting phases;
-        # a kind's lag once, not once a wait (`order_violations` let only known kinds in)
-        lag = {k: -sent_stage(k, 0) for k in SIGNAL_KINDS}
-        self.waits = [[[(peer, sr.rank, k, s - lag[k]) for peer, k in stage]
-                       for s, stage in enumerate(sr.waits)] for sr in ranks]
-        self.waits_in = [[[key for key in stage if key[2] != DONE] for stage in rw]
-                         for rw in self.waits]
-        self.waits_done = [[[key for key in stage if key[2] == DONE] for stage in rw]
-                           for rw in self.waits]
+        self.sends = [sr.sends for sr in ranks]  # each stage's: kind -> peers
+        # each stage's waits as signal keys (`SimRank.waits`): all of them (`_carry`), and
+        # those of each of its two waiting phases
+        self.waits = [sr.waits for sr in ranks]
+        self.waits_in = [[[key for key in stage if key[2] != DONE] for stage in sr.waits]
+                         for sr in ranks]
+        self.waits_done = [[[key for key in stage if key[2] == DONE] for stage in sr.waits]
+                           for sr in ranks]
         self.quantum = 0.0  # the exact model (`simulate` sets the model's)
         self.slack = np.zeros(len(self.cap))  # the coarse model's, by resource (`run`)
 
@@ -399,16 +393,17 @@ class _Sim:
         for r in range(w):
             self._advance(r, 0.0)
         act, r_act, rem = np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0)
+        a_e = a_i = act  # the active flows' egress and ingress
         while True:  # the active flows' slots, rates and bytes left change only when dirty
             if self.dirty:
                 if self.new_slots:
                     self._posted(t)
                 act = np.flatnonzero(self.active)
-                r_act = (self.rates.rates(self.f_eres[act], self.f_ires[act], self.ccap)
-                         if len(act) else np.zeros(0))
+                a_e, a_i = self.f_eres[act], self.f_ires[act]
+                r_act = self.rates.rates(a_e, a_i, self.ccap) if len(act) else np.zeros(0)
                 rem = self.rem[act]
                 used = np.zeros(len(self.ccap), dtype=bool)  # resources some flow uses
-                used[self.f_eres[act]] = used[self.f_ires[act]] = True
+                used[a_e] = used[a_i] = True
                 self.dirty = False
             t_timer = self.heap[0][0] if self.heap else np.inf
             ttf = rem / r_act
@@ -423,15 +418,16 @@ class _Sim:
                 # earlier); coarse: also those within `quantum` of it (before any timer)
                 near = ttf <= max(dt_flow * (1 + 1e-9) + 1e-12,
                                   min(dt_flow + self.quantum, t_timer - t))
-                done = act[near]
-                dt = ttf[near].max()
+                done, t_near = act[near], ttf[near]
+                dt = t_near.max()
                 if self.quantum:  # the group lands when it has moved its bytes in all; the
                     # early ones' shares idled until then, the late ones' last bytes are
                     # skipped: the model's slack (signed)
-                    dt = min(max(rem[near].sum() / r_act[near].sum(), dt_flow), dt)
-                    idle = (dt - ttf[near]) * r_act[near]
-                    slack += (np.bincount(self.f_eres[done], idle, len(slack))
-                              + np.bincount(self.f_ires[done], idle, len(slack)))
+                    r_near = r_act[near]
+                    dt = min(max(rem[near].sum() / r_near.sum(), dt_flow), dt)
+                    idle = (dt - t_near) * r_near
+                    slack += (np.bincount(a_e[near], idle, len(slack))
+                              + np.bincount(a_i[near], idle, len(slack)))
             if len(act) and dt > 0:
                 rem -= r_act * dt
                 self.rem[act] = rem
