@@ -225,9 +225,11 @@ def _copy_seconds(rp: RankPlan, kinds: tuple[int, ...], pack_bps: float,
     quant = c["kind"][rows] == QUANT
     np.add.at(out, c["stage"][rows[quant]], overhead_s)
     rows = rows[~quant]
-    if len(rows):
-        key = np.stack([c[k][rows].astype(np.int64) for k in ("stage", "kind", *COPY_GROUP_KEY)],
-                       axis=1)
+    if len(rows):  # one op per distinct row of these columns (a column equal on every row
+        # tells no two apart: left out), their stages in order
+        cols = [c[k][rows] for k in ("kind", *COPY_GROUP_KEY)]
+        key = np.stack([c["stage"][rows].astype(np.int64)]
+                       + [x.astype(np.int64) for x in cols if x.min() != x.max()], axis=1)
         ops = unique_rows(key)
         np.add.at(out, ops[:, 0], overhead_s)
     return out

@@ -57,16 +57,17 @@ def maxmin(eres: np.ndarray, ires: np.ndarray, cap: np.ndarray,
             if not alive.any():
                 return rate
             cnt = np.bincount(eres, alive, n) + np.bincount(ires, alive, n)
-    idx = np.flatnonzero(alive)
-    rate[idx] = level
+    rate[alive] = level
     free = alive
-    for _ in range(2):
+    for last in (False, True):
         idx = np.flatnonzero(free)
         ee, ii = eres[idx], ires[idx]
         cnt = np.bincount(ee, minlength=n) + np.bincount(ii, minlength=n)
         share = left / np.maximum(cnt, 1)
         add = np.minimum(share[ee], share[ii])
         rate[idx] += add
+        if last:  # (what is left over after it is read by no one)
+            return rate
         left -= (np.bincount(ee, weights=add, minlength=n) +
                  np.bincount(ii, weights=add, minlength=n))
         full = left <= 1e-9 * cap
