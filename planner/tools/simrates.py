@@ -1,13 +1,15 @@
 """Max-min fair rates for `simulate`'s event loop (`maxmin`), and the cache that reuses them
 while the same (egress, ingress) pairs are on (`RateCache`).
 
-`simulate` recomputes the rates of the active flows whenever the set of flows changes:
-about once per batch, 207k times for DeepSeek-V3's published plan (2,048 flows each), so
-`maxmin` indexes `cap`'s resources directly rather than numbering the resources in use.
-The straightforward form that numbers them first (`np.unique`) is the reference in
-`tests/support/maxmin_ref.py`; `tests/planner/test_simrates.py` checks that both give the
-same rates bit for bit on random flows (every value computed for a resource in use is the
-same float operation on the same operands, and resources not in use are never read).
+`simulate` recomputes the rates of the active flows whenever the set of flows changes
+(once per landing, or per landing group in the coarse model: thousands of times on a large
+plan, with thousands of flows each), so `maxmin` indexes `cap`'s resources directly rather
+than numbering the resources in use, and works each level on every resource and flow at
+once (few array operations a level). The straightforward form that numbers them first
+(`np.unique`) is the reference in `tests/support/maxmin_ref.py`;
+`tests/planner/test_simrates.py` checks that both give the same rates bit for bit on random
+flows (every value computed for a resource in use is the same float operation on the same
+operands, and what is kept for resources not in use is never read).
 """
 
 from __future__ import annotations
