@@ -221,9 +221,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
+    from planner.progress import Progress
     from planner.tools.inspect import explain_text
 
-    print(explain_text(args.plan, args.tensor, args.json))
+    with Progress("explain") as progress:
+        text = explain_text(args.plan, args.tensor, args.json, progress)
+    print(text)
     return 0
 
 

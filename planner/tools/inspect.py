@@ -302,12 +302,18 @@ def _chunked_line(header: PlanHeader, chunked: dict[int, int | None]) -> str:
             " MiB budget (column chunked)")
 
 
-def explain_text(path: str, tensor: str, as_json: bool = False) -> str:
+def explain_text(path: str, tensor: str, as_json: bool = False,
+                 progress: Callable[[str], None] | None = None) -> str:
     """How the logical (HF checkpoint) tensor `tensor` moves: who sends which bytes to whom,
-    and, for gathered boxes, which source ranks hold it before the gather."""
+    and, for gathered boxes, which source ranks hold it before the gather. `progress` is
+    told each step (the explain blob is hundreds of MB on a large plan)."""
+    if progress is not None:
+        progress("reading the explain blob")
     with open_plan(path) as f:
         header, start = read_header(f, path)
         names, t = decode_explain(read_blob(f, header, start, "explain", path), path)
+        if progress is not None:
+            progress("reading the ranks it names")
         if tensor not in names:
             close = close_names(tensor, names)
             hint = f"; did you mean {', '.join(close)}?" if close else \
@@ -330,6 +336,8 @@ def explain_text(path: str, tensor: str, as_json: bool = False) -> str:
              "target": regions[int(t["dst_rank"][i])][t["dst_region"][i]].name,
              "bytes": int(t["nbytes"][i]), "boxes": int(t["boxes"][i])} for i in m.tolist()]
     gathered = sorted({r["source_rank"] for r in rows if r["source"] == STAGING})
+    if progress is not None:
+        progress("reading the source ranks' tensors")
     holders = _source_holders(path, header, tensor)
     senders = sorted({r["source_rank"] for r in rows})
     out = {"tensor": tensor, "bytes": sum(r["bytes"] for r in rows),

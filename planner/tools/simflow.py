@@ -21,7 +21,8 @@ from schemas.bounds import order_violations
 from schemas.errors import PlanFormatError
 from schemas.header import PlanHeader
 from schemas.plan import COPY_GROUP_KEY, PACK, QUANT, UNPACK, RankPlan
-from schemas.protocol import ITEM, Overlap, carries, overlap
+from schemas.protocol import ITEM, Overlap, carries, overlap, sent_stage
+from schemas.protocol import KINDS as SIGNAL_KINDS
 from schemas.table import among, content_key, table_digest
 
 NIC, NVLINK = 0, 1
@@ -63,8 +64,11 @@ class SimRank:
     unpack_s: np.ndarray
     overlap: Overlap
     carries: list[bool]
-    sends: list[list[tuple[int, int]]]
-    waits: list[list[tuple[int, int]]]
+    sends: list[dict[int, list[int]]]
+    """Each stage's signals: kind -> peers, in plan order."""
+    waits: list[list[tuple[int, int, int, int]]]
+    """Each stage's waits, in plan order, as the key of the signal each matches: (from,
+    to, kind, the stage it is sent in)."""
 
 
 def sim_rank(rp: RankPlan, header: PlanHeader) -> SimRank:
@@ -73,7 +77,7 @@ def sim_rank(rp: RankPlan, header: PlanHeader) -> SimRank:
     return SimRank(rp.rank, rp.stages, batch_columns((rp,)),
                    copy_seconds(rp, (PACK, QUANT), pbps, pov),
                    copy_seconds(rp, (UNPACK,), pbps, pov), overlap(rp), carries(rp).tolist(),
-                   by_stage(rp.signals, rp.stages), by_stage(rp.waits, rp.stages))
+                   sends_by_stage(rp), waits_by_stage(rp))
 
 
 def load_checked(src: PlanRanks, progress: Callable[[str], None] | None = None
@@ -146,13 +150,12 @@ def initial_state(sim: Any) -> None:
     sim.free_slots = [list(range(r * k + k - 1, r * k - 1, -1)) for r in range(w)]
     sim.active = np.zeros(w * k, dtype=bool)
     sim.rem = np.zeros(w * k)
-    sim.flow_gid = np.zeros(w * k, dtype=np.int64)
+    sim.gid = np.zeros(w * k, dtype=np.int64)  # each window slot's batch
     sim.f_eres = np.zeros(w * k, dtype=np.int64)
     sim.f_ires = np.zeros(w * k, dtype=np.int64)
     sim.start, sim.end = np.zeros(nb), np.zeros(nb)
     sim.lane = np.zeros(nb, dtype=np.int64)
     sim.dirty = False
-    sim.fkey = sim.ceres * len(sim.ccap) + sim.cires  # a batch's (egress, ingress)
     sim.landed = 0
 
 
@@ -222,19 +225,36 @@ def _copy_seconds(rp: RankPlan, kinds: tuple[int, ...], pack_bps: float,
     quant = c["kind"][rows] == QUANT
     np.add.at(out, c["stage"][rows[quant]], overhead_s)
     rows = rows[~quant]
-    if len(rows):
-        key = np.stack([c[k][rows].astype(np.int64) for k in ("stage", "kind", *COPY_GROUP_KEY)],
-                       axis=1)
+    if len(rows):  # one op per distinct row of these columns (a column equal on every row
+        # tells no two apart: left out), their stages in order
+        cols = [c[k][rows] for k in ("kind", *COPY_GROUP_KEY)]
+        key = np.stack([c["stage"][rows].astype(np.int64)]
+                       + [x.astype(np.int64) for x in cols if x.min() != x.max()], axis=1)
         ops = unique_rows(key)
         np.add.at(out, ops[:, 0], overhead_s)
     return out
 
 
-def by_stage(t: Any, stages: int) -> list[list[tuple[int, int]]]:
-    """A signal table (`signals` or `waits`) as (peer, kind) lists per stage."""
-    out: list[list[tuple[int, int]]] = [[] for _ in range(stages)]
+def sends_by_stage(rp: RankPlan) -> list[dict[int, list[int]]]:
+    """A rank's signals as kind -> peers per stage, in plan order."""
+    out: list[dict[int, list[int]]] = [{} for _ in range(rp.stages)]
+    t = rp.signals
     for s, p, k in zip(t["stage"].tolist(), t["peer"].tolist(), t["kind"].tolist()):
-        out[s].append((p, k))
+        out[s].setdefault(k, []).append(p)
+    return out
+
+
+_LAG = {k: -sent_stage(k, 0) for k in SIGNAL_KINDS}
+"""Stages between a signal of each kind being sent and the stage that waits for it."""
+
+
+def waits_by_stage(rp: RankPlan) -> list[list[tuple[int, int, int, int]]]:
+    """A rank's waits per stage, in plan order, each as the key of the signal it matches
+    (from, to, kind, sent in) (`order_violations` let only known kinds in)."""
+    out: list[list[tuple[int, int, int, int]]] = [[] for _ in range(rp.stages)]
+    t, r, lag = rp.waits, rp.rank, _LAG
+    for s, p, k in zip(t["stage"].tolist(), t["peer"].tolist(), t["kind"].tolist()):
+        out[s].append((p, r, k, s - lag[k]))
     return out
 
 

@@ -65,8 +65,7 @@ from planner.tools.simrates import RateCache
 from planner.topology import NIC_WRITE_S, NVLINK_WRITE_S
 from schemas.errors import PlanFormatError
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, Plan
-from schemas.protocol import INFLIGHT, sent_stage
-from schemas.protocol import KINDS as SIGNAL_KINDS
+from schemas.protocol import INFLIGHT
 
 _WAIT_IN, _PACK, _WRITE, _SEND_DONE, _WAIT_DONE, _UNPACK, _SEND_ACK = range(7)
 
@@ -148,14 +147,14 @@ class _Sim:
         self.packs_end = [0.0] * self.world  # when a prepacked stage's packs finish
         self.packing: dict[tuple[int, int], tuple[float, float]] = {}  # (rank, stage) ->
         # when packs that did not run early ran
-        # each stage's signals by kind, in plan order: `_send` sends one kind at a time
-        self.sends = [[{k: [p for p, kk in stage if kk == k] for k in {kk for _, kk in stage}}
-                       for stage in sr.sends] for sr in ranks]
-        # each wait as (kind, the key of the signal it matches: from, to, kind, sent in);
-        # a kind's lag once, not once a wait (`order_violations` let only known kinds in)
-        lag = {k: -sent_stage(k, 0) for k in SIGNAL_KINDS}
-        self.waits = [[[(k, (peer, sr.rank, k, s - lag[k])) for peer, k in stage]
-                       for s, stage in enumerate(sr.waits)] for sr in ranks]
+        self.sends = [sr.sends for sr in ranks]  # each stage's: kind -> peers
+        # each stage's waits as signal keys (`SimRank.waits`): all of them (`_carry`), and
+        # those of each of its two waiting phases
+        self.waits = [sr.waits for sr in ranks]
+        self.waits_in = [[[key for key in stage if key[2] != DONE] for stage in sr.waits]
+                         for sr in ranks]
+        self.waits_done = [[[key for key in stage if key[2] == DONE] for stage in sr.waits]
+                           for sr in ranks]
         self.quantum = 0.0  # the exact model (`simulate` sets the model's)
         self.slack = np.zeros(len(self.cap))  # the coarse model's, by resource (`run`)
 
@@ -171,9 +170,9 @@ class _Sim:
             if ph in (_WAIT_IN, _WAIT_DONE):
                 if ph == _WAIT_IN:
                     self._send(r, s, t, READY)
-                kinds = (READY, ACK, SLOT_ACK) if ph == _WAIT_IN else (DONE,)
                 self.phase[r] += 1
-                if not self._wait(r, s, t, kinds):
+                if not self._wait(r, t, (self.waits_in if ph == _WAIT_IN
+                                         else self.waits_done)[r][s]):
                     return
             elif ph in (_PACK, _UNPACK):
                 dur = (self.pack_s if ph == _PACK else self.unpack_s)[r][s]
@@ -207,27 +206,29 @@ class _Sim:
         if not peers:
             return
         at = t + self.lat
+        arrival, pop = self.arrival, self.waiters.pop
+        wait_t, missing = self.wait_t, self.missing
         for peer in peers:
             key = (r, peer, kind, s)
-            self.arrival[key] = at
-            for waiter in self.waiters.pop(key, ()):
-                self.wait_t[waiter] = max(self.wait_t[waiter], at)
-                self.missing[waiter] -= 1
-                if self.missing[waiter] == 0:
-                    self._timer(self.wait_t[waiter], waiter)
+            arrival[key] = at
+            for waiter in pop(key, ()):
+                wait_t[waiter] = max(wait_t[waiter], at)
+                missing[waiter] -= 1
+                if missing[waiter] == 0:
+                    self._timer(wait_t[waiter], waiter)
 
-    def _wait(self, r: int, s: int, t: float, kinds: tuple[int, ...]) -> bool:
-        """Register rank `r`'s waits of stage `s`; True if it may go on at `t` at once."""
+    def _wait(self, r: int, t: float, keys: list[tuple[int, int, int, int]]) -> bool:
+        """Register rank `r`'s waits `keys` (of one phase of a stage); True if it may go on
+        at `t` at once."""
         latest, missing = t, 0
-        for k, key in self.waits[r][s]:
-            if k not in kinds:
-                continue
-            at = self.arrival.get(key)
+        get, waiters = self.arrival.get, self.waiters
+        for key in keys:
+            at = get(key)
             if at is None:
-                self.waiters.setdefault(key, []).append(r)
+                waiters.setdefault(key, []).append(r)
                 missing += 1
-            else:
-                latest = max(latest, at)
+            elif at > latest:
+                latest = at
         self.wait_t[r], self.missing[r] = latest, missing
         if missing == 0 and latest <= t:
             return True
@@ -260,7 +261,7 @@ class _Sim:
         if (not self.carries[r][s] or self.qbounds[q + 1] == self.qbounds[q]
                 or (self.pack_s[r][s + 1] > 0 and not self.prepacked[r][s + 1])):
             return
-        for _, key in self.waits[r][s + 1]:
+        for key in self.waits[r][s + 1]:
             at = self.arrival.get(key)
             if at is None or at > t:
                 return
@@ -286,46 +287,71 @@ class _Sim:
             self._post(r, t)
 
     def _post(self, r: int, t: float) -> None:
-        """Post batches while fewer than `inflight` are posted and not yet reaped."""
+        """Post batches while fewer than `inflight` are posted and not yet reaped. (The
+        flows' columns are set for all the batches posted at `t` at once: `_posted`.)"""
         win = self.window[r]
         if t < self.hold[r]:
             return  # the next stage's packs are still running
         posted = win[1] == win[2]
-        while win[1] < win[2] and win[3] < self.inflight:
-            g = self.qorder_l[win[1]]
-            slot = self.free_slots[r].pop()
-            self.gid_l[slot], self.rem[slot], self.active[slot] = g, self.size_l[g], True
-            self.f_eres[slot], self.f_ires[slot] = self.ceres_l[g], self.cires_l[g]
-            self.rates.on(self.fkey_l[g])
-            self.start[g], self.lane[g] = t, slot % self.inflight
-            win[1] += 1
-            win[3] += 1
+        n = min(win[2] - win[1], self.inflight - win[3])
+        if n > 0:
+            free, gid = self.free_slots[r], self.gid_l
+            new = self.qorder_l[win[1]:win[1] + n]
+            for g in new:
+                slot = free.pop()
+                gid[slot] = g
+                self.new_slots.append(slot)
+            self.new_gids += new
+            win[1] += n
+            win[3] += n
         self.dirty = True
         if win[1] == win[2] and not posted:
             self._carry(r, t)
 
-    def _land(self, slots: list[int], t: float) -> None:
+    def _posted(self, t: float) -> None:
+        """The batches posted at `t` (`_post`), as flows: their window slots' columns."""
+        slots = np.array(self.new_slots, dtype=np.int64)
+        g = self.gid[slots] = np.array(self.new_gids, dtype=np.int64)
+        self.new_slots.clear()
+        self.new_gids.clear()
+        self.active[slots] = True
+        self.rem[slots] = self.size[g]
+        self.f_eres[slots], self.f_ires[slots] = self.ceres[g], self.cires[g]
+        self.start[g], self.lane[g] = t, slots % self.inflight
+
+    def _land(self, slots: np.ndarray, t: float) -> None:
         """The batches in window `slots` land at `t`, one after another: each frees its place
         and its rank posts its next batch, sends a carried stage's DONE, or walks on. (The
         per-batch lists bound once for the group.)"""
-        gid, end, off, fkey, stage = self.gid_l, self.end, self.rates.off, self.fkey_l, self.stage_l
-        active, free, window, k = self.active, self.free_slots, self.window, self.inflight
-        unlanded, deferred = self.unlanded, self.deferred
-        for slot in slots:
-            g = gid[slot]
-            end[g] = t
-            off(fkey[g])
-            active[slot] = False
+        g_all = self.gid[slots]
+        self.end[g_all] = t
+        self.active[slots] = False
+        free, window, k = self.free_slots, self.window, self.inflight
+        unlanded, deferred, stage, hold = self.unlanded, self.deferred, self.stage_l, self.hold
+        qorder, gid, new_slots, new_gids = self.qorder_l, self.gid_l, self.new_slots, self.new_gids
+        for slot, g in zip(slots.tolist(), g_all.tolist()):
             r = slot // k
-            free[r].append(slot)
             win = window[r]
             win[0] += 1  # any landed batch frees its place in the window
-            win[3] -= 1
             s = stage[g]
             left = unlanded[r]
             left[s] -= 1
             if not left[s] and s in deferred[r]:
+                win[3] -= 1
+                free[r].append(slot)
                 self._carried_landed(r, s, t)
+            elif win[3] == k and win[1] + 1 < win[2] and hold[r] <= t:
+                # a full window with more than one batch to post: the next batch takes
+                # this place (what `_post` does here, inline: the common case)
+                g = qorder[win[1]]
+                gid[slot] = g
+                new_slots.append(slot)
+                new_gids.append(g)
+                win[1] += 1
+                continue
+            else:
+                win[3] -= 1
+                free[r].append(slot)
             if win[0] == win[2]:
                 self._advance(r, t)
             else:
@@ -355,10 +381,10 @@ class _Sim:
         self.rates = RateCache(len(self.ccap))  # (tests replace it by a reference)
         # what the per-batch steps read one value at a time, as lists (a numpy scalar read
         # costs several times a list's; the values are the same)
-        self.qorder_l, self.size_l = self.qorder.tolist(), self.size.tolist()
-        self.ceres_l, self.cires_l = self.ceres.tolist(), self.cires.tolist()
-        self.fkey_l, self.stage_l = self.fkey.tolist(), self.b.stage.tolist()
-        self.gid_l = self.flow_gid.tolist()  # each window slot's batch
+        self.qorder_l, self.stage_l = self.qorder.tolist(), self.b.stage.tolist()
+        self.gid_l = self.gid.tolist()  # each window slot's batch (`gid` once posted)
+        self.new_slots: list[int] = []  # slots posted since the flows were last set
+        self.new_gids: list[int] = []  # and their batches
         w, nb = self.world, len(self.b.rank)
         busy, slack = np.zeros(len(self.ccap)), np.zeros(len(self.ccap))
         t, events = 0.0, 0
@@ -367,14 +393,17 @@ class _Sim:
         for r in range(w):
             self._advance(r, 0.0)
         act, r_act, rem = np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0)
+        a_e = a_i = act  # the active flows' egress and ingress
         while True:  # the active flows' slots, rates and bytes left change only when dirty
             if self.dirty:
+                if self.new_slots:
+                    self._posted(t)
                 act = np.flatnonzero(self.active)
-                r_act = (self.rates.rates(self.f_eres[act], self.f_ires[act], self.ccap)
-                         if len(act) else np.zeros(0))
+                a_e, a_i = self.f_eres[act], self.f_ires[act]
+                r_act = self.rates.rates(a_e, a_i, self.ccap) if len(act) else np.zeros(0)
                 rem = self.rem[act]
                 used = np.zeros(len(self.ccap), dtype=bool)  # resources some flow uses
-                used[self.f_eres[act]] = used[self.f_ires[act]] = True
+                used[a_e] = used[a_i] = True
                 self.dirty = False
             t_timer = self.heap[0][0] if self.heap else np.inf
             ttf = rem / r_act
@@ -389,22 +418,23 @@ class _Sim:
                 # earlier); coarse: also those within `quantum` of it (before any timer)
                 near = ttf <= max(dt_flow * (1 + 1e-9) + 1e-12,
                                   min(dt_flow + self.quantum, t_timer - t))
-                done = act[near]
-                dt = ttf[near].max()
+                done, t_near = act[near], ttf[near]
+                dt = t_near.max()
                 if self.quantum:  # the group lands when it has moved its bytes in all; the
                     # early ones' shares idled until then, the late ones' last bytes are
                     # skipped: the model's slack (signed)
-                    dt = min(max(rem[near].sum() / r_act[near].sum(), dt_flow), dt)
-                    idle = (dt - ttf[near]) * r_act[near]
-                    slack += (np.bincount(self.f_eres[done], idle, len(slack))
-                              + np.bincount(self.f_ires[done], idle, len(slack)))
+                    r_near = r_act[near]
+                    dt = min(max(rem[near].sum() / r_near.sum(), dt_flow), dt)
+                    idle = (dt - t_near) * r_near
+                    slack += (np.bincount(a_e[near], idle, len(slack))
+                              + np.bincount(a_i[near], idle, len(slack)))
             if len(act) and dt > 0:
                 rem -= r_act * dt
                 self.rem[act] = rem
                 np.add(busy, dt, out=busy, where=used)
             t += dt
             if len(done):
-                self._land(done.tolist(), t)
+                self._land(done, t)
             if self.landed >= report:
                 report += step
                 progress(f"simulating: {self.landed:,}/{nb:,} batches landed, "  # type: ignore[misc]

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import planner.tools.simrates as simrates
 import planner.tools.simulate as sim_mod
 from planner.tools.simrates import RateCache, maxmin
 from planner.tools.simulate import simulate
@@ -52,33 +53,37 @@ def test_maxmin_past_max_levels():
     assert _bits(out) == _bits(maxmin_reference(e, i, cap))
 
 
-def test_rate_cache_reuses_rates_only_for_the_same_pairs():
+def test_rate_cache_reuses_rates_only_for_the_same_pairs(monkeypatch):
     cap = np.array([5.0, 7.0, 3.0, 2.0, 11.0, 13.0, 4.0, 6.0])
     n = len(cap)
     cache = RateCache(n)
     e, i = np.array([0, 1, 1]), np.array([5, 6, 7])
-    for k in (e * n + i).tolist():
-        cache.on(k)
     first = cache.rates(e, i, cap)
     assert _bits(first) == _bits(maxmin_reference(e, i, cap))
-    # the same pairs in another order: the same rates, moved with their flows
+    # the same pairs in another order: the same rates, moved with their flows, not computed
+    computed = []
+    monkeypatch.setattr(simrates, "maxmin", lambda *a: computed.append(a) or maxmin(*a))
     perm = np.array([2, 0, 1])
     assert _bits(cache.rates(e[perm], i[perm], cap)) == _bits(first[perm])
+    assert not computed
     # other pairs with the same count, sum and sum of squares of keys (1, 5, 6 and 2, 3, 7:
     # sums 12, squares 62): computed afresh, not reused
     cache2 = RateCache(1)
     a_e, a_i = np.array([1, 5, 6]), np.zeros(3, dtype=np.int64)
     b_e = np.array([2, 3, 7])
     cap2 = np.array([100.0, 1, 2, 3, 4, 5, 6, 7])  # the egresses are the bottlenecks
-    for k in a_e.tolist():
-        cache2.on(k)
     cache2.rates(a_e, a_i, cap2)
-    for k in a_e.tolist():
-        cache2.off(k)
-    for k in b_e.tolist():
-        cache2.on(k)
-    assert (cache2.sum, cache2.sq) == (12, 62)
+    sig = cache2.last_sig
     assert _bits(cache2.rates(b_e, a_i, cap2)) == _bits(maxmin_reference(b_e, a_i, cap2))
+    assert cache2.last_sig == sig == (3, 12, 62) and len(computed) == 2
+    # keys whose squares wrap in int64 still give equal signatures for equal pairs
+    big = RateCache(1 << 33)  # keys of about 2**35, their squares past 2**63
+    h_e, h_i = np.array([7, 3]), np.array([5, 6])
+    cap3 = np.ones(8)
+    big.rates(h_e, h_i, cap3)
+    assert len(computed) == 3
+    big.rates(h_e[::-1], h_i[::-1], cap3)
+    assert len(computed) == 3
 
 
 class _ReferenceRates:
@@ -89,12 +94,6 @@ class _ReferenceRates:
         self.n = n_res
         self.last_key: np.ndarray | None = None
         self.last_rate = np.zeros(0)
-
-    def on(self, key: int) -> None:
-        pass
-
-    def off(self, key: int) -> None:
-        pass
 
     def rates(self, eres: np.ndarray, ires: np.ndarray, cap: np.ndarray) -> np.ndarray:
         key = eres * self.n + ires

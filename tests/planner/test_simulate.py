@@ -159,3 +159,38 @@ def test_a_landed_batch_frees_its_place_behind_a_slow_head():
     res = simulate(plan, inflight=2)
     assert res["estimated_s"] == pytest.approx(0.042)
     assert res["floor_s"] == pytest.approx(0.042)
+
+
+@pytest.mark.parametrize("opts", [{}, {"staging_bytes": 8192, "max_write_bytes": 4096}])
+def test_copy_seconds_count_one_op_per_distinct_group(opts):
+    # a stage's copy seconds: bytes at the pack rate plus the overhead once per QUANT and
+    # once per distinct group of PACKs (or UNPACKs), here counted the straightforward way
+    # (`np.unique` of the rows of every column of the group key)
+    import numpy as np
+
+    from planner.tools.simflow import _copy_seconds
+    from schemas.plan import COPY_GROUP_KEY, QUANT
+    from schemas.protocol import ITEM
+    from tests.support.synthetic import fsdp2_to_vllm_plan
+
+    plan = fsdp2_to_vllm_plan(opts, "disaggregated")
+    bps, ov, seen = 7e9, 3e-5, 0
+    for rp in plan.ranks:
+        c = rp.copies
+        for kinds in ((PACK, QUANT), (UNPACK,)):
+            m = np.isin(c["kind"], kinds)
+            want = np.zeros(rp.stages)
+            item = np.maximum(ITEM[c["src_dtype"][m]], ITEM[c["dst_dtype"][m]])
+            nb = (c["size0"][m] * c["size1"][m] * c["size2"][m] * item).astype(np.float64)
+            np.add.at(want, c["stage"][m], nb / bps)
+            rows = np.flatnonzero(m)
+            np.add.at(want, c["stage"][rows[c["kind"][rows] == QUANT]], ov)
+            rows = rows[c["kind"][rows] != QUANT]
+            if len(rows):
+                key = np.stack([c[k][rows].astype(np.int64)
+                                for k in ("stage", "kind", *COPY_GROUP_KEY)], axis=1)
+                np.add.at(want, np.unique(key, axis=0)[:, 0], ov)
+                seen += 1
+            got = _copy_seconds(rp, kinds, bps, ov)
+            assert got.tobytes() == want.tobytes(), (rp.rank, kinds)
+    assert seen >= 2

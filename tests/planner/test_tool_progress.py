@@ -1,6 +1,6 @@
 """`verify`, `inspect` and `simulate` report progress through the whole read of a plan:
 the ranks, then the check of the explain blob (a third of a large plan's bytes,
-seconds at DeepSeek-V3 scale), and `simulate` its batches landed."""
+seconds at DeepSeek-V3 scale), and `simulate` its batches landed; `explain` its steps."""
 
 from __future__ import annotations
 
@@ -37,3 +37,16 @@ def test_each_tool_reports_ranks_then_the_blob_check(tmp_path: Path) -> None:
     sim = runs["simulate"]
     assert sim.index("simulating") > sim.index(BLOBS)
     assert any("batches landed" in x for x in sim)
+
+
+def test_explain_reports_its_steps(tmp_path: Path) -> None:
+    from planner.tools.inspect import explain_text
+
+    plan = fsdp2_to_vllm_plan({}, "disaggregated")
+    path = str(tmp_path / "p.rplan")
+    write_plan(path, plan)
+    lines: list[str] = []
+    text = explain_text(path, plan.tensors[0], False, lines.append)
+    assert plan.tensors[0] in text
+    assert lines == ["reading the explain blob", "reading the ranks it names",
+                     "reading the source ranks' tensors"]
