@@ -126,6 +126,8 @@ def _signals(low: Lowered, n_regions: np.ndarray, sources: int
     """(rank, stage, peer, kind) rows of signals sent and awaited."""
     d = low.w_dst_rank
     slot = low.slotted & (d >= sources)  # the direct path's target staging
+    if low.sources_slotted >= 0:  # a gather's, in halves (`gather_out.lowered`)
+        slot |= (d < sources) & (low.w_stage >= low.sources_slotted)
     return signal_rows(low.w_src_rank, d, low.w_stage, low.w_dst_region == n_regions[d], slot)
 
 
