@@ -245,6 +245,23 @@ def test_fp8_rounds_across_hosts_quantize_early_and_gather_on_slot_acks(tmp_path
         slot_waits += int((from_src & (k == SLOT_ACK)).sum())
         assert not (from_src & (k == ACK) & (rp.waits["stage"] > stages.min() + 2)).any()
     assert early >= sources and slot_waits > 0, (early, slot_waits)
+    # verify holds the QUANTs to it: one moved after its fan-out (two stages on) leaves the
+    # fan-out reading staging nothing filled
+    import dataclasses
+
+    from planner.tools import verify
+    from schemas.table import Table
+
+    rp = plan.ranks[0]
+    c = rp.copies
+    i = int(np.flatnonzero((c["kind"] == QUANT) & (c["src_region"] != staging_index(rp)))[0])
+    stage = np.array(c["stage"])
+    stage[i] += 2
+    moved = Table.build(c.schema, **{n: np.array(c[n]) for n, _ in c.schema} | {"stage": stage})
+    ranks = list(plan.ranks)
+    ranks[0] = dataclasses.replace(rp, copies=moved)
+    assert any("no pack of its stage fills" in p
+               for p in verify.dataflow(dataclasses.replace(plan, ranks=tuple(ranks))))
     path = str(tmp_path / "p.rplan")
     write_plan(path, plan)
     full = random_full_tensors(spec, seed=3)
