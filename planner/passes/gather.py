@@ -32,8 +32,14 @@ the owner's ACK. Where every box fits half a pool, each pool is split in halves,
 rounds in one and odd rounds in the other (`gather_out.Staging`, `gather_out.lowered`):
 a round's gather packs then touch nothing the round before reads, so they run while that
 round's fan-out is written (`schemas.protocol`'s early packs) instead of at the stage
-boundary, and a round holds half as much, which evens the owners' fan-out per round.
-Only where the cost model says it pays (`gather_out.halves_fit`; FP8 on NVLink).
+boundary, and so do the QUANTs that read a box in place (put in the gather stage of their
+round, not the convert stage: else they would overwrite what the round before sends, and
+its last writes, then these QUANTs, then the next fan-out would run one after another);
+a round holds half as much, which evens the owners' fan-out per round; and a holder's
+gather into an owner's staging from round 1 on waits for the owner's SLOT_ACK of stage
+s - 3 (the round two before, which used the same half), not its ACK of stage s - 1: a
+holder is not held back by an owner still sending the round before. Only where the cost
+model says it pays (`gather_out.halves_fit`: FP8, or few boxes a round).
 The boxes QUANT reads in place come first, as columns (`gather_direct.py`); each other box's
 owner, parts and fan-out are columns where they can be (`gather_rows.py`), else rows below.
 """
@@ -363,7 +369,9 @@ class Gatherer:
             return slot.g_off  # the gathered box is already the target's bytes
         r0, r1, m0, m1 = part or (0, 0, b.n0, b.n1)
         scales = slot.s_off // 4 + (r0 // BLOCK) * scale_stride(b.n1) + r1 // BLOCK
-        self.out.copy((b.owner, QUANT if b.quant else PACK, slot.convert, region, b.src_code,
+        # read in place, with halves: in the gather stage, early (the module's doc)
+        stage = slot.gather if b.direct and self.alloc.halves else slot.convert
+        self.out.copy((b.owner, QUANT if b.quant else PACK, stage, region, b.src_code,
                        offset, strides[0], strides[1], 1, self.stg[b.owner], b.out_code,
                        slot.f_off // b.es_d + r0 * b.n1 + r1, b.n1, 1, 1, m0, m1, 1,
                        scales if b.quant else 0))

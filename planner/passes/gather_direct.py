@@ -65,11 +65,13 @@ def add_direct(g: GatherState, order: np.ndarray) -> int:
     np.add.at(g.fanout, owner, numel * n_to[:n])
     g.unit_max = max(g.unit_max, int((numel * n_to[:n]).max()))
     g.max_stage = max(g.max_stage, int(convert.max()))
-    # one QUANT a box, read in place
+    # one QUANT a box, read in place: with halves in its round's gather stage, so that it
+    # runs early, during the round before's fan-out (`gather.py`)
     code = src.dtype
     read = src.base + t0 * src.a0 + t1 * src.a1
     ones = np.ones(n, dtype=np.int64)
-    g.out.copies.extend(np.stack([owner, ones * QUANT, convert, src.region, code, read,
+    quant_at = convert - 1 if g.alloc.halves else convert
+    g.out.copies.extend(np.stack([owner, ones * QUANT, quant_at, src.region, code, read,
                                  src.a0, src.a1, ones, stg, ones * FP8_CODE, start,
                                  n1, ones, ones, n0, n1, ones, s_off // 4], axis=1))
     # per target: the values, then the scales (`Out.runs` rows: several writes or one)

@@ -92,7 +92,8 @@ class Staging:
 FEW_BOXES = 10
 """Boxes (at most) of a round of whole pools below which halves even the owners' fan-out."""
 PACK_SHARE = 0.05
-"""Share of the fan-out time above which the gathers' pack launches are worth overlapping."""
+"""Share of the fan-out time above which the gathers' pack launches, or the conversions, are
+worth overlapping."""
 
 
 def halves_fit(tboxes: np.ndarray, out_codes: np.ndarray, src_codes: np.ndarray,
@@ -108,10 +109,12 @@ def halves_fit(tboxes: np.ndarray, out_codes: np.ndarray, src_codes: np.ndarray,
     launches (one a box at least, `pack_overhead_s` each) are over `PACK_SHARE` of the
     time to send the boxes' bytes at `nic_bps` (bytes/s): then overlapping them with the
     round before pays for the extra rounds' boundaries; or converting the boxes (QUANT or a
-    casting PACK: their source bytes at `convert_bps`) takes longer than sending what they
-    become at `fan_out_bps` (NVLink, where every rank shares one host): then a round that
-    waits for the round before's fan-out to free its staging runs its conversions apart
-    from any write, and halves let them run beside it (FP8 on NVLink)."""
+    casting PACK: their source bytes at `convert_bps`) takes over `PACK_SHARE` of the time
+    to send what they become once at `fan_out_bps` (NVLink where every rank shares one
+    host, else a NIC): then a round that waits for the round before's fan-out to free its
+    staging runs its conversions apart from any write, its owner's link idle meanwhile, and
+    halves let them run beside it (FP8: a QUANT reads 2 bytes an element at `pack_gbps`
+    while its e4m3 byte goes out at NIC or NVLink rate, 40% of that time or more)."""
     if not len(tboxes) or owners < 1:
         return False
     n0, n1 = tboxes[:, 3], tboxes[:, 4]
@@ -128,8 +131,8 @@ def halves_fit(tboxes: np.ndarray, out_codes: np.ndarray, src_codes: np.ndarray,
     packs = len(need) * pack_overhead_s > PACK_SHARE * (n0 * n1).sum() * es / nic_bps
     conv = out_es > 0
     converts = bool(conv.any()) and convert_bps > 0 and fan_out_bps > 0 and \
-        (n0 * n1)[conv].sum() * es / convert_bps > (n0 * n1 * ITEM[out_codes])[conv].sum() \
-        / fan_out_bps
+        (n0 * n1)[conv].sum() * es / convert_bps > PACK_SHARE * (
+            n0 * n1 * ITEM[out_codes])[conv].sum() / fan_out_bps
     return bool(few or packs or converts)
 
 
@@ -255,7 +258,8 @@ def lowered(out: Out, alloc: Staging, stages: int, base: int = 0,
             n_regions: np.ndarray | None = None) -> Lowered:
     """The gather's columns; with `alloc.halves`, each round's staging offsets moved into
     its half of each pool (`_halves`; `base`: the first gather stage, `n_regions`: each
-    rank's staging region)."""
+    rank's staging region), and the gathers of round 1 on (stage `base + 2` on) waiting
+    for their owner's SLOT_ACK (`Lowered.sources_slotted`)."""
     w = np.concatenate([out.writes.array(), _expand(out.strided.array())])
     c = out.copies.array()
     if alloc.halves and n_regions is not None:
@@ -268,7 +272,8 @@ def lowered(out: Out, alloc: Staging, stages: int, base: int = 0,
             w[wi, Out.W.index("src_offset")] += alloc.pool1[rank]
     copies = {name: c[:, i] for i, name in enumerate(Out.C)}
     return Lowered(*(w[:, i] for i in range(8)), copies=copies, staging=staging,
-                   stages=stages)
+                   stages=stages,
+                   sources_slotted=base + 2 if alloc.halves and n_regions is not None else -1)
 
 
 def _halves(out: Out, alloc: Staging, w: np.ndarray, c: np.ndarray, base: int,

@@ -65,6 +65,10 @@ class Lowered:
     slotted: bool = False
     """The targets' staging is used in slots (stage s: slot `s % SLOTS`, `staging.place_staging`):
     a write into it waits for the SLOT_ACK of stage s - SLOTS, not the ACK of s - 1."""
+    sources_slotted: int = -1
+    """From this stage on (-1: none), a write into a source rank's staging (a gather's) waits
+    for its SLOT_ACK of stage s - SLOTS, not its ACK of s - 1: the gather's staging in
+    halves, each used by every other round of two stages (`gather_out.lowered`)."""
 
 
 def merge(parts: list[Lowered | None]) -> Lowered:
@@ -80,6 +84,7 @@ def merge(parts: list[Lowered | None]) -> Lowered:
     assert a is not None
     staging, stages, slotted = np.maximum(a.staging, b.staging), max(a.stages, b.stages), \
         a.slotted
+    sources_slotted = max(a.sources_slotted, b.sources_slotted)
     keys = [k for k in Lowered.__slots__ if k.startswith("w_")]
     wa, wb = {k: getattr(a, k) for k in keys}, {k: getattr(b, k) for k in keys}
     ca, cb = dict(a.copies), dict(b.copies)
@@ -87,7 +92,8 @@ def merge(parts: list[Lowered | None]) -> Lowered:
     w = {k: np.concatenate([wa.pop(k), wb.pop(k)], dtype=np.int32 if k in NARROW else None)
          for k in keys}
     copies = {k: np.concatenate([ca.pop(k), cb.pop(k)]) for k in list(ca)}
-    return Lowered(**w, copies=copies, staging=staging, stages=stages, slotted=slotted)
+    return Lowered(**w, copies=copies, staging=staging, stages=stages, slotted=slotted,
+                   sources_slotted=sources_slotted)
 
 
 BLOCK = 1 << 20

@@ -2,8 +2,14 @@
 
 Within a stage, a source's writes to one target are cut into batches of at most
 `max_write_bytes` (and 1024 writes). Batches go out in rounds: round k holds every
-target's k-th batch, and source i visits targets in an order rotated by i, so at any
-moment the sources spread over different targets instead of all hitting the first.
+target's k-th batch, and source i visits targets in an order rotated by `i * spread(n)`
+(n targets; `spread`: odd, coprime with n), so at any moment the sources spread over
+different targets instead of all hitting the first (sources i and j start at the same
+target only where i = j mod n, as with a rotation by i), and the sources that feed one
+target reach it at times spread over the stage: a run of consecutive ranks (the ranks
+holding neighbouring rows of a tensor, or the experts a target takes) as well as a stride of
+them (one TP rank of every group), where a rotation by i lets a run of consecutive ranks
+reach it all in one part of the stage and leaves it idle in the rest.
 
 Signals (see `schemas.plan`): every (source, target) pair with writes exchanges READY
 (stage 0) and, per stage with writes, DONE; a target whose staging is written in stage
@@ -14,6 +20,7 @@ networkx).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import networkx as nx
@@ -26,6 +33,8 @@ from schemas.plan import ACK, DONE, READY, SLOT_ACK
 from schemas.protocol import sent_stage, wait_stage
 
 MAX_BATCH_WRITES = 1024
+GOLDEN = (5 ** 0.5 - 1) / 2
+"""The golden ratio's fraction: the best spread of multiples (`spread`)."""
 PHASES = ("ready", "pack", "write", "done", "unpack", "ack")
 
 
@@ -68,7 +77,8 @@ def schedule(low: Lowered, topo: Topology, max_write_bytes: int,
     del gid, gstart
     rnd = np.maximum(before // max_write_bytes, pos // MAX_BATCH_WRITES)
     del before, pos
-    rot = (g_dst - topo.sources + g_src) % max(topo.targets, 1)
+    nt = max(topo.targets, 1)
+    rot = (g_dst - topo.sources + g_src.astype(np.int64) * spread(nt)) % nt
     del g_dst
     order = group[lexorder(rot, rnd, g_stage, g_src)]  # stable: ties keep group order
     del rot, g_stage, g_src
@@ -92,6 +102,19 @@ def schedule(low: Lowered, topo: Topology, max_write_bytes: int,
     return Schedule(order, batch_start, batch_nic, signals, waits, nodes, edges)
 
 
+def spread(n: int) -> int:
+    """The step between the first targets of consecutive sources among `n` targets: the
+    first integer from `n` times the golden ratio's fraction (0.618...) up that is coprime
+    with `n` (so `i * spread(n) mod n` is a permutation of the sources' residues). Its
+    multiples mod `n` are nearly evenly spread for any run of consecutive sources (the
+    three-distance theorem) and, `n` being a power of two, exactly even for a run at a
+    power-of-two stride."""
+    step = max(1, round(n * GOLDEN))
+    while math.gcd(step, n) != 1:
+        step += 1
+    return step
+
+
 def _unique_rows(*cols: np.ndarray) -> np.ndarray:
     if len(cols[0]) == 0:
         return np.zeros((0, len(cols)), dtype=np.int64)
@@ -103,6 +126,8 @@ def _signals(low: Lowered, n_regions: np.ndarray, sources: int
     """(rank, stage, peer, kind) rows of signals sent and awaited."""
     d = low.w_dst_rank
     slot = low.slotted & (d >= sources)  # the direct path's target staging
+    if low.sources_slotted >= 0:  # a gather's, in halves (`gather_out.lowered`)
+        slot |= (d < sources) & (low.w_stage >= low.sources_slotted)
     return signal_rows(low.w_src_rank, d, low.w_stage, low.w_dst_region == n_regions[d], slot)
 
 

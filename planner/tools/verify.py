@@ -11,8 +11,9 @@ One implementation serves the CLI and the property suite:
   (source, target, stage) with writes has READY and DONE; staged writes into a target's
   staging after stage 0 wait for its ACK of the stage before, or (slotted staging) touch no
   byte it still reads in the stages its SLOT_ACK does not cover;
-- `dataflow`: staging is filled before it is read, in the same stage: every staging byte
-  a write reads was packed by that rank in the write's stage (packs run before writes),
+- `dataflow`: staging is filled before it is read: every staging byte a write reads was
+  packed or quantized by that rank in the write's stage (packs run before writes) or the
+  stage before, or landed in the stage before (a gather),
   every staging byte an unpack reads was written into it in the unpack's stage (writes
   land before DONE, unpacks run after it); packs of one stage never overlap; a stage
   that packs early (`schemas/protocol.py`) packs into no byte a peer writes in the

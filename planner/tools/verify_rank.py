@@ -136,7 +136,8 @@ def rank_coverage(rp: RankPlan, inc: Incoming, staging: int
 
 def rank_dataflow(rp: RankPlan, inc: Incoming) -> list[str]:
     """Staging a write reads holds data: filled by this stage's packs or QUANTs, or by the
-    previous stage's packs and landed writes (a gather: its DONE is awaited first); early
+    previous stage's packs, QUANTs and landed writes (a gather: its DONE is awaited first;
+    an FP8 gather's QUANTs read in place, in the gather stage of their round); early
     packs never overwrite what the previous stage's writes land in; unpacks read landed
     bytes. Every stage at once: intervals are grouped by the stage they serve."""
     sg = staging_index(rp)
@@ -153,9 +154,10 @@ def rank_dataflow(rp: RankPlan, inc: Incoming) -> list[str]:
     q_st, q_lo, q_hi = own.quants
     sel = np.flatnonzero(w["src_region"] == sg)
     lo = w["src_offset"][sel].astype(np.int64)
-    # stage s reads what its packs and QUANTs and stage s-1's packs and landed writes fill
+    # stage s reads what its packs and QUANTs and stage s-1's packs, QUANTs and landed
+    # writes fill
     f_st, f_lo, f_hi = cat3((p_st, p_lo, p_hi), (p_st + 1, p_lo, p_hi), (q_st, q_lo, q_hi),
-                            (land[0] + 1, land[1], land[2]))
+                            (q_st + 1, q_lo, q_hi), (land[0] + 1, land[1], land[2]))
     bad = outside_by_group(stage[sel], lo, lo + w["nbytes"][sel], f_st, f_lo, f_hi)
     stages, first = np.unique(stage[sel][bad], return_index=True)
     for s, i in zip(stages.tolist(), sel[bad][first].tolist()):
