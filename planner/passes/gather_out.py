@@ -192,8 +192,15 @@ class Block:
         self.n += len(rows)
 
     def array(self) -> np.ndarray:
+        """All rows as one array, which the block keeps as its only block (its parts are
+        dropped: the rows are never held twice; a caller that changes the array in place
+        changes the block's rows)."""
         self._seal()
-        return np.concatenate([np.zeros((0, self.width), dtype=np.int64), *self.blocks])
+        if len(self.blocks) != 1 or self.blocks[0].dtype != np.int64 or \
+                self.blocks[0].base is not None:  # (one int64 array of its own: kept as is)
+            self.blocks = [np.concatenate([np.zeros((0, self.width), dtype=np.int64),
+                                           *self.blocks])]
+        return self.blocks[0]
 
     def _seal(self) -> None:
         if self.tail:
@@ -256,7 +263,9 @@ def lowered(out: Out, alloc: Staging, stages: int, base: int = 0,
     """The gather's columns; with `alloc.halves`, each round's staging offsets moved into
     its half of each pool (`_halves`; `base`: the first gather stage, `n_regions`: each
     rank's staging region)."""
-    w = np.concatenate([out.writes.array(), _expand(out.strided.array())])
+    w = out.writes.array()
+    if len(out.strided):
+        w = np.concatenate([w, _expand(out.strided.array())])
     c = out.copies.array()
     if alloc.halves and n_regions is not None:
         staging = _halves(out, alloc, w, c, base, np.asarray(n_regions, dtype=np.int64))
