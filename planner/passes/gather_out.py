@@ -139,11 +139,18 @@ def _align(n: np.ndarray) -> np.ndarray:
 
 class Rows:
     """Some columns of a table as Python lists, for reads of one row at a time (a numpy
-    scalar costs far more)."""
+    scalar costs far more); each column made on its first read (a gather reads some columns
+    of a table row by row, others never: those are never made)."""
 
     def __init__(self, table: object, columns: tuple[str, ...]) -> None:
-        for c in columns:
-            setattr(self, c, getattr(table, c).tolist())
+        self._table, self._columns = table, columns
+
+    def __getattr__(self, name: str) -> list[int]:
+        if name.startswith("_") or name not in self._columns:
+            raise AttributeError(name)
+        col = getattr(self._table, name).tolist()
+        setattr(self, name, col)  # (found as an attribute from now on)
+        return col
 
 
 class ScaleRows:

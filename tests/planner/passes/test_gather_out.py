@@ -1,11 +1,13 @@
 """`gather_out.Block`: rows appended one at a time and as arrays, in order, as one int64
-array, kept as the block's only part (never held twice)."""
+array, kept as the block's only part (never held twice); `gather_out.Rows`: a table's
+columns as lists, each made on its first read only."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from planner.passes.gather_out import Block
+from planner.passes.gather_out import Block, Rows
+from planner.passes.intersect import PieceTable
 
 
 def test_rows_in_order_as_one_array_kept_once() -> None:
@@ -27,3 +29,18 @@ def test_rows_in_order_as_one_array_kept_once() -> None:
     small.extend(np.ones((2, 3), dtype=np.int32))
     assert small.array().dtype == np.int64
     assert Block(2).array().shape == (0, 2)
+
+
+def test_rows_made_on_first_read_only() -> None:
+    cols = {f: np.arange(5, dtype=np.int32) * (i + 1) for i, f in enumerate(PieceTable.__slots__)}
+    rows = Rows(PieceTable(**cols), ("rank", "base", "a0"))
+    assert "rank" not in vars(rows) and "base" not in vars(rows)
+    assert rows.rank == cols["rank"].tolist() and type(rows.rank[0]) is int
+    assert rows.rank is rows.rank and "rank" in vars(rows)  # made once, then kept
+    assert "base" not in vars(rows) and "a0" not in vars(rows)  # never read: never made
+    for name in ("dtype", "_x", "nope"):  # not among its columns
+        try:
+            getattr(rows, name)
+        except AttributeError:
+            continue
+        raise AssertionError(name)
