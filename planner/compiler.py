@@ -61,7 +61,7 @@ from planner.passes.coalesce import coalesce
 from planner.passes.emit import (
     coverage_table,
     emit,
-    explain_table,
+    explain_rows,
     explain_with,
     plan_header,
     rank_regions,
@@ -70,8 +70,8 @@ from planner.passes.emit import (
 )
 from planner.passes.gather import gather
 from planner.passes.intersect import (
+    Chunks,
     PieceTable,
-    chunk_bytes,
     element_size,
     intersect,
     piece_table,
@@ -221,10 +221,9 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     choice = assign(chunks, src, routes.direct, topo)
     n_chunks, sets = len(chunks), egress_sets(chunks, src, routes.direct, topo)
     chunks = without_holders(chunks)  # read by assign and egress_sets only
-    explain = explain_table(chunks.tensor, src.rank[choice], src.region[choice],
-                            routes.direct.rank[chunks.dst], routes.direct.region[chunks.dst],
-                            chunk_bytes(chunks, routes.direct), replicas=dst_layout.replicas,
-                            spill=True)  # read again only when the plan is written
+    explain = explain_rows(_explain_rows(chunks, choice, src, routes.direct), n_chunks,
+                           replicas=dst_layout.replicas, spill=True)  # read again only
+    # when the plan is written
     regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
                            tensor_regions(dst_layout))  # staging is added once lowered
     side = ThreadPoolExecutor(1)  # hashing and sorts release the GIL: these run beside lower
@@ -281,6 +280,19 @@ def _quiet(step: str) -> None:
 
 def _ignore(plan: Plan) -> None:
     pass
+
+
+def _explain_rows(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable
+                  ) -> Callable[[slice], tuple[np.ndarray, ...]]:
+    """The explain columns (`emit.explain_table`'s six) of a slice of the chunks, made when
+    asked for: a replica's block at a time, never all chunks' at once."""
+
+    def rows(at: slice) -> tuple[np.ndarray, ...]:
+        c, s, d = chunks, choice[at], chunks.dst[at]
+        return (c.tensor[at], src.rank[s], src.region[s], dst.rank[d], dst.region[d],
+                c.size0[at] * c.size1[at] * element_size(dst.dtype[d]))
+
+    return rows
 
 
 def _bytes_in(t: PieceTable, world: int) -> np.ndarray:

@@ -11,6 +11,7 @@ import hashlib
 import io
 import struct
 import zlib
+from collections.abc import Iterable
 from typing import Any, BinaryIO
 
 import msgpack
@@ -141,7 +142,7 @@ MAX_DECODED = 1 << 36
 """Largest decoded blob (64 GiB): far above any real plan's blobs (hundreds of MB)."""
 
 
-def deflate(parts: list[bytes | memoryview]) -> bytes:
+def deflate(parts: Iterable[bytes | memoryview]) -> bytes:
     """The compact blob of the bytes `parts` join to (compressed part by part: they are never
     joined), framed: `FRAME`, the decoded size, the zlib stream."""
     z = zlib.compressobj(LEVEL)

@@ -9,12 +9,14 @@ them) is written, then the blobs.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import struct
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from .plan import FORMAT_VERSION, MAGIC, Plan
 from .plan_codec import checksum, deflate, pack
@@ -67,8 +69,52 @@ def _end(index: dict[str, list[Any]]) -> int:
 
 
 def _compact(parts: list[bytes | memoryview]) -> tuple[list[bytes | memoryview], int, bytes]:
-    data = deflate(parts)
+    data = deflate(_released(parts))
     return [data], len(data), checksum(data)
+
+
+RELEASE_SLICE = 8 << 20
+"""Bytes of a file-mapped part compressed before its pages are dropped (`_released`)."""
+
+
+def _released(parts: list[bytes | memoryview]) -> Iterator[bytes | memoryview]:
+    """`parts` in order, each part mapped from a file (a spilled table's column, a spilled
+    blob: `mmap` underneath) in `RELEASE_SLICE` slices, each slice's pages dropped from this
+    process once the consumer asks for the next (`MADV_DONTNEED`: a shared file mapping
+    reads them again from the file if touched again). The bytes are the same; reading a
+    spilled blob no longer keeps all of it resident, so a plan's spilled hundreds of MB are
+    never in the process at once."""
+    for part in parts:
+        m = _mapping(part)
+        if m is None or len(part) == 0:
+            yield part
+            continue
+        mv = memoryview(part).cast("B")
+        for lo in range(0, len(mv), RELEASE_SLICE):
+            piece = mv[lo:lo + RELEASE_SLICE]
+            yield piece
+            _drop(m, piece)
+
+
+def _mapping(part: bytes | memoryview) -> mmap.mmap | None:
+    """The `mmap` a part's bytes lie in (through memoryviews and numpy arrays), or None."""
+    x: Any = part
+    for _ in range(8):
+        if isinstance(x, mmap.mmap):
+            return x
+        x = x.obj if isinstance(x, memoryview) else getattr(x, "base", None)
+        if x is None:
+            return None
+    return None
+
+
+def _drop(m: mmap.mmap, piece: memoryview) -> None:
+    """Drop the pages under `piece` (rounded out to whole pages, within `m`) from this
+    process's mapping of `m`."""
+    base = np.frombuffer(m, dtype=np.uint8).ctypes.data
+    lo = np.frombuffer(piece, dtype=np.uint8).ctypes.data - base
+    start = lo - lo % mmap.PAGESIZE
+    m.madvise(mmap.MADV_DONTNEED, start, min(lo + len(piece), len(m)) - start)
 
 
 def _plain(parts: list[bytes | memoryview]) -> tuple[list[bytes | memoryview], int, bytes]:

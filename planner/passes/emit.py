@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -276,46 +276,63 @@ def explain_table(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarr
 
     `spill`: the table `spilled`, its repeated columns made and written one at a time (the
     whole table is never held in memory)."""
-    if len(tensor) == 0:
-        return Table.empty(EXPLAIN_COLUMNS)
     cols = (tensor, src_rank, src_region, dst_rank, dst_region, nbytes)
-    shift = _replica_shift(cols, replicas) if boxes is None and replicas > 1 else None
+    if boxes is not None:
+        table = _explain(*cols, boxes) if len(tensor) else Table.empty(EXPLAIN_COLUMNS)
+        return spilled(table) if spill else table
+    return explain_rows(lambda rows: tuple(c[rows] for c in cols), len(tensor), replicas,
+                        spill)
+
+
+Rows = Callable[[slice], tuple[np.ndarray, ...]]
+"""The six explain columns (`explain_table`'s) of a slice of rows, made when asked for."""
+
+
+def explain_rows(rows: Rows, n: int, replicas: int = 1, spill: bool = False) -> Table:
+    """`explain_table` of `n` rows given by `rows` (one box each): with `replicas` > 1, the
+    rows are asked for one block at a time (the blocks checked alike, `_replica_shift`), so
+    the whole rows are made only when the blocks are not alike."""
+    if n == 0:
+        return Table.empty(EXPLAIN_COLUMNS)
+    shift = _replica_shift(rows, n, replicas) if replicas > 1 else None
     if shift is not None:
-        n = len(tensor) // replicas
-        one = _explain(*(c[:n] for c in cols), None)
+        one = _explain(*rows(slice(0, n // replicas)), None)
         if spill:
             return _spill(EXPLAIN_COLUMNS, _stamped_columns(one, replicas, shift))
         return Table.build(EXPLAIN_COLUMNS, **dict(zip(
             (name for name, _ in EXPLAIN_COLUMNS), _stamped_columns(one, replicas, shift))))
-    table = _explain(*cols, boxes)
+    table = _explain(*rows(slice(0, n)), None)
     return spilled(table) if spill else table
 
 
-def _replica_shift(cols: tuple[np.ndarray, ...], replicas: int) -> int | None:
-    """The shift of target ranks from block to block when `cols` (explain_table's six) are
-    `replicas` blocks of equal length, every column but the target rank equal to the first
-    block's and the target rank the first block's plus `r * shift` in block r, with
-    `shift` larger than the span of the first block's target ranks (so each block's ranks
-    come after the previous one's); else None."""
-    n = len(cols[0])
+def _replica_shift(rows: Rows, n: int, replicas: int) -> int | None:
+    """The shift of target ranks from block to block when the `n` rows (explain_table's six
+    columns, `rows`) are `replicas` blocks of equal length, every column but the target
+    rank equal to the first block's and the target rank the first block's plus `r * shift`
+    in block r, with `shift` larger than the span of the first block's target ranks (so
+    each block's ranks come after the previous one's); else None. The blocks are made one
+    at a time."""
     if n % replicas:
         return None
     n //= replicas
-    dst = cols[3]
-    lo, hi = int(dst[:n].min()), int(dst[:n].max())
-    shift = int(dst[n]) - int(dst[0])
-    if shift <= hi - lo:
-        return None
-    first = [np.asarray(c[:n]) for c in cols]
+    first = [np.asarray(c) for c in rows(slice(0, n))]
+    dst = first[3]
+    lo, hi = int(dst.min()), int(dst.max())
+    shift = None
     for r in range(1, replicas):
-        block = slice(r * n, (r + 1) * n)
-        for k, (c, f) in enumerate(zip(cols, first)):
+        block = rows(slice(r * n, (r + 1) * n))
+        if shift is None:
+            shift = int(block[3][0]) - int(dst[0])
+            if shift <= hi - lo:
+                return None
+        for k, (c, f) in enumerate(zip(block, first)):
             if k == 3:
-                if not np.array_equal(np.subtract(c[block], f, dtype=np.int64), np.full(
+                if not np.array_equal(np.subtract(c, f, dtype=np.int64), np.full(
                         n, r * shift, dtype=np.int64)):
                     return None
-            elif not np.array_equal(c[block], f):
+            elif not np.array_equal(c, f):
                 return None
+        del block
     return shift
 
 
@@ -333,12 +350,12 @@ def _stamped_columns(one: Table, replicas: int, shift: int) -> Iterator[np.ndarr
     for name in ("tensor", "src_rank", "src_region"):
         c = one[name]
         same &= c[1:] == c[:-1]
-    g_start = np.flatnonzero(np.concatenate([[True], ~same]))
-    g_len = np.diff(np.append(g_start, m))
+    dt = np.int32 if m * replicas < 1 << 31 else np.int64  # row numbers
+    g_start = np.flatnonzero(np.concatenate([[True], ~same])).astype(dt)
+    g_len = np.diff(np.append(g_start, m)).astype(dt)
     out_len = g_len * replicas
-    g = np.repeat(np.arange(len(g_start)), out_len)
-    q = np.arange(m * replicas, dtype=np.int64) - np.repeat(np.cumsum(out_len) - out_len,
-                                                            out_len)
+    g = np.repeat(np.arange(len(g_start), dtype=dt), out_len)
+    q = np.arange(m * replicas, dtype=dt) - np.repeat(np.cumsum(out_len) - out_len, out_len)
     block, i = np.divmod(q, g_len[g])
     del q
     i += g_start[g]
@@ -346,7 +363,7 @@ def _stamped_columns(one: Table, replicas: int, shift: int) -> Iterator[np.ndarr
     for name, dt in EXPLAIN_COLUMNS:
         col = one[name][i]
         if name == "dst_rank":
-            col = np.asarray(col + block * shift, dtype=dt)
+            col = np.asarray(col + block.astype(np.int64) * shift, dtype=dt)
             del block
         yield col
 

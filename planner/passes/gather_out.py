@@ -142,11 +142,18 @@ def _align(n: np.ndarray) -> np.ndarray:
 
 class Rows:
     """Some columns of a table as Python lists, for reads of one row at a time (a numpy
-    scalar costs far more)."""
+    scalar costs far more); each column made on its first read (a gather reads some columns
+    of a table row by row, others never: those are never made)."""
 
     def __init__(self, table: object, columns: tuple[str, ...]) -> None:
-        for c in columns:
-            setattr(self, c, getattr(table, c).tolist())
+        self._table, self._columns = table, columns
+
+    def __getattr__(self, name: str) -> list[int]:
+        if name.startswith("_") or name not in self._columns:
+            raise AttributeError(name)
+        col = getattr(self._table, name).tolist()
+        setattr(self, name, col)  # (found as an attribute from now on)
+        return col
 
 
 class ScaleRows:
@@ -195,8 +202,15 @@ class Block:
         self.n += len(rows)
 
     def array(self) -> np.ndarray:
+        """All rows as one array, which the block keeps as its only block (its parts are
+        dropped: the rows are never held twice; a caller that changes the array in place
+        changes the block's rows)."""
         self._seal()
-        return np.concatenate([np.zeros((0, self.width), dtype=np.int64), *self.blocks])
+        if len(self.blocks) != 1 or self.blocks[0].dtype != np.int64 or \
+                self.blocks[0].base is not None:  # (one int64 array of its own: kept as is)
+            self.blocks = [np.concatenate([np.zeros((0, self.width), dtype=np.int64),
+                                           *self.blocks])]
+        return self.blocks[0]
 
     def _seal(self) -> None:
         if self.tail:
@@ -260,7 +274,9 @@ def lowered(out: Out, alloc: Staging, stages: int, base: int = 0,
     its half of each pool (`_halves`; `base`: the first gather stage, `n_regions`: each
     rank's staging region), and the gathers of round 1 on (stage `base + 2` on) waiting
     for their owner's SLOT_ACK (`Lowered.sources_slotted`)."""
-    w = np.concatenate([out.writes.array(), _expand(out.strided.array())])
+    w = out.writes.array()
+    if len(out.strided):
+        w = np.concatenate([w, _expand(out.strided.array())])
     c = out.copies.array()
     if alloc.halves and n_regions is not None:
         staging = _halves(out, alloc, w, c, base, np.asarray(n_regions, dtype=np.int64))

@@ -281,12 +281,15 @@ def _staged(c: Chosen, si: np.ndarray, first: int, n_regions: np.ndarray, opts: 
                 d_region=c.dst.region[c.chunks.dst[si]], s_start=c.start(si, source=True),
                 d_start=c.start(si, source=False))
     del src_rank, dst_rank
-    p, u = g.pack, g.unpack
+    # the copies first: the geometry only they read goes before the writes are made
+    cp = copies(g, at, n_regions)
+    p, u, s_code, es_d, nbytes = g.pack, g.unpack, g.s_code, g.es_d, g.nbytes
+    del g
     w = Writes(
         src_rank=at.src_rank, dst_rank=at.dst_rank,
         src_region=np.where(p, n_regions[at.src_rank], at.s_region),
-        src_offset=np.where(p, s_soff, at.s_start * element_size(g.s_code)),
+        src_offset=np.where(p, s_soff, at.s_start * element_size(s_code)),
         dst_region=np.where(u, n_regions[at.dst_rank], at.d_region),
-        dst_offset=np.where(u, d_soff, at.d_start * g.es_d),
-        nbytes=g.nbytes, stage=stage.astype(np.int32))
-    return _Staged(w, copies(g, at, n_regions), staging, stages, slotted)
+        dst_offset=np.where(u, d_soff, at.d_start * es_d),
+        nbytes=nbytes, stage=stage.astype(np.int32))
+    return _Staged(w, cp, staging, stages, slotted)

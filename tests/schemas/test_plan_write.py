@@ -3,14 +3,22 @@ column bytes left in place) joins to msgpack's own packing."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy as np
 
 from planner.compiler import compile_config
 from planner.validate import load
-from schemas.plan_codec import pack
-from schemas.plan_write import _parts, encode_plan, write_plan
+from schemas.plan_codec import deflate, pack
+from schemas.plan_write import (
+    RELEASE_SLICE,
+    _mapping,
+    _parts,
+    _released,
+    encode_plan,
+    write_plan,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,3 +40,42 @@ def test_written_file_is_the_encoded_plan(tmp_path) -> None:
     size = write_plan(str(path), plan, b"k" * 32, compact=False)
     assert path.read_bytes() == encode_plan(plan, b"k" * 32, compact=False)
     assert size == path.stat().st_size > len(data)
+
+
+def _mapped_rss_kib(m: mmap.mmap) -> int:
+    """This process's resident KiB of the mapping `m` (its `/proc/self/smaps` entry)."""
+    addr = np.frombuffer(m, dtype=np.uint8).ctypes.data
+    found = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            found = lo <= addr < hi
+        elif found and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError("mapping not found")
+
+
+def test_mapped_parts_are_read_in_full_and_dropped_once_read(tmp_path) -> None:
+    """A spilled (file-mapped) column compresses to the same stream as its bytes, and its
+    pages leave the process as it is read: a spilled explain table is never resident whole."""
+    data = np.random.default_rng(0).integers(0, 50, 3 * RELEASE_SLICE + 12345, np.uint8)
+    with open(tmp_path / "spill", "w+b") as f:
+        f.write(data.tobytes())
+        f.flush()
+        m = mmap.mmap(f.fileno(), len(data), access=mmap.ACCESS_READ)
+    col = np.frombuffer(m, dtype=np.int32, offset=4100, count=(len(data) - 4200) // 4)
+    parts = [b"head", memoryview(col).cast("B"), memoryview(m)[7:5000]]
+    assert _mapping(parts[1]) is m and _mapping(parts[2]) is m and _mapping(parts[0]) is None
+    whole = b"".join(bytes(p) for p in parts)  # (read without releasing: all resident)
+    assert _mapped_rss_kib(m) * 1024 > 2 * RELEASE_SLICE
+    m.madvise(mmap.MADV_DONTNEED)
+    got, most = [], 0
+    for piece in _released(parts):
+        got.append(bytes(piece))
+        most = max(most, _mapped_rss_kib(m) * 1024)
+    assert b"".join(got) == whole
+    slack = 4 << 20  # pages mapped around a fault (huge pages, where the file system has them)
+    assert most <= RELEASE_SLICE + slack  # one slice at a time, not the whole column
+    assert _mapped_rss_kib(m) * 1024 <= slack
+    assert deflate(_released(parts)) == deflate([whole])

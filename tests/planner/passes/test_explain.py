@@ -85,3 +85,26 @@ def test_spilled_table_reads_the_same() -> None:
     assert not any(c.flags.writeable for c in out.columns)
     empty = explain_table(*np.zeros((6, 0), np.int64))
     assert spilled(empty) is empty
+
+
+def test_rows_are_asked_for_one_block_at_a_time() -> None:
+    """`explain_rows`: replica blocks alike are made (and checked) one block at a time, the
+    table the same as from all the rows; blocks not alike are then made whole."""
+    from planner.passes.emit import explain_rows
+
+    rng = np.random.default_rng(5)
+    rows = _replicated(rng, 8, 8)
+    asked: list[int] = []
+
+    def get(at: slice) -> tuple[np.ndarray, ...]:
+        asked.append(len(rows[at]))
+        return tuple(rows[at].T)
+
+    for spill in (False, True):
+        asked.clear()
+        assert _rows(explain_rows(get, len(rows), 8, spill)) == _oracle(rows)
+        assert max(asked) == len(rows) // 8
+    rows[-1, 5] += 1  # the last block differs: every row, as it is
+    asked.clear()
+    assert _rows(explain_rows(get, len(rows), 8)) == _oracle(rows)
+    assert asked[-1] == len(rows)

@@ -1,0 +1,46 @@
+"""`gather_out.Block`: rows appended one at a time and as arrays, in order, as one int64
+array, kept as the block's only part (never held twice); `gather_out.Rows`: a table's
+columns as lists, each made on its first read only."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from planner.passes.gather_out import Block, Rows
+from planner.passes.intersect import PieceTable
+
+
+def test_rows_in_order_as_one_array_kept_once() -> None:
+    b = Block(3)
+    b.append((1, 2, 3))
+    b.extend(np.array([[4, 5, 6], [7, 8, 9]], dtype=np.int32))
+    b.append((10, 11, 12))
+    b.extend(np.arange(6, dtype=np.int64).reshape(2, 3))
+    want = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12], [0, 1, 2], [3, 4, 5]]
+    got = b.array()
+    assert got.dtype == np.int64 and got.tolist() == want and len(b) == len(want)
+    assert b.blocks == [got] and b.array() is got  # the parts dropped; asked again, the same
+    view = np.arange(12, dtype=np.int64).reshape(4, 3)[1:]
+    one = Block(3)
+    one.extend(view)  # a view of another array: copied, so changes to it stay its own
+    assert one.array() is not view and one.array().base is None
+    assert one.array().tolist() == view.tolist()
+    small = Block(3)
+    small.extend(np.ones((2, 3), dtype=np.int32))
+    assert small.array().dtype == np.int64
+    assert Block(2).array().shape == (0, 2)
+
+
+def test_rows_made_on_first_read_only() -> None:
+    cols = {f: np.arange(5, dtype=np.int32) * (i + 1) for i, f in enumerate(PieceTable.__slots__)}
+    rows = Rows(PieceTable(**cols), ("rank", "base", "a0"))
+    assert "rank" not in vars(rows) and "base" not in vars(rows)
+    assert rows.rank == cols["rank"].tolist() and type(rows.rank[0]) is int
+    assert rows.rank is rows.rank and "rank" in vars(rows)  # made once, then kept
+    assert "base" not in vars(rows) and "a0" not in vars(rows)  # never read: never made
+    for name in ("dtype", "_x", "nope"):  # not among its columns
+        try:
+            getattr(rows, name)
+        except AttributeError:
+            continue
+        raise AssertionError(name)
