@@ -278,7 +278,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--plain-plan", action="store_true",
-                    help="write the plan's blobs plain, not compact (to compare both forms' replay)")
+                    help="write the plan's blobs plain, not compact (to compare both forms' "
+                    "replay)")
     ap.add_argument("--transport", default="nixl", choices=["nixl", "cuda_ipc"])
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (rank 1 on cuda:1 if any)")
     ap.add_argument("--transport-options", default="{}",
