@@ -153,18 +153,19 @@ def _groups(rp: RankPlan, every: Hits, old: Placement, src: SourceTensors, ids: 
 def _read(rp: RankPlan, every: Hits, old: Placement, src: SourceTensors, ids: ExpertIds,
           sources: int, targets: int) -> tuple[Groups | None, np.ndarray]:
     w = rp.writes
-    rows, h = every.find(w["dst_rank"], w["dst_region"])
-    if not len(rows):
-        return None, np.zeros(0, np.int64)
+    h = every.of(w["dst_rank"], w["dst_region"])  # each write's stacked tensor (-1: none)
     b = rp.batches
-    group = np.repeat(b["stage"].astype(np.int64), b["stop"] - b["start"]) * (
-        sources + targets) + w["dst_rank"]
+    group = np.repeat(b["stage"].astype(np.int64) * (sources + targets),
+                      b["stop"] - b["start"])
+    group += w["dst_rank"]
     hit = np.zeros(int(group.max()) + 1, bool)
-    hit[group[rows]] = True
-    mine = np.flatnonzero(hit[group])  # the writes of the groups: table order
-    g = group[mine]
-    at = mine if (g[1:] >= g[:-1]).all() else mine[np.argsort(g, kind="stable")]  # group
-    # by group
+    hit[group[h >= 0]] = True
+    if not hit.any():
+        return None, np.zeros(0, np.int64)
+    sel = hit[group]
+    mine = np.arange(len(w)) if sel.all() else np.flatnonzero(sel)
+    g = group[mine]  # the writes of the groups: table order
+    at = mine[_by_group(g)]  # group by group
     order, ties = order_and_ties([g, *(w[c][mine] for c in ("dst_region", "src_offset",
                                                         "dst_offset"))])
     entry = mine[order]  # the rows, sorted as entries
@@ -175,9 +176,7 @@ def _read(rp: RankPlan, every: Hits, old: Placement, src: SourceTensors, ids: Ex
     if ties:
         raise NotIncremental(f"replan: source rank {rp.rank} writes the same target bytes "
                              "twice in one batch group; compile the new placement in full")
-    k = np.full(len(w), -1, np.int64)
-    k[rows] = h
-    k = k[entry]
+    k = h[entry]
     on = k >= 0  # the entries into stacked expert tensors
     kk = k[on]
     slot_g = every.first[kk] + w["dst_offset"][entry[on]] // every.slot_bytes[kk]
@@ -208,6 +207,16 @@ def _read(rp: RankPlan, every: Hits, old: Placement, src: SourceTensors, ids: Ex
     groups = Groups(at, np.cumsum(first) - 1, first, fixed, slot, ids_at, geometry, why)
     rows_of = entry
     return groups, rows_of
+
+
+def _by_group(g: np.ndarray) -> np.ndarray:
+    """The stable order of rows by their group number `g` (few groups: a radix sort)."""
+    if not len(g) or (g[1:] >= g[:-1]).all():
+        return np.arange(len(g))
+    lo, hi = int(g.min()), int(g.max())
+    if hi - lo < 1 << 16:
+        return np.argsort((g - lo).astype(np.uint16), kind="stable")
+    return np.argsort(g, kind="stable")
 
 
 def _rounds(nbytes: np.ndarray, first: np.ndarray, max_write_bytes: int) -> np.ndarray:
