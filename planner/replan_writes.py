@@ -78,7 +78,7 @@ def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
                              "regions; the plan is corrupt: recompile it")
     moved_key = groups.key[mi] & ~(mask << groups.shift)
     moved_key |= region << groups.shift
-    order = np.argsort(moved_key, kind="stable")
+    order = np.argsort(moved_key)  # (two equal keys are refused below, so any order)
     moved_key, mi = moved_key[order], mi[order]
     stay = np.flatnonzero(~m)
     stay_key = groups.key[stay]
