@@ -3,13 +3,17 @@
     python bench/replan.py            # DeepSeek-V3: 256 experts x 58 MoE layers, EP 32, 288 slots
     python bench/replan.py --tiny     # the tiny Qwen3-MoE, seconds
     python bench/replan.py --no-check # skip the full compile of each new placement
+    python bench/replan.py --cold     # each share's replans start from the plan read back
+                                      # from its bytes (the first builds every index)
 
 Compiles the plan for a placement with redundant experts (every logical expert once, then
 the hottest of a random load again, shuffled per layer), then for each rebalance (a share of
 the slots of every layer take other experts, replica counts kept valid) times `replan` in
 CPU seconds (`resource.getrusage`, this process only; the first replan of the plan, which
-builds the indexes of its target slots and source tensors, and the best of `--repeat`)
-and, unless `--no-check`, compiles the new placement in full and compares the bytes.
+builds the indexes of its target slots and source tensors, and the best of `--repeat`;
+with `--cold` the plan is read back from its encoding before each rebalance, as a new
+process reading the plan file does, so every share's first replan is a plan's first) and,
+unless `--no-check`, compiles the new placement in full and compares the bytes.
 Prints one table row per rebalance.
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import io
 import os
 import resource
 import sys
@@ -34,6 +39,7 @@ from planner.spec import load_spec  # noqa: E402
 from planner.validate import validate  # noqa: E402
 from schemas.config_load import config_from_dict  # noqa: E402
 from schemas.placement import Placement  # noqa: E402
+from schemas.plan import read_plan_from  # noqa: E402
 from schemas.plan_write import encode_plan  # noqa: E402
 
 MODELS = os.path.join(ROOT, "plans", "models")
@@ -90,6 +96,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--cold", action="store_true")
     ap.add_argument("--shares", default="0.02,0.1,0.5")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
@@ -111,6 +118,8 @@ def main() -> None:
     for share in (float(x) for x in args.shares.split(",")):
         new = rebalance(table, share, d.num_experts, rng)
         moved = len(Placement(table).moved(Placement(new)))
+        if args.cold:
+            plan = read_plan_from(io.BytesIO(encode_plan(plan)), "plan")
         cpus, walls = [], []
         for _ in range(max(1, args.repeat)):
             gc.collect()

@@ -62,19 +62,22 @@ class ExpertIds:
         d = spec.dims
         moe = {layer: i for i, layer in enumerate(eplb_layers(d))}
         weights = {w: i for i, w in enumerate(d.expert_names)}
-        n = len(spec.tensors)
+        names = [t.name for t in spec.tensors]
+        index = dict(zip(names, range(len(names))))
+        n = len(names)
         layer, expert, weight = (np.full(n, -1, np.int64) for _ in range(3))
         ids = np.full((len(moe), max(d.num_experts, 1), len(weights)), -1, np.int64)
-        for i, t in enumerate(spec.tensors):
-            m = _EXPERT.match(t.name)
-            if m is None or int(m[1]) not in moe or m[4] not in weights \
-                    or int(m[3]) >= d.num_experts:
-                continue
-            lw = (moe[int(m[1])], int(m[3]), weights[m[4]])
-            layer[i], expert[i], weight[i] = lw
-            ids[lw] = i
-        return ExpertIds(ids, layer, expert, weight,
-                         {t.name: i for i, t in enumerate(spec.tensors)})
+        named = _named(names, index, moe, weights, ids.shape)
+        if named is None:  # names of another form than `_named` makes: each one matched
+            for i, lw in _matched(names, moe, weights, d.num_experts):
+                layer[i], expert[i], weight[i] = lw
+                ids[lw] = i
+        else:
+            ids = named
+            at = np.nonzero(ids >= 0)
+            i = ids[at]
+            layer[i], expert[i], weight[i] = at
+        return ExpertIds(ids, layer, expert, weight, index)
 
     def canonical(self, tensor: np.ndarray) -> np.ndarray:
         """`tensor` ids with every expert's replaced by expert 0's of its layer and weight."""
@@ -83,6 +86,50 @@ class ExpertIds:
         t = out[hit]
         out[hit] = self.ids[self.layer[t], 0, self.weight[t]]
         return out
+
+
+def _matched(names: list[str], moe: dict[int, int], weights: dict[str, int],
+             experts: int) -> list[tuple[int, tuple[int, int, int]]]:
+    """(index, (MoE layer, expert, weight)) of every name of `names` that `_EXPERT` matches
+    with a layer of `moe`, a weight of `weights` and an expert below `experts`, in order."""
+    out = []
+    for i, name in enumerate(names):
+        m = _EXPERT.match(name)
+        if m is None or int(m[1]) not in moe or m[4] not in weights or int(m[3]) >= experts:
+            continue
+        out.append((i, (moe[int(m[1])], int(m[3]), weights[m[4]])))
+    return out
+
+
+def _named(names: list[str], index: dict[str, int], moe: dict[int, int],
+           weights: dict[str, int], shape: tuple[int, ...]) -> np.ndarray | None:
+    """`ExpertIds.ids` (of `shape`) of what `_matched` finds, found by making each expert's
+    name from its layer's prefix (the names of expert 0 matched) and looking it up, matching
+    only the other names holding ".experts."; None where that could differ from `_matched`:
+    one of those matches (another form, a layer with two prefixes, a number written another
+    way)."""
+    prefix: dict[int, str] = {}
+    for name in names:
+        if ".experts.0." not in name:
+            continue
+        m = _EXPERT.match(name)
+        if m is None or int(m[1]) not in moe:
+            continue
+        if prefix.setdefault(int(m[1]), m[2]) != m[2]:
+            return None
+    ids = np.full(shape, -1, np.int64)
+    for layer, mid in prefix.items():
+        for w, j in weights.items():
+            made = [f"model.layers.{layer}.{mid}.experts.{e}.{w}.weight"
+                    for e in range(shape[1])]
+            ids[moe[layer], :, j] = np.fromiter(map(index.get, made, [-1] * len(made)),
+                                                np.int64, len(made))
+    made = np.zeros(len(names), bool)
+    made[ids[ids >= 0]] = True
+    rest = [n for n, m in zip(names, made.tolist()) if not m and ".experts." in n]
+    if _matched(rest, moe, weights, shape[1]):
+        return None
+    return ids
 
 
 def plan_fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable,

@@ -150,7 +150,7 @@ def _feeds(table: Table, every: Hits, kk: np.ndarray, at: np.ndarray, counts: np
     e, w = ids.expert[t], ids.weight[t]
     if (ids.layer[t] != every.moe[k]).any():  # (not an expert tensor: -1)
         raise _fed_other()
-    s = table["src_rank"][rows].astype(np.int64)
+    s = table["src_rank"][rows]
     if len(s) and (s.min() < 0 or s.max() >= sources):
         raise NotIncremental("replan: a stacked expert tensor is fed by a target rank "
                              "(copied or gathered there); compile the new placement in full")
@@ -164,25 +164,29 @@ def _feeds(table: Table, every: Hits, kk: np.ndarray, at: np.ndarray, counts: np
     if (n == 0).any():
         raise NotIncremental("replan: a stacked expert tensor is fed an expert it does not "
                              "hold: the plan is corrupt: recompile it")
-    nbytes, boxes = table["nbytes"][rows], table["boxes"][rows].astype(np.int64)
-    key = (k * sources + s) * n_w + w
+    nbytes, boxes = table["nbytes"][rows], table["boxes"][rows]  # (copies: divided below)
+    fed = np.bincount(k, weights=nbytes, minlength=n_k)  # exact below 2^53
+    key = k * sources
+    key += s
+    key *= n_w
+    key += w
     size = n_k * sources * n_w
     pb, px = np.full(size, -1, np.int64), np.full(size, -1, np.int64)
     multi = np.flatnonzero(n != 1)  # rows of experts held in several slots: divided
-    share_b, share_x = (nbytes, boxes) if not len(multi) else (nbytes.copy(), boxes.copy())
-    share_b[multi] //= n[multi]
-    share_x[multi] //= n[multi]
+    n_m, whole_b, whole_x = n[multi], nbytes[multi], boxes[multi]
+    share_b, share_x = nbytes, boxes
+    share_b[multi] = whole_b // n_m
+    share_x[multi] = whole_x // n_m
     pb[key], px[key] = share_b, share_x
     if ((pb[key] != share_b).any() or (px[key] != share_x).any()
-            or (share_b[multi] * n[multi] != nbytes[multi]).any()
-            or (share_x[multi] * n[multi] != boxes[multi]).any()):
+            or (share_b[multi] * n_m != whole_b).any()
+            or (share_x[multi] * n_m != whole_x).any()):
         raise _uneven()  # one slot's share is not the same for every expert (or no share)
     present = np.bincount(key, minlength=size)  # rows of each (tensor, source, weight)
     distinct = np.count_nonzero(before, axis=1)  # experts each tensor holds
     if (present.reshape(n_k, -1) % np.maximum(distinct, 1)[:, None]).any() or (
             present.reshape(n_k, -1) > distinct[:, None]).any():
         raise _uneven()  # some expert of a tensor not fed by a source that feeds the others
-    fed = np.bincount(k, weights=nbytes, minlength=n_k)  # exact below 2^53
     if (fed != every.slot_bytes * every.count).any():
         raise _fed_other()
     present = present.reshape(n_k, sources, n_w) > 0

@@ -213,13 +213,17 @@ class Hits:
 
     def find(self, rank: np.ndarray, region: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows whose (rank, region) is hit, the hit index of each)."""
+        h = self.of(rank, region)
+        rows = np.flatnonzero(h >= 0)
+        return rows, h[rows]
+
+    def of(self, rank: np.ndarray, region: np.ndarray) -> np.ndarray:
+        """The hit index of each row's (rank, region) (-1: not hit)."""
         n, width = self.index.shape[0] - 1, self.index.shape[1] - 1
         at = np.minimum(rank, n, dtype=np.int64)
         at *= width + 1
         at += np.minimum(region, width, dtype=np.int64)
-        h = self.index.reshape(-1)[at]
-        rows = np.flatnonzero(h >= 0)
-        return rows, h[rows]
+        return self.index.reshape(-1)[at]
 
 
 def target_blobs(plan: Plan, hit: list[Slots], old: Placement, new: Placement,

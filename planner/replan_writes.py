@@ -4,13 +4,13 @@ each (stage, target) group holding such a write is put back in the order `coales
 `schedule` give (source region, target region, source offset, target offset), in the same
 table positions, its batch cuts unchanged.
 
-Where the writes sit changes from placement to placement, what they write does not: the
-writes of every group holding a write into a stacked expert tensor are read once per table
-(`Groups`: the groups' positions, their writes sorted by target region, source offset and
-target offset, and where each write comes from: its slot, weight and piece geometry, or
-its fixed source region), so a placement's order is one sort of them by (group, source
-region), stable. The index is kept for the table a replan makes, with where each of its
-writes now sits.
+The writes of every group holding a write into a stacked expert tensor are read once per
+table (`Groups`): their positions, group by group, with each one's group, source region,
+target region and offsets packed in one int64 (ascending in that order: the table's, which
+is checked) and the slot it writes. A placement moves only the writes into moved slots:
+their keys take the new source region, they are sorted and merged among the others' (kept
+in order) by one binary search, so no sort of every write. The index is kept for the
+table a replan makes, its keys and slots in the new order.
 """
 
 from __future__ import annotations
@@ -24,46 +24,35 @@ from planner.errors import NotIncremental
 from planner.passes.schedule import MAX_BATCH_WRITES
 from planner.placement import ExpertIds
 from planner.replan_tables import Hits, SourceTensors
-from planner.rows import order_and_ties
 from schemas.placement import Placement
 from schemas.plan import STAGING, WRITE_COLUMNS, RankPlan
 from schemas.table import Table
-
-_FINE, _STAGED, _OTHER = 0, 1, 2
-"""Why a write into a stacked expert tensor can (not) follow its slot's expert."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Groups:
     """One source rank's (stage, target) groups that hold a write into a stacked expert
-    tensor: their writes as entries, group by group, each group's sorted by target region,
-    source offset and target offset (what a placement does not change)."""
+    tensor, their writes as entries group by group, each group's in table order."""
 
     at: np.ndarray
-    """The groups' positions in the table, group by group, in table order (entry `i` of a
-    group goes to one of its positions)."""
-    group: np.ndarray
-    """Each entry's group (0, 1, ...: the groups in the order of `at`)."""
+    """The entries' positions in the table (entry `i` sits at `at[i]`)."""
     first: np.ndarray
     """Whether an entry begins its group."""
-    fixed: np.ndarray
-    """Each entry's source region, where it does not follow a slot (-1: it does)."""
+    key: np.ndarray
+    """Each entry's (group, source region, target region, source offset, target offset)
+    packed in one int64 (offsets wider than they fit: their rank among the values),
+    strictly ascending."""
+    shift: int
+    bits: int
+    """Where the source region sits in `key` (`bits` wide)."""
     slot: np.ndarray
     """The slot (MoE layer * physical slots + slot) an entry writes into (the number of
     slots: none)."""
-    ids_at: np.ndarray
-    """Where the entry's expert's spec id is, less `weights * expert`, in `ExpertIds.ids`
-    flat (its MoE layer and weight)."""
-    geometry: np.ndarray
-    """The geometry class of the entry's source piece (`SourceTensors.geometry`)."""
-    why: np.ndarray
-    """`_FINE`, or why the entry's slot may not move (`_STAGED`, `_OTHER`)."""
 
 
-_KEPT: dict[int, tuple[weakref.ref, Groups | None, np.ndarray]] = {}
+_KEPT: dict[int, tuple[weakref.ref, Groups | None]] = {}
 """By the identity of a writes table's `src_region` column (new in every table a replan
-changes; weakly held): its rank's `Groups` (None: no write into a stacked tensor) and
-the row of each of its entries in that table."""
+changes; weakly held): its rank's `Groups` (None: no write into a stacked tensor)."""
 
 
 def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
@@ -75,44 +64,76 @@ def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
     w = rp.writes
     if not len(w):
         return rp
-    groups, rows = _groups(rp, every, old, src, ids, sources, targets)
+    groups = _groups(rp, every, old, sources, targets)
     if groups is None:
         return rp
     m = moved[groups.slot]
-    if not m.any():
+    mi = np.flatnonzero(m)
+    if not len(mi):
         return rp
-    why = groups.why[m]
-    if (why == _STAGED).any():
+    region = _moved_regions(rp, groups.at[mi], groups.slot[mi], old, new, src, ids)
+    mask = (1 << groups.bits) - 1
+    if (region >> groups.bits).any():
+        raise NotIncremental(f"replan: source rank {rp.rank} reads a region past its "
+                             "regions; the plan is corrupt: recompile it")
+    moved_key = groups.key[mi] & ~(mask << groups.shift)
+    moved_key |= region << groups.shift
+    order = np.argsort(moved_key)  # (two equal keys are refused below, so any order)
+    moved_key, mi = moved_key[order], mi[order]
+    stay = np.flatnonzero(~m)
+    stay_key = groups.key[stay]
+    ins = np.searchsorted(stay_key, moved_key)
+    near = np.minimum(ins, len(stay_key) - 1)
+    if (moved_key[1:] == moved_key[:-1]).any() or (
+            len(stay_key) and (stay_key[near] == moved_key).any()):
+        raise NotIncremental(f"replan: source rank {rp.rank} writes the same target bytes "
+                             "twice in one batch group; compile the new placement in full")
+    n = len(groups.key)
+    put = ins + np.arange(len(mi))  # the moved entries' places in the new order
+    entry = np.empty(n, np.int64)  # the old entry at each place
+    key = np.empty(n, np.int64)
+    rest = np.ones(n, bool)
+    rest[put] = False
+    entry[put], entry[rest] = mi, stay
+    key[put], key[rest] = moved_key, stay_key
+    at = groups.at
+    got = at[entry]
+    _check_cuts(rp, at, got, groups.first, max_write_bytes, sources)
+    writes = _placed(w, at, got, (key >> groups.shift) & mask)
+    _KEPT[id(writes["src_region"])] = (weakref.ref(writes["src_region"]), dataclasses.replace(
+        groups, key=key, slot=groups.slot[entry]))
+    return dataclasses.replace(rp, writes=writes)
+
+
+def _moved_regions(rp: RankPlan, rows: np.ndarray, slot: np.ndarray, old: Placement,
+                   new: Placement, src: SourceTensors, ids: ExpertIds) -> np.ndarray:
+    """The source region each write `rows` (into moved slots `slot`) reads for placement
+    `new`: the new expert's piece of the same weight, checked to read the old expert's
+    piece (not staging, not another tensor) and to have the same cut."""
+    w = rp.writes
+    src_region = w["src_region"][rows].astype(np.int64)
+    staged = len(rp.regions) - 1 if rp.regions and rp.regions[-1].name == STAGING else -1
+    if (src_region == staged).any():
         raise NotIncremental(f"replan: source rank {rp.rank} sends moved expert slots through "
                              "staging (packed or gathered); compile the new placement in full")
-    if (why == _OTHER).any():
+    region_of, gid_of_region = src.of(rp.rank)
+    inside = (src_region >= 0) & (src_region < len(gid_of_region))
+    gid = np.where(inside, gid_of_region[np.where(inside, src_region, 0)], -1)
+    physical = old.table.shape[1]
+    layer = slot // physical
+    if (gid < 0).any() or (ids.expert[gid] != old.table.reshape(-1)[slot]).any() or (
+            ids.layer[gid] != layer).any():
         raise NotIncremental(f"replan: source rank {rp.rank} writes expert slots from tensors "
                              "other than the placement's experts; compile the new placement "
                              "in full")
-    touched = np.zeros(int(groups.group[-1]) + 1, bool)
-    touched[groups.group[m]] = True
-    sel = np.flatnonzero(touched[groups.group]) if not touched.all() else None
-    pick = (lambda a: a) if sel is None else (lambda a: a[sel])
-    fixed, slot, ids_at = pick(groups.fixed), pick(groups.slot), pick(groups.ids_at)
-    follows = fixed < 0
-    gid = ids.ids.reshape(-1)[ids_at[follows] + ids.ids.shape[2] * new.table.reshape(-1)[
-        slot[follows]]]
-    region_of, _ = src.of(rp.rank)
-    reg = region_of[gid]
-    if (reg < 0).any() or (src.geometry(rp.rank, gid) != pick(groups.geometry)[follows]).any():
+    now = ids.ids[layer, new.table.reshape(-1)[slot], ids.weight[gid]]
+    region = region_of[now]
+    if (now < 0).any() or (region < 0).any() or (
+            src.geometry(rp.rank, now) != src.geometry(rp.rank, gid)).any():
         raise NotIncremental(f"replan: source rank {rp.rank} does not hold every expert of a "
                              "MoE layer with the same cut (experts placed on EP ranks?); "
                              "compile the new placement in full")
-    region = fixed.copy()
-    region[follows] = reg
-    order = order_and_ties([pick(groups.group), region])[0]
-    at, got = pick(groups.at), pick(rows)[order]
-    _check_cuts(rp, at, got, pick(groups.first), max_write_bytes, sources)
-    new_rows = rows.copy()
-    new_rows[order if sel is None else sel[order]] = at
-    writes = _placed(w, at, got, region[order])
-    _KEPT[id(writes["src_region"])] = (weakref.ref(writes["src_region"]), groups, new_rows)
-    return dataclasses.replace(rp, writes=writes)
+    return region
 
 
 def _placed(w: Table, at: np.ndarray, got: np.ndarray, region: np.ndarray) -> Table:
@@ -134,80 +155,98 @@ def _placed(w: Table, at: np.ndarray, got: np.ndarray, region: np.ndarray) -> Ta
     return Table.build(WRITE_COLUMNS, **cols)
 
 
-def _groups(rp: RankPlan, every: Hits, old: Placement, src: SourceTensors, ids: ExpertIds,
-            sources: int, targets: int) -> tuple[Groups | None, np.ndarray]:
-    """`rp`'s `Groups` (None where it writes no stacked expert tensor) and the row of each
-    entry, kept or read from the table (for placement `old`)."""
+def _groups(rp: RankPlan, every: Hits, old: Placement, sources: int,
+            targets: int) -> Groups | None:
+    """`rp`'s `Groups` (None where it writes no stacked expert tensor), kept or read from
+    the table (for placement `old`)."""
     col = rp.writes["src_region"]
     kept = _KEPT.get(id(col))
     if kept is not None and kept[0]() is col:
-        return kept[1], kept[2]
-    groups, rows = _read(rp, every, old, src, ids, sources, targets)
+        return kept[1]
+    groups = _read(rp, every, old, sources, targets)
     if len(_KEPT) > 128:
         for k in [k for k, v in _KEPT.items() if v[0]() is None]:
             del _KEPT[k]
-    _KEPT[id(col)] = (weakref.ref(col), groups, rows)
-    return groups, rows
+    _KEPT[id(col)] = (weakref.ref(col), groups)
+    return groups
 
 
-def _read(rp: RankPlan, every: Hits, old: Placement, src: SourceTensors, ids: ExpertIds,
-          sources: int, targets: int) -> tuple[Groups | None, np.ndarray]:
+def _read(rp: RankPlan, every: Hits, old: Placement, sources: int,
+          targets: int) -> Groups | None:
     w = rp.writes
-    rows, h = every.find(w["dst_rank"], w["dst_region"])
-    if not len(rows):
-        return None, np.zeros(0, np.int64)
+    h = every.of(w["dst_rank"], w["dst_region"])  # each write's stacked tensor (-1: none)
     b = rp.batches
-    group = np.repeat(b["stage"].astype(np.int64), b["stop"] - b["start"]) * (
-        sources + targets) + w["dst_rank"]
+    group = np.repeat(b["stage"].astype(np.int64) * (sources + targets),
+                      b["stop"] - b["start"])
+    group += w["dst_rank"]
     hit = np.zeros(int(group.max()) + 1, bool)
-    hit[group[rows]] = True
-    mine = np.flatnonzero(hit[group])  # the writes of the groups: table order
-    g = group[mine]
-    at = mine if (g[1:] >= g[:-1]).all() else mine[np.argsort(g, kind="stable")]  # group
-    # by group
-    order, ties = order_and_ties([g, *(w[c][mine] for c in ("dst_region", "src_offset",
-                                                        "dst_offset"))])
-    entry = mine[order]  # the rows, sorted as entries
-    del mine, g, order
-    eg = group[entry]
-    first = np.ones(len(entry), bool)
-    first[1:] = eg[1:] != eg[:-1]
-    if ties:
-        raise NotIncremental(f"replan: source rank {rp.rank} writes the same target bytes "
-                             "twice in one batch group; compile the new placement in full")
-    k = np.full(len(w), -1, np.int64)
-    k[rows] = h
-    k = k[entry]
-    on = k >= 0  # the entries into stacked expert tensors
-    kk = k[on]
-    slot_g = every.first[kk] + w["dst_offset"][entry[on]] // every.slot_bytes[kk]
-    layer = every.moe[kk]
-    physical = old.table.shape[1]
-    slot = np.full(len(entry), old.table.size, np.int64)
-    slot[on] = layer * physical + slot_g
-    src_region = w["src_region"][entry].astype(np.int64)
-    region_of, gid_of_region = src.of(rp.rank)
-    gid = np.full(len(entry), -1, np.int64)
-    inside = src_region < len(gid_of_region)
-    gid[inside] = gid_of_region[src_region[inside]]
-    why = np.full(len(entry), _FINE, np.int8)
-    staged = len(rp.regions) - 1 if rp.regions and rp.regions[-1].name == STAGING else -1
-    gon = gid[on]
-    other = (gon < 0) | (ids.expert[gon] != old.table.reshape(-1)[slot[on]]) | (
-        ids.layer[gon] != layer)
-    why[np.flatnonzero(on)[other]] = _OTHER
-    why[on & (src_region == staged)] = _STAGED
-    follows = on & (why == _FINE)
-    fixed = np.where(follows, -1, src_region)
-    gf = gid[follows]
-    ids_at = np.zeros(len(entry), np.int64)
-    n_e, n_w = ids.ids.shape[1], ids.ids.shape[2]
-    ids_at[follows] = ids.layer[gf] * n_e * n_w + ids.weight[gf]
-    geometry = np.zeros(len(entry), np.int64)
-    geometry[follows] = src.geometry(rp.rank, gf)
-    groups = Groups(at, np.cumsum(first) - 1, first, fixed, slot, ids_at, geometry, why)
-    rows_of = entry
-    return groups, rows_of
+    hit[group[h >= 0]] = True
+    if not hit.any():
+        return None
+    sel = hit[group]
+    cols = [group, *(w[c] for c in ("src_region", "dst_region", "src_offset", "dst_offset"))]
+    mine = None if sel.all() else np.flatnonzero(sel)
+    if mine is not None:
+        cols, h = [c[mine] for c in cols], h[mine]
+    key, shift, bits = _packed(rp, cols)  # table order
+    on = np.flatnonzero(h >= 0)  # the writes into stacked expert tensors
+    kk = h[on]
+    slot = np.full(len(h), old.table.size, np.int64)
+    slot[on] = every.moe[kk] * old.table.shape[1] + every.first[kk] + (
+        cols[4][on] // every.slot_bytes[kk])
+    order = _by_group(cols[0])  # group by group, each in table order
+    at = order if mine is None else mine[order]
+    key, slot, g = key[order], slot[order], cols[0][order]
+    first = np.ones(len(at), bool)
+    first[1:] = g[1:] != g[:-1]
+    if not (key[1:] > key[:-1]).all():
+        same = bool((key[1:] == key[:-1]).any())
+        raise NotIncremental(f"replan: source rank {rp.rank} " + (
+            "writes the same target bytes twice in one batch group" if same else
+            "has a batch group out of (source region, target region, source offset, target "
+            "offset) order") + "; compile the new placement in full")
+    return Groups(at, first, key, shift, bits, slot)
+
+
+def _packed(rp: RankPlan, cols: list[np.ndarray]) -> tuple[np.ndarray, int, int]:
+    """(group, source region, target region, source offset, target offset) per entry,
+    packed in one int64 in that order, each less its least value (the source region
+    field wide enough for any region of the rank: a moved write takes another); an offset
+    column too wide replaced by its rank among its values; where the source region sits."""
+    cols = [c.astype(np.int64, copy=False) for c in cols]
+    lo = [int(c.min()) if len(c) else 0 for c in cols]
+    if lo[1] < 0:
+        raise NotIncremental(f"replan: source rank {rp.rank} writes from region {lo[1]}; the "
+                             "plan is corrupt: recompile it")
+    lo[1] = 0
+    cols = [c - v if v else c for c, v in zip(cols, lo)]  # (the table's own columns unchanged)
+    bits = [int(c.max()).bit_length() if len(c) else 0 for c in cols]
+    bits[1] = max(bits[1], max(len(rp.regions) - 1, 0).bit_length())
+    for j in (4, 3) if sum(bits) > 63 else ():
+        if sum(bits) <= 63:
+            break
+        values, cols[j] = np.unique(cols[j], return_inverse=True)
+        cols[j] = cols[j].reshape(-1)
+        bits[j] = (len(values) - 1).bit_length()
+    if sum(bits) > 63:
+        raise NotIncremental(f"replan: source rank {rp.rank}'s writes do not pack in 63 bits "
+                             "(group, source and target region and offsets); compile the new "
+                             "placement in full")
+    key = cols[0].copy()
+    for c, b in zip(cols[1:], bits[1:]):
+        key <<= b
+        key |= c
+    return key, sum(bits[2:]), bits[1]
+
+
+def _by_group(g: np.ndarray) -> np.ndarray:
+    """The stable order of rows by their group number `g` (few groups: a radix sort)."""
+    if not len(g) or (g[1:] >= g[:-1]).all():
+        return np.arange(len(g))
+    lo, hi = int(g.min()), int(g.max())
+    if hi - lo < 1 << 16:
+        return np.argsort((g - lo).astype(np.uint16), kind="stable")
+    return np.argsort(g, kind="stable")
 
 
 def _rounds(nbytes: np.ndarray, first: np.ndarray, max_write_bytes: int) -> np.ndarray:

@@ -145,42 +145,6 @@ def lexorder(*keys: np.ndarray) -> np.ndarray:
     return stable_argsort(column_keys(keys[::-1]), own=True)  # (no stacked copy)
 
 
-def order_and_ties(cols: Sequence[np.ndarray]) -> tuple[np.ndarray, bool]:
-    """The stable order of rows by the integer columns `cols`, the first primary
-    (`np.lexsort(cols[::-1])`), and whether two rows are equal in every column (the
-    replan's order of a rank's writes): one sort of an int64 of them (each less its least
-    value, a column still too wide replaced by its rank among its values) and the row's
-    index where it fits, else a lexsort."""
-    n = len(cols[0]) if len(cols) else 0
-    if not n:
-        return np.zeros(0, np.int64), False
-    cols = [c.astype(np.int64) - int(c.min()) for c in cols]
-    bits = [int(c.max()).bit_length() for c in cols]
-    ib = n.bit_length()
-    for j in np.argsort(bits)[::-1].tolist():  # widest first
-        if sum(bits) + ib <= 63:
-            break
-        values = np.unique(cols[j])
-        cols[j] = np.searchsorted(values, cols[j])
-        bits[j] = (len(values) - 1).bit_length()
-    if sum(bits) + ib > 63:
-        order = np.lexsort(cols[::-1])
-        same = np.ones(n - 1, bool)
-        for c in cols:
-            same &= c[order[1:]] == c[order[:-1]]
-        return order, bool(same.any())
-    key = np.zeros(n, np.int64)
-    for c, b in zip(cols, bits):
-        key <<= b
-        key |= c
-    key <<= ib
-    key |= np.arange(n)
-    key.sort()
-    ties = bool(((key[1:] >> ib) == (key[:-1] >> ib)).any())
-    key &= (1 << ib) - 1
-    return key, ties
-
-
 def stable_argsort(key: np.ndarray, own: bool = False) -> np.ndarray:
     """`np.argsort(key, kind="stable")` of an integer column, as int64: where each key less
     the least, shifted left by the bits of a row number, leaves room for the row number in
