@@ -169,17 +169,65 @@ VARIANTS = {"4x12K s1 4/SM": (4, 12 << 10, 1, 4), "6x8K s2 4/SM": (6, 8 << 10, 2
             "16x4K s6 4/SM": (16, 4 << 10, 6, 4)}
 
 
+SPIN = r"""
+extern "C" __global__ void rplan_spin(int cycles) {  // torch passes a Python int as an int
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {}
+}
+"""
+
+
+def engine_check(dev: torch.device, sms: int, nbytes: int = 1 << 30) -> None:
+    """Whether one eager `copy_` within the GPU runs on the SMs: it is posted on its own
+    stream while a kernel holds every SM for ~5 ms; a copy engine's copy ends long before
+    the spinning kernel, a copy on the SMs after it (the profiler's "Memcpy DtoD" label does
+    not say which)."""
+    spin = torch.cuda._compile_kernel(SPIN, "rplan_spin")
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    side, hold = torch.cuda.Stream(dev), torch.cuda.Stream(dev)  # neither waits for the other
+    rate = torch.cuda.get_device_properties(dev).clock_rate * 1e3 if hasattr(
+        torch.cuda.get_device_properties(dev), "clock_rate") else 1.98e9
+    for label, busy in (("idle GPU", False), ("every SM held ~5 ms", True)):
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        a, b, c = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        a.record()
+        hold.wait_event(a)
+        with torch.cuda.stream(hold):
+            if busy:
+                spin(grid=(sms * 8, 1, 1), block=(256, 1, 1), args=[int(rate * 5e-3)])
+            c.record(hold)
+        side.wait_event(a)
+        with torch.cuda.stream(side):
+            dst.copy_(src)
+            b.record(side)
+        torch.cuda.synchronize()
+        print(f"eager copy_ of {nbytes >> 20} MiB, {label}: ends {a.elapsed_time(b) * 1e3:.0f} us "
+              f"after the start, the spinning kernel {a.elapsed_time(c) * 1e3:.0f} us",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1024x1,4096x1,64x4,64x16")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--ldst-bps", default="4", help="LD/ST kernel grids, blocks per SM")
+    ap.add_argument("--engine-check", action="store_true",
+                    help="first, whether one eager copy_ runs on the SMs (`engine_check`)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--chunks", default="256")
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"{torch.cuda.get_device_name(dev)}, {sms} SMs, torch {torch.__version__}", flush=True)
+    if a.engine_check:
+        engine_check(dev, sms)
     old = {"LD/ST": torch.cuda._compile_kernel(SOURCE, "rplan_copy")}
+    for name, opts in (("LD/ST streaming", ["-DRPLAN_STREAMING=1"]),
+                       ("LD/ST unroll 8", ["-DRPLAN_UNROLL=8"]),
+                       ("LD/ST unroll 16", ["-DRPLAN_UNROLL=16"])):
+        old[name] = torch.cuda._compile_kernel(SOURCE, "rplan_copy", nvcc_options=opts)
     for name, opts in (("LD/ST ef loads", []), ("LD/ST ef both", ["-DRPLAN_EVICT_STORES=1"])):
         try:
             old[name] = torch.cuda._compile_kernel(HINTED, "rplan_copy", nvcc_options=opts)
@@ -214,12 +262,13 @@ def main() -> None:
             partial(dst.copy_, src), a.reps, graph=False), None)]
         for chunk in [int(c) << 10 for c in a.chunks.split(",")]:
             table = torch.from_numpy(piece_table(d, s, sizes, chunk)).to(dev)
-            grid = min(len(table), sms * 4)
-            for name, fn in old.items():
-                dst.zero_()
-                res.append((f"{name} kernel {chunk >> 10}K 4/SM 512", graph_timed(partial(
-                    fn, grid=(grid, 1, 1), block=(512, 1, 1), args=[table, len(table)]),
-                    a.reps), torch.equal(dst, want)))
+            for bps in map(int, a.ldst_bps.split(",")):
+                grid = min(len(table), sms * bps)
+                for name, fn in old.items():
+                    dst.zero_()
+                    res.append((f"{name} kernel {chunk >> 10}K {bps}/SM 512", graph_timed(
+                        partial(fn, grid=(grid, 1, 1), block=(512, 1, 1),
+                                args=[table, len(table)]), a.reps), torch.equal(dst, want)))
             for name, (fn, smem, bps) in tma.items():
                 dst.zero_()
                 grid = min(len(table), sms * bps)
