@@ -10,7 +10,8 @@ it says whether a kernel shape moves the bytes faster. Needs a GPU with bulk cop
   -> global) through a ring of NST shared-memory stages of SZ bytes, NSTORE stores in flight
   (`VARIANTS`: stages, stage bytes, stores, blocks per SM); heads, tails and misaligned
   pieces by the block's 32 threads.
-- LD/ST with L2 evict-first hints on its loads ("ef loads") or loads and stores ("ef both").
+- LD/ST with L2 evict-first hints on its loads ("ef loads") or loads and stores ("ef both"),
+  or its loads non-coherent with a 256-byte L2 prefetch ("L2::256B loads").
 Each result is checked bit-exact; times are CUDA events over graph replays (medians).
 """
 
@@ -147,12 +148,22 @@ __device__ __forceinline__ void rp_st(uint4* p, uint4 v, unsigned long long pol)
   asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1,%2,%3,%4}, %5;"
                :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "l"(pol) : "memory");
 }
+__device__ __forceinline__ uint4 rp_ld256(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
 #if RPLAN_EVICT_STORES
 #define STORE4(p, v) rp_st(p, v, pol)
 #else
 #define STORE4(p, v) (*(p) = (v))
 #endif
+#if RPLAN_PREFETCH
+#define LOAD4(p) rp_ld256(p)
+#else
 #define LOAD4(p) rp_ld(p, pol)
+#endif
 """
 HINTED = SOURCE.replace(SOURCE[SOURCE.index("#if RPLAN_STREAMING"):SOURCE.index("#endif") + 7],
                         HINTS).replace(
@@ -228,6 +239,10 @@ def main() -> None:
                        ("LD/ST unroll 8", ["-DRPLAN_UNROLL=8"]),
                        ("LD/ST unroll 16", ["-DRPLAN_UNROLL=16"])):
         old[name] = torch.cuda._compile_kernel(SOURCE, "rplan_copy", nvcc_options=opts)
+    for name, opts in (("LD/ST L2::256B loads", ["-DRPLAN_PREFETCH=1"]),
+                       ("LD/ST L2::256B loads unroll 8", ["-DRPLAN_PREFETCH=1",
+                                                          "-DRPLAN_UNROLL=8"])):
+        old[name] = torch.cuda._compile_kernel(HINTED, "rplan_copy", nvcc_options=opts)
     for name, opts in (("LD/ST ef loads", []), ("LD/ST ef both", ["-DRPLAN_EVICT_STORES=1"])):
         try:
             old[name] = torch.cuda._compile_kernel(HINTED, "rplan_copy", nvcc_options=opts)
