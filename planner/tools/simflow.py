@@ -82,10 +82,12 @@ def sim_rank(rp: RankPlan, header: PlanHeader) -> SimRank:
 
 def load_checked(src: PlanRanks, progress: Callable[[str], None] | None = None
                  ) -> list[SimRank]:
-    """Every rank of `src` as the simulation needs it, read one at a time, each rank's order
+    """Every rank of `src` as the simulation needs it, read one at a time (each blob's
+    digest, compact frame and plain msgpack, as `load_plan` checks them), each rank's order
     within bounds (`schemas.bounds`: stages, peers, batches and signals in range, so the
-    simulation terminates); then the plan's other blobs, checksummed and decoded as
-    `load_plan` does (`PlanFile.check_rest`)."""
+    simulation terminates). The simulation reads the header and the rank blobs only: the
+    blobs it never reads (the DAG, `explain`, `tensors/<rank>`) are left to the readers that
+    use them (`verify` checks the whole file)."""
     world, header = src.world, src.header
     if len(header.ranks) != world:
         raise PlanFormatError(f"simulate: the header lists {len(header.ranks)} ranks, "
@@ -110,8 +112,6 @@ def load_checked(src: PlanRanks, progress: Callable[[str], None] | None = None
                                   "corrupt or too large to simulate")
         out.append(sim_rank(rp, header))
         tick(r)
-    src.dag()
-    src.check_rest(progress)
     return out
 
 

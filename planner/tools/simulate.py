@@ -90,7 +90,7 @@ def simulate(path_or_plan: str | Plan, inflight: int = INFLIGHT,
     src = PlanRanks(path_or_plan) if isinstance(path_or_plan, Plan) else \
         PlanFile(str(path_or_plan))
     with src, gc_paused():
-        ranks = load_checked(src, progress)  # and the other blobs, as `load_plan` checks
+        ranks = load_checked(src, progress)  # the blobs it reads, checked
         if progress is not None:
             progress("simulating")
         sim = _Sim(src, ranks, inflight)

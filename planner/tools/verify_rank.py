@@ -24,14 +24,14 @@ from schemas.protocol import (
     SCALE_BYTES,
     SLOTS,
     copy_footprint,
-    prepacked,
+    overlap,
     quant_scales,
     staging_index,
     write_footprint,
     write_stages,
 )
 from schemas.runs import MAX_COPY_RUNS, copy_runs
-from schemas.table import among, content_key, table_digest
+from schemas.table import content_key, table_digest
 
 MAX_RUNS = MAX_COPY_RUNS
 
@@ -146,7 +146,7 @@ def rank_dataflow(rp: RankPlan, inc: Incoming) -> list[str]:
     out: list[str] = []
     m = inc.region == sg
     land = (inc.stage[m], inc.lo[m], inc.hi[m])
-    w, c, stage = rp.writes, rp.copies, write_stages(rp)
+    w, stage = rp.writes, write_stages(rp)
     own = own_staging(rp, sg)
     p_st, p_lo, p_hi = own.packs
     for s in own.pack_overlaps:
@@ -163,11 +163,13 @@ def rank_dataflow(rp: RankPlan, inc: Incoming) -> list[str]:
     for s, i in zip(stages.tolist(), sel[bad][first].tolist()):
         out.append(f"rank {rp.rank}: write {i} (stage {s}) reads staging bytes that no pack "
                    "of its stage fills")
-    early = np.flatnonzero(prepacked(rp))
-    if len(early):  # packs while writes may still land
-        rows = np.flatnonzero(among(c["kind"], (PACK, QUANT)) & np.isin(c["stage"], early))
-        rows, _, lo, hi = copy_footprint(rp, "dst", rows)  # a QUANT's rows twice
-        e_st = c["stage"][rows].astype(np.int64)
+    ov = overlap(rp)
+    early = np.flatnonzero(ov.prepacked)
+    if len(early):  # packs while writes may still land: what the early stages' packs and
+        # QUANTs write (`Overlap.packs`: their footprints, a QUANT's scales too, by stage)
+        e_st = np.repeat(early, [len(ov.packs[s][0]) for s in early.tolist()])
+        lo = np.concatenate([ov.packs[s][0] for s in early.tolist()])
+        hi = np.concatenate([ov.packs[s][1] for s in early.tolist()])
         hit = overlap_by_group(e_st, lo, hi, land[0] + 1, land[1], land[2])
         for s in np.unique(e_st[hit]).tolist():
             out.append(f"rank {rp.rank}: stage {s} packs early (schemas/protocol.py) into "

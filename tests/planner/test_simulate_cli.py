@@ -59,3 +59,39 @@ def test_missing_matplotlib_is_one_clear_error(plan_path, tmp_path, monkeypatch,
     assert main(["simulate", plan_path, "--plot", str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rdma-plan: error: --plot needs matplotlib") and "pip install" in err
+
+
+def _damaged(plan_path: str, blob: str, out: str) -> str:
+    """A copy of the plan with one stored byte of `blob` flipped (its digest then fails)."""
+    from schemas.plan import open_plan, read_header
+
+    with open_plan(plan_path) as f:
+        header, start = read_header(f, plan_path)
+    data = bytearray(open(plan_path, "rb").read())
+    entry = header.blobs[blob]
+    data[start + entry.offset + entry.length // 2] ^= 0xFF
+    with open(out, "wb") as f:
+        f.write(data)
+    return out
+
+
+@pytest.mark.parametrize("blob", ["explain", "dag", "tensors/0"])
+def test_simulate_reads_and_checks_only_the_header_and_the_ranks(plan_path, tmp_path, blob,
+                                                                capsys):
+    """A blob `simulate` never reads is not its to check: damaged, the plan simulates to
+    the same answer (`verify` refuses it, naming the blob); a damaged rank blob, which it
+    reads, is refused naming that blob."""
+    assert main(["simulate", plan_path, "--json"]) == 0
+    want = json.loads(capsys.readouterr().out)
+    bad = _damaged(plan_path, blob, str(tmp_path / "bad.rplan"))
+    assert main(["simulate", bad, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    for res in (want, got):
+        res.pop("sim_seconds", None)
+    assert got == want
+    assert main(["verify", bad]) != 0
+    assert blob in capsys.readouterr().err
+    rank = _damaged(plan_path, "rank/1", str(tmp_path / "rank.rplan"))
+    assert main(["simulate", rank, "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "rank/1" in err and "checksum mismatch" in err

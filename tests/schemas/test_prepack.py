@@ -173,3 +173,22 @@ def test_compiled_plans_pack_early_and_verify():
     assert stages > 3 and early >= later // 2, (stages, early, later)
     assert verify_plan(plan) == []
     assert not any(prepacked(rp).any() for rp in plan.ranks if rp.role == "target")
+
+
+@pytest.mark.parametrize("lands, says", [((750 * MB, 760 * MB), [2]), ((200 * MB, 300 * MB), []),
+                                         ((50 * MB, 51 * MB), [])])
+def test_verify_finds_early_packs_over_bytes_that_land(lands, says):
+    """`verify`'s dataflow: an early stage's packs (the thirds above: stages 1-3 pack early)
+    never write staging bytes that the previous stage's incoming writes land in (stage 1's
+    landing in stage 2's third is one; one in bytes no early pack writes, or under stage
+    3's packs but landing in stage 0, is none of its business)."""
+    from planner.tools.verify_rank import rank_dataflow
+    from planner.writes import Incoming
+
+    thirds = [(0, 100 * MB), (350 * MB, 450 * MB), (700 * MB, 800 * MB), (0, 100 * MB)]
+    rp = _rank([(s, lo, hi, False) for s, (lo, hi) in enumerate(thirds)],
+               [(s, lo, hi) for s, (lo, hi) in enumerate(thirds)], stages=4)
+    stage = 1 if lands[0] >= 100 * MB else 0
+    inc = Incoming(*(np.array([v], np.int64) for v in (2, 1, stage, *lands)))
+    msgs = [m for m in rank_dataflow(rp, inc) if "packs early" in m]
+    assert [int(m.split("stage ")[1].split()[0]) for m in msgs] == says, msgs
