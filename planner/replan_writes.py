@@ -20,6 +20,7 @@ import weakref
 
 import numpy as np
 
+from planner.arena import Arena
 from planner.errors import NotIncremental
 from planner.passes.schedule import MAX_BATCH_WRITES
 from planner.placement import ExpertIds
@@ -57,14 +58,16 @@ changes; weakly held): its rank's `Groups` (None: no write into a stacked tensor
 
 def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
                   moved: np.ndarray, src: SourceTensors, ids: ExpertIds, max_write_bytes: int,
-                  sources: int, targets: int) -> RankPlan:
+                  sources: int, targets: int, arena: Arena | None = None) -> RankPlan:
     """`rp` (a source rank's plan for placement `old`) for placement `new` (`moved`: per
     slot, flat, whether its expert changes, then False); `every`: every stacked expert
-    tensor of the plan."""
+    tensor of the plan; `arena`: where the arrays kept (the new columns, the index) are
+    cut from."""
+    arena = arena if arena is not None else Arena()
     w = rp.writes
     if not len(w):
         return rp
-    groups = _groups(rp, every, old, sources, targets)
+    groups = _groups(rp, every, old, sources, targets, arena)
     if groups is None:
         return rp
     m = moved[groups.slot]
@@ -91,7 +94,7 @@ def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
     n = len(groups.key)
     put = ins + np.arange(len(mi))  # the moved entries' places in the new order
     entry = np.empty(n, np.int64)  # the old entry at each place
-    key = np.empty(n, np.int64)
+    key = arena.empty(n, np.int64)
     rest = np.ones(n, bool)
     rest[put] = False
     entry[put], entry[rest] = mi, stay
@@ -99,9 +102,9 @@ def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
     at = groups.at
     got = at[entry]
     _check_cuts(rp, at, got, groups.first, max_write_bytes, sources)
-    writes = _placed(w, at, got, (key >> groups.shift) & mask)
+    writes = _placed(w, at, got, (key >> groups.shift) & mask, arena)
     _KEPT[id(writes["src_region"])] = (weakref.ref(writes["src_region"]), dataclasses.replace(
-        groups, key=key, slot=groups.slot[entry]))
+        groups, key=key, slot=arena.take(groups.slot, entry)))
     return dataclasses.replace(rp, writes=writes)
 
 
@@ -128,15 +131,16 @@ def _moved_regions(rp: RankPlan, rows: np.ndarray, slot: np.ndarray, old: Placem
                              "in full")
     now = ids.ids[layer, new.table.reshape(-1)[slot], ids.weight[gid]]
     region = region_of[now]
-    if (now < 0).any() or (region < 0).any() or (
-            src.geometry(rp.rank, now) != src.geometry(rp.rank, gid)).any():
+    if (now < 0).any() or (region < 0).any() or not src.same_geometry(rp.rank, now,
+                                                                       gid).all():
         raise NotIncremental(f"replan: source rank {rp.rank} does not hold every expert of a "
                              "MoE layer with the same cut (experts placed on EP ranks?); "
                              "compile the new placement in full")
     return region
 
 
-def _placed(w: Table, at: np.ndarray, got: np.ndarray, region: np.ndarray) -> Table:
+def _placed(w: Table, at: np.ndarray, got: np.ndarray, region: np.ndarray,
+            arena: Arena) -> Table:
     """`w` with row `got[i]`'s write at position `at[i]`, reading source region
     `region[i]`; `dst_rank` is one per group, and a column no write changes stays."""
     change = at != got
@@ -145,25 +149,25 @@ def _placed(w: Table, at: np.ndarray, got: np.ndarray, region: np.ndarray) -> Ta
     for name, dt in WRITE_COLUMNS:
         col = w[name]
         if name == "src_region":
-            col = np.array(col, dtype=dt)
+            col = arena.copy(col, dt)
             col[at] = region
         elif name != "dst_rank" and len(at_c) and not (
                 name == "nbytes" and np.array_equal(col[at_c], col[got_c])):
-            col = np.array(col, dtype=dt)
+            col = arena.copy(col, dt)
             col[at_c] = w[name][got_c]
         cols[name] = col
     return Table.build(WRITE_COLUMNS, **cols)
 
 
 def _groups(rp: RankPlan, every: Hits, old: Placement, sources: int,
-            targets: int) -> Groups | None:
+            targets: int, arena: Arena) -> Groups | None:
     """`rp`'s `Groups` (None where it writes no stacked expert tensor), kept or read from
     the table (for placement `old`)."""
     col = rp.writes["src_region"]
     kept = _KEPT.get(id(col))
     if kept is not None and kept[0]() is col:
         return kept[1]
-    groups = _read(rp, every, old, sources, targets)
+    groups = _read(rp, every, old, sources, targets, arena)
     if len(_KEPT) > 128:
         for k in [k for k, v in _KEPT.items() if v[0]() is None]:
             del _KEPT[k]
@@ -172,7 +176,7 @@ def _groups(rp: RankPlan, every: Hits, old: Placement, sources: int,
 
 
 def _read(rp: RankPlan, every: Hits, old: Placement, sources: int,
-          targets: int) -> Groups | None:
+          targets: int, arena: Arena) -> Groups | None:
     w = rp.writes
     h = every.of(w["dst_rank"], w["dst_region"])  # each write's stacked tensor (-1: none)
     b = rp.batches
@@ -195,9 +199,10 @@ def _read(rp: RankPlan, every: Hits, old: Placement, sources: int,
     slot[on] = every.moe[kk] * old.table.shape[1] + every.first[kk] + (
         cols[4][on] // every.slot_bytes[kk])
     order = _by_group(cols[0])  # group by group, each in table order
-    at = order if mine is None else mine[order]
-    key, slot, g = key[order], slot[order], cols[0][order]
-    first = np.ones(len(at), bool)
+    at = arena.copy(order) if mine is None else arena.take(mine, order)
+    key, slot, g = arena.take(key, order), arena.take(slot, order), cols[0][order]
+    first = arena.empty(len(at), bool)
+    first[0:1] = True
     first[1:] = g[1:] != g[:-1]
     if not (key[1:] > key[:-1]).all():
         same = bool((key[1:] == key[:-1]).any())
