@@ -25,7 +25,6 @@ import dataclasses
 
 import numpy as np
 
-from planner.arena import Arena
 from planner.errors import NotIncremental
 from planner.layouts.vllm_rank import eplb_layers
 from planner.placement import ExpertIds
@@ -70,10 +69,10 @@ def replan(plan: Plan, spec: ModelSpec, new: Placement) -> Plan:
     hit = [slots[i] for i in np.flatnonzero(any_moved).tolist()]
     src, every = SourceTensors(plan, h.sources, spec, ids), Hits(slots)
     slot_moved = np.append(change.reshape(-1), False)
-    ranks, arena = list(plan.ranks), Arena()
+    ranks = list(plan.ranks)
     for r in range(h.sources):
         ranks[r] = replan_writes(plan.ranks[r], every, old, new, slot_moved, src, ids,
-                                 h.options.max_write_bytes, h.sources, h.targets, arena)
+                                 h.options.max_write_bytes, h.sources, h.targets)
     _no_copies(plan, hit, h.sources)
     table = explain(plan.explain, slots, old, new, src, ids, h.sources)
     blobs = target_blobs(plan, hit, old, new, spec, ids, h.sources)

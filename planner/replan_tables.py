@@ -195,9 +195,11 @@ class Hits:
         self.key = self.rank << 32 | self.region
         n = int(self.rank.max()) + 1 if len(hit) else 0
         width = int(self.region.max()) + 1 if len(hit) else 0
-        self.index = np.full((n + 1, width + 1), -1, np.int64)  # (rank, region) -> hit
-        self.index[self.rank, self.region] = np.arange(len(hit))  # index; -1: not hit (the
-        # last row and column: every rank and region past the hit ones)
+        small = (n + 1) * (width + 1) < 1 << 31  # (then positions and hits fit in int32)
+        self.index = np.full((n + 1, width + 1), -1, np.int32 if small else np.int64)
+        self.index[self.rank, self.region] = np.arange(len(hit))  # (rank, region) -> hit
+        # index; -1: not hit (the last row and column: every rank and region past the hit
+        # ones)
 
     def find(self, rank: np.ndarray, region: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows whose (rank, region) is hit, the hit index of each)."""
@@ -208,9 +210,10 @@ class Hits:
     def of(self, rank: np.ndarray, region: np.ndarray) -> np.ndarray:
         """The hit index of each row's (rank, region) (-1: not hit)."""
         n, width = self.index.shape[0] - 1, self.index.shape[1] - 1
-        at = np.minimum(rank, n, dtype=np.int64)
+        dt = self.index.dtype
+        at = np.minimum(rank, n, dtype=dt)
         at *= width + 1
-        at += np.minimum(region, width, dtype=np.int64)
+        at += np.minimum(region, width, dtype=dt)
         return self.index.reshape(-1)[at]
 
 

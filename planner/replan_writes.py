@@ -20,7 +20,6 @@ import weakref
 
 import numpy as np
 
-from planner.arena import Arena
 from planner.errors import NotIncremental
 from planner.passes.schedule import MAX_BATCH_WRITES
 from planner.placement import ExpertIds
@@ -58,16 +57,14 @@ changes; weakly held): its rank's `Groups` (None: no write into a stacked tensor
 
 def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
                   moved: np.ndarray, src: SourceTensors, ids: ExpertIds, max_write_bytes: int,
-                  sources: int, targets: int, arena: Arena | None = None) -> RankPlan:
+                  sources: int, targets: int) -> RankPlan:
     """`rp` (a source rank's plan for placement `old`) for placement `new` (`moved`: per
     slot, flat, whether its expert changes, then False); `every`: every stacked expert
-    tensor of the plan; `arena`: where the arrays kept (the new columns, the index) are
-    cut from."""
-    arena = arena if arena is not None else Arena()
+    tensor of the plan."""
     w = rp.writes
     if not len(w):
         return rp
-    groups = _groups(rp, every, old, sources, targets, arena)
+    groups = _groups(rp, every, old, sources, targets)
     if groups is None:
         return rp
     m = moved[groups.slot]
@@ -94,7 +91,7 @@ def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
     n = len(groups.key)
     put = ins + np.arange(len(mi))  # the moved entries' places in the new order
     entry = np.empty(n, np.int64)  # the old entry at each place
-    key = arena.empty(n, np.int64)
+    key = np.empty(n, np.int64)
     rest = np.ones(n, bool)
     rest[put] = False
     entry[put], entry[rest] = mi, stay
@@ -102,9 +99,9 @@ def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
     at = groups.at
     got = at[entry]
     _check_cuts(rp, at, got, groups.first, max_write_bytes, sources)
-    writes = _placed(w, at, got, (key >> groups.shift) & mask, arena)
+    writes = _placed(w, at, got, (key >> groups.shift) & mask)
     _KEPT[id(writes["src_region"])] = (weakref.ref(writes["src_region"]), dataclasses.replace(
-        groups, key=key, slot=arena.take(groups.slot, entry)))
+        groups, key=key, slot=groups.slot[entry]))
     return dataclasses.replace(rp, writes=writes)
 
 
@@ -114,14 +111,17 @@ def _moved_regions(rp: RankPlan, rows: np.ndarray, slot: np.ndarray, old: Placem
     `new`: the new expert's piece of the same weight, checked to read the old expert's
     piece (not staging, not another tensor) and to have the same cut."""
     w = rp.writes
-    src_region = w["src_region"][rows].astype(np.int64)
+    src_region = w["src_region"][rows]
     staged = len(rp.regions) - 1 if rp.regions and rp.regions[-1].name == STAGING else -1
     if (src_region == staged).any():
         raise NotIncremental(f"replan: source rank {rp.rank} sends moved expert slots through "
                              "staging (packed or gathered); compile the new placement in full")
     region_of, gid_of_region = src.of(rp.rank)
-    inside = (src_region >= 0) & (src_region < len(gid_of_region))
-    gid = np.where(inside, gid_of_region[np.where(inside, src_region, 0)], -1)
+    if len(src_region) and (int(src_region.min()) < 0
+                            or int(src_region.max()) >= len(gid_of_region)):
+        gid = np.full(len(src_region), -1, np.int64)  # (refused just below)
+    else:
+        gid = gid_of_region[src_region]
     physical = old.table.shape[1]
     layer = slot // physical
     if (gid < 0).any() or (ids.expert[gid] != old.table.reshape(-1)[slot]).any() or (
@@ -129,18 +129,27 @@ def _moved_regions(rp: RankPlan, rows: np.ndarray, slot: np.ndarray, old: Placem
         raise NotIncremental(f"replan: source rank {rp.rank} writes expert slots from tensors "
                              "other than the placement's experts; compile the new placement "
                              "in full")
-    now = ids.ids[layer, new.table.reshape(-1)[slot], ids.weight[gid]]
+    experts, weights = ids.ids.shape[1:]
+    at = layer * experts
+    at += new.table.reshape(-1)[slot]
+    at *= weights
+    at += ids.weight[gid]
+    now = ids.ids.reshape(-1)[at]  # the new expert's tensor of the same layer and weight
+    if (now < 0).any():
+        raise _not_held(rp.rank)
     region = region_of[now]
-    if (now < 0).any() or (region < 0).any() or not src.same_geometry(rp.rank, now,
-                                                                       gid).all():
-        raise NotIncremental(f"replan: source rank {rp.rank} does not hold every expert of a "
-                             "MoE layer with the same cut (experts placed on EP ranks?); "
-                             "compile the new placement in full")
+    if (region < 0).any() or not src.same_geometry(rp.rank, now, gid).all():
+        raise _not_held(rp.rank)
     return region
 
 
-def _placed(w: Table, at: np.ndarray, got: np.ndarray, region: np.ndarray,
-            arena: Arena) -> Table:
+def _not_held(rank: int) -> NotIncremental:
+    return NotIncremental(f"replan: source rank {rank} does not hold every expert of a MoE "
+                          "layer with the same cut (experts placed on EP ranks?); compile the "
+                          "new placement in full")
+
+
+def _placed(w: Table, at: np.ndarray, got: np.ndarray, region: np.ndarray) -> Table:
     """`w` with row `got[i]`'s write at position `at[i]`, reading source region
     `region[i]`; `dst_rank` is one per group, and a column no write changes stays."""
     change = at != got
@@ -149,25 +158,25 @@ def _placed(w: Table, at: np.ndarray, got: np.ndarray, region: np.ndarray,
     for name, dt in WRITE_COLUMNS:
         col = w[name]
         if name == "src_region":
-            col = arena.copy(col, dt)
+            col = np.array(col, dtype=dt)
             col[at] = region
         elif name != "dst_rank" and len(at_c) and not (
                 name == "nbytes" and np.array_equal(col[at_c], col[got_c])):
-            col = arena.copy(col, dt)
+            col = np.array(col, dtype=dt)
             col[at_c] = w[name][got_c]
         cols[name] = col
     return Table.build(WRITE_COLUMNS, **cols)
 
 
 def _groups(rp: RankPlan, every: Hits, old: Placement, sources: int,
-            targets: int, arena: Arena) -> Groups | None:
+            targets: int) -> Groups | None:
     """`rp`'s `Groups` (None where it writes no stacked expert tensor), kept or read from
     the table (for placement `old`)."""
     col = rp.writes["src_region"]
     kept = _KEPT.get(id(col))
     if kept is not None and kept[0]() is col:
         return kept[1]
-    groups = _read(rp, every, old, sources, targets, arena)
+    groups = _read(rp, every, old, sources, targets)
     if len(_KEPT) > 128:
         for k in [k for k, v in _KEPT.items() if v[0]() is None]:
             del _KEPT[k]
@@ -176,7 +185,7 @@ def _groups(rp: RankPlan, every: Hits, old: Placement, sources: int,
 
 
 def _read(rp: RankPlan, every: Hits, old: Placement, sources: int,
-          targets: int, arena: Arena) -> Groups | None:
+          targets: int) -> Groups | None:
     w = rp.writes
     h = every.of(w["dst_rank"], w["dst_region"])  # each write's stacked tensor (-1: none)
     b = rp.batches
@@ -199,11 +208,11 @@ def _read(rp: RankPlan, every: Hits, old: Placement, sources: int,
     slot[on] = every.moe[kk] * old.table.shape[1] + every.first[kk] + (
         cols[4][on] // every.slot_bytes[kk])
     order = _by_group(cols[0])  # group by group, each in table order
-    at = arena.copy(order) if mine is None else arena.take(mine, order)
-    key, slot, g = arena.take(key, order), arena.take(slot, order), cols[0][order]
-    first = arena.empty(len(at), bool)
-    first[0:1] = True
-    first[1:] = g[1:] != g[:-1]
+    at = order if mine is None else mine[order]
+    key, slot = key[order], slot[order]
+    g = key >> (shift + bits)  # (the group: the keys' top field)
+    first = np.ones(len(at), bool)
+    np.not_equal(g[1:], g[:-1], out=first[1:])
     if not (key[1:] > key[:-1]).all():
         same = bool((key[1:] == key[:-1]).any())
         raise NotIncremental(f"replan: source rank {rp.rank} " + (
