@@ -5,6 +5,8 @@
     python bench/replan.py --no-check # skip the full compile of each new placement
     python bench/replan.py --cold     # each share's replans start from the plan read back
                                       # from its bytes (the first builds every index)
+    python bench/replan.py --fresh    # each share's replans in a new process that reads the
+                                      # plan from its msgpack file (as an engine's would)
 
 Compiles the plan for a placement with redundant experts (every logical expert once, then
 the hottest of a random load again, shuffled per layer), then for each rebalance (a share of
@@ -12,7 +14,9 @@ the slots of every layer take other experts, replica counts kept valid) times `r
 CPU seconds (`resource.getrusage`, this process only; the first replan of the plan, which
 builds the indexes of its target slots and source tensors, and the best of `--repeat`;
 with `--cold` the plan is read back from its encoding before each rebalance, as a new
-process reading the plan file does, so every share's first replan is a plan's first) and,
+process reading the plan file does, so every share's first replan is a plan's first; with
+`--fresh` the plan is written to a file once and each share replanned in a new Python
+process that loads it with `load_plan`, its CPU seconds timed in that process) and,
 unless `--no-check`, compiles the new placement in full and compares the bytes.
 Prints one table row per rebalance.
 """
@@ -22,9 +26,12 @@ from __future__ import annotations
 import argparse
 import gc
 import io
+import json
 import os
 import resource
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -39,8 +46,8 @@ from planner.spec import load_spec  # noqa: E402
 from planner.validate import validate  # noqa: E402
 from schemas.config_load import config_from_dict  # noqa: E402
 from schemas.placement import Placement  # noqa: E402
-from schemas.plan import read_plan_from  # noqa: E402
-from schemas.plan_write import encode_plan  # noqa: E402
+from schemas.plan import load_plan, read_plan_from  # noqa: E402
+from schemas.plan_write import encode_plan, write_plan  # noqa: E402
 
 MODELS = os.path.join(ROOT, "plans", "models")
 SCALES = {
@@ -99,8 +106,15 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true")
     ap.add_argument("--shares", default="0.02,0.1,0.5")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--fresh", action="store_true")
+    ap.add_argument("--replan-file", nargs=2, metavar=("PLAN", "PLACEMENT"),
+                    help=argparse.SUPPRESS)  # (the child process of --fresh)
     args = ap.parse_args()
     scale = "tiny" if args.tiny else "deepseek-v3"
+    if args.replan_file:
+        _replan_file(scale, *args.replan_file, args.repeat)
+        return
+    tmp = tempfile.TemporaryDirectory(prefix="replan-") if args.fresh else None
     rng = np.random.default_rng(0)
     table = placement(*_dims(scale), rng)
     cfg, spec = config(scale, table)
@@ -121,12 +135,15 @@ def main() -> None:
         if args.cold:
             plan = read_plan_from(io.BytesIO(encode_plan(plan)), "plan")
         cpus, walls = [], []
-        for _ in range(max(1, args.repeat)):
+        if tmp is not None:
+            cpus, walls = _fresh(tmp.name, plan, new, args)
+        for _ in range(max(1, args.repeat) if tmp is None else 1):
             gc.collect()
             c0, t0 = _cpu(), time.perf_counter()
             got = replan(plan, spec, Placement(new))
-            cpus.append(_cpu() - c0)
-            walls.append(time.perf_counter() - t0)
+            if tmp is None:
+                cpus.append(_cpu() - c0)
+                walls.append(time.perf_counter() - t0)
         touched = sum(int((a.writes["src_region"] != b.writes["src_region"]).sum())
                       for a, b in zip(plan.ranks, got.ranks))
         equal, full = "not checked", "-"
@@ -140,6 +157,35 @@ def main() -> None:
               f"{min(walls):.3f} | {full} | {equal} |", flush=True)
         if equal == "False":
             sys.exit(1)
+
+
+def _fresh(folder: str, plan, new: np.ndarray,
+           args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """The CPU and wall seconds of each of `--repeat` replans of `plan` (written to a file
+    in `folder` once) for placement `new`, in a new process reading the plan file."""
+    path, table = os.path.join(folder, "plan.msgpack"), os.path.join(folder, "new.npy")
+    if not os.path.exists(path):
+        write_plan(path, plan)
+    np.save(table, new)
+    argv = [sys.executable, os.path.abspath(__file__), "--replan-file", path, table,
+            "--repeat", str(args.repeat), *(["--tiny"] if args.tiny else [])]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    return got["cpu"], got["wall"]
+
+
+def _replan_file(scale: str, path: str, table: str, repeat: int) -> None:
+    """`--fresh`'s child: the plan at `path` replanned for the placement in `table`."""
+    spec = load_spec(os.path.join(MODELS, SCALES[scale][0], "config.json"), mtp=False)
+    plan, new = load_plan(path), Placement(np.load(table))
+    cpus, walls = [], []
+    for _ in range(max(1, repeat)):
+        gc.collect()
+        c0, t0 = _cpu(), time.perf_counter()
+        replan(plan, spec, new)
+        cpus.append(_cpu() - c0)
+        walls.append(time.perf_counter() - t0)
+    print(json.dumps({"cpu": cpus, "wall": walls}))
 
 
 def _cpu() -> float:

@@ -166,7 +166,8 @@ def _feeds(table: Table, every: Hits, kk: np.ndarray, at: np.ndarray, counts: np
                              "hold: the plan is corrupt: recompile it")
     nbytes, boxes = table["nbytes"][rows], table["boxes"][rows]  # (copies: divided below)
     fed = np.bincount(k, weights=nbytes, minlength=n_k)  # exact below 2^53
-    key = k * sources
+    key = k.astype(np.int64)
+    key *= sources
     key += s
     key *= n_w
     key += w

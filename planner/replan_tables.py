@@ -80,43 +80,54 @@ blob is `same_as` another's share one)."""
 
 class SourceTensors:
     """Per source rank, from its `tensors/<rank>` blob: the region holding each logical
-    tensor (-1: none) and, asked for, the geometry of that piece, for the expert tensors."""
+    tensor (-1: none) and, asked for, whether two expert tensors' pieces sit alike in
+    their tensors (only for the pairs asked: a replan asks for the moved writes')."""
 
     _GEOMETRY = ("off0", "off1", "size0", "size1", "start", "stride0", "stride1")
+    _MANY = 0.25
+    """Pairs asked for (per spec tensor) from which the rank's experts are first checked
+    alike (once; then no pair needs comparing) rather than each pair compared."""
 
     def __init__(self, plan: Plan, sources: int, spec: ModelSpec, ids: ExpertIds) -> None:
         self.blobs = dict(plan.extra_blobs)
         self.plan, self.spec, self.ids = plan, spec, ids
         self.index = ids.index
-        self._cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, Table, list[bool]]] = {}
 
     def of(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """(region of each spec tensor id, spec tensor id of each region (-1: none))."""
-        region, gid_of_region, _ = self._of(rank)
+        region, gid_of_region, _, _, _ = self._of(rank)
         return region, gid_of_region
 
-    def geometry(self, rank: int, gid: np.ndarray) -> np.ndarray:
-        """Where the piece of spec tensor `gid[i]` sits in its tensor, as one class number
-        per tensor (equal numbers: equal offsets, sizes, start and strides)."""
-        return self._of(rank)[2][gid]
+    def same_geometry(self, rank: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Whether the piece of expert tensor `a[i]` sits in its tensor as `b[i]`'s does
+        (equal offsets, sizes, start and strides), both held by `rank` and of one MoE
+        layer and weight. Few pairs: their pieces compared; many: whether every expert of
+        each (MoE layer, weight) has one geometry (read once per rank), else compared."""
+        _, _, row, t, alike = self._of(rank)
+        if len(a) > self._MANY * len(self.ids.layer) and self._alike(row, t, alike):
+            return np.ones(len(a), bool)
+        ra, rb = row[a], row[b]
+        out = (ra >= 0) & (rb >= 0)
+        for c in self._GEOMETRY:
+            col = t[c]
+            out &= col[ra] == col[rb]
+        return out
 
-    def _classes(self, t: Table, expert: np.ndarray, g: np.ndarray) -> np.ndarray:
-        """The geometry class of each expert piece `expert` (rows of `t`; spec ids `g`):
-        its (MoE layer, weight) where every expert of each has one geometry (a moved slot
-        reads the same layer and weight), else `_classes` of the geometry columns."""
-        ids = self.ids
-        piece = np.full(len(ids.layer), -1, np.int64)
-        piece[g] = expert
-        grid = piece[ids.ids]
-        alike = bool((grid >= 0).all())
-        for c in self._GEOMETRY if alike else ():
-            v = t[c][grid]
-            alike = alike and bool((v == v[:, :1]).all())
-        if alike:
-            return ids.layer[g] * ids.ids.shape[2] + ids.weight[g]
-        return _classes([t[c][expert] for c in self._GEOMETRY])
+    def _alike(self, row: np.ndarray, t: Table, kept: list[bool]) -> bool:
+        """Whether every expert of each (MoE layer, weight) sits alike in its tensor (`row`,
+        `t`: a rank's pieces; `kept`: the answer, once known, kept with them)."""
+        if not kept:
+            ids = self.ids.ids
+            grid = np.where(ids >= 0, row[np.maximum(ids, 0)], -1)  # -> piece
+            alike = bool((grid >= 0).all())
+            for c in self._GEOMETRY if alike else ():
+                v = t[c][grid]
+                alike = alike and bool((v == v[:, :1]).all())
+            kept.append(alike)
+        return kept[0]
 
-    def _of(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _of(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Table, list[bool]]:
         if rank not in self._cache:
             blob = resolve(self.blobs, rank)
             nreg = len(self.plan.ranks[rank].regions)
@@ -150,37 +161,14 @@ class SourceTensors:
                                      "placement in full")
             region = np.full(n, -1, np.int64)
             region[g] = reg
-            geo = np.full(n, -1, np.int64)  # the geometry class of each expert tensor
-            geo[g] = self._classes(t, expert, g)
+            row = np.full(n, -1, np.int64)  # the piece (row of `t`) of each expert tensor
+            row[g] = expert
             gid_of_region = np.full(nreg, -1, np.int64)
             gid_of_region[reg[reg < nreg]] = g[reg < nreg]
-            self._cache[rank] = (region, gid_of_region, geo)
+            self._cache[rank] = (region, gid_of_region, row, t, [])
             _SOURCES_KEPT.append((blob, self.spec, nreg, self._cache[rank]))
             del _SOURCES_KEPT[:-_SOURCES_KEEP]
         return self._cache[rank]
-
-
-def _classes(cols: list[np.ndarray]) -> np.ndarray:
-    """One number per row of the integer columns `cols`, equal where the rows are: each
-    row's index among the distinct values of a hash of it, checked against the columns
-    (a collision: by a lexicographic sort of the rows instead)."""
-    if not len(cols[0]):
-        return np.zeros(0, np.int64)
-    cols = [c.astype(np.int64, copy=False) for c in cols]
-    h = cols[0].copy()
-    for c in cols[1:]:
-        h *= 1_000_003  # wraps: a hash
-        h ^= c
-    _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    if not any((c[first][inverse] != c).any() for c in cols):
-        return inverse
-    order = np.lexsort(cols[::-1])
-    step = np.zeros(len(order), np.int64)
-    step[1:] = np.any([c[order[1:]] != c[order[:-1]] for c in cols], axis=0)
-    out = np.empty(len(order), np.int64)
-    out[order] = np.cumsum(step)
-    return out
 
 
 def spec_ids(names: list[str], spec: ModelSpec, index: dict[str, int]) -> np.ndarray:
@@ -207,9 +195,11 @@ class Hits:
         self.key = self.rank << 32 | self.region
         n = int(self.rank.max()) + 1 if len(hit) else 0
         width = int(self.region.max()) + 1 if len(hit) else 0
-        self.index = np.full((n + 1, width + 1), -1, np.int64)  # (rank, region) -> hit
-        self.index[self.rank, self.region] = np.arange(len(hit))  # index; -1: not hit (the
-        # last row and column: every rank and region past the hit ones)
+        small = (n + 1) * (width + 1) < 1 << 31  # (then positions and hits fit in int32)
+        self.index = np.full((n + 1, width + 1), -1, np.int32 if small else np.int64)
+        self.index[self.rank, self.region] = np.arange(len(hit))  # (rank, region) -> hit
+        # index; -1: not hit (the last row and column: every rank and region past the hit
+        # ones)
 
     def find(self, rank: np.ndarray, region: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows whose (rank, region) is hit, the hit index of each)."""
@@ -220,9 +210,10 @@ class Hits:
     def of(self, rank: np.ndarray, region: np.ndarray) -> np.ndarray:
         """The hit index of each row's (rank, region) (-1: not hit)."""
         n, width = self.index.shape[0] - 1, self.index.shape[1] - 1
-        at = np.minimum(rank, n, dtype=np.int64)
+        dt = self.index.dtype
+        at = np.minimum(rank, n, dtype=dt)
         at *= width + 1
-        at += np.minimum(region, width, dtype=np.int64)
+        at += np.minimum(region, width, dtype=dt)
         return self.index.reshape(-1)[at]
 
 

@@ -111,14 +111,17 @@ def _moved_regions(rp: RankPlan, rows: np.ndarray, slot: np.ndarray, old: Placem
     `new`: the new expert's piece of the same weight, checked to read the old expert's
     piece (not staging, not another tensor) and to have the same cut."""
     w = rp.writes
-    src_region = w["src_region"][rows].astype(np.int64)
+    src_region = w["src_region"][rows]
     staged = len(rp.regions) - 1 if rp.regions and rp.regions[-1].name == STAGING else -1
     if (src_region == staged).any():
         raise NotIncremental(f"replan: source rank {rp.rank} sends moved expert slots through "
                              "staging (packed or gathered); compile the new placement in full")
     region_of, gid_of_region = src.of(rp.rank)
-    inside = (src_region >= 0) & (src_region < len(gid_of_region))
-    gid = np.where(inside, gid_of_region[np.where(inside, src_region, 0)], -1)
+    if len(src_region) and (int(src_region.min()) < 0
+                            or int(src_region.max()) >= len(gid_of_region)):
+        gid = np.full(len(src_region), -1, np.int64)  # (refused just below)
+    else:
+        gid = gid_of_region[src_region]
     physical = old.table.shape[1]
     layer = slot // physical
     if (gid < 0).any() or (ids.expert[gid] != old.table.reshape(-1)[slot]).any() or (
@@ -126,14 +129,24 @@ def _moved_regions(rp: RankPlan, rows: np.ndarray, slot: np.ndarray, old: Placem
         raise NotIncremental(f"replan: source rank {rp.rank} writes expert slots from tensors "
                              "other than the placement's experts; compile the new placement "
                              "in full")
-    now = ids.ids[layer, new.table.reshape(-1)[slot], ids.weight[gid]]
+    experts, weights = ids.ids.shape[1:]
+    at = layer * experts
+    at += new.table.reshape(-1)[slot]
+    at *= weights
+    at += ids.weight[gid]
+    now = ids.ids.reshape(-1)[at]  # the new expert's tensor of the same layer and weight
+    if (now < 0).any():
+        raise _not_held(rp.rank)
     region = region_of[now]
-    if (now < 0).any() or (region < 0).any() or (
-            src.geometry(rp.rank, now) != src.geometry(rp.rank, gid)).any():
-        raise NotIncremental(f"replan: source rank {rp.rank} does not hold every expert of a "
-                             "MoE layer with the same cut (experts placed on EP ranks?); "
-                             "compile the new placement in full")
+    if (region < 0).any() or not src.same_geometry(rp.rank, now, gid).all():
+        raise _not_held(rp.rank)
     return region
+
+
+def _not_held(rank: int) -> NotIncremental:
+    return NotIncremental(f"replan: source rank {rank} does not hold every expert of a MoE "
+                          "layer with the same cut (experts placed on EP ranks?); compile the "
+                          "new placement in full")
 
 
 def _placed(w: Table, at: np.ndarray, got: np.ndarray, region: np.ndarray) -> Table:
@@ -196,9 +209,10 @@ def _read(rp: RankPlan, every: Hits, old: Placement, sources: int,
         cols[4][on] // every.slot_bytes[kk])
     order = _by_group(cols[0])  # group by group, each in table order
     at = order if mine is None else mine[order]
-    key, slot, g = key[order], slot[order], cols[0][order]
+    key, slot = key[order], slot[order]
+    g = key >> (shift + bits)  # (the group: the keys' top field)
     first = np.ones(len(at), bool)
-    first[1:] = g[1:] != g[:-1]
+    np.not_equal(g[1:], g[:-1], out=first[1:])
     if not (key[1:] > key[:-1]).all():
         same = bool((key[1:] == key[:-1]).any())
         raise NotIncremental(f"replan: source rank {rp.rank} " + (

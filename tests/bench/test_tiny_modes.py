@@ -50,8 +50,9 @@ def test_compile_scale_tiny() -> None:
     assert "| demo.yaml | 4 |" in out
 
 
-def test_replan_tiny() -> None:
-    out = _run("bench/replan.py", "--tiny")
+@pytest.mark.parametrize("mode", [[], ["--fresh"]])
+def test_replan_tiny(mode) -> None:
+    out = _run("bench/replan.py", "--tiny", *mode)
     rows = [line for line in out.splitlines() if line.startswith("| ") and "%" in line]
     assert len(rows) == 3 and all(r.endswith("| True |") for r in rows)
 

@@ -226,6 +226,41 @@ def test_replan_refuses_megatron_ep_sources_saying_why():
     assert line.endswith("compile the new placement in full")
 
 
+@pytest.mark.parametrize("many", [False, True])
+def test_replan_refuses_an_expert_piece_cut_unlike_its_layers_others(many, monkeypatch):
+    """A source rank holding one expert's piece at another cut than the other experts of
+    its MoE layer and weight (a plan not made so, or edited) is refused before any write
+    reads it: whether its pieces are compared pair by pair (few moved writes) or every
+    expert of the rank checked alike first (many)."""
+    from planner import replan_tables
+    from schemas.table import Table
+    from schemas.tensors import PIECE_COLUMNS
+
+    model, source, target, slots = CASES[0]
+    _, spec = _cfg(model, source, target)
+    a = _random_table(spec, slots, seed=1)
+    plan = compile_config(*_cfg(model, source, target, a, DIRECT))
+    b = a.copy()
+    b[0] = np.roll(b[0], 1)  # every slot of MoE layer 0 moves
+    blobs = dict(plan.extra_blobs)
+    blob = dict(blobs["tensors/0"])
+    t = Table.from_msgpack(PIECE_COLUMNS, blob["pieces"], "tensors/0")
+    name = f"model.layers.0.mlp.experts.{int(b[0, 0])}.{spec.dims.expert_names[0]}.weight"
+    row = int(np.flatnonzero(t["tensor"] == blob["names"].index(name))[0])
+    cols = {c: np.array(t[c]) for c, _ in PIECE_COLUMNS}
+    cols["stride0"][row] += 1  # the same bytes, read with another stride
+    blob["pieces"] = Table.build(PIECE_COLUMNS, **cols).to_msgpack()
+    tampered = dataclasses.replace(plan, extra_blobs=tuple(
+        (n, blob if n == "tensors/0" else v) for n, v in plan.extra_blobs))
+    monkeypatch.setattr(replan_tables.SourceTensors, "_MANY", 0 if many else np.inf)
+    replan(plan, spec, Placement(b))  # (the untouched plan replans)
+    with pytest.raises(NotIncremental) as e:
+        replan(tampered, spec, Placement(b))
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("replan: source rank 0 ")
+    assert "same cut" in line and line.endswith("compile the new placement in full")
+
+
 def test_replan_refuses_another_slot_count():
     model, source, target, slots = CASES[0]
     _, spec = _cfg(model, source, target)
