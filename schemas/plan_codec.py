@@ -132,9 +132,11 @@ FRAME = b"\xc1Z"
 """The start of a compact blob: 0xC1, the one byte msgpack never uses (so no plain blob
 starts with it), then the codec, `Z` (zlib); a u64 decoded size follows, then the stream."""
 FRAME_HEAD = len(FRAME) + 8
-LEVEL = 1
-"""zlib's level: op tables are runs of equal strides, which its fastest level already shrinks
-many times over; decoding costs the same at any level."""
+LEVEL = 2
+"""zlib's level: op tables are runs of equal strides, which zlib's fast levels (1-3) already
+shrink many times over. Level 2 looks for longer matches than level 1 and so, on such
+tables, takes fewer steps: it compresses the largest plans faster than level 1 and smaller
+(BENCHMARKS.md); decoding costs about the same at any level."""
 MAX_RATIO = 1032
 """Deflate's largest expansion (a 258-byte match per 2 bits, plus block headers): a stream of
 `n` bytes cannot decode to more than `MAX_RATIO * n + 64`."""

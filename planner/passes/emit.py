@@ -476,25 +476,43 @@ def _packed_regions(regions: list[tuple[Region, ...]]) -> bytes:
 
 
 _HASHED = 1 << 20
-"""Rows of a piece table column cast to int64 and hashed at a time."""
+"""Rows of a piece table column cast to its hashed width and hashed at a time."""
+_I32 = np.iinfo(np.int32)
+
+
+def _hash_column(h: Any, col: np.ndarray, block: np.ndarray) -> None:
+    """Feed `h` a piece table column by value, whatever integer type holds it: a width tag
+    (`4` when every value fits in int32, else `8`), then the values as little-endian
+    integers of that width. A little-endian int32 column is hashed in place."""
+    narrow = len(col) == 0 or (col.dtype.kind == "i" and col.dtype.itemsize <= 4) or (
+        int(col.min()) >= _I32.min and int(col.max()) <= _I32.max)
+    h.update(b"4" if narrow else b"8")
+    want = np.dtype("<i4" if narrow else "<i8")
+    if col.dtype == want and col.flags.c_contiguous:
+        h.update(memoryview(col).cast("B"))
+        return
+    buf = block.view(want)
+    for at in range(0, len(col), _HASHED):
+        part = col[at:at + _HASHED]
+        np.copyto(buf[:len(part)], part, casting="unsafe")  # (as `astype`)
+        h.update(buf[:len(part)].data)
 
 
 def fingerprint(spec: ModelSpec, src: PieceTable, dst: PieceTable,
                 regions: list[tuple[Region, ...]], topo: Topology, cfg: Config) -> str:
-    """Digest of what the plan depends on: spec, piece tables, regions, topology, options."""
-    h = hashlib.blake2b(digest_size=16)
+    """Digest of what the plan depends on: spec, piece tables (their values, not the integer
+    type that holds them), regions, topology, options. SHA-256 (its first 16 bytes, in hex):
+    the piece tables are hundreds of MB on the largest models, and SHA-256 runs in the CPU's
+    SHA instructions where it has them (x86-64 since about 2017-2019, Armv8)."""
+    h = hashlib.sha256()
     h.update(msgpack.packb([FORMAT_VERSION, [(t.name, list(t.shape), t.dtype)
                                              for t in spec.tensors]]))
     block = np.empty(_HASHED, dtype=np.int64)  # one buffer: no fresh pages per block
     for table in (src, dst):  # (not `dataclasses.astuple`: it deep-copies every column)
-        for f in dataclasses.fields(table):  # as int64, whatever the column holds
-            col = getattr(table, f.name)
-            for at in range(0, len(col), _HASHED):
-                part = col[at:at + _HASHED]
-                np.copyto(block[:len(part)], part, casting="unsafe")  # (as `astype`)
-                h.update(block[:len(part)].data)
+        for f in dataclasses.fields(table):
+            _hash_column(h, getattr(table, f.name), block)
     h.update(_packed_regions(regions))
     h.update(msgpack.packb([list(topo.host), list(topo.gpu), list(topo.nic),
                             topo.nic_gbps, topo.nvlink_gbps]))
     h.update(msgpack.packb(dataclasses.asdict(cfg.options)))
-    return h.hexdigest()
+    return h.hexdigest()[:32]
