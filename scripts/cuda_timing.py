@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 
@@ -50,3 +51,22 @@ def eager_timed(fn: Callable[[], object], reps: int = 30) -> float:
     until the first post (the host's posting time counts), after one untimed run."""
     fn()
     return statistics.median(event_seconds(fn, reps, sync=True))
+
+
+class Scrambled:
+    """A probe's `writes` pieces of `size` bytes each: random bytes in `src`, each piece
+    bound for a scrambled slot of `dst` (piece i to slot i * 7 mod writes), with the
+    addresses and sizes of each piece's copy and the bytes `dst` holds once all landed."""
+
+    def __init__(self, row: str, dev: torch.device) -> None:
+        """`row`: "WRITESxMIB", e.g. "64x4" or "1024x0.5"."""
+        w, mib = row.split("x")
+        self.writes, self.size = writes, size = int(w), int(float(mib) * 2**20)
+        self.n = n = writes * size
+        self.src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev)
+        self.dst = torch.empty_like(self.src)
+        slot = torch.tensor([(i * 7) % writes for i in range(writes)], device=dev)
+        self.want = self.src.view(writes, size)[slot.argsort()].reshape(-1)
+        self.s = self.src.data_ptr() + np.arange(writes, dtype=np.int64) * size
+        self.d = self.dst.data_ptr() + (np.arange(writes, dtype=np.int64) * 7 % writes) * size
+        self.sizes = np.full(writes, size, dtype=np.int64)

@@ -22,12 +22,11 @@ import os
 import sys
 from functools import partial
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from executor.gpu.copy_kernel import SOURCE, piece_table  # noqa: E402
-from scripts.cuda_timing import graph_timed  # noqa: E402
+from scripts.cuda_timing import Scrambled, graph_timed  # noqa: E402
 
 TMA = r"""
 #ifndef NST
@@ -262,16 +261,9 @@ def main() -> None:
     print("| row | variant | us | GB/s | x one copy_ | exact |")
     print("| --- | --- | ---: | ---: | ---: | --- |")
     for row in a.rows.split(","):
-        w, mib = row.split("x")
-        writes, size = int(w), int(float(mib) * 2**20)
-        n = writes * size
-        src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
-        want = src.view(writes, size)[torch.tensor([(i * 7) % writes for i in range(writes)],
-                                                   device=dev).argsort()].reshape(-1)
-        s = src.data_ptr() + np.arange(writes, dtype=np.int64) * size
-        d = dst.data_ptr() + (np.arange(writes, dtype=np.int64) * 7 % writes) * size
-        sizes = np.full(writes, size, dtype=np.int64)
+        sc = Scrambled(row, dev)
+        n, src, dst, want = sc.n, sc.src, sc.dst, sc.want
+        s, d, sizes = sc.s, sc.d, sc.sizes
         one = graph_timed(partial(dst.copy_, src), a.reps)
         res = [("one copy_", one, None), ("one copy_, eager", graph_timed(
             partial(dst.copy_, src), a.reps, graph=False), None)]
