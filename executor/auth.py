@@ -193,6 +193,12 @@ def _signal_mac(key: bytes) -> Any:
     return hashlib.blake2b(key=key, digest_size=SIG_MAC)
 
 
+def signal_mac(keys: Keys) -> Any:
+    """The keyed BLAKE2b a signal's MAC copies (None without a secret): held by whoever
+    seals or checks signals on a step's path (no cache lookup a message)."""
+    return _signal_mac(keys.signal) if keys.secure else None  # type: ignore[arg-type]
+
+
 def _mac(key: bytes, msg: bytes) -> bytes:
     h = _signal_mac(key).copy()
     h.update(msg)

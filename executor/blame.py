@@ -44,6 +44,15 @@ class Blame:
             return False
         return not (self.live and self.snap is not None and now - self.snap_t < LEASE_S)
 
+    def due(self) -> float:
+        """The `time.monotonic()` before which `expired()` is False and does nothing (a
+        wait asks it from then on, not at every poll)."""
+        if not self.live:
+            return self.deadline
+        if self.snap is None:
+            return min(self.snap_at, self.deadline)
+        return max(self.deadline, self.snap_t + LEASE_S)
+
     def culprit(self, peer: int) -> int:
         if not self.live or self.snap is None:
             return peer

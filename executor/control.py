@@ -89,7 +89,10 @@ class Control:
         self.refused = 0  # peers' records refused (garbage, forged, replayed)
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
-        self.step_cv = threading.Condition()
+        self.step_lock = threading.RLock()
+        """The lock of `step_cv`, taken directly where a step's path only sets a record (no
+        Python frames of `Condition.__enter__`)."""
+        self.step_cv = threading.Condition(self.step_lock)
         self.step_order = threading.Lock()  # step records reach the store in program order
         self.step_pending: tuple[int, bool, int] | None = None  # (step, running, epoch)
         self.step_epoch = 0  # bumped by every synchronous publish: older pendings are void
@@ -245,7 +248,7 @@ class Control:
         the publisher thread (a store round trip off the step's path; a newer publish
         replaces one not written yet, and a synchronous one voids it)."""
         if later and self.thread is not None and not self.stop.is_set():
-            with self.step_cv:  # wake the publisher only if it is idle: a wake-up costs
+            with self.step_lock:  # wake the publisher only if it is idle: a wake-up costs
                 self.step_pending = (int(step), bool(running), self.step_epoch)  # the step
                 if self.step_idle:  # a futex call and the GIL handed over and back
                     self.step_cv.notify()

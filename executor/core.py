@@ -398,8 +398,8 @@ class Executor:
         seconds = time.perf_counter() - t0
         if self.step_records:  # where a restarted peer joins (recovery.py); the store may
             # be gone, and the weights are whole
-            best_effort("publishing the step", lambda: self.control.publish_step(
-                self.step + 1, later=True))
+            best_effort("publishing the step", self.control.publish_step, self.step + 1,
+                        False, True)  # later: by the publisher thread
         waited = self.signals.waited + self.window.waited
         return RunStats(self.rank, self.step, self.bytes_per_step, self.received_per_step,
                         seconds, True, min(waited, seconds))

@@ -29,13 +29,14 @@ a READY or make a rank re-read the store."""
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import struct
 from collections import deque
 
 from schemas.protocol import sent_stage
 
-from .auth import SIG_MAC, Keys, sign, verify
+from .auth import SIG_MAC, Keys, sign, signal_mac, verify
 
 log = logging.getLogger("executor")
 _MAGIC = b"RPS3"
@@ -63,6 +64,28 @@ def encode(keys: Keys, tag: bytes, incarnation: int, to: int, step: int, stage: 
                                                seq))
 
 
+class Sealer:
+    """`encode` for one sender, with what every message of it shares made once (the plan's
+    prefix, the keyed MAC): a message sealed on a step's path is one pack, one MAC."""
+
+    __slots__ = ("prefix", "mac", "pack")
+
+    def __init__(self, keys: Keys, tag: bytes) -> None:
+        self.prefix = _MAGIC + tag
+        self.mac = signal_mac(keys)
+        self.pack = _BODY.pack
+
+    def seal(self, incarnation: int, to: int, step: int, stage: int, kind: int, sender: int,
+             seq: int) -> bytes:
+        """What `encode` returns for these fields under this sender's keys and tag."""
+        msg = self.prefix + self.pack(incarnation, to, step, stage, kind, sender, seq)
+        if self.mac is None:
+            return msg + bytes(SIG_MAC)
+        h = self.mac.copy()
+        h.update(msg)
+        return msg + h.digest()
+
+
 def expected(step: int, wait_stage: int, kind: int, peer: int) -> Key:
     """The key of the signal that satisfies a wait at `wait_stage` (see the module doc)."""
     return (step, sent_stage(kind, wait_stage), kind, peer)
@@ -74,6 +97,7 @@ class Inbox:
         self.tag, self.incarnation, self.rank = tag, incarnation, rank
         self.prefix = _MAGIC + tag  # what every message of this plan starts with
         self.keys = keys or Keys(None, None, None)
+        self.mac = signal_mac(self.keys)  # each message's MAC copies it
         self.arrived: set[Key] = set()
         self.incarnations: dict[int, int] = {}
         """Sender rank -> the incarnation imported for it."""
@@ -138,29 +162,39 @@ class Inbox:
 
     def add(self, msgs: list[tuple[str, bytes]], step: int) -> None:
         """Take the messages a transport polled: (transport-level sender, message)."""
+        prefix, mac = self.prefix, self.mac
         for sender_id, m in msgs:
-            if len(m) != SIZE or m[:12] != self.prefix:
+            if len(m) != SIZE or m[:12] != prefix:
                 continue  # not ours, or another plan's (refused at connect)
             inc, to, step_, stage, kind, sender, seq = _BODY.unpack_from(m, 12)
-            key: Key = (step_, stage, kind, sender)
-            if not verify(self.keys, m):
-                self._refuse(f"forged: kind {key[2]} from 'rank {key[3]}' (step {key[0]}, "
-                             f"stage {key[1]}) does not carry the job secret's MAC")
+            if mac is not None:  # `auth.verify`, with the keyed hash held here
+                h = mac.copy()
+                h.update(m[:-SIG_MAC])
+                good = hmac.compare_digest(h.digest(), m[-SIG_MAC:])
+            else:
+                good = verify(self.keys, m)
+            if not good:
+                self._refuse(f"forged: kind {kind} from 'rank {sender}' (step {step_}, "
+                             f"stage {stage}) does not carry the job secret's MAC")
                 continue
-            if key[0] < step or to != self.incarnation:
+            if step_ < step or to != self.incarnation:
                 continue  # stale, or meant for an earlier process of this rank
-            if self.incarnations.get(key[3]) != inc:
+            key: Key = (step_, stage, kind, sender)
+            if self.incarnations.get(sender) != inc:
                 self.held.append((inc, sender_id, key))
                 self.foreign = True
                 continue
-            if not self._from(key[3], sender_id):
-                self._refuse(f"impersonation: claims rank {key[3]} but came from "
-                             f"{sender_id!r}, not {self.senders[key[3]]!r}")
+            if not self._from(sender, sender_id):
+                self._refuse(f"impersonation: claims rank {sender} but came from "
+                             f"{sender_id!r}, not {self.senders[sender]!r}")
                 continue
-            if not self._fresh(key[3], inc, seq):
-                self._refuse(f"replayed: message {seq} of rank {key[3]} arrived before")
+            if not self._fresh(sender, inc, seq):
+                self._refuse(f"replayed: message {seq} of rank {sender} arrived before")
                 continue
-            self._admit(key)
+            if kind == ABORT:
+                self._admit(key)
+            else:
+                self.arrived.add(key)
 
     def _admit(self, key: Key) -> None:
         if key[2] == ABORT:  # the sender's signals of that step are void (it runs again)

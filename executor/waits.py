@@ -66,6 +66,7 @@ class Signals:
         """Seconds of this step spent waiting (signals, own kernels)."""
         self.queued = True
         """This rank queued kernels or copies on its current stream since its last `sync`."""
+        self.sealer = signals.Sealer(me.keys, me.tag)
 
     def begin(self, step: int) -> None:
         """Step `step` starts: its signals from now on; older ones are dropped."""
@@ -109,14 +110,14 @@ class Signals:
     def retag(self, tag: bytes) -> None:
         """The rank switched plans between steps: its signals carry the new plan's tag."""
         self.me = dataclasses.replace(self.me, tag=tag)
+        self.sealer = signals.Sealer(self.me.keys, tag)
 
     def msg(self, peer: int, stage: int, kind: int) -> bytes:
         """The next signal of this step to `peer` (`stage`, `kind`), sealed."""
         me = self.me
         self.seq += 1
-        return signals.encode(me.keys, me.tag, me.incarnation,
-                              self.inbox.incarnations.get(peer, 0), self.step, stage, kind,
-                              me.rank, self.seq)
+        return self.sealer.seal(me.incarnation, self.inbox.incarnations.get(peer, 0), self.step,
+                                stage, kind, me.rank, self.seq)
 
     def send(self, peers: list[int], stage: int, kind: int) -> None:
         """Send `kind` of `stage` to each of `peers` (`PeerLostError` if one cannot be)."""
@@ -141,28 +142,36 @@ class Signals:
             self.waited += time.perf_counter() - t0
 
     def _poll_until(self, keys: list[signals.Key], backoff: Backoff, timeout_s: float) -> None:
-        rank, step = self.me.rank, self.step
-        self.inbox.add(self.transport.poll(), step)
+        """Poll until `keys` arrived. The loop between two polls is a clock read and a
+        compare or two: `blame` is asked only from its next moment on (`Blame.due`), the
+        backoff only once its spin is over, and the inbox only when a message came."""
+        rank, step, inbox, blame = self.me.rank, self.step, self.inbox, self.blame
+        poll, clock, perf = self.transport.poll, time.monotonic, time.perf_counter
+        inbox.add(poll(), step)
         missing, polled = keys, True  # signals may also have arrived before this wait
+        due, spin_until = blame.due(), backoff.spin_until
         while True:
             if polled:
-                if self.inbox.foreign:  # a restarted peer already signals: import it now
+                if inbox.foreign:  # a restarted peer already signals: import it now
                     self.on_foreign()
-                missing = self.inbox.take(keys)
+                missing = inbox.take(keys)
                 if not missing:
                     return
-                if (aborted := self.inbox.abort_of(step, missing)) is not None:
+                if inbox.aborted and (aborted := inbox.abort_of(step, missing)) is not None:
                     raise PeerAbortError(rank, aborted[0], aborted[1], step)
-            if self.blame.expired():
-                _, stage, kind, peer = missing[0]
-                culprit = self.blame.culprit(peer)
-                what = f"send {KIND_NAMES[kind]} of stage {stage}, step {step}"
-                if culprit != peer:
-                    what = (f"take part in step {step} (rank {peer}, which this rank "
-                            f"waits for, is alive and waits itself; rank {culprit}'s "
-                            "heartbeat stopped)")
-                raise PeerTimeoutError(rank, culprit, what, timeout_s)
-            backoff.pause()  # spins briefly, then naps a share of the wait (spin.py)
-            msgs = self.transport.poll()
+            if clock() >= due:
+                if blame.expired():
+                    _, stage, kind, peer = missing[0]
+                    culprit = blame.culprit(peer)
+                    what = f"send {KIND_NAMES[kind]} of stage {stage}, step {step}"
+                    if culprit != peer:
+                        what = (f"take part in step {step} (rank {peer}, which this rank "
+                                f"waits for, is alive and waits itself; rank {culprit}'s "
+                                "heartbeat stopped)")
+                    raise PeerTimeoutError(rank, culprit, what, timeout_s)
+                due = blame.due()
+            if perf() >= spin_until:
+                backoff.pause()  # spins briefly, then naps a share of the wait (spin.py)
+            msgs = poll()
             if polled := bool(msgs):  # nothing new: nothing to match again
-                self.inbox.add(msgs, step)
+                inbox.add(msgs, step)

@@ -72,6 +72,7 @@ class CudaIpcTransport:
         self.prepared = 0
         self.peers: dict[int, list[torch.Tensor]] = {}
         self.mailbox = ShmMailbox(rank, namespace)
+        self.poll = self.mailbox.poll  # a wait polls in a loop: one call less each time
         self.rt = Runtime.load()
         self.segments: list[int] = []  # allocation base of each region (set by export)
         self.peer_segments: dict[int, list[int]] = {}

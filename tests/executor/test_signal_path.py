@@ -1,0 +1,136 @@
+"""A step's signal path as the executor runs it between processes of one host: messages
+sealed by `Sealer` (what `encode` makes), checked by `Inbox.add` with its held MAC (a forged,
+replayed or stale one never satisfies a wait), awaited by `Signals.wait` over real
+shared-memory rings (`ShmMailbox`), which asks `Blame` only from `Blame.due` on and still
+times out with one line naming the peer."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from executor import signals
+from executor.auth import keys_from
+from executor.blame import Blame
+from executor.control import LEASE_S
+from executor.errors import PeerAbortError, PeerTimeoutError
+from executor.transports.shm_mailbox import ShmMailbox
+from executor.waits import Sender, Signals
+from schemas.plan import DONE, READY
+
+SECRET = os.urandom(32)
+TAG = signals.fingerprint_tag("plan-a")
+
+
+class _Leases:
+    """A control whose every peer lease is missing (no store)."""
+
+    def alive_record(self, rank: int) -> None:
+        return None
+
+
+class _Transport:
+    def __init__(self, mailbox: ShmMailbox) -> None:
+        self.poll, self.notify = mailbox.poll, mailbox.notify
+
+
+@pytest.fixture
+def pair():
+    """Rank 0 and rank 1's `Signals` over two real shared-memory rings."""
+    a, b = ShmMailbox(0, "sigpath"), ShmMailbox(1, "sigpath")
+    a.import_peer(1, b.export())
+    b.import_peer(0, a.export())
+    out = []
+    for rank, mailbox, inc in ((0, a, 11), (1, b, 22)):
+        keys = keys_from(SECRET, rank=rank)
+        inbox = signals.Inbox(TAG, inc, rank, keys)
+        inbox.set_incarnation(1 - rank, 33 - inc, mailbox.peer_id(1 - rank))
+        out.append(Signals(Sender(rank, TAG, inc, keys, torch.device("cpu")),
+                           _Transport(mailbox), inbox, Blame(_Leases(), 2, rank, live=False),
+                           lambda: None))
+    yield out
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("secure", [True, False])
+def test_sealer_makes_what_encode_makes(secure):
+    keys = keys_from(SECRET if secure else None, insecure=not secure)
+    fields = (0x1234, 0x5678, 7, 2, READY, 3, 99)
+    got = signals.Sealer(keys, TAG).seal(*fields)
+    assert got == signals.encode(keys, TAG, *fields)
+    assert len(got) == signals.SIZE
+
+
+def test_inbox_admits_sealed_and_refuses_forged_replayed_stale():
+    keys = keys_from(SECRET)
+    inbox = signals.Inbox(TAG, 22, 1, keys)
+    inbox.set_incarnation(0, 11)
+    seal = signals.Sealer(keys, TAG).seal
+    good = seal(11, 22, 5, 0, READY, 0, 1)
+    forged = good[:-1] + bytes([good[-1] ^ 1])
+    inbox.add([("shm:0", forged)], 5)
+    assert inbox.refused == 1 and not inbox.arrived  # a wrong MAC satisfies nothing
+    other = signals.Sealer(keys_from(os.urandom(32)), TAG).seal(11, 22, 5, 0, READY, 0, 2)
+    inbox.add([("shm:0", other)], 5)
+    assert inbox.refused == 2 and not inbox.arrived  # another job's secret
+    inbox.add([("shm:0", good)], 5)
+    assert inbox.take([(5, 0, READY, 0)]) == []
+    inbox.add([("shm:0", good)], 5)  # the same message again
+    assert inbox.refused == 3 and inbox.take([(5, 0, READY, 0)]) == [(5, 0, READY, 0)]
+    inbox.add([("shm:0", seal(11, 22, 4, 0, READY, 0, 3))], 5)  # an earlier step's
+    assert not inbox.arrived and inbox.refused == 3
+    inbox.add([("shm:0", seal(11, 99, 5, 0, READY, 0, 4))], 5)  # to another process
+    assert not inbox.arrived
+    inbox.add([("shm:0", seal(12, 22, 5, 0, READY, 0, 5))], 5)  # a restarted sender
+    assert inbox.foreign and not inbox.arrived
+
+
+def test_wait_returns_on_a_signal_sent_between_processes_rings(pair):
+    src, dst = pair
+    for step in (1, 2, 3):
+        src.begin(step)
+        dst.begin(step)
+        dst.send([0], 0, READY)
+        src.wait([(0, READY, 1)], 5.0)  # stage 0's READY of rank 1
+        src.send([1], 0, DONE)
+        dst.wait([(0, DONE, 0)], 5.0)
+
+
+def test_wait_times_out_naming_the_peer(pair):
+    src, _ = pair
+    src.begin(1)
+    t0 = time.monotonic()
+    with pytest.raises(PeerTimeoutError, match=r"^rank 0: peer rank 1 did not send READY of "
+                       r"stage 0, step 1 within 0.05 s") as e:
+        src.wait([(0, READY, 1)], 0.05)
+    assert e.value.peer == 1
+    assert time.monotonic() - t0 < 30  # a bound, not a timing: it did not hang
+
+
+def test_wait_stops_at_a_peer_abort(pair):
+    src, dst = pair
+    src.begin(1)
+    dst.begin(1)
+    dst.transport.notify(0, dst.msg(0, 2, signals.ABORT))  # rank 1 lost rank 2
+    with pytest.raises(PeerAbortError):
+        src.wait([(0, READY, 1)], 5.0)
+
+
+def test_blame_due_is_when_expired_can_first_change():
+    blame = Blame(_Leases(), 3, 0, live=False)
+    blame.start(0.2)
+    assert blame.due() == blame.deadline
+    assert not blame.expired()
+    live = Blame(_Leases(), 3, 0)
+    live.start(100.0)
+    assert live.due() == live.snap_at <= live.deadline
+    assert not live.expired() and live.snap is None  # nothing read before its moment
+    live.start(0.0)  # times out now: the snapshot, then a lease period more
+    assert live.due() <= time.monotonic()
+    assert not live.expired() and live.snap is not None
+    assert live.due() == max(live.deadline, live.snap_t + LEASE_S)
+    assert time.monotonic() < live.due()
