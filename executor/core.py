@@ -495,14 +495,18 @@ class Executor:
     def recv_half(self, s: int, timeout_s: float | None = None) -> None:
         """Steps 5-7 of stage `s`: wait DONE, unpacks, ACK."""
         st = self.stages[s]
-        self.signals.wait(st.after, self.timeout_s if timeout_s is None else timeout_s)
-        for op in st.unpacks:
-            op()
-        self.signals.mark_queued(bool(st.unpacks))
-        if st.unpacks and not self.one_stream:
-            self.signals.sync()  # ACK frees staging the unpacks read; and the weights are whole
-        self.signals.send(st.ack_to, s, ACK)
-        self.signals.send(st.slot_ack_to, s, SLOT_ACK)
+        if st.after:  # (each call skipped where it has nothing to do: a step's path)
+            self.signals.wait(st.after, self.timeout_s if timeout_s is None else timeout_s)
+        if st.unpacks:
+            for op in st.unpacks:
+                op()
+            self.signals.mark_queued()
+            if not self.one_stream:
+                self.signals.sync()  # ACK frees staging the unpacks read; the weights are whole
+        if st.ack_to:
+            self.signals.send(st.ack_to, s, ACK)
+        if st.slot_ack_to:
+            self.signals.send(st.slot_ack_to, s, SLOT_ACK)
 
     def close(self) -> None:
         self.control.close()

@@ -114,12 +114,15 @@ class Window:
         """Wait until at least one batch has landed, and reap what has."""
         t0 = time.perf_counter()
         deadline, backoff = time.monotonic() + timeout_s, Backoff()
-        while not self.reap_landed():
-            if time.monotonic() >= deadline:
+        reap, clock, perf, spin_until = self.reap_landed, time.monotonic, time.perf_counter, \
+            backoff.spin_until
+        while not reap():
+            if clock() >= deadline:
                 entry, stage = self.inflight[0]  # the oldest: it has waited longest
                 raise PeerTimeoutError(self.rank, entry.peer,
                                        f"complete the writes of stage {stage}", timeout_s)
-            backoff.pause()  # spins, then short naps: some transports progress when polled
+            if perf() >= spin_until:  # spins, then short naps: some transports progress
+                backoff.pause()  # when polled
         self.waited += time.perf_counter() - t0
 
     def _count(self, stage: int) -> None:
