@@ -142,8 +142,8 @@ class Signals:
             self.waited += time.perf_counter() - t0
 
     def _poll_until(self, keys: list[signals.Key], backoff: Backoff, timeout_s: float) -> None:
-        """Poll until `keys` arrived. The loop between two polls is a clock read and a
-        compare or two: `blame` is asked only from its next moment on (`Blame.due`), the
+        """Poll until `keys` arrived. The loop between two polls is two clock reads and
+        compares: `blame` is asked only from its next moment on (`Blame.due`), the
         backoff only once its spin is over, and the inbox only when a message came."""
         rank, step, inbox, blame = self.me.rank, self.step, self.inbox, self.blame
         poll, clock, perf = self.transport.poll, time.monotonic, time.perf_counter
