@@ -58,7 +58,7 @@ def coalesce(low: Lowered | list[Lowered], max_write_bytes: int) -> Lowered:
     del first
     merged["w_nbytes"] = merged_bytes
     # Split at max_write_bytes.
-    parts = -(-merged_bytes // max_write_bytes)
+    parts = -(-merged_bytes // np.int64(max_write_bytes))  # (int64: any int32 bytes)
     if (parts == 1).all():  # nothing to cut (a 0-byte run would go: below)
         return replace(low, **merged)
     idx = np.repeat(np.arange(len(parts)), parts)
