@@ -250,7 +250,7 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     parts = [direct, more.lowered]  # merged column by column, each input dropped once used
     del direct
     more = dataclasses.replace(more, lowered=None)
-    low = coalesce(merge(parts), opts.max_write_bytes)
+    low = coalesce([merge(parts)], opts.max_write_bytes)  # its input dropped as it goes
     # 10. schedule
     step("schedule")
     sched = schedule(low, topo, opts.max_write_bytes, staging_ids)

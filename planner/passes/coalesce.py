@@ -15,23 +15,35 @@ from planner.passes.lower import Lowered
 from planner.rows import column_keys, lexorder
 
 _KEYS = ("w_src_rank", "w_stage", "w_dst_rank", "w_src_region", "w_dst_region")
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
-def coalesce(low: Lowered, max_write_bytes: int) -> Lowered:
+def coalesce(low: Lowered | list[Lowered], max_write_bytes: int) -> Lowered:
     """`low` with adjacent writes merged and runs cut at `max_write_bytes`. Columns are
-    put in order one at a time (a sorted copy of the whole table is never held)."""
-    order = lexorder(low.w_src_offset, *(getattr(low, k) for k in reversed(_KEYS)))
+    put in order one at a time (a sorted copy of the whole table is never held). `low` may
+    be a list holding the only reference to it: the list is emptied and each input column
+    dropped as soon as its merged column is made (the input and the merged writes are then
+    never held whole together)."""
+    own = isinstance(low, list)
+    if isinstance(low, list):
+        held = low
+        (low,) = held
+        held.clear()
+    cols = {k: getattr(low, k) for k in Lowered.__slots__ if k.startswith("w_")}
+    if own:  # the writes' columns are held here alone; the rest stays in `low`
+        low = replace(low, **{k: _EMPTY for k in cols})
+    order = lexorder(cols["w_src_offset"], *(cols[k] for k in reversed(_KEYS)))
     n = len(order)
     if n == 0:
-        return low
+        return replace(low, **cols)
     same = np.ones(n, dtype=bool)
     same[0] = False
-    keys = column_keys([getattr(low, k) for k in _KEYS])[order]  # equal keys: equal rows
+    keys = column_keys([cols[k] for k in _KEYS])[order]  # equal keys: equal rows
     np.equal(keys[1:], keys[:-1], out=same[1:])
     del keys
-    nbytes = low.w_nbytes[order]
+    nbytes = cols.pop("w_nbytes")[order]
     for k in ("w_src_offset", "w_dst_offset"):
-        off = getattr(low, k)[order]
+        off = cols[k][order]
         same[1:] &= off[1:] == off[:-1] + nbytes[:-1]
         del off
     starts = np.nonzero(~same)[0]
@@ -40,17 +52,19 @@ def coalesce(low: Lowered, max_write_bytes: int) -> Lowered:
     del nbytes
     first = order[starts]
     del order, starts
-    merged = {k: getattr(low, k)[first] for k in (*_KEYS, "w_src_offset", "w_dst_offset")}
+    merged = {}
+    for k in (*_KEYS, "w_src_offset", "w_dst_offset"):  # each input column goes once taken
+        merged[k] = cols.pop(k)[first]
     del first
     merged["w_nbytes"] = merged_bytes
     # Split at max_write_bytes.
-    parts = -(-merged_bytes // max_write_bytes)
+    parts = -(-merged_bytes // np.int64(max_write_bytes))  # (int64: any int32 bytes)
     if (parts == 1).all():  # nothing to cut (a 0-byte run would go: below)
         return replace(low, **merged)
     idx = np.repeat(np.arange(len(parts)), parts)
     k = np.arange(len(idx)) - np.repeat(np.cumsum(parts) - parts, parts)
     shift = k * max_write_bytes
-    out = {key: v[idx] for key, v in merged.items()}
+    out = {key: merged.pop(key)[idx] for key in list(merged)}  # each goes once cut
     out["w_src_offset"] = out["w_src_offset"] + shift
     out["w_dst_offset"] = out["w_dst_offset"] + shift
     out["w_nbytes"] = np.minimum(max_write_bytes, merged_bytes[idx] - shift)

@@ -164,18 +164,18 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
          coverage: Table) -> Plan:
     """The plan: every rank's tables, the explain, DAG and coverage tables, `header`.
 
-    `low` is consumed: its write columns are put in scheduled order, and its copies in
-    (rank, stage, kind) order and the plan's dtypes, in place, so each rank's tables are
-    views of them and the plan holds no second copy of the op tables (the compiler reads
-    `low` no more)."""
+    `low` is consumed: its write columns are put in scheduled order (in place, or, for
+    offsets and bytes held as int32, into int64 copies), and its copies in (rank, stage,
+    kind) order and the plan's dtypes, in place, so each rank's tables are views of them
+    and the plan holds no second copy of the op tables (the compiler reads `low` no
+    more)."""
     world = topo.world
     o = sched.order
-    for k in ("w_src_rank", "w_dst_rank", "w_src_region", "w_src_offset", "w_dst_region",
-              "w_dst_offset", "w_nbytes", "w_stage"):
+    for k in ("w_src_rank", "w_dst_rank", "w_src_region", "w_dst_region", "w_stage"):
         _permute(getattr(low, k), o)
     w = {"dst_rank": low.w_dst_rank, "src_region": low.w_src_region,
-         "src_offset": low.w_src_offset, "dst_region": low.w_dst_region,
-         "dst_offset": low.w_dst_offset, "nbytes": low.w_nbytes}
+         "src_offset": _in_order(low.w_src_offset, o), "dst_region": low.w_dst_region,
+         "dst_offset": _in_order(low.w_dst_offset, o), "nbytes": _in_order(low.w_nbytes, o)}
     w_src = low.w_src_rank
     w_cut = _slices(w_src, world)
     b_start = sched.batch_start
@@ -227,6 +227,15 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
 def _permute(col: np.ndarray, order: np.ndarray) -> None:
     """`col[:] = col[order]`: a column put in order in place (one column's copy at a time)."""
     col[:] = col[order]
+
+
+def _in_order(col: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """An int64 column of the plan's (offsets, bytes) in `order`: `col` put in order in
+    place (`_permute`), or an int64 copy in order where `col` is narrower."""
+    if col.dtype == np.int64:
+        _permute(col, order)
+        return col
+    return col[order].astype(np.int64)
 
 
 def _peer_regions(pairs: np.ndarray, region_bytes: np.ndarray, first_region: np.ndarray

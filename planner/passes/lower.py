@@ -49,6 +49,8 @@ class Lowered:
     """Writes and copies of the whole plan, as columns (ranks are plan ranks)."""
 
     w_src_rank: np.ndarray
+    """Ranks, regions and stages as int32; offsets and bytes as int32 where every write's
+    end fits (`FIT`), else int64."""
     w_src_region: np.ndarray
     w_src_offset: np.ndarray
     w_dst_rank: np.ndarray
@@ -101,6 +103,9 @@ BLOCK = 1 << 20
 temporaries are the size of a block, not of the plan."""
 NARROW = ("w_src_rank", "w_src_region", "w_dst_rank", "w_dst_region", "w_stage")
 """Write columns held as int32 (ranks, regions, stages: as in the plan's tables)."""
+FIT = ("w_src_offset", "w_dst_offset", "w_nbytes")
+"""Write columns `lower` makes int32 while every write it makes starts at 0 or more and
+ends (offset + bytes) within int32, else int64 (`_fit`); `emit` casts them to the plan's."""
 
 
 def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
@@ -134,18 +139,21 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     at = direct_stage(st.copies["kind"], st.stages) if n_direct else 0
     stages = max(st.stages, at + 1)
     total = n_direct + len(st.writes)
-    out = Writes(**{k[2:]: np.empty(total, dtype=np.int32 if k in NARROW else np.int64)
+    out = Writes(**{k[2:]: np.empty(total, dtype=np.int32 if k in NARROW or k in FIT
+                                    else np.int64)
                     for k in Lowered.__slots__ if k.startswith("w_")})  # written in place,
     # in order: the blocks' direct writes, those `_second_look` moved, the staged chunks';
     # the staged and moved ones put first, each dropped once put (never held beside all
     # of `out`)
+    out = _fit(out, st.writes)
     out.put(n_direct, st.writes)
     st = dataclasses.replace(st, writes=None)
+    out = _fit(out, moved)
     out.put(n_direct - len(moved), moved)
     end, n_moved = 0, len(moved)
     del moved
     for b in blocks:
-        end = _direct_into(out, end, c, b.start + np.flatnonzero(~staged_at[b]))
+        out, end = _direct_into(out, end, c, b.start + np.flatnonzero(~staged_at[b]))
     del staged_at
     assert end == n_direct - n_moved
     out.stage[:n_direct] = at
@@ -180,10 +188,26 @@ def _staged_mask(g: Geometry, opts: Options) -> np.ndarray:
     return staged
 
 
-def _direct_into(out: Writes, at: int, c: Chosen, rows: np.ndarray) -> int:
-    """Write the direct writes of chunks `rows` (not staged) into the columns `out` from
-    row `at`; returns the row after them. Only the geometry that `writes` reads is made."""
-    return out.put(at, writes(c, direct_rows(c, rows), None, rows))
+def _direct_into(out: Writes, at: int, c: Chosen, rows: np.ndarray) -> tuple[Writes, int]:
+    """Write the direct writes of chunks `rows` (not staged) into the columns `out` (`_fit`
+    to them) from row `at`; returns the columns and the row after them. Only the geometry
+    that `writes` reads is made."""
+    part = writes(c, direct_rows(c, rows), None, rows)
+    out = _fit(out, part)
+    return out, out.put(at, part)
+
+
+def _fit(out: Writes, part: Writes) -> Writes:
+    """`out`, with its `FIT` columns widened to int64 (copies) where they are int32 and a
+    write of `part` starts below 0 or ends (offset + bytes) past int32's largest value."""
+    if out.nbytes.dtype == np.int64 or len(part) == 0:
+        return out
+    lo = min(int(part.src_offset.min()), int(part.dst_offset.min()), int(part.nbytes.min()))
+    hi = max(int(part.src_offset.max()), int(part.dst_offset.max())) + int(part.nbytes.max())
+    if lo >= 0 and hi <= np.iinfo(np.int32).max:
+        return out
+    return dataclasses.replace(out, **{k[2:]: getattr(out, k[2:]).astype(np.int64)
+                                       for k in FIT})
 
 
 def _direct_load(c: Chosen, rows: np.ndarray
@@ -280,16 +304,24 @@ def _staged(c: Chosen, si: np.ndarray, first: int, n_regions: np.ndarray, opts: 
                 dst_rank=dst_rank[order], s_region=c.src.region[c.choice[si]],
                 d_region=c.dst.region[c.chunks.dst[si]], s_start=c.start(si, source=True),
                 d_start=c.start(si, source=False))
-    del src_rank, dst_rank
+    del src_rank, dst_rank, si, order
     # the copies first: the geometry only they read goes before the writes are made
     cp = copies(g, at, n_regions)
     p, u, s_code, es_d, nbytes = g.pack, g.unpack, g.s_code, g.es_d, g.nbytes
     del g
-    w = Writes(
-        src_rank=at.src_rank, dst_rank=at.dst_rank,
-        src_region=np.where(p, n_regions[at.src_rank], at.s_region),
-        src_offset=np.where(p, s_soff, at.s_start * element_size(s_code)),
-        dst_region=np.where(u, n_regions[at.dst_rank], at.d_region),
-        dst_offset=np.where(u, d_soff, at.d_start * es_d),
-        nbytes=nbytes, stage=stage.astype(np.int32))
+    # the writes' columns one at a time, each placed column dropped once read
+    src_rank, dst_rank, s_region, d_region, s_start, d_start = (
+        at.src_rank, at.dst_rank, at.s_region, at.d_region, at.s_start, at.d_start)
+    del at
+    src_region = np.where(p, n_regions[src_rank], s_region)
+    del s_region
+    src_offset = np.where(p, s_soff, s_start * element_size(s_code))
+    del s_soff, s_start, s_code
+    dst_region = np.where(u, n_regions[dst_rank], d_region)
+    del d_region
+    dst_offset = np.where(u, d_soff, d_start * es_d)
+    del d_soff, d_start, es_d
+    w = Writes(src_rank=src_rank, dst_rank=dst_rank, src_region=src_region,
+               src_offset=src_offset, dst_region=dst_region, dst_offset=dst_offset,
+               nbytes=nbytes, stage=stage.astype(np.int32))
     return _Staged(w, cp, staging, stages, slotted)

@@ -92,7 +92,11 @@ def place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
     by_rank = np.argsort(use_rank.astype(np.uint16) if world <= 1 << 16 else use_rank,
                          kind="stable")
     use_chunk, use_rank = use_chunk[by_rank], use_rank[by_rank]
+    is_src = np.concatenate([np.ones(int(p.sum()), bool), np.zeros(int(u.sum()), bool)])
+    is_src = is_src[by_rank]
+    del by_rank  # (each temporary goes once read: these are a few of the chunks' size)
     use_nb = nb[use_chunk]
+    del nb
     aligned = -(-use_nb // ALIGN) * ALIGN
     before = np.cumsum(aligned)
     before -= aligned
@@ -100,16 +104,20 @@ def place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
     stage_of, start_of = _next_fit(use_chunk, use_rank, use_nb, before, cap, p & u, world,
                                    first)
     off = before - before[start_of]
+    del before, start_of
     stage = np.full(n, first, dtype=np.int64)
     stage[use_chunk] = stage_of
-    is_src = np.concatenate([np.ones(int(p.sum()), bool), np.zeros(int(u.sum()), bool)])
-    is_src = is_src[by_rank]
+    del stage_of
     s_off = np.zeros(n, dtype=np.int64)
     d_off = np.zeros(n, dtype=np.int64)
     s_off[use_chunk[is_src]] = off[is_src]
     d_off[use_chunk[~is_src]] = off[~is_src]
+    del is_src
     slot = stage % SLOTS if slots else np.zeros(n, dtype=np.int64)
-    base, staging = slot_bases(use_rank, slot[use_chunk], off + use_nb, world)
+    off += use_nb  # each use's end, from its slot's start
+    del use_nb
+    base, staging = slot_bases(use_rank, slot[use_chunk], off, world)
+    del off, use_chunk, use_rank
     for off_, used, rank in ((s_off, p, sr), (d_off, u, dr)):  # in place, where used
         if used.all():
             off_ += base[rank, slot]

@@ -75,3 +75,26 @@ def test_coalesce_merges_only_adjacent_runs(low: Lowered, max_write: int) -> Non
     assert ((out.w_nbytes >= 1) & (out.w_nbytes <= max_write)).all()
     assert int(out.w_nbytes.sum()) == int(low.w_nbytes.sum())
     assert byte_pairs(out) == byte_pairs(low)
+
+
+@given(lowered_writes(), st.sampled_from([1, 100, 1 << 20]))
+def test_coalesce_of_a_held_table_equals_coalesce_of_it(low: Lowered, max_write: int) -> None:
+    """Given in a list that holds the only reference (the compiler's way, so that the input
+    columns go as the merged ones are made), `coalesce` empties the list and gives the same
+    table as given `low` itself; the table it was given is left as it was."""
+    copy = Lowered(**{k: getattr(low, k) for k in Lowered.__slots__})
+    kept = {k: getattr(low, k).copy() for k in Lowered.__slots__ if k.startswith("w_")}
+    held = [copy]
+    del copy
+    out, want = coalesce(held, max_write), coalesce(low, max_write)
+    assert held == []
+    for k in Lowered.__slots__:
+        a, b = getattr(out, k), getattr(want, k)
+        if isinstance(a, np.ndarray):
+            assert a.dtype == b.dtype and np.array_equal(a, b), k
+        elif k == "copies":
+            assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
+        else:
+            assert a == b, k
+    for k, v in kept.items():
+        assert np.array_equal(getattr(low, k), v), k

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from planner.compiler import compile_file, compile_layouts
-from planner.passes.lower import direct_stage
+from planner.passes.lower import _fit, direct_stage
+from planner.passes.lower_cols import Writes
 from planner.spec import spec_from_hf
 from planner.tools.verify import verify_plan
 from schemas.plan import PACK, QUANT, STAGING, UNPACK, load_plan
@@ -90,3 +91,31 @@ def test_direct_writes_go_after_chunks_that_are_only_unpacked(tmp_path: Path) ->
         assert not (rp.copies["kind"] == PACK).any()
     for rp in plan.ranks[2:]:
         assert set(rp.copies["stage"][rp.copies["kind"] == UNPACK].tolist()) == {0}
+
+
+def _writes(n: int, dt: type, src_offset: int = 0, nbytes: int = 1) -> Writes:
+    return Writes(**{k: np.full(n, v, dtype=np.int32 if k not in (
+        "src_offset", "dst_offset", "nbytes") else dt) for k, v in dict(
+        src_rank=1, src_region=2, src_offset=src_offset, dst_rank=3, dst_region=4,
+        dst_offset=5, nbytes=nbytes, stage=0).items()})
+
+
+def test_lowered_offsets_widen_to_int64_only_where_a_write_ends_past_int32() -> None:
+    """`lower` holds offsets and bytes as int32 while every write fits; a part that starts
+    below 0 or ends (offset + bytes) past int32's largest value widens the columns to int64
+    with the rows already put kept, so no offset wraps around."""
+    top = np.iinfo(np.int32).max
+    out = _writes(4, np.int32, src_offset=7, nbytes=9)
+    assert _fit(out, _writes(2, np.int64, src_offset=top - 10, nbytes=10)) is out  # ends at top
+    for part in (_writes(2, np.int64, src_offset=top - 10, nbytes=11),  # one byte past
+                 _writes(2, np.int64, src_offset=-1)):
+        wide = _fit(out, part)
+        assert wide is not out
+        for k in ("src_offset", "dst_offset", "nbytes"):
+            assert getattr(wide, k).dtype == np.int64
+            assert np.array_equal(getattr(wide, k), getattr(out, k))
+        assert wide.src_rank is out.src_rank  # ranks, regions and stages stay int32
+        end = wide.put(1, part)
+        assert end == 3 and int(wide.src_offset[1]) == int(part.src_offset[0])
+    already = _writes(2, np.int64)
+    assert _fit(already, _writes(1, np.int64, src_offset=top)) is already
