@@ -73,7 +73,7 @@ def violations(rp: RankPlan, world: int | None = None,
         yield msg
         return  # later checks assume the limits
     sizes = region_facts(rp.regions).nbytes
-    peers = {p: dict(rs) for p, rs in rp.peer_regions} if peer_sizes is None else peer_sizes
+    peers = _peer_table(rp.peer_regions) if peer_sizes is None else _columns(peer_sizes)
     for check in (_writes(rp, sizes, peers), _batches(rp), _copies(rp, sizes),
                   _signals(rp, world)):
         for msg in check:
@@ -145,16 +145,64 @@ def _regions_ok(rp: RankPlan) -> bool:
 def _peer_regions_ok(rp: RankPlan, world: int | None) -> bool:
     """Every `peer_regions` entry valid, by whole-list passes (the per-entry loop of
     `_limits` names the bad ones)."""
-    peers = [p for p, _ in rp.peer_regions]
-    regs = [r for _, rs in rp.peer_regions for r, _ in rs]
-    sizes = [b for _, rs in rp.peer_regions for _, b in rs]
-    top = world - 1 if world is not None else max(peers, default=0)
-    return rp.rank not in peers and all(0 <= min(x, default=0) and max(x, default=0) <= hi
-                                        for x, hi in ((peers, top), (regs, MAX_OPS),
-                                                      (sizes, MAX_VALUE)))
+    peers, least, most = _peer_span(rp.peer_regions)
+    top = world - 1 if world is not None else most[0]
+    return rp.rank not in peers and all(0 <= lo and hi <= cap for lo, hi, cap
+                                        in zip(least, most, (top, MAX_OPS, MAX_VALUE)))
 
 
-def _writes(rp: RankPlan, sizes: np.ndarray, peers: dict[int, dict[int, int]]
+_SPANS: list[tuple[tuple, tuple[frozenset[int], tuple[int, ...], tuple[int, ...]]]] = []
+
+
+def _peer_span(pr: tuple) -> tuple[frozenset[int], tuple[int, ...], tuple[int, ...]]:
+    """The peers of a `peer_regions` tuple, and the least and most of its peers, regions
+    and sizes (0 for none); the last few kept by identity (equal lists decode to one tuple:
+    `schemas.plan._peer_regions`)."""
+    for seen, got in _SPANS:
+        if seen is pr:
+            return got
+    peers = [p for p, _ in pr]
+    regs = [r for _, rs in pr for r, _ in rs]
+    sizes = [b for _, rs in pr for _, b in rs]
+    got = (frozenset(peers), tuple(min(x, default=0) for x in (peers, regs, sizes)),
+           tuple(max(x, default=0) for x in (peers, regs, sizes)))
+    _SPANS[:] = [(pr, got), *_SPANS[:3]]
+    return got
+
+
+PeerTable = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""(peers named, sorted; then each listed (peer, region) as columns: peer, region, bytes)."""
+_TABLES: list[tuple[tuple, PeerTable]] = []
+
+
+def _peer_table(pr: tuple) -> PeerTable:
+    """`_columns` of a rank's own `peer_regions`, the last few kept by identity."""
+    for seen, got in _TABLES:
+        if seen is pr:
+            return got
+    got = _columns({p: dict(rs) for p, rs in pr})
+    for a in got:
+        a.flags.writeable = False
+    _TABLES[:] = [(pr, got), *_TABLES[:3]]
+    return got
+
+
+def _columns(peers: dict[int, dict[int, int]]) -> PeerTable:
+    """The peers `peers` names (sorted), and every (peer, region) it lists with a peer in
+    [0, 2**30) and a region in [0, MAX_OPS], as columns with its bytes."""
+    named = np.array(sorted(peers), dtype=np.int64)
+    listed_peers = [(p, rs) for p, rs in peers.items() if 0 <= p < (1 << 30)]
+    count = np.array([len(rs) for _, rs in listed_peers], dtype=np.int64)
+    p_col = np.repeat(np.array([p for p, _ in listed_peers], dtype=np.int64), count)
+    r_col = np.fromiter(chain.from_iterable(rs.keys() for _, rs in listed_peers), np.int64,
+                        int(count.sum()))
+    n_col = np.fromiter(chain.from_iterable(rs.values() for _, rs in listed_peers), np.int64,
+                        int(count.sum()))
+    ok = (r_col >= 0) & (r_col <= MAX_OPS)
+    return named, p_col[ok], r_col[ok], n_col[ok]
+
+
+def _writes(rp: RankPlan, sizes: np.ndarray, peers: PeerTable
             ) -> Iterator[str | None]:
     w, nreg = rp.writes, len(rp.regions)
     nbytes, so, do = w["nbytes"], w["src_offset"], w["dst_offset"]
@@ -167,36 +215,74 @@ def _writes(rp: RankPlan, sizes: np.ndarray, peers: dict[int, dict[int, int]]
     yield _first(rp, "write", hi > sizes[np.clip(reg, 0, nreg)],
                  "reads past the end of its local src region", w)
     yield _first(rp, "write", w["dst_rank"] == rp.rank, "writes to its own rank", w)
-    named = np.array(sorted(peers), dtype=np.int64)  # (`isin` by one search, as sorted)
-    near = np.minimum(np.searchsorted(named, w["dst_rank"]), max(len(named) - 1, 0))
-    known = named[near] == w["dst_rank"] if len(named) else np.zeros(len(w), dtype=bool)
+    dst = w["dst_rank"].astype(np.int64)
+    named, p_col, r_col, n_col = peers
+    known = _among_sorted(dst, named)
     yield _first(rp, "write", ~known, "writes to a rank missing from peer_regions", w)
     reg, lo, hi = write_footprint(rp, "dst")
-    # every (peer, region) that `peers` lists, as one sorted key; each write looks its own up
-    width = MAX_OPS + 1
-    listed_peers = [(p, rs) for p, rs in peers.items() if 0 <= p < (1 << 30)]
-    count = np.array([len(rs) for _, rs in listed_peers], dtype=np.int64)
-    p_col = np.repeat(np.array([p for p, _ in listed_peers], dtype=np.int64), count)
-    r_col = np.fromiter(chain.from_iterable(rs.keys() for _, rs in listed_peers), np.int64,
-                        int(count.sum()))
-    n_col = np.fromiter(chain.from_iterable(rs.values() for _, rs in listed_peers), np.int64,
-                        int(count.sum()))
-    ok = (r_col >= 0) & (r_col <= MAX_OPS)
-    keys = p_col[ok] * width + r_col[ok]
-    by_key = np.argsort(keys, kind="stable")
-    keys, ps = keys[by_key], np.append(n_col[ok][by_key], 0)
+    # each write looks its (peer, region) up among those `peers` lists, and its bytes
     mine = known & (reg >= 0) & (reg <= MAX_OPS)
-    wkey = np.where(mine, w["dst_rank"].astype(np.int64) * width + np.clip(reg, 0, MAX_OPS), -1)
-    at = np.minimum(np.searchsorted(keys, wkey), len(keys))
-    listed = mine & (at < len(keys)) & (keys[np.minimum(at, max(len(keys) - 1, 0))] == wkey) \
-        if len(keys) else np.zeros(len(reg), dtype=bool)
+    listed, have = _lookup(p_col, r_col, n_col, dst, reg, mine)
     unlisted = known & ~listed
-    peer = int(w["dst_rank"][np.argmax(unlisted)]) if unlisted.any() else -1
+    peer = int(dst[np.argmax(unlisted)]) if unlisted.any() else -1
     yield _first(rp, "write", unlisted,
                  f"names a dst region of rank {peer} that peer_regions does not list", w)
-    past = listed & (hi > ps[np.where(listed, at, len(keys))])
-    peer = int(w["dst_rank"][np.argmax(past)]) if past.any() else -1
+    past = listed & (hi > have)
+    peer = int(dst[np.argmax(past)]) if past.any() else -1
     yield _first(rp, "write", past, f"writes past the end of its dst region on rank {peer}", w)
+
+
+_DIRECT = 1 << 22
+"""Cells of a direct table (`_among_sorted`, `_lookup`) at most; past it, a sorted search."""
+
+
+def _among_sorted(q: np.ndarray, named: np.ndarray) -> np.ndarray:
+    """Which of `q` are in `named` (sorted, distinct): by a table indexed by value where
+    `named` spans few values (ranks), else by one sorted search."""
+    if not len(named):
+        return np.zeros(len(q), dtype=bool)
+    lo, hi = int(named[0]), int(named[-1])
+    if lo >= 0 and hi < _DIRECT:
+        table = np.zeros(hi + 2, dtype=bool)  # (the last cell: every value past `hi`)
+        table[named] = True
+        return table[np.clip(q, -1, hi + 1)]  # (-1: the last cell too)
+    near = np.minimum(np.searchsorted(named, q), len(named) - 1)
+    return named[near] == q
+
+
+def _lookup(p: np.ndarray, r: np.ndarray, n: np.ndarray, q_p: np.ndarray, q_r: np.ndarray,
+            mine: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each query (`q_p`, `q_r`) where `mine`: whether (peer, region) is among the
+    distinct pairs (`p`, `r`; region in [0, MAX_OPS]), and its bytes `n` (0 where not):
+    by a direct table [peer, region] where it is small, else by one sorted search of
+    `peer * (MAX_OPS + 1) + region`."""
+    listed = np.zeros(len(q_p), dtype=bool)
+    have = np.zeros(len(q_p), dtype=np.int64)
+    if not len(p) or not mine.any():
+        return listed, have
+    peers, p_at = np.unique(p, return_inverse=True)
+    width, top = int(r.max()) + 1, int(peers[-1])  # (`p` >= 0 here)
+    if top < _DIRECT and len(peers) * width <= _DIRECT:
+        row = np.full(top + 2, -1, dtype=np.int64)  # peer -> its row (the last: past `top`)
+        row[peers] = np.arange(len(peers))
+        at = row[np.clip(q_p, -1, top + 1)]
+        ok = mine & (at >= 0) & (q_r < width)
+        at = np.where(ok, at * width + np.clip(q_r, 0, width - 1), 0)
+        cell = p_at.reshape(-1) * width + r
+        is_listed = np.zeros(len(peers) * width, dtype=bool)
+        is_listed[cell] = True
+        size = np.zeros(len(peers) * width, dtype=np.int64)
+        size[cell] = n
+        listed = ok & is_listed[at]
+        return listed, np.where(listed, size[at], 0)
+    width = MAX_OPS + 1
+    keys = p * width + r
+    by_key = np.argsort(keys, kind="stable")
+    keys, ps = keys[by_key], np.append(n[by_key], 0)
+    wkey = np.where(mine, q_p * width + np.clip(q_r, 0, MAX_OPS), -1)
+    at = np.minimum(np.searchsorted(keys, wkey), len(keys))
+    listed = mine & (at < len(keys)) & (keys[np.minimum(at, len(keys) - 1)] == wkey)
+    return listed, np.where(listed, ps[np.where(listed, at, len(keys))], 0)
 
 
 def _batches(rp: RankPlan) -> Iterator[str | None]:

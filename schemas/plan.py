@@ -128,8 +128,18 @@ SEEN_REGIONS = 4
 def _regions(raw: Any) -> tuple[Region, ...]:
     """The regions of a part, `[name, dtype, shape, nbytes]` each, checked a column at a
     time (a part of a large model lists thousands); a list equal to one decoded lately
-    (its names and dtypes strings, its numbers ints: equal values are then the same
-    regions) gives that one's regions."""
+    gives that one's regions. Equal to a list that passed the checks below, a list holds
+    the same strings and the same numbers in the same lists (a msgpack string, list or map
+    equals only its own kind), so of its checks only the numbers' type is left (an int
+    equals a float or a bool of its value): that one is made first, the rest are not."""
+    if isinstance(raw, list):
+        for seen, regions in _SEEN_REGIONS:
+            if seen == raw:
+                _, _, shapes, nbytes = zip(*raw)
+                if not set(map(type, chain.from_iterable(shapes))) - {int} \
+                        and not set(map(type, nbytes)) - {int}:
+                    return regions
+                break  # a float or a bool where an int was: the checks below say so
     _lists(raw, 4)
     if not raw:
         return ()
@@ -137,18 +147,29 @@ def _regions(raw: Any) -> tuple[Region, ...]:
     _lists(list(shapes))
     _ints_in_range([*chain.from_iterable(shapes), *nbytes], raw)
     strings = not set(map(type, names + dtypes)) - {str}
-    if strings:
-        for seen, regions in _SEEN_REGIONS:
-            if seen == raw:
-                return regions
     regions = tuple(map(Region, map(str, names), map(str, dtypes), map(tuple, shapes), nbytes))
     if strings:
         _SEEN_REGIONS[:] = [(raw, regions), *_SEEN_REGIONS[:SEEN_REGIONS - 1]]
     return regions
 
 
+_SEEN_PEERS: list[tuple[list[Any], tuple[tuple[int, tuple[tuple[int, int], ...]], ...]]] = []
+"""The last few distinct `peer_regions` lists decoded (as read) and their tuples: every
+source of one model's copy lists the same peers and regions."""
+
+
 def _peer_regions(raw: Any) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
-    """`[[peer, [[region, nbytes], ...]], ...]`, checked a column at a time."""
+    """`[[peer, [[region, nbytes], ...]], ...]`, checked a column at a time; a list equal
+    to one decoded lately gives that one's tuples once its numbers are ints (what equality
+    leaves open, as in `_regions`)."""
+    if isinstance(raw, list):
+        for seen, got in _SEEN_PEERS:
+            if seen == raw:
+                peers, pairs = zip(*raw) if raw else ((), ())
+                if not set(map(type, peers)) - {int} and not set(
+                        map(type, chain.from_iterable(chain.from_iterable(pairs)))) - {int}:
+                    return got
+                break  # a float or a bool where an int was: the checks below say so
     _lists(raw, 2)
     if not raw:
         return ()
@@ -157,7 +178,9 @@ def _peer_regions(raw: Any) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ..
     inner = list(chain.from_iterable(pairs))
     _lists(inner, 2)
     _ints_in_range([*peers, *chain.from_iterable(inner)], raw)
-    return tuple(zip(peers, (tuple(map(tuple, s)) for s in pairs)))
+    got = tuple(zip(peers, (tuple(map(tuple, s)) for s in pairs)))
+    _SEEN_PEERS[:] = [(raw, got), *_SEEN_PEERS[:SEEN_REGIONS - 1]]
+    return got
 
 
 def _part_identity(raw: Any) -> dict[str, Any] | None:

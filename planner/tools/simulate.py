@@ -212,9 +212,11 @@ class _Sim:
             key = (r, peer, kind, s)
             arrival[key] = at
             for waiter in pop(key, ()):
-                wait_t[waiter] = max(wait_t[waiter], at)
-                missing[waiter] -= 1
-                if missing[waiter] == 0:
+                if at > wait_t[waiter]:
+                    wait_t[waiter] = at
+                left = missing[waiter] - 1
+                missing[waiter] = left
+                if not left:
                     self._timer(wait_t[waiter], waiter)
 
     def _wait(self, r: int, t: float, keys: list[tuple[int, int, int, int]]) -> bool:

@@ -60,6 +60,7 @@ from schemas.protocol import (
     wait_stage,
     write_stages,
 )
+from schemas.table import Table
 
 CHECKS = ("bounds", "roles", "coverage", "sizes", "staging_fit", "order", "dataflow", "balance",
           "shadow")
@@ -89,11 +90,11 @@ class _Survey:
 
     def __init__(self, world: int) -> None:
         self.world = world
-        self.sizes: dict[int, dict[int, int]] = {}
+        self.sizes: dict[int, np.ndarray] = {}  # rank -> its regions' bytes (read-only)
         self.names: dict[int, tuple[str, ...]] = {}
         self.peer_regions: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.bounds: dict[int, str] = {}
-        self.incoming: dict[int, list[Incoming]] = {}
+        self.incoming = _Inbox()
         self.sent: list[np.ndarray] = []
         self.waited: dict[int, np.ndarray] = {}
         self.checked: set[int] = set()
@@ -107,14 +108,9 @@ class _Survey:
     def add(self, rp: RankPlan, header: PlanHeader) -> None:
         w = self.world
         facts = region_facts(rp.regions)
-        self.sizes[rp.rank] = dict(enumerate(facts.nbytes[:-1].tolist()))
+        self.sizes[rp.rank] = facts.nbytes[:-1]
         self.names[rp.rank] = facts.names
-        pr = rp.peer_regions  # as (peer, region, bytes) columns
-        count = [len(regs) for _, regs in pr]
-        flat = np.array([x for _, regs in pr for pair in regs for x in pair],
-                        np.int64).reshape(-1, 2)
-        self.peer_regions[rp.rank] = (np.repeat(np.array([p for p, _ in pr], np.int64), count),
-                                      flat[:, 0], flat[:, 1])
+        self.peer_regions[rp.rank] = _peer_columns(rp.peer_regions)
         msg = rank_bounds(rp, w)
         if msg is not None:
             self.bounds[rp.rank] = msg
@@ -130,11 +126,11 @@ class _Survey:
                                             g["kind"], w))
         self.pairs.append(distinct(_key(np.full(len(rp.writes), rp.rank), write_stages(rp),
                                          rp.writes["dst_rank"], 0, w)))
-        for peer, part in outgoing_runs(rp).items():
-            if peer in self.checked:
-                self.late.append(f"rank {rp.rank} writes into rank {peer}, which waits for no "
-                                 f"DONE from rank {rp.rank}")
-            self.incoming.setdefault(peer, []).append(part)
+        peers, at, block = outgoing_runs(rp)
+        for peer in [p for p in peers.tolist() if p in self.checked]:
+            self.late.append(f"rank {rp.rank} writes into rank {peer}, which waits for no "
+                             f"DONE from rank {rp.rank}")
+        self.incoming.add(peers, at, block)
         if staging_index(rp) >= 0 or (rp.copies["kind"] == UNPACK).any() or rp.shadow:
             self.second.append(rp.rank)
 
@@ -156,7 +152,7 @@ class _Survey:
         count = np.zeros(self.world + 1, np.int64)
         count[ranks] = [len(self.sizes[r]) for r in ranks]
         first = np.concatenate([[0], np.cumsum(count)])
-        have = np.array([n for r in ranks for n in self.sizes[r].values()], np.int64)
+        have = np.concatenate([np.zeros(0, np.int64), *(self.sizes[r] for r in ranks)])
         for r in ranks:
             msg = self.bounds.get(r)
             if msg is None:
@@ -175,16 +171,37 @@ class _Survey:
         return out
 
 
-def outgoing_runs(rp: RankPlan) -> dict[int, Incoming]:
-    """What `rp`'s writes do to each peer (`planner.writes.outgoing`), with the writes that
+_PEER_COLUMNS: list[tuple[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]]] = []
+
+
+def _peer_columns(pr: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A rank's `peer_regions` as (peer, region, bytes) columns, read-only; the last few
+    kept by identity (equal lists decode to one tuple: every source of a model's copy)."""
+    for seen, got in _PEER_COLUMNS:
+        if seen is pr:
+            return got
+    count = [len(regs) for _, regs in pr]
+    flat = np.array([x for _, regs in pr for pair in regs for x in pair],
+                    np.int64).reshape(-1, 2)
+    got = (np.repeat(np.array([p for p, _ in pr], np.int64), count), flat[:, 0], flat[:, 1])
+    for a in got:
+        a.flags.writeable = False
+    _PEER_COLUMNS[:] = [(pr, got), *_PEER_COLUMNS[:3]]
+    return got
+
+
+def outgoing_runs(rp: RankPlan) -> tuple[np.ndarray, np.ndarray, Incoming]:
+    """What `rp`'s writes do to its peers (`planner.writes.outgoing`), with the writes that
     follow one another into a peer's region in one stage (one starts where the last ends)
     as one run: every check of the writes that land in a rank reads their bytes, never
     their count (their unions, overlaps and sums; a run's pieces are disjoint, so two runs
     share a byte exactly where two writes do), and a large plan's writes into a peer are
-    mostly such runs (a tensor cut at `max_write_bytes`)."""
+    mostly such runs (a tensor cut at `max_write_bytes`). Returned as the peers written
+    (ascending), where each one's runs start in the block, and the block: every run,
+    sorted by peer."""
     w, stage = rp.writes, write_stages(rp)
     if not len(w):
-        return {}
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), Incoming.empty()
     dst, region = w["dst_rank"].astype(np.int64), w["dst_region"].astype(np.int64)
     lo = w["dst_offset"].astype(np.int64)
     hi = lo + w["nbytes"]
@@ -197,10 +214,75 @@ def outgoing_runs(rp: RankPlan) -> dict[int, Incoming]:
     last = np.append(start[1:], len(dst)) - 1
     dst, region, stage, lo, hi = dst[start], region[start], stage[start], lo[start], hi[last]
     peers, at = np.unique(dst, return_index=True)
-    cut = np.append(at, len(dst)).tolist()
     src = np.full(len(dst), rp.rank, np.int64)
-    return {p: Incoming(src[a:b], region[a:b], stage[a:b], lo[a:b], hi[a:b])
-            for p, a, b in zip(peers.tolist(), cut, cut[1:])}
+    return peers, at, Incoming(src, region, stage, lo, hi)
+
+
+class _Inbox:
+    """The runs that land in each rank, from the blocks of `outgoing_runs` (one a source
+    rank, kept as they came), taken once per rank in source-rank order (`take`). The
+    blocks read since the last `take` are joined into one segment then, and a rank's
+    part is gathered from the segments by one index a segment: never an object or a
+    slice per (writer, peer) pair. A segment is dropped once every part of it is taken."""
+
+    def __init__(self) -> None:
+        self.waiting: set[int] = set()  # ranks some run lands in, not yet taken
+        self._blocks: list[tuple[np.ndarray, np.ndarray, Incoming]] = []
+        self._segments: list[Incoming | None] = []
+        self._left: list[int] = []  # parts of each segment not yet taken
+        empty = np.zeros(0, np.int64)
+        self._peer, self._seg, self._lo, self._hi = empty, empty, empty, empty
+
+    def add(self, peers: np.ndarray, at: np.ndarray, block: Incoming) -> None:
+        if len(peers):
+            self._blocks.append((peers, at, block))
+            self.waiting.update(peers.tolist())
+
+    def __contains__(self, rank: int) -> bool:
+        return rank in self.waiting
+
+    def _join(self) -> None:
+        """The blocks read since the last join as one segment, their parts in the table."""
+        blocks, self._blocks = self._blocks, []
+        size = [len(b.src) for _, _, b in blocks]
+        base = np.cumsum([0, *size[:-1]])
+        seg = len(self._segments)
+        self._segments.append(Incoming(*(np.concatenate([getattr(b, f) for _, _, b in blocks])
+                                         for f in ("src", "region", "stage", "lo", "hi"))))
+        self._left.append(sum(len(p) for p, _, _ in blocks))
+        peer = np.concatenate([p for p, _, _ in blocks])
+        lo = np.concatenate([a + o for (_, a, _), o in zip(blocks, base.tolist())])
+        hi = np.concatenate([np.append(a[1:], n) + o for (_, a, _), n, o
+                             in zip(blocks, size, base.tolist())])
+        keep = self._peer >= 0  # (parts taken are marked -1)
+        self._peer = np.concatenate([self._peer[keep], peer])
+        self._seg = np.concatenate([self._seg[keep], np.full(len(peer), seg, np.int64)])
+        self._lo = np.concatenate([self._lo[keep], lo])
+        self._hi = np.concatenate([self._hi[keep], hi])
+
+    def take(self, rank: int) -> Incoming:
+        """Every run that lands in `rank`, in source-rank order (then each source's run
+        order); none are kept for it after."""
+        if rank not in self.waiting:
+            return Incoming.empty()
+        self.waiting.discard(rank)
+        if self._blocks:
+            self._join()
+        mine = np.flatnonzero(self._peer == rank)
+        self._peer[mine] = -1
+        seg, lo, hi = self._seg[mine], self._lo[mine], self._hi[mine]
+        parts = []
+        for k in np.unique(seg).tolist():  # (in order: segments are joined in read order)
+            m = seg == k
+            n = hi[m] - lo[m]
+            idx = np.repeat(lo[m] - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
+            got = self._segments[k]
+            parts.append(Incoming(*(getattr(got, f)[idx]
+                                    for f in ("src", "region", "stage", "lo", "hi"))))
+            self._left[k] -= int(m.sum())
+            if not self._left[k]:
+                self._segments[k] = None
+        return parts[0] if len(parts) == 1 else concat(parts)
 
 
 def _acks(rp: RankPlan, inc: Incoming, waited: dict[int, np.ndarray], world: int
@@ -305,18 +387,18 @@ class _Results:
         self.coverage: list[str] = []
         self.staging_fit: list[str] = []
         self.dataflow: list[str] = []
-        self.written: dict[tuple[int, int], int] = {}
+        self.written: list[tuple[int, np.ndarray, np.ndarray]] = []  # (rank, regions, bytes)
         self.acks: list[tuple[int, int, str]] = []
         self.roles: list[str] = []
         self.shadow: list[str] = []
 
     def add(self, rp: RankPlan, survey: _Survey) -> None:
         r = rp.rank
-        inc = concat(survey.incoming.pop(r, []))
+        inc = survey.incoming.take(r)
         sg = staging_index(rp)
         msgs, wr = rank_coverage(rp, inc, sg)
         self.coverage += msgs
-        self.written.update({(r, reg): n for reg, n in wr.items()})
+        self.written.append((r, *wr))
         if sg >= 0:
             self.staging_fit += rank_staging_fit(rp, inc)
         self.dataflow += rank_dataflow(rp, inc)
@@ -375,7 +457,7 @@ def _check(src: PlanRanks, progress: Progress | None, stop_on_bounds: bool,
     out["bounds"] = survey.bounds_msgs()
     if out["bounds"] and stop_on_bounds:
         return out
-    todo = [r for r in sorted(set(survey.second) | set(survey.incoming))
+    todo = [r for r in sorted(set(survey.second) | survey.incoming.waiting)
             if r not in survey.checked and r not in survey.bounds]
     tick = ticker(progress, "ranks written by later ranks", len(todo))
     for i, r in enumerate(todo):
@@ -390,18 +472,49 @@ def _check(src: PlanRanks, progress: Progress | None, stop_on_bounds: bool,
     out["shadow"] = res.shadow[:5]
     nodes, edges, cov = src.dag()
     src.check_rest(progress)
-    for rank, reg, nbytes in zip(cov["rank"].tolist(), cov["region"].tolist(),
-                                 cov["nbytes"].tolist()):
-        if not (0 <= rank < world and reg in survey.sizes.get(rank, {})):
-            out["coverage"].append(f"coverage names region {reg} of rank {rank}, which does "
-                                   "not exist")
-            continue
-        got = res.written.get((rank, reg), 0)
-        if got != nbytes:
-            name = survey.names[rank][reg]
-            out["coverage"].append(f"rank {rank} {name}: {got} bytes written per run, but it "
-                                   f"holds {nbytes} logical bytes")
+    out["coverage"] += _coverage_table(cov, survey, res.written)
     out["order"] = _order(survey, (nodes, edges), res.acks)
+    return out
+
+
+def _coverage_table(cov: Table, survey: _Survey,
+                    written: list[tuple[int, np.ndarray, np.ndarray]]) -> list[str]:
+    """Each coverage row names a region that exists and holds what is written into it per
+    run (`written`: each checked rank's regions and bytes written), in the table's order:
+    every row looked up at once, the messages made for the rows that fail."""
+    world = survey.world
+    rank, reg = cov["rank"].astype(np.int64), cov["region"].astype(np.int64)
+    nbytes = cov["nbytes"].astype(np.int64)
+    count = np.zeros(world + 1, np.int64)  # regions of each rank (a rank not read: 0)
+    known = [r for r in survey.sizes if 0 <= r < world]
+    count[known] = [len(survey.sizes[r]) for r in known]
+    exists = (rank >= 0) & (rank < world) & (reg >= 0) \
+        & (reg < count[np.clip(rank, 0, world)])
+    # bytes written per (rank, region), as one sorted key; each row looks its own up
+    width = int(max(count.max(initial=0), 1))
+    w_rank = np.concatenate([np.zeros(0, np.int64)]
+                            + [np.full(len(g), r, np.int64) for r, g, _ in written])
+    w_reg = np.concatenate([np.zeros(0, np.int64)] + [np.asarray(g, np.int64)
+                                                      for _, g, _ in written])
+    w_n = np.concatenate([np.zeros(0, np.int64)] + [np.asarray(n, np.int64)
+                                                    for _, _, n in written])
+    inside = (w_reg >= 0) & (w_reg < width)  # (a region that exists: below its rank's count)
+    keys = w_rank[inside] * width + w_reg[inside]
+    order = np.argsort(keys, kind="stable")
+    keys, vals = keys[order], np.append(w_n[inside][order], 0)
+    want = np.where(exists, rank * width + np.where(exists, reg, 0), -1)
+    at = np.searchsorted(keys, want)
+    hit = exists & (at < len(keys)) & (keys[np.minimum(at, max(len(keys) - 1, 0))] == want) \
+        if len(keys) else np.zeros(len(want), bool)
+    got = np.where(hit, vals[np.where(hit, at, len(keys))], 0)
+    out = []
+    for i in np.flatnonzero(~exists | (got != nbytes)).tolist():
+        r, g = int(rank[i]), int(reg[i])
+        if not exists[i]:
+            out.append(f"coverage names region {g} of rank {r}, which does not exist")
+        else:
+            out.append(f"rank {r} {survey.names[r][g]}: {int(got[i])} bytes written per run, "
+                       f"but it holds {int(nbytes[i])} logical bytes")
     return out
 
 

@@ -105,10 +105,10 @@ def _row_runs(off: np.ndarray, rows: np.ndarray, width: np.ndarray, stride: np.n
 # ---------------------------------------------------------------- checks with the peers' part
 
 def rank_coverage(rp: RankPlan, inc: Incoming, staging: int
-                  ) -> tuple[list[str], dict[int, int]]:
+                  ) -> tuple[list[str], tuple[np.ndarray, np.ndarray]]:
     """Writes and unpacks into `rp` never overlap (staging: per stage); and bytes written
-    per run into each of its regions (region -> bytes), for the coverage table. One sort
-    by (region, stage, start) groups them all."""
+    per run into each of its regions (the regions written, sorted, and their bytes), for
+    the coverage table. One sort by (region, stage, start) groups them all."""
     u_rows, u_lo, u_hi = copy_runs(rp, np.flatnonzero(rp.copies["kind"] == UNPACK), "dst")
     stage = np.where(inc.region == staging, inc.stage, -1) if staging >= 0 else \
         np.full(len(inc.region), -1, np.int64)
@@ -131,7 +131,7 @@ def rank_coverage(rp: RankPlan, inc: Incoming, staging: int
     whole = st == -1
     regs, at = np.unique(reg[whole], return_index=True)
     sums = np.add.reduceat(hi[whole] - lo[whole], at) if len(at) else at
-    return out, dict(zip(regs.tolist(), sums.tolist()))
+    return out, (regs, sums)
 
 
 def rank_dataflow(rp: RankPlan, inc: Incoming) -> list[str]:
