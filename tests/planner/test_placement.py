@@ -161,14 +161,13 @@ def test_replan_explain_rows_sorted_or_merged_are_the_full_compile(case, path, m
     rows (as where an expert also feeds another tensor): the same bytes."""
     from planner import replan_explain
 
-    feeds = replan_explain._feeds
+    shape = replan_explain._shape
 
     def other_way(*args, **kwargs):
-        f = feeds(*args, **kwargs)
-        return dataclasses.replace(f, sources=None) if path == "sorted" else \
-            dataclasses.replace(f, other=True)
+        srcs, n_src, other = shape(*args, **kwargs)
+        return (None, n_src, other) if path == "sorted" else (srcs, n_src, True)
 
-    monkeypatch.setattr(replan_explain, "_feeds", other_way)
+    monkeypatch.setattr(replan_explain, "_shape", other_way)
     monkeypatch.setattr(replan_explain, "_KEPT", [])
     model, source, target, slots = case
     _, spec = _cfg(model, source, target)
