@@ -148,6 +148,11 @@ def _fed_other() -> NotIncremental:
                           "the new placement in full")
 
 
+def _unsorted() -> NotIncremental:
+    return NotIncremental("replan: the explain table is not in tensor order; the plan is "
+                          "corrupt: recompile it")
+
+
 def _regions(src: SourceTensors, tensors: np.ndarray, sources: int) -> np.ndarray:
     """Source rank x `tensors[j]`: the region holding it on that rank (-1: none)."""
     out = np.empty((sources, len(tensors)), np.int64)
@@ -176,18 +181,34 @@ def _read(table: Table, feeds: Feeds, starts: np.ndarray, affected: np.ndarray,
     fresh = affected[~feeds.read[affected]]
     if not len(fresh):
         return
-    within, span = _ranges(starts, fresh)
-    t = table["tensor"][within]
-    if not np.array_equal(t, np.repeat(fresh, span)):
-        raise NotIncremental("replan: the explain table is not in tensor order; the plan is "
-                             "corrupt: recompile it")
-    sub, k = every.find(table["dst_rank"][within], table["dst_region"][within])
-    rows, t = within[sub], t[sub].astype(np.int64)  # the rows into stacked tensors
-    at_t = np.repeat(np.arange(len(fresh)), span)[sub]  # each row's tensor among `fresh`
+    span = starts[fresh + 1] - starts[fresh]
+    col = table["tensor"]
+    if 2 * int(span.sum()) > len(col):  # most of the table: read whole
+        if not (col[1:] >= col[:-1]).all():
+            raise _unsorted()
+        rows, k = every.find(table["dst_rank"], table["dst_region"])
+        t = col[rows].astype(np.int64)
+        if (ids.layer[t] != every.moe[k]).any():
+            raise _fed_other()
+        mine = np.zeros(len(ids.layer), bool)
+        mine[fresh] = True
+        if not mine[t].all():  # (rows of tensors read before)
+            keep = np.flatnonzero(mine[t])
+            rows, k, t = rows[keep], k[keep], t[keep]
+    else:
+        within, _ = _ranges(starts, fresh)
+        t = col[within]
+        if not np.array_equal(t, np.repeat(fresh, span)):
+            raise _unsorted()
+        sub, k = every.find(table["dst_rank"][within], table["dst_region"][within])
+        rows, t = within[sub], t[sub].astype(np.int64)  # the rows into stacked tensors
+        if (ids.layer[t] != every.moe[k]).any():
+            raise _fed_other()
+    at = np.zeros(len(ids.layer), np.int64)
+    at[fresh] = np.arange(len(fresh))
+    at_t = at[t]  # each row's tensor among `fresh`
     other = np.bincount(at_t, minlength=len(fresh)) != span
     e, w = ids.expert[t], ids.weight[t]
-    if (ids.layer[t] != every.moe[k]).any():
-        raise _fed_other()
     s = table["src_rank"][rows].astype(np.int64)
     if len(s) and (s.min() < 0 or s.max() >= sources):
         raise NotIncremental("replan: a stacked expert tensor is fed by a target rank "
