@@ -81,14 +81,14 @@ def explain(table: Table, slots: list[Slots], old: Placement, new: Placement,
     affected = np.sort(affected[affected >= 0])
     if not len(affected):
         return table
-    _read(table, feeds, starts, affected, before, src, ids, sources)
+    region = _regions(src, affected, sources)
+    _read(table, feeds, starts, affected, region, before, ids, sources)
     hold = after * changed[every.moe]
     need = np.flatnonzero(hold.any(1))  # the stacked tensors the rows made go into
     if not feeds.known[need].all():
         raise NotIncremental("replan: a stacked expert tensor is fed by none of its experts' "
                              "explain rows; the plan is corrupt: recompile it")
     srcs, n_src, other = _shape(feeds, need, affected)
-    region = _regions(src, affected, sources)
     cols, lengths = _rows(feeds, srcs, n_src, region, hold, affected, ids, sources)
     regular = srcs is not None
     if other:  # the affected tensors' rows into other tensors: kept, merged in
@@ -155,7 +155,7 @@ def _unsorted() -> NotIncremental:
 
 def _regions(src: SourceTensors, tensors: np.ndarray, sources: int) -> np.ndarray:
     """Source rank x `tensors[j]`: the region holding it on that rank (-1: none)."""
-    out = np.empty((sources, len(tensors)), np.int64)
+    out = np.empty((sources, len(tensors)), np.int32)
     for r in range(sources):
         out[r] = src.of(r)[0][tensors]
     return out
@@ -168,9 +168,10 @@ def _ranges(starts: np.ndarray, tensors: np.ndarray) -> tuple[np.ndarray, np.nda
 
 
 def _read(table: Table, feeds: Feeds, starts: np.ndarray, affected: np.ndarray,
-          before: np.ndarray, src: SourceTensors, ids: ExpertIds, sources: int) -> None:
+          region: np.ndarray, before: np.ndarray, ids: ExpertIds, sources: int) -> None:
     """`feeds` filled from the rows of the `affected` expert tensors not read before (the
-    table's, for the counts `before`), once they are checked: each row into a stacked
+    table's, for the counts `before`; `region`: `_regions` of `affected`), once they are
+    checked: each row into a stacked
     tensor is one of its experts' (of that MoE layer), from a source rank, the source
     region the rank holds the expert in, and its bytes and boxes the same multiple of the
     expert's slots there for every expert of the tensor; every expert of a tensor is fed
@@ -205,17 +206,17 @@ def _read(table: Table, feeds: Feeds, starts: np.ndarray, affected: np.ndarray,
         if (ids.layer[t] != every.moe[k]).any():
             raise _fed_other()
     at = np.zeros(len(ids.layer), np.int64)
-    at[fresh] = np.arange(len(fresh))
-    at_t = at[t]  # each row's tensor among `fresh`
-    other = np.bincount(at_t, minlength=len(fresh)) != span
+    at[affected] = np.arange(len(affected))
+    at_t = at[t]  # each row's tensor among `affected`
+    other = np.bincount(at_t, minlength=len(affected))[at[fresh]] != span
     e, w = ids.expert[t], ids.weight[t]
     s = table["src_rank"][rows].astype(np.int64)
     if len(s) and (s.min() < 0 or s.max() >= sources):
         raise NotIncremental("replan: a stacked expert tensor is fed by a target rank "
                              "(copied or gathered there); compile the new placement in full")
-    at_s = s * len(fresh)
+    at_s = s * len(affected)
     at_s += at_t
-    if (_regions(src, fresh, sources).reshape(-1)[at_s] != table["src_region"][rows]).any():
+    if (region.reshape(-1)[at_s] != table["src_region"][rows]).any():
         raise NotIncremental("replan: a stacked expert tensor is fed from a source region "
                              "that does not hold the expert; compile the new placement in "
                              "full")
@@ -332,7 +333,9 @@ def _rows(feeds: Feeds, srcs: np.ndarray | None, n_src: np.ndarray, region: np.n
                         minlength=len(affected)).astype(np.int64)
     idx = base[u] + s * n_w
     cnt = uc[u]
-    cols = [tensor, s, region[s, pos[u]],
+    at = s * len(affected)
+    at += pos[u]
+    cols = [tensor, s, region.reshape(-1)[at],
             every.rank[uk][u], every.region[uk][u], feeds.per_bytes[idx] * cnt,
             feeds.per_boxes[idx] * cnt]
     return cols, n
