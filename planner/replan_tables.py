@@ -164,7 +164,11 @@ class SourceTensors:
             row = np.full(n, -1, np.int64)  # the piece (row of `t`) of each expert tensor
             row[g] = expert
             gid_of_region = np.full(nreg, -1, np.int64)
-            gid_of_region[reg[reg < nreg]] = g[reg < nreg]
+            inside = reg < nreg
+            if inside.all():
+                gid_of_region[reg] = g
+            else:
+                gid_of_region[reg[inside]] = g[inside]
             self._cache[rank] = (region, gid_of_region, row, t, [])
             _SOURCES_KEPT.append((blob, self.spec, nreg, self._cache[rank]))
             del _SOURCES_KEPT[:-_SOURCES_KEEP]

@@ -98,8 +98,9 @@ def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
     key[put], key[rest] = moved_key, stay_key
     at = groups.at
     got = at[entry]
-    _check_cuts(rp, at, got, groups.first, max_write_bytes, sources)
-    writes = _placed(w, at, got, (key >> groups.shift) & mask)
+    change = at != got
+    _check_cuts(rp, at, got, change, groups.first, max_write_bytes, sources)
+    writes = _placed(w, at, got, change, (key >> groups.shift) & mask)
     _KEPT[id(writes["src_region"])] = (weakref.ref(writes["src_region"]), dataclasses.replace(
         groups, key=key, slot=groups.slot[entry]))
     return dataclasses.replace(rp, writes=writes)
@@ -149,10 +150,11 @@ def _not_held(rank: int) -> NotIncremental:
                           "new placement in full")
 
 
-def _placed(w: Table, at: np.ndarray, got: np.ndarray, region: np.ndarray) -> Table:
-    """`w` with row `got[i]`'s write at position `at[i]`, reading source region
-    `region[i]`; `dst_rank` is one per group, and a column no write changes stays."""
-    change = at != got
+def _placed(w: Table, at: np.ndarray, got: np.ndarray, change: np.ndarray,
+            region: np.ndarray) -> Table:
+    """`w` with row `got[i]`'s write at position `at[i]` (`change`: where they differ),
+    reading source region `region[i]`; `dst_rank` is one per group, and a column no write
+    changes stays."""
     at_c, got_c = at[change], got[change]
     cols = {}
     for name, dt in WRITE_COLUMNS:
@@ -204,11 +206,13 @@ def _read(rp: RankPlan, every: Hits, old: Placement, sources: int,
     key, shift, bits = _packed(rp, cols)  # table order
     on = np.flatnonzero(h >= 0)  # the writes into stacked expert tensors
     kk = h[on]
-    slot = np.full(len(h), old.table.size, np.int64)
-    slot[on] = every.moe[kk] * old.table.shape[1] + every.first[kk] + (
-        cols[4][on] // every.slot_bytes[kk])
+    small = np.int32 if max(len(w), old.table.size + 1) < 1 << 31 else np.int64
+    slot = np.full(len(h), old.table.size, small)  # (positions and slots kept: int32 fits)
+    base = every.moe * old.table.shape[1] + every.first  # each tensor's slot 0
+    slot[on] = cols[4][on] // every.slot_bytes[kk]
+    slot[on] += base[kk]
     order = _by_group(cols[0])  # group by group, each in table order
-    at = order if mine is None else mine[order]
+    at = (order if mine is None else mine[order]).astype(small)
     key, slot = key[order], slot[order]
     g = key >> (shift + bits)  # (the group: the keys' top field)
     first = np.ones(len(at), bool)
@@ -275,14 +279,15 @@ def _rounds(nbytes: np.ndarray, first: np.ndarray, max_write_bytes: int) -> np.n
     return np.maximum((cs - nbytes - base) // max_write_bytes, pos // MAX_BATCH_WRITES)
 
 
-def _check_cuts(rp: RankPlan, at: np.ndarray, got: np.ndarray, first: np.ndarray,
-                max_write_bytes: int, sources: int) -> None:
-    """`NotIncremental` unless the writes `got` put at positions `at` (`first`: where a
-    (stage, target) group starts) keep `schedule`'s batch cuts (`_rounds`)."""
+def _check_cuts(rp: RankPlan, at: np.ndarray, got: np.ndarray, change: np.ndarray,
+                first: np.ndarray, max_write_bytes: int, sources: int) -> None:
+    """`NotIncremental` unless the writes `got` put at positions `at` (`change`: where they
+    differ; `first`: where a (stage, target) group starts) keep `schedule`'s batch cuts
+    (`_rounds`)."""
     nbytes = rp.writes["nbytes"]
-    a, b = nbytes[at], nbytes[got]
-    if np.array_equal(a, b):
+    if np.array_equal(nbytes[at[change]], nbytes[got[change]]):
         return
+    a, b = nbytes[at], nbytes[got]
     bad = _rounds(b, first, max_write_bytes) != _rounds(a, first, max_write_bytes)
     if bad.any():
         dst = int(rp.writes["dst_rank"][at[np.argmax(bad)]])

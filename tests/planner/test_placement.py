@@ -161,14 +161,13 @@ def test_replan_explain_rows_sorted_or_merged_are_the_full_compile(case, path, m
     rows (as where an expert also feeds another tensor): the same bytes."""
     from planner import replan_explain
 
-    feeds = replan_explain._feeds
+    shape = replan_explain._shape
 
     def other_way(*args, **kwargs):
-        f = feeds(*args, **kwargs)
-        return dataclasses.replace(f, sources=None) if path == "sorted" else \
-            dataclasses.replace(f, other=True)
+        srcs, n_src, other = shape(*args, **kwargs)
+        return (None, n_src, other) if path == "sorted" else (srcs, n_src, True)
 
-    monkeypatch.setattr(replan_explain, "_feeds", other_way)
+    monkeypatch.setattr(replan_explain, "_shape", other_way)
     monkeypatch.setattr(replan_explain, "_KEPT", [])
     model, source, target, slots = case
     _, spec = _cfg(model, source, target)
@@ -259,6 +258,41 @@ def test_replan_refuses_an_expert_piece_cut_unlike_its_layers_others(many, monke
     line = str(e.value)
     assert "\n" not in line and line.startswith("replan: source rank 0 ")
     assert "same cut" in line and line.endswith("compile the new placement in full")
+
+
+def test_replan_refuses_explain_rows_of_a_moved_expert_fed_unevenly():
+    """The explain rows a replan makes again come from what one slot is fed, read from the
+    rows of the experts made again: one of those rows edited (its bytes no longer a share
+    of the slot that the expert's other rows and the tensor's slots agree on) is refused in
+    one line, and the untouched plan replans."""
+    from schemas.plan import EXPLAIN_COLUMNS
+    from schemas.table import Table
+
+    model, source, target, slots = CASES[0]
+    _, spec = _cfg(model, source, target)
+    a = _random_table(spec, slots, seed=1)
+    plan = compile_config(*_cfg(model, source, target, a, DIRECT))
+    b = a.copy()
+    b[0] = np.roll(b[0], 1)  # every slot of MoE layer 0 moves
+    ranks = plan.header.targets  # (EP over every target rank: tp 2)
+    per = slots // ranks
+    n = spec.dims.num_experts
+    counts = [np.stack([np.bincount(t[0, r * per:(r + 1) * per], minlength=n)
+                        for r in range(ranks)]) for t in (a, b)]
+    moved = np.flatnonzero((counts[0] != counts[1]).any(0))  # experts whose rows change
+    assert len(moved)
+    name = f"model.layers.0.mlp.experts.{int(moved[0])}.{spec.dims.expert_names[0]}.weight"
+    t = plan.explain["tensor"]
+    row = int(np.flatnonzero(t == plan.tensors.index(name))[0])
+    cols = {c: np.array(plan.explain[c]) for c, _ in EXPLAIN_COLUMNS}
+    cols["nbytes"][row] += 1
+    tampered = dataclasses.replace(plan, explain=Table.build(EXPLAIN_COLUMNS, **cols))
+    replan(plan, spec, Placement(b))  # (the untouched plan replans)
+    with pytest.raises(NotIncremental) as e:
+        replan(tampered, spec, Placement(b))
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("replan: ")
+    assert "fed" in line and line.endswith("compile the new placement in full")
 
 
 def test_replan_refuses_another_slot_count():
