@@ -185,6 +185,12 @@ def _digest_parts(parts: list[bytes | memoryview]) -> bytes:
     return h.digest()
 
 
+def packed_digest(obj: Any) -> bytes:
+    """blake2b-256 of `pack(obj)`, digested as the parts `write_plan` packs (a list of
+    memoryviews, a table's columns, is digested in place, never copied into one buffer)."""
+    return _digest_parts(_parts(obj))
+
+
 def write_plan(path: str, plan: Plan, key: bytes | None = None, compact: bool = True) -> int:
     """Write `plan` to `path` atomically (temp file + rename); returns the size in bytes.
 

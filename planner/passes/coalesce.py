@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 
 from planner.passes.lower import Lowered
-from planner.rows import column_keys, lexorder
+from planner.rows import grouped_order
 
 _KEYS = ("w_src_rank", "w_stage", "w_dst_rank", "w_src_region", "w_dst_region")
 
@@ -20,15 +20,11 @@ _KEYS = ("w_src_rank", "w_stage", "w_dst_rank", "w_src_region", "w_dst_region")
 def coalesce(low: Lowered, max_write_bytes: int) -> Lowered:
     """`low` with adjacent writes merged and runs cut at `max_write_bytes`. Columns are
     put in order one at a time (a sorted copy of the whole table is never held)."""
-    order = lexorder(low.w_src_offset, *(getattr(low, k) for k in reversed(_KEYS)))
+    # by (keys, source offset); `same`: a row's keys equal the row's before it
+    order, same = grouped_order([getattr(low, k) for k in _KEYS], low.w_src_offset)
     n = len(order)
     if n == 0:
         return low
-    same = np.ones(n, dtype=bool)
-    same[0] = False
-    keys = column_keys([getattr(low, k) for k in _KEYS])[order]  # equal keys: equal rows
-    np.equal(keys[1:], keys[:-1], out=same[1:])
-    del keys
     nbytes = low.w_nbytes[order]
     for k in ("w_src_offset", "w_dst_offset"):
         off = getattr(low, k)[order]
