@@ -12,9 +12,12 @@ import numpy as np
 
 from planner.compiler import compile_config
 from planner.validate import load
+from schemas.plan import region_row
 from schemas.plan_codec import deflate, pack
 from schemas.plan_write import (
     RELEASE_SLICE,
+    _blob_objects,
+    _blob_parts,
     _mapping,
     _parts,
     _released,
@@ -31,6 +34,26 @@ def test_parts_join_to_msgpack() -> None:
         col = memoryview(np.arange(n, dtype=np.uint8))
         for obj in ({"t": [col, col], "n": 3, "rows": [[1, "x"]], "e": []}, [col], {}):
             assert b"".join(bytes(p) for p in _parts(obj)) == pack(obj)
+
+
+def test_rank_parts_are_the_packed_rank_plans() -> None:
+    """The parts written (each rank's regions list packed once per region) join to
+    msgpack's packing of each blob's object: a rank's part is `RankPlan.encode` with the
+    identity it carries."""
+    plan = compile_config(*load(str(ROOT / "plans/demo.yaml")))
+    ranks = {f"rank/{r.rank}": r for r in plan.ranks}
+    objects = list(_blob_objects(plan))
+    parts = list(_blob_parts(plan))
+    assert [n for n, _ in parts] == [n for n, _ in objects]
+    for (name, obj), (_, got) in zip(objects, parts):
+        assert b"".join(bytes(p) for p in got) == pack(obj)
+        if name in ranks:
+            r = ranks[name]
+            want = r.encode()
+            if r.identity is None and r.rank < len(plan.header.identities):
+                want["identity"] = dict(plan.header.identities[r.rank])
+            assert obj == want and want["regions"] == [region_row(x) for x in r.regions]
+    assert sum(n in ranks for n, _ in parts) == len(plan.ranks) > 1
 
 
 def test_packed_digest_is_the_packed_bytes_digest() -> None:
