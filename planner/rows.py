@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 _LIMIT = np.iinfo(np.int64).max
+_INT32 = np.iinfo(np.int32).max
 
 
 def _range(col: np.ndarray) -> tuple[int, int] | None:
@@ -94,7 +95,7 @@ def _column_keys(cols: Sequence[np.ndarray], prefix: bool = False
     cols = [np.asarray(c).reshape(-1) for c in cols]
     if not cols or len(cols[0]) == 0:
         n = len(cols[0]) if cols else 0
-        return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64) if prefix else None
+        return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int32) if prefix else None
     n = len(cols[0])
     small, table = max(n, 1 << 16), max(4 * n, 1 << 17)
     ranges = [_range(c) for c in cols]
@@ -119,12 +120,12 @@ def _column_keys(cols: Sequence[np.ndarray], prefix: bool = False
             key, span = codes.astype(np.int64, copy=codes is col), m
             key -= lo
             if prefix and last:
-                before = np.zeros(n, dtype=np.int64)
+                before = np.zeros(n, dtype=np.int32)
             continue
         if span > _LIMIT // m or (span <= table < span * m and span * rest[i] > _LIMIT):
             key, span = _compact(key, span)  # now: later it may need a sort
-        if prefix and last:
-            before = key.copy()
+        if prefix and last:  # as int32 where it fits: held beside the whole key's sort
+            before = key.astype(np.int32 if span <= _INT32 else np.int64)
         _append(key, codes, lo, m)
         span *= m
     return key, before
