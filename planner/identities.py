@@ -9,12 +9,10 @@ Two things the compiler knows and stores (readers never re-derive them):
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import tempfile
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from planner.frameworks import FRAMEWORKS
@@ -23,6 +21,7 @@ from planner.passes.intersect import PieceTable
 from planner.spec import ModelSpec
 from schemas.config import Config
 from schemas.identity import HEADER_KEY
+from schemas.plan_write import packed_digest
 from schemas.tensors import encode_rank_tensors
 
 
@@ -63,8 +62,8 @@ def rank_tensor_blobs(spec: ModelSpec, tables: tuple[PieceTable, PieceTable],
             same = next((f for other, f in seen if _same_rows(table, rows, other)), None)
             if same is None:  # equal content: point at the first
                 blob = _blob(spec, table, rows, rl.tensors)
-                same = first.setdefault(hashlib.blake2b(msgpack.packb(
-                    blob, use_bin_type=True), digest_size=32).digest(), r)
+                same = first.setdefault(packed_digest(  # the bytes `pack(blob)` gives
+                    {**blob, "pieces": [memoryview(c) for c in blob["pieces"]]}), r)
                 seen.append((rows, same))
                 if same == r and out is not None:
                     out.add(blob)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 _LIMIT = np.iinfo(np.int64).max
+_INT32 = np.iinfo(np.int32).max
 
 
 def _range(col: np.ndarray) -> tuple[int, int] | None:
@@ -84,9 +85,17 @@ def column_keys(cols: Sequence[np.ndarray]) -> np.ndarray:
     values (`_compact`, by a table while its range is small) where the columns left would
     overflow it. A wide last column (byte offsets) is taken by value when it fits after
     that compaction: no sort."""
+    return _column_keys(cols)[0]
+
+
+def _column_keys(cols: Sequence[np.ndarray], prefix: bool = False
+                 ) -> tuple[np.ndarray, np.ndarray | None]:
+    """`column_keys`, and with `prefix` a key of the columns but the last (equal rows of
+    those, equal keys): the key as it stands before the last column joins it."""
     cols = [np.asarray(c).reshape(-1) for c in cols]
     if not cols or len(cols[0]) == 0:
-        return np.zeros(len(cols[0]) if cols else 0, dtype=np.int64)
+        n = len(cols[0]) if cols else 0
+        return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int32) if prefix else None
     n = len(cols[0])
     small, table = max(n, 1 << 16), max(4 * n, 1 << 17)
     ranges = [_range(c) for c in cols]
@@ -95,7 +104,7 @@ def column_keys(cols: Sequence[np.ndarray]) -> np.ndarray:
         r = ranges[i]
         m = r[1] if r is not None and (r[1] < small or i == len(cols) - 1) else n
         rest[i] = min(rest[i + 1] * m, _LIMIT + 1)
-    key, span = np.zeros(0, dtype=np.int64), 1
+    key, span, before = np.zeros(0, dtype=np.int64), 1, None
     for i, (col, r) in enumerate(zip(cols, ranges)):
         last = i == len(cols) - 1
         wide = r is None or r[1] >= small
@@ -110,12 +119,16 @@ def column_keys(cols: Sequence[np.ndarray]) -> np.ndarray:
         if i == 0:
             key, span = codes.astype(np.int64, copy=codes is col), m
             key -= lo
+            if prefix and last:
+                before = np.zeros(n, dtype=np.int32)
             continue
         if span > _LIMIT // m or (span <= table < span * m and span * rest[i] > _LIMIT):
             key, span = _compact(key, span)  # now: later it may need a sort
+        if prefix and last:  # as int32 where it fits: held beside the whole key's sort
+            before = key.astype(np.int32 if span <= _INT32 else np.int64)
         _append(key, codes, lo, m)
         span *= m
-    return key
+    return key, before
 
 
 def _append(key: np.ndarray, codes: np.ndarray, lo: int, m: int) -> None:
@@ -143,6 +156,22 @@ def lexorder(*keys: np.ndarray) -> np.ndarray:
     if not keys or len(keys[0]) == 0:
         return np.zeros(len(keys[0]) if keys else 0, dtype=np.int64)
     return stable_argsort(column_keys(keys[::-1]), own=True)  # (no stacked copy)
+
+
+def grouped_order(cols: Sequence[np.ndarray], last: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """`lexorder(last, *cols[::-1])` (rows by `cols`, then by `last`; stable) and, in that
+    order, whether each row's `cols` equal the row's before it (False for the first row):
+    the key of `cols` is made once for both."""
+    full, key = _column_keys([*cols, last], prefix=True)
+    assert key is not None
+    order = stable_argsort(full, own=True)
+    del full
+    same = np.zeros(len(order), dtype=bool)
+    if len(order):
+        key = key[order]
+        np.equal(key[1:], key[:-1], out=same[1:])
+    return order, same
 
 
 def stable_argsort(key: np.ndarray, own: bool = False) -> np.ndarray:

@@ -233,6 +233,11 @@ def region_facts(regions: tuple[Region, ...]) -> RegionFacts:
     return facts
 
 
+
+def region_row(r: Region) -> list[Any]:
+    """A region as a part lists it: name, dtype, shape, bytes."""
+    return [r.name, r.dtype, list(r.shape), r.nbytes]
+
 @dataclass(frozen=True, slots=True)
 class RankPlan:
     rank: int
@@ -271,14 +276,16 @@ class RankPlan:
     """A target's shadow section (`schemas/shadow.py`), only in plans compiled with
     `target.shadow`; absent (no key in the part) otherwise."""
 
-    def encode(self) -> dict[str, Any]:
+    def encode(self, regions: Any = None) -> dict[str, Any]:
+        """The part as msgpack packs it. `regions`: what stands for the regions list, when
+        the caller has it already (`plan_write`: the list's msgpack bytes)."""
         extra = {} if self.identity is None else {"identity": dict(self.identity)}
         if self.shadow is not None:
             extra["shadow"] = self.shadow.encode()
         return {
             "rank": self.rank, "role": self.role, "host": self.host, "gpu": self.gpu,
             "nics": list(self.nics),
-            "regions": [[r.name, r.dtype, list(r.shape), r.nbytes] for r in self.regions],
+            "regions": [region_row(r) for r in self.regions] if regions is None else regions,
             "writes": self.writes.views(), "batches": self.batches.views(),
             "copies": self.copies.views(), "signals": self.signals.views(),
             "waits": self.waits.views(),

@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from .plan import FORMAT_VERSION, MAGIC, Plan
+from .plan import FORMAT_VERSION, MAGIC, Plan, Region, region_row
 from .plan_codec import checksum, deflate, pack
 
 
@@ -51,8 +51,8 @@ def _stored_blobs(plan: Plan, compact: bool
         blobs.append(parts)
 
     with ThreadPoolExecutor(1) as pool:
-        for name, obj in _blob_objects(plan):
-            pending.append((name, pool.submit(store, _parts(obj))))
+        for name, parts in _blob_parts(plan):
+            pending.append((name, pool.submit(store, parts)))
             if len(pending) > 2:  # at most three blobs packed ahead of the one written
                 take()
         while pending:
@@ -135,9 +135,24 @@ def _head(plan: Plan, key: bytes | None, index: dict[str, list[Any]]) -> bytes:
 def _blob_objects(plan: Plan) -> Iterator[tuple[str, Any]]:
     """Every blob of the plan file as the object msgpack packs, in file order (each made
     when asked for)."""
+    yield from _blobs(plan, None)
+
+
+def _blob_parts(plan: Plan) -> Iterator[tuple[str, list[bytes | memoryview]]]:
+    """`_blob_objects` packed (`_parts`), each made when asked for; the ranks' regions lists
+    packed a region at a time, each region once for every part that lists it."""
+    rows: dict[int, bytes] = {}  # id(region or regions) -> its msgpack
+    for name, obj in _blobs(plan, rows):
+        yield name, _parts(obj)
+
+
+def _blobs(plan: Plan, rows: dict[int, bytes] | None) -> Iterator[tuple[str, Any]]:
+    """`_blob_objects`; with `rows`, each rank's regions list as its msgpack bytes
+    (`_packed_regions`), which only `_parts` takes."""
     ids = plan.header.identities
     for r in plan.ranks:
-        enc = r.encode()  # each part carries its rank's identity (schemas/identity.py)
+        enc = r.encode(None if rows is None else _packed_regions(r.regions, rows))
+        # each part carries its rank's identity (schemas/identity.py)
         if "identity" not in enc and 0 <= r.rank < len(ids):
             enc["identity"] = dict(ids[r.rank])
         yield f"rank/{r.rank}", enc
@@ -147,11 +162,34 @@ def _blob_objects(plan: Plan) -> Iterator[tuple[str, Any]]:
     yield from plan.extra_blobs
 
 
+class _Packed(bytes):
+    """A value's msgpack bytes, packed already: `_parts` takes them as they are."""
+
+
+def _packed_regions(regions: tuple[Region, ...], rows: dict[int, bytes]) -> bytes:
+    """msgpack of a part's regions list (`region_row` each), each region packed once for
+    every part that lists it, and each tuple of regions once (`rows`, by identity: ranks
+    share them, and the plan holds them while it is written)."""
+    whole = rows.get(id(regions))
+    if whole is None:
+        out = [_PACKER.pack_array_header(len(regions))]
+        for r in regions:
+            b = rows.get(id(r))
+            if b is None:
+                b = rows[id(r)] = pack(region_row(r))
+            out.append(b)
+        whole = rows[id(regions)] = _Packed(b"".join(out))
+    return whole
+
+
 def _parts(obj: Any) -> list[bytes | memoryview]:
     """`pack(obj)` as parts whose concatenation is those bytes, a table's column bytes left
     in place (not copied into one buffer, whose growth would hold them two or three times):
     a map is its header and its keys' and values' parts, a list of memoryviews (a table) its
-    header and each column's bin header and bytes; anything else is packed whole."""
+    header and each column's bin header and bytes; bytes packed already (`_Packed`) are
+    taken as they are; anything else is packed whole."""
+    if type(obj) is _Packed:
+        return [obj]
     if isinstance(obj, dict):
         out: list[bytes | memoryview] = [_PACKER.pack_map_header(len(obj))]
         for k, v in obj.items():
@@ -183,6 +221,12 @@ def _digest_parts(parts: list[bytes | memoryview]) -> bytes:
     for part in parts:
         h.update(part)
     return h.digest()
+
+
+def packed_digest(obj: Any) -> bytes:
+    """blake2b-256 of `pack(obj)`, digested as the parts `write_plan` packs (a list of
+    memoryviews, a table's columns, is digested in place, never copied into one buffer)."""
+    return _digest_parts(_parts(obj))
 
 
 def write_plan(path: str, plan: Plan, key: bytes | None = None, compact: bool = True) -> int:

@@ -85,34 +85,33 @@ def assign(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology) -> 
     sbox = chunks.sbox[order].astype(np.int64)
     dst_host = host[dst.rank[chunks.dst[order]]]
     picked = []
-    get, put = cand_cache.get, picked.append
+    get, put, least = cand_cache.get, picked.append, load.__getitem__
     for at, nb in zip((sbox * hosts + dst_host).tolist(), nbytes.tolist()):
         cands = get(at)
         if cands is None:
             sb, dh = divmod(at, hosts)
             cands = cand_cache[at] = _candidates(
                 holders[ptr[sb]:ptr[sb + 1]].tolist(), dh, src_ranks, host_l, nic_l, nvk)
-        keys, rows = cands
-        if len(keys) == 1:
-            k = 0
-        else:
-            loads = [load[x] for x in keys]
-            k = loads.index(min(loads))
-        load[keys[k]] += nb
-        put(rows[k])
+        keys, row_of = cands
+        k = min(keys, key=least)  # the first of the least loaded
+        load[k] += nb
+        put(row_of[k])
     choice[order] = picked
     return choice
 
 
 def _candidates(rows: list[int], dh: int, src_ranks: list[int], host: list[int],
-                nic: list[int], nvk: list[int]) -> tuple[list[int], list[int]]:
+                nic: list[int], nvk: list[int]) -> tuple[list[int], dict[int, int]]:
     """The candidates of a chunk whose target is on host `dh`, among the source rows `rows`
     holding its box: those on `dh` if any (their NVLink keys), else all (their NICs); as
-    (load keys, rows), ordered by rank."""
+    (load keys, ordered by rank; the row of each key's first candidate, lowest rank)."""
     same = [h for h in rows if host[src_ranks[h]] == dh]
     rows = sorted(same or rows, key=lambda h: src_ranks[h])
     keys = [nvk[src_ranks[h]] if same else nic[src_ranks[h]] for h in rows]
-    return keys, rows
+    row_of: dict[int, int] = {}
+    for k, h in zip(keys, rows):
+        row_of.setdefault(k, h)
+    return keys, row_of
 
 
 def _nbytes(chunks: Chunks, dst: PieceTable, rows: np.ndarray) -> np.ndarray:

@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 
 from planner.passes.lower import Lowered
-from planner.rows import column_keys, lexorder
+from planner.rows import grouped_order
 
 _KEYS = ("w_src_rank", "w_stage", "w_dst_rank", "w_src_region", "w_dst_region")
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -32,15 +32,11 @@ def coalesce(low: Lowered | list[Lowered], max_write_bytes: int) -> Lowered:
     cols = {k: getattr(low, k) for k in Lowered.__slots__ if k.startswith("w_")}
     if own:  # the writes' columns are held here alone; the rest stays in `low`
         low = replace(low, **{k: _EMPTY for k in cols})
-    order = lexorder(cols["w_src_offset"], *(cols[k] for k in reversed(_KEYS)))
+    # by (keys, source offset); `same`: a row's keys equal the row's before it
+    order, same = grouped_order([cols[k] for k in _KEYS], cols["w_src_offset"])
     n = len(order)
     if n == 0:
         return replace(low, **cols)
-    same = np.ones(n, dtype=bool)
-    same[0] = False
-    keys = column_keys([cols[k] for k in _KEYS])[order]  # equal keys: equal rows
-    np.equal(keys[1:], keys[:-1], out=same[1:])
-    del keys
     nbytes = cols.pop("w_nbytes")[order]
     for k in ("w_src_offset", "w_dst_offset"):
         off = cols[k][order]

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from planner.rows import (
+    column_keys,
     distinct_rows,
+    grouped_order,
     lexorder,
     row_keys,
     stable_argsort,
@@ -49,6 +51,33 @@ def test_wide_distinct_columns_rerank_instead_of_overflowing() -> None:
               elements=st.one_of(st.integers(0, 3), ints)))
 def test_lexorder_equals_lexsort(keys: np.ndarray) -> None:
     assert np.array_equal(lexorder(*keys), np.lexsort(keys))
+
+
+@settings(max_examples=200, deadline=None)
+@given(arrays(np.int64, st.tuples(st.integers(1, 5), st.integers(0, 40)),
+              elements=st.one_of(st.integers(0, 3), ints)))
+def test_grouped_order_is_lexsort_and_marks_equal_neighbours(cols: np.ndarray) -> None:
+    *head, last = cols
+    order, same = grouped_order(head, last)
+    assert np.array_equal(order, np.lexsort([last, *head[::-1]]))
+    rows = np.stack(head, axis=1)[order] if head else np.zeros((len(last), 0))
+    want = np.zeros(len(last), dtype=bool)
+    want[1:] = (rows[1:] == rows[:-1]).all(axis=1)
+    assert np.array_equal(same, want)
+
+
+def test_grouped_order_compacts_like_lexorder() -> None:
+    """Narrow key columns whose spans multiply past int64, then byte offsets: the order is
+    `np.lexsort`'s and `same` marks rows whose key columns equal the row's before."""
+    rng = np.random.default_rng(4)
+    n = 200_000
+    head = [rng.integers(0, m, n).astype(np.int32) for m in (256, 45, 256, 181, 845)]
+    head = [c[np.argsort(head[0], kind="stable")] for c in head]  # nearly sorted, as coalesce
+    last = rng.integers(0, 1 << 31, n)
+    order, same = grouped_order(head, last)
+    assert np.array_equal(order, np.lexsort([last, *head[::-1]]))
+    key = column_keys(head)[order]
+    assert np.array_equal(same[1:], key[1:] == key[:-1]) and not same[0]
 
 
 def test_compacted_keys_and_a_wide_last_column_keep_lexsort_order() -> None:

@@ -1,8 +1,10 @@
 """`write_plan`'s file is `encode_plan`'s bytes (compact and plain), and `_parts` (tables'
-column bytes left in place) joins to msgpack's own packing."""
+column bytes left in place) joins to msgpack's own packing, and `packed_digest` is the
+digest of those bytes."""
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 from pathlib import Path
 
@@ -10,13 +12,17 @@ import numpy as np
 
 from planner.compiler import compile_config
 from planner.validate import load
+from schemas.plan import region_row
 from schemas.plan_codec import deflate, pack
 from schemas.plan_write import (
     RELEASE_SLICE,
+    _blob_objects,
+    _blob_parts,
     _mapping,
     _parts,
     _released,
     encode_plan,
+    packed_digest,
     write_plan,
 )
 
@@ -28,6 +34,41 @@ def test_parts_join_to_msgpack() -> None:
         col = memoryview(np.arange(n, dtype=np.uint8))
         for obj in ({"t": [col, col], "n": 3, "rows": [[1, "x"]], "e": []}, [col], {}):
             assert b"".join(bytes(p) for p in _parts(obj)) == pack(obj)
+
+
+def test_rank_parts_are_the_packed_rank_plans() -> None:
+    """The parts written (each rank's regions list packed once per region) join to
+    msgpack's packing of each blob's object: a rank's part is `RankPlan.encode` with the
+    identity it carries."""
+    plan = compile_config(*load(str(ROOT / "plans/demo.yaml")))
+    ranks = {f"rank/{r.rank}": r for r in plan.ranks}
+    objects = list(_blob_objects(plan))
+    parts = list(_blob_parts(plan))
+    assert [n for n, _ in parts] == [n for n, _ in objects]
+    for (name, obj), (_, got) in zip(objects, parts):
+        assert b"".join(bytes(p) for p in got) == pack(obj)
+        if name in ranks:
+            r = ranks[name]
+            want = r.encode()
+            if r.identity is None and r.rank < len(plan.header.identities):
+                want["identity"] = dict(plan.header.identities[r.rank])
+            assert obj == want and want["regions"] == [region_row(x) for x in r.regions]
+    assert sum(n in ranks for n, _ in parts) == len(plan.ranks) > 1
+
+
+def test_packed_digest_is_the_packed_bytes_digest() -> None:
+    """`packed_digest` digests exactly `pack(obj)`: a table's columns as memoryviews give
+    the digest of the same object with the columns as bytes."""
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 40, 70000):
+        cols = [rng.integers(0, 1 << 40, n).tobytes() for _ in range(3)]
+        obj = {"names": ["a"], "shapes": [[3, 4]], "buffer": b"\x00", "pieces": cols}
+        want = hashlib.blake2b(pack(obj), digest_size=32).digest()
+        assert packed_digest({**obj, "pieces": [memoryview(c) for c in cols]}) == want
+        assert packed_digest(obj) == want
+        other = {**obj, "pieces": [*cols[:2], cols[2][:-1] + b"\x01"]} if n else \
+            {**obj, "names": ["b"]}
+        assert packed_digest(other) != want
 
 
 def test_written_file_is_the_encoded_plan(tmp_path) -> None:
