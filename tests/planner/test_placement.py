@@ -225,6 +225,26 @@ def test_replan_refuses_megatron_ep_sources_saying_why():
     assert line.endswith("compile the new placement in full")
 
 
+def _layer0_moved() -> tuple:
+    """(spec, slots, the plan compiled for a random placement `a`, `a`, `b`: `a` with every
+    slot of MoE layer 0 moved) for the replan refusal tests."""
+    model, source, target, slots = CASES[0]
+    _, spec = _cfg(model, source, target)
+    a = _random_table(spec, slots, seed=1)
+    plan = compile_config(*_cfg(model, source, target, a, DIRECT))
+    b = a.copy()
+    b[0] = np.roll(b[0], 1)
+    return spec, slots, plan, a, b
+
+
+def _refused(plan, tampered, spec, b) -> str:
+    """The one line `replan` refuses `tampered` with, once the untouched `plan` replans."""
+    replan(plan, spec, Placement(b))
+    with pytest.raises(NotIncremental) as e:
+        replan(tampered, spec, Placement(b))
+    return str(e.value)
+
+
 @pytest.mark.parametrize("many", [False, True])
 def test_replan_refuses_an_expert_piece_cut_unlike_its_layers_others(many, monkeypatch):
     """A source rank holding one expert's piece at another cut than the other experts of
@@ -235,12 +255,7 @@ def test_replan_refuses_an_expert_piece_cut_unlike_its_layers_others(many, monke
     from schemas.table import Table
     from schemas.tensors import PIECE_COLUMNS
 
-    model, source, target, slots = CASES[0]
-    _, spec = _cfg(model, source, target)
-    a = _random_table(spec, slots, seed=1)
-    plan = compile_config(*_cfg(model, source, target, a, DIRECT))
-    b = a.copy()
-    b[0] = np.roll(b[0], 1)  # every slot of MoE layer 0 moves
+    spec, slots, plan, a, b = _layer0_moved()
     blobs = dict(plan.extra_blobs)
     blob = dict(blobs["tensors/0"])
     t = Table.from_msgpack(PIECE_COLUMNS, blob["pieces"], "tensors/0")
@@ -252,10 +267,7 @@ def test_replan_refuses_an_expert_piece_cut_unlike_its_layers_others(many, monke
     tampered = dataclasses.replace(plan, extra_blobs=tuple(
         (n, blob if n == "tensors/0" else v) for n, v in plan.extra_blobs))
     monkeypatch.setattr(replan_tables.SourceTensors, "_MANY", 0 if many else np.inf)
-    replan(plan, spec, Placement(b))  # (the untouched plan replans)
-    with pytest.raises(NotIncremental) as e:
-        replan(tampered, spec, Placement(b))
-    line = str(e.value)
+    line = _refused(plan, tampered, spec, b)
     assert "\n" not in line and line.startswith("replan: source rank 0 ")
     assert "same cut" in line and line.endswith("compile the new placement in full")
 
@@ -268,12 +280,7 @@ def test_replan_refuses_explain_rows_of_a_moved_expert_fed_unevenly():
     from schemas.plan import EXPLAIN_COLUMNS
     from schemas.table import Table
 
-    model, source, target, slots = CASES[0]
-    _, spec = _cfg(model, source, target)
-    a = _random_table(spec, slots, seed=1)
-    plan = compile_config(*_cfg(model, source, target, a, DIRECT))
-    b = a.copy()
-    b[0] = np.roll(b[0], 1)  # every slot of MoE layer 0 moves
+    spec, slots, plan, a, b = _layer0_moved()
     ranks = plan.header.targets  # (EP over every target rank: tp 2)
     per = slots // ranks
     n = spec.dims.num_experts
@@ -287,10 +294,7 @@ def test_replan_refuses_explain_rows_of_a_moved_expert_fed_unevenly():
     cols = {c: np.array(plan.explain[c]) for c, _ in EXPLAIN_COLUMNS}
     cols["nbytes"][row] += 1
     tampered = dataclasses.replace(plan, explain=Table.build(EXPLAIN_COLUMNS, **cols))
-    replan(plan, spec, Placement(b))  # (the untouched plan replans)
-    with pytest.raises(NotIncremental) as e:
-        replan(tampered, spec, Placement(b))
-    line = str(e.value)
+    line = _refused(plan, tampered, spec, b)
     assert "\n" not in line and line.startswith("replan: ")
     assert "fed" in line and line.endswith("compile the new placement in full")
 
