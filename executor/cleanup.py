@@ -14,11 +14,12 @@ log = logging.getLogger("executor")
 T = TypeVar("T")
 
 
-def best_effort(what: str, fn: Callable[..., T], *args: Any, default: Any = None) -> T | Any:
-    """`fn(*args)`, or `default` when it raises an `Exception`; then one log line (INFO) names
-    `what` was attempted and the error it raised."""
+def best_effort(what: str, fn: Callable[..., T], *args: Any, default: Any = None,
+                **kwargs: Any) -> T | Any:
+    """`fn(*args, **kwargs)`, or `default` when it raises an `Exception`; then one log line
+    (INFO) names `what` was attempted and the error it raised."""
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - the one place that swallows, and it logs
         log.info("%s failed, ignored: %s: %s", what, type(e).__name__, e)
         return default

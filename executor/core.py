@@ -346,11 +346,15 @@ class Executor:
         is gone; `complete` is then False and the next `run()` recovers. `step`: the
         caller's step number (the same on every rank), or None to count steps here."""
         t0 = time.perf_counter()
-        self.begin_step(step)
+        self.begin_step(step, record=False)
+        record = self.step_records  # handed after the first READY: off the peer's path
         try:
             s, n = 0, len(self.stages)
             while s < n:
                 if self.quiet[s] and not len(self.window):
+                    if record:
+                        self.record_running()
+                        record = False
                     e = s + 1
                     while e < n and self.quiet[e]:
                         e += 1
@@ -358,6 +362,9 @@ class Executor:
                     s = e
                     continue
                 self.ready(s)
+                if record:
+                    self.record_running()
+                    record = False
                 self.send_half(s)
                 self.recv_half(s)
                 s += 1
@@ -366,7 +373,10 @@ class Executor:
             raise
         return self.end_step(t0)
 
-    def begin_step(self, step: int | None = None) -> None:
+    def begin_step(self, step: int | None = None, record: bool = True) -> None:
+        """Start step `step` (or the next): recover first where the last one failed.
+        `record`: hand the step's record to the publisher here (`run` hands it right after
+        its first READY instead: `record_running`)."""
         self.control.check()  # a newer process took this rank over: LeaseLostError
         self.complete = False
         if self.failed or self.inbox.foreign:
@@ -375,8 +385,14 @@ class Executor:
         self.step = self.step + 1 if step is None else step
         self.signals.begin(self.step)
         self.window.begin()
-        if self.step_records:  # where peers join (recovery.py); by the publisher thread
-            self.control.publish_step(self.step, running=True, later=True)
+        if record and self.step_records:
+            self.record_running()
+
+    def record_running(self) -> None:
+        """Where peers join (recovery.py): this rank is inside `step`, written by the
+        publisher thread (`STEP_DELAY_S` later at the soonest, so a few microseconds
+        earlier or later in the step change nothing a peer sees)."""
+        self.control.publish_step(self.step, running=True, later=True)
 
     def fail(self, lost: int | None = None) -> None:
         """Mark the step failed: tell every peer which rank was lost (its signals of this step
@@ -399,7 +415,7 @@ class Executor:
         if self.step_records:  # where a restarted peer joins (recovery.py); the store may
             # be gone, and the weights are whole
             best_effort("publishing the step", self.control.publish_step, self.step + 1,
-                        False, True)  # later: by the publisher thread
+                        running=False, later=True)  # later: by the publisher thread
         waited = self.signals.waited + self.window.waited
         return RunStats(self.rank, self.step, self.bytes_per_step, self.received_per_step,
                         seconds, True, min(waited, seconds))
