@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import faulthandler
+import gc
 import io
 import json
 import os
@@ -28,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import timedelta
 
@@ -172,12 +174,21 @@ def worker(path: str, rank: int, port: int, steps: int, transport: str, device: 
                          timeout_s=120, transport_options=json.loads(options) or None,
                          no_identity=True,
                          step_records=os.environ.get("BENCH_STEP_RECORDS", "1") != "0")
+    pin = os.environ.get("BENCH_PIN")  # "A,B": rank r's main thread on CPU r of the list
+    if pin:  # (after load: the executor's threads keep the whole mask; a diagnostic)
+        os.sched_setaffinity(threading.get_native_id(), {int(pin.split(",")[rank])})
+    if os.environ.get("BENCH_GC_FREEZE"):  # the heap so far out of the collector's passes
+        gc.collect()
+        gc.freeze()
     prof = cProfile.Profile() if os.environ.get("BENCH_PROFILE") else None
     runs = [executor.run(plan)]  # warm-up
     trace = step_trace.attach(plan) if os.environ.get("BENCH_TRACE") else None
     if prof:
         prof.enable()
+    switches = _switches() if os.environ.get("BENCH_MICRO") else None
     runs = [executor.run(plan) for _ in range(steps)]
+    if switches is not None:  # where a step's host time goes, in this very process
+        _micro(plan, rank, steps, switches)
     if prof:  # where the host's time goes (`BENCH_PROFILE=1`): each rank prints its top 25
         prof.disable()
         out = io.StringIO()
@@ -206,6 +217,38 @@ def worker(path: str, rank: int, port: int, steps: int, transport: str, device: 
     store.set(f"exit/{rank}", b"1")
     store.wait(["exit/0", "exit/1"], timedelta(seconds=120))
     plan.close()
+
+
+def _switches() -> list[int]:
+    """This thread's (voluntary, involuntary) context switches so far."""
+    with open("/proc/thread-self/status") as f:
+        return [int(ln.split()[1]) for ln in f if "ctxt_switches" in ln]
+
+
+def _micro(plan: executor.Executor, rank: int, steps: int, before: list[int]) -> None:
+    """`BENCH_MICRO=1`: the main thread's context switches over the steps, the clock source,
+    a clock read and one signal sealed, checked and taken in a warm loop of this process
+    (what the step path costs when nothing else runs between its calls)."""
+    import timeit
+
+    from executor import signals as sig
+    after = _switches()
+    with open("/sys/devices/system/clocksource/clocksource0/current_clocksource") as f:
+        source = f.read().strip()
+    sealer, inbox = sig.Sealer(plan.keys, plan.tag), sig.Inbox(plan.tag, 77, rank, plan.keys)
+    inbox.set_incarnation(9, 55, "shm:9")
+    seq = iter(range(1, 1 << 40))
+
+    def one() -> None:
+        inbox.add([("shm:9", sealer.seal(55, 77, 5, 0, 1, 9, next(seq)))], 5)
+        inbox.take([(5, 0, 1, 9)])
+    n = 20000
+    us = {name: timeit.timeit(fn, number=n) / n * 1e6 for name, fn in (
+        ("perf_counter", time.perf_counter), ("monotonic", time.monotonic),
+        ("seal+add+take", one), ("poll", plan.transport.poll))}
+    print(f"rank {rank} micro: clocksource {source}; over {steps} steps ctx switches "
+          f"voluntary {after[0] - before[0]}, involuntary {after[1] - before[1]}; warm us "
+          + ", ".join(f"{k} {v:.2f}" for k, v in us.items()), flush=True)
 
 
 def _data(n: int, rank: int, device: str) -> torch.Tensor:
