@@ -98,6 +98,9 @@ class Executor:
         """Posted writes run after the kernels queued before them on the current stream."""
         self.one_stream = self.transport.capabilities.one_stream
         """Every rank's kernels and copies queue on one stream of one process (`local`)."""
+        self.prime_posts = self.transport.capabilities.prime_posts
+        """A stage's first posts can be ordered after the current stream's work before its
+        READY wait (`Capabilities.prime_posts`)."""
         self.incarnation = int.from_bytes(os.urandom(8), "little")
         self.control = Control(self.store, self.keys, self.namespace, self.rank,
                                self.incarnation, timeout_s)
@@ -452,9 +455,14 @@ class Executor:
                           and (self.prepacked[s] or not st.packs or st.pipeline)):
             self.window.drain(timeout)  # a wait, or packs that may touch their staging
             early = False
+        whole = not st.pipeline or self.prepacked[s]  # else group by group (`pipeline.py`)
+        if self.prime_posts and whole and (self.prepacked[s] or not st.packs):
+            # nothing is queued on the current stream before these posts: their streams wait
+            # for its work now, while this rank waits for READY (`Capabilities.prime_posts`)
+            for entry in st.batches[:self.max_inflight]:
+                self.transport.prime(entry.handle)
         self.signals.wait([] if early else st.before, timeout)
         nxt = s + 1 if s + 1 < len(self.stages) and self.prepacked[s + 1] else -1
-        whole = not st.pipeline or self.prepacked[s]  # else group by group (`pipeline.py`)
         for g, (ops, entries) in enumerate(
                 [([] if self.prepacked[s] else st.packs, st.batches)] if whole else st.pipeline):
             self.window.drain_ids(frozenset() if whole else st.blocked[g], timeout)

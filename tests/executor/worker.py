@@ -13,6 +13,7 @@ rank with STEPS 0 loads and never runs; a `PeerTimeoutError` prints the peer, ex
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -46,8 +47,16 @@ def main(path: str, rank: int, rendezvous: str, steps: int, transport: str = "ni
 
 def _steps(plan: executor.Executor, rank: int, tensors: dict[str, torch.Tensor],
            steps: int) -> int:
+    lagged = os.environ.get("WORKER_LAGGED_REFILL") and plan.device.type == "cuda"
     for step in range(1, steps + 1):
-        if rank in (0, 1):
+        if rank in (0, 1) and lagged:  # the refill queued behind ~20 ms of GPU work on the
+            # current stream, not done when run() starts: the writes must wait for it
+            new = {k: t.to(plan.device) for k, t in two_by_two_tensors(step)[rank].items()}
+            torch.cuda.synchronize(plan.device)
+            torch.cuda._sleep(40_000_000)
+            for name, t in new.items():
+                tensors[name].copy_(t)
+        elif rank in (0, 1):
             for name, t in two_by_two_tensors(step)[rank].items():
                 tensors[name].copy_(t)
         stats = executor.run(plan)
