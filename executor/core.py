@@ -98,9 +98,6 @@ class Executor:
         """Posted writes run after the kernels queued before them on the current stream."""
         self.one_stream = self.transport.capabilities.one_stream
         """Every rank's kernels and copies queue on one stream of one process (`local`)."""
-        self.prime_posts = self.transport.capabilities.prime_posts
-        """A stage's first posts can be ordered after the current stream's work before its
-        READY wait (`Capabilities.prime_posts`)."""
         self.incarnation = int.from_bytes(os.urandom(8), "little")
         self.control = Control(self.store, self.keys, self.namespace, self.rank,
                                self.incarnation, timeout_s)
@@ -349,15 +346,11 @@ class Executor:
         is gone; `complete` is then False and the next `run()` recovers. `step`: the
         caller's step number (the same on every rank), or None to count steps here."""
         t0 = time.perf_counter()
-        self.begin_step(step, record=False)
-        record = self.step_records  # handed after the first READY: off the peer's path
+        self.begin_step(step)
         try:
             s, n = 0, len(self.stages)
             while s < n:
                 if self.quiet[s] and not len(self.window):
-                    if record:
-                        self.record_running()
-                        record = False
                     e = s + 1
                     while e < n and self.quiet[e]:
                         e += 1
@@ -365,9 +358,6 @@ class Executor:
                     s = e
                     continue
                 self.ready(s)
-                if record:
-                    self.record_running()
-                    record = False
                 self.send_half(s)
                 self.recv_half(s)
                 s += 1
@@ -376,10 +366,7 @@ class Executor:
             raise
         return self.end_step(t0)
 
-    def begin_step(self, step: int | None = None, record: bool = True) -> None:
-        """Start step `step` (or the next): recover first where the last one failed.
-        `record`: hand the step's record to the publisher here (`run` hands it right after
-        its first READY instead: `record_running`)."""
+    def begin_step(self, step: int | None = None) -> None:
         self.control.check()  # a newer process took this rank over: LeaseLostError
         self.complete = False
         if self.failed or self.inbox.foreign:
@@ -388,14 +375,8 @@ class Executor:
         self.step = self.step + 1 if step is None else step
         self.signals.begin(self.step)
         self.window.begin()
-        if record and self.step_records:
-            self.record_running()
-
-    def record_running(self) -> None:
-        """Where peers join (recovery.py): this rank is inside `step`, written by the
-        publisher thread (`STEP_DELAY_S` later at the soonest, so a few microseconds
-        earlier or later in the step change nothing a peer sees)."""
-        self.control.publish_step(self.step, running=True, later=True)
+        if self.step_records:  # where peers join (recovery.py); by the publisher thread
+            self.control.publish_step(self.step, running=True, later=True)
 
     def fail(self, lost: int | None = None) -> None:
         """Mark the step failed: tell every peer which rank was lost (its signals of this step
@@ -455,14 +436,9 @@ class Executor:
                           and (self.prepacked[s] or not st.packs or st.pipeline)):
             self.window.drain(timeout)  # a wait, or packs that may touch their staging
             early = False
-        whole = not st.pipeline or self.prepacked[s]  # else group by group (`pipeline.py`)
-        if self.prime_posts and whole and (self.prepacked[s] or not st.packs):
-            # nothing is queued on the current stream before these posts: their streams wait
-            # for its work now, while this rank waits for READY (`Capabilities.prime_posts`)
-            for entry in st.batches[:self.max_inflight]:
-                self.transport.prime(entry.handle)
         self.signals.wait([] if early else st.before, timeout)
         nxt = s + 1 if s + 1 < len(self.stages) and self.prepacked[s + 1] else -1
+        whole = not st.pipeline or self.prepacked[s]  # else group by group (`pipeline.py`)
         for g, (ops, entries) in enumerate(
                 [([] if self.prepacked[s] else st.packs, st.batches)] if whole else st.pipeline):
             self.window.drain_ids(frozenset() if whole else st.blocked[g], timeout)

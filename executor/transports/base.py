@@ -75,11 +75,6 @@ class Capabilities:
     """The transport has `notify_landed(handles, peer, msg) -> bool`: it sends `msg` to
     `peer` from the device once the posted batches `handles` have landed, or returns False
     (then the executor sends it from the host once `done` says they landed)."""
-    prime_posts: bool = False
-    """The transport has `prime(handle)`: it orders the handle's next `post` after the work
-    queued on the caller's current stream now, so that post only launches the copies. The
-    executor primes a stage's first batches before it waits for the stage's READY where it
-    queues nothing on that stream between the two (no packs before them)."""
 
 
 class Transport(Protocol):

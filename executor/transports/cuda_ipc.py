@@ -55,7 +55,7 @@ from .torch_copy import prepare_copies
 
 class CudaIpcTransport:
     capabilities = Capabilities(ordered_posts=True, graph_ops=True, fuse_batches=True,
-                                notify_landed=True, prime_posts=True)
+                                notify_landed=True)
     """A stage's writes to one peer are one batch, posted after the caller's queued kernels;
     its DONE may leave from the GPU; `graph_ops` as `CudaIpcOptions.graphs` says."""
 
@@ -92,7 +92,6 @@ class CudaIpcTransport:
         close, as torch's own import does when its storage dies: until then the peer's
         torch keeps each exported block alive)."""
         self.kernel_batches = 0
-        self.primed = 0  # posts ordered after the caller's work before their READY (`prime`)
         self.engine_graphs = 0  # batches posted as one CUDA graph of copy-engine copies
         self.batch_api = BatchCopies.load() if self.rt is not None and opts.memcpy_batch \
             else None
@@ -286,29 +285,6 @@ class CudaIpcTransport:
             if fn(d, s, n, kind, stream):
                 raise RuntimeError(f"cudaMemcpyAsync error {self.rt.last_error()}")  # type: ignore[union-attr]
 
-    def prime(self, handle: Posted) -> None:
-        """Order `handle`'s next post after the work queued on the caller's current stream
-        now (its ready event recorded there, its stream waiting for it): that post then only
-        launches the copies. The caller queues nothing on that stream until the post
-        (`Capabilities.prime_posts`). Nothing is primed where the fast post does not apply or
-        a call fails (the post then does it all)."""
-        handle.primed = False
-        if self.ladder.mode is not Mode.FAST or handle.fast is None:
-            return
-        rt, index, f = self.rt, self.index, handle.fast
-        prev = rt.device()  # type: ignore[union-attr] # Mode.FAST has rt
-        if prev != index:
-            rt.set_device(index)  # type: ignore[union-attr]
-        try:
-            cur = self.current_raw(index)  # type: ignore[misc]
-            if rt.event_record(f.ready, cur) or rt.wait_event(f.stream, f.ready, 0):  # type: ignore[union-attr]
-                rt.last_error()  # type: ignore[union-attr] # cleared: the post does it again
-            else:
-                handle.primed, self.primed = True, self.primed + 1
-        finally:
-            if prev != index and prev >= 0:
-                rt.set_device(prev)  # type: ignore[union-attr]
-
     def post(self, handle: Posted) -> None:
         handle.fast_posted = False
         if self.ladder.mode is Mode.FAST and handle.fast is not None:
@@ -361,11 +337,8 @@ class CudaIpcTransport:
         failed (it is then posted the torch way, whole: idempotent)."""
         rt, f = self.rt, handle.fast
         assert rt is not None and f is not None and self.current_raw is not None  # Mode.FAST
-        if handle.primed:  # its stream already waits for the caller's queued work (`prime`)
-            handle.primed, bad = False, 0
-        else:
-            cur = self.current_raw(self.index)
-            bad = rt.event_record(f.ready, cur) or rt.wait_event(f.stream, f.ready, 0)
+        cur = self.current_raw(self.index)
+        bad = rt.event_record(f.ready, cur) or rt.wait_event(f.stream, f.ready, 0)
         if not bad and f.graph_exec:
             bad = rt.graph_launch(f.graph_exec, f.stream)
         elif not bad and handle.batched is not None:
@@ -427,7 +400,7 @@ class CudaIpcTransport:
         return {"device_copies": self.ncopies, "raw_copies": int(mode >= Mode.RUNTIME),
                 "posting_mode": int(mode), "degraded": len(self.ladder.degraded),
                 "kernel_batches": self.kernel_batches, "batch_api_batches": self.api_batches,
-                "engine_graphs": self.engine_graphs, "primed_posts": self.primed,
+                "engine_graphs": self.engine_graphs,
                 "peers_mapped_here": len(self.opened),
                 "handles_opened_here": sum(map(len, self.opened.values())),
                 "regions_mapped_here": sum(len(self.peers.get(p, ())) for p in self.opened),

@@ -43,7 +43,7 @@ class Posted:
     CUDA graph or copy-kernel table, its posting order and its raw handles (`FastPost`)."""
 
     __slots__ = ("batch", "ops", "raw", "stream", "event", "posted", "graph", "order", "sides",
-                 "fast", "fast_posted", "primed", "table", "batched")
+                 "fast", "fast_posted", "table", "batched")
 
     def __init__(self, batch: WriteBatch, ops: list[Op] | None, stream: torch.cuda.Stream,
                  raw: list[tuple[int, int, int]] | None = None) -> None:
@@ -54,6 +54,5 @@ class Posted:
         self.sides: list[torch.cuda.Stream] = []  # the streams beside `stream` it uses
         self.fast: FastPost | None = None
         self.fast_posted = False
-        self.primed = False  # its stream already waits for the caller's queued work (`prime`)
         self.table: torch.Tensor | None = None  # the copy kernel's pieces (its graph reads it)
         self.batched: list[tuple] | None = None  # its `cuMemcpyBatchAsync` arrays (`BatchCopies`)
