@@ -11,6 +11,10 @@
    same slots) as raw copies in one CUDA graph, the faster of 1 and 4 branches.
 2. `local` transport (`run_all_local`) vs one `torch` copy of the same bytes.
 Medians over `--steps` warm steps; `--record` appends the table to BENCHMARKS.md.
+Diagnostics by environment: `BENCH_PROFILE=1` (cProfile of each rank), `BENCH_TRACE=DIR`
+[`BENCH_TRACE_FINE=1`] (`step_trace.py`), `BENCH_STEP_RECORDS=0`, `BENCH_PIN=A,B` (rank r's
+main thread on CPU r of the list), `BENCH_GC_FREEZE=1`, `BENCH_MICRO=1` (each rank's context
+switches over the steps and its host calls timed in a warm loop of the same process).
 """
 
 from __future__ import annotations
