@@ -4,8 +4,9 @@ while the same (egress, ingress) pairs are on (`RateCache`).
 `simulate` recomputes the rates of the active flows whenever the set of flows changes
 (once per landing, or per landing group in the coarse model: thousands of times on a large
 plan, with thousands of flows each), so `maxmin` indexes `cap`'s resources directly rather
-than numbering the resources in use, and works each level on every resource and flow at
-once (few array operations a level). The straightforward form that numbers them first
+than numbering the resources in use, and works each level on every resource at once and
+on the flows only by a mask of those whose other end saturated in it (few array operations
+a level; `maxmin`'s docstring). The straightforward form that numbers them first
 (`np.unique`) is the reference in `tests/support/maxmin_ref.py`;
 `tests/planner/test_simrates.py` checks that both give the same rates bit for bit on random
 flows (every value computed for a resource in use is the same float operation on the same
@@ -29,51 +30,60 @@ def maxmin(eres: np.ndarray, ires: np.ndarray, cap: np.ndarray,
     get the fair share of their tighter resource's leftover, twice: a feasible allocation
     a little below max-min (exact when there are at most `max_levels` bottleneck levels).
 
-    A level works on every resource and flow at once (a resource's count of unfrozen
-    flows, a mask of the unfrozen flows): fewer array operations than numbering the
-    resources in use each level. A resource with no unfrozen flow has `inf` left, so its
-    share is `inf` and it is never the minimum nor saturated; a saturated one loses all
-    its flows at once and gets `inf` then. Every value of a resource in use is the same
-    float operation on the same operands as the reference's.
+    A level works on every resource at once and touches the flows only through the
+    resources that saturated in it: a saturated resource gets `inf` left (its share is
+    `inf` from then on, never the minimum nor saturated again) and notes its level, and
+    each resource's count of unfrozen flows loses the flows whose other end saturated
+    (a flow is unfrozen while neither end has; the count of a saturated resource is left
+    as it falls, never below 0, and never read but divided into `inf`). A flow's rate is
+    the level of the first of its two ends to saturate, read once at the end; the level
+    after which every flow is frozen shows as a minimum share of `inf`. Every value of a
+    resource in use is the same float operation on the same operands as the reference's
+    (`tests/support/maxmin_ref.py`; the counts are exact integers either way).
     """
     f, n = len(eres), len(cap)
-    rate = np.zeros(f)
     if not f:
-        return rate
-    cnt = np.bincount(eres, minlength=n) + np.bincount(ires, minlength=n)
-    left = np.where(cnt > 0, cap.astype(np.float64), np.inf)
-    alive = np.ones(f, dtype=bool)  # unfrozen flows, all at rate `level`
+        return np.zeros(0)
+    both = np.concatenate((eres, ires))  # each flow's two (resource, other end) entries
+    other = np.concatenate((ires, eres))
+    cnt = np.bincount(both, minlength=n)
+    left = np.where(cnt > 0, cap, np.inf)
+    filled = np.full(n, max_levels, np.int64)  # the level each resource saturated in
+    levels: list[float] = []
     level = 0.0
-    with np.errstate(divide="ignore"):  # (inf / 0: a resource out of use)
-        for _ in range(max_levels):
+    with np.errstate(divide="ignore", invalid="ignore"):  # (x / 0: no unfrozen flow)
+        for k in range(max_levels):
             share = left / cnt
             d = share.min()
+            if d == np.inf:
+                break  # every flow is frozen
             level += d
+            levels.append(level)
             left -= d * cnt
             full = share <= d * (1 + 1e-9)
             left[full] = np.inf  # each loses all its flows now
-            frozen = full[eres] | full[ires]
-            frozen &= alive
-            rate[frozen] = level
-            alive ^= frozen
-            if not alive.any():
-                return rate
-            cnt = np.bincount(eres, alive, n) + np.bincount(ires, alive, n)
-    rate[alive] = level
-    free = alive
-    for last in (False, True):
-        idx = np.flatnonzero(free)
-        ee, ii = eres[idx], ires[idx]
+            filled[full] = k
+            cnt = cnt - np.bincount(both[full[other]], minlength=n)
+    at = np.minimum(filled[eres], filled[ires])
+    levels.append(level)  # (the unfrozen flows' rate after `max_levels`)
+    rate = np.array(levels)[np.minimum(at, len(levels) - 1)]
+    idx = np.flatnonzero(at == max_levels)
+    if not len(idx):
+        return rate
+    # the closing rounds; `cnt` is each resource's unfrozen flows where one uses it
+    ee, ii = eres[idx], ires[idx]
+    share = left / np.maximum(cnt, 1)
+    add = np.minimum(share[ee], share[ii])
+    rate[idx] += add
+    left -= (np.bincount(ee, weights=add, minlength=n) +
+             np.bincount(ii, weights=add, minlength=n))
+    full = left <= 1e-9 * cap
+    keep = ~(full[ee] | full[ii])
+    idx, ee, ii = idx[keep], ee[keep], ii[keep]
+    if len(idx):  # (what is left over after it is read by no one)
         cnt = np.bincount(ee, minlength=n) + np.bincount(ii, minlength=n)
         share = left / np.maximum(cnt, 1)
-        add = np.minimum(share[ee], share[ii])
-        rate[idx] += add
-        if last:  # (what is left over after it is read by no one)
-            return rate
-        left -= (np.bincount(ee, weights=add, minlength=n) +
-                 np.bincount(ii, weights=add, minlength=n))
-        full = left <= 1e-9 * cap
-        free[idx] = ~(full[ee] | full[ii])
+        rate[idx] += np.minimum(share[ee], share[ii])
     return rate
 
 

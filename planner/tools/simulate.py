@@ -367,8 +367,8 @@ class _Sim:
         self.deferred[r].discard(s)
         self._send(r, s, t, DONE)
         k = self.packs_after[r]  # early packs of stage k wait for older writes
-        inflight = [j for j, n in self.unlanded[r].items() if n]
-        if k >= 0 and not self.overlap[r].blockers(k, inflight):
+        if k >= 0 and not self.overlap[r].blockers(
+                k, [j for j, n in self.unlanded[r].items() if n]):
             self.packs_after[r] = -1
             self.packs_end[r] = t + self.pack_s[r][k]
             if self.hold[r] == np.inf:

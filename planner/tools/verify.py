@@ -54,7 +54,6 @@ from schemas.plan import ACK, DONE, READY, SLOT_ACK, UNPACK, Plan, RankPlan, reg
 from schemas.protocol import (
     SLOTS,
     copy_extents,
-    overlaps,
     sent_stage,
     staging_index,
     wait_stage,
@@ -318,17 +317,48 @@ def _acks(rp: RankPlan, inc: Incoming, waited: dict[int, np.ndarray], world: int
     r_hi = np.concatenate([w["src_offset"][mw] + w["nbytes"][mw], c_hi])
     order = np.argsort(r_st, kind="stable")
     r_st, r_lo, r_hi = r_st[order], r_lo[order], r_hi[order]
+    # each group's writes one slice (in their order), each group's reads (stages
+    # freed+1 .. s-1) one slice of the reads by stage, made ready once per slice
+    by_g = np.argsort(inv, kind="stable")
+    at = np.searchsorted(inv[by_g], np.arange(len(keys) + 1))
+    lo, hi = lo[by_g], hi[by_g]
+    todo = np.flatnonzero(~acked)
+    freed = np.where(slot[todo], g_st[todo] - SLOTS, -1)
+    first, stop = np.searchsorted(r_st, freed + 1), np.searchsorted(r_st, g_st[todo])
+    reads: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
     out = []
-    for g in np.flatnonzero(~acked).tolist():
+    for g, f, a, b in zip(todo.tolist(), freed.tolist(), first.tolist(), stop.tolist()):
         s, writer = int(g_st[g]), int(g_src[g])
-        freed = s - SLOTS if slot[g] else -1
-        a, b = np.searchsorted(r_st, [freed + 1, s])
-        sel = inv == g
-        if overlaps((lo[sel], hi[sel]), (r_lo[a:b], r_hi[a:b])):
+        got = reads.get((a, b))
+        if got is None:
+            got = reads[(a, b)] = _reads(r_lo[a:b], r_hi[a:b])
+        if _meets((lo[at[g]:at[g + 1]], hi[at[g]:at[g + 1]]), got):
             out.append((writer, s, f"rank {writer} writes into rank {rp.rank}'s staging in "
                         f"stage {s} bytes that rank {rp.rank} may still read in stages "
-                        f"{freed + 1}..{s - 1} (it waits for no ACK of stage s-1)"))
+                        f"{f + 1}..{s - 1} (it waits for no ACK of stage s-1)"))
     return out
+
+
+def _reads(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Intervals `[lo, hi)` made ready for `_meets`: the empty ones dropped, the rest by
+    start, each end the furthest of those starting no later (`schemas.protocol.overlaps`'s
+    second operand, prepared once for every group that asks about it)."""
+    keep = hi > lo
+    lo, hi = lo[keep], hi[keep]
+    order = np.argsort(lo, kind="stable")
+    return lo[order], np.maximum.accumulate(hi[order])
+
+
+def _meets(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> bool:
+    """`schemas.protocol.overlaps(a, reads)` for `b = _reads(*reads)`: whether any
+    interval of `a` shares a byte with one of the reads."""
+    (a_lo, a_hi), (b_lo, b_hi) = a, b
+    keep = a_hi > a_lo
+    a_lo, a_hi = a_lo[keep], a_hi[keep]
+    if not len(a_lo) or not len(b_lo):
+        return False
+    k = np.searchsorted(b_lo, a_hi, side="left") - 1  # last read starting before a ends
+    return bool(((k >= 0) & (b_hi[np.maximum(k, 0)] > a_lo)).any())
 
 
 def _member(q: np.ndarray, keys: np.ndarray) -> np.ndarray:

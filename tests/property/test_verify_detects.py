@@ -119,6 +119,30 @@ def test_missing_signal_is_an_order_error(plan: Plan, kind: int) -> None:
     assert verify.order(_edit(plan, rp.rank, signals=_rows(s, keep))) != []
 
 
+def test_staged_write_without_its_ack_is_an_order_error(plan: Plan) -> None:
+    # a writer's ACK wait dropped with the ACK that answered it (every signal still pairs):
+    # where its next stage's writes land in staging bytes the target still reads, verify
+    # says so (`verify._acks`), and never of a pair whose signals are intact
+    from schemas.protocol import sent_stage
+
+    found = 0
+    for rp in plan.ranks:
+        g = rp.waits
+        for j in np.flatnonzero(g["kind"] == ACK).tolist():
+            peer, stage = int(g["peer"][j]), int(g["stage"][j])
+            s = plan.ranks[peer].signals
+            drop = (s["kind"] == ACK) & (s["peer"] == rp.rank) \
+                & (s["stage"] == sent_stage(ACK, stage))
+            assert drop.sum() == 1
+            bad = _edit(_edit(plan, rp.rank, waits=_rows(g, np.arange(len(g)) != j)),
+                        peer, signals=_rows(s, ~drop))
+            msgs = verify.order(bad)
+            assert not any("never sent" in m or "nobody waits" in m for m in msgs)
+            found += any(f"rank {rp.rank} writes into rank {peer}'s staging in stage {stage}"
+                         in m and "may still read" in m for m in msgs)
+    assert found > 0
+
+
 def test_unbalanced_nics_are_reported(plan: Plan) -> None:
     # Pretend rank 0's remote batches went over NVLink: the other source NICs carry all.
     egress = verify.nic_egress(plan)
