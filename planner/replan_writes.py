@@ -50,9 +50,27 @@ class Groups:
     slots: none)."""
 
 
-_KEPT: dict[int, tuple[weakref.ref, Groups | None]] = {}
+@dataclasses.dataclass(frozen=True)
+class _Edited:
+    """The `Groups` of a table a replan made, kept as the edit of its table's (made only
+    when a replan of that table asks: a plan's first replan does not copy its index)."""
+
+    groups: Groups
+    win: np.ndarray
+    key: np.ndarray
+    entry: np.ndarray
+    """The places that can change, the keys and the old entries there (`_windows`)."""
+
+    def made(self) -> Groups:
+        key, slot = self.groups.key.copy(), self.groups.slot.copy()
+        key[self.win], slot[self.win] = self.key, self.groups.slot[self.entry]
+        return dataclasses.replace(self.groups, key=key, slot=slot)
+
+
+_KEPT: dict[int, tuple[weakref.ref, Groups | _Edited | None]] = {}
 """By the identity of a writes table's `src_region` column (new in every table a replan
-changes; weakly held): its rank's `Groups` (None: no write into a stacked tensor)."""
+changes; weakly held): its rank's `Groups` (None: no write into a stacked tensor), or the
+edit that gives them."""
 
 
 def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
@@ -94,10 +112,8 @@ def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
     at_c, got_c = at[win[moves]], at[entry[moves]]
     _check_cuts(rp, at, win, entry, at_c, got_c, groups.first, max_write_bytes, sources)
     writes = _placed(w, at[win], (key >> groups.shift) & mask, at_c, got_c)
-    new_key, slot = groups.key.copy(), groups.slot.copy()
-    new_key[win], slot[win] = key, groups.slot[entry]
-    _KEPT[id(writes["src_region"])] = (weakref.ref(writes["src_region"]), dataclasses.replace(
-        groups, key=new_key, slot=slot))
+    _KEPT[id(writes["src_region"])] = (weakref.ref(writes["src_region"]),
+                                       _Edited(groups, win, key, entry))
     return dataclasses.replace(rp, writes=writes)
 
 
@@ -211,6 +227,9 @@ def _groups(rp: RankPlan, every: Hits, old: Placement, sources: int,
     col = rp.writes["src_region"]
     kept = _KEPT.get(id(col))
     if kept is not None and kept[0]() is col:
+        if isinstance(kept[1], _Edited):
+            _KEPT[id(col)] = (kept[0], kept[1].made())
+            return _KEPT[id(col)][1]
         return kept[1]
     groups = _read(rp, every, old, sources, targets)
     if len(_KEPT) > 128:
@@ -265,29 +284,29 @@ def _packed(rp: RankPlan, cols: list[np.ndarray]) -> tuple[np.ndarray, int, int]
     packed in one int64 in that order, each less its least value (the source region
     field wide enough for any region of the rank: a moved write takes another); an offset
     column too wide replaced by its rank among its values; where the source region sits."""
-    cols = [c.astype(np.int64, copy=False) for c in cols]
     lo = [int(c.min()) if len(c) else 0 for c in cols]
     if lo[1] < 0:
         raise NotIncremental(f"replan: source rank {rp.rank} writes from region {lo[1]}; the "
                              "plan is corrupt: recompile it")
     lo[1] = 0
-    cols = [c - v if v else c for c, v in zip(cols, lo)]  # (the table's own columns unchanged)
-    bits = [int(c.max()).bit_length() if len(c) else 0 for c in cols]
+    bits = [(int(c.max()) - v).bit_length() if len(c) else 0 for c, v in zip(cols, lo)]
     bits[1] = max(bits[1], max(len(rp.regions) - 1, 0).bit_length())
     for j in (4, 3) if sum(bits) > 63 else ():
         if sum(bits) <= 63:
             break
-        values, cols[j] = np.unique(cols[j], return_inverse=True)
-        cols[j] = cols[j].reshape(-1)
+        values, ranked = np.unique(cols[j], return_inverse=True)
+        cols[j], lo[j] = ranked.reshape(-1), 0
         bits[j] = (len(values) - 1).bit_length()
     if sum(bits) > 63:
         raise NotIncremental(f"replan: source rank {rp.rank}'s writes do not pack in 63 bits "
                              "(group, source and target region and offsets); compile the new "
                              "placement in full")
-    key = cols[0].copy()
-    for c, b in zip(cols[1:], bits[1:]):
+    key = np.subtract(cols[0], lo[0], dtype=np.int64)  # (the table's own columns unchanged)
+    part = np.empty_like(key)
+    for c, v, b in zip(cols[1:], lo[1:], bits[1:]):
         key <<= b
-        key |= c
+        np.subtract(c, v, out=part, dtype=np.int64)
+        key |= part
     return key, sum(bits[2:]), bits[1]
 
 
