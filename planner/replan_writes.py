@@ -99,7 +99,7 @@ def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
     order = np.argsort(moved_key, kind="stable")  # (sorted runs: a group's writes of one
     # tensor keep their order; timsort merges runs, 5x quicker than the default here)
     moved_key = moved_key[order]
-    put = _places(groups.key, mi, moved_key)
+    put = _places(groups.key, mi, moved_key, m)
     if put is None or (moved_key[1:] == moved_key[:-1]).any():
         raise NotIncremental(f"replan: source rank {rp.rank} writes the same target bytes "
                              "twice in one batch group; compile the new placement in full")
@@ -161,16 +161,17 @@ def _not_held(rank: int) -> NotIncremental:
                           "new placement in full")
 
 
-def _places(key: np.ndarray, mi: np.ndarray, moved_key: np.ndarray) -> np.ndarray | None:
-    """The places in the new order of the moved entries `mi` (ascending) given keys
-    `moved_key` (sorted; each entry's place among the others' kept in order), by a binary
-    search of every entry's keys (no copy of the others'); None where a moved key equals
-    another entry's."""
+def _places(key: np.ndarray, mi: np.ndarray, moved_key: np.ndarray,
+            moved: np.ndarray) -> np.ndarray | None:
+    """The places in the new order of the moved entries `mi` (ascending; `moved`: whether
+    each entry is one) given keys `moved_key` (sorted; each entry's place among the others'
+    kept in order), by a binary search of every entry's keys (no copy of the others');
+    None where a moved key equals another entry's."""
     ins = np.searchsorted(key, moved_key)  # among every entry ...
     near = np.minimum(ins, len(key) - 1)
     equal = near[key[near] == moved_key]
-    if len(equal) and not np.isin(equal, mi).all():  # (equal to a moved entry's old key:
-        return None  # that one moves)
+    if not moved[equal].all():  # (equal to a moved entry's old key: that one moves)
+        return None
     ins -= np.searchsorted(mi, ins)  # ... less the moved entries before it
     ins += np.arange(len(mi))
     return ins
@@ -189,14 +190,19 @@ def _windows(mi: np.ndarray, put: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
     a = lo[first]
     b = hi[np.append(np.flatnonzero(first)[1:] - 1, len(lo) - 1)]
     span = b - a
-    win = np.repeat(a - np.cumsum(span) + span, span) + np.arange(int(span.sum()))
+    shift = a - np.cumsum(span) + span  # a window's first place less its index in `win`
+    win = np.repeat(shift, span) + np.arange(int(span.sum()))
+
+    def index(x: np.ndarray) -> np.ndarray:  # of places `x` (all in windows) in `win`
+        return x - shift[np.searchsorted(a, x, side="right") - 1]
+
     entry = np.empty(len(win), np.int64)
-    here = np.searchsorted(win, put)
+    here = index(put)
     stay = np.ones(len(win), bool)
     stay[here] = False
     entry[here] = mi
     kept = np.ones(len(win), bool)
-    kept[np.searchsorted(win, mi)] = False
+    kept[index(mi)] = False
     entry[stay] = win[kept]
     return win, entry, here
 

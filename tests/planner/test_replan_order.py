@@ -76,7 +76,9 @@ def test_moved_entries_merge_as_a_sort_of_the_new_keys(share, near, seed):
     else:  # anywhere, distinct, equal to no staying entry's key
         new[mi] = rng.choice(np.arange(1, 1 << 21, 2), len(mi), replace=False)
     order = np.argsort(new[mi], kind="stable")
-    put = _places(key, mi, new[mi][order])
+    moved = np.zeros(n, bool)
+    moved[mi] = True
+    put = _places(key, mi, new[mi][order], moved)
     assert put is not None
     win, entry, here = _windows(mi[order], put)
     got = np.arange(n)
@@ -89,9 +91,11 @@ def test_moved_entries_merge_as_a_sort_of_the_new_keys(share, near, seed):
 
 def test_a_moved_key_equal_to_a_staying_entry_s_is_found():
     key = np.array([10, 20, 30, 40, 50], np.int64)
-    assert _places(key, np.array([1]), np.array([40])) is None  # entry 3 stays: the same
-    # target bytes twice in one group
-    assert _places(key, np.array([1, 3]), np.array([40, 45])) is not None  # entry 3 moves
+    moved = np.array([0, 1, 0, 0, 0], bool)
+    assert _places(key, np.array([1]), np.array([40]), moved) is None  # entry 3 stays: the
+    # same target bytes twice in one group
+    moved[3] = True
+    assert _places(key, np.array([1, 3]), np.array([40, 45]), moved) is not None  # it moves
 
 
 @dataclasses.dataclass
