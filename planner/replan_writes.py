@@ -98,22 +98,23 @@ def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
     moved_key |= region << groups.shift
     order = np.argsort(moved_key, kind="stable")  # (sorted runs: a group's writes of one
     # tensor keep their order; timsort merges runs, 5x quicker than the default here)
-    moved_key = moved_key[order]
-    put = _places(groups.key, mi, moved_key, m)
-    if put is None or (moved_key[1:] == moved_key[:-1]).any():
+    moved_key, ascending, mi = moved_key[order], mi, mi[order]
+    if _DENSE * len(mi) > len(m):  # most entries move: one merge of every entry
+        made = _merged(groups.key, m, mi, moved_key)
+    else:  # a few: only the spans they move across
+        made = _spliced(groups.key, m, ascending, mi, moved_key)
+    if made is None:
         raise NotIncremental(f"replan: source rank {rp.rank} writes the same target bytes "
                              "twice in one batch group; compile the new placement in full")
-    mi = mi[order]
-    win, entry, here = _windows(mi, put)
-    key = groups.key[entry]  # the entries' keys at the places `win` in the new order
-    key[here] = moved_key
+    win, entry, key = made
     at = groups.at
     moves = entry != win
     at_c, got_c = at[win[moves]], at[entry[moves]]
     _check_cuts(rp, at, win, entry, at_c, got_c, groups.first, max_write_bytes, sources)
     writes = _placed(w, at[win], (key >> groups.shift) & mask, at_c, got_c)
-    _KEPT[id(writes["src_region"])] = (weakref.ref(writes["src_region"]),
-                                       _Edited(groups, win, key, entry))
+    _KEPT[id(writes["src_region"])] = (weakref.ref(writes["src_region"]), dataclasses.replace(
+        groups, key=key, slot=groups.slot[entry]) if len(win) == len(m) else _Edited(
+        groups, win, key, entry))
     return dataclasses.replace(rp, writes=writes)
 
 
@@ -159,6 +160,39 @@ def _not_held(rank: int) -> NotIncremental:
     return NotIncremental(f"replan: source rank {rank} does not hold every expert of a MoE "
                           "layer with the same cut (experts placed on EP ranks?); compile the "
                           "new placement in full")
+
+
+_DENSE = 4
+"""A rank whose moved entries are over 1/`_DENSE` of its entries has them put back by one
+merge of every entry (`_merged`), else by the spans they cross (`_spliced`)."""
+
+
+def _merged(key: np.ndarray, moved: np.ndarray, mi: np.ndarray, moved_key: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(every place, the old entry at each, its key) with the moved entries `mi` (`moved`:
+    whether each entry is one) given keys `moved_key` (sorted) and the others kept in
+    order: one stable sort of the others' keys and the moved ones (two sorted runs: a
+    merge); None where two keys are equal."""
+    stay = np.flatnonzero(~moved)
+    both = np.concatenate([key[stay], moved_key])
+    order = np.argsort(both, kind="stable")
+    both = both[order]
+    if (both[1:] == both[:-1]).any():
+        return None
+    return np.arange(len(key)), np.concatenate([stay, mi])[order], both
+
+
+def _spliced(key: np.ndarray, moved: np.ndarray, ascending: np.ndarray, mi: np.ndarray,
+             moved_key: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """`_merged`'s (places, old entries, keys) of only the places whose entry can change
+    (`_windows`), found by a binary search (`_places`; `ascending`: `mi` sorted)."""
+    put = _places(key, ascending, moved_key, moved)
+    if put is None or (moved_key[1:] == moved_key[:-1]).any():
+        return None
+    win, entry, here = _windows(mi, put)
+    got = key[entry]  # the entries' keys at the places `win` in the new order
+    got[here] = moved_key
+    return win, entry, got
 
 
 def _places(key: np.ndarray, mi: np.ndarray, moved_key: np.ndarray,

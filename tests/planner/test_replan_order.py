@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from planner.errors import NotIncremental
-from planner.replan_writes import _check_cuts, _packed, _places, _windows
+from planner.replan_writes import (
+    _check_cuts,
+    _merged,
+    _packed,
+    _places,
+    _spliced,
+    _windows,
+)
 
 
 @dataclasses.dataclass
@@ -83,10 +90,17 @@ def test_moved_entries_merge_as_a_sort_of_the_new_keys(share, near, seed):
     win, entry, here = _windows(mi[order], put)
     got = np.arange(n)
     got[win] = entry
-    assert np.array_equal(got, np.argsort(new, kind="stable"))
+    want = np.argsort(new, kind="stable")
+    assert np.array_equal(got, want)
     assert np.array_equal(entry[here], mi[order])
     if near:
         assert len(win) <= 8 * len(mi)
+    for way in (_merged(key, moved, mi[order], new[mi][order]),  # (many moved)
+                _spliced(key, moved, mi, mi[order], new[mi][order])):  # (a few)
+        win, entry, keys = way
+        got = np.arange(n)
+        got[win] = entry
+        assert np.array_equal(got, want) and np.array_equal(keys, new[entry])
 
 
 def test_a_moved_key_equal_to_a_staying_entry_s_is_found():
@@ -94,8 +108,14 @@ def test_a_moved_key_equal_to_a_staying_entry_s_is_found():
     moved = np.array([0, 1, 0, 0, 0], bool)
     assert _places(key, np.array([1]), np.array([40]), moved) is None  # entry 3 stays: the
     # same target bytes twice in one group
+    for way in (_merged(key, moved, np.array([1]), np.array([40])),
+                _spliced(key, moved, np.array([1]), np.array([1]), np.array([40]))):
+        assert way is None
     moved[3] = True
     assert _places(key, np.array([1, 3]), np.array([40, 45]), moved) is not None  # it moves
+    for way in (_merged(key, moved, np.array([1, 3]), np.array([40, 40])),  # two moved keys
+                _spliced(key, moved, np.array([1, 3]), np.array([1, 3]), np.array([40, 40]))):
+        assert way is None  # equal
 
 
 @dataclasses.dataclass
