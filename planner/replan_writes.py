@@ -8,9 +8,13 @@ The writes of every group holding a write into a stacked expert tensor are read 
 table (`Groups`): their positions, group by group, with each one's group, source region,
 target region and offsets packed in one int64 (ascending in that order: the table's, which
 is checked) and the slot it writes. A placement moves only the writes into moved slots:
-their keys take the new source region, they are sorted and merged among the others' (kept
-in order) by one binary search, so no sort of every write. The index is kept for the
-table a replan makes, its keys and slots in the new order.
+their keys take the new source region and they are sorted (stably: runs). A few are put
+back among the others (kept in order) by one binary search of every key, and the new
+order is made only over the spans between each one's old and new place (`_windows`:
+outside them no entry moves), so nothing the size of every write is copied but the
+columns that change; most of a rank's writes by one stable sort of the staying keys and
+the moved ones (`_merged`: two sorted runs). The index is kept for the table a replan
+makes: as the edit of the old one's (`_Edited`), made only if that table is replanned.
 """
 
 from __future__ import annotations
