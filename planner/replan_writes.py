@@ -8,9 +8,13 @@ The writes of every group holding a write into a stacked expert tensor are read 
 table (`Groups`): their positions, group by group, with each one's group, source region,
 target region and offsets packed in one int64 (ascending in that order: the table's, which
 is checked) and the slot it writes. A placement moves only the writes into moved slots:
-their keys take the new source region, they are sorted and merged among the others' (kept
-in order) by one binary search, so no sort of every write. The index is kept for the
-table a replan makes, its keys and slots in the new order.
+their keys take the new source region and they are sorted (stably: runs). A few are put
+back among the others (kept in order) by one binary search of every key, and the new
+order is made only over the spans between each one's old and new place (`_windows`:
+outside them no entry moves), so nothing the size of every write is copied but the
+columns that change; most of a rank's writes by one stable sort of the staying keys and
+the moved ones (`_merged`: two sorted runs). The index is kept for the table a replan
+makes: as the edit of the old one's (`_Edited`), made only if that table is replanned.
 """
 
 from __future__ import annotations
@@ -50,9 +54,27 @@ class Groups:
     slots: none)."""
 
 
-_KEPT: dict[int, tuple[weakref.ref, Groups | None]] = {}
+@dataclasses.dataclass(frozen=True)
+class _Edited:
+    """The `Groups` of a table a replan made, kept as the edit of its table's (made only
+    when a replan of that table asks: a plan's first replan does not copy its index)."""
+
+    groups: Groups
+    win: np.ndarray
+    key: np.ndarray
+    entry: np.ndarray
+    """The places that can change, the keys and the old entries there (`_windows`)."""
+
+    def made(self) -> Groups:
+        key, slot = self.groups.key.copy(), self.groups.slot.copy()
+        key[self.win], slot[self.win] = self.key, self.groups.slot[self.entry]
+        return dataclasses.replace(self.groups, key=key, slot=slot)
+
+
+_KEPT: dict[int, tuple[weakref.ref, Groups | _Edited | None]] = {}
 """By the identity of a writes table's `src_region` column (new in every table a replan
-changes; weakly held): its rank's `Groups` (None: no write into a stacked tensor)."""
+changes; weakly held): its rank's `Groups` (None: no write into a stacked tensor), or the
+edit that gives them."""
 
 
 def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
@@ -78,31 +100,25 @@ def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
                              "regions; the plan is corrupt: recompile it")
     moved_key = groups.key[mi] & ~(mask << groups.shift)
     moved_key |= region << groups.shift
-    order = np.argsort(moved_key)  # (two equal keys are refused below, so any order)
-    moved_key, mi = moved_key[order], mi[order]
-    stay = np.flatnonzero(~m)
-    stay_key = groups.key[stay]
-    ins = np.searchsorted(stay_key, moved_key)
-    near = np.minimum(ins, len(stay_key) - 1)
-    if (moved_key[1:] == moved_key[:-1]).any() or (
-            len(stay_key) and (stay_key[near] == moved_key).any()):
+    order = np.argsort(moved_key, kind="stable")  # (sorted runs: a group's writes of one
+    # tensor keep their order; timsort merges runs, 5x quicker than the default here)
+    moved_key, ascending, mi = moved_key[order], mi, mi[order]
+    if _DENSE * len(mi) > len(m):  # most entries move: one merge of every entry
+        made = _merged(groups.key, m, mi, moved_key)
+    else:  # a few: only the spans they move across
+        made = _spliced(groups.key, m, ascending, mi, moved_key)
+    if made is None:
         raise NotIncremental(f"replan: source rank {rp.rank} writes the same target bytes "
                              "twice in one batch group; compile the new placement in full")
-    n = len(groups.key)
-    put = ins + np.arange(len(mi))  # the moved entries' places in the new order
-    entry = np.empty(n, np.int64)  # the old entry at each place
-    key = np.empty(n, np.int64)
-    rest = np.ones(n, bool)
-    rest[put] = False
-    entry[put], entry[rest] = mi, stay
-    key[put], key[rest] = moved_key, stay_key
+    win, entry, key = made
     at = groups.at
-    got = at[entry]
-    change = at != got
-    _check_cuts(rp, at, got, change, groups.first, max_write_bytes, sources)
-    writes = _placed(w, at, got, change, (key >> groups.shift) & mask)
+    moves = entry != win
+    at_c, got_c = at[win[moves]], at[entry[moves]]
+    _check_cuts(rp, at, win, entry, at_c, got_c, groups.first, max_write_bytes, sources)
+    writes = _placed(w, at[win], (key >> groups.shift) & mask, at_c, got_c)
     _KEPT[id(writes["src_region"])] = (weakref.ref(writes["src_region"]), dataclasses.replace(
-        groups, key=key, slot=groups.slot[entry]))
+        groups, key=key, slot=groups.slot[entry]) if len(win) == len(m) else _Edited(
+        groups, win, key, entry))
     return dataclasses.replace(rp, writes=writes)
 
 
@@ -150,18 +166,96 @@ def _not_held(rank: int) -> NotIncremental:
                           "new placement in full")
 
 
-def _placed(w: Table, at: np.ndarray, got: np.ndarray, change: np.ndarray,
-            region: np.ndarray) -> Table:
-    """`w` with row `got[i]`'s write at position `at[i]` (`change`: where they differ),
-    reading source region `region[i]`; `dst_rank` is one per group, and a column no write
-    changes stays."""
-    at_c, got_c = at[change], got[change]
+_DENSE = 4
+"""A rank whose moved entries are over 1/`_DENSE` of its entries has them put back by one
+merge of every entry (`_merged`), else by the spans they cross (`_spliced`)."""
+
+
+def _merged(key: np.ndarray, moved: np.ndarray, mi: np.ndarray, moved_key: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(every place, the old entry at each, its key) with the moved entries `mi` (`moved`:
+    whether each entry is one) given keys `moved_key` (sorted) and the others kept in
+    order: one stable sort of the others' keys and the moved ones (two sorted runs: a
+    merge); None where two keys are equal."""
+    stay = np.flatnonzero(~moved)
+    both = np.concatenate([key[stay], moved_key])
+    order = np.argsort(both, kind="stable")
+    both = both[order]
+    if (both[1:] == both[:-1]).any():
+        return None
+    return np.arange(len(key)), np.concatenate([stay, mi])[order], both
+
+
+def _spliced(key: np.ndarray, moved: np.ndarray, ascending: np.ndarray, mi: np.ndarray,
+             moved_key: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """`_merged`'s (places, old entries, keys) of only the places whose entry can change
+    (`_windows`), found by a binary search (`_places`; `ascending`: `mi` sorted)."""
+    put = _places(key, ascending, moved_key, moved)
+    if put is None or (moved_key[1:] == moved_key[:-1]).any():
+        return None
+    win, entry, here = _windows(mi, put)
+    got = key[entry]  # the entries' keys at the places `win` in the new order
+    got[here] = moved_key
+    return win, entry, got
+
+
+def _places(key: np.ndarray, mi: np.ndarray, moved_key: np.ndarray,
+            moved: np.ndarray) -> np.ndarray | None:
+    """The places in the new order of the moved entries `mi` (ascending; `moved`: whether
+    each entry is one) given keys `moved_key` (sorted; each entry's place among the others'
+    kept in order), by a binary search of every entry's keys (no copy of the others');
+    None where a moved key equals another entry's."""
+    ins = np.searchsorted(key, moved_key)  # among every entry ...
+    near = np.minimum(ins, len(key) - 1)
+    equal = near[key[near] == moved_key]
+    if not moved[equal].all():  # (equal to a moved entry's old key: that one moves)
+        return None
+    ins -= np.searchsorted(mi, ins)  # ... less the moved entries before it
+    ins += np.arange(len(mi))
+    return ins
+
+
+def _windows(mi: np.ndarray, put: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(places, the old entry at each, where among them `put` is) of the places whose entry
+    can change when entries `mi` move to places `put` (in order of `put`) and the others
+    keep their order: the union of the spans between each moved entry's old and new place
+    (outside them every entry keeps its place), ascending."""
+    lo, hi = np.minimum(mi, put), np.maximum(mi, put) + 1
+    o = np.argsort(lo, kind="stable")
+    lo, hi = lo[o], np.maximum.accumulate(hi[o])
+    first = np.ones(len(lo), bool)
+    np.greater_equal(lo[1:], hi[:-1], out=first[1:])  # a span apart from those before it
+    a = lo[first]
+    b = hi[np.append(np.flatnonzero(first)[1:] - 1, len(lo) - 1)]
+    span = b - a
+    shift = a - np.cumsum(span) + span  # a window's first place less its index in `win`
+    win = np.repeat(shift, span) + np.arange(int(span.sum()))
+
+    def index(x: np.ndarray) -> np.ndarray:  # of places `x` (all in windows) in `win`
+        return x - shift[np.searchsorted(a, x, side="right") - 1]
+
+    entry = np.empty(len(win), np.int64)
+    here = index(put)
+    stay = np.ones(len(win), bool)
+    stay[here] = False
+    entry[here] = mi
+    kept = np.ones(len(win), bool)
+    kept[index(mi)] = False
+    entry[stay] = win[kept]
+    return win, entry, here
+
+
+def _placed(w: Table, at_w: np.ndarray, region: np.ndarray, at_c: np.ndarray,
+            got_c: np.ndarray) -> Table:
+    """`w` with row `got_c[i]`'s write at position `at_c[i]` and source region `region[i]`
+    at position `at_w[i]` (a superset of `at_c` and of the moved writes' positions);
+    `dst_rank` is one per group, and a column no write changes stays."""
     cols = {}
     for name, dt in WRITE_COLUMNS:
         col = w[name]
         if name == "src_region":
             col = np.array(col, dtype=dt)
-            col[at] = region
+            col[at_w] = region
         elif name != "dst_rank" and len(at_c) and not (
                 name == "nbytes" and np.array_equal(col[at_c], col[got_c])):
             col = np.array(col, dtype=dt)
@@ -177,6 +271,9 @@ def _groups(rp: RankPlan, every: Hits, old: Placement, sources: int,
     col = rp.writes["src_region"]
     kept = _KEPT.get(id(col))
     if kept is not None and kept[0]() is col:
+        if isinstance(kept[1], _Edited):
+            _KEPT[id(col)] = (kept[0], kept[1].made())
+            return _KEPT[id(col)][1]
         return kept[1]
     groups = _read(rp, every, old, sources, targets)
     if len(_KEPT) > 128:
@@ -231,29 +328,29 @@ def _packed(rp: RankPlan, cols: list[np.ndarray]) -> tuple[np.ndarray, int, int]
     packed in one int64 in that order, each less its least value (the source region
     field wide enough for any region of the rank: a moved write takes another); an offset
     column too wide replaced by its rank among its values; where the source region sits."""
-    cols = [c.astype(np.int64, copy=False) for c in cols]
     lo = [int(c.min()) if len(c) else 0 for c in cols]
     if lo[1] < 0:
         raise NotIncremental(f"replan: source rank {rp.rank} writes from region {lo[1]}; the "
                              "plan is corrupt: recompile it")
     lo[1] = 0
-    cols = [c - v if v else c for c, v in zip(cols, lo)]  # (the table's own columns unchanged)
-    bits = [int(c.max()).bit_length() if len(c) else 0 for c in cols]
+    bits = [(int(c.max()) - v).bit_length() if len(c) else 0 for c, v in zip(cols, lo)]
     bits[1] = max(bits[1], max(len(rp.regions) - 1, 0).bit_length())
     for j in (4, 3) if sum(bits) > 63 else ():
         if sum(bits) <= 63:
             break
-        values, cols[j] = np.unique(cols[j], return_inverse=True)
-        cols[j] = cols[j].reshape(-1)
+        values, ranked = np.unique(cols[j], return_inverse=True)
+        cols[j], lo[j] = ranked.reshape(-1), 0
         bits[j] = (len(values) - 1).bit_length()
     if sum(bits) > 63:
         raise NotIncremental(f"replan: source rank {rp.rank}'s writes do not pack in 63 bits "
                              "(group, source and target region and offsets); compile the new "
                              "placement in full")
-    key = cols[0].copy()
-    for c, b in zip(cols[1:], bits[1:]):
+    key = np.subtract(cols[0], lo[0], dtype=np.int64)  # (the table's own columns unchanged)
+    part = np.empty_like(key)
+    for c, v, b in zip(cols[1:], lo[1:], bits[1:]):
         key <<= b
-        key |= c
+        np.subtract(c, v, out=part, dtype=np.int64)
+        key |= part
     return key, sum(bits[2:]), bits[1]
 
 
@@ -279,15 +376,19 @@ def _rounds(nbytes: np.ndarray, first: np.ndarray, max_write_bytes: int) -> np.n
     return np.maximum((cs - nbytes - base) // max_write_bytes, pos // MAX_BATCH_WRITES)
 
 
-def _check_cuts(rp: RankPlan, at: np.ndarray, got: np.ndarray, change: np.ndarray,
-                first: np.ndarray, max_write_bytes: int, sources: int) -> None:
-    """`NotIncremental` unless the writes `got` put at positions `at` (`change`: where they
-    differ; `first`: where a (stage, target) group starts) keep `schedule`'s batch cuts
-    (`_rounds`)."""
+def _check_cuts(rp: RankPlan, at: np.ndarray, win: np.ndarray, entry: np.ndarray,
+                at_c: np.ndarray, got_c: np.ndarray, first: np.ndarray, max_write_bytes: int,
+                sources: int) -> None:
+    """`NotIncremental` unless the writes put in the new order (`entry[i]`'s at place
+    `win[i]`, the others staying; `at`: each entry's position; `at_c`, `got_c`: the
+    positions that change and the write put there; `first`: where a (stage, target) group
+    starts) keep `schedule`'s batch cuts (`_rounds`)."""
     nbytes = rp.writes["nbytes"]
-    if np.array_equal(nbytes[at[change]], nbytes[got[change]]):
+    if np.array_equal(nbytes[at_c], nbytes[got_c]):
         return
-    a, b = nbytes[at], nbytes[got]
+    order = np.arange(len(at))
+    order[win] = entry
+    a, b = nbytes[at], nbytes[at[order]]
     bad = _rounds(b, first, max_write_bytes) != _rounds(a, first, max_write_bytes)
     if bad.any():
         dst = int(rp.writes["dst_rank"][at[np.argmax(bad)]])

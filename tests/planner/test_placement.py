@@ -125,8 +125,13 @@ placement: `route`'s fine-cut boxes)."""
 
 
 @pytest.mark.parametrize("case", REPLAN, ids=lambda c: f"{c[0]}-{c[2]['engine']}-P{c[3]}")
-@pytest.mark.parametrize("seed", [1, 2])
-def test_replan_is_the_full_compile(case, seed):
+@pytest.mark.parametrize("seed,merge", [(1, "spans"), (2, "every")])
+def test_replan_is_the_full_compile(case, seed, merge, monkeypatch):
+    """(`merge`: a rank's moved writes put back by the spans they cross, or by one merge
+    of every write: `replan_writes._DENSE`, whichever share of its writes moves.)"""
+    from planner import replan_writes
+
+    monkeypatch.setattr(replan_writes, "_DENSE", 0 if merge == "spans" else 1 << 40)
     model, source, target, slots = case
     _, spec = _cfg(model, source, target)
     a = _random_table(spec, slots, seed=seed)
