@@ -75,6 +75,7 @@ from planner.passes.intersect import (
     element_size,
     intersect,
     piece_table,
+    repeated,
     table_and_boxes,
     without_holders,
 )
@@ -216,6 +217,14 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     chunks = split_rows(intersect(spec, src, routes.direct, routes.direct_boxes), routes.direct,
                         opts.max_write_bytes)
     routes = dataclasses.replace(routes, direct_boxes=None)  # read by intersect only
+    regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
+                           tensor_regions(dst_layout))  # staging is added once lowered
+    side = ThreadPoolExecutor(1)  # hashing and sorts release the GIL: these run beside
+    # assign (done before lower, so that the whole target pieces go before it)
+    fp_job = side.submit(plan_fingerprint, spec, src, routes.direct, regions, topo, cfg)
+    coverage_job = side.submit(coverage_table, dst_layout, src_layout.world, routes.targets)
+    blobs_job = side.submit(rank_tensor_blobs, spec, (src, routes.targets),
+                            (src_layout, dst_layout), spill)
     # 6. assign
     step("assign")
     choice = assign(chunks, src, routes.direct, topo)
@@ -224,24 +233,18 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     explain = explain_rows(_explain_rows(chunks, choice, src, routes.direct), n_chunks,
                            replicas=dst_layout.replicas, spill=True)  # read again only
     # when the plan is written
-    regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
-                           tensor_regions(dst_layout))  # staging is added once lowered
-    side = ThreadPoolExecutor(1)  # hashing and sorts release the GIL: these run beside lower
-    fp_job = side.submit(plan_fingerprint, spec, src, routes.direct, regions, topo, cfg)
-    coverage_job = side.submit(coverage_table, dst_layout, src_layout.world, routes.targets)
-    blobs_job = side.submit(rank_tensor_blobs, spec, (src, routes.targets),
-                            (src_layout, dst_layout), spill)
     # 7. lower
     step("lower")
     staging_ids = _staging_ids(src_layout, dst_layout)
     bytes_in = _bytes_in(routes.targets, topo.world)
-    direct = lower(chunks, choice, src, routes.direct, staging_ids, opts, names, bytes_in,
-                   topo)
-    del chunks, choice  # the largest columns: nothing later reads them
-    # before the target pieces they read are dropped
     (fp, fp_base), coverage, blobs = fp_job.result(), coverage_job.result(), blobs_job.result()
     side.shutdown()
+    pieces = routes.direct
     routes = gathered_only(routes)  # the target pieces go, but those gather reads
+    # what lower reads of the target pieces and chunks, held once for alike replicas
+    chunks, pieces = repeated(chunks, pieces, dst_layout.replicas) or (chunks, pieces)
+    direct = lower(chunks, choice, src, pieces, staging_ids, opts, names, bytes_in, topo)
+    del chunks, choice, pieces  # the largest columns: nothing later reads them
     # 8. gather
     step("gather")
     more = gather(spec, src, routes, staging_ids, opts, topo, direct.stages,

@@ -326,6 +326,7 @@ def intersect(spec: ModelSpec, src: PieceTable, dst: PieceTable,
     _check_coverage(spec, tboxes, tb, (hi0 - lo0) * (hi1 - lo1), dst, tbox_of)
     holders = stable_argsort(sbox_of).astype(_index_dtype(len(src)))
     holder_ptr = np.searchsorted(sbox_of[holders], np.arange(len(sboxes) + 1))
+    sb = sb.astype(_index_dtype(len(sboxes)))  # (a chunk's source box: an index too)
     if np.array_equal(tb, np.arange(len(tboxes))):  # one source box each: all of it (coverage)
         return Chunks(tensor=dst.tensor, off0=dst.off0, off1=dst.off1, size0=dst.size0,
                       size1=dst.size1, dst=np.arange(len(dst), dtype=_index_dtype(len(dst))),
@@ -343,8 +344,8 @@ def intersect(spec: ModelSpec, src: PieceTable, dst: PieceTable,
 
 
 def _index_dtype(n: int) -> np.dtype:
-    """Row numbers of a table of `n` rows: int32 where they fit (the chunks' `dst`, the
-    holders and hence `assign`'s choice: only ever indices)."""
+    """Row numbers of a table of `n` rows: int32 where they fit (the chunks' `dst` and
+    `sbox`, the holders and hence `assign`'s choice: only ever indices)."""
     return np.dtype(np.int32 if n <= _NARROW else np.int64)
 
 
@@ -368,3 +369,79 @@ def _check_coverage(spec: ModelSpec, tboxes: np.ndarray, tb: np.ndarray, numel: 
 
 def element_size(code: np.ndarray) -> np.ndarray:
     return ITEM[code]
+
+
+class Repeated:
+    """A column that is `one` repeated `times` times, copy k plus `k * step` (a replica's
+    target ranks move by `step`; its other columns equal the first replica's): indexed like
+    the whole column (an index array or a slice gives a new array), never held whole."""
+
+    __slots__ = ("one", "times", "step")
+
+    def __init__(self, one: np.ndarray, times: int, step: int = 0) -> None:
+        self.one, self.times, self.step = one, times, step
+
+    def __len__(self) -> int:
+        return len(self.one) * self.times
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.one.dtype
+
+    def __getitem__(self, which: np.ndarray | slice) -> np.ndarray:
+        n = len(self.one)
+        if isinstance(which, slice):
+            lo, hi, by = which.indices(len(self))
+            if by == 1 and hi <= lo:
+                return self.one[:0].copy()
+            if by == 1 and lo // n == (hi - 1) // n:  # within one copy
+                k = lo // n
+                part = self.one[lo - k * n:hi - k * n]
+                return part + self.one.dtype.type(k * self.step) if self.step and k else part
+            which = np.arange(lo, hi, by)
+        which = np.asarray(which)
+        if which.dtype == bool:
+            which = np.flatnonzero(which)
+        k, i = np.divmod(which, n)
+        out = self.one[i]
+        if self.step:
+            out += (k * self.step).astype(out.dtype)
+        return out
+
+
+def repeated(chunks: Chunks, dst: PieceTable, times: int
+             ) -> tuple[Chunks, PieceTable] | None:
+    """`chunks` and the target pieces `dst` they point into as `Repeated` columns of their
+    first `1 / times` (each its own small array), when both are `times` equal blocks (but
+    the target ranks, moved by one step a block, and the chunks' target rows, by the
+    block's rows): what `lower` reads of the engine's alike replicas, held once. Else None.
+    The chunks' source boxes and holders are not kept (`without_holders`)."""
+    if times < 2 or len(dst) % times or len(chunks) % times or len(dst) == 0:
+        return None
+    n, m = len(dst) // times, len(chunks) // times
+    step = int(dst.rank[n]) - int(dst.rank[0])
+    moved = {"rank": step}
+    for t, size, cols in ((dst, n, PieceTable.__slots__),
+                          (chunks, m, ("tensor", "off0", "off1", "size0", "size1", "dst"))):
+        for f in cols:
+            col, by = getattr(t, f), moved.get(f, n if t is chunks and f == "dst" else 0)
+            first = col[:size]
+            for k in range(1, times):
+                if not np.array_equal(col[k * size:(k + 1) * size] - by * k if by else
+                                      col[k * size:(k + 1) * size], first):
+                    return None
+    one = {f: Repeated(_own(getattr(dst, f)[:n]), times, moved.get(f, 0))
+           for f in PieceTable.__slots__}
+    none = np.zeros(0, dtype=np.int64)
+    return (Chunks(**{f: Repeated(_own(getattr(chunks, f)[:m]), times,
+                                  n if f == "dst" else 0)
+                      for f in ("tensor", "off0", "off1", "size0", "size1", "dst")},
+                   sbox=none, holder_ptr=none, holders=none),
+            PieceTable(**one))
+
+
+def _own(col: np.ndarray) -> np.ndarray:
+    """A read-only copy of `col` (not a view: the whole column can go)."""
+    out = np.array(col)
+    out.flags.writeable = False
+    return out
