@@ -23,6 +23,7 @@ from planner import frameworks
 from planner.layouts.base import Layout, PhysicalTensor
 from planner.passes.intersect import PieceTable
 from planner.passes.lower import Lowered
+from planner.passes.lower_cols import as_dtype, is_constant
 from planner.passes.schedule import Schedule
 from planner.rows import column_keys, lexorder, stable_argsort, unique_rows
 from planner.spec import ModelSpec
@@ -186,10 +187,11 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
     c = low.copies
     c_order = lexorder(c["kind"], c["stage"], c["rank"])  # stable: ties keep their order
     for v in c.values():
-        _permute(v, c_order)
+        if not is_constant(v):  # (a constant column is in any order)
+            _permute(v, c_order)
     del c_order
     for name, dt in COPY_COLUMNS:  # the plan's dtypes, one column at a time
-        c[name] = c[name].astype(dt, copy=False)
+        c[name] = as_dtype(c[name], dt)
     c_cut = _slices(c["rank"], world)
     s_cut = _slices(sched.signals[:, 0], world)
     wt_cut = _slices(sched.waits[:, 0], world)
