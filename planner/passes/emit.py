@@ -366,15 +366,20 @@ def _stamped_columns(one: Table, replicas: int, shift: int) -> Iterator[np.ndarr
     g_len = np.diff(np.append(g_start, m)).astype(dt)
     out_len = g_len * replicas
     g = np.repeat(np.arange(len(g_start), dtype=dt), out_len)
-    q = np.arange(m * replicas, dtype=dt) - np.repeat(np.cumsum(out_len) - out_len, out_len)
-    block, i = np.divmod(q, g_len[g])
-    del q
+    i = np.arange(m * replicas, dtype=dt)
+    i -= np.repeat(np.cumsum(out_len) - out_len, out_len)
+    lens = g_len[g]
+    block = i // lens
+    np.remainder(i, lens, out=i)  # (row columns in place: each is a plan's rows long)
+    del lens
     i += g_start[g]
     del g
     for name, dt in EXPLAIN_COLUMNS:
         col = one[name][i]
-        if name == "dst_rank":
-            col = np.asarray(col + block.astype(np.int64) * shift, dtype=dt)
+        if name == "dst_rank":  # block r's ranks + r * shift (every sum a target rank)
+            block *= shift
+            block += col
+            col = block.astype(dt, copy=False)
             del block
         yield col
 
