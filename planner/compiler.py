@@ -269,7 +269,9 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     del more
     # 12. emit
     step("emit")
-    plan = emit(header, low, sched, topo, regions, explain, names, coverage)
+    ops = [(low, sched)]  # the only reference: emit drops each column it has put in order
+    del low, sched
+    plan = emit(header, ops, topo, regions, explain, names, coverage)
     # 13. shadow
     if cfg.target.shadow is not None:  # only when asked: other plans keep their bytes
         step("shadow")

@@ -160,27 +160,33 @@ def plan_header(cfg: Config, spec: ModelSpec, topo: Topology, replicas: int, low
         source_replicated=source_replicated(cfg.source))
 
 
-def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
+def emit(header: PlanHeader, ops: list[tuple[Lowered, Schedule]], topo: Topology,
          regions: list[tuple[Region, ...]], explain: Table, tensors: tuple[str, ...],
          coverage: Table) -> Plan:
     """The plan: every rank's tables, the explain, DAG and coverage tables, `header`.
 
-    `low` is consumed: its write columns are put in scheduled order (in place, or, for
-    offsets and bytes held as int32, into int64 copies), and its copies in (rank, stage,
-    kind) order and the plan's dtypes, in place, so each rank's tables are views of them
-    and the plan holds no second copy of the op tables (the compiler reads `low` no
-    more)."""
+    `ops`: a list of the lowered ops and their schedule, holding the only references to
+    them; they are consumed: the write columns are put in scheduled order (in place, or,
+    for offsets and bytes held as int32, into int64 copies, each int32 one dropped once
+    copied), and the copies in (rank, stage, kind) order and the plan's dtypes, in place,
+    so each rank's tables are views of them and the plan holds no second copy of the op
+    tables (the compiler reads them no more)."""
     world = topo.world
+    low, sched = ops.pop()
     o = sched.order
     for k in ("w_src_rank", "w_dst_rank", "w_src_region", "w_dst_region", "w_stage"):
         _permute(getattr(low, k), o)
     w = {"dst_rank": low.w_dst_rank, "src_region": low.w_src_region,
-         "src_offset": _in_order(low.w_src_offset, o), "dst_region": low.w_dst_region,
-         "dst_offset": _in_order(low.w_dst_offset, o), "nbytes": _in_order(low.w_nbytes, o)}
+         "dst_region": low.w_dst_region}
+    for k in ("src_offset", "dst_offset", "nbytes"):  # each narrow column dropped once put
+        w[k] = _in_order(getattr(low, f"w_{k}"), o)
+        low = dataclasses.replace(low, **{f"w_{k}": w[k]})
+    sched = dataclasses.replace(sched, order=o[:0])
+    del o
     w_src = low.w_src_rank
     w_cut = _slices(w_src, world)
     b_start = sched.batch_start
-    b_stop = np.append(b_start[1:], len(o))
+    b_stop = np.append(b_start[1:], len(w_src))
     b_rank = w_src[b_start] if len(b_start) else b_start
     b_cut = _slices(b_rank, world)
     b_stage = low.w_stage[b_start]  # once: indexing it per rank was 8M x 512
