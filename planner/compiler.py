@@ -217,32 +217,36 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     chunks = split_rows(intersect(spec, src, routes.direct, routes.direct_boxes), routes.direct,
                         opts.max_write_bytes)
     routes = dataclasses.replace(routes, direct_boxes=None)  # read by intersect only
+    bytes_in = _bytes_in(routes.targets, topo.world)
+    pieces, targets = routes.direct, routes.targets
+    whole = targets is pieces  # every target piece direct
+    routes = gathered_only(routes)  # the target pieces go, but those gather reads
+    # what the next passes read of the target pieces and chunks, held once for alike
+    # replicas (and what the side thread's jobs read, where every target piece is direct)
+    chunks, pieces = repeated(chunks, pieces, dst_layout.replicas) or (chunks, pieces)
+    targets = pieces if whole else targets
     regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
                            tensor_regions(dst_layout))  # staging is added once lowered
     side = ThreadPoolExecutor(1)  # hashing and sorts release the GIL: these run beside
-    # assign (done before lower, so that the whole target pieces go before it)
-    fp_job = side.submit(plan_fingerprint, spec, src, routes.direct, regions, topo, cfg)
-    coverage_job = side.submit(coverage_table, dst_layout, src_layout.world, routes.targets)
-    blobs_job = side.submit(rank_tensor_blobs, spec, (src, routes.targets),
-                            (src_layout, dst_layout), spill)
+    # assign, and are done before lower
+    fp_job = side.submit(plan_fingerprint, spec, src, pieces, regions, topo, cfg)
+    coverage_job = side.submit(coverage_table, dst_layout, src_layout.world, targets)
+    blobs_job = side.submit(rank_tensor_blobs, spec, (src, targets), (src_layout, dst_layout),
+                            spill)
+    del targets
     # 6. assign
     step("assign")
-    choice = assign(chunks, src, routes.direct, topo)
-    n_chunks, sets = len(chunks), egress_sets(chunks, src, routes.direct, topo)
+    choice = assign(chunks, src, pieces, topo)
+    n_chunks, sets = len(chunks), egress_sets(chunks, src, pieces, topo)
     chunks = without_holders(chunks)  # read by assign and egress_sets only
-    explain = explain_rows(_explain_rows(chunks, choice, src, routes.direct), n_chunks,
+    explain = explain_rows(_explain_rows(chunks, choice, src, pieces), n_chunks,
                            replicas=dst_layout.replicas, spill=True)  # read again only
     # when the plan is written
     # 7. lower
     step("lower")
     staging_ids = _staging_ids(src_layout, dst_layout)
-    bytes_in = _bytes_in(routes.targets, topo.world)
     (fp, fp_base), coverage, blobs = fp_job.result(), coverage_job.result(), blobs_job.result()
     side.shutdown()
-    pieces = routes.direct
-    routes = gathered_only(routes)  # the target pieces go, but those gather reads
-    # what lower reads of the target pieces and chunks, held once for alike replicas
-    chunks, pieces = repeated(chunks, pieces, dst_layout.replicas) or (chunks, pieces)
     direct = lower(chunks, choice, src, pieces, staging_ids, opts, names, bytes_in, topo)
     del chunks, choice, pieces  # the largest columns: nothing later reads them
     # 8. gather

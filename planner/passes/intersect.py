@@ -371,15 +371,27 @@ def element_size(code: np.ndarray) -> np.ndarray:
     return ITEM[code]
 
 
-class Repeated:
+class Repeated(np.lib.mixins.NDArrayOperatorsMixin):
     """A column that is `one` repeated `times` times, copy k plus `k * step` (a replica's
     target ranks move by `step`; its other columns equal the first replica's): indexed like
-    the whole column (an index array or a slice gives a new array), never held whole."""
+    the whole column (an index array or a slice gives a new array), never held whole but
+    while a numpy function or operator reads it whole (`__array__`: made for that call)."""
 
     __slots__ = ("one", "times", "step")
 
     def __init__(self, one: np.ndarray, times: int, step: int = 0) -> None:
         self.one, self.times, self.step = one, times, step
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = np.tile(self.one, self.times)
+        if self.step:
+            out.reshape(self.times, -1)[:] += (np.arange(self.times, dtype=out.dtype)
+                                               * out.dtype.type(self.step))[:, None]
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        args = [np.asarray(x) if isinstance(x, Repeated) else x for x in inputs]
+        return getattr(ufunc, method)(*args, **kwargs)
 
     def __len__(self) -> int:
         return len(self.one) * self.times
@@ -415,14 +427,16 @@ def repeated(chunks: Chunks, dst: PieceTable, times: int
     first `1 / times` (each its own small array), when both are `times` equal blocks (but
     the target ranks, moved by one step a block, and the chunks' target rows, by the
     block's rows): what `lower` reads of the engine's alike replicas, held once. Else None.
-    The chunks' source boxes and holders are not kept (`without_holders`)."""
+    The chunks' source boxes repeat too (`holders` and `holder_ptr` are kept)."""
     if times < 2 or len(dst) % times or len(chunks) % times or len(dst) == 0:
         return None
+    cut = ("tensor", "off0", "off1", "size0", "size1", "dst") + (
+        ("sbox",) if len(chunks.sbox) else ())
     n, m = len(dst) // times, len(chunks) // times
     step = int(dst.rank[n]) - int(dst.rank[0])
     moved = {"rank": step}
     for t, size, cols in ((dst, n, PieceTable.__slots__),
-                          (chunks, m, ("tensor", "off0", "off1", "size0", "size1", "dst"))):
+                          (chunks, m, cut)):
         for f in cols:
             col, by = getattr(t, f), moved.get(f, n if t is chunks and f == "dst" else 0)
             first = col[:size]
@@ -432,11 +446,10 @@ def repeated(chunks: Chunks, dst: PieceTable, times: int
                     return None
     one = {f: Repeated(_own(getattr(dst, f)[:n]), times, moved.get(f, 0))
            for f in PieceTable.__slots__}
-    none = np.zeros(0, dtype=np.int64)
     return (Chunks(**{f: Repeated(_own(getattr(chunks, f)[:m]), times,
-                                  n if f == "dst" else 0)
-                      for f in ("tensor", "off0", "off1", "size0", "size1", "dst")},
-                   sbox=none, holder_ptr=none, holders=none),
+                                  n if f == "dst" else 0) for f in cut},
+                   **({} if "sbox" in cut else {"sbox": chunks.sbox}),
+                   holder_ptr=chunks.holder_ptr, holders=chunks.holders),
             PieceTable(**one))
 
 
