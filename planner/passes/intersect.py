@@ -389,6 +389,16 @@ class Repeated(np.lib.mixins.NDArrayOperatorsMixin):
                                                * out.dtype.type(self.step))[:, None]
         return out if dtype is None else out.astype(dtype, copy=False)
 
+    def min(self, axis: Any = None, out: Any = None, **kw: Any) -> Any:
+        if axis is not None or out is not None or kw or len(self) == 0:
+            return np.asarray(self).min(axis=axis, out=out, **kw)
+        return self.one.min() + min(0, self.step * (self.times - 1))
+
+    def max(self, axis: Any = None, out: Any = None, **kw: Any) -> Any:
+        if axis is not None or out is not None or kw or len(self) == 0:
+            return np.asarray(self).max(axis=axis, out=out, **kw)
+        return self.one.max() + max(0, self.step * (self.times - 1))
+
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
         args = [np.asarray(x) if isinstance(x, Repeated) else x for x in inputs]
         return getattr(ufunc, method)(*args, **kwargs)
