@@ -199,6 +199,12 @@ def emit(header: PlanHeader, ops: list[tuple[Lowered, Schedule]], topo: Topology
     for name, dt in COPY_COLUMNS:  # the plan's dtypes, one column at a time
         c[name] = as_dtype(c[name], dt)
     c_cut = _slices(c["rank"], world)
+    # a constant column's rows of every rank: views of one array of its value (contiguous,
+    # as a table's columns are), as long as the most any rank has
+    most = int(np.diff(c_cut).max()) if world else 0
+    for name, _ in COPY_COLUMNS:
+        if is_constant(c[name]):
+            c[name] = _Shared(np.full(most, c[name][0], dtype=c[name].dtype))
     s_cut = _slices(sched.signals[:, 0], world)
     wt_cut = _slices(sched.waits[:, 0], world)
     sizes = [len(regs) for regs in regions]
@@ -217,7 +223,9 @@ def emit(header: PlanHeader, ops: list[tuple[Lowered, Schedule]], topo: Topology
             batches=Table.build(BATCH_COLUMNS, stage=b_stage[bs],
                                 nic=sched.batch_nic[bs], start=b_start[bs] - w_cut[r],
                                 stop=b_stop[bs] - w_cut[r]),
-            copies=Table.build(COPY_COLUMNS, **{n: c[n][c_cut[r]:c_cut[r + 1]]
+            copies=Table.build(COPY_COLUMNS, **{n: c[n].rows(c_cut[r], c_cut[r + 1])
+                                                if type(c[n]) is _Shared else
+                                                c[n][c_cut[r]:c_cut[r + 1]]
                                                 for n, _ in COPY_COLUMNS}),
             signals=_table(SIGNAL_COLUMNS, sched.signals[s_cut[r]:s_cut[r + 1], 1:],
                            ("stage", "peer", "kind")),
@@ -230,6 +238,19 @@ def emit(header: PlanHeader, ops: list[tuple[Lowered, Schedule]], topo: Topology
     edges = _table(DAG_EDGE_COLUMNS, sched.dag_edges, ("u", "v"))
     return Plan(header=header, ranks=tuple(ranks), explain=explain, tensors=tensors,
                 dag_nodes=nodes, dag_edges=edges, coverage=coverage)
+
+
+class _Shared:
+    """A constant copy column of the plan: each rank's rows a view of `value`'s first."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: np.ndarray) -> None:
+        value.flags.writeable = False
+        self.value = value
+
+    def rows(self, lo: int, hi: int) -> np.ndarray:
+        return self.value[:hi - lo]
 
 
 def _permute(col: np.ndarray, order: np.ndarray) -> None:
