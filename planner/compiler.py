@@ -305,9 +305,14 @@ def _explain_rows(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: Piec
 
 
 def _bytes_in(t: PieceTable, world: int) -> np.ndarray:
-    """Bytes each plan rank receives in the whole plan (both paths)."""
-    return np.bincount(t.rank, weights=t.size0 * t.size1 * element_size(t.dtype),
-                       minlength=world).astype(np.int64)
+    """Bytes each plan rank receives in the whole plan (both paths), summed a block of
+    pieces at a time (whole bytes in float64: exact in any order)."""
+    out = np.zeros(world)
+    for lo in range(0, len(t), 1 << 21):
+        at = slice(lo, lo + (1 << 21))
+        out += np.bincount(t.rank[at], weights=t.size0[at] * t.size1[at]
+                           * element_size(t.dtype[at]), minlength=world)
+    return out.astype(np.int64)
 
 
 def _staging_ids(src: Layout, dst: Layout) -> np.ndarray:
