@@ -21,7 +21,7 @@ import numpy as np
 
 from planner import frameworks
 from planner.layouts.base import Layout, PhysicalTensor
-from planner.passes.intersect import PieceTable
+from planner.passes.intersect import PieceTable, Repeated
 from planner.passes.lower import Lowered
 from planner.passes.lower_cols import as_dtype, is_constant
 from planner.passes.schedule import Schedule
@@ -526,13 +526,17 @@ _I32 = np.iinfo(np.int32)
 def _hash_column(h: Any, col: np.ndarray, block: np.ndarray) -> None:
     """Feed `h` a piece table column by value, whatever integer type holds it: a width tag
     (`4` when every value fits in int32, else `8`), then the values as little-endian
-    integers of that width. A little-endian int32 column is hashed in place; a column
-    that is not an array (`intersect.Repeated`) is read a block at a time."""
+    integers of that width. A little-endian int32 column is hashed in place, a `Repeated`
+    one a copy at a time."""
     narrow = len(col) == 0 or (col.dtype.kind == "i" and col.dtype.itemsize <= 4) or (
         int(col.min()) >= _I32.min and int(col.max()) <= _I32.max)
     h.update(b"4" if narrow else b"8")
     want = np.dtype("<i4" if narrow else "<i8")
-    if isinstance(col, np.ndarray) and col.dtype == want and col.flags.c_contiguous:
+    if isinstance(col, Repeated):  # a copy at a time: the same bytes in the same order
+        for part in col.copies():
+            h.update(memoryview(np.ascontiguousarray(part, dtype=want)).cast("B"))
+        return
+    if col.dtype == want and col.flags.c_contiguous:
         h.update(memoryview(col).cast("B"))
         return
     buf = block.view(want)

@@ -14,6 +14,7 @@ join runs per logical tensor over unique boxes only, never per byte range.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from operator import mul
 from typing import Any
@@ -389,6 +390,16 @@ class Repeated(np.lib.mixins.NDArrayOperatorsMixin):
                                                * out.dtype.type(self.step))[:, None]
         return out if dtype is None else out.astype(dtype, copy=False)
 
+    def _part(self, k: int, lo: int, hi: int) -> np.ndarray:
+        """Rows `lo:hi` of copy `k`."""
+        part = self.one[lo:hi]
+        return part + self.one.dtype.type(k * self.step) if self.step and k else part
+
+    def copies(self) -> Iterator[np.ndarray]:
+        """The column, one copy at a time (`one`, then `one + step`, ...)."""
+        for k in range(self.times):
+            yield self._part(k, 0, len(self.one))
+
     def min(self, axis: Any = None, out: Any = None, **kw: Any) -> Any:
         if axis is not None or out is not None or kw or len(self) == 0:
             return np.asarray(self).min(axis=axis, out=out, **kw)
@@ -416,10 +427,10 @@ class Repeated(np.lib.mixins.NDArrayOperatorsMixin):
             lo, hi, by = which.indices(len(self))
             if by == 1 and hi <= lo:
                 return self.one[:0].copy()
-            if by == 1 and lo // n == (hi - 1) // n:  # within one copy
-                k = lo // n
-                part = self.one[lo - k * n:hi - k * n]
-                return part + self.one.dtype.type(k * self.step) if self.step and k else part
+            if by == 1:  # each copy's part of it (a view where it lies within one copy)
+                parts = [self._part(k, max(lo - k * n, 0), min(hi - k * n, n))
+                         for k in range(lo // n, (hi - 1) // n + 1)]
+                return parts[0] if len(parts) == 1 else np.concatenate(parts)
             which = np.arange(lo, hi, by)
         which = np.asarray(which)
         if which.dtype == bool:
