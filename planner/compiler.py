@@ -75,6 +75,7 @@ from planner.passes.intersect import (
     element_size,
     intersect,
     piece_table,
+    repeated,
     table_and_boxes,
     without_holders,
 )
@@ -216,32 +217,38 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     chunks = split_rows(intersect(spec, src, routes.direct, routes.direct_boxes), routes.direct,
                         opts.max_write_bytes)
     routes = dataclasses.replace(routes, direct_boxes=None)  # read by intersect only
-    # 6. assign
-    step("assign")
-    choice = assign(chunks, src, routes.direct, topo)
-    n_chunks, sets = len(chunks), egress_sets(chunks, src, routes.direct, topo)
-    chunks = without_holders(chunks)  # read by assign and egress_sets only
-    explain = explain_rows(_explain_rows(chunks, choice, src, routes.direct), n_chunks,
-                           replicas=dst_layout.replicas, spill=True)  # read again only
-    # when the plan is written
+    bytes_in = _bytes_in(routes.targets, topo.world)
+    pieces, targets = routes.direct, routes.targets
+    whole = targets is pieces  # every target piece direct
+    routes = gathered_only(routes)  # the target pieces go, but those gather reads
+    # what the next passes read of the target pieces and chunks, held once for alike
+    # replicas (and what the side thread's jobs read, where every target piece is direct)
+    chunks, pieces = repeated(chunks, pieces, dst_layout.replicas) or (chunks, pieces)
+    targets = pieces if whole else targets
     regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
                            tensor_regions(dst_layout))  # staging is added once lowered
-    side = ThreadPoolExecutor(1)  # hashing and sorts release the GIL: these run beside lower
-    fp_job = side.submit(plan_fingerprint, spec, src, routes.direct, regions, topo, cfg)
-    coverage_job = side.submit(coverage_table, dst_layout, src_layout.world, routes.targets)
-    blobs_job = side.submit(rank_tensor_blobs, spec, (src, routes.targets),
-                            (src_layout, dst_layout), spill)
+    side = ThreadPoolExecutor(1)  # hashing and sorts release the GIL: these run beside
+    # assign, and are done before lower
+    fp_job = side.submit(plan_fingerprint, spec, src, pieces, regions, topo, cfg)
+    coverage_job = side.submit(coverage_table, dst_layout, src_layout.world, targets)
+    blobs_job = side.submit(rank_tensor_blobs, spec, (src, targets), (src_layout, dst_layout),
+                            spill)
+    del targets
+    # 6. assign
+    step("assign")
+    choice = assign(chunks, src, pieces, topo)
+    n_chunks, sets = len(chunks), egress_sets(chunks, src, pieces, topo)
+    chunks = without_holders(chunks)  # read by assign and egress_sets only
+    explain = explain_rows(_explain_rows(chunks, choice, src, pieces), n_chunks,
+                           replicas=dst_layout.replicas, spill=True)  # read again only
+    # when the plan is written
     # 7. lower
     step("lower")
     staging_ids = _staging_ids(src_layout, dst_layout)
-    bytes_in = _bytes_in(routes.targets, topo.world)
-    direct = lower(chunks, choice, src, routes.direct, staging_ids, opts, names, bytes_in,
-                   topo)
-    del chunks, choice  # the largest columns: nothing later reads them
-    # before the target pieces they read are dropped
     (fp, fp_base), coverage, blobs = fp_job.result(), coverage_job.result(), blobs_job.result()
     side.shutdown()
-    routes = gathered_only(routes)  # the target pieces go, but those gather reads
+    direct = lower(chunks, choice, src, pieces, staging_ids, opts, names, bytes_in, topo)
+    del chunks, choice, pieces  # the largest columns: nothing later reads them
     # 8. gather
     step("gather")
     more = gather(spec, src, routes, staging_ids, opts, topo, direct.stages,
@@ -266,7 +273,9 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     del more
     # 12. emit
     step("emit")
-    plan = emit(header, low, sched, topo, regions, explain, names, coverage)
+    ops = [(low, sched)]  # the only reference: emit drops each column it has put in order
+    del low, sched
+    plan = emit(header, ops, topo, regions, explain, names, coverage)
     # 13. shadow
     if cfg.target.shadow is not None:  # only when asked: other plans keep their bytes
         step("shadow")
@@ -296,9 +305,14 @@ def _explain_rows(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: Piec
 
 
 def _bytes_in(t: PieceTable, world: int) -> np.ndarray:
-    """Bytes each plan rank receives in the whole plan (both paths)."""
-    return np.bincount(t.rank, weights=t.size0 * t.size1 * element_size(t.dtype),
-                       minlength=world).astype(np.int64)
+    """Bytes each plan rank receives in the whole plan (both paths), summed a block of
+    pieces at a time (whole bytes in float64: exact in any order)."""
+    out = np.zeros(world)
+    for lo in range(0, len(t), 1 << 21):
+        at = slice(lo, lo + (1 << 21))
+        out += np.bincount(t.rank[at], weights=t.size0[at] * t.size1[at]
+                           * element_size(t.dtype[at]), minlength=world)
+    return out.astype(np.int64)
 
 
 def _staging_ids(src: Layout, dst: Layout) -> np.ndarray:

@@ -26,10 +26,10 @@ from planner.topology import Topology
 
 def split_rows(chunks: Chunks, dst: PieceTable, max_write_bytes: int) -> Chunks:
     """Cut chunks along dim 0 so that each holds at most `max_write_bytes` (>= one row)."""
-    row_bytes = chunks.size1 * element_size(dst.dtype[chunks.dst])
-    if len(chunks) == 0 or chunks.size0.min() >= 1 and (
-            (chunks.size0 * row_bytes <= max_write_bytes) | (chunks.size0 == 1)).all():
+    if all(_within(chunks, dst, max_write_bytes, slice(lo, lo + _SLICE))
+           for lo in range(0, len(chunks), _SLICE)):
         return chunks  # nothing to cut (every chunk within one part; no division)
+    row_bytes = chunks.size1 * element_size(dst.dtype[chunks.dst])
     rows_per = np.maximum(1, max_write_bytes // row_bytes)
     parts = -(-chunks.size0 // rows_per)
     if parts.max() == 1:  # nothing to cut
@@ -45,7 +45,17 @@ def split_rows(chunks: Chunks, dst: PieceTable, max_write_bytes: int) -> Chunks:
 
 
 _SLICE = 1 << 21
-"""Chunks whose single-candidate loads are counted at a time (bounds the temporaries)."""
+"""Chunks whose single-candidate loads are counted (and whose bytes `split_rows` checks)
+at a time (bounds the temporaries)."""
+
+
+def _within(chunks: Chunks, dst: PieceTable, max_write_bytes: int, part: slice) -> bool:
+    """Whether every chunk of `part` has a row and holds at most `max_write_bytes` or one
+    row (`split_rows` leaves it whole)."""
+    size0 = chunks.size0[part]
+    row_bytes = chunks.size1[part] * element_size(dst.dtype[chunks.dst[part]])
+    return bool(size0.min() >= 1 and ((size0 * row_bytes <= max_write_bytes)
+                                      | (size0 == 1)).all())
 
 
 def assign(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology) -> np.ndarray:

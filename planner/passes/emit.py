@@ -21,8 +21,9 @@ import numpy as np
 
 from planner import frameworks
 from planner.layouts.base import Layout, PhysicalTensor
-from planner.passes.intersect import PieceTable
+from planner.passes.intersect import PieceTable, Repeated
 from planner.passes.lower import Lowered
+from planner.passes.lower_cols import as_dtype, is_constant
 from planner.passes.schedule import Schedule
 from planner.rows import column_keys, lexorder, stable_argsort, unique_rows
 from planner.spec import ModelSpec
@@ -159,38 +160,51 @@ def plan_header(cfg: Config, spec: ModelSpec, topo: Topology, replicas: int, low
         source_replicated=source_replicated(cfg.source))
 
 
-def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
+def emit(header: PlanHeader, ops: list[tuple[Lowered, Schedule]], topo: Topology,
          regions: list[tuple[Region, ...]], explain: Table, tensors: tuple[str, ...],
          coverage: Table) -> Plan:
     """The plan: every rank's tables, the explain, DAG and coverage tables, `header`.
 
-    `low` is consumed: its write columns are put in scheduled order (in place, or, for
-    offsets and bytes held as int32, into int64 copies), and its copies in (rank, stage,
-    kind) order and the plan's dtypes, in place, so each rank's tables are views of them
-    and the plan holds no second copy of the op tables (the compiler reads `low` no
-    more)."""
+    `ops`: a list of the lowered ops and their schedule, holding the only references to
+    them; they are consumed: the write columns are put in scheduled order (in place, or,
+    for offsets and bytes held as int32, into int64 copies, each int32 one dropped once
+    copied), and the copies in (rank, stage, kind) order and the plan's dtypes, in place,
+    so each rank's tables are views of them and the plan holds no second copy of the op
+    tables (the compiler reads them no more)."""
     world = topo.world
+    low, sched = ops.pop()
     o = sched.order
     for k in ("w_src_rank", "w_dst_rank", "w_src_region", "w_dst_region", "w_stage"):
         _permute(getattr(low, k), o)
     w = {"dst_rank": low.w_dst_rank, "src_region": low.w_src_region,
-         "src_offset": _in_order(low.w_src_offset, o), "dst_region": low.w_dst_region,
-         "dst_offset": _in_order(low.w_dst_offset, o), "nbytes": _in_order(low.w_nbytes, o)}
+         "dst_region": low.w_dst_region}
+    for k in ("src_offset", "dst_offset", "nbytes"):  # each narrow column dropped once put
+        w[k] = _in_order(getattr(low, f"w_{k}"), o)
+        low = dataclasses.replace(low, **{f"w_{k}": w[k]})
+    sched = dataclasses.replace(sched, order=o[:0])
+    del o
     w_src = low.w_src_rank
     w_cut = _slices(w_src, world)
     b_start = sched.batch_start
-    b_stop = np.append(b_start[1:], len(o))
+    b_stop = np.append(b_start[1:], len(w_src))
     b_rank = w_src[b_start] if len(b_start) else b_start
     b_cut = _slices(b_rank, world)
     b_stage = low.w_stage[b_start]  # once: indexing it per rank was 8M x 512
     c = low.copies
     c_order = lexorder(c["kind"], c["stage"], c["rank"])  # stable: ties keep their order
     for v in c.values():
-        _permute(v, c_order)
+        if not is_constant(v):  # (a constant column is in any order)
+            _permute(v, c_order)
     del c_order
     for name, dt in COPY_COLUMNS:  # the plan's dtypes, one column at a time
-        c[name] = c[name].astype(dt, copy=False)
+        c[name] = as_dtype(c[name], dt)
     c_cut = _slices(c["rank"], world)
+    # a constant column's rows of every rank: views of one array of its value (contiguous,
+    # as a table's columns are), as long as the most any rank has
+    most = int(np.diff(c_cut).max()) if world else 0
+    for name, _ in COPY_COLUMNS:
+        if is_constant(c[name]):
+            c[name] = _Shared(np.full(most, c[name][0], dtype=c[name].dtype))
     s_cut = _slices(sched.signals[:, 0], world)
     wt_cut = _slices(sched.waits[:, 0], world)
     sizes = [len(regs) for regs in regions]
@@ -209,7 +223,9 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
             batches=Table.build(BATCH_COLUMNS, stage=b_stage[bs],
                                 nic=sched.batch_nic[bs], start=b_start[bs] - w_cut[r],
                                 stop=b_stop[bs] - w_cut[r]),
-            copies=Table.build(COPY_COLUMNS, **{n: c[n][c_cut[r]:c_cut[r + 1]]
+            copies=Table.build(COPY_COLUMNS, **{n: c[n].rows(c_cut[r], c_cut[r + 1])
+                                                if type(c[n]) is _Shared else
+                                                c[n][c_cut[r]:c_cut[r + 1]]
                                                 for n, _ in COPY_COLUMNS}),
             signals=_table(SIGNAL_COLUMNS, sched.signals[s_cut[r]:s_cut[r + 1], 1:],
                            ("stage", "peer", "kind")),
@@ -222,6 +238,19 @@ def emit(header: PlanHeader, low: Lowered, sched: Schedule, topo: Topology,
     edges = _table(DAG_EDGE_COLUMNS, sched.dag_edges, ("u", "v"))
     return Plan(header=header, ranks=tuple(ranks), explain=explain, tensors=tensors,
                 dag_nodes=nodes, dag_edges=edges, coverage=coverage)
+
+
+class _Shared:
+    """A constant copy column of the plan: each rank's rows a view of `value`'s first."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: np.ndarray) -> None:
+        value.flags.writeable = False
+        self.value = value
+
+    def rows(self, lo: int, hi: int) -> np.ndarray:
+        return self.value[:hi - lo]
 
 
 def _permute(col: np.ndarray, order: np.ndarray) -> None:
@@ -364,15 +393,20 @@ def _stamped_columns(one: Table, replicas: int, shift: int) -> Iterator[np.ndarr
     g_len = np.diff(np.append(g_start, m)).astype(dt)
     out_len = g_len * replicas
     g = np.repeat(np.arange(len(g_start), dtype=dt), out_len)
-    q = np.arange(m * replicas, dtype=dt) - np.repeat(np.cumsum(out_len) - out_len, out_len)
-    block, i = np.divmod(q, g_len[g])
-    del q
+    i = np.arange(m * replicas, dtype=dt)
+    i -= np.repeat(np.cumsum(out_len) - out_len, out_len)
+    lens = g_len[g]
+    block = i // lens
+    np.remainder(i, lens, out=i)  # (row columns in place: each is a plan's rows long)
+    del lens
     i += g_start[g]
     del g
     for name, dt in EXPLAIN_COLUMNS:
         col = one[name][i]
-        if name == "dst_rank":
-            col = np.asarray(col + block.astype(np.int64) * shift, dtype=dt)
+        if name == "dst_rank":  # block r's ranks + r * shift (every sum a target rank)
+            block *= shift
+            block += col
+            col = block.astype(dt, copy=False)
             del block
         yield col
 
@@ -492,11 +526,16 @@ _I32 = np.iinfo(np.int32)
 def _hash_column(h: Any, col: np.ndarray, block: np.ndarray) -> None:
     """Feed `h` a piece table column by value, whatever integer type holds it: a width tag
     (`4` when every value fits in int32, else `8`), then the values as little-endian
-    integers of that width. A little-endian int32 column is hashed in place."""
+    integers of that width. A little-endian int32 column is hashed in place, a `Repeated`
+    one a copy at a time."""
     narrow = len(col) == 0 or (col.dtype.kind == "i" and col.dtype.itemsize <= 4) or (
         int(col.min()) >= _I32.min and int(col.max()) <= _I32.max)
     h.update(b"4" if narrow else b"8")
     want = np.dtype("<i4" if narrow else "<i8")
+    if isinstance(col, Repeated):  # a copy at a time: the same bytes in the same order
+        for part in col.copies():
+            h.update(memoryview(np.ascontiguousarray(part, dtype=want)).cast("B"))
+        return
     if col.dtype == want and col.flags.c_contiguous:
         h.update(memoryview(col).cast("B"))
         return

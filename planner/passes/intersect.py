@@ -14,6 +14,7 @@ join runs per logical tensor over unique boxes only, never per byte range.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from operator import mul
 from typing import Any
@@ -326,6 +327,7 @@ def intersect(spec: ModelSpec, src: PieceTable, dst: PieceTable,
     _check_coverage(spec, tboxes, tb, (hi0 - lo0) * (hi1 - lo1), dst, tbox_of)
     holders = stable_argsort(sbox_of).astype(_index_dtype(len(src)))
     holder_ptr = np.searchsorted(sbox_of[holders], np.arange(len(sboxes) + 1))
+    sb = sb.astype(_index_dtype(len(sboxes)))  # (a chunk's source box: an index too)
     if np.array_equal(tb, np.arange(len(tboxes))):  # one source box each: all of it (coverage)
         return Chunks(tensor=dst.tensor, off0=dst.off0, off1=dst.off1, size0=dst.size0,
                       size1=dst.size1, dst=np.arange(len(dst), dtype=_index_dtype(len(dst))),
@@ -343,8 +345,8 @@ def intersect(spec: ModelSpec, src: PieceTable, dst: PieceTable,
 
 
 def _index_dtype(n: int) -> np.dtype:
-    """Row numbers of a table of `n` rows: int32 where they fit (the chunks' `dst`, the
-    holders and hence `assign`'s choice: only ever indices)."""
+    """Row numbers of a table of `n` rows: int32 where they fit (the chunks' `dst` and
+    `sbox`, the holders and hence `assign`'s choice: only ever indices)."""
     return np.dtype(np.int32 if n <= _NARROW else np.int64)
 
 
@@ -368,3 +370,112 @@ def _check_coverage(spec: ModelSpec, tboxes: np.ndarray, tb: np.ndarray, numel: 
 
 def element_size(code: np.ndarray) -> np.ndarray:
     return ITEM[code]
+
+
+class Repeated(np.lib.mixins.NDArrayOperatorsMixin):
+    """A column that is `one` repeated `times` times, copy k plus `k * step` (a replica's
+    target ranks move by `step`; its other columns equal the first replica's): indexed like
+    the whole column (an index array or a slice gives a new array), never held whole but
+    while a numpy function or operator reads it whole (`__array__`: made for that call)."""
+
+    __slots__ = ("one", "times", "step")
+
+    def __init__(self, one: np.ndarray, times: int, step: int = 0) -> None:
+        self.one, self.times, self.step = one, times, step
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = np.tile(self.one, self.times)
+        if self.step:
+            out.reshape(self.times, -1)[:] += (np.arange(self.times, dtype=out.dtype)
+                                               * out.dtype.type(self.step))[:, None]
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def _part(self, k: int, lo: int, hi: int) -> np.ndarray:
+        """Rows `lo:hi` of copy `k`."""
+        part = self.one[lo:hi]
+        return part + self.one.dtype.type(k * self.step) if self.step and k else part
+
+    def copies(self) -> Iterator[np.ndarray]:
+        """The column, one copy at a time (`one`, then `one + step`, ...)."""
+        for k in range(self.times):
+            yield self._part(k, 0, len(self.one))
+
+    def min(self, axis: Any = None, out: Any = None, **kw: Any) -> Any:
+        if axis is not None or out is not None or kw or len(self) == 0:
+            return np.asarray(self).min(axis=axis, out=out, **kw)
+        return self.one.min() + min(0, self.step * (self.times - 1))
+
+    def max(self, axis: Any = None, out: Any = None, **kw: Any) -> Any:
+        if axis is not None or out is not None or kw or len(self) == 0:
+            return np.asarray(self).max(axis=axis, out=out, **kw)
+        return self.one.max() + max(0, self.step * (self.times - 1))
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        args = [np.asarray(x) if isinstance(x, Repeated) else x for x in inputs]
+        return getattr(ufunc, method)(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.one) * self.times
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.one.dtype
+
+    def __getitem__(self, which: np.ndarray | slice) -> np.ndarray:
+        n = len(self.one)
+        if isinstance(which, slice):
+            lo, hi, by = which.indices(len(self))
+            if by == 1 and hi <= lo:
+                return self.one[:0].copy()
+            if by == 1:  # each copy's part of it (a view where it lies within one copy)
+                parts = [self._part(k, max(lo - k * n, 0), min(hi - k * n, n))
+                         for k in range(lo // n, (hi - 1) // n + 1)]
+                return parts[0] if len(parts) == 1 else np.concatenate(parts)
+            which = np.arange(lo, hi, by)
+        which = np.asarray(which)
+        if which.dtype == bool:
+            which = np.flatnonzero(which)
+        k, i = np.divmod(which, n)
+        out = self.one[i]
+        if self.step:
+            out += (k * self.step).astype(out.dtype)
+        return out
+
+
+def repeated(chunks: Chunks, dst: PieceTable, times: int
+             ) -> tuple[Chunks, PieceTable] | None:
+    """`chunks` and the target pieces `dst` they point into as `Repeated` columns of their
+    first `1 / times` (each its own small array), when both are `times` equal blocks (but
+    the target ranks, moved by one step a block, and the chunks' target rows, by the
+    block's rows): what `lower` reads of the engine's alike replicas, held once. Else None.
+    The chunks' source boxes repeat too (`holders` and `holder_ptr` are kept)."""
+    if times < 2 or len(dst) % times or len(chunks) % times or len(dst) == 0:
+        return None
+    cut = ("tensor", "off0", "off1", "size0", "size1", "dst") + (
+        ("sbox",) if len(chunks.sbox) else ())
+    n, m = len(dst) // times, len(chunks) // times
+    step = int(dst.rank[n]) - int(dst.rank[0])
+    moved = {"rank": step}
+    for t, size, cols in ((dst, n, PieceTable.__slots__),
+                          (chunks, m, cut)):
+        for f in cols:
+            col, by = getattr(t, f), moved.get(f, n if t is chunks and f == "dst" else 0)
+            first = col[:size]
+            for k in range(1, times):
+                if not np.array_equal(col[k * size:(k + 1) * size] - by * k if by else
+                                      col[k * size:(k + 1) * size], first):
+                    return None
+    one = {f: Repeated(_own(getattr(dst, f)[:n]), times, moved.get(f, 0))
+           for f in PieceTable.__slots__}
+    return (Chunks(**{f: Repeated(_own(getattr(chunks, f)[:m]), times,
+                                  n if f == "dst" else 0) for f in cut},
+                   **({} if "sbox" in cut else {"sbox": chunks.sbox}),
+                   holder_ptr=chunks.holder_ptr, holders=chunks.holders),
+            PieceTable(**one))
+
+
+def _own(col: np.ndarray) -> np.ndarray:
+    """A read-only copy of `col` (not a view: the whole column can go)."""
+    out = np.array(col)
+    out.flags.writeable = False
+    return out

@@ -31,6 +31,7 @@ from planner.passes.lower_cols import (
     Geometry,
     Placed,
     Writes,
+    concat,
     copies,
     direct_rows,
     rows_per_write,
@@ -93,7 +94,7 @@ def merge(parts: list[Lowered | None]) -> Lowered:
     del a, b
     w = {k: np.concatenate([wa.pop(k), wb.pop(k)], dtype=np.int32 if k in NARROW else None)
          for k in keys}
-    copies = {k: np.concatenate([ca.pop(k), cb.pop(k)]) for k in list(ca)}
+    copies = {k: concat(ca.pop(k), cb.pop(k)) for k in list(ca)}  # constants kept
     return Lowered(**w, copies=copies, staging=staging, stages=stages, slotted=slotted,
                    sources_slotted=sources_slotted)
 

@@ -213,7 +213,40 @@ def copies(g: Geometry, at: Placed, n_regions: np.ndarray) -> dict[str, np.ndarr
         "size2": lambda: (one_p, one_u),
         "aux_offset": lambda: (np.zeros(len(p) + len(u), dtype=np.int32),),
     }
-    return {k: _column(f(), _COPY_DTYPES.get(k, np.dtype(np.int64))) for k, f in cols.items()}
+    return {k: constant(_column(f(), _COPY_DTYPES.get(k, np.dtype(np.int64))))
+            for k, f in cols.items()}
+
+
+def constant(col: np.ndarray) -> np.ndarray:
+    """`col`, or, when every value of it is one value, that value as a read-only column of
+    `col`'s length held in one element (stride 0, `is_constant`): many copy columns are
+    (a dtype, a unit stride, a kind) and they live from `lower` to `emit`."""
+    if len(col) < 2 or not (col == col[0]).all():
+        return col
+    return np.broadcast_to(col[:1].copy(), col.shape)
+
+
+def is_constant(col: np.ndarray) -> bool:
+    """Whether `col` is a column `constant` made of one element."""
+    return len(col) > 1 and col.strides == (0,)
+
+
+def as_dtype(col: np.ndarray, dt: np.dtype) -> np.ndarray:
+    """`col` in `dt` (itself if it is), a `constant` column kept one."""
+    if is_constant(col):
+        return np.broadcast_to(col[:1].astype(dt), col.shape)
+    return col.astype(dt, copy=False)
+
+
+def concat(a: np.ndarray, b: np.ndarray, dt: np.dtype | None = None) -> np.ndarray:
+    """`np.concatenate([a, b], dtype=dt)`, but a `constant` column stays one when the other
+    part is empty or the same constant."""
+    dt = np.result_type(a, b) if dt is None else np.dtype(dt)
+    if is_constant(a) and (len(b) == 0 or is_constant(b) and b[0] == a[0]) or \
+            is_constant(b) and len(a) == 0:
+        one = a if len(a) else b
+        return np.broadcast_to(one[:1].astype(dt), (len(a) + len(b),))
+    return np.concatenate([a, b], dtype=dt)
 
 
 def _column(parts: tuple[np.ndarray, ...], dt: np.dtype) -> np.ndarray:

@@ -65,7 +65,8 @@ def schedule(low: Lowered, topo: Topology, max_write_bytes: int,
     new_group = np.ones(n, dtype=bool)
     new_group[1:] = (g_src[1:] != g_src[:-1]) | (g_stage[1:] != g_stage[:-1]) | \
         (g_dst[1:] != g_dst[:-1])
-    gid = np.cumsum(new_group) - 1
+    gid = np.cumsum(new_group)
+    gid -= 1
     gstart = np.nonzero(new_group)[0]
     del new_group
     nb = low.w_nbytes[group]
@@ -73,12 +74,20 @@ def schedule(low: Lowered, topo: Topology, max_write_bytes: int,
     before -= nb  # bytes earlier in the whole order, then in the same group
     del nb
     before -= before[gstart][gid]
-    pos = np.arange(n) - gstart[gid]
+    pos = np.arange(n)  # (whole columns in place: each is the plan's writes long)
+    pos -= gstart[gid]
     del gid, gstart
-    rnd = np.maximum(before // max_write_bytes, pos // MAX_BATCH_WRITES)
+    rnd = before
+    rnd //= max_write_bytes
+    pos //= MAX_BATCH_WRITES
+    np.maximum(rnd, pos, out=rnd)
     del before, pos
     nt = max(topo.targets, 1)
-    rot = (g_dst - topo.sources + g_src.astype(np.int64) * spread(nt)) % nt
+    rot = g_src.astype(np.int64)  # (g_dst - sources + g_src * spread) % nt
+    rot *= spread(nt)
+    rot += g_dst
+    rot -= topo.sources
+    rot %= nt
     del g_dst
     order = group[lexorder(rot, rnd, g_stage, g_src)]  # stable: ties keep group order
     del rot, g_stage, g_src
