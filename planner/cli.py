@@ -109,7 +109,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         with Progress("compile") as progress:
             stats = compile_to(cfg, spec, args.output, progress, sign_key=args.sign_key)
     finally:
-        keep_freed_pages(False)  # the heap's free pages given back
+        keep_freed_pages(False, give_back=False)  # mapped again (the command then ends)
         _remove_temp(args.output)
     if "egress_bound_max_over_mean" in stats:  # max/mean is never below 1 (planner.tools.inspect)
         stats["egress_bound_max_over_mean"] = max(1.0, stats["egress_bound_max_over_mean"])

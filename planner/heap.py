@@ -52,11 +52,12 @@ def map_large_arrays() -> None:
         pass
 
 
-def keep_freed_pages(keep: bool) -> None:
+def keep_freed_pages(keep: bool, give_back: bool = True) -> None:
     """`keep`: from now on large arrays go on the heap (no new mappings) and the heap's
     freed pages are kept for the next ones, not given back; else mapped again
-    (`map_large_arrays`), and the heap's free pages given back (`malloc_trim`), so the
-    process holds only its live memory. A no-op unless `map_large_arrays` set glibc up."""
+    (`map_large_arrays`), and with `give_back` the heap's free pages given back
+    (`malloc_trim`: a walk of the heap), so the process holds only its live memory. A no-op
+    unless `map_large_arrays` set glibc up."""
     if _libc is None:
         return
     if keep:
@@ -65,4 +66,5 @@ def keep_freed_pages(keep: bool) -> None:
     else:
         _libc.mallopt(_M_MMAP_MAX, _MMAP_MAX)
         _libc.mallopt(_M_TRIM_THRESHOLD, _TRIM)
-        _libc.malloc_trim(0)
+        if give_back:
+            _libc.malloc_trim(0)
