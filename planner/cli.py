@@ -101,15 +101,14 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     _check_output(args.output)
     cfg, spec = load(args.config)  # bad configs fail here, before the compiler is imported
     from planner.compiler import compile_to
-    from planner.heap import keep_freed_pages, map_large_arrays
+    from planner.heap import freed_pages_kept, map_large_arrays
     from planner.progress import Progress
 
-    map_large_arrays()  # and the compile keeps freed pages after its peak (`planner.heap`)
-    try:
-        with Progress("compile") as progress:
+    map_large_arrays()
+    try:  # (the compile keeps freed pages after its peak: `planner.heap`)
+        with freed_pages_kept(), Progress("compile") as progress:
             stats = compile_to(cfg, spec, args.output, progress, sign_key=args.sign_key)
     finally:
-        keep_freed_pages(False, give_back=False)  # mapped again (the command then ends)
         _remove_temp(args.output)
     if "egress_bound_max_over_mean" in stats:  # max/mean is never below 1 (planner.tools.inspect)
         stats["egress_bound_max_over_mean"] = max(1.0, stats["egress_bound_max_over_mean"])

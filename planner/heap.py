@@ -7,12 +7,14 @@ s of system time per GB on the CPU box): a compile makes tens of GB of short-liv
 so mapping every one costs seconds. Kept on the heap, freed pages are reused as they are,
 but the heap's holes stay in the process's memory: that is only done where the compile's
 live memory is below its peak (after `lower`), so the peak is unchanged. Nothing changes
-unless `map_large_arrays` was called (the command line's compile), nor where there is no
-glibc."""
+outside `freed_pages_kept` (the command line's compile, after `map_large_arrays`), nor where
+there is no glibc."""
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 _M_TRIM_THRESHOLD = -1
@@ -32,6 +34,8 @@ given back only past 2 GiB free."""
 
 _libc: Any = None
 """glibc, once `map_large_arrays` has set it up; None: `keep_freed_pages` does nothing."""
+_active = False
+"""Inside `freed_pages_kept` (with glibc set up): `keep_freed_pages` acts."""
 
 
 def map_large_arrays() -> None:
@@ -52,14 +56,32 @@ def map_large_arrays() -> None:
         pass
 
 
-def keep_freed_pages(keep: bool, give_back: bool = True) -> None:
+@contextmanager
+def freed_pages_kept() -> Iterator[None]:
+    """The scope in which `keep_freed_pages` acts (the command line's compile, after
+    `map_large_arrays`); on leaving it, glibc maps large arrays again (without a walk of
+    the heap to give its free pages back: the command ends). Elsewhere (a library caller,
+    a test) `keep_freed_pages` does nothing."""
+    global _active
+    _active = _libc is not None
+    try:
+        yield
+    finally:
+        if _active:
+            _set(False, give_back=False)
+        _active = False
+
+
+def keep_freed_pages(keep: bool) -> None:
     """`keep`: from now on large arrays go on the heap (no new mappings) and the heap's
     freed pages are kept for the next ones, not given back; else mapped again
-    (`map_large_arrays`), and with `give_back` the heap's free pages given back
-    (`malloc_trim`: a walk of the heap), so the process holds only its live memory. A no-op
-    unless `map_large_arrays` set glibc up."""
-    if _libc is None:
-        return
+    (`map_large_arrays`), and the heap's free pages given back (`malloc_trim`), so the
+    process holds only its live memory. A no-op outside `freed_pages_kept`."""
+    if _active:
+        _set(keep, give_back=True)
+
+
+def _set(keep: bool, give_back: bool) -> None:
     if keep:
         _libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_TRIM)
         _libc.mallopt(_M_MMAP_MAX, 0)
