@@ -391,16 +391,15 @@ def _stamped_columns(one: Table, replicas: int, shift: int) -> Iterator[np.ndarr
     dt = np.int32 if m * replicas < 1 << 31 else np.int64  # row numbers
     g_start = np.flatnonzero(np.concatenate([[True], ~same])).astype(dt)
     g_len = np.diff(np.append(g_start, m)).astype(dt)
-    out_len = g_len * replicas
-    g = np.repeat(np.arange(len(g_start), dtype=dt), out_len)
+    # the output as runs, one per (group, block) in that order: a run is its group's rows
+    # (no division per row: each row's source row and block are repeated from its run's)
+    run_len = np.repeat(g_len, replicas)
+    run_at = np.cumsum(run_len, dtype=dt) - run_len  # where each run starts in the output
     i = np.arange(m * replicas, dtype=dt)
-    i -= np.repeat(np.cumsum(out_len) - out_len, out_len)
-    lens = g_len[g]
-    block = i // lens
-    np.remainder(i, lens, out=i)  # (row columns in place: each is a plan's rows long)
-    del lens
-    i += g_start[g]
-    del g
+    i += np.repeat(np.repeat(g_start, replicas) - run_at, run_len)
+    del run_at
+    block = np.repeat(np.tile(np.arange(replicas, dtype=dt), len(g_start)), run_len)
+    del run_len
     for name, dt in EXPLAIN_COLUMNS:
         col = one[name][i]
         if name == "dst_rank":  # block r's ranks + r * shift (every sum a target rank)

@@ -34,6 +34,7 @@ from planner.passes.lower_cols import (
     concat,
     copies,
     direct_rows,
+    row_per_chunk,
     rows_per_write,
     shape,
     writes,
@@ -121,7 +122,7 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     into the plan's columns (the staged chunks' temporaries and the direct writes are never
     held together; each chunk's geometry is made once to classify it, and once more, less
     what a direct write does not read, to write it)."""
-    c = Chosen(chunks, choice, src, dst)
+    c = Chosen(chunks, choice, src, dst, row_per_chunk(chunks, dst))
     blocks = [slice(lo, lo + BLOCK) for lo in range(0, len(chunks), BLOCK)]
     staged_at = np.zeros(len(chunks), dtype=bool)  # classified once, a block at a time
     n_direct = 0  # direct writes of the blocks
@@ -216,7 +217,7 @@ def _direct_load(c: Chosen, rows: np.ndarray
     """Source rank, target rank, bytes and number of direct writes of each chunk of `rows`
     (not staged), for the link load: what `writes` would make, without making them."""
     g = direct_rows(c, rows)
-    sr, dr = c.choice[rows], c.chunks.dst[rows]
+    sr, dr = c.choice[rows], c.dst_rows(rows)
     n = rows_per_write(g.s0, g.s1, g.s_a0, g.d_a0)
     return c.src.rank[sr], c.dst.rank[dr], g.s0 * g.s1 * g.es_d, n
 
@@ -227,12 +228,12 @@ def _second_look(c: Chosen, si: np.ndarray, blocks: list[slice], staged_at: np.n
     `balance.direct_after_all` moves (the other chunks' direct writes, `~staged_at`, count
     towards the links, a block at a time, only where a staged chunk crosses NVLink)."""
     host, world = np.asarray(topo.host, dtype=np.int32), topo.world
-    s_rank, d_rank = c.src.rank[c.choice[si]], c.dst.rank[c.chunks.dst[si]]
+    s_rank, d_rank = c.src.rank[c.choice[si]], c.dst.rank[c.dst_rows(si)]
     nvlink = host[s_rank] == host[d_rank]
     if not nvlink.any():
         return si, writes(c, shape(c, si[:0]), si[:0], si[:0])
     g = shape(c, si)
-    s_reg, d_reg = c.src.region[c.choice[si]], c.dst.region[c.chunks.dst[si]]
+    s_reg, d_reg = c.src.region[c.choice[si]], c.dst.region[c.dst_rows(si)]
     p, u, nb = g.pack, g.unpack, g.nbytes
     # each rank's copies: one op per (rank, tensor region), and their bytes
     ops = unique_rows(np.concatenate([np.stack([s_rank[p], s_reg[p]], axis=1),
@@ -282,7 +283,7 @@ def _staged(c: Chosen, si: np.ndarray, first: int, n_regions: np.ndarray, opts: 
     (`schemas.protocol`)."""
     world = len(n_regions)
     g = shape(c, si)
-    src_rank, dst_rank = c.src.rank[c.choice[si]], c.dst.rank[c.chunks.dst[si]]
+    src_rank, dst_rank = c.src.rank[c.choice[si]], c.dst.rank[c.dst_rows(si)]
     nbytes, pack, unpack = g.nbytes, g.pack, g.unpack
     first = first if pack.any() else 0
     order = staging_order(np.arange(len(si)), src_rank, dst_rank, nbytes, world)
@@ -303,7 +304,7 @@ def _staged(c: Chosen, si: np.ndarray, first: int, n_regions: np.ndarray, opts: 
     si = si[order]
     at = Placed(stage=stage, s_soff=s_soff, d_soff=d_soff, src_rank=src_rank[order],
                 dst_rank=dst_rank[order], s_region=c.src.region[c.choice[si]],
-                d_region=c.dst.region[c.chunks.dst[si]], s_start=c.start(si, source=True),
+                d_region=c.dst.region[c.dst_rows(si)], s_start=c.start(si, source=True),
                 d_start=c.start(si, source=False))
     del src_rank, dst_rank, si, order
     # the copies first: the geometry only they read goes before the writes are made

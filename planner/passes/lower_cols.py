@@ -35,13 +35,28 @@ class Chosen:
     choice: np.ndarray
     src: PieceTable
     dst: PieceTable
+    dst_is_row: bool = False
+    """Chunk k is target piece row k (`chunks.dst` is `arange`: every target piece fed by
+    one source box, `intersect`): `dst_rows` then takes no gather (`row_per_chunk`)."""
+
+    def dst_rows(self, which: Index) -> Index:
+        """The target piece rows of chunks `which` (with `dst_is_row`, `which` itself: a
+        block's slice stays a slice, whose columns are views)."""
+        return which if self.dst_is_row else self.chunks.dst[which]
 
     def start(self, which: Index, source: bool) -> np.ndarray:
         """Element offset of the first element of chunks `which` on the source side (or
         the target side)."""
-        t, rows = (self.src, self.choice) if source else (self.dst, self.chunks.dst)
-        r, c = rows[which], self.chunks
+        t, r = (self.src, self.choice[which]) if source else (self.dst, self.dst_rows(which))
+        c = self.chunks
         return t.base[r] + c.off0[which] * t.a0[r] + c.off1[which] * t.a1[r]
+
+
+def row_per_chunk(chunks: Chunks, dst: PieceTable) -> bool:
+    """Whether chunk k is target piece row k for every k (`Chosen.dst_is_row`)."""
+    n = len(dst)
+    return len(chunks) == n and (n == 0 or (int(chunks.dst[0]) == 0 and bool(
+        (np.diff(chunks.dst) == 1).all())))
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +91,7 @@ class Geometry(Rows):
 
 def shape(c: Chosen, which: Index) -> Geometry:
     """The `Geometry` of chunks `which`."""
-    sr, dr = c.choice[which], c.chunks.dst[which]
+    sr, dr = c.choice[which], c.dst_rows(which)
     s0, s1 = c.chunks.size0[which], c.chunks.size1[which]
     col = s1 == 1  # read `n x 1` as `1 x n`
     s_a0, d_a0 = c.src.a0[sr], c.dst.a0[dr]
@@ -97,7 +112,7 @@ def shape(c: Chosen, which: Index) -> Geometry:
 def direct_rows(c: Chosen, which: np.ndarray) -> Rows:
     """The `Rows` of chunks `which` that are not staged (unit inner strides on both sides
     and no cast, so one element size): only what a direct write reads."""
-    sr, dr = c.choice[which], c.chunks.dst[which]
+    sr, dr = c.choice[which], c.dst_rows(which)
     s0, s1 = c.chunks.size0[which], c.chunks.size1[which]
     col = s1 == 1  # read `n x 1` as `1 x n`
     code = c.dst.dtype[dr]
@@ -155,7 +170,7 @@ def writes(c: Chosen, g: Rows, di: np.ndarray | None, ids: np.ndarray) -> Writes
     one = bool((r == 1).all())  # one write per chunk: no row expansion
     idx = sel if one else np.repeat(np.arange(len(ids)) if di is None else di, r)
     at = ids[idx]  # chunk index
-    sr, dr = c.choice[at], c.chunks.dst[at]
+    sr, dr = c.choice[at], c.dst_rows(at)
     s_off, d_off = c.start(at, source=True), c.start(at, source=False)
     if not one:  # row k of a chunk: k strides on
         k = np.arange(len(at)) - np.repeat(np.cumsum(r) - r, r)

@@ -40,13 +40,24 @@ def staging_order(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
     new = np.ones(len(si), dtype=bool)
     sp, dp = s[pair], d[pair]
     new[1:] = (sp[1:] != sp[:-1]) | (dp[1:] != dp[:-1])
-    del sp, dp
     start = np.maximum.accumulate(np.where(new, np.arange(len(si)), 0))
     before = np.cumsum(nb) - nb
-    quantum = np.empty(len(si), dtype=np.int64)
-    quantum[pair] = (before - before[start]) // QUANTUM
-    rot = (d + s) % max(world, 1)
-    return si[lexorder(s, rot, quantum)]
+    quantum = (before - before[start]) // QUANTUM  # in `pair` order
+    del before, start, nb
+    # The chunks by (quantum, rotated target, source), stable: in `pair` order a (source,
+    # target) pair's chunks are one run, in chunk order, their quanta ascending, so each
+    # (source, target, quantum) is a run of its own, and no two runs have equal keys (the
+    # source and its rotation give the target): the runs are sorted, not the chunks.
+    new[1:] |= quantum[1:] != quantum[:-1]
+    run = np.flatnonzero(new)
+    del new
+    rs, rd, rq = sp[run], dp[run], quantum[run]
+    del sp, dp, quantum
+    runs = lexorder(rs, (rd + rs) % max(world, 1), rq)
+    length = np.diff(np.append(run, len(si)))[runs]
+    at = np.repeat(run[runs] - (np.cumsum(length) - length), length)
+    at += np.arange(len(si))
+    return si[pair[at]]
 
 
 def place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
