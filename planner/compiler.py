@@ -51,7 +51,6 @@ from planner.collector import gc_paused
 from planner.derived import derived
 from planner.fp8 import with_scales
 from planner.frameworks import build_layout, start_layout
-from planner.heap import keep_freed_pages
 from planner.identities import rank_identities, rank_tensor_blobs
 from planner.layouts.base import Layout
 from planner.layouts.traced import model_hf, uses_trace
@@ -203,10 +202,8 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     after assign, and the chunks are dropped once lowered; what they need of the target
     pieces (the coverage table, the tensors blobs) before lower, and all but the gathered
     ones are dropped once lowered. The fingerprint's digest of the piece tables, the
-    coverage table and the tensors blobs are made on a second thread from assign to the end
-    of lower (blake2b and numpy's sorts release the GIL). From lower's end on (below the
-    compile's peak), freed large arrays' pages are reused, not mapped and zeroed afresh,
-    where the command line asked for it (`planner.heap`). `spill`: `compile_config`'s."""
+    coverage table and the tensors blobs are made on a second thread beside assign, done
+    before lower (blake2b and numpy's sorts release the GIL). `spill`: `compile_config`'s."""
     step, opts, names = progress or _quiet, cfg.options, tuple(t.name for t in spec.tensors)
     # 3. topology and piece tables
     topo = build_topology(cfg.cluster, src_layout.world, dst_layout.world)
@@ -247,13 +244,11 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     # when the plan is written
     # 7. lower
     step("lower")
-    keep_freed_pages(False)  # the compile's peak: every large array its own mapping
     staging_ids = _staging_ids(src_layout, dst_layout)
     (fp, fp_base), coverage, blobs = fp_job.result(), coverage_job.result(), blobs_job.result()
     side.shutdown()
     direct = lower(chunks, choice, src, pieces, staging_ids, opts, names, bytes_in, topo)
     del chunks, choice, pieces  # the largest columns: nothing later reads them
-    keep_freed_pages(True)  # below the peak from here on: freed pages reused, not zeroed
     # 8. gather
     step("gather")
     more = gather(spec, src, routes, staging_ids, opts, topo, direct.stages,
