@@ -72,12 +72,26 @@ def _check_platform() -> None:
                          "import planner.layouts.vllm_trace) before vLLM is first imported")
 
 
+def _in_process(fn: Any) -> Any:
+    return fn()
+
+
 def engine_config(hf: dict[str, Any], cfg: TargetConfig) -> Any:
-    """vLLM's `VllmConfig` for one engine of `cfg` (vLLM's own checks run here)."""
+    """vLLM's `VllmConfig` for one engine of `cfg` (vLLM's own checks run here).
+
+    vLLM inspects a model class it has not cached (`~/.cache/vllm/modelinfos`) in a new
+    Python process, so that importing the model cannot initialize CUDA in the engine's own
+    process: a second import of vLLM, seconds per model family on a fresh machine. A trace
+    imports the model's module here anyway (`trace_engine`) and builds it on the meta
+    device, so the inspection runs here too (vLLM still writes its cache)."""
+    from unittest import mock
+
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.models import registry
 
     _check_platform()
-    with tempfile.TemporaryDirectory(prefix="rdma-plan-trace-") as folder:
+    with tempfile.TemporaryDirectory(prefix="rdma-plan-trace-") as folder, \
+            mock.patch.object(registry, "_run_in_subprocess", _in_process):
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(hf, f)
         try:

@@ -100,6 +100,30 @@ def test_trace_is_cached_and_replicas_reuse_it(tmp_path: Path,
         traced.layout(spec, target(tp=2), hf, str(tmp_path))
 
 
+def test_a_model_class_vllm_has_not_cached_is_inspected_in_this_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a fresh machine vLLM inspects each model class in a new Python process (a second
+    import of vLLM, seconds per family); the trace inspects it in its own, and vLLM's
+    cache of it is still written."""
+    from vllm.model_executor.models import registry
+
+    started: list[object] = []
+
+    def new_process(fn: Any) -> Any:
+        started.append(fn)
+        return fn()
+
+    monkeypatch.setattr(registry, "_run_in_subprocess", new_process)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))  # nothing cached
+    registry._try_inspect_model_cls.cache_clear()  # nor inspected in this process
+    hf, kw = CASES["qwen2 tp2 qkv-bias"]
+    spec, cfg = spec_from_hf(hf, mtp=False), target(**kw)
+    assert traced.layout(spec, cfg, hf, str(tmp_path)) == vllm.layout(spec, cfg)
+    assert started == []
+    assert [p.name for p in (tmp_path / "vllm" / "modelinfos").iterdir()] == [
+        "vllm-model_executor-models-qwen2-Qwen2ForCausalLM.json"]
+
+
 def test_arithmetic_in_a_loader_is_refused_naming_the_parameter(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.model_executor.layers.linear import RowParallelLinear

@@ -54,14 +54,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 class _Child:
-    """One worker process (`python -m tests.property.fuzz`) and the request it is on."""
+    """One worker process (`python -m tests.property.fuzz`) and the request it is on. One
+    torch thread each: `JOBS` workers share the cores, and a mutant's tensors are small
+    (two threads a worker spun on each other's ops: 2.5x the CPU seconds on a 2-core box)."""
 
     def __init__(self, folder: str, i: int) -> None:
         self.path = os.path.join(folder, f"mutant{i}.rplan")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.property.fuzz"], cwd=ROOT, text=True,
-            env={**os.environ, "PYTHONPATH": ROOT}, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"},
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.job: tuple | None = None
         self.since = 0.0
 
