@@ -13,10 +13,12 @@ a tainted tensor into a parameter is refused naming the parameter and the operat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +78,21 @@ def _in_process(fn: Any) -> Any:
     return fn()
 
 
+@contextlib.contextmanager
+def _inspected_here(registry: Any) -> Iterator[None]:
+    """vLLM's model inspection (`registry._run_in_subprocess`) run in this process while
+    the block runs; where a vLLM has no such function, nothing changes (its own way runs)."""
+    was = getattr(registry, "_run_in_subprocess", None)
+    if was is None:
+        yield
+        return
+    registry._run_in_subprocess = _in_process
+    try:
+        yield
+    finally:
+        registry._run_in_subprocess = was
+
+
 def engine_config(hf: dict[str, Any], cfg: TargetConfig) -> Any:
     """vLLM's `VllmConfig` for one engine of `cfg` (vLLM's own checks run here).
 
@@ -83,15 +100,14 @@ def engine_config(hf: dict[str, Any], cfg: TargetConfig) -> Any:
     Python process, so that importing the model cannot initialize CUDA in the engine's own
     process: a second import of vLLM, seconds per model family on a fresh machine. A trace
     imports the model's module here anyway (`trace_engine`) and builds it on the meta
-    device, so the inspection runs here too (vLLM still writes its cache)."""
-    from unittest import mock
-
+    device, so the inspection runs here too (vLLM still writes its cache; a vLLM without
+    that step inspects its own way)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.models import registry
 
     _check_platform()
     with tempfile.TemporaryDirectory(prefix="rdma-plan-trace-") as folder, \
-            mock.patch.object(registry, "_run_in_subprocess", _in_process):
+            _inspected_here(registry):
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(hf, f)
         try:
