@@ -25,24 +25,31 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abs
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kernel", [True, False], ids=["copy-kernel", "copy-engines"])
-def test_four_processes_over_cuda_ipc(tmp_path, kernel):
-    # the copy kernel's run sends DONE from the GPU (device_signals), the engines' from the host
-
+def _three_steps(tmp_path, options: dict, **env: str) -> tuple[dict, list]:
+    """The 2x2 plan's four ranks over cuda_ipc (rank r on GPU r % GPUs), three steps each,
+    every one bit-exact (the worker checks); each rank's transport stats, and the ranks."""
     path = save(str(tmp_path / "p.rplan"), two_by_two())
     store, port = master_store(60)  # noqa: F841 (alive while the ranks run)
     gpus = torch.cuda.device_count()
     done = spawn_ranks(lambda r: [sys.executable, WORKER, path, str(r), f"127.0.0.1:{port}",
                                   "3", "cuda_ipc", f"cuda:{r % gpus}", "90",
-                                  json.dumps({"copy_kernel": kernel, "device_signals": kernel})], 4,
-                       env=root_env(RDMA_PLAN_SECRET=secrets.token_hex(32)),
+                                  json.dumps(options)], 4,
+                       env=root_env(RDMA_PLAN_SECRET=secrets.token_hex(32), **env),
                        timeout=240)
     for f in done:
         assert f.returncode == 0, f"rank {f.rank} failed:\n{f.output[-3000:]}"
         assert f"rank {f.rank} step 3: ok" in f.output
     stats = {f.rank: json.loads(f.output.split(f"rank {f.rank} stats ", 1)[1].splitlines()[0])
              for f in done}
+    return stats, done
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", [True, False], ids=["copy-kernel", "copy-engines"])
+def test_four_processes_over_cuda_ipc(tmp_path, kernel):
+    # the copy kernel's run sends DONE from the GPU (device_signals), the engines' from the host
+    gpus = torch.cuda.device_count()
+    stats, done = _three_steps(tmp_path, {"copy_kernel": kernel, "device_signals": kernel})
     # the best path throughout: posts through raw runtime calls, nothing fell back (a
     # fallback is recorded with its reason in `CudaIpcTransport.degraded`)
     for f in done:
@@ -69,21 +76,9 @@ def test_writes_wait_for_what_the_caller_queued_before_run(tmp_path, kernel):
     # the sources refill their tensors on the current stream behind ~20 ms of GPU work, so
     # the refill has not run when run() starts: the posts (`ordered_posts`) must still copy
     # the refilled bytes, every step
-
-    path = save(str(tmp_path / "p.rplan"), two_by_two())
-    store, port = master_store(60)  # noqa: F841 (alive while the ranks run)
-    gpus = torch.cuda.device_count()
-    done = spawn_ranks(lambda r: [sys.executable, WORKER, path, str(r), f"127.0.0.1:{port}",
-                                  "3", "cuda_ipc", f"cuda:{r % gpus}", "90",
-                                  json.dumps({"copy_kernel": kernel})], 4,
-                       env=root_env(RDMA_PLAN_SECRET=secrets.token_hex(32),
-                                    WORKER_LAGGED_REFILL="1"),
-                       timeout=240)
-    for f in done:
-        assert f.returncode == 0, f"rank {f.rank} failed:\n{f.output[-3000:]}"
-        assert f"rank {f.rank} step 3: ok" in f.output
+    stats, done = _three_steps(tmp_path, {"copy_kernel": kernel}, WORKER_LAGGED_REFILL="1")
     for f in done:  # the fast path (raw runtime calls), nothing fell back
-        s = json.loads(f.output.split(f"rank {f.rank} stats ", 1)[1].splitlines()[0])
+        s = stats[f.rank]
         assert s["posting_mode"] == 2 and s["degraded"] == 0, (s, f.output[-2000:])
 
 
