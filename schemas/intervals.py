@@ -25,6 +25,28 @@ def distinct(a: np.ndarray) -> np.ndarray:
     return a[keep]
 
 
+def ends_by_start(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Intervals `[lo, hi)` made ready for `meets`: the empty ones dropped, the rest by
+    start, each end the furthest of those starting no later (prepared once where many
+    questions are asked of the same intervals)."""
+    keep = hi > lo
+    lo, hi = lo[keep], hi[keep]
+    order = np.argsort(lo, kind="stable")
+    return lo[order], np.maximum.accumulate(hi[order])
+
+
+def meets(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> bool:
+    """Whether any interval of `a` shares a byte with one of `b`, given as
+    `ends_by_start` made it."""
+    (a_lo, a_hi), (b_lo, b_hi) = a, b
+    keep = a_hi > a_lo
+    a_lo, a_hi = a_lo[keep], a_hi[keep]
+    if not len(a_lo) or not len(b_lo):
+        return False
+    k = np.searchsorted(b_lo, a_hi, side="left") - 1  # last of b starting before a ends
+    return bool(((k >= 0) & (b_hi[np.maximum(k, 0)] > a_lo)).any())
+
+
 def union(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Disjoint sorted intervals covering the same bytes as `[lo, hi)`."""
     if len(lo) == 0:

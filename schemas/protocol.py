@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from schemas.intervals import overlap_by_group
+from schemas.intervals import ends_by_start, meets, overlap_by_group
 from schemas.plan import (
     ACK,
     DONE,
@@ -305,15 +305,7 @@ def overlapping_dst(rp: RankPlan) -> np.ndarray:
 
 def overlaps(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> bool:
     """Whether any interval of `a` shares a byte with any interval of `b`."""
-    (a_lo, a_hi), (b_lo, b_hi) = a, b
-    keep_a, keep_b = a_hi > a_lo, b_hi > b_lo
-    a_lo, a_hi, b_lo, b_hi = a_lo[keep_a], a_hi[keep_a], b_lo[keep_b], b_hi[keep_b]
-    if not len(a_lo) or not len(b_lo):
-        return False
-    order = np.argsort(b_lo, kind="stable")
-    b_lo, b_hi = b_lo[order], np.maximum.accumulate(b_hi[order])
-    k = np.searchsorted(b_lo, a_hi, side="left") - 1  # last b starting before a ends
-    return bool(((k >= 0) & (b_hi[np.maximum(k, 0)] > a_lo)).any())
+    return meets(a, ends_by_start(*b))
 
 
 def copy_extents(rp: RankPlan, side: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -49,7 +49,7 @@ from planner.tools.verify_shadow import rank_shadow
 from planner.writes import Incoming, concat
 from schemas import rankcheck
 from schemas.header import MAX_STAGES, PlanHeader
-from schemas.intervals import distinct
+from schemas.intervals import distinct, ends_by_start, meets
 from schemas.plan import ACK, DONE, READY, SLOT_ACK, UNPACK, Plan, RankPlan, region_facts
 from schemas.protocol import (
     SLOTS,
@@ -331,34 +331,12 @@ def _acks(rp: RankPlan, inc: Incoming, waited: dict[int, np.ndarray], world: int
         s, writer = int(g_st[g]), int(g_src[g])
         got = reads.get((a, b))
         if got is None:
-            got = reads[(a, b)] = _reads(r_lo[a:b], r_hi[a:b])
-        if _meets((lo[at[g]:at[g + 1]], hi[at[g]:at[g + 1]]), got):
+            got = reads[(a, b)] = ends_by_start(r_lo[a:b], r_hi[a:b])
+        if meets((lo[at[g]:at[g + 1]], hi[at[g]:at[g + 1]]), got):
             out.append((writer, s, f"rank {writer} writes into rank {rp.rank}'s staging in "
                         f"stage {s} bytes that rank {rp.rank} may still read in stages "
                         f"{f + 1}..{s - 1} (it waits for no ACK of stage s-1)"))
     return out
-
-
-def _reads(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Intervals `[lo, hi)` made ready for `_meets`: the empty ones dropped, the rest by
-    start, each end the furthest of those starting no later (`schemas.protocol.overlaps`'s
-    second operand, prepared once for every group that asks about it)."""
-    keep = hi > lo
-    lo, hi = lo[keep], hi[keep]
-    order = np.argsort(lo, kind="stable")
-    return lo[order], np.maximum.accumulate(hi[order])
-
-
-def _meets(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> bool:
-    """`schemas.protocol.overlaps(a, reads)` for `b = _reads(*reads)`: whether any
-    interval of `a` shares a byte with one of the reads."""
-    (a_lo, a_hi), (b_lo, b_hi) = a, b
-    keep = a_hi > a_lo
-    a_lo, a_hi = a_lo[keep], a_hi[keep]
-    if not len(a_lo) or not len(b_lo):
-        return False
-    k = np.searchsorted(b_lo, a_hi, side="left") - 1  # last read starting before a ends
-    return bool(((k >= 0) & (b_hi[np.maximum(k, 0)] > a_lo)).any())
 
 
 def _member(q: np.ndarray, keys: np.ndarray) -> np.ndarray:
