@@ -28,6 +28,7 @@ from planner.errors import NotIncremental
 from planner.passes.schedule import MAX_BATCH_WRITES
 from planner.placement import ExpertIds
 from planner.replan_tables import Hits, SourceTensors
+from schemas.intervals import union
 from schemas.placement import Placement
 from schemas.plan import STAGING, WRITE_COLUMNS, RankPlan
 from schemas.table import Table
@@ -220,13 +221,7 @@ def _windows(mi: np.ndarray, put: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
     can change when entries `mi` move to places `put` (in order of `put`) and the others
     keep their order: the union of the spans between each moved entry's old and new place
     (outside them every entry keeps its place), ascending."""
-    lo, hi = np.minimum(mi, put), np.maximum(mi, put) + 1
-    o = np.argsort(lo, kind="stable")
-    lo, hi = lo[o], np.maximum.accumulate(hi[o])
-    first = np.ones(len(lo), bool)
-    np.greater_equal(lo[1:], hi[:-1], out=first[1:])  # a span apart from those before it
-    a = lo[first]
-    b = hi[np.append(np.flatnonzero(first)[1:] - 1, len(lo) - 1)]
+    a, b = union(np.minimum(mi, put), np.maximum(mi, put) + 1)  # the windows
     span = b - a
     shift = a - np.cumsum(span) + span  # a window's first place less its index in `win`
     win = np.repeat(shift, span) + np.arange(int(span.sum()))
