@@ -78,6 +78,7 @@ EXTENDED = (
     "tests/oracles/test_sglang_oracle.py::test_sglang_matches_layout[4]",
     "tests/oracles/test_vllm_fp8_oracle.py::test_plan_matches_vllm_fp8_loading[qwen3-megatron-to-vllm-tp2]",
     "tests/bench/test_tiny_modes.py::test_gpu_refit_tiny_on_cpu",
+    "tests/bench/test_tiny_modes.py::test_gpu_refit_process_per_model_on_cpu",
     "tests/bench/test_tiny_modes.py::test_traced_compile_tiny",
     "tests/bench/test_tiny_modes.py::test_long_run_tiny",
     "tests/oracles/test_vllm_trace.py::test_a_platform_vllm_settled_before_the_planner_loaded_is_named",

@@ -54,6 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--copy-microbench", action="store_true",
                    help="time 3 MiB peer copies by method (torch, foreach, cudaMemcpyAsync)")
     p.add_argument("--out", default=None, help="folder for results.json and section.md")
+    p.add_argument("--process-per-model", action="store_true",
+                   help="each model in its own worker processes, one model after another "
+                   "(its floor measured there): a model's GPU memory, peers' mappings "
+                   "included, goes with its processes; the results are merged")
     p.add_argument("--timeout", type=float, default=1500.0, help="whole run, seconds")
     p.add_argument("--render", help="results.json to render (no run)")
     p.add_argument("--write-md", help="replace the section in this markdown file")
@@ -104,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out or tempfile.mkdtemp(prefix="gpu-refit-")
     os.makedirs(out_dir, exist_ok=True)
     results_path = os.path.join(out_dir, "results.json")
-    failed = launch(args, argv, setup, plans, results_path)
+    failed = (launch_each if args.process_per_model else launch)(args, argv, setup, plans,
+                                                                 results_path)
     if not os.path.exists(results_path):
         print("no results", flush=True)
         return 1
@@ -174,4 +179,29 @@ def launch(args: argparse.Namespace, argv: list[str], setup: Setup, plans: list[
     failed = [(f.rank, f.returncode) for f in done if f.returncode != 0]
     print(f"workers finished in {time.perf_counter() - t0:.1f} s; failed: {failed or 'none'}",
           flush=True)
+    return failed
+
+
+def launch_each(args: argparse.Namespace, argv: list[str], setup: Setup, plans: list[str],
+                results_path: str) -> list[tuple[int, int]]:
+    """`--process-per-model`: `launch` once a model, one after another; each model's
+    results keep the floor its own workers measured (`floor`), and the merged file's floor
+    is the first model's. The ranks that failed, as (rank, exit status), over all models."""
+    merged: dict = {"floor": None, "models": []}
+    failed: list[tuple[int, int]] = []
+    for model, plan in zip(args.models, plans):
+        part = f"{results_path}.{len(merged['models'])}"
+        failed += launch(argparse.Namespace(**{**vars(args), "models": [model]}), argv, setup,
+                         [plan], part)
+        if not os.path.exists(part):
+            print(f"{model}: no results", flush=True)
+            continue
+        with open(part) as f:
+            one = json.load(f)
+        for m in one["models"]:
+            m["floor"] = one["floor"]
+        merged["floor"] = merged["floor"] or one["floor"]
+        merged["models"] += one["models"]
+    with open(results_path, "w") as f:
+        json.dump(merged, f, indent=1)
     return failed

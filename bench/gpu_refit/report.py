@@ -27,10 +27,9 @@ def device_name(gpu: bool) -> str:
 
 
 def table(results: dict) -> tuple[list[list[str]], list[str]]:
-    floor = results.get("floor") or {}
-    bw = floor.get("gbps")
     rows, notes = [], []
-    for m in results["models"]:
+    for m in results["models"]:  # `--process-per-model`: each model's own floor
+        bw = (m.get("floor") or results.get("floor") or {}).get("gbps")
         recv = m.get("recv_bytes_max", 0)
         floor_s = recv / (bw * 1e9) if bw else None
         base = m["methods"].get("NCCL baseline", {}).get("median")

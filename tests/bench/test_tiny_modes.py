@@ -105,6 +105,18 @@ def test_gpu_refit_tiny_on_cpu() -> None:
     assert "all methods bit-exact: yes" in out
 
 
+def test_gpu_refit_process_per_model_on_cpu(tmp_path) -> None:
+    # each model in its own workers (their own floor), the results merged into one table
+    pytest.importorskip("nixl")
+    out = _run("-m", "bench.gpu_refit", "--tiny", "--models", "tiny-qwen3,tiny-qwen3-moe",
+               "--process-per-model", "--out", str(tmp_path))
+    assert out.count("workers finished") == 2 and "all methods bit-exact: yes" in out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [m["model"] for m in results["models"]] == ["tiny-qwen3", "tiny-qwen3-moe"]
+    for m in results["models"]:
+        assert m["floor"]["gbps"] > 0 and m["methods"]["rdma-plan (nixl)"]["bit_exact"]
+
+
 def test_zero_pause_tiny() -> None:
     # exits 1 unless the live tensors are bit-exact (and unmoved) after every switch and
     # after the paused refit; one row per model
