@@ -105,9 +105,6 @@ class Executor:
         self.inbox = signals.Inbox(self.tag, self.incarnation, self.rank, self.keys)
         self.world = header.world
         self.blame = Blame(self.control, self.world, self.rank, self.live_lease)
-        hand_off = self.transport.capabilities.notify_landed
-        self.window = Window(self.rank, self.transport, self.max_inflight, self._landed,
-                             (lambda s, e: self._hand_off(s, e)) if hand_off else None)
         self.stages: list[Stage] = []
         self.overlap: Overlap | None = None
         self.prepacked: list[bool] = []  # stage s packs during stage s-1's writes
@@ -127,6 +124,10 @@ class Executor:
         self.signals = Signals(Sender(self.rank, self.tag, self.incarnation, self.keys, device),
                                self.transport, self.inbox, self.blame,
                                self.recovery.refresh_peers)
+        hand_off = self.transport.capabilities.notify_landed
+        self.window = Window(self.rank, self.transport, self.max_inflight, self._landed,
+                             (lambda s, e: self._hand_off(s, e)) if hand_off else None,
+                             self.signals.ahead)  # writes in flight: the next step's head
         self.bytes_per_step = int(plan.writes["nbytes"].sum())
         self.received_per_step = received_bytes(header, self.rank)
         self.step_records = o.step_records
@@ -202,6 +203,24 @@ class Executor:
         link(p, self.stages)  # what each pack group waits for
         self.carries = carries(p).tolist()  # stage s may end with its writes in flight
         self.quiet = [self._quiet(s) for s in range(p.stages)]
+        self.signals.head(*self._head())
+
+    def _head(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        """What a step starts with, as the plan lists it: its first signal, where it is a READY
+        (a stage's READYs go out first; a rank whose first signal is a DONE sends it after
+        its writes are posted, off the path), and the READY/ACK waits of its first stage that
+        waits, where they are that stage's first (`Signals.ahead` seals and expects them in
+        the previous step's idle time; a wait for DONEs is idle time itself)."""
+        sends: list[tuple[int, int, int]] | None = None
+        waits: list[tuple[int, int, int]] | None = None
+        for s, st in enumerate(self.stages):
+            if sends is None and (st.ready_to or st.done_to):
+                sends = [(st.ready_to[0], s, READY)] if st.ready_to else []
+            if waits is None and (st.before or st.after):
+                waits = list(st.before)  # none where it awaits DONEs first
+            if sends is not None and waits is not None:
+                break
+        return sends or [], waits or []
 
     def _quiet(self, s: int) -> bool:
         """Whether this rank does nothing in stage `s` but await DONEs: no signal sent, no
