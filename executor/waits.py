@@ -153,6 +153,7 @@ class Signals:
         """The rank switched plans between steps: its signals carry the new plan's tag."""
         self.me = dataclasses.replace(self.me, tag=tag)
         self.sealer = signals.Sealer(self.me.keys, tag)
+        self.sealed, self.ahead_at = None, (-1, -1)  # sealed under the old tag
 
     def msg(self, peer: int, stage: int, kind: int) -> bytes:
         """The next signal of this step to `peer` (`stage`, `kind`), sealed."""

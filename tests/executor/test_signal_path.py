@@ -135,6 +135,13 @@ def test_signals_seal_the_next_ready_ahead_as_msg_would(pair):
     assert dst.msg(0, 0, READY) == signals.encode(dst.me.keys, TAG, 22, 11, 9, 0, READY, 1,
                                                   dst.seq)
     assert dst.sent_ahead == 1
+    dst.ahead()
+    other = signals.fingerprint_tag("plan-b")
+    dst.retag(other)  # a plan switch between steps: nothing sealed under the old tag goes out
+    dst.begin(10)
+    assert dst.msg(0, 0, READY) == signals.encode(dst.me.keys, other, 22, 11, 10, 0, READY, 1,
+                                                  dst.seq)
+    assert dst.sent_ahead == 1
 
 
 def test_steady_steps_hand_off_through_what_was_sealed_ahead(pair):
