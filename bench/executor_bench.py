@@ -200,6 +200,9 @@ def worker(path: str, rank: int, port: int, steps: int, transport: str, device: 
         print(f"--- rank {rank} profile of {steps} steps\n{out.getvalue()}", flush=True)
     if trace is not None:  # `BENCH_TRACE=DIR`: each event's time of each step
         step_trace.save(os.environ["BENCH_TRACE"], rank, trace)
+    print(f"rank {rank}: signals admitted as sealed ahead "  # (none before they were)
+          f"{getattr(plan.inbox, 'ahead_hits', '-')}, sent as sealed ahead "
+          f"{getattr(plan.signals, 'sent_ahead', '-')}, refused {plan.inbox.refused}", flush=True)
     if rank == 0 and transport == "cuda_ipc":  # which path the batches took
         print(f"rank 0 ({device}) transport stats: {plan.transport.stats()}", flush=True)
     if rank == 1:  # bit-exact: slot (i * 7) % W of the target holds the source's chunk i
@@ -333,6 +336,8 @@ def main() -> None:
                     help='JSON of the transport\'s options, e.g. \'{"graphs": false}\'')
     ap.add_argument("--local-options", default="{}",
                     help='JSON of the local transport\'s options, e.g. \'{"copy_kernel": false}\'')
+    ap.add_argument("--no-local", action="store_true",
+                    help="skip the `run_all_local` row (two-process rows only)")
     ap.add_argument("--tiny", action="store_true",
                     help="8 writes of 64 KiB, 2 steps, nixl on CPU (the test suite's mode)")
     a = ap.parse_args()
@@ -349,8 +354,9 @@ def main() -> None:
         if branches:  # the same W writes as raw copies in one CUDA graph
             rows.append((name, f"{a.writes} raw copies, one graph ({branches} branch"
                                f"{'es' if branches > 1 else ''})", ex, many, host, exact))
-        rows.append((f"local (run_all_local, {a.device})", "torch copy_",
-                     *bench_local(path, n, a.writes, a.steps, dev, a.local_options)))
+        if not a.no_local:
+            rows.append((f"local (run_all_local, {a.device})", "torch copy_",
+                         *bench_local(path, n, a.writes, a.steps, dev, a.local_options)))
     gb = n / 1e9
     lines = [f"{a.writes} writes x {a.mib:g} MiB = {n / 2**20:g} MiB, median of {a.steps} "
              "warm steps",

@@ -105,14 +105,13 @@ class Executor:
         self.inbox = signals.Inbox(self.tag, self.incarnation, self.rank, self.keys)
         self.world = header.world
         self.blame = Blame(self.control, self.world, self.rank, self.live_lease)
-        hand_off = self.transport.capabilities.notify_landed
-        self.window = Window(self.rank, self.transport, self.max_inflight, self._landed,
-                             (lambda s, e: self._hand_off(s, e)) if hand_off else None)
         self.stages: list[Stage] = []
         self.overlap: Overlap | None = None
         self.prepacked: list[bool] = []  # stage s packs during stage s-1's writes
         self.carries: list[bool] = []  # stage s may end with its writes in flight
         self.quiet: list[bool] = []  # stage s only awaits DONEs (`_quiet`)
+        self.ready_first = False
+        """A step starts by sending stage 0's READYs (its running record is handed after them)."""
         self.peers: list[int] = []
         self.step, self.complete, self.registered = 0, False, False
         self.failed = False  # the last step raised: the next one recovers first
@@ -127,6 +126,10 @@ class Executor:
         self.signals = Signals(Sender(self.rank, self.tag, self.incarnation, self.keys, device),
                                self.transport, self.inbox, self.blame,
                                self.recovery.refresh_peers)
+        hand_off = self.transport.capabilities.notify_landed
+        self.window = Window(self.rank, self.transport, self.max_inflight, self._landed,
+                             (lambda s, e: self._hand_off(s, e)) if hand_off else None,
+                             self.signals.ahead)  # writes in flight: the next step's head
         self.bytes_per_step = int(plan.writes["nbytes"].sum())
         self.received_per_step = received_bytes(header, self.rank)
         self.step_records = o.step_records
@@ -202,6 +205,25 @@ class Executor:
         link(p, self.stages)  # what each pack group waits for
         self.carries = carries(p).tolist()  # stage s may end with its writes in flight
         self.quiet = [self._quiet(s) for s in range(p.stages)]
+        self.ready_first = bool(self.stages) and not self.quiet[0] and bool(self.stages[0].ready_to)
+        self.signals.head(*self._head())
+
+    def _head(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        """What a step starts with, as the plan lists it: its first signal, where it is a READY
+        (a stage's READYs go out first; a rank whose first signal is a DONE sends it after
+        its writes are posted, off the path), and the READY/ACK waits of its first stage that
+        waits, where they are that stage's first (`Signals.ahead` seals and expects them in
+        the previous step's idle time; a wait for DONEs is idle time itself)."""
+        sends: list[tuple[int, int, int]] | None = None
+        waits: list[tuple[int, int, int]] | None = None
+        for s, st in enumerate(self.stages):
+            if sends is None and (st.ready_to or st.done_to):
+                sends = [(st.ready_to[0], s, READY)] if st.ready_to else []
+            if waits is None and (st.before or st.after):
+                waits = list(st.before)  # none where it awaits DONEs first
+            if sends is not None and waits is not None:
+                break
+        return sends or [], waits or []
 
     def _quiet(self, s: int) -> bool:
         """Whether this rank does nothing in stage `s` but await DONEs: no signal sent, no
@@ -346,8 +368,12 @@ class Executor:
         is gone; `complete` is then False and the next `run()` recovers. `step`: the
         caller's step number (the same on every rank), or None to count steps here."""
         t0 = time.perf_counter()
-        self.begin_step(step)
+        first = self.ready_first  # the step's first READYs go out before its running record
+        self.begin_step(step, record=not first)
         try:
+            if first:
+                self.ready(0)
+                self.record_running()
             s, n = 0, len(self.stages)
             while s < n:
                 if self.quiet[s] and not len(self.window):
@@ -357,7 +383,8 @@ class Executor:
                     self.await_quiet(s, e)
                     s = e
                     continue
-                self.ready(s)
+                if s or not first:
+                    self.ready(s)
                 self.send_half(s)
                 self.recv_half(s)
                 s += 1
@@ -366,7 +393,9 @@ class Executor:
             raise
         return self.end_step(t0)
 
-    def begin_step(self, step: int | None = None) -> None:
+    def begin_step(self, step: int | None = None, record: bool = True) -> None:
+        """A step starts: recover first where the last failed, count it, and (`record`) hand
+        its running record to the publisher (else the caller does, `record_running`)."""
         self.control.check()  # a newer process took this rank over: LeaseLostError
         self.complete = False
         if self.failed or self.inbox.foreign:
@@ -375,7 +404,13 @@ class Executor:
         self.step = self.step + 1 if step is None else step
         self.signals.begin(self.step)
         self.window.begin()
-        if self.step_records:  # where peers join (recovery.py); by the publisher thread
+        if record:
+            self.record_running()
+
+    def record_running(self) -> None:
+        """Hand the record of the step this rank is inside to the publisher thread (where
+        peers join, recovery.py; it writes it `control.STEP_DELAY_S` later)."""
+        if self.step_records:
             self.control.publish_step(self.step, running=True, later=True)
 
     def fail(self, lost: int | None = None) -> None:
@@ -441,10 +476,12 @@ class Executor:
         whole = not st.pipeline or self.prepacked[s]  # else group by group (`pipeline.py`)
         for g, (ops, entries) in enumerate(
                 [([] if self.prepacked[s] else st.packs, st.batches)] if whole else st.pipeline):
-            self.window.drain_ids(frozenset() if whole else st.blocked[g], timeout)
-            for op in ops:
-                op()
-            self.signals.mark_queued(bool(ops))
+            if not whole:
+                self.window.drain_ids(st.blocked[g], timeout)
+            if ops:
+                for op in ops:
+                    op()
+                self.signals.mark_queued()
             if st.packs and not self.ordered_posts:
                 self.signals.sync()  # writes read what the packs wrote: their kernels are done
             for i, entry in enumerate(entries):
@@ -452,7 +489,8 @@ class Executor:
                     self._prepack(nxt, timeout)
                     nxt = -1
                 self.window.post(entry, s, timeout)
-                self.signals.mark_queued(self.one_stream)  # `local`: on the current stream
+                if self.one_stream:  # `local`: on the current stream
+                    self.signals.mark_queued()
         if nxt >= 0:
             self._prepack(nxt, timeout)
         self.window.close(s)

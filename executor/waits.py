@@ -7,6 +7,13 @@ the step (`PeerAbortError`) or the wait times out (`PeerTimeoutError`, blaming t
 `blame.py` finds); `take` is the non-blocking form; `sync` waits for this rank's own queued
 copy kernels. A restarted peer's signals make the wait call `on_foreign` at once (the
 executor passes `Recovery.refresh_peers`, which re-imports it).
+
+A step's hand-offs are sealed and checked ahead, in the step's idle time: a wait that finds
+its signals missing has the inbox seal the messages it awaits (`Inbox.expect`), and a
+step's late idle time (a DONE wait, writes in flight: `ahead`) seals this rank's first
+signal of the next step and has the inbox expect the next step's first waits (`head`).
+On the path between a peer's signal and this rank's answer there is then one comparison
+of bytes where a MAC was computed, and no seal: every check still runs (`signals.py`).
 """
 
 from __future__ import annotations
@@ -67,6 +74,41 @@ class Signals:
         self.queued = True
         """This rank queued kernels or copies on its current stream since its last `sync`."""
         self.sealer = signals.Sealer(me.keys, me.tag)
+        self.first_sends: list[tuple[int, int, int]] = []
+        """(peer, stage, kind) of a step's first signal sent, if it is known (`head`)."""
+        self.first_waits: list[tuple[int, int, int]] = []
+        """(stage, kind, peer) of a step's first wait (`head`)."""
+        self.sealed: tuple[tuple[int, int, int, int, int, int], bytes] | None = None
+        """The next signal sealed ahead: ((peer, stage, kind, step, seq, addressee's
+        incarnation), message); `msg` sends it if that is the signal it makes."""
+        self.ahead_at: tuple[int, int] = (-1, -1)
+        """(step, seq) when `ahead` last ran: it runs again only once either moved."""
+        self.sent_ahead = 0
+        """Signals sent as sealed ahead (`ahead`); the rest were sealed when sent."""
+
+    def head(self, sends: list[tuple[int, int, int]], waits: list[tuple[int, int, int]]) -> None:
+        """What every step starts with (the executor's plan, at connect and at a switch):
+        its first signal sent, (peer, stage, kind), or none; its first wait's signals."""
+        self.first_sends, self.first_waits = sends[:1], list(waits)
+        self.sealed, self.ahead_at = None, (-1, -1)
+
+    def ahead(self) -> None:
+        """Idle time late in a step (a DONE wait, writes in flight): seal the next step's
+        first signal (`msg` sends it if it is then the next one made) and have the inbox
+        expect the next step's first waits. Done once until the step or this rank's
+        sequence number moves; a guess that misses costs this idle time only."""
+        at = (self.step, self.seq)
+        if at == self.ahead_at:
+            return
+        self.ahead_at = at
+        nxt, me = self.step + 1, self.me
+        for peer, stage, kind in self.first_sends:
+            to, seq = self.inbox.incarnations.get(peer, 0), self.seq + 1
+            self.sealed = ((peer, stage, kind, nxt, seq, to), self.sealer.seal(
+                me.incarnation, to, nxt, stage, kind, me.rank, seq))
+        if self.first_waits:
+            self.inbox.expect([signals.expected(nxt, s, kind, peer)
+                               for s, kind, peer in self.first_waits])
 
     def begin(self, step: int) -> None:
         """Step `step` starts: its signals from now on; older ones are dropped."""
@@ -111,13 +153,20 @@ class Signals:
         """The rank switched plans between steps: its signals carry the new plan's tag."""
         self.me = dataclasses.replace(self.me, tag=tag)
         self.sealer = signals.Sealer(self.me.keys, tag)
+        self.sealed, self.ahead_at = None, (-1, -1)  # sealed under the old tag
 
     def msg(self, peer: int, stage: int, kind: int) -> bytes:
         """The next signal of this step to `peer` (`stage`, `kind`), sealed."""
         me = self.me
         self.seq += 1
-        return self.sealer.seal(me.incarnation, self.inbox.incarnations.get(peer, 0), self.step,
-                                stage, kind, me.rank, self.seq)
+        to = self.inbox.incarnations.get(peer, 0)
+        sealed = self.sealed
+        if sealed is not None:
+            self.sealed = None
+            if sealed[0] == (peer, stage, kind, self.step, self.seq, to):
+                self.sent_ahead += 1
+                return sealed[1]  # sealed ahead (`ahead`): the same bytes
+        return self.sealer.seal(me.incarnation, to, self.step, stage, kind, me.rank, self.seq)
 
     def send(self, peers: list[int], stage: int, kind: int) -> None:
         """Send `kind` of `stage` to each of `peers` (`PeerLostError` if one cannot be)."""
@@ -137,18 +186,22 @@ class Signals:
         self.blame.start(timeout_s)
         backoff, t0 = Backoff(), time.perf_counter()
         try:
-            self._poll_until(keys, backoff, timeout_s)
+            self._poll_until(keys, backoff, timeout_s, any(k == DONE for _, k, _ in waits))
         finally:
             self.waited += time.perf_counter() - t0
 
-    def _poll_until(self, keys: list[signals.Key], backoff: Backoff, timeout_s: float) -> None:
+    def _poll_until(self, keys: list[signals.Key], backoff: Backoff, timeout_s: float,
+                    late: bool = False) -> None:
         """Poll until `keys` arrived. The loop between two polls is two clock reads and
         compares: `blame` is asked only from its next moment on (`Blame.due`), the
-        backoff only once its spin is over, and the inbox only when a message came."""
+        backoff only once its spin is over, and the inbox only when a message came. The
+        first time they are missing, the inbox expects them (`Inbox.expect`) and, in a
+        `late` wait (DONEs), the next step's head is sealed ahead (`ahead`)."""
         rank, step, inbox, blame = self.me.rank, self.step, self.inbox, self.blame
         poll, clock, perf = self.transport.poll, time.monotonic, time.perf_counter
         inbox.add(poll(), step)
         missing, polled = keys, True  # signals may also have arrived before this wait
+        idle = True
         due, spin_until = blame.due(), backoff.spin_until
         while True:
             if polled:
@@ -159,6 +212,11 @@ class Signals:
                     return
                 if inbox.aborted and (aborted := inbox.abort_of(step, missing)) is not None:
                     raise PeerAbortError(rank, aborted[0], aborted[1], step)
+                if idle:  # idle time: what comes next is sealed and expected ahead
+                    idle = False
+                    inbox.expect(missing)
+                    if late:
+                        self.ahead()
             if clock() >= due:
                 if blame.expired():
                     _, stage, kind, peer = missing[0]

@@ -8,7 +8,9 @@ stage has nothing left to receive does not wait for its slowest write before it 
 the next stage (the executor decides when that is allowed, `core.py`). Where the
 transport can send a notification from the device once batches have landed, the DONE is
 handed to it when the stage closes (`hand_off(stage, batches in flight)` names the peers it
-took); `on_landed(stage, those peers)` sends it to the others.
+took); `on_landed(stage, those peers)` sends it to the others. A wait for batches to land
+calls `on_idle` once it finds none landed (the executor seals the next step's hand-offs
+ahead there, `Signals.ahead`).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ Entry = Prepared
 class Window:
     def __init__(self, rank: int, transport: Any, limit: int,
                  on_landed: Callable[[int, frozenset[int]], None],
-                 hand_off: Callable[[int, list[Entry]], frozenset[int]] | None = None) -> None:
+                 hand_off: Callable[[int, list[Entry]], frozenset[int]] | None = None,
+                 on_idle: Callable[[], None] | None = None) -> None:
         self.rank, self.transport, self.limit = rank, transport, max(1, limit)
-        self.on_landed, self.hand_off = on_landed, hand_off
+        self.on_landed, self.hand_off, self.on_idle = on_landed, hand_off, on_idle
         self.handed: dict[int, frozenset[int]] = {}  # stage -> peers whose DONE the device sends
         self.inflight: deque[tuple[Entry, int]] = deque()
         self.left: dict[int, int] = {}  # stage -> its batches not yet reaped
@@ -116,13 +119,16 @@ class Window:
         deadline, backoff = time.monotonic() + timeout_s, Backoff()
         reap, clock, perf, spin_until = self.reap_landed, time.monotonic, time.perf_counter, \
             backoff.spin_until
-        while not reap():
-            if clock() >= deadline:
-                entry, stage = self.inflight[0]  # the oldest: it has waited longest
-                raise PeerTimeoutError(self.rank, entry.peer,
-                                       f"complete the writes of stage {stage}", timeout_s)
-            if perf() >= spin_until:  # spins, then short naps: some transports progress
-                backoff.pause()  # when polled
+        if not reap():
+            if self.on_idle is not None:  # nothing landed yet: idle time
+                self.on_idle()
+            while not reap():
+                if clock() >= deadline:
+                    entry, stage = self.inflight[0]  # the oldest: it has waited longest
+                    raise PeerTimeoutError(self.rank, entry.peer,
+                                           f"complete the writes of stage {stage}", timeout_s)
+                if perf() >= spin_until:  # spins, then short naps: some transports progress
+                    backoff.pause()  # when polled
         self.waited += time.perf_counter() - t0
 
     def _count(self, stage: int) -> None:

@@ -7,6 +7,7 @@ times out with one line naming the peer."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -87,6 +88,80 @@ def test_inbox_admits_sealed_and_refuses_forged_replayed_stale():
     assert not inbox.arrived
     inbox.add([("shm:0", seal(12, 22, 5, 0, READY, 0, 5))], 5)  # a restarted sender
     assert inbox.foreign and not inbox.arrived
+
+
+def test_a_message_sealed_ahead_is_admitted_by_its_bytes_and_still_checked():
+    keys = keys_from(SECRET)
+    inbox = signals.Inbox(TAG, 22, 1, keys)
+    inbox.set_incarnation(0, 11, "shm:0")
+    seal = signals.Sealer(keys, TAG).seal
+    key = (5, 0, READY, 0)
+    inbox.expect([key])  # rank 0's next message (its first: sequence number 1)
+    good = seal(11, 22, 5, 0, READY, 0, 1)
+    assert inbox.expecting[key] == good  # what the sender seals, byte for byte
+    inbox.add([("shm:7", good)], 5)  # the right bytes from another sender's ring
+    assert inbox.refused == 1 and not inbox.arrived and inbox.ahead_hits == 0
+    inbox.expect([key])
+    inbox.add([("shm:0", good[:-1] + bytes([good[-1] ^ 1]))], 5)  # a MAC off by one bit
+    assert inbox.refused == 2 and not inbox.arrived
+    inbox.add([("shm:0", good)], 5)
+    assert inbox.ahead_hits == 1 and inbox.take([key]) == [] and not inbox.expecting
+    inbox.add([("shm:0", good)], 5)  # replayed: checked in full, refused
+    assert inbox.refused == 3 and not inbox.arrived and inbox.ahead_hits == 1
+    inbox.expect([(6, 0, READY, 0)])
+    inbox.add([("shm:0", seal(11, 22, 6, 0, READY, 0, 3))], 6)  # the sender sent another first
+    assert inbox.take([(6, 0, READY, 0)]) == [] and inbox.ahead_hits == 1  # the full check
+    inbox.expect([(7, 0, READY, 0)])
+    inbox.drop_before(8)  # a later step: a guess for an earlier one is gone
+    assert not inbox.expecting and not inbox.expected
+    inbox.add([("shm:0", seal(11, 22, 7, 0, READY, 0, 4))], 8)
+    assert not inbox.arrived and inbox.refused == 3  # stale, dropped as any
+    inbox.expect([(8, 0, READY, 0)])
+    inbox.set_incarnation(0, 12, "shm:0")  # a restarted sender: no guess of the old one holds
+    assert not inbox.expected
+
+
+def test_signals_seal_the_next_ready_ahead_as_msg_would(pair):
+    _, dst = pair
+    dst.head([(0, 0, READY)], [])
+    dst.begin(5)
+    dst.ahead()  # idle time late in step 5: step 6's READY to rank 0, sealed
+    dst.begin(6)
+    first = dst.msg(0, 0, READY)
+    assert dst.sent_ahead == 1
+    assert first == signals.encode(dst.me.keys, TAG, 22, 11, 6, 0, READY, 1, dst.seq)
+    dst.ahead()
+    dst.begin(9)  # the caller skipped steps: sealed when sent
+    assert dst.msg(0, 0, READY) == signals.encode(dst.me.keys, TAG, 22, 11, 9, 0, READY, 1,
+                                                  dst.seq)
+    assert dst.sent_ahead == 1
+    dst.ahead()
+    other = signals.fingerprint_tag("plan-b")
+    dst.retag(other)  # a plan switch between steps: nothing sealed under the old tag goes out
+    dst.begin(10)
+    assert dst.msg(0, 0, READY) == signals.encode(dst.me.keys, other, 22, 11, 10, 0, READY, 1,
+                                                  dst.seq)
+    assert dst.sent_ahead == 1
+
+
+def test_steady_steps_hand_off_through_what_was_sealed_ahead(pair):
+    """Steps as a source (rank 0) and a target (rank 1) run them: after the first, every
+    READY is sent as sealed ahead and admitted by its bytes, every DONE too."""
+    src, dst = pair
+    src.head([], [(0, READY, 1)])
+    dst.head([(0, 0, READY)], [])
+    for step in range(1, 6):
+        src.begin(step)
+        dst.begin(step)
+        dst.send([0], 0, READY)
+        src.wait([(0, READY, 1)], 5.0)
+        late = threading.Timer(0.02, src.send, ([1], 0, DONE))  # the writes land later
+        late.start()
+        dst.wait([(0, DONE, 0)], 5.0)  # idle first: expects the DONE, seals the next READY
+        late.join()
+        src.ahead()  # as its window does while the writes are in flight
+    assert dst.sent_ahead == 4 and src.inbox.ahead_hits == 4 and dst.inbox.ahead_hits == 5
+    assert src.inbox.refused == dst.inbox.refused == 0
 
 
 def test_wait_returns_on_a_signal_sent_between_processes_rings(pair):
