@@ -37,10 +37,12 @@ class At:
     chunk: Index
     dst: Index
     copy: np.ndarray | int
-    src: np.ndarray
+    src: np.ndarray | None
+    """None where no source is chosen yet (`Chosen.choice` None)."""
 
     def __len__(self) -> int:
-        return len(self.src)
+        c = self.chunk
+        return c.stop - c.start if isinstance(c, slice) else len(c)
 
     def take(self, rows: np.ndarray | slice) -> At:
         """The chunks `rows` of these (an index array, or a slice), in that order."""
@@ -49,7 +51,7 @@ class At:
         chunk = _index(self.chunk)[rows]
         return At(chunk=chunk, dst=chunk if self.dst is self.chunk else _index(self.dst)[rows],
                   copy=self.copy if isinstance(self.copy, int) else self.copy[rows],
-                  src=self.src[rows])
+                  src=None if self.src is None else self.src[rows])
 
 
 def _index(rows: Index) -> np.ndarray:
@@ -68,7 +70,8 @@ class Chosen:
     column read (`at`)."""
 
     chunks: Chunks
-    choice: np.ndarray
+    choice: np.ndarray | None
+    """None: no source chosen yet (only the chunk and target columns are read)."""
     src: PieceTable
     dst: PieceTable
     per_copy: int
@@ -89,7 +92,7 @@ class Chosen:
                 chunk: Index = slice(lo - k * m, hi - k * m)
                 return At(chunk=chunk, dst=chunk if self.dst_is_row else
                           _stored(self.chunks.dst)[chunk].astype(np.intp),
-                          copy=k, src=self.choice[which].astype(np.intp))
+                          copy=k, src=self._choice(which))
             which = np.arange(lo, hi, dtype=np.intp)
         which = np.asarray(which, dtype=np.intp)
         if m == n or len(which) == 0:
@@ -103,7 +106,10 @@ class Chosen:
             chunk = which - copy.astype(np.intp) * m
         return At(chunk=chunk, dst=chunk if self.dst_is_row else
                   _stored(self.chunks.dst)[chunk].astype(np.intp), copy=copy,
-                  src=self.choice[which].astype(np.intp))
+                  src=self._choice(which))
+
+    def _choice(self, which: Index) -> np.ndarray | None:
+        return None if self.choice is None else self.choice[which].astype(np.intp)
 
     def blocks(self, size: int) -> list[slice]:
         """The chunk table as slices of at most `size` rows, none across two copies."""
@@ -128,6 +134,7 @@ class Chosen:
 
     def source(self, name: str, a: At) -> np.ndarray:
         """Source piece column `name` of the chunks `a` (their chosen rows)."""
+        assert a.src is not None
         return getattr(self.src, name)[a.src]
 
     def start(self, a: At, source: bool) -> np.ndarray:
@@ -143,7 +150,8 @@ def _stored(col: np.ndarray) -> np.ndarray:
     return col.one if isinstance(col, Repeated) else col
 
 
-def chosen(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable) -> Chosen:
+def chosen(chunks: Chunks, choice: np.ndarray | None, src: PieceTable, dst: PieceTable
+           ) -> Chosen:
     """The `Chosen` of the chunks, with their copies of alike replicas where the chunks and
     the target pieces are `Repeated` alike (`intersect.repeated`)."""
     per_copy = len(chunks)

@@ -59,18 +59,21 @@ def route(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
                                if spec.by_name.get(n + SCALE_SUFFIX)])
     fp8 &= dst.dtype == DTYPE_CODES.index(FP8)
     scales = np.isin(dst.tensor, [i for i, n in enumerate(names) if n.endswith(SCALE_SUFFIX)])
-    plain = np.nonzero(~fp8 & ~scales)[0]
-    if len(plain) == len(dst):  # all plain: no copy
+    other = fp8 | scales
+    plain = None if not other.any() else np.flatnonzero(~other)  # None: every row
+    del other
+    if plain is None:  # all plain: no copy
         table, found = dst, boxes(dst) if dst_boxes is None else dst_boxes
     else:
         table = take(dst, plain)
         found = boxes(table)
     fine = fine_cut(spec, src, table, opts, topo, found)
     if len(fine):
-        keep = np.ones(len(plain), dtype=bool)
+        keep = np.ones(len(table), dtype=bool)
         keep[fine] = False  # whole boxes
         table, found = take(table, np.nonzero(keep)[0]), keep_boxes(found, keep)
-    gathered = np.sort(np.concatenate([np.nonzero(fp8)[0], plain[fine]]))
+    gathered = np.sort(np.concatenate([np.flatnonzero(fp8), fine if plain is None else
+                                       plain[fine]]))
     return Routes(targets=dst, direct=table, gathered=gathered, scales=np.nonzero(scales)[0],
                   direct_boxes=found)
 
@@ -86,7 +89,9 @@ def fine_cut(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
     found = boxes(dst) if found is None else found
     first, inv = found.first, found.of
     holders = np.bincount(inv)
-    ch = intersect(spec, src, take(dst, first))
+    # the distinct boxes, each once, in sorted order: their own boxes (no sort)
+    each = np.arange(len(first))
+    ch = intersect(spec, src, take(dst, first), Boxes(of=each, first=each))
     chunks = np.bincount(ch.dst, minlength=len(first))
     numel = dst.size0[first] * dst.size1[first]
     nbytes = numel * element_size(dst.dtype[first])
