@@ -41,7 +41,7 @@ from planner.passes.lower_cols import (
     writes,
 )
 from planner.passes.staging import place_staging, staging_order
-from planner.rows import unique_rows
+from planner.rows import unique_columns, unique_rows
 from planner.topology import NVLINK_WRITE_S, Topology
 from schemas.config import Options
 from schemas.plan import PACK, UNPACK
@@ -127,11 +127,26 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     blocks = c.blocks(BLOCK)
     staged_at = np.zeros(len(chunks), dtype=bool)  # classified once, a block at a time
     n_direct = 0  # direct writes of the blocks
+    # a block's classes and direct writes, kept for the same block of the next copies of
+    # alike replicas (`Chosen.at`): equal where their chosen sources have the same strides
+    # and dtypes (all `shape` reads of a source)
+    kind = unique_columns([src.a0, src.a1, src.dtype])[1] if c.per_copy < len(chunks) \
+        else None
+    seen: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, int]] = {}
     for b in blocks:
-        g = shape(c, c.at(b))
-        staged_at[b] = mask = _staged_mask(g, opts)
-        n_direct += int(rows_per_write(g.s0, g.s1, g.s_a0, g.d_a0)[~mask].sum())
-        del g, mask
+        a = c.at(b)
+        got = None if kind is None else seen.get((a.chunk.start, a.chunk.stop))
+        kinds = None if kind is None else kind[a.src]
+        if got is None or not np.array_equal(got[0], kinds):
+            g = shape(c, a)
+            mask = _staged_mask(g, opts)
+            got = (kinds, mask, int(rows_per_write(g.s0, g.s1, g.s_a0, g.d_a0)[~mask].sum()))
+            del g, mask
+            if kind is not None:
+                seen[a.chunk.start, a.chunk.stop] = got
+        staged_at[b] = got[1]
+        n_direct += got[2]
+    del seen, got
     si = c.at(np.flatnonzero(staged_at))
     si, moved = _second_look(c, si, blocks, staged_at, opts, topo)
     first = int(len(si) < len(chunks))  # any direct chunk: see `_staged`
