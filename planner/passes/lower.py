@@ -31,6 +31,7 @@ from planner.passes.lower_cols import (
     Chosen,
     Geometry,
     Placed,
+    Rows,
     Writes,
     chosen,
     concat,
@@ -133,11 +134,13 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     kind = unique_columns([src.a0, src.a1, src.dtype])[1] if c.per_copy < len(chunks) \
         else None
     seen: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, int]] = {}
+    again = []  # whether each block's classes are those kept
     for b in blocks:
         a = c.at(b)
         got = None if kind is None else seen.get((a.chunk.start, a.chunk.stop))
         kinds = None if kind is None else kind[a.src]
-        if got is None or not np.array_equal(got[0], kinds):
+        again.append(got is not None and np.array_equal(got[0], kinds))
+        if not again[-1]:
             g = shape(c, a)
             mask = _staged_mask(g, opts)
             got = (kinds, mask, int(rows_per_write(g.s0, g.s1, g.s_a0, g.d_a0)[~mask].sum()))
@@ -170,8 +173,10 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     out.put(n_direct - len(moved), moved)
     end, n_moved = 0, len(moved)
     del moved
-    for b in blocks:
-        out, end = _direct_into(out, end, c, b.start + np.flatnonzero(~staged_at[b]))
+    kept: dict[tuple[int, int], tuple[Rows, np.ndarray]] = {}  # (one copy's blocks)
+    for b, same in zip(blocks, again):
+        out, end = _direct_into(out, end, c, b, np.flatnonzero(~staged_at[b]),
+                                kept if kind is not None else None, same)
     del staged_at
     assert end == n_direct - n_moved
     out.stage[:n_direct] = at
@@ -206,12 +211,24 @@ def _staged_mask(g: Geometry, opts: Options) -> np.ndarray:
     return staged
 
 
-def _direct_into(out: Writes, at: int, c: Chosen, rows: np.ndarray) -> tuple[Writes, int]:
-    """Write the direct writes of chunks `rows` (not staged) into the columns `out` (`_fit`
-    to them) from row `at`; returns the columns and the row after them. Only the geometry
-    that `writes` reads is made."""
-    a = c.at(rows)
-    part = writes(c, direct_rows(c, a), None, a)
+def _direct_into(out: Writes, at: int, c: Chosen, block: slice, rows: np.ndarray,
+                 kept: dict[tuple[int, int], tuple[Rows, np.ndarray]] | None, same: bool
+                 ) -> tuple[Writes, int]:
+    """Write the direct writes of chunks `rows` of `block` (not staged) into the columns
+    `out` (`_fit` to them) from row `at`; returns the columns and the row after them. Only
+    the geometry that `writes` reads is made, or, with `same` (the block's classes are
+    those of the same block of a copy before, `lower`), taken from `kept` with the target
+    offsets (a copy's target pieces are the first copy's but for their ranks)."""
+    key = (block.start % c.per_copy, (block.start % c.per_copy) + block.stop - block.start)
+    a = c.at(rows + block.start)
+    got = kept.get(key) if kept is not None and same else None
+    if got is None:
+        g = direct_rows(c, a)
+        part = writes(c, g, None, a)
+        if kept is not None:
+            kept[key] = (g, part.dst_offset)
+    else:
+        part = writes(c, got[0], None, a, got[1])
     out = _fit(out, part)
     return out, out.put(at, part)
 

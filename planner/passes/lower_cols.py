@@ -277,11 +277,13 @@ class Writes:
         return at + n
 
 
-def writes(c: Chosen, g: Rows, di: np.ndarray | None, a: At) -> Writes:
+def writes(c: Chosen, g: Rows, di: np.ndarray | None, a: At,
+           dst_offset: np.ndarray | None = None) -> Writes:
     """Direct writes of the chunks `a.take(di)` (`g`: the `Rows` of `a`; `di` None: all of
     them): one per row, or the whole box when both sides are contiguous. Ranks and regions
     in the piece tables' dtype; offsets in bytes of the target's element size, which is the
-    source's (no cast)."""
+    source's (no cast). `dst_offset`: the writes' target offsets, when known (those of the
+    same chunks of another copy of alike replicas)."""
     sel = slice(None) if di is None else di  # (a slice takes views, not copies)
     s0, s1 = g.s0[sel], g.s1[sel]
     r = rows_per_write(s0, s1, g.s_a0[sel], g.d_a0[sel])
@@ -289,15 +291,19 @@ def writes(c: Chosen, g: Rows, di: np.ndarray | None, a: At) -> Writes:
     one = bool(whole.all())  # one write per chunk: no row expansion
     idx = sel if one else np.repeat(np.arange(len(a)) if di is None else di, r)
     at = a.take(idx)
-    s_off, d_off = c.start(at, source=True), c.start(at, source=False)
+    s_off = c.start(at, source=True)
+    d_off = c.start(at, source=False) if dst_offset is None else None
     if not one:  # row k of a chunk: k strides on
         k = np.arange(len(at)) - np.repeat(np.cumsum(r) - r, r)
-        s_off, d_off = s_off + k * g.s_a0[idx], d_off + k * g.d_a0[idx]
+        s_off = s_off + k * g.s_a0[idx]
+        if d_off is not None:
+            d_off = d_off + k * g.d_a0[idx]
     es = g.es_d[idx]
     nbytes = np.where(whole, s0 * s1, s1) * g.es_d[sel]
     return Writes(src_rank=c.source("rank", at), src_region=c.source("region", at),
                   src_offset=s_off * es, dst_rank=c.target("rank", at),
-                  dst_region=c.target("region", at), dst_offset=d_off * es,
+                  dst_region=c.target("region", at),
+                  dst_offset=d_off * es if d_off is not None else dst_offset,
                   nbytes=nbytes if one else np.repeat(nbytes, r))
 
 
