@@ -149,7 +149,7 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
                 seen[a.chunk.start, a.chunk.stop] = got
         staged_at[b] = got[1]
         n_direct += got[2]
-    del seen, got
+    del seen
     si = c.at(np.flatnonzero(staged_at))
     si, moved = _second_look(c, si, blocks, staged_at, opts, topo)
     first = int(len(si) < len(chunks))  # any direct chunk: see `_staged`

@@ -1,7 +1,8 @@
 """The typed columns `lower` passes between its steps (`planner/passes/lower.py`).
 
 - `Chosen`: the chunks with their chosen source rows and both sides' piece tables: what
-  every step reads;
+  every step reads (and `assign`, `egress_sets` and the explain rows, through the same
+  reads of alike replicas' copies); `At`: a selection of its chunks, resolved once;
 - `Rows`, `Geometry`: chunks as 2-d boxes `s0 x s1` (a box `n x 1` read as `1 x n`), with
   strides, dtype codes and copy needs (`shape`); `Rows` is the part a direct write reads;
 - `Writes`: byte writes as columns (`writes` makes the direct ones);
@@ -329,12 +330,12 @@ def copies(g: Geometry, at: Placed, n_regions: np.ndarray) -> dict[str, np.ndarr
     """PACK copies (on sources) then UNPACK copies (on targets) of the staged chunks (`g`
     and `at` over them in placement order; `n_regions[rank]`: the rank's staging region):
     `schemas.plan.COPY_COLUMNS` plus `rank`, int64 columns as int32 where they fit."""
-    p, u = np.nonzero(g.pack)[0], np.nonzero(g.unpack)[0]
-    one_p, one_u = np.ones(len(p), np.int32), np.ones(len(u), np.int32)
+    (p, n_p), (u, n_u) = _rows(g.pack), _rows(g.unpack)
+    one_p, one_u = np.ones(n_p, np.int32), np.ones(n_u, np.int32)
     es_d, s1 = g.es_d, g.s1
     cols = {  # each column's (packs, unpacks), made one column at a time
         "rank": lambda: (at.src_rank[p], at.dst_rank[u]),
-        "kind": lambda: (np.full(len(p), PACK), np.full(len(u), UNPACK)),
+        "kind": lambda: (np.full(n_p, PACK), np.full(n_u, UNPACK)),
         "stage": lambda: (at.stage[p], at.stage[u]),
         "src_region": lambda: (at.s_region[p], n_regions[at.dst_rank[u]]),
         "src_dtype": lambda: (g.s_code[p], g.d_code[u]),
@@ -351,10 +352,17 @@ def copies(g: Geometry, at: Placed, n_regions: np.ndarray) -> dict[str, np.ndarr
         "size0": lambda: (g.s0[p], g.s0[u]),
         "size1": lambda: (s1[p], s1[u]),
         "size2": lambda: (one_p, one_u),
-        "aux_offset": lambda: (np.zeros(len(p) + len(u), dtype=np.int32),),
+        "aux_offset": lambda: (np.zeros(n_p + n_u, dtype=np.int32),),
     }
     return {k: constant(_column(f(), _COPY_DTYPES.get(k, np.dtype(np.int64))))
             for k, f in cols.items()}
+
+
+def _rows(mask: np.ndarray) -> tuple[np.ndarray | slice, int]:
+    """The rows `mask` sets (a slice of all where it sets every row: views, no gathers),
+    and their number."""
+    n = int(np.count_nonzero(mask))
+    return (slice(None) if n == len(mask) else np.flatnonzero(mask)), n
 
 
 def constant(col: np.ndarray) -> np.ndarray:
