@@ -116,6 +116,8 @@ def fine_cut(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
     transposed[dst.tensor[(dst.a1 != 1) & (dst.size1 > 1)]] = True
     fine &= ~transposed[dst.tensor[first]]
     fine &= need + 256 <= opts.staging_bytes - opts.staging_bytes // 4
+    if not fine.any():  # (no pass over the rows)
+        return np.zeros(0, dtype=np.int64)
     return np.nonzero(fine[inv])[0]
 
 
