@@ -69,16 +69,22 @@ def egress_sets(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology
     near[sbox_of_holder * hosts + host[holder_rank]] = True
     per_id = np.zeros(len(keys))
     c = chosen(chunks, None, src, dst)  # (alike replicas' copies read through the first's)
+    seen: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (one copy's blocks:
+    # a copy's chunks and target pieces are the first's but for their target ranks)
     for part in c.blocks(_BLOCK):
         a = c.at(part)
-        sbox = c.chunk("sbox", a)
+        got = seen.get((a.chunk.start, a.chunk.stop))
+        if got is None:
+            got = (c.chunk("sbox", a), (c.chunk("size0", a) * c.chunk("size1", a) *
+                                       element_size(c.target("dtype", a))).astype(np.float64))
+            if c.per_copy < len(chunks):
+                seen[a.chunk.start, a.chunk.stop] = got
+        sbox, nbytes = got
         at = np.multiply(sbox, hosts, dtype=np.int64)
         at += host[c.target("rank", a)]
         remote = ~near[at]  # no holder on the target host
         del at
-        nbytes = c.chunk("size0", a) * c.chunk("size1", a) * element_size(c.target("dtype", a))
-        per_id += np.bincount(set_of[sbox[remote]], minlength=len(keys),
-                              weights=nbytes[remote].astype(np.float64))
+        per_id += np.bincount(set_of[sbox[remote]], minlength=len(keys), weights=nbytes[remote])
     return {k: float(per_id[i]) for k, i in keys.items() if per_id[i] > 0}
 
 
