@@ -80,6 +80,7 @@ from planner.passes.intersect import (
     without_holders,
 )
 from planner.passes.lower import lower, merge
+from planner.passes.lower_cols import chosen
 from planner.passes.route import gathered_only, route
 from planner.passes.schedule import schedule
 from planner.passes.shadow import with_shadow
@@ -296,10 +297,13 @@ def _explain_rows(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: Piec
     """The explain columns (`emit.explain_table`'s six) of a slice of the chunks, made when
     asked for: a replica's block at a time, never all chunks' at once."""
 
+    c = chosen(chunks, choice, src, dst)
+
     def rows(at: slice) -> tuple[np.ndarray, ...]:
-        c, s, d = chunks, choice[at], chunks.dst[at]
-        return (c.tensor[at], src.rank[s], src.region[s], dst.rank[d], dst.region[d],
-                c.size0[at] * c.size1[at] * element_size(dst.dtype[d]))
+        a = c.at(at)
+        return (c.chunk("tensor", a), c.source("rank", a), c.source("region", a),
+                c.target("rank", a), c.target("region", a),
+                c.chunk("size0", a) * c.chunk("size1", a) * element_size(c.target("dtype", a)))
 
     return rows
 

@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from planner.passes.intersect import Chunks, PieceTable, chunk_bytes
+from planner.passes.intersect import Chunks, PieceTable, element_size
 from planner.passes.lower import Lowered
+from planner.passes.lower_cols import chosen
 from planner.topology import Topology
 
 
@@ -66,13 +67,30 @@ def egress_sets(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology
     keys, set_of = _holder_sets(sbox_of_holder, nic[holder_rank], n_sbox)
     near = np.zeros(n_sbox * hosts, dtype=bool)  # (source box, host): a holder there
     near[sbox_of_holder * hosts + host[holder_rank]] = True
-    at = np.multiply(chunks.sbox, hosts, dtype=np.int64)
-    at += host[dst.rank[chunks.dst]]
-    remote = ~near[at]  # no holder on the target host
-    del at
-    per_id = np.bincount(set_of[chunks.sbox[remote]], minlength=len(keys),
-                         weights=chunk_bytes(chunks, dst)[remote].astype(np.float64))
+    per_id = np.zeros(len(keys))
+    c = chosen(chunks, None, src, dst)  # (alike replicas' copies read through the first's)
+    seen: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (one copy's blocks:
+    # a copy's chunks and target pieces are the first's but for their target ranks)
+    for part in c.blocks(_BLOCK):
+        a = c.at(part)
+        got = seen.get((a.chunk.start, a.chunk.stop))
+        if got is None:
+            got = (c.chunk("sbox", a), (c.chunk("size0", a) * c.chunk("size1", a) *
+                                       element_size(c.target("dtype", a))).astype(np.float64))
+            if c.per_copy < len(chunks):
+                seen[a.chunk.start, a.chunk.stop] = got
+        sbox, nbytes = got
+        at = np.multiply(sbox, hosts, dtype=np.int64)
+        at += host[c.target("rank", a)]
+        remote = ~near[at]  # no holder on the target host
+        del at
+        per_id += np.bincount(set_of[sbox[remote]], minlength=len(keys), weights=nbytes[remote])
     return {k: float(per_id[i]) for k, i in keys.items() if per_id[i] > 0}
+
+
+_BLOCK = 1 << 21
+"""Chunks `egress_sets` reads at a time (bounds its temporaries; sums of whole bytes in
+float64: exact in any order)."""
 
 
 def _holder_sets(box: np.ndarray, box_nic: np.ndarray, n_box: int

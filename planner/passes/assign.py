@@ -17,9 +17,13 @@ the bound then holds with the largest unit (`stats.gather_unit_max`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from planner.passes.intersect import Chunks, PieceTable, element_size
+from planner.passes.lower_cols import At, Chosen, chosen
 from planner.rows import stable_argsort
 from planner.topology import Topology
 
@@ -66,64 +70,98 @@ def assign(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology) -> 
     nvlink_key = int(nic.max()) + 1 + np.arange(topo.world)  # one NVLink "port" per rank
     load_a = np.zeros(int(nvlink_key.max()) + 1)
     choice = np.empty(len(chunks), dtype=holders.dtype)
+    c = chosen(chunks, choice, src, dst)  # (each block's `choice` is set before it is read)
+    first, single = holders[ptr[:-1]], np.diff(ptr) == 1  # of each source box
+    alike = c.per_copy < len(chunks)  # copies of alike replicas: their blocks' chunks and
+    # single candidates are the first copy's, their target ranks moved (`Chosen.at`)
+    seen: dict[tuple[int, int], tuple[Any, ...]] = {}
     multis = []
-    for at in range(0, len(chunks), _SLICE):
-        part = slice(at, at + _SLICE)
-        sbox = chunks.sbox[part]
-        lo = ptr[sbox]
-        one = ptr[sbox + 1] - lo == 1
-        choice[part] = holders[lo]  # right for single-candidate chunks
-        rows = np.nonzero(one)[0] + at
-        src_rank = src.rank[choice[rows]]
-        key = np.where(host[src_rank] == host[dst.rank[chunks.dst[rows]]],
-                       nvlink_key[src_rank], nic[src_rank])
-        load_a += np.bincount(key, weights=_nbytes(chunks, dst, rows), minlength=len(load_a))
-        multis.append(np.nonzero(~one)[0] + at)
+    for part in c.blocks(_SLICE):
+        a = c.at(part)
+        got = seen.get((a.chunk.start, a.chunk.stop))
+        if got is None:
+            sbox = c.chunk("sbox", a).astype(np.intp)
+            one = single[sbox]
+            picks = first[sbox]
+            rows = a.take(np.flatnonzero(one))  # the single-candidate chunks
+            s_rank = src.rank[picks[one]]
+            got = (picks, rows, np.flatnonzero(~one), host[s_rank], nvlink_key[s_rank],
+                   nic[s_rank], _nbytes(c, rows).astype(np.float64))
+            del sbox, one, s_rank
+            if alike:  # (the first copy's blocks: each copy's are the same slices of it)
+                seen[a.chunk.start, a.chunk.stop] = got
+        picks, rows, multi, s_host, s_nvlink, s_nic, nbytes = got
+        choice[part] = picks  # right for single-candidate chunks
+        d_host = host[c.target("rank", At(rows.chunk, rows.dst, a.copy, rows.src))]
+        load_a += np.bincount(np.where(s_host == d_host, s_nvlink, s_nic), weights=nbytes,
+                              minlength=len(load_a))
+        multis.append(multi + part.start)
     multi = np.concatenate(multis) if multis else np.zeros(0, dtype=np.int64)
     if len(multi) == 0:
         return choice
-    nbytes = _nbytes(chunks, dst, multi)
+    a = c.at(multi)
+    nbytes = _nbytes(c, a)
     pick = stable_argsort(-nbytes)
-    order, nbytes = multi[pick], nbytes[pick]
+    order, nbytes, a = multi[pick], nbytes[pick], a.take(pick)
     load = load_a.tolist()
     # per (source box, target host): the candidates' load keys and holders, by rank (stable:
     # the first of the least loaded is then the lowest rank, as `min` by (load, rank) picks)
-    cand_cache: dict[int, tuple[list[int], list[int]]] = {}
     hosts = int(host.max()) + 1
-    src_ranks, host_l, nic_l = src.rank.tolist(), host.tolist(), nic.tolist()
-    nvk = nvlink_key.tolist()
-    sbox = chunks.sbox[order].astype(np.int64)
-    dst_host = host[dst.rank[chunks.dst[order]]]
+    at = c.chunk("sbox", a).astype(np.int64) * hosts
+    at += host[c.target("rank", a)]
+    del a
+    ats, of = np.unique(at, return_inverse=True)
+    del at
+    cands, row_of = _candidates(ats, hosts, holders, ptr, np.asarray(src.rank), host, nic,
+                                nvlink_key)
     picked = []
-    get, put, least = cand_cache.get, picked.append, load.__getitem__
-    for at, nb in zip((sbox * hosts + dst_host).tolist(), nbytes.tolist()):
-        cands = get(at)
-        if cands is None:
-            sb, dh = divmod(at, hosts)
-            cands = cand_cache[at] = _candidates(
-                holders[ptr[sb]:ptr[sb + 1]].tolist(), dh, src_ranks, host_l, nic_l, nvk)
-        keys, row_of = cands
+    put, least = picked.append, load.__getitem__
+    for keys, nb in zip(map(cands.__getitem__, of.tolist()), nbytes.tolist()):
         k = min(keys, key=least)  # the first of the least loaded
         load[k] += nb
-        put(row_of[k])
-    choice[order] = picked
+        put(k)
+    choice[order] = row_of(of, np.array(picked, dtype=np.int64))
     return choice
 
 
-def _candidates(rows: list[int], dh: int, src_ranks: list[int], host: list[int],
-                nic: list[int], nvk: list[int]) -> tuple[list[int], dict[int, int]]:
-    """The candidates of a chunk whose target is on host `dh`, among the source rows `rows`
-    holding its box: those on `dh` if any (their NVLink keys), else all (their NICs); as
-    (load keys, ordered by rank; the row of each key's first candidate, lowest rank)."""
-    same = [h for h in rows if host[src_ranks[h]] == dh]
-    rows = sorted(same or rows, key=lambda h: src_ranks[h])
-    keys = [nvk[src_ranks[h]] if same else nic[src_ranks[h]] for h in rows]
-    row_of: dict[int, int] = {}
-    for k, h in zip(keys, rows):
-        row_of.setdefault(k, h)
-    return keys, row_of
+def _candidates(ats: np.ndarray, hosts: int, holders: np.ndarray, ptr: np.ndarray,
+                src_rank: np.ndarray, host: np.ndarray, nic: np.ndarray,
+                nvlink_key: np.ndarray
+                ) -> tuple[list[list[int]], Callable[[np.ndarray, np.ndarray], np.ndarray]]:
+    """The candidates of each (source box, target host) `ats` (`sbox * hosts + host`) among
+    the source rows holding the box: those on the host if any (their NVLink keys), else all
+    (their NICs); as their distinct load keys, ordered by their first candidate's rank, and
+    `row_of(i, key)`: the row of key `key`'s first candidate of `ats[i]` (lowest rank:
+    holders of one rank in holder order), for arrays of `i` and `key`."""
+    sb, dh = np.divmod(ats, hosts)
+    lo = ptr[sb]
+    cnt = ptr[sb + 1] - lo
+    g = np.repeat(np.arange(len(ats)), cnt)  # the (box, host) of each holder row
+    rows = holders[np.arange(len(g)) + np.repeat(lo - (np.cumsum(cnt) - cnt), cnt)]
+    rank = src_rank[rows]
+    same = host[rank] == dh[g]
+    near = np.zeros(len(ats), dtype=bool)
+    near[g[same]] = True
+    keep = same | ~near[g]
+    g, rows, rank = g[keep], rows[keep], rank[keep]
+    by = np.lexsort((rank, g))  # stable: holders of one rank stay in holder order
+    g, rows, rank = g[by], rows[by], rank[by]
+    keys = np.where(near[g], nvlink_key[rank], nic[rank])
+    # each key's first candidate of its (box, host), in order
+    span = int(keys.max(initial=0)) + 1
+    pair, first = np.unique(g * span + keys, return_index=True)
+    row = rows[first]  # by (box, host) and key
+    first.sort()
+    bounds = np.searchsorted(g[first], np.arange(len(ats) + 1)).tolist()
+    kl = keys[first].tolist()
+
+    def row_of(i: np.ndarray, key: np.ndarray) -> np.ndarray:
+        return row[np.searchsorted(pair, i * span + key)]
+
+    return [kl[s:e] for s, e in zip(bounds[:-1], bounds[1:])], row_of
 
 
-def _nbytes(chunks: Chunks, dst: PieceTable, rows: np.ndarray) -> np.ndarray:
-    return chunks.size0[rows] * chunks.size1[rows] * element_size(dst.dtype[chunks.dst[rows]])
+def _nbytes(c: Chosen, a: At) -> np.ndarray:
+    """Bytes of the chunks `a` in the target's dtype."""
+    return c.chunk("size0", a) * c.chunk("size1", a) * element_size(c.target("dtype", a))
 

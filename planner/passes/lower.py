@@ -27,20 +27,22 @@ from planner.passes.balance import direct_after_all
 from planner.passes.budget import budgets
 from planner.passes.intersect import Chunks, PieceTable, element_size
 from planner.passes.lower_cols import (
+    At,
     Chosen,
     Geometry,
     Placed,
+    Rows,
     Writes,
+    chosen,
     concat,
     copies,
     direct_rows,
-    row_per_chunk,
     rows_per_write,
     shape,
     writes,
 )
 from planner.passes.staging import place_staging, staging_order
-from planner.rows import unique_rows
+from planner.rows import unique_columns, unique_rows
 from planner.topology import NVLINK_WRITE_S, Topology
 from schemas.config import Options
 from schemas.plan import PACK, UNPACK
@@ -122,16 +124,33 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     into the plan's columns (the staged chunks' temporaries and the direct writes are never
     held together; each chunk's geometry is made once to classify it, and once more, less
     what a direct write does not read, to write it)."""
-    c = Chosen(chunks, choice, src, dst, row_per_chunk(chunks, dst))
-    blocks = [slice(lo, lo + BLOCK) for lo in range(0, len(chunks), BLOCK)]
+    c = chosen(chunks, choice, src, dst)
+    blocks = c.blocks(BLOCK)
     staged_at = np.zeros(len(chunks), dtype=bool)  # classified once, a block at a time
     n_direct = 0  # direct writes of the blocks
+    # a block's classes and direct writes, kept for the same block of the next copies of
+    # alike replicas (`Chosen.at`): equal where their chosen sources have the same strides
+    # and dtypes (all `shape` reads of a source)
+    kind = unique_columns([src.a0, src.a1, src.dtype])[1] if c.per_copy < len(chunks) \
+        else None
+    seen: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, int]] = {}
+    again = []  # whether each block's classes are those kept
     for b in blocks:
-        g = shape(c, b)
-        staged_at[b] = mask = _staged_mask(g, opts)
-        n_direct += int(rows_per_write(g.s0, g.s1, g.s_a0, g.d_a0)[~mask].sum())
-        del g, mask
-    si = np.flatnonzero(staged_at)
+        a = c.at(b)
+        got = None if kind is None else seen.get((a.chunk.start, a.chunk.stop))
+        kinds = None if kind is None else kind[a.src]
+        again.append(got is not None and np.array_equal(got[0], kinds))
+        if not again[-1]:
+            g = shape(c, a)
+            mask = _staged_mask(g, opts)
+            got = (kinds, mask, int(rows_per_write(g.s0, g.s1, g.s_a0, g.d_a0)[~mask].sum()))
+            del g, mask
+            if kind is not None:
+                seen[a.chunk.start, a.chunk.stop] = got
+        staged_at[b] = got[1]
+        n_direct += got[2]
+    del seen
+    si = c.at(np.flatnonzero(staged_at))
     si, moved = _second_look(c, si, blocks, staged_at, opts, topo)
     first = int(len(si) < len(chunks))  # any direct chunk: see `_staged`
     st = _staged(c, si, first, n_regions, opts, tensor_names, topo.sources, bytes_in,
@@ -154,8 +173,10 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     out.put(n_direct - len(moved), moved)
     end, n_moved = 0, len(moved)
     del moved
-    for b in blocks:
-        out, end = _direct_into(out, end, c, b.start + np.flatnonzero(~staged_at[b]))
+    kept: dict[tuple[int, int], tuple[Rows, np.ndarray]] = {}  # (one copy's blocks)
+    for b, same in zip(blocks, again):
+        out, end = _direct_into(out, end, c, b, np.flatnonzero(~staged_at[b]),
+                                kept if kind is not None else None, same)
     del staged_at
     assert end == n_direct - n_moved
     out.stage[:n_direct] = at
@@ -190,11 +211,24 @@ def _staged_mask(g: Geometry, opts: Options) -> np.ndarray:
     return staged
 
 
-def _direct_into(out: Writes, at: int, c: Chosen, rows: np.ndarray) -> tuple[Writes, int]:
-    """Write the direct writes of chunks `rows` (not staged) into the columns `out` (`_fit`
-    to them) from row `at`; returns the columns and the row after them. Only the geometry
-    that `writes` reads is made."""
-    part = writes(c, direct_rows(c, rows), None, rows)
+def _direct_into(out: Writes, at: int, c: Chosen, block: slice, rows: np.ndarray,
+                 kept: dict[tuple[int, int], tuple[Rows, np.ndarray]] | None, same: bool
+                 ) -> tuple[Writes, int]:
+    """Write the direct writes of chunks `rows` of `block` (not staged) into the columns
+    `out` (`_fit` to them) from row `at`; returns the columns and the row after them. Only
+    the geometry that `writes` reads is made, or, with `same` (the block's classes are
+    those of the same block of a copy before, `lower`), taken from `kept` with the target
+    offsets (a copy's target pieces are the first copy's but for their ranks)."""
+    key = (block.start % c.per_copy, (block.start % c.per_copy) + block.stop - block.start)
+    a = c.at(rows + block.start)
+    got = kept.get(key) if kept is not None and same else None
+    if got is None:
+        g = direct_rows(c, a)
+        part = writes(c, g, None, a)
+        if kept is not None:
+            kept[key] = (g, part.dst_offset)
+    else:
+        part = writes(c, got[0], None, a, got[1])
     out = _fit(out, part)
     return out, out.put(at, part)
 
@@ -216,24 +250,25 @@ def _direct_load(c: Chosen, rows: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Source rank, target rank, bytes and number of direct writes of each chunk of `rows`
     (not staged), for the link load: what `writes` would make, without making them."""
-    g = direct_rows(c, rows)
-    sr, dr = c.choice[rows], c.dst_rows(rows)
+    a = c.at(rows)
+    g = direct_rows(c, a)
     n = rows_per_write(g.s0, g.s1, g.s_a0, g.d_a0)
-    return c.src.rank[sr], c.dst.rank[dr], g.s0 * g.s1 * g.es_d, n
+    return c.source("rank", a), c.target("rank", a), g.s0 * g.s1 * g.es_d, n
 
 
-def _second_look(c: Chosen, si: np.ndarray, blocks: list[slice], staged_at: np.ndarray,
-                 opts: Options, topo: Topology) -> tuple[np.ndarray, Writes]:
+def _second_look(c: Chosen, si: At, blocks: list[slice], staged_at: np.ndarray,
+                 opts: Options, topo: Topology) -> tuple[At, Writes]:
     """The staged chunks `si` that stay staged, and the direct writes of those that
     `balance.direct_after_all` moves (the other chunks' direct writes, `~staged_at`, count
     towards the links, a block at a time, only where a staged chunk crosses NVLink)."""
     host, world = np.asarray(topo.host, dtype=np.int32), topo.world
-    s_rank, d_rank = c.src.rank[c.choice[si]], c.dst.rank[c.dst_rows(si)]
+    s_rank, d_rank = c.source("rank", si), c.target("rank", si)
     nvlink = host[s_rank] == host[d_rank]
     if not nvlink.any():
-        return si, writes(c, shape(c, si[:0]), si[:0], si[:0])
+        none = si.take(slice(0, 0))
+        return si, writes(c, shape(c, none), None, none)
     g = shape(c, si)
-    s_reg, d_reg = c.src.region[c.choice[si]], c.dst.region[c.dst_rows(si)]
+    s_reg, d_reg = c.source("region", si), c.target("region", si)
     p, u, nb = g.pack, g.unpack, g.nbytes
     # each rank's copies: one op per (rank, tensor region), and their bytes
     ops = unique_rows(np.concatenate([np.stack([s_rank[p], s_reg[p]], axis=1),
@@ -258,7 +293,7 @@ def _second_look(c: Chosen, si: np.ndarray, blocks: list[slice], staged_at: np.n
         g.s0[one], nb[one], np.where(pk, d_rank[one], s_rank[one]),
         nvlink[one] & ~g.staged[one], copy_s, link_s, opts)  # ~staged: rows can do it
     moved = one[move]
-    return np.delete(si, moved), writes(c, g, moved, si)
+    return si.take(np.delete(np.arange(len(si)), moved)), writes(c, g, moved, si)
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +309,7 @@ class _Staged:
     slotted: bool
 
 
-def _staged(c: Chosen, si: np.ndarray, first: int, n_regions: np.ndarray, opts: Options,
+def _staged(c: Chosen, si: At, first: int, n_regions: np.ndarray, opts: Options,
             tensor_names: list[str], sources: int, bytes_in: np.ndarray, nic_gbps: float
             ) -> _Staged:
     """Writes, copies, staging per rank, stages and slotting of the staged chunks `si`.
@@ -283,14 +318,14 @@ def _staged(c: Chosen, si: np.ndarray, first: int, n_regions: np.ndarray, opts: 
     (`schemas.protocol`)."""
     world = len(n_regions)
     g = shape(c, si)
-    src_rank, dst_rank = c.src.rank[c.choice[si]], c.dst.rank[c.dst_rows(si)]
+    src_rank, dst_rank = c.source("rank", si), c.target("rank", si)
     nbytes, pack, unpack = g.nbytes, g.pack, g.unpack
     first = first if pack.any() else 0
     order = staging_order(np.arange(len(si)), src_rank, dst_rank, nbytes, world)
     budget = budgets(world, sources, dst_rank[unpack], nbytes[unpack], bytes_in, opts,
                      nic_gbps)
     stage, s_soff, d_soff, staging, slotted = place_staging(
-        order, src_rank, dst_rank, pack, unpack, nbytes, budget, opts, c.chunks.tensor[si],
+        order, src_rank, dst_rank, pack, unpack, nbytes, budget, opts, c.chunk("tensor", si),
         tensor_names, world, first)
     stages = int(stage.max()) + 1 if len(stage) else 1
     # One write per chunk (in placement order, which `stage`, `s_soff` and `d_soff`
@@ -301,10 +336,10 @@ def _staged(c: Chosen, si: np.ndarray, first: int, n_regions: np.ndarray, opts: 
         cols[k] = cols[k][order]
     g = Geometry(**cols)
     del cols
-    si = si[order]
+    si = si.take(order)
     at = Placed(stage=stage, s_soff=s_soff, d_soff=d_soff, src_rank=src_rank[order],
-                dst_rank=dst_rank[order], s_region=c.src.region[c.choice[si]],
-                d_region=c.dst.region[c.dst_rows(si)], s_start=c.start(si, source=True),
+                dst_rank=dst_rank[order], s_region=c.source("region", si),
+                d_region=c.target("region", si), s_start=c.start(si, source=True),
                 d_start=c.start(si, source=False))
     del src_rank, dst_rank, si, order
     # the copies first: the geometry only they read goes before the writes are made

@@ -1,7 +1,8 @@
 """The typed columns `lower` passes between its steps (`planner/passes/lower.py`).
 
 - `Chosen`: the chunks with their chosen source rows and both sides' piece tables: what
-  every step reads;
+  every step reads (and `assign`, `egress_sets` and the explain rows, through the same
+  reads of alike replicas' copies); `At`: a selection of its chunks, resolved once;
 - `Rows`, `Geometry`: chunks as 2-d boxes `s0 x s1` (a box `n x 1` read as `1 x n`), with
   strides, dtype codes and copy needs (`shape`); `Rows` is the part a direct write reads;
 - `Writes`: byte writes as columns (`writes` makes the direct ones);
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.passes.intersect import Chunks, PieceTable, element_size
+from planner.passes.intersect import Chunks, PieceTable, Repeated, element_size
 from schemas.plan import COPY_COLUMNS, PACK, UNPACK
 
 Index = np.ndarray | slice
@@ -27,29 +28,148 @@ Index = np.ndarray | slice
 
 
 @dataclass(frozen=True, slots=True)
+class At:
+    """Chunks of a `Chosen`, resolved once for every column read of them (`Chosen.at`): their
+    rows in the chunk columns and in the target piece columns as stored (a `Repeated`
+    column's first copy; a slice where they are a block of one copy), the copy of the
+    alike replicas each lies in (an int where they lie in one), and their chosen source
+    piece rows. Row numbers are `np.intp`: numpy casts any other index to it on each read."""
+
+    chunk: Index
+    dst: Index
+    copy: np.ndarray | int
+    src: np.ndarray | None
+    """None where no source is chosen yet (`Chosen.choice` None)."""
+
+    def __len__(self) -> int:
+        c = self.chunk
+        return c.stop - c.start if isinstance(c, slice) else len(c)
+
+    def take(self, rows: np.ndarray | slice) -> At:
+        """The chunks `rows` of these (an index array, or a slice), in that order."""
+        if isinstance(rows, slice) and rows == slice(None):
+            return self
+        chunk = _index(self.chunk)[rows]
+        return At(chunk=chunk, dst=chunk if self.dst is self.chunk else _index(self.dst)[rows],
+                  copy=self.copy if isinstance(self.copy, int) else self.copy[rows],
+                  src=None if self.src is None else self.src[rows])
+
+
+def _index(rows: Index) -> np.ndarray:
+    """`rows` as an index array (a slice's `arange`)."""
+    if isinstance(rows, slice):
+        return np.arange(rows.start, rows.stop, dtype=np.intp)
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
 class Chosen:
     """Chunks (`chunks.dst`: their target piece rows) and the source piece row chosen for
-    each (`choice`), with the source and target piece tables."""
+    each (`choice`), with the source and target piece tables. Columns of alike replicas
+    held once (`intersect.Repeated`, chunks and target pieces together) are read through
+    their first copy: a chunk's copy and row in it are found once per `At`, not once per
+    column read (`at`)."""
 
     chunks: Chunks
-    choice: np.ndarray
+    choice: np.ndarray | None
+    """None: no source chosen yet (only the chunk and target columns are read)."""
     src: PieceTable
     dst: PieceTable
+    per_copy: int
+    """Chunks of each copy (all of them where the columns are not `Repeated`)."""
     dst_is_row: bool = False
-    """Chunk k is target piece row k (`chunks.dst` is `arange`: every target piece fed by
-    one source box, `intersect`): `dst_rows` then takes no gather (`row_per_chunk`)."""
+    """Chunk k of a copy is target piece row k of it (`chunks.dst` is `arange`: every target
+    piece fed by one source box, `intersect`): `At.dst` is then `At.chunk`, no gather."""
 
-    def dst_rows(self, which: Index) -> Index:
-        """The target piece rows of chunks `which` (with `dst_is_row`, `which` itself: a
-        block's slice stays a slice, whose columns are views)."""
-        return which if self.dst_is_row else self.chunks.dst[which]
+    def at(self, which: Index) -> At:
+        """Chunks `which`: a slice, or row numbers in ascending order."""
+        m, n = self.per_copy, len(self.chunks)
+        copy: np.ndarray | int = 0
+        if isinstance(which, slice):
+            lo, hi, _ = which.indices(n)
+            hi = max(hi, lo)
+            k = lo // m if m else 0
+            if hi <= (k + 1) * m or m == n:  # a block of one copy: views
+                chunk: Index = slice(lo - k * m, hi - k * m)
+                return At(chunk=chunk, dst=chunk if self.dst_is_row else
+                          _stored(self.chunks.dst)[chunk].astype(np.intp),
+                          copy=k, src=self._choice(which))
+            which = np.arange(lo, hi, dtype=np.intp)
+        which = np.asarray(which, dtype=np.intp)
+        if m == n or len(which) == 0:
+            chunk = which
+        elif which[0] // m == which[-1] // m:  # ascending: all in one copy
+            copy = int(which[0]) // m
+            chunk = which - copy * m if copy else which
+        else:  # where each copy's rows start, by search (ascending): no division
+            cut = np.searchsorted(which, m * np.arange(n // m + 1))
+            copy = np.repeat(np.arange(n // m, dtype=np.int32), np.diff(cut))
+            chunk = which - copy.astype(np.intp) * m
+        return At(chunk=chunk, dst=chunk if self.dst_is_row else
+                  _stored(self.chunks.dst)[chunk].astype(np.intp), copy=copy,
+                  src=self._choice(which))
 
-    def start(self, which: Index, source: bool) -> np.ndarray:
-        """Element offset of the first element of chunks `which` on the source side (or
-        the target side)."""
-        t, r = (self.src, self.choice[which]) if source else (self.dst, self.dst_rows(which))
-        c = self.chunks
-        return t.base[r] + c.off0[which] * t.a0[r] + c.off1[which] * t.a1[r]
+    def _choice(self, which: Index) -> np.ndarray | None:
+        return None if self.choice is None else self.choice[which].astype(np.intp)
+
+    def blocks(self, size: int) -> list[slice]:
+        """The chunk table as slices of at most `size` rows, none across two copies."""
+        m, n = self.per_copy, len(self.chunks)
+        return [slice(k + lo, k + min(lo + size, m)) for k in range(0, n, m)
+                for lo in range(0, m, size)] if m else []
+
+    def chunk(self, name: str, a: At) -> np.ndarray:
+        """Chunk column `name` of the chunks `a`."""
+        return _stored(getattr(self.chunks, name))[a.chunk]
+
+    def target(self, name: str, a: At) -> np.ndarray:
+        """Target piece column `name` of the chunks `a`."""
+        col = getattr(self.dst, name)
+        out = _stored(col)[a.dst]
+        step = col.step if isinstance(col, Repeated) else 0
+        if not step:
+            return out
+        if isinstance(a.copy, int):  # copy k of a column is its first plus `k * step`
+            return out + out.dtype.type(a.copy * step) if a.copy else out
+        return out + a.copy.astype(out.dtype) * out.dtype.type(step)
+
+    def source(self, name: str, a: At) -> np.ndarray:
+        """Source piece column `name` of the chunks `a` (their chosen rows)."""
+        assert a.src is not None
+        return getattr(self.src, name)[a.src]
+
+    def start(self, a: At, source: bool) -> np.ndarray:
+        """Element offset of the first element of chunks `a` on the source side (or the
+        target side)."""
+        side = self.source if source else self.target
+        return side("base", a) + self.chunk("off0", a) * side("a0", a) + \
+            self.chunk("off1", a) * side("a1", a)
+
+
+def _stored(col: np.ndarray) -> np.ndarray:
+    """A column's values as stored: a `Repeated` column's first copy."""
+    return col.one if isinstance(col, Repeated) else col
+
+
+def chosen(chunks: Chunks, choice: np.ndarray | None, src: PieceTable, dst: PieceTable
+           ) -> Chosen:
+    """The `Chosen` of the chunks, with their copies of alike replicas where the chunks and
+    the target pieces are `Repeated` alike (`intersect.repeated`)."""
+    per_copy = len(chunks)
+    if isinstance(chunks.tensor, Repeated):
+        times = chunks.tensor.times
+        assert all(isinstance(getattr(chunks, f), Repeated) and getattr(chunks, f).times
+                   == times for f in ("tensor", "off0", "off1", "size0", "size1", "dst"))
+        assert all(isinstance(getattr(dst, f), Repeated) and getattr(dst, f).times == times
+                   for f in PieceTable.__slots__)
+        per_copy = len(chunks) // times
+        n = len(dst) // times
+        one = chunks.dst.one
+        is_row = per_copy == n and (n == 0 or (int(one[0]) == 0 and bool(
+            (np.diff(one) == 1).all())))
+    else:
+        is_row = row_per_chunk(chunks, dst)
+    return Chosen(chunks, choice, src, dst, per_copy, is_row)
 
 
 def row_per_chunk(chunks: Chunks, dst: PieceTable) -> bool:
@@ -62,22 +182,23 @@ def row_per_chunk(chunks: Chunks, dst: PieceTable) -> bool:
 @dataclass(frozen=True, slots=True)
 class Rows:
     """What a direct write reads of its chunks: the 2-d boxes' sizes (`s0` rows of `s1`),
-    the row strides, the source dtype code and the target element size."""
+    the row strides and the target element size (the source's: a direct write casts
+    nothing)."""
 
     s0: np.ndarray
     s1: np.ndarray
     s_a0: np.ndarray
     d_a0: np.ndarray
-    s_code: np.ndarray
     es_d: np.ndarray
 
 
 @dataclass(frozen=True, slots=True)
 class Geometry(Rows):
-    """`Rows` plus the inner strides, the target dtype code, the bytes, whether each side is
-    contiguous, whether the chunk is packed or unpacked if staged, and whether it must be
-    (no direct write can do it: a cast or a strided row)."""
+    """`Rows` plus the source dtype code, the inner strides, the target dtype code, the
+    bytes, whether each side is contiguous, whether the chunk is packed or unpacked if
+    staged, and whether it must be (no direct write can do it: a cast or a strided row)."""
 
+    s_code: np.ndarray
     s_a1: np.ndarray
     d_a1: np.ndarray
     d_code: np.ndarray
@@ -89,35 +210,33 @@ class Geometry(Rows):
     staged: np.ndarray
 
 
-def shape(c: Chosen, which: Index) -> Geometry:
-    """The `Geometry` of chunks `which`."""
-    sr, dr = c.choice[which], c.dst_rows(which)
-    s0, s1 = c.chunks.size0[which], c.chunks.size1[which]
+def shape(c: Chosen, a: At) -> Geometry:
+    """The `Geometry` of chunks `a`."""
+    s0, s1 = c.chunk("size0", a), c.chunk("size1", a)
     col = s1 == 1  # read `n x 1` as `1 x n`
-    s_a0, d_a0 = c.src.a0[sr], c.dst.a0[dr]
-    s_a1, d_a1 = np.where(col, s_a0, c.src.a1[sr]), np.where(col, d_a0, c.dst.a1[dr])
+    s_a0, d_a0 = c.source("a0", a), c.target("a0", a)
+    s_a1 = np.where(col, s_a0, c.source("a1", a))
+    d_a1 = np.where(col, d_a0, c.target("a1", a))
     s0, s1 = np.where(col, 1, s0), np.where(col, s0, s1)
-    s_code, d_code = c.src.dtype[sr], c.dst.dtype[dr]
+    s_code, d_code = c.source("dtype", a), c.target("dtype", a)
     es_d = element_size(d_code)
     one_row = s0 == 1
     s_contig = (s_a1 == 1) & (one_row | (s_a0 == s1))
     d_contig = (d_a1 == 1) & (one_row | (d_a0 == s1))
     cast = s_code != d_code
-    return Geometry(s0=s0, s1=s1, s_a0=s_a0, d_a0=d_a0, s_code=s_code, es_d=es_d,
+    return Geometry(s0=s0, s1=s1, s_a0=s_a0, d_a0=d_a0, es_d=es_d, s_code=s_code,
                     s_a1=s_a1, d_a1=d_a1, d_code=d_code, nbytes=s0 * s1 * es_d,
                     s_contig=s_contig, d_contig=d_contig, pack=cast | ~s_contig,
                     unpack=~d_contig, staged=cast | (s_a1 != 1) | (d_a1 != 1))
 
 
-def direct_rows(c: Chosen, which: np.ndarray) -> Rows:
-    """The `Rows` of chunks `which` that are not staged (unit inner strides on both sides
-    and no cast, so one element size): only what a direct write reads."""
-    sr, dr = c.choice[which], c.dst_rows(which)
-    s0, s1 = c.chunks.size0[which], c.chunks.size1[which]
+def direct_rows(c: Chosen, a: At) -> Rows:
+    """The `Rows` of chunks `a` that are not staged (unit inner strides on both sides and
+    no cast, so one element size): only what a direct write reads."""
+    s0, s1 = c.chunk("size0", a), c.chunk("size1", a)
     col = s1 == 1  # read `n x 1` as `1 x n`
-    code = c.dst.dtype[dr]
-    return Rows(s0=np.where(col, 1, s0), s1=np.where(col, s0, s1), s_a0=c.src.a0[sr],
-                d_a0=c.dst.a0[dr], s_code=code, es_d=element_size(code))
+    return Rows(s0=np.where(col, 1, s0), s1=np.where(col, s0, s1), s_a0=c.source("a0", a),
+                d_a0=c.target("a0", a), es_d=element_size(c.target("dtype", a)))
 
 
 def rows_per_write(s0: np.ndarray, s1: np.ndarray, s_a0: np.ndarray, d_a0: np.ndarray
@@ -159,26 +278,33 @@ class Writes:
         return at + n
 
 
-def writes(c: Chosen, g: Rows, di: np.ndarray | None, ids: np.ndarray) -> Writes:
-    """Direct writes of the chunks `ids[di]` (`g`: the `Rows` of `ids`; `di` None: all of
+def writes(c: Chosen, g: Rows, di: np.ndarray | None, a: At,
+           dst_offset: np.ndarray | None = None) -> Writes:
+    """Direct writes of the chunks `a.take(di)` (`g`: the `Rows` of `a`; `di` None: all of
     them): one per row, or the whole box when both sides are contiguous. Ranks and regions
-    in the piece tables' dtype."""
+    in the piece tables' dtype; offsets in bytes of the target's element size, which is the
+    source's (no cast). `dst_offset`: the writes' target offsets, when known (those of the
+    same chunks of another copy of alike replicas)."""
     sel = slice(None) if di is None else di  # (a slice takes views, not copies)
     s0, s1 = g.s0[sel], g.s1[sel]
     r = rows_per_write(s0, s1, g.s_a0[sel], g.d_a0[sel])
     whole = r == 1  # (a chunk of rows that are not whole has more than one row)
-    one = bool((r == 1).all())  # one write per chunk: no row expansion
-    idx = sel if one else np.repeat(np.arange(len(ids)) if di is None else di, r)
-    at = ids[idx]  # chunk index
-    sr, dr = c.choice[at], c.dst_rows(at)
-    s_off, d_off = c.start(at, source=True), c.start(at, source=False)
+    one = bool(whole.all())  # one write per chunk: no row expansion
+    idx = sel if one else np.repeat(np.arange(len(a)) if di is None else di, r)
+    at = a.take(idx)
+    s_off = c.start(at, source=True)
+    d_off = c.start(at, source=False) if dst_offset is None else None
     if not one:  # row k of a chunk: k strides on
         k = np.arange(len(at)) - np.repeat(np.cumsum(r) - r, r)
-        s_off, d_off = s_off + k * g.s_a0[idx], d_off + k * g.d_a0[idx]
+        s_off = s_off + k * g.s_a0[idx]
+        if d_off is not None:
+            d_off = d_off + k * g.d_a0[idx]
+    es = g.es_d[idx]
     nbytes = np.where(whole, s0 * s1, s1) * g.es_d[sel]
-    return Writes(src_rank=c.src.rank[sr], src_region=c.src.region[sr],
-                  src_offset=s_off * element_size(g.s_code[idx]), dst_rank=c.dst.rank[dr],
-                  dst_region=c.dst.region[dr], dst_offset=d_off * g.es_d[idx],
+    return Writes(src_rank=c.source("rank", at), src_region=c.source("region", at),
+                  src_offset=s_off * es, dst_rank=c.target("rank", at),
+                  dst_region=c.target("region", at),
+                  dst_offset=d_off * es if d_off is not None else dst_offset,
                   nbytes=nbytes if one else np.repeat(nbytes, r))
 
 
@@ -204,12 +330,12 @@ def copies(g: Geometry, at: Placed, n_regions: np.ndarray) -> dict[str, np.ndarr
     """PACK copies (on sources) then UNPACK copies (on targets) of the staged chunks (`g`
     and `at` over them in placement order; `n_regions[rank]`: the rank's staging region):
     `schemas.plan.COPY_COLUMNS` plus `rank`, int64 columns as int32 where they fit."""
-    p, u = np.nonzero(g.pack)[0], np.nonzero(g.unpack)[0]
-    one_p, one_u = np.ones(len(p), np.int32), np.ones(len(u), np.int32)
+    (p, n_p), (u, n_u) = _rows(g.pack), _rows(g.unpack)
+    one_p, one_u = np.ones(n_p, np.int32), np.ones(n_u, np.int32)
     es_d, s1 = g.es_d, g.s1
     cols = {  # each column's (packs, unpacks), made one column at a time
         "rank": lambda: (at.src_rank[p], at.dst_rank[u]),
-        "kind": lambda: (np.full(len(p), PACK), np.full(len(u), UNPACK)),
+        "kind": lambda: (np.full(n_p, PACK), np.full(n_u, UNPACK)),
         "stage": lambda: (at.stage[p], at.stage[u]),
         "src_region": lambda: (at.s_region[p], n_regions[at.dst_rank[u]]),
         "src_dtype": lambda: (g.s_code[p], g.d_code[u]),
@@ -226,10 +352,17 @@ def copies(g: Geometry, at: Placed, n_regions: np.ndarray) -> dict[str, np.ndarr
         "size0": lambda: (g.s0[p], g.s0[u]),
         "size1": lambda: (s1[p], s1[u]),
         "size2": lambda: (one_p, one_u),
-        "aux_offset": lambda: (np.zeros(len(p) + len(u), dtype=np.int32),),
+        "aux_offset": lambda: (np.zeros(n_p + n_u, dtype=np.int32),),
     }
     return {k: constant(_column(f(), _COPY_DTYPES.get(k, np.dtype(np.int64))))
             for k, f in cols.items()}
+
+
+def _rows(mask: np.ndarray) -> tuple[np.ndarray | slice, int]:
+    """The rows `mask` sets (a slice of all where it sets every row: views, no gathers),
+    and their number."""
+    n = int(np.count_nonzero(mask))
+    return (slice(None) if n == len(mask) else np.flatnonzero(mask)), n
 
 
 def constant(col: np.ndarray) -> np.ndarray:

@@ -55,24 +55,33 @@ def route(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
     """Split the target pieces `dst` into the direct and the gathered path. `dst_boxes`:
     `intersect.boxes(dst)`, when known (`intersect.table_and_boxes`)."""
     names = [t.name for t in spec.tensors]
-    fp8 = np.isin(dst.tensor, [i for i, n in enumerate(names)
-                               if spec.by_name.get(n + SCALE_SUFFIX)])
+    fp8, scales = (_rows_of(dst.tensor, [i for i, n in enumerate(names) if pick(n)])
+                   for pick in (lambda n: spec.by_name.get(n + SCALE_SUFFIX),
+                                lambda n: n.endswith(SCALE_SUFFIX)))
     fp8 &= dst.dtype == DTYPE_CODES.index(FP8)
-    scales = np.isin(dst.tensor, [i for i, n in enumerate(names) if n.endswith(SCALE_SUFFIX)])
-    plain = np.nonzero(~fp8 & ~scales)[0]
-    if len(plain) == len(dst):  # all plain: no copy
+    other = fp8 | scales
+    plain = None if not other.any() else np.flatnonzero(~other)  # None: every row
+    del other
+    if plain is None:  # all plain: no copy
         table, found = dst, boxes(dst) if dst_boxes is None else dst_boxes
     else:
         table = take(dst, plain)
         found = boxes(table)
     fine = fine_cut(spec, src, table, opts, topo, found)
     if len(fine):
-        keep = np.ones(len(plain), dtype=bool)
+        keep = np.ones(len(table), dtype=bool)
         keep[fine] = False  # whole boxes
         table, found = take(table, np.nonzero(keep)[0]), keep_boxes(found, keep)
-    gathered = np.sort(np.concatenate([np.nonzero(fp8)[0], plain[fine]]))
+    gathered = np.sort(np.concatenate([np.flatnonzero(fp8), fine if plain is None else
+                                       plain[fine]]))
     return Routes(targets=dst, direct=table, gathered=gathered, scales=np.nonzero(scales)[0],
                   direct_boxes=found)
+
+
+def _rows_of(tensor: np.ndarray, ids: list[int]) -> np.ndarray:
+    """Whether each row's tensor is one of `ids` (`np.isin`; no pass over the rows when
+    `ids` is empty)."""
+    return np.isin(tensor, ids) if ids else np.zeros(len(tensor), dtype=bool)
 
 
 def fine_cut(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
@@ -86,7 +95,9 @@ def fine_cut(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
     found = boxes(dst) if found is None else found
     first, inv = found.first, found.of
     holders = np.bincount(inv)
-    ch = intersect(spec, src, take(dst, first))
+    # the distinct boxes, each once, in sorted order: their own boxes (no sort)
+    each = np.arange(len(first))
+    ch = intersect(spec, src, take(dst, first), Boxes(of=each, first=each))
     chunks = np.bincount(ch.dst, minlength=len(first))
     numel = dst.size0[first] * dst.size1[first]
     nbytes = numel * element_size(dst.dtype[first])
@@ -105,6 +116,8 @@ def fine_cut(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
     transposed[dst.tensor[(dst.a1 != 1) & (dst.size1 > 1)]] = True
     fine &= ~transposed[dst.tensor[first]]
     fine &= need + 256 <= opts.staging_bytes - opts.staging_bytes // 4
+    if not fine.any():  # (no pass over the rows)
+        return np.zeros(0, dtype=np.int64)
     return np.nonzero(fine[inv])[0]
 
 
@@ -112,7 +125,14 @@ def gathered_only(routes: Routes) -> Routes:
     """`routes` with `targets` cut to the rows `gather` reads (the gathered and the scale
     rows, in order; `gathered` and `scales` renumbered) and no direct pieces: what the
     compiler keeps once the direct path is lowered."""
-    keep = np.union1d(routes.gathered, routes.scales)
-    return Routes(targets=take(routes.targets, keep), direct=take(routes.direct, keep[:0]),
-                  gathered=np.searchsorted(keep, routes.gathered),
-                  scales=np.searchsorted(keep, routes.scales))
+    mask = np.zeros(len(routes.targets), dtype=bool)
+    mask[routes.gathered] = True
+    mask[routes.scales] = True
+    keep = np.flatnonzero(mask)  # (as `np.union1d`: sorted, each once; no sort)
+    new = np.cumsum(mask, dtype=np.int64)
+    new -= 1  # each kept row's place among them
+    del mask
+    targets = routes.targets if len(keep) == len(routes.targets) else \
+        take(routes.targets, keep)
+    return Routes(targets=targets, direct=take(routes.direct, keep[:0]),
+                  gathered=new[routes.gathered], scales=new[routes.scales])

@@ -1,6 +1,6 @@
-"""Alike replicas' target pieces and chunks held once (`intersect.Repeated`, `repeated`) and
-copy columns of one value held as that value (`lower_cols.constant`): each read gives what
-the whole column gives."""
+"""Alike replicas' target pieces and chunks held once (`intersect.Repeated`, `repeated`), read
+through their first copy (`lower_cols.Chosen`), and copy columns of one value held as that
+value (`lower_cols.constant`): each read gives what the whole column gives."""
 
 from __future__ import annotations
 
@@ -8,20 +8,24 @@ import numpy as np
 import pytest
 
 from planner.layouts import megatron, vllm
+from planner.passes.assign import assign
 from planner.passes.intersect import Repeated, intersect, piece_table, repeated, table_and_boxes
-from planner.passes.lower_cols import concat, constant, is_constant
+from planner.passes.lower_cols import chosen, concat, constant, is_constant
 from planner.spec import spec_from_hf
-from schemas.config import SourceConfig, TargetConfig
+from planner.topology import build_topology
+from schemas.config import ClusterConfig, SourceConfig, TargetConfig
 from tests.support.models import qwen3_moe
 
 
-def _tables(replicas: int):
+def _tables(replicas: int, with_src: bool = False):
     spec = spec_from_hf(qwen3_moe())
     src_layout = megatron.layout(spec, SourceConfig(framework="megatron", tp=2, dp=2, pp=2))
     src = piece_table(src_layout, spec, 0)
     dst, found = table_and_boxes(
         vllm.layout(spec, TargetConfig(engine="vllm", tp=2, replicas=replicas)), spec,
         src_layout.world)
+    if with_src:
+        return intersect(spec, src, dst, found), dst, src
     return intersect(spec, src, dst, found), dst
 
 
@@ -72,3 +76,39 @@ def test_constant_columns_are_one_value() -> None:
     assert is_constant(concat(c, constant(np.full(3, 7, np.int32))))
     both = concat(c, constant(np.full(3, 8, np.int32)))
     assert not is_constant(both) and np.array_equal(both, [7] * 10 + [8] * 3)
+
+
+def test_chosen_reads_alike_copies_as_the_whole_columns() -> None:
+    # 3 alike replicas of TP 2 (6 target ranks) fed by 8 source ranks (TP 2, DP 2, PP 2: two
+    # candidates for each box): `assign` on the copies held once picks what it picks on the
+    # whole columns, and every read through `Chosen` (slices in one copy and across copies,
+    # ascending rows in one copy and in several, a reordered `take`) gives the whole
+    # columns' values and dtypes.
+    chunks, dst, src = _tables(3, with_src=True)
+    r_chunks, r_dst = repeated(chunks, dst, 3)
+    topo = build_topology(ClusterConfig(gpus_per_host=4, nics_per_host=2), 8, 6)
+    choice = assign(chunks, src, dst, topo)
+    assert np.array_equal(assign(r_chunks, src, r_dst, topo), choice)
+    assert len(np.unique(src.rank[choice])) > 4  # both candidates of a box are picked
+    whole, held = chosen(chunks, choice, src, dst), chosen(r_chunks, choice, src, r_dst)
+    assert held.per_copy == len(chunks) // 3 and whole.per_copy == len(chunks)
+    n, m = len(chunks), len(chunks) // 3
+    rng = np.random.default_rng(1)
+    picks = [slice(0, n), slice(m + 2, 2 * m - 1), slice(m - 5, m + 5), slice(3, 3),
+             np.sort(rng.choice(n, n // 3, replace=False)), np.arange(m, 2 * m, 3),
+             np.zeros(0, dtype=np.int64)]
+    for which in picks:
+        for a, b in ((whole.at(which), held.at(which)),
+                     (whole.at(which).take(np.arange(len(whole.at(which)))[::-1]),
+                      held.at(which).take(np.arange(len(held.at(which)))[::-1]))):
+            assert len(a) == len(b)
+            for name in ("tensor", "off0", "off1", "size0", "size1"):
+                x, y = whole.chunk(name, a), held.chunk(name, b)
+                assert np.array_equal(x, y) and x.dtype == y.dtype, (name, which)
+            for name in dst.__slots__:
+                x, y = whole.target(name, a), held.target(name, b)
+                assert np.array_equal(x, y) and x.dtype == y.dtype, (name, which)
+            for name in ("rank", "region", "base"):
+                assert np.array_equal(whole.source(name, a), held.source(name, b))
+            for source in (True, False):
+                assert np.array_equal(whole.start(a, source), held.start(b, source))
