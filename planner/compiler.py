@@ -72,10 +72,12 @@ from planner.passes.gather import gather
 from planner.passes.intersect import (
     Chunks,
     PieceTable,
+    alike,
     element_size,
+    first_block,
     intersect,
     piece_table,
-    repeated,
+    repeat_block,
     table_and_boxes,
     without_holders,
 )
@@ -214,17 +216,22 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     # 4. route
     routes = route(spec, src, dst, opts, topo, dst_boxes)
     del dst, dst_boxes  # in `routes`, and dropped with it
-    # 5. intersect
-    chunks = split_rows(intersect(spec, src, routes.direct, routes.direct_boxes), routes.direct,
-                        opts.max_write_bytes)
+    # 5. intersect: where the target's replicas are alike, of the first one's pieces alone
+    # (each other's chunks are those, moved), and what the next passes read of the target
+    # pieces and chunks held once (`Repeated`: and what the side thread's jobs read, where
+    # every target piece is direct)
+    pieces, n_alike = routes.direct, alike(routes.direct, dst_layout.replicas)
+    one, one_boxes = first_block(pieces, routes.direct_boxes, n_alike) if n_alike else \
+        (pieces, routes.direct_boxes)
+    chunks = split_rows(intersect(spec, src, one, one_boxes), one, opts.max_write_bytes)
+    del one, one_boxes
     routes = dataclasses.replace(routes, direct_boxes=None)  # read by intersect only
     bytes_in = _bytes_in(routes.targets, topo.world)
-    pieces, targets = routes.direct, routes.targets
+    targets = routes.targets
     whole = targets is pieces  # every target piece direct
     routes = gathered_only(routes)  # the target pieces go, but those gather reads
-    # what the next passes read of the target pieces and chunks, held once for alike
-    # replicas (and what the side thread's jobs read, where every target piece is direct)
-    chunks, pieces = repeated(chunks, pieces, dst_layout.replicas) or (chunks, pieces)
+    if n_alike:
+        chunks, pieces = repeat_block(chunks, pieces, dst_layout.replicas)
     targets = pieces if whole else targets
     regions = rank_regions(tensor_regions(src_layout) if src_regions is None else src_regions,
                            tensor_regions(dst_layout))  # staging is added once lowered

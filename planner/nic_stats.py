@@ -21,25 +21,40 @@ from planner.topology import Topology
 
 def remote_egress(topo: Topology, low: Lowered) -> np.ndarray:
     """Bytes each NIC sends to other hosts in the writes of `low`."""
+    return _sums(topo, low)[0]
+
+
+def _sums(topo: Topology, low: Lowered
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Bytes of the writes of `low` out of and into each NIC (to and from other hosts),
+    and out of and into each rank over NVLink (within its host), as float64 (whole bytes:
+    exact in any order), summed a block of writes at a time."""
     host, nic = np.asarray(topo.host), np.asarray(topo.nic)
-    remote = host[low.w_src_rank] != host[low.w_dst_rank]
-    return np.bincount(nic[low.w_src_rank[remote]], weights=low.w_nbytes[remote],
-                       minlength=int(nic.max()) + 1)
+    n_nics = int(nic.max()) + 1
+    out_b, in_b = np.zeros(n_nics), np.zeros(n_nics)
+    nv, nv_in = np.zeros(topo.world), np.zeros(topo.world)
+    for at in range(0, len(low.w_src_rank), _BLOCK):
+        part = slice(at, at + _BLOCK)
+        s, d = low.w_src_rank[part], low.w_dst_rank[part]
+        nbytes = low.w_nbytes[part].astype(np.float64)
+        remote = host[s] != host[d]
+        out_b += np.bincount(nic[s[remote]], weights=nbytes[remote], minlength=n_nics)
+        in_b += np.bincount(nic[d[remote]], weights=nbytes[remote], minlength=n_nics)
+        near = ~remote
+        nv += np.bincount(s[near], weights=nbytes[near], minlength=topo.world)
+        nv_in += np.bincount(d[near], weights=nbytes[near], minlength=topo.world)
+    return out_b, in_b, nv, nv_in
+
+
+_BLOCK = 1 << 21
+"""Writes whose NIC and NVLink bytes are summed at a time (bounds the temporaries)."""
 
 
 def nic_stats(topo: Topology, low: Lowered, bound: float) -> dict[str, Any]:
     """`nics` (per NIC: name, host, gbps, bytes out and in), `nvlink_bytes`,
     `remote_bytes`, `floor_s` and `egress_bound_max_over_mean` (`bound` over the mean
     egress of the NICs that send)."""
-    src_rank, dst_rank = low.w_src_rank, low.w_dst_rank
-    nbytes = low.w_nbytes.astype(np.float64)
-    host, nic = np.asarray(topo.host), np.asarray(topo.nic)
-    remote = host[src_rank] != host[dst_rank]
-    n_nics = int(nic.max()) + 1
-    out_b = np.bincount(nic[src_rank[remote]], weights=nbytes[remote], minlength=n_nics)
-    in_b = np.bincount(nic[dst_rank[remote]], weights=nbytes[remote], minlength=n_nics)
-    nv = np.bincount(src_rank[~remote], weights=nbytes[~remote], minlength=topo.world)
-    nv_in = np.bincount(dst_rank[~remote], weights=nbytes[~remote], minlength=topo.world)
+    out_b, in_b, nv, nv_in = _sums(topo, low)
     nics = [{"name": topo.nic_name(n), "host": n // topo.nics_per_host,
              "gbps": topo.nic_gbps, "bytes_out": int(out_b[n]), "bytes_in": int(in_b[n])}
             for n in sorted(set(topo.nic))]
@@ -47,7 +62,7 @@ def nic_stats(topo: Topology, low: Lowered, bound: float) -> dict[str, Any]:
     nv_floor = max(nv.max(), nv_in.max()) * 8 / (topo.nvlink_gbps * 1e9)
     egress = [n["bytes_out"] for n in nics if n["bytes_out"]]
     return {"nics": nics, "nvlink_bytes": int(nv.sum()),
-            "remote_bytes": int(nbytes[remote].sum()),
+            "remote_bytes": int(out_b.sum()),
             "floor_s": float(max(nic_floor, nv_floor)),
             "egress_bound_max_over_mean": float(bound / (sum(egress) / len(egress)))
             if egress else 1.0}

@@ -66,7 +66,12 @@ def _compact(key: np.ndarray, span: int) -> tuple[np.ndarray, int]:
     del seen
     m = int(rank[-1])
     rank -= 1
-    return rank[key].astype(np.int64), m
+    if key.dtype != np.int64 or not key.flags.writeable:
+        return rank[key].astype(np.int64), m
+    for lo in range(0, len(key), _BLOCK):  # in place, a block at a time: no second key
+        part = key[lo:lo + _BLOCK]
+        part[:] = rank[part]
+    return key, m
 
 
 def row_keys(a: np.ndarray) -> np.ndarray:
@@ -115,7 +120,8 @@ def _column_keys(cols: Sequence[np.ndarray], prefix: bool = False
             codes, m = _ranks(col)
         else:
             assert r is not None
-            (lo, m), codes = r, col if col.dtype.itemsize < 8 else col.astype(np.int64)
+            (lo, m), codes = r, col if col.dtype.itemsize < 8 else \
+                col.astype(np.int64, copy=False)  # (read only: no copy of an int64 column)
         if i == 0:
             key, span = codes.astype(np.int64, copy=codes is col), m
             key -= lo
@@ -158,6 +164,17 @@ def lexorder(*keys: np.ndarray) -> np.ndarray:
     return stable_argsort(column_keys(keys[::-1]), own=True)  # (no stacked copy)
 
 
+def lexorder_or_none(*keys: np.ndarray) -> np.ndarray | None:
+    """`lexorder(*keys)`, or None where the rows are in that order already (no
+    permutation made)."""
+    if not keys or len(keys[0]) < 2:
+        return None
+    key = column_keys(keys[::-1])
+    if not (key[1:] < key[:-1]).any():
+        return None
+    return stable_argsort(key, own=True)
+
+
 def grouped_order(cols: Sequence[np.ndarray], last: np.ndarray
                   ) -> tuple[np.ndarray, np.ndarray]:
     """`lexorder(last, *cols[::-1])` (rows by `cols`, then by `last`; stable) and, in that
@@ -198,12 +215,16 @@ def stable_argsort(key: np.ndarray, own: bool = False) -> np.ndarray:
     if lo:
         pair -= lo
     pair <<= bits
-    pair |= np.arange(n, dtype=np.int64)
+    for at in range(0, n, _BLOCK):  # the row numbers, a block at a time
+        pair[at:at + _BLOCK] |= np.arange(at, min(at + _BLOCK, n), dtype=np.int64)
     pair.sort()
     pair &= (1 << bits) - 1
     return pair
 
 
+_BLOCK = 1 << 20
+"""Rows a whole-column step works on at a time where a temporary as long as the column
+is not wanted."""
 _SMALL = 1 << 15
 """Rows below which `stable_argsort` is numpy's (its pairs only pay on large columns)."""
 _RUN = 64

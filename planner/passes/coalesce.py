@@ -30,13 +30,16 @@ def coalesce(low: Lowered | list[Lowered], max_write_bytes: int) -> Lowered:
         (low,) = held
         held.clear()
     cols = {k: getattr(low, k) for k in Lowered.__slots__ if k.startswith("w_")}
+    dtypes = {k: c.dtype for k, c in cols.items()}  # the merged columns keep them
     if own:  # the writes' columns are held here alone; the rest stays in `low`
         low = replace(low, **{k: _EMPTY for k in cols})
+        for k in _KEYS:  # ranks, stages, regions: narrower while held for the sort
+            cols[k] = _narrow(cols[k])
     # by (keys, source offset); `same`: a row's keys equal the row's before it
     order, same = grouped_order([cols[k] for k in _KEYS], cols["w_src_offset"])
     n = len(order)
     if n == 0:
-        return replace(low, **cols)
+        return replace(low, **{k: c.astype(dtypes[k], copy=False) for k, c in cols.items()})
     nbytes = cols.pop("w_nbytes")[order]
     for k in ("w_src_offset", "w_dst_offset"):
         off = cols[k][order]
@@ -44,13 +47,13 @@ def coalesce(low: Lowered | list[Lowered], max_write_bytes: int) -> Lowered:
         del off
     starts = np.nonzero(~same)[0]
     del same
-    merged_bytes = np.add.reduceat(nbytes, starts)
-    del nbytes
     first = order[starts]
-    del order, starts
+    del order
+    merged_bytes = np.add.reduceat(nbytes, starts)
+    del nbytes, starts
     merged = {}
     for k in (*_KEYS, "w_src_offset", "w_dst_offset"):  # each input column goes once taken
-        merged[k] = cols.pop(k)[first]
+        merged[k] = cols.pop(k)[first].astype(dtypes[k], copy=False)
     del first
     merged["w_nbytes"] = merged_bytes
     # Split at max_write_bytes.
@@ -65,3 +68,14 @@ def coalesce(low: Lowered | list[Lowered], max_write_bytes: int) -> Lowered:
     out["w_dst_offset"] = out["w_dst_offset"] + shift
     out["w_nbytes"] = np.minimum(max_write_bytes, merged_bytes[idx] - shift)
     return replace(low, **out)
+
+
+def _narrow(col: np.ndarray) -> np.ndarray:
+    """`col` as int8 or int16 where its values fit (a new, smaller array), else itself."""
+    if len(col) == 0 or col.dtype.kind not in "iu" or col.dtype.itemsize <= 2:
+        return col
+    lo, hi = int(col.min()), int(col.max())
+    for dt in (np.int8, np.int16):
+        if np.iinfo(dt).min <= lo and hi <= np.iinfo(dt).max:
+            return col.astype(dt)
+    return col

@@ -102,21 +102,45 @@ def piece_table(layout: Layout, spec: ModelSpec, rank_base: int) -> PieceTable:
 def table_and_boxes(layout: Layout, spec: ModelSpec, rank_base: int
                     ) -> tuple[PieceTable, Boxes]:
     """`piece_table` and its `boxes`, found among the rows of its distinct ranks only (a
-    replica's rows are its engine rank's)."""
-    table, found = _flatten(layout, spec, rank_base, True)
+    replica's rows are its engine rank's). Where the layout's replicas are alike (each
+    replica's k-th rank holds the first replica's k-th rank's tensors, its rank moved by
+    one step a replica), the table's columns and the boxes' `of` are `Repeated` columns
+    of the first replica's rows: the whole table is never held."""
+    table, found = _flatten(layout, spec, rank_base, True, _alike_replicas(layout))
     assert found is not None
     return table, found
 
 
-def _flatten(layout: Layout, spec: ModelSpec, rank_base: int, with_boxes: bool
-             ) -> tuple[PieceTable, Boxes | None]:
+def _alike_replicas(layout: Layout) -> int:
+    """`layout.replicas` where its ranks are that many blocks alike (each block's k-th rank
+    holding the first block's k-th rank's tensors tuple, its rank moved by one step a
+    block), else 1."""
+    times, ranks = layout.replicas, layout.ranks
+    if times < 2 or len(ranks) % times or not ranks:
+        return 1
+    m = len(ranks) // times
+    step = ranks[m].rank - ranks[0].rank
+    for at, rl in enumerate(ranks[m:], m):
+        k, i = divmod(at, m)
+        if rl.tensors is not ranks[i].tensors or rl.rank != ranks[i].rank + k * step:
+            return 1
+    return times
+
+
+def _flatten(layout: Layout, spec: ModelSpec, rank_base: int, with_boxes: bool,
+             times: int = 1) -> tuple[PieceTable, Boxes | None]:
+    """The table (and its boxes) of `layout`'s ranks; `times` > 1: of its first
+    `1 / times` ranks, as `Repeated` columns (`_alike_replicas`)."""
+    every = layout.ranks
+    step = every[len(every) // times].rank - every[0].rank if times > 1 else 0
+    layout_ranks = every[:len(every) // times]
     tensor_id = {t.name: i for i, t in enumerate(spec.tensors)}
     cache: dict[int, Any] = {}  # id(physical tensor) -> its (9, n) rows; id(names) -> ids
     ranks: dict[int, int] = {}  # id(a rank's tensors) -> its block
     blocks: list[np.ndarray] = []  # (10, n) rows of each distinct rank, region first
     used: list[int] = []  # block of each rank
     made: list[int] = []  # the rank (index) where each block is first used
-    for rl in layout.ranks:
+    for rl in layout_ranks:
         b = ranks.get(id(rl.tensors))
         if b is None:
             b = ranks[id(rl.tensors)] = len(blocks)
@@ -125,12 +149,14 @@ def _flatten(layout: Layout, spec: ModelSpec, rank_base: int, with_boxes: bool
         used.append(b)
     sizes = np.array([blocks[b].shape[1] for b in used], dtype=np.int64)
     starts = np.cumsum(sizes) - sizes
-    out = np.empty((11, int(sizes.sum())), dtype=_column_dtype(blocks, rank_base + len(used)))
-    for rl, b, at in zip(layout.ranks, used, starts.tolist()):
+    out = np.empty((11, int(sizes.sum())), dtype=_column_dtype(blocks, rank_base + len(every)))
+    for rl, b, at in zip(layout_ranks, used, starts.tolist()):
         out[0, at:at + blocks[b].shape[1]] = rank_base + rl.rank
         out[1:, at:at + blocks[b].shape[1]] = blocks[b]
     out.flags.writeable = False  # `intersect`'s chunks may share its columns
-    table = PieceTable(*out)
+    table = PieceTable(*out) if times == 1 else \
+        PieceTable(*(Repeated(col, times, step if f == "rank" else 0)
+                     for f, col in zip(PieceTable.__slots__, out)))
     if not with_boxes:
         return table, None
     # Boxes of the distinct ranks' rows; the rows of a block's first use come before any
@@ -142,7 +168,7 @@ def _flatten(layout: Layout, spec: ModelSpec, rank_base: int, with_boxes: bool
     cstart = np.cumsum(lens) - lens
     first = first + np.repeat(starts[made] - cstart, lens)[first]
     of = np.concatenate([of[cstart[b]:cstart[b] + lens[b]] for b in used]) if used else of
-    return table, Boxes(of=of, first=first)
+    return table, Boxes(of=of if times == 1 else Repeated(of, times), first=first)
 
 
 _NARROW = np.iinfo(np.int32).max
@@ -442,6 +468,40 @@ class Repeated(np.lib.mixins.NDArrayOperatorsMixin):
         return out
 
 
+def alike(dst: PieceTable, times: int) -> int:
+    """The rows of each of `times` equal blocks of `dst` (every column equal to the first
+    block's but the target ranks, moved by one step a block): the pieces of the engine's
+    alike replicas. 0 where there are not `times` >= 2 such blocks."""
+    if times < 2 or len(dst) % times or len(dst) == 0:
+        return 0
+    n = len(dst) // times
+    if all(isinstance(c, Repeated) and c.times == times for c in _columns(dst)):
+        return n  # so made (`table_and_boxes`)
+    step = int(dst.rank[n]) - int(dst.rank[0])
+    for f in PieceTable.__slots__:
+        col, by = getattr(dst, f), step if f == "rank" else 0
+        if not _blocks_equal(col, n, times, by):
+            return 0
+    return n
+
+
+def _blocks_equal(col: np.ndarray, n: int, times: int, by: int) -> bool:
+    """Whether block k of `col` (`n` rows each) is the first block plus `k * by`."""
+    first = col[:n]
+    for k in range(1, times):
+        block = col[k * n:(k + 1) * n]
+        if not np.array_equal(block - by * k if by else block, first):
+            return False
+    return True
+
+
+def first_block(dst: PieceTable, b: Boxes, n: int) -> tuple[PieceTable, Boxes]:
+    """The first `n` rows of `dst` (views) and their boxes, for `dst` of blocks `alike`
+    (every box's first row is in the first block; the boxes keep their ids)."""
+    return (PieceTable(*(getattr(dst, f)[:n] for f in PieceTable.__slots__)),
+            Boxes(of=b.of[:n], first=b.first))
+
+
 def repeated(chunks: Chunks, dst: PieceTable, times: int
              ) -> tuple[Chunks, PieceTable] | None:
     """`chunks` and the target pieces `dst` they point into as `Repeated` columns of their
@@ -449,33 +509,58 @@ def repeated(chunks: Chunks, dst: PieceTable, times: int
     the target ranks, moved by one step a block, and the chunks' target rows, by the
     block's rows): what `lower` reads of the engine's alike replicas, held once. Else None.
     The chunks' source boxes repeat too (`holders` and `holder_ptr` are kept)."""
-    if times < 2 or len(dst) % times or len(chunks) % times or len(dst) == 0:
+    n = alike(dst, times)
+    if not n or len(chunks) % times:
         return None
-    cut = ("tensor", "off0", "off1", "size0", "size1", "dst") + (
-        ("sbox",) if len(chunks.sbox) else ())
-    n, m = len(dst) // times, len(chunks) // times
+    m = len(chunks) // times
+    for f in _CUT if len(chunks.sbox) else _CUT[:-1]:
+        if not _blocks_equal(getattr(chunks, f), m, times, n if f == "dst" else 0):
+            return None
+    return repeat_block(_head(chunks, m), dst, times)
+
+
+def _head(chunks: Chunks, m: int) -> Chunks:
+    """The first `m` chunks (views), with all the source boxes' holders."""
+    cut = _CUT if len(chunks.sbox) else _CUT[:-1]
+    return Chunks(**{f: getattr(chunks, f)[:m] for f in cut},
+                  **({} if "sbox" in cut else {"sbox": chunks.sbox}),
+                  holder_ptr=chunks.holder_ptr, holders=chunks.holders)
+
+
+_CUT = ("tensor", "off0", "off1", "size0", "size1", "dst", "sbox")
+"""The chunks' columns that repeat with the replicas (the source boxes only while kept)."""
+
+
+def repeat_block(chunks: Chunks, dst: PieceTable, times: int) -> tuple[Chunks, PieceTable]:
+    """The chunks of the first block of `dst` (blocks `alike`, each of `len(dst) // times`
+    rows: the first block's chunks, its target rows moved by the block's rows, are each
+    other block's) and `dst`, as `Repeated` columns of the first block (each its own
+    small array: the whole columns can go)."""
+    n = len(dst) // times
     step = int(dst.rank[n]) - int(dst.rank[0])
-    moved = {"rank": step}
-    for t, size, cols in ((dst, n, PieceTable.__slots__),
-                          (chunks, m, cut)):
-        for f in cols:
-            col, by = getattr(t, f), moved.get(f, n if t is chunks and f == "dst" else 0)
-            first = col[:size]
-            for k in range(1, times):
-                if not np.array_equal(col[k * size:(k + 1) * size] - by * k if by else
-                                      col[k * size:(k + 1) * size], first):
-                    return None
-    one = {f: Repeated(_own(getattr(dst, f)[:n]), times, moved.get(f, 0))
-           for f in PieceTable.__slots__}
-    return (Chunks(**{f: Repeated(_own(getattr(chunks, f)[:m]), times,
-                                  n if f == "dst" else 0) for f in cut},
+    cut = _CUT if len(chunks.sbox) else _CUT[:-1]
+    return (Chunks(**{f: Repeated(_own(getattr(chunks, f)), times, n if f == "dst" else 0)
+                      for f in cut},
                    **({} if "sbox" in cut else {"sbox": chunks.sbox}),
                    holder_ptr=chunks.holder_ptr, holders=chunks.holders),
-            PieceTable(**one))
+            PieceTable(**{f: _repeated(getattr(dst, f), times, step if f == "rank" else 0)
+                          for f in PieceTable.__slots__}))
+
+
+def _repeated(col: np.ndarray, times: int, step: int) -> Repeated:
+    """`col`, `times` blocks alike (each the first plus `step` a block), as `Repeated`."""
+    if isinstance(col, Repeated) and col.times == times:
+        return col
+    return Repeated(_own(col[:len(col) // times]), times, step)
+
+
+def _columns(t: PieceTable) -> list[np.ndarray]:
+    return [getattr(t, f) for f in PieceTable.__slots__]
 
 
 def _own(col: np.ndarray) -> np.ndarray:
-    """A read-only copy of `col` (not a view: the whole column can go)."""
-    out = np.array(col)
+    """`col` read-only, as an array of its own (a view is copied: the whole column can
+    go)."""
+    out = col if col.base is None else np.array(col)
     out.flags.writeable = False
     return out

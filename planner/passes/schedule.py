@@ -27,7 +27,7 @@ import networkx as nx
 import numpy as np
 
 from planner.passes.lower import Lowered
-from planner.rows import distinct_rows, lexorder
+from planner.rows import distinct_rows, lexorder, lexorder_or_none
 from planner.topology import Topology
 from schemas.plan import ACK, DONE, READY, SLOT_ACK
 from schemas.protocol import sent_stage, wait_stage
@@ -60,39 +60,39 @@ def schedule(low: Lowered, topo: Topology, max_write_bytes: int,
              n_regions: np.ndarray) -> Schedule:
     src, dst, stage = low.w_src_rank, low.w_dst_rank, low.w_stage
     n = len(src)
-    group = lexorder(dst, stage, src)  # writes grouped by (src, stage, dst)
-    g_src, g_stage, g_dst = src[group], stage[group], dst[group]
+    # writes grouped by (src, stage, dst); None: so already (`coalesce` leaves them so)
+    group = lexorder_or_none(dst, stage, src)
+    g_src, g_stage, g_dst = (src, stage, dst) if group is None else \
+        (src[group], stage[group], dst[group])
     new_group = np.ones(n, dtype=bool)
     new_group[1:] = (g_src[1:] != g_src[:-1]) | (g_stage[1:] != g_stage[:-1]) | \
         (g_dst[1:] != g_dst[:-1])
-    gid = np.cumsum(new_group)
-    gid -= 1
     gstart = np.nonzero(new_group)[0]
     del new_group
-    nb = low.w_nbytes[group]
-    before = np.cumsum(nb)
-    before -= nb  # bytes earlier in the whole order, then in the same group
-    del nb
-    before -= before[gstart][gid]
-    pos = np.arange(n)  # (whole columns in place: each is the plan's writes long)
-    pos -= gstart[gid]
-    del gid, gstart
-    rnd = before
+    # bytes and writes before each write in its group (each whole column made once)
+    rnd = _before_in_group(low.w_nbytes if group is None else low.w_nbytes[group], gstart)
+    pos = _before_in_group(np.ones(n, dtype=np.int8), gstart)
+    del gstart
     rnd //= max_write_bytes
     pos //= MAX_BATCH_WRITES
     np.maximum(rnd, pos, out=rnd)
-    del before, pos
+    del pos
     nt = max(topo.targets, 1)
-    rot = g_src.astype(np.int64)  # (g_dst - sources + g_src * spread) % nt
-    rot *= spread(nt)
+    step = spread(nt)  # (g_dst - sources + g_src * step) % nt, in int32 where it fits
+    rot = g_src.astype(np.int32 if topo.world * (step + 2) < 1 << 31 else np.int64)
+    rot *= step
     rot += g_dst
     rot -= topo.sources
     rot %= nt
     del g_dst
-    order = group[lexorder(rot, rnd, g_stage, g_src)]  # stable: ties keep group order
+    order = lexorder(rot, rnd, g_stage, g_src)  # stable: ties keep group order
     del rot, g_stage, g_src
-    key_rnd = np.empty(n, dtype=np.int64)
-    key_rnd[group] = rnd
+    if group is None:
+        key_rnd = rnd
+    else:
+        order = group[order]
+        key_rnd = np.empty(n, dtype=np.int64)
+        key_rnd[group] = rnd
     del group, rnd
     new_batch = np.zeros(n, dtype=bool)
     new_batch[:1] = True
@@ -109,6 +109,18 @@ def schedule(low: Lowered, topo: Topology, max_write_bytes: int,
     signals, waits = _signals(low, n_regions, topo.sources)
     nodes, edges = _dag(low.stages, topo.world, signals)
     return Schedule(order, batch_start, batch_nic, signals, waits, nodes, edges)
+
+
+def _before_in_group(values: np.ndarray, gstart: np.ndarray) -> np.ndarray:
+    """The sum (int64) of `values` before each row in its group, the groups being the runs
+    of rows from each of `gstart` (ascending, the first 0): one cumulative sum, each
+    group's start less the sum of the group before it."""
+    out = np.zeros(len(values), dtype=np.int64)
+    if len(values) == 0:
+        return out
+    out[1:] = values[:-1]
+    out[gstart[1:]] -= np.add.reduceat(values, gstart, dtype=np.int64)[:-1]
+    return np.cumsum(out, out=out)
 
 
 def spread(n: int) -> int:

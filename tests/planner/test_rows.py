@@ -15,6 +15,7 @@ from planner.rows import (
     distinct_rows,
     grouped_order,
     lexorder,
+    lexorder_or_none,
     row_keys,
     stable_argsort,
     unique_rows,
@@ -51,6 +52,31 @@ def test_wide_distinct_columns_rerank_instead_of_overflowing() -> None:
               elements=st.one_of(st.integers(0, 3), ints)))
 def test_lexorder_equals_lexsort(keys: np.ndarray) -> None:
     assert np.array_equal(lexorder(*keys), np.lexsort(keys))
+
+
+@settings(max_examples=200, deadline=None)
+@given(arrays(np.int64, st.tuples(st.integers(1, 4), st.integers(0, 40)),
+              elements=st.one_of(st.integers(0, 3), ints)))
+def test_lexorder_or_none_is_none_only_for_rows_in_order(keys: np.ndarray) -> None:
+    want = np.lexsort(keys)
+    got = lexorder_or_none(*keys)
+    if got is None:
+        assert np.array_equal(want, np.arange(keys.shape[1]))
+    else:
+        assert np.array_equal(got, want)
+    ordered = keys[:, want]
+    assert lexorder_or_none(*ordered) is None  # in order: no permutation made
+
+
+def test_stable_argsort_and_compaction_of_large_columns_keep_order() -> None:
+    """Columns over `_BLOCK` rows: the row numbers and compacted keys made a block at a
+    time."""
+    rng = np.random.default_rng(3)
+    n = (1 << 20) * 2 + 12345
+    keys = np.stack([rng.integers(0, 5000, n), rng.integers(0, 3, n),
+                     rng.integers(-(2 ** 40), 2 ** 40, n)])
+    assert np.array_equal(lexorder(*keys), np.lexsort(keys))
+    assert np.array_equal(stable_argsort(keys[0]), np.argsort(keys[0], kind="stable"))
 
 
 @settings(max_examples=200, deadline=None)

@@ -9,7 +9,17 @@ import pytest
 
 from planner.layouts import megatron, vllm
 from planner.passes.assign import assign
-from planner.passes.intersect import Repeated, intersect, piece_table, repeated, table_and_boxes
+from planner.passes.intersect import (
+    Repeated,
+    alike,
+    boxes,
+    first_block,
+    intersect,
+    piece_table,
+    repeat_block,
+    repeated,
+    table_and_boxes,
+)
 from planner.passes.lower_cols import chosen, concat, constant, is_constant
 from planner.spec import spec_from_hf
 from planner.topology import build_topology
@@ -18,15 +28,42 @@ from tests.support.models import qwen3_moe
 
 
 def _tables(replicas: int, with_src: bool = False):
+    """The chunks and the target pieces of a qwen3-MoE refit to `replicas` alike vLLM
+    replicas, as whole columns (and, `with_src`, the source pieces)."""
+    spec, src, dst_layout, world = _layouts(replicas)
+    dst = piece_table(dst_layout, spec, world)
+    if with_src:
+        return intersect(spec, src, dst), dst, src
+    return intersect(spec, src, dst), dst
+
+
+def _layouts(replicas: int):
     spec = spec_from_hf(qwen3_moe())
     src_layout = megatron.layout(spec, SourceConfig(framework="megatron", tp=2, dp=2, pp=2))
-    src = piece_table(src_layout, spec, 0)
-    dst, found = table_and_boxes(
-        vllm.layout(spec, TargetConfig(engine="vllm", tp=2, replicas=replicas)), spec,
-        src_layout.world)
-    if with_src:
-        return intersect(spec, src, dst, found), dst, src
-    return intersect(spec, src, dst, found), dst
+    dst_layout = vllm.layout(spec, TargetConfig(engine="vllm", tp=2, replicas=replicas))
+    return spec, piece_table(src_layout, spec, 0), dst_layout, src_layout.world
+
+
+def test_alike_replicas_table_is_made_once() -> None:
+    """`table_and_boxes` of alike replicas: `Repeated` columns equal to the whole table's;
+    the chunks of the first replica's pieces, repeated, are the whole table's chunks."""
+    spec, src, dst_layout, world = _layouts(3)
+    whole = piece_table(dst_layout, spec, world)
+    dst, found = table_and_boxes(dst_layout, spec, world)
+    n = alike(dst, 3)
+    assert n == len(whole) // 3 and alike(whole, 3) == n and alike(whole, 2) == 0
+    for f in whole.__slots__:
+        col = getattr(dst, f)
+        assert isinstance(col, Repeated) and np.array_equal(np.asarray(col), getattr(whole, f))
+    assert np.array_equal(np.asarray(found.of), boxes(whole).of)
+    assert np.array_equal(found.first, boxes(whole).first)
+    one, one_boxes = first_block(dst, found, n)
+    chunks, pieces = repeat_block(intersect(spec, src, one, one_boxes), dst, 3)
+    want = intersect(spec, src, whole)
+    for f in ("tensor", "off0", "off1", "size0", "size1", "dst", "sbox"):
+        assert np.array_equal(np.asarray(getattr(chunks, f)), getattr(want, f)), f
+    for f in whole.__slots__:
+        assert np.array_equal(np.asarray(getattr(pieces, f)), getattr(whole, f)), f
 
 
 def test_repeated_columns_read_as_the_whole_columns() -> None:
