@@ -39,8 +39,9 @@ class Groups:
     """One source rank's (stage, target) groups that hold a write into a stacked expert
     tensor, their writes as entries group by group, each group's in table order."""
 
-    at: np.ndarray
-    """The entries' positions in the table (entry `i` sits at `at[i]`)."""
+    at: np.ndarray | None
+    """The entries' positions in the table (entry `i` sits at `at[i]`; None: at `i`, every
+    write in a hit group and the table group by group)."""
     first: np.ndarray
     """Whether an entry begins its group."""
     key: np.ndarray
@@ -53,6 +54,10 @@ class Groups:
     slot: np.ndarray
     """The slot (MoE layer * physical slots + slot) an entry writes into (the number of
     slots: none)."""
+
+    def place(self, entries: np.ndarray) -> np.ndarray:
+        """The table positions of `entries`."""
+        return entries if self.at is None else self.at[entries]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +99,7 @@ def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
     mi = np.flatnonzero(m)
     if not len(mi):
         return rp
-    region = _moved_regions(rp, groups.at[mi], groups.slot[mi], old, new, src, ids)
+    region = _moved_regions(rp, groups.place(mi), groups.slot[mi], old, new, src, ids)
     mask = (1 << groups.bits) - 1
     if (region >> groups.bits).any():
         raise NotIncremental(f"replan: source rank {rp.rank} reads a region past its "
@@ -112,11 +117,11 @@ def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
         raise NotIncremental(f"replan: source rank {rp.rank} writes the same target bytes "
                              "twice in one batch group; compile the new placement in full")
     win, entry, key = made
-    at = groups.at
     moves = entry != win
-    at_c, got_c = at[win[moves]], at[entry[moves]]
-    _check_cuts(rp, at, win, entry, at_c, got_c, groups.first, max_write_bytes, sources)
-    writes = _placed(w, at[win], (key >> groups.shift) & mask, at_c, got_c)
+    at_c, got_c = groups.place(win[moves]), groups.place(entry[moves])
+    _check_cuts(rp, groups.at, win, entry, at_c, got_c, groups.first, max_write_bytes,
+                sources)
+    writes = _placed(w, groups.place(win), (key >> groups.shift) & mask, at_c, got_c)
     _KEPT[id(writes["src_region"])] = (weakref.ref(writes["src_region"]), dataclasses.replace(
         groups, key=key, slot=groups.slot[entry]) if len(win) == len(m) else _Edited(
         groups, win, key, entry))
@@ -244,17 +249,19 @@ def _placed(w: Table, at_w: np.ndarray, region: np.ndarray, at_c: np.ndarray,
             got_c: np.ndarray) -> Table:
     """`w` with row `got_c[i]`'s write at position `at_c[i]` and source region `region[i]`
     at position `at_w[i]` (a superset of `at_c` and of the moved writes' positions);
-    `dst_rank` is one per group, and a column no write changes stays."""
+    `dst_rank` is one per group, and a column whose values the moves leave (FSDP2's
+    source offsets, equal sizes) stays the same array."""
     cols = {}
     for name, dt in WRITE_COLUMNS:
         col = w[name]
         if name == "src_region":
             col = np.array(col, dtype=dt)
             col[at_w] = region
-        elif name != "dst_rank" and len(at_c) and not (
-                name == "nbytes" and np.array_equal(col[at_c], col[got_c])):
-            col = np.array(col, dtype=dt)
-            col[at_c] = w[name][got_c]
+        elif name != "dst_rank" and len(at_c):
+            put = col[got_c]
+            if not np.array_equal(col[at_c], put):
+                col = np.array(col, dtype=dt)
+                col[at_c] = put
         cols[name] = col
     return Table.build(WRITE_COLUMNS, **cols)
 
@@ -299,15 +306,18 @@ def _read(rp: RankPlan, every: Hits, old: Placement, sources: int,
     on = np.flatnonzero(h >= 0)  # the writes into stacked expert tensors
     kk = h[on]
     small = np.int32 if max(len(w), old.table.size + 1) < 1 << 31 else np.int64
-    slot = np.full(len(h), old.table.size, small)  # (positions and slots kept: int32 fits)
+    slot = np.full(len(h), old.table.size, small)  # (slots kept: int32 fits)
     base = every.moe * old.table.shape[1] + every.first  # each tensor's slot 0
     slot[on] = cols[4][on] // every.slot_bytes[kk]
     slot[on] += base[kk]
-    order = _by_group(cols[0])  # group by group, each in table order
-    at = (order if mine is None else mine[order]).astype(small)
-    key, slot = key[order], slot[order]
-    g = key >> (shift + bits)  # (the group: the keys' top field)
-    first = np.ones(len(at), bool)
+    order = _by_group(cols[0])  # group by group, each in table order (None: already)
+    g = cols[0]
+    if order is None:
+        at = mine
+    else:
+        at = order if mine is None else mine[order]
+        key, slot, g = key[order], slot[order], g[order]
+    first = np.ones(len(key), bool)
     np.not_equal(g[1:], g[:-1], out=first[1:])
     if not (key[1:] > key[:-1]).all():
         same = bool((key[1:] == key[:-1]).any())
@@ -349,10 +359,11 @@ def _packed(rp: RankPlan, cols: list[np.ndarray]) -> tuple[np.ndarray, int, int]
     return key, sum(bits[2:]), bits[1]
 
 
-def _by_group(g: np.ndarray) -> np.ndarray:
-    """The stable order of rows by their group number `g` (few groups: a radix sort)."""
+def _by_group(g: np.ndarray) -> np.ndarray | None:
+    """The stable order of rows by their group number `g` (few groups: a radix sort); None
+    where they are in it."""
     if not len(g) or (g[1:] >= g[:-1]).all():
-        return np.arange(len(g))
+        return None
     lo, hi = int(g.min()), int(g.max())
     if hi - lo < 1 << 16:
         return np.argsort((g - lo).astype(np.uint16), kind="stable")
@@ -371,16 +382,18 @@ def _rounds(nbytes: np.ndarray, first: np.ndarray, max_write_bytes: int) -> np.n
     return np.maximum((cs - nbytes - base) // max_write_bytes, pos // MAX_BATCH_WRITES)
 
 
-def _check_cuts(rp: RankPlan, at: np.ndarray, win: np.ndarray, entry: np.ndarray,
+def _check_cuts(rp: RankPlan, at: np.ndarray | None, win: np.ndarray, entry: np.ndarray,
                 at_c: np.ndarray, got_c: np.ndarray, first: np.ndarray, max_write_bytes: int,
                 sources: int) -> None:
     """`NotIncremental` unless the writes put in the new order (`entry[i]`'s at place
-    `win[i]`, the others staying; `at`: each entry's position; `at_c`, `got_c`: the
-    positions that change and the write put there; `first`: where a (stage, target) group
-    starts) keep `schedule`'s batch cuts (`_rounds`)."""
+    `win[i]`, the others staying; `at`: each entry's position, None: its index; `at_c`,
+    `got_c`: the positions that change and the write put there; `first`: where a (stage,
+    target) group starts) keep `schedule`'s batch cuts (`_rounds`)."""
     nbytes = rp.writes["nbytes"]
     if np.array_equal(nbytes[at_c], nbytes[got_c]):
         return
+    if at is None:
+        at = np.arange(len(first))
     order = np.arange(len(at))
     order[win] = entry
     a, b = nbytes[at], nbytes[at[order]]

@@ -133,8 +133,9 @@ def test_writes_of_unequal_sizes_reordered_across_a_cut_are_refused():
     first = np.zeros(6, bool)
     first[0] = True
     swap = (np.array([3, 4]), np.array([4, 3]))  # the 8-byte write and the next swap places
-    args = (rp, at, *swap, at[swap[0]], at[swap[1]], first)
-    _check_cuts(*args, 1 << 20, 2)  # one round: no cut moves
-    with pytest.raises(NotIncremental, match="source rank 1's batches to target rank 3 "
-                       "change their cut.*compile the new placement in full"):
-        _check_cuts(*args, 10, 2)
+    for places in (at, None):  # (None: each entry at its index, as a table in order)
+        args = (rp, places, *swap, at[swap[0]], at[swap[1]], first)
+        _check_cuts(*args, 1 << 20, 2)  # one round: no cut moves
+        with pytest.raises(NotIncremental, match="source rank 1's batches to target rank 3 "
+                           "change their cut.*compile the new placement in full"):
+            _check_cuts(*args, 10, 2)
