@@ -12,11 +12,12 @@ for every rank (its `RankPlan`), and `explain` (per logical tensor: who feeds wh
 rank reads the header and its own blob only. Columnar arrays travel as raw little-endian
 bytes. msgpack only: loading a plan can never run code.
 
-A blob is stored compact (`schemas/plan_codec.py`: `FRAME`, its decoded size, a zlib stream
-of its msgpack bytes; the default) or plain (its msgpack bytes). The index's length and
-digest are those of the stored bytes, so the digests peers compare and the signature cover
-the compact form; a rank inflates its own blob only, its decoded size bounded by its stored
-size before anything is decoded.
+A blob is stored compact (`schemas/plan_codec.py`: `FRAME`, its decoded size, a raw deflate
+stream of its msgpack bytes; the default) or plain (its msgpack bytes); a table's integer
+column is stored narrower or as its one value where it can (`schemas/table.py`). The
+index's length and digest are those of the stored bytes, so the digests peers compare and
+the signature cover the compact form; a rank inflates its own blob only, its decoded size
+bounded by its stored size before anything is decoded.
 
 What a rank does with its part, stage by stage, and every rule about it: `schemas/protocol.py`.
 """
@@ -37,11 +38,15 @@ from .shadow_part import ShadowPart
 from .table import Table
 
 MAGIC = b"RDMAPLAN"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """2: the typed header (`PlanHeader`), per-rank digests compared at connect, signing.
-3: blobs may be compact (zlib, `schemas/plan_codec.py`)."""
-READ_VERSIONS = (2, 3)
-"""Versions this build reads: a version 2 file is a version 3 file whose blobs are all plain."""
+3: blobs may be compact (zlib, `schemas/plan_codec.py`).
+4: compact blobs are raw deflate streams; a table's integer column may be stored narrower
+or as its one value (`schemas/table.py`)."""
+READ_VERSIONS = (2, 3, 4)
+"""Versions this build reads: a version 2 file is a version 3 file whose blobs are all plain,
+a version 3 file a version 4 file whose columns are all raw and whose compact blobs are zlib
+streams."""
 STAGING = "__staging__"
 """Name of the staging region; when present it is the last region of a rank."""
 

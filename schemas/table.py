@@ -1,5 +1,13 @@
-"""Columnar tables of a plan: named numpy arrays of equal length, read-only; raw
-little-endian bytes in msgpack."""
+"""Columnar tables of a plan: named numpy arrays of equal length, read-only; in msgpack
+each column is stored in one of three forms (`stored_column`, read by `from_msgpack`):
+
+- a bin: the column's raw little-endian bytes in its schema dtype;
+- `[code, bin]`, `code` one of `NARROW` (`"i1"`, `"i2"`, `"i4"`): the column's integers as
+  little-endian signed integers of that narrower width (every value fits: exact);
+- `["=", value]`: every row is `value` (never the first column, whose rows give the
+  table's length, so a column's rows are always counted from stored bytes).
+
+A decoded table is the same whatever the form: each column in its schema dtype."""
 
 from __future__ import annotations
 
@@ -57,16 +65,78 @@ class Table:
         of `to_msgpack` (a bin), so encoders of large plans use these."""
         return [memoryview(a).cast("B") for a in self.columns]
 
+    def stored(self) -> list[Any]:
+        """The columns in their stored forms (`stored_column`), as msgpack packs them."""
+        return [stored_column(a, i == 0) for i, a in enumerate(self.columns)]
+
     @staticmethod
     def from_msgpack(schema: tuple[tuple[str, str], ...], raw: Any, what: str) -> Table:
+        """The table of `raw`, its columns in any stored form (the module's docstring)."""
         if not isinstance(raw, list) or len(raw) != len(schema):
             raise PlanFormatError(f"{what}: expected {len(schema)} columns")
-        cols = {}
-        for (name, dt), b in zip(schema, raw):
-            if not isinstance(b, bytes) or len(b) % np.dtype(dt).itemsize:
-                raise PlanFormatError(f"{what}.{name}: column bytes are malformed")
-            cols[name] = np.frombuffer(b, dtype=dt)
+        cols: dict[str, Any] = {}
+        n = None
+        for i, ((name, dt), b) in enumerate(zip(schema, raw)):
+            cols[name] = _column(b, dt, i == 0, n, f"{what}.{name}")
+            n = len(cols[name]) if n is None else n
         return Table.build(schema, **cols)
+
+
+NARROW = {"i1": "<i1", "i2": "<i2", "i4": "<i4"}
+"""The narrower widths a stored integer column may take (code -> dtype)."""
+CONSTANT = "="
+"""The code of a column stored as its one value."""
+
+
+def stored_column(a: np.ndarray, first: bool) -> Any:
+    """Column `a` in its stored form: a constant (not the `first` column) as its value, an
+    integer column whose values fit a narrower width in it, else its raw bytes."""
+    view = memoryview(np.ascontiguousarray(a)).cast("B")
+    if len(a) == 0 or a.dtype.itemsize == 1 or a.dtype.kind != "i":
+        return view
+    lo, hi = int(a.min()), int(a.max())
+    if lo == hi and not first:
+        return [CONSTANT, lo]
+    code = narrow_code(lo, hi, a.dtype.itemsize)
+    if code is None:
+        return view
+    return [code, memoryview(a.astype(NARROW[code])).cast("B")]
+
+
+def narrow_code(lo: int, hi: int, itemsize: int) -> str | None:
+    """The narrowest `NARROW` code whose range holds `[lo, hi]` and is narrower than
+    `itemsize` bytes, or None."""
+    for code, dt in NARROW.items():
+        info = np.iinfo(dt)
+        if np.dtype(dt).itemsize < itemsize and info.min <= lo and hi <= info.max:
+            return code
+    return None
+
+
+def _column(b: Any, dt: str, first: bool, n: int | None, what: str) -> np.ndarray | list:
+    """One stored column (`stored_column`'s forms) as `dt`; `n`: the table's rows (its first
+    column's), which a constant repeats."""
+    size = np.dtype(dt).itemsize
+    if isinstance(b, bytes):
+        if len(b) % size:
+            raise PlanFormatError(f"{what}: column bytes are malformed")
+        return np.frombuffer(b, dtype=dt)
+    if not isinstance(b, list) or len(b) != 2 or not isinstance(b[0], str):
+        raise PlanFormatError(f"{what}: a column is bytes, [code, bytes] or [\"=\", value]")
+    code, body = b
+    if code == CONSTANT:
+        info = np.iinfo(dt) if np.dtype(dt).kind == "i" else None
+        if first or n is None or info is None or isinstance(body, bool) or \
+                not isinstance(body, int) or not info.min <= body <= info.max:
+            raise PlanFormatError(f"{what}: constant column {str(body)[:40]!r} is not an "
+                                  f"integer of {dt} after the table's first column")
+        return np.full(n, body, dtype=dt)
+    narrow = NARROW.get(code)
+    if narrow is None or np.dtype(dt).kind != "i" or np.dtype(narrow).itemsize >= size or \
+            not isinstance(body, bytes) or len(body) % np.dtype(narrow).itemsize:
+        raise PlanFormatError(f"{what}: narrow column {code[:8]!r} of {dt} is malformed "
+                              f"(codes {', '.join(NARROW)}, narrower than the column)")
+    return np.frombuffer(body, dtype=narrow).astype(dt)
 
 
 _DIGESTS: list[tuple[Table, bytes]] = []
