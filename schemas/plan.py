@@ -373,12 +373,13 @@ def _read_raw_header(f: BinaryIO, path: str) -> tuple[bytes, dict[str, Any], int
         raise PlanFormatError(f"{path}: header length {hlen:,} is over the {MAX_HEADER_BYTES:,}"
                               " bytes a plan header may have; the file is corrupt")
     header_bytes = read_exact(f, hlen, path)
-    if read_exact(f, 32, path) != checksum(header_bytes):
+    digest = checksum(header_bytes)
+    if read_exact(f, 32, path) != digest:
         raise PlanFormatError(f"{path}: header checksum mismatch; the file is corrupt")
     header = unpack(header_bytes, f"{path} header")
     if not isinstance(header, dict) or not isinstance(header.get("blobs"), dict):
         raise PlanFormatError(f"{path}: header is malformed")
-    return checksum(header_bytes), header, len(MAGIC) + 12 + hlen + 32
+    return digest, header, len(MAGIC) + 12 + hlen + 32
 
 
 def read_header(f: BinaryIO, path: str = "plan", key: bytes | None = None

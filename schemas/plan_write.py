@@ -20,7 +20,7 @@ import numpy as np
 
 from .plan import FORMAT_VERSION, MAGIC, Plan, Region, region_row
 from .plan_codec import checksum, deflate, pack
-from .table import Table, stored_column
+from .table import CONSTANT, NARROW, Table, column_code, stored_plainly
 
 
 def encode_plan(plan: Plan, key: bytes | None = None, compact: bool = True) -> bytes:
@@ -135,18 +135,45 @@ class _Column:
 
 
 def _expanded(parts: list[Any]) -> Iterator[bytes | memoryview]:
-    """`parts` with each `_Column` replaced by its stored form's parts, made as it comes; a
-    column mapped from a file and stored narrowed has its pages dropped once read."""
+    """`parts` with each `_Column` replaced by the parts of its stored form
+    (`table.stored_column`'s bytes), made as they are asked for: a column's span and its
+    narrowed values a `RELEASE_SLICE` of it at a time, the pages of a column mapped from a
+    file (the spilled explain table) dropped once read, so no column is held whole again."""
     for part in parts:
         if type(part) is not _Column:
             yield part
             continue
         col = part.column
-        stored = stored_column(col, part.first)
-        yield from _parts(stored)
-        m = _mapping(col)
-        if m is not None and not isinstance(stored, memoryview) and col.nbytes:
-            _drop(m, memoryview(col).cast("B"))
+        if stored_plainly(col):
+            yield from _parts(memoryview(col).cast("B"))
+            continue
+        step = max(1, RELEASE_SLICE // col.dtype.itemsize)
+        lo, hi = None, None
+        for at in range(0, len(col), step):
+            piece = col[at:at + step]
+            a, b = int(piece.min()), int(piece.max())
+            lo, hi = a if lo is None else min(lo, a), b if hi is None else max(hi, b)
+            _dropped(piece)
+        code = column_code(col.dtype, lo, hi, part.first)
+        if code is None:
+            yield from _parts(memoryview(col).cast("B"))
+        elif code == CONSTANT:
+            yield pack([CONSTANT, lo])
+        else:
+            narrow = np.dtype(NARROW[code])
+            yield _PACKER.pack_array_header(2) + pack(code) + _bin_header(
+                len(col) * narrow.itemsize)
+            for at in range(0, len(col), step):
+                piece = col[at:at + step]
+                yield memoryview(piece.astype(narrow)).cast("B")
+                _dropped(piece)
+
+
+def _dropped(piece: np.ndarray) -> None:
+    """Drop the pages under `piece` from this process where it is mapped from a file."""
+    m = _mapping(piece)
+    if m is not None and piece.nbytes:
+        _drop(m, memoryview(piece).cast("B"))
 
 
 def _head(plan: Plan, key: bytes | None, index: dict[str, list[Any]]) -> bytes:

@@ -92,15 +92,28 @@ def stored_column(a: np.ndarray, first: bool) -> Any:
     """Column `a` in its stored form: a constant (not the `first` column) as its value, an
     integer column whose values fit a narrower width in it, else its raw bytes."""
     view = memoryview(np.ascontiguousarray(a)).cast("B")
-    if len(a) == 0 or a.dtype.itemsize == 1 or a.dtype.kind != "i":
+    if stored_plainly(a):
         return view
-    lo, hi = int(a.min()), int(a.max())
-    if lo == hi and not first:
-        return [CONSTANT, lo]
-    code = narrow_code(lo, hi, a.dtype.itemsize)
+    code = column_code(a.dtype, int(a.min()), int(a.max()), first)
     if code is None:
         return view
+    if code == CONSTANT:
+        return [CONSTANT, int(a[0])]
     return [code, memoryview(a.astype(NARROW[code])).cast("B")]
+
+
+def stored_plainly(a: np.ndarray) -> bool:
+    """Whether column `a` is stored raw whatever its values (empty, one byte a value, or
+    not a signed integer column)."""
+    return len(a) == 0 or a.dtype.itemsize == 1 or a.dtype.kind != "i"
+
+
+def column_code(dtype: np.dtype, lo: int, hi: int, first: bool) -> str | None:
+    """How a signed integer column of `dtype` whose values span `[lo, hi]` is stored:
+    `CONSTANT` (one value, not the `first` column), a `NARROW` code, or None (raw)."""
+    if lo == hi and not first:
+        return CONSTANT
+    return narrow_code(lo, hi, dtype.itemsize)
 
 
 def narrow_code(lo: int, hi: int, itemsize: int) -> str | None:
