@@ -14,7 +14,8 @@ bytes. msgpack only: loading a plan can never run code.
 
 A blob is stored compact (`schemas/plan_codec.py`: `FRAME`, its decoded size, a raw deflate
 stream of its msgpack bytes; the default) or plain (its msgpack bytes); a table's integer
-column is stored narrower or as its one value where it can (`schemas/table.py`). The
+column is stored narrower where it can (`schemas/table.py`; every row stored, so a table
+decodes to at most 8x its stored bytes). The
 index's length and digest are those of the stored bytes, so the digests peers compare and
 the signature cover the compact form; a rank inflates its own blob only, its decoded size
 bounded by its stored size before anything is decoded.
@@ -42,7 +43,7 @@ FORMAT_VERSION = 4
 """2: the typed header (`PlanHeader`), per-rank digests compared at connect, signing.
 3: blobs may be compact (zlib, `schemas/plan_codec.py`).
 4: compact blobs are raw deflate streams; a table's integer column may be stored narrower
-or as its one value (`schemas/table.py`)."""
+(`schemas/table.py`)."""
 READ_VERSIONS = (2, 3, 4)
 """Versions this build reads: a version 2 file is a version 3 file whose blobs are all plain,
 a version 3 file a version 4 file whose columns are all raw and whose compact blobs are zlib

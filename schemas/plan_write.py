@@ -20,7 +20,7 @@ import numpy as np
 
 from .plan import FORMAT_VERSION, MAGIC, Plan, Region, region_row
 from .plan_codec import checksum, deflate, pack
-from .table import CONSTANT, NARROW, Table, column_code, stored_plainly
+from .table import NARROW, Table, column_code, stored_plainly
 
 
 def encode_plan(plan: Plan, key: bytes | None = None, compact: bool = True) -> bytes:
@@ -128,10 +128,10 @@ class _Column:
     when its bytes are asked for (`_expanded`): on the thread that compresses them, one
     column at a time."""
 
-    __slots__ = ("column", "first")
+    __slots__ = ("column",)
 
-    def __init__(self, column: np.ndarray, first: bool) -> None:
-        self.column, self.first = column, first
+    def __init__(self, column: np.ndarray) -> None:
+        self.column = column
 
 
 def _expanded(parts: list[Any]) -> Iterator[bytes | memoryview]:
@@ -154,11 +154,9 @@ def _expanded(parts: list[Any]) -> Iterator[bytes | memoryview]:
             a, b = int(piece.min()), int(piece.max())
             lo, hi = a if lo is None else min(lo, a), b if hi is None else max(hi, b)
             _dropped(piece)
-        code = column_code(col.dtype, lo, hi, part.first)
+        code = column_code(col.dtype, lo, hi)
         if code is None:
             yield from _parts(memoryview(col).cast("B"))
-        elif code == CONSTANT:
-            yield pack([CONSTANT, lo])
         else:
             narrow = np.dtype(NARROW[code])
             yield _PACKER.pack_array_header(2) + pack(code) + _bin_header(
@@ -269,7 +267,7 @@ def _parts(obj: Any) -> list[bytes | memoryview]:
     if type(obj) is _Stored:
         cols = obj.table.columns
         return [_PACKER.pack_array_header(len(cols)),
-                *(_Column(c, i == 0) for i, c in enumerate(cols))]
+                *(_Column(c) for c in cols)]
     if isinstance(obj, dict):
         out: list[bytes | memoryview] = [_PACKER.pack_map_header(len(obj))]
         for k, v in obj.items():

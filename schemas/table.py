@@ -1,13 +1,15 @@
 """Columnar tables of a plan: named numpy arrays of equal length, read-only; in msgpack
-each column is stored in one of three forms (`stored_column`, read by `from_msgpack`):
+each column is stored in one of two forms (`stored_column`, read by `from_msgpack`):
 
 - a bin: the column's raw little-endian bytes in its schema dtype;
 - `[code, bin]`, `code` one of `NARROW` (`"i1"`, `"i2"`, `"i4"`): the column's integers as
-  little-endian signed integers of that narrower width (every value fits: exact);
-- `["=", value]`: every row is `value` (never the first column, whose rows give the
-  table's length, so a column's rows are always counted from stored bytes).
+  little-endian signed integers of that narrower width (every value fits: exact).
 
-A decoded table is the same whatever the form: each column in its schema dtype."""
+A decoded table is the same whatever the form: each column in its schema dtype. Every row
+of every column is stored, at least one byte a value, so a decoded table is at most 8
+times its stored columns' bytes (an `i1` column of an int64): no form repeats a value
+over rows it does not store (a hostile file's tables stay within a few times its
+inflated bytes, themselves bounded by `plan_codec`)."""
 
 from __future__ import annotations
 
@@ -67,38 +69,30 @@ class Table:
 
     def stored(self) -> list[Any]:
         """The columns in their stored forms (`stored_column`), as msgpack packs them."""
-        return [stored_column(a, i == 0) for i, a in enumerate(self.columns)]
+        return [stored_column(a) for a in self.columns]
 
     @staticmethod
     def from_msgpack(schema: tuple[tuple[str, str], ...], raw: Any, what: str) -> Table:
         """The table of `raw`, its columns in any stored form (the module's docstring)."""
         if not isinstance(raw, list) or len(raw) != len(schema):
             raise PlanFormatError(f"{what}: expected {len(schema)} columns")
-        cols: dict[str, Any] = {}
-        n = None
-        for i, ((name, dt), b) in enumerate(zip(schema, raw)):
-            cols[name] = _column(b, dt, i == 0, n, f"{what}.{name}")
-            n = len(cols[name]) if n is None else n
+        cols = {name: _column(b, dt, f"{what}.{name}") for (name, dt), b in zip(schema, raw)}
         return Table.build(schema, **cols)
 
 
 NARROW = {"i1": "<i1", "i2": "<i2", "i4": "<i4"}
 """The narrower widths a stored integer column may take (code -> dtype)."""
-CONSTANT = "="
-"""The code of a column stored as its one value."""
 
 
-def stored_column(a: np.ndarray, first: bool) -> Any:
-    """Column `a` in its stored form: a constant (not the `first` column) as its value, an
-    integer column whose values fit a narrower width in it, else its raw bytes."""
+def stored_column(a: np.ndarray) -> Any:
+    """Column `a` in its stored form: an integer column whose values fit a narrower width
+    in it, else its raw bytes."""
     view = memoryview(np.ascontiguousarray(a)).cast("B")
     if stored_plainly(a):
         return view
-    code = column_code(a.dtype, int(a.min()), int(a.max()), first)
+    code = column_code(a.dtype, int(a.min()), int(a.max()))
     if code is None:
         return view
-    if code == CONSTANT:
-        return [CONSTANT, int(a[0])]
     return [code, memoryview(a.astype(NARROW[code])).cast("B")]
 
 
@@ -108,11 +102,11 @@ def stored_plainly(a: np.ndarray) -> bool:
     return len(a) == 0 or a.dtype.itemsize == 1 or a.dtype.kind != "i"
 
 
-def column_code(dtype: np.dtype, lo: int, hi: int, first: bool) -> str | None:
-    """How a signed integer column of `dtype` whose values span `[lo, hi]` is stored:
-    `CONSTANT` (one value, not the `first` column), a `NARROW` code, or None (raw)."""
-    if lo == hi and not first:
-        return CONSTANT
+def column_code(dtype: np.dtype, lo: int, hi: int) -> str | None:
+    """How a signed integer column of `dtype` whose values span `[lo, hi]` is stored: a
+    `NARROW` code, or None (raw). One value over all rows is stored narrowed too (deflate
+    shrinks its run): a form that repeats a value over rows it does not store would let a
+    few bytes decode to any size (the module's docstring)."""
     return narrow_code(lo, hi, dtype.itemsize)
 
 
@@ -126,24 +120,16 @@ def narrow_code(lo: int, hi: int, itemsize: int) -> str | None:
     return None
 
 
-def _column(b: Any, dt: str, first: bool, n: int | None, what: str) -> np.ndarray | list:
-    """One stored column (`stored_column`'s forms) as `dt`; `n`: the table's rows (its first
-    column's), which a constant repeats."""
+def _column(b: Any, dt: str, what: str) -> np.ndarray:
+    """One stored column (`stored_column`'s forms) as `dt`."""
     size = np.dtype(dt).itemsize
     if isinstance(b, bytes):
         if len(b) % size:
             raise PlanFormatError(f"{what}: column bytes are malformed")
         return np.frombuffer(b, dtype=dt)
     if not isinstance(b, list) or len(b) != 2 or not isinstance(b[0], str):
-        raise PlanFormatError(f"{what}: a column is bytes, [code, bytes] or [\"=\", value]")
+        raise PlanFormatError(f"{what}: a column is bytes or [code, bytes]")
     code, body = b
-    if code == CONSTANT:
-        info = np.iinfo(dt) if np.dtype(dt).kind == "i" else None
-        if first or n is None or info is None or isinstance(body, bool) or \
-                not isinstance(body, int) or not info.min <= body <= info.max:
-            raise PlanFormatError(f"{what}: constant column {str(body)[:40]!r} is not an "
-                                  f"integer of {dt} after the table's first column")
-        return np.full(n, body, dtype=dt)
     narrow = NARROW.get(code)
     if narrow is None or np.dtype(dt).kind != "i" or np.dtype(narrow).itemsize >= size or \
             not isinstance(body, bytes) or len(body) % np.dtype(narrow).itemsize:

@@ -33,7 +33,7 @@ from schemas.plan import (
     read_header,
 )
 from schemas.plan_codec import CODECS, FRAME_HEAD, MAX_DECODED, MAX_RATIO, read_exact
-from schemas.table import CONSTANT, NARROW
+from schemas.table import NARROW
 
 
 class _Unsure(Exception):
@@ -132,20 +132,14 @@ def explain_streamed(f: BinaryIO, header: PlanHeader, start: int, path: str) -> 
             left -= len(out)
         return size
 
-    def rows_of(dt: str, first: bool) -> int | None:
-        """The rows of the column next in the stream in any stored form (`schemas.table`),
-        None for a constant (checked as `Table.from_msgpack` does)."""
+    def rows_of(dt: str) -> int:
+        """The rows of the column next in the stream in either stored form (`schemas.table`,
+        checked as `Table.from_msgpack` does)."""
         head = raw(1)[0]
-        if head != 0x92:  # a fixarray of two: a narrow or a constant column
+        if head != 0x92:  # a fixarray of two: a narrow column
             length, size = column(head), np.dtype(dt).itemsize
         else:
             code = take(u.unpack)
-            if code == CONSTANT:
-                value = take(u.unpack)
-                info = np.iinfo(dt)
-                if first or type(value) is not int or not info.min <= value <= info.max:
-                    raise _Unsure
-                return None
             narrow = NARROW.get(code) if isinstance(code, str) else None
             if narrow is None or np.dtype(dt).kind != "i" or \
                     np.dtype(narrow).itemsize >= np.dtype(dt).itemsize:
@@ -165,8 +159,8 @@ def explain_streamed(f: BinaryIO, header: PlanHeader, start: int, path: str) -> 
             if key == "table":
                 if take(u.read_array_header) != len(EXPLAIN_COLUMNS):
                     raise _Unsure
-                rows = {rows_of(dt, i == 0) for i, (_, dt) in enumerate(EXPLAIN_COLUMNS)}
-                if len(rows - {None}) != 1:
+                rows = {rows_of(dt) for _, dt in EXPLAIN_COLUMNS}
+                if len(rows) != 1:
                     raise _Unsure
             else:
                 value = take(u.unpack)
