@@ -12,11 +12,13 @@ for every rank (its `RankPlan`), and `explain` (per logical tensor: who feeds wh
 rank reads the header and its own blob only. Columnar arrays travel as raw little-endian
 bytes. msgpack only: loading a plan can never run code.
 
-A blob is stored compact (`schemas/plan_codec.py`: `FRAME`, its decoded size, a zlib stream
-of its msgpack bytes; the default) or plain (its msgpack bytes). The index's length and
-digest are those of the stored bytes, so the digests peers compare and the signature cover
-the compact form; a rank inflates its own blob only, its decoded size bounded by its stored
-size before anything is decoded.
+A blob is stored compact (`schemas/plan_codec.py`: `FRAME`, its decoded size, a raw deflate
+stream of its msgpack bytes; the default) or plain (its msgpack bytes); a table's integer
+column is stored narrower where it can (`schemas/table.py`; every row stored, so a table
+decodes to at most 8x its stored bytes). The
+index's length and digest are those of the stored bytes, so the digests peers compare and
+the signature cover the compact form; a rank inflates its own blob only, its decoded size
+bounded by its stored size before anything is decoded.
 
 What a rank does with its part, stage by stage, and every rule about it: `schemas/protocol.py`.
 """
@@ -37,11 +39,15 @@ from .shadow_part import ShadowPart
 from .table import Table
 
 MAGIC = b"RDMAPLAN"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """2: the typed header (`PlanHeader`), per-rank digests compared at connect, signing.
-3: blobs may be compact (zlib, `schemas/plan_codec.py`)."""
-READ_VERSIONS = (2, 3)
-"""Versions this build reads: a version 2 file is a version 3 file whose blobs are all plain."""
+3: blobs may be compact (zlib, `schemas/plan_codec.py`).
+4: compact blobs are raw deflate streams; a table's integer column may be stored narrower
+(`schemas/table.py`)."""
+READ_VERSIONS = (2, 3, 4)
+"""Versions this build reads: a version 2 file is a version 3 file whose blobs are all plain,
+a version 3 file a version 4 file whose columns are all raw and whose compact blobs are zlib
+streams."""
 STAGING = "__staging__"
 """Name of the staging region; when present it is the last region of a rank."""
 
@@ -368,12 +374,13 @@ def _read_raw_header(f: BinaryIO, path: str) -> tuple[bytes, dict[str, Any], int
         raise PlanFormatError(f"{path}: header length {hlen:,} is over the {MAX_HEADER_BYTES:,}"
                               " bytes a plan header may have; the file is corrupt")
     header_bytes = read_exact(f, hlen, path)
-    if read_exact(f, 32, path) != checksum(header_bytes):
+    digest = checksum(header_bytes)
+    if read_exact(f, 32, path) != digest:
         raise PlanFormatError(f"{path}: header checksum mismatch; the file is corrupt")
     header = unpack(header_bytes, f"{path} header")
     if not isinstance(header, dict) or not isinstance(header.get("blobs"), dict):
         raise PlanFormatError(f"{path}: header is malformed")
-    return checksum(header_bytes), header, len(MAGIC) + 12 + hlen + 32
+    return digest, header, len(MAGIC) + 12 + hlen + 32
 
 
 def read_header(f: BinaryIO, path: str = "plan", key: bytes | None = None

@@ -2,8 +2,8 @@
 type, no timestamp: loading a plan runs no code), blake2b-256 digests, reads within
 bounds (a declared size is never allocated before the file is shown to hold its bytes, and
 is read `CHUNK` at a time with its digest computed as it arrives), and the compact form of
-a blob (`deflate`/`inflate`: zlib, its decoded size declared and bounded by its stored
-size)."""
+a blob (`deflate`/`inflate`: a raw deflate stream (a zlib one in version 3 files), its
+decoded size declared and bounded by its stored size)."""
 
 from __future__ import annotations
 
@@ -128,9 +128,15 @@ def read_exact(f: BinaryIO, n: int, what: str, digest: bytes | None = None) -> b
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-FRAME = b"\xc1Z"
+FRAME = b"\xc1D"
 """The start of a compact blob: 0xC1, the one byte msgpack never uses (so no plain blob
-starts with it), then the codec, `Z` (zlib); a u64 decoded size follows, then the stream."""
+starts with it), then the codec, `D` (a raw deflate stream: no zlib header, nor its Adler-32
+of the decoded bytes, which the blob's blake2b of its stored bytes already covers); a u64
+decoded size follows, then the stream."""
+ZLIB_FRAME = b"\xc1Z"
+"""The codec of version 3 files, read still: the same, the stream a zlib one (`LEVEL`)."""
+CODECS = {FRAME: -15, ZLIB_FRAME: 15}
+"""Each codec's `wbits` for zlib: raw deflate, zlib."""
 FRAME_HEAD = len(FRAME) + 8
 LEVEL = 2
 """zlib's level: op tables are runs of equal strides, which zlib's fast levels (1-3) already
@@ -146,8 +152,8 @@ MAX_DECODED = 1 << 36
 
 def deflate(parts: Iterable[bytes | memoryview]) -> bytes:
     """The compact blob of the bytes `parts` join to (compressed part by part: they are never
-    joined), framed: `FRAME`, the decoded size, the zlib stream."""
-    z = zlib.compressobj(LEVEL)
+    joined), framed: `FRAME`, the decoded size, the raw deflate stream."""
+    z = zlib.compressobj(LEVEL, zlib.DEFLATED, CODECS[FRAME])
     out = [b""]
     n = 0
     for part in parts:
@@ -166,16 +172,18 @@ def inflate(data: bytes, what: str) -> bytes:
     has bytes after its end, is refused."""
     if data[:1] != FRAME[:1]:
         return data
-    if data[:2] != FRAME or len(data) < FRAME_HEAD:
+    wbits = CODECS.get(bytes(data[:2]))
+    if wbits is None or len(data) < FRAME_HEAD:
         raise PlanFormatError(f"{what}: unknown blob codec {data[:2]!r} (this build reads "
-                              f"zlib, {FRAME!r}); the file is corrupt or from a newer version")
+                              f"raw deflate, {FRAME!r}, and zlib, {ZLIB_FRAME!r}); the file "
+                              "is corrupt or from a newer version")
     (n,) = struct.unpack_from("<Q", data, len(FRAME))
     stored = len(data) - FRAME_HEAD
     if n > MAX_RATIO * stored + 64 or n > MAX_DECODED:
         raise PlanFormatError(f"{what}: declares {n:,} decoded bytes from a {stored:,}-byte "
                               f"stream (at most {min(MAX_RATIO * stored + 64, MAX_DECODED):,});"
                               " the file is corrupt")
-    z = zlib.decompressobj()
+    z = zlib.decompressobj(wbits)
     try:
         out = z.decompress(memoryview(data)[FRAME_HEAD:], n + 1)
     except zlib.error as e:

@@ -20,6 +20,7 @@ import numpy as np
 
 from .plan import FORMAT_VERSION, MAGIC, Plan, Region, region_row
 from .plan_codec import checksum, deflate, pack
+from .table import NARROW, Table, column_code, stored_plainly
 
 
 def encode_plan(plan: Plan, key: bytes | None = None, compact: bool = True) -> bytes:
@@ -77,14 +78,14 @@ RELEASE_SLICE = 8 << 20
 """Bytes of a file-mapped part compressed before its pages are dropped (`_released`)."""
 
 
-def _released(parts: list[bytes | memoryview]) -> Iterator[bytes | memoryview]:
-    """`parts` in order, each part mapped from a file (a spilled table's column, a spilled
-    blob: `mmap` underneath) in `RELEASE_SLICE` slices, each slice's pages dropped from this
-    process once the consumer asks for the next (`MADV_DONTNEED`: a shared file mapping
-    reads them again from the file if touched again). The bytes are the same; reading a
-    spilled blob no longer keeps all of it resident, so a plan's spilled hundreds of MB are
-    never in the process at once."""
-    for part in parts:
+def _released(parts: list[Any]) -> Iterator[bytes | memoryview]:
+    """`parts` in order (`_expanded`), each part mapped from a file (a spilled table's
+    column, a spilled blob: `mmap` underneath) in `RELEASE_SLICE` slices, each slice's pages
+    dropped from this process once the consumer asks for the next (`MADV_DONTNEED`: a shared
+    file mapping reads them again from the file if touched again). The bytes are the same;
+    reading a spilled blob no longer keeps all of it resident, so a plan's spilled hundreds
+    of MB are never in the process at once."""
+    for part in _expanded(parts):
         m = _mapping(part)
         if m is None or len(part) == 0:
             yield part
@@ -117,8 +118,60 @@ def _drop(m: mmap.mmap, piece: memoryview) -> None:
     m.madvise(mmap.MADV_DONTNEED, start, min(lo + len(piece), len(m)) - start)
 
 
-def _plain(parts: list[bytes | memoryview]) -> tuple[list[bytes | memoryview], int, bytes]:
+def _plain(parts: list[Any]) -> tuple[list[bytes | memoryview], int, bytes]:
+    parts = list(_expanded(parts))
     return parts, sum(len(p) for p in parts), _digest_parts(parts)
+
+
+class _Column:
+    """A table column that `_parts` leaves to be put in its stored form (`stored_column`)
+    when its bytes are asked for (`_expanded`): on the thread that compresses them, one
+    column at a time."""
+
+    __slots__ = ("column",)
+
+    def __init__(self, column: np.ndarray) -> None:
+        self.column = column
+
+
+def _expanded(parts: list[Any]) -> Iterator[bytes | memoryview]:
+    """`parts` with each `_Column` replaced by the parts of its stored form
+    (`table.stored_column`'s bytes), made as they are asked for: a column's span and its
+    narrowed values a `RELEASE_SLICE` of it at a time, the pages of a column mapped from a
+    file (the spilled explain table) dropped once read, so no column is held whole again."""
+    for part in parts:
+        if type(part) is not _Column:
+            yield part
+            continue
+        col = part.column
+        if stored_plainly(col):
+            yield from _parts(memoryview(col).cast("B"))
+            continue
+        step = max(1, RELEASE_SLICE // col.dtype.itemsize)
+        lo, hi = None, None
+        for at in range(0, len(col), step):
+            piece = col[at:at + step]
+            a, b = int(piece.min()), int(piece.max())
+            lo, hi = a if lo is None else min(lo, a), b if hi is None else max(hi, b)
+            _dropped(piece)
+        code = column_code(col.dtype, lo, hi)
+        if code is None:
+            yield from _parts(memoryview(col).cast("B"))
+        else:
+            narrow = np.dtype(NARROW[code])
+            yield _PACKER.pack_array_header(2) + pack(code) + _bin_header(
+                len(col) * narrow.itemsize)
+            for at in range(0, len(col), step):
+                piece = col[at:at + step]
+                yield memoryview(piece.astype(narrow)).cast("B")
+                _dropped(piece)
+
+
+def _dropped(piece: np.ndarray) -> None:
+    """Drop the pages under `piece` from this process where it is mapped from a file."""
+    m = _mapping(piece)
+    if m is not None and piece.nbytes:
+        _drop(m, memoryview(piece).cast("B"))
 
 
 def _head(plan: Plan, key: bytes | None, index: dict[str, list[Any]]) -> bytes:
@@ -134,8 +187,10 @@ def _head(plan: Plan, key: bytes | None, index: dict[str, list[Any]]) -> bytes:
 
 def _blob_objects(plan: Plan) -> Iterator[tuple[str, Any]]:
     """Every blob of the plan file as the object msgpack packs, in file order (each made
-    when asked for)."""
-    yield from _blobs(plan, None)
+    when asked for), its tables' columns in their stored forms."""
+    for name, obj in _blobs(plan, None):
+        yield name, {k: v.table.stored() if type(v) is _Stored else v for k, v in obj.items()} \
+            if isinstance(obj, dict) else obj
 
 
 def _blob_parts(plan: Plan) -> Iterator[tuple[str, list[bytes | memoryview]]]:
@@ -146,24 +201,41 @@ def _blob_parts(plan: Plan) -> Iterator[tuple[str, list[bytes | memoryview]]]:
         yield name, _parts(obj)
 
 
+RANK_TABLES = ("writes", "batches", "copies", "signals", "waits")
+"""A rank part's op tables (`RankPlan.encode`'s keys), stored in their columns' stored forms."""
+
+
 def _blobs(plan: Plan, rows: dict[int, bytes] | None) -> Iterator[tuple[str, Any]]:
-    """`_blob_objects`; with `rows`, each rank's regions list as its msgpack bytes
-    (`_packed_regions`), which only `_parts` takes."""
+    """`_blob_objects`, each table a `_Stored` (`_parts` packs its columns' stored forms);
+    with `rows`, each rank's regions list as its msgpack bytes (`_packed_regions`), which
+    only `_parts` takes."""
     ids = plan.header.identities
     for r in plan.ranks:
         enc = r.encode(None if rows is None else _packed_regions(r.regions, rows))
+        for k in RANK_TABLES:
+            enc[k] = _Stored(getattr(r, k))
         # each part carries its rank's identity (schemas/identity.py)
         if "identity" not in enc and 0 <= r.rank < len(ids):
             enc["identity"] = dict(ids[r.rank])
         yield f"rank/{r.rank}", enc
-    yield "explain", {"tensors": list(plan.tensors), "table": plan.explain.views()}
-    yield "dag", {"nodes": plan.dag_nodes.views(), "edges": plan.dag_edges.views(),
-                  "coverage": plan.coverage.views()}
+    yield "explain", {"tensors": list(plan.tensors), "table": _Stored(plan.explain)}
+    yield "dag", {"nodes": _Stored(plan.dag_nodes), "edges": _Stored(plan.dag_edges),
+                  "coverage": _Stored(plan.coverage)}
     yield from plan.extra_blobs
 
 
 class _Packed(bytes):
     """A value's msgpack bytes, packed already: `_parts` takes them as they are."""
+
+
+class _Stored:
+    """A table of a blob: `_parts` packs it as `Table.stored` would be, each column left as
+    a `_Column` for the compressing thread."""
+
+    __slots__ = ("table",)
+
+    def __init__(self, table: Table) -> None:
+        self.table = table
 
 
 def _packed_regions(regions: tuple[Region, ...], rows: dict[int, bytes]) -> bytes:
@@ -186,10 +258,16 @@ def _parts(obj: Any) -> list[bytes | memoryview]:
     """`pack(obj)` as parts whose concatenation is those bytes, a table's column bytes left
     in place (not copied into one buffer, whose growth would hold them two or three times):
     a map is its header and its keys' and values' parts, a list of memoryviews (a table) its
-    header and each column's bin header and bytes; bytes packed already (`_Packed`) are
-    taken as they are; anything else is packed whole."""
+    header and each column's bin header and bytes, a `_Stored` table its header and a
+    `_Column` a column (`_expanded` packs it), a narrow column (`[code, memoryview]`) its
+    header, code, bin header and bytes; bytes packed already (`_Packed`) are taken as they
+    are; anything else is packed whole."""
     if type(obj) is _Packed:
         return [obj]
+    if type(obj) is _Stored:
+        cols = obj.table.columns
+        return [_PACKER.pack_array_header(len(cols)),
+                *(_Column(c) for c in cols)]
     if isinstance(obj, dict):
         out: list[bytes | memoryview] = [_PACKER.pack_map_header(len(obj))]
         for k, v in obj.items():
@@ -201,6 +279,9 @@ def _parts(obj: Any) -> list[bytes | memoryview]:
         for v in obj:
             out += [_bin_header(v.nbytes), v]
         return out
+    if type(obj) is list and len(obj) == 2 and type(obj[1]) is memoryview:  # a narrow column
+        return [_PACKER.pack_array_header(2), pack(obj[0]), _bin_header(obj[1].nbytes),
+                obj[1]]
     return [pack(obj)]
 
 
@@ -216,9 +297,9 @@ def _bin_header(n: int) -> bytes:
     return struct.pack(">BI", 0xC6, n)
 
 
-def _digest_parts(parts: list[bytes | memoryview]) -> bytes:
+def _digest_parts(parts: list[Any]) -> bytes:
     h = hashlib.blake2b(digest_size=32)
-    for part in parts:
+    for part in _expanded(parts):
         h.update(part)
     return h.digest()
 

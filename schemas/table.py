@@ -1,5 +1,15 @@
-"""Columnar tables of a plan: named numpy arrays of equal length, read-only; raw
-little-endian bytes in msgpack."""
+"""Columnar tables of a plan: named numpy arrays of equal length, read-only; in msgpack
+each column is stored in one of two forms (`stored_column`, read by `from_msgpack`):
+
+- a bin: the column's raw little-endian bytes in its schema dtype;
+- `[code, bin]`, `code` one of `NARROW` (`"i1"`, `"i2"`, `"i4"`): the column's integers as
+  little-endian signed integers of that narrower width (every value fits: exact).
+
+A decoded table is the same whatever the form: each column in its schema dtype. Every row
+of every column is stored, at least one byte a value, so a decoded table is at most 8
+times its stored columns' bytes (an `i1` column of an int64): no form repeats a value
+over rows it does not store (a hostile file's tables stay within a few times its
+inflated bytes, themselves bounded by `plan_codec`)."""
 
 from __future__ import annotations
 
@@ -57,16 +67,75 @@ class Table:
         of `to_msgpack` (a bin), so encoders of large plans use these."""
         return [memoryview(a).cast("B") for a in self.columns]
 
+    def stored(self) -> list[Any]:
+        """The columns in their stored forms (`stored_column`), as msgpack packs them."""
+        return [stored_column(a) for a in self.columns]
+
     @staticmethod
     def from_msgpack(schema: tuple[tuple[str, str], ...], raw: Any, what: str) -> Table:
+        """The table of `raw`, its columns in any stored form (the module's docstring)."""
         if not isinstance(raw, list) or len(raw) != len(schema):
             raise PlanFormatError(f"{what}: expected {len(schema)} columns")
-        cols = {}
-        for (name, dt), b in zip(schema, raw):
-            if not isinstance(b, bytes) or len(b) % np.dtype(dt).itemsize:
-                raise PlanFormatError(f"{what}.{name}: column bytes are malformed")
-            cols[name] = np.frombuffer(b, dtype=dt)
+        cols = {name: _column(b, dt, f"{what}.{name}") for (name, dt), b in zip(schema, raw)}
         return Table.build(schema, **cols)
+
+
+NARROW = {"i1": "<i1", "i2": "<i2", "i4": "<i4"}
+"""The narrower widths a stored integer column may take (code -> dtype)."""
+
+
+def stored_column(a: np.ndarray) -> Any:
+    """Column `a` in its stored form: an integer column whose values fit a narrower width
+    in it, else its raw bytes."""
+    view = memoryview(np.ascontiguousarray(a)).cast("B")
+    if stored_plainly(a):
+        return view
+    code = column_code(a.dtype, int(a.min()), int(a.max()))
+    if code is None:
+        return view
+    return [code, memoryview(a.astype(NARROW[code])).cast("B")]
+
+
+def stored_plainly(a: np.ndarray) -> bool:
+    """Whether column `a` is stored raw whatever its values (empty, one byte a value, or
+    not a signed integer column)."""
+    return len(a) == 0 or a.dtype.itemsize == 1 or a.dtype.kind != "i"
+
+
+def column_code(dtype: np.dtype, lo: int, hi: int) -> str | None:
+    """How a signed integer column of `dtype` whose values span `[lo, hi]` is stored: a
+    `NARROW` code, or None (raw). One value over all rows is stored narrowed too (deflate
+    shrinks its run): a form that repeats a value over rows it does not store would let a
+    few bytes decode to any size (the module's docstring)."""
+    return narrow_code(lo, hi, dtype.itemsize)
+
+
+def narrow_code(lo: int, hi: int, itemsize: int) -> str | None:
+    """The narrowest `NARROW` code whose range holds `[lo, hi]` and is narrower than
+    `itemsize` bytes, or None."""
+    for code, dt in NARROW.items():
+        info = np.iinfo(dt)
+        if np.dtype(dt).itemsize < itemsize and info.min <= lo and hi <= info.max:
+            return code
+    return None
+
+
+def _column(b: Any, dt: str, what: str) -> np.ndarray:
+    """One stored column (`stored_column`'s forms) as `dt`."""
+    size = np.dtype(dt).itemsize
+    if isinstance(b, bytes):
+        if len(b) % size:
+            raise PlanFormatError(f"{what}: column bytes are malformed")
+        return np.frombuffer(b, dtype=dt)
+    if not isinstance(b, list) or len(b) != 2 or not isinstance(b[0], str):
+        raise PlanFormatError(f"{what}: a column is bytes or [code, bytes]")
+    code, body = b
+    narrow = NARROW.get(code)
+    if narrow is None or np.dtype(dt).kind != "i" or np.dtype(narrow).itemsize >= size or \
+            not isinstance(body, bytes) or len(body) % np.dtype(narrow).itemsize:
+        raise PlanFormatError(f"{what}: narrow column {code[:8]!r} of {dt} is malformed "
+                              f"(codes {', '.join(NARROW)}, narrower than the column)")
+    return np.frombuffer(body, dtype=narrow).astype(dt)
 
 
 _DIGESTS: list[tuple[Table, bytes]] = []

@@ -32,7 +32,8 @@ from schemas.plan import (
     read_blob,
     read_header,
 )
-from schemas.plan_codec import FRAME, FRAME_HEAD, MAX_DECODED, MAX_RATIO, read_exact
+from schemas.plan_codec import CODECS, FRAME_HEAD, MAX_DECODED, MAX_RATIO, read_exact
+from schemas.table import NARROW
 
 
 class _Unsure(Exception):
@@ -52,24 +53,26 @@ _STEP = 1 << 20
 def explain_streamed(f: BinaryIO, header: PlanHeader, start: int, path: str) -> bool:
     """Whether the explain blob passes what `decode_explain(read_blob(...))` checks, decided
     as it inflates, holding none of the table's columns (the blob decodes to hundreds of MB
-    on a large plan; a column is a msgpack bin: its length is all there is to check):
-    its stored bytes and digest, the compact frame's bounds, the zlib stream exactly its
-    declared size, plain msgpack (no extension) of one map whose keys are strings, `tensors`
-    a list of strings and `table` the explain table's columns, whole items of one length,
-    nothing after it. False where the stream is not so (malformed or unusual): the caller
-    then decodes the blob whole, which says what is wrong."""
+    on a large plan; a column is a msgpack bin, or a narrow one's code and bin, or a
+    constant: lengths, codes and values are all there is to check): its stored bytes and
+    digest, the compact frame's bounds, the deflate stream exactly its declared size, plain
+    msgpack (no extension) of one map whose keys are strings, `tensors` a list of strings
+    and `table` the explain table's columns, whole items of one length, nothing after it.
+    False where the stream is not so (malformed or unusual): the caller then decodes the
+    blob whole, which says what is wrong."""
     entry = header.blobs.get("explain")
     if entry is None:
         return False
     f.seek(start + entry.offset)
     what = f"{path} blob 'explain'"
     data = read_exact(f, entry.length, what, entry.digest)
-    if data[:2] != FRAME or len(data) < FRAME_HEAD:
+    wbits = CODECS.get(data[:2])
+    if wbits is None or len(data) < FRAME_HEAD:
         return False
-    (n,) = struct.unpack_from("<Q", data, len(FRAME))
+    (n,) = struct.unpack_from("<Q", data, 2)
     if n > MAX_RATIO * (len(data) - FRAME_HEAD) + 64 or n > MAX_DECODED:
         return False
-    z = zlib.decompressobj()
+    z = zlib.decompressobj(wbits)
     u = msgpack.Unpacker(raw=False, strict_map_key=True, ext_hook=_no_ext, max_ext_len=0,
                          max_buffer_size=max(n, 1))
     stream = memoryview(data)[FRAME_HEAD:]
@@ -112,10 +115,10 @@ def explain_streamed(f: BinaryIO, header: PlanHeader, start: int, path: str) -> 
             got += u.read_bytes(k - len(got))
         return got
 
-    def column() -> int:
-        """The length of the bin item next in the stream (anything else: `_Unsure`), its
-        bytes passed over, never fed to `u` nor kept: a column is tens of MB."""
-        head = raw(1)[0]
+    def column(head: int) -> int:
+        """The length of the bin item next in the stream, whose first byte `head` was read
+        (anything else: `_Unsure`), its bytes passed over, never fed to `u` nor kept: a
+        column is tens of MB."""
         width = {0xC4: 1, 0xC5: 2, 0xC6: 4}.get(head)
         if width is None:
             raise _Unsure  # not a bin: the whole decode gives no bytes for it
@@ -129,6 +132,23 @@ def explain_streamed(f: BinaryIO, header: PlanHeader, start: int, path: str) -> 
             left -= len(out)
         return size
 
+    def rows_of(dt: str) -> int:
+        """The rows of the column next in the stream in either stored form (`schemas.table`,
+        checked as `Table.from_msgpack` does)."""
+        head = raw(1)[0]
+        if head != 0x92:  # a fixarray of two: a narrow column
+            length, size = column(head), np.dtype(dt).itemsize
+        else:
+            code = take(u.unpack)
+            narrow = NARROW.get(code) if isinstance(code, str) else None
+            if narrow is None or np.dtype(dt).kind != "i" or \
+                    np.dtype(narrow).itemsize >= np.dtype(dt).itemsize:
+                raise _Unsure
+            length, size = column(raw(1)[0]), np.dtype(narrow).itemsize
+        if length % size:
+            raise _Unsure
+        return length // size
+
     try:
         seen: set[str] = set()
         for _ in range(take(u.read_map_header)):
@@ -139,14 +159,8 @@ def explain_streamed(f: BinaryIO, header: PlanHeader, start: int, path: str) -> 
             if key == "table":
                 if take(u.read_array_header) != len(EXPLAIN_COLUMNS):
                     raise _Unsure
-                rows = set()
-                for _, dt in EXPLAIN_COLUMNS:
-                    size = np.dtype(dt).itemsize
-                    length = column()
-                    if length % size:
-                        raise _Unsure
-                    rows.add(length // size)
-                if len(rows) > 1:
+                rows = {rows_of(dt) for _, dt in EXPLAIN_COLUMNS}
+                if len(rows) != 1:
                     raise _Unsure
             else:
                 value = take(u.unpack)

@@ -1,7 +1,8 @@
-"""The compact plan file: every blob a zlib stream of its msgpack bytes, its decoded size
-declared and bounded by its stored size. Both forms of every shipped config decode to the
-same plan, op by op; a version 2 (plain) file is still read; a compact blob that lies about
-its size, or would decode past what its stream allows, is refused before it is decoded."""
+"""The compact plan file: every blob a raw deflate stream of its msgpack bytes (a zlib
+stream in version 3 files, still read), its decoded size declared and bounded by its stored
+size. Both forms of every shipped config decode to the same plan, op by op; a version 2
+(plain) file is still read; a compact blob that lies about its size, or would decode past
+what its stream allows, is refused before it is decoded."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from planner.compiler import compile_config
 from planner.validate import load
 from schemas import plan as P
 from schemas.integrity import rank_digest
-from schemas.plan_codec import FRAME, MAX_RATIO, checksum, deflate, inflate, pack
+from schemas.plan_codec import FRAME, MAX_RATIO, ZLIB_FRAME, checksum, deflate, inflate, pack
 from schemas.plan_write import encode_plan, write_plan
 from tests.support.shipped import CONFIGS, shipped_param
 
@@ -121,10 +122,15 @@ def _frame(n: int, stream: bytes) -> bytes:
     return FRAME + struct.pack("<Q", n) + stream
 
 
+def _raw_deflate(data: bytes, level: int = 6) -> bytes:
+    z = zlib.compressobj(level, zlib.DEFLATED, -15)
+    return z.compress(data) + z.flush()
+
+
 def test_a_compact_blob_that_lies_about_its_size_is_refused(tmp_path: Path) -> None:
     plan = _demo()
     raw = pack(_blob_objects_rank0(plan))
-    stream = zlib.compress(raw)
+    stream = _raw_deflate(raw)
     assert P.load_rank(str(_with_blob(plan, tmp_path, "rank/0", _frame(len(raw), stream))),
                        0)[1].rank == 0  # the honest frame loads
     for n, why in ((len(raw) - 1, "decodes to"), (len(raw) + 1, "decodes to"),
@@ -153,7 +159,7 @@ def test_a_bomb_is_refused_before_it_is_decoded() -> None:
     """1 GiB of zeros deflates to about 1 MB: declared truthfully it is within what deflate
     allows, but the cap is checked before decoding, and a declared size the stream cannot
     reach is refused at once (nothing decoded: no allocation of the declared size)."""
-    z = zlib.compressobj(9)
+    z = zlib.compressobj(9, zlib.DEFLATED, -15)
     chunk = bytes(1 << 20)
     stream = b"".join(z.compress(chunk) for _ in range(64)) + z.flush()  # 64 MiB of zeros
     with pytest.raises(P.PlanFormatError, match="at most"):
@@ -161,6 +167,18 @@ def test_a_bomb_is_refused_before_it_is_decoded() -> None:
     assert len(inflate(_frame(64 << 20, stream), "blob")) == 64 << 20
     assert inflate(deflate([b"ab", memoryview(b"cd")]), "blob") == b"abcd"
     assert inflate(b"\x90", "blob") == b"\x90"  # a plain blob passes as it is
+
+
+def test_a_version_3_zlib_blob_is_still_read() -> None:
+    """A version 3 compact blob (`ZLIB_FRAME`, a zlib stream, its Adler-32 checked) decodes;
+    the same stream framed as raw deflate does not, nor a raw stream framed as zlib."""
+    data = pack({"a": list(range(300))})
+    assert inflate(ZLIB_FRAME + struct.pack("<Q", len(data)) + zlib.compress(data), "b") == data
+    with pytest.raises(P.PlanFormatError, match="does not decode"):
+        inflate(_frame(len(data), zlib.compress(data)), "b")
+    with pytest.raises(P.PlanFormatError, match="does not decode"):
+        inflate(ZLIB_FRAME + struct.pack("<Q", len(data)) + _raw_deflate(data), "b")
+    assert deflate([data])[:2] == FRAME and inflate(deflate([data]), "b") == data
 
 
 def test_a_version_2_plan_is_still_read(tmp_path: Path) -> None:
@@ -189,7 +207,7 @@ def test_a_rank_decodes_only_its_own_part(tmp_path: Path) -> None:
     """A bomb in rank 1's blob does not stop rank 0 from loading: a rank reads, inflates and
     checks its own blob only; rank 1 (and a whole-plan read) refuse it."""
     plan = _demo()
-    path = _with_blob(plan, tmp_path, "rank/1", _frame(1 << 40, zlib.compress(bytes(1 << 16))))
+    path = _with_blob(plan, tmp_path, "rank/1", _frame(1 << 40, _raw_deflate(bytes(1 << 16))))
     assert P.load_rank(str(path), 0)[1].rank == 0
     for read in (lambda: P.load_rank(str(path), 1), lambda: P.load_plan(str(path))):
         with pytest.raises(P.PlanFormatError, match="rank/1.*at most"):

@@ -15,9 +15,11 @@ from planner.validate import load
 from schemas.plan import region_row
 from schemas.plan_codec import deflate, pack
 from schemas.plan_write import (
+    RANK_TABLES,
     RELEASE_SLICE,
     _blob_objects,
     _blob_parts,
+    _expanded,
     _mapping,
     _parts,
     _released,
@@ -37,19 +39,20 @@ def test_parts_join_to_msgpack() -> None:
 
 
 def test_rank_parts_are_the_packed_rank_plans() -> None:
-    """The parts written (each rank's regions list packed once per region) join to
-    msgpack's packing of each blob's object: a rank's part is `RankPlan.encode` with the
-    identity it carries."""
+    """The parts written (each rank's regions list packed once per region, each table
+    column put in its stored form as it is asked for) join to msgpack's packing of each
+    blob's object: a rank's part is `RankPlan.encode` with the identity it carries and its
+    tables in their stored forms."""
     plan = compile_config(*load(str(ROOT / "plans/demo.yaml")))
     ranks = {f"rank/{r.rank}": r for r in plan.ranks}
     objects = list(_blob_objects(plan))
     parts = list(_blob_parts(plan))
     assert [n for n, _ in parts] == [n for n, _ in objects]
     for (name, obj), (_, got) in zip(objects, parts):
-        assert b"".join(bytes(p) for p in got) == pack(obj)
+        assert b"".join(bytes(p) for p in _expanded(got)) == pack(obj)
         if name in ranks:
             r = ranks[name]
-            want = r.encode()
+            want = {**r.encode(), **{k: getattr(r, k).stored() for k in RANK_TABLES}}
             if r.identity is None and r.rank < len(plan.header.identities):
                 want["identity"] = dict(plan.header.identities[r.rank])
             assert obj == want and want["regions"] == [region_row(x) for x in r.regions]
