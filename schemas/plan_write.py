@@ -145,7 +145,7 @@ def _expanded(parts: list[Any]) -> Iterator[bytes | memoryview]:
             continue
         col = part.column
         if stored_plainly(col):
-            yield from _parts(memoryview(col).cast("B"))
+            yield from _raw(col)
             continue
         step = max(1, RELEASE_SLICE // col.dtype.itemsize)
         lo, hi = None, None
@@ -156,7 +156,7 @@ def _expanded(parts: list[Any]) -> Iterator[bytes | memoryview]:
             _dropped(piece)
         code = column_code(col.dtype, lo, hi)
         if code is None:
-            yield from _parts(memoryview(col).cast("B"))
+            yield from _raw(col)
         else:
             narrow = np.dtype(NARROW[code])
             yield _PACKER.pack_array_header(2) + pack(code) + _bin_header(
@@ -165,6 +165,14 @@ def _expanded(parts: list[Any]) -> Iterator[bytes | memoryview]:
                 piece = col[at:at + step]
                 yield memoryview(piece.astype(narrow)).cast("B")
                 _dropped(piece)
+
+
+def _raw(col: np.ndarray) -> tuple[bytes, memoryview]:
+    """Column `col` stored raw: its bin header, then its bytes in place (`pack` of the
+    memoryview would copy the whole column into one bytes object; a column mapped from a
+    file stays mapped, so `_released` drops its pages as they are compressed)."""
+    view = memoryview(col).cast("B")
+    return _bin_header(view.nbytes), view
 
 
 def _dropped(piece: np.ndarray) -> None:
