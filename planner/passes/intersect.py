@@ -85,11 +85,6 @@ def without_holders(chunks: Chunks) -> Chunks:
                   holder_ptr=none, holders=none)
 
 
-def chunk_bytes(chunks: Chunks, dst: PieceTable) -> np.ndarray:
-    """Bytes of each chunk in the target's dtype."""
-    return chunks.size0 * chunks.size1 * element_size(dst.dtype[chunks.dst])
-
-
 def piece_table(layout: Layout, spec: ModelSpec, rank_base: int) -> PieceTable:
     """Flatten a layout's pieces into columns (plan rank = rank_base + layout rank).
 
