@@ -20,7 +20,7 @@ import numpy as np
 
 from .plan import FORMAT_VERSION, MAGIC, Plan, Region, region_row
 from .plan_codec import checksum, deflate, pack
-from .table import NARROW, Table, column_code, stored_plainly
+from .table import NARROW, Table, narrow_code, stored_plainly
 
 
 def encode_plan(plan: Plan, key: bytes | None = None, compact: bool = True) -> bytes:
@@ -154,7 +154,7 @@ def _expanded(parts: list[Any]) -> Iterator[bytes | memoryview]:
             a, b = int(piece.min()), int(piece.max())
             lo, hi = a if lo is None else min(lo, a), b if hi is None else max(hi, b)
             _dropped(piece)
-        code = column_code(col.dtype, lo, hi)
+        code = narrow_code(lo, hi, col.dtype.itemsize)
         if code is None:
             yield from _raw(col)
         else:
@@ -267,8 +267,7 @@ def _parts(obj: Any) -> list[bytes | memoryview]:
     in place (not copied into one buffer, whose growth would hold them two or three times):
     a map is its header and its keys' and values' parts, a list of memoryviews (a table) its
     header and each column's bin header and bytes, a `_Stored` table its header and a
-    `_Column` a column (`_expanded` packs it), a narrow column (`[code, memoryview]`) its
-    header, code, bin header and bytes; bytes packed already (`_Packed`) are taken as they
+    `_Column` a column (`_expanded` packs it); bytes packed already (`_Packed`) are taken as they
     are; anything else is packed whole."""
     if type(obj) is _Packed:
         return [obj]
@@ -287,9 +286,6 @@ def _parts(obj: Any) -> list[bytes | memoryview]:
         for v in obj:
             out += [_bin_header(v.nbytes), v]
         return out
-    if type(obj) is list and len(obj) == 2 and type(obj[1]) is memoryview:  # a narrow column
-        return [_PACKER.pack_array_header(2), pack(obj[0]), _bin_header(obj[1].nbytes),
-                obj[1]]
     return [pack(obj)]
 
 

@@ -90,7 +90,7 @@ def stored_column(a: np.ndarray) -> Any:
     view = memoryview(np.ascontiguousarray(a)).cast("B")
     if stored_plainly(a):
         return view
-    code = column_code(a.dtype, int(a.min()), int(a.max()))
+    code = narrow_code(int(a.min()), int(a.max()), a.dtype.itemsize)
     if code is None:
         return view
     return [code, memoryview(a.astype(NARROW[code])).cast("B")]
@@ -102,22 +102,26 @@ def stored_plainly(a: np.ndarray) -> bool:
     return len(a) == 0 or a.dtype.itemsize == 1 or a.dtype.kind != "i"
 
 
-def column_code(dtype: np.dtype, lo: int, hi: int) -> str | None:
-    """How a signed integer column of `dtype` whose values span `[lo, hi]` is stored: a
-    `NARROW` code, or None (raw). One value over all rows is stored narrowed too (deflate
-    shrinks its run): a form that repeats a value over rows it does not store would let a
-    few bytes decode to any size (the module's docstring)."""
-    return narrow_code(lo, hi, dtype.itemsize)
-
-
 def narrow_code(lo: int, hi: int, itemsize: int) -> str | None:
     """The narrowest `NARROW` code whose range holds `[lo, hi]` and is narrower than
-    `itemsize` bytes, or None."""
+    `itemsize` bytes, or None (raw). One value over all rows is narrowed too (deflate
+    shrinks its run): a form that repeats a value over rows it does not store would let a
+    few bytes decode to any size (the module's docstring)."""
     for code, dt in NARROW.items():
         info = np.iinfo(dt)
         if np.dtype(dt).itemsize < itemsize and info.min <= lo and hi <= info.max:
             return code
     return None
+
+
+def narrow_dtype(code: Any, dt: str) -> np.dtype | None:
+    """The dtype a column of `dt` stored narrow under `code` holds, or None where `code` is
+    no narrow form of it (not a `NARROW` code, or not narrower than an integer `dt`)."""
+    narrow = NARROW.get(code) if isinstance(code, str) else None
+    if narrow is None or np.dtype(dt).kind != "i" or \
+            np.dtype(narrow).itemsize >= np.dtype(dt).itemsize:
+        return None
+    return np.dtype(narrow)
 
 
 def _column(b: Any, dt: str, what: str) -> np.ndarray:
@@ -130,9 +134,8 @@ def _column(b: Any, dt: str, what: str) -> np.ndarray:
     if not isinstance(b, list) or len(b) != 2 or not isinstance(b[0], str):
         raise PlanFormatError(f"{what}: a column is bytes or [code, bytes]")
     code, body = b
-    narrow = NARROW.get(code)
-    if narrow is None or np.dtype(dt).kind != "i" or np.dtype(narrow).itemsize >= size or \
-            not isinstance(body, bytes) or len(body) % np.dtype(narrow).itemsize:
+    narrow = narrow_dtype(code, dt)
+    if narrow is None or not isinstance(body, bytes) or len(body) % narrow.itemsize:
         raise PlanFormatError(f"{what}: narrow column {code[:8]!r} of {dt} is malformed "
                               f"(codes {', '.join(NARROW)}, narrower than the column)")
     return np.frombuffer(body, dtype=narrow).astype(dt)

@@ -33,7 +33,7 @@ from schemas.plan import (
     read_header,
 )
 from schemas.plan_codec import CODECS, FRAME_HEAD, MAX_DECODED, MAX_RATIO, read_exact
-from schemas.table import NARROW
+from schemas.table import narrow_dtype
 
 
 class _Unsure(Exception):
@@ -53,8 +53,8 @@ _STEP = 1 << 20
 def explain_streamed(f: BinaryIO, header: PlanHeader, start: int, path: str) -> bool:
     """Whether the explain blob passes what `decode_explain(read_blob(...))` checks, decided
     as it inflates, holding none of the table's columns (the blob decodes to hundreds of MB
-    on a large plan; a column is a msgpack bin, or a narrow one's code and bin, or a
-    constant: lengths, codes and values are all there is to check): its stored bytes and
+    on a large plan; a column is a msgpack bin, or a narrow one's code and bin: lengths and
+    codes are all there is to check): its stored bytes and
     digest, the compact frame's bounds, the deflate stream exactly its declared size, plain
     msgpack (no extension) of one map whose keys are strings, `tensors` a list of strings
     and `table` the explain table's columns, whole items of one length, nothing after it.
@@ -139,12 +139,10 @@ def explain_streamed(f: BinaryIO, header: PlanHeader, start: int, path: str) -> 
         if head != 0x92:  # a fixarray of two: a narrow column
             length, size = column(head), np.dtype(dt).itemsize
         else:
-            code = take(u.unpack)
-            narrow = NARROW.get(code) if isinstance(code, str) else None
-            if narrow is None or np.dtype(dt).kind != "i" or \
-                    np.dtype(narrow).itemsize >= np.dtype(dt).itemsize:
+            narrow = narrow_dtype(take(u.unpack), dt)
+            if narrow is None:
                 raise _Unsure
-            length, size = column(raw(1)[0]), np.dtype(narrow).itemsize
+            length, size = column(raw(1)[0]), narrow.itemsize
         if length % size:
             raise _Unsure
         return length // size
