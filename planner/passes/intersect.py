@@ -497,31 +497,6 @@ def first_block(dst: PieceTable, b: Boxes, n: int) -> tuple[PieceTable, Boxes]:
             Boxes(of=b.of[:n], first=b.first))
 
 
-def repeated(chunks: Chunks, dst: PieceTable, times: int
-             ) -> tuple[Chunks, PieceTable] | None:
-    """`chunks` and the target pieces `dst` they point into as `Repeated` columns of their
-    first `1 / times` (each its own small array), when both are `times` equal blocks (but
-    the target ranks, moved by one step a block, and the chunks' target rows, by the
-    block's rows): what `lower` reads of the engine's alike replicas, held once. Else None.
-    The chunks' source boxes repeat too (`holders` and `holder_ptr` are kept)."""
-    n = alike(dst, times)
-    if not n or len(chunks) % times:
-        return None
-    m = len(chunks) // times
-    for f in _CUT if len(chunks.sbox) else _CUT[:-1]:
-        if not _blocks_equal(getattr(chunks, f), m, times, n if f == "dst" else 0):
-            return None
-    return repeat_block(_head(chunks, m), dst, times)
-
-
-def _head(chunks: Chunks, m: int) -> Chunks:
-    """The first `m` chunks (views), with all the source boxes' holders."""
-    cut = _CUT if len(chunks.sbox) else _CUT[:-1]
-    return Chunks(**{f: getattr(chunks, f)[:m] for f in cut},
-                  **({} if "sbox" in cut else {"sbox": chunks.sbox}),
-                  holder_ptr=chunks.holder_ptr, holders=chunks.holders)
-
-
 _CUT = ("tensor", "off0", "off1", "size0", "size1", "dst", "sbox")
 """The chunks' columns that repeat with the replicas (the source boxes only while kept)."""
 

@@ -154,7 +154,7 @@ def _stored(col: np.ndarray) -> np.ndarray:
 def chosen(chunks: Chunks, choice: np.ndarray | None, src: PieceTable, dst: PieceTable
            ) -> Chosen:
     """The `Chosen` of the chunks, with their copies of alike replicas where the chunks and
-    the target pieces are `Repeated` alike (`intersect.repeated`)."""
+    the target pieces are `Repeated` alike (`intersect.repeat_block`)."""
     per_copy = len(chunks)
     if isinstance(chunks.tensor, Repeated):
         times = chunks.tensor.times

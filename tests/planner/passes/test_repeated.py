@@ -1,4 +1,5 @@
-"""Alike replicas' target pieces and chunks held once (`intersect.Repeated`, `repeated`), read
+"""Alike replicas' target pieces and chunks held once (`intersect.Repeated`: `alike`,
+`first_block`, `repeat_block`), read
 through their first copy (`lower_cols.Chosen`), and copy columns of one value held as that
 value (`lower_cols.constant`): each read gives what the whole column gives."""
 
@@ -17,7 +18,6 @@ from planner.passes.intersect import (
     intersect,
     piece_table,
     repeat_block,
-    repeated,
     table_and_boxes,
 )
 from planner.passes.lower_cols import chosen, concat, constant, is_constant
@@ -35,6 +35,18 @@ def _tables(replicas: int, with_src: bool = False):
     if with_src:
         return intersect(spec, src, dst), dst, src
     return intersect(spec, src, dst), dst
+
+
+def _held_once(replicas: int):
+    """The chunks and target pieces of `_tables(replicas)` as the compiler holds them: the
+    target table made once (`table_and_boxes`), the first replica's pieces alone
+    intersected (`alike`, `first_block`) and their chunks repeated (`repeat_block`); and
+    those first chunks."""
+    spec, src, dst_layout, world = _layouts(replicas)
+    dst, found = table_and_boxes(dst_layout, spec, world)
+    one, one_boxes = first_block(dst, found, alike(dst, replicas))
+    first = intersect(spec, src, one, one_boxes)
+    return (*repeat_block(first, dst, replicas), first)
 
 
 def _layouts(replicas: int):
@@ -68,9 +80,7 @@ def test_alike_replicas_table_is_made_once() -> None:
 
 def test_repeated_columns_read_as_the_whole_columns() -> None:
     chunks, dst = _tables(3)
-    got = repeated(chunks, dst, 3)
-    assert got is not None
-    r_chunks, r_dst = got
+    r_chunks, r_dst, first = _held_once(3)
     n, rng = len(dst), np.random.default_rng(0)
     rows = rng.integers(0, n, 1000)
     for f in dst.__slots__:
@@ -87,19 +97,21 @@ def test_repeated_columns_read_as_the_whole_columns() -> None:
         assert np.array_equal(col * 2 + 1, whole * 2 + 1), f
     for f in ("tensor", "off0", "off1", "size0", "size1", "dst", "sbox"):
         assert np.array_equal(np.asarray(getattr(r_chunks, f)), getattr(chunks, f)), f
-    assert r_chunks.holders is chunks.holders and r_chunks.holder_ptr is chunks.holder_ptr
+    assert r_chunks.holders is first.holders and r_chunks.holder_ptr is first.holder_ptr
+    assert np.array_equal(r_chunks.holders, chunks.holders)
+    assert np.array_equal(r_chunks.holder_ptr, chunks.holder_ptr)
 
 
 @pytest.mark.parametrize("change", ["rank", "size0"])
 def test_replicas_not_alike_are_not_repeated(change: str) -> None:
-    chunks, dst = _tables(2)
+    _, dst = _tables(2)
     col = getattr(dst, change).copy()
     col[len(col) - 1] += 1  # the last replica's last piece differs
     other = dst.__class__(**{f: col if f == change else getattr(dst, f)
                              for f in dst.__slots__})
-    assert repeated(chunks, other, 2) is None
-    assert repeated(chunks, dst, 2) is not None
-    assert repeated(chunks, dst, 1) is None
+    assert alike(other, 2) == 0
+    assert alike(dst, 2) != 0
+    assert alike(dst, 1) == 0
 
 
 def test_constant_columns_are_one_value() -> None:
@@ -122,7 +134,7 @@ def test_chosen_reads_alike_copies_as_the_whole_columns() -> None:
     # ascending rows in one copy and in several, a reordered `take`) gives the whole
     # columns' values and dtypes.
     chunks, dst, src = _tables(3, with_src=True)
-    r_chunks, r_dst = repeated(chunks, dst, 3)
+    r_chunks, r_dst, _ = _held_once(3)
     topo = build_topology(ClusterConfig(gpus_per_host=4, nics_per_host=2), 8, 6)
     choice = assign(chunks, src, dst, topo)
     assert np.array_equal(assign(r_chunks, src, r_dst, topo), choice)
