@@ -87,7 +87,12 @@ from integrations import vllm_content as content
 from integrations.engine_core import EngineCore
 from integrations.errors import TornUpdateError
 from integrations.vllm_background import Background
-from integrations.vllm_trainer_info import BACKEND, RdmaPlanTrainerInitInfo, source_tensors
+from integrations.vllm_trainer_info import (
+    BACKEND,
+    RdmaPlanTrainerInitInfo,
+    source_tensors,
+    store_of,
+)
 from schemas.chunked_plan import is_chunked
 from schemas.header import PlanHeader
 from schemas.placement import Placement
@@ -99,6 +104,9 @@ class RdmaPlanInitInfo(WeightTransferInitInfo):
     """Path of the compiled plan file, readable by every worker."""
     rendezvous: str
     """`host:port` of the plan's store (plan rank 0, the trainer sender, hosts it)."""
+    rendezvous_hosted: bool = False
+    """A store already runs at `rendezvous` (the launcher's): every rank, plan rank 0
+    included, connects to it as a client (`executor.connect_store`) and none hosts one."""
     transport: str = "nixl"
     """Executor transport: nixl, uccl, cuda_ipc or local."""
     timeout_s: float = 60.0
@@ -166,7 +174,9 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         checks.zero_vocab_padding(self.model)
         written = {r.name: tensors[r.name] for r in regions if r.name in tensors}
         core.load(tensors, shadow=written if init_info.shadow else None,
-                  transport=init_info.transport, rendezvous=init_info.rendezvous,
+                  transport=init_info.transport,
+                  rendezvous=store_of(init_info.rendezvous, init_info.rendezvous_hosted,
+                                      init_info.timeout_s),
                   timeout_s=init_info.timeout_s)
         self.core = core
         self.ptrs, self.host = content.pointers(self.model), content.keep_host_scales(self.model)
@@ -337,7 +347,9 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
 
         def load() -> None:
             o = executor.LoadOptions(transport=init_info.transport,
-                                     rendezvous=init_info.rendezvous,
+                                     rendezvous=store_of(init_info.rendezvous,
+                                                         init_info.rendezvous_hosted,
+                                                         init_info.timeout_s),
                                      timeout_s=init_info.timeout_s,
                                      plan_key=init_info.plan_key, identity=identity,
                                      no_identity=init_info.no_identity)

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightSource
 
+import executor
 from integrations import Binding, trainer
 
 BACKEND = "rdma_plan"
@@ -21,6 +22,10 @@ class RdmaPlanTrainerInitInfo(TrainerInitInfo):
     """Path of the compiled plan file (the same file the workers load)."""
     rendezvous: str
     """`host:port` of the plan's store; plan rank 0 (the sender) hosts it."""
+    rendezvous_hosted: bool = False
+    """A store already runs at `rendezvous` (the launcher's, e.g. one the job hosts before
+    vLLM starts): every trainer rank and worker connects to it as a client
+    (`executor.connect_store`); none hosts one, so no port has to be found free first."""
     transport: str = "nixl"
     timeout_s: float = 60.0
     binding: Binding | None = None
@@ -48,7 +53,8 @@ class RdmaPlanTrainerInitInfo(TrainerInitInfo):
     """The workers' shadow mode (`RdmaPlanInitInfo.shadow`)."""
 
     def worker_info(self) -> dict[str, Any]:
-        return {"plan": self.plan, "rendezvous": self.rendezvous, "shadow": self.shadow,
+        return {"plan": self.plan, "rendezvous": self.rendezvous,
+                "rendezvous_hosted": self.rendezvous_hosted, "shadow": self.shadow,
                 "transport": self.transport, "timeout_s": self.timeout_s,
                 "plan_key": self.plan_key, "allow_unsigned": self.allow_unsigned}
 
@@ -65,6 +71,12 @@ class RdmaPlanTrainerInitInfo(TrainerInitInfo):
 
     def where(self) -> str:
         return f"rdma_plan trainer rank {self.rank} ({self.plan})"
+
+
+def store_of(rendezvous: str, hosted: bool, timeout_s: float) -> object:
+    """What `executor.LoadOptions.rendezvous` gets: `host:port` as is (plan rank 0 hosts the
+    store there), or with `hosted` a client of the store already running there."""
+    return executor.connect_store(rendezvous, timeout_s) if hosted else rendezvous
 
 
 def source_tensors(source: WeightSource) -> dict[str, torch.Tensor]:

@@ -21,8 +21,11 @@ os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from harness.launch import free_port  # noqa: E402
+from harness.launch import master_store  # noqa: E402
 from tests.integrations import vllm_cases  # noqa: E402
+
+HOSTED: dict[str, object] = {}
+"""Trainer rank 0: each case's rendezvous store (every rank and worker is a client of it)."""
 
 
 def run_case(case: dict, rank: int, store, start: int) -> None:  # noqa: ANN001
@@ -33,10 +36,11 @@ def run_case(case: dict, rank: int, store, start: int) -> None:  # noqa: ANN001
     name, steps, trainers = case["name"], case["steps"], case["trainers"]
     source = vllm_cases.dict_source(vllm_cases.source_tensors(case, rank, steps[start]["seed"]))
     client = vllm_cases.StoreClient(store, name, case["workers"])
-    if rank == 0 and start == 0:  # a port picked now: one picked when the test began
-        store.set(f"{name}/rdzv", str(free_port()).encode())  # was taken by vLLM's own
-    port = int(store.get(f"{name}/rdzv"))  # stores by the time a later case ran
-    info = RdmaPlanTrainerInitInfo(rank=rank, plan=case["plan"],
+    if rank == 0 and start == 0:  # the case's store, hosted here on a port the OS picks
+        HOSTED[name], port = master_store(case["timeout_s"])  # while binding it (a port
+        store.set(f"{name}/rdzv", str(port).encode())  # found free first was once taken by
+    port = int(store.get(f"{name}/rdzv"))  # vLLM's own sockets before the executor bound it)
+    info = RdmaPlanTrainerInitInfo(rank=rank, plan=case["plan"], rendezvous_hosted=True,
                                    rendezvous=f"127.0.0.1:{port}", timeout_s=case["timeout_s"],
                                    plan_rank=rank, no_identity=True,  # no framework here
                                    shadow=case.get("shadow", False),
