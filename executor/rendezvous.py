@@ -97,6 +97,13 @@ def tcp_store(dist: Any, host: str, port: int, rank: int, timeout_s: float) -> A
     return got
 
 
+def store_at(address: str, hosted: bool, timeout_s: float) -> object:
+    """What `LoadOptions.rendezvous` gets for an engine's `host:port`: the address as is (plan
+    rank 0 hosts a store there), or with `hosted` (the integrations' `rendezvous_hosted`) a
+    client of the store already running there (`connect_store`), on every rank."""
+    return connect_store(address, timeout_s) if hosted else address
+
+
 def connect_store(address: str, timeout_s: float = 60.0) -> Any:
     """A client of the TCPStore someone else hosts at `"host:port"` (the launcher, a
     trainer's `torch.distributed` store): pass it as `rendezvous=` on every rank, so no

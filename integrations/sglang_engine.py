@@ -77,6 +77,7 @@ from typing import Any
 
 import torch
 
+from executor.rendezvous import store_at
 from integrations.sglang import EngineRank, SGLangTarget, rank_state, scheduler_state
 from integrations.sglang_shadow import rdma_plan_shadow_start, shadow_begin
 from integrations.sglang_switch import rdma_plan_switch
@@ -90,10 +91,12 @@ ENV = "RDMA_PLAN_SGLANG"
 
 def rdma_plan_init(scheduler: Any, plan: str, rendezvous: str = "", transport: str = "nixl",
                    timeout_s: float = 60.0, replica: int = 0, plan_key: str | None = None,
-                   allow_unsigned: bool = False, shadow: bool = False) -> None:
+                   allow_unsigned: bool = False, shadow: bool = False,
+                   rendezvous_hosted: bool = False) -> None:
     """Bind this scheduler's target model to its plan rank (an RPC method, `METHODS`).
     `plan_key`: path of the plan's signing key (with a job secret set, required unless
-    `allow_unsigned`). `shadow`: shadow mode (the module docstring)."""
+    `allow_unsigned`). `shadow`: shadow mode (the module docstring). `rendezvous_hosted`:
+    a store already runs at `rendezvous` (the job's): connect to it as a client, host none."""
     from sglang.srt.runtime_context import get_parallel
 
     if rank_state(scheduler) is not None:
@@ -103,7 +106,9 @@ def rdma_plan_init(scheduler: Any, plan: str, rendezvous: str = "", transport: s
     parallel = get_parallel()
     target = SGLangTarget(runner.model, plan, updater=runner.weight_updater,
                           replica=int(replica), dp_rank=int(parallel.dp_rank or 0),
-                          transport=transport, rendezvous=rendezvous or None,
+                          transport=transport,
+                          rendezvous=store_at(rendezvous, bool(rendezvous_hosted),
+                                              float(timeout_s)) if rendezvous else None,
                           timeout_s=float(timeout_s), parallel=parallel,
                           plan_key=plan_key, allow_unsigned=bool(allow_unsigned),
                           shadow=bool(shadow))

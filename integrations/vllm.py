@@ -74,6 +74,7 @@ from vllm.distributed.weight_transfer.base import (
 import executor
 from executor import trust
 from executor.errors import PeerTimeoutError
+from executor.rendezvous import store_at
 from integrations import (
     placement_check,
     trainer,
@@ -91,7 +92,6 @@ from integrations.vllm_trainer_info import (
     BACKEND,
     RdmaPlanTrainerInitInfo,
     source_tensors,
-    store_of,
 )
 from schemas.chunked_plan import is_chunked
 from schemas.header import PlanHeader
@@ -175,7 +175,7 @@ class RdmaPlanWeightTransferEngine(WeightTransferEngine[RdmaPlanInitInfo, RdmaPl
         written = {r.name: tensors[r.name] for r in regions if r.name in tensors}
         core.load(tensors, shadow=written if init_info.shadow else None,
                   transport=init_info.transport,
-                  rendezvous=store_of(init_info.rendezvous, init_info.rendezvous_hosted,
+                  rendezvous=store_at(init_info.rendezvous, init_info.rendezvous_hosted,
                                       init_info.timeout_s),
                   timeout_s=init_info.timeout_s)
         self.core = core
@@ -347,7 +347,7 @@ class RdmaPlanTrainerEngine(TrainerWeightTransferEngine[RdmaPlanTrainerInitInfo]
 
         def load() -> None:
             o = executor.LoadOptions(transport=init_info.transport,
-                                     rendezvous=store_of(init_info.rendezvous,
+                                     rendezvous=store_at(init_info.rendezvous,
                                                          init_info.rendezvous_hosted,
                                                          init_info.timeout_s),
                                      timeout_s=init_info.timeout_s,

@@ -9,7 +9,6 @@ from typing import Any, ClassVar
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightSource
 
-import executor
 from integrations import Binding, trainer
 
 BACKEND = "rdma_plan"
@@ -71,12 +70,6 @@ class RdmaPlanTrainerInitInfo(TrainerInitInfo):
 
     def where(self) -> str:
         return f"rdma_plan trainer rank {self.rank} ({self.plan})"
-
-
-def store_of(rendezvous: str, hosted: bool, timeout_s: float) -> object:
-    """What `executor.LoadOptions.rendezvous` gets: `host:port` as is (plan rank 0 hosts the
-    store there), or with `hosted` a client of the store already running there."""
-    return executor.connect_store(rendezvous, timeout_s) if hosted else rendezvous
 
 
 def source_tensors(source: WeightSource) -> dict[str, torch.Tensor]:

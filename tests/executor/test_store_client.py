@@ -27,3 +27,17 @@ def test_rank0_on_the_launchers_store_is_told_to_pass_a_client():
     assert launcher.get("rplan/probe") == b"x" and store.get("rplan/missing") is None
     with pytest.raises(ValueError, match="is not 'host:port'"):
         executor.connect_store("nohost")
+
+
+def test_an_engines_hosted_rendezvous_is_a_client_on_every_rank():
+    """`store_at` (the integrations' `rendezvous_hosted`): hosted, rank 0 included reaches
+    the launcher's store as a client; not hosted, the address goes on as is (rank 0 would
+    host a store there)."""
+    from executor.rendezvous import store_at
+
+    launcher, port = master_store(10)
+    addr = f"127.0.0.1:{port}"
+    assert store_at(addr, False, 5.0) == addr
+    ranks = [open_store(store_at(addr, True, 5.0), r, 5.0) for r in (0, 1)]
+    ranks[1].set("rplan/r1", b"1")
+    assert ranks[0].get("rplan/r1") == b"1" and launcher.get("rplan/r1") == b"1"

@@ -1,6 +1,6 @@
 """A live `sglang.Engine` (SGLang 0.5.23, CPU) refitted through the rdma-plan plugin.
 
-Run as a script (argv[1] is JSON: {"hf", "config", "plan", "store", "tp", "steps", "out",
+Run as a script (argv[1] is JSON: {"hf", "config", "plan", "tp", "steps", "out",
 "switch"}). It does
 what a user does: `sglang.Engine(...)` in this process (its scheduler processes load the
 plugin by its entry point, `SGLANG_PLUGINS=rdma_plan`), binds with
@@ -141,18 +141,26 @@ def serves(engine, hf: dict, tensors: dict[str, torch.Tensor], label: str,  # no
     return delta, version
 
 
+HOSTED: list = []
+"""The rendezvous stores `bind` hosted."""
+
+
 def bind(engine, arg: dict, tensors: dict[str, torch.Tensor], **init: object):  # noqa: ANN001, ANN201
     """The trainer's source rank (this process: `executor.load` on a thread) and the engine's
-    binding (`rdma_plan_init` through `collective_rpc`, keyword `init` added) rendezvous; the
-    source's `Executor`, its peer timeout then 120 s."""
+    binding (`rdma_plan_init` through `collective_rpc`, keyword `init` added) rendezvous at a
+    store this process hosts on a port the OS picks while binding it (the engine's ranks its
+    clients: `rendezvous_hosted`); the source's `Executor`, its peer timeout then 120 s."""
     import executor
+    from harness.launch import master_store
 
-    rendezvous, loaded = f"127.0.0.1:{arg['store']}", []
+    store, port = master_store(300.0)
+    HOSTED.append(store)  # kept while the engine runs
+    rendezvous, loaded = f"127.0.0.1:{port}", []
 
     def load() -> None:
         try:
             loaded.append(executor.load(arg["plan"], 0, tensors, transport="nixl",
-                                        rendezvous=rendezvous, timeout_s=300,
+                                        rendezvous=store, timeout_s=300,
                                         no_identity=True))  # the test's one source rank
         except BaseException as e:  # noqa: BLE001
             loaded.append(e)
@@ -160,7 +168,8 @@ def bind(engine, arg: dict, tensors: dict[str, torch.Tensor], **init: object):  
     thread.start()
     # the engine's ZMQ sockets belong to this thread: the RPC goes from here
     engine.collective_rpc("rdma_plan_init", plan=arg["plan"], rendezvous=rendezvous,
-                          timeout_s=300.0, allow_unsigned=True, **init)  # unsigned plan
+                          rendezvous_hosted=True, timeout_s=300.0, allow_unsigned=True,
+                          **init)  # unsigned plan
     thread.join()
     plan = loaded[0]
     assert not isinstance(plan, BaseException), plan

@@ -1,7 +1,7 @@
 """A live `sglang.Engine` (SGLang 0.5.23, CPU) refitted in shadow mode (`integrations/
 sglang_shadow.py`): the engine generates while the transfer runs, then switches.
 
-Run as a script (argv[1] is JSON: {"hf", "plan", "store", "tp", "steps", "delay_s", "out"};
+Run as a script (argv[1] is JSON: {"hf", "plan", "tp", "steps", "delay_s", "out"};
 the plan compiled with `target.shadow: full`). Like `sglang_live_driver.py` (whose checks
 it reuses), bound with `rdma_plan_init(..., shadow=True)`; per step,
 `update_shadow(call, start, send, version)` where `send` runs the trainer's source rank on

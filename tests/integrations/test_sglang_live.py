@@ -33,7 +33,6 @@ import pytest
 import yaml
 
 from planner.compiler import compile_file
-from tests.oracles.launch import free_port
 from tests.support import engine_models, oracles
 
 pytestmark = [pytest.mark.oracle, pytest.mark.extended]
@@ -60,7 +59,7 @@ def test_live_sglang_engine_refit_bit_exact_and_logprobs(tmp_path, tp: int) -> N
     compile_file(str(tmp_path / "plan.yaml"), str(tmp_path / "plan.rplan"))
     out = tmp_path / "figures.json"
     arg = {"hf": hf, "config": str(tmp_path / "plan.yaml"), "plan": str(tmp_path / "plan.rplan"),
-           "store": free_port(), "tp": tp, "steps": 2, "out": str(out), "switch": True}
+           "tp": tp, "steps": 2, "out": str(out), "switch": True}
     env = {k: v for k, v in os.environ.items() if k != "RDMA_PLAN_SECRET"}
     if tp > 1:  # one NUMA node: SGLang's CPU backend binds each TP rank's OpenMP threads
         env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r) for r in range(tp))

@@ -14,7 +14,6 @@ import pytest
 import yaml
 
 from planner.compiler import compile_file
-from tests.oracles.launch import free_port
 from tests.support import engine_models, oracles
 
 pytestmark = [pytest.mark.oracle, pytest.mark.extended]
@@ -35,7 +34,7 @@ def test_live_sglang_engine_serves_during_a_shadow_refit_then_switches(tmp_path)
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(config))
     compile_file(str(tmp_path / "plan.yaml"), str(tmp_path / "plan.rplan"))
     out = tmp_path / "figures.json"
-    arg = {"hf": hf, "plan": str(tmp_path / "plan.rplan"), "store": free_port(), "tp": 1,
+    arg = {"hf": hf, "plan": str(tmp_path / "plan.rplan"), "tp": 1,
            "steps": 2, "delay_s": 2.0, "out": str(out)}
     env = {k: v for k, v in os.environ.items() if k != "RDMA_PLAN_SECRET"}
     proc = subprocess.run(["nice", sys.executable, DRIVER, json.dumps(arg)], env=env,

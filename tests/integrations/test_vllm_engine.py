@@ -63,14 +63,6 @@ CASES = [  # name, HF config, source, target ep, steps[, shadow[, chunked plan's
 ]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def compile_case(tmp: Path, name: str, hf: dict, source: dict, ep: bool,
                  budget: int | None = None) -> str:
     from planner.compiler import compile_config, compile_to
@@ -148,7 +140,7 @@ class Procs:
 
 def start(tmp: Path, cases: list[dict]) -> Procs:
     procs = Procs(tmp)
-    gloo = free_port()
+    gloo = f"file://{tmp}/gloo-{secrets.token_hex(4)}"  # no port to find free first
     for r in range(2):
         procs.spawn(f"worker{r}", "vllm_engine_worker.py", r, {"gloo": gloo, "cases": cases})
     for r in range(2):

@@ -29,7 +29,7 @@ def main() -> None:
     from schemas.config import TargetConfig
     from tests.support import vllm_cpu_build as cpu
 
-    cpu.init_distributed(world_size=1, rank=0, port=arg["port"])
+    cpu.init_distributed(world_size=1, rank=0, init=arg["port"])
     cfg = cpu.engine_config(arg["folder"], tp=1, dtype="float32")
     try:
         cpu.build_model(cfg)

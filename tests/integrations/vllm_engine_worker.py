@@ -1,6 +1,6 @@
 """One vLLM 0.33 worker on CPU with the `rdma_plan` weight-transfer engine.
 
-argv[1] is JSON: {"gloo": port, "control": port, "cases": [{"name", "hf", "tp", "ep",
+argv[1] is JSON: {"gloo": file:// init method, "control": port, "cases": [{"name", "hf", "tp", "ep",
 "folder", ...}]}. Per case (both workers together, over gloo): build the real VllmConfig
 (`weight_transfer_config=WeightTransferConfig(backend="rdma_plan")`), the model for this
 rank (`load_format="dummy"`, then vLLM's post-load processing, PWAL), and the engine

@@ -65,7 +65,7 @@ def main() -> int:
 
     arg = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{arg['port']}",
+    dist.init_process_group("gloo", init_method=arg["init"],
                             rank=rank, world_size=world)
     hf, cfg = arg["hf"], SourceConfig(framework="fsdp2", dtype="float32", **arg["source"])
     spec = spec_from_hf(hf)

@@ -53,7 +53,7 @@ def main() -> None:
 
     arg = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{arg['port']}",
+    dist.init_process_group("gloo", init_method=arg["init"],
                             rank=rank, world_size=world)
     models = os.path.join(os.path.dirname(__file__), "..", "..", "plans", "models")
 

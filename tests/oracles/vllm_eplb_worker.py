@@ -175,7 +175,7 @@ def main() -> None:
     cpu.patch_cpu(post_load=False)
     torch.accelerator.current_stream = lambda *a, **k: type(  # no accelerator: nothing to sync
         "NoStream", (), {"synchronize": staticmethod(lambda: None)})()
-    cpu.init_distributed(world, rank, arg["port"])
+    cpu.init_distributed(world, rank, arg["init"])
     hf, redundant = arg["hf"], arg["redundant"]
     folder = tempfile.mkdtemp(prefix="vllm-eplb-")
     with open(os.path.join(folder, "config.json"), "w") as f:

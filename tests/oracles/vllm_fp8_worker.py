@@ -73,7 +73,7 @@ def main() -> None:
     neutralise_cpu_gaps()  # init_fp8_linear_kernel too (tests.support.vllm_cpu_build)
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
-                                     distributed_init_method=f"tcp://127.0.0.1:{arg['port']}",
+                                     distributed_init_method=arg["init"],
                                      backend="gloo")
     if rank == 0 and arg.get("quant"):
         run_quantizer(arg["quant"], arg["out"])

@@ -99,7 +99,7 @@ def main() -> None:
     neutralise_cpu_gaps()
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
-                                     distributed_init_method=f"tcp://127.0.0.1:{arg['port']}",
+                                     distributed_init_method=arg["init"],
                                      backend="gloo")
     errors = []
     for case in arg["cases"]:

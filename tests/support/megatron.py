@@ -157,7 +157,7 @@ def start() -> tuple[int, dict, SourceConfig, ModelSpec]:
     forward; its rank, the HF config, the Megatron source config and the spec."""
     arg = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{arg['port']}",
+    torch.distributed.init_process_group("gloo", init_method=arg["init"],
                                          rank=rank, world_size=world)
     patch_cuda()
     hf, cfg = arg["hf"], SourceConfig(framework="megatron", **arg["source"])

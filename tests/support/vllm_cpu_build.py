@@ -21,7 +21,7 @@ of every layer, e.g. MLA's `W_UK_T`/`W_UV`) is skipped too: the tensors stay exa
     from tests.support import vllm_cpu_build as cpu
 
     cpu.patch_cpu()
-    cpu.init_distributed(world_size=1, rank=0, port=29555)   # gloo, once per process
+    cpu.init_distributed(world_size=1, rank=0, init="file:///tmp/store")  # gloo, once
     cfg = cpu.engine_config("/models/tiny", tp=1)            # a folder with config.json
     model = cpu.build_model(cfg)                             # dummy weights, post-load run
     model.load_weights(iter(hf_tensors.items()))
@@ -58,15 +58,17 @@ def patch_cpu(post_load: bool = True) -> None:
         base_loader.process_weights_after_loading = lambda *a, **k: None
 
 
-def init_distributed(world_size: int, rank: int, port: int) -> None:
+def init_distributed(world_size: int, rank: int, init: int | str) -> None:
     """vLLM's distributed environment over gloo on this host (once per process; every rank
-    of a TP group calls it with the same `port`)."""
+    of a TP group calls it with the same `init`: a `file://` path, which needs no port, or
+    a port on 127.0.0.1 that rank 0 binds)."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment
 
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank,
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                     distributed_init_method=init if isinstance(init, str)
+                                     else f"tcp://127.0.0.1:{init}",
                                      backend="gloo")
 
 
