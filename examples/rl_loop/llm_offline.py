@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 import warnings
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -58,7 +59,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [HERE, REPO]  # train.py's pieces; this checkout's rdma-plan
-from run import QUIET, compile_plan, free_port, write_model  # noqa: E402
+from run import QUIET, compile_plan, write_model  # noqa: E402
 from train import (  # noqa: E402
     build_fsdp2,
     early_vllm_log_level,
@@ -113,21 +114,27 @@ def engine_digests(llm: Any) -> dict[str, str]:
     return sums
 
 
-def trainer(args: argparse.Namespace, rank: int, llm: Any = None) -> int:
-    """Trainer rank `rank` of 2: one AdamW step, one refit; rank 0 checks the engine."""
+def trainer(args: argparse.Namespace, rank: int, llm: Any = None, host: Any = None) -> int:
+    """Trainer rank `rank` of 2: one AdamW step, one refit; rank 0 checks the engine and
+    hosts the trainers' store (`host`)."""
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     import integrations.fsdp2
     from integrations.vllm import RdmaPlanTrainerInitInfo, register
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.master_port}",
-                            rank=rank, world_size=2)
+    # the trainers' store (rank 0 hosts it, `refit_once`): their gloo group and the plan's
+    # rendezvous, where every trainer rank and vLLM worker is a client (rendezvous_hosted)
+    store = host if rank == 0 else dist.TCPStore("127.0.0.1", int(args.master_port),
+                                                  is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     register()
     model_dir = os.path.join(args.workdir, "model")
     model = build_fsdp2(model_dir)
     binding = integrations.fsdp2.bind(args.plan, model)
-    info = RdmaPlanTrainerInitInfo(rank=rank, plan=args.plan, rendezvous=args.rendezvous,
+    info = RdmaPlanTrainerInitInfo(rank=rank, plan=args.plan,
+                                   rendezvous=f"127.0.0.1:{args.master_port}",
+                                   rendezvous_hosted=True,
                                    binding=binding, plan_key=args.plan_key,
                                    timeout_s=TORN_TIMEOUT_S if args.torn_chunk else 60.0)
     engine = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm))
@@ -306,8 +313,7 @@ def main() -> int:
     ap.add_argument("--torn-chunk", action="store_true",
                     help="a chunked plan, its refit first sent torn (chunk 0 only)")
     ap.add_argument("--trainer-rank", type=int, default=0, help=argparse.SUPPRESS)
-    for internal in ("--plan", "--plan-b", "--plan-key", "--config", "--master-port",
-                     "--rendezvous"):
+    for internal in ("--plan", "--plan-b", "--plan-key", "--config", "--master-port"):
         ap.add_argument(internal, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.switch and args.torn_chunk:
@@ -367,16 +373,20 @@ def refit_once(args: argparse.Namespace) -> int:
               weight_transfer_config=WeightTransferConfig(backend="rdma_plan"),
               worker_extension_cls="integrations.vllm_switch.RdmaPlanWorkerExtension")
     print(f"llm_offline.py: LLM up in {time.monotonic() - t0:.0f} s", flush=True)
-    args.master_port, args.rendezvous = free_port(), f"127.0.0.1:{free_port()}"
+    # hosted here on a port the OS picks while binding it (no port found free, then bound
+    # later: on a busy box another socket can take it meanwhile)
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=60))
+    args.master_port = host.port
     peer = subprocess.Popen(
         [sys.executable, __file__, "--trainer-rank", "1", "--workdir", args.workdir,
          "--plan", args.plan, "--plan-b", args.plan_b, "--plan-key", args.plan_key,
-         "--config", args.config, "--master-port", str(args.master_port), "--rendezvous",
-         args.rendezvous] + (["--switch"] if args.switch else [])
+         "--config", args.config, "--master-port", str(args.master_port)]
+        + (["--switch"] if args.switch else [])
         + (["--torn-chunk"] if args.torn_chunk else []),
         env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=REPO)
     try:
-        failed = trainer(args, 0, llm)
+        failed = trainer(args, 0, llm, host)
     finally:
         if peer.wait(120) != 0:
             failed = 1

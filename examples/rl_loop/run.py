@@ -185,7 +185,7 @@ def run(args: argparse.Namespace, work: str) -> int:
                  "--master-port", str(free_port()), os.path.join(HERE, "train.py"),
                  "--variant", args.variant, "--plan", plan, "--plan-key", key,
                  "--config", config, "--model", model, "--url", url,
-                 "--rendezvous", f"127.0.0.1:{free_port()}", "--steps", str(args.steps),
+                 "--steps", str(args.steps),
                  "--throttle-ms", str(args.throttle_ms), "--throttle-steps", args.throttle_steps,
                  "--stall-step", str(args.stall_step),
                  "--timeout-s", str(args.timeout_s)] + ["--shadow"] * shadow,

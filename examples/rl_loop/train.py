@@ -192,7 +192,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--config", required=True, help="the plan's YAML config")
     ap.add_argument("--model", required=True, help="the model folder vLLM serves")
     ap.add_argument("--url", required=True, help="the vLLM server, http://host:port")
-    ap.add_argument("--rendezvous", required=True, help="host:port rank 0 hosts the plan on")
+    ap.add_argument("--rendezvous", help="host:port of the plan's store, hosted by plan rank 0 "
+                    "(default: torchrun's own store, MASTER_ADDR:MASTER_PORT, every trainer "
+                    "rank and vLLM worker a client of it: no second port)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tolerance", type=float, default=1e-3)
     ap.add_argument("--shadow", action="store_true",
@@ -236,7 +238,11 @@ def main() -> int:
     # the binding: plan rank, identity and the live shards, derived together from the
     # framework (read again at trainer_init; a part compiled for another rank is refused
     # before anything is registered)
-    info = RdmaPlanTrainerInitInfo(rank=rank, plan=args.plan, rendezvous=args.rendezvous,
+    # the plan's store: torchrun's (its agent hosts it for the job), unless --rendezvous
+    torchrun = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    info = RdmaPlanTrainerInitInfo(rank=rank, plan=args.plan,
+                                   rendezvous=args.rendezvous or torchrun,
+                                   rendezvous_hosted=args.rendezvous is None,
                                    binding=binding, plan_key=args.plan_key,
                                    shadow=args.shadow, timeout_s=args.timeout_s)
     steps = [int(x) for x in args.throttle_steps.split(",") if x] or range(args.steps + 1)

@@ -17,7 +17,6 @@ import pytest
 
 from harness.launch import master_store
 from planner.validate import load
-from tests.oracles.launch import free_port
 from tests.support.integration import compile_plan, run_workers
 from tests.support.models import deepseek_v3, qwen3, qwen3_moe
 
@@ -30,7 +29,7 @@ def run_job(tmp, role: str, hf: dict, source: dict, target: dict, extra: dict | 
     cfg, _ = load(config)
     store, port = master_store(60)  # noqa: F841 (alive while the ranks run)
     base = {"plan": plan, "config": config, "hf": hf, "store": f"127.0.0.1:{port}",
-            "gloo_port": free_port(), "steps": 2, "sources": cfg.source.world, **(extra or {})}
+            "steps": 2, "sources": cfg.source.world, **(extra or {})}
     jobs = [{**base, "role": role, "index": i} for i in range(cfg.source.world)]
     jobs += [{**base, "role": "target", "index": i} for i in range(cfg.target.world)]
     done = run_workers(jobs)

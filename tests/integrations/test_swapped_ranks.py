@@ -238,7 +238,6 @@ def test_adapter_swaps_are_refused(tmp_path, role, source):
     pytest.importorskip("nixl")
     pytest.importorskip("megatron.core" if role == "megatron" else "transformers")
     from harness.launch import master_store
-    from tests.oracles.launch import free_port
     from tests.support.integration import compile_plan, run_workers
 
     hf = qwen3(num_hidden_layers=2)
@@ -247,8 +246,8 @@ def test_adapter_swaps_are_refused(tmp_path, role, source):
     ids = _ids(plan)
     store, port = master_store(60)
     base = {"plan": plan, "swapped": swapped, "config": config, "hf": hf, "swap": True,
-            "swap_to": [1, 0], "store": f"127.0.0.1:{port}", "gloo_port": free_port(),
-            "steps": 0, "sources": 2, "role": role, "float16_module": True,
+            "swap_to": [1, 0], "store": f"127.0.0.1:{port}", "steps": 0, "sources": 2,
+            "role": role, "float16_module": True,
             "etp": 1}  # Megatron started with ETP=1 for the dense model
     done = run_workers([{**base, "index": i} for i in range(2)])
     for i, f in enumerate(done):
@@ -288,7 +287,7 @@ def test_vllm_trainer_ranks_handed_each_others_identity_write_nothing(tmp_path, 
     ids = _ids(plan)
     store, port = master_store(60)
     base = {"plan": plan, "config": config, "hf": hf, "store": f"127.0.0.1:{port}",
-            "gloo_port": free_port(), "steps": 0, "sources": 2, "float16_module": True,
+            "steps": 0, "sources": 2, "float16_module": True,
             "etp": 1, "timeout_s": 300, "rendezvous": f"127.0.0.1:{free_port()}",
             "vllm_swap": [{"rank": 1, "identity": ids[1]}, {"rank": 0, "identity": ids[0]}]}
     env = worker_env(VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="ERROR")

@@ -1,6 +1,6 @@
 """One process of the adapter acceptance tests (run by test_adapters.py), over NIXL.
 
-argv[1] = JSON {"role", "index", "plan", "config", "store", "gloo_port", "steps", ...}.
+argv[1] = JSON {"role", "index", "plan", "config", "store", "steps", ...}.
 
 - `megatron`: builds this rank's real Megatron-Core 0.16.1 model chunks (local spec, CPU,
   gloo; `vpp` chunks with `vp_stage`; optionally wrapped in `Float16Module` for bf16
@@ -291,7 +291,8 @@ def target(arg: dict) -> None:
 def main() -> int:
     arg = json.loads(sys.argv[1])
     if arg["role"] != "target":
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{arg['gloo_port']}",
+        # the sources' group through the test's store (no port found free ahead of time)
+        dist.init_process_group("gloo", store=dist.PrefixStore("gloo/", _store(arg)),
                                 rank=arg["index"], world_size=arg["sources"])
     {"megatron": megatron_source, "fsdp2": fsdp2_source, "target": target}[arg["role"]](arg)
     if arg["role"] != "target":
