@@ -315,33 +315,46 @@ def _staged(c: Chosen, si: At, first: int, n_regions: np.ndarray, opts: Options,
     """Writes, copies, staging per rank, stages and slotting of the staged chunks `si`.
     They start in stage `first`: 1 when there are direct writes (and packs): those go
     first, in stage 0, and stage 1's packs run while they are in flight
-    (`schemas.protocol`)."""
+    (`schemas.protocol`). Where `si` is alike blocks of the copies of alike replicas
+    (`_alike`), each column is made for the first block and read per placed chunk from it
+    (its row in the block), the target ranks moved by the chunk's block."""
     world = len(n_regions)
-    g = shape(c, si)
-    src_rank, dst_rank = c.source("rank", si), c.target("rank", si)
+    times = _alike(c, si)
+    one = si.take(slice(0, len(si) // times)) if times > 1 else si
+    del si
+    step = c.dst.rank.step if times > 1 else 0
+    g = shape(c, one)
+    src_rank, dst_rank = c.source("rank", one), c.target("rank", one)
+    row, block = staging_order(src_rank, dst_rank, g.nbytes, world, times, step)
+    # every column in placement order, one at a time (each first block's column is small)
+    src_rank = src_rank[row]
+    dst_rank = dst_rank[row]
+    if block is not None:
+        dst_rank += block.astype(dst_rank.dtype) * dst_rank.dtype.type(step)
+    del block
+    cols = {f.name: getattr(g, f.name) for f in dataclasses.fields(Geometry)}
+    del g
+    for k in cols:
+        cols[k] = cols[k][row]
+    g = Geometry(**cols)
+    del cols
     nbytes, pack, unpack = g.nbytes, g.pack, g.unpack
     first = first if pack.any() else 0
-    order = staging_order(np.arange(len(si)), src_rank, dst_rank, nbytes, world)
     budget = budgets(world, sources, dst_rank[unpack], nbytes[unpack], bytes_in, opts,
                      nic_gbps)
     stage, s_soff, d_soff, staging, slotted = place_staging(
-        order, src_rank, dst_rank, pack, unpack, nbytes, budget, opts, c.chunk("tensor", si),
-        tensor_names, world, first)
+        None, src_rank, dst_rank, pack, unpack, nbytes, budget, opts,
+        c.chunk("tensor", one)[row], tensor_names, world, first)
     stages = int(stage.max()) + 1 if len(stage) else 1
     # One write per chunk (in placement order, which `stage`, `s_soff` and `d_soff`
     # follow), from staging (if packed) into staging (if unpacked).
-    cols = {f.name: getattr(g, f.name) for f in dataclasses.fields(Geometry)}
-    del g, nbytes, pack, unpack
-    for k in cols:  # one column at a time: the unordered one goes as the next is made
-        cols[k] = cols[k][order]
-    g = Geometry(**cols)
-    del cols
-    si = si.take(order)
-    at = Placed(stage=stage, s_soff=s_soff, d_soff=d_soff, src_rank=src_rank[order],
-                dst_rank=dst_rank[order], s_region=c.source("region", si),
-                d_region=c.target("region", si), s_start=c.start(si, source=True),
-                d_start=c.start(si, source=False))
-    del src_rank, dst_rank, si, order
+    del nbytes, pack, unpack
+    at = Placed(stage=stage, s_soff=s_soff, d_soff=d_soff, src_rank=src_rank,
+                dst_rank=dst_rank, s_region=c.source("region", one)[row],
+                d_region=c.target("region", one)[row],
+                s_start=c.start(one, source=True)[row],
+                d_start=c.start(one, source=False)[row])
+    del src_rank, dst_rank, one, row
     # the copies first: the geometry only they read goes before the writes are made
     cp = copies(g, at, n_regions)
     p, u, s_code, es_d, nbytes = g.pack, g.unpack, g.s_code, g.es_d, g.nbytes
@@ -362,3 +375,24 @@ def _staged(c: Chosen, si: At, first: int, n_regions: np.ndarray, opts: Options,
                src_offset=src_offset, dst_region=dst_region, dst_offset=dst_offset,
                nbytes=nbytes, stage=stage.astype(np.int32))
     return _Staged(w, cp, staging, stages, slotted)
+
+
+def _alike(c: Chosen, si: At) -> int:
+    """The number of blocks of `si` alike (1 where they are not): the copies of alike
+    replicas each with the same staged chunks (their rows in the copy) and the same chosen
+    source rows, so each block's geometry, source ranks and target columns but the ranks
+    are the first block's."""
+    times = len(c.chunks) // c.per_copy if c.per_copy else 1
+    n = len(si)
+    if times < 2 or n == 0 or n % times or isinstance(si.copy, int) or si.src is None:
+        return 1
+    m = n // times
+    copy = si.copy
+    if int(copy[0]) != 0 or int(copy[-1]) != times - 1 or \
+            not (copy[::m] == np.arange(times)).all() or \
+            not (copy[m - 1::m] == np.arange(times)).all():  # ascending: blocks of one copy
+        return 1
+    chunk, src = np.asarray(si.chunk).reshape(times, m), si.src.reshape(times, m)
+    if not ((chunk == chunk[0]).all() and (src == src[0]).all()):
+        return 1
+    return times

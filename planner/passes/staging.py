@@ -1,8 +1,9 @@
 """Where `lower`'s staged chunks go: their order, stage and staging offsets.
 
-`staging_order` sorts the staged chunks for placement; `place_staging` gives each its
-stage and the offsets of its bytes in its ranks' staging, first fit in that order;
-`slot_bases` sizes each rank's slots from what they hold.
+`staging_order` sorts the staged chunks for placement (runs of them, made once for alike
+blocks of them); `place_staging` gives each its stage and the offsets of its bytes in its
+ranks' staging, first fit in that order; `slot_bases` sizes each rank's slots from what
+they hold.
 
 First fit in order, per chunk: a chunk uses its source's staging when packed and its
 target's when unpacked; it goes into the first stage (from the latest stage either of its
@@ -26,48 +27,80 @@ QUANTUM = 64 << 20
 """Bytes of one (source, target) pair that go into staging before the next target's turn."""
 
 
-def staging_order(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
-                  nbytes: np.ndarray, world: int) -> np.ndarray:
+def staging_order(src_rank: np.ndarray, dst_rank: np.ndarray, nbytes: np.ndarray,
+                  world: int, copies: int = 1, step: int = 0
+                  ) -> tuple[np.ndarray, np.ndarray | None]:
     """Staged chunks in placement order: every source takes its targets in turn, in
     `QUANTUM`-byte slices, starting from a target rotated by the source, so each stage
     spreads over the targets instead of all sources filling it with the same tensors
-    (and hence the same few targets: incast)."""
-    if len(si) == 0:
-        return si
-    s, d = src_rank[si], dst_rank[si]
+    (and hence the same few targets: incast).
+
+    The columns are the chunks' (one row each); with `copies` > 1 they are those of the
+    first of `copies` alike blocks of chunks: block k's row i is row i but for its target
+    rank, moved by `k * step` (alike replicas). Returns each placed chunk's row in the
+    columns (np.intp) and its block (int32; None with one block): chunk `block * rows +
+    row` of the whole. Each block's (source, target) pairs, byte slices and runs are made
+    once, on its rows, where the blocks' target ranks are apart (no pair in two blocks:
+    the placement of the whole is then one of runs, not of chunks)."""
+    n = len(src_rank)
+    if copies > 1 and n and not _apart(dst_rank, copies, step):
+        d = np.concatenate([dst_rank + dst_rank.dtype.type(k * step) for k in range(copies)])
+        rows, _ = staging_order(np.tile(src_rank, copies), d, np.tile(nbytes, copies), world)
+        del d
+        return rows % n, (rows // n).astype(np.int32)
+    if n == 0:
+        return np.zeros(0, dtype=np.intp), None if copies <= 1 else np.zeros(0, np.int32)
+    s, d = src_rank, dst_rank
     pair = lexorder(d, s)  # stable: ties in chunk order
-    nb = nbytes[si][pair]
-    new = np.ones(len(si), dtype=bool)
+    nb = nbytes[pair]
+    new = np.ones(n, dtype=bool)
     sp, dp = s[pair], d[pair]
     new[1:] = (sp[1:] != sp[:-1]) | (dp[1:] != dp[:-1])
-    start = np.maximum.accumulate(np.where(new, np.arange(len(si)), 0))
+    start = np.maximum.accumulate(np.where(new, np.arange(n), 0))
     before = np.cumsum(nb) - nb
     quantum = (before - before[start]) // QUANTUM  # in `pair` order
     del before, start, nb
     # The chunks by (quantum, rotated target, source), stable: in `pair` order a (source,
     # target) pair's chunks are one run, in chunk order, their quanta ascending, so each
     # (source, target, quantum) is a run of its own, and no two runs have equal keys (the
-    # source and its rotation give the target): the runs are sorted, not the chunks.
+    # source and its rotation give the target): the runs are sorted, not the chunks; a
+    # block's runs are the first block's, their targets moved.
     new[1:] |= quantum[1:] != quantum[:-1]
     run = np.flatnonzero(new)
     del new
     rs, rd, rq = sp[run], dp[run], quantum[run]
     del sp, dp, quantum
+    length = np.diff(np.append(run, n))
+    k = max(copies, 1)
+    if k > 1:
+        rs, rq, run, length = (np.tile(x, k) for x in (rs, rq, run, length))
+        rd = np.concatenate([rd + rd.dtype.type(j * step) for j in range(k)])
     runs = lexorder(rs, (rd + rs) % max(world, 1), rq)
-    length = np.diff(np.append(run, len(si)))[runs]
+    length = length[runs]
     at = np.repeat(run[runs] - (np.cumsum(length) - length), length)
-    at += np.arange(len(si))
-    return si[pair[at]]
+    at += np.arange(k * n)
+    rows = pair[at].astype(np.intp, copy=False)
+    del at
+    if k == 1:
+        return rows, None
+    block = np.repeat((runs // (len(runs) // k)).astype(np.int32), length)
+    return rows, block
 
 
-def place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
+def _apart(dst_rank: np.ndarray, copies: int, step: int) -> bool:
+    """Whether blocks of `dst_rank`, each the first plus `k * step` (k < `copies`), share
+    no target rank: the step is larger than the first block's span of ranks."""
+    return abs(step) > int(dst_rank.max()) - int(dst_rank.min())
+
+
+def place_staging(si: np.ndarray | None, src_rank: np.ndarray, dst_rank: np.ndarray,
                   pack: np.ndarray, unpack: np.ndarray, nbytes: np.ndarray,
                   budget: np.ndarray, opts: Options, tensor: np.ndarray,
                   tensor_names: list[str], world: int, first: int = 0
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
     """Stage (from `first` on) and staging offsets of each staged chunk `si` (in placement
-    order): the first stage where both ends fit; each rank's staging bytes; and whether
-    stages use slots.
+    order; None: the columns are the chunks', in placement order): the first stage where
+    both ends fit; each rank's staging bytes; and whether stages use slots.
 
     Stage s uses slot `s % SLOTS` of the rank's staging, so the packs of stage s+1 never
     touch what stages s and s-1 read and may run while their writes are in flight
@@ -76,21 +109,24 @@ def place_staging(si: np.ndarray, src_rank: np.ndarray, dst_rank: np.ndarray,
     budget is a cap, not an allocation. When a chunk is larger than a third of a budget it
     uses, every stage uses all of each rank's budget (and packs in order)."""
     cap_bytes = opts.staging_bytes
-    n = len(si)
+    n = len(nbytes) if si is None else len(si)
     if n == 0:
         zero = np.zeros(0, dtype=np.int64)
         return zero, zero, zero.copy(), np.zeros(world, dtype=np.int64), False
-    nb = nbytes[si].astype(np.int64)
+    def take(col: np.ndarray) -> np.ndarray:
+        return col if si is None else col[si]
+
+    nb = take(nbytes).astype(np.int64, copy=False)  # (read only)
     big = nb > cap_bytes
     if big.any():
-        i = si[np.argmax(big)]
+        i = int(np.argmax(big)) if si is None else si[np.argmax(big)]
         why = "a cast or strided pack" if cap_bytes else "staging (a cast, or a strided box)"
         raise ConfigError(
             f"options.staging_bytes: {cap_bytes} is too small: {tensor_names[tensor[i]]} needs "
             f"{why} of {int(nbytes[i])} bytes; raise options.staging_bytes to at least "
             f"{int(nbytes[i])} or lower options.max_write_bytes")
-    p, u = pack[si], unpack[si]
-    sr, dr = src_rank[si], dst_rank[si]
+    p, u = take(pack), take(unpack)
+    sr, dr = take(src_rank), take(dst_rank)
     third = budget // SLOTS // ALIGN * ALIGN
     slots = bool((third[sr[p]] >= nb[p]).all() and (third[dr[u]] >= nb[u]).all()
                  and (third[sr[p]] > 0).all() and (third[dr[u]] > 0).all())
