@@ -127,60 +127,82 @@ def place_staging(si: np.ndarray | None, src_rank: np.ndarray, dst_rank: np.ndar
             f"{int(nbytes[i])} or lower options.max_write_bytes")
     p, u = take(pack), take(unpack)
     sr, dr = take(src_rank), take(dst_rank)
-    third = budget // SLOTS // ALIGN * ALIGN
-    slots = bool((third[sr[p]] >= nb[p]).all() and (third[dr[u]] >= nb[u]).all()
-                 and (third[sr[p]] > 0).all() and (third[dr[u]] > 0).all())
-    cap = third if slots else budget
+    n_p, n_u = int(np.count_nonzero(p)), int(np.count_nonzero(u))
     # One "use" per (chunk, rank whose staging it takes): packed on its source, unpacked on
-    # its target; grouped by rank, in placement order within a rank.
-    use_chunk = np.concatenate([np.nonzero(p)[0], np.nonzero(u)[0]])
-    use_rank = np.concatenate([sr[p], dr[u]])
+    # its target (packs first); grouped by rank, in placement order within a rank.
+    rows_p = slice(None) if n_p == n else np.flatnonzero(p)
+    rows_u = slice(None) if n_u == n else np.flatnonzero(u)
+    use_rank = sr[rows_p] if not n_u else dr[rows_u] if not n_p else \
+        np.concatenate([sr[rows_p], dr[rows_u]])
     # stable: a rank's uses are all packs (a source) or all unpacks (a target), in order
     by_rank = np.argsort(use_rank.astype(np.uint16) if world <= 1 << 16 else use_rank,
                          kind="stable")
-    use_chunk, use_rank = use_chunk[by_rank], use_rank[by_rank]
-    is_src = np.concatenate([np.ones(int(p.sum()), bool), np.zeros(int(u.sum()), bool)])
-    is_src = is_src[by_rank]
+    use_rank = use_rank[by_rank]
+    if not n_u and n_p == n or not n_p and n_u == n:
+        use_chunk = by_rank  # use k is chunk k
+    else:
+        use_chunk = np.concatenate([_index(rows_p, n), _index(rows_u, n)])[by_rank]
+    is_src = by_rank < n_p if n_p and n_u else None  # (None: every use is of one side)
     del by_rank  # (each temporary goes once read: these are a few of the chunks' size)
     use_nb = nb[use_chunk]
     del nb
-    aligned = -(-use_nb // ALIGN) * ALIGN
+    third = budget // SLOTS // ALIGN * ALIGN
+    lo = np.searchsorted(use_rank, np.arange(world), side="left")
+    hi = np.searchsorted(use_rank, np.arange(world), side="right")
+    used = np.flatnonzero(hi > lo)
+    largest = np.maximum.reduceat(use_nb, lo[used]) if len(used) else use_nb[:0]
+    slots = bool((third[used] >= largest).all() and (third[used] > 0).all())
+    cap = third if slots else budget
+    aligned = np.negative(use_nb)
+    aligned //= ALIGN
+    aligned *= -ALIGN
     before = np.cumsum(aligned)
     before -= aligned
     del aligned
-    stage_of, start_of = _next_fit(use_chunk, use_rank, use_nb, before, cap, p & u, world,
-                                   first)
-    off = before - before[start_of]
-    del before, start_of
+    both = p & u if n_p and n_u else None
+    cuts, cut_stage = _next_fit(use_chunk, use_rank, use_nb, before, cap, both, lo, hi,
+                                first)
+    span = np.diff(cuts, append=len(use_rank))  # uses from each cut to the next
+    # each use's offset from its stage's start, and its end: within a (rank, stage) run
+    # of uses the ends ascend, so its last use ends it
+    off = np.repeat(before[cuts], span)
+    np.subtract(before, off, out=off)
+    del before
+    run = np.flatnonzero(span)
+    last = cuts[run] + span[run] - 1
+    run_rank, run_slot = use_rank[last], cut_stage[run] % SLOTS if slots else 0 * last
+    base, staging = slot_bases(run_rank, run_slot, off[last] + use_nb[last], world)
+    del use_nb, use_rank, last
+    at = np.zeros(len(cuts), dtype=np.int64)
+    at[run] = base[run_rank, run_slot]
+    off += np.repeat(at, span)  # each use's offset from its rank's staging start
+    del at, run_rank, run_slot
     stage = np.full(n, first, dtype=np.int64)
-    stage[use_chunk] = stage_of
-    del stage_of
+    stage[use_chunk] = np.repeat(cut_stage, span)
     s_off = np.zeros(n, dtype=np.int64)
     d_off = np.zeros(n, dtype=np.int64)
-    s_off[use_chunk[is_src]] = off[is_src]
-    d_off[use_chunk[~is_src]] = off[~is_src]
-    del is_src
-    slot = stage % SLOTS if slots else np.zeros(n, dtype=np.int64)
-    off += use_nb  # each use's end, from its slot's start
-    del use_nb
-    base, staging = slot_bases(use_rank, slot[use_chunk], off, world)
-    del off, use_chunk, use_rank
-    for off_, used, rank in ((s_off, p, sr), (d_off, u, dr)):  # in place, where used
-        if used.all():
-            off_ += base[rank, slot]
-        elif used.any():
-            off_[used] += base[rank[used], slot[used]]
+    if is_src is None:
+        (s_off if n_p else d_off)[use_chunk] = off
+    else:
+        s_off[use_chunk[is_src]] = off[is_src]
+        d_off[use_chunk[~is_src]] = off[~is_src]
     return stage, s_off, d_off, staging, slots
 
 
+def _index(rows: np.ndarray | slice, n: int) -> np.ndarray:
+    """`rows` (an index array, or a slice of all `n`) as an index array."""
+    return np.arange(n) if isinstance(rows, slice) else rows
+
+
 def _next_fit(use_chunk: np.ndarray, use_rank: np.ndarray, use_nb: np.ndarray,
-              before: np.ndarray, cap: np.ndarray, both: np.ndarray, world: int, first: int
-              ) -> tuple[np.ndarray, np.ndarray]:
-    """Per use (grouped by rank): its stage, and the use that starts its stage on its rank
-    (`before`: aligned bytes of the uses ahead of it, summed over all ranks; `both`: per
-    chunk, whether it uses two ranks)."""
-    lo = np.searchsorted(use_rank, np.arange(world), side="left").tolist()
-    hi = np.searchsorted(use_rank, np.arange(world), side="right").tolist()
+              before: np.ndarray, cap: np.ndarray, both: np.ndarray | None, lo: np.ndarray,
+              hi: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where each (rank, stage) run of uses (grouped by rank) starts, ascending, and its
+    stage (`before`: aligned bytes of the uses ahead of it, summed over all ranks; `both`:
+    per chunk, whether it uses two ranks, None where none does; `lo`, `hi`: each rank's
+    uses)."""
+    world = len(lo)
+    lo, hi = lo.tolist(), hi.tolist()
     ends = before + use_nb  # a use fits while its end - its stage's start <= cap
     at = before
     caps = cap.tolist()
@@ -206,7 +228,8 @@ def _next_fit(use_chunk: np.ndarray, use_rank: np.ndarray, use_nb: np.ndarray,
         pos[r], stage[r], start[r] = upto, st, s0
 
     # Chunks that use two ranks, in placement order, as (use on one rank, use on the other).
-    two = np.nonzero(both[use_chunk])[0]
+    two = np.nonzero(both[use_chunk])[0] if both is not None and both.any() else \
+        np.zeros(0, dtype=np.int64)
     two = two[np.lexsort((use_rank[two], use_chunk[two]))].reshape(-1, 2)
     at, nbs = (at.tolist(), use_nb.tolist()) if len(two) else (at, use_nb)
     for ua, ub in two.tolist():
@@ -228,9 +251,7 @@ def _next_fit(use_chunk: np.ndarray, use_rank: np.ndarray, use_nb: np.ndarray,
         advance(r, hi[r])
     cuts = np.asarray(cut_at, dtype=np.int64)
     order = np.argsort(cuts, kind="stable")
-    cuts = cuts[order]
-    span = np.diff(cuts, append=len(use_rank))  # uses from each cut to the next
-    return np.repeat(np.asarray(cut_stage, dtype=np.int64)[order], span), np.repeat(cuts, span)
+    return cuts[order], np.asarray(cut_stage, dtype=np.int64)[order]
 
 
 def slot_bases(rank: np.ndarray, slot: np.ndarray, end: np.ndarray, world: int
