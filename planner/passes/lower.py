@@ -334,8 +334,8 @@ def _staged(c: Chosen, si: At, first: int, n_regions: np.ndarray, opts: Options,
     del block
     cols = {f.name: getattr(g, f.name) for f in dataclasses.fields(Geometry)}
     del g
-    for k in cols:
-        cols[k] = cols[k][row]
+    for k in cols:  # a column of one value stays one (`constant`): no gather
+        cols[k] = _placed(cols[k], row)
     g = Geometry(**cols)
     del cols
     nbytes, pack, unpack = g.nbytes, g.pack, g.unpack
@@ -363,18 +363,38 @@ def _staged(c: Chosen, si: At, first: int, n_regions: np.ndarray, opts: Options,
     src_rank, dst_rank, s_region, d_region, s_start, d_start = (
         at.src_rank, at.dst_rank, at.s_region, at.d_region, at.s_start, at.d_start)
     del at
-    src_region = np.where(p, n_regions[src_rank], s_region)
+    # (where a mask takes one side whole, the column is that side, in its own dtype: `lower`
+    # puts the staged writes' columns into the plan's)
+    p, u = _some(p), _some(u)
+    src_region = n_regions[src_rank] if p is True else s_region if p is False else \
+        np.where(p, n_regions[src_rank], s_region)
     del s_region
-    src_offset = np.where(p, s_soff, s_start * element_size(s_code))
+    src_offset = s_soff if p is True else s_start * element_size(s_code) if p is False \
+        else np.where(p, s_soff, s_start * element_size(s_code))
     del s_soff, s_start, s_code
-    dst_region = np.where(u, n_regions[dst_rank], d_region)
+    dst_region = n_regions[dst_rank] if u is True else d_region if u is False else \
+        np.where(u, n_regions[dst_rank], d_region)
     del d_region
-    dst_offset = np.where(u, d_soff, d_start * es_d)
+    dst_offset = d_soff if u is True else d_start * es_d if u is False else \
+        np.where(u, d_soff, d_start * es_d)
     del d_soff, d_start, es_d
     w = Writes(src_rank=src_rank, dst_rank=dst_rank, src_region=src_region,
                src_offset=src_offset, dst_region=dst_region, dst_offset=dst_offset,
-               nbytes=nbytes, stage=stage.astype(np.int32))
+               nbytes=nbytes, stage=stage)  # (the plan's columns take them as int32 etc.)
     return _Staged(w, cp, staging, stages, slotted)
+
+
+def _placed(col: np.ndarray, row: np.ndarray) -> np.ndarray:
+    """`col[row]`, or, where `col` is all one value, that value as a `constant` column."""
+    if len(col) > 1 and (col == col[0]).all():
+        return np.broadcast_to(col[:1].copy(), (len(row),))
+    return col[row]
+
+
+def _some(mask: np.ndarray) -> np.ndarray | bool:
+    """`mask`, or True (False) where it sets every row (none)."""
+    k = int(np.count_nonzero(mask))
+    return mask if 0 < k < len(mask) else k > 0
 
 
 def _alike(c: Chosen, si: At) -> int:
