@@ -153,32 +153,31 @@ def place_staging(si: np.ndarray | None, src_rank: np.ndarray, dst_rank: np.ndar
     largest = np.maximum.reduceat(use_nb, lo[used]) if len(used) else use_nb[:0]
     slots = bool((third[used] >= largest).all() and (third[used] > 0).all())
     cap = third if slots else budget
-    aligned = np.negative(use_nb)
-    aligned //= ALIGN
-    aligned *= -ALIGN
-    before = np.cumsum(aligned)
-    before -= aligned
-    del aligned
+    buf = np.negative(use_nb)  # each use's bytes aligned, then its end (one buffer)
+    buf //= ALIGN
+    buf *= -ALIGN
+    before = np.cumsum(buf)
+    before -= buf
+    np.add(before, use_nb, out=buf)
     both = p & u if n_p and n_u else None
-    cuts, cut_stage = _next_fit(use_chunk, use_rank, use_nb, before, cap, both, lo, hi,
-                                first)
-    span = np.diff(cuts, append=len(use_rank))  # uses from each cut to the next
-    # each use's offset from its stage's start, and its end: within a (rank, stage) run
-    # of uses the ends ascend, so its last use ends it
-    off = np.repeat(before[cuts], span)
-    np.subtract(before, off, out=off)
-    del before
-    run = np.flatnonzero(span)
-    last = cuts[run] + span[run] - 1
-    run_rank, run_slot = use_rank[last], cut_stage[run] % SLOTS if slots else 0 * last
+    cuts, cut_stage = _next_fit(use_chunk, use_rank, use_nb, before, buf, cap, both, lo,
+                                hi, first)
+    # the (rank, stage) runs of uses, those of one use or more (cuts may repeat)
+    run = np.flatnonzero(np.diff(cuts, append=len(use_rank)))
+    cuts, cut_stage = cuts[run], cut_stage[run]
+    last = np.append(cuts, len(use_rank))[1:] - 1
+    # each use's offset from its stage's start, and its end: within a run the ends ascend,
+    # so its last use ends it
+    off = before
+    off -= _spread(before[cuts], cuts, buf)
+    run_rank, run_slot = use_rank[last], cut_stage % SLOTS if slots else 0 * last
     base, staging = slot_bases(run_rank, run_slot, off[last] + use_nb[last], world)
     del use_nb, use_rank, last
-    at = np.zeros(len(cuts), dtype=np.int64)
-    at[run] = base[run_rank, run_slot]
-    off += np.repeat(at, span)  # each use's offset from its rank's staging start
-    del at, run_rank, run_slot
+    off += _spread(base[run_rank, run_slot], cuts, buf)  # from its rank's staging start
+    del run_rank, run_slot
     stage = np.full(n, first, dtype=np.int64)
-    stage[use_chunk] = np.repeat(cut_stage, span)
+    stage[use_chunk] = _spread(cut_stage, cuts, buf)
+    del buf
     s_off = np.zeros(n, dtype=np.int64)
     d_off = np.zeros(n, dtype=np.int64)
     if is_src is None:
@@ -189,22 +188,31 @@ def place_staging(si: np.ndarray | None, src_rank: np.ndarray, dst_rank: np.ndar
     return stage, s_off, d_off, staging, slots
 
 
+def _spread(values: np.ndarray, cuts: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """`out` (int64), each of its rows set to the value of the run it lies in (run k starts
+    at `cuts[k]`, ascending, the first at 0): `np.repeat` into a buffer of its own."""
+    out.fill(0)
+    out[cuts] = np.diff(values, prepend=0)
+    return np.cumsum(out, out=out)
+
+
 def _index(rows: np.ndarray | slice, n: int) -> np.ndarray:
     """`rows` (an index array, or a slice of all `n`) as an index array."""
     return np.arange(n) if isinstance(rows, slice) else rows
 
 
 def _next_fit(use_chunk: np.ndarray, use_rank: np.ndarray, use_nb: np.ndarray,
-              before: np.ndarray, cap: np.ndarray, both: np.ndarray | None, lo: np.ndarray,
-              hi: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
+              before: np.ndarray, ends: np.ndarray, cap: np.ndarray,
+              both: np.ndarray | None, lo: np.ndarray, hi: np.ndarray, first: int
+              ) -> tuple[np.ndarray, np.ndarray]:
     """Where each (rank, stage) run of uses (grouped by rank) starts, ascending, and its
-    stage (`before`: aligned bytes of the uses ahead of it, summed over all ranks; `both`:
+    stage (`before`: aligned bytes of the uses ahead of it, summed over all ranks, and
+    `ends`: that plus its bytes; `both`:
     per chunk, whether it uses two ranks, None where none does; `lo`, `hi`: each rank's
     uses)."""
     world = len(lo)
     lo, hi = lo.tolist(), hi.tolist()
-    ends = before + use_nb  # a use fits while its end - its stage's start <= cap
-    at = before
+    at = before  # a use fits while its end - its stage's start <= cap
     caps = cap.tolist()
     cut_at: list[int] = []
     cut_stage: list[int] = []
