@@ -329,8 +329,9 @@ def _staged(c: Chosen, si: At, first: int, n_regions: np.ndarray, opts: Options,
     # every column in placement order, one at a time (each first block's column is small)
     src_rank = src_rank[row]
     dst_rank = dst_rank[row]
-    if block is not None:
-        dst_rank += block.astype(dst_rank.dtype) * dst_rank.dtype.type(step)
+    if block is not None:  # (in place: the block numbers become the ranks' moves)
+        block *= block.dtype.type(step)
+        dst_rank += block
     del block
     cols = {f.name: getattr(g, f.name) for f in dataclasses.fields(Geometry)}
     del g

@@ -411,10 +411,16 @@ def _column(parts: tuple[np.ndarray, ...], dt: np.dtype) -> np.ndarray:
     some = [x for x in parts if len(x)]
     if n > 1 and all(is_constant(x) or len(x) == 1 for x in some) and \
             all(x[0] == some[0][0] for x in some):  # one value: made of one row of each
-        return np.broadcast_to(_column(tuple(x[:1] for x in parts), dt)[:1].copy(), (n,))
+        return np.broadcast_to(_whole(tuple(x[:1] for x in parts), dt)[:1].copy(), (n,))
+    return _whole(parts, dt)
+
+
+def _whole(parts: tuple[np.ndarray, ...], dt: np.dtype) -> np.ndarray:
+    """`_column` of `parts`, made whole."""
+    n = sum(map(len, parts))
     if dt == np.int64 and n and (all(
             x.dtype.kind in "iu" and x.dtype.itemsize <= 4 and x.dtype != np.uint32
-            for x in parts) or _fits(some)):  # (the int64 column never made)
+            for x in parts) or _fits([x for x in parts if len(x)])):  # (no int64 one made)
         return np.concatenate(parts, dtype=np.int32, casting="unsafe")
     return _narrow(np.concatenate(parts, dtype=dt, casting="unsafe"))
 

@@ -98,7 +98,7 @@ def place_staging(si: np.ndarray | None, src_rank: np.ndarray, dst_rank: np.ndar
                   budget: np.ndarray, opts: Options, tensor: np.ndarray,
                   tensor_names: list[str], world: int, first: int = 0
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
-    """Stage (from `first` on) and staging offsets of each staged chunk `si` (in placement
+    """Stage (from `first` on, int32) and staging offsets of each staged chunk `si` (in placement
     order; None: the columns are the chunks', in placement order): the first stage where
     both ends fit; each rank's staging bytes; and whether stages use slots.
 
@@ -112,7 +112,8 @@ def place_staging(si: np.ndarray | None, src_rank: np.ndarray, dst_rank: np.ndar
     n = len(nbytes) if si is None else len(si)
     if n == 0:
         zero = np.zeros(0, dtype=np.int64)
-        return zero, zero, zero.copy(), np.zeros(world, dtype=np.int64), False
+        return zero.astype(np.int32), zero, zero.copy(), np.zeros(world, dtype=np.int64), \
+            False
     def take(col: np.ndarray) -> np.ndarray:
         return col if si is None else col[si]
 
@@ -175,7 +176,7 @@ def place_staging(si: np.ndarray | None, src_rank: np.ndarray, dst_rank: np.ndar
     del use_nb, use_rank, last
     off += _spread(base[run_rank, run_slot], cuts, buf)  # from its rank's staging start
     del run_rank, run_slot
-    stage = np.full(n, first, dtype=np.int64)
+    stage = np.full(n, first, dtype=np.int32)
     stage[use_chunk] = _spread(cut_stage, cuts, buf)
     del buf
     s_off = np.zeros(n, dtype=np.int64)
