@@ -173,7 +173,7 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     out.put(n_direct - len(moved), moved)
     end, n_moved = 0, len(moved)
     del moved
-    kept: dict[tuple[int, int], tuple[Rows, np.ndarray]] = {}  # (one copy's blocks)
+    kept: dict[tuple[int, int], _Kept] = {}  # (one copy's blocks)
     for b, same in zip(blocks, again):
         out, end = _direct_into(out, end, c, b, np.flatnonzero(~staged_at[b]),
                                 kept if kind is not None else None, same)
@@ -212,25 +212,45 @@ def _staged_mask(g: Geometry, opts: Options) -> np.ndarray:
 
 
 def _direct_into(out: Writes, at: int, c: Chosen, block: slice, rows: np.ndarray,
-                 kept: dict[tuple[int, int], tuple[Rows, np.ndarray]] | None, same: bool
+                 kept: dict[tuple[int, int], _Kept] | None, same: bool
                  ) -> tuple[Writes, int]:
     """Write the direct writes of chunks `rows` of `block` (not staged) into the columns
     `out` (`_fit` to them) from row `at`; returns the columns and the row after them. Only
     the geometry that `writes` reads is made, or, with `same` (the block's classes are
     those of the same block of a copy before, `lower`), taken from `kept` with the target
-    offsets (a copy's target pieces are the first copy's but for their ranks)."""
+    offsets (a copy's target pieces are the first copy's but for their ranks); where the
+    chosen sources are those of that copy's block too, its writes are that block's rows of
+    `out`, their target ranks moved."""
     key = (block.start % c.per_copy, (block.start % c.per_copy) + block.stop - block.start)
     a = c.at(rows + block.start)
     got = kept.get(key) if kept is not None and same else None
+    if got is not None and isinstance(a.copy, int) and a.src is not None and \
+            np.array_equal(a.src, got.src):
+        return out, out.repeat(got.at, at, got.n, "dst_rank",
+                               (a.copy - got.copy) * c.dst.rank.step)
     if got is None:
         g = direct_rows(c, a)
         part = writes(c, g, None, a)
         if kept is not None:
-            kept[key] = (g, part.dst_offset)
+            kept[key] = _Kept(g, part.dst_offset, a.src, a.copy, at, len(part))
     else:
-        part = writes(c, got[0], None, a, got[1])
+        part = writes(c, got.rows, None, a, got.dst_offset)
     out = _fit(out, part)
     return out, out.put(at, part)
+
+
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    """What `_direct_into` keeps of a block of the first copy for the same block of the
+    next copies: its direct writes' `Rows` and target offsets, the chosen sources and copy
+    they were made for, and where in the plan's columns its writes are (`at`, `n` rows)."""
+
+    rows: Rows
+    dst_offset: np.ndarray
+    src: np.ndarray | None
+    copy: np.ndarray | int
+    at: int
+    n: int
 
 
 def _fit(out: Writes, part: Writes) -> Writes:

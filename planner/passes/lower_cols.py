@@ -268,6 +268,16 @@ class Writes:
         return {f"w_{f.name}": v for f in dataclasses.fields(self)
                 if (v := getattr(self, f.name)) is not None}
 
+    def repeat(self, src: int, at: int, n: int, name: str, by: int) -> int:
+        """Copy rows `src:src + n` of these columns that are set to rows `at:at + n`, column
+        `name` plus `by`; returns the row after them."""
+        for f in dataclasses.fields(self):
+            if (v := getattr(self, f.name)) is not None:
+                v[at:at + n] = v[src:src + n]
+                if f.name == name and by:
+                    v[at:at + n] += v.dtype.type(by)
+        return at + n
+
     def put(self, at: int, part: Writes) -> int:
         """Copy the columns `part` has into these, from row `at`; returns the row after
         them."""
