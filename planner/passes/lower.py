@@ -173,7 +173,7 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     out.put(n_direct - len(moved), moved)
     end, n_moved = 0, len(moved)
     del moved
-    kept: dict[tuple[int, int], tuple[Rows, np.ndarray]] = {}  # (one copy's blocks)
+    kept: dict[tuple[int, int], _Kept] = {}  # (one copy's blocks)
     for b, same in zip(blocks, again):
         out, end = _direct_into(out, end, c, b, np.flatnonzero(~staged_at[b]),
                                 kept if kind is not None else None, same)
@@ -212,25 +212,45 @@ def _staged_mask(g: Geometry, opts: Options) -> np.ndarray:
 
 
 def _direct_into(out: Writes, at: int, c: Chosen, block: slice, rows: np.ndarray,
-                 kept: dict[tuple[int, int], tuple[Rows, np.ndarray]] | None, same: bool
+                 kept: dict[tuple[int, int], _Kept] | None, same: bool
                  ) -> tuple[Writes, int]:
     """Write the direct writes of chunks `rows` of `block` (not staged) into the columns
     `out` (`_fit` to them) from row `at`; returns the columns and the row after them. Only
     the geometry that `writes` reads is made, or, with `same` (the block's classes are
     those of the same block of a copy before, `lower`), taken from `kept` with the target
-    offsets (a copy's target pieces are the first copy's but for their ranks)."""
+    offsets (a copy's target pieces are the first copy's but for their ranks); where the
+    chosen sources are those of that copy's block too, its writes are that block's rows of
+    `out`, their target ranks moved."""
     key = (block.start % c.per_copy, (block.start % c.per_copy) + block.stop - block.start)
     a = c.at(rows + block.start)
     got = kept.get(key) if kept is not None and same else None
+    if got is not None and isinstance(a.copy, int) and a.src is not None and \
+            np.array_equal(a.src, got.src):
+        return out, out.repeat(got.at, at, got.n, "dst_rank",
+                               (a.copy - got.copy) * c.dst.rank.step)
     if got is None:
         g = direct_rows(c, a)
         part = writes(c, g, None, a)
         if kept is not None:
-            kept[key] = (g, part.dst_offset)
+            kept[key] = _Kept(g, part.dst_offset, a.src, a.copy, at, len(part))
     else:
-        part = writes(c, got[0], None, a, got[1])
+        part = writes(c, got.rows, None, a, got.dst_offset)
     out = _fit(out, part)
     return out, out.put(at, part)
+
+
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    """What `_direct_into` keeps of a block of the first copy for the same block of the
+    next copies: its direct writes' `Rows` and target offsets, the chosen sources and copy
+    they were made for, and where in the plan's columns its writes are (`at`, `n` rows)."""
+
+    rows: Rows
+    dst_offset: np.ndarray
+    src: np.ndarray | None
+    copy: np.ndarray | int
+    at: int
+    n: int
 
 
 def _fit(out: Writes, part: Writes) -> Writes:
@@ -315,33 +335,47 @@ def _staged(c: Chosen, si: At, first: int, n_regions: np.ndarray, opts: Options,
     """Writes, copies, staging per rank, stages and slotting of the staged chunks `si`.
     They start in stage `first`: 1 when there are direct writes (and packs): those go
     first, in stage 0, and stage 1's packs run while they are in flight
-    (`schemas.protocol`)."""
+    (`schemas.protocol`). Where `si` is alike blocks of the copies of alike replicas
+    (`_alike`), each column is made for the first block and read per placed chunk from it
+    (its row in the block), the target ranks moved by the chunk's block."""
     world = len(n_regions)
-    g = shape(c, si)
-    src_rank, dst_rank = c.source("rank", si), c.target("rank", si)
+    times = _alike(c, si)
+    one = si.take(slice(0, len(si) // times)) if times > 1 else si
+    del si
+    step = c.dst.rank.step if times > 1 else 0
+    g = shape(c, one)
+    src_rank, dst_rank = c.source("rank", one), c.target("rank", one)
+    row, block = staging_order(src_rank, dst_rank, g.nbytes, world, times, step)
+    # every column in placement order, one at a time (each first block's column is small)
+    src_rank = src_rank[row]
+    dst_rank = dst_rank[row]
+    if block is not None:  # (in place: the block numbers become the ranks' moves)
+        block *= block.dtype.type(step)
+        dst_rank += block
+    del block
+    cols = {f.name: getattr(g, f.name) for f in dataclasses.fields(Geometry)}
+    del g
+    for k in cols:  # a column of one value stays one (`constant`): no gather
+        cols[k] = _placed(cols[k], row)
+    g = Geometry(**cols)
+    del cols
     nbytes, pack, unpack = g.nbytes, g.pack, g.unpack
     first = first if pack.any() else 0
-    order = staging_order(np.arange(len(si)), src_rank, dst_rank, nbytes, world)
     budget = budgets(world, sources, dst_rank[unpack], nbytes[unpack], bytes_in, opts,
                      nic_gbps)
     stage, s_soff, d_soff, staging, slotted = place_staging(
-        order, src_rank, dst_rank, pack, unpack, nbytes, budget, opts, c.chunk("tensor", si),
-        tensor_names, world, first)
+        None, src_rank, dst_rank, pack, unpack, nbytes, budget, opts,
+        c.chunk("tensor", one)[row], tensor_names, world, first)
     stages = int(stage.max()) + 1 if len(stage) else 1
     # One write per chunk (in placement order, which `stage`, `s_soff` and `d_soff`
     # follow), from staging (if packed) into staging (if unpacked).
-    cols = {f.name: getattr(g, f.name) for f in dataclasses.fields(Geometry)}
-    del g, nbytes, pack, unpack
-    for k in cols:  # one column at a time: the unordered one goes as the next is made
-        cols[k] = cols[k][order]
-    g = Geometry(**cols)
-    del cols
-    si = si.take(order)
-    at = Placed(stage=stage, s_soff=s_soff, d_soff=d_soff, src_rank=src_rank[order],
-                dst_rank=dst_rank[order], s_region=c.source("region", si),
-                d_region=c.target("region", si), s_start=c.start(si, source=True),
-                d_start=c.start(si, source=False))
-    del src_rank, dst_rank, si, order
+    del nbytes, pack, unpack
+    at = Placed(stage=stage, s_soff=s_soff, d_soff=d_soff, src_rank=src_rank,
+                dst_rank=dst_rank, s_region=c.source("region", one)[row],
+                d_region=c.target("region", one)[row],
+                s_start=c.start(one, source=True)[row],
+                d_start=c.start(one, source=False)[row])
+    del src_rank, dst_rank, one, row
     # the copies first: the geometry only they read goes before the writes are made
     cp = copies(g, at, n_regions)
     p, u, s_code, es_d, nbytes = g.pack, g.unpack, g.s_code, g.es_d, g.nbytes
@@ -350,15 +384,56 @@ def _staged(c: Chosen, si: At, first: int, n_regions: np.ndarray, opts: Options,
     src_rank, dst_rank, s_region, d_region, s_start, d_start = (
         at.src_rank, at.dst_rank, at.s_region, at.d_region, at.s_start, at.d_start)
     del at
-    src_region = np.where(p, n_regions[src_rank], s_region)
+    # (where a mask takes one side whole, the column is that side, in its own dtype: `lower`
+    # puts the staged writes' columns into the plan's)
+    p, u = _some(p), _some(u)
+    src_region = n_regions[src_rank] if p is True else s_region if p is False else \
+        np.where(p, n_regions[src_rank], s_region)
     del s_region
-    src_offset = np.where(p, s_soff, s_start * element_size(s_code))
+    src_offset = s_soff if p is True else s_start * element_size(s_code) if p is False \
+        else np.where(p, s_soff, s_start * element_size(s_code))
     del s_soff, s_start, s_code
-    dst_region = np.where(u, n_regions[dst_rank], d_region)
+    dst_region = n_regions[dst_rank] if u is True else d_region if u is False else \
+        np.where(u, n_regions[dst_rank], d_region)
     del d_region
-    dst_offset = np.where(u, d_soff, d_start * es_d)
+    dst_offset = d_soff if u is True else d_start * es_d if u is False else \
+        np.where(u, d_soff, d_start * es_d)
     del d_soff, d_start, es_d
     w = Writes(src_rank=src_rank, dst_rank=dst_rank, src_region=src_region,
                src_offset=src_offset, dst_region=dst_region, dst_offset=dst_offset,
-               nbytes=nbytes, stage=stage.astype(np.int32))
+               nbytes=nbytes, stage=stage)  # (the plan's columns take them as int32 etc.)
     return _Staged(w, cp, staging, stages, slotted)
+
+
+def _placed(col: np.ndarray, row: np.ndarray) -> np.ndarray:
+    """`col[row]`, or, where `col` is all one value, that value as a `constant` column."""
+    if len(col) > 1 and (col == col[0]).all():
+        return np.broadcast_to(col[:1].copy(), (len(row),))
+    return col[row]
+
+
+def _some(mask: np.ndarray) -> np.ndarray | bool:
+    """`mask`, or True (False) where it sets every row (none)."""
+    k = int(np.count_nonzero(mask))
+    return mask if 0 < k < len(mask) else k > 0
+
+
+def _alike(c: Chosen, si: At) -> int:
+    """The number of blocks of `si` alike (1 where they are not): the copies of alike
+    replicas each with the same staged chunks (their rows in the copy) and the same chosen
+    source rows, so each block's geometry, source ranks and target columns but the ranks
+    are the first block's."""
+    times = len(c.chunks) // c.per_copy if c.per_copy else 1
+    n = len(si)
+    if times < 2 or n == 0 or n % times or isinstance(si.copy, int) or si.src is None:
+        return 1
+    m = n // times
+    copy = si.copy
+    if int(copy[0]) != 0 or int(copy[-1]) != times - 1 or \
+            not (copy[::m] == np.arange(times)).all() or \
+            not (copy[m - 1::m] == np.arange(times)).all():  # ascending: blocks of one copy
+        return 1
+    chunk, src = np.asarray(si.chunk).reshape(times, m), si.src.reshape(times, m)
+    if not ((chunk == chunk[0]).all() and (src == src[0]).all()):
+        return 1
+    return times

@@ -268,6 +268,16 @@ class Writes:
         return {f"w_{f.name}": v for f in dataclasses.fields(self)
                 if (v := getattr(self, f.name)) is not None}
 
+    def repeat(self, src: int, at: int, n: int, name: str, by: int) -> int:
+        """Copy rows `src:src + n` of these columns that are set to rows `at:at + n`, column
+        `name` plus `by`; returns the row after them."""
+        for f in dataclasses.fields(self):
+            if (v := getattr(self, f.name)) is not None:
+                v[at:at + n] = v[src:src + n]
+                if f.name == name and by:
+                    v[at:at + n] += v.dtype.type(by)
+        return at + n
+
     def put(self, at: int, part: Writes) -> int:
         """Copy the columns `part` has into these, from row `at`; returns the row after
         them."""
@@ -331,11 +341,11 @@ def copies(g: Geometry, at: Placed, n_regions: np.ndarray) -> dict[str, np.ndarr
     and `at` over them in placement order; `n_regions[rank]`: the rank's staging region):
     `schemas.plan.COPY_COLUMNS` plus `rank`, int64 columns as int32 where they fit."""
     (p, n_p), (u, n_u) = _rows(g.pack), _rows(g.unpack)
-    one_p, one_u = np.ones(n_p, np.int32), np.ones(n_u, np.int32)
+    one_p, one_u = _same(np.int32(1), n_p), _same(np.int32(1), n_u)
     es_d, s1 = g.es_d, g.s1
     cols = {  # each column's (packs, unpacks), made one column at a time
         "rank": lambda: (at.src_rank[p], at.dst_rank[u]),
-        "kind": lambda: (np.full(n_p, PACK), np.full(n_u, UNPACK)),
+        "kind": lambda: (_same(np.int64(PACK), n_p), _same(np.int64(UNPACK), n_u)),
         "stage": lambda: (at.stage[p], at.stage[u]),
         "src_region": lambda: (at.s_region[p], n_regions[at.dst_rank[u]]),
         "src_dtype": lambda: (g.s_code[p], g.d_code[u]),
@@ -352,10 +362,15 @@ def copies(g: Geometry, at: Placed, n_regions: np.ndarray) -> dict[str, np.ndarr
         "size0": lambda: (g.s0[p], g.s0[u]),
         "size1": lambda: (s1[p], s1[u]),
         "size2": lambda: (one_p, one_u),
-        "aux_offset": lambda: (np.zeros(n_p + n_u, dtype=np.int32),),
+        "aux_offset": lambda: (_same(np.int32(0), n_p + n_u),),
     }
     return {k: constant(_column(f(), _COPY_DTYPES.get(k, np.dtype(np.int64))))
             for k, f in cols.items()}
+
+
+def _same(value: np.generic, n: int) -> np.ndarray:
+    """A column of `n` rows of `value` (its dtype), held in one element (`constant`)."""
+    return np.broadcast_to(np.asarray(value), (n,))
 
 
 def _rows(mask: np.ndarray) -> tuple[np.ndarray | slice, int]:
@@ -369,7 +384,7 @@ def constant(col: np.ndarray) -> np.ndarray:
     """`col`, or, when every value of it is one value, that value as a read-only column of
     `col`'s length held in one element (stride 0, `is_constant`): many copy columns are
     (a dtype, a unit stride, a kind) and they live from `lower` to `emit`."""
-    if len(col) < 2 or not (col == col[0]).all():
+    if is_constant(col) or len(col) < 2 or not (col == col[0]).all():
         return col
     return np.broadcast_to(col[:1].copy(), col.shape)
 
@@ -399,12 +414,31 @@ def concat(a: np.ndarray, b: np.ndarray, dt: np.dtype | None = None) -> np.ndarr
 
 def _column(parts: tuple[np.ndarray, ...], dt: np.dtype) -> np.ndarray:
     """The copy column of `parts` (packs', unpacks') in `dt`, but an int64 one as int32
-    where its values fit (`_narrow`; parts all of at most 32-bit ints fit as they are)."""
-    if dt == np.int64 and sum(map(len, parts)) and all(
+    where its values fit (`_narrow`; parts all of at most 32-bit ints fit as they are); a
+    `constant` one where the parts are all of one value, held in one element each (made
+    from a row of each: never whole)."""
+    n = sum(map(len, parts))
+    some = [x for x in parts if len(x)]
+    if n > 1 and all(is_constant(x) or len(x) == 1 for x in some) and \
+            all(x[0] == some[0][0] for x in some):  # one value: made of one row of each
+        return np.broadcast_to(_whole(tuple(x[:1] for x in parts), dt)[:1].copy(), (n,))
+    return _whole(parts, dt)
+
+
+def _whole(parts: tuple[np.ndarray, ...], dt: np.dtype) -> np.ndarray:
+    """`_column` of `parts`, made whole."""
+    n = sum(map(len, parts))
+    if dt == np.int64 and n and (all(
             x.dtype.kind in "iu" and x.dtype.itemsize <= 4 and x.dtype != np.uint32
-            for x in parts):
+            for x in parts) or _fits([x for x in parts if len(x)])):  # (no int64 one made)
         return np.concatenate(parts, dtype=np.int32, casting="unsafe")
     return _narrow(np.concatenate(parts, dtype=dt, casting="unsafe"))
+
+
+def _fits(parts: list[np.ndarray]) -> bool:
+    """Whether every value of the integer `parts` fits int32 (`_narrow`)."""
+    return all(x.dtype.kind in "iu" and int(x.min()) >= -(1 << 31) and int(x.max()) < 1 << 31
+               for x in parts)
 
 
 def _narrow(col: np.ndarray) -> np.ndarray:

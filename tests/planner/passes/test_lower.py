@@ -119,3 +119,43 @@ def test_lowered_offsets_widen_to_int64_only_where_a_write_ends_past_int32() -> 
         assert end == 3 and int(wide.src_offset[1]) == int(part.src_offset[0])
     already = _writes(2, np.int64)
     assert _fit(already, _writes(1, np.int64, src_offset=top)) is already
+
+
+
+def test_alike_copies_made_once_give_the_plan_made_per_copy(tmp_path: Path, monkeypatch
+                                                            ) -> None:
+    # 4 alike replicas that stage the same chunks from the same sources: their staged
+    # chunks made for the first copy (`_alike`) give the plan every copy made on its own
+    # gives, byte for byte
+    from planner.passes import lower
+
+    config = str(ROOT / "plans" / "published" / "qwen3-30b-a3b_ep4tp2dp2_to_vllm-tp4dp4.yaml")
+    seen: list[int] = []
+    alike = lower._alike
+    monkeypatch.setattr(lower, "_alike", lambda c, si: seen.append(alike(c, si)) or seen[-1])
+    compile_file(config, str(tmp_path / "once.plan"))
+    assert seen == [4]
+    monkeypatch.setattr(lower, "_alike", lambda c, si: 1)
+    compile_file(config, str(tmp_path / "each.plan"))
+    assert (tmp_path / "once.plan").read_bytes() == (tmp_path / "each.plan").read_bytes()
+
+
+def test_direct_writes_repeated_give_the_plan_made_per_copy(tmp_path: Path, monkeypatch
+                                                            ) -> None:
+    # 4 alike replicas whose blocks take the same sources: a next copy's block of direct
+    # writes copied from the first copy's, target ranks moved (`Writes.repeat`), gives the
+    # plan each block made afresh gives, byte for byte
+    from planner.passes import lower
+
+    config = str(ROOT / "plans" / "qwen3-8b_megatron-tp4pp2_vllm-tp2x4.yaml")
+    rows: list[int] = []
+    repeat = Writes.repeat
+    monkeypatch.setattr(Writes, "repeat", lambda self, src, at, n, name, by: rows.append(n)
+                        or repeat(self, src, at, n, name, by))
+    compile_file(config, str(tmp_path / "once.plan"))
+    assert sum(rows) > 1000
+    direct_into = lower._direct_into
+    monkeypatch.setattr(lower, "_direct_into", lambda out, at, c, block, rows, kept, same:
+                        direct_into(out, at, c, block, rows, None, same))  # nothing kept
+    compile_file(config, str(tmp_path / "each.plan"))
+    assert (tmp_path / "once.plan").read_bytes() == (tmp_path / "each.plan").read_bytes()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from planner.passes.staging import place_staging
+from planner.passes.staging import QUANTUM, place_staging, staging_order
 from schemas.config import Options
 from tests.support.staging_ref import place_staging_loop
 
@@ -67,3 +67,37 @@ def test_worked_example() -> None:
     assert s_off.tolist() == [0, 128, 192, 0]  # rank 0: slot 0 is 192 bytes, slot 1 at 192
     assert d_off.tolist() == [0, 0, 0, 64]  # rank 1: slot 1 (10 bytes) at 0, slot 2 at 64
     assert staging.tolist() == [202, 214]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("step", [0, 1, 7, -9, 40])
+def test_order_of_alike_blocks(seed: int, step: int) -> None:
+    # `copies` alike blocks (block k's target ranks the first's plus k * step) are placed as
+    # the whole table of them is: by runs made once where the blocks' targets are apart
+    # (step 40, -9 here), by the whole table where they are not
+    rng = np.random.default_rng(seed)
+    copies, n, world = 2 + seed % 3, 300 + 40 * seed, 200
+    src = rng.integers(0, 20, n).astype(np.int32)
+    dst = rng.integers(100, 108, n).astype(np.int32)
+    nbytes = rng.integers(1, 40, n) * (QUANTUM // 8)
+    d = np.concatenate([dst + k * step for k in range(copies)])
+    want, none = staging_order(np.tile(src, copies), d, np.tile(nbytes, copies), world)
+    assert none is None
+    row, block = staging_order(src, dst, nbytes, world, copies, step)
+    assert block is not None and block.dtype == np.int32
+    assert np.array_equal(block.astype(np.int64) * n + row, want)
+    assert len(np.unique(want)) == copies * n
+
+
+def test_columns_in_placement_order() -> None:
+    # si None: the columns are already in placement order; the same as taking them by si
+    src, dst, pack, unpack, nbytes, budget, world = _case(5, 500, 4, 3, 0.3, 6000)
+    si = np.random.default_rng(1).permutation(len(src))
+    opts = Options(staging_bytes=int(budget.max()))
+    by_si = place_staging(si, src, dst, pack, unpack, nbytes, budget, opts,
+                          np.zeros(len(src), dtype=np.int64), ["t"], world, 1)
+    placed = place_staging(None, src[si], dst[si], pack[si], unpack[si], nbytes[si], budget,
+                           opts, np.zeros(len(src), dtype=np.int64), ["t"], world, 1)
+    for g, w in zip(by_si[:4], placed[:4]):
+        assert np.array_equal(g, w)
+    assert by_si[4] == placed[4]
