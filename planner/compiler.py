@@ -259,7 +259,9 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     del chunks, choice, pieces  # the largest columns: nothing later reads them
     # 8. gather
     step("gather")
-    more = gather(spec, src, routes, staging_ids, opts, topo, direct.stages,
+    held = [routes]  # the only reference: gather drops the target pieces once read
+    del routes
+    more = gather(spec, src, held, staging_ids, opts, topo, direct.stages,
                   remote_egress(topo, direct))
     # 9. merge and coalesce
     parts = [direct, more.lowered]  # merged column by column, each input dropped once used
