@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.collector import gc_paused
+from planner.collector import gc_paused, release_free
 from planner.derived import derived
 from planner.fp8 import with_scales
 from planner.frameworks import build_layout, start_layout
@@ -207,7 +207,8 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     ones are dropped once lowered. The fingerprint's digest of the piece tables, the
     coverage table and the tensors blobs are made on a second thread beside assign, done
     before lower (blake2b and numpy's sorts release the GIL). `spill`: `compile_config`'s."""
-    step, opts, names = progress or _quiet, cfg.options, tuple(t.name for t in spec.tensors)
+    step, opts, names = _releasing(progress or _quiet), cfg.options, tuple(
+        t.name for t in spec.tensors)
     # 3. topology and piece tables
     topo = build_topology(cfg.cluster, src_layout.world, dst_layout.world)
     step("intersect")
@@ -295,6 +296,17 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
 
 def _quiet(step: str) -> None:
     pass
+
+
+def _releasing(progress: Progress) -> Progress:
+    """`progress`, giving the heap's free pages back first (`collector.release_free`):
+    between passes, what the last one dropped is not held through the next one's peak."""
+
+    def step(name: str) -> None:
+        release_free()
+        progress(name)
+
+    return step
 
 
 def _ignore(plan: Plan) -> None:

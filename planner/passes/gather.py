@@ -51,6 +51,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from planner.collector import release_free
 from planner.passes import gather_rows
 from planner.passes.gather_box import Box, Slot, TargetRows, pick_owner
 from planner.passes.gather_direct import add_direct
@@ -113,6 +114,7 @@ def gather(spec: ModelSpec, src: PieceTable, routes: list[Routes], n_regions: np
     out, alloc, n, owner_only, unit_max = g.out, g.alloc, g.max_stage + 1, g.owner_only, \
         g.unit_max
     del g
+    release_free()  # (the state's lists and small arrays leave holes in the heap)
     explain = explain_rows(out)
     return Gathered(lowered(out, alloc, n, base, n_regions), explain, owner_only, unit_max)
 
