@@ -204,9 +204,11 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     (their explain rows, the egress bound's holder sets, the fingerprint) is taken right
     after assign, and the chunks are dropped once lowered; what they need of the target
     pieces (the coverage table, the tensors blobs) before lower, and all but the gathered
-    ones are dropped once lowered. The fingerprint's digest of the piece tables, the
-    coverage table and the tensors blobs are made on a second thread beside assign, done
-    before lower (blake2b and numpy's sorts release the GIL). `spill`: `compile_config`'s."""
+    ones are dropped once lowered, those once gather has taken the rows it reads. The
+    fingerprint's digest of the piece tables, the coverage table and the tensors blobs are
+    made on a second thread beside assign, done before lower (blake2b and numpy's sorts
+    release the GIL). Before each step the heap's free pages go back to the system
+    (`collector.release_free`). `spill`: `compile_config`'s."""
     step, opts, names = _releasing(progress or _quiet), cfg.options, tuple(
         t.name for t in spec.tensors)
     # 3. topology and piece tables
