@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.collector import gc_paused
+from planner.collector import gc_paused, release_free
 from planner.derived import derived
 from planner.fp8 import with_scales
 from planner.frameworks import build_layout, start_layout
@@ -204,10 +204,13 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     (their explain rows, the egress bound's holder sets, the fingerprint) is taken right
     after assign, and the chunks are dropped once lowered; what they need of the target
     pieces (the coverage table, the tensors blobs) before lower, and all but the gathered
-    ones are dropped once lowered. The fingerprint's digest of the piece tables, the
-    coverage table and the tensors blobs are made on a second thread beside assign, done
-    before lower (blake2b and numpy's sorts release the GIL). `spill`: `compile_config`'s."""
-    step, opts, names = progress or _quiet, cfg.options, tuple(t.name for t in spec.tensors)
+    ones are dropped once lowered, those once gather has taken the rows it reads. The
+    fingerprint's digest of the piece tables, the coverage table and the tensors blobs are
+    made on a second thread beside assign, done before lower (blake2b and numpy's sorts
+    release the GIL). Before each step the heap's free pages go back to the system
+    (`collector.release_free`). `spill`: `compile_config`'s."""
+    step, opts, names = _releasing(progress or _quiet), cfg.options, tuple(
+        t.name for t in spec.tensors)
     # 3. topology and piece tables
     topo = build_topology(cfg.cluster, src_layout.world, dst_layout.world)
     step("intersect")
@@ -259,7 +262,9 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     del chunks, choice, pieces  # the largest columns: nothing later reads them
     # 8. gather
     step("gather")
-    more = gather(spec, src, routes, staging_ids, opts, topo, direct.stages,
+    held = [routes]  # the only reference: gather drops the target pieces once read
+    del routes
+    more = gather(spec, src, held, staging_ids, opts, topo, direct.stages,
                   remote_egress(topo, direct))
     # 9. merge and coalesce
     parts = [direct, more.lowered]  # merged column by column, each input dropped once used
@@ -293,6 +298,17 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
 
 def _quiet(step: str) -> None:
     pass
+
+
+def _releasing(progress: Progress) -> Progress:
+    """`progress`, giving the heap's free pages back first (`collector.release_free`):
+    between passes, what the last one dropped is not held through the next one's peak."""
+
+    def step(name: str) -> None:
+        release_free()
+        progress(name)
+
+    return step
 
 
 def _ignore(plan: Plan) -> None:

@@ -51,8 +51,9 @@ from typing import TypeVar
 
 import numpy as np
 
+from planner.collector import release_free
 from planner.passes import gather_rows
-from planner.passes.gather_box import Box, Slot, pick_owner
+from planner.passes.gather_box import Box, Slot, TargetRows, pick_owner
 from planner.passes.gather_direct import add_direct
 from planner.passes.gather_out import (
     Out,
@@ -93,46 +94,59 @@ class Gathered:
     """The largest fan-out (bytes) one owner took as a whole (the balance granularity)."""
 
 
-def gather(spec: ModelSpec, src: PieceTable, routes: Routes, n_regions: np.ndarray,
+def gather(spec: ModelSpec, src: PieceTable, routes: list[Routes], n_regions: np.ndarray,
            opts: Options, topo: Topology, base: int, sent: np.ndarray) -> Gathered:
     """Gathers, conversions (QUANT or cast) and fan-out writes of the target rows
-    `routes.gathered`, in stages from `base` on; `sent`: bytes each NIC already sends to
-    other hosts (owners are balanced on top of it)."""
-    if len(routes.gathered) == 0:
+    `gathered` of the one `Routes` in the list `routes`, in stages from `base` on; `sent`:
+    bytes each NIC already sends to other hosts (owners are balanced on top of it). The
+    list should hold the only reference to the routes: it is emptied, and their target
+    pieces dropped once the rows the pass reads are taken."""
+    if len(routes[0].gathered) == 0:
+        routes.clear()
         return Gathered(None, explain_rows(Out()), np.zeros(len(n_regions), np.int64), 0)
     g = Gatherer(spec, src, routes, n_regions, opts, topo, base, sent)
     order = g.order()
     for t in order[add_direct(g, np.array(order, dtype=np.int64)):]:
         g.add(t)
-    return g.result()
+    del order
+    # the pass's state (its tables, as columns and lists) goes before its writes and
+    # copies are made into columns: only the output is kept
+    out, alloc, n, owner_only, unit_max = g.out, g.alloc, g.max_stage + 1, g.owner_only, \
+        g.unit_max
+    del g
+    release_free()  # (the state's lists and small arrays leave holes in the heap)
+    explain = explain_rows(out)
+    return Gathered(lowered(out, alloc, n, base, n_regions), explain, owner_only, unit_max)
 
 
 class Gatherer:
     """The pass's state across boxes: staging, NIC loads, owner rounds and the output."""
 
-    def __init__(self, spec: ModelSpec, src: PieceTable, routes: Routes,
+    def __init__(self, spec: ModelSpec, src: PieceTable, held: list[Routes],
                  n_regions: np.ndarray, opts: Options, topo: Topology, base: int,
                  sent: np.ndarray) -> None:
+        """`held`: `gather`'s list of the routes, emptied here."""
         self.names = [t.name for t in spec.tensors]
         index = {n: i for i, n in enumerate(self.names)}
         self.scale_id = {i: index[n + "_scale_inv"] for i, n in enumerate(self.names)
                          if n + "_scale_inv" in index}
         self.src, self.n_regions, self.opts, self.base = src, n_regions, opts, base
         # int64 columns (a table's may be int32): the column paths make byte offsets
-        self.w = _wide(take(routes.targets, routes.gathered))
-        self.s = _wide(take(routes.targets, routes.scales))
-        keys = np.stack([self.w.tensor, self.w.off0, self.w.off1, self.w.size0, self.w.size1],
-                        axis=1)
+        routes = held.pop()
+        w, s = (_wide(take(routes.targets, rows)) for rows in (routes.gathered, routes.scales))
+        del routes  # (the target pieces: only these rows of them are read)
+        keys = np.stack([w.tensor, w.off0, w.off1, w.size0, w.size1], axis=1)
         self.tboxes, self.first, tb_of = np.unique(keys, axis=0, return_index=True,
                                                    return_inverse=True)
+        del keys
         tb_of = tb_of.reshape(-1)
         self.tboxes = self.tboxes.astype(np.int64)
-        self.chunks = _wide(intersect(spec, src, take(self.w, self.first)))
-        # The columns read one row at a time, as lists (a numpy scalar costs far more).
-        geo = ("rank", "region", "base", "a0", "a1", "dtype")
-        self.src_l, self.w_l, self.s_l = (Rows(t, geo) for t in (src, self.w, self.s))
-        self.chunks_l = Rows(self.chunks, ("off0", "off1", "size0", "size1"))
-        self.sbox_l = self.chunks.sbox.tolist()
+        self.chunks = _wide(intersect(spec, src, take(w, self.first)))
+        # The columns read one row at a time, as lists (a numpy scalar costs far more),
+        # each made on its first read: most boxes take the column paths, which read none.
+        self.src_l = Rows(src, TargetRows.__slots__)
+        self.chunks_l = Rows(self.chunks, ("off0", "off1", "size0", "size1", "sbox"))
+        self.out_code = w.dtype[self.first].tolist()  # each box's target dtype
         self.holder_rows: dict[int, tuple[list[tuple[int, int]], tuple[int, ...]]] = {}
         self.by_parts, self.aligned = (a.tolist() for a in self._by_parts())
         one = np.diff(self.chunks.holder_ptr)[self.chunks.sbox] == 1
@@ -141,9 +155,12 @@ class Gatherer:
         self.scale_tensor = np.full(len(self.names), -1, dtype=np.int64)
         self.scale_tensor[list(self.scale_id)] = list(self.scale_id.values())
         # the scale piece of each target row: same rank, scale tensor, offsets / 128
-        self.scale_j = ScaleRows(self.s)(self.w.rank, self.scale_tensor[self.w.tensor],
-                                         self.w.off0 // BLOCK, self.w.off1 // BLOCK)
-        self.scale_j_l = self.scale_j.tolist()
+        self.scale_j = ScaleRows(s)(w.rank, self.scale_tensor[w.tensor], w.off0 // BLOCK,
+                                    w.off1 // BLOCK)
+        # of the target rows, only the columns read from here on
+        self.w, self.s = TargetRows.of(w), TargetRows.of(s)
+        del w, s
+        self.w_l, self.s_l = (Rows(t, TargetRows.__slots__) for t in (self.w, self.s))
         world, self.out = len(n_regions), Out()
         owners = len(np.unique(src.rank[self.chunks.holders])) if len(self.chunks) else 0
         fan = (topo.nvlink_gbps if len(set(topo.host)) == 1 else topo.nic_gbps) * 1e9 / 8
@@ -181,8 +198,9 @@ class Gatherer:
         """Gather, convert and fan out target box `t`."""
         box = self._choose(t)
         slot = self._place(box)
-        to = self._targets(t).tolist()
-        self._account(box, slot, to)
+        at = self._targets(t)
+        to = at.tolist()
+        self._account(box, slot, at)
         if box.parts:
             f_off = self._quant_parts(box, slot)
         elif box.direct:
@@ -202,11 +220,6 @@ class Gatherer:
         if not gather_rows.fan_out(self, box, slot, f_off, to):
             for i in to:
                 self._fan_out(box, slot, f_off, i)
-
-    def result(self) -> Gathered:
-        out, n = self.out, self.max_stage + 1
-        return Gathered(lowered(out, self.alloc, n, self.base, self.n_regions),
-                        explain_rows(out), self.owner_only, self.unit_max)
 
     def src_rows(self, rows: np.ndarray) -> PieceTable:
         """Rows `rows` of the source piece table, with int64 columns."""
@@ -240,7 +253,7 @@ class Gatherer:
                 rows.append(mine if mine is not None else
                             min(hs, key=lambda hr: (load[nic[hr[1]]], hr[1]))[0])
         sl = self.src_l
-        out_code, src_code = self.w_l.dtype[int(self.first[t])], sl.dtype[rows[0]]
+        out_code, src_code = self.out_code[t], sl.dtype[rows[0]]
         es = int(ITEM[src_code])
         quant = out_code == FP8_CODE
         direct = quant and len(rows) == 1 and sl.rank[rows[0]] == owner
@@ -256,7 +269,7 @@ class Gatherer:
     def _holders(self, c: int) -> tuple[list[tuple[int, int]], tuple[int, ...]]:
         """(source piece row, its rank) of every holder of chunk `c`'s source box, in the
         chunk table's order, and those ranks once each (once per source box)."""
-        sb = self.sbox_l[c]
+        sb = self.chunks_l.sbox[c]
         hs = self.holder_rows.get(sb)
         if hs is None:
             ptr, rank = self.chunks.holder_ptr, self.src_l.rank
@@ -294,10 +307,10 @@ class Gatherer:
         g_off = self.alloc.take(b.owner, stages, need)
         return Slot(*stages, g_off, g_off + b.g_bytes, g_off + b.g_bytes + b.f_bytes)
 
-    def _account(self, b: Box, slot: Slot, to: list[int]) -> None:
+    def _account(self, b: Box, slot: Slot, to: np.ndarray) -> None:
         """The fan-out's bytes on the owner's NIC (NVLink loads none), and the bounds."""
-        host, rank, home = self.host, self.w_l.rank, self.host[b.owner]
-        remote = b.numel * b.es_d * sum(host[rank[i]] != home for i in to)
+        far = int(np.count_nonzero(self.host_a[self.w.rank[to]] != self.host[b.owner]))
+        remote = b.numel * b.es_d * far
         self.load[self.nic[b.owner]] += remote
         self.fanout[b.owner] += (unit := b.numel * b.es_d * len(to))
         self.unit_max = max(self.unit_max, unit)
@@ -392,7 +405,7 @@ class Gatherer:
         if not b.quant:
             return
         rb, cb = -(-n0 // BLOCK), -(-n1 // BLOCK)
-        j = self.scale_j_l[i]
+        j = int(self.scale_j[i])
         if j < 0:
             raise ValueError(f"gather: target rank {d_rank} has no scale piece for "
                              f"{self.names[b.tensor]} block ({b.t0 // BLOCK}, "

@@ -92,13 +92,30 @@ class Slot:
     """Byte offset of the FP8 scales."""
 
 
+@dataclass(frozen=True, slots=True)
+class TargetRows:
+    """The columns of target piece rows (int64) that the pass reads once its boxes and
+    scale rows are found; the other columns are not kept."""
+
+    rank: np.ndarray
+    region: np.ndarray
+    base: np.ndarray
+    a0: np.ndarray
+    a1: np.ndarray
+    dtype: np.ndarray
+
+    @classmethod
+    def of(cls, t: PieceTable) -> TargetRows:
+        return cls(*(getattr(t, f) for f in cls.__slots__))
+
+
 class GatherState(Protocol):
     """What the column steps read (the target rows, chunks, topology, NIC loads) and extend
     (the output, staging, rounds, the owner-only and largest-unit figures)."""
 
-    w: PieceTable
+    w: TargetRows
     """The gathered target rows (int64 columns)."""
-    s: PieceTable
+    s: TargetRows
     """The scale target rows."""
     src: PieceTable
     tboxes: np.ndarray

@@ -74,20 +74,29 @@ def add_direct(g: GatherState, order: np.ndarray) -> int:
     g.out.copies.extend(np.stack([owner, ones * QUANT, quant_at, src.region, code, read,
                                  src.a0, src.a1, ones, stg, ones * FP8_CODE, start,
                                  n1, ones, ones, n0, n1, ones, s_off // 4], axis=1))
-    # per target: the values, then the scales (`Out.runs` rows: several writes or one)
-    d_rank, d_reg = w.rank[i], w.region[i]
-    o, st, cv, b0, b1 = owner[box], stg[box], convert[box], t0[box], t1[box]
-    m0, m1 = n0[box], n1[box]
-    rb, cb = -(-m0 // BLOCK), -(-m1 // BLOCK)
-    values = np.stack([o, st, start[box], d_rank, d_reg,
-                       w.base[i] + b0 * w.a0[i] + b1 * w.a1[i], m0, m1, m1, w.a0[i], cv],
-                      axis=1)
-    sd = s.base[j] + (b0 // BLOCK) * s.a0[j] + (b1 // BLOCK) * s.a1[j]
-    scales = np.stack([o, st, s_off[box], d_rank, s.region[j], sd * 4, rb, cb * 4, cb * 4,
-                       s.a0[j] * 4, cv], axis=1)
-    g.out.run_rows(np.stack([values, scales], axis=1).reshape(-1, 11))
-    g.out.explain.extend(np.stack([tensor[box], o, st, d_rank, d_reg, numel[box]], axis=1))
+    # per target: the values, then the scales (`Out.runs` rows: several writes or one),
+    # `ROWS` targets at a time (the rows a block makes are its only temporaries)
+    for lo in range(0, len(i), ROWS):
+        at = slice(lo, lo + ROWS)
+        bx, ii, jj = box[at], i[at], j[at]
+        d_rank, d_reg = w.rank[ii], w.region[ii]
+        o, st, cv, b0, b1 = owner[bx], stg[bx], convert[bx], t0[bx], t1[bx]
+        m0, m1 = n0[bx], n1[bx]
+        rb, cb = -(-m0 // BLOCK), -(-m1 // BLOCK)
+        values = np.stack([o, st, start[bx], d_rank, d_reg,
+                           w.base[ii] + b0 * w.a0[ii] + b1 * w.a1[ii], m0, m1, m1, w.a0[ii],
+                           cv], axis=1)
+        sd = s.base[jj] + (b0 // BLOCK) * s.a0[jj] + (b1 // BLOCK) * s.a1[jj]
+        scales = np.stack([o, st, s_off[bx], d_rank, s.region[jj], sd * 4, rb, cb * 4,
+                           cb * 4, s.a0[jj] * 4, cv], axis=1)
+        g.out.run_rows(np.stack([values, scales], axis=1).reshape(-1, 11))
+        del values, scales
+        g.out.explain.extend(np.stack([tensor[bx], o, st, d_rank, d_reg, numel[bx]], axis=1))
     return n
+
+
+ROWS = 1 << 16
+"""Targets whose writes `add_direct` makes at a time."""
 
 
 def _rounds(g: GatherState, owners: list[int], needs: list[int]) -> tuple[np.ndarray,

@@ -212,6 +212,21 @@ class Block:
                                            *self.blocks])]
         return self.blocks[0]
 
+    def take(self, extra: int = 0) -> np.ndarray:
+        """All rows as one int64 array, with `extra` rows more at its end (not filled: the
+        caller's), and the block emptied: each part is dropped once copied, so the rows
+        are never held twice."""
+        self._seal()
+        out = np.empty((self.n + extra, self.width), dtype=np.int64)
+        at, parts = 0, self.blocks[::-1]
+        self.blocks, self.n = [], 0
+        while parts:
+            part = parts.pop()
+            out[at:at + len(part)] = part
+            at += len(part)
+            del part
+        return out
+
     def _seal(self) -> None:
         if self.tail:
             self.blocks.append(np.array(self.tail, dtype=np.int64).reshape(-1, self.width))
@@ -274,10 +289,13 @@ def lowered(out: Out, alloc: Staging, stages: int, base: int = 0,
     its half of each pool (`_halves`; `base`: the first gather stage, `n_regions`: each
     rank's staging region), and the gathers of round 1 on (stage `base + 2` on) waiting
     for their owner's SLOT_ACK (`Lowered.sources_slotted`)."""
-    w = out.writes.array()
-    if len(out.strided):
-        w = np.concatenate([w, _expand(out.strided.array())])
-    c = out.copies.array()
+    n = len(out.writes)
+    runs = out.strided.take() if len(out.strided) else None
+    w = out.writes.take(0 if runs is None else int(runs[:, 6].sum()))
+    if runs is not None:
+        _expand(runs, w[n:])
+        del runs
+    c = out.copies.take()
     if alloc.halves and n_regions is not None:
         staging = _halves(out, alloc, w, c, base, np.asarray(n_regions, dtype=np.int64))
     else:
@@ -364,14 +382,13 @@ def _copy_ends(c: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return np.where(quant, np.maximum(end, s_end), end)
 
 
-def _expand(runs: np.ndarray) -> np.ndarray:
-    """Runs (`Out.strided`) as their writes (`Out.W` columns), run by run, row by row."""
+def _expand(runs: np.ndarray, out: np.ndarray) -> None:
+    """Runs (`Out.strided`) as their writes (`Out.W` columns), run by run, row by row, into
+    `out` (as many rows)."""
     rows = runs[:, 6]
     run = np.repeat(np.arange(len(runs)), rows)
     k = np.arange(len(run), dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)
-    out = np.empty((len(run), 8), dtype=np.int64)
     for j, c in enumerate((0, 1, 2, 3, 4, 5, 7, 10)):
         out[:, j] = runs[run, c]
     out[:, 2] += k * runs[run, 8]
     out[:, 5] += k * runs[run, 9]
-    return out

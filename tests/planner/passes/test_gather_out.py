@@ -1,5 +1,6 @@
 """`gather_out.Block`: rows appended one at a time and as arrays, in order, as one int64
-array, kept as the block's only part (never held twice); `gather_out.Rows`: a table's
+array, kept as the block's only part (never held twice), or taken out of it
+(`take`); `gather_out.Rows`: a table's
 columns as lists, each made on its first read only."""
 
 from __future__ import annotations
@@ -29,6 +30,18 @@ def test_rows_in_order_as_one_array_kept_once() -> None:
     small.extend(np.ones((2, 3), dtype=np.int32))
     assert small.array().dtype == np.int64
     assert Block(2).array().shape == (0, 2)
+
+
+def test_take_moves_the_rows_out_with_room_for_more() -> None:
+    b = Block(2)
+    b.append((1, 2))
+    b.extend(np.array([[3, 4], [5, 6]], dtype=np.int32))
+    b.append((7, 8))
+    got = b.take(3)
+    assert got.dtype == np.int64 and got.shape == (7, 2)
+    assert got[:4].tolist() == [[1, 2], [3, 4], [5, 6], [7, 8]]
+    assert len(b) == 0 and b.blocks == [] and b.tail == []  # emptied: the rows held once
+    assert b.take().shape == (0, 2)
 
 
 def test_rows_made_on_first_read_only() -> None:
