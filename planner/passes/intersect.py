@@ -462,6 +462,18 @@ class Repeated(np.lib.mixins.NDArrayOperatorsMixin):
         part = self.one[lo:hi]
         return part + self.one.dtype.type(k * self.step) if self.step and k else part
 
+    def _ascending(self, which: np.ndarray) -> np.ndarray:
+        """The rows `which` (ascending, each a row of the column) of the whole column."""
+        n = len(self.one)
+        cut = np.searchsorted(which, n * np.arange(self.times + 1)).tolist()
+        out = np.empty(len(which), dtype=self.one.dtype)
+        for k, (lo, hi) in enumerate(zip(cut[:-1], cut[1:])):
+            if hi > lo:
+                np.take(self.one, which[lo:hi] - k * n, out=out[lo:hi])
+                if self.step and k:
+                    out[lo:hi] += self.one.dtype.type(k * self.step)
+        return out
+
     def copies(self) -> Iterator[np.ndarray]:
         """The column, one copy at a time (`one`, then `one + step`, ...)."""
         for k in range(self.times):
@@ -503,8 +515,11 @@ class Repeated(np.lib.mixins.NDArrayOperatorsMixin):
         if which.dtype == bool:
             which = np.flatnonzero(which)
         if which.ndim == 1 and len(which) and which.dtype.kind in "iu" \
-                and 0 <= which.min() and which.max() < n:
-            return self.one[which]  # (all in the first copy)
+                and 0 <= which.min() and which.max() < len(self):
+            if which.max() < n:
+                return self.one[which]  # (all in the first copy)
+            if not (which[1:] < which[:-1]).any():  # ascending: each copy's run of them,
+                return self._ascending(which)  # by search (no division)
         k, i = np.divmod(which, n)
         out = self.one[i]
         if self.step:
