@@ -226,9 +226,11 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     pieces, n_alike = routes.direct, alike(routes.direct, dst_layout.replicas)
     one, one_boxes = first_block(pieces, routes.direct_boxes, n_alike) if n_alike else \
         (pieces, routes.direct_boxes)
-    chunks = split_rows(intersect(spec, src, one, one_boxes), one, opts.max_write_bytes)
+    chunks = split_rows(intersect(spec, src, one, one_boxes, routes.direct_pairs), one,
+                        opts.max_write_bytes)
     del one, one_boxes
-    routes = dataclasses.replace(routes, direct_boxes=None)  # read by intersect only
+    routes = dataclasses.replace(routes, direct_boxes=None, direct_pairs=None)  # read by
+    # intersect only
     bytes_in = _bytes_in(routes.targets, topo.world)
     targets = routes.targets
     whole = targets is pieces  # every target piece direct

@@ -73,7 +73,8 @@ def assign(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology) -> 
     c = chosen(chunks, choice, src, dst)  # (each block's `choice` is set before it is read)
     first, single = holders[ptr[:-1]], np.diff(ptr) == 1  # of each source box
     alike = c.per_copy < len(chunks)  # copies of alike replicas: their blocks' chunks and
-    # single candidates are the first copy's, their target ranks moved (`Chosen.at`)
+    # single candidates are the first copy's, their target ranks moved (`Chosen.at`) by
+    step = int(getattr(dst.rank, "step", 0))  # a copy
     seen: dict[tuple[int, int], tuple[Any, ...]] = {}
     multis = []
     for part in c.blocks(_SLICE):
@@ -85,16 +86,22 @@ def assign(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology) -> 
             picks = first[sbox]
             rows = a.take(np.flatnonzero(one))  # the single-candidate chunks
             s_rank = src.rank[picks[one]]
-            got = (picks, rows, np.flatnonzero(~one), host[s_rank], nvlink_key[s_rank],
-                   nic[s_rank], _nbytes(c, rows).astype(np.float64))
-            del sbox, one, s_rank
+            nbytes = _nbytes(c, rows).astype(np.float64)
+            pairs = None if not alike else _pairs(
+                s_rank, c.target("rank", At(rows.chunk, rows.dst, 0, rows.src)), nbytes)
+            got = (picks, rows, np.flatnonzero(~one), s_rank, nbytes, pairs)
+            del sbox, one, s_rank, nbytes
             if alike:  # (the first copy's blocks: each copy's are the same slices of it)
                 seen[a.chunk.start, a.chunk.stop] = got
-        picks, rows, multi, s_host, s_nvlink, s_nic, nbytes = got
+        picks, rows, multi, s_rank, nbytes, pairs = got
         choice[part] = picks  # right for single-candidate chunks
-        d_host = host[c.target("rank", At(rows.chunk, rows.dst, a.copy, rows.src))]
-        load_a += np.bincount(np.where(s_host == d_host, s_nvlink, s_nic), weights=nbytes,
-                              minlength=len(load_a))
+        if pairs is not None:  # each (source, first copy's target) pair once
+            s_rank, d_rank, nbytes = pairs
+            d_rank = d_rank + a.copy * step if a.copy else d_rank
+        else:
+            d_rank = c.target("rank", At(rows.chunk, rows.dst, a.copy, rows.src))
+        load_a += np.bincount(np.where(host[s_rank] == host[d_rank], nvlink_key[s_rank],
+                                       nic[s_rank]), weights=nbytes, minlength=len(load_a))
         multis.append(multi + part.start)
     multi = np.concatenate(multis) if multis else np.zeros(0, dtype=np.int64)
     if len(multi) == 0:
@@ -122,6 +129,32 @@ def assign(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology) -> 
         put(k)
     choice[order] = row_of(of, np.array(picked, dtype=np.int64))
     return choice
+
+
+def _pairs(s_rank: np.ndarray, d_rank: np.ndarray, nbytes: np.ndarray
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The distinct (source rank, target rank) pairs of single-candidate chunks with the
+    bytes of each (summed: whole bytes, exact in float64, so a NIC's load is the same
+    sum), by a table of the pairs (no sort); None where that table would be large. Each
+    copy of alike replicas then adds its loads from the pairs, not from every chunk."""
+    if len(s_rank) == 0:
+        return s_rank, d_rank, nbytes
+    lo = int(d_rank.min())
+    span, sources = int(d_rank.max()) - lo + 1, int(s_rank.max()) + 1
+    if span * sources > _PAIRS:
+        return None
+    key = s_rank.astype(np.int64) * span
+    key += d_rank
+    key -= lo
+    total = np.bincount(key, weights=nbytes, minlength=span * sources)
+    del key
+    at = np.flatnonzero(total)  # (a pair of no bytes loads nothing)
+    s, d = np.divmod(at, span)
+    return s, d + lo, total[at]
+
+
+_PAIRS = 1 << 22
+"""The largest table of (source, target) pairs `_pairs` makes (32 MiB of float64)."""
 
 
 def _candidates(ats: np.ndarray, hosts: int, holders: np.ndarray, ptr: np.ndarray,

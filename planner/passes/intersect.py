@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from operator import mul
+from operator import is_, mul
 from typing import Any
 
 import numpy as np
@@ -108,8 +108,8 @@ def table_and_boxes(layout: Layout, spec: ModelSpec, rank_base: int
 
 def _alike_replicas(layout: Layout) -> int:
     """`layout.replicas` where its ranks are that many blocks alike (each block's k-th rank
-    holding the first block's k-th rank's tensors tuple, its rank moved by one step a
-    block), else 1."""
+    holding the first block's k-th rank's tensors, the same objects (`_same`), its rank
+    moved by one step a block), else 1."""
     times, ranks = layout.replicas, layout.ranks
     if times < 2 or len(ranks) % times or not ranks:
         return 1
@@ -117,9 +117,15 @@ def _alike_replicas(layout: Layout) -> int:
     step = ranks[m].rank - ranks[0].rank
     for at, rl in enumerate(ranks[m:], m):
         k, i = divmod(at, m)
-        if rl.tensors is not ranks[i].tensors or rl.rank != ranks[i].rank + k * step:
+        if not _same(rl.tensors, ranks[i].tensors) or rl.rank != ranks[i].rank + k * step:
             return 1
     return times
+
+
+def _same(a: tuple[PhysicalTensor, ...], b: tuple[PhysicalTensor, ...]) -> bool:
+    """Whether two ranks' tensors are the same objects (one tuple, or tuples of the same
+    tensors: a quantized layout's ranks, `fp8.quantize_layout`)."""
+    return a is b or (len(a) == len(b) and all(map(is_, a, b)))
 
 
 def _flatten(layout: Layout, spec: ModelSpec, rank_base: int, with_boxes: bool,
@@ -327,12 +333,60 @@ def _unique_boxes(t: PieceTable, b: Boxes | None = None) -> tuple[np.ndarray, np
 
 
 def intersect(spec: ModelSpec, src: PieceTable, dst: PieceTable,
-              dst_boxes: Boxes | None = None) -> Chunks:
+              dst_boxes: Boxes | None = None, pairs: Chunks | None = None) -> Chunks:
     """Cut every target piece by the source boxes it overlaps; check exact coverage.
-    `dst_boxes`: `boxes(dst)`, when the caller has it (`route` does)."""
+    `dst_boxes`: `boxes(dst)`, when the caller has it (`route` does). `pairs`: `join(spec,
+    src, dst, dst_boxes)`, when the caller has it (`route` does: the join is not made
+    again; `dst_boxes` then given too)."""
+    if pairs is None:
+        tbox_of, tboxes = _unique_boxes(dst, dst_boxes)
+        pairs = _join(spec, src, dst, tbox_of, tboxes)
+        n_boxes = len(tboxes)
+    else:
+        assert dst_boxes is not None
+        tbox_of, n_boxes = dst_boxes.of, len(dst_boxes.first)
+    tb, sb = pairs.dst, pairs.sbox
+    if np.array_equal(tb, np.arange(n_boxes)):  # one source box each: all of it (coverage)
+        return Chunks(tensor=dst.tensor, off0=dst.off0, off1=dst.off1, size0=dst.size0,
+                      size1=dst.size1, dst=np.arange(len(dst), dtype=_index_dtype(len(dst))),
+                      sbox=sb[tbox_of],
+                      holder_ptr=pairs.holder_ptr, holders=pairs.holders)
+    # Expand box pairs (grouped by tbox, as `tb` is sorted) to every target piece row.
+    pair_ptr = np.zeros(n_boxes + 1, dtype=np.int64)
+    np.cumsum(np.bincount(tb, minlength=n_boxes), out=pair_ptr[1:])  # (searchsorted's)
+    per_row = pair_ptr[tbox_of + 1] - pair_ptr[tbox_of]
+    rows = np.repeat(np.arange(len(dst)), per_row)
+    first = np.repeat(np.cumsum(per_row) - per_row, per_row)
+    pair = np.repeat(pair_ptr[tbox_of], per_row) + (np.arange(len(rows)) - first)
+    del first
+    return Chunks(tensor=pairs.tensor[pair], off0=pairs.off0[pair], off1=pairs.off1[pair],
+                  size0=pairs.size0[pair], size1=pairs.size1[pair], dst=rows, sbox=sb[pair],
+                  holder_ptr=pairs.holder_ptr, holders=pairs.holders)
+
+
+def join(spec: ModelSpec, src: PieceTable, dst: PieceTable, dst_boxes: Boxes | None = None
+         ) -> Chunks:
+    """`intersect` of the distinct boxes of `dst` (`dst_boxes`: `boxes(dst)`, when known):
+    each box's chunks, `dst` its box id (sorted); coverage checked."""
+    return _join(spec, src, dst, *_unique_boxes(dst, dst_boxes))
+
+
+def keep_pairs(pairs: Chunks, keep: np.ndarray) -> Chunks:
+    """The `join` pairs of the boxes `keep` (a mask of the box ids), renumbered as
+    `keep_boxes` does."""
+    box = np.cumsum(keep) - 1
+    mask = keep[pairs.dst]
+    return Chunks(tensor=pairs.tensor[mask], off0=pairs.off0[mask], off1=pairs.off1[mask],
+                  size0=pairs.size0[mask], size1=pairs.size1[mask],
+                  dst=box[pairs.dst[mask]], sbox=pairs.sbox[mask],
+                  holder_ptr=pairs.holder_ptr, holders=pairs.holders)
+
+
+def _join(spec: ModelSpec, src: PieceTable, dst: PieceTable, tbox_of: np.ndarray,
+          tboxes: np.ndarray) -> Chunks:
+    """Cross join of the unique target boxes `tboxes` with the unique source boxes of the
+    same tensor: the overlapping pairs, grouped by target box (`join`)."""
     sbox_of, sboxes = _unique_boxes(src)
-    tbox_of, tboxes = _unique_boxes(dst, dst_boxes)
-    # Cross join unique target boxes with the unique source boxes of the same tensor.
     s_start = np.searchsorted(sboxes[:, 0], tboxes[:, 0], side="left")
     s_end = np.searchsorted(sboxes[:, 0], tboxes[:, 0], side="right")
     counts = s_end - s_start
@@ -344,25 +398,17 @@ def intersect(spec: ModelSpec, src: PieceTable, dst: PieceTable,
     hi0 = np.minimum(tboxes[tb, 1] + tboxes[tb, 3], sboxes[sb, 1] + sboxes[sb, 3])
     hi1 = np.minimum(tboxes[tb, 2] + tboxes[tb, 4], sboxes[sb, 2] + sboxes[sb, 4])
     keep = (hi0 > lo0) & (hi1 > lo1)
-    tb, sb, lo0, lo1, hi0, hi1 = (x[keep] for x in (tb, sb, lo0, lo1, hi0, hi1))
-    _check_coverage(spec, tboxes, tb, (hi0 - lo0) * (hi1 - lo1), dst, tbox_of)
+    if not keep.all():  # (else no copies)
+        tb, sb, lo0, lo1, hi0, hi1 = (x[keep] for x in (tb, sb, lo0, lo1, hi0, hi1))
+    del keep, first
+    hi0 -= lo0  # the chunks' sizes
+    hi1 -= lo1
+    _check_coverage(spec, tboxes, tb, hi0 * hi1, dst, tbox_of)
     holders = stable_argsort(sbox_of).astype(_index_dtype(len(src)))
     holder_ptr = np.searchsorted(sbox_of[holders], np.arange(len(sboxes) + 1))
     sb = sb.astype(_index_dtype(len(sboxes)))  # (a chunk's source box: an index too)
-    if np.array_equal(tb, np.arange(len(tboxes))):  # one source box each: all of it (coverage)
-        return Chunks(tensor=dst.tensor, off0=dst.off0, off1=dst.off1, size0=dst.size0,
-                      size1=dst.size1, dst=np.arange(len(dst), dtype=_index_dtype(len(dst))),
-                      sbox=sb[tbox_of],
-                      holder_ptr=holder_ptr, holders=holders)
-    # Expand box pairs (grouped by tbox, as `tb` is sorted) to every target piece row.
-    pair_ptr = np.searchsorted(tb, np.arange(len(tboxes) + 1))
-    per_row = pair_ptr[tbox_of + 1] - pair_ptr[tbox_of]
-    rows = np.repeat(np.arange(len(dst)), per_row)
-    first = np.repeat(np.cumsum(per_row) - per_row, per_row)
-    pair = np.repeat(pair_ptr[tbox_of], per_row) + (np.arange(len(rows)) - first)
-    return Chunks(tensor=tboxes[tb[pair], 0], off0=lo0[pair], off1=lo1[pair],
-                  size0=(hi0 - lo0)[pair], size1=(hi1 - lo1)[pair], dst=rows, sbox=sb[pair],
-                  holder_ptr=holder_ptr, holders=holders)
+    return Chunks(tensor=tboxes[tb, 0], off0=lo0, off1=lo1, size0=hi0, size1=hi1,
+                  dst=tb, sbox=sb, holder_ptr=holder_ptr, holders=holders)
 
 
 def _index_dtype(n: int) -> np.dtype:
@@ -416,6 +462,18 @@ class Repeated(np.lib.mixins.NDArrayOperatorsMixin):
         part = self.one[lo:hi]
         return part + self.one.dtype.type(k * self.step) if self.step and k else part
 
+    def _ascending(self, which: np.ndarray) -> np.ndarray:
+        """The rows `which` (ascending, each a row of the column) of the whole column."""
+        n = len(self.one)
+        cut = np.searchsorted(which, n * np.arange(self.times + 1)).tolist()
+        out = np.empty(len(which), dtype=self.one.dtype)
+        for k, (lo, hi) in enumerate(zip(cut[:-1], cut[1:])):
+            if hi > lo:
+                np.take(self.one, which[lo:hi] - k * n, out=out[lo:hi])
+                if self.step and k:
+                    out[lo:hi] += self.one.dtype.type(k * self.step)
+        return out
+
     def copies(self) -> Iterator[np.ndarray]:
         """The column, one copy at a time (`one`, then `one + step`, ...)."""
         for k in range(self.times):
@@ -456,6 +514,12 @@ class Repeated(np.lib.mixins.NDArrayOperatorsMixin):
         which = np.asarray(which)
         if which.dtype == bool:
             which = np.flatnonzero(which)
+        if which.ndim == 1 and len(which) and which.dtype.kind in "iu" \
+                and 0 <= which.min() and which.max() < len(self):
+            if which.max() < n:
+                return self.one[which]  # (all in the first copy)
+            if not (which[1:] < which[:-1]).any():  # ascending: each copy's run of them,
+                return self._ascending(which)  # by search (no division)
         k, i = np.divmod(which, n)
         out = self.one[i]
         if self.step:

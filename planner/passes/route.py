@@ -21,11 +21,14 @@ import numpy as np
 from planner.fp8 import FP8, SCALE_SUFFIX
 from planner.passes.intersect import (
     Boxes,
+    Chunks,
     PieceTable,
+    Repeated,
     boxes,
     element_size,
-    intersect,
+    join,
     keep_boxes,
+    keep_pairs,
     take,
 )
 from planner.spec import ModelSpec
@@ -48,6 +51,9 @@ class Routes:
     """Rows of `targets` holding FP8 block scales (written by the gather of their weight)."""
     direct_boxes: Boxes | None = None
     """`intersect.boxes(direct)`, for `intersect` (found here anyway)."""
+    direct_pairs: Chunks | None = None
+    """`intersect.join` of `direct` and the source, for `intersect` (made here anyway, by
+    `fine_cut`); None where not made."""
 
 
 def route(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
@@ -55,27 +61,46 @@ def route(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
     """Split the target pieces `dst` into the direct and the gathered path. `dst_boxes`:
     `intersect.boxes(dst)`, when known (`intersect.table_and_boxes`)."""
     names = [t.name for t in spec.tensors]
-    fp8, scales = (_rows_of(dst.tensor, [i for i, n in enumerate(names) if pick(n)])
-                   for pick in (lambda n: spec.by_name.get(n + SCALE_SUFFIX),
-                                lambda n: n.endswith(SCALE_SUFFIX)))
-    fp8 &= dst.dtype == DTYPE_CODES.index(FP8)
-    other = fp8 | scales
-    plain = None if not other.any() else np.flatnonzero(~other)  # None: every row
-    del other
+    fp8_ids, scale_ids = ([i for i, n in enumerate(names) if pick(n)]
+                          for pick in (lambda n: spec.by_name.get(n + SCALE_SUFFIX),
+                                       lambda n: n.endswith(SCALE_SUFFIX)))
+    plain = plain_one = None  # None: every row (of every copy; of the first copy)
+    fp8 = scales = np.zeros(0, dtype=np.intp)  # rows
+    if fp8_ids or scale_ids:  # (else no pass over the rows)
+        tensor, dtype = _one_copy(dst.tensor, dst.dtype)  # (the same in every copy)
+        is_fp8, is_scale = _rows_of(tensor, fp8_ids), _rows_of(tensor, scale_ids)
+        is_fp8 &= dtype == DTYPE_CODES.index(FP8)
+        if (is_fp8 | is_scale).any():
+            plain_one = np.flatnonzero(~(is_fp8 | is_scale))
+        if len(tensor) < len(dst):
+            is_fp8, is_scale = (np.tile(m, len(dst) // len(tensor))
+                                for m in (is_fp8, is_scale))
+        else:
+            plain_one = None  # (one copy: the whole table)
+        other = is_fp8 | is_scale
+        plain = None if not other.any() else np.flatnonzero(~other)
+        fp8, scales = np.flatnonzero(is_fp8), np.flatnonzero(is_scale)
+        del other, is_fp8, is_scale
     if plain is None:  # all plain: no copy
         table, found = dst, boxes(dst) if dst_boxes is None else dst_boxes
+    elif plain_one is not None and _repeated(dst):  # each copy's plain rows, held once
+        table = PieceTable(*(_kept(getattr(dst, f), plain_one)
+                             for f in PieceTable.__slots__))
+        one = boxes(PieceTable(*(getattr(table, f).one for f in PieceTable.__slots__)))
+        found = Boxes(of=Repeated(one.of, table.rank.times), first=one.first)
     else:
         table = take(dst, plain)
         found = boxes(table)
-    fine = fine_cut(spec, src, table, opts, topo, found)
+    fine, pairs = _fine_cut(spec, src, table, opts, topo, found)
     if len(fine):
         keep = np.ones(len(table), dtype=bool)
         keep[fine] = False  # whole boxes
+        if pairs is not None:
+            pairs = keep_pairs(pairs, keep[found.first])
         table, found = take(table, np.nonzero(keep)[0]), keep_boxes(found, keep)
-    gathered = np.sort(np.concatenate([np.flatnonzero(fp8), fine if plain is None else
-                                       plain[fine]]))
-    return Routes(targets=dst, direct=table, gathered=gathered, scales=np.nonzero(scales)[0],
-                  direct_boxes=found)
+    gathered = np.sort(np.concatenate([fp8, fine if plain is None else plain[fine]]))
+    return Routes(targets=dst, direct=table, gathered=gathered, scales=scales,
+                  direct_boxes=found, direct_pairs=pairs)
 
 
 def _rows_of(tensor: np.ndarray, ids: list[int]) -> np.ndarray:
@@ -90,14 +115,23 @@ def fine_cut(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
     source chunks and held by `h` target ranks takes `c * h` writes directly and `c + h`
     gathered; gather when the writes saved cost more than one more hop of the box.
     `found`: `intersect.boxes(dst)`, when known."""
+    return _fine_cut(spec, src, dst, opts, topo, found)[0]
+
+
+def _fine_cut(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
+              topo: Topology, found: Boxes | None = None
+              ) -> tuple[np.ndarray, Chunks | None]:
+    """`fine_cut`, and the `intersect.join` of `dst`'s boxes (`found`) it makes (None
+    where there are no rows)."""
     if len(dst) == 0:
-        return np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=np.int64), None
     found = boxes(dst) if found is None else found
     first, inv = found.first, found.of
-    holders = np.bincount(inv)
-    # the distinct boxes, each once, in sorted order: their own boxes (no sort)
-    each = np.arange(len(first))
-    ch = intersect(spec, src, take(dst, first), Boxes(of=each, first=each))
+    one = _one_copy(inv)[0]
+    holders = np.bincount(one, minlength=len(first))
+    if one is not inv:
+        holders *= inv.times  # (each copy's rows hold the same boxes: `Repeated`)
+    ch = join(spec, src, dst, found)  # the distinct boxes' chunks: `dst` their box
     chunks = np.bincount(ch.dst, minlength=len(first))
     numel = dst.size0[first] * dst.size1[first]
     nbytes = numel * element_size(dst.dtype[first])
@@ -112,27 +146,58 @@ def fine_cut(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
     fine = (chunks >= 2) & (holders >= 2) & (saved_us > hop_us)
     # A gather moves rows: boxes stored transposed (on either side) stay on the direct path.
     transposed = np.zeros(len(spec.tensors), dtype=bool)
-    transposed[src.tensor[(src.a1 != 1) & (src.size1 > 1)]] = True
-    transposed[dst.tensor[(dst.a1 != 1) & (dst.size1 > 1)]] = True
+    for t in (src, dst):
+        tensor, a1, size1 = _one_copy(t.tensor, t.a1, t.size1)
+        transposed[tensor[(a1 != 1) & (size1 > 1)]] = True
     fine &= ~transposed[dst.tensor[first]]
     fine &= need + 256 <= opts.staging_bytes - opts.staging_bytes // 4
     if not fine.any():  # (no pass over the rows)
-        return np.zeros(0, dtype=np.int64)
-    return np.nonzero(fine[inv])[0]
+        return np.zeros(0, dtype=np.int64), ch
+    if isinstance(inv, Repeated) and not inv.step:  # each copy's rows, moved: in order
+        one = np.nonzero(fine[inv.one])[0]
+        return (one + (np.arange(inv.times) * len(inv.one))[:, None]).reshape(-1), ch
+    return np.nonzero(fine[inv])[0], ch
+
+
+def _repeated(t: PieceTable) -> bool:
+    """Whether every column of `t` is a `Repeated` of as many copies."""
+    times = getattr(t.rank, "times", 0)
+    return all(isinstance(getattr(t, f), Repeated) and getattr(t, f).times == times
+               for f in PieceTable.__slots__)
+
+
+def _kept(col: Repeated, rows: np.ndarray) -> Repeated:
+    """The rows `rows` of each copy of `col`, as a `Repeated` of as many copies (the rows
+    of `take` of every copy's `rows`)."""
+    one = col.one[rows]
+    one.flags.writeable = False
+    return Repeated(one, col.times, col.step)
+
+
+def _one_copy(*cols: np.ndarray) -> tuple[np.ndarray, ...]:
+    """`cols`, or where each is a `Repeated` of the same copies, each the same
+    (`step` 0), their first copy: the same rows, each as many times less."""
+    if all(isinstance(c, Repeated) and not c.step and c.times == cols[0].times
+           for c in cols):
+        return tuple(c.one for c in cols)  # type: ignore[attr-defined]
+    return cols
 
 
 def gathered_only(routes: Routes) -> Routes:
     """`routes` with `targets` cut to the rows `gather` reads (the gathered and the scale
     rows, in order; `gathered` and `scales` renumbered) and no direct pieces: what the
     compiler keeps once the direct path is lowered."""
-    mask = np.zeros(len(routes.targets), dtype=bool)
-    mask[routes.gathered] = True
-    mask[routes.scales] = True
-    keep = np.flatnonzero(mask)  # (as `np.union1d`: sorted, each once; no sort)
-    new = np.cumsum(mask, dtype=np.int64)
-    new -= 1  # each kept row's place among them
-    del mask
+    if len(routes.gathered) or len(routes.scales):
+        mask = np.zeros(len(routes.targets), dtype=bool)
+        mask[routes.gathered] = True
+        mask[routes.scales] = True
+        keep = np.flatnonzero(mask)  # (as `np.union1d`: sorted, each once; no sort)
+        del mask
+    else:  # (no pass over the rows)
+        keep = np.zeros(0, dtype=np.intp)
     targets = routes.targets if len(keep) == len(routes.targets) else \
         take(routes.targets, keep)
+    # each kept row's place among them (by search: no column as long as the targets)
     return Routes(targets=targets, direct=take(routes.direct, keep[:0]),
-                  gathered=new[routes.gathered], scales=new[routes.scales])
+                  gathered=np.searchsorted(keep, routes.gathered),
+                  scales=np.searchsorted(keep, routes.scales))

@@ -1,5 +1,6 @@
-"""The piece table: columns (`PieceColumns`) read as the pieces they stand for, and the
-boxes `table_and_boxes` finds among distinct ranks equal to those of the whole table."""
+"""The piece table: columns (`PieceColumns`) read as the pieces they stand for, the
+boxes `table_and_boxes` finds among distinct ranks equal to those of the whole table, and
+the box join `route` hands on to `intersect` (`join`)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,24 @@ import dataclasses
 import numpy as np
 import pytest
 
-from planner.fp8 import quantize_layout
+from planner.fp8 import quantize_layout, with_scales
 from planner.layouts import megatron, vllm
 from planner.layouts.base import Layout, PieceColumns, RankLayout
-from planner.passes.intersect import boxes, intersect, piece_table, table_and_boxes
+from planner.passes.intersect import (
+    Repeated,
+    boxes,
+    intersect,
+    join,
+    keep_boxes,
+    keep_pairs,
+    piece_table,
+    table_and_boxes,
+    take,
+)
+from planner.passes.route import route
 from planner.spec import spec_from_hf
-from schemas.config import ConfigError, SourceConfig, TargetConfig
+from planner.topology import build_topology
+from schemas.config import ClusterConfig, ConfigError, Options, SourceConfig, TargetConfig
 from tests.support.models import deepseek_v3, qwen3_moe
 
 
@@ -116,3 +129,55 @@ def test_columns_are_int32_only_where_every_offset_fits() -> None:
     spec = spec_from_hf(qwen3_moe())
     table = piece_table(vllm.layout(spec, TargetConfig(engine="vllm", tp=2)), spec, 0)
     assert all(getattr(table, f).dtype == np.int32 for f in table.__slots__)
+
+
+@pytest.mark.parametrize("src_tp", [2, 4])
+def test_join_handed_on_gives_the_chunks_of_a_fresh_intersect(src_tp: int) -> None:
+    """`join` of the distinct boxes, less some boxes (`keep_pairs`, `keep_boxes`), handed to
+    `intersect` gives the chunks `intersect` makes of the kept rows itself (source TP 4:
+    target boxes cut in two, the pairs expanded to rows; TP 2: one source box each)."""
+    spec = spec_from_hf(qwen3_moe())
+    lay = vllm.layout(spec, TargetConfig(engine="vllm", tp=2, replicas=2))
+    src = piece_table(megatron.layout(spec, SourceConfig(framework="megatron", tp=src_tp,
+                                                         dp=2)), spec, 0)
+    table, found = table_and_boxes(lay, spec, 64)
+    pairs = join(spec, src, table, found)
+    assert np.array_equal(np.unique(pairs.dst), np.arange(len(found.first)))
+    assert (len(pairs) > len(found.first)) == (src_tp == 4)
+    keep = np.asarray(table.tensor) % 3 != 1  # (whole boxes: a box is of one tensor)
+    kept = take(table, np.flatnonzero(keep))
+    got = intersect(spec, src, kept, keep_boxes(found, keep),
+                    keep_pairs(pairs, keep[found.first]))
+    want = intersect(spec, src, kept)
+    for f in want.__slots__:
+        x, y = np.asarray(getattr(got, f)), np.asarray(getattr(want, f))
+        assert np.array_equal(x, y) and x.dtype == y.dtype, f
+
+
+def test_fp8_replicas_are_alike() -> None:
+    """An FP8 layout's replicas (ranks of tuples of the same tensors, not one tuple) are
+    made once (`Repeated`), and equal the whole table; `route` of it gives what it gives of
+    the whole table."""
+    spec = with_scales(spec_from_hf(_fp8_moe(moe_intermediate_size=256)))
+    lay = quantize_layout(vllm.layout(spec, TargetConfig(engine="vllm", tp=1, dp=2, ep=True,
+                                                         replicas=3)), spec)
+    assert lay.ranks[2].tensors is not lay.ranks[0].tensors
+    src = megatron.layout(spec, SourceConfig(framework="megatron", tp=2, dp=2))
+    s = piece_table(src, spec, 0)
+    held, found = table_and_boxes(lay, spec, src.world)
+    whole = piece_table(lay, spec, src.world)
+    assert isinstance(held.rank, Repeated) and held.rank.times == 3
+    for f in whole.__slots__:
+        assert np.array_equal(np.asarray(getattr(held, f)), getattr(whole, f)), f
+    topo = build_topology(ClusterConfig(gpus_per_host=4, nics_per_host=2), src.world, 6)
+    opts = Options()
+    a, b = route(spec, s, held, opts, topo, found), route(spec, s, whole, opts, topo)
+    assert len(a.gathered) and len(a.scales) and len(a.direct)
+    assert isinstance(a.direct.rank, Repeated)  # the plain rows, each copy's held once
+    for f in ("gathered", "scales"):
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f
+    for f in whole.__slots__:
+        assert np.array_equal(np.asarray(getattr(a.direct, f)), getattr(b.direct, f)), f
+    assert a.direct_boxes is not None and b.direct_boxes is not None
+    assert np.array_equal(np.asarray(a.direct_boxes.of), b.direct_boxes.of)
+    assert np.array_equal(a.direct_boxes.first, b.direct_boxes.first)
