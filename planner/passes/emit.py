@@ -337,8 +337,9 @@ def explain_rows(rows: Rows, n: int, replicas: int = 1, spill: bool = False) -> 
         one = _explain(*rows(slice(0, n // replicas)), None)
         if spill:
             return _spill(EXPLAIN_COLUMNS, _stamped_columns(one, replicas, shift))
-        return Table.build(EXPLAIN_COLUMNS, **dict(zip(
-            (name for name, _ in EXPLAIN_COLUMNS), _stamped_columns(one, replicas, shift))))
+        return Table.build(EXPLAIN_COLUMNS, **{name: np.concatenate([p.copy() for p in col])
+                                               for (name, _), col in zip(
+            EXPLAIN_COLUMNS, _stamped_columns(one, replicas, shift))})
     table = _explain(*rows(slice(0, n)), None)
     return spilled(table) if spill else table
 
@@ -374,15 +375,22 @@ def _replica_shift(rows: Rows, n: int, replicas: int) -> int | None:
     return shift
 
 
-def _stamped_columns(one: Table, replicas: int, shift: int) -> Iterator[np.ndarray]:
+STAMP_ROWS = 1 << 20
+"""Rows of a stamped column made at a time (`_stamped_columns`): one buffer reused."""
+
+
+def _stamped_columns(one: Table, replicas: int, shift: int
+                     ) -> Iterator[Iterator[np.ndarray]]:
     """The columns (`EXPLAIN_COLUMNS`' order and dtypes), made one at a time, of the explain
     table of `replicas` blocks alike (`_replica_shift`), from the first block's (`one`):
     each (tensor, source rank, source region) group of its rows, once per block in block
     order, target ranks moved by `r * shift` in block r (the rows' sorted order: within a
-    group, the blocks' target ranks follow one another)."""
+    group, the blocks' target ranks follow one another). Each column is given as its
+    pieces in order (`_gathered`: `STAMP_ROWS` rows each, in one buffer that the next
+    piece overwrites), so no column is held whole."""
     m = len(one["tensor"])
     if m == 0:
-        yield from one.columns
+        yield from ([c] for c in one.columns)
         return
     same = np.ones(m - 1, dtype=bool)
     for name in ("tensor", "src_rank", "src_region"):
@@ -398,16 +406,24 @@ def _stamped_columns(one: Table, replicas: int, shift: int) -> Iterator[np.ndarr
     i = np.arange(m * replicas, dtype=dt)
     i += np.repeat(np.repeat(g_start, replicas) - run_at, run_len)
     del run_at
-    block = np.repeat(np.tile(np.arange(replicas, dtype=dt), len(g_start)), run_len)
+    # block r's target ranks + r * shift (every sum a target rank)
+    moved = np.repeat(np.tile(np.arange(0, replicas * shift, shift, dtype=dt), len(g_start)),
+                      run_len)
     del run_len
-    for name, dt in EXPLAIN_COLUMNS:
-        col = one[name][i]
-        if name == "dst_rank":  # block r's ranks + r * shift (every sum a target rank)
-            block *= shift
-            block += col
-            col = block.astype(dt, copy=False)
-            del block
-        yield col
+    for name, _ in EXPLAIN_COLUMNS:
+        yield _gathered(one[name], i, moved if name == "dst_rank" else None)
+
+
+def _gathered(col: np.ndarray, i: np.ndarray, add: np.ndarray | None
+              ) -> Iterator[np.ndarray]:
+    """`col[i] (+ add)` in pieces of `STAMP_ROWS` rows, each in the same buffer."""
+    buf = np.empty(min(STAMP_ROWS, len(i)), dtype=col.dtype)
+    for lo in range(0, len(i), STAMP_ROWS):
+        out = buf[:min(STAMP_ROWS, len(i) - lo)]
+        np.take(col, i[lo:lo + len(out)], out=out)
+        if add is not None:
+            np.add(out, add[lo:lo + len(out)], out=out, casting="same_kind")
+        yield out
 
 
 def _explain(tensor: np.ndarray, src_rank: np.ndarray, src_region: np.ndarray,
@@ -465,21 +481,28 @@ def spilled(table: Table) -> Table:
     return _spill(table.schema, iter(table.columns))
 
 
-def _spill(schema: tuple[tuple[str, str], ...], columns: Iterator[np.ndarray]) -> Table:
+def _spill(schema: tuple[tuple[str, str], ...],
+           columns: Iterator[np.ndarray | Iterator[np.ndarray]]) -> Table:
     """`spilled` of the table of `columns` (in `schema`'s order and dtypes), each written
-    as it is made and dropped: the columns are never all held."""
+    as it is made and dropped: the columns are never all held. A column may be given as
+    its pieces in order (`_stamped_columns`), each written before the next is asked for."""
     import mmap
     import tempfile
 
     lengths = []
     with tempfile.TemporaryFile() as f:
-        for (name, dt), c in zip(schema, columns):
-            c = np.ascontiguousarray(c, dtype=dt)
-            if c.ndim != 1 or (lengths and len(c) != lengths[0]):
-                raise ValueError(f"explain column {name!r} has shape {c.shape}")
-            f.write(memoryview(c).cast("B"))
-            lengths.append(len(c))
-            del c
+        for (name, dt), col in zip(schema, columns):
+            n = 0
+            for c in [col] if isinstance(col, np.ndarray) else col:
+                c = np.ascontiguousarray(c, dtype=dt)
+                if c.ndim != 1:
+                    raise ValueError(f"explain column {name!r} has shape {c.shape}")
+                f.write(memoryview(c).cast("B"))
+                n += len(c)
+                del c
+            if lengths and n != lengths[0]:
+                raise ValueError(f"explain column {name!r} has {n} rows, not {lengths[0]}")
+            lengths.append(n)
         f.flush()
         size = sum(n * np.dtype(dt).itemsize for n, (_, dt) in zip(lengths, schema))
         if size == 0:

@@ -108,3 +108,19 @@ def test_rows_are_asked_for_one_block_at_a_time() -> None:
     asked.clear()
     assert _rows(explain_rows(get, len(rows), 8)) == _oracle(rows)
     assert asked[-1] == len(rows)
+
+
+def test_stamped_columns_made_in_pieces(monkeypatch) -> None:
+    """Replica blocks alike: the table's columns made `STAMP_ROWS` rows at a time (pieces
+    that do not divide the rows, each written or copied before the next overwrites its
+    buffer) are the table of all the rows, in the schema's dtypes, spilled or not."""
+    import planner.passes.emit as emit
+
+    rng = np.random.default_rng(13)
+    rows = _replicated(rng, 8, 8)
+    for step in (333, 1, len(rows), 1 << 20):
+        monkeypatch.setattr(emit, "STAMP_ROWS", step)
+        for spill in (False, True):
+            table = emit.explain_rows(lambda at: tuple(rows[at].T), len(rows), 8, spill)
+            assert _rows(table) == _oracle(rows)
+            assert [c.dtype.str for c in table.columns] == [d for _, d in table.schema]
