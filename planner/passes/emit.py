@@ -332,9 +332,11 @@ def explain_rows(rows: Rows, n: int, replicas: int = 1, spill: bool = False) -> 
     the whole rows are made only when the blocks are not alike."""
     if n == 0:
         return Table.empty(EXPLAIN_COLUMNS)
-    shift = _replica_shift(rows, n, replicas) if replicas > 1 else None
-    if shift is not None:
-        one = _explain(*rows(slice(0, n // replicas)), None)
+    alike = _replica_shift(rows, n, replicas) if replicas > 1 else None
+    if alike is not None:
+        shift, first = alike
+        one = _explain(*first, None)
+        del first, alike
         if spill:
             return _spill(EXPLAIN_COLUMNS, _stamped_columns(one, replicas, shift))
         return Table.build(EXPLAIN_COLUMNS, **{name: np.concatenate([p.copy() for p in col])
@@ -344,13 +346,15 @@ def explain_rows(rows: Rows, n: int, replicas: int = 1, spill: bool = False) -> 
     return spilled(table) if spill else table
 
 
-def _replica_shift(rows: Rows, n: int, replicas: int) -> int | None:
+def _replica_shift(rows: Rows, n: int, replicas: int
+                   ) -> tuple[int, list[np.ndarray]] | None:
     """The shift of target ranks from block to block when the `n` rows (explain_table's six
     columns, `rows`) are `replicas` blocks of equal length, every column but the target
     rank equal to the first block's and the target rank the first block's plus `r * shift`
     in block r, with `shift` larger than the span of the first block's target ranks (so
-    each block's ranks come after the previous one's); else None. The blocks are made one
-    at a time."""
+    each block's ranks come after the previous one's), with the first block's columns (made
+    once: the caller's table is made from them); else None. The blocks are made one at a
+    time."""
     if n % replicas:
         return None
     n //= replicas
@@ -366,13 +370,12 @@ def _replica_shift(rows: Rows, n: int, replicas: int) -> int | None:
                 return None
         for k, (c, f) in enumerate(zip(block, first)):
             if k == 3:
-                if not np.array_equal(np.subtract(c, f, dtype=np.int64), np.full(
-                        n, r * shift, dtype=np.int64)):
+                if not (np.subtract(c, f, dtype=np.int64) == r * shift).all():
                     return None
             elif not np.array_equal(c, f):
                 return None
         del block
-    return shift
+    return shift, first
 
 
 STAMP_ROWS = 1 << 20
