@@ -92,17 +92,16 @@ class SourceTensors:
         self.blobs = dict(plan.extra_blobs)
         self.plan, self.spec, self.ids = plan, spec, ids
         self.index = ids.index
-        self._cache: dict[int, tuple[np.ndarray, np.ndarray, Table, list[bool], np.ndarray,
-                                     np.ndarray]] = {}
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray, Table, list[bool], np.ndarray]] = {}
 
     def of(self, rank: int) -> np.ndarray:
-        """The region of each spec tensor id (-1: none)."""
+        """The region of each spec tensor id (-1: none), then -1 (at index -1: the region
+        of `ExpertIds.of_packed`'s -1, no tensor)."""
         return self._of(rank)[0]
 
-    def packed(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
-        """(the packed id (`ExpertIds.packed`) of each region's expert tensor (-1: none),
-        the region holding each packed id (-1: none))."""
-        return self._of(rank)[4:]
+    def packed(self, rank: int) -> np.ndarray:
+        """The packed id (`ExpertIds.packed`) of each region's expert tensor (-1: none)."""
+        return self._of(rank)[4]
 
     def alike(self, rank: int, pairs: int) -> bool:
         """Whether `same_geometry` of `pairs` pairs of `rank`'s expert tensors is true
@@ -139,8 +138,7 @@ class SourceTensors:
             kept.append(alike)
         return kept[0]
 
-    def _of(self, rank: int) -> tuple[np.ndarray, np.ndarray, Table, list[bool], np.ndarray,
-                                      np.ndarray]:
+    def _of(self, rank: int) -> tuple[np.ndarray, np.ndarray, Table, list[bool], np.ndarray]:
         if rank not in self._cache:
             blob = resolve(self.blobs, rank)
             nreg = len(self.plan.ranks[rank].regions)
@@ -172,17 +170,14 @@ class SourceTensors:
                                      "bytes then sit at other offsets of that tensor, which "
                                      "changes the writes' cut and order; compile the new "
                                      "placement in full")
-            region = np.full(n, -1, np.int32)  # (regions and pieces: int32, as the tables')
-            region[g] = reg
+            region = np.full(n + 1, -1, np.int32)  # (regions and pieces: int32, as the
+            region[g] = reg  # tables'; one more -1 at the end: `of`)
             row = np.full(n, -1, np.int32)  # the piece (row of `t`) of each expert tensor
             row[g] = expert
-            p = self.ids.packed[g]
-            region_of_packed = np.full(len(self.ids.of_packed), -1, np.int32)
-            region_of_packed[p] = reg
             packed_of_region = np.full(nreg, -1, np.int32)
             inside = reg < nreg
-            packed_of_region[reg[inside]] = p[inside]
-            self._cache[rank] = (region, row, t, [], packed_of_region, region_of_packed)
+            packed_of_region[reg[inside]] = self.ids.packed[g[inside]]
+            self._cache[rank] = (region, row, t, [], packed_of_region)
             _SOURCES_KEPT.append((blob, self.spec, nreg, self._cache[rank]))
             del _SOURCES_KEPT[:-_SOURCES_KEEP]
         return self._cache[rank]

@@ -144,7 +144,7 @@ def _moved_regions(rp: RankPlan, rows: np.ndarray, slot: np.ndarray, old: Placem
     if (src_region == staged).any():
         raise NotIncremental(f"replan: source rank {rp.rank} sends moved expert slots through "
                              "staging (packed or gathered); compile the new placement in full")
-    packed_of_region, region_of_packed = src.packed(rp.rank)
+    packed_of_region, region_of = src.packed(rp.rank), src.of(rp.rank)
     old_le, new_le = _slot_experts(old, new, ids.ids.shape[1])
     if len(src_region) and (int(src_region.min()) < 0
                             or int(src_region.max()) >= len(packed_of_region)):
@@ -158,11 +158,12 @@ def _moved_regions(rp: RankPlan, rows: np.ndarray, slot: np.ndarray, old: Placem
     now = new_le[slot]  # the new expert's tensor of the same layer and weight
     now <<= ids.wbits
     now |= was & ((1 << ids.wbits) - 1)
-    region = region_of_packed[now]
-    if (region < 0).any():  # (-1: no such tensor, or not held)
+    now = ids.of_packed[now]
+    region = region_of[now]
+    if (region < 0).any():  # (-1: no such tensor, or not held; `of`'s last: no tensor)
         raise _not_held(rp.rank)
     if not src.alike(rp.rank, len(now)) and not src.same_geometry(
-            rp.rank, ids.of_packed[now], ids.of_packed[was]).all():
+            rp.rank, now, ids.of_packed[was]).all():
         raise _not_held(rp.rank)
     return region.astype(np.int64)
 
