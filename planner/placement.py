@@ -43,6 +43,14 @@ class ExpertIds:
     weight: np.ndarray
     index: dict[str, int]
     """Spec id of each logical tensor name."""
+    wbits: int
+    """Bits of the weight in a packed id (`packed`)."""
+    packed: np.ndarray
+    """Each spec id's (MoE layer * experts + expert) << `wbits` | weight (-1: not an
+    expert) ..."""
+    of_packed: np.ndarray
+    """... and the spec id of each packed id (-1: none): one lookup for (layer, expert,
+    weight) -> id (the replan's moved writes, `planner/replan_writes.py`)."""
 
     @staticmethod
     def of(spec: ModelSpec) -> ExpertIds:
@@ -77,7 +85,13 @@ class ExpertIds:
             at = np.nonzero(ids >= 0)
             i = ids[at]
             layer[i], expert[i], weight[i] = at
-        return ExpertIds(ids, layer, expert, weight, index)
+        wbits = max(ids.shape[2] - 1, 0).bit_length()
+        of_packed = np.full((ids.shape[0] * ids.shape[1]) << wbits, -1, np.int64)
+        of_packed.reshape(-1, 1 << wbits)[:, :ids.shape[2]] = ids.reshape(-1, ids.shape[2])
+        packed = np.full(n, -1, np.int64)
+        at = np.flatnonzero(of_packed >= 0)
+        packed[of_packed[at]] = at
+        return ExpertIds(ids, layer, expert, weight, index, wbits, packed, of_packed)
 
     def canonical(self, tensor: np.ndarray) -> np.ndarray:
         """`tensor` ids with every expert's replaced by expert 0's of its layer and weight."""

@@ -157,7 +157,7 @@ def _regions(src: SourceTensors, tensors: np.ndarray, sources: int) -> np.ndarra
     """Source rank x `tensors[j]`: the region holding it on that rank (-1: none)."""
     out = np.empty((sources, len(tensors)), np.int32)
     for r in range(sources):
-        out[r] = src.of(r)[0][tensors]
+        out[r] = src.of(r)[tensors]
     return out
 
 
@@ -188,13 +188,12 @@ def _read(table: Table, feeds: Feeds, starts: np.ndarray, affected: np.ndarray,
         if not (col[1:] >= col[:-1]).all():
             raise _unsorted()
         rows, k = every.find(table["dst_rank"], table["dst_region"])
-        t = col[rows].astype(np.int64)
-        if (ids.layer[t] != every.moe[k]).any():
-            raise _fed_other()
+        t = col[rows]
         mine = np.zeros(len(ids.layer), bool)
         mine[fresh] = True
-        if not mine[t].all():  # (rows of tensors read before)
-            keep = np.flatnonzero(mine[t])
+        keep = mine[t]
+        if not keep.all():  # (rows of tensors read before, or not affected)
+            keep = np.flatnonzero(keep)
             rows, k, t = rows[keep], k[keep], t[keep]
     else:
         within, _ = _ranges(starts, fresh)
@@ -202,25 +201,33 @@ def _read(table: Table, feeds: Feeds, starts: np.ndarray, affected: np.ndarray,
         if not np.array_equal(t, np.repeat(fresh, span)):
             raise _unsorted()
         sub, k = every.find(table["dst_rank"][within], table["dst_region"][within])
-        rows, t = within[sub], t[sub].astype(np.int64)  # the rows into stacked tensors
-        if (ids.layer[t] != every.moe[k]).any():
-            raise _fed_other()
+        rows, t = within[sub], t[sub]  # the rows into stacked tensors
+    experts = ids.ids.shape[1]
+    e = ids.packed[t]  # (MoE layer * experts + expert) << wbits | weight; -1: none
+    w = e & ((1 << ids.wbits) - 1)
+    e >>= ids.wbits
+    e -= every.moe[k] * experts  # the expert, if of the stacked tensor's layer
+    if len(e) and (int(e.min()) < 0 or int(e.max()) >= experts):
+        raise _fed_other()
     at = np.zeros(len(ids.layer), np.int64)
     at[affected] = np.arange(len(affected))
     at_t = at[t]  # each row's tensor among `affected`
     other = np.bincount(at_t, minlength=len(affected))[at[fresh]] != span
-    e, w = ids.expert[t], ids.weight[t]
-    s = table["src_rank"][rows].astype(np.int64)
+    s = table["src_rank"][rows]
     if len(s) and (s.min() < 0 or s.max() >= sources):
         raise NotIncremental("replan: a stacked expert tensor is fed by a target rank "
                              "(copied or gathered there); compile the new placement in full")
-    at_s = s * len(affected)
+    at_s = np.multiply(s, len(affected), dtype=np.int64)
     at_s += at_t
     if (region.reshape(-1)[at_s] != table["src_region"][rows]).any():
         raise NotIncremental("replan: a stacked expert tensor is fed from a source region "
                              "that does not hold the expert; compile the new placement in "
                              "full")
-    n = before[k, e]
+    del at_s, at_t
+    at_n = np.multiply(k, experts, dtype=np.int64)
+    at_n += e
+    n = before.reshape(-1)[at_n]
+    del at_n
     if (n == 0).any():
         raise NotIncremental("replan: a stacked expert tensor is fed an expert it does not "
                              "hold: the plan is corrupt: recompile it")
@@ -319,9 +326,14 @@ def _rows(feeds: Feeds, srcs: np.ndarray | None, n_src: np.ndarray, region: np.n
         i, jj = np.divmod(local, m[g])  # source, unit: a tensor's rows are source-major
         del local
         u = g_start[g] + jj
-        s = srcs[g_w[g], i] if len(n_src) > 1 else srcs[0][i]
-        del g, i, jj
-        tensor = np.repeat(ug[g_start], length)
+        used = np.zeros(len(srcs), bool)
+        used[g_w] = True
+        if (srcs[used] == np.arange(srcs.shape[1])).all():  # every weight fed by sources
+            s = i  # 0, 1, ... (each one): a row's source rank is its index
+        else:
+            s = srcs[g_w[g], i] if len(n_src) > 1 else srcs[0][i]
+        del g, jj
+        tensor = np.repeat(ug[g_start].astype(np.int32), length)
         n = np.zeros(len(affected), np.int64)
         n[np.searchsorted(affected, ug[g_start])] = length
     else:  # each unit its own source ranks: made unit by unit, sorted
@@ -331,13 +343,20 @@ def _rows(feeds: Feeds, srcs: np.ndarray | None, n_src: np.ndarray, region: np.n
         tensor = ug[u]
         n = np.bincount(np.searchsorted(affected, ug), weights=feeds.present[uk, :, uw].sum(1),
                         minlength=len(affected)).astype(np.int64)
-    idx = base[u] + s * n_w
+    idx = base[u]
+    idx += s * n_w
     cnt = uc[u]
     at = s * len(affected)
     at += pos[u]
-    cols = [tensor, s, region.reshape(-1)[at],
-            every.rank[uk][u], every.region[uk][u], feeds.per_bytes[idx] * cnt,
-            feeds.per_boxes[idx] * cnt]
+    src_region = region.reshape(-1)[at]
+    del at
+    nbytes, boxes = feeds.per_bytes[idx], feeds.per_boxes[idx]
+    del idx
+    nbytes *= cnt
+    boxes *= cnt
+    del cnt
+    cols = [tensor, s, src_region, every.rank[uk].astype(np.int32)[u],
+            every.region[uk].astype(np.int32)[u], nbytes, boxes]
     return cols, n
 
 

@@ -92,19 +92,30 @@ class SourceTensors:
         self.blobs = dict(plan.extra_blobs)
         self.plan, self.spec, self.ids = plan, spec, ids
         self.index = ids.index
-        self._cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, Table, list[bool]]] = {}
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray, Table, list[bool], np.ndarray]] = {}
 
-    def of(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
-        """(region of each spec tensor id, spec tensor id of each region (-1: none))."""
-        region, gid_of_region, _, _, _ = self._of(rank)
-        return region, gid_of_region
+    def of(self, rank: int) -> np.ndarray:
+        """The region of each spec tensor id (-1: none), then -1 (at index -1: the region
+        of `ExpertIds.of_packed`'s -1, no tensor)."""
+        return self._of(rank)[0]
+
+    def packed(self, rank: int) -> np.ndarray:
+        """The packed id (`ExpertIds.packed`) of each region's expert tensor (-1: none)."""
+        return self._of(rank)[4]
+
+    def alike(self, rank: int, pairs: int) -> bool:
+        """Whether `same_geometry` of `pairs` pairs of `rank`'s expert tensors is true
+        without comparing them: many pairs, and every expert of each (MoE layer, weight)
+        sits alike in its tensor."""
+        _, row, t, alike = self._of(rank)[:4]
+        return pairs > self._MANY * len(self.ids.layer) and self._alike(row, t, alike)
 
     def same_geometry(self, rank: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Whether the piece of expert tensor `a[i]` sits in its tensor as `b[i]`'s does
         (equal offsets, sizes, start and strides), both held by `rank` and of one MoE
         layer and weight. Few pairs: their pieces compared; many: whether every expert of
         each (MoE layer, weight) has one geometry (read once per rank), else compared."""
-        _, _, row, t, alike = self._of(rank)
+        _, row, t, alike = self._of(rank)[:4]
         if len(a) > self._MANY * len(self.ids.layer) and self._alike(row, t, alike):
             return np.ones(len(a), bool)
         ra, rb = row[a], row[b]
@@ -127,7 +138,7 @@ class SourceTensors:
             kept.append(alike)
         return kept[0]
 
-    def _of(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Table, list[bool]]:
+    def _of(self, rank: int) -> tuple[np.ndarray, np.ndarray, Table, list[bool], np.ndarray]:
         if rank not in self._cache:
             blob = resolve(self.blobs, rank)
             nreg = len(self.plan.ranks[rank].regions)
@@ -159,17 +170,14 @@ class SourceTensors:
                                      "bytes then sit at other offsets of that tensor, which "
                                      "changes the writes' cut and order; compile the new "
                                      "placement in full")
-            region = np.full(n, -1, np.int64)
-            region[g] = reg
-            row = np.full(n, -1, np.int64)  # the piece (row of `t`) of each expert tensor
+            region = np.full(n + 1, -1, np.int32)  # (regions and pieces: int32, as the
+            region[g] = reg  # tables'; one more -1 at the end: `of`)
+            row = np.full(n, -1, np.int32)  # the piece (row of `t`) of each expert tensor
             row[g] = expert
-            gid_of_region = np.full(nreg, -1, np.int64)
+            packed_of_region = np.full(nreg, -1, np.int32)
             inside = reg < nreg
-            if inside.all():
-                gid_of_region[reg] = g
-            else:
-                gid_of_region[reg[inside]] = g[inside]
-            self._cache[rank] = (region, gid_of_region, row, t, [])
+            packed_of_region[reg[inside]] = self.ids.packed[g[inside]]
+            self._cache[rank] = (region, row, t, [], packed_of_region)
             _SOURCES_KEPT.append((blob, self.spec, nreg, self._cache[rank]))
             del _SOURCES_KEPT[:-_SOURCES_KEEP]
         return self._cache[rank]

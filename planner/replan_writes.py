@@ -119,9 +119,13 @@ def replan_writes(rp: RankPlan, every: Hits, old: Placement, new: Placement,
     win, entry, key = made
     moves = entry != win
     at_c, got_c = groups.place(win[moves]), groups.place(entry[moves])
+    perm = None
+    if _DENSE * len(at_c) > len(w):  # most writes change place: each column gathered whole
+        perm = np.arange(len(w))
+        perm[at_c] = got_c
     _check_cuts(rp, groups.at, win, entry, at_c, got_c, groups.first, max_write_bytes,
-                sources)
-    writes = _placed(w, groups.place(win), (key >> groups.shift) & mask, at_c, got_c)
+                sources, perm)
+    writes = _placed(w, groups.place(win), (key >> groups.shift) & mask, at_c, got_c, perm)
     _KEPT[id(writes["src_region"])] = (weakref.ref(writes["src_region"]), dataclasses.replace(
         groups, key=key, slot=groups.slot[entry]) if len(win) == len(m) else _Edited(
         groups, win, key, entry))
@@ -132,38 +136,55 @@ def _moved_regions(rp: RankPlan, rows: np.ndarray, slot: np.ndarray, old: Placem
                    new: Placement, src: SourceTensors, ids: ExpertIds) -> np.ndarray:
     """The source region each write `rows` (into moved slots `slot`) reads for placement
     `new`: the new expert's piece of the same weight, checked to read the old expert's
-    piece (not staging, not another tensor) and to have the same cut."""
+    piece (not staging, not another tensor) and to have the same cut. (Packed ids,
+    `ExpertIds.packed`: one lookup of each write's region and slot for each.)"""
     w = rp.writes
     src_region = w["src_region"][rows]
     staged = len(rp.regions) - 1 if rp.regions and rp.regions[-1].name == STAGING else -1
     if (src_region == staged).any():
         raise NotIncremental(f"replan: source rank {rp.rank} sends moved expert slots through "
                              "staging (packed or gathered); compile the new placement in full")
-    region_of, gid_of_region = src.of(rp.rank)
+    packed_of_region, region_of = src.packed(rp.rank), src.of(rp.rank)
+    old_le, new_le = _slot_experts(old, new, ids.ids.shape[1])
     if len(src_region) and (int(src_region.min()) < 0
-                            or int(src_region.max()) >= len(gid_of_region)):
-        gid = np.full(len(src_region), -1, np.int64)  # (refused just below)
+                            or int(src_region.max()) >= len(packed_of_region)):
+        was = np.full(len(src_region), -1, np.int64)  # (refused just below)
     else:
-        gid = gid_of_region[src_region]
-    physical = old.table.shape[1]
-    layer = slot // physical
-    if (gid < 0).any() or (ids.expert[gid] != old.table.reshape(-1)[slot]).any() or (
-            ids.layer[gid] != layer).any():
+        was = packed_of_region[src_region]  # what each reads: (layer, expert, weight)
+    if ((was >> ids.wbits) != old_le[slot]).any():  # (-1: no expert tensor)
         raise NotIncremental(f"replan: source rank {rp.rank} writes expert slots from tensors "
                              "other than the placement's experts; compile the new placement "
                              "in full")
-    experts, weights = ids.ids.shape[1:]
-    at = layer * experts
-    at += new.table.reshape(-1)[slot]
-    at *= weights
-    at += ids.weight[gid]
-    now = ids.ids.reshape(-1)[at]  # the new expert's tensor of the same layer and weight
-    if (now < 0).any():
-        raise _not_held(rp.rank)
+    now = new_le[slot]  # the new expert's tensor of the same layer and weight
+    now <<= ids.wbits
+    now |= was & ((1 << ids.wbits) - 1)
+    now = ids.of_packed[now]
     region = region_of[now]
-    if (region < 0).any() or not src.same_geometry(rp.rank, now, gid).all():
+    if (region < 0).any():  # (-1: no such tensor, or not held; `of`'s last: no tensor)
         raise _not_held(rp.rank)
-    return region
+    if not src.alike(rp.rank, len(now)) and not src.same_geometry(
+            rp.rank, now, ids.of_packed[was]).all():
+        raise _not_held(rp.rank)
+    return region.astype(np.int64)
+
+
+_SLOT_EXPERTS: list[tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]] = []
+
+
+def _slot_experts(old: Placement, new: Placement,
+                  experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per slot (flat), MoE layer * `experts` + its expert under `old` (-2: an expert out of
+    range, which no tensor matches), and under `new` (checked in range: `replan`); the
+    last pair of tables' kept: every rank of a replan asks."""
+    for a, b, got in _SLOT_EXPERTS:
+        if a is old.table and b is new.table:
+            return got
+    layers, physical = old.table.shape
+    base = np.repeat(np.arange(layers, dtype=np.int64) * experts, physical)
+    t = old.table.reshape(-1)
+    got = (np.where((t >= 0) & (t < experts), base + t, -2), base + new.table.reshape(-1))
+    _SLOT_EXPERTS[:] = [(old.table, new.table, got)]
+    return got
 
 
 def _not_held(rank: int) -> NotIncremental:
@@ -189,7 +210,19 @@ def _merged(key: np.ndarray, moved: np.ndarray, mi: np.ndarray, moved_key: np.nd
     both = both[order]
     if (both[1:] == both[:-1]).any():
         return None
-    return np.arange(len(key)), np.concatenate([stay, mi])[order], both
+    return _iota(len(key)), np.concatenate([stay, mi])[order], both
+
+
+_IOTA = np.zeros(0, np.int64)
+
+
+def _iota(n: int) -> np.ndarray:
+    """`np.arange(n)`, read-only, a view of one kept for every rank (not made per rank)."""
+    global _IOTA
+    if len(_IOTA) < n:
+        _IOTA = np.arange(max(n, 2 * len(_IOTA)))
+        _IOTA.flags.writeable = False
+    return _IOTA[:n]
 
 
 def _spliced(key: np.ndarray, moved: np.ndarray, ascending: np.ndarray, mi: np.ndarray,
@@ -246,17 +279,22 @@ def _windows(mi: np.ndarray, put: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
 
 
 def _placed(w: Table, at_w: np.ndarray, region: np.ndarray, at_c: np.ndarray,
-            got_c: np.ndarray) -> Table:
+            got_c: np.ndarray, perm: np.ndarray | None) -> Table:
     """`w` with row `got_c[i]`'s write at position `at_c[i]` and source region `region[i]`
     at position `at_w[i]` (a superset of `at_c` and of the moved writes' positions);
     `dst_rank` is one per group, and a column whose values the moves leave (FSDP2's
-    source offsets, equal sizes) stays the same array."""
+    source offsets, equal sizes) stays the same array. `perm`: the row at each position
+    (given where most change: a column is then one gather)."""
     cols = {}
     for name, dt in WRITE_COLUMNS:
         col = w[name]
         if name == "src_region":
             col = np.array(col, dtype=dt)
             col[at_w] = region
+        elif name != "dst_rank" and perm is not None:
+            put = col[perm]
+            if not np.array_equal(col, put):
+                col = put if put.dtype == dt else put.astype(dt)
         elif name != "dst_rank" and len(at_c):
             put = col[got_c]
             if not np.array_equal(col[at_c], put):
@@ -384,13 +422,15 @@ def _rounds(nbytes: np.ndarray, first: np.ndarray, max_write_bytes: int) -> np.n
 
 def _check_cuts(rp: RankPlan, at: np.ndarray | None, win: np.ndarray, entry: np.ndarray,
                 at_c: np.ndarray, got_c: np.ndarray, first: np.ndarray, max_write_bytes: int,
-                sources: int) -> None:
+                sources: int, perm: np.ndarray | None = None) -> None:
     """`NotIncremental` unless the writes put in the new order (`entry[i]`'s at place
     `win[i]`, the others staying; `at`: each entry's position, None: its index; `at_c`,
-    `got_c`: the positions that change and the write put there; `first`: where a (stage,
-    target) group starts) keep `schedule`'s batch cuts (`_rounds`)."""
+    `got_c`: the positions that change and the write put there, `perm`: the row at each
+    position, or None; `first`: where a (stage, target) group starts) keep `schedule`'s
+    batch cuts (`_rounds`)."""
     nbytes = rp.writes["nbytes"]
-    if np.array_equal(nbytes[at_c], nbytes[got_c]):
+    if np.array_equal(nbytes[at_c], nbytes[got_c]) if perm is None else np.array_equal(
+            nbytes, nbytes[perm]):
         return
     if at is None:
         at = np.arange(len(first))

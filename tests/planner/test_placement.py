@@ -304,6 +304,26 @@ def test_replan_refuses_explain_rows_of_a_moved_expert_fed_unevenly():
     assert "fed" in line and line.endswith("compile the new placement in full")
 
 
+def test_expert_ids_packed_are_the_ids():
+    """`ExpertIds.packed` (a spec id's (MoE layer * experts + expert) << wbits | weight) and
+    `of_packed` (back to the id) agree with `ids` for every expert tensor, and are -1 for
+    every other tensor and every packed id no tensor has."""
+    from planner.placement import ExpertIds
+
+    model, source, target, _ = CASES[0]
+    _, spec = _cfg(model, source, target)
+    ids = ExpertIds.of(spec)
+    layers, experts, weights = ids.ids.shape
+    assert 1 << ids.wbits >= weights
+    ll, ee, ww = np.nonzero(ids.ids >= 0)
+    got = ids.ids[ll, ee, ww]
+    assert len(got) == layers * experts * weights  # (every expert of the tiny model named)
+    p = (ll * experts + ee) << ids.wbits | ww
+    assert (ids.packed[got] == p).all() and (ids.of_packed[p] == got).all()
+    assert (ids.packed[ids.layer < 0] == -1).all()
+    assert np.count_nonzero(ids.of_packed >= 0) == len(got)
+
+
 def test_replan_refuses_another_slot_count():
     model, source, target, slots = CASES[0]
     _, spec = _cfg(model, source, target)

@@ -133,9 +133,12 @@ def test_writes_of_unequal_sizes_reordered_across_a_cut_are_refused():
     first = np.zeros(6, bool)
     first[0] = True
     swap = (np.array([3, 4]), np.array([4, 3]))  # the 8-byte write and the next swap places
-    for places in (at, None):  # (None: each entry at its index, as a table in order)
+    perm = at.copy()  # (the row at each position: given where most writes move)
+    perm[swap[0]] = swap[1]
+    # (places None: each entry at its index, as a table in order)
+    for places, whole in ((at, None), (None, None), (at, perm)):
         args = (rp, places, *swap, at[swap[0]], at[swap[1]], first)
-        _check_cuts(*args, 1 << 20, 2)  # one round: no cut moves
+        _check_cuts(*args, 1 << 20, 2, whole)  # one round: no cut moves
         with pytest.raises(NotIncremental, match="source rank 1's batches to target rank 3 "
                            "change their cut.*compile the new placement in full"):
-            _check_cuts(*args, 10, 2)
+            _check_cuts(*args, 10, 2, whole)
