@@ -68,7 +68,7 @@ from planner.passes.gather_out import (
 from planner.passes.intersect import PieceTable, intersect, take
 from planner.passes.lower import Lowered
 from planner.passes.route import Routes
-from planner.rows import stable_argsort
+from planner.rows import stable_argsort, unique_rows
 from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import ConfigError, Options
@@ -135,8 +135,8 @@ class Gatherer:
         routes = held.pop()
         w, s = (_wide(take(routes.targets, rows)) for rows in (routes.gathered, routes.scales))
         del routes  # (the target pieces: only these rows of them are read)
-        self.tboxes, self.first, tb_of = _unique_rows(
-            np.stack([w.tensor, w.off0, w.off1, w.size0, w.size1], axis=1))
+        self.tboxes, self.first, tb_of = unique_rows(  # (by one sort of row keys)
+            np.stack([w.tensor, w.off0, w.off1, w.size0, w.size1], axis=1), True, True)
         self.chunks = _wide(intersect(spec, src, take(w, self.first)))
         # The columns read one row at a time, as lists (a numpy scalar costs far more),
         # each made on its first read: most boxes take the column paths, which read none.
@@ -409,20 +409,6 @@ class Gatherer:
         sd = s.base[j] + (b.t0 // BLOCK) * s.a0[j] + (b.t1 // BLOCK) * s.a1[j]
         self.out.runs(slot.convert, (owner, stg, slot.s_off), (d_rank, s.region[j], sd * 4),
                       rb, cb * 4, cb * 4, s.a0[j] * 4)
-
-
-def _unique_rows(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`np.unique(keys, axis=0, return_index=True, return_inverse=True)` of an int64 table
-    with rows (its rows in lexicographic order, the first row of each, each row's one), by
-    a stable `lexsort` of its columns: a fraction of the time of `unique`'s sort of rows as
-    records."""
-    order = np.lexsort(keys.T[::-1])
-    ks = keys[order]
-    new = np.ones(len(keys), dtype=bool)
-    np.any(ks[1:] != ks[:-1], axis=1, out=new[1:])
-    inverse = np.empty(len(keys), dtype=np.int64)
-    inverse[order] = np.cumsum(new) - 1
-    return ks[new], order[new], inverse
 
 
 def _wide(t: T) -> T:

@@ -25,9 +25,13 @@ def owner(g: GatherState, t: int) -> tuple[int, list[int], int] | None:
         return None
     ch, lo, hi = g.chunks, g.chunk_ptr_l[t], g.chunk_ptr_l[t + 1]
     h = ch.holders[ch.holder_ptr[ch.sbox[lo:hi]]].astype(np.int64)
-    ranks, at = np.unique(g.src.rank[h], return_inverse=True)
-    held = np.zeros(len(ranks), dtype=np.int64)
-    np.add.at(held, at.reshape(-1), ch.size0[lo:hi] * ch.size1[lo:hi])
+    rank, size = g.src.rank[h].astype(np.int64), ch.size0[lo:hi] * ch.size1[lo:hi]
+    if len(set(rank.tolist())) == len(rank):  # each chunk on a rank of its own (the owner
+        ranks, held = rank, size  # does not depend on the ranks' order)
+    else:
+        ranks, at = np.unique(rank, return_inverse=True)
+        held = np.zeros(len(ranks), dtype=np.int64)
+        np.add.at(held, at.reshape(-1), size)
     return pick_owner(ranks, held, g.load, g.nic_a, g.fanout), h.tolist(), len(ranks)
 
 
