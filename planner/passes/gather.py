@@ -68,7 +68,7 @@ from planner.passes.gather_out import (
 from planner.passes.intersect import PieceTable, intersect, take
 from planner.passes.lower import Lowered
 from planner.passes.route import Routes
-from planner.rows import stable_argsort
+from planner.rows import stable_argsort, unique_rows
 from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import ConfigError, Options
@@ -135,12 +135,8 @@ class Gatherer:
         routes = held.pop()
         w, s = (_wide(take(routes.targets, rows)) for rows in (routes.gathered, routes.scales))
         del routes  # (the target pieces: only these rows of them are read)
-        keys = np.stack([w.tensor, w.off0, w.off1, w.size0, w.size1], axis=1)
-        self.tboxes, self.first, tb_of = np.unique(keys, axis=0, return_index=True,
-                                                   return_inverse=True)
-        del keys
-        tb_of = tb_of.reshape(-1)
-        self.tboxes = self.tboxes.astype(np.int64)
+        self.tboxes, self.first, tb_of = unique_rows(  # (by one sort of row keys)
+            np.stack([w.tensor, w.off0, w.off1, w.size0, w.size1], axis=1), True, True)
         self.chunks = _wide(intersect(spec, src, take(w, self.first)))
         # The columns read one row at a time, as lists (a numpy scalar costs far more),
         # each made on its first read: most boxes take the column paths, which read none.
@@ -199,7 +195,6 @@ class Gatherer:
         box = self._choose(t)
         slot = self._place(box)
         at = self._targets(t)
-        to = at.tolist()
         self._account(box, slot, at)
         if box.parts:
             f_off = self._quant_parts(box, slot)
@@ -217,8 +212,8 @@ class Gatherer:
         if not (box.parts or box.direct):
             f_off = self._convert(box, slot, self.stg[box.owner], slot.g_off // box.es,
                                   (box.n1, 1))
-        if not gather_rows.fan_out(self, box, slot, f_off, to):
-            for i in to:
+        if not gather_rows.fan_out(self, box, slot, f_off, at):
+            for i in at.tolist():
                 self._fan_out(box, slot, f_off, i)
 
     def src_rows(self, rows: np.ndarray) -> PieceTable:
@@ -259,8 +254,8 @@ class Gatherer:
         direct = quant and len(rows) == 1 and sl.rank[rows[0]] == owner
         parts = quant and not direct and (self.by_parts[t] or self.aligned[t] and all(
             sl.rank[h] == owner for h in rows))  # or whole-row parts, all the owner's
-        others = [c for c, h in zip(cs, rows) if sl.rank[h] != owner]
-        g_bytes = 0 if direct else sum(align(cl.size0[c] * cl.size1[c] * es) for c in others) \
+        g_bytes = 0 if direct else sum(align(cl.size0[c] * cl.size1[c] * es) for c, h in
+                                       zip(cs, rows) if sl.rank[h] != owner) \
             if parts else align(n0 * n1 * es)
         return Box(tensor, t0, t1, n0, n1, cs, tuple(rows), owner, n_held == 1,
                     src_code, out_code, es, int(ITEM[out_code]), quant,
