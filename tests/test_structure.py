@@ -40,7 +40,7 @@ INNER: dict[str, set[str]] = {
     "planner.layouts": {"planner.spec", "planner.models", "planner.errors", "planner.collector"},
     "planner.passes": {"planner.layouts", "planner.spec", "planner.models", "planner.fp8",
                        "planner.frameworks", "planner.rows", "planner.topology",
-                       "planner.writes"},
+                       "planner.writes", "planner.collector"},
     "planner.tools": {"planner.passes", "planner.placement", "planner.rows", "planner.topology",
                       "planner.writes", "planner.collector"},
 }
