@@ -88,11 +88,7 @@ from integrations import vllm_content as content
 from integrations.engine_core import EngineCore
 from integrations.errors import TornUpdateError
 from integrations.vllm_background import Background
-from integrations.vllm_trainer_info import (
-    BACKEND,
-    RdmaPlanTrainerInitInfo,
-    source_tensors,
-)
+from integrations.vllm_trainer_info import BACKEND, RdmaPlanTrainerInitInfo, source_tensors
 from schemas.chunked_plan import is_chunked
 from schemas.header import PlanHeader
 from schemas.placement import Placement

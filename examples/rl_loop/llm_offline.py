@@ -375,9 +375,9 @@ def refit_once(args: argparse.Namespace) -> int:
     print(f"llm_offline.py: LLM up in {time.monotonic() - t0:.0f} s", flush=True)
     # hosted here on a port the OS picks while binding it (no port found free, then bound
     # later: on a busy box another socket can take it meanwhile)
-    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=60))
-    args.master_port = host.port
+    from harness.launch import master_store
+
+    host, args.master_port = master_store(60.0)
     peer = subprocess.Popen(
         [sys.executable, __file__, "--trainer-rank", "1", "--workdir", args.workdir,
          "--plan", args.plan, "--plan-b", args.plan_b, "--plan-key", args.plan_key,
