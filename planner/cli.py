@@ -100,10 +100,11 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
     _check_output(args.output)
     cfg, spec = load(args.config)  # bad configs fail here, before the compiler is imported
+    from planner.collector import map_large_arrays
     from planner.compiler import compile_to
     from planner.progress import Progress
 
-    _map_large_arrays()
+    map_large_arrays()
     try:
         with Progress("compile") as progress:
             stats = compile_to(cfg, spec, args.output, progress, sign_key=args.sign_key)
@@ -114,29 +115,6 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     summary = "  ".join(f"{k}={_fmt(v)}" for k, v in stats.items())
     print(f"wrote {args.output}: {summary}")
     return 0
-
-
-def _map_large_arrays() -> None:
-    """Have glibc map every allocation of 4 MiB or more on its own and unmap it when freed.
-    The compiler's columns are large, short-lived numpy arrays: with glibc's default
-    (a threshold that rises to 32 MiB as such blocks are freed) most of them land on the
-    heap, whose holes are kept, not returned, and count in the compile's peak RSS. 4 MiB is
-    where numpy asks for transparent huge pages (`madvise`): a mapped array is then faulted
-    in 2 MiB at a time, while those below stay on the heap and reuse its pages (a lower
-    threshold maps arrays that are faulted 4 KiB at a time, their pages zeroed afresh: more
-    system time, no lower peak). Elsewhere (no glibc) nothing changes."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)
-    except (OSError, AttributeError):
-        pass
-
-
-_M_MMAP_THRESHOLD = -3
-"""glibc's `mallopt` parameter (malloc.h); setting it turns the dynamic threshold off."""
-_THRESHOLD = 4 << 20
-"""Bytes from which an allocation is mapped on its own (`_map_large_arrays`)."""
 
 
 def _check_output(path: str) -> None:

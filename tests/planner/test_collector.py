@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -37,3 +38,35 @@ def test_free_heap_pages_go_back() -> None:
     assert before - after > 64 << 10, (before, after)  # well over 64 of the 128 MiB freed
     assert len(kept) == 2048
     release_free()  # again: nothing more to give, no error
+
+
+_PROBE = """
+import ctypes, sys
+from planner.collector import map_large_arrays
+if sys.argv[1] == "set":
+    assert map_large_arrays()
+freed = bytearray(30 << 20)  # a mapped 30 MiB block, freed: glibc's dynamic threshold
+del freed                    # rises past 8 MiB
+block = bytearray(8 << 20)
+addr = ctypes.addressof((ctypes.c_char * 1).from_buffer(block))
+with open("/proc/self/maps") as f:
+    heap = [line for line in f if line.rstrip().endswith("[heap]")]
+lo, hi = (int(x, 16) for x in heap[0].split()[0].split("-")) if heap else (0, 0)
+print("heap" if lo <= addr < hi else "mapped")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _glibc(),
+                    reason="glibc's mallopt on Linux")
+def test_large_arrays_are_mapped_on_their_own() -> None:
+    # each case in a process of its own: the threshold is the whole process's
+    import subprocess
+
+    def where(mode: str) -> str:
+        root = Path(__file__).resolve().parents[2]
+        out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True,
+                             text=True, check=True, cwd=root)
+        return out.stdout.strip()
+
+    assert where("default") == "heap"  # glibc's default: the 8 MiB block lands on the heap
+    assert where("set") == "mapped"
