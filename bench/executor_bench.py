@@ -2,6 +2,7 @@
 
     python bench/executor_bench.py [--writes 64] [--mib 4] [--steps 5] [--record]
                                    [--transport nixl|cuda_ipc] [--device cpu|cuda]
+                                   [--ready-next]
     python bench/executor_bench.py --tiny    # 8 x 64 KiB on CPU, nixl and local, seconds
 
 1. NIXL (or CUDA IPC), 2 processes (rank 0 source, rank 1 target): `executor.run` (READY,
@@ -10,7 +11,10 @@
    the same processes. Over CUDA IPC a second baseline: the same W writes (same sizes,
    same slots) as raw copies in one CUDA graph, the faster of 1 and 4 branches.
 2. `local` transport (`run_all_local`) vs one `torch` copy of the same bytes.
-Medians over `--steps` warm steps; `--record` appends the table to BENCHMARKS.md.
+Medians over `--steps` warm steps; `--record` appends the table to BENCHMARKS.md. The
+source's step period (run start to run start) is printed beside its run's time.
+`--ready-next`: the target announces each next step's READY as a step ends
+(`Executor.run(ready_next=True)`: its memory is lent to the source between its runs).
 Diagnostics by environment: `BENCH_PROFILE=1` (cProfile of each rank), `BENCH_TRACE=DIR`
 [`BENCH_TRACE_FINE=1`] (`step_trace.py`), `BENCH_STEP_RECORDS=0`, `BENCH_PIN=A,B` (rank r's
 main thread on CPU r of the list), `BENCH_GC_FREEZE=1`, `BENCH_MICRO=1` (each rank's context
@@ -185,12 +189,18 @@ def worker(path: str, rank: int, port: int, steps: int, transport: str, device: 
         gc.collect()
         gc.freeze()
     prof = cProfile.Profile() if os.environ.get("BENCH_PROFILE") else None
-    runs = [executor.run(plan)]  # warm-up
+    lend = os.environ.get("BENCH_READY_NEXT") == "1" and rank == 1  # `--ready-next`
+    runs = [executor.run(plan, None, True) if lend else executor.run(plan)]  # warm-up
     trace = step_trace.attach(plan) if os.environ.get("BENCH_TRACE") else None
     if prof:
         prof.enable()
     switches = _switches() if os.environ.get("BENCH_MICRO") else None
-    runs = [executor.run(plan) for _ in range(steps)]
+    starts, runs = [], []
+    for i in range(steps):  # the target lends its memory after every step but the last
+        starts.append(time.perf_counter())
+        runs.append(executor.run(plan, None, True) if lend and i < steps - 1
+                    else executor.run(plan))
+    starts.append(time.perf_counter())
     if switches is not None:  # where a step's host time goes, in this very process
         _micro(plan, rank, steps, switches)
     if prof:  # where the host's time goes (`BENCH_PROFILE=1`): each rank prints its top 25
@@ -202,7 +212,8 @@ def worker(path: str, rank: int, port: int, steps: int, transport: str, device: 
         step_trace.save(os.environ["BENCH_TRACE"], rank, trace)
     print(f"rank {rank}: signals admitted as sealed ahead "  # (none before they were)
           f"{getattr(plan.inbox, 'ahead_hits', '-')}, sent as sealed ahead "
-          f"{getattr(plan.signals, 'sent_ahead', '-')}, refused {plan.inbox.refused}", flush=True)
+          f"{getattr(plan.signals, 'sent_ahead', '-')}, refused {plan.inbox.refused}, "
+          f"steps announced {getattr(plan, 'announcements', '-')}", flush=True)
     if rank == 0 and transport == "cuda_ipc":  # which path the batches took
         print(f"rank 0 ({device}) transport stats: {plan.transport.stats()}", flush=True)
     if rank == 1:  # bit-exact: slot (i * 7) % W of the target holds the source's chunk i
@@ -215,8 +226,9 @@ def worker(path: str, rank: int, port: int, steps: int, transport: str, device: 
                           if transport == "cuda_ipc" else (float("nan"), 0))
         times = [r.seconds for r in runs]
         host = statistics.median(r.host_seconds for r in runs)
+        period = statistics.median(b - a for a, b in zip(starts, starts[1:]))
         store.set("result", f"{statistics.median(times)} {statistics.median(raw)} "
-                            f"{host} {many} {branches}".encode())
+                            f"{host} {many} {branches} {period}".encode())
     else:  # UCX over TCP or shared memory needs the target to make progress too
         while not store.check(["result"]):
             plan.transport.poll()
@@ -291,7 +303,9 @@ def bench_two_processes(path: str, steps: int, transport: str, device: str, writ
             raise SystemExit(f"{transport} worker {f.rank} failed with status {f.returncode}")
     if os.environ.get("BENCH_TRACE"):
         print(step_trace.report(os.environ["BENCH_TRACE"]))
-    ex, raw, host, many, branches = map(float, store.get("result").decode().split())
+    ex, raw, host, many, branches, period = map(float, store.get("result").decode().split())
+    print(f"source: a step's period (run start to run start, median) {period * 1e6:.1f} us, "
+          f"its run {ex * 1e6:.1f} us; raw / period {raw / period:.2f}", flush=True)
     return ex, raw, host, store.get("exact") == b"1", many, int(branches)
 
 
@@ -338,9 +352,14 @@ def main() -> None:
                     help='JSON of the local transport\'s options, e.g. \'{"copy_kernel": false}\'')
     ap.add_argument("--no-local", action="store_true",
                     help="skip the `run_all_local` row (two-process rows only)")
+    ap.add_argument("--ready-next", action="store_true",
+                    help="the target runs `run(ready_next=True)` (its next step's READY sent "
+                    "as each step ends, docs/executor.md) but in its last step")
     ap.add_argument("--tiny", action="store_true",
                     help="8 writes of 64 KiB, 2 steps, nixl on CPU (the test suite's mode)")
     a = ap.parse_args()
+    if a.ready_next:  # to the workers (their environment)
+        os.environ["BENCH_READY_NEXT"] = "1"
     if a.tiny:
         a.writes, a.mib, a.steps, a.transport, a.device = 8, 1 / 16, 2, "nixl", "cpu"
     with tempfile.TemporaryDirectory() as tmp:
