@@ -112,6 +112,7 @@ class Executor:
         self.quiet: list[bool] = []  # stage s only awaits DONEs (`_quiet`)
         self.ready_first = False
         """A step starts by sending stage 0's READYs (its running record is handed after them)."""
+        self.only_receives = False
         self.announced: tuple[int, tuple[int, ...]] | None = None
         """(step, the addressees' incarnations) of the stage-0 READYs the last `run` sent for
         the next step (`run(ready_next=True)`); None when none are out."""
@@ -211,6 +212,12 @@ class Executor:
         self.carries = carries(p).tolist()  # stage s may end with its writes in flight
         self.quiet = [self._quiet(s) for s in range(p.stages)]
         self.ready_first = bool(self.stages) and not self.quiet[0] and bool(self.stages[0].ready_to)
+        self.only_receives = self.ready_first and not any(
+            st.packs or st.batches or st.pipeline or st.unpacks or st.done_to or st.ack_to
+            or st.slot_ack_to for st in self.stages)
+        """A step of this rank sends READYs and awaits DONEs, nothing else: its memory is
+        written by its peers alone, no op of its own reads or writes it (`run`'s
+        `ready_next` announces the next step's READYs as this step's go out)."""
         self.signals.head(*self._head())
 
     def _head(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
@@ -392,6 +399,8 @@ class Executor:
             if first:
                 if not self._announced_holds(announced):
                     self.ready(0)
+                if ready_next and self.only_receives:
+                    self._announce()
                 self.record_running()
             s, n = 0, len(self.stages)
             while s < n:
@@ -410,7 +419,7 @@ class Executor:
         except BaseException as e:
             self.fail(getattr(e, "peer", None))
             raise
-        return self.end_step(t0, ready_next)
+        return self.end_step(t0, ready_next and not self.only_receives)
 
     def _claim_announced(self, step: int | None) -> tuple[int, tuple[int, ...]] | None:
         """The READYs the last `run` announced, taken by this one; refused (`ValueError`,
