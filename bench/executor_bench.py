@@ -2,7 +2,6 @@
 
     python bench/executor_bench.py [--writes 64] [--mib 4] [--steps 5] [--record]
                                    [--transport nixl|cuda_ipc] [--device cpu|cuda]
-                                   [--ready-next]
     python bench/executor_bench.py --tiny    # 8 x 64 KiB on CPU, nixl and local, seconds
 
 1. NIXL (or CUDA IPC), 2 processes (rank 0 source, rank 1 target): `executor.run` (READY,
@@ -13,8 +12,6 @@
 2. `local` transport (`run_all_local`) vs one `torch` copy of the same bytes.
 Medians over `--steps` warm steps; `--record` appends the table to BENCHMARKS.md. The
 source's step period (run start to run start) is printed beside its run's time.
-`--ready-next`: the target announces each next step's READY as a step ends
-(`Executor.run(ready_next=True)`: its memory is lent to the source between its runs).
 Diagnostics by environment: `BENCH_PROFILE=1` (cProfile of each rank), `BENCH_TRACE=DIR`
 [`BENCH_TRACE_FINE=1`] (`step_trace.py`), `BENCH_STEP_RECORDS=0`, `BENCH_PIN=A,B` (rank r's
 main thread on CPU r of the list), `BENCH_GC_FREEZE=1`, `BENCH_MICRO=1` (each rank's context
@@ -189,17 +186,15 @@ def worker(path: str, rank: int, port: int, steps: int, transport: str, device: 
         gc.collect()
         gc.freeze()
     prof = cProfile.Profile() if os.environ.get("BENCH_PROFILE") else None
-    lend = os.environ.get("BENCH_READY_NEXT") == "1" and rank == 1  # `--ready-next`
-    runs = [executor.run(plan, None, True) if lend else executor.run(plan)]  # warm-up
+    runs = [executor.run(plan)]  # warm-up
     trace = step_trace.attach(plan) if os.environ.get("BENCH_TRACE") else None
     if prof:
         prof.enable()
     switches = _switches() if os.environ.get("BENCH_MICRO") else None
     starts, runs = [], []
-    for i in range(steps):  # the target lends its memory after every step but the last
+    for _ in range(steps):  # (the source's period: from one run's start to the next's)
         starts.append(time.perf_counter())
-        runs.append(executor.run(plan, None, True) if lend and i < steps - 1
-                    else executor.run(plan))
+        runs.append(executor.run(plan))
     starts.append(time.perf_counter())
     if switches is not None:  # where a step's host time goes, in this very process
         _micro(plan, rank, steps, switches)
@@ -212,8 +207,7 @@ def worker(path: str, rank: int, port: int, steps: int, transport: str, device: 
         step_trace.save(os.environ["BENCH_TRACE"], rank, trace)
     print(f"rank {rank}: signals admitted as sealed ahead "  # (none before they were)
           f"{getattr(plan.inbox, 'ahead_hits', '-')}, sent as sealed ahead "
-          f"{getattr(plan.signals, 'sent_ahead', '-')}, refused {plan.inbox.refused}, "
-          f"steps announced {getattr(plan, 'announcements', '-')}", flush=True)
+          f"{getattr(plan.signals, 'sent_ahead', '-')}, refused {plan.inbox.refused}", flush=True)
     if rank == 0 and transport == "cuda_ipc":  # which path the batches took
         print(f"rank 0 ({device}) transport stats: {plan.transport.stats()}", flush=True)
     if rank == 1:  # bit-exact: slot (i * 7) % W of the target holds the source's chunk i
@@ -352,14 +346,9 @@ def main() -> None:
                     help='JSON of the local transport\'s options, e.g. \'{"copy_kernel": false}\'')
     ap.add_argument("--no-local", action="store_true",
                     help="skip the `run_all_local` row (two-process rows only)")
-    ap.add_argument("--ready-next", action="store_true",
-                    help="the target runs `run(ready_next=True)` (its next step's READY sent "
-                    "as each step ends, docs/executor.md) but in its last step")
     ap.add_argument("--tiny", action="store_true",
                     help="8 writes of 64 KiB, 2 steps, nixl on CPU (the test suite's mode)")
     a = ap.parse_args()
-    if a.ready_next:  # to the workers (their environment)
-        os.environ["BENCH_READY_NEXT"] = "1"
     if a.tiny:
         a.writes, a.mib, a.steps, a.transport, a.device = 8, 1 / 16, 2, "nixl", "cpu"
     with tempfile.TemporaryDirectory() as tmp:

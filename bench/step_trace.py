@@ -35,10 +35,10 @@ def attach(ex: Any) -> list[list[tuple[str, float]]]:
         if steps:
             steps[-1].append((name, time.perf_counter()))
 
-    def t_run(step: Any = None, *a: Any) -> Any:
+    def t_run(step: Any = None) -> Any:
         steps.append([("start", time.perf_counter())])
         landed.clear()
-        out = run(step, *a)
+        out = run(step)
         mark("end")
         return out
 
@@ -47,8 +47,8 @@ def attach(ex: Any) -> list[list[tuple[str, float]]]:
         if waits:
             mark("got " + "+".join(sorted({KIND_NAMES[k].split()[0] for _, k, _ in waits})))
 
-    def t_signal(peers: list[int], stage: int, kind: int, *a: Any) -> None:
-        signal(peers, stage, kind, *a)
+    def t_signal(peers: list[int], stage: int, kind: int) -> None:
+        signal(peers, stage, kind)
         if peers:
             mark("sent " + KIND_NAMES[kind].split()[0])
 

@@ -112,12 +112,6 @@ class Executor:
         self.quiet: list[bool] = []  # stage s only awaits DONEs (`_quiet`)
         self.ready_first = False
         """A step starts by sending stage 0's READYs (its running record is handed after them)."""
-        self.only_receives = False
-        self.announced: tuple[int, tuple[int, ...]] | None = None
-        """(step, the addressees' incarnations) of the stage-0 READYs the last `run` sent for
-        the next step (`run(ready_next=True)`); None when none are out."""
-        self.announcements = 0
-        """Steps whose stage-0 READYs went out at the end of the step before."""
         self.peers: list[int] = []
         self.step, self.complete, self.registered = 0, False, False
         self.failed = False  # the last step raised: the next one recovers first
@@ -212,12 +206,6 @@ class Executor:
         self.carries = carries(p).tolist()  # stage s may end with its writes in flight
         self.quiet = [self._quiet(s) for s in range(p.stages)]
         self.ready_first = bool(self.stages) and not self.quiet[0] and bool(self.stages[0].ready_to)
-        self.only_receives = self.ready_first and not any(
-            st.packs or st.batches or st.pipeline or st.unpacks or st.done_to or st.ack_to
-            or st.slot_ack_to for st in self.stages)
-        """A step of this rank sends READYs and awaits DONEs, nothing else: its memory is
-        written by its peers alone, no op of its own reads or writes it (`run`'s
-        `ready_next` announces the next step's READYs as this step's go out)."""
         self.signals.head(*self._head())
 
     def _head(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
@@ -310,7 +298,6 @@ class Executor:
         region sizes and descriptors). Signals carry the plan's tag, so a peer still on the
         old plan never satisfies a wait of the new one."""
         self.check_switch(header, plan, placement)
-        self.announced = None  # the old plan's: each peer drops it at its own switch (retag)
         self.window.drain(self.timeout_s)  # nothing of the old plan's batches in flight
         if self.device.type == "cuda":
             device_sync(self.device)
@@ -374,33 +361,18 @@ class Executor:
 
     # ------------------------------------------------------------------ every step
 
-    def run(self, step: int | None = None, ready_next: bool = False) -> RunStats:
+    def run(self, step: int | None = None) -> RunStats:
         """One step: walk every stage; returns when this rank's part is done.
 
         Raises `PeerTimeoutError` (or a subclass; `.peer` is the rank to blame) when a peer
         is gone; `complete` is then False and the next `run()` recovers. `step`: the
-        caller's step number (the same on every rank), or None to count steps here.
-
-        `ready_next=True` lends the memory the next step's first stage writes into: once
-        this step is complete (its unpacks done), and before returning, the rank sends the
-        next step's stage-0 READYs, so its sources find them waiting when they start that
-        step and this rank's return to its caller leaves the step's critical path. The
-        caller promises not to read or write that memory (its staging and the regions the
-        plan's stage-0 writes land in: for a plan of one stage, every region this rank
-        receives into) until its next `run` returns; that run
-        must be step `self.announced[0]` (`step=None` is). See docs/executor.md, "Announcing
-        the next step's READYs". A rank whose step does not start with READYs announces
-        nothing (`announced` stays None)."""
+        caller's step number (the same on every rank), or None to count steps here."""
         t0 = time.perf_counter()
         first = self.ready_first  # the step's first READYs go out before its running record
-        announced = self._claim_announced(step)
         self.begin_step(step, record=not first)
         try:
             if first:
-                if not self._announced_holds(announced):
-                    self.ready(0)
-                if ready_next and self.only_receives:
-                    self._announce()
+                self.ready(0)
                 self.record_running()
             s, n = 0, len(self.stages)
             while s < n:
@@ -419,38 +391,7 @@ class Executor:
         except BaseException as e:
             self.fail(getattr(e, "peer", None))
             raise
-        return self.end_step(t0, ready_next and not self.only_receives)
-
-    def _claim_announced(self, step: int | None) -> tuple[int, tuple[int, ...]] | None:
-        """The READYs the last `run` announced, taken by this one; refused (`ValueError`,
-        nothing changed: they stay out) where `step` is another step than they were for."""
-        a = self.announced
-        if a is not None and step is not None and step != a[0]:
-            raise ValueError(f"rank {self.rank}: run(step={step}) after run(ready_next=True) "
-                             f"announced step {a[0]}'s READYs: run step {a[0]} (or step=None)")
-        self.announced = None
-        return a
-
-    def _announced_holds(self, a: tuple[int, tuple[int, ...]] | None) -> bool:
-        """Whether READYs announced for the next step (`a`) stand for this one: the same
-        step, and each addressee still the process they went to (a recovery that moved the
-        step or re-imported a peer sends them again)."""
-        if a is None or a[0] != self.step:
-            return False
-        incs = self.inbox.incarnations
-        return a[1] == tuple(incs.get(p, 0) for p in self.stages[0].ready_to)
-
-    def _announce(self) -> None:
-        """Step `self.step` is complete: send the next step's stage-0 READYs now
-        (`run(ready_next=True)`). A peer that cannot be told is left to the next `run`,
-        which sends them all again (a duplicate READY of a step is taken once)."""
-        peers, nxt = self.stages[0].ready_to, self.step + 1
-        if not best_effort("announcing the next step's READYs",  # the step is complete: a
-                           lambda: self.signals.send(peers, 0, READY, nxt) or True):  # lost
-            return  # peer is the next step's to find
-        incs = self.inbox.incarnations
-        self.announced = (nxt, tuple(incs.get(p, 0) for p in peers))
-        self.announcements += 1
+        return self.end_step(t0)
 
     def begin_step(self, step: int | None = None, record: bool = True) -> None:
         """A step starts: recover first where the last failed, count it, and (`record`) hand
@@ -485,11 +426,8 @@ class Executor:
         # the store may be gone too; the timeout was raised
         best_effort("publishing the step", self.control.publish_step, self.step + 1)
 
-    def end_step(self, t0: float, announce: bool = False) -> RunStats:
-        """The step is complete; `announce`: send the next step's stage-0 READYs (`run`)."""
+    def end_step(self, t0: float) -> RunStats:
         self.signals.sync()  # unpacks are queued: the weights are whole after this
-        if announce and self.ready_first:
-            self._announce()
         self.complete = True
         self.last_complete_step = self.step
         seconds = time.perf_counter() - t0
@@ -609,17 +547,6 @@ class Executor:
             self.signals.send(st.slot_ack_to, s, SLOT_ACK)
 
     def close(self) -> None:
-        """Give everything back. READYs announced for a step this rank will not run
-        (`run(ready_next=True)`) are voided first by an `ABORT` of that step (best effort):
-        a source that had not taken them fails that step instead of writing; one that had
-        may still be writing, so the caller frees the lent memory only once its sources
-        stopped (docs/executor.md)."""
-        a, self.announced = self.announced, None
-        if a is not None:
-            for peer in self.stages[0].ready_to if self.stages else []:
-                best_effort(f"ABORT of the announced step to rank {peer}", lambda p=peer:
-                            self.transport.notify(p, self.signals.msg(p, self.rank,
-                                                                      signals.ABORT, a[0])))
         self.control.close()
         try:
             if self.device.type == "cuda":  # nothing of this rank's may still run on the GPU
@@ -635,7 +562,6 @@ class Executor:
 load = Executor.load
 
 
-def run(plan: Executor, step: int | None = None, ready_next: bool = False) -> RunStats:
-    """One step of a loaded plan (`load`): source ranks push, target ranks receive
-    (`ready_next`: `Executor.run`'s)."""
-    return plan.run(step, ready_next)
+def run(plan: Executor, step: int | None = None) -> RunStats:
+    """One step of a loaded plan (`load`): source ranks push, target ranks receive."""
+    return plan.run(step)

@@ -136,9 +136,9 @@ class Inbox:
 
     def retag(self, tag: bytes) -> None:
         """The rank switched plans between steps: only the new plan's messages count. What
-        arrived already of a later step is the old plan's (a READY a target announced at
-        the end of its last step, `Executor.run(ready_next=True)`, say): dropped, never
-        taken for the new plan's wait of the same key."""
+        arrived already (of a later step: a peer that went on with the old plan) is the old
+        plan's: dropped, never taken for the new plan's wait of the same key (a key does
+        not carry the plan's tag)."""
         self.tag, self.prefix = tag, _MAGIC + tag
         self.arrived.clear()
         self.forget_expected()

@@ -155,28 +155,24 @@ class Signals:
         self.sealer = signals.Sealer(self.me.keys, tag)
         self.sealed, self.ahead_at = None, (-1, -1)  # sealed under the old tag
 
-    def msg(self, peer: int, stage: int, kind: int, step: int = -1) -> bytes:
-        """The next signal of this step (or of `step`: an announced READY of the next one,
-        `Executor.run(ready_next=True)`) to `peer` (`stage`, `kind`), sealed."""
+    def msg(self, peer: int, stage: int, kind: int) -> bytes:
+        """The next signal of this step to `peer` (`stage`, `kind`), sealed."""
         me = self.me
         self.seq += 1
         to = self.inbox.incarnations.get(peer, 0)
-        if step < 0:
-            step = self.step
         sealed = self.sealed
         if sealed is not None:
             self.sealed = None
-            if sealed[0] == (peer, stage, kind, step, self.seq, to):
+            if sealed[0] == (peer, stage, kind, self.step, self.seq, to):
                 self.sent_ahead += 1
                 return sealed[1]  # sealed ahead (`ahead`): the same bytes
-        return self.sealer.seal(me.incarnation, to, step, stage, kind, me.rank, self.seq)
+        return self.sealer.seal(me.incarnation, to, self.step, stage, kind, me.rank, self.seq)
 
-    def send(self, peers: list[int], stage: int, kind: int, step: int = -1) -> None:
-        """Send `kind` of `stage` (of this step, or of `step`) to each of `peers`
-        (`PeerLostError` if one cannot be)."""
+    def send(self, peers: list[int], stage: int, kind: int) -> None:
+        """Send `kind` of `stage` to each of `peers` (`PeerLostError` if one cannot be)."""
         for peer in peers:
             try:
-                self.transport.notify(peer, self.msg(peer, stage, kind, step))
+                self.transport.notify(peer, self.msg(peer, stage, kind))
             except Exception as e:  # transports raise their own types
                 raise PeerLostError(self.me.rank, peer, f"send {KIND_NAMES[kind]} of stage "
                                     f"{stage}", e) from e
