@@ -10,7 +10,8 @@
    the same processes. Over CUDA IPC a second baseline: the same W writes (same sizes,
    same slots) as raw copies in one CUDA graph, the faster of 1 and 4 branches.
 2. `local` transport (`run_all_local`) vs one `torch` copy of the same bytes.
-Medians over `--steps` warm steps; `--record` appends the table to BENCHMARKS.md.
+Medians over `--steps` warm steps; `--record` appends the table to BENCHMARKS.md. The
+source's step period (run start to run start) is printed beside its run's time.
 Diagnostics by environment: `BENCH_PROFILE=1` (cProfile of each rank), `BENCH_TRACE=DIR`
 [`BENCH_TRACE_FINE=1`] (`step_trace.py`), `BENCH_STEP_RECORDS=0`, `BENCH_PIN=A,B` (rank r's
 main thread on CPU r of the list), `BENCH_GC_FREEZE=1`, `BENCH_MICRO=1` (each rank's context
@@ -190,7 +191,11 @@ def worker(path: str, rank: int, port: int, steps: int, transport: str, device: 
     if prof:
         prof.enable()
     switches = _switches() if os.environ.get("BENCH_MICRO") else None
-    runs = [executor.run(plan) for _ in range(steps)]
+    starts, runs = [], []
+    for _ in range(steps):  # (the source's period: from one run's start to the next's)
+        starts.append(time.perf_counter())
+        runs.append(executor.run(plan))
+    starts.append(time.perf_counter())
     if switches is not None:  # where a step's host time goes, in this very process
         _micro(plan, rank, steps, switches)
     if prof:  # where the host's time goes (`BENCH_PROFILE=1`): each rank prints its top 25
@@ -215,8 +220,9 @@ def worker(path: str, rank: int, port: int, steps: int, transport: str, device: 
                           if transport == "cuda_ipc" else (float("nan"), 0))
         times = [r.seconds for r in runs]
         host = statistics.median(r.host_seconds for r in runs)
+        period = statistics.median(b - a for a, b in zip(starts, starts[1:]))
         store.set("result", f"{statistics.median(times)} {statistics.median(raw)} "
-                            f"{host} {many} {branches}".encode())
+                            f"{host} {many} {branches} {period}".encode())
     else:  # UCX over TCP or shared memory needs the target to make progress too
         while not store.check(["result"]):
             plan.transport.poll()
@@ -291,7 +297,9 @@ def bench_two_processes(path: str, steps: int, transport: str, device: str, writ
             raise SystemExit(f"{transport} worker {f.rank} failed with status {f.returncode}")
     if os.environ.get("BENCH_TRACE"):
         print(step_trace.report(os.environ["BENCH_TRACE"]))
-    ex, raw, host, many, branches = map(float, store.get("result").decode().split())
+    ex, raw, host, many, branches, period = map(float, store.get("result").decode().split())
+    print(f"source: a step's period (run start to run start, median) {period * 1e6:.1f} us, "
+          f"its run {ex * 1e6:.1f} us; raw / period {raw / period:.2f}", flush=True)
     return ex, raw, host, store.get("exact") == b"1", many, int(branches)
 
 

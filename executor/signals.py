@@ -135,8 +135,12 @@ class Inbox:
         """Messages admitted by their bytes (`expect`); the rest were checked in full."""
 
     def retag(self, tag: bytes) -> None:
-        """The rank switched plans between steps: only the new plan's messages count."""
+        """The rank switched plans between steps: only the new plan's messages count. What
+        arrived already (of a later step: a peer that went on with the old plan) is the old
+        plan's: dropped, never taken for the new plan's wait of the same key (a key does
+        not carry the plan's tag)."""
         self.tag, self.prefix = tag, _MAGIC + tag
+        self.arrived.clear()
         self.forget_expected()
 
     def expect(self, keys: list[Key]) -> None:

@@ -58,3 +58,24 @@ def test_a_plan_for_other_memory_or_peers_is_refused_in_one_line(tmp_path):
     unrelated = dataclasses.replace(plan_b.header, placement_base="0" * 64)
     why = refusal(h, rank, unrelated, plan_b.ranks[2], [0, 1, 3])
     assert why is not None and "not the loaded one for another expert placement" in why
+
+
+def test_a_switch_drops_what_arrived_of_the_old_plan():
+    # a signal of a later step that arrived under plan A (a peer went on with it) must not
+    # satisfy plan B's wait of the same key: keys do not carry the plan's tag
+    from executor import signals as sg
+    from executor.auth import keys_from
+    from schemas.plan import READY
+
+    keys, tag_a, tag_b = keys_from(b"k" * 32), sg.fingerprint_tag("a"), sg.fingerprint_tag("b")
+    box = sg.Inbox(tag_a, incarnation=7, rank=1, keys=keys)
+    box.set_incarnation(0, 100)
+    box.add([("", sg.encode(keys, tag_a, 100, 7, 2, 0, READY, 0, 1))], step=1)
+    key = sg.expected(2, 0, READY, 0)
+    assert key in box.arrived
+    box.retag(tag_b)
+    assert box.take([key]) == [key]
+    box.add([("", sg.encode(keys, tag_a, 100, 7, 2, 0, READY, 0, 2))], step=2)  # still A's
+    assert box.take([key]) == [key]
+    box.add([("", sg.encode(keys, tag_b, 100, 7, 2, 0, READY, 0, 3))], step=2)
+    assert box.take([key]) == []
