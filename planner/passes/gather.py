@@ -53,6 +53,7 @@ import numpy as np
 
 from planner.collector import release_free
 from planner.passes import gather_rows
+from planner.passes.gather_batch import add_rest
 from planner.passes.gather_box import Box, Slot, TargetRows, pick_owner
 from planner.passes.gather_direct import add_direct
 from planner.passes.gather_out import (
@@ -105,9 +106,8 @@ def gather(spec: ModelSpec, src: PieceTable, routes: list[Routes], n_regions: np
         routes.clear()
         return Gathered(None, explain_rows(Out()), np.zeros(len(n_regions), np.int64), 0)
     g = Gatherer(spec, src, routes, n_regions, opts, topo, base, sent)
-    order = g.order()
-    for t in order[add_direct(g, np.array(order, dtype=np.int64)):]:
-        g.add(t)
+    order = np.array(g.order(), dtype=np.int64)
+    add_rest(g, order[add_direct(g, order):])
     del order
     # the pass's state (its tables, as columns and lists) goes before its writes and
     # copies are made into columns: only the output is kept
