@@ -106,6 +106,10 @@ def gather(spec: ModelSpec, src: PieceTable, routes: list[Routes], n_regions: np
         routes.clear()
         return Gathered(None, explain_rows(Out()), np.zeros(len(n_regions), np.int64), 0)
     g = Gatherer(spec, src, routes, n_regions, opts, topo, base, sent)
+    # room for as many writes and copies as the boxes can make (a chunk makes at most one
+    # write, a target two, a chunk two copies, a box one more): filled, never copied
+    g.out.writes.reserve(len(g.chunks) + 2 * len(g.w.rank))
+    g.out.copies.reserve(2 * len(g.chunks) + len(g.tboxes))
     order = np.array(g.order(), dtype=np.int64)
     add_rest(g, order[add_direct(g, order):])
     del order
