@@ -32,10 +32,11 @@ ROWS = 1 << 17
 """Chunk and target rows of the decided boxes above which their rows are emitted."""
 
 
-def add_rest(g: GatherState, order: np.ndarray) -> None:
-    """Gather, convert and fan out the boxes `order` (int64), one after another."""
+def add_rest(g: GatherState, order: np.ndarray) -> int:
+    """Gather, convert and fan out the boxes `order` (int64), one after another; returns how
+    many of them were made as columns (the others by `Gatherer.add`)."""
     if not len(order):
-        return
+        return 0
     p = _Prepared(g, order)
     ok, need, cand_ptr, cand_rank, cand_nic = p.ok, p.need, p.cand_ptr, p.cand_rank, \
         p.cand_nic
@@ -46,12 +47,13 @@ def add_rest(g: GatherState, order: np.ndarray) -> None:
     load, fanout, nic, host = g.load, g.fanout, g.nic_a.tolist(), g.host
     alloc, rounds, base = g.alloc, g.rounds, g.base
     used, peak0, cap, cap1 = alloc.used, alloc.peak0, alloc.caps[0], alloc.caps[1]
-    block = _Block(p)
+    block, by_rows = _Block(p), 0
     for b in range(len(order)):
         if not ok[b]:
             block.emit(g)
             g.add(int(order[b]))
             block.skip(b + 1)
+            by_rows += 1
             continue
         lo, hi = cand_ptr[b], cand_ptr[b + 1]
         j = lo
@@ -72,6 +74,7 @@ def add_rest(g: GatherState, order: np.ndarray) -> None:
                 block.emit(g)
                 g.add(int(order[b]))
                 block.skip(b + 1)
+                by_rows += 1
                 continue
         # the owner's first round from its last whose two stages have room (`_place`)
         k, nb = rounds.get(o, 0), need[b]
@@ -107,6 +110,7 @@ def add_rest(g: GatherState, order: np.ndarray) -> None:
         if block.rows >= ROWS:
             block.emit(g)
     block.emit(g)
+    return len(order) - by_rows
 
 
 class _Prepared:
