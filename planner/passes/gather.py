@@ -47,6 +47,7 @@ owner, parts and fan-out are columns where they can be (`gather_rows.py`), else 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TypeVar
 
 import numpy as np
@@ -148,10 +149,10 @@ class Gatherer:
         self.chunks_l = Rows(self.chunks, ("off0", "off1", "size0", "size1", "sbox"))
         self.out_code = w.dtype[self.first].tolist()  # each box's target dtype
         self.holder_rows: dict[int, tuple[list[tuple[int, int]], tuple[int, ...]]] = {}
-        self.by_parts, self.aligned = (a.tolist() for a in self._by_parts())
+        self.by_parts, self.aligned = self._by_parts()
         one = np.diff(self.chunks.holder_ptr)[self.chunks.sbox] == 1
-        self.multi = (np.bincount(self.chunks.dst, weights=~one, minlength=len(self.tboxes))
-                      > 0).tolist()  # boxes with a chunk that several ranks hold
+        self.multi = np.bincount(self.chunks.dst, weights=~one, minlength=len(self.tboxes)) \
+            > 0  # boxes with a chunk that several ranks hold
         self.scale_tensor = np.full(len(self.names), -1, dtype=np.int64)
         self.scale_tensor[list(self.scale_id)] = list(self.scale_id.values())
         # the scale piece of each target row: same rank, scale tensor, offsets / 128
@@ -177,10 +178,19 @@ class Gatherer:
         self.rounds: dict[int, int] = {}  # owner -> first round that may still have room
         self.max_stage = base - 1
         self.chunk_ptr = np.searchsorted(self.chunks.dst, np.arange(len(self.tboxes) + 1))
-        self.chunk_ptr_l, self.tboxes_l = self.chunk_ptr.tolist(), self.tboxes.tolist()
         self.targets_of = stable_argsort(tb_of)
         self.target_ptr = np.searchsorted(tb_of[self.targets_of],
                                           np.arange(len(self.tboxes) + 1))
+
+    @cached_property
+    def chunk_ptr_l(self) -> list[int]:
+        """`chunk_ptr` as a list (the row path's)."""
+        return self.chunk_ptr.tolist()
+
+    @cached_property
+    def tboxes_l(self) -> list[list[int]]:
+        """`tboxes` as lists (the row path's)."""
+        return self.tboxes.tolist()
 
     def order(self) -> list[int]:
         """Boxes only one source can own first, then the rest largest first (list

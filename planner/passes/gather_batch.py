@@ -156,10 +156,9 @@ class _Prepared:
         self.cand_nic = g.nic_a[self.cand_rank]
         del key, ranks, at, held, r_box, cand
         # which boxes this covers (`Gatherer.add`'s other paths, `_place`'s error)
-        multi = np.array(g.multi, dtype=bool)[order]
+        multi = g.multi[order]
         direct = quant & (nch == 1)
-        parts = quant & ~direct & (np.array(g.by_parts, dtype=bool)[order] | (
-            np.array(g.aligned, dtype=bool)[order] & (n_held == 1)))
+        parts = quant & ~direct & (g.by_parts[order] | (g.aligned[order] & (n_held == 1)))
         numel = n0 * n1
         self.g_bytes = _align(numel * es)
         self.f_bytes = np.where(quant, _align(numel), np.where(cast, _align(numel * es_d), 0))

@@ -125,11 +125,11 @@ class GatherState(Protocol):
     chunks: Chunks
     chunk_ptr: np.ndarray
     chunk_ptr_l: list[int]
-    multi: list[bool]
+    multi: np.ndarray
     """Per box: some chunk of it has several holders."""
-    by_parts: list[bool]
+    by_parts: np.ndarray
     """Per box: cut into block-aligned parts, not all whole rows (`Gatherer._by_parts`)."""
-    aligned: list[bool]
+    aligned: np.ndarray
     """Per box: cut into block-aligned parts."""
     targets_of: np.ndarray
     target_ptr: np.ndarray
