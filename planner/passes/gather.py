@@ -40,8 +40,11 @@ gather into an owner's staging from round 1 on waits for the owner's SLOT_ACK of
 s - 3 (the round two before, which used the same half), not its ACK of stage s - 1: a
 holder is not held back by an owner still sending the round before. Only where the cost
 model says it pays (`gather_out.halves_fit`: FP8, or few boxes a round).
-The boxes QUANT reads in place come first, as columns (`gather_direct.py`); each other box's
-owner, parts and fan-out are columns where they can be (`gather_rows.py`), else rows below.
+The boxes QUANT reads in place come first, as columns (`gather_direct.py`); the others are
+decided box by box, in order, and made as columns a block of boxes at a time
+(`gather_batch.py`); a box that does not fit there (several holders of a chunk, a QUANT
+part by part, ...) is `Gatherer.add`'s: its owner, parts and fan-out as columns where they
+can be (`gather_rows.py`), else rows below.
 """
 
 from __future__ import annotations

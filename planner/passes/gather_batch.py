@@ -28,22 +28,38 @@ from schemas.plan import PACK, QUANT
 from schemas.protocol import ALIGN, FP8_CODE, ITEM, scale_blocks
 from schemas.protocol import FP8_BLOCK as BLOCK
 
-ROWS = 1 << 17
-"""Chunk and target rows of the decided boxes above which their rows are emitted."""
+ROWS = 1 << 14
+"""Chunks and targets of the boxes of one slice (`add_rest`), about."""
 
 
 def add_rest(g: GatherState, order: np.ndarray) -> int:
     """Gather, convert and fan out the boxes `order` (int64), one after another; returns how
-    many of them were made as columns (the others by `Gatherer.add`)."""
+    many of them were made as columns (the others by `Gatherer.add`). A slice of boxes at a
+    time, of about `ROWS` chunks and targets: each slice's columns stay small (below the
+    size from which the compile maps an array on its own, `cli._map_large_arrays`: their
+    pages are reused, not faulted in afresh, and add nothing to the peak)."""
     if not len(order):
         return 0
+    rows = (g.chunk_ptr[order + 1] - g.chunk_ptr[order] + g.target_ptr[order + 1]
+            - g.target_ptr[order]).tolist()
+    done, at, total = 0, 0, 0
+    for b, n in enumerate(rows):
+        total += n
+        if total >= ROWS or b == len(rows) - 1:
+            done += _add_slice(g, order[at:b + 1])
+            at, total = b + 1, 0
+    return done
+
+
+def _add_slice(g: GatherState, order: np.ndarray) -> int:
+    """`add_rest` of the boxes `order`."""
     p = _Prepared(g, order)
     ok, need, cand_ptr, cand_rank, cand_nic = p.ok, p.need, p.cand_ptr, p.cand_rank, \
         p.cand_nic
     far_of, grp_ptr, grp_nic, grp_host, grp_bytes = p.far, p.grp_ptr, p.grp_nic, \
         p.grp_host, p.grp_bytes
     wb_ptr, wb_rank, wb_need, dup = p.wb_ptr, p.wb_rank, p.wb_need, p.dup
-    unit, n_to, cost = p.unit, p.n_to, p.rows
+    unit, n_to = p.unit, p.n_to
     load, fanout, nic, host = g.load, g.fanout, g.nic_a.tolist(), g.host
     alloc, rounds, base = g.alloc, g.rounds, g.base
     used, peak0, cap, cap1 = alloc.used, alloc.peak0, alloc.caps[0], alloc.caps[1]
@@ -106,9 +122,7 @@ def add_rest(g: GatherState, order: np.ndarray) -> int:
             np.add.at(load, grp_nic[g0:g1][m], grp_bytes[g0:g1][m])
         load[nic[o]] += unit[b] * far_of[j]
         fanout[o] += unit[b] * n_to[b]
-        block.add(b, o, j, gather_stage, start, cost[b])
-        if block.rows >= ROWS:
-            block.emit(g)
+        block.add(b, o, j, gather_stage, start)
     block.emit(g)
     return len(order) - by_rows
 
@@ -207,7 +221,6 @@ class _Prepared:
         self.n_to = n_to.tolist()
         self.numel_d = numel * es_d
         self.sole = n_held == 1
-        self.rows = (nch + n_to).tolist()
 
 
 class _Block:
@@ -220,16 +233,14 @@ class _Block:
         self.cand: list[int] = []
         self.stage: list[int] = []
         self.g_off: list[int] = []
-        self.rows = 0
         self.packed_pos: list[np.ndarray] = []
         self.packed_off: list[np.ndarray] = []
 
-    def add(self, b: int, owner: int, cand: int, stage: int, g_off: int, rows: int) -> None:
+    def add(self, b: int, owner: int, cand: int, stage: int, g_off: int) -> None:
         self.owner.append(owner)
         self.cand.append(cand)
         self.stage.append(stage)
         self.g_off.append(g_off)
-        self.rows += rows
         self.hi = b + 1
 
     def skip(self, b: int) -> None:
@@ -250,7 +261,6 @@ class _Block:
         self.lo = self.hi
         self.owner, self.cand, self.stage, self.g_off = [], [], [], []
         self.packed_pos, self.packed_off = [], []
-        self.rows = 0
 
 
 def _emit(g: GatherState, p: _Prepared, lo: int, hi: int, blk: _Block) -> None:

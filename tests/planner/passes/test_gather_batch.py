@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from planner import compiler
+from planner.passes import gather_batch
 from planner.passes.gather import Gatherer
 from planner.passes.gather_batch import add_rest
 from planner.passes.gather_direct import add_direct
@@ -87,7 +88,9 @@ def _made(spec, src, routes, rest, batch: bool) -> tuple[list[np.ndarray], int, 
     return cols, n, len(rest_boxes) - n
 
 
-def test_add_rest_makes_the_rows_of_add(tmp_path):
+@pytest.mark.parametrize("rows", [gather_batch.ROWS, 40])  # one slice a case, or many
+def test_add_rest_makes_the_rows_of_add(tmp_path, monkeypatch, rows):
+    monkeypatch.setattr(gather_batch, "ROWS", rows)
     as_columns = by_rows = 0
     for k, (hf, source, target, options) in enumerate(CASES):
         path = tmp_path / str(k)
