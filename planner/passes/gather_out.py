@@ -351,48 +351,73 @@ def _halves(out: Out, alloc: Staging, w: np.ndarray, c: np.ndarray, base: int,
     pool 1 even | pool 1 odd], each part as large as the most its rounds use there
     (aligned; the last part ends at its last byte). Round k is stages `base + 2k` (gather)
     and `base + 2k + 1` (convert, fan out); until here every offset counts from its
-    pool's start."""
-    W, C = Out.W.index, Out.C.index
+    pool's start. The tables are read `SLICE` rows at a time (each column of a slice read
+    while the slice is in the cache, not each column of the whole table in turn)."""
     world = len(stg)
-    w_odd = (((w[:, W("stage")] - base) // 2) % 2).astype(np.int64)
-    c_odd = (((c[:, C("stage")] - base) // 2) % 2).astype(np.int64)
     w_p1, c_p1 = np.zeros(len(w), bool), np.zeros(len(c), bool)
     if len(out.pool1):
         ci, wi, _, _ = out.pool1.array().T
         c_p1[ci], w_p1[wi] = True, True
-    w_src = w[:, W("src_region")] == stg[w[:, W("src_rank")]]
-    w_dst = w[:, W("dst_region")] == stg[w[:, W("dst_rank")]]
-    c_rank = c[:, C("rank")]
-    c_src = c[:, C("src_region")] == stg[c_rank]
-    c_dst = c[:, C("dst_region")] == stg[c_rank]
     # the end (bytes from its pool's start) of every write and copy into staging, by
     # (rank, part): part = 2 * pool + odd
     end = np.zeros((world, 4), dtype=np.int64)
-    m = w_dst
-    np.maximum.at(end, (w[m, W("dst_rank")], w_odd[m]),
-                  w[m, W("dst_offset")] + w[m, W("nbytes")])
-    m = w_src & w_p1
-    np.maximum.at(end, (w[m, W("src_rank")], 2 + w_odd[m]),
-                  w[m, W("src_offset")] + w[m, W("nbytes")])
-    m = np.flatnonzero(c_dst)
-    np.maximum.at(end, (c_rank[m], 2 * c_p1[m] + c_odd[m]), _copy_ends(c, m))
+    for lo in range(0, len(w), SLICE):
+        _write_ends(w[lo:lo + SLICE], w_p1[lo:lo + SLICE], base, stg, end)
+    for lo in range(0, len(c), SLICE):
+        _copy_parts(c[lo:lo + SLICE], c_p1[lo:lo + SLICE], base, stg, end)
     size = -(-end // ALIGN) * ALIGN
     start = np.cumsum(size, axis=1) - size  # where each part starts
     last = np.where(end > 0, start + end, 0).max(axis=1)
     # move every staging offset to its part
-    m = w_src
-    part = 2 * w_p1[m] + w_odd[m]
-    w[m, W("src_offset")] += start[w[m, W("src_rank")], part]
-    m = w_dst
-    w[m, W("dst_offset")] += start[w[m, W("dst_rank")], w_odd[m]]
-    m = np.flatnonzero(c_src)  # reads of staging: pool 0 (what was gathered)
-    c[m, C("src_offset")] += start[c_rank[m], c_odd[m]] // ITEM[c[m, C("src_dtype")]]
-    m = np.flatnonzero(c_dst)
-    at = start[c_rank[m], 2 * c_p1[m] + c_odd[m]]
+    for lo in range(0, len(w), SLICE):
+        _write_ends(w[lo:lo + SLICE], w_p1[lo:lo + SLICE], base, stg, end, start)
+    for lo in range(0, len(c), SLICE):
+        _copy_parts(c[lo:lo + SLICE], c_p1[lo:lo + SLICE], base, stg, end, start)
+    return last
+
+
+SLICE = 1 << 15
+"""Rows of the gather's tables `_halves` reads at a time."""
+
+
+def _write_ends(w: np.ndarray, p1: np.ndarray, base: int, stg: np.ndarray, end: np.ndarray,
+                start: np.ndarray | None = None) -> None:
+    """`_halves` of writes `w` (`p1`: those from pool 1): their staging ends into `end`,
+    or with `start`, their staging offsets moved to their parts."""
+    W = Out.W.index
+    odd = ((w[:, W("stage")] - base) // 2) % 2
+    src = w[:, W("src_region")] == stg[w[:, W("src_rank")]]
+    dst = w[:, W("dst_region")] == stg[w[:, W("dst_rank")]]
+    if start is None:
+        m = dst
+        np.maximum.at(end, (w[m, W("dst_rank")], odd[m]),
+                      w[m, W("dst_offset")] + w[m, W("nbytes")])
+        m = src & p1
+        np.maximum.at(end, (w[m, W("src_rank")], 2 + odd[m]),
+                      w[m, W("src_offset")] + w[m, W("nbytes")])
+        return
+    m = src
+    w[m, W("src_offset")] += start[w[m, W("src_rank")], 2 * p1[m] + odd[m]]
+    m = dst
+    w[m, W("dst_offset")] += start[w[m, W("dst_rank")], odd[m]]
+
+
+def _copy_parts(c: np.ndarray, p1: np.ndarray, base: int, stg: np.ndarray, end: np.ndarray,
+                start: np.ndarray | None = None) -> None:
+    """`_write_ends` of copies `c`."""
+    C = Out.C.index
+    odd = ((c[:, C("stage")] - base) // 2) % 2
+    rank = c[:, C("rank")]
+    m = np.flatnonzero(c[:, C("dst_region")] == stg[rank])
+    if start is None:
+        np.maximum.at(end, (rank[m], 2 * p1[m] + odd[m]), _copy_ends(c, m))
+        return
+    at = start[rank[m], 2 * p1[m] + odd[m]]
+    s = np.flatnonzero(c[:, C("src_region")] == stg[rank])  # reads of staging: pool 0
+    c[s, C("src_offset")] += start[rank[s], odd[s]] // ITEM[c[s, C("src_dtype")]]
     c[m, C("dst_offset")] += at // ITEM[c[m, C("dst_dtype")]]
     q = c[m, C("kind")] == QUANT
     c[m[q], C("aux_offset")] += at[q] // SCALE_BYTES
-    return last
 
 
 def _copy_ends(c: np.ndarray, rows: np.ndarray) -> np.ndarray:
