@@ -40,19 +40,24 @@ gather into an owner's staging from round 1 on waits for the owner's SLOT_ACK of
 s - 3 (the round two before, which used the same half), not its ACK of stage s - 1: a
 holder is not held back by an owner still sending the round before. Only where the cost
 model says it pays (`gather_out.halves_fit`: FP8, or few boxes a round).
-The boxes QUANT reads in place come first, as columns (`gather_direct.py`); each other box's
-owner, parts and fan-out are columns where they can be (`gather_rows.py`), else rows below.
+The boxes QUANT reads in place come first, as columns (`gather_direct.py`); the others are
+decided box by box, in order, and made as columns a block of boxes at a time
+(`gather_batch.py`); a box that does not fit there (several holders of a chunk, a QUANT
+part by part, ...) is `Gatherer.add`'s: its owner, parts and fan-out as columns where they
+can be (`gather_rows.py`), else rows below.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TypeVar
 
 import numpy as np
 
 from planner.collector import release_free
 from planner.passes import gather_rows
+from planner.passes.gather_batch import add_rest
 from planner.passes.gather_box import Box, Slot, TargetRows, pick_owner
 from planner.passes.gather_direct import add_direct
 from planner.passes.gather_out import (
@@ -105,9 +110,12 @@ def gather(spec: ModelSpec, src: PieceTable, routes: list[Routes], n_regions: np
         routes.clear()
         return Gathered(None, explain_rows(Out()), np.zeros(len(n_regions), np.int64), 0)
     g = Gatherer(spec, src, routes, n_regions, opts, topo, base, sent)
-    order = g.order()
-    for t in order[add_direct(g, np.array(order, dtype=np.int64)):]:
-        g.add(t)
+    # room for as many writes and copies as the boxes can make (a chunk makes at most one
+    # write, a target two, a chunk two copies, a box one more): filled, never copied
+    g.out.writes.reserve(len(g.chunks) + 2 * len(g.w.rank))
+    g.out.copies.reserve(2 * len(g.chunks) + len(g.tboxes))
+    order = np.array(g.order(), dtype=np.int64)
+    add_rest(g, order[add_direct(g, order):])
     del order
     # the pass's state (its tables, as columns and lists) goes before its writes and
     # copies are made into columns: only the output is kept
@@ -144,10 +152,10 @@ class Gatherer:
         self.chunks_l = Rows(self.chunks, ("off0", "off1", "size0", "size1", "sbox"))
         self.out_code = w.dtype[self.first].tolist()  # each box's target dtype
         self.holder_rows: dict[int, tuple[list[tuple[int, int]], tuple[int, ...]]] = {}
-        self.by_parts, self.aligned = (a.tolist() for a in self._by_parts())
+        self.by_parts, self.aligned = self._by_parts()
         one = np.diff(self.chunks.holder_ptr)[self.chunks.sbox] == 1
-        self.multi = (np.bincount(self.chunks.dst, weights=~one, minlength=len(self.tboxes))
-                      > 0).tolist()  # boxes with a chunk that several ranks hold
+        self.multi = np.bincount(self.chunks.dst, weights=~one, minlength=len(self.tboxes)) \
+            > 0  # boxes with a chunk that several ranks hold
         self.scale_tensor = np.full(len(self.names), -1, dtype=np.int64)
         self.scale_tensor[list(self.scale_id)] = list(self.scale_id.values())
         # the scale piece of each target row: same rank, scale tensor, offsets / 128
@@ -173,10 +181,19 @@ class Gatherer:
         self.rounds: dict[int, int] = {}  # owner -> first round that may still have room
         self.max_stage = base - 1
         self.chunk_ptr = np.searchsorted(self.chunks.dst, np.arange(len(self.tboxes) + 1))
-        self.chunk_ptr_l, self.tboxes_l = self.chunk_ptr.tolist(), self.tboxes.tolist()
         self.targets_of = stable_argsort(tb_of)
         self.target_ptr = np.searchsorted(tb_of[self.targets_of],
                                           np.arange(len(self.tboxes) + 1))
+
+    @cached_property
+    def chunk_ptr_l(self) -> list[int]:
+        """`chunk_ptr` as a list (the row path's)."""
+        return self.chunk_ptr.tolist()
+
+    @cached_property
+    def tboxes_l(self) -> list[list[int]]:
+        """`tboxes` as lists (the row path's)."""
+        return self.tboxes.tolist()
 
     def order(self) -> list[int]:
         """Boxes only one source can own first, then the rest largest first (list

@@ -125,8 +125,12 @@ class GatherState(Protocol):
     chunks: Chunks
     chunk_ptr: np.ndarray
     chunk_ptr_l: list[int]
-    multi: list[bool]
+    multi: np.ndarray
     """Per box: some chunk of it has several holders."""
+    by_parts: np.ndarray
+    """Per box: cut into block-aligned parts, not all whole rows (`Gatherer._by_parts`)."""
+    aligned: np.ndarray
+    """Per box: cut into block-aligned parts."""
     targets_of: np.ndarray
     target_ptr: np.ndarray
     scale_j: np.ndarray
@@ -150,3 +154,5 @@ class GatherState(Protocol):
     unit_max: int
 
     def src_rows(self, rows: np.ndarray) -> PieceTable: ...
+
+    def add(self, t: int) -> None: ...
