@@ -36,7 +36,7 @@ def add_rest(g: GatherState, order: np.ndarray) -> int:
     """Gather, convert and fan out the boxes `order` (int64), one after another; returns how
     many of them were made as columns (the others by `Gatherer.add`). A slice of boxes at a
     time, of about `ROWS` chunks and targets: each slice's columns stay small (below the
-    size from which the compile maps an array on its own, `cli._map_large_arrays`: their
+    size from which the compile maps an array on its own, `collector.map_large_arrays`: their
     pages are reused, not faulted in afresh, and add nothing to the peak)."""
     if not len(order):
         return 0
