@@ -174,11 +174,9 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     end, n_moved = 0, len(moved)
     del moved
     kept: dict[tuple[int, int], _Kept] = {}  # (one copy's blocks)
-    last = (len(chunks) // c.per_copy - 1) * c.per_copy if c.per_copy else 0  # (the last
-    # copy's first chunk: its blocks drop what is kept, read by no later block)
     for b, same in zip(blocks, again):
         out, end = _direct_into(out, end, c, b, np.flatnonzero(~staged_at[b]),
-                                kept if kind is not None else None, same, b.start >= last)
+                                kept if kind is not None else None, same)
     del staged_at
     assert end == n_direct - n_moved
     out.stage[:n_direct] = at
@@ -214,7 +212,7 @@ def _staged_mask(g: Geometry, opts: Options) -> np.ndarray:
 
 
 def _direct_into(out: Writes, at: int, c: Chosen, block: slice, rows: np.ndarray,
-                 kept: dict[tuple[int, int], _Kept] | None, same: bool, last: bool = False
+                 kept: dict[tuple[int, int], _Kept] | None, same: bool
                  ) -> tuple[Writes, int]:
     """Write the direct writes of chunks `rows` of `block` (not staged) into the columns
     `out` (`_fit` to them) from row `at`; returns the columns and the row after them. Only
@@ -222,14 +220,10 @@ def _direct_into(out: Writes, at: int, c: Chosen, block: slice, rows: np.ndarray
     those of the same block of a copy before, `lower`), taken from `kept` with the target
     offsets (a copy's target pieces are the first copy's but for their ranks); where the
     chosen sources are those of that copy's block too, its writes are that block's rows of
-    `out`, their target ranks moved. `last`: the block is of the last copy, so what is kept
-    for it goes (no later block reads it: not held while the plan's last rows are made)."""
+    `out`, their target ranks moved."""
     key = (block.start % c.per_copy, (block.start % c.per_copy) + block.stop - block.start)
     a = c.at(rows + block.start)
     got = kept.get(key) if kept is not None and same else None
-    if kept is not None and last:
-        kept.pop(key, None)
-        kept = None  # (nothing more kept)
     if got is not None and isinstance(a.copy, int) and a.src is not None and \
             np.array_equal(a.src, got.src):
         return out, out.repeat(got.at, at, got.n, "dst_rank",

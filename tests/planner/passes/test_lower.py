@@ -155,7 +155,7 @@ def test_direct_writes_repeated_give_the_plan_made_per_copy(tmp_path: Path, monk
     compile_file(config, str(tmp_path / "once.plan"))
     assert sum(rows) > 1000
     direct_into = lower._direct_into
-    monkeypatch.setattr(lower, "_direct_into", lambda out, at, c, block, rows, kept, same, last:
+    monkeypatch.setattr(lower, "_direct_into", lambda out, at, c, block, rows, kept, same:
                         direct_into(out, at, c, block, rows, None, same))  # nothing kept
     compile_file(config, str(tmp_path / "each.plan"))
     assert (tmp_path / "once.plan").read_bytes() == (tmp_path / "each.plan").read_bytes()
