@@ -201,38 +201,39 @@ def _column_dtype(blocks: list[np.ndarray], ranks: int) -> np.dtype:
 
 def _rank_rows(tensors: tuple[PhysicalTensor, ...], tensor_id: dict[str, int],
                cache: dict[int, Any]) -> np.ndarray:
-    """(region, *row) of every piece of one rank's tensors, as 10 rows of columns. A
-    `PieceColumns` tensor's rows, and those of a tensor of many pieces, are made once for
-    every rank holding it (`cache`, by `id`); a tensor of a few pieces is cheaper made again
-    than looked up (its rows go straight into one list of ints)."""
+    """(region, *row) of every piece of one rank's tensors, as 10 rows of columns."""
     parts: list[tuple[int, np.ndarray | int]] = []  # (region, its rows) or (0, a count)
-    flat: list[int] = []  # (region, *row) of the rows made in Python, in order
+    rows: list[tuple[int, ...]] = []  # of tensors of a few pieces, made in Python
+    regions: list[int] = []
     get, geometry = cache.get, cache.setdefault(_GEOMETRY, {})
-    put = 0  # ints of `flat` in `parts` so far
+    put = 0  # Python's rows in `parts` so far
     for region, pt in enumerate(tensors):
-        pieces = pt.pieces
-        if type(pieces) is not PieceColumns and len(pieces) < _MANY:
-            _tensor_rows(pt, tensor_id, geometry, region, flat)
-            continue
         got = get(id(pt))
         if got is None:
             got = cache[id(pt)] = _column_rows(pt, tensor_id, cache) \
-                if type(pieces) is PieceColumns else \
-                _as_columns(_tensor_rows(pt, tensor_id, geometry, 0, []))
-        if len(flat) > put:  # (the rows made in Python since the last part, in order)
-            parts.append((0, (len(flat) - put) // 10))
-            put = len(flat)
-        parts.append((region, got))
-    if len(flat) > put:
-        parts.append((0, (len(flat) - put) // 10))
+                if type(pt.pieces) is PieceColumns else \
+                _tensor_rows(pt, tensor_id, geometry)
+        if type(got) is list:
+            rows += got
+            regions += [region] * len(got)
+        else:
+            if len(rows) > put:  # (Python's rows since the last part, in order)
+                parts.append((0, len(rows) - put))
+                put = len(rows)
+            parts.append((region, got))
+    if len(rows) > put:
+        parts.append((0, len(rows) - put))
     # the rank's rows as one array, each part put into its place (no array per part)
     n = sum(p if type(p) is int else p.shape[1] for _, p in parts)
     out = np.empty((10, n), dtype=np.int64)
-    made = np.array(flat, dtype=np.int64).reshape(-1, 10).T
+    made = np.array(rows, dtype=np.int64).T if rows else None
+    made_regions = np.array(regions, dtype=np.int64)
     at = py = 0
     for region, p in parts:
         if type(p) is int:
-            out[:, at:at + p] = made[:, py:py + p]
+            assert made is not None
+            out[0, at:at + p] = made_regions[py:py + p]
+            out[1:, at:at + p] = made[:, py:py + p]
             at, py = at + p, py + p
         else:
             k = p.shape[1]
@@ -242,15 +243,6 @@ def _rank_rows(tensors: tuple[PhysicalTensor, ...], tensor_id: dict[str, int],
     return out
 
 
-_MANY = 16
-"""Pieces from which a tensor's rows are kept for the next rank holding it (`_rank_rows`)."""
-
-
-def _as_columns(flat: list[int]) -> np.ndarray:
-    """`_tensor_rows`' ints (region 0) as 9 rows of columns, less the region."""
-    return np.array(flat, dtype=np.int64).reshape(-1, 10).T[1:]
-
-
 _GEOMETRY = -1
 """`_rank_rows`' cache key of the strides and dtype code of each (shape, dtype) (an `id` is
 never negative)."""
@@ -258,22 +250,24 @@ _CODES = {name: code for code, name in enumerate(DTYPE_CODES)}
 
 
 def _tensor_rows(pt: PhysicalTensor, tensor_id: dict[str, int],
-                 geometry: dict[tuple[tuple[int, ...], str], tuple[tuple[int, ...], int]],
-                 region: int, out: list[int]) -> list[int]:
-    """(region, tensor, off0, off1, size0, size1, base, a0, a1, dtype) of each piece, put
-    at the end of `out` (returned) as ten ints each; 1-d (and 0-d) boxes as `[n, 1]`.
-    `geometry`: the row-major strides (in elements) and dtype code of each (shape, dtype)
-    seen, kept between calls (the ranks of a sharded model hold many tensors of one
-    shape)."""
+                 geometry: dict[tuple[tuple[int, ...], str], tuple[tuple[int, ...], int]]
+                 | None = None) -> list[tuple[int, ...]]:
+    """(tensor, off0, off1, size0, size1, base, a0, a1, dtype) of each piece; 1-d (and
+    0-d) boxes as `[n, 1]`. `geometry`: the row-major strides (in elements) and dtype code
+    of each (shape, dtype) seen, kept between calls (the ranks of a sharded model hold
+    many tensors of one shape)."""
     key = (pt.shape, pt.dtype)
-    known = geometry.get(key)
+    known = None if geometry is None else geometry.get(key)
     if known is None:
         shape, nd = pt.shape, len(pt.shape)
         strides = [1] * nd
         for d in range(nd - 1, 0, -1):
             strides[d - 1] = strides[d] * shape[d]
-        known = geometry[key] = (tuple(strides), _CODES[pt.dtype])
+        known = (tuple(strides), _CODES[pt.dtype])
+        if geometry is not None:
+            geometry[key] = known
     strides, code = known
+    rows = []
     for p in pt.pieces:
         tid = tensor_id.get(p.tensor)
         if tid is None:
@@ -290,8 +284,8 @@ def _tensor_rows(pt: PhysicalTensor, tensor_id: dict[str, int],
         else:
             o0, o1, s0, s1, a0, a1 = 0, 0, 1, 1, 1, 1
         base = sum(map(mul, at, strides)) - o0 * a0 - o1 * a1
-        out += (region, tid, o0, o1, s0, s1, base, a0, a1, code)
-    return out
+        rows.append((tid, o0, o1, s0, s1, base, a0, a1, code))
+    return rows
 
 
 def _unknown(pt: PhysicalTensor, name: str) -> None:
