@@ -261,8 +261,6 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     staging_ids = _staging_ids(src_layout, dst_layout)
     (fp, fp_base), coverage, blobs = fp_job.result(), coverage_job.result(), blobs_job.result()
     side.shutdown()
-    release_free()  # what the side thread freed since `step` (in its own arena): not held
-    # through lower's peak, however long the jobs ran past assign
     direct = lower(chunks, choice, src, pieces, staging_ids, opts, names, bytes_in, topo)
     del chunks, choice, pieces  # the largest columns: nothing later reads them
     # 8. gather

@@ -18,7 +18,6 @@ the bound then holds with the largest unit (`stats.gather_unit_max`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from heapq import heapreplace
 from typing import Any
 
 import numpy as np
@@ -122,38 +121,14 @@ def assign(chunks: Chunks, src: PieceTable, dst: PieceTable, topo: Topology) -> 
     del at
     cands, row_of = _candidates(ats, hosts, holders, ptr, np.asarray(src.rank), host, nic,
                                 nvlink_key)
-    picked = _greedy(cands, of, nbytes, load)
-    choice[order] = row_of(of, np.array(picked, dtype=np.int64))
-    return choice
-
-
-def _greedy(cands: list[list[int]], of: np.ndarray, nbytes: np.ndarray, load: list[float]
-            ) -> list[int]:
-    """The load key each chunk goes to, in order: the first of its candidates `cands[of[i]]`
-    least loaded so far (`load`: each key's load before the first; a scratch list). Where
-    the distinct candidate lists share no key, each one's keys are kept in a heap by (load,
-    place in the list): the same pick, without a scan of every candidate."""
-    distinct: dict[tuple[int, ...], int] = {}
-    which = [distinct.setdefault(tuple(keys), len(distinct)) for keys in cands]
-    lists = list(distinct)
-    if len({k for keys in lists for k in keys}) == sum(map(len, lists)):  # no key in two
-        # lists: each heap holds the only loads its picks read and change
-        heaps = [sorted((load[k], i, k) for i, k in enumerate(keys)) for keys in lists]
-        picked = []
-        put = picked.append
-        for h, nb in zip(map(heaps.__getitem__, map(which.__getitem__, of.tolist())),
-                         nbytes.tolist()):
-            least, i, k = h[0]  # (ties: the first in the list, as `min` picks)
-            heapreplace(h, (least + nb, i, k))
-            put(k)
-        return picked
     picked = []
-    put, least_of = picked.append, load.__getitem__
+    put, least = picked.append, load.__getitem__
     for keys, nb in zip(map(cands.__getitem__, of.tolist()), nbytes.tolist()):
-        k = min(keys, key=least_of)  # the first of the least loaded
+        k = min(keys, key=least)  # the first of the least loaded
         load[k] += nb
         put(k)
-    return picked
+    choice[order] = row_of(of, np.array(picked, dtype=np.int64))
+    return choice
 
 
 def _pairs(s_rank: np.ndarray, d_rank: np.ndarray, nbytes: np.ndarray
