@@ -160,10 +160,6 @@ def _flatten(layout: Layout, spec: ModelSpec, rank_base: int, with_boxes: bool,
                      for f, col in zip(PieceTable.__slots__, out)))
     if not with_boxes:
         return table, None
-    if used == list(range(len(blocks))):  # each block once, in order: the table's rows
-        del blocks  # are the blocks' (no second copy of them)
-        first, of = unique_columns(list(out[2:7]))
-        return table, Boxes(of=of if times == 1 else Repeated(of, times), first=first)
     # Boxes of the distinct ranks' rows; the rows of a block's first use come before any
     # later use, so a box's first row among the blocks maps to its first row in the table.
     cat = np.concatenate(blocks, axis=1) if blocks else np.zeros((10, 0), dtype=np.int64)
@@ -189,24 +185,26 @@ def _column_dtype(blocks: list[np.ndarray], ranks: int) -> np.dtype:
         if b.shape[1] == 0:
             continue
         _, _, off0, off1, size0, size1, base, a0, a1, _ = b
-        reach = np.abs(base)  # (its temporaries one row each, made in place)
-        reach += (off0 + size0) * np.abs(a0)
-        far = off1 + size1
-        far *= np.abs(a1)
-        reach += far
-        far = size0 * size1
-        bound = max(bound, int(b.max()), -int(b.min()), int(reach.max()), int(far.max()))
+        reach = np.abs(base) + (off0 + size0) * np.abs(a0) + (off1 + size1) * np.abs(a1)
+        bound = max(bound, int(np.abs(b).max()), int(reach.max()), int((size0 * size1).max()))
     return np.dtype(np.int32 if bound <= _NARROW else np.int64)
 
 
 def _rank_rows(tensors: tuple[PhysicalTensor, ...], tensor_id: dict[str, int],
                cache: dict[int, Any]) -> np.ndarray:
     """(region, *row) of every piece of one rank's tensors, as 10 rows of columns."""
-    parts: list[tuple[int, np.ndarray | int]] = []  # (region, its rows) or (0, a count)
+    parts: list[np.ndarray] = []
     rows: list[tuple[int, ...]] = []  # of tensors of a few pieces, made in Python
     regions: list[int] = []
     get, geometry = cache.get, cache.setdefault(_GEOMETRY, {})
-    put = 0  # Python's rows in `parts` so far
+
+    def flush() -> None:
+        if rows:
+            parts.append(np.concatenate([np.array(regions, dtype=np.int64)[None],
+                                         np.array(rows, dtype=np.int64).T]))
+            rows.clear()
+            regions.clear()
+
     for region, pt in enumerate(tensors):
         got = get(id(pt))
         if got is None:
@@ -217,30 +215,10 @@ def _rank_rows(tensors: tuple[PhysicalTensor, ...], tensor_id: dict[str, int],
             rows += got
             regions += [region] * len(got)
         else:
-            if len(rows) > put:  # (Python's rows since the last part, in order)
-                parts.append((0, len(rows) - put))
-                put = len(rows)
-            parts.append((region, got))
-    if len(rows) > put:
-        parts.append((0, len(rows) - put))
-    # the rank's rows as one array, each part put into its place (no array per part)
-    n = sum(p if type(p) is int else p.shape[1] for _, p in parts)
-    out = np.empty((10, n), dtype=np.int64)
-    made = np.array(rows, dtype=np.int64).T if rows else None
-    made_regions = np.array(regions, dtype=np.int64)
-    at = py = 0
-    for region, p in parts:
-        if type(p) is int:
-            assert made is not None
-            out[0, at:at + p] = made_regions[py:py + p]
-            out[1:, at:at + p] = made[:, py:py + p]
-            at, py = at + p, py + p
-        else:
-            k = p.shape[1]
-            out[0, at:at + k] = region
-            out[1:, at:at + k] = p
-            at += k
-    return out
+            flush()
+            parts.append(np.concatenate([np.full((1, got.shape[1]), region, np.int64), got]))
+    flush()
+    return np.concatenate(parts, axis=1) if parts else np.zeros((10, 0), dtype=np.int64)
 
 
 _GEOMETRY = -1
@@ -409,12 +387,9 @@ def _join(spec: ModelSpec, src: PieceTable, dst: PieceTable, tbox_of: np.ndarray
     """Cross join of the unique target boxes `tboxes` with the unique source boxes of the
     same tensor: the overlapping pairs, grouped by target box (`join`)."""
     sbox_of, sboxes = _unique_boxes(src)
-    # each tensor's source boxes (sorted by tensor): a table by tensor id, not a search
-    n_ids = int(max(sboxes[:, 0].max(initial=-1), tboxes[:, 0].max(initial=-1))) + 1
-    ptr = np.zeros(n_ids + 1, dtype=np.int64)
-    np.cumsum(np.bincount(sboxes[:, 0], minlength=n_ids), out=ptr[1:])
-    s_start = ptr[tboxes[:, 0]]
-    counts = ptr[tboxes[:, 0] + 1] - s_start
+    s_start = np.searchsorted(sboxes[:, 0], tboxes[:, 0], side="left")
+    s_end = np.searchsorted(sboxes[:, 0], tboxes[:, 0], side="right")
+    counts = s_end - s_start
     tb = np.repeat(np.arange(len(tboxes)), counts)
     first = np.repeat(np.cumsum(counts) - counts, counts)
     sb = np.repeat(s_start, counts) + (np.arange(len(tb)) - first)
