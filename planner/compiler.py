@@ -72,6 +72,7 @@ from planner.passes.gather import gather
 from planner.passes.intersect import (
     Chunks,
     PieceTable,
+    Repeated,
     alike,
     element_size,
     first_block,
@@ -335,12 +336,32 @@ def _explain_rows(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: Piec
 
 def _bytes_in(t: PieceTable, world: int) -> np.ndarray:
     """Bytes each plan rank receives in the whole plan (both paths), summed a block of
-    pieces at a time (whole bytes in float64: exact in any order)."""
+    pieces at a time (whole bytes in float64: exact in any order). Where the pieces are
+    `Repeated` copies of alike replicas, of the first copy alone: each other copy's bytes
+    are its, the ranks moved by the copy's step."""
+    cols = (t.rank, t.size0, t.size1, t.dtype)
+    rank = t.rank
+    if isinstance(rank, Repeated) and rank.step >= 0 and all(
+            isinstance(c, Repeated) and c.times == rank.times and (c is rank or not c.step)
+            for c in cols):
+        one = _bytes_of(*(c.one for c in cols), world)  # type: ignore[attr-defined]
+        out = np.zeros(world, dtype=np.int64)
+        for k in range(rank.times):
+            shift = k * rank.step
+            if shift < world:
+                out[shift:] += one[:world - shift]
+        return out
+    return _bytes_of(*cols, world)
+
+
+def _bytes_of(rank: np.ndarray, size0: np.ndarray, size1: np.ndarray, dtype: np.ndarray,
+              world: int) -> np.ndarray:
+    """`_bytes_in` of these columns of the pieces."""
     out = np.zeros(world)
-    for lo in range(0, len(t), 1 << 21):
+    for lo in range(0, len(rank), 1 << 21):
         at = slice(lo, lo + (1 << 21))
-        out += np.bincount(t.rank[at], weights=t.size0[at] * t.size1[at]
-                           * element_size(t.dtype[at]), minlength=world)
+        out += np.bincount(rank[at], weights=size0[at] * size1[at] * element_size(dtype[at]),
+                           minlength=world)
     return out.astype(np.int64)
 
 

@@ -138,7 +138,8 @@ def _fine_cut(spec: ModelSpec, src: PieceTable, dst: PieceTable, opts: Options,
     saved_us = (chunks * holders - chunks - holders) * opts.write_overhead_us
     hop_us = nbytes * 8e-3 / topo.nic_gbps
     # Staging the owner needs: the gathered box (source dtype), and its cast (target dtype).
-    one = ch.holders[ch.holder_ptr[ch.sbox[np.searchsorted(ch.dst, np.arange(len(first)))]]] \
+    # (each box's first chunk: `ch.dst` is sorted and every box has one, coverage checked)
+    one = ch.holders[ch.holder_ptr[ch.sbox[np.cumsum(chunks) - chunks]]] \
         if len(ch) else np.zeros(len(first), dtype=np.int64)
     es_src = element_size(src.dtype[one]) if len(src) else np.ones(len(first), np.int64)
     cast = src.dtype[one] != dst.dtype[first] if len(src) else np.zeros(len(first), bool)

@@ -161,3 +161,18 @@ def test_chosen_reads_alike_copies_as_the_whole_columns() -> None:
                 assert np.array_equal(whole.source(name, a), held.source(name, b))
             for source in (True, False):
                 assert np.array_equal(whole.start(a, source), held.start(b, source))
+
+
+def test_bytes_in_of_alike_replicas_is_the_whole_tables() -> None:
+    """`compiler._bytes_in` of `Repeated` target pieces (the first copy's bytes, moved by
+    each copy's step) equals its sum over the whole table's rows."""
+    from planner.compiler import _bytes_in
+
+    spec, _, dst_layout, world = _layouts(3)
+    whole = piece_table(dst_layout, spec, world)
+    dst, _ = table_and_boxes(dst_layout, spec, world)
+    assert isinstance(dst.rank, Repeated) and dst.rank.step > 0
+    n = world + dst_layout.world
+    got, want = _bytes_in(dst, n), _bytes_in(whole, n)
+    assert want[world:].min() > 0 and want[:world].max() == 0  # every target receives
+    assert got.dtype == want.dtype and np.array_equal(got, want)
