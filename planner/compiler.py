@@ -54,7 +54,7 @@ from planner.frameworks import build_layout, start_layout
 from planner.identities import rank_identities, rank_tensor_blobs
 from planner.layouts.base import Layout
 from planner.layouts.traced import model_hf, uses_trace
-from planner.nic_stats import egress_bound, egress_sets, nic_stats, remote_egress
+from planner.nic_stats import egress_bound, egress_sets, nic_stats, pair_bytes, remote_egress
 from planner.passes.assign import assign, split_rows
 from planner.passes.chunked import chunk_names, only_tensors, with_chunk_shadow
 from planner.passes.coalesce import coalesce
@@ -278,9 +278,11 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     sched = schedule(low, topo, opts.max_write_bytes, staging_ids)
     # 11. header
     regions = with_staging(regions, low.staging)
-    nics = nic_stats(topo, low, egress_bound(sets, topo, more.owner_only))
+    pairs = pair_bytes(topo, low)  # the writes' sums per rank pair, for both below
+    nics = nic_stats(topo, low, egress_bound(sets, topo, more.owner_only), pairs)
     header = plan_header(cfg, spec, topo, dst_layout.replicas, low, nics, n_chunks,
-                         more.unit_max, fp, VERSION)
+                         more.unit_max, fp, VERSION, pairs)
+    del pairs
     header = dataclasses.replace(header, placement_base=fp_base, identities=tuple(
         rank_identities(cfg, src_layout, dst_layout).get("identities", ())), derived=tuple(
         tuple(d) for d in derived(dst_layout, src_layout.world, cfg.target)))

@@ -25,7 +25,7 @@ from planner.passes.intersect import PieceTable, Repeated
 from planner.passes.lower import Lowered
 from planner.passes.lower_cols import as_dtype, is_constant
 from planner.passes.schedule import Schedule
-from planner.rows import column_keys, lexorder, stable_argsort, unique_rows
+from planner.rows import column_keys, lexorder, pair_sums, stable_argsort, unique_rows
 from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import Config, SourceConfig
@@ -119,11 +119,19 @@ def longest_row_bytes(spec: ModelSpec) -> int:
     return 4 * max(cols)
 
 
-def rank_stats(low: Lowered, world: int) -> tuple[RankStats, ...]:
-    """Per plan rank: writes issued, bytes sent and received, packs, unpacks, staging."""
-    count = np.bincount(low.w_src_rank, minlength=world)
-    sent = np.bincount(low.w_src_rank, weights=low.w_nbytes, minlength=world)
-    recv = np.bincount(low.w_dst_rank, weights=low.w_nbytes, minlength=world)
+def rank_stats(low: Lowered, world: int,
+               pairs: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[RankStats, ...]:
+    """Per plan rank: writes issued, bytes sent and received, packs, unpacks, staging.
+    `pairs`: the writes and their bytes per (source, target) pair (`rows.pair_sums`), the
+    write columns' sums read from them where given."""
+    if pairs is None:
+        pairs = pair_sums(low.w_src_rank, low.w_dst_rank, low.w_nbytes, world)
+    if pairs is not None:
+        count, sent, recv = pairs[0].sum(axis=1), pairs[1].sum(axis=1), pairs[1].sum(axis=0)
+    else:
+        count = np.bincount(low.w_src_rank, minlength=world)
+        sent = np.bincount(low.w_src_rank, weights=low.w_nbytes, minlength=world)
+        recv = np.bincount(low.w_dst_rank, weights=low.w_nbytes, minlength=world)
     kind, rank = low.copies["kind"], low.copies["rank"]
     packs = np.bincount(rank[(kind == PACK) | (kind == QUANT)], minlength=world)
     unpacks = np.bincount(rank[kind == UNPACK], minlength=world)
@@ -133,9 +141,10 @@ def rank_stats(low: Lowered, world: int) -> tuple[RankStats, ...]:
 
 def plan_header(cfg: Config, spec: ModelSpec, topo: Topology, replicas: int, low: Lowered,
                 nic: dict[str, Any], chunks: int, unit_max: int, fingerprint: str,
-                created_by: str) -> PlanHeader:
+                created_by: str, pairs: tuple[np.ndarray, np.ndarray] | None = None
+                ) -> PlanHeader:
     """Everything the compiler decided about the whole plan (`nic`: from
-    `planner.nic_stats.nic_stats`)."""
+    `planner.nic_stats.nic_stats`; `pairs`: `rank_stats`')."""
     kinds = low.copies["kind"]
     return PlanHeader(
         fingerprint=fingerprint, world=topo.world, sources=topo.sources,
@@ -146,7 +155,7 @@ def plan_header(cfg: Config, spec: ModelSpec, topo: Topology, replicas: int, low
         nvlink_gbps=topo.nvlink_gbps, placement=cfg.target.placement,
         ranks=tuple(RankRow("source" if r < topo.sources else "target", topo.host[r],
                             topo.gpu[r], topo.nic_name(topo.nic[r])) for r in range(topo.world)),
-        rank_stats=rank_stats(low, topo.world),
+        rank_stats=rank_stats(low, topo.world, pairs),
         nics=tuple(NicRow(n["name"], n["host"], float(n["gbps"]), n["bytes_out"],
                           n["bytes_in"]) for n in nic["nics"]),
         stats=PlanStats(
