@@ -97,7 +97,9 @@ def with_staging(regions: list[tuple[Region, ...]], staging: np.ndarray
 
 
 def _slices(sorted_keys: np.ndarray, world: int) -> np.ndarray:
-    return np.searchsorted(sorted_keys, np.arange(world + 1))
+    """Where each of ranks 0..world starts in `sorted_keys` (the ranks in its dtype: a wider
+    one would have the whole column cast to it first)."""
+    return np.searchsorted(sorted_keys, np.arange(world + 1, dtype=sorted_keys.dtype))
 
 
 def _table(schema, rows: np.ndarray, names: tuple[str, ...]) -> Table:
@@ -182,16 +184,17 @@ def emit(header: PlanHeader, ops: list[tuple[Lowered, Schedule]], topo: Topology
     tables (the compiler reads them no more)."""
     world = topo.world
     low, sched = ops.pop()
-    o = sched.order
+    o, scratch = sched.order, _Scratch()
     for k in ("w_src_rank", "w_dst_rank", "w_src_region", "w_dst_region", "w_stage"):
-        _permute(getattr(low, k), o)
+        _permute(getattr(low, k), o, scratch)
     w = {"dst_rank": low.w_dst_rank, "src_region": low.w_src_region,
          "dst_region": low.w_dst_region}
     for k in ("src_offset", "dst_offset", "nbytes"):  # each narrow column dropped once put
-        w[k] = _in_order(getattr(low, f"w_{k}"), o)
+        w[k] = _in_order(getattr(low, f"w_{k}"), o, scratch)
         low = dataclasses.replace(low, **{f"w_{k}": w[k]})
     sched = dataclasses.replace(sched, order=o[:0])
     del o
+    scratch = _Scratch()  # (the writes' buffer freed)
     w_src = low.w_src_rank
     w_cut = _slices(w_src, world)
     b_start = sched.batch_start
@@ -201,12 +204,14 @@ def emit(header: PlanHeader, ops: list[tuple[Lowered, Schedule]], topo: Topology
     b_stage = low.w_stage[b_start]  # once: indexing it per rank was 8M x 512
     c = low.copies
     c_order = lexorder(c["kind"], c["stage"], c["rank"])  # stable: ties keep their order
-    for v in c.values():
-        if not is_constant(v):  # (a constant column is in any order)
-            _permute(v, c_order)
-    del c_order
-    for name, dt in COPY_COLUMNS:  # the plan's dtypes, one column at a time
-        c[name] = as_dtype(c[name], dt)
+    plan_dt = dict(COPY_COLUMNS)
+    # in the plan's dtypes, one column at a time, those of one dtype one after another (one
+    # buffer each); a constant column is in any order
+    for name in sorted(c, key=lambda k: c[k].dtype.str):
+        dt = plan_dt.get(name, c[name].dtype)
+        c[name] = as_dtype(c[name], dt) if is_constant(c[name]) else \
+            _in_order(c[name], c_order, scratch, dt)
+    del c_order, scratch
     c_cut = _slices(c["rank"], world)
     # a constant column's rows of every rank: views of one array of its value (contiguous,
     # as a table's columns are), as long as the most any rank has
@@ -262,18 +267,42 @@ class _Shared:
         return self.value[:hi - lo]
 
 
-def _permute(col: np.ndarray, order: np.ndarray) -> None:
-    """`col[:] = col[order]`: a column put in order in place (one column's copy at a time)."""
-    col[:] = col[order]
+class _Scratch:
+    """The buffer `emit` puts a column in order into (`np.take`) before copying it where it
+    goes: one of the dtype last asked for, made once for every column of that dtype (a
+    fresh temporary per column would fault its pages in afresh, each zeroed by the
+    kernel)."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self) -> None:
+        self.buf: np.ndarray | None = None
+
+    def taken(self, col: np.ndarray, order: np.ndarray) -> np.ndarray:
+        """`col[order]`, in the buffer (`order`: a permutation, every index in range)."""
+        if self.buf is None or self.buf.dtype != col.dtype or len(self.buf) < len(order):
+            self.buf = None  # (the last one freed before the next is made)
+            self.buf = np.empty(len(order), dtype=col.dtype)
+        out = self.buf[:len(order)]
+        np.take(col, order, out=out, mode="clip")  # (no bounds to check: faster)
+        return out
 
 
-def _in_order(col: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """An int64 column of the plan's (offsets, bytes) in `order`: `col` put in order in
-    place (`_permute`), or an int64 copy in order where `col` is narrower."""
-    if col.dtype == np.int64:
-        _permute(col, order)
+def _permute(col: np.ndarray, order: np.ndarray, scratch: _Scratch) -> None:
+    """`col[:] = col[order]`: a column put in order in place (through `scratch`)."""
+    col[:] = scratch.taken(col, order)
+
+
+def _in_order(col: np.ndarray, order: np.ndarray, scratch: _Scratch,
+              dt: np.dtype | str = np.int64) -> np.ndarray:
+    """Column `col` in `order` and in `dt` (the plan's offsets and bytes: int64): `col` put
+    in order in place (`_permute`) where it is of `dt`, else a copy in order of `dt`."""
+    if col.dtype == dt:
+        _permute(col, order, scratch)
         return col
-    return col[order].astype(np.int64)
+    out = np.empty(len(col), dtype=dt)
+    np.copyto(out, scratch.taken(col, order), casting="unsafe")  # (as `astype`)
+    return out
 
 
 def _peer_regions(pairs: np.ndarray, region_bytes: np.ndarray, first_region: np.ndarray
