@@ -20,7 +20,7 @@ import numpy as np
 
 from .plan import FORMAT_VERSION, MAGIC, Plan, Region, region_row
 from .plan_codec import checksum, deflate, pack
-from .table import NARROW, Table, narrow_code, stored_plainly
+from .table import NARROW, RangedTable, Table, narrow_code, stored_plainly
 
 
 def encode_plan(plan: Plan, key: bytes | None = None, compact: bool = True) -> bytes:
@@ -126,12 +126,14 @@ def _plain(parts: list[Any]) -> tuple[list[bytes | memoryview], int, bytes]:
 class _Column:
     """A table column that `_parts` leaves to be put in its stored form (`stored_column`)
     when its bytes are asked for (`_expanded`): on the thread that compresses them, one
-    column at a time."""
+    column at a time. `span`: its least and greatest values where known already (a
+    `RangedTable`'s)."""
 
-    __slots__ = ("column",)
+    __slots__ = ("column", "span")
 
-    def __init__(self, column: np.ndarray) -> None:
+    def __init__(self, column: np.ndarray, span: tuple[int, int] | None = None) -> None:
         self.column = column
+        self.span = span
 
 
 def _expanded(parts: list[Any]) -> Iterator[bytes | memoryview]:
@@ -148,23 +150,29 @@ def _expanded(parts: list[Any]) -> Iterator[bytes | memoryview]:
             yield from _raw(col)
             continue
         step = max(1, RELEASE_SLICE // col.dtype.itemsize)
-        lo, hi = None, None
-        for at in range(0, len(col), step):
-            piece = col[at:at + step]
-            a, b = int(piece.min()), int(piece.max())
-            lo, hi = a if lo is None else min(lo, a), b if hi is None else max(hi, b)
-            _dropped(piece)
+        m = _mapping(col)  # (once a column: its pieces lie in the same mapping)
+        if part.span is not None:  # known: the column is read once, below
+            lo, hi = part.span
+        elif len(col) <= step:  # one piece (most columns: a rank's rows)
+            lo, hi = int(col.min()), int(col.max())
+            _dropped(m, col)
+        else:
+            lo, hi = None, None
+            for at in range(0, len(col), step):
+                piece = col[at:at + step]
+                a, b = int(piece.min()), int(piece.max())
+                lo, hi = a if lo is None else min(lo, a), b if hi is None else max(hi, b)
+                _dropped(m, piece)
         code = narrow_code(lo, hi, col.dtype.itemsize)
         if code is None:
             yield from _raw(col)
         else:
             narrow = np.dtype(NARROW[code])
-            yield _PACKER.pack_array_header(2) + pack(code) + _bin_header(
-                len(col) * narrow.itemsize)
+            yield _HEADS[code] + _bin_header(len(col) * narrow.itemsize)
             for at in range(0, len(col), step):
                 piece = col[at:at + step]
                 yield memoryview(piece.astype(narrow)).cast("B")
-                _dropped(piece)
+                _dropped(m, piece)
 
 
 def _raw(col: np.ndarray) -> tuple[bytes, memoryview]:
@@ -175,9 +183,9 @@ def _raw(col: np.ndarray) -> tuple[bytes, memoryview]:
     return _bin_header(view.nbytes), view
 
 
-def _dropped(piece: np.ndarray) -> None:
-    """Drop the pages under `piece` from this process where it is mapped from a file."""
-    m = _mapping(piece)
+def _dropped(m: mmap.mmap | None, piece: np.ndarray) -> None:
+    """Drop the pages under `piece` from this process where it is mapped from a file (`m`,
+    its `_mapping`)."""
     if m is not None and piece.nbytes:
         _drop(m, memoryview(piece).cast("B"))
 
@@ -219,7 +227,8 @@ def _blobs(plan: Plan, rows: dict[int, bytes] | None) -> Iterator[tuple[str, Any
     only `_parts` takes."""
     ids = plan.header.identities
     for r in plan.ranks:
-        enc = r.encode(None if rows is None else _packed_regions(r.regions, rows))
+        enc = r.encode(None if rows is None else _packed_regions(r.regions, rows),
+                       lists=rows is None)
         for k in RANK_TABLES:
             enc[k] = _Stored(getattr(r, k))
         # each part carries its rank's identity (schemas/identity.py)
@@ -273,8 +282,9 @@ def _parts(obj: Any) -> list[bytes | memoryview]:
         return [obj]
     if type(obj) is _Stored:
         cols = obj.table.columns
+        spans = obj.table.ranges if isinstance(obj.table, RangedTable) else ()
         return [_PACKER.pack_array_header(len(cols)),
-                *(_Column(c) for c in cols)]
+                *(_Column(c, spans[i] if i < len(spans) else None) for i, c in enumerate(cols))]
     if isinstance(obj, dict):
         out: list[bytes | memoryview] = [_PACKER.pack_map_header(len(obj))]
         for k, v in obj.items():
@@ -290,6 +300,8 @@ def _parts(obj: Any) -> list[bytes | memoryview]:
 
 
 _PACKER = msgpack.Packer(use_bin_type=True)
+_HEADS = {code: _PACKER.pack_array_header(2) + pack(code) for code in NARROW}
+"""The start of each narrow column's stored form (`[code, bin]`), up to its bin's header."""
 
 
 def _bin_header(n: int) -> bytes:

@@ -50,6 +50,7 @@ from schemas.plan import (
     Region,
     Table,
 )
+from schemas.table import RangedTable
 
 
 def tensor_regions(layout: Layout) -> list[tuple[Region, ...]]:
@@ -530,20 +531,24 @@ def _spill(schema: tuple[tuple[str, str], ...],
     import mmap
     import tempfile
 
-    lengths = []
+    lengths, ranges = [], []
     with tempfile.TemporaryFile() as f:
         for (name, dt), col in zip(schema, columns):
-            n = 0
+            n, lo, hi = 0, None, None
             for c in [col] if isinstance(col, np.ndarray) else col:
                 c = np.ascontiguousarray(c, dtype=dt)
                 if c.ndim != 1:
                     raise ValueError(f"explain column {name!r} has shape {c.shape}")
+                if len(c) and c.dtype.kind in "iu":  # (while its pages are at hand)
+                    a, b = int(c.min()), int(c.max())
+                    lo, hi = a if lo is None else min(lo, a), b if hi is None else max(hi, b)
                 f.write(memoryview(c).cast("B"))
                 n += len(c)
                 del c
             if lengths and n != lengths[0]:
                 raise ValueError(f"explain column {name!r} has {n} rows, not {lengths[0]}")
             lengths.append(n)
+            ranges.append(None if lo is None else (lo, hi))
         f.flush()
         size = sum(n * np.dtype(dt).itemsize for n, (_, dt) in zip(lengths, schema))
         if size == 0:
@@ -554,7 +559,7 @@ def _spill(schema: tuple[tuple[str, str], ...],
     for n, (_, dt) in zip(lengths, schema):
         cols.append(np.frombuffer(m, dtype=dt, count=n, offset=at))
         at += n * np.dtype(dt).itemsize
-    return Table(schema, tuple(cols))
+    return RangedTable(schema, tuple(cols), tuple(ranges))  # (the writer reads the ranges)
 
 
 def explain_with(table: Table, rows: np.ndarray) -> Table:
