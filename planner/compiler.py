@@ -378,14 +378,23 @@ def compile_to(cfg: Config, spec: ModelSpec, out_path: str, progress=None,
         else:
             sizes.append(write_chunked(tmp, out, chunk_budget(cfg), key))
 
-    try:  # written as soon as compiled (`compile_config`), in place once it is the plan
-        out = compile_config(cfg, spec, progress, write, spill=True)
-        os.replace(tmp, out_path)
+    try:  # written as soon as compiled (`compile_config`), in place once it is the plan;
+        # the plan's stats taken and the plan dropped before the cycle collector is back on
+        # (its millions of objects go by their counts, not traversed by a full collection)
+        with gc_paused():
+            out = compile_config(cfg, spec, progress, write, spill=True)
+            os.replace(tmp, out_path)
+            stats = _stats(cfg, out, sizes[-1], round(time.perf_counter() - t0, 3))
+            del out
     finally:  # nothing left behind on failure: ours, nor `write_plan`'s own PATH.tmpPID
         for left in (tmp, f"{tmp}.tmp{os.getpid()}"):
             if os.path.exists(left):
                 os.remove(left)
-    size, seconds = sizes[-1], round(time.perf_counter() - t0, 3)
+    return stats
+
+
+def _stats(cfg: Config, out: Compiled, size: int, seconds: float) -> dict[str, Any]:
+    """`compile_to`'s summary of the plan (or chunk plans) `out`, written in `size` bytes."""
     if not isinstance(out, Plan):
         return {"chunked_budget": chunk_budget(cfg), "chunks": len(out),
                 "bytes": sum(p.header.stats.bytes for p in out), "plan_bytes": size,

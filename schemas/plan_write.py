@@ -40,7 +40,8 @@ def _stored_blobs(plan: Plan, compact: bool
     the plan's bytes again."""
     from concurrent.futures import ThreadPoolExecutor
 
-    store = _compact if compact else _plain
+    buffers = _Buffers()  # the one compressing thread's, blob after blob
+    store = (lambda parts: _compact(parts, buffers)) if compact else _plain
     index: dict[str, list[Any]] = {}
     blobs: list[list[bytes | memoryview]] = []
     pending: deque[tuple[str, Any]] = deque()
@@ -69,8 +70,9 @@ def _end(index: dict[str, list[Any]]) -> int:
     return last[0] + last[1]
 
 
-def _compact(parts: list[bytes | memoryview]) -> tuple[list[bytes | memoryview], int, bytes]:
-    data = deflate(_released(parts))
+def _compact(parts: list[bytes | memoryview], buffers: _Buffers | None = None
+             ) -> tuple[list[bytes | memoryview], int, bytes]:
+    data = deflate(_released(parts, buffers))
     return [data], len(data), checksum(data)
 
 
@@ -78,14 +80,16 @@ RELEASE_SLICE = 8 << 20
 """Bytes of a file-mapped part compressed before its pages are dropped (`_released`)."""
 
 
-def _released(parts: list[Any]) -> Iterator[bytes | memoryview]:
+def _released(parts: list[Any], buffers: _Buffers | None = None
+              ) -> Iterator[bytes | memoryview]:
     """`parts` in order (`_expanded`), each part mapped from a file (a spilled table's
     column, a spilled blob: `mmap` underneath) in `RELEASE_SLICE` slices, each slice's pages
     dropped from this process once the consumer asks for the next (`MADV_DONTNEED`: a shared
     file mapping reads them again from the file if touched again). The bytes are the same;
     reading a spilled blob no longer keeps all of it resident, so a plan's spilled hundreds
-    of MB are never in the process at once."""
-    for part in _expanded(parts):
+    of MB are never in the process at once. Each part is done with before the next is
+    asked for: the narrowed slices are made in `buffers` (`_expanded`)."""
+    for part in _expanded(parts, _Buffers() if buffers is None else buffers):
         m = _mapping(part)
         if m is None or len(part) == 0:
             yield part
@@ -136,11 +140,35 @@ class _Column:
         self.span = span
 
 
-def _expanded(parts: list[Any]) -> Iterator[bytes | memoryview]:
+class _Buffers:
+    """One buffer per dtype that `_expanded` narrows a column's slices into, reused slice
+    after slice (for a consumer that is done with each part before it asks for the next:
+    `_released`'s deflate): a slice of a few MB narrowed afresh each time would fault its
+    pages in afresh, each zeroed by the kernel."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held: dict[np.dtype, np.ndarray] = {}
+
+    def narrowed(self, piece: np.ndarray, dt: np.dtype) -> np.ndarray:
+        """`piece.astype(dt)`, in the buffer of `dt`."""
+        buf = self.held.get(dt)
+        if buf is None or len(buf) < len(piece):
+            buf = self.held[dt] = np.empty(max(len(piece), RELEASE_SLICE // 8), dtype=dt)
+        out = buf[:len(piece)]
+        np.copyto(out, piece, casting="unsafe")  # (as `astype`: every value fits)
+        return out
+
+
+def _expanded(parts: list[Any], buffers: _Buffers | None = None
+              ) -> Iterator[bytes | memoryview]:
     """`parts` with each `_Column` replaced by the parts of its stored form
     (`table.stored_column`'s bytes), made as they are asked for: a column's span and its
     narrowed values a `RELEASE_SLICE` of it at a time, the pages of a column mapped from a
-    file (the spilled explain table) dropped once read, so no column is held whole again."""
+    file (the spilled explain table) dropped once read, so no column is held whole again.
+    `buffers`: where the narrowed slices are made, for a consumer done with each part
+    before it asks for the next (else each is a new array)."""
     for part in parts:
         if type(part) is not _Column:
             yield part
@@ -171,7 +199,8 @@ def _expanded(parts: list[Any]) -> Iterator[bytes | memoryview]:
             yield _HEADS[code] + _bin_header(len(col) * narrow.itemsize)
             for at in range(0, len(col), step):
                 piece = col[at:at + step]
-                yield memoryview(piece.astype(narrow)).cast("B")
+                yield memoryview(piece.astype(narrow) if buffers is None else
+                                 buffers.narrowed(piece, narrow)).cast("B")
                 _dropped(m, piece)
 
 
