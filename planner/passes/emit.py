@@ -180,22 +180,24 @@ def emit(header: PlanHeader, ops: list[tuple[Lowered, Schedule]], topo: Topology
     `ops`: a list of the lowered ops and their schedule, holding the only references to
     them; they are consumed: the write columns are put in scheduled order (in place, or,
     for offsets and bytes held as int32, into int64 copies, each int32 one dropped once
-    copied), and the copies in (rank, stage, kind) order and the plan's dtypes, in place,
-    so each rank's tables are views of them and the plan holds no second copy of the op
-    tables (the compiler reads them no more)."""
+    copied), and the copies in (rank, stage, kind) order and the plan's dtypes, in place
+    (`_all_in_order`; the schedule's order itself, read no more, holds the last column
+    copied), so each rank's tables are views of them and the plan holds no second copy of
+    the op tables (the compiler reads them no more)."""
     world = topo.world
     low, sched = ops.pop()
     o, scratch = sched.order, _Scratch()
-    for k in ("w_src_rank", "w_dst_rank", "w_src_region", "w_dst_region", "w_stage"):
-        _permute(getattr(low, k), o, scratch)
-    w = {"dst_rank": low.w_dst_rank, "src_region": low.w_src_region,
-         "dst_region": low.w_dst_region}
-    for k in ("src_offset", "dst_offset", "nbytes"):  # each narrow column dropped once put
-        w[k] = _in_order(getattr(low, f"w_{k}"), o, scratch)
-        low = dataclasses.replace(low, **{f"w_{k}": w[k]})
-    sched = dataclasses.replace(sched, order=o[:0])
+    sched = dataclasses.replace(sched, order=o[:0].copy())  # `o`: the only reference
+    cols = {k: getattr(low, f"w_{k}") for k in (
+        "src_rank", "dst_rank", "src_region", "dst_region", "stage", "src_offset",
+        "dst_offset", "nbytes")}
+    _all_in_order(cols, o, scratch, {"src_offset": np.int64, "dst_offset": np.int64,
+                                     "nbytes": np.int64})  # (the plan's offsets and bytes)
     del o
-    scratch = _Scratch()  # (the writes' buffer freed)
+    low = dataclasses.replace(low, **{f"w_{k}": v for k, v in cols.items()})
+    w = {k: cols[k] for k in ("dst_rank", "src_region", "dst_region", "src_offset",
+                              "dst_offset", "nbytes")}
+    del cols
     w_src = low.w_src_rank
     w_cut = _slices(w_src, world)
     b_start = sched.batch_start
@@ -206,13 +208,15 @@ def emit(header: PlanHeader, ops: list[tuple[Lowered, Schedule]], topo: Topology
     c = low.copies
     c_order = lexorder(c["kind"], c["stage"], c["rank"])  # stable: ties keep their order
     plan_dt = dict(COPY_COLUMNS)
-    # in the plan's dtypes, one column at a time, those of one dtype one after another (one
-    # buffer each); a constant column is in any order
-    for name in sorted(c, key=lambda k: c[k].dtype.str):
-        dt = plan_dt.get(name, c[name].dtype)
-        c[name] = as_dtype(c[name], dt) if is_constant(c[name]) else \
-            _in_order(c[name], c_order, scratch, dt)
+    varied = {k: v for k, v in c.items() if not is_constant(v)}  # (a constant column is
+    # in any order)
+    _all_in_order(varied, c_order, scratch, plan_dt)  # in the plan's dtypes
     del c_order, scratch
+    c.update(varied)
+    del varied
+    for name, dt in COPY_COLUMNS:
+        if is_constant(c[name]):
+            c[name] = as_dtype(c[name], dt)
     c_cut = _slices(c["rank"], world)
     # a constant column's rows of every rank: views of one array of its value (contiguous,
     # as a table's columns are), as long as the most any rank has
@@ -289,21 +293,53 @@ class _Scratch:
         return out
 
 
+    def spare(self, dt: np.dtype, n: int) -> np.ndarray | None:
+        """The buffer, given up, where it is `n` rows of `dt` (to hold a column: its pages
+        are in already), else None."""
+        buf = self.buf
+        if buf is None or buf.dtype != dt or len(buf) != n:
+            return None
+        self.buf = None
+        return buf
+
+
 def _permute(col: np.ndarray, order: np.ndarray, scratch: _Scratch) -> None:
     """`col[:] = col[order]`: a column put in order in place (through `scratch`)."""
     col[:] = scratch.taken(col, order)
 
 
-def _in_order(col: np.ndarray, order: np.ndarray, scratch: _Scratch,
-              dt: np.dtype | str = np.int64) -> np.ndarray:
-    """Column `col` in `order` and in `dt` (the plan's offsets and bytes: int64): `col` put
-    in order in place (`_permute`) where it is of `dt`, else a copy in order of `dt`."""
-    if col.dtype == dt:
-        _permute(col, order, scratch)
-        return col
-    out = np.empty(len(col), dtype=dt)
-    np.copyto(out, scratch.taken(col, order), casting="unsafe")  # (as `astype`)
-    return out
+def _all_in_order(cols: dict[str, np.ndarray], order: np.ndarray, scratch: _Scratch,
+                  dts: dict[str, Any]) -> None:
+    """Every column of `cols` put in `order` (a permutation, held by nothing else) and in
+    its dtype in `dts` (its own where not named), in the dict: a column of that dtype in
+    place (`_permute`), those of one dtype one after another (one buffer each); one of
+    another dtype into an array of its dtype, in memory whose pages are in already where there is
+    some: the buffer of the last dtype put in place where it is of that dtype, then `order`
+    itself once the last column is taken (an int64 column of as many rows, read no more),
+    else a new array (its pages zeroed by the kernel as they are first touched)."""
+    dt = {k: np.dtype(dts.get(k, v.dtype)) for k, v in cols.items()}
+    for k in sorted((k for k in cols if cols[k].dtype == dt[k]), key=lambda k: dt[k].str):
+        _permute(cols[k], order, scratch)
+    cast = sorted((k for k in cols if cols[k].dtype != dt[k]), key=lambda k: dt[k].str)
+    n = len(order)
+    spares = [] if not cast else [b for b in (scratch.spare(dt[cast[0]], n),)
+                                  if b is not None]
+    for i, k in enumerate(cast):
+        got = scratch.taken(cols[k], order)
+        if spares and spares[-1].dtype == dt[k]:
+            out = spares.pop()
+        elif i == len(cast) - 1 and _free(order, dt[k]):
+            out = order  # (read no more: `got` is taken)
+        else:
+            out = np.empty(n, dtype=dt[k])
+        np.copyto(out, got, casting="unsafe")  # (as `astype`)
+        cols[k] = out
+
+
+def _free(order: np.ndarray, dt: np.dtype) -> bool:
+    """Whether `order` may hold a column of `dt` (its own array, of that dtype, writable)."""
+    return order.dtype == dt and order.base is None and order.flags.writeable and \
+        order.flags.c_contiguous
 
 
 def _peer_regions(pairs: np.ndarray, region_bytes: np.ndarray, first_region: np.ndarray
