@@ -229,7 +229,6 @@ def emit(header: PlanHeader, ops: list[tuple[Lowered, Schedule]], topo: Topology
     sizes = [len(regs) for regs in regions]
     first_region = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     region_bytes = np.array([r.nbytes for regs in regions for r in regs], dtype=np.int64)
-    items = _RegionItems(region_bytes)
     ranks = []
     for r in range(world):
         ws = slice(w_cut[r], w_cut[r + 1])
@@ -251,7 +250,7 @@ def emit(header: PlanHeader, ops: list[tuple[Lowered, Schedule]], topo: Topology
                            ("stage", "peer", "kind")),
             waits=_table(SIGNAL_COLUMNS, sched.waits[wt_cut[r]:wt_cut[r + 1], 1:],
                          ("stage", "peer", "kind")),
-            peer_regions=_peer_regions(pairs, items, first_region),
+            peer_regions=_peer_regions(pairs, region_bytes, first_region),
             stages=low.stages,
         ))
     nodes = _table(DAG_NODE_COLUMNS, sched.dag_nodes, ("rank", "stage", "phase"))
@@ -343,44 +342,17 @@ def _free(order: np.ndarray, dt: np.dtype) -> bool:
         order.flags.c_contiguous
 
 
-class _RegionItems:
-    """The `(region, nbytes)` item of every plan region (`region_bytes`: every rank's region
-    sizes in one column, rank r's from `first_region[r]` on), each made once, when first
-    asked for, and shared by every rank that writes into that region (hundreds of
-    thousands of items a large plan: made per rank, their tuples and integers were
-    hundreds of MB of small objects)."""
-
-    __slots__ = ("made", "have", "nbytes")
-
-    def __init__(self, region_bytes: np.ndarray) -> None:
-        self.nbytes = region_bytes
-        self.made: list[tuple[int, int] | None] = [None] * len(region_bytes)
-        self.have = np.zeros(len(region_bytes), dtype=bool)
-
-    def of(self, at: np.ndarray, region: np.ndarray) -> list[tuple[int, int]]:
-        """The items of plan regions `at` (global indices), `region` their indices in their
-        ranks."""
-        new = ~self.have[at]
-        if new.any():
-            fresh = at[new]
-            for g, r, n in zip(fresh.tolist(), region[new].tolist(),
-                               self.nbytes[fresh].tolist()):
-                self.made[g] = (r, n)
-            self.have[fresh] = True
-        return list(map(self.made.__getitem__, at.tolist()))  # type: ignore[arg-type]
-
-
-def _peer_regions(pairs: np.ndarray, items: _RegionItems, first_region: np.ndarray
+def _peer_regions(pairs: np.ndarray, region_bytes: np.ndarray, first_region: np.ndarray
                   ) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
     """(peer, ((region, nbytes), ...)) for the (peer, region) pairs a rank writes into
-    (sorted; `items`: every plan region's item, rank r's from `first_region[r]` on)."""
+    (sorted; `region_bytes`: every rank's region sizes in one column, rank r's from
+    `first_region[r]` on)."""
     if len(pairs) == 0:
         return ()
     peer, region = pairs[:, 0], pairs[:, 1]
-    got = items.of(first_region[peer] + region, region)
+    items = list(zip(region.tolist(), region_bytes[first_region[peer] + region].tolist()))
     cut = np.flatnonzero(np.concatenate([[True], peer[1:] != peer[:-1], [True]])).tolist()
-    peers = peer.tolist()
-    return tuple((peers[a], tuple(got[a:b])) for a, b in zip(cut[:-1], cut[1:]))
+    return tuple((int(peer[a]), tuple(items[a:b])) for a, b in zip(cut[:-1], cut[1:]))
 
 
 def coverage_table(dst: Layout, rank_base: int, pieces: PieceTable) -> Table:
