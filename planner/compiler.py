@@ -54,7 +54,7 @@ from planner.frameworks import build_layout, start_layout
 from planner.identities import rank_identities, rank_tensor_blobs
 from planner.layouts.base import Layout
 from planner.layouts.traced import model_hf, uses_trace
-from planner.nic_stats import egress_bound, egress_sets, nic_stats, remote_egress
+from planner.nic_stats import egress_bound, egress_sets, nic_stats, pair_bytes, remote_egress
 from planner.passes.assign import assign, split_rows
 from planner.passes.chunked import chunk_names, only_tensors, with_chunk_shadow
 from planner.passes.coalesce import coalesce
@@ -279,9 +279,11 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     sched = schedule(low, topo, opts.max_write_bytes, staging_ids)
     # 11. header
     regions = with_staging(regions, low.staging)
-    nics = nic_stats(topo, low, egress_bound(sets, topo, more.owner_only))
+    pairs = pair_bytes(topo, low)  # the writes' sums per rank pair, for both below
+    nics = nic_stats(topo, low, egress_bound(sets, topo, more.owner_only), pairs)
     header = plan_header(cfg, spec, topo, dst_layout.replicas, low, nics, n_chunks,
-                         more.unit_max, fp, VERSION)
+                         more.unit_max, fp, VERSION, pairs)
+    del pairs
     header = dataclasses.replace(header, placement_base=fp_base, identities=tuple(
         rank_identities(cfg, src_layout, dst_layout).get("identities", ())), derived=tuple(
         tuple(d) for d in derived(dst_layout, src_layout.world, cfg.target)))
@@ -397,14 +399,23 @@ def compile_to(cfg: Config, spec: ModelSpec, out_path: str, progress=None,
         else:
             sizes.append(write_chunked(tmp, out, chunk_budget(cfg), key))
 
-    try:  # written as soon as compiled (`compile_config`), in place once it is the plan
-        out = compile_config(cfg, spec, progress, write, spill=True)
-        os.replace(tmp, out_path)
+    try:  # written as soon as compiled (`compile_config`), in place once it is the plan;
+        # the plan's stats taken and the plan dropped before the cycle collector is back on
+        # (its millions of objects go by their counts, not traversed by a full collection)
+        with gc_paused():
+            out = compile_config(cfg, spec, progress, write, spill=True)
+            os.replace(tmp, out_path)
+            stats = _stats(cfg, out, sizes[-1], round(time.perf_counter() - t0, 3))
+            del out
     finally:  # nothing left behind on failure: ours, nor `write_plan`'s own PATH.tmpPID
         for left in (tmp, f"{tmp}.tmp{os.getpid()}"):
             if os.path.exists(left):
                 os.remove(left)
-    size, seconds = sizes[-1], round(time.perf_counter() - t0, 3)
+    return stats
+
+
+def _stats(cfg: Config, out: Compiled, size: int, seconds: float) -> dict[str, Any]:
+    """`compile_to`'s summary of the plan (or chunk plans) `out`, written in `size` bytes."""
     if not isinstance(out, Plan):
         return {"chunked_budget": chunk_budget(cfg), "chunks": len(out),
                 "bytes": sum(p.header.stats.bytes for p in out), "plan_bytes": size,

@@ -9,7 +9,9 @@ Two things the compiler knows and stores (readers never re-derive them):
 
 from __future__ import annotations
 
+import hashlib
 import mmap
+import struct
 import tempfile
 from typing import Any
 
@@ -21,7 +23,6 @@ from planner.passes.intersect import PieceTable
 from planner.spec import ModelSpec
 from schemas.config import Config
 from schemas.identity import HEADER_KEY
-from schemas.plan_write import packed_digest
 from schemas.tensors import encode_rank_tensors
 
 
@@ -43,15 +44,15 @@ def rank_tensor_blobs(spec: ModelSpec, tables: tuple[PieceTable, PieceTable],
                       ) -> tuple[tuple[str, Any], ...]:
     """A `tensors/<rank>` blob per plan rank (replicas point at their first copy), from the
     source and target piece tables and layouts: the compiler takes them while it still
-    holds the tables and adds them to the plan at the end. Blobs of equal content are
-    found by the blake2b-256 digest of their msgpack bytes.
+    holds the tables and adds them to the plan at the end. Blobs of equal content (equal
+    msgpack bytes) are found by `_content`.
 
     `spill`: each blob's piece columns written to an unnamed temporary file as it is made
     and given back as read-only memoryviews of it mapped (`_Spill`): msgpack packs them as
     the same bytes, held in the page cache instead of this process until the plan is
     written (a large model's blobs are hundreds of MB)."""
     blobs: list[tuple[str, Any]] = []
-    first: dict[bytes, int] = {}
+    first: dict[tuple, int] = {}
     out = _Spill() if spill else None
     for table, layout, base in zip(tables, layouts, (0, layouts[0].world)):
         cut = np.searchsorted(table.rank, np.arange(base, base + layout.world + 1))
@@ -62,8 +63,7 @@ def rank_tensor_blobs(spec: ModelSpec, tables: tuple[PieceTable, PieceTable],
             same = next((f for other, f in seen if _same_rows(table, rows, other)), None)
             if same is None:  # equal content: point at the first
                 blob = _blob(spec, table, rows, rl.tensors)
-                same = first.setdefault(packed_digest(  # the bytes `pack(blob)` gives
-                    {**blob, "pieces": [memoryview(c) for c in blob["pieces"]]}), r)
+                same = first.setdefault(_content(blob), r)
                 seen.append((rows, same))
                 if same == r and out is not None:
                     out.add(blob)
@@ -71,6 +71,21 @@ def rank_tensor_blobs(spec: ModelSpec, tables: tuple[PieceTable, PieceTable],
     if out is not None:
         out.close()
     return tuple(blobs)
+
+
+def _content(blob: dict[str, Any]) -> tuple:
+    """What a `tensors/<rank>` blob's msgpack bytes are made of, as a key: two blobs' keys are
+    equal where their bytes are (but by a collision): every value by value (a list as a
+    tuple of its items, each shape as a tuple: names are strings, shapes sequences of
+    integers), but the piece columns by the blake2b-256 of their bytes, each column's
+    length first. Not the digest of the blob packed: its thousands of names would be packed
+    twice, here and when the plan is written."""
+    h = hashlib.blake2b(digest_size=32)
+    for col in blob["pieces"]:
+        h.update(struct.pack("<Q", len(col)))
+        h.update(col)
+    return tuple((k, h.digest() if k == "pieces" else tuple(map(tuple, v)) if k == "shapes"
+                  else tuple(v) if isinstance(v, list) else v) for k, v in blob.items())
 
 
 class _Spill:

@@ -16,6 +16,7 @@ import numpy as np
 from planner.passes.intersect import Chunks, PieceTable, element_size
 from planner.passes.lower import Lowered
 from planner.passes.lower_cols import chosen
+from planner.rows import pair_sums
 from planner.topology import Topology
 
 
@@ -24,13 +25,30 @@ def remote_egress(topo: Topology, low: Lowered) -> np.ndarray:
     return _sums(topo, low)[0]
 
 
-def _sums(topo: Topology, low: Lowered
+def pair_bytes(topo: Topology, low: Lowered) -> tuple[np.ndarray, np.ndarray] | None:
+    """The writes of `low` and their bytes per (source, target) plan rank pair
+    (`rows.pair_sums`; None for a world too large for its table): what `nic_stats` and
+    `emit.rank_stats` sum, tallied once for both."""
+    return pair_sums(low.w_src_rank, low.w_dst_rank, low.w_nbytes, topo.world)
+
+
+def _sums(topo: Topology, low: Lowered, pairs: tuple[np.ndarray, np.ndarray] | None = None
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Bytes of the writes of `low` out of and into each NIC (to and from other hosts),
     and out of and into each rank over NVLink (within its host), as float64 (whole bytes:
-    exact in any order), summed a block of writes at a time."""
+    exact in any order): from the bytes per rank pair (`pairs`, else `pair_bytes`'), or,
+    for a world too large for those, summed a block of writes at a time."""
     host, nic = np.asarray(topo.host), np.asarray(topo.nic)
     n_nics = int(nic.max()) + 1
+    pairs = pair_bytes(topo, low) if pairs is None else pairs
+    if pairs is not None:
+        total = pairs[1]
+        near = host[:, None] == host[None, :]
+        remote = np.where(near, 0.0, total)
+        near_b = np.where(near, total, 0.0)
+        return (np.bincount(nic, weights=remote.sum(axis=1), minlength=n_nics),
+                np.bincount(nic, weights=remote.sum(axis=0), minlength=n_nics),
+                near_b.sum(axis=1), near_b.sum(axis=0))
     out_b, in_b = np.zeros(n_nics), np.zeros(n_nics)
     nv, nv_in = np.zeros(topo.world), np.zeros(topo.world)
     for at in range(0, len(low.w_src_rank), _BLOCK):
@@ -50,11 +68,12 @@ _BLOCK = 1 << 21
 """Writes whose NIC and NVLink bytes are summed at a time (bounds the temporaries)."""
 
 
-def nic_stats(topo: Topology, low: Lowered, bound: float) -> dict[str, Any]:
+def nic_stats(topo: Topology, low: Lowered, bound: float,
+              pairs: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
     """`nics` (per NIC: name, host, gbps, bytes out and in), `nvlink_bytes`,
     `remote_bytes`, `floor_s` and `egress_bound_max_over_mean` (`bound` over the mean
-    egress of the NICs that send)."""
-    out_b, in_b, nv, nv_in = _sums(topo, low)
+    egress of the NICs that send). `pairs`: `pair_bytes`, when tallied already."""
+    out_b, in_b, nv, nv_in = _sums(topo, low, pairs)
     nics = [{"name": topo.nic_name(n), "host": n // topo.nics_per_host,
              "gbps": topo.nic_gbps, "bytes_out": int(out_b[n]), "bytes_in": int(in_b[n])}
             for n in sorted(set(topo.nic))]

@@ -279,3 +279,30 @@ def distinct_rows(cols: Sequence[np.ndarray]) -> np.ndarray:
         at, code = np.divmod(at, m)
         out[:, j] = code + lo
     return out
+
+
+PAIR_BINS = 1 << 20
+"""Most (a, b) pairs `pair_sums` tallies (two n x n tables of 8 bytes a pair: 16 MiB)."""
+
+
+def pair_sums(a: np.ndarray, b: np.ndarray, weights: np.ndarray, n: int
+              ) -> tuple[np.ndarray, np.ndarray] | None:
+    """How many rows, and the sum of their `weights` (float64: exact for whole numbers below
+    2^53, in any order), of each (a, b) pair of values in [0, n), as two n x n arrays (int64,
+    float64); None where n x n is over `PAIR_BINS`. Summed a block of rows at a time in two
+    buffers made once: no temporary as long as the columns (the int32 columns cast to
+    bincount's intp, the weights to float64), whose fresh pages cost their zeroing."""
+    if n * n > PAIR_BINS:
+        return None
+    count, total = np.zeros(n * n, dtype=np.int64), np.zeros(n * n)
+    m = min(len(a), _BLOCK)
+    key, w = np.empty(m, dtype=np.intp), np.empty(m, dtype=np.float64)
+    for lo in range(0, len(a), _BLOCK):
+        k, x = key[:min(_BLOCK, len(a) - lo)], w[:min(_BLOCK, len(a) - lo)]
+        np.copyto(k, a[lo:lo + len(k)], casting="unsafe")
+        k *= n
+        k += b[lo:lo + len(k)]
+        np.copyto(x, weights[lo:lo + len(k)], casting="unsafe")
+        count += np.bincount(k, minlength=n * n)
+        total += np.bincount(k, weights=x, minlength=n * n)
+    return count.reshape(n, n), total.reshape(n, n)

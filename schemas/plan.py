@@ -282,9 +282,11 @@ class RankPlan:
     """A target's shadow section (`schemas/shadow.py`), only in plans compiled with
     `target.shadow`; absent (no key in the part) otherwise."""
 
-    def encode(self, regions: Any = None) -> dict[str, Any]:
+    def encode(self, regions: Any = None, lists: bool = True) -> dict[str, Any]:
         """The part as msgpack packs it. `regions`: what stands for the regions list, when
-        the caller has it already (`plan_write`: the list's msgpack bytes)."""
+        the caller has it already (`plan_write`: the list's msgpack bytes). `lists`: the
+        peer regions as lists (as decoded), else as the tuples held (`plan_write`: msgpack
+        packs a tuple as the same array, without the copy)."""
         extra = {} if self.identity is None else {"identity": dict(self.identity)}
         if self.shadow is not None:
             extra["shadow"] = self.shadow.encode()
@@ -295,7 +297,8 @@ class RankPlan:
             "writes": self.writes.views(), "batches": self.batches.views(),
             "copies": self.copies.views(), "signals": self.signals.views(),
             "waits": self.waits.views(),
-            "peer_regions": [[p, [list(rs) for rs in s]] for p, s in self.peer_regions],
+            "peer_regions": [[p, [list(rs) for rs in s]] for p, s in self.peer_regions]
+            if lists else self.peer_regions,
             "stages": self.stages, **extra,
         }
 

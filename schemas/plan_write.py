@@ -20,7 +20,7 @@ import numpy as np
 
 from .plan import FORMAT_VERSION, MAGIC, Plan, Region, region_row
 from .plan_codec import checksum, deflate, pack
-from .table import NARROW, Table, narrow_code, stored_plainly
+from .table import NARROW, RangedTable, Table, narrow_code, stored_plainly
 
 
 def encode_plan(plan: Plan, key: bytes | None = None, compact: bool = True) -> bytes:
@@ -40,7 +40,8 @@ def _stored_blobs(plan: Plan, compact: bool
     the plan's bytes again."""
     from concurrent.futures import ThreadPoolExecutor
 
-    store = _compact if compact else _plain
+    buffers = _Buffers()  # the one compressing thread's, blob after blob
+    store = (lambda parts: _compact(parts, buffers)) if compact else _plain
     index: dict[str, list[Any]] = {}
     blobs: list[list[bytes | memoryview]] = []
     pending: deque[tuple[str, Any]] = deque()
@@ -69,8 +70,9 @@ def _end(index: dict[str, list[Any]]) -> int:
     return last[0] + last[1]
 
 
-def _compact(parts: list[bytes | memoryview]) -> tuple[list[bytes | memoryview], int, bytes]:
-    data = deflate(_released(parts))
+def _compact(parts: list[bytes | memoryview], buffers: _Buffers | None = None
+             ) -> tuple[list[bytes | memoryview], int, bytes]:
+    data = deflate(_released(parts, buffers))
     return [data], len(data), checksum(data)
 
 
@@ -78,14 +80,16 @@ RELEASE_SLICE = 8 << 20
 """Bytes of a file-mapped part compressed before its pages are dropped (`_released`)."""
 
 
-def _released(parts: list[Any]) -> Iterator[bytes | memoryview]:
+def _released(parts: list[Any], buffers: _Buffers | None = None
+              ) -> Iterator[bytes | memoryview]:
     """`parts` in order (`_expanded`), each part mapped from a file (a spilled table's
     column, a spilled blob: `mmap` underneath) in `RELEASE_SLICE` slices, each slice's pages
     dropped from this process once the consumer asks for the next (`MADV_DONTNEED`: a shared
     file mapping reads them again from the file if touched again). The bytes are the same;
     reading a spilled blob no longer keeps all of it resident, so a plan's spilled hundreds
-    of MB are never in the process at once."""
-    for part in _expanded(parts):
+    of MB are never in the process at once. Each part is done with before the next is
+    asked for: the narrowed slices are made in `buffers` (`_expanded`)."""
+    for part in _expanded(parts, _Buffers() if buffers is None else buffers):
         m = _mapping(part)
         if m is None or len(part) == 0:
             yield part
@@ -126,19 +130,45 @@ def _plain(parts: list[Any]) -> tuple[list[bytes | memoryview], int, bytes]:
 class _Column:
     """A table column that `_parts` leaves to be put in its stored form (`stored_column`)
     when its bytes are asked for (`_expanded`): on the thread that compresses them, one
-    column at a time."""
+    column at a time. `span`: its least and greatest values where known already (a
+    `RangedTable`'s)."""
 
-    __slots__ = ("column",)
+    __slots__ = ("column", "span")
 
-    def __init__(self, column: np.ndarray) -> None:
+    def __init__(self, column: np.ndarray, span: tuple[int, int] | None = None) -> None:
         self.column = column
+        self.span = span
 
 
-def _expanded(parts: list[Any]) -> Iterator[bytes | memoryview]:
+class _Buffers:
+    """One buffer per dtype that `_expanded` narrows a column's slices into, reused slice
+    after slice (for a consumer that is done with each part before it asks for the next:
+    `_released`'s deflate): a slice of a few MB narrowed afresh each time would fault its
+    pages in afresh, each zeroed by the kernel."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held: dict[np.dtype, np.ndarray] = {}
+
+    def narrowed(self, piece: np.ndarray, dt: np.dtype) -> np.ndarray:
+        """`piece.astype(dt)`, in the buffer of `dt`."""
+        buf = self.held.get(dt)
+        if buf is None or len(buf) < len(piece):
+            buf = self.held[dt] = np.empty(max(len(piece), RELEASE_SLICE // 8), dtype=dt)
+        out = buf[:len(piece)]
+        np.copyto(out, piece, casting="unsafe")  # (as `astype`: every value fits)
+        return out
+
+
+def _expanded(parts: list[Any], buffers: _Buffers | None = None
+              ) -> Iterator[bytes | memoryview]:
     """`parts` with each `_Column` replaced by the parts of its stored form
     (`table.stored_column`'s bytes), made as they are asked for: a column's span and its
     narrowed values a `RELEASE_SLICE` of it at a time, the pages of a column mapped from a
-    file (the spilled explain table) dropped once read, so no column is held whole again."""
+    file (the spilled explain table) dropped once read, so no column is held whole again.
+    `buffers`: where the narrowed slices are made, for a consumer done with each part
+    before it asks for the next (else each is a new array)."""
     for part in parts:
         if type(part) is not _Column:
             yield part
@@ -148,23 +178,30 @@ def _expanded(parts: list[Any]) -> Iterator[bytes | memoryview]:
             yield from _raw(col)
             continue
         step = max(1, RELEASE_SLICE // col.dtype.itemsize)
-        lo, hi = None, None
-        for at in range(0, len(col), step):
-            piece = col[at:at + step]
-            a, b = int(piece.min()), int(piece.max())
-            lo, hi = a if lo is None else min(lo, a), b if hi is None else max(hi, b)
-            _dropped(piece)
+        m = _mapping(col)  # (once a column: its pieces lie in the same mapping)
+        if part.span is not None:  # known: the column is read once, below
+            lo, hi = part.span
+        elif len(col) <= step:  # one piece (most columns: a rank's rows)
+            lo, hi = int(col.min()), int(col.max())
+            _dropped(m, col)
+        else:
+            lo, hi = None, None
+            for at in range(0, len(col), step):
+                piece = col[at:at + step]
+                a, b = int(piece.min()), int(piece.max())
+                lo, hi = a if lo is None else min(lo, a), b if hi is None else max(hi, b)
+                _dropped(m, piece)
         code = narrow_code(lo, hi, col.dtype.itemsize)
         if code is None:
             yield from _raw(col)
         else:
             narrow = np.dtype(NARROW[code])
-            yield _PACKER.pack_array_header(2) + pack(code) + _bin_header(
-                len(col) * narrow.itemsize)
+            yield _HEADS[code] + _bin_header(len(col) * narrow.itemsize)
             for at in range(0, len(col), step):
                 piece = col[at:at + step]
-                yield memoryview(piece.astype(narrow)).cast("B")
-                _dropped(piece)
+                yield memoryview(piece.astype(narrow) if buffers is None else
+                                 buffers.narrowed(piece, narrow)).cast("B")
+                _dropped(m, piece)
 
 
 def _raw(col: np.ndarray) -> tuple[bytes, memoryview]:
@@ -175,9 +212,9 @@ def _raw(col: np.ndarray) -> tuple[bytes, memoryview]:
     return _bin_header(view.nbytes), view
 
 
-def _dropped(piece: np.ndarray) -> None:
-    """Drop the pages under `piece` from this process where it is mapped from a file."""
-    m = _mapping(piece)
+def _dropped(m: mmap.mmap | None, piece: np.ndarray) -> None:
+    """Drop the pages under `piece` from this process where it is mapped from a file (`m`,
+    its `_mapping`)."""
     if m is not None and piece.nbytes:
         _drop(m, memoryview(piece).cast("B"))
 
@@ -219,7 +256,8 @@ def _blobs(plan: Plan, rows: dict[int, bytes] | None) -> Iterator[tuple[str, Any
     only `_parts` takes."""
     ids = plan.header.identities
     for r in plan.ranks:
-        enc = r.encode(None if rows is None else _packed_regions(r.regions, rows))
+        enc = r.encode(None if rows is None else _packed_regions(r.regions, rows),
+                       lists=rows is None)
         for k in RANK_TABLES:
             enc[k] = _Stored(getattr(r, k))
         # each part carries its rank's identity (schemas/identity.py)
@@ -273,8 +311,9 @@ def _parts(obj: Any) -> list[bytes | memoryview]:
         return [obj]
     if type(obj) is _Stored:
         cols = obj.table.columns
+        spans = obj.table.ranges if isinstance(obj.table, RangedTable) else ()
         return [_PACKER.pack_array_header(len(cols)),
-                *(_Column(c) for c in cols)]
+                *(_Column(c, spans[i] if i < len(spans) else None) for i, c in enumerate(cols))]
     if isinstance(obj, dict):
         out: list[bytes | memoryview] = [_PACKER.pack_map_header(len(obj))]
         for k, v in obj.items():
@@ -290,6 +329,8 @@ def _parts(obj: Any) -> list[bytes | memoryview]:
 
 
 _PACKER = msgpack.Packer(use_bin_type=True)
+_HEADS = {code: _PACKER.pack_array_header(2) + pack(code) for code in NARROW}
+"""The start of each narrow column's stored form (`[code, bin]`), up to its bin's header."""
 
 
 def _bin_header(n: int) -> bytes:

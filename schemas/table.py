@@ -80,6 +80,16 @@ class Table:
         return Table.build(schema, **cols)
 
 
+@dataclass(frozen=True, slots=True)
+class RangedTable(Table):
+    """A table whose columns' least and greatest values are known already (`ranges`: one
+    `(lo, hi)` a column, None where not known): the plan writer takes a column's stored
+    form from them instead of reading the whole column once more (a spilled table's
+    columns are mapped from a file: `planner.passes.emit.spilled`)."""
+
+    ranges: tuple[tuple[int, int] | None, ...] = ()
+
+
 NARROW = {"i1": "<i1", "i2": "<i2", "i4": "<i4"}
 """The narrower widths a stored integer column may take (code -> dtype)."""
 
@@ -107,11 +117,15 @@ def narrow_code(lo: int, hi: int, itemsize: int) -> str | None:
     `itemsize` bytes, or None (raw). One value over all rows is narrowed too (deflate
     shrinks its run): a form that repeats a value over rows it does not store would let a
     few bytes decode to any size (the module's docstring)."""
-    for code, dt in NARROW.items():
-        info = np.iinfo(dt)
-        if np.dtype(dt).itemsize < itemsize and info.min <= lo and hi <= info.max:
+    for code, size, least, most in _RANGES:
+        if size < itemsize and least <= lo and hi <= most:
             return code
     return None
+
+
+_RANGES = tuple((code, np.dtype(dt).itemsize, int(np.iinfo(dt).min), int(np.iinfo(dt).max))
+                for code, dt in NARROW.items())
+"""Each `NARROW` code's width and range, in its order (`narrow_code` runs per column)."""
 
 
 def narrow_dtype(code: Any, dt: str) -> np.dtype | None:

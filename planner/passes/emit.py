@@ -25,7 +25,7 @@ from planner.passes.intersect import PieceTable, Repeated
 from planner.passes.lower import Lowered
 from planner.passes.lower_cols import as_dtype, is_constant
 from planner.passes.schedule import Schedule
-from planner.rows import column_keys, lexorder, stable_argsort, unique_rows
+from planner.rows import column_keys, lexorder, pair_sums, stable_argsort, unique_rows
 from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import Config, SourceConfig
@@ -50,6 +50,7 @@ from schemas.plan import (
     Region,
     Table,
 )
+from schemas.table import RangedTable
 
 
 def tensor_regions(layout: Layout) -> list[tuple[Region, ...]]:
@@ -97,7 +98,9 @@ def with_staging(regions: list[tuple[Region, ...]], staging: np.ndarray
 
 
 def _slices(sorted_keys: np.ndarray, world: int) -> np.ndarray:
-    return np.searchsorted(sorted_keys, np.arange(world + 1))
+    """Where each of ranks 0..world starts in `sorted_keys` (the ranks in its dtype: a wider
+    one would have the whole column cast to it first)."""
+    return np.searchsorted(sorted_keys, np.arange(world + 1, dtype=sorted_keys.dtype))
 
 
 def _table(schema, rows: np.ndarray, names: tuple[str, ...]) -> Table:
@@ -119,11 +122,19 @@ def longest_row_bytes(spec: ModelSpec) -> int:
     return 4 * max(cols)
 
 
-def rank_stats(low: Lowered, world: int) -> tuple[RankStats, ...]:
-    """Per plan rank: writes issued, bytes sent and received, packs, unpacks, staging."""
-    count = np.bincount(low.w_src_rank, minlength=world)
-    sent = np.bincount(low.w_src_rank, weights=low.w_nbytes, minlength=world)
-    recv = np.bincount(low.w_dst_rank, weights=low.w_nbytes, minlength=world)
+def rank_stats(low: Lowered, world: int,
+               pairs: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[RankStats, ...]:
+    """Per plan rank: writes issued, bytes sent and received, packs, unpacks, staging.
+    `pairs`: the writes and their bytes per (source, target) pair (`rows.pair_sums`), the
+    write columns' sums read from them where given."""
+    if pairs is None:
+        pairs = pair_sums(low.w_src_rank, low.w_dst_rank, low.w_nbytes, world)
+    if pairs is not None:
+        count, sent, recv = pairs[0].sum(axis=1), pairs[1].sum(axis=1), pairs[1].sum(axis=0)
+    else:
+        count = np.bincount(low.w_src_rank, minlength=world)
+        sent = np.bincount(low.w_src_rank, weights=low.w_nbytes, minlength=world)
+        recv = np.bincount(low.w_dst_rank, weights=low.w_nbytes, minlength=world)
     kind, rank = low.copies["kind"], low.copies["rank"]
     packs = np.bincount(rank[(kind == PACK) | (kind == QUANT)], minlength=world)
     unpacks = np.bincount(rank[kind == UNPACK], minlength=world)
@@ -133,9 +144,10 @@ def rank_stats(low: Lowered, world: int) -> tuple[RankStats, ...]:
 
 def plan_header(cfg: Config, spec: ModelSpec, topo: Topology, replicas: int, low: Lowered,
                 nic: dict[str, Any], chunks: int, unit_max: int, fingerprint: str,
-                created_by: str) -> PlanHeader:
+                created_by: str, pairs: tuple[np.ndarray, np.ndarray] | None = None
+                ) -> PlanHeader:
     """Everything the compiler decided about the whole plan (`nic`: from
-    `planner.nic_stats.nic_stats`)."""
+    `planner.nic_stats.nic_stats`; `pairs`: `rank_stats`')."""
     kinds = low.copies["kind"]
     return PlanHeader(
         fingerprint=fingerprint, world=topo.world, sources=topo.sources,
@@ -146,7 +158,7 @@ def plan_header(cfg: Config, spec: ModelSpec, topo: Topology, replicas: int, low
         nvlink_gbps=topo.nvlink_gbps, placement=cfg.target.placement,
         ranks=tuple(RankRow("source" if r < topo.sources else "target", topo.host[r],
                             topo.gpu[r], topo.nic_name(topo.nic[r])) for r in range(topo.world)),
-        rank_stats=rank_stats(low, topo.world),
+        rank_stats=rank_stats(low, topo.world, pairs),
         nics=tuple(NicRow(n["name"], n["host"], float(n["gbps"]), n["bytes_out"],
                           n["bytes_in"]) for n in nic["nics"]),
         stats=PlanStats(
@@ -168,21 +180,24 @@ def emit(header: PlanHeader, ops: list[tuple[Lowered, Schedule]], topo: Topology
     `ops`: a list of the lowered ops and their schedule, holding the only references to
     them; they are consumed: the write columns are put in scheduled order (in place, or,
     for offsets and bytes held as int32, into int64 copies, each int32 one dropped once
-    copied), and the copies in (rank, stage, kind) order and the plan's dtypes, in place,
-    so each rank's tables are views of them and the plan holds no second copy of the op
-    tables (the compiler reads them no more)."""
+    copied), and the copies in (rank, stage, kind) order and the plan's dtypes, in place
+    (`_all_in_order`; the schedule's order itself, read no more, holds the last column
+    copied), so each rank's tables are views of them and the plan holds no second copy of
+    the op tables (the compiler reads them no more)."""
     world = topo.world
     low, sched = ops.pop()
-    o = sched.order
-    for k in ("w_src_rank", "w_dst_rank", "w_src_region", "w_dst_region", "w_stage"):
-        _permute(getattr(low, k), o)
-    w = {"dst_rank": low.w_dst_rank, "src_region": low.w_src_region,
-         "dst_region": low.w_dst_region}
-    for k in ("src_offset", "dst_offset", "nbytes"):  # each narrow column dropped once put
-        w[k] = _in_order(getattr(low, f"w_{k}"), o)
-        low = dataclasses.replace(low, **{f"w_{k}": w[k]})
-    sched = dataclasses.replace(sched, order=o[:0])
+    o, scratch = sched.order, _Scratch()
+    sched = dataclasses.replace(sched, order=o[:0].copy())  # `o`: the only reference
+    cols = {k: getattr(low, f"w_{k}") for k in (
+        "src_rank", "dst_rank", "src_region", "dst_region", "stage", "src_offset",
+        "dst_offset", "nbytes")}
+    _all_in_order(cols, o, scratch, {"src_offset": np.int64, "dst_offset": np.int64,
+                                     "nbytes": np.int64})  # (the plan's offsets and bytes)
     del o
+    low = dataclasses.replace(low, **{f"w_{k}": v for k, v in cols.items()})
+    w = {k: cols[k] for k in ("dst_rank", "src_region", "dst_region", "src_offset",
+                              "dst_offset", "nbytes")}
+    del cols
     w_src = low.w_src_rank
     w_cut = _slices(w_src, world)
     b_start = sched.batch_start
@@ -192,12 +207,16 @@ def emit(header: PlanHeader, ops: list[tuple[Lowered, Schedule]], topo: Topology
     b_stage = low.w_stage[b_start]  # once: indexing it per rank was 8M x 512
     c = low.copies
     c_order = lexorder(c["kind"], c["stage"], c["rank"])  # stable: ties keep their order
-    for v in c.values():
-        if not is_constant(v):  # (a constant column is in any order)
-            _permute(v, c_order)
-    del c_order
-    for name, dt in COPY_COLUMNS:  # the plan's dtypes, one column at a time
-        c[name] = as_dtype(c[name], dt)
+    plan_dt = dict(COPY_COLUMNS)
+    varied = {k: v for k, v in c.items() if not is_constant(v)}  # (a constant column is
+    # in any order)
+    _all_in_order(varied, c_order, scratch, plan_dt)  # in the plan's dtypes
+    del c_order, scratch
+    c.update(varied)
+    del varied
+    for name, dt in COPY_COLUMNS:
+        if is_constant(c[name]):
+            c[name] = as_dtype(c[name], dt)
     c_cut = _slices(c["rank"], world)
     # a constant column's rows of every rank: views of one array of its value (contiguous,
     # as a table's columns are), as long as the most any rank has
@@ -253,18 +272,74 @@ class _Shared:
         return self.value[:hi - lo]
 
 
-def _permute(col: np.ndarray, order: np.ndarray) -> None:
-    """`col[:] = col[order]`: a column put in order in place (one column's copy at a time)."""
-    col[:] = col[order]
+class _Scratch:
+    """The buffer `emit` puts a column in order into (`np.take`) before copying it where it
+    goes: one of the dtype last asked for, made once for every column of that dtype (a
+    fresh temporary per column would fault its pages in afresh, each zeroed by the
+    kernel)."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self) -> None:
+        self.buf: np.ndarray | None = None
+
+    def taken(self, col: np.ndarray, order: np.ndarray) -> np.ndarray:
+        """`col[order]`, in the buffer (`order`: a permutation, every index in range)."""
+        if self.buf is None or self.buf.dtype != col.dtype or len(self.buf) < len(order):
+            self.buf = None  # (the last one freed before the next is made)
+            self.buf = np.empty(len(order), dtype=col.dtype)
+        out = self.buf[:len(order)]
+        np.take(col, order, out=out, mode="clip")  # (no bounds to check: faster)
+        return out
 
 
-def _in_order(col: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """An int64 column of the plan's (offsets, bytes) in `order`: `col` put in order in
-    place (`_permute`), or an int64 copy in order where `col` is narrower."""
-    if col.dtype == np.int64:
-        _permute(col, order)
-        return col
-    return col[order].astype(np.int64)
+    def spare(self, dt: np.dtype, n: int) -> np.ndarray | None:
+        """The buffer, given up, where it is `n` rows of `dt` (to hold a column: its pages
+        are in already), else None."""
+        buf = self.buf
+        if buf is None or buf.dtype != dt or len(buf) != n:
+            return None
+        self.buf = None
+        return buf
+
+
+def _permute(col: np.ndarray, order: np.ndarray, scratch: _Scratch) -> None:
+    """`col[:] = col[order]`: a column put in order in place (through `scratch`)."""
+    col[:] = scratch.taken(col, order)
+
+
+def _all_in_order(cols: dict[str, np.ndarray], order: np.ndarray, scratch: _Scratch,
+                  dts: dict[str, Any]) -> None:
+    """Every column of `cols` put in `order` (a permutation, held by nothing else) and in
+    its dtype in `dts` (its own where not named), in the dict: a column of that dtype in
+    place (`_permute`), those of one dtype one after another (one buffer each); one of
+    another dtype into an array of its dtype, in memory whose pages are in already where there is
+    some: the buffer of the last dtype put in place where it is of that dtype, then `order`
+    itself once the last column is taken (an int64 column of as many rows, read no more),
+    else a new array (its pages zeroed by the kernel as they are first touched)."""
+    dt = {k: np.dtype(dts.get(k, v.dtype)) for k, v in cols.items()}
+    for k in sorted((k for k in cols if cols[k].dtype == dt[k]), key=lambda k: dt[k].str):
+        _permute(cols[k], order, scratch)
+    cast = sorted((k for k in cols if cols[k].dtype != dt[k]), key=lambda k: dt[k].str)
+    n = len(order)
+    spares = [] if not cast else [b for b in (scratch.spare(dt[cast[0]], n),)
+                                  if b is not None]
+    for i, k in enumerate(cast):
+        got = scratch.taken(cols[k], order)
+        if spares and spares[-1].dtype == dt[k]:
+            out = spares.pop()
+        elif i == len(cast) - 1 and _free(order, dt[k]):
+            out = order  # (read no more: `got` is taken)
+        else:
+            out = np.empty(n, dtype=dt[k])
+        np.copyto(out, got, casting="unsafe")  # (as `astype`)
+        cols[k] = out
+
+
+def _free(order: np.ndarray, dt: np.dtype) -> bool:
+    """Whether `order` may hold a column of `dt` (its own array, of that dtype, writable)."""
+    return order.dtype == dt and order.base is None and order.flags.writeable and \
+        order.flags.c_contiguous
 
 
 def _peer_regions(pairs: np.ndarray, region_bytes: np.ndarray, first_region: np.ndarray
@@ -492,20 +567,24 @@ def _spill(schema: tuple[tuple[str, str], ...],
     import mmap
     import tempfile
 
-    lengths = []
+    lengths, ranges = [], []
     with tempfile.TemporaryFile() as f:
         for (name, dt), col in zip(schema, columns):
-            n = 0
+            n, lo, hi = 0, None, None
             for c in [col] if isinstance(col, np.ndarray) else col:
                 c = np.ascontiguousarray(c, dtype=dt)
                 if c.ndim != 1:
                     raise ValueError(f"explain column {name!r} has shape {c.shape}")
+                if len(c) and c.dtype.kind in "iu":  # (while its pages are at hand)
+                    a, b = int(c.min()), int(c.max())
+                    lo, hi = a if lo is None else min(lo, a), b if hi is None else max(hi, b)
                 f.write(memoryview(c).cast("B"))
                 n += len(c)
                 del c
             if lengths and n != lengths[0]:
                 raise ValueError(f"explain column {name!r} has {n} rows, not {lengths[0]}")
             lengths.append(n)
+            ranges.append(None if lo is None else (lo, hi))
         f.flush()
         size = sum(n * np.dtype(dt).itemsize for n, (_, dt) in zip(lengths, schema))
         if size == 0:
@@ -516,7 +595,7 @@ def _spill(schema: tuple[tuple[str, str], ...],
     for n, (_, dt) in zip(lengths, schema):
         cols.append(np.frombuffer(m, dtype=dt, count=n, offset=at))
         at += n * np.dtype(dt).itemsize
-    return Table(schema, tuple(cols))
+    return RangedTable(schema, tuple(cols), tuple(ranges))  # (the writer reads the ranges)
 
 
 def explain_with(table: Table, rows: np.ndarray) -> Table:

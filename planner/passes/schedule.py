@@ -96,11 +96,14 @@ def schedule(low: Lowered, topo: Topology, max_write_bytes: int,
     del group, rnd
     new_batch = np.zeros(n, dtype=bool)
     new_batch[:1] = True
-    for col in (src, stage, dst, key_rnd):  # one column in order at a time
-        o = col[order]
-        new_batch[1:] |= o[1:] != o[:-1]
-        del o
-    del key_rnd
+    buf: np.ndarray | None = None  # one buffer each column is put in order into, in turn
+    for col in (src, stage, dst, key_rnd):  # (not a fresh temporary each: fresh pages)
+        if buf is None or buf.dtype != col.dtype:
+            buf = None
+            buf = np.empty(n, dtype=col.dtype)
+        np.take(col, order, out=buf, mode="clip")  # (a permutation: all in range)
+        new_batch[1:] |= buf[1:] != buf[:-1]
+    del key_rnd, buf
     batch_start = np.nonzero(new_batch)[0]
     del new_batch
     host = np.asarray(topo.host)
@@ -149,7 +152,23 @@ def _signals(low: Lowered, n_regions: np.ndarray, sources: int
     slot = low.slotted & (d >= sources)  # the direct path's target staging
     if low.sources_slotted >= 0:  # a gather's, in halves (`gather_out.lowered`)
         slot |= (d < sources) & (low.w_stage >= low.sources_slotted)
-    return signal_rows(low.w_src_rank, d, low.w_stage, low.w_dst_region == n_regions[d], slot)
+    return signal_rows(low.w_src_rank, d, low.w_stage, _into_staging(low, n_regions), slot)
+
+
+def _into_staging(low: Lowered, n_regions: np.ndarray) -> np.ndarray:
+    """Whether each write lands in its target's staging (the region after its tensors),
+    a block at a time (`n_regions[d]` of every write at once is a column of int64)."""
+    d, out = low.w_dst_rank, np.empty(len(low.w_dst_rank), dtype=bool)
+    buf = np.empty(min(len(d), _BLOCK), dtype=n_regions.dtype)
+    for lo in range(0, len(d), _BLOCK):
+        part = buf[:len(d[lo:lo + _BLOCK])]
+        np.take(n_regions, d[lo:lo + _BLOCK], out=part, mode="clip")  # (plan ranks)
+        np.equal(low.w_dst_region[lo:lo + _BLOCK], part, out=out[lo:lo + _BLOCK])
+    return out
+
+
+_BLOCK = 1 << 20
+"""Writes `_into_staging` reads at a time."""
 
 
 def signal_rows(s: np.ndarray, d: np.ndarray, st: np.ndarray, staged: np.ndarray,

@@ -58,3 +58,34 @@ def test_bytes_per_holder_set_in_first_held_order() -> None:
                    (size0 * size1 * item).tolist(), host, nic, src_rank.tolist())
     assert list(got.items()) == want
     assert any(len(k) > 1 for k, _ in want) and any(len(k) == 1 for k, _ in want)
+
+
+def test_sums_from_rank_pairs_equal_the_block_sums(monkeypatch) -> None:
+    """`nic_stats`' NIC and NVLink bytes and `emit.rank_stats` from the writes' sums per rank
+    pair (`pair_bytes`) equal those summed from the write columns (the path of a world too
+    large for the pair table)."""
+    import planner.rows as rows
+    from planner.nic_stats import _sums, pair_bytes
+    from planner.passes.emit import rank_stats
+
+    rng = np.random.default_rng(8)
+    world, n = 24, 5000
+    topo = SimpleNamespace(host=(np.arange(world) // 4).tolist(),
+                           nic=(np.arange(world) // 2).tolist(), world=world)
+    low = SimpleNamespace(w_src_rank=rng.integers(0, world, n).astype(np.int32),
+                          w_dst_rank=rng.integers(0, world, n).astype(np.int32),
+                          w_nbytes=rng.integers(1, 1 << 34, n),
+                          copies={"kind": rng.integers(0, 4, 50).astype(np.uint8),
+                                  "rank": rng.integers(0, world, 50)},
+                          staging=rng.integers(0, 100, world))
+    pairs = pair_bytes(topo, low)  # type: ignore[arg-type]
+    assert pairs is not None
+    got = _sums(topo, low, pairs)  # type: ignore[arg-type]
+    stats = rank_stats(low, world, pairs)  # type: ignore[arg-type]
+    monkeypatch.setattr(rows, "PAIR_BINS", 0)  # no pair table: the columns summed
+    assert pair_bytes(topo, low) is None  # type: ignore[arg-type]
+    want = _sums(topo, low)  # type: ignore[arg-type]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and (g == w).all()
+    assert got[0].sum() > 0 and got[2].sum() > 0  # both remote and NVLink bytes
+    assert stats == rank_stats(low, world)  # type: ignore[arg-type]

@@ -181,3 +181,26 @@ def test_stable_argsort_of_sorted_runs_equals_numpy(run: int) -> None:
     rng = np.random.default_rng(run)
     key = np.concatenate([np.sort(rng.integers(0, 50, run)) for _ in range((1 << 17) // run)])
     assert np.array_equal(stable_argsort(key), np.argsort(key, kind="stable"))
+
+
+def test_pair_sums_equal_per_pair_sums_over_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pair_sums`: rows and weights per (a, b) pair, as numpy's unbuffered sums give them,
+    over several blocks (whole bytes near 2^40: exact in float64); None past `PAIR_BINS`."""
+    import planner.rows as rows
+
+    monkeypatch.setattr(rows, "_BLOCK", 1000)
+    rng = np.random.default_rng(3)
+    n, m = 37, 4321
+    a, b = rng.integers(0, n, m).astype(np.int32), rng.integers(0, n, m).astype(np.int32)
+    w = rng.integers(0, 1 << 40, m)
+    count, total = np.zeros((n, n), np.int64), np.zeros((n, n), np.int64)
+    np.add.at(count, (a, b), 1)
+    np.add.at(total, (a, b), w)
+    got = rows.pair_sums(a, b, w, n)
+    assert got is not None
+    assert got[0].dtype == np.int64 and (got[0] == count).all()
+    assert (got[1] == total).all()
+    empty = rows.pair_sums(a[:0], b[:0], w[:0], n)
+    assert empty is not None and not empty[0].any() and not empty[1].any()
+    monkeypatch.setattr(rows, "PAIR_BINS", n * n - 1)
+    assert rows.pair_sums(a, b, w, n) is None

@@ -140,3 +140,29 @@ def test_a_raw_column_is_stored_in_place() -> None:
         assert any(isinstance(p, memoryview) and np.shares_memory(np.frombuffer(p, np.uint8), col)
                    for p in parts)
     assert b"".join(bytes(p) for p in parts) == pack(t.stored())
+
+
+def test_known_ranges_and_reused_buffers_give_the_same_bytes() -> None:
+    """A `RangedTable`'s columns are stored from the ranges it carries (a wrong range gives
+    another form: they are read, not recomputed), in the same bytes as the plain table's;
+    and narrowed slices made in one set of buffers for blob after blob (`_Buffers`)
+    compress to what the columns' own msgpack does."""
+    from schemas.plan_write import _Buffers
+    from schemas.table import RangedTable, Table
+
+    schema = (("a", "<i8"), ("b", "<i4"), ("c", "<i8"))
+    rng = np.random.default_rng(2)
+    n = RELEASE_SLICE // 4 + 777  # (more than one slice of the int32 column)
+    cols = {"a": rng.integers(-5, 100, n), "b": rng.integers(0, 30000, n).astype(np.int32),
+            "c": rng.integers(0, 1 << 40, n)}
+    plain = Table.build(schema, **cols)
+    spans = tuple((int(c.min()), int(c.max())) for c in plain.columns)
+    ranged = RangedTable(schema, plain.columns, spans)
+    want = pack(plain.stored())
+    assert b"".join(bytes(p) for p in _expanded(_parts(_Stored(ranged)))) == want
+    wrong = RangedTable(schema, plain.columns, ((0, 1 << 40), *spans[1:]))
+    assert b"".join(bytes(p) for p in _expanded(_parts(_Stored(wrong)))) != want
+    buffers = _Buffers()
+    other = Table.build(schema, **{k: v[:1000] * 3 for k, v in cols.items()})
+    for t in (plain, other, plain):  # one set of buffers, blob after blob
+        assert deflate(_released(_parts(_Stored(t)), buffers)) == deflate([pack(t.stored())])
