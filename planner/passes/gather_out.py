@@ -213,6 +213,20 @@ class Block:
         self._put(rows)
         self.n += len(rows)
 
+    def claim(self, rows: int) -> np.ndarray:
+        """`rows` new rows after the others, unfilled, for the caller to fill before any
+        other row is added: in the reserved rows where they fit (no copy of them is made),
+        else an array of their own."""
+        self._seal()
+        room, at = self.room, self.n
+        if room is not None and at + rows <= len(room):
+            self.n += rows
+            return room[at:at + rows]
+        part = np.empty((rows, self.width), dtype=np.int64)
+        self._put(part)
+        self.n += rows
+        return part
+
     def _put(self, rows: np.ndarray) -> None:
         """`rows` after the others (counted in `n` by the caller, before or after)."""
         room, at = self.room, self.n
