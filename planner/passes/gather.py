@@ -135,9 +135,13 @@ class Gatherer:
                  sent: np.ndarray) -> None:
         """`held`: `gather`'s list of the routes, emptied here."""
         self.names = [t.name for t in spec.tensors]
-        index = {n: i for i, n in enumerate(self.names)}
-        self.scale_id = {i: index[n + "_scale_inv"] for i, n in enumerate(self.names)
-                         if n + "_scale_inv" in index}
+        # each tensor's FP8 scale tensor (`<name>_scale_inv`), found from the scale names
+        # (no name made and hashed per tensor)
+        index, suffix = dict(zip(self.names, range(len(self.names)))), len("_scale_inv")
+        scales = [(j, n[:-suffix]) for j, n in enumerate(self.names) if n.endswith("_scale_inv")]
+        get = index.get
+        scale_id = {i: j for j, n in scales if (i := get(n)) is not None}
+        del index, scales
         self.src, self.n_regions, self.opts, self.base = src, n_regions, opts, base
         # int64 columns (a table's may be int32): the column paths make byte offsets
         routes = held.pop()
@@ -157,7 +161,7 @@ class Gatherer:
         self.multi = np.bincount(self.chunks.dst, weights=~one, minlength=len(self.tboxes)) \
             > 0  # boxes with a chunk that several ranks hold
         self.scale_tensor = np.full(len(self.names), -1, dtype=np.int64)
-        self.scale_tensor[list(self.scale_id)] = list(self.scale_id.values())
+        self.scale_tensor[list(scale_id)] = list(scale_id.values())
         # the scale piece of each target row: same rank, scale tensor, offsets / 128
         self.scale_j = ScaleRows(s)(w.rank, self.scale_tensor[w.tensor], w.off0 // BLOCK,
                                     w.off1 // BLOCK)
