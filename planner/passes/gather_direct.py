@@ -120,24 +120,43 @@ ROWS = 1 << 16
 def _rounds(g: GatherState, owners: list[int], needs: list[int]) -> tuple[np.ndarray,
                                                                         np.ndarray]:
     """Each box's byte offset and round in its owner's staging (`Gatherer._place`: the
-    owner's first round from the last it used whose two stages have room)."""
+    owner's first round from the last it used whose two stages have room). An owner's
+    current round and its level (where both its stages are used to) are kept as two ints
+    while its boxes come, and put into the staging's table when the owner moves on and
+    at the end (not two keys made and set a box)."""
     used, peak, rounds = g.alloc.used, g.alloc.peak0, g.rounds
     cap, base = g.alloc.caps[0], g.base
+    get = used.get
+
+    def level_of(owner: int, k: int) -> int:
+        return max(get((owner, base + 2 * k, 0), 0), get((owner, base + 2 * k + 1, 0), 0))
+
+    at: dict[int, list[int]] = {}  # owner -> [round, level, placed in it]
     starts, ks = [], []
     for owner, need in zip(owners, needs):
-        k = rounds.get(owner, 0)
-        while True:
-            a, b = (owner, base + 2 * k, 0), (owner, base + 2 * k + 1, 0)
-            start = max(used.get(a, 0), used.get(b, 0))
-            if start + need <= cap:
-                break
-            k += 1
-        rounds[owner] = k
-        used[a] = used[b] = start + need
-        if start + need > peak[owner]:
-            peak[owner] = start + need
+        cur = at.get(owner)
+        if cur is None:
+            k = rounds.get(owner, 0)
+            cur = at[owner] = [k, level_of(owner, k), 0]
+        k, start = cur[0], cur[1]
+        if start + need > cap:
+            if cur[2]:  # (the round it leaves)
+                used[(owner, base + 2 * k, 0)] = used[(owner, base + 2 * k + 1, 0)] = start
+                peak[owner] = max(peak[owner], start)
+            while True:
+                k += 1
+                start = level_of(owner, k)
+                if start + need <= cap:
+                    break
+            cur[0] = k
+        cur[1], cur[2] = start + need, 1
         starts.append(start)
         ks.append(k)
+    for owner, (k, level, placed) in at.items():
+        rounds[owner] = k
+        if placed:
+            used[(owner, base + 2 * k, 0)] = used[(owner, base + 2 * k + 1, 0)] = level
+            peak[owner] = max(peak[owner], level)
     return np.array(starts, dtype=np.int64), np.array(ks, dtype=np.int64)
 
 
