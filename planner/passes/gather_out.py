@@ -327,8 +327,9 @@ class Out:
 
 
 def explain_rows(out: Out) -> np.ndarray:
-    """(tensor, owner, staging region, target rank, target region, bytes) per fan-out."""
-    return out.explain.array()
+    """(tensor, owner, staging region, target rank, target region, bytes) per fan-out,
+    taken out of `out` (its reserved rows, where they hold all: not copied)."""
+    return out.explain.take()
 
 
 def lowered(out: Out, alloc: Staging, stages: int, base: int = 0,
@@ -377,8 +378,8 @@ def _halves(out: Out, alloc: Staging, w: np.ndarray, c: np.ndarray, base: int,
     end = np.zeros((world, 4), dtype=np.int64)
     for lo in range(0, len(w), SLICE):
         _write_ends(w[lo:lo + SLICE], w_p1[lo:lo + SLICE], base, stg, end)
-    for lo in range(0, len(c), SLICE):
-        _copy_parts(c[lo:lo + SLICE], c_p1[lo:lo + SLICE], base, stg, end)
+    for lo in range(0, len(c), C_SLICE):  # (`_copy_ends` takes a slice's rows whole)
+        _copy_parts(c[lo:lo + C_SLICE], c_p1[lo:lo + C_SLICE], base, stg, end)
     size = -(-end // ALIGN) * ALIGN
     start = np.cumsum(size, axis=1) - size  # where each part starts
     last = np.where(end > 0, start + end, 0).max(axis=1)
@@ -392,6 +393,8 @@ def _halves(out: Out, alloc: Staging, w: np.ndarray, c: np.ndarray, base: int,
 
 SLICE = 1 << 15
 """Rows of the gather's tables `_halves` reads at a time."""
+C_SLICE = 1 << 13
+"""Copies `_halves` reads at a time to find their ends (their rows taken whole: 1.2 MB)."""
 
 
 def _write_ends(w: np.ndarray, p1: np.ndarray, base: int, stg: np.ndarray, end: np.ndarray,
