@@ -114,8 +114,11 @@ def gather(spec: ModelSpec, src: PieceTable, routes: list[Routes], n_regions: np
     # write, a target two, a chunk two copies, a box one more): filled, never copied
     g.out.writes.reserve(len(g.chunks) + 2 * len(g.w.rank))
     g.out.copies.reserve(2 * len(g.chunks) + len(g.tboxes))
+    g.out.explain.reserve(len(g.w.rank))  # (one explain row a target)
     order = np.array(g.order(), dtype=np.int64)
-    add_rest(g, order[add_direct(g, order):])
+    done = add_direct(g, order)
+    release_free()  # (its columns' holes in the heap: add_rest's peak would sit on them)
+    add_rest(g, order[done:])
     del order
     # the pass's state (its tables, as columns and lists) goes before its writes and
     # copies are made into columns: only the output is kept
@@ -135,9 +138,14 @@ class Gatherer:
                  sent: np.ndarray) -> None:
         """`held`: `gather`'s list of the routes, emptied here."""
         self.names = [t.name for t in spec.tensors]
-        index = {n: i for i, n in enumerate(self.names)}
-        self.scale_id = {i: index[n + "_scale_inv"] for i, n in enumerate(self.names)
-                         if n + "_scale_inv" in index}
+        # each tensor's FP8 scale tensor (`<name>_scale_inv`), found from the scale names
+        # (no name made and hashed per tensor, no list of the scale names' stems)
+        index, suffix = dict(zip(self.names, range(len(self.names)))), len("_scale_inv")
+        get, scale_id = index.get, {}
+        for j, n in enumerate(self.names):
+            if n.endswith("_scale_inv") and (i := get(n[:-suffix])) is not None:
+                scale_id[i] = j
+        del index
         self.src, self.n_regions, self.opts, self.base = src, n_regions, opts, base
         # int64 columns (a table's may be int32): the column paths make byte offsets
         routes = held.pop()
@@ -157,7 +165,7 @@ class Gatherer:
         self.multi = np.bincount(self.chunks.dst, weights=~one, minlength=len(self.tboxes)) \
             > 0  # boxes with a chunk that several ranks hold
         self.scale_tensor = np.full(len(self.names), -1, dtype=np.int64)
-        self.scale_tensor[list(self.scale_id)] = list(self.scale_id.values())
+        self.scale_tensor[list(scale_id)] = list(scale_id.values())
         # the scale piece of each target row: same rank, scale tensor, offsets / 128
         self.scale_j = ScaleRows(s)(w.rank, self.scale_tensor[w.tensor], w.off0 // BLOCK,
                                     w.off1 // BLOCK)

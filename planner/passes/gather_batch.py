@@ -327,7 +327,7 @@ def _emit(g: GatherState, p: _Prepared, lo: int, hi: int, blk: _Block) -> None:
                              np.where(quant[cv], s_off[cv] // 4, 0))):
         whole[:, k] = col
     n_copies = len(out.copies)
-    out.copies.extend(_in_order(table, np.concatenate([r_copy, r_conv])))
+    _in_order(table, np.concatenate([r_copy, r_conv]), out.copies.claim(len(table)))
     ci = n_copies + r_copy[pk]  # (the rows of the packed parts' PACKs)
     del table, part, whole
     # runs (`Out.runs`' rows: one write, or several): each box's sent parts, then each
@@ -368,11 +368,14 @@ def _emit(g: GatherState, p: _Prepared, lo: int, hi: int, blk: _Block) -> None:
                                  s.a0[jq] * 4)):
             sc[:, k] = col
     r_all = np.concatenate([r_sent, r_val, r_val[q] + 1])
-    table = _in_order(table, r_all)
     one = (table[:, 8] == 1) | ((table[:, 10] == table[:, 9]) & (table[:, 11] == table[:, 9]))
     n_writes = len(out.writes)
-    out.writes.extend(table[one, :8])
-    if not one.all():
+    if one.all():  # (all one write each: put in order straight into the writes)
+        _in_order(table[:, :8], r_all, out.writes.claim(len(table)))
+    else:
+        table = _in_order(table, r_all)
+        one = _in_order(one, r_all)
+        out.writes.extend(table[one, :8])
         out.strided.extend(table[~one][:, STRIDED])
     if pk.any():  # (copy, write, rank, element size) of each part packed into pool 1
         wi = n_writes + np.cumsum(one)[r_sent[pk]] - 1
@@ -396,11 +399,13 @@ STRIDED = [0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 7]
 """`_emit`'s run columns in `Out.strided`'s order."""
 
 
-def _in_order(table: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """The rows of `table` put at rows `at` (a permutation)."""
+def _in_order(table: np.ndarray, at: np.ndarray, out: np.ndarray | None = None
+              ) -> np.ndarray:
+    """The rows of `table` put at rows `at` (a permutation), into `out` if given (taken
+    with no bounds check: numpy's checked take fills a buffer, then copies it to `out`)."""
     where = np.empty(len(at), dtype=np.int64)
     where[at] = np.arange(len(at))
-    return table[where]
+    return np.take(table, where, axis=0, out=out, mode="clip")
 
 
 def within(counts: np.ndarray) -> np.ndarray:

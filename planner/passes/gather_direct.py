@@ -83,16 +83,34 @@ def add_direct(g: GatherState, order: np.ndarray) -> int:
         o, st, cv, b0, b1 = owner[bx], stg[bx], convert[bx], t0[bx], t1[bx]
         m0, m1 = n0[bx], n1[bx]
         rb, cb = -(-m0 // BLOCK), -(-m1 // BLOCK)
-        values = np.stack([o, st, start[bx], d_rank, d_reg,
-                           w.base[ii] + b0 * w.a0[ii] + b1 * w.a1[ii], m0, m1, m1, w.a0[ii],
-                           cv], axis=1)
         sd = s.base[jj] + (b0 // BLOCK) * s.a0[jj] + (b1 // BLOCK) * s.a1[jj]
+        d_off = w.base[ii] + b0 * w.a0[ii] + b1 * w.a1[ii]
+        if ((m0 == 1) | (w.a0[ii] == m1)).all() and ((rb == 1) | (s.a0[jj] == cb)).all():
+            # every run one write (dense rows): the values' and scales' writes made in
+            # place, alternating, in the writes' own rows (`Out.runs`' rule)
+            out = g.out.writes.claim(2 * len(ii)).reshape(len(ii), 2, 8)
+            for k, (v, sc) in enumerate(((o, o), (st, st), (start[bx], s_off[bx]),
+                                         (d_rank, d_rank), (d_reg, s.region[jj]),
+                                         (d_off, sd * 4), (m0 * m1, rb * cb * 4), (cv, cv))):
+                out[:, 0, k], out[:, 1, k] = v, sc
+            del out
+            _explain(g, tensor[bx], o, st, d_rank, d_reg, numel[bx])
+            continue
+        values = np.stack([o, st, start[bx], d_rank, d_reg, d_off, m0, m1, m1, w.a0[ii], cv],
+                          axis=1)
         scales = np.stack([o, st, s_off[bx], d_rank, s.region[jj], sd * 4, rb, cb * 4,
                            cb * 4, s.a0[jj] * 4, cv], axis=1)
         g.out.run_rows(np.stack([values, scales], axis=1).reshape(-1, 11))
         del values, scales
-        g.out.explain.extend(np.stack([tensor[bx], o, st, d_rank, d_reg, numel[bx]], axis=1))
+        _explain(g, tensor[bx], o, st, d_rank, d_reg, numel[bx])
     return n
+
+
+def _explain(g: GatherState, *cols: np.ndarray) -> None:
+    """Explain rows (`Out.explain`'s columns), made in place."""
+    out = g.out.explain.claim(len(cols[0]))
+    for k, col in enumerate(cols):
+        out[:, k] = col
 
 
 ROWS = 1 << 16
@@ -102,24 +120,43 @@ ROWS = 1 << 16
 def _rounds(g: GatherState, owners: list[int], needs: list[int]) -> tuple[np.ndarray,
                                                                         np.ndarray]:
     """Each box's byte offset and round in its owner's staging (`Gatherer._place`: the
-    owner's first round from the last it used whose two stages have room)."""
+    owner's first round from the last it used whose two stages have room). An owner's
+    current round and its level (where both its stages are used to) are kept as two ints
+    while its boxes come, and put into the staging's table when the owner moves on and
+    at the end (not two keys made and set a box)."""
     used, peak, rounds = g.alloc.used, g.alloc.peak0, g.rounds
     cap, base = g.alloc.caps[0], g.base
+    get = used.get
+
+    def level_of(owner: int, k: int) -> int:
+        return max(get((owner, base + 2 * k, 0), 0), get((owner, base + 2 * k + 1, 0), 0))
+
+    at: dict[int, list[int]] = {}  # owner -> [round, level, placed in it]
     starts, ks = [], []
     for owner, need in zip(owners, needs):
-        k = rounds.get(owner, 0)
-        while True:
-            a, b = (owner, base + 2 * k, 0), (owner, base + 2 * k + 1, 0)
-            start = max(used.get(a, 0), used.get(b, 0))
-            if start + need <= cap:
-                break
-            k += 1
-        rounds[owner] = k
-        used[a] = used[b] = start + need
-        if start + need > peak[owner]:
-            peak[owner] = start + need
+        cur = at.get(owner)
+        if cur is None:
+            k = rounds.get(owner, 0)
+            cur = at[owner] = [k, level_of(owner, k), 0]
+        k, start = cur[0], cur[1]
+        if start + need > cap:
+            if cur[2]:  # (the round it leaves)
+                used[(owner, base + 2 * k, 0)] = used[(owner, base + 2 * k + 1, 0)] = start
+                peak[owner] = max(peak[owner], start)
+            while True:
+                k += 1
+                start = level_of(owner, k)
+                if start + need <= cap:
+                    break
+            cur[0] = k
+        cur[1], cur[2] = start + need, 1
         starts.append(start)
         ks.append(k)
+    for owner, (k, level, placed) in at.items():
+        rounds[owner] = k
+        if placed:
+            used[(owner, base + 2 * k, 0)] = used[(owner, base + 2 * k + 1, 0)] = level
+            peak[owner] = max(peak[owner], level)
     return np.array(starts, dtype=np.int64), np.array(ks, dtype=np.int64)
 
 

@@ -213,6 +213,20 @@ class Block:
         self._put(rows)
         self.n += len(rows)
 
+    def claim(self, rows: int) -> np.ndarray:
+        """`rows` new rows after the others, unfilled, for the caller to fill before any
+        other row is added: in the reserved rows where they fit (no copy of them is made),
+        else an array of their own."""
+        self._seal()
+        room, at = self.room, self.n
+        if room is not None and at + rows <= len(room):
+            self.n += rows
+            return room[at:at + rows]
+        part = np.empty((rows, self.width), dtype=np.int64)
+        self._put(part)
+        self.n += rows
+        return part
+
     def _put(self, rows: np.ndarray) -> None:
         """`rows` after the others (counted in `n` by the caller, before or after)."""
         room, at = self.room, self.n
@@ -313,8 +327,9 @@ class Out:
 
 
 def explain_rows(out: Out) -> np.ndarray:
-    """(tensor, owner, staging region, target rank, target region, bytes) per fan-out."""
-    return out.explain.array()
+    """(tensor, owner, staging region, target rank, target region, bytes) per fan-out,
+    taken out of `out` (its reserved rows, where they hold all: not copied)."""
+    return out.explain.take()
 
 
 def lowered(out: Out, alloc: Staging, stages: int, base: int = 0,
@@ -363,8 +378,8 @@ def _halves(out: Out, alloc: Staging, w: np.ndarray, c: np.ndarray, base: int,
     end = np.zeros((world, 4), dtype=np.int64)
     for lo in range(0, len(w), SLICE):
         _write_ends(w[lo:lo + SLICE], w_p1[lo:lo + SLICE], base, stg, end)
-    for lo in range(0, len(c), SLICE):
-        _copy_parts(c[lo:lo + SLICE], c_p1[lo:lo + SLICE], base, stg, end)
+    for lo in range(0, len(c), C_SLICE):  # (`_copy_ends` takes a slice's rows whole)
+        _copy_parts(c[lo:lo + C_SLICE], c_p1[lo:lo + C_SLICE], base, stg, end)
     size = -(-end // ALIGN) * ALIGN
     start = np.cumsum(size, axis=1) - size  # where each part starts
     last = np.where(end > 0, start + end, 0).max(axis=1)
@@ -378,6 +393,8 @@ def _halves(out: Out, alloc: Staging, w: np.ndarray, c: np.ndarray, base: int,
 
 SLICE = 1 << 15
 """Rows of the gather's tables `_halves` reads at a time."""
+C_SLICE = 1 << 13
+"""Copies `_halves` reads at a time to find their ends (their rows taken whole: 1.2 MB)."""
 
 
 def _write_ends(w: np.ndarray, p1: np.ndarray, base: int, stg: np.ndarray, end: np.ndarray,
@@ -385,59 +402,72 @@ def _write_ends(w: np.ndarray, p1: np.ndarray, base: int, stg: np.ndarray, end: 
     """`_halves` of writes `w` (`p1`: those from pool 1): their staging ends into `end`,
     or with `start`, their staging offsets moved to their parts."""
     W = Out.W.index
-    odd = ((w[:, W("stage")] - base) // 2) % 2
-    src = w[:, W("src_region")] == stg[w[:, W("src_rank")]]
-    dst = w[:, W("dst_region")] == stg[w[:, W("dst_rank")]]
+    odd = ((w[:, W("stage")] - base) >> 1) & 1
+    s_rank, d_rank = w[:, W("src_rank")], w[:, W("dst_rank")]
+    src = w[:, W("src_region")] == stg[s_rank]
+    dst = w[:, W("dst_region")] == stg[d_rank]
     if start is None:
-        m = dst
-        np.maximum.at(end, (w[m, W("dst_rank")], odd[m]),
-                      w[m, W("dst_offset")] + w[m, W("nbytes")])
-        m = src & p1
-        np.maximum.at(end, (w[m, W("src_rank")], 2 + odd[m]),
-                      w[m, W("src_offset")] + w[m, W("nbytes")])
+        flat = end.reshape(-1)
+        m = np.flatnonzero(dst)
+        _max_at(flat, d_rank[m] * 4 + odd[m], w[m, W("dst_offset")] + w[m, W("nbytes")])
+        m = np.flatnonzero(src & p1)
+        _max_at(flat, s_rank[m] * 4 + 2 + odd[m], w[m, W("src_offset")] + w[m, W("nbytes")])
         return
-    m = src
-    w[m, W("src_offset")] += start[w[m, W("src_rank")], 2 * p1[m] + odd[m]]
-    m = dst
-    w[m, W("dst_offset")] += start[w[m, W("dst_rank")], odd[m]]
+    flat = start.reshape(-1)
+    m = np.flatnonzero(src)
+    w[m, W("src_offset")] += flat[s_rank[m] * 4 + 2 * p1[m] + odd[m]]
+    m = np.flatnonzero(dst)
+    w[m, W("dst_offset")] += flat[d_rank[m] * 4 + odd[m]]
 
 
 def _copy_parts(c: np.ndarray, p1: np.ndarray, base: int, stg: np.ndarray, end: np.ndarray,
                 start: np.ndarray | None = None) -> None:
     """`_write_ends` of copies `c`."""
     C = Out.C.index
-    odd = ((c[:, C("stage")] - base) // 2) % 2
+    odd = ((c[:, C("stage")] - base) >> 1) & 1
     rank = c[:, C("rank")]
     m = np.flatnonzero(c[:, C("dst_region")] == stg[rank])
     if start is None:
-        np.maximum.at(end, (rank[m], 2 * p1[m] + odd[m]), _copy_ends(c, m))
+        _max_at(end.reshape(-1), rank[m] * 4 + 2 * p1[m] + odd[m], _copy_ends(c, m))
         return
-    at = start[rank[m], 2 * p1[m] + odd[m]]
+    flat = start.reshape(-1)
+    at = flat[rank[m] * 4 + 2 * p1[m] + odd[m]]
     s = np.flatnonzero(c[:, C("src_region")] == stg[rank])  # reads of staging: pool 0
-    c[s, C("src_offset")] += start[rank[s], odd[s]] // ITEM[c[s, C("src_dtype")]]
+    c[s, C("src_offset")] += flat[rank[s] * 4 + odd[s]] // ITEM[c[s, C("src_dtype")]]
     c[m, C("dst_offset")] += at // ITEM[c[m, C("dst_dtype")]]
     q = c[m, C("kind")] == QUANT
     c[m[q], C("aux_offset")] += at[q] // SCALE_BYTES
+
+
+def _max_at(out: np.ndarray, at: np.ndarray, values: np.ndarray) -> None:
+    """`np.maximum.at(out, at, values)`, by runs of equal `at` (consecutive rows mostly
+    share their key: a box's writes, a round's copies): one maximum a run, then
+    `maximum.at` of the runs' (a tenth of the rows or less; `maximum.at` row by row was
+    most of `_halves`' first pass)."""
+    if len(at):
+        first = np.flatnonzero(np.concatenate([[True], at[1:] != at[:-1]]))
+        np.maximum.at(out, at[first], np.maximum.reduceat(values, first))
 
 
 def _copy_ends(c: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """The end (byte after the last) of what copies `rows` write, their scales included
     (`schemas.protocol.copy_footprint`'s dst rule)."""
     C = Out.C.index
-    quant = c[rows, C("kind")] == QUANT
-    item = ITEM[c[rows, C("dst_dtype")]]
-    sizes = [c[rows, C(f"size{d}")] for d in range(3)]
-    strides = [c[rows, C(f"dst_stride{d}")] for d in range(3)]
+    c = c[rows]  # (the rows taken whole, once: their columns read from the slice)
+    quant = c[:, C("kind")] == QUANT
+    item = ITEM[c[:, C("dst_dtype")]]
+    sizes = [c[:, C(f"size{d}")] for d in range(3)]
+    strides = [c[:, C(f"dst_stride{d}")] for d in range(3)]
     sizes[2] = np.where(quant, 1, sizes[2])
     strides[1] = np.where(quant, 1, strides[1])
-    last = c[rows, C("dst_offset")].copy()
+    last = c[:, C("dst_offset")].copy()
     for n, st in zip(sizes, strides):
         last += (n - 1) * st
     end = (last + 1) * item
     n0, n1 = sizes[0], sizes[1]
     rb, cb = -(-n0 // FP8_BLOCK), -(-n1 // FP8_BLOCK)
-    a = c[rows, C("aux_offset")]
-    s_end = (a + (rb - 1) * scale_stride(c[rows, C("dst_stride0")]) + cb) * SCALE_BYTES
+    a = c[:, C("aux_offset")]
+    s_end = (a + (rb - 1) * scale_stride(c[:, C("dst_stride0")]) + cb) * SCALE_BYTES
     return np.where(quant, np.maximum(end, s_end), end)
 
 

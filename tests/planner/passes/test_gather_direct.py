@@ -76,3 +76,38 @@ def test_moe_expert_writes_merge_and_stay_bit_exact(tmp_path):
     full = random_full_tensors(spec, seed=5)
     src, dst = build_layout(spec, cfg.source), build_layout(spec, cfg.target)
     assert refit_differs(path, src, dst, full, quantize_full(spec, full)) == []
+
+
+def test_rounds_are_the_next_fit_of_place():
+    """`_rounds` (an owner's round and level kept as ints) places boxes as `_place` and
+    `Staging.take` do one by one: same offsets, rounds, staging table and peaks, staging
+    already used before it included."""
+    from types import SimpleNamespace
+
+    from planner.passes.gather_direct import _rounds
+    from planner.passes.gather_out import Staging
+    from schemas.protocol import ALIGN
+
+    rng = np.random.default_rng(1)
+    owners = rng.integers(0, 4, 300).tolist()
+    needs = (rng.integers(1, 40, 300) * ALIGN).tolist()
+    base = 5
+
+    def state():
+        alloc = Staging(4, 200 * ALIGN)
+        alloc.take(2, (base + 2, base + 3), 150 * ALIGN)  # rank 2's round 1 nearly full
+        return SimpleNamespace(alloc=alloc, rounds={2: 1}, base=base)
+
+    want, got = state(), state()
+    starts, ks = [], []
+    for o, need in zip(owners, needs):  # `Gatherer._place`
+        k = want.rounds.get(o, 0)
+        while not want.alloc.fits(o, (base + 2 * k, base + 2 * k + 1), need):
+            k += 1
+        want.rounds[o] = k
+        starts.append(want.alloc.take(o, (base + 2 * k, base + 2 * k + 1), need))
+        ks.append(k)
+    s, k = _rounds(got, owners, needs)
+    assert s.tolist() == starts and k.tolist() == ks and max(ks) > 2
+    assert got.alloc.used == want.alloc.used and got.rounds == want.rounds
+    assert got.alloc.peak0 == want.alloc.peak0

@@ -57,3 +57,32 @@ def test_rows_made_on_first_read_only() -> None:
         except AttributeError:
             continue
         raise AssertionError(name)
+
+
+def test_claim_gives_rows_to_fill_in_order() -> None:
+    b = Block(2)
+    b.reserve(4)
+    b.append((0, 0))
+    into = b.claim(2)  # in the reserved rows: filled in place, never copied
+    into[:] = [[1, 1], [2, 2]]
+    past = b.claim(3)  # past the room: an array of its own
+    past[:] = [[3, 3], [4, 4], [5, 5]]
+    assert len(b) == 6
+    assert b.take().tolist() == [[i, i] for i in range(6)]
+    plain = Block(2)  # no room at all
+    plain.claim(1)[:] = 7
+    assert plain.array().tolist() == [[7, 7]]
+
+
+def test_max_at_is_maximum_at() -> None:
+    from planner.passes.gather_out import _max_at
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 50, 1000):
+        at = np.sort(rng.integers(0, 9, n))  # runs of one key, as `_halves` has them
+        at[: n // 3] = rng.integers(0, 9, n // 3)  # and keys in no order
+        values = rng.integers(0, 10**12, n)
+        want, got = np.zeros(9, dtype=np.int64), np.zeros(9, dtype=np.int64)
+        np.maximum.at(want, at, values)
+        _max_at(got, at, values)
+        assert got.tolist() == want.tolist()
