@@ -209,7 +209,8 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     fingerprint's digest of the piece tables, the coverage table and the tensors blobs are
     made on a second thread beside assign, done before lower (blake2b and numpy's sorts
     release the GIL). Before each step the heap's free pages go back to the system
-    (`collector.release_free`). `spill`: `compile_config`'s."""
+    (`collector.release_free`), and once more when the side thread's jobs are done (what
+    they freed would otherwise stay resident through lower's peak). `spill`: `compile_config`'s."""
     step, opts, names = _releasing(progress or _quiet), cfg.options, tuple(
         t.name for t in spec.tensors)
     # 3. topology and piece tables
@@ -261,6 +262,7 @@ def compile_layouts(cfg: Config, spec: ModelSpec, src_layout: Layout, dst_layout
     staging_ids = _staging_ids(src_layout, dst_layout)
     (fp, fp_base), coverage, blobs = fp_job.result(), coverage_job.result(), blobs_job.result()
     side.shutdown()
+    release_free()  # what the side thread's jobs freed (in its own arena, after `step`'s trim)
     direct = lower(chunks, choice, src, pieces, staging_ids, opts, names, bytes_in, topo)
     del chunks, choice, pieces  # the largest columns: nothing later reads them
     # 8. gather
