@@ -292,7 +292,6 @@ class _Scratch:
         np.take(col, order, out=out, mode="clip")  # (no bounds to check: faster)
         return out
 
-
     def spare(self, dt: np.dtype, n: int) -> np.ndarray | None:
         """The buffer, given up, where it is `n` rows of `dt` (to hold a column: its pages
         are in already), else None."""
