@@ -20,6 +20,8 @@ from planner.fp8 import quantize_layout, with_scales
 from planner.spec import spec_from_hf
 from schemas.plan_write import write_plan
 from tests.support.local_refit import refit_differs
+from tests.support.models import FP8_DSV3 as DSV3
+from tests.support.models import FP8_QWEN as QWEN
 from tests.support.synthetic import FP8_HF as HF
 from tests.support.synthetic import fp8_config as _config
 from tests.support.synthetic import fused_col_split, row_split
@@ -83,19 +85,6 @@ def test_fp8_halves_the_bytes():
     scales = sum(-(-t.shape[0] // 128) * -(-t.shape[1] // 128) for t in q) * 4 * 2
     assert saved == qbytes // 2 - scales
 
-
-# Small models whose shards stay on the 128-grid under the layouts below: a Qwen3-8B
-# shape (head_dim 128, GQA 4/2) and a DeepSeek-V3 shape (MLA with 128-multiple ranks;
-# 4 heads of 128+64 give q_b rows of 384 = 3 blocks per TP-2 rank).
-QWEN = dict(model_type="qwen3", hidden_size=256, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=128, intermediate_size=512, vocab_size=300,
-            num_hidden_layers=2, tie_word_embeddings=False, torch_dtype="bfloat16")
-DSV3 = dict(model_type="deepseek_v3", hidden_size=256, num_attention_heads=4,
-            num_key_value_heads=4, intermediate_size=256, moe_intermediate_size=256,
-            n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-            first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=128,
-            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=300,
-            num_hidden_layers=2, num_nextn_predict_layers=0, torch_dtype="bfloat16")
 
 LAYOUT_CASES = [
     (QWEN, dict(framework="megatron", tp=2), dict(engine="vllm", tp=2, replicas=2)),

@@ -28,6 +28,19 @@ def deepseek_v3(**kw: Any) -> dict[str, Any]:
                 first_k_dense_replace=1, vocab_size=100, num_nextn_predict_layers=1) | kw
 
 
+# Small models whose shards stay on the 128-grid of block FP8 under tensor parallelism 2
+# and 4: a Qwen3-8B shape (head_dim 128, GQA 4/2) and a DeepSeek-V3 shape (MLA with
+# 128-multiple ranks; 4 heads of 128+64 give q_b rows of 384 = 3 blocks per TP-2 rank).
+FP8_QWEN = dict(model_type="qwen3", hidden_size=256, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=128, intermediate_size=512, vocab_size=300,
+                num_hidden_layers=2, tie_word_embeddings=False, torch_dtype="bfloat16")
+FP8_DSV3 = dict(model_type="deepseek_v3", hidden_size=256, num_attention_heads=4,
+                num_key_value_heads=4, intermediate_size=256, moe_intermediate_size=256,
+                n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=128,
+                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=300,
+                num_hidden_layers=2, num_nextn_predict_layers=0, torch_dtype="bfloat16")
+
 @st.composite
 def tiny_specs(draw: st.DrawFn) -> ModelSpec:
     """A random small qwen3 / qwen3_moe / deepseek_v3 spec (uneven sizes on purpose)."""

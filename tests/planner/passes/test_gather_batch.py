@@ -20,16 +20,9 @@ from planner.passes.gather_direct import add_direct
 from planner.passes.gather_out import explain_rows, lowered
 from planner.spec import load_spec
 from schemas.config_load import config_from_dict
+from tests.support.models import FP8_DSV3 as DSV3
+from tests.support.models import FP8_QWEN as QWEN
 
-QWEN = dict(model_type="qwen3", hidden_size=256, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=128, intermediate_size=512, vocab_size=300,
-            num_hidden_layers=2, tie_word_embeddings=False, torch_dtype="bfloat16")
-DSV3 = dict(model_type="deepseek_v3", hidden_size=256, num_attention_heads=4,
-            num_key_value_heads=4, intermediate_size=256, moe_intermediate_size=256,
-            n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-            first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=128,
-            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=300,
-            num_hidden_layers=2, num_nextn_predict_layers=0, torch_dtype="bfloat16")
 FP8 = {"dtype": "fp8_block128"}
 CASES = [
     (QWEN, dict(framework="fsdp2", dp=3), dict(engine="vllm", tp=2, **FP8), {}),
