@@ -306,3 +306,33 @@ def pair_sums(a: np.ndarray, b: np.ndarray, weights: np.ndarray, n: int
         count += np.bincount(k, minlength=n * n)
         total += np.bincount(k, weights=x, minlength=n * n)
     return count.reshape(n, n), total.reshape(n, n)
+
+
+class Scratch:
+    """The buffer columns are put in order into (`np.take`), one after another, before each
+    is read or copied where it goes (`emit`, `schedule`): one of the dtype last asked for,
+    made once for every column of that dtype (a fresh temporary per column would fault its
+    pages in afresh, each zeroed by the kernel)."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self) -> None:
+        self.buf: np.ndarray | None = None
+
+    def taken(self, col: np.ndarray, order: np.ndarray) -> np.ndarray:
+        """`col[order]`, in the buffer (`order`: a permutation, every index in range)."""
+        if self.buf is None or self.buf.dtype != col.dtype or len(self.buf) < len(order):
+            self.buf = None  # (the last one freed before the next is made)
+            self.buf = np.empty(len(order), dtype=col.dtype)
+        out = self.buf[:len(order)]
+        np.take(col, order, out=out, mode="clip")  # (no bounds to check: faster)
+        return out
+
+    def spare(self, dt: np.dtype, n: int) -> np.ndarray | None:
+        """The buffer, given up, where it is `n` rows of `dt` (to hold a column: its pages
+        are in already), else None."""
+        buf = self.buf
+        if buf is None or buf.dtype != dt or len(buf) != n:
+            return None
+        self.buf = None
+        return buf

@@ -25,7 +25,7 @@ from planner.passes.intersect import PieceTable, Repeated
 from planner.passes.lower import Lowered
 from planner.passes.lower_cols import as_dtype, is_constant
 from planner.passes.schedule import Schedule
-from planner.rows import column_keys, lexorder, pair_sums, stable_argsort, unique_rows
+from planner.rows import Scratch, column_keys, lexorder, pair_sums, stable_argsort, unique_rows
 from planner.spec import ModelSpec
 from planner.topology import Topology
 from schemas.config import Config, SourceConfig
@@ -186,7 +186,7 @@ def emit(header: PlanHeader, ops: list[tuple[Lowered, Schedule]], topo: Topology
     the op tables (the compiler reads them no more)."""
     world = topo.world
     low, sched = ops.pop()
-    o, scratch = sched.order, _Scratch()
+    o, scratch = sched.order, Scratch()
     sched = dataclasses.replace(sched, order=o[:0].copy())  # `o`: the only reference
     cols = {k: getattr(low, f"w_{k}") for k in (
         "src_rank", "dst_rank", "src_region", "dst_region", "stage", "src_offset",
@@ -272,42 +272,12 @@ class _Shared:
         return self.value[:hi - lo]
 
 
-class _Scratch:
-    """The buffer `emit` puts a column in order into (`np.take`) before copying it where it
-    goes: one of the dtype last asked for, made once for every column of that dtype (a
-    fresh temporary per column would fault its pages in afresh, each zeroed by the
-    kernel)."""
-
-    __slots__ = ("buf",)
-
-    def __init__(self) -> None:
-        self.buf: np.ndarray | None = None
-
-    def taken(self, col: np.ndarray, order: np.ndarray) -> np.ndarray:
-        """`col[order]`, in the buffer (`order`: a permutation, every index in range)."""
-        if self.buf is None or self.buf.dtype != col.dtype or len(self.buf) < len(order):
-            self.buf = None  # (the last one freed before the next is made)
-            self.buf = np.empty(len(order), dtype=col.dtype)
-        out = self.buf[:len(order)]
-        np.take(col, order, out=out, mode="clip")  # (no bounds to check: faster)
-        return out
-
-    def spare(self, dt: np.dtype, n: int) -> np.ndarray | None:
-        """The buffer, given up, where it is `n` rows of `dt` (to hold a column: its pages
-        are in already), else None."""
-        buf = self.buf
-        if buf is None or buf.dtype != dt or len(buf) != n:
-            return None
-        self.buf = None
-        return buf
-
-
-def _permute(col: np.ndarray, order: np.ndarray, scratch: _Scratch) -> None:
+def _permute(col: np.ndarray, order: np.ndarray, scratch: Scratch) -> None:
     """`col[:] = col[order]`: a column put in order in place (through `scratch`)."""
     col[:] = scratch.taken(col, order)
 
 
-def _all_in_order(cols: dict[str, np.ndarray], order: np.ndarray, scratch: _Scratch,
+def _all_in_order(cols: dict[str, np.ndarray], order: np.ndarray, scratch: Scratch,
                   dts: dict[str, Any]) -> None:
     """Every column of `cols` put in `order` (a permutation, held by nothing else) and in
     its dtype in `dts` (its own where not named), in the dict: a column of that dtype in

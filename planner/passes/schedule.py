@@ -27,7 +27,7 @@ import networkx as nx
 import numpy as np
 
 from planner.passes.lower import Lowered
-from planner.rows import distinct_rows, lexorder, lexorder_or_none
+from planner.rows import Scratch, distinct_rows, lexorder, lexorder_or_none
 from planner.topology import Topology
 from schemas.plan import ACK, DONE, READY, SLOT_ACK
 from schemas.protocol import sent_stage, wait_stage
@@ -96,14 +96,11 @@ def schedule(low: Lowered, topo: Topology, max_write_bytes: int,
     del group, rnd
     new_batch = np.zeros(n, dtype=bool)
     new_batch[:1] = True
-    buf: np.ndarray | None = None  # one buffer each column is put in order into, in turn
-    for col in (src, stage, dst, key_rnd):  # (not a fresh temporary each: fresh pages)
-        if buf is None or buf.dtype != col.dtype:
-            buf = None
-            buf = np.empty(n, dtype=col.dtype)
-        np.take(col, order, out=buf, mode="clip")  # (a permutation: all in range)
-        new_batch[1:] |= buf[1:] != buf[:-1]
-    del key_rnd, buf
+    scratch = Scratch()  # one buffer each column is put in order into, in turn
+    for col in (src, stage, dst, key_rnd):
+        o = scratch.taken(col, order)
+        new_batch[1:] |= o[1:] != o[:-1]
+    del key_rnd, scratch, o
     batch_start = np.nonzero(new_batch)[0]
     del new_batch
     host = np.asarray(topo.host)
