@@ -319,13 +319,10 @@ class Gatherer:
                 f"{self.names[b.tensor]} rows {b.t0}..{b.t0 + b.n0} cols {b.t1}..{b.t1 + b.n1}"
                 f" ({need} bytes of staging, which must fit in 3/4 of the budget); raise "
                 f"options.staging_bytes to at least {-(-need * 4 // 3) + ALIGN}")
-        k = self.rounds.get(b.owner, 0)
-        while not self.alloc.fits(b.owner, (self.base + 2 * k, self.base + 2 * k + 1), need):
-            k += 1
+        k, g_off = self.alloc.take_round(b.owner, self.base, self.rounds.get(b.owner, 0), need)
         self.rounds[b.owner] = k
-        stages = (self.base + 2 * k, self.base + 2 * k + 1)
-        g_off = self.alloc.take(b.owner, stages, need)
-        return Slot(*stages, g_off, g_off + b.g_bytes, g_off + b.g_bytes + b.f_bytes)
+        return Slot(self.base + 2 * k, self.base + 2 * k + 1, g_off, g_off + b.g_bytes,
+                    g_off + b.g_bytes + b.f_bytes)
 
     def _account(self, b: Box, slot: Slot, to: np.ndarray) -> None:
         """The fan-out's bytes on the owner's NIC (NVLink loads none), and the bounds."""

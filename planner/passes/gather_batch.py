@@ -62,7 +62,7 @@ def _add_slice(g: GatherState, order: np.ndarray) -> int:
     unit, n_to = p.unit, p.n_to
     load, fanout, nic, host = g.load, g.fanout, g.nic_a.tolist(), g.host
     alloc, rounds, base = g.alloc, g.rounds, g.base
-    used, peak0, cap, cap1 = alloc.used, alloc.peak0, alloc.caps[0], alloc.caps[1]
+    cap1 = alloc.caps[1]
     block, by_rows = _Block(p), 0
     for b in range(len(order)):
         if not ok[b]:
@@ -93,17 +93,8 @@ def _add_slice(g: GatherState, order: np.ndarray) -> int:
                 by_rows += 1
                 continue
         # the owner's first round from its last whose two stages have room (`_place`)
-        k, nb = rounds.get(o, 0), need[b]
-        while True:
-            sa, sb = (o, base + 2 * k, 0), (o, base + 2 * k + 1, 0)
-            start = max(used.get(sa, 0), used.get(sb, 0))
-            if start + nb <= cap:
-                break
-            k += 1
+        k, start = alloc.take_round(o, base, rounds.get(o, 0), need[b])
         rounds[o] = k
-        used[sa] = used[sb] = start + nb
-        if start + nb > peak0[o]:
-            peak0[o] = start + nb
         gather_stage = base + 2 * k
         if w0 < w1:
             pool = alloc.pool1_used(gather_stage)

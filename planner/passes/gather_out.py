@@ -73,6 +73,15 @@ class Staging:
             self.peak0[rank] = end
         return start
 
+    def take_round(self, rank: int, base: int, first: int, nbytes: int) -> tuple[int, int]:
+        """In pool 0 on `rank`, `nbytes` in the first round `k` from `first` on whose two
+        stages (`base + 2k`, `base + 2k + 1`) both have room; taken (`take`): `(k, its
+        offset)`. (`nbytes` at most the pool's cap: else no round has room.)"""
+        k = first
+        while not self.fits(rank, (base + 2 * k, base + 2 * k + 1), nbytes):
+            k += 1
+        return k, self.take(rank, (base + 2 * k, base + 2 * k + 1), nbytes)
+
     @property
     def peak(self) -> np.ndarray:
         """Per rank and pool: the bytes used at the peak."""
