@@ -61,13 +61,12 @@ from planner.passes.coalesce import coalesce
 from planner.passes.emit import (
     coverage_table,
     emit,
-    explain_rows,
-    explain_with,
     plan_header,
     rank_regions,
     tensor_regions,
     with_staging,
 )
+from planner.passes.explain import explain_rows, explain_with
 from planner.passes.gather import gather
 from planner.passes.intersect import (
     Chunks,
@@ -324,7 +323,7 @@ def _ignore(plan: Plan) -> None:
 
 def _explain_rows(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable
                   ) -> Callable[[slice], tuple[np.ndarray, ...]]:
-    """The explain columns (`emit.explain_table`'s six) of a slice of the chunks, made when
+    """The explain columns (`explain.explain_table`'s six) of a slice of the chunks, made when
     asked for: a replica's block at a time, never all chunks' at once."""
 
     c = chosen(chunks, choice, src, dst)

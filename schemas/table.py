@@ -85,7 +85,7 @@ class RangedTable(Table):
     """A table whose columns' least and greatest values are known already (`ranges`: one
     `(lo, hi)` a column, None where not known): the plan writer takes a column's stored
     form from them instead of reading the whole column once more (a spilled table's
-    columns are mapped from a file: `planner.passes.emit.spilled`)."""
+    columns are mapped from a file: `planner.passes.explain.spilled`)."""
 
     ranges: tuple[tuple[int, int] | None, ...] = ()
 

@@ -1,11 +1,11 @@
-"""`emit.explain_table` and `emit.explain_with`: bytes and boxes per (tensor, source
+"""`explain.explain_table` and `explain.explain_with`: bytes and boxes per (tensor, source
 region, target region), sorted, equal to summing the rows in a dict."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from planner.passes.emit import explain_table, explain_with
+from planner.passes.explain import explain_table, explain_with
 
 
 def _oracle(rows: np.ndarray) -> list[tuple[int, ...]]:
@@ -53,11 +53,11 @@ def test_replica_blocks_give_the_table_of_all_rows(monkeypatch) -> None:
     block alone (only its rows are sorted) and repeated is the table of all the rows; rows
     that are not (a block differs, blocks of overlapping ranks, a length not a multiple)
     are all sorted and summed as they are."""
-    import planner.passes.emit as emit
+    import planner.passes.explain as explain
 
     sorted_rows: list[int] = []
-    real = emit._explain
-    monkeypatch.setattr(emit, "_explain",
+    real = explain._explain
+    monkeypatch.setattr(explain, "_explain",
                         lambda *c: sorted_rows.append(len(c[0])) or real(*c))
     rng = np.random.default_rng(11)
     rows = _replicated(rng, 4, 8)
@@ -73,7 +73,7 @@ def test_replica_blocks_give_the_table_of_all_rows(monkeypatch) -> None:
 
 def test_spilled_table_reads_the_same() -> None:
     """`spilled`: the table's columns from a mapped temporary file, equal and read-only."""
-    from planner.passes.emit import spilled
+    from planner.passes.explain import spilled
 
     rng = np.random.default_rng(3)
     rows = np.stack([rng.integers(0, 9, 500), rng.integers(0, 4, 500), rng.integers(0, 3, 500),
@@ -90,7 +90,7 @@ def test_spilled_table_reads_the_same() -> None:
 def test_rows_are_asked_for_one_block_at_a_time() -> None:
     """`explain_rows`: replica blocks alike are made (and checked) one block at a time, the
     table the same as from all the rows; blocks not alike are then made whole."""
-    from planner.passes.emit import explain_rows
+    from planner.passes.explain import explain_rows
 
     rng = np.random.default_rng(5)
     rows = _replicated(rng, 8, 8)
@@ -114,13 +114,13 @@ def test_stamped_columns_made_in_pieces(monkeypatch) -> None:
     """Replica blocks alike: the table's columns made `STAMP_ROWS` rows at a time (pieces
     that do not divide the rows, each written or copied before the next overwrites its
     buffer) are the table of all the rows, in the schema's dtypes, spilled or not."""
-    import planner.passes.emit as emit
+    import planner.passes.explain as explain
 
     rng = np.random.default_rng(13)
     rows = _replicated(rng, 8, 8)
     for step in (333, 1, len(rows), 1 << 20):
-        monkeypatch.setattr(emit, "STAMP_ROWS", step)
+        monkeypatch.setattr(explain, "STAMP_ROWS", step)
         for spill in (False, True):
-            table = emit.explain_rows(lambda at: tuple(rows[at].T), len(rows), 8, spill)
+            table = explain.explain_rows(lambda at: tuple(rows[at].T), len(rows), 8, spill)
             assert _rows(table) == _oracle(rows)
             assert [c.dtype.str for c in table.columns] == [d for _, d in table.schema]
