@@ -97,10 +97,19 @@ def _column_keys(cols: Sequence[np.ndarray], prefix: bool = False
                  ) -> tuple[np.ndarray, np.ndarray | None]:
     """`column_keys`, and with `prefix` a key of the columns but the last (equal rows of
     those, equal keys): the key as it stands before the last column joins it."""
+    key, before, _ = _keys(cols, prefix)
+    return key, before
+
+
+def _keys(cols: Sequence[np.ndarray], prefix: bool = False
+          ) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """`_column_keys`, and the span `m` the last column joins the key with: the key is the
+    key of the columns but the last (`prefix`'s, where asked) times `m`, plus the last
+    column's code (in [0, m)), so the key floor-divided by `m` is that prefix."""
     cols = [np.asarray(c).reshape(-1) for c in cols]
     if not cols or len(cols[0]) == 0:
         n = len(cols[0]) if cols else 0
-        return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int32) if prefix else None
+        return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int32) if prefix else None, 1
     n = len(cols[0])
     small, table = max(n, 1 << 16), max(4 * n, 1 << 17)
     ranges = [_range(c) for c in cols]
@@ -134,7 +143,7 @@ def _column_keys(cols: Sequence[np.ndarray], prefix: bool = False
             before = key.astype(np.int32 if span <= _INT32 else np.int64)
         _append(key, codes, lo, m)
         span *= m
-    return key, before
+    return key, before, m
 
 
 def _append(key: np.ndarray, codes: np.ndarray, lo: int, m: int) -> None:
@@ -179,16 +188,38 @@ def grouped_order(cols: Sequence[np.ndarray], last: np.ndarray
                   ) -> tuple[np.ndarray, np.ndarray]:
     """`lexorder(last, *cols[::-1])` (rows by `cols`, then by `last`; stable) and, in that
     order, whether each row's `cols` equal the row's before it (False for the first row):
-    the key of `cols` is made once for both."""
-    full, key = _column_keys([*cols, last], prefix=True)
-    assert key is not None
-    order = stable_argsort(full, own=True)
-    del full
-    same = np.zeros(len(order), dtype=bool)
-    if len(order):
-        key = key[order]
-        np.equal(key[1:], key[:-1], out=same[1:])
+    the key of all the columns is made once for both, and `same` read from it in sorted
+    order a block at a time (that key floor-divided by the last column's span is the key
+    of `cols`: no second key held beside the sort)."""
+    full, _, m = _keys([*cols, last])
+    n, fit = len(full), _pairs(full)
+    if fit is None or fit == _SORTED:  # numpy's sort (or none): `full` left as it is
+        order = np.arange(n, dtype=np.int64) if fit == _SORTED else \
+            np.argsort(full, kind="stable").astype(np.int64, copy=False)
+        keys = (full[order[at:at + _BLOCK]] for at in range(0, n, _BLOCK))
+    else:  # `stable_argsort`'s pairs in `full`'s buffer: their keys read, then the rows kept
+        lo, bits = fit
+        order = _sorted_pairs(full, lo, bits)
+        keys = (_pair_keys(order[at:at + _BLOCK], lo, bits) for at in range(0, n, _BLOCK))
+    same = np.zeros(n, dtype=bool)
+    prev = None
+    for at, part in zip(range(0, n, _BLOCK), keys):
+        part //= m  # (a new array: the block's keys of `cols`)
+        np.equal(part[1:], part[:-1], out=same[at + 1:at + len(part)])
+        if prev is not None:
+            same[at] = part[0] == prev
+        prev = part[-1]
+    if fit is not None and fit != _SORTED:
+        order &= (1 << fit[1]) - 1
     return order, same
+
+
+def _pair_keys(pairs: np.ndarray, lo: int, bits: int) -> np.ndarray:
+    """The keys of sorted (key, row) pairs (`_sorted_pairs`), as a new array."""
+    out = pairs >> bits
+    if lo:
+        out += lo
+    return out
 
 
 def stable_argsort(key: np.ndarray, own: bool = False) -> np.ndarray:
@@ -199,26 +230,50 @@ def stable_argsort(key: np.ndarray, own: bool = False) -> np.ndarray:
     sort, several times slower than its sort on random keys); else, and where the column
     is in long sorted runs already (which the merge sort takes whole), numpy's. `own`: `key`
     may be overwritten (its buffer becomes the result)."""
+    fit = _pairs(key)
+    if fit == _SORTED:
+        return np.arange(len(key), dtype=np.int64)
+    if fit is None:
+        return np.argsort(key, kind="stable").astype(np.int64, copy=False)
+    lo, bits = fit
+    pair = _sorted_pairs(key if own and key.dtype == np.int64 else key.astype(np.int64),
+                         lo, bits)
+    pair &= (1 << bits) - 1
+    return pair
+
+
+def _pairs(key: np.ndarray) -> tuple[int, int] | None:
+    """(least key, bits of a row number) where `stable_argsort` sorts `key` as (key, row)
+    pairs; `_SORTED` where the column is in order already; None where the sort is
+    numpy's."""
     n = len(key)
     if n < _SMALL or key.dtype.kind not in "iu" or key.dtype.itemsize > 8:
-        return np.argsort(key, kind="stable").astype(np.int64, copy=False)
+        return None
     descents = int(np.count_nonzero(key[1:] < key[:-1]))
-    if descents == 0:  # sorted already
-        return np.arange(n, dtype=np.int64)
+    if descents == 0:
+        return _SORTED
     if descents * _RUN < n:  # long sorted runs: numpy's merge sort takes them as they are
-        return np.argsort(key, kind="stable").astype(np.int64, copy=False)
+        return None
     lo, hi = int(key.min()), int(key.max())
     bits = (n - 1).bit_length()
     if (hi - lo).bit_length() + bits > 63:
-        return np.argsort(key, kind="stable").astype(np.int64, copy=False)
-    pair = key if own and key.dtype == np.int64 else key.astype(np.int64)
+        return None
+    return lo, bits
+
+
+_SORTED = (-1, -1)
+"""`_pairs`' answer for a column in order already (`stable_argsort`: no sort)."""
+
+
+def _sorted_pairs(pair: np.ndarray, lo: int, bits: int) -> np.ndarray:
+    """The int64 keys `pair` (overwritten) as (key - `lo`, row) pairs in one int64 each,
+    sorted."""
     if lo:
         pair -= lo
     pair <<= bits
-    for at in range(0, n, _BLOCK):  # the row numbers, a block at a time
-        pair[at:at + _BLOCK] |= np.arange(at, min(at + _BLOCK, n), dtype=np.int64)
+    for at in range(0, len(pair), _BLOCK):  # the row numbers, a block at a time
+        pair[at:at + _BLOCK] |= np.arange(at, min(at + _BLOCK, len(pair)), dtype=np.int64)
     pair.sort()
-    pair &= (1 << bits) - 1
     return pair
 
 

@@ -30,7 +30,10 @@ def coalesce(low: Lowered | list[Lowered], max_write_bytes: int) -> Lowered:
         (low,) = held
         held.clear()
     cols = {k: getattr(low, k) for k in Lowered.__slots__ if k.startswith("w_")}
-    dtypes = {k: c.dtype for k, c in cols.items()}  # the merged columns keep them
+    # the merged columns keep their dtypes, but ranks, stages and regions are int32 at
+    # least (`lower` may hold them narrower)
+    dtypes = {k: np.promote_types(c.dtype, np.int32) if k in _KEYS else c.dtype
+              for k, c in cols.items()}
     if own:  # the writes' columns are held here alone; the rest stays in `low`
         low = replace(low, **{k: _EMPTY for k in cols})
         for k in _KEYS:  # ranks, stages, regions: narrower while held for the sort

@@ -225,7 +225,9 @@ def emit(header: PlanHeader, ops: list[tuple[Lowered, Schedule]], topo: Topology
     wt_cut = _slices(sched.waits[:, 0], world)
     sizes = [len(regs) for regs in regions]
     first_region = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    region_bytes = np.array([r.nbytes for regs in regions for r in regs], dtype=np.int64)
+    # each plan region's (region, nbytes) item, made once for every rank that writes there
+    # (the ranks' `peer_regions` share them: millions of rows, far fewer regions)
+    region_items = [(i, int(r.nbytes)) for regs in regions for i, r in enumerate(regs)]
     ranks = []
     for r in range(world):
         ws = slice(w_cut[r], w_cut[r + 1])
@@ -247,7 +249,7 @@ def emit(header: PlanHeader, ops: list[tuple[Lowered, Schedule]], topo: Topology
                            ("stage", "peer", "kind")),
             waits=_table(SIGNAL_COLUMNS, sched.waits[wt_cut[r]:wt_cut[r + 1], 1:],
                          ("stage", "peer", "kind")),
-            peer_regions=_peer_regions(pairs, region_bytes, first_region),
+            peer_regions=_peer_regions(pairs, region_items, first_region),
             stages=low.stages,
         ))
     nodes = _table(DAG_NODE_COLUMNS, sched.dag_nodes, ("rank", "stage", "phase"))
@@ -308,15 +310,16 @@ def _free(order: np.ndarray, dt: np.dtype) -> bool:
         order.flags.c_contiguous
 
 
-def _peer_regions(pairs: np.ndarray, region_bytes: np.ndarray, first_region: np.ndarray
+def _peer_regions(pairs: np.ndarray, region_items: list[tuple[int, int]],
+                  first_region: np.ndarray
                   ) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
     """(peer, ((region, nbytes), ...)) for the (peer, region) pairs a rank writes into
-    (sorted; `region_bytes`: every rank's region sizes in one column, rank r's from
+    (sorted; `region_items`: every rank's (region, nbytes) items in one list, rank r's from
     `first_region[r]` on)."""
     if len(pairs) == 0:
         return ()
     peer, region = pairs[:, 0], pairs[:, 1]
-    items = list(zip(region.tolist(), region_bytes[first_region[peer] + region].tolist()))
+    items = list(map(region_items.__getitem__, (first_region[peer] + region).tolist()))
     cut = np.flatnonzero(np.concatenate([[True], peer[1:] != peer[:-1], [True]])).tolist()
     return tuple((int(peer[a]), tuple(items[a:b])) for a, b in zip(cut[:-1], cut[1:]))
 

@@ -53,8 +53,9 @@ class Lowered:
     """Writes and copies of the whole plan, as columns (ranks are plan ranks)."""
 
     w_src_rank: np.ndarray
-    """Ranks, regions and stages as int32; offsets and bytes as int32 where every write's
-    end fits (`FIT`), else int64."""
+    """Ranks, regions and stages as int32 (`lower`'s as int8 or int16 where every value of
+    the plan fits, `_narrow_dtypes`: `merge` and `coalesce` make them int32); offsets and
+    bytes as int32 where every write's end fits (`FIT`), else int64."""
     w_src_region: np.ndarray
     w_src_offset: np.ndarray
     w_dst_rank: np.ndarray
@@ -106,7 +107,8 @@ BLOCK = 1 << 20
 """Chunks classified (and their direct writes made) per block of this many: the pass's
 temporaries are the size of a block, not of the plan."""
 NARROW = ("w_src_rank", "w_src_region", "w_dst_rank", "w_dst_region", "w_stage")
-"""Write columns held as int32 (ranks, regions, stages: as in the plan's tables)."""
+"""Write columns held as int32 (ranks, regions, stages: as in the plan's tables), or, in
+`lower`'s columns, narrower where they fit (`_narrow_dtypes`)."""
 FIT = ("w_src_offset", "w_dst_offset", "w_nbytes")
 """Write columns `lower` makes int32 while every write it makes starts at 0 or more and
 ends (offset + bytes) within int32, else int64 (`_fit`); `emit` casts them to the plan's."""
@@ -160,8 +162,9 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     at = direct_stage(st.copies["kind"], st.stages) if n_direct else 0
     stages = max(st.stages, at + 1)
     total = n_direct + len(st.writes)
-    out = Writes(**{k[2:]: np.empty(total, dtype=np.int32 if k in NARROW or k in FIT
-                                    else np.int64)
+    dt = _narrow_dtypes(topo.world, n_regions, stages)
+    out = Writes(**{k[2:]: np.empty(total, dtype=dt[k] if k in NARROW else np.int32
+                                    if k in FIT else np.int64)
                     for k in Lowered.__slots__ if k.startswith("w_")})  # written in place,
     # in order: the blocks' direct writes, those `_second_look` moved, the staged chunks';
     # the staged and moved ones put first, each dropped once put (never held beside all
@@ -182,6 +185,15 @@ def lower(chunks: Chunks, choice: np.ndarray, src: PieceTable, dst: PieceTable,
     out.stage[:n_direct] = at
     return Lowered(**out.columns(), copies=st.copies, staging=st.staging, stages=stages,
                    slotted=st.slotted)
+
+
+def _narrow_dtypes(world: int, n_regions: np.ndarray, stages: int) -> dict[str, np.dtype]:
+    """The dtypes of `lower`'s `NARROW` columns: the narrowest of int8, int16 and int32 that
+    holds every plan rank (below `world`), every region (a rank's tensors, then its staging,
+    `n_regions`) and every stage (below `stages`)."""
+    most = {"rank": world - 1, "region": int(n_regions.max(initial=0)), "stage": stages - 1}
+    return {k: next(np.dtype(t) for t in (np.int8, np.int16, np.int32)
+                    if most[k.rsplit("_", 1)[1]] <= np.iinfo(t).max) for k in NARROW}
 
 
 def direct_stage(kinds: np.ndarray, stages: int) -> int:

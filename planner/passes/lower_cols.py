@@ -339,7 +339,8 @@ class Placed:
 def copies(g: Geometry, at: Placed, n_regions: np.ndarray) -> dict[str, np.ndarray]:
     """PACK copies (on sources) then UNPACK copies (on targets) of the staged chunks (`g`
     and `at` over them in placement order; `n_regions[rank]`: the rank's staging region):
-    `schemas.plan.COPY_COLUMNS` plus `rank`, int64 columns as int32 where they fit."""
+    `schemas.plan.COPY_COLUMNS` plus `rank`, int64 columns as int32 where they fit, and
+    those but `rank` as int16 or int8 where they fit (`_smaller`)."""
     (p, n_p), (u, n_u) = _rows(g.pack), _rows(g.unpack)
     one_p, one_u = _same(np.int32(1), n_p), _same(np.int32(1), n_u)
     es_d, s1 = g.es_d, g.s1
@@ -364,7 +365,7 @@ def copies(g: Geometry, at: Placed, n_regions: np.ndarray) -> dict[str, np.ndarr
         "size2": lambda: (one_p, one_u),
         "aux_offset": lambda: (_same(np.int32(0), n_p + n_u),),
     }
-    return {k: constant(_column(f(), _COPY_DTYPES.get(k, np.dtype(np.int64))))
+    return {k: constant(_column(f(), _COPY_DTYPES.get(k, np.dtype(np.int64)), k != "rank"))
             for k, f in cols.items()}
 
 
@@ -412,9 +413,11 @@ def concat(a: np.ndarray, b: np.ndarray, dt: np.dtype | None = None) -> np.ndarr
     return np.concatenate([a, b], dtype=dt)
 
 
-def _column(parts: tuple[np.ndarray, ...], dt: np.dtype) -> np.ndarray:
+def _column(parts: tuple[np.ndarray, ...], dt: np.dtype, small: bool = True
+            ) -> np.ndarray:
     """The copy column of `parts` (packs', unpacks') in `dt`, but an int64 one as int32
-    where its values fit (`_narrow`; parts all of at most 32-bit ints fit as they are); a
+    where its values fit (`_narrow`; parts all of at most 32-bit ints fit as they are),
+    and with `small` an int32 or int64 one as int16 or int8 where they fit (`_smaller`); a
     `constant` one where the parts are all of one value, held in one element each (made
     from a row of each: never whole)."""
     n = sum(map(len, parts))
@@ -422,7 +425,21 @@ def _column(parts: tuple[np.ndarray, ...], dt: np.dtype) -> np.ndarray:
     if n > 1 and all(is_constant(x) or len(x) == 1 for x in some) and \
             all(x[0] == some[0][0] for x in some):  # one value: made of one row of each
         return np.broadcast_to(_whole(tuple(x[:1] for x in parts), dt)[:1].copy(), (n,))
-    return _whole(parts, dt)
+    col = _whole(parts, dt)
+    return _smaller(col) if small else col
+
+
+def _smaller(col: np.ndarray) -> np.ndarray:
+    """An int32 copy column (int64 ones are int32 where they fit, `_narrow`) as int8 or
+    int16 where its values fit (a new array; `emit` casts it back to the plan's dtype): the
+    copies are held from `lower` to `emit`, through `coalesce`'s sort."""
+    if col.dtype != np.int32 or len(col) == 0:
+        return col
+    lo, hi = int(col.min()), int(col.max())
+    for dt in (np.int8, np.int16):
+        if np.iinfo(dt).min <= lo and hi <= np.iinfo(dt).max:
+            return col.astype(dt)
+    return col
 
 
 def _whole(parts: tuple[np.ndarray, ...], dt: np.dtype) -> np.ndarray:

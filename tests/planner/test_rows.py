@@ -106,6 +106,26 @@ def test_grouped_order_compacts_like_lexorder() -> None:
     assert np.array_equal(same[1:], key[1:] == key[:-1]) and not same[0]
 
 
+def test_grouped_order_by_sorted_pairs_marks_equal_neighbours(monkeypatch) -> None:
+    """Rows in random order, enough of them for `stable_argsort`'s (key, row) pairs: the
+    order is `np.lexsort`'s and `same` is read from the sorted pairs' keys (none of the
+    rows' keys is held apart) a block at a time, equal to comparing the key columns row by
+    row across the blocks' edges too."""
+    from planner import rows as rows_mod
+
+    monkeypatch.setattr(rows_mod, "_BLOCK", 997)
+    rng = np.random.default_rng(7)
+    n = 100_000
+    head = [rng.integers(lo, lo + m, n).astype(np.int16) for lo, m in ((0, 40), (-5, 9), (3, 7))]
+    last = rng.integers(0, 1 << 20, n)
+    assert rows_mod._pairs(column_keys([*head, last])) not in (None, rows_mod._SORTED)  # pairs
+    order, same = grouped_order(head, last)
+    assert np.array_equal(order, np.lexsort([last, *head[::-1]]))
+    rows = np.stack(head, axis=1)[order]
+    assert np.array_equal(same[1:], (rows[1:] == rows[:-1]).all(axis=1)) and not same[0]
+    assert same.sum() > n // 2  # (many equal neighbours, and blocks of rows cross them)
+
+
 def test_compacted_keys_and_a_wide_last_column_keep_lexsort_order() -> None:
     """Narrow columns whose spans multiply past int64 (compacted by a table of the values
     present), then a wide last column (byte offsets: taken by value): `np.lexsort`'s order."""

@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 
 from planner.compiler import compile_file, compile_layouts
-from planner.passes.lower import _fit, direct_stage
-from planner.passes.lower_cols import Writes
+from planner.passes.coalesce import coalesce
+from planner.passes.lower import Lowered, _fit, _narrow_dtypes, direct_stage
+from planner.passes.lower_cols import Writes, _smaller
 from planner.spec import spec_from_hf
 from planner.tools.verify import verify_plan
 from schemas.plan import PACK, QUANT, STAGING, UNPACK, load_plan
@@ -159,3 +160,39 @@ def test_direct_writes_repeated_give_the_plan_made_per_copy(tmp_path: Path, monk
                         direct_into(out, at, c, block, rows, None, same))  # nothing kept
     compile_file(config, str(tmp_path / "each.plan"))
     assert (tmp_path / "once.plan").read_bytes() == (tmp_path / "each.plan").read_bytes()
+
+
+def test_lowered_ranks_regions_stages_as_narrow_as_the_plan_allows() -> None:
+    # `lower`'s rank, region and stage columns: the narrowest int that holds the world's
+    # ranks, every region id (a rank's staging is its last) and every stage; the merged
+    # columns `coalesce` gives are int32 again, as the plan's tables are
+    dt = _narrow_dtypes(300, np.array([5, 127, 40]), 128)
+    assert dt["w_src_rank"] == dt["w_dst_rank"] == np.int16
+    assert dt["w_src_region"] == dt["w_dst_region"] == np.int8
+    assert dt["w_stage"] == np.int8
+    dt = _narrow_dtypes(128, np.array([128]), 129)
+    assert (dt["w_src_rank"], dt["w_src_region"], dt["w_stage"]) == (np.int8, np.int16,
+                                                                     np.int16)
+    assert _narrow_dtypes(1 << 15, np.array([1 << 15]), 2)["w_dst_region"] == np.int32
+    n = 4
+    low = Lowered(w_src_rank=np.array([1, 1, 0, 1], np.int16),
+                  w_src_region=np.array([2, 2, 2, 2], np.int8),
+                  w_src_offset=np.array([0, 8, 0, 16], np.int32),
+                  w_dst_rank=np.array([3, 3, 3, 3], np.int16),
+                  w_dst_region=np.array([0, 0, 1, 0], np.int8),
+                  w_dst_offset=np.array([0, 8, 0, 16], np.int32),
+                  w_nbytes=np.full(n, 8, np.int32), w_stage=np.zeros(n, np.int8),
+                  copies={}, staging=np.zeros(4, np.int64), stages=1)
+    out = coalesce([low], 1 << 20)
+    for k in ("w_src_rank", "w_src_region", "w_dst_rank", "w_dst_region", "w_stage"):
+        assert getattr(out, k).dtype == np.int32, k
+    assert out.w_nbytes.tolist() == [8, 24] and out.w_src_rank.tolist() == [0, 1]
+
+
+def test_copy_columns_as_narrow_as_their_values() -> None:
+    # an int32 copy column as int8 or int16 where every value fits (emit casts it back)
+    assert _smaller(np.array([-128, 127], np.int32)).dtype == np.int8
+    assert _smaller(np.array([0, 128], np.int32)).dtype == np.int16
+    assert _smaller(np.array([0, 1 << 15], np.int32)).dtype == np.int32
+    assert _smaller(np.array([0, 1], np.int64)).dtype == np.int64  # (int64: `_narrow`'s)
+    assert _smaller(np.array([7, -3], np.int32)).tolist() == [7, -3]
