@@ -5,18 +5,19 @@ tiny mode).
     python3 scripts/copy_ceilings.py           # one GPU: both buffers on cuda:0
     python3 scripts/copy_ceilings.py --peer    # NVLink: cuda:0 writes into cuda:1
 
-Each row is W writes of M MiB (64 x 4 and 1024 x 1), chunk i to slot (i * 7) % W of the
-other buffer (as `bench/executor_bench.py`), posted one way, timed three ways (medians of
-`--reps`): `pure`, between two CUDA events with the posts queued behind a GPU sleep (the
-GPU's own time, whatever the host's posting costs); `idle`, the same events with the GPU
-idle when the host starts posting; and `host`, the host's posting call and, with it, the
-post and a sync (what `executor_bench.py`'s raw baseline times). Every way's result is
-checked bit-exact once. The ways: copy-engine copies in one CUDA graph of K branches (as
-`cuda_ipc` posts 4 MiB writes on one GPU), split into two or three graphs, the copy kernel
-(`executor/gpu/copy_kernel.py`, as 1 MiB writes), a share of the writes on the kernel and the
-rest on a 16-branch engine graph in one graph, and (`--peer`) `cuMemcpyBatchAsync` in
-growing calls (as `cuda_ipc` posts into a peer on another GPU) or one call; against one
-eager `copy_` (one GPU: the driver's device-to-device copy) or one `cudaMemcpyAsync` (peer).
+Each row is W writes of M MiB (64 x 4 and 1024 x 1), chunk i to slot (i * 7) % W of the other
+buffer (as `bench/executor_bench.py`), posted one way, timed three ways (medians of `--reps`):
+`pure`, between two CUDA events with the posts queued behind a GPU sleep (the GPU's own time,
+whatever the host's posting costs); `idle`, the same events with the GPU idle when the host
+starts posting; and `host`, the host's posting call and, with it, the post and a sync (what
+`executor_bench.py`'s raw baseline times). Every way's result is checked bit-exact once (the
+raw copy: the source's bytes in order). The ways: copy-engine copies in one CUDA graph of K
+branches (as `cuda_ipc` posts 4 MiB writes on one GPU), split into two or three graphs, the
+copy kernel (`executor/gpu/copy_kernel.py`, as 1 MiB writes), a share of the writes on the
+kernel and the rest on a 16-branch engine graph in one graph, and (`--peer`)
+`cuMemcpyBatchAsync` in growing calls (as `cuda_ipc` posts into a peer on another GPU) or one
+call; against one eager `copy_` (one GPU: the driver's device-to-device copy) or one
+`cudaMemcpyAsync` (peer).
 """
 
 from __future__ import annotations
@@ -115,12 +116,15 @@ class Rows:
         return g
 
     def check(self, name: str, fn: Callable[[], object]) -> None:
+        """`fn`'s copies land as they should: the writes in their scrambled slots, the raw
+        copy (`raw: ...`) the source's bytes as they are."""
         self.dst.zero_()
         torch.cuda.synchronize()
         with torch.cuda.stream(self.stream):
             fn()
         torch.cuda.synchronize()
-        if not torch.equal(self.dst, self.want):
+        want = self.src.to(self.dst.device) if name.startswith("raw") else self.want
+        if not torch.equal(self.dst, want):
             raise SystemExit(f"{self.writes} writes, {name}: the copied bytes differ")
 
 
