@@ -340,6 +340,18 @@ PAIR_BINS = 1 << 20
 """Most (a, b) pairs `pair_sums` tallies (two n x n tables of 8 bytes a pair: 16 MiB)."""
 
 
+def smallest_int(col: np.ndarray) -> np.ndarray:
+    """An integer column as int8 or int16 where its values fit (a new, smaller array), else
+    itself (empty, not of integers, or 16 bits or narrower already)."""
+    if len(col) == 0 or col.dtype.kind not in "iu" or col.dtype.itemsize <= 2:
+        return col
+    lo, hi = int(col.min()), int(col.max())
+    for dt in (np.int8, np.int16):
+        if np.iinfo(dt).min <= lo and hi <= np.iinfo(dt).max:
+            return col.astype(dt)
+    return col
+
+
 def pair_sums(a: np.ndarray, b: np.ndarray, weights: np.ndarray, n: int
               ) -> tuple[np.ndarray, np.ndarray] | None:
     """How many rows, and the sum of their `weights` (float64: exact for whole numbers below

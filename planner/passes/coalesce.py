@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 
 from planner.passes.lower import Lowered
-from planner.rows import grouped_order
+from planner.rows import grouped_order, smallest_int
 
 _KEYS = ("w_src_rank", "w_stage", "w_dst_rank", "w_src_region", "w_dst_region")
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -37,7 +37,7 @@ def coalesce(low: Lowered | list[Lowered], max_write_bytes: int) -> Lowered:
     if own:  # the writes' columns are held here alone; the rest stays in `low`
         low = replace(low, **{k: _EMPTY for k in cols})
         for k in _KEYS:  # ranks, stages, regions: narrower while held for the sort
-            cols[k] = _narrow(cols[k])
+            cols[k] = smallest_int(cols[k])
     # by (keys, source offset); `same`: a row's keys equal the row's before it
     order, same = grouped_order([cols[k] for k in _KEYS], cols["w_src_offset"])
     n = len(order)
@@ -71,14 +71,3 @@ def coalesce(low: Lowered | list[Lowered], max_write_bytes: int) -> Lowered:
     out["w_dst_offset"] = out["w_dst_offset"] + shift
     out["w_nbytes"] = np.minimum(max_write_bytes, merged_bytes[idx] - shift)
     return replace(low, **out)
-
-
-def _narrow(col: np.ndarray) -> np.ndarray:
-    """`col` as int8 or int16 where its values fit (a new, smaller array), else itself."""
-    if len(col) == 0 or col.dtype.kind not in "iu" or col.dtype.itemsize <= 2:
-        return col
-    lo, hi = int(col.min()), int(col.max())
-    for dt in (np.int8, np.int16):
-        if np.iinfo(dt).min <= lo and hi <= np.iinfo(dt).max:
-            return col.astype(dt)
-    return col

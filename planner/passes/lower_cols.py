@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.passes.intersect import Chunks, PieceTable, Repeated, element_size
+from planner.rows import smallest_int
 from schemas.plan import COPY_COLUMNS, PACK, UNPACK
 
 Index = np.ndarray | slice
@@ -433,13 +434,7 @@ def _smaller(col: np.ndarray) -> np.ndarray:
     """An int32 copy column (int64 ones are int32 where they fit, `_narrow`) as int8 or
     int16 where its values fit (a new array; `emit` casts it back to the plan's dtype): the
     copies are held from `lower` to `emit`, through `coalesce`'s sort."""
-    if col.dtype != np.int32 or len(col) == 0:
-        return col
-    lo, hi = int(col.min()), int(col.max())
-    for dt in (np.int8, np.int16):
-        if np.iinfo(dt).min <= lo and hi <= np.iinfo(dt).max:
-            return col.astype(dt)
-    return col
+    return smallest_int(col) if col.dtype == np.int32 else col
 
 
 def _whole(parts: tuple[np.ndarray, ...], dt: np.dtype) -> np.ndarray:
