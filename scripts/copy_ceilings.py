@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from executor.gpu.copy_kernel import CopyKernel  # noqa: E402
 from executor.gpu.cuda_runtime import BatchCopies, load_cudart  # noqa: E402
+from scripts.cuda_timing import Scrambled  # noqa: E402
 
 SLEEP_CYCLES = 4_000_000  # ~2 ms of GPU sleep: every post is queued before the GPU reaches it
 
@@ -64,20 +65,14 @@ def timed(launch: Callable[[], object], stream: torch.cuda.Stream, reps: int,
 
 
 class Rows:
-    """One size's buffers and its ways of copying."""
+    """One size's buffers (`Scrambled`) and its ways of copying."""
 
-    def __init__(self, rt, writes: int, mib: float, src_dev: torch.device,
-                 dst_dev: torch.device, stream: torch.cuda.Stream) -> None:
-        self.rt, self.writes, self.stream, self.dev = rt, writes, stream, src_dev
-        size = int(mib * 2**20)
-        self.src = torch.randint(0, 255, (writes * size,), dtype=torch.uint8, device=src_dev)
-        self.dst = torch.zeros(writes * size, dtype=torch.uint8, device=dst_dev)
-        self.raw = [(self.dst.data_ptr() + ((i * 7) % writes) * size,
-                     self.src.data_ptr() + i * size, size) for i in range(writes)]
-        order = torch.tensor([(i * 7) % writes for i in range(writes)], device=dst_dev)
-        want = torch.empty(writes, size, dtype=torch.uint8, device=dst_dev)
-        want[order] = self.src.view(writes, size).to(dst_dev)
-        self.want = want.view(-1)
+    def __init__(self, rt, row: str, src_dev: torch.device, dst_dev: torch.device,
+                 stream: torch.cuda.Stream) -> None:
+        self.rt, self.stream, self.dev = rt, stream, src_dev
+        sc = Scrambled(row, src_dev, dst_dev)
+        self.writes, self.src, self.dst, self.want = sc.writes, sc.src, sc.dst, sc.want
+        self.raw = list(zip(sc.d.tolist(), sc.s.tolist(), sc.sizes.tolist()))
         self.keep: list[object] = []  # graphs, tables, call arrays: alive while replayed
 
     def engines(self, raw: list[tuple[int, int, int]], branches: int) -> torch.cuda.CUDAGraph:
@@ -183,8 +178,7 @@ def main() -> None:
     print("| W x MiB | way | pure GPU us | GB/s | raw pure / pure | idle: events us | host "
           "post us | post + sync us |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in a.rows.split(","):
-        w, m = row.split("x")
-        r = Rows(rt, int(w), float(m), src_dev, dst_dev, stream)
+        r = Rows(rt, row, src_dev, dst_dev, stream)
         fns = ways(r, kern, a.peer)
         for name, fn in fns.items():
             r.check(name, fn)

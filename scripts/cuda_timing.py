@@ -58,15 +58,17 @@ class Scrambled:
     bound for a scrambled slot of `dst` (piece i to slot i * 7 mod writes), with the
     addresses and sizes of each piece's copy and the bytes `dst` holds once all landed."""
 
-    def __init__(self, row: str, dev: torch.device) -> None:
-        """`row`: "WRITESxMIB", e.g. "64x4" or "1024x0.5"."""
+    def __init__(self, row: str, dev: torch.device, dst_dev: torch.device | None = None
+                 ) -> None:
+        """`row`: "WRITESxMIB", e.g. "64x4" or "1024x0.5"; `dst` on `dst_dev` (another GPU,
+        written over NVLink) where given, else on `dev`."""
         w, mib = row.split("x")
         self.writes, self.size = writes, size = int(w), int(float(mib) * 2**20)
         self.n = n = writes * size
         self.src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev)
-        self.dst = torch.empty_like(self.src)
+        self.dst = torch.empty(n, dtype=torch.uint8, device=dst_dev or dev)
         slot = torch.tensor([(i * 7) % writes for i in range(writes)], device=dev)
-        self.want = self.src.view(writes, size)[slot.argsort()].reshape(-1)
+        self.want = self.src.view(writes, size)[slot.argsort()].reshape(-1).to(self.dst.device)
         self.s = self.src.data_ptr() + np.arange(writes, dtype=np.int64) * size
         self.d = self.dst.data_ptr() + (np.arange(writes, dtype=np.int64) * 7 % writes) * size
         self.sizes = np.full(writes, size, dtype=np.int64)
